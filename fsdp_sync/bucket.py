@@ -1,0 +1,211 @@
+"""Bucket planning and flattening: many tensors into one aligned uint8 buffer, and back.
+
+`plan_buckets` is a pure function of tensor metadata (name, dtype, shape) and a byte budget: it
+keeps the order, never splits a tensor, gives a tensor larger than the budget a bucket of its own,
+and aligns every tensor's byte offset. `flatten` copies tensors into one buffer laid out by a
+plan; `unflatten` gives zero-copy views back. `sglang_metadata` writes a plan in the form SGLang's
+`load_format="flattened_bucket"` reads (byte offsets; SGLang itself adds no padding, so the
+alignment here is what keeps e.g. a ``bf16[3]`` followed by an ``int64`` rebuildable).
+
+This module moves no data between processes (see `handles`) and talks to no process group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "ALIGNMENT", "SUPPORTED_DTYPES", "TensorMeta", "BucketEntry", "Bucket",
+    "plan_buckets", "flatten", "unflatten", "sglang_metadata", "entries_from_metadata",
+    "check_tensor", "dtype_name",
+]
+
+ALIGNMENT = 16
+"""Minimum byte alignment of every tensor inside a flattened bucket (covers every dtype's itemsize)."""
+
+SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
+    d for d in (
+        torch.float32, torch.float16, torch.bfloat16, torch.float64,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e4m3fnuz", None), getattr(torch, "float8_e5m2fnuz", None),
+    ) if d is not None
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the planner needs to know of a tensor: no data."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(name, tensor.dtype, tuple(tensor.shape))
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One tensor's place in a flattened bucket: bytes ``[start, end)``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A planned bucket: entries in order, and the buffer size including alignment padding."""
+
+    entries: tuple[BucketEntry, ...]
+    nbytes: int
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def plan_buckets(metas: Iterable[TensorMeta | tuple], bucket_bytes: int, *,
+                 alignment: int = ALIGNMENT) -> list[Bucket]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` (padding included).
+
+    A tensor larger than the budget gets a bucket of its own. Every entry's start is a multiple of
+    ``alignment``. Names must be unique.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    buckets: list[Bucket] = []
+    current: list[BucketEntry] = []
+    offset = 0
+    seen: set[str] = set()
+    for m in metas:
+        meta = m if isinstance(m, TensorMeta) else TensorMeta(m[0], m[1], tuple(m[2]))
+        if meta.name in seen:
+            raise ValueError(f"tensor name {meta.name!r} appears twice in the bucket plan")
+        seen.add(meta.name)
+        if meta.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"unsupported dtype {meta.dtype} for {meta.name!r}; supported: "
+                            f"{sorted(dtype_name(d) for d in SUPPORTED_DTYPES)}")
+        start = _align(offset, alignment)
+        if current and start + meta.nbytes > bucket_bytes:
+            buckets.append(Bucket(tuple(current), _align(offset, alignment)))
+            current, start = [], 0
+        current.append(BucketEntry(meta.name, meta.dtype, meta.shape, start, start + meta.nbytes))
+        offset = start + meta.nbytes
+    if current:
+        buckets.append(Bucket(tuple(current), _align(offset, alignment)))
+    return buckets
+
+
+def check_tensor(name: str, tensor: torch.Tensor, *, dtype: torch.dtype | None = None,
+                 shape: Sequence[int] | None = None, device: torch.device | str | None = None) -> None:
+    """Raise a ValueError/TypeError that names the tensor and what was expected."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor for {name!r}, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {tensor.dtype} for {name!r}")
+    if dtype is not None and tensor.dtype != dtype:
+        raise TypeError(f"expected dtype {dtype_name(dtype)} for {name!r}, got {dtype_name(tensor.dtype)}")
+    if shape is not None and tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"expected shape {tuple(shape)} for {name!r}, got {tuple(tensor.shape)}")
+    if device is not None and tensor.device.type != torch.device(device).type:
+        raise ValueError(f"expected {name!r} on device {torch.device(device)}, got {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"expected a contiguous tensor for {name!r}, got strides {tensor.stride()} "
+                         f"for shape {tuple(tensor.shape)}")
+
+
+def flatten(bucket: Bucket, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *,
+            out: torch.Tensor | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Copy ``tensors`` into one uint8 buffer laid out by ``bucket``; return the buffer.
+
+    ``tensors`` is a mapping by name or a sequence in the bucket's order. Each tensor must have the
+    planned dtype and shape. ``out`` (uint8, at least ``bucket.nbytes``) lets the caller choose
+    where the buffer lives (e.g. shared memory); padding bytes are zeroed.
+    """
+    seq = [tensors[e.name] for e in bucket.entries] if isinstance(tensors, Mapping) else list(tensors)
+    if len(seq) != len(bucket.entries):
+        raise ValueError(f"bucket has {len(bucket.entries)} entries, got {len(seq)} tensors")
+    if out is None:
+        dev = device if device is not None else (seq[0].device if seq else "cpu")
+        out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=dev)
+    elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < bucket.nbytes:
+        raise ValueError(f"out must be a 1-D uint8 tensor of at least {bucket.nbytes} bytes, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    prev_end = 0
+    for entry, t in zip(bucket.entries, seq):
+        check_tensor(entry.name, t, dtype=entry.dtype, shape=entry.shape)
+        if entry.start > prev_end:
+            out[prev_end:entry.start].zero_()
+        out[entry.start:entry.end].copy_(t.reshape(-1).view(torch.uint8))
+        prev_end = entry.end
+    if bucket.nbytes > prev_end:
+        out[prev_end:bucket.nbytes].zero_()
+    return out
+
+
+def unflatten(flat: torch.Tensor, entries: Iterable[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
+    """Zero-copy views ``(name, tensor)`` into ``flat`` for each entry."""
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError(f"a flattened bucket is a 1-D uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")
+    out = []
+    for e in entries:
+        if e.end > flat.numel() or e.start < 0 or e.end - e.start != math.prod(e.shape) * e.dtype.itemsize:
+            raise ValueError(f"entry {e.name!r} [{e.start}, {e.end}) does not fit a buffer of "
+                             f"{flat.numel()} bytes for shape {e.shape} {dtype_name(e.dtype)}")
+        if e.start % e.dtype.itemsize:
+            raise ValueError(f"entry {e.name!r} starts at byte {e.start}, not a multiple of "
+                             f"{e.dtype.itemsize} ({dtype_name(e.dtype)})")
+        out.append((e.name, flat[e.start:e.end].view(e.dtype).view(e.shape)))
+    return out
+
+
+def sglang_metadata(bucket: Bucket) -> list[SimpleNamespace]:
+    """The bucket's entries as SGLang's flattened-bucket metadata (byte offsets; ``numel`` in bytes).
+
+    Plain `SimpleNamespace` objects with builtin/torch fields: SGLang's deserializer allows them.
+    """
+    return [SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=e.dtype,
+                            start_idx=e.start, end_idx=e.end, numel=e.nbytes)
+            for e in bucket.entries]
+
+
+def entries_from_metadata(metadata: Iterable) -> list[BucketEntry]:
+    """Read SGLang-form metadata (objects or dicts with name/shape/dtype/start_idx/end_idx)."""
+    out = []
+    for m in metadata:
+        get = m.get if isinstance(m, dict) else (lambda k, _m=m: getattr(_m, k))
+        out.append(BucketEntry(get("name"), get("dtype"), tuple(get("shape")),
+                               int(get("start_idx")), int(get("end_idx"))))
+    return out

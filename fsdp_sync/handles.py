@@ -1,0 +1,350 @@
+"""Handle payloads: tensors travel between processes as handle tuples, never as data.
+
+The only module that knows torch's handle tuples. A payload is one ForkingPickler dump (bytes, or
+base64 text for HTTP) of a tensor or of a dict of tensors (a flattened bucket), made for exactly one
+consuming rank:
+
+- CPU tensors go through POSIX shared memory by file name (torch's ``file_system`` sharing), which a
+  process the producer did not start can open. The global sharing strategy is not touched: the
+  choice is made by this module's own pickler.
+- CUDA tensors go through CUDA IPC, with the device written as its UUID so sender and receiver with
+  different ``CUDA_VISIBLE_DEVICES`` agree. Only our pickler and our unpickler translate; torch's
+  reductions are not patched, so pickling CPU tensors elsewhere in the process keeps working.
+
+On the wire there are only builtins, ``types.SimpleNamespace``, torch dtypes/sizes/storages and
+torch's rebuild functions: what SGLang's safe deserializer accepts. `open_payload` enforces the same
+allow-list.
+
+A tagged payload (the default) carries an ``"fsdp_sync"`` entry: the rank it is for and a 4-byte
+shared state word (0 fresh, 1 opened, 2 acknowledged). Opening by the wrong rank or twice raises;
+the producer's `PayloadSet` keeps every buffer alive until `release`, which reports ranks that never
+acknowledged and balances the shared-memory references of payloads nobody opened, so no segment,
+file descriptor or IPC handle is left behind.
+
+Not here: which tensors go in a bucket (`bucket`), and who carries payloads where (`transport`).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import pickle
+import types
+from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+from torch.multiprocessing import reductions as _red
+
+from .bucket import SUPPORTED_DTYPES, dtype_name
+
+__all__ = [
+    "HandleError", "PayloadSet", "Received", "make_payloads", "open_payload",
+    "empty_shared", "TAG", "FRESH", "OPENED", "ACKED",
+]
+
+TAG = "fsdp_sync"
+FRESH, OPENED, ACKED = 0, 1, 2
+
+
+class HandleError(RuntimeError):
+    """A payload could not be made, opened or released; the message names the tensor or rank."""
+
+
+# --------------------------------------------------------------------------- shared CPU memory
+
+# Storages this module allocated in shared memory (keyed by data pointer); their handles can be
+# made without a copy. Anything else is copied into a fresh segment before it is shared, so that
+# sharing never moves a caller's tensor (a parameter, say) into shared memory behind its back.
+_OWNED: dict[int, "_red.StorageWeakRef"] = {}
+
+
+def empty_shared(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A 1-D uint8 buffer whose handle can be made without a copy: shared memory on CPU."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    storage = torch.UntypedStorage._new_using_filename_cpu(max(int(nbytes), 1))
+    _OWNED[storage.data_ptr()] = _red.StorageWeakRef(storage)
+    out = torch.empty(0, dtype=torch.uint8)
+    out.set_(storage, 0, (int(nbytes),), (1,))
+    return out
+
+
+def _is_owned(storage: torch.UntypedStorage) -> bool:
+    ref = _OWNED.get(storage.data_ptr())
+    if ref is None:
+        return False
+    if ref.expired():
+        del _OWNED[storage.data_ptr()]
+        return False
+    return True
+
+
+def _prune_owned() -> None:
+    for k in [k for k, r in _OWNED.items() if r.expired()]:
+        del _OWNED[k]
+
+
+# --------------------------------------------------------------------------- CUDA device UUIDs
+
+@functools.lru_cache(maxsize=None)
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _device_index(device: int | str) -> int:
+    if isinstance(device, int):
+        return device
+    for i in range(torch.cuda.device_count()):
+        if _device_uuid(i) == device:
+            return i
+    raise HandleError(f"payload names CUDA device {device!r}, which this process cannot see "
+                      f"(CUDA_VISIBLE_DEVICES exposes {torch.cuda.device_count()} devices)")
+
+
+def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
+    args = list(args)
+    args[6] = _device_index(args[6])
+    return _red.rebuild_cuda_tensor(*args)
+
+
+# --------------------------------------------------------------------------- pickling
+
+class _Pickler(ForkingPickler):
+    """ForkingPickler that shares CPU storages by file name and names CUDA devices by UUID."""
+
+    def __init__(self, file: io.BytesIO, keep: list, shared: list) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._keep = keep          # tensors copied into shared memory for this payload
+        self._shared = shared      # CPU storages whose ref count this payload raised
+        table = dict(self.dispatch_table)
+        table[torch.Tensor] = self._reduce_tensor
+        table[torch.nn.Parameter] = self._reduce_tensor
+        table[torch.UntypedStorage] = self._reduce_storage
+        self.dispatch_table = table
+
+    def _reduce_tensor(self, t: torch.Tensor):
+        if t.device.type == "cpu" and t.numel() > 0 and not _is_owned(t.untyped_storage()):
+            copy = empty_shared(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+            copy.copy_(t)
+            self._keep.append(copy)
+            t = copy
+        fn, args = _red.reduce_tensor(t.detach())
+        if fn is _red.rebuild_cuda_tensor:
+            args = list(args)
+            args[6] = _device_uuid(args[6])
+            args = tuple(args)
+        return fn, args
+
+    def _reduce_storage(self, storage: torch.UntypedStorage):
+        if storage.device.type != "cpu":
+            raise HandleError(f"cannot share a {storage.device} storage on its own; send its tensor")
+        if storage.nbytes() == 0:
+            return (_red.rebuild_storage_empty, (type(storage),))
+        manager, handle, size = storage._share_filename_cpu_()
+        storage._shared_incref()
+        self._shared.append(storage)
+        _red.shared_cache[handle] = _red.StorageWeakRef(storage)
+        return (_red.rebuild_storage_filename, (type(storage), manager, handle, size))
+
+
+_ALLOWED_MODULES = ("torch", "torch.")
+_ALLOWED = {
+    ("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str",
+                              "bytes", "bool", "complex", "slice", "getattr", "bytearray")
+} | {("types", "SimpleNamespace"), ("functools", "partial"), ("collections", "OrderedDict")}
+
+
+class _Unpickler(pickle.Unpickler):
+    """Accepts what SGLang's safe deserializer accepts, and nothing of ours."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor_by_uuid
+        if (module, name) in _ALLOWED or module == "torch" or module.startswith(_ALLOWED_MODULES[1]):
+            return super().find_class(module, name)
+        raise HandleError(f"payload holds {module}.{name}, which is not on the allow-list "
+                          f"(builtins, SimpleNamespace, partial, torch)")
+
+
+def _check_value(obj: Any, path: str, device: str | None) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype not in SUPPORTED_DTYPES:
+            raise HandleError(f"unsupported dtype {dtype_name(obj.dtype)} for {path!r}")
+        if not obj.is_contiguous():
+            raise HandleError(f"expected a contiguous tensor for {path!r}, got strides "
+                              f"{obj.stride()} for shape {tuple(obj.shape)}")
+        if obj.device.type not in ("cpu", "cuda"):
+            raise HandleError(f"expected {path!r} on cpu or cuda, got {obj.device}")
+        if device is not None and obj.device.type != device:
+            raise HandleError(f"expected {path!r} on {device}, got {obj.device}")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_value(v, f"{path}.{k}" if path else str(k), device)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_value(v, f"{path}[{i}]", device)
+    elif isinstance(obj, types.SimpleNamespace):
+        _check_value(vars(obj), path, device)
+
+
+def _dump(obj: Any, keep: list, shared: list) -> bytes:
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, keep, shared)
+    try:
+        pickler.dump(obj)
+    finally:
+        # the dispatch table's bound methods make a cycle that would keep every pickled tensor
+        # (and its shared segment) alive until the next garbage collection
+        pickler.clear_memo()
+        pickler.dispatch_table = {}
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- producer side
+
+@dataclass
+class PayloadSet:
+    """Payloads of one object, element i for consumer rank i, and the buffers they point at.
+
+    Keep it until the consumers have answered, then `release` (or use it as a context manager).
+    """
+
+    payloads: list
+    obj: Any
+    states: list[torch.Tensor | None]
+    _keep: list = field(default_factory=list, repr=False)
+    _shared: list[list] = field(default_factory=list, repr=False)
+    released: bool = False
+
+    def state(self, rank: int) -> int:
+        s = self.states[rank]
+        return ACKED if s is None else int(s[0])
+
+    def unacknowledged(self) -> list[int]:
+        return [r for r in range(len(self.payloads)) if self.state(r) != ACKED]
+
+    def release(self, *, require_ack: bool = True) -> None:
+        """Free every buffer. Raises `HandleError` naming ranks that never acknowledged."""
+        if self.released:
+            return
+        missing = [r for r in range(len(self.payloads)) if self.states[r] is not None
+                   and self.state(r) != ACKED]
+        # A payload nobody opened still holds the reference its pickling took: give it back, or
+        # the segment outlives every process that maps it.
+        for r in range(len(self.payloads)):
+            if self.states[r] is not None and self.state(r) == FRESH:
+                for storage in self._shared[r]:
+                    storage._shared_decref()
+        self.payloads, self.obj, self._keep, self._shared, self.states = [], None, [], [], []
+        self.released = True
+        _prune_owned()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+        if require_ack and missing:
+            raise HandleError(f"consumer ranks {missing} never acknowledged their payloads")
+
+    def __enter__(self) -> "PayloadSet":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.release(require_ack=exc_type is None)
+
+
+def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
+                  tagged: bool = True) -> PayloadSet:
+    """Serialize ``obj`` (a tensor, or a dict/list of tensors) once per consuming rank.
+
+    Element i of ``.payloads`` is for rank i and is to be opened exactly once. Tagged payloads wrap
+    a bare tensor as ``{"tensor": t, "fsdp_sync": ...}``; dicts get the ``"fsdp_sync"`` key added.
+    """
+    if num_consumers < 1:
+        raise ValueError(f"num_consumers must be >= 1, got {num_consumers}")
+    _check_value(obj, "tensor" if isinstance(obj, torch.Tensor) else "", None)
+    if tagged and isinstance(obj, dict) and TAG in obj:
+        raise HandleError(f"payload dict already has a {TAG!r} key")
+    keep: list = []
+    states: list[torch.Tensor | None] = []
+    shared_per_rank: list[list] = []
+    payloads: list = []
+    for rank in range(num_consumers):
+        shared: list = []
+        if tagged:
+            state = empty_shared(4).view(torch.int32)
+            state.zero_()
+            states.append(state)
+            tag = {"rank": rank, "of": num_consumers, "state": state}
+            wire = dict(obj, **{TAG: tag}) if isinstance(obj, dict) else {"tensor": obj, TAG: tag}
+        else:
+            states.append(None)
+            wire = obj
+        data = _dump(wire, keep, shared)
+        payloads.append(base64.b64encode(data).decode("ascii") if output_str else data)
+        shared_per_rank.append(shared)
+    return PayloadSet(payloads, obj, states, keep, shared_per_rank)
+
+
+# --------------------------------------------------------------------------- consumer side
+
+@dataclass
+class Received:
+    """What a consumer got from its payload. Call `ack` once it no longer needs the memory."""
+
+    value: Any
+    rank: int | None
+    _state: torch.Tensor | None = field(default=None, repr=False)
+
+    def ack(self) -> None:
+        if self._state is not None:
+            self._state[0] = ACKED
+            self._state = None
+        self.value = None
+
+
+def _for_each_cpu_storage(obj: Any, fn) -> None:
+    seen: set[int] = set()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            if o.device.type == "cpu" and st.nbytes() and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                fn(st)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+
+
+def open_payload(payload: bytes | str, rank: int | None = None) -> Received:
+    """Rebuild a payload in this process. ``rank`` is the consuming rank, checked against the tag."""
+    data = base64.b64decode(payload) if isinstance(payload, str) else payload
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise HandleError(f"a payload is bytes or base64 text, got {type(payload).__name__}")
+    obj = _Unpickler(io.BytesIO(data)).load()
+    if not (isinstance(obj, dict) and TAG in obj):
+        return Received(obj, rank)
+    tag = obj.pop(TAG)
+    state = tag["state"]
+    error = None
+    if rank is not None and rank != tag["rank"]:
+        error = f"payload for infer-TP rank {tag['rank']} (of {tag['of']}) opened by rank {rank}"
+    elif int(state[0]) != FRESH:
+        error = (f"payload for rank {tag['rank']} opened twice (state "
+                 f"{'opened' if int(state[0]) == OPENED else 'acknowledged'})")
+    if error is not None:
+        # unpickling took the reference meant for the rightful consumer: hand it back
+        _for_each_cpu_storage(obj, lambda s: s._shared_incref())
+        _for_each_cpu_storage(tag, lambda s: s._shared_incref())
+        raise HandleError(error)
+    state[0] = OPENED
+    value = obj["tensor"] if set(obj) == {"tensor"} else obj
+    return Received(value, tag["rank"], state)
+
