@@ -1,0 +1,96 @@
+"""Model configs the demo, benchmarks and tests build models from: no download, ever.
+
+`load_config(spec)` takes a recipe name (``recipes/models/<name>.yaml``), a path to a YAML recipe or
+to a Hugging Face ``config.json`` (or a folder holding one), or a ``transformers`` config, and
+returns a ``transformers`` config. `build_model(config, seed)` builds a randomly initialized causal
+LM from it, the same on every rank for the same seed.
+
+Not here: sharding the model (callers wrap it with FSDP) or loading weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["RECIPES_DIR", "load_config", "build_model", "model_recipes", "count_params"]
+
+RECIPES_DIR = Path(os.environ.get("FSDP_SYNC_RECIPES", Path(__file__).resolve().parent.parent / "recipes"))
+
+# The smallest useful model, used when no recipe folder is around (an installed wheel).
+_TINY = {
+    "model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "float32",
+}
+
+
+def model_recipes() -> list[str]:
+    d = RECIPES_DIR / "models"
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else ["tiny"]
+
+
+def _from_dict(d: dict[str, Any]):
+    from transformers import AutoConfig
+
+    d = dict(d)
+    model_type = d.pop("model_type", "qwen2")
+    cfg = AutoConfig.for_model(model_type, **d)
+    cfg.use_cache = True
+    return cfg
+
+
+def load_config(spec: Any = "tiny", **overrides: Any):
+    """A ``transformers`` config from a recipe name, a YAML/JSON path, a folder, or a config."""
+    from transformers import PretrainedConfig
+
+    if isinstance(spec, PretrainedConfig):
+        d = spec.to_dict()
+    elif isinstance(spec, dict):
+        d = dict(spec)
+    else:
+        spec = str(spec)
+        path = Path(spec)
+        if not path.exists() and not path.suffix:
+            path = RECIPES_DIR / "models" / f"{spec}.yaml"
+            if not path.exists():
+                if spec == "tiny":
+                    return _from_dict({**_TINY, **overrides})
+                raise FileNotFoundError(f"no model recipe {spec!r}: expected {path} "
+                                        f"(known: {', '.join(model_recipes())}) or a config path")
+        if path.is_dir():
+            path = path / "config.json"
+        if path.suffix in (".yaml", ".yml"):
+            from omegaconf import OmegaConf
+
+            d = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+            d = d.get("model", d)
+        else:
+            d = json.loads(path.read_text())
+    for drop in ("architectures", "transformers_version", "_name_or_path"):
+        d.pop(drop, None)
+    d.update(overrides)
+    return _from_dict(d)
+
+
+def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A randomly initialized causal LM for ``config``: identical on every process for one seed."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def count_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters, tensors), counting tied tensors once."""
+    seen: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        seen.setdefault(id(p), p)
+    return sum(p.numel() for p in seen.values()), len(seen)

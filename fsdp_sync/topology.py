@@ -1,0 +1,112 @@
+"""Who talks to whom: one `SyncTopology` built once from a ``("dp", "infer_tp")`` DeviceMesh.
+
+It names this rank's dp and infer-TP coordinates, the infer-TP group, and the global rank of that
+group's infer-TP rank 0 (the only rank that holds an engine handle and calls the engine). The
+collectives the sync needs are here: `gather_to_src` (payloads to infer-TP rank 0 with
+``gather_object``), `broadcast_from_src`, and `agree` (every rank learns whether any rank failed,
+so no rank waits forever in a later collective).
+
+Not here: what is gathered (handles) or when (manager). No module-level process groups: every
+collective takes the topology it runs on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "SyncError"]
+
+DIMS = ("dp", "infer_tp")
+
+
+class SyncError(RuntimeError):
+    """A sync failed on some rank; raised on every rank with the same message."""
+
+
+def make_mesh(dp: int, infer_tp: int, device_type: str = "cpu") -> DeviceMesh:
+    """A ``("dp", "infer_tp")`` mesh over the default process group (dp × infer_tp == world size)."""
+    world = dist.get_world_size()
+    if dp * infer_tp != world:
+        raise ValueError(f"dp ({dp}) × infer_tp ({infer_tp}) must equal the world size ({world})")
+    return init_device_mesh(device_type, (dp, infer_tp), mesh_dim_names=DIMS)
+
+
+@dataclass(frozen=True)
+class SyncTopology:
+    mesh: DeviceMesh
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+    tp_ranks: tuple[int, ...]   # global ranks of this rank's infer-TP group, in TP order
+    tp_group: Any               # ProcessGroup of the infer-TP group
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> "SyncTopology":
+        names = tuple(mesh.mesh_dim_names or ())
+        if names != DIMS:
+            raise ValueError(f"expected a mesh with dims {DIMS}, got {names or 'unnamed dims'}")
+        tp = mesh["infer_tp"]
+        dp = mesh["dp"]
+        return cls(
+            mesh=mesh, rank=dist.get_rank(), world_size=dist.get_world_size(),
+            dp_rank=dp.get_local_rank(), dp_size=dp.size(),
+            tp_rank=tp.get_local_rank(), tp_size=tp.size(),
+            tp_ranks=tuple(int(r) for r in tp.mesh.tolist()), tp_group=tp.get_group(),
+        )
+
+    @property
+    def tp_src(self) -> int:
+        """Global rank of infer-TP rank 0 of this rank's group."""
+        return self.tp_ranks[0]
+
+    @property
+    def is_tp_src(self) -> bool:
+        return self.tp_rank == 0
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
+                f"infer_tp {self.tp_rank}/{self.tp_size})")
+
+
+def gather_to_src(obj: Any, topo: SyncTopology) -> list | None:
+    """``gather_object`` of ``obj`` to infer-TP rank 0: a list by TP rank there, None elsewhere."""
+    if topo.tp_size == 1:
+        return [obj]
+    out = [None] * topo.tp_size if topo.is_tp_src else None
+    dist.gather_object(obj, out, dst=topo.tp_src, group=topo.tp_group)
+    return out
+
+
+def broadcast_from_src(obj: Any, topo: SyncTopology) -> Any:
+    """Infer-TP rank 0's ``obj`` on every rank of its group."""
+    if topo.tp_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=topo.tp_src, group=topo.tp_group)
+    return box[0]
+
+
+def agree(error: str | None, topo: SyncTopology | None = None, *, what: str = "sync") -> None:
+    """Collective over the whole world: raise `SyncError` on every rank if any rank passed an error.
+
+    Each rank passes its own error text (or None). The message names the first failing rank and
+    carries its text, identical on every rank.
+    """
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag)
+    if int(flag.item()) == 0:
+        return
+    msgs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, None if error is None else str(error))
+    first = next(r for r, m in enumerate(msgs) if m is not None)
+    others = [r for r, m in enumerate(msgs) if m is not None and r != first]
+    suffix = f" (ranks {others} failed too)" if others else ""
+    raise SyncError(f"{what} failed on rank {first}{suffix}: {msgs[first]}")
