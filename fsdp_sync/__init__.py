@@ -1,0 +1,34 @@
+"""fsdp_sync: FSDP → rollout-engine weight sync, bit-exact, bucketed, within a known memory budget.
+
+Public API (everything else is an implementation module you may import at your own risk):
+
+    FSDPShardingManager(module, engine, mesh=..., config=SyncConfig(...))  # `with` it around rollout
+    SyncConfig                     # frozen config: strategy, bucket_bytes, dtype, multi_stage_wake_up…
+    make_mesh(dp, infer_tp)        # the ("dp", "infer_tp") DeviceMesh the manager runs on
+    SyncTopology, SyncError        # who is infer-TP rank 0; the error every rank raises on a failure
+    engines.ReferenceEngine        # the built-in TP engine (CPU and CUDA)
+    engines.sglang.SGLangEngine    # adapter for an in-process sglang.Engine or an SGLang server
+
+Attributes load lazily so that `import fsdp_sync.handles` stays light.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "FSDPShardingManager": ".manager",
+    "SyncStats": ".manager",
+    "SyncConfig": ".config",
+    "make_mesh": ".topology",
+    "SyncTopology": ".topology",
+    "SyncError": ".topology",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'fsdp_sync' has no attribute {name!r}")

@@ -33,7 +33,7 @@ import pickle
 import types
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.multiprocessing import reductions as _red
@@ -218,6 +218,7 @@ class PayloadSet:
     states: list[torch.Tensor | None]
     _keep: list = field(default_factory=list, repr=False)
     _shared: list[list] = field(default_factory=list, repr=False)
+    ranks: list[int] = field(default_factory=list)
     released: bool = False
 
     def state(self, rank: int) -> int:
@@ -225,6 +226,7 @@ class PayloadSet:
         return ACKED if s is None else int(s[0])
 
     def unacknowledged(self) -> list[int]:
+        """Indices into ``payloads`` whose consumer has not acknowledged."""
         return [r for r in range(len(self.payloads)) if self.state(r) != ACKED]
 
     def release(self, *, require_ack: bool = True) -> None:
@@ -239,13 +241,15 @@ class PayloadSet:
             if self.states[r] is not None and self.state(r) == FRESH:
                 for storage in self._shared[r]:
                     storage._shared_decref()
+        ranks = self.ranks
         self.payloads, self.obj, self._keep, self._shared, self.states = [], None, [], [], []
         self.released = True
         _prune_owned()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
         if require_ack and missing:
-            raise HandleError(f"consumer ranks {missing} never acknowledged their payloads")
+            raise HandleError(f"consumer ranks {[ranks[i] for i in missing]} never "
+                              f"acknowledged their payloads")
 
     def __enter__(self) -> "PayloadSet":
         return self
@@ -255,14 +259,20 @@ class PayloadSet:
 
 
 def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
-                  tagged: bool = True) -> PayloadSet:
+                  tagged: bool = True, ranks: Sequence[int] | None = None) -> PayloadSet:
     """Serialize ``obj`` (a tensor, or a dict/list of tensors) once per consuming rank.
 
-    Element i of ``.payloads`` is for rank i and is to be opened exactly once. Tagged payloads wrap
+    Element i of ``.payloads`` is for consumer rank ``ranks[i]`` (default: rank i of
+    ``num_consumers``) and is to be opened exactly once. A colocated trainer rank passes
+    ``ranks=[its infer-TP rank]``: its own copy goes to its own engine worker. Tagged payloads wrap
     a bare tensor as ``{"tensor": t, "fsdp_sync": ...}``; dicts get the ``"fsdp_sync"`` key added.
     """
     if num_consumers < 1:
         raise ValueError(f"num_consumers must be >= 1, got {num_consumers}")
+    ranks = list(range(num_consumers)) if ranks is None else list(ranks)
+    bad = [r for r in ranks if not 0 <= r < num_consumers]
+    if bad:
+        raise ValueError(f"consumer ranks {bad} outside [0, {num_consumers})")
     _check_value(obj, "tensor" if isinstance(obj, torch.Tensor) else "", None)
     if tagged and isinstance(obj, dict) and TAG in obj:
         raise HandleError(f"payload dict already has a {TAG!r} key")
@@ -270,7 +280,7 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
     states: list[torch.Tensor | None] = []
     shared_per_rank: list[list] = []
     payloads: list = []
-    for rank in range(num_consumers):
+    for rank in ranks:
         shared: list = []
         if tagged:
             state = empty_shared(4).view(torch.int32)
@@ -284,7 +294,7 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
         data = _dump(wire, keep, shared)
         payloads.append(base64.b64encode(data).decode("ascii") if output_str else data)
         shared_per_rank.append(shared)
-    return PayloadSet(payloads, obj, states, keep, shared_per_rank)
+    return PayloadSet(payloads, obj, states, keep, shared_per_rank, ranks)
 
 
 # --------------------------------------------------------------------------- consumer side

@@ -1,0 +1,112 @@
+"""The ``fsdp-sync`` command: ``demo`` (train → sync → generate → check) and ``bench``.
+
+Only argument parsing and printing live here; the work is in `demo` and `bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo", help="train a small model on N ranks and sync it into the reference engine each step",
+        description="Train a small Qwen2 (no download) under FSDP on N local ranks; after each step sync "
+                    "the weights into a colocated reference engine with FSDPShardingManager, generate "
+                    "greedily, and check the engine's logits and tokens against the trainer's own. "
+                    "Prints one row per step; exits non-zero on any mismatch.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2, help="trainer ranks (processes)")
+    p.add_argument("--tp", type=int, default=2, help="engine tensor-parallel size (infer_tp); ranks/tp = dp")
+    p.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync")
+    p.add_argument("--strategy", choices=["flattened", "bucketed", "per_tensor"], default="flattened",
+                   help="flattened: one handle per bucket; bucketed: one engine call per bucket; "
+                        "per_tensor: verl's one-parameter-at-a-time baseline")
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size in MiB")
+    p.add_argument("--fsdp", type=int, choices=[1, 2], default=2, help="FSDP version of the trainer")
+    p.add_argument("--model", default="tiny",
+                   help="a recipe name from recipes/models (tiny, tiny-tied, small, qwen2-160m) or a "
+                        "path to a YAML recipe / HF config.json")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="rollout dtype the weights are cast to")
+    p.add_argument("--no-multi-stage", action="store_true", help="resume all engine memory before the sync")
+    p.add_argument("--atol", type=float, default=1e-5, help="largest |logit diff| accepted")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _cmd_demo(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .demo import DemoOptions, run_demo
+
+    opts = DemoOptions(ranks=args.ranks, tp=args.tp, steps=args.steps, strategy=args.strategy,
+                       bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
+                       dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
+                       progress=not args.no_progress)
+    console = Console()
+    console.print(f"[bold]fsdp-sync demo[/]: {opts.ranks} ranks (dp {opts.ranks // opts.tp} × infer_tp "
+                  f"{opts.tp}), FSDP{opts.fsdp}, model {opts.model}, strategy {opts.strategy}, "
+                  f"{opts.dtype}, {opts.device}")
+    result = run_demo(opts)
+    table = Table(title="weight sync per training step")
+    for col in ("step", "loss", "sync s", "GB/s", "bytes", "peak trainer RSS", "peak engine RSS",
+                "max |logit diff|", "tokens match"):
+        table.add_column(col, justify="right")
+    for s in result["steps"]:
+        gbps = s["bytes"] / s["sync_seconds"] / 1e9 if s["sync_seconds"] else 0.0
+        table.add_row(str(s["step"]), f"{s['loss']:.4f}", f"{s['sync_seconds']:.4f}", f"{gbps:.3f}",
+                      f"{s['bytes']:,}", f"{s['peak_trainer_rss'] / 2**20:.0f} MiB",
+                      f"{s['peak_engine_rss'] / 2**20:.0f} MiB", f"{s['max_abs_logit_diff']:.2e}",
+                      "yes" if s["tokens_match"] else "[red]NO[/]")
+    console.print(table)
+    stages = result["steps"][-1]["stages"]
+    console.print("last step's stages: " + " → ".join(f"{st['name']} {st['seconds'] * 1e3:.1f} ms"
+                                                      for st in stages))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        console.print(f"wrote {args.json}")
+    if not result["ok"]:
+        console.print(f"[red bold]MISMATCH[/]: the engine does not reproduce the trainer "
+                      f"(atol {opts.atol:g}, tokens must match, logits must change every step)")
+        return 1
+    console.print(f"[green]ok[/]: engine matched the trainer after every step ({result['wall_seconds']:.1f} s)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-sync",
+        description="Weight sync from FSDP trainers to rollout engines: demo and benchmarks.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
+    try:
+        from .bench import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        return _cmd_demo(args)
+    if args.command == "bench":
+        from .bench import cmd_bench
+
+        return cmd_bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

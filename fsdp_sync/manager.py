@@ -1,0 +1,375 @@
+"""`FSDPShardingManager`: the ``with`` block a verl-style worker puts around its rollout.
+
+On entry it runs named stages in order (each timed and memory-probed into a `Timeline`):
+
+    multi_stage_wake_up=True:   resume_weights → sync_weights → offload_params → resume_kv_cache → swap_rng
+    multi_stage_wake_up=False:  resume_all → sync_weights → offload_params → swap_rng
+
+and on exit: release_memory (kv_cache, weights) → restore_module → restore_rng. Engine calls come
+from infer-TP rank 0 only (the engine handle is None on the other ranks); every stage that calls
+the engine ends with an `agree` collective, so a failure on any rank (engine error, bad tensor,
+dead worker) raises the same `SyncError` on every rank instead of leaving ranks blocked.
+
+The weight sync itself has three strategies (see `SyncConfig.strategy`): ``per_tensor`` (verl's
+original loop, the baseline), ``bucketed`` and ``flattened`` (default). In all three a bucket's
+buffers stay alive until the engine has answered and every consumer has acknowledged, and are freed
+right after, so the sync holds at most one bucket (plus the largest tensor) beyond its steady state.
+
+Not here: how tensors are gathered (export), laid out (bucket) or shared (handles), and no process
+group of its own: it runs on the mesh it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from . import export, handles
+from .bucket import plan_buckets, sglang_metadata
+from .config import SyncConfig
+from .memory import Timeline, empty_cache
+from .topology import SyncError, SyncTopology, agree, gather_to_src
+
+__all__ = ["FSDPShardingManager", "SyncStats"]
+
+log = logging.getLogger("fsdp_sync")
+
+
+@dataclass
+class _Call:
+    """One engine call: this rank's payload sets, what it sends to infer-TP rank 0, and how rank 0
+    turns the gathered list (indexed by TP rank) into the engine's ``named_tensors``."""
+
+    sets: list
+    wire: Any
+    to_named: Any
+    load_format: str | None
+    last: bool
+    what: str
+
+
+@dataclass
+class SyncStats:
+    """What the last sync moved: bytes are the rollout-dtype bytes of every exported tensor."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    engine_calls: int = 0
+
+
+def _per_rank(values: list) -> Any:
+    from .engines.base import SerializedPerRank
+
+    return SerializedPerRank(values=values)
+
+
+class FSDPShardingManager:
+    """Syncs ``module``'s weights into ``engine`` on entry; gives memory back to training on exit.
+
+    Args:
+        module: the FSDP2, FSDP1 or plain module being trained (identical on every dp rank).
+        engine: the rollout engine handle on infer-TP rank 0 of each group, ``None`` elsewhere.
+        mesh: a DeviceMesh with dims ``("dp", "infer_tp")`` over the trainer ranks.
+        config: a `SyncConfig`.
+    """
+
+    def __init__(self, module: torch.nn.Module, engine: Any, *, mesh, config: SyncConfig | None = None):
+        self.module = module
+        self.config = config or SyncConfig()
+        self.topo = SyncTopology.from_mesh(mesh)
+        if self.topo.is_tp_src and engine is None:
+            raise ValueError(f"{self.topo.describe()}: infer-TP rank 0 needs an engine handle, got None")
+        if not self.topo.is_tp_src and engine is not None:
+            raise ValueError(f"{self.topo.describe()}: only infer-TP rank 0 holds the engine; "
+                             f"pass engine=None on the other ranks")
+        self.engine = engine
+        self.timeline = Timeline()
+        self.stats = SyncStats()
+        self._inside = False
+        self._was_training = True
+        self._trainer_rng: tuple | None = None
+        self._offloaded: dict[str, torch.device] = {}
+        # generation RNG: seeded by dp rank, hence equal on every TP rank of a group
+        saved = self._get_rng()
+        torch.manual_seed(self.config.seed + self.topo.dp_rank)
+        self._gen_rng = self._get_rng()
+        self._set_rng(saved)
+
+    # ------------------------------------------------------------------ the with block
+    def __enter__(self) -> "FSDPShardingManager":
+        if self._inside:
+            raise RuntimeError("FSDPShardingManager is not re-entrant: already inside its with block")
+        self.timeline = Timeline(engine_probe=self._engine_memory if self.topo.is_tp_src else None)
+        self._was_training = self.module.training
+        try:
+            with self.timeline.stage("prepare"):
+                empty_cache()  # before resuming engine memory: verl's first-iteration OOM
+                self.module.eval()
+            if self.config.multi_stage_wake_up:
+                self._run("resume_weights", self._resume, ["weights"])
+                self._run("sync_weights", self._sync_weights)
+                self._run("offload_params", self._offload_params)
+                self._run("resume_kv_cache", self._resume, ["kv_cache"])
+            else:
+                self._run("resume_all", self._resume, None)
+                self._run("sync_weights", self._sync_weights)
+                self._run("offload_params", self._offload_params)
+            with self.timeline.stage("swap_rng"):
+                self._trainer_rng = self._get_rng()
+                self._set_rng(self._gen_rng)
+        except BaseException:
+            self._restore(release=True)
+            raise
+        self._inside = True
+        if self.topo.rank == 0:
+            log.info("fsdp_sync enter: %s", self.timeline.summary())
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._inside = False
+        self._restore(release=True)
+        if self.topo.rank == 0:
+            log.info("fsdp_sync exit: %s", self.timeline.summary())
+
+    async def wake_up(self) -> None:
+        """The same stages as ``__enter__``, for async rollouts."""
+        self.__enter__()
+
+    async def sleep(self) -> None:
+        """The same stages as ``__exit__``, for async rollouts."""
+        self.__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ data
+    def preprocess_data(self, batch: Any) -> Any:
+        """All-gather a batch across infer_tp so every TP rank of a group runs the same prompts."""
+        topo = self.topo
+        if topo.tp_size == 1:
+            return batch
+        if isinstance(batch, dict):
+            out = {}
+            for key, value in batch.items():
+                if isinstance(value, torch.Tensor):
+                    parts = [None] * topo.tp_size
+                    dist.all_gather_object(parts, value, group=topo.tp_group)
+                    out[key] = torch.cat(parts, dim=0)
+                else:
+                    parts = [None] * topo.tp_size
+                    dist.all_gather_object(parts, value, group=topo.tp_group)
+                    out[key] = [x for p in parts for x in (p if isinstance(p, list) else [p])]
+            return out
+        if hasattr(batch, "chunk") and hasattr(type(batch), "concat"):  # verl DataProto
+            parts = [None] * topo.tp_size
+            dist.all_gather_object(parts, batch, group=topo.tp_group)
+            return type(batch).concat(parts)
+        raise TypeError(f"preprocess_data takes a dict of tensors or a DataProto, got {type(batch).__name__}")
+
+    def postprocess_data(self, batch: Any) -> Any:
+        """Keep this rank's chunk of a batch that `preprocess_data` gathered."""
+        topo = self.topo
+        if topo.tp_size == 1:
+            return batch
+        if isinstance(batch, dict):
+            out = {}
+            for key, value in batch.items():
+                if isinstance(value, torch.Tensor):
+                    out[key] = value.chunk(topo.tp_size, dim=0)[topo.tp_rank]
+                else:
+                    n = len(value) // topo.tp_size
+                    out[key] = value[topo.tp_rank * n:(topo.tp_rank + 1) * n]
+            return out
+        if hasattr(batch, "chunk"):
+            return batch.chunk(topo.tp_size)[topo.tp_rank]
+        raise TypeError(f"postprocess_data takes a dict of tensors or a DataProto, got {type(batch).__name__}")
+
+    # ------------------------------------------------------------------ stages
+    def _run(self, name: str, fn, *args) -> None:
+        """Run a stage on every rank; any rank's failure becomes a SyncError on all ranks."""
+        with self.timeline.stage(name):
+            err = None
+            try:
+                fn(*args)
+            except SyncError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+                err = f"{type(exc).__name__}: {exc}"
+            agree(err, self.topo, what=f"stage {name!r}")
+
+    def _resume(self, tags: list[str] | None) -> None:
+        if self.config.free_cache_engine and self.topo.is_tp_src:
+            self.engine.resume_memory_occupation(tags=tags)
+
+    def _release(self) -> None:
+        if self.config.free_cache_engine and self.topo.is_tp_src:
+            self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
+
+    def _offload_params(self) -> None:
+        if not self.config.offload_params:
+            return
+        for name, p in self.module.named_parameters():
+            if p.device.type != "cpu":
+                self._offloaded[name] = p.device
+        if self._offloaded:
+            self.module.to("cpu")
+            empty_cache()
+
+    def _reload_params(self) -> None:
+        if self._offloaded:
+            device = next(iter(self._offloaded.values()))
+            self.module.to(device)
+            self._offloaded.clear()
+
+    def _restore(self, *, release: bool) -> None:
+        """Exit stages; each runs even if an earlier one failed, the first error is raised."""
+        errors: list[BaseException] = []
+        for name, fn in (("release_memory", self._release if release else (lambda: None)),
+                         ("restore_module", self._restore_module),
+                         ("restore_rng", self._restore_rng)):
+            try:
+                with self.timeline.stage(name):
+                    fn()
+            except BaseException as exc:  # noqa: BLE001 - finish restoring, then raise
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _restore_module(self) -> None:
+        self._reload_params()
+        self.module.train(self._was_training)
+        empty_cache()
+
+    def _restore_rng(self) -> None:
+        if self._trainer_rng is not None:
+            self._gen_rng = self._get_rng()
+            self._set_rng(self._trainer_rng)
+            self._trainer_rng = None
+
+    def _engine_memory(self) -> dict:
+        stats = getattr(self.engine, "memory_stats", None)
+        return stats() if stats else {}
+
+    @staticmethod
+    def _get_rng() -> tuple:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return torch.get_rng_state(), cuda
+
+    @staticmethod
+    def _set_rng(state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+
+    # ------------------------------------------------------------------ the sync
+    def _sync_weights(self) -> None:
+        cfg, topo = self.config, self.topo
+        t0 = time.perf_counter()
+        self.stats = SyncStats()
+        self._unacked: str | None = None
+        tagged = getattr(self.engine, "accepts_tagged_payloads", True) if topo.is_tp_src else True
+        # every rank must agree on tagging, or rank 0 opens payloads it cannot read
+        tagged = bool(self._broadcast_flag(tagged))
+        if topo.is_tp_src and hasattr(self.engine, "begin_weight_update"):
+            self.engine.begin_weight_update()
+        try:
+            steps = {"per_tensor": self._steps_per_tensor, "bucketed": self._steps_bucketed,
+                     "flattened": self._steps_flattened}[cfg.strategy](tagged)
+            with closing(steps):  # an abandoned export generator restores FSDP state on close
+                for call in steps:
+                    self._one_call(call)
+        finally:
+            if topo.is_tp_src and hasattr(self.engine, "end_weight_update"):
+                self.engine.end_weight_update()
+        self.stats.seconds = time.perf_counter() - t0
+        if self._unacked:
+            raise handles.HandleError(self._unacked)
+
+    def _broadcast_flag(self, value: bool) -> bool:
+        t = torch.tensor([1 if value else 0], dtype=torch.int64)
+        dist.broadcast(t, src=self.topo.tp_src, group=self.topo.tp_group) if self.topo.tp_size > 1 else None
+        return bool(t.item())
+
+    def _steps_flattened(self, tagged: bool) -> Iterator[tuple]:
+        cfg, topo = self.config, self.topo
+        n = len(plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes))
+        it = export.iter_buckets(self.module, cfg.bucket_bytes, dtype=cfg.dtype,
+                                 fsdp1_state_dict=cfg.fsdp1_state_dict)
+        for i, (bucket, flat) in enumerate(it):
+            obj = {"flattened_tensor": flat, "metadata": sglang_metadata(bucket)}
+            sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
+            self.stats.bytes += bucket.payload_bytes
+            self.stats.tensors += len(bucket.entries)
+            self.stats.buckets += 1
+            del flat, obj
+            yield _Call(sets, sets[0].payloads[0], lambda g: g, "flattened_bucket", i == n - 1,
+                        f"bucket {i} ({bucket.names[0]}…)")
+
+    def _steps_per_tensor(self, tagged: bool) -> Iterator[tuple]:
+        cfg, topo = self.config, self.topo
+        n = len(export.param_metas(self.module, cfg.dtype))
+        it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
+        for i, (name, tensor) in enumerate(it):
+            sets = [handles.make_payloads(tensor, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
+            self.stats.bytes += tensor.numel() * tensor.element_size()
+            self.stats.tensors += 1
+            self.stats.buckets += 1
+            del tensor
+            yield _Call(sets, sets[0].payloads[0], lambda g, _n=name: [(_n, _per_rank(g))], None,
+                        i == n - 1, repr(name))
+
+    def _steps_bucketed(self, tagged: bool) -> Iterator[tuple]:
+        cfg, topo = self.config, self.topo
+        plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
+        it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
+        for i, bucket in enumerate(plan):
+            names, sets = [], []
+            for entry in bucket.entries:
+                name, tensor = next(it)
+                if name != entry.name:
+                    raise RuntimeError(f"export order changed: expected {entry.name!r}, got {name!r}")
+                names.append(name)
+                sets.append(handles.make_payloads(tensor, topo.tp_size, ranks=[topo.tp_rank],
+                                                  tagged=tagged))
+                self.stats.bytes += tensor.numel() * tensor.element_size()
+                del tensor
+            self.stats.tensors += len(names)
+            self.stats.buckets += 1
+
+            def named(gathered: list, _names=tuple(names)) -> list:
+                # gathered[tp_rank][j] is tp_rank's payload of tensor j
+                return [(nm, _per_rank([g[j] for g in gathered])) for j, nm in enumerate(_names)]
+
+            yield _Call(sets, [x.payloads[0] for x in sets], named, None, i == len(plan) - 1,
+                        f"bucket {i} ({names[0]}…)")
+
+    def _one_call(self, call: _Call) -> None:
+        """Gather this rank's payloads to infer-TP rank 0, call the engine there, agree, free."""
+        topo = self.topo
+        err = None
+        try:
+            gathered = gather_to_src(call.wire, topo)
+            if topo.is_tp_src:
+                try:
+                    self.engine.update_weights_from_tensor(call.to_named(gathered),
+                                                           load_format=call.load_format,
+                                                           flush_cache=call.last)
+                    self.stats.engine_calls += 1
+                except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+                    err = (f"engine update of {call.what} on {topo.describe()}: "
+                           f"{type(exc).__name__}: {exc}")
+            agree(err, topo, what="weight sync")
+        finally:
+            for s in call.sets:
+                # Acknowledgements are checked without a collective of their own: a missing one
+                # fails this rank's stage, and the stage's closing `agree` tells every rank.
+                missing = [s.ranks[i] for i in s.unacknowledged()]
+                if missing and err is None and self._unacked is None:
+                    self._unacked = (f"engine answered for {call.what} but consumer ranks {missing} "
+                                     f"never acknowledged their payloads ({topo.describe()})")
+                s.release(require_ack=False)
