@@ -88,12 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Weight sync from FSDP trainers to rollout engines: demo and benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
-    try:
-        from .bench import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

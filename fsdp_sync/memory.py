@@ -74,6 +74,7 @@ class StageRecord:
     name: str
     seconds: float
     memory: dict[str, Any] = field(default_factory=dict)
+    started: float = 0.0  # time.perf_counter() at the stage's start (same clock as samplers)
 
 
 @dataclass
@@ -85,8 +86,8 @@ class Timeline:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[StageRecord]:
-        rec = StageRecord(name, 0.0)
         t0 = time.perf_counter()
+        rec = StageRecord(name, 0.0, started=t0)
         try:
             yield rec
         finally:

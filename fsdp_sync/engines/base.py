@@ -1,0 +1,178 @@
+"""The rollout-engine protocol fsdp_sync drives, with SGLang's names and meanings, and its small types.
+
+`Engine` is a `typing.Protocol`: the part of SGLang's ``Engine`` API the sharding manager uses
+(weight updates in three load formats, begin/end of an update, memory release/resume by tag, cache
+flush, greedy/sampled generation) plus what tests and the demo need to check an engine against the
+trainer (`get_weights_by_name`, `weights_checksum`, `forward_logits`, `memory_stats`).
+
+Load formats of ``update_weights_from_tensor(named_tensors, load_format, flush_cache)``:
+
+- ``None``: ``named_tensors`` is ``[(hf_name, value), ...]`` with Hugging Face names and *full*
+  tensors; the engine shards and stacks. ``value`` is a plain tensor, or a `SerializedPerRank`
+  (SGLang's ``LocalSerializedTensor``) whose ``values[i]`` is TP rank i's payload of the full tensor.
+- ``"flattened_bucket"``: ``named_tensors`` is the list of per-rank payloads, element i for TP rank
+  i; each opens to ``{"flattened_tensor": uint8, "metadata": [...]}`` (see `fsdp_sync.bucket`).
+- ``"direct"``: ``[(engine_param_name, value), ...]`` already in the engine's own layout: ``value``
+  is a `SerializedPerRank` of per-rank shards, a list of per-rank tensors, or one tensor that every
+  rank gets as is (replicated parameters).
+
+Memory tags and orders are SGLang's (see `fsdp_sync.memory`): release kv_cache → weights →
+cuda_graph, resume cuda_graph → weights → kv_cache; ``None`` means all.
+
+Also here: the errors every engine raises and `checksum_named_tensors`, the checksum a trainer can
+compute over its own full tensors to compare with `Engine.weights_checksum`.
+
+Not here: any engine (see `reference` and `sglang`), and no process is started by this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+__all__ = [
+    "Engine", "SerializedPerRank", "LOAD_FORMATS", "TAGS", "RELEASE_ORDER", "RESUME_ORDER",
+    "ordered_tags", "EngineError", "WeightUpdateError", "WorkerDiedError", "EngineStateError",
+    "EngineClosedError", "checksum_named_tensors",
+]
+
+LOAD_FORMATS = (None, "flattened_bucket", "direct")
+TAGS = ("weights", "kv_cache", "cuda_graph")
+RELEASE_ORDER = ("kv_cache", "weights", "cuda_graph")
+RESUME_ORDER = ("cuda_graph", "weights", "kv_cache")
+
+
+def ordered_tags(tags: Iterable[str] | str | None, order: Sequence[str]) -> list[str]:
+    """``tags`` (None = all) checked against `TAGS` and put in ``order``."""
+    if tags is None:
+        return list(order)
+    if isinstance(tags, str):
+        tags = [tags]
+    tags = list(tags)
+    bad = [t for t in tags if t not in TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tag(s) {bad}; expected some of {list(TAGS)} or None (all)")
+    return [t for t in order if t in tags]
+
+
+@dataclass
+class SerializedPerRank:
+    """One value per TP rank: ``values[i]`` is TP rank i's payload (SGLang's ``LocalSerializedTensor``).
+
+    Each element is a payload from `fsdp_sync.handles.make_payloads` (bytes or base64 text), or for
+    ``load_format="direct"`` also a plain tensor already sharded for that rank.
+    """
+
+    values: list
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.values, (list, tuple)):
+            raise TypeError(f"SerializedPerRank.values is a list (one entry per TP rank), got "
+                            f"{type(self.values).__name__}")
+        self.values = list(self.values)
+
+
+# --------------------------------------------------------------------------- errors
+
+class EngineError(RuntimeError):
+    """An engine call failed; the message says which call, which rank and why."""
+
+
+class WeightUpdateError(EngineError, ValueError):
+    """A weight update was refused (unknown name, wrong shape or dtype, bad payload) and aborted on
+    every rank: the engine still serves the weights it had before the call."""
+
+    def __init__(self, message: str, *, rank: int | None = None, name: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.name = name
+
+
+class WorkerDiedError(EngineError):
+    """A worker process died. The engine cannot serve any more; every later call raises this."""
+
+    def __init__(self, message: str, *, rank: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class EngineStateError(EngineError):
+    """The call does not fit the engine's state (weights released, KV cache released, an update
+    already open, ...); nothing was changed."""
+
+
+class EngineClosedError(EngineError):
+    """The engine was shut down."""
+
+
+# --------------------------------------------------------------------------- checksums
+
+def checksum_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over ``(name, dtype, shape, bytes)`` of each tensor, in the order given.
+
+    `Engine.weights_checksum` is this over the engine's full tensors in Hugging Face order
+    (``model.named_parameters()`` order; a tied ``lm_head.weight`` counted once, as the embedding).
+    """
+    h = hashlib.sha256()
+    for name, t in named:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- the protocol
+
+@runtime_checkable
+class Engine(Protocol):
+    """What fsdp_sync needs from a rollout engine. Every method raises an `EngineError` on failure."""
+
+    tp_size: int
+    accepts_tagged_payloads: bool
+
+    def update_weights_from_tensor(self, named_tensors: list, load_format: str | None = None,
+                                   flush_cache: bool = True) -> None:
+        """Load weights (see the module docstring for the formats). All or nothing: on any error
+        every rank drops the update and the previous weights stay in service."""
+
+    def begin_weight_update(self) -> None:
+        """Open an update: calls until `end_weight_update` are one transaction."""
+
+    def end_weight_update(self) -> None:
+        """Commit the updates staged since `begin_weight_update`."""
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free memory by tag (None = all), in the order kv_cache → weights → cuda_graph."""
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Reallocate memory by tag (None = all), in the order cuda_graph → weights → kv_cache."""
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes / KV entries."""
+
+    def generate(self, input_ids: list[list[int]], max_new_tokens: int = 16,
+                 temperature: float = 0.0) -> list[list[int]]:
+        """New token ids per prompt."""
+
+    def get_weights_by_name(self, name: str) -> torch.Tensor:
+        """The full tensor of a Hugging Face parameter name, gathered from the shards."""
+
+    def weights_checksum(self) -> str:
+        """`checksum_named_tensors` over all full tensors in Hugging Face order."""
+
+    def forward_logits(self, input_ids: Any) -> Any:
+        """Logits of a batch of prompts (last position by default)."""
+
+    def memory_stats(self) -> dict:
+        """Per worker: bytes of weights and KV cache, process RSS/USS, CUDA allocator stats."""
+
+    def shutdown(self) -> None:
+        """Stop every worker; leaves no process, file descriptor or shared-memory segment."""

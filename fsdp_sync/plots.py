@@ -1,0 +1,95 @@
+"""PNG plots of a bench result (matplotlib, headless): time and peak memory against bucket size per
+strategy, and the memory curve across the stages of one sync, multi-stage wake-up on against off.
+
+Not here: measuring anything; it reads the dict `bench.run_bench` returns.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["plot_bench"]
+
+MiB = 2**20
+
+
+def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = result["rows"]
+    written: list[Path] = []
+
+    for model in sorted({r["model"] for r in rows}):
+        mrows = [r for r in rows if r["model"] == model and r["multi_stage"]] or \
+            [r for r in rows if r["model"] == model]
+        by: dict[str, list] = defaultdict(list)
+        for r in mrows:
+            by[r["strategy"]].append(r)
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+        buckets = sorted({r["bucket_bytes"] for r in mrows})
+        for strategy, rs in sorted(by.items()):
+            rs = sorted(rs, key=lambda r: r["bucket_bytes"])
+            if strategy == "per_tensor":  # independent of the bucket size: a horizontal line
+                ax_t.axhline(rs[0]["seconds"], ls="--", color="gray", label="per_tensor (baseline)")
+                ax_m.axhline(rs[0]["peak_extra_bytes"] / MiB, ls="--", color="gray",
+                             label="per_tensor (baseline)")
+                continue
+            x = [r["bucket_bytes"] / MiB for r in rs]
+            ax_t.plot(x, [r["seconds"] for r in rs], "o-", label=strategy)
+            ax_m.plot(x, [r["peak_extra_bytes"] / MiB for r in rs], "o-", label=strategy)
+        floor = sorted(mrows, key=lambda r: r["bucket_bytes"])
+        fl = defaultdict(list)
+        for r in floor:
+            fl[r["bucket_bytes"]].append(r["floor_seconds"])
+        ax_t.plot([b / MiB for b in sorted(fl)], [min(fl[b]) for b in sorted(fl)], "k:", label="floor")
+        budget = [(b / MiB, (2 * b + mrows[0]["largest_tensor_bytes"]) / MiB) for b in buckets]
+        ax_m.plot([b for b, _ in budget], [v for _, v in budget], "k:", label="2×bucket + largest tensor")
+        for ax, title, ylabel in ((ax_t, "sync time", "seconds (median)"),
+                                  (ax_m, "peak extra memory per device", "MiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("bucket size (MiB)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{title}: {model}, {mrows[0]['ranks']} ranks, TP {mrows[0]['tp']}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"sync_vs_bucket_{model}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    # memory timeline of one sync: multi-stage on vs off, same model/strategy/bucket
+    pairs = defaultdict(dict)
+    for r in rows:
+        if r.get("memory_curve"):
+            pairs[(r["model"], r["strategy"], r["bucket_bytes"])][r["multi_stage"]] = r
+    for (model, strategy, bucket), d in sorted(pairs.items()):
+        if len(d) < 2 or strategy == "per_tensor":
+            continue
+        fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=False)
+        for ax, ms in zip(axes, (True, False)):
+            r = d[ms]
+            ts = [p[0] for p in r["memory_curve"]]
+            mem = [p[1] / MiB for p in r["memory_curve"]]
+            ax.plot(ts, mem, lw=1.2)
+            for st in r["stages"]:
+                if "t" in st:
+                    ax.axvline(st["t"], color="gray", lw=0.5)
+                    ax.text(st["t"], max(mem), st["name"], rotation=90, fontsize=7, va="top")
+            ax.set_ylabel("TP group memory (PSS, MiB)")
+            ax.set_title(f"one sync, multi-stage wake-up {'on' if ms else 'off'}: {model}, {strategy}, "
+                         f"bucket {bucket / MiB:g} MiB")
+            ax.grid(alpha=0.3)
+        axes[-1].set_xlabel("seconds since the with block began")
+        fig.tight_layout()
+        path = out / f"memory_timeline_{model}_{strategy}_{int(bucket / MiB)}MiB.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
