@@ -229,16 +229,21 @@ class PayloadSet:
         """Indices into ``payloads`` whose consumer has not acknowledged."""
         return [r for r in range(len(self.payloads)) if self.state(r) != ACKED]
 
-    def release(self, *, require_ack: bool = True) -> None:
-        """Free every buffer. Raises `HandleError` naming ranks that never acknowledged."""
+    def release(self, *, require_ack: bool = True, gone: Sequence[int] = ()) -> None:
+        """Free every buffer. Raises `HandleError` naming ranks that never acknowledged.
+
+        ``gone``: consumer ranks whose process died; a payload such a rank opened but never
+        acknowledged still counts its mapping in the segment's reference count, given back here.
+        """
         if self.released:
             return
         missing = [r for r in range(len(self.payloads)) if self.states[r] is not None
                    and self.state(r) != ACKED]
         # A payload nobody opened still holds the reference its pickling took: give it back, or
-        # the segment outlives every process that maps it.
+        # the segment outlives every process that maps it. The same for a dead consumer's mapping.
         for r in range(len(self.payloads)):
-            if self.states[r] is not None and self.state(r) == FRESH:
+            if self.states[r] is not None and (self.state(r) == FRESH or (
+                    self.state(r) == OPENED and self.ranks and self.ranks[r] in gone)):
                 for storage in self._shared[r]:
                     storage._shared_decref()
         ranks = self.ranks

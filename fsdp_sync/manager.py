@@ -21,6 +21,7 @@ group of its own: it runs on the mesh it is given.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from contextlib import closing
@@ -125,8 +126,8 @@ class FSDPShardingManager:
             with self.timeline.stage("swap_rng"):
                 self._trainer_rng = self._get_rng()
                 self._set_rng(self._gen_rng)
-        except BaseException:
-            self._restore(release=True)
+        except BaseException as exc:
+            self._restore(release=True, original=exc)
             raise
         self._inside = True
         if self.topo.rank == 0:
@@ -135,7 +136,7 @@ class FSDPShardingManager:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._inside = False
-        self._restore(release=True)
+        self._restore(release=True, original=exc)
         if self.topo.rank == 0:
             log.info("fsdp_sync exit: %s", self.timeline.summary())
 
@@ -226,8 +227,10 @@ class FSDPShardingManager:
             self.module.to(device)
             self._offloaded.clear()
 
-    def _restore(self, *, release: bool) -> None:
-        """Exit stages; each runs even if an earlier one failed, the first error is raised."""
+    def _restore(self, *, release: bool, original: BaseException | None = None) -> None:
+        """Exit stages; each runs even if an earlier one failed. The first error is raised, unless
+        an exception is already propagating (``original``): that one wins, and ours are attached
+        to it as notes (a dead engine cannot release memory, but the caller must see why it died)."""
         errors: list[BaseException] = []
         for name, fn in (("release_memory", self._release if release else (lambda: None)),
                          ("restore_module", self._restore_module),
@@ -237,8 +240,12 @@ class FSDPShardingManager:
                     fn()
             except BaseException as exc:  # noqa: BLE001 - finish restoring, then raise
                 errors.append(exc)
-        if errors:
+        if errors and original is None:
             raise errors[0]
+        for err in errors:
+            if hasattr(original, "add_note"):
+                original.add_note(f"while restoring after it: {type(err).__name__}: {err}")
+            log.warning("fsdp_sync: restoring after %s failed too: %s", type(original).__name__, err)
 
     def _restore_module(self) -> None:
         self._reload_params()
@@ -277,18 +284,34 @@ class FSDPShardingManager:
         tagged = bool(self._broadcast_flag(tagged))
         if topo.is_tp_src and hasattr(self.engine, "begin_weight_update"):
             self.engine.begin_weight_update()
+        ok = False
         try:
             steps = {"per_tensor": self._steps_per_tensor, "bucketed": self._steps_bucketed,
                      "flattened": self._steps_flattened}[cfg.strategy](tagged)
             with closing(steps):  # an abandoned export generator restores FSDP state on close
                 for call in steps:
                     self._one_call(call)
+            ok = True
         finally:
             if topo.is_tp_src and hasattr(self.engine, "end_weight_update"):
-                self.engine.end_weight_update()
+                self._end_update(commit=ok)
         self.stats.seconds = time.perf_counter() - t0
         if self._unacked:
             raise handles.HandleError(self._unacked)
+
+    def _end_update(self, *, commit: bool) -> None:
+        """Close the engine's update bracket; after a failure, abort it where the engine can (the
+        reference engine then keeps serving its previous weights) instead of committing half."""
+        if commit:
+            self.engine.end_weight_update()
+            return
+        try:
+            if "abort" in inspect.signature(self.engine.end_weight_update).parameters:
+                self.engine.end_weight_update(abort=True)
+            else:
+                self.engine.end_weight_update()
+        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to report
+            log.warning("fsdp_sync: closing the engine's update after a failed sync: %s", exc)
 
     def _broadcast_flag(self, value: bool) -> bool:
         t = torch.tensor([1 if value else 0], dtype=torch.int64)

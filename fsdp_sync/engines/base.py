@@ -14,7 +14,9 @@ Load formats of ``update_weights_from_tensor(named_tensors, load_format, flush_c
   i; each opens to ``{"flattened_tensor": uint8, "metadata": [...]}`` (see `fsdp_sync.bucket`).
 - ``"direct"``: ``[(engine_param_name, value), ...]`` already in the engine's own layout: ``value``
   is a `SerializedPerRank` of per-rank shards, a list of per-rank tensors, or one tensor that every
-  rank gets as is (replicated parameters).
+  rank gets as is (replicated parameters). Or, like ``"flattened_bucket"``, a list of per-rank
+  payloads of flattened buckets whose metadata names the engine's own parameters (each rank's
+  bucket holds that rank's shards: one handle per rank for a layout-aware reshard).
 
 Memory tags and orders are SGLang's (see `fsdp_sync.memory`): release kv_cache → weights →
 cuda_graph, resume cuda_graph → weights → kv_cache; ``None`` means all.

@@ -1,0 +1,658 @@
+"""`ReferenceEngine`: a small tensor-parallel rollout engine that speaks SGLang's ``Engine`` API.
+
+It exists so the whole sync can be run and checked without a GPU or SGLang: one worker process
+per TP rank (spawn context, as SGLang starts its schedulers), each holding only its shard of a
+Llama/Qwen2 decoder (`tp_model`) and a preallocated KV cache, driven over `multiprocessing` Pipes.
+The engine object lives in the caller's process (the trainer's infer-TP rank 0); the workers are
+its children.
+
+Weight updates are all or nothing, in two phases: every worker opens its payloads and checks every
+name, shape and dtype without touching a weight (``stage``); only when every worker said yes does
+the engine send ``commit``, otherwise ``abort``. A worker that dies during an update aborts it on
+the others. Plain tensors handed to the engine travel to the workers as one flattened bucket per
+call (one shared-memory copy, one handle per worker).
+
+``begin_weight_update()`` … ``end_weight_update()`` is one transaction (``transactional_updates``,
+the default): each call is checked as above; while the engine holds weights worth protecting
+(loaded, valid) its tensors are copied aside on CPU and applied together at ``end_weight_update()``
+— one extra copy of what is pushed — and a failed call aborts the whole transaction, so the
+previous weights stay. Where there is nothing to protect (the random start-up weights, or weights
+released without a backup and resumed as zeros) calls write in place at no extra memory. After a
+release without backup the engine refuses to serve until every tensor has been pushed again.
+``end_weight_update(abort=True)`` drops a transaction; ``begin_weight_update(transactional=False)``
+makes each call commit on its own, as SGLang does.
+
+Liveness: every wait on a worker polls its pipe and its process sentinel, so a dead worker is
+reported within about half a second; from then on every call raises `WorkerDiedError` at once.
+`shutdown()` (also on ``with`` exit, garbage collection and interpreter exit) stops every worker
+and closes every pipe; payload buffers are acknowledged by the workers and released by their owner.
+
+Not here: the model math (`tp_model`) and the worker loop (`worker`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import pickle
+import signal
+import threading
+import time
+import weakref
+from multiprocessing import connection as mp_connection
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+from .. import handles
+from ..bucket import TensorMeta, flatten, plan_buckets, sglang_metadata
+from ..launch import free_port
+from ..models import load_config
+from .base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
+                   SerializedPerRank, WeightUpdateError, WorkerDiedError, checksum_named_tensors,
+                   ordered_tags)
+from .tp_model import ModelSpec, TPLayout, shard_state_dict
+
+__all__ = ["ReferenceEngine"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
+
+
+def _signame(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f", {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return ""
+
+
+class _Workers:
+    """The processes and pipes, apart from the engine so a finalizer can stop them."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.closed = False
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(pickle.dumps((-1, "shutdown", {})))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        for conn in self.conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.close()   # releases the sentinel fd
+            except ValueError:
+                pass
+
+
+class ReferenceEngine:
+    """A TP rollout engine in worker processes. See the module docstring.
+
+    Args:
+        model_config: a ``transformers`` config, a recipe name, or a path (`fsdp_sync.models.load_config`).
+        tp_size: number of TP workers.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; worker i on GPU ``i % device_count``).
+        dtype: weight and activation dtype (float32, bfloat16 or float16). Updates must match it.
+        kv_cache_tokens: KV-cache slots per worker (default 4096 when ``mem_fraction`` is not given).
+        mem_fraction: instead of a token count, size weights + KV cache to this fraction of the
+            device memory (CUDA: the GPU's total; CPU: the host's total divided by ``tp_size``).
+        weights_cpu_backup: keep released weights' contents. On CUDA they are copied to CPU and
+            back; on a CPU engine the "backup" is the weight tensors themselves, so releasing
+            weights then frees no memory (reported as ``cpu_backup_bytes``).
+        seed: initial random weights (the same full model for every ``tp_size``) and sampling.
+        num_threads: torch threads per worker (default 1: workers share the cores with the trainer
+            ranks, and oversubscribed OpenMP threads slow a decode step by 5-10x).
+        pg_timeout_s: timeout of the workers' process group.
+        call_timeout_s: a worker that answers no call within this long makes the engine unusable.
+        transactional_updates: whether begin/end_weight_update make one all-or-nothing transaction
+            (costs a CPU copy of what is pushed while loaded weights are being replaced).
+    """
+
+    accepts_tagged_payloads = True
+
+    def __init__(self, model_config: Any = "tiny", tp_size: int = 1, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, kv_cache_tokens: int | None = None,
+                 mem_fraction: float | None = None, weights_cpu_backup: bool = False, seed: int = 0,
+                 *, num_threads: int | None = None, pg_timeout_s: float = 60.0,
+                 startup_timeout_s: float = 180.0, call_timeout_s: float | None = 900.0,
+                 use_memory_saver: bool = True, transactional_updates: bool = True):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
+        device = str(device)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise EngineError("device='cuda' but CUDA is not available in this process")
+        if device == "cuda" and int(tp_size) > torch.cuda.device_count():
+            raise EngineError(f"tp_size {tp_size} needs one GPU per TP rank (NCCL refuses two ranks on "
+                              f"one GPU); this process sees {torch.cuda.device_count()}")
+        if kv_cache_tokens is not None and mem_fraction is not None:
+            raise ValueError("give kv_cache_tokens or mem_fraction, not both")
+        if kv_cache_tokens is not None and kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
+        if mem_fraction is not None and not 0 < mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+        if kv_cache_tokens is None and mem_fraction is None:
+            kv_cache_tokens = 4096
+        self.config = load_config(model_config)
+        self.spec = ModelSpec.from_config(self.config)
+        self.layout = TPLayout(self.spec, int(tp_size))     # refuses an impossible split up front
+        self.tp_size = int(tp_size)
+        self.device, self.dtype = device, dtype
+        self.weights_cpu_backup = bool(weights_cpu_backup)
+        self.call_timeout_s = call_timeout_s
+        self.transactional_updates = bool(transactional_updates)
+        self._lock = threading.RLock()
+        self._seq = itertools.count(1)
+        self._broken: str | None = None
+        self._in_txn = False
+        self._txn_transactional = True
+        self._txn_aborted: str | None = None
+        opts = {
+            "spec": self.spec, "device": device, "dtype": dtype,
+            "kv_cache_tokens": kv_cache_tokens, "mem_fraction": mem_fraction,
+            "weights_cpu_backup": self.weights_cpu_backup, "seed": int(seed),
+            "num_threads": int(num_threads or 1),
+            "pg_timeout_s": float(pg_timeout_s), "use_memory_saver": use_memory_saver,
+        }
+        from . import worker as worker_mod
+
+        self._w = _Workers()
+        self._finalizer = weakref.finalize(self, self._w.stop)
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}" if self.tp_size > 1 else None
+        try:
+            for rank in range(self.tp_size):
+                parent, child = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=worker_mod.main, name=f"fsdp_sync-engine-tp{rank}",
+                                args=(rank, self.tp_size, init_method, child, opts), daemon=True)
+                p.start()
+                child.close()
+                self._w.procs.append(p)
+                self._w.conns.append(parent)
+            ready = self._collect(0, range(self.tp_size), "engine startup", startup_timeout_s)
+            errs = {r: rep for r, rep in ready.items() if rep[0] != "ok"}
+            if errs:
+                r = min(errs)
+                raise EngineError(f"TP rank {r} failed to start: {errs[r][2]}\n{errs[r][3]}")
+        except BaseException:
+            self._finalizer()
+            raise
+        self.worker_pids = [ready[r][1]["pid"] for r in range(self.tp_size)]
+        self.kv_cache_tokens = ready[0][1]["kv_cache_tokens"]
+
+    # ------------------------------------------------------------------ context / lifetime
+    def __enter__(self) -> "ReferenceEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop every worker (gracefully, then terminate/kill) and close every pipe. Idempotent."""
+        with self._lock:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not hasattr(self, "_w") or self._w.closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("broken" if getattr(self, "_broken", None) else "running")
+        return (f"ReferenceEngine({self.spec.model_type}, tp={self.tp_size}, {self.device}, "
+                f"{str(self.dtype).removeprefix('torch.')}, {state})")
+
+    # ------------------------------------------------------------------ worker calls
+    def _check_usable(self) -> None:
+        if self._w.closed:
+            raise EngineClosedError("the engine was shut down")
+        if self._broken:
+            raise WorkerDiedError(self._broken)
+        for r, p in enumerate(self._w.procs):
+            if not p.is_alive():
+                self._mark_dead(r, "idle time (noticed by the next call)")
+                raise WorkerDiedError(self._broken or "a worker died")
+
+    def _mark_dead(self, rank: int, what: str) -> WorkerDiedError:
+        p = self._w.procs[rank]
+        p.join(timeout=1.0)
+        code = p.exitcode
+        msg = (f"TP rank {rank} (pid {p.pid}) died during {what} (exit code {code}{_signame(code)}); "
+               f"the engine cannot serve any more: shut it down and start a new one")
+        if self._broken is None:
+            self._broken = msg
+        return WorkerDiedError(msg, rank=rank, exitcode=code)
+
+    def _send(self, rank: int, seq: int, cmd: str, args: Any, what: str) -> None:
+        try:
+            self._w.conns[rank].send_bytes(pickle.dumps((seq, cmd, args), protocol=pickle.HIGHEST_PROTOCOL))
+        except (OSError, EOFError):
+            raise self._mark_dead(rank, what) from None
+
+    def _collect(self, seq: int, ranks: Sequence[int], what: str,
+                 timeout: float | None) -> dict[int, tuple]:
+        """Replies of ``ranks`` to request ``seq``; raises `WorkerDiedError` as soon as one dies."""
+        pending = set(ranks)
+        replies: dict[int, tuple] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            waitables = [self._w.conns[r] for r in pending] + [self._w.procs[r].sentinel for r in pending]
+            mp_connection.wait(waitables, timeout=0.5)
+            for r in sorted(pending):
+                conn = self._w.conns[r]
+                try:
+                    while conn.poll(0):
+                        msg = pickle.loads(conn.recv_bytes())
+                        if msg[0] == seq:
+                            replies[r] = msg[1:]
+                            pending.discard(r)
+                            break
+                except (EOFError, OSError):
+                    raise self._mark_dead(r, what) from None
+                if r in pending and not self._w.procs[r].is_alive():
+                    raise self._mark_dead(r, what)
+            if pending and deadline is not None and time.monotonic() > deadline:
+                msg = (f"TP ranks {sorted(pending)} did not answer {what} within {timeout:.0f}s; "
+                       f"the engine cannot serve any more: shut it down and start a new one")
+                self._broken = self._broken or msg
+                raise EngineError(msg)
+        return replies
+
+    def _round(self, cmd: str, args: Any = None, *, per_rank: Sequence[Any] | None = None,
+               ranks: Sequence[int] | None = None, what: str | None = None,
+               timeout: float | None | str = "default") -> dict[int, tuple]:
+        ranks = list(range(self.tp_size)) if ranks is None else list(ranks)
+        what = what or cmd
+        seq = next(self._seq)
+        for r in ranks:
+            self._send(r, seq, cmd, per_rank[r] if per_rank is not None else (args or {}), what)
+        return self._collect(seq, ranks, what, self.call_timeout_s if timeout == "default" else timeout)
+
+    def _raise_errors(self, replies: dict[int, tuple], what: str, *, collective: bool = False) -> None:
+        errs = {r: rep for r, rep in replies.items() if rep[0] != "ok"}
+        if not errs:
+            return
+        r = min(errs)
+        _, kind, msg, tb, name = errs[r]
+        others = sorted(set(errs) - {r})
+        text = f"{what}: {msg}" + (f" (also on TP ranks {others})" if others else "")
+        if collective and len(errs) != len(replies):
+            # some ranks finished a collective that others left: the group cannot be trusted
+            self._broken = (f"{text}; TP ranks {sorted(set(replies) - set(errs))} did not fail, so the "
+                            f"process group is out of step: shut the engine down")
+            raise EngineError(self._broken + f"\n(worker traceback)\n{tb}")
+        if kind == "update":
+            raise WeightUpdateError(text, rank=r, name=name)
+        if kind == "state":
+            raise EngineStateError(text)
+        raise EngineError(f"{text}\n(worker traceback)\n{tb}")
+
+    def _call(self, cmd: str, args: Any = None, *, what: str | None = None, collective: bool = False,
+              per_rank: Sequence[Any] | None = None) -> dict[int, Any]:
+        with self._lock:
+            self._check_usable()
+            replies = self._round(cmd, args, per_rank=per_rank, what=what)
+            self._raise_errors(replies, what or cmd, collective=collective)
+            return {r: rep[1] for r, rep in replies.items()}
+
+    # ------------------------------------------------------------------ weight updates
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
+                                   flush_cache: bool = True) -> None:
+        """Load weights; all or nothing (see the module docstring). Raises `WeightUpdateError`
+        naming the parameter, the rank and the values; the engine then serves its previous weights."""
+        what = f"update_weights_from_tensor(load_format={load_format!r})"
+        with self._lock:
+            self._check_usable()
+            if self._txn_aborted is not None:
+                raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
+                                        f"({self._txn_aborted}); call end_weight_update() and start again")
+            sets: list[handles.PayloadSet] = []
+            try:
+                try:
+                    per_rank = self._build_items(named_tensors, load_format, sets)
+                except WeightUpdateError as exc:
+                    self._abort_all(what, str(exc))   # a refused call ends an open transaction too
+                    raise
+                self._two_phase(per_rank, what)
+            finally:
+                gone = [r for r, p in enumerate(self._w.procs) if not p.is_alive()]
+                for s in sets:
+                    s.release(require_ack=False, gone=gone)   # a dead worker's mapping, too
+            if flush_cache:
+                self._raise_errors(self._round("flush_cache"), "flush_cache")
+
+    def _two_phase(self, per_rank: list[list], what: str) -> None:
+        phase = "stage"
+        try:
+            staged = self._round("stage", per_rank=[{"items": it} for it in per_rank], what=what)
+            errs = {r: rep for r, rep in staged.items() if rep[0] != "ok"}
+            if errs:
+                phase = "aborted"
+                self._abort_all(what, str(errs[min(errs)][2]))
+                self._raise_errors(staged, what)
+            phase = "commit"
+            committed = self._round("commit", what=what + " (commit)")
+            phase = "done"
+            if any(rep[0] != "ok" for rep in committed.values()):
+                # copies only fail on e.g. out-of-memory; ranks may now disagree on their weights
+                self._broken = f"{what}: commit failed on some TP ranks; the weights are inconsistent"
+                self._raise_errors(committed, what + " (commit)")
+        except BaseException as exc:
+            if phase == "stage":           # a dead worker, an interrupt: nobody may keep the update
+                self._abort_all(what, f"{type(exc).__name__}: {exc}")
+            elif phase == "commit" and not isinstance(exc, EngineError):
+                self._broken = self._broken or f"{what}: interrupted while committing ({exc!r})"
+            raise
+
+    def _abort_all(self, what: str, reason: str) -> None:
+        """Tell every live worker to drop the update (and the open transaction)."""
+        if self._in_txn and self._txn_transactional:
+            self._txn_aborted = reason
+        alive = [r for r, p in enumerate(self._w.procs) if p.is_alive()]
+        try:
+            self._round("abort", {"reason": reason}, ranks=alive, what=what + " (abort)", timeout=10.0)
+        except EngineError:
+            pass   # already broken: the caller raises the first error
+
+    def _build_items(self, named_tensors: Any, load_format: str | None,
+                     sets: list[handles.PayloadSet]) -> list[list]:
+        """Per-rank work items: ``("bucket", layout, payload)`` or ``("tensor", layout, name, payload)``."""
+        tp = self.tp_size
+        items: list[list] = [[] for _ in range(tp)]
+        direct_buckets = (load_format == "direct" and isinstance(named_tensors, (list, tuple))
+                          and bool(named_tensors)
+                          and all(isinstance(p, (bytes, bytearray, str)) for p in named_tensors))
+        if load_format == "flattened_bucket" or direct_buckets:
+            if not isinstance(named_tensors, (list, tuple)) or len(named_tensors) != tp:
+                n = len(named_tensors) if isinstance(named_tensors, (list, tuple)) else type(named_tensors).__name__
+                raise WeightUpdateError(f"load_format='flattened_bucket' takes one payload per TP rank "
+                                        f"({tp}), got {n}")
+            for r, p in enumerate(named_tensors):
+                if not isinstance(p, (bytes, bytearray, str)):
+                    raise WeightUpdateError(f"flattened_bucket payload for TP rank {r} must be bytes or "
+                                            f"base64 text (handles.make_payloads), got {type(p).__name__}")
+                items[r].append(("bucket", "direct" if direct_buckets else "hf", p))
+            return items
+        if load_format not in (None, "direct"):
+            raise WeightUpdateError(f"unknown load_format {load_format!r}; expected None, "
+                                    f"'flattened_bucket' or 'direct'")
+        if not isinstance(named_tensors, (list, tuple)):
+            raise WeightUpdateError(f"named_tensors is a list of (name, value) pairs, got "
+                                    f"{type(named_tensors).__name__}")
+        kind = "hf" if load_format is None else "direct"
+        plain: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(tp)]
+        for pair in named_tensors:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise WeightUpdateError(f"named_tensors holds (name, value) pairs, got {pair!r:.80}")
+            name, value = pair
+            if isinstance(value, torch.Tensor):
+                for r in range(tp):     # a full tensor (None) or a replicated one (direct)
+                    plain[r].append((name, value))
+            elif isinstance(value, SerializedPerRank) or (load_format == "direct" and isinstance(value, (list, tuple))):
+                values = value.values if isinstance(value, SerializedPerRank) else list(value)
+                if len(values) != tp:
+                    raise WeightUpdateError(f"expected {tp} per-rank values for {name!r} (one per TP rank), "
+                                            f"got {len(values)}", name=name)
+                for r, v in enumerate(values):
+                    if isinstance(v, torch.Tensor):
+                        plain[r].append((name, v))
+                    elif isinstance(v, (bytes, bytearray, str)):
+                        items[r].append(("tensor", kind, name, v))
+                    else:
+                        raise WeightUpdateError(f"per-rank value {r} of {name!r} must be a payload "
+                                                f"(bytes/str) or a tensor, got {type(v).__name__}", name=name)
+            else:
+                raise WeightUpdateError(f"value of {name!r} must be a tensor or a SerializedPerRank, got "
+                                        f"{type(value).__name__}", name=name)
+        if any(plain):
+            self._pack_plain(plain, kind, items, sets)
+        return items
+
+    def _pack_plain(self, plain: list[list[tuple[str, torch.Tensor]]], kind: str, items: list[list],
+                    sets: list[handles.PayloadSet]) -> None:
+        """Plain tensors travel as one flattened bucket per distinct rank list: one shared buffer,
+        one copy, one handle per rank (``handles.make_payloads``), never one per tensor."""
+        tp = self.tp_size
+        same = all(len(plain[r]) == len(plain[0]) and all(a is b for (_, a), (_, b) in zip(plain[r], plain[0]))
+                   for r in range(tp))
+        groups = [(list(range(tp)), plain[0])] if same else [([r], plain[r]) for r in range(tp) if plain[r]]
+        for ranks, named in groups:
+            try:
+                metas = [TensorMeta.of(n, t) for n, t in named]
+                total = sum(m.nbytes for m in metas) + 64 * (len(metas) + 1)
+                bucket = plan_buckets(metas, total)[0]
+                devices = {t.device for _, t in named}
+                device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+                flat = handles.empty_shared(bucket.nbytes, device)
+                flatten(bucket, [t.detach().to(device).contiguous() for _, t in named], out=flat)
+            except (ValueError, TypeError) as exc:
+                raise WeightUpdateError(f"cannot send these tensors: {exc}") from exc
+            ps = handles.make_payloads({"flattened_tensor": flat, "metadata": sglang_metadata(bucket)},
+                                       tp, ranks=ranks)
+            del flat
+            sets.append(ps)
+            for r, payload in zip(ranks, ps.payloads):
+                items[r].append(("bucket", kind, payload))
+
+    def begin_weight_update(self, *, transactional: bool | None = None) -> None:
+        """Open an update. Transactional (the engine's default, see ``transactional_updates``):
+        the calls until `end_weight_update` are committed together, or not at all. Otherwise each
+        call commits on its own, as outside begin/end (no extra memory)."""
+        transactional = self.transactional_updates if transactional is None else bool(transactional)
+        with self._lock:
+            self._check_usable()
+            if self._in_txn:
+                raise EngineStateError("begin_weight_update called twice without end_weight_update")
+            self._raise_errors(self._round("begin", {"transactional": transactional}), "begin_weight_update")
+            self._in_txn, self._txn_aborted, self._txn_transactional = True, None, transactional
+
+    def end_weight_update(self, *, abort: bool = False) -> None:
+        """Commit the open transaction (``abort=True``: drop it). After a failed update in the
+        transaction this only closes it (the failure was raised already)."""
+        with self._lock:
+            if not self._in_txn:
+                raise EngineStateError("end_weight_update without begin_weight_update")
+            self._in_txn = False
+            aborted, self._txn_aborted = self._txn_aborted, None
+            self._check_usable()
+            replies = self._round("end", {"abort": abort or aborted is not None})
+            self._raise_errors(replies, "end_weight_update")
+
+    # ------------------------------------------------------------------ memory
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free ``tags`` (None = all) in the order kv_cache → weights → cuda_graph."""
+        tags = ordered_tags(tags, RELEASE_ORDER)
+        with self._lock:
+            if self._in_txn:
+                raise EngineStateError("cannot release memory inside begin/end_weight_update")
+            self._call("release", {"tags": tags}, what=f"release_memory_occupation({tags})")
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Reallocate ``tags`` (None = all) in the order cuda_graph → weights → kv_cache. Released
+        weights come back as zeros (push them again) unless the engine keeps a CPU backup."""
+        tags = ordered_tags(tags, RESUME_ORDER)
+        with self._lock:
+            if self._in_txn:
+                raise EngineStateError("cannot resume memory inside begin/end_weight_update")
+            self._call("resume", {"tags": tags}, what=f"resume_memory_occupation({tags})")
+
+    def flush_cache(self) -> None:
+        """Nothing is cached between generate calls (no prefix cache); checks the workers answer."""
+        self._call("flush_cache")
+
+    def memory_stats(self) -> dict:
+        """Per worker: weights/KV/backup/staging bytes, RSS/USS (and CUDA allocator stats), plus totals.
+
+        Works on an engine with a dead worker too (the dead one is listed with ``alive: False``).
+        """
+        workers = self._per_worker("memory_stats")
+        out: dict[str, Any] = {"tp_size": self.tp_size, "device": self.device, "workers": workers}
+        for key in ("weights_bytes", "kv_cache_bytes", "cpu_backup_bytes", "staging_bytes", "rss", "uss"):
+            out[key] = sum(int(w.get(key, 0)) for w in workers)
+        return out
+
+    def shard_checksums(self) -> list[str | None]:
+        """sha256 of each worker's own shard (None for a dead or unresponsive one): diagnostics that
+        work on a broken engine too, e.g. to see an aborted update left a survivor untouched."""
+        return [w if isinstance(w, str) else None for w in self._per_worker("shard_checksum", raw=True)]
+
+    def _per_worker(self, cmd: str, raw: bool = False) -> list:
+        """Ask every live worker on its own (no collective); a dead or silent one gets a stub."""
+        with self._lock:
+            if self._w.closed:
+                raise EngineClosedError("the engine was shut down")
+            alive = [r for r, p in enumerate(self._w.procs) if p.is_alive()]
+            replies: dict[int, tuple] = {}
+            if not self._broken and len(alive) == self.tp_size:
+                try:
+                    replies = self._round(cmd, ranks=alive, what=cmd)
+                except EngineError:
+                    replies = {}
+            if not replies:   # broken engine: one at a time, so a stuck survivor costs only its timeout
+                for r in alive:
+                    try:
+                        replies.update(self._round(cmd, ranks=[r], what=cmd, timeout=10.0))
+                    except EngineError:
+                        pass
+            out: list = []
+            for r, p in enumerate(self._w.procs):
+                rep = replies.get(r)
+                if rep is not None and rep[0] == "ok":
+                    out.append(rep[1])
+                else:
+                    out.append(None if raw else {"rank": r, "pid": p.pid, "alive": p.is_alive(),
+                                                 **({"error": rep[2]} if rep else {})})
+            return out
+
+    # ------------------------------------------------------------------ serving
+    def _check_prompts(self, input_ids: Any) -> list[list[int]]:
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 1:
+                input_ids = input_ids[None]
+            input_ids = input_ids.tolist()
+        if not isinstance(input_ids, (list, tuple)) or not input_ids:
+            raise ValueError("input_ids is a non-empty list of token-id lists")
+        if all(isinstance(t, int) for t in input_ids):
+            input_ids = [list(input_ids)]
+        prompts = []
+        V = self.spec.vocab_size
+        for i, p in enumerate(input_ids):
+            p = [int(t) for t in p]
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {V})")
+            prompts.append(p)
+        return prompts
+
+    def generate(self, input_ids: Any = None, max_new_tokens: int = 16, temperature: float = 0.0, *,
+                 sampling_params: dict | None = None, stop_token_ids: Sequence[int] | None = None,
+                 ignore_eos: bool = False) -> list[list[int]]:
+        """New token ids for each prompt (greedy when ``temperature`` is 0). Prompts may differ in
+        length. Stops at ``stop_token_ids`` (default: the config's eos, unless ``ignore_eos``)."""
+        sp = dict(sampling_params or {})
+        max_new_tokens = int(sp.pop("max_new_tokens", max_new_tokens))
+        temperature = float(sp.pop("temperature", temperature))
+        stop_token_ids = sp.pop("stop_token_ids", stop_token_ids)
+        ignore_eos = bool(sp.pop("ignore_eos", ignore_eos))
+        if sp:
+            raise ValueError(f"unsupported sampling_params {sorted(sp)}; supported: max_new_tokens, "
+                             f"temperature, stop_token_ids, ignore_eos")
+        prompts = self._check_prompts(input_ids)
+        if stop_token_ids is None:
+            eos = None if ignore_eos else getattr(self.config, "eos_token_id", None)
+            stop_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        args = {"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                "stop": [int(t) for t in stop_token_ids]}
+        return self._call("generate", args, collective=True)[0]
+
+    def forward_logits(self, input_ids: Any, *, all_positions: bool = False) -> Any:
+        """Logits of the engine dtype: ``[batch, vocab]`` at each prompt's last position, or with
+        ``all_positions`` a list of ``[len_i, vocab]`` (``[batch, len, vocab]`` for a tensor input)."""
+        rect = isinstance(input_ids, torch.Tensor)
+        prompts = self._check_prompts(input_ids)
+        out = self._call("forward_logits", {"prompts": prompts, "all_positions": all_positions},
+                         collective=True)[0]
+        if all_positions and rect:
+            return torch.stack(out)
+        return out
+
+    # ------------------------------------------------------------------ reading weights back
+    def hf_names(self) -> list[str]:
+        """Hugging Face parameter names in ``named_parameters()`` order (tied lm_head excluded)."""
+        return self.layout.hf_names()
+
+    def engine_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The engine's own parameter names and per-rank shapes (what ``load_format="direct"`` takes)."""
+        return self.layout.engine_shapes()
+
+    def shard_for_rank(self, named: Any, rank: int) -> dict[str, torch.Tensor]:
+        """Full HF tensors → rank ``rank``'s tensors in this engine's own layout (for ``"direct"``)."""
+        return shard_state_dict(named, self.layout, rank)
+
+    def _gather(self, names: list[str]) -> dict[str, torch.Tensor]:
+        replies = self._call("pieces", {"names": names}, what="get_weights_by_name")
+        out = {}
+        for name in names:
+            shape = self.layout.full_shape(name)
+            full = torch.empty(shape, dtype=self.dtype)
+            for r in range(self.tp_size):
+                for src, piece in replies[r][name]:
+                    full[src] = piece
+            out[name] = full
+        return out
+
+    def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
+        """The full (CPU) tensor of HF parameter ``name``, assembled from every rank's shard."""
+        if not self.layout.accepts(name):
+            raise KeyError(f"unknown parameter {name!r}; this model's HF names are e.g. "
+                           f"{self.hf_names()[:3]}")
+        t = self._gather([name])[name]
+        return t if truncate_size is None else t[:truncate_size]
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every full tensor in HF order, gathered a batch (about 64 MiB) at a time."""
+        batch, size = [], 0
+        for name in self.hf_names():
+            batch.append(name)
+            size += math.prod(self.layout.full_shape(name)) * self.dtype.itemsize
+            if size >= _PIECE_BATCH_BYTES:
+                yield from self._gather(batch).items()
+                batch, size = [], 0
+        if batch:
+            yield from self._gather(batch).items()
+
+    def weights_checksum(self) -> str:
+        """`checksum_named_tensors` over every full tensor in HF order: equals the trainer's
+        ``checksum_named_tensors(model.named_parameters())`` when the weights are the same."""
+        return checksum_named_tensors(self.named_full_tensors())
+
+    # ------------------------------------------------------------------ test hooks
+    def _set_fault(self, rank: int, fault: str | None) -> None:
+        """Test hook: ``"die_in_stage"`` makes worker ``rank`` SIGKILL itself while staging an update."""
+        with self._lock:
+            self._raise_errors(self._round("set_fault", {"fault": fault}, ranks=[rank]), "set_fault")
