@@ -11,7 +11,8 @@ row of the group:
 - ``baseline_seconds``: the ``per_tensor`` strategy (verl's original loop) on the same model;
 - ``peak_extra_bytes``: in one more, sampled, sync: the largest rise of one device's memory (the
   trainer rank plus its engine worker, proportional set size so shared pages count once) above its
-  level just before the sync stage, and the stage timeline with the sampled memory curve.
+  level just before the sync stage (RSS from /proc, with the shared-memory pages a worker maps from
+  its trainer counted once), and the stage timeline with the sampled memory curve.
 
 Not here: the sync itself (manager) or printing (cli).
 """
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .memory import _status
 
 __all__ = ["BenchSpec", "Job", "run_bench", "add_bench_parser", "cmd_bench", "PRESETS", "check_targets"]
 
@@ -114,27 +117,21 @@ class Job:
 
 # --------------------------------------------------------------------------- memory sampling
 
-def _pss(pid: int) -> int:
-    """Proportional set size in bytes (shared pages split between mappers), from smaps_rollup."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        return int(psutil.Process(pid).memory_info().rss)
-    except Exception:  # noqa: BLE001 - a vanished process holds nothing
-        return 0
+def _device_bytes(trainer: int, worker: int | None) -> int:
+    """One device's memory: the trainer rank's RSS plus its engine worker's RSS less the worker's
+    shared-memory pages (those are the trainer's buffers, mapped by both: counted once)."""
+    t = _status(trainer)
+    if not worker:
+        return t.get("rss", 0)
+    w = _status(worker)
+    return t.get("rss", 0) + w.get("rss", 0) - w.get("shmem", 0)
 
 
 class DeviceSampler:
-    """Samples, per device j, PSS(trainer_j) + PSS(worker_j) every ``period_s`` in a thread."""
+    """Samples each device's memory (`_device_bytes` of trainer j and worker j) every ``period_s``
+    in a thread; /proc status reads cost ~50 µs, so sampling barely disturbs the sync."""
 
-    def __init__(self, pairs: list[tuple[int, int | None]], period_s: float = 0.002) -> None:
+    def __init__(self, pairs: list[tuple[int, int | None]], period_s: float = 0.001) -> None:
         self.pairs = pairs
         self.period_s = period_s
         self.samples: list[tuple[float, list[int]]] = []
@@ -143,7 +140,7 @@ class DeviceSampler:
         self.t0 = time.perf_counter()
 
     def read(self) -> list[int]:
-        return [_pss(t) + (_pss(w) if w else 0) for t, w in self.pairs]
+        return [_device_bytes(t, w) for t, w in self.pairs]
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -227,7 +224,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                 continue  # per_tensor ignores the bucket size: measure it once
             bucket_bytes = int(bucket_mb * MiB)
             sync_cfg = SyncConfig(strategy=strategy, bucket_bytes=bucket_bytes, dtype=dtype,
-                                  multi_stage_wake_up=job.multi_stage)
+                                  multi_stage_wake_up=job.multi_stage, memory_probe="rss")
             manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
             progress.update(f"{strategy} {bucket_mb:g} MiB: warm-up")
             for _ in range(job.warmup):

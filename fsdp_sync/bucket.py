@@ -118,7 +118,9 @@ def plan_buckets(metas: Iterable[TensorMeta | tuple], bucket_bytes: int, *,
             raise TypeError(f"unsupported dtype {meta.dtype} for {meta.name!r}; supported: "
                             f"{sorted(dtype_name(d) for d in SUPPORTED_DTYPES)}")
         start = _align(offset, alignment)
-        if current and start + meta.nbytes > bucket_bytes:
+        # the bucket's size includes its trailing alignment padding: compare that, or a bucket of
+        # several tensors could exceed the budget by up to ``alignment - 1`` bytes
+        if current and _align(start + meta.nbytes, alignment) > bucket_bytes:
             buckets.append(Bucket(tuple(current), _align(offset, alignment)))
             current, start = [], 0
         current.append(BucketEntry(meta.name, meta.dtype, meta.shape, start, start + meta.nbytes))

@@ -47,7 +47,10 @@ class SyncConfig:
     offload_params: move trainer parameters off the accelerator during rollout.
     fsdp1_state_dict: the FSDP1 state-dict type used for export (full / sharded / local).
     seed: generation RNG seed base; dp rank r generates with ``seed + r`` (same on every TP rank).
-    stage_timeout_s: upper bound a rank waits for the others at a stage boundary.
+    memory_probe: what the stage timeline records after each stage: ``"full"`` (RSS, peak RSS,
+        anonymous and shared-memory RSS, USS and PSS of the trainer rank and of each engine worker;
+        a few ms per process and stage), ``"rss"`` (the /proc status figures only, ~50 µs) or
+        ``"off"``. CUDA allocator figures are added whenever CUDA is in use.
     """
 
     strategy: str = "flattened"
@@ -58,7 +61,7 @@ class SyncConfig:
     offload_params: bool = False
     fsdp1_state_dict: str = "full"
     seed: int = 1000
-    stage_timeout_s: float = 120.0
+    memory_probe: str = "full"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -68,8 +71,8 @@ class SyncConfig:
         if self.fsdp1_state_dict not in FSDP1_STATE_DICTS:
             raise ValueError(f"fsdp1_state_dict must be one of {FSDP1_STATE_DICTS}, "
                              f"got {self.fsdp1_state_dict!r}")
-        if self.stage_timeout_s <= 0:
-            raise ValueError(f"stage_timeout_s must be positive, got {self.stage_timeout_s}")
+        if self.memory_probe not in ("full", "rss", "off"):
+            raise ValueError(f"memory_probe must be 'full', 'rss' or 'off', got {self.memory_probe!r}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
 
     def replace(self, **changes: Any) -> "SyncConfig":

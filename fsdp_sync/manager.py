@@ -108,7 +108,8 @@ class FSDPShardingManager:
     def __enter__(self) -> "FSDPShardingManager":
         if self._inside:
             raise RuntimeError("FSDPShardingManager is not re-entrant: already inside its with block")
-        self.timeline = Timeline(engine_probe=self._engine_memory if self.topo.is_tp_src else None)
+        pids = list(getattr(self.engine, "worker_pids", None) or []) if self.topo.is_tp_src else []
+        self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe)
         self._was_training = self.module.training
         try:
             with self.timeline.stage("prepare"):
@@ -257,10 +258,6 @@ class FSDPShardingManager:
             self._gen_rng = self._get_rng()
             self._set_rng(self._trainer_rng)
             self._trainer_rng = None
-
-    def _engine_memory(self) -> dict:
-        stats = getattr(self.engine, "memory_stats", None)
-        return stats() if stats else {}
 
     @staticmethod
     def _get_rng() -> tuple:

@@ -16,7 +16,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import psutil
 import torch
@@ -54,14 +54,51 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def probe(pid: int | None = None) -> dict[str, int]:
-    """Memory of a process (default: this one) in bytes: rss, uss, pss; plus CUDA stats if in use."""
+_STATUS_KEYS = {"VmRSS:": "rss", "VmHWM:": "rss_peak", "RssAnon:": "anon", "RssShmem:": "shmem"}
+
+
+def _status(pid: int | str) -> dict[str, int]:
+    """RSS, its peak, and its anonymous and shared-memory parts from /proc/<pid>/status (~50 µs)."""
     out: dict[str, int] = {}
     try:
-        info = psutil.Process(pid or os.getpid()).memory_full_info()
-        out.update(rss=int(info.rss), uss=int(info.uss), pss=int(getattr(info, "pss", 0)))
-    except (psutil.Error, OSError):
-        out.update(rss=int(psutil.Process(pid or os.getpid()).memory_info().rss))
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key = _STATUS_KEYS.get(line.split(None, 1)[0])
+                if key:
+                    out[key] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        try:
+            out["rss"] = int(psutil.Process(None if pid == "self" else int(pid)).memory_info().rss)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _rollup(pid: int | str) -> dict[str, int]:
+    """USS and PSS from /proc/<pid>/smaps_rollup (a few ms in a torch process)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            vals = {}
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+                    vals[parts[0][:-1]] = int(parts[1]) * 1024
+        out["pss"] = vals.get("Pss", 0)
+        out["uss"] = vals.get("Private_Clean", 0) + vals.get("Private_Dirty", 0)
+    except OSError:
+        pass
+    return out
+
+
+def probe(pid: int | None = None, *, full: bool = True) -> dict[str, int]:
+    """Memory of a process (default: this one) in bytes: rss, rss_peak, anon, shmem from
+    /proc/<pid>/status, with ``full`` also uss and pss (smaps_rollup); plus CUDA allocator stats
+    when this process uses CUDA."""
+    who = "self" if pid is None else pid
+    out = _status(who)
+    if full:
+        out.update(_rollup(who))
     if pid is None and torch.cuda.is_available() and torch.cuda.is_initialized():
         out.update(cuda_allocated=int(torch.cuda.memory_allocated()),
                    cuda_reserved=int(torch.cuda.memory_reserved()),
@@ -82,7 +119,8 @@ class Timeline:
     """Stages of one enter/exit in order, each with seconds and memory after it."""
 
     stages: list[StageRecord] = field(default_factory=list)
-    engine_probe: Callable[[], dict] | None = None
+    engine_pids: list[int] = field(default_factory=list)
+    mode: str = "full"   # "full": rss + uss/pss; "rss": /proc status only (cheap); "off": no memory
 
     @contextmanager
     def stage(self, name: str) -> Iterator[StageRecord]:
@@ -92,12 +130,13 @@ class Timeline:
             yield rec
         finally:
             rec.seconds = time.perf_counter() - t0
-            rec.memory["trainer"] = probe()
-            if self.engine_probe is not None:
-                try:
-                    rec.memory["engine"] = self.engine_probe()
-                except Exception as exc:  # noqa: BLE001 - a probe must never mask the real error
-                    rec.memory["engine"] = {"error": str(exc)}
+            if self.mode != "off":
+                full = self.mode == "full"
+                rec.memory["trainer"] = probe(full=full)
+                if self.engine_pids:
+                    # read from /proc, not asked of the engine: no RPC, works on a dead worker too
+                    rec.memory["engine"] = {"workers": [dict(probe(p, full=full), pid=p)
+                                                        for p in self.engine_pids]}
             self.stages.append(rec)
 
     def seconds(self, name: str) -> float:
@@ -112,6 +151,6 @@ class Timeline:
     def summary(self) -> str:
         def mb(rec: StageRecord) -> str:
             m = rec.memory.get("trainer", {})
-            v = m.get("cuda_allocated", m.get("uss", m.get("rss", 0)))
+            v = m.get("cuda_allocated", m.get("rss", 0))
             return f"{v / 2**20:.0f}MB"
         return " | ".join(f"{s.name} {s.seconds * 1e3:.1f}ms {mb(s)}" for s in self.stages)

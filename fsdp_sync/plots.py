@@ -82,7 +82,7 @@ def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
                 if "t" in st:
                     ax.axvline(st["t"], color="gray", lw=0.5)
                     ax.text(st["t"], max(mem), st["name"], rotation=90, fontsize=7, va="top")
-            ax.set_ylabel("TP group memory (PSS, MiB)")
+            ax.set_ylabel("TP group memory (MiB)")
             ax.set_title(f"one sync, multi-stage wake-up {'on' if ms else 'off'}: {model}, {strategy}, "
                          f"bucket {bucket / MiB:g} MiB")
             ax.grid(alpha=0.3)

@@ -448,7 +448,8 @@ class Worker:
             raise
         finally:
             txn.writes = []
-            self._trim()
+            if txn.staging:
+                self._trim()    # give the staged copies back to the OS; nothing to trim otherwise
         return {"committed": True}
 
     # ----------------------------------------------------------------- serving

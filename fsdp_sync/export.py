@@ -1,0 +1,700 @@
+"""Export: an FSDP1, FSDP2 or plain module -> a lazy stream of full, Hugging Face-named tensors.
+
+Three entry points, all collective over the module's shard group when the module is sharded (every
+rank calls them with the same arguments and consumes the same number of items):
+
+- `param_metas(module, dtype)`: name, rollout dtype and full shape of every exported tensor, in
+  checkpoint (``state_dict``) order, without moving any data. This is what buckets are planned from.
+- `iter_params(module, dtype=...)`: ``(name, full tensor)`` one at a time.
+- `iter_buckets(module, bucket_bytes, dtype=...)`: ``(bucket.Bucket, flat uint8 buffer)`` laid out by
+  `bucket.plan_buckets` over `param_metas`, the buffer from ``alloc`` (shared memory by default, so
+  `handles` can share it without a copy).
+
+What is exported: the module's ``state_dict`` entries that are tensors, named as in a Hugging Face
+checkpoint (wrapper prefixes ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``,
+``_orig_mod.`` and a leading ``module.`` stripped, see `hf_name`), each tensor once: a tied weight
+(``lm_head.weight`` tied to ``model.embed_tokens.weight``) is exported under its first name only, as
+``save_pretrained`` does. Buffers that are not weights (rotary ``inv_freq``: `NON_WEIGHT_BUFFERS`)
+are left out. With ``dtype`` set, floating-point tensors are cast to it; the cast is done on the
+local shard before any gather (fewer bytes on the wire, the same bits as casting the full tensor).
+Non-float buffers keep their dtype; a non-float *parameter* asked to be cast is an error.
+
+How each kind of module is gathered, and the memory it costs beyond the trainer's own shards:
+
+- plain ``nn.Module``: no gather. `iter_params` yields the tensor itself (detached) when no cast
+  is asked; `iter_buckets` costs one bucket buffer.
+- FSDP2 (``Shard(0)`` DTensors on a 1-D mesh): `iter_params` casts the local shard and runs one
+  ``all_gather_into_tensor`` per parameter (what ``full_tensor()`` does, without the functional-
+  collective wrappers): one full parameter at a time. `iter_buckets` packs every local shard of a
+  bucket into one send buffer and runs ONE ``all_gather_into_tensor`` per bucket: scratch of about
+  one bucket (receive) plus bucket/W (send), reused across buckets, plus the bucket buffer itself.
+- FSDP1 ``"local"``: LOCAL ``state_dict()`` hands out views of the flat-parameter shards (no copy,
+  no collective); each parameter's pieces are located from the flat parameter's metadata and
+  gathered as above (per parameter, or one all-gather per bucket). Best bound: one parameter (or
+  one bucket) beyond the shards.
+- FSDP1 ``"sharded"``: torch's SHARDED ``state_dict()`` itself unshards unit by unit and keeps a
+  sharded *copy* of every parameter (1/W of the model) until the stream ends; the root unit stays
+  unsharded while it runs. The ``ShardedTensor`` shards are then gathered as above.
+- FSDP1 ``"full"``: torch's FULL ``state_dict()`` materializes the WHOLE model, full size and in
+  the training dtype, on every rank before the first item (the cast comes after the gather);
+  entries are dropped as they are yielded. It exists because it is what verl used for HF-style
+  rollouts; prefer ``"local"``.
+- Other DTensor placements (HSDP's 2-D mesh, tensor-parallel ``Shard(1)``): cast locally, then
+  ``full_tensor()`` per parameter, in both entry points.
+
+A stream holds at most the item being produced: a yielded tensor (or bucket buffer) belongs to the
+caller, and the generator keeps no reference to it. The state-dict type of an FSDP1 module is
+switched only around its ``state_dict()`` call (`state_dict_type`) and restored at once, so a
+suspended stream does not leave the module in a foreign type.
+
+A failure found before the first collective on any rank (a shard that contradicts its metadata, a
+cast the rule forbids) is raised on every rank as `topology.SyncError` naming the failing rank, so
+no peer waits in a gather. Stopping a stream early must happen on every rank at the same item.
+
+Not here: planning (`bucket`), handles (`handles`), who sends payloads where (`topology`,
+transports), or moving FSDP parameters between devices (the manager's memory stages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import bucket as _bucket
+from . import handles as _handles
+from .topology import SyncError
+
+__all__ = [
+    "param_metas", "iter_params", "iter_buckets", "state_dict_type", "hf_name",
+    "STATE_DICT_TYPES", "WRAPPER_PREFIXES", "NON_WEIGHT_BUFFERS",
+]
+
+STATE_DICT_TYPES = ("full", "sharded", "local")
+"""FSDP1 state-dict types `iter_params` / `iter_buckets` accept as ``fsdp1_state_dict``."""
+
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+"""Name components added by wrappers (FSDP1, activation checkpointing, torch.compile); dropped
+wherever they appear. A leading ``module`` (DDP and friends) is dropped too."""
+
+NON_WEIGHT_BUFFERS = ("inv_freq", "original_inv_freq")
+"""Buffer names (last name component) that are computed, not weights: never exported."""
+
+_FLAT_PARAM = "_flat_param"
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face checkpoint name of a (possibly wrapped) module's state-dict key."""
+    parts = [p for p in name.split(".") if p not in WRAPPER_PREFIXES]
+    while parts and parts[0] == "module":
+        parts.pop(0)
+    return ".".join(parts)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _align(n: int) -> int:
+    return (n + _bucket.ALIGNMENT - 1) // _bucket.ALIGNMENT * _bucket.ALIGNMENT
+
+
+# --------------------------------------------------------------------------- what is exported
+
+@dataclass(frozen=True)
+class _Pieces:
+    """A tensor held as contiguous pieces of its flattened form: group rank r holds ``counts[r]``
+    elements, and the pieces in group-rank order are the full tensor's elements in order (true of
+    dim-0 sharding and of FSDP1's flat parameters)."""
+
+    local: torch.Tensor          # this rank's piece (numel == counts[rank]; any shape)
+    counts: tuple[int, ...]      # elements per group rank
+    group: Any                   # the process group the pieces are gathered over
+    rank: int                    # this process's rank in ``group``
+
+
+@dataclass
+class _Item:
+    """One exported tensor: what it is, and (once the source is resolved) where its data lives."""
+
+    name: str
+    shape: tuple[int, ...]
+    src_dtype: torch.dtype
+    is_param: bool
+    full: torch.Tensor | None = None       # the whole tensor on this rank
+    dtensor: Any = None                    # a DTensor gathered with full_tensor()
+    pieces: _Pieces | None = None          # gathered with one all-gather (alone or per bucket)
+    # FSDP1 flat-parameter layout (param_metas and the "local" type)
+    unit: Any = None
+    offset: int = 0
+
+    def out_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        if dtype is None or dtype == self.src_dtype:
+            return self.src_dtype
+        if self.src_dtype.is_floating_point:
+            return dtype
+        if self.is_param:
+            raise TypeError(f"cannot cast parameter {self.name!r} of dtype "
+                            f"{_bucket.dtype_name(self.src_dtype)} to {_bucket.dtype_name(dtype)} "
+                            f"(rank {_rank()}): only floating-point parameters are cast")
+        return self.src_dtype   # integer/bool buffers keep their dtype
+
+    def drop(self) -> None:
+        self.full = self.dtensor = self.pieces = None
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - very old torch
+        return False
+    return isinstance(t, DTensor)
+
+
+def _fsdp1_units(module: nn.Module) -> list:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDP)]
+
+
+def _skip(name: str, is_param: bool) -> bool:
+    return not is_param and name.rsplit(".", 1)[-1] in NON_WEIGHT_BUFFERS
+
+
+def _state_dict_items(module: nn.Module) -> list[_Item]:
+    """Plain modules and FSDP2 (or any DTensor) modules: ``state_dict(keep_vars=True)``, which
+    moves no data, keeps Parameter identity (tied weights are one object) and state-dict order."""
+    items: list[_Item] = []
+    seen: dict[int, str] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            continue  # _extra_state and the like
+        name = hf_name(key)
+        is_param = isinstance(value, nn.Parameter)
+        if _skip(name, is_param) or id(value) in seen:
+            continue
+        seen[id(value)] = name
+        item = _Item(name, tuple(value.shape), value.dtype, is_param)
+        if _is_dtensor(value):
+            item.dtensor = value
+        else:
+            item.full = value.detach()
+        items.append(item)
+    return items
+
+
+def _fsdp1_layout(module: nn.Module, units: list) -> list[_Item]:
+    """FSDP1: every exported tensor from the flat parameters' metadata (no state_dict, no data),
+    in the unwrapped module's state-dict order: modules in registration (DFS) order, each module's
+    parameters before its persistent buffers."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    mod_names = {id(m): hf_name(n) for n, m in module.named_modules()}
+    mod_order = {id(m): i for i, m in enumerate(module.modules())}
+    keyed: list[tuple[tuple, _Item]] = []
+    covered: set[tuple[int, str]] = set()
+    seq = 0
+    for unit in units:
+        handle = unit._handle
+        if handle is None:
+            continue
+        fp = handle.flat_param
+        infos = iter(fp._param_infos)
+        shapes = iter(fp._shapes)
+        offset = 0
+        for numel, is_pad in zip(fp._numels_with_padding, fp._is_padding_mask):
+            if not is_pad:
+                info, shape = next(infos), next(shapes)
+                name = _join(mod_names[id(info.module)], info.param_name)
+                item = _Item(name, tuple(shape), fp.dtype, True, unit=unit, offset=offset)
+                keyed.append(((mod_order[id(info.module)], 0, seq), item))
+                covered.add((id(info.module), info.param_name))
+                seq += 1
+            offset += numel
+        for shared in fp._shared_param_infos:   # tied aliases: exported under the primary name
+            covered.add((id(shared.module), shared.param_name))
+    seen: set[int] = set()
+    for m in module.modules():
+        prefix = mod_names[id(m)]
+        for pname, p in m._parameters.items():  # parameters FSDP does not manage (ignored modules)
+            if (p is None or isinstance(p, FlatParameter) or (id(m), pname) in covered
+                    or id(p) in seen):
+                continue
+            seen.add(id(p))
+            item = _Item(_join(prefix, pname), tuple(p.shape), p.dtype, True, full=p.detach())
+            keyed.append(((mod_order[id(m)], 0, seq), item))
+            seq += 1
+        for bname, b in m._buffers.items():
+            if b is None or bname in m._non_persistent_buffers_set or id(b) in seen:
+                continue
+            name = _join(prefix, bname)
+            if _skip(name, False):
+                continue
+            seen.add(id(b))
+            keyed.append(((mod_order[id(m)], 1, seq), _Item(name, tuple(b.shape), b.dtype, False,
+                                                             full=b.detach())))
+            seq += 1
+    keyed.sort(key=lambda kv: kv[0])
+    return [item for _, item in keyed]
+
+
+def _layout(module: nn.Module) -> list[_Item]:
+    units = _fsdp1_units(module)
+    return _fsdp1_layout(module, units) if units else _state_dict_items(module)
+
+
+def param_metas(module: nn.Module, dtype: torch.dtype | None = None) -> list[_bucket.TensorMeta]:
+    """Name (HF), rollout dtype and full shape of every exported tensor, in state-dict order.
+
+    Moves no data and runs no collective: callable on one rank alone.
+    """
+    _check_dtype(dtype)
+    return [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in _layout(module)]
+
+
+def _check_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"the rollout dtype must be a floating-point torch.dtype, got {dtype!r}")
+
+
+# --------------------------------------------------------------------------- FSDP1 state dicts
+
+@contextlib.contextmanager
+def state_dict_type(module: nn.Module, kind: str) -> Iterator[None]:
+    """Switch every FSDP1 unit under ``module`` to state-dict type ``kind`` ("full", "sharded",
+    "local"); on exit, exceptions included, give each unit back exactly the settings it had."""
+    from torch.distributed.fsdp import (FullStateDictConfig, FullyShardedDataParallel as FSDP,
+                                        LocalStateDictConfig, ShardedStateDictConfig,
+                                        StateDictType)
+
+    if kind not in STATE_DICT_TYPES:
+        raise ValueError(f"fsdp1_state_dict must be one of {STATE_DICT_TYPES}, got {kind!r}")
+    units = FSDP.fsdp_modules(module)
+    if not units:
+        raise ValueError(f"state_dict_type needs an FSDP1 module; {type(module).__name__} holds "
+                         f"no FullyShardedDataParallel unit")
+    if kind == "full":
+        # offload_to_cpu=True crashes on CPU in torch 2.13 (setStorage out of bounds / segfault,
+        # and the module is unusable afterwards); rank0_only=False because every rank exports.
+        new = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False,
+                                                                  rank0_only=False))
+    elif kind == "sharded":
+        # shards stay on the device they live on: they are gathered from there
+        new = (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=False))
+    else:
+        new = (StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig(offload_to_cpu=False))
+    saved = [(u, u._state_dict_type, u._state_dict_config, u._optim_state_dict_config)
+             for u in units]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # "state_dict_type is deprecated"
+            FSDP.set_state_dict_type(module, *new)
+        yield
+    finally:
+        for u, sd_type, sd_config, optim_config in saved:
+            u._state_dict_type = sd_type
+            u._state_dict_config = sd_config
+            u._optim_state_dict_config = optim_config
+
+
+def _fsdp1_state_dict(module: nn.Module, kind: str) -> dict[str, Any]:
+    with state_dict_type(module, kind), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # ShardedTensor deprecation notices
+        warnings.simplefilter("ignore", UserWarning)     # _get_pg_default_device notices
+        sd = module.state_dict()
+    return {hf_name(k): v for k, v in sd.items()}
+
+
+def _missing(name: str, kind: str, sd: dict) -> KeyError:
+    return KeyError(f"FSDP1 {kind} state dict has no entry {name!r} (rank {_rank()}); it has "
+                    f"{len(sd)} entries, e.g. {list(sd)[:4]}")
+
+
+def _chunk_counts(rows: int, per_row: int, world: int) -> tuple[int, ...]:
+    """Elements per rank of a dim-0 split with torch.chunk semantics (trailing ranks may get 0)."""
+    c = -(-rows // world) if rows else 0
+    return tuple(max(0, min(c, rows - r * c)) * per_row for r in range(world))
+
+
+def _sharded_tensor_pieces(name: str, st: Any) -> _Pieces:
+    md = st.metadata()
+    shape = tuple(md.size)
+    pg = st._process_group
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    per_row = math.prod(shape[1:])
+    counts = [0] * world
+    expected, last_rank = 0, -1
+    for sm in sorted(md.shards_metadata, key=lambda s: s.shard_offsets[0] if s.shard_offsets else 0):
+        grank = dist.get_group_rank(pg, sm.placement.rank()) if pg is not None else sm.placement.rank()
+        if (not shape or list(sm.shard_offsets[1:]) != [0] * (len(shape) - 1)
+                or tuple(sm.shard_sizes[1:]) != shape[1:] or sm.shard_offsets[0] != expected
+                or grank <= last_rank):
+            raise ValueError(f"{name!r} (rank {_rank()}) is a ShardedTensor of shape {shape} not "
+                             f"split along dim 0 in rank order: shard at offsets "
+                             f"{list(sm.shard_offsets)} sizes {list(sm.shard_sizes)} on group rank "
+                             f"{grank}")
+        counts[grank] = sm.shard_sizes[0] * per_row
+        expected += sm.shard_sizes[0]
+        last_rank = grank
+    if expected != (shape[0] if shape else 0):
+        raise ValueError(f"{name!r} (rank {_rank()}): shards cover {expected} of {shape[0]} rows")
+    shards = st.local_shards()
+    local = shards[0].tensor if shards else torch.empty(0, dtype=md.tensor_properties.dtype)
+    if local.numel() != counts[me]:
+        raise ValueError(f"{name!r} (rank {_rank()}): local shard has {local.numel()} elements, "
+                         f"the shard metadata says {counts[me]}")
+    return _Pieces(local, tuple(counts), pg, me)
+
+
+def _flat_pieces(item: _Item, local: torch.Tensor, local_offset: int) -> _Pieces:
+    """The item's pieces inside an FSDP1 flat parameter sharded in equal padded chunks of ``L``."""
+    unit = item.unit
+    fp = unit._handle.flat_param
+    pg = unit.process_group
+    world, me = pg.size(), pg.rank()
+    length = fp._sharded_size.numel()
+    numel = math.prod(item.shape)
+    lo_hi = [(max(item.offset, r * length), min(item.offset + numel, (r + 1) * length))
+             for r in range(world)]
+    counts = tuple(max(0, hi - lo) for lo, hi in lo_hi)
+    lo = lo_hi[me][0] - me * length
+    if local_offset != me * length or (counts[me] and lo + counts[me] > local.numel()):
+        raise ValueError(f"{item.name!r} (rank {_rank()}): local flat shard of "
+                         f"{local.numel()} elements at offset {local_offset} does not hold "
+                         f"elements [{lo_hi[me][0]}, {lo_hi[me][0] + counts[me]}) of the flat "
+                         f"parameter (shard size {length})")
+    return _Pieces(local[lo:lo + counts[me]], counts, pg, me)
+
+
+def _fsdp1_items(module: nn.Module, units: list, kind: str) -> list[_Item]:
+    items = _fsdp1_layout(module, units)
+    sd = _fsdp1_state_dict(module, kind)
+    if kind == "local":
+        flat = {}
+        unit_names = {id(m): hf_name(n) for n, m in module.named_modules()}
+        for u in units:
+            if u._handle is None or not u._handle.uses_sharded_strategy:
+                continue   # NO_SHARD: torch hands out whole, named parameters instead
+            key = _join(unit_names[id(u)], _FLAT_PARAM)
+            if key not in sd:
+                raise _missing(key, kind, sd)
+            flat[id(u)] = sd[key]
+    for it in items:
+        if it.unit is None:                # buffers and parameters FSDP does not manage
+            v = sd.get(it.name, it.full)
+            if _is_dtensor(v):
+                it.full, it.dtensor = None, v
+            else:
+                it.full = v.detach() if isinstance(v, torch.Tensor) else it.full
+            continue
+        if kind == "local" and it.unit._handle.uses_sharded_strategy:
+            st = flat[id(it.unit)]
+            shards = st.local_shards()
+            local = shards[0].tensor if shards else torch.empty(0, dtype=it.src_dtype)
+            local_offset = (shards[0].metadata.shard_offsets[0] if shards
+                            else it.unit._handle.flat_param._sharded_size.numel()
+                            * it.unit.process_group.rank())
+            it.pieces = _flat_pieces(it, local.reshape(-1), local_offset)
+            continue
+        if it.name not in sd:
+            raise _missing(it.name, kind, sd)
+        v = sd.pop(it.name)
+        if kind == "full" or not hasattr(v, "local_shards") and not _is_dtensor(v):
+            it.full = v
+        elif _is_dtensor(v):
+            it.dtensor = v
+        else:
+            it.pieces = _sharded_tensor_pieces(it.name, v)
+        if tuple(v.shape) != it.shape:
+            raise ValueError(f"{it.name!r} (rank {_rank()}): the {kind} state dict has shape "
+                             f"{tuple(v.shape)}, the flat parameter's metadata says {it.shape}")
+    return items
+
+
+# --------------------------------------------------------------------------- DTensor fast path
+
+def _mesh_info(mesh: Any, cache: dict) -> tuple | None:
+    """(group, world, rank) of a 1-D mesh whose ranks are in group order, else None (cached:
+    ``DeviceMesh.mesh`` costs a fraction of a millisecond per call)."""
+    info = cache.get(id(mesh), False)
+    if info is False:
+        info = None
+        if mesh.ndim == 1:
+            ranks = [int(r) for r in mesh.mesh.tolist()]
+            if ranks == sorted(ranks):
+                info = (mesh.get_group(), len(ranks), mesh.get_local_rank())
+        cache[id(mesh)] = info
+    return info
+
+
+def _dim0_pieces(item: _Item, cache: dict) -> _Pieces | None:
+    """The bucketed gather applies to a DTensor sharded ``Shard(0)`` on a 1-D mesh whose ranks
+    are in group order (FSDP2's layout). Anything else is gathered with ``full_tensor()``."""
+    from torch.distributed.tensor import Shard
+
+    dt = item.dtensor
+    if dt.ndim == 0 or len(dt.placements) != 1 or dt.placements[0] != Shard(0):
+        return None
+    info = _mesh_info(dt.device_mesh, cache)
+    if info is None:
+        return None
+    group, world, me = info
+    counts = _chunk_counts(dt.shape[0], math.prod(dt.shape[1:]), world)
+    local = dt.to_local()
+    if tuple(local.shape[1:]) != tuple(dt.shape[1:]) or local.numel() != counts[me]:
+        rows = counts[me] // max(1, math.prod(dt.shape[1:]))
+        raise ValueError(f"{item.name!r} (rank {_rank()}): a Shard(0) DTensor of shape "
+                         f"{tuple(dt.shape)} on {world} ranks should hold {rows} rows here "
+                         f"(torch.chunk split), got a local shard of shape {tuple(local.shape)}")
+    return _Pieces(local.detach(), counts, group, me)
+
+
+def _resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None) -> list[_Item]:
+    """Items with their data sources; any rank's failure is raised on every rank."""
+    _check_dtype(dtype)
+    if fsdp1_state_dict not in STATE_DICT_TYPES:
+        raise ValueError(f"fsdp1_state_dict must be one of {STATE_DICT_TYPES}, "
+                         f"got {fsdp1_state_dict!r}")
+    units = _fsdp1_units(module)
+    group = None
+    error: BaseException | None = None
+    items: list[_Item] = []
+    try:
+        if units:
+            group = units[0].process_group
+            items = _fsdp1_items(module, units, fsdp1_state_dict)
+        else:
+            items = _state_dict_items(module)
+            meshes: dict = {}
+            for it in items:
+                if it.dtensor is not None:
+                    if group is None:
+                        group = _agree_group(it.dtensor)
+                    pieces = _dim0_pieces(it, meshes)   # also checks the shard against its shape
+                    if pieces is not None:
+                        it.pieces, it.dtensor = pieces, None
+        for it in items:
+            it.out_dtype(dtype)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, every peer must hear of it
+        error = exc
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        _agree(error, group)
+    elif error is not None:
+        raise error
+    return items
+
+
+def _agree_group(dt: Any) -> Any:
+    mesh = dt.device_mesh
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return dist.group.WORLD if mesh.size() == dist.get_world_size() else None
+
+
+def _agree(error: BaseException | None, group: Any) -> None:
+    """One all-reduce over the shard group: if any rank failed, every rank raises its message."""
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, group=group)
+    if int(flag.item()) == 0:
+        return
+    msgs: list = [None] * dist.get_world_size(group)
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(msgs, text, group=group)
+    first = next(r for r, m in enumerate(msgs) if m is not None)
+    others = [r for r, m in enumerate(msgs) if m is not None and r != first]
+    suffix = f" (group ranks {others} failed too)" if others else ""
+    raise SyncError(f"export failed on group rank {first}{suffix}: {msgs[first]}") from error
+
+
+# --------------------------------------------------------------------------- gathering
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """``out`` = every group rank's ``inp``, concatenated in rank order (equal sizes)."""
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the old name warns there
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _gather_pieces(p: _Pieces, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """One tensor from its pieces: cast locally, then one all-gather."""
+    world = len(p.counts)
+    numel = sum(p.counts)
+    local = p.local.reshape(-1)
+    if local.dtype != dtype:
+        local = local.to(dtype)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype, device=local.device)
+    most = max(p.counts)
+    if all(c == most for c in p.counts):
+        out = torch.empty(numel, dtype=dtype, device=local.device)
+        _all_gather(out, local.contiguous(), p.group)
+        return out.view(shape)
+    send = torch.empty(most, dtype=dtype, device=local.device)
+    send[:p.counts[p.rank]].copy_(local)
+    recv = torch.empty(world * most, dtype=dtype, device=local.device)
+    _all_gather(recv, send, p.group)
+    out = torch.empty(numel, dtype=dtype, device=local.device)
+    pos = 0
+    for r, c in enumerate(p.counts):
+        out[pos:pos + c].copy_(recv[r * most:r * most + c])
+        pos += c
+    return out.view(shape)
+
+
+def _materialize(item: _Item, dtype: torch.dtype) -> torch.Tensor:
+    with torch.no_grad():
+        if item.full is not None:
+            t = item.full
+            return (t if t.dtype == dtype else t.to(dtype)).contiguous()
+        if item.dtensor is not None:
+            dt = item.dtensor.detach()
+            if dt.dtype != dtype:   # cast the local shard, then gather
+                from torch.distributed.tensor import DTensor
+                dt = DTensor.from_local(dt.to_local().to(dtype), dt.device_mesh, dt.placements,
+                                        run_check=False, shape=dt.shape, stride=dt.stride())
+            return dt.full_tensor().contiguous()
+        return _gather_pieces(item.pieces, item.shape, dtype)
+
+
+class _Scratch:
+    """Grow-only byte buffers reused across buckets (send and receive of the bucketed gather)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+
+def _gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, _Pieces]],
+                     flat: torch.Tensor, scratch: _Scratch) -> None:
+    """All pieces of one bucket over one group: pack this rank's (cast) pieces into one send
+    buffer, every entry in a slot as wide as its largest rank's piece, ONE all-gather, then copy
+    each entry's rank pieces into place: a single strided copy when the ranks' pieces are equal."""
+    world, me = len(pairs[0][1].counts), pairs[0][1].rank
+    slots, width = [], 0
+    for entry, p in pairs:
+        if len(p.counts) != world:
+            raise ValueError(f"{entry.name!r}: pieces over {len(p.counts)} ranks in a bucket "
+                             f"gathered over {world}")
+        slots.append(width)
+        width = _align(width + max(p.counts) * entry.dtype.itemsize)
+    if width == 0:
+        return
+    device = pairs[0][1].local.device
+    send = scratch.get("send", width, device)
+    recv = scratch.get("recv", world * width, device)
+    for (entry, p), slot in zip(pairs, slots):
+        n = p.counts[me] * entry.dtype.itemsize
+        if n:   # copy_ casts: the pack is the cast
+            send[slot:slot + n].view(entry.dtype).view(p.local.shape).copy_(p.local)
+    _all_gather(recv, send, group)
+    rows = recv.view(world, width)
+    for (entry, p), slot in zip(pairs, slots):
+        item = entry.dtype.itemsize
+        first = p.counts[0]
+        if all(c == first for c in p.counts):
+            if first:
+                b = first * item
+                flat[entry.start:entry.end].view(world, b).copy_(rows[:, slot:slot + b])
+            continue
+        pos = entry.start
+        for r, c in enumerate(p.counts):
+            b = c * item
+            if b:
+                flat[pos:pos + b].copy_(rows[r, slot:slot + b])
+            pos += b
+
+
+def _fill(bkt: _bucket.Bucket, items: list[_Item], flat: torch.Tensor, scratch: _Scratch) -> None:
+    pending: dict[int, tuple[Any, list]] = {}
+    prev = 0
+    with torch.no_grad():
+        for entry, it in zip(bkt.entries, items):
+            if entry.start > prev:
+                flat[prev:entry.start].zero_()
+            prev = entry.end
+            if it.pieces is not None:
+                pending.setdefault(id(it.pieces.group), (it.pieces.group, []))[1].append(
+                    (entry, it.pieces))
+            elif it.full is not None:   # one copy, cast included
+                flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(it.full)
+            else:
+                t = _materialize(it, entry.dtype)
+                flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(t)
+        if bkt.nbytes > prev:
+            flat[prev:bkt.nbytes].zero_()
+        for group, pairs in pending.values():
+            _gather_bucketed(group, pairs, flat, scratch)
+
+
+# --------------------------------------------------------------------------- public streams
+
+def iter_params(module: nn.Module, *, dtype: torch.dtype | None = None,
+                fsdp1_state_dict: str = "full") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` in state-dict order, one gathered tensor at a time.
+
+    Collective when ``module`` is sharded. A yielded tensor is contiguous and, for a plain module
+    without a cast, may be the module's own storage (detached): copy it before changing the module.
+    """
+    items = _resolve(module, fsdp1_state_dict, dtype)
+    for i, it in enumerate(items):
+        out = _materialize(it, it.out_dtype(dtype))
+        items[i] = None           # the stream keeps nothing of what it has yielded
+        it.drop()
+        name = it.name
+        del it
+        yield name, out
+        del out
+
+
+def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | None = None,
+                 fsdp1_state_dict: str = "full",
+                 alloc: Callable[[int], torch.Tensor] = _handles.empty_shared,
+                 ) -> Iterator[tuple[_bucket.Bucket, torch.Tensor]]:
+    """Yield ``(bucket, flat)``: buckets planned by `bucket.plan_buckets` over `param_metas`
+    (``bucket_bytes`` a budget per bucket, alignment padding included), each gathered into a fresh
+    ``alloc(bucket.nbytes)`` uint8 buffer (padding zeroed) that then belongs to the caller.
+
+    Sharded tensors whose layout allows it (FSDP2 ``Shard(0)``, FSDP1 "local" and "sharded") are
+    gathered with one ``all_gather_into_tensor`` per bucket, not one per parameter. ``alloc``
+    decides where buffers live (CPU shared memory by default; pass a CUDA allocator on GPU).
+    """
+    items = _resolve(module, fsdp1_state_dict, dtype)
+    metas = [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in items]
+    plan = _bucket.plan_buckets(metas, bucket_bytes)
+    scratch = _Scratch()
+    start = 0
+    for bkt in plan:
+        chunk = items[start:start + len(bkt.entries)]
+        items[start:start + len(bkt.entries)] = [None] * len(chunk)
+        start += len(bkt.entries)
+        flat = alloc(bkt.nbytes)
+        if (not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1
+                or flat.numel() < bkt.nbytes):
+            raise ValueError(f"alloc({bkt.nbytes}) must return a 1-D uint8 tensor of at least "
+                             f"{bkt.nbytes} bytes, got {getattr(flat, 'dtype', type(flat))} "
+                             f"{tuple(getattr(flat, 'shape', ()))}")
+        _fill(bkt, chunk, flat, scratch)
+        for it in chunk:
+            it.drop()
+        del chunk
+        yield bkt, flat
+        del flat

@@ -1,0 +1,161 @@
+"""Helpers shared by the tests, the rank bodies (`_ranks`) and the consumer process.
+
+Kept free of pytest so that spawned ranks and `consumer.py` can import it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+SEED = 1234
+
+
+def digest(t: torch.Tensor) -> list:
+    """[dtype, shape, sha256 of the raw bytes]: equal digests mean bit-identical tensors."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), hashlib.sha256(raw.numpy().tobytes()).hexdigest()]
+
+
+def digests(named) -> dict[str, list]:
+    return {n: digest(t) for n, t in named}
+
+
+def shm_segments() -> set[str]:
+    try:
+        return {f for f in os.listdir("/dev/shm") if f.startswith("torch_")}
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        return set()
+
+
+def num_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --------------------------------------------------------------------------- models
+
+def perturb_(params) -> None:
+    """The same elementwise update on shards and on full tensors (bit-identical either way): the
+    export must read live values, not a stale copy taken at wrap time."""
+    with torch.no_grad():
+        for p in params:
+            p.mul_(1.5).add_(0.25)
+
+
+def reference(recipe: str, dtype: torch.dtype | None, *, seed: int = SEED,
+              tied_alias: str | None = None) -> dict[str, list]:
+    """Digests of the unsharded model's state_dict (HF names), perturbed, cast to ``dtype``.
+
+    ``tied_alias`` is the key a tied checkpoint leaves out; it must be the same tensor as another.
+    """
+    from fsdp_sync.models import build_model, load_config
+
+    model = build_model(load_config(recipe), seed=seed)
+    perturb_(model.parameters())
+    sd = model.state_dict()
+    if tied_alias is not None:
+        alias = sd.pop(tied_alias)
+        assert any(v.data_ptr() == alias.data_ptr() for v in sd.values()), "not tied"
+    return {k: digest(v if dtype is None else v.to(dtype)) for k, v in sd.items()}
+
+
+class Odd(nn.Module):
+    """Shapes that split unevenly (trailing ranks hold 0 rows at 4 ranks), a 1-row parameter, a
+    persistent int buffer, a persistent non-weight buffer and a non-persistent one."""
+
+    def __init__(self, seed: int = SEED) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.c = nn.Parameter(torch.randn(1, 7))
+        self.a = nn.Linear(3, 5)          # weight rows 5 -> 2,2,1,0 on 4 ranks
+        self.b = nn.Embedding(9, 4)       # 3,3,3,0
+        self.d = nn.Linear(4, 3, bias=False)   # 1,1,1,0
+        self.register_buffer("step", torch.tensor([7, -3], dtype=torch.int64))
+        self.register_buffer("inv_freq", torch.arange(4.0))          # computed, not a weight
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+
+
+ODD_NAMES = ["c", "step", "a.weight", "a.bias", "b.weight", "d.weight"]
+
+
+def odd_reference(dtype: torch.dtype | None) -> dict[str, list]:
+    m = Odd()
+    perturb_(m.parameters())
+    sd = m.state_dict()
+    del sd["inv_freq"]
+    out = {}
+    for k, v in sd.items():
+        out[k] = digest(v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+    assert list(out) == ODD_NAMES
+    return out
+
+
+# --------------------------------------------------------------------------- consumer process
+
+class Consumer:
+    """An independent process (`tests/consumer.py`, started with subprocess, not multiprocessing)
+    that opens payloads the way an engine's TP worker does and reports what it rebuilt."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self.proc = subprocess.Popen([sys.executable, str(TESTS / "consumer.py")], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     bufsize=1)
+
+    def request(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"consumer exited with code {self.proc.wait(5)}")
+        return json.loads(line)
+
+    def open(self, payloads, *, ranks=None, names=None, ack: bool = True, twice: bool = False) -> list:
+        """Open each payload (bytes or base64 str) as ``ranks[i]``; a result per payload:
+        ``{"tensors": {name: digest}}`` or ``{"error": "..."}``."""
+        items = []
+        for i, p in enumerate(payloads):
+            is_str = isinstance(p, str)
+            items.append({"payload": p if is_str else base64.b64encode(p).decode("ascii"),
+                          "str": is_str, "rank": None if ranks is None else ranks[i],
+                          "name": None if names is None else names[i]})
+        return self.request({"op": "open", "items": items, "ack": ack, "twice": twice})["results"]
+
+    def stats(self) -> dict:
+        return self.request({"op": "stats"})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:  # pragma: no cover
+                pass
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,268 @@
+"""Handle payloads: round trips through an independent process, no leaks, errors that say what."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fsdp_sync import bucket, handles
+from fsdp_sync.handles import HandleError, make_payloads, open_payload
+
+from _util import ROOT, Consumer, digest, num_fds, shm_segments
+
+pytestmark = pytest.mark.timeout(90)   # talks to a consumer process
+
+
+@pytest.fixture(scope="module")
+def consumer():
+    with Consumer() as c:
+        yield c
+
+
+def _mixed(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    raw = lambda n: torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)  # noqa: E731
+    return {
+        "norm": raw(6).view(torch.bfloat16),                       # bf16[3] ...
+        "step": raw(16).view(torch.int64),                         # ... then int64
+        "w8": raw(21).view(torch.float8_e4m3fn).view(7, 3),
+        "h": raw(10).view(torch.float16).view(5, 1),
+        "f": torch.randn(4, 3, generator=g),
+        "mask": torch.tensor([True, False, True]),
+    }
+
+
+def _bucket_of(tensors: dict[str, torch.Tensor]):
+    (b,) = bucket.plan_buckets([bucket.TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20)
+    flat = bucket.flatten(b, tensors, out=handles.empty_shared(b.nbytes))
+    return b, {"flattened_tensor": flat, "metadata": bucket.sglang_metadata(b)}
+
+
+def test_bucket_payloads_round_trip_through_an_independent_process(consumer):
+    tensors = _mixed(1)
+    b, obj = _bucket_of(tensors)
+    want = {n: digest(t) for n, t in tensors.items()}
+    with make_payloads(obj, 3) as ps:                           # bytes payloads
+        got = consumer.open(ps.payloads, ranks=[0, 1, 2])
+        assert [r["tensors"] for r in got] == [want] * 3
+        assert ps.unacknowledged() == []
+    with make_payloads(obj, 2, output_str=True) as ps:          # base64 text (HTTP)
+        assert all(isinstance(p, str) for p in ps.payloads)
+        got = consumer.open(ps.payloads, ranks=[0, 1])
+        assert [r["tensors"] for r in got] == [want] * 2
+
+
+def test_per_tensor_and_dict_payloads_round_trip(consumer):
+    tensors = _mixed(2)
+    sets = [make_payloads(t, 1) for t in tensors.values()]     # one handle per tensor
+    try:
+        got = consumer.open([s.payloads[0] for s in sets], ranks=[0] * len(sets),
+                            names=list(tensors))
+        assert {n: d for r in got for n, d in r["tensors"].items()} == \
+            {n: digest(t) for n, t in tensors.items()}
+    finally:
+        for s in sets:
+            s.release()
+    with make_payloads(dict(tensors), 1) as ps:                 # a plain dict of tensors
+        (got,) = consumer.open(ps.payloads, ranks=[0])
+        assert got["tensors"] == {n: digest(t) for n, t in tensors.items()}
+
+
+def test_a_tensor_not_in_shared_memory_is_copied_not_moved(consumer):
+    param = torch.arange(12, dtype=torch.float32).view(3, 4)
+    before = param.untyped_storage().data_ptr()
+    with make_payloads(param, 1) as ps:
+        (got,) = consumer.open(ps.payloads, ranks=[0], names=["p"])
+        assert got["tensors"]["p"] == digest(param)
+    assert param.untyped_storage().data_ptr() == before
+    assert not param.is_shared()
+
+
+def test_200_rounds_leave_no_fds_and_no_segments():
+    _, obj = _bucket_of(_mixed(3))
+    fds, shm = num_fds(), shm_segments()
+    for i in range(200):
+        ps = make_payloads(obj, 2, output_str=bool(i % 2))
+        for rank in (0, 1):
+            got = open_payload(ps.payloads[rank], rank)
+            assert got.value["flattened_tensor"].numel() == obj["flattened_tensor"].numel()
+            got.ack()
+        ps.release()
+    del obj, got, ps
+    assert num_fds() == fds
+    assert shm_segments() <= shm
+
+
+def test_rounds_through_another_process_leave_nothing_on_either_side(consumer):
+    fds, shm = num_fds(), shm_segments()
+    consumer_fds = consumer.stats()["fds"]
+    for i in range(30):
+        _, obj = _bucket_of(_mixed(i))
+        with make_payloads(obj, 2) as ps:
+            consumer.open(ps.payloads, ranks=[0, 1])
+        del obj, ps
+    assert consumer.stats()["fds"] == consumer_fds
+    assert num_fds() == fds
+    assert shm_segments() <= shm
+
+
+def test_unopened_payload_is_reported_and_freed(consumer):
+    shm = shm_segments()
+    _, obj = _bucket_of(_mixed(4))
+    ps = make_payloads(obj, 3)
+    consumer.open([ps.payloads[0]], ranks=[0])
+    assert ps.unacknowledged() == [1, 2]
+    with pytest.raises(HandleError, match=r"consumer ranks \[1, 2\] never acknowledged"):
+        ps.release()
+    assert ps.released
+    del obj, ps
+    assert shm_segments() <= shm
+
+
+def test_opened_but_not_acknowledged_is_reported(consumer):
+    _, obj = _bucket_of(_mixed(5))
+    ps = make_payloads(obj, 1)
+    consumer.open(ps.payloads, ranks=[0], ack=False)
+    assert ps.state(0) == handles.OPENED
+    with pytest.raises(HandleError, match=r"\[0\] never acknowledged"):
+        ps.release()
+
+
+def test_wrong_rank_is_refused_and_the_right_rank_still_opens(consumer):
+    tensors = _mixed(6)
+    _, obj = _bucket_of(tensors)
+    shm = shm_segments()
+    with make_payloads(obj, 2) as ps:
+        wrong, right = consumer.open([ps.payloads[1], ps.payloads[1]], ranks=[0, 1])
+        assert "HandleError" in wrong["error"]
+        assert "payload for infer-TP rank 1 (of 2) opened by rank 0" in wrong["error"]
+        assert right["tensors"] == {n: digest(t) for n, t in tensors.items()}
+        consumer.open([ps.payloads[0]], ranks=[0])
+    del obj, ps
+    assert shm_segments() <= shm
+
+
+def test_payloads_for_chosen_ranks_only(consumer):
+    """A colocated trainer rank serializes only its own TP peer's copy (``ranks=``)."""
+    tensors = _mixed(9)
+    _, obj = _bucket_of(tensors)
+    ps = make_payloads(obj, 4, ranks=[2])
+    assert len(ps.payloads) == 1
+    wrong, right = consumer.open([ps.payloads[0]] * 2, ranks=[0, 2])
+    assert "payload for infer-TP rank 2 (of 4) opened by rank 0" in wrong["error"]
+    assert right["tensors"] == {n: digest(t) for n, t in tensors.items()}
+    ps.release()
+    ps = make_payloads(obj, 4, ranks=[3])
+    with pytest.raises(HandleError, match=r"consumer ranks \[3\] never acknowledged"):
+        ps.release()
+    with pytest.raises(ValueError, match=r"consumer ranks \[4\] outside \[0, 4\)"):
+        make_payloads(obj, 4, ranks=[4])
+
+
+def test_opened_twice_is_refused(consumer):
+    _, obj = _bucket_of(_mixed(7))
+    with make_payloads(obj, 1) as ps:
+        (got,) = consumer.open(ps.payloads, ranks=[0], twice=True)
+        assert "tensors" in got
+        assert "payload for rank 0 opened twice (state opened)" in got["again"]
+    # and once acknowledged, in the producer's own process too
+    with make_payloads(torch.ones(2), 1) as ps:
+        open_payload(ps.payloads[0], 0).ack()
+        with pytest.raises(HandleError, match="opened twice .state acknowledged"):
+            open_payload(ps.payloads[0], 0)
+
+
+@pytest.mark.parametrize("obj, words", [
+    ({"w": torch.zeros(3, 4).t()}, ["contiguous", "'w'", "strides (1, 4)"]),
+    ({"w": torch.empty(3, device="meta")}, ["'w'", "cpu or cuda", "meta"]),
+    ({"layers": [torch.zeros(2, dtype=torch.complex64)]}, ["unsupported dtype complex64", "'layers[0]'"]),
+    (torch.zeros(2, 2).t(), ["contiguous", "'tensor'"]),
+])
+def test_bad_tensors_are_refused_with_name_and_expectation(obj, words):
+    with pytest.raises(HandleError) as info:
+        make_payloads(obj, 1)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="num_consumers must be >= 1, got 0"):
+        make_payloads(torch.ones(1), 0)
+    with pytest.raises(HandleError, match="already has a 'fsdp_sync' key"):
+        make_payloads({"fsdp_sync": torch.ones(1)}, 1)
+    with pytest.raises(HandleError, match="bytes or base64 text, got int"):
+        open_payload(12)
+
+
+class _Ours:   # a class of ours: the engine's safe deserializer would refuse it
+    def __init__(self):
+        self.x = 1
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+@pytest.mark.parametrize("obj, words", [
+    (_Ours(), ["_Ours", "not on the allow-list"]),
+    ({"meta": bucket.TensorMeta("w", torch.float32, (1,))}, ["fsdp_sync.bucket.TensorMeta", "allow-list"]),
+    (_Evil(), ["system", "allow-list"]),
+])
+def test_non_allowed_classes_are_rejected(obj, words, consumer):
+    data = pickle.dumps(obj)
+    with pytest.raises(HandleError) as info:
+        open_payload(data)
+    for w in words:
+        assert w in str(info.value)
+    (got,) = consumer.open([data])               # the same in an independent process
+    assert "HandleError" in got["error"] and words[-1] in got["error"]
+
+
+# --------------------------------------------------------------------------- GPU tier
+
+_GPU_CONSUMER = r"""
+import sys, torch
+from fsdp_sync import handles
+from _util import digest
+r = handles.open_payload(sys.stdin.read(), 0)
+t = r.value
+print(t.device, torch.cuda.device_count(), digest(t)[2])
+r.ack()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_ipc_round_trip_across_cuda_visible_devices():
+    """The producer names the device by UUID; a consumer that sees only that GPU (as cuda:0,
+    whatever its index here) opens it."""
+    index = torch.cuda.device_count() - 1
+    t = torch.arange(1000, dtype=torch.float32, device=f"cuda:{index}").view(10, 100) * 1.5
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=f"GPU-{uuid}" if not uuid.startswith("GPU-") else uuid,
+               PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    with make_payloads(t, 1, output_str=True) as ps:
+        out = subprocess.run([sys.executable, "-c", _GPU_CONSUMER], input=ps.payloads[0], env=env,
+                             capture_output=True, text=True, timeout=100)
+        assert out.returncode == 0, out.stderr
+        device, count, sha = out.stdout.split()
+        assert (device, count) == ("cuda:0", "1")
+        assert sha == digest(t)[2]
+        assert ps.unacknowledged() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_bucket_payload_round_trip(consumer):
+    tensors = {n: t.cuda() for n, t in _mixed(8).items()}
+    (b,) = bucket.plan_buckets([bucket.TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20)
+    flat = bucket.flatten(b, tensors, out=handles.empty_shared(b.nbytes, "cuda"))
+    with make_payloads({"flattened_tensor": flat, "metadata": bucket.sglang_metadata(b)}, 1) as ps:
+        (got,) = consumer.open(ps.payloads, ranks=[0])
+        assert got["tensors"] == {n: digest(t) for n, t in tensors.items()}
