@@ -27,6 +27,18 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
+# Optional tier, not part of `make test`: our payloads and adapter calls against the real sglang,
+# installed (CPU torch, sglang without its GPU dependencies) into a venv of its own by
+# scripts/sglang_env.sh. Fails, never skips, when sglang cannot be installed or imported.
+SGLANG_VENV    ?= .venv-sglang
+SGLANG_VERSION ?= 0.5.23
+
+test-sglang:
+	SGLANG_VENV="$(SGLANG_VENV)" SGLANG_VERSION="$(SGLANG_VERSION)" TORCH_SPEC="$(TORCH_SPEC)" \
+	  PYTHON="$(PYTHON)" bash scripts/sglang_env.sh
+	FSDP_SYNC_SGLANG_TIER=1 FSDP_SYNC_SGLANG_VERSION="$(SGLANG_VERSION)" PYTHONPATH=. \
+	  $(SGLANG_VENV)/bin/python -m pytest -q -m sglang tests/sglang_tier
+
 bench-targets: $(STAMP)
 	$(VENV)/bin/fsdp-sync bench --preset targets --json bench-out/targets.json --plot bench-out
 

@@ -133,7 +133,8 @@ class _Pickler(ForkingPickler):
             self._keep.append(copy)
             t = copy
         fn, args = _red.reduce_tensor(t.detach())
-        if fn is _red.rebuild_cuda_tensor:
+        if fn is _red.rebuild_cuda_tensor and isinstance(args[6], int):
+            # (a process that applied SGLang's global patch already wrote the UUID: keep it)
             args = list(args)
             args[6] = _device_uuid(args[6])
             args = tuple(args)

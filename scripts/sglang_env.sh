@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Build the environment of the optional SGLang tier (`make test-sglang`): a venv of its own with
+# the CPU build of torch, sglang without its dependencies, and only the packages that importing
+# SGLang's serializer (sglang.srt.utils.common) and flattened bucket
+# (sglang.srt.weight_sync.tensor_bucket) needs. Nothing may replace the CPU torch: every install
+# runs under a constraint that pins it, and the script fails if a CUDA build or an nvidia-*
+# package shows up anyway.
+#
+#   SGLANG_VENV     the venv (default .venv-sglang; `.venv-*/` is gitignored)
+#   SGLANG_VERSION  sglang release from PyPI (default 0.5.23)
+#   TORCH_SPEC      the CPU torch (default torch==2.13.0, the wheel that lies on CPU machines)
+#   PYTHON          interpreter for the venv (default python3)
+#
+# Why triton: sglang/srt/utils/common.py does `import triton` at module level, and every sglang
+# module imports the package's __init__, which reaches it. The triton wheel has no dependencies
+# (no torch) and imports without a GPU; it is ~1 GB installed. sglang's Engine module itself
+# cannot be imported on a CPU-only torch (its import chain needs torchvision, whose PyPI wheels
+# are CUDA builds), so the tier reads Engine's signatures and the HTTP routes from the installed
+# source instead.
+set -euo pipefail
+
+VENV=${SGLANG_VENV:-.venv-sglang}
+VERSION=${SGLANG_VERSION:-0.5.23}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+PYTHON=${PYTHON:-python3}
+TRITON_SPEC=${TRITON_SPEC:-triton==3.8.0}   # the triton SGLang 0.5.23's torch (2.14.1) pairs with
+STAMP="$VENV/.sglang-tier-$VERSION"
+
+# What importing SGLang's serializer and bucket modules needs (found by importing them in a bare
+# venv until they import), plus what the tests themselves use.
+DEPS=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
+      tqdm IPython aiohttp pytest pytest-timeout)
+
+if [[ -f "$STAMP" ]]; then
+  echo "sglang tier env: $VENV (sglang $VERSION) already built"
+  exit 0
+fi
+
+start=$(date +%s)
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+PY=("$VENV/bin/python" -W ignore)          # torch warns about numpy until numpy is in
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+
+# pip's log goes to a file: it warns at length that sglang's (GPU) dependencies are missing,
+# which is the point here. On a failure the log is shown.
+LOG="$VENV/sglang-tier-install.log"
+quiet_pip() {
+  "${PIP[@]}" "$@" >>"$LOG" 2>&1 || {
+    cat "$LOG" >&2
+    echo "pip install $* failed" >&2
+    exit 1
+  }
+}
+"${PY[@]}" -c "import torch" 2>/dev/null || quiet_pip "$TORCH_SPEC"
+
+PIN="$VENV/torch-pin.txt"
+"${PY[@]}" - "$PIN" <<'PYEOF'
+import sys, torch
+if torch.version.cuda is not None:
+    sys.exit(f"refusing to go on: {torch.__version__} in this venv is a CUDA build")
+with open(sys.argv[1], "w") as f:
+    f.write(f"torch=={torch.__version__.split('+')[0]}\n")
+PYEOF
+
+echo "installing sglang==$VERSION (no dependencies), $TRITON_SPEC and ${#DEPS[@]} packages" \
+     "(log: $LOG)"
+quiet_pip --no-deps "sglang==$VERSION" "$TRITON_SPEC"
+quiet_pip -c "$PIN" "${DEPS[@]}"
+
+# Loud checks: the CPU torch is still there, no CUDA runtime crept in, and the modules import.
+"$VENV/bin/python" - <<'PYEOF'
+import importlib.metadata as md, sys, torch
+bad = sorted(d.metadata["Name"] for d in md.distributions()
+             if d.metadata["Name"].lower().startswith(("nvidia-", "cuda-")))
+if torch.version.cuda is not None or bad:
+    sys.exit(f"sglang tier env is not CPU-only: torch {torch.__version__}, {bad}")
+from sglang.srt.utils import MultiprocessingSerializer            # noqa: F401
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket  # noqa: F401
+import sglang
+print(f"sglang {sglang.__version__} imports with torch {torch.__version__}")
+PYEOF
+
+touch "$STAMP"
+echo "sglang tier env built in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1) on disk"

@@ -1,0 +1,391 @@
+"""A recording stand-in for SGLang 0.5.23, and a reader of its flattened-bucket wire format.
+
+- `open_flattened_bucket(payload)`: what an SGLang TP worker does with its payload: unpickle with
+  a restricted unpickler (an exact allow-list, each entry of which SGLang 0.5.23's
+  ``SafeUnpickler.ALLOWED_GLOBALS`` in ``python/sglang/srt/utils/common.py`` also allows), then
+  rebuild every tensor as ``flat[start_idx:end_idx].view(dtype).reshape(shape)``, like its
+  ``FlattenedTensorBucket.reconstruct_tensors`` (``srt/weight_sync/tensor_bucket.py``).
+  ``python tests/fake_sglang.py read FILE...`` does it in a process of its own and prints JSON
+  digests, one list per file.
+- `FakeSGLangEngine`: methods with ``sglang.Engine``'s 0.5.23 signatures (`SGLANG_SIGNATURES`),
+  SGLang's weight-update session rule (0.5.21+: updates only between begin/end), and a record of
+  every call. `OldFakeSGLangEngine` has no begin/end, like SGLang before 0.5.21.
+- `FakeSGLangServer`: the same engine behind SGLang's HTTP routes, on 127.0.0.1 in a thread, with
+  a switch for the begin/end routes (404 on an older server) and scripted failures.
+
+Kept free of pytest: the reader runs as a script in an independent process.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import pickle
+import sys
+import threading
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+# --------------------------------------------------------------------------- the reader
+
+_DTYPES = ("bfloat16", "float16", "float32", "float64", "int64", "int32", "int16", "int8",
+           "uint8", "bool", "float8_e4m3fn", "float8_e5m2")
+
+# The globals an fsdp_sync flattened-bucket payload may name: builtins, SimpleNamespace, torch
+# dtypes/Size/Tensor/storages and torch's CPU (shared file) and CUDA rebuild functions.
+ALLOWED_GLOBALS = frozenset(
+    {("builtins", n) for n in ("dict", "list", "tuple", "int", "float", "str", "bytes", "bool")}
+    | {("types", "SimpleNamespace")}
+    | {("torch", d) for d in _DTYPES}
+    | {("torch", "Size"), ("torch", "Tensor"), ("torch", "device"), ("torch", "UntypedStorage"),
+       ("torch.storage", "UntypedStorage"), ("torch.nn.parameter", "Parameter")}
+    | {("torch.multiprocessing.reductions", n) for n in (
+        "rebuild_tensor", "rebuild_storage_filename", "rebuild_storage_empty",
+        "rebuild_typed_storage", "rebuild_cuda_tensor")}
+)
+
+
+class Blocked(pickle.UnpicklingError):
+    pass
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Refuses every global outside `ALLOWED_GLOBALS`; records the ones it loaded."""
+
+    def __init__(self, file) -> None:
+        super().__init__(file)
+        self.loaded: set[tuple[str, str]] = set()
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in ALLOWED_GLOBALS:
+            raise Blocked(f"blocked global {module}.{name}")
+        self.loaded.add((module, name))
+        return super().find_class(module, name)
+
+
+def unpickle(payload: bytes | str) -> tuple[Any, set]:
+    data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
+    u = RestrictedUnpickler(io.BytesIO(data))
+    return u.load(), u.loaded
+
+
+def rebuild(obj: dict) -> list[tuple[str, torch.Tensor]]:
+    """SGLang's reconstruction: attribute access on each metadata entry, byte offsets, no copy."""
+    flat = obj["flattened_tensor"]
+    return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape))
+            for m in obj["metadata"]]
+
+
+def open_flattened_bucket(payload: bytes | str) -> list[tuple[str, torch.Tensor]]:
+    obj, _ = unpickle(payload)
+    missing = {"flattened_tensor", "metadata"} - set(obj)
+    if missing:
+        raise KeyError(f"flattened-bucket payload lacks {sorted(missing)}")
+    return rebuild(obj)
+
+
+def mixed_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """bf16, fp16, fp32, int64 with odd sizes: bf16[3] then int64 needs the alignment padding."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("model.a.bf16", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("model.b.int64", torch.randint(-2**62, 2**62, (5,), generator=g, dtype=torch.int64)),
+        ("model.c.fp16", torch.randn(7, 3, generator=g).to(torch.float16)),
+        ("model.d.fp32", torch.randn(2, 3, 5, generator=g)),
+        ("model.e.bf16", torch.randn(1, generator=g).to(torch.bfloat16)),
+        ("model.f.int64", torch.arange(3, dtype=torch.int64)),
+    ]
+
+
+def digest(t: torch.Tensor) -> list:
+    """[dtype, shape, sha256 of the bytes]: equal digests mean bit-identical tensors."""
+    t = t.detach().cpu().contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), hashlib.sha256(raw).hexdigest()]
+
+
+def digests(named) -> dict[str, list]:
+    return {n: digest(t) for n, t in named}
+
+
+# --------------------------------------------------------------------------- the fake engine
+
+# sglang.Engine's signatures in 0.5.23 (python/sglang/srt/entrypoints/engine.py), for the methods
+# the adapter calls. The optional tier checks the adapter's calls against the installed ones.
+SGLANG_SIGNATURES = {
+    "update_weights_from_tensor": "(named_tensors, load_format=None, flush_cache=True)",
+    "begin_weight_update": "(selector='all')",
+    "end_weight_update": "()",
+    "release_memory_occupation": "(tags=None)",
+    "resume_memory_occupation": "(tags=None)",
+    "flush_cache": "()",
+    "get_weights_by_name": "(name, truncate_size=100)",
+    "get_server_info": "()",
+    "shutdown": "()",
+}
+
+
+class OldFakeSGLangEngine:
+    """SGLang before 0.5.21: no weight-update session. Records ``(method, kwargs)`` in ``calls``.
+
+    ``tp_size`` ranks each open their own flattened-bucket payload once (in this process). Set
+    ``fail_next_update`` to a message to answer the next update with ``success=False`` after
+    loading, as SGLang does when a model's ``load_weights`` raises.
+    """
+
+    VERSION = "0.5.20"
+
+    def __init__(self, tp_size: int = 2) -> None:
+        self.tp_size = tp_size
+        self.calls: list[tuple[str, dict]] = []
+        self.weights: dict[str, torch.Tensor] = {}
+        self.fail_next_update: str | None = None
+        self.fail_next_flush: str | None = None
+        self.opened_payloads = 0
+        self.lock = threading.Lock()
+
+    def _record(self, method: str, /, **kwargs: Any) -> None:
+        with self.lock:
+            self.calls.append((method, kwargs))
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+    def _session_ok(self) -> str | None:
+        return None
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self._record("update_weights_from_tensor", named_tensors=named_tensors,
+                     load_format=load_format, flush_cache=flush_cache)
+        refusal = self._session_ok()
+        if refusal:
+            return False, refusal
+        if load_format == "flattened_bucket":
+            if len(named_tensors) != self.tp_size:
+                return False, f"expected {self.tp_size} payloads, got {len(named_tensors)}"
+            loaded = {}
+            for rank in range(self.tp_size):          # each TP worker opens its own payload
+                for name, t in open_flattened_bucket(named_tensors[rank]):
+                    loaded[name] = t.clone()
+                self.opened_payloads += 1
+        elif named_tensors and isinstance(named_tensors[0], (bytes, str)):
+            # over HTTP: one serialized copy of the whole [(name, tensor)] list per TP rank
+            loaded = {}
+            for rank in range(self.tp_size):
+                named, _ = unpickle(named_tensors[rank])
+                loaded.update((n, t.clone()) for n, t in named)
+                self.opened_payloads += 1
+                del named
+        else:
+            loaded = {n: t.detach().clone() for n, t in named_tensors}
+        if self.fail_next_update:
+            msg, self.fail_next_update = self.fail_next_update, None
+            return False, msg
+        self.weights.update(loaded)
+        return True, "Success"
+
+    def release_memory_occupation(self, tags=None):
+        self._record("release_memory_occupation", tags=tags)
+
+    def resume_memory_occupation(self, tags=None):
+        self._record("resume_memory_occupation", tags=tags)
+
+    def flush_cache(self):
+        self._record("flush_cache")
+        if self.fail_next_flush:
+            msg, self.fail_next_flush = self.fail_next_flush, None
+            return types.SimpleNamespace(success=False, message=msg)
+        return types.SimpleNamespace(success=True, message="")
+
+    def get_weights_by_name(self, name, truncate_size=100):
+        self._record("get_weights_by_name", name=name, truncate_size=truncate_size)
+        t = self.weights.get(name)
+        return None if t is None else t.to(torch.float32).tolist()[:truncate_size]
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
+                 return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
+                 token_ids_logprob=None, lora_path=None, custom_logit_processor=None,
+                 return_hidden_states=False, stream=False, bootstrap_host=None,
+                 bootstrap_port=None, bootstrap_room=None, data_parallel_rank=None):
+        self._record("generate", input_ids=input_ids, sampling_params=sampling_params)
+        n = (sampling_params or {}).get("max_new_tokens", 16)
+        batch = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+        outs = [{"text": "", "output_ids": [(sum(p) + i) % 97 for i in range(n)],
+                 "meta_info": {"completion_tokens": n}} for p in batch]
+        return outs if batch is input_ids else outs[0]
+
+    def get_server_info(self):
+        self._record("get_server_info")
+        return {"tp_size": self.tp_size, "version": self.VERSION,
+                "internal_states": [{"memory_usage": {"weight": 0.0, "kvcache": 0.0}}]}
+
+    def shutdown(self):
+        self._record("shutdown")
+
+
+class FakeSGLangEngine(OldFakeSGLangEngine):
+    """SGLang 0.5.21+: tensor updates are refused outside begin/end, without opening anything."""
+
+    VERSION = "0.5.23"
+
+    def __init__(self, tp_size: int = 2) -> None:
+        super().__init__(tp_size)
+        self.session_open = False
+
+    def _session_ok(self) -> str | None:
+        if not self.session_open:
+            return ("update_weights_from_tensor must run between begin_weight_update() and "
+                    "end_weight_update()")
+        return None
+
+    def begin_weight_update(self, selector="all"):
+        self._record("begin_weight_update", selector=selector)
+        if self.session_open:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session_open = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self._record("end_weight_update")
+        if not self.session_open:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session_open = False
+        return True, "Success"
+
+
+# --------------------------------------------------------------------------- the fake server
+
+class FakeSGLangServer:
+    """SGLang's HTTP routes over a fake engine, on 127.0.0.1 (an ephemeral port) in a thread.
+
+    ``session_routes=False`` answers 404 on /begin_weight_update and /end_weight_update, like a
+    server before 0.5.21. ``script[path]`` is a list of ``(status, body)`` answers served before
+    the engine is asked. ``requests`` records ``(method, path, json body)``; ``hits`` counts them
+    per path.
+    """
+
+    def __init__(self, tp_size: int = 2, *, session_routes: bool = True) -> None:
+        self.engine = FakeSGLangEngine(tp_size) if session_routes else OldFakeSGLangEngine(tp_size)
+        self.session_routes = session_routes
+        self.script: dict[str, list[tuple[int, str]]] = {}
+        self.requests: list[tuple[str, str, Any]] = []
+        self.hits: dict[str, int] = {}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):   # keep test output clean
+                pass
+
+            def _serve(self, method: str) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                body = json.loads(raw) if raw else None
+                status, ctype, text = outer._route(method, self.path, body)
+                data = text.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._serve("GET")
+
+            def do_POST(self):
+                self._serve("POST")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.timeout = 5
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever,
+                                       kwargs={"poll_interval": 0.05}, name="fake-sglang-http",
+                                       daemon=True)
+
+    def __enter__(self) -> "FakeSGLangServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+    def _route(self, method: str, path: str, body: Any) -> tuple[int, str, str]:
+        path = path.split("?")[0]
+        with self.engine.lock:
+            self.requests.append((method, path, body))
+            self.hits[path] = self.hits.get(path, 0) + 1
+            scripted = self.script.get(path)
+            if scripted:
+                status, text = scripted.pop(0)
+                return status, "text/plain", text
+        e = self.engine
+        ok = lambda obj: (200, "application/json", json.dumps(obj))           # noqa: E731
+        bad = lambda obj: (400, "application/json", json.dumps(obj))          # noqa: E731
+        not_found = (404, "application/json", json.dumps({"detail": "Not Found"}))
+        if path in ("/begin_weight_update", "/end_weight_update") and not self.session_routes:
+            return not_found
+        if path == "/health":
+            return 200, "text/plain", ""
+        if path in ("/get_server_info", "/server_info"):
+            return ok(e.get_server_info())
+        if path == "/update_weights_from_tensor":
+            success, message = e.update_weights_from_tensor(
+                body["serialized_named_tensors"], load_format=body.get("load_format"),
+                flush_cache=body.get("flush_cache", True))
+            return (ok if success else bad)({"success": success, "message": message})
+        if path == "/begin_weight_update":
+            success, message = e.begin_weight_update(**(body or {}))
+            return (ok if success else bad)({"success": success, "message": message})
+        if path == "/end_weight_update":
+            success, message = e.end_weight_update()
+            return (ok if success else bad)({"success": success, "message": message})
+        if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            getattr(e, path[1:])(tags=(body or {}).get("tags"))
+            return ok(None)
+        if path == "/flush_cache":
+            out = e.flush_cache()
+            return (200 if out.success else 400), "text/plain", (
+                "Cache flushed.\n" if out.success else out.message)
+        if path == "/get_weights_by_name":
+            value = e.get_weights_by_name(body["name"], body.get("truncate_size", 100))
+            if value is None:
+                return bad({"error": {"message": "Get parameter by name failed"}})
+            return ok(value)
+        if path == "/generate":
+            return ok(e.generate(input_ids=body.get("input_ids"),
+                                 sampling_params=body.get("sampling_params")))
+        return not_found
+
+
+# --------------------------------------------------------------------------- script entry
+
+def _main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] != "read":
+        print("usage: fake_sglang.py read PAYLOAD_FILE...", file=sys.stderr)
+        return 2
+    out = []
+    for path in argv[1:]:
+        with open(path, "rb") as f:
+            data = f.read()
+        payload = data.decode("ascii") if path.endswith(".b64") else data
+        obj, loaded = unpickle(payload)
+        named = rebuild(obj)
+        out.append({"keys": sorted(obj), "digests": digests(named),
+                    "globals": sorted(f"{m}.{n}" for m, n in loaded)})
+        del named, obj     # drop the mappings before the next payload
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,255 @@
+"""fsdp_sync's SGLang payloads and adapter calls against the installed sglang (`make test-sglang`).
+
+- SGLang's deserializer and ``FlattenedTensorBucket`` rebuild our payloads bit-exact, in processes
+  of their own, for bf16 / fp16 / fp32 / int64 (a ``bf16[3]`` followed by an ``int64`` included).
+- Every global our payloads name is on SGLang's allow-list, and it refuses classes of ours.
+- Every call the adapter makes binds to the installed ``sglang.Engine`` signatures; every HTTP
+  route and body field it sends exists in the installed server.
+
+On a CPU-only torch ``sglang.srt.entrypoints.engine`` does not import (torchvision), so Engine's
+signatures and the server's routes are read from the installed source when the import fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import sglang
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.utils.common import SafeUnpickler
+
+from fsdp_sync.bucket import BucketEntry
+from fsdp_sync.engines import sglang as sg
+
+TIER = Path(__file__).resolve().parent
+sys.path.insert(0, str(TIER.parent))
+import fake_sglang as fake  # noqa: E402
+
+mixed_tensors = fake.mixed_tensors
+
+pytestmark = pytest.mark.sglang
+
+SRT = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt"
+
+
+def open_with_sglang(tmp_path: Path, payloads: list, tag: str) -> list[dict]:
+    """One process per TP rank, each opening its own payload once with SGLang's code."""
+    results = []
+    for rank, p in enumerate(payloads):
+        path = tmp_path / f"{tag}-rank{rank}.{'b64' if isinstance(p, str) else 'bin'}"
+        path.write_bytes(p.encode("ascii") if isinstance(p, str) else p)
+        out = subprocess.run([sys.executable, str(TIER / "sglang_open.py"), str(path)],
+                             capture_output=True, text=True, timeout=180, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results.extend(json.loads(out.stdout.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.mark.timeout(60)
+def test_installed_stack():
+    want = os.environ.get("FSDP_SYNC_SGLANG_VERSION")
+    if want:
+        assert sglang.__version__ == want
+    assert torch.version.cuda is None, f"the tier runs on the CPU torch, got {torch.__version__}"
+
+
+@pytest.mark.timeout(300)
+def test_sglang_rebuilds_our_payloads_bit_exact(tmp_path):
+    named = mixed_tensors(seed=7)
+    with sg.flattened_bucket_payloads(named, 2) as payloads:
+        results = open_with_sglang(tmp_path, payloads, "bytes")
+    assert len(results) == 2
+    for r in results:
+        assert r["keys"] == ["flattened_tensor", "metadata"]
+        assert r["digests"] == fake.digests(named)
+
+
+@pytest.mark.timeout(300)
+def test_sglang_rebuilds_base64_payloads_bit_exact(tmp_path):
+    named = mixed_tensors(seed=8)
+    with sg.flattened_bucket_payloads(named, 1, output_str=True) as payloads:
+        (result,) = open_with_sglang(tmp_path, payloads, "b64")
+    assert result["digests"] == fake.digests(named)
+
+
+@pytest.mark.timeout(60)
+def test_our_globals_are_on_sglangs_allow_list():
+    assert fake.ALLOWED_GLOBALS <= SafeUnpickler.ALLOWED_GLOBALS, sorted(
+        fake.ALLOWED_GLOBALS - SafeUnpickler.ALLOWED_GLOBALS)
+
+
+@pytest.mark.timeout(60)
+def test_sglang_refuses_our_classes_and_takes_simplenamespace_metadata():
+    entry = BucketEntry("w", torch.float32, (2,), 0, 8)
+    with pytest.raises(Exception, match="Blocked unsafe global"):
+        MultiprocessingSerializer.deserialize(pickle.dumps([entry]))
+    with sg.flattened_bucket_payloads(mixed_tensors()[:2], 1) as payloads:
+        obj = MultiprocessingSerializer.deserialize(payloads[0])     # in process, opened once
+        assert [m.name for m in obj["metadata"]] == payloads.names
+        del obj
+
+
+# --------------------------------------------------------------------------- signatures
+
+def _ast_signature(fn: ast.FunctionDef) -> inspect.Signature:
+    a, params, marker = fn.args, [], object()
+    positional = a.posonlyargs + a.args
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    for i, (arg, d) in enumerate(zip(positional, defaults)):
+        kind = (inspect.Parameter.POSITIONAL_ONLY if i < len(a.posonlyargs)
+                else inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params.append(inspect.Parameter(arg.arg, kind, default=inspect.Parameter.empty
+                                        if d is None else marker))
+    if a.vararg:
+        params.append(inspect.Parameter(a.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+    for arg, d in zip(a.kwonlyargs, a.kw_defaults):
+        params.append(inspect.Parameter(arg.arg, inspect.Parameter.KEYWORD_ONLY,
+                                        default=inspect.Parameter.empty if d is None else marker))
+    if a.kwarg:
+        params.append(inspect.Parameter(a.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+def _class_node(path: Path, name: str) -> ast.ClassDef:
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise AssertionError(f"no class {name} in {path}")
+
+
+def engine_signatures(names) -> tuple[dict[str, inspect.Signature], str]:
+    """``sglang.Engine``'s signatures: imported if it imports, else read from its source."""
+    try:
+        from sglang.srt.entrypoints.engine import Engine
+        return {n: inspect.signature(getattr(Engine, n)) for n in names}, "imported"
+    except Exception as e:   # noqa: BLE001 - e.g. torchvision missing on a CPU torch
+        why = f"{type(e).__name__}: {e}"
+    cls = _class_node(SRT / "entrypoints" / "engine.py", "Engine")
+    defs = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    missing = [n for n in names if n not in defs]
+    assert not missing, f"sglang.Engine {sglang.__version__} has no {missing}"
+    return {n: _ast_signature(defs[n]) for n in names}, f"read from source ({why})"
+
+
+def drive_adapter(target) -> None:
+    """A whole sync step through the adapter, as the sharding manager drives it."""
+    a = sg.SGLangEngine(target) if not isinstance(target, str) else sg.SGLangEngine(
+        base_url=target, retry_backoff_s=0.01, timeout_s=10)
+    named = mixed_tensors()
+    _ = a.tp_size
+    a.release_memory_occupation(["kv_cache", "weights"])
+    a.resume_memory_occupation(["weights"])
+    a.begin_weight_update()
+    a.update_weights_from_bucket(named[:3], flush_cache=False)
+    a.update_weights_from_tensor([(n, t) for n, t in named[3:]], load_format=None)
+    a.end_weight_update()
+    a.resume_memory_occupation(["kv_cache"])
+    a.generate([[1, 2, 3]], max_new_tokens=3)
+    a.get_weights_by_name(named[0][0], truncate_size=2)
+    a.flush_cache()
+    a.release_memory_occupation()
+    a.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_adapter_calls_bind_to_installed_engine(record_property):
+    eng = fake.FakeSGLangEngine(tp_size=2)
+    drive_adapter(eng)
+    called = sorted({name for name, _ in eng.calls})
+    sigs, how = engine_signatures(called)
+    record_property("engine_signatures", how)
+    print(f"sglang.Engine {sglang.__version__} signatures: {how}")
+    for name, kwargs in eng.calls:
+        sigs[name].bind(None, **kwargs)                 # None stands for self
+
+
+def _routes() -> dict[str, set[str]]:
+    tree = ast.parse((SRT / "entrypoints" / "http_server.py").read_text())
+    routes: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for d in node.decorator_list:
+            if not (isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+                    and isinstance(d.func.value, ast.Name) and d.func.value.id == "app"
+                    and d.args and isinstance(d.args[0], ast.Constant)):
+                continue
+            verb = d.func.attr
+            if verb == "api_route":
+                methods = next((ast.literal_eval(k.value) for k in d.keywords
+                                if k.arg == "methods"), ["GET"])
+            elif verb in ("get", "post", "put", "delete"):
+                methods = [verb.upper()]
+            else:
+                continue
+            routes.setdefault(d.args[0].value, set()).update(methods)
+    return routes
+
+
+def _fields(cls_name: str, path: Path = SRT / "managers" / "io_struct.py") -> set[str]:
+    """Annotated fields (dataclass / msgspec Struct) and ``__init__`` arguments of a class."""
+    cls = _class_node(path, cls_name)
+    names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)
+             and isinstance(n.target, ast.Name)}
+    for n in cls.body:
+        if isinstance(n, ast.FunctionDef) and n.name == "__init__":
+            names |= {a.arg for a in n.args.args + n.args.kwonlyargs}
+    return names
+
+
+def _sampling_params() -> set[str]:
+    return _fields("SamplingParams", SRT / "sampling" / "sampling_params.py")
+
+
+REQUEST_CLASSES = {
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/get_weights_by_name": "GetWeightsByNameReqInput",
+    "/generate": "GenerateReqInput",
+}
+
+
+@pytest.mark.timeout(60)
+def test_adapter_http_requests_match_installed_server():
+    with fake.FakeSGLangServer(tp_size=2) as srv:
+        drive_adapter(srv.url)
+        requests = list(srv.requests)
+    routes = _routes()
+    for method, path, body in requests:
+        assert method in routes.get(path, set()), f"{method} {path} not served by sglang " \
+            f"{sglang.__version__} (routes: {sorted(routes.get(path, []))})"
+        if body and path in REQUEST_CLASSES:
+            unknown = set(body) - _fields(REQUEST_CLASSES[path])
+            assert not unknown, f"{path} body fields {sorted(unknown)} unknown to sglang"
+        if path == "/generate":
+            assert set(body["sampling_params"]) <= _sampling_params()
+
+
+@pytest.mark.timeout(60)
+def test_local_serialized_tensor_is_where_the_adapter_looks():
+    """`SerializedPerRank` values become SGLang's LocalSerializedTensor, imported lazily from here."""
+    found = []
+    for module in ("model_executor/model_runner_components/weight_updater.py",
+                   "model_executor/model_runner.py"):
+        path = SRT / module
+        if path.exists():
+            tree = ast.parse(path.read_text())
+            found += [module for n in tree.body
+                      if isinstance(n, ast.ClassDef) and n.name == "LocalSerializedTensor"]
+    assert found, "no LocalSerializedTensor where fsdp_sync.engines.sglang looks for it"
+    allowed = {m for m, n in SafeUnpickler.ALLOWED_GLOBALS if n == "LocalSerializedTensor"}
+    assert any(f"sglang.srt.{f[:-3].replace('/', '.')}" in allowed for f in found)

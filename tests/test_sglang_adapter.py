@@ -1,0 +1,460 @@
+"""The SGLang adapter without sglang: payloads, call order, begin/end detection, errors, retries.
+
+Payloads are rebuilt in independent processes by `fake_sglang`'s reader (SGLang's allow-list and
+reconstruction); the adapter runs against `FakeSGLangEngine` (in process) and `FakeSGLangServer`
+(HTTP on 127.0.0.1). `make test-sglang` checks the same payloads and calls against real SGLang.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fsdp_sync.bucket import ALIGNMENT
+from fsdp_sync.engines.base import Engine, EngineClosedError, EngineStateError
+from fsdp_sync.engines import sglang as sg
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fake_sglang as fake  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+mixed_tensors = fake.mixed_tensors
+
+
+def read_in_process_of_its_own(tmp_path: Path, payloads: list, tag: str) -> list[dict]:
+    """Each payload opened once, each in a fresh python process started by subprocess."""
+    results = []
+    for rank, p in enumerate(payloads):
+        path = tmp_path / f"{tag}-rank{rank}.{'b64' if isinstance(p, str) else 'bin'}"
+        path.write_bytes(p.encode("ascii") if isinstance(p, str) else p)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env["PYTHONPATH"] = str(ROOT)
+        out = subprocess.run([sys.executable, str(TESTS / "fake_sglang.py"), "read", str(path)],
+                             capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results.extend(json.loads(out.stdout))
+    return results
+
+
+def recorded_bind(cls, name: str, kwargs: dict) -> None:
+    inspect.signature(getattr(cls, name)).bind(None, **kwargs)    # None stands for self
+
+
+# --------------------------------------------------------------------------- payloads
+
+@pytest.mark.timeout(60)
+def test_payloads_rebuild_bit_exact_in_independent_processes(tmp_path):
+    named = mixed_tensors()
+    expected = fake.digests(named)
+    with sg.flattened_bucket_payloads(named, 2) as payloads:
+        assert isinstance(payloads, list) and len(payloads) == 2
+        assert all(isinstance(p, bytes) for p in payloads)
+        results = read_in_process_of_its_own(tmp_path, payloads, "bytes")
+    for r in results:
+        assert r["keys"] == ["flattened_tensor", "metadata"]     # untagged: SGLang's two keys
+        assert r["digests"] == expected
+        assert {tuple(g.rsplit(".", 1)) for g in r["globals"]} <= fake.ALLOWED_GLOBALS
+
+
+@pytest.mark.timeout(60)
+def test_base64_payload_for_http_rebuilds_bit_exact(tmp_path):
+    named = mixed_tensors(seed=1)
+    with sg.flattened_bucket_payloads(dict(named), 1, output_str=True) as payloads:
+        assert isinstance(payloads[0], str)
+        (result,) = read_in_process_of_its_own(tmp_path, payloads, "b64")
+    assert result["digests"] == fake.digests(named)
+
+
+@pytest.mark.timeout(30)
+def test_metadata_is_sglang_form_and_aligned():
+    named = mixed_tensors()
+    with sg.flattened_bucket_payloads(named, 1) as payloads:
+        obj, loaded = fake.unpickle(payloads[0])
+        assert set(obj) == {"flattened_tensor", "metadata"}
+        flat = obj["flattened_tensor"]
+        assert flat.dtype == torch.uint8 and flat.dim() == 1 and flat.numel() == payloads.nbytes
+        for m, (name, t) in zip(obj["metadata"], named):
+            assert isinstance(m, SimpleNamespace)
+            assert (m.name, m.dtype, tuple(m.shape)) == (name, t.dtype, tuple(t.shape))
+            assert m.start_idx % ALIGNMENT == 0
+            assert m.end_idx - m.start_idx == m.numel == t.numel() * t.element_size()
+        # bf16[3] is 6 bytes; the int64 after it starts at 16, not 6
+        assert [m.start_idx for m in obj["metadata"][:2]] == [0, 16]
+        del obj, flat
+
+
+@pytest.mark.timeout(30)
+def test_unaligned_layout_fails_to_rebuild():
+    """Why the padding: SGLang's reconstruction cannot view an int64 at byte offset 6."""
+    flat = torch.zeros(14, dtype=torch.uint8)
+    meta = [SimpleNamespace(name="a", shape=torch.Size([3]), dtype=torch.bfloat16, start_idx=0,
+                            end_idx=6, numel=6),
+            SimpleNamespace(name="b", shape=torch.Size([1]), dtype=torch.int64, start_idx=6,
+                            end_idx=14, numel=8)]
+    with pytest.raises(RuntimeError, match="divisible"):
+        fake.rebuild({"flattened_tensor": flat, "metadata": meta})
+
+
+@pytest.mark.timeout(30)
+def test_payload_errors_and_lease():
+    with pytest.raises(ValueError, match="at least one tensor"):
+        sg.flattened_bucket_payloads([], 2)
+    with pytest.raises(ValueError, match="tp_size"):
+        sg.flattened_bucket_payloads(mixed_tensors(), 0)
+    with pytest.raises(TypeError, match="expected a torch.Tensor|unsupported dtype"):
+        sg.flattened_bucket_payloads([("x", torch.zeros(2, dtype=torch.complex64))], 1)
+    p = sg.flattened_bucket_payloads(mixed_tensors(), 3)
+    assert len(p) == 3 and p.names[0] == "model.a.bf16" and not p.released
+    import pickle
+    assert type(pickle.loads(pickle.dumps(p))) is list      # gather_object carries no buffer
+    p.release(unopened=True)                                 # nobody opened them
+    assert p.released and len(p) == 0
+    p.release()                                              # idempotent
+
+
+@pytest.mark.timeout(30)
+def test_sglang_is_imported_lazily():
+    code = ("import sys, fsdp_sync, fsdp_sync.engines.sglang as m; "
+            "assert 'sglang' not in sys.modules, 'sglang imported'; print('ok')")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- in-process engine
+
+@pytest.mark.timeout(60)
+def test_fake_has_sglang_0_5_23_signatures():
+    for name, sig in fake.SGLANG_SIGNATURES.items():
+        assert str(inspect.signature(getattr(fake.FakeSGLangEngine, name))).replace(
+            "self, ", "").replace("(self)", "()") == sig, name
+
+
+@pytest.mark.timeout(30)
+def test_sync_step_call_order_and_kwargs():
+    eng = fake.FakeSGLangEngine(tp_size=2)
+    a = sg.SGLangEngine(eng)
+    named = mixed_tensors()
+    a.release_memory_occupation(["weights", "kv_cache"])     # given out of order
+    a.resume_memory_occupation(["weights"])
+    a.begin_weight_update()
+    with sg.flattened_bucket_payloads(named[:3], a.tp_size) as p1:
+        a.update_weights_from_tensor(p1, load_format="flattened_bucket", flush_cache=False)
+    a.update_weights_from_bucket(named[3:], flush_cache=True)
+    a.end_weight_update()
+    a.resume_memory_occupation(["kv_cache"])
+    out = a.generate([[1, 2, 3], [4]], max_new_tokens=4)
+    a.flush_cache()
+    a.release_memory_occupation()
+    assert eng.names() == [
+        "get_server_info", "release_memory_occupation", "resume_memory_occupation",
+        "begin_weight_update", "update_weights_from_tensor", "update_weights_from_tensor",
+        "end_weight_update", "resume_memory_occupation", "generate", "flush_cache",
+        "release_memory_occupation"]
+    kw = [c[1] for c in eng.calls]
+    assert kw[1] == {"tags": ["kv_cache", "weights"]}           # SGLang's release order
+    assert kw[2] == {"tags": ["weights"]}
+    assert kw[4]["load_format"] == "flattened_bucket" and kw[4]["flush_cache"] is False
+    assert kw[5]["flush_cache"] is True
+    assert kw[-1] == {"tags": None}                              # None: all, SGLang orders them
+    assert kw[8]["sampling_params"] == {"max_new_tokens": 4, "temperature": 0.0}
+    assert isinstance(a, Engine)                                 # fsdp_sync's engine protocol
+    assert out == [[6, 7, 8, 9], [4, 5, 6, 7]]
+    assert eng.opened_payloads == 4                              # 2 updates x 2 ranks, once each
+    for name, t in named:
+        assert torch.equal(a.get_weights_by_name(name), t.to(torch.float32))
+    assert a.session_api is True
+    for name, kwargs in eng.calls:                               # every call binds to 0.5.23
+        recorded_bind(fake.FakeSGLangEngine, name, kwargs)
+
+
+@pytest.mark.timeout(30)
+def test_resume_order_and_unknown_tags():
+    eng = fake.FakeSGLangEngine()
+    a = sg.SGLangEngine(eng, tp_size=2)
+    a.resume_memory_occupation(["kv_cache", "weights", "cuda_graph"])
+    assert eng.calls[-1] == ("resume_memory_occupation",
+                             {"tags": ["cuda_graph", "weights", "kv_cache"]})
+    with pytest.raises(ValueError, match="unknown memory tag"):
+        a.release_memory_occupation(["weights", "kv"])
+    assert len(eng.calls) == 1
+
+
+@pytest.mark.timeout(30)
+def test_old_engine_without_session_is_detected_once():
+    eng = fake.OldFakeSGLangEngine(tp_size=1)
+    a = sg.SGLangEngine(eng, tp_size=1)
+    for _ in range(2):
+        a.begin_weight_update()
+        a.update_weights_from_bucket(mixed_tensors()[:2])
+        a.end_weight_update()
+    assert a.session_api is False
+    assert eng.names() == ["update_weights_from_tensor"] * 2
+
+
+@pytest.mark.timeout(30)
+def test_update_outside_session_raises_sglang_message_and_frees():
+    eng = fake.FakeSGLangEngine(tp_size=2)
+    a = sg.SGLangEngine(eng)
+    with pytest.raises(sg.SGLangUpdateError, match="must run between begin_weight_update") as ei:
+        a.update_weights_from_bucket(mixed_tensors())
+    assert ei.value.opened is False and eng.opened_payloads == 0
+    # the leftover check in conftest sees no segment: the unopened payloads were given back
+
+
+@pytest.mark.timeout(30)
+def test_success_false_raises_with_message():
+    eng = fake.FakeSGLangEngine(tp_size=2)
+    a = sg.SGLangEngine(eng)
+    a.begin_weight_update()
+    eng.fail_next_update = "Failed to update parameter online: shape mismatch for 'model.x'"
+    with pytest.raises(sg.SGLangUpdateError, match="shape mismatch for 'model.x'"):
+        a.update_weights_from_bucket(mixed_tensors())
+    with pytest.raises(EngineStateError, match="already open"):
+        a.begin_weight_update()
+    eng.fail_next_flush = "requests are still running"
+    with pytest.raises(sg.SGLangError, match="requests are still running"):
+        a.flush_cache()
+    with pytest.raises(ValueError, match="expected 2 flattened-bucket payloads"):
+        a.update_weights_from_tensor([b"x"], load_format="flattened_bucket")
+    with pytest.raises(sg.SGLangError, match="no parameter 'nope'"):
+        a.get_weights_by_name("nope")
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_closes():
+    eng = fake.FakeSGLangEngine(tp_size=1)
+    a = sg.SGLangEngine(eng)
+    a.shutdown()
+    a.shutdown()
+    assert eng.names() == ["get_server_info", "shutdown"]
+    with pytest.raises(EngineClosedError):
+        a.flush_cache()
+
+
+# --------------------------------------------------------------------------- expandable segments
+
+@pytest.mark.timeout(30)
+def test_expandable_segments_noop_on_cpu_recorded():
+    a = sg.SGLangEngine(fake.FakeSGLangEngine(), tp_size=2)
+    a.resume_memory_occupation(["weights"])
+    a.release_memory_occupation()
+    if not torch.cuda.is_available():
+        assert a.allocator.events[0].startswith("skipped expandable_segments:False")
+        assert "no CUDA" in a.allocator.events[0]
+
+
+@pytest.mark.timeout(30)
+def test_expandable_segments_off_while_sglang_holds_memory(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sg, "_cuda_available", lambda: True)
+    monkeypatch.setattr(sg, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(sg, "_allocator_settings", lambda: "expandable_segments:True")
+    a = sg.SGLangEngine(fake.FakeSGLangEngine(), tp_size=2)
+    a.release_memory_occupation(["kv_cache", "weights"])      # nothing switched yet: no restore
+    assert calls == []
+    a.resume_memory_occupation(["weights"])
+    assert calls == ["expandable_segments:False"]
+    a.resume_memory_occupation(["kv_cache"])                  # already off
+    a.release_memory_occupation(["kv_cache"])                 # still holds weights
+    assert calls == ["expandable_segments:False"]
+    a.release_memory_occupation(["weights"])                  # cuda_graph alone does not count
+    assert calls == ["expandable_segments:False", "expandable_segments:True"]
+    a.resume_memory_occupation()
+    a.shutdown()                                              # restored on shutdown too
+    assert calls[-2:] == ["expandable_segments:False", "expandable_segments:True"]
+
+
+# --------------------------------------------------------------------------- HTTP
+
+def http_engine(server, **kw) -> sg.SGLangEngine:
+    kw.setdefault("retry_backoff_s", 0.01)
+    kw.setdefault("timeout_s", 10)
+    return sg.SGLangEngine(base_url=server.url, **kw)
+
+
+@pytest.mark.timeout(30)
+def test_http_sync_round_trip():
+    named = mixed_tensors(seed=3)
+    with fake.FakeSGLangServer(tp_size=2) as srv:
+        a = http_engine(srv)
+        assert a.tp_size == 2 and a.health()
+        a.resume_memory_occupation(["weights"])
+        a.begin_weight_update()
+        a.update_weights_from_bucket(named)
+        with sg.flattened_bucket_payloads(named[:1], 2) as raw:   # bytes get base64-encoded
+            a.update_weights_from_tensor(raw, load_format="flattened_bucket", flush_cache=False)
+        a.end_weight_update()
+        a.resume_memory_occupation(["kv_cache"])
+        assert a.generate([[5, 5]], max_new_tokens=2) == [[10, 11]]
+        a.flush_cache()
+        for name, t in named:
+            assert torch.equal(a.get_weights_by_name(name), t.to(torch.float32))
+        paths = [(m, p) for m, p, _ in srv.requests]
+        bodies = [b for _, _, b in srv.requests]
+    assert paths[:6] == [("GET", "/get_server_info"), ("GET", "/health"),
+                         ("POST", "/resume_memory_occupation"), ("POST", "/begin_weight_update"),
+                         ("POST", "/update_weights_from_tensor"),
+                         ("POST", "/update_weights_from_tensor")]
+    assert bodies[2] == {"tags": ["weights"]}
+    update = bodies[4]
+    assert update["load_format"] == "flattened_bucket" and update["flush_cache"] is True
+    assert all(isinstance(p, str) for p in update["serialized_named_tensors"])
+    assert bodies[5]["flush_cache"] is False
+
+
+@pytest.mark.timeout(30)
+def test_http_plain_tensor_update_serializes_once_per_rank():
+    named = mixed_tensors(seed=4)[:3]
+    with fake.FakeSGLangServer(tp_size=2) as srv:
+        a = http_engine(srv)
+        a.begin_weight_update()
+        a.update_weights_from_tensor(named, load_format=None)
+        a.end_weight_update()
+        body = srv.requests[-2][2]
+    assert body["load_format"] is None and len(body["serialized_named_tensors"]) == 2
+    assert srv.engine.opened_payloads == 2
+    for name, t in named:
+        assert torch.equal(srv.engine.weights[name], t)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("session_routes", [True, False])
+def test_http_begin_end_detection(session_routes):
+    with fake.FakeSGLangServer(tp_size=1, session_routes=session_routes) as srv:
+        a = http_engine(srv, tp_size=1)
+        for _ in range(3):
+            a.begin_weight_update()
+            a.update_weights_from_bucket(mixed_tensors()[:2])
+            a.end_weight_update()
+        hits = dict(srv.hits)
+    assert a.session_api is session_routes
+    if session_routes:
+        assert hits["/begin_weight_update"] == 3 and hits["/end_weight_update"] == 3
+    else:   # one 404 decides it; end is never sent
+        assert hits["/begin_weight_update"] == 1 and "/end_weight_update" not in hits
+    assert hits["/update_weights_from_tensor"] == 3
+
+
+@pytest.mark.timeout(30)
+def test_http_update_500_carries_body_and_is_not_retried():
+    with fake.FakeSGLangServer(tp_size=2) as srv:
+        a = http_engine(srv)
+        a.begin_weight_update()
+        srv.script["/update_weights_from_tensor"] = [(500, "CUDA error: an illegal memory access")]
+        payloads = sg.flattened_bucket_payloads(mixed_tensors(), 2, output_str=True)
+        with pytest.raises(sg.SGLangUpdateError, match="HTTP 500.*illegal memory access") as ei:
+            a.update_weights_from_tensor(payloads, load_format="flattened_bucket")
+        assert ei.value.status == 500 and "illegal memory access" in ei.value.body
+        assert ei.value.opened is None            # SGLang may or may not have opened them
+        payloads.release(unopened=True)           # here we know: the answer was scripted
+        assert srv.hits["/update_weights_from_tensor"] == 1
+        # refused by SGLang (400, success=False): its message in the error
+        a.end_weight_update()
+        with pytest.raises(sg.SGLangUpdateError, match="must run between") as ei:
+            a.update_weights_from_bucket(mixed_tensors())
+        assert ei.value.status == 400 and ei.value.opened is False
+
+
+@pytest.mark.timeout(30)
+def test_http_idempotent_calls_retry_and_count():
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        a = http_engine(srv, tp_size=1, max_retries=2)
+        srv.script["/flush_cache"] = [(503, "busy"), (500, "hiccup")]
+        a.flush_cache()                                       # third attempt succeeds
+        assert srv.hits["/flush_cache"] == 3 and a.http_attempts["/flush_cache"] == 3
+        srv.script["/flush_cache"] = [(500, "down 1"), (500, "down 2"), (500, "still down")]
+        with pytest.raises(sg.SGLangHTTPError, match="still down.*gave up after 3 attempts"):
+            a.flush_cache()
+        assert srv.hits["/flush_cache"] == 6
+        srv.script["/get_weights_by_name"] = [(502, "bad gateway")]
+        with pytest.raises(sg.SGLangError, match="no parameter"):   # retried, then the real 400
+            a.get_weights_by_name("missing")
+        assert srv.hits["/get_weights_by_name"] == 2
+        srv.script["/flush_cache"] = [(400, "Flush cache failed: requests running")]
+        with pytest.raises(sg.SGLangHTTPError, match="HTTP 400.*requests running"):
+            a.flush_cache()                                   # a refusal is not retried
+        assert srv.hits["/flush_cache"] == 7
+        srv.script["/generate"] = [(500, "oom")]
+        with pytest.raises(sg.SGLangHTTPError, match="oom"):
+            a.generate([[1]])
+        assert srv.hits["/generate"] == 1                     # not idempotent: one try
+        srv.script["/release_memory_occupation"] = [(400, '{"error": {"message": "not idle"}}')]
+        with pytest.raises(sg.SGLangHTTPError, match="not idle"):
+            a.release_memory_occupation(["kv_cache"])
+        assert srv.hits["/release_memory_occupation"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_http_unreachable_server():
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        url = srv.url
+    a = sg.SGLangEngine(base_url=url, tp_size=1, max_retries=2, retry_backoff_s=0.01, timeout_s=2)
+    with pytest.raises(sg.SGLangHTTPError, match="no answer.*gave up after 3 attempts"):
+        a.flush_cache()
+    assert a.http_attempts["/flush_cache"] == 3
+    with pytest.raises(sg.SGLangUpdateError, match="no answer") as ei:
+        a.update_weights_from_bucket(mixed_tensors()[:1])
+    assert ei.value.opened is False and a.http_attempts["/update_weights_from_tensor"] == 1
+    assert not a.health()
+
+
+# --------------------------------------------------------------------------- the manager drives it
+
+def _manager_rank(rank: int, world: int) -> dict | None:
+    """Two FSDP2 ranks (dp 1 x infer-TP 2) sync through FSDPShardingManager into SGLangEngine."""
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.export import iter_params
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncTopology, make_mesh
+    from fsdp_sync.trainer import synthetic_batch, train_step, wrap_fsdp
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny")
+    module = wrap_fsdp(build_model(cfg, seed=0), 2)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    train_step(module, opt, synthetic_batch(cfg.vocab_size, step=0, rank=rank))
+    mesh = make_mesh(1, world)
+    src = SyncTopology.from_mesh(mesh).is_tp_src
+    eng = fake.FakeSGLangEngine(tp_size=world) if src else None
+    adapter = sg.SGLangEngine(eng) if src else None
+    config = SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10, strategy="flattened")
+    with FSDPShardingManager(module, adapter, mesh=mesh, config=config) as manager:
+        engine_calls = manager.stats.engine_calls
+    expected = fake.digests(iter_params(module, dtype=torch.float32))   # collective: every rank
+    if not src:
+        return None
+    # get_server_info: tp_size at construction, then the stage timeline's memory probes
+    calls = [c for c in eng.calls if c[0] != "get_server_info"]
+    return {"calls": [c[0] for c in calls], "tags": [c[1].get("tags") for c in calls],
+            "engine_calls": engine_calls, "opened": eng.opened_payloads,
+            "match": fake.digests(eng.weights.items()) == expected, "n": len(expected)}
+
+
+@pytest.mark.timeout(120)
+def test_sharding_manager_drives_the_adapter_unchanged():
+    from fsdp_sync.launch import run_ranks, spawn_env
+
+    out = run_ranks(_manager_rank, 2, timeout_s=110, env=spawn_env())[0]
+    assert out["match"] and out["n"] > 0           # bit-exact: every tensor SGLang got
+    n = out["engine_calls"]
+    assert n >= 1 and out["opened"] == 2 * n       # each TP rank opened its own payload once
+    assert out["calls"] == (["resume_memory_occupation", "begin_weight_update"]
+                            + ["update_weights_from_tensor"] * n
+                            + ["end_weight_update", "resume_memory_occupation",
+                               "release_memory_occupation"])
+    assert out["tags"][0] == ["weights"] and out["tags"][-2] == ["kv_cache"]
+    assert out["tags"][-1] == ["kv_cache", "weights"]
