@@ -53,6 +53,7 @@ class _Call:
     load_format: str | None
     last: bool
     what: str
+    on_release: Any = None
 
 
 @dataclass
@@ -64,6 +65,37 @@ class SyncStats:
     tensors: int = 0
     buckets: int = 0
     engine_calls: int = 0
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return torch.device("cuda", torch.cuda.current_device()) if p.device.type == "cuda" else p.device
+    return torch.device("cpu")
+
+
+class _ReusedBuffer:
+    """The one flat buffer every bucket of a sync reuses in turn (shared memory on CPU, device
+    memory on CUDA), sized for the largest bucket. Fresh pages cost a fault (and on CPU a kernel
+    zero-fill) each: a buffer per bucket paid that for the whole model on every sync, this pays it
+    for one bucket. Safe because the manager's calls are sequential: a bucket is released (its
+    consumers acknowledged) before the next one is taken, which `take` checks."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes, self.device = nbytes, device
+        self.buf: torch.Tensor | None = None
+        self.busy = False
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.busy:
+            raise RuntimeError("the sync buffer is still in use by the previous bucket")
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None
+            self.buf = handles.empty_shared(max(nbytes, self.nbytes), self.device)
+        self.busy = True
+        return self.buf[:nbytes]
+
+    def give_back(self) -> None:
+        self.busy = False
 
 
 def _per_rank(values: list) -> Any:
@@ -315,20 +347,23 @@ class FSDPShardingManager:
         dist.broadcast(t, src=self.topo.tp_src, group=self.topo.tp_group) if self.topo.tp_size > 1 else None
         return bool(t.item())
 
-    def _steps_flattened(self, tagged: bool) -> Iterator[tuple]:
+    def _steps_flattened(self, tagged: bool) -> Iterator[_Call]:
         cfg, topo = self.config, self.topo
-        n = len(plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes))
+        plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
+        buffer = _ReusedBuffer(max((b.nbytes for b in plan), default=0), _module_device(self.module))
         it = export.iter_buckets(self.module, cfg.bucket_bytes, dtype=cfg.dtype,
-                                 fsdp1_state_dict=cfg.fsdp1_state_dict)
-        for i, (bucket, flat) in enumerate(it):
-            obj = {"flattened_tensor": flat, "metadata": sglang_metadata(bucket)}
-            sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
-            self.stats.bytes += bucket.payload_bytes
-            self.stats.tensors += len(bucket.entries)
-            self.stats.buckets += 1
-            del flat, obj
-            yield _Call(sets, sets[0].payloads[0], lambda g: g, "flattened_bucket", i == n - 1,
-                        f"bucket {i} ({bucket.names[0]}…)")
+                                 fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=buffer.take)
+        with closing(it):
+            for i, (bucket, flat) in enumerate(it):
+                obj = {"flattened_tensor": flat, "metadata": sglang_metadata(bucket)}
+                sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
+                self.stats.bytes += bucket.payload_bytes
+                self.stats.tensors += len(bucket.entries)
+                self.stats.buckets += 1
+                del flat, obj
+                yield _Call(sets, sets[0].payloads[0], lambda g: g, "flattened_bucket",
+                            i == len(plan) - 1, f"bucket {i} ({bucket.names[0]}…)",
+                            on_release=buffer.give_back)
 
     def _steps_per_tensor(self, tagged: bool) -> Iterator[tuple]:
         cfg, topo = self.config, self.topo
@@ -393,3 +428,5 @@ class FSDPShardingManager:
                     self._unacked = (f"engine answered for {call.what} but consumer ranks {missing} "
                                      f"never acknowledged their payloads ({topo.describe()})")
                 s.release(require_ack=False)
+            if call.on_release is not None:
+                call.on_release()
