@@ -1,0 +1,78 @@
+"""`fsdp-sync bench` end to end on the tiny model: rows carry the measured floor and baseline, the
+JSON has the documented fields, the plots are real PNGs; recipes load into the dataclasses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_sync.bench import BenchSpec, check_targets
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "memory_tuning"
+ROW_KEYS = {"strategy", "model", "params", "tensors", "bytes", "bucket_bytes", "largest_tensor_bytes",
+            "ranks", "tp", "seconds", "floor_seconds", "baseline_seconds", "peak_extra_bytes", "stages"}
+
+
+@pytest.mark.timeout(240)
+def test_bench_cli_rows_json_and_plots(tmp_path):
+    out = tmp_path / "bench.json"
+    plots = tmp_path / "plots"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny", "--strategies",
+         "flattened,per_tensor", "--bucket-mb", "0.0625,1", "--multi-stage", "on,off", "--repeats", "3",
+         "--json", str(out), "--plot", str(plots)],
+        capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    # 2 jobs (multi-stage on/off) × (flattened at 2 bucket sizes + per_tensor once)
+    assert len(rows) == 6
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert len(r["repeats"]) == 3 and r["seconds"] == sorted(r["repeats"])[1]
+        assert r["floor_seconds"] > 0 and r["baseline_seconds"] > 0
+        assert r["bytes"] == rows[0]["bytes"] > 0
+        assert r["peak_extra_bytes"] >= 0 and r["memory_curve"]
+        assert [s["name"] for s in r["stages"]].count("sync_weights") == 1
+    flat = [r for r in rows if r["strategy"] == "flattened"]
+    small = min(flat, key=lambda r: r["bucket_bytes"])
+    big = max(flat, key=lambda r: r["bucket_bytes"])
+    assert small["engine_calls"] > big["engine_calls"]  # smaller buckets, more calls
+    per_tensor = [r for r in rows if r["strategy"] == "per_tensor"]
+    assert all(r["engine_calls"] == r["tensors"] for r in per_tensor)
+    pngs = sorted(p.name for p in plots.glob("*.png"))
+    assert "sync_vs_bucket_tiny.png" in pngs
+    assert any(n.startswith("memory_timeline_tiny_flattened") for n in pngs)
+    for p in plots.glob("*.png"):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    t = check_targets([dict(r) for r in rows if r["multi_stage"]])
+    assert set(t["met"]) == {"speedup", "floor", "memory"}
+
+
+def test_recipes_load_and_validate():
+    specs = {p.stem: BenchSpec.from_recipe(p) for p in RECIPES.glob("*.yaml")}
+    assert {"bucket_sweep", "targets"} <= set(specs)
+    assert specs["targets"].models == ("qwen2-160m",) and specs["targets"].tp == (2,)
+    assert len(specs["bucket_sweep"].jobs()) == 2
+    with pytest.raises(ValueError, match="unknown strategies \\['fast'\\]"):
+        BenchSpec(strategies=("fast",))
+    with pytest.raises(ValueError, match="repeats must be >= 3"):
+        BenchSpec(repeats=1)
+    with pytest.raises(ValueError, match=r"ranks \(3\) must be a multiple of tp \(2\)"):
+        BenchSpec(ranks=(3,), tp=(2,))
+    with pytest.raises(ValueError, match="unknown bench keys \\['bucket'\\]"):
+        BenchSpec.from_mapping({"bucket": 3})
+
+
+def test_target_model_recipe_has_the_size_the_targets_need():
+    from fsdp_sync.models import build_model, count_params, load_config
+
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(load_config("qwen2-160m"))
+    params, tensors = count_params(model)
+    assert params >= 100_000_000 and tensors >= 200
