@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -430,7 +431,7 @@ def cmd_bench(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 180)
     spec = spec_from_args(args)
     console.print(f"[bold]fsdp-sync bench[/]: {len(spec.jobs())} jobs; models {', '.join(spec.models)}; "
                   f"strategies {', '.join(spec.strategies)}; buckets {', '.join(f'{b:g}' for b in spec.bucket_mb)} MiB")

@@ -51,7 +51,7 @@ def _cmd_demo(args) -> int:
                        bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
                        dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
                        progress=not args.no_progress)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 180)
     console.print(f"[bold]fsdp-sync demo[/]: {opts.ranks} ranks (dp {opts.ranks // opts.tp} × infer_tp "
                   f"{opts.tp}), FSDP{opts.fsdp}, model {opts.model}, strategy {opts.strategy}, "
                   f"{opts.dtype}, {opts.device}")

@@ -77,11 +77,16 @@ def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
             r = d[ms]
             ts = [p[0] for p in r["memory_curve"]]
             mem = [p[1] / MiB for p in r["memory_curve"]]
-            ax.plot(ts, mem, lw=1.2)
-            for st in r["stages"]:
-                if "t" in st:
-                    ax.axvline(st["t"], color="gray", lw=0.5)
-                    ax.text(st["t"], max(mem), st["name"], rotation=90, fontsize=7, va="top")
+            ax.plot(ts, mem, lw=1.2, color="C0")
+            lo, hi = min(mem), max(mem)
+            stages = [st for st in r["stages"] if "t" in st]
+            for k, st in enumerate(stages):
+                if st["name"] == "sync_weights":
+                    ax.axvspan(st["t"], st["t"] + st["seconds"], color="C1", alpha=0.15)
+                ax.axvline(st["t"], color="gray", lw=0.4)
+                # stagger the labels: stages that take no time sit on top of each other
+                ax.text(st["t"], hi - (hi - lo) * (0.08 + 0.14 * (k % 5)), " " + st["name"],
+                        fontsize=7, va="center")
             ax.set_ylabel("TP group memory (MiB)")
             ax.set_title(f"one sync, multi-stage wake-up {'on' if ms else 'off'}: {model}, {strategy}, "
                          f"bucket {bucket / MiB:g} MiB")
