@@ -183,27 +183,23 @@ class FSDPShardingManager:
 
     # ------------------------------------------------------------------ data
     def preprocess_data(self, batch: Any) -> Any:
-        """All-gather a batch across infer_tp so every TP rank of a group runs the same prompts."""
+        """All-gather a batch across infer_tp so every TP rank of a group runs the same prompts.
+
+        A dict: tensors are concatenated along dim 0, lists are concatenated, in TP-rank order.
+        A verl ``DataProto``: ``DataProto.concat`` of the TP group's batches."""
         topo = self.topo
         if topo.tp_size == 1:
             return batch
-        if isinstance(batch, dict):
-            out = {}
-            for key, value in batch.items():
-                if isinstance(value, torch.Tensor):
-                    parts = [None] * topo.tp_size
-                    dist.all_gather_object(parts, value, group=topo.tp_group)
-                    out[key] = torch.cat(parts, dim=0)
-                else:
-                    parts = [None] * topo.tp_size
-                    dist.all_gather_object(parts, value, group=topo.tp_group)
-                    out[key] = [x for p in parts for x in (p if isinstance(p, list) else [p])]
-            return out
-        if hasattr(batch, "chunk") and hasattr(type(batch), "concat"):  # verl DataProto
-            parts = [None] * topo.tp_size
-            dist.all_gather_object(parts, batch, group=topo.tp_group)
+        if not isinstance(batch, dict) and not (hasattr(batch, "chunk") and hasattr(type(batch), "concat")):
+            raise TypeError(f"preprocess_data takes a dict of tensors/lists or a DataProto, got "
+                            f"{type(batch).__name__}")
+        parts: list = [None] * topo.tp_size
+        dist.all_gather_object(parts, batch, group=topo.tp_group)
+        if not isinstance(batch, dict):
             return type(batch).concat(parts)
-        raise TypeError(f"preprocess_data takes a dict of tensors or a DataProto, got {type(batch).__name__}")
+        return {key: torch.cat([p[key] for p in parts], dim=0) if isinstance(value, torch.Tensor)
+                else [x for p in parts for x in p[key]]
+                for key, value in batch.items()}
 
     def postprocess_data(self, batch: Any) -> Any:
         """Keep this rank's chunk of a batch that `preprocess_data` gathered."""

@@ -54,6 +54,13 @@ def _steps(rank, world, tp, fsdp, configs):
                                           config=SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10, **kw))
             with manager:
                 assert not module.training
+                mine = {"input_ids": torch.full((2, 3), rank), "tags": [f"r{rank}a", f"r{rank}b"]}
+                batch = manager.preprocess_data(mine)
+                group = [g for g in range(world) if g // tp == rank // tp]   # this rank's TP group
+                assert batch["input_ids"][:, 0].tolist() == [g for g in group for _ in range(2)]
+                assert batch["tags"] == [f"r{g}{x}" for g in group for x in "ab"]
+                back = manager.postprocess_data(batch)
+                assert torch.equal(back["input_ids"], mine["input_ids"]) and back["tags"] == mine["tags"]
                 ref = last_logits(module, PROMPTS)
                 gen = torch.rand(3)  # generation RNG: same on TP ranks, different per dp rank
                 rec = {"config": kw, "rng": gen.tolist(), "engine_calls": manager.stats.engine_calls,
@@ -159,10 +166,21 @@ def _exception_inside(rank, world):
                 raise KeyError("boom in rollout")
         except KeyError as exc:
             raised = str(exc)
-        return {"raised": raised, "training": module.training,
-                "rng_restored": torch.equal(before, torch.get_rng_state()),
-                "inside_weights": inside_weights,
-                "after_weights": _engine_weight_bytes(engine) if engine else None}
+        # async rollouts: wake_up / sleep run the same stages (verl once shipped a wake_up that
+        # never resumed memory)
+        import asyncio
+
+        after_weights = _engine_weight_bytes(engine) if engine else None
+        training_after_exc = module.training
+        rng_restored = torch.equal(before, torch.get_rng_state())
+        asyncio.run(manager.wake_up())
+        awake_weights = _engine_weight_bytes(engine) if engine else None
+        awake_training = module.training
+        asyncio.run(manager.sleep())
+        return {"raised": raised, "training": training_after_exc, "awake_training": awake_training,
+                "awake_weights": awake_weights, "rng_restored": rng_restored,
+                "training_after_sleep": module.training,
+                "inside_weights": inside_weights, "after_weights": after_weights}
     finally:
         if engine is not None:
             engine.shutdown()
@@ -177,6 +195,8 @@ def test_exception_inside_block_releases_and_restores():
         assert r["rng_restored"]
     assert results[0]["inside_weights"] > 0
     assert results[0]["after_weights"] == 0
+    assert results[0]["awake_weights"] == results[0]["inside_weights"]
+    assert all(r["awake_training"] is False and r["training_after_sleep"] is True for r in results)
 
 
 class _FailingEngine:
