@@ -26,13 +26,13 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .memory import _status
+from .memory import status as _status
 
 __all__ = ["BenchSpec", "Job", "run_bench", "add_bench_parser", "cmd_bench", "PRESETS", "check_targets"]
 

@@ -1,18 +1,16 @@
-"""Memory tags, probes and the stage timeline.
+"""Memory probes and the stage timeline.
 
-`Tag` names what an engine can release and resume (SGLang's tags and orders). `probe()` reads this
-process's memory (CUDA allocated/reserved when CUDA is in use; RSS/USS/PSS always). `Timeline`
-records, for each named stage of a sync, its wall time and the memory of the trainer rank and of
+`probe()` reads a process's memory from /proc (RSS, peak RSS, anonymous and shared-memory RSS;
+USS and PSS on request) plus CUDA allocated/reserved when CUDA is in use. `Timeline` records, for each named stage of a sync, its wall time and the memory of the trainer rank and of
 the engine's workers after it; it renders to a dict/JSON and to a short log line.
 
-Not here: deciding which stage runs when (manager) or freeing anything (engines).
+Not here: deciding which stage runs when (manager), freeing anything, or the memory tags and
+their release/resume orders (the engine protocol's, `engines.base`).
 """
 
 from __future__ import annotations
 
-import enum
 import json
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -21,32 +19,7 @@ from typing import Any, Iterator
 import psutil
 import torch
 
-__all__ = ["Tag", "RELEASE_ORDER", "RESUME_ORDER", "ordered", "probe", "StageRecord", "Timeline",
-           "empty_cache"]
-
-
-class Tag(str, enum.Enum):
-    WEIGHTS = "weights"
-    KV_CACHE = "kv_cache"
-    CUDA_GRAPH = "cuda_graph"
-
-
-RELEASE_ORDER = (Tag.KV_CACHE, Tag.WEIGHTS, Tag.CUDA_GRAPH)
-RESUME_ORDER = (Tag.CUDA_GRAPH, Tag.WEIGHTS, Tag.KV_CACHE)
-
-
-def ordered(tags, order) -> list[str]:
-    """Tags (None = all) validated and put in ``order``; raises naming an unknown tag."""
-    if tags is None:
-        return [t.value for t in order]
-    wanted = []
-    for t in tags:
-        try:
-            wanted.append(Tag(t))
-        except ValueError:
-            raise ValueError(f"unknown memory tag {t!r}; expected one of "
-                             f"{[x.value for x in Tag]}") from None
-    return [t.value for t in order if t in wanted]
+__all__ = ["probe", "StageRecord", "Timeline", "empty_cache", "status"]
 
 
 def empty_cache() -> None:
@@ -57,7 +30,7 @@ def empty_cache() -> None:
 _STATUS_KEYS = {"VmRSS:": "rss", "VmHWM:": "rss_peak", "RssAnon:": "anon", "RssShmem:": "shmem"}
 
 
-def _status(pid: int | str) -> dict[str, int]:
+def status(pid: int | str) -> dict[str, int]:
     """RSS, its peak, and its anonymous and shared-memory parts from /proc/<pid>/status (~50 µs)."""
     out: dict[str, int] = {}
     try:
@@ -96,7 +69,7 @@ def probe(pid: int | None = None, *, full: bool = True) -> dict[str, int]:
     /proc/<pid>/status, with ``full`` also uss and pss (smaps_rollup); plus CUDA allocator stats
     when this process uses CUDA."""
     who = "self" if pid is None else pid
-    out = _status(who)
+    out = status(who)
     if full:
         out.update(_rollup(who))
     if pid is None and torch.cuda.is_available() and torch.cuda.is_initialized():

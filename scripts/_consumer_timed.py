@@ -1,6 +1,5 @@
 """Consumer side of scripts/measure_handles.py: opens payloads, unflattens, reports times and fds."""
 import sys, os, time, json, pickle
-import torch
 from fsdp_sync import handles, bucket
 def fds(): return len(os.listdir("/proc/self/fd"))
 payloads = pickle.load(open(sys.argv[1], "rb"))

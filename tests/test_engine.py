@@ -234,7 +234,7 @@ def test_direct_layout(eng, tiny, tiny2):
 # --------------------------------------------------------------------------- all or nothing
 
 def _bad_updates(eng, tiny, tiny2):
-    sd, sd2 = tiny.state_dict(), tiny2.state_dict()
+    sd2 = tiny2.state_dict()
     q = "model.layers.0.self_attn.q_proj.weight"
     good = [(k, v) for k, v in sd2.items() if k != q]      # valid tensors ride along: none may land
     yield "unknown", good + [("model.layers.0.self_attn.qq_proj.weight", sd2[q])], None, \

@@ -241,7 +241,7 @@ class TPLayout:
     def placements(self, name: str, rank: int) -> list[Placement]:
         """Where HF tensor ``name`` goes on ``rank`` (empty for a tied lm_head or a rank that holds
         no part of it)."""
-        s, d, tp = self.spec, self.spec.head_dim, self.tp
+        s, d = self.spec, self.spec.head_dim
         if name not in self.hf_shapes:
             if self.accepts(name):
                 return []
