@@ -254,7 +254,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             if sampler:
                 sampler.__exit__(None, None, None)
             progress.update(f"{strategy} {bucket_mb:g} MiB: floor")
-            floor = _floor_seconds(stats.bytes, bucket_bytes, job.tp, job.device, job.repeats)
+            # the floor is noisier than the sync (one big transfer): give it more repeats
+            floor = _floor_seconds(stats.bytes, bucket_bytes, job.tp, job.device, max(job.repeats, 5))
             secs_med = statistics.median(secs)
             if strategy == "per_tensor":
                 baseline = secs_med
