@@ -47,6 +47,10 @@ class SyncConfig:
     offload_params: move trainer parameters off the accelerator during rollout.
     fsdp1_state_dict: the FSDP1 state-dict type used for export (full / sharded / local).
     seed: generation RNG seed base; dp rank r generates with ``seed + r`` (same on every TP rank).
+    share_host_memory: for ``flattened``, when the trainer ranks of the FSDP group share a host and
+        hold CPU shards (even dim-0 splits): no all-gather; the ranks write their shards into one
+        host-shared buffer that the engine workers open (`export.iter_buckets`). Off, or where it
+        does not apply, every rank all-gathers each bucket over the process group.
     memory_probe: what the stage timeline records after each stage: ``"full"`` (RSS, peak RSS,
         anonymous and shared-memory RSS, USS and PSS of the trainer rank and of each engine worker;
         a few ms per process and stage), ``"rss"`` (the /proc status figures only, ~50 µs) or
@@ -62,6 +66,7 @@ class SyncConfig:
     fsdp1_state_dict: str = "full"
     seed: int = 1000
     memory_probe: str = "full"
+    share_host_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -708,6 +709,7 @@ def iter_params(module: nn.Module, *, dtype: torch.dtype | None = None,
 def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | None = None,
                  fsdp1_state_dict: str = "full",
                  alloc: Callable[[int], torch.Tensor] = _handles.empty_shared,
+                 share_host_memory: bool = False,
                  ) -> Iterator[tuple[_bucket.Bucket, torch.Tensor]]:
     """Yield ``(bucket, flat)``: buckets planned by `bucket.plan_buckets` over `param_metas`
     (``bucket_bytes`` a budget per bucket, alignment padding included), each gathered into a fresh
@@ -716,25 +718,131 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
     Sharded tensors whose layout allows it (FSDP2 ``Shard(0)``, FSDP1 "local" and "sharded") are
     gathered with one ``all_gather_into_tensor`` per bucket, not one per parameter. ``alloc``
     decides where buffers live (CPU shared memory by default; pass a CUDA allocator on GPU).
+
+    ``share_host_memory``: when every tensor is an evenly sharded CPU tensor of one gather group
+    whose ranks all run on this host, skip the gather: the group shares ONE shared-memory buffer
+    (sized for the largest bucket, reused by every bucket), every rank writes its own pieces into
+    it, and a barrier ends the bucket. Each rank then yields a view of the same memory, which is
+    valid until the next bucket is requested: every consumer must be done with a bucket before any
+    rank asks for the next (the sharding manager's per-bucket status all-reduce guarantees it).
+    Anything else falls back to the gather, so the flag is always safe to pass.
     """
     items = _resolve(module, fsdp1_state_dict, dtype)
     metas = [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in items]
     plan = _bucket.plan_buckets(metas, bucket_bytes)
+    host = _HostBucket.create(items, max((b.nbytes for b in plan), default=0)) \
+        if share_host_memory else None
     scratch = _Scratch()
     start = 0
     for bkt in plan:
         chunk = items[start:start + len(bkt.entries)]
         items[start:start + len(bkt.entries)] = [None] * len(chunk)
         start += len(bkt.entries)
-        flat = alloc(bkt.nbytes)
-        if (not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1
-                or flat.numel() < bkt.nbytes):
-            raise ValueError(f"alloc({bkt.nbytes}) must return a 1-D uint8 tensor of at least "
-                             f"{bkt.nbytes} bytes, got {getattr(flat, 'dtype', type(flat))} "
-                             f"{tuple(getattr(flat, 'shape', ()))}")
-        _fill(bkt, chunk, flat, scratch)
+        if host is not None:
+            flat = host.fill(bkt, chunk)
+        else:
+            flat = alloc(bkt.nbytes)
+            if (not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1
+                    or flat.numel() < bkt.nbytes):
+                raise ValueError(f"alloc({bkt.nbytes}) must return a 1-D uint8 tensor of at least "
+                                 f"{bkt.nbytes} bytes, got {getattr(flat, 'dtype', type(flat))} "
+                                 f"{tuple(getattr(flat, 'shape', ()))}")
+            _fill(bkt, chunk, flat, scratch)
         for it in chunk:
             it.drop()
         del chunk
         yield bkt, flat
         del flat
+
+
+class _HostBucket:
+    """One shared-memory buffer mapped by every rank of a gather group on one host.
+
+    Group rank 0 allocates it and scatters one handle payload to each other rank (one per opener,
+    so the segment's reference count stays balanced); each rank writes only its own pieces of each
+    tensor (for even dim-0 shards: bytes ``[start + r * piece, start + (r + 1) * piece)``), so a
+    bucket costs every rank one copy of its shard instead of an all-gather of the whole bucket."""
+
+    def __init__(self, group: Any, buf: torch.Tensor) -> None:
+        self.group, self.buf = group, buf
+        self.me = dist.get_rank(group)
+
+    @staticmethod
+    def eligible(items: list[_Item]) -> Any:
+        """The items' one gather group if the shared path applies, else None (same answer on
+        every rank: the items and their piece counts are the same everywhere)."""
+        groups = {id(it.pieces.group): it.pieces.group for it in items if it.pieces is not None}
+        if len(groups) != 1:
+            return None
+        for it in items:
+            p = it.pieces
+            if p is None:
+                if it.full is None:
+                    return None          # a DTensor that needs full_tensor(): not this path
+                if it.full.device.type != "cpu":
+                    return None
+                continue
+            if p.local.device.type != "cpu" or any(c != p.counts[0] for c in p.counts):
+                return None
+        return next(iter(groups.values()))
+
+    @classmethod
+    def create(cls, items: list[_Item], nbytes: int) -> "_HostBucket | None":
+        group = cls.eligible(items)
+        if group is None or nbytes == 0:
+            return None
+        world = dist.get_world_size(group)
+        if world == 1:
+            return None
+        keys: list = [None] * world
+        dist.all_gather_object(keys, _host_key(), group=group)
+        if any(k != keys[0] for k in keys):
+            return None                  # ranks on several hosts: gather instead
+        me = dist.get_rank(group)
+        src = dist.get_global_rank(group, 0)
+        out: list = [None]
+        if me == 0:
+            buf = _handles.empty_shared(nbytes)
+            sets = _handles.make_payloads(buf, world, ranks=list(range(1, world)), tagged=False)
+            dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
+            dist.barrier(group=group)    # every rank has opened it: the payloads may go
+            sets.release(require_ack=False)
+        else:
+            dist.scatter_object_list(out, None, src=src, group=group)
+            buf = _handles.open_payload(out[0]).value
+            _handles.adopt(buf)          # re-sharing it with the engine needs no copy
+            dist.barrier(group=group)
+        return cls(group, buf)
+
+    def fill(self, bkt: _bucket.Bucket, items: list[_Item]) -> torch.Tensor:
+        flat = self.buf[:bkt.nbytes]
+        dist.barrier(group=self.group)   # nobody still reads the previous bucket's bytes
+        with torch.no_grad():
+            prev = 0
+            for entry, it in zip(bkt.entries, items):
+                if self.me == 0 and entry.start > prev:
+                    flat[prev:entry.start].zero_()
+                prev = entry.end
+                p = it.pieces
+                if p is None:
+                    if self.me == 0:     # replicated on every rank: rank 0 writes it
+                        flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(it.full)
+                    continue
+                n = p.counts[self.me] * entry.dtype.itemsize
+                if n:                    # copy_ casts: the shard is cast on its way in
+                    lo = entry.start + self.me * n
+                    flat[lo:lo + n].view(entry.dtype).copy_(p.local.reshape(-1))
+            if self.me == 0 and bkt.nbytes > prev:
+                flat[prev:bkt.nbytes].zero_()
+        dist.barrier(group=self.group)   # every rank's pieces are in
+        return flat
+
+
+def _host_key() -> str:
+    """This host, as the ranks sharing memory must agree on it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

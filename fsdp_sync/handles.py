@@ -42,7 +42,7 @@ from .bucket import SUPPORTED_DTYPES, dtype_name
 
 __all__ = [
     "HandleError", "PayloadSet", "Received", "make_payloads", "open_payload",
-    "empty_shared", "TAG", "FRESH", "OPENED", "ACKED",
+    "empty_shared", "adopt", "TAG", "FRESH", "OPENED", "ACKED",
 ]
 
 TAG = "fsdp_sync"
@@ -71,6 +71,15 @@ def empty_shared(nbytes: int, device: torch.device | str = "cpu") -> torch.Tenso
     out = torch.empty(0, dtype=torch.uint8)
     out.set_(storage, 0, (int(nbytes),), (1,))
     return out
+
+
+def adopt(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark a CPU tensor that already lives in shared memory by file name (one this process
+    opened from a payload, say) as sharable without a copy."""
+    storage = tensor.untyped_storage()
+    if tensor.device.type == "cpu":
+        _OWNED[storage.data_ptr()] = _red.StorageWeakRef(storage)
+    return tensor
 
 
 def _is_owned(storage: torch.UntypedStorage) -> bool:

@@ -348,7 +348,8 @@ class FSDPShardingManager:
         plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
         buffer = _ReusedBuffer(max((b.nbytes for b in plan), default=0), _module_device(self.module))
         it = export.iter_buckets(self.module, cfg.bucket_bytes, dtype=cfg.dtype,
-                                 fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=buffer.take)
+                                 fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=buffer.take,
+                                 share_host_memory=cfg.share_host_memory)
         with closing(it):
             for i, (bucket, flat) in enumerate(it):
                 obj = {"flattened_tensor": flat, "metadata": sglang_metadata(bucket)}

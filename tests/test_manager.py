@@ -107,6 +107,7 @@ def _check(results, tp, n_configs):
 
 ALL_FSDP2 = [
     {"strategy": "flattened", "multi_stage_wake_up": True},
+    {"strategy": "flattened", "share_host_memory": False},    # the all-gather path
     {"strategy": "bucketed", "multi_stage_wake_up": True},
     {"strategy": "per_tensor", "multi_stage_wake_up": True},
     {"strategy": "flattened", "multi_stage_wake_up": False},
@@ -121,10 +122,10 @@ def test_fsdp2_two_ranks_every_strategy_and_stage_mode():
     names = results[0][0]["stage_names"]
     assert names.index("resume_weights") < names.index("sync_weights") < names.index("resume_kv_cache")
     assert names[-3:] == ["release_memory", "restore_module", "restore_rng"]
-    off = results[0][3]["stage_names"]
+    off = results[0][4]["stage_names"]
     assert off.index("resume_all") < off.index("sync_weights") and "resume_kv_cache" not in off
     # per_tensor makes one engine call per tensor; flattened one per bucket
-    assert results[0][2]["engine_calls"] > results[0][0]["engine_calls"]
+    assert results[0][3]["engine_calls"] > results[0][0]["engine_calls"]
 
 
 FSDP1 = [
@@ -144,7 +145,7 @@ def test_fsdp1_two_ranks_every_state_dict_type():
 @pytest.mark.timeout(240)
 def test_four_ranks_dp2_tp2():
     configs = [{"strategy": "flattened"}, {"strategy": "per_tensor", "multi_stage_wake_up": False},
-               {"strategy": "bucketed"}]
+               {"strategy": "bucketed"}, {"strategy": "flattened", "share_host_memory": False}]
     results = run_ranks(_steps, 4, 2, 2, configs, timeout_s=230, env=spawn_env())
     _check(results, 2, len(configs))
 
