@@ -339,8 +339,11 @@ class FSDPShardingManager:
             log.warning("fsdp_sync: closing the engine's update after a failed sync: %s", exc)
 
     def _broadcast_flag(self, value: bool) -> bool:
+        """Infer-TP rank 0's answer on every rank of its group."""
+        if self.topo.tp_size == 1:
+            return value
         t = torch.tensor([1 if value else 0], dtype=torch.int64)
-        dist.broadcast(t, src=self.topo.tp_src, group=self.topo.tp_group) if self.topo.tp_size > 1 else None
+        dist.broadcast(t, src=self.topo.tp_src, group=self.topo.tp_group)
         return bool(t.item())
 
     def _steps_flattened(self, tagged: bool) -> Iterator[_Call]:
