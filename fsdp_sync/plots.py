@@ -30,7 +30,10 @@ def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
             [r for r in rows if r["model"] == model]
         by: dict[str, list] = defaultdict(list)
         for r in mrows:
-            by[r["strategy"]].append(r)
+            label = r["strategy"]
+            if r["strategy"] == "flattened":
+                label += " (host-shared)" if r.get("share_host_memory") else " (all-gather)"
+            by[label].append(r)
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
         buckets = sorted({r["bucket_bytes"] for r in mrows})
         for strategy, rs in sorted(by.items()):
@@ -47,12 +50,14 @@ def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
         fl = defaultdict(list)
         for r in floor:
             fl[r["bucket_bytes"]].append(r["floor_seconds"])
-        ax_t.plot([b / MiB for b in sorted(fl)], [min(fl[b]) for b in sorted(fl)], "k:", label="floor")
+        ax_t.plot([b / MiB for b in sorted(fl)], [min(fl[b]) for b in sorted(fl)], "kx:",
+                  label="floor (all-gather + one copy)")
         budget = [(b / MiB, (2 * b + mrows[0]["largest_tensor_bytes"]) / MiB) for b in buckets]
-        ax_m.plot([b for b, _ in budget], [v for _, v in budget], "k:", label="2×bucket + largest tensor")
+        ax_m.plot([b for b, _ in budget], [v for _, v in budget], "kx:", label="2×bucket + largest tensor")
         for ax, title, ylabel in ((ax_t, "sync time", "seconds (median)"),
                                   (ax_m, "peak extra memory per device", "MiB")):
             ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
             ax.set_xlabel("bucket size (MiB)")
             ax.set_ylabel(ylabel)
             ax.set_title(f"{title}: {model}, {mrows[0]['ranks']} ranks, TP {mrows[0]['tp']}")
