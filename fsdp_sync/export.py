@@ -75,7 +75,7 @@ except ImportError:  # pragma: no cover - older torch: one gather per tensor ins
 
 from . import bucket as _bucket
 from . import handles as _handles
-from .topology import SyncError
+from .topology import agree
 
 __all__ = [
     "param_metas", "iter_params", "iter_buckets", "state_dict_type", "hf_name",
@@ -496,7 +496,7 @@ def _resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None
     except Exception as exc:  # noqa: BLE001 - whatever it is, every peer must hear of it
         error = exc
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        _agree(error, group)
+        agree(error, group, what="export")
     elif error is not None:
         raise error
     return items
@@ -507,23 +507,6 @@ def _agree_group(dt: Any) -> Any:
     if mesh.ndim == 1:
         return mesh.get_group()
     return dist.group.WORLD if mesh.size() == dist.get_world_size() else None
-
-
-def _agree(error: BaseException | None, group: Any) -> None:
-    """One all-reduce over the shard group: if any rank failed, every rank raises its message."""
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, group=group)
-    if int(flag.item()) == 0:
-        return
-    msgs: list = [None] * dist.get_world_size(group)
-    text = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(msgs, text, group=group)
-    first = next(r for r, m in enumerate(msgs) if m is not None)
-    others = [r for r, m in enumerate(msgs) if m is not None and r != first]
-    suffix = f" (group ranks {others} failed too)" if others else ""
-    raise SyncError(f"export failed on group rank {first}{suffix}: {msgs[first]}") from error
 
 
 # --------------------------------------------------------------------------- gathering

@@ -239,11 +239,14 @@ class PayloadSet:
         """Indices into ``payloads`` whose consumer has not acknowledged."""
         return [r for r in range(len(self.payloads)) if self.state(r) != ACKED]
 
-    def release(self, *, require_ack: bool = True, gone: Sequence[int] = ()) -> None:
+    def release(self, *, require_ack: bool = True, gone: Sequence[int] = (),
+                unopened: Sequence[int] = ()) -> None:
         """Free every buffer. Raises `HandleError` naming ranks that never acknowledged.
 
         ``gone``: consumer ranks whose process died; a payload such a rank opened but never
         acknowledged still counts its mapping in the segment's reference count, given back here.
+        ``unopened``: consumer ranks the caller knows never opened their payload. A tagged payload
+        tells by its state word; an untagged one (SGLang's) only the caller can tell.
         """
         if self.released:
             return
@@ -251,10 +254,12 @@ class PayloadSet:
                    and self.state(r) != ACKED]
         # A payload nobody opened still holds the reference its pickling took: give it back, or
         # the segment outlives every process that maps it. The same for a dead consumer's mapping.
-        for r in range(len(self.payloads)):
-            if self.states[r] is not None and (self.state(r) == FRESH or (
-                    self.state(r) == OPENED and self.ranks and self.ranks[r] in gone)):
-                for storage in self._shared[r]:
+        for i in range(len(self.payloads)):
+            rank = self.ranks[i] if self.ranks else i
+            tagged = self.states[i] is not None
+            if (rank in unopened or (tagged and self.state(i) == FRESH)
+                    or (tagged and self.state(i) == OPENED and rank in gone)):
+                for storage in self._shared[i]:
                     storage._shared_decref()
         ranks = self.ranks
         self.payloads, self.obj, self._keep, self._shared, self.states = [], None, [], [], []

@@ -230,7 +230,7 @@ class FSDPShardingManager:
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 err = f"{type(exc).__name__}: {exc}"
-            agree(err, self.topo, what=f"stage {name!r}")
+            agree(err, what=f"stage {name!r}")
 
     def _resume(self, tags: list[str] | None) -> None:
         if self.config.free_cache_engine and self.topo.is_tp_src:
@@ -418,7 +418,7 @@ class FSDPShardingManager:
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
                     err = (f"engine update of {call.what} on {topo.describe()}: "
                            f"{type(exc).__name__}: {exc}")
-            agree(err, topo, what="weight sync")
+            agree(err, what="weight sync")
         finally:
             for s in call.sets:
                 # Acknowledgements are checked without a collective of their own: a missing one

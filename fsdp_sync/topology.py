@@ -94,19 +94,28 @@ def broadcast_from_src(obj: Any, topo: SyncTopology) -> Any:
     return box[0]
 
 
-def agree(error: str | None, topo: SyncTopology | None = None, *, what: str = "sync") -> None:
-    """Collective over the whole world: raise `SyncError` on every rank if any rank passed an error.
+def agree(error: str | BaseException | None, group: Any = None, *, what: str = "sync") -> None:
+    """Collective over ``group`` (default: the whole world): raise `SyncError` on every rank if
+    any rank passed an error.
 
-    Each rank passes its own error text (or None). The message names the first failing rank and
-    carries its text, identical on every rank.
+    Each rank passes its own error (text or exception, or None). The message names the first
+    failing rank (its rank in ``group``) and carries its text, identical on every rank. One
+    all-reduce when all is well; the messages travel only on failure.
     """
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag)
+    device = "cpu"
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, group=group)
     if int(flag.item()) == 0:
         return
-    msgs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(msgs, None if error is None else str(error))
+    text = None if error is None else (
+        f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error))
+    msgs: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(msgs, text, group=group)
     first = next(r for r, m in enumerate(msgs) if m is not None)
     others = [r for r, m in enumerate(msgs) if m is not None and r != first]
-    suffix = f" (ranks {others} failed too)" if others else ""
-    raise SyncError(f"{what} failed on rank {first}{suffix}: {msgs[first]}")
+    who = "rank" if group is None else "group rank"
+    suffix = f" ({who}s {others} failed too)" if others else ""
+    raise SyncError(f"{what} failed on {who} {first}{suffix}: {msgs[first]}") from (
+        error if isinstance(error, BaseException) else None)

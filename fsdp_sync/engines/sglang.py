@@ -99,8 +99,7 @@ class BucketPayloads(list):
         if self.payload_set.released:
             return
         ranks = range(len(self)) if unopened is True else (unopened or ())
-        _give_back_unopened(self.payload_set, ranks)
-        self.payload_set.release(require_ack=False)
+        self.payload_set.release(require_ack=False, unopened=list(ranks))
         self.clear()
 
     def __enter__(self) -> "BucketPayloads":
@@ -116,18 +115,6 @@ class BucketPayloads(list):
     def __repr__(self) -> str:
         state = "released" if self.released else f"{self.nbytes} bytes"
         return f"BucketPayloads({len(self)} ranks, {len(self.bucket.entries)} tensors, {state})"
-
-
-def _give_back_unopened(payload_set: handles.PayloadSet, ranks: Iterable[int]) -> None:
-    # Pickling a CPU storage raised its shared reference count, and SGLang's unpickling lowers it
-    # again. An untagged payload has no state word telling whether it was opened, so
-    # `PayloadSet.release` cannot balance it: the caller who knows does it here.
-    shared = getattr(payload_set, "_shared", None) or []
-    for r in ranks:
-        if 0 <= r < len(shared):
-            for storage in shared[r]:
-                storage._shared_decref()
-            shared[r] = []
 
 
 def bucket_payloads(flat: torch.Tensor, bucket: Bucket, tp_size: int, *,
@@ -604,9 +591,9 @@ class SGLangEngine:
             opened = e.opened
             raise
         finally:
-            if opened is False:
-                _give_back_unopened(lease, range(len(lease.payloads)))
-            lease.release(require_ack=False)
+            # untagged payloads cannot tell whether SGLang opened them; its answer can
+            lease.release(require_ack=False,
+                          unopened=range(len(lease.payloads)) if opened is False else ())
 
     def _local_update(self, call: str, named: list, load_format: str | None,
                       flush_cache: bool) -> None:

@@ -170,6 +170,7 @@ def test_adapter_calls_bind_to_installed_engine(record_property):
     sigs, how = engine_signatures(called)
     record_property("engine_signatures", how)
     print(f"sglang.Engine {sglang.__version__} signatures: {how}")
+    assert called and set(called) <= set(sigs), (called, sorted(sigs))
     for name, kwargs in eng.calls:
         sigs[name].bind(None, **kwargs)                 # None stands for self
 
