@@ -1,0 +1,69 @@
+"""How exported weights reach the engine: one module per SGLang update method, one small protocol.
+
+    tensor.py        colocated: handle tuples (CPU shared memory / CUDA IPC), gathered to infer-TP
+                     rank 0, ``update_weights_from_tensor`` (strategies per_tensor/bucketed/flattened)
+    distributed.py   disaggregated: buckets gathered to trainer rank 0, broadcast over SGLang's
+                     weight-update group, ``update_weights_from_distributed``
+    disk.py          a versioned safetensors checkpoint per sync, ``update_weights_from_disk``
+
+A transport is any object with the attributes and methods of `Transport`. There is no base class
+to inherit from: the manager only calls ``sync(ctx)`` and ``close()`` and reads ``colocated``.
+
+Not here: export and bucket planning (shared by all three, in `export` and `bucket`), and the
+stages around the sync (the manager).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+__all__ = ["Transport", "SyncContext", "SyncStats", "METHODS"]
+
+METHODS = ("tensor", "distributed", "disk")
+
+
+@dataclass
+class SyncStats:
+    """What the last sync moved: bytes are the rollout-dtype bytes of every exported tensor."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    engine_calls: int = 0
+    extra: dict = field(default_factory=dict)   # method-specific figures (e.g. disk: path, files)
+
+
+@dataclass
+class SyncContext:
+    """Everything one sync needs, handed to `Transport.sync` on every trainer rank.
+
+    topo: the ``("dp", "infer_tp")`` `SyncTopology` for the tensor method; None when the manager
+        was built without a mesh (distributed, disk), where ``group`` is the trainer's group.
+    engines: on the rank that calls the engine (tensor: infer-TP rank 0 of each group;
+        distributed/disk: trainer rank 0) the engine handles, one per rollout replica; [] elsewhere.
+    step: the sync's number, counted from 0 by the manager (disk names ``step_<N>`` by it).
+    """
+
+    module: torch.nn.Module
+    config: Any                  # SyncConfig
+    topo: Any | None             # SyncTopology | None
+    group: Any | None            # the trainer ranks' ProcessGroup (None: the default group)
+    engines: list
+    step: int
+    stats: SyncStats
+
+
+class Transport(Protocol):
+    """One update method. ``colocated`` is the rule the manager skips stages by: the engine-memory
+    stages (resume weights / kv_cache, release on exit) run only for a colocated transport."""
+
+    method: ClassVar[str]
+    colocated: ClassVar[bool]
+
+    def sync(self, ctx: SyncContext) -> None: ...
+
+    def close(self) -> None: ...
