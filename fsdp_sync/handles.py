@@ -12,8 +12,10 @@ consuming rank:
   reductions are not patched, so pickling CPU tensors elsewhere in the process keeps working.
 
 On the wire there are only builtins, ``types.SimpleNamespace``, torch dtypes/sizes/storages and
-torch's rebuild functions: what SGLang's safe deserializer accepts. `open_payload` enforces the same
-allow-list.
+torch's rebuild functions: what SGLang's safe deserializer accepts. `open_payload` admits exact
+``(module, name)`` pairs only (no prefix, no ``getattr``, no dotted names), hands mutable classes
+over as inert stand-ins, checks the rebuild functions' arguments and refuses torch's by-value
+storage loader (``torch.storage._load_from_bytes``): a crafted payload cannot run code.
 
 A tagged payload (the default) carries an ``"fsdp_sync"`` entry: the rank it is for and a 4-byte
 shared state word (0 fresh, 1 opened, 2 acknowledged). Opening by the wrong rank or twice raises;
@@ -161,23 +163,120 @@ class _Pickler(ForkingPickler):
         return (_red.rebuild_storage_filename, (type(storage), manager, handle, size))
 
 
-_ALLOWED_MODULES = ("torch", "torch.")
-_ALLOWED = {
-    ("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str",
-                              "bytes", "bool", "complex", "slice", "getattr", "bytearray")
-} | {("types", "SimpleNamespace"), ("functools", "partial"), ("collections", "OrderedDict")}
+class _Cls:
+    """Stands in for a mutable class (``torch.Tensor``, ``torch.nn.Parameter``,
+    ``torch.UntypedStorage``) while a payload is unpickled: a payload's ``BUILD`` opcode could
+    otherwise set attributes on the class itself. Only our rebuild wrappers turn it back into the
+    class; it has no attributes or state of its own to set."""
+
+    __slots__ = ("_cls",)
+
+    def __init__(self, cls: type) -> None:
+        object.__setattr__(self, "_cls", cls)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise HandleError("payload tried to set an attribute on a class")
+
+    def __reduce__(self):
+        raise HandleError("a class stand-in is not picklable")
+
+
+_TENSOR, _PARAM, _USTORAGE = _Cls(torch.Tensor), _Cls(torch.nn.Parameter), _Cls(torch.UntypedStorage)
+
+
+def _cls(value: Any, allowed: tuple, what: str) -> type:
+    if not any(value is a for a in allowed):
+        raise HandleError(f"payload passes {value!r:.60} as the {what} class of a rebuild call; "
+                          f"expected one of {[a._cls.__name__ for a in allowed]}")
+    return value._cls
+
+
+def _storage_arg(value: Any) -> Any:
+    if not isinstance(value, (torch.UntypedStorage, torch.TypedStorage)):
+        raise HandleError(f"payload passes {type(value).__name__} where a storage belongs")
+    return value
+
+
+def _safe_rebuild_tensor(cls, storage, metadata):
+    if not (isinstance(metadata, tuple) and len(metadata) == 4):
+        raise HandleError("payload's tensor metadata is not (offset, size, stride, requires_grad)")
+    return _red.rebuild_tensor(_cls(cls, (_TENSOR, _PARAM), "tensor"), _storage_arg(storage), metadata)
+
+
+def _safe_rebuild_storage_filename(cls, manager, handle, size, dtype=None):
+    _cls(cls, (_USTORAGE,), "storage")
+    if not (isinstance(manager, bytes) and isinstance(handle, bytes) and isinstance(size, int)):
+        raise HandleError("payload's shared-memory handle is not (bytes, bytes, int)")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise HandleError(f"payload's storage dtype is {type(dtype).__name__}, not a torch dtype")
+    return _red.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size, dtype)
+
+
+def _safe_rebuild_storage_empty(cls):
+    return _cls(cls, (_USTORAGE,), "storage")()
+
+
+def _safe_rebuild_typed_storage(storage, dtype):
+    if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
+        raise HandleError("payload's typed storage is not (UntypedStorage, dtype)")
+    return _red.rebuild_typed_storage(storage, dtype)
+
+
+def _safe_rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    if len(args) != 15:
+        raise HandleError(f"payload's CUDA tensor handle has {len(args)} fields, expected 15")
+    args = list(args)
+    args[0] = _cls(args[0], (_TENSOR, _PARAM), "tensor")
+    args[4] = _cls(args[4], (_USTORAGE,), "storage")
+    if not isinstance(args[5], torch.dtype):
+        raise HandleError("payload's CUDA tensor dtype is not a torch dtype")
+    return _rebuild_cuda_tensor_by_uuid(*args)
+
+
+def _refuse_by_value(*_args: Any) -> Any:
+    raise HandleError("payload holds a by-value storage (torch.storage._load_from_bytes, a nested "
+                      "unrestricted unpickle); refused: payloads carry shared-memory or CUDA IPC "
+                      "handles, made by fsdp_sync.handles.make_payloads")
+
+
+_RED = "torch.multiprocessing.reductions"
+# Exact (module, name) pairs, each mapped to the object a payload gets: nothing by prefix, no
+# getattr, no dotted names (``torch.serialization.os`` is the os module). Mutable classes and
+# torch's rebuild functions are replaced by stand-ins and wrappers that check their arguments.
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **{("builtins", t.__name__): t for t in (dict, list, tuple, set, frozenset, int, float, str,
+                                             bytes, bytearray, bool, complex, slice)},
+    ("types", "SimpleNamespace"): types.SimpleNamespace,
+    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    ("torch", "Size"): torch.Size,
+    ("torch", "Tensor"): _TENSOR,
+    ("torch._tensor", "Tensor"): _TENSOR,
+    ("torch.nn.parameter", "Parameter"): _PARAM,
+    ("torch.storage", "UntypedStorage"): _USTORAGE,
+    ("torch", "UntypedStorage"): _USTORAGE,
+    (_RED, "rebuild_tensor"): _safe_rebuild_tensor,
+    (_RED, "rebuild_storage_filename"): _safe_rebuild_storage_filename,
+    (_RED, "rebuild_storage_empty"): _safe_rebuild_storage_empty,
+    (_RED, "rebuild_typed_storage"): _safe_rebuild_typed_storage,
+    (_RED, "rebuild_cuda_tensor"): _safe_rebuild_cuda_tensor,
+    ("torch.storage", "_load_from_bytes"): _refuse_by_value,
+    **{("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)},
+}
 
 
 class _Unpickler(pickle.Unpickler):
-    """Accepts what SGLang's safe deserializer accepts, and nothing of ours."""
+    """Accepts what SGLang's safe deserializer accepts (exact pairs), and nothing of ours."""
 
     def find_class(self, module: str, name: str):
-        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
-            return _rebuild_cuda_tensor_by_uuid
-        if (module, name) in _ALLOWED or module == "torch" or module.startswith(_ALLOWED_MODULES[1]):
-            return super().find_class(module, name)
-        raise HandleError(f"payload holds {module}.{name}, which is not on the allow-list "
-                          f"(builtins, SimpleNamespace, partial, torch)")
+        obj = _ALLOWED.get((module, name))
+        if obj is None:
+            raise HandleError(f"payload holds {module}.{name}, which is not on the allow-list "
+                              f"(builtin data types, SimpleNamespace, torch dtypes and tensor/storage "
+                              f"rebuild functions); refused")
+        return obj
+
+    def persistent_load(self, pid: Any):
+        raise HandleError("payload holds a persistent id; refused")
 
 
 def _check_value(obj: Any, path: str, device: str | None) -> None:
@@ -358,11 +457,21 @@ def open_payload(payload: bytes | str, rank: int | None = None) -> Received:
     data = base64.b64decode(payload) if isinstance(payload, str) else payload
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandleError(f"a payload is bytes or base64 text, got {type(payload).__name__}")
-    obj = _Unpickler(io.BytesIO(data)).load()
+    try:
+        obj = _Unpickler(io.BytesIO(data)).load()
+    except HandleError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch's own errors say little about why
+        raise HandleError(f"cannot open payload{'' if rank is None else f' on rank {rank}'}: "
+                          f"{type(exc).__name__}: {exc}. Was it released by its producer already "
+                          f"(PayloadSet.release), or made in another host's memory?") from exc
     if not (isinstance(obj, dict) and TAG in obj):
         return Received(obj, rank)
     tag = obj.pop(TAG)
-    state = tag["state"]
+    state = tag.get("state") if isinstance(tag, dict) else None
+    if not (isinstance(state, torch.Tensor) and state.dtype == torch.int32 and state.numel() == 1
+            and isinstance(tag.get("rank"), int)):
+        raise HandleError(f"payload's {TAG!r} tag is malformed: {tag!r:.80}")
     error = None
     if rank is not None and rank != tag["rank"]:
         error = f"payload for infer-TP rank {tag['rank']} (of {tag['of']}) opened by rank {rank}"

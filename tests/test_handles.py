@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import pickle
+import types
 import subprocess
 import sys
 
@@ -222,6 +224,84 @@ def test_non_allowed_classes_are_rejected(obj, words, consumer):
         assert w in str(info.value)
     (got,) = consumer.open([data])               # the same in an independent process
     assert "HandleError" in got["error"] and words[-1] in got["error"]
+
+
+# --------------------------------------------------------------------------- crafted payloads
+
+def _crafted(marker) -> dict[str, bytes]:
+    """Payloads an attacker could send: each would touch ``marker`` (or pollute torch) if opened
+    by an unpickler that admits getattr, names by prefix, dotted names or by-value storages."""
+    cmd = f"touch {marker}".encode()
+    nested = pickle.dumps(_Touch(marker), protocol=2)             # a by-value storage's inner pickle
+    G = lambda mod, name: b"\x8c" + bytes([len(mod)]) + mod + b"\x8c" + bytes([len(name)]) + name + b"\x93"  # noqa: E731
+    S = lambda s: b"\x8c" + bytes([len(s)]) + s                   # noqa: E731 - SHORT_BINUNICODE
+    return {
+        # builtins.getattr(torch.serialization.os, "system")("touch ...")   (the reproduced one)
+        "getattr_torch_os": (b"cbuiltins\ngetattr\n(ctorch.serialization\nos\nS'system'\ntR(S'"
+                             + cmd + b"'\ntR."),
+        # a dotted name under an allowed module: torch -> serialization.os.system (protocol 4)
+        "dotted_name": b"\x80\x04" + G(b"torch", b"serialization.os.system") + S(cmd) + b"\x85R.",
+        # a torch.* module that is os-like by prefix alone
+        "torch_prefix_module": b"\x80\x04" + G(b"torch.serialization", b"os") + b".",
+        # os.system by its own name (a custom __reduce__)
+        "reduce_os_system": pickle.dumps(_Touch(marker)),
+        # eval of Python source
+        "builtins_eval": b"cbuiltins\neval\n(S'open(" + repr(str(marker)).encode() + b", \"w\")'\ntR.",
+        # torch's by-value storage loader unpickles its bytes with no allow-list
+        "load_from_bytes": (b"\x80\x04" + G(b"torch.storage", b"_load_from_bytes")
+                            + b"C" + bytes([len(nested)]) + nested + b"\x85R."),
+        # functools.partial around a refused callable
+        "partial_system": (b"\x80\x04" + G(b"functools", b"partial") + G(b"posix", b"system")
+                           + S(cmd) + b"\x86R)R."),
+        # BUILD on torch.Tensor itself: sets a class attribute (pollutes every tensor)
+        "build_on_class": (b"\x80\x04" + G(b"torch", b"Tensor") + b"N}" + S(b"zz_pwned")
+                           + b"K\x01s\x86b."),
+        # an allowed rebuild function handed a class it calls: rebuild_storage_empty(eval-like)
+        "rebuild_with_foreign_class": (b"\x80\x04" + G(b"torch.multiprocessing.reductions",
+                                                          b"rebuild_storage_empty")
+                                       + G(b"builtins", b"list") + b"\x85R."),
+    }
+
+
+class _Touch:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_payloads_are_refused_and_run_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    for kind, data in _crafted(marker).items():
+        with pytest.raises(HandleError, match="not on the allow-list|refused|class of a rebuild|"
+                                              "set an attribute") as info:
+            open_payload(data)
+        assert not marker.exists(), f"{kind}: the payload ran code ({info.value})"
+        assert not hasattr(torch.Tensor, "zz_pwned"), f"{kind}: the payload changed torch.Tensor"
+        # the same payload as base64 text (HTTP) is refused the same way
+        with pytest.raises(HandleError):
+            open_payload(base64.b64encode(data).decode())
+    # genuine payloads still open: CPU shared-memory tensors, nested dicts, SimpleNamespace
+    # metadata, dtypes, an empty tensor, a torch.Size
+    meta = [types.SimpleNamespace(name="w", dtype=torch.bfloat16, shape=torch.Size([2, 3]))]
+    obj = {"a": {"b": [torch.arange(6, dtype=torch.int64).view(2, 3), torch.empty(0)]},
+           "f": torch.full((4,), 0.5, dtype=torch.float16), "metadata": meta, "dt": torch.float8_e4m3fn}
+    with make_payloads(obj, 1) as ps:
+        got = open_payload(ps.payloads[0], 0)
+        v = got.value
+        assert torch.equal(v["a"]["b"][0], obj["a"]["b"][0]) and v["a"]["b"][1].numel() == 0
+        assert torch.equal(v["f"], obj["f"]) and v["dt"] is torch.float8_e4m3fn
+        assert v["metadata"] == meta and type(v["a"]["b"][0]) is torch.Tensor
+        got.ack()
+
+
+def test_a_released_payload_gives_a_handle_error():
+    ps = make_payloads(torch.ones(8), 1)
+    data = ps.payloads[0]
+    ps.release(require_ack=False)
+    with pytest.raises(HandleError, match="released by its producer"):
+        open_payload(data, 0)
 
 
 # --------------------------------------------------------------------------- GPU tier
