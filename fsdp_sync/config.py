@@ -15,21 +15,43 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["SyncConfig", "STRATEGIES", "FSDP1_STATE_DICTS", "parse_dtype"]
+__all__ = ["SyncConfig", "STRATEGIES", "FSDP1_STATE_DICTS", "parse_dtype", "parse_bool"]
 
 STRATEGIES = ("per_tensor", "bucketed", "flattened")
 FSDP1_STATE_DICTS = ("full", "sharded", "local")
+VERL_BUCKET_MB = 2048   # verl 0.9's checkpoint_engine.update_weights_bucket_megabytes default
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def parse_dtype(value: Any) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
+_TRUE, _FALSE = ("true", "yes", "on", "1", "y", "t"), ("false", "no", "off", "0", "n", "f")
+
+
+def parse_dtype(value: Any, field: str = "dtype") -> torch.dtype | None:
+    """A rollout dtype (float32, bfloat16, float16, by dtype or name); None keeps the trainer's."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ValueError(f"{field}: unsupported rollout dtype {value}; expected one of "
+                             f"float32, bfloat16, float16 (or None to keep the trainer's)")
         return value
     key = str(value).removeprefix("torch.").lower()
     if key not in _DTYPES:
-        raise ValueError(f"unknown rollout dtype {value!r}; expected one of {sorted(_DTYPES)}")
+        raise ValueError(f"{field}: unknown rollout dtype {value!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[key]
+
+
+def parse_bool(value: Any, field: str) -> bool:
+    """A real bool, or a YAML/verl spelling of one (true/false, yes/no, on/off, 1/0); anything
+    else is refused with the field named (``bool("no")`` is True: never coerce)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{field} must be a bool (or true/false, yes/no, on/off, 1/0), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +93,13 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
+        for f in fields(self):
+            if f.type in (bool, "bool"):
+                object.__setattr__(self, f.name, parse_bool(getattr(self, f.name), f.name))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool) \
+                or self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
         if self.fsdp1_state_dict not in FSDP1_STATE_DICTS:
             raise ValueError(f"fsdp1_state_dict must be one of {FSDP1_STATE_DICTS}, "
@@ -95,7 +123,12 @@ class SyncConfig:
         if unknown:
             raise ValueError(f"unknown SyncConfig keys {unknown}; known: {sorted(names)}")
         d = dict(d)
+        if "bucket_mb" in d and "bucket_bytes" in d:
+            raise ValueError(f"give bucket_mb or bucket_bytes, not both (got bucket_mb="
+                             f"{d['bucket_mb']!r}, bucket_bytes={d['bucket_bytes']!r})")
         if "bucket_mb" in d:
+            if isinstance(d["bucket_mb"], bool):
+                raise ValueError(f"bucket_mb must be a number of MiB, got {d['bucket_mb']!r}")
             d["bucket_bytes"] = int(float(d.pop("bucket_mb")) * 2**20)
         return cls(**d)
 
@@ -103,9 +136,13 @@ class SyncConfig:
     def from_verl(cls, cfg: Any, **overrides: Any) -> "SyncConfig":
         """Map verl's config (the whole config, ``actor_rollout_ref`` or its ``rollout``) to ours.
 
-        Keys read: ``free_cache_engine``, ``multi_stage_wake_up``, ``dtype``,
-        ``checkpoint_engine.update_weights_bucket_megabytes`` (or ``update_weights_bucket_megabytes``),
-        and ``actor.fsdp_config.param_offload`` for ``offload_params``.
+        Follows verl 0.9.x (checked against 0.9.1). Keys read: ``rollout.free_cache_engine``,
+        ``rollout.dtype``, ``rollout.checkpoint_engine.update_weights_bucket_megabytes`` (or
+        ``rollout.update_weights_bucket_megabytes``; verl's default 2048 MB when absent) and
+        ``actor.fsdp_config.param_offload`` for ``offload_params``. ``multi_stage_wake_up`` is not
+        read: verl >= 0.9 always wakes up in stages (resume weights, sync, resume kv_cache) and
+        ignores that key, so the mapping is always staged. Booleans may be YAML/CLI spellings
+        (``"False"``, ``"off"``); ``overrides`` win over everything read.
         """
         def get(node: Any, key: str, default: Any = None) -> Any:
             if node is None:
@@ -117,20 +154,22 @@ class SyncConfig:
         root = cfg
         ref = get(root, "actor_rollout_ref", root)
         rollout = get(ref, "rollout", ref)
-        out: dict[str, Any] = {}
-        for key in ("free_cache_engine", "multi_stage_wake_up"):
-            v = get(rollout, key)
-            if v is not None:
-                out[key] = bool(v)
+        out: dict[str, Any] = {"multi_stage_wake_up": True}   # verl >= 0.9: always staged
+        v = get(rollout, "free_cache_engine")
+        if v is not None:
+            out["free_cache_engine"] = parse_bool(v, "rollout.free_cache_engine")
         dt = get(rollout, "dtype")
         if dt is not None:
-            out["dtype"] = parse_dtype(dt)
+            out["dtype"] = parse_dtype(dt, "rollout.dtype")
         mb = get(get(rollout, "checkpoint_engine"), "update_weights_bucket_megabytes",
                  get(rollout, "update_weights_bucket_megabytes"))
-        if mb is not None:
-            out["bucket_bytes"] = int(float(mb) * 2**20)
+        mb = VERL_BUCKET_MB if mb is None else mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float, str)):
+            raise ValueError(f"checkpoint_engine.update_weights_bucket_megabytes must be a number, "
+                             f"got {mb!r}")
+        out["bucket_bytes"] = int(float(mb) * 2**20)
         offload = get(get(get(ref, "actor"), "fsdp_config"), "param_offload")
         if offload is not None:
-            out["offload_params"] = bool(offload)
+            out["offload_params"] = parse_bool(offload, "actor.fsdp_config.param_offload")
         out.update(overrides)
         return cls(**out)
