@@ -130,6 +130,7 @@ class FSDPShardingManager:
         self._was_training = True
         self._trainer_rng: tuple | None = None
         self._offloaded: dict[str, torch.device] = {}
+        self._tp_sizes: list[int] | None = None      # per-TP-rank batch sizes of preprocess_data
         # generation RNG: seeded by dp rank, hence equal on every TP rank of a group
         saved = self._get_rng()
         torch.manual_seed(self.config.seed + self.topo.dp_rank)
@@ -169,7 +170,7 @@ class FSDPShardingManager:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._inside = False
-        self._restore(release=True, original=exc)
+        self._restore(release=True, original=exc, collective=True)
         if self.topo.rank == 0:
             log.info("fsdp_sync exit: %s", self.timeline.summary())
 
@@ -186,7 +187,10 @@ class FSDPShardingManager:
         """All-gather a batch across infer_tp so every TP rank of a group runs the same prompts.
 
         A dict: tensors are concatenated along dim 0, lists are concatenated, in TP-rank order.
-        A verl ``DataProto``: ``DataProto.concat`` of the TP group's batches."""
+        A verl ``DataProto``: ``DataProto.concat`` of the TP group's batches. The ranks' batches
+        may differ in size (each rank's size is kept for `postprocess_data`); a dict must have the
+        same keys on every rank and one batch size across its fields. Every rank sees every
+        batch, so a bad one raises the same error on every rank of the group."""
         topo = self.topo
         if topo.tp_size == 1:
             return batch
@@ -196,28 +200,62 @@ class FSDPShardingManager:
         parts: list = [None] * topo.tp_size
         dist.all_gather_object(parts, batch, group=topo.tp_group)
         if not isinstance(batch, dict):
+            self._tp_sizes = [len(p) for p in parts]
             return type(batch).concat(parts)
+        keys = [sorted(map(str, p)) for p in parts]
+        if any(k != keys[0] for k in keys):
+            diff = {r: sorted(set(k) ^ set(keys[0])) for r, k in enumerate(keys) if k != keys[0]}
+            raise ValueError(f"preprocess_data: the infer-TP ranks' batches have different keys: "
+                             f"rank 0 has {keys[0]}, " + ", ".join(
+                                 f"rank {r} differs in {d}" for r, d in diff.items())
+                             + f" ({topo.describe()})")
+        self._tp_sizes = [self._batch_size(p, r) for r, p in enumerate(parts)]
         return {key: torch.cat([p[key] for p in parts], dim=0) if isinstance(value, torch.Tensor)
                 else [x for p in parts for x in p[key]]
                 for key, value in batch.items()}
 
+    @staticmethod
+    def _batch_size(batch: dict, rank: int) -> int:
+        sizes = {k: (v.shape[0] if isinstance(v, torch.Tensor) and v.dim() else len(v))
+                 for k, v in batch.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"preprocess_data: infer-TP rank {rank}'s batch fields differ in size "
+                             f"{sizes}; every field holds one entry per sample")
+        return next(iter(sizes.values()), 0)
+
     def postprocess_data(self, batch: Any) -> Any:
-        """Keep this rank's chunk of a batch that `preprocess_data` gathered."""
+        """Keep this rank's part of a batch that `preprocess_data` gathered (its own size, in
+        TP-rank order; k times it when each prompt became k samples); without a preceding
+        `preprocess_data`, an even split."""
         topo = self.topo
         if topo.tp_size == 1:
             return batch
+        sizes = getattr(self, "_tp_sizes", None)
         if isinstance(batch, dict):
-            out = {}
-            for key, value in batch.items():
-                if isinstance(value, torch.Tensor):
-                    out[key] = value.chunk(topo.tp_size, dim=0)[topo.tp_rank]
-                else:
-                    n = len(value) // topo.tp_size
-                    out[key] = value[topo.tp_rank * n:(topo.tp_rank + 1) * n]
-            return out
-        if hasattr(batch, "chunk"):
+            total = {k: (v.shape[0] if isinstance(v, torch.Tensor) else len(v)) for k, v in batch.items()}
+        elif hasattr(batch, "chunk"):
+            total = {"batch": len(batch)}
+        else:
+            raise TypeError(f"postprocess_data takes a dict of tensors or a DataProto, got "
+                            f"{type(batch).__name__}")
+        n = next(iter(total.values()), 0)
+        if len(set(total.values())) > 1:
+            raise ValueError(f"postprocess_data: batch fields differ in size {total}")
+        if sizes is not None and sum(sizes) and n != sum(sizes) and n % sum(sizes) == 0:
+            sizes = [x * (n // sum(sizes)) for x in sizes]   # k samples per gathered prompt
+        if sizes is None or sum(sizes) != n:
+            if n % topo.tp_size:
+                raise ValueError(f"postprocess_data: {n} samples do not split into {topo.tp_size} "
+                                 f"infer-TP parts" + ("" if sizes is None else
+                                                      f", nor into the gathered sizes {sizes}"))
+            sizes = [n // topo.tp_size] * topo.tp_size
+        start = sum(sizes[:topo.tp_rank])
+        end = start + sizes[topo.tp_rank]
+        if isinstance(batch, dict):
+            return {key: value[start:end] for key, value in batch.items()}
+        if len(set(sizes)) == 1:
             return batch.chunk(topo.tp_size)[topo.tp_rank]
-        raise TypeError(f"postprocess_data takes a dict of tensors or a DataProto, got {type(batch).__name__}")
+        return batch.slice(start, end) if hasattr(batch, "slice") else batch[start:end]
 
     # ------------------------------------------------------------------ stages
     def _run(self, name: str, fn, *args) -> None:
@@ -256,10 +294,16 @@ class FSDPShardingManager:
             self.module.to(device)
             self._offloaded.clear()
 
-    def _restore(self, *, release: bool, original: BaseException | None = None) -> None:
+    def _restore(self, *, release: bool, original: BaseException | None = None,
+                 collective: bool = False) -> None:
         """Exit stages; each runs even if an earlier one failed. The first error is raised, unless
         an exception is already propagating (``original``): that one wins, and ours are attached
-        to it as notes (a dead engine cannot release memory, but the caller must see why it died)."""
+        to it as notes (a dead engine cannot release memory, but the caller must see why it died).
+
+        ``collective`` (``__exit__``): the ranks then agree, so an error on any rank (a worker that
+        died during the rollout, an exception inside the block on one rank) raises the same
+        `SyncError` on every rank instead of letting the others leave the block and block in
+        their next collective."""
         errors: list[BaseException] = []
         for name, fn in (("release_memory", self._release if release else (lambda: None)),
                          ("restore_module", self._restore_module),
@@ -269,6 +313,16 @@ class FSDPShardingManager:
                     fn()
             except BaseException as exc:  # noqa: BLE001 - finish restoring, then raise
                 errors.append(exc)
+        if collective:
+            mine = errors[0] if errors else (
+                None if original is None else
+                f"{type(original).__name__} inside the with block: {original}")
+            try:
+                agree(mine, what="exit")
+            except SyncError as exc:
+                if original is None:
+                    raise
+                errors = [exc]
         if errors and original is None:
             raise errors[0]
         for err in errors:
