@@ -30,7 +30,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size in MiB")
     p.add_argument("--fsdp", type=int, choices=[1, 2], default=2, help="FSDP version of the trainer")
     p.add_argument("--model", default="tiny",
-                   help="a recipe name from recipes/models (tiny, tiny-tied, small, qwen2-160m) or a "
+                   help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m) or a "
                         "path to a YAML recipe / HF config.json")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",

@@ -1,6 +1,7 @@
 """Model configs the demo, benchmarks and tests build models from: no download, ever.
 
-`load_config(spec)` takes a recipe name (``recipes/models/<name>.yaml``), a path to a YAML recipe or
+`load_config(spec)` takes a recipe name (``fsdp_sync/recipes/models/<name>.yaml``, shipped with the
+package), a path to a YAML recipe or
 to a Hugging Face ``config.json`` (or a folder holding one), or a ``transformers`` config, and
 returns a ``transformers`` config. `build_model(config, seed)` builds a randomly initialized causal
 LM from it, the same on every rank for the same seed.
@@ -19,20 +20,13 @@ import torch
 
 __all__ = ["RECIPES_DIR", "load_config", "build_model", "model_recipes", "count_params"]
 
-RECIPES_DIR = Path(os.environ.get("FSDP_SYNC_RECIPES", Path(__file__).resolve().parent.parent / "recipes"))
-
-# The smallest useful model, used when no recipe folder is around (an installed wheel).
-_TINY = {
-    "model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "tie_word_embeddings": False, "torch_dtype": "float32",
-}
+# The model recipes ship inside the package (package data), so an installed wheel has them too.
+# FSDP_SYNC_RECIPES points at another folder holding ``models/<name>.yaml``.
+RECIPES_DIR = Path(os.environ.get("FSDP_SYNC_RECIPES", Path(__file__).resolve().parent / "recipes"))
 
 
 def model_recipes() -> list[str]:
-    d = RECIPES_DIR / "models"
-    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else ["tiny"]
+    return sorted(p.stem for p in (RECIPES_DIR / "models").glob("*.yaml"))
 
 
 def _from_dict(d: dict[str, Any]):
@@ -59,8 +53,6 @@ def load_config(spec: Any = "tiny", **overrides: Any):
         if not path.exists() and not path.suffix:
             path = RECIPES_DIR / "models" / f"{spec}.yaml"
             if not path.exists():
-                if spec == "tiny":
-                    return _from_dict({**_TINY, **overrides})
                 raise FileNotFoundError(f"no model recipe {spec!r}: expected {path} "
                                         f"(known: {', '.join(model_recipes())}) or a config path")
         if path.is_dir():
