@@ -73,10 +73,13 @@ class BenchSpec:
         if bad:
             raise ValueError(f"unknown strategies {bad}; expected {STRATEGIES}")
         if self.repeats < 3:
-            raise ValueError(f"repeats must be >= 3 (rows report a median), got {self.repeats}")
+            raise ValueError(f"repeats must be >= 3 (--repeats; rows report a median), got {self.repeats}")
+        if self.dtype not in ("float32", "bfloat16", "float16") or self.device not in ("cpu", "cuda"):
+            raise ValueError(f"dtype (--dtype) must be float32, bfloat16 or float16 and device "
+                             f"(--device) cpu or cuda, got {self.dtype!r} and {self.device!r}")
         for r, t in itertools.product(self.ranks, self.tp):
             if r % t:
-                raise ValueError(f"ranks ({r}) must be a multiple of tp ({t})")
+                raise ValueError(f"ranks ({r}) must be a multiple of tp ({t}) (--ranks, --tp)")
         if any(b <= 0 for b in self.bucket_mb):
             raise ValueError(f"bucket sizes must be positive, got {self.bucket_mb}")
 
@@ -424,50 +427,81 @@ def check_targets(rows: list[dict]) -> dict:
 
 # --------------------------------------------------------------------------- CLI
 
+# flag dest -> BenchSpec key: a flag given with --preset or --recipe overrides that key
+_FLAG_KEYS = {"models": "models", "strategies": "strategies", "bucket_mb": "bucket_mb",
+              "ranks": "ranks", "tp": "tp", "multi_stage": "multi_stage",
+              "share_host_memory": "share_host_memory", "device": "device", "dtype": "dtype",
+              "repeats": "repeats"}
+
+
 def add_bench_parser(sub) -> None:
-    import argparse
+    from . import cliargs as ca
+    from .config import STRATEGIES
 
     p = sub.add_parser(
         "bench", help="sweep strategies/bucket sizes/models; time and memory beside a floor and baseline",
         description="Measure weight-sync time and peak extra memory over a sweep. Every row is the median "
                     "of --repeats syncs after a warm-up, with the floor (bare all-gather of the same bytes "
                     "+ one copy of each TP rank's shard) and the per_tensor baseline measured in the same "
-                    "run. Sweep from --preset, --recipe (recipes/memory_tuning/*.yaml) or the flags.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a named sweep ('targets' judges the targets)")
-    p.add_argument("--recipe", help="a YAML sweep (keys as the flags, under 'bench:')")
-    p.add_argument("--models", default="small", help="comma-separated model recipes")
-    p.add_argument("--strategies", default="flattened,per_tensor", help="comma-separated strategies")
-    p.add_argument("--bucket-mb", default="64", help="comma-separated bucket sizes in MiB")
-    p.add_argument("--ranks", default="2", help="comma-separated trainer rank counts")
-    p.add_argument("--tp", default="2", help="comma-separated engine TP sizes")
-    p.add_argument("--multi-stage", default="on", help="comma-separated: on, off")
-    p.add_argument("--share-host-memory", default="on",
+                    "run. Sweep from --preset, --recipe (recipes/memory_tuning/*.yaml) or the flags; "
+                    "flags given with --preset or --recipe override the preset's or recipe's values.",
+        formatter_class=ca.DefaultsFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", type=ca.choice_of(sorted(PRESETS)),
+                     help=f"a named sweep: {', '.join(sorted(PRESETS))} ('targets' judges the targets)")
+    src.add_argument("--recipe", type=ca.existing_file, help="a YAML sweep (keys as the flags, under 'bench:')")
+    p.add_argument("--models", type=ca.csv_of(ca.model_spec), default="small",
+                   help="comma-separated model recipes")
+    p.add_argument("--strategies", type=ca.csv_of(ca.choice_of(STRATEGIES)), default="flattened,per_tensor",
+                   help=f"comma-separated strategies ({', '.join(STRATEGIES)})")
+    p.add_argument("--bucket-mb", type=ca.csv_of(ca.positive_float), default="64",
+                   help="comma-separated bucket sizes in MiB (> 0)")
+    p.add_argument("--ranks", type=ca.csv_of(ca.positive_int), default="2",
+                   help="comma-separated trainer rank counts (each a multiple of every --tp)")
+    p.add_argument("--tp", type=ca.csv_of(ca.positive_int), default="2", help="comma-separated engine TP sizes")
+    p.add_argument("--multi-stage", type=ca.csv_of(ca.on_off), default="on", help="comma-separated: on, off")
+    p.add_argument("--share-host-memory", type=ca.csv_of(ca.on_off), default="on",
                    help="comma-separated: on, off (flattened only: host-shared buckets instead of an all-gather)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--repeats", type=int, default=3, help="timed syncs per row (median), >= 3")
+    p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda (cuda needs a visible GPU)")
+    p.add_argument("--dtype", type=ca.dtype_name, default="float32",
+                   help=f"rollout dtype: {', '.join(ca.DTYPES)}")
+    p.add_argument("--repeats", type=ca.positive_int, default=3, help="timed syncs per row (median), >= 3")
     p.add_argument("--json", metavar="PATH", help="write {'rows': [...]} here")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots here")
+    p.set_defaults(check=check_bench_args)
 
 
 def _csv(s: str, cast) -> tuple:
     return tuple(cast(x.strip()) for x in str(s).split(",") if x.strip())
 
 
-def spec_from_args(args) -> BenchSpec:
-    if args.preset:
-        d = dict(PRESETS[args.preset])
-        d["device"] = args.device
+def spec_from_args(args, given: set[str] | None = None) -> BenchSpec:
+    """The sweep the parsed flags ask for. With --preset or --recipe, the flags in ``given`` (the
+    ones on the command line, `cliargs.explicit_dests`) override the preset's or recipe's values."""
+    def flag(dest: str) -> Any:
+        v = getattr(args, dest)
+        return _csv(v, str) if isinstance(v, str) and dest in ("models", "strategies") else v
+
+    if args.preset or args.recipe:
+        if args.preset:
+            d = dict(PRESETS[args.preset])
+        else:
+            from omegaconf import OmegaConf
+
+            d = OmegaConf.to_container(OmegaConf.load(args.recipe), resolve=True)
+            d = dict(d.get("bench", d))
+        d.update({key: flag(dest) for dest, key in _FLAG_KEYS.items() if dest in (given or ())})
         return BenchSpec.from_mapping(d)
-    if args.recipe:
-        return BenchSpec.from_recipe(args.recipe)
-    onoff = {"on": True, "off": False, "true": True, "false": False}
-    return BenchSpec(models=_csv(args.models, str), strategies=_csv(args.strategies, str),
-                     bucket_mb=_csv(args.bucket_mb, float), ranks=_csv(args.ranks, int),
-                     tp=_csv(args.tp, int), multi_stage=_csv(args.multi_stage, lambda x: onoff[x.lower()]),
-                     share_host_memory=_csv(args.share_host_memory, lambda x: onoff[x.lower()]),
-                     device=args.device, dtype=args.dtype, repeats=args.repeats)
+    return BenchSpec(**{key: flag(dest) for dest, key in _FLAG_KEYS.items()})
+
+
+def check_bench_args(args, given: set[str]) -> None:
+    """Cross-flag checks before anything starts (ValueError names the flags); keeps the spec."""
+    args.spec = spec_from_args(args, given)
+    if args.spec.device == "cuda":
+        from .cliargs import device
+
+        device("cuda")          # a recipe's device: cuda needs a GPU as much as the flag does
 
 
 def cmd_bench(args) -> int:
@@ -475,7 +509,7 @@ def cmd_bench(args) -> int:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 180)
-    spec = spec_from_args(args)
+    spec = getattr(args, "spec", None) or spec_from_args(args)
     console.print(f"[bold]fsdp-sync bench[/]: {len(spec.jobs())} jobs; models {', '.join(spec.models)}; "
                   f"strategies {', '.join(spec.strategies)}; buckets {', '.join(f'{b:g}' for b in spec.bucket_mb)} MiB")
     result = run_bench(spec)

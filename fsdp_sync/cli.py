@@ -10,7 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["main", "build_parser"]
+from . import cliargs as ca
+
+__all__ = ["main", "build_parser", "parse_args"]
 
 
 def _add_demo(sub) -> None:
@@ -21,36 +23,50 @@ def _add_demo(sub) -> None:
                     "greedily, and check the engine's logits and tokens against the trainer's own. "
                     "Prints one row per step; exits non-zero on any mismatch.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2, help="trainer ranks (processes)")
-    p.add_argument("--tp", type=int, default=2, help="engine tensor-parallel size (infer_tp); ranks/tp = dp")
-    p.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync")
+    p.add_argument("--ranks", type=ca.positive_int, default=2, help="trainer ranks (processes), a multiple of --tp")
+    p.add_argument("--tp", type=ca.positive_int, default=2, help="engine tensor-parallel size (infer_tp); ranks/tp = dp")
+    p.add_argument("--steps", type=ca.positive_int, default=3, help="training steps, each followed by a sync")
     p.add_argument("--strategy", choices=["flattened", "bucketed", "per_tensor"], default="flattened",
                    help="flattened: one handle per bucket; bucketed: one engine call per bucket; "
                         "per_tensor: verl's one-parameter-at-a-time baseline")
-    p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size in MiB")
+    p.add_argument("--bucket-mb", type=ca.positive_float, default=64.0, help="bucket size in MiB (> 0)")
     p.add_argument("--fsdp", type=int, choices=[1, 2], default=2, help="FSDP version of the trainer")
-    p.add_argument("--model", default="tiny",
+    p.add_argument("--model", type=ca.model_spec, default="tiny",
                    help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m) or a "
                         "path to a YAML recipe / HF config.json")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda (cuda needs a visible GPU)")
+    p.add_argument("--dtype", type=ca.dtype_name, default="float32",
                    help="rollout dtype the weights are cast to")
     p.add_argument("--no-multi-stage", action="store_true", help="resume all engine memory before the sync")
-    p.add_argument("--atol", type=float, default=1e-5, help="largest |logit diff| accepted")
+    p.add_argument("--atol", type=ca.nonnegative_float, default=1e-5, help="largest |logit diff| accepted")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(check=_check_demo)
+
+
+def _demo_options(args):
+    from .demo import DemoOptions
+
+    return DemoOptions(ranks=args.ranks, tp=args.tp, steps=args.steps, strategy=args.strategy,
+                       bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
+                       dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
+                       progress=not args.no_progress)
+
+
+def _check_demo(args, given: set[str]) -> None:
+    """Cross-flag checks before anything starts (ValueError names the flags)."""
+    if args.ranks % args.tp:
+        raise ValueError(f"--ranks {args.ranks} must be a multiple of --tp {args.tp} (dp = ranks / tp)")
+    args.opts = _demo_options(args)
 
 
 def _cmd_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .demo import DemoOptions, run_demo
+    from .demo import run_demo
 
-    opts = DemoOptions(ranks=args.ranks, tp=args.tp, steps=args.steps, strategy=args.strategy,
-                       bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
-                       dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
-                       progress=not args.no_progress)
+    opts = getattr(args, "opts", None) or _demo_options(args)
     console = Console(width=None if sys.stdout.isatty() else 180)
     console.print(f"[bold]fsdp-sync demo[/]: {opts.ranks} ranks (dp {opts.ranks // opts.tp} × infer_tp "
                   f"{opts.tp}), FSDP{opts.fsdp}, model {opts.model}, strategy {opts.strategy}, "
@@ -83,7 +99,7 @@ def _cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ca.Parser(
         prog="fsdp-sync",
         description="Weight sync from FSDP trainers to rollout engines: demo and benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,8 +110,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line; a bad flag exits with one line and code 2 before
+    anything starts. The subcommand's ``check`` (cross-flag rules) sees which flags were given."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check = getattr(args, "check", None)
+    if check is not None:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subparser = sub.choices[args.command]
+        given = ca.explicit_dests(subparser, argv[argv.index(args.command) + 1:])
+        try:
+            check(args, given)
+        except (ValueError, FileNotFoundError) as exc:
+            subparser.error(str(exc))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command == "demo":
         return _cmd_demo(args)
     if args.command == "bench":

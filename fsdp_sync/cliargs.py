@@ -1,0 +1,168 @@
+"""Argument checking for the ``fsdp-sync`` commands: argparse ``type=`` functions and the parser.
+
+Every flag is checked while the command line is parsed, before any process, engine or process
+group starts: a bad value gives one line (``fsdp-sync demo: error: argument --tp: ...``) naming
+the flag and what it accepts, and exit code 2. Cross-flag rules (``--ranks`` a multiple of
+``--tp``) are checked right after parsing, through the same one-line error. A new flag gets its
+check by passing one of these functions as ``type=`` (or a new one written like them).
+
+Not here: what the commands do (`demo`, `bench`) or their printing (`cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["Parser", "positive_int", "positive_float", "nonnegative_float", "on_off", "csv_of",
+           "device", "dtype_name", "model_spec", "existing_file", "explicit_dests", "DefaultsFormatter"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit code 2 (no usage block, no traceback)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` for every flag that has a default (not for flags without one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    fn.__name__ = name          # argparse names the type in "invalid <name> value" messages
+    return fn
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def nonnegative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
+def on_off(text: str) -> bool:
+    from .config import parse_bool
+
+    try:
+        return parse_bool(text, "value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected on or off (or true/false, yes/no, 1/0), "
+                                         f"got {text!r}") from None
+
+
+def csv_of(item: Callable[[str], Any], what: str = "") -> Callable[[str], tuple]:
+    """A comma-separated list, each item checked by ``item``; at least one item."""
+
+    def parse(text: str) -> tuple:
+        items = [x.strip() for x in str(text).split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list{what}, got {text!r}")
+        out = []
+        for x in items:
+            try:
+                out.append(item(x))
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentTypeError(f"item {x!r}: {exc}") from None
+        return tuple(out)
+
+    return _named(parse, f"comma-separated {getattr(item, '__name__', 'value')}")
+
+
+def choice_of(choices: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return _named(parse, "choice")
+
+
+def device(text: str) -> str:
+    """``cpu`` or ``cuda``; ``cuda`` only where this process sees a CUDA device."""
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    if text == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("cuda requested but this machine has no CUDA device "
+                                             "torch can use (torch.cuda.is_available() is False); "
+                                             "use --device cpu")
+    return text
+
+
+def dtype_name(text: str) -> str:
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)}, got {text!r}")
+    return text
+
+
+def model_spec(text: str) -> str:
+    """A model recipe name (`fsdp_sync.models.model_recipes`) or a path to a YAML recipe, a
+    config.json or a folder holding one."""
+    from .models import model_recipes
+
+    p = Path(text)
+    if text in model_recipes() or p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
+        return text
+    raise argparse.ArgumentTypeError(f"no model recipe {text!r}: expected one of "
+                                     f"{', '.join(model_recipes())} or a path to a YAML recipe / "
+                                     f"config.json")
+
+
+def existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The ``dest`` of every flag given on ``argv`` (as opposed to left at its default)."""
+    saved = [(a, a.default) for a in parser._actions]
+    try:
+        for a, _ in saved:
+            a.default = argparse.SUPPRESS
+        ns, _ = parser.parse_known_args(list(argv))
+    finally:
+        for a, default in saved:
+            a.default = default
+    return set(vars(ns))
+
+
+def fail(parser: argparse.ArgumentParser, message: str) -> None:
+    """The one-line error and exit code 2 of `Parser`, for checks made after parsing."""
+    parser.error(message)
+    sys.exit(2)   # pragma: no cover - error() exits

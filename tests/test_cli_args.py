@@ -1,0 +1,88 @@
+"""Every bad flag of ``fsdp-sync demo`` / ``bench`` is one line naming the flag, exit code 2, before
+anything starts; flags given with --preset/--recipe override it (issue 9 items 7, 8, 9)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fsdp_sync import cli
+
+from _util import ROOT
+
+CUDA = torch.cuda.is_available()
+
+BAD = [
+    ("demo --ranks 3 --tp 2", ["--ranks 3", "--tp 2", "multiple"]),
+    ("demo --tp 0", ["--tp", "positive integer"]),
+    ("demo --ranks -2", ["--ranks", "positive integer"]),
+    ("demo --steps 0", ["--steps", "positive integer"]),
+    ("demo --bucket-mb 0", ["--bucket-mb", "positive number"]),
+    ("demo --bucket-mb nan", ["--bucket-mb", "positive number"]),
+    ("demo --dtype int8", ["--dtype", "float32, bfloat16, float16"]),
+    ("demo --model nope", ["--model", "no model recipe 'nope'", "small"]),
+    ("demo --atol -1", ["--atol", ">= 0"]),
+    ("bench --tp 0", ["--tp", "positive integer"]),
+    ("bench --multi-stage maybe", ["--multi-stage", "on or off", "'maybe'"]),
+    ("bench --share-host-memory 2", ["--share-host-memory", "on or off"]),
+    ("bench --bucket-mb 4,0", ["--bucket-mb", "positive number"]),
+    ("bench --ranks 3", ["--ranks", "--tp", "multiple"]),
+    ("bench --strategies flattened,fast", ["--strategies", "'fast'", "per_tensor"]),
+    ("bench --models tiny,nope", ["--models", "'nope'"]),
+    ("bench --repeats 2", ["--repeats", ">= 3"]),
+    ("bench --recipe /nonexistent.yaml", ["--recipe", "no such file"]),
+    ("bench --preset quick --recipe recipes/memory_tuning/targets.yaml", ["--recipe", "--preset"]),
+    ("bench --preset nope", ["--preset", "quick, targets"]),
+    ("bench --preset quick --ranks 3", ["--ranks", "--tp"]),
+] + ([] if CUDA else [("demo --device cuda", ["--device", "no CUDA"]),
+                      ("bench --device cuda", ["--device", "no CUDA"]),
+                      ("bench --recipe recipes/memory_tuning/targets.yaml --device cuda",
+                       ["--device", "no CUDA"])])
+
+
+@pytest.mark.parametrize("argv, words", BAD, ids=[a for a, _ in BAD])
+def test_bad_flags_give_one_line_and_exit_2(argv, words, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv.split())
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_bad_flag_from_the_shell_starts_nothing():
+    # the issue's case: --bucket-mb 0 used to start ranks and an engine, then fail with a traceback
+    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--bucket-mb", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("fsdp-sync demo: error: argument --bucket-mb: expected a positive "
+                                   "number, got '0'")
+
+
+def test_flags_given_with_a_preset_or_recipe_override_it(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    spec = cli.parse_args("bench --preset quick --dtype bfloat16 --models tiny".split()).spec
+    assert spec.dtype == "bfloat16" and spec.models == ("tiny",)
+    assert spec.strategies == ("flattened", "bucketed", "per_tensor")      # the rest is the preset's
+    assert spec.bucket_mb == (4, 16, 64) and spec.multi_stage == (True, False)
+    plain = cli.parse_args("bench --preset quick".split()).spec
+    assert plain.dtype == "float32" and plain.models == ("small",)
+    spec = cli.parse_args("bench --recipe recipes/memory_tuning/bucket_sweep.yaml --repeats 5 "
+                          "--multi-stage off".split()).spec
+    assert spec.repeats == 5 and spec.multi_stage == (False,)
+    assert cli.parse_args("bench --recipe recipes/memory_tuning/bucket_sweep.yaml".split()).spec.repeats >= 3
+    args = cli.parse_args("demo --ranks 4 --tp 2 --bucket-mb 16 --dtype bfloat16".split())
+    assert (args.opts.ranks, args.opts.tp, args.opts.bucket_mb, args.opts.dtype) == (4, 2, 16.0, "bfloat16")
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--device DEVICE cpu or cuda (cuda needs a visible GPU) (default: cpu)" in out
+    assert "(default: float32)" in out and "override the preset's or recipe's values" in out
