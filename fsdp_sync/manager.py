@@ -353,8 +353,29 @@ class FSDPShardingManager:
             torch.cuda.set_rng_state(state[1])
 
     # ------------------------------------------------------------------ the sync
+    def _check_coverage(self) -> None:
+        """A full sync must leave every weight the engine holds equal to the trainer's: an engine
+        that lists its weights (``hf_names()``) and holds one the trainer does not export (an
+        untied lm_head behind a tied trainer) fails the sync on every rank, naming the tensor,
+        before anything is sent. (What is sent but not held is refused by the engine itself.)"""
+        err = None
+        names = getattr(self.engine, "hf_names", None) if self.topo.is_tp_src else None
+        if callable(names):
+            try:
+                sent = {m.name for m in export.param_metas(self.module, self.config.dtype)}
+                missing = [n for n in names() if n not in sent]
+                if missing:
+                    err = (f"the engine holds {missing[:5]}{' …' if len(missing) > 5 else ''} "
+                           f"({len(missing)} tensors) that the trainer does not export, so a sync "
+                           f"would leave them stale (a tied trainer into an untied engine?); start "
+                           f"the engine from the trainer's config ({self.topo.describe()})")
+            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+                err = f"{type(exc).__name__}: {exc}"
+        agree(err, what="weight sync")
+
     def _sync_weights(self) -> None:
         cfg, topo = self.config, self.topo
+        self._check_coverage()
         t0 = time.perf_counter()
         self.stats = SyncStats()
         self._unacked: str | None = None

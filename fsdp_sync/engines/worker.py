@@ -305,10 +305,33 @@ class Worker:
                                            f"{self.layout.spec.model_type} parameter name of this model "
                                            f"(e.g. {self.layout.hf_names()[1]!r})", name)
         self._check(name, t, self.layout.full_shape(name))
+        if name == "lm_head.weight" and self.layout.spec.tie_word_embeddings:
+            self._check_tied_head(t, out)
         for pl in self.layout.placements(name, self.rank):
             out.append(_Write(pl.engine, pl.dst, t[pl.src], (name,)))
         if not self.layout.placements(name, self.rank) and name in self.hf_set:
             out.append(_Write("", (), t[:0], (name,)))   # holds no piece here, but counts as loaded
+
+    def _check_tied_head(self, head: torch.Tensor, out: list[_Write]) -> None:
+        """This engine ties lm_head to embed_tokens, so a sent ``lm_head.weight`` is not loaded:
+        it must equal the embedding (this call's, this transaction's, or the loaded one), or the
+        engine would serve other logits than the trainer's (an untied trainer)."""
+        emb = "model.embed_tokens.weight"
+        for pl in self.layout.placements(emb, self.rank):
+            latest = next((w.src for w in reversed(out) if emb in w.covers and w.engine == pl.engine), None)
+            if latest is None and self.txn is not None and self.txn.staging:
+                latest = next((w.src for w in reversed(self.txn.writes)
+                               if emb in w.covers and w.engine == pl.engine), None)
+            if latest is None:
+                if self.weights_released or pl.engine not in self.model.params:
+                    continue
+                latest = self.model.params[pl.engine][pl.dst]
+            if not torch.equal(head[pl.src].to(latest.device), latest):
+                raise WorkerError(KIND_UPDATE, f"'lm_head.weight' differs from {emb!r} on TP rank "
+                                               f"{self.rank}, but this engine ties them "
+                                               f"(tie_word_embeddings=True) and would drop it: the "
+                                               f"sender's model is untied; start the engine from "
+                                               f"the trainer's config", "lm_head.weight")
 
     def _direct_writes(self, name: str, t: torch.Tensor, out: list[_Write]) -> None:
         if name not in self.engine_shapes:
