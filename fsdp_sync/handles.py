@@ -33,6 +33,7 @@ import functools
 import io
 import pickle
 import types
+import warnings
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Sequence
@@ -43,7 +44,7 @@ from torch.multiprocessing import reductions as _red
 from .bucket import SUPPORTED_DTYPES, dtype_name
 
 __all__ = [
-    "HandleError", "PayloadSet", "Received", "make_payloads", "open_payload",
+    "HandleError", "UnreleasedPayloadWarning", "PayloadSet", "Received", "make_payloads", "open_payload",
     "empty_shared", "adopt", "TAG", "FRESH", "OPENED", "ACKED",
 ]
 
@@ -53,6 +54,10 @@ FRESH, OPENED, ACKED = 0, 1, 2
 
 class HandleError(RuntimeError):
     """A payload could not be made, opened or released; the message names the tensor or rank."""
+
+
+class UnreleasedPayloadWarning(RuntimeWarning):
+    """A `PayloadSet` was garbage-collected without `PayloadSet.release`."""
 
 
 # --------------------------------------------------------------------------- shared CPU memory
@@ -372,6 +377,20 @@ class PayloadSet:
 
     def __enter__(self) -> "PayloadSet":
         return self
+
+    def __del__(self) -> None:
+        # Dropped without release(): its shared-memory segments would otherwise stay until the
+        # process exits. Give them back now and say so (the caller's lifetime rule was broken).
+        if getattr(self, "released", True) or not getattr(self, "payloads", None):
+            return
+        try:
+            warnings.warn(f"a PayloadSet of {len(self.payloads)} payloads (consumer ranks "
+                          f"{self.ranks}) was garbage-collected without release(); releasing its "
+                          f"buffers now. Call release() (or use it as a context manager) once the "
+                          f"consumers have answered.", UnreleasedPayloadWarning, stacklevel=2)
+            self.release(require_ack=False)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
+            pass
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.release(require_ack=exc_type is None)

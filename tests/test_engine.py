@@ -302,6 +302,19 @@ def test_a_failed_call_aborts_the_whole_transaction(eng, tiny, tiny2):
     restore(eng, tiny)
 
 
+@pytest.mark.timeout(60)
+def test_bad_generate_arguments_and_the_dtype_hint(eng, tiny):
+    for kw in ({"max_new_tokens": -1}, {"sampling_params": {"max_new_tokens": -3}},
+               {"temperature": -0.5}):
+        with pytest.raises(ValueError, match="max_new_tokens must be >= 0|temperature must be >= 0"):
+            eng.generate(PROMPTS, **kw)
+    assert eng.generate(PROMPTS, 0) == [[] for _ in PROMPTS]
+    name = "model.norm.weight"
+    with pytest.raises(WeightUpdateError, match=r"got bfloat16; the engine runs in float32: .*"
+                                                r"SyncConfig\(dtype=torch.float32\)"):
+        eng.update_weights_from_tensor([(name, tiny.state_dict()[name].to(torch.bfloat16))])
+
+
 # --------------------------------------------------------------------------- other models
 
 @pytest.mark.timeout(120)

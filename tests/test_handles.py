@@ -304,6 +304,19 @@ def test_a_released_payload_gives_a_handle_error():
         open_payload(data, 0)
 
 
+def test_a_dropped_payload_set_is_released_with_a_warning():
+    import gc
+
+    before = shm_segments()
+    ps = make_payloads({"w": torch.ones(1024), "b": torch.arange(8)}, 2)
+    made = shm_segments() - before
+    assert made, "the payloads hold shared-memory segments"
+    with pytest.warns(handles.UnreleasedPayloadWarning, match="without release"):
+        del ps
+        gc.collect()
+    assert not (shm_segments() & made), "segments of a dropped PayloadSet outlive it"
+
+
 # --------------------------------------------------------------------------- GPU tier
 
 _GPU_CONSUMER = r"""

@@ -582,6 +582,10 @@ class ReferenceEngine:
         if sp:
             raise ValueError(f"unsupported sampling_params {sorted(sp)}; supported: max_new_tokens, "
                              f"temperature, stop_token_ids, ignore_eos")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
         prompts = self._check_prompts(input_ids)
         if stop_token_ids is None:
             eos = None if ignore_eos else getattr(self.config, "eos_token_id", None)

@@ -295,7 +295,11 @@ class Worker:
         if not isinstance(t, torch.Tensor):
             raise self._mismatch(name, "a", "tensor", type(t).__name__)
         if t.dtype != self.dtype:
-            raise self._mismatch(name, "dtype", dtype_name(self.dtype), dtype_name(t.dtype))
+            err = self._mismatch(name, "dtype", dtype_name(self.dtype), dtype_name(t.dtype))
+            want = dtype_name(self.dtype)
+            hint = (f"; the engine runs in {want}: send {want} tensors (FSDPShardingManager "
+                           f"casts them with SyncConfig(dtype=torch.{want}))")
+            raise WorkerError(err.kind, str(err) + hint, name)
         if tuple(t.shape) != tuple(shape):
             raise self._mismatch(name, "shape", _fmt_shape(shape), _fmt_shape(t.shape))
 
