@@ -244,13 +244,26 @@ def _refuse_by_value(*_args: Any) -> Any:
                       "handles, made by fsdp_sync.handles.make_payloads")
 
 
+def _no_count(cls: type) -> Any:
+    """``bytes`` / ``bytearray`` as older protocols pickle them (from a list or a string), never
+    from a count: ``bytearray(10**12)`` in a payload would exhaust the receiver's memory."""
+    def build(*args: Any) -> Any:
+        if any(isinstance(a, int) for a in args):
+            raise HandleError(f"payload builds {cls.__name__} from a count; refused")
+        return cls(*args)
+
+    return build
+
+
 _RED = "torch.multiprocessing.reductions"
 # Exact (module, name) pairs, each mapped to the object a payload gets: nothing by prefix, no
 # getattr, no dotted names (``torch.serialization.os`` is the os module). Mutable classes and
 # torch's rebuild functions are replaced by stand-ins and wrappers that check their arguments.
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{("builtins", t.__name__): t for t in (dict, list, tuple, set, frozenset, int, float, str,
-                                             bytes, bytearray, bool, complex, slice)},
+                                             bool, complex, slice)},
+    ("builtins", "bytes"): _no_count(bytes),
+    ("builtins", "bytearray"): _no_count(bytearray),
     ("types", "SimpleNamespace"): types.SimpleNamespace,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
     ("torch", "Size"): torch.Size,

@@ -256,6 +256,9 @@ def _crafted(marker) -> dict[str, bytes]:
         # BUILD on torch.Tensor itself: sets a class attribute (pollutes every tensor)
         "build_on_class": (b"\x80\x04" + G(b"torch", b"Tensor") + b"N}" + S(b"zz_pwned")
                            + b"K\x01s\x86b."),
+        # a memory bomb: bytearray(2**40)
+        "bytearray_bomb": (b"\x80\x04" + G(b"builtins", b"bytearray") + b"\x8a\x06\x00\x00\x00\x00\x00\x01"
+                           + b"\x85R."),
         # an allowed rebuild function handed a class it calls: rebuild_storage_empty(eval-like)
         "rebuild_with_foreign_class": (b"\x80\x04" + G(b"torch.multiprocessing.reductions",
                                                           b"rebuild_storage_empty")
