@@ -22,7 +22,7 @@ def _add_demo(sub) -> None:
                     "the weights into a colocated reference engine with FSDPShardingManager, generate "
                     "greedily, and check the engine's logits and tokens against the trainer's own. "
                     "Prints one row per step; exits non-zero on any mismatch.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=ca.DefaultsFormatter)
     p.add_argument("--ranks", type=ca.positive_int, default=2, help="trainer ranks (processes), a multiple of --tp")
     p.add_argument("--tp", type=ca.positive_int, default=2, help="engine tensor-parallel size (infer_tp); ranks/tp = dp")
     p.add_argument("--steps", type=ca.positive_int, default=3, help="training steps, each followed by a sync")

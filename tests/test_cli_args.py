@@ -86,3 +86,10 @@ def test_help_shows_the_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--device DEVICE cpu or cuda (cuda needs a visible GPU) (default: cpu)" in out
     assert "(default: float32)" in out and "override the preset's or recipe's values" in out
+
+
+def test_demo_help_says_no_default_none(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in out and "--bucket-mb BUCKET_MB bucket size in MiB (> 0) (default: 64.0)" in out
