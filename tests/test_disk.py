@@ -225,6 +225,8 @@ def _disk_job(rank, world, root):
                 rec["from_pretrained"] = ([(n, digest(p)) for n, p in hf.named_parameters()]
                                           == [(n, x) for n, x in now])
                 rec["files"] = _listing(last)
+                mtimes = {f: os.stat(os.path.join(last, f)).st_mtime_ns for f in rec["files"]}
+                rec["index_last"] = mtimes["model.safetensors.index.json"] == max(mtimes.values())
                 del hf
             if key == "fsdp2-tiny-fp32-tp2":
                 rec.update(_failures(rank, module, sc, engine, transport, d, dtype, syncs,
@@ -300,6 +302,8 @@ def _failures(rank, module, sc, engine, transport, d, dtype, syncs, disk_mod, Sy
 def test_disk_sync_two_ranks(tmp_path):
     results = run_ranks(_disk_job, 2, str(tmp_path), timeout_s=230, env=spawn_env())
     r0, r1 = results
+    if os.environ.get("DISK_DEBUG"):
+        print(json.dumps(results, indent=1, default=str)[:6000])
     for key, (fsdp, recipe, dtype, tp, syncs, parallel) in CASES.items():
         steps = r0[key]["steps"]
         assert len(steps) == syncs
@@ -316,8 +320,11 @@ def test_disk_sync_two_ranks(tmp_path):
             assert s["listing"] == want, (key, i, s["listing"])
     a = r0["fsdp2-tiny-fp32-tp2"]
     assert a["from_pretrained"] and r0["fsdp1-tied-bf16-tp1"]["from_pretrained"]
-    assert a["files"][-2:] == ["fsdp_sync_manifest.json", "model.safetensors.index.json"]
-    assert "config.json" in a["files"]
+    assert a["index_last"]
+    n = a["steps"][-1]["stats"][2]
+    assert a["files"] == sorted(["config.json", "fsdp_sync_manifest.json",
+                                 "model.safetensors.index.json"]
+                                + [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)])
     # failures, the same error on both ranks
     for r in (r0, r1):
         f = r["fsdp2-tiny-fp32-tp2"]
