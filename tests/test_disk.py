@@ -158,12 +158,13 @@ def _leaks(engine):
 
 # --------------------------------------------------------------------------- the 2-rank job
 
-# key: (fsdp version, recipe, rollout dtype, engine TP, syncs, parallel_write)
+# key: (fsdp version, recipe, rollout dtype, engine TP, syncs, parallel_write, share_host_memory)
+# (FSDP2 with share_host_memory fills a host-shared buffer; the others all-gather each bucket)
 CASES = {
-    "fsdp2-tiny-fp32-tp2": (2, "tiny", FP32, 2, 3, True),
-    "fsdp1-tied-bf16-tp1": (1, "tiny-tied", BF16, 1, 2, True),
-    "fsdp2-tied-fp16-tp1": (2, "tiny-tied", FP16, 1, 1, True),
-    "fsdp1-tiny-fp16-tp2": (1, "tiny", FP16, 2, 1, False),
+    "fsdp2-tiny-fp32-tp2": (2, "tiny", FP32, 2, 3, True, True),
+    "fsdp1-tied-bf16-tp1": (1, "tiny-tied", BF16, 1, 2, True, True),
+    "fsdp2-tied-fp16-tp1": (2, "tiny-tied", FP16, 1, 1, True, False),
+    "fsdp1-tiny-fp16-tp2": (1, "tiny", FP16, 2, 1, False, True),
 }
 LEAK_SYNCS = 50
 
@@ -182,13 +183,14 @@ def _disk_job(rank, world, root):
 
     torch.set_num_threads(1)
     out = {}
-    for key, (fsdp, recipe, dtype, tp, syncs, parallel) in CASES.items():
+    for key, (fsdp, recipe, dtype, tp, syncs, parallel, share) in CASES.items():
         cfg = load_config(recipe)
         module = wrap_fsdp(build_model(cfg, seed=0), fsdp)
         opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
         engine = ReferenceEngine(model_config=cfg, tp_size=tp, dtype=dtype) if rank == 0 else None
         d = os.path.join(root, key)
-        sc = SyncConfig(dtype=dtype, bucket_bytes=48 << 10, disk_dir=d, disk_keep=2)
+        sc = SyncConfig(dtype=dtype, bucket_bytes=48 << 10, disk_dir=d, disk_keep=2,
+                        share_host_memory=share)
         transport = DiskTransport(sc, parallel_write=parallel)
         rec = {"steps": []}
         try:
@@ -201,7 +203,8 @@ def _disk_job(rank, world, root):
                 transport.sync(ctx)
                 s = {"stats": [ctx.stats.bytes, ctx.stats.tensors, ctx.stats.buckets,
                                ctx.stats.engine_calls], "writers": ctx.stats.extra["writers"],
-                     "path": ctx.stats.extra["path"]}
+                     "path": ctx.stats.extra["path"],
+                     "host_shared": ctx.stats.extra["host_shared"]}
                 if engine:
                     after = _engine_digests(engine)
                     s["exact"] = after == now
@@ -304,7 +307,7 @@ def test_disk_sync_two_ranks(tmp_path):
     r0, r1 = results
     if os.environ.get("DISK_DEBUG"):
         print(json.dumps(results, indent=1, default=str)[:6000])
-    for key, (fsdp, recipe, dtype, tp, syncs, parallel) in CASES.items():
+    for key, (fsdp, recipe, dtype, tp, syncs, parallel, share) in CASES.items():
         steps = r0[key]["steps"]
         assert len(steps) == syncs
         for i, s in enumerate(steps):
@@ -313,6 +316,7 @@ def test_disk_sync_two_ranks(tmp_path):
             nbytes, tensors, buckets, calls = s["stats"]
             assert calls == 1 and buckets >= 2 and tensors > 0 and nbytes > 0, (key, s)
             assert s["writers"] == (2 if parallel else 1), (key, s)
+            assert s["host_shared"] == (share and fsdp == 2), (key, s)
             assert r1[key]["steps"][i]["stats"][:3] == [nbytes, tensors, buckets]
             assert r1[key]["steps"][i]["stats"][3] == 0          # only rank 0 calls the engine
             # keep-N: the newest two versions, nothing hidden left over

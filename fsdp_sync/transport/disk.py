@@ -7,10 +7,12 @@ partly updated — only ever sees complete, immutable directories:
 
 1. trainer rank 0 makes a hidden temp directory ``.step_<N>.tmp-<random>`` beside the versions;
 2. the buckets of `export.iter_buckets` (planned by `bucket.plan_buckets`, one file per bucket)
-   are gathered on every rank and written by their owner: bucket k by writer ``k mod W``, where
-   the writers are the trainer ranks that see the temp directory (all of them on one host or a
-   shared filesystem; otherwise rank 0 alone). Each writer writes in a thread of its own, so
-   bucket k is written while bucket k+1 is gathered (at most two buckets alive per rank);
+   are written by their owner: bucket k by writer ``k mod W``, where the writers are the trainer
+   ranks that see the temp directory (all of them on one host or a shared filesystem; otherwise
+   rank 0 alone). With ``share_host_memory`` and ranks on one host, a bucket is filled in one
+   host-shared buffer (no all-gather) and its owner copies it out; otherwise every rank
+   all-gathers it. Each writer writes in a thread of its own, so bucket k is written while
+   bucket k+1 is filled (at most two buckets alive per rank besides the shared one);
 3. every file is fsynced, its sha256 taken from what is on disk; rank 0 writes config.json, the
    manifest and the index (last), fsyncs the directory and renames it to ``step_<N>`` (atomic);
 4. trainer rank 0 calls ``engine.update_weights_from_disk(path)`` for each engine;
@@ -128,6 +130,7 @@ class DiskTransport:
         self.keep = keep
         self.parallel_write = bool(parallel_write)
         self.loaded: str | None = None      # the version the engines loaded last: never pruned
+        self.host_shared = False            # the last sync's buckets came from a host-shared buffer
         self.closed = False
 
     # ------------------------------------------------------------------ collectives
@@ -250,6 +253,7 @@ class DiskTransport:
                               RuntimeWarning, stacklevel=2)
         stats.seconds = time.perf_counter() - t0
         stats.extra = {"path": final, "files": n_files, "writers": len(writers),
+                       "host_shared": self.host_shared,
                        "write_s": write_s, "publish_s": publish_s, "load_s": load_s,
                        "pruned": pruned}
 
@@ -263,11 +267,26 @@ class DiskTransport:
         pending: Future | None = None
         count = 0
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_sync-disk-writer")
+        mine: list[torch.Tensor] = []
+        self.host_shared = False
+
+        def alloc(nbytes: int) -> torch.Tensor:
+            mine[:] = [_plain_alloc(nbytes)]
+            return mine[0]
+
         try:
+            # share_host_memory: on one host the ranks fill one shared buffer (no all-gather); it
+            # is reused by the next bucket, so the owner copies its bucket out before writing it
             stream = export.iter_buckets(ctx.module, cfg.bucket_bytes, dtype=cfg.dtype,
-                                         fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=_plain_alloc)
+                                         fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=alloc,
+                                         share_host_memory=bool(getattr(cfg, "share_host_memory",
+                                                                        False)))
             for k, (bkt, flat) in enumerate(stream):
                 count += 1
+                if not (mine and flat is mine[0]):
+                    self.host_shared = True
+                    flat = flat.clone() if writers[k % len(writers)] == rank else None
+                mine.clear()
                 if err is None and writers[k % len(writers)] == rank:
                     if k >= n_files:
                         err = RuntimeError(f"export yielded more buckets than the {n_files} "
