@@ -12,6 +12,11 @@ the engine send ``commit``, otherwise ``abort``. A worker that dies during an up
 the others. Plain tensors handed to the engine travel to the workers as one flattened bucket per
 call (one shared-memory copy, one handle per worker).
 
+``update_weights_from_disk(path)`` goes through the same two phases: the engine resolves the
+checkpoint's files (`fsdp_sync.hf_checkpoint.resolve`: index, missing shards, manifest), each
+worker checks its share of the files' sha256 and every tensor's header, and reads only its own
+slices into staging memory, so a torn or corrupt checkpoint changes nothing.
+
 ``begin_weight_update()`` … ``end_weight_update()`` is one transaction (``transactional_updates``,
 the default): each call is checked as above; while the engine holds weights worth protecting
 (loaded, valid) its tensors are copied aside on CPU and applied together at ``end_weight_update()``

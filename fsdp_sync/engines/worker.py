@@ -10,7 +10,10 @@ only weight payloads travel as handles, see `fsdp_sync.handles`).
 Weight updates are two-phase. ``stage`` opens this rank's payloads, checks every name, shape and
 dtype, and records the writes without touching a weight; ``commit`` applies them (or, inside an
 open transaction that protects valid weights, copies them aside to apply at ``end``); ``abort``
-drops them. Every opened payload is acknowledged as soon as its memory is no longer needed.
+drops them. Every opened payload is acknowledged as soon as its memory is no longer needed. A
+checkpoint directory (``update_weights_from_disk``) is staged the same way: this rank's share of
+the files is checked against the manifest's sha256, every tensor's name, dtype and shape is
+checked from the safetensors headers, and only this rank's slices are read (into CPU memory).
 
 Memory tags: releasing ``weights`` drops the parameter tensors (contents lost, or kept as a CPU
 backup when the engine was started with one); releasing ``kv_cache`` drops the cache;
