@@ -228,6 +228,7 @@ def _disk_job(rank, world, root):
                 rec["from_pretrained"] = ([(n, digest(p)) for n, p in hf.named_parameters()]
                                           == [(n, x) for n, x in now])
                 rec["files"] = _listing(last)
+                rec["architectures"] = json.load(open(os.path.join(last, "config.json")))["architectures"]
                 mtimes = {f: os.stat(os.path.join(last, f)).st_mtime_ns for f in rec["files"]}
                 rec["index_last"] = mtimes["model.safetensors.index.json"] == max(mtimes.values())
                 del hf
@@ -325,6 +326,7 @@ def test_disk_sync_two_ranks(tmp_path):
     a = r0["fsdp2-tiny-fp32-tp2"]
     assert a["from_pretrained"] and r0["fsdp1-tied-bf16-tp1"]["from_pretrained"]
     assert a["index_last"]
+    assert a["architectures"] == r0["fsdp1-tied-bf16-tp1"]["architectures"] == ["Qwen2ForCausalLM"]
     n = a["steps"][-1]["stats"][2]
     assert a["files"] == sorted(["config.json", "fsdp_sync_manifest.json",
                                  "model.safetensors.index.json"]

@@ -231,12 +231,15 @@ class DiskTransport:
         t_load = time.perf_counter()
         err = None
         calls = 0
-        for engine in ctx.engines or []:
+        engines = list(ctx.engines or [])
+        for i, engine in enumerate(engines):
             try:
                 engine.update_weights_from_disk(final)
                 calls += 1
             except Exception as exc:   # noqa: BLE001
-                err = exc
+                err = exc if len(engines) == 1 else RuntimeError(
+                    f"engine {i} of {len(engines)} failed to load it (engines {list(range(i))} "
+                    f"loaded it; the later ones were not asked): {type(exc).__name__}: {exc}")
                 break
         stats.engine_calls = calls
         self._agree(err, group, f"update_weights_from_disk({final!r})")
