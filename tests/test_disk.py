@@ -161,9 +161,9 @@ def _leaks(engine):
 # key: (fsdp version, recipe, rollout dtype, engine TP, syncs, parallel_write, share_host_memory)
 # (FSDP2 with share_host_memory fills a host-shared buffer; the others all-gather each bucket)
 CASES = {
-    "fsdp2-tiny-fp32-tp2": (2, "tiny", FP32, 2, 3, True, True),
+    "fsdp2-tiny-fp32-tp2": (2, "tiny", FP32, 2, 3, True, False),
     "fsdp1-tied-bf16-tp1": (1, "tiny-tied", BF16, 1, 2, True, True),
-    "fsdp2-tied-fp16-tp1": (2, "tiny-tied", FP16, 1, 1, True, False),
+    "fsdp2-tied-fp16-tp1": (2, "tiny-tied", FP16, 1, 2, True, True),
     "fsdp1-tiny-fp16-tp2": (1, "tiny", FP16, 2, 1, False, True),
 }
 LEAK_SYNCS = 50
@@ -235,7 +235,7 @@ def _disk_job(rank, world, root):
             if key == "fsdp2-tiny-fp32-tp2":
                 rec.update(_failures(rank, module, sc, engine, transport, d, dtype, syncs,
                                      disk_mod, SyncError, root))
-            if key == "fsdp1-tied-bf16-tp1":
+            if key == "fsdp2-tied-fp16-tp1":
                 # 50 syncs: nothing grows (fds, threads, processes, /dev/shm, engine worker fds)
                 step0 = syncs
                 transport.sync(_ctx(module, sc, [engine] if engine else [], step0))
@@ -346,9 +346,9 @@ def test_disk_sync_two_ranks(tmp_path):
     assert a["after_exact"] and a["after_listing"] == ["step_11", "step_12"]
     # 50 syncs: no growth anywhere
     for r in (r0, r1):
-        before, after = r["fsdp1-tied-bf16-tp1"]["leaks"]
+        before, after = r["fsdp2-tied-fp16-tp1"]["leaks"]
         assert after == before, (before, after)
-    assert r0["fsdp1-tied-bf16-tp1"]["leak_listing"] == [f"step_{2 + LEAK_SYNCS - 1}",
+    assert r0["fsdp2-tied-fp16-tp1"]["leak_listing"] == [f"step_{2 + LEAK_SYNCS - 1}",
                                                          f"step_{2 + LEAK_SYNCS}"]
 
 

@@ -286,24 +286,26 @@ class DiskTransport:
                                                                         False)))
             for k, (bkt, flat) in enumerate(stream):
                 count += 1
-                if not (mine and flat is mine[0]):
-                    self.host_shared = True
-                    flat = flat.clone() if writers[k % len(writers)] == rank else None
+                own = writers[k % len(writers)] == rank
+                shared = not (mine and flat is mine[0])
                 mine.clear()
-                if err is None and writers[k % len(writers)] == rank:
+                self.host_shared |= shared
+                if err is not None or not own:
+                    del flat
+                    continue        # keep consuming: the stream is collective
+                try:                # a local failure must not leave the peers in a collective
                     if k >= n_files:
-                        err = RuntimeError(f"export yielded more buckets than the {n_files} "
+                        raise RuntimeError(f"export yielded more buckets than the {n_files} "
                                            f"planned from param_metas")
-                    else:
-                        if pending is not None:     # at most one bucket being written
-                            try:
-                                records.append(pending.result())
-                            except Exception as exc:   # noqa: BLE001
-                                err = exc
-                            pending = None
-                        if err is None:
-                            pending = pool.submit(_write_shard, tmp,
-                                                  ckpt.shard_file_name(k, n_files), bkt, flat)
+                    if shared:
+                        flat = flat.clone()
+                    if pending is not None:     # at most one bucket being written
+                        fut, pending = pending, None
+                        records.append(fut.result())
+                    pending = pool.submit(_write_shard, tmp, ckpt.shard_file_name(k, n_files),
+                                          bkt, flat)
+                except Exception as exc:   # noqa: BLE001
+                    err = exc
                 del flat
             if pending is not None:
                 try:
