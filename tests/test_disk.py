@@ -282,6 +282,16 @@ def _failures(rank, module, sc, engine, transport, d, dtype, syncs, disk_mod, Sy
         out["write_fail"] = attempt(10, engines)
     finally:
         disk_mod._write_shard = real
+    # a failure in rank 1's own loop (not its writer thread): it stays in the collective stream
+    real_name = disk_mod.ckpt.shard_file_name
+    if rank == 1:
+        def bad_name(*a):
+            raise ValueError("bad shard name (injected)")
+        disk_mod.ckpt.shard_file_name = bad_name
+    try:
+        out["loop_fail"] = attempt(10, engines)
+    finally:
+        disk_mod.ckpt.shard_file_name = real_name
     out["write_fail_listing"] = _listing(d)
     # the engine refuses: every rank raises (the published version is complete and stays)
     out["refuse"] = attempt(11, [_RefusingEngine()] if engine else [])
@@ -335,6 +345,7 @@ def test_disk_sync_two_ranks(tmp_path):
     for r in (r0, r1):
         f = r["fsdp2-tiny-fp32-tp2"]
         assert "No space left on device (injected)" in f["write_fail"] and "rank 1" in f["write_fail"]
+        assert "bad shard name (injected)" in f["loop_fail"] and "rank 1" in f["loop_fail"]
         assert "engine refused step_11 (injected)" in f["refuse"], f["refuse"]
         assert "exists already" in f["exists"], f["exists"]
         assert f["after"] == "no error"
