@@ -393,6 +393,17 @@ def test_config_and_transport_arguments(tmp_path):
         SyncConfig(disk_dir="")
     assert SyncConfig(disk_dir=tmp_path).disk_dir == str(tmp_path)
     assert SyncConfig().disk_keep == 2
+    # method == "disk" needs disk_dir (a subclass stands in for SyncConfig.method until it exists
+    # in this branch; it keeps working once SyncConfig has the field)
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class WithMethod(SyncConfig):
+        method: str = "tensor"
+
+    with pytest.raises(ValueError, match="method='disk' needs disk_dir"):
+        WithMethod(method="disk")
+    assert WithMethod(method="disk", disk_dir=str(tmp_path)).disk_dir == str(tmp_path)
     with pytest.raises(ValueError, match="disk_dir"):
         DiskTransport(SyncConfig())
     t = DiskTransport(SyncConfig(disk_dir=str(tmp_path)))
