@@ -10,6 +10,7 @@ Not here: anything that touches a process group, a module or an engine.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -77,6 +78,10 @@ class SyncConfig:
         anonymous and shared-memory RSS, USS and PSS of the trainer rank and of each engine worker;
         a few ms per process and stage), ``"rss"`` (the /proc status figures only, ~50 µs) or
         ``"off"``. CUDA allocator figures are added whenever CUDA is in use.
+    disk_dir: the disk method's directory: each sync publishes ``disk_dir/step_<N>/`` (a Hugging
+        Face checkpoint) there. Required when ``method == "disk"``.
+    disk_keep: how many of the newest versions the disk method keeps (>= 1; the one the engine
+        loaded last is never removed).
     """
 
     strategy: str = "flattened"
@@ -89,6 +94,8 @@ class SyncConfig:
     seed: int = 1000
     memory_probe: str = "full"
     share_host_memory: bool = True
+    disk_dir: str | None = None
+    disk_keep: int = 2
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -107,6 +114,17 @@ class SyncConfig:
         if self.memory_probe not in ("full", "rss", "off"):
             raise ValueError(f"memory_probe must be 'full', 'rss' or 'off', got {self.memory_probe!r}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        # disk method: where the versioned checkpoints go, and how many stay
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)) or not os.fspath(self.disk_dir):
+                raise ValueError(f"disk_dir must be a directory path, got {self.disk_dir!r}")
+            object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
+        if getattr(self, "method", None) == "disk" and self.disk_dir is None:
+            raise ValueError("method='disk' needs disk_dir: the directory every sync writes its "
+                             "step_<N>/ checkpoint to (readable by the trainer ranks and the engine)")
+        if not isinstance(self.disk_keep, int) or isinstance(self.disk_keep, bool) or self.disk_keep < 1:
+            raise ValueError(f"disk_keep must be an int >= 1 (versions kept on disk), "
+                             f"got {self.disk_keep!r}")
 
     def replace(self, **changes: Any) -> "SyncConfig":
         return dataclasses.replace(self, **changes)

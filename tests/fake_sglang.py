@@ -119,6 +119,7 @@ def digests(named) -> dict[str, list]:
 # the adapter calls. The optional tier checks the adapter's calls against the installed ones.
 SGLANG_SIGNATURES = {
     "update_weights_from_tensor": "(named_tensors, load_format=None, flush_cache=True)",
+    "update_weights_from_disk": "(model_path, load_format=None)",
     "begin_weight_update": "(selector='all')",
     "end_weight_update": "()",
     "release_memory_occupation": "(tags=None)",
@@ -188,6 +189,35 @@ class OldFakeSGLangEngine:
             return False, msg
         self.weights.update(loaded)
         return True, "Success"
+
+    def update_weights_from_disk(self, model_path, load_format=None):
+        """SGLang 0.5.23's rules: a non-directory is refused (it would be a Hub id), the index
+        decides the files, a missing indexed shard fails before loading, only present names load.
+        Answers ``(success, message, num_paused_requests)``; ``fail_next_update`` fails after
+        loading, like SGLang when ``load_weights`` raises midway (weights partly updated)."""
+        import os
+
+        from safetensors.torch import load_file
+
+        self._record("update_weights_from_disk", model_path=model_path, load_format=load_format)
+        if not os.path.isdir(model_path):
+            return False, f"Failed to get weights iterator: {model_path} is not a local directory", 0
+        index = os.path.join(model_path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            for name in files:
+                if not os.path.exists(os.path.join(model_path, name)):
+                    return False, (f"Failed to get weights iterator: Cannot find any model weights "
+                                   f"with {model_path}/{name}"), 0
+        else:
+            files = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))
+        for name in files:
+            self.weights.update(load_file(os.path.join(model_path, name)))
+        if self.fail_next_update:
+            msg, self.fail_next_update = self.fail_next_update, None
+            return False, msg, 0
+        return True, "Succeeded to update model weights.", 0
 
     def release_memory_occupation(self, tags=None):
         self._record("release_memory_occupation", tags=tags)
@@ -343,6 +373,11 @@ class FakeSGLangServer:
                 body["serialized_named_tensors"], load_format=body.get("load_format"),
                 flush_cache=body.get("flush_cache", True))
             return (ok if success else bad)({"success": success, "message": message})
+        if path == "/update_weights_from_disk":
+            success, message, paused = e.update_weights_from_disk(
+                body["model_path"], load_format=body.get("load_format"))
+            return (ok if success else bad)({"success": success, "message": message,
+                                             "num_paused_requests": paused})
         if path == "/begin_weight_update":
             success, message = e.begin_weight_update(**(body or {}))
             return (ok if success else bad)({"success": success, "message": message})

@@ -12,6 +12,11 @@ the engine send ``commit``, otherwise ``abort``. A worker that dies during an up
 the others. Plain tensors handed to the engine travel to the workers as one flattened bucket per
 call (one shared-memory copy, one handle per worker).
 
+``update_weights_from_disk(path)`` goes through the same two phases: the engine resolves the
+checkpoint's files (`fsdp_sync.hf_checkpoint.resolve`: index, missing shards, manifest), each
+worker checks its share of the files' sha256 and every tensor's header, and reads only its own
+slices into staging memory, so a torn or corrupt checkpoint changes nothing.
+
 ``begin_weight_update()`` … ``end_weight_update()`` is one transaction (``transactional_updates``,
 the default): each call is checked as above; while the engine holds weights worth protecting
 (loaded, valid) its tensors are copied aside on CPU and applied together at ``end_weight_update()``
@@ -341,6 +346,42 @@ class ReferenceEngine:
                 gone = [r for r, p in enumerate(self._w.procs) if not p.is_alive()]
                 for s in sets:
                     s.release(require_ack=False, gone=gone)   # a dead worker's mapping, too
+            if flush_cache:
+                self._raise_errors(self._round("flush_cache"), "flush_cache")
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 flush_cache: bool = True) -> None:
+        """Load the tensors of a Hugging Face safetensors checkpoint directory (SGLang's call).
+
+        SGLang's rules: an index (``model.safetensors.index.json``) decides the files and a
+        missing indexed file fails before anything loads; without one every ``*.safetensors``
+        file loads; only the names present are updated. All or nothing, unlike SGLang 0.5.23:
+        the files are checked against the manifest's sha256 when there is one (each worker
+        hashes its share of the files), every tensor's name, dtype and shape is checked on every
+        worker and each worker reads only its own slices into staging memory (one extra copy of
+        its shard) before any weight changes. Raises `WeightUpdateError` naming the file or
+        tensor; the previous weights keep serving."""
+        from ..hf_checkpoint import CheckpointError, resolve
+
+        what = f"update_weights_from_disk({str(model_path)!r})"
+        with self._lock:
+            self._check_usable()
+            if self._txn_aborted is not None:
+                raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
+                                        f"({self._txn_aborted}); call end_weight_update() and start again")
+            try:
+                plan = resolve(model_path, load_format)
+            except CheckpointError as exc:
+                err = WeightUpdateError(f"{what}: {exc}")
+                self._abort_all(what, str(err))       # a refused call ends an open transaction too
+                raise err from exc
+            tp = self.tp_size
+            per_rank = []
+            for r in range(tp):
+                spec = {"dir": plan.directory, "files": plan.files, "index": plan.index,
+                        "verify": {f: plan.sha256[f] for f in plan.files[r::tp] if f in plan.sha256}}
+                per_rank.append([("disk", "hf", spec)])
+            self._two_phase(per_rank, what)
             if flush_cache:
                 self._raise_errors(self._round("flush_cache"), "flush_cache")
 

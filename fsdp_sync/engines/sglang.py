@@ -612,6 +612,49 @@ class SGLangEngine:
             raise e.error from None
         _check_answer(call, answer, error=SGLangUpdateError, where=self.where)
 
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
+                                 flush_cache: bool = True, abort_all_requests: bool = False,
+                                 weight_version: str | None = None) -> None:
+        """SGLang reloads the tensors of a checkpoint directory (``update_weights_from_disk``).
+
+        ``model_path`` must be a path the SGLang process can read (on its machine); no weight-update
+        session is needed. In process, SGLang 0.5.23's ``Engine.update_weights_from_disk`` takes
+        only ``model_path`` and ``load_format`` (it flushes the cache itself); over HTTP the body is
+        SGLang's ``UpdateWeightFromDiskReqInput`` (``model_path``, ``load_format``,
+        ``flush_cache``, ``abort_all_requests``, and ``weight_version`` when given). Raises
+        `SGLangUpdateError` with SGLang's message on ``success=False``. SGLang 0.5.23 loads
+        in place: after a failure past its pre-checks its weights may be partly updated, so hand it
+        only complete, published directories (`fsdp_sync.transport.disk` does)."""
+        self._check_open("update_weights_from_disk")
+        path = os.fspath(model_path)
+        call = f"update_weights_from_disk({path!r})"
+        if self._http:
+            body: dict[str, Any] = {"model_path": path, "load_format": load_format,
+                                    "flush_cache": bool(flush_cache),
+                                    "abort_all_requests": bool(abort_all_requests)}
+            if weight_version is not None:
+                body["weight_version"] = str(weight_version)
+            try:
+                answer = self._http.json("POST", "/update_weights_from_disk", body,
+                                         error=SGLangUpdateError)
+            except _NotFound as e:
+                raise e.error from None
+            except SGLangUpdateError as e:
+                # SGLang answers a refusal with HTTP 400 and {"success": false, "message": ...}
+                msg = _json_or_text(e.body or "")
+                if isinstance(msg, dict) and "message" in msg:
+                    raise SGLangUpdateError(f"SGLang refused {call}{self.where}: {msg['message']}",
+                                            call=call, status=e.status, body=e.body) from e
+                raise
+            _check_answer(call, answer, error=SGLangUpdateError, where=self.where)
+            return
+        try:
+            answer = self._local.call("update_weights_from_disk", model_path=path,
+                                      load_format=load_format)
+        except _Missing:
+            raise SGLangError("this engine has no update_weights_from_disk", call=call) from None
+        _check_answer(call, answer, error=SGLangUpdateError)
+
     def update_weights_from_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
                                    | Mapping[str, torch.Tensor], flush_cache: bool = True) -> None:
         """Flatten ``named_tensors`` into one bucket, load it, and free the buffer when SGLang

@@ -10,7 +10,10 @@ only weight payloads travel as handles, see `fsdp_sync.handles`).
 Weight updates are two-phase. ``stage`` opens this rank's payloads, checks every name, shape and
 dtype, and records the writes without touching a weight; ``commit`` applies them (or, inside an
 open transaction that protects valid weights, copies them aside to apply at ``end``); ``abort``
-drops them. Every opened payload is acknowledged as soon as its memory is no longer needed.
+drops them. Every opened payload is acknowledged as soon as its memory is no longer needed. A
+checkpoint directory (``update_weights_from_disk``) is staged the same way: this rank's share of
+the files is checked against the manifest's sha256, every tensor's name, dtype and shape is
+checked from the safetensors headers, and only this rank's slices are read (into CPU memory).
 
 Memory tags: releasing ``weights`` drops the parameter tensors (contents lost, or kept as a CPU
 backup when the engine was started with one); releasing ``kv_cache`` drops the cache;
@@ -372,6 +375,10 @@ class Worker:
         seen: set[str] = set()
         for item in items:
             kind, layout_kind = item[0], item[1]
+            if kind == "disk":
+                self._stage_disk(item[2], writes, seen)
+                self._maybe_fault()
+                continue
             if kind == "bucket":
                 value = self._open(item[2])
                 if not (isinstance(value, dict) and "flattened_tensor" in value and "metadata" in value):
@@ -394,6 +401,71 @@ class Worker:
                 (self._hf_writes if layout_kind == "hf" else self._direct_writes)(name, t, writes)
             self._maybe_fault()
         return {"writes": len(writes)}
+
+    def _stage_disk(self, spec: dict, writes: list[_Write], seen: set[str]) -> None:
+        """A checkpoint directory: verify this rank's share of the files against the manifest,
+        then check every tensor's name, dtype and shape from the file headers and read only this
+        rank's slices (safetensors slices: no full tensor is materialized for a sharded one)."""
+        from safetensors import safe_open
+
+        from ..hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, verify_file
+
+        directory = spec["dir"]
+        for file, sha in spec["verify"].items():
+            try:
+                verify_file(directory, file, sha)
+            except CheckpointError as exc:
+                raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.rank})") from exc
+        index = spec.get("index")
+        for file in spec["files"]:
+            path = os.path.join(directory, file)
+            try:
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    names = list(f.keys())
+                    if index is not None:
+                        listed = {n for n, fl in index.items() if fl == file}
+                        missing, extra = sorted(listed - set(names)), sorted(set(names) - listed)
+                        if missing:
+                            raise WorkerError(KIND_UPDATE, f"{path}: the index places tensor {missing[0]!r} "
+                                                           f"in this file, but the file lacks it "
+                                                           f"({len(missing)} such names)", missing[0])
+                        if extra:
+                            raise WorkerError(KIND_UPDATE, f"{path}: the file holds tensor {extra[0]!r}, "
+                                                           f"which the index does not place in it "
+                                                           f"({len(extra)} such names)", extra[0])
+                    for name in names:
+                        if name in seen:
+                            raise WorkerError(KIND_UPDATE, f"{path}: tensor {name!r} appears twice in "
+                                                           f"the checkpoint (TP rank {self.rank})", name)
+                        seen.add(name)
+                        self._disk_writes(path, name, f.get_slice(name), writes, SAFETENSORS_DTYPES)
+            except WorkerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a torn header, a short file: a refused update
+                raise WorkerError(KIND_UPDATE, f"cannot read {path} on TP rank {self.rank}: "
+                                               f"{type(exc).__name__}: {exc}") from exc
+
+    def _disk_writes(self, path: str, name: str, sl: Any, out: list[_Write], dtypes: dict) -> None:
+        if not self.layout.accepts(name):
+            raise WorkerError(KIND_UPDATE, f"{path}: unknown parameter {name!r} on TP rank {self.rank}: "
+                                           f"not a {self.layout.spec.model_type} parameter name of this "
+                                           f"model (e.g. {self.layout.hf_names()[1]!r})", name)
+        code = sl.get_dtype()
+        dtype = dtypes.get(code)
+        if dtype != self.dtype:
+            raise WorkerError(KIND_UPDATE, f"{path}: expected dtype {dtype_name(self.dtype)} for {name!r} "
+                                           f"on TP rank {self.rank}, got {dtype_name(dtype) if dtype else code}",
+                              name)
+        shape = tuple(int(x) for x in sl.get_shape())
+        want = tuple(self.layout.full_shape(name))
+        if shape != want:
+            raise WorkerError(KIND_UPDATE, f"{path}: expected shape {_fmt_shape(want)} for {name!r} on "
+                                           f"TP rank {self.rank}, got {_fmt_shape(shape)}", name)
+        placements = self.layout.placements(name, self.rank)
+        for pl in placements:
+            out.append(_Write(pl.engine, pl.dst, sl[pl.src], (name,)))
+        if not placements and name in self.hf_set:
+            out.append(_Write("", (), torch.empty(0, dtype=self.dtype), (name,)))   # counts as loaded
 
     def _apply(self, writes: list[_Write]) -> None:
         params = self.model.params

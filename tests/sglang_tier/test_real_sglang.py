@@ -20,6 +20,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,11 @@ def drive_adapter(target) -> None:
     a.update_weights_from_bucket(named[:3], flush_cache=False)
     a.update_weights_from_tensor([(n, t) for n, t in named[3:]], load_format=None)
     a.end_weight_update()
+    with tempfile.TemporaryDirectory() as d:     # the disk method: a checkpoint SGLang reloads
+        from safetensors.torch import save_file
+
+        save_file(dict(named[:2]), os.path.join(d, "model.safetensors"))
+        a.update_weights_from_disk(d, weight_version="v1")
     a.resume_memory_occupation(["kv_cache"])
     a.generate([[1, 2, 3]], max_new_tokens=3)
     a.get_weights_by_name(named[0][0], truncate_size=2)
@@ -215,6 +221,7 @@ def _sampling_params() -> set[str]:
 
 REQUEST_CLASSES = {
     "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",

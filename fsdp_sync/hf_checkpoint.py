@@ -1,0 +1,199 @@
+"""The on-disk checkpoint the disk method writes and the engines read: names, manifest, checks.
+
+A version is a directory in the Hugging Face layout that ``AutoModelForCausalLM.from_pretrained``
+and SGLang's ``update_weights_from_disk`` both read unchanged:
+
+    model-00001-of-0000K.safetensors ...   the tensors (safetensors), HF names
+    config.json                            when the trained module has an HF config
+    fsdp_sync_manifest.json                sha256 and size of every file above
+    model.safetensors.index.json           tensor name -> file; written last
+
+Helpers here: durable writes (`fsync_file`, `fsync_dir`, `write_json`), `sha256_file`, and
+`resolve` / `verify_file`, the reader's side with SGLang 0.5.23's rules (an index, when present,
+decides the files; a missing indexed file fails before anything loads) plus the manifest check.
+
+Not here: who writes which file, publishing and pruning (`transport.disk`), or loading tensors into
+a model (the engines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "INDEX_FILE", "MANIFEST_FILE", "CONFIG_FILE", "MANIFEST_FORMAT", "SAFETENSORS_DTYPES",
+    "CheckpointError", "ReadPlan", "shard_file_name", "sha256_file", "fsync_file", "fsync_dir",
+    "write_json", "resolve", "verify_file",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+MANIFEST_FILE = "fsdp_sync_manifest.json"
+CONFIG_FILE = "config.json"
+MANIFEST_FORMAT = "fsdp_sync.disk/1"
+LOAD_FORMATS = (None, "auto", "safetensors")
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    k: v for k, v in {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+        "U8": torch.uint8, "BOOL": torch.bool,
+        "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+    }.items() if v is not None
+}
+"""safetensors' dtype codes (``safe_open(...).get_slice(n).get_dtype()``) as torch dtypes."""
+
+_CHUNK = 8 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be loaded as it is; the message names the file or tensor."""
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """Hugging Face's shard name: ``model-00001-of-00003.safetensors`` for ``index`` 0 of 3."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def sha256_file(path: str) -> tuple[str, int]:
+    """(hex sha256, size in bytes) of a file, read in 8 MiB chunks (hashlib drops the GIL)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+    return h.hexdigest(), size
+
+
+def fsync_file(path: str) -> None:
+    """Flush a written file's data to the device (fsync works on any descriptor of the file)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, obj: Any) -> tuple[str, int]:
+    """Write ``obj`` as JSON, flushed and fsynced; returns (sha256, size) of what was written."""
+    data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest(), len(data)
+
+
+@dataclass
+class ReadPlan:
+    """What a reader loads from a checkpoint directory."""
+
+    directory: str
+    files: list[str]                                   # safetensors files to read, in order
+    index: dict[str, str] | None = None                # tensor name -> file, when indexed
+    sha256: dict[str, str] = field(default_factory=dict)   # file -> digest, from the manifest
+
+    def names_in(self, file: str) -> set[str] | None:
+        """Tensor names the index places in ``file`` (None without an index)."""
+        if self.index is None:
+            return None
+        return {n for n, f in self.index.items() if f == file}
+
+
+def _load_json(path: str, what: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the {what} {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def resolve(model_path: Any, load_format: str | None = None) -> ReadPlan:
+    """The files to load from ``model_path`` by SGLang's rules, checked before anything loads.
+
+    ``model_path`` must be a local directory (SGLang would take anything else as a Hub id; nothing
+    is downloaded here). With ``model.safetensors.index.json``: exactly the files its weight map
+    names, each of which must exist. Without one: every ``*.safetensors`` file, sorted. With
+    ``fsdp_sync_manifest.json``: every file to load must be listed there (its digest is then
+    checked by `verify_file`). Raises `CheckpointError` naming the directory or file.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise CheckpointError(f"load_format {load_format!r} is not supported for a disk update; "
+                              f"expected one of {list(LOAD_FORMATS)} (safetensors checkpoints)")
+    if not isinstance(model_path, (str, os.PathLike)):
+        raise CheckpointError(f"model_path must be a directory path, got {type(model_path).__name__}")
+    directory = os.path.abspath(os.fspath(model_path))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"model_path {directory} is not a directory (missing, or a Hub id: "
+                              f"only local checkpoint directories are loaded)")
+    index_path = os.path.join(directory, INDEX_FILE)
+    index = None
+    if os.path.exists(index_path):
+        doc = _load_json(index_path, "index")
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in wm.items()):
+            raise CheckpointError(f"{index_path} has no weight_map of tensor name -> file")
+        index = dict(wm)
+        files = list(dict.fromkeys(index.values()))
+        bad = [f for f in files if os.path.basename(f) != f or not f.endswith(".safetensors")]
+        if bad:
+            raise CheckpointError(f"{index_path} names files that are not safetensors files in the "
+                                  f"directory: {bad[:3]}")
+        missing = [f for f in files if not os.path.isfile(os.path.join(directory, f))]
+        if missing:
+            raise CheckpointError(f"missing shard {missing[0]} in {directory} (named by "
+                                  f"{INDEX_FILE}; {len(missing)} missing in all); nothing was loaded")
+    else:
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {directory} (*.bin / *.pt "
+                                  f"checkpoints are not supported)")
+    plan = ReadPlan(directory, files, index)
+    manifest_path = os.path.join(directory, MANIFEST_FILE)
+    if os.path.exists(manifest_path):
+        doc = _load_json(manifest_path, "manifest")
+        listed = doc.get("files") if isinstance(doc, dict) else None
+        if not isinstance(listed, dict):
+            raise CheckpointError(f"{manifest_path} has no 'files' table")
+        for f in files:
+            entry = listed.get(f)
+            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+                raise CheckpointError(f"{f} in {directory} is not listed with a sha256 in "
+                                      f"{MANIFEST_FILE}: the checkpoint is not the one the manifest "
+                                      f"describes")
+            plan.sha256[f] = entry["sha256"]
+    return plan
+
+
+def verify_file(directory: str, file: str, expected: str) -> None:
+    """Raise `CheckpointError` unless ``file``'s sha256 is ``expected``."""
+    path = os.path.join(directory, file)
+    try:
+        got, size = sha256_file(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if got != expected:
+        raise CheckpointError(f"checksum mismatch for {path} ({size} bytes): the manifest says "
+                              f"sha256 {expected[:16]}..., the file has {got[:16]}... (torn or "
+                              f"corrupt file)")
