@@ -7,8 +7,9 @@ cannot run (other activations, rope scaling, sliding-window layers) with a clear
 `TPLayout(spec, tp_size)` is a pure function of the two, the same split as SGLang's for these
 models:
 
-- vocab-parallel ``embed_tokens`` and ``lm_head`` (vocab padded up to a multiple of TP; rank r owns
-  ids ``[r*Vs, (r+1)*Vs)``; the padding rows of the last shard are zero; a tied ``lm_head`` is the
+- vocab-parallel ``embed_tokens`` and ``lm_head``: the vocab is padded up to a multiple of
+  `VOCAB_PADDING` (64, SGLang's ``DEFAULT_VOCAB_PADDING_SIZE``) and split evenly, so rank r owns
+  ids ``[r*Vs, (r+1)*Vs)`` with ``Vs = round_up(V, 64) / tp`` (SGLang's per-rank shape); the padding rows of the last shard are zero; a tied ``lm_head`` is the
   embedding shard, and the engine has no ``lm_head`` parameter of its own);
 - column-parallel fused ``qkv_proj`` (rows ``[q heads | k heads | v heads]`` of this rank, biases
   split the same way) and fused ``gate_up_proj`` (rows ``[gate | up]``, biases too);
@@ -36,7 +37,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelSpec", "TPLayout", "Placement", "shard_state_dict", "layout_for", "block_of"]
+VOCAB_PADDING = 64
+"""The vocab is padded to a multiple of this before the TP split (SGLang's default padding)."""
+
+__all__ = ["VOCAB_PADDING", "ModelSpec", "TPLayout", "Placement", "shard_state_dict", "layout_for", "block_of"]
 
 
 # --------------------------------------------------------------------------- the model's shape
@@ -149,7 +153,8 @@ class TPLayout:
             self.kv_local, self.kv_replicas = 1, tp_size // s.num_kv_heads
         self.q_local = s.num_heads // tp_size
         self.inter_local = s.intermediate_size // tp_size
-        self.vocab_shard = math.ceil(s.vocab_size / tp_size)
+        # SGLang's VocabParallelEmbedding/ParallelLMHead: pad to 64, then an even split
+        self.vocab_shard = math.ceil(math.ceil(s.vocab_size / VOCAB_PADDING) * VOCAB_PADDING / tp_size)
         self.hf_shapes: dict[str, tuple[int, ...]] = self._hf_shapes()
 
     # ----------------------------------------------------------------- names and shapes

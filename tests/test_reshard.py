@@ -22,9 +22,9 @@ from fsdp_sync.layout import block_of, layout_for, shard_state_dict
 from fsdp_sync.models import build_model, load_config
 
 BF16 = torch.bfloat16
-# (recipe, overrides): untied with a vocab no TP size divides (padding rows, uneven FSDP2 rows),
+# (recipe, overrides): untied with a vocab SGLang pads (999 -> 1024: padding rows on the last TP rank, uneven FSDP2 rows),
 # tied, and Llama with every bias (replicated o_proj/down_proj biases, split gate_up biases)
-MODELS = [("tiny", {"vocab_size": 509}), ("tiny-tied", {}),
+MODELS = [("tiny", {"vocab_size": 999}), ("tiny-tied", {}),
           ("tiny", {"model_type": "llama", "attention_bias": True, "mlp_bias": True})]
 TPS = (1, 2, 4)       # tiny has 2 KV heads: TP 4 replicates each one on two ranks
 BUCKET = 24 << 10     # several buckets, so reused host buffers must be rewritten in full
@@ -63,7 +63,10 @@ def test_every_engine_element_is_filled_once():
                     if pad is not None:
                         hits[pad] += 1
                     assert hits.min() == 1 and hits.max() == 1, (recipe, tp, r, ename)
-    assert layout_for(load_config("tiny", vocab_size=509), 4).padding("lm_head.weight", 3) == (slice(125, 128),)  # 509 = 3 * 128 + 125
+    # SGLang's split: vocab padded to a multiple of 64, then even (509 -> 512 -> 4 x 128; 1000 -> 1024 -> 2 x 512)
+    assert layout_for(load_config("tiny", vocab_size=509), 4).padding("lm_head.weight", 3) == (slice(125, 128),)
+    assert layout_for(load_config("tiny", vocab_size=1000), 2).engine_shapes()["lm_head.weight"] == (512, 64)
+    assert layout_for(load_config("tiny", vocab_size=1000), 2).padding("lm_head.weight", 1) == (slice(488, 512),)
 
 
 @pytest.mark.timeout(60)
@@ -155,7 +158,7 @@ def test_engine_loads_rank_buckets_and_matches_transformers():
     prompts = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120]]
     # TP 1/2/4 bit-exactness is the test above; here the engine at the two hard splits: padded vocab
     # with replicated KV heads (TP 4), and tied embeddings (TP 2)
-    for recipe, ov, tps in [("tiny", {"vocab_size": 509}, (4,)), ("tiny-tied", {}, (2,))]:
+    for recipe, ov, tps in [("tiny", {"vocab_size": 999}, (4,)), ("tiny-tied", {}, (2,))]:
         cfg = load_config(recipe, **ov)
         model = build_model(cfg, seed=5).eval()
         with torch.no_grad():
