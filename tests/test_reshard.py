@@ -182,3 +182,50 @@ def test_engine_loads_rank_buckets_and_matches_transformers():
                 got = eng.forward_logits(prompts)
                 assert (got - want).abs().max() < 1e-5, (recipe, tp)
                 assert eng.weights_checksum() == checksum_named_tensors(model.named_parameters())
+
+
+# --------------------------------------------------------------------------- the SGLang loader (no sglang)
+
+def _engine_module(layout) -> torch.nn.Module:
+    """A module whose parameters are one TP rank's, named as SGLang (and our engine) name them."""
+    root = torch.nn.Module()
+    for name, shape in layout.engine_shapes().items():
+        *path, leaf = name.split(".")
+        mod = root
+        for p in path:
+            if not hasattr(mod, p):
+                mod.add_module(p, torch.nn.Module())
+            mod = getattr(mod, p)
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.full(shape, float("nan")), requires_grad=False))
+    return root
+
+
+@pytest.mark.timeout(60)
+def test_sglang_loader_loads_rank_buckets_and_refuses_without_changing_anything():
+    from fsdp_sync.sglang_loader import bucket_name, load_rank_buckets
+
+    cfg = load_config("tiny", vocab_size=999)
+    model = build_model(cfg, seed=4)
+    full = dict(model.state_dict())
+    for tp in (2, 4):
+        layout = layout_for(cfg, tp)
+        buckets = list(reshard.iter_rank_buckets(model, layout, BUCKET, dtype=torch.float32))
+        for rank in range(tp):
+            target = _engine_module(layout)
+            for rb in buckets:
+                load_rank_buckets(target, [(bucket_name(rb.bucket), rb.buffers[rank])])
+            want = shard_state_dict(full, layout, rank)
+            for k, v in target.named_parameters():
+                assert torch.equal(v, want[k]), (tp, rank, k)
+    # a bucket planned for TP 2 sent to a TP 4 rank: refused before any copy, naming the parameter
+    rb2 = next(reshard.iter_rank_buckets(model, layout_for(cfg, 2), BUCKET, dtype=torch.float32))
+    target = _engine_module(layout_for(cfg, 4))
+    with pytest.raises(ValueError, match=r"expected shape .* for 'model.embed_tokens.weight'.*another tp_size"):
+        load_rank_buckets(target, [(bucket_name(rb2.bucket), rb2.buffers[0])])
+    assert all(torch.isnan(v).all() for v in target.parameters())
+    with pytest.raises(TypeError, match="expected dtype float32"):
+        rbh = next(reshard.iter_rank_buckets(model, layout_for(cfg, 4), BUCKET, dtype=BF16))
+        load_rank_buckets(target, [(bucket_name(rbh.bucket), rbh.buffers[0])])
+    tied = layout_for(load_config("tiny-tied"), 2)
+    with pytest.raises(KeyError, match="tied lm_head"):
+        load_rank_buckets(_engine_module(tied), [("lm_head.weight", torch.zeros(256, 64))])
