@@ -24,12 +24,15 @@ VERSION=${SGLANG_VERSION:-0.5.23}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 PYTHON=${PYTHON:-python3}
 TRITON_SPEC=${TRITON_SPEC:-triton==3.8.0}   # the triton SGLang 0.5.23's torch (2.14.1) pairs with
-STAMP="$VENV/.sglang-tier-$VERSION"
+STAMP="$VENV/.sglang-tier-$VERSION-models"   # -models: transformers for the model-class checks
 
 # What importing SGLang's serializer and bucket modules needs (found by importing them in a bare
-# venv until they import), plus what the tests themselves use.
+# venv until they import), plus what the tests themselves use. transformers (at SGLang's pin) and
+# omegaconf: building SGLang's Qwen2/Llama classes on CPU and fsdp_sync's model recipes
+# (tests/sglang_tier/sglang_models.py).
+SGLANG_TRANSFORMERS=${SGLANG_TRANSFORMERS:-transformers==5.19.0}   # sglang 0.5.23's pin
 DEPS=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
-      tqdm IPython aiohttp pytest pytest-timeout)
+      tqdm IPython aiohttp pytest pytest-timeout omegaconf "$SGLANG_TRANSFORMERS")
 
 if [[ -f "$STAMP" ]]; then
   echo "sglang tier env: $VENV (sglang $VERSION) already built"

@@ -53,11 +53,11 @@ import torch.multiprocessing as mp
 from .. import handles
 from ..bucket import TensorMeta, flatten, plan_buckets, sglang_metadata
 from ..launch import free_port
+from ..layout import ModelSpec, TPLayout, shard_state_dict
 from ..models import load_config
 from .base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
                    SerializedPerRank, WeightUpdateError, WorkerDiedError, checksum_named_tensors,
                    ordered_tags)
-from .tp_model import ModelSpec, TPLayout, shard_state_dict
 
 __all__ = ["ReferenceEngine"]
 

@@ -41,7 +41,8 @@ import torch
 
 from .. import handles
 from ..bucket import dtype_name, entries_from_metadata, unflatten
-from .tp_model import Span, TPLayout, TPModel
+from ..layout import TPLayout
+from .tp_model import Span, TPModel
 
 __all__ = ["main"]
 

@@ -1,0 +1,441 @@
+"""Per-rank buckets: each engine TP rank gets only its own shard, in the engine's layout.
+
+`iter_rank_buckets(module, layout, bucket_bytes, ...)` is the layout-aware counterpart of
+`export.iter_buckets`. Buckets are planned over the ENGINE's parameters (`layout.TPLayout`: fused
+``qkv_proj`` / ``gate_up_proj``, vocab-parallel rows with zeroed padding, row-parallel column
+slices, replicated norms and KV heads), so one plan fits every TP rank (their shards have the same
+names and shapes; only the data differs). Bucket k has one flattened uint8 buffer per engine TP
+rank, 16-byte aligned like `bucket.flatten`'s, holding just that rank's shard of the bucket's
+parameters: SGLang's ``direct`` semantics (engine names, a different tensor per rank), one handle
+per rank per bucket.
+
+How the bytes get there (the module's shard group, FSDP1 "local"/"sharded" or FSDP2 ``Shard(0)``):
+
+- one host (``share_host_memory=True`` and every rank of the group on this host, CPU shards): group
+  rank 0 allocates TP shared-memory buffers (each the size of the largest bucket, reused by every
+  bucket) and hands a mapping of them to every group rank; each trainer rank copies the parts of
+  its own FSDP shard that fall in engine rank i's slice straight into buffer i (cast on the way).
+  No collective moves data; two barriers per bucket. Each rank yields all TP buffers (views of the
+  same memory), valid until it asks for the next bucket.
+- across hosts (or ``share_host_memory=False``): ONE ``all_to_all_single`` per bucket in which
+  trainer rank t sends to the owner of engine rank i's buffer only the part of its shard that
+  overlaps engine rank i's slice. ``owners[i]`` lists the group ranks that assemble engine rank
+  i's buffer (default: the colocated rule, group rank r holds engine rank ``r % tp``). Each rank
+  yields only the buffers it owns, fresh from ``alloc`` and then the caller's.
+
+A tensor every rank holds whole (a plain module, FSDP1 "full", a DTensor that needs
+``full_tensor()``) is written by one rank (``index % world``), never by all of them.
+
+The module must export exactly the layout's HF tensors (a tied ``lm_head`` is not exported);
+anything else is an error on every rank (`topology.agree`) before any data moves.
+
+Not here: handles and payloads (`handles`; the transport makes one per engine rank), who calls the
+engine, pipelining, GPU copies (the buffers are CPU; ``alloc`` may give CUDA buffers on the
+cross-host path, then the collective must be NCCL).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import bucket as _bucket
+from . import export as _export
+from . import handles as _handles
+from .layout import TPLayout, block_of
+from .topology import agree
+
+__all__ = ["RankBucket", "ReshardStats", "plan_rank_buckets", "iter_rank_buckets", "default_owners"]
+
+
+@dataclass
+class RankBucket:
+    """Bucket ``index`` of a per-rank sync. ``bucket``: the plan (engine names, per-rank shapes,
+    byte offsets), the same for every engine TP rank. ``buffers``: engine TP rank -> 1-D uint8
+    buffer of ``bucket.nbytes`` bytes laid out by ``bucket``, for the engine ranks this trainer
+    rank holds (all of them on the one-host path)."""
+
+    index: int
+    bucket: _bucket.Bucket
+    buffers: dict[int, torch.Tensor]
+    shared: bool            # True: views of host-shared memory, valid until the next bucket
+
+    def metadata(self) -> list:
+        """SGLang-form flattened-bucket metadata (engine names): the same for every rank."""
+        return _bucket.sglang_metadata(self.bucket)
+
+
+@dataclass
+class ReshardStats:
+    """What one trainer rank moved in one sync (summed over buckets)."""
+
+    bytes_in: int = 0             # bytes received from other trainer ranks (the all-to-all)
+    bytes_out: int = 0            # bytes sent to other trainer ranks
+    bytes_written: int = 0        # bytes this rank wrote into engine-rank buffers
+    allgather_bytes_in: int = 0   # what `export.iter_buckets`' all-gather would have received
+    engine_shard_bytes: int = 0   # bytes of one engine rank's shard (all buckets)
+    buckets: int = 0
+    path: str = ""                # "host-shared" | "all-to-all" | "local"
+
+
+def plan_rank_buckets(layout: TPLayout, dtype: torch.dtype, bucket_bytes: int) -> list[_bucket.Bucket]:
+    """Buckets over the engine's own parameters (names and per-rank shapes, engine order): pure."""
+    return _bucket.plan_buckets([(n, dtype, s) for n, s in layout.engine_shapes().items()], bucket_bytes)
+
+
+def default_owners(tp: int, world: int) -> list[list[int]]:
+    """Colocated rule: group rank r assembles engine rank ``r % tp``'s buffer (so with world a
+    multiple of tp, each engine replica's rank i sits next to its own buffer); with fewer trainer
+    ranks than TP ranks, engine rank i's buffer is held by group rank ``i % world``."""
+    return [[r for r in range(world) if r % tp == i] or [i % world] for i in range(tp)]
+
+
+# --------------------------------------------------------------------------- blocks
+
+@dataclass(frozen=True)
+class _Block:
+    """A rectangle of one trainer rank's piece that lands in one engine rank's parameter.
+
+    The piece's local elements ``[lo, lo + rows * width)`` viewed ``[rows, width]``, rows
+    ``[r0, r1)`` x cols ``[c0, c1)`` of it, go to rows ``dr..`` cols ``dc..`` of the engine
+    parameter's 2-D view."""
+
+    lo: int
+    rows: int
+    width: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    dr: int
+    dc: int
+
+    @property
+    def numel(self) -> int:
+        return (self.r1 - self.r0) * (self.c1 - self.c0)
+
+    def src(self, local: torch.Tensor) -> torch.Tensor:
+        seg = local[self.lo:self.lo + self.rows * self.width].view(self.rows, self.width)
+        return seg[self.r0:self.r1, self.c0:self.c1]
+
+    def dst(self, param2d: torch.Tensor) -> torch.Tensor:
+        return param2d[self.dr:self.dr + self.r1 - self.r0, self.dc:self.dc + self.c1 - self.c0]
+
+
+def _dims(shape: tuple[int, ...]) -> tuple[int, int]:
+    return (shape[0] if shape else 1), (math.prod(shape[1:]) if len(shape) > 1 else 1)
+
+
+def _blocks(a: int, b: int, shape: tuple[int, ...], src: tuple[slice, ...],
+            dst: tuple[slice, ...], eshape: tuple[int, ...]) -> list[_Block]:
+    """The parts of flat elements ``[a, b)`` of a tensor of ``shape`` inside block ``src``, and
+    where they go in the engine parameter (``dst`` of ``eshape``). A contiguous element range is a
+    partial first row, whole rows and a partial last row: at most three blocks."""
+    _, C = _dims(shape)
+    sr0, sr1, sc0, sc1 = block_of(src, shape)
+    d0, _, e0, _ = block_of(dst, eshape)
+    out: list[_Block] = []
+    pos = a
+    while pos < b:
+        row, col = divmod(pos, C)
+        if col or b - pos < C:
+            rows, width = 1, min(C - col, b - pos)
+        else:
+            rows, width, col = (b - pos) // C, C, 0
+        rr0, rr1 = max(row, sr0), min(row + rows, sr1)
+        cc0, cc1 = max(col, sc0), min(col + width, sc1)
+        if rr0 < rr1 and cc0 < cc1:
+            out.append(_Block(pos - a, rows, width, rr0 - row, rr1 - row, cc0 - col, cc1 - col,
+                              d0 + rr0 - sr0, e0 + cc0 - sc0))
+        pos += rows * width
+    return out
+
+
+@dataclass
+class _Source:
+    """Where one HF tensor's data lives on the trainer ranks: contiguous element ranges."""
+
+    name: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]      # element offset of each group rank's piece
+    counts: tuple[int, ...]       # elements held by each group rank
+    local: torch.Tensor | None    # this rank's piece, flat (None when it holds nothing)
+
+
+@dataclass
+class _Task:
+    engine_rank: int
+    entry: _bucket.BucketEntry
+    holder: int
+    name: str
+    block: _Block
+
+
+def _tasks(bkt: _bucket.Bucket, layout: TPLayout, sources: dict[str, _Source]) -> list[_Task]:
+    """Every block of every engine rank's entries, in one order all ranks agree on."""
+    out = []
+    for i in range(layout.tp):
+        src_map = layout.sources(i)
+        for e in bkt.entries:
+            for hf, pl in src_map[e.name]:
+                s = sources[hf]
+                for t, (off, n) in enumerate(zip(s.offsets, s.counts)):
+                    if n:
+                        for blk in _blocks(off, off + n, s.shape, pl.src, pl.dst, e.shape):
+                            out.append(_Task(i, e, t, hf, blk))
+    return out
+
+
+def _param2d(flat: torch.Tensor, e: _bucket.BucketEntry) -> torch.Tensor:
+    return flat[e.start:e.end].view(e.dtype).view(_dims(e.shape))
+
+
+def _zero_gaps(flat: torch.Tensor, bkt: _bucket.Bucket, layout: TPLayout, rank: int) -> None:
+    """Alignment padding between entries and the vocab padding rows: nobody else writes them."""
+    prev = 0
+    for e in bkt.entries:
+        if e.start > prev:
+            flat[prev:e.start].zero_()
+        prev = e.end
+        pad = layout.padding(e.name, rank)
+        if pad is not None:
+            _param2d(flat, e)[pad[0]].zero_()
+    if bkt.nbytes > prev:
+        flat[prev:bkt.nbytes].zero_()
+
+
+# --------------------------------------------------------------------------- the stream
+
+def _group_of(items: list) -> Any:
+    groups = {id(it.pieces.group): it.pieces.group for it in items if it.pieces is not None}
+    if len(groups) > 1:
+        raise ValueError(f"per-rank buckets need every sharded tensor in one shard group, found "
+                         f"{len(groups)} (HSDP / 2-D meshes are not supported here: use layout='full')")
+    return next(iter(groups.values()), None)
+
+
+def _check_names(items: list, layout: TPLayout, dtype: torch.dtype) -> None:
+    want = layout.hf_shapes
+    have = {it.name: it for it in items}
+    unknown = [n for n in have if n not in want and not (n == "lm_head.weight" and layout.spec.tie_word_embeddings)]
+    missing = [n for n in want if n not in have]
+    if unknown or missing:
+        raise ValueError(f"the module's tensors do not match the {layout.spec.model_type} layout at "
+                         f"tp {layout.tp}: unknown {unknown[:3]}, missing {missing[:3]} (per-rank "
+                         f"buckets need exactly the model's HF tensors)")
+    for n, shape in want.items():
+        it = have[n]
+        if tuple(it.shape) != tuple(shape):
+            raise ValueError(f"expected shape {tuple(shape)} for {n!r} (the layout's), got {tuple(it.shape)}")
+        if not it.src_dtype.is_floating_point:
+            raise TypeError(f"{n!r} has dtype {_bucket.dtype_name(it.src_dtype)}; the engine's weights are "
+                            f"{_bucket.dtype_name(dtype)}")
+
+
+def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
+                      dtype: torch.dtype | None = None, fsdp1_state_dict: str = "local",
+                      share_host_memory: bool = True, owners: Sequence[Sequence[int]] | None = None,
+                      alloc: Callable[[int], torch.Tensor] = _handles.empty_shared,
+                      stats: ReshardStats | None = None) -> Iterator[RankBucket]:
+    """Yield one `RankBucket` per planned bucket (`plan_rank_buckets`), collective over the
+    module's shard group: every rank calls it with the same arguments and takes every item.
+
+    ``dtype``: the engine's dtype (default: the module's, which must then be one dtype).
+    ``owners[i]``: group ranks that get engine rank i's buffer on the all-to-all path (default
+    `default_owners`). ``stats`` is filled in as the stream runs.
+    """
+    stats = stats if stats is not None else ReshardStats()
+    items = _export._resolve(module, fsdp1_state_dict, dtype)
+    group = _group_of(items) if items else None
+    world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    me = dist.get_rank(group) if world > 1 else 0
+    error: BaseException | None = None
+    plan: list[_bucket.Bucket] = []
+    try:
+        if dtype is None:
+            dtypes = {it.src_dtype for it in items}
+            if len(dtypes) != 1:
+                raise TypeError(f"the module holds several dtypes {sorted(map(str, dtypes))}: pass dtype=")
+            dtype = dtypes.pop()
+        _check_names(items, layout, dtype)
+        plan = plan_rank_buckets(layout, dtype, bucket_bytes)
+        own = [list(o) for o in (owners if owners is not None else default_owners(layout.tp, world))]
+        if len(own) != layout.tp or any(not o or any(not 0 <= r < world for r in o) for o in own):
+            raise ValueError(f"owners must list, for each of the {layout.tp} engine ranks, group ranks "
+                             f"in [0, {world}), got {own}")
+    except Exception as exc:  # noqa: BLE001 - every peer must hear of it
+        error = exc
+    if world > 1:
+        agree(error, group, what="per-rank buckets")
+    elif error is not None:
+        raise error
+    by_name = {it.name: (i, it) for i, it in enumerate(items)}
+    host = _HostBuffers.create(group, world, layout.tp, max((b.nbytes for b in plan), default=0)) \
+        if share_host_memory and world > 1 and _host_eligible(items) else None
+    stats.path = "host-shared" if host is not None else ("all-to-all" if world > 1 else "local")
+    stats.engine_shard_bytes += layout.engine_bytes(dtype.itemsize)
+    for k, bkt in enumerate(plan):
+        names = [hf for e in bkt.entries for hf, _ in layout.sources(0)[e.name]]
+        sources = {n: _source(by_name[n][1], by_name[n][0], world, me, dtype, stats) for n in names}
+        for n in names:
+            by_name[n][1].drop()
+        tasks = _tasks(bkt, layout, sources)
+        if host is not None:
+            buffers = host.fill(bkt, layout, tasks, sources, stats)
+        elif world > 1:
+            buffers = _exchange(bkt, layout, tasks, sources, own, group, me, alloc, stats)
+        else:
+            buffers = {}
+            for i in range(layout.tp):
+                buffers[i] = _alloc(alloc, bkt.nbytes)
+                _zero_gaps(buffers[i], bkt, layout, i)
+            _write_local(tasks, sources, buffers, me, stats)
+        del sources, tasks
+        stats.buckets += 1
+        yield RankBucket(k, bkt, buffers, shared=host is not None)
+        del buffers
+
+
+def _alloc(alloc: Callable[[int], torch.Tensor], n: int) -> torch.Tensor:
+    flat = alloc(n)
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < n:
+        raise ValueError(f"alloc({n}) must return a 1-D uint8 tensor of at least {n} bytes")
+    return flat[:n]
+
+
+def _source(it: Any, index: int, world: int, me: int, dtype: torch.dtype, stats: ReshardStats) -> _Source:
+    """Element ranges of one exported tensor (materializing a DTensor that needs full_tensor())."""
+    numel = math.prod(it.shape)
+    if it.pieces is not None:
+        counts = tuple(it.pieces.counts)
+        local = it.pieces.local.reshape(-1)
+        stats.allgather_bytes_in += (numel - counts[me]) * dtype.itemsize
+    else:
+        full = it.full if it.full is not None else _export._materialize(it, dtype)
+        holder = index % world
+        counts = tuple(numel if r == holder else 0 for r in range(world))
+        local = full.reshape(-1)
+    offsets = tuple(sum(counts[:r]) for r in range(len(counts)))
+    return _Source(it.name, tuple(it.shape), offsets, counts, local if counts[me] else None)
+
+
+def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[int, torch.Tensor],
+                 me: int, stats: ReshardStats) -> None:
+    with torch.no_grad():
+        for t in tasks:
+            if t.holder == me and t.engine_rank in buffers:
+                t.block.dst(_param2d(buffers[t.engine_rank], t.entry)).copy_(t.block.src(sources[t.name].local))
+                stats.bytes_written += t.block.numel * t.entry.dtype.itemsize
+
+
+def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources: dict[str, _Source],
+              owners: list[list[int]], group: Any, me: int, alloc: Callable, stats: ReshardStats
+              ) -> dict[int, torch.Tensor]:
+    """One all_to_all_single: trainer rank t sends owner o the blocks of o's engine ranks it holds."""
+    world = dist.get_world_size(group)
+    itemsize = bkt.entries[0].dtype.itemsize if bkt.entries else 1
+    mine = [i for i in range(layout.tp) if me in owners[i]]
+    buffers = {i: _alloc(alloc, bkt.nbytes) for i in mine}
+    for i, flat in buffers.items():
+        _zero_gaps(flat, bkt, layout, i)
+    # send[o]: my blocks for o's engine ranks; recv[t]: t's blocks for my engine ranks (same order)
+    send_sizes, recv_sizes = [0] * world, [0] * world
+    for t in tasks:
+        for o in owners[t.engine_rank]:
+            if t.holder == me and o != me:
+                send_sizes[o] += t.block.numel * itemsize
+            if o == me and t.holder != me:
+                recv_sizes[t.holder] += t.block.numel * itemsize
+    device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
+    send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    s_pos = [sum(send_sizes[:o]) for o in range(world)]
+    with torch.no_grad():
+        for t in tasks:
+            if t.holder != me:
+                continue
+            src = t.block.src(sources[t.name].local)
+            nb = t.block.numel * itemsize
+            for o in owners[t.engine_rank]:
+                if o == me:
+                    t.block.dst(_param2d(buffers[t.engine_rank], t.entry)).copy_(src)
+                    stats.bytes_written += nb
+                else:
+                    send[s_pos[o]:s_pos[o] + nb].view(t.entry.dtype).view(src.shape).copy_(src)
+                    s_pos[o] += nb
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        r_pos = [sum(recv_sizes[:t]) for t in range(world)]
+        for t in tasks:
+            if t.holder == me or me not in owners[t.engine_rank]:
+                continue
+            nb = t.block.numel * itemsize
+            piece = recv[r_pos[t.holder]:r_pos[t.holder] + nb].view(t.entry.dtype)
+            dst = t.block.dst(_param2d(buffers[t.engine_rank], t.entry))
+            dst.copy_(piece.view(dst.shape))
+            r_pos[t.holder] += nb
+            stats.bytes_written += nb
+    stats.bytes_in += sum(recv_sizes)
+    stats.bytes_out += sum(send_sizes)
+    return buffers
+
+
+# --------------------------------------------------------------------------- one host
+
+def _host_eligible(items: list) -> bool:
+    for it in items:
+        if it.pieces is not None and it.pieces.local.device.type != "cpu":
+            return False
+        if it.full is not None and it.full.device.type != "cpu":
+            return False
+    return True
+
+
+@dataclass
+class _HostBuffers:
+    """TP shared-memory buffers (one per engine rank) mapped by every rank of the group."""
+
+    group: Any
+    me: int
+    bufs: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, group: Any, world: int, tp: int, nbytes: int) -> "_HostBuffers | None":
+        if nbytes == 0:
+            return None
+        keys: list = [None] * world
+        dist.all_gather_object(keys, _export._host_key(), group=group)
+        if any(k != keys[0] for k in keys):
+            return None                      # several hosts: the all-to-all path
+        me = dist.get_rank(group)
+        src = dist.get_global_rank(group, 0)
+        out: list = [None]
+        if me == 0:
+            bufs = [_handles.empty_shared(nbytes) for _ in range(tp)]
+            sets = _handles.make_payloads(bufs, world, ranks=list(range(1, world)), tagged=False)
+            dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
+            dist.barrier(group=group)        # every rank has opened them: the payloads may go
+            sets.release(require_ack=False)
+        else:
+            dist.scatter_object_list(out, None, src=src, group=group)
+            bufs = list(_handles.open_payload(out[0]).value)
+            for b in bufs:
+                _handles.adopt(b)            # re-sharing them with the engine needs no copy
+            dist.barrier(group=group)
+        return cls(group, me, bufs)
+
+    def fill(self, bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task],
+             sources: dict[str, _Source], stats: ReshardStats) -> dict[int, torch.Tensor]:
+        buffers = {i: b[:bkt.nbytes] for i, b in enumerate(self.bufs)}
+        dist.barrier(group=self.group)       # nobody still reads the previous bucket's bytes
+        with torch.no_grad():
+            if self.me == 0:
+                for i, flat in buffers.items():
+                    _zero_gaps(flat, bkt, layout, i)
+            _write_local(tasks, sources, buffers, self.me, stats)
+        dist.barrier(group=self.group)       # every rank's pieces are in
+        return buffers

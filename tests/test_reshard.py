@@ -1,0 +1,231 @@
+"""Per-rank buckets (`reshard.iter_rank_buckets`) and the layout map (`layout`) they are cut by.
+
+Every engine rank's buffer must hold, bit for bit, what the engine's own sharding of the full
+tensors gives (`layout.shard_state_dict`, the code the reference engine loads HF tensors with), for
+FSDP1 and FSDP2 trainer ranks, TP 1/2/4, tied and untied, GQA with fewer KV heads than TP ranks,
+padded vocab rows, on the one-host (shared memory) and the cross-host (all-to-all) path; and an
+engine fed these buckets must give transformers' logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from fsdp_sync import bucket, handles, reshard
+from fsdp_sync.engines import ReferenceEngine, checksum_named_tensors
+from fsdp_sync.engines.base import EngineStateError
+from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.layout import block_of, layout_for, shard_state_dict
+from fsdp_sync.models import build_model, load_config
+
+BF16 = torch.bfloat16
+# (recipe, overrides): untied with a vocab SGLang pads (999 -> 1024: padding rows on the last TP rank, uneven FSDP2 rows),
+# tied, and Llama with every bias (replicated o_proj/down_proj biases, split gate_up biases)
+MODELS = [("tiny", {"vocab_size": 999}), ("tiny-tied", {}),
+          ("tiny", {"model_type": "llama", "attention_bias": True, "mlp_bias": True})]
+TPS = (1, 2, 4)       # tiny has 2 KV heads: TP 4 replicates each one on two ranks
+BUCKET = 24 << 10     # several buckets, so reused host buffers must be rewritten in full
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _reference(recipe, overrides, tp):
+    cfg = load_config(recipe, **overrides)
+    sd = {k: v.to(BF16) for k, v in build_model(cfg, seed=3).state_dict().items()}
+    layout = layout_for(cfg, tp)
+    return [{k: _digest(v) for k, v in shard_state_dict(sd, layout, r).items()} for r in range(tp)]
+
+
+# --------------------------------------------------------------------------- the map (no processes)
+
+@pytest.mark.timeout(60)
+def test_every_engine_element_is_filled_once():
+    """Sources (the reverse map) plus the vocab padding rows cover each engine parameter of each
+    rank exactly once, and a block's src/dst sizes agree."""
+    for recipe, ov in MODELS:
+        cfg = load_config(recipe, **ov)
+        for tp in TPS:
+            layout = layout_for(cfg, tp)
+            for r in range(tp):
+                for ename, shape in layout.engine_shapes().items():
+                    hits = torch.zeros(shape, dtype=torch.int32)
+                    for hf, pl in layout.sources(r)[ename]:
+                        hits[pl.dst] += 1
+                        r0, r1, c0, c1 = block_of(pl.src, layout.full_shape(hf))
+                        d0, d1, e0, e1 = block_of(pl.dst, shape)
+                        assert (r1 - r0, c1 - c0) == (d1 - d0, e1 - e0), (ename, hf)
+                    pad = layout.padding(ename, r)
+                    if pad is not None:
+                        hits[pad] += 1
+                    assert hits.min() == 1 and hits.max() == 1, (recipe, tp, r, ename)
+    # SGLang's split: vocab padded to a multiple of 64, then even (509 -> 512 -> 4 x 128; 1000 -> 1024 -> 2 x 512)
+    assert layout_for(load_config("tiny", vocab_size=509), 4).padding("lm_head.weight", 3) == (slice(125, 128),)
+    assert layout_for(load_config("tiny", vocab_size=1000), 2).engine_shapes()["lm_head.weight"] == (512, 64)
+    assert layout_for(load_config("tiny", vocab_size=1000), 2).padding("lm_head.weight", 1) == (slice(488, 512),)
+
+
+@pytest.mark.timeout(60)
+def test_blocks_of_arbitrary_element_ranges():
+    """FSDP1 flat shards start and end mid-row: every range, cut into blocks, lands where the
+    full tensor's slice would."""
+    full = torch.arange(7 * 10, dtype=torch.float32).view(7, 10)
+    for src, dst, eshape in [((slice(2, 5),), (slice(1, 4),), (5, 10)),
+                             ((slice(None), slice(3, 8)), (slice(None), slice(0, 5)), (7, 5))]:
+        want = torch.zeros(eshape)
+        want[dst] = full[src]
+        for a, b in [(0, 70), (13, 47), (25, 26), (0, 9), (61, 70), (30, 40)]:
+            got = torch.zeros(eshape)
+            for blk in reshard._blocks(a, b, (7, 10), src, dst, eshape):
+                blk.dst(got).copy_(blk.src(full.view(-1)[a:b]))
+            mask = torch.zeros(70, dtype=torch.bool)
+            mask[a:b] = True
+            sel = torch.zeros(eshape, dtype=torch.bool)
+            sel[dst] = mask.view(7, 10)[src]
+            assert torch.equal(got[sel], want[sel]) and not got[~sel].any(), (src, a, b)
+
+
+# --------------------------------------------------------------------------- trainer ranks
+
+def _rank_digests(rank, world):
+    import torch.distributed as dist
+
+    from fsdp_sync.trainer import wrap_fsdp
+
+    torch.set_num_threads(1)
+    out = {}
+    for fsdp in (1, 2):
+        for m, (recipe, ov) in enumerate(MODELS):
+            cfg = load_config(recipe, **ov)
+            module = wrap_fsdp(build_model(cfg, seed=3), fsdp)
+            for tp in TPS:
+                layout = layout_for(cfg, tp)
+                for share in (True, False):
+                    st = reshard.ReshardStats()
+                    got: dict = {}
+                    for rb in reshard.iter_rank_buckets(module, layout, BUCKET, dtype=BF16,
+                                                        share_host_memory=share, stats=st):
+                        for i, flat in rb.buffers.items():
+                            for name, t in bucket.unflatten(flat, rb.bucket.entries):
+                                got.setdefault(i, {})[name] = _digest(t)
+                        del flat, rb
+                    out[(fsdp, m, tp, share)] = {"got": got, "stats": vars(st)}
+            del module
+            dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_rank_buckets_are_the_engines_shards_bit_for_bit():
+    results = run_ranks(_rank_digests, 2, timeout_s=140, env=spawn_env())
+    refs = {(m, tp): _reference(r, ov, tp) for m, (r, ov) in enumerate(MODELS) for tp in TPS}
+    for key in results[0]:
+        fsdp, m, tp, share = key
+        ref = refs[(m, tp)]
+        held = {}
+        for r, res in enumerate(results):
+            st = res[key]["stats"]
+            assert st["path"] == ("host-shared" if share else "all-to-all"), key
+            for i, digests in res[key]["got"].items():
+                assert digests == ref[i], (key, r, i)      # every parameter, bit for bit
+                held.setdefault(i, []).append(r)
+            if share:
+                assert st["bytes_in"] == 0
+            else:
+                # only the bytes this rank's engine shards need come in, never a whole bucket
+                shard = st["engine_shard_bytes"]
+                assert st["bytes_in"] <= shard * len(res[key]["got"]), (key, st)
+                if tp > 1:
+                    assert st["bytes_in"] < st["allgather_bytes_in"], (key, st)
+        if share:
+            assert all(held[i] == [0, 1] for i in range(tp)), key     # one host: all see all
+        else:
+            # each buffer is held by exactly its owners (colocated rule: group rank r, engine rank r % tp)
+            assert held == dict(enumerate(reshard.default_owners(tp, 2))), key
+
+
+# --------------------------------------------------------------------------- into the engine
+
+@pytest.mark.timeout(120)
+def test_engine_loads_rank_buckets_and_matches_transformers():
+    """Per-rank buckets go in with ``load_format="direct"`` (one flattened payload per TP rank,
+    engine names); logits equal transformers'; a sync that misses a bucket after the weights were
+    released is refused at serve time, naming what is missing."""
+    prompts = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120]]
+    # TP 1/2/4 bit-exactness is the test above; here the engine at the two hard splits: padded vocab
+    # with replicated KV heads (TP 4), and tied embeddings (TP 2)
+    for recipe, ov, tps in [("tiny", {"vocab_size": 999}, (4,)), ("tiny-tied", {}, (2,))]:
+        cfg = load_config(recipe, **ov)
+        model = build_model(cfg, seed=5).eval()
+        with torch.no_grad():
+            want = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1].float() for p in prompts])
+        for tp in tps:
+            layout = layout_for(cfg, tp)
+            with ReferenceEngine(model_config=cfg, tp_size=tp) as eng:
+                eng.release_memory_occupation(["weights"])
+                eng.resume_memory_occupation(["weights"])
+                buckets = list(reshard.iter_rank_buckets(model, layout, BUCKET, dtype=torch.float32))
+                assert len(buckets) > 2
+                for n, rb in enumerate(buckets):
+                    if n == len(buckets) - 1:
+                        with pytest.raises(EngineStateError, match="missing"):
+                            eng.forward_logits(prompts)
+                    sets = [handles.make_payloads({"flattened_tensor": rb.buffers[i], "metadata": rb.metadata()},
+                                                  tp, ranks=[i]) for i in range(tp)]
+                    eng.update_weights_from_tensor([s.payloads[0] for s in sets], load_format="direct")
+                    for s in sets:
+                        s.release()        # raises if a rank did not acknowledge
+                got = eng.forward_logits(prompts)
+                assert (got - want).abs().max() < 1e-5, (recipe, tp)
+                assert eng.weights_checksum() == checksum_named_tensors(model.named_parameters())
+
+
+# --------------------------------------------------------------------------- the SGLang loader (no sglang)
+
+def _engine_module(layout) -> torch.nn.Module:
+    """A module whose parameters are one TP rank's, named as SGLang (and our engine) name them."""
+    root = torch.nn.Module()
+    for name, shape in layout.engine_shapes().items():
+        *path, leaf = name.split(".")
+        mod = root
+        for p in path:
+            if not hasattr(mod, p):
+                mod.add_module(p, torch.nn.Module())
+            mod = getattr(mod, p)
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.full(shape, float("nan")), requires_grad=False))
+    return root
+
+
+@pytest.mark.timeout(60)
+def test_sglang_loader_loads_rank_buckets_and_refuses_without_changing_anything():
+    from fsdp_sync.sglang_loader import bucket_name, load_rank_buckets
+
+    cfg = load_config("tiny", vocab_size=999)
+    model = build_model(cfg, seed=4)
+    full = dict(model.state_dict())
+    for tp in (2, 4):
+        layout = layout_for(cfg, tp)
+        buckets = list(reshard.iter_rank_buckets(model, layout, BUCKET, dtype=torch.float32))
+        for rank in range(tp):
+            target = _engine_module(layout)
+            for rb in buckets:
+                load_rank_buckets(target, [(bucket_name(rb.bucket), rb.buffers[rank])])
+            want = shard_state_dict(full, layout, rank)
+            for k, v in target.named_parameters():
+                assert torch.equal(v, want[k]), (tp, rank, k)
+    # a bucket planned for TP 2 sent to a TP 4 rank: refused before any copy, naming the parameter
+    rb2 = next(reshard.iter_rank_buckets(model, layout_for(cfg, 2), BUCKET, dtype=torch.float32))
+    target = _engine_module(layout_for(cfg, 4))
+    with pytest.raises(ValueError, match=r"expected shape .* for 'model.embed_tokens.weight'.*another tp_size"):
+        load_rank_buckets(target, [(bucket_name(rb2.bucket), rb2.buffers[0])])
+    assert all(torch.isnan(v).all() for v in target.parameters())
+    with pytest.raises(TypeError, match="expected dtype float32"):
+        rbh = next(reshard.iter_rank_buckets(model, layout_for(cfg, 4), BUCKET, dtype=BF16))
+        load_rank_buckets(target, [(bucket_name(rbh.bucket), rbh.buffers[0])])
+    tied = layout_for(load_config("tiny-tied"), 2)
+    with pytest.raises(KeyError, match="tied lm_head"):
+        load_rank_buckets(_engine_module(tied), [("lm_head.weight", torch.zeros(256, 64))])
