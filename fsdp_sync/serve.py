@@ -54,6 +54,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -277,7 +278,30 @@ class EngineServer:
                 h.close_connection = True
             h.end_headers()
             h.wfile.write(data)
+            h.wfile.flush()
+            if close:
+                EngineServer._linger(h)
         except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    @staticmethod
+    def _linger(h: BaseHTTPRequestHandler, max_bytes: int = 8 << 20, max_s: float = 2.0) -> None:
+        """After refusing a body, read and drop what the client is still sending (at most
+        ``max_bytes`` / ``max_s``), so a client that writes its whole body before reading gets the
+        refusal instead of a reset connection."""
+        import socket
+
+        try:
+            h.connection.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + max_s
+            got = 0
+            while got < max_bytes and (left := deadline - time.monotonic()) > 0:
+                h.connection.settimeout(min(left, 0.5))
+                chunk = h.connection.recv(1 << 16)
+                if not chunk:
+                    break
+                got += len(chunk)
+        except OSError:
             pass
 
     # ------------------------------------------------------------------ routes
