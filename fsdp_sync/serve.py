@@ -54,6 +54,7 @@ import os
 import signal
 import sys
 import threading
+from collections import Counter
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -162,6 +163,7 @@ class EngineServer:
         self._update_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self.updates_served = 0
+        self.hits: Counter[str] = Counter()   # requests per path (auth refusals included)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -216,6 +218,7 @@ class EngineServer:
             return
         try:
             path = h.path.split("?", 1)[0]
+            self.hits[path] += 1
             try:
                 if self.api_key is not None and path != "/health":
                     got = h.headers.get("Authorization", "")
