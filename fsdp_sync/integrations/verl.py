@@ -241,8 +241,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             host, port = await self._server_actor.get_server_address.remote()
             host = f"[{host}]" if ":" in str(host) else host
             url = f"http://{host}:{port}"
-        self._engine = SGLangEngine(base_url=url, api_key=self.api_key,
-                                    tp_size=int(self.config.tensor_model_parallel_size))
+        # one payload per rank of verl's infer_tp mesh dim (tp x dp of the server), as verl sends
+        self._engine = SGLangEngine(base_url=url, api_key=self.api_key, tp_size=self._mesh().size())
         return self._engine
 
     # ------------------------------------------------------------------ memory
@@ -396,7 +396,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                 flush(big)
                 big.buf = None
                 continue
-            if not stream.fits(n):
+            if stream.metas and (not stream.fits(n) or stream.buf.device != t.device):
                 flush(stream)
             stream.add(name, t)
             del t
