@@ -217,6 +217,7 @@ class EngineServer:
                         close=True)
             return
         try:
+            h._body_read = False
             path = h.path.split("?", 1)[0]
             self.hits[path] += 1
             try:
@@ -232,7 +233,10 @@ class EngineServer:
             except Exception as e:  # noqa: BLE001 - an engine error becomes the answer, not a crash
                 log.warning("%s %s failed: %s", method, h.path, e)
                 status, out = 400, {"success": False, "message": f"{type(e).__name__}: {e}"}
-            self._reply(h, status, out, close=status in (411, 413))
+            # a body left unread (refused before reading) must not be taken for the next request
+            unread = not getattr(h, "_body_read", False) and (
+                h.headers.get("Content-Length") not in (None, "0") or h.headers.get("Transfer-Encoding"))
+            self._reply(h, status, out, close=bool(unread) or status in (411, 413))
         finally:
             self._slots.release()
 
@@ -254,6 +258,7 @@ class EngineServer:
             raise _Refused(413, f"request body of {n} bytes is over this server's limit of "
                                 f"{self.max_body_bytes} (--max-body-mb)")
         raw = h.rfile.read(n) if n else b""
+        h._body_read = True
         if len(raw) != n:
             raise _Refused(400, f"body ended after {len(raw)} of {n} bytes")
         if not raw.strip():

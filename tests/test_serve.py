@@ -119,6 +119,15 @@ def test_api_key_is_required_when_set(engine, server):
                        {"serialized_named_tensors": ["x", "y"], "load_format": "flattened_bucket"},
                        key=None)
     assert status == 401 and out["success"] is False and "API key" in out["message"]
+    # a refused request's unread body is not taken for the next request on the connection
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    try:
+        conn.request("POST", "/flush_cache", body=b'POST /end_weight_update HTTP/1.1\r\n\r\n')
+        resp = conn.getresponse()
+        assert resp.status == 401 and resp.getheader("Connection") == "close"
+        resp.read()
+    finally:
+        conn.close()
     with pytest.raises(SGLangError):
         SGLangEngine(base_url=server.url, max_retries=0)                 # asks tp_size: refused
     assert engine.get_weights_by_name("model.norm.weight").equal(before)
