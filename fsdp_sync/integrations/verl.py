@@ -18,8 +18,9 @@ generator into one reused flattened buffer per trainer rank (``bucket_bytes``, f
 ``checkpoint_engine.update_weights_bucket_megabytes``), and per full bucket: one handle per bucket
 per TP rank, ``gather_object`` to infer-TP rank 0, one ``update_weights_from_tensor(load_format=
 "flattened_bucket")`` call, an all-reduced status so a failure raises on every rank, then the buffer
-is reused. Extra memory at peak: the buffer plus the tensor being copied (a tensor larger than a
-bucket gets a buffer of its own for its one call): at most 2 x bucket + the largest tensor.
+is reused. Extra memory at peak: the buffer plus the tensor being copied, at most 2 x bucket + the
+largest tensor. A tensor larger than a bucket is sent alone, from a buffer of its own made after
+the bucket buffer is freed (extra: 2 x that tensor while it is copied).
 Calls are bracketed by ``begin_weight_update``/``end_weight_update`` (SGLang 0.5.21+; skipped on
 older servers) and end with one ``flush_cache``. Each sync's seconds, bytes, tensors, buckets and
 engine calls are logged on infer-TP rank 0 (logger ``fsdp_sync.verl``, level from
@@ -390,6 +391,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             if n > stream.capacity:          # its own bucket, its own buffer, one call
                 if stream.metas:
                     flush(stream)
+                stream.buf = None            # the bucket buffer goes before the big one comes
                 big = _Stream(-(-n // ALIGNMENT) * ALIGNMENT)
                 big.add(name, t)
                 del t
