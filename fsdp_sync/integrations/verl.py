@@ -385,26 +385,32 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                        tp_size, src, stats, [ps])
             s.reset()
 
-        for name, t in weights:
-            t = self._prepare(name, t)
-            n = t.numel() * t.element_size()
-            if n > stream.capacity:          # its own bucket, its own buffer, one call
-                if stream.metas:
+        big = _Stream(0)
+        try:
+            for name, t in weights:
+                t = self._prepare(name, t)
+                n = t.numel() * t.element_size()
+                if n > stream.capacity:          # its own bucket, its own buffer, one call
+                    if stream.metas:
+                        flush(stream)
+                    stream.buf = None            # the bucket buffer goes before the big one comes
+                    big = _Stream(-(-n // ALIGNMENT) * ALIGNMENT)
+                    big.add(name, t)
+                    del t
+                    flush(big)
+                    big.buf = None
+                    continue
+                if stream.metas and (not stream.fits(n) or stream.buf.device != t.device):
                     flush(stream)
-                stream.buf = None            # the bucket buffer goes before the big one comes
-                big = _Stream(-(-n // ALIGNMENT) * ALIGNMENT)
-                big.add(name, t)
+                stream.add(name, t)
                 del t
-                flush(big)
-                big.buf = None
-                continue
-            if stream.metas and (not stream.fits(n) or stream.buf.device != t.device):
+            if stream.metas:
                 flush(stream)
-            stream.add(name, t)
-            del t
-        if stream.metas:
-            flush(stream)
-        stream.buf = None
+        finally:
+            # freed here, not when the frames go: an exception's traceback (kept by asyncio, say)
+            # would otherwise hold the shared buffers until the process exits, and a segment
+            # still referenced then outlives it
+            stream.buf = big.buf = None
 
     def _sync_per_tensor_handles(self, weights, engine, group, tp_rank, tp_size, src, stats) -> None:
         """verl's own algorithm (``bucketed``): tensors grouped by bytes, one handle per tensor,

@@ -158,9 +158,14 @@ def test_adapter_syncs_fsdp2_weights_bit_exact_into_served_engine(tmp_path):
         calls_before = server.hits["/update_weights_from_tensor"]
         results = run_ranks(verl_ranks.sync_ranks, 2, rollout, strategies, True, timeout_s=300)
         after = engine.weights_checksum()
-        calls = server.hits["/update_weights_from_tensor"] - calls_before
+        calls = server.hits["/update_weights_from_tensor"] - calls_before - 1   # the refused one
     r0 = results[0]
     assert r0["class"] == OURS and r0["adapter"] == "SGLangAdapter"
+    # the refused sync (after the two good ones) failed on both ranks with one message, and the
+    # engine still serves the last good weights (checked by the checksum below)
+    assert results[0]["refused"] and results[0]["refused"] == results[1]["refused"]
+    assert results[0]["refused"].startswith("SyncError") and "dtype" in results[0]["refused"], \
+        results[0]["refused"]
     # the engine serves exactly what the trainer had after the last sync; each sync was bit-exact
     # too: the reference engine commits begin..end as a whole, and the last checksum matches
     assert after == r0["syncs"][-1]["checksum"] != before

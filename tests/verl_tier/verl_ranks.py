@@ -78,6 +78,17 @@ def sync_ranks(rank: int, world: int, rollout_cfg: dict, strategies: list[str], 
         out["syncs"].append({"strategy": strategy, "checksum": checksum, "metrics": metrics,
                              "stats": rollout.last_stats, "mismatched": mismatched})
         dist.barrier()
+    # a refused bucket (bf16 into a float32 engine) raises the same error on every rank
+    cfg = dict(rollout_cfg)
+    cfg["custom"] = {"fsdp_sync": dict(rollout_cfg["custom"]["fsdp_sync"], dtype="bfloat16")}
+    rollout = rollout_cls(config=omega_conf_to_dataclass(OmegaConf.create(cfg)), model_config=None,
+                          device_mesh=mesh)
+    try:
+        asyncio.run(rollout.update_weights(verl_generator(model), global_steps=99))
+        out["refused"] = None
+    except Exception as exc:  # noqa: BLE001 - returned to the test, which checks it
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
     if batch_check:
         out["dataproto"] = dataproto_roundtrip(rank, mesh, rollout_cfg)
     return out
