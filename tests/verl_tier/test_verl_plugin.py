@@ -127,6 +127,13 @@ def test_main_ppo_prints_the_composed_config_with_fsdp_sync_on():
         cfg = OmegaConf.create("\n".join(lines[start:]))
         assert cfg.actor_rollout_ref.rollout.custom.fsdp_sync.enable is True
         assert cfg.actor_rollout_ref.rollout.name == "sglang"
+    # the run scripts' override arrays compose too (`--cfg job` is passed through "$@")
+    for script in sorted((ROOT / "recipes" / "verl").glob("run_*.sh")):
+        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+        proc = subprocess.run(["bash", str(script), "--cfg", "job"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "fsdp_sync:\n        enable: true" in proc.stdout, script.name
 
 
 def test_adapter_syncs_fsdp2_weights_bit_exact_into_served_engine(tmp_path):
