@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.fsdp_sync-installed
 
-.PHONY: venv demo test test-gpu test-sglang bench bench-targets clean
+.PHONY: venv demo test test-gpu test-sglang test-verl bench bench-targets clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,17 @@ test-sglang:
 	  PYTHON="$(PYTHON)" bash scripts/sglang_env.sh
 	FSDP_SYNC_SGLANG_TIER=1 FSDP_SYNC_SGLANG_VERSION="$(SGLANG_VERSION)" PYTHONPATH=. \
 	  $(SGLANG_VENV)/bin/python -m pytest -q -m sglang tests/sglang_tier
+
+# Optional tier, not part of `make test`: fsdp_sync's verl plug-in, recipes and adapter against the
+# real verl (pinned, no extras: they pull another torch), in a venv of its own built by
+# scripts/verl_env.sh. Fails, never skips, when verl cannot be installed or imported.
+VERL_VENV    ?= .venv-verl
+VERL_VERSION ?= 0.9.1
+
+test-verl:
+	VERL_VENV="$(VERL_VENV)" VERL_VERSION="$(VERL_VERSION)" TORCH_SPEC="$(TORCH_SPEC)" \
+	  PYTHON="$(PYTHON)" bash scripts/verl_env.sh
+	FSDP_SYNC_VERL_TIER=1 PYTHONPATH=. $(VERL_VENV)/bin/python -m pytest -q -m verl tests/verl_tier
 
 bench-targets: $(STAMP)
 	$(VENV)/bin/fsdp-sync bench --preset targets --json bench-out/targets.json --plot bench-out

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_parser
 
     add_bench_parser(sub)
+    from .serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -140,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import cmd_bench
 
         return cmd_bench(args)
+    if args.command == "serve":
+        from .serve import main_serve
+
+        return main_serve(args)
     return 2
 
 

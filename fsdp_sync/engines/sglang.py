@@ -406,8 +406,9 @@ class _Http:
         kw: dict[str, Any] = {"call": path.lstrip("/"), "status": status, "body": text}
         if error is SGLangUpdateError:
             # a refused connection never reached SGLang; an error status came after it read the
-            # request, and whether it opened the payloads depends on where it failed
-            kw["opened"] = False if reached is False else (
+            # request, and whether it opened the payloads depends on where it failed; 401/403
+            # (API key), 411/413 (body refused) come before any handler reads the payloads
+            kw["opened"] = False if reached is False or status in (401, 403, 411, 413) else (
                 False if _NO_SESSION_MARK in text else None)
         return error(msg, **kw)
 

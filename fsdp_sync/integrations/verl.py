@@ -1,0 +1,458 @@
+"""verl plug-in: fsdp_sync's flattened buckets behind verl's SGLang rollout, opt-in.
+
+Loaded by verl itself: fsdp_sync declares this module under the ``verl.plugins`` entry-point group,
+and every ``import verl`` (driver, task runner, each Ray worker) imports it unless
+``VERL_USE_EXTERNAL_PLUGINS`` excludes it. Importing it maps ``("sglang", "async")`` in verl's
+rollout registry to `SGLangAdapter` and remembers what was there before (verl's own
+``ServerAdapter``, or whatever another plug-in put there).
+
+Nothing changes until a run opts in with ``+actor_rollout_ref.rollout.custom.fsdp_sync.enable=true``:
+without it, building `SGLangAdapter` returns the previous class's object, built with the same
+arguments (verl's ``ServerAdapter`` itself, not a look-alike), so installing fsdp_sync changes no
+run by itself.
+
+Opted in, `SGLangAdapter` is verl's colocated SGLang adapter with fsdp_sync's sync: verl's worker
+still owns the export (``get_per_tensor_param``: one ``full_tensor()`` per parameter), the
+resume/offload order and the barrier; ``update_weights`` streams verl's ``(name, tensor)``
+generator into one reused flattened buffer per trainer rank (``bucket_bytes``, from verl's
+``checkpoint_engine.update_weights_bucket_megabytes``), and per full bucket: one handle per bucket
+per TP rank, ``gather_object`` to infer-TP rank 0, one ``update_weights_from_tensor(load_format=
+"flattened_bucket")`` call, an all-reduced status so a failure raises on every rank, then the buffer
+is reused. Extra memory at peak: the buffer plus the tensor being copied, at most 2 x bucket + the
+largest tensor. A tensor larger than a bucket is sent alone, from a buffer of its own made after
+the bucket buffer is freed (extra: 2 x that tensor while it is copied).
+Calls are bracketed by ``begin_weight_update``/``end_weight_update`` (SGLang 0.5.21+; skipped on
+older servers) and end with one ``flush_cache``. Each sync's seconds, bytes, tensors, buckets and
+engine calls are logged on infer-TP rank 0 (logger ``fsdp_sync.verl``, level from
+``VERL_LOGGING_LEVEL``, INFO by default), kept in `SGLangAdapter.last_stats`, returned from
+``update_weights`` as ``fsdp_sync/*`` metrics (verl 0.9.1 drops that value in its colocated
+``naive`` mode), and appended as a JSON line to ``custom.fsdp_sync.metrics_file`` if set.
+
+Options, under ``+actor_rollout_ref.rollout.custom.fsdp_sync.``: ``enable``; ``base_url`` (an SGLang
+server to talk to instead of the one verl's Ray actor names, e.g. ``fsdp-sync serve``);
+``api_key``; ``metrics_file``; and every `fsdp_sync.config.SyncConfig` field (``strategy``:
+``flattened`` (default) or ``bucketed`` / ``per_tensor``, verl's own algorithm of one handle per
+tensor, kept for comparison; ``bucket_bytes`` / ``bucket_mb``; ``dtype``; ...). The verl keys users
+already set are read through `SyncConfig.from_verl`: bucket megabytes, ``free_cache_engine`` (resume
+and release only when set, as verl does) and ``dtype`` (tensors are cast to it before they are
+flattened). ``param_offload`` stays verl's: its worker offloads the actor after ``update_weights``.
+
+Not here: LoRA adapters and verl's delta checkpoint wire (refused with an error when opted in),
+prefill/decode disaggregation, starting SGLang (verl's Ray actors do), and the export itself
+(verl's FSDP engine; see the README for why it is not replaced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import time
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from verl.workers.rollout import base as _verl_rollout_base
+
+from .. import handles
+from ..bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets, sglang_metadata
+from ..config import SyncConfig
+from ..topology import SyncError, agree
+
+__all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
+
+KEY = ("sglang", "async")
+_OURS = f"{__name__}.SGLangAdapter"
+_ADAPTER_KEYS = ("enable", "base_url", "api_key", "metrics_file")
+
+log = logging.getLogger("fsdp_sync.verl")
+log.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+
+VERL_DEFAULT: str = "verl.workers.rollout.sglang_rollout.sglang_rollout.ServerAdapter"
+
+
+def register() -> None:
+    """Point verl's ``("sglang", "async")`` rollout at `SGLangAdapter` (idempotent)."""
+    global VERL_DEFAULT
+    reg = _verl_rollout_base._ROLLOUT_REGISTRY
+    current = reg.get(KEY)
+    if current and current != _OURS:
+        VERL_DEFAULT = current
+    reg[KEY] = _OURS
+
+
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    if node is None:
+        return default
+    if isinstance(node, dict) or hasattr(node, "keys"):
+        try:
+            return node.get(key, default)
+        except AttributeError:
+            pass
+    return getattr(node, key, default)
+
+
+def _options(config: Any) -> dict:
+    opts = _get(_get(config, "custom"), "fsdp_sync")
+    if opts is None:
+        return {}
+    if hasattr(opts, "items"):
+        try:
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(opts, DictConfig):
+                opts = OmegaConf.to_container(opts, resolve=True)
+        except ImportError:
+            pass
+        return dict(opts.items())
+    raise TypeError(f"rollout.custom.fsdp_sync must be a mapping of options, got "
+                    f"{type(opts).__name__}: {opts!r}")
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ValueError(f"rollout.custom.fsdp_sync.{key} must be true or false, got {value!r}")
+
+
+def enabled(config: Any) -> bool:
+    """Whether ``rollout.custom.fsdp_sync.enable`` is set (the one opt-in)."""
+    return _bool(_options(config).get("enable", False), "enable")
+
+
+def sync_config(config: Any) -> SyncConfig:
+    """The `SyncConfig` of a rollout config: verl's keys (`SyncConfig.from_verl`), then every
+    ``custom.fsdp_sync.*`` key that names a SyncConfig field (those win)."""
+    opts = {k: v for k, v in _options(config).items() if k not in _ADAPTER_KEYS}
+    fields = {f.name for f in dataclasses.fields(SyncConfig)}
+    unknown = sorted(set(opts) - fields - {"bucket_mb"})
+    if unknown:
+        raise ValueError(f"unknown rollout.custom.fsdp_sync keys {unknown}; known: "
+                         f"{sorted(set(_ADAPTER_KEYS) | fields | {'bucket_mb'})}")
+    if "bucket_mb" in opts:
+        opts["bucket_bytes"] = int(float(opts.pop("bucket_mb")) * 2**20)
+    return SyncConfig.from_verl(config, **opts)
+
+
+def _resolve(fqdn: str) -> type:
+    module, _, name = fqdn.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class _Stream:
+    """One trainer rank's reused flat buffer, filled tensor by tensor from verl's generator."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.buf: torch.Tensor | None = None
+        self.metas: list[TensorMeta] = []
+        self.offset = 0
+
+    def fits(self, nbytes: int) -> bool:
+        start = -(-self.offset // ALIGNMENT) * ALIGNMENT
+        return not self.metas or start + nbytes <= self.capacity
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        start = -(-self.offset // ALIGNMENT) * ALIGNMENT
+        if self.buf is None or self.buf.device != t.device:
+            self.buf = handles.empty_shared(self.capacity, t.device)
+        n = t.numel() * t.element_size()
+        if n:
+            self.buf[start:start + n].copy_(t.reshape(-1).view(torch.uint8))
+        self.metas.append(TensorMeta.of(name, t))
+        self.offset = start + n
+
+    def bucket(self) -> Bucket:
+        (bucket,) = plan_buckets(self.metas, max(self.capacity, 1), alignment=ALIGNMENT)
+        return bucket
+
+    def reset(self) -> None:
+        self.metas, self.offset = [], 0
+
+
+class SGLangAdapter(_verl_rollout_base.BaseRollout):
+    """verl's ``("sglang", "async")`` rollout. Without the opt-in, constructing it gives the
+    previous adapter (verl's ``ServerAdapter``); with it, see the module docstring."""
+
+    def __new__(cls, config: Any = None, model_config: Any = None, device_mesh: Any = None,
+                *args: Any, **kwargs: Any):
+        if not enabled(config):
+            fallback = _resolve(VERL_DEFAULT)
+            if fallback is cls:
+                raise RuntimeError(f"{VERL_DEFAULT} resolves to fsdp_sync's adapter itself")
+            return fallback(config, model_config, device_mesh, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, config: Any, model_config: Any, device_mesh: Any,
+                 replica_rank: int = -1, **kwargs: Any) -> None:
+        super().__init__(config, model_config, device_mesh)
+        opts = _options(self.config)
+        self.sync = sync_config(self.config)
+        self.base_url = opts.get("base_url")
+        self.api_key = opts.get("api_key")
+        self.metrics_file = opts.get("metrics_file")
+        self.last_stats: dict[str, Any] = {}
+        self._engine = None
+        self._server_actor = None
+        tp = int(self.config.tensor_model_parallel_size)
+        rollout_world = tp * int(self.config.data_parallel_size) * int(
+            self.config.pipeline_model_parallel_size)
+        rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
+        local_world = int(os.environ.get("RAY_LOCAL_WORLD_SIZE", rollout_world))
+        self.replica_rank = rank // rollout_world if replica_rank == -1 else replica_rank
+        self.rollout_rank = rank % rollout_world
+        self.node_rank = self.rollout_rank // local_world
+        self.sleep_level = 2
+        if getattr(self.config, "disaggregation", None) is not None and getattr(
+                self.config.disaggregation, "enabled", False):
+            raise NotImplementedError("fsdp_sync's verl adapter does not support prefill/decode "
+                                      "disaggregation; drop rollout.custom.fsdp_sync.enable")
+
+    # ------------------------------------------------------------------ topology
+    def _mesh(self):
+        if self.device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            infer_tp = int(self.config.tensor_model_parallel_size) * int(self.config.data_parallel_size)
+            infer_pp = int(self.config.pipeline_model_parallel_size)
+            dp = dist.get_world_size() // (infer_tp * infer_pp)
+            self.device_mesh = init_device_mesh("cpu", mesh_shape=(dp, infer_tp, infer_pp),
+                                                mesh_dim_names=["dp", "infer_tp", "infer_pp"])
+        return self.device_mesh["infer_tp"]
+
+    def _is_leader(self) -> bool:
+        return self._mesh().get_local_rank() == 0
+
+    async def _client(self):
+        """The SGLang client on infer-TP rank 0 (None elsewhere)."""
+        if self._engine is not None or not self._is_leader():
+            return self._engine
+        from ..engines.sglang import SGLangEngine
+
+        url = self.base_url
+        if not url:
+            import ray
+
+            self._server_actor = ray.get_actor(f"sglang_server_{self.replica_rank}_{self.node_rank}")
+            host, port = await self._server_actor.get_server_address.remote()
+            host = f"[{host}]" if ":" in str(host) else host
+            url = f"http://{host}:{port}"
+        # one payload per rank of verl's infer_tp mesh dim (tp x dp of the server), as verl sends
+        self._engine = SGLangEngine(base_url=url, api_key=self.api_key, tp_size=self._mesh().size())
+        return self._engine
+
+    # ------------------------------------------------------------------ memory
+    async def resume(self, tags: list[str]):
+        engine = await self._client()
+        if engine is not None and self.config.free_cache_engine:
+            engine.resume_memory_occupation(tags=list(tags))
+
+    async def release(self):
+        engine = await self._client()
+        if engine is not None and self.config.free_cache_engine:
+            engine.release_memory_occupation(tags=["kv_cache", "weights"])
+
+    # ------------------------------------------------------------------ the sync
+    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                             global_steps: int | None = None, wire_format: str = "named_tensors",
+                             **kwargs: Any):
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"fsdp_sync's verl adapter takes wire_format "
+                                      f"'named_tensors', got {wire_format!r}; drop "
+                                      f"rollout.custom.fsdp_sync.enable for verl's delta engine")
+        if kwargs.get("peft_config") and kwargs.get("base_sync_done", False):
+            raise NotImplementedError("fsdp_sync's verl adapter does not load LoRA adapters; set "
+                                      "actor_rollout_ref.model.lora.merge=true or drop "
+                                      "rollout.custom.fsdp_sync.enable")
+        engine = await self._client()
+        stats = self._sync(weights, engine)
+        if engine is not None:
+            engine.flush_cache()
+            if global_steps is not None and self._server_actor is not None:
+                await self._server_actor.set_global_steps.remote(global_steps)
+        stats["global_steps"] = global_steps
+        self.last_stats = stats
+        metrics = {f"fsdp_sync/{k}": v for k, v in stats.items()
+                   if k in ("sync_s", "bytes", "tensors", "buckets", "engine_calls", "gbps")}
+        if engine is not None:
+            log.info("fsdp_sync verl sync (step %s): %.3f s, %.1f MiB in %d tensors, %d buckets, "
+                     "%d engine calls (%s)", global_steps, stats["sync_s"], stats["bytes"] / 2**20,
+                     stats["tensors"], stats["buckets"], stats["engine_calls"], stats["strategy"])
+            if self.metrics_file:
+                with open(self.metrics_file, "a") as f:
+                    f.write(json.dumps(stats) + "\n")
+        return metrics
+
+    def _sync(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any) -> dict[str, Any]:
+        """Every rank of the infer-TP group runs this in step; rank 0 holds ``engine``."""
+        cfg = self.sync
+        tp_mesh = self._mesh()
+        group = tp_mesh.get_group()
+        tp_rank, tp_size = tp_mesh.get_local_rank(), tp_mesh.size()
+        src = int(tp_mesh.mesh.tolist()[0])
+        stats = {"strategy": cfg.strategy, "sync_s": 0.0, "bytes": 0, "tensors": 0, "buckets": 0,
+                 "engine_calls": 0, "bucket_bytes": cfg.bucket_bytes}
+        t0 = time.perf_counter()
+        err: str | None = None
+        if engine is not None:
+            try:
+                engine.begin_weight_update()
+            except Exception as exc:  # noqa: BLE001 - told to every rank below
+                err = f"begin_weight_update: {type(exc).__name__}: {exc}"
+        agree(err, group, what="fsdp_sync verl sync")
+        ok = False
+        try:
+            if cfg.strategy == "flattened":
+                self._sync_flattened(weights, engine, group, tp_rank, tp_size, src, stats)
+            else:
+                self._sync_per_tensor_handles(weights, engine, group, tp_rank, tp_size, src, stats)
+            ok = True
+        finally:
+            if engine is not None:
+                try:
+                    engine.end_weight_update()
+                except Exception as exc:  # noqa: BLE001
+                    if ok:
+                        err = f"end_weight_update: {type(exc).__name__}: {exc}"
+            if ok:
+                agree(err, group, what="fsdp_sync verl sync")
+        stats["sync_s"] = time.perf_counter() - t0
+        stats["gbps"] = stats["bytes"] / stats["sync_s"] / 1e9 if stats["sync_s"] else 0.0
+        return stats
+
+    def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if self.sync.dtype is not None and t.is_floating_point() and t.dtype != self.sync.dtype:
+            t = t.to(self.sync.dtype)
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"fsdp_sync cannot send {name!r}: dtype {t.dtype} is not supported")
+        return t.contiguous()
+
+    def _send(self, wire: Any, to_named, load_format: str | None, what: str, engine: Any,
+              group: Any, tp_size: int, src: int, stats: dict,
+              sets: list[handles.PayloadSet]) -> None:
+        """Gather ``wire`` to infer-TP rank 0, call the engine there, agree, free the handles."""
+        err = None
+        opened = True
+        try:
+            if tp_size == 1:
+                gathered = [wire]
+            else:
+                gathered = [None] * tp_size if engine is not None else None
+                dist.gather_object(wire, gathered, dst=src, group=group)
+            if engine is not None:
+                try:
+                    to_named(engine, gathered)
+                    stats["engine_calls"] += 1
+                except Exception as exc:  # noqa: BLE001 - told to every rank by agree
+                    opened = getattr(exc, "opened", None) is not False
+                    err = f"engine update of {what}: {type(exc).__name__}: {exc}"
+            agree(err, group, what="fsdp_sync verl sync")
+        except SyncError:
+            box = [opened]
+            if tp_size > 1:
+                dist.broadcast_object_list(box, src=src, group=group)
+            opened = bool(box[0])
+            raise
+        finally:
+            for s in sets:
+                s.release(require_ack=False, unopened=() if opened else list(s.ranks))
+
+    def _sync_flattened(self, weights, engine, group, tp_rank, tp_size, src, stats) -> None:
+        stream = _Stream(self.sync.bucket_bytes)
+
+        def flush(s: _Stream) -> None:
+            bucket = s.bucket()
+            obj = {"flattened_tensor": s.buf[:bucket.nbytes], "metadata": sglang_metadata(bucket)}
+            ps = handles.make_payloads(obj, tp_size, ranks=[tp_rank], tagged=False,
+                                       output_str=True)
+            del obj
+            stats["buckets"] += 1
+            stats["tensors"] += len(bucket.entries)
+            stats["bytes"] += bucket.payload_bytes
+
+            def call(eng, gathered):
+                eng.update_weights_from_tensor(gathered, load_format="flattened_bucket",
+                                               flush_cache=False)
+
+            self._send(ps.payloads[0], call, "flattened_bucket",
+                       f"bucket {stats['buckets'] - 1} ({bucket.names[0]}…)", engine, group,
+                       tp_size, src, stats, [ps])
+            s.reset()
+
+        big = _Stream(0)
+        try:
+            for name, t in weights:
+                t = self._prepare(name, t)
+                n = t.numel() * t.element_size()
+                if n > stream.capacity:          # its own bucket, its own buffer, one call
+                    if stream.metas:
+                        flush(stream)
+                    stream.buf = None            # the bucket buffer goes before the big one comes
+                    big = _Stream(-(-n // ALIGNMENT) * ALIGNMENT)
+                    big.add(name, t)
+                    del t
+                    flush(big)
+                    big.buf = None
+                    continue
+                if stream.metas and (not stream.fits(n) or stream.buf.device != t.device):
+                    flush(stream)
+                stream.add(name, t)
+                del t
+            if stream.metas:
+                flush(stream)
+        finally:
+            # freed here, not when the frames go: an exception's traceback (kept by asyncio, say)
+            # would otherwise hold the shared buffers until the process exits, and a segment
+            # still referenced then outlives it
+            stream.buf = big.buf = None
+
+    def _sync_per_tensor_handles(self, weights, engine, group, tp_rank, tp_size, src, stats) -> None:
+        """verl's own algorithm (``bucketed``): tensors grouped by bytes, one handle per tensor,
+        one engine call per group; ``per_tensor``: one tensor per call."""
+        limit = 1 if self.sync.strategy == "per_tensor" else self.sync.bucket_bytes
+        batch: list[tuple[str, torch.Tensor]] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal batch, size
+            # this rank's list of (name, tensor) for its own TP rank: SGLang's wire for
+            # load_format=None, element i of serialized_named_tensors for TP rank i
+            ps = handles.make_payloads(list(batch), tp_size, ranks=[tp_rank], tagged=False,
+                                       output_str=True)
+            stats["buckets"] += 1
+            stats["tensors"] += len(batch)
+            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in batch)
+            what = f"bucket {stats['buckets'] - 1} ({batch[0][0]}…)"
+            batch, size = [], 0
+
+            def call(eng, gathered):
+                eng._http_update("update_weights_from_tensor(load_format=None)", gathered, None,
+                                 False)
+
+            self._send(ps.payloads[0], call, "load_format=None", what, engine, group, tp_size,
+                       src, stats, [ps])
+
+        for name, t in weights:
+            t = self._prepare(name, t)
+            n = t.numel() * t.element_size()
+            if batch and size + n > limit:
+                flush()
+            batch.append((name, t))
+            size += n
+            del t
+        if batch:
+            flush()
+
+    # ------------------------------------------------------------------ serving
+    def generate_sequences(self, prompts):
+        raise NotImplementedError("verl's server mode generates through its agent loop, not the "
+                                  "rollout adapter")
+
+
+register()

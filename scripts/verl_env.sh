@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Build the environment of the verl tier (`make test-verl`): a venv of its own with the CPU build
+# of torch, verl pinned (no extras: verl's `cpu`/`fsdp`/`sglang` extras pin another torch), what
+# verl needs to import and compose its configs on CPU, and fsdp_sync itself installed editable, so
+# its `verl.plugins` entry point is what `import verl` finds. Nothing may replace the CPU torch:
+# every install runs under a constraint that pins it, and the script fails if a CUDA build or an
+# nvidia-* package shows up anyway.
+#
+#   VERL_VENV     the venv (default .venv-verl; `.venv-*/` is gitignored)
+#   VERL_VERSION  verl release from PyPI (default 0.9.1)
+#   TORCH_SPEC    the CPU torch (default torch==2.13.0, the wheel that lies on CPU machines)
+#   PYTHON        interpreter for the venv (default python3)
+#
+# Why the extra packages: verl's base requirements do not cover what its trainer, rollout and
+# config modules import on CPU (its `verl-core` extra lists them, together with packages that
+# need CUDA). TransferQueue, cachetools, fastapi, uvicorn, msgspec and pyzmq are the ones a CPU
+# import of verl.workers.* needs; pytest and pytest-timeout run the tier.
+set -euo pipefail
+
+VENV=${VERL_VENV:-.venv-verl}
+VERSION=${VERL_VERSION:-0.9.1}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+PYTHON=${PYTHON:-python3}
+STAMP="$VENV/.verl-tier-$VERSION"
+
+DEPS=(TransferQueue cachetools fastapi uvicorn msgspec pyzmq pytest pytest-timeout)
+
+start=$(date +%s)
+if [[ ! -f "$STAMP" ]]; then
+  [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+  PY=("$VENV/bin/python" -W ignore)
+  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  LOG="$VENV/verl-tier-install.log"
+  quiet_pip() {
+    "${PIP[@]}" "$@" >>"$LOG" 2>&1 || {
+      tail -50 "$LOG" >&2
+      echo "pip install $* failed (whole log: $LOG)" >&2
+      exit 1
+    }
+  }
+  "${PY[@]}" -c "import torch" 2>/dev/null || quiet_pip "$TORCH_SPEC"
+  PIN="$VENV/torch-pin.txt"
+  "${PY[@]}" - "$PIN" <<'PYEOF'
+import sys, torch
+if torch.version.cuda is not None:
+    sys.exit(f"refusing to go on: {torch.__version__} in this venv is a CUDA build")
+with open(sys.argv[1], "w") as f:
+    f.write(f"torch=={torch.__version__.split('+')[0]}\n")
+PYEOF
+  echo "installing verl==$VERSION (no extras) and ${#DEPS[@]} packages (log: $LOG)"
+  quiet_pip -c "$PIN" "verl==$VERSION" "${DEPS[@]}"
+  touch "$STAMP"
+fi
+
+# fsdp_sync itself, editable, every time (cheap): its entry points are read from its metadata.
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . >/dev/null
+
+"$VENV/bin/python" - <<'PYEOF'
+import importlib.metadata as md, sys, torch
+bad = sorted(d.metadata["Name"] for d in md.distributions()
+             if (d.metadata["Name"] or "").lower().startswith(("nvidia-", "cuda-")))
+if torch.version.cuda is not None or bad:
+    sys.exit(f"verl tier env is not CPU-only: torch {torch.__version__}, {bad}")
+import verl
+eps = [e.value for e in md.entry_points(group="verl.plugins")]
+if not any(v.startswith("fsdp_sync") for v in eps):
+    sys.exit(f"fsdp_sync's verl.plugins entry point is not installed (found {eps})")
+print(f"verl {verl.__version__} imports with torch {torch.__version__}; plug-ins {eps}")
+PYEOF
+echo "verl tier env ready in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1) on disk"

@@ -1,0 +1,121 @@
+"""What each trainer rank of the verl tier runs (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+import torch.distributed as dist
+
+
+def verl_generator(module):
+    """verl 0.9.1's ``FSDPEngine.get_per_tensor_param`` for an FSDP2 module without LoRA: the
+    state dict's DTensors, each ``full_tensor()``-ed lazily as the consumer asks (every rank must
+    iterate it: each step is an all-gather)."""
+    from torch.distributed.tensor import DTensor
+
+    params = module.state_dict()
+    return ((name, p.full_tensor() if isinstance(p, DTensor) else p) for name, p in params.items())
+
+
+def sync_ranks(rank: int, world: int, rollout_cfg: dict, strategies: list[str], batch_check: bool):
+    """Build verl's rollout adapter as its worker does, sync an FSDP2 tiny Qwen2 into the served
+    engine once per strategy (weights changed in between), and return per-sync stats and the
+    checksum of the full weights each sync sent."""
+    import verl  # noqa: F401  (loads the plug-in, as every verl worker does)
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.base import get_rollout_class
+
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.trainer import wrap_fsdp
+
+    torch.manual_seed(0)
+    model = wrap_fsdp(build_model(load_config("tiny"), seed=0), 2)
+    rollout_config: RolloutConfig = omega_conf_to_dataclass(OmegaConf.create(rollout_cfg))
+    # verl's ActorRolloutRefWorker.init_model, step 3.1-3.2
+    infer_tp = rollout_config.tensor_model_parallel_size * rollout_config.data_parallel_size
+    infer_pp = rollout_config.pipeline_model_parallel_size
+    dp = world // (infer_tp * infer_pp)
+    mesh = init_device_mesh("cpu", mesh_shape=(dp, infer_tp, infer_pp),
+                            mesh_dim_names=["dp", "infer_tp", "infer_pp"])
+    rollout_cls = get_rollout_class(rollout_config.name, rollout_config.mode)
+    out = {"class": f"{rollout_cls.__module__}.{rollout_cls.__qualname__}", "syncs": []}
+    for step, strategy in enumerate(strategies):
+        cfg = dict(rollout_cfg)
+        cfg["custom"] = {"fsdp_sync": dict(rollout_cfg["custom"]["fsdp_sync"], strategy=strategy)}
+        rollout = rollout_cls(config=omega_conf_to_dataclass(OmegaConf.create(cfg)),
+                              model_config=None, device_mesh=mesh)
+        out["adapter"] = type(rollout).__name__
+        with torch.no_grad():      # new weights every sync (same change on every rank)
+            for p in model.parameters():
+                p.mul_(1.0 + 0.25 * (step + 1))
+        full = [(n, t.clone()) for n, t in verl_generator(model)]
+        checksum = checksum_named_tensors(full) if rank == 0 else None
+
+        async def one_sync():   # verl's update_weights(mode="naive") order
+            await rollout.resume(tags=["weights"])
+            metrics = await rollout.update_weights(verl_generator(model), global_steps=step,
+                                                   peft_config=None, base_sync_done=True)
+            await asyncio.to_thread(dist.barrier)
+            await rollout.resume(tags=["kv_cache"])
+            return metrics
+
+        metrics = asyncio.run(one_sync())
+        mismatched = None
+        if rank == 0:   # read every weight back over HTTP (float32 survives JSON exactly)
+            from fsdp_sync.engines.sglang import SGLangEngine
+
+            fs = rollout_cfg["custom"]["fsdp_sync"]
+            client = SGLangEngine(base_url=fs["base_url"], api_key=fs.get("api_key"), tp_size=2)
+            mismatched = [n for n, t in full
+                          if not client.get_weights_by_name(n).view(torch.int32).equal(
+                              t.view(torch.int32))]
+        del full
+        out["syncs"].append({"strategy": strategy, "checksum": checksum, "metrics": metrics,
+                             "stats": rollout.last_stats, "mismatched": mismatched})
+        dist.barrier()
+    # a refused bucket (bf16 into a float32 engine) raises the same error on every rank
+    cfg = dict(rollout_cfg)
+    cfg["custom"] = {"fsdp_sync": dict(rollout_cfg["custom"]["fsdp_sync"], dtype="bfloat16")}
+    rollout = rollout_cls(config=omega_conf_to_dataclass(OmegaConf.create(cfg)), model_config=None,
+                          device_mesh=mesh)
+    try:
+        asyncio.run(rollout.update_weights(verl_generator(model), global_steps=99))
+        out["refused"] = None
+    except Exception as exc:  # noqa: BLE001 - returned to the test, which checks it
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    if batch_check:
+        out["dataproto"] = dataproto_roundtrip(rank, mesh, rollout_cfg)
+    return out
+
+
+def dataproto_roundtrip(rank: int, rollout_mesh, rollout_cfg: dict) -> dict:
+    """verl's DataProto through the manager's preprocess_data / postprocess_data on infer_tp."""
+    from verl import DataProto
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines.sglang import SGLangEngine
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.topology import make_mesh
+
+    mesh = make_mesh(1, dist.get_world_size())
+    engine = (SGLangEngine(base_url=rollout_cfg["custom"]["fsdp_sync"]["base_url"], tp_size=2,
+                           api_key=rollout_cfg["custom"]["fsdp_sync"].get("api_key"))
+              if rank == 0 else None)
+    mgr = FSDPShardingManager(torch.nn.Linear(2, 2), engine, mesh=mesh,
+                              config=SyncConfig(memory_probe="off"))
+    ids = torch.arange(6).reshape(3, 2) + 100 * rank
+    batch = DataProto.from_dict(tensors={"input_ids": ids},
+                                non_tensors={"uid": [f"r{rank}-{i}" for i in range(3)]},
+                                meta_info={"step": 7})
+    full = mgr.preprocess_data(batch)
+    back = mgr.postprocess_data(full)
+    return {"full_ids": full.batch["input_ids"].tolist(), "full_uid": list(full.non_tensor_batch["uid"]),
+            "back_equal": bool(back.batch["input_ids"].equal(ids))
+            and list(back.non_tensor_batch["uid"]) == [f"r{rank}-{i}" for i in range(3)],
+            "meta": back.meta_info}
