@@ -646,7 +646,12 @@ def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> 
         finally:
             conn.close()
         return
-    _send(conn, (0, "ok", {"pid": os.getpid(), "kv_cache_tokens": worker.kv_tokens}))
+    try:
+        _send(conn, (0, "ok", {"pid": os.getpid(), "kv_cache_tokens": worker.kv_tokens}))
+    except OSError:                     # the engine's process is gone: nobody to serve
+        worker.close()
+        conn.close()
+        return
     try:
         while True:
             if not conn.poll(1.0):
