@@ -1,4 +1,4 @@
-"""Rank body of the accelerate tests (run by `fsdp_sync.launch.run_ranks` on 2 CPU ranks).
+"""Rank body of the accelerate tests (run by `fsdp_sync.launch.run_ranks` on 2 or 4 CPU ranks).
 
 One launch prepares several models with accelerate (made to shard on CPU by the test-only
 `accelerate_cpu` helper), trains each a step, and checks on every rank that export and a full
@@ -67,7 +67,7 @@ def _prepare(case: dict):
     if case.get("hsdp"):
         from accelerate.parallelism_config import ParallelismConfig
 
-        pc = ParallelismConfig(dp_replicate_size=2, dp_shard_size=1)
+        pc = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)   # 4 ranks
     acc = Accelerator(cpu=True, fsdp_plugin=plugin, mixed_precision=case.get("mp", "no"))
     accelerate_cpu.force_fsdp(acc, plugin, pc)
     model = build_model(load_config(RECIPE), seed=0)
@@ -85,13 +85,15 @@ def _step(acc, model, opt, rank: int) -> float:
     return float(out.loss.detach())
 
 
-def accelerate_2rank(rank: int, world: int, cases: list[dict]) -> dict:
+def accelerate_ranks(rank: int, world: int, cases: list[dict]) -> dict:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 
     from fsdp_sync.engines import ReferenceEngine
 
-    mesh = make_mesh(dp=1, infer_tp=2)
-    engine = ReferenceEngine(model_config=RECIPE, tp_size=2) if rank == 0 else None
+    sync = any(not c.get("refusals_only") and not c.get("export_only") for c in cases)
+    mesh = make_mesh(dp=world // 2, infer_tp=2) if sync else None
+    engine = (ReferenceEngine(model_config=RECIPE, tp_size=2)
+              if sync and mesh["infer_tp"].get_local_rank() == 0 else None)
     out: dict[str, dict] = {}
     try:
         for case in cases:
@@ -132,11 +134,14 @@ def accelerate_2rank(rank: int, world: int, cases: list[dict]) -> dict:
                 bucketed += [(n, t.clone()) for n, t in bucket.unflatten(flat, b.entries)]
                 del flat
             p += _compare(bucketed, ref, "iter_buckets")
-            # the full sync: manager -> engine, then the engine's tensors against torch's
-            manager = FSDPShardingManager(model, engine, mesh=mesh, config=SyncConfig(bucket_bytes=BUCKET))
-            with manager:
-                if engine is not None:
-                    p += _compare(list(engine.named_full_tensors()), ref, "engine after sync")
+            if not case.get("export_only"):
+                # the full sync: manager -> engine, then the engine's tensors against torch's
+                manager = FSDPShardingManager(model, engine, mesh=mesh,
+                                              config=SyncConfig(bucket_bytes=BUCKET))
+                with manager:
+                    if engine is not None:
+                        p += _compare(list(engine.named_full_tensors()), ref, "engine after sync")
+                del manager
             res["loss_after"] = _step(acc, model, opt, rank)   # training goes on
             # what a user may hand over by mistake
             if case["version"] == 1:
@@ -150,7 +155,7 @@ def accelerate_2rank(rank: int, world: int, cases: list[dict]) -> dict:
             if err:
                 p.append(f"inner unit {type(unit).__name__}: {err}")
             out[case["name"]] = res
-            del manager, model, opt, acc
+            del model, opt, acc
     finally:
         if engine is not None:
             engine.shutdown()

@@ -1,5 +1,5 @@
 """accelerate-prepared FSDP1 and FSDP2 models (mixed precision, activation checkpointing, tied
-embeddings) on 2 CPU ranks: export and a full sync into a TP-2 ReferenceEngine are bit-exact
+embeddings) on 2 CPU ranks, and HSDP on 4: export and a full sync into a TP-2 ReferenceEngine are bit-exact
 against torch's ``get_model_state_dict(full_state_dict=True, cpu_offload=False)``; the modules a
 user may hand over by mistake (``unwrap_model`` of FSDP1, an inner unit) are refused with an error
 that says what to pass. accelerate is made to shard on CPU by the test-only `accelerate_cpu`."""
@@ -23,7 +23,20 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_accel_ranks.accelerate_2rank, 2, CASES, env=spawn_env(), timeout_s=200)
+    return run_ranks(_accel_ranks.accelerate_ranks, 2, CASES, env=spawn_env(), timeout_s=200)
+
+
+@pytest.mark.timeout(240)
+def test_accelerate_hsdp_export_bit_exact():
+    """HSDP (dp_replicate 2 x dp_shard 2: accelerate drops a size-1 dim, so 4 ranks): export of the
+    2-D-mesh DTensors, per tensor and bucketed, against torch's full state dict."""
+    case = {"name": "hsdp", "version": 2, "hsdp": True, "export_only": True}
+    for rank, res in enumerate(run_ranks(_accel_ranks.accelerate_ranks, 4, [case], env=spawn_env(),
+                                         timeout_s=200)):
+        r = res["hsdp"]
+        assert r["problems"] == [], f"rank {rank}: {r['problems']}"
+        assert r["placements"] == "(Replicate(), Shard(dim=0))", r["placements"]
+        assert r["loss_after"] < r["loss"]
 
 
 @pytest.mark.timeout(240)
