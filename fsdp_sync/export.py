@@ -51,6 +51,14 @@ A failure found before the first collective on any rank (a shard that contradict
 cast the rule forbids) is raised on every rank as `topology.SyncError` naming the failing rank, so
 no peer waits in a gather. Stopping a stream early must happen on every rank at the same item.
 
+Modules that are part of a larger FSDP tree are refused with an error that says what to pass,
+never exported as partial or wrong tensors: an inner FSDP1 unit or inner ``fully_shard`` module
+after the root's first forward (torch marks it non-root then), and a module holding parameters
+that an FSDP1 unit outside it has flattened (``accelerator.unwrap_model`` of an FSDP1 model: the
+module inside the root wrapper, whose own parameters are shards of the root's flat parameter).
+Before the first forward torch has not yet told inner units from the root, so an inner unit
+handed over then is exported as what it is: its own parameters, bit-exact, under its own names.
+
 Not here: planning (`bucket`), handles (`handles`), who sends payloads where (`topology`,
 transports), or moving FSDP parameters between devices (the manager's memory stages).
 """
@@ -179,12 +187,65 @@ def _skip(name: str, is_param: bool) -> bool:
     return not is_param and name.rsplit(".", 1)[-1] in NON_WEIGHT_BUFFERS
 
 
+_PASS_ROOT = ("pass the root: the model `accelerator.prepare` returned (for FSDP1 the "
+              "FullyShardedDataParallel wrapper, not `accelerator.unwrap_model` of it), or the "
+              "module you wrapped with FSDP / fully_shard last")
+
+
+def _fsdp_flattened(p: Any) -> bool:
+    """A parameter FSDP1 has folded into a flat parameter (its own ``_fsdp_flattened`` mark,
+    set on the FlatParameter and, with ``use_orig_params``, on each original parameter)."""
+    return bool(getattr(p, "_fsdp_flattened", False))
+
+
+def _foreign_error(module: nn.Module, names: list[str]) -> ValueError:
+    return ValueError(
+        f"cannot export {type(module).__name__} (rank {_rank()}): {names[:4]}"
+        f"{' ...' if len(names) > 4 else ''} are held by an FSDP1 unit outside this module, so "
+        f"what it holds are shards of a flat parameter, not the weights (this is what "
+        f"`accelerator.unwrap_model` returns for an FSDP1 model: the module inside the root "
+        f"FullyShardedDataParallel, without the root's flat parameter); {_PASS_ROOT}")
+
+
+def _check_root(module: nn.Module, units: list) -> None:
+    """Refuse a module that is part of a larger FSDP tree: an inner FSDP1 unit or an inner
+    ``fully_shard`` module once the root has run (``_is_root`` is False: torch set it at the
+    root's first forward), or a module whose FSDP1 units all answer to a root outside it."""
+    if units:
+        if module in units:
+            if module._is_root is False:
+                raise ValueError(f"cannot export an inner FSDP1 unit (rank {_rank()}): "
+                                 f"FullyShardedDataParallel around "
+                                 f"{type(module.module).__name__} holds only its own part of "
+                                 f"the model; {_PASS_ROOT}")
+        elif all(u._is_root is False for u in units):
+            raise ValueError(f"cannot export {type(module).__name__} (rank {_rank()}): its FSDP1 "
+                             f"units answer to a root FullyShardedDataParallel outside it, which "
+                             f"holds the rest of the weights (e.g. `accelerator.unwrap_model` of "
+                             f"an FSDP1 model); {_PASS_ROOT}")
+        return
+    state = getattr(module, "_get_fsdp_state", None)
+    if callable(state):
+        try:
+            is_root = state()._is_root
+        except (AssertionError, AttributeError, RuntimeError):
+            return
+        if is_root is False:
+            raise ValueError(f"cannot export an inner fully_shard module (rank {_rank()}): "
+                             f"{type(module).__name__} holds only its own part of the model; "
+                             f"{_PASS_ROOT}")
+
+
 def _state_dict_items(module: nn.Module) -> list[_Item]:
     """Plain modules and FSDP2 (or any DTensor) modules: ``state_dict(keep_vars=True)``, which
     moves no data, keeps Parameter identity (tied weights are one object) and state-dict order."""
     items: list[_Item] = []
     seen: dict[int, str] = {}
-    for key, value in module.state_dict(keep_vars=True).items():
+    sd = module.state_dict(keep_vars=True)
+    foreign = [hf_name(k) for k, v in sd.items() if isinstance(v, nn.Parameter) and _fsdp_flattened(v)]
+    if foreign:
+        raise _foreign_error(module, foreign)
+    for key, value in sd.items():
         if not isinstance(value, torch.Tensor):
             continue  # _extra_state and the like
         name = hf_name(key)
@@ -232,11 +293,17 @@ def _fsdp1_layout(module: nn.Module, units: list) -> list[_Item]:
         for shared in fp._shared_param_infos:   # tied aliases: exported under the primary name
             covered.add((id(shared.module), shared.param_name))
     seen: set[int] = set()
+    own_flat = {id(u._handle.flat_param) for u in units if u._handle is not None}
+    foreign: list[str] = []
     for m in module.modules():
         prefix = mod_names[id(m)]
         for pname, p in m._parameters.items():  # parameters FSDP does not manage (ignored modules)
-            if (p is None or isinstance(p, FlatParameter) or (id(m), pname) in covered
-                    or id(p) in seen):
+            if p is None or (id(m), pname) in covered or id(p) in own_flat:
+                continue
+            if isinstance(p, FlatParameter) or _fsdp_flattened(p):   # a unit outside `module`
+                foreign.append(_join(prefix, pname))
+                continue
+            if id(p) in seen:
                 continue
             seen.add(id(p))
             item = _Item(_join(prefix, pname), tuple(p.shape), p.dtype, True, full=p.detach())
@@ -252,12 +319,15 @@ def _fsdp1_layout(module: nn.Module, units: list) -> list[_Item]:
             keyed.append(((mod_order[id(m)], 1, seq), _Item(name, tuple(b.shape), b.dtype, False,
                                                              full=b.detach())))
             seq += 1
+    if foreign:
+        raise _foreign_error(module, foreign)
     keyed.sort(key=lambda kv: kv[0])
     return [item for _, item in keyed]
 
 
 def _layout(module: nn.Module) -> list[_Item]:
     units = _fsdp1_units(module)
+    _check_root(module, units)
     return _fsdp1_layout(module, units) if units else _state_dict_items(module)
 
 
@@ -480,8 +550,10 @@ def _resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None
     try:
         if units:
             group = units[0].process_group
+            _check_root(module, units)
             items = _fsdp1_items(module, units, fsdp1_state_dict)
         else:
+            _check_root(module, units)
             items = _state_dict_items(module)
             meshes: dict = {}
             for it in items:

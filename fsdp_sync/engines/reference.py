@@ -1,8 +1,9 @@
 """`ReferenceEngine`: a small tensor-parallel rollout engine that speaks SGLang's ``Engine`` API.
 
 It exists so the whole sync can be run and checked without a GPU or SGLang: one worker process
-per TP rank (spawn context, as SGLang starts its schedulers), each holding only its shard of a
-Llama/Qwen2 decoder (`tp_model`) and a preallocated KV cache, driven over `multiprocessing` Pipes.
+per TP rank (a fresh interpreter started by `procs`, which works without a main guard, in a
+notebook, under torchrun / ``accelerate launch`` and in a Ray actor), each holding only its shard of a
+Llama/Qwen2 decoder (`tp_model`) and a preallocated KV cache, driven over `multiprocessing` connections.
 The engine object lives in the caller's process (the trainer's infer-TP rank 0); the workers are
 its children.
 
@@ -41,6 +42,7 @@ import itertools
 import math
 import pickle
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -48,9 +50,9 @@ from multiprocessing import connection as mp_connection
 from typing import Any, Iterator, Sequence
 
 import torch
-import torch.multiprocessing as mp
 
 from .. import handles
+from . import procs
 from ..bucket import TensorMeta, flatten, plan_buckets, sglang_metadata
 from ..launch import free_port
 from ..layout import ModelSpec, TPLayout, shard_state_dict
@@ -187,18 +189,24 @@ class ReferenceEngine:
 
         self._w = _Workers()
         self._finalizer = weakref.finalize(self, self._w.stop)
-        ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}" if self.tp_size > 1 else None
         try:
             for rank in range(self.tp_size):
-                parent, child = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=worker_mod.main, name=f"fsdp_sync-engine-tp{rank}",
-                                args=(rank, self.tp_size, init_method, child, opts), daemon=True)
-                p.start()
-                child.close()
+                # a fresh interpreter without the launcher's env, not multiprocessing's spawn:
+                # see `procs` (unguarded scripts, notebooks, torchrun, Ray actors)
+                p, parent = procs.start(f"{worker_mod.__name__}:serve",
+                                        (rank, self.tp_size, init_method, opts),
+                                        name=f"fsdp_sync-engine-tp{rank}")
                 self._w.procs.append(p)
                 self._w.conns.append(parent)
-            ready = self._collect(0, range(self.tp_size), "engine startup", startup_timeout_s)
+            try:
+                ready = self._collect(0, range(self.tp_size), "engine startup", startup_timeout_s)
+            except WorkerDiedError as exc:
+                raise WorkerDiedError(f"{exc}. The worker's own error, if it printed one, is on "
+                                      f"this process's stderr above; a worker runs "
+                                      f"`{sys.executable} -c ...` with this process's sys.path "
+                                      f"and must be able to import fsdp_sync and torch",
+                                      rank=exc.rank, exitcode=exc.exitcode) from None
             errs = {r: rep for r, rep in ready.items() if rep[0] != "ok"}
             if errs:
                 r = min(errs)

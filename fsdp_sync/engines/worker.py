@@ -1,6 +1,6 @@
 """A reference-engine worker: one process per TP rank, driven over a Pipe by `ReferenceEngine`.
 
-`main` is the process entry point (spawn context). It sets up the process (threads; glibc's mmap
+`serve` is the process entry point (started by `procs.start` in a fresh interpreter). It sets up the process (threads; glibc's mmap
 threshold pinned so freed weights and KV cache go back to the OS), joins the TP process group
 (gloo on CPU, NCCL on CUDA, with a timeout), builds its `TPModel` shard with deterministic random
 weights and a KV cache, then answers requests one at a time: ``("cmd", args)`` in, ``("ok", result)``
@@ -44,7 +44,7 @@ from ..bucket import dtype_name, entries_from_metadata, unflatten
 from ..layout import TPLayout
 from .tp_model import Span, TPModel
 
-__all__ = ["main"]
+__all__ = ["main", "serve"]
 
 KIND_UPDATE, KIND_STATE, KIND_OTHER = "update", "state", "other"
 
@@ -746,7 +746,12 @@ def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> 
         finally:
             conn.close()
         return
-    _send(conn, (0, "ok", {"pid": os.getpid(), "kv_cache_tokens": worker.kv_tokens}))
+    try:
+        _send(conn, (0, "ok", {"pid": os.getpid(), "kv_cache_tokens": worker.kv_tokens}))
+    except OSError:                     # the engine's process is gone: nobody to serve
+        worker.close()
+        conn.close()
+        return
     try:
         while True:
             if not conn.poll(1.0):
@@ -781,3 +786,8 @@ def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> 
         finally:
             conn.close()
             sys.stdout.flush()
+
+
+def serve(conn: Any, rank: int, tp: int, init_method: str | None, opts: dict) -> None:
+    """`procs.start`'s entry point: ``main`` with the connection first."""
+    main(rank, tp, init_method, conn, opts)

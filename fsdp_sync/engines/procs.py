@@ -1,0 +1,162 @@
+"""Start engine worker processes as fresh interpreters, whatever started the caller.
+
+`start(target, args, name)` runs ``target(conn, *args)`` (``target`` = ``"module:function"``) in a
+new ``sys.executable`` process and returns a `WorkerProcess` (``pid``, ``sentinel``, ``exitcode``,
+``is_alive``, ``join``, ``terminate``, ``kill``, ``close``: the subset of
+``multiprocessing.Process`` the engines use) and the parent's end of a duplex
+``multiprocessing.connection.Connection``.
+
+Why not ``multiprocessing``'s spawn context: it re-imports the caller's ``__main__`` in every child,
+so a script without an ``if __name__ == "__main__":`` guard runs its top level again in the worker
+(which then tries to start an engine of its own and dies), a Ray worker's ``__main__`` is Ray's
+own, and a daemonic process may not have children at all. Here the child imports only
+``target``'s module, with the caller's ``sys.path``; nothing of ``__main__`` is needed, so engines
+start the same from a guarded script, an unguarded one, ``python -c``, a REPL, a notebook, a
+daemonic process or a Ray actor.
+
+The child's environment is the caller's minus what a launcher set for the *trainer's* process
+group (`launcher_env_names`): torchrun and ``accelerate launch`` export ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT`` and ``TORCHELASTIC_USE_AGENT_STORE=True``; a worker that inherits
+the last one joins its own process group as a client of a store nobody serves and times out.
+Device selection (``CUDA_VISIBLE_DEVICES``) and everything else is kept.
+
+Not here: what a worker does (`worker`), or talking to it (`reference`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Any, Mapping
+
+__all__ = ["WorkerProcess", "start", "worker_env", "launcher_env_names", "LAUNCHER_ENV",
+           "LAUNCHER_ENV_PREFIXES"]
+
+LAUNCHER_ENV = (
+    # torchrun / torch.distributed.elastic, per rank
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    # MPI-style launchers accelerate reads on CPU
+    "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_RANK",
+    "MV2_COMM_WORLD_SIZE",
+    # accelerate launch --cpu pins each rank's OpenMP threads; the workers pick their own
+    "KMP_AFFINITY", "KMP_BLOCKTIME",
+)
+"""Variables a launcher sets for the trainer ranks that must not reach an engine worker."""
+
+LAUNCHER_ENV_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_")
+
+# The child's first lines: take the parent's sys.path, then import and call the target. Only
+# builtins are unpickled before sys.path is set.
+_BOOT = """\
+import os, pickle, sys
+from multiprocessing.connection import Connection
+_, name, conn_fd, sentinel_fd = sys.argv
+os.set_inheritable(int(sentinel_fd), False)
+conn = Connection(int(conn_fd))
+path, target, blob = pickle.loads(conn.recv_bytes())
+sys.path[:] = path
+import importlib
+module, _, fn = target.partition(":")
+getattr(importlib.import_module(module), fn)(conn, *pickle.loads(blob))
+"""
+
+
+def launcher_env_names(env: Mapping[str, str]) -> list[str]:
+    """The names in ``env`` that `worker_env` drops."""
+    return sorted(k for k in env if k in LAUNCHER_ENV or k.startswith(LAUNCHER_ENV_PREFIXES))
+
+
+def worker_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) without the launcher's process-group variables."""
+    env = dict(os.environ if env is None else env)
+    for k in launcher_env_names(env):
+        del env[k]
+    return env
+
+
+class WorkerProcess:
+    """A started worker: ``multiprocessing.Process``'s lifecycle methods over ``subprocess.Popen``.
+
+    ``sentinel`` is the read end of a pipe whose only write end the child holds: it becomes
+    readable (EOF) when the child exits, so it can be waited on with the worker's connection."""
+
+    def __init__(self, popen: subprocess.Popen, sentinel: int, name: str):
+        self._popen, self.sentinel, self.name = popen, sentinel, name
+        self.pid = popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while running; the exit status, or -N when killed by signal N."""
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self._popen.poll() is None:
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self._popen.poll() is None:
+            self._popen.kill()
+
+    def close(self) -> None:
+        """Release the sentinel fd (the process must have exited)."""
+        if self._popen.poll() is None:
+            raise ValueError(f"{self.name} (pid {self.pid}) is still running")
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
+def start(target: str, args: tuple, name: str,
+          env: Mapping[str, str] | None = None) -> tuple[WorkerProcess, Connection]:
+    """Run ``target(conn, *args)`` in a fresh interpreter (see the module docstring).
+
+    ``args`` are pickled here and unpickled in the child after it has taken this process's
+    ``sys.path``, so they may hold anything importable from there. ``env`` defaults to
+    `worker_env()`. Raises `RuntimeError` saying what to change when no interpreter can be started.
+    """
+    exe = sys.executable
+    if not exe or not os.path.exists(exe):
+        raise RuntimeError(f"cannot start engine worker {name}: this interpreter has no usable "
+                           f"sys.executable ({exe!r}; an embedded Python?). Set sys.executable "
+                           f"to a python that can import fsdp_sync and torch")
+    blob = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
+    import socket
+
+    parent_sock, child_sock = socket.socketpair()
+    sent_r, sent_w = os.pipe()
+    try:
+        popen = subprocess.Popen(
+            [exe, "-c", _BOOT, name, str(child_sock.fileno()), str(sent_w)],
+            pass_fds=(child_sock.fileno(), sent_w), env=worker_env(env),
+            stdin=subprocess.DEVNULL, close_fds=True)
+    except BaseException:
+        for fd in (sent_r, sent_w):
+            os.close(fd)
+        parent_sock.close()
+        child_sock.close()
+        raise
+    os.close(sent_w)
+    child_sock.close()
+    conn = Connection(parent_sock.detach())
+    proc = WorkerProcess(popen, sent_r, name)
+    try:
+        conn.send_bytes(pickle.dumps((list(sys.path), target, blob),
+                                     protocol=pickle.HIGHEST_PROTOCOL))
+    except OSError:
+        pass   # the child died at once: the caller sees it through the sentinel and exit code
+    return proc, conn

@@ -1,0 +1,100 @@
+"""Engines and the examples started the ways users start them: a script without a main guard
+(under a launcher's environment), torchrun, and ``accelerate launch --config_file``. Each runs as
+a real command in its own process tree, with a time limit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fsdp_sync.engines import procs
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+# what torchrun / accelerate launch put in each rank's environment
+LAUNCHER = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "RANK": "0",
+            "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "ACCELERATE_USE_FSDP": "true",
+            "ACCELERATE_MIXED_PRECISION": "no", "KMP_AFFINITY": "granularity=fine,compact,1,0"}
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _run(cmd: list[str], *, env: dict, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    # a new session, so a timeout can end the whole tree (launcher, ranks, engine workers)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout}s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def test_worker_env_drops_the_launchers_process_group():
+    env = {**LAUNCHER, "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1,0", "FSDP_SYNC_RECIPES": "/r",
+           "OMP_NUM_THREADS": "1"}
+    assert procs.worker_env(env) == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1,0",
+                                     "FSDP_SYNC_RECIPES": "/r", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.timeout(120)
+def test_engine_from_a_script_without_main_guard_under_a_launchers_env(tmp_path):
+    """multiprocessing's spawn would re-run this top level in each worker (it died at startup);
+    TORCHELASTIC_USE_AGENT_STORE in a worker made its process group wait for a store nobody serves."""
+    script = tmp_path / "rollout.py"
+    script.write_text(textwrap.dedent("""\
+        from fsdp_sync.engines import ReferenceEngine
+        from fsdp_sync.engines.procs import launcher_env_names
+
+        engine = ReferenceEngine(model_config="tiny", tp_size=2, pg_timeout_s=30)
+        print("tokens", engine.generate(input_ids=[[1, 2, 3]], max_new_tokens=4))
+        for pid in engine.worker_pids:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split("=", 1) for kv in f.read().decode().split("\\0") if "=" in kv)
+            print("worker launcher env", launcher_env_names(env))
+        engine.shutdown()
+        print("done")
+        """))
+    r = _run([sys.executable, str(script)], env=_env(LAUNCHER), timeout=100, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:]
+    lines = r.stdout.splitlines()
+    assert sum(1 for line in lines if line.startswith("tokens [[")) == 1, r.stdout[-2000:]
+    assert lines.count("worker launcher env []") == 2, r.stdout[-2000:]
+    assert lines[-1] == "done"
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_example():
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              str(EXAMPLES / "torchrun_rollout.py"), "--steps", "2"], env=_env(), timeout=130)
+    assert r.returncode == 0, r.stdout[-4000:]
+    steps = [line for line in r.stdout.splitlines() if "engine == trainer" in line]
+    assert [s.split(":")[0] for s in steps] == ["step 0", "step 1"], r.stdout[-4000:]
+
+
+@pytest.mark.timeout(150)
+def test_accelerate_launch_example():
+    pytest.importorskip("accelerate", reason="the `accelerate` extra (pip install -e '.[accelerate]')")
+    r = _run([sys.executable, "-m", "accelerate.commands.launch",
+              "--config_file", str(EXAMPLES / "accelerate_fsdp2.yaml"),
+              str(ROOT / "tests" / "accelerate_cpu_run.py"),      # test-only: shard on CPU
+              str(EXAMPLES / "accelerate_rollout.py"), "--steps", "2"], env=_env(), timeout=130)
+    assert r.returncode == 0, r.stdout[-4000:]
+    steps = [line for line in r.stdout.splitlines() if "engine == trainer" in line]
+    assert [s.split(":")[0] for s in steps] == ["step 0", "step 1"], r.stdout[-4000:]
+    assert all("(FSDPQwen2ForCausalLM)" in s for s in steps), steps    # really FSDP2
