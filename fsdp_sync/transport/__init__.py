@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-__all__ = ["Transport", "SyncContext", "SyncStats", "METHODS"]
+__all__ = ["Transport", "SyncContext", "SyncStats", "METHODS", "make_transport"]
 
 METHODS = ("tensor", "distributed", "disk")
 
@@ -67,3 +67,18 @@ class Transport(Protocol):
     def sync(self, ctx: SyncContext) -> None: ...
 
     def close(self) -> None: ...
+
+
+def make_transport(config: Any) -> Transport:
+    """The transport of ``config.method`` (a `SyncConfig`); disk is imported only when asked for."""
+    method = getattr(config, "method", "tensor")
+    if method == "tensor":
+        from .tensor import TensorTransport
+        return TensorTransport(config)
+    if method == "distributed":
+        from .distributed import DistributedTransport
+        return DistributedTransport(config)
+    if method == "disk":
+        from .disk import DiskTransport
+        return DiskTransport(config)
+    raise ValueError(f"unknown update method {method!r}; expected one of {METHODS}")
