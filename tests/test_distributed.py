@@ -53,10 +53,9 @@ def _engine(cfg, tp, dtype, **kw):
     return ReferenceEngine(model_config=cfg, tp_size=tp, dtype=dtype, kv_cache_tokens=64, **kw)
 
 
-def _trainer_checksum(module, dtype):
+def _exported(module, dtype) -> dict:
     from fsdp_sync import export
-    from fsdp_sync.engines.base import checksum_named_tensors
-    return checksum_named_tensors((n, t.clone()) for n, t in export.iter_params(module, dtype=dtype))
+    return {n: t.clone() for n, t in export.iter_params(module, dtype=dtype)}
 
 
 def _sync_matrix(rank, world, cases):
@@ -81,23 +80,25 @@ def _sync_matrix(rank, world, cases):
         manager = FSDPShardingManager(module, engines, config=conf)
         recs = []
         try:
-            prev = None
+            prev = prev_mine = None
             for step in range(case.get("steps", 2)):
                 if step:
                     train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
                 with manager:
                     pass
-                mine = _trainer_checksum(module, dtype)
-                rec = {"trainer": mine, "bytes": manager.stats.bytes, "buckets": manager.stats.buckets,
+                from fsdp_sync.engines.base import checksum_named_tensors
+                exp = _exported(module, dtype)
+                rec = {"trainer": checksum_named_tensors(exp.items()), "bytes": manager.stats.bytes, "buckets": manager.stats.buckets,
                        "stages": [s.name for s in manager.timeline.stages]}
                 if rank == 0:
                     rec["engines"] = [e.weights_checksum() for e in engines]
-                    # every tensor training changed changed in the engine (and was not pushed as-is)
+                    # exactly the tensors training changed (in the rollout dtype) changed in the engine
                     names = engines[0].hf_names()
                     now = {n: engines[0].get_weights_by_name(n) for n in names}
                     if prev is not None:
-                        rec["unchanged"] = [n for n in names if torch.equal(prev[n], now[n])]
-                    prev = now
+                        rec["engine_changed"] = [n for n in names if not torch.equal(prev[n], now[n])]
+                        rec["trainer_changed"] = [n for n in names if not torch.equal(prev_mine[n], exp[n])]
+                    prev, prev_mine = now, exp
                 recs.append(rec)
         finally:
             manager.close()
@@ -126,7 +127,207 @@ def test_distributed_bit_exact_matrix():
             # engine-memory stages are skipped for a disaggregated method: they record nothing
             assert "sync_weights" in rec["stages"]
             if i:
-                assert rec["unchanged"] == [], (case, rec["unchanged"])
+                assert len(rec["trainer_changed"]) > len(rec["engine_changed"]) // 2 > 0
+                assert rec["engine_changed"] == rec["trainer_changed"], case
     for r in range(1, len(results)):   # every rank exported the same weights
         for a, b in zip(results[0], results[r]):
             assert [s["trainer"] for s in a["steps"]] == [s["trainer"] for s in b["steps"]]
+
+
+# --------------------------------------------------------------------------- refusals and leaks
+
+class _Shim:
+    """Forwards to an engine, bending one thing so the engine refuses the update."""
+
+    def __init__(self, engine, fault: str) -> None:
+        self._e, self.fault, self.tp_size = engine, fault, engine.tp_size
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
+
+    def begin_weight_update(self):
+        if self.fault != "no_open_update":
+            self._e.begin_weight_update()
+
+    def end_weight_update(self, abort: bool = False):
+        if self.fault != "no_open_update":
+            self._e.end_weight_update(abort=abort)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, flush_cache, load_format):
+        names, dtypes, shapes = list(names), list(dtypes), list(shapes)
+        if self.fault == "unknown_group":
+            group_name = "no_such_group"
+        elif self.fault == "bad_dtype":
+            dtypes = ["torch." + d for d in dtypes]
+        elif self.fault == "bad_layout":       # a bf16[3] first: every later offset is misaligned
+            names, dtypes, shapes = ["x"] + names, ["bfloat16"] + dtypes, [[3]] + shapes
+        return self._e.update_weights_from_distributed(names, dtypes, shapes, group_name=group_name,
+                                                       flush_cache=flush_cache, load_format=load_format)
+
+
+FAULTS = ["no_open_update", "unknown_group", "bad_dtype", "bad_layout"]
+
+
+def _resources() -> dict:
+    import threading
+
+    import psutil
+
+    from _util import num_fds, shm_segments
+    me = psutil.Process()
+    return {"fds": num_fds(), "threads": threading.active_count(),
+            "children": len(me.children(recursive=True)), "shm": len(shm_segments())}
+
+
+def _refusals_and_soak(rank, world, n_soak):
+    import torch.distributed as dist
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.trainer import synthetic_batch, train_step, wrap_fsdp
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny")
+    module = wrap_fsdp(build_model(cfg, seed=0), 2)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-1)
+    engine = _engine(cfg, 2, torch.float32) if rank == 0 else None
+    conf = SyncConfig(method="distributed", dtype=torch.float32, bucket_bytes=96 << 10, dist_timeout_s=60)
+    out = {"refusals": {}}
+    try:
+        first = FSDPShardingManager(module, engine, config=conf)
+        with first:
+            pass
+        first.close()
+        good = engine.weights_checksum() if rank == 0 else None
+        for i, fault in enumerate(FAULTS):
+            train_step(module, opt, synthetic_batch(cfg.vocab_size, step=i, rank=rank))
+            manager = FSDPShardingManager(module, _Shim(engine, fault) if rank == 0 else None, config=conf)
+            t0 = time.monotonic()
+            try:
+                with manager:
+                    pass
+                err = None
+            except SyncError as exc:
+                err = str(exc)
+            rec = {"error": err, "seconds": time.monotonic() - t0}
+            if rank == 0:
+                rec["serves_old"] = engine.weights_checksum() == good
+                rec["generates"] = len(engine.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2
+            manager.close()
+            out["refusals"][fault] = rec
+        # the same engine takes the next sync from a new manager, bit exact
+        manager = FSDPShardingManager(module, engine, config=conf)
+        with manager:
+            pass
+        mine = _exported(module, torch.float32)
+        from fsdp_sync.engines.base import checksum_named_tensors
+        out["after"] = (checksum_named_tensors(mine.items()),
+                        engine.weights_checksum() if rank == 0 else None)
+        # soak: resources after a few syncs, then after n_soak more
+        for _ in range(3):
+            with manager:
+                pass
+        before = _resources()
+        for _ in range(n_soak):
+            with manager:
+                pass
+        out["resources"] = (before, _resources())
+        manager.close()
+        dist.barrier()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_distributed_refusals_raise_everywhere_and_soak():
+    results = run_ranks(_refusals_and_soak, 2, 50, timeout_s=230, env=spawn_env())
+    for rank, res in enumerate(results):
+        for fault, rec in res["refusals"].items():
+            assert rec["error"] is not None, (rank, fault)
+            assert rec["seconds"] < 10, (rank, fault, rec)
+            if rank == 0:
+                assert rec["serves_old"] and rec["generates"], (fault, rec)
+        msgs = res["refusals"]
+        assert "begin_weight_update" in msgs["no_open_update"]["error"]
+        assert "no_such_group" in msgs["unknown_group"]["error"]
+        assert "torch.float32" in msgs["bad_dtype"]["error"]
+        assert "multiple of its dtype size" in msgs["bad_layout"]["error"]
+        before, after = res["resources"]
+        assert after == before, (rank, before, after)
+    assert results[0]["after"][0] == results[0]["after"][1] == results[1]["after"][0]
+
+
+# --------------------------------------------------------------------------- trainer rank 0 killed
+
+def _killed_trainer(rank, world, address, authkey, seed, die, report):
+    import json
+
+    import torch.distributed as dist
+
+    from _remote import RemoteEngine
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.transport import distributed as dist_mod
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny")
+    module = wrap_fsdp(build_model(cfg, seed=seed), 2)
+    engine = RemoteEngine(address, authkey) if rank == 0 else None
+    conf = SyncConfig(method="distributed", dtype=torch.float32, bucket_bytes=32 << 10, dist_timeout_s=60)
+    manager = FSDPShardingManager(module, engine, config=conf)
+    if die and rank == 0:
+        launch = dist_mod.DistributedTransport._launch
+
+        def dying(self, engines, bkt, flat, what):
+            p = launch(self, engines, bkt, flat, what)
+            if what.startswith("bucket 2 "):
+                time.sleep(0.2)
+                os._exit(3)       # mid-sync: buckets 0-1 sent, bucket 2 on the wire
+            return p
+
+        dist_mod.DistributedTransport._launch = dying
+    with manager:
+        pass
+    mine = checksum_named_tensors(_exported(module, torch.float32).items())
+    if rank == 0:
+        with open(report, "w") as f:
+            json.dump({"trainer": mine}, f)
+    manager.close()
+    dist.barrier()
+    return mine
+
+
+@pytest.mark.timeout(180)
+def test_trainer_rank0_killed_mid_broadcast(tmp_path):
+    from _remote import EngineServer
+
+    from fsdp_sync.launch import RankError
+    from fsdp_sync.models import load_config
+
+    engine = _engine(load_config("tiny"), 2, torch.float32, update_recv_timeout_s=5.0)
+    server = EngineServer(engine)
+    try:
+        first = run_ranks(_killed_trainer, 2, server.address, server.authkey, 0, False,
+                          str(tmp_path / "a.json"), timeout_s=120, env=spawn_env())
+        assert engine.weights_checksum() == first[0]
+        with pytest.raises(RankError, match="rank 0"):
+            run_ranks(_killed_trainer, 2, server.address, server.authkey, 1, True,
+                      str(tmp_path / "b.json"), timeout_s=120, pg_timeout_s=20, env=spawn_env())
+        assert not (tmp_path / "b.json").exists()
+        # the dying trainer's receive times out in the engine (5 s); the old weights serve
+        assert engine.weights_checksum() == first[0]
+        assert len(engine.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2
+        again = run_ranks(_killed_trainer, 2, server.address, server.authkey, 2, False,
+                          str(tmp_path / "c.json"), timeout_s=120, env=spawn_env())
+        assert again[0] != first[0]
+        assert engine.weights_checksum() == again[0]
+    finally:
+        server.close()
+        engine.shutdown()

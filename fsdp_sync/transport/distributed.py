@@ -122,6 +122,9 @@ class DistributedTransport:
                                   timeout_s=cfg.dist_timeout_s)
         except Exception as exc:
             errs = [f.exception() for f in futures if f.done() and f.exception() is not None]
+            if "already been created" in str(exc):
+                errs.append(f"a group named {cfg.dist_group_name!r} exists in this process already: "
+                            f"close() the manager that made it, or give this one another dist_group_name")
             raise RuntimeError(f"making the weight-update group {cfg.dist_group_name!r} at "
                                f"{address}:{port} (world size {world}, engines' TP sizes {tps}) "
                                f"failed: {exc}" + (f"; an engine said: {errs[0]}" if errs else "")) from exc
@@ -137,25 +140,28 @@ class DistributedTransport:
                  cfg.dist_group_name, address, port, world, tps, backend)
 
     def _drop_group(self, engines: list) -> None:
-        """Tear the group down on both ends (ours aborted first: a pending broadcast must not
-        block the destroy). Errors are logged: a dead engine cannot answer."""
-        if self.pg is not None:
+        """Tear the group down on both ends: the engines first (their workers close their
+        connections, which ends a broadcast of ours still pending: gloo's destructor would wait
+        for it), then ours. Errors are logged: a dead engine cannot answer."""
+        if self.pg is None:
+            self.engines = []
+            return
+        try:
+            self.pg.abort()
+        except Exception:  # noqa: BLE001 - destroying it is what matters
+            pass
+        for engine in self.engines or engines:
             try:
-                self.pg.abort()
-            except Exception:  # noqa: BLE001 - destroying it is what matters
-                pass
-            try:
-                destroy_update_group(self.pg)
+                _check_answer(engine.destroy_weights_update_group(self.config.dist_group_name),
+                              "destroy_weights_update_group")
             except Exception as exc:  # noqa: BLE001
-                log.warning("fsdp_sync: destroying the weight-update group: %s", exc)
-            self.pg = None
-            for engine in self.engines or engines:
-                try:
-                    _check_answer(engine.destroy_weights_update_group(self.config.dist_group_name),
-                                  "destroy_weights_update_group")
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("fsdp_sync: an engine's destroy_weights_update_group: %s", exc)
-        self.engines = []
+                log.warning("fsdp_sync: an engine's destroy_weights_update_group: %s", exc)
+        pg, self.pg, self.engines = self.pg, None, []
+        try:
+            destroy_update_group(pg)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("fsdp_sync: destroying the weight-update group: %s", exc)
+        del pg
 
     def _executor(self, n: int) -> cf.ThreadPoolExecutor:
         if self._pool is None or self._pool._max_workers < n:   # noqa: SLF001 - grow only
@@ -191,7 +197,7 @@ class DistributedTransport:
                 self._open_group(engines, device)
                 for e in engines:
                     if hasattr(e, "begin_weight_update"):
-                        e.begin_weight_update()
+                        _begin(e)
             except Exception as exc:  # noqa: BLE001 - every trainer rank must hear of it
                 err = f"opening the weight update on trainer rank 0: {type(exc).__name__}: {exc}"
         _agree(err, group, "distributed weight sync")
@@ -319,6 +325,20 @@ class DistributedTransport:
                 log.warning("fsdp_sync: closing an engine's update after a failed sync: %s", exc)
         if not ok and self.broken:
             self._drop_group(engines)
+
+
+def _begin(engine: Any) -> None:
+    """Open the engine's update. One left open by a trainer that died inside it (this transport
+    owns the engine now) is aborted first, so a fresh trainer can take over."""
+    try:
+        engine.begin_weight_update()
+    except Exception as exc:  # noqa: BLE001 - only the "already open" case is handled
+        if "twice" not in str(exc) and "already" not in str(exc):
+            raise
+        log.warning("fsdp_sync: the engine had an update open (a previous trainer died in it?): "
+                    "aborting it and starting ours")
+        engine.end_weight_update(abort=True)
+        engine.begin_weight_update()
 
 
 def _agree(err: Any, group: Any, what: str) -> None:
