@@ -197,7 +197,10 @@ class FSDPShardingManager:
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 err = f"{type(exc).__name__}: {exc}"
-            agree(err, what=f"stage {name!r}")
+            if dist.is_initialized():
+                agree(err, what=f"stage {name!r}")
+            elif err is not None:     # a one-process trainer without a process group (disaggregated)
+                raise SyncError(f"stage {name!r} failed: {err}")
 
     def _resume(self, tags: list[str] | None) -> None:
         if self.config.free_cache_engine and self.transport.colocated:
