@@ -793,6 +793,11 @@ class ReferenceEngine:
         return checksum_named_tensors(self.named_full_tensors())
 
     # ------------------------------------------------------------------ test hooks
+    def _receive_raw(self, group_name: str, nbytes: int, count: int) -> None:
+        """Benchmark hook: every worker receives ``count`` bare broadcasts of ``nbytes`` from rank
+        0 of the update group and drops them (the floor of ``update_weights_from_distributed``)."""
+        self._call("receive_raw", {"group_name": group_name, "nbytes": nbytes, "count": count})
+
     def _set_fault(self, rank: int, fault: str | None) -> None:
         """Test hook: ``"die_in_stage"`` makes worker ``rank`` SIGKILL itself while staging an update."""
         with self._lock:

@@ -606,6 +606,13 @@ class Worker:
             return self.leave_group(args["group_name"])
         if cmd == "stage_broadcast":
             return self.stage(self.receive_broadcast(args))
+        if cmd == "receive_raw":      # benchmark floor: bare broadcasts, received and dropped
+            import torch.distributed as dist
+
+            buf = torch.empty(int(args["nbytes"]), dtype=torch.uint8, device=self.device)
+            for _ in range(int(args["count"])):
+                dist.broadcast(buf, src=0, group=self.update_groups[args["group_name"]])
+            return None
         if cmd == "set_fault":
             self.fault = args["fault"]
             return None
