@@ -106,8 +106,7 @@ class FSDPShardingManager:
     def __enter__(self) -> "FSDPShardingManager":
         if self._inside:
             raise RuntimeError("FSDPShardingManager is not re-entrant: already inside its with block")
-        pids = [p for e in self.engines if self.transport.colocated
-                for p in (getattr(e, "worker_pids", None) or [])]
+        pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe)
         self._was_training = self.module.training
         try:
