@@ -47,6 +47,36 @@ def test_plan_tight_packs_and_aligns():
                             BucketEntry("b", torch.float32, (1,), 6, 10)), 10))
 
 
+def test_config_and_manager_arguments():
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.transport import make_transport
+    from fsdp_sync.transport.tensor import TensorTransport
+
+    with pytest.raises(ValueError, match="method must be one of"):
+        SyncConfig(method="nccl")
+    with pytest.raises(ValueError, match="dist_format"):
+        SyncConfig(method="distributed", dist_format="flat")
+    with pytest.raises(ValueError, match="dist_master_port"):
+        SyncConfig(method="distributed", dist_master_port=70000)
+    assert isinstance(make_transport(SyncConfig()), TensorTransport)
+    t = make_transport(SyncConfig(method="distributed"))
+    assert (t.method, t.colocated) == ("distributed", False) and TensorTransport.colocated
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="needs mesh="):
+        FSDPShardingManager(module, object(), config=SyncConfig())
+    with pytest.raises(ValueError, match="trainer rank 0 needs an engine"):
+        FSDPShardingManager(module, None, config=SyncConfig(method="distributed"))
+    with pytest.raises(ValueError, match="trainer rank 0 needs an engine"):
+        FSDPShardingManager(module, [], config=SyncConfig(method="distributed"))
+    m = FSDPShardingManager(module, [object(), object()], config=SyncConfig(method="distributed"))
+    assert len(m.engines) == 2 and m.step == 0
+    m.close()
+    m.close()   # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        m._sync_weights()
+
+
 # --------------------------------------------------------------------------- rank jobs
 
 def _engine(cfg, tp, dtype, **kw):
