@@ -39,8 +39,14 @@ class EngineServer:
         self.authkey = b"fsdp-sync-test"
         self._server = _M(address=("127.0.0.1", 0), authkey=self.authkey).get_server()
         self.address = self._server.address
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self._server.serve_forever()
+        except SystemExit:      # serve_forever ends with sys.exit(0), meant for a process of its own
+            pass
 
     def close(self) -> None:
         self._server.stop_event.set()
