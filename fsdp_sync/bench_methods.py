@@ -20,7 +20,6 @@ Not here: the colocated rows, the sweep and the table (`bench`).
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Any
@@ -129,6 +128,9 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 if rank == 0:
                     rows.append(_row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med,
                                      floor, manager, sampler, largest))
+                    names = [f"trainer rank {r}" for r in range(len(pids))] + \
+                        [f"engine worker {j}" for j in range(len(getattr(engine, "worker_pids", []) or []))]
+                    rows[-1]["peak_extra_by_process"] = dict(zip(names, rows[-1].pop("_peaks")))
             finally:
                 manager.close()
         for r in rows:
@@ -143,7 +145,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
 def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floor, manager, sampler,
          largest) -> dict:
     timeline = manager.timeline.to_dict()
-    peak = 0
+    peak, peaks = 0, []
     if sampler is not None and sampler.samples:
         t0 = t1 = None
         for st in timeline:
@@ -154,7 +156,8 @@ def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floo
         during = [s for ts, s in sampler.samples if t0 is not None and t0 <= ts <= t1] or \
             [s for _, s in sampler.samples]
         base = before[-1]
-        peak = max(max(s[j] - base[j] for j in range(len(base))) for s in during)
+        peaks = [max(s[j] - base[j] for s in during) for j in range(len(base))]
+        peak = max(peaks)
     return {
         "method": method, "strategy": f"{method}:{fmt}", "model": job.model, "params": params,
         "tensors": tensors, "bytes": stats.bytes, "bucket_bytes": bucket_bytes,
@@ -164,5 +167,5 @@ def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floo
         "peak_extra_bytes": int(peak), "memory_budget_bytes": 2 * bucket_bytes + largest,
         "engine_calls": stats.engine_calls, "buckets": stats.buckets, "stages": timeline,
         "memory_curve": [], "share_host_memory": False, "floor_shared_seconds": None,
-        "pid": os.getpid(),
+        "_peaks": [int(p) for p in peaks],
     }

@@ -6,8 +6,11 @@
                      weight-update group, ``update_weights_from_distributed``
     disk.py          a versioned safetensors checkpoint per sync, ``update_weights_from_disk``
 
+    group.py         SGLang's weight-update group, made as SGLang makes it (both ends use it)
+
 A transport is any object with the attributes and methods of `Transport`. There is no base class
 to inherit from: the manager only calls ``sync(ctx)`` and ``close()`` and reads ``colocated``.
+`make_transport(config)` builds the one ``config.method`` names (disk imported only then).
 
 Not here: export and bucket planning (shared by all three, in `export` and `bucket`), and the
 stages around the sync (the manager).
