@@ -603,7 +603,10 @@ def _gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, _Pieces]
     def even(p: _Pieces) -> bool:
         return all(c == p.counts[0] for c in p.counts)
 
-    if dst is None and all(even(p) for _, p in pairs):
+    if dst is not None:
+        _gather_to(dst, group, pairs, flat)
+        return
+    if all(even(p) for _, p in pairs):
         outs, ins = [], []
         for entry, p in pairs:
             if not p.counts[0]:
@@ -624,20 +627,13 @@ def _gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, _Pieces]
         return
     device = pairs[0][1].local.device
     send = scratch.get("send", width, device)
-    recv = scratch.get("recv", world * width, device) if dst is None or me == dst else None
+    recv = scratch.get("recv", world * width, device)
     for (entry, p), slot in zip(pairs, slots):
         n = p.counts[me] * entry.dtype.itemsize
         if n:   # copy_ casts: the pack is the cast
             send[slot:slot + n].view(entry.dtype).view(p.local.shape).copy_(p.local)
-    if dst is not None:
-        # to one rank only (the distributed method's trainer rank 0): the others send, keep nothing
-        rows = recv.view(world, width) if me == dst else None
-        dist.gather(send, list(rows.unbind(0)) if rows is not None else None, group=group, group_dst=dst)
-        if rows is None:
-            return
-    else:
-        _all_gather(recv, send, group)
-        rows = recv.view(world, width)
+    _all_gather(recv, send, group)
+    rows = recv.view(world, width)
     for (entry, p), slot in zip(pairs, slots):
         item = entry.dtype.itemsize
         first = p.counts[0]
@@ -652,6 +648,35 @@ def _gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, _Pieces]
             if b:
                 flat[pos:pos + b].copy_(rows[r, slot:slot + b])
             pos += b
+
+
+def _gather_to(dst: int, group: Any, pairs: list[tuple[_bucket.BucketEntry, _Pieces]],
+               flat: torch.Tensor) -> None:
+    """Every rank's pieces of one bucket into ``flat`` on group rank ``dst`` only, with no buffer
+    of our own: each piece is sent (cast on the sender) straight into its place in ``flat``
+    (point to point, one message per entry and rank), ``dst`` copies its own. The other ranks
+    keep nothing, so only ``dst`` ever holds the bucket."""
+    me = pairs[0][1].rank
+    works, keep = [], []     # keep: what is on the wire stays alive until its wait
+    for i, (entry, p) in enumerate(pairs):
+        item = entry.dtype.itemsize
+        if me == dst:
+            off = entry.start
+            for r, c in enumerate(p.counts):
+                if c and r == me:
+                    flat[off:off + c * item].view(entry.dtype).copy_(p.local.reshape(-1))
+                elif c:
+                    works.append(dist.irecv(flat[off:off + c * item].view(entry.dtype), group=group,
+                                            group_src=r, tag=i))
+                off += c * item
+        elif p.counts[me]:
+            local = p.local.reshape(-1)
+            if local.dtype != entry.dtype:
+                local = local.to(entry.dtype)
+            keep.append(local.contiguous())
+            works.append(dist.isend(keep[-1], group=group, group_dst=dst, tag=i))
+    for w in works:
+        w.wait()
 
 
 def _fill(bkt: _bucket.Bucket, items: list[_Item], flat: torch.Tensor, scratch: _Scratch,
