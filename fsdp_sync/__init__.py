@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "FSDPShardingManager": ".manager",
-    "SyncStats": ".manager",
+    "SyncStats": ".transport",
     "SyncConfig": ".config",
     "make_mesh": ".topology",
     "SyncTopology": ".topology",

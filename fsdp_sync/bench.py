@@ -21,6 +21,7 @@ Not here: the sync itself (manager) or printing (cli).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -65,9 +66,14 @@ class BenchSpec:
     dtype: str = "float32"
     repeats: int = 3
     warmup: int = 1
+    methods: tuple[str, ...] = ("tensor",)
 
     def __post_init__(self) -> None:
-        from .config import STRATEGIES
+        from .config import METHODS, STRATEGIES
+
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"unknown methods {bad or '(none)'}; expected some of {METHODS}")
 
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad:
@@ -104,7 +110,7 @@ class BenchSpec:
     def jobs(self) -> list["Job"]:
         return [Job(model=m, ranks=r, tp=t, multi_stage=ms, device=self.device, dtype=self.dtype,
                     strategies=self.strategies, bucket_mb=self.bucket_mb, repeats=self.repeats,
-                    warmup=self.warmup, share_host_memory=self.share_host_memory)
+                    warmup=self.warmup, share_host_memory=self.share_host_memory, methods=self.methods)
                 for m, r, t, ms in itertools.product(self.models, self.ranks, self.tp, self.multi_stage)]
 
 
@@ -121,6 +127,7 @@ class Job:
     repeats: int
     warmup: int
     share_host_memory: tuple[bool, ...] = (True,)
+    methods: tuple[str, ...] = ("tensor",)
 
 
 # --------------------------------------------------------------------------- memory sampling
@@ -243,15 +250,16 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     mesh = make_mesh(world // job.tp, job.tp, "cuda" if job.device == "cuda" else "cpu")
     topo = SyncTopology.from_mesh(mesh)
     dtype = getattr(torch, job.dtype)
+    colocated = "tensor" in job.methods
     engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype) \
-        if topo.is_tp_src else None
+        if topo.is_tp_src and colocated else None
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())
     progress = _Progress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory), job)
     rows = []
     baseline: float | None = None
     try:
-        order = sorted(job.strategies, key=lambda s: s != "per_tensor")  # baseline first
+        order = sorted(job.strategies, key=lambda s: s != "per_tensor") if colocated else []
         for strategy, bucket_mb, share in itertools.product(order, job.bucket_mb, job.share_host_memory):
             if strategy == "per_tensor" and bucket_mb != job.bucket_mb[0] and baseline is not None:
                 continue  # per_tensor ignores the bucket size: measure it once
@@ -307,8 +315,17 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         if engine is not None:
             engine.shutdown()
     for r in rows:
+        r["method"] = "tensor"
         r["baseline_seconds"] = baseline
         r["speedup_vs_baseline"] = (baseline / r["seconds"]) if baseline else None
+    if any(m != "tensor" for m in job.methods):
+        from .bench_methods import method_rows
+        from .export import param_metas
+
+        largest = max(m.nbytes for m in param_metas(model, dtype))
+        for method in job.methods:
+            if method != "tensor":
+                rows.extend(method_rows(rank, world, job, model, cfg, params, tensors, method, pids, largest))
     return {"rows": rows}
 
 
@@ -401,7 +418,24 @@ def _machine() -> dict:
 
 
 def check_targets(rows: list[dict]) -> dict:
-    """The three targets of the ``targets`` preset, computed from its rows."""
+    """The three targets of the ``targets`` preset, computed from its rows (plus the distributed
+    method's own, under ``"distributed"``, when its rows are there)."""
+    dist_rows = [r for r in rows if r.get("strategy") == "distributed:flattened_bucket"]
+    out = _check_tensor_targets([r for r in rows if r.get("method", "tensor") == "tensor"])
+    if dist_rows:
+        r = min(dist_rows, key=lambda x: x["seconds"])
+        speed = r["baseline_seconds"] / r["seconds"] if r["baseline_seconds"] else None
+        d = {"row": {k: r.get(k) for k in ("strategy", "bucket_bytes", "seconds", "floor_seconds",
+                                           "baseline_seconds", "peak_extra_bytes", "memory_budget_bytes")},
+             "speedup_vs_per_tensor": speed, "ratio_to_floor": r["seconds"] / r["floor_seconds"],
+             "peak_extra_over_budget": r["peak_extra_bytes"] / r["memory_budget_bytes"]}
+        d["met"] = {"speedup": speed is not None and speed >= 3.0, "floor": d["ratio_to_floor"] <= 1.3,
+                    "memory": d["peak_extra_over_budget"] <= 1.0}
+        out["distributed"] = d
+    return out
+
+
+def _check_tensor_targets(rows: list[dict]) -> dict:
     flat = [r for r in rows if r["strategy"] == "flattened"]
     if not flat:
         return {"met": False, "why": "no flattened row"}
@@ -431,12 +465,12 @@ def check_targets(rows: list[dict]) -> dict:
 _FLAG_KEYS = {"models": "models", "strategies": "strategies", "bucket_mb": "bucket_mb",
               "ranks": "ranks", "tp": "tp", "multi_stage": "multi_stage",
               "share_host_memory": "share_host_memory", "device": "device", "dtype": "dtype",
-              "repeats": "repeats"}
+              "repeats": "repeats", "methods": "methods"}
 
 
 def add_bench_parser(sub) -> None:
     from . import cliargs as ca
-    from .config import STRATEGIES
+    from .config import METHODS, STRATEGIES
 
     p = sub.add_parser(
         "bench", help="sweep strategies/bucket sizes/models; time and memory beside a floor and baseline",
@@ -454,6 +488,8 @@ def add_bench_parser(sub) -> None:
                    help="comma-separated model recipes")
     p.add_argument("--strategies", type=ca.csv_of(ca.choice_of(STRATEGIES)), default="flattened,per_tensor",
                    help=f"comma-separated strategies ({', '.join(STRATEGIES)})")
+    p.add_argument("--methods", type=ca.csv_of(ca.choice_of(METHODS)), default="tensor",
+                   help="comma-separated update methods side by side: tensor, distributed, disk")
     p.add_argument("--bucket-mb", type=ca.csv_of(ca.positive_float), default="64",
                    help="comma-separated bucket sizes in MiB (> 0)")
     p.add_argument("--ranks", type=ca.csv_of(ca.positive_int), default="2",
@@ -519,6 +555,9 @@ def cmd_bench(args) -> int:
     for c in cols:
         table.add_column(c, justify="right")
     for r in result["rows"]:
+        if r.get("skipped"):
+            console.print(f"{r['method']}: skipped ({r['skipped']})")
+            continue
         table.add_row(r["strategy"], r["model"], f"{r['params'] / 1e6:.1f}M", str(r["tensors"]),
                       f"{r['bytes'] / MiB:.0f}", f"{r['bucket_bytes'] / MiB:g}", str(r["ranks"]), str(r["tp"]),
                       "on" if r["multi_stage"] else "off", "yes" if r.get("share_host_memory") else "no",
@@ -535,6 +574,12 @@ def cmd_bench(args) -> int:
             console.print(f"targets: speedup {t['speedup_vs_per_tensor']:.2f}× (≥3: {t['met']['speedup']}), "
                           f"{t['ratio_to_floor']:.2f}× floor (≤1.3: {t['met']['floor']}), peak extra "
                           f"{t['peak_extra_over_budget']:.2f}× budget (≤1: {t['met']['memory']})")
+        d = t.get("distributed")
+        if d:
+            console.print(f"distributed: {d['speedup_vs_per_tensor'] or 0:.2f}× its per-tensor format "
+                          f"(≥3: {d['met']['speedup']}), {d['ratio_to_floor']:.2f}× its floor (≤1.3: "
+                          f"{d['met']['floor']}), peak extra {d['peak_extra_over_budget']:.2f}× budget "
+                          f"(≤1: {d['met']['memory']})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -542,6 +587,7 @@ def cmd_bench(args) -> int:
     if args.plot:
         from .plots import plot_bench
 
-        for path in plot_bench(result, args.plot):
+        tensor_rows = [r for r in result["rows"] if r.get("method", "tensor") == "tensor" and not r.get("skipped")]
+        for path in plot_bench({**result, "rows": tensor_rows}, args.plot):
             console.print(f"wrote {path}")
     return 0

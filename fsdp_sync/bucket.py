@@ -22,7 +22,7 @@ import torch
 __all__ = [
     "ALIGNMENT", "SUPPORTED_DTYPES", "TensorMeta", "BucketEntry", "Bucket",
     "plan_buckets", "flatten", "unflatten", "sglang_metadata", "entries_from_metadata",
-    "check_tensor", "dtype_name",
+    "check_tensor", "dtype_name", "plan_tight", "check_tight",
 ]
 
 ALIGNMENT = 16
@@ -211,3 +211,46 @@ def entries_from_metadata(metadata: Iterable) -> list[BucketEntry]:
         out.append(BucketEntry(get("name"), get("dtype"), tuple(get("shape")),
                                int(get("start_idx")), int(get("end_idx"))))
     return out
+
+
+def plan_tight(metas: Iterable[TensorMeta | tuple], bucket_bytes: int) -> list[Bucket]:
+    """Buckets in SGLang's broadcast layout (``update_weights_from_distributed``, flattened):
+    tightly packed in order, no padding, so the receiver, which computes the offsets itself from
+    names, dtypes and shapes, finds every tensor where the sender put it.
+
+    SGLang needs each offset to be a multiple of its dtype's size; where the next tensor's offset
+    would not be (a ``bf16[3]`` followed by an ``fp32``), it starts a new bucket instead of padding.
+    """
+    buckets: list[Bucket] = []
+    current: list[BucketEntry] = []
+    offset = 0
+    for m in plan_buckets(metas, max(bucket_bytes, 1), alignment=1):   # names, dtypes checked there
+        for e in m.entries:
+            size = e.nbytes
+            if current and (offset % e.dtype.itemsize or offset + size > bucket_bytes):
+                buckets.append(Bucket(tuple(current), offset))
+                current, offset = [], 0
+            current.append(BucketEntry(e.name, e.dtype, e.shape, offset, offset + size))
+            offset += size
+    if current:
+        buckets.append(Bucket(tuple(current), offset))
+    for b in buckets:
+        check_tight(b)
+    return buckets
+
+
+def check_tight(bucket: Bucket) -> None:
+    """Raise ValueError unless ``bucket`` is in SGLang's broadcast layout (see `plan_tight`)."""
+    offset = 0
+    for e in bucket.entries:
+        if e.start != offset:
+            raise ValueError(f"{e.name!r} starts at byte {e.start}; SGLang's broadcast layout packs "
+                             f"tensors tightly, so it must start at {offset}")
+        if e.start % e.dtype.itemsize:
+            raise ValueError(f"{e.name!r} ({dtype_name(e.dtype)}) starts at byte {e.start}, not a "
+                             f"multiple of its dtype size {e.dtype.itemsize}: SGLang refuses the "
+                             f"bucket; plan it with plan_tight")
+        offset = e.end
+    if bucket.nbytes != offset:
+        raise ValueError(f"bucket of {bucket.nbytes} bytes holds {offset} bytes of tensors: "
+                         f"SGLang's broadcast layout has no trailing padding")

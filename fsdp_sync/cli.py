@@ -30,6 +30,10 @@ def _add_demo(sub) -> None:
                    help="flattened: one handle per bucket; bucketed: one engine call per bucket; "
                         "per_tensor: verl's one-parameter-at-a-time baseline")
     p.add_argument("--bucket-mb", type=ca.positive_float, default=64.0, help="bucket size in MiB (> 0)")
+    p.add_argument("--method", choices=["tensor", "distributed", "disk"], default="tensor",
+                   help="tensor: colocated engine, handle tuples; distributed: disaggregated engine "
+                        "(own processes) reached by a broadcast from trainer rank 0; disk: a versioned "
+                        "checkpoint the engine reloads")
     p.add_argument("--fsdp", type=int, choices=[1, 2], default=2, help="FSDP version of the trainer")
     p.add_argument("--model", type=ca.model_spec, default="tiny",
                    help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m) or a "
@@ -53,7 +57,7 @@ def _demo_options(args):
     return DemoOptions(ranks=args.ranks, tp=args.tp, steps=args.steps, strategy=args.strategy,
                        bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
                        dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, method=args.method)
 
 
 def _check_demo(args, given: set[str]) -> None:
@@ -72,7 +76,7 @@ def _cmd_demo(args) -> int:
     opts = getattr(args, "opts", None) or _demo_options(args)
     console = Console(width=None if sys.stdout.isatty() else 180)
     console.print(f"[bold]fsdp-sync demo[/]: {opts.ranks} ranks (dp {opts.ranks // opts.tp} × infer_tp "
-                  f"{opts.tp}), FSDP{opts.fsdp}, model {opts.model}, strategy {opts.strategy}, "
+                  f"{opts.tp}), FSDP{opts.fsdp}, model {opts.model}, method {opts.method}, strategy {opts.strategy}, "
                   f"{opts.dtype}, {opts.device}")
     result = run_demo(opts)
     table = Table(title="weight sync per training step")

@@ -16,8 +16,11 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["SyncConfig", "STRATEGIES", "FSDP1_STATE_DICTS", "parse_dtype", "parse_bool"]
+__all__ = ["SyncConfig", "STRATEGIES", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
+           "parse_dtype", "parse_bool"]
 
+METHODS = ("tensor", "distributed", "disk")
+DISTRIBUTED_FORMATS = ("flattened_bucket", "per_tensor")
 STRATEGIES = ("per_tensor", "bucketed", "flattened")
 FSDP1_STATE_DICTS = ("full", "sharded", "local")
 VERL_BUCKET_MB = 2048   # verl 0.9's checkpoint_engine.update_weights_bucket_megabytes default
@@ -59,7 +62,11 @@ def parse_bool(value: Any, field: str) -> bool:
 class SyncConfig:
     """How one weight sync runs.
 
-    strategy: ``"flattened"`` (default: one handle per bucket), ``"bucketed"`` (one engine call per
+    method: the SGLang update method: ``"tensor"`` (default: colocated, handle tuples through
+        ``update_weights_from_tensor``), ``"distributed"`` (disaggregated: a broadcast from trainer
+        rank 0 over SGLang's weight-update group, ``update_weights_from_distributed``) or
+        ``"disk"`` (a versioned checkpoint, ``update_weights_from_disk``).
+    strategy: (tensor method) ``"flattened"`` (default: one handle per bucket), ``"bucketed"`` (one engine call per
         bucket, one handle per tensor) or ``"per_tensor"`` (one parameter, handle and engine call at
         a time: the algorithm verl shipped, kept as the baseline).
     bucket_bytes: byte budget of a bucket (a larger tensor gets a bucket of its own).
@@ -78,6 +85,16 @@ class SyncConfig:
         anonymous and shared-memory RSS, USS and PSS of the trainer rank and of each engine worker;
         a few ms per process and stage), ``"rss"`` (the /proc status figures only, ~50 µs) or
         ``"off"``. CUDA allocator figures are added whenever CUDA is in use.
+    dist_format: (distributed method) ``"flattened_bucket"`` (default: one broadcast per bucket,
+        SGLang's tight layout) or ``"per_tensor"`` (``load_format=None``: one broadcast per
+        tensor, the baseline).
+    dist_master_address / dist_master_port: where trainer rank 0 hosts the update group's store;
+        None: trainer rank 0's outward IP address (127.0.0.1 on a host without a network) and a
+        free port.
+    dist_backend: the update group's backend; None: ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
+    dist_group_name: the group's name, the same on both ends (SGLang's default).
+    dist_timeout_s: how long trainer rank 0 waits for the engines to join the group or to receive
+        a broadcast; a refusal from an engine is reported at once, not after this.
     disk_dir: the disk method's directory: each sync publishes ``disk_dir/step_<N>/`` (a Hugging
         Face checkpoint) there. Required when ``method == "disk"``.
     disk_keep: how many of the newest versions the disk method keeps (>= 1; the one the engine
@@ -94,10 +111,29 @@ class SyncConfig:
     seed: int = 1000
     memory_probe: str = "full"
     share_host_memory: bool = True
+    method: str = "tensor"
+    dist_format: str = "flattened_bucket"
+    dist_master_address: str | None = None
+    dist_master_port: int | None = None
+    dist_backend: str | None = None
+    dist_group_name: str = "weight_update_group"
+    dist_timeout_s: float = 600.0
     disk_dir: str | None = None
     disk_keep: int = 2
 
     def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.dist_format not in DISTRIBUTED_FORMATS:
+            raise ValueError(f"dist_format must be one of {DISTRIBUTED_FORMATS}, got {self.dist_format!r}")
+        if self.dist_master_port is not None and not (isinstance(self.dist_master_port, int)
+                                                      and 0 < self.dist_master_port < 65536):
+            raise ValueError(f"dist_master_port must be a port number (1-65535) or None, "
+                             f"got {self.dist_master_port!r}")
+        if not self.dist_group_name:
+            raise ValueError("dist_group_name must not be empty")
+        if not (isinstance(self.dist_timeout_s, (int, float)) and self.dist_timeout_s > 0):
+            raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         for f in fields(self):

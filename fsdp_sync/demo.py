@@ -2,7 +2,9 @@
 
 N trainer ranks train a small Qwen2 (built from a recipe) under FSDP2 or FSDP1 with AdamW on a fixed
 synthetic corpus. After each step the `FSDPShardingManager` syncs the weights into a colocated
-`ReferenceEngine` (TP workers as processes); inside the ``with`` block the engine generates greedily
+`ReferenceEngine` (TP workers as processes), or with ``method="distributed"``/``"disk"`` into a
+disaggregated one held by trainer rank 0 (its TP workers in processes of their own, outside the
+trainer's world, reached by a broadcast or a checkpoint); inside the ``with`` block the engine generates greedily
 from a few prompts and its logits are compared with the trainer's own forward on the same prompts.
 Each step's sync time, bytes, peak memory, max |logit diff| and token match are returned for the
 table (and the JSON file). A mismatch makes the demo fail.
@@ -40,10 +42,15 @@ class DemoOptions:
     atol: float | None = None       # None: 1e-5 in float32; ATOL_EPS × eps × max|logit| below it
     lr: float = 1e-3
     progress: bool = True
+    method: str = "tensor"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.ranks < 1 or self.tp < 1 or self.ranks % self.tp:
+        from .config import METHODS
+
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
+        if self.ranks < 1 or self.tp < 1 or (self.method == "tensor" and self.ranks % self.tp):
             raise ValueError(f"--ranks ({self.ranks}) must be a positive multiple of --tp ({self.tp})")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
@@ -128,8 +135,9 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
     cfg = load_config(opts.model)
     model = wrap_fsdp(build_model(cfg, seed=0), opts.fsdp, device=opts.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr)
-    mesh = make_mesh(world // opts.tp, opts.tp, "cuda" if opts.device == "cuda" else "cpu")
-    topo = SyncTopology.from_mesh(mesh)
+    colocated = opts.method == "tensor"
+    mesh = make_mesh(world // opts.tp, opts.tp, "cuda" if opts.device == "cuda" else "cpu") if colocated else None
+    holds = SyncTopology.from_mesh(mesh).is_tp_src if colocated else rank == 0
     dtype = getattr(torch, opts.dtype)
     # In a 16-bit rollout dtype the engine is compared with the trainer's weights cast to that
     # dtype (an unsharded copy on infer-TP rank 0), not with the float32 training forward.
@@ -138,10 +146,11 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
     if low and topo.is_tp_src:
         ref_model = build_model(cfg, seed=0, dtype=dtype).eval().to(opts.device)
     engine = None
-    if topo.is_tp_src:
+    if holds:
         engine = ReferenceEngine(model_config=cfg, tp_size=opts.tp, device=opts.device, dtype=dtype)
     sync_cfg = SyncConfig(strategy=opts.strategy, bucket_bytes=int(opts.bucket_mb * 2**20), dtype=dtype,
-                          multi_stage_wake_up=opts.multi_stage_wake_up)
+                          multi_stage_wake_up=opts.multi_stage_wake_up, method=opts.method,
+                          **opts.extra)
     manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
 
     progress = None
@@ -170,7 +179,7 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
                     ref_logits = last_logits(model, PROMPTS)
                     ref_tokens = greedy_generate(model, PROMPTS, opts.max_new_tokens)
                 rec: dict[str, Any] = {"step": step, "loss": loss}
-                if topo.is_tp_src:
+                if holds:
                     eng_logits = engine.forward_logits(PROMPTS).float().cpu()
                     eng_tokens = engine.generate(input_ids=PROMPTS, max_new_tokens=opts.max_new_tokens,
                                                  temperature=0.0)
@@ -195,6 +204,7 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
     finally:
         if progress:
             progress.stop()
+        manager.close()
         if engine is not None:
             engine.shutdown()
     return records

@@ -5,103 +5,40 @@ On entry it runs named stages in order (each timed and memory-probed into a `Tim
     multi_stage_wake_up=True:   resume_weights → sync_weights → offload_params → resume_kv_cache → swap_rng
     multi_stage_wake_up=False:  resume_all → sync_weights → offload_params → swap_rng
 
-and on exit: release_memory (kv_cache, weights) → restore_module → restore_rng. Engine calls come
-from infer-TP rank 0 only (the engine handle is None on the other ranks); every stage that calls
-the engine ends with an `agree` collective, so a failure on any rank (engine error, bad tensor,
-dead worker) raises the same `SyncError` on every rank instead of leaving ranks blocked.
+and on exit: release_memory (kv_cache, weights) → restore_module → restore_rng. The engine-memory
+stages (resume_*, release_memory) do something only for a colocated transport (``method="tensor"``);
+for the disaggregated ones they are empty by that one rule. Engine calls come from the rank that
+holds the engine handles (None on the other ranks); every stage ends with an `agree` collective,
+so a failure on any rank (engine error, bad tensor, dead worker) raises the same `SyncError` on
+every rank instead of leaving ranks blocked.
 
-The weight sync itself has three strategies (see `SyncConfig.strategy`): ``per_tensor`` (verl's
-original loop, the baseline), ``bucketed`` and ``flattened`` (default). In all three a bucket's
-buffers stay alive until the engine has answered and every consumer has acknowledged, and are freed
-right after, so the sync holds at most one bucket (plus the largest tensor) beyond its steady state.
+The weight sync itself is the transport's (`fsdp_sync.transport`, picked by `SyncConfig.method`):
+``tensor`` (handle tuples, strategies per_tensor/bucketed/flattened), ``distributed`` (broadcast
+over SGLang's update group) or ``disk``. The manager counts syncs (``step``) and closes the
+transport in `close` and at interpreter exit.
 
-Not here: how tensors are gathered (export), laid out (bucket) or shared (handles), and no process
-group of its own: it runs on the mesh it is given.
+Not here: how tensors are gathered (export), laid out (bucket), shared (handles) or moved
+(transport), and no process group of its own: it runs on the mesh (or default group) it is given.
 """
 
 from __future__ import annotations
 
-import inspect
+import atexit
 import logging
-import time
-from contextlib import closing
-from dataclasses import dataclass
-from typing import Any, Iterator
+import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import export, handles
-from .bucket import plan_buckets, sglang_metadata
 from .config import SyncConfig
 from .memory import Timeline, empty_cache
-from .topology import SyncError, SyncTopology, agree, gather_to_src
+from .topology import SyncError, SyncTopology, agree
+from .transport import SyncContext, SyncStats, make_transport
 
 __all__ = ["FSDPShardingManager", "SyncStats"]
 
 log = logging.getLogger("fsdp_sync")
-
-
-@dataclass
-class _Call:
-    """One engine call: this rank's payload sets, what it sends to infer-TP rank 0, and how rank 0
-    turns the gathered list (indexed by TP rank) into the engine's ``named_tensors``."""
-
-    sets: list
-    wire: Any
-    to_named: Any
-    load_format: str | None
-    last: bool
-    what: str
-    on_release: Any = None
-
-
-@dataclass
-class SyncStats:
-    """What the last sync moved: bytes are the rollout-dtype bytes of every exported tensor."""
-
-    seconds: float = 0.0
-    bytes: int = 0
-    tensors: int = 0
-    buckets: int = 0
-    engine_calls: int = 0
-
-
-def _module_device(module: torch.nn.Module) -> torch.device:
-    for p in module.parameters():
-        return torch.device("cuda", torch.cuda.current_device()) if p.device.type == "cuda" else p.device
-    return torch.device("cpu")
-
-
-class _ReusedBuffer:
-    """The one flat buffer every bucket of a sync reuses in turn (shared memory on CPU, device
-    memory on CUDA), sized for the largest bucket. Fresh pages cost a fault (and on CPU a kernel
-    zero-fill) each: a buffer per bucket paid that for the whole model on every sync, this pays it
-    for one bucket. Safe because the manager's calls are sequential: a bucket is released (its
-    consumers acknowledged) before the next one is taken, which `take` checks."""
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.nbytes, self.device = nbytes, device
-        self.buf: torch.Tensor | None = None
-        self.busy = False
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        if self.busy:
-            raise RuntimeError("the sync buffer is still in use by the previous bucket")
-        if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = None
-            self.buf = handles.empty_shared(max(nbytes, self.nbytes), self.device)
-        self.busy = True
-        return self.buf[:nbytes]
-
-    def give_back(self) -> None:
-        self.busy = False
-
-
-def _per_rank(values: list) -> Any:
-    from .engines.base import SerializedPerRank
-
-    return SerializedPerRank(values=values)
 
 
 class FSDPShardingManager:
@@ -109,21 +46,45 @@ class FSDPShardingManager:
 
     Args:
         module: the FSDP2, FSDP1 or plain module being trained (identical on every dp rank).
-        engine: the rollout engine handle on infer-TP rank 0 of each group, ``None`` elsewhere.
-        mesh: a DeviceMesh with dims ``("dp", "infer_tp")`` over the trainer ranks.
-        config: a `SyncConfig`.
+        engine: ``method="tensor"``: the colocated engine handle on infer-TP rank 0 of each group,
+            ``None`` elsewhere. ``"distributed"``/``"disk"``: on trainer rank 0 the engine, or a
+            list of engines (rollout replicas); ``None`` on every other rank.
+        mesh: a DeviceMesh with dims ``("dp", "infer_tp")`` over the trainer ranks; required by
+            ``"tensor"``, optional otherwise (then the trainer is the default process group).
+        config: a `SyncConfig`; ``config.method`` picks the transport (`fsdp_sync.transport`).
+
+    The transport's ``colocated`` flag is the one rule for the engine-memory stages: they run
+    (resume on entry, release on exit) only when the engine shares the trainer's devices.
+    `close` (also at interpreter exit) releases what the transport holds (the update group).
     """
 
-    def __init__(self, module: torch.nn.Module, engine: Any, *, mesh, config: SyncConfig | None = None):
+    def __init__(self, module: torch.nn.Module, engine: Any, *, mesh=None, config: SyncConfig | None = None):
         self.module = module
         self.config = config or SyncConfig()
-        self.topo = SyncTopology.from_mesh(mesh)
-        if self.topo.is_tp_src and engine is None:
-            raise ValueError(f"{self.topo.describe()}: infer-TP rank 0 needs an engine handle, got None")
-        if not self.topo.is_tp_src and engine is not None:
-            raise ValueError(f"{self.topo.describe()}: only infer-TP rank 0 holds the engine; "
+        if mesh is None and self.config.method == "tensor":
+            raise ValueError("method='tensor' needs mesh= (a ('dp', 'infer_tp') DeviceMesh, see make_mesh); "
+                             "only 'distributed' and 'disk' run without one")
+        self.topo = SyncTopology.from_mesh(mesh) if mesh is not None else None
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.config.method == "tensor":
+            holder, where = self.topo.is_tp_src, f"{self.topo.describe()}: infer-TP rank 0"
+        else:
+            holder, where = self.rank == 0, f"trainer rank {self.rank}: trainer rank 0"
+        if holder and (engine is None or (isinstance(engine, (list, tuple)) and not engine)):
+            raise ValueError(f"{where} needs an engine handle (method {self.config.method!r}), got {engine!r}")
+        if not holder and engine is not None:
+            raise ValueError(f"{where.split(':')[0]}: only {where.split(': ')[1]} holds the engine; "
                              f"pass engine=None on the other ranks")
-        self.engine = engine
+        if isinstance(engine, (list, tuple)):
+            if self.config.method == "tensor" and len(engine) != 1:
+                raise ValueError(f"method='tensor' takes one colocated engine per infer-TP group, "
+                                 f"got a list of {len(engine)}")
+            self.engines = list(engine)
+        else:
+            self.engines = [] if engine is None else [engine]
+        self.engine = self.engines[0] if self.engines else None
+        self.transport = make_transport(self.config)
+        self.step = 0
         self.timeline = Timeline()
         self.stats = SyncStats()
         self._inside = False
@@ -133,15 +94,20 @@ class FSDPShardingManager:
         self._tp_sizes: list[int] | None = None      # per-TP-rank batch sizes of preprocess_data
         # generation RNG: seeded by dp rank, hence equal on every TP rank of a group
         saved = self._get_rng()
-        torch.manual_seed(self.config.seed + self.topo.dp_rank)
+        torch.manual_seed(self.config.seed + (self.topo.dp_rank if self.topo is not None else self.rank))
         self._gen_rng = self._get_rng()
         self._set_rng(saved)
+        _open.add(self)
+
+    @property
+    def _holds_engine(self) -> bool:
+        return bool(self.engines)
 
     # ------------------------------------------------------------------ the with block
     def __enter__(self) -> "FSDPShardingManager":
         if self._inside:
             raise RuntimeError("FSDPShardingManager is not re-entrant: already inside its with block")
-        pids = list(getattr(self.engine, "worker_pids", None) or []) if self.topo.is_tp_src else []
+        pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe)
         self._was_training = self.module.training
         try:
@@ -164,14 +130,14 @@ class FSDPShardingManager:
             self._restore(release=True, original=exc)
             raise
         self._inside = True
-        if self.topo.rank == 0:
+        if self.rank == 0:
             log.info("fsdp_sync enter: %s", self.timeline.summary())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._inside = False
         self._restore(release=True, original=exc, collective=True)
-        if self.topo.rank == 0:
+        if self.rank == 0:
             log.info("fsdp_sync exit: %s", self.timeline.summary())
 
     async def wake_up(self) -> None:
@@ -192,7 +158,7 @@ class FSDPShardingManager:
         same keys on every rank and one batch size across its fields. Every rank sees every
         batch, so a bad one raises the same error on every rank of the group."""
         topo = self.topo
-        if topo.tp_size == 1:
+        if topo is None or topo.tp_size == 1:
             return batch
         if not isinstance(batch, dict) and not (hasattr(batch, "chunk") and hasattr(type(batch), "concat")):
             raise TypeError(f"preprocess_data takes a dict of tensors/lists or a DataProto, got "
@@ -228,7 +194,7 @@ class FSDPShardingManager:
         TP-rank order; k times it when each prompt became k samples); without a preceding
         `preprocess_data`, an even split."""
         topo = self.topo
-        if topo.tp_size == 1:
+        if topo is None or topo.tp_size == 1:
             return batch
         sizes = getattr(self, "_tp_sizes", None)
         if isinstance(batch, dict):
@@ -268,15 +234,17 @@ class FSDPShardingManager:
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 err = f"{type(exc).__name__}: {exc}"
-            agree(err, what=f"stage {name!r}")
+            self._agree(err, what=f"stage {name!r}")
 
     def _resume(self, tags: list[str] | None) -> None:
-        if self.config.free_cache_engine and self.topo.is_tp_src:
-            self.engine.resume_memory_occupation(tags=tags)
+        if self.config.free_cache_engine and self.transport.colocated:
+            for engine in self.engines:
+                engine.resume_memory_occupation(tags=tags)
 
     def _release(self) -> None:
-        if self.config.free_cache_engine and self.topo.is_tp_src:
-            self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
+        if self.config.free_cache_engine and self.transport.colocated:
+            for engine in self.engines:
+                engine.release_memory_occupation(tags=["kv_cache", "weights"])
 
     def _offload_params(self) -> None:
         if not self.config.offload_params:
@@ -318,7 +286,7 @@ class FSDPShardingManager:
                 None if original is None else
                 f"{type(original).__name__} inside the with block: {original}")
             try:
-                agree(mine, what="exit")
+                self._agree(mine, what="exit")
             except SyncError as exc:
                 if original is None:
                     raise
@@ -359,8 +327,10 @@ class FSDPShardingManager:
         untied lm_head behind a tied trainer) fails the sync on every rank, naming the tensor,
         before anything is sent. (What is sent but not held is refused by the engine itself.)"""
         err = None
-        names = getattr(self.engine, "hf_names", None) if self.topo.is_tp_src else None
-        if callable(names):
+        for engine in self.engines:
+            names = getattr(engine, "hf_names", None)
+            if not callable(names) or err is not None:
+                continue
             try:
                 sent = {m.name for m in export.param_metas(self.module, self.config.dtype)}
                 missing = [n for n in names() if n not in sent]
@@ -368,140 +338,50 @@ class FSDPShardingManager:
                     err = (f"the engine holds {missing[:5]}{' …' if len(missing) > 5 else ''} "
                            f"({len(missing)} tensors) that the trainer does not export, so a sync "
                            f"would leave them stale (a tied trainer into an untied engine?); start "
-                           f"the engine from the trainer's config ({self.topo.describe()})")
+                           f"the engine from the trainer's config ({self._where()})")
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 err = f"{type(exc).__name__}: {exc}"
-        agree(err, what="weight sync")
+        self._agree(err, what="weight sync")
+
+    def _where(self) -> str:
+        return self.topo.describe() if self.topo is not None else f"trainer rank {self.rank}"
+
+    @staticmethod
+    def _agree(err, *, what: str) -> None:
+        """`agree` over the trainer's ranks; a one-process trainer without a process group
+        (disaggregated) raises its own error directly."""
+        if dist.is_initialized():
+            agree(err, what=what)
+        elif err is not None:
+            raise SyncError(f"{what} failed: {err}")
 
     def _sync_weights(self) -> None:
-        cfg, topo = self.config, self.topo
         self._check_coverage()
-        t0 = time.perf_counter()
-        self.stats = SyncStats()
-        self._unacked: str | None = None
-        tagged = getattr(self.engine, "accepts_tagged_payloads", True) if topo.is_tp_src else True
-        # every rank must agree on tagging, or rank 0 opens payloads it cannot read
-        tagged = bool(self._broadcast_flag(tagged))
-        if topo.is_tp_src and hasattr(self.engine, "begin_weight_update"):
-            self.engine.begin_weight_update()
-        ok = False
+        if self.transport is None:
+            raise RuntimeError("the manager was closed; make a new FSDPShardingManager")
+        ctx = SyncContext(module=self.module, config=self.config, topo=self.topo, group=None,
+                          engines=self.engines, step=self.step, stats=SyncStats())
         try:
-            steps = {"per_tensor": self._steps_per_tensor, "bucketed": self._steps_bucketed,
-                     "flattened": self._steps_flattened}[cfg.strategy](tagged)
-            with closing(steps):  # an abandoned export generator restores FSDP state on close
-                for call in steps:
-                    self._one_call(call)
-            ok = True
+            self.transport.sync(ctx)
         finally:
-            if topo.is_tp_src and hasattr(self.engine, "end_weight_update"):
-                self._end_update(commit=ok)
-        self.stats.seconds = time.perf_counter() - t0
-        if self._unacked:
-            raise handles.HandleError(self._unacked)
+            self.stats = ctx.stats
+        self.step += 1
 
-    def _end_update(self, *, commit: bool) -> None:
-        """Close the engine's update bracket; after a failure, abort it where the engine can (the
-        reference engine then keeps serving its previous weights) instead of committing half."""
-        if commit:
-            self.engine.end_weight_update()
-            return
+    def close(self) -> None:
+        """Close the transport (distributed: destroy the weight-update group). Idempotent; also
+        runs at interpreter exit."""
+        transport, self.transport = getattr(self, "transport", None), None
+        if transport is not None:
+            transport.close()
+
+
+_open: "weakref.WeakSet[FSDPShardingManager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_managers() -> None:
+    for manager in list(_open):
         try:
-            if "abort" in inspect.signature(self.engine.end_weight_update).parameters:
-                self.engine.end_weight_update(abort=True)
-            else:
-                self.engine.end_weight_update()
-        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to report
-            log.warning("fsdp_sync: closing the engine's update after a failed sync: %s", exc)
-
-    def _broadcast_flag(self, value: bool) -> bool:
-        """Infer-TP rank 0's answer on every rank of its group."""
-        if self.topo.tp_size == 1:
-            return value
-        t = torch.tensor([1 if value else 0], dtype=torch.int64)
-        dist.broadcast(t, src=self.topo.tp_src, group=self.topo.tp_group)
-        return bool(t.item())
-
-    def _steps_flattened(self, tagged: bool) -> Iterator[_Call]:
-        cfg, topo = self.config, self.topo
-        plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
-        buffer = _ReusedBuffer(max((b.nbytes for b in plan), default=0), _module_device(self.module))
-        it = export.iter_buckets(self.module, cfg.bucket_bytes, dtype=cfg.dtype,
-                                 fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=buffer.take,
-                                 share_host_memory=cfg.share_host_memory)
-        with closing(it):
-            for i, (bucket, flat) in enumerate(it):
-                obj = {"flattened_tensor": flat, "metadata": sglang_metadata(bucket)}
-                sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
-                self.stats.bytes += bucket.payload_bytes
-                self.stats.tensors += len(bucket.entries)
-                self.stats.buckets += 1
-                del flat, obj
-                yield _Call(sets, sets[0].payloads[0], lambda g: g, "flattened_bucket",
-                            i == len(plan) - 1, f"bucket {i} ({bucket.names[0]}…)",
-                            on_release=buffer.give_back)
-
-    def _steps_per_tensor(self, tagged: bool) -> Iterator[tuple]:
-        cfg, topo = self.config, self.topo
-        n = len(export.param_metas(self.module, cfg.dtype))
-        it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
-        for i, (name, tensor) in enumerate(it):
-            sets = [handles.make_payloads(tensor, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
-            self.stats.bytes += tensor.numel() * tensor.element_size()
-            self.stats.tensors += 1
-            self.stats.buckets += 1
-            del tensor
-            yield _Call(sets, sets[0].payloads[0], lambda g, _n=name: [(_n, _per_rank(g))], None,
-                        i == n - 1, repr(name))
-
-    def _steps_bucketed(self, tagged: bool) -> Iterator[tuple]:
-        cfg, topo = self.config, self.topo
-        plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
-        it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
-        for i, bucket in enumerate(plan):
-            names, sets = [], []
-            for entry in bucket.entries:
-                name, tensor = next(it)
-                if name != entry.name:
-                    raise RuntimeError(f"export order changed: expected {entry.name!r}, got {name!r}")
-                names.append(name)
-                sets.append(handles.make_payloads(tensor, topo.tp_size, ranks=[topo.tp_rank],
-                                                  tagged=tagged))
-                self.stats.bytes += tensor.numel() * tensor.element_size()
-                del tensor
-            self.stats.tensors += len(names)
-            self.stats.buckets += 1
-
-            def named(gathered: list, _names=tuple(names)) -> list:
-                # gathered[tp_rank][j] is tp_rank's payload of tensor j
-                return [(nm, _per_rank([g[j] for g in gathered])) for j, nm in enumerate(_names)]
-
-            yield _Call(sets, [x.payloads[0] for x in sets], named, None, i == len(plan) - 1,
-                        f"bucket {i} ({names[0]}…)")
-
-    def _one_call(self, call: _Call) -> None:
-        """Gather this rank's payloads to infer-TP rank 0, call the engine there, agree, free."""
-        topo = self.topo
-        err = None
-        try:
-            gathered = gather_to_src(call.wire, topo)
-            if topo.is_tp_src:
-                try:
-                    self.engine.update_weights_from_tensor(call.to_named(gathered),
-                                                           load_format=call.load_format,
-                                                           flush_cache=call.last)
-                    self.stats.engine_calls += 1
-                except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-                    err = (f"engine update of {call.what} on {topo.describe()}: "
-                           f"{type(exc).__name__}: {exc}")
-            agree(err, what="weight sync")
-        finally:
-            for s in call.sets:
-                # Acknowledgements are checked without a collective of their own: a missing one
-                # fails this rank's stage, and the stage's closing `agree` tells every rank.
-                missing = [s.ranks[i] for i in s.unacknowledged()]
-                if missing and err is None and self._unacked is None:
-                    self._unacked = (f"engine answered for {call.what} but consumer ranks {missing} "
-                                     f"never acknowledged their payloads ({topo.describe()})")
-                s.release(require_ack=False)
-            if call.on_release is not None:
-                call.on_release()
+            manager.close()
+        except Exception as exc:  # noqa: BLE001 - interpreter exit: report, go on
+            log.warning("fsdp_sync: closing a sharding manager at exit: %s", exc)

@@ -128,6 +128,11 @@ SGLANG_SIGNATURES = {
     "get_weights_by_name": "(name, truncate_size=100)",
     "get_server_info": "()",
     "shutdown": "()",
+    "init_weights_update_group": "(master_address, master_port, rank_offset, world_size, group_name, "
+                                 "backend='nccl')",
+    "update_weights_from_distributed": "(names, dtypes, shapes, group_name='weight_update_group', "
+                                       "flush_cache=True, load_format=None)",
+    "destroy_weights_update_group": "(group_name)",
 }
 
 
@@ -287,6 +292,39 @@ class FakeSGLangEngine(OldFakeSGLangEngine):
         self.session_open = False
         return True, "Success"
 
+    # update_weights_from_distributed: SGLang's answers, without a broadcast (nothing joins a
+    # group here; the SGLang tier receives a real broadcast with SGLang's own code)
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name, backend="nccl"):
+        self._record("init_weights_update_group", master_address=master_address,
+                     master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+                     group_name=group_name, backend=backend)
+        self.groups = getattr(self, "groups", {})
+        self.groups[group_name] = (rank_offset, world_size, backend)
+        return True, "Succeeded to initialize custom process group."
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        flush_cache=True, load_format=None):
+        self._record("update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
+                     group_name=group_name, flush_cache=flush_cache, load_format=load_format)
+        if not self.session_open:
+            return False, ("update_weights_from_distributed must run between begin_weight_update() "
+                           "and end_weight_update()")
+        if group_name not in getattr(self, "groups", {}):
+            return False, f"Group {group_name} not in {list(getattr(self, 'groups', {}))}. " \
+                          f"Please call `init_weights_update_group` first."
+        bad = [d for d in dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
+        if bad:
+            return False, f"Failed to update parameter online: module 'torch' has no attribute {bad[0]!r}"
+        return True, "Succeeded to update parameter online from distributed."
+
+    def destroy_weights_update_group(self, group_name):
+        self._record("destroy_weights_update_group", group_name=group_name)
+        if group_name not in getattr(self, "groups", {}):
+            return False, "The group to be destroyed does not exist."
+        del self.groups[group_name]
+        return True, "Succeeded to destroy custom process group."
+
 
 # --------------------------------------------------------------------------- the fake server
 
@@ -383,6 +421,10 @@ class FakeSGLangServer:
             return (ok if success else bad)({"success": success, "message": message})
         if path == "/end_weight_update":
             success, message = e.end_weight_update()
+            return (ok if success else bad)({"success": success, "message": message})
+        if path in ("/init_weights_update_group", "/update_weights_from_distributed",
+                    "/destroy_weights_update_group") and hasattr(e, path[1:]):
+            success, message = getattr(e, path[1:])(**body)
             return (ok if success else bad)({"success": success, "message": message})
         if path in ("/release_memory_occupation", "/resume_memory_occupation"):
             getattr(e, path[1:])(tags=(body or {}).get("tags"))

@@ -458,3 +458,35 @@ def test_sharding_manager_drives_the_adapter_unchanged():
                                "release_memory_occupation"])
     assert out["tags"][0] == ["weights"] and out["tags"][-2] == ["kv_cache"]
     assert out["tags"][-1] == ["kv_cache", "weights"]
+
+
+def test_distributed_calls_in_process_and_over_http():
+    """init/update/destroy of the weight-update group: SGLang's kwargs in process, its JSON bodies
+    over HTTP, every refusal (no session, unknown group, bad dtype) raised with SGLang's message."""
+    names, dtypes, shapes = ["model.norm.weight"], ["bfloat16"], [[64]]
+    eng = fake.FakeSGLangEngine(tp_size=2)
+    with fake.FakeSGLangServer(tp_size=2) as srv:
+        for a in (sg.SGLangEngine(eng), sg.SGLangEngine(base_url=srv.url, retry_backoff_s=0.01, timeout_s=10)):
+            a.init_weights_update_group("10.0.0.1", 1234, 1, 3, "weight_update_group", "gloo")
+            with pytest.raises(sg.SGLangUpdateError, match="begin_weight_update"):
+                a.update_weights_from_distributed(names, dtypes, shapes, "weight_update_group",
+                                                  flush_cache=False, load_format="flattened_bucket")
+            a.begin_weight_update()
+            a.update_weights_from_distributed(names, dtypes, shapes, "weight_update_group",
+                                              flush_cache=False, load_format="flattened_bucket")
+            with pytest.raises(sg.SGLangUpdateError, match="Group other not in"):
+                a.update_weights_from_distributed(names, dtypes, shapes, "other", flush_cache=False)
+            with pytest.raises(ValueError, match="attribute names"):
+                a.update_weights_from_distributed(names, ["torch.bfloat16"], shapes)
+            a.end_weight_update()
+            a.destroy_weights_update_group("weight_update_group")
+            with pytest.raises(sg.SGLangError, match="does not exist"):
+                a.destroy_weights_update_group("weight_update_group")
+        body = next(b for m, p, b in srv.requests if p == "/update_weights_from_distributed")
+        init = next(b for m, p, b in srv.requests if p == "/init_weights_update_group")
+    assert body == {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": "weight_update_group",
+                    "flush_cache": False, "load_format": "flattened_bucket"}
+    assert init == {"master_address": "10.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 3,
+                    "group_name": "weight_update_group", "backend": "gloo"}
+    calls = [c for c in eng.calls if c[0] == "update_weights_from_distributed"]
+    assert calls[1][1] == {**{k: v for k, v in body.items()}}

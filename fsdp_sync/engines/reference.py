@@ -63,6 +63,38 @@ from .base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, 
 
 __all__ = ["ReferenceEngine"]
 
+
+def _distributed_entries(names: Any, dtypes: Any, shapes: Any, load_format: str | None) -> list[tuple]:
+    """``(name, dtype, shape)`` of an ``update_weights_from_distributed`` call, checked as SGLang's
+    receiver reads them (dtype strings by ``getattr(torch, s)``; flattened: tight offsets)."""
+    if load_format not in (None, "flattened_bucket"):
+        raise WeightUpdateError(f"unknown load_format {load_format!r}; expected None or 'flattened_bucket'")
+    if not (isinstance(names, (list, tuple)) and isinstance(dtypes, (list, tuple))
+            and isinstance(shapes, (list, tuple)) and len(names) == len(dtypes) == len(shapes)):
+        raise WeightUpdateError(f"names, dtypes and shapes are lists of one length, got "
+                                f"{len(names) if hasattr(names, '__len__') else names!r}, "
+                                f"{len(dtypes) if hasattr(dtypes, '__len__') else dtypes!r}, "
+                                f"{len(shapes) if hasattr(shapes, '__len__') else shapes!r}")
+    out, offset = [], 0
+    for name, dt, shape in zip(names, dtypes, shapes):
+        dtype = dt if isinstance(dt, torch.dtype) else getattr(torch, str(dt), None) if isinstance(dt, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise WeightUpdateError(f"bad dtype {dt!r} for {name!r}: expected a torch dtype name such as "
+                                    f"'bfloat16' (not 'torch.bfloat16')", name=name)
+        try:
+            shape = tuple(int(x) for x in shape)
+        except (TypeError, ValueError):
+            raise WeightUpdateError(f"bad shape {shape!r} for {name!r}", name=name) from None
+        if any(x < 0 for x in shape):
+            raise WeightUpdateError(f"bad shape {shape} for {name!r}", name=name)
+        if load_format == "flattened_bucket" and offset % dtype.itemsize:
+            raise WeightUpdateError(f"{name!r} ({dt}) would start at byte {offset} of the flattened "
+                                    f"bucket, not a multiple of its dtype size {dtype.itemsize}: the "
+                                    f"sender must plan buckets so every offset is aligned", name=name)
+        offset += math.prod(shape) * dtype.itemsize
+        out.append((str(name), dtype, shape))
+    return out
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
@@ -136,6 +168,10 @@ class ReferenceEngine:
         call_timeout_s: a worker that answers no call within this long makes the engine unusable.
         transactional_updates: whether begin/end_weight_update make one all-or-nothing transaction
             (costs a CPU copy of what is pushed while loaded weights are being replaced).
+        update_recv_timeout_s: how long a worker waits in a weight-update group (joining it, or a
+            broadcast of ``update_weights_from_distributed``) before it gives up: a sender that
+            died mid-broadcast costs this long, then the update is refused and the previous
+            weights serve. SGLang's own is 30 minutes, not settable.
     """
 
     accepts_tagged_payloads = True
@@ -145,7 +181,8 @@ class ReferenceEngine:
                  mem_fraction: float | None = None, weights_cpu_backup: bool = False, seed: int = 0,
                  *, num_threads: int | None = None, pg_timeout_s: float = 60.0,
                  startup_timeout_s: float = 180.0, call_timeout_s: float | None = 900.0,
-                 use_memory_saver: bool = True, transactional_updates: bool = True):
+                 use_memory_saver: bool = True, transactional_updates: bool = True,
+                 update_recv_timeout_s: float = 60.0):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
         device = str(device)
@@ -184,7 +221,9 @@ class ReferenceEngine:
             "weights_cpu_backup": self.weights_cpu_backup, "seed": int(seed),
             "num_threads": int(num_threads or 1),
             "pg_timeout_s": float(pg_timeout_s), "use_memory_saver": use_memory_saver,
+            "update_recv_timeout_s": float(update_recv_timeout_s),
         }
+        self._update_groups: dict[str, dict] = {}   # weight-update groups the workers joined
         from . import worker as worker_mod
 
         self._w = _Workers()
@@ -393,10 +432,11 @@ class ReferenceEngine:
             if flush_cache:
                 self._raise_errors(self._round("flush_cache"), "flush_cache")
 
-    def _two_phase(self, per_rank: list[list], what: str) -> None:
+    def _two_phase(self, per_rank: list, what: str, cmd: str = "stage") -> None:
         phase = "stage"
         try:
-            staged = self._round("stage", per_rank=[{"items": it} for it in per_rank], what=what)
+            args = [{"items": it} for it in per_rank] if cmd == "stage" else per_rank
+            staged = self._round(cmd, per_rank=args, what=what)
             errs = {r: rep for r, rep in staged.items() if rep[0] != "ok"}
             if errs:
                 phase = "aborted"
@@ -415,6 +455,107 @@ class ReferenceEngine:
             elif phase == "commit" and not isinstance(exc, EngineError):
                 self._broken = self._broken or f"{what}: interrupted while committing ({exc!r})"
             raise
+
+    # ------------------------------------------------------------------ update_weights_from_distributed
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> None:
+        """Join SGLang's weight-update group: TP worker r as rank ``rank_offset + r`` of
+        ``world_size``, the trainer as rank 0 (hosting the store at ``master_address:master_port``).
+        Blocks until every rank has joined. A group of the same name is replaced (SGLang leaks it)."""
+        what = f"init_weights_update_group({group_name!r})"
+        if not group_name:
+            raise WeightUpdateError(f"{what}: the group name must not be empty")
+        if not (isinstance(rank_offset, int) and rank_offset >= 1
+                and isinstance(world_size, int) and rank_offset + self.tp_size <= world_size):
+            raise WeightUpdateError(f"{what}: ranks {rank_offset}..{rank_offset + self.tp_size - 1} "
+                                    f"(rank_offset {rank_offset!r}, tp {self.tp_size}) do not fit a "
+                                    f"group of world_size {world_size!r} whose rank 0 is the trainer")
+        with self._lock:
+            self._check_usable()
+            if group_name in self._update_groups:
+                self._destroy_group(group_name)
+            args = [{"group_name": group_name, "backend": str(backend), "master_address": str(master_address),
+                     "master_port": int(master_port), "world_size": world_size,
+                     "rank": rank_offset + r} for r in range(self.tp_size)]
+            replies = self._round("join_group", per_rank=args, what=what)
+            if any(rep[0] != "ok" for rep in replies.values()):
+                self._round("leave_group", {"group_name": group_name}, what=what + " (undo)", timeout=10.0)
+                self._raise_errors(replies, what)
+            self._update_groups[group_name] = {"world_size": world_size, "rank_offset": rank_offset,
+                                               "backend": str(backend)}
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave the group on every worker. An unknown name is refused, as SGLang does."""
+        with self._lock:
+            if group_name not in self._update_groups:
+                raise WeightUpdateError(f"destroy_weights_update_group: no group {group_name!r} "
+                                        f"(known: {sorted(self._update_groups)})")
+            self._check_usable()
+            self._destroy_group(group_name)
+
+    def _destroy_group(self, group_name: str) -> None:
+        self._update_groups.pop(group_name, None)
+        alive = [r for r, p in enumerate(self._w.procs) if p.is_alive()]
+        self._raise_errors(self._round("leave_group", {"group_name": group_name}, ranks=alive,
+                                       what=f"destroy_weights_update_group({group_name!r})", timeout=30.0),
+                           "destroy_weights_update_group")
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                        group_name: str = "weight_update_group",
+                                        flush_cache: bool = True, load_format: str | None = None) -> None:
+        """Receive tensors broadcast by rank 0 of ``group_name`` and load them, all or nothing.
+
+        ``load_format=None``: one broadcast per tensor, in ``names`` order. ``"flattened_bucket"``:
+        one broadcast of all of them, tightly packed in ``names`` order (each offset a multiple of
+        its dtype size). dtypes are torch attribute names (``"bfloat16"``). Refused before any
+        worker joins the broadcast: no open `begin_weight_update`, an unknown group, a bad dtype,
+        shape or layout, lengths that differ. A sender that dies mid-broadcast makes the workers
+        give up after ``update_recv_timeout_s``; the group is then dropped (make it again) and the
+        previous weights serve."""
+        what = f"update_weights_from_distributed(load_format={load_format!r}, {len(names)} tensors)"
+        with self._lock:
+            self._check_usable()
+            if not self._in_txn:
+                raise EngineStateError(f"{what}: no open weight update: call begin_weight_update() "
+                                       f"first (SGLang 0.5.21+ refuses updates outside begin/end)")
+            if self._txn_aborted is not None:
+                raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
+                                        f"({self._txn_aborted}); call end_weight_update() and start again")
+            try:
+                entries = _distributed_entries(names, dtypes, shapes, load_format)
+                for name, dtype, shape in entries:   # checked before joining: the sender learns at once
+                    if not self.layout.accepts(name):
+                        raise WeightUpdateError(f"unknown parameter {name!r}: not a {self.spec.model_type} "
+                                                f"parameter name of this model (e.g. {self.hf_names()[1]!r})",
+                                                name=name)
+                    if dtype != self.dtype:
+                        raise WeightUpdateError(f"expected dtype {str(self.dtype).removeprefix('torch.')} "
+                                                f"for {name!r}, got {str(dtype).removeprefix('torch.')}",
+                                                name=name)
+                    if shape != tuple(self.layout.full_shape(name)):
+                        raise WeightUpdateError(f"expected shape {tuple(self.layout.full_shape(name))} for "
+                                                f"{name!r}, got {shape}", name=name)
+                if group_name not in self._update_groups:
+                    raise WeightUpdateError(f"unknown weight-update group {group_name!r} (known: "
+                                            f"{sorted(self._update_groups)}); call init_weights_update_group first")
+            except WeightUpdateError as exc:
+                self._abort_all(what, str(exc))
+                raise WeightUpdateError(f"{what}: {exc}", name=exc.name) from None
+            spec = {"group_name": group_name, "load_format": load_format, "entries": entries}
+            try:
+                self._two_phase([spec] * self.tp_size, what, cmd="stage_broadcast")
+            except WeightUpdateError:
+                # a receive that failed (sender gone, timeout) leaves the group unusable: drop it
+                if any(not p.is_alive() for p in self._w.procs) or self._broken:
+                    raise
+                try:
+                    self._destroy_group(group_name)
+                except EngineError:
+                    pass
+                raise
+            if flush_cache:
+                self._raise_errors(self._round("flush_cache"), "flush_cache")
 
     def _abort_all(self, what: str, reason: str) -> None:
         """Tell every live worker to drop the update (and the open transaction)."""
@@ -705,6 +846,11 @@ class ReferenceEngine:
         return checksum_named_tensors(self.named_full_tensors())
 
     # ------------------------------------------------------------------ test hooks
+    def _receive_raw(self, group_name: str, nbytes: int, count: int) -> None:
+        """Benchmark hook: every worker receives ``count`` bare broadcasts of ``nbytes`` from rank
+        0 of the update group and drops them (the floor of ``update_weights_from_distributed``)."""
+        self._call("receive_raw", {"group_name": group_name, "nbytes": nbytes, "count": count})
+
     def _set_fault(self, rank: int, fault: str | None) -> None:
         """Test hook: ``"die_in_stage"`` makes worker ``rank`` SIGKILL itself while staging an update."""
         with self._lock:

@@ -666,6 +666,52 @@ class SGLangEngine:
             self.update_weights_from_tensor(payloads, load_format=FLATTENED_BUCKET,
                                             flush_cache=flush_cache)
 
+    # ---------------------------------------------------------------- update_weights_from_distributed
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> None:
+        """SGLang joins its TP workers to the weight-update group (ranks ``rank_offset + tp_rank``);
+        blocks until every rank, the trainer (rank 0) included, has joined."""
+        body = {"master_address": master_address, "master_port": int(master_port),
+                "rank_offset": int(rank_offset), "world_size": int(world_size),
+                "group_name": group_name, "backend": backend}
+        self._distributed_call("init_weights_update_group", body)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list,
+                                        group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        load_format: str | None = None) -> None:
+        """SGLang receives the broadcast of ``names`` (dtypes as torch attribute names, e.g.
+        ``"bfloat16"``) from rank 0 of ``group_name`` and loads it. ``load_format``: None (one
+        broadcast per tensor) or ``"flattened_bucket"`` (one tightly packed broadcast). Call
+        between `begin_weight_update` and `end_weight_update`; send the broadcast while this runs."""
+        bad = [d for d in dtypes if not isinstance(d, str) or d.startswith("torch.")]
+        if bad:
+            raise ValueError(f"dtypes travel as torch attribute names such as 'bfloat16' (SGLang "
+                             f"resolves them with getattr(torch, name)), got {bad[:3]}")
+        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                "group_name": group_name, "flush_cache": bool(flush_cache), "load_format": load_format}
+        self._distributed_call("update_weights_from_distributed", body, error=SGLangUpdateError)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """SGLang leaves the group; an unknown name is refused."""
+        self._distributed_call("destroy_weights_update_group", {"group_name": group_name})
+
+    def _distributed_call(self, name: str, body: dict, *, error=SGLangError) -> None:
+        self._check_open(name)
+        try:
+            if self._http:
+                answer = self._http.json("POST", f"/{name}", body, error=error)
+            else:
+                answer = self._local.call(name, **body)
+        except _Missing:
+            raise SGLangError(f"this SGLang engine has no {name} (needs a version with "
+                              f"update_weights_from_distributed)", call=name) from None
+        except _NotFound as e:
+            raise e.error from None
+        _check_answer(name, answer, error=error, where=self.where)
+
     def begin_weight_update(self) -> None:
         """Open SGLang's weight-update session (0.5.21+); skipped on engines without one."""
         self._session_call("begin_weight_update")

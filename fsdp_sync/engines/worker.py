@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import hashlib
+import math
 import os
 import pickle
 import signal
@@ -140,6 +141,7 @@ class Worker:
         self.received: list[handles.Received] = []
         self.txn: _Txn | None = None
         self.fault: str | None = None
+        self.update_groups: dict[str, Any] = {}     # weight-update groups (group name -> ProcessGroup)
         self.closed = False
 
     # ----------------------------------------------------------------- memory
@@ -698,15 +700,96 @@ class Worker:
             return self.memory_stats()
         if cmd == "shard_checksum":
             return self.shard_checksum()
+        if cmd == "join_group":
+            return self.join_group(args)
+        if cmd == "leave_group":
+            return self.leave_group(args["group_name"])
+        if cmd == "stage_broadcast":
+            return self.stage(self.receive_broadcast(args))
+        if cmd == "receive_raw":      # benchmark floor: bare broadcasts, received and dropped
+            import torch.distributed as dist
+
+            buf = torch.empty(int(args["nbytes"]), dtype=torch.uint8, device=self.device)
+            for _ in range(int(args["count"])):
+                dist.broadcast(buf, src=0, group=self.update_groups[args["group_name"]])
+            return None
         if cmd == "set_fault":
             self.fault = args["fault"]
             return None
         raise WorkerError(KIND_OTHER, f"unknown command {cmd!r}")
 
+    # ----------------------------------------------------------------- update_weights_from_distributed
+    def join_group(self, a: dict) -> dict:
+        from ..transport.group import new_update_group
+
+        self.leave_group(a["group_name"])
+        try:
+            self.update_groups[a["group_name"]] = new_update_group(
+                backend=a["backend"], master_address=a["master_address"], master_port=a["master_port"],
+                world_size=a["world_size"], rank=a["rank"], group_name=a["group_name"],
+                timeout_s=float(self.opts.get("update_recv_timeout_s", 60.0)))
+        except Exception as exc:  # noqa: BLE001 - reported to the engine
+            raise WorkerError(KIND_UPDATE, f"TP rank {self.rank} could not join weight-update group "
+                                           f"{a['group_name']!r} at {a['master_address']}:{a['master_port']} "
+                                           f"as rank {a['rank']}/{a['world_size']}: {exc}") from exc
+        return {}
+
+    def leave_group(self, group_name: str) -> dict:
+        from ..transport.group import destroy_update_group
+
+        pg = self.update_groups.pop(group_name, None)
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - destroying it is what matters
+                pass
+            destroy_update_group(pg)
+        return {}
+
+    def receive_broadcast(self, a: dict) -> list:
+        """Receive one ``update_weights_from_distributed`` call's tensors from group rank 0, as
+        SGLang's receiver does (per tensor, or one tight flattened buffer), into fresh buffers;
+        returns stage items. Nothing is written to the weights here."""
+        import torch.distributed as dist
+
+        name = a["group_name"]
+        pg = self.update_groups.get(name)
+        if pg is None:
+            raise WorkerError(KIND_UPDATE, f"TP rank {self.rank} is not in weight-update group {name!r}")
+        entries = a["entries"]
+        try:
+            if a["load_format"] == "flattened_bucket":
+                total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
+                flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+                if total:
+                    dist.broadcast(flat, src=0, group=pg)
+                out, off = [], 0
+                for n, d, s in entries:
+                    nb = math.prod(s) * d.itemsize
+                    out.append((n, flat[off:off + nb].view(d).view(s)))
+                    off += nb
+            else:
+                out = [(n, torch.empty(s, dtype=d, device=self.device)) for n, d, s in entries]
+                works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out if t.numel()]
+                for w in works:
+                    w.wait()
+        except Exception as exc:  # noqa: BLE001 - a torn receive: the group is unusable now
+            self.leave_group(name)
+            raise WorkerError(KIND_UPDATE, f"TP rank {self.rank}: receiving {len(entries)} tensors "
+                                           f"(first {entries[0][0]!r}) over weight-update group {name!r} "
+                                           f"failed, nothing was loaded and the group was left: "
+                                           f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+        return [("tensor", "hf", n, t) for n, t in out]
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        for name in list(self.update_groups):
+            try:
+                self.leave_group(name)
+            except Exception:  # noqa: BLE001 - shutting down
+                pass
         self.abort("shutdown")
         self.txn = None
         self.model.params, self.kv, self.backup = {}, None, None
@@ -772,7 +855,7 @@ def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> 
             try:
                 reply = (seq, "ok", worker.handle(cmd, args))
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to the engine
-                if cmd == "stage":            # nothing of a failed stage survives on this rank
+                if cmd in ("stage", "stage_broadcast"):   # nothing of a failed stage survives here
                     worker.call = None
                     worker._ack_all()
                 reply = (seq, *_error_reply(exc))

@@ -6,8 +6,11 @@
                      weight-update group, ``update_weights_from_distributed``
     disk.py          a versioned safetensors checkpoint per sync, ``update_weights_from_disk``
 
+    group.py         SGLang's weight-update group, made as SGLang makes it (both ends use it)
+
 A transport is any object with the attributes and methods of `Transport`. There is no base class
 to inherit from: the manager only calls ``sync(ctx)`` and ``close()`` and reads ``colocated``.
+`make_transport(config)` builds the one ``config.method`` names (disk imported only then).
 
 Not here: export and bucket planning (shared by all three, in `export` and `bucket`), and the
 stages around the sync (the manager).
@@ -20,7 +23,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-__all__ = ["Transport", "SyncContext", "SyncStats", "METHODS"]
+__all__ = ["Transport", "SyncContext", "SyncStats", "METHODS", "make_transport"]
 
 METHODS = ("tensor", "distributed", "disk")
 
@@ -67,3 +70,18 @@ class Transport(Protocol):
     def sync(self, ctx: SyncContext) -> None: ...
 
     def close(self) -> None: ...
+
+
+def make_transport(config: Any) -> Transport:
+    """The transport of ``config.method`` (a `SyncConfig`); disk is imported only when asked for."""
+    method = getattr(config, "method", "tensor")
+    if method == "tensor":
+        from .tensor import TensorTransport
+        return TensorTransport(config)
+    if method == "distributed":
+        from .distributed import DistributedTransport
+        return DistributedTransport(config)
+    if method == "disk":
+        from .disk import DiskTransport
+        return DiskTransport(config)
+    raise ValueError(f"unknown update method {method!r}; expected one of {METHODS}")

@@ -154,6 +154,12 @@ def drive_adapter(target) -> None:
     a.begin_weight_update()
     a.update_weights_from_bucket(named[:3], flush_cache=False)
     a.update_weights_from_tensor([(n, t) for n, t in named[3:]], load_format=None)
+    a.init_weights_update_group("127.0.0.1", 29999, 1, 1 + a.tp_size, "weight_update_group", "gloo")
+    a.update_weights_from_distributed([named[0][0]], [str(named[0][1].dtype).removeprefix("torch.")],
+                                      [list(named[0][1].shape)],
+                                      "weight_update_group", flush_cache=False,
+                                      load_format="flattened_bucket")
+    a.destroy_weights_update_group("weight_update_group")
     a.end_weight_update()
     with tempfile.TemporaryDirectory() as d:     # the disk method: a checkpoint SGLang reloads
         from safetensors.torch import save_file
@@ -227,6 +233,9 @@ REQUEST_CLASSES = {
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
     "/get_weights_by_name": "GetWeightsByNameReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/generate": "GenerateReqInput",
 }
 

@@ -1,0 +1,187 @@
+"""`fsdp-sync bench --methods`: the disaggregated update methods' rows, each beside its own floor.
+
+Called by `bench.bench_rank` on every trainer rank of a job, for each method other than
+``tensor`` (whose rows `bench` measures with the colocated engine):
+
+- ``distributed``: a `ReferenceEngine` of the job's TP size held by trainer rank 0, its workers in
+  processes of their own (outside the trainer's world). Rows: the flattened-bucket format per
+  bucket size, and the per-tensor format (``load_format=None``, the baseline). Floor, measured in
+  the same job on the same groups: a bare gather of the same bytes to rank 0 in bucket-sized
+  pieces over the trainer's group, plus bare broadcasts of the same bytes over the update group
+  (the engine workers receive and drop them: `ReferenceEngine._receive_raw`).
+- ``disk``: the checkpoint transport (`transport.disk`) and its floor `transport.disk.disk_floor`;
+  skipped with a note when this build has no disk method.
+
+``peak_extra_bytes`` is the largest rise of any one process's RSS (every trainer rank and every
+engine worker, sampled from trainer rank 0) above its level before the sync stage.
+
+Not here: the colocated rows, the sweep and the table (`bench`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+MiB = 2**20
+
+
+def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, device: str,
+                       repeats: int) -> float:
+    """Bare gather of ``total`` bytes to rank 0 (bucket-sized pieces) + bare broadcasts of them."""
+    import concurrent.futures as cf
+
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    piece = max(1, min(bucket, total))
+    per_rank = (piece + world - 1) // world
+    n = (total + piece - 1) // piece
+    dev = "cuda" if device == "cuda" else "cpu"
+    send = torch.ones(per_rank, dtype=torch.uint8, device=dev)
+    rows = [torch.empty(per_rank, dtype=torch.uint8, device=dev) for _ in range(world)] if rank == 0 else None
+    flat = torch.ones(piece, dtype=torch.uint8, device=dev)
+    pool = cf.ThreadPoolExecutor(1) if rank == 0 else None
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.gather(send, rows, dst=0)
+            if rank == 0:
+                fut = pool.submit(engine._receive_raw, transport.config.dist_group_name, piece, n)
+                for _ in range(n):
+                    dist.broadcast(flat, src=0, group=transport.pg)
+                fut.result()
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return statistics.median(times[1:])
+
+
+def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: Any, params: int,
+                tensors: int, method: str, pids: list, largest: int) -> list[dict]:
+    """This job's rows of ``method`` (returned on rank 0; [] elsewhere)."""
+    import torch.distributed as dist
+
+    from .bench import DeviceSampler
+    from .config import SyncConfig
+    from .engines import ReferenceEngine
+    from .manager import FSDPShardingManager
+
+    dtype = getattr(torch, job.dtype)
+    if method == "disk":
+        try:
+            from .transport.disk import disk_floor  # noqa: F401
+        except ImportError:
+            return [{"method": "disk", "skipped": "this build has no disk method"}] if rank == 0 else []
+    engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype) \
+        if rank == 0 else None
+    rows: list[dict] = []
+    try:
+        variants = ([("flattened_bucket", b) for b in job.bucket_mb] + [("per_tensor", job.bucket_mb[0])]
+                    if method == "distributed" else [("checkpoint", b) for b in job.bucket_mb])
+        baseline = None
+        for fmt, bucket_mb in variants:
+            bucket_bytes = int(bucket_mb * MiB)
+            extra = {"dist_format": fmt} if method == "distributed" else {}
+            workdir = None
+            if method == "disk":
+                # a fresh directory per row: versions are never overwritten, and the manager
+                # numbers its syncs from 0. Only rank 0's name is used (the ranks share a host).
+                import tempfile
+                box = [tempfile.mkdtemp(prefix="fsdp-sync-bench-disk-") if rank == 0 else None]
+                dist.broadcast_object_list(box, src=0)
+                workdir = box[0]
+                extra = {"disk_dir": workdir}
+            conf = SyncConfig(method=method, bucket_bytes=bucket_bytes, dtype=dtype, memory_probe="off",
+                              dist_master_address="127.0.0.1", **extra)
+            manager = FSDPShardingManager(model, engine, config=conf)
+            try:
+                for _ in range(job.warmup):
+                    with manager:
+                        pass
+                secs = []
+                for _ in range(job.repeats):
+                    dist.barrier()
+                    with manager:
+                        pass
+                    secs.append(manager.stats.seconds)
+                stats = manager.stats
+                sampler = None
+                if rank == 0:
+                    workers = list(getattr(engine, "worker_pids", []) or [])
+                    sampler = DeviceSampler([(p, None) for p in list(pids) + workers])
+                dist.barrier()
+                if sampler:
+                    sampler.__enter__()
+                with manager:
+                    pass
+                if sampler:
+                    sampler.__exit__(None, None, None)
+                if method == "distributed":
+                    floor = _floor_distributed(manager.transport, engine, stats.bytes, bucket_bytes,
+                                               job.device, max(job.repeats, 5))
+                else:
+                    from .transport.disk import disk_floor
+                    floor = statistics.median(
+                        disk_floor(stats.bytes, workdir, files=max(stats.buckets, 1))
+                        for _ in range(max(job.repeats, 5))) if rank == 0 else None
+                med = statistics.median(secs)
+                if fmt == "per_tensor":
+                    baseline = med
+                if rank == 0:
+                    rows.append(_row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med,
+                                     floor, manager, sampler, largest))
+                    names = [f"trainer rank {r}" for r in range(len(pids))] + \
+                        [f"engine worker {j}" for j in range(len(getattr(engine, "worker_pids", []) or []))]
+                    rows[-1]["peak_extra_by_process"] = dict(zip(names, rows[-1].pop("_peaks")))
+            finally:
+                manager.close()
+                if workdir is not None:
+                    dist.barrier()
+                    if rank == 0:
+                        import shutil
+                        shutil.rmtree(workdir, ignore_errors=True)
+        for r in rows:
+            r["baseline_seconds"] = baseline
+            r["speedup_vs_baseline"] = (baseline / r["seconds"]) if baseline else None
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return rows
+
+
+def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floor, manager, sampler,
+         largest) -> dict:
+    timeline = manager.timeline.to_dict()
+    peak, peaks = 0, []
+    if sampler is not None and sampler.samples:
+        t0 = t1 = None
+        for st in timeline:
+            if st["name"] == "sync_weights":
+                t0 = st["started"] - sampler.t0
+                t1 = t0 + st["seconds"]
+        before = [s for ts, s in sampler.samples if t0 is not None and ts <= t0] or [sampler.samples[0][1]]
+        during = [s for ts, s in sampler.samples if t0 is not None and t0 <= ts <= t1] or \
+            [s for _, s in sampler.samples]
+        base = before[-1]
+        peaks = [max(s[j] - base[j] for s in during) for j in range(len(base))]
+        peak = max(peaks)
+    return {
+        "method": method, "strategy": f"{method}:{fmt}", "model": job.model, "params": params,
+        "tensors": tensors, "bytes": stats.bytes, "bucket_bytes": bucket_bytes,
+        "largest_tensor_bytes": largest, "ranks": job.ranks, "tp": job.tp,
+        "multi_stage": job.multi_stage, "device": job.device, "dtype": job.dtype, "seconds": med,
+        "repeats": secs, "floor_seconds": floor, "baseline_seconds": None,
+        "peak_extra_bytes": int(peak), "memory_budget_bytes": 2 * bucket_bytes + largest,
+        "engine_calls": stats.engine_calls, "buckets": stats.buckets, "stages": timeline,
+        "memory_curve": [], "share_host_memory": False, "floor_shared_seconds": None,
+        "_peaks": [int(p) for p in peaks],
+    }

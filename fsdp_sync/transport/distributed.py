@@ -1,0 +1,365 @@
+"""The disaggregated method: a broadcast over SGLang's weight-update group (``method="distributed"``).
+
+The rollout engines run on devices of their own, outside the trainer's world. Trainer rank 0 holds
+the engine handles (one per rollout replica) and, at the first sync, makes the update group as
+SGLang 0.5.23 makes it (`group.new_update_group`): the trainer is rank 0, engine i's TP workers are
+ranks ``rank_offset_i + tp_rank`` with ``rank_offset_i = 1 + sum(tp_j, j < i)``, ``world_size =
+1 + sum(tp_i)``, a ``tcp://`` store on trainer rank 0 behind ``PrefixStore(group_name)``. The
+group lives until `close` (the manager's ``close`` and interpreter exit).
+
+One sync, per bucket k (buckets planned by `bucket.plan_tight`: SGLang's tight layout, every offset
+a multiple of its dtype size, checked before any request goes out):
+
+    every trainer rank   gather bucket k to trainer rank 0 (the others send their shards only)
+    trainer rank 0       send each engine its request (a thread per engine), then broadcast
+                         bucket k (async); meanwhile every rank gathers bucket k+1 into the other
+                         of two buffers; then wait for bucket k: the broadcast done and every
+                         engine's answer, raced, so an engine that refuses (no open update,
+                         unknown group, bad dtype, bad layout: it never joins the broadcast) is
+                         seen at once, the pending broadcast aborted
+    every trainer rank   `agree`: a refusal raises the same `SyncError` on every rank
+
+``dist_format="flattened_bucket"`` (default) sends one broadcast per bucket; ``"per_tensor"`` sends
+SGLang's ``load_format=None`` request (one broadcast per tensor, in names order) as the baseline.
+Engine calls go inside ``begin_weight_update``/``end_weight_update`` where the engine has them,
+``flush_cache=False`` per bucket and one ``flush_cache()`` at the end. After a failure the group
+is torn down on both ends and made again at the next sync.
+
+Not here: export (`export.iter_buckets` with ``dst``), the group's making (`group`), engines.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import inspect
+import logging
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import export
+from ..bucket import Bucket, check_tight, dtype_name, plan_tight
+from ..launch import free_port
+from ..topology import agree
+from . import SyncContext, SyncStats
+from .group import destroy_update_group, new_update_group
+
+__all__ = ["DistributedTransport", "outward_address"]
+
+log = logging.getLogger("fsdp_sync")
+
+_POLL_S = 0.002
+
+
+def outward_address() -> str:
+    """This host's address as other hosts reach it (a UDP connect sends no packet); 127.0.0.1
+    where there is no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _engine_tp(engine: Any) -> int:
+    tp = getattr(engine, "tp_size", None)
+    tp = tp() if callable(tp) else tp
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"cannot tell the TP size of engine {engine!r} (tp_size = {tp!r}); the "
+                         f"update group's ranks depend on it")
+    return tp
+
+
+class _Pending:
+    """One bucket in flight on trainer rank 0: its broadcasts and each engine's answer."""
+
+    def __init__(self, what: str, works: list, futures: list) -> None:
+        self.what, self.works, self.futures = what, works, futures
+
+
+class DistributedTransport:
+    """``method="distributed"``: disaggregated engines held by trainer rank 0. See the module."""
+
+    method = "distributed"
+    colocated = False
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.pg: Any = None               # the update group, on trainer rank 0 only
+        self.engines: list = []           # the engines the group was made with
+        self.broken = False               # torn down after a failure: remake at the next sync
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ group
+    def _backend(self, device: torch.device) -> str:
+        return self.config.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+
+    def _open_group(self, engines: list, device: torch.device) -> None:
+        """Trainer rank 0: make the update group with every engine (at the first sync)."""
+        cfg = self.config
+        if self.pg is not None and not self.broken and engines == self.engines:
+            return
+        self._drop_group(engines)
+        tps = [_engine_tp(e) for e in engines]
+        world = 1 + sum(tps)
+        address = cfg.dist_master_address or outward_address()
+        port = cfg.dist_master_port or free_port()
+        backend = self._backend(device)
+        pool = self._executor(len(engines))
+        futures, offset = [], 1
+        for engine, tp in zip(engines, tps):
+            futures.append(pool.submit(engine.init_weights_update_group, master_address=address,
+                                       master_port=port, rank_offset=offset, world_size=world,
+                                       group_name=cfg.dist_group_name, backend=backend))
+            offset += tp
+        try:
+            pg = new_update_group(backend=backend, master_address=address, master_port=port,
+                                  world_size=world, rank=0, group_name=cfg.dist_group_name,
+                                  timeout_s=cfg.dist_timeout_s)
+        except Exception as exc:
+            errs = [f.exception() for f in futures if f.done() and f.exception() is not None]
+            if "already been created" in str(exc):
+                errs.append(f"a group named {cfg.dist_group_name!r} exists in this process already: "
+                            f"close() the manager that made it, or give this one another dist_group_name")
+            raise RuntimeError(f"making the weight-update group {cfg.dist_group_name!r} at "
+                               f"{address}:{port} (world size {world}, engines' TP sizes {tps}) "
+                               f"failed: {exc}" + (f"; an engine said: {errs[0]}" if errs else "")) from exc
+        for i, f in enumerate(futures):
+            try:
+                _check_answer(f.result(timeout=cfg.dist_timeout_s), f"engine {i} init_weights_update_group")
+            except Exception:
+                pg.abort()
+                destroy_update_group(pg)
+                raise
+        self.pg, self.engines, self.broken = pg, list(engines), False
+        log.info("fsdp_sync: weight-update group %r: %s:%d, world size %d (%s), backend %s",
+                 cfg.dist_group_name, address, port, world, tps, backend)
+
+    def _drop_group(self, engines: list) -> None:
+        """Tear the group down on both ends: the engines first (their workers close their
+        connections, which ends a broadcast of ours still pending: gloo's destructor would wait
+        for it), then ours. Errors are logged: a dead engine cannot answer."""
+        if self.pg is None:
+            self.engines = []
+            return
+        try:
+            self.pg.abort()
+        except Exception:  # noqa: BLE001 - destroying it is what matters
+            pass
+        for engine in self.engines or engines:
+            try:
+                _check_answer(engine.destroy_weights_update_group(self.config.dist_group_name),
+                              "destroy_weights_update_group")
+            except Exception as exc:  # noqa: BLE001
+                log.warning("fsdp_sync: an engine's destroy_weights_update_group: %s", exc)
+        pg, self.pg, self.engines = self.pg, None, []
+        try:
+            destroy_update_group(pg)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("fsdp_sync: destroying the weight-update group: %s", exc)
+        del pg
+
+    def _executor(self, n: int) -> cf.ThreadPoolExecutor:
+        if self._pool is None or self._pool._max_workers < n:   # noqa: SLF001 - grow only
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = cf.ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="fsdp_sync-engine")
+        return self._pool
+
+    def close(self) -> None:
+        """Destroy the update group on both ends; idempotent."""
+        try:
+            self._drop_group(self.engines)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    # ------------------------------------------------------------------ sync
+    def sync(self, ctx: SyncContext) -> None:
+        cfg, group = self.config, ctx.group
+        t0 = time.perf_counter()
+        stats = ctx.stats = SyncStats()
+        me = dist.get_rank(group) if dist.is_initialized() else 0
+        engines = list(ctx.engines) if me == 0 else []
+        device = _module_device(ctx.module)
+        metas = export.param_metas(ctx.module, cfg.dtype)
+        plan = plan_tight(metas, cfg.bucket_bytes)   # pure: the same on every rank
+        err: Any = None
+        if me == 0:
+            try:
+                for b in plan:
+                    check_tight(b)
+                self._open_group(engines, device)
+                for e in engines:
+                    if hasattr(e, "begin_weight_update"):
+                        _begin(e)
+            except Exception as exc:  # noqa: BLE001 - every trainer rank must hear of it
+                err = f"opening the weight update on trainer rank 0: {type(exc).__name__}: {exc}"
+        _agree(err, group, "distributed weight sync")
+        ok = False
+        try:
+            self._send(ctx, engines, plan, device, stats)
+            ok = True
+        finally:
+            if me == 0:
+                self._end(engines, ok)
+        if me == 0:
+            errs = []
+            for e in engines:
+                try:
+                    e.flush_cache()
+                except Exception as exc:  # noqa: BLE001
+                    errs.append(exc)
+            err = f"flush_cache after the update: {errs[0]}" if errs else None
+        _agree(err, group, "distributed weight sync")
+        stats.engine_calls += len(engines)
+        stats.seconds = time.perf_counter() - t0
+
+    def _send(self, ctx: SyncContext, engines: list, plan: list[Bucket], device: torch.device,
+              stats: SyncStats) -> None:
+        cfg, group = self.config, ctx.group
+        me = dist.get_rank(group) if dist.is_initialized() else 0
+        size = max((b.nbytes for b in plan), default=0)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        turn = [0]
+
+        def alloc(nbytes: int) -> torch.Tensor:   # two buffers in turn: k+1 fills while k is sent
+            buf = buffers[turn[0] % 2]
+            turn[0] += 1
+            return buf[:nbytes]
+
+        it = export.iter_buckets(ctx.module, cfg.bucket_bytes, dtype=cfg.dtype,
+                                 fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=alloc, plan=plan,
+                                 dst=0 if dist.is_initialized() else None)
+        pending: _Pending | None = None
+        try:
+            for k, (bkt, flat) in enumerate(it):      # gathers bucket k (k-1 is still on the wire)
+                if k:   # every rank: bucket k-1's outcome (rank 0 waits for it here)
+                    err, pending = (self._finish(pending) if pending is not None else None), None
+                    _agree(err, group, "distributed weight sync")
+                if me == 0:
+                    pending = self._launch(engines, bkt, flat, f"bucket {k} ({bkt.names[0]}…)")
+                stats.bytes += bkt.payload_bytes
+                stats.tensors += len(bkt.entries)
+                stats.buckets += 1
+                del flat
+            if plan:     # every rank: one agree per bucket, the last one here
+                err, pending = (self._finish(pending) if pending is not None else None), None
+                _agree(err, group, "distributed weight sync")
+        finally:
+            it.close()
+            if pending is not None:          # an exception of our own between launch and finish
+                self._abandon(pending, "the sync failed on trainer rank 0")
+
+    def _launch(self, engines: list, bkt: Bucket, flat: torch.Tensor, what: str) -> _Pending:
+        """Requests first (each engine blocks in its receive), then the broadcast(s), async."""
+        cfg = self.config
+        per_tensor = cfg.dist_format == "per_tensor"
+        body = dict(names=bkt.names, dtypes=[dtype_name(e.dtype) for e in bkt.entries],
+                    shapes=[list(e.shape) for e in bkt.entries], group_name=cfg.dist_group_name,
+                    flush_cache=False, load_format=None if per_tensor else "flattened_bucket")
+        pool = self._executor(len(engines))
+        futures = [pool.submit(e.update_weights_from_distributed, **body) for e in engines]
+        if per_tensor:
+            works = [dist.broadcast(flat[e.start:e.end].view(e.dtype), src=0, group=self.pg,
+                                    async_op=True) for e in bkt.entries if e.nbytes]
+        else:
+            works = [dist.broadcast(flat, src=0, group=self.pg, async_op=True)] if bkt.nbytes else []
+        return _Pending(what, works, futures)
+
+    def _finish(self, p: _Pending) -> str | None:
+        """Wait for one bucket: broadcasts done and every engine answered. An engine's error ends
+        the wait at once (a refusing engine never joins the broadcast)."""
+        deadline = time.monotonic() + self.config.dist_timeout_s
+        while True:
+            for i, f in enumerate(p.futures):
+                if f.done() and f.exception() is not None:
+                    return self._abandon(p, f"engine {i} refused {p.what}: "
+                                            f"{type(f.exception()).__name__}: {f.exception()}")
+            sent = all(w.is_completed() for w in p.works)
+            if sent and all(f.done() for f in p.futures):
+                break
+            if time.monotonic() > deadline:
+                return self._abandon(p, f"{p.what}: no answer within dist_timeout_s="
+                                        f"{self.config.dist_timeout_s}s (broadcast done: {sent})")
+            time.sleep(_POLL_S)
+        try:
+            for w in p.works:
+                w.wait()
+            for i, f in enumerate(p.futures):
+                _check_answer(f.result(), f"engine {i} update_weights_from_distributed")
+        except Exception as exc:  # noqa: BLE001
+            return self._abandon(p, f"{p.what}: {type(exc).__name__}: {exc}")
+        return None
+
+    def _abandon(self, p: _Pending, message: str) -> str:
+        """A failed bucket: abort our end of the group (the pending broadcast with it) and mark
+        the group for remaking; the engines end their receive (error or timeout) on their own."""
+        self.broken = True
+        if self.pg is not None:
+            try:
+                self.pg.abort()
+            except Exception:  # noqa: BLE001
+                pass
+        return message
+
+    def _end(self, engines: list, ok: bool) -> None:
+        for e in engines:
+            if not hasattr(e, "end_weight_update"):
+                continue
+            try:
+                if ok:
+                    e.end_weight_update()
+                elif "abort" in inspect.signature(e.end_weight_update).parameters:
+                    e.end_weight_update(abort=True)
+                else:
+                    e.end_weight_update()
+            except Exception as exc:  # noqa: BLE001
+                if ok:
+                    raise
+                log.warning("fsdp_sync: closing an engine's update after a failed sync: %s", exc)
+        if not ok and self.broken:
+            self._drop_group(engines)
+
+
+def _begin(engine: Any) -> None:
+    """Open the engine's update. One left open by a trainer that died inside it (this transport
+    owns the engine now) is aborted first, so a fresh trainer can take over."""
+    try:
+        engine.begin_weight_update()
+    except Exception as exc:  # noqa: BLE001 - only the "already open" case is handled
+        if "twice" not in str(exc) and "already" not in str(exc):
+            raise
+        log.warning("fsdp_sync: the engine had an update open (a previous trainer died in it?): "
+                    "aborting it and starting ours")
+        engine.end_weight_update(abort=True)
+        engine.begin_weight_update()
+
+
+def _agree(err: Any, group: Any, what: str) -> None:
+    if dist.is_initialized():
+        agree(err, group, what=what)
+    elif err is not None:
+        from ..topology import SyncError
+        raise SyncError(f"{what} failed: {err}")
+
+
+def _check_answer(answer: Any, call: str) -> Any:
+    """SGLang's in-process Engine answers ``(success, message)``; ours raise. Both are accepted."""
+    if isinstance(answer, tuple) and len(answer) >= 2 and isinstance(answer[0], bool):
+        if not answer[0]:
+            raise RuntimeError(f"{call}: {answer[1]}")
+    elif isinstance(answer, dict) and answer.get("success") is False:
+        raise RuntimeError(f"{call}: {answer.get('message')}")
+    return answer
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return torch.device("cuda", torch.cuda.current_device()) if p.device.type == "cuda" else p.device
+    return torch.device("cpu")

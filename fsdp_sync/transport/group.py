@@ -1,0 +1,50 @@
+"""SGLang's weight-update group, made the way SGLang 0.5.23 makes it, for both ends of the wire.
+
+SGLang's ``init_weights_update_group`` joins every TP worker of an engine to a process group
+outside the trainer's world: a ``tcp://`` store hosted by rank 0 (the trainer), wrapped in a
+``PrefixStore(group_name)``, and a new process group of that name whose ranks map to themselves.
+`new_update_group` does exactly that with torch's own calls, so our trainer joins a real SGLang
+engine's group and our reference engine's workers join a group a real SGLang trainer made; a
+mismatched group name or store prefix would make every rank wait out the timeout.
+
+Not here: what travels over the group (the distributed transport) or who calls it (the engines).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["new_update_group", "destroy_update_group", "DEFAULT_GROUP_NAME"]
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+def new_update_group(*, backend: str, master_address: str, master_port: int, world_size: int,
+                     rank: int, group_name: str, timeout_s: float) -> Any:
+    """Join (rank 0: host) the update group; blocks until all ``world_size`` ranks have joined.
+
+    ``timeout_s`` bounds the rendezvous and every collective on the group (a receive that waits
+    longer fails). SGLang's own engines use 30 minutes, not settable."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
+                                                    _world, rendezvous)
+
+    if not group_name:
+        raise ValueError("the update group's name must not be empty")
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    init_method = f"tcp://{master_address}:{int(master_port)}"
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_update_group(pg: Any) -> None:
+    """Destroy a group made by `new_update_group` (its store connection goes with it)."""
+    if pg is not None:
+        dist.destroy_process_group(pg)

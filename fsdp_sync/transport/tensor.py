@@ -1,0 +1,242 @@
+"""The colocated method: ``update_weights_from_tensor`` with handle tuples (``method="tensor"``).
+
+Each bucket (or tensor) is exported on every trainer rank, shared as a handle tuple (CPU shared
+memory / CUDA IPC, `handles`), gathered to infer-TP rank 0 with ``gather_object`` and handed to
+the engine there. Three strategies (`SyncConfig.strategy`): ``per_tensor`` (verl's original loop,
+the baseline), ``bucketed`` and ``flattened`` (default). In all three a bucket's buffers stay
+alive until the engine has answered and every consumer has acknowledged, and are freed right
+after, so the sync holds at most one bucket (plus the largest tensor) beyond its steady state.
+The calls of one sync are bracketed by ``begin_weight_update``/``end_weight_update`` where the
+engine has them (aborted, not committed, after a failure).
+
+Not here: the stages around the sync (the manager), how tensors are gathered (`export`), laid out
+(`bucket`) or shared (`handles`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .. import export, handles
+from ..bucket import plan_buckets, sglang_metadata
+from ..topology import agree, gather_to_src
+from . import SyncContext, SyncStats
+
+__all__ = ["TensorTransport"]
+
+log = logging.getLogger("fsdp_sync")
+
+
+@dataclass
+class _Call:
+    """One engine call: this rank's payload sets, what it sends to infer-TP rank 0, and how rank 0
+    turns the gathered list (indexed by TP rank) into the engine's ``named_tensors``."""
+
+    sets: list
+    wire: Any
+    to_named: Any
+    load_format: str | None
+    last: bool
+    what: str
+    on_release: Any = None
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return torch.device("cuda", torch.cuda.current_device()) if p.device.type == "cuda" else p.device
+    return torch.device("cpu")
+
+
+class _ReusedBuffer:
+    """The one flat buffer every bucket of a sync reuses in turn (shared memory on CPU, device
+    memory on CUDA), sized for the largest bucket. Fresh pages cost a fault (and on CPU a kernel
+    zero-fill) each: a buffer per bucket paid that for the whole model on every sync, this pays it
+    for one bucket. Safe because the manager's calls are sequential: a bucket is released (its
+    consumers acknowledged) before the next one is taken, which `take` checks."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes, self.device = nbytes, device
+        self.buf: torch.Tensor | None = None
+        self.busy = False
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.busy:
+            raise RuntimeError("the sync buffer is still in use by the previous bucket")
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None
+            self.buf = handles.empty_shared(max(nbytes, self.nbytes), self.device)
+        self.busy = True
+        return self.buf[:nbytes]
+
+    def give_back(self) -> None:
+        self.busy = False
+
+
+def _per_rank(values: list) -> Any:
+    from ..engines.base import SerializedPerRank
+
+    return SerializedPerRank(values=values)
+
+
+class TensorTransport:
+    """``method="tensor"``: colocated engines, one per infer-TP group, held by infer-TP rank 0."""
+
+    method = "tensor"
+    colocated = True
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    def close(self) -> None:
+        """Nothing outlives a sync: every buffer is released when its bucket is answered."""
+
+    def sync(self, ctx: SyncContext) -> None:
+        if ctx.topo is None:
+            raise ValueError("method='tensor' needs the ('dp', 'infer_tp') mesh: pass mesh= to the manager")
+        self.module, self.config, self.topo = ctx.module, ctx.config, ctx.topo
+        self.engine = ctx.engines[0] if ctx.engines else None
+        try:
+            self._sync_weights()
+        finally:
+            ctx.stats = self.stats
+            self.module = self.engine = None
+
+    def _sync_weights(self) -> None:
+        cfg, topo = self.config, self.topo
+        t0 = time.perf_counter()
+        self.stats = SyncStats()
+        self._unacked: str | None = None
+        tagged = getattr(self.engine, "accepts_tagged_payloads", True) if topo.is_tp_src else True
+        # every rank must agree on tagging, or rank 0 opens payloads it cannot read
+        tagged = bool(self._broadcast_flag(tagged))
+        if topo.is_tp_src and hasattr(self.engine, "begin_weight_update"):
+            self.engine.begin_weight_update()
+        ok = False
+        try:
+            steps = {"per_tensor": self._steps_per_tensor, "bucketed": self._steps_bucketed,
+                     "flattened": self._steps_flattened}[cfg.strategy](tagged)
+            with closing(steps):  # an abandoned export generator restores FSDP state on close
+                for call in steps:
+                    self._one_call(call)
+            ok = True
+        finally:
+            if topo.is_tp_src and hasattr(self.engine, "end_weight_update"):
+                self._end_update(commit=ok)
+        self.stats.seconds = time.perf_counter() - t0
+        if self._unacked:
+            raise handles.HandleError(self._unacked)
+
+    def _end_update(self, *, commit: bool) -> None:
+        """Close the engine's update bracket; after a failure, abort it where the engine can (the
+        reference engine then keeps serving its previous weights) instead of committing half."""
+        if commit:
+            self.engine.end_weight_update()
+            return
+        try:
+            if "abort" in inspect.signature(self.engine.end_weight_update).parameters:
+                self.engine.end_weight_update(abort=True)
+            else:
+                self.engine.end_weight_update()
+        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to report
+            log.warning("fsdp_sync: closing the engine's update after a failed sync: %s", exc)
+
+    def _broadcast_flag(self, value: bool) -> bool:
+        """Infer-TP rank 0's answer on every rank of its group."""
+        if self.topo.tp_size == 1:
+            return value
+        t = torch.tensor([1 if value else 0], dtype=torch.int64)
+        dist.broadcast(t, src=self.topo.tp_src, group=self.topo.tp_group)
+        return bool(t.item())
+
+    def _steps_flattened(self, tagged: bool) -> Iterator[_Call]:
+        cfg, topo = self.config, self.topo
+        plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
+        buffer = _ReusedBuffer(max((b.nbytes for b in plan), default=0), _module_device(self.module))
+        it = export.iter_buckets(self.module, cfg.bucket_bytes, dtype=cfg.dtype,
+                                 fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=buffer.take,
+                                 share_host_memory=cfg.share_host_memory)
+        with closing(it):
+            for i, (bucket, flat) in enumerate(it):
+                obj = {"flattened_tensor": flat, "metadata": sglang_metadata(bucket)}
+                sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
+                self.stats.bytes += bucket.payload_bytes
+                self.stats.tensors += len(bucket.entries)
+                self.stats.buckets += 1
+                del flat, obj
+                yield _Call(sets, sets[0].payloads[0], lambda g: g, "flattened_bucket",
+                            i == len(plan) - 1, f"bucket {i} ({bucket.names[0]}…)",
+                            on_release=buffer.give_back)
+
+    def _steps_per_tensor(self, tagged: bool) -> Iterator[tuple]:
+        cfg, topo = self.config, self.topo
+        n = len(export.param_metas(self.module, cfg.dtype))
+        it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
+        for i, (name, tensor) in enumerate(it):
+            sets = [handles.make_payloads(tensor, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
+            self.stats.bytes += tensor.numel() * tensor.element_size()
+            self.stats.tensors += 1
+            self.stats.buckets += 1
+            del tensor
+            yield _Call(sets, sets[0].payloads[0], lambda g, _n=name: [(_n, _per_rank(g))], None,
+                        i == n - 1, repr(name))
+
+    def _steps_bucketed(self, tagged: bool) -> Iterator[tuple]:
+        cfg, topo = self.config, self.topo
+        plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
+        it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
+        for i, bucket in enumerate(plan):
+            names, sets = [], []
+            for entry in bucket.entries:
+                name, tensor = next(it)
+                if name != entry.name:
+                    raise RuntimeError(f"export order changed: expected {entry.name!r}, got {name!r}")
+                names.append(name)
+                sets.append(handles.make_payloads(tensor, topo.tp_size, ranks=[topo.tp_rank],
+                                                  tagged=tagged))
+                self.stats.bytes += tensor.numel() * tensor.element_size()
+                del tensor
+            self.stats.tensors += len(names)
+            self.stats.buckets += 1
+
+            def named(gathered: list, _names=tuple(names)) -> list:
+                # gathered[tp_rank][j] is tp_rank's payload of tensor j
+                return [(nm, _per_rank([g[j] for g in gathered])) for j, nm in enumerate(_names)]
+
+            yield _Call(sets, [x.payloads[0] for x in sets], named, None, i == len(plan) - 1,
+                        f"bucket {i} ({names[0]}…)")
+
+    def _one_call(self, call: _Call) -> None:
+        """Gather this rank's payloads to infer-TP rank 0, call the engine there, agree, free."""
+        topo = self.topo
+        err = None
+        try:
+            gathered = gather_to_src(call.wire, topo)
+            if topo.is_tp_src:
+                try:
+                    self.engine.update_weights_from_tensor(call.to_named(gathered),
+                                                           load_format=call.load_format,
+                                                           flush_cache=call.last)
+                    self.stats.engine_calls += 1
+                except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+                    err = (f"engine update of {call.what} on {topo.describe()}: "
+                           f"{type(exc).__name__}: {exc}")
+            agree(err, what="weight sync")
+        finally:
+            for s in call.sets:
+                # Acknowledgements are checked without a collective of their own: a missing one
+                # fails this rank's stage, and the stage's closing `agree` tells every rank.
+                missing = [s.ranks[i] for i in s.unacknowledged()]
+                if missing and err is None and self._unacked is None:
+                    self._unacked = (f"engine answered for {call.what} but consumer ranks {missing} "
+                                     f"never acknowledged their payloads ({topo.describe()})")
+                s.release(require_ack=False)
+            if call.on_release is not None:
+                call.on_release()
