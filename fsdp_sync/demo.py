@@ -143,7 +143,7 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
     # dtype (an unsharded copy on infer-TP rank 0), not with the float32 training forward.
     low = dtype != torch.float32
     ref_model = None
-    if low and topo.is_tp_src:
+    if low and holds:
         ref_model = build_model(cfg, seed=0, dtype=dtype).eval().to(opts.device)
     engine = None
     if holds:
