@@ -15,7 +15,11 @@ On the wire there are only builtins, ``types.SimpleNamespace``, torch dtypes/siz
 torch's rebuild functions: what SGLang's safe deserializer accepts. `open_payload` admits exact
 ``(module, name)`` pairs only (no prefix, no ``getattr``, no dotted names), hands mutable classes
 over as inert stand-ins, checks the rebuild functions' arguments and refuses torch's by-value
-storage loader (``torch.storage._load_from_bytes``): a crafted payload cannot run code.
+storage loader (``torch.storage._load_from_bytes``): a crafted payload cannot run code. A
+shared-memory handle must name an existing torch segment (``/torch_<pid>_<n>_<n>``, no paths) of
+this user, no smaller than it claims, through a torch shm-manager socket; every tensor view must lie
+inside its storage. A segment of another process of the same user is admitted: relays re-share
+segments other processes made, and such a process can read ``/dev/shm`` anyway.
 
 A tagged payload (the default) carries an ``"fsdp_sync"`` entry: the rank it is for and a 4-byte
 shared state word (0 fresh, 1 opened, 2 acknowledged). Opening by the wrong rank or twice raises;
