@@ -204,12 +204,47 @@ def sglang_metadata(bucket: Bucket) -> list[SimpleNamespace]:
 
 
 def entries_from_metadata(metadata: Iterable) -> list[BucketEntry]:
-    """Read SGLang-form metadata (objects or dicts with name/shape/dtype/start_idx/end_idx)."""
+    """Read SGLang-form metadata (objects or dicts with name/shape/dtype/start_idx/end_idx).
+
+    A producer we did not write may send anything, so every field is checked here: the name is a
+    non-empty string, the dtype a supported torch dtype, the shape non-negative ints, the byte range
+    ``[start_idx, end_idx)`` ordered, as long as shape x itemsize (and as ``numel`` when given), and
+    no two entries overlap. Raises `ValueError` naming the entry and the field.
+    """
+    if not isinstance(metadata, (list, tuple)):
+        raise ValueError(f"bucket metadata is a list of entries, got {type(metadata).__name__}")
     out = []
-    for m in metadata:
+    for i, m in enumerate(metadata):
         get = m.get if isinstance(m, dict) else (lambda k, _m=m: getattr(_m, k))
-        out.append(BucketEntry(get("name"), get("dtype"), tuple(get("shape")),
-                               int(get("start_idx")), int(get("end_idx"))))
+        name, dtype, shape = get("name"), get("dtype"), get("shape")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"bucket metadata entry {i}: name {name!r:.80} is not a non-empty string")
+        if not isinstance(dtype, torch.dtype) or dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"bucket metadata entry {name!r}: unknown dtype {dtype!r:.60}; supported: "
+                             f"{sorted(dtype_name(d) for d in SUPPORTED_DTYPES)}")
+        if not (isinstance(shape, (list, tuple)) and all(type(x) is int for x in shape)):
+            raise ValueError(f"bucket metadata entry {name!r}: shape {shape!r:.80} is not a tuple of ints")
+        if any(x < 0 for x in shape):
+            raise ValueError(f"bucket metadata entry {name!r}: negative shape {tuple(shape)}")
+        start, end = get("start_idx"), get("end_idx")
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+            raise ValueError(f"bucket metadata entry {name!r}: byte range [{start!r:.30}, {end!r:.30}) "
+                             f"is not 0 <= start <= end")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - start != nbytes:
+            raise ValueError(f"bucket metadata entry {name!r}: shape {tuple(shape)} "
+                             f"{dtype_name(dtype)} is {nbytes} bytes, but its range [{start}, {end}) "
+                             f"is {end - start}")
+        numel = get("numel") if (isinstance(m, dict) and "numel" in m) or hasattr(m, "numel") else None
+        if numel is not None and numel != nbytes:
+            raise ValueError(f"bucket metadata entry {name!r}: numel {numel!r:.30} does not match shape "
+                             f"{tuple(shape)} {dtype_name(dtype)} ({nbytes} bytes)")
+        out.append(BucketEntry(name, dtype, tuple(shape), start, end))
+    spans = sorted((e.start, e.end, e.name) for e in out if e.end > e.start)
+    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise ValueError(f"bucket metadata entries {n0!r} [{s0}, {e0}) and {n1!r} [{s1}, {e1}) "
+                             f"overlap")
     return out
 
 

@@ -15,7 +15,11 @@ On the wire there are only builtins, ``types.SimpleNamespace``, torch dtypes/siz
 torch's rebuild functions: what SGLang's safe deserializer accepts. `open_payload` admits exact
 ``(module, name)`` pairs only (no prefix, no ``getattr``, no dotted names), hands mutable classes
 over as inert stand-ins, checks the rebuild functions' arguments and refuses torch's by-value
-storage loader (``torch.storage._load_from_bytes``): a crafted payload cannot run code.
+storage loader (``torch.storage._load_from_bytes``): a crafted payload cannot run code. A
+shared-memory handle must name an existing torch segment (``/torch_<pid>_<n>_<n>``, no paths) of
+this user, no smaller than it claims, through a torch shm-manager socket; every tensor view must lie
+inside its storage. A segment of another process of the same user is admitted: relays re-share
+segments other processes made, and such a process can read ``/dev/shm`` anyway.
 
 A tagged payload (the default) carries an ``"fsdp_sync"`` entry: the rank it is for and a 4-byte
 shared state word (0 fresh, 1 opened, 2 acknowledged). Opening by the wrong rank or twice raises;
@@ -31,7 +35,10 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import os
 import pickle
+import re
+import stat
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -202,16 +209,81 @@ def _storage_arg(value: Any) -> Any:
     return value
 
 
+def _check_view(itemsize: int, nbytes: Any, offset: Any, size: Any, stride: Any) -> None:
+    """A view must lie inside its storage: torch would otherwise try to grow the shared storage
+    (refused with a cryptic message) or, for a CUDA handle, read past the allocation."""
+    ints = lambda v: isinstance(v, (tuple, list)) and all(type(x) is int and x >= 0 for x in v)  # noqa: E731
+    if type(offset) is not int or offset < 0 or not ints(size) or not ints(stride) or len(size) != len(stride):
+        raise HandleError(f"payload's tensor view (offset {offset!r:.30}, size {size!r:.60}, stride "
+                          f"{stride!r:.60}) is not non-negative ints of one rank; refused")
+    if type(nbytes) is not int:
+        raise HandleError(f"payload's storage size {nbytes!r:.30} is not an int; refused")
+    if 0 in size:
+        return
+    end = (offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1) * itemsize
+    if end > nbytes:
+        raise HandleError(f"payload's tensor view (offset {offset}, size {tuple(size)}, stride "
+                          f"{tuple(stride)}) reaches byte {end} of a {nbytes}-byte storage: it points "
+                          f"outside its buffer; refused")
+
+
 def _safe_rebuild_tensor(cls, storage, metadata):
     if not (isinstance(metadata, tuple) and len(metadata) == 4):
         raise HandleError("payload's tensor metadata is not (offset, size, stride, requires_grad)")
+    if isinstance(storage, torch.TypedStorage):
+        _check_view(storage.dtype.itemsize, storage._untyped_storage.nbytes(), *metadata[:3])
+    elif isinstance(storage, torch.UntypedStorage):
+        _check_view(1, storage.nbytes(), *metadata[:3])
     return _red.rebuild_tensor(_cls(cls, (_TENSOR, _PARAM), "tensor"), _storage_arg(storage), metadata)
+
+
+# torch's names (``/torch_<pid>_<random>_<counter>``, made by libshm) and its segments' header
+_SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
+_SHM_DIR = "/dev/shm"
+_SHM_HEADER = 64      # torch's refcounted segments hold a 64-byte counter before the data
+
+
+def _check_segment(manager: bytes, handle: bytes, size: int) -> None:
+    """A storage handle may name only a live torch segment of this user, large enough for what it
+    asks, through a torch shm-manager socket. Otherwise the receiver would open ``/proc`` or
+    file paths or another user's memory, or grow (ftruncate) a
+    segment to a forged size and fault on reading past its end."""
+    m = _SHM_NAME.fullmatch(handle)
+    if m is None:
+        raise HandleError(f"payload's storage names shared-memory object {handle[:80]!r}, which is not "
+                          f"a torch segment name (/torch_<pid>_<n>_<n>); refused (a path, /proc, or "
+                          f"another program's segment)")
+    mgr = os.fsdecode(manager)
+    if (os.path.basename(mgr) != "manager.sock"
+            or not os.path.basename(os.path.dirname(mgr)).startswith("torch-shm-dir-")
+            or ".." in mgr.split("/")):
+        raise HandleError(f"payload's shm manager {mgr[:80]!r} is not a torch shm-manager socket "
+                          f"(<tmp>/torch-shm-dir-*/manager.sock); refused")
+    if not 0 <= size < 1 << 48:
+        raise HandleError(f"payload's storage {handle.decode()} has size {size}; refused")
+    path = os.path.join(_SHM_DIR, handle.decode()[1:])
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise HandleError(f"payload's storage names segment {handle.decode()}, which does not exist: "
+                          f"released by its producer already (PayloadSet.release), or made on another "
+                          f"host") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise HandleError(f"payload's storage {handle.decode()} is not a regular shared-memory segment")
+    if st.st_uid != os.geteuid():
+        raise HandleError(f"payload's storage names segment {handle.decode()}, owned by uid "
+                          f"{st.st_uid}, not by this process's uid {os.geteuid()}: another user's "
+                          f"memory; refused")
+    if size + _SHM_HEADER > st.st_size:
+        raise HandleError(f"payload's storage asks for {size} bytes of segment {handle.decode()}, which "
+                          f"holds {max(st.st_size - _SHM_HEADER, 0)}: a forged size; refused")
 
 
 def _safe_rebuild_storage_filename(cls, manager, handle, size, dtype=None):
     _cls(cls, (_USTORAGE,), "storage")
-    if not (isinstance(manager, bytes) and isinstance(handle, bytes) and isinstance(size, int)):
+    if not (isinstance(manager, bytes) and isinstance(handle, bytes) and type(size) is int):
         raise HandleError("payload's shared-memory handle is not (bytes, bytes, int)")
+    _check_segment(manager, handle, size)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise HandleError(f"payload's storage dtype is {type(dtype).__name__}, not a torch dtype")
     return _red.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size, dtype)
@@ -235,6 +307,8 @@ def _safe_rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     args[4] = _cls(args[4], (_USTORAGE,), "storage")
     if not isinstance(args[5], torch.dtype):
         raise HandleError("payload's CUDA tensor dtype is not a torch dtype")
+    # (cls, size, stride, offset, storage_cls, dtype, device, handle, storage bytes, storage offset, ...)
+    _check_view(args[5].itemsize, args[8], args[3], args[1], args[2])
     return _rebuild_cuda_tensor_by_uuid(*args)
 
 

@@ -169,6 +169,13 @@ def resolve(model_path: Any, load_format: str | None = None) -> ReadPlan:
         if not files:
             raise CheckpointError(f"no *.safetensors files in {directory} (*.bin / *.pt "
                                   f"checkpoints are not supported)")
+    # A shard is a regular file of this directory: a symlink (to a file elsewhere, or to another
+    # shard) would load what no one wrote here, and a reader following it leaves the directory.
+    for f in files:
+        path = os.path.join(directory, f)
+        if os.path.islink(path) or not os.path.isfile(path):
+            raise CheckpointError(f"{path} is a symlink or not a regular file: only regular files of "
+                                  f"{directory} are loaded; nothing was loaded")
     plan = ReadPlan(directory, files, index)
     manifest_path = os.path.join(directory, MANIFEST_FILE)
     if os.path.exists(manifest_path):
@@ -176,6 +183,10 @@ def resolve(model_path: Any, load_format: str | None = None) -> ReadPlan:
         listed = doc.get("files") if isinstance(doc, dict) else None
         if not isinstance(listed, dict):
             raise CheckpointError(f"{manifest_path} has no 'files' table")
+        bad = [f for f in listed if not isinstance(f, str) or os.path.basename(f) != f or f in ("", ".", "..")]
+        if bad:
+            raise CheckpointError(f"{manifest_path} names paths outside {directory}: {bad[:3]} (a "
+                                  f"manifest lists file names of its own directory); nothing was loaded")
         for f in files:
             entry = listed.get(f)
             if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):

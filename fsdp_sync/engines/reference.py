@@ -193,6 +193,16 @@ class ReferenceEngine:
         if device == "cuda" and int(tp_size) > torch.cuda.device_count():
             raise EngineError(f"tp_size {tp_size} needs one GPU per TP rank (NCCL refuses two ranks on "
                               f"one GPU); this process sees {torch.cuda.device_count()}")
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                        or num_threads < 1):
+            raise ValueError(f"num_threads must be an int >= 1 (or None for 1), got {num_threads!r}")
+        for arg, val in (("pg_timeout_s", pg_timeout_s), ("startup_timeout_s", startup_timeout_s),
+                         ("call_timeout_s", call_timeout_s)):
+            if (val is not None or arg != "call_timeout_s") and not (
+                    isinstance(val, (int, float)) and not isinstance(val, bool) and 0 < val < float("inf")):
+                raise ValueError(f"{arg} must be a finite number of seconds > 0, got {val!r}")
         if kv_cache_tokens is not None and mem_fraction is not None:
             raise ValueError("give kv_cache_tokens or mem_fraction, not both")
         if kv_cache_tokens is not None and kv_cache_tokens < 1:
