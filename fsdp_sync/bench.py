@@ -502,6 +502,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--dtype", type=ca.dtype_name, default="float32",
                    help=f"rollout dtype: {', '.join(ca.DTYPES)}")
     p.add_argument("--repeats", type=ca.positive_int, default=3, help="timed syncs per row (median), >= 3")
+    p.add_argument("--verify", type=ca.csv_of(ca.choice_of(("off", "sample", "full"))), default=None,
+                   help="also time SyncConfig.verify per method: comma-separated off, sample, full (off "
+                        "always runs, as the reference; rows under 'verify' in the JSON: sync seconds "
+                        "and the seconds the check adds)")
     p.add_argument("--json", metavar="PATH", help="write {'rows': [...]} here")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots here")
     p.set_defaults(check=check_bench_args)
@@ -580,6 +584,18 @@ def cmd_bench(args) -> int:
                           f"(≥3: {d['met']['speedup']}), {d['ratio_to_floor']:.2f}× its floor (≤1.3: "
                           f"{d['met']['floor']}), peak extra {d['peak_extra_over_budget']:.2f}× budget "
                           f"(≤1: {d['met']['memory']})")
+    if getattr(args, "verify", None):
+        from .bench_verify import verify_rows
+
+        result["verify"] = verify_rows(spec, tuple(args.verify))
+        vt = Table(title="verify after sync: median seconds it adds")
+        for c in ("model", "method", "verify", "tensors checked", "sync s", "verify s", "× sync"):
+            vt.add_column(c, justify="right")
+        for r in result["verify"]:
+            vt.add_row(r["model"], r["method"], r["verify"], str(r["tensors_checked"]),
+                       f"{r['sync_seconds']:.3f}", f"{r['verify_seconds']:.3f}",
+                       f"{r['verify_seconds'] / r['sync_seconds']:.2f}" if r["sync_seconds"] else "-")
+        console.print(vt)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

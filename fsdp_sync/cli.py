@@ -34,6 +34,9 @@ def _add_demo(sub) -> None:
                    help="tensor: colocated engine, handle tuples; distributed: disaggregated engine "
                         "(own processes) reached by a broadcast from trainer rank 0; disk: a versioned "
                         "checkpoint the engine reloads")
+    p.add_argument("--disk-dir", metavar="DIR", default=None,
+                   help="--method disk: where each step's checkpoint goes (default: a temp directory, "
+                        "removed at the end)")
     p.add_argument("--fsdp", type=int, choices=[1, 2], default=2, help="FSDP version of the trainer")
     p.add_argument("--model", type=ca.model_spec, default="tiny",
                    help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m) or a "
@@ -57,7 +60,8 @@ def _demo_options(args):
     return DemoOptions(ranks=args.ranks, tp=args.tp, steps=args.steps, strategy=args.strategy,
                        bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
                        dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
-                       progress=not args.no_progress, method=args.method)
+                       progress=not args.no_progress, method=args.method,
+                       disk_dir=args.disk_dir)
 
 
 def _check_demo(args, given: set[str]) -> None:

@@ -17,10 +17,11 @@ from typing import Any, Mapping
 import torch
 
 __all__ = ["SyncConfig", "STRATEGIES", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
-           "parse_dtype", "parse_bool"]
+           "VERIFY_MODES", "parse_dtype", "parse_bool"]
 
 METHODS = ("tensor", "distributed", "disk")
 DISTRIBUTED_FORMATS = ("flattened_bucket", "per_tensor")
+VERIFY_MODES = ("off", "sample", "full")
 STRATEGIES = ("per_tensor", "bucketed", "flattened")
 FSDP1_STATE_DICTS = ("full", "sharded", "local")
 VERL_BUCKET_MB = 2048   # verl 0.9's checkpoint_engine.update_weights_bucket_megabytes default
@@ -99,6 +100,10 @@ class SyncConfig:
         Face checkpoint) there. Required when ``method == "disk"``.
     disk_keep: how many of the newest versions the disk method keeps (>= 1; the one the engine
         loaded last is never removed).
+    verify: after each sync, compare what the engine now serves with the trainer's tensors
+        (`fsdp_sync.verify`): ``"off"`` (default: it costs another export and a read-back),
+        ``"sample"`` (a rotating eighth of the tensors per sync, every tensor within 8 syncs) or
+        ``"full"`` (every tensor). A mismatch raises `SyncError` on every rank naming the tensor.
     """
 
     strategy: str = "flattened"
@@ -120,6 +125,7 @@ class SyncConfig:
     dist_timeout_s: float = 600.0
     disk_dir: str | None = None
     disk_keep: int = 2
+    verify: str = "off"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -134,6 +140,10 @@ class SyncConfig:
             raise ValueError("dist_group_name must not be empty")
         if not (isinstance(self.dist_timeout_s, (int, float)) and self.dist_timeout_s > 0):
             raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
+        if self.verify is False:      # YAML 1.1 reads a bare `verify: off` as false
+            object.__setattr__(self, "verify", "off")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         for f in fields(self):

@@ -4,7 +4,8 @@ N trainer ranks train a small Qwen2 (built from a recipe) under FSDP2 or FSDP1 w
 synthetic corpus. After each step the `FSDPShardingManager` syncs the weights into a colocated
 `ReferenceEngine` (TP workers as processes), or with ``method="distributed"``/``"disk"`` into a
 disaggregated one held by trainer rank 0 (its TP workers in processes of their own, outside the
-trainer's world, reached by a broadcast or a checkpoint); inside the ``with`` block the engine generates greedily
+trainer's world, reached by a broadcast or a checkpoint: ``disk_dir``, by default a temp directory
+removed at the end); inside the ``with`` block the engine generates greedily
 from a few prompts and its logits are compared with the trainer's own forward on the same prompts.
 Each step's sync time, bytes, peak memory, max |logit diff| and token match are returned for the
 table (and the JSON file). A mismatch makes the demo fail.
@@ -14,6 +15,9 @@ Not here: argument parsing and printing (cli).
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +47,7 @@ class DemoOptions:
     lr: float = 1e-3
     progress: bool = True
     method: str = "tensor"
+    disk_dir: str | None = None     # method="disk": where the versions go (None: a temp dir, removed)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -150,6 +155,7 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
         engine = ReferenceEngine(model_config=cfg, tp_size=opts.tp, device=opts.device, dtype=dtype)
     sync_cfg = SyncConfig(strategy=opts.strategy, bucket_bytes=int(opts.bucket_mb * 2**20), dtype=dtype,
                           multi_stage_wake_up=opts.multi_stage_wake_up, method=opts.method,
+                          **({"disk_dir": opts.disk_dir} if opts.method == "disk" else {}),
                           **opts.extra)
     manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
 
@@ -215,8 +221,17 @@ def run_demo(opts: DemoOptions, *, timeout_s: float = 600.0) -> dict:
     from .launch import run_ranks, spawn_env
 
     t0 = time.perf_counter()
-    per_rank = run_ranks(demo_rank, opts.ranks, opts, timeout_s=timeout_s,
-                         backend="nccl" if opts.device == "cuda" else "gloo", env=spawn_env())
+    tmp = None
+    if opts.method == "disk" and opts.disk_dir is None and "disk_dir" not in opts.extra:
+        tmp = tempfile.mkdtemp(prefix="fsdp-sync-demo-disk-")   # one host: every rank sees it
+        opts = dataclasses.replace(opts, disk_dir=tmp)
+    try:
+        per_rank = run_ranks(demo_rank, opts.ranks, opts, timeout_s=timeout_s,
+                             backend="nccl" if opts.device == "cuda" else "gloo", env=spawn_env())
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            opts = dataclasses.replace(opts, disk_dir=None)
     steps = []
     for i in range(opts.steps):
         recs = [r[i] for r in per_rank]

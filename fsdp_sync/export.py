@@ -777,14 +777,20 @@ def _fill(bkt: _bucket.Bucket, items: list[_Item], flat: torch.Tensor, scratch: 
 # --------------------------------------------------------------------------- public streams
 
 def iter_params(module: nn.Module, *, dtype: torch.dtype | None = None,
-                fsdp1_state_dict: str = "full") -> Iterator[tuple[str, torch.Tensor]]:
+                fsdp1_state_dict: str = "full",
+                names: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` in state-dict order, one gathered tensor at a time.
 
     Collective when ``module`` is sharded. A yielded tensor is contiguous and, for a plain module
     without a cast, may be the module's own storage (detached): copy it before changing the module.
+    ``names``: only these tensors are gathered and yielded (every rank must pass the same set).
     """
     items = _resolve(module, fsdp1_state_dict, dtype)
     for i, it in enumerate(items):
+        if names is not None and it.name not in names:
+            items[i] = None
+            it.drop()
+            continue
         out = _materialize(it, it.out_dtype(dtype))
         items[i] = None           # the stream keeps nothing of what it has yielded
         it.drop()

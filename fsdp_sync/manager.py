@@ -366,7 +366,21 @@ class FSDPShardingManager:
             self.transport.sync(ctx)
         finally:
             self.stats = ctx.stats
-        self.step += 1
+        self.step += 1        # counted even if the check fails: the disk method named its version
+        if self.config.verify != "off":
+            self._verify(self.step - 1)
+
+    def _verify(self, step: int) -> None:
+        """`SyncConfig.verify`: compare what the engines now serve with the trainer's tensors
+        (`fsdp_sync.verify`); a mismatch raises the same `SyncError` on every rank."""
+        from .verify import verify_engines
+
+        try:
+            err, figures = verify_engines(self.module, self.config, self.engines, step)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+            err, figures = f"{type(exc).__name__}: {exc}", {}
+        self.stats.extra.update(figures)
+        self._agree(err, what=f"verify={self.config.verify!r}")
 
     def close(self) -> None:
         """Close the transport (distributed: destroy the weight-update group). Idempotent; also

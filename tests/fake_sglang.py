@@ -438,10 +438,40 @@ class FakeSGLangServer:
             if value is None:
                 return bad({"error": {"message": "Get parameter by name failed"}})
             return ok(value)
+        if path == "/weights_checker" and self.session_routes:   # an older server has neither
+            return self._weights_checker(body or {})
         if path == "/generate":
             return ok(e.generate(input_ids=body.get("input_ids"),
                                  sampling_params=body.get("sampling_params")))
         return not_found
+
+
+    # SGLang 0.5.23's CheckWeightsReqInput fields (io_struct.py)
+    CHECK_WEIGHTS_FIELDS = ("action", "allow_quant_error", "skip_tensor_list", "selector")
+
+    def _weights_checker(self, body: dict) -> tuple[int, str, str]:
+        """``/weights_checker`` as 0.5.23 answers ``checksum``: per TP rank, a 16-hex hash of each
+        of its own tensors (here: the whole tensors the fake holds) and their overall hash."""
+        unknown = sorted(set(body) - set(self.CHECK_WEIGHTS_FIELDS))
+        if unknown:
+            return 422, "application/json", json.dumps({"detail": f"unknown fields {unknown}"})
+        action = body.get("action", "checksum")
+        if action != "checksum":
+            return 400, "application/json", json.dumps(
+                {"success": False, "message": f"Unsupported action={action!r}"})
+        e = self.engine
+        checksums = {n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                                       .tobytes()).hexdigest()[:16] for n, t in e.weights.items()}
+        overall = hashlib.sha256("".join(f"{n}{checksums[n]}" for n in sorted(checksums))
+                                 .encode()).hexdigest()
+        ranks = [{"checksums": checksums, "per_gpu_checksum": overall,
+                  "parallelism_info": {"role": "target", "tp_rank": r, "tp_size": e.tp_size,
+                                       "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                                       "rank": r, "size": e.tp_size}}
+                 for r in range(e.tp_size)]
+        return 200, "application/json", json.dumps(
+            {"success": True, "message": "Success.", "ranks": ranks,
+             "per_engine_checksum": hashlib.sha256(overall.encode() * e.tp_size).hexdigest()})
 
 
 # --------------------------------------------------------------------------- script entry

@@ -855,6 +855,26 @@ class ReferenceEngine:
         ``checksum_named_tensors(model.named_parameters())`` when the weights are the same."""
         return checksum_named_tensors(self.named_full_tensors())
 
+    def tensor_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """``{name: checksum_named_tensors([(name, full tensor)])}`` for HF ``names`` (None: all),
+        assembled from the workers' shards a batch (about 64 MiB) at a time: what
+        ``SyncConfig.verify`` compares with the trainer's own."""
+        names = self.hf_names() if names is None else list(names)
+        bad = [n for n in names if not self.layout.accepts(n)]
+        if bad:
+            raise KeyError(f"unknown parameter(s) {bad[:3]}; this model's HF names are e.g. "
+                           f"{self.hf_names()[:3]}")
+        out: dict[str, str] = {}
+        batch, size = [], 0
+        for i, name in enumerate(names):
+            batch.append(name)
+            size += math.prod(self.layout.full_shape(name)) * self.dtype.itemsize
+            if size >= _PIECE_BATCH_BYTES or i == len(names) - 1:
+                for n, t in self._gather(batch).items():
+                    out[n] = checksum_named_tensors([(n, t)])
+                batch, size = [], 0
+        return out
+
     # ------------------------------------------------------------------ test hooks
     def _receive_raw(self, group_name: str, nbytes: int, count: int) -> None:
         """Benchmark hook: every worker receives ``count`` bare broadcasts of ``nbytes`` from rank

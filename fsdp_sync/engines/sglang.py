@@ -839,6 +839,54 @@ class SGLangEngine:
         raise SGLangError("SGLang has no whole-model checksum comparable to fsdp_sync's; compare "
                           "parameters with get_weights_by_name", call="weights_checksum")
 
+    def weights_checker(self, action: str = "checksum", *,
+                        skip_tensor_list: Sequence[str] | None = None) -> dict:
+        """SGLang's ``POST /weights_checker`` (HTTP only; 0.5.23's ``CheckWeightsReqInput``:
+        ``action`` snapshot / reset_tensors / compare / checksum, ``skip_tensor_list``). The
+        checksum answer is ``{success, message, ranks: [{checksums: {sglang_name: hash},
+        per_gpu_checksum, parallelism_info}, ...], per_engine_checksum}``, one entry per TP rank,
+        over SGLang's own (fused, sharded) parameters. A server without the route raises an
+        `SGLangError` with ``status=404`` that says so."""
+        self._check_open("weights_checker")
+        if not self._http:
+            raise SGLangError("an in-process sglang.Engine has no weights checker call (SGLang "
+                              "0.5.23 serves it only over HTTP, POST /weights_checker)",
+                              call="weights_checker")
+        body: dict[str, Any] = {"action": str(action)}
+        if skip_tensor_list is not None:
+            body["skip_tensor_list"] = [str(x) for x in skip_tensor_list]
+        try:
+            answer = self._http.json("POST", "/weights_checker", body)
+        except _NotFound as e:
+            raise SGLangError(f"this SGLang server{self.where} has no /weights_checker (it came "
+                              f"after 0.5.20): {e.error}", call="weights_checker",
+                              status=404) from None
+        _check_answer("weights_checker", answer, where=self.where)
+        if not isinstance(answer, dict):
+            raise SGLangError(f"weights_checker{self.where} answered {str(answer)[:200]!r}, not "
+                              f"an object", call="weights_checker")
+        return answer
+
+    def tensor_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """What ``SyncConfig.verify`` asks of an engine, which SGLang cannot give: always raises,
+        saying whether the server has ``/weights_checker`` (asked once) and why its checksums
+        cannot be compared with the trainer's."""
+        if getattr(self, "_checker_report", None) is None:
+            try:
+                report = self.weights_checker("checksum")
+                ranks = report.get("ranks") or []
+                some = sorted((ranks[0].get("checksums") or {}) if ranks else {})
+                self._checker_report = (
+                    f"SGLang{self.where} has /weights_checker, but its checksum action hashes each "
+                    f"TP rank's own parameters ({len(ranks)} ranks, {len(some)} tensors on rank 0 "
+                    f"under SGLang's names, e.g. {some[:2]}: fused qkv/gate_up, vocab-padded "
+                    f"shards, a Triton hash on GPU), not full Hugging Face tensors, so the trainer "
+                    f"cannot recompute them to compare")
+            except SGLangError as exc:
+                self._checker_report = (f"SGLang cannot report per-tensor checksums of what it "
+                                        f"serves: {exc}")
+        raise SGLangError(self._checker_report, call="weights_checker")
+
     def forward_logits(self, input_ids: Any) -> Any:
         raise SGLangError("SGLang does not return logits; use generate (or its logprobs)",
                           call="forward_logits")

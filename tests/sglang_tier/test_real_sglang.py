@@ -169,6 +169,8 @@ def drive_adapter(target) -> None:
     a.resume_memory_occupation(["kv_cache"])
     a.generate([[1, 2, 3]], max_new_tokens=3)
     a.get_weights_by_name(named[0][0], truncate_size=2)
+    if a.is_http:       # verify's probe: SGLang serves /weights_checker over HTTP only
+        a.weights_checker("checksum", skip_tensor_list=["rotary_emb"])
     a.flush_cache()
     a.release_memory_occupation()
     a.shutdown()
@@ -237,6 +239,7 @@ REQUEST_CLASSES = {
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/generate": "GenerateReqInput",
+    "/weights_checker": "CheckWeightsReqInput",
 }
 
 
@@ -254,6 +257,21 @@ def test_adapter_http_requests_match_installed_server():
             assert not unknown, f"{path} body fields {sorted(unknown)} unknown to sglang"
         if path == "/generate":
             assert set(body["sampling_params"]) <= _sampling_params()
+
+
+@pytest.mark.timeout(60)
+def test_weights_checker_request_and_answer_are_sglangs():
+    """The fake's /weights_checker takes exactly SGLang's request fields and answers its shape
+    (per rank: ChecksumInfo with ParallelismInfo), so the adapter's reading of it holds."""
+    assert set(fake.FakeSGLangServer.CHECK_WEIGHTS_FIELDS) == _fields("CheckWeightsReqInput")
+    assert "/weights_checker" in _routes()
+    with fake.FakeSGLangServer(tp_size=2) as srv:
+        srv.engine.weights = dict(mixed_tensors()[:2])
+        report = sg.SGLangEngine(base_url=srv.url).weights_checker()
+    assert {"success", "message", "ranks", "per_engine_checksum"} == set(report)
+    for info in report["ranks"]:
+        assert set(info) == _fields("ChecksumInfo")
+        assert set(info["parallelism_info"]) == _fields("ParallelismInfo")
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,164 @@
+"""Verify after sync (`SyncConfig.verify`): what the engine now serves equals the trainer's tensors.
+
+Run by the sharding manager right after ``transport.sync`` (every method: tensor, distributed,
+disk), on every trainer rank:
+
+1. the ranks that hold engine handles ask each engine for one digest per tensor
+   (``engine.tensor_checksums(names)``: sha256 of ``name|dtype|shape|bytes`` of the full tensor,
+   `tensor_digest`; the reference engine assembles each from its workers' shards);
+2. every trainer rank streams the same tensors out of the module (collective: ``"full"`` gathers
+   bucket by bucket with `export.iter_buckets`, ``"sample"`` gathers only the chosen tensors with
+   `export.iter_params`), so no rank ever holds more than one bucket of the model; the engine
+   ranks hash each tensor as it arrives and compare at once;
+3. at the first tensor that differs, the engine rank reads that one tensor back
+   (``get_weights_by_name``) and finds the first differing element (by bit pattern, so NaN equals
+   the same NaN and -0.0 differs from 0.0);
+4. `topology.agree`: a mismatch, or an engine that cannot report digests, raises the same
+   `SyncError` on every rank, naming the tensor (and element) or saying which option turns the
+   check off.
+
+Modes: ``"full"``: every exported tensor. ``"sample"``: a rotating subset, tensor ``i`` (export
+order) at syncs ``s`` with ``i % m == s % m`` where ``m = min(SAMPLE_EVERY, tensors)``: about one
+tensor in eight per sync, deterministic, the same on every rank, and every tensor covered within
+eight consecutive syncs. ``"off"`` (default): nothing; a verified sync costs another export and a
+read-back of the engine's tensors (``"full"``: about as much as the sync itself; the bench's
+``--verify`` reports the seconds).
+
+SGLang (`engines.sglang.SGLangEngine.tensor_checksums`): SGLang 0.5.23's ``POST /weights_checker``
+``{"action": "checksum"}`` answers, per TP rank, a hash of each of its *own* parameters (fused
+qkv/gate_up, vocab-padded shards, SGLang's internal names; a Triton hash on GPU), which a trainer
+cannot recompute from its full Hugging Face tensors, so verify cannot compare against it: with
+``verify`` on, a sync into an SGLang engine raises, saying so (and, where the server has no
+``/weights_checker`` at all, saying that), and names ``SyncConfig.verify="off"``.
+
+Not here: the sync itself (the transports), the stages around it (the manager).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from . import bucket as _bucket
+from . import export
+from .engines.base import checksum_named_tensors
+
+__all__ = ["SAMPLE_EVERY", "select", "tensor_digest", "trainer_tensors", "first_difference",
+           "verify_engines", "digests"]
+
+SAMPLE_EVERY = 8
+
+
+def tensor_digest(name: str, t: torch.Tensor) -> str:
+    """The digest of one full tensor, as engines report it (`checksum_named_tensors` of one)."""
+    return checksum_named_tensors([(name, t)])
+
+
+def select(names: list[str], mode: str, step: int) -> list[str]:
+    """The tensors a verify of sync ``step`` checks (see the module docstring)."""
+    if mode == "off" or not names:
+        return []
+    if mode == "full":
+        return list(names)
+    if mode != "sample":
+        raise ValueError(f"verify must be 'off', 'sample' or 'full', got {mode!r}")
+    m = min(SAMPLE_EVERY, len(names))
+    return [n for i, n in enumerate(names) if i % m == step % m]
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return torch.device("cuda", torch.cuda.current_device()) if p.device.type == "cuda" else p.device
+    return torch.device("cpu")
+
+
+def trainer_tensors(module: torch.nn.Module, config: Any, chosen: list[str], *,
+                    every: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective on every trainer rank: ``(name, full tensor)`` of the chosen tensors, in export
+    order; ``every``: all of them, gathered a bucket at a time (one all-gather per bucket)."""
+    dtype, kind = config.dtype, config.fsdp1_state_dict
+    if every:
+        device = _device(module)
+        it = export.iter_buckets(module, config.bucket_bytes, dtype=dtype, fsdp1_state_dict=kind,
+                                 alloc=lambda n: torch.empty(n, dtype=torch.uint8, device=device))
+        for bkt, flat in it:
+            yield from _bucket.unflatten(flat, bkt.entries)
+            del flat
+    else:
+        yield from export.iter_params(module, dtype=dtype, fsdp1_state_dict=kind, names=set(chosen))
+
+
+def first_difference(expected: torch.Tensor, got: torch.Tensor) -> str:
+    """Where two tensors first differ, bit for bit (flat index and the two values)."""
+    if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
+        return (f"the engine holds {got.dtype} {tuple(got.shape)}, the trainer "
+                f"{expected.dtype} {tuple(expected.shape)}")
+    a = expected.detach().cpu().contiguous().reshape(-1)
+    b = got.detach().cpu().contiguous().reshape(-1)
+    if a.element_size() in (1, 2, 4, 8):
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        diff = (a.view(bits) != b.view(bits)).nonzero()
+    else:
+        diff = (a != b).nonzero()
+    if not diff.numel():
+        return "its bytes equal the trainer's but its digest does not (the engine's checksum is off?)"
+    i = int(diff[0])
+    return (f"first differing element at flat index {i} of {a.numel()} "
+            f"(trainer {a[i].item()!r}, engine {b[i].item()!r}; {diff.numel()} elements differ)")
+
+
+def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: int) -> tuple[str | None, dict]:
+    """Steps 1-3 of the module docstring on this rank (collective: call it on every trainer rank,
+    with ``engines`` [] where this rank holds none). Returns ``(error or None, figures)``; the
+    caller agrees on the error over the trainer ranks."""
+    t0 = time.perf_counter()
+    names = [m.name for m in export.param_metas(module, config.dtype)]
+    chosen = select(names, config.verify, step)
+    want = set(chosen)
+    err: str | None = None
+    reports: list[dict] = []
+    for i, engine in enumerate(engines):
+        fn = getattr(engine, "tensor_checksums", None)
+        try:
+            if not callable(fn):
+                raise RuntimeError(f"{type(engine).__name__} cannot report per-tensor checksums "
+                                   f"(no tensor_checksums method)")
+            got = dict(fn(chosen))
+            missing = [n for n in chosen if n not in got]
+            if missing:
+                raise RuntimeError(f"engine reported no checksum for {missing[:3]} "
+                                   f"({len(missing)} tensors)")
+            reports.append(got)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            err = (f"engine {i} cannot be verified: {type(exc).__name__}: {exc}; set "
+                   f"SyncConfig.verify='off' to sync without checking")
+            break
+    checked = 0
+    for name, t in trainer_tensors(module, config, chosen, every=config.verify == "full"):
+        if name not in want:
+            continue
+        checked += 1
+        if err is not None or not reports:
+            continue        # keep consuming: the stream is collective
+        mine = tensor_digest(name, t)
+        for i, got in enumerate(reports):
+            if got[name] != mine:
+                where = ""
+                try:
+                    where = "; " + first_difference(t, engines[i].get_weights_by_name(name))
+                except Exception as exc:  # noqa: BLE001 - the name is what matters
+                    where = f" (reading it back failed: {type(exc).__name__}: {exc})"
+                err = (f"after sync {step} engine {i} serves {name!r} different from the "
+                       f"trainer's{where}")
+                break
+        del t
+    figures = {"verify": config.verify, "verify_tensors": checked,
+               "verify_s": time.perf_counter() - t0}
+    return err, figures
+
+
+def digests(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """``{name: tensor_digest}`` of named tensors (what ``tensor_checksums`` returns)."""
+    return {n: tensor_digest(n, t) for n, t in named}

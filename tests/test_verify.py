@@ -1,0 +1,213 @@
+"""Verify after sync (`SyncConfig.verify`) for every method, and the disk method through the manager.
+
+One 2-rank job (FSDP2 trainer, one TP-2 reference engine on rank 0) runs, per method (tensor with
+a mesh, distributed and disk without one): ``verify="full"`` over two syncs with training between
+them, ``verify="sample"``, and a sync after which one engine tensor is overwritten with a wrong
+value (between the transport's sync and the check): every rank must raise naming that tensor and
+its first differing element. The disk method's run doubles as its manager-level test: bit-exact
+by checksum after each sync, and ``disk_keep`` versions left on disk. The SGLang adapter's
+``/weights_checker`` path runs against `fake_sglang`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_sync.config import SyncConfig
+from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.verify import SAMPLE_EVERY, first_difference, select
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+import fake_sglang as fake  # noqa: E402
+
+WRONG = "model.layers.0.mlp.down_proj.weight"
+
+
+def test_select_rotates_and_config_is_checked():
+    names = [f"t{i}" for i in range(19)]
+    assert select(names, "off", 3) == [] and select(names, "full", 3) == names
+    seen: list[str] = []
+    for step in range(SAMPLE_EVERY):
+        part = select(names, "sample", step)
+        assert part == select(names, "sample", step + SAMPLE_EVERY)        # deterministic
+        assert 0 < len(part) <= -(-len(names) // SAMPLE_EVERY)
+        seen += part
+    assert sorted(seen) == sorted(names)                                    # all within 8 syncs
+    assert select(names[:3], "sample", 7) == ["t1"]                         # never empty
+    assert SyncConfig().verify == "off" and SyncConfig(verify=False).verify == "off"
+    assert SyncConfig.from_dict({"verify": "sample"}).verify == "sample"
+    for bad in ("on", True, "all", None):
+        with pytest.raises(ValueError, match="verify must be one of"):
+            SyncConfig(verify=bad)
+    a = torch.tensor([1.0, float("nan"), 0.0, 3.0])
+    b = a.clone()
+    b[2] = -0.0
+    assert "flat index 2 of 4" in first_difference(a, b)                    # bits, not ==
+    assert "torch.float16" in first_difference(a, b.half())
+
+
+# --------------------------------------------------------------------------- the 2-rank job
+
+def _listing(d: str) -> list[str]:
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def _verify_job(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from fsdp_sync import export, make_mesh
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.trainer import synthetic_batch, train_step, wrap_fsdp
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny")
+    dtype = torch.float32
+    module = wrap_fsdp(build_model(cfg, seed=0), 2)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-1)
+    engine = (ReferenceEngine(model_config=cfg, tp_size=2, dtype=dtype, kv_cache_tokens=64)
+              if rank == 0 else None)
+    mesh = make_mesh(dp=1, infer_tp=2, device_type="cpu")
+    n_tensors = len(export.param_metas(module, dtype))
+    step = [0]
+
+    def train() -> None:
+        step[0] += 1
+        train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step[0], rank=rank))
+
+    def exact() -> bool | None:
+        mine = checksum_named_tensors(export.iter_params(module, dtype=dtype))   # collective
+        return None if engine is None else engine.weights_checksum() == mine
+
+    def manager(method: str, verify: str, tag: str) -> FSDPShardingManager:
+        kw: dict = dict(method=method, verify=verify, dtype=dtype, bucket_bytes=32 << 10)
+        if method == "tensor":          # the next methods find the engine's weights in place
+            kw["free_cache_engine"] = False
+        if method == "distributed":
+            kw["dist_timeout_s"] = 60
+        if method == "disk":
+            kw.update(disk_dir=os.path.join(root, f"disk-{tag}"), disk_keep=1)
+        eng = engine if method == "tensor" else ([engine] if engine is not None else None)
+        return FSDPShardingManager(module, eng, mesh=mesh if method == "tensor" else None,
+                                   config=SyncConfig(**kw))
+
+    out: dict = {}
+    try:
+        for method in ("tensor", "distributed", "disk"):
+            rec: dict = {}
+            m = manager(method, "full", "full")     # two syncs, training between them
+            try:
+                for i in range(2):
+                    train()
+                    with m:
+                        pass
+                    rec[f"full{i}"] = dict(m.stats.extra, exact=exact())
+                rec["listing"] = _listing(os.path.join(root, "disk-full"))
+            finally:
+                m.close()
+            m = manager(method, "sample", "sample")
+            try:
+                train()
+                with m:
+                    pass
+                rec["sample"] = dict(m.stats.extra, exact=exact())
+            finally:
+                m.close()
+            m = manager(method, "full", "bad")
+            real = m.transport.sync
+
+            def corrupt(ctx, real=real):
+                real(ctx)
+                if engine is not None:      # one engine tensor goes wrong after the sync
+                    t = engine.get_weights_by_name(WRONG)
+                    t.view(-1)[5] += 1.0
+                    engine.update_weights_from_tensor([(WRONG, t)])
+
+            m.transport.sync = corrupt
+            try:
+                train()
+                with m:
+                    pass
+                rec["bad"] = "no error"
+            except SyncError as exc:
+                rec["bad"] = str(exc)
+            finally:
+                m.close()
+            out[method] = rec
+            dist.barrier()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    out["n_tensors"] = n_tensors
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_verify_every_method_and_disk_through_the_manager(tmp_path):
+    results = run_ranks(_verify_job, 2, str(tmp_path), timeout_s=230, env=spawn_env())
+    n = results[0]["n_tensors"]
+    sample = len(select([f"{i}" for i in range(n)], "sample", 0))
+    assert 0 < sample < n
+    for method in ("tensor", "distributed", "disk"):
+        for rank, res in enumerate(results):
+            rec = res[method]
+            for i in range(2):
+                assert rec[f"full{i}"]["verify_tensors"] == n, (method, rank, rec)
+                assert rec[f"full{i}"]["verify_s"] > 0
+                assert rec[f"full{i}"]["exact"] is (True if rank == 0 else None), (method, rec)
+            assert rec["sample"]["verify_tensors"] == sample, (method, rank, rec)
+            assert rec["sample"]["exact"] is (True if rank == 0 else None)
+            # the wrong tensor is named on every rank, with its first differing element
+            assert "verify='full'" in rec["bad"] and repr(WRONG) in rec["bad"], (method, rank, rec)
+            assert "flat index 5 of" in rec["bad"], rec["bad"]
+        if method == "disk":     # disk_keep=1: only the newest of the two versions stays
+            assert results[0][method]["listing"] == ["step_1"]
+
+
+# --------------------------------------------------------------------------- SGLang
+
+def test_sglang_weights_checker_request_and_verify_statement(tmp_path):
+    from fsdp_sync.engines.sglang import SGLangEngine, SGLangError
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+
+    module = build_model(load_config("tiny"), seed=0)
+    with fake.FakeSGLangServer(tp_size=2) as server:
+        eng = SGLangEngine(base_url=server.url)
+        server.engine.weights = {"model.norm.weight": torch.ones(4)}
+        report = eng.weights_checker("checksum")
+        assert [r["parallelism_info"]["tp_rank"] for r in report["ranks"]] == [0, 1]
+        assert list(report["ranks"][0]["checksums"]) == ["model.norm.weight"]
+        assert server.requests[-1][1:] == ("/weights_checker", {"action": "checksum"})
+        with pytest.raises(SGLangError, match="has /weights_checker, but its checksum action"):
+            eng.tensor_checksums(["model.norm.weight"])
+        # through the manager: the sync goes through, the check raises naming the way out
+        m = FSDPShardingManager(module, eng, config=SyncConfig(
+            method="disk", disk_dir=str(tmp_path / "d"), verify="sample"))
+        with pytest.raises(SyncError, match=r"verify='off'.*|weights_checker") as info:
+            with m:
+                pass
+        assert "SyncConfig.verify='off'" in str(info.value)
+        assert "has /weights_checker" in str(info.value)
+        assert server.hits["/update_weights_from_disk"] == 1
+        assert m.step == 1
+        m.close()
+    with fake.FakeSGLangServer(tp_size=1, session_routes=False) as old:
+        eng = SGLangEngine(base_url=old.url)
+        with pytest.raises(SGLangError, match="has no /weights_checker") as info:
+            eng.weights_checker()
+        assert info.value.status == 404
+        with pytest.raises(SGLangError, match="cannot report per-tensor checksums.*has no"):
+            eng.tensor_checksums()
+    with pytest.raises(SGLangError, match="in-process sglang.Engine has no weights checker"):
+        SGLangEngine(fake.FakeSGLangEngine(tp_size=1)).weights_checker()
