@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .faults import add_faults_parser
 
     add_faults_parser(sub)
+    from .soak import add_soak_parser
+
+    add_soak_parser(sub)
     return parser
 
 
