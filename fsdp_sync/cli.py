@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import add_serve_parser
 
     add_serve_parser(sub)
+    from .faults import add_faults_parser
+
+    add_faults_parser(sub)
+    from .soak import add_soak_parser
+
+    add_soak_parser(sub)
     return parser
 
 
@@ -151,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import cmd_bench
 
         return cmd_bench(args)
+    if getattr(args, "run", None) is not None:   # faults, soak: the subcommand's own runner
+        return args.run(args)
     if args.command == "serve":
         from .serve import main_serve
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import export
 from .config import SyncConfig
+from .faults import fault_point
 from .memory import Timeline, empty_cache
 from .topology import SyncError, SyncTopology, agree
 from .transport import SyncContext, SyncStats, make_transport
@@ -112,9 +113,7 @@ class FSDPShardingManager:
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe)
         self._was_training = self.module.training
         try:
-            with self.timeline.stage("prepare"):
-                empty_cache()  # before resuming engine memory: verl's first-iteration OOM
-                self.module.eval()
+            self._run("prepare", self._prepare)
             if self.config.multi_stage_wake_up:
                 self._run("resume_weights", self._resume, ["weights"])
                 self._run("sync_weights", self._sync_weights)
@@ -124,9 +123,7 @@ class FSDPShardingManager:
                 self._run("resume_all", self._resume, None)
                 self._run("sync_weights", self._sync_weights)
                 self._run("offload_params", self._offload_params)
-            with self.timeline.stage("swap_rng"):
-                self._trainer_rng = self._get_rng()
-                self._set_rng(self._gen_rng)
+            self._run("swap_rng", self._swap_rng)
         except BaseException as exc:
             self._restore(release=True, original=exc)
             raise
@@ -230,12 +227,21 @@ class FSDPShardingManager:
         with self.timeline.stage(name):
             err = None
             try:
+                fault_point("trainer", self.rank, name)   # FSDP_SYNC_FAULT (tests, fsdp-sync faults)
                 fn(*args)
             except SyncError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 err = f"{type(exc).__name__}: {exc}"
             self._agree(err, what=f"stage {name!r}")
+
+    def _prepare(self) -> None:
+        empty_cache()  # before resuming engine memory: verl's first-iteration OOM
+        self.module.eval()
+
+    def _swap_rng(self) -> None:
+        self._trainer_rng = self._get_rng()
+        self._set_rng(self._gen_rng)
 
     def _resume(self, tags: list[str] | None) -> None:
         if self.config.free_cache_engine and self.transport.colocated:
@@ -279,6 +285,7 @@ class FSDPShardingManager:
                          ("restore_rng", self._restore_rng)):
             try:
                 with self.timeline.stage(name):
+                    fault_point("trainer", self.rank, name)
                     fn()
             except BaseException as exc:  # noqa: BLE001 - finish restoring, then raise
                 errors.append(exc)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .. import handles
+from ..faults import fault_point
 from ..bucket import dtype_name, entries_from_metadata, unflatten
 from ..layout import TPLayout
 from .tp_model import Span, TPModel
@@ -674,6 +675,8 @@ class Worker:
 
     # ----------------------------------------------------------------- loop
     def handle(self, cmd: str, args: dict) -> Any:
+        tags = args.get("tags") if cmd in ("resume", "release") and isinstance(args, dict) else None
+        fault_point("worker", self.rank, cmd + (":" + ",".join(tags) if tags else ""))  # FSDP_SYNC_FAULT
         if cmd == "stage":
             return self.stage(args["items"])
         if cmd == "commit":

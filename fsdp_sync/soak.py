@@ -1,0 +1,239 @@
+"""``fsdp-sync soak --syncs N``: N weight syncs per method with a training step between them, and
+the resources of every process sampled throughout, to show that nothing grows.
+
+One `run_ranks` job (2 trainer ranks on gloo, FSDP2, a 2-worker `ReferenceEngine` held by trainer
+rank 0, the tiny model on CPU) runs the methods one after the other, one `FSDPShardingManager`
+each. Trainer rank 0 samples with psutil, every ``--every`` syncs, the RSS, open fds and threads of
+every process (both trainer ranks and both engine workers) and the ``/dev/shm`` segments those
+processes own. The report: per method and process, the value after the warm-up (``--warmup``
+syncs) and at the end, the growth and the growth scaled to 1000 syncs; a PNG of the series; JSON.
+Target: RSS growth <= 1 MiB per process per 1000 syncs after the warm-up, no growth in fds,
+threads or segments.
+
+Not here: GPU memory (see the bench), SGLang servers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+__all__ = ["run_soak", "add_soak_parser", "cmd_soak", "summarise"]
+
+METHODS = ("tensor", "distributed", "disk")
+
+
+def _shm_of(pids) -> int:
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return 0
+    return sum(1 for n in names for p in pids if n.startswith(f"torch_{p}_"))
+
+
+def _sample(procs: dict) -> dict:
+    import psutil
+
+    out = {}
+    for name, pid in procs.items():
+        try:
+            p = psutil.Process(pid)
+            out[name] = {"rss": p.memory_info().rss, "fds": p.num_fds(), "threads": p.num_threads()}
+        except psutil.Error:
+            out[name] = None
+    out["shm"] = _shm_of(procs.values())
+    return out
+
+
+def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tmp: str) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from .config import SyncConfig
+    from .engines import ReferenceEngine
+    from .manager import FSDPShardingManager
+    from .models import build_model, load_config
+    from .topology import make_mesh
+    from .trainer import synthetic_batch, train_step, wrap_fsdp
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny")
+    module = wrap_fsdp(build_model(cfg, seed=0), 2)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    engine = ReferenceEngine(model_config=cfg, tp_size=2, dtype=torch.float32,
+                             kv_cache_tokens=64) if rank == 0 else None
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    procs = {f"trainer{r}": p for r, p in enumerate(pids)}
+    if engine is not None:
+        procs.update({f"worker{r}": p for r, p in enumerate(engine.worker_pids)})
+    mesh = make_mesh(world // 2, 2) if "tensor" in methods else None
+    series: dict[str, list] = {}
+    seconds: dict[str, float] = {}
+    try:
+        for method in methods:
+            conf = SyncConfig(method=method, dtype=torch.float32, bucket_bytes=48 << 10, memory_probe="off",
+                              disk_dir=os.path.join(tmp, "disk"), disk_keep=2)
+            manager = FSDPShardingManager(module, engine, mesh=mesh if method == "tensor" else None,
+                                          config=conf)
+            rows = series.setdefault(method, [])
+            t0 = time.monotonic()
+            for i in range(syncs):
+                train_step(module, opt, synthetic_batch(cfg.vocab_size, step=i, rank=rank, batch=2, seq_len=8))
+                with manager:
+                    pass
+                if rank == 0 and (i % every == 0 or i == syncs - 1):
+                    rows.append({"sync": i + 1, **_sample(procs)})
+            seconds[method] = time.monotonic() - t0
+            manager.close()
+            if engine is not None and method == "tensor":   # colocated: released on exit; the
+                engine.resume_memory_occupation()            # others push into a resident engine
+            dist.barrier()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return {"series": series, "seconds": seconds, "procs": list(procs)} if rank == 0 else None
+
+
+def summarise(series: dict, procs: list, warmup: int) -> list[dict]:
+    """One row per method × process (and the /dev/shm count): after warm-up, at the end, growth."""
+    rows = []
+    for method, samples in series.items():
+        base = next((s for s in samples if s["sync"] >= warmup), samples[0])
+        last = samples[-1]
+        span = max(1, last["sync"] - base["sync"])
+        for name in procs:
+            a, b = base.get(name), last.get(name)
+            if not a or not b:
+                rows.append({"method": method, "process": name, "error": "process gone"})
+                continue
+            grow = (b["rss"] - a["rss"]) / 2**20
+            rows.append({"method": method, "process": name, "syncs": span,
+                         "rss_mib_after_warmup": round(a["rss"] / 2**20, 2),
+                         "rss_mib_end": round(b["rss"] / 2**20, 2),
+                         "rss_growth_mib": round(grow, 3),
+                         "rss_growth_mib_per_1000": round(grow * 1000 / span, 3),
+                         "fds_growth": b["fds"] - a["fds"], "threads_growth": b["threads"] - a["threads"]})
+        rows.append({"method": method, "process": "/dev/shm", "syncs": span,
+                     "shm_segments_after_warmup": base["shm"], "shm_segments_end": last["shm"],
+                     "shm_growth": last["shm"] - base["shm"]})
+    return rows
+
+
+def _meets(row: dict) -> bool:
+    if "error" in row:
+        return False
+    if row["process"] == "/dev/shm":
+        return row["shm_growth"] <= 0
+    return row["rss_growth_mib_per_1000"] <= 1.0 and row["fds_growth"] <= 0 and row["threads_growth"] <= 0
+
+
+def plot(series: dict, procs: list, path: str, warmup: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(series), figsize=(5 * len(series), 7), squeeze=False)
+    for col, (method, samples) in enumerate(series.items()):
+        x = [s["sync"] for s in samples]
+        ax = axes[0][col]
+        for name in procs:
+            ax.plot(x, [(s[name] or {}).get("rss", float("nan")) / 2**20 for s in samples], label=name)
+        ax.axvline(warmup, color="grey", ls=":", lw=1)
+        ax.set_title(f"{method}: RSS (MiB)")
+        ax.set_xlabel("sync")
+        ax.legend(fontsize=7)
+        ax = axes[1][col]
+        for name in procs:
+            ax.plot(x, [(s[name] or {}).get("fds", float("nan")) for s in samples], label=f"{name} fds")
+            ax.plot(x, [(s[name] or {}).get("threads", float("nan")) for s in samples], ls="--",
+                    label=f"{name} threads")
+        ax.plot(x, [s["shm"] for s in samples], color="k", label="/dev/shm segments")
+        ax.set_title(f"{method}: fds, threads, shm")
+        ax.set_xlabel("sync")
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def run_soak(syncs: int, methods=METHODS, every: int | None = None, warmup: int | None = None,
+             png: str | None = None) -> dict:
+    import tempfile
+
+    from .launch import run_ranks, spawn_env
+
+    every = every or max(1, syncs // 200)
+    warmup = min(syncs, warmup if warmup is not None else max(5, syncs // 10))
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fsdp_sync_soak_") as tmp:
+        out = run_ranks(_soak_rank, 2, tuple(methods), syncs, every, tmp, env=spawn_env(),
+                        timeout_s=24 * 3600, pg_timeout_s=120)[0]
+    rows = summarise(out["series"], out["procs"], warmup)
+    if png:
+        plot(out["series"], out["procs"], png, warmup)
+    return {"syncs": syncs, "methods": list(methods), "every": every, "warmup": warmup,
+            "seconds_per_method": {k: round(v, 1) for k, v in out["seconds"].items()},
+            "wall_s": round(time.monotonic() - t0, 1), "rows": rows,
+            "ok": all(_meets(r) for r in rows), "series": out["series"], "png": png}
+
+
+def add_soak_parser(sub) -> None:
+    import argparse
+
+    from . import cliargs as ca
+
+    p = sub.add_parser(
+        "soak", help="many syncs per method with training between them; resources must not grow",
+        description="Run --syncs weight syncs per method (tensor, distributed, disk), each after a "
+                    "training step, on 2 trainer ranks (FSDP2, gloo) into a 2-worker reference engine "
+                    "(tiny model, CPU). Samples the RSS, fds and threads of every process (trainer "
+                    "ranks, engine workers) and their /dev/shm segments, plots them (--png) and "
+                    "prints the growth after the warm-up. Target: RSS growth <= 1 MiB per process "
+                    "per 1000 syncs, no growth in fds, threads or segments; exit code 1 otherwise.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--syncs", type=ca.positive_int, default=1000, help="syncs per method")
+    p.add_argument("--methods", default="tensor,distributed,disk", help="comma list of tensor,distributed,disk")
+    p.add_argument("--every", type=ca.positive_int, default=None, help="sample every K syncs (default: N/200)")
+    p.add_argument("--warmup", type=int, default=None, help="syncs before the baseline sample (default: N/10, >= 5)")
+    p.add_argument("--png", default="soak.png", help="where to write the plot")
+    p.add_argument("--json", metavar="PATH", help="write the report (with every sample) as JSON here")
+    p.set_defaults(run=cmd_soak)
+
+
+def cmd_soak(args) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise SystemExit(f"fsdp-sync soak: --methods {args.methods!r}: choose from {', '.join(METHODS)}")
+    console = Console(width=200)
+    console.print(f"[bold]fsdp-sync soak[/]: {args.syncs} syncs × {', '.join(methods)} …")
+    rep = run_soak(args.syncs, methods, args.every, args.warmup, args.png)
+    table = Table(title=f"after warm-up ({rep['warmup']} syncs) → end of {args.syncs} syncs")
+    for col in ("method", "process", "RSS MiB", "growth MiB", "per 1000 syncs", "fds Δ", "threads Δ", "shm Δ"):
+        table.add_column(col, justify="right")
+    for r in rep["rows"]:
+        if "error" in r:
+            table.add_row(r["method"], r["process"], "[red]" + r["error"], "", "", "", "", "")
+        elif r["process"] == "/dev/shm":
+            table.add_row(r["method"], r["process"], "", "", "", "", "", str(r["shm_growth"]))
+        else:
+            table.add_row(r["method"], r["process"], f"{r['rss_mib_after_warmup']:.1f} → {r['rss_mib_end']:.1f}",
+                          f"{r['rss_growth_mib']:+.2f}", f"{r['rss_growth_mib_per_1000']:+.2f}",
+                          str(r["fds_growth"]), str(r["threads_growth"]), "")
+    console.print(table)
+    console.print(f"seconds per method: {rep['seconds_per_method']}; wall {rep['wall_s']} s; plot {rep['png']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=1))
+        console.print(f"wrote {args.json}")
+    console.print("[green]target met[/]" if rep["ok"] else "[red]target NOT met[/]")
+    return 0 if rep["ok"] else 1
