@@ -16,12 +16,13 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["SyncConfig", "STRATEGIES", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
+__all__ = ["SyncConfig", "STRATEGIES", "LAYOUTS", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
            "parse_dtype", "parse_bool"]
 
 METHODS = ("tensor", "distributed", "disk")
 DISTRIBUTED_FORMATS = ("flattened_bucket", "per_tensor")
 STRATEGIES = ("per_tensor", "bucketed", "flattened")
+LAYOUTS = ("auto", "full", "engine")
 FSDP1_STATE_DICTS = ("full", "sharded", "local")
 VERL_BUCKET_MB = 2048   # verl 0.9's checkpoint_engine.update_weights_bucket_megabytes default
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -99,6 +100,15 @@ class SyncConfig:
         Face checkpoint) there. Required when ``method == "disk"``.
     disk_keep: how many of the newest versions the disk method keeps (>= 1; the one the engine
         loaded last is never removed).
+    layout: (tensor method, ``strategy="flattened"``) ``"engine"``: per-rank buckets
+        (`fsdp_sync.reshard`): each engine TP rank is handed only its own shard, in the engine's
+        layout (``load_format="direct"``); the engine must accept them (``accepts_rank_buckets``:
+        the reference engine; an `SGLangEngine` made with ``rank_bucket_loader=True`` for a server
+        started with fsdp_sync's custom weight loader). ``"full"``: every engine rank gets every
+        full tensor and cuts out its part (SGLang's default). ``"auto"`` (default): ``"engine"``
+        where the engine accepts it, else ``"full"`` (the sync's stats say which ran). The
+        distributed and disk methods always move full tensors (``"auto"`` falls back to full,
+        ``"engine"`` is refused there).
     """
 
     strategy: str = "flattened"
@@ -120,6 +130,7 @@ class SyncConfig:
     dist_timeout_s: float = 600.0
     disk_dir: str | None = None
     disk_keep: int = 2
+    layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -136,6 +147,12 @@ class SyncConfig:
             raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "engine" and (self.method != "tensor" or self.strategy != "flattened"):
+            raise ValueError(f"layout='engine' (per-rank buckets) runs with method='tensor', "
+                             f"strategy='flattened'; got method={self.method!r}, strategy="
+                             f"{self.strategy!r}: use layout='full' or 'auto' there")
         for f in fields(self):
             if f.type in (bool, "bool"):
                 object.__setattr__(self, f.name, parse_bool(getattr(self, f.name), f.name))

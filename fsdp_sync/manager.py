@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import export
 from .config import SyncConfig
 from .memory import Timeline, empty_cache
 from .topology import SyncError, SyncTopology, agree
