@@ -122,3 +122,37 @@ def test_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa():
             if rank % tp == 0:
                 assert rec["exact"], rec                 # every engine weight, bit for bit
                 assert rec["diff"] <= 1e-5, rec
+
+
+@pytest.mark.timeout(30)
+def test_layout_config_is_validated_naming_the_field():
+    from fsdp_sync.config import SyncConfig
+
+    assert SyncConfig().layout == "auto"
+    assert SyncConfig.from_dict({"layout": "engine"}).layout == "engine"
+    with pytest.raises(ValueError, match=r"layout must be one of .*'rank'"):
+        SyncConfig(layout="rank")
+    for kw in ({"method": "distributed"}, {"method": "disk", "disk_dir": "/tmp/x"}, {"strategy": "bucketed"}):
+        with pytest.raises(ValueError, match="layout='engine'.*use layout='full' or 'auto'"):
+            SyncConfig(layout="engine", **kw)
+        assert SyncConfig(layout="auto", **kw).layout == "auto"      # falls back to full tensors there
+
+
+@pytest.mark.timeout(30)
+def test_sglang_adapter_accepts_rank_buckets_only_when_told():
+    from fsdp_sync.engines.sglang import SGLangEngine, SGLangError
+
+    class _Fake:
+        def __init__(self):
+            self.calls = []
+
+        def update_weights_from_tensor(self, **kw):
+            self.calls.append(kw)
+            return True, "ok"
+
+    fake = _Fake()
+    plain = SGLangEngine(fake, tp_size=2)
+    assert plain.accepts_rank_buckets is False
+    with pytest.raises(SGLangError, match="--custom-weight-loader"):
+        plain.load_rank_bucket(None, [b"a", b"b"])
+    assert fake.calls == []
