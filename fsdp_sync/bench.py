@@ -294,7 +294,7 @@ def _layout_figures(model: Any, cfg: Any, job: "Job", stats: Any, share: bool) -
         mine = 0 if share else model_bytes - model_bytes // world   # the all-gather's share
     t = torch.tensor([mine], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"layout": layout, "pipelined": False, "engine_rank_bytes_in": engine_in,
+    return {"layout": layout, "pipelined": bool(extra.get("pipelined", False)), "engine_rank_bytes_in": engine_in,
             "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": int(t.item()),
             "reshard_path": extra.get("reshard_path"), "share_host_memory": share,
             "model_bytes": model_bytes}

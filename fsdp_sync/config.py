@@ -109,6 +109,9 @@ class SyncConfig:
         where the engine accepts it, else ``"full"`` (the sync's stats say which ran). The
         distributed and disk methods always move full tensors (``"auto"`` falls back to full,
         ``"engine"`` is refused there).
+    pipelined: with per-rank buckets, two buffers per TP rank: the trainer makes bucket k+1
+        while the engine loads bucket k (on infer-TP rank 0 the engine call runs on a thread).
+        Ignored where per-rank buckets do not run (the sync's stats say ``pipelined`` False).
     """
 
     strategy: str = "flattened"
@@ -131,6 +134,7 @@ class SyncConfig:
     disk_dir: str | None = None
     disk_keep: int = 2
     layout: str = "auto"
+    pipelined: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -4,7 +4,7 @@ own shard (per-rank buckets), and the engine's weights equal the trainer's bit f
 
 One 4-rank job covers FSDP1 and FSDP2, TP 1, 2 and 4 (dp 4 x tp 1, dp 2 x tp 2, dp 1 x tp 4), tied
 and untied, a padded vocab, GQA with fewer KV heads than TP ranks (tiny has 2 KV heads: TP 4),
-the one-host (shared memory) and the all-to-all path; "auto" picks per-rank buckets for the
+the one-host (shared memory) and the all-to-all path, pipelined (the default) and not; "auto" picks per-rank buckets for the
 reference engine and full tensors for an engine that does not accept them; "engine" there is
 refused on every rank, naming why, before anything moves.
 """
@@ -34,9 +34,9 @@ class _NoRankBuckets:
 CASES = [
     # (fsdp, recipe, overrides, dp, tp, [SyncConfig overrides per sync])
     (2, "tiny", {"vocab_size": 999}, 1, 4,
-     [{"layout": "engine"}, {"layout": "engine", "share_host_memory": False}]),
+     [{"layout": "engine"}, {"layout": "engine", "share_host_memory": False, "pipelined": False}]),
     (1, "tiny-tied", {}, 2, 2,
-     [{"layout": "engine", "fsdp1_state_dict": "local"},
+     [{"layout": "engine", "fsdp1_state_dict": "local", "pipelined": False},
       {"layout": "auto", "fsdp1_state_dict": "sharded", "share_host_memory": False},
       {"layout": "engine", "fsdp1_state_dict": "full"},
       {"layout": "auto", "engine": "no-rank-buckets"}, {"layout": "engine", "engine": "no-rank-buckets"}]),
@@ -111,6 +111,7 @@ def test_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa():
             assert "error" not in rec, rec["error"]
             want = "full" if syncs[rec["step"]].get("engine") else "engine"
             assert rec["extra"]["layout"] == want, rec
+            assert rec["extra"]["pipelined"] == (want == "engine" and rec["kw"].get("pipelined", True)), rec
             if want == "engine":
                 share = rec["kw"].get("share_host_memory", True)
                 path = "host-shared" if share else "all-to-all"

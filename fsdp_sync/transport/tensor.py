@@ -139,14 +139,20 @@ class TensorTransport:
         try:
             layout = self._choose_layout()
             self.stats.extra["layout"] = "engine" if layout is not None else "full"
+            # pipelining needs a second buffer per TP rank: the per-rank buckets rotate two
+            self._pipelined = layout is not None and bool(getattr(cfg, "pipelined", False))
+            self.stats.extra["pipelined"] = self._pipelined
             if layout is not None:
                 steps = self._steps_rank_buckets(tagged, layout)
             else:
                 steps = {"per_tensor": self._steps_per_tensor, "bucketed": self._steps_bucketed,
                          "flattened": self._steps_flattened}[cfg.strategy](tagged)
             with closing(steps):  # an abandoned export generator restores FSDP state on close
-                for call in steps:
-                    self._one_call(call)
+                if self._pipelined:
+                    self._run_pipelined(steps)
+                else:
+                    for call in steps:
+                        self._one_call(call)
             ok = True
         finally:
             if topo.is_tp_src and hasattr(self.engine, "end_weight_update"):
@@ -216,7 +222,8 @@ class TensorTransport:
         plan_len = None
         it = reshard.iter_rank_buckets(self.module, layout, cfg.bucket_bytes, dtype=dtype,
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
-                                       share_host_memory=cfg.share_host_memory, stats=st)
+                                       share_host_memory=cfg.share_host_memory, stats=st,
+                                       host_sets=2 if self._pipelined else 1)
         engine_in = 0
         with closing(it):
             for rb in it:
@@ -311,6 +318,81 @@ class TensorTransport:
 
             yield _Call(sets, [x.payloads[0] for x in sets], named, None, i == len(plan) - 1,
                         f"bucket {i} ({names[0]}…)")
+
+    def _engine_call(self, call: _Call, gathered: list) -> str | None:
+        """Infer-TP rank 0: hand one gathered call to the engine; the error text, or None."""
+        topo = self.topo
+        try:
+            named = call.to_named(gathered)
+            if isinstance(named, _RankBucketCall):
+                self.engine.load_rank_bucket(named.bucket, named.payloads, flush_cache=call.last)
+            else:
+                self.engine.update_weights_from_tensor(named, load_format=call.load_format,
+                                                       flush_cache=call.last)
+            self.stats.engine_calls += 1
+            return None
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+            return f"engine update of {call.what} on {topo.describe()}: {type(exc).__name__}: {exc}"
+
+    def _release(self, call: _Call, err: str | None) -> None:
+        for s in call.sets:
+            missing = [s.ranks[i] for i in s.unacknowledged()]
+            if missing and err is None and self._unacked is None:
+                self._unacked = (f"engine answered for {call.what} but consumer ranks {missing} "
+                                 f"never acknowledged their payloads ({self.topo.describe()})")
+            s.release(require_ack=False)
+        if call.on_release is not None:
+            call.on_release()
+
+    def _run_pipelined(self, steps: Iterator[_Call]) -> None:
+        """Bucket k+1 is made (reshard, handles, gather) while the engine loads bucket k.
+
+        Infer-TP rank 0 runs each engine call on a worker thread. Before call k+1 is handed over,
+        call k is waited for and every rank agrees on its outcome (so nothing is sent after a
+        failure), then call k's payloads are released: its buffers are rewritten only by bucket
+        k+2 (two buffer sets, `reshard.iter_rank_buckets(host_sets=2)`)."""
+        import concurrent.futures as cf
+
+        topo = self.topo
+        pool = cf.ThreadPoolExecutor(1, thread_name_prefix="fsdp_sync-engine") if topo.is_tp_src else None
+        pending: tuple | None = None       # (call, future on infer-TP rank 0 / None elsewhere)
+
+        def finish() -> str | None:
+            nonlocal pending
+            if pending is None:
+                return None
+            call, fut = pending
+            err = fut.result() if fut is not None else None
+            try:
+                agree(err, what="weight sync")
+            finally:
+                pending = None
+                self._release(call, err)
+            return err
+
+        try:
+            for call in steps:
+                try:
+                    gathered = gather_to_src(call.wire, topo)
+                    finish()
+                except BaseException:
+                    self._release(call, "failed")
+                    raise
+                fut = pool.submit(self._engine_call, call, gathered) if pool is not None else None
+                pending = (call, fut)
+                del gathered
+            finish()
+        finally:
+            if pending is not None:          # an error elsewhere: wait for the engine, then free
+                call, fut = pending
+                if fut is not None:
+                    try:
+                        fut.result()
+                    except BaseException:  # noqa: BLE001 - the first error is the one raised
+                        pass
+                self._release(call, "failed")
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def _one_call(self, call: _Call) -> None:
         """Gather this rank's payloads to infer-TP rank 0, call the engine there, agree, free."""
