@@ -45,7 +45,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The configuration the targets are judged on (2 ranks, TP 2, >=100M params, >=200 tensors, fp32).
     "targets": {"models": ["qwen2-160m"], "strategies": ["flattened", "per_tensor"],
                 "bucket_mb": [64], "ranks": [2], "tp": [2], "multi_stage": [True], "dtype": "float32",
-                "share_host_memory": [True, False], "repeats": 3, "layouts": ["full", "engine"]},
+                "share_host_memory": [True, False], "repeats": 3, "layouts": ["full", "engine"],
+                "pipelined": [True, False]},
     # A quick sweep that runs in about a minute.
     "quick": {"models": ["small"], "strategies": ["flattened", "bucketed", "per_tensor"],
               "bucket_mb": [4, 16, 64], "ranks": [2], "tp": [2], "multi_stage": [True, False],
@@ -68,6 +69,7 @@ class BenchSpec:
     warmup: int = 1
     methods: tuple[str, ...] = ("tensor",)
     layouts: tuple[str, ...] = ("auto",)    # SyncConfig.layout of the flattened rows
+    pipelined: tuple[bool, ...] = (True,)   # SyncConfig.pipelined of the per-rank rows
 
     def __post_init__(self) -> None:
         from .config import LAYOUTS, METHODS, STRATEGIES
@@ -116,7 +118,7 @@ class BenchSpec:
         return [Job(model=m, ranks=r, tp=t, multi_stage=ms, device=self.device, dtype=self.dtype,
                     strategies=self.strategies, bucket_mb=self.bucket_mb, repeats=self.repeats,
                     warmup=self.warmup, share_host_memory=self.share_host_memory, methods=self.methods,
-                    layouts=self.layouts)
+                    layouts=self.layouts, pipelined=self.pipelined)
                 for m, r, t, ms in itertools.product(self.models, self.ranks, self.tp, self.multi_stage)]
 
 
@@ -135,6 +137,7 @@ class Job:
     share_host_memory: tuple[bool, ...] = (True,)
     methods: tuple[str, ...] = ("tensor",)
     layouts: tuple[str, ...] = ("auto",)
+    pipelined: tuple[bool, ...] = (True,)
 
 
 # --------------------------------------------------------------------------- memory sampling
@@ -325,13 +328,15 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())
     progress = _Progress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
-                         * len(job.layouts), job)
+                         * len(job.layouts) * len(job.pipelined), job)
     rows = []
     baseline: float | None = None
     try:
         order = sorted(job.strategies, key=lambda s: s != "per_tensor") if colocated else []
-        for strategy, bucket_mb, share, layout in itertools.product(order, job.bucket_mb, job.share_host_memory,
-                                                                    job.layouts):
+        for strategy, bucket_mb, share, layout, piped in itertools.product(
+                order, job.bucket_mb, job.share_host_memory, job.layouts, job.pipelined):
+            if layout == "full" and piped != job.pipelined[0]:
+                continue  # only per-rank buckets are pipelined
             if strategy == "per_tensor" and bucket_mb != job.bucket_mb[0] and baseline is not None:
                 continue  # per_tensor ignores the bucket size: measure it once
             if strategy != "flattened" and (share != job.share_host_memory[0] or layout != job.layouts[0]):
@@ -340,7 +345,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             sync_cfg = SyncConfig(strategy=strategy, bucket_bytes=bucket_bytes, dtype=dtype,
                                   multi_stage_wake_up=job.multi_stage, memory_probe="rss",
                                   share_host_memory=share,
-                                  layout=layout if strategy == "flattened" else "full")
+                                  layout=layout if strategy == "flattened" else "full", pipelined=piped)
             manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
             progress.update(f"{strategy} {bucket_mb:g} MiB: warm-up")
             for _ in range(job.warmup):

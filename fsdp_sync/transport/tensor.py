@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -240,7 +241,6 @@ class TensorTransport:
                 obj = flat if form == "tensor" else {"flattened_tensor": flat, "metadata": rb.metadata()}
                 sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
                 engine_in += rb.bucket.nbytes
-                self.stats.bytes += rb.bucket.nbytes * topo.tp_size
                 self.stats.tensors += len(rb.bucket.entries)
                 self.stats.buckets += 1
                 bkt = rb.bucket
@@ -249,6 +249,10 @@ class TensorTransport:
                             lambda g, _b=bkt: _RankBucketCall(_b, g), "direct",
                             self.stats.buckets == plan_len, f"per-rank bucket {self.stats.buckets - 1} "
                             f"({bkt.names[0]}…)")
+        # bytes: what was exported (the HF tensors, as for full buckets); each engine rank's
+        # share of them is engine_rank_bytes_in
+        itemsize = (cfg.dtype or next(self.module.parameters()).dtype).itemsize
+        self.stats.bytes = sum(math.prod(shape) for shape in layout.hf_shapes.values()) * itemsize
         self.stats.extra.update(
             reshard_path=st.path, engine_rank_bytes_in=engine_in,
             engine_rank_shard_bytes=st.engine_shard_bytes, trainer_rank_bytes_in=st.bytes_in,
