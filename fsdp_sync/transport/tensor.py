@@ -196,6 +196,15 @@ class TensorTransport:
             layout = layout_for(hf_config, topo.tp_size)
         except Exception as exc:  # noqa: BLE001 - "auto" falls back, "engine" reports it
             why = f"no engine layout for this model: {type(exc).__name__}: {exc}"
+        # an engine that knows its model (the reference engine) must agree with the trainer's,
+        # or per-rank buckets would be cut for the wrong shapes: full tensors then name the
+        # tensor that differs
+        espec = getattr(getattr(self.engine, "layout", None), "spec", None) if topo.is_tp_src else None
+        espec = broadcast_from_src(espec, topo)
+        if why is None and espec is not None and espec != layout.spec:
+            diff = {k: (getattr(layout.spec, k), getattr(espec, k)) for k in vars(espec)
+                    if getattr(layout.spec, k) != getattr(espec, k)}
+            why = f"the engine's model differs from the trainer's (trainer, engine): {diff}"
         if why is None and topo.is_tp_src and not getattr(self.engine, "accepts_rank_buckets", False):
             why = (f"the engine {type(self.engine).__name__} does not accept per-rank buckets "
                    f"(accepts_rank_buckets is false: for SGLang, start the server with "
