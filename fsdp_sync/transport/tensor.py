@@ -14,7 +14,9 @@ With ``SyncConfig.layout="engine"`` (or ``"auto"`` where the engine accepts it, 
 buffer of ITS infer-TP rank's shard (engine names and layout), the payloads are gathered to
 infer-TP rank 0 and handed to the engine in one call per bucket (``load_format="direct"``,
 `_load_rank_bucket`). Every rank of the world must agree on the layout (one all-reduce): the
-reshard is collective over the module's whole shard group.
+reshard is collective over the module's whole shard group. ``SyncConfig.pipelined`` (per-rank
+buckets only): the engine loads bucket k on a thread of infer-TP rank 0 while every rank makes
+bucket k+1 (`_run_pipelined`), so two buckets' buffers are alive at once.
 
 Not here: the stages around the sync (the manager), how tensors are gathered (`export`), laid out
 (`bucket`) or shared (`handles`).
