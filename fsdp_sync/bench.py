@@ -45,7 +45,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The configuration the targets are judged on (2 ranks, TP 2, >=100M params, >=200 tensors, fp32).
     "targets": {"models": ["qwen2-160m"], "strategies": ["flattened", "per_tensor"],
                 "bucket_mb": [64], "ranks": [2], "tp": [2], "multi_stage": [True], "dtype": "float32",
-                "share_host_memory": [True, False], "repeats": 3},
+                "share_host_memory": [True, False], "repeats": 3, "layouts": ["full", "engine"],
+                "pipelined": [True, False]},
     # A quick sweep that runs in about a minute.
     "quick": {"models": ["small"], "strategies": ["flattened", "bucketed", "per_tensor"],
               "bucket_mb": [4, 16, 64], "ranks": [2], "tp": [2], "multi_stage": [True, False],
@@ -67,9 +68,15 @@ class BenchSpec:
     repeats: int = 3
     warmup: int = 1
     methods: tuple[str, ...] = ("tensor",)
+    layouts: tuple[str, ...] = ("auto",)    # SyncConfig.layout of the flattened rows
+    pipelined: tuple[bool, ...] = (True,)   # SyncConfig.pipelined of the per-rank rows
 
     def __post_init__(self) -> None:
-        from .config import METHODS, STRATEGIES
+        from .config import LAYOUTS, METHODS, STRATEGIES
+
+        bad = [x for x in self.layouts if x not in LAYOUTS]
+        if bad or not self.layouts:
+            raise ValueError(f"unknown layouts {bad or '(none)'}; expected some of {LAYOUTS}")
 
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
@@ -110,7 +117,8 @@ class BenchSpec:
     def jobs(self) -> list["Job"]:
         return [Job(model=m, ranks=r, tp=t, multi_stage=ms, device=self.device, dtype=self.dtype,
                     strategies=self.strategies, bucket_mb=self.bucket_mb, repeats=self.repeats,
-                    warmup=self.warmup, share_host_memory=self.share_host_memory, methods=self.methods)
+                    warmup=self.warmup, share_host_memory=self.share_host_memory, methods=self.methods,
+                    layouts=self.layouts, pipelined=self.pipelined)
                 for m, r, t, ms in itertools.product(self.models, self.ranks, self.tp, self.multi_stage)]
 
 
@@ -128,6 +136,8 @@ class Job:
     warmup: int
     share_host_memory: tuple[bool, ...] = (True,)
     methods: tuple[str, ...] = ("tensor",)
+    layouts: tuple[str, ...] = ("auto",)
+    pipelined: tuple[bool, ...] = (True,)
 
 
 # --------------------------------------------------------------------------- memory sampling
@@ -206,9 +216,11 @@ def _floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, re
     return statistics.median(times[1:])
 
 
-def _floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int) -> float:
+def _floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
+                          shard: int | None = None) -> float:
     """The floor of a sync that shares host memory instead of all-gathering: every rank copies its
-    shard (``total_bytes / world``) once, then one copy of a TP rank's shard (``total_bytes / tp``).
+    shard (``total_bytes / world``) once, then one copy of a TP rank's shard (``shard``, default
+    ``total_bytes / tp``; the engine layout's own shard bytes when known).
     """
     import torch.distributed as dist
 
@@ -216,7 +228,7 @@ def _floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int) 
     dev = "cuda" if device == "cuda" else "cpu"
     mine = torch.ones(total_bytes // world, dtype=torch.uint8, device=dev)
     into = torch.zeros_like(mine)
-    src = torch.ones(total_bytes // tp, dtype=torch.uint8, device=dev)
+    src = torch.ones(shard if shard is not None else total_bytes // tp, dtype=torch.uint8, device=dev)
     dst = torch.zeros_like(src)
     times = []
     for _ in range(repeats + 1):
@@ -229,6 +241,66 @@ def _floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int) 
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
+
+
+def _floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, device: str,
+                              repeats: int) -> float:
+    """The floor of the cross-host per-rank path: bare ``all_to_all_single`` exchanges in which
+    every rank receives ``bytes_in`` bytes (the most any trainer rank received in the sync), in
+    bucket-sized pieces, plus one copy of an engine rank's shard."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    dev = "cuda" if device == "cuda" else "cpu"
+    per_peer = max(1, min(bucket_bytes, max(bytes_in, 1)) // max(world - 1, 1))
+    n = max(1, -(-bytes_in // (per_peer * max(world - 1, 1))))
+    sizes = [0 if r == dist.get_rank() else per_peer for r in range(world)]
+    send = torch.ones(sum(sizes), dtype=torch.uint8, device=dev)
+    recv = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+    src = torch.ones(shard, dtype=torch.uint8, device=dev)
+    dst = torch.zeros_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dist.all_to_all_single(recv, send, sizes, sizes)
+        dst.copy_(src)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _layout_figures(model: Any, cfg: Any, job: "Job", stats: Any, share: bool) -> dict:
+    """The row's layout fields (collective: every rank calls it): ``engine_rank_bytes_in`` (what
+    one engine rank was handed: its per-rank buffers, or every full bucket), ``engine_rank_shard_bytes``
+    (its own shard in the engine layout), ``trainer_rank_bytes_in`` (the most any trainer rank
+    received: the all-to-all's bytes, or the all-gather's: each rank receives the others' shards;
+    0 on the one-host path)."""
+    import torch.distributed as dist
+
+    from .export import param_metas
+    from .layout import layout_for
+
+    dtype = getattr(torch, job.dtype)
+    model_bytes = sum(m.nbytes for m in param_metas(model, dtype))
+    extra = dict(stats.extra)
+    layout = extra.get("layout", "full")
+    shard = layout_for(cfg, job.tp).engine_bytes(dtype.itemsize)
+    world = dist.get_world_size()
+    if layout == "engine":
+        engine_in = int(extra["engine_rank_bytes_in"])
+        mine = int(extra.get("trainer_rank_bytes_in", 0))
+    else:
+        engine_in = int(stats.bytes)
+        mine = 0 if share else model_bytes - model_bytes // world   # the all-gather's share
+    t = torch.tensor([mine], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {"layout": layout, "pipelined": bool(extra.get("pipelined", False)), "engine_rank_bytes_in": engine_in,
+            "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": int(t.item()),
+            "reshard_path": extra.get("reshard_path"), "share_host_memory": share,
+            "model_bytes": model_bytes}
 
 
 def bench_rank(rank: int, world: int, job: Job) -> dict:
@@ -255,20 +327,25 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         if topo.is_tp_src and colocated else None
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    progress = _Progress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory), job)
+    progress = _Progress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
+                         * len(job.layouts) * len(job.pipelined), job)
     rows = []
     baseline: float | None = None
     try:
         order = sorted(job.strategies, key=lambda s: s != "per_tensor") if colocated else []
-        for strategy, bucket_mb, share in itertools.product(order, job.bucket_mb, job.share_host_memory):
+        for strategy, bucket_mb, share, layout, piped in itertools.product(
+                order, job.bucket_mb, job.share_host_memory, job.layouts, job.pipelined):
+            if layout == "full" and piped != job.pipelined[0]:
+                continue  # only per-rank buckets are pipelined
             if strategy == "per_tensor" and bucket_mb != job.bucket_mb[0] and baseline is not None:
                 continue  # per_tensor ignores the bucket size: measure it once
-            if strategy != "flattened" and share != job.share_host_memory[0]:
-                continue  # only the flattened strategy can share host memory
+            if strategy != "flattened" and (share != job.share_host_memory[0] or layout != job.layouts[0]):
+                continue  # only the flattened strategy can share host memory or cut per-rank buckets
             bucket_bytes = int(bucket_mb * MiB)
             sync_cfg = SyncConfig(strategy=strategy, bucket_bytes=bucket_bytes, dtype=dtype,
                                   multi_stage_wake_up=job.multi_stage, memory_probe="rss",
-                                  share_host_memory=share)
+                                  share_host_memory=share,
+                                  layout=layout if strategy == "flattened" else "full", pipelined=piped)
             manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
             progress.update(f"{strategy} {bucket_mb:g} MiB: warm-up")
             for _ in range(job.warmup):
@@ -298,8 +375,14 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                 sampler.__exit__(None, None, None)
             progress.update(f"{strategy} {bucket_mb:g} MiB: floor")
             # the floor is noisier than the sync (one big transfer): give it more repeats
-            floor = _floor_seconds(stats.bytes, bucket_bytes, job.tp, job.device, max(job.repeats, 5))
-            floor_shared = _floor_shared_seconds(stats.bytes, job.tp, job.device, max(job.repeats, 5))
+            lay = _layout_figures(model, cfg, job, stats, share and strategy == "flattened")
+            floor = _floor_seconds(lay["model_bytes"], bucket_bytes, job.tp, job.device, max(job.repeats, 5))
+            floor_shared = _floor_shared_seconds(lay["model_bytes"], job.tp, job.device, max(job.repeats, 5),
+                                                 shard=lay["engine_rank_shard_bytes"])
+            if lay["layout"] == "engine" and not lay["share_host_memory"]:
+                floor = _floor_all_to_all_seconds(lay["trainer_rank_bytes_in"], bucket_bytes,
+                                                  lay["engine_rank_shard_bytes"], job.device,
+                                                  max(job.repeats, 5))
             secs_med = statistics.median(secs)
             if strategy == "per_tensor":
                 baseline = secs_med
@@ -308,6 +391,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                            floor, manager, sampler)
                 row["share_host_memory"] = bool(share and strategy == "flattened")
                 row["floor_shared_seconds"] = floor_shared
+                row.update({k: v for k, v in lay.items() if k not in ("share_host_memory", "model_bytes")})
                 rows.append(row)
             progress.advance()
     finally:
@@ -432,6 +516,35 @@ def check_targets(rows: list[dict]) -> dict:
         d["met"] = {"speedup": speed is not None and speed >= 3.0, "floor": d["ratio_to_floor"] <= 1.3,
                     "memory": d["peak_extra_over_budget"] <= 1.0}
         out["distributed"] = d
+    lay = _check_layout_targets([r for r in rows if r.get("method", "tensor") == "tensor"])
+    if lay:
+        out["layout"] = lay
+    return out
+
+
+def _check_layout_targets(rows: list[dict]) -> dict:
+    """Per-rank bucket targets: bytes into an engine rank <= 1.05 x its shard; the one-host path
+    <= 1.5 x its floor; the all-to-all path <= 1.05 x its floor, with the bytes a trainer rank
+    receives beside the full layout's all-gather (about 1/TP of it)."""
+    out = {}
+    full = {r.get("share_host_memory"): r for r in rows
+            if r["strategy"] == "flattened" and r.get("layout") == "full"}
+    for r in rows:
+        if r["strategy"] != "flattened" or r.get("layout") != "engine":
+            continue
+        shared = bool(r.get("share_host_memory"))
+        floor = r["floor_shared_seconds"] if shared else r["floor_seconds"]
+        d = {"engine_in_over_shard": r["engine_rank_bytes_in"] / r["engine_rank_shard_bytes"],
+             "ratio_to_floor": r["seconds"] / floor}
+        met = {"engine_bytes": d["engine_in_over_shard"] <= 1.05,
+               "floor": d["ratio_to_floor"] <= (1.5 if shared else 1.05)}
+        f = full.get(r.get("share_host_memory"))
+        if not shared and f and f.get("trainer_rank_bytes_in"):
+            d["trainer_in_vs_full"] = r["trainer_rank_bytes_in"] / f["trainer_rank_bytes_in"]
+        if f:
+            d["seconds_vs_full"] = r["seconds"] / f["seconds"]
+        d["met"] = met
+        out["one-host" if shared else "all-to-all"] = d
     return out
 
 
@@ -562,7 +675,7 @@ def cmd_bench(args) -> int:
         if r.get("skipped"):
             console.print(f"{r['method']}: skipped ({r['skipped']})")
             continue
-        table.add_row(r["strategy"], r["model"], f"{r['params'] / 1e6:.1f}M", str(r["tensors"]),
+        table.add_row(r["strategy"] + (f" ({r['layout']})" if r.get("layout") else ""), r["model"], f"{r['params'] / 1e6:.1f}M", str(r["tensors"]),
                       f"{r['bytes'] / MiB:.0f}", f"{r['bucket_bytes'] / MiB:g}", str(r["ranks"]), str(r["tp"]),
                       "on" if r["multi_stage"] else "off", "yes" if r.get("share_host_memory") else "no",
                       f"{r['seconds']:.3f}", f"{r['floor_seconds']:.3f}",
@@ -578,6 +691,11 @@ def cmd_bench(args) -> int:
             console.print(f"targets: speedup {t['speedup_vs_per_tensor']:.2f}× (≥3: {t['met']['speedup']}), "
                           f"{t['ratio_to_floor']:.2f}× floor (≤1.3: {t['met']['floor']}), peak extra "
                           f"{t['peak_extra_over_budget']:.2f}× budget (≤1: {t['met']['memory']})")
+        lt = t.get("layout")
+        if lt:
+            for name, v in lt.items():
+                console.print(f"layout {name}: " + ", ".join(f"{k} {x:.2f}" if isinstance(x, float) else f"{k} {x}"
+                                                             for k, x in v.items()))
         d = t.get("distributed")
         if d:
             console.print(f"distributed: {d['speedup_vs_per_tensor'] or 0:.2f}× its per-tensor format "

@@ -16,13 +16,14 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["SyncConfig", "STRATEGIES", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
+__all__ = ["SyncConfig", "STRATEGIES", "LAYOUTS", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
            "VERIFY_MODES", "parse_dtype", "parse_bool"]
 
 METHODS = ("tensor", "distributed", "disk")
 DISTRIBUTED_FORMATS = ("flattened_bucket", "per_tensor")
 VERIFY_MODES = ("off", "sample", "full")
 STRATEGIES = ("per_tensor", "bucketed", "flattened")
+LAYOUTS = ("auto", "full", "engine")
 FSDP1_STATE_DICTS = ("full", "sharded", "local")
 VERL_BUCKET_MB = 2048   # verl 0.9's checkpoint_engine.update_weights_bucket_megabytes default
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -104,6 +105,18 @@ class SyncConfig:
         (`fsdp_sync.verify`): ``"off"`` (default: it costs another export and a read-back),
         ``"sample"`` (a rotating eighth of the tensors per sync, every tensor within 8 syncs) or
         ``"full"`` (every tensor). A mismatch raises `SyncError` on every rank naming the tensor.
+    layout: (tensor method, ``strategy="flattened"``) ``"engine"``: per-rank buckets
+        (`fsdp_sync.reshard`): each engine TP rank is handed only its own shard, in the engine's
+        layout (``load_format="direct"``); the engine must accept them (``accepts_rank_buckets``:
+        the reference engine; an `SGLangEngine` made with ``rank_bucket_loader=True`` for a server
+        started with fsdp_sync's custom weight loader). ``"full"``: every engine rank gets every
+        full tensor and cuts out its part (SGLang's default). ``"auto"`` (default): ``"engine"``
+        where the engine accepts it, else ``"full"`` (the sync's stats say which ran). The
+        distributed and disk methods always move full tensors (``"auto"`` falls back to full,
+        ``"engine"`` is refused there).
+    pipelined: with per-rank buckets, two buffers per TP rank: the trainer makes bucket k+1
+        while the engine loads bucket k (on infer-TP rank 0 the engine call runs on a thread).
+        Ignored where per-rank buckets do not run (the sync's stats say ``pipelined`` False).
     """
 
     strategy: str = "flattened"
@@ -126,6 +139,8 @@ class SyncConfig:
     disk_dir: str | None = None
     disk_keep: int = 2
     verify: str = "off"
+    layout: str = "auto"
+    pipelined: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -146,6 +161,12 @@ class SyncConfig:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "engine" and (self.method != "tensor" or self.strategy != "flattened"):
+            raise ValueError(f"layout='engine' (per-rank buckets) runs with method='tensor', "
+                             f"strategy='flattened'; got method={self.method!r}, strategy="
+                             f"{self.strategy!r}: use layout='full' or 'auto' there")
         for f in fields(self):
             if f.type in (bool, "bool"):
                 object.__setattr__(self, f.name, parse_bool(getattr(self, f.name), f.name))

@@ -241,13 +241,15 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
                       dtype: torch.dtype | None = None, fsdp1_state_dict: str = "local",
                       share_host_memory: bool = True, owners: Sequence[Sequence[int]] | None = None,
                       alloc: Callable[[int], torch.Tensor] = _handles.empty_shared,
-                      stats: ReshardStats | None = None) -> Iterator[RankBucket]:
+                      stats: ReshardStats | None = None, host_sets: int = 1) -> Iterator[RankBucket]:
     """Yield one `RankBucket` per planned bucket (`plan_rank_buckets`), collective over the
     module's shard group: every rank calls it with the same arguments and takes every item.
 
     ``dtype``: the engine's dtype (default: the module's, which must then be one dtype).
     ``owners[i]``: group ranks that get engine rank i's buffer on the all-to-all path (default
-    `default_owners`). ``stats`` is filled in as the stream runs.
+    `default_owners`). ``stats`` is filled in as the stream runs. ``host_sets``: how many sets
+    of one-host buffers to rotate through (2 for a pipelined consumer: bucket k's buffers stay
+    intact while bucket k+1 is written; they are rewritten by bucket k+2).
     """
     stats = stats if stats is not None else ReshardStats()
     items = _export._resolve(module, fsdp1_state_dict, dtype)
@@ -275,7 +277,7 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
     elif error is not None:
         raise error
     by_name = {it.name: (i, it) for i, it in enumerate(items)}
-    host = _HostBuffers.create(group, world, layout.tp, max((b.nbytes for b in plan), default=0)) \
+    host = _HostBuffers.create(group, world, layout.tp * max(1, host_sets), max((b.nbytes for b in plan), default=0)) \
         if share_host_memory and world > 1 and _host_eligible(items) else None
     stats.path = "host-shared" if host is not None else ("all-to-all" if world > 1 else "local")
     stats.engine_shard_bytes += layout.engine_bytes(dtype.itemsize)
@@ -286,7 +288,7 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
             by_name[n][1].drop()
         tasks = _tasks(bkt, layout, sources)
         if host is not None:
-            buffers = host.fill(bkt, layout, tasks, sources, stats)
+            buffers = host.fill(bkt, layout, tasks, sources, stats, (k % max(1, host_sets)) * layout.tp)
         elif world > 1:
             buffers = _exchange(bkt, layout, tasks, sources, own, group, me, alloc, stats)
         else:
@@ -429,8 +431,8 @@ class _HostBuffers:
         return cls(group, me, bufs)
 
     def fill(self, bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task],
-             sources: dict[str, _Source], stats: ReshardStats) -> dict[int, torch.Tensor]:
-        buffers = {i: b[:bkt.nbytes] for i, b in enumerate(self.bufs)}
+             sources: dict[str, _Source], stats: ReshardStats, first: int = 0) -> dict[int, torch.Tensor]:
+        buffers = {i: self.bufs[first + i][:bkt.nbytes] for i in range(layout.tp)}
         dist.barrier(group=self.group)       # nobody still reads the previous bucket's bytes
         with torch.no_grad():
             if self.me == 0:

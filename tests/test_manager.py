@@ -110,7 +110,7 @@ ALL_FSDP2 = [
     {"strategy": "flattened", "share_host_memory": False},    # the all-gather path
     {"strategy": "bucketed", "multi_stage_wake_up": True},
     {"strategy": "per_tensor", "multi_stage_wake_up": True},
-    {"strategy": "flattened", "multi_stage_wake_up": False},
+    {"strategy": "flattened", "multi_stage_wake_up": False, "layout": "full"},   # full tensors
     {"strategy": "per_tensor", "multi_stage_wake_up": False},
 ]
 
@@ -145,7 +145,7 @@ def test_fsdp1_two_ranks_every_state_dict_type():
 @pytest.mark.timeout(240)
 def test_four_ranks_dp2_tp2():
     configs = [{"strategy": "flattened"}, {"strategy": "per_tensor", "multi_stage_wake_up": False},
-               {"strategy": "bucketed"}, {"strategy": "flattened", "share_host_memory": False}]
+               {"strategy": "bucketed"}, {"strategy": "flattened", "share_host_memory": False, "layout": "full"}]
     results = run_ranks(_steps, 4, 2, 2, configs, timeout_s=230, env=spawn_env())
     _check(results, 2, len(configs))
 

@@ -167,6 +167,10 @@ class Engine(Protocol):
     def get_weights_by_name(self, name: str) -> torch.Tensor:
         """The full tensor of a Hugging Face parameter name, gathered from the shards."""
 
+    # Optional: ``accepts_rank_buckets = True`` and ``load_rank_bucket(bucket, payloads, *,
+    # flush_cache)`` (one payload per TP rank, each that rank's shard in engine names) let
+    # `SyncConfig.layout` "engine"/"auto" send each rank only its own shard.
+
     def weights_checksum(self) -> str:
         """`checksum_named_tensors` over all full tensors in Hugging Face order."""
 

@@ -175,6 +175,8 @@ class ReferenceEngine:
     """
 
     accepts_tagged_payloads = True
+    accepts_rank_buckets = True
+    """Takes per-rank buckets (`load_rank_bucket`): `SyncConfig.layout` "auto" picks them."""
 
     def __init__(self, model_config: Any = "tiny", tp_size: int = 1, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, kv_cache_tokens: int | None = None,
@@ -405,6 +407,11 @@ class ReferenceEngine:
                     s.release(require_ack=False, gone=gone)   # a dead worker's mapping, too
             if flush_cache:
                 self._raise_errors(self._round("flush_cache"), "flush_cache")
+
+    def load_rank_bucket(self, bucket: Any, payloads: list, *, flush_cache: bool = True) -> None:
+        """One per-rank bucket (`reshard.RankBucket`): ``payloads[i]`` opens to TP rank i's
+        ``{"flattened_tensor", "metadata"}`` in engine names (``load_format="direct"``)."""
+        self.update_weights_from_tensor(list(payloads), load_format="direct", flush_cache=flush_cache)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  flush_cache: bool = True) -> None:

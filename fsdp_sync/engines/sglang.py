@@ -458,16 +458,22 @@ class SGLangEngine:
     ``max_retries`` and ``retry_backoff_s`` for idempotent calls (``get_weights_by_name``,
     ``flush_cache``, server info, health), ``proxies`` (none by default).
 
+    ``rank_bucket_loader=True``: the server was started with ``--custom-weight-loader
+    fsdp_sync.sglang_loader.load_rank_buckets``, so it takes per-rank buckets
+    (`load_rank_bucket`, `SyncConfig.layout` "engine"/"auto"). Off (default), "auto" sends full
+    tensors. ``update_weights_from_distributed`` always broadcasts full tensors to every rank.
+
     Only infer-TP rank 0 holds an `SGLangEngine`; every call blocks until SGLang answered.
     """
 
     accepts_tagged_payloads = False
+    rank_bucket_payload = "tensor"   # per-rank payloads open to the flat buffer (the loader's input)
 
     def __init__(self, engine: Any = None, *, base_url: str | None = None,
                  tp_size: int | None = None, api_key: str | None = None,
                  timeout_s: float = 600.0, max_retries: int = 3, retry_backoff_s: float = 0.5,
                  retry_backoff_max_s: float = 8.0, proxies: dict | None = None,
-                 manage_expandable_segments: bool = True) -> None:
+                 manage_expandable_segments: bool = True, rank_bucket_loader: bool = False) -> None:
         if isinstance(engine, str):
             engine, base_url = None, engine
         if (engine is None) == (base_url is None):
@@ -484,6 +490,9 @@ class SGLangEngine:
         else:
             self._local = _InProcess(engine)
         self.session_api: bool | None = None   # has begin/end_weight_update; None = not yet known
+        # per-rank buckets need fsdp_sync's loader inside SGLang; SGLang cannot tell us it is
+        # there, so the caller says so (`SyncConfig.layout` "auto" reads this)
+        self.accepts_rank_buckets = bool(rank_bucket_loader)
         self.allocator = ExpandableSegments(manage_expandable_segments)
         self.closed = False
         if tp_size is not None and tp_size < 1:
@@ -595,6 +604,22 @@ class SGLangEngine:
             # untagged payloads cannot tell whether SGLang opened them; its answer can
             lease.release(require_ack=False,
                           unopened=range(len(lease.payloads)) if opened is False else ())
+
+    def load_rank_bucket(self, bucket: Any, payloads: list, *, flush_cache: bool = True) -> None:
+        """One per-rank bucket through fsdp_sync's custom weight loader: ONE named tensor whose
+        name carries the bucket's entries and whose value is TP rank i's payload for rank i."""
+        from ..sglang_loader import LOADER, bucket_name
+
+        if not self.accepts_rank_buckets:
+            raise SGLangError("per-rank buckets need a server started with --custom-weight-loader "
+                              f"{LOADER}; construct SGLangEngine(..., rank_bucket_loader=True) "
+                              "for one, or use SyncConfig(layout='full')",
+                              call="update_weights_from_tensor")
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"expected {self.tp_size} per-rank payloads (one per TP rank), got "
+                             f"{len(payloads)}")
+        self.update_weights_from_tensor([(bucket_name(bucket), SerializedPerRank(values=list(payloads)))],
+                                        load_format=LOADER, flush_cache=flush_cache)
 
     def _local_update(self, call: str, named: list, load_format: str | None,
                       flush_cache: bool) -> None:

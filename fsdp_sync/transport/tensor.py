@@ -9,6 +9,15 @@ after, so the sync holds at most one bucket (plus the largest tensor) beyond its
 The calls of one sync are bracketed by ``begin_weight_update``/``end_weight_update`` where the
 engine has them (aborted, not committed, after a failure).
 
+With ``SyncConfig.layout="engine"`` (or ``"auto"`` where the engine accepts it, strategy
+``flattened``) the buckets are per-rank (`reshard.iter_rank_buckets`): each trainer rank shares the
+buffer of ITS infer-TP rank's shard (engine names and layout), the payloads are gathered to
+infer-TP rank 0 and handed to the engine in one call per bucket (``load_format="direct"``,
+`_load_rank_bucket`). Every rank of the world must agree on the layout (one all-reduce): the
+reshard is collective over the module's whole shard group. ``SyncConfig.pipelined`` (per-rank
+buckets only): the engine loads bucket k on a thread of infer-TP rank 0 while every rank makes
+bucket k+1 (`_run_pipelined`), so two buckets' buffers are alive at once.
+
 Not here: the stages around the sync (the manager), how tensors are gathered (`export`), laid out
 (`bucket`) or shared (`handles`).
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -25,9 +35,10 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .. import export, handles
+from .. import export, handles, reshard
 from ..bucket import plan_buckets, sglang_metadata
-from ..topology import agree, gather_to_src
+from ..layout import layout_for
+from ..topology import agree, broadcast_from_src, gather_to_src
 from . import SyncContext, SyncStats
 
 __all__ = ["TensorTransport"]
@@ -47,6 +58,14 @@ class _Call:
     last: bool
     what: str
     on_release: Any = None
+
+
+@dataclass
+class _RankBucketCall:
+    """One per-rank bucket for the engine: its plan and one payload per TP rank (TP order)."""
+
+    bucket: Any
+    payloads: list
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
@@ -121,11 +140,22 @@ class TensorTransport:
             self.engine.begin_weight_update()
         ok = False
         try:
-            steps = {"per_tensor": self._steps_per_tensor, "bucketed": self._steps_bucketed,
-                     "flattened": self._steps_flattened}[cfg.strategy](tagged)
+            layout = self._choose_layout()
+            self.stats.extra["layout"] = "engine" if layout is not None else "full"
+            # pipelining needs a second buffer per TP rank: the per-rank buckets rotate two
+            self._pipelined = layout is not None and bool(getattr(cfg, "pipelined", False))
+            self.stats.extra["pipelined"] = self._pipelined
+            if layout is not None:
+                steps = self._steps_rank_buckets(tagged, layout)
+            else:
+                steps = {"per_tensor": self._steps_per_tensor, "bucketed": self._steps_bucketed,
+                         "flattened": self._steps_flattened}[cfg.strategy](tagged)
             with closing(steps):  # an abandoned export generator restores FSDP state on close
-                for call in steps:
-                    self._one_call(call)
+                if self._pipelined:
+                    self._run_pipelined(steps)
+                else:
+                    for call in steps:
+                        self._one_call(call)
             ok = True
         finally:
             if topo.is_tp_src and hasattr(self.engine, "end_weight_update"):
@@ -147,6 +177,97 @@ class TensorTransport:
                 self.engine.end_weight_update()
         except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to report
             log.warning("fsdp_sync: closing the engine's update after a failed sync: %s", exc)
+
+    def _choose_layout(self) -> Any:
+        """The engine-rank layout to cut per-rank buckets by, or None for full tensors.
+
+        ``layout="auto"``: per-rank buckets when the strategy is ``flattened``, the module's
+        config has a layout (`layout.layout_for`) and every engine accepts them
+        (``accepts_rank_buckets``, read on each infer-TP rank 0); one all-reduce makes every rank
+        of the world take the same answer. ``"engine"``: the same, but a refusal anywhere is an
+        error on every rank naming why."""
+        cfg, topo = self.config, self.topo
+        want = getattr(cfg, "layout", "full")
+        if want == "full" or cfg.strategy != "flattened":
+            return None
+        why, layout = None, None
+        try:
+            hf_config = getattr(self.module, "config", None)
+            if hf_config is None:
+                raise ValueError("the module has no Hugging Face .config to take the engine's layout from")
+            layout = layout_for(hf_config, topo.tp_size)
+        except Exception as exc:  # noqa: BLE001 - "auto" falls back, "engine" reports it
+            why = f"no engine layout for this model: {type(exc).__name__}: {exc}"
+        # an engine that knows its model (the reference engine) must agree with the trainer's,
+        # or per-rank buckets would be cut for the wrong shapes: full tensors then name the
+        # tensor that differs
+        espec = getattr(getattr(self.engine, "layout", None), "spec", None) if topo.is_tp_src else None
+        espec = broadcast_from_src(espec, topo)
+        if why is None and espec is not None and espec != layout.spec:
+            diff = {k: (getattr(layout.spec, k), getattr(espec, k)) for k in vars(espec)
+                    if getattr(layout.spec, k) != getattr(espec, k)}
+            why = f"the engine's model differs from the trainer's (trainer, engine): {diff}"
+        if why is None and topo.is_tp_src and not getattr(self.engine, "accepts_rank_buckets", False):
+            why = (f"the engine {type(self.engine).__name__} does not accept per-rank buckets "
+                   f"(accepts_rank_buckets is false: for SGLang, start the server with "
+                   f"--custom-weight-loader fsdp_sync.sglang_loader.load_rank_buckets and pass "
+                   f"rank_bucket_loader=True)")
+        if want == "engine":
+            agree(why and f"layout='engine': {why} ({topo.describe()}); use layout='full' or 'auto'",
+                  what="choosing the layout")
+            return layout
+        flag = torch.tensor([0 if why else 1], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if why and topo.rank == 0:
+            log.info("fsdp_sync: layout='auto' runs full tensors: %s", why)
+        return layout if flag.item() else None
+
+    def _steps_rank_buckets(self, tagged: bool, layout: Any) -> Iterator[_Call]:
+        """Per-rank buckets: this rank shares its infer-TP rank's buffer of each bucket."""
+        cfg, topo = self.config, self.topo
+        # what a per-rank payload opens to: the reference engine takes the bucket dict
+        # ("direct"), SGLang's custom loader the bare flat tensor (metadata rides in the name)
+        form = getattr(self.engine, "rank_bucket_payload", "dict") if topo.is_tp_src else None
+        form = broadcast_from_src(form, topo)
+        st = reshard.ReshardStats()
+        dtype = cfg.dtype
+        plan_len = None
+        it = reshard.iter_rank_buckets(self.module, layout, cfg.bucket_bytes, dtype=dtype,
+                                       fsdp1_state_dict=cfg.fsdp1_state_dict,
+                                       share_host_memory=cfg.share_host_memory, stats=st,
+                                       host_sets=2 if self._pipelined else 1)
+        engine_in = 0
+        with closing(it):
+            for rb in it:
+                if plan_len is None:
+                    plan_len = len(reshard.plan_rank_buckets(layout, rb.bucket.entries[0].dtype,
+                                                             cfg.bucket_bytes))
+                flat = rb.buffers.get(topo.tp_rank)
+                if flat is None:
+                    raise RuntimeError(
+                        f"per-rank bucket {rb.index}: this rank holds engine ranks "
+                        f"{sorted(rb.buffers)} but serves infer-TP rank {topo.tp_rank} "
+                        f"({topo.describe()}); the mesh must put global rank r at infer-TP rank "
+                        f"r % tp (the ('dp', 'infer_tp') row-major mesh does), or use layout='full'")
+                obj = flat if form == "tensor" else {"flattened_tensor": flat, "metadata": rb.metadata()}
+                sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
+                engine_in += rb.bucket.nbytes
+                self.stats.tensors += len(rb.bucket.entries)
+                self.stats.buckets += 1
+                bkt = rb.bucket
+                del flat, obj, rb
+                yield _Call(sets, sets[0].payloads[0],
+                            lambda g, _b=bkt: _RankBucketCall(_b, g), "direct",
+                            self.stats.buckets == plan_len, f"per-rank bucket {self.stats.buckets - 1} "
+                            f"({bkt.names[0]}…)")
+        # bytes: what was exported (the HF tensors, as for full buckets); each engine rank's
+        # share of them is engine_rank_bytes_in
+        itemsize = (cfg.dtype or next(self.module.parameters()).dtype).itemsize
+        self.stats.bytes = sum(math.prod(shape) for shape in layout.hf_shapes.values()) * itemsize
+        self.stats.extra.update(
+            reshard_path=st.path, engine_rank_bytes_in=engine_in,
+            engine_rank_shard_bytes=st.engine_shard_bytes, trainer_rank_bytes_in=st.bytes_in,
+            trainer_rank_bytes_written=st.bytes_written)
 
     def _broadcast_flag(self, value: bool) -> bool:
         """Infer-TP rank 0's answer on every rank of its group."""
@@ -213,6 +334,81 @@ class TensorTransport:
             yield _Call(sets, [x.payloads[0] for x in sets], named, None, i == len(plan) - 1,
                         f"bucket {i} ({names[0]}…)")
 
+    def _engine_call(self, call: _Call, gathered: list) -> str | None:
+        """Infer-TP rank 0: hand one gathered call to the engine; the error text, or None."""
+        topo = self.topo
+        try:
+            named = call.to_named(gathered)
+            if isinstance(named, _RankBucketCall):
+                self.engine.load_rank_bucket(named.bucket, named.payloads, flush_cache=call.last)
+            else:
+                self.engine.update_weights_from_tensor(named, load_format=call.load_format,
+                                                       flush_cache=call.last)
+            self.stats.engine_calls += 1
+            return None
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+            return f"engine update of {call.what} on {topo.describe()}: {type(exc).__name__}: {exc}"
+
+    def _release(self, call: _Call, err: str | None) -> None:
+        for s in call.sets:
+            missing = [s.ranks[i] for i in s.unacknowledged()]
+            if missing and err is None and self._unacked is None:
+                self._unacked = (f"engine answered for {call.what} but consumer ranks {missing} "
+                                 f"never acknowledged their payloads ({self.topo.describe()})")
+            s.release(require_ack=False)
+        if call.on_release is not None:
+            call.on_release()
+
+    def _run_pipelined(self, steps: Iterator[_Call]) -> None:
+        """Bucket k+1 is made (reshard, handles, gather) while the engine loads bucket k.
+
+        Infer-TP rank 0 runs each engine call on a worker thread. Before call k+1 is handed over,
+        call k is waited for and every rank agrees on its outcome (so nothing is sent after a
+        failure), then call k's payloads are released: its buffers are rewritten only by bucket
+        k+2 (two buffer sets, `reshard.iter_rank_buckets(host_sets=2)`)."""
+        import concurrent.futures as cf
+
+        topo = self.topo
+        pool = cf.ThreadPoolExecutor(1, thread_name_prefix="fsdp_sync-engine") if topo.is_tp_src else None
+        pending: tuple | None = None       # (call, future on infer-TP rank 0 / None elsewhere)
+
+        def finish() -> str | None:
+            nonlocal pending
+            if pending is None:
+                return None
+            call, fut = pending
+            err = fut.result() if fut is not None else None
+            try:
+                agree(err, what="weight sync")
+            finally:
+                pending = None
+                self._release(call, err)
+            return err
+
+        try:
+            for call in steps:
+                try:
+                    gathered = gather_to_src(call.wire, topo)
+                    finish()
+                except BaseException:
+                    self._release(call, "failed")
+                    raise
+                fut = pool.submit(self._engine_call, call, gathered) if pool is not None else None
+                pending = (call, fut)
+                del gathered
+            finish()
+        finally:
+            if pending is not None:          # an error elsewhere: wait for the engine, then free
+                call, fut = pending
+                if fut is not None:
+                    try:
+                        fut.result()
+                    except BaseException:  # noqa: BLE001 - the first error is the one raised
+                        pass
+                self._release(call, "failed")
+            if pool is not None:
+                pool.shutdown(wait=True)
+
     def _one_call(self, call: _Call) -> None:
         """Gather this rank's payloads to infer-TP rank 0, call the engine there, agree, free."""
         topo = self.topo
@@ -221,9 +417,13 @@ class TensorTransport:
             gathered = gather_to_src(call.wire, topo)
             if topo.is_tp_src:
                 try:
-                    self.engine.update_weights_from_tensor(call.to_named(gathered),
-                                                           load_format=call.load_format,
-                                                           flush_cache=call.last)
+                    named = call.to_named(gathered)
+                    if isinstance(named, _RankBucketCall):
+                        self.engine.load_rank_bucket(named.bucket, named.payloads,
+                                                     flush_cache=call.last)
+                    else:
+                        self.engine.update_weights_from_tensor(named, load_format=call.load_format,
+                                                               flush_cache=call.last)
                     self.stats.engine_calls += 1
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
                     err = (f"engine update of {call.what} on {topo.describe()}: "

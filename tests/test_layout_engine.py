@@ -1,0 +1,159 @@
+"""``SyncConfig.layout="engine"`` end to end: the tensor method hands each engine TP rank only its
+own shard (per-rank buckets), and the engine's weights equal the trainer's bit for bit
+(``weights_checksum``) with logits equal to the trainer's forward.
+
+One 4-rank job covers FSDP1 and FSDP2, TP 1, 2 and 4 (dp 4 x tp 1, dp 2 x tp 2, dp 1 x tp 4), tied
+and untied, a padded vocab, GQA with fewer KV heads than TP ranks (tiny has 2 KV heads: TP 4),
+the one-host (shared memory) and the all-to-all path, pipelined (the default) and not; "auto" picks per-rank buckets for the
+reference engine and full tensors for an engine that does not accept them; "engine" there is
+refused on every rank, naming why, before anything moves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_sync.launch import run_ranks, spawn_env
+
+PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120]]
+
+
+class _NoRankBuckets:
+    """An engine that does not accept per-rank buckets (like SGLang without fsdp_sync's loader)."""
+
+    accepts_rank_buckets = False
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+CASES = [
+    # (fsdp, recipe, overrides, dp, tp, [SyncConfig overrides per sync])
+    (2, "tiny", {"vocab_size": 999}, 1, 4,
+     [{"layout": "engine"}, {"layout": "engine", "share_host_memory": False, "pipelined": False}]),
+    (1, "tiny-tied", {}, 2, 2,
+     [{"layout": "engine", "fsdp1_state_dict": "local", "pipelined": False},
+      {"layout": "auto", "fsdp1_state_dict": "sharded", "share_host_memory": False},
+      {"layout": "engine", "fsdp1_state_dict": "full"},
+      {"layout": "auto", "engine": "no-rank-buckets"}, {"layout": "engine", "engine": "no-rank-buckets"}]),
+    (2, "tiny-tied", {}, 4, 1, [{"layout": "engine"}]),
+]
+
+
+def _job(rank, world):
+    from fsdp_sync import export
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError, SyncTopology, make_mesh
+    from fsdp_sync.trainer import last_logits, synthetic_batch, train_step, wrap_fsdp
+
+    torch.set_num_threads(1)
+    out = []
+    for c, (fsdp, recipe, ov, dp, tp, syncs) in enumerate(CASES):
+        cfg = load_config(recipe, **ov)
+        module = wrap_fsdp(build_model(cfg, seed=c), fsdp)
+        opt = torch.optim.SGD(module.parameters(), lr=1e-1)
+        mesh = make_mesh(dp, tp)
+        topo = SyncTopology.from_mesh(mesh)
+        engine = ReferenceEngine(model_config=cfg, tp_size=tp, dtype=torch.float32) if topo.is_tp_src else None
+        try:
+            for step, kw in enumerate(syncs):
+                kw = dict(kw)
+                wrapped = engine if kw.pop("engine", None) is None or engine is None else _NoRankBuckets(engine)
+                train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
+                before = engine.weights_checksum() if engine is not None else None
+                manager = FSDPShardingManager(module, wrapped, mesh=mesh, config=SyncConfig(
+                    dtype=torch.float32, bucket_bytes=24 << 10, free_cache_engine=False, **kw))
+                rec = {"case": c, "step": step, "kw": kw}
+                try:
+                    with manager:
+                        ref = last_logits(module, PROMPTS)
+                        trainer = checksum_named_tensors(export.iter_params(module, dtype=torch.float32))
+                        rec["extra"] = dict(manager.stats.extra)
+                        if engine is not None:
+                            rec["exact"] = engine.weights_checksum() == trainer
+                            rec["diff"] = float((engine.forward_logits(PROMPTS).float() - ref).abs().max())
+                except SyncError as exc:
+                    rec["error"] = str(exc)
+                    rec["kept"] = engine.weights_checksum() == before if engine is not None else None
+                finally:
+                    manager.close()
+                out.append(rec)
+        finally:
+            if engine is not None:
+                engine.shutdown()
+        del module, opt
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa():
+    results = run_ranks(_job, 4, timeout_s=230, env=spawn_env())
+    n = sum(len(s) for *_, s in CASES)
+    for rank, recs in enumerate(results):
+        assert len(recs) == n, rank
+        for rec in recs:
+            fsdp, recipe, ov, dp, tp, syncs = CASES[rec["case"]]
+            refused = rec["kw"]["layout"] == "engine" and syncs[rec["step"]].get("engine")
+            if refused:
+                # refused on every rank, before anything moved: the engine keeps its weights
+                assert "accepts_rank_buckets" in rec["error"] and "layout='engine'" in rec["error"], rec
+                if rank % tp == 0:
+                    assert rec["kept"], rec
+                continue
+            assert "error" not in rec, rec["error"]
+            want = "full" if syncs[rec["step"]].get("engine") else "engine"
+            assert rec["extra"]["layout"] == want, rec
+            assert rec["extra"]["pipelined"] == (want == "engine" and rec["kw"].get("pipelined", True)), rec
+            if want == "engine":
+                share = rec["kw"].get("share_host_memory", True)
+                path = "host-shared" if share else "all-to-all"
+                if rec["kw"].get("fsdp1_state_dict") == "full":
+                    path = "local"      # every rank holds full tensors: no exchange at all
+                assert rec["extra"]["reshard_path"] == path, rec
+                # each engine rank is handed its own shard (plus bucket alignment), never the model
+                assert rec["extra"]["engine_rank_bytes_in"] <= 1.05 * rec["extra"]["engine_rank_shard_bytes"], rec
+            if rank % tp == 0:
+                assert rec["exact"], rec                 # every engine weight, bit for bit
+                assert rec["diff"] <= 1e-5, rec
+
+
+@pytest.mark.timeout(30)
+def test_layout_config_is_validated_naming_the_field():
+    from fsdp_sync.config import SyncConfig
+
+    assert SyncConfig().layout == "auto"
+    assert SyncConfig.from_dict({"layout": "engine"}).layout == "engine"
+    with pytest.raises(ValueError, match=r"layout must be one of .*'rank'"):
+        SyncConfig(layout="rank")
+    for kw in ({"method": "distributed"}, {"method": "disk", "disk_dir": "/tmp/x"}, {"strategy": "bucketed"}):
+        with pytest.raises(ValueError, match="layout='engine'.*use layout='full' or 'auto'"):
+            SyncConfig(layout="engine", **kw)
+        assert SyncConfig(layout="auto", **kw).layout == "auto"      # falls back to full tensors there
+
+
+@pytest.mark.timeout(30)
+def test_sglang_adapter_accepts_rank_buckets_only_when_told():
+    from fsdp_sync.engines.sglang import SGLangEngine, SGLangError
+
+    class _Fake:
+        def __init__(self):
+            self.calls = []
+
+        def update_weights_from_tensor(self, **kw):
+            self.calls.append(kw)
+            return True, "ok"
+
+    fake = _Fake()
+    plain = SGLangEngine(fake, tp_size=2)
+    assert plain.accepts_rank_buckets is False
+    with pytest.raises(SGLangError, match="--custom-weight-loader"):
+        plain.load_rank_bucket(None, [b"a", b"b"])
+    assert fake.calls == []
