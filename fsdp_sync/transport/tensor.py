@@ -99,6 +99,40 @@ class _ReusedBuffer:
         self.busy = False
 
 
+class _BufferPool:
+    """Flat shared buffers that the per-rank buckets of one sync reuse (the all-to-all path's
+    ``alloc``): a buffer goes back to the pool when its bucket is released (every consumer
+    acknowledged, the engine answered), so a sync holds one buffer per bucket in flight (two when
+    pipelined) instead of a fresh segment per bucket. Fresh shared memory costs a file, a page
+    fault and a kernel zero-fill per page: per bucket that was the whole model's worth each sync.
+    Every buffer is sized for the largest bucket (``nbytes``); all are freed with the pool."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes, self.device = nbytes, device
+        self.free: list[torch.Tensor] = []
+        self.lent: dict[int, torch.Tensor] = {}      # data_ptr -> buffer, while a bucket holds it
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        fits = [b for b in self.free if b.numel() >= nbytes]
+        if fits:
+            buf = fits[0]
+            self.free.remove(buf)
+        else:
+            buf = handles.empty_shared(max(nbytes, self.nbytes), self.device)
+        self.lent[buf.data_ptr()] = buf
+        return buf
+
+    def give_back(self, views: Any) -> None:
+        """Return the buffers that ``views`` (tensors from `take`, possibly sliced) came from."""
+        for v in views:
+            buf = self.lent.pop(v.data_ptr(), None)
+            if buf is not None:
+                self.free.append(buf)
+
+    def close(self) -> None:
+        self.free, self.lent = [], {}
+
+
 def _per_rank(values: list) -> Any:
     from ..engines.base import SerializedPerRank
 
@@ -232,10 +266,15 @@ class TensorTransport:
         st = reshard.ReshardStats()
         dtype = cfg.dtype
         plan_len = None
+        # the all-to-all path's buffers: reused bucket after bucket (the one-host path has its
+        # own), each sized for the largest bucket (the module's dtype is a size hint only)
+        guess = dtype or next((p.dtype for p in self.module.parameters()), torch.float32)
+        pool = _BufferPool(max((b.nbytes for b in reshard.plan_rank_buckets(layout, guess, cfg.bucket_bytes)),
+                               default=0), _module_device(self.module))
         it = reshard.iter_rank_buckets(self.module, layout, cfg.bucket_bytes, dtype=dtype,
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
                                        share_host_memory=cfg.share_host_memory, stats=st,
-                                       host_sets=2 if self._pipelined else 1)
+                                       host_sets=2 if self._pipelined else 1, alloc=pool.take)
         engine_in = 0
         with closing(it):
             for rb in it:
@@ -255,11 +294,14 @@ class TensorTransport:
                 self.stats.tensors += len(rb.bucket.entries)
                 self.stats.buckets += 1
                 bkt = rb.bucket
+                views = [] if rb.shared else list(rb.buffers.values())
                 del flat, obj, rb
                 yield _Call(sets, sets[0].payloads[0],
                             lambda g, _b=bkt: _RankBucketCall(_b, g), "direct",
                             self.stats.buckets == plan_len, f"per-rank bucket {self.stats.buckets - 1} "
-                            f"({bkt.names[0]}…)")
+                            f"({bkt.names[0]}…)", on_release=lambda _v=views: pool.give_back(_v))
+                del views
+        pool.close()
         # bytes: what was exported (the HF tensors, as for full buckets); each engine rank's
         # share of them is engine_rank_bytes_in
         itemsize = (cfg.dtype or next(self.module.parameters()).dtype).itemsize
