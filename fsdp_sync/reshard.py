@@ -15,7 +15,8 @@ How the bytes get there (the module's shard group, FSDP1 "local"/"sharded" or FS
   rank 0 allocates TP shared-memory buffers (each the size of the largest bucket, reused by every
   bucket) and hands a mapping of them to every group rank; each trainer rank copies the parts of
   its own FSDP shard that fall in engine rank i's slice straight into buffer i (cast on the way).
-  No collective moves data; two barriers per bucket. Each rank yields all TP buffers (views of the
+  No collective moves data; two barriers per bucket (one when the consumer synchronizes every
+  rank after each bucket, ``consumer_synced``). Each rank yields all TP buffers (views of the
   same memory), valid until it asks for the next bucket.
 - across hosts (or ``share_host_memory=False``): ONE ``all_to_all_single`` per bucket in which
   trainer rank t sends to the owner of engine rank i's buffer only the part of its shard that
@@ -50,7 +51,8 @@ from . import handles as _handles
 from .layout import TPLayout, block_of
 from .topology import agree
 
-__all__ = ["RankBucket", "ReshardStats", "plan_rank_buckets", "iter_rank_buckets", "default_owners"]
+__all__ = ["RankBucket", "ReshardStats", "plan_rank_buckets", "iter_rank_buckets", "default_owners",
+           "clear_plan_cache"]
 
 
 @dataclass
@@ -86,6 +88,42 @@ class ReshardStats:
 def plan_rank_buckets(layout: TPLayout, dtype: torch.dtype, bucket_bytes: int) -> list[_bucket.Bucket]:
     """Buckets over the engine's own parameters (names and per-rank shapes, engine order): pure."""
     return _bucket.plan_buckets([(n, dtype, s) for n, s in layout.engine_shapes().items()], bucket_bytes)
+
+
+# Plans and write lists depend only on the model's spec, TP, dtype, bucket size and (for the
+# write lists) how the trainer ranks hold each tensor: every sync of a training run repeats them,
+# so they are kept (a bounded cache; `clear_plan_cache` empties it).
+_PLAN_CACHE: dict[tuple, list[_bucket.Bucket]] = {}
+_TASK_CACHE: dict[tuple, list] = {}
+_CACHE_LIMIT = 4096
+
+
+def clear_plan_cache() -> None:
+    """Forget the cached per-rank plans and write lists (they are rebuilt on the next sync)."""
+    _PLAN_CACHE.clear()
+    _TASK_CACHE.clear()
+
+
+def _cached_plan(layout: TPLayout, dtype: torch.dtype, bucket_bytes: int) -> list[_bucket.Bucket]:
+    key = (layout.spec, layout.tp, dtype, int(bucket_bytes))
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        if len(_PLAN_CACHE) >= 64:
+            clear_plan_cache()
+        plan = _PLAN_CACHE[key] = plan_rank_buckets(layout, dtype, bucket_bytes)
+    return plan
+
+
+def _cached_tasks(key: tuple, k: int, bkt: _bucket.Bucket, layout: TPLayout,
+                  sources: dict[str, "_Source"]) -> list["_Task"]:
+    """`_tasks` of bucket ``k``, reused while every source tensor is held the same way."""
+    full = key + (k, tuple((n, s.shape, s.offsets, s.counts) for n, s in sources.items()))
+    tasks = _TASK_CACHE.get(full)
+    if tasks is None:
+        if len(_TASK_CACHE) >= _CACHE_LIMIT:
+            _TASK_CACHE.clear()
+        tasks = _TASK_CACHE[full] = _tasks(bkt, layout, sources)
+    return tasks
 
 
 def default_owners(tp: int, world: int) -> list[list[int]]:
@@ -241,7 +279,8 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
                       dtype: torch.dtype | None = None, fsdp1_state_dict: str = "local",
                       share_host_memory: bool = True, owners: Sequence[Sequence[int]] | None = None,
                       alloc: Callable[[int], torch.Tensor] = _handles.empty_shared,
-                      stats: ReshardStats | None = None, host_sets: int = 1) -> Iterator[RankBucket]:
+                      stats: ReshardStats | None = None, host_sets: int = 1,
+                      consumer_synced: bool = False) -> Iterator[RankBucket]:
     """Yield one `RankBucket` per planned bucket (`plan_rank_buckets`), collective over the
     module's shard group: every rank calls it with the same arguments and takes every item.
 
@@ -250,6 +289,11 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
     `default_owners`). ``stats`` is filled in as the stream runs. ``host_sets``: how many sets
     of one-host buffers to rotate through (2 for a pipelined consumer: bucket k's buffers stay
     intact while bucket k+1 is written; they are rewritten by bucket k+2).
+    ``consumer_synced``: the caller promises that before any rank asks for the bucket after
+    next (the next one when ``host_sets`` is 1), every reader of this bucket's one-host buffers
+    is done and every rank of the group knows it (the tensor transport's per-bucket ``agree``
+    over the world does this): the one-host path then skips its barrier before writing, keeping
+    only the one that says every rank's pieces are in.
     """
     stats = stats if stats is not None else ReshardStats()
     items = _export._resolve(module, fsdp1_state_dict, dtype)
@@ -265,7 +309,7 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
                 raise TypeError(f"the module holds several dtypes {sorted(map(str, dtypes))}: pass dtype=")
             dtype = dtypes.pop()
         _check_names(items, layout, dtype)
-        plan = plan_rank_buckets(layout, dtype, bucket_bytes)
+        plan = _cached_plan(layout, dtype, bucket_bytes)
         own = [list(o) for o in (owners if owners is not None else default_owners(layout.tp, world))]
         if len(own) != layout.tp or any(not o or any(not 0 <= r < world for r in o) for o in own):
             raise ValueError(f"owners must list, for each of the {layout.tp} engine ranks, group ranks "
@@ -286,9 +330,10 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
         sources = {n: _source(by_name[n][1], by_name[n][0], world, me, dtype, stats) for n in names}
         for n in names:
             by_name[n][1].drop()
-        tasks = _tasks(bkt, layout, sources)
+        tasks = _cached_tasks((layout.spec, layout.tp, dtype, int(bucket_bytes)), k, bkt, layout, sources)
         if host is not None:
-            buffers = host.fill(bkt, layout, tasks, sources, stats, (k % max(1, host_sets)) * layout.tp)
+            buffers = host.fill(bkt, layout, tasks, sources, stats, (k % max(1, host_sets)) * layout.tp,
+                                wait_readers=not consumer_synced)
         elif world > 1:
             buffers = _exchange(bkt, layout, tasks, sources, own, group, me, alloc, stats)
         else:
@@ -328,10 +373,15 @@ def _source(it: Any, index: int, world: int, me: int, dtype: torch.dtype, stats:
 
 def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[int, torch.Tensor],
                  me: int, stats: ReshardStats) -> None:
+    views: dict[tuple[int, str], torch.Tensor] = {}     # one 2-D view per engine parameter
     with torch.no_grad():
         for t in tasks:
             if t.holder == me and t.engine_rank in buffers:
-                t.block.dst(_param2d(buffers[t.engine_rank], t.entry)).copy_(t.block.src(sources[t.name].local))
+                key = (t.engine_rank, t.entry.name)
+                p2d = views.get(key)
+                if p2d is None:
+                    p2d = views[key] = _param2d(buffers[t.engine_rank], t.entry)
+                t.block.dst(p2d).copy_(t.block.src(sources[t.name].local))
                 stats.bytes_written += t.block.numel * t.entry.dtype.itemsize
 
 
@@ -431,9 +481,11 @@ class _HostBuffers:
         return cls(group, me, bufs)
 
     def fill(self, bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task],
-             sources: dict[str, _Source], stats: ReshardStats, first: int = 0) -> dict[int, torch.Tensor]:
+             sources: dict[str, _Source], stats: ReshardStats, first: int = 0,
+             wait_readers: bool = True) -> dict[int, torch.Tensor]:
         buffers = {i: self.bufs[first + i][:bkt.nbytes] for i in range(layout.tp)}
-        dist.barrier(group=self.group)       # nobody still reads the previous bucket's bytes
+        if wait_readers:
+            dist.barrier(group=self.group)   # nobody still reads these buffers' previous bytes
         with torch.no_grad():
             if self.me == 0:
                 for i, flat in buffers.items():

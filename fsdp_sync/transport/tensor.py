@@ -274,7 +274,10 @@ class TensorTransport:
         it = reshard.iter_rank_buckets(self.module, layout, cfg.bucket_bytes, dtype=dtype,
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
                                        share_host_memory=cfg.share_host_memory, stats=st,
-                                       host_sets=2 if self._pipelined else 1, alloc=pool.take)
+                                       host_sets=2 if self._pipelined else 1, alloc=pool.take,
+                                       # every bucket ends in a world-wide agree after the engine
+                                       # answered (`_one_call`, `_run_pipelined`'s finish)
+                                       consumer_synced=True)
         engine_in = 0
         with closing(it):
             for rb in it:
