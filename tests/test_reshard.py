@@ -70,6 +70,58 @@ def test_every_engine_element_is_filled_once():
 
 
 @pytest.mark.timeout(60)
+def test_cached_plans_are_reused_and_the_buckets_stay_exact():
+    """A second sync reuses the cached plan and write lists (nothing is planned again) and its
+    buffers hold the NEW weights bit for bit: the cache keeps where bytes go, never the bytes."""
+    recipe, ov = MODELS[0]
+    cfg = load_config(recipe, **ov)
+    module = build_model(cfg, seed=3)
+    layout = layout_for(cfg, 2)
+
+    def digests() -> dict:
+        got: dict = {}
+        for rb in reshard.iter_rank_buckets(module, layout, BUCKET, dtype=BF16):
+            for i, flat in rb.buffers.items():
+                for name, t in bucket.unflatten(flat, rb.bucket.entries):
+                    got.setdefault(i, {})[name] = _digest(t)
+        return got
+
+    reshard.clear_plan_cache()
+    ref = _reference(recipe, ov, 2)
+    assert digests() == dict(enumerate(ref))
+    cached = len(reshard._TASK_CACHE)
+    assert cached > 1                                   # one write list per bucket
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(-0.5).add_(0.25)                     # new weights, same shapes: same plan
+    got = digests()
+    assert len(reshard._TASK_CACHE) == cached           # nothing planned again
+    sd = {k: v.to(BF16) for k, v in module.state_dict().items()}
+    assert got == {r: {k: _digest(v) for k, v in shard_state_dict(sd, layout, r).items()} for r in range(2)}
+    assert got != dict(enumerate(ref))
+    reshard.clear_plan_cache()
+    assert not reshard._TASK_CACHE
+
+
+def test_all_to_all_buffer_pool_reuses_released_buffers():
+    """The tensor transport's per-rank buffers (all-to-all path) come from a pool: two buckets in
+    flight get two buffers; a released one is handed out again (same memory, still sharable
+    without a copy); a bucket larger than the pool's size gets a buffer of its own."""
+    from fsdp_sync.transport.tensor import _BufferPool
+
+    pool = _BufferPool(1024, torch.device("cpu"))
+    a, b = pool.take(1000), pool.take(500)
+    assert a.data_ptr() != b.data_ptr() and a.numel() == b.numel() == 1024
+    pool.give_back([a[:1000]])
+    c = pool.take(800)
+    assert c.data_ptr() == a.data_ptr() and handles._is_owned(c.untyped_storage())
+    d = pool.take(4096)
+    assert d.numel() == 4096 and d.data_ptr() not in (b.data_ptr(), c.data_ptr())
+    pool.give_back([b, c, d])
+    assert len(pool.free) == 3 and not pool.lent
+
+
+@pytest.mark.timeout(60)
 def test_blocks_of_arbitrary_element_ranges():
     """FSDP1 flat shards start and end mid-row: every range, cut into blocks, lands where the
     full tensor's slice would."""

@@ -16,7 +16,10 @@ infer-TP rank 0 and handed to the engine in one call per bucket (``load_format="
 `_load_rank_bucket`). Every rank of the world must agree on the layout (one all-reduce): the
 reshard is collective over the module's whole shard group. ``SyncConfig.pipelined`` (per-rank
 buckets only): the engine loads bucket k on a thread of infer-TP rank 0 while every rank makes
-bucket k+1 (`_run_pipelined`), so two buckets' buffers are alive at once.
+bucket k+1 (`_run_pipelined`), so two buckets' buffers are alive at once. On the all-to-all path
+the per-rank buffers come from a pool (`_BufferPool`) and are reused bucket after bucket; every
+bucket ends in a world-wide agree, so the one-host path needs no barrier before it rewrites a
+buffer (``consumer_synced``).
 
 Not here: the stages around the sync (the manager), how tensors are gathered (`export`), laid out
 (`bucket`) or shared (`handles`).
