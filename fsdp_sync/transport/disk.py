@@ -143,7 +143,9 @@ def _write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Ten
 
 class DiskTransport:
     """See the module docstring. ``config`` is a `SyncConfig` with ``disk_dir`` (and
-    ``disk_keep``, ``bucket_bytes``, ``dtype``, ``fsdp1_state_dict``).
+    ``disk_keep``, ``bucket_bytes``, ``dtype``, ``fsdp1_state_dict``, ``share_host_memory``,
+    ``layout``: ``"full"`` HF files, ``"engine"`` per-rank files, ``"auto"`` per-rank files where
+    every engine loads them).
 
     ``parallel_write``: the trainer ranks write their own shard files (True, the default) or
     rank 0 writes every file (False). Either way every rank takes part in the gathers.
