@@ -85,10 +85,12 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
         if rank == 0 else None
     rows: list[dict] = []
     try:
-        variants = ([("flattened_bucket", b) for b in job.bucket_mb] + [("per_tensor", job.bucket_mb[0])]
-                    if method == "distributed" else [("checkpoint", b) for b in job.bucket_mb])
+        # disk: one row per SyncConfig.layout of the job (full: HF files; engine: per-rank files)
+        variants = ([("flattened_bucket", b, None) for b in job.bucket_mb] + [("per_tensor", job.bucket_mb[0], None)]
+                    if method == "distributed" else
+                    [("checkpoint", b, lay) for b in job.bucket_mb for lay in job.layouts])
         baseline = None
-        for fmt, bucket_mb in variants:
+        for fmt, bucket_mb, layout in variants:
             bucket_bytes = int(bucket_mb * MiB)
             extra = {"dist_format": fmt} if method == "distributed" else {}
             workdir = None
@@ -99,7 +101,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 box = [tempfile.mkdtemp(prefix="fsdp-sync-bench-disk-") if rank == 0 else None]
                 dist.broadcast_object_list(box, src=0)
                 workdir = box[0]
-                extra = {"disk_dir": workdir}
+                extra = {"disk_dir": workdir, "layout": layout}
             conf = SyncConfig(method=method, bucket_bytes=bucket_bytes, dtype=dtype, memory_probe="off",
                               dist_master_address="127.0.0.1", **extra)
             manager = FSDPShardingManager(model, engine, config=conf)
@@ -184,4 +186,6 @@ def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floo
         "engine_calls": stats.engine_calls, "buckets": stats.buckets, "stages": timeline,
         "memory_curve": [], "share_host_memory": False, "floor_shared_seconds": None,
         "_peaks": [int(p) for p in peaks],
+        **{k: stats.extra[k] for k in ("layout", "engine_rank_bytes_in", "engine_rank_shard_bytes",
+                                       "trainer_rank_bytes_in", "reshard_path") if k in stats.extra},
     }

@@ -111,9 +111,14 @@ class SyncConfig:
         the reference engine; an `SGLangEngine` made with ``rank_bucket_loader=True`` for a server
         started with fsdp_sync's custom weight loader). ``"full"``: every engine rank gets every
         full tensor and cuts out its part (SGLang's default). ``"auto"`` (default): ``"engine"``
-        where the engine accepts it, else ``"full"`` (the sync's stats say which ran). The
-        distributed and disk methods always move full tensors (``"auto"`` falls back to full,
-        ``"engine"`` is refused there).
+        where the engine accepts it, else ``"full"`` (the sync's stats say which ran). The disk
+        method with ``"engine"`` writes one file per engine TP rank (and bucket) holding only
+        that rank's shard in the engine's layout, and each engine worker reads only its own
+        (`transport.disk`); the engines must load such checkpoints (``accepts_rank_checkpoints``:
+        the reference engine; SGLang 0.5.23 cannot, so ``"engine"`` is refused against an
+        `SGLangEngine` on every rank before anything is written and ``"auto"`` writes a Hugging
+        Face checkpoint there). The distributed method always moves full tensors (``"auto"``
+        falls back to full, ``"engine"`` is refused there).
     pipelined: with per-rank buckets, two buffers per TP rank: the trainer makes bucket k+1
         while the engine loads bucket k (on infer-TP rank 0 the engine call runs on a thread).
         Ignored where per-rank buckets do not run (the sync's stats say ``pipelined`` False).
@@ -163,10 +168,11 @@ class SyncConfig:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.layout == "engine" and (self.method != "tensor" or self.strategy != "flattened"):
+        if self.layout == "engine" and (self.method == "distributed" or (
+                self.method == "tensor" and self.strategy != "flattened")):
             raise ValueError(f"layout='engine' (per-rank buckets) runs with method='tensor', "
-                             f"strategy='flattened'; got method={self.method!r}, strategy="
-                             f"{self.strategy!r}: use layout='full' or 'auto' there")
+                             f"strategy='flattened', or method='disk'; got method={self.method!r}, "
+                             f"strategy={self.strategy!r}: use layout='full' or 'auto' there")
         for f in fields(self):
             if f.type in (bool, "bool"):
                 object.__setattr__(self, f.name, parse_bool(getattr(self, f.name), f.name))

@@ -12,6 +12,23 @@ Helpers here: durable writes (`fsync_file`, `fsync_dir`, `write_json`), `sha256_
 `resolve` / `verify_file`, the reader's side with SGLang 0.5.23's rules (an index, when present,
 decides the files; a missing indexed file fails before anything loads) plus the manifest check.
 
+A per-rank version (``SyncConfig.layout="engine"``) holds, instead, one set of files per engine TP
+rank, each with only that rank's shard under the engine's own parameter names (`fsdp_sync.layout`:
+fused ``qkv_proj`` / ``gate_up_proj``, vocab rows with padding, ...), named as SGLang's
+``ShardedStateLoader`` names them:
+
+    model-rank-{rank}-part-{part}.safetensors   rank's shard, part = bucket number
+    config.json                                 when the trained module has an HF config
+    fsdp_sync_manifest.json                     written last: ``layout: "engine"``, tp size, the
+                                                model's layout spec, per rank its files, and every
+                                                file's sha256, size and tensor names
+
+There is no ``model.safetensors.index.json`` (tensor names repeat across ranks). `resolve_ranked`
+checks such a directory before anything loads; `read_verified` reads one file once, checks its
+sha256 on the bytes read and returns zero-copy tensor views of them (one read per engine rank of
+just its own bytes). SGLang 0.5.23 cannot load these through ``update_weights_from_disk`` (see
+`transport.disk`).
+
 Not here: who writes which file, publishing and pruning (`transport.disk`), or loading tensors into
 a model (the engines).
 """
@@ -29,7 +46,8 @@ import torch
 __all__ = [
     "INDEX_FILE", "MANIFEST_FILE", "CONFIG_FILE", "MANIFEST_FORMAT", "SAFETENSORS_DTYPES",
     "CheckpointError", "ReadPlan", "shard_file_name", "sha256_file", "fsync_file", "fsync_dir",
-    "write_json", "resolve", "verify_file",
+    "write_json", "resolve", "verify_file", "RANK_FILE_PATTERN", "rank_file_name", "RankPlan",
+    "is_ranked", "resolve_ranked", "read_verified",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -208,3 +226,157 @@ def verify_file(directory: str, file: str, expected: str) -> None:
         raise CheckpointError(f"checksum mismatch for {path} ({size} bytes): the manifest says "
                               f"sha256 {expected[:16]}..., the file has {got[:16]}... (torn or "
                               f"corrupt file)")
+
+
+# --------------------------------------------------------------------------- per-rank versions
+
+RANK_FILE_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+"""SGLang's ``ShardedStateLoader.DEFAULT_PATTERN`` (0.5.23)."""
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def rank_file_name(rank: int, part: int) -> str:
+    """``model-rank-1-part-0.safetensors``: engine TP rank ``rank``'s ``part``-th file."""
+    return RANK_FILE_PATTERN.format(rank=rank, part=part)
+
+
+@dataclass
+class RankPlan:
+    """What each engine TP rank loads from a per-rank checkpoint directory."""
+
+    directory: str
+    tp_size: int
+    files: list[list[str]]              # per rank, its files in part order
+    sha256: dict[str, str]              # file -> digest
+    names: dict[str, list[str]]         # file -> tensor names in it
+    model: dict                         # the writer's layout spec (`layout.ModelSpec` fields)
+    dtype: str                          # safetensors dtype code of every tensor
+
+    def rank_bytes(self, rank: int) -> int:
+        """Bytes of ``rank``'s files on disk (what that rank reads)."""
+        return sum(os.path.getsize(os.path.join(self.directory, f)) for f in self.files[rank])
+
+
+def _manifest(directory: str) -> dict | None:
+    path = os.path.join(directory, MANIFEST_FILE)
+    if not os.path.exists(path):
+        return None
+    doc = _load_json(path, "manifest")
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return doc
+
+
+def is_ranked(model_path: Any) -> bool:
+    """True when ``model_path`` is a per-rank version (its manifest says ``layout: "engine"``)."""
+    if not isinstance(model_path, (str, os.PathLike)) or not os.path.isdir(model_path):
+        return False
+    doc = _manifest(os.fspath(model_path))
+    return doc is not None and doc.get("layout") == "engine"
+
+
+def resolve_ranked(model_path: Any, tp_size: int) -> RankPlan:
+    """Check a per-rank version before anything loads: the manifest names ``tp_size`` ranks, each
+    with its files; every file is a regular file of the directory, listed with a sha256 and its
+    tensor names, and every rank lists the same tensor names. Raises `CheckpointError` naming the
+    file, rank or value; nothing has been read but the manifest then."""
+    directory = os.path.abspath(os.fspath(model_path))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"model_path {directory} is not a directory")
+    doc = _manifest(directory)
+    where = os.path.join(directory, MANIFEST_FILE)
+    if doc is None or doc.get("layout") != "engine":
+        raise CheckpointError(f"{directory} is not a per-rank checkpoint (no {MANIFEST_FILE} with "
+                              f"layout 'engine')")
+    tp, ranks, listed = doc.get("tp_size"), doc.get("ranks"), doc.get("files")
+    if tp != tp_size:
+        raise CheckpointError(f"{directory} holds shards for {tp} engine TP ranks, this engine has "
+                              f"{tp_size}: write it with the engine's TP size (or layout='full')")
+    if not isinstance(ranks, list) or len(ranks) != tp or not isinstance(listed, dict) \
+            or not isinstance(doc.get("model"), dict) or not isinstance(doc.get("dtype"), str):
+        raise CheckpointError(f"{where} lacks 'ranks' (one list of files per rank), 'files', "
+                              f"'model' or 'dtype'")
+    sha, names, files = {}, {}, []
+    for r, rank_files in enumerate(ranks):
+        if not isinstance(rank_files, list) or not rank_files:
+            raise CheckpointError(f"{where} lists no files for engine rank {r}")
+        for f in rank_files:
+            entry = listed.get(f) if isinstance(f, str) else None
+            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
+                    or not isinstance(entry.get("names"), list):
+                raise CheckpointError(f"{where}: rank {r}'s file {f!r} is not listed with a sha256 "
+                                      f"and its tensor names")
+            if os.path.basename(f) != f or f in (".", "..") or not f.endswith(".safetensors"):
+                raise CheckpointError(f"{where} names paths outside {directory}: {f!r}; nothing "
+                                      f"was loaded")
+            path = os.path.join(directory, f)
+            if os.path.islink(path) or not os.path.isfile(path):
+                raise CheckpointError(f"missing shard {f} of engine rank {r} in {directory} (or "
+                                      f"not a regular file); nothing was loaded")
+            sha[f], names[f] = entry["sha256"], list(entry["names"])
+        files.append(list(rank_files))
+    per_rank = [sorted(n for f in fs for n in names[f]) for fs in files]
+    for r in range(1, tp):
+        if per_rank[r] != per_rank[0]:
+            diff = sorted(set(per_rank[r]) ^ set(per_rank[0]))
+            raise CheckpointError(f"{where}: engine rank {r} lists other tensors than rank 0 "
+                                  f"(e.g. {diff[:2]}); nothing was loaded")
+    return RankPlan(directory, tp, files, sha, names, dict(doc["model"]), doc["dtype"])
+
+
+def read_verified(path: str, expected_sha256: str | None) -> tuple[dict[str, torch.Tensor], int]:
+    """Read a safetensors file ONCE, check the sha256 of the bytes read (when given) and return
+    ``({name: tensor view of those bytes}, bytes read)``: the tensors are checked and loaded from
+    exactly the bytes that were hashed, with no second read and no copy. Raises `CheckpointError`
+    for a checksum mismatch or a malformed file (header, dtype, offsets)."""
+    try:
+        size = os.path.getsize(path)
+        buf = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        with open(path, "rb", buffering=0) as f:
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if got != size:
+        raise CheckpointError(f"{path} shrank while being read ({got} of {size} bytes)")
+    if expected_sha256 is not None:
+        digest = hashlib.sha256(view).hexdigest()
+        if digest != expected_sha256:
+            raise CheckpointError(f"checksum mismatch for {path} ({size} bytes): the manifest says "
+                                  f"sha256 {expected_sha256[:16]}..., the file has {digest[:16]}... "
+                                  f"(torn or corrupt file)")
+    # safetensors: u64 little-endian header size, JSON header, then the tensors' bytes
+    try:
+        n = int.from_bytes(bytes(view[:8]), "little")
+        if size < 8 or 8 + n > size:
+            raise ValueError(f"header of {n} bytes does not fit a file of {size}")
+        header = json.loads(bytes(view[8:8 + n]))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        data = buf[8 + n:]
+        out, spans = {}, []
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            code, shape, (a, b) = info["dtype"], [int(x) for x in info["shape"]], info["data_offsets"]
+            dtype = SAFETENSORS_DTYPES.get(code)
+            numel = 1
+            for x in shape:
+                numel *= x
+            if dtype is None or not (0 <= a <= b <= data.numel()) or b - a != numel * _ITEMSIZE[code]:
+                raise ValueError(f"tensor {name!r}: dtype {code}, shape {shape}, offsets [{a}, {b})")
+            spans.append((a, b))
+            out[name] = data[a:b].view(dtype).view(shape) if b > a else torch.empty(shape, dtype=dtype)
+        spans.sort()
+        if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+            raise ValueError("tensors overlap")
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"{path} is not a well-formed safetensors file: {exc}") from exc
+    return out, size

@@ -311,7 +311,8 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
         _check_names(items, layout, dtype)
         plan = _cached_plan(layout, dtype, bucket_bytes)
         own = [list(o) for o in (owners if owners is not None else default_owners(layout.tp, world))]
-        if len(own) != layout.tp or any(not o or any(not 0 <= r < world for r in o) for o in own):
+        # (owners are used only on the all-to-all path: with no shard group, every rank holds all)
+        if world > 1 and (len(own) != layout.tp or any(not o or any(not 0 <= r < world for r in o) for o in own)):
             raise ValueError(f"owners must list, for each of the {layout.tp} engine ranks, group ranks "
                              f"in [0, {world}), got {own}")
     except Exception as exc:  # noqa: BLE001 - every peer must hear of it

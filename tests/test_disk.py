@@ -1,5 +1,6 @@
 """The disk method: `DiskTransport.sync` driven directly on 2 CPU ranks (FSDP1/FSDP2, TP 1/2
-reference engines, tied embeddings, fp32/bf16/fp16), the reference engine's all-or-nothing
+reference engines, tied embeddings, fp32/bf16/fp16; ``layout="full"``: Hugging Face checkpoints, the
+per-rank ones are in test_disk_layout.py), the reference engine's all-or-nothing
 ``update_weights_from_disk``, the SGLang adapter's disk call, and the format helpers.
 
 After every sync the engine's tensors must equal the trainer's bit for bit (per tensor and by
@@ -189,7 +190,7 @@ def _disk_job(rank, world, root):
         opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
         engine = ReferenceEngine(model_config=cfg, tp_size=tp, dtype=dtype) if rank == 0 else None
         d = os.path.join(root, key)
-        sc = SyncConfig(dtype=dtype, bucket_bytes=48 << 10, disk_dir=d, disk_keep=2,
+        sc = SyncConfig(dtype=dtype, bucket_bytes=48 << 10, disk_dir=d, disk_keep=2, layout="full",
                         share_host_memory=share)
         transport = DiskTransport(sc, parallel_write=parallel)
         rec = {"steps": []}
@@ -428,7 +429,7 @@ def test_single_process_sync_and_resolve_rules(tmp_path):
     from fsdp_sync.transport.disk import DiskTransport
 
     model = build_model(load_config("tiny"), seed=1)
-    sc = SyncConfig(disk_dir=str(tmp_path / "ck"), bucket_bytes=1 << 30, disk_keep=1)
+    sc = SyncConfig(disk_dir=str(tmp_path / "ck"), bucket_bytes=1 << 30, disk_keep=1, layout="full")
     t = DiskTransport(sc)
     for step in range(2):
         ctx = _ctx(model, sc, [], step)

@@ -170,6 +170,9 @@ class Engine(Protocol):
     # Optional: ``accepts_rank_buckets = True`` and ``load_rank_bucket(bucket, payloads, *,
     # flush_cache)`` (one payload per TP rank, each that rank's shard in engine names) let
     # `SyncConfig.layout` "engine"/"auto" send each rank only its own shard.
+    # Optional: ``accepts_rank_checkpoints = True`` (with ``tp_size``): ``update_weights_from_disk``
+    # loads per-rank checkpoints (`hf_checkpoint.resolve_ranked`), so the disk method writes them;
+    # ``disk_bytes_read`` (per TP rank, the last disk update) feeds ``engine_rank_bytes_in``.
 
     def weights_checksum(self) -> str:
         """`checksum_named_tensors` over all full tensors in Hugging Face order."""

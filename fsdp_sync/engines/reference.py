@@ -16,7 +16,9 @@ call (one shared-memory copy, one handle per worker).
 ``update_weights_from_disk(path)`` goes through the same two phases: the engine resolves the
 checkpoint's files (`fsdp_sync.hf_checkpoint.resolve`: index, missing shards, manifest), each
 worker checks its share of the files' sha256 and every tensor's header, and reads only its own
-slices into staging memory, so a torn or corrupt checkpoint changes nothing.
+slices into staging memory, so a torn or corrupt checkpoint changes nothing. A per-rank checkpoint
+(``SyncConfig.layout="engine"``, `hf_checkpoint.resolve_ranked`) is checked the same way, but each
+worker reads only its own rank's files, once (checksum and tensors from the same bytes).
 
 ``begin_weight_update()`` … ``end_weight_update()`` is one transaction (``transactional_updates``,
 the default): each call is checked as above; while the engine holds weights worth protecting
@@ -177,6 +179,9 @@ class ReferenceEngine:
     accepts_tagged_payloads = True
     accepts_rank_buckets = True
     """Takes per-rank buckets (`load_rank_bucket`): `SyncConfig.layout` "auto" picks them."""
+    accepts_rank_checkpoints = True
+    """``update_weights_from_disk`` loads per-rank checkpoints (each worker its own files): the
+    disk method's `SyncConfig.layout` "auto" writes them."""
 
     def __init__(self, model_config: Any = "tiny", tp_size: int = 1, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, kv_cache_tokens: int | None = None,
@@ -216,6 +221,7 @@ class ReferenceEngine:
         self.config = load_config(model_config)
         self.spec = ModelSpec.from_config(self.config)
         self.layout = TPLayout(self.spec, int(tp_size))     # refuses an impossible split up front
+        self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
         self.tp_size = int(tp_size)
         self.device, self.dtype = device, dtype
         self.weights_cpu_backup = bool(weights_cpu_backup)
@@ -425,7 +431,7 @@ class ReferenceEngine:
         worker and each worker reads only its own slices into staging memory (one extra copy of
         its shard) before any weight changes. Raises `WeightUpdateError` naming the file or
         tensor; the previous weights keep serving."""
-        from ..hf_checkpoint import CheckpointError, resolve
+        from ..hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
 
         what = f"update_weights_from_disk({str(model_path)!r})"
         with self._lock:
@@ -433,23 +439,43 @@ class ReferenceEngine:
             if self._txn_aborted is not None:
                 raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
                                         f"({self._txn_aborted}); call end_weight_update() and start again")
+            tp = self.tp_size
+            per_rank = []
             try:
-                plan = resolve(model_path, load_format)
+                if is_ranked(model_path):
+                    # a per-rank checkpoint: each worker reads only its own rank's files
+                    if load_format not in (None, "auto", "sharded_state"):
+                        raise CheckpointError(f"load_format {load_format!r} does not read a per-rank "
+                                              f"checkpoint; use None or 'sharded_state'")
+                    rplan = resolve_ranked(model_path, tp)
+                    mine = {k: v for k, v in vars(self.layout.spec).items()}
+                    diff = {k: (v, mine.get(k)) for k, v in rplan.model.items() if mine.get(k) != v}
+                    if diff or set(rplan.model) != set(mine):
+                        raise CheckpointError(f"{rplan.directory} was cut for another model than this "
+                                              f"engine's (checkpoint, engine): {diff}")
+                    for r in range(tp):
+                        files = rplan.files[r]
+                        per_rank.append([("disk", "engine", {
+                            "dir": rplan.directory, "files": files,
+                            "sha256": {f: rplan.sha256[f] for f in files},
+                            "names": {f: rplan.names[f] for f in files}})])
+                else:
+                    plan = resolve(model_path, load_format)
+                    for r in range(tp):
+                        spec = {"dir": plan.directory, "files": plan.files, "index": plan.index,
+                                "verify": {f: plan.sha256[f] for f in plan.files[r::tp] if f in plan.sha256}}
+                        per_rank.append([("disk", "hf", spec)])
             except CheckpointError as exc:
                 err = WeightUpdateError(f"{what}: {exc}")
                 self._abort_all(what, str(err))       # a refused call ends an open transaction too
                 raise err from exc
-            tp = self.tp_size
-            per_rank = []
-            for r in range(tp):
-                spec = {"dir": plan.directory, "files": plan.files, "index": plan.index,
-                        "verify": {f: plan.sha256[f] for f in plan.files[r::tp] if f in plan.sha256}}
-                per_rank.append([("disk", "hf", spec)])
-            self._two_phase(per_rank, what)
+            staged = self._two_phase(per_rank, what)
+            self.disk_bytes_read = [int(staged[r][1].get("bytes_read", 0)) for r in range(tp)]
             if flush_cache:
                 self._raise_errors(self._round("flush_cache"), "flush_cache")
 
-    def _two_phase(self, per_rank: list, what: str, cmd: str = "stage") -> None:
+    def _two_phase(self, per_rank: list, what: str, cmd: str = "stage") -> dict[int, tuple]:
+        """Stage on every worker, then commit (or abort everywhere); returns the stage replies."""
         phase = "stage"
         try:
             args = [{"items": it} for it in per_rank] if cmd == "stage" else per_rank
@@ -466,6 +492,7 @@ class ReferenceEngine:
                 # copies only fail on e.g. out-of-memory; ranks may now disagree on their weights
                 self._broken = f"{what}: commit failed on some TP ranks; the weights are inconsistent"
                 self._raise_errors(committed, what + " (commit)")
+            return staged
         except BaseException as exc:
             if phase == "stage":           # a dead worker, an interrupt: nobody may keep the update
                 self._abort_all(what, f"{type(exc).__name__}: {exc}")

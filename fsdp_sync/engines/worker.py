@@ -377,10 +377,11 @@ class Worker:
         writes: list[_Write] = []
         self.call = writes
         seen: set[str] = set()
+        self.bytes_read = 0
         for item in items:
             kind, layout_kind = item[0], item[1]
             if kind == "disk":
-                self._stage_disk(item[2], writes, seen)
+                (self._stage_disk if layout_kind == "hf" else self._stage_disk_ranked)(item[2], writes, seen)
                 self._maybe_fault()
                 continue
             if kind == "bucket":
@@ -404,7 +405,7 @@ class Worker:
                 seen.add(name)
                 (self._hf_writes if layout_kind == "hf" else self._direct_writes)(name, t, writes)
             self._maybe_fault()
-        return {"writes": len(writes)}
+        return {"writes": len(writes), "bytes_read": self.bytes_read}
 
     def _stage_disk(self, spec: dict, writes: list[_Write], seen: set[str]) -> None:
         """A checkpoint directory: verify this rank's share of the files against the manifest,
@@ -420,6 +421,7 @@ class Worker:
                 verify_file(directory, file, sha)
             except CheckpointError as exc:
                 raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.rank})") from exc
+            self.bytes_read += os.path.getsize(os.path.join(directory, file))
         index = spec.get("index")
         for file in spec["files"]:
             path = os.path.join(directory, file)
@@ -449,6 +451,37 @@ class Worker:
                 raise WorkerError(KIND_UPDATE, f"cannot read {path} on TP rank {self.rank}: "
                                                f"{type(exc).__name__}: {exc}") from exc
 
+    def _stage_disk_ranked(self, spec: dict, writes: list[_Write], seen: set[str]) -> None:
+        """This rank's files of a per-rank checkpoint (``layout="engine"``): each is read once,
+        checked against the manifest's sha256 on the bytes read, and must hold exactly the tensor
+        names the manifest lists for it; every tensor is checked as a ``direct`` update (engine
+        name, this rank's shape, dtype). No other rank's file is opened."""
+        from ..hf_checkpoint import CheckpointError, read_verified
+
+        directory = spec["dir"]
+        for file in spec["files"]:
+            path = os.path.join(directory, file)
+            try:
+                tensors, size = read_verified(path, spec["sha256"][file])
+            except CheckpointError as exc:
+                raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.rank})") from exc
+            self.bytes_read += size
+            listed = list(spec["names"][file])
+            if sorted(tensors) != sorted(listed):
+                diff = sorted(set(tensors) ^ set(listed))
+                raise WorkerError(KIND_UPDATE, f"{path}: holds other tensors than the manifest lists "
+                                               f"for it (e.g. {diff[:2]}; TP rank {self.rank})",
+                                  diff[0] if diff else None)
+            for name in listed:
+                if name in seen:
+                    raise WorkerError(KIND_UPDATE, f"{path}: tensor {name!r} appears twice in this "
+                                                   f"rank's files (TP rank {self.rank})", name)
+                seen.add(name)
+                try:
+                    self._direct_writes(name, tensors[name], writes)
+                except WorkerError as exc:
+                    raise WorkerError(exc.kind, f"{path}: {exc}", name) from exc
+
     def _disk_writes(self, path: str, name: str, sl: Any, out: list[_Write], dtypes: dict) -> None:
         if not self.layout.accepts(name):
             raise WorkerError(KIND_UPDATE, f"{path}: unknown parameter {name!r} on TP rank {self.rank}: "
@@ -467,7 +500,9 @@ class Worker:
                                            f"TP rank {self.rank}, got {_fmt_shape(shape)}", name)
         placements = self.layout.placements(name, self.rank)
         for pl in placements:
-            out.append(_Write(pl.engine, pl.dst, sl[pl.src], (name,)))
+            piece = sl[pl.src]
+            self.bytes_read += piece.numel() * piece.element_size()
+            out.append(_Write(pl.engine, pl.dst, piece, (name,)))
         if not placements and name in self.hf_set:
             out.append(_Write("", (), torch.empty(0, dtype=self.dtype), (name,)))   # counts as loaded
 

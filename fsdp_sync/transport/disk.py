@@ -25,6 +25,29 @@ removes the temp directory, so no partial ``step_<N>`` is ever visible. A publis
 never overwritten: a sync whose ``step_<N>`` exists already is refused (use a fresh ``disk_dir``).
 One trainer per ``disk_dir``: hidden leftovers of a crashed run are removed by the next sync.
 
+**Per-rank versions** (``SyncConfig.layout="engine"``, and ``"auto"`` where every engine accepts
+them): instead of Hugging Face files that every engine worker reads whole (its share of the
+checksums, then its slices), the version holds one file per engine TP rank and bucket,
+``model-rank-{r}-part-{k}.safetensors`` (SGLang's ``ShardedStateLoader`` pattern), with only rank
+r's shard in the engine's layout (`fsdp_sync.layout`: engine names, fused ``qkv_proj`` /
+``gate_up_proj``, vocab rows with padding, row-parallel column slices, replicated KV heads), cut
+by `reshard.iter_rank_buckets` (on one host the trainer ranks write their pieces into shared
+per-rank buffers; across hosts one ``all_to_all_single`` per bucket brings each rank's buffer to
+the writer of its file). The manifest (layout, TP size, model spec, per rank its files, every
+file's sha256, size and names) is written last instead of an index; fsync, the rename and keep-N
+are the same. Each reference-engine worker reads only its own files, once
+(`hf_checkpoint.read_verified`), and the engine commits only if every worker's files check out.
+The engine's TP size and model come from the engines (trainer rank 0); every rank agrees on the
+layout before anything is written.
+
+SGLang 0.5.23 cannot load a per-rank version through ``update_weights_from_disk``: its disk update
+takes only loaders that are a ``DefaultModelLoader`` (``load_format="sharded_state"`` gets
+``ShardedStateLoader``, which is not one, and is refused before anything is read;
+``"presharded"`` re-reads the Hugging Face files; ``--custom-weight-loader`` applies only to
+``update_weights_from_tensor``). So an engine must say it loads them (``accepts_rank_checkpoints``,
+the reference engine does, `SGLangEngine` does not): ``"engine"`` against any other engine is
+refused on every rank before anything is written, ``"auto"`` writes the full checkpoint.
+
 `disk_floor(nbytes, directory)` times the same bytes through plain file I/O (write, fsync, read):
 the floor the bench puts beside this method.
 
@@ -35,7 +58,9 @@ manager), reading a checkpoint into an engine (the engines, with `hf_checkpoint.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -51,9 +76,20 @@ import torch.distributed as dist
 from .. import bucket as _bucket
 from .. import export
 from .. import hf_checkpoint as ckpt
+from .. import reshard
+from ..layout import layout_for
 from ..topology import SyncError, agree
 
-__all__ = ["DiskTransport", "disk_floor", "STEP_RE"]
+__all__ = ["DiskTransport", "disk_floor", "STEP_RE", "NO_RANK_CHECKPOINTS"]
+
+log = logging.getLogger("fsdp_sync")
+
+NO_RANK_CHECKPOINTS = (
+    "SGLang 0.5.23 cannot load per-rank files through update_weights_from_disk: its disk update "
+    "takes only a DefaultModelLoader (load_format='sharded_state' gets ShardedStateLoader, which "
+    "is not one, and is refused before anything is read; 'presharded' re-reads the Hugging Face "
+    "files), and --custom-weight-loader applies only to update_weights_from_tensor")
+_ST_CODE = {v: k for k, v in ckpt.SAFETENSORS_DTYPES.items()}
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.step_\d+\.(tmp|del)-[0-9a-f]+$")
@@ -107,7 +143,9 @@ def _write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Ten
 
 class DiskTransport:
     """See the module docstring. ``config`` is a `SyncConfig` with ``disk_dir`` (and
-    ``disk_keep``, ``bucket_bytes``, ``dtype``, ``fsdp1_state_dict``).
+    ``disk_keep``, ``bucket_bytes``, ``dtype``, ``fsdp1_state_dict``, ``share_host_memory``,
+    ``layout``: ``"full"`` HF files, ``"engine"`` per-rank files, ``"auto"`` per-rank files where
+    every engine loads them).
 
     ``parallel_write``: the trainer ranks write their own shard files (True, the default) or
     rank 0 writes every file (False). Either way every rank takes part in the gathers.
@@ -177,6 +215,9 @@ class DiskTransport:
         what = f"disk sync of {final}"
         stats = ctx.stats
 
+        # 0. the layout (per-rank files or HF files): agreed on every rank before anything is written
+        layout = self._choose_layout(ctx, rank, group, what)
+
         # 1. rank 0 makes the temp directory; the writers are the ranks that can see it
         tmp, err = None, None
         if rank == 0:
@@ -201,22 +242,33 @@ class DiskTransport:
             # 2. gather every bucket; its owner writes it while the next one is gathered
             t_write = time.perf_counter()
             metas = export.param_metas(ctx.module, cfg.dtype)
-            n_files = len(_bucket.plan_buckets(metas, cfg.bucket_bytes))
-            records, err = self._write_buckets(ctx, tmp, rank, writers, n_files)
+            st = reshard.ReshardStats()
+            if layout is None:
+                n_files = len(_bucket.plan_buckets(metas, cfg.bucket_bytes))
+                records, err = self._write_buckets(ctx, tmp, rank, writers, n_files)
+                stats.buckets = n_files
+            else:
+                parts = len(reshard.plan_rank_buckets(layout, metas[0].dtype, cfg.bucket_bytes))
+                n_files = parts * layout.tp
+                records, err = self._write_rank_buckets(ctx, tmp, rank, writers, layout, parts, st)
+                stats.buckets = parts
             self._agree(err, group, f"{what} (write)")
             stats.bytes = sum(m.nbytes for m in metas)
             stats.tensors = len(metas)
-            stats.buckets = n_files
             write_s = time.perf_counter() - t_write
 
             # 3. rank 0: config, manifest, index last; fsync; publish by rename
             t_pub = time.perf_counter()
-            everyone = self._all_gather(records, group, world)
+            everyone = self._all_gather((records, st.bytes_in), group, world)
+            trainer_in = max(b for _, b in everyone)
             err = None
             if rank == 0:
                 try:
-                    self._publish(ctx, tmp, final, [r for rs in everyone for r in rs], n_files,
-                                  metas)
+                    files = [r for rs, _ in everyone for r in rs]
+                    if layout is None:
+                        self._publish(ctx, tmp, final, files, n_files, metas)
+                    else:
+                        self._publish_ranked(ctx, tmp, final, files, layout, parts, metas)
                     tmp = None
                 except Exception as exc:   # noqa: BLE001
                     err = exc
@@ -245,6 +297,10 @@ class DiskTransport:
         self._agree(err, group, f"update_weights_from_disk({final!r})")
         load_s = time.perf_counter() - t_load
         self.loaded = final
+        # what the engine ranks read (the engines that count it: the reference engine), on every rank
+        read = [max(getattr(e, "disk_bytes_read", None) or [0]) for e in engines
+                if getattr(e, "disk_bytes_read", None)]
+        engine_in = self._broadcast(max(read) if read else None, group)
 
         # 5. keep the newest disk_keep versions
         pruned: list[str] = []
@@ -258,7 +314,176 @@ class DiskTransport:
         stats.extra = {"path": final, "files": n_files, "writers": len(writers),
                        "host_shared": self.host_shared,
                        "write_s": write_s, "publish_s": publish_s, "load_s": load_s,
-                       "pruned": pruned}
+                       "pruned": pruned, "layout": "full" if layout is None else "engine",
+                       "engine_rank_bytes_in": engine_in}
+        if layout is not None:
+            stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=st.engine_shard_bytes,
+                               trainer_rank_bytes_in=trainer_in)
+
+    # ------------------------------------------------------------------ per-rank versions
+    def _choose_layout(self, ctx: Any, rank: int, group: Any, what: str) -> Any:
+        """The engines' `layout.TPLayout` to cut per-rank files by, or None for HF files.
+
+        ``layout="full"``: None. Otherwise trainer rank 0 (it holds the engines) checks that there
+        are engines, all with ``accepts_rank_checkpoints``, one TP size, and a model equal to the
+        trainer's; every rank then builds the layout from the module's config. ``"engine"``: any
+        refusal raises the same `SyncError` on every rank before anything is written; ``"auto"``:
+        HF files (logged on rank 0)."""
+        want = getattr(ctx.config, "layout", "full")
+        if want == "full":
+            return None
+        tp, why = None, None
+        if rank == 0:
+            try:
+                tp = self._engine_tp(ctx)
+            except Exception as exc:   # noqa: BLE001 - "auto" falls back, "engine" reports it
+                why = str(exc)
+        tp, why = self._broadcast((tp, why), group)
+        layout, err = None, None
+        if why is None:
+            try:
+                hf_config = getattr(ctx.module, "config", None)
+                if hf_config is None:
+                    raise ValueError("the module has no Hugging Face .config to take the engine's "
+                                     "layout from")
+                layout = layout_for(hf_config, tp)
+                if rank == 0:
+                    self._check_engine_models(ctx, layout)
+            except Exception as exc:   # noqa: BLE001
+                err = exc
+        if want == "engine":
+            text = why or (err and f"{type(err).__name__}: {err}")
+            self._agree(text and ValueError(
+                f"layout='engine' with method='disk': {text}; use layout='full' (or 'auto', which "
+                f"falls back to it) for the disk method, or method='tensor' with layout='engine'"),
+                group, f"{what} (choosing the layout)")
+            return layout
+        # "auto": every rank must take the same answer
+        ok = self._all_gather(why is None and err is None, group, self._dist(group)[1])
+        if not all(ok):
+            if rank == 0:
+                log.info("fsdp_sync: disk layout='auto' writes a Hugging Face checkpoint: %s",
+                         why or err or "a trainer rank could not build the engine layout")
+            return None
+        return layout
+
+    @staticmethod
+    def _engine_tp(ctx: Any) -> int:
+        engines = list(ctx.engines or [])
+        if not engines:
+            raise ValueError("no engine on trainer rank 0 to take the TP size of the per-rank files from")
+        for i, e in enumerate(engines):
+            if not getattr(e, "accepts_rank_checkpoints", False):
+                raise ValueError(f"engine {i} ({type(e).__name__}) does not load per-rank "
+                                 f"checkpoints (accepts_rank_checkpoints is not true); "
+                                 f"{NO_RANK_CHECKPOINTS}")
+        tps = sorted({int(getattr(e, "tp_size", 0)) for e in engines})
+        if len(tps) != 1 or tps[0] < 1:
+            raise ValueError(f"the engines' TP sizes {tps} differ: per-rank files are cut for one")
+        return tps[0]
+
+    @staticmethod
+    def _check_engine_models(ctx: Any, layout: Any) -> None:
+        for i, e in enumerate(ctx.engines or []):
+            espec = getattr(getattr(e, "layout", None), "spec", None)
+            if espec is not None and espec != layout.spec:
+                diff = {k: (getattr(layout.spec, k), getattr(espec, k)) for k in vars(espec)
+                        if getattr(layout.spec, k) != getattr(espec, k)}
+                raise ValueError(f"engine {i}'s model differs from the trainer's (trainer, engine): "
+                                 f"{diff}")
+
+    def _write_rank_buckets(self, ctx: Any, tmp: str, rank: int, writers: list[int], layout: Any,
+                            parts: int, st: Any) -> tuple[list[dict], BaseException | None]:
+        """Cut every bucket per engine rank (collective: every rank runs the whole stream even
+        after a local failure) and write this rank's files; returns its file records and error.
+
+        File (engine rank i, part k) is written by the rank that holds i's buffer: on the
+        all-to-all path the one owner ``writers[i % W]``; where every rank sees every buffer
+        (host-shared, or full tensors everywhere) ``writers[(k * tp + i) % W]``. One bucket's
+        files are written on a thread while the next bucket is cut (two buffer sets rotate)."""
+        cfg = ctx.config
+        tp = layout.tp
+        records: list[dict] = []
+        err: BaseException | None = None
+        pending: Future | None = None
+        count = 0
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_sync-disk-writer")
+        owners = [[writers[i % len(writers)]] for i in range(tp)]
+
+        def write_all(jobs: list) -> list[dict]:
+            return [_write_shard(tmp, ckpt.rank_file_name(i, k), bkt, flat) | {"rank": i, "part": k}
+                    for i, k, bkt, flat in jobs]
+
+        self.host_shared = False
+        try:
+            stream = reshard.iter_rank_buckets(
+                ctx.module, layout, cfg.bucket_bytes, dtype=cfg.dtype,
+                fsdp1_state_dict=cfg.fsdp1_state_dict,
+                share_host_memory=bool(getattr(cfg, "share_host_memory", False)),
+                owners=owners, alloc=_plain_alloc, stats=st, host_sets=2)
+            for rb in stream:
+                k = rb.index
+                count += 1
+                self.host_shared |= rb.shared
+                everywhere = st.path != "all-to-all"
+                jobs = [(i, k, rb.bucket, flat) for i, flat in sorted(rb.buffers.items())
+                        if not everywhere or writers[(k * tp + i) % len(writers)] == rank]
+                del rb
+                try:
+                    # bucket k-1's files are written before bucket k+1 is asked for: its buffers
+                    # (host-shared set (k-1) % 2) are rewritten by bucket k+1
+                    if pending is not None:
+                        fut, pending = pending, None
+                        records.extend(fut.result())
+                    if err is None and jobs:
+                        if k >= parts:
+                            raise RuntimeError(f"reshard yielded more buckets than the {parts} planned")
+                        pending = pool.submit(write_all, jobs)
+                except Exception as exc:   # noqa: BLE001 - keep consuming: the stream is collective
+                    err = err or exc
+                del jobs
+            if pending is not None:
+                try:
+                    records.extend(pending.result())
+                except Exception as exc:   # noqa: BLE001
+                    err = err or exc
+                pending = None
+        except Exception as exc:   # noqa: BLE001 - reshard failures come as the same SyncError
+            err = err or exc
+        finally:
+            if pending is not None:
+                pending.cancel()
+            pool.shutdown(wait=True)
+        if err is None and count != parts:
+            err = RuntimeError(f"reshard yielded {count} buckets, {parts} were planned")
+        return records, err
+
+    def _publish_ranked(self, ctx: Any, tmp: str, final: str, records: list[dict], layout: Any,
+                        parts: int, metas: list) -> None:
+        want = {ckpt.rank_file_name(i, k) for i in range(layout.tp) for k in range(parts)}
+        got = {r["file"] for r in records}
+        if got != want or len(records) != len(want):
+            raise RuntimeError(f"written per-rank files {sorted(got)} are not the planned "
+                               f"{sorted(want)} (each exactly once)")
+        by_file = {r["file"]: r for r in records}
+        files = {f: {"sha256": r["sha256"], "bytes": r["bytes"], "names": r["names"]}
+                 for f, r in sorted(by_file.items())}
+        dtype = _float_dtype(metas)
+        config = _hf_config_json(ctx.module, dtype)
+        if config is not None:
+            sha, size = ckpt.write_json(os.path.join(tmp, ckpt.CONFIG_FILE), config)
+            files[ckpt.CONFIG_FILE] = {"sha256": sha, "bytes": size}
+        # the manifest is the index of a per-rank version: written last, after every file is fsynced
+        ckpt.write_json(os.path.join(tmp, ckpt.MANIFEST_FILE), {
+            "format": ckpt.MANIFEST_FORMAT, "step": int(ctx.step), "layout": "engine",
+            "tp_size": layout.tp, "model": dataclasses.asdict(layout.spec),
+            "dtype": _ST_CODE[metas[0].dtype], "hf_tensors": len(metas),
+            "total_size": sum(m.nbytes for m in metas),
+            "ranks": [[ckpt.rank_file_name(i, k) for k in range(parts)] for i in range(layout.tp)],
+            "files": files})
+        ckpt.fsync_dir(tmp)
+        os.rename(tmp, final)          # atomic: the version appears whole or not at all
+        ckpt.fsync_dir(self.directory)
 
     def _write_buckets(self, ctx: Any, tmp: str, rank: int, writers: list[int],
                        n_files: int) -> tuple[list[dict], BaseException | None]:

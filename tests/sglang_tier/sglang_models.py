@@ -14,6 +14,11 @@ which is all that constructing the layers reads):
 3. Reports parameter names and shapes of SGLang's model, our layout's engine shapes, and digests of
    A's, B's and `layout.shard_state_dict`'s tensors (vocab padding rows reported apart: SGLang
    leaves them as allocated when it loads full tensors).
+4. The disk method's per-rank checkpoint (`transport.disk`, ``layout="engine"``), written for the
+   case: the files SGLang's ``ShardedStateLoader`` pattern globs for the rank, their tensor names
+   and shapes beside the keys and shapes that loader requires (``_filter_subtensors`` of the
+   model's ``state_dict()``), and what SGLang's real ``WeightUpdater.update_weights_from_disk``
+   answers for ``load_format="sharded_state"`` on that directory (once per case).
 
 Modules SGLang imports at module level that need a GPU stack or packages the tier does not install
 (tvm_ffi, vllm, torchvision users, compressed_tensors, gguf, sentencepiece) are replaced by empty
@@ -113,6 +118,21 @@ def build(cls, cfg, model_dir: str, tp: int, rank: int):
     return cls(cfg)
 
 
+def sglang_disk_update(model, path: str, rank: int) -> list:
+    """SGLang's own ``update_weights_from_disk(path, "sharded_state")`` on a built model:
+    ``[success, message]``, or ``["raised", repr]`` when it cannot run on CPU."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    cfg = types.SimpleNamespace(model_path=None, dtype=torch.float32, quantization=None)
+    updater = WeightUpdater(tp_rank=rank, device="cpu", gpu_id=0, model_config=cfg, custom_weight_loaders=[],
+                            get_model=lambda: model, update_model_fields=lambda *a, **k: None,
+                            recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+    try:
+        return list(updater.update_weights_from_disk(path, "sharded_state"))
+    except Exception as exc:  # noqa: BLE001 - reported, the test says what it means
+        return ["raised", f"{type(exc).__name__}: {exc}"]
+
+
 def main(cases: list) -> dict:
     from sglang.srt.model_executor.model_runner_components.weight_updater import (
         LocalSerializedTensor, WeightUpdater)
@@ -123,6 +143,45 @@ def main(cases: list) -> dict:
     from fsdp_sync.layout import layout_for, shard_state_dict
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.sglang_loader import LOADER, bucket_name
+
+    from sglang.srt.model_loader.loader import ShardedStateLoader
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.transport import SyncContext, SyncStats
+    from fsdp_sync.transport.disk import DiskTransport
+
+    class _RankFilesEngine:
+        """Stands in for an engine that loads per-rank checkpoints: only the writing is tested."""
+
+        accepts_rank_checkpoints = True
+
+        def __init__(self, tp):
+            self.tp_size = tp
+
+        def update_weights_from_disk(self, path):
+            pass
+
+    def rank_checkpoint(hf, tp):
+        d = tempfile.mkdtemp(prefix="fsdp_sync_sgl_disk_")
+        sc = SyncConfig(method="disk", disk_dir=d, layout="engine", dtype=torch.float32,
+                        bucket_bytes=16 << 10)
+        ctx = SyncContext(module=hf, config=sc, topo=None, group=None, engines=[_RankFilesEngine(tp)],
+                          step=0, stats=SyncStats())
+        DiskTransport(sc).sync(ctx)
+        return ctx.stats.extra["path"]
+
+    def rank_files(path, rank):
+        import glob
+
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(path, ShardedStateLoader.DEFAULT_PATTERN.format(rank=rank, part="*"))))
+        keys = {}
+        for f in files:
+            with safe_open(f, framework="pt") as fh:
+                for k in fh.keys():
+                    keys[k] = list(fh.get_slice(k).get_shape())
+        return [os.path.basename(f) for f in files], keys
 
     torch.manual_seed(0)
     prepared = []
@@ -141,14 +200,20 @@ def main(cases: list) -> dict:
                 for rb in buckets]
         named = [(bucket_name(rb.bucket), LocalSerializedTensor(values=[s.payloads[0] for s in row]))
                  for rb, row in zip(buckets, sets)]
-        prepared.append((recipe, ov, tp, cfg, full, layout, model_dir, named, sets, len(buckets)))
+        ckpt_dir = rank_checkpoint(hf, tp)
+        prepared.append((recipe, ov, tp, cfg, full, layout, model_dir, named, sets, len(buckets), ckpt_dir))
     out = {}
-    for recipe, ov, tp, cfg, full, layout, model_dir, named, sets, nb in prepared:
+    for recipe, ov, tp, cfg, full, layout, model_dir, named, sets, nb, ckpt_dir in prepared:
         cls = Qwen2ForCausalLM if cfg.model_type == "qwen2" else LlamaForCausalLM
         for rank in range(tp):
             ours = shard_state_dict(full, layout, rank)
             a = build(cls, cfg, model_dir, tp, rank)
             a_shapes = {k: list(v.shape) for k, v in a.named_parameters()}
+            disk_files, disk_keys = rank_files(ckpt_dir, rank)
+            loader_keys = {k: list(v.shape) for k, v in ShardedStateLoader._filter_subtensors(a.state_dict()).items()}
+            disk_update = None
+            if rank == 0:
+                disk_update = sglang_disk_update(a, ckpt_dir, rank)
             a.load_weights(list(full.items()))
             b = build(cls, cfg, model_dir, tp, rank)
             with torch.no_grad():
@@ -171,7 +236,9 @@ def main(cases: list) -> dict:
                            "b_nan": bool(torch.isnan(bv).any())}
             out[f"{recipe}|{json.dumps(ov, sort_keys=True)}|{tp}|{rank}"] = {
                 "sglang_shapes": a_shapes, "layout_shapes": {k: list(s) for k, s in layout.engine_shapes().items()},
-                "params": rows, "calls": [list(c) for c in ok_calls], "buckets": nb}
+                "params": rows, "calls": [list(c) for c in ok_calls], "buckets": nb,
+                "disk_files": disk_files, "disk_keys": disk_keys, "sharded_state_keys": loader_keys,
+                "disk_update": disk_update}
         for row in sets:
             for s in row:
                 s.release(require_ack=False)

@@ -12,7 +12,17 @@ TP 1, 2 and 4 (TP 4 replicates tiny's 2 KV heads):
   ``LocalSerializedTensor``s loads the same bits into a NaN-filled model, every parameter
   written, vocab padding rows zero.
 
-Not checked here (needs a GPU or a running server): CUDA IPC payloads, the scheduler / TP-worker
+The disk method's per-rank checkpoint (``layout="engine"``) against SGLang's ``sharded_state``
+format: SGLang's ``ShardedStateLoader`` pattern globs exactly our files of each rank, and for the
+untied models their tensor names and shapes are the keys that loader requires; for a tied model it
+wants the embedding under ``lm_head.weight`` (its ``_filter_subtensors`` keeps the smaller of two
+aliased keys), ours is ``model.embed_tokens.weight``. SGLang's own
+``WeightUpdater.update_weights_from_disk(dir, "sharded_state")`` answers ``success=False``
+("Failed to get model loader": it takes only a ``DefaultModelLoader``) before reading anything,
+which is why fsdp_sync refuses ``layout="engine"`` with the disk method against `SGLangEngine`.
+
+Not checked here (needs a GPU or a running server): starting a server from a per-rank checkpoint
+(``--load-format sharded_state``), CUDA IPC payloads, the scheduler / TP-worker
 processes and their RPCs, the forward pass (SGLang's CPU kernels are not installed), and the HTTP
 route with a custom loader.
 """
@@ -70,3 +80,27 @@ def test_custom_loader_through_sglangs_weight_updater(results):
         assert r["buckets"] > 1 and r["calls"] == [[True, "Success"]] * r["buckets"], key
         for name, p in r["params"].items():
             assert p["b"] == p["ours"] and not p["b_nan"] and p["b_pad_zero"], (key, name)
+
+
+@pytest.mark.timeout(300)
+def test_disk_rank_files_against_sglangs_sharded_state_format(results):
+    for key, r in results.items():
+        recipe, _, tp, rank = key.split("|")
+        # SGLang's pattern for this rank finds this rank's files, several parts (16 KiB buckets)
+        assert len(r["disk_files"]) > 1, key
+        assert all(f.startswith(f"model-rank-{rank}-part-") for f in r["disk_files"]), key
+        if recipe == "tiny-tied":
+            assert set(r["disk_keys"]) ^ set(r["sharded_state_keys"]) == {"lm_head.weight",
+                                                                          "model.embed_tokens.weight"}, key
+            assert r["disk_keys"]["model.embed_tokens.weight"] == r["sharded_state_keys"]["lm_head.weight"], key
+        else:
+            assert r["disk_keys"] == r["sharded_state_keys"], key     # names and per-rank shapes
+
+
+@pytest.mark.timeout(300)
+def test_sglang_disk_update_refuses_sharded_state(results):
+    answers = [r["disk_update"] for r in results.values() if r["disk_update"] is not None]
+    assert len(answers) == len(CASES)
+    for ok, message in answers:
+        assert ok is False and message.startswith("Failed to get model loader") \
+            and "ShardedStateLoader" in message, message
