@@ -30,6 +30,9 @@ makes each call commit on its own, as SGLang does.
 
 Liveness: every wait on a worker polls its pipe and its process sentinel, so a dead worker is
 reported within about half a second; from then on every call raises `WorkerDiedError` at once.
+A worker that answers no call within ``call_timeout_s`` breaks the engine the same way; it is not
+asked anything again (the abort round that follows goes to the others only, so a stalled worker
+costs one reply timeout, not more) and `shutdown()` ends it without waiting for it to read.
 `shutdown()` (also on ``with`` exit, garbage collection and interpreter exit) stops every worker
 and closes every pipe; payload buffers are acknowledged by the workers and released by their owner.
 
