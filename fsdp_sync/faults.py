@@ -395,8 +395,9 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
 
 
 def _run_cell_apart(key: tuple, timeouts: dict) -> dict:
-    """`run_cell` in a process of its own (``--jobs``): its fds and threads are counted there,
-    apart from the other cells running at the same time."""
+    """`run_cell` in a pool process (``--jobs``): its fds and threads are counted there, apart
+    from the cells the other pool processes run at the same time (one cell at a time per process,
+    as in a run without ``--jobs``)."""
     cell = run_cell(Cell(*key), Timeouts(**timeouts))
     return asdict(cell)
 
@@ -409,8 +410,9 @@ def run_matrix(selected: list[Cell], timeouts: Timeouts | None = None, progress:
                on_cell=None, jobs: int = 1, done: dict | None = None) -> dict:
     """Run ``selected`` (impossible cells are only listed); returns the report dict.
 
-    ``jobs`` > 1 runs that many cells at once, each in a fresh process of its own (each cell has
-    its own processes, port, tmp dir and segments; fds and threads are counted per cell process).
+    ``jobs`` > 1 runs that many cells at once, in as many pool processes (each cell has its own
+    processes, port, tmp dir and segments; fds and threads are counted in the pool process that
+    ran it, which runs one cell at a time).
     The cells' short timeouts assume the cores are not oversubscribed: give at most one job per
     4 cores. ``done``: results of cells run before (``--resume``), by (method, stage, victim,
     fault); they are taken as they are. ``on_cell(cell, report)`` after each cell."""
@@ -460,8 +462,8 @@ def run_matrix(selected: list[Cell], timeouts: Timeouts | None = None, progress:
         elif todo:
             import multiprocessing
 
-            with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                                        max_tasks_per_child=1) as pool:
+            with cf.ProcessPoolExecutor(max_workers=jobs,
+                                        mp_context=multiprocessing.get_context("spawn")) as pool:
                 futures = {pool.submit(_run_cell_apart, _key(c), asdict(t)): c for c in todo}
                 for f in cf.as_completed(futures):
                     c = futures[f]
