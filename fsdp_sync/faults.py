@@ -26,6 +26,7 @@ listed as ``n/a`` with the reason. Not here: faults of real SGLang servers or of
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -158,6 +159,11 @@ def _cell_rank(rank: int, world: int, method: str, stage: str, tmp: str, t: dict
     from .trainer import synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)
+    # the group was made with the cell's long timeout (a starved machine may take seconds to start
+    # a rank, and the rendezvous must wait for it); the with block runs under the short one
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=t["pg_s"]))
     cfg = load_config("tiny")
     module = wrap_fsdp(build_model(cfg, seed=0), 2)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
@@ -292,7 +298,7 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     port = launch.free_port()
     args = (cell.method, cell.stage, tmp, asdict(t))
     procs = [ctx.Process(target=launch._worker, name=f"fsdp_sync-fault-rank{r}",
-                         args=(r, WORLD, port, "gloo", t.pg_s, _cell_rank, args, results, env))
+                         args=(r, WORLD, port, "gloo", t.cell_s, _cell_rank, args, results, env))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -520,8 +526,8 @@ def add_faults_parser(sub) -> None:
     p.add_argument("--cell-timeout", type=float, default=Timeouts.cell_s, help="a cell that runs longer is a hang, s")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON here (rewritten after every cell)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the cells --json PATH holds already (from an interrupted run with the "
-                        "same timeouts) and run only the others")
+                   help="keep the cells that passed in --json PATH (an interrupted run with the same "
+                        "timeouts) and run the others, failed ones included")
     p.add_argument("--jobs", type=int, default=1,
                    help="cells run at once, each in a process of its own; the short timeouts want "
                         "about 4 idle cores per job")
@@ -546,11 +552,12 @@ def cmd_faults(args) -> int:
             raise SystemExit("--resume needs --json PATH (the report of the interrupted run)")
         if Path(args.json).exists():
             old = json.loads(Path(args.json).read_text())
-            if old.get("timeouts") != asdict(t):
+            same = {k: v for k, v in asdict(t).items() if k != "cell_s"}   # cell_s: only the hang limit
+            if {k: v for k, v in (old.get("timeouts") or {}).items() if k != "cell_s"} != same:
                 raise SystemExit(f"--resume: {args.json} was run with timeouts {old.get('timeouts')}, "
                                  f"this run has {asdict(t)}; give the same ones or another --json")
             done = {_key(Cell(r["method"], r["stage"], r["victim"], r["fault"])): r
-                    for r in old["results"] if r.get("possible") and r.get("ok") is not None}
+                    for r in old["results"] if r.get("possible") and r.get("ok")}
 
     def save(cell: Cell, rep: dict) -> None:
         if args.json:
