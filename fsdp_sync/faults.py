@@ -26,6 +26,7 @@ listed as ``n/a`` with the reason. Not here: faults of real SGLang servers or of
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -158,6 +159,11 @@ def _cell_rank(rank: int, world: int, method: str, stage: str, tmp: str, t: dict
     from .trainer import synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)
+    # the group was made with the cell's long timeout (a starved machine may take seconds to start
+    # a rank, and the rendezvous must wait for it); the with block runs under the short one
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=t["pg_s"]))
     cfg = load_config("tiny")
     module = wrap_fsdp(build_model(cfg, seed=0), 2)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
@@ -292,7 +298,7 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     port = launch.free_port()
     args = (cell.method, cell.stage, tmp, asdict(t))
     procs = [ctx.Process(target=launch._worker, name=f"fsdp_sync-fault-rank{r}",
-                         args=(r, WORLD, port, "gloo", t.pg_s, _cell_rank, args, results, env))
+                         args=(r, WORLD, port, "gloo", t.cell_s, _cell_rank, args, results, env))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -394,33 +400,86 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     return cell
 
 
+def _run_cell_apart(key: tuple, timeouts: dict) -> dict:
+    """`run_cell` in a pool process (``--jobs``): its fds and threads are counted there, apart
+    from the cells the other pool processes run at the same time (one cell at a time per process,
+    as in a run without ``--jobs``)."""
+    cell = run_cell(Cell(*key), Timeouts(**timeouts))
+    return asdict(cell)
+
+
+def _key(c: Cell) -> tuple:
+    return (c.method, c.stage, c.victim, c.fault)
+
+
 def run_matrix(selected: list[Cell], timeouts: Timeouts | None = None, progress: bool = True,
-               on_cell=None) -> dict:
-    """Run ``selected`` (impossible cells are only listed); returns the report dict."""
+               on_cell=None, jobs: int = 1, done: dict | None = None) -> dict:
+    """Run ``selected`` (impossible cells are only listed); returns the report dict.
+
+    ``jobs`` > 1 runs that many cells at once, in as many pool processes (each cell has its own
+    processes, port, tmp dir and segments; fds and threads are counted in the pool process that
+    ran it, which runs one cell at a time).
+    The cells' short timeouts assume the cores are not oversubscribed: give at most one job per
+    4 cores. ``done``: results of cells run before (``--resume``), by (method, stage, victim,
+    fault); they are taken as they are. ``on_cell(cell, report)`` after each cell."""
+    import concurrent.futures as cf
+
     from rich.progress import Progress
 
+    t = timeouts or Timeouts()
     t0 = time.monotonic()
-    todo = [c for c in selected if c.possible]
+    done = done or {}
+    for c in selected:
+        if c.possible and _key(c) in done:
+            for k, v in done[_key(c)].items():
+                if k in Cell.__dataclass_fields__:
+                    setattr(c, k, v)
+    todo = [c for c in selected if c.possible and c.ok is None]
+
+    def report() -> dict:
+        ran = [c for c in selected if c.possible and c.ok is not None]
+        slow = max((c for c in ran if c.seconds_to_error is not None), key=lambda c: c.seconds_to_error,
+                   default=None)
+        return {
+            "timeouts": asdict(t), "jobs": jobs,
+            "cells": len(selected), "possible": sum(c.possible for c in selected), "ran": len(ran),
+            "impossible": sum(not c.possible for c in selected),
+            "passed": sum(bool(c.ok) for c in ran), "failed": sum(not c.ok for c in ran),
+            "slowest_seconds_to_error": None if slow is None else slow.seconds_to_error,
+            "slowest_cell": None if slow is None else f"{slow.method} {slow.stage} {slow.victim} {slow.fault}",
+            "wall_s": round(time.monotonic() - t0, 1),
+            "cells_wall_s": round(sum(c.wall_s for c in ran), 1),
+            "results": [asdict(c) | {"spec": c.spec if c.possible else None} for c in selected],
+        }
+
     with Progress(disable=not progress, transient=False) as bar:
         task = bar.add_task("fault cells", total=len(todo))
-        for c in todo:
-            bar.update(task, description=f"{c.method} {c.stage} {c.victim} {c.fault}")
-            run_cell(c, timeouts)
+
+        def finished(c: Cell) -> None:
             if on_cell is not None:
-                on_cell(c)
+                on_cell(c, report())
             bar.advance(task)
-    ran = [c for c in selected if c.possible]
-    slow = max((c for c in ran if c.seconds_to_error is not None), key=lambda c: c.seconds_to_error,
-               default=None)
-    return {
-        "timeouts": asdict(timeouts or Timeouts()),
-        "cells": len(selected), "ran": len(ran), "impossible": len(selected) - len(ran),
-        "passed": sum(bool(c.ok) for c in ran), "failed": sum(not c.ok for c in ran),
-        "slowest_seconds_to_error": None if slow is None else slow.seconds_to_error,
-        "slowest_cell": None if slow is None else f"{slow.method} {slow.stage} {slow.victim} {slow.fault}",
-        "wall_s": round(time.monotonic() - t0, 1),
-        "results": [asdict(c) | {"spec": c.spec if c.possible else None} for c in selected],
-    }
+
+        if jobs <= 1:
+            for c in todo:
+                bar.update(task, description=f"{c.method} {c.stage} {c.victim} {c.fault}")
+                run_cell(c, t)
+                finished(c)
+        elif todo:
+            import multiprocessing
+
+            with cf.ProcessPoolExecutor(max_workers=jobs,
+                                        mp_context=multiprocessing.get_context("spawn")) as pool:
+                futures = {pool.submit(_run_cell_apart, _key(c), asdict(t)): c for c in todo}
+                for f in cf.as_completed(futures):
+                    c = futures[f]
+                    try:
+                        for k, v in f.result().items():
+                            setattr(c, k, v)
+                    except Exception as exc:  # noqa: BLE001 - a cell's driver died: that cell fails
+                        c.ok, c.problems = False, [f"the cell's process failed: {type(exc).__name__}: {exc}"]
+                    finished(c)
+    return report()
 
 
 # --------------------------------------------------------------------------- CLI
@@ -465,7 +524,13 @@ def add_faults_parser(sub) -> None:
     p.add_argument("--recv-timeout", type=float, default=Timeouts.recv_s,
                    help="engine worker receive timeout (and the trainer's dist_timeout_s), s")
     p.add_argument("--cell-timeout", type=float, default=Timeouts.cell_s, help="a cell that runs longer is a hang, s")
-    p.add_argument("--json", metavar="PATH", help="write the report as JSON here")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON here (rewritten after every cell)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the cells that passed in --json PATH (an interrupted run with the same "
+                        "timeouts) and run the others, failed ones included")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="cells run at once, each in a process of its own; the short timeouts want "
+                        "about 4 idle cores per job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_faults)
 
@@ -479,7 +544,30 @@ def cmd_faults(args) -> int:
     t = Timeouts(pg_s=args.pg_timeout, call_s=args.call_timeout, recv_s=args.recv_timeout,
                  cell_s=args.cell_timeout)
     selected = cells(args.methods, args.stages, args.victims, args.faults)
-    report = run_matrix(selected, t, progress=not args.no_progress)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
+    done: dict = {}
+    if args.resume:
+        if not args.json:
+            raise SystemExit("--resume needs --json PATH (the report of the interrupted run)")
+        if Path(args.json).exists():
+            old = json.loads(Path(args.json).read_text())
+            same = {k: v for k, v in asdict(t).items() if k != "cell_s"}   # cell_s: only the hang limit
+            if {k: v for k, v in (old.get("timeouts") or {}).items() if k != "cell_s"} != same:
+                raise SystemExit(f"--resume: {args.json} was run with timeouts {old.get('timeouts')}, "
+                                 f"this run has {asdict(t)}; give the same ones or another --json")
+            done = {_key(Cell(r["method"], r["stage"], r["victim"], r["fault"])): r
+                    for r in old["results"] if r.get("possible") and r.get("ok")}
+
+    def save(cell: Cell, rep: dict) -> None:
+        if args.json:
+            tmp = Path(args.json + ".tmp")
+            tmp.write_text(json.dumps(rep, indent=1))
+            tmp.replace(args.json)
+
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    report = run_matrix(selected, t, progress=not args.no_progress, on_cell=save, jobs=args.jobs, done=done)
     console = Console(width=200)
     table = Table(title="fault matrix")
     for col in ("method", "stage", "victim", "fault", "result", "s to error", "engine after", "left"):
@@ -492,9 +580,9 @@ def cmd_faults(args) -> int:
     console.print(table)
     console.print(f"{report['cells']} cells: {report['ran']} run, {report['impossible']} n/a by construction; "
                   f"{report['passed']} passed, {report['failed']} failed; slowest time to error "
-                  f"{report['slowest_seconds_to_error']} s ({report['slowest_cell']}); {report['wall_s']} s")
+                  f"{report['slowest_seconds_to_error']} s ({report['slowest_cell']}); {report['wall_s']} s "
+                  f"(cells' own wall times add up to {report['cells_wall_s']} s)")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        save(None, report)
         console.print(f"wrote {args.json}")
     return 0 if report["failed"] == 0 else 1

@@ -6,6 +6,7 @@ whole matrix is ``fsdp-sync faults``."""
 
 from __future__ import annotations
 
+import psutil
 import pytest
 
 from fsdp_sync import faults
@@ -41,8 +42,36 @@ def test_matrix_lists_impossible_cells_and_cli_filters():
         parse_args(["faults", "--faults", "explode"])
 
 
+@pytest.mark.timeout(120)
+def test_stalled_worker_is_not_asked_again(monkeypatch):
+    """A worker that lets a call time out (stalled while staging an update) breaks the engine:
+    the abort round then asks only the responsive worker, which drops what it staged (its shard
+    is untouched), diagnostics skip the silent one, and shutdown ends it without a grace wait."""
+    import torch
+
+    from fsdp_sync.engines import EngineError, ReferenceEngine
+    from fsdp_sync.models import build_model, load_config
+
+    monkeypatch.setenv(faults.FAULT_ENV, "worker:1:stage:stall")   # the workers inherit it
+    model = build_model(load_config("tiny"), seed=3)
+    e = ReferenceEngine(model_config="tiny", tp_size=2, dtype=torch.float32, kv_cache_tokens=16,
+                        call_timeout_s=2.0)
+    try:
+        pids = list(e.worker_pids)
+        shards = e.shard_checksums()
+        with pytest.raises(EngineError, match=r"TP ranks \[1\] did not answer .* within 2s"):
+            e.update_weights_from_tensor(list(model.state_dict().items()))
+        assert e._w.silent == {1}
+        assert e.shard_checksums() == [shards[0], None]     # worker 0 aborted; worker 1 not asked
+        with pytest.raises(EngineError, match="cannot serve any more"):
+            e.weights_checksum()
+    finally:
+        e.shutdown()
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
 CELLS = [("distributed", "sync_weights", "trainer0", "kill"),
-         ("tensor", "resume_weights", "worker1", "stall"),
+         ("tensor", "sync_weights", "worker1", "stall"),     # through the abort round
          ("disk", "swap_rng", "trainer1", "raise")]
 
 

@@ -32,6 +32,9 @@ makes each call commit on its own, as SGLang does.
 
 Liveness: every wait on a worker polls its pipe and its process sentinel, so a dead worker is
 reported within about half a second; from then on every call raises `WorkerDiedError` at once.
+A worker that answers no call within ``call_timeout_s`` breaks the engine the same way; it is not
+asked anything again (the abort round that follows goes to the others only, so a stalled worker
+costs one reply timeout, not more) and `shutdown()` ends it without waiting for it to read.
 `shutdown()` (also on ``with`` exit, garbage collection and interpreter exit) stops every worker
 and closes every pipe; payload buffers are acknowledged by the workers and released by their owner.
 
@@ -117,6 +120,9 @@ class _Workers:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.closed = False
+        # TP ranks that did not answer a call within its timeout: nothing more is asked of them
+        # (no abort round, no diagnostics) and `stop` ends them without a grace period
+        self.silent: set[int] = set()
 
     def stop(self, grace_s: float = 5.0) -> None:
         if self.closed:
@@ -128,8 +134,9 @@ class _Workers:
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for r, p in enumerate(self.procs):
+            if r not in self.silent:   # a silent worker would not read the shutdown: end it now
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -348,6 +355,7 @@ class ReferenceEngine:
                 msg = (f"TP ranks {sorted(pending)} did not answer {what} within {timeout:.0f}s; "
                        f"the engine cannot serve any more: shut it down and start a new one")
                 self._broken = self._broken or msg
+                self._w.silent |= pending
                 raise EngineError(msg)
         return replies
 
@@ -524,7 +532,8 @@ class ReferenceEngine:
                      "rank": rank_offset + r} for r in range(self.tp_size)]
             replies = self._round("join_group", per_rank=args, what=what)
             if any(rep[0] != "ok" for rep in replies.values()):
-                self._round("leave_group", {"group_name": group_name}, what=what + " (undo)", timeout=10.0)
+                self._round("leave_group", {"group_name": group_name}, ranks=self._responsive(),
+                            what=what + " (undo)")
                 self._raise_errors(replies, what)
             self._update_groups[group_name] = {"world_size": world_size, "rank_offset": rank_offset,
                                                "backend": str(backend)}
@@ -540,9 +549,8 @@ class ReferenceEngine:
 
     def _destroy_group(self, group_name: str) -> None:
         self._update_groups.pop(group_name, None)
-        alive = [r for r, p in enumerate(self._w.procs) if p.is_alive()]
-        self._raise_errors(self._round("leave_group", {"group_name": group_name}, ranks=alive,
-                                       what=f"destroy_weights_update_group({group_name!r})", timeout=30.0),
+        self._raise_errors(self._round("leave_group", {"group_name": group_name}, ranks=self._responsive(),
+                                       what=f"destroy_weights_update_group({group_name!r})"),
                            "destroy_weights_update_group")
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
@@ -601,13 +609,19 @@ class ReferenceEngine:
             if flush_cache:
                 self._raise_errors(self._round("flush_cache"), "flush_cache")
 
+    def _responsive(self) -> list[int]:
+        """TP ranks alive that have not let a call time out: the ones worth asking."""
+        return [r for r, p in enumerate(self._w.procs) if p.is_alive() and r not in self._w.silent]
+
     def _abort_all(self, what: str, reason: str) -> None:
-        """Tell every live worker to drop the update (and the open transaction)."""
+        """Tell every live worker to drop the update (and the open transaction). A worker that let
+        a call time out is not asked (it would only cost another timeout: the engine is broken
+        already); the others answer once their current command ends, which the worker's own
+        timeouts bound (a receive: ``update_recv_timeout_s``), so the wait is ``call_timeout_s``."""
         if self._in_txn and self._txn_transactional:
             self._txn_aborted = reason
-        alive = [r for r, p in enumerate(self._w.procs) if p.is_alive()]
         try:
-            self._round("abort", {"reason": reason}, ranks=alive, what=what + " (abort)", timeout=10.0)
+            self._round("abort", {"reason": reason}, ranks=self._responsive(), what=what + " (abort)")
         except EngineError:
             pass   # already broken: the caller raises the first error
 
@@ -758,7 +772,7 @@ class ReferenceEngine:
         with self._lock:
             if self._w.closed:
                 raise EngineClosedError("the engine was shut down")
-            alive = [r for r, p in enumerate(self._w.procs) if p.is_alive()]
+            alive = self._responsive()
             replies: dict[int, tuple] = {}
             if not self._broken and len(alive) == self.tp_size:
                 try:
@@ -768,7 +782,7 @@ class ReferenceEngine:
             if not replies:   # broken engine: one at a time, so a stuck survivor costs only its timeout
                 for r in alive:
                     try:
-                        replies.update(self._round(cmd, ranks=[r], what=cmd, timeout=10.0))
+                        replies.update(self._round(cmd, ranks=[r], what=cmd))
                     except EngineError:
                         pass
             out: list = []
