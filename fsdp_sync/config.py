@@ -111,11 +111,17 @@ class SyncConfig:
         the reference engine; an `SGLangEngine` made with ``rank_bucket_loader=True`` for a server
         started with fsdp_sync's custom weight loader). ``"full"``: every engine rank gets every
         full tensor and cuts out its part (SGLang's default). ``"auto"`` (default): ``"engine"``
-        where the engine accepts it, else ``"full"`` (the sync's stats say which ran). The
-        distributed and disk methods always move full tensors (``"auto"`` falls back to full,
-        ``"engine"`` is refused there).
+        where the engine accepts it, else ``"full"`` (the sync's stats say which ran). Method
+        distributed (``dist_format="flattened_bucket"``): trainer rank 0 sends each engine TP
+        rank only its own shard, point to point over the update group
+        (``load_format="per_rank_bucket"``), where every engine accepts that
+        (``accepts_distributed_rank_buckets``: the reference engine; not SGLang, whose
+        ``update_weights_from_distributed`` broadcasts full tensors to every rank: ``"engine"``
+        is refused there on every trainer rank before anything moves). The disk method always
+        moves full tensors (``"auto"`` falls back to full, ``"engine"`` is refused there).
     pipelined: with per-rank buckets, two buffers per TP rank: the trainer makes bucket k+1
-        while the engine loads bucket k (on infer-TP rank 0 the engine call runs on a thread).
+        while the engine loads bucket k (tensor: on infer-TP rank 0 the engine call runs on a
+        thread; distributed: while bucket k's sends are on the wire).
         Ignored where per-rank buckets do not run (the sync's stats say ``pipelined`` False).
     """
 
@@ -163,10 +169,15 @@ class SyncConfig:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.layout == "engine" and (self.method != "tensor" or self.strategy != "flattened"):
+        if self.layout == "engine" and self.method == "distributed" and self.dist_format != "flattened_bucket":
+            raise ValueError(f"layout='engine' (per-rank buckets) with method='distributed' runs with "
+                             f"dist_format='flattened_bucket'; got dist_format={self.dist_format!r} "
+                             f"(the per-tensor baseline sends full tensors): use layout='full' or 'auto' there")
+        if self.layout == "engine" and self.method != "distributed" and (
+                self.method != "tensor" or self.strategy != "flattened"):
             raise ValueError(f"layout='engine' (per-rank buckets) runs with method='tensor', "
-                             f"strategy='flattened'; got method={self.method!r}, strategy="
-                             f"{self.strategy!r}: use layout='full' or 'auto' there")
+                             f"strategy='flattened' or method='distributed'; got method={self.method!r}, "
+                             f"strategy={self.strategy!r}: use layout='full' or 'auto' there")
         for f in fields(self):
             if f.type in (bool, "bool"):
                 object.__setattr__(self, f.name, parse_bool(getattr(self, f.name), f.name))

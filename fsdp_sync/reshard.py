@@ -353,7 +353,9 @@ def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources
                 send_sizes[o] += t.block.numel * itemsize
             if o == me and t.holder != me:
                 recv_sizes[t.holder] += t.block.numel * itemsize
-    device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
+    # a rank that owns no buffer (e.g. owners=[[0]] * tp) sends from where its shards live (NCCL)
+    device = next(iter(buffers.values())).device if buffers else next(
+        (s.local.device for s in sources.values() if s.local is not None), torch.device("cpu"))
     send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     s_pos = [sum(send_sizes[:o]) for o in range(world)]

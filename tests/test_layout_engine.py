@@ -20,9 +20,11 @@ PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120]]
 
 
 class _NoRankBuckets:
-    """An engine that does not accept per-rank buckets (like SGLang without fsdp_sync's loader)."""
+    """An engine that does not accept per-rank buckets (like SGLang without fsdp_sync's loader;
+    over the update group, like SGLang always)."""
 
     accepts_rank_buckets = False
+    accepts_distributed_rank_buckets = False
 
     def __init__(self, engine):
         self._engine = engine
@@ -41,6 +43,18 @@ CASES = [
       {"layout": "engine", "fsdp1_state_dict": "full"},
       {"layout": "auto", "engine": "no-rank-buckets"}, {"layout": "engine", "engine": "no-rank-buckets"}]),
     (2, "tiny-tied", {}, 4, 1, [{"layout": "engine"}]),
+    # method distributed: trainer rank 0 holds an engine of TP `tp` (dp unused: no mesh) and sends
+    # each engine TP rank only its shard over the update group
+    (2, "tiny", {"vocab_size": 999}, None, 4,
+     [{"method": "distributed", "layout": "engine"},
+      {"method": "distributed", "layout": "engine", "share_host_memory": False, "pipelined": False}]),
+    (1, "tiny-tied", {}, None, 2,
+     [{"method": "distributed", "layout": "engine", "fsdp1_state_dict": "local"},
+      {"method": "distributed", "layout": "auto", "fsdp1_state_dict": "sharded", "share_host_memory": False},
+      {"method": "distributed", "layout": "engine", "fsdp1_state_dict": "full", "pipelined": False},
+      {"method": "distributed", "layout": "auto", "engine": "no-rank-buckets"},
+      {"method": "distributed", "layout": "engine", "engine": "no-rank-buckets"}]),
+    (2, "tiny-tied", {}, None, 1, [{"method": "distributed", "layout": "engine"}]),
 ]
 
 
@@ -60,9 +74,12 @@ def _job(rank, world):
         cfg = load_config(recipe, **ov)
         module = wrap_fsdp(build_model(cfg, seed=c), fsdp)
         opt = torch.optim.SGD(module.parameters(), lr=1e-1)
-        mesh = make_mesh(dp, tp)
-        topo = SyncTopology.from_mesh(mesh)
-        engine = ReferenceEngine(model_config=cfg, tp_size=tp, dtype=torch.float32) if topo.is_tp_src else None
+        if dp is None:        # distributed: no mesh, the engine on trainer rank 0
+            mesh, holder = None, rank == 0
+        else:
+            mesh = make_mesh(dp, tp)
+            holder = SyncTopology.from_mesh(mesh).is_tp_src
+        engine = ReferenceEngine(model_config=cfg, tp_size=tp, dtype=torch.float32) if holder else None
         try:
             for step, kw in enumerate(syncs):
                 kw = dict(kw)
@@ -70,7 +87,8 @@ def _job(rank, world):
                 train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
                 before = engine.weights_checksum() if engine is not None else None
                 manager = FSDPShardingManager(module, wrapped, mesh=mesh, config=SyncConfig(
-                    dtype=torch.float32, bucket_bytes=24 << 10, free_cache_engine=False, **kw))
+                    dtype=torch.float32, bucket_bytes=24 << 10, free_cache_engine=False,
+                    dist_timeout_s=60, **kw))
                 rec = {"case": c, "step": step, "kw": kw}
                 try:
                     with manager:
@@ -101,11 +119,15 @@ def test_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa():
         assert len(recs) == n, rank
         for rec in recs:
             fsdp, recipe, ov, dp, tp, syncs = CASES[rec["case"]]
+            distributed = rec["kw"].get("method") == "distributed"
+            holder = rank == 0 if distributed else rank % tp == 0
             refused = rec["kw"]["layout"] == "engine" and syncs[rec["step"]].get("engine")
             if refused:
                 # refused on every rank, before anything moved: the engine keeps its weights
-                assert "accepts_rank_buckets" in rec["error"] and "layout='engine'" in rec["error"], rec
-                if rank % tp == 0:
+                flag = "accepts_distributed_rank_buckets" if distributed else "accepts_rank_buckets"
+                assert flag in rec["error"] and "layout='engine'" in rec["error"], rec
+                assert "layout='full'" in rec["error"], rec      # says what to use instead
+                if holder:
                     assert rec["kept"], rec
                 continue
             assert "error" not in rec, rec["error"]
@@ -120,7 +142,7 @@ def test_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa():
                 assert rec["extra"]["reshard_path"] == path, rec
                 # each engine rank is handed its own shard (plus bucket alignment), never the model
                 assert rec["extra"]["engine_rank_bytes_in"] <= 1.05 * rec["extra"]["engine_rank_shard_bytes"], rec
-            if rank % tp == 0:
+            if holder:
                 assert rec["exact"], rec                 # every engine weight, bit for bit
                 assert rec["diff"] <= 1e-5, rec
 

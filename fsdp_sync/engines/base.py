@@ -169,7 +169,9 @@ class Engine(Protocol):
 
     # Optional: ``accepts_rank_buckets = True`` and ``load_rank_bucket(bucket, payloads, *,
     # flush_cache)`` (one payload per TP rank, each that rank's shard in engine names) let
-    # `SyncConfig.layout` "engine"/"auto" send each rank only its own shard.
+    # `SyncConfig.layout` "engine"/"auto" send each rank only its own shard. For method
+    # distributed: ``accepts_distributed_rank_buckets = True`` and ``update_weights_from_distributed
+    # (load_format="per_rank_bucket")`` (`transport.group.PER_RANK_BUCKET`).
 
     def weights_checksum(self) -> str:
         """`checksum_named_tensors` over all full tensors in Hugging Face order."""
