@@ -1,12 +1,14 @@
-"""``SyncConfig.layout="engine"`` end to end: the tensor method hands each engine TP rank only its
-own shard (per-rank buckets), and the engine's weights equal the trainer's bit for bit
+"""``SyncConfig.layout="engine"`` end to end: the tensor and distributed methods hand each engine TP
+rank only its own shard (per-rank buckets; distributed: one point-to-point send per engine rank
+over the update group), and the engine's weights equal the trainer's bit for bit
 (``weights_checksum``) with logits equal to the trainer's forward.
 
 One 4-rank job covers FSDP1 and FSDP2, TP 1, 2 and 4 (dp 4 x tp 1, dp 2 x tp 2, dp 1 x tp 4), tied
 and untied, a padded vocab, GQA with fewer KV heads than TP ranks (tiny has 2 KV heads: TP 4),
 the one-host (shared memory) and the all-to-all path, pipelined (the default) and not; "auto" picks per-rank buckets for the
 reference engine and full tensors for an engine that does not accept them; "engine" there is
-refused on every rank, naming why, before anything moves.
+refused on every rank, naming why, before anything moves. The distributed cases run in the same
+job (engine TP 4, 2 and 1 on trainer rank 0 of the 4 trainer ranks).
 """
 
 from __future__ import annotations
@@ -155,10 +157,12 @@ def test_layout_config_is_validated_naming_the_field():
     assert SyncConfig.from_dict({"layout": "engine"}).layout == "engine"
     with pytest.raises(ValueError, match=r"layout must be one of .*'rank'"):
         SyncConfig(layout="rank")
-    for kw in ({"method": "distributed"}, {"method": "disk", "disk_dir": "/tmp/x"}, {"strategy": "bucketed"}):
+    for kw in ({"method": "distributed", "dist_format": "per_tensor"}, {"method": "disk", "disk_dir": "/tmp/x"},
+               {"strategy": "bucketed"}):
         with pytest.raises(ValueError, match="layout='engine'.*use layout='full' or 'auto'"):
             SyncConfig(layout="engine", **kw)
         assert SyncConfig(layout="auto", **kw).layout == "auto"      # falls back to full tensors there
+    assert SyncConfig(layout="engine", method="distributed").layout == "engine"   # per-rank sends
 
 
 @pytest.mark.timeout(30)
@@ -176,6 +180,8 @@ def test_sglang_adapter_accepts_rank_buckets_only_when_told():
     fake = _Fake()
     plain = SGLangEngine(fake, tp_size=2)
     assert plain.accepts_rank_buckets is False
+    # its update_weights_from_distributed broadcasts full tensors: never per-rank, loader or not
+    assert SGLangEngine(fake, tp_size=2, rank_bucket_loader=True).accepts_distributed_rank_buckets is False
     with pytest.raises(SGLangError, match="--custom-weight-loader"):
         plain.load_rank_bucket(None, [b"a", b"b"])
     assert fake.calls == []
