@@ -898,10 +898,11 @@ class ReferenceEngine:
         return out
 
     # ------------------------------------------------------------------ test hooks
-    def _receive_raw(self, group_name: str, nbytes: int, count: int) -> None:
-        """Benchmark hook: every worker receives ``count`` bare broadcasts of ``nbytes`` from rank
-        0 of the update group and drops them (the floor of ``update_weights_from_distributed``)."""
-        self._call("receive_raw", {"group_name": group_name, "nbytes": nbytes, "count": count})
+    def _receive_raw(self, group_name: str, nbytes: int, count: int, p2p: bool = False) -> None:
+        """Benchmark hook: every worker receives ``count`` bare broadcasts (``p2p``: point-to-point
+        messages) of ``nbytes`` from rank 0 of the update group and drops them (the floor of
+        ``update_weights_from_distributed``, full or per-rank)."""
+        self._call("receive_raw", {"group_name": group_name, "nbytes": nbytes, "count": count, "p2p": p2p})
 
     def _set_fault(self, rank: int, fault: str | None) -> None:
         """Test hook: ``"die_in_stage"`` makes worker ``rank`` SIGKILL itself while staging an update."""

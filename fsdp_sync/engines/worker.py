@@ -713,8 +713,12 @@ class Worker:
             import torch.distributed as dist
 
             buf = torch.empty(int(args["nbytes"]), dtype=torch.uint8, device=self.device)
+            pg = self.update_groups[args["group_name"]]
             for _ in range(int(args["count"])):
-                dist.broadcast(buf, src=0, group=self.update_groups[args["group_name"]])
+                if args.get("p2p"):   # the per-rank floor: one point-to-point message each
+                    dist.recv(buf, group=pg, group_src=0)
+                else:
+                    dist.broadcast(buf, src=0, group=pg)
             return None
         if cmd == "set_fault":
             self.fault = args["fault"]
