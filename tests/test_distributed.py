@@ -2,8 +2,8 @@
 workers join SGLang's weight-update group, a broadcast from trainer rank 0.
 
 Few process launches, many cases each: one job runs FSDP1 and FSDP2 trainers (a manager each, the
-same engines), two engines of TP 1 and 2 (world 1 + 1 + 2), both wire formats, bf16/fp16/fp32 and a
-tied-embedding model; after every sync each engine's checksum must equal the trainer's exported
+same engines), two engines of TP 1 and 2 (world 1 + 1 + 2: full tensors), two of TP 1 (per-rank
+buckets, "auto"), both wire formats, bf16/fp16/fp32 and a tied-embedding model; after every sync each engine's checksum must equal the trainer's exported
 tensors bit for bit, and every tensor training changed must have changed in the engine. A second
 job makes each refusal happen (the broadcast formats' on full tensors; an engine that does not know
 the per-rank format on per-rank buckets) and checks every trainer rank raises within 10 s while the
@@ -121,7 +121,8 @@ def _sync_matrix(rank, world, cases):
                     pass
                 from fsdp_sync.engines.base import checksum_named_tensors
                 exp = _exported(module, dtype)
-                rec = {"trainer": checksum_named_tensors(exp.items()), "bytes": manager.stats.bytes, "buckets": manager.stats.buckets,
+                rec = {"trainer": checksum_named_tensors(exp.items()), "bytes": manager.stats.bytes,
+                       "buckets": manager.stats.buckets, "layout": manager.stats.extra.get("layout"),
                        "stages": [s.name for s in manager.timeline.stages]}
                 if rank == 0:
                     rec["engines"] = [e.weights_checksum() for e in engines]
@@ -145,7 +146,8 @@ def _sync_matrix(rank, world, cases):
 CASES = [
     {"fsdp": 2, "tps": [1, 2], "dtype": "float32", "model": "tiny"},
     {"fsdp": 1, "tps": [2], "dtype": "bfloat16", "model": "tiny", "format": "per_tensor"},
-    {"fsdp": 2, "tps": [1], "dtype": "float16", "model": "tiny-tied", "bucket": 1 << 30},
+    # two replicas of one TP size: "auto" sends each engine's ranks their per-rank buckets
+    {"fsdp": 2, "tps": [1, 1], "dtype": "float16", "model": "tiny-tied", "bucket": 1 << 30},
 ]
 
 
@@ -156,6 +158,9 @@ def test_distributed_bit_exact_matrix():
         case = case_out["case"]
         for i, rec in enumerate(case_out["steps"]):
             assert rec["engines"] == [rec["trainer"]] * len(case["tps"]), (case, i)
+            # "auto": per-rank buckets only for one TP size and the flattened format
+            per_rank = len(set(case["tps"])) == 1 and case.get("format") != "per_tensor"
+            assert rec["layout"] == ("engine" if per_rank else "full"), (case, rec["layout"])
             assert rec["bytes"] > 0 and rec["buckets"] >= 1
             # engine-memory stages are skipped for a disaggregated method: they record nothing
             assert "sync_weights" in rec["stages"]

@@ -328,8 +328,8 @@ class DistributedTransport:
 
     def _send_ranks(self, ctx: SyncContext, engines: list, layout: TPLayout, metas: list,
                     device: torch.device, stats: SyncStats) -> None:
-        """Per-rank buckets: trainer rank 0 holds every engine rank's buffer of bucket k and sends
-        engine rank r of each engine only buffer r. Pipelined: bucket k+1 is resharded (into the
+        """Per-rank buckets: trainer rank 0 holds every engine rank's buffer of bucket k (each
+        planned to ``bucket_bytes / tp``) and sends engine rank r of each engine only buffer r. Pipelined: bucket k+1 is resharded (into the
         other of two buffer sets) while bucket k is on the wire; otherwise bucket k is finished
         first."""
         cfg, group = self.config, ctx.group
@@ -339,7 +339,9 @@ class DistributedTransport:
         sets = 2 if piped else 1
         st = reshard.ReshardStats()
         pool = _RankBufferPool(layout.tp, device, sets)
-        it = reshard.iter_rank_buckets(ctx.module, layout, cfg.bucket_bytes, dtype=cfg.dtype,
+        # rank 0 holds all TP buffers of a bucket: each is bucket_bytes / tp, so one bucket is
+        # bucket_bytes in all and the memory bound stays 2 x bucket (+ the largest tensor)
+        it = reshard.iter_rank_buckets(ctx.module, layout, max(1, cfg.bucket_bytes // layout.tp), dtype=cfg.dtype,
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
                                        share_host_memory=cfg.share_host_memory,
                                        owners=[[0]] * layout.tp, alloc=pool.take, stats=st, host_sets=sets)
