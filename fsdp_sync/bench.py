@@ -526,6 +526,10 @@ def check_targets(rows: list[dict]) -> dict:
     lay = _check_layout_targets([r for r in rows if r.get("method", "tensor") == "tensor"])
     if lay:
         out["layout"] = lay
+    per_rank = [r for r in rows if r.get("strategy") == "distributed:per_rank_bucket"]
+    if per_rank:     # the distributed method's per-rank rows: bytes into each engine rank
+        worst = max(r["engine_rank_bytes_in"] / r["engine_rank_shard_bytes"] for r in per_rank)
+        out["distributed_layout"] = {"engine_in_over_shard": worst, "met": {"engine_bytes": worst <= 1.05}}
     return out
 
 

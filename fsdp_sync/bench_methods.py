@@ -5,10 +5,15 @@ Called by `bench.bench_rank` on every trainer rank of a job, for each method oth
 
 - ``distributed``: a `ReferenceEngine` of the job's TP size held by trainer rank 0, its workers in
   processes of their own (outside the trainer's world). Rows: the flattened-bucket format per
-  bucket size, and the per-tensor format (``load_format=None``, the baseline). Floor, measured in
-  the same job on the same groups: a bare gather of the same bytes to rank 0 in bucket-sized
-  pieces over the trainer's group, plus bare broadcasts of the same bytes over the update group
-  (the engine workers receive and drop them: `ReferenceEngine._receive_raw`).
+  bucket size and per ``--layouts`` value (``full``: strategy ``distributed:flattened_bucket``;
+  per-rank buckets, each engine rank sent only its shard: ``distributed:per_rank_bucket``, once
+  per share-host-memory x pipelined value), and the per-tensor format (``load_format=None``, the
+  baseline). Every row has the layout figures (`bench._layout_figures`: ``layout``,
+  ``engine_rank_bytes_in``, ``engine_rank_shard_bytes``, ``trainer_rank_bytes_in``, ...). Floor,
+  measured in the same job on the same groups: a bare gather of the same bytes to rank 0 in
+  bucket-sized pieces over the trainer's group, plus bare broadcasts of the same bytes over the
+  update group (per-rank rows: bare point-to-point sends of one engine rank's bytes to each
+  engine rank; the engine workers receive and drop them: `ReferenceEngine._receive_raw`).
 - ``disk``: the checkpoint transport (`transport.disk`) and its floor `transport.disk.disk_floor`;
   skipped with a note when this build has no disk method.
 
@@ -30,8 +35,10 @@ MiB = 2**20
 
 
 def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, device: str,
-                       repeats: int) -> float:
-    """Bare gather of ``total`` bytes to rank 0 (bucket-sized pieces) + bare broadcasts of them."""
+                       repeats: int, rank_bytes: int | None = None) -> float:
+    """Bare gather of ``total`` bytes to rank 0 (bucket-sized pieces) + bare broadcasts of them;
+    per-rank rows (``rank_bytes``: what each engine rank gets): the same gather + bare
+    point-to-point sends of ``rank_bytes`` to every engine rank in bucket-sized pieces."""
     import concurrent.futures as cf
 
     import torch.distributed as dist
@@ -44,6 +51,8 @@ def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, dev
     send = torch.ones(per_rank, dtype=torch.uint8, device=dev)
     rows = [torch.empty(per_rank, dtype=torch.uint8, device=dev) for _ in range(world)] if rank == 0 else None
     flat = torch.ones(piece, dtype=torch.uint8, device=dev)
+    flat_r = torch.ones(max(1, min(bucket, rank_bytes)), dtype=torch.uint8, device=dev) \
+        if rank_bytes else None
     pool = cf.ThreadPoolExecutor(1) if rank == 0 else None
     times = []
     try:
@@ -52,10 +61,20 @@ def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, dev
             t0 = time.perf_counter()
             for _ in range(n):
                 dist.gather(send, rows, dst=0)
-            if rank == 0:
+            if rank == 0 and rank_bytes is None:
                 fut = pool.submit(engine._receive_raw, transport.config.dist_group_name, piece, n)
                 for _ in range(n):
                     dist.broadcast(flat, src=0, group=transport.pg)
+                fut.result()
+            elif rank == 0:
+                rp = max(1, min(bucket, rank_bytes))
+                rn = (rank_bytes + rp - 1) // rp
+                fut = pool.submit(engine._receive_raw, transport.config.dist_group_name, rp, rn, True)
+                for _ in range(rn):
+                    works = [dist.isend(flat_r, group=transport.pg, group_dst=o + r)
+                             for o in transport.offsets for r in range(engine.tp_size)]
+                    for w in works:
+                        w.wait()
                 fut.result()
             dist.barrier()
             times.append(time.perf_counter() - t0)
@@ -85,14 +104,22 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
         if rank == 0 else None
     rows: list[dict] = []
     try:
-        # disk: one row per SyncConfig.layout of the job (full: HF files; engine: per-rank files)
-        variants = ([("flattened_bucket", b, None) for b in job.bucket_mb] + [("per_tensor", job.bucket_mb[0], None)]
+        # distributed: the flattened format per bucket size and layout (job.layouts; per-rank rows
+        # once per share_host_memory x pipelined), then the per-tensor baseline (full tensors);
+        # disk: one row per bucket size and layout (full: HF files; engine: per-rank files)
+        full = ("full", job.share_host_memory[0], job.pipelined[0])
+        variants = ([("flattened_bucket", b, v) for b in job.bucket_mb for lay in dict.fromkeys(job.layouts)
+                     for v in ([full] if lay == "full" else
+                               [(lay, sh, pp) for sh in job.share_host_memory for pp in job.pipelined])]
+                    + [("per_tensor", job.bucket_mb[0], full)]
                     if method == "distributed" else
-                    [("checkpoint", b, lay) for b in job.bucket_mb for lay in job.layouts])
+                    [("checkpoint", b, (lay, full[1], full[2])) for b in job.bucket_mb
+                     for lay in dict.fromkeys(job.layouts)])
         baseline = None
-        for fmt, bucket_mb, layout in variants:
+        for fmt, bucket_mb, (layout, share, piped) in variants:
             bucket_bytes = int(bucket_mb * MiB)
-            extra = {"dist_format": fmt} if method == "distributed" else {}
+            extra = {"dist_format": fmt, "layout": layout, "share_host_memory": share,
+                     "pipelined": piped} if method == "distributed" else {}
             workdir = None
             if method == "disk":
                 # a fresh directory per row: versions are never overwritten, and the manager
@@ -127,9 +154,16 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     pass
                 if sampler:
                     sampler.__exit__(None, None, None)
+                lay = None
                 if method == "distributed":
+                    from .bench import _layout_figures
+                    # the full path gathers to rank 0 (no host-shared memory): share only per-rank
+                    lay = _layout_figures(model, cfg, job, stats,
+                                          share and stats.extra.get("layout") == "engine")   # collective
+                    per_rank = lay["layout"] == "engine"
                     floor = _floor_distributed(manager.transport, engine, stats.bytes, bucket_bytes,
-                                               job.device, max(job.repeats, 5))
+                                               job.device, max(job.repeats, 5),
+                                               lay["engine_rank_bytes_in"] if per_rank else None)
                 else:
                     from .transport.disk import disk_floor
                     floor = statistics.median(
@@ -141,6 +175,10 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 if rank == 0:
                     rows.append(_row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med,
                                      floor, manager, sampler, largest))
+                    if lay is not None:
+                        rows[-1].update(lay)
+                        if lay["layout"] == "engine":
+                            rows[-1]["strategy"] = "distributed:per_rank_bucket"
                     names = [f"trainer rank {r}" for r in range(len(pids))] + \
                         [f"engine worker {j}" for j in range(len(getattr(engine, "worker_pids", []) or []))]
                     rows[-1]["peak_extra_by_process"] = dict(zip(names, rows[-1].pop("_peaks")))

@@ -111,16 +111,22 @@ class SyncConfig:
         the reference engine; an `SGLangEngine` made with ``rank_bucket_loader=True`` for a server
         started with fsdp_sync's custom weight loader). ``"full"``: every engine rank gets every
         full tensor and cuts out its part (SGLang's default). ``"auto"`` (default): ``"engine"``
-        where the engine accepts it, else ``"full"`` (the sync's stats say which ran). The disk
+        where the engine accepts it, else ``"full"`` (the sync's stats say which ran). Method
+        distributed (``dist_format="flattened_bucket"``): trainer rank 0 sends each engine TP
+        rank only its own shard, point to point over the update group
+        (``load_format="per_rank_bucket"``), where every engine accepts that
+        (``accepts_distributed_rank_buckets``: the reference engine; not SGLang, whose
+        ``update_weights_from_distributed`` broadcasts full tensors to every rank: ``"engine"``
+        is refused there on every trainer rank before anything moves). The disk
         method with ``"engine"`` writes one file per engine TP rank (and bucket) holding only
         that rank's shard in the engine's layout, and each engine worker reads only its own
         (`transport.disk`); the engines must load such checkpoints (``accepts_rank_checkpoints``:
         the reference engine; SGLang 0.5.23 cannot, so ``"engine"`` is refused against an
         `SGLangEngine` on every rank before anything is written and ``"auto"`` writes a Hugging
-        Face checkpoint there). The distributed method always moves full tensors (``"auto"``
-        falls back to full, ``"engine"`` is refused there).
+        Face checkpoint there).
     pipelined: with per-rank buckets, two buffers per TP rank: the trainer makes bucket k+1
-        while the engine loads bucket k (on infer-TP rank 0 the engine call runs on a thread).
+        while the engine loads bucket k (tensor: on infer-TP rank 0 the engine call runs on a
+        thread; distributed: while bucket k's sends are on the wire).
         Ignored where per-rank buckets do not run (the sync's stats say ``pipelined`` False).
     """
 
@@ -168,10 +174,13 @@ class SyncConfig:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.layout == "engine" and (self.method == "distributed" or (
-                self.method == "tensor" and self.strategy != "flattened")):
+        if self.layout == "engine" and self.method == "distributed" and self.dist_format != "flattened_bucket":
+            raise ValueError(f"layout='engine' (per-rank buckets) with method='distributed' runs with "
+                             f"dist_format='flattened_bucket'; got dist_format={self.dist_format!r} "
+                             f"(the per-tensor baseline sends full tensors): use layout='full' or 'auto' there")
+        if self.layout == "engine" and self.method == "tensor" and self.strategy != "flattened":
             raise ValueError(f"layout='engine' (per-rank buckets) runs with method='tensor', "
-                             f"strategy='flattened', or method='disk'; got method={self.method!r}, "
+                             f"strategy='flattened', method='distributed' or method='disk'; got method={self.method!r}, "
                              f"strategy={self.strategy!r}: use layout='full' or 'auto' there")
         for f in fields(self):
             if f.type in (bool, "bool"):

@@ -37,6 +37,7 @@ cross-host path, then the collective must be NCCL).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -53,6 +54,8 @@ from .topology import agree
 
 __all__ = ["RankBucket", "ReshardStats", "plan_rank_buckets", "iter_rank_buckets", "default_owners",
            "clear_plan_cache"]
+
+_log = logging.getLogger("fsdp_sync")
 
 
 @dataclass
@@ -404,7 +407,9 @@ def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources
                 send_sizes[o] += t.block.numel * itemsize
             if o == me and t.holder != me:
                 recv_sizes[t.holder] += t.block.numel * itemsize
-    device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
+    # a rank that owns no buffer (e.g. owners=[[0]] * tp) sends from where its shards live (NCCL)
+    device = next(iter(buffers.values())).device if buffers else next(
+        (s.local.device for s in sources.values() if s.local is not None), torch.device("cpu"))
     send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     s_pos = [sum(send_sizes[:o]) for o in range(world)]
@@ -468,13 +473,24 @@ class _HostBuffers:
         src = dist.get_global_rank(group, 0)
         out: list = [None]
         if me == 0:
-            bufs = [_handles.empty_shared(nbytes) for _ in range(tp)]
-            sets = _handles.make_payloads(bufs, world, ranks=list(range(1, world)), tagged=False)
+            try:
+                bufs = [_handles.empty_shared(nbytes) for _ in range(tp)]
+                sets = _handles.make_payloads(bufs, world, ranks=list(range(1, world)), tagged=False)
+            except Exception as exc:  # noqa: BLE001 - e.g. torch_shm_manager cannot start (a
+                # TMPDIR too long for its socket): every rank takes the all-to-all path instead
+                # of waiting for payloads that never come
+                why = ("unavailable", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                dist.scatter_object_list(out, [None] + [why] * (world - 1), src=src, group=group)
+                _log.warning("fsdp_sync: no host-shared memory for per-rank buckets (%s): using "
+                             "the all-to-all path", why[1])
+                return None
             dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
             dist.barrier(group=group)        # every rank has opened them: the payloads may go
             sets.release(require_ack=False)
         else:
             dist.scatter_object_list(out, None, src=src, group=group)
+            if isinstance(out[0], tuple) and out[0][:1] == ("unavailable",):
+                return None                  # group rank 0 could not make them: all-to-all
             bufs = list(_handles.open_payload(out[0]).value)
             for b in bufs:
                 _handles.adopt(b)            # re-sharing them with the engine needs no copy

@@ -2,18 +2,20 @@
 workers join SGLang's weight-update group, a broadcast from trainer rank 0.
 
 Few process launches, many cases each: one job runs FSDP1 and FSDP2 trainers (a manager each, the
-same engines), two engines of TP 1 and 2 (world 1 + 1 + 2), both wire formats, bf16/fp16/fp32 and a
-tied-embedding model; after every sync each engine's checksum must equal the trainer's exported
+same engines), two engines of TP 1 and 2 (world 1 + 1 + 2: full tensors), two of TP 1 (per-rank
+buckets, "auto"), both wire formats, bf16/fp16/fp32 and a tied-embedding model; after every sync each engine's checksum must equal the trainer's exported
 tensors bit for bit, and every tensor training changed must have changed in the engine. A second
-job makes each refusal happen and checks every trainer rank raises within 10 s while the engine
-keeps serving its old weights, then runs 50 syncs and checks fds/threads/processes//dev/shm do not
-grow. A third kills trainer rank 0 (a one-rank trainer, to keep it short) mid-broadcast: the engine
+job makes each refusal happen (the broadcast formats' on full tensors; an engine that does not know
+the per-rank format on per-rank buckets) and checks every trainer rank raises within 10 s while the
+engine keeps serving its old weights, then runs 50 syncs ("auto": per-rank sends) and checks
+fds/threads/processes//dev/shm do not grow. A third kills trainer rank 0 (a one-rank trainer, to keep it short) mid-broadcast: the engine
 (in the test process, outside the trainer's world, driven through a proxy) keeps its old
 weights and serves, and a fresh trainer's sync succeeds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -119,7 +121,8 @@ def _sync_matrix(rank, world, cases):
                     pass
                 from fsdp_sync.engines.base import checksum_named_tensors
                 exp = _exported(module, dtype)
-                rec = {"trainer": checksum_named_tensors(exp.items()), "bytes": manager.stats.bytes, "buckets": manager.stats.buckets,
+                rec = {"trainer": checksum_named_tensors(exp.items()), "bytes": manager.stats.bytes,
+                       "buckets": manager.stats.buckets, "layout": manager.stats.extra.get("layout"),
                        "stages": [s.name for s in manager.timeline.stages]}
                 if rank == 0:
                     rec["engines"] = [e.weights_checksum() for e in engines]
@@ -143,7 +146,8 @@ def _sync_matrix(rank, world, cases):
 CASES = [
     {"fsdp": 2, "tps": [1, 2], "dtype": "float32", "model": "tiny"},
     {"fsdp": 1, "tps": [2], "dtype": "bfloat16", "model": "tiny", "format": "per_tensor"},
-    {"fsdp": 2, "tps": [1], "dtype": "float16", "model": "tiny-tied", "bucket": 1 << 30},
+    # two replicas of one TP size: "auto" sends each engine's ranks their per-rank buckets
+    {"fsdp": 2, "tps": [1, 1], "dtype": "float16", "model": "tiny-tied", "bucket": 1 << 30},
 ]
 
 
@@ -154,6 +158,9 @@ def test_distributed_bit_exact_matrix():
         case = case_out["case"]
         for i, rec in enumerate(case_out["steps"]):
             assert rec["engines"] == [rec["trainer"]] * len(case["tps"]), (case, i)
+            # "auto": per-rank buckets only for one TP size and the flattened format
+            per_rank = len(set(case["tps"])) == 1 and case.get("format") != "per_tensor"
+            assert rec["layout"] == ("engine" if per_rank else "full"), (case, rec["layout"])
             assert rec["bytes"] > 0 and rec["buckets"] >= 1
             # engine-memory stages are skipped for a disaggregated method: they record nothing
             assert "sync_weights" in rec["stages"]
@@ -192,11 +199,13 @@ class _Shim:
             dtypes = ["torch." + d for d in dtypes]
         elif self.fault == "bad_layout":       # a bf16[3] first: every later offset is misaligned
             names, dtypes, shapes = ["x"] + names, ["bfloat16"] + dtypes, [[3]] + shapes
+        elif self.fault == "unknown_format":   # an engine that claims per-rank buckets, but not this format
+            load_format = load_format + "_v2"
         return self._e.update_weights_from_distributed(names, dtypes, shapes, group_name=group_name,
                                                        flush_cache=flush_cache, load_format=load_format)
 
 
-FAULTS = ["no_open_update", "unknown_group", "bad_dtype", "bad_layout"]
+FAULTS = ["no_open_update", "unknown_group", "bad_dtype", "bad_layout", "unknown_format"]
 
 
 def _resources() -> dict:
@@ -237,7 +246,10 @@ def _refusals_and_soak(rank, world, n_soak):
         good = engine.weights_checksum() if rank == 0 else None
         for i, fault in enumerate(FAULTS):
             train_step(module, opt, synthetic_batch(cfg.vocab_size, step=i, rank=rank))
-            manager = FSDPShardingManager(module, _Shim(engine, fault) if rank == 0 else None, config=conf)
+            # the broadcast formats' refusals on full tensors; the per-rank format's on per-rank buckets
+            layout = "engine" if fault == "unknown_format" else "full"
+            manager = FSDPShardingManager(module, _Shim(engine, fault) if rank == 0 else None,
+                                          config=dataclasses.replace(conf, layout=layout))
             t0 = time.monotonic()
             try:
                 with manager:
@@ -268,6 +280,7 @@ def _refusals_and_soak(rank, world, n_soak):
             with manager:
                 pass
         out["resources"] = (before, _resources())
+        out["soak_layout"] = manager.stats.extra.get("layout")
         manager.close()
         dist.barrier()
     finally:
@@ -290,8 +303,10 @@ def test_distributed_refusals_raise_everywhere_and_soak():
         assert "no_such_group" in msgs["unknown_group"]["error"]
         assert "torch.float32" in msgs["bad_dtype"]["error"]
         assert "multiple of its dtype size" in msgs["bad_layout"]["error"]
+        assert "unknown load_format 'per_rank_bucket_v2'" in msgs["unknown_format"]["error"]
         before, after = res["resources"]
         assert after == before, (rank, before, after)
+        assert res["soak_layout"] == "engine"    # "auto": per-rank sends to the reference engine
     assert results[0]["after"][0] == results[0]["after"][1] == results[1]["after"][0]
 
 
@@ -314,7 +329,8 @@ def _killed_trainer(rank, world, address, authkey, seed, die, report):
     cfg = load_config("tiny")
     module = wrap_fsdp(build_model(cfg, seed=seed), 2) if world > 1 else build_model(cfg, seed=seed)
     engine = RemoteEngine(address, authkey) if rank == 0 else None
-    conf = SyncConfig(method="distributed", dtype=torch.float32, bucket_bytes=32 << 10, dist_timeout_s=60)
+    conf = SyncConfig(method="distributed", dtype=torch.float32, bucket_bytes=32 << 10, dist_timeout_s=60,
+                      layout="full")   # the broadcast path: `_launch` is what dies below
     manager = FSDPShardingManager(module, engine, config=conf)
     if die and rank == 0:
         launch = dist_mod.DistributedTransport._launch

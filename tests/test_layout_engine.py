@@ -1,12 +1,14 @@
-"""``SyncConfig.layout="engine"`` end to end: the tensor method hands each engine TP rank only its
-own shard (per-rank buckets), and the engine's weights equal the trainer's bit for bit
+"""``SyncConfig.layout="engine"`` end to end: the tensor and distributed methods hand each engine TP
+rank only its own shard (per-rank buckets; distributed: one point-to-point send per engine rank
+over the update group), and the engine's weights equal the trainer's bit for bit
 (``weights_checksum``) with logits equal to the trainer's forward.
 
 One 4-rank job covers FSDP1 and FSDP2, TP 1, 2 and 4 (dp 4 x tp 1, dp 2 x tp 2, dp 1 x tp 4), tied
 and untied, a padded vocab, GQA with fewer KV heads than TP ranks (tiny has 2 KV heads: TP 4),
 the one-host (shared memory) and the all-to-all path, pipelined (the default) and not; "auto" picks per-rank buckets for the
 reference engine and full tensors for an engine that does not accept them; "engine" there is
-refused on every rank, naming why, before anything moves.
+refused on every rank, naming why, before anything moves. The distributed cases run in the same
+job (engine TP 4, 2 and 1 on trainer rank 0 of the 4 trainer ranks).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120]]
 
 
 class _NoRankBuckets:
-    """An engine that does not accept per-rank buckets (like SGLang without fsdp_sync's loader)."""
+    """An engine that does not accept per-rank buckets (like SGLang without fsdp_sync's loader;
+    over the update group, like SGLang always)."""
 
     accepts_rank_buckets = False
+    accepts_distributed_rank_buckets = False
 
     def __init__(self, engine):
         self._engine = engine
@@ -41,6 +45,18 @@ CASES = [
       {"layout": "engine", "fsdp1_state_dict": "full"},
       {"layout": "auto", "engine": "no-rank-buckets"}, {"layout": "engine", "engine": "no-rank-buckets"}]),
     (2, "tiny-tied", {}, 4, 1, [{"layout": "engine"}]),
+    # method distributed: trainer rank 0 holds an engine of TP `tp` (dp unused: no mesh) and sends
+    # each engine TP rank only its shard over the update group
+    (2, "tiny", {"vocab_size": 999}, None, 4,
+     [{"method": "distributed", "layout": "engine"},
+      {"method": "distributed", "layout": "engine", "share_host_memory": False, "pipelined": False}]),
+    (1, "tiny-tied", {}, None, 2,
+     [{"method": "distributed", "layout": "engine", "fsdp1_state_dict": "local"},
+      {"method": "distributed", "layout": "auto", "fsdp1_state_dict": "sharded", "share_host_memory": False},
+      {"method": "distributed", "layout": "engine", "fsdp1_state_dict": "full", "pipelined": False},
+      {"method": "distributed", "layout": "auto", "engine": "no-rank-buckets"},
+      {"method": "distributed", "layout": "engine", "engine": "no-rank-buckets"}]),
+    (2, "tiny-tied", {}, None, 1, [{"method": "distributed", "layout": "engine"}]),
 ]
 
 
@@ -60,9 +76,12 @@ def _job(rank, world):
         cfg = load_config(recipe, **ov)
         module = wrap_fsdp(build_model(cfg, seed=c), fsdp)
         opt = torch.optim.SGD(module.parameters(), lr=1e-1)
-        mesh = make_mesh(dp, tp)
-        topo = SyncTopology.from_mesh(mesh)
-        engine = ReferenceEngine(model_config=cfg, tp_size=tp, dtype=torch.float32) if topo.is_tp_src else None
+        if dp is None:        # distributed: no mesh, the engine on trainer rank 0
+            mesh, holder = None, rank == 0
+        else:
+            mesh = make_mesh(dp, tp)
+            holder = SyncTopology.from_mesh(mesh).is_tp_src
+        engine = ReferenceEngine(model_config=cfg, tp_size=tp, dtype=torch.float32) if holder else None
         try:
             for step, kw in enumerate(syncs):
                 kw = dict(kw)
@@ -70,7 +89,8 @@ def _job(rank, world):
                 train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
                 before = engine.weights_checksum() if engine is not None else None
                 manager = FSDPShardingManager(module, wrapped, mesh=mesh, config=SyncConfig(
-                    dtype=torch.float32, bucket_bytes=24 << 10, free_cache_engine=False, **kw))
+                    dtype=torch.float32, bucket_bytes=24 << 10, free_cache_engine=False,
+                    dist_timeout_s=60, **kw))
                 rec = {"case": c, "step": step, "kw": kw}
                 try:
                     with manager:
@@ -93,19 +113,23 @@ def _job(rank, world):
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)
 def test_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa():
-    results = run_ranks(_job, 4, timeout_s=230, env=spawn_env())
+    results = run_ranks(_job, 4, timeout_s=320, env=spawn_env())
     n = sum(len(s) for *_, s in CASES)
     for rank, recs in enumerate(results):
         assert len(recs) == n, rank
         for rec in recs:
             fsdp, recipe, ov, dp, tp, syncs = CASES[rec["case"]]
+            distributed = rec["kw"].get("method") == "distributed"
+            holder = rank == 0 if distributed else rank % tp == 0
             refused = rec["kw"]["layout"] == "engine" and syncs[rec["step"]].get("engine")
             if refused:
                 # refused on every rank, before anything moved: the engine keeps its weights
-                assert "accepts_rank_buckets" in rec["error"] and "layout='engine'" in rec["error"], rec
-                if rank % tp == 0:
+                flag = "accepts_distributed_rank_buckets" if distributed else "accepts_rank_buckets"
+                assert flag in rec["error"] and "layout='engine'" in rec["error"], rec
+                assert "layout='full'" in rec["error"], rec      # says what to use instead
+                if holder:
                     assert rec["kept"], rec
                 continue
             assert "error" not in rec, rec["error"]
@@ -120,7 +144,7 @@ def test_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa():
                 assert rec["extra"]["reshard_path"] == path, rec
                 # each engine rank is handed its own shard (plus bucket alignment), never the model
                 assert rec["extra"]["engine_rank_bytes_in"] <= 1.05 * rec["extra"]["engine_rank_shard_bytes"], rec
-            if rank % tp == 0:
+            if holder:
                 assert rec["exact"], rec                 # every engine weight, bit for bit
                 assert rec["diff"] <= 1e-5, rec
 
@@ -133,10 +157,12 @@ def test_layout_config_is_validated_naming_the_field():
     assert SyncConfig.from_dict({"layout": "engine"}).layout == "engine"
     with pytest.raises(ValueError, match=r"layout must be one of .*'rank'"):
         SyncConfig(layout="rank")
-    for kw in ({"method": "distributed"}, {"strategy": "bucketed"}):   # disk: tests/test_disk_layout.py
+    for kw in ({"method": "distributed", "dist_format": "per_tensor"},   # disk: tests/test_disk_layout.py
+               {"strategy": "bucketed"}):
         with pytest.raises(ValueError, match="layout='engine'.*use layout='full' or 'auto'"):
             SyncConfig(layout="engine", **kw)
         assert SyncConfig(layout="auto", **kw).layout == "auto"      # falls back to full tensors there
+    assert SyncConfig(layout="engine", method="distributed").layout == "engine"   # per-rank sends
 
 
 @pytest.mark.timeout(30)
@@ -154,6 +180,8 @@ def test_sglang_adapter_accepts_rank_buckets_only_when_told():
     fake = _Fake()
     plain = SGLangEngine(fake, tp_size=2)
     assert plain.accepts_rank_buckets is False
+    # its update_weights_from_distributed broadcasts full tensors: never per-rank, loader or not
+    assert SGLangEngine(fake, tp_size=2, rank_bucket_loader=True).accepts_distributed_rank_buckets is False
     with pytest.raises(SGLangError, match="--custom-weight-loader"):
         plain.load_rank_bucket(None, [b"a", b"b"])
     assert fake.calls == []

@@ -173,6 +173,8 @@ class Engine(Protocol):
     # Optional: ``accepts_rank_checkpoints = True`` (with ``tp_size``): ``update_weights_from_disk``
     # loads per-rank checkpoints (`hf_checkpoint.resolve_ranked`), so the disk method writes them;
     # ``disk_bytes_read`` (per TP rank, the last disk update) feeds ``engine_rank_bytes_in``.
+    # For method distributed: ``accepts_distributed_rank_buckets = True`` and
+    # ``update_weights_from_distributed(load_format="per_rank_bucket")`` (`transport.group.PER_RANK_BUCKET`).
 
     def weights_checksum(self) -> str:
         """`checksum_named_tensors` over all full tensors in Hugging Face order."""

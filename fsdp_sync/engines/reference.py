@@ -62,6 +62,7 @@ from ..bucket import TensorMeta, flatten, plan_buckets, sglang_metadata
 from ..launch import free_port
 from ..layout import ModelSpec, TPLayout, shard_state_dict
 from ..models import load_config
+from ..transport.group import PER_RANK_BUCKET
 from .base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
                    SerializedPerRank, WeightUpdateError, WorkerDiedError, checksum_named_tensors,
                    ordered_tags)
@@ -72,8 +73,9 @@ __all__ = ["ReferenceEngine"]
 def _distributed_entries(names: Any, dtypes: Any, shapes: Any, load_format: str | None) -> list[tuple]:
     """``(name, dtype, shape)`` of an ``update_weights_from_distributed`` call, checked as SGLang's
     receiver reads them (dtype strings by ``getattr(torch, s)``; flattened: tight offsets)."""
-    if load_format not in (None, "flattened_bucket"):
-        raise WeightUpdateError(f"unknown load_format {load_format!r}; expected None or 'flattened_bucket'")
+    if load_format not in (None, "flattened_bucket", PER_RANK_BUCKET):
+        raise WeightUpdateError(f"unknown load_format {load_format!r}; expected None, 'flattened_bucket' "
+                                f"or {PER_RANK_BUCKET!r}")
     if not (isinstance(names, (list, tuple)) and isinstance(dtypes, (list, tuple))
             and isinstance(shapes, (list, tuple)) and len(names) == len(dtypes) == len(shapes)):
         raise WeightUpdateError(f"names, dtypes and shapes are lists of one length, got "
@@ -189,6 +191,9 @@ class ReferenceEngine:
     accepts_rank_checkpoints = True
     """``update_weights_from_disk`` loads per-rank checkpoints (each worker its own files): the
     disk method's `SyncConfig.layout` "auto" writes them."""
+    accepts_distributed_rank_buckets = True
+    """``update_weights_from_distributed(load_format="per_rank_bucket")``: each worker receives
+    only its own shard (`transport.group.PER_RANK_BUCKET`); "auto" picks it for method distributed."""
 
     def __init__(self, model_config: Any = "tiny", tp_size: int = 1, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, kv_cache_tokens: int | None = None,
@@ -560,7 +565,10 @@ class ReferenceEngine:
 
         ``load_format=None``: one broadcast per tensor, in ``names`` order. ``"flattened_bucket"``:
         one broadcast of all of them, tightly packed in ``names`` order (each offset a multiple of
-        its dtype size). dtypes are torch attribute names (``"bfloat16"``). Refused before any
+        its dtype size). ``"per_rank_bucket"`` (fsdp_sync's, not SGLang's): ``names`` are the
+        engine's own parameter names and ``shapes`` one TP rank's shard shapes; each worker
+        receives only its own shard, one point-to-point message from group rank 0 laid out by
+        `transport.group.per_rank_bucket_plan`. dtypes are torch attribute names (``"bfloat16"``). Refused before any
         worker joins the broadcast: no open `begin_weight_update`, an unknown group, a bad dtype,
         shape or layout, lengths that differ. A sender that dies mid-broadcast makes the workers
         give up after ``update_recv_timeout_s``; the group is then dropped (make it again) and the
@@ -576,8 +584,13 @@ class ReferenceEngine:
                                         f"({self._txn_aborted}); call end_weight_update() and start again")
             try:
                 entries = _distributed_entries(names, dtypes, shapes, load_format)
+                own = self.layout.engine_shapes() if load_format == PER_RANK_BUCKET else None
                 for name, dtype, shape in entries:   # checked before joining: the sender learns at once
-                    if not self.layout.accepts(name):
+                    if own is not None and name not in own:
+                        raise WeightUpdateError(f"unknown parameter {name!r}: {PER_RANK_BUCKET!r} takes the "
+                                                f"engine's own parameter names (e.g. {next(iter(own))!r})",
+                                                name=name)
+                    if own is None and not self.layout.accepts(name):
                         raise WeightUpdateError(f"unknown parameter {name!r}: not a {self.spec.model_type} "
                                                 f"parameter name of this model (e.g. {self.hf_names()[1]!r})",
                                                 name=name)
@@ -585,9 +598,11 @@ class ReferenceEngine:
                         raise WeightUpdateError(f"expected dtype {str(self.dtype).removeprefix('torch.')} "
                                                 f"for {name!r}, got {str(dtype).removeprefix('torch.')}",
                                                 name=name)
-                    if shape != tuple(self.layout.full_shape(name)):
-                        raise WeightUpdateError(f"expected shape {tuple(self.layout.full_shape(name))} for "
-                                                f"{name!r}, got {shape}", name=name)
+                    want = tuple(own[name] if own is not None else self.layout.full_shape(name))
+                    if shape != want:
+                        raise WeightUpdateError(f"expected shape {want} for {name!r}"
+                                                f"{' (one TP rank shard)' if own is not None else ''}, got "
+                                                f"{shape}", name=name)
                 if group_name not in self._update_groups:
                     raise WeightUpdateError(f"unknown weight-update group {group_name!r} (known: "
                                             f"{sorted(self._update_groups)}); call init_weights_update_group first")
@@ -924,10 +939,11 @@ class ReferenceEngine:
         return out
 
     # ------------------------------------------------------------------ test hooks
-    def _receive_raw(self, group_name: str, nbytes: int, count: int) -> None:
-        """Benchmark hook: every worker receives ``count`` bare broadcasts of ``nbytes`` from rank
-        0 of the update group and drops them (the floor of ``update_weights_from_distributed``)."""
-        self._call("receive_raw", {"group_name": group_name, "nbytes": nbytes, "count": count})
+    def _receive_raw(self, group_name: str, nbytes: int, count: int, p2p: bool = False) -> None:
+        """Benchmark hook: every worker receives ``count`` bare broadcasts (``p2p``: point-to-point
+        messages) of ``nbytes`` from rank 0 of the update group and drops them (the floor of
+        ``update_weights_from_distributed``, full or per-rank)."""
+        self._call("receive_raw", {"group_name": group_name, "nbytes": nbytes, "count": count, "p2p": p2p})
 
     def _set_fault(self, rank: int, fault: str | None) -> None:
         """Test hook: ``"die_in_stage"`` makes worker ``rank`` SIGKILL itself while staging an update."""

@@ -467,6 +467,10 @@ class SGLangEngine:
     """
 
     accepts_tagged_payloads = False
+    accepts_distributed_rank_buckets = False
+    """SGLang's ``update_weights_from_distributed`` broadcasts the same full tensors to every TP
+    rank and has no per-rank load_format: method distributed with ``layout="engine"`` is refused
+    for it before anything is sent, "auto" sends it full tensors."""
     rank_bucket_payload = "tensor"   # per-rank payloads open to the flat buffer (the loader's input)
 
     def __init__(self, engine: Any = None, *, base_url: str | None = None,

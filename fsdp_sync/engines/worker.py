@@ -748,8 +748,12 @@ class Worker:
             import torch.distributed as dist
 
             buf = torch.empty(int(args["nbytes"]), dtype=torch.uint8, device=self.device)
+            pg = self.update_groups[args["group_name"]]
             for _ in range(int(args["count"])):
-                dist.broadcast(buf, src=0, group=self.update_groups[args["group_name"]])
+                if args.get("p2p"):   # the per-rank floor: one point-to-point message each
+                    dist.recv(buf, group=pg, group_src=0)
+                else:
+                    dist.broadcast(buf, src=0, group=pg)
             return None
         if cmd == "set_fault":
             self.fault = args["fault"]
@@ -786,9 +790,12 @@ class Worker:
 
     def receive_broadcast(self, a: dict) -> list:
         """Receive one ``update_weights_from_distributed`` call's tensors from group rank 0, as
-        SGLang's receiver does (per tensor, or one tight flattened buffer), into fresh buffers;
+        SGLang's receiver does (per tensor, or one tight flattened buffer; or fsdp_sync's
+        ``per_rank_bucket``: only this rank's shard, one ``recv``), into fresh buffers;
         returns stage items. Nothing is written to the weights here."""
         import torch.distributed as dist
+
+        from ..transport.group import PER_RANK_BUCKET, per_rank_bucket_plan
 
         name = a["group_name"]
         pg = self.update_groups.get(name)
@@ -796,6 +803,12 @@ class Worker:
             raise WorkerError(KIND_UPDATE, f"TP rank {self.rank} is not in weight-update group {name!r}")
         entries = a["entries"]
         try:
+            if a["load_format"] == PER_RANK_BUCKET:   # only this rank's shard, sent to it alone
+                bkt = per_rank_bucket_plan(entries)
+                flat = torch.empty(bkt.nbytes, dtype=torch.uint8, device=self.device)
+                if bkt.nbytes:
+                    dist.recv(flat, group=pg, group_src=0)
+                return [("tensor", "direct", n, t) for n, t in unflatten(flat, bkt.entries)]
             if a["load_format"] == "flattened_bucket":
                 total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
                 flat = torch.empty(total, dtype=torch.uint8, device=self.device)

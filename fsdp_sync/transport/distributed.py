@@ -21,16 +21,29 @@ a multiple of its dtype size, checked before any request goes out):
 
 ``dist_format="flattened_bucket"`` (default) sends one broadcast per bucket; ``"per_tensor"`` sends
 SGLang's ``load_format=None`` request (one broadcast per tensor, in names order) as the baseline.
+
+Per-rank buckets (``SyncConfig.layout="engine"``, or ``"auto"`` where every engine accepts them:
+``accepts_distributed_rank_buckets``, e.g. the reference engine; SGLang's broadcasts full tensors to
+every rank, so it cannot): buckets are planned over the engine's parameters
+(`reshard.iter_rank_buckets`, trainer rank 0 the owner of every engine rank's buffer) and trainer
+rank 0 sends engine TP rank r only ITS buffer, one point-to-point ``isend`` to group rank
+``rank_offset + r`` per bucket (request ``load_format="per_rank_bucket"``,
+`group.PER_RANK_BUCKET`: engine names, one rank's shard shapes). The same two-buffer overlap: bucket
+k+1 is resharded while bucket k is on the wire (``SyncConfig.pipelined``). All engines must have one
+TP size. The choice is made on trainer rank 0 and told to every trainer rank before anything moves;
+``"engine"`` against an engine that cannot take it raises there on every rank.
 Engine calls go inside ``begin_weight_update``/``end_weight_update`` where the engine has them,
 ``flush_cache=False`` per bucket and one ``flush_cache()`` at the end. After a failure the group
 is torn down on both ends and made again at the next sync.
 
-Not here: export (`export.iter_buckets` with ``dst``), the group's making (`group`), engines.
+Not here: export (`export.iter_buckets` with ``dst``), the per-rank cut (`reshard`, `layout`), the
+group's making (`group`), engines.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import datetime
 import inspect
 import logging
 import socket
@@ -40,12 +53,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import export
+from .. import export, reshard
 from ..bucket import Bucket, check_tight, dtype_name, plan_tight
 from ..launch import free_port
-from ..topology import agree
+from ..layout import TPLayout, layout_for
+from ..topology import SyncError, agree
 from . import SyncContext, SyncStats
-from .group import destroy_update_group, new_update_group
+from .group import PER_RANK_BUCKET, destroy_update_group, new_update_group, per_rank_bucket_plan
 
 __all__ = ["DistributedTransport", "outward_address"]
 
@@ -77,8 +91,31 @@ def _engine_tp(engine: Any) -> int:
 class _Pending:
     """One bucket in flight on trainer rank 0: its broadcasts and each engine's answer."""
 
-    def __init__(self, what: str, works: list, futures: list) -> None:
+    def __init__(self, what: str, works: list, futures: list, p2p: bool = False,
+                 keep: Any = None) -> None:
         self.what, self.works, self.futures = what, works, futures
+        # gloo's isend never reports completion before wait(): for point-to-point sends every
+        # engine's answer (it has received its buffer) stands for "sent"; ``keep`` holds the
+        # buffers alive until then
+        self.p2p, self.keep = p2p, keep
+
+
+class _RankBufferPool:
+    """Trainer rank 0's per-rank buffers on the all-to-all path: two sets of one buffer per engine
+    TP rank, taken in turn (bucket k+1 is filled while bucket k is sent), each grown to the largest
+    bucket once."""
+
+    def __init__(self, tp: int, device: torch.device, sets: int) -> None:
+        self.bufs: list[torch.Tensor | None] = [None] * (tp * sets)
+        self.device, self.turn = device, 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        i = self.turn % len(self.bufs)
+        self.turn += 1
+        if self.bufs[i] is None or self.bufs[i].numel() < nbytes:
+            self.bufs[i] = None
+            self.bufs[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.bufs[i][:nbytes]
 
 
 class DistributedTransport:
@@ -92,6 +129,7 @@ class DistributedTransport:
         self.pg: Any = None               # the update group, on trainer rank 0 only
         self.engines: list = []           # the engines the group was made with
         self.broken = False               # torn down after a failure: remake at the next sync
+        self.offsets: list[int] = []      # each engine's rank_offset in the group
         self._pool: cf.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ group
@@ -111,7 +149,9 @@ class DistributedTransport:
         backend = self._backend(device)
         pool = self._executor(len(engines))
         futures, offset = [], 1
+        self.offsets = []
         for engine, tp in zip(engines, tps):
+            self.offsets.append(offset)
             futures.append(pool.submit(engine.init_weights_update_group, master_address=address,
                                        master_port=port, rank_offset=offset, world_size=world,
                                        group_name=cfg.dist_group_name, backend=backend))
@@ -188,7 +228,11 @@ class DistributedTransport:
         engines = list(ctx.engines) if me == 0 else []
         device = _module_device(ctx.module)
         metas = export.param_metas(ctx.module, cfg.dtype)
-        plan = plan_tight(metas, cfg.bucket_bytes)   # pure: the same on every rank
+        layout = self._choose_layout(ctx, engines, me)    # collective; raises for "engine" refused
+        stats.extra["layout"] = "engine" if layout is not None else "full"
+        stats.extra["pipelined"] = False    # per-rank buckets only (the full path always overlaps)
+        # pure, the same on every rank; per-rank buckets plan over the engine's own parameters
+        plan = plan_tight(metas, cfg.bucket_bytes) if layout is None else []
         err: Any = None
         if me == 0:
             try:
@@ -203,7 +247,10 @@ class DistributedTransport:
         _agree(err, group, "distributed weight sync")
         ok = False
         try:
-            self._send(ctx, engines, plan, device, stats)
+            if layout is None:
+                self._send(ctx, engines, plan, device, stats)
+            else:
+                self._send_ranks(ctx, engines, layout, metas, device, stats)
             ok = True
         finally:
             if me == 0:
@@ -219,6 +266,138 @@ class DistributedTransport:
         _agree(err, group, "distributed weight sync")
         stats.engine_calls += len(engines)
         stats.seconds = time.perf_counter() - t0
+
+    def _choose_layout(self, ctx: SyncContext, engines: list, me: int) -> TPLayout | None:
+        """The engines' layout to cut per-rank buckets by, or None for full tensors.
+
+        Decided on trainer rank 0 (it alone holds the engines) and told to every trainer rank
+        (one object broadcast over the trainer group) before anything moves. ``"auto"``: per-rank
+        where ``dist_format="flattened_bucket"``, every engine accepts them
+        (``accepts_distributed_rank_buckets``), all have one TP size, the module's config has a
+        layout and an engine that knows its model agrees with it. ``"engine"``: the same, but a
+        reason against is a `SyncError` on every trainer rank naming it."""
+        cfg = self.config
+        want = getattr(cfg, "layout", "full")
+        if want == "full" or cfg.dist_format != "flattened_bucket":
+            return None    # config.py refuses "engine" with dist_format="per_tensor"
+        hf_config = getattr(ctx.module, "config", None)
+        info: list = [None]
+        if me == 0:
+            why, tp = None, None
+            try:
+                tps = [_engine_tp(e) for e in engines]
+                refuse = [i for i, e in enumerate(engines)
+                          if not getattr(e, "accepts_distributed_rank_buckets", False)]
+                if refuse:
+                    e = engines[refuse[0]]
+                    why = (f"engine {refuse[0]} ({type(e).__name__}) does not accept per-rank buckets "
+                           f"over the update group (accepts_distributed_rank_buckets is false"
+                           + ("; SGLang's update_weights_from_distributed broadcasts the same full "
+                              "tensors to every TP rank, so each rank cannot be sent only its shard"
+                              if "SGLang" in type(e).__name__ else "") + ")")
+                elif len(set(tps)) > 1:
+                    why = (f"the engines have different TP sizes {tps}; per-rank buckets are cut for "
+                           f"one layout")
+                elif hf_config is None:
+                    why = "the module has no Hugging Face .config to take the engine's layout from"
+                else:
+                    tp = tps[0]
+                    layout = layout_for(hf_config, tp)
+                    for i, e in enumerate(engines):
+                        espec = getattr(getattr(e, "layout", None), "spec", None)
+                        if espec is not None and espec != layout.spec:
+                            diff = {k: (getattr(layout.spec, k), getattr(espec, k)) for k in vars(espec)
+                                    if getattr(layout.spec, k) != getattr(espec, k)}
+                            why = f"engine {i}'s model differs from the trainer's (trainer, engine): {diff}"
+                            break
+            except Exception as exc:  # noqa: BLE001 - "auto" falls back, "engine" reports it
+                why = f"no engine layout for this model: {type(exc).__name__}: {exc}"
+            info = [(None if why else tp, why)]
+        if dist.is_initialized() and dist.get_world_size(ctx.group) > 1:
+            dist.broadcast_object_list(info, src=dist.get_global_rank(ctx.group, 0)
+                                       if ctx.group is not None else 0, group=ctx.group)
+        tp, why = info[0]
+        if why is not None:
+            if want == "engine":
+                raise SyncError(f"distributed weight sync: layout='engine': {why}; nothing was sent. "
+                                f"Use layout='full' (or 'auto', which sends full tensors there)")
+            if me == 0:
+                log.info("fsdp_sync: layout='auto' sends full tensors: %s", why)
+            return None
+        return layout_for(hf_config, tp)
+
+    def _send_ranks(self, ctx: SyncContext, engines: list, layout: TPLayout, metas: list,
+                    device: torch.device, stats: SyncStats) -> None:
+        """Per-rank buckets: trainer rank 0 holds every engine rank's buffer of bucket k (each
+        planned to ``bucket_bytes / tp``) and sends engine rank r of each engine only buffer r. Pipelined: bucket k+1 is resharded (into the
+        other of two buffer sets) while bucket k is on the wire; otherwise bucket k is finished
+        first."""
+        cfg, group = self.config, ctx.group
+        me = dist.get_rank(group) if dist.is_initialized() else 0
+        piped = bool(getattr(cfg, "pipelined", True))
+        stats.extra["pipelined"] = piped
+        sets = 2 if piped else 1
+        st = reshard.ReshardStats()
+        pool = _RankBufferPool(layout.tp, device, sets)
+        # rank 0 holds all TP buffers of a bucket: each is bucket_bytes / tp, so one bucket is
+        # bucket_bytes in all and the memory bound stays 2 x bucket (+ the largest tensor)
+        it = reshard.iter_rank_buckets(ctx.module, layout, max(1, cfg.bucket_bytes // layout.tp), dtype=cfg.dtype,
+                                       fsdp1_state_dict=cfg.fsdp1_state_dict,
+                                       share_host_memory=cfg.share_host_memory,
+                                       owners=[[0]] * layout.tp, alloc=pool.take, stats=st, host_sets=sets)
+        pending: _Pending | None = None
+        engine_in = 0
+
+        def settle() -> None:     # every rank: the outcome of the bucket in flight
+            nonlocal pending
+            err, pending = (self._finish(pending) if pending is not None else None), None
+            _agree(err, group, "distributed weight sync")
+
+        try:
+            for k, rb in enumerate(it):        # reshards bucket k (k-1 is still on the wire)
+                if k and piped:
+                    settle()
+                if me == 0:
+                    pending = self._launch_ranks(engines, rb, f"per-rank bucket {k} ({rb.bucket.names[0]}…)")
+                if not piped:
+                    settle()
+                engine_in += rb.bucket.nbytes
+                stats.tensors += len(rb.bucket.entries)
+                stats.buckets += 1
+                del rb
+            if stats.buckets and piped:
+                settle()
+        finally:
+            it.close()
+            if pending is not None:
+                self._abandon(pending, "the sync failed on trainer rank 0")
+        # bytes: what was exported (the HF tensors, as for full buckets); each engine rank's share
+        # of them is engine_rank_bytes_in
+        stats.bytes = sum(m.nbytes for m in metas if m.name in layout.hf_shapes)
+        stats.extra.update(reshard_path=st.path, engine_rank_bytes_in=engine_in,
+                           engine_rank_shard_bytes=st.engine_shard_bytes, trainer_rank_bytes_in=st.bytes_in,
+                           trainer_rank_bytes_written=st.bytes_written)
+
+    def _launch_ranks(self, engines: list, rb: Any, what: str) -> _Pending:
+        """Requests first (each engine's workers block in their receive), then one isend per
+        engine TP rank of that rank's buffer."""
+        cfg, bkt = self.config, rb.bucket
+        entries = [(e.name, e.dtype, tuple(e.shape)) for e in bkt.entries]
+        wire = per_rank_bucket_plan(entries)
+        if wire != bkt:     # the receiver lays the buffer out by this rule: it must be the plan's
+            raise RuntimeError(f"{what}: the per-rank bucket's layout differs from the "
+                               f"{PER_RANK_BUCKET!r} wire layout ({wire.nbytes} vs {bkt.nbytes} bytes)")
+        body = dict(names=bkt.names, dtypes=[dtype_name(e.dtype) for e in bkt.entries],
+                    shapes=[list(e.shape) for e in bkt.entries], group_name=cfg.dist_group_name,
+                    flush_cache=False, load_format=PER_RANK_BUCKET)
+        pool = self._executor(len(engines))
+        futures = [pool.submit(e.update_weights_from_distributed, **body) for e in engines]
+        works = []
+        if bkt.nbytes:
+            for offset in self.offsets:
+                for r in range(len(rb.buffers)):
+                    works.append(dist.isend(rb.buffers[r], group=self.pg, group_dst=offset + r))
+        return _Pending(what, works, futures, p2p=True, keep=rb.buffers)
 
     def _send(self, ctx: SyncContext, engines: list, plan: list[Bucket], device: torch.device,
               stats: SyncStats) -> None:
@@ -281,7 +460,7 @@ class DistributedTransport:
                 if f.done() and f.exception() is not None:
                     return self._abandon(p, f"engine {i} refused {p.what}: "
                                             f"{type(f.exception()).__name__}: {f.exception()}")
-            sent = all(w.is_completed() for w in p.works)
+            sent = p.p2p or all(w.is_completed() for w in p.works)
             if sent and all(f.done() for f in p.futures):
                 break
             if time.monotonic() > deadline:
@@ -289,10 +468,10 @@ class DistributedTransport:
                                         f"{self.config.dist_timeout_s}s (broadcast done: {sent})")
             time.sleep(_POLL_S)
         try:
-            for w in p.works:
-                w.wait()
             for i, f in enumerate(p.futures):
                 _check_answer(f.result(), f"engine {i} update_weights_from_distributed")
+            for w in p.works:    # every engine has its bytes: the sends are done, or nearly
+                w.wait(datetime.timedelta(seconds=self.config.dist_timeout_s)) if p.p2p else w.wait()
         except Exception as exc:  # noqa: BLE001
             return self._abandon(p, f"{p.what}: {type(exc).__name__}: {exc}")
         return None

@@ -7,6 +7,12 @@ outside the trainer's world: a ``tcp://`` store hosted by rank 0 (the trainer), 
 engine's group and our reference engine's workers join a group a real SGLang trainer made; a
 mismatched group name or store prefix would make every rank wait out the timeout.
 
+`PER_RANK_BUCKET` names fsdp_sync's own ``load_format`` of ``update_weights_from_distributed``
+(SGLang has none such): each engine TP worker receives, by point-to-point ``recv`` from group rank
+0, one buffer holding only ITS shard of the call's tensors (engine parameter names and per-rank
+shapes, each at a 16-byte-aligned offset: `per_rank_bucket_plan`), instead of one broadcast of full
+tensors to all of them. Only an engine that says so (``accepts_distributed_rank_buckets``) is sent it.
+
 Not here: what travels over the group (the distributed transport) or who calls it (the engines).
 """
 
@@ -17,9 +23,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["new_update_group", "destroy_update_group", "DEFAULT_GROUP_NAME"]
+__all__ = ["new_update_group", "destroy_update_group", "DEFAULT_GROUP_NAME", "PER_RANK_BUCKET",
+           "per_rank_bucket_plan"]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+
+PER_RANK_BUCKET = "per_rank_bucket"
+"""``load_format`` of a per-rank ``update_weights_from_distributed`` call (see the module)."""
+
+
+def per_rank_bucket_plan(entries: Any) -> Any:
+    """The one `bucket.Bucket` a `PER_RANK_BUCKET` call's ``(name, dtype, shape)`` entries are laid
+    out by on the wire: in order, each at a 16-byte-aligned offset (`bucket.plan_buckets`), so
+    sender and receiver agree on every offset without sending them."""
+    from ..bucket import Bucket, plan_buckets
+
+    plan = plan_buckets(list(entries), 1 << 62)
+    return plan[0] if plan else Bucket((), 0)
 
 
 def new_update_group(*, backend: str, master_address: str, master_port: int, world_size: int,
