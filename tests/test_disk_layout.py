@@ -261,5 +261,6 @@ def test_config_takes_layout_engine_with_disk():
     from fsdp_sync.config import SyncConfig
 
     assert SyncConfig(layout="engine", method="disk", disk_dir="/tmp/x").layout == "engine"
+    assert SyncConfig(layout="engine", method="distributed").layout == "engine"   # per-rank sends
     with pytest.raises(ValueError, match="layout='engine'.*use layout='full' or 'auto'"):
-        SyncConfig(layout="engine", method="distributed")
+        SyncConfig(layout="engine", method="distributed", dist_format="per_tensor")
