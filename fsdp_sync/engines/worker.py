@@ -409,10 +409,8 @@ class Worker:
     def _stage_disk(self, spec: dict, writes: list[_Write], seen: set[str]) -> None:
         """A checkpoint directory: verify this rank's share of the files against the manifest,
         then check every tensor's name, dtype and shape from the file headers and read only this
-        rank's slices (safetensors slices: no full tensor is materialized for a sharded one)."""
-        from safetensors import safe_open
-
-        from ..hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, verify_file
+        rank's slices (`SliceReader`: no full tensor is materialized for a sharded one)."""
+        from ..hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, verify_file
 
         directory = spec["dir"]
         for file, sha in spec["verify"].items():
@@ -424,7 +422,7 @@ class Worker:
         for file in spec["files"]:
             path = os.path.join(directory, file)
             try:
-                with safe_open(path, framework="pt", device="cpu") as f:
+                with SliceReader(path) as f:   # not safe_open's slices: they leak (see SliceReader)
                     names = list(f.keys())
                     if index is not None:
                         listed = {n for n, fl in index.items() if fl == file}
@@ -442,32 +440,32 @@ class Worker:
                             raise WorkerError(KIND_UPDATE, f"{path}: tensor {name!r} appears twice in "
                                                            f"the checkpoint (TP rank {self.rank})", name)
                         seen.add(name)
-                        self._disk_writes(path, name, f.get_slice(name), writes, SAFETENSORS_DTYPES)
+                        self._disk_writes(path, name, f, writes, SAFETENSORS_DTYPES)
             except WorkerError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a torn header, a short file: a refused update
                 raise WorkerError(KIND_UPDATE, f"cannot read {path} on TP rank {self.rank}: "
                                                f"{type(exc).__name__}: {exc}") from exc
 
-    def _disk_writes(self, path: str, name: str, sl: Any, out: list[_Write], dtypes: dict) -> None:
+    def _disk_writes(self, path: str, name: str, f: Any, out: list[_Write], dtypes: dict) -> None:
         if not self.layout.accepts(name):
             raise WorkerError(KIND_UPDATE, f"{path}: unknown parameter {name!r} on TP rank {self.rank}: "
                                            f"not a {self.layout.spec.model_type} parameter name of this "
                                            f"model (e.g. {self.layout.hf_names()[1]!r})", name)
-        code = sl.get_dtype()
+        code = f.dtype_code(name)
         dtype = dtypes.get(code)
         if dtype != self.dtype:
             raise WorkerError(KIND_UPDATE, f"{path}: expected dtype {dtype_name(self.dtype)} for {name!r} "
                                            f"on TP rank {self.rank}, got {dtype_name(dtype) if dtype else code}",
                               name)
-        shape = tuple(int(x) for x in sl.get_shape())
+        shape = f.shape(name)
         want = tuple(self.layout.full_shape(name))
         if shape != want:
             raise WorkerError(KIND_UPDATE, f"{path}: expected shape {_fmt_shape(want)} for {name!r} on "
                                            f"TP rank {self.rank}, got {_fmt_shape(shape)}", name)
         placements = self.layout.placements(name, self.rank)
         for pl in placements:
-            out.append(_Write(pl.engine, pl.dst, sl[pl.src], (name,)))
+            out.append(_Write(pl.engine, pl.dst, f.read(name, pl.src), (name,)))
         if not placements and name in self.hf_set:
             out.append(_Write("", (), torch.empty(0, dtype=self.dtype), (name,)))   # counts as loaded
 
