@@ -43,7 +43,7 @@ import torch
 from .. import handles
 from ..faults import fault_point
 from ..bucket import dtype_name, entries_from_metadata, unflatten
-from ..layout import TPLayout
+from ..layout import TPLayout, rank_digest
 from .tp_model import Span, TPModel
 
 __all__ = ["main", "serve"]
@@ -661,6 +661,17 @@ class Worker:
                          for pl in self.layout.placements(name_src, self.rank) if pl.owner]
         return out
 
+    def rank_digests(self, names: list[str]) -> dict:
+        """``{name: layout.rank_digest}`` of the pieces of each HF tensor this rank serves."""
+        self._require_weights()
+        bad = [n for n in names if not self.layout.accepts(n)]
+        if bad:
+            raise WorkerError(KIND_OTHER, f"unknown parameter {bad[0]!r}; HF names of this model are "
+                                          f"e.g. {self.layout.hf_names()[:2]}")
+        params = self.model.params
+        return {n: rank_digest(self.layout, n, self.rank, lambda pl: params[pl.engine][pl.dst])
+                for n in names}
+
     def shard_checksum(self) -> str:
         h = hashlib.sha256()
         if self.weights_released:
@@ -701,6 +712,8 @@ class Worker:
             return self.memory_stats()
         if cmd == "shard_checksum":
             return self.shard_checksum()
+        if cmd == "rank_digests":
+            return self.rank_digests(args["names"])
         if cmd == "join_group":
             return self.join_group(args)
         if cmd == "leave_group":
