@@ -47,7 +47,24 @@ def _sample(procs: dict) -> dict:
     return out
 
 
-def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tmp: str) -> Any:
+def _tm_growth(before: Any, top: int) -> dict:
+    """Python-level growth (tracemalloc) since ``before``: total and the biggest sites."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    stats = tracemalloc.take_snapshot().compare_to(before, "traceback")
+    return {"bytes": sum(s.size_diff for s in stats), "blocks": sum(s.count_diff for s in stats),
+            "top": [{"bytes": s.size_diff, "blocks": s.count_diff,
+                     "where": [f"{f.filename}:{f.lineno}" for f in s.traceback][-6:]}
+                    for s in stats[:top] if s.size_diff > 0]}
+
+
+def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tmp: str,
+               warmup: int = 0, trace: bool = False) -> Any:
+    import gc
+    import tracemalloc
+
     import torch
     import torch.distributed as dist
 
@@ -72,6 +89,9 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
     mesh = make_mesh(world // 2, 2) if "tensor" in methods else None
     series: dict[str, list] = {}
     seconds: dict[str, float] = {}
+    traced: dict[str, dict] = {}
+    if trace:
+        tracemalloc.start(12)
     try:
         for method in methods:
             conf = SyncConfig(method=method, dtype=torch.float32, bucket_bytes=48 << 10, memory_probe="off",
@@ -80,13 +100,19 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
                                           config=conf)
             rows = series.setdefault(method, [])
             t0 = time.monotonic()
+            snap = None
             for i in range(syncs):
                 train_step(module, opt, synthetic_batch(cfg.vocab_size, step=i, rank=rank, batch=2, seq_len=8))
                 with manager:
                     pass
                 if rank == 0 and (i % every == 0 or i == syncs - 1):
                     rows.append({"sync": i + 1, **_sample(procs)})
+                if trace and (snap is None and i + 1 >= warmup):
+                    gc.collect()
+                    snap = tracemalloc.take_snapshot()
             seconds[method] = time.monotonic() - t0
+            if trace:
+                traced[method] = _tm_growth(snap, 8)
             manager.close()
             if engine is not None and method == "tensor":   # colocated: released on exit; the
                 engine.resume_memory_occupation()            # others push into a resident engine
@@ -94,7 +120,14 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
     finally:
         if engine is not None:
             engine.shutdown()
-    return {"series": series, "seconds": seconds, "procs": list(procs)} if rank == 0 else None
+        if trace:
+            tracemalloc.stop()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, traced)
+    if rank != 0:
+        return None
+    return {"series": series, "seconds": seconds, "procs": list(procs),
+            "tracemalloc": {f"trainer{r}": t for r, t in enumerate(everyone)} if trace else None}
 
 
 def summarise(series: dict, procs: list, warmup: int) -> list[dict]:
@@ -161,7 +194,7 @@ def plot(series: dict, procs: list, path: str, warmup: int) -> None:
 
 
 def run_soak(syncs: int, methods=METHODS, every: int | None = None, warmup: int | None = None,
-             png: str | None = None) -> dict:
+             png: str | None = None, trace: bool = False) -> dict:
     import tempfile
 
     from .launch import run_ranks, spawn_env
@@ -170,7 +203,7 @@ def run_soak(syncs: int, methods=METHODS, every: int | None = None, warmup: int 
     warmup = min(syncs, warmup if warmup is not None else max(5, syncs // 10))
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fsdp_sync_soak_") as tmp:
-        out = run_ranks(_soak_rank, 2, tuple(methods), syncs, every, tmp, env=spawn_env(),
+        out = run_ranks(_soak_rank, 2, tuple(methods), syncs, every, tmp, warmup, trace, env=spawn_env(),
                         timeout_s=24 * 3600, pg_timeout_s=120)[0]
     rows = summarise(out["series"], out["procs"], warmup)
     if png:
@@ -178,7 +211,8 @@ def run_soak(syncs: int, methods=METHODS, every: int | None = None, warmup: int 
     return {"syncs": syncs, "methods": list(methods), "every": every, "warmup": warmup,
             "seconds_per_method": {k: round(v, 1) for k, v in out["seconds"].items()},
             "wall_s": round(time.monotonic() - t0, 1), "rows": rows,
-            "ok": all(_meets(r) for r in rows), "series": out["series"], "png": png}
+            "ok": all(_meets(r) for r in rows), "series": out["series"], "png": png,
+            **({"tracemalloc": out["tracemalloc"]} if trace else {})}
 
 
 def add_soak_parser(sub) -> None:
@@ -201,6 +235,9 @@ def add_soak_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=None, help="syncs before the baseline sample (default: N/10, >= 5)")
     p.add_argument("--png", default="soak.png", help="where to write the plot")
     p.add_argument("--json", metavar="PATH", help="write the report (with every sample) as JSON here")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="trace the trainer ranks' Python allocations from the warm-up on and report "
+                        "what grew (slower; tells Python-level growth from native)")
     p.set_defaults(run=cmd_soak)
 
 
@@ -216,7 +253,7 @@ def cmd_soak(args) -> int:
         raise SystemExit(f"fsdp-sync soak: --methods {args.methods!r}: choose from {', '.join(METHODS)}")
     console = Console(width=200)
     console.print(f"[bold]fsdp-sync soak[/]: {args.syncs} syncs × {', '.join(methods)} …")
-    rep = run_soak(args.syncs, methods, args.every, args.warmup, args.png)
+    rep = run_soak(args.syncs, methods, args.every, args.warmup, args.png, args.tracemalloc)
     table = Table(title=f"after warm-up ({rep['warmup']} syncs) → end of {args.syncs} syncs")
     for col in ("method", "process", "RSS MiB", "growth MiB", "per 1000 syncs", "fds Δ", "threads Δ", "shm Δ"):
         table.add_column(col, justify="right")
@@ -230,6 +267,13 @@ def cmd_soak(args) -> int:
                           f"{r['rss_growth_mib']:+.2f}", f"{r['rss_growth_mib_per_1000']:+.2f}",
                           str(r["fds_growth"]), str(r["threads_growth"]), "")
     console.print(table)
+    for proc, per_method in (rep.get("tracemalloc") or {}).items():
+        for method, t in per_method.items():
+            console.print(f"tracemalloc {method} {proc}: {t['bytes'] / 2**10:+.1f} KiB in {t['blocks']:+d} "
+                          f"blocks since the warm-up")
+            for site in t["top"][:3]:
+                console.print(f"   {site['bytes'] / 2**10:+.1f} KiB {site['blocks']:+d} blocks  "
+                              + " <- ".join(reversed(site["where"][-3:])))
     console.print(f"seconds per method: {rep['seconds_per_method']}; wall {rep['wall_s']} s; plot {rep['png']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
