@@ -131,15 +131,19 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
 
 
 def summarise(series: dict, procs: list, warmup: int) -> list[dict]:
-    """One row per method × process (and the /dev/shm count): after warm-up, at the end, growth."""
+    """One row per method × process (and the /dev/shm count): after warm-up, at the end, growth;
+    and the growth over the second half of the run alone (a leak grows there as it did before;
+    memory still settling after the warm-up does not), also scaled to 1000 syncs."""
     rows = []
     for method, samples in series.items():
         base = next((s for s in samples if s["sync"] >= warmup), samples[0])
         last = samples[-1]
         span = max(1, last["sync"] - base["sync"])
+        mid = next((s for s in samples if s["sync"] >= last["sync"] // 2), samples[0])
+        half = max(1, last["sync"] - mid["sync"])
         for name in procs:
-            a, b = base.get(name), last.get(name)
-            if not a or not b:
+            a, b, m = base.get(name), last.get(name), mid.get(name)
+            if not a or not b or not m:
                 rows.append({"method": method, "process": name, "error": "process gone"})
                 continue
             grow = (b["rss"] - a["rss"]) / 2**20
@@ -148,6 +152,8 @@ def summarise(series: dict, procs: list, warmup: int) -> list[dict]:
                          "rss_mib_end": round(b["rss"] / 2**20, 2),
                          "rss_growth_mib": round(grow, 3),
                          "rss_growth_mib_per_1000": round(grow * 1000 / span, 3),
+                         "second_half_from_sync": mid["sync"],
+                         "rss_growth_mib_second_half_per_1000": round((b["rss"] - m["rss"]) / 2**20 * 1000 / half, 3),
                          "fds_growth": b["fds"] - a["fds"], "threads_growth": b["threads"] - a["threads"]})
         rows.append({"method": method, "process": "/dev/shm", "syncs": span,
                      "shm_segments_after_warmup": base["shm"], "shm_segments_end": last["shm"],
@@ -255,16 +261,18 @@ def cmd_soak(args) -> int:
     console.print(f"[bold]fsdp-sync soak[/]: {args.syncs} syncs × {', '.join(methods)} …")
     rep = run_soak(args.syncs, methods, args.every, args.warmup, args.png, args.tracemalloc)
     table = Table(title=f"after warm-up ({rep['warmup']} syncs) → end of {args.syncs} syncs")
-    for col in ("method", "process", "RSS MiB", "growth MiB", "per 1000 syncs", "fds Δ", "threads Δ", "shm Δ"):
+    for col in ("method", "process", "RSS MiB", "growth MiB", "per 1000 syncs", "2nd half, per 1000",
+                "fds Δ", "threads Δ", "shm Δ"):
         table.add_column(col, justify="right")
     for r in rep["rows"]:
         if "error" in r:
-            table.add_row(r["method"], r["process"], "[red]" + r["error"], "", "", "", "", "")
+            table.add_row(r["method"], r["process"], "[red]" + r["error"], "", "", "", "", "", "")
         elif r["process"] == "/dev/shm":
-            table.add_row(r["method"], r["process"], "", "", "", "", "", str(r["shm_growth"]))
+            table.add_row(r["method"], r["process"], "", "", "", "", "", "", str(r["shm_growth"]))
         else:
             table.add_row(r["method"], r["process"], f"{r['rss_mib_after_warmup']:.1f} → {r['rss_mib_end']:.1f}",
                           f"{r['rss_growth_mib']:+.2f}", f"{r['rss_growth_mib_per_1000']:+.2f}",
+                          f"{r['rss_growth_mib_second_half_per_1000']:+.2f}",
                           str(r["fds_growth"]), str(r["threads_growth"]), "")
     console.print(table)
     for proc, per_method in (rep.get("tracemalloc") or {}).items():
