@@ -23,6 +23,9 @@ from typing import Any
 __all__ = ["run_soak", "add_soak_parser", "cmd_soak", "summarise"]
 
 METHODS = ("tensor", "distributed", "disk")
+CONTROL = "train"
+"""``--methods train``: the control, training steps with no sync at all (each followed by the
+`memory.empty_cache` the manager runs on exit), to tell the trainer's own growth from the sync's."""
 
 
 def _shm_of(pids) -> int:
@@ -71,6 +74,7 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
     from .config import SyncConfig
     from .engines import ReferenceEngine
     from .manager import FSDPShardingManager
+    from .memory import empty_cache
     from .models import build_model, load_config
     from .topology import make_mesh
     from .trainer import synthetic_batch, train_step, wrap_fsdp
@@ -94,17 +98,23 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
         tracemalloc.start(12)
     try:
         for method in methods:
-            conf = SyncConfig(method=method, dtype=torch.float32, bucket_bytes=48 << 10, memory_probe="off",
-                              disk_dir=os.path.join(tmp, "disk"), disk_keep=2)
-            manager = FSDPShardingManager(module, engine, mesh=mesh if method == "tensor" else None,
-                                          config=conf)
+            manager = None
+            if method != CONTROL:
+                conf = SyncConfig(method=method, dtype=torch.float32, bucket_bytes=48 << 10,
+                                  memory_probe="off", disk_dir=os.path.join(tmp, "disk"), disk_keep=2)
+                manager = FSDPShardingManager(module, engine, mesh=mesh if method == "tensor" else None,
+                                              config=conf)
             rows = series.setdefault(method, [])
             t0 = time.monotonic()
             snap = None
             for i in range(syncs):
                 train_step(module, opt, synthetic_batch(cfg.vocab_size, step=i, rank=rank, batch=2, seq_len=8))
-                with manager:
-                    pass
+                if manager is None:
+                    dist.barrier()
+                    empty_cache()
+                else:
+                    with manager:
+                        pass
                 if rank == 0 and (i % every == 0 or i == syncs - 1):
                     rows.append({"sync": i + 1, **_sample(procs)})
                 if trace and (snap is None and i + 1 >= warmup):
@@ -113,7 +123,8 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
             seconds[method] = time.monotonic() - t0
             if trace:
                 traced[method] = _tm_growth(snap, 8)
-            manager.close()
+            if manager is not None:
+                manager.close()
             if engine is not None and method == "tensor":   # colocated: released on exit; the
                 engine.resume_memory_occupation()            # others push into a resident engine
             dist.barrier()
@@ -236,7 +247,9 @@ def add_soak_parser(sub) -> None:
                     "per 1000 syncs, no growth in fds, threads or segments; exit code 1 otherwise.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--syncs", type=ca.positive_int, default=1000, help="syncs per method")
-    p.add_argument("--methods", default="tensor,distributed,disk", help="comma list of tensor,distributed,disk")
+    p.add_argument("--methods", default="tensor,distributed,disk",
+                   help="comma list of tensor,distributed,disk; 'train' adds the control: the same "
+                        "training steps with no sync")
     p.add_argument("--every", type=ca.positive_int, default=None, help="sample every K syncs (default: N/200)")
     p.add_argument("--warmup", type=int, default=None, help="syncs before the baseline sample (default: N/10, >= 5)")
     p.add_argument("--png", default="soak.png", help="where to write the plot")
@@ -254,9 +267,10 @@ def cmd_soak(args) -> int:
     from rich.table import Table
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in (*METHODS, CONTROL)]
     if bad or not methods:
-        raise SystemExit(f"fsdp-sync soak: --methods {args.methods!r}: choose from {', '.join(METHODS)}")
+        raise SystemExit(f"fsdp-sync soak: --methods {args.methods!r}: choose from {', '.join(METHODS)} "
+                         f"(or {CONTROL}, the control: training with no sync)")
     console = Console(width=200)
     console.print(f"[bold]fsdp-sync soak[/]: {args.syncs} syncs × {', '.join(methods)} …")
     rep = run_soak(args.syncs, methods, args.every, args.warmup, args.png, args.tracemalloc)
