@@ -31,16 +31,18 @@ Not here: moving data between processes (`reshard`, `handles`), the model math (
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 VOCAB_PADDING = 64
 """The vocab is padded to a multiple of this before the TP split (SGLang's default padding)."""
 
-__all__ = ["VOCAB_PADDING", "ModelSpec", "TPLayout", "Placement", "shard_state_dict", "layout_for", "block_of"]
+__all__ = ["VOCAB_PADDING", "ModelSpec", "TPLayout", "Placement", "shard_state_dict", "layout_for", "block_of",
+           "rank_digest"]
 
 
 # --------------------------------------------------------------------------- the model's shape
@@ -357,3 +359,25 @@ def block_of(sl: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int, i
         c0, c1 = 0, cols
     return r0, r1, c0, c1
 
+
+
+def rank_digest(layout: TPLayout, name: str, rank: int, piece: Callable[[Placement], torch.Tensor]) -> str:
+    """sha256 of the pieces of HF tensor ``name`` that TP ``rank`` serves (replicas included), in
+    placement order, each with its engine parameter, its block of the full tensor, dtype and shape.
+
+    ``piece(pl)`` gives one piece: an engine worker passes ``params[pl.engine][pl.dst]`` (what it
+    serves), a trainer ``full[pl.src]`` (what it should serve), so both hash the same bytes and
+    `SyncConfig.verify` compares every rank without moving a tensor. A tied ``lm_head.weight`` is
+    the embedding's pieces (the engine has no lm_head of its own)."""
+    src = ("model.embed_tokens.weight" if name == "lm_head.weight" and layout.spec.tie_word_embeddings
+           else name)
+    full = layout.full_shape(src)
+    h = hashlib.sha256(f"{name}|tp{rank}/{layout.tp}|".encode())
+    for pl in layout.placements(src, rank):
+        t = piece(pl).detach()
+        t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
+        h.update(f"{pl.engine}|{block_of(pl.src, full)}|{str(t.dtype).removeprefix('torch.')}|"
+                 f"{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()

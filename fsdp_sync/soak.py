@@ -23,6 +23,9 @@ from typing import Any
 __all__ = ["run_soak", "add_soak_parser", "cmd_soak", "summarise"]
 
 METHODS = ("tensor", "distributed", "disk")
+CONTROL = "train"
+"""``--methods train``: the control, training steps with no sync at all (each followed by the
+`memory.empty_cache` the manager runs on exit), to tell the trainer's own growth from the sync's."""
 
 
 def _shm_of(pids) -> int:
@@ -47,13 +50,31 @@ def _sample(procs: dict) -> dict:
     return out
 
 
-def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tmp: str) -> Any:
+def _tm_growth(before: Any, top: int) -> dict:
+    """Python-level growth (tracemalloc) since ``before``: total and the biggest sites."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    stats = tracemalloc.take_snapshot().compare_to(before, "traceback")
+    return {"bytes": sum(s.size_diff for s in stats), "blocks": sum(s.count_diff for s in stats),
+            "top": [{"bytes": s.size_diff, "blocks": s.count_diff,
+                     "where": [f"{f.filename}:{f.lineno}" for f in s.traceback][-6:]}
+                    for s in stats[:top] if s.size_diff > 0]}
+
+
+def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tmp: str,
+               warmup: int = 0, trace: bool = False) -> Any:
+    import gc
+    import tracemalloc
+
     import torch
     import torch.distributed as dist
 
     from .config import SyncConfig
     from .engines import ReferenceEngine
     from .manager import FSDPShardingManager
+    from .memory import empty_cache
     from .models import build_model, load_config
     from .topology import make_mesh
     from .trainer import synthetic_batch, train_step, wrap_fsdp
@@ -72,41 +93,68 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
     mesh = make_mesh(world // 2, 2) if "tensor" in methods else None
     series: dict[str, list] = {}
     seconds: dict[str, float] = {}
+    traced: dict[str, dict] = {}
+    if trace:
+        tracemalloc.start(12)
     try:
         for method in methods:
-            conf = SyncConfig(method=method, dtype=torch.float32, bucket_bytes=48 << 10, memory_probe="off",
-                              disk_dir=os.path.join(tmp, "disk"), disk_keep=2)
-            manager = FSDPShardingManager(module, engine, mesh=mesh if method == "tensor" else None,
-                                          config=conf)
+            manager = None
+            if method != CONTROL:
+                conf = SyncConfig(method=method, dtype=torch.float32, bucket_bytes=48 << 10,
+                                  memory_probe="off", disk_dir=os.path.join(tmp, "disk"), disk_keep=2)
+                manager = FSDPShardingManager(module, engine, mesh=mesh if method == "tensor" else None,
+                                              config=conf)
             rows = series.setdefault(method, [])
             t0 = time.monotonic()
+            snap = None
             for i in range(syncs):
                 train_step(module, opt, synthetic_batch(cfg.vocab_size, step=i, rank=rank, batch=2, seq_len=8))
-                with manager:
-                    pass
+                if manager is None:
+                    dist.barrier()
+                    empty_cache()
+                else:
+                    with manager:
+                        pass
                 if rank == 0 and (i % every == 0 or i == syncs - 1):
                     rows.append({"sync": i + 1, **_sample(procs)})
+                if trace and (snap is None and i + 1 >= warmup):
+                    gc.collect()
+                    snap = tracemalloc.take_snapshot()
             seconds[method] = time.monotonic() - t0
-            manager.close()
+            if trace:
+                traced[method] = _tm_growth(snap, 8)
+            if manager is not None:
+                manager.close()
             if engine is not None and method == "tensor":   # colocated: released on exit; the
                 engine.resume_memory_occupation()            # others push into a resident engine
             dist.barrier()
     finally:
         if engine is not None:
             engine.shutdown()
-    return {"series": series, "seconds": seconds, "procs": list(procs)} if rank == 0 else None
+        if trace:
+            tracemalloc.stop()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, traced)
+    if rank != 0:
+        return None
+    return {"series": series, "seconds": seconds, "procs": list(procs),
+            "tracemalloc": {f"trainer{r}": t for r, t in enumerate(everyone)} if trace else None}
 
 
 def summarise(series: dict, procs: list, warmup: int) -> list[dict]:
-    """One row per method × process (and the /dev/shm count): after warm-up, at the end, growth."""
+    """One row per method × process (and the /dev/shm count): after warm-up, at the end, growth;
+    and the growth over the second half of the run alone (a leak grows there as it did before;
+    memory still settling after the warm-up does not), also scaled to 1000 syncs."""
     rows = []
     for method, samples in series.items():
         base = next((s for s in samples if s["sync"] >= warmup), samples[0])
         last = samples[-1]
         span = max(1, last["sync"] - base["sync"])
+        mid = next((s for s in samples if s["sync"] >= last["sync"] // 2), samples[0])
+        half = max(1, last["sync"] - mid["sync"])
         for name in procs:
-            a, b = base.get(name), last.get(name)
-            if not a or not b:
+            a, b, m = base.get(name), last.get(name), mid.get(name)
+            if not a or not b or not m:
                 rows.append({"method": method, "process": name, "error": "process gone"})
                 continue
             grow = (b["rss"] - a["rss"]) / 2**20
@@ -115,6 +163,8 @@ def summarise(series: dict, procs: list, warmup: int) -> list[dict]:
                          "rss_mib_end": round(b["rss"] / 2**20, 2),
                          "rss_growth_mib": round(grow, 3),
                          "rss_growth_mib_per_1000": round(grow * 1000 / span, 3),
+                         "second_half_from_sync": mid["sync"],
+                         "rss_growth_mib_second_half_per_1000": round((b["rss"] - m["rss"]) / 2**20 * 1000 / half, 3),
                          "fds_growth": b["fds"] - a["fds"], "threads_growth": b["threads"] - a["threads"]})
         rows.append({"method": method, "process": "/dev/shm", "syncs": span,
                      "shm_segments_after_warmup": base["shm"], "shm_segments_end": last["shm"],
@@ -161,7 +211,7 @@ def plot(series: dict, procs: list, path: str, warmup: int) -> None:
 
 
 def run_soak(syncs: int, methods=METHODS, every: int | None = None, warmup: int | None = None,
-             png: str | None = None) -> dict:
+             png: str | None = None, trace: bool = False) -> dict:
     import tempfile
 
     from .launch import run_ranks, spawn_env
@@ -170,7 +220,7 @@ def run_soak(syncs: int, methods=METHODS, every: int | None = None, warmup: int 
     warmup = min(syncs, warmup if warmup is not None else max(5, syncs // 10))
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fsdp_sync_soak_") as tmp:
-        out = run_ranks(_soak_rank, 2, tuple(methods), syncs, every, tmp, env=spawn_env(),
+        out = run_ranks(_soak_rank, 2, tuple(methods), syncs, every, tmp, warmup, trace, env=spawn_env(),
                         timeout_s=24 * 3600, pg_timeout_s=120)[0]
     rows = summarise(out["series"], out["procs"], warmup)
     if png:
@@ -178,7 +228,8 @@ def run_soak(syncs: int, methods=METHODS, every: int | None = None, warmup: int 
     return {"syncs": syncs, "methods": list(methods), "every": every, "warmup": warmup,
             "seconds_per_method": {k: round(v, 1) for k, v in out["seconds"].items()},
             "wall_s": round(time.monotonic() - t0, 1), "rows": rows,
-            "ok": all(_meets(r) for r in rows), "series": out["series"], "png": png}
+            "ok": all(_meets(r) for r in rows), "series": out["series"], "png": png,
+            **({"tracemalloc": out["tracemalloc"]} if trace else {})}
 
 
 def add_soak_parser(sub) -> None:
@@ -196,11 +247,16 @@ def add_soak_parser(sub) -> None:
                     "per 1000 syncs, no growth in fds, threads or segments; exit code 1 otherwise.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--syncs", type=ca.positive_int, default=1000, help="syncs per method")
-    p.add_argument("--methods", default="tensor,distributed,disk", help="comma list of tensor,distributed,disk")
+    p.add_argument("--methods", default="tensor,distributed,disk",
+                   help="comma list of tensor,distributed,disk; 'train' adds the control: the same "
+                        "training steps with no sync")
     p.add_argument("--every", type=ca.positive_int, default=None, help="sample every K syncs (default: N/200)")
     p.add_argument("--warmup", type=int, default=None, help="syncs before the baseline sample (default: N/10, >= 5)")
     p.add_argument("--png", default="soak.png", help="where to write the plot")
     p.add_argument("--json", metavar="PATH", help="write the report (with every sample) as JSON here")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="trace the trainer ranks' Python allocations from the warm-up on and report "
+                        "what grew (slower; tells Python-level growth from native)")
     p.set_defaults(run=cmd_soak)
 
 
@@ -211,25 +267,35 @@ def cmd_soak(args) -> int:
     from rich.table import Table
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in (*METHODS, CONTROL)]
     if bad or not methods:
-        raise SystemExit(f"fsdp-sync soak: --methods {args.methods!r}: choose from {', '.join(METHODS)}")
+        raise SystemExit(f"fsdp-sync soak: --methods {args.methods!r}: choose from {', '.join(METHODS)} "
+                         f"(or {CONTROL}, the control: training with no sync)")
     console = Console(width=200)
     console.print(f"[bold]fsdp-sync soak[/]: {args.syncs} syncs × {', '.join(methods)} …")
-    rep = run_soak(args.syncs, methods, args.every, args.warmup, args.png)
+    rep = run_soak(args.syncs, methods, args.every, args.warmup, args.png, args.tracemalloc)
     table = Table(title=f"after warm-up ({rep['warmup']} syncs) → end of {args.syncs} syncs")
-    for col in ("method", "process", "RSS MiB", "growth MiB", "per 1000 syncs", "fds Δ", "threads Δ", "shm Δ"):
+    for col in ("method", "process", "RSS MiB", "growth MiB", "per 1000 syncs", "2nd half, per 1000",
+                "fds Δ", "threads Δ", "shm Δ"):
         table.add_column(col, justify="right")
     for r in rep["rows"]:
         if "error" in r:
-            table.add_row(r["method"], r["process"], "[red]" + r["error"], "", "", "", "", "")
+            table.add_row(r["method"], r["process"], "[red]" + r["error"], "", "", "", "", "", "")
         elif r["process"] == "/dev/shm":
-            table.add_row(r["method"], r["process"], "", "", "", "", "", str(r["shm_growth"]))
+            table.add_row(r["method"], r["process"], "", "", "", "", "", "", str(r["shm_growth"]))
         else:
             table.add_row(r["method"], r["process"], f"{r['rss_mib_after_warmup']:.1f} → {r['rss_mib_end']:.1f}",
                           f"{r['rss_growth_mib']:+.2f}", f"{r['rss_growth_mib_per_1000']:+.2f}",
+                          f"{r['rss_growth_mib_second_half_per_1000']:+.2f}",
                           str(r["fds_growth"]), str(r["threads_growth"]), "")
     console.print(table)
+    for proc, per_method in (rep.get("tracemalloc") or {}).items():
+        for method, t in per_method.items():
+            console.print(f"tracemalloc {method} {proc}: {t['bytes'] / 2**10:+.1f} KiB in {t['blocks']:+d} "
+                          f"blocks since the warm-up")
+            for site in t["top"][:3]:
+                console.print(f"   {site['bytes'] / 2**10:+.1f} KiB {site['blocks']:+d} blocks  "
+                              + " <- ".join(reversed(site["where"][-3:])))
     console.print(f"seconds per method: {rep['seconds_per_method']}; wall {rep['wall_s']} s; plot {rep['png']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

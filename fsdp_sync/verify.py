@@ -3,13 +3,17 @@
 Run by the sharding manager right after ``transport.sync`` (every method: tensor, distributed,
 disk), on every trainer rank:
 
-1. the ranks that hold engine handles ask each engine for one digest per tensor
-   (``engine.tensor_checksums(names)``: sha256 of ``name|dtype|shape|bytes`` of the full tensor,
-   `tensor_digest`; the reference engine assembles each from its workers' shards);
+1. the ranks that hold engine handles ask each engine for digests of the chosen tensors: an engine
+   with ``rank_digests(names)`` and a ``layout`` (`layout.TPLayout`; the reference engine) answers
+   one digest per tensor per TP rank, of the pieces that rank serves, each computed inside its
+   worker (`layout.rank_digest`), so no tensor leaves the workers; otherwise
+   ``engine.tensor_checksums(names)``: sha256 of ``name|dtype|shape|bytes`` of the full tensor
+   (`tensor_digest`);
 2. every trainer rank streams the same tensors out of the module (collective: ``"full"`` gathers
    bucket by bucket with `export.iter_buckets`, ``"sample"`` gathers only the chosen tensors with
    `export.iter_params`), so no rank ever holds more than one bucket of the model; the engine
-   ranks hash each tensor as it arrives and compare at once;
+   ranks hash each tensor as it arrives (per TP rank, cut by the engine's layout, or whole) and
+   compare at once;
 3. at the first tensor that differs, the engine rank reads that one tensor back
    (``get_weights_by_name``) and finds the first differing element (by bit pattern, so NaN equals
    the same NaN and -0.0 differs from 0.0);
@@ -20,9 +24,8 @@ disk), on every trainer rank:
 Modes: ``"full"``: every exported tensor. ``"sample"``: a rotating subset, tensor ``i`` (export
 order) at syncs ``s`` with ``i % m == s % m`` where ``m = min(SAMPLE_EVERY, tensors)``: about one
 tensor in eight per sync, deterministic, the same on every rank, and every tensor covered within
-eight consecutive syncs. ``"off"`` (default): nothing; a verified sync costs another export and a
-read-back of the engine's tensors (``"full"``: about as much as the sync itself; the bench's
-``--verify`` reports the seconds).
+eight consecutive syncs. ``"off"`` (default): nothing; a verified sync costs another export and
+hashing on both sides (the bench's ``--verify`` reports the seconds).
 
 SGLang (`engines.sglang.SGLangEngine.tensor_checksums`): SGLang 0.5.23's ``POST /weights_checker``
 ``{"action": "checksum"}`` answers, per TP rank, a hash of each of its *own* parameters (fused
@@ -44,6 +47,7 @@ import torch
 from . import bucket as _bucket
 from . import export
 from .engines.base import checksum_named_tensors
+from .layout import TPLayout, rank_digest
 
 __all__ = ["SAMPLE_EVERY", "select", "tensor_digest", "trainer_tensors", "first_difference",
            "verify_engines", "digests"]
@@ -118,9 +122,12 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
     chosen = select(names, config.verify, step)
     want = set(chosen)
     err: str | None = None
-    reports: list[dict] = []
+    reports: list[tuple[Any, dict]] = []      # (the engine's layout for per-rank digests or None, digests)
     for i, engine in enumerate(engines):
-        fn = getattr(engine, "tensor_checksums", None)
+        layout = getattr(engine, "layout", None)
+        per_rank = getattr(engine, "rank_digests", None)
+        fn = per_rank if callable(per_rank) and isinstance(layout, TPLayout) else getattr(
+            engine, "tensor_checksums", None)
         try:
             if not callable(fn):
                 raise RuntimeError(f"{type(engine).__name__} cannot report per-tensor checksums "
@@ -130,29 +137,40 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
             if missing:
                 raise RuntimeError(f"engine reported no checksum for {missing[:3]} "
                                    f"({len(missing)} tensors)")
-            reports.append(got)
+            reports.append((layout if fn is per_rank else None, got))
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
             err = (f"engine {i} cannot be verified: {type(exc).__name__}: {exc}; set "
                    f"SyncConfig.verify='off' to sync without checking")
             break
     checked = 0
+    mine_full: str | None = None
     for name, t in trainer_tensors(module, config, chosen, every=config.verify == "full"):
         if name not in want:
             continue
         checked += 1
         if err is not None or not reports:
             continue        # keep consuming: the stream is collective
-        mine = tensor_digest(name, t)
-        for i, got in enumerate(reports):
-            if got[name] != mine:
-                where = ""
-                try:
-                    where = "; " + first_difference(t, engines[i].get_weights_by_name(name))
-                except Exception as exc:  # noqa: BLE001 - the name is what matters
-                    where = f" (reading it back failed: {type(exc).__name__}: {exc})"
-                err = (f"after sync {step} engine {i} serves {name!r} different from the "
-                       f"trainer's{where}")
-                break
+        mine_full = None
+        for i, (layout, got) in enumerate(reports):
+            ranks = ""
+            if layout is not None:      # one digest per TP rank, of the pieces that rank serves
+                mine = [rank_digest(layout, name, r, lambda pl: t[pl.src]) for r in range(layout.tp)]
+                bad = [r for r, (a, b) in enumerate(zip(mine, got[name])) if a != b]
+                if not bad and len(mine) == len(got[name]):
+                    continue
+                ranks = f" on TP rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+            else:
+                mine_full = mine_full or tensor_digest(name, t)
+                if got[name] == mine_full:
+                    continue
+            where = ""
+            try:
+                where = "; " + first_difference(t, engines[i].get_weights_by_name(name))
+            except Exception as exc:  # noqa: BLE001 - the name is what matters
+                where = f" (reading it back failed: {type(exc).__name__}: {exc})"
+            err = (f"after sync {step} engine {i} serves {name!r} different from the "
+                   f"trainer's{ranks}{where}")
+            break
         del t
     figures = {"verify": config.verify, "verify_tensors": checked,
                "verify_s": time.perf_counter() - t0}

@@ -169,8 +169,46 @@ def test_verify_every_method_and_disk_through_the_manager(tmp_path):
             # the wrong tensor is named on every rank, with its first differing element
             assert "verify='full'" in rec["bad"] and repr(WRONG) in rec["bad"], (method, rank, rec)
             assert "flat index 5 of" in rec["bad"], rec["bad"]
+            assert "on TP rank 0;" in rec["bad"], rec["bad"]    # column 5 of down_proj: rank 0's
         if method == "disk":     # disk_keep=1: only the newest of the two versions stays
             assert results[0][method]["listing"] == ["step_1"]
+
+
+def test_rank_digests_match_the_trainers_pieces_and_name_the_rank():
+    """`layout.rank_digest`, as a worker computes it from its own parameters and as verify
+    recomputes it from a full tensor, agrees on every tensor and rank (tied and untied, TP 1/2/4);
+    a wrong replica on one rank only (a norm, which gathering would skip) changes that rank's
+    digest only, and so does one wrong element of a sharded tensor."""
+    from fsdp_sync.layout import layout_for, rank_digest, shard_state_dict
+    from fsdp_sync.models import build_model, load_config
+
+    for tied in (False, True):
+        cfg = load_config("tiny")
+        cfg.tie_word_embeddings = tied
+        full = {n: p.detach() for n, p in build_model(cfg, seed=3).named_parameters()}
+        for tp in (1, 2, 4):
+            layout = layout_for(cfg, tp)
+            shards = [shard_state_dict(full, layout, r) for r in range(tp)]
+            names = list(full) + (["lm_head.weight"] if tied else [])
+
+            def engine_side(r, name):
+                return rank_digest(layout, name, r, lambda pl: shards[r][pl.engine][pl.dst])
+
+            def trainer_side(r, name):
+                t = full.get(name, full["model.embed_tokens.weight"])
+                return rank_digest(layout, name, r, lambda pl: t[pl.src])
+
+            for name in names:
+                assert [engine_side(r, name) for r in range(tp)] == \
+                    [trainer_side(r, name) for r in range(tp)], (tied, tp, name)
+            if tp == 2:
+                norm = "model.layers.0.input_layernorm.weight"
+                shards[1][norm][3] += 1.0           # rank 1's replica only
+                assert engine_side(0, norm) == trainer_side(0, norm)
+                assert engine_side(1, norm) != trainer_side(1, norm)
+                shards[0]["model.layers.1.mlp.down_proj.weight"][0, 2] += 1.0
+                name = "model.layers.1.mlp.down_proj.weight"
+                assert [engine_side(r, name) == trainer_side(r, name) for r in range(2)] == [False, True]
 
 
 # --------------------------------------------------------------------------- SGLang

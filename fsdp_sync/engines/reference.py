@@ -938,6 +938,19 @@ class ReferenceEngine:
                 batch, size = [], 0
         return out
 
+    def rank_digests(self, names: Sequence[str] | None = None) -> dict[str, list[str]]:
+        """``{name: [digest of TP rank 0, 1, ...]}`` for HF ``names`` (None: all): each worker
+        hashes the pieces of each tensor it serves (`layout.rank_digest`), so only the digests
+        leave the workers. ``SyncConfig.verify`` recomputes them from the trainer's full tensors
+        with ``self.layout``; far cheaper than `tensor_checksums`, which ships every full tensor."""
+        names = self.hf_names() if names is None else list(names)
+        bad = [n for n in names if not self.layout.accepts(n)]
+        if bad:
+            raise KeyError(f"unknown parameter(s) {bad[:3]}; this model's HF names are e.g. "
+                           f"{self.hf_names()[:3]}")
+        replies = self._call("rank_digests", {"names": names}, what="rank_digests")
+        return {n: [replies[r][n] for r in range(self.tp_size)] for n in names}
+
     # ------------------------------------------------------------------ test hooks
     def _receive_raw(self, group_name: str, nbytes: int, count: int, p2p: bool = False) -> None:
         """Benchmark hook: every worker receives ``count`` bare broadcasts (``p2p``: point-to-point

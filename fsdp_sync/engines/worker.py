@@ -43,7 +43,7 @@ import torch
 from .. import handles
 from ..faults import fault_point
 from ..bucket import dtype_name, entries_from_metadata, unflatten
-from ..layout import TPLayout
+from ..layout import TPLayout, rank_digest
 from .tp_model import Span, TPModel
 
 __all__ = ["main", "serve"]
@@ -410,10 +410,8 @@ class Worker:
     def _stage_disk(self, spec: dict, writes: list[_Write], seen: set[str]) -> None:
         """A checkpoint directory: verify this rank's share of the files against the manifest,
         then check every tensor's name, dtype and shape from the file headers and read only this
-        rank's slices (safetensors slices: no full tensor is materialized for a sharded one)."""
-        from safetensors import safe_open
-
-        from ..hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, verify_file
+        rank's slices (`SliceReader`: no full tensor is materialized for a sharded one)."""
+        from ..hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, verify_file
 
         directory = spec["dir"]
         for file, sha in spec["verify"].items():
@@ -426,7 +424,7 @@ class Worker:
         for file in spec["files"]:
             path = os.path.join(directory, file)
             try:
-                with safe_open(path, framework="pt", device="cpu") as f:
+                with SliceReader(path) as f:   # not safe_open's slices: they leak (see SliceReader)
                     names = list(f.keys())
                     if index is not None:
                         listed = {n for n, fl in index.items() if fl == file}
@@ -444,7 +442,7 @@ class Worker:
                             raise WorkerError(KIND_UPDATE, f"{path}: tensor {name!r} appears twice in "
                                                            f"the checkpoint (TP rank {self.rank})", name)
                         seen.add(name)
-                        self._disk_writes(path, name, f.get_slice(name), writes, SAFETENSORS_DTYPES)
+                        self._disk_writes(path, name, f, writes, SAFETENSORS_DTYPES)
             except WorkerError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a torn header, a short file: a refused update
@@ -482,25 +480,25 @@ class Worker:
                 except WorkerError as exc:
                     raise WorkerError(exc.kind, f"{path}: {exc}", name) from exc
 
-    def _disk_writes(self, path: str, name: str, sl: Any, out: list[_Write], dtypes: dict) -> None:
+    def _disk_writes(self, path: str, name: str, f: Any, out: list[_Write], dtypes: dict) -> None:
         if not self.layout.accepts(name):
             raise WorkerError(KIND_UPDATE, f"{path}: unknown parameter {name!r} on TP rank {self.rank}: "
                                            f"not a {self.layout.spec.model_type} parameter name of this "
                                            f"model (e.g. {self.layout.hf_names()[1]!r})", name)
-        code = sl.get_dtype()
+        code = f.dtype_code(name)
         dtype = dtypes.get(code)
         if dtype != self.dtype:
             raise WorkerError(KIND_UPDATE, f"{path}: expected dtype {dtype_name(self.dtype)} for {name!r} "
                                            f"on TP rank {self.rank}, got {dtype_name(dtype) if dtype else code}",
                               name)
-        shape = tuple(int(x) for x in sl.get_shape())
+        shape = f.shape(name)
         want = tuple(self.layout.full_shape(name))
         if shape != want:
             raise WorkerError(KIND_UPDATE, f"{path}: expected shape {_fmt_shape(want)} for {name!r} on "
                                            f"TP rank {self.rank}, got {_fmt_shape(shape)}", name)
         placements = self.layout.placements(name, self.rank)
         for pl in placements:
-            piece = sl[pl.src]
+            piece = f.read(name, pl.src)
             self.bytes_read += piece.numel() * piece.element_size()
             out.append(_Write(pl.engine, pl.dst, piece, (name,)))
         if not placements and name in self.hf_set:
@@ -698,6 +696,17 @@ class Worker:
                          for pl in self.layout.placements(name_src, self.rank) if pl.owner]
         return out
 
+    def rank_digests(self, names: list[str]) -> dict:
+        """``{name: layout.rank_digest}`` of the pieces of each HF tensor this rank serves."""
+        self._require_weights()
+        bad = [n for n in names if not self.layout.accepts(n)]
+        if bad:
+            raise WorkerError(KIND_OTHER, f"unknown parameter {bad[0]!r}; HF names of this model are "
+                                          f"e.g. {self.layout.hf_names()[:2]}")
+        params = self.model.params
+        return {n: rank_digest(self.layout, n, self.rank, lambda pl: params[pl.engine][pl.dst])
+                for n in names}
+
     def shard_checksum(self) -> str:
         h = hashlib.sha256()
         if self.weights_released:
@@ -738,6 +747,8 @@ class Worker:
             return self.memory_stats()
         if cmd == "shard_checksum":
             return self.shard_checksum()
+        if cmd == "rank_digests":
+            return self.rank_digests(args["names"])
         if cmd == "join_group":
             return self.join_group(args)
         if cmd == "leave_group":
