@@ -49,7 +49,9 @@ def test_worker_env_drops_the_launchers_process_group():
     env = {**LAUNCHER, "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1,0", "FSDP_SYNC_RECIPES": "/r",
            "OMP_NUM_THREADS": "1"}
     assert procs.worker_env(env) == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1,0",
-                                     "FSDP_SYNC_RECIPES": "/r", "OMP_NUM_THREADS": "1"}
+                                     "FSDP_SYNC_RECIPES": "/r", "OMP_NUM_THREADS": "1",
+                                     "TORCH_FR_BUFFER_SIZE": "0"}      # flight recorder off by default
+    assert procs.worker_env({**env, "TORCH_FR_BUFFER_SIZE": "2000"})["TORCH_FR_BUFFER_SIZE"] == "2000"
 
 
 @pytest.mark.timeout(120)

@@ -18,7 +18,10 @@ The child's environment is the caller's minus what a launcher set for the *train
 group (`launcher_env_names`): torchrun and ``accelerate launch`` export ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` and ``TORCHELASTIC_USE_AGENT_STORE=True``; a worker that inherits
 the last one joins its own process group as a client of a store nobody serves and times out.
-Device selection (``CUDA_VISIBLE_DEVICES``) and everything else is kept.
+Device selection (``CUDA_VISIBLE_DEVICES``) and everything else is kept, except that torch's
+collective flight recorder is off in the workers unless the caller set ``TORCH_FR_BUFFER_SIZE``:
+it keeps the last 2000 collectives of every process group for hang dumps (about 1 MiB a group,
+filling over the first ~170 syncs of the distributed method), and a worker never dumps it.
 
 Not here: what a worker does (`worker`), or talking to it (`reference`).
 """
@@ -73,10 +76,12 @@ def launcher_env_names(env: Mapping[str, str]) -> list[str]:
 
 
 def worker_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) without the launcher's process-group variables."""
+    """``env`` (default: this process's) without the launcher's process-group variables, with
+    torch's flight recorder off unless ``env`` sets ``TORCH_FR_BUFFER_SIZE``."""
     env = dict(os.environ if env is None else env)
     for k in launcher_env_names(env):
         del env[k]
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "0")     # see the module docstring
     return env
 
 
