@@ -35,6 +35,7 @@ def _sglang_worker(conn) -> None:
                 for pg in groups.values():
                     dist.destroy_process_group(pg)
                 conn.send((True, received))
+                conn.recv()   # the tensors travel as fds this process serves: exit once they arrived
                 return
             if cmd == "init_weights_update_group":
                 groups[kw["group_name"]] = init_custom_process_group(
@@ -123,6 +124,7 @@ def test_sglang_receives_our_broadcast_bit_exact(fmt):
         manager.close()
         ours.send(("stop", {}))
         ok, received = ours.recv()
+        ours.send(("bye", {}))
         assert ok
     finally:
         proc.join(timeout=30)
