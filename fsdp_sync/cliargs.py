@@ -53,6 +53,16 @@ def positive_int(text: str) -> int:
     return v
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
 def positive_float(text: str) -> float:
     try:
         v = float(text)
