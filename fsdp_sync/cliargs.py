@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["Parser", "positive_int", "positive_float", "nonnegative_float", "on_off", "csv_of",
+__all__ = ["Parser", "positive_int", "non_negative_int", "positive_float", "nonnegative_float", "on_off", "csv_of",
            "device", "dtype_name", "model_spec", "existing_file", "explicit_dests", "DefaultsFormatter"]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -43,44 +43,25 @@ def _named(fn: Callable, name: str) -> Callable:
     return fn
 
 
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+def _number(cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str, name: str) -> Callable:
+    """An argparse ``type=`` that casts the text and keeps it only if ``ok``; else "expected ..."."""
+
+    def check(text: str) -> Any:
+        try:
+            v = cast(text)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return v
+
+    return _named(check, name)
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
-
-
-def nonnegative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+positive_int = _number(int, lambda v: v >= 1, "a positive integer", "positive_int")
+non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0", "non_negative_int")
+positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number", "positive_float")
+nonnegative_float = _number(float, lambda v: v >= 0, "a number >= 0", "nonnegative_float")
 
 
 def on_off(text: str) -> bool:

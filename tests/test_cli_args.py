@@ -37,6 +37,8 @@ BAD = [
     ("bench --preset quick --recipe recipes/memory_tuning/targets.yaml", ["--recipe", "--preset"]),
     ("bench --preset nope", ["--preset", "quick, targets"]),
     ("bench --preset quick --ranks 3", ["--ranks", "--tp"]),
+    ("soak --warmup -1", ["--warmup", "integer >= 0", "'-1'"]),
+    ("soak --syncs 0", ["--syncs", "positive integer"]),
 ] + ([] if CUDA else [("demo --device cuda", ["--device", "no CUDA"]),
                       ("bench --device cuda", ["--device", "no CUDA"]),
                       ("bench --recipe recipes/memory_tuning/targets.yaml --device cuda",
