@@ -459,32 +459,12 @@ class TensorTransport:
 
     def _one_call(self, call: _Call) -> None:
         """Gather this rank's payloads to infer-TP rank 0, call the engine there, agree, free."""
-        topo = self.topo
-        err = None
+        err: str | None = "failed"
         try:
-            gathered = gather_to_src(call.wire, topo)
-            if topo.is_tp_src:
-                try:
-                    named = call.to_named(gathered)
-                    if isinstance(named, _RankBucketCall):
-                        self.engine.load_rank_bucket(named.bucket, named.payloads,
-                                                     flush_cache=call.last)
-                    else:
-                        self.engine.update_weights_from_tensor(named, load_format=call.load_format,
-                                                               flush_cache=call.last)
-                    self.stats.engine_calls += 1
-                except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-                    err = (f"engine update of {call.what} on {topo.describe()}: "
-                           f"{type(exc).__name__}: {exc}")
+            gathered = gather_to_src(call.wire, self.topo)
+            err = self._engine_call(call, gathered) if self.topo.is_tp_src else None
             agree(err, what="weight sync")
         finally:
-            for s in call.sets:
-                # Acknowledgements are checked without a collective of their own: a missing one
-                # fails this rank's stage, and the stage's closing `agree` tells every rank.
-                missing = [s.ranks[i] for i in s.unacknowledged()]
-                if missing and err is None and self._unacked is None:
-                    self._unacked = (f"engine answered for {call.what} but consumer ranks {missing} "
-                                     f"never acknowledged their payloads ({topo.describe()})")
-                s.release(require_ack=False)
-            if call.on_release is not None:
-                call.on_release()
+            # Acknowledgements are checked without a collective of their own: a missing one
+            # fails this rank's stage, and the stage's closing `agree` tells every rank.
+            self._release(call, err)
