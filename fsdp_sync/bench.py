@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -187,6 +187,22 @@ class DeviceSampler:
 
 # --------------------------------------------------------------------------- one job on N ranks
 
+def _median_seconds(body: Callable[[], None], dev: str, repeats: int) -> float:
+    """Median wall time of ``body`` over ``repeats`` runs after one warm-up run (not counted): the
+    ranks start each run together (a barrier) and a run ends when the device is done with it."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        body()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def _floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, repeats: int) -> float:
     """A bare all-gather of ``total_bytes`` over the world in bucket-sized pieces, plus one copy of
     a TP rank's shard (``total_bytes / tp``): what any sync must at least do."""
@@ -203,19 +219,15 @@ def _floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, re
     dst = torch.empty(shard, dtype=torch.uint8, device=dev)
     src.fill_(1)
     dst.fill_(0)  # touch the pages once, as a loaded engine's weights are
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def body() -> None:
         left = total_bytes
         while left > 0:
             dist.all_gather_into_tensor(recv, send)
             left -= piece
         dst.copy_(src)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+
+    return _median_seconds(body, dev, repeats)
 
 
 def _floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
@@ -232,17 +244,13 @@ def _floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
     into = torch.zeros_like(mine)
     src = torch.ones(shard if shard is not None else total_bytes // tp, dtype=torch.uint8, device=dev)
     dst = torch.zeros_like(src)
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def body() -> None:
         into.copy_(mine)
         dist.barrier()
         dst.copy_(src)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+
+    return _median_seconds(body, dev, repeats)
 
 
 def _floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, device: str,
@@ -265,18 +273,14 @@ def _floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, devi
     into = torch.zeros_like(mine)
     src = torch.ones(shard, dtype=torch.uint8, device=dev)
     dst = torch.zeros_like(src)
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def body() -> None:
         into.copy_(mine)
         for _ in range(n):
             dist.all_to_all_single(recv, send, sizes, sizes)
         dst.copy_(src)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+
+    return _median_seconds(body, dev, repeats)
 
 
 def _layout_figures(model: Any, cfg: Any, job: "Job", stats: Any, share: bool) -> dict:
@@ -373,13 +377,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                 pairs = [(pids[r], workers[j] if j < len(workers) else None)
                          for j, r in enumerate(topo.tp_ranks)]
                 sampler = DeviceSampler(pairs)
-            dist.barrier()
-            if sampler:
-                sampler.__enter__()
-            with manager:
-                pass
-            if sampler:
-                sampler.__exit__(None, None, None)
+            _sampled_sync(manager, sampler)
             progress.update(f"{strategy} {bucket_mb:g} MiB: floor")
             # the floor is noisier than the sync (one big transfer): give it more repeats
             lay = _layout_figures(model, cfg, job, stats, share and strategy == "flattened")
@@ -420,6 +418,36 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     return {"rows": rows}
 
 
+def _sampled_sync(manager: Any, sampler: DeviceSampler | None) -> None:
+    """One more sync, the ranks starting it together, with ``sampler`` (rank 0's; None on the other
+    ranks) sampling memory from before it begins until it is done."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if sampler:
+        sampler.__enter__()
+    with manager:
+        pass
+    if sampler:
+        sampler.__exit__(None, None, None)
+
+
+def _rises(timeline: list[dict], sampler: DeviceSampler) -> list:
+    """Per sampled process, the largest rise of its memory during the sync stage (``sync_weights``
+    in ``timeline``; every sample when there is none) above its level before the stage: the last
+    sample taken before the stage began (the first sample when none was). ``sampler`` has samples."""
+    t0 = t1 = None
+    for st in timeline:
+        if st["name"] == "sync_weights":
+            t0 = st["started"] - sampler.t0
+            t1 = t0 + st["seconds"]
+    samples = sampler.samples
+    before = [s for ts, s in samples if t0 is not None and ts <= t0] or [samples[0][1]]
+    during = [s for ts, s in samples if t0 is not None and t0 <= ts <= t1] or [s for _, s in samples]
+    base = before[-1]
+    return [max(s[j] - base[j] for s in during) for j in range(len(base))]
+
+
 def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, stats, secs, secs_med,
          floor: float, manager, sampler: DeviceSampler | None) -> dict:
     from .export import param_metas
@@ -429,19 +457,8 @@ def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, 
     timeline = manager.timeline.to_dict()
     peak_extra, curve = 0, []
     if sampler is not None and sampler.samples:
-        # level before the sync: the last sample taken before the sync stage began
-        t_sync0 = t_sync1 = None
-        for st in timeline:
-            if st["name"] == "sync_weights":
-                t_sync0 = st["started"] - sampler.t0
-                t_sync1 = t_sync0 + st["seconds"]
-        samples = sampler.samples
-        before = [s for ts, s in samples if t_sync0 is not None and ts <= t_sync0] or [samples[0][1]]
-        during = [s for ts, s in samples if t_sync0 is not None and t_sync0 <= ts <= t_sync1] or \
-            [s for _, s in samples]
-        base = before[-1]
-        peak_extra = max(max(s[j] - base[j] for j in range(len(base))) for s in during)
-        curve = [[round(ts, 5), int(sum(s))] for ts, s in samples]
+        peak_extra = max(_rises(timeline, sampler))
+        curve = [[round(ts, 5), int(sum(s))] for ts, s in sampler.samples]
         for st in timeline:
             st["t"] = round(st["started"] - sampler.t0, 5)
     return {

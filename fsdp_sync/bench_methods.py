@@ -89,7 +89,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     """This job's rows of ``method`` (returned on rank 0; [] elsewhere)."""
     import torch.distributed as dist
 
-    from .bench import DeviceSampler
+    from .bench import DeviceSampler, _sampled_sync
     from .config import SyncConfig
     from .engines import ReferenceEngine
     from .manager import FSDPShardingManager
@@ -147,13 +147,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 if rank == 0:
                     workers = list(getattr(engine, "worker_pids", []) or [])
                     sampler = DeviceSampler([(p, None) for p in list(pids) + workers])
-                dist.barrier()
-                if sampler:
-                    sampler.__enter__()
-                with manager:
-                    pass
-                if sampler:
-                    sampler.__exit__(None, None, None)
+                _sampled_sync(manager, sampler)
                 lay = None
                 if method == "distributed":
                     from .bench import _layout_figures
@@ -200,19 +194,12 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
 
 def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floor, manager, sampler,
          largest) -> dict:
+    from .bench import _rises
+
     timeline = manager.timeline.to_dict()
     peak, peaks = 0, []
     if sampler is not None and sampler.samples:
-        t0 = t1 = None
-        for st in timeline:
-            if st["name"] == "sync_weights":
-                t0 = st["started"] - sampler.t0
-                t1 = t0 + st["seconds"]
-        before = [s for ts, s in sampler.samples if t0 is not None and ts <= t0] or [sampler.samples[0][1]]
-        during = [s for ts, s in sampler.samples if t0 is not None and t0 <= ts <= t1] or \
-            [s for _, s in sampler.samples]
-        base = before[-1]
-        peaks = [max(s[j] - base[j] for s in during) for j in range(len(base))]
+        peaks = _rises(timeline, sampler)
         peak = max(peaks)
     return {
         "method": method, "strategy": f"{method}:{fmt}", "model": job.model, "params": params,

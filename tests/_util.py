@@ -159,3 +159,58 @@ class Consumer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- multi-process sync jobs
+
+def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts, refusing,
+              make_manager, drop_extra=(), watch=None, after_sync=None) -> list[dict]:
+    """One training step and one sync per entry of ``syncs`` (SyncConfig overrides) on ``module``,
+    a record per sync; ``engine`` (None on ranks that hold none) is shut down at the end.
+
+    An entry's ``"engine"`` key hands the sync ``refusing(engine)`` (an engine that does not take
+    per-rank data) instead of the engine; ``make_manager(wrapped, step, kw)`` builds the manager.
+    A record: ``case``, ``step``, ``kw`` (the overrides less ``"engine"``) and ``extra`` (the
+    manager's stats.extra less ``drop_extra``); where an engine is held, ``exact`` (its weights equal
+    the trainer's bit for bit) and ``diff`` (largest logit difference to the trainer's forward on
+    ``prompts``), then what ``after_sync(manager, rec)`` adds. A SyncError instead: ``error``,
+    ``kept`` (the engine still serves the weights it had; None without an engine) and, with
+    ``watch`` (a callable reading state a refused sync must not touch), ``unchanged``.
+    """
+    from fsdp_sync import export
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.trainer import last_logits, synthetic_batch, train_step
+
+    out = []
+    try:
+        for step, kw in enumerate(syncs):
+            kw = dict(kw)
+            wrapped = engine if kw.pop("engine", None) is None or engine is None else refusing(engine)
+            train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
+            before = engine.weights_checksum() if engine is not None else None
+            watched = watch() if watch is not None else None
+            manager = make_manager(wrapped, step, kw)
+            rec = {"case": case, "step": step, "kw": kw}
+            try:
+                with manager:
+                    ref = last_logits(module, prompts)
+                    trainer = checksum_named_tensors(export.iter_params(module, dtype=torch.float32))
+                    rec["extra"] = {k: v for k, v in manager.stats.extra.items() if k not in drop_extra}
+                    if engine is not None:
+                        rec["exact"] = engine.weights_checksum() == trainer
+                        rec["diff"] = float((engine.forward_logits(prompts).float() - ref).abs().max())
+                        if after_sync is not None:
+                            after_sync(manager, rec)
+            except SyncError as exc:
+                rec["error"] = str(exc)
+                rec["kept"] = engine.weights_checksum() == before if engine is not None else None
+                if watch is not None:
+                    rec["unchanged"] = watch() == watched
+            finally:
+                manager.close()
+            out.append(rec)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return out

@@ -52,14 +52,13 @@ CASES = [
 
 
 def _job(rank, world, root):
-    from fsdp_sync import export
+    from _util import run_syncs
+
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.engines import ReferenceEngine
-    from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.topology import SyncError
-    from fsdp_sync.trainer import last_logits, synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     out = []
@@ -69,40 +68,22 @@ def _job(rank, world, root):
         opt = torch.optim.SGD(module.parameters(), lr=1e-1)
         engine = ReferenceEngine(model_config=cfg, tp_size=tp, dtype=torch.float32) if rank == 0 else None
         disk_dir = os.path.join(root, f"case{c}")
-        try:
-            for step, kw in enumerate(syncs):
-                kw = dict(kw)
-                wrapped = engine if kw.pop("engine", None) is None or engine is None \
-                    else _NoRankCheckpoints(engine)
-                train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
-                before = engine.weights_checksum() if engine is not None else None
-                listing = sorted(os.listdir(disk_dir)) if os.path.isdir(disk_dir) else []
-                manager = FSDPShardingManager(module, [wrapped] if engine is not None else None,
-                                              config=SyncConfig(
-                    method="disk", disk_dir=disk_dir, dtype=torch.float32, bucket_bytes=24 << 10,
-                    free_cache_engine=False, **kw))
-                manager.step = step      # a fresh manager per sync: name the version by the sync
-                rec = {"case": c, "step": step, "kw": kw}
-                try:
-                    with manager:
-                        ref = last_logits(module, PROMPTS)
-                        trainer = checksum_named_tensors(export.iter_params(module, dtype=torch.float32))
-                        rec["extra"] = {k: v for k, v in manager.stats.extra.items() if k != "pruned"}
-                        if engine is not None:
-                            rec["exact"] = engine.weights_checksum() == trainer
-                            rec["diff"] = float((engine.forward_logits(PROMPTS).float() - ref).abs().max())
-                            rec["files"] = sorted(os.listdir(manager.stats.extra["path"]))
-                except SyncError as exc:
-                    rec["error"] = str(exc)
-                    rec["kept"] = engine.weights_checksum() == before if engine is not None else None
-                    rec["unchanged"] = (sorted(os.listdir(disk_dir)) if os.path.isdir(disk_dir)
-                                        else []) == listing
-                finally:
-                    manager.close()
-                out.append(rec)
-        finally:
-            if engine is not None:
-                engine.shutdown()
+
+        def make_manager(wrapped, step, kw):     # called within this case only
+            manager = FSDPShardingManager(module, [wrapped] if engine is not None else None,
+                                          config=SyncConfig(
+                method="disk", disk_dir=disk_dir, dtype=torch.float32, bucket_bytes=24 << 10,
+                free_cache_engine=False, **kw))
+            manager.step = step      # a fresh manager per sync: name the version by the sync
+            return manager
+
+        def files(manager, rec):
+            rec["files"] = sorted(os.listdir(manager.stats.extra["path"]))
+
+        out += run_syncs(rank, c, module, opt, cfg, engine, syncs, prompts=PROMPTS,
+                         refusing=_NoRankCheckpoints, make_manager=make_manager,
+                         drop_extra=("pruned",), after_sync=files,
+                         watch=lambda: sorted(os.listdir(disk_dir)) if os.path.isdir(disk_dir) else [])
         del module, opt
     return out
 

@@ -61,14 +61,14 @@ CASES = [
 
 
 def _job(rank, world):
-    from fsdp_sync import export
+    from _util import run_syncs
+
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.engines import ReferenceEngine
-    from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.topology import SyncError, SyncTopology, make_mesh
-    from fsdp_sync.trainer import last_logits, synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.topology import SyncTopology, make_mesh
+    from fsdp_sync.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     out = []
@@ -82,33 +82,14 @@ def _job(rank, world):
             mesh = make_mesh(dp, tp)
             holder = SyncTopology.from_mesh(mesh).is_tp_src
         engine = ReferenceEngine(model_config=cfg, tp_size=tp, dtype=torch.float32) if holder else None
-        try:
-            for step, kw in enumerate(syncs):
-                kw = dict(kw)
-                wrapped = engine if kw.pop("engine", None) is None or engine is None else _NoRankBuckets(engine)
-                train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
-                before = engine.weights_checksum() if engine is not None else None
-                manager = FSDPShardingManager(module, wrapped, mesh=mesh, config=SyncConfig(
-                    dtype=torch.float32, bucket_bytes=24 << 10, free_cache_engine=False,
-                    dist_timeout_s=60, **kw))
-                rec = {"case": c, "step": step, "kw": kw}
-                try:
-                    with manager:
-                        ref = last_logits(module, PROMPTS)
-                        trainer = checksum_named_tensors(export.iter_params(module, dtype=torch.float32))
-                        rec["extra"] = dict(manager.stats.extra)
-                        if engine is not None:
-                            rec["exact"] = engine.weights_checksum() == trainer
-                            rec["diff"] = float((engine.forward_logits(PROMPTS).float() - ref).abs().max())
-                except SyncError as exc:
-                    rec["error"] = str(exc)
-                    rec["kept"] = engine.weights_checksum() == before if engine is not None else None
-                finally:
-                    manager.close()
-                out.append(rec)
-        finally:
-            if engine is not None:
-                engine.shutdown()
+
+        def make_manager(wrapped, step, kw):     # called within this case only
+            return FSDPShardingManager(module, wrapped, mesh=mesh, config=SyncConfig(
+                dtype=torch.float32, bucket_bytes=24 << 10, free_cache_engine=False,
+                dist_timeout_s=60, **kw))
+
+        out += run_syncs(rank, c, module, opt, cfg, engine, syncs, prompts=PROMPTS,
+                         refusing=_NoRankBuckets, make_manager=make_manager)
         del module, opt
     return out
 

@@ -68,7 +68,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -139,6 +139,59 @@ def _write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Ten
     ckpt.fsync_file(path)
     sha, size = ckpt.sha256_file(path)
     return {"file": file, "sha256": sha, "bytes": size, "names": list(bkt.names)}
+
+
+class _OneWriter:
+    """One writer thread over a collective bucket stream: at most one bucket is being written
+    (`submit` waits for the previous one first) while the stream produces the next. The first
+    error is kept (`fail`); after it the caller keeps consuming the stream, which is collective
+    (a rank that stopped would leave its peers waiting), and submits nothing more."""
+
+    def __init__(self, what: str, planned: int) -> None:
+        self.what, self.planned = what, planned      # what yields the buckets, how many it should
+        self.records: list[dict] = []
+        self.err: BaseException | None = None
+        self.count = 0
+        self._pending: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_sync-disk-writer")
+
+    def fail(self, exc: BaseException) -> None:
+        self.err = self.err or exc
+
+    def collect(self) -> None:
+        """Wait for the bucket being written, if any, and keep its records (raises its error)."""
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            self.records.extend(fut.result())
+
+    def submit(self, fn: Callable[..., list[dict]], *args: Any) -> None:
+        self.collect()
+        self._pending = self._pool.submit(fn, *args)
+
+    def drive(self, stream: Iterable, body: Callable[[Any], None]) -> tuple[list[dict],
+                                                                              BaseException | None]:
+        """``body(item)`` for every item of ``stream`` (it catches its own errors into `fail`), then
+        the last write is waited for; returns the records and the first error, a count of buckets
+        other than the planned one included."""
+        try:
+            for item in stream:
+                self.count += 1
+                body(item)
+                del item        # not alive while the stream makes the next bucket
+            try:
+                self.collect()
+            except Exception as exc:   # noqa: BLE001
+                self.fail(exc)
+        except Exception as exc:   # noqa: BLE001 - stream failures come as the same SyncError
+            self.fail(exc)
+        finally:
+            if self._pending is not None:
+                self._pending.cancel()
+            self._pool.shutdown(wait=True)
+        if self.err is None and self.count != self.planned:
+            self.err = RuntimeError(f"{self.what} yielded {self.count} buckets, {self.planned} "
+                                    f"were planned")
+        return self.records, self.err
 
 
 class DiskTransport:
@@ -403,60 +456,36 @@ class DiskTransport:
         files are written on a thread while the next bucket is cut (two buffer sets rotate)."""
         cfg = ctx.config
         tp = layout.tp
-        records: list[dict] = []
-        err: BaseException | None = None
-        pending: Future | None = None
-        count = 0
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_sync-disk-writer")
+        w = _OneWriter("reshard", parts)
         owners = [[writers[i % len(writers)]] for i in range(tp)]
 
         def write_all(jobs: list) -> list[dict]:
             return [_write_shard(tmp, ckpt.rank_file_name(i, k), bkt, flat) | {"rank": i, "part": k}
                     for i, k, bkt, flat in jobs]
 
+        def write(rb: Any) -> None:
+            k = rb.index
+            self.host_shared |= rb.shared
+            everywhere = st.path != "all-to-all"
+            jobs = [(i, k, rb.bucket, flat) for i, flat in sorted(rb.buffers.items())
+                    if not everywhere or writers[(k * tp + i) % len(writers)] == rank]
+            try:
+                # bucket k-1's files are written before bucket k+1 is asked for: its buffers
+                # (host-shared set (k-1) % 2) are rewritten by bucket k+1
+                w.collect()
+                if w.err is None and jobs:
+                    if k >= parts:
+                        raise RuntimeError(f"reshard yielded more buckets than the {parts} planned")
+                    w.submit(write_all, jobs)
+            except Exception as exc:   # noqa: BLE001 - keep consuming: the stream is collective
+                w.fail(exc)
+
         self.host_shared = False
-        try:
-            stream = reshard.iter_rank_buckets(
-                ctx.module, layout, cfg.bucket_bytes, dtype=cfg.dtype,
-                fsdp1_state_dict=cfg.fsdp1_state_dict,
-                share_host_memory=bool(getattr(cfg, "share_host_memory", False)),
-                owners=owners, alloc=_plain_alloc, stats=st, host_sets=2)
-            for rb in stream:
-                k = rb.index
-                count += 1
-                self.host_shared |= rb.shared
-                everywhere = st.path != "all-to-all"
-                jobs = [(i, k, rb.bucket, flat) for i, flat in sorted(rb.buffers.items())
-                        if not everywhere or writers[(k * tp + i) % len(writers)] == rank]
-                del rb
-                try:
-                    # bucket k-1's files are written before bucket k+1 is asked for: its buffers
-                    # (host-shared set (k-1) % 2) are rewritten by bucket k+1
-                    if pending is not None:
-                        fut, pending = pending, None
-                        records.extend(fut.result())
-                    if err is None and jobs:
-                        if k >= parts:
-                            raise RuntimeError(f"reshard yielded more buckets than the {parts} planned")
-                        pending = pool.submit(write_all, jobs)
-                except Exception as exc:   # noqa: BLE001 - keep consuming: the stream is collective
-                    err = err or exc
-                del jobs
-            if pending is not None:
-                try:
-                    records.extend(pending.result())
-                except Exception as exc:   # noqa: BLE001
-                    err = err or exc
-                pending = None
-        except Exception as exc:   # noqa: BLE001 - reshard failures come as the same SyncError
-            err = err or exc
-        finally:
-            if pending is not None:
-                pending.cancel()
-            pool.shutdown(wait=True)
-        if err is None and count != parts:
-            err = RuntimeError(f"reshard yielded {count} buckets, {parts} were planned")
-        return records, err
+        return w.drive(reshard.iter_rank_buckets(
+            ctx.module, layout, cfg.bucket_bytes, dtype=cfg.dtype,
+            fsdp1_state_dict=cfg.fsdp1_state_dict,
+            share_host_memory=bool(getattr(cfg, "share_host_memory", False)),
+            owners=owners, alloc=_plain_alloc, stats=st, host_sets=2), write)
 
     def _publish_ranked(self, ctx: Any, tmp: str, final: str, records: list[dict], layout: Any,
                         parts: int, metas: list) -> None:
@@ -490,11 +519,7 @@ class DiskTransport:
         """Gather every bucket (collective: every rank runs the whole stream even after a local
         write failure) and write this rank's own; returns its file records and its error."""
         cfg = ctx.config
-        records: list[dict] = []
-        err: BaseException | None = None
-        pending: Future | None = None
-        count = 0
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_sync-disk-writer")
+        w = _OneWriter("export", n_files)
         mine: list[torch.Tensor] = []
         self.host_shared = False
 
@@ -502,51 +527,32 @@ class DiskTransport:
             mine[:] = [_plain_alloc(nbytes)]
             return mine[0]
 
-        try:
-            # share_host_memory: on one host the ranks fill one shared buffer (no all-gather); it
-            # is reused by the next bucket, so the owner copies its bucket out before writing it
-            stream = export.iter_buckets(ctx.module, cfg.bucket_bytes, dtype=cfg.dtype,
-                                         fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=alloc,
-                                         share_host_memory=bool(getattr(cfg, "share_host_memory",
-                                                                        False)))
-            for k, (bkt, flat) in enumerate(stream):
-                count += 1
-                own = writers[k % len(writers)] == rank
-                shared = not (mine and flat is mine[0])
-                mine.clear()
-                self.host_shared |= shared
-                if err is not None or not own:
-                    del flat
-                    continue        # keep consuming: the stream is collective
-                try:                # a local failure must not leave the peers in a collective
-                    if k >= n_files:
-                        raise RuntimeError(f"export yielded more buckets than the {n_files} "
-                                           f"planned from param_metas")
-                    if shared:
-                        flat = flat.clone()
-                    if pending is not None:     # at most one bucket being written
-                        fut, pending = pending, None
-                        records.append(fut.result())
-                    pending = pool.submit(_write_shard, tmp, ckpt.shard_file_name(k, n_files),
-                                          bkt, flat)
-                except Exception as exc:   # noqa: BLE001
-                    err = exc
-                del flat
-            if pending is not None:
-                try:
-                    records.append(pending.result())
-                except Exception as exc:   # noqa: BLE001
-                    err = err or exc
-                pending = None
-        except Exception as exc:   # noqa: BLE001 - export failures come as the same SyncError
-            err = err or exc
-        finally:
-            if pending is not None:
-                pending.cancel()
-            pool.shutdown(wait=True)
-        if err is None and count != n_files:
-            err = RuntimeError(f"export yielded {count} buckets, {n_files} were planned")
-        return records, err
+        def write_one(file: str, bkt: _bucket.Bucket, flat: torch.Tensor) -> list[dict]:
+            return [_write_shard(tmp, file, bkt, flat)]
+
+        def write(item: tuple) -> None:
+            k, (bkt, flat) = item
+            own = writers[k % len(writers)] == rank
+            shared = not (mine and flat is mine[0])
+            mine.clear()
+            self.host_shared |= shared
+            if w.err is not None or not own:
+                return              # keep consuming: the stream is collective
+            try:                    # a local failure must not leave the peers in a collective
+                if k >= n_files:
+                    raise RuntimeError(f"export yielded more buckets than the {n_files} "
+                                       f"planned from param_metas")
+                if shared:
+                    flat = flat.clone()
+                w.submit(write_one, ckpt.shard_file_name(k, n_files), bkt, flat)  # at most one
+            except Exception as exc:   # noqa: BLE001
+                w.fail(exc)
+
+        # share_host_memory: on one host the ranks fill one shared buffer (no all-gather); it
+        # is reused by the next bucket, so the owner copies its bucket out before writing it
+        return w.drive(enumerate(export.iter_buckets(
+            ctx.module, cfg.bucket_bytes, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict,
+            alloc=alloc, share_host_memory=bool(getattr(cfg, "share_host_memory", False)))), write)
 
     def _publish(self, ctx: Any, tmp: str, final: str, records: list[dict], n_files: int,
                  metas: list) -> None:
