@@ -16,8 +16,9 @@ bytes are read through one private mmap, see the class for why).
 
 A per-rank version (``SyncConfig.layout="engine"``) holds, instead, one set of files per engine TP
 rank, each with only that rank's shard under the engine's own parameter names (`fsdp_sync.layout`:
-fused ``qkv_proj`` / ``gate_up_proj``, vocab rows with padding, ...), named as SGLang's
-``ShardedStateLoader`` names them:
+fused ``qkv_proj`` / ``gate_up_proj``, vocab rows with padding, ...; a tied model's embedding as
+``lm_head.weight``: `rank_tensor_name`), files and tensors named as SGLang's ``ShardedStateLoader``
+names them:
 
     model-rank-{rank}-part-{part}.safetensors   rank's shard, part = bucket number
     config.json                                 when the trained module has an HF config
@@ -52,7 +53,7 @@ __all__ = [
     "INDEX_FILE", "MANIFEST_FILE", "CONFIG_FILE", "MANIFEST_FORMAT", "SAFETENSORS_DTYPES",
     "CheckpointError", "ReadPlan", "shard_file_name", "sha256_file", "fsync_file", "fsync_dir",
     "write_json", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
-    "RankPlan", "is_ranked", "resolve_ranked", "read_verified",
+    "RankPlan", "is_ranked", "resolve_ranked", "read_verified", "rank_tensor_name", "engine_name_of",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -245,6 +246,23 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
 def rank_file_name(rank: int, part: int) -> str:
     """``model-rank-1-part-0.safetensors``: engine TP rank ``rank``'s ``part``-th file."""
     return RANK_FILE_PATTERN.format(rank=rank, part=part)
+
+
+_TIED_EMBED, _TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def rank_tensor_name(engine_name: str, tied: bool) -> str:
+    """The name engine parameter ``engine_name`` has in a per-rank file: SGLang's
+    ``ShardedStateLoader`` keys. They are the engine's names, except that a model with
+    ``tie_word_embeddings`` keeps its one embedding under ``lm_head.weight`` (SGLang's
+    ``_filter_subtensors`` keeps the smaller of two aliased keys), as SGLang's own ``save_model``
+    writes it and its loader requires it."""
+    return _TIED_HEAD if tied and engine_name == _TIED_EMBED else engine_name
+
+
+def engine_name_of(file_tensor_name: str, tied: bool) -> str:
+    """Inverse of `rank_tensor_name`."""
+    return _TIED_EMBED if tied and file_tensor_name == _TIED_HEAD else file_tensor_name
 
 
 @dataclass

@@ -78,7 +78,13 @@ def _job(rank, world, root):
             return manager
 
         def files(manager, rec):
-            rec["files"] = sorted(os.listdir(manager.stats.extra["path"]))
+            path = manager.stats.extra["path"]
+            rec["files"] = sorted(os.listdir(path))
+            if os.path.exists(os.path.join(path, "fsdp_sync_manifest.json")):
+                import json
+
+                with open(os.path.join(path, "fsdp_sync_manifest.json")) as f:
+                    rec["keys"] = sorted({n for e in json.load(f)["files"].values() for n in e.get("names", ())})
 
         out += run_syncs(rank, c, module, opt, cfg, engine, syncs, prompts=PROMPTS,
                          refusing=_NoRankCheckpoints, make_manager=make_manager,
@@ -129,6 +135,10 @@ def test_disk_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa(tmp_path):
                 if want == "engine":
                     assert len(ranked) == extra["files"] and "model.safetensors.index.json" not in rec["files"]
                     assert {f.split("-")[2] for f in ranked} == {str(i) for i in range(tp)}, rec
+                    # SGLang's sharded_state keys: a tied embedding is saved as lm_head.weight
+                    tied = recipe == "tiny-tied"
+                    assert ("lm_head.weight" in rec["keys"]) and (
+                        ("model.embed_tokens.weight" in rec["keys"]) != tied), rec["keys"]
                 else:
                     assert not ranked and "model.safetensors.index.json" in rec["files"], rec
 

@@ -454,7 +454,7 @@ class Worker:
         checked against the manifest's sha256 on the bytes read, and must hold exactly the tensor
         names the manifest lists for it; every tensor is checked as a ``direct`` update (engine
         name, this rank's shape, dtype). No other rank's file is opened."""
-        from ..hf_checkpoint import CheckpointError, read_verified
+        from ..hf_checkpoint import CheckpointError, engine_name_of, read_verified
 
         directory = spec["dir"]
         for file in spec["files"]:
@@ -470,13 +470,15 @@ class Worker:
                 raise WorkerError(KIND_UPDATE, f"{path}: holds other tensors than the manifest lists "
                                                f"for it (e.g. {diff[:2]}; TP rank {self.rank})",
                                   diff[0] if diff else None)
-            for name in listed:
+            tied = bool(self.layout.spec.tie_word_embeddings)
+            for key in listed:
+                name = engine_name_of(key, tied)     # a tied embedding is keyed lm_head.weight
                 if name in seen:
-                    raise WorkerError(KIND_UPDATE, f"{path}: tensor {name!r} appears twice in this "
+                    raise WorkerError(KIND_UPDATE, f"{path}: tensor {key!r} appears twice in this "
                                                    f"rank's files (TP rank {self.rank})", name)
                 seen.add(name)
                 try:
-                    self._direct_writes(name, tensors[name], writes)
+                    self._direct_writes(name, tensors[key], writes)
                 except WorkerError as exc:
                     raise WorkerError(exc.kind, f"{path}: {exc}", name) from exc
 

@@ -128,17 +128,20 @@ def _hf_config_json(module: torch.nn.Module, dtype: torch.dtype | None) -> dict 
     return d
 
 
-def _write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tensor) -> dict:
-    """One bucket as one safetensors file, fsynced; sha256 of what is on disk."""
+def _write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tensor,
+                 rename: Callable[[str], str] = str) -> dict:
+    """One bucket as one safetensors file, fsynced; sha256 of what is on disk. ``rename``: the
+    name each entry gets in the file (per-rank files: `hf_checkpoint.rank_tensor_name`)."""
     from safetensors.torch import save_file
 
     path = os.path.join(directory, file)
-    tensors = dict(_bucket.unflatten(flat, bkt.entries))
+    tensors = {rename(n): t for n, t in _bucket.unflatten(flat, bkt.entries)}
+    names = list(tensors)
     save_file(tensors, path, metadata={"format": "pt"})
     del tensors
     ckpt.fsync_file(path)
     sha, size = ckpt.sha256_file(path)
-    return {"file": file, "sha256": sha, "bytes": size, "names": list(bkt.names)}
+    return {"file": file, "sha256": sha, "bytes": size, "names": names}
 
 
 class _OneWriter:
@@ -459,8 +462,11 @@ class DiskTransport:
         w = _OneWriter("reshard", parts)
         owners = [[writers[i % len(writers)]] for i in range(tp)]
 
+        tied = bool(layout.spec.tie_word_embeddings)
+
         def write_all(jobs: list) -> list[dict]:
-            return [_write_shard(tmp, ckpt.rank_file_name(i, k), bkt, flat) | {"rank": i, "part": k}
+            return [_write_shard(tmp, ckpt.rank_file_name(i, k), bkt, flat,
+                                 lambda n: ckpt.rank_tensor_name(n, tied)) | {"rank": i, "part": k}
                     for i, k, bkt, flat in jobs]
 
         def write(rb: Any) -> None:
