@@ -10,7 +10,8 @@ syncs, run before the N measured ones) and at the end, the growth over the N syn
 1000 syncs, and the growth over their second half alone; a PNG of the series; JSON.
 The warm-up defaults to 300 syncs (fewer for small N): a fresh trainer process's RSS settles over
 its first few hundred syncs (3000 tensor syncs: +0.41 MiB from sync 301 to 751, +0.11 to 1501,
-+0.15 more to 3000) - glibc's heap reaching its working set, not a leak, which grows for ever.
++0.15 more to 3000): a curve that flattens, where a leak grows at the same rate for ever (what
+settles was not isolated; see README "Soak").
 Target: RSS growth <= 1 MiB per process per 1000 syncs after the warm-up, no growth in fds,
 threads or segments.
 

@@ -163,13 +163,25 @@ class Consumer:
 
 # --------------------------------------------------------------------------- multi-process sync jobs
 
-def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts, refusing,
+class Refusing:
+    """``engine`` as an engine that does not take some per-rank data: each attribute named in
+    ``refuses`` (e.g. ``accepts_rank_checkpoints``, as SGLang 0.5.23 answers) reads False, the rest
+    is the engine's."""
+
+    def __init__(self, engine, refuses: tuple[str, ...]) -> None:
+        self._engine, self._refuses = engine, frozenset(refuses)
+
+    def __getattr__(self, name):
+        return False if name in self._refuses else getattr(self._engine, name)
+
+
+def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts, refuses,
               make_manager, drop_extra=(), watch=None, after_sync=None) -> list[dict]:
     """One training step and one sync per entry of ``syncs`` (SyncConfig overrides) on ``module``,
     a record per sync; ``engine`` (None on ranks that hold none) is shut down at the end.
 
-    An entry's ``"engine"`` key hands the sync ``refusing(engine)`` (an engine that does not take
-    per-rank data) instead of the engine; ``make_manager(wrapped, step, kw)`` builds the manager.
+    An entry's ``"engine"`` key hands the sync ``Refusing(engine, refuses)`` (an engine that does
+    not take per-rank data) instead of the engine; ``make_manager(wrapped, step, kw)`` builds the manager.
     A record: ``case``, ``step``, ``kw`` (the overrides less ``"engine"``) and ``extra`` (the
     manager's stats.extra less ``drop_extra``); where an engine is held, ``exact`` (its weights equal
     the trainer's bit for bit) and ``diff`` (largest logit difference to the trainer's forward on
@@ -186,7 +198,7 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
     try:
         for step, kw in enumerate(syncs):
             kw = dict(kw)
-            wrapped = engine if kw.pop("engine", None) is None or engine is None else refusing(engine)
+            wrapped = engine if kw.pop("engine", None) is None or engine is None else Refusing(engine, refuses)
             train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
             before = engine.weights_checksum() if engine is not None else None
             watched = watch() if watch is not None else None

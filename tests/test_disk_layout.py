@@ -26,18 +26,6 @@ from fsdp_sync.launch import run_ranks, spawn_env
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120]]
 
 
-class _NoRankCheckpoints:
-    """An engine that does not load per-rank checkpoints (like SGLang 0.5.23)."""
-
-    accepts_rank_checkpoints = False
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-
 CASES = [
     # (fsdp, recipe, overrides, engine tp, [SyncConfig overrides per sync])
     (2, "tiny", {"vocab_size": 999}, 4,
@@ -87,7 +75,8 @@ def _job(rank, world, root):
                     rec["keys"] = sorted({n for e in json.load(f)["files"].values() for n in e.get("names", ())})
 
         out += run_syncs(rank, c, module, opt, cfg, engine, syncs, prompts=PROMPTS,
-                         refusing=_NoRankCheckpoints, make_manager=make_manager,
+                         refuses=("accepts_rank_checkpoints",),  # as SGLang 0.5.23
+                         make_manager=make_manager,
                          drop_extra=("pruned",), after_sync=files,
                          watch=lambda: sorted(os.listdir(disk_dir)) if os.path.isdir(disk_dir) else [])
         del module, opt

@@ -21,20 +21,6 @@ from fsdp_sync.launch import run_ranks, spawn_env
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120]]
 
 
-class _NoRankBuckets:
-    """An engine that does not accept per-rank buckets (like SGLang without fsdp_sync's loader;
-    over the update group, like SGLang always)."""
-
-    accepts_rank_buckets = False
-    accepts_distributed_rank_buckets = False
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-
 CASES = [
     # (fsdp, recipe, overrides, dp, tp, [SyncConfig overrides per sync])
     (2, "tiny", {"vocab_size": 999}, 1, 4,
@@ -89,7 +75,9 @@ def _job(rank, world):
                 dist_timeout_s=60, **kw))
 
         out += run_syncs(rank, c, module, opt, cfg, engine, syncs, prompts=PROMPTS,
-                         refusing=_NoRankBuckets, make_manager=make_manager)
+                         # as SGLang without fsdp_sync's loader; over the update group, as SGLang always
+                         refuses=("accepts_rank_buckets", "accepts_distributed_rank_buckets"),
+                         make_manager=make_manager)
         del module, opt
     return out
 
