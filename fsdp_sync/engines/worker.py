@@ -26,6 +26,7 @@ Not here: choosing ranks, sending payloads or deciding commit vs abort (that is 
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import datetime
 import hashlib
@@ -49,6 +50,7 @@ from .tp_model import Span, TPModel
 __all__ = ["main", "serve"]
 
 KIND_UPDATE, KIND_STATE, KIND_OTHER = "update", "state", "other"
+MAX_MAPPED = 4      # per-rank bucket buffers kept mapped within one update (two per pipelined slot)
 
 
 class WorkerError(Exception):
@@ -143,6 +145,9 @@ class Worker:
         self.txn: _Txn | None = None
         self.fault: str | None = None
         self.update_groups: dict[str, Any] = {}     # weight-update groups (group name -> ProcessGroup)
+        self.in_update = False              # between begin and end (transactional or not)
+        self.keep_call = False              # this call's buffers are the update's, reused call after call
+        self.mapped: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
         self.closed = False
 
     # ----------------------------------------------------------------- memory
@@ -359,14 +364,30 @@ class Worker:
             raise WorkerError(KIND_UPDATE, f"could not open the payload for TP rank {self.rank}: "
                                            f"{type(exc).__name__}: {exc}") from exc
         self.received.append(rec)
+        if self.keep_call and self.in_update:
+            handles._for_each_cpu_storage(rec.value, self._keep_mapped)
         return rec.value
+
+    def _keep_mapped(self, storage: torch.UntypedStorage) -> None:
+        """Keep a per-rank bucket's shared buffer mapped until the update ends: the sender reuses
+        its buffers bucket after bucket (`load_rank_bucket`), so the next bucket's payload opens
+        this mapping again (torch's shared-storage cache) instead of mapping and faulting in the
+        same pages anew. At most ``MAX_MAPPED`` buffers are kept (the least recently used goes
+        first), so a sender that does make a new buffer per call holds no more than that."""
+        key = storage.data_ptr()
+        self.mapped[key] = storage
+        self.mapped.move_to_end(key)
+        while len(self.mapped) > MAX_MAPPED:
+            self.mapped.popitem(last=False)
 
     def _maybe_fault(self) -> None:
         if self.fault == "die_in_stage":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def stage(self, items: list) -> dict:
-        """Phase one: open, check and record every write of one call; weights are not touched."""
+    def stage(self, items: list, keep_mapped: bool = False) -> dict:
+        """Phase one: open, check and record every write of one call; weights are not touched.
+        ``keep_mapped``: the call's shared buffers stay mapped until the update ends (see
+        `_keep_mapped`)."""
         if self.call is not None:
             raise WorkerError(KIND_STATE, "an earlier update on this rank was neither committed nor aborted")
         if self.weights_released:
@@ -376,6 +397,7 @@ class Worker:
             raise WorkerError(KIND_STATE, f"this weight update was aborted: {self.txn.aborted}")
         writes: list[_Write] = []
         self.call = writes
+        self.keep_call = bool(keep_mapped)
         seen: set[str] = set()
         self.bytes_read = 0
         for item in items:
@@ -562,6 +584,8 @@ class Worker:
     def begin(self, transactional: bool) -> dict:
         if self.txn is not None:
             raise WorkerError(KIND_STATE, "begin_weight_update called twice without end_weight_update")
+        self.mapped.clear()
+        self.in_update = True
         if not transactional:
             return {"staging": False}       # each call commits on its own, as outside begin/end
         # Stage copies only when there is something worth protecting: loaded, valid weights.
@@ -569,6 +593,8 @@ class Worker:
         return {"staging": self.txn.staging}
 
     def end(self, abort: bool = False) -> dict:
+        self.in_update = False
+        self.mapped.clear()                 # the update's buffers: the sender frees them now
         txn, self.txn = self.txn, None
         if txn is None:
             return {"committed": False}
@@ -724,7 +750,7 @@ class Worker:
         tags = args.get("tags") if cmd in ("resume", "release") and isinstance(args, dict) else None
         fault_point("worker", self.rank, cmd + (":" + ",".join(tags) if tags else ""))  # FSDP_SYNC_FAULT
         if cmd == "stage":
-            return self.stage(args["items"])
+            return self.stage(args["items"], bool(args.get("keep_mapped")))
         if cmd == "commit":
             return self.commit()
         if cmd == "abort":
@@ -856,6 +882,8 @@ class Worker:
                 pass
         self.abort("shutdown")
         self.txn = None
+        self.in_update = False
+        self.mapped.clear()
         self.model.params, self.kv, self.backup = {}, None, None
         if self.group is not None:
             import torch.distributed as dist
