@@ -156,15 +156,25 @@ def _rank_digests(rank, world):
             module = wrap_fsdp(build_model(cfg, seed=3), fsdp)
             for tp in TPS:
                 layout = layout_for(cfg, tp)
-                for share in (True, False):
+                # "unavailable": rank 1 cannot make shared memory (a torch_shm_manager that cannot
+                # start): every rank must take the all-to-all path, none may wait for buffers
+                for share in (True, False) + (("unavailable",) if (fsdp, m, tp) == (2, 0, 2) else ()):
                     st = reshard.ReshardStats()
                     got: dict = {}
-                    for rb in reshard.iter_rank_buckets(module, layout, BUCKET, dtype=BF16,
-                                                        share_host_memory=share, stats=st):
-                        for i, flat in rb.buffers.items():
-                            for name, t in bucket.unflatten(flat, rb.bucket.entries):
-                                got.setdefault(i, {})[name] = _digest(t)
-                        del flat, rb
+                    real = reshard._handles.empty_shared
+                    if share == "unavailable" and rank == 1:
+                        def refuse(*a, **k):
+                            raise RuntimeError("torch_shm_manager: cannot start")
+                        reshard._handles.empty_shared = refuse
+                    try:
+                        for rb in reshard.iter_rank_buckets(module, layout, BUCKET, dtype=BF16,
+                                                            share_host_memory=bool(share), stats=st):
+                            for i, flat in rb.buffers.items():
+                                for name, t in bucket.unflatten(flat, rb.bucket.entries):
+                                    got.setdefault(i, {})[name] = _digest(t)
+                            del flat, rb
+                    finally:
+                        reshard._handles.empty_shared = real
                     out[(fsdp, m, tp, share)] = {"got": got, "stats": vars(st)}
             del module
             dist.barrier()
@@ -175,8 +185,10 @@ def _rank_digests(rank, world):
 def test_rank_buckets_are_the_engines_shards_bit_for_bit():
     results = run_ranks(_rank_digests, 2, timeout_s=140, env=spawn_env())
     refs = {(m, tp): _reference(r, ov, tp) for m, (r, ov) in enumerate(MODELS) for tp in TPS}
+    assert (2, 0, 2, "unavailable") in results[0]
     for key in results[0]:
         fsdp, m, tp, share = key
+        share = share is True           # "unavailable": the all-to-all path, checked as such
         ref = refs[(m, tp)]
         held = {}
         for r, res in enumerate(results):
