@@ -463,11 +463,6 @@ class _HostBuffers:
 
     @classmethod
     def create(cls, group: Any, world: int, tp: int, nbytes: int) -> "_HostBuffers | None":
-        """``tp`` buffers of ``nbytes`` in shared memory, mapped by every rank of ``group``; None
-        when the ranks are on several hosts or any rank cannot make shared memory (every rank
-        then takes the all-to-all path). Group rank r makes buffers r, r + world, ...: making one
-        zero-fills its pages (torch reserves them up front), so the ranks share that work instead
-        of group rank 0 doing all of it (at TP 2: 16 -> 8 ms a sync)."""
         if nbytes == 0:
             return None
         keys: list = [None] * world
@@ -475,39 +470,31 @@ class _HostBuffers:
         if any(k != keys[0] for k in keys):
             return None                      # several hosts: the all-to-all path
         me = dist.get_rank(group)
-        mine = list(range(me, tp, world))
-        sets = None
-        try:
-            own = [_handles.empty_shared(nbytes) for _ in mine]
-            sets = _handles.make_payloads(own, world, ranks=[r for r in range(world) if r != me], tagged=False) \
-                if own and world > 1 else None
-            offer: Any = ("made", sets.payloads if sets is not None else [])
-        except Exception as exc:  # noqa: BLE001 - e.g. torch_shm_manager cannot start (a TMPDIR
-            # too long for its socket): every rank takes the all-to-all path instead
-            own, offer = [], ("unavailable", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-        offers: list = [None] * world
-        dist.all_gather_object(offers, offer, group=group)
-        why = next((o[1] for o in offers if o[0] == "unavailable"), None)
-        if why is not None:
-            if sets is not None:
-                sets.release(require_ack=False)
-            if offer[0] == "unavailable":
-                _log.warning("fsdp_sync: no host-shared memory for per-rank buckets on group rank %d "
-                             "(%s): using the all-to-all path", me, why)
-            return None
-        bufs: list = [None] * tp
-        for i, b in zip(mine, own):
-            bufs[i] = b
-        for r, (_, payloads) in enumerate(offers):
-            if r == me or not payloads:
-                continue
-            # r's payloads are for every other rank in order: this rank's is at index me - (me > r)
-            opened = list(_handles.open_payload(payloads[me - (me > r)]).value)
-            for i, b in zip(range(r, tp, world), opened):
-                bufs[i] = _handles.adopt(b)  # re-sharing them with the engine needs no copy
-        dist.barrier(group=group)            # every rank has opened them: the payloads may go
-        if sets is not None:
+        src = dist.get_global_rank(group, 0)
+        out: list = [None]
+        if me == 0:
+            try:
+                bufs = [_handles.empty_shared(nbytes) for _ in range(tp)]
+                sets = _handles.make_payloads(bufs, world, ranks=list(range(1, world)), tagged=False)
+            except Exception as exc:  # noqa: BLE001 - e.g. torch_shm_manager cannot start (a
+                # TMPDIR too long for its socket): every rank takes the all-to-all path instead
+                # of waiting for payloads that never come
+                why = ("unavailable", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                dist.scatter_object_list(out, [None] + [why] * (world - 1), src=src, group=group)
+                _log.warning("fsdp_sync: no host-shared memory for per-rank buckets (%s): using "
+                             "the all-to-all path", why[1])
+                return None
+            dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
+            dist.barrier(group=group)        # every rank has opened them: the payloads may go
             sets.release(require_ack=False)
+        else:
+            dist.scatter_object_list(out, None, src=src, group=group)
+            if isinstance(out[0], tuple) and out[0][:1] == ("unavailable",):
+                return None                  # group rank 0 could not make them: all-to-all
+            bufs = list(_handles.open_payload(out[0]).value)
+            for b in bufs:
+                _handles.adopt(b)            # re-sharing them with the engine needs no copy
+            dist.barrier(group=group)
         return cls(group, me, bufs)
 
     def fill(self, bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task],

@@ -156,13 +156,14 @@ def _rank_digests(rank, world):
             module = wrap_fsdp(build_model(cfg, seed=3), fsdp)
             for tp in TPS:
                 layout = layout_for(cfg, tp)
-                # "unavailable": rank 1 cannot make shared memory (a torch_shm_manager that cannot
-                # start): every rank must take the all-to-all path, none may wait for buffers
+                # "unavailable": group rank 0, which makes the buffers, cannot make shared memory
+                # (a torch_shm_manager that cannot start): every rank must take the all-to-all
+                # path, none may wait for buffers
                 for share in (True, False) + (("unavailable",) if (fsdp, m, tp) == (2, 0, 2) else ()):
                     st = reshard.ReshardStats()
                     got: dict = {}
                     real = reshard._handles.empty_shared
-                    if share == "unavailable" and rank == 1:
+                    if share == "unavailable" and rank == 0:
                         def refuse(*a, **k):
                             raise RuntimeError("torch_shm_manager: cannot start")
                         reshard._handles.empty_shared = refuse
