@@ -75,11 +75,42 @@ class UnreleasedPayloadWarning(RuntimeWarning):
 _OWNED: dict[int, "_red.StorageWeakRef"] = {}
 
 
+_SOCKETS_KEPT_FROM_MANAGER = False
+
+
+def _keep_sockets_from_shm_manager() -> None:
+    """Mark this process's sockets close-on-exec, once, before it first makes shared memory.
+
+    torch starts one ``torch_shm_manager`` per process (fork, then exec) the first time the process
+    makes shared memory by file name, and the manager inherits every descriptor not marked
+    close-on-exec: gloo's connections and the c10d store's are not. The manager then held a
+    trainer rank's connections open after the rank died, so its peers, which see a closed
+    connection at once, waited out the process-group timeout instead (`fsdp-sync faults`: a trainer
+    rank 0 killed after the first sync: 6 s, the matrix's timeout, instead of 0.01 s). A running
+    process never needs its sockets inherited through exec (multiprocessing and subprocess pass
+    the descriptors they mean to pass explicitly)."""
+    global _SOCKETS_KEPT_FROM_MANAGER
+    if _SOCKETS_KEPT_FROM_MANAGER:
+        return
+    _SOCKETS_KEPT_FROM_MANAGER = True
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        return                  # not Linux: nothing known to fix
+    for fd in fds:
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.set_inheritable(fd, False)
+        except OSError:
+            continue            # closed meanwhile (e.g. the listing's own descriptor)
+
+
 def empty_shared(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A 1-D uint8 buffer whose handle can be made without a copy: shared memory on CPU."""
     device = torch.device(device)
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    _keep_sockets_from_shm_manager()
     storage = torch.UntypedStorage._new_using_filename_cpu(max(int(nbytes), 1))
     _OWNED[storage.data_ptr()] = _red.StorageWeakRef(storage)
     out = torch.empty(0, dtype=torch.uint8)
@@ -168,6 +199,7 @@ class _Pickler(ForkingPickler):
             raise HandleError(f"cannot share a {storage.device} storage on its own; send its tensor")
         if storage.nbytes() == 0:
             return (_red.rebuild_storage_empty, (type(storage),))
+        _keep_sockets_from_shm_manager()
         manager, handle, size = storage._share_filename_cpu_()
         storage._shared_incref()
         self._shared.append(storage)

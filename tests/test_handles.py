@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fsdp_sync import bucket, handles
+from fsdp_sync.launch import run_ranks, spawn_env
 from fsdp_sync.handles import HandleError, make_payloads, open_payload
 
 from _util import ROOT, Consumer, digest, num_fds, shm_segments
@@ -362,3 +363,40 @@ def test_cuda_bucket_payload_round_trip(consumer):
     with make_payloads({"flattened_tensor": flat, "metadata": bucket.sglang_metadata(b)}, 1) as ps:
         (got,) = consumer.open(ps.payloads, ranks=[0])
         assert got["tensors"] == {n: digest(t) for n, t in tensors.items()}
+
+
+def _sockets(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out.add(target)
+    return out
+
+
+def _manager_sockets(rank, world):
+    import psutil
+    import torch.distributed as dist
+
+    dist.barrier()                       # gloo's connections are up
+    mine = _sockets(os.getpid())
+    buf = handles.empty_shared(1 << 16)  # this process's first shared memory: torch starts its manager
+    managers = [c for c in psutil.Process().children() if c.name() == "torch_shm_manager"]
+    held = set().union(*(_sockets(m.pid) for m in managers)) if managers else set()
+    del buf
+    dist.barrier()
+    return {"managers": len(managers), "ours": len(mine), "shared": sorted(mine & held)}
+
+
+@pytest.mark.timeout(60)
+def test_shm_manager_does_not_hold_the_ranks_connections():
+    """torch's per-process torch_shm_manager inherits descriptors that are not close-on-exec:
+    it must not get the rank's gloo/store sockets, or a dead rank's peers wait out the process-group
+    timeout instead of seeing its connections close (see `handles._keep_sockets_from_shm_manager`)."""
+    results = run_ranks(_manager_sockets, 2, timeout_s=50, env=spawn_env())
+    for r, res in enumerate(results):
+        assert res["managers"] == 1 and res["ours"] > 0, (r, res)
+        assert res["shared"] == [], (r, res)
