@@ -10,7 +10,9 @@ only weight payloads travel as handles, see `fsdp_sync.handles`).
 Weight updates are two-phase. ``stage`` opens this rank's payloads, checks every name, shape and
 dtype, and records the writes without touching a weight; ``commit`` applies them (or, inside an
 open transaction that protects valid weights, copies them aside to apply at ``end``); ``abort``
-drops them. Every opened payload is acknowledged as soon as its memory is no longer needed. A
+drops them. Every opened payload is acknowledged as soon as its memory is no longer needed
+(a per-rank bucket's shared buffer, reused by its sender bucket after bucket, stays mapped until the
+update ends, so it is not mapped anew every bucket: `_keep_mapped`). A
 checkpoint directory (``update_weights_from_disk``) is staged the same way: this rank's share of
 the files is checked against the manifest's sha256, every tensor's name, dtype and shape is
 checked from the safetensors headers, and only this rank's slices are read (into CPU memory).
