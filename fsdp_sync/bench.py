@@ -11,6 +11,8 @@ row of the group:
 - ``baseline_seconds``: the ``per_tensor`` strategy (verl's original loop) on the same model;
 - ``floor_shared_seconds``: the floor of the host-shared path (``share_host_memory``, flattened
   only: no all-gather): one copy of each rank's shard plus one copy of a TP rank's shard;
+- ``copy_seconds`` (tensor-method rows): one copy of the model's bytes on rank 0's device (device
+  to device on CUDA), measured once per job: ``ratio_to_copy`` is the sync's seconds over it;
 - per-rank buckets across hosts (``layout="engine"`` without shared memory): ``floor_seconds`` is
   the host-shared floor's two copies plus a bare ``all_to_all`` of the bytes a trainer rank received;
 - ``peak_extra_bytes``: in one more, sampled, sync: the largest rise of one device's memory (the
@@ -49,6 +51,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "bucket_mb": [64], "ranks": [2], "tp": [2], "multi_stage": [True], "dtype": "float32",
                 "share_host_memory": [True, False], "repeats": 3, "layouts": ["full", "engine"],
                 "pipelined": [True, False]},
+    # Issue 13's GPU check: one trainer rank and a TP-1 engine on one CUDA device (CUDA IPC), a
+    # model of ~3 GB in bf16; each row's copy_seconds is one device-to-device copy of its bytes.
+    "gpu": {"models": ["qwen2-1500m"], "strategies": ["flattened", "per_tensor"], "bucket_mb": [512],
+            "ranks": [1], "tp": [1], "multi_stage": [True], "device": "cuda", "dtype": "bfloat16",
+            "repeats": 3, "layouts": ["full", "engine"], "pipelined": [True, False]},
     # A quick sweep that runs in about a minute.
     "quick": {"models": ["small"], "strategies": ["flattened", "bucketed", "per_tensor"],
               "bucket_mb": [4, 16, 64], "ranks": [2], "tp": [2], "multi_stage": [True, False],
@@ -232,6 +239,29 @@ def _floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, re
     return _median_seconds(body, dev, repeats)
 
 
+def _copy_seconds(nbytes: int, device: str, repeats: int) -> float:
+    """One copy of ``nbytes`` on rank 0's device (device to device on CUDA, a memcpy on CPU), on
+    pre-touched memory, the other ranks idle: the least that moving these bytes once costs.
+    Collective (every rank calls it); the figure is rank 0's."""
+    import torch.distributed as dist
+
+    dev = "cuda" if device == "cuda" else "cpu"
+    pair = None
+    if dist.get_rank() == 0:
+        pair = (torch.ones(nbytes, dtype=torch.uint8, device=dev), torch.zeros(nbytes, dtype=torch.uint8, device=dev))
+
+    def body() -> None:
+        if pair is not None:
+            pair[1].copy_(pair[0])
+
+    try:
+        return _median_seconds(body, dev, repeats)
+    finally:
+        del pair
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
 def _floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
                           shard: int | None = None) -> float:
     """The floor of a sync that shares host memory instead of all-gathering: every rank copies its
@@ -332,6 +362,11 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     model = build_model(cfg, seed=0)
     params, tensors = count_params(model)
     model = wrap_fsdp(model, 2, device=job.device)
+    from .export import param_metas
+
+    # before the engine takes its memory: two model-sized buffers for a moment
+    copy_s = _copy_seconds(sum(m.nbytes for m in param_metas(model, getattr(torch, job.dtype))),
+                           job.device, max(job.repeats, 5))
     mesh = make_mesh(world // job.tp, job.tp, "cuda" if job.device == "cuda" else "cpu")
     topo = SyncTopology.from_mesh(mesh)
     dtype = getattr(torch, job.dtype)
@@ -398,6 +433,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                            floor, manager, sampler)
                 row["share_host_memory"] = bool(share and strategy == "flattened")
                 row["floor_shared_seconds"] = floor_shared
+                row["copy_seconds"] = copy_s
+                row["ratio_to_copy"] = secs_med / copy_s if copy_s > 0 else None
                 row.update({k: v for k, v in lay.items() if k not in ("share_host_memory", "model_bytes")})
                 rows.append(row)
             progress.advance()
@@ -411,7 +448,6 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         r["speedup_vs_baseline"] = (baseline / r["seconds"]) if baseline else None
     if any(m != "tensor" for m in job.methods):
         from .bench_methods import method_rows
-        from .export import param_metas
 
         largest = max(m.nbytes for m in param_metas(model, dtype))
         for method in job.methods:
@@ -704,7 +740,7 @@ def cmd_bench(args) -> int:
     result = run_bench(spec)
     table = Table(title="weight sync: median seconds beside floor and per_tensor baseline")
     cols = ("strategy", "model", "params", "tensors", "MiB", "bucket MiB", "ranks", "tp", "ms", "shm",
-            "seconds", "floor s", "× floor", "baseline s", "speedup", "peak extra MiB", "budget MiB")
+            "seconds", "floor s", "× floor", "× copy", "baseline s", "speedup", "peak extra MiB", "budget MiB")
     for c in cols:
         table.add_column(c, justify="right")
     for r in result["rows"]:
@@ -716,6 +752,7 @@ def cmd_bench(args) -> int:
                       "on" if r["multi_stage"] else "off", "yes" if r.get("share_host_memory") else "no",
                       f"{r['seconds']:.3f}", f"{r['floor_seconds']:.3f}",
                       f"{r['seconds'] / r['floor_seconds']:.2f}",
+                      f"{r['ratio_to_copy']:.2f}" if r.get("ratio_to_copy") else "-",
                       f"{r['baseline_seconds']:.3f}" if r["baseline_seconds"] else "-",
                       f"{r['speedup_vs_baseline']:.1f}×" if r["speedup_vs_baseline"] else "-",
                       f"{r['peak_extra_bytes'] / MiB:.0f}", f"{r['memory_budget_bytes'] / MiB:.0f}")

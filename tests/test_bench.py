@@ -34,6 +34,9 @@ def test_bench_cli_rows_json_and_plots(tmp_path):
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert len(r["repeats"]) == 3 and r["seconds"] == sorted(r["repeats"])[1]
         assert r["floor_seconds"] > 0 and r["baseline_seconds"] > 0
+        # one copy of the model's bytes, once per job: the same figure in every row of a job
+        assert r["copy_seconds"] > 0 and r["ratio_to_copy"] == r["seconds"] / r["copy_seconds"]
+        assert r["copy_seconds"] == [x for x in rows if x["multi_stage"] == r["multi_stage"]][0]["copy_seconds"]
         assert r["bytes"] == rows[0]["bytes"] > 0
         assert r["peak_extra_bytes"] >= 0 and r["memory_curve"]
         assert [s["name"] for s in r["stages"]].count("sync_weights") == 1
@@ -65,6 +68,38 @@ def test_recipes_load_and_validate():
         BenchSpec(ranks=(3,), tp=(2,))
     with pytest.raises(ValueError, match="unknown bench keys \\['bucket'\\]"):
         BenchSpec.from_mapping({"bucket": 3})
+
+
+def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(tmp_path):
+    """`--preset gpu` is one trainer rank and a TP-1 engine on one CUDA device, a model of about
+    3 GB in bf16; its code path (1 rank, TP 1, both layouts, pipelined or not, the copy beside
+    it) runs here on CPU with the model and device swapped by flags."""
+    from fsdp_sync.bench import PRESETS
+    from fsdp_sync.models import build_model, count_params, load_config
+
+    import torch
+
+    spec = BenchSpec.from_mapping(PRESETS["gpu"])
+    assert (spec.device, spec.dtype, spec.ranks, spec.tp) == ("cuda", "bfloat16", (1,), (1,))
+    with torch.device("meta"):
+        model = build_model(load_config(spec.models[0]))
+    params, _ = count_params(model)
+    assert 2.9e9 <= 2 * params <= 3.3e9      # bytes in bf16
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_sync.cli", "bench", "--preset", "gpu", "--device", "cpu",
+         "--models", "tiny", "--dtype", "float32", "--json", str(out)],
+        capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    got = sorted((r["strategy"], r["layout"], r["pipelined"]) for r in rows)
+    assert got == [("flattened", "engine", False), ("flattened", "engine", True),
+                   ("flattened", "full", False), ("per_tensor", "full", False)], got
+    for r in rows:
+        assert (r["ranks"], r["tp"], r["device"]) == (1, 1, "cpu")
+        assert r["copy_seconds"] > 0 and r["ratio_to_copy"] > 0
+    engine = [r for r in rows if r["layout"] == "engine"]
+    assert all(r["engine_rank_bytes_in"] == r["engine_rank_shard_bytes"] for r in engine)
 
 
 def test_target_model_recipe_has_the_size_the_targets_need():
