@@ -352,6 +352,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
 
     from .config import SyncConfig
     from .engines import ReferenceEngine
+    from .export import param_metas
     from .manager import FSDPShardingManager
     from .models import build_model, count_params, load_config
     from .topology import SyncTopology, make_mesh
@@ -362,8 +363,6 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     model = build_model(cfg, seed=0)
     params, tensors = count_params(model)
     model = wrap_fsdp(model, 2, device=job.device)
-    from .export import param_metas
-
     # before the engine takes its memory: two model-sized buffers for a moment
     copy_s = _copy_seconds(sum(m.nbytes for m in param_metas(model, getattr(torch, job.dtype))),
                            job.device, max(job.repeats, 5))
