@@ -5,7 +5,7 @@ an SGLang 0.5.23 server, so that `fsdp_sync.engines.sglang.SGLangEngine(base_url
 HTTP client drive it unchanged and a weight sync over HTTP can be run end to end, with real
 weights, on a CPU machine:
 
-    GET  /health  /health_generate  /get_model_info  /get_server_info (/server_info)
+    GET  /health  /health_generate  /ready  /get_model_info  /get_server_info (/server_info)
     POST /generate                     {input_ids | text, sampling_params}
     POST /update_weights_from_tensor   {serialized_named_tensors, load_format, flush_cache}
     POST /begin_weight_update  /end_weight_update
@@ -221,7 +221,7 @@ class EngineServer:
             path = h.path.split("?", 1)[0]
             self.hits[path] += 1
             try:
-                if self.api_key is not None and path != "/health":
+                if self.api_key is not None and path not in ("/health", "/ready"):
                     got = h.headers.get("Authorization", "")
                     if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
                         raise _Refused(401, "missing or wrong API key "
@@ -317,6 +317,7 @@ class EngineServer:
         get_routes: dict[str, Callable[[dict], tuple[int, Any]]] = {
             "/health": lambda b: (200, ""),
             "/health_generate": self._health_generate,
+            "/ready": lambda b: (200, ""),
             "/get_model_info": self._model_info,
             "/model_info": self._model_info,
             "/get_server_info": self._server_info,
@@ -338,6 +339,11 @@ class EngineServer:
             "/flush_cache": self._flush_cache,
             "/get_weights_by_name": self._get_weights_by_name,
         }
+        dead = self.dead_reason()
+        if dead is not None and (path in get_routes or path in post_routes):
+            # SGLang's server exits when a scheduler dies; until ours does (`main_serve`), every
+            # route, /health and /ready included, says so: a router must stop sending traffic here
+            return 503, {"success": False, "message": f"the engine behind this server is dead: {dead}"}
         if method == "GET" and path in get_routes:
             return get_routes[path](body)
         if path in post_routes:
@@ -347,6 +353,13 @@ class EngineServer:
         if path in get_routes:   # SGLang answers these on POST too
             return get_routes[path](body)
         return 404, {"detail": "Not Found"}
+
+    def dead_reason(self) -> str | None:
+        """Why the engine can serve nothing more (a worker died, it was shut down), or None."""
+        fn = getattr(self.engine, "dead_reason", None)
+        if callable(fn):
+            return fn()
+        return "the engine was shut down" if getattr(self.engine, "closed", False) is True else None
 
     def _health_generate(self, body: dict) -> tuple[int, Any]:
         self.engine.generate([[0]], max_new_tokens=1)
@@ -594,6 +607,7 @@ def main_serve(args) -> int:
                              kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
                              weights_cpu_backup=args.weights_cpu_backup)
     server = None
+    rc = 0
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -609,8 +623,13 @@ def main_serve(args) -> int:
         print(f"fsdp-sync serve: {engine!r} on {server.url} (api key "
               f"{'required' if args.api_key else 'off'}, disk dirs {server.allowed_disk_dirs})",
               flush=True)
-        while not stop.wait(0.5):
-            if engine.closed:
+        while not stop.wait(0.2):
+            dead = engine.dead_reason()
+            if dead is not None:
+                # as SGLang's server does when a scheduler process dies: stop, and say why
+                print(f"fsdp-sync serve: the engine is dead, exiting: {dead}", file=sys.stderr,
+                      flush=True)
+                rc = 1
                 break
     finally:
         if server is not None:
@@ -619,4 +638,4 @@ def main_serve(args) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     print("fsdp-sync serve: stopped", flush=True)
-    return 0
+    return rc

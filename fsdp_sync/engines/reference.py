@@ -307,6 +307,21 @@ class ReferenceEngine:
         return (f"ReferenceEngine({self.spec.model_type}, tp={self.tp_size}, {self.device}, "
                 f"{str(self.dtype).removeprefix('torch.')}, {state})")
 
+    def dead_reason(self) -> str | None:
+        """Why this engine can serve nothing more (shut down, a worker died or went silent), or
+        None while every worker runs. Cheap and lock-free, so a health check can ask it while a
+        long call holds the engine: it only polls the worker processes."""
+        if self.closed:
+            return "the engine was shut down"
+        if self._broken:
+            return self._broken
+        for r, p in enumerate(self._w.procs):
+            code = p.exitcode
+            if code is not None:
+                return (f"TP rank {r} (pid {p.pid}) exited (exit code {code}{_signame(code)}); "
+                        f"the engine cannot serve any more: shut it down and start a new one")
+        return None
+
     # ------------------------------------------------------------------ worker calls
     def _check_usable(self) -> None:
         if self._w.closed:
