@@ -15,9 +15,10 @@ weights, on a CPU machine:
                                             load_format}
     POST /destroy_weights_update_group {group_name}
     POST /update_weights_from_disk     {model_path, load_format}
-    POST /release_memory_occupation  /resume_memory_occupation  {tags}
+    POST /release_memory_occupation  /resume_memory_occupation  {tags}  (null or []: all tags)
     POST /flush_cache
     POST /get_weights_by_name          {name, truncate_size}
+    (these four also on GET, as SGLang takes them)
 
 Weight updates answer ``{"success": bool, "message": str}`` (HTTP 200, or 400 on a refusal), as
 SGLang does. An engine without a method (the distributed and disk ones on an older engine) answers
@@ -140,6 +141,10 @@ class EngineServer:
     UPDATES = ("/update_weights_from_tensor", "/update_weights_from_distributed",
                "/update_weights_from_disk", "/begin_weight_update", "/end_weight_update",
                "/release_memory_occupation", "/resume_memory_occupation")
+
+    GET_OR_POST = ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
+                   "/get_weights_by_name")
+    """Routes SGLang takes on GET as well as POST (verl's HttpServerAdapter flushes with a GET)."""
 
     def __init__(self, engine: Any, *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, allowed_disk_dirs: Sequence[str] = (),
@@ -347,7 +352,7 @@ class EngineServer:
         if method == "GET" and path in get_routes:
             return get_routes[path](body)
         if path in post_routes:
-            if method != "POST":
+            if method != "POST" and path not in self.GET_OR_POST:
                 return 405, {"success": False, "message": f"{path} takes POST"}
             return post_routes[path](body)
         if path in get_routes:   # SGLang answers these on POST too
