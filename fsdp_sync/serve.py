@@ -61,6 +61,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .generate_request import ClientWatch as _ClientWatch, GenerateRefused, parse_generate
+
 __all__ = ["EngineServer", "check_disk_path", "main_serve", "add_serve_parser"]
 
 log = logging.getLogger("fsdp_sync.serve")
@@ -166,6 +168,8 @@ class EngineServer:
         self.model_path = model_path
         self.weight_version = "default"
         self._update_lock = threading.Lock()
+        self._live: dict[str, threading.Event] = {}     # rid -> abort flag of a running generate
+        self._live_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self.updates_served = 0
         self.hits: Counter[str] = Counter()   # requests per path (auth refusals included)
@@ -232,7 +236,7 @@ class EngineServer:
                         raise _Refused(401, "missing or wrong API key "
                                             "(send 'Authorization: Bearer KEY')")
                 body = self._read_body(h, method)
-                status, out = self._route(method, path, body)
+                status, out = self._route(method, path, body, h)
             except _Refused as e:
                 status, out = e.status, {"success": False, "message": str(e)}
             except Exception as e:  # noqa: BLE001 - an engine error becomes the answer, not a crash
@@ -241,7 +245,8 @@ class EngineServer:
             # a body left unread (refused before reading) must not be taken for the next request
             unread = not getattr(h, "_body_read", False) and (
                 h.headers.get("Content-Length") not in (None, "0") or h.headers.get("Transfer-Encoding"))
-            self._reply(h, status, out, close=bool(unread) or status in (411, 413))
+            if status is not None:          # None: the route answered itself (a stream)
+                self._reply(h, status, out, close=bool(unread) or status in (411, 413))
         finally:
             self._slots.release()
 
@@ -318,7 +323,8 @@ class EngineServer:
             pass
 
     # ------------------------------------------------------------------ routes
-    def _route(self, method: str, path: str, body: dict) -> tuple[int, Any]:
+    def _route(self, method: str, path: str, body: dict,
+               h: BaseHTTPRequestHandler | None = None) -> tuple[int | None, Any]:
         get_routes: dict[str, Callable[[dict], tuple[int, Any]]] = {
             "/health": lambda b: (200, ""),
             "/health_generate": self._health_generate,
@@ -329,7 +335,8 @@ class EngineServer:
             "/server_info": self._server_info,
         }
         post_routes: dict[str, Callable[[dict], tuple[int, Any]]] = {
-            "/generate": self._generate,
+            "/generate": lambda b: self._generate(b, h),
+            "/abort_request": self._abort_request,
             "/update_weights_from_tensor": self._update_from_tensor,
             "/begin_weight_update": lambda b: self._update("begin_weight_update", {}),
             "/end_weight_update": lambda b: self._update("end_weight_update", {}),
@@ -381,36 +388,106 @@ class EngineServer:
                      "weight_version": self.weight_version,
                      "disk_updates": bool(self.allowed_disk_dirs)}
 
-    def _generate(self, body: dict) -> tuple[int, Any]:
-        if body.get("text") is not None and body.get("input_ids") is None:
-            raise _Refused(400, "this server has no tokenizer: send input_ids, not text")
-        ids = _field(body, "input_ids", list)
-        single = bool(ids) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-        prompts = [ids] if single else ids
-        if not prompts or not all(isinstance(p, list) and p and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompts):
-            raise _Refused(400, "field 'input_ids' must be a list of token ids or a non-empty list "
-                                "of non-empty lists of token ids")
-        sp = _field(body, "sampling_params", (dict, type(None)), None) or {}
-        params = {}
-        for key, typ in (("max_new_tokens", int), ("temperature", (int, float)),
-                         ("stop_token_ids", (list, type(None))), ("ignore_eos", bool)):
-            if key in sp:
-                params[key] = _field(sp, key, typ)
-        unknown = sorted(set(sp) - set(params))
-        if unknown:
-            raise _Refused(400, f"unsupported sampling_params {unknown}; supported: max_new_tokens, "
-                                f"temperature, stop_token_ids, ignore_eos")
-        if "temperature" in params and not math.isfinite(params["temperature"]):
-            raise _Refused(400, "temperature must be finite")
-        if not 0 <= params.get("max_new_tokens", 16) <= 1 << 16:
-            raise _Refused(400, f"max_new_tokens must be in [0, 65536], got {params['max_new_tokens']}")
-        outs = self.engine.generate(prompts, sampling_params=params)
-        res = [{"text": "", "output_ids": list(o),
-                "meta_info": {"prompt_tokens": len(p), "completion_tokens": len(o),
-                              "weight_version": self.weight_version}}
-               for p, o in zip(prompts, outs)]
-        return 200, res[0] if single else res
+    def _generate(self, body: dict, h: BaseHTTPRequestHandler | None) -> tuple[int | None, Any]:
+        try:
+            req = parse_generate(body)
+        except GenerateRefused as exc:
+            raise _Refused(400, str(exc)) from None
+        if not hasattr(self.engine, "generate_requests"):
+            raise _Refused(404, "this engine has no generate_requests")
+        rids = req.rids
+        events = {rid: threading.Event() for rid in rids}
+        with self._live_lock:
+            clash = sorted(set(rids) & set(self._live))
+            if clash:
+                raise _Refused(400, f"field 'rid': request id(s) {clash} are already running")
+            self._live.update(events)
+        gone = _ClientWatch(h)
+        t0 = time.monotonic()
+        results: list[dict] = []
+
+        def meta(r: dict) -> dict:
+            m = {"id": rids[r["prompt_index"]] if req.n == 1 else
+                 f"{rids[r['prompt_index']]}-{r['sample']}",
+                 "finish_reason": r["finish_reason"], "prompt_tokens": len(req.prompts[r["prompt_index"]]),
+                 "completion_tokens": len(r["output_ids"]), "cached_tokens": 0,
+                 "weight_version": self.weight_version, "e2e_latency": time.monotonic() - t0}
+            for key in ("output_token_logprobs", "input_token_logprobs"):
+                if key in r:
+                    m[key] = list(r[key])
+            return m
+
+        def item(k: int, r: dict) -> dict:
+            out = {"text": "", "output_ids": list(r["output_ids"]), "meta_info": meta(r)}
+            if req.stream and len(results) > 1:
+                out["index"] = k
+            return out
+
+        sent: list[int] = []           # tokens of each result streamed so far
+        def on_step(rs: list[dict]) -> None:
+            if not req.stream:
+                return
+            if not sent:
+                results.extend(rs)
+                sent.extend([0] * len(rs))
+                for k, r in enumerate(rs):
+                    r["sample"] = k % req.n
+            for k, r in enumerate(rs):
+                n = len(r["output_ids"])
+                done = r["finish_reason"] is not None
+                if n > sent[k] and (done or n - sent[k] >= req.interval[r["prompt_index"]]):
+                    sent[k] = n
+                    gone.send(item(k, r))
+
+        try:
+            if req.stream:
+                gone.start_stream()
+            try:
+                rs = self.engine.generate_requests(
+                    req.prompts, req.sampling, return_logprob=req.return_logprob,
+                    logprob_start_len=req.logprob_start_len, on_step=on_step,
+                    should_abort=lambda k: gone() or events[rids[k // req.n]].is_set())
+            except (ValueError, _Refused) as exc:
+                if not req.stream:
+                    raise _Refused(400, str(exc)) from None
+                gone.send({"error": {"message": str(exc), "type": "invalid_request_error",
+                                     "code": 400, "retryable": False}})
+                gone.end_stream()
+                return None, None
+            except Exception as exc:  # noqa: BLE001 - in a stream the error is a chunk, as SGLang's
+                if not req.stream:
+                    raise
+                gone.send({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error",
+                                     "code": 500, "retryable": False}})
+                gone.end_stream()
+                return None, None
+            for k, r in enumerate(rs):
+                r["sample"] = k % req.n
+            if req.stream:
+                if not sent:      # max_new_tokens 0: no step ran
+                    results.extend(rs)
+                    for k, r in enumerate(rs):
+                        gone.send(item(k, r))
+                gone.end_stream()
+                return None, None
+            out = [item(k, r) for k, r in enumerate(rs)]
+            return 200, out[0] if req.single and req.n == 1 else out
+        finally:
+            with self._live_lock:
+                for rid in rids:
+                    self._live.pop(rid, None)
+
+    def _abort_request(self, body: dict) -> tuple[int, Any]:
+        """SGLang's ``/abort_request``: ``{"rid": id}`` or ``{"abort_all": true}``; an unknown id is
+        ignored, as SGLang ignores it. The request ends at its next decode step with
+        ``finish_reason`` ``{"type": "abort"}``."""
+        rid = _field(body, "rid", (str, type(None)), "") or ""
+        abort_all = _field(body, "abort_all", bool, False)
+        with self._live_lock:
+            hit = list(self._live) if abort_all else [r for r in self._live if rid and r == rid]
+            for r in hit:
+                self._live[r].set()
+        return 200, {"success": True, "message": f"aborted {len(hit)} request(s)"}
 
     # ---- updates: one at a time
     def _locked(self, what: str, fn: Callable[[], Any]) -> tuple[int, Any]:
