@@ -45,8 +45,10 @@ def _num(sp: dict, key: str, default: Any, ok: Callable[[float], bool], expected
     v = sp.get(key, default)
     if v is None:
         return default
-    bad = isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int))
-    if bad or not (math.isfinite(v) and ok(v)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise ValueError(f"sampling_params.{key} must be {'an integer' if integer else 'a number'}, "
+                         f"got {v!r}")
+    if not (math.isfinite(v) and ok(v)):
         raise ValueError(f"sampling_params.{key} must be {expected}, got {v!r}")
     return v
 
@@ -90,8 +92,8 @@ class Sampling:
                 raise ValueError(f"sampling_params.{key} is not supported by this engine; supported: "
                                  f"{', '.join(SAMPLING_KEYS)}")
         max_new = _num(sp, "max_new_tokens", default_max_new_tokens, lambda v: v >= 0,
-                       ">= 0 (an integer)", integer=True)
-        min_new = _num(sp, "min_new_tokens", 0, lambda v: 0 <= v, ">= 0 (an integer)", integer=True)
+                       ">= 0", integer=True)
+        min_new = _num(sp, "min_new_tokens", 0, lambda v: 0 <= v, ">= 0", integer=True)
         if min_new > max_new:
             raise ValueError(f"sampling_params.min_new_tokens ({min_new}) must be <= max_new_tokens "
                              f"({max_new})")

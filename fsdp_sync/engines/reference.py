@@ -878,6 +878,9 @@ class ReferenceEngine:
         eos = getattr(self.config, "eos_token_id", None)
         return [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(t) for t in eos])
 
+    ABORT_STEPS = 4
+    """Decode steps per worker round trip while a caller watches for aborts (`generate_requests`)."""
+
     def generate_requests(self, input_ids: Any, sampling_params: dict | Sequence[dict] | None = None, *,
                           return_logprob: bool = False, logprob_start_len: int | None = None,
                           on_step: Callable[[list[dict]], None] | None = None,
@@ -892,7 +895,8 @@ class ReferenceEngine:
         no logprob). ``sampling_params``: one dict for all prompts or one per prompt.
 
         ``on_step(results)`` runs after each decode step (streaming); ``should_abort(row)`` is asked
-        between steps and an aborted row ends at once. The engine is held for the whole call."""
+        every `ABORT_STEPS` steps and an aborted row ends there. The engine is held for the whole
+        call."""
         prompts = self._check_prompts(input_ids)
         sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
             [sampling_params] * len(prompts)
@@ -912,6 +916,9 @@ class ReferenceEngine:
         if logprob_start_len is not None and logprob_start_len >= 0 and not return_logprob:
             raise ValueError("logprob_start_len needs return_logprob=True")
         rows = [(i, s) for i, (p, s) in enumerate(zip(prompts, specs)) for _ in range(s.n)]
+        # decode steps per worker round trip: one when every token is streamed; a few when only
+        # aborts are watched (an abort then lands within that many steps); many otherwise
+        steps = 1 if on_step is not None else (self.ABORT_STEPS if should_abort is not None else 64)
         results = [{"prompt_index": i, "output_ids": [], "finish_reason": None}
                    | ({"output_token_logprobs": []} if return_logprob else {}) for i, _ in rows]
         with self._lock:
@@ -929,12 +936,14 @@ class ReferenceEngine:
                             and should_abort is not None and should_abort(k)]
                     for k in drop:
                         results[k]["finish_reason"] = {"type": "abort", "message": "request aborted"}
-                    out = self._call("gen_step", {"drop": drop}, what="generate", collective=True)[0]
-                    for k, t in out["tokens"].items():
+                    out = self._call("gen_step", {"drop": drop, "steps": steps}, what="generate",
+                                     collective=True)[0]
+                    for k, ts in out["tokens"].items():
                         r = results[k]
-                        r["output_ids"].append(t)
+                        r["output_ids"].extend(ts)
                         if return_logprob:
-                            r["output_token_logprobs"].append([out["logprobs"][k], t, None])
+                            r["output_token_logprobs"].extend(
+                                [lp, t, None] for lp, t in zip(out["logprobs"][k], ts))
                     for k, why in out["ended"].items():
                         r = results[k]
                         r["finish_reason"] = ({"type": "stop", "matched": r["output_ids"][-1]}

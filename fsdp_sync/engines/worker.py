@@ -672,7 +672,17 @@ class Worker:
             raise WorkerError(KIND_STATE, "gen_step without gen_begin")
         if a.get("drop"):
             self.decode.drop(a["drop"])
-        out = self.decode.step()
+        # up to `steps` forwards per call: each call is a round trip to the client, which only
+        # needs one per step to stream every token or to drop an aborted row at once
+        out: dict = {"tokens": {}, "logprobs": {}, "ended": {}}
+        for _ in range(max(1, int(a.get("steps", 1)))):
+            one = self.decode.step()
+            for key in ("tokens", "logprobs"):
+                for row, v in one[key].items():
+                    out[key].setdefault(row, []).append(v)
+            out["ended"].update(one["ended"])
+            if self.decode.finished:
+                break
         out["finished"] = self.decode.finished
         return out if self.rank == 0 else {"finished": out["finished"]}
 
