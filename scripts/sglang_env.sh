@@ -34,7 +34,19 @@ SGLANG_TRANSFORMERS=${SGLANG_TRANSFORMERS:-transformers==5.19.0}   # sglang 0.5.
 DEPS=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
       tqdm IPython aiohttp pytest pytest-timeout omegaconf "$SGLANG_TRANSFORMERS")
 
+# verl's own SGLang HTTP client (HttpServerAdapter), which the tier runs against `fsdp-sync serve`
+# (tests/sglang_tier/verl_client_check.py), is read from verl's wheel: verl itself is not installed
+# here, its dependencies pin another torch.
+VERL_CLIENT=${VERL_CLIENT:-verl==0.9.1}
+verl_wheel() {
+  local dir="$VENV/verl-wheel"
+  ls "$dir"/verl-*.whl >/dev/null 2>&1 && return 0
+  "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps -d "$dir" \
+    "$VERL_CLIENT" >/dev/null 2>&1 || { echo "could not download $VERL_CLIENT's wheel" >&2; exit 1; }
+}
+
 if [[ -f "$STAMP" ]]; then
+  verl_wheel
   echo "sglang tier env: $VENV (sglang $VERSION) already built"
   exit 0
 fi
@@ -83,5 +95,6 @@ import sglang
 print(f"sglang {sglang.__version__} imports with torch {torch.__version__}")
 PYEOF
 
+verl_wheel
 touch "$STAMP"
 echo "sglang tier env built in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1) on disk"
