@@ -381,3 +381,37 @@ def test_trainer_rank0_killed_mid_broadcast(tmp_path):
     finally:
         server.close()
         engine.shutdown()
+
+
+def _into_shut_down(rank, world):
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+
+    torch.set_num_threads(1)
+    engine = ReferenceEngine("tiny", tp_size=1)
+    engine.shutdown()
+    module = build_model(load_config("tiny"), seed=0)
+    manager = FSDPShardingManager(module, engine, config=SyncConfig(
+        method="distributed", dtype=torch.float32, dist_timeout_s=120))
+    t0 = time.monotonic()
+    try:
+        with manager:
+            pass
+        return {"error": None}
+    except SyncError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - t0}
+    finally:
+        manager.close()
+
+
+@pytest.mark.timeout(90)
+def test_distributed_into_a_shut_down_engine_fails_at_once():
+    """Issue 21 item 6: the engine answered "the engine was shut down" at once, yet the trainer
+    waited for it in the group's rendezvous for all of dist_timeout_s (600 s by default)."""
+    (res,) = run_ranks(_into_shut_down, 1, timeout_s=80, env=spawn_env())
+    assert res["error"] is not None and "the engine was shut down" in res["error"], res
+    assert "init_weights_update_group" in res["error"], res
+    assert res["seconds"] < 12, res           # 10% of dist_timeout_s=120; the disk method: 0.1 s

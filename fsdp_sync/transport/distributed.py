@@ -47,6 +47,7 @@ import datetime
 import inspect
 import logging
 import socket
+import threading
 import time
 from typing import Any
 
@@ -157,9 +158,13 @@ class DistributedTransport:
                                        group_name=cfg.dist_group_name, backend=backend))
             offset += tp
         try:
-            pg = new_update_group(backend=backend, master_address=address, master_port=port,
-                                  world_size=world, rank=0, group_name=cfg.dist_group_name,
-                                  timeout_s=cfg.dist_timeout_s)
+            pg = self._make_group(futures, backend=backend, master_address=address,
+                                  master_port=port, world_size=world, rank=0,
+                                  group_name=cfg.dist_group_name, timeout_s=cfg.dist_timeout_s)
+        except _EngineRefused as exc:
+            raise RuntimeError(f"making the weight-update group {cfg.dist_group_name!r} at "
+                               f"{address}:{port} (world size {world}, engines' TP sizes {tps}) "
+                               f"failed: {exc}") from exc.__cause__
         except Exception as exc:
             errs = [f.exception() for f in futures if f.done() and f.exception() is not None]
             if "already been created" in str(exc):
@@ -178,6 +183,36 @@ class DistributedTransport:
         self.pg, self.engines, self.broken = pg, list(engines), False
         log.info("fsdp_sync: weight-update group %r: %s:%d, world size %d (%s), backend %s",
                  cfg.dist_group_name, address, port, world, tps, backend)
+
+    @staticmethod
+    def _make_group(futures: list, **kw: Any) -> Any:
+        """`new_update_group` as rank 0, given up at once when an engine's
+        ``init_weights_update_group`` fails: that engine will never join, and the rendezvous would
+        otherwise wait out ``dist_timeout_s`` (600 s by default). The abandoned rendezvous runs on in
+        a daemon thread and ends at its own timeout."""
+        made: dict = {}
+
+        def make() -> None:
+            try:
+                made["pg"] = new_update_group(**kw)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                made["error"] = exc
+
+        t = threading.Thread(target=make, name="fsdp_sync-update-group", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.05)
+            for i, f in enumerate(futures):
+                if not f.done() or not t.is_alive():
+                    continue
+                try:
+                    _check_answer(f.result(), f"engine {i} init_weights_update_group")
+                except Exception as exc:  # noqa: BLE001 - the engine's own error, named
+                    raise _EngineRefused(f"engine {i} init_weights_update_group: {exc} (the group "
+                                         f"was not waited for)") from exc
+        if "error" in made:
+            raise made["error"]
+        return made["pg"]
 
     def _drop_group(self, engines: list) -> None:
         """Tear the group down on both ends: the engines first (their workers close their
@@ -504,6 +539,10 @@ class DistributedTransport:
                 log.warning("fsdp_sync: closing an engine's update after a failed sync: %s", exc)
         if not ok and self.broken:
             self._drop_group(engines)
+
+
+class _EngineRefused(Exception):
+    """An engine's init_weights_update_group failed while the trainer was making the group."""
 
 
 def _begin(engine: Any) -> None:
