@@ -420,7 +420,7 @@ class EngineServer:
         return fn
 
     def _update_from_tensor(self, body: dict) -> tuple[int, Any]:
-        from . import handles
+        from .weights import handles
 
         payloads = _field(body, "serialized_named_tensors", list)
         load_format = _field(body, "load_format", (str, type(None)), None)

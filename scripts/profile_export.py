@@ -11,17 +11,17 @@ import time
 
 import torch
 
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 
 def job(rank, world, model, bucket_mb):
     import torch.distributed as dist
 
-    from fsdp_sync import export
-    from fsdp_sync.bench import _floor_seconds
+    from fsdp_sync.weights import export
+    from fsdp_sync.cli.bench.main import _floor_seconds
     from fsdp_sync.manager import _ReusedBuffer
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     module = wrap_fsdp(build_model(load_config(model)), 2)

@@ -31,13 +31,13 @@ def _rank(rank, world, a):
     import torch
     import torch.distributed as dist
 
-    from fsdp_sync import reshard
+    from fsdp_sync.weights import reshard
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncTopology, make_mesh
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
     from fsdp_sync.transport import tensor as tensor_transport
 
     torch.set_num_threads(1)
@@ -116,7 +116,7 @@ def _rank(rank, world, a):
 
 
 def main() -> None:
-    from fsdp_sync.launch import run_ranks, spawn_env
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -1,4 +1,4 @@
-"""Rank bodies of the multi-process export tests (run by `fsdp_sync.launch.run_ranks`).
+"""Rank bodies of the multi-process export tests (run by `fsdp_sync.cli.launch.run_ranks`).
 
 Each body batches many checks into one launch and returns plain data (names and digests); the
 test process compares it with references it computes itself from an unsharded model.
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fsdp_sync import bucket, export, handles
+from fsdp_sync.weights import bucket, export, handles
 from fsdp_sync.models import build_model, load_config
 
 from _util import SEED, Consumer, Odd, digest, perturb_

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from fsdp_sync import cli
+from fsdp_sync.cli import app as cli
 
 from _util import ROOT
 

@@ -9,15 +9,15 @@ import hashlib
 import pytest
 import torch
 
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 
 def _digests(rank, world, dtype_name, bucket_bytes):
     import torch.distributed as dist
 
-    from fsdp_sync import export
+    from fsdp_sync.weights import export
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     dtype = None if dtype_name is None else getattr(torch, dtype_name)
@@ -45,7 +45,7 @@ def _digests(rank, world, dtype_name, bucket_bytes):
     # the reference: the unsharded model's tensors, cast and laid out by the same plan
     ref = build_model(load_config("tiny"), seed=3)
     dist.barrier()
-    from fsdp_sync import bucket
+    from fsdp_sync.weights import bucket
 
     metas = export.param_metas(module, dtype)
     sd = {k: (v if dtype is None else v.to(dtype)) for k, v in ref.state_dict().items()}

@@ -83,7 +83,7 @@ except ImportError:  # pragma: no cover - older torch: one gather per tensor ins
 
 from . import bucket as _bucket
 from . import handles as _handles
-from .topology import agree
+from ..topology import agree
 
 __all__ = [
     "param_metas", "iter_params", "iter_buckets", "state_dict_type", "hf_name",

@@ -50,7 +50,7 @@ from . import bucket as _bucket
 from . import export as _export
 from . import handles as _handles
 from .layout import TPLayout, block_of
-from .topology import agree
+from ..topology import agree
 
 __all__ = ["RankBucket", "ReshardStats", "plan_rank_buckets", "iter_rank_buckets", "default_owners",
            "clear_plan_cache"]

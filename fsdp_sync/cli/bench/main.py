@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from .memory import status as _status
+from ...memory import status as _status
 
 __all__ = ["BenchSpec", "Job", "run_bench", "add_bench_parser", "cmd_bench", "PRESETS", "check_targets"]
 
@@ -81,7 +81,7 @@ class BenchSpec:
     pipelined: tuple[bool, ...] = (True,)   # SyncConfig.pipelined of the per-rank rows
 
     def __post_init__(self) -> None:
-        from .config import LAYOUTS, METHODS, STRATEGIES
+        from ...config import LAYOUTS, METHODS, STRATEGIES
 
         bad = [x for x in self.layouts if x not in LAYOUTS]
         if bad or not self.layouts:
@@ -215,7 +215,7 @@ def _floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, re
     a TP rank's shard (``total_bytes / tp``): what any sync must at least do."""
     import torch.distributed as dist
 
-    from .export import _all_gather
+    from ...weights.export import _all_gather
 
     world = dist.get_world_size()
     dev = "cuda" if device == "cuda" else "cpu"
@@ -323,8 +323,8 @@ def _layout_figures(model: Any, cfg: Any, job: "Job", stats: Any, share: bool) -
     0 on the one-host path)."""
     import torch.distributed as dist
 
-    from .export import param_metas
-    from .layout import layout_for
+    from ...weights.export import param_metas
+    from ...weights.layout import layout_for
 
     dtype = getattr(torch, job.dtype)
     model_bytes = sum(m.nbytes for m in param_metas(model, dtype))
@@ -350,13 +350,13 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     """Run every (strategy, bucket) row of ``job`` on this rank; rank 0 returns the rows."""
     import torch.distributed as dist
 
-    from .config import SyncConfig
-    from .engines import ReferenceEngine
-    from .export import param_metas
-    from .manager import FSDPShardingManager
-    from .models import build_model, count_params, load_config
-    from .topology import SyncTopology, make_mesh
-    from .trainer import wrap_fsdp
+    from ...config import SyncConfig
+    from ...engines import ReferenceEngine
+    from ...weights.export import param_metas
+    from ...manager import FSDPShardingManager
+    from ...models import build_model, count_params, load_config
+    from ...topology import SyncTopology, make_mesh
+    from ..trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     cfg = load_config(job.model)
@@ -446,7 +446,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         r["baseline_seconds"] = baseline
         r["speedup_vs_baseline"] = (baseline / r["seconds"]) if baseline else None
     if any(m != "tensor" for m in job.methods):
-        from .bench_methods import method_rows
+        from .methods import method_rows
 
         largest = max(m.nbytes for m in param_metas(model, dtype))
         for method in job.methods:
@@ -487,7 +487,7 @@ def _rises(timeline: list[dict], sampler: DeviceSampler) -> list:
 
 def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, stats, secs, secs_med,
          floor: float, manager, sampler: DeviceSampler | None) -> dict:
-    from .export import param_metas
+    from ...weights.export import param_metas
 
     metas = param_metas(manager.module, getattr(torch, job.dtype))
     largest = max(m.nbytes for m in metas)
@@ -541,7 +541,7 @@ class _Progress:
 # --------------------------------------------------------------------------- the sweep
 
 def run_bench(spec: BenchSpec, *, timeout_s: float = 1800.0) -> dict:
-    from .launch import run_ranks, spawn_env
+    from ..launch import run_ranks, spawn_env
 
     rows = []
     t0 = time.perf_counter()
@@ -653,8 +653,8 @@ _FLAG_KEYS = {"models": "models", "strategies": "strategies", "bucket_mb": "buck
 
 
 def add_bench_parser(sub) -> None:
-    from . import cliargs as ca
-    from .config import METHODS, STRATEGIES
+    from .. import args as ca
+    from ...config import METHODS, STRATEGIES
 
     p = sub.add_parser(
         "bench", help="sweep strategies/bucket sizes/models; time and memory beside a floor and baseline",
@@ -723,7 +723,7 @@ def check_bench_args(args, given: set[str]) -> None:
     """Cross-flag checks before anything starts (ValueError names the flags); keeps the spec."""
     args.spec = spec_from_args(args, given)
     if args.spec.device == "cuda":
-        from .cliargs import device
+        from ..args import device
 
         device("cuda")          # a recipe's device: cuda needs a GPU as much as the flag does
 
@@ -775,7 +775,7 @@ def cmd_bench(args) -> int:
                           f"{d['met']['floor']}), peak extra {d['peak_extra_over_budget']:.2f}× budget "
                           f"(≤1: {d['met']['memory']})")
     if getattr(args, "verify", None):
-        from .bench_verify import verify_rows
+        from .verify import verify_rows
 
         result["verify"] = verify_rows(spec, tuple(args.verify))
         vt = Table(title="verify after sync: median seconds it adds")
@@ -791,7 +791,7 @@ def cmd_bench(args) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
         console.print(f"wrote {args.json}")
     if args.plot:
-        from .plots import plot_bench
+        from ..plots import plot_bench
 
         tensor_rows = [r for r in result["rows"] if r.get("method", "tensor") == "tensor" and not r.get("skipped")]
         for path in plot_bench({**result, "rows": tensor_rows}, args.plot):

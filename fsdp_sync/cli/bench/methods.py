@@ -89,15 +89,15 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     """This job's rows of ``method`` (returned on rank 0; [] elsewhere)."""
     import torch.distributed as dist
 
-    from .bench import DeviceSampler, _sampled_sync
-    from .config import SyncConfig
-    from .engines import ReferenceEngine
-    from .manager import FSDPShardingManager
+    from .main import DeviceSampler, _sampled_sync
+    from ...config import SyncConfig
+    from ...engines import ReferenceEngine
+    from ...manager import FSDPShardingManager
 
     dtype = getattr(torch, job.dtype)
     if method == "disk":
         try:
-            from .transport.disk import disk_floor  # noqa: F401
+            from ...transport.disk import disk_floor  # noqa: F401
         except ImportError:
             return [{"method": "disk", "skipped": "this build has no disk method"}] if rank == 0 else []
     engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype) \
@@ -150,7 +150,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 _sampled_sync(manager, sampler)
                 lay = None
                 if method == "distributed":
-                    from .bench import _layout_figures
+                    from .main import _layout_figures
                     # the full path gathers to rank 0 (no host-shared memory): share only per-rank
                     lay = _layout_figures(model, cfg, job, stats,
                                           share and stats.extra.get("layout") == "engine")   # collective
@@ -159,7 +159,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                                                job.device, max(job.repeats, 5),
                                                lay["engine_rank_bytes_in"] if per_rank else None)
                 else:
-                    from .transport.disk import disk_floor
+                    from ...transport.disk import disk_floor
                     floor = statistics.median(
                         disk_floor(stats.bytes, workdir, files=max(stats.buckets, 1))
                         for _ in range(max(job.repeats, 5))) if rank == 0 else None
@@ -194,7 +194,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
 
 def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floor, manager, sampler,
          largest) -> dict:
-    from .bench import _rises
+    from .main import _rises
 
     timeline = manager.timeline.to_dict()
     peak, peaks = 0, []

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import cliargs as ca
+from . import args as ca
 
 __all__ = ["main", "build_parser", "parse_args"]
 
@@ -116,10 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Weight sync from FSDP trainers to rollout engines: demo and benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
-    from .bench import add_bench_parser
+    from .bench.main import add_bench_parser
 
     add_bench_parser(sub)
-    from .serve import add_serve_parser
+    from ..serve import add_serve_parser
 
     add_serve_parser(sub)
     from .faults import add_faults_parser
@@ -154,13 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return _cmd_demo(args)
     if args.command == "bench":
-        from .bench import cmd_bench
+        from .bench.main import cmd_bench
 
         return cmd_bench(args)
     if getattr(args, "run", None) is not None:   # faults, soak: the subcommand's own runner
         return args.run(args)
     if args.command == "serve":
-        from .serve import main_serve
+        from ..serve import main_serve
 
         return main_serve(args)
     return 2
