@@ -18,7 +18,7 @@ def job(rank, world, model, bucket_mb):
     import torch.distributed as dist
 
     from fsdp_sync.weights import export
-    from fsdp_sync.cli.bench.main import _floor_seconds
+    from fsdp_sync.cli.bench.floors import floor_seconds
     from fsdp_sync.manager import _ReusedBuffer
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.cli.trainer import wrap_fsdp
@@ -52,7 +52,7 @@ def job(rank, world, model, bucket_mb):
         out[key] = {"seconds": round(statistics.median(times[1:]), 3),
                     "in_all_gather": round(statistics.median(waits[1:]), 3)}
     total = sum(m.nbytes for m in export.param_metas(module))
-    out["floor"] = round(_floor_seconds(total, bucket_bytes, 2, "cpu", 3), 3)
+    out["floor"] = round(floor_seconds(total, bucket_bytes, 2, "cpu", 3), 3)
     return out
 
 

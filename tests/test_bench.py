@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_sync.cli.bench.main import BenchSpec, check_targets
+from fsdp_sync.cli.bench.main import BenchSpec
+from fsdp_sync.cli.bench.targets import check_targets
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "memory_tuning"
 ROW_KEYS = {"strategy", "model", "params", "tensors", "bytes", "bucket_bytes", "largest_tensor_bytes",
