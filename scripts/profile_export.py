@@ -17,7 +17,7 @@ from fsdp_sync.cli.launch import run_ranks, spawn_env
 def job(rank, world, model, bucket_mb):
     import torch.distributed as dist
 
-    from fsdp_sync.weights import export
+    from fsdp_sync.weights import export, gather
     from fsdp_sync.cli.bench.floors import floor_seconds
     from fsdp_sync.manager import _ReusedBuffer
     from fsdp_sync.models import build_model, load_config
@@ -27,14 +27,14 @@ def job(rank, world, model, bucket_mb):
     module = wrap_fsdp(build_model(load_config(model)), 2)
     bucket_bytes = int(bucket_mb * 2**20)
     waited = [0.0]
-    real = export._all_gather
+    real = gather.all_gather
 
     def timed(out, inp, group):
         t = time.perf_counter()
         real(out, inp, group)
         waited[0] += time.perf_counter() - t
 
-    export._all_gather = timed
+    gather.all_gather = timed
     out = {}
     for share in (False, True):
         times, waits = [], []

@@ -31,7 +31,7 @@ def _rank(rank, world, a):
     import torch
     import torch.distributed as dist
 
-    from fsdp_sync.weights import reshard
+    from fsdp_sync.weights import hostbuf, reshard
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.manager import FSDPShardingManager
@@ -55,15 +55,15 @@ def _rank(rank, world, a):
         setattr(owner, name, run)
 
     if a.keep_buffers:
-        made = reshard._HostBuffers.create.__func__
+        made = hostbuf.HostShared.create.__func__
         kept: dict = {}
 
-        def create(cls, group, world_, tp, nbytes):
-            if (world_, tp, nbytes) not in kept:
-                kept[(world_, tp, nbytes)] = made(cls, group, world_, tp, nbytes)
-            return kept[(world_, tp, nbytes)]
-        reshard._HostBuffers.create = classmethod(create)
-    timed(reshard._HostBuffers, "create", "make and share the buffers")
+        def create(cls, group, count, nbytes):
+            if (count, nbytes) not in kept:
+                kept[(count, nbytes)] = made(cls, group, count, nbytes)
+            return kept[(count, nbytes)]
+        hostbuf.HostShared.create = classmethod(create)
+    timed(hostbuf.HostShared, "create", "make and share the buffers")
     timed(reshard, "_write_local", "write the per-rank buffers")
     timed(reshard, "_exchange", "all-to-all exchange")
     timed(dist, "barrier", "barriers")

@@ -15,7 +15,7 @@ from fsdp_sync.cli.launch import run_ranks, spawn_env
 def _digests(rank, world, dtype_name, bucket_bytes):
     import torch.distributed as dist
 
-    from fsdp_sync.weights import export
+    from fsdp_sync.weights import export, gather
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.cli.trainer import wrap_fsdp
 
@@ -25,14 +25,14 @@ def _digests(rank, world, dtype_name, bucket_bytes):
     out = {}
     for share in (False, True):
         gathers = 0
-        real = export._all_gather
+        real = gather.all_gather
 
         def counting(*a, **k):
             nonlocal gathers
             gathers += 1
             return real(*a, **k)
 
-        export._all_gather = counting
+        gather.all_gather = counting
         try:
             digests, ptrs = [], set()
             for bkt, flat in export.iter_buckets(module, bucket_bytes, dtype=dtype, share_host_memory=share):
@@ -40,7 +40,7 @@ def _digests(rank, world, dtype_name, bucket_bytes):
                 ptrs.add(flat.untyped_storage().data_ptr())
                 del flat
         finally:
-            export._all_gather = real
+            gather.all_gather = real
         out[share] = {"digests": digests, "gathers": gathers, "buffers": len(ptrs)}
     # the reference: the unsharded model's tensors, cast and laid out by the same plan
     ref = build_model(load_config("tiny"), seed=3)

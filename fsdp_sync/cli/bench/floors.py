@@ -38,7 +38,7 @@ def floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, rep
     a TP rank's shard (``total_bytes / tp``): what any sync must at least do."""
     import torch.distributed as dist
 
-    from ...weights.export import _all_gather
+    from ...weights.gather import all_gather
 
     world = dist.get_world_size()
     dev = "cuda" if device == "cuda" else "cpu"
@@ -55,7 +55,7 @@ def floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, rep
     def body() -> None:
         left = total_bytes
         while left > 0:
-            _all_gather(recv, send, None)       # the sync's own gather call (no deprecation warning)
+            all_gather(recv, send, None)       # the sync's own gather call (no deprecation warning)
             left -= piece
         dst.copy_(src)
 
