@@ -95,3 +95,24 @@ def test_demo_help_says_no_default_none(capsys):
         cli.parse_args(["demo", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in out and "--bucket-mb BUCKET_MB bucket size in MiB (> 0) (default: 64.0)" in out
+
+
+@pytest.mark.parametrize("argv,missing,blocked", [
+    (["demo", "--steps", "1"], "rich", ["rich"]),
+    (["faults"], "rich", ["rich"]),
+    (["bench", "--models", "tiny", "--plot", "out"], "matplotlib", ["matplotlib"]),
+    (["soak", "--png", "x.png"], "rich and matplotlib", ["rich", "matplotlib"]),
+])
+def test_a_command_without_its_extra_says_how_to_install_it(monkeypatch, capsys, argv, missing, blocked):
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)   # as if not installed: find_spec gives None
+    assert cli.main(argv) == 2                         # before anything starts
+    err = capsys.readouterr().err.strip()
+    assert err == (f"fsdp-sync {argv[0]}: needs {missing}, which the library does not install; "
+                   f"install the command's extra: pip install 'fsdp_sync[cli]'")
+
+
+def test_serve_needs_no_cli_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "rich", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.missing_dependency(cli.parse_args(["serve"])) is None

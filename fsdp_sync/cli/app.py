@@ -149,8 +149,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# what each subcommand imports beyond the library: the ``cli`` extra (pyproject.toml) installs them
+_RICH_COMMANDS = ("demo", "bench", "faults", "soak")
+
+
+def missing_dependency(args: argparse.Namespace) -> str | None:
+    """One line saying which package of the ``cli`` extra this command needs and how to install
+    it, or None when every package it will import is there."""
+    import importlib.util
+
+    needs = []
+    if args.command in _RICH_COMMANDS:
+        needs.append("rich")
+    if getattr(args, "plot", None) or getattr(args, "png", None):
+        needs.append("matplotlib")
+    missing = [n for n in needs if importlib.util.find_spec(n) is None]
+    if not missing:
+        return None
+    return (f"fsdp-sync {args.command}: needs {' and '.join(missing)}, which the library does not "
+            f"install; install the command's extra: pip install 'fsdp_sync[cli]'")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    missing = missing_dependency(args)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     if args.command == "demo":
         return _cmd_demo(args)
     if args.command == "bench":
