@@ -5,7 +5,7 @@ an SGLang 0.5.23 server, so that `fsdp_sync.engines.sglang.SGLangEngine(base_url
 HTTP client drive it unchanged and a weight sync over HTTP can be run end to end, with real
 weights, on a CPU machine:
 
-    GET  /health  /health_generate  /get_model_info  /get_server_info (/server_info)
+    GET  /health  /health_generate  /ready  /get_model_info  /get_server_info (/server_info)
     POST /generate                     {input_ids | text, sampling_params}
     POST /update_weights_from_tensor   {serialized_named_tensors, load_format, flush_cache}
     POST /begin_weight_update  /end_weight_update
@@ -15,9 +15,10 @@ weights, on a CPU machine:
                                             load_format}
     POST /destroy_weights_update_group {group_name}
     POST /update_weights_from_disk     {model_path, load_format}
-    POST /release_memory_occupation  /resume_memory_occupation  {tags}
+    POST /release_memory_occupation  /resume_memory_occupation  {tags}  (null or []: all tags)
     POST /flush_cache
     POST /get_weights_by_name          {name, truncate_size}
+    (these four also on GET, as SGLang takes them)
 
 Weight updates answer ``{"success": bool, "message": str}`` (HTTP 200, or 400 on a refusal), as
 SGLang does. An engine without a method (the distributed and disk ones on an older engine) answers
@@ -59,6 +60,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from .generate_request import ClientWatch as _ClientWatch, GenerateRefused, parse_generate
 
 __all__ = ["EngineServer", "check_disk_path", "main_serve", "add_serve_parser"]
 
@@ -141,6 +144,10 @@ class EngineServer:
                "/update_weights_from_disk", "/begin_weight_update", "/end_weight_update",
                "/release_memory_occupation", "/resume_memory_occupation")
 
+    GET_OR_POST = ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
+                   "/get_weights_by_name")
+    """Routes SGLang takes on GET as well as POST (verl's HttpServerAdapter flushes with a GET)."""
+
     def __init__(self, engine: Any, *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, allowed_disk_dirs: Sequence[str] = (),
                  max_body_bytes: int = DEFAULT_MAX_BODY, max_concurrent: int = 32,
@@ -161,6 +168,8 @@ class EngineServer:
         self.model_path = model_path
         self.weight_version = "default"
         self._update_lock = threading.Lock()
+        self._live: dict[str, threading.Event] = {}     # rid -> abort flag of a running generate
+        self._live_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self.updates_served = 0
         self.hits: Counter[str] = Counter()   # requests per path (auth refusals included)
@@ -221,13 +230,13 @@ class EngineServer:
             path = h.path.split("?", 1)[0]
             self.hits[path] += 1
             try:
-                if self.api_key is not None and path != "/health":
+                if self.api_key is not None and path not in ("/health", "/ready"):
                     got = h.headers.get("Authorization", "")
                     if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
                         raise _Refused(401, "missing or wrong API key "
                                             "(send 'Authorization: Bearer KEY')")
                 body = self._read_body(h, method)
-                status, out = self._route(method, path, body)
+                status, out = self._route(method, path, body, h)
             except _Refused as e:
                 status, out = e.status, {"success": False, "message": str(e)}
             except Exception as e:  # noqa: BLE001 - an engine error becomes the answer, not a crash
@@ -236,7 +245,8 @@ class EngineServer:
             # a body left unread (refused before reading) must not be taken for the next request
             unread = not getattr(h, "_body_read", False) and (
                 h.headers.get("Content-Length") not in (None, "0") or h.headers.get("Transfer-Encoding"))
-            self._reply(h, status, out, close=bool(unread) or status in (411, 413))
+            if status is not None:          # None: the route answered itself (a stream)
+                self._reply(h, status, out, close=bool(unread) or status in (411, 413))
         finally:
             self._slots.release()
 
@@ -313,17 +323,20 @@ class EngineServer:
             pass
 
     # ------------------------------------------------------------------ routes
-    def _route(self, method: str, path: str, body: dict) -> tuple[int, Any]:
+    def _route(self, method: str, path: str, body: dict,
+               h: BaseHTTPRequestHandler | None = None) -> tuple[int | None, Any]:
         get_routes: dict[str, Callable[[dict], tuple[int, Any]]] = {
             "/health": lambda b: (200, ""),
             "/health_generate": self._health_generate,
+            "/ready": lambda b: (200, ""),
             "/get_model_info": self._model_info,
             "/model_info": self._model_info,
             "/get_server_info": self._server_info,
             "/server_info": self._server_info,
         }
         post_routes: dict[str, Callable[[dict], tuple[int, Any]]] = {
-            "/generate": self._generate,
+            "/generate": lambda b: self._generate(b, h),
+            "/abort_request": self._abort_request,
             "/update_weights_from_tensor": self._update_from_tensor,
             "/begin_weight_update": lambda b: self._update("begin_weight_update", {}),
             "/end_weight_update": lambda b: self._update("end_weight_update", {}),
@@ -338,15 +351,27 @@ class EngineServer:
             "/flush_cache": self._flush_cache,
             "/get_weights_by_name": self._get_weights_by_name,
         }
+        dead = self.dead_reason()
+        if dead is not None and (path in get_routes or path in post_routes):
+            # SGLang's server exits when a scheduler dies; until ours does (`main_serve`), every
+            # route, /health and /ready included, says so: a router must stop sending traffic here
+            return 503, {"success": False, "message": f"the engine behind this server is dead: {dead}"}
         if method == "GET" and path in get_routes:
             return get_routes[path](body)
         if path in post_routes:
-            if method != "POST":
+            if method != "POST" and path not in self.GET_OR_POST:
                 return 405, {"success": False, "message": f"{path} takes POST"}
             return post_routes[path](body)
         if path in get_routes:   # SGLang answers these on POST too
             return get_routes[path](body)
         return 404, {"detail": "Not Found"}
+
+    def dead_reason(self) -> str | None:
+        """Why the engine can serve nothing more (a worker died, it was shut down), or None."""
+        fn = getattr(self.engine, "dead_reason", None)
+        if callable(fn):
+            return fn()
+        return "the engine was shut down" if getattr(self.engine, "closed", False) is True else None
 
     def _health_generate(self, body: dict) -> tuple[int, Any]:
         self.engine.generate([[0]], max_new_tokens=1)
@@ -363,36 +388,106 @@ class EngineServer:
                      "weight_version": self.weight_version,
                      "disk_updates": bool(self.allowed_disk_dirs)}
 
-    def _generate(self, body: dict) -> tuple[int, Any]:
-        if body.get("text") is not None and body.get("input_ids") is None:
-            raise _Refused(400, "this server has no tokenizer: send input_ids, not text")
-        ids = _field(body, "input_ids", list)
-        single = bool(ids) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-        prompts = [ids] if single else ids
-        if not prompts or not all(isinstance(p, list) and p and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompts):
-            raise _Refused(400, "field 'input_ids' must be a list of token ids or a non-empty list "
-                                "of non-empty lists of token ids")
-        sp = _field(body, "sampling_params", (dict, type(None)), None) or {}
-        params = {}
-        for key, typ in (("max_new_tokens", int), ("temperature", (int, float)),
-                         ("stop_token_ids", (list, type(None))), ("ignore_eos", bool)):
-            if key in sp:
-                params[key] = _field(sp, key, typ)
-        unknown = sorted(set(sp) - set(params))
-        if unknown:
-            raise _Refused(400, f"unsupported sampling_params {unknown}; supported: max_new_tokens, "
-                                f"temperature, stop_token_ids, ignore_eos")
-        if "temperature" in params and not math.isfinite(params["temperature"]):
-            raise _Refused(400, "temperature must be finite")
-        if not 0 <= params.get("max_new_tokens", 16) <= 1 << 16:
-            raise _Refused(400, f"max_new_tokens must be in [0, 65536], got {params['max_new_tokens']}")
-        outs = self.engine.generate(prompts, sampling_params=params)
-        res = [{"text": "", "output_ids": list(o),
-                "meta_info": {"prompt_tokens": len(p), "completion_tokens": len(o),
-                              "weight_version": self.weight_version}}
-               for p, o in zip(prompts, outs)]
-        return 200, res[0] if single else res
+    def _generate(self, body: dict, h: BaseHTTPRequestHandler | None) -> tuple[int | None, Any]:
+        try:
+            req = parse_generate(body)
+        except GenerateRefused as exc:
+            raise _Refused(400, str(exc)) from None
+        if not hasattr(self.engine, "generate_requests"):
+            raise _Refused(404, "this engine has no generate_requests")
+        rids = req.rids
+        events = {rid: threading.Event() for rid in rids}
+        with self._live_lock:
+            clash = sorted(set(rids) & set(self._live))
+            if clash:
+                raise _Refused(400, f"field 'rid': request id(s) {clash} are already running")
+            self._live.update(events)
+        gone = _ClientWatch(h)
+        t0 = time.monotonic()
+        results: list[dict] = []
+
+        def meta(r: dict) -> dict:
+            m = {"id": rids[r["prompt_index"]] if req.n == 1 else
+                 f"{rids[r['prompt_index']]}-{r['sample']}",
+                 "finish_reason": r["finish_reason"], "prompt_tokens": len(req.prompts[r["prompt_index"]]),
+                 "completion_tokens": len(r["output_ids"]), "cached_tokens": 0,
+                 "weight_version": self.weight_version, "e2e_latency": time.monotonic() - t0}
+            for key in ("output_token_logprobs", "input_token_logprobs"):
+                if key in r:
+                    m[key] = list(r[key])
+            return m
+
+        def item(k: int, r: dict) -> dict:
+            out = {"text": "", "output_ids": list(r["output_ids"]), "meta_info": meta(r)}
+            if req.stream and len(results) > 1:
+                out["index"] = k
+            return out
+
+        sent: list[int] = []           # tokens of each result streamed so far
+        def on_step(rs: list[dict]) -> None:
+            if not req.stream:
+                return
+            if not sent:
+                results.extend(rs)
+                sent.extend([0] * len(rs))
+                for k, r in enumerate(rs):
+                    r["sample"] = k % req.n
+            for k, r in enumerate(rs):
+                n = len(r["output_ids"])
+                done = r["finish_reason"] is not None
+                if n > sent[k] and (done or n - sent[k] >= req.interval[r["prompt_index"]]):
+                    sent[k] = n
+                    gone.send(item(k, r))
+
+        try:
+            if req.stream:
+                gone.start_stream()
+            try:
+                rs = self.engine.generate_requests(
+                    req.prompts, req.sampling, return_logprob=req.return_logprob,
+                    logprob_start_len=req.logprob_start_len, on_step=on_step,
+                    should_abort=lambda k: gone() or events[rids[k // req.n]].is_set())
+            except (ValueError, _Refused) as exc:
+                if not req.stream:
+                    raise _Refused(400, str(exc)) from None
+                gone.send({"error": {"message": str(exc), "type": "invalid_request_error",
+                                     "code": 400, "retryable": False}})
+                gone.end_stream()
+                return None, None
+            except Exception as exc:  # noqa: BLE001 - in a stream the error is a chunk, as SGLang's
+                if not req.stream:
+                    raise
+                gone.send({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error",
+                                     "code": 500, "retryable": False}})
+                gone.end_stream()
+                return None, None
+            for k, r in enumerate(rs):
+                r["sample"] = k % req.n
+            if req.stream:
+                if not sent:      # max_new_tokens 0: no step ran
+                    results.extend(rs)
+                    for k, r in enumerate(rs):
+                        gone.send(item(k, r))
+                gone.end_stream()
+                return None, None
+            out = [item(k, r) for k, r in enumerate(rs)]
+            return 200, out[0] if req.single and req.n == 1 else out
+        finally:
+            with self._live_lock:
+                for rid in rids:
+                    self._live.pop(rid, None)
+
+    def _abort_request(self, body: dict) -> tuple[int, Any]:
+        """SGLang's ``/abort_request``: ``{"rid": id}`` or ``{"abort_all": true}``; an unknown id is
+        ignored, as SGLang ignores it. The request ends at its next decode step with
+        ``finish_reason`` ``{"type": "abort"}``."""
+        rid = _field(body, "rid", (str, type(None)), "") or ""
+        abort_all = _field(body, "abort_all", bool, False)
+        with self._live_lock:
+            hit = list(self._live) if abort_all else [r for r in self._live if rid and r == rid]
+            for r in hit:
+                self._live[r].set()
+        return 200, {"success": True, "message": f"aborted {len(hit)} request(s)"}
 
     # ---- updates: one at a time
     def _locked(self, what: str, fn: Callable[[], Any]) -> tuple[int, Any]:
@@ -551,33 +646,117 @@ def _accepted(fn: Callable, kwargs: dict) -> dict:
 def add_serve_parser(sub) -> None:
     import argparse
 
+    from .cli import args as ca
+
     p = sub.add_parser(
         "serve", help="serve the reference engine behind SGLang's HTTP endpoints",
         description="Start the reference engine (TP worker processes on this machine) behind "
                     "SGLang's HTTP routes, so SGLangEngine(base_url=...) or verl's SGLang client "
-                    "can drive it. Binds 127.0.0.1 unless --host says otherwise.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny", help="a recipe name, YAML recipe or HF config.json")
-    p.add_argument("--tp", type=int, default=1, help="engine tensor-parallel size")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial random weights")
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
+                    "can drive it. Binds 127.0.0.1 unless --host says otherwise. Every flag is "
+                    "checked before any worker starts (one line naming the flag, exit code 2). "
+                    "Exits 0 on SIGINT/SIGTERM, 1 when an engine worker dies.",
+        formatter_class=ca.DefaultsFormatter)
+    p.add_argument("--model", default="tiny", type=ca.model_spec,
+                   help="a recipe name, YAML recipe or HF config.json")
+    p.add_argument("--tp", type=ca.positive_int, default=1,
+                   help="engine tensor-parallel size (must divide the model's heads)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="weight and activation dtype")
+    p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda")
+    p.add_argument("--seed", type=ca.non_negative_int, default=0,
+                   help="seed of the initial random weights")
+    p.add_argument("--kv-cache-tokens", type=ca.positive_int, default=None)
     p.add_argument("--weights-cpu-backup", action="store_true",
                    help="keep weights' contents across a release (SGLang's --enable-weights-cpu-backup)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
-    p.add_argument("--port", type=int, default=30000, help="port (0: any free port)")
-    p.add_argument("--api-key", default=os.environ.get("FSDP_SYNC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every request but /health "
-                        "(default: $FSDP_SYNC_API_KEY)")
+    p.add_argument("--port", type=_port, default=30000, help="port (0: any free port)")
+    # the default is read in main_serve, never here: --help must not print a secret
+    p.add_argument("--api-key", type=_api_key, default=None,
+                   help="require 'Authorization: Bearer KEY' on every request but /health and "
+                        "/ready (default: the value of $FSDP_SYNC_API_KEY when it is set and "
+                        "not empty; otherwise no key)")
     p.add_argument("--allowed-disk-dir", action="append", default=[], metavar="DIR",
+                   type=_existing_dir,
                    help="a directory update_weights_from_disk may read from (repeatable); "
                         "without one, disk updates are refused")
-    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY / 2**20,
+    p.add_argument("--max-body-mb", type=ca.positive_float, default=DEFAULT_MAX_BODY / 2**20,
                    help="largest request body accepted")
-    p.add_argument("--max-concurrent", type=int, default=32, help="requests served at once")
-    p.add_argument("--update-wait-s", type=float, default=60.0,
-                   help="how long a weight update waits for a running one before it gets 503")
+    p.add_argument("--max-concurrent", type=ca.positive_int, default=32,
+                   help="requests served at once")
+    p.add_argument("--update-wait-s", type=_finite_seconds, default=60.0,
+                   help="how long a weight update waits for a running one before it gets 503 "
+                        "(0: not at all)")
+    p.set_defaults(check=check_serve_args)
+
+
+def _port(text: str) -> int:
+    import argparse
+
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
+    return v
+
+
+def _api_key(text: str) -> str:
+    import argparse
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a non-empty key (leave --api-key out to serve "
+                                         "without one)")
+    return text
+
+
+def _existing_dir(text: str) -> str:
+    import argparse
+
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
+    return text
+
+
+def _finite_seconds(text: str) -> float:
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return v
+
+
+def check_serve_args(args, given: set[str]) -> None:
+    """Cross-flag and environment checks of `serve`, before any worker starts: the model splits
+    over ``--tp``, and ``--host``/``--port`` can be bound. Raises ValueError naming the flag."""
+    import socket
+
+    from .weights.layout import ModelSpec, TPLayout
+    from .models import load_config
+
+    try:
+        TPLayout(ModelSpec.from_config(load_config(args.model)), args.tp)
+    except ValueError as exc:
+        raise ValueError(f"argument --tp: model {args.model!r} cannot be split over {args.tp} "
+                         f"TP ranks: {exc}") from None
+    if args.port:
+        try:
+            infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+            with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+                s.bind(infos[0][4])
+        except OSError as exc:
+            raise ValueError(f"argument --port: cannot bind {args.host}:{args.port} "
+                             f"({exc.strerror or exc}); pick another port, or 0 for any free "
+                             f"one") from None
+    else:
+        try:
+            socket.getaddrinfo(args.host, 0, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ValueError(f"argument --host: cannot resolve {args.host!r} ({exc})") from None
 
 
 def main_serve(args) -> int:
@@ -586,6 +765,8 @@ def main_serve(args) -> int:
     from .config import parse_dtype
     from .engines.reference import ReferenceEngine
 
+    if args.api_key is None:
+        args.api_key = os.environ.get("FSDP_SYNC_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"address can replace the weights", file=sys.stderr, flush=True)
@@ -594,6 +775,7 @@ def main_serve(args) -> int:
                              kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
                              weights_cpu_backup=args.weights_cpu_backup)
     server = None
+    rc = 0
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -609,8 +791,13 @@ def main_serve(args) -> int:
         print(f"fsdp-sync serve: {engine!r} on {server.url} (api key "
               f"{'required' if args.api_key else 'off'}, disk dirs {server.allowed_disk_dirs})",
               flush=True)
-        while not stop.wait(0.5):
-            if engine.closed:
+        while not stop.wait(0.2):
+            dead = engine.dead_reason()
+            if dead is not None:
+                # as SGLang's server does when a scheduler process dies: stop, and say why
+                print(f"fsdp-sync serve: the engine is dead, exiting: {dead}", file=sys.stderr,
+                      flush=True)
+                rc = 1
                 break
     finally:
         if server is not None:
@@ -619,4 +806,4 @@ def main_serve(args) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     print("fsdp-sync serve: stopped", flush=True)
-    return 0
+    return rc

@@ -39,6 +39,18 @@ BAD = [
     ("bench --preset quick --ranks 3", ["--ranks", "--tp"]),
     ("soak --warmup -1", ["--warmup", "integer >= 0", "'-1'"]),
     ("soak --syncs 0", ["--syncs", "positive integer"]),
+    # serve (issue 21 item 8): each used to be a traceback, often after the workers started
+    ("serve --tp 0", ["--tp", "positive integer"]),
+    ("serve --tp 3", ["--tp", "'tiny'", "3 TP ranks", "num_attention_heads"]),
+    ("serve --model tinny", ["--model", "no model recipe 'tinny'", "small"]),
+    ("serve --port 99999", ["--port", "0..65535", "'99999'"]),
+    ("serve --max-body-mb 0", ["--max-body-mb", "positive number"]),
+    ("serve --allowed-disk-dir /nonexistent", ["--allowed-disk-dir", "no such directory"]),
+    ("serve --api-key=", ["--api-key", "non-empty"]),
+    ("serve --max-concurrent 0", ["--max-concurrent", "positive integer"]),
+    ("serve --update-wait-s -1", ["--update-wait-s", "finite number of seconds >= 0"]),
+    ("serve --update-wait-s inf", ["--update-wait-s", "finite"]),
+    ("serve --host no.such.host.invalid --port 0", ["--host", "cannot resolve"]),
 ] + ([] if CUDA else [("demo --device cuda", ["--device", "no CUDA"]),
                       ("bench --device cuda", ["--device", "no CUDA"]),
                       ("bench --recipe recipes/memory_tuning/targets.yaml --device cuda",
@@ -95,6 +107,39 @@ def test_demo_help_says_no_default_none(capsys):
         cli.parse_args(["demo", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in out and "--bucket-mb BUCKET_MB bucket size in MiB (> 0) (default: 64.0)" in out
+
+
+def test_serve_port_in_use_is_one_line_and_starts_no_worker():
+    import socket
+
+    import psutil
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", str(port)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started = set()
+        while proc.poll() is None:        # watch for engine workers while it runs
+            try:
+                started |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                break
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == "", (out, err)
+    assert err.strip().startswith("fsdp-sync serve: error: argument --port: cannot bind "
+                                  f"127.0.0.1:{port}"), err
+    assert len(err.strip().splitlines()) == 1 and not started, (err, started)
+
+
+def test_serve_help_never_prints_the_api_key(monkeypatch, capsys):
+    monkeypatch.setenv("FSDP_SYNC_API_KEY", "do-not-print-me")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "do-not-print-me" not in out and "$FSDP_SYNC_API_KEY" in out
+    assert cli.parse_args(["serve"]).api_key is None      # read by main_serve, not by the parser
 
 
 @pytest.mark.parametrize("argv,missing,blocked", [

@@ -149,8 +149,18 @@ def test_bad_requests_are_refused_and_the_server_lives(engine, server):
               {"serialized_named_tensors": ["a", "b"], "load_format": "pickle"}), 400, "load_format"),
         (post(server, "/release_memory_occupation", {"tags": 5}), 400, "'tags'"),
         (post(server, "/generate", {"input_ids": [["a"]]}), 400, "'input_ids'"),
-        (post(server, "/generate", {"input_ids": [[1]], "sampling_params": {"top_k": 3}}), 400,
-         "unsupported"),
+        (post(server, "/generate", {"input_ids": [[1]], "sampling_params": {"frequency_penalty": 0.5}}),
+         400, "sampling_params.frequency_penalty=0.5 is not supported"),
+        (post(server, "/generate", {"input_ids": [[1]], "sampling_params": {"top_k": 0}}), 400,
+         "sampling_params.top_k must be -1 (off) or an integer >= 1, got 0"),
+        (post(server, "/generate", {"input_ids": [[1]], "sampling_params": {"stop_token_ids": ["a"]}}),
+         400, "sampling_params.stop_token_ids must be a list of token ids, got ['a']"),
+        (post(server, "/generate", {"input_ids": [[1]], "return_hidden_states": True}), 400,
+         "'return_hidden_states'"),
+        (post(server, "/generate", {"input_ids": [[1]], "sampling_params": {"stop": ["\n"]}}), 400,
+         "stop_token_ids"),
+        (post(server, "/generate", {"input_ids": [[1]], "sampling_params": {"max_new_tokens": 10**6}}),
+         400, "maximum context length"),
         (post(server, "/generate", {"text": "hello"}), 400, "tokenizer"),
         (post(server, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": "1"}),
          400, "'truncate_size'"),
@@ -347,3 +357,35 @@ def test_serve_command_binds_loopback_and_stops_cleanly():
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_sglang_get_routes_and_empty_tags_mean_all(engine, server):
+    """Issue 21 item 2: SGLang takes GET as well as POST on /flush_cache, /release_memory_occupation,
+    /resume_memory_occupation and /get_weights_by_name (verl's HttpServerAdapter.flush_cache is a
+    GET: a 405 made it retry, log "Failed to flush cache" and go on), and its scheduler reads
+    ``tags: []`` (or null) as every tag (serve released nothing for [])."""
+    def held() -> list[tuple[int, int]]:
+        return [(w["weights_bytes"], w["kv_cache_bytes"]) for w in engine.memory_stats()["workers"]]
+
+    before = held()
+    assert all(w > 0 and kv > 0 for w, kv in before), before
+    weights = list(engine.named_full_tensors())      # released weights come back as zeros
+    flushed = server.hits["/flush_cache"]
+    assert raw(server, "GET", "/flush_cache")[0] == 200
+    assert server.hits["/flush_cache"] == flushed + 1
+    status, out = raw(server, "GET", "/release_memory_occupation", json.dumps({"tags": []}).encode(),
+                      {"Content-Type": "application/json"})
+    assert status == 200 and json.loads(out)["success"], out
+    assert held() == [(0, 0)] * len(before)                     # [] released weights AND kv cache
+    status, out = post(server, "/resume_memory_occupation", {"tags": []})
+    assert status == 200 and out["success"], out
+    assert held() == before
+    status, out = raw(server, "GET", "/resume_memory_occupation")           # no body: null tags
+    assert status == 200
+    engine.update_weights_from_tensor(weights)
+    status, text = raw(server, "GET", "/get_weights_by_name",
+                       json.dumps({"name": "model.norm.weight"}).encode(),
+                       {"Content-Type": "application/json"})
+    assert status == 200 and torch.tensor(json.loads(text)).equal(
+        engine.get_weights_by_name("model.norm.weight")), text
+    assert raw(server, "GET", "/update_weights_from_tensor")[0] == 405      # updates stay POST

@@ -48,12 +48,15 @@ RESUME_ORDER = ("cuda_graph", "weights", "kv_cache")
 
 
 def ordered_tags(tags: Iterable[str] | str | None, order: Sequence[str]) -> list[str]:
-    """``tags`` (None = all) checked against `TAGS` and put in ``order``."""
+    """``tags`` (None or empty = all, as SGLang's scheduler reads them) checked against `TAGS` and
+    put in ``order``."""
     if tags is None:
         return list(order)
     if isinstance(tags, str):
         tags = [tags]
     tags = list(tags)
+    if not tags:
+        return list(order)
     bad = [t for t in tags if t not in TAGS]
     if bad:
         raise ValueError(f"unknown memory tag(s) {bad}; expected some of {list(TAGS)} or None (all)")

@@ -48,6 +48,7 @@ from ..faultpoint import fault_point
 from ..weights.bucket import dtype_name, unflatten
 from ..weights.layout import TPLayout, rank_digest
 from ..wire import open_flattened_bucket
+from .generation import Decode
 from .tp_model import Span, TPModel
 
 __all__ = ["main", "serve"]
@@ -128,6 +129,7 @@ class Worker:
         self.hf_set = set(self.layout.hf_names())
         self.engine_shapes = self.layout.engine_shapes()
         self.gen = torch.Generator().manual_seed(int(opts["seed"]))
+        self.decode: Decode | None = None   # the generate call in progress (`gen_step`)
         # weights
         self.weights_released = False
         self.valid = True                   # weights hold a complete model
@@ -649,63 +651,37 @@ class Worker:
             off += len(c)
         return ids.to(self.device), pos.to(self.device), spans, torch.tensor(rows, device=self.device)
 
-    def _pick(self, logits: torch.Tensor, temperature: float) -> list[int]:
-        if temperature <= 0:
-            return logits.argmax(dim=-1).tolist()
-        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.gen).view(-1).tolist()
-
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                 stop: list[int]) -> list[list[int]]:
+    def gen_begin(self, a: dict) -> None:
+        """Start a generate call (`generation.Decode`); the client then drives `gen_step`."""
         self._require_weights()
         if self.kv_released:
             raise WorkerError(KIND_STATE, "the KV cache is released; call "
                                           "resume_memory_occupation(['kv_cache']) before generating")
-        out: list[list[int]] = [[] for _ in prompts]
-        if max_new_tokens <= 0:
-            return out
-        need = [len(p) + max_new_tokens - 1 for p in prompts]
-        for i, n in enumerate(need):
-            if n > self.kv_tokens:
-                raise WorkerError(KIND_STATE, f"prompt {i} ({len(prompts[i])} tokens) + max_new_tokens "
-                                              f"({max_new_tokens}) needs {n} KV-cache tokens; the cache "
-                                              f"holds {self.kv_tokens} (kv_cache_tokens)")
-        stop_set = set(stop)
-        order = list(range(len(prompts)))
-        while order:   # waves of prompts whose slots fit the cache together
-            wave, used = [], 0
-            while order and used + need[order[0]] <= self.kv_tokens:
-                i = order.pop(0)
-                wave.append((i, used))
-                used += need[i]
-            self._generate_wave(prompts, wave, max_new_tokens, temperature, stop_set, out)
-        return out
+        try:
+            self.decode = Decode(self.model, self.kv, self.kv_tokens, self.device, a["prompts"],
+                                 a["rows"], self.gen, bool(a.get("logprobs")))
+        except ValueError as exc:
+            raise WorkerError(KIND_STATE, str(exc)) from None
 
-    def _generate_wave(self, prompts, wave, max_new, temperature, stop_set, out) -> None:
-        idx = [i for i, _ in wave]
-        slots = [s for _, s in wave]
-        ids, pos, spans, rows = self._pack([prompts[i] for i in idx], [0] * len(idx), False, slots)
-        nxt = self._pick(self.model.forward(ids, pos, spans, self.kv, rows), temperature)
-        cached = [len(prompts[i]) for i in idx]
-        active = []
-        for j, i in enumerate(idx):
-            out[i].append(nxt[j])
-            if nxt[j] not in stop_set and max_new > 1:
-                active.append(j)
-        while active:
-            ids = torch.tensor([out[idx[j]][-1] for j in active], dtype=torch.long, device=self.device)
-            pos = torch.tensor([cached[j] for j in active], dtype=torch.long, device=self.device)
-            spans = [Span(k, 1, slots[j], cached[j]) for k, j in enumerate(active)]
-            rows = torch.arange(len(active), device=self.device)
-            nxt = self._pick(self.model.forward(ids, pos, spans, self.kv, rows), temperature)
-            still = []
-            for k, j in enumerate(active):
-                cached[j] += 1
-                out[idx[j]].append(nxt[k])
-                if nxt[k] not in stop_set and len(out[idx[j]]) < max_new:
-                    still.append(j)
-            active = still
+    @torch.no_grad()
+    def gen_step(self, a: dict) -> dict | None:
+        if self.decode is None:
+            raise WorkerError(KIND_STATE, "gen_step without gen_begin")
+        if a.get("drop"):
+            self.decode.drop(a["drop"])
+        # up to `steps` forwards per call: each call is a round trip to the client, which only
+        # needs one per step to stream every token or to drop an aborted row at once
+        out: dict = {"tokens": {}, "logprobs": {}, "ended": {}}
+        for _ in range(max(1, int(a.get("steps", 1)))):
+            one = self.decode.step()
+            for key in ("tokens", "logprobs"):
+                for row, v in one[key].items():
+                    out[key].setdefault(row, []).append(v)
+            out["ended"].update(one["ended"])
+            if self.decode.finished:
+                break
+        out["finished"] = self.decode.finished
+        return out if self.rank == 0 else {"finished": out["finished"]}
 
     def pieces(self, names: list[str]) -> dict:
         """This rank's owned pieces of full HF tensors: ``{name: [(src slices, tensor), ...]}``."""
@@ -758,8 +734,13 @@ class Worker:
             return self.begin(bool(args.get("transactional", True)))
         if cmd == "end":
             return self.end(bool(args.get("abort")))
-        if cmd == "generate":
-            return self.generate(args["prompts"], args["max_new_tokens"], args["temperature"], args["stop"])
+        if cmd == "gen_begin":
+            return self.gen_begin(args)
+        if cmd == "gen_step":
+            return self.gen_step(args)
+        if cmd == "gen_end":
+            self.decode = None
+            return None
         if cmd == "forward_logits":
             return self.forward_logits(args["prompts"], args["all_positions"])
         if cmd == "pieces":

@@ -1,0 +1,181 @@
+"""SGLang's ``/generate`` request as `fsdp-sync serve` reads it, and the client connection it answers.
+
+`parse_generate` checks a ``/generate`` body the way an RL client sends it (verl, slime, plain
+``requests``): ``input_ids`` (one prompt or a batch), ``sampling_params`` (one dict or one per
+prompt; checked by `engines.generation.Sampling`), ``return_logprob`` with ``logprob_start_len``,
+``stream``, ``rid``. A field this server cannot honour is refused naming it (400), never ignored;
+fields SGLang defines that change nothing at their default value (``image_data: null``,
+``lora_path: null``, ...) are accepted at that value only.
+
+`ClientWatch` is the answering side of one request: it tells whether the client has gone away
+(its socket reads EOF: the request is then aborted, as SGLang aborts a disconnected client's
+request) and writes SGLang's server-sent events for ``stream`` (``data: {...}`` chunks, each
+holding the whole output so far, then ``data: [DONE]``).
+
+Not here: the routes (`serve`), generation itself (`engines.generation`).
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .engines.generation import Sampling
+
+__all__ = ["GenerateRequest", "parse_generate", "ClientWatch", "GenerateRefused"]
+
+# SGLang GenerateReqInput fields accepted only at a value that changes nothing here
+_NEUTRAL = {"image_data": (None,), "video_data": (None,), "audio_data": (None,),
+            "lora_path": (None,), "lora_id": (None,), "top_logprobs_num": (None, 0),
+            "token_ids_logprob": (None,), "return_text_in_logprobs": (None, False),
+            "custom_logit_processor": (None,), "return_hidden_states": (None, False),
+            "return_routed_experts": (None, False), "session_params": (None,),
+            "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
+            "data_parallel_rank": (None, 0), "modalities": (None,), "log_metrics": (None, True, False)}
+_KEYS = ("input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "stream", "rid")
+
+
+class GenerateRefused(ValueError):
+    """A ``/generate`` body this server cannot serve (HTTP 400)."""
+
+
+@dataclass
+class GenerateRequest:
+    prompts: list[list[int]]
+    single: bool                      # one prompt (answer a dict, not a list)
+    sampling: list[dict]              # per prompt, as given
+    n: int                            # samples per prompt
+    interval: list[int]               # stream_interval per prompt
+    rids: list[str]                   # per prompt
+    return_logprob: bool
+    logprob_start_len: int | None
+    stream: bool
+
+
+def _ids_list(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def parse_generate(body: dict) -> GenerateRequest:
+    """Check a ``/generate`` body (see the module docstring); raises `GenerateRefused` naming the field."""
+    for key, value in body.items():
+        if key in _KEYS:
+            continue
+        if key in _NEUTRAL:
+            if value not in _NEUTRAL[key]:
+                raise GenerateRefused(f"field {key!r}={value!r} is not supported by this server "
+                                      f"(only {_NEUTRAL[key][0]!r})")
+            continue
+        raise GenerateRefused(f"field {key!r} is not supported by this server; supported: "
+                              f"{', '.join(_KEYS)}")
+    if body.get("text") is not None:
+        raise GenerateRefused("field 'text': this server has no tokenizer: send input_ids, not text")
+    ids = body.get("input_ids")
+    single = _ids_list(ids)
+    prompts = [ids] if single else ids
+    if not isinstance(prompts, list) or not prompts or not all(_ids_list(p) for p in prompts):
+        raise GenerateRefused("field 'input_ids' must be a list of token ids or a non-empty list of "
+                              "non-empty lists of token ids")
+    sp = body.get("sampling_params")
+    if sp is None or isinstance(sp, dict):
+        sps = [dict(sp or {}) for _ in prompts]
+    elif isinstance(sp, list) and len(sp) == len(prompts) and all(isinstance(x, dict) for x in sp):
+        sps = [dict(x) for x in sp]
+    else:
+        raise GenerateRefused(f"field 'sampling_params' must be an object or a list of "
+                              f"{len(prompts)} objects (one per prompt), got {sp!r:.80}")
+    try:
+        specs = [Sampling.from_sglang(x) for x in sps]
+    except ValueError as exc:
+        raise GenerateRefused(str(exc)) from None
+    ns = {s.n for s in specs}
+    if len(ns) != 1:
+        raise GenerateRefused(f"sampling_params.n must be the same for every prompt, got {sorted(ns)}")
+    flags = {}
+    for key in ("return_logprob", "stream"):
+        v = body.get(key, False)
+        if v is None:
+            v = False
+        if not isinstance(v, bool):
+            raise GenerateRefused(f"field {key!r} must be true or false, got {v!r}")
+        flags[key] = v
+    start = body.get("logprob_start_len")
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < -1):
+        raise GenerateRefused(f"field 'logprob_start_len' must be an integer >= -1, got {start!r}")
+    rid = body.get("rid")
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in prompts]
+    elif single and isinstance(rid, str) and rid:
+        rids = [rid]
+    elif not single and isinstance(rid, list) and len(rid) == len(prompts) and all(
+            isinstance(r, str) and r for r in rid) and len(set(rid)) == len(rid):
+        rids = list(rid)
+    else:
+        raise GenerateRefused(f"field 'rid' must be a non-empty string (one prompt) or a list of "
+                              f"{len(prompts)} distinct strings (a batch), got {rid!r:.80}")
+    return GenerateRequest(prompts=prompts, single=single, sampling=sps, n=ns.pop(),
+                           interval=[s.stream_interval for s in specs], rids=rids,
+                           return_logprob=flags["return_logprob"],
+                           logprob_start_len=None if start is None or start < 0 else start,
+                           stream=flags["stream"])
+
+
+class ClientWatch:
+    """Whether one request's client went away, and its server-sent events (module docstring)."""
+
+    CHECK_EVERY_S = 0.02
+
+    def __init__(self, handler: Any) -> None:
+        self.h = handler
+        self.gone = False
+        self._checked = 0.0
+
+    def __call__(self) -> bool:
+        if self.gone or self.h is None:
+            return self.gone
+        now = time.monotonic()
+        if now - self._checked < self.CHECK_EVERY_S:
+            return False
+        self._checked = now
+        sock = self.h.connection
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            # readable with nothing to read: the client closed its end
+            if readable and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                self.gone = True
+        except BlockingIOError:
+            pass
+        except (OSError, ValueError):
+            self.gone = True
+        return self.gone
+
+    def start_stream(self) -> None:
+        h = self.h
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Cache-Control", "no-cache")
+        h.send_header("Connection", "close")     # the body ends when the connection does
+        h.end_headers()
+        h.close_connection = True
+        h.wfile.flush()
+
+    def send(self, obj: Any) -> None:
+        self._write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    def end_stream(self) -> None:
+        self._write(b"data: [DONE]\n\n")
+
+    def _write(self, data: bytes) -> None:
+        if self.gone:
+            return
+        try:
+            self.h.wfile.write(data)
+            self.h.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self.gone = True
