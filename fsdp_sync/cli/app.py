@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.main import add_bench_parser
 
     add_bench_parser(sub)
-    from ..serve import add_serve_parser
+    from .serve import add_serve_parser
 
     add_serve_parser(sub)
     from .faults import add_faults_parser
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "run", None) is not None:   # faults, soak: the subcommand's own runner
         return args.run(args)
     if args.command == "serve":
-        from ..serve import main_serve
+        from .serve import main_serve
 
         return main_serve(args)
     return 2
