@@ -59,6 +59,9 @@ module inside the root wrapper, whose own parameters are shards of the root's fl
 Before the first forward torch has not yet told inner units from the root, so an inner unit
 handed over then is exported as what it is: its own parameters, bit-exact, under its own names.
 
+At about 650 lines (a third of it this docstring) it is one concept that reads best whole: what
+each kind of module exports, in which order, and where each tensor's data lives.
+
 Not here: the collectives that gather the pieces (`gather`), the host-shared buffer (`hostbuf`),
 planning (`bucket`), handles (`handles`), who sends payloads where (`topology`, transports), or
 moving FSDP parameters between devices (the manager's memory stages).
