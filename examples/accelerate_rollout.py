@@ -21,7 +21,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from fsdp_sync import FSDPShardingManager, SyncConfig, export, make_mesh
+from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
+from fsdp_sync.weights import export
 from fsdp_sync.engines import ReferenceEngine
 from fsdp_sync.engines.base import checksum_named_tensors
 

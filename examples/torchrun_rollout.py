@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from fsdp_sync import FSDPShardingManager, SyncConfig, export, make_mesh
+from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
+from fsdp_sync.weights import export
 from fsdp_sync.engines import ReferenceEngine
 from fsdp_sync.engines.base import checksum_named_tensors
 

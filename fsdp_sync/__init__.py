@@ -9,7 +9,7 @@ Public API (everything else is an implementation module you may import at your o
     engines.ReferenceEngine        # the built-in TP engine (CPU and CUDA)
     engines.sglang.SGLangEngine    # adapter for an in-process sglang.Engine or an SGLang server
 
-Attributes load lazily so that `import fsdp_sync.handles` stays light.
+Attributes load lazily so that `import fsdp_sync.weights.handles` stays light.
 """
 
 from importlib import import_module

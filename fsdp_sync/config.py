@@ -106,7 +106,7 @@ class SyncConfig:
         ``"sample"`` (a rotating eighth of the tensors per sync, every tensor within 8 syncs) or
         ``"full"`` (every tensor). A mismatch raises `SyncError` on every rank naming the tensor.
     layout: (tensor method, ``strategy="flattened"``) ``"engine"``: per-rank buckets
-        (`fsdp_sync.reshard`): each engine TP rank is handed only its own shard, in the engine's
+        (`fsdp_sync.weights.reshard`): each engine TP rank is handed only its own shard, in the engine's
         layout (``load_format="direct"``); the engine must accept them (``accepts_rank_buckets``:
         the reference engine; an `SGLangEngine` made with ``rank_bucket_loader=True`` for a server
         started with fsdp_sync's custom weight loader). ``"full"``: every engine rank gets every

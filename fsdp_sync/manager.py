@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import export
+from .weights import export
 from .config import SyncConfig
-from .faults import fault_point
+from .faultpoint import fault_point
 from .memory import Timeline, empty_cache
 from .topology import SyncError, SyncTopology, agree
 from .transport import SyncContext, SyncStats, make_transport

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .bucket import Bucket, BucketEntry, dtype_name, unflatten
+from .weights.bucket import Bucket, BucketEntry, dtype_name, unflatten
 
 __all__ = ["BUCKET_PREFIX", "LOADER", "bucket_name", "entries_from_name", "load_rank_buckets"]
 

@@ -44,10 +44,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from . import bucket as _bucket
-from . import export
+from .weights import bucket as _bucket
+from .weights import export
 from .engines.base import checksum_named_tensors
-from .layout import TPLayout, rank_digest
+from .weights.layout import TPLayout, rank_digest
 
 __all__ = ["SAMPLE_EVERY", "select", "tensor_digest", "trainer_tensors", "first_difference",
            "verify_engines", "digests"]

@@ -1,6 +1,6 @@
 """Consumer side of scripts/measure_handles.py: opens payloads, unflattens, reports times and fds."""
 import sys, os, time, json, pickle
-from fsdp_sync import handles, bucket
+from fsdp_sync.weights import handles, bucket
 def fds(): return len(os.listdir("/proc/self/fd"))
 payloads = pickle.load(open(sys.argv[1], "rb"))
 f0 = fds()

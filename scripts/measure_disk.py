@@ -19,7 +19,7 @@ def job(rank, world, recipe, bucket_mb, root):
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
     from fsdp_sync.transport import SyncContext, SyncStats
     from fsdp_sync.transport.disk import DiskTransport, disk_floor
     import torch.distributed as dist
@@ -60,7 +60,7 @@ def job(rank, world, recipe, bucket_mb, root):
 
 
 if __name__ == "__main__":
-    from fsdp_sync.launch import run_ranks, spawn_env
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
 
     recipe = sys.argv[1] if len(sys.argv) > 1 else "qwen2-160m"
     bucket_mb = int(sys.argv[2]) if len(sys.argv) > 2 else 64

@@ -25,9 +25,9 @@ def job(rank, world, recipe, bucket_mb, tp, rounds, root):
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.engines.base import checksum_named_tensors
-    from fsdp_sync.export import iter_params
+    from fsdp_sync.weights.export import iter_params
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
     from fsdp_sync.transport import SyncContext, SyncStats
     from fsdp_sync.transport.disk import DiskTransport
 
@@ -75,7 +75,7 @@ def job(rank, world, recipe, bucket_mb, tp, rounds, root):
 
 
 if __name__ == "__main__":
-    from fsdp_sync.launch import run_ranks, spawn_env
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
 
     a = sys.argv[1:]
     recipe = a[0] if len(a) > 0 else "qwen2-160m"

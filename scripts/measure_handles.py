@@ -4,7 +4,7 @@ import sys, os, time, json, pickle, subprocess, tempfile
 import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp_sync import handles, bucket, export
+from fsdp_sync.weights import handles, bucket, export
 from fsdp_sync.models import build_model, load_config
 
 def run_consumer(payloads):

@@ -21,10 +21,10 @@ def _rank(rank, world, model, tp, bucket_mb, dtype_name, fsdp):
     import torch
     import torch.distributed as dist
 
-    from fsdp_sync import export, reshard
-    from fsdp_sync.layout import layout_for
+    from fsdp_sync.weights import export, reshard
+    from fsdp_sync.weights.layout import layout_for
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)
@@ -62,7 +62,7 @@ def _rank(rank, world, model, tp, bucket_mb, dtype_name, fsdp):
 
 
 def main() -> None:
-    from fsdp_sync.launch import run_ranks, spawn_env
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2-160m")

@@ -11,30 +11,30 @@ import time
 
 import torch
 
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 
 def job(rank, world, model, bucket_mb):
     import torch.distributed as dist
 
-    from fsdp_sync import export
-    from fsdp_sync.bench import _floor_seconds
+    from fsdp_sync.weights import export, gather
+    from fsdp_sync.cli.bench.floors import floor_seconds
     from fsdp_sync.manager import _ReusedBuffer
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     module = wrap_fsdp(build_model(load_config(model)), 2)
     bucket_bytes = int(bucket_mb * 2**20)
     waited = [0.0]
-    real = export._all_gather
+    real = gather.all_gather
 
     def timed(out, inp, group):
         t = time.perf_counter()
         real(out, inp, group)
         waited[0] += time.perf_counter() - t
 
-    export._all_gather = timed
+    gather.all_gather = timed
     out = {}
     for share in (False, True):
         times, waits = [], []
@@ -52,7 +52,7 @@ def job(rank, world, model, bucket_mb):
         out[key] = {"seconds": round(statistics.median(times[1:]), 3),
                     "in_all_gather": round(statistics.median(waits[1:]), 3)}
     total = sum(m.nbytes for m in export.param_metas(module))
-    out["floor"] = round(_floor_seconds(total, bucket_bytes, 2, "cpu", 3), 3)
+    out["floor"] = round(floor_seconds(total, bucket_bytes, 2, "cpu", 3), 3)
     return out
 
 

@@ -31,13 +31,13 @@ def _rank(rank, world, a):
     import torch
     import torch.distributed as dist
 
-    from fsdp_sync import reshard
+    from fsdp_sync.weights import hostbuf, reshard
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncTopology, make_mesh
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
     from fsdp_sync.transport import tensor as tensor_transport
 
     torch.set_num_threads(1)
@@ -55,15 +55,15 @@ def _rank(rank, world, a):
         setattr(owner, name, run)
 
     if a.keep_buffers:
-        made = reshard._HostBuffers.create.__func__
+        made = hostbuf.HostShared.create.__func__
         kept: dict = {}
 
-        def create(cls, group, world_, tp, nbytes):
-            if (world_, tp, nbytes) not in kept:
-                kept[(world_, tp, nbytes)] = made(cls, group, world_, tp, nbytes)
-            return kept[(world_, tp, nbytes)]
-        reshard._HostBuffers.create = classmethod(create)
-    timed(reshard._HostBuffers, "create", "make and share the buffers")
+        def create(cls, group, count, nbytes):
+            if (count, nbytes) not in kept:
+                kept[(count, nbytes)] = made(cls, group, count, nbytes)
+            return kept[(count, nbytes)]
+        hostbuf.HostShared.create = classmethod(create)
+    timed(hostbuf.HostShared, "create", "make and share the buffers")
     timed(reshard, "_write_local", "write the per-rank buffers")
     timed(reshard, "_exchange", "all-to-all exchange")
     timed(dist, "barrier", "barriers")
@@ -116,7 +116,7 @@ def _rank(rank, world, a):
 
 
 def main() -> None:
-    from fsdp_sync.launch import run_ranks, spawn_env
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -51,7 +51,7 @@ def _ranks(rank: int, world: int, rollout_cfg: dict, plan: list[str], model_name
 
     from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     model = wrap_fsdp(build_model(load_config(model_name), seed=0), 2)
     mesh = init_device_mesh("cpu", (world // 2, 2, 1), mesh_dim_names=["dp", "infer_tp", "infer_pp"])
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     from omegaconf import OmegaConf
 
     from fsdp_sync.engines.reference import ReferenceEngine
-    from fsdp_sync.launch import run_ranks
+    from fsdp_sync.cli.launch import run_ranks
     from fsdp_sync.serve import EngineServer
 
     strategies = args.strategies.split(",")

@@ -1,4 +1,4 @@
-"""Rank body of the accelerate tests (run by `fsdp_sync.launch.run_ranks` on 2 or 4 CPU ranks).
+"""Rank body of the accelerate tests (run by `fsdp_sync.cli.launch.run_ranks` on 2 or 4 CPU ranks).
 
 One launch prepares several models with accelerate (made to shard on CPU by the test-only
 `accelerate_cpu` helper), trains each a step, and checks on every rank that export and a full
@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import accelerate_cpu
 from _util import digest
-from fsdp_sync import FSDPShardingManager, SyncConfig, bucket, export, make_mesh
+from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
+from fsdp_sync.weights import bucket, export
 from fsdp_sync.models import build_model, load_config
 
 RECIPE = "tiny-tied"     # tied embeddings in every case

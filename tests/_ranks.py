@@ -1,4 +1,4 @@
-"""Rank bodies of the multi-process export tests (run by `fsdp_sync.launch.run_ranks`).
+"""Rank bodies of the multi-process export tests (run by `fsdp_sync.cli.launch.run_ranks`).
 
 Each body batches many checks into one launch and returns plain data (names and digests); the
 test process compares it with references it computes itself from an unsharded model.
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fsdp_sync import bucket, export, handles
+from fsdp_sync.weights import bucket, export, gather, handles
 from fsdp_sync.models import build_model, load_config
 
 from _util import SEED, Consumer, Odd, digest, perturb_
@@ -128,7 +128,7 @@ class CountCollectives:
         from torch.distributed.tensor import DTensor
 
         self.counts = {"all_gather": 0, "full_tensor": 0}
-        self._ag, self._ft = export._all_gather, DTensor.full_tensor
+        self._ag, self._ft = gather.all_gather, DTensor.full_tensor
 
         def ag(*a, **k):
             self.counts["all_gather"] += 1
@@ -138,13 +138,13 @@ class CountCollectives:
             self.counts["full_tensor"] += 1
             return self._ft(*a, **k)
 
-        export._all_gather, DTensor.full_tensor = ag, ft
+        gather.all_gather, DTensor.full_tensor = ag, ft
         return self.counts
 
     def __exit__(self, *exc):
         from torch.distributed.tensor import DTensor
 
-        export._all_gather, DTensor.full_tensor = self._ag, self._ft
+        gather.all_gather, DTensor.full_tensor = self._ag, self._ft
 
 
 def state_dict_type_checks(module) -> dict:

@@ -189,10 +189,10 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
     ``kept`` (the engine still serves the weights it had; None without an engine) and, with
     ``watch`` (a callable reading state a refused sync must not touch), ``unchanged``.
     """
-    from fsdp_sync import export
+    from fsdp_sync.weights import export
     from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.topology import SyncError
-    from fsdp_sync.trainer import last_logits, synthetic_batch, train_step
+    from fsdp_sync.cli.trainer import last_logits, synthetic_batch, train_step
 
     out = []
     try:

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from fsdp_sync import bucket, handles
+from fsdp_sync.weights import bucket, handles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _util import digest, num_fds  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("accelerate", reason="the `accelerate` extra (pip install -e '.[accelerate]')")
 
 import _accel_ranks  # noqa: E402
-from fsdp_sync.launch import run_ranks, spawn_env  # noqa: E402
+from fsdp_sync.cli.launch import run_ranks, spawn_env  # noqa: E402
 
 CASES = [
     {"name": "fsdp2", "version": 2, "mp": "bf16", "ac": True},

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_sync.bench import BenchSpec, check_targets
+from fsdp_sync.cli.bench.main import BenchSpec
+from fsdp_sync.cli.bench.targets import check_targets
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "memory_tuning"
 ROW_KEYS = {"strategy", "model", "params", "tensors", "bytes", "bucket_bytes", "largest_tensor_bytes",
@@ -74,7 +75,7 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
     """`--preset gpu` is one trainer rank and a TP-1 engine on one CUDA device, a model of about
     3 GB in bf16; its code path (1 rank, TP 1, both layouts, pipelined or not, the copy beside
     it) runs here on CPU with the model and device swapped by flags."""
-    from fsdp_sync.bench import PRESETS
+    from fsdp_sync.cli.bench.main import PRESETS
     from fsdp_sync.models import build_model, count_params, load_config
 
     import torch

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from fsdp_sync import bucket
-from fsdp_sync.bucket import ALIGNMENT, TensorMeta, flatten, plan_buckets, unflatten
+from fsdp_sync.weights import bucket
+from fsdp_sync.weights.bucket import ALIGNMENT, TensorMeta, flatten, plan_buckets, unflatten
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from fsdp_sync import cli
+from fsdp_sync.cli import app as cli
 
 from _util import ROOT
 
@@ -140,3 +140,24 @@ def test_serve_help_never_prints_the_api_key(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "do-not-print-me" not in out and "$FSDP_SYNC_API_KEY" in out
     assert cli.parse_args(["serve"]).api_key is None      # read by main_serve, not by the parser
+
+
+@pytest.mark.parametrize("argv,missing,blocked", [
+    (["demo", "--steps", "1"], "rich", ["rich"]),
+    (["faults"], "rich", ["rich"]),
+    (["bench", "--models", "tiny", "--plot", "out"], "matplotlib", ["matplotlib"]),
+    (["soak", "--png", "x.png"], "rich and matplotlib", ["rich", "matplotlib"]),
+])
+def test_a_command_without_its_extra_says_how_to_install_it(monkeypatch, capsys, argv, missing, blocked):
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)   # as if not installed: find_spec gives None
+    assert cli.main(argv) == 2                         # before anything starts
+    err = capsys.readouterr().err.strip()
+    assert err == (f"fsdp-sync {argv[0]}: needs {missing}, which the library does not install; "
+                   f"install the command's extra: pip install 'fsdp_sync[cli]'")
+
+
+def test_serve_needs_no_cli_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "rich", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.missing_dependency(cli.parse_args(["serve"])) is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_sync.demo import ATOL_EPS, DemoOptions, run_demo
+from fsdp_sync.cli.demo import ATOL_EPS, DemoOptions, run_demo
 
 
 @pytest.mark.timeout(240)

@@ -45,7 +45,7 @@ def test_demo_method_end_to_end(tmp_path, method):
 
 
 def test_demo_disk_dir_flag():
-    from fsdp_sync.cli import _demo_options, build_parser
+    from fsdp_sync.cli.app import _demo_options, build_parser
 
     args = build_parser().parse_args(["demo", "--method", "disk", "--disk-dir", "/x/y"])
     opts = _demo_options(args)

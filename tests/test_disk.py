@@ -20,7 +20,7 @@ import threading
 import pytest
 import torch
 
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -36,7 +36,7 @@ def _ctx(module, config, engines, step, group=None):
 
 def _trainer_digests(module, dtype):
     """Full tensors in the rollout dtype, as the export yields them (collective)."""
-    from fsdp_sync import export
+    from fsdp_sync.weights import export
 
     from _util import digest
 
@@ -64,7 +64,7 @@ def _rewrite_shard(path, mutate):
     """Rewrite a safetensors file with ``mutate(dict)`` applied, and fix the manifest's sha256."""
     from safetensors.torch import load_file, save_file
 
-    from fsdp_sync import hf_checkpoint as ckpt
+    from fsdp_sync.weights import hf_checkpoint as ckpt
 
     tensors = load_file(path)
     mutate(tensors)
@@ -78,7 +78,7 @@ def _rewrite_shard(path, mutate):
 
 def _corrupt_cases(engine, good, scratch):
     """Every broken copy of ``good`` is refused; the engine keeps serving its weights."""
-    from fsdp_sync import hf_checkpoint as ckpt
+    from fsdp_sync.weights import hf_checkpoint as ckpt
     from fsdp_sync.engines.base import WeightUpdateError
 
     shards = sorted(f for f in os.listdir(good) if f.endswith(".safetensors"))
@@ -178,7 +178,7 @@ def _disk_job(rank, world, root):
     from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncError
-    from fsdp_sync.trainer import synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.cli.trainer import synthetic_batch, train_step, wrap_fsdp
     from fsdp_sync.transport import disk as disk_mod
     from fsdp_sync.transport.disk import DiskTransport
 
@@ -255,7 +255,7 @@ def _disk_job(rank, world, root):
 
 
 def _full(module, dtype):
-    from fsdp_sync import export
+    from fsdp_sync.weights import export
 
     return list(export.iter_params(module, dtype=dtype))
 
@@ -423,7 +423,7 @@ def test_single_process_sync_and_resolve_rules(tmp_path):
     hold (index decides the files, a missing indexed shard is refused before loading)."""
     from safetensors.torch import load_file
 
-    from fsdp_sync import hf_checkpoint as ckpt
+    from fsdp_sync.weights import hf_checkpoint as ckpt
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.transport.disk import DiskTransport
@@ -521,7 +521,7 @@ def test_slice_reader_matches_safetensors_and_leaves_nothing(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from fsdp_sync.hf_checkpoint import CheckpointError, SliceReader
+    from fsdp_sync.weights.hf_checkpoint import CheckpointError, SliceReader
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(6, 10, generator=g), "b": torch.randn(7, 3, generator=g).to(BF16),

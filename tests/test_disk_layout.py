@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120]]
 
@@ -46,7 +46,7 @@ def _job(rank, world, root):
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     out = []
@@ -152,8 +152,8 @@ def test_corrupt_or_missing_rank_file_is_refused_and_old_weights_serve(tmp_path)
 
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.engines.base import WeightUpdateError, checksum_named_tensors
-    from fsdp_sync.hf_checkpoint import MANIFEST_FILE, CheckpointError, resolve_ranked
-    from fsdp_sync.layout import layout_for, shard_state_dict
+    from fsdp_sync.weights.hf_checkpoint import MANIFEST_FILE, CheckpointError, resolve_ranked
+    from fsdp_sync.weights.layout import layout_for, shard_state_dict
     from fsdp_sync.models import build_model, load_config
 
     torch.set_num_threads(1)

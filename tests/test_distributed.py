@@ -22,8 +22,8 @@ import time
 import pytest
 import torch
 
-from fsdp_sync.bucket import TensorMeta, check_tight, plan_tight
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.weights.bucket import TensorMeta, check_tight, plan_tight
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 
 # --------------------------------------------------------------------------- pure planning
@@ -43,7 +43,7 @@ def test_plan_tight_packs_and_aligns():
     # a (6 bytes) then b (fp32) would sit at byte 6: b opens a new bucket
     assert plan[0].names == ["a"] and plan[1].names[0] == "b"
     assert [b.names for b in plan if "big" in b.names] == [["big"]]   # over budget: alone
-    from fsdp_sync.bucket import Bucket, BucketEntry
+    from fsdp_sync.weights.bucket import Bucket, BucketEntry
     with pytest.raises(ValueError, match="multiple of its dtype size"):
         check_tight(Bucket((BucketEntry("a", torch.bfloat16, (3,), 0, 6),
                             BucketEntry("b", torch.float32, (1,), 6, 10)), 10))
@@ -87,7 +87,7 @@ def _engine(cfg, tp, dtype, **kw):
 
 
 def _exported(module, dtype) -> dict:
-    from fsdp_sync import export
+    from fsdp_sync.weights import export
     return {n: t.clone() for n, t in export.iter_params(module, dtype=dtype)}
 
 
@@ -98,7 +98,7 @@ def _sync_matrix(rank, world, cases):
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.cli.trainer import synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)
     out = []
@@ -229,7 +229,7 @@ def _refusals_and_soak(rank, world, n_soak):
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncError
-    from fsdp_sync.trainer import synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.cli.trainer import synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)
     cfg = load_config("tiny")
@@ -322,7 +322,7 @@ def _killed_trainer(rank, world, address, authkey, seed, die, report):
     from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
     from fsdp_sync.transport import distributed as dist_mod
 
     torch.set_num_threads(1)
@@ -358,7 +358,7 @@ def _killed_trainer(rank, world, address, authkey, seed, die, report):
 def test_trainer_rank0_killed_mid_broadcast(tmp_path):
     from _remote import EngineServer
 
-    from fsdp_sync.launch import RankError
+    from fsdp_sync.cli.launch import RankError
     from fsdp_sync.models import load_config
 
     engine = _engine(load_config("tiny"), 2, torch.float32, update_recv_timeout_s=5.0)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_sync import handles
-from fsdp_sync.bucket import flatten, plan_buckets, sglang_metadata, TensorMeta
+from fsdp_sync.weights import handles
+from fsdp_sync.weights.bucket import flatten, plan_buckets, sglang_metadata, TensorMeta
 from fsdp_sync.engines import (Engine, EngineStateError, ReferenceEngine, SerializedPerRank,
                                WeightUpdateError, checksum_named_tensors)
 from fsdp_sync.engines.tp_model import ModelSpec, TPLayout, shard_state_dict

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from fsdp_sync import handles
+from fsdp_sync.weights import handles
 from fsdp_sync.engines import (EngineClosedError, EngineStateError, ReferenceEngine, WorkerDiedError,
                                checksum_named_tensors)
 from fsdp_sync.models import build_model, load_config

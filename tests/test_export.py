@@ -12,8 +12,8 @@ from torch import nn
 
 import _ranks
 from _util import ODD_NAMES, SEED, Odd, digest, odd_reference, perturb_, reference
-from fsdp_sync import bucket, export, handles
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.weights import bucket, export, handles
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.models import build_model, load_config
 
 BF16 = torch.bfloat16

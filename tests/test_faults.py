@@ -9,22 +9,23 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from fsdp_sync import faults
-from fsdp_sync.cli import parse_args
+from fsdp_sync import faultpoint
+from fsdp_sync.cli import faults
+from fsdp_sync.cli.app import parse_args
 
 
 def test_fault_point_parses_and_fires_once(monkeypatch):
-    monkeypatch.setattr(faults, "_fired", set())
-    monkeypatch.setenv(faults.FAULT_ENV, "worker:1:resume:raise")
-    faults.fault_point("trainer", 1, "resume")          # other side: nothing
-    faults.fault_point("worker", 0, "resume:weights")   # other rank: nothing
-    faults.fault_point("worker", 1, "release:weights")  # other point: nothing
-    with pytest.raises(faults.InjectedFault, match="worker 1 at resume:weights"):
-        faults.fault_point("worker", 1, "resume:weights")
-    faults.fault_point("worker", 1, "resume:weights")   # once only
-    monkeypatch.setenv(faults.FAULT_ENV, "nonsense")
+    monkeypatch.setattr(faultpoint, "_fired", set())
+    monkeypatch.setenv(faultpoint.FAULT_ENV, "worker:1:resume:raise")
+    faultpoint.fault_point("trainer", 1, "resume")          # other side: nothing
+    faultpoint.fault_point("worker", 0, "resume:weights")   # other rank: nothing
+    faultpoint.fault_point("worker", 1, "release:weights")  # other point: nothing
+    with pytest.raises(faultpoint.InjectedFault, match="worker 1 at resume:weights"):
+        faultpoint.fault_point("worker", 1, "resume:weights")
+    faultpoint.fault_point("worker", 1, "resume:weights")   # once only
+    monkeypatch.setenv(faultpoint.FAULT_ENV, "nonsense")
     with pytest.raises(ValueError, match="FSDP_SYNC_FAULT='nonsense'"):
-        faults.fault_point("worker", 1, "x")
+        faultpoint.fault_point("worker", 1, "x")
 
 
 def test_matrix_lists_impossible_cells_and_cli_filters():

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from fsdp_sync import bucket, handles
-from fsdp_sync.launch import run_ranks, spawn_env
-from fsdp_sync.handles import HandleError, make_payloads, open_payload
+from fsdp_sync.weights import bucket, handles
+from fsdp_sync.cli.launch import run_ranks, spawn_env
+from fsdp_sync.weights.handles import HandleError, make_payloads, open_payload
 
 from _util import ROOT, Consumer, digest, num_fds, shm_segments
 
@@ -214,7 +214,7 @@ class _Evil:
 
 @pytest.mark.parametrize("obj, words", [
     (_Ours(), ["_Ours", "not on the allow-list"]),
-    ({"meta": bucket.TensorMeta("w", torch.float32, (1,))}, ["fsdp_sync.bucket.TensorMeta", "allow-list"]),
+    ({"meta": bucket.TensorMeta("w", torch.float32, (1,))}, ["fsdp_sync.weights.bucket.TensorMeta", "allow-list"]),
     (_Evil(), ["system", "allow-list"]),
 ])
 def test_non_allowed_classes_are_rejected(obj, words, consumer):
@@ -325,7 +325,7 @@ def test_a_dropped_payload_set_is_released_with_a_warning():
 
 _GPU_CONSUMER = r"""
 import sys, torch
-from fsdp_sync import handles
+from fsdp_sync.weights import handles
 from _util import digest
 r = handles.open_payload(sys.stdin.read(), 0)
 t = r.value

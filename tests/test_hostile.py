@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import save_file
 from torch.multiprocessing import reductions as red
 
-from fsdp_sync import handles
-from fsdp_sync.bucket import TensorMeta, flatten, plan_buckets, sglang_metadata
+from fsdp_sync.weights import handles
+from fsdp_sync.weights.bucket import TensorMeta, flatten, plan_buckets, sglang_metadata
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.engines import ReferenceEngine
 from fsdp_sync.engines.base import SerializedPerRank, WeightUpdateError
-from fsdp_sync.hf_checkpoint import INDEX_FILE, MANIFEST_FILE, sha256_file
+from fsdp_sync.weights.hf_checkpoint import INDEX_FILE, MANIFEST_FILE, sha256_file
 
 pytestmark = pytest.mark.timeout(120)
 

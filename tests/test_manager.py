@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from fsdp_sync.launch import RankError, run_ranks, spawn_env
+from fsdp_sync.cli.launch import RankError, run_ranks, spawn_env
 
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7]]
 ATOL = 1e-5
@@ -26,7 +26,7 @@ def _setup(rank, world, tp, fsdp, model="tiny"):
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncTopology, make_mesh
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     cfg = load_config(model)
@@ -42,7 +42,7 @@ def _steps(rank, world, tp, fsdp, configs):
     """Train one step per config, sync with a fresh manager, compare logits; return per-step facts."""
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.manager import FSDPShardingManager
-    from fsdp_sync.trainer import last_logits, synthetic_batch, train_step
+    from fsdp_sync.cli.trainer import last_logits, synthetic_batch, train_step
 
     cfg, module, opt, mesh, topo, engine = _setup(rank, world, tp, fsdp)
     out = []

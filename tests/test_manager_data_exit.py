@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 
 def _job(rank, world):
@@ -19,7 +19,7 @@ def _job(rank, world):
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncError, SyncTopology, make_mesh
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     cfg = load_config("tiny")

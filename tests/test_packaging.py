@@ -21,7 +21,7 @@ from _util import ROOT
 _PROBE = r"""
 import json, sys
 import fsdp_sync, fsdp_sync.models as m
-from fsdp_sync.bench import PRESETS
+from fsdp_sync.cli.bench.main import PRESETS
 cfg = m.load_config("small")
 models = {mm for p in PRESETS.values() for mm in p.get("models", [])}
 print(json.dumps({"file": fsdp_sync.__file__, "recipes": m.model_recipes(),

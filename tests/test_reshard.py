@@ -14,11 +14,11 @@ import hashlib
 import pytest
 import torch
 
-from fsdp_sync import bucket, handles, reshard
+from fsdp_sync.weights import bucket, handles, reshard
 from fsdp_sync.engines import ReferenceEngine, checksum_named_tensors
 from fsdp_sync.engines.base import EngineStateError
-from fsdp_sync.launch import run_ranks, spawn_env
-from fsdp_sync.layout import block_of, layout_for, shard_state_dict
+from fsdp_sync.cli.launch import run_ranks, spawn_env
+from fsdp_sync.weights.layout import block_of, layout_for, shard_state_dict
 from fsdp_sync.models import build_model, load_config
 
 BF16 = torch.bfloat16
@@ -146,7 +146,7 @@ def test_blocks_of_arbitrary_element_ranges():
 def _rank_digests(rank, world):
     import torch.distributed as dist
 
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     out = {}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fsdp_sync.engines.reference import ReferenceEngine
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.serve import EngineServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def _manager_into(rank: int, world: int, url: str) -> dict:
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncError, SyncTopology, make_mesh
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     module = wrap_fsdp(build_model(load_config("tiny"), seed=0), 2)

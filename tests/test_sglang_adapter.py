@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdp_sync.bucket import ALIGNMENT
+from fsdp_sync.weights.bucket import ALIGNMENT
 from fsdp_sync.engines.base import Engine, EngineClosedError, EngineStateError
 from fsdp_sync.engines import sglang as sg
 
@@ -416,11 +416,11 @@ def test_http_unreachable_server():
 def _manager_rank(rank: int, world: int) -> dict | None:
     """Two FSDP2 ranks (dp 1 x infer-TP 2) sync through FSDPShardingManager into SGLangEngine."""
     from fsdp_sync.config import SyncConfig
-    from fsdp_sync.export import iter_params
+    from fsdp_sync.weights.export import iter_params
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncTopology, make_mesh
-    from fsdp_sync.trainer import synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.cli.trainer import synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)
     cfg = load_config("tiny")
@@ -446,7 +446,7 @@ def _manager_rank(rank: int, world: int) -> dict | None:
 
 @pytest.mark.timeout(120)
 def test_sharding_manager_drives_the_adapter_unchanged():
-    from fsdp_sync.launch import run_ranks, spawn_env
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
 
     out = run_ranks(_manager_rank, 2, timeout_s=110, env=spawn_env())[0]
     assert out["match"] and out["n"] > 0           # bit-exact: every tensor SGLang got

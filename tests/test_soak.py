@@ -5,7 +5,7 @@ uses the growth from the warm-up sample on; fds, threads and segments must not g
 
 from __future__ import annotations
 
-from fsdp_sync.soak import _meets, summarise
+from fsdp_sync.cli.soak import _meets, summarise
 
 MiB = 2**20
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 
 def _job(rank, world):

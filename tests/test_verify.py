@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fsdp_sync.config import SyncConfig
-from fsdp_sync.launch import run_ranks, spawn_env
+from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.verify import SAMPLE_EVERY, first_difference, select
 
 TESTS = Path(__file__).parent
@@ -61,13 +61,14 @@ def _listing(d: str) -> list[str]:
 def _verify_job(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
-    from fsdp_sync import export, make_mesh
+    from fsdp_sync.weights import export
+    from fsdp_sync import make_mesh
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncError
-    from fsdp_sync.trainer import synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.cli.trainer import synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)
     cfg = load_config("tiny")
@@ -179,7 +180,7 @@ def test_rank_digests_match_the_trainers_pieces_and_name_the_rank():
     recomputes it from a full tensor, agrees on every tensor and rank (tied and untied, TP 1/2/4);
     a wrong replica on one rank only (a norm, which gathering would skip) changes that rank's
     digest only, and so does one wrong element of a sharded tensor."""
-    from fsdp_sync.layout import layout_for, rank_digest, shard_state_dict
+    from fsdp_sync.weights.layout import layout_for, rank_digest, shard_state_dict
     from fsdp_sync.models import build_model, load_config
 
     for tied in (False, True):

@@ -11,7 +11,7 @@ Load formats of ``update_weights_from_tensor(named_tensors, load_format, flush_c
   tensors; the engine shards and stacks. ``value`` is a plain tensor, or a `SerializedPerRank`
   (SGLang's ``LocalSerializedTensor``) whose ``values[i]`` is TP rank i's payload of the full tensor.
 - ``"flattened_bucket"``: ``named_tensors`` is the list of per-rank payloads, element i for TP rank
-  i; each opens to ``{"flattened_tensor": uint8, "metadata": [...]}`` (see `fsdp_sync.bucket`).
+  i; each opens to ``{"flattened_tensor": uint8, "metadata": [...]}`` (see `fsdp_sync.weights.bucket`).
 - ``"direct"``: ``[(engine_param_name, value), ...]`` already in the engine's own layout: ``value``
   is a `SerializedPerRank` of per-rank shards, a list of per-rank tensors, or one tensor that every
   rank gets as is (replicated parameters). Or, like ``"flattened_bucket"``, a list of per-rank
@@ -67,7 +67,7 @@ def ordered_tags(tags: Iterable[str] | str | None, order: Sequence[str]) -> list
 class SerializedPerRank:
     """One value per TP rank: ``values[i]`` is TP rank i's payload (SGLang's ``LocalSerializedTensor``).
 
-    Each element is a payload from `fsdp_sync.handles.make_payloads` (bytes or base64 text), or for
+    Each element is a payload from `fsdp_sync.weights.handles.make_payloads` (bytes or base64 text), or for
     ``load_format="direct"`` also a plain tensor already sharded for that rank.
     """
 

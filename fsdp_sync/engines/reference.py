@@ -14,7 +14,7 @@ the others. Plain tensors handed to the engine travel to the workers as one flat
 call (one shared-memory copy, one handle per worker).
 
 ``update_weights_from_disk(path)`` goes through the same two phases: the engine resolves the
-checkpoint's files (`fsdp_sync.hf_checkpoint.resolve`: index, missing shards, manifest), each
+checkpoint's files (`fsdp_sync.weights.hf_checkpoint.resolve`: index, missing shards, manifest), each
 worker checks its share of the files' sha256 and every tensor's header, and reads only its own
 slices into staging memory, so a torn or corrupt checkpoint changes nothing. A per-rank checkpoint
 (``SyncConfig.layout="engine"``, `hf_checkpoint.resolve_ranked`) is checked the same way, but each
@@ -56,14 +56,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import handles
+from ..weights import handles
 from . import procs
 from .generation import Sampling
-from ..bucket import TensorMeta, flatten, plan_buckets, sglang_metadata
-from ..launch import free_port
-from ..layout import ModelSpec, TPLayout, shard_state_dict
+from ..weights.bucket import TensorMeta, flatten, plan_buckets
+from ..weights.layout import ModelSpec, TPLayout, shard_state_dict
 from ..models import load_config
-from ..transport.group import PER_RANK_BUCKET
+from ..wire import PER_RANK_BUCKET, flattened_bucket, free_port
 from .base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
                    SerializedPerRank, WeightUpdateError, WorkerDiedError, checksum_named_tensors,
                    ordered_tags)
@@ -470,7 +469,7 @@ class ReferenceEngine:
         worker and each worker reads only its own slices into staging memory (one extra copy of
         its shard) before any weight changes. Raises `WeightUpdateError` naming the file or
         tensor; the previous weights keep serving."""
-        from ..hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
+        from ..weights.hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
 
         what = f"update_weights_from_disk({str(model_path)!r})"
         with self._lock:
@@ -740,8 +739,7 @@ class ReferenceEngine:
                 flatten(bucket, [t.detach().to(device).contiguous() for _, t in named], out=flat)
             except (ValueError, TypeError) as exc:
                 raise WeightUpdateError(f"cannot send these tensors: {exc}") from exc
-            ps = handles.make_payloads({"flattened_tensor": flat, "metadata": sglang_metadata(bucket)},
-                                       tp, ranks=ranks)
+            ps = handles.make_payloads(flattened_bucket(flat, bucket), tp, ranks=ranks)
             del flat
             sets.append(ps)
             for r, payload in zip(ranks, ps.payloads):

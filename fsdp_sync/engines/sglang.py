@@ -7,9 +7,9 @@ Two things live here:
   consumes. Element i is TP rank i's payload (bytes, or base64 text for HTTP); it opens, with
   SGLang's restricted unpickler, to ``{"flattened_tensor": uint8 tensor, "metadata": [...]}``
   with `types.SimpleNamespace` entries (name, shape, dtype, start_idx, end_idx, numel in bytes).
-  Offsets are aligned by `fsdp_sync.bucket` (SGLang adds no padding of its own). CPU buffers travel
+  Offsets are aligned by `fsdp_sync.weights.bucket` (SGLang adds no padding of its own). CPU buffers travel
   as shared memory by file name, CUDA buffers as CUDA IPC handles naming the device by UUID
-  (`fsdp_sync.handles`). The payloads are untagged: SGLang's model runner reads only the two keys
+  (`fsdp_sync.weights.handles`). The payloads are untagged: SGLang's model runner reads only the two keys
   above, and it never acknowledges our ``"fsdp_sync"`` tag, so a tag would only make `release`
   complain.
 
@@ -48,8 +48,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from .. import handles
-from ..bucket import ALIGNMENT, Bucket, TensorMeta, flatten, plan_buckets, sglang_metadata
+from ..weights import handles
+from ..weights.bucket import ALIGNMENT, Bucket, TensorMeta, flatten, plan_buckets
+from ..wire import flattened_bucket
 from .base import (RELEASE_ORDER, RESUME_ORDER, TAGS, EngineClosedError, EngineError,
                    EngineStateError, SerializedPerRank, ordered_tags)
 
@@ -122,7 +123,7 @@ def bucket_payloads(flat: torch.Tensor, bucket: Bucket, tp_size: int, *,
     """Payloads of an already flattened bucket: ``flat`` (1-D uint8, laid out by ``bucket``).
 
     ``flat`` is shared as is (no copy) when it is a CUDA tensor or came from
-    `fsdp_sync.handles.empty_shared`; other CPU tensors are copied into shared memory once per rank.
+    `fsdp_sync.weights.handles.empty_shared`; other CPU tensors are copied into shared memory once per rank.
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -136,8 +137,8 @@ def bucket_payloads(flat: torch.Tensor, bucket: Bucket, tp_size: int, *,
     if bad:
         raise ValueError(f"tensors {bad} start at a byte offset that is not a multiple of their "
                          f"item size; SGLang cannot view them (plan them with "
-                         f"fsdp_sync.bucket.plan_buckets)")
-    obj = {"flattened_tensor": flat[:bucket.nbytes], "metadata": sglang_metadata(bucket)}
+                         f"fsdp_sync.weights.bucket.plan_buckets)")
+    obj = flattened_bucket(flat, bucket)
     return BucketPayloads(handles.make_payloads(obj, tp_size, output_str=output_str, tagged=False),
                           bucket)
 
@@ -150,7 +151,7 @@ def flattened_bucket_payloads(named_tensors: Iterable[tuple[str, torch.Tensor]]
 
     Pass the result as ``named_tensors`` to ``update_weights_from_tensor(...,
     load_format="flattened_bucket")``; ``output_str=True`` gives base64 text for HTTP. All tensors
-    must be contiguous, on one device (CPU or CUDA), of dtypes `fsdp_sync.bucket` supports; every
+    must be contiguous, on one device (CPU or CUDA), of dtypes `fsdp_sync.weights.bucket` supports; every
     tensor starts at a multiple of ``alignment`` bytes. Keep the result until the engine answered,
     then `BucketPayloads.release` it.
     """

@@ -1,6 +1,6 @@
 """One TP rank's shard of a Llama/Qwen2-family decoder, written from scratch (no transformers modules).
 
-Its parameters are laid out by the layout map, `fsdp_sync.layout` (`ModelSpec`, `TPLayout`,
+Its parameters are laid out by the layout map, `fsdp_sync.weights.layout` (`ModelSpec`, `TPLayout`,
 `Placement`, re-exported here): vocab-parallel embedding and lm_head, fused column-parallel
 ``qkv_proj`` / ``gate_up_proj``, row-parallel ``o_proj`` / ``down_proj`` followed by an all-reduce,
 replicated norms, KV heads replicated when TP exceeds them.
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 __all__ = ["ModelSpec", "TPLayout", "Placement", "Span", "TPModel", "shard_state_dict"]
 
-# the layout map lives in fsdp_sync.layout (one source of truth); re-exported here for old imports
-from ..layout import ModelSpec, Placement, TPLayout, shard_state_dict  # noqa: E402,F401
+# the layout map lives in fsdp_sync.weights.layout (one source of truth); re-exported here for old imports
+from ..weights.layout import ModelSpec, Placement, TPLayout, shard_state_dict  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- the forward pass

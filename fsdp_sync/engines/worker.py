@@ -5,7 +5,7 @@ threshold pinned so freed weights and KV cache go back to the OS), joins the TP 
 (gloo on CPU, NCCL on CUDA, with a timeout), builds its `TPModel` shard with deterministic random
 weights and a KV cache, then answers requests one at a time: ``("cmd", args)`` in, ``("ok", result)``
 or ``("err", kind, message, traceback)`` out, both as plain pickles (tensors travel by value here;
-only weight payloads travel as handles, see `fsdp_sync.handles`).
+only weight payloads travel as handles, see `fsdp_sync.weights.handles`).
 
 Weight updates are two-phase. ``stage`` opens this rank's payloads, checks every name, shape and
 dtype, and records the writes without touching a weight; ``commit`` applies them (or, inside an
@@ -43,10 +43,11 @@ from typing import Any
 
 import torch
 
-from .. import handles
-from ..faults import fault_point
-from ..bucket import dtype_name, entries_from_metadata, unflatten
-from ..layout import TPLayout, rank_digest
+from ..weights import handles
+from ..faultpoint import fault_point
+from ..weights.bucket import dtype_name, unflatten
+from ..weights.layout import TPLayout, rank_digest
+from ..wire import open_flattened_bucket
 from .generation import Decode
 from .tp_model import Span, TPModel
 
@@ -412,14 +413,10 @@ class Worker:
                 continue
             if kind == "bucket":
                 value = self._open(item[2])
-                if not (isinstance(value, dict) and "flattened_tensor" in value and "metadata" in value):
-                    raise WorkerError(KIND_UPDATE, f"a flattened bucket on TP rank {self.rank} is a dict with "
-                                                   f"'flattened_tensor' and 'metadata', got "
-                                                   f"{type(value).__name__}")
                 try:
-                    named = unflatten(value["flattened_tensor"], entries_from_metadata(value["metadata"]))
-                except (ValueError, KeyError, AttributeError, TypeError) as exc:
-                    raise WorkerError(KIND_UPDATE, f"bad flattened bucket on TP rank {self.rank}: {exc}") from exc
+                    named = open_flattened_bucket(value)
+                except ValueError as exc:
+                    raise WorkerError(KIND_UPDATE, f"TP rank {self.rank}: {exc}") from exc
             else:
                 name, payload = item[2], item[3]
                 value = self._open(payload) if isinstance(payload, (bytes, bytearray, str)) else payload
@@ -437,7 +434,7 @@ class Worker:
         """A checkpoint directory: verify this rank's share of the files against the manifest,
         then check every tensor's name, dtype and shape from the file headers and read only this
         rank's slices (`SliceReader`: no full tensor is materialized for a sharded one)."""
-        from ..hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, verify_file
+        from ..weights.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, verify_file
 
         directory = spec["dir"]
         for file, sha in spec["verify"].items():
@@ -480,7 +477,7 @@ class Worker:
         checked against the manifest's sha256 on the bytes read, and must hold exactly the tensor
         names the manifest lists for it; every tensor is checked as a ``direct`` update (engine
         name, this rank's shape, dtype). No other rank's file is opened."""
-        from ..hf_checkpoint import CheckpointError, engine_name_of, read_verified
+        from ..weights.hf_checkpoint import CheckpointError, engine_name_of, read_verified
 
         directory = spec["dir"]
         for file in spec["files"]:
@@ -784,7 +781,7 @@ class Worker:
 
     # ----------------------------------------------------------------- update_weights_from_distributed
     def join_group(self, a: dict) -> dict:
-        from ..transport.group import new_update_group
+        from ..wire import new_update_group
 
         self.leave_group(a["group_name"])
         try:
@@ -799,7 +796,7 @@ class Worker:
         return {}
 
     def leave_group(self, group_name: str) -> dict:
-        from ..transport.group import destroy_update_group
+        from ..wire import destroy_update_group
 
         pg = self.update_groups.pop(group_name, None)
         if pg is not None:
@@ -817,7 +814,7 @@ class Worker:
         returns stage items. Nothing is written to the weights here."""
         import torch.distributed as dist
 
-        from ..transport.group import PER_RANK_BUCKET, per_rank_bucket_plan
+        from ..wire import PER_RANK_BUCKET, per_rank_bucket_plan
 
         name = a["group_name"]
         pg = self.update_groups.get(name)

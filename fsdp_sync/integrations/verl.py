@@ -57,10 +57,11 @@ import torch.distributed as dist
 
 from verl.workers.rollout import base as _verl_rollout_base
 
-from .. import handles
-from ..bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets, sglang_metadata
+from ..weights import handles
+from ..weights.bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets
 from ..config import SyncConfig
 from ..topology import SyncError, agree
+from ..wire import flattened_bucket
 
 __all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
 
@@ -368,7 +369,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
 
         def flush(s: _Stream) -> None:
             bucket = s.bucket()
-            obj = {"flattened_tensor": s.buf[:bucket.nbytes], "metadata": sglang_metadata(bucket)}
+            obj = flattened_bucket(s.buf, bucket)
             ps = handles.make_payloads(obj, tp_size, ranks=[tp_rank], tagged=False,
                                        output_str=True)
             del obj

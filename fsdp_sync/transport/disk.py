@@ -1,6 +1,6 @@
 """``method="disk"``: one versioned Hugging Face checkpoint per sync, then ``update_weights_from_disk``.
 
-Every sync writes ``<disk_dir>/step_<N>/`` (layout in `fsdp_sync.hf_checkpoint`: safetensors
+Every sync writes ``<disk_dir>/step_<N>/`` (layout in `fsdp_sync.weights.hf_checkpoint`: safetensors
 shards, ``config.json`` when the module has an HF config, a sha256 manifest, the index last), so
 that SGLang 0.5.23 — whose disk update is NOT atomic: a torn or half-written directory leaves it
 partly updated — only ever sees complete, immutable directories:
@@ -29,7 +29,7 @@ One trainer per ``disk_dir``: hidden leftovers of a crashed run are removed by t
 them): instead of Hugging Face files that every engine worker reads whole (its share of the
 checksums, then its slices), the version holds one file per engine TP rank and bucket,
 ``model-rank-{r}-part-{k}.safetensors`` (SGLang's ``ShardedStateLoader`` pattern), with only rank
-r's shard in the engine's layout (`fsdp_sync.layout`: engine names, fused ``qkv_proj`` /
+r's shard in the engine's layout (`fsdp_sync.weights.layout`: engine names, fused ``qkv_proj`` /
 ``gate_up_proj``, vocab rows with padding, row-parallel column slices, replicated KV heads), cut
 by `reshard.iter_rank_buckets` (on one host the trainer ranks write their pieces into shared
 per-rank buffers; across hosts one ``all_to_all_single`` per bucket brings each rank's buffer to
@@ -73,11 +73,11 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .. import bucket as _bucket
-from .. import export
-from .. import hf_checkpoint as ckpt
-from .. import reshard
-from ..layout import layout_for
+from ..weights import bucket as _bucket
+from ..weights import export
+from ..weights import hf_checkpoint as ckpt
+from ..weights import reshard
+from ..weights.layout import layout_for
 from ..topology import SyncError, agree
 
 __all__ = ["DiskTransport", "disk_floor", "STEP_RE", "NO_RANK_CHECKPOINTS"]

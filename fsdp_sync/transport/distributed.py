@@ -54,13 +54,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import export, reshard
-from ..bucket import Bucket, check_tight, dtype_name, plan_tight
-from ..launch import free_port
-from ..layout import TPLayout, layout_for
+from ..weights import export, reshard
+from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
+from ..weights.layout import TPLayout, layout_for
 from ..topology import SyncError, agree
 from . import SyncContext, SyncStats
-from .group import PER_RANK_BUCKET, destroy_update_group, new_update_group, per_rank_bucket_plan
+from ..wire import PER_RANK_BUCKET, destroy_update_group, free_port, new_update_group, per_rank_bucket_plan
 
 __all__ = ["DistributedTransport", "outward_address"]
 

@@ -38,10 +38,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .. import export, handles, reshard
-from ..bucket import plan_buckets, sglang_metadata
-from ..layout import layout_for
+from ..weights import export, handles, reshard
+from ..weights.bucket import plan_buckets
+from ..weights.layout import layout_for
 from ..topology import agree, broadcast_from_src, gather_to_src
+from ..wire import flattened_bucket
 from . import SyncContext, SyncStats
 
 __all__ = ["TensorTransport"]
@@ -294,7 +295,7 @@ class TensorTransport:
                         f"{sorted(rb.buffers)} but serves infer-TP rank {topo.tp_rank} "
                         f"({topo.describe()}); the mesh must put global rank r at infer-TP rank "
                         f"r % tp (the ('dp', 'infer_tp') row-major mesh does), or use layout='full'")
-                obj = flat if form == "tensor" else {"flattened_tensor": flat, "metadata": rb.metadata()}
+                obj = flat if form == "tensor" else flattened_bucket(flat, rb.bucket)
                 sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
                 engine_in += rb.bucket.nbytes
                 self.stats.tensors += len(rb.bucket.entries)
@@ -334,7 +335,7 @@ class TensorTransport:
                                  share_host_memory=cfg.share_host_memory)
         with closing(it):
             for i, (bucket, flat) in enumerate(it):
-                obj = {"flattened_tensor": flat, "metadata": sglang_metadata(bucket)}
+                obj = flattened_bucket(flat, bucket)
                 sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
                 self.stats.bytes += bucket.payload_bytes
                 self.stats.tensors += len(bucket.entries)

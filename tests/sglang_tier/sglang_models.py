@@ -139,8 +139,8 @@ def main(cases: list) -> dict:
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM
 
-    from fsdp_sync import handles, reshard
-    from fsdp_sync.layout import layout_for, shard_state_dict
+    from fsdp_sync.weights import handles, reshard
+    from fsdp_sync.weights.layout import layout_for, shard_state_dict
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.sglang_loader import LOADER, bucket_name
 

@@ -29,7 +29,7 @@ import sglang
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.utils.common import SafeUnpickler
 
-from fsdp_sync.bucket import BucketEntry
+from fsdp_sync.weights.bucket import BucketEntry
 from fsdp_sync.engines import sglang as sg
 
 TIER = Path(__file__).resolve().parent

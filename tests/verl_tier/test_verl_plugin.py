@@ -139,10 +139,10 @@ def test_main_ppo_prints_the_composed_config_with_fsdp_sync_on():
 def test_adapter_syncs_fsdp2_weights_bit_exact_into_served_engine(tmp_path):
     from omegaconf import OmegaConf
 
-    from fsdp_sync.bucket import plan_buckets
+    from fsdp_sync.weights.bucket import plan_buckets
     from fsdp_sync.engines.reference import ReferenceEngine
-    from fsdp_sync.export import param_metas
-    from fsdp_sync.launch import run_ranks
+    from fsdp_sync.weights.export import param_metas
+    from fsdp_sync.cli.launch import run_ranks
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.serve import EngineServer
 

@@ -31,7 +31,7 @@ def sync_ranks(rank: int, world: int, rollout_cfg: dict, strategies: list[str], 
 
     from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
     torch.manual_seed(0)
     model = wrap_fsdp(build_model(load_config("tiny"), seed=0), 2)

@@ -8,7 +8,7 @@ Called by `bench.bench_rank` on every trainer rank of a job, for each method oth
   bucket size and per ``--layouts`` value (``full``: strategy ``distributed:flattened_bucket``;
   per-rank buckets, each engine rank sent only its shard: ``distributed:per_rank_bucket``, once
   per share-host-memory x pipelined value), and the per-tensor format (``load_format=None``, the
-  baseline). Every row has the layout figures (`bench._layout_figures`: ``layout``,
+  baseline). Every row has the layout figures (`bench.layout_figures`: ``layout``,
   ``engine_rank_bytes_in``, ``engine_rank_shard_bytes``, ``trainer_rank_bytes_in``, ...). Floor,
   measured in the same job on the same groups: a bare gather of the same bytes to rank 0 in
   bucket-sized pieces over the trainer's group, plus bare broadcasts of the same bytes over the
@@ -30,6 +30,9 @@ import time
 from typing import Any
 
 import torch
+
+from .floors import layout_figures
+from .sampling import DeviceSampler, rises, sampled_sync
 
 MiB = 2**20
 
@@ -89,15 +92,14 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     """This job's rows of ``method`` (returned on rank 0; [] elsewhere)."""
     import torch.distributed as dist
 
-    from .bench import DeviceSampler, _sampled_sync
-    from .config import SyncConfig
-    from .engines import ReferenceEngine
-    from .manager import FSDPShardingManager
+    from ...config import SyncConfig
+    from ...engines import ReferenceEngine
+    from ...manager import FSDPShardingManager
 
     dtype = getattr(torch, job.dtype)
     if method == "disk":
         try:
-            from .transport.disk import disk_floor  # noqa: F401
+            from ...transport.disk import disk_floor  # noqa: F401
         except ImportError:
             return [{"method": "disk", "skipped": "this build has no disk method"}] if rank == 0 else []
     engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype) \
@@ -147,19 +149,18 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 if rank == 0:
                     workers = list(getattr(engine, "worker_pids", []) or [])
                     sampler = DeviceSampler([(p, None) for p in list(pids) + workers])
-                _sampled_sync(manager, sampler)
+                sampled_sync(manager, sampler)
                 lay = None
                 if method == "distributed":
-                    from .bench import _layout_figures
                     # the full path gathers to rank 0 (no host-shared memory): share only per-rank
-                    lay = _layout_figures(model, cfg, job, stats,
+                    lay = layout_figures(model, cfg, job, stats,
                                           share and stats.extra.get("layout") == "engine")   # collective
                     per_rank = lay["layout"] == "engine"
                     floor = _floor_distributed(manager.transport, engine, stats.bytes, bucket_bytes,
                                                job.device, max(job.repeats, 5),
                                                lay["engine_rank_bytes_in"] if per_rank else None)
                 else:
-                    from .transport.disk import disk_floor
+                    from ...transport.disk import disk_floor
                     floor = statistics.median(
                         disk_floor(stats.bytes, workdir, files=max(stats.buckets, 1))
                         for _ in range(max(job.repeats, 5))) if rank == 0 else None
@@ -194,12 +195,10 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
 
 def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floor, manager, sampler,
          largest) -> dict:
-    from .bench import _rises
-
     timeline = manager.timeline.to_dict()
     peak, peaks = 0, []
     if sampler is not None and sampler.samples:
-        peaks = _rises(timeline, sampler)
+        peaks = rises(timeline, sampler)
         peak = max(peaks)
     return {
         "method": method, "strategy": f"{method}:{fmt}", "model": job.model, "params": params,

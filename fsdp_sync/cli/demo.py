@@ -51,7 +51,7 @@ class DemoOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from .config import METHODS
+        from ..config import METHODS
 
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
@@ -85,7 +85,7 @@ def tolerance(opts: DemoOptions, ref_logits: torch.Tensor) -> float:
 def _rollout_copy(model: torch.nn.Module, ref: torch.nn.Module | None, dtype: torch.dtype) -> None:
     """Load the trainer's current weights, cast to the rollout dtype, into ``ref`` (an unsharded
     model on infer-TP rank 0, None elsewhere). Every rank iterates: the export gathers shards."""
-    from .export import iter_params
+    from ..weights.export import iter_params
 
     params = dict(ref.named_parameters()) if ref is not None else {}
     seen = set()
@@ -129,11 +129,11 @@ def _peak(stages: list[dict], who: str, key: str) -> int:
 
 def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
     """One trainer rank of the demo; returns a record per step (rank-local view)."""
-    from .config import SyncConfig
-    from .engines import ReferenceEngine
-    from .manager import FSDPShardingManager
-    from .models import build_model, load_config
-    from .topology import SyncTopology, make_mesh
+    from ..config import SyncConfig
+    from ..engines import ReferenceEngine
+    from ..manager import FSDPShardingManager
+    from ..models import build_model, load_config
+    from ..topology import SyncTopology, make_mesh
     from .trainer import greedy_generate, last_logits, synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)

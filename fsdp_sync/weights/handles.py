@@ -347,7 +347,7 @@ def _safe_rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
 def _refuse_by_value(*_args: Any) -> Any:
     raise HandleError("payload holds a by-value storage (torch.storage._load_from_bytes, a nested "
                       "unrestricted unpickle); refused: payloads carry shared-memory or CUDA IPC "
-                      "handles, made by fsdp_sync.handles.make_payloads")
+                      "handles, made by fsdp_sync.weights.handles.make_payloads")
 
 
 def _no_count(cls: type) -> Any:

@@ -1,4 +1,13 @@
-"""SGLang's weight-update group, made the way SGLang 0.5.23 makes it, for both ends of the wire.
+"""The wire form that the transports, the engines and the verl adapter share.
+
+- `flattened_bucket` / `open_flattened_bucket`: SGLang's flattened-bucket payload
+  ``{"flattened_tensor": uint8 tensor, "metadata": [...]}`` (``load_format="flattened_bucket"``, and
+  the per-rank ``"direct"`` buckets), built and read in this one place.
+- `new_update_group` / `destroy_update_group`: SGLang's weight-update group (below).
+- `PER_RANK_BUCKET` / `per_rank_bucket_plan`: fsdp_sync's per-rank distributed load format.
+- `free_port`: a free local TCP port (update-group rendezvous, the reference engine's workers).
+
+SGLang's weight-update group, made the way SGLang 0.5.23 makes it, for both ends of the wire.
 
 SGLang's ``init_weights_update_group`` joins every TP worker of an engine to a process group
 outside the trainer's world: a ``tcp://`` store hosted by rank 0 (the trainer), wrapped in a
@@ -13,18 +22,23 @@ mismatched group name or store prefix would make every rank wait out the timeout
 shapes, each at a 16-byte-aligned offset: `per_rank_bucket_plan`), instead of one broadcast of full
 tensors to all of them. Only an engine that says so (``accepts_distributed_rank_buckets``) is sent it.
 
-Not here: what travels over the group (the distributed transport) or who calls it (the engines).
+Not here: how a payload travels (`weights.handles`), what travels over the group (the distributed
+transport) or who calls it (the engines).
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from .weights.bucket import Bucket, entries_from_metadata, plan_buckets, sglang_metadata, unflatten
+
 __all__ = ["new_update_group", "destroy_update_group", "DEFAULT_GROUP_NAME", "PER_RANK_BUCKET",
-           "per_rank_bucket_plan"]
+           "per_rank_bucket_plan", "flattened_bucket", "open_flattened_bucket", "free_port"]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
@@ -32,12 +46,41 @@ PER_RANK_BUCKET = "per_rank_bucket"
 """``load_format`` of a per-rank ``update_weights_from_distributed`` call (see the module)."""
 
 
+
+def flattened_bucket(flat: torch.Tensor, bucket: Bucket) -> dict:
+    """SGLang's flattened-bucket payload for ``bucket`` laid out in ``flat`` (uint8, at least
+    ``bucket.nbytes`` long; a longer, reused buffer is cut to the bucket's bytes)."""
+    if flat.numel() < bucket.nbytes:
+        raise ValueError(f"a flattened bucket of {bucket.nbytes} bytes cannot be read from a buffer "
+                         f"of {flat.numel()} bytes")
+    return {"flattened_tensor": flat if flat.numel() == bucket.nbytes else flat[:bucket.nbytes],
+            "metadata": sglang_metadata(bucket)}
+
+
+def open_flattened_bucket(value: Any) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of an opened flattened-bucket payload (views into its buffer).
+
+    Raises ValueError saying what was wrong (not a dict with both keys, bad metadata)."""
+    if not (isinstance(value, dict) and "flattened_tensor" in value and "metadata" in value):
+        raise ValueError(f"a flattened bucket is a dict with 'flattened_tensor' and 'metadata', got "
+                         f"{type(value).__name__}")
+    try:
+        return unflatten(value["flattened_tensor"], entries_from_metadata(value["metadata"]))
+    except (ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise ValueError(f"bad flattened bucket: {exc}") from exc
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def per_rank_bucket_plan(entries: Any) -> Any:
     """The one `bucket.Bucket` a `PER_RANK_BUCKET` call's ``(name, dtype, shape)`` entries are laid
     out by on the wire: in order, each at a 16-byte-aligned offset (`bucket.plan_buckets`), so
     sender and receiver agree on every offset without sending them."""
-    from ..bucket import Bucket, plan_buckets
-
     plan = plan_buckets(list(entries), 1 << 62)
     return plan[0] if plan else Bucket((), 0)
 

@@ -65,7 +65,7 @@ nonnegative_float = _number(float, lambda v: v >= 0, "a number >= 0", "nonnegati
 
 
 def on_off(text: str) -> bool:
-    from .config import parse_bool
+    from ..config import parse_bool
 
     try:
         return parse_bool(text, "value")
@@ -124,7 +124,7 @@ def dtype_name(text: str) -> str:
 def model_spec(text: str) -> str:
     """A model recipe name (`fsdp_sync.models.model_recipes`) or a path to a YAML recipe, a
     config.json or a folder holding one."""
-    from .models import model_recipes
+    from ..models import model_recipes
 
     p = Path(text)
     if text in model_recipes() or p.is_file() or (p.is_dir() and (p / "config.json").is_file()):

@@ -25,12 +25,12 @@ __all__ = ["verify_rows"]
 def _verify_rank(rank: int, world: int, job: dict) -> list[dict]:
     import torch.distributed as dist
 
-    from .config import SyncConfig
-    from .engines import ReferenceEngine
-    from .manager import FSDPShardingManager
-    from .models import build_model, load_config
-    from .topology import SyncTopology, make_mesh
-    from .trainer import synthetic_batch, train_step, wrap_fsdp
+    from ...config import SyncConfig
+    from ...engines import ReferenceEngine
+    from ...manager import FSDPShardingManager
+    from ...models import build_model, load_config
+    from ...topology import SyncTopology, make_mesh
+    from ..trainer import synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)
     cfg = load_config(job["model"])
@@ -85,7 +85,7 @@ def _verify_rank(rank: int, world: int, job: dict) -> list[dict]:
 
 def verify_rows(spec: Any, modes: tuple[str, ...]) -> list[dict]:
     """Rows of the verify cost for a `bench.BenchSpec` (see the module docstring)."""
-    from .launch import run_ranks, spawn_env
+    from ..launch import run_ranks, spawn_env
 
     bad = [m for m in modes if m not in ("off", "sample", "full")]
     if bad or not modes:

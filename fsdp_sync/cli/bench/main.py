@@ -31,15 +31,17 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .memory import status as _status
+from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floor_shared_seconds,
+                     layout_figures)
+from .sampling import DeviceSampler, rises, sampled_sync
+from .targets import check_targets
 
 __all__ = ["BenchSpec", "Job", "run_bench", "add_bench_parser", "cmd_bench", "PRESETS", "check_targets"]
 
@@ -81,7 +83,7 @@ class BenchSpec:
     pipelined: tuple[bool, ...] = (True,)   # SyncConfig.pipelined of the per-rank rows
 
     def __post_init__(self) -> None:
-        from .config import LAYOUTS, METHODS, STRATEGIES
+        from ...config import LAYOUTS, METHODS, STRATEGIES
 
         bad = [x for x in self.layouts if x not in LAYOUTS]
         if bad or not self.layouts:
@@ -149,214 +151,19 @@ class Job:
     pipelined: tuple[bool, ...] = (True,)
 
 
-# --------------------------------------------------------------------------- memory sampling
-
-def _device_bytes(trainer: int, worker: int | None) -> int:
-    """One device's memory: the trainer rank's RSS plus its engine worker's RSS less the worker's
-    shared-memory pages (those are the trainer's buffers, mapped by both: counted once)."""
-    t = _status(trainer)
-    if not worker:
-        return t.get("rss", 0)
-    w = _status(worker)
-    return t.get("rss", 0) + w.get("rss", 0) - w.get("shmem", 0)
-
-
-class DeviceSampler:
-    """Samples each device's memory (`_device_bytes` of trainer j and worker j) every ``period_s``
-    in a thread; /proc status reads cost ~50 µs, so sampling barely disturbs the sync."""
-
-    def __init__(self, pairs: list[tuple[int, int | None]], period_s: float = 0.001) -> None:
-        self.pairs = pairs
-        self.period_s = period_s
-        self.samples: list[tuple[float, list[int]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="fsdp_sync-sampler", daemon=True)
-        self.t0 = time.perf_counter()
-
-    def read(self) -> list[int]:
-        return [_device_bytes(t, w) for t, w in self.pairs]
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter() - self.t0, self.read()))
-            self._stop.wait(self.period_s)
-
-    def __enter__(self) -> "DeviceSampler":
-        self.t0 = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.samples.append((time.perf_counter() - self.t0, self.read()))
-
-
 # --------------------------------------------------------------------------- one job on N ranks
-
-def _median_seconds(body: Callable[[], None], dev: str, repeats: int) -> float:
-    """Median wall time of ``body`` over ``repeats`` runs after one warm-up run (not counted): the
-    ranks start each run together (a barrier) and a run ends when the device is done with it."""
-    import torch.distributed as dist
-
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        body()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
-def _floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, repeats: int) -> float:
-    """A bare all-gather of ``total_bytes`` over the world in bucket-sized pieces, plus one copy of
-    a TP rank's shard (``total_bytes / tp``): what any sync must at least do."""
-    import torch.distributed as dist
-
-    from .export import _all_gather
-
-    world = dist.get_world_size()
-    dev = "cuda" if device == "cuda" else "cpu"
-    piece = min(bucket_bytes, total_bytes)
-    per_rank = (piece + world - 1) // world
-    send = torch.empty(per_rank, dtype=torch.uint8, device=dev)
-    recv = torch.empty(per_rank * world, dtype=torch.uint8, device=dev)
-    shard = total_bytes // tp
-    src = torch.empty(shard, dtype=torch.uint8, device=dev)
-    dst = torch.empty(shard, dtype=torch.uint8, device=dev)
-    src.fill_(1)
-    dst.fill_(0)  # touch the pages once, as a loaded engine's weights are
-
-    def body() -> None:
-        left = total_bytes
-        while left > 0:
-            _all_gather(recv, send, None)       # the sync's own gather call (no deprecation warning)
-            left -= piece
-        dst.copy_(src)
-
-    return _median_seconds(body, dev, repeats)
-
-
-def _copy_seconds(nbytes: int, device: str, repeats: int) -> float:
-    """One copy of ``nbytes`` on rank 0's device (device to device on CUDA, a memcpy on CPU), on
-    pre-touched memory, the other ranks idle: the least that moving these bytes once costs.
-    Collective (every rank calls it); the figure is rank 0's."""
-    import torch.distributed as dist
-
-    dev = "cuda" if device == "cuda" else "cpu"
-    pair = None
-    if dist.get_rank() == 0:
-        pair = (torch.ones(nbytes, dtype=torch.uint8, device=dev), torch.zeros(nbytes, dtype=torch.uint8, device=dev))
-
-    def body() -> None:
-        if pair is not None:
-            pair[1].copy_(pair[0])
-
-    try:
-        return _median_seconds(body, dev, repeats)
-    finally:
-        del pair
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-
-
-def _floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
-                          shard: int | None = None) -> float:
-    """The floor of a sync that shares host memory instead of all-gathering: every rank copies its
-    shard (``total_bytes / world``) once, then one copy of a TP rank's shard (``shard``, default
-    ``total_bytes / tp``; the engine layout's own shard bytes when known).
-    """
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    dev = "cuda" if device == "cuda" else "cpu"
-    mine = torch.ones(total_bytes // world, dtype=torch.uint8, device=dev)
-    into = torch.zeros_like(mine)
-    src = torch.ones(shard if shard is not None else total_bytes // tp, dtype=torch.uint8, device=dev)
-    dst = torch.zeros_like(src)
-
-    def body() -> None:
-        into.copy_(mine)
-        dist.barrier()
-        dst.copy_(src)
-
-    return _median_seconds(body, dev, repeats)
-
-
-def _floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, device: str,
-                              repeats: int, total_bytes: int = 0) -> float:
-    """The floor of the cross-host per-rank path: the one-host floor's copies (every rank copies
-    its own FSDP shard, ``total_bytes / world``, once: the part it keeps into the engine rank's
-    buffer, the rest into what it sends; then one copy of an engine rank's shard, the engine's
-    load) plus bare ``all_to_all_single`` exchanges in which every rank receives ``bytes_in``
-    bytes (the most any trainer rank received in the sync), in bucket-sized pieces."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    dev = "cuda" if device == "cuda" else "cpu"
-    per_peer = max(1, min(bucket_bytes, max(bytes_in, 1)) // max(world - 1, 1))
-    n = max(1, -(-bytes_in // (per_peer * max(world - 1, 1))))
-    sizes = [0 if r == dist.get_rank() else per_peer for r in range(world)]
-    send = torch.ones(sum(sizes), dtype=torch.uint8, device=dev)
-    recv = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
-    mine = torch.ones(max(total_bytes // world, 1), dtype=torch.uint8, device=dev)
-    into = torch.zeros_like(mine)
-    src = torch.ones(shard, dtype=torch.uint8, device=dev)
-    dst = torch.zeros_like(src)
-
-    def body() -> None:
-        into.copy_(mine)
-        for _ in range(n):
-            dist.all_to_all_single(recv, send, sizes, sizes)
-        dst.copy_(src)
-
-    return _median_seconds(body, dev, repeats)
-
-
-def _layout_figures(model: Any, cfg: Any, job: "Job", stats: Any, share: bool) -> dict:
-    """The row's layout fields (collective: every rank calls it): ``engine_rank_bytes_in`` (what
-    one engine rank was handed: its per-rank buffers, or every full bucket), ``engine_rank_shard_bytes``
-    (its own shard in the engine layout), ``trainer_rank_bytes_in`` (the most any trainer rank
-    received: the all-to-all's bytes, or the all-gather's: each rank receives the others' shards;
-    0 on the one-host path)."""
-    import torch.distributed as dist
-
-    from .export import param_metas
-    from .layout import layout_for
-
-    dtype = getattr(torch, job.dtype)
-    model_bytes = sum(m.nbytes for m in param_metas(model, dtype))
-    extra = dict(stats.extra)
-    layout = extra.get("layout", "full")
-    shard = layout_for(cfg, job.tp).engine_bytes(dtype.itemsize)
-    world = dist.get_world_size()
-    if layout == "engine":
-        engine_in = int(extra["engine_rank_bytes_in"])
-        mine = int(extra.get("trainer_rank_bytes_in", 0))
-    else:
-        engine_in = int(stats.bytes)
-        mine = 0 if share else model_bytes - model_bytes // world   # the all-gather's share
-    t = torch.tensor([mine], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"layout": layout, "pipelined": bool(extra.get("pipelined", False)), "engine_rank_bytes_in": engine_in,
-            "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": int(t.item()),
-            "reshard_path": extra.get("reshard_path"), "share_host_memory": share,
-            "model_bytes": model_bytes}
-
 
 def bench_rank(rank: int, world: int, job: Job) -> dict:
     """Run every (strategy, bucket) row of ``job`` on this rank; rank 0 returns the rows."""
     import torch.distributed as dist
 
-    from .config import SyncConfig
-    from .engines import ReferenceEngine
-    from .export import param_metas
-    from .manager import FSDPShardingManager
-    from .models import build_model, count_params, load_config
-    from .topology import SyncTopology, make_mesh
-    from .trainer import wrap_fsdp
+    from ...config import SyncConfig
+    from ...engines import ReferenceEngine
+    from ...weights.export import param_metas
+    from ...manager import FSDPShardingManager
+    from ...models import build_model, count_params, load_config
+    from ...topology import SyncTopology, make_mesh
+    from ..trainer import wrap_fsdp
 
     torch.set_num_threads(1)
     cfg = load_config(job.model)
@@ -364,7 +171,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     params, tensors = count_params(model)
     model = wrap_fsdp(model, 2, device=job.device)
     # before the engine takes its memory: two model-sized buffers for a moment
-    copy_s = _copy_seconds(sum(m.nbytes for m in param_metas(model, getattr(torch, job.dtype))),
+    copy_s = copy_seconds(sum(m.nbytes for m in param_metas(model, getattr(torch, job.dtype))),
                            job.device, max(job.repeats, 5))
     mesh = make_mesh(world // job.tp, job.tp, "cuda" if job.device == "cuda" else "cpu")
     topo = SyncTopology.from_mesh(mesh)
@@ -413,15 +220,15 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                 pairs = [(pids[r], workers[j] if j < len(workers) else None)
                          for j, r in enumerate(topo.tp_ranks)]
                 sampler = DeviceSampler(pairs)
-            _sampled_sync(manager, sampler)
+            sampled_sync(manager, sampler)
             progress.update(f"{strategy} {bucket_mb:g} MiB: floor")
             # the floor is noisier than the sync (one big transfer): give it more repeats
-            lay = _layout_figures(model, cfg, job, stats, share and strategy == "flattened")
-            floor = _floor_seconds(lay["model_bytes"], bucket_bytes, job.tp, job.device, max(job.repeats, 5))
-            floor_shared = _floor_shared_seconds(lay["model_bytes"], job.tp, job.device, max(job.repeats, 5),
+            lay = layout_figures(model, cfg, job, stats, share and strategy == "flattened")
+            floor = floor_seconds(lay["model_bytes"], bucket_bytes, job.tp, job.device, max(job.repeats, 5))
+            floor_shared = floor_shared_seconds(lay["model_bytes"], job.tp, job.device, max(job.repeats, 5),
                                                  shard=lay["engine_rank_shard_bytes"])
             if lay["layout"] == "engine" and not lay["share_host_memory"]:
-                floor = _floor_all_to_all_seconds(lay["trainer_rank_bytes_in"], bucket_bytes,
+                floor = floor_all_to_all_seconds(lay["trainer_rank_bytes_in"], bucket_bytes,
                                                   lay["engine_rank_shard_bytes"], job.device,
                                                   max(job.repeats, 5), total_bytes=lay["model_bytes"])
             secs_med = statistics.median(secs)
@@ -446,7 +253,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         r["baseline_seconds"] = baseline
         r["speedup_vs_baseline"] = (baseline / r["seconds"]) if baseline else None
     if any(m != "tensor" for m in job.methods):
-        from .bench_methods import method_rows
+        from .methods import method_rows
 
         largest = max(m.nbytes for m in param_metas(model, dtype))
         for method in job.methods:
@@ -455,46 +262,16 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     return {"rows": rows}
 
 
-def _sampled_sync(manager: Any, sampler: DeviceSampler | None) -> None:
-    """One more sync, the ranks starting it together, with ``sampler`` (rank 0's; None on the other
-    ranks) sampling memory from before it begins until it is done."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    if sampler:
-        sampler.__enter__()
-    with manager:
-        pass
-    if sampler:
-        sampler.__exit__(None, None, None)
-
-
-def _rises(timeline: list[dict], sampler: DeviceSampler) -> list:
-    """Per sampled process, the largest rise of its memory during the sync stage (``sync_weights``
-    in ``timeline``; every sample when there is none) above its level before the stage: the last
-    sample taken before the stage began (the first sample when none was). ``sampler`` has samples."""
-    t0 = t1 = None
-    for st in timeline:
-        if st["name"] == "sync_weights":
-            t0 = st["started"] - sampler.t0
-            t1 = t0 + st["seconds"]
-    samples = sampler.samples
-    before = [s for ts, s in samples if t0 is not None and ts <= t0] or [samples[0][1]]
-    during = [s for ts, s in samples if t0 is not None and t0 <= ts <= t1] or [s for _, s in samples]
-    base = before[-1]
-    return [max(s[j] - base[j] for s in during) for j in range(len(base))]
-
-
 def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, stats, secs, secs_med,
          floor: float, manager, sampler: DeviceSampler | None) -> dict:
-    from .export import param_metas
+    from ...weights.export import param_metas
 
     metas = param_metas(manager.module, getattr(torch, job.dtype))
     largest = max(m.nbytes for m in metas)
     timeline = manager.timeline.to_dict()
     peak_extra, curve = 0, []
     if sampler is not None and sampler.samples:
-        peak_extra = max(_rises(timeline, sampler))
+        peak_extra = max(rises(timeline, sampler))
         curve = [[round(ts, 5), int(sum(s))] for ts, s in sampler.samples]
         for st in timeline:
             st["t"] = round(st["started"] - sampler.t0, 5)
@@ -541,7 +318,7 @@ class _Progress:
 # --------------------------------------------------------------------------- the sweep
 
 def run_bench(spec: BenchSpec, *, timeout_s: float = 1800.0) -> dict:
-    from .launch import run_ranks, spawn_env
+    from ..launch import run_ranks, spawn_env
 
     rows = []
     t0 = time.perf_counter()
@@ -562,87 +339,6 @@ def _machine() -> dict:
     return out
 
 
-def check_targets(rows: list[dict]) -> dict:
-    """The three targets of the ``targets`` preset, computed from its rows (plus the distributed
-    method's own, under ``"distributed"``, when its rows are there)."""
-    dist_rows = [r for r in rows if r.get("strategy") == "distributed:flattened_bucket"]
-    out = _check_tensor_targets([r for r in rows if r.get("method", "tensor") == "tensor"])
-    if dist_rows:
-        r = min(dist_rows, key=lambda x: x["seconds"])
-        speed = r["baseline_seconds"] / r["seconds"] if r["baseline_seconds"] else None
-        d = {"row": {k: r.get(k) for k in ("strategy", "bucket_bytes", "seconds", "floor_seconds",
-                                           "baseline_seconds", "peak_extra_bytes", "memory_budget_bytes")},
-             "speedup_vs_per_tensor": speed, "ratio_to_floor": r["seconds"] / r["floor_seconds"],
-             "peak_extra_over_budget": r["peak_extra_bytes"] / r["memory_budget_bytes"]}
-        d["met"] = {"speedup": speed is not None and speed >= 3.0, "floor": d["ratio_to_floor"] <= 1.3,
-                    "memory": d["peak_extra_over_budget"] <= 1.0}
-        out["distributed"] = d
-    lay = _check_layout_targets([r for r in rows if r.get("method", "tensor") == "tensor"])
-    if lay:
-        out["layout"] = lay
-    per_rank = [r for r in rows if r.get("strategy") == "distributed:per_rank_bucket"]
-    if per_rank:     # the distributed method's per-rank rows: bytes into each engine rank
-        worst = max(r["engine_rank_bytes_in"] / r["engine_rank_shard_bytes"] for r in per_rank)
-        out["distributed_layout"] = {"engine_in_over_shard": worst, "met": {"engine_bytes": worst <= 1.05}}
-    return out
-
-
-def _check_layout_targets(rows: list[dict]) -> dict:
-    """Per-rank bucket targets: bytes into an engine rank <= 1.05 x its shard; the one-host path
-    <= 1.5 x its floor; the all-to-all path <= 1.05 x its floor, with the bytes a trainer rank
-    receives beside the full layout's all-gather (about 1/TP of it). Per path the fastest engine
-    row is judged (pipelined or not: the configuration a user would pick)."""
-    out = {}
-    best: dict = {}
-    full = {r.get("share_host_memory"): r for r in rows
-            if r["strategy"] == "flattened" and r.get("layout") == "full"}
-    for r in rows:
-        if r["strategy"] != "flattened" or r.get("layout") != "engine":
-            continue
-        shared = bool(r.get("share_host_memory"))
-        floor = r["floor_shared_seconds"] if shared else r["floor_seconds"]
-        if shared in best and best[shared] <= r["seconds"] / floor:
-            continue
-        best[shared] = r["seconds"] / floor
-        d = {"pipelined": r.get("pipelined"),
-             "engine_in_over_shard": r["engine_rank_bytes_in"] / r["engine_rank_shard_bytes"],
-             "ratio_to_floor": r["seconds"] / floor}
-        met = {"engine_bytes": d["engine_in_over_shard"] <= 1.05,
-               "floor": d["ratio_to_floor"] <= (1.5 if shared else 1.05)}
-        f = full.get(r.get("share_host_memory"))
-        if not shared and f and f.get("trainer_rank_bytes_in"):
-            d["trainer_in_vs_full"] = r["trainer_rank_bytes_in"] / f["trainer_rank_bytes_in"]
-        if f:
-            d["seconds_vs_full"] = r["seconds"] / f["seconds"]
-        d["met"] = met
-        out["one-host" if shared else "all-to-all"] = d
-    return out
-
-
-def _check_tensor_targets(rows: list[dict]) -> dict:
-    flat = [r for r in rows if r["strategy"] == "flattened"]
-    if not flat:
-        return {"met": False, "why": "no flattened row"}
-    r = min(flat, key=lambda x: x["seconds"])   # the configuration a user would pick
-    speedup = r["baseline_seconds"] / r["seconds"] if r["baseline_seconds"] else None
-    ratio = r["seconds"] / r["floor_seconds"]
-    shared_ratio = r["seconds"] / r["floor_shared_seconds"] if r.get("share_host_memory") else None
-    mem_ratio = r["peak_extra_bytes"] / r["memory_budget_bytes"]
-    out = {
-        "row": {k: r.get(k) for k in ("strategy", "model", "bucket_bytes", "share_host_memory", "seconds",
-                                      "floor_seconds", "floor_shared_seconds", "baseline_seconds",
-                                      "peak_extra_bytes", "memory_budget_bytes")},
-        "speedup_vs_per_tensor": speedup, "target_speedup": 3.0,
-        "ratio_to_floor": ratio, "target_ratio_to_floor": 1.3,
-        "ratio_to_shared_floor": shared_ratio,
-        "peak_extra_over_budget": mem_ratio, "target_peak_extra_over_budget": 1.0,
-    }
-    out["met"] = {"speedup": speedup is not None and speedup >= 3.0, "floor": ratio <= 1.3,
-                  "memory": mem_ratio <= 1.0}
-    out["all_met"] = all(out["met"].values())
-    return out
-
-
 # --------------------------------------------------------------------------- CLI
 
 # flag dest -> BenchSpec key: a flag given with --preset or --recipe overrides that key
@@ -653,8 +349,8 @@ _FLAG_KEYS = {"models": "models", "strategies": "strategies", "bucket_mb": "buck
 
 
 def add_bench_parser(sub) -> None:
-    from . import cliargs as ca
-    from .config import METHODS, STRATEGIES
+    from .. import args as ca
+    from ...config import METHODS, STRATEGIES
 
     p = sub.add_parser(
         "bench", help="sweep strategies/bucket sizes/models; time and memory beside a floor and baseline",
@@ -723,7 +419,7 @@ def check_bench_args(args, given: set[str]) -> None:
     """Cross-flag checks before anything starts (ValueError names the flags); keeps the spec."""
     args.spec = spec_from_args(args, given)
     if args.spec.device == "cuda":
-        from .cliargs import device
+        from ..args import device
 
         device("cuda")          # a recipe's device: cuda needs a GPU as much as the flag does
 
@@ -775,7 +471,7 @@ def cmd_bench(args) -> int:
                           f"{d['met']['floor']}), peak extra {d['peak_extra_over_budget']:.2f}× budget "
                           f"(≤1: {d['met']['memory']})")
     if getattr(args, "verify", None):
-        from .bench_verify import verify_rows
+        from .verify import verify_rows
 
         result["verify"] = verify_rows(spec, tuple(args.verify))
         vt = Table(title="verify after sync: median seconds it adds")
@@ -791,7 +487,7 @@ def cmd_bench(args) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
         console.print(f"wrote {args.json}")
     if args.plot:
-        from .plots import plot_bench
+        from ..plots import plot_bench
 
         tensor_rows = [r for r in result["rows"] if r.get("method", "tensor") == "tensor" and not r.get("skipped")]
         for path in plot_bench({**result, "rows": tensor_rows}, args.plot):

@@ -37,9 +37,8 @@ cross-host path, then the collective must be NCCL).
 
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -49,13 +48,13 @@ from torch import nn
 from . import bucket as _bucket
 from . import export as _export
 from . import handles as _handles
+from .gather import materialize
+from .hostbuf import HostShared
 from .layout import TPLayout, block_of
-from .topology import agree
+from ..topology import agree
 
 __all__ = ["RankBucket", "ReshardStats", "plan_rank_buckets", "iter_rank_buckets", "default_owners",
            "clear_plan_cache"]
-
-_log = logging.getLogger("fsdp_sync")
 
 
 @dataclass
@@ -299,7 +298,7 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
     only the one that says every rank's pieces are in.
     """
     stats = stats if stats is not None else ReshardStats()
-    items = _export._resolve(module, fsdp1_state_dict, dtype)
+    items = _export.resolve(module, fsdp1_state_dict, dtype)
     group = _group_of(items) if items else None
     world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     me = dist.get_rank(group) if world > 1 else 0
@@ -325,7 +324,7 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
     elif error is not None:
         raise error
     by_name = {it.name: (i, it) for i, it in enumerate(items)}
-    host = _HostBuffers.create(group, world, layout.tp * max(1, host_sets), max((b.nbytes for b in plan), default=0)) \
+    host = HostShared.create(group, layout.tp * max(1, host_sets), max((b.nbytes for b in plan), default=0)) \
         if share_host_memory and world > 1 and _host_eligible(items) else None
     stats.path = "host-shared" if host is not None else ("all-to-all" if world > 1 else "local")
     stats.engine_shard_bytes += layout.engine_bytes(dtype.itemsize)
@@ -336,8 +335,8 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
             by_name[n][1].drop()
         tasks = _cached_tasks((layout.spec, layout.tp, dtype, int(bucket_bytes)), k, bkt, layout, sources)
         if host is not None:
-            buffers = host.fill(bkt, layout, tasks, sources, stats, (k % max(1, host_sets)) * layout.tp,
-                                wait_readers=not consumer_synced)
+            buffers = _fill_host(host, bkt, layout, tasks, sources, stats, (k % max(1, host_sets)) * layout.tp,
+                                 wait_readers=not consumer_synced)
         elif world > 1:
             buffers = _exchange(bkt, layout, tasks, sources, own, group, me, alloc, stats)
         else:
@@ -367,7 +366,7 @@ def _source(it: Any, index: int, world: int, me: int, dtype: torch.dtype, stats:
         local = it.pieces.local.reshape(-1)
         stats.allgather_bytes_in += (numel - counts[me]) * dtype.itemsize
     else:
-        full = it.full if it.full is not None else _export._materialize(it, dtype)
+        full = it.full if it.full is not None else materialize(it, dtype)
         holder = index % world
         counts = tuple(numel if r == holder else 0 for r in range(world))
         local = full.reshape(-1)
@@ -453,60 +452,18 @@ def _host_eligible(items: list) -> bool:
     return True
 
 
-@dataclass
-class _HostBuffers:
-    """TP shared-memory buffers (one per engine rank) mapped by every rank of the group."""
+def _fill_host(host: HostShared, bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task],
+               sources: dict[str, _Source], stats: ReshardStats, first: int = 0,
+               wait_readers: bool = True) -> dict[int, torch.Tensor]:
+    """Bucket ``bkt``'s per-engine-rank buffers in ``host``'s buffers ``first .. first + tp``:
+    every rank writes its own pieces, group rank 0 zeroes the gaps."""
+    buffers = {i: host.bufs[first + i][:bkt.nbytes] for i in range(layout.tp)}
 
-    group: Any
-    me: int
-    bufs: list[torch.Tensor] = field(default_factory=list)
+    def write() -> None:
+        if host.me == 0:
+            for i, flat in buffers.items():
+                _zero_gaps(flat, bkt, layout, i)
+        _write_local(tasks, sources, buffers, host.me, stats)
 
-    @classmethod
-    def create(cls, group: Any, world: int, tp: int, nbytes: int) -> "_HostBuffers | None":
-        if nbytes == 0:
-            return None
-        keys: list = [None] * world
-        dist.all_gather_object(keys, _export._host_key(), group=group)
-        if any(k != keys[0] for k in keys):
-            return None                      # several hosts: the all-to-all path
-        me = dist.get_rank(group)
-        src = dist.get_global_rank(group, 0)
-        out: list = [None]
-        if me == 0:
-            try:
-                bufs = [_handles.empty_shared(nbytes) for _ in range(tp)]
-                sets = _handles.make_payloads(bufs, world, ranks=list(range(1, world)), tagged=False)
-            except Exception as exc:  # noqa: BLE001 - e.g. torch_shm_manager cannot start (a
-                # TMPDIR too long for its socket): every rank takes the all-to-all path instead
-                # of waiting for payloads that never come
-                why = ("unavailable", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                dist.scatter_object_list(out, [None] + [why] * (world - 1), src=src, group=group)
-                _log.warning("fsdp_sync: no host-shared memory for per-rank buckets (%s): using "
-                             "the all-to-all path", why[1])
-                return None
-            dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
-            dist.barrier(group=group)        # every rank has opened them: the payloads may go
-            sets.release(require_ack=False)
-        else:
-            dist.scatter_object_list(out, None, src=src, group=group)
-            if isinstance(out[0], tuple) and out[0][:1] == ("unavailable",):
-                return None                  # group rank 0 could not make them: all-to-all
-            bufs = list(_handles.open_payload(out[0]).value)
-            for b in bufs:
-                _handles.adopt(b)            # re-sharing them with the engine needs no copy
-            dist.barrier(group=group)
-        return cls(group, me, bufs)
-
-    def fill(self, bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task],
-             sources: dict[str, _Source], stats: ReshardStats, first: int = 0,
-             wait_readers: bool = True) -> dict[int, torch.Tensor]:
-        buffers = {i: self.bufs[first + i][:bkt.nbytes] for i in range(layout.tp)}
-        if wait_readers:
-            dist.barrier(group=self.group)   # nobody still reads these buffers' previous bytes
-        with torch.no_grad():
-            if self.me == 0:
-                for i, flat in buffers.items():
-                    _zero_gaps(flat, bkt, layout, i)
-            _write_local(tasks, sources, buffers, self.me, stats)
-        dist.barrier(group=self.group)       # every rank's pieces are in
-        return buffers
+    host.fill(write, wait_readers=wait_readers)
+    return buffers

@@ -1,18 +1,4 @@
-"""Fault injection: the `fault_point` hook, and the ``fsdp-sync faults`` matrix that uses it.
-
-The hook (test and tooling only). ``FSDP_SYNC_FAULT="<side>:<rank>:<point>:<kind>"`` in a
-process's environment makes `fault_point(side, rank, point)` act once, the first time it is reached:
-
-    side   ``trainer`` (the manager's stage runner: every entry and exit stage, e.g. ``sync_weights``,
-           ``restore_rng``) or ``worker`` (a reference-engine worker, on a command: ``stage``,
-           ``stage_broadcast``, ``commit``, ``resume:weights``, ``resume:kv_cache``, ``release`` …;
-           a point given without ``:tags`` matches every tag list)
-    rank   the trainer's global rank, or the worker's TP rank
-    kind   ``kill`` (SIGKILL itself), ``raise`` (`InjectedFault` at that point), ``stall`` (sleep
-           ``FSDP_SYNC_FAULT_STALL_S``, default 3600 s: only timeouts get the others out)
-
-``FSDP_SYNC_FAULT_LOG=<path>``: the wall time and pid are appended there just before it acts.
-Without ``FSDP_SYNC_FAULT`` the hook is one dict lookup. Nothing of torch is patched.
+"""Fault injection: the ``fsdp-sync faults`` matrix over the `fault_point` hook (`fsdp_sync.faultpoint`).
 
 The matrix (`run_matrix`, ``fsdp-sync faults``): method × stage × victim × fault, one fresh job per
 cell (2 trainer ranks on gloo, a 2-worker `ReferenceEngine` held by trainer rank 0, the tiny model).
@@ -35,44 +21,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..faultpoint import FAULT_ENV, InjectedFault, fault_point  # noqa: F401 - the hook the matrix sets
+
 __all__ = ["fault_point", "InjectedFault", "FAULT_ENV", "Cell", "cells", "run_cell", "run_matrix",
            "add_faults_parser", "METHODS", "STAGES", "VICTIMS", "FAULTS", "Timeouts"]
-
-FAULT_ENV = "FSDP_SYNC_FAULT"
-_fired: set[str] = set()
-
-
-class InjectedFault(RuntimeError):
-    """The exception a ``raise`` fault throws."""
-
-
-def fault_point(side: str, rank: int, point: str) -> None:
-    """Act on ``FSDP_SYNC_FAULT`` if it names this side, rank and point (once per process)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or spec in _fired:
-        return
-    try:
-        s_side, s_rank, rest = spec.split(":", 2)
-        s_point, kind = rest.rsplit(":", 1)
-        s_rank = int(s_rank)
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected '<trainer|worker>:<rank>:<point>:<kill|raise|stall>'")
-    if s_side != side or s_rank != rank or not (point == s_point or point.startswith(s_point + ":")):
-        return
-    _fired.add(spec)
-    log = os.environ.get("FSDP_SYNC_FAULT_LOG")
-    if log:
-        with open(log, "a") as f:
-            f.write(f"{time.time()} {os.getpid()} {kind}\n")
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "raise":
-        raise InjectedFault(f"injected fault: {side} {rank} at {point}")
-    elif kind == "stall":
-        time.sleep(float(os.environ.get("FSDP_SYNC_FAULT_STALL_S", "3600")))
-    else:
-        raise ValueError(f"{FAULT_ENV}: unknown fault kind {kind!r} (kill, raise, stall)")
-
 
 # --------------------------------------------------------------------------- the matrix
 
@@ -149,13 +101,13 @@ def _cell_rank(rank: int, world: int, method: str, stage: str, tmp: str, t: dict
     fires somewhere in it), record when it raised and, on rank 0, what the engine serves now."""
     import torch
 
-    from .config import SyncConfig
-    from .engines import ReferenceEngine
-    from .engines.base import checksum_named_tensors
-    from .export import iter_params
-    from .manager import FSDPShardingManager
-    from .models import build_model, load_config
-    from .topology import make_mesh
+    from ..config import SyncConfig
+    from ..engines import ReferenceEngine
+    from ..engines.base import checksum_named_tensors
+    from ..weights.export import iter_params
+    from ..manager import FSDPShardingManager
+    from ..models import build_model, load_config
+    from ..topology import make_mesh
     from .trainer import synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)
@@ -211,7 +163,7 @@ def _cell_rank(rank: int, world: int, method: str, stage: str, tmp: str, t: dict
 
 
 def _engine_state(engine, method: str, before: str, new: str) -> str:
-    from .engines import EngineError
+    from ..engines import EngineError
 
     try:
         if method == "tensor":   # colocated: released on the failed entry's way out; CPU backup
@@ -282,6 +234,7 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     import torch.multiprocessing as mp
 
     from . import launch
+    from ..wire import free_port
 
     t = timeouts or Timeouts()
     if not cell.possible:
@@ -295,7 +248,7 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     env = launch.spawn_env({"FSDP_SYNC_FAULT": cell.spec, "FSDP_SYNC_FAULT_LOG": log})
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = launch.free_port()
+    port = free_port()
     args = (cell.method, cell.stage, tmp, asdict(t))
     procs = [ctx.Process(target=launch._worker, name=f"fsdp_sync-fault-rank{r}",
                          args=(r, WORLD, port, "gloo", t.cell_s, _cell_rank, args, results, env))

@@ -15,24 +15,19 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "RankError", "free_port", "spawn_env"]
+from ..wire import free_port
+
+__all__ = ["run_ranks", "RankError", "spawn_env"]
 
 
 class RankError(RuntimeError):
     """A rank of a `run_ranks` job raised, died or ran past the deadline."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, pg_timeout_s: float,

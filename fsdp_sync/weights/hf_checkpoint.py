@@ -15,7 +15,7 @@ and `SliceReader`, which reads slices of a file's tensors (safetensors validates
 bytes are read through one private mmap, see the class for why).
 
 A per-rank version (``SyncConfig.layout="engine"``) holds, instead, one set of files per engine TP
-rank, each with only that rank's shard under the engine's own parameter names (`fsdp_sync.layout`:
+rank, each with only that rank's shard under the engine's own parameter names (`fsdp_sync.weights.layout`:
 fused ``qkv_proj`` / ``gate_up_proj``, vocab rows with padding, ...; a tied model's embedding as
 ``lm_head.weight``: `rank_tensor_name`), files and tensors named as SGLang's ``ShardedStateLoader``
 names them:

@@ -59,15 +59,18 @@ module inside the root wrapper, whose own parameters are shards of the root's fl
 Before the first forward torch has not yet told inner units from the root, so an inner unit
 handed over then is exported as what it is: its own parameters, bit-exact, under its own names.
 
-Not here: planning (`bucket`), handles (`handles`), who sends payloads where (`topology`,
-transports), or moving FSDP parameters between devices (the manager's memory stages).
+At about 650 lines (a third of it this docstring) it is one concept that reads best whole: what
+each kind of module exports, in which order, and where each tensor's data lives.
+
+Not here: the collectives that gather the pieces (`gather`), the host-shared buffer (`hostbuf`),
+planning (`bucket`), handles (`handles`), who sends payloads where (`topology`, transports), or
+moving FSDP parameters between devices (the manager's memory stages).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import socket
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -76,17 +79,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-try:  # the coalescing fast path (one all_gather_single_coalesced for many tensors)
-    from torch.distributed.distributed_c10d import _coalescing_manager
-except ImportError:  # pragma: no cover - older torch: one gather per tensor instead
-    _coalescing_manager = None
-
 from . import bucket as _bucket
 from . import handles as _handles
-from .topology import agree
+from .gather import Pieces, Scratch, fill_bucket, fill_shared, materialize, shared_group
+from .hostbuf import HostShared
+from ..topology import agree
 
 __all__ = [
-    "param_metas", "iter_params", "iter_buckets", "state_dict_type", "hf_name",
+    "param_metas", "iter_params", "iter_buckets", "state_dict_type", "hf_name", "resolve",
     "STATE_DICT_TYPES", "WRAPPER_PREFIXES", "NON_WEIGHT_BUFFERS",
 ]
 
@@ -119,23 +119,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _align(n: int) -> int:
-    return (n + _bucket.ALIGNMENT - 1) // _bucket.ALIGNMENT * _bucket.ALIGNMENT
-
-
 # --------------------------------------------------------------------------- what is exported
-
-@dataclass(frozen=True)
-class _Pieces:
-    """A tensor held as contiguous pieces of its flattened form: group rank r holds ``counts[r]``
-    elements, and the pieces in group-rank order are the full tensor's elements in order (true of
-    dim-0 sharding and of FSDP1's flat parameters)."""
-
-    local: torch.Tensor          # this rank's piece (numel == counts[rank]; any shape)
-    counts: tuple[int, ...]      # elements per group rank
-    group: Any                   # the process group the pieces are gathered over
-    rank: int                    # this process's rank in ``group``
-
 
 @dataclass
 class _Item:
@@ -147,7 +131,7 @@ class _Item:
     is_param: bool
     full: torch.Tensor | None = None       # the whole tensor on this rank
     dtensor: Any = None                    # a DTensor gathered with full_tensor()
-    pieces: _Pieces | None = None          # gathered with one all-gather (alone or per bucket)
+    pieces: Pieces | None = None          # gathered with one all-gather (alone or per bucket)
     # FSDP1 flat-parameter layout (param_metas and the "local" type)
     unit: Any = None
     offset: int = 0
@@ -404,7 +388,7 @@ def _chunk_counts(rows: int, per_row: int, world: int) -> tuple[int, ...]:
     return tuple(max(0, min(c, rows - r * c)) * per_row for r in range(world))
 
 
-def _sharded_tensor_pieces(name: str, st: Any) -> _Pieces:
+def _sharded_tensor_pieces(name: str, st: Any) -> Pieces:
     md = st.metadata()
     shape = tuple(md.size)
     pg = st._process_group
@@ -431,10 +415,10 @@ def _sharded_tensor_pieces(name: str, st: Any) -> _Pieces:
     if local.numel() != counts[me]:
         raise ValueError(f"{name!r} (rank {_rank()}): local shard has {local.numel()} elements, "
                          f"the shard metadata says {counts[me]}")
-    return _Pieces(local, tuple(counts), pg, me)
+    return Pieces(local, tuple(counts), pg, me)
 
 
-def _flat_pieces(item: _Item, local: torch.Tensor, local_offset: int) -> _Pieces:
+def _flat_pieces(item: _Item, local: torch.Tensor, local_offset: int) -> Pieces:
     """The item's pieces inside an FSDP1 flat parameter sharded in equal padded chunks of ``L``."""
     unit = item.unit
     fp = unit._handle.flat_param
@@ -451,7 +435,7 @@ def _flat_pieces(item: _Item, local: torch.Tensor, local_offset: int) -> _Pieces
                          f"{local.numel()} elements at offset {local_offset} does not hold "
                          f"elements [{lo_hi[me][0]}, {lo_hi[me][0] + counts[me]}) of the flat "
                          f"parameter (shard size {length})")
-    return _Pieces(local[lo:lo + counts[me]], counts, pg, me)
+    return Pieces(local[lo:lo + counts[me]], counts, pg, me)
 
 
 def _fsdp1_items(module: nn.Module, units: list, kind: str) -> list[_Item]:
@@ -515,7 +499,7 @@ def _mesh_info(mesh: Any, cache: dict) -> tuple | None:
     return info
 
 
-def _dim0_pieces(item: _Item, cache: dict) -> _Pieces | None:
+def _dim0_pieces(item: _Item, cache: dict) -> Pieces | None:
     """The bucketed gather applies to a DTensor sharded ``Shard(0)`` on a 1-D mesh whose ranks
     are in group order (FSDP2's layout). Anything else is gathered with ``full_tensor()``."""
     from torch.distributed.tensor import Shard
@@ -534,11 +518,12 @@ def _dim0_pieces(item: _Item, cache: dict) -> _Pieces | None:
         raise ValueError(f"{item.name!r} (rank {_rank()}): a Shard(0) DTensor of shape "
                          f"{tuple(dt.shape)} on {world} ranks should hold {rows} rows here "
                          f"(torch.chunk split), got a local shard of shape {tuple(local.shape)}")
-    return _Pieces(local.detach(), counts, group, me)
+    return Pieces(local.detach(), counts, group, me)
 
 
-def _resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None) -> list[_Item]:
-    """Items with their data sources; any rank's failure is raised on every rank."""
+def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None) -> list[_Item]:
+    """Items with their data sources; any rank's failure is raised on every rank. Collective like
+    the streams; `reshard` builds its per-rank buckets from these items too."""
     _check_dtype(dtype)
     if fsdp1_state_dict not in STATE_DICT_TYPES:
         raise ValueError(f"fsdp1_state_dict must be one of {STATE_DICT_TYPES}, "
@@ -581,199 +566,6 @@ def _agree_group(dt: Any) -> Any:
     return dist.group.WORLD if mesh.size() == dist.get_world_size() else None
 
 
-# --------------------------------------------------------------------------- gathering
-
-def _all_gather(out: torch.Tensor | list, inp: torch.Tensor | list, group: Any) -> None:
-    """``out`` = every group rank's ``inp``, concatenated in rank order (equal sizes).
-
-    With lists, ``out[i]`` gathers ``inp[i]`` and the whole list is ONE coalesced collective
-    (``all_gather_single_coalesced`` through torch's coalescing fast path): the outputs may be
-    slices of a flat bucket, so nothing is packed before or unpacked after the gather."""
-    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the old name warns there
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    if not isinstance(out, list):
-        fn(out, inp, group=group)
-        return
-    if len(out) == 1 or _coalescing_manager is None:
-        for o, i in zip(out, inp):
-            fn(o, i, group=group)
-        return
-    with _coalescing_manager(group=group, async_ops=False):
-        for o, i in zip(out, inp):
-            fn(o, i, group=group)
-
-
-def _gather_pieces(p: _Pieces, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """One tensor from its pieces: cast locally, then one all-gather."""
-    world = len(p.counts)
-    numel = sum(p.counts)
-    local = p.local.reshape(-1)
-    if local.dtype != dtype:
-        local = local.to(dtype)
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype, device=local.device)
-    most = max(p.counts)
-    if all(c == most for c in p.counts):
-        out = torch.empty(numel, dtype=dtype, device=local.device)
-        _all_gather(out, local.contiguous(), p.group)
-        return out.view(shape)
-    send = torch.empty(most, dtype=dtype, device=local.device)
-    send[:p.counts[p.rank]].copy_(local)
-    recv = torch.empty(world * most, dtype=dtype, device=local.device)
-    _all_gather(recv, send, p.group)
-    out = torch.empty(numel, dtype=dtype, device=local.device)
-    pos = 0
-    for r, c in enumerate(p.counts):
-        out[pos:pos + c].copy_(recv[r * most:r * most + c])
-        pos += c
-    return out.view(shape)
-
-
-def _materialize(item: _Item, dtype: torch.dtype) -> torch.Tensor:
-    with torch.no_grad():
-        if item.full is not None:
-            t = item.full
-            return (t if t.dtype == dtype else t.to(dtype)).contiguous()
-        if item.dtensor is not None:
-            dt = item.dtensor.detach()
-            if dt.dtype != dtype:   # cast the local shard, then gather
-                from torch.distributed.tensor import DTensor
-                dt = DTensor.from_local(dt.to_local().to(dtype), dt.device_mesh, dt.placements,
-                                        run_check=False, shape=dt.shape, stride=dt.stride())
-            return dt.full_tensor().contiguous()
-        return _gather_pieces(item.pieces, item.shape, dtype)
-
-
-class _Scratch:
-    """Grow-only byte buffers reused across buckets (send and receive of the bucketed gather)."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def get(self, key: str, nbytes: int, device: torch.device) -> torch.Tensor:
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes]
-
-
-def _gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, _Pieces]],
-                     flat: torch.Tensor, scratch: _Scratch, dst: int | None = None) -> None:
-    """All pieces of one bucket over one group, in ONE collective either way. When every entry's
-    pieces are equal on every rank: one coalesced all-gather straight into the entries' places in
-    ``flat`` (no copies of ours; on 2 CPU ranks this took a 650 MB export from 1.37 s to 0.99 s).
-    Otherwise (uneven ``torch.chunk`` splits, flat-parameter padding): pack this rank's (cast)
-    pieces into one send buffer, every entry in a slot as wide as its largest rank's piece, one
-    all-gather, then copy each entry's rank pieces into place."""
-    world, me = len(pairs[0][1].counts), pairs[0][1].rank
-    for entry, p in pairs:
-        if len(p.counts) != world:
-            raise ValueError(f"{entry.name!r}: pieces over {len(p.counts)} ranks in a bucket "
-                             f"gathered over {world}")
-    # Equal pieces on every rank (the common case: FSDP2 Shard(0) of a dim divisible by the world):
-    # each rank's piece goes straight from its shard into the entry's place in the flat buffer.
-    def even(p: _Pieces) -> bool:
-        return all(c == p.counts[0] for c in p.counts)
-
-    if dst is not None:
-        _gather_to(dst, group, pairs, flat)
-        return
-    if all(even(p) for _, p in pairs):
-        outs, ins = [], []
-        for entry, p in pairs:
-            if not p.counts[0]:
-                continue
-            local = p.local.reshape(-1)
-            if local.dtype != entry.dtype:
-                local = local.to(entry.dtype)   # cast the shard: half the bytes on the wire for bf16
-            outs.append(flat[entry.start:entry.end].view(entry.dtype))
-            ins.append(local.contiguous())
-        if outs:
-            _all_gather(outs, ins, group)
-        return
-    slots, width = [], 0
-    for entry, p in pairs:
-        slots.append(width)
-        width = _align(width + max(p.counts) * entry.dtype.itemsize)
-    if width == 0:
-        return
-    device = pairs[0][1].local.device
-    send = scratch.get("send", width, device)
-    recv = scratch.get("recv", world * width, device)
-    for (entry, p), slot in zip(pairs, slots):
-        n = p.counts[me] * entry.dtype.itemsize
-        if n:   # copy_ casts: the pack is the cast
-            send[slot:slot + n].view(entry.dtype).view(p.local.shape).copy_(p.local)
-    _all_gather(recv, send, group)
-    rows = recv.view(world, width)
-    for (entry, p), slot in zip(pairs, slots):
-        item = entry.dtype.itemsize
-        first = p.counts[0]
-        if all(c == first for c in p.counts):
-            if first:
-                b = first * item
-                flat[entry.start:entry.end].view(world, b).copy_(rows[:, slot:slot + b])
-            continue
-        pos = entry.start
-        for r, c in enumerate(p.counts):
-            b = c * item
-            if b:
-                flat[pos:pos + b].copy_(rows[r, slot:slot + b])
-            pos += b
-
-
-def _gather_to(dst: int, group: Any, pairs: list[tuple[_bucket.BucketEntry, _Pieces]],
-               flat: torch.Tensor) -> None:
-    """Every rank's pieces of one bucket into ``flat`` on group rank ``dst`` only, with no buffer
-    of our own: each piece is sent (cast on the sender) straight into its place in ``flat``
-    (point to point, one message per entry and rank), ``dst`` copies its own. The other ranks
-    keep nothing, so only ``dst`` ever holds the bucket."""
-    me = pairs[0][1].rank
-    works, keep = [], []     # keep: what is on the wire stays alive until its wait
-    for i, (entry, p) in enumerate(pairs):
-        item = entry.dtype.itemsize
-        if me == dst:
-            off = entry.start
-            for r, c in enumerate(p.counts):
-                if c and r == me:
-                    flat[off:off + c * item].view(entry.dtype).copy_(p.local.reshape(-1))
-                elif c:
-                    works.append(dist.irecv(flat[off:off + c * item].view(entry.dtype), group=group,
-                                            group_src=r, tag=i))
-                off += c * item
-        elif p.counts[me]:
-            local = p.local.reshape(-1)
-            if local.dtype != entry.dtype:
-                local = local.to(entry.dtype)
-            keep.append(local.contiguous())
-            works.append(dist.isend(keep[-1], group=group, group_dst=dst, tag=i))
-    for w in works:
-        w.wait()
-
-
-def _fill(bkt: _bucket.Bucket, items: list[_Item], flat: torch.Tensor, scratch: _Scratch,
-          dst: int | None = None) -> None:
-    pending: dict[int, tuple[Any, list]] = {}
-    prev = 0
-    with torch.no_grad():
-        for entry, it in zip(bkt.entries, items):
-            if entry.start > prev:
-                flat[prev:entry.start].zero_()
-            prev = entry.end
-            if it.pieces is not None:
-                pending.setdefault(id(it.pieces.group), (it.pieces.group, []))[1].append(
-                    (entry, it.pieces))
-            elif it.full is not None:   # one copy, cast included
-                flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(it.full)
-            else:
-                t = _materialize(it, entry.dtype)
-                flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(t)
-        if bkt.nbytes > prev:
-            flat[prev:bkt.nbytes].zero_()
-        for group, pairs in pending.values():
-            _gather_bucketed(group, pairs, flat, scratch, dst)
-
-
 # --------------------------------------------------------------------------- public streams
 
 def iter_params(module: nn.Module, *, dtype: torch.dtype | None = None,
@@ -785,13 +577,13 @@ def iter_params(module: nn.Module, *, dtype: torch.dtype | None = None,
     without a cast, may be the module's own storage (detached): copy it before changing the module.
     ``names``: only these tensors are gathered and yielded (every rank must pass the same set).
     """
-    items = _resolve(module, fsdp1_state_dict, dtype)
+    items = resolve(module, fsdp1_state_dict, dtype)
     for i, it in enumerate(items):
         if names is not None and it.name not in names:
             items[i] = None
             it.drop()
             continue
-        out = _materialize(it, it.out_dtype(dtype))
+        out = materialize(it, it.out_dtype(dtype))
         items[i] = None           # the stream keeps nothing of what it has yielded
         it.drop()
         name = it.name
@@ -828,7 +620,7 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
     other ranks it holds only what was local (replicated tensors), not the model. Tensors that
     cannot be gathered by pieces (``full_tensor()``) still arrive on every rank.
     """
-    items = _resolve(module, fsdp1_state_dict, dtype)
+    items = resolve(module, fsdp1_state_dict, dtype)
     metas = [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in items]
     if plan is None:
         plan = _bucket.plan_buckets(metas, bucket_bytes)
@@ -837,16 +629,17 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
         if planned != [(m.name, m.dtype, m.shape) for m in metas]:
             raise ValueError(f"the given plan does not cover this module's {len(metas)} exported "
                              f"tensors in export order (name, rollout dtype, shape)")
-    host = _HostBucket.create(items, max((b.nbytes for b in plan), default=0)) \
-        if share_host_memory and dst is None else None
-    scratch = _Scratch()
+    group = shared_group(items) if share_host_memory and dst is None else None
+    host = HostShared.create(group, 1, max((b.nbytes for b in plan), default=0)) \
+        if group is not None else None
+    scratch = Scratch()
     start = 0
     for bkt in plan:
         chunk = items[start:start + len(bkt.entries)]
         items[start:start + len(bkt.entries)] = [None] * len(chunk)
         start += len(bkt.entries)
         if host is not None:
-            flat = host.fill(bkt, chunk)
+            flat = fill_shared(host, bkt, chunk)
         else:
             flat = alloc(bkt.nbytes)
             if (not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1
@@ -854,102 +647,9 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
                 raise ValueError(f"alloc({bkt.nbytes}) must return a 1-D uint8 tensor of at least "
                                  f"{bkt.nbytes} bytes, got {getattr(flat, 'dtype', type(flat))} "
                                  f"{tuple(getattr(flat, 'shape', ()))}")
-            _fill(bkt, chunk, flat, scratch, dst)
+            fill_bucket(bkt, chunk, flat, scratch, dst)
         for it in chunk:
             it.drop()
         del chunk
         yield bkt, flat
         del flat
-
-
-class _HostBucket:
-    """One shared-memory buffer mapped by every rank of a gather group on one host.
-
-    Group rank 0 allocates it and scatters one handle payload to each other rank (one per opener,
-    so the segment's reference count stays balanced); each rank writes only its own pieces of each
-    tensor (for even dim-0 shards: bytes ``[start + r * piece, start + (r + 1) * piece)``), so a
-    bucket costs every rank one copy of its shard instead of an all-gather of the whole bucket."""
-
-    def __init__(self, group: Any, buf: torch.Tensor) -> None:
-        self.group, self.buf = group, buf
-        self.me = dist.get_rank(group)
-
-    @staticmethod
-    def eligible(items: list[_Item]) -> Any:
-        """The items' one gather group if the shared path applies, else None (same answer on
-        every rank: the items and their piece counts are the same everywhere)."""
-        groups = {id(it.pieces.group): it.pieces.group for it in items if it.pieces is not None}
-        if len(groups) != 1:
-            return None
-        for it in items:
-            p = it.pieces
-            if p is None:
-                if it.full is None:
-                    return None          # a DTensor that needs full_tensor(): not this path
-                if it.full.device.type != "cpu":
-                    return None
-                continue
-            if p.local.device.type != "cpu" or any(c != p.counts[0] for c in p.counts):
-                return None
-        return next(iter(groups.values()))
-
-    @classmethod
-    def create(cls, items: list[_Item], nbytes: int) -> "_HostBucket | None":
-        group = cls.eligible(items)
-        if group is None or nbytes == 0:
-            return None
-        world = dist.get_world_size(group)
-        if world == 1:
-            return None
-        keys: list = [None] * world
-        dist.all_gather_object(keys, _host_key(), group=group)
-        if any(k != keys[0] for k in keys):
-            return None                  # ranks on several hosts: gather instead
-        me = dist.get_rank(group)
-        src = dist.get_global_rank(group, 0)
-        out: list = [None]
-        if me == 0:
-            buf = _handles.empty_shared(nbytes)
-            sets = _handles.make_payloads(buf, world, ranks=list(range(1, world)), tagged=False)
-            dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
-            dist.barrier(group=group)    # every rank has opened it: the payloads may go
-            sets.release(require_ack=False)
-        else:
-            dist.scatter_object_list(out, None, src=src, group=group)
-            buf = _handles.open_payload(out[0]).value
-            _handles.adopt(buf)          # re-sharing it with the engine needs no copy
-            dist.barrier(group=group)
-        return cls(group, buf)
-
-    def fill(self, bkt: _bucket.Bucket, items: list[_Item]) -> torch.Tensor:
-        flat = self.buf[:bkt.nbytes]
-        dist.barrier(group=self.group)   # nobody still reads the previous bucket's bytes
-        with torch.no_grad():
-            prev = 0
-            for entry, it in zip(bkt.entries, items):
-                if self.me == 0 and entry.start > prev:
-                    flat[prev:entry.start].zero_()
-                prev = entry.end
-                p = it.pieces
-                if p is None:
-                    if self.me == 0:     # replicated on every rank: rank 0 writes it
-                        flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(it.full)
-                    continue
-                n = p.counts[self.me] * entry.dtype.itemsize
-                if n:                    # copy_ casts: the shard is cast on its way in
-                    lo = entry.start + self.me * n
-                    flat[lo:lo + n].view(entry.dtype).copy_(p.local.reshape(-1))
-            if self.me == 0 and bkt.nbytes > prev:
-                flat[prev:bkt.nbytes].zero_()
-        dist.barrier(group=self.group)   # every rank's pieces are in
-        return flat
-
-
-def _host_key() -> str:
-    """This host, as the ranks sharing memory must agree on it."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"

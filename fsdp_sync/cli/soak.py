@@ -76,12 +76,12 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
     import torch
     import torch.distributed as dist
 
-    from .config import SyncConfig
-    from .engines import ReferenceEngine
-    from .manager import FSDPShardingManager
-    from .memory import empty_cache
-    from .models import build_model, load_config
-    from .topology import make_mesh
+    from ..config import SyncConfig
+    from ..engines import ReferenceEngine
+    from ..manager import FSDPShardingManager
+    from ..memory import empty_cache
+    from ..models import build_model, load_config
+    from ..topology import make_mesh
     from .trainer import synthetic_batch, train_step, wrap_fsdp
 
     torch.set_num_threads(1)
@@ -245,7 +245,7 @@ def run_soak(syncs: int, methods=METHODS, every: int | None = None, warmup: int 
 def add_soak_parser(sub) -> None:
     import argparse
 
-    from . import cliargs as ca
+    from . import args as ca
 
     p = sub.add_parser(
         "soak", help="many syncs per method with training between them; resources must not grow",

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import cliargs as ca
+from . import args as ca
 
 __all__ = ["main", "build_parser", "parse_args"]
 
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Weight sync from FSDP trainers to rollout engines: demo and benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
-    from .bench import add_bench_parser
+    from .bench.main import add_bench_parser
 
     add_bench_parser(sub)
     from .serve import add_serve_parser
@@ -149,12 +149,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# what each subcommand imports beyond the library: the ``cli`` extra (pyproject.toml) installs them
+_RICH_COMMANDS = ("demo", "bench", "faults", "soak")
+
+
+def missing_dependency(args: argparse.Namespace) -> str | None:
+    """One line saying which package of the ``cli`` extra this command needs and how to install
+    it, or None when every package it will import is there."""
+    import importlib.util
+
+    needs = []
+    if args.command in _RICH_COMMANDS:
+        needs.append("rich")
+    if getattr(args, "plot", None) or getattr(args, "png", None):
+        needs.append("matplotlib")
+    missing = [n for n in needs if importlib.util.find_spec(n) is None]
+    if not missing:
+        return None
+    return (f"fsdp-sync {args.command}: needs {' and '.join(missing)}, which the library does not "
+            f"install; install the command's extra: pip install 'fsdp_sync[cli]'")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    missing = missing_dependency(args)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     if args.command == "demo":
         return _cmd_demo(args)
     if args.command == "bench":
-        from .bench import cmd_bench
+        from .bench.main import cmd_bench
 
         return cmd_bench(args)
     if getattr(args, "run", None) is not None:   # faults, soak: the subcommand's own runner

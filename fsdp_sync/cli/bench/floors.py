@@ -1,0 +1,169 @@
+"""The floors a bench row is judged against, measured in the same job on the same groups, and the
+row's layout figures: what any sync of these bytes must at least cost (a bare all-gather, a bare
+all-to-all, the copies), each the median of repeats after a warm-up.
+
+Collective: every trainer rank calls each function. Not here: the sync itself or the rows (`main`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["median_seconds", "floor_seconds", "copy_seconds", "floor_shared_seconds",
+           "floor_all_to_all_seconds", "layout_figures"]
+
+
+def median_seconds(body: Callable[[], None], dev: str, repeats: int) -> float:
+    """Median wall time of ``body`` over ``repeats`` runs after one warm-up run (not counted): the
+    ranks start each run together (a barrier) and a run ends when the device is done with it."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        body()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, repeats: int) -> float:
+    """A bare all-gather of ``total_bytes`` over the world in bucket-sized pieces, plus one copy of
+    a TP rank's shard (``total_bytes / tp``): what any sync must at least do."""
+    import torch.distributed as dist
+
+    from ...weights.gather import all_gather
+
+    world = dist.get_world_size()
+    dev = "cuda" if device == "cuda" else "cpu"
+    piece = min(bucket_bytes, total_bytes)
+    per_rank = (piece + world - 1) // world
+    send = torch.empty(per_rank, dtype=torch.uint8, device=dev)
+    recv = torch.empty(per_rank * world, dtype=torch.uint8, device=dev)
+    shard = total_bytes // tp
+    src = torch.empty(shard, dtype=torch.uint8, device=dev)
+    dst = torch.empty(shard, dtype=torch.uint8, device=dev)
+    src.fill_(1)
+    dst.fill_(0)  # touch the pages once, as a loaded engine's weights are
+
+    def body() -> None:
+        left = total_bytes
+        while left > 0:
+            all_gather(recv, send, None)       # the sync's own gather call (no deprecation warning)
+            left -= piece
+        dst.copy_(src)
+
+    return median_seconds(body, dev, repeats)
+
+
+def copy_seconds(nbytes: int, device: str, repeats: int) -> float:
+    """One copy of ``nbytes`` on rank 0's device (device to device on CUDA, a memcpy on CPU), on
+    pre-touched memory, the other ranks idle: the least that moving these bytes once costs.
+    Collective (every rank calls it); the figure is rank 0's."""
+    import torch.distributed as dist
+
+    dev = "cuda" if device == "cuda" else "cpu"
+    pair = None
+    if dist.get_rank() == 0:
+        pair = (torch.ones(nbytes, dtype=torch.uint8, device=dev), torch.zeros(nbytes, dtype=torch.uint8, device=dev))
+
+    def body() -> None:
+        if pair is not None:
+            pair[1].copy_(pair[0])
+
+    try:
+        return median_seconds(body, dev, repeats)
+    finally:
+        del pair
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
+                          shard: int | None = None) -> float:
+    """The floor of a sync that shares host memory instead of all-gathering: every rank copies its
+    shard (``total_bytes / world``) once, then one copy of a TP rank's shard (``shard``, default
+    ``total_bytes / tp``; the engine layout's own shard bytes when known).
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    dev = "cuda" if device == "cuda" else "cpu"
+    mine = torch.ones(total_bytes // world, dtype=torch.uint8, device=dev)
+    into = torch.zeros_like(mine)
+    src = torch.ones(shard if shard is not None else total_bytes // tp, dtype=torch.uint8, device=dev)
+    dst = torch.zeros_like(src)
+
+    def body() -> None:
+        into.copy_(mine)
+        dist.barrier()
+        dst.copy_(src)
+
+    return median_seconds(body, dev, repeats)
+
+
+def floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, device: str,
+                              repeats: int, total_bytes: int = 0) -> float:
+    """The floor of the cross-host per-rank path: the one-host floor's copies (every rank copies
+    its own FSDP shard, ``total_bytes / world``, once: the part it keeps into the engine rank's
+    buffer, the rest into what it sends; then one copy of an engine rank's shard, the engine's
+    load) plus bare ``all_to_all_single`` exchanges in which every rank receives ``bytes_in``
+    bytes (the most any trainer rank received in the sync), in bucket-sized pieces."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    dev = "cuda" if device == "cuda" else "cpu"
+    per_peer = max(1, min(bucket_bytes, max(bytes_in, 1)) // max(world - 1, 1))
+    n = max(1, -(-bytes_in // (per_peer * max(world - 1, 1))))
+    sizes = [0 if r == dist.get_rank() else per_peer for r in range(world)]
+    send = torch.ones(sum(sizes), dtype=torch.uint8, device=dev)
+    recv = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+    mine = torch.ones(max(total_bytes // world, 1), dtype=torch.uint8, device=dev)
+    into = torch.zeros_like(mine)
+    src = torch.ones(shard, dtype=torch.uint8, device=dev)
+    dst = torch.zeros_like(src)
+
+    def body() -> None:
+        into.copy_(mine)
+        for _ in range(n):
+            dist.all_to_all_single(recv, send, sizes, sizes)
+        dst.copy_(src)
+
+    return median_seconds(body, dev, repeats)
+
+
+def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> dict:
+    """The row's layout fields (collective: every rank calls it): ``engine_rank_bytes_in`` (what
+    one engine rank was handed: its per-rank buffers, or every full bucket), ``engine_rank_shard_bytes``
+    (its own shard in the engine layout), ``trainer_rank_bytes_in`` (the most any trainer rank
+    received: the all-to-all's bytes, or the all-gather's: each rank receives the others' shards;
+    0 on the one-host path)."""
+    import torch.distributed as dist
+
+    from ...weights.export import param_metas
+    from ...weights.layout import layout_for
+
+    dtype = getattr(torch, job.dtype)
+    model_bytes = sum(m.nbytes for m in param_metas(model, dtype))
+    extra = dict(stats.extra)
+    layout = extra.get("layout", "full")
+    shard = layout_for(cfg, job.tp).engine_bytes(dtype.itemsize)
+    world = dist.get_world_size()
+    if layout == "engine":
+        engine_in = int(extra["engine_rank_bytes_in"])
+        mine = int(extra.get("trainer_rank_bytes_in", 0))
+    else:
+        engine_in = int(stats.bytes)
+        mine = 0 if share else model_bytes - model_bytes // world   # the all-gather's share
+    t = torch.tensor([mine], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {"layout": layout, "pipelined": bool(extra.get("pipelined", False)), "engine_rank_bytes_in": engine_in,
+            "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": int(t.item()),
+            "reshard_path": extra.get("reshard_path"), "share_host_memory": share,
+            "model_bytes": model_bytes}

@@ -1,0 +1,90 @@
+"""The targets of the ``targets`` preset (speed-up over the per-tensor baseline, ratio to the floor,
+peak extra memory over the budget, per-rank bytes), computed from a bench run's rows.
+
+Pure: rows in, a dict of figures and ``met`` flags out. Not here: measuring the rows (`main`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["check_targets"]
+
+
+def check_targets(rows: list[dict]) -> dict:
+    """The three targets of the ``targets`` preset, computed from its rows (plus the distributed
+    method's own, under ``"distributed"``, when its rows are there)."""
+    dist_rows = [r for r in rows if r.get("strategy") == "distributed:flattened_bucket"]
+    out = _check_tensor_targets([r for r in rows if r.get("method", "tensor") == "tensor"])
+    if dist_rows:
+        r = min(dist_rows, key=lambda x: x["seconds"])
+        speed = r["baseline_seconds"] / r["seconds"] if r["baseline_seconds"] else None
+        d = {"row": {k: r.get(k) for k in ("strategy", "bucket_bytes", "seconds", "floor_seconds",
+                                           "baseline_seconds", "peak_extra_bytes", "memory_budget_bytes")},
+             "speedup_vs_per_tensor": speed, "ratio_to_floor": r["seconds"] / r["floor_seconds"],
+             "peak_extra_over_budget": r["peak_extra_bytes"] / r["memory_budget_bytes"]}
+        d["met"] = {"speedup": speed is not None and speed >= 3.0, "floor": d["ratio_to_floor"] <= 1.3,
+                    "memory": d["peak_extra_over_budget"] <= 1.0}
+        out["distributed"] = d
+    lay = _check_layout_targets([r for r in rows if r.get("method", "tensor") == "tensor"])
+    if lay:
+        out["layout"] = lay
+    per_rank = [r for r in rows if r.get("strategy") == "distributed:per_rank_bucket"]
+    if per_rank:     # the distributed method's per-rank rows: bytes into each engine rank
+        worst = max(r["engine_rank_bytes_in"] / r["engine_rank_shard_bytes"] for r in per_rank)
+        out["distributed_layout"] = {"engine_in_over_shard": worst, "met": {"engine_bytes": worst <= 1.05}}
+    return out
+
+
+def _check_layout_targets(rows: list[dict]) -> dict:
+    """Per-rank bucket targets: bytes into an engine rank <= 1.05 x its shard; the one-host path
+    <= 1.5 x its floor; the all-to-all path <= 1.05 x its floor, with the bytes a trainer rank
+    receives beside the full layout's all-gather (about 1/TP of it). Per path the fastest engine
+    row is judged (pipelined or not: the configuration a user would pick)."""
+    out = {}
+    best: dict = {}
+    full = {r.get("share_host_memory"): r for r in rows
+            if r["strategy"] == "flattened" and r.get("layout") == "full"}
+    for r in rows:
+        if r["strategy"] != "flattened" or r.get("layout") != "engine":
+            continue
+        shared = bool(r.get("share_host_memory"))
+        floor = r["floor_shared_seconds"] if shared else r["floor_seconds"]
+        if shared in best and best[shared] <= r["seconds"] / floor:
+            continue
+        best[shared] = r["seconds"] / floor
+        d = {"pipelined": r.get("pipelined"),
+             "engine_in_over_shard": r["engine_rank_bytes_in"] / r["engine_rank_shard_bytes"],
+             "ratio_to_floor": r["seconds"] / floor}
+        met = {"engine_bytes": d["engine_in_over_shard"] <= 1.05,
+               "floor": d["ratio_to_floor"] <= (1.5 if shared else 1.05)}
+        f = full.get(r.get("share_host_memory"))
+        if not shared and f and f.get("trainer_rank_bytes_in"):
+            d["trainer_in_vs_full"] = r["trainer_rank_bytes_in"] / f["trainer_rank_bytes_in"]
+        if f:
+            d["seconds_vs_full"] = r["seconds"] / f["seconds"]
+        d["met"] = met
+        out["one-host" if shared else "all-to-all"] = d
+    return out
+
+
+def _check_tensor_targets(rows: list[dict]) -> dict:
+    flat = [r for r in rows if r["strategy"] == "flattened"]
+    if not flat:
+        return {"met": False, "why": "no flattened row"}
+    r = min(flat, key=lambda x: x["seconds"])   # the configuration a user would pick
+    speedup = r["baseline_seconds"] / r["seconds"] if r["baseline_seconds"] else None
+    ratio = r["seconds"] / r["floor_seconds"]
+    shared_ratio = r["seconds"] / r["floor_shared_seconds"] if r.get("share_host_memory") else None
+    mem_ratio = r["peak_extra_bytes"] / r["memory_budget_bytes"]
+    out = {
+        "row": {k: r.get(k) for k in ("strategy", "model", "bucket_bytes", "share_host_memory", "seconds",
+                                      "floor_seconds", "floor_shared_seconds", "baseline_seconds",
+                                      "peak_extra_bytes", "memory_budget_bytes")},
+        "speedup_vs_per_tensor": speedup, "target_speedup": 3.0,
+        "ratio_to_floor": ratio, "target_ratio_to_floor": 1.3,
+        "ratio_to_shared_floor": shared_ratio,
+        "peak_extra_over_budget": mem_ratio, "target_peak_extra_over_budget": 1.0,
+    }
+    out["met"] = {"speedup": speedup is not None and speedup >= 3.0, "floor": ratio <= 1.3,
+                  "memory": mem_ratio <= 1.0}
+    out["all_met"] = all(out["met"].values())
+    return out

@@ -1,0 +1,293 @@
+"""Gather: the pieces of sharded tensors -> full tensors, or straight into a flat bucket buffer.
+
+`Pieces` is how `export` describes a sharded tensor (this rank's contiguous piece of its
+flattened form, and every group rank's count); the functions here do the collectives:
+
+- `materialize(item, dtype)`: one full tensor (cast on the local shard, then one all-gather, or
+  ``full_tensor()`` for a DTensor whose placement has no pieces).
+- `fill_bucket(bkt, items, flat, scratch, dst)`: every tensor of one bucket into its place in
+  ``flat``, with ONE collective per gather group (a coalesced all-gather, a packed all-gather for
+  uneven pieces, or point-to-point sends to ``dst``).
+- `fill_shared(host, bkt, items)`: the same bucket without a gather, through one host-shared
+  buffer (`hostbuf.HostShared`) that every rank of the group writes its own pieces into.
+
+Not here: what is exported or in which order (`export`), planning (`bucket`), handles (`handles`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:  # the coalescing fast path (one all_gather_single_coalesced for many tensors)
+    from torch.distributed.distributed_c10d import _coalescing_manager
+except ImportError:  # pragma: no cover - older torch: one gather per tensor instead
+    _coalescing_manager = None
+
+from . import bucket as _bucket
+from .hostbuf import HostShared
+
+__all__ = ["Pieces", "all_gather", "gather_pieces", "materialize", "Scratch", "fill_bucket",
+           "shared_group", "fill_shared"]
+
+
+def _align(n: int) -> int:
+    return (n + _bucket.ALIGNMENT - 1) // _bucket.ALIGNMENT * _bucket.ALIGNMENT
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A tensor held as contiguous pieces of its flattened form: group rank r holds ``counts[r]``
+    elements, and the pieces in group-rank order are the full tensor's elements in order (true of
+    dim-0 sharding and of FSDP1's flat parameters)."""
+
+    local: torch.Tensor          # this rank's piece (numel == counts[rank]; any shape)
+    counts: tuple[int, ...]      # elements per group rank
+    group: Any                   # the process group the pieces are gathered over
+    rank: int                    # this process's rank in ``group``
+
+
+def all_gather(out: torch.Tensor | list, inp: torch.Tensor | list, group: Any) -> None:
+    """``out`` = every group rank's ``inp``, concatenated in rank order (equal sizes).
+
+    With lists, ``out[i]`` gathers ``inp[i]`` and the whole list is ONE coalesced collective
+    (``all_gather_single_coalesced`` through torch's coalescing fast path): the outputs may be
+    slices of a flat bucket, so nothing is packed before or unpacked after the gather."""
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the old name warns there
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if not isinstance(out, list):
+        fn(out, inp, group=group)
+        return
+    if len(out) == 1 or _coalescing_manager is None:
+        for o, i in zip(out, inp):
+            fn(o, i, group=group)
+        return
+    with _coalescing_manager(group=group, async_ops=False):
+        for o, i in zip(out, inp):
+            fn(o, i, group=group)
+
+
+def gather_pieces(p: Pieces, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """One tensor from its pieces: cast locally, then one all-gather."""
+    world = len(p.counts)
+    numel = sum(p.counts)
+    local = p.local.reshape(-1)
+    if local.dtype != dtype:
+        local = local.to(dtype)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype, device=local.device)
+    most = max(p.counts)
+    if all(c == most for c in p.counts):
+        out = torch.empty(numel, dtype=dtype, device=local.device)
+        all_gather(out, local.contiguous(), p.group)
+        return out.view(shape)
+    send = torch.empty(most, dtype=dtype, device=local.device)
+    send[:p.counts[p.rank]].copy_(local)
+    recv = torch.empty(world * most, dtype=dtype, device=local.device)
+    all_gather(recv, send, p.group)
+    out = torch.empty(numel, dtype=dtype, device=local.device)
+    pos = 0
+    for r, c in enumerate(p.counts):
+        out[pos:pos + c].copy_(recv[r * most:r * most + c])
+        pos += c
+    return out.view(shape)
+
+
+def materialize(item: Any, dtype: torch.dtype) -> torch.Tensor:
+    with torch.no_grad():
+        if item.full is not None:
+            t = item.full
+            return (t if t.dtype == dtype else t.to(dtype)).contiguous()
+        if item.dtensor is not None:
+            dt = item.dtensor.detach()
+            if dt.dtype != dtype:   # cast the local shard, then gather
+                from torch.distributed.tensor import DTensor
+                dt = DTensor.from_local(dt.to_local().to(dtype), dt.device_mesh, dt.placements,
+                                        run_check=False, shape=dt.shape, stride=dt.stride())
+            return dt.full_tensor().contiguous()
+        return gather_pieces(item.pieces, item.shape, dtype)
+
+
+class Scratch:
+    """Grow-only byte buffers reused across buckets (send and receive of the bucketed gather)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+
+def gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
+                    flat: torch.Tensor, scratch: Scratch, dst: int | None = None) -> None:
+    """All pieces of one bucket over one group, in ONE collective either way. When every entry's
+    pieces are equal on every rank: one coalesced all-gather straight into the entries' places in
+    ``flat`` (no copies of ours; on 2 CPU ranks this took a 650 MB export from 1.37 s to 0.99 s).
+    Otherwise (uneven ``torch.chunk`` splits, flat-parameter padding): pack this rank's (cast)
+    pieces into one send buffer, every entry in a slot as wide as its largest rank's piece, one
+    all-gather, then copy each entry's rank pieces into place."""
+    world, me = len(pairs[0][1].counts), pairs[0][1].rank
+    for entry, p in pairs:
+        if len(p.counts) != world:
+            raise ValueError(f"{entry.name!r}: pieces over {len(p.counts)} ranks in a bucket "
+                             f"gathered over {world}")
+    # Equal pieces on every rank (the common case: FSDP2 Shard(0) of a dim divisible by the world):
+    # each rank's piece goes straight from its shard into the entry's place in the flat buffer.
+    def even(p: Pieces) -> bool:
+        return all(c == p.counts[0] for c in p.counts)
+
+    if dst is not None:
+        _gather_to(dst, group, pairs, flat)
+        return
+    if all(even(p) for _, p in pairs):
+        outs, ins = [], []
+        for entry, p in pairs:
+            if not p.counts[0]:
+                continue
+            local = p.local.reshape(-1)
+            if local.dtype != entry.dtype:
+                local = local.to(entry.dtype)   # cast the shard: half the bytes on the wire for bf16
+            outs.append(flat[entry.start:entry.end].view(entry.dtype))
+            ins.append(local.contiguous())
+        if outs:
+            all_gather(outs, ins, group)
+        return
+    slots, width = [], 0
+    for entry, p in pairs:
+        slots.append(width)
+        width = _align(width + max(p.counts) * entry.dtype.itemsize)
+    if width == 0:
+        return
+    device = pairs[0][1].local.device
+    send = scratch.get("send", width, device)
+    recv = scratch.get("recv", world * width, device)
+    for (entry, p), slot in zip(pairs, slots):
+        n = p.counts[me] * entry.dtype.itemsize
+        if n:   # copy_ casts: the pack is the cast
+            send[slot:slot + n].view(entry.dtype).view(p.local.shape).copy_(p.local)
+    all_gather(recv, send, group)
+    rows = recv.view(world, width)
+    for (entry, p), slot in zip(pairs, slots):
+        item = entry.dtype.itemsize
+        first = p.counts[0]
+        if all(c == first for c in p.counts):
+            if first:
+                b = first * item
+                flat[entry.start:entry.end].view(world, b).copy_(rows[:, slot:slot + b])
+            continue
+        pos = entry.start
+        for r, c in enumerate(p.counts):
+            b = c * item
+            if b:
+                flat[pos:pos + b].copy_(rows[r, slot:slot + b])
+            pos += b
+
+
+def _gather_to(dst: int, group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
+               flat: torch.Tensor) -> None:
+    """Every rank's pieces of one bucket into ``flat`` on group rank ``dst`` only, with no buffer
+    of our own: each piece is sent (cast on the sender) straight into its place in ``flat``
+    (point to point, one message per entry and rank), ``dst`` copies its own. The other ranks
+    keep nothing, so only ``dst`` ever holds the bucket."""
+    me = pairs[0][1].rank
+    works, keep = [], []     # keep: what is on the wire stays alive until its wait
+    for i, (entry, p) in enumerate(pairs):
+        item = entry.dtype.itemsize
+        if me == dst:
+            off = entry.start
+            for r, c in enumerate(p.counts):
+                if c and r == me:
+                    flat[off:off + c * item].view(entry.dtype).copy_(p.local.reshape(-1))
+                elif c:
+                    works.append(dist.irecv(flat[off:off + c * item].view(entry.dtype), group=group,
+                                            group_src=r, tag=i))
+                off += c * item
+        elif p.counts[me]:
+            local = p.local.reshape(-1)
+            if local.dtype != entry.dtype:
+                local = local.to(entry.dtype)
+            keep.append(local.contiguous())
+            works.append(dist.isend(keep[-1], group=group, group_dst=dst, tag=i))
+    for w in works:
+        w.wait()
+
+
+def fill_bucket(bkt: _bucket.Bucket, items: list, flat: torch.Tensor, scratch: Scratch,
+          dst: int | None = None) -> None:
+    pending: dict[int, tuple[Any, list]] = {}
+    prev = 0
+    with torch.no_grad():
+        for entry, it in zip(bkt.entries, items):
+            if entry.start > prev:
+                flat[prev:entry.start].zero_()
+            prev = entry.end
+            if it.pieces is not None:
+                pending.setdefault(id(it.pieces.group), (it.pieces.group, []))[1].append(
+                    (entry, it.pieces))
+            elif it.full is not None:   # one copy, cast included
+                flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(it.full)
+            else:
+                t = materialize(it, entry.dtype)
+                flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(t)
+        if bkt.nbytes > prev:
+            flat[prev:bkt.nbytes].zero_()
+        for group, pairs in pending.values():
+            gather_bucketed(group, pairs, flat, scratch, dst)
+
+
+# --------------------------------------------------------------------------- one host, no gather
+
+def shared_group(items: list) -> Any:
+    """The items' one gather group if `fill_shared` applies to them (every item an evenly sharded
+    or replicated CPU tensor of that one group), else None (same answer on
+    every rank: the items and their piece counts are the same everywhere)."""
+    groups = {id(it.pieces.group): it.pieces.group for it in items if it.pieces is not None}
+    if len(groups) != 1:
+        return None
+    for it in items:
+        p = it.pieces
+        if p is None:
+            if it.full is None:
+                return None          # a DTensor that needs full_tensor(): not this path
+            if it.full.device.type != "cpu":
+                return None
+            continue
+        if p.local.device.type != "cpu" or any(c != p.counts[0] for c in p.counts):
+            return None
+    return next(iter(groups.values()))
+
+
+def fill_shared(host: HostShared, bkt: _bucket.Bucket, items: list) -> torch.Tensor:
+    """Bucket ``bkt`` in ``host``'s one buffer (a view valid until the next bucket): each rank
+    writes only its own pieces of each tensor (for even dim-0 shards: bytes
+    ``[start + r * piece, start + (r + 1) * piece)``), group rank 0 the replicated tensors and the
+    padding, so a bucket costs every rank one copy of its shard instead of an all-gather."""
+    flat = host.bufs[0][:bkt.nbytes]
+    me = host.me
+
+    def write() -> None:
+        prev = 0
+        for entry, it in zip(bkt.entries, items):
+            if me == 0 and entry.start > prev:
+                flat[prev:entry.start].zero_()
+            prev = entry.end
+            p = it.pieces
+            if p is None:
+                if me == 0:         # replicated on every rank: rank 0 writes it
+                    flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(it.full)
+                continue
+            n = p.counts[me] * entry.dtype.itemsize
+            if n:                # copy_ casts: the shard is cast on its way in
+                lo = entry.start + me * n
+                flat[lo:lo + n].view(entry.dtype).copy_(p.local.reshape(-1))
+        if me == 0 and bkt.nbytes > prev:
+            flat[prev:bkt.nbytes].zero_()
+
+    host.fill(write)
+    return flat

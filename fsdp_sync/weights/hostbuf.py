@@ -1,0 +1,99 @@
+"""Host-shared buffers: shared-memory buffers that every rank of a process group on one host maps.
+
+`HostShared.create(group, count, nbytes)` makes ``count`` buffers of ``nbytes`` each: group rank 0
+allocates them (`handles.empty_shared`) and scatters one handle payload to each other rank (one
+per opener, so each segment's reference count stays balanced); every rank then holds the same
+memory (``bufs``), adopted so that re-sharing a buffer with an engine needs no copy. `fill` runs one
+rank's writes between the group's two barriers (nobody still reads the previous bytes; every
+rank's bytes are in).
+
+Two users: `gather.fill_shared` (one buffer per group: a full bucket, each rank writing its own
+shards) and `reshard` (one buffer per engine TP rank, times the pipelining depth). `create`
+returns None, on every rank alike, where the path does not apply (one rank, nothing to share, ranks
+on several hosts, or rank 0 cannot make shared memory): the caller then gathers instead.
+
+Not here: what is written into the buffers (`gather`, `reshard`) or how they reach an engine
+(`handles`, the transports).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import handles as _handles
+
+__all__ = ["HostShared", "host_key"]
+
+_log = logging.getLogger("fsdp_sync")
+
+
+def host_key() -> str:
+    """This host, as the ranks sharing memory must agree on it (host name and boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class HostShared:
+    """``count`` shared-memory buffers mapped by every rank of ``group`` (see the module)."""
+
+    def __init__(self, group: Any, me: int, bufs: list[torch.Tensor]) -> None:
+        self.group, self.me, self.bufs = group, me, bufs
+
+    @classmethod
+    def create(cls, group: Any, count: int, nbytes: int) -> "HostShared | None":
+        """Collective over ``group``: the buffers, or None on every rank when the path does not
+        apply (see the module)."""
+        if nbytes == 0 or count < 1:
+            return None
+        world = dist.get_world_size(group)
+        if world == 1:
+            return None
+        keys: list = [None] * world
+        dist.all_gather_object(keys, host_key(), group=group)
+        if any(k != keys[0] for k in keys):
+            return None                      # several hosts: the caller gathers instead
+        me = dist.get_rank(group)
+        src = dist.get_global_rank(group, 0)
+        out: list = [None]
+        if me == 0:
+            try:
+                bufs = [_handles.empty_shared(nbytes) for _ in range(count)]
+                sets = _handles.make_payloads(bufs, world, ranks=list(range(1, world)), tagged=False)
+            except Exception as exc:  # noqa: BLE001 - e.g. torch_shm_manager cannot start (a
+                # TMPDIR too long for its socket): every rank takes the gather path instead
+                # of waiting for payloads that never come
+                why = ("unavailable", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                dist.scatter_object_list(out, [None] + [why] * (world - 1), src=src, group=group)
+                _log.warning("fsdp_sync: no host-shared memory (%s): gathering instead", why[1])
+                return None
+            dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
+            dist.barrier(group=group)        # every rank has opened them: the payloads may go
+            sets.release(require_ack=False)
+        else:
+            dist.scatter_object_list(out, None, src=src, group=group)
+            if isinstance(out[0], tuple) and out[0][:1] == ("unavailable",):
+                return None                  # group rank 0 could not make them
+            bufs = list(_handles.open_payload(out[0]).value)
+            for b in bufs:
+                _handles.adopt(b)            # re-sharing them with the engine needs no copy
+            dist.barrier(group=group)
+        return cls(group, me, bufs)
+
+    def fill(self, write: Callable[[], None], *, wait_readers: bool = True) -> None:
+        """Run ``write`` (this rank's bytes into ``bufs``) between the group's barriers: before it
+        (skipped with ``wait_readers=False`` when the caller knows nobody reads the bytes it
+        overwrites), nobody still reads the previous bytes; after it, every rank's bytes are in."""
+        if wait_readers:
+            dist.barrier(group=self.group)
+        with torch.no_grad():
+            write()
+        dist.barrier(group=self.group)
