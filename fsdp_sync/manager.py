@@ -336,20 +336,44 @@ class FSDPShardingManager:
         before anything is sent. (What is sent but not held is refused by the engine itself.)"""
         err = None
         for engine in self.engines:
-            names = getattr(engine, "hf_names", None)
-            if not callable(names) or err is not None:
-                continue
+            if err is not None:
+                break
             try:
+                if self.step == 0:
+                    self._check_config(engine)
+                names = getattr(engine, "hf_names", None)
+                if not callable(names):
+                    continue
                 sent = {m.name for m in export.param_metas(self.module, self.config.dtype)}
                 missing = [n for n in names() if n not in sent]
                 if missing:
                     err = (f"the engine holds {missing[:5]}{' …' if len(missing) > 5 else ''} "
                            f"({len(missing)} tensors) that the trainer does not export, so a sync "
-                           f"would leave them stale (a tied trainer into an untied engine?); start "
-                           f"the engine from the trainer's config ({self._where()})")
+                           f"would leave them stale; {self._what_differs(missing, sent, names())}; "
+                           f"start the engine from the trainer's config ({self._where()})")
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 err = f"{type(exc).__name__}: {exc}"
         self._agree(err, what="weight sync")
+
+    def _check_config(self, engine: Any) -> None:
+        """First sync: the engine's model config must equal the trainer's in every value that
+        changes its outputs (`config_check`); engines that do not expose one are not checked."""
+        from .config_check import check_configs, model_config
+
+        mine, theirs = model_config(self.module), getattr(engine, "config", None)
+        if mine is not None and theirs is not None and hasattr(theirs, "to_dict"):
+            check_configs(mine, theirs, where=self._where())
+
+    def _what_differs(self, missing: list[str], sent: set[str], held: list[str]) -> str:
+        from .config_check import model_config
+
+        cfg = model_config(self.module)
+        if missing == ["lm_head.weight"] and cfg is not None and getattr(cfg, "tie_word_embeddings", False):
+            return ("the trainer ties lm_head to embed_tokens (tie_word_embeddings=True) and the "
+                    "engine keeps its own lm_head")
+        extra = sorted(set(sent) - set(held))
+        return (f"the models differ: the engine holds {len(held)} tensors, the trainer exports "
+                f"{len(sent)}" + (f" (the trainer's {extra[:3]} are not in the engine)" if extra else ""))
 
     def _where(self) -> str:
         return self.topo.describe() if self.topo is not None else f"trainer rank {self.rank}"

@@ -1,5 +1,6 @@
 """A trainer and an engine that disagree about tied embeddings fail the sync, naming the tensor,
-instead of serving other logits (issue 9 item 2). One 1-rank job, two 1-worker engines."""
+instead of serving other logits (issue 9 item 2; the configs are compared first since issue 21
+item 7). One 1-rank job, two 1-worker engines."""
 
 from __future__ import annotations
 
@@ -47,22 +48,42 @@ def _job(rank, world):
         # ... while a tied model's state_dict (lm_head is the embedding) still loads
         e_tied.update_weights_from_tensor(list(tied.state_dict().items()))
         out["tied_state_dict_ok"] = e_tied.weights_checksum() == good
-        # tied trainer into an untied engine: its lm_head would stay stale
-        try:
-            with FSDPShardingManager(tied, e_untied, mesh=mesh, config=cfg):
-                pass
-            out["tied_into_untied"] = None
-        except SyncError as exc:
-            out["tied_into_untied"] = str(exc)
+        # tied trainer into an untied engine: its lm_head would stay stale. The first check is
+        # the configs' (issue 21 item 7); an engine that does not expose its config (an SGLang
+        # server) is caught by the tensor coverage check, which says what differs
+        for key, engine in (("tied_into_untied", e_untied), ("tied_into_untied_no_config",
+                                                             _NoConfig(e_untied))):
+            try:
+                with FSDPShardingManager(tied, engine, mesh=mesh, config=cfg):
+                    pass
+                out[key] = None
+            except SyncError as exc:
+                out[key] = str(exc)
     return out
+
+
+class _NoConfig:
+    """An engine that does not report its model config (as an SGLang server does not)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        if name == "config":
+            raise AttributeError(name)
+        return getattr(self._engine, name)
 
 
 @pytest.mark.timeout(150)
 def test_tied_and_untied_disagreement_fails_naming_the_tensor():
     (r,) = run_ranks(_job, 1, timeout_s=140, env=spawn_env())
     assert r["tied_ok"] and r["tied_kept"] and r["tied_state_dict_ok"]
-    assert r["untied_into_tied"] is not None and "'lm_head.weight' differs" in r["untied_into_tied"]
-    assert "tie_word_embeddings=True" in r["untied_into_tied"]
+    assert r["untied_into_tied"] is not None
+    assert "tie_word_embeddings: trainer False, engine True" in r["untied_into_tied"]
     assert r["direct"] is not None and "'lm_head.weight' differs" in r["direct"]
-    assert r["tied_into_untied"] is not None and "['lm_head.weight']" in r["tied_into_untied"]
-    assert "does not export" in r["tied_into_untied"]
+    assert "tie_word_embeddings=True" in r["direct"]
+    assert "tie_word_embeddings: trainer True, engine False" in r["tied_into_untied"]
+    no_cfg = r["tied_into_untied_no_config"]
+    assert no_cfg is not None and "['lm_head.weight']" in no_cfg and "does not export" in no_cfg
+    assert "the trainer ties lm_head to embed_tokens (tie_word_embeddings=True) and the engine " \
+           "keeps its own lm_head" in no_cfg

@@ -1,0 +1,100 @@
+"""The model-config values that change an engine's math, compared between trainer and engine.
+
+Two models with equal tensor shapes can still compute different logits: another rope theta or
+scaling, norm epsilon, activation or MoE routing. A sync between them moves every byte exactly
+and `verify` passes, yet every rollout is silently wrong. `config_mismatches` compares the values
+in `MATH_KEYS` of two Hugging Face configs (or any objects with those attributes);
+`check_configs` raises naming each differing key with both values. The manager runs it at the
+first sync against every engine that exposes its model config (``engine.config``: the reference
+engine does; an SGLang server does not report its config, so it is not checked).
+
+Floats compare exactly: these are configuration values, not computed ones. A key missing on one
+side and present on the other counts as a difference (unless the side that has it holds the
+value transformers assumes when it is absent, `DEFAULTS`). Rope values are read from
+transformers 5's ``rope_parameters`` or transformers 4's attributes alike.
+
+Not here: shapes and names (the layout map and the engines' own checks refuse those).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "model_config"]
+
+MATH_KEYS = (
+    # sizes (shapes catch most, but not a transposed split of equal products)
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim",
+    # the math between the weights
+    "hidden_act", "rms_norm_eps", "layer_norm_eps", "rope_theta", "rope_scaling",
+    "partial_rotary_factor", "attention_bias", "mlp_bias", "tie_word_embeddings",
+    "use_sliding_window", "sliding_window", "max_window_layers",
+    # mixture of experts: routing
+    "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step",
+    "mlp_only_layers", "router_aux_loss_coef",
+)
+DEFAULTS = {"tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+            "rope_scaling": None, "partial_rotary_factor": 1.0, "use_sliding_window": False}
+_MISSING = object()
+
+
+def _value(cfg: Any, key: str) -> Any:
+    if key == "head_dim":
+        hd = getattr(cfg, "head_dim", None)
+        if hd is None and getattr(cfg, "hidden_size", None) and getattr(cfg, "num_attention_heads", None):
+            hd = cfg.hidden_size // cfg.num_attention_heads
+        return _MISSING if hd is None else int(hd)
+    if key in ("rope_theta", "rope_scaling"):
+        # transformers 5 keeps both in rope_parameters (rope_scaling aliases it); 4 as attributes
+        rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+        rp = rp if isinstance(rp, dict) else {}
+        if key == "rope_theta":
+            v = getattr(cfg, "rope_theta", None)
+            v = rp.get("rope_theta") if v is None else v
+            return _MISSING if v is None else float(v)
+        rest = {k: v for k, v in rp.items() if k != "rope_theta"}
+        return None if rest in ({}, {"rope_type": "default"}, {"type": "default"}) else rest
+    if key == "use_sliding_window" or key == "sliding_window":
+        # a window that is off does not change the math, whatever its size says
+        if not getattr(cfg, "use_sliding_window", False):
+            return False if key == "use_sliding_window" else _MISSING
+    v = getattr(cfg, key, _MISSING)
+    return DEFAULTS.get(key, _MISSING) if v is _MISSING else v
+
+
+def model_config(module: Any) -> Any:
+    """The Hugging Face config of ``module`` (through FSDP1 / DDP-style wrappers), or None."""
+    for _ in range(4):
+        cfg = getattr(module, "config", None)
+        if cfg is not None and hasattr(cfg, "to_dict"):
+            return cfg
+        inner = getattr(module, "_fsdp_wrapped_module", None) or getattr(module, "module", None)
+        if inner is None or inner is module:
+            return None
+        module = inner
+    return None
+
+
+def config_mismatches(trainer: Any, engine: Any) -> list[tuple[str, Any, Any]]:
+    """``(key, trainer value, engine value)`` for every key of `MATH_KEYS` that differs."""
+    out = []
+    for key in MATH_KEYS:
+        a, b = _value(trainer, key), _value(engine, key)
+        if a is _MISSING and b is _MISSING:
+            continue
+        if a != b:
+            out.append((key, None if a is _MISSING else a, None if b is _MISSING else b))
+    return out
+
+
+def check_configs(trainer: Any, engine: Any, *, where: str = "") -> None:
+    """Raise ValueError naming every math-changing config value that differs (see module)."""
+    diff = config_mismatches(trainer, engine)
+    if diff:
+        listed = "; ".join(f"{k}: trainer {a!r}, engine {b!r}" for k, a, b in diff)
+        raise ValueError(f"the engine's model config differs from the trainer's in values that "
+                         f"change its outputs ({listed}): the sync would move every byte and the "
+                         f"engine would still compute other logits. Start the engine from the "
+                         f"trainer's config{f' ({where})' if where else ''}")

@@ -1,0 +1,74 @@
+"""Trainer and engine configs that differ in values that change the engine's math are refused at
+the first sync, naming each key and both values (issue 21 item 7: ``rope_theta: 1e6`` and
+``rms_norm_eps: 1e-5`` on the engine synced and passed ``verify="full"`` while its logits differed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_sync.cli.launch import run_ranks, spawn_env
+from fsdp_sync.config_check import check_configs, config_mismatches, model_config
+from fsdp_sync.models import build_model, load_config
+
+
+def test_mismatches_name_each_key_and_both_values():
+    base = load_config("tiny")
+    other = load_config("tiny", rope_theta=1e6, rms_norm_eps=1e-5)
+    assert config_mismatches(base, base) == []
+    assert config_mismatches(base, other) == [("rms_norm_eps", base.rms_norm_eps, 1e-5),
+                                              ("rope_theta", 10000.0, 1e6)]
+    deeper = load_config("tiny", num_hidden_layers=base.num_hidden_layers + 1)
+    with pytest.raises(ValueError, match=rf"num_hidden_layers: trainer {base.num_hidden_layers}, "
+                                         rf"engine {base.num_hidden_layers + 1}"):
+        check_configs(base, deeper)
+    act = load_config("tiny", hidden_act="gelu")
+    assert [k for k, _, _ in config_mismatches(base, act)] == ["hidden_act"]
+    # values that do not change the math are not compared
+    assert config_mismatches(base, load_config("tiny", max_position_embeddings=4096)) == []
+    # a module's config, through wrappers
+    model = build_model(base, seed=0)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    assert model_config(Wrapper(model)) is model.config
+    assert model_config(torch.nn.Linear(2, 2)) is None
+
+
+def _job(rank, world):
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.topology import SyncError, make_mesh
+
+    torch.set_num_threads(1)
+    module = build_model(load_config("tiny"), seed=1)
+    cfg = SyncConfig(dtype=torch.float32, free_cache_engine=False, verify="full")
+    out = {}
+    with ReferenceEngine(load_config("tiny", rope_theta=1e6, rms_norm_eps=1e-5), tp_size=1) as eng:
+        before = eng.weights_checksum()
+        try:
+            with FSDPShardingManager(module, eng, mesh=make_mesh(1, 1), config=cfg):
+                pass
+            out["error"] = None
+        except SyncError as exc:
+            out["error"] = str(exc)
+        out["unchanged"] = eng.weights_checksum() == before
+    with ReferenceEngine(load_config("tiny"), tp_size=1) as eng:   # equal configs: syncs, verified
+        with FSDPShardingManager(module, eng, mesh=make_mesh(1, 1), config=cfg):
+            pass
+        out["equal_synced"] = torch.equal(eng.get_weights_by_name("model.norm.weight"),
+                                          module.model.norm.weight)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_the_manager_refuses_an_engine_with_other_math_on_every_rank():
+    (r,) = run_ranks(_job, 1, timeout_s=140, env=spawn_env())
+    assert r["error"] is not None, r
+    assert "rms_norm_eps: trainer 1e-06, engine 1e-05" in r["error"], r["error"]
+    assert "rope_theta: trainer 10000.0, engine 1000000.0" in r["error"], r["error"]
+    assert r["unchanged"] and r["equal_synced"]
