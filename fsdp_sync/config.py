@@ -20,6 +20,7 @@ __all__ = ["SyncConfig", "STRATEGIES", "LAYOUTS", "FSDP1_STATE_DICTS", "METHODS"
            "VERIFY_MODES", "parse_dtype", "parse_bool"]
 
 METHODS = ("tensor", "distributed", "disk")
+DIST_BACKENDS = ("gloo", "nccl")
 DISTRIBUTED_FORMATS = ("flattened_bucket", "per_tensor")
 VERIFY_MODES = ("off", "sample", "full")
 STRATEGIES = ("per_tensor", "bucketed", "flattened")
@@ -58,6 +59,9 @@ def parse_bool(value: Any, field: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(f"{field} must be a bool (or true/false, yes/no, on/off, 1/0), got {value!r}")
+
+
+_OPTIONAL = ("dtype", "dist_master_address", "dist_master_port", "dist_backend", "disk_dir")
 
 
 @dataclass(frozen=True)
@@ -158,16 +162,28 @@ class SyncConfig:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.dist_format not in DISTRIBUTED_FORMATS:
             raise ValueError(f"dist_format must be one of {DISTRIBUTED_FORMATS}, got {self.dist_format!r}")
-        if self.dist_master_port is not None and not (isinstance(self.dist_master_port, int)
-                                                      and 0 < self.dist_master_port < 65536):
+        if self.dist_master_port is not None and not (
+                isinstance(self.dist_master_port, int) and not isinstance(self.dist_master_port, bool)
+                and 0 < self.dist_master_port < 65536):
             raise ValueError(f"dist_master_port must be a port number (1-65535) or None, "
                              f"got {self.dist_master_port!r}")
-        if not self.dist_group_name:
-            raise ValueError("dist_group_name must not be empty")
-        if not (isinstance(self.dist_timeout_s, (int, float)) and self.dist_timeout_s > 0):
+        if self.dist_master_address is not None and (
+                not isinstance(self.dist_master_address, str) or not self.dist_master_address):
+            raise ValueError(f"dist_master_address must be a host name or IP address (a non-empty "
+                             f"string) or None, got {self.dist_master_address!r}")
+        if not isinstance(self.dist_group_name, str) or not self.dist_group_name:
+            raise ValueError(f"dist_group_name must be a non-empty string, got {self.dist_group_name!r}")
+        if self.dist_backend is not None and self.dist_backend not in DIST_BACKENDS:
+            raise ValueError(f"dist_backend must be one of {DIST_BACKENDS} or None (nccl on CUDA, "
+                             f"gloo on CPU), got {self.dist_backend!r}")
+        if not (isinstance(self.dist_timeout_s, (int, float)) and not isinstance(self.dist_timeout_s, bool)
+                and 0 < self.dist_timeout_s < float("inf")):
             raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
-        if self.verify is False:      # YAML 1.1 reads a bare `verify: off` as false
+        # YAML 1.1 reads a bare `off` as false (and `on` as true)
+        if self.verify is False:
             object.__setattr__(self, "verify", "off")
+        if self.memory_probe is False:
+            object.__setattr__(self, "memory_probe", "off")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.strategy not in STRATEGIES:
@@ -194,7 +210,8 @@ class SyncConfig:
             raise ValueError(f"fsdp1_state_dict must be one of {FSDP1_STATE_DICTS}, "
                              f"got {self.fsdp1_state_dict!r}")
         if self.memory_probe not in ("full", "rss", "off"):
-            raise ValueError(f"memory_probe must be 'full', 'rss' or 'off', got {self.memory_probe!r}")
+            raise ValueError(f"memory_probe must be 'full', 'rss' or 'off' (YAML's bare off works "
+                             f"too), got {self.memory_probe!r}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         # disk method: where the versioned checkpoints go, and how many stay
         if self.disk_dir is not None:
@@ -218,6 +235,11 @@ class SyncConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SyncConfig":
+        """A config from a plain mapping (a YAML recipe); ``bucket_mb`` may stand for
+        ``bucket_bytes``. Every bad value is refused naming its key."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"SyncConfig.from_dict takes a mapping of SyncConfig keys, got "
+                             f"{type(d).__name__} {d!r:.80}")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names - {"bucket_mb"})
         if unknown:
@@ -227,10 +249,20 @@ class SyncConfig:
             raise ValueError(f"give bucket_mb or bucket_bytes, not both (got bucket_mb="
                              f"{d['bucket_mb']!r}, bucket_bytes={d['bucket_bytes']!r})")
         if "bucket_mb" in d:
-            if isinstance(d["bucket_mb"], bool):
-                raise ValueError(f"bucket_mb must be a number of MiB, got {d['bucket_mb']!r}")
-            d["bucket_bytes"] = int(float(d.pop("bucket_mb")) * 2**20)
-        return cls(**d)
+            mb = d.pop("bucket_mb")
+            try:
+                ok = not isinstance(mb, bool) and 0 < float(mb) < float("inf")
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"bucket_mb must be a positive number of MiB, got {mb!r}")
+            d["bucket_bytes"] = int(float(mb) * 2**20)
+        try:
+            return cls(**d)
+        except TypeError as exc:   # a wrong type the checks above did not name: name the key
+            bad = [k for k, v in d.items() if v is None and k not in _OPTIONAL]
+            raise ValueError(f"SyncConfig: {', '.join(bad) or 'a value'} cannot be None"
+                             if bad else f"SyncConfig: {exc}") from None
 
     @classmethod
     def from_verl(cls, cfg: Any, **overrides: Any) -> "SyncConfig":

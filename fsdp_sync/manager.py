@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,16 @@ class FSDPShardingManager:
     `close` (also at interpreter exit) releases what the transport holds (the update group).
     """
 
-    def __init__(self, module: torch.nn.Module, engine: Any, *, mesh=None, config: SyncConfig | None = None):
+    def __init__(self, module: torch.nn.Module, engine: Any, *, mesh=None,
+                 config: SyncConfig | Mapping[str, Any] | None = None):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be the torch.nn.Module being trained (FSDP2, FSDP1 or "
+                            f"plain), got {type(module).__name__} {module!r:.60}")
+        if isinstance(config, Mapping):
+            config = SyncConfig.from_dict(config)
+        elif config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig or a mapping of its keys, got "
+                            f"{type(config).__name__} {config!r:.60}")
         self.module = module
         self.config = config or SyncConfig()
         if mesh is None and self.config.method == "tensor":
@@ -109,6 +118,9 @@ class FSDPShardingManager:
     def __enter__(self) -> "FSDPShardingManager":
         if self._inside:
             raise RuntimeError("FSDPShardingManager is not re-entrant: already inside its with block")
+        if self.transport is None:
+            raise RuntimeError("this FSDPShardingManager was closed (close(), or interpreter exit): "
+                               "make a new one to sync again")
         pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe)
         self._was_training = self.module.training

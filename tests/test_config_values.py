@@ -61,3 +61,66 @@ def test_from_verl_follows_verl_0_9():
                                                               "checkpoint_engine": {}}}})
     cfg = SyncConfig.from_verl(node)
     assert (cfg.free_cache_engine, cfg.bucket_bytes) == (False, 2048 << 20)
+
+
+# --------------------------------------------------------------------------- issue 21 item 10
+
+def test_yaml_off_and_wrong_types_are_named():
+    import yaml
+
+    assert SyncConfig.from_dict(yaml.safe_load("memory_probe: off")).memory_probe == "off"
+    assert SyncConfig.from_dict(yaml.safe_load("verify: off")).verify == "off"
+    for kwargs, words in (
+            ({"dist_backend": "ncl"}, "dist_backend must be one of ('gloo', 'nccl') or None"),
+            ({"dist_timeout_s": True}, "dist_timeout_s must be a positive number of seconds, got True"),
+            ({"dist_timeout_s": float("inf")}, "dist_timeout_s must be a positive number"),
+            ({"dist_master_port": True}, "dist_master_port must be a port number (1-65535) or None, got True"),
+            ({"dist_group_name": 5}, "dist_group_name must be a non-empty string, got 5"),
+            ({"dist_master_address": ""}, "dist_master_address must be a host name"),
+            ({"memory_probe": "maybe"}, "memory_probe must be 'full', 'rss' or 'off'")):
+        with pytest.raises(ValueError) as info:
+            SyncConfig(**kwargs)
+        assert words in str(info.value), (kwargs, str(info.value))
+    assert SyncConfig(dist_backend="gloo").dist_backend == "gloo"
+    for d, words in (({"bucket_mb": "abc"}, "bucket_mb must be a positive number of MiB, got 'abc'"),
+                     ({"bucket_mb": None}, "bucket_mb must be a positive number of MiB, got None"),
+                     ({"bucket_mb": 0}, "bucket_mb must be a positive number of MiB, got 0"),
+                     ({"bucket_bytes": None}, "bucket_bytes must be a positive int, got None"),
+                     ({"strategy": None}, "strategy must be one of"),
+                     ({"seed": None}, "seed must be an int, got None")):
+        with pytest.raises(ValueError) as info:
+            SyncConfig.from_dict(d)
+        assert words in str(info.value), (d, str(info.value))
+    with pytest.raises(ValueError, match="takes a mapping of SyncConfig keys, got list"):
+        SyncConfig.from_dict(["bucket_mb", 8])
+
+
+def test_reference_engine_takes_the_dtype_names_syncconfig_takes():
+    from fsdp_sync.engines.reference import ReferenceEngine
+
+    with ReferenceEngine("tiny", dtype="bf16") as eng:
+        assert eng.dtype is torch.bfloat16
+    with pytest.raises(ValueError, match=r"dtype must be one of .*bf16.*got 'int8'"):
+        ReferenceEngine("tiny", dtype="int8")
+
+
+def test_manager_arguments_are_checked_by_name(tmp_path):
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+
+    module = build_model(load_config("tiny"), seed=0)
+    engine = object()
+    with pytest.raises(TypeError, match="module must be the torch.nn.Module being trained.*got str 'x'"):
+        FSDPShardingManager("x", engine, config=SyncConfig(method="disk", disk_dir=str(tmp_path)))
+    m = FSDPShardingManager(module, engine, config={"method": "disk", "disk_dir": str(tmp_path),
+                                                    "bucket_mb": 4})
+    assert m.config == SyncConfig(method="disk", disk_dir=str(tmp_path), bucket_bytes=4 << 20)
+    with pytest.raises(ValueError, match="unknown SyncConfig keys \\['buckt_mb'\\]"):
+        FSDPShardingManager(module, engine, config={"method": "disk", "disk_dir": str(tmp_path),
+                                                    "buckt_mb": 4})
+    with pytest.raises(TypeError, match="config must be a SyncConfig or a mapping.*got int 5"):
+        FSDPShardingManager(module, engine, config=5)
+    m.close()
+    with pytest.raises(RuntimeError, match="was closed .* make a new one"):
+        with m:
+            pass

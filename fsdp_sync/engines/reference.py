@@ -58,6 +58,7 @@ import torch
 
 from ..weights import handles
 from . import procs
+from ..config import parse_dtype
 from .generation import Sampling
 from ..weights.bucket import TensorMeta, flatten, plan_buckets
 from ..weights.layout import ModelSpec, TPLayout, shard_state_dict
@@ -202,8 +203,14 @@ class ReferenceEngine:
                  startup_timeout_s: float = 180.0, call_timeout_s: float | None = 900.0,
                  use_memory_saver: bool = True, transactional_updates: bool = True,
                  update_recv_timeout_s: float = 60.0):
+        given = dtype
+        try:    # the names SyncConfig takes ("bf16", "bfloat16", ...) as well as torch dtypes
+            dtype = parse_dtype(dtype, "dtype") if dtype is not None else None
+        except ValueError:
+            dtype = None
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
+            raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]} (or a name: "
+                             f"float32/fp32, bfloat16/bf16, float16/fp16), got {given!r}")
         device = str(device)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
