@@ -36,3 +36,26 @@ def test_fds_and_segments_must_not_grow():
     shm = summarise({"m": _series(lambda s: 200 * MiB, shm=lambda s: s // 900)}, ["p"], 100)
     assert not _meets(fds[0]) and fds[0]["fds_growth"] == 2
     assert not _meets(shm[1]) and shm[1]["shm_growth"] == 1
+
+
+def test_soak_without_matplotlib_keeps_its_measurement_and_says_what_it_measured(
+        tmp_path, monkeypatch, capsys):
+    """Issue 21 items 9 and 12: without matplotlib, soak ran every sync and then died plotting,
+    writing no JSON; with --syncs 10 it scaled 10 syncs to "per 1000" and said "target NOT met"."""
+    import json
+    import sys
+
+    from fsdp_sync import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)        # as if not installed
+    out = tmp_path / "soak.json"
+    rc = cli.main(["soak", "--syncs", "3", "--warmup", "1", "--methods", "tensor",
+                   "--json", str(out), "--png", str(tmp_path / "soak.png")])
+    text = " ".join(capsys.readouterr().out.split())
+    rep = json.loads(out.read_text())
+    assert rc == 0, text
+    assert rep["syncs"] == 3 and rep["rss_target_judged"] is False and rep["png"] is None
+    assert any(r["process"] == "/dev/shm" for r in rep["rows"])
+    assert "no plot: matplotlib is not installed" in text and not (tmp_path / "soak.png").exists()
+    assert "measured 3 syncs per method" in text and "run --syncs 1000 to judge it" in text
+    assert "target NOT met" not in text and "target met" not in text

@@ -161,7 +161,7 @@ def missing_dependency(args: argparse.Namespace) -> str | None:
     needs = []
     if args.command in _RICH_COMMANDS:
         needs.append("rich")
-    if getattr(args, "plot", None) or getattr(args, "png", None):
+    if getattr(args, "plot", None):      # soak plots only where matplotlib is (it says so)
         needs.append("matplotlib")
     missing = [n for n in needs if importlib.util.find_spec(n) is None]
     if not missing:

@@ -65,6 +65,32 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _of(cast: Any, what: str) -> Any:
+    def check(x: Any) -> Any:
+        if isinstance(x, (list, tuple, dict)) or (isinstance(x, bool) and cast is not bool):
+            raise ValueError(f"expected {what}, got {x!r}")
+        if cast is str:
+            if not isinstance(x, str):
+                raise ValueError(f"expected {what}, got {x!r}")
+            return x
+        if cast is bool:
+            from ...config import parse_bool
+
+            return parse_bool(x, "value")
+        if cast is int and not (isinstance(x, int) or (isinstance(x, str) and x.strip().isdigit())):
+            raise ValueError(f"expected {what}, got {x!r}")
+        return cast(x)
+    return check
+
+
+# list-valued keys of a bench recipe and what each item is (a scalar counts as a one-item list)
+_FIELD_KINDS = {"models": _of(str, "a model name"), "strategies": _of(str, "a strategy name"),
+                "bucket_mb": _of(float, "a number of MiB"), "ranks": _of(int, "an integer"),
+                "tp": _of(int, "an integer"), "multi_stage": _of(bool, "true or false"),
+                "share_host_memory": _of(bool, "true or false"), "methods": _of(str, "a method name"),
+                "layouts": _of(str, "a layout name"), "pipelined": _of(bool, "true or false")}
+
+
 @dataclass(frozen=True)
 class BenchSpec:
     models: tuple[str, ...] = ("small",)
@@ -115,7 +141,17 @@ class BenchSpec:
             raise ValueError(f"unknown bench keys {unknown}; known: {sorted(known)}")
         out = {}
         for k, v in d.items():
-            out[k] = tuple(v) if isinstance(v, (list, tuple)) else v
+            kind = _FIELD_KINDS.get(k)
+            if kind is None:          # a single value: device, dtype, repeats, warmup
+                if isinstance(v, (list, tuple, dict)):
+                    raise ValueError(f"bench key {k!r} takes one value, got {v!r}")
+                out[k] = v
+                continue
+            items = list(v) if isinstance(v, (list, tuple)) else [v]   # a scalar is a one-item list
+            try:
+                out[k] = tuple(kind(x) for x in items)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"bench key {k!r}: {exc} (in {v!r})") from None
         return cls(**out)
 
     @classmethod
