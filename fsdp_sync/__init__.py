@@ -26,9 +26,17 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
+_SUBPACKAGES = ("engines", "weights", "transport")
+
+
+def __dir__() -> list[str]:
+    """The public API (loaded lazily) for dir() and completion, not the loader's helpers."""
+    return sorted(set(__all__) | set(_SUBPACKAGES))
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(import_module(_LAZY[name], __name__), name)
+    if name in _SUBPACKAGES:
+        return import_module(f".{name}", __name__)
     raise AttributeError(f"module 'fsdp_sync' has no attribute {name!r}")

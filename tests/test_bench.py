@@ -13,7 +13,7 @@ import pytest
 from fsdp_sync.cli.bench.main import BenchSpec
 from fsdp_sync.cli.bench.targets import check_targets
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "memory_tuning"
+RECIPES = Path(__file__).resolve().parent.parent / "fsdp_sync" / "recipes" / "memory_tuning"
 ROW_KEYS = {"strategy", "model", "params", "tensors", "bytes", "bucket_bytes", "largest_tensor_bytes",
             "ranks", "tp", "seconds", "floor_seconds", "baseline_seconds", "peak_extra_bytes", "stages"}
 

@@ -33,8 +33,8 @@ BAD = [
     ("bench --strategies flattened,fast", ["--strategies", "'fast'", "per_tensor"]),
     ("bench --models tiny,nope", ["--models", "'nope'"]),
     ("bench --repeats 2", ["--repeats", ">= 3"]),
-    ("bench --recipe /nonexistent.yaml", ["--recipe", "no such file"]),
-    ("bench --preset quick --recipe recipes/memory_tuning/targets.yaml", ["--recipe", "--preset"]),
+    ("bench --recipe /nonexistent.yaml", ["--recipe", "no such file or shipped sweep", "bucket_sweep"]),
+    ("bench --preset quick --recipe targets", ["--recipe", "--preset"]),
     ("bench --preset nope", ["--preset", "quick, targets"]),
     ("bench --preset quick --ranks 3", ["--ranks", "--tp"]),
     ("soak --warmup -1", ["--warmup", "integer >= 0", "'-1'"]),
@@ -53,7 +53,7 @@ BAD = [
     ("serve --host no.such.host.invalid --port 0", ["--host", "cannot resolve"]),
 ] + ([] if CUDA else [("demo --device cuda", ["--device", "no CUDA"]),
                       ("bench --device cuda", ["--device", "no CUDA"]),
-                      ("bench --recipe recipes/memory_tuning/targets.yaml --device cuda",
+                      ("bench --recipe targets --device cuda",
                        ["--device", "no CUDA"])])
 
 
@@ -86,10 +86,10 @@ def test_flags_given_with_a_preset_or_recipe_override_it(monkeypatch):
     assert spec.bucket_mb == (4, 16, 64) and spec.multi_stage == (True, False)
     plain = cli.parse_args("bench --preset quick".split()).spec
     assert plain.dtype == "float32" and plain.models == ("small",)
-    spec = cli.parse_args("bench --recipe recipes/memory_tuning/bucket_sweep.yaml --repeats 5 "
+    spec = cli.parse_args("bench --recipe bucket_sweep --repeats 5 "
                           "--multi-stage off".split()).spec
     assert spec.repeats == 5 and spec.multi_stage == (False,)
-    assert cli.parse_args("bench --recipe recipes/memory_tuning/bucket_sweep.yaml".split()).spec.repeats >= 3
+    assert cli.parse_args("bench --recipe bucket_sweep".split()).spec.repeats >= 3
     args = cli.parse_args("demo --ranks 4 --tp 2 --bucket-mb 16 --dtype bfloat16".split())
     assert (args.opts.ranks, args.opts.tp, args.opts.bucket_mb, args.opts.dtype) == (4, 2, 16.0, "bfloat16")
 

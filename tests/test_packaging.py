@@ -21,10 +21,13 @@ from _util import ROOT
 _PROBE = r"""
 import json, sys
 import fsdp_sync, fsdp_sync.models as m
-from fsdp_sync.cli.bench.main import PRESETS
+from fsdp_sync.cli.bench.main import PRESETS, sweep_recipe
+from fsdp_sync.cli.bench.main import BenchSpec
 cfg = m.load_config("small")
 models = {mm for p in PRESETS.values() for mm in p.get("models", [])}
 print(json.dumps({"file": fsdp_sync.__file__, "recipes": m.model_recipes(),
+                  "sweep": BenchSpec.from_recipe(sweep_recipe("bucket_sweep")).models,
+                  "dir": [n for n in ("FSDPShardingManager", "SyncConfig") if n in dir(fsdp_sync)],
                   "small_hidden": cfg.hidden_size,
                   "preset_models": {mm: m.load_config(mm).model_type for mm in sorted(models)}}))
 """
@@ -47,6 +50,9 @@ def test_wheel_ships_the_model_recipes(tmp_path):
     shipped = sorted(n for n in names if n.startswith("fsdp_sync/recipes/models/"))
     assert {"fsdp_sync/recipes/models/small.yaml", "fsdp_sync/recipes/models/tiny.yaml",
             "fsdp_sync/recipes/models/qwen2-160m.yaml"} <= set(shipped), shipped
+    sweeps = {n for n in names if n.startswith("fsdp_sync/recipes/memory_tuning/")}
+    assert {"fsdp_sync/recipes/memory_tuning/bucket_sweep.yaml",
+            "fsdp_sync/recipes/memory_tuning/targets.yaml"} <= sweeps, sweeps     # issue 21 item 12
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # the venv's packages for the dependencies (torch, transformers, ...), the wheel for fsdp_sync
@@ -61,4 +67,18 @@ def test_wheel_ships_the_model_recipes(tmp_path):
     assert got["file"].startswith(str(site)), got["file"]          # the installed copy, not the clone
     assert {"small", "tiny", "tiny-tied", "qwen2-160m"} <= set(got["recipes"])
     assert got["small_hidden"] > 0
+    assert got["sweep"] and got["dir"] == ["FSDPShardingManager", "SyncConfig"]
     assert got["preset_models"] and all(v for v in got["preset_models"].values())
+
+
+def test_dir_shows_the_public_api():
+    """Issue 21 item 12: dir(fsdp_sync) showed only `import_module`."""
+    code = ("import fsdp_sync; d = dir(fsdp_sync); print(sorted(d)); "
+            "assert all(callable(getattr(fsdp_sync, n)) or n == '__version__' or "
+            "type(getattr(fsdp_sync, n)).__name__ == 'module' for n in d)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    names = eval(out.stdout)                       # noqa: S307 - our own print of a list of str
+    assert {"FSDPShardingManager", "SyncConfig", "make_mesh", "SyncError", "engines",
+            "weights"} <= set(names) and "import_module" not in names, names

@@ -1,6 +1,6 @@
 """`fsdp-sync bench`: where every second and byte of a sync goes, beside a floor and a baseline.
 
-A sweep (from flags, a recipe in ``recipes/memory_tuning/*.yaml``, or ``--preset targets``) is split
+A sweep (from flags, a recipe: a name from ``fsdp_sync/recipes/memory_tuning/`` or a YAML path, or ``--preset targets``) is split
 into jobs, one per (model, ranks, tp, device, multi-stage) group; each job stands up the trainer
 ranks (FSDP2) and a colocated `ReferenceEngine` once, then measures every (strategy, bucket size)
 row of the group:
@@ -81,6 +81,28 @@ def _of(cast: Any, what: str) -> Any:
             raise ValueError(f"expected {what}, got {x!r}")
         return cast(x)
     return check
+
+
+def sweep_recipes() -> list[str]:
+    """The bench sweeps shipped with the package (``fsdp_sync/recipes/memory_tuning/<name>.yaml``)."""
+    from ...models import RECIPES_DIR
+
+    return sorted(p.stem for p in (RECIPES_DIR / "memory_tuning").glob("*.yaml"))
+
+
+def sweep_recipe(text: str) -> str:
+    """``--recipe``: a YAML path, or the name of a shipped sweep (`sweep_recipes`)."""
+    import argparse
+
+    from ...models import RECIPES_DIR
+
+    if Path(text).is_file():
+        return text
+    shipped = RECIPES_DIR / "memory_tuning" / f"{text}.yaml"
+    if shipped.is_file():
+        return str(shipped)
+    raise argparse.ArgumentTypeError(f"no such file or shipped sweep: {text!r} (shipped: "
+                                     f"{', '.join(sweep_recipes())})")
 
 
 # list-valued keys of a bench recipe and what each item is (a scalar counts as a one-item list)
@@ -393,13 +415,15 @@ def add_bench_parser(sub) -> None:
         description="Measure weight-sync time and peak extra memory over a sweep. Every row is the median "
                     "of --repeats syncs after a warm-up, with the floor (bare all-gather of the same bytes "
                     "+ one copy of each TP rank's shard) and the per_tensor baseline measured in the same "
-                    "run. Sweep from --preset, --recipe (recipes/memory_tuning/*.yaml) or the flags; "
+                    "run. Sweep from --preset, --recipe (a name: " + ", ".join(sweep_recipes()) + "; or a YAML path) or the flags; "
                     "flags given with --preset or --recipe override the preset's or recipe's values.",
         formatter_class=ca.DefaultsFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", type=ca.choice_of(sorted(PRESETS)),
                      help=f"a named sweep: {', '.join(sorted(PRESETS))} ('targets' judges the targets)")
-    src.add_argument("--recipe", type=ca.existing_file, help="a YAML sweep (keys as the flags, under 'bench:')")
+    src.add_argument("--recipe", type=sweep_recipe,
+                     help="a sweep shipped with fsdp_sync (" + ", ".join(sweep_recipes()) + ") or a "
+                          "YAML file (keys as the flags, under 'bench:')")
     p.add_argument("--models", type=ca.csv_of(ca.model_spec), default="small",
                    help="comma-separated model recipes")
     p.add_argument("--strategies", type=ca.csv_of(ca.choice_of(STRATEGIES)), default="flattened,per_tensor",
