@@ -177,3 +177,28 @@ def test_bench_recipe_scalars_are_one_item_lists(tmp_path, capsys):
             cli.parse_args(["bench", "--recipe", str(recipe)])
         err = capsys.readouterr().err
         assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.timeout(200)
+def test_demo_and_bench_take_layout_and_the_demo_shows_the_portable_checkpoint(tmp_path):
+    """Issue 21 item 13: neither command had --layout, so the demo could not show the disk
+    method's Hugging Face checkpoint (its default there is per-rank files)."""
+    import json
+
+    spec = cli.parse_args("bench --methods disk --layout full,engine".split()).spec
+    assert spec.layouts == ("full", "engine") and spec.methods == ("disk",)
+    assert cli.parse_args("demo --method disk --layout engine".split()).opts.layout == "engine"
+    out = tmp_path / "demo.json"
+    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--method", "disk",
+                           "--layout", "full", "--disk-dir", str(tmp_path / "ckpt"), "--steps", "1",
+                           "--no-progress", "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    step = json.loads(out.read_text())["steps"][-1]
+    assert step["layout"] == "full"
+    ck = step["checkpoint"]
+    assert ck["path"] == str(tmp_path / "ckpt" / "step_0") and "Hugging Face" in ck["kind"]
+    assert {"config.json", "model.safetensors.index.json"} <= set(ck["files"])
+    assert (tmp_path / "ckpt" / "step_0" / "config.json").is_file()          # kept, as said
+    text = " ".join(proc.stdout.split())
+    assert "checkpoint of the last step:" in text and "kept" in text

@@ -37,6 +37,11 @@ def _add_demo(sub) -> None:
     p.add_argument("--disk-dir", metavar="DIR", default=None,
                    help="--method disk: where each step's checkpoint goes (default: a temp directory, "
                         "removed at the end)")
+    p.add_argument("--layout", choices=["auto", "full", "engine"], default="auto",
+                   help="SyncConfig.layout: engine (each engine rank receives only its shard; the "
+                        "disk method writes per-rank files), full (full tensors to every rank; the "
+                        "disk method writes a portable Hugging Face checkpoint), auto (engine where "
+                        "the engine takes it)")
     p.add_argument("--fsdp", type=int, choices=[1, 2], default=2, help="FSDP version of the trainer")
     p.add_argument("--model", type=ca.model_spec, default="tiny",
                    help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m) or a "
@@ -61,7 +66,7 @@ def _demo_options(args):
                        bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
                        dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
                        progress=not args.no_progress, method=args.method,
-                       disk_dir=args.disk_dir)
+                       disk_dir=args.disk_dir, layout=args.layout)
 
 
 def _check_demo(args, given: set[str]) -> None:
@@ -97,6 +102,14 @@ def _cmd_demo(args) -> int:
     stages = result["steps"][-1]["stages"]
     console.print("last step's stages: " + " → ".join(f"{st['name']} {st['seconds'] * 1e3:.1f} ms"
                                                       for st in stages))
+    last = result["steps"][-1]
+    console.print(f"layout: {last.get('layout') or 'n/a'}")
+    ckpt = last.get("checkpoint")
+    if ckpt:
+        kept = "kept" if opts.disk_dir else "removed at the end (give --disk-dir DIR to keep it)"
+        console.print(f"checkpoint of the last step: {ckpt['path']} ({ckpt['kind']}, "
+                      f"{len(ckpt['files'])} files: {', '.join(ckpt['files'][:6])}"
+                      f"{' …' if len(ckpt['files']) > 6 else ''}); {kept}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

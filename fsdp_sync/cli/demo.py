@@ -16,6 +16,7 @@ Not here: argument parsing and printing (cli).
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import tempfile
 import time
@@ -48,6 +49,7 @@ class DemoOptions:
     progress: bool = True
     method: str = "tensor"
     disk_dir: str | None = None     # method="disk": where the versions go (None: a temp dir, removed)
+    layout: str = "auto"            # SyncConfig.layout
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -155,6 +157,7 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
         engine = ReferenceEngine(model_config=cfg, tp_size=opts.tp, device=opts.device, dtype=dtype)
     sync_cfg = SyncConfig(strategy=opts.strategy, bucket_bytes=int(opts.bucket_mb * 2**20), dtype=dtype,
                           multi_stage_wake_up=opts.multi_stage_wake_up, method=opts.method,
+                          layout=opts.layout,
                           **({"disk_dir": opts.disk_dir} if opts.method == "disk" else {}),
                           **opts.extra)
     manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
@@ -199,6 +202,15 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
                                                       or not torch.equal(prev_logits, eng_logits))
                     prev_logits = eng_logits
             stages = manager.timeline.to_dict()
+            extra = manager.stats.extra or {}
+            rec["layout"] = extra.get("layout")
+            if extra.get("path"):                 # the disk method: what the version holds
+                files = sorted(os.listdir(extra["path"])) if os.path.isdir(extra["path"]) else []
+                rec["checkpoint"] = {
+                    "path": extra["path"], "files": files,
+                    "kind": ("per-rank shard files (layout engine: each engine rank reads its own)"
+                             if extra.get("layout") == "engine" else
+                             "a Hugging Face checkpoint: safetensors + config.json, portable")}
             rec.update(sync_seconds=manager.stats.seconds, bytes=manager.stats.bytes,
                        tensors=manager.stats.tensors, engine_calls=manager.stats.engine_calls,
                        stages=stages, peak_trainer_rss=_peak(stages, "trainer", "rss"),
@@ -251,6 +263,8 @@ def run_demo(opts: DemoOptions, *, timeout_s: float = 600.0) -> dict:
             "atol": min(r["atol"] for r in srcs),
             "changed_since_last_step": all(r["changed_since_last_step"] for r in srcs),
             "stages": recs[0]["stages"],
+            "layout": next((r.get("layout") for r in recs if r.get("layout")), None),
+            "checkpoint": next((r["checkpoint"] for r in recs if r.get("checkpoint")), None),
         })
     cfg = {k: v for k, v in opts.__dict__.items() if k not in ("progress", "extra")}
     ok = all(s["tokens_match"] and s["max_abs_logit_diff"] <= s["atol"] and s["changed_since_last_step"]

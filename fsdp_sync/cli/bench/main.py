@@ -403,12 +403,12 @@ def _machine() -> dict:
 _FLAG_KEYS = {"models": "models", "strategies": "strategies", "bucket_mb": "bucket_mb",
               "ranks": "ranks", "tp": "tp", "multi_stage": "multi_stage",
               "share_host_memory": "share_host_memory", "device": "device", "dtype": "dtype",
-              "repeats": "repeats", "methods": "methods"}
+              "repeats": "repeats", "methods": "methods", "layout": "layouts"}
 
 
 def add_bench_parser(sub) -> None:
     from .. import args as ca
-    from ...config import METHODS, STRATEGIES
+    from ...config import LAYOUTS, METHODS, STRATEGIES
 
     p = sub.add_parser(
         "bench", help="sweep strategies/bucket sizes/models; time and memory beside a floor and baseline",
@@ -430,6 +430,10 @@ def add_bench_parser(sub) -> None:
                    help=f"comma-separated strategies ({', '.join(STRATEGIES)})")
     p.add_argument("--methods", type=ca.csv_of(ca.choice_of(METHODS)), default="tensor",
                    help="comma-separated update methods side by side: tensor, distributed, disk")
+    p.add_argument("--layout", type=ca.csv_of(ca.choice_of(LAYOUTS)), default="auto",
+                   help="comma-separated SyncConfig.layout values side by side: auto (per-rank "
+                        "shards where the engine takes them), full (every engine rank gets full "
+                        "tensors; the disk method writes a Hugging Face checkpoint), engine")
     p.add_argument("--bucket-mb", type=ca.csv_of(ca.positive_float), default="64",
                    help="comma-separated bucket sizes in MiB (> 0)")
     p.add_argument("--ranks", type=ca.csv_of(ca.positive_int), default="2",
