@@ -40,6 +40,10 @@ def test_bench_cli_rows_json_and_plots(tmp_path):
         assert r["copy_seconds"] == [x for x in rows if x["multi_stage"] == r["multi_stage"]][0]["copy_seconds"]
         assert r["bytes"] == rows[0]["bytes"] > 0
         assert r["peak_extra_bytes"] >= 0 and r["memory_curve"]
+        # issue 21 item 11: every row says its budget's rule and whether it went over it
+        assert r["memory_budget_rule"] == "2 x bucket + largest tensor"
+        assert r["memory_budget_bytes"] == 2 * r["bucket_bytes"] + r["largest_tensor_bytes"]
+        assert r["over_budget"] is (r["peak_extra_bytes"] > r["memory_budget_bytes"])
         assert [s["name"] for s in r["stages"]].count("sync_weights") == 1
     flat = [r for r in rows if r["strategy"] == "flattened"]
     small = min(flat, key=lambda r: r["bucket_bytes"])
@@ -112,3 +116,14 @@ def test_target_model_recipe_has_the_size_the_targets_need():
         model = build_model(load_config("qwen2-160m"))
     params, tensors = count_params(model)
     assert params >= 100_000_000 and tensors >= 200
+
+
+def test_rows_over_their_budget_are_flagged():
+    from fsdp_sync.cli.bench.methods import flag_over_budget, memory_budget
+
+    disk = memory_budget("disk", 4 << 20, 8 << 20)
+    assert disk == {"memory_budget_bytes": 20 << 20, "memory_budget_rule": "3 x bucket + largest tensor"}
+    assert memory_budget("tensor", 4 << 20, 8 << 20)["memory_budget_bytes"] == 16 << 20
+    rows = flag_over_budget([{"peak_extra_bytes": 25 << 20, **disk},
+                             {"peak_extra_bytes": 12 << 20, **disk}, {"skipped": "no engine"}])
+    assert [r.get("over_budget") for r in rows] == [True, False, None]

@@ -339,7 +339,8 @@ def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, 
         "ranks": job.ranks, "tp": job.tp, "multi_stage": job.multi_stage, "device": job.device,
         "dtype": job.dtype, "seconds": secs_med, "repeats": secs, "floor_seconds": floor,
         "baseline_seconds": None, "peak_extra_bytes": int(peak_extra),
-        "memory_budget_bytes": 2 * bucket_bytes + largest, "engine_calls": stats.engine_calls,
+        "memory_budget_bytes": 2 * bucket_bytes + largest,
+        "memory_budget_rule": "2 x bucket + largest tensor", "engine_calls": stats.engine_calls,
         "stages": timeline, "memory_curve": curve,
     }
 
@@ -384,8 +385,10 @@ def run_bench(spec: BenchSpec, *, timeout_s: float = 1800.0) -> dict:
         out = run_ranks(bench_rank, job.ranks, job, timeout_s=timeout_s,
                         backend="nccl" if job.device == "cuda" else "gloo", env=spawn_env())
         rows.extend(out[0]["rows"])
-    return {"spec": asdict(spec), "rows": rows, "wall_seconds": time.perf_counter() - t0,
-            "machine": _machine()}
+    from .methods import flag_over_budget
+
+    return {"spec": asdict(spec), "rows": flag_over_budget(rows),
+            "wall_seconds": time.perf_counter() - t0, "machine": _machine()}
 
 
 def _machine() -> dict:
@@ -514,8 +517,15 @@ def cmd_bench(args) -> int:
                       f"{r['ratio_to_copy']:.2f}" if r.get("ratio_to_copy") else "-",
                       f"{r['baseline_seconds']:.3f}" if r["baseline_seconds"] else "-",
                       f"{r['speedup_vs_baseline']:.1f}×" if r["speedup_vs_baseline"] else "-",
-                      f"{r['peak_extra_bytes'] / MiB:.0f}", f"{r['memory_budget_bytes'] / MiB:.0f}")
+                      f"{r['peak_extra_bytes'] / MiB:.0f}" + (" [red]OVER[/]" if r.get("over_budget") else ""),
+                      f"{r['memory_budget_bytes'] / MiB:.0f}")
     console.print(table)
+    over = [r for r in result["rows"] if r.get("over_budget")]
+    if over:
+        console.print(f"[red]{len(over)} row(s) over their memory budget[/] ("
+                      + "; ".join(f"{r['strategy']}: {r['peak_extra_bytes'] / MiB:.1f} MiB > "
+                                  f"{r['memory_budget_bytes'] / MiB:.1f} MiB = {r['memory_budget_rule']}"
+                                  for r in over) + ")")
     if args.preset == "targets":
         result["targets"] = check_targets(result["rows"])
         t = result["targets"]

@@ -193,6 +193,26 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     return rows
 
 
+def memory_budget(method: str, bucket_bytes: int, largest: int) -> dict:
+    """A row's memory budget (the most extra memory any one process may take during the sync), the
+    rule it comes from, for `flag_over_budget`. tensor and distributed: two buckets (the one being
+    sent and the next being made) plus the largest tensor (gathered whole). disk: one bucket more
+    on a writing rank, for safetensors' serialized copy of the bucket it writes."""
+    if method == "disk":
+        return {"memory_budget_bytes": 3 * bucket_bytes + largest,
+                "memory_budget_rule": "3 x bucket + largest tensor"}
+    return {"memory_budget_bytes": 2 * bucket_bytes + largest,
+            "memory_budget_rule": "2 x bucket + largest tensor"}
+
+
+def flag_over_budget(rows: list[dict]) -> list[dict]:
+    """Mark every measured row whose peak extra memory is over its budget (``over_budget``)."""
+    for r in rows:
+        if "peak_extra_bytes" in r and "memory_budget_bytes" in r:
+            r["over_budget"] = r["peak_extra_bytes"] > r["memory_budget_bytes"]
+    return rows
+
+
 def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floor, manager, sampler,
          largest) -> dict:
     timeline = manager.timeline.to_dict()
@@ -206,7 +226,7 @@ def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floo
         "largest_tensor_bytes": largest, "ranks": job.ranks, "tp": job.tp,
         "multi_stage": job.multi_stage, "device": job.device, "dtype": job.dtype, "seconds": med,
         "repeats": secs, "floor_seconds": floor, "baseline_seconds": None,
-        "peak_extra_bytes": int(peak), "memory_budget_bytes": 2 * bucket_bytes + largest,
+        "peak_extra_bytes": int(peak), **memory_budget(method, bucket_bytes, largest),
         "engine_calls": stats.engine_calls, "buckets": stats.buckets, "stages": timeline,
         "memory_curve": [], "share_host_memory": False, "floor_shared_seconds": None,
         "_peaks": [int(p) for p in peaks],
