@@ -2,7 +2,8 @@
 # GRPO, Qwen2.5-0.5B-Instruct on GSM8K, SGLang rollout, in verl's override style. The line marked
 # fsdp_sync is the only change to a stock verl run: drop it and verl syncs weights its own way.
 # Needs verl 0.9.1 with its GPU extras (e.g. pip install "verl[sglang]==0.9.1") and fsdp_sync
-# installed in the same environment (pip install fsdp_sync), and the GSM8K parquet files
+# installed in the same environment (pip install -e . from a clone of fsdp_sync: it is not on
+# a package index), and the GSM8K parquet files
 # (python3 examples/data_preprocess/gsm8k.py from verl's repository).
 set -xeuo pipefail
 
