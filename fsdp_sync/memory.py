@@ -13,6 +13,8 @@ their release/resume orders (the engine protocol's, `engines.base`).
 
 from __future__ import annotations
 
+import os
+
 import ctypes
 import json
 import time
@@ -23,7 +25,7 @@ from typing import Any, Iterator
 import psutil
 import torch
 
-__all__ = ["probe", "StageRecord", "Timeline", "empty_cache", "status"]
+__all__ = ["probe", "StageRecord", "Timeline", "empty_cache", "status", "temp_dirs"]
 
 
 def _libc() -> Any:
@@ -38,6 +40,27 @@ def _libc() -> Any:
 
 
 _LIBC: Any = None
+
+
+def temp_dirs() -> set[str]:
+    """The empty temporary directories that processes of a sync made and did not remove: Python
+    multiprocessing's ``pymp-*`` (its listeners' sockets) and ``torch-shm-dir-*`` (a
+    ``torch_shm_manager``'s socket). A running owner keeps its socket there, so only empty ones
+    count: what an exited or killed owner left behind. `fsdp-sync soak` and the fault matrix
+    count new ones with their other leftovers."""
+    import glob
+    import tempfile
+
+    root = tempfile.gettempdir()
+    found = glob.glob(os.path.join(root, "pymp-*")) + glob.glob(os.path.join(root, "torch-shm-dir-*"))
+    out = set()
+    for d in found:     # a live owner keeps its socket in it: only an empty one is left behind
+        try:
+            if not os.listdir(d):
+                out.add(d)
+        except OSError:
+            continue    # removed meanwhile, or not ours to read
+    return out
 
 
 def empty_cache() -> None:

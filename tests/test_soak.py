@@ -59,3 +59,25 @@ def test_soak_without_matplotlib_keeps_its_measurement_and_says_what_it_measured
     assert "no plot: matplotlib is not installed" in text and not (tmp_path / "soak.png").exists()
     assert "measured 3 syncs per method" in text and "run --syncs 1000 to judge it" in text
     assert "target NOT met" not in text and "target met" not in text
+
+
+def test_temp_dirs_left_behind_count_as_leftovers(tmp_path, monkeypatch):
+    """Issue 21 item 14: empty pymp-* and torch-shm-dir-* directories piled up in /tmp; the soak
+    and the fault matrix count them with the other leftovers."""
+    import tempfile
+
+    from fsdp_sync.memory import temp_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert temp_dirs() == set()
+    (tmp_path / "pymp-abc").mkdir()
+    (tmp_path / "torch-shm-dir-xyz").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "pymp-live").mkdir()
+    (tmp_path / "pymp-live" / "listener-1").write_text("")     # a live owner's socket
+    assert temp_dirs() == {str(tmp_path / "pymp-abc"), str(tmp_path / "torch-shm-dir-xyz")}
+    grows = _series(lambda s: 200 * MiB)
+    for s in grows:
+        s["temp_dirs"] = s["sync"] // 400
+    row = [r for r in summarise({"m": grows}, ["p"], 100) if r["process"] == "/dev/shm"][0]
+    assert row["temp_dirs_growth"] == 2 and not _meets(row)

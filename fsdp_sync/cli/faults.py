@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..faultpoint import FAULT_ENV, InjectedFault, fault_point  # noqa: F401 - the hook the matrix sets
+from ..memory import temp_dirs
 
 __all__ = ["fault_point", "InjectedFault", "FAULT_ENV", "Cell", "cells", "run_cell", "run_matrix",
            "add_faults_parser", "METHODS", "STAGES", "VICTIMS", "FAULTS", "Timeouts"]
@@ -241,7 +242,7 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
         return cell
     _warm()
     t0 = time.monotonic()
-    fds0, threads0 = _fds(), _threads()
+    fds0, threads0, dirs0 = _fds(), _threads(), temp_dirs()
     tmp = tempfile.mkdtemp(prefix="fsdp_sync_fault_")
     log = os.path.join(tmp, "fault.log")
     # the ranks and the engine's workers (started by rank 0) read the spec from their environment
@@ -318,7 +319,8 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     end = time.monotonic() + max(15.0, t.recv_s + 5)
     while _alive(pids) and time.monotonic() < end:
         time.sleep(0.2)
-    left = {"processes": _alive(pids), "shm": _shm(pids)}
+    left = {"processes": _alive(pids), "shm": _shm(pids),
+            "temp_dirs": sorted(temp_dirs() - dirs0)}
     for p in procs:
         try:
             p.close()

@@ -27,6 +27,8 @@ from typing import Any
 
 __all__ = ["run_soak", "add_soak_parser", "cmd_soak", "summarise"]
 
+from ..memory import temp_dirs
+
 METHODS = ("tensor", "distributed", "disk")
 CONTROL = "train"
 """``--methods train``: the control, training steps with no sync at all (each followed by the
@@ -52,6 +54,7 @@ def _sample(procs: dict) -> dict:
         except psutil.Error:
             out[name] = None
     out["shm"] = _shm_of(procs.values())
+    out["temp_dirs"] = len(temp_dirs())     # pymp-* and torch-shm-dir-* in the temp directory
     return out
 
 
@@ -173,7 +176,8 @@ def summarise(series: dict, procs: list, warmup: int) -> list[dict]:
                          "fds_growth": b["fds"] - a["fds"], "threads_growth": b["threads"] - a["threads"]})
         rows.append({"method": method, "process": "/dev/shm", "syncs": span,
                      "shm_segments_after_warmup": base["shm"], "shm_segments_end": last["shm"],
-                     "shm_growth": last["shm"] - base["shm"]})
+                     "shm_growth": last["shm"] - base["shm"],
+                     "temp_dirs_growth": last.get("temp_dirs", 0) - base.get("temp_dirs", 0)})
     return rows
 
 
@@ -186,7 +190,7 @@ def _meets(row: dict, rss: bool = True) -> bool:
     if "error" in row:
         return False
     if row["process"] == "/dev/shm":
-        return row["shm_growth"] <= 0
+        return row["shm_growth"] <= 0 and row.get("temp_dirs_growth", 0) <= 0
     return ((not rss or row["rss_growth_mib_per_1000"] <= 1.0)
             and row["fds_growth"] <= 0 and row["threads_growth"] <= 0)
 
@@ -315,7 +319,8 @@ def cmd_soak(args) -> int:
         if "error" in r:
             table.add_row(r["method"], r["process"], "[red]" + r["error"], "", "", "", "", "", "")
         elif r["process"] == "/dev/shm":
-            table.add_row(r["method"], r["process"], "", "", "", "", "", "", str(r["shm_growth"]))
+            table.add_row(r["method"], r["process"], "", "", "", "", "", "",
+                          f"{r['shm_growth']} (temp dirs {r.get('temp_dirs_growth', 0):+d})")
         else:
             table.add_row(r["method"], r["process"], f"{r['rss_mib_after_warmup']:.1f} → {r['rss_mib_end']:.1f}",
                           f"{r['rss_growth_mib']:+.2f}", f"{r['rss_growth_mib_per_1000']:+.2f}",
