@@ -7,7 +7,7 @@ touching it before the write (none; reading one byte per page, which lets the ke
 pages per fault where the pages are written already; ``MADV_POPULATE_READ``/``WRITE``), it maps
 the file afresh, copies 64 MiB into it and prints the seconds and the minor page faults.
 
-Usage: PYTHONPATH=. .venv/bin/python scripts/measure_shm_pages.py [--mib 64]
+Usage: PYTHONPATH=. .venv/bin/python dev/measure_shm_pages.py [--mib 64]
 """
 
 from __future__ import annotations
