@@ -1,5 +1,5 @@
 """Serialize/deserialize time of one handle per parameter against one flattened bucket, the consumer
-in an independent process. Usage: python dev/measure_handles.py small qwen2-160m"""
+in an independent process. Usage: PYTHONPATH=. .venv/bin/python dev/measure_handles.py small qwen2-160m"""
 import sys, os, time, json, pickle, subprocess, tempfile
 import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
