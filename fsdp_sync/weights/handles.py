@@ -38,6 +38,7 @@ import io
 import os
 import pickle
 import re
+import sys
 import stat
 import types
 import warnings
@@ -103,6 +104,41 @@ def _keep_sockets_from_shm_manager() -> None:
                 os.set_inheritable(fd, False)
         except OSError:
             continue            # closed meanwhile (e.g. the listing's own descriptor)
+    _start_shm_manager_detached()
+
+
+def _start_shm_manager_detached() -> None:
+    """Start this process's ``torch_shm_manager`` now, with /dev/null as its stdin and stderr.
+
+    The manager also inherits those two (its stdout is torch's own pipe). It outlives this process
+    while another process still holds a segment it handed out (a served engine that opened this
+    process's payloads keeps its connection to the manager until it exits), and with the process's
+    stderr it kept a pipe open: ``client 2>&1 | tail`` never ended (issue 21 item 5). Stdio is
+    pointed at /dev/null only around the one allocation that starts the manager (a few ms; the
+    Python streams are flushed first)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    saved: list[tuple[int, int]] = []
+    try:
+        for fd in (0, 2):
+            try:
+                saved.append((fd, os.dup(fd)))
+            except OSError:
+                continue        # not open: nothing to keep from the manager
+            os.dup2(null, fd)
+        torch.UntypedStorage._new_using_filename_cpu(1)     # starts the manager; freed at once
+    finally:
+        for fd, copy in saved:
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(null)
 
 
 def empty_shared(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
