@@ -1,5 +1,5 @@
 """What a fresh shared-memory buffer's pages cost a process that writes it, by how the pages
-were made: the per-page costs behind the one-host per-rank sync (README, "Per-rank buckets").
+were made: the per-page costs behind the one-host per-rank sync (docs/experiments.md, "Batched page mapping").
 
 For each way of making a 64 MiB ``/dev/shm`` file (``ftruncate`` only; ``posix_fallocate``, as
 torch makes every segment; or written once already, as by another process), and each way of
