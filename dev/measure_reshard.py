@@ -1,7 +1,7 @@
 """Bytes and time of one export: per-rank buckets (`reshard.iter_rank_buckets`, host-shared and
 all-to-all) against today's full buckets (`export.iter_buckets`, host-shared and all-gather).
 
-    PYTHONPATH=. python scripts/measure_reshard.py [--model qwen2-160m] [--ranks 2] [--tp 2]
+    PYTHONPATH=. python dev/measure_reshard.py [--model qwen2-160m] [--ranks 2] [--tp 2]
         [--bucket-mb 64] [--dtype float32] [--fsdp 2] [--out reshard.json]
 
 Prints (and writes) one JSON row per path: trainer_rank_bytes_in (the most bytes any trainer rank

@@ -1,5 +1,5 @@
 """What a fresh shared-memory buffer's pages cost a process that writes it, by how the pages
-were made: the per-page costs behind the one-host per-rank sync (README, "Per-rank buckets").
+were made: the per-page costs behind the one-host per-rank sync (docs/experiments.md, "Batched page mapping").
 
 For each way of making a 64 MiB ``/dev/shm`` file (``ftruncate`` only; ``posix_fallocate``, as
 torch makes every segment; or written once already, as by another process), and each way of
@@ -7,7 +7,7 @@ touching it before the write (none; reading one byte per page, which lets the ke
 pages per fault where the pages are written already; ``MADV_POPULATE_READ``/``WRITE``), it maps
 the file afresh, copies 64 MiB into it and prints the seconds and the minor page faults.
 
-Usage: PYTHONPATH=. .venv/bin/python scripts/measure_shm_pages.py [--mib 64]
+Usage: PYTHONPATH=. .venv/bin/python dev/measure_shm_pages.py [--mib 64]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ engine sees anything. Prints, per rank, the export time of every bucket of the m
 after a warm-up) on the all-gather path and on the host-shared path, the time spent waiting in the
 all-gather, and the floor (bare all-gather of the same bytes + one copy of a TP rank's shard).
 
-Usage: PYTHONPATH=. .venv/bin/python scripts/profile_export.py [recipe=qwen2-160m] [bucket_mb=64]
+Usage: PYTHONPATH=. .venv/bin/python dev/profile_export.py [recipe=qwen2-160m] [bucket_mb=64]
 """
 import statistics
 import sys
@@ -19,7 +19,7 @@ def job(rank, world, model, bucket_mb):
 
     from fsdp_sync.weights import export, gather
     from fsdp_sync.cli.bench.floors import floor_seconds
-    from fsdp_sync.manager import _ReusedBuffer
+    from fsdp_sync.transport.tensor import _ReusedBuffer
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.cli.trainer import wrap_fsdp
 

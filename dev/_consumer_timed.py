@@ -1,4 +1,4 @@
-"""Consumer side of scripts/measure_handles.py: opens payloads, unflattens, reports times and fds."""
+"""Consumer side of dev/measure_handles.py: opens payloads, unflattens, reports times and fds."""
 import sys, os, time, json, pickle
 from fsdp_sync.weights import handles, bucket
 def fds(): return len(os.listdir("/proc/self/fd"))

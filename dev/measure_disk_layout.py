@@ -3,7 +3,7 @@ layout="engine" (one file per engine TP rank, each worker reads only its own): D
 2 CPU ranks (FSDP2) into a reference engine held by trainer rank 0, rounds alternating the two
 layouts so load from other jobs hits both alike.
 
-Run: PYTHONPATH=. .venv/bin/python scripts/measure_disk_layout.py [recipe] [bucket_mb] [tp] [rounds] [dir]
+Run: PYTHONPATH=. .venv/bin/python dev/measure_disk_layout.py [recipe] [bucket_mb] [tp] [rounds] [dir]
      (default: qwen2-160m, 64 MiB buckets, engine TP 2, 3 rounds of 2 syncs per layout, a temp dir
      under /tmp). Prints one JSON object: per layout the syncs' seconds (total, write, publish,
      engine load) and bytes (each engine rank's read, its shard), and the medians.

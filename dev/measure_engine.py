@@ -1,6 +1,6 @@
 """Reference engine figures: logits vs transformers, memory around release/resume, time per token.
 
-Run: PYTHONPATH=. .venv/bin/python scripts/measure_engine.py [recipe]   (default: small)
+Run: PYTHONPATH=. .venv/bin/python dev/measure_engine.py [recipe]   (default: small)
 Prints one JSON object per TP size.
 """
 import json, sys, time

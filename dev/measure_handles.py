@@ -1,5 +1,5 @@
 """Serialize/deserialize time of one handle per parameter against one flattened bucket, the consumer
-in an independent process. Usage: python scripts/measure_handles.py small qwen2-160m"""
+in an independent process. Usage: PYTHONPATH=. .venv/bin/python dev/measure_handles.py small qwen2-160m"""
 import sys, os, time, json, pickle, subprocess, tempfile
 import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -10,7 +10,7 @@ from fsdp_sync.models import build_model, load_config
 def run_consumer(payloads):
     with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
         pickle.dump(payloads, f); path = f.name
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "_consumer_timed.py"), path], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "dev", "_consumer_timed.py"), path], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
     os.unlink(path)
     assert out.returncode == 0, out.stderr

@@ -8,7 +8,7 @@ of the engine workers (from ``/proc``), and the sync seconds (mean of ``--syncs`
 one sync to the next (they are normally made at the start of each sync and freed at its end), to
 show what making them and faulting in their pages costs.
 
-Usage: PYTHONPATH=. .venv/bin/python scripts/profile_rank_sync.py [--model qwen2-160m]
+Usage: PYTHONPATH=. .venv/bin/python dev/profile_rank_sync.py [--model qwen2-160m]
            [--bucket-mb 64] [--pipelined] [--all-to-all] [--keep-buffers] [--syncs 5]
 """
 

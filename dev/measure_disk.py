@@ -2,7 +2,7 @@
 alone, beside `disk_floor` (plain write + fsync + read of the same bytes), and the reference
 engine's load of the published version.
 
-Run: PYTHONPATH=. .venv/bin/python scripts/measure_disk.py [recipe] [bucket_mb] [dir]
+Run: PYTHONPATH=. .venv/bin/python dev/measure_disk.py [recipe] [bucket_mb] [dir]
      (default: qwen2-160m, 64 MiB buckets, a temp dir under /tmp). Prints one JSON object.
 """
 import json

@@ -2,7 +2,7 @@
 
 Runs in the verl tier's venv (`bash scripts/verl_env.sh` first):
 
-    .venv-verl/bin/python scripts/verl_adapter_bench.py --model small --repeats 3 --json out.json
+    .venv-verl/bin/python dev/verl_adapter_bench.py --model small --repeats 3 --json out.json
 
 Two CPU trainer ranks hold an FSDP2 model; verl's rollout class (``get_rollout_class("sglang",
 "async")``, i.e. fsdp_sync's plug-in, opted in) is built as verl's worker builds it and syncs
