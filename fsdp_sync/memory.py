@@ -70,7 +70,7 @@ def empty_cache() -> None:
     Why the heap too: glibc keeps what a process frees at the top of its heaps and in per-thread
     arenas, so a trainer rank's RSS creeps up over thousands of steps (training alone, with no
     sync at all: +2.5 MiB over 400 steps of the soak's tiny model, all of it handed back by one
-    ``malloc_trim``, see README "Soak") and a colocated engine finds less memory than is free.
+    ``malloc_trim``, see docs/reliability.md "Soak") and a colocated engine finds less memory than is free.
     The trim takes well under a millisecond for the soak's trainer; it only returns whole free
     pages, never memory in use."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -4,7 +4,7 @@ keeps serving its previous weights bit-exact (its ``weights_checksum`` is unchan
 
 One ReferenceEngine (tiny, TP 1) serves every case. A case is a function that makes the bad input
 and hands it to the engine (or to a constructor); the table says what the error must name. The
-README's "Reliability / Bad input" lists the same kinds.
+docs/reliability.md "Bad input" lists the same kinds.
 """
 
 from __future__ import annotations

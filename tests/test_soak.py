@@ -1,7 +1,7 @@
 """`fsdp-sync soak`'s report (`soak.summarise`, `soak._meets`), on synthetic samples: a process
 that leaks grows over the second half as before; one that settled does not; the target check
 uses the growth from the warm-up sample on; fds, threads and segments must not grow at all.
-(The soak itself is a command, measured in README "Soak", not a test.)"""
+(The soak itself is a command, measured in docs/reliability.md "Soak", not a test.)"""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ syncs, run before the N measured ones) and at the end, the growth over the N syn
 The warm-up defaults to 300 syncs (fewer for small N): a fresh trainer process's RSS settles over
 its first few hundred syncs (3000 tensor syncs: +0.41 MiB from sync 301 to 751, +0.11 to 1501,
 +0.15 more to 3000): a curve that flattens, where a leak grows at the same rate for ever (what
-settles was not isolated; see README "Soak").
+settles was not isolated; see docs/reliability.md "Soak").
 Target: RSS growth <= 1 MiB per process per 1000 syncs after the warm-up, no growth in fds,
 threads or segments.
 

@@ -39,7 +39,7 @@ flattened). ``param_offload`` stays verl's: its worker offloads the actor after 
 
 Not here: LoRA adapters and verl's delta checkpoint wire (refused with an error when opted in),
 prefill/decode disaggregation, starting SGLang (verl's Ray actors do), and the export itself
-(verl's FSDP engine; see the README for why it is not replaced).
+(verl's FSDP engine; see docs/verl.md for why it is not replaced).
 """
 
 from __future__ import annotations
