@@ -127,3 +127,31 @@ def test_rows_over_their_budget_are_flagged():
     rows = flag_over_budget([{"peak_extra_bytes": 25 << 20, **disk},
                              {"peak_extra_bytes": 12 << 20, **disk}, {"skipped": "no engine"}])
     assert [r.get("over_budget") for r in rows] == [True, False, None]
+
+
+def test_writing_a_disk_file_allocates_no_second_bucket(tmp_path):
+    """Issue 21 item 11: the checksum of each written file was read back through an 8 MiB buffer
+    per file, beside the buckets in flight (found by the CLI engineer's bench run)."""
+    import hashlib
+    import tracemalloc
+
+    import torch
+    from safetensors.torch import load_file
+
+    from fsdp_sync.transport import disk
+    from fsdp_sync.weights import bucket as _bucket
+
+    tensors = {f"w{i}": torch.randn(512, 1024) for i in range(4)}           # 8 MiB
+    bkt = _bucket.plan_buckets([_bucket.TensorMeta.of(n, t) for n, t in tensors.items()], 64 << 20)[0]
+    flat = _bucket.flatten(bkt, tensors)
+    tracemalloc.start()
+    try:
+        rec = disk._write_shard(str(tmp_path), "f.safetensors", bkt, flat)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    data = (tmp_path / "f.safetensors").read_bytes()
+    assert rec["sha256"] == hashlib.sha256(data).hexdigest() and rec["bytes"] == len(data)
+    back = load_file(str(tmp_path / "f.safetensors"))
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+    assert peak < 1 << 20, f"writing an 8 MiB bucket allocated {peak / 2**20:.1f} MiB more in Python"
