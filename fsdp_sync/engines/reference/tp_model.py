@@ -25,7 +25,7 @@ import torch.nn.functional as F
 __all__ = ["ModelSpec", "TPLayout", "Placement", "Span", "TPModel", "shard_state_dict"]
 
 # the layout map lives in fsdp_sync.weights.layout (one source of truth); re-exported here for old imports
-from ..weights.layout import ModelSpec, Placement, TPLayout, shard_state_dict  # noqa: E402,F401
+from ...weights.layout import ModelSpec, Placement, TPLayout, shard_state_dict  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- the forward pass

@@ -48,10 +48,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from ..weights import handles
-from ..weights.bucket import ALIGNMENT, Bucket, TensorMeta, flatten, plan_buckets
-from ..wire import flattened_bucket
-from .base import (RELEASE_ORDER, RESUME_ORDER, TAGS, EngineClosedError, EngineError,
+from ...weights import handles
+from ...weights.bucket import ALIGNMENT, Bucket, TensorMeta, flatten, plan_buckets
+from ...wire import flattened_bucket
+from ..base import (RELEASE_ORDER, RESUME_ORDER, TAGS, EngineClosedError, EngineError,
                    EngineStateError, SerializedPerRank, ordered_tags)
 
 __all__ = [
@@ -460,7 +460,7 @@ class SGLangEngine:
     ``flush_cache``, server info, health), ``proxies`` (none by default).
 
     ``rank_bucket_loader=True``: the server was started with ``--custom-weight-loader
-    fsdp_sync.sglang_loader.load_rank_buckets``, so it takes per-rank buckets
+    fsdp_sync.engines.sglang.loader.load_rank_buckets``, so it takes per-rank buckets
     (`load_rank_bucket`, `SyncConfig.layout` "engine"/"auto"). Off (default), "auto" sends full
     tensors. ``update_weights_from_distributed`` always broadcasts full tensors to every rank.
 
@@ -613,7 +613,7 @@ class SGLangEngine:
     def load_rank_bucket(self, bucket: Any, payloads: list, *, flush_cache: bool = True) -> None:
         """One per-rank bucket through fsdp_sync's custom weight loader: ONE named tensor whose
         name carries the bucket's entries and whose value is TP rank i's payload for rank i."""
-        from ..sglang_loader import LOADER, bucket_name
+        from .loader import LOADER, bucket_name
 
         if not self.accepts_rank_buckets:
             raise SGLangError("per-rank buckets need a server started with --custom-weight-loader "

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .engines.generation import Sampling
+from .generation import Sampling
 
 __all__ = ["GenerateRequest", "parse_generate", "ClientWatch", "GenerateRefused"]
 

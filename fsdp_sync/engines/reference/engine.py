@@ -56,14 +56,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..weights import handles
+from ...weights import handles
 from . import procs
 from .generation import Sampling
-from ..weights.bucket import TensorMeta, flatten, plan_buckets
-from ..weights.layout import ModelSpec, TPLayout, shard_state_dict
-from ..models import load_config
-from ..wire import PER_RANK_BUCKET, flattened_bucket, free_port
-from .base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
+from ...weights.bucket import TensorMeta, flatten, plan_buckets
+from ...weights.layout import ModelSpec, TPLayout, shard_state_dict
+from ...models import load_config
+from ...wire import PER_RANK_BUCKET, flattened_bucket, free_port
+from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
                    SerializedPerRank, WeightUpdateError, WorkerDiedError, checksum_named_tensors,
                    ordered_tags)
 
@@ -469,7 +469,7 @@ class ReferenceEngine:
         worker and each worker reads only its own slices into staging memory (one extra copy of
         its shard) before any weight changes. Raises `WeightUpdateError` naming the file or
         tensor; the previous weights keep serving."""
-        from ..weights.hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
+        from ...weights.hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
 
         what = f"update_weights_from_disk({str(model_path)!r})"
         with self._lock:

@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 
-from ..weights import handles
-from ..faultpoint import fault_point
-from ..weights.bucket import dtype_name, unflatten
-from ..weights.layout import TPLayout, rank_digest
-from ..wire import open_flattened_bucket
+from ...weights import handles
+from ...faultpoint import fault_point
+from ...weights.bucket import dtype_name, unflatten
+from ...weights.layout import TPLayout, rank_digest
+from ...wire import open_flattened_bucket
 from .generation import Decode
 from .tp_model import Span, TPModel
 
@@ -434,7 +434,7 @@ class Worker:
         """A checkpoint directory: verify this rank's share of the files against the manifest,
         then check every tensor's name, dtype and shape from the file headers and read only this
         rank's slices (`SliceReader`: no full tensor is materialized for a sharded one)."""
-        from ..weights.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, verify_file
+        from ...weights.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, verify_file
 
         directory = spec["dir"]
         for file, sha in spec["verify"].items():
@@ -477,7 +477,7 @@ class Worker:
         checked against the manifest's sha256 on the bytes read, and must hold exactly the tensor
         names the manifest lists for it; every tensor is checked as a ``direct`` update (engine
         name, this rank's shape, dtype). No other rank's file is opened."""
-        from ..weights.hf_checkpoint import CheckpointError, engine_name_of, read_verified
+        from ...weights.hf_checkpoint import CheckpointError, engine_name_of, read_verified
 
         directory = spec["dir"]
         for file in spec["files"]:
@@ -781,7 +781,7 @@ class Worker:
 
     # ----------------------------------------------------------------- update_weights_from_distributed
     def join_group(self, a: dict) -> dict:
-        from ..wire import new_update_group
+        from ...wire import new_update_group
 
         self.leave_group(a["group_name"])
         try:
@@ -796,7 +796,7 @@ class Worker:
         return {}
 
     def leave_group(self, group_name: str) -> dict:
-        from ..wire import destroy_update_group
+        from ...wire import destroy_update_group
 
         pg = self.update_groups.pop(group_name, None)
         if pg is not None:
@@ -814,7 +814,7 @@ class Worker:
         returns stage items. Nothing is written to the weights here."""
         import torch.distributed as dist
 
-        from ..wire import PER_RANK_BUCKET, per_rank_bucket_plan
+        from ...wire import PER_RANK_BUCKET, per_rank_bucket_plan
 
         name = a["group_name"]
         pg = self.update_groups.get(name)
