@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import os
-import time
 from collections import Counter
 from typing import Any, Iterable, Mapping, Sequence
 
