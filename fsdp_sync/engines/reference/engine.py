@@ -38,6 +38,9 @@ costs one reply timeout, not more) and `shutdown()` ends it without waiting for 
 `shutdown()` (also on ``with`` exit, garbage collection and interpreter exit) stops every worker
 and closes every pipe; payload buffers are acknowledged by the workers and released by their owner.
 
+The client's generation calls (`rollout`), weight read-back (`readback`) and per-rank update items
+(`update_items`) are in their own modules.
+
 Not here: the model math (`tp_model`) and the worker loop (`worker`).
 """
 

@@ -10,7 +10,8 @@ RMSNorm, rotary embeddings and attention follow transformers' numerics (float32 
 cos/sin computed in float32 then cast, SDPA). Attention runs per sequence over its own span of the
 KV cache, so prompts of different lengths need no padding.
 
-Not here: processes, pipes, payloads and memory tags (`worker`), or the engine API (`reference`).
+Not here: processes, pipes, payloads and memory tags (`worker`, `regions`), or the engine API
+(`engine`).
 """
 
 from __future__ import annotations
