@@ -7,7 +7,7 @@ Runs in the verl tier's venv (`bash scripts/verl_env.sh` first):
 Two CPU trainer ranks hold an FSDP2 model; verl's rollout class (``get_rollout_class("sglang",
 "async")``, i.e. fsdp_sync's plug-in, opted in) is built as verl's worker builds it and syncs
 verl's own per-tensor generator (``full_tensor()`` per parameter, as ``FSDPEngine.
-get_per_tensor_param``) into a reference engine served over HTTP (`fsdp_sync.serve`, TP 2), in
+get_per_tensor_param``) into a reference engine served over HTTP (`fsdp_sync.engines.reference.serve`, TP 2), in
 verl's order (resume weights, update_weights, barrier, resume kv_cache). Strategies alternate,
 after one warm-up sync each:
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
     from fsdp_sync.engines.reference import ReferenceEngine
     from fsdp_sync.cli.launch import run_ranks
-    from fsdp_sync.serve import EngineServer
+    from fsdp_sync.engines.reference.serve import EngineServer
 
     strategies = args.strategies.split(",")
     plan = strategies + [s for _ in range(args.repeats) for s in strategies]   # warm-up first

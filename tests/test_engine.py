@@ -14,7 +14,7 @@ from fsdp_sync.weights import handles
 from fsdp_sync.weights.bucket import flatten, plan_buckets, sglang_metadata, TensorMeta
 from fsdp_sync.engines import (Engine, EngineStateError, ReferenceEngine, SerializedPerRank,
                                WeightUpdateError, checksum_named_tensors)
-from fsdp_sync.engines.tp_model import ModelSpec, TPLayout, shard_state_dict
+from fsdp_sync.engines.reference.tp_model import ModelSpec, TPLayout, shard_state_dict
 from fsdp_sync.models import build_model, load_config
 
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7], [300, 301, 302, 5, 6, 7, 8]]

@@ -117,7 +117,7 @@ def test_the_flattened_payload_is_built_in_one_place():
 
 
 def test_importing_the_library_pulls_in_neither_the_cli_nor_its_packages():
-    code = ("import sys, fsdp_sync.manager, fsdp_sync.engines.reference, fsdp_sync.engines.worker, "
+    code = ("import sys, fsdp_sync.manager, fsdp_sync.engines.reference, fsdp_sync.engines.reference.worker, "
             "fsdp_sync.transport.tensor, fsdp_sync.transport.distributed, fsdp_sync.transport.disk, "
             "fsdp_sync.verify, fsdp_sync.weights.reshard, fsdp_sync.wire, fsdp_sync.faultpoint\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('rich', 'matplotlib') "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_sync.engines import procs
+from fsdp_sync.engines.reference import procs
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -61,7 +61,7 @@ def test_engine_from_a_script_without_main_guard_under_a_launchers_env(tmp_path)
     script = tmp_path / "rollout.py"
     script.write_text(textwrap.dedent("""\
         from fsdp_sync.engines import ReferenceEngine
-        from fsdp_sync.engines.procs import launcher_env_names
+        from fsdp_sync.engines.reference.procs import launcher_env_names
 
         engine = ReferenceEngine(model_config="tiny", tp_size=2, pg_timeout_s=30)
         print("tokens", engine.generate(input_ids=[[1, 2, 3]], max_new_tokens=4))

@@ -267,7 +267,7 @@ def _engine_module(layout) -> torch.nn.Module:
 
 @pytest.mark.timeout(60)
 def test_sglang_loader_loads_rank_buckets_and_refuses_without_changing_anything():
-    from fsdp_sync.sglang_loader import bucket_name, load_rank_buckets
+    from fsdp_sync.engines.sglang.loader import bucket_name, load_rank_buckets
 
     cfg = load_config("tiny", vocab_size=999)
     model = build_model(cfg, seed=4)

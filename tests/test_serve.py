@@ -26,7 +26,7 @@ import torch
 from fsdp_sync.engines.base import EngineStateError
 from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.engines.sglang import SGLangEngine, SGLangError, SGLangHTTPError, SGLangUpdateError
-from fsdp_sync.serve import EngineServer
+from fsdp_sync.engines.reference.serve import EngineServer
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "s3cret-key"

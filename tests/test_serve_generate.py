@@ -20,7 +20,7 @@ import torch
 
 from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.models import build_model, load_config
-from fsdp_sync.serve import EngineServer
+from fsdp_sync.engines.reference.serve import EngineServer
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = [11, 27, 93, 5]

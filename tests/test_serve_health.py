@@ -19,7 +19,7 @@ import torch
 
 from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.cli.launch import run_ranks, spawn_env
-from fsdp_sync.serve import EngineServer
+from fsdp_sync.engines.reference.serve import EngineServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

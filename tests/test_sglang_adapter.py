@@ -21,6 +21,7 @@ import torch
 from fsdp_sync.weights.bucket import ALIGNMENT
 from fsdp_sync.engines.base import Engine, EngineClosedError, EngineStateError
 from fsdp_sync.engines import sglang as sg
+from fsdp_sync.engines.sglang import allocator as sg_allocator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fake_sglang as fake  # noqa: E402
@@ -259,9 +260,9 @@ def test_expandable_segments_noop_on_cpu_recorded():
 @pytest.mark.timeout(30)
 def test_expandable_segments_off_while_sglang_holds_memory(monkeypatch):
     calls = []
-    monkeypatch.setattr(sg, "_cuda_available", lambda: True)
-    monkeypatch.setattr(sg, "_set_allocator_settings", calls.append)
-    monkeypatch.setattr(sg, "_allocator_settings", lambda: "expandable_segments:True")
+    monkeypatch.setattr(sg_allocator, "_cuda_available", lambda: True)
+    monkeypatch.setattr(sg_allocator, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(sg_allocator, "_allocator_settings", lambda: "expandable_segments:True")
     a = sg.SGLangEngine(fake.FakeSGLangEngine(), tp_size=2)
     a.release_memory_occupation(["kv_cache", "weights"])      # nothing switched yet: no restore
     assert calls == []

@@ -1,7 +1,7 @@
 """``fsdp-sync serve``: its flags (each checked before any worker starts) and the command that runs
-the reference engine behind `fsdp_sync.serve.EngineServer` until SIGINT/SIGTERM or a dead worker.
+the reference engine behind `fsdp_sync.engines.reference.serve.EngineServer` until SIGINT/SIGTERM or a dead worker.
 
-Not here: the HTTP server and its routes (`fsdp_sync.serve`), the engine (`engines.reference`).
+Not here: the HTTP server and its routes (`fsdp_sync.engines.reference.serve`), the engine (`engines.reference`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..serve import DEFAULT_MAX_BODY, EngineServer
+from ..engines.reference.serve import DEFAULT_MAX_BODY, EngineServer
 from . import args as ca
 
 __all__ = ["add_serve_parser", "check_serve_args", "main_serve"]

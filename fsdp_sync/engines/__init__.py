@@ -15,5 +15,5 @@ __all__ = ["Engine", "ReferenceEngine", "SerializedPerRank", "EngineError", "Wei
 
 def __getattr__(name: str):
     if name == "ReferenceEngine":
-        return import_module(".reference", __name__).ReferenceEngine
+        return import_module(".reference.engine", __name__).ReferenceEngine
     raise AttributeError(f"module 'fsdp_sync.engines' has no attribute {name!r}")

@@ -248,7 +248,7 @@ class TensorTransport:
         if why is None and topo.is_tp_src and not getattr(self.engine, "accepts_rank_buckets", False):
             why = (f"the engine {type(self.engine).__name__} does not accept per-rank buckets "
                    f"(accepts_rank_buckets is false: for SGLang, start the server with "
-                   f"--custom-weight-loader fsdp_sync.sglang_loader.load_rank_buckets and pass "
+                   f"--custom-weight-loader fsdp_sync.engines.sglang.loader.load_rank_buckets and pass "
                    f"rank_bucket_loader=True)")
         if want == "engine":
             agree(why and f"layout='engine': {why} ({topo.describe()}); use layout='full' or 'auto'",

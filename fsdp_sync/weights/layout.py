@@ -26,7 +26,7 @@ gathering (`get_weights_by_name`), `shard_state_dict` ("direct" payloads) and th
 buckets all use the same placements. `TPLayout.sources` is the reverse map: which HF tensors
 (and which blocks of them) make up one engine parameter on one rank.
 
-Not here: moving data between processes (`reshard`, `handles`), the model math (`engines.tp_model`).
+Not here: moving data between processes (`reshard`, `handles`), the model math (`engines.reference.tp_model`).
 """
 
 from __future__ import annotations

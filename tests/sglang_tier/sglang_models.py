@@ -8,7 +8,7 @@ which is all that constructing the layers reads):
 1. ``A = ModelClass(config)``; ``A.load_weights(full HF tensors)``: SGLang's default loading path
    (its stacked-params mapping and the layers' own ``weight_loader``s cut the rank's shard).
 2. ``B = ModelClass(config)`` filled with NaN; SGLang's real ``WeightUpdater.update_weights_from_tensor``
-   with ``load_format = fsdp_sync.sglang_loader.LOADER`` (listed as a custom weight loader) and one
+   with ``load_format = fsdp_sync.engines.sglang.loader.LOADER`` (listed as a custom weight loader) and one
    ``LocalSerializedTensor`` per bucket whose value for this rank is a payload of
    `reshard.iter_rank_buckets`' buffer for it (SGLang's deserializer opens it).
 3. Reports parameter names and shapes of SGLang's model, our layout's engine shapes, and digests of
@@ -142,7 +142,7 @@ def main(cases: list) -> dict:
     from fsdp_sync.weights import handles, reshard
     from fsdp_sync.weights.layout import layout_for, shard_state_dict
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.sglang_loader import LOADER, bucket_name
+    from fsdp_sync.engines.sglang.loader import LOADER, bucket_name
 
     from sglang.srt.model_loader.loader import ShardedStateLoader
 

@@ -8,7 +8,7 @@ TP 1, 2 and 4 (TP 4 replicates tiny's 2 KV heads):
 - SGLang's default loading path (``model.load_weights`` of the full HF tensors: its stacked-params
   mapping and the layers' weight loaders) gives, bit for bit, `layout.shard_state_dict`'s shard;
 - SGLang's own ``WeightUpdater.update_weights_from_tensor`` with ``load_format`` =
-  `sglang_loader.LOADER` (a ``--custom-weight-loader``) and our per-rank bucket payloads in
+  `engines.sglang.loader.LOADER` (a ``--custom-weight-loader``) and our per-rank bucket payloads in
   ``LocalSerializedTensor``s loads the same bits into a NaN-filled model, every parameter
   written, vocab padding rows zero.
 

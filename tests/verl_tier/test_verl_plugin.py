@@ -144,7 +144,7 @@ def test_adapter_syncs_fsdp2_weights_bit_exact_into_served_engine(tmp_path):
     from fsdp_sync.weights.export import param_metas
     from fsdp_sync.cli.launch import run_ranks
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.serve import EngineServer
+    from fsdp_sync.engines.reference.serve import EngineServer
 
     import verl_ranks
 

@@ -13,7 +13,7 @@ decode step of its active rows). The engine client drives the steps, so between 
 stream tokens out and drop aborted rows; every TP worker runs the same steps with the same rows,
 so the collective forward never goes out of step.
 
-Not here: the HTTP fields (`fsdp_sync.serve`), the worker's process loop (`worker`).
+Not here: the HTTP fields (`fsdp_sync.engines.reference.serve`), the worker's process loop (`worker`).
 """
 
 from __future__ import annotations

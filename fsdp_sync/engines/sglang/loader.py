@@ -1,7 +1,7 @@
 """A custom weight loader for SGLang that loads fsdp_sync's per-rank buckets (`reshard`).
 
-Start SGLang with ``--custom-weight-loader fsdp_sync.sglang_loader.load_rank_buckets`` and send
-``update_weights_from_tensor(named_tensors, load_format="fsdp_sync.sglang_loader.load_rank_buckets")``
+Start SGLang with ``--custom-weight-loader fsdp_sync.engines.sglang.loader.load_rank_buckets`` and send
+``update_weights_from_tensor(named_tensors, load_format="fsdp_sync.engines.sglang.loader.load_rank_buckets")``
 with, per bucket, ONE named tensor::
 
     (bucket_name(rank_bucket.bucket), LocalSerializedTensor(values=[payload of buffers[i] for i in TP ranks]))
@@ -31,12 +31,12 @@ from typing import Any, Iterable
 
 import torch
 
-from .weights.bucket import Bucket, BucketEntry, dtype_name, unflatten
+from ...weights.bucket import Bucket, BucketEntry, dtype_name, unflatten
 
 __all__ = ["BUCKET_PREFIX", "LOADER", "bucket_name", "entries_from_name", "load_rank_buckets"]
 
 BUCKET_PREFIX = "fsdp_sync.rank_bucket:"
-LOADER = "fsdp_sync.sglang_loader.load_rank_buckets"
+LOADER = "fsdp_sync.engines.sglang.loader.load_rank_buckets"
 """The import path to pass as ``--custom-weight-loader`` and as ``load_format``."""
 
 

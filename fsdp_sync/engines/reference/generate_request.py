@@ -2,7 +2,7 @@
 
 `parse_generate` checks a ``/generate`` body the way an RL client sends it (verl, slime, plain
 ``requests``): ``input_ids`` (one prompt or a batch), ``sampling_params`` (one dict or one per
-prompt; checked by `engines.generation.Sampling`), ``return_logprob`` with ``logprob_start_len``,
+prompt; checked by `generation.Sampling`), ``return_logprob`` with ``logprob_start_len``,
 ``stream``, ``rid``. A field this server cannot honour is refused naming it (400), never ignored;
 fields SGLang defines that change nothing at their default value (``image_data: null``,
 ``lora_path: null``, ...) are accepted at that value only.
@@ -12,7 +12,7 @@ fields SGLang defines that change nothing at their default value (``image_data: 
 request) and writes SGLang's server-sent events for ``stream`` (``data: {...}`` chunks, each
 holding the whole output so far, then ``data: [DONE]``).
 
-Not here: the routes (`serve`), generation itself (`engines.generation`).
+Not here: the routes (`serve`), generation itself (`generation`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .engines.generation import Sampling
+from .generation import Sampling
 
 __all__ = ["GenerateRequest", "parse_generate", "ClientWatch", "GenerateRefused"]
 

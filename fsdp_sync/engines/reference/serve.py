@@ -63,7 +63,7 @@ from .generate_request import ClientWatch as _ClientWatch, GenerateRefused, pars
 
 __all__ = ["EngineServer", "check_disk_path", "DEFAULT_MAX_BODY"]
 
-log = logging.getLogger("fsdp_sync.serve")
+log = logging.getLogger("fsdp_sync.engines.reference.serve")
 
 DEFAULT_MAX_BODY = 32 << 20
 
@@ -513,7 +513,7 @@ class EngineServer:
         return fn
 
     def _update_from_tensor(self, body: dict) -> tuple[int, Any]:
-        from .weights import handles
+        from ...weights import handles
 
         payloads = _field(body, "serialized_named_tensors", list)
         load_format = _field(body, "load_format", (str, type(None)), None)

@@ -23,19 +23,24 @@ collective flight recorder is off in the workers unless the caller set ``TORCH_F
 it keeps the last 2000 collectives of every process group for hang dumps (about 1 MiB a group,
 filling over the first ~170 syncs of the distributed method), and a worker never dumps it.
 
-Not here: what a worker does (`worker`), or talking to it (`reference`).
+Also `WorkerSet`, the started processes and their pipes, kept apart from the engine so a
+finalizer can stop them.
+
+Not here: what a worker does (`worker`), or talking to it (`engine`).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any, Mapping
 
-__all__ = ["WorkerProcess", "start", "worker_env", "launcher_env_names", "LAUNCHER_ENV",
+__all__ = ["WorkerSet", "signame", "WorkerProcess", "start", "worker_env", "launcher_env_names", "LAUNCHER_ENV",
            "LAUNCHER_ENV_PREFIXES"]
 
 LAUNCHER_ENV = (
@@ -165,3 +170,55 @@ def start(target: str, args: tuple, name: str,
     except OSError:
         pass   # the child died at once: the caller sees it through the sentinel and exit code
     return proc, conn
+
+
+def signame(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f", {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return ""
+
+
+class WorkerSet:
+    """The processes and pipes, apart from the engine so a finalizer can stop them."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.closed = False
+        # TP ranks that did not answer a call within its timeout: nothing more is asked of them
+        # (no abort round, no diagnostics) and `stop` ends them without a grace period
+        self.silent: set[int] = set()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(pickle.dumps((-1, "shutdown", {})))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + grace_s
+        for r, p in enumerate(self.procs):
+            if r not in self.silent:   # a silent worker would not read the shutdown: end it now
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        for conn in self.conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.close()   # releases the sentinel fd
+            except ValueError:
+                pass

@@ -38,128 +38,44 @@ costs one reply timeout, not more) and `shutdown()` ends it without waiting for 
 `shutdown()` (also on ``with`` exit, garbage collection and interpreter exit) stops every worker
 and closes every pipe; payload buffers are acknowledged by the workers and released by their owner.
 
+The client's generation calls (`rollout`), weight read-back (`readback`) and per-rank update items
+(`update_items`) are in their own modules.
+
 Not here: the model math (`tp_model`) and the worker loop (`worker`).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import pickle
-import signal
 import sys
 import threading
 import time
 import weakref
 from multiprocessing import connection as mp_connection
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from ..weights import handles
+from ...models import load_config
+from ...weights import handles
+from ...weights.layout import ModelSpec, TPLayout
+from ...wire import PER_RANK_BUCKET, free_port
+from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
+                    WeightUpdateError, WorkerDiedError, ordered_tags)
 from . import procs
-from ..config import parse_dtype
-from .generation import Sampling
-from ..weights.bucket import TensorMeta, flatten, plan_buckets
-from ..weights.layout import ModelSpec, TPLayout, shard_state_dict
-from ..models import load_config
-from ..wire import PER_RANK_BUCKET, flattened_bucket, free_port
-from .base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
-                   SerializedPerRank, WeightUpdateError, WorkerDiedError, checksum_named_tensors,
-                   ordered_tags)
+from ...config import parse_dtype
+from .readback import WeightReadback
+from .rollout import GenerationCalls
+from .update_items import build_items, distributed_entries
 
 __all__ = ["ReferenceEngine"]
-
-
-def _distributed_entries(names: Any, dtypes: Any, shapes: Any, load_format: str | None) -> list[tuple]:
-    """``(name, dtype, shape)`` of an ``update_weights_from_distributed`` call, checked as SGLang's
-    receiver reads them (dtype strings by ``getattr(torch, s)``; flattened: tight offsets)."""
-    if load_format not in (None, "flattened_bucket", PER_RANK_BUCKET):
-        raise WeightUpdateError(f"unknown load_format {load_format!r}; expected None, 'flattened_bucket' "
-                                f"or {PER_RANK_BUCKET!r}")
-    if not (isinstance(names, (list, tuple)) and isinstance(dtypes, (list, tuple))
-            and isinstance(shapes, (list, tuple)) and len(names) == len(dtypes) == len(shapes)):
-        raise WeightUpdateError(f"names, dtypes and shapes are lists of one length, got "
-                                f"{len(names) if hasattr(names, '__len__') else names!r}, "
-                                f"{len(dtypes) if hasattr(dtypes, '__len__') else dtypes!r}, "
-                                f"{len(shapes) if hasattr(shapes, '__len__') else shapes!r}")
-    out, offset = [], 0
-    for name, dt, shape in zip(names, dtypes, shapes):
-        dtype = dt if isinstance(dt, torch.dtype) else getattr(torch, str(dt), None) if isinstance(dt, str) else None
-        if not isinstance(dtype, torch.dtype):
-            raise WeightUpdateError(f"bad dtype {dt!r} for {name!r}: expected a torch dtype name such as "
-                                    f"'bfloat16' (not 'torch.bfloat16')", name=name)
-        try:
-            shape = tuple(int(x) for x in shape)
-        except (TypeError, ValueError):
-            raise WeightUpdateError(f"bad shape {shape!r} for {name!r}", name=name) from None
-        if any(x < 0 for x in shape):
-            raise WeightUpdateError(f"bad shape {shape} for {name!r}", name=name)
-        if load_format == "flattened_bucket" and offset % dtype.itemsize:
-            raise WeightUpdateError(f"{name!r} ({dt}) would start at byte {offset} of the flattened "
-                                    f"bucket, not a multiple of its dtype size {dtype.itemsize}: the "
-                                    f"sender must plan buckets so every offset is aligned", name=name)
-        offset += math.prod(shape) * dtype.itemsize
-        out.append((str(name), dtype, shape))
-    return out
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
 
-def _signame(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f", {signal.Signals(-code).name}"
-        except ValueError:
-            pass
-    return ""
-
-
-class _Workers:
-    """The processes and pipes, apart from the engine so a finalizer can stop them."""
-
-    def __init__(self) -> None:
-        self.procs: list[Any] = []
-        self.conns: list[Any] = []
-        self.closed = False
-        # TP ranks that did not answer a call within its timeout: nothing more is asked of them
-        # (no abort round, no diagnostics) and `stop` ends them without a grace period
-        self.silent: set[int] = set()
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for conn in self.conns:
-            try:
-                conn.send_bytes(pickle.dumps((-1, "shutdown", {})))
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + grace_s
-        for r, p in enumerate(self.procs):
-            if r not in self.silent:   # a silent worker would not read the shutdown: end it now
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        for conn in self.conns:
-            try:
-                conn.close()
-            except OSError:
-                pass
-        for p in self.procs:
-            try:
-                p.close()   # releases the sentinel fd
-            except ValueError:
-                pass
-
-
-class ReferenceEngine:
+class ReferenceEngine(GenerationCalls, WeightReadback):
     """A TP rollout engine in worker processes. See the module docstring.
 
     Args:
@@ -263,7 +179,7 @@ class ReferenceEngine:
         self._update_groups: dict[str, dict] = {}   # weight-update groups the workers joined
         from . import worker as worker_mod
 
-        self._w = _Workers()
+        self._w = procs.WorkerSet()
         self._finalizer = weakref.finalize(self, self._w.stop)
         init_method = f"tcp://127.0.0.1:{free_port()}" if self.tp_size > 1 else None
         try:
@@ -325,7 +241,7 @@ class ReferenceEngine:
         for r, p in enumerate(self._w.procs):
             code = p.exitcode
             if code is not None:
-                return (f"TP rank {r} (pid {p.pid}) exited (exit code {code}{_signame(code)}); "
+                return (f"TP rank {r} (pid {p.pid}) exited (exit code {code}{procs.signame(code)}); "
                         f"the engine cannot serve any more: shut it down and start a new one")
         return None
 
@@ -344,7 +260,7 @@ class ReferenceEngine:
         p = self._w.procs[rank]
         p.join(timeout=1.0)
         code = p.exitcode
-        msg = (f"TP rank {rank} (pid {p.pid}) died during {what} (exit code {code}{_signame(code)}); "
+        msg = (f"TP rank {rank} (pid {p.pid}) died during {what} (exit code {code}{procs.signame(code)}); "
                f"the engine cannot serve any more: shut it down and start a new one")
         if self._broken is None:
             self._broken = msg
@@ -441,7 +357,7 @@ class ReferenceEngine:
             sets: list[handles.PayloadSet] = []
             try:
                 try:
-                    per_rank = self._build_items(named_tensors, load_format, sets)
+                    per_rank = build_items(named_tensors, load_format, self.tp_size, sets)
                 except WeightUpdateError as exc:
                     self._abort_all(what, str(exc))   # a refused call ends an open transaction too
                     raise
@@ -476,7 +392,7 @@ class ReferenceEngine:
         worker and each worker reads only its own slices into staging memory (one extra copy of
         its shard) before any weight changes. Raises `WeightUpdateError` naming the file or
         tensor; the previous weights keep serving."""
-        from ..weights.hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
+        from ...weights.hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
 
         what = f"update_weights_from_disk({str(model_path)!r})"
         with self._lock:
@@ -616,7 +532,7 @@ class ReferenceEngine:
                 raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
                                         f"({self._txn_aborted}); call end_weight_update() and start again")
             try:
-                entries = _distributed_entries(names, dtypes, shapes, load_format)
+                entries = distributed_entries(names, dtypes, shapes, load_format)
                 own = self.layout.engine_shapes() if load_format == PER_RANK_BUCKET else None
                 for name, dtype, shape in entries:   # checked before joining: the sender learns at once
                     if own is not None and name not in own:
@@ -672,85 +588,6 @@ class ReferenceEngine:
             self._round("abort", {"reason": reason}, ranks=self._responsive(), what=what + " (abort)")
         except EngineError:
             pass   # already broken: the caller raises the first error
-
-    def _build_items(self, named_tensors: Any, load_format: str | None,
-                     sets: list[handles.PayloadSet]) -> list[list]:
-        """Per-rank work items: ``("bucket", layout, payload)`` or ``("tensor", layout, name, payload)``."""
-        tp = self.tp_size
-        items: list[list] = [[] for _ in range(tp)]
-        direct_buckets = (load_format == "direct" and isinstance(named_tensors, (list, tuple))
-                          and bool(named_tensors)
-                          and all(isinstance(p, (bytes, bytearray, str)) for p in named_tensors))
-        if load_format == "flattened_bucket" or direct_buckets:
-            if not isinstance(named_tensors, (list, tuple)) or len(named_tensors) != tp:
-                n = len(named_tensors) if isinstance(named_tensors, (list, tuple)) else type(named_tensors).__name__
-                raise WeightUpdateError(f"load_format='flattened_bucket' takes one payload per TP rank "
-                                        f"({tp}), got {n}")
-            for r, p in enumerate(named_tensors):
-                if not isinstance(p, (bytes, bytearray, str)):
-                    raise WeightUpdateError(f"flattened_bucket payload for TP rank {r} must be bytes or "
-                                            f"base64 text (handles.make_payloads), got {type(p).__name__}")
-                items[r].append(("bucket", "direct" if direct_buckets else "hf", p))
-            return items
-        if load_format not in (None, "direct"):
-            raise WeightUpdateError(f"unknown load_format {load_format!r}; expected None, "
-                                    f"'flattened_bucket' or 'direct'")
-        if not isinstance(named_tensors, (list, tuple)):
-            raise WeightUpdateError(f"named_tensors is a list of (name, value) pairs, got "
-                                    f"{type(named_tensors).__name__}")
-        kind = "hf" if load_format is None else "direct"
-        plain: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(tp)]
-        for pair in named_tensors:
-            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)):
-                raise WeightUpdateError(f"named_tensors holds (name, value) pairs, got {pair!r:.80}")
-            name, value = pair
-            if isinstance(value, torch.Tensor):
-                for r in range(tp):     # a full tensor (None) or a replicated one (direct)
-                    plain[r].append((name, value))
-            elif isinstance(value, SerializedPerRank) or (load_format == "direct" and isinstance(value, (list, tuple))):
-                values = value.values if isinstance(value, SerializedPerRank) else list(value)
-                if len(values) != tp:
-                    raise WeightUpdateError(f"expected {tp} per-rank values for {name!r} (one per TP rank), "
-                                            f"got {len(values)}", name=name)
-                for r, v in enumerate(values):
-                    if isinstance(v, torch.Tensor):
-                        plain[r].append((name, v))
-                    elif isinstance(v, (bytes, bytearray, str)):
-                        items[r].append(("tensor", kind, name, v))
-                    else:
-                        raise WeightUpdateError(f"per-rank value {r} of {name!r} must be a payload "
-                                                f"(bytes/str) or a tensor, got {type(v).__name__}", name=name)
-            else:
-                raise WeightUpdateError(f"value of {name!r} must be a tensor or a SerializedPerRank, got "
-                                        f"{type(value).__name__}", name=name)
-        if any(plain):
-            self._pack_plain(plain, kind, items, sets)
-        return items
-
-    def _pack_plain(self, plain: list[list[tuple[str, torch.Tensor]]], kind: str, items: list[list],
-                    sets: list[handles.PayloadSet]) -> None:
-        """Plain tensors travel as one flattened bucket per distinct rank list: one shared buffer,
-        one copy, one handle per rank (``handles.make_payloads``), never one per tensor."""
-        tp = self.tp_size
-        same = all(len(plain[r]) == len(plain[0]) and all(a is b for (_, a), (_, b) in zip(plain[r], plain[0]))
-                   for r in range(tp))
-        groups = [(list(range(tp)), plain[0])] if same else [([r], plain[r]) for r in range(tp) if plain[r]]
-        for ranks, named in groups:
-            try:
-                metas = [TensorMeta.of(n, t) for n, t in named]
-                total = sum(m.nbytes for m in metas) + 64 * (len(metas) + 1)
-                bucket = plan_buckets(metas, total)[0]
-                devices = {t.device for _, t in named}
-                device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-                flat = handles.empty_shared(bucket.nbytes, device)
-                flatten(bucket, [t.detach().to(device).contiguous() for _, t in named], out=flat)
-            except (ValueError, TypeError) as exc:
-                raise WeightUpdateError(f"cannot send these tensors: {exc}") from exc
-            ps = handles.make_payloads(flattened_bucket(flat, bucket), tp, ranks=ranks)
-            del flat
-            sets.append(ps)
-            for r, payload in zip(ranks, ps.payloads):
-                items[r].append(("bucket", kind, payload))
 
     def begin_weight_update(self, *, transactional: bool | None = None) -> None:
         """Open an update. Transactional (the engine's default, see ``transactional_updates``):
@@ -843,233 +680,6 @@ class ReferenceEngine:
             return out
 
     # ------------------------------------------------------------------ serving
-    def _check_prompts(self, input_ids: Any) -> list[list[int]]:
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() == 1:
-                input_ids = input_ids[None]
-            input_ids = input_ids.tolist()
-        if not isinstance(input_ids, (list, tuple)) or not input_ids:
-            raise ValueError("input_ids is a non-empty list of token-id lists")
-        if all(isinstance(t, int) for t in input_ids):
-            input_ids = [list(input_ids)]
-        prompts = []
-        V = self.spec.vocab_size
-        for i, p in enumerate(input_ids):
-            p = [int(t) for t in p]
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {V})")
-            prompts.append(p)
-        return prompts
-
-    def generate(self, input_ids: Any = None, max_new_tokens: int = 16, temperature: float = 0.0, *,
-                 sampling_params: dict | None = None, stop_token_ids: Sequence[int] | None = None,
-                 ignore_eos: bool = False) -> list[list[int]]:
-        """New token ids for each prompt (greedy when ``temperature`` is 0). Prompts may differ in
-        length. ``sampling_params`` are SGLang's (`generation.Sampling`; they override the
-        keywords); they stop at the config's eos (unless ``ignore_eos``) and at their
-        ``stop_token_ids``. The ``stop_token_ids`` keyword instead replaces the eos."""
-        sp = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
-        sp.update(sampling_params or {})
-        eos = None
-        if stop_token_ids is not None:
-            sp["stop_token_ids"] = [int(t) for t in stop_token_ids]
-            eos = []
-        return [r["output_ids"] for r in self.generate_requests(input_ids, sp, eos=eos)]
-
-    def _eos(self) -> list[int]:
-        eos = getattr(self.config, "eos_token_id", None)
-        return [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(t) for t in eos])
-
-    ABORT_STEPS = 4
-    """Decode steps per worker round trip while a caller watches for aborts (`generate_requests`)."""
-
-    def generate_requests(self, input_ids: Any, sampling_params: dict | Sequence[dict] | None = None, *,
-                          return_logprob: bool = False, logprob_start_len: int | None = None,
-                          on_step: Callable[[list[dict]], None] | None = None,
-                          should_abort: Callable[[int], bool] | None = None,
-                          eos: Sequence[int] | None = None) -> list[dict]:
-        """SGLang's ``/generate`` on this engine. One result per prompt and sample (``n`` samples of
-        a prompt are consecutive): ``output_ids``, ``finish_reason`` (SGLang's ``{"type": "stop",
-        "matched": id}`` / ``{"type": "length", "length": n}`` / ``{"type": "abort", ...}``),
-        ``prompt_index``, and with ``return_logprob`` SGLang's ``output_token_logprobs``
-        (``[logprob, token_id, None]`` each, the temperature-scaled distribution's) and, when
-        ``logprob_start_len >= 0``, ``input_token_logprobs`` from that position (position 0 has
-        no logprob). ``sampling_params``: one dict for all prompts or one per prompt.
-
-        ``on_step(results)`` runs after each decode step (streaming); ``should_abort(row)`` is asked
-        every `ABORT_STEPS` steps and an aborted row ends there. The engine is held for the whole
-        call."""
-        prompts = self._check_prompts(input_ids)
-        sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
-            [sampling_params] * len(prompts)
-        if len(sps) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
-        eos = self._eos() if eos is None else [int(t) for t in eos]
-        specs = [Sampling.from_sglang(sp, eos=eos, vocab=self.spec.vocab_size) for sp in sps]
-        ctx = getattr(self.config, "max_position_embeddings", None)
-        for p, s in zip(prompts, specs):
-            if ctx is not None and len(p) + s.max_new_tokens > ctx:   # SGLang's words
-                raise ValueError(
-                    f"Requested token count exceeds the model's maximum context length of {ctx} "
-                    f"tokens. You requested a total of {len(p) + s.max_new_tokens} tokens: {len(p)} "
-                    f"tokens from the input messages and {s.max_new_tokens} tokens for the "
-                    f"completion. Please reduce the number of tokens in the input messages or the "
-                    f"completion to fit within the limit.")
-        if logprob_start_len is not None and logprob_start_len >= 0 and not return_logprob:
-            raise ValueError("logprob_start_len needs return_logprob=True")
-        rows = [(i, s) for i, (p, s) in enumerate(zip(prompts, specs)) for _ in range(s.n)]
-        # decode steps per worker round trip: one when every token is streamed; a few when only
-        # aborts are watched (an abort then lands within that many steps); many otherwise
-        steps = 1 if on_step is not None else (self.ABORT_STEPS if should_abort is not None else 64)
-        results = [{"prompt_index": i, "output_ids": [], "finish_reason": None}
-                   | ({"output_token_logprobs": []} if return_logprob else {}) for i, _ in rows]
-        with self._lock:
-            if return_logprob and logprob_start_len is not None and logprob_start_len >= 0:
-                inputs = self._input_logprobs(prompts, int(logprob_start_len))
-                for r in results:
-                    r["input_token_logprobs"] = inputs[r["prompt_index"]]
-            self._call("gen_begin", {"prompts": [prompts[i] for i, _ in rows],
-                                     "rows": [s for _, s in rows], "logprobs": return_logprob},
-                       what="generate", collective=True)
-            try:
-                finished = False
-                while not finished:
-                    drop = [k for k, r in enumerate(results) if r["finish_reason"] is None
-                            and should_abort is not None and should_abort(k)]
-                    for k in drop:
-                        results[k]["finish_reason"] = {"type": "abort", "message": "request aborted"}
-                    out = self._call("gen_step", {"drop": drop, "steps": steps}, what="generate",
-                                     collective=True)[0]
-                    for k, ts in out["tokens"].items():
-                        r = results[k]
-                        r["output_ids"].extend(ts)
-                        if return_logprob:
-                            r["output_token_logprobs"].extend(
-                                [lp, t, None] for lp, t in zip(out["logprobs"][k], ts))
-                    for k, why in out["ended"].items():
-                        r = results[k]
-                        r["finish_reason"] = ({"type": "stop", "matched": r["output_ids"][-1]}
-                                              if why == "stop" else
-                                              {"type": "length", "length": len(r["output_ids"])})
-                    finished = out["finished"]
-                    if on_step is not None:
-                        on_step(results)
-            finally:
-                if self.dead_reason() is None:
-                    self._call("gen_end", what="generate")
-        for r, (_, s) in zip(results, rows):
-            if r["finish_reason"] is None:     # max_new_tokens 0
-                r["finish_reason"] = {"type": "length", "length": 0}
-        return results
-
-    def _input_logprobs(self, prompts: list[list[int]], start: int) -> list[list]:
-        logits = self._call("forward_logits", {"prompts": prompts, "all_positions": True},
-                            collective=True)[0]
-        out = []
-        for p, lg in zip(prompts, logits):
-            lps = torch.log_softmax(lg.float(), dim=-1)
-            out.append([[None if j == 0 else float(lps[j - 1, p[j]]), p[j], None]
-                        for j in range(min(start, len(p)), len(p))])
-        return out
-
-    def forward_logits(self, input_ids: Any, *, all_positions: bool = False) -> Any:
-        """Logits of the engine dtype: ``[batch, vocab]`` at each prompt's last position, or with
-        ``all_positions`` a list of ``[len_i, vocab]`` (``[batch, len, vocab]`` for a tensor input)."""
-        rect = isinstance(input_ids, torch.Tensor)
-        prompts = self._check_prompts(input_ids)
-        out = self._call("forward_logits", {"prompts": prompts, "all_positions": all_positions},
-                         collective=True)[0]
-        if all_positions and rect:
-            return torch.stack(out)
-        return out
-
-    # ------------------------------------------------------------------ reading weights back
-    def hf_names(self) -> list[str]:
-        """Hugging Face parameter names in ``named_parameters()`` order (tied lm_head excluded)."""
-        return self.layout.hf_names()
-
-    def engine_param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The engine's own parameter names and per-rank shapes (what ``load_format="direct"`` takes)."""
-        return self.layout.engine_shapes()
-
-    def shard_for_rank(self, named: Any, rank: int) -> dict[str, torch.Tensor]:
-        """Full HF tensors → rank ``rank``'s tensors in this engine's own layout (for ``"direct"``)."""
-        return shard_state_dict(named, self.layout, rank)
-
-    def _gather(self, names: list[str]) -> dict[str, torch.Tensor]:
-        replies = self._call("pieces", {"names": names}, what="get_weights_by_name")
-        out = {}
-        for name in names:
-            shape = self.layout.full_shape(name)
-            full = torch.empty(shape, dtype=self.dtype)
-            for r in range(self.tp_size):
-                for src, piece in replies[r][name]:
-                    full[src] = piece
-            out[name] = full
-        return out
-
-    def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
-        """The full (CPU) tensor of HF parameter ``name``, assembled from every rank's shard."""
-        if not self.layout.accepts(name):
-            raise KeyError(f"unknown parameter {name!r}; this model's HF names are e.g. "
-                           f"{self.hf_names()[:3]}")
-        t = self._gather([name])[name]
-        return t if truncate_size is None else t[:truncate_size]
-
-    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every full tensor in HF order, gathered a batch (about 64 MiB) at a time."""
-        batch, size = [], 0
-        for name in self.hf_names():
-            batch.append(name)
-            size += math.prod(self.layout.full_shape(name)) * self.dtype.itemsize
-            if size >= _PIECE_BATCH_BYTES:
-                yield from self._gather(batch).items()
-                batch, size = [], 0
-        if batch:
-            yield from self._gather(batch).items()
-
-    def weights_checksum(self) -> str:
-        """`checksum_named_tensors` over every full tensor in HF order: equals the trainer's
-        ``checksum_named_tensors(model.named_parameters())`` when the weights are the same."""
-        return checksum_named_tensors(self.named_full_tensors())
-
-    def tensor_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        """``{name: checksum_named_tensors([(name, full tensor)])}`` for HF ``names`` (None: all),
-        assembled from the workers' shards a batch (about 64 MiB) at a time: what
-        ``SyncConfig.verify`` compares with the trainer's own."""
-        names = self.hf_names() if names is None else list(names)
-        bad = [n for n in names if not self.layout.accepts(n)]
-        if bad:
-            raise KeyError(f"unknown parameter(s) {bad[:3]}; this model's HF names are e.g. "
-                           f"{self.hf_names()[:3]}")
-        out: dict[str, str] = {}
-        batch, size = [], 0
-        for i, name in enumerate(names):
-            batch.append(name)
-            size += math.prod(self.layout.full_shape(name)) * self.dtype.itemsize
-            if size >= _PIECE_BATCH_BYTES or i == len(names) - 1:
-                for n, t in self._gather(batch).items():
-                    out[n] = checksum_named_tensors([(n, t)])
-                batch, size = [], 0
-        return out
-
-    def rank_digests(self, names: Sequence[str] | None = None) -> dict[str, list[str]]:
-        """``{name: [digest of TP rank 0, 1, ...]}`` for HF ``names`` (None: all): each worker
-        hashes the pieces of each tensor it serves (`layout.rank_digest`), so only the digests
-        leave the workers. ``SyncConfig.verify`` recomputes them from the trainer's full tensors
-        with ``self.layout``; far cheaper than `tensor_checksums`, which ships every full tensor."""
-        names = self.hf_names() if names is None else list(names)
-        bad = [n for n in names if not self.layout.accepts(n)]
-        if bad:
-            raise KeyError(f"unknown parameter(s) {bad[:3]}; this model's HF names are e.g. "
-                           f"{self.hf_names()[:3]}")
-        replies = self._call("rank_digests", {"names": names}, what="rank_digests")
-        return {n: [replies[r][n] for r in range(self.tp_size)] for n in names}
-
-    # ------------------------------------------------------------------ test hooks
     def _receive_raw(self, group_name: str, nbytes: int, count: int, p2p: bool = False) -> None:
         """Benchmark hook: every worker receives ``count`` bare broadcasts (``p2p``: point-to-point
         messages) of ``nbytes`` from rank 0 of the update group and drops them (the floor of

@@ -10,7 +10,8 @@ RMSNorm, rotary embeddings and attention follow transformers' numerics (float32 
 cos/sin computed in float32 then cast, SDPA). Attention runs per sequence over its own span of the
 KV cache, so prompts of different lengths need no padding.
 
-Not here: processes, pipes, payloads and memory tags (`worker`), or the engine API (`reference`).
+Not here: processes, pipes, payloads and memory tags (`worker`, `regions`), or the engine API
+(`engine`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 __all__ = ["ModelSpec", "TPLayout", "Placement", "Span", "TPModel", "shard_state_dict"]
 
 # the layout map lives in fsdp_sync.weights.layout (one source of truth); re-exported here for old imports
-from ..weights.layout import ModelSpec, Placement, TPLayout, shard_state_dict  # noqa: E402,F401
+from ...weights.layout import ModelSpec, Placement, TPLayout, shard_state_dict  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- the forward pass

@@ -1,435 +1,36 @@
-"""SGLang adapter: flattened-bucket payloads SGLang opens, and an `Engine` over SGLang.
+"""SGLangEngine: fsdp_sync's engine protocol (`fsdp_sync.engines.base.Engine`, SGLang's method
+names) over an in-process ``sglang.Engine`` object or a running SGLang HTTP server.
 
-Two things live here:
+It orders memory tags the way SGLang does, uses ``begin_weight_update`` / ``end_weight_update`` when
+the engine has them (detected once: the method is missing, or HTTP 404), turns the CUDA allocator's
+expandable segments off while SGLang holds GPU memory (`allocator`), raises on every
+``success=False`` with SGLang's message, and retries only idempotent HTTP calls (`client`).
 
-- `flattened_bucket_payloads(named_tensors, tp_size, output_str=False)`: what
-  ``sglang.Engine.update_weights_from_tensor(named_tensors=..., load_format="flattened_bucket")``
-  consumes. Element i is TP rank i's payload (bytes, or base64 text for HTTP); it opens, with
-  SGLang's restricted unpickler, to ``{"flattened_tensor": uint8 tensor, "metadata": [...]}``
-  with `types.SimpleNamespace` entries (name, shape, dtype, start_idx, end_idx, numel in bytes).
-  Offsets are aligned by `fsdp_sync.weights.bucket` (SGLang adds no padding of its own). CPU buffers travel
-  as shared memory by file name, CUDA buffers as CUDA IPC handles naming the device by UUID
-  (`fsdp_sync.weights.handles`). The payloads are untagged: SGLang's model runner reads only the two keys
-  above, and it never acknowledges our ``"fsdp_sync"`` tag, so a tag would only make `release`
-  complain.
-
-  **Lifetime rule.** The returned `BucketPayloads` is a list that also holds the buffers. Keep it
-  until the engine has answered the ``update_weights_from_tensor`` call, then `release()` it (or
-  use it as a context manager). Copies of its elements, or the list pickled (it pickles as a plain
-  list, e.g. through ``gather_object``), keep nothing alive. If SGLang refused the call before
-  opening the payloads (`SGLangUpdateError.opened` is False), ``release(unopened=True)`` gives
-  their shared-memory references back; the context manager does this by itself.
-
-- `SGLangEngine`: fsdp_sync's engine protocol (`fsdp_sync.engines.base.Engine`, SGLang's method
-  names) over an in-process ``sglang.Engine`` object or a running SGLang HTTP server. It orders
-  memory tags the way SGLang does, uses ``begin_weight_update`` / ``end_weight_update`` when the
-  engine has them (detected once: the method is missing, or HTTP 404), turns the CUDA allocator's
-  expandable segments off while SGLang holds GPU memory, raises on every ``success=False`` with
-  SGLang's message, and retries only idempotent HTTP calls.
-
-Not here: starting SGLang (the caller launches the engine or server), and any import of sglang
-at import time: sglang is imported lazily, only for ``LocalSerializedTensor`` (load formats other
-than ``"flattened_bucket"`` given `SerializedPerRank` values). HTTP uses only the standard library.
+Not here: the per-rank payloads (`payloads`, with their lifetime rule), starting SGLang (the caller
+launches the engine or server), and any import of sglang at import time: sglang is imported lazily,
+only for ``LocalSerializedTensor`` (load formats other than ``"flattened_bucket"`` given
+`SerializedPerRank` values). HTTP uses only the standard library.
 """
+
 
 from __future__ import annotations
 
 import base64
-import http.client
-import json
 import os
-import socket
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from ..weights import handles
-from ..weights.bucket import ALIGNMENT, Bucket, TensorMeta, flatten, plan_buckets
-from ..wire import flattened_bucket
-from .base import (RELEASE_ORDER, RESUME_ORDER, TAGS, EngineClosedError, EngineError,
-                   EngineStateError, SerializedPerRank, ordered_tags)
-
-__all__ = [
-    "BucketPayloads", "flattened_bucket_payloads", "bucket_payloads", "SGLangEngine",
-    "SGLangError", "SGLangHTTPError", "SGLangUpdateError", "ExpandableSegments",
-]
-
-FLATTENED_BUCKET = "flattened_bucket"
-
-
-# --------------------------------------------------------------------------- payloads
-
-class BucketPayloads(list):
-    """Per-TP-rank payloads of one flattened bucket (element i for rank i) and their lease.
-
-    A plain list to whoever reads it (pickles as a plain list, so sending it through
-    ``gather_object`` carries no buffer). Holding this object keeps the bucket's buffer alive;
-    `release` frees it once the engine has answered and empties the list.
-    """
-
-    def __init__(self, payload_set: handles.PayloadSet, bucket: Bucket) -> None:
-        super().__init__(payload_set.payloads)
-        self.payload_set = payload_set
-        self.bucket = bucket
-
-    @property
-    def names(self) -> list[str]:
-        return self.bucket.names
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the flattened buffer, alignment padding included."""
-        return self.bucket.nbytes
-
-    @property
-    def released(self) -> bool:
-        return self.payload_set.released
-
-    def release(self, *, unopened: bool | Sequence[int] = ()) -> None:
-        """Free the buffer. Call after the engine answered.
-
-        ``unopened``: TP ranks known never to have opened their payload (``True``: all of them),
-        e.g. after SGLang refused the call before loading (`SGLangUpdateError.opened` is False).
-        Their shared-memory references are given back, or the segment would outlive this call.
-        """
-        if self.payload_set.released:
-            return
-        ranks = range(len(self)) if unopened is True else (unopened or ())
-        self.payload_set.release(require_ack=False, unopened=list(ranks))
-        self.clear()
-
-    def __enter__(self) -> "BucketPayloads":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        opened = getattr(exc, "opened", None) if exc is not None else None
-        self.release(unopened=opened is False)
-
-    def __reduce__(self):
-        return (list, (list(self),))
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else f"{self.nbytes} bytes"
-        return f"BucketPayloads({len(self)} ranks, {len(self.bucket.entries)} tensors, {state})"
-
-
-def bucket_payloads(flat: torch.Tensor, bucket: Bucket, tp_size: int, *,
-                    output_str: bool = False) -> BucketPayloads:
-    """Payloads of an already flattened bucket: ``flat`` (1-D uint8, laid out by ``bucket``).
-
-    ``flat`` is shared as is (no copy) when it is a CUDA tensor or came from
-    `fsdp_sync.weights.handles.empty_shared`; other CPU tensors are copied into shared memory once per rank.
-    """
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    if not bucket.entries:
-        raise ValueError("a flattened bucket needs at least one tensor "
-                         "(SGLang rejects an empty bucket)")
-    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < bucket.nbytes:
-        raise ValueError(f"flat must be a 1-D uint8 tensor of at least {bucket.nbytes} bytes, got "
-                         f"{flat.dtype} {tuple(flat.shape)}")
-    bad = [e.name for e in bucket.entries if e.start % e.dtype.itemsize]
-    if bad:
-        raise ValueError(f"tensors {bad} start at a byte offset that is not a multiple of their "
-                         f"item size; SGLang cannot view them (plan them with "
-                         f"fsdp_sync.weights.bucket.plan_buckets)")
-    obj = flattened_bucket(flat, bucket)
-    return BucketPayloads(handles.make_payloads(obj, tp_size, output_str=output_str, tagged=False),
-                          bucket)
-
-
-def flattened_bucket_payloads(named_tensors: Iterable[tuple[str, torch.Tensor]]
-                              | Mapping[str, torch.Tensor],
-                              tp_size: int, *, output_str: bool = False,
-                              alignment: int = ALIGNMENT) -> BucketPayloads:
-    """One flattened bucket of ``named_tensors`` as ``tp_size`` payloads, element i for TP rank i.
-
-    Pass the result as ``named_tensors`` to ``update_weights_from_tensor(...,
-    load_format="flattened_bucket")``; ``output_str=True`` gives base64 text for HTTP. All tensors
-    must be contiguous, on one device (CPU or CUDA), of dtypes `fsdp_sync.weights.bucket` supports; every
-    tensor starts at a multiple of ``alignment`` bytes. Keep the result until the engine answered,
-    then `BucketPayloads.release` it.
-    """
-    items = (list(named_tensors.items()) if isinstance(named_tensors, Mapping)
-             else list(named_tensors))
-    if not items:
-        raise ValueError("flattened_bucket_payloads needs at least one tensor "
-                         "(SGLang rejects an empty bucket)")
-    devices = sorted({str(t.device) for _, t in items})
-    if len(devices) != 1:
-        raise ValueError(f"all tensors of a bucket must be on one device, got {devices}")
-    (bucket,) = plan_buckets([TensorMeta.of(n, t) for n, t in items], sys.maxsize,
-                             alignment=alignment)
-    flat = handles.empty_shared(bucket.nbytes, items[0][1].device)
-    flatten(bucket, [t for _, t in items], out=flat)
-    return bucket_payloads(flat, bucket, tp_size, output_str=output_str)
-
-
-# --------------------------------------------------------------------------- errors
-
-class SGLangError(EngineError):
-    """An SGLang call failed. ``call`` names it; ``body`` is the server's response text (HTTP)."""
-
-    def __init__(self, message: str, *, call: str = "", status: int | None = None,
-                 body: str | None = None) -> None:
-        super().__init__(message)
-        self.call = call
-        self.status = status
-        self.body = body
-
-
-class SGLangHTTPError(SGLangError):
-    """The server answered with an HTTP error status, or could not be reached."""
-
-
-class SGLangUpdateError(SGLangError):
-    """SGLang answered a weight update with ``success=False`` (or an HTTP error).
-
-    SGLang does not promise all-or-nothing: after a failed load its weights may be partly updated.
-    ``opened`` is False when SGLang certainly did not open the payloads (it refused the call before
-    loading, or the request never reached it), True when it did, None when unknown.
-    """
-
-    def __init__(self, message: str, *, opened: bool | None = None, **kw: Any) -> None:
-        super().__init__(message, **kw)
-        self.opened = opened
-
-
-# SGLang's answer when an update comes outside begin/end (0.5.21+): it did not deserialize.
-_NO_SESSION_MARK = "must run between begin_weight_update"
-
-
-def _check_answer(call: str, answer: Any, *, error=SGLangError, where: str = "") -> Any:
-    """Raise ``error`` with SGLang's message if ``answer`` says ``success=False``."""
-    success, message = True, None
-    if isinstance(answer, tuple) and len(answer) >= 2 and isinstance(answer[0], bool):
-        success, message = answer[0], answer[1]
-    elif isinstance(answer, dict) and "success" in answer:
-        success, message = bool(answer["success"]), answer.get("message")
-    elif hasattr(answer, "success") and isinstance(getattr(answer, "success"), bool):
-        success, message = answer.success, getattr(answer, "message", None)
-    elif isinstance(answer, bool):
-        success = answer
-    if not success:
-        text = f"SGLang refused {call}{where}: {message or '(no message)'}"
-        if error is SGLangUpdateError:
-            opened = False if message and _NO_SESSION_MARK in str(message) else None
-            raise SGLangUpdateError(text, opened=opened, call=call, body=message)
-        raise error(text, call=call, body=message)
-    return answer
-
-
-# --------------------------------------------------------------------------- allocator
-
-def _cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
-def _set_allocator_settings(value: str) -> None:
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:  # torch before 2.9
-        setter = torch.cuda.memory._set_allocator_settings
-    setter(value)
-
-
-def _allocator_settings() -> str:
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    current = getter() if getter is not None else ""
-    return current or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or os.environ.get(
-        "PYTORCH_ALLOC_CONF", "")
-
-
-class ExpandableSegments:
-    """Expandable segments off while SGLang holds GPU memory in this node, restored afterwards.
-
-    verl turns them off while SGLang owns GPU memory (it measured 73.6 GB reserved with them on,
-    14.2 GB off). SGLang owns memory while it holds its weights or KV cache; the CUDA-graph pool
-    alone does not count. Only a setting that was on is switched, only with CUDA available;
-    `events` records every decision (on CPU each is a recorded no-op).
-    """
-
-    BIG = ("weights", "kv_cache")
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.events: list[str] = []
-        self.held: set[str] = set(TAGS)   # a launched engine holds everything
-        self._switched_off = False
-
-    def _was_on(self) -> bool:
-        s = _allocator_settings().replace(" ", "").lower()
-        return "expandable_segments:true" in s
-
-    def resumed(self, tags: Sequence[str]) -> None:
-        self.held |= set(tags)
-        if not self.enabled or self._switched_off:
-            return
-        if not _cuda_available():
-            self.events.append(f"skipped expandable_segments:False on resume {list(tags)}: no CUDA")
-            return
-        if not self._was_on():
-            self.events.append(f"skipped expandable_segments:False on resume {list(tags)}: "
-                               f"they were not on")
-            return
-        _set_allocator_settings("expandable_segments:False")
-        self._switched_off = True
-        self.events.append(f"expandable_segments:False on resume {list(tags)}")
-
-    def released(self, tags: Sequence[str]) -> None:
-        self.held -= set(tags)
-        if not self.enabled or self.held & set(self.BIG):
-            return
-        if not self._switched_off:
-            self.events.append(f"skipped expandable_segments restore on release {list(tags)}: "
-                               f"not switched off")
-            return
-        self.restore(f"release {list(tags)}")
-
-    def restore(self, why: str = "shutdown") -> None:
-        if self._switched_off:
-            _set_allocator_settings("expandable_segments:True")
-            self._switched_off = False
-            self.events.append(f"expandable_segments:True on {why}")
-
-
-# --------------------------------------------------------------------------- backends
-
-class _Missing(Exception):
-    """The engine has no such method (older SGLang)."""
-
-
-class _InProcess:
-    """Calls on an ``sglang.Engine`` object in this process."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.where = ""
-
-    def call(self, method: str, /, **kwargs: Any) -> Any:
-        fn = getattr(self.engine, method, None)
-        if not callable(fn):
-            raise _Missing(method)
-        return fn(**kwargs)
-
-    def has(self, name: str) -> bool:
-        return callable(getattr(self.engine, name, None))
-
-    def tp_size(self) -> int | None:
-        if self.has("get_server_info"):
-            try:
-                info = self.engine.get_server_info()
-                if isinstance(info, dict) and info.get("tp_size"):
-                    return int(info["tp_size"])
-            except Exception:   # noqa: BLE001 - fall back to server_args below
-                pass
-        args = getattr(self.engine, "server_args", None)
-        tp = getattr(args, "tp_size", None)
-        return int(tp) if tp else None
-
-
-_RETRY_STATUS = (429, 500, 502, 503, 504)
-
-
-class _Http:
-    """JSON over HTTP to an SGLang server (standard library only), with bounded retries.
-
-    Only calls marked idempotent are retried: on a connection error, a timeout, or HTTP 429/5xx,
-    after ``backoff_s * 2**attempt`` seconds (at most ``backoff_max_s``). Every error carries the
-    server's response text. No proxy is used unless ``proxies`` are given.
-    """
-
-    def __init__(self, base_url: str, *, api_key: str | None, timeout_s: float, max_retries: int,
-                 backoff_s: float, backoff_max_s: float, proxies: dict | None) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-        self.base_url = base_url.rstrip("/")
-        self.where = f" at {self.base_url}"
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
-        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler(proxies or {}))
-        self.attempts: Counter[str] = Counter()
-
-    def request(self, method: str, path: str, body: Any = None, *, idempotent: bool = False,
-                timeout_s: float | None = None, error=SGLangHTTPError) -> tuple[int, str]:
-        """``(status, text)`` of a 2xx answer; raises ``error`` on anything else."""
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        url = self.base_url + path
-        tries = 1 + (self.max_retries if idempotent else 0)
-        for attempt in range(tries):
-            self.attempts[path] += 1
-            req = urllib.request.Request(url, data=data, headers=headers, method=method)
-            try:
-                with self.opener.open(req, timeout=timeout_s or self.timeout_s) as resp:
-                    return resp.status, resp.read().decode("utf-8", errors="replace")
-            except urllib.error.HTTPError as e:
-                status = e.code
-                try:
-                    text = e.read().decode("utf-8", errors="replace")
-                except Exception:   # noqa: BLE001 - the body is best effort
-                    text = ""
-                finally:
-                    e.close()
-                exc = self._error(error, method, path, status, text, reached=True)
-                if status == 404:
-                    raise _NotFound(exc) from None
-                if not (idempotent and status in _RETRY_STATUS):
-                    raise exc from None
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
-                    http.client.HTTPException) as e:
-                reason = getattr(e, "reason", e)
-                refused = isinstance(reason, ConnectionRefusedError)
-                exc = self._error(error, method, path, None, f"{type(reason).__name__}: {reason}",
-                                  reached=False if refused else None)
-                if not idempotent:
-                    raise exc from e
-            if attempt + 1 < tries:
-                time.sleep(min(self.backoff_s * 2 ** attempt, self.backoff_max_s))
-        exc.args = (f"{exc.args[0]} (gave up after {tries} attempts)",)
-        raise exc
-
-    def _error(self, error, method: str, path: str, status: int | None, text: str,
-               reached: bool | None):
-        head = f"HTTP {status}" if status is not None else "no answer"
-        msg = f"{method} {self.base_url}{path}: {head}: {text.strip() or '(empty body)'}"
-        kw: dict[str, Any] = {"call": path.lstrip("/"), "status": status, "body": text}
-        if error is SGLangUpdateError:
-            # a refused connection never reached SGLang; an error status came after it read the
-            # request, and whether it opened the payloads depends on where it failed; 401/403
-            # (API key), 411/413 (body refused) come before any handler reads the payloads
-            kw["opened"] = False if reached is False or status in (401, 403, 411, 413) else (
-                False if _NO_SESSION_MARK in text else None)
-        return error(msg, **kw)
-
-    def json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
-        status, text = self.request(method, path, body, **kw)
-        return _json_or_text(text)
-
-
-class _NotFound(Exception):
-    def __init__(self, error: SGLangError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text) if text.strip() else None
-    except ValueError:
-        return text
-
+from ...weights import handles
+from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineStateError,
+                    SerializedPerRank, ordered_tags)
+from .allocator import ExpandableSegments
+from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLangError,
+                     SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text)
+from .payloads import FLATTENED_BUCKET, flattened_bucket_payloads
+
+__all__ = ["SGLangEngine"]
 
 def _local_serialized_tensor_cls():
     """SGLang's ``LocalSerializedTensor`` (its unpickler accepts it; it would reject ours)."""
@@ -460,7 +61,7 @@ class SGLangEngine:
     ``flush_cache``, server info, health), ``proxies`` (none by default).
 
     ``rank_bucket_loader=True``: the server was started with ``--custom-weight-loader
-    fsdp_sync.sglang_loader.load_rank_buckets``, so it takes per-rank buckets
+    fsdp_sync.engines.sglang.loader.load_rank_buckets``, so it takes per-rank buckets
     (`load_rank_bucket`, `SyncConfig.layout` "engine"/"auto"). Off (default), "auto" sends full
     tensors. ``update_weights_from_distributed`` always broadcasts full tensors to every rank.
 
@@ -486,14 +87,14 @@ class SGLangEngine:
                              "(an SGLang server)")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        self._http: _Http | None = None
-        self._local: _InProcess | None = None
+        self._http: HttpClient | None = None
+        self._local: InProcessClient | None = None
         if base_url is not None:
-            self._http = _Http(base_url, api_key=api_key, timeout_s=timeout_s,
+            self._http = HttpClient(base_url, api_key=api_key, timeout_s=timeout_s,
                                max_retries=max_retries, backoff_s=retry_backoff_s,
                                backoff_max_s=retry_backoff_max_s, proxies=proxies)
         else:
-            self._local = _InProcess(engine)
+            self._local = InProcessClient(engine)
         self.session_api: bool | None = None   # has begin/end_weight_update; None = not yet known
         # per-rank buckets need fsdp_sync's loader inside SGLang; SGLang cannot tell us it is
         # there, so the caller says so (`SyncConfig.layout` "auto" reads this)
@@ -541,15 +142,15 @@ class SGLangEngine:
         if self._http:
             try:
                 info = self._http.json("GET", "/get_server_info", idempotent=True)
-            except _NotFound:
+            except NotFound:
                 try:   # the route's newer name
                     info = self._http.json("GET", "/server_info", idempotent=True)
-                except _NotFound as e:
+                except NotFound as e:
                     raise e.error from None
         else:
             try:
                 info = self._local.call("get_server_info")
-            except _Missing:
+            except MissingMethod:
                 raise SGLangError("this engine has no get_server_info",
                                   call="get_server_info") from None
         if not isinstance(info, dict):
@@ -564,7 +165,7 @@ class SGLangEngine:
         try:
             self._http.request("GET", "/health", idempotent=True)
             return True
-        except (SGLangError, _NotFound):
+        except (SGLangError, NotFound):
             return False
 
     # ---------------------------------------------------------------- weights
@@ -613,7 +214,7 @@ class SGLangEngine:
     def load_rank_bucket(self, bucket: Any, payloads: list, *, flush_cache: bool = True) -> None:
         """One per-rank bucket through fsdp_sync's custom weight loader: ONE named tensor whose
         name carries the bucket's entries and whose value is TP rank i's payload for rank i."""
-        from ..sglang_loader import LOADER, bucket_name
+        from .loader import LOADER, bucket_name
 
         if not self.accepts_rank_buckets:
             raise SGLangError("per-rank buckets need a server started with --custom-weight-loader "
@@ -630,7 +231,7 @@ class SGLangEngine:
                       flush_cache: bool) -> None:
         answer = self._local.call("update_weights_from_tensor", named_tensors=named,
                                   load_format=load_format, flush_cache=flush_cache)
-        _check_answer(call, answer, error=SGLangUpdateError)
+        check_answer(call, answer, error=SGLangUpdateError)
 
     def _http_update(self, call: str, payloads: list, load_format: str | None,
                      flush_cache: bool) -> None:
@@ -639,9 +240,9 @@ class SGLangEngine:
         try:
             answer = self._http.json("POST", "/update_weights_from_tensor", body,
                                      error=SGLangUpdateError)
-        except _NotFound as e:
+        except NotFound as e:
             raise e.error from None
-        _check_answer(call, answer, error=SGLangUpdateError, where=self.where)
+        check_answer(call, answer, error=SGLangUpdateError, where=self.where)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
                                  flush_cache: bool = True, abort_all_requests: bool = False,
@@ -668,23 +269,23 @@ class SGLangEngine:
             try:
                 answer = self._http.json("POST", "/update_weights_from_disk", body,
                                          error=SGLangUpdateError)
-            except _NotFound as e:
+            except NotFound as e:
                 raise e.error from None
             except SGLangUpdateError as e:
                 # SGLang answers a refusal with HTTP 400 and {"success": false, "message": ...}
-                msg = _json_or_text(e.body or "")
+                msg = json_or_text(e.body or "")
                 if isinstance(msg, dict) and "message" in msg:
                     raise SGLangUpdateError(f"SGLang refused {call}{self.where}: {msg['message']}",
                                             call=call, status=e.status, body=e.body) from e
                 raise
-            _check_answer(call, answer, error=SGLangUpdateError, where=self.where)
+            check_answer(call, answer, error=SGLangUpdateError, where=self.where)
             return
         try:
             answer = self._local.call("update_weights_from_disk", model_path=path,
                                       load_format=load_format)
-        except _Missing:
+        except MissingMethod:
             raise SGLangError("this engine has no update_weights_from_disk", call=call) from None
-        _check_answer(call, answer, error=SGLangUpdateError)
+        check_answer(call, answer, error=SGLangUpdateError)
 
     def update_weights_from_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
                                    | Mapping[str, torch.Tensor], flush_cache: bool = True) -> None:
@@ -735,12 +336,12 @@ class SGLangEngine:
                 answer = self._http.json("POST", f"/{name}", body, error=error)
             else:
                 answer = self._local.call(name, **body)
-        except _Missing:
+        except MissingMethod:
             raise SGLangError(f"this SGLang engine has no {name} (needs a version with "
                               f"update_weights_from_distributed)", call=name) from None
-        except _NotFound as e:
+        except NotFound as e:
             raise e.error from None
-        _check_answer(name, answer, error=error, where=self.where)
+        check_answer(name, answer, error=error, where=self.where)
 
     def begin_weight_update(self) -> None:
         """Open SGLang's weight-update session (0.5.21+); skipped on engines without one."""
@@ -759,11 +360,11 @@ class SGLangEngine:
                 answer = self._http.json("POST", f"/{name}", {}, error=SGLangHTTPError)
             else:
                 answer = self._local.call(name)
-        except (_Missing, _NotFound) as e:
+        except (MissingMethod, NotFound) as e:
             if self.session_api is None:      # detected once: an older SGLang
                 self.session_api = False
                 return
-            err = e.error if isinstance(e, _NotFound) else None
+            err = e.error if isinstance(e, NotFound) else None
             raise SGLangError(f"{name} disappeared{self.where} after it had answered before"
                               + (f": {err}" if err else ""), call=name) from None
         except SGLangHTTPError as e:
@@ -772,7 +373,7 @@ class SGLangEngine:
                 raise EngineStateError(str(e)) from e
             raise
         self.session_api = True
-        _check_answer(name, answer, error=_state_error, where=self.where)
+        check_answer(name, answer, error=_state_error, where=self.where)
 
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
         """SGLang's copy of a parameter, as float32 (SGLang converts), its first ``truncate_size``
@@ -784,7 +385,7 @@ class SGLangEngine:
             try:
                 value = self._http.json("POST", "/get_weights_by_name",
                                         {"name": name, "truncate_size": size}, idempotent=True)
-            except _NotFound as e:
+            except NotFound as e:
                 raise e.error from None
             except SGLangHTTPError as e:
                 if e.status != 400:     # SGLang answers 400 when it has no such parameter
@@ -821,11 +422,11 @@ class SGLangEngine:
         if self._http:
             try:
                 answer = self._http.json("POST", f"/{name}", {"tags": wire})
-            except _NotFound as e:
+            except NotFound as e:
                 raise e.error from None
         else:
             answer = self._local.call(name, tags=wire)
-        _check_answer(f"{name}(tags={wire})", answer, where=self.where)
+        check_answer(f"{name}(tags={wire})", answer, where=self.where)
         if not resume:
             self.allocator.released(ordered)
 
@@ -835,10 +436,10 @@ class SGLangEngine:
         if self._http:
             try:
                 self._http.request("POST", "/flush_cache", idempotent=True)
-            except _NotFound as e:
+            except NotFound as e:
                 raise e.error from None
             return
-        _check_answer("flush_cache", self._local.call("flush_cache"))
+        check_answer("flush_cache", self._local.call("flush_cache"))
 
     # ---------------------------------------------------------------- generation
 
@@ -852,7 +453,7 @@ class SGLangEngine:
             try:
                 out = self._http.json("POST", "/generate",
                                       {"input_ids": prompts, "sampling_params": params})
-            except _NotFound as e:
+            except NotFound as e:
                 raise e.error from None
         else:
             out = self._local.call("generate", input_ids=prompts, sampling_params=params)
@@ -887,11 +488,11 @@ class SGLangEngine:
             body["skip_tensor_list"] = [str(x) for x in skip_tensor_list]
         try:
             answer = self._http.json("POST", "/weights_checker", body)
-        except _NotFound as e:
+        except NotFound as e:
             raise SGLangError(f"this SGLang server{self.where} has no /weights_checker (it came "
                               f"after 0.5.20): {e.error}", call="weights_checker",
                               status=404) from None
-        _check_answer("weights_checker", answer, where=self.where)
+        check_answer("weights_checker", answer, where=self.where)
         if not isinstance(answer, dict):
             raise SGLangError(f"weights_checker{self.where} answered {str(answer)[:200]!r}, not "
                               f"an object", call="weights_checker")
@@ -930,7 +531,7 @@ class SGLangEngine:
         try:
             states = self.server_info().get("internal_states") or []
             stats["workers"] = [s.get("memory_usage") for s in states if isinstance(s, dict)]
-        except (SGLangError, _Missing, _NotFound):
+        except (SGLangError, MissingMethod, NotFound):
             stats["workers"] = []
         return stats
 

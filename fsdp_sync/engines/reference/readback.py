@@ -1,0 +1,108 @@
+"""Reading weights back from a reference engine: names and shapes, full tensors gathered from the
+TP ranks, checksums and per-rank digests (what `fsdp_sync.verify` compares). A mixin of
+`ReferenceEngine`: it asks the workers through the engine's ``_call``.
+
+Not here: loading weights (`engine`, `staging`), the digest math (`fsdp_sync.weights.layout`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ...weights.layout import shard_state_dict
+from ..base import checksum_named_tensors
+
+__all__ = ["WeightReadback"]
+
+_PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
+
+
+class WeightReadback:
+    """`ReferenceEngine`'s read-back methods (it provides ``_call``, ``layout``, ``tp_size``)."""
+
+    def hf_names(self) -> list[str]:
+        """Hugging Face parameter names in ``named_parameters()`` order (tied lm_head excluded)."""
+        return self.layout.hf_names()
+
+    def engine_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The engine's own parameter names and per-rank shapes (what ``load_format="direct"`` takes)."""
+        return self.layout.engine_shapes()
+
+    def shard_for_rank(self, named: Any, rank: int) -> dict[str, torch.Tensor]:
+        """Full HF tensors → rank ``rank``'s tensors in this engine's own layout (for ``"direct"``)."""
+        return shard_state_dict(named, self.layout, rank)
+
+    def _gather(self, names: list[str]) -> dict[str, torch.Tensor]:
+        replies = self._call("pieces", {"names": names}, what="get_weights_by_name")
+        out = {}
+        for name in names:
+            shape = self.layout.full_shape(name)
+            full = torch.empty(shape, dtype=self.dtype)
+            for r in range(self.tp_size):
+                for src, piece in replies[r][name]:
+                    full[src] = piece
+            out[name] = full
+        return out
+
+    def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
+        """The full (CPU) tensor of HF parameter ``name``, assembled from every rank's shard."""
+        if not self.layout.accepts(name):
+            raise KeyError(f"unknown parameter {name!r}; this model's HF names are e.g. "
+                           f"{self.hf_names()[:3]}")
+        t = self._gather([name])[name]
+        return t if truncate_size is None else t[:truncate_size]
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every full tensor in HF order, gathered a batch (about 64 MiB) at a time."""
+        batch, size = [], 0
+        for name in self.hf_names():
+            batch.append(name)
+            size += math.prod(self.layout.full_shape(name)) * self.dtype.itemsize
+            if size >= _PIECE_BATCH_BYTES:
+                yield from self._gather(batch).items()
+                batch, size = [], 0
+        if batch:
+            yield from self._gather(batch).items()
+
+    def weights_checksum(self) -> str:
+        """`checksum_named_tensors` over every full tensor in HF order: equals the trainer's
+        ``checksum_named_tensors(model.named_parameters())`` when the weights are the same."""
+        return checksum_named_tensors(self.named_full_tensors())
+
+    def tensor_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """``{name: checksum_named_tensors([(name, full tensor)])}`` for HF ``names`` (None: all),
+        assembled from the workers' shards a batch (about 64 MiB) at a time: what
+        ``SyncConfig.verify`` compares with the trainer's own."""
+        names = self.hf_names() if names is None else list(names)
+        bad = [n for n in names if not self.layout.accepts(n)]
+        if bad:
+            raise KeyError(f"unknown parameter(s) {bad[:3]}; this model's HF names are e.g. "
+                           f"{self.hf_names()[:3]}")
+        out: dict[str, str] = {}
+        batch, size = [], 0
+        for i, name in enumerate(names):
+            batch.append(name)
+            size += math.prod(self.layout.full_shape(name)) * self.dtype.itemsize
+            if size >= _PIECE_BATCH_BYTES or i == len(names) - 1:
+                for n, t in self._gather(batch).items():
+                    out[n] = checksum_named_tensors([(n, t)])
+                batch, size = [], 0
+        return out
+
+    def rank_digests(self, names: Sequence[str] | None = None) -> dict[str, list[str]]:
+        """``{name: [digest of TP rank 0, 1, ...]}`` for HF ``names`` (None: all): each worker
+        hashes the pieces of each tensor it serves (`layout.rank_digest`), so only the digests
+        leave the workers. ``SyncConfig.verify`` recomputes them from the trainer's full tensors
+        with ``self.layout``; far cheaper than `tensor_checksums`, which ships every full tensor."""
+        names = self.hf_names() if names is None else list(names)
+        bad = [n for n in names if not self.layout.accepts(n)]
+        if bad:
+            raise KeyError(f"unknown parameter(s) {bad[:3]}; this model's HF names are e.g. "
+                           f"{self.hf_names()[:3]}")
+        replies = self._call("rank_digests", {"names": names}, what="rank_digests")
+        return {n: [replies[r][n] for r in range(self.tp_size)] for n in names}
+
+    # ------------------------------------------------------------------ test hooks

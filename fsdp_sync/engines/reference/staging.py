@@ -1,0 +1,390 @@
+"""Weight-update staging for one reference worker: the `UpdateStager` its `Worker` owns.
+
+Weight updates are two-phase. ``stage`` opens this rank's payloads, checks every name, shape and
+dtype, and records the writes without touching a weight; ``commit`` applies them (or, inside an
+open transaction that protects valid weights, copies them aside to apply at ``end``); ``abort``
+drops them. Every opened payload is acknowledged as soon as its memory is no longer needed
+(a per-rank bucket's shared buffer, reused by its sender bucket after bucket, stays mapped until the
+update ends, so it is not mapped anew every bucket: `_keep_mapped`). A checkpoint directory
+(``update_weights_from_disk``) is staged the same way: this rank's share of the files is checked
+against the manifest's sha256, every tensor's name, dtype and shape is checked from the safetensors
+headers, and only this rank's slices are read (into CPU memory).
+
+Not here: the process loop and command dispatch (`worker`), memory release/resume (`regions`),
+deciding commit vs abort (`engine`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...weights import handles
+from ...weights.bucket import dtype_name
+from ...wire import open_flattened_bucket
+from .errors import KIND_STATE, KIND_UPDATE, WorkerError
+
+__all__ = ["UpdateStager", "Write", "Txn", "MAX_MAPPED"]
+
+MAX_MAPPED = 4      # per-rank bucket buffers kept mapped within one update (two per pipelined slot)
+
+
+def fmt_shape(shape: Any) -> str:
+    return str(tuple(int(x) for x in shape))
+
+
+@dataclass
+class Write:
+    engine: str
+    dst: tuple
+    src: torch.Tensor
+    covers: tuple[str, ...]
+
+
+@dataclass
+class Txn:
+    staging: bool                       # True: writes are copied aside and applied at end
+    writes: list[Write] = field(default_factory=list)
+    covers: set[str] = field(default_factory=set)
+    aborted: str | None = None
+
+
+class UpdateStager:
+    """The update state of one worker ``w``: the open call's writes, the transaction, coverage."""
+
+    def __init__(self, w: Any) -> None:
+        self.w = w
+        self.valid = True                   # weights hold a complete model
+        self.dummy = True                   # ... but only the random start-up one: nothing to protect
+        self.coverage: set[str] = set()     # HF names loaded since the weights became invalid
+        self.call: list[Write] | None = None
+        self.received: list[handles.Received] = []
+        self.txn: Txn | None = None
+        self.fault: str | None = None
+        self.in_update = False              # between begin and end (transactional or not)
+        self.keep_call = False              # this call's buffers are the update's, reused call after call
+        self.mapped: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
+        self.bytes_read = 0                 # what the last disk update read on this rank
+
+    def _mismatch(self, name: str, what: str, expected: Any, got: Any) -> WorkerError:
+        return WorkerError(KIND_UPDATE, f"expected {what} {expected} for {name!r} on TP rank {self.w.rank}, "
+                                        f"got {got}", name)
+
+    def _check(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise self._mismatch(name, "a", "tensor", type(t).__name__)
+        if t.dtype != self.w.dtype:
+            err = self._mismatch(name, "dtype", dtype_name(self.w.dtype), dtype_name(t.dtype))
+            want = dtype_name(self.w.dtype)
+            hint = (f"; the engine runs in {want}: send {want} tensors (FSDPShardingManager "
+                           f"casts them with SyncConfig(dtype=torch.{want}))")
+            raise WorkerError(err.kind, str(err) + hint, name)
+        if tuple(t.shape) != tuple(shape):
+            raise self._mismatch(name, "shape", fmt_shape(shape), fmt_shape(t.shape))
+
+    def _hf_writes(self, name: str, t: torch.Tensor, out: list[Write]) -> None:
+        if not self.w.layout.accepts(name):
+            raise WorkerError(KIND_UPDATE, f"unknown parameter {name!r} on TP rank {self.w.rank}: not a "
+                                           f"{self.w.layout.spec.model_type} parameter name of this model "
+                                           f"(e.g. {self.w.layout.hf_names()[1]!r})", name)
+        self._check(name, t, self.w.layout.full_shape(name))
+        if name == "lm_head.weight" and self.w.layout.spec.tie_word_embeddings:
+            self._check_tied_head(t, out)
+        for pl in self.w.layout.placements(name, self.w.rank):
+            out.append(Write(pl.engine, pl.dst, t[pl.src], (name,)))
+        if not self.w.layout.placements(name, self.w.rank) and name in self.w.hf_set:
+            out.append(Write("", (), t[:0], (name,)))   # holds no piece here, but counts as loaded
+
+    def _check_tied_head(self, head: torch.Tensor, out: list[Write]) -> None:
+        """This engine ties lm_head to embed_tokens, so a sent ``lm_head.weight`` is not loaded:
+        it must equal the embedding (this call's, this transaction's, or the loaded one), or the
+        engine would serve other logits than the trainer's (an untied trainer)."""
+        emb = "model.embed_tokens.weight"
+        for pl in self.w.layout.placements(emb, self.w.rank):
+            latest = next((w.src for w in reversed(out) if emb in w.covers and w.engine == pl.engine), None)
+            if latest is None and self.txn is not None and self.txn.staging:
+                latest = next((w.src for w in reversed(self.txn.writes)
+                               if emb in w.covers and w.engine == pl.engine), None)
+            if latest is None:
+                if self.w.memory.weights_released or pl.engine not in self.w.model.params:
+                    continue
+                latest = self.w.model.params[pl.engine][pl.dst]
+            if not torch.equal(head[pl.src].to(latest.device), latest):
+                raise WorkerError(KIND_UPDATE, f"'lm_head.weight' differs from {emb!r} on TP rank "
+                                               f"{self.w.rank}, but this engine ties them "
+                                               f"(tie_word_embeddings=True) and would drop it: the "
+                                               f"sender's model is untied; start the engine from "
+                                               f"the trainer's config", "lm_head.weight")
+
+    def _direct_writes(self, name: str, t: torch.Tensor, out: list[Write]) -> None:
+        if name not in self.w.engine_shapes:
+            raise WorkerError(KIND_UPDATE, f"unknown parameter {name!r} on TP rank {self.w.rank}: not one "
+                                           f"of the engine's own (direct-layout) parameter names "
+                                           f"(e.g. 'model.layers.0.self_attn.qkv_proj.weight')", name)
+        self._check(name, t, self.w.engine_shapes[name])
+        out.append(Write(name, (slice(None),), t, tuple(self.w.layout.engine_covers(name))))
+
+    def _open(self, payload: Any) -> Any:
+        try:
+            rec = handles.open_payload(payload, self.w.rank)
+        except Exception as exc:  # noqa: BLE001 - a bad payload is a refused update
+            raise WorkerError(KIND_UPDATE, f"could not open the payload for TP rank {self.w.rank}: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+        self.received.append(rec)
+        if self.keep_call and self.in_update:
+            handles._for_each_cpu_storage(rec.value, self._keep_mapped)
+        return rec.value
+
+    def _keep_mapped(self, storage: torch.UntypedStorage) -> None:
+        """Keep a per-rank bucket's shared buffer mapped until the update ends: the sender reuses
+        its buffers bucket after bucket (`load_rank_bucket`), so the next bucket's payload opens
+        this mapping again (torch's shared-storage cache) instead of mapping and faulting in the
+        same pages anew. At most ``MAX_MAPPED`` buffers are kept (the least recently used goes
+        first), so a sender that does make a new buffer per call holds no more than that."""
+        key = storage.data_ptr()
+        self.mapped[key] = storage
+        self.mapped.move_to_end(key)
+        while len(self.mapped) > MAX_MAPPED:
+            self.mapped.popitem(last=False)
+
+    def _maybe_fault(self) -> None:
+        if self.fault == "die_in_stage":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def stage(self, items: list, keep_mapped: bool = False) -> dict:
+        """Phase one: open, check and record every write of one call; weights are not touched.
+        ``keep_mapped``: the call's shared buffers stay mapped until the update ends (see
+        `_keep_mapped`)."""
+        if self.call is not None:
+            raise WorkerError(KIND_STATE, "an earlier update on this rank was neither committed nor aborted")
+        if self.w.memory.weights_released:
+            raise WorkerError(KIND_STATE, f"weights are released on TP rank {self.w.rank}; call "
+                                          f"resume_memory_occupation(['weights']) before updating them")
+        if self.txn is not None and self.txn.aborted:
+            raise WorkerError(KIND_STATE, f"this weight update was aborted: {self.txn.aborted}")
+        writes: list[Write] = []
+        self.call = writes
+        self.keep_call = bool(keep_mapped)
+        seen: set[str] = set()
+        self.bytes_read = 0
+        for item in items:
+            kind, layout_kind = item[0], item[1]
+            if kind == "disk":
+                (self._stage_disk if layout_kind == "hf" else self._stage_disk_ranked)(item[2], writes, seen)
+                self._maybe_fault()
+                continue
+            if kind == "bucket":
+                value = self._open(item[2])
+                try:
+                    named = open_flattened_bucket(value)
+                except ValueError as exc:
+                    raise WorkerError(KIND_UPDATE, f"TP rank {self.w.rank}: {exc}") from exc
+            else:
+                name, payload = item[2], item[3]
+                value = self._open(payload) if isinstance(payload, (bytes, bytearray, str)) else payload
+                named = [(name, value)]
+            for name, t in named:
+                if name in seen:
+                    raise WorkerError(KIND_UPDATE, f"{name!r} appears twice in one update "
+                                                   f"(TP rank {self.w.rank})", name)
+                seen.add(name)
+                (self._hf_writes if layout_kind == "hf" else self._direct_writes)(name, t, writes)
+            self._maybe_fault()
+        return {"writes": len(writes), "bytes_read": self.bytes_read}
+
+    def _stage_disk(self, spec: dict, writes: list[Write], seen: set[str]) -> None:
+        """A checkpoint directory: verify this rank's share of the files against the manifest,
+        then check every tensor's name, dtype and shape from the file headers and read only this
+        rank's slices (`SliceReader`: no full tensor is materialized for a sharded one)."""
+        from ...weights.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, verify_file
+
+        directory = spec["dir"]
+        for file, sha in spec["verify"].items():
+            try:
+                verify_file(directory, file, sha)
+            except CheckpointError as exc:
+                raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.w.rank})") from exc
+            self.bytes_read += os.path.getsize(os.path.join(directory, file))
+        index = spec.get("index")
+        for file in spec["files"]:
+            path = os.path.join(directory, file)
+            try:
+                with SliceReader(path) as f:   # not safe_open's slices: they leak (see SliceReader)
+                    names = list(f.keys())
+                    if index is not None:
+                        listed = {n for n, fl in index.items() if fl == file}
+                        missing, extra = sorted(listed - set(names)), sorted(set(names) - listed)
+                        if missing:
+                            raise WorkerError(KIND_UPDATE, f"{path}: the index places tensor {missing[0]!r} "
+                                                           f"in this file, but the file lacks it "
+                                                           f"({len(missing)} such names)", missing[0])
+                        if extra:
+                            raise WorkerError(KIND_UPDATE, f"{path}: the file holds tensor {extra[0]!r}, "
+                                                           f"which the index does not place in it "
+                                                           f"({len(extra)} such names)", extra[0])
+                    for name in names:
+                        if name in seen:
+                            raise WorkerError(KIND_UPDATE, f"{path}: tensor {name!r} appears twice in "
+                                                           f"the checkpoint (TP rank {self.w.rank})", name)
+                        seen.add(name)
+                        self._disk_writes(path, name, f, writes, SAFETENSORS_DTYPES)
+            except WorkerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a torn header, a short file: a refused update
+                raise WorkerError(KIND_UPDATE, f"cannot read {path} on TP rank {self.w.rank}: "
+                                               f"{type(exc).__name__}: {exc}") from exc
+
+    def _stage_disk_ranked(self, spec: dict, writes: list[Write], seen: set[str]) -> None:
+        """This rank's files of a per-rank checkpoint (``layout="engine"``): each is read once,
+        checked against the manifest's sha256 on the bytes read, and must hold exactly the tensor
+        names the manifest lists for it; every tensor is checked as a ``direct`` update (engine
+        name, this rank's shape, dtype). No other rank's file is opened."""
+        from ...weights.hf_checkpoint import CheckpointError, engine_name_of, read_verified
+
+        directory = spec["dir"]
+        for file in spec["files"]:
+            path = os.path.join(directory, file)
+            try:
+                tensors, size = read_verified(path, spec["sha256"][file])
+            except CheckpointError as exc:
+                raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.w.rank})") from exc
+            self.bytes_read += size
+            listed = list(spec["names"][file])
+            if sorted(tensors) != sorted(listed):
+                diff = sorted(set(tensors) ^ set(listed))
+                raise WorkerError(KIND_UPDATE, f"{path}: holds other tensors than the manifest lists "
+                                               f"for it (e.g. {diff[:2]}; TP rank {self.w.rank})",
+                                  diff[0] if diff else None)
+            tied = bool(self.w.layout.spec.tie_word_embeddings)
+            for key in listed:
+                name = engine_name_of(key, tied)     # a tied embedding is keyed lm_head.weight
+                if name in seen:
+                    raise WorkerError(KIND_UPDATE, f"{path}: tensor {key!r} appears twice in this "
+                                                   f"rank's files (TP rank {self.w.rank})", name)
+                seen.add(name)
+                try:
+                    self._direct_writes(name, tensors[key], writes)
+                except WorkerError as exc:
+                    raise WorkerError(exc.kind, f"{path}: {exc}", name) from exc
+
+    def _disk_writes(self, path: str, name: str, f: Any, out: list[Write], dtypes: dict) -> None:
+        if not self.w.layout.accepts(name):
+            raise WorkerError(KIND_UPDATE, f"{path}: unknown parameter {name!r} on TP rank {self.w.rank}: "
+                                           f"not a {self.w.layout.spec.model_type} parameter name of this "
+                                           f"model (e.g. {self.w.layout.hf_names()[1]!r})", name)
+        code = f.dtype_code(name)
+        dtype = dtypes.get(code)
+        if dtype != self.w.dtype:
+            raise WorkerError(KIND_UPDATE, f"{path}: expected dtype {dtype_name(self.w.dtype)} for {name!r} "
+                                           f"on TP rank {self.w.rank}, got {dtype_name(dtype) if dtype else code}",
+                              name)
+        shape = f.shape(name)
+        want = tuple(self.w.layout.full_shape(name))
+        if shape != want:
+            raise WorkerError(KIND_UPDATE, f"{path}: expected shape {fmt_shape(want)} for {name!r} on "
+                                           f"TP rank {self.w.rank}, got {fmt_shape(shape)}", name)
+        placements = self.w.layout.placements(name, self.w.rank)
+        for pl in placements:
+            piece = f.read(name, pl.src)
+            self.bytes_read += piece.numel() * piece.element_size()
+            out.append(Write(pl.engine, pl.dst, piece, (name,)))
+        if not placements and name in self.w.hf_set:
+            out.append(Write("", (), torch.empty(0, dtype=self.w.dtype), (name,)))   # counts as loaded
+
+    def _apply(self, writes: list[Write]) -> None:
+        params = self.w.model.params
+        for w in writes:
+            if w.engine:
+                params[w.engine][w.dst].copy_(w.src)
+
+    def drop_call(self) -> None:
+        """Forget a failed stage: nothing of it survives, and its payloads are acknowledged."""
+        self.call = None
+        self._ack_all()
+
+    def _ack_all(self) -> None:
+        for rec in self.received:
+            rec.ack()
+        self.received = []
+
+    def _covered(self, covers: set[str]) -> None:
+        if self.valid:
+            return
+        self.coverage |= covers
+        if self.coverage >= self.w.hf_set:
+            self.valid, self.coverage = True, set()
+
+    def commit(self) -> dict:
+        """Phase two for one call: apply (or, inside a staging transaction, copy aside)."""
+        writes, self.call = self.call or [], None
+        try:
+            covers = {c for w in writes for c in w.covers}
+            if self.txn is None:
+                self._apply(writes)
+                self._covered(covers)
+                self.dummy = False
+            elif self.txn.staging:
+                for w in writes:
+                    w.src = w.src.to("cpu", copy=True)   # the sender frees its buffer after the call
+                self.txn.writes.extend(writes)
+                self.txn.covers |= covers
+            else:
+                self._apply(writes)                     # nothing to protect: write in place
+                self.txn.covers |= covers
+                self.dummy = False
+        except BaseException:
+            self.valid = False
+            raise
+        finally:
+            del writes
+            self._ack_all()
+        return {}
+
+    def abort(self, reason: str = "") -> dict:
+        self.call = None
+        self._ack_all()
+        if self.txn is not None and not self.txn.aborted:
+            if not self.txn.staging:
+                self.coverage -= self.txn.covers        # those params now hold aborted data
+            self.txn.writes, self.txn.aborted = [], reason or "aborted"
+        return {}
+
+    def begin(self, transactional: bool) -> dict:
+        if self.txn is not None:
+            raise WorkerError(KIND_STATE, "begin_weight_update called twice without end_weight_update")
+        self.mapped.clear()
+        self.in_update = True
+        if not transactional:
+            return {"staging": False}       # each call commits on its own, as outside begin/end
+        # Stage copies only when there is something worth protecting: loaded, valid weights.
+        self.txn = Txn(staging=self.valid and not self.w.memory.weights_released and not self.dummy)
+        return {"staging": self.txn.staging}
+
+    def end(self, abort: bool = False) -> dict:
+        self.in_update = False
+        self.mapped.clear()                 # the update's buffers: the sender frees them now
+        txn, self.txn = self.txn, None
+        if txn is None:
+            return {"committed": False}
+        if abort or txn.aborted:
+            if not txn.staging:
+                self.coverage -= txn.covers
+            return {"committed": False}
+        try:
+            if txn.staging:
+                self._apply(txn.writes)
+            else:
+                self._covered(txn.covers)
+        except BaseException:
+            self.valid = False
+            raise
+        finally:
+            txn.writes = []
+            if txn.staging:
+                self.w.memory.trim()    # give the staged copies back to the OS; nothing to trim otherwise
+        return {"committed": True}

@@ -1,0 +1,134 @@
+"""What a reference engine sends its workers for one update: per-rank work items built from the
+arguments of ``update_weights_from_tensor`` and ``update_weights_from_distributed``.
+
+Plain tensors are packed into one flattened bucket per distinct rank list (one shared buffer, one
+handle per rank); payloads given per rank pass through as they are. Every malformed argument is a
+`WeightUpdateError` naming the value.
+Not here: sending items and deciding commit vs abort (`engine`), opening them (`staging`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...weights import handles
+from ...weights.bucket import TensorMeta, flatten, plan_buckets
+from ...wire import PER_RANK_BUCKET, flattened_bucket
+from ..base import SerializedPerRank, WeightUpdateError
+
+__all__ = ["build_items", "pack_plain", "distributed_entries"]
+
+
+def distributed_entries(names: Any, dtypes: Any, shapes: Any, load_format: str | None) -> list[tuple]:
+    """``(name, dtype, shape)`` of an ``update_weights_from_distributed`` call, checked as SGLang's
+    receiver reads them (dtype strings by ``getattr(torch, s)``; flattened: tight offsets)."""
+    if load_format not in (None, "flattened_bucket", PER_RANK_BUCKET):
+        raise WeightUpdateError(f"unknown load_format {load_format!r}; expected None, 'flattened_bucket' "
+                                f"or {PER_RANK_BUCKET!r}")
+    if not (isinstance(names, (list, tuple)) and isinstance(dtypes, (list, tuple))
+            and isinstance(shapes, (list, tuple)) and len(names) == len(dtypes) == len(shapes)):
+        raise WeightUpdateError(f"names, dtypes and shapes are lists of one length, got "
+                                f"{len(names) if hasattr(names, '__len__') else names!r}, "
+                                f"{len(dtypes) if hasattr(dtypes, '__len__') else dtypes!r}, "
+                                f"{len(shapes) if hasattr(shapes, '__len__') else shapes!r}")
+    out, offset = [], 0
+    for name, dt, shape in zip(names, dtypes, shapes):
+        dtype = dt if isinstance(dt, torch.dtype) else getattr(torch, str(dt), None) if isinstance(dt, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise WeightUpdateError(f"bad dtype {dt!r} for {name!r}: expected a torch dtype name such as "
+                                    f"'bfloat16' (not 'torch.bfloat16')", name=name)
+        try:
+            shape = tuple(int(x) for x in shape)
+        except (TypeError, ValueError):
+            raise WeightUpdateError(f"bad shape {shape!r} for {name!r}", name=name) from None
+        if any(x < 0 for x in shape):
+            raise WeightUpdateError(f"bad shape {shape} for {name!r}", name=name)
+        if load_format == "flattened_bucket" and offset % dtype.itemsize:
+            raise WeightUpdateError(f"{name!r} ({dt}) would start at byte {offset} of the flattened "
+                                    f"bucket, not a multiple of its dtype size {dtype.itemsize}: the "
+                                    f"sender must plan buckets so every offset is aligned", name=name)
+        offset += math.prod(shape) * dtype.itemsize
+        out.append((str(name), dtype, shape))
+    return out
+
+
+
+def build_items(named_tensors: Any, load_format: str | None, tp: int,
+                sets: list[handles.PayloadSet]) -> list[list]:
+    """Per-rank work items: ``("bucket", layout, payload)`` or ``("tensor", layout, name, payload)``."""
+    items: list[list] = [[] for _ in range(tp)]
+    direct_buckets = (load_format == "direct" and isinstance(named_tensors, (list, tuple))
+                      and bool(named_tensors)
+                      and all(isinstance(p, (bytes, bytearray, str)) for p in named_tensors))
+    if load_format == "flattened_bucket" or direct_buckets:
+        if not isinstance(named_tensors, (list, tuple)) or len(named_tensors) != tp:
+            n = len(named_tensors) if isinstance(named_tensors, (list, tuple)) else type(named_tensors).__name__
+            raise WeightUpdateError(f"load_format='flattened_bucket' takes one payload per TP rank "
+                                    f"({tp}), got {n}")
+        for r, p in enumerate(named_tensors):
+            if not isinstance(p, (bytes, bytearray, str)):
+                raise WeightUpdateError(f"flattened_bucket payload for TP rank {r} must be bytes or "
+                                        f"base64 text (handles.make_payloads), got {type(p).__name__}")
+            items[r].append(("bucket", "direct" if direct_buckets else "hf", p))
+        return items
+    if load_format not in (None, "direct"):
+        raise WeightUpdateError(f"unknown load_format {load_format!r}; expected None, "
+                                f"'flattened_bucket' or 'direct'")
+    if not isinstance(named_tensors, (list, tuple)):
+        raise WeightUpdateError(f"named_tensors is a list of (name, value) pairs, got "
+                                f"{type(named_tensors).__name__}")
+    kind = "hf" if load_format is None else "direct"
+    plain: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(tp)]
+    for pair in named_tensors:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise WeightUpdateError(f"named_tensors holds (name, value) pairs, got {pair!r:.80}")
+        name, value = pair
+        if isinstance(value, torch.Tensor):
+            for r in range(tp):     # a full tensor (None) or a replicated one (direct)
+                plain[r].append((name, value))
+        elif isinstance(value, SerializedPerRank) or (load_format == "direct" and isinstance(value, (list, tuple))):
+            values = value.values if isinstance(value, SerializedPerRank) else list(value)
+            if len(values) != tp:
+                raise WeightUpdateError(f"expected {tp} per-rank values for {name!r} (one per TP rank), "
+                                        f"got {len(values)}", name=name)
+            for r, v in enumerate(values):
+                if isinstance(v, torch.Tensor):
+                    plain[r].append((name, v))
+                elif isinstance(v, (bytes, bytearray, str)):
+                    items[r].append(("tensor", kind, name, v))
+                else:
+                    raise WeightUpdateError(f"per-rank value {r} of {name!r} must be a payload "
+                                            f"(bytes/str) or a tensor, got {type(v).__name__}", name=name)
+        else:
+            raise WeightUpdateError(f"value of {name!r} must be a tensor or a SerializedPerRank, got "
+                                    f"{type(value).__name__}", name=name)
+    if any(plain):
+        pack_plain(plain, kind, items, sets, tp)
+    return items
+
+def pack_plain(plain: list[list[tuple[str, torch.Tensor]]], kind: str, items: list[list],
+               sets: list[handles.PayloadSet], tp: int) -> None:
+    """Plain tensors travel as one flattened bucket per distinct rank list: one shared buffer,
+    one copy, one handle per rank (``handles.make_payloads``), never one per tensor."""
+    same = all(len(plain[r]) == len(plain[0]) and all(a is b for (_, a), (_, b) in zip(plain[r], plain[0]))
+               for r in range(tp))
+    groups = [(list(range(tp)), plain[0])] if same else [([r], plain[r]) for r in range(tp) if plain[r]]
+    for ranks, named in groups:
+        try:
+            metas = [TensorMeta.of(n, t) for n, t in named]
+            total = sum(m.nbytes for m in metas) + 64 * (len(metas) + 1)
+            bucket = plan_buckets(metas, total)[0]
+            devices = {t.device for _, t in named}
+            device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+            flat = handles.empty_shared(bucket.nbytes, device)
+            flatten(bucket, [t.detach().to(device).contiguous() for _, t in named], out=flat)
+        except (ValueError, TypeError) as exc:
+            raise WeightUpdateError(f"cannot send these tensors: {exc}") from exc
+        ps = handles.make_payloads(flattened_bucket(flat, bucket), tp, ranks=ranks)
+        del flat
+        sets.append(ps)
+        for r, payload in zip(ranks, ps.payloads):
+            items[r].append(("bucket", kind, payload))

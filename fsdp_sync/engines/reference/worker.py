@@ -1,0 +1,415 @@
+"""A reference-engine worker: one process per TP rank, driven over a Pipe by `ReferenceEngine`.
+
+`serve` is the process entry point (started by `procs.start` in a fresh interpreter). It sets up the process (threads; glibc's mmap
+threshold pinned so freed weights and KV cache go back to the OS), joins the TP process group
+(gloo on CPU, NCCL on CUDA, with a timeout), builds its `TPModel` shard with deterministic random
+weights and a KV cache, then answers requests one at a time: ``("cmd", args)`` in, ``("ok", result)``
+or ``("err", kind, message, traceback)`` out, both as plain pickles (tensors travel by value here;
+only weight payloads travel as handles, see `fsdp_sync.weights.handles`). Commands are looked up in
+a table (`COMMANDS`); the benchmark floor ``receive_raw`` lives in `bench_floor`.
+
+The `Worker` owns two collaborators: `staging.UpdateStager` (two-phase weight updates: stage,
+commit, abort, transactions, disk checkpoints) and `regions.MemoryRegions` (release/resume of the
+weights, KV cache and CUDA-graph regions). It keeps generation, logits, digests and the
+``update_weights_from_distributed`` receive.
+
+Not here: choosing ranks, sending payloads or deciding commit vs abort (that is `engine`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import hashlib
+import math
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from ...faultpoint import fault_point
+from ...weights.bucket import unflatten
+from ...weights.layout import TPLayout, rank_digest
+from .errors import KIND_OTHER, KIND_STATE, KIND_UPDATE, WorkerError
+from .generation import Decode
+from .regions import MemoryRegions
+from .staging import UpdateStager
+from .tp_model import Span, TPModel
+
+__all__ = ["main", "serve"]
+
+# --------------------------------------------------------------------------- process setup
+
+def _pin_malloc() -> Any:
+    """Make glibc serve every allocation >= 128 KiB with its own mmap, and keep it so.
+
+    glibc raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB), after
+    which same-sized blocks come from the heap and are not returned on free: released weights
+    would stay in RSS. Setting the threshold explicitly turns that adjustment off.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)        # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 * 1024)        # M_TRIM_THRESHOLD
+        return libc
+    except (OSError, AttributeError):       # not glibc: nothing to pin
+        return None
+
+
+class Worker:
+    def __init__(self, rank: int, tp: int, init_method: str | None, opts: dict):
+        self.rank, self.tp, self.opts = rank, tp, opts
+        libc = _pin_malloc()
+        torch.set_num_threads(int(opts.get("num_threads") or 1))
+        self.device = torch.device(opts["device"])
+        if self.device.type == "cuda":
+            idx = rank % torch.cuda.device_count()
+            self.device = torch.device("cuda", idx)
+            torch.cuda.set_device(self.device)
+        self.dtype: torch.dtype = opts["dtype"]
+        self.group = None
+        if tp > 1:
+            import torch.distributed as dist
+
+            kw = {"device_id": self.device} if self.device.type == "cuda" else {}
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    init_method=init_method, rank=rank, world_size=tp,
+                                    timeout=datetime.timedelta(seconds=float(opts["pg_timeout_s"])), **kw)
+            self.group = dist.group.WORLD
+        self.layout = TPLayout(opts["spec"], tp)   # a plain dataclass: workers never import transformers
+        self.model = TPModel(self.layout, rank, dtype=self.dtype, device=self.device, group=self.group)
+        self.hf_set = set(self.layout.hf_names())
+        self.engine_shapes = self.layout.engine_shapes()
+        self.gen = torch.Generator().manual_seed(int(opts["seed"]))
+        self.decode: Decode | None = None   # the generate call in progress (`gen_step`)
+        self.update_groups: dict[str, Any] = {}     # weight-update groups (group name -> ProcessGroup)
+        self.closed = False
+        self.updates = UpdateStager(self)
+        self.memory = MemoryRegions(self, libc)   # allocates the weights and the KV cache
+        self.model.init_random(int(opts["seed"]))
+
+
+
+    # ----------------------------------------------------------------- serving
+    def _require_weights(self) -> None:
+        if self.memory.weights_released:
+            raise WorkerError(KIND_STATE, "weights are released; resume_memory_occupation(['weights']) "
+                                          "and push weights before serving")
+        if not self.updates.valid:
+            missing = [n for n in self.layout.hf_names() if n not in self.updates.coverage]
+            raise WorkerError(KIND_STATE, f"weights were released without a CPU backup and not all pushed "
+                                          f"again: {len(missing)} of {len(self.hf_set)} tensors missing "
+                                          f"(e.g. {missing[0]!r})")
+
+    @torch.no_grad()
+    def forward_logits(self, prompts: list[list[int]], all_positions: bool) -> Any:
+        self._require_weights()
+        ids, pos, spans, rows = self._pack(prompts, [0] * len(prompts), all_positions)
+        logits = self.model.forward(ids, pos, spans, None, rows)
+        if self.rank != 0:
+            return None
+        logits = logits.cpu()
+        if not all_positions:
+            return logits
+        return list(logits.split([len(p) for p in prompts]))
+
+    def _pack(self, chunks: list[list[int]], starts: list[int], all_positions: bool,
+              slots: list[int] | None = None):
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long)
+        pos = torch.cat([torch.arange(s, s + len(c)) for c, s in zip(chunks, starts)])
+        spans, off, rows = [], 0, []
+        for i, (c, s) in enumerate(zip(chunks, starts)):
+            spans.append(Span(off, len(c), slots[i] if slots else 0, s))
+            rows.extend(range(off, off + len(c)) if all_positions else [off + len(c) - 1])
+            off += len(c)
+        return ids.to(self.device), pos.to(self.device), spans, torch.tensor(rows, device=self.device)
+
+    def gen_begin(self, a: dict) -> None:
+        """Start a generate call (`generation.Decode`); the client then drives `gen_step`."""
+        self._require_weights()
+        if self.memory.kv_released:
+            raise WorkerError(KIND_STATE, "the KV cache is released; call "
+                                          "resume_memory_occupation(['kv_cache']) before generating")
+        try:
+            self.decode = Decode(self.model, self.memory.kv, self.memory.kv_tokens, self.device, a["prompts"],
+                                 a["rows"], self.gen, bool(a.get("logprobs")))
+        except ValueError as exc:
+            raise WorkerError(KIND_STATE, str(exc)) from None
+
+    @torch.no_grad()
+    def gen_step(self, a: dict) -> dict | None:
+        if self.decode is None:
+            raise WorkerError(KIND_STATE, "gen_step without gen_begin")
+        if a.get("drop"):
+            self.decode.drop(a["drop"])
+        # up to `steps` forwards per call: each call is a round trip to the client, which only
+        # needs one per step to stream every token or to drop an aborted row at once
+        out: dict = {"tokens": {}, "logprobs": {}, "ended": {}}
+        for _ in range(max(1, int(a.get("steps", 1)))):
+            one = self.decode.step()
+            for key in ("tokens", "logprobs"):
+                for row, v in one[key].items():
+                    out[key].setdefault(row, []).append(v)
+            out["ended"].update(one["ended"])
+            if self.decode.finished:
+                break
+        out["finished"] = self.decode.finished
+        return out if self.rank == 0 else {"finished": out["finished"]}
+
+    def pieces(self, names: list[str]) -> dict:
+        """This rank's owned pieces of full HF tensors: ``{name: [(src slices, tensor), ...]}``."""
+        self._require_weights()
+        out = {}
+        for name in names:
+            if not self.layout.accepts(name):
+                raise WorkerError(KIND_OTHER, f"unknown parameter {name!r}; HF names of this model are "
+                                              f"e.g. {self.layout.hf_names()[:2]}")
+            if name == "lm_head.weight" and self.layout.spec.tie_word_embeddings:
+                name_src = "model.embed_tokens.weight"
+            else:
+                name_src = name
+            out[name] = [(pl.src, self.model.params[pl.engine][pl.dst].cpu().clone())
+                         for pl in self.layout.placements(name_src, self.rank) if pl.owner]
+        return out
+
+    def rank_digests(self, names: list[str]) -> dict:
+        """``{name: layout.rank_digest}`` of the pieces of each HF tensor this rank serves."""
+        self._require_weights()
+        bad = [n for n in names if not self.layout.accepts(n)]
+        if bad:
+            raise WorkerError(KIND_OTHER, f"unknown parameter {bad[0]!r}; HF names of this model are "
+                                          f"e.g. {self.layout.hf_names()[:2]}")
+        params = self.model.params
+        return {n: rank_digest(self.layout, n, self.rank, lambda pl: params[pl.engine][pl.dst])
+                for n in names}
+
+    def shard_checksum(self) -> str:
+        h = hashlib.sha256()
+        if self.memory.weights_released:
+            return "released"
+        for k in self.engine_shapes:
+            t = self.model.params[k].detach().cpu().contiguous()
+            h.update(k.encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        return h.hexdigest()
+
+    # ----------------------------------------------------------------- loop
+    def handle(self, cmd: str, args: dict) -> Any:
+        tags = args.get("tags") if cmd in ("resume", "release") and isinstance(args, dict) else None
+        fault_point("worker", self.rank, cmd + (":" + ",".join(tags) if tags else ""))  # FSDP_SYNC_FAULT
+        fn = COMMANDS.get(cmd)
+        if fn is None:
+            raise WorkerError(KIND_OTHER, f"unknown command {cmd!r}")
+        return fn(self, args)
+
+    def end_generate(self) -> None:
+        self.decode = None
+
+    def set_fault(self, fault: str | None) -> None:
+        """Arm a fault the stager fires while staging (the `fsdp-sync faults` drills)."""
+        self.updates.fault = fault
+
+    # ----------------------------------------------------------------- update_weights_from_distributed
+    def join_group(self, a: dict) -> dict:
+        from ...wire import new_update_group
+
+        self.leave_group(a["group_name"])
+        try:
+            self.update_groups[a["group_name"]] = new_update_group(
+                backend=a["backend"], master_address=a["master_address"], master_port=a["master_port"],
+                world_size=a["world_size"], rank=a["rank"], group_name=a["group_name"],
+                timeout_s=float(self.opts.get("update_recv_timeout_s", 60.0)))
+        except Exception as exc:  # noqa: BLE001 - reported to the engine
+            raise WorkerError(KIND_UPDATE, f"TP rank {self.rank} could not join weight-update group "
+                                           f"{a['group_name']!r} at {a['master_address']}:{a['master_port']} "
+                                           f"as rank {a['rank']}/{a['world_size']}: {exc}") from exc
+        return {}
+
+    def leave_group(self, group_name: str) -> dict:
+        from ...wire import destroy_update_group
+
+        pg = self.update_groups.pop(group_name, None)
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - destroying it is what matters
+                pass
+            destroy_update_group(pg)
+        return {}
+
+    def receive_broadcast(self, a: dict) -> list:
+        """Receive one ``update_weights_from_distributed`` call's tensors from group rank 0, as
+        SGLang's receiver does (per tensor, or one tight flattened buffer; or fsdp_sync's
+        ``per_rank_bucket``: only this rank's shard, one ``recv``), into fresh buffers;
+        returns stage items. Nothing is written to the weights here."""
+        import torch.distributed as dist
+
+        from ...wire import PER_RANK_BUCKET, per_rank_bucket_plan
+
+        name = a["group_name"]
+        pg = self.update_groups.get(name)
+        if pg is None:
+            raise WorkerError(KIND_UPDATE, f"TP rank {self.rank} is not in weight-update group {name!r}")
+        entries = a["entries"]
+        try:
+            if a["load_format"] == PER_RANK_BUCKET:   # only this rank's shard, sent to it alone
+                bkt = per_rank_bucket_plan(entries)
+                flat = torch.empty(bkt.nbytes, dtype=torch.uint8, device=self.device)
+                if bkt.nbytes:
+                    dist.recv(flat, group=pg, group_src=0)
+                return [("tensor", "direct", n, t) for n, t in unflatten(flat, bkt.entries)]
+            if a["load_format"] == "flattened_bucket":
+                total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
+                flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+                if total:
+                    dist.broadcast(flat, src=0, group=pg)
+                out, off = [], 0
+                for n, d, s in entries:
+                    nb = math.prod(s) * d.itemsize
+                    out.append((n, flat[off:off + nb].view(d).view(s)))
+                    off += nb
+            else:
+                out = [(n, torch.empty(s, dtype=d, device=self.device)) for n, d, s in entries]
+                works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out if t.numel()]
+                for w in works:
+                    w.wait()
+        except Exception as exc:  # noqa: BLE001 - a torn receive: the group is unusable now
+            self.leave_group(name)
+            raise WorkerError(KIND_UPDATE, f"TP rank {self.rank}: receiving {len(entries)} tensors "
+                                           f"(first {entries[0][0]!r}) over weight-update group {name!r} "
+                                           f"failed, nothing was loaded and the group was left: "
+                                           f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+        return [("tensor", "hf", n, t) for n, t in out]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for name in list(self.update_groups):
+            try:
+                self.leave_group(name)
+            except Exception:  # noqa: BLE001 - shutting down
+                pass
+        self.updates.abort("shutdown")
+        self.updates.txn = None
+        self.updates.in_update = False
+        self.updates.mapped.clear()
+        self.model.params, self.memory.kv, self.memory.backup = {}, None, None
+        if self.group is not None:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer may be gone already
+                pass
+
+
+def _receive_raw(w: Worker, a: dict) -> None:
+    from .bench_floor import receive_raw     # benchmark floor: loaded only when a bench asks
+
+    receive_raw(w.device, w.update_groups[a["group_name"]], int(a["nbytes"]), int(a["count"]),
+                p2p=bool(a.get("p2p")))
+
+
+# Each command the engine sends: cmd -> handler(worker, args). `flush_cache` does nothing: there is
+# no prefix cache, nothing outlives a generate call.
+COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
+    "stage": lambda w, a: w.updates.stage(a["items"], bool(a.get("keep_mapped"))),
+    "commit": lambda w, a: w.updates.commit(),
+    "abort": lambda w, a: w.updates.abort(a.get("reason", "")),
+    "begin": lambda w, a: w.updates.begin(bool(a.get("transactional", True))),
+    "end": lambda w, a: w.updates.end(bool(a.get("abort"))),
+    "gen_begin": lambda w, a: w.gen_begin(a),
+    "gen_step": lambda w, a: w.gen_step(a),
+    "gen_end": lambda w, a: w.end_generate(),
+    "forward_logits": lambda w, a: w.forward_logits(a["prompts"], a["all_positions"]),
+    "pieces": lambda w, a: w.pieces(a["names"]),
+    "release": lambda w, a: w.memory.release(a["tags"]),
+    "resume": lambda w, a: w.memory.resume(a["tags"]),
+    "flush_cache": lambda w, a: None,
+    "memory_stats": lambda w, a: w.memory.stats(),
+    "shard_checksum": lambda w, a: w.shard_checksum(),
+    "rank_digests": lambda w, a: w.rank_digests(a["names"]),
+    "join_group": lambda w, a: w.join_group(a),
+    "leave_group": lambda w, a: w.leave_group(a["group_name"]),
+    "stage_broadcast": lambda w, a: w.updates.stage(w.receive_broadcast(a)),
+    "receive_raw": _receive_raw,
+    "set_fault": lambda w, a: w.set_fault(a["fault"]),
+}
+
+
+def _send(conn: Any, msg: Any) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _error_reply(exc: BaseException) -> tuple:
+    kind = exc.kind if isinstance(exc, WorkerError) else KIND_OTHER
+    name = exc.name if isinstance(exc, WorkerError) else None
+    msg = str(exc) if isinstance(exc, WorkerError) else f"{type(exc).__name__}: {exc}"
+    return ("err", kind, msg, traceback.format_exc(), name)
+
+
+def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> None:
+    """Process entry point: build the shard, say ready, serve until shutdown or the parent is gone.
+
+    Requests are ``(seq, cmd, args)``; replies ``(seq, "ok", result)`` or
+    ``(seq, "err", kind, message, traceback, name)``. The engine drops replies of an older ``seq``.
+    """
+    parent = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the engine's process handles Ctrl-C and stops us
+    try:
+        worker = Worker(rank, tp, init_method, opts)
+    except BaseException as exc:  # noqa: BLE001 - the engine shows this to its caller
+        try:
+            _send(conn, (0, *_error_reply(exc)))
+        finally:
+            conn.close()
+        return
+    try:
+        _send(conn, (0, "ok", {"pid": os.getpid(), "kv_cache_tokens": worker.memory.kv_tokens}))
+    except OSError:                     # the engine's process is gone: nobody to serve
+        worker.close()
+        conn.close()
+        return
+    try:
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != parent:   # orphaned: the engine's process is gone
+                    break
+                continue
+            try:
+                seq, cmd, args = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if cmd == "shutdown":
+                worker.close()
+                try:
+                    _send(conn, (seq, "ok", None))
+                except OSError:
+                    pass
+                break
+            try:
+                reply = (seq, "ok", worker.handle(cmd, args))
+            except BaseException as exc:  # noqa: BLE001 - every failure goes back to the engine
+                if cmd in ("stage", "stage_broadcast"):   # nothing of a failed stage survives here
+                    worker.updates.drop_call()
+                reply = (seq, *_error_reply(exc))
+            try:
+                _send(conn, reply)
+            except OSError:
+                break
+    finally:
+        try:
+            worker.close()
+        finally:
+            conn.close()
+            sys.stdout.flush()
+
+
+def serve(conn: Any, rank: int, tp: int, init_method: str | None, opts: dict) -> None:
+    """`procs.start`'s entry point: ``main`` with the connection first."""
+    main(rank, tp, init_method, conn, opts)
