@@ -116,6 +116,24 @@ def test_the_flattened_payload_is_built_in_one_place():
     assert holders == ["fsdp_sync/wire.py"]
 
 
+def test_one_send_loop_gathers_payloads_to_the_engine():
+    """Payloads reach infer-TP rank 0 in one place, the tensor transport's send loop (issue 22
+    item 5): no other module calls ``gather_object`` / ``gather_to_src`` (topology defines the
+    latter), and the verl adapter agrees and gathers nothing itself."""
+    def called(tree) -> set[str]:
+        return {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                for n in ast.walk(tree) if isinstance(n, ast.Call)}
+
+    mods = _modules()
+    gatherers = sorted(str(path.relative_to(ROOT)) for _, (path, tree) in mods.items()
+                       if called(tree) & {"gather_object", "gather_to_src"})
+    assert gatherers == ["fsdp_sync/topology.py", "fsdp_sync/transport/tensor.py"]
+    path, tree = mods["fsdp_sync.integrations.verl"]
+    collectives = called(tree) & {"agree", "all_reduce", "broadcast_object_list", "broadcast",
+                                  "gather_object", "gather_to_src", "update_weights_from_tensor"}
+    assert collectives == set() and "send" in called(tree)
+
+
 def test_importing_the_library_pulls_in_neither_the_cli_nor_its_packages():
     code = ("import sys, fsdp_sync.manager, fsdp_sync.engines.reference, fsdp_sync.engines.reference.worker, "
             "fsdp_sync.transport.tensor, fsdp_sync.transport.distributed, fsdp_sync.transport.disk, "

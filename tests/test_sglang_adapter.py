@@ -461,6 +461,80 @@ def test_sharding_manager_drives_the_adapter_unchanged():
     assert out["tags"][-1] == ["kv_cache", "weights"]
 
 
+class _NoSessionSGLang(fake.FakeSGLangEngine):
+    """Says yes to begin_weight_update and opens no session: SGLang then refuses every update
+    before opening its payloads (`SGLangUpdateError.opened` is False)."""
+
+    def begin_weight_update(self, selector="all"):
+        self._record("begin_weight_update", selector=selector)
+        return True, "Success"
+
+
+def _refused_rank(rank: int, world: int, refuse: str) -> dict:
+    """The manager syncs into an SGLang that refuses ``refuse`` ("begin": begin_weight_update,
+    "unopened": the first update, unopened); what each rank saw and which of its shared-memory
+    segments outlived the sync."""
+    import gc
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError, SyncTopology, make_mesh
+    from fsdp_sync.cli.trainer import wrap_fsdp
+    from _util import shm_segments
+
+    torch.set_num_threads(1)
+    module = wrap_fsdp(build_model(load_config("tiny"), seed=0), 2)
+    mesh = make_mesh(1, world)
+    src = SyncTopology.from_mesh(mesh).is_tp_src
+    eng = None
+    if src:
+        eng = _NoSessionSGLang(tp_size=world) if refuse == "unopened" else fake.FakeSGLangEngine(world)
+        eng.session_open = refuse == "begin"     # begin_weight_update answers "already open"
+    config = SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10, strategy="flattened",
+                        memory_probe="off")
+    mine = f"torch_{os.getpid()}_"
+    before = {x for x in shm_segments() if x.startswith(mine)}
+    error = None
+    try:
+        with FSDPShardingManager(module, sg.SGLangEngine(eng) if src else None, mesh=mesh,
+                                 config=config):
+            pass
+    except SyncError as exc:
+        error = str(exc)
+    gc.collect()
+    return {"error": error, "left": sorted(x for x in shm_segments() - before if x.startswith(mine)),
+            "calls": [c[0] for c in eng.calls if c[0] != "get_server_info"] if src else None,
+            "opened": eng.opened_payloads if src else None}
+
+
+@pytest.mark.timeout(90)
+def test_refused_begin_fails_the_sync_on_every_rank():
+    """A refused begin_weight_update on infer-TP rank 0 is a SyncError on every rank (it hung the
+    other ranks in the payload gather before the bracket agreed), and nothing is sent."""
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    out = run_ranks(_refused_rank, 2, "begin", timeout_s=60, pg_timeout_s=20, env=spawn_env())
+    assert out[0]["error"] == out[1]["error"]
+    assert "begin_weight_update" in out[0]["error"] and "already open" in out[0]["error"]
+    assert "update_weights_from_tensor" not in out[0]["calls"] and out[0]["opened"] == 0
+    assert out[0]["left"] == out[1]["left"] == []
+
+
+@pytest.mark.timeout(90)
+def test_update_refused_unopened_gives_every_rank_its_segments_back():
+    """SGLang refused the first bucket before opening it: the SyncError names its message on
+    every rank, and every rank gives back the shared-memory references its payloads took (the
+    untagged payloads cannot tell; infer-TP rank 0 heard SGLang's answer and tells the others)."""
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    out = run_ranks(_refused_rank, 2, "unopened", timeout_s=60, pg_timeout_s=20, env=spawn_env())
+    assert out[0]["error"] == out[1]["error"]
+    assert "must run between begin_weight_update" in out[0]["error"], out[0]["error"]
+    assert out[0]["calls"].count("update_weights_from_tensor") == 1 and out[0]["opened"] == 0
+    assert out[0]["left"] == out[1]["left"] == []
+
+
 def test_distributed_calls_in_process_and_over_http():
     """init/update/destroy of the weight-update group: SGLang's kwargs in process, its JSON bodies
     over HTTP, every refusal (no session, unknown group, bad dtype) raised with SGLang's message."""

@@ -15,10 +15,11 @@ Opted in, `SGLangAdapter` is verl's colocated SGLang adapter with fsdp_sync's sy
 still owns the export (``get_per_tensor_param``: one ``full_tensor()`` per parameter), the
 resume/offload order and the barrier; ``update_weights`` streams verl's ``(name, tensor)``
 generator into one reused flattened buffer per trainer rank (``bucket_bytes``, from verl's
-``checkpoint_engine.update_weights_bucket_megabytes``), and per full bucket: one handle per bucket
-per TP rank, ``gather_object`` to infer-TP rank 0, one ``update_weights_from_tensor(load_format=
-"flattened_bucket")`` call, an all-reduced status so a failure raises on every rank, then the buffer
-is reused. Extra memory at peak: the buffer plus the tensor being copied, at most 2 x bucket + the
+``checkpoint_engine.update_weights_bucket_megabytes``) and hands each full bucket to the tensor
+transport's send loop (`fsdp_sync.transport.tensor.TensorTransport.send`, the one the manager
+uses): one handle per bucket per TP rank, ``gather_object`` to infer-TP rank 0, one
+``update_weights_from_tensor(load_format="flattened_bucket")`` call, an all-reduced status so a
+failure raises on every rank of the infer-TP group, then the buffer is reused. Extra memory at peak: the buffer plus the tensor being copied, at most 2 x bucket + the
 largest tensor. A tensor larger than a bucket is sent alone, from a buffer of its own made after
 the bucket buffer is freed (extra: 2 x that tensor while it is copied).
 Calls are bracketed by ``begin_weight_update``/``end_weight_update`` (SGLang 0.5.21+; skipped on
@@ -50,7 +51,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,9 @@ from verl.workers.rollout import base as _verl_rollout_base
 from ..weights import handles
 from ..weights.bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets
 from ..config import SyncConfig
-from ..topology import SyncError, agree
+from ..topology import SyncTopology
+from ..transport import SyncStats
+from ..transport.tensor import Call, TensorTransport
 from ..wire import flattened_bucket
 
 __all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
@@ -289,42 +292,31 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                     f.write(json.dumps(stats) + "\n")
         return metrics
 
+    def _topology(self) -> SyncTopology:
+        """verl's ``infer_tp`` mesh dim as the tensor transport's topology."""
+        tp = self._mesh()
+        dp = self.device_mesh["dp"]
+        return SyncTopology(mesh=self.device_mesh, rank=dist.get_rank(),
+                            world_size=dist.get_world_size(), dp_rank=dp.get_local_rank(),
+                            dp_size=dp.size(), tp_rank=tp.get_local_rank(), tp_size=tp.size(),
+                            tp_ranks=tuple(int(r) for r in tp.mesh.tolist()), tp_group=tp.get_group())
+
     def _sync(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any) -> dict[str, Any]:
-        """Every rank of the infer-TP group runs this in step; rank 0 holds ``engine``."""
-        cfg = self.sync
-        tp_mesh = self._mesh()
-        group = tp_mesh.get_group()
-        tp_rank, tp_size = tp_mesh.get_local_rank(), tp_mesh.size()
-        src = int(tp_mesh.mesh.tolist()[0])
-        stats = {"strategy": cfg.strategy, "sync_s": 0.0, "bytes": 0, "tensors": 0, "buckets": 0,
-                 "engine_calls": 0, "bucket_bytes": cfg.bucket_bytes}
+        """Every rank of the infer-TP group runs this in step; rank 0 holds ``engine``. The calls
+        go through the tensor transport's send loop (`TensorTransport.send`): the update bracket,
+        then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free."""
+        cfg, topo = self.sync, self._topology()
+        counted = SyncStats()
+        steps = (self._flattened_calls if cfg.strategy == "flattened"
+                 else self._per_tensor_handle_calls)(weights, topo, counted)
         t0 = time.perf_counter()
-        err: str | None = None
-        if engine is not None:
-            try:
-                engine.begin_weight_update()
-            except Exception as exc:  # noqa: BLE001 - told to every rank below
-                err = f"begin_weight_update: {type(exc).__name__}: {exc}"
-        agree(err, group, what="fsdp_sync verl sync")
-        ok = False
-        try:
-            if cfg.strategy == "flattened":
-                self._sync_flattened(weights, engine, group, tp_rank, tp_size, src, stats)
-            else:
-                self._sync_per_tensor_handles(weights, engine, group, tp_rank, tp_size, src, stats)
-            ok = True
-        finally:
-            if engine is not None:
-                try:
-                    engine.end_weight_update()
-                except Exception as exc:  # noqa: BLE001
-                    if ok:
-                        err = f"end_weight_update: {type(exc).__name__}: {exc}"
-            if ok:
-                agree(err, group, what="fsdp_sync verl sync")
-        stats["sync_s"] = time.perf_counter() - t0
-        stats["gbps"] = stats["bytes"] / stats["sync_s"] / 1e9 if stats["sync_s"] else 0.0
-        return stats
+        TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
+                                  group=topo.tp_group, what="fsdp_sync verl sync")
+        sync_s = time.perf_counter() - t0
+        return {"strategy": cfg.strategy, "sync_s": sync_s, "bytes": counted.bytes,
+                "tensors": counted.tensors, "buckets": counted.buckets,
+                "engine_calls": counted.engine_calls, "bucket_bytes": cfg.bucket_bytes,
+                "gbps": counted.bytes / sync_s / 1e9 if sync_s else 0.0}
 
     def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -334,57 +326,24 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             raise TypeError(f"fsdp_sync cannot send {name!r}: dtype {t.dtype} is not supported")
         return t.contiguous()
 
-    def _send(self, wire: Any, to_named, load_format: str | None, what: str, engine: Any,
-              group: Any, tp_size: int, src: int, stats: dict,
-              sets: list[handles.PayloadSet]) -> None:
-        """Gather ``wire`` to infer-TP rank 0, call the engine there, agree, free the handles."""
-        err = None
-        opened = True
-        try:
-            if tp_size == 1:
-                gathered = [wire]
-            else:
-                gathered = [None] * tp_size if engine is not None else None
-                dist.gather_object(wire, gathered, dst=src, group=group)
-            if engine is not None:
-                try:
-                    to_named(engine, gathered)
-                    stats["engine_calls"] += 1
-                except Exception as exc:  # noqa: BLE001 - told to every rank by agree
-                    opened = getattr(exc, "opened", None) is not False
-                    err = f"engine update of {what}: {type(exc).__name__}: {exc}"
-            agree(err, group, what="fsdp_sync verl sync")
-        except SyncError:
-            box = [opened]
-            if tp_size > 1:
-                dist.broadcast_object_list(box, src=src, group=group)
-            opened = bool(box[0])
-            raise
-        finally:
-            for s in sets:
-                s.release(require_ack=False, unopened=() if opened else list(s.ranks))
-
-    def _sync_flattened(self, weights, engine, group, tp_rank, tp_size, src, stats) -> None:
+    def _flattened_calls(self, weights, topo: SyncTopology, stats: SyncStats) -> Iterator[Call]:
+        """verl's stream packed into one reused flat buffer; one call per full bucket. The send
+        loop takes the next call only after this one's payloads are released, so the buffer is
+        refilled only then."""
         stream = _Stream(self.sync.bucket_bytes)
 
-        def flush(s: _Stream) -> None:
+        def call(s: _Stream) -> Call:
             bucket = s.bucket()
             obj = flattened_bucket(s.buf, bucket)
-            ps = handles.make_payloads(obj, tp_size, ranks=[tp_rank], tagged=False,
+            ps = handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=False,
                                        output_str=True)
             del obj
-            stats["buckets"] += 1
-            stats["tensors"] += len(bucket.entries)
-            stats["bytes"] += bucket.payload_bytes
-
-            def call(eng, gathered):
-                eng.update_weights_from_tensor(gathered, load_format="flattened_bucket",
-                                               flush_cache=False)
-
-            self._send(ps.payloads[0], call, "flattened_bucket",
-                       f"bucket {stats['buckets'] - 1} ({bucket.names[0]}…)", engine, group,
-                       tp_size, src, stats, [ps])
-            s.reset()
+            stats.buckets += 1
+            stats.tensors += len(bucket.entries)
+            stats.bytes += bucket.payload_bytes
+            # one flush_cache after the last bucket (`update_weights`), not one per call
+            return Call([ps], ps.payloads[0], lambda g: g, "flattened_bucket", False,
+                        f"bucket {stats.buckets - 1} ({bucket.names[0]}…)", on_release=s.reset)
 
         big = _Stream(0)
         try:
@@ -393,62 +352,62 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                 n = t.numel() * t.element_size()
                 if n > stream.capacity:          # its own bucket, its own buffer, one call
                     if stream.metas:
-                        flush(stream)
+                        yield call(stream)
                     stream.buf = None            # the bucket buffer goes before the big one comes
                     big = _Stream(-(-n // ALIGNMENT) * ALIGNMENT)
                     big.add(name, t)
                     del t
-                    flush(big)
+                    yield call(big)
                     big.buf = None
                     continue
                 if stream.metas and (not stream.fits(n) or stream.buf.device != t.device):
-                    flush(stream)
+                    yield call(stream)
                 stream.add(name, t)
                 del t
             if stream.metas:
-                flush(stream)
+                yield call(stream)
         finally:
             # freed here, not when the frames go: an exception's traceback (kept by asyncio, say)
             # would otherwise hold the shared buffers until the process exits, and a segment
             # still referenced then outlives it
             stream.buf = big.buf = None
 
-    def _sync_per_tensor_handles(self, weights, engine, group, tp_rank, tp_size, src, stats) -> None:
+    def _per_tensor_handle_calls(self, weights, topo: SyncTopology,
+                                 stats: SyncStats) -> Iterator[Call]:
         """verl's own algorithm (``bucketed``): tensors grouped by bytes, one handle per tensor,
         one engine call per group; ``per_tensor``: one tensor per call."""
         limit = 1 if self.sync.strategy == "per_tensor" else self.sync.bucket_bytes
         batch: list[tuple[str, torch.Tensor]] = []
         size = 0
 
-        def flush() -> None:
+        def deliver(engine, gathered):
+            # element i of serialized_named_tensors is TP rank i's own list: SGLang's wire for
+            # load_format=None, which the engine protocol's update_weights_from_tensor re-wraps
+            engine._http_update("update_weights_from_tensor(load_format=None)", gathered, None,
+                                False)
+
+        def call() -> Call:
             nonlocal batch, size
-            # this rank's list of (name, tensor) for its own TP rank: SGLang's wire for
-            # load_format=None, element i of serialized_named_tensors for TP rank i
-            ps = handles.make_payloads(list(batch), tp_size, ranks=[tp_rank], tagged=False,
-                                       output_str=True)
-            stats["buckets"] += 1
-            stats["tensors"] += len(batch)
-            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in batch)
-            what = f"bucket {stats['buckets'] - 1} ({batch[0][0]}…)"
+            # this rank's list of (name, tensor) for its own TP rank
+            ps = handles.make_payloads(list(batch), topo.tp_size, ranks=[topo.tp_rank],
+                                       tagged=False, output_str=True)
+            stats.buckets += 1
+            stats.tensors += len(batch)
+            stats.bytes += sum(t.numel() * t.element_size() for _, t in batch)
+            what = f"bucket {stats.buckets - 1} ({batch[0][0]}…)"
             batch, size = [], 0
-
-            def call(eng, gathered):
-                eng._http_update("update_weights_from_tensor(load_format=None)", gathered, None,
-                                 False)
-
-            self._send(ps.payloads[0], call, "load_format=None", what, engine, group, tp_size,
-                       src, stats, [ps])
+            return Call([ps], ps.payloads[0], None, None, False, what, deliver=deliver)
 
         for name, t in weights:
             t = self._prepare(name, t)
             n = t.numel() * t.element_size()
             if batch and size + n > limit:
-                flush()
+                yield call()
             batch.append((name, t))
             size += n
             del t
         if batch:
-            flush()
+            yield call()
 
     # ------------------------------------------------------------------ serving
     def generate_sequences(self, prompts):

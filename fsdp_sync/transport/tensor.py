@@ -21,6 +21,11 @@ the per-rank buffers come from a pool (`_BufferPool`) and are reused bucket afte
 bucket ends in a world-wide agree, so the one-host path needs no barrier before it rewrites a
 buffer (``consumer_synced``).
 
+`TensorTransport.send` is the same send loop for a caller that owns the export and makes its own
+`Call`s (verl's adapter, `fsdp_sync.integrations.verl`, from verl's ``(name, tensor)`` stream):
+the bracket, then per call gather to infer-TP rank 0, deliver, agree, release. The project has
+this one loop; nothing else gathers payloads to an engine.
+
 Not here: the stages around the sync (the manager), how tensors are gathered (`export`), laid out
 (`bucket`) or shared (`handles`).
 """
@@ -31,9 +36,9 @@ import inspect
 import logging
 import math
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,19 +46,24 @@ import torch.distributed as dist
 from ..weights import export, handles, reshard
 from ..weights.bucket import plan_buckets
 from ..weights.layout import layout_for
-from ..topology import agree, broadcast_from_src, gather_to_src
+from ..topology import SyncError, agree, broadcast_from_src, gather_to_src
 from ..wire import flattened_bucket
 from . import SyncContext, SyncStats
 
-__all__ = ["TensorTransport"]
+__all__ = ["TensorTransport", "Call"]
 
 log = logging.getLogger("fsdp_sync")
 
 
 @dataclass
-class _Call:
+class Call:
     """One engine call: this rank's payload sets, what it sends to infer-TP rank 0, and how rank 0
-    turns the gathered list (indexed by TP rank) into the engine's ``named_tensors``."""
+    turns the gathered list (indexed by TP rank) into the engine's ``named_tensors``.
+
+    ``deliver(engine, gathered)``, when given, is what infer-TP rank 0 runs instead of
+    ``engine.update_weights_from_tensor(to_named(gathered), load_format, flush_cache=last)``: for a
+    wire the engine protocol has no method for (verl's own algorithm, `integrations.verl`).
+    ``on_release`` runs once the call's payloads are released (its buffer may then be reused)."""
 
     sets: list
     wire: Any
@@ -62,6 +72,7 @@ class _Call:
     last: bool
     what: str
     on_release: Any = None
+    deliver: Any = None
 
 
 @dataclass
@@ -148,6 +159,8 @@ class TensorTransport:
 
     method = "tensor"
     colocated = True
+    _group: Any = None             # what `agree` runs over: None, the world (`send` may narrow it)
+    _what = "weight sync"          # the sync's name in errors
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
@@ -160,11 +173,40 @@ class TensorTransport:
             raise ValueError("method='tensor' needs the ('dp', 'infer_tp') mesh: pass mesh= to the manager")
         self.module, self.config, self.topo = ctx.module, ctx.config, ctx.topo
         self.engine = ctx.engines[0] if ctx.engines else None
+        self._group, self._what = None, "weight sync"
         try:
             self._sync_weights()
         finally:
             ctx.stats = self.stats
             self.module = self.engine = None
+
+    def send(self, calls: Iterable[Call], *, topo: Any, engine: Any, stats: SyncStats | None = None,
+             group: Any = None, what: str = "weight sync") -> SyncStats:
+        """Hand ``calls`` to ``engine`` the way `sync` hands its own buckets, on every rank of the
+        infer-TP group in step (``engine`` on infer-TP rank 0, None elsewhere).
+
+        For a caller that owns the export and makes its own `Call`s (verl's adapter): the engine's
+        update bracket, then per call: gather to infer-TP rank 0, deliver, `agree` over ``group``
+        (None: the world), release; the next call is taken from ``calls`` (a generator may reuse
+        the released call's buffer) only then. ``stats`` (kept and returned) counts the engine
+        calls; the caller counts what it exported. ``what`` names the sync in errors. Raises
+        `SyncError`, the same on every rank of ``group``, when any rank failed."""
+        self.topo, self.engine, self._group, self._what = topo, engine, group, what
+        self.stats = stats if stats is not None else SyncStats()
+        self._unacked: str | None = None
+        t0 = time.perf_counter()
+        try:
+            with self._update_bracket():
+                # a generator is closed here, not when its frame goes: it may hold shared buffers
+                with closing(calls) if hasattr(calls, "close") else nullcontext():
+                    for call in calls:
+                        self._one_call(call)
+        finally:
+            self.engine = None
+        self.stats.seconds = time.perf_counter() - t0
+        if self._unacked:
+            raise handles.HandleError(self._unacked)
+        return self.stats
 
     def _sync_weights(self) -> None:
         cfg, topo = self.config, self.topo
@@ -174,10 +216,7 @@ class TensorTransport:
         tagged = getattr(self.engine, "accepts_tagged_payloads", True) if topo.is_tp_src else True
         # every rank must agree on tagging, or rank 0 opens payloads it cannot read
         tagged = bool(self._broadcast_flag(tagged))
-        if topo.is_tp_src and hasattr(self.engine, "begin_weight_update"):
-            self.engine.begin_weight_update()
-        ok = False
-        try:
+        with self._update_bracket():
             layout = self._choose_layout()
             self.stats.extra["layout"] = "engine" if layout is not None else "full"
             # pipelining needs a second buffer per TP rank: the per-rank buckets rotate two
@@ -194,13 +233,40 @@ class TensorTransport:
                 else:
                     for call in steps:
                         self._one_call(call)
-            ok = True
-        finally:
-            if topo.is_tp_src and hasattr(self.engine, "end_weight_update"):
-                self._end_update(commit=ok)
         self.stats.seconds = time.perf_counter() - t0
         if self._unacked:
             raise handles.HandleError(self._unacked)
+
+    @contextmanager
+    def _update_bracket(self) -> Iterator[None]:
+        """``begin_weight_update`` / ``end_weight_update`` around the calls of one sync, on
+        infer-TP rank 0 where the engine has them. A refused begin, or a refused end after every
+        call went through, fails the sync on every rank (`agree`): no rank goes on to gather
+        payloads nobody will take. After a failed call the update is aborted, not committed."""
+        topo = self.topo
+        bracket = topo.is_tp_src and hasattr(self.engine, "begin_weight_update")
+        err: str | None = None
+        if bracket:
+            try:
+                self.engine.begin_weight_update()
+            except Exception as exc:  # noqa: BLE001 - told to every rank by agree
+                err = f"begin_weight_update on {topo.describe()}: {type(exc).__name__}: {exc}"
+        agree(err, self._group, what=self._what)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            if bracket and hasattr(self.engine, "end_weight_update"):
+                if ok:
+                    try:
+                        self._end_update(commit=True)
+                    except Exception as exc:  # noqa: BLE001 - told to every rank by agree
+                        err = f"end_weight_update on {topo.describe()}: {type(exc).__name__}: {exc}"
+                else:
+                    self._end_update(commit=False)
+            if ok:
+                agree(err, self._group, what=self._what)
 
     def _end_update(self, *, commit: bool) -> None:
         """Close the engine's update bracket; after a failure, abort it where the engine can (the
@@ -260,7 +326,7 @@ class TensorTransport:
             log.info("fsdp_sync: layout='auto' runs full tensors: %s", why)
         return layout if flag.item() else None
 
-    def _steps_rank_buckets(self, tagged: bool, layout: Any) -> Iterator[_Call]:
+    def _steps_rank_buckets(self, tagged: bool, layout: Any) -> Iterator[Call]:
         """Per-rank buckets: this rank shares its infer-TP rank's buffer of each bucket."""
         cfg, topo = self.config, self.topo
         # what a per-rank payload opens to: the reference engine takes the bucket dict
@@ -303,10 +369,10 @@ class TensorTransport:
                 bkt = rb.bucket
                 views = [] if rb.shared else list(rb.buffers.values())
                 del flat, obj, rb
-                yield _Call(sets, sets[0].payloads[0],
-                            lambda g, _b=bkt: _RankBucketCall(_b, g), "direct",
-                            self.stats.buckets == plan_len, f"per-rank bucket {self.stats.buckets - 1} "
-                            f"({bkt.names[0]}…)", on_release=lambda _v=views: pool.give_back(_v))
+                yield Call(sets, sets[0].payloads[0],
+                           lambda g, _b=bkt: _RankBucketCall(_b, g), "direct",
+                           self.stats.buckets == plan_len, f"per-rank bucket {self.stats.buckets - 1} "
+                           f"({bkt.names[0]}…)", on_release=lambda _v=views: pool.give_back(_v))
                 del views
         pool.close()
         # bytes: what was exported (the HF tensors, as for full buckets); each engine rank's
@@ -326,7 +392,7 @@ class TensorTransport:
         dist.broadcast(t, src=self.topo.tp_src, group=self.topo.tp_group)
         return bool(t.item())
 
-    def _steps_flattened(self, tagged: bool) -> Iterator[_Call]:
+    def _steps_flattened(self, tagged: bool) -> Iterator[Call]:
         cfg, topo = self.config, self.topo
         plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
         buffer = _ReusedBuffer(max((b.nbytes for b in plan), default=0), _module_device(self.module))
@@ -341,9 +407,9 @@ class TensorTransport:
                 self.stats.tensors += len(bucket.entries)
                 self.stats.buckets += 1
                 del flat, obj
-                yield _Call(sets, sets[0].payloads[0], lambda g: g, "flattened_bucket",
-                            i == len(plan) - 1, f"bucket {i} ({bucket.names[0]}…)",
-                            on_release=buffer.give_back)
+                yield Call(sets, sets[0].payloads[0], lambda g: g, "flattened_bucket",
+                           i == len(plan) - 1, f"bucket {i} ({bucket.names[0]}…)",
+                           on_release=buffer.give_back)
 
     def _steps_per_tensor(self, tagged: bool) -> Iterator[tuple]:
         cfg, topo = self.config, self.topo
@@ -355,8 +421,8 @@ class TensorTransport:
             self.stats.tensors += 1
             self.stats.buckets += 1
             del tensor
-            yield _Call(sets, sets[0].payloads[0], lambda g, _n=name: [(_n, _per_rank(g))], None,
-                        i == n - 1, repr(name))
+            yield Call(sets, sets[0].payloads[0], lambda g, _n=name: [(_n, _per_rank(g))], None,
+                       i == n - 1, repr(name))
 
     def _steps_bucketed(self, tagged: bool) -> Iterator[tuple]:
         cfg, topo = self.config, self.topo
@@ -380,35 +446,44 @@ class TensorTransport:
                 # gathered[tp_rank][j] is tp_rank's payload of tensor j
                 return [(nm, _per_rank([g[j] for g in gathered])) for j, nm in enumerate(_names)]
 
-            yield _Call(sets, [x.payloads[0] for x in sets], named, None, i == len(plan) - 1,
-                        f"bucket {i} ({names[0]}…)")
+            yield Call(sets, [x.payloads[0] for x in sets], named, None, i == len(plan) - 1,
+                       f"bucket {i} ({names[0]}…)")
 
-    def _engine_call(self, call: _Call, gathered: list) -> str | None:
-        """Infer-TP rank 0: hand one gathered call to the engine; the error text, or None."""
+    def _engine_call(self, call: Call, gathered: list) -> tuple[str | None, bool]:
+        """Infer-TP rank 0: hand one gathered call to the engine; (the error text or None,
+        whether the engine may have opened the payloads)."""
         topo = self.topo
         try:
-            named = call.to_named(gathered)
-            if isinstance(named, _RankBucketCall):
-                self.engine.load_rank_bucket(named.bucket, named.payloads, flush_cache=call.last)
+            if call.deliver is not None:
+                call.deliver(self.engine, gathered)
             else:
-                self.engine.update_weights_from_tensor(named, load_format=call.load_format,
-                                                       flush_cache=call.last)
+                named = call.to_named(gathered)
+                if isinstance(named, _RankBucketCall):
+                    self.engine.load_rank_bucket(named.bucket, named.payloads, flush_cache=call.last)
+                else:
+                    self.engine.update_weights_from_tensor(named, load_format=call.load_format,
+                                                           flush_cache=call.last)
             self.stats.engine_calls += 1
-            return None
+            return None, True
         except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-            return f"engine update of {call.what} on {topo.describe()}: {type(exc).__name__}: {exc}"
+            # an engine that refused the call before loading says so (SGLangUpdateError.opened)
+            opened = getattr(exc, "opened", None) is not False
+            return (f"engine update of {call.what} on {topo.describe()}: {type(exc).__name__}: "
+                    f"{exc}"), opened
 
-    def _release(self, call: _Call, err: str | None) -> None:
+    def _release(self, call: Call, err: str | None, opened: bool = True) -> None:
+        """Free the call's payloads. ``opened`` False: no consumer opened them, so the references
+        their pickling took are given back (an untagged payload cannot tell by itself)."""
         for s in call.sets:
             missing = [s.ranks[i] for i in s.unacknowledged()]
             if missing and err is None and self._unacked is None:
                 self._unacked = (f"engine answered for {call.what} but consumer ranks {missing} "
                                  f"never acknowledged their payloads ({self.topo.describe()})")
-            s.release(require_ack=False)
+            s.release(require_ack=False, unopened=() if opened else list(s.ranks))
         if call.on_release is not None:
             call.on_release()
 
-    def _run_pipelined(self, steps: Iterator[_Call]) -> None:
+    def _run_pipelined(self, steps: Iterator[Call]) -> None:
         """Bucket k+1 is made (reshard, handles, gather) while the engine loads bucket k.
 
         Infer-TP rank 0 runs each engine call on a worker thread. Before call k+1 is handed over,
@@ -426,9 +501,9 @@ class TensorTransport:
             if pending is None:
                 return None
             call, fut = pending
-            err = fut.result() if fut is not None else None
+            err = fut.result()[0] if fut is not None else None
             try:
-                agree(err, what="weight sync")
+                agree(err, self._group, what=self._what)
             finally:
                 pending = None
                 self._release(call, err)
@@ -458,14 +533,20 @@ class TensorTransport:
             if pool is not None:
                 pool.shutdown(wait=True)
 
-    def _one_call(self, call: _Call) -> None:
+    def _one_call(self, call: Call) -> None:
         """Gather this rank's payloads to infer-TP rank 0, call the engine there, agree, free."""
         err: str | None = "failed"
+        opened = True
         try:
             gathered = gather_to_src(call.wire, self.topo)
-            err = self._engine_call(call, gathered) if self.topo.is_tp_src else None
-            agree(err, what="weight sync")
+            err, opened = self._engine_call(call, gathered) if self.topo.is_tp_src else (None, True)
+            del gathered
+            agree(err, self._group, what=self._what)
+        except SyncError:
+            # only infer-TP rank 0 heard whether the engine opened the payloads
+            opened = bool(broadcast_from_src(opened, self.topo))
+            raise
         finally:
             # Acknowledgements are checked without a collective of their own: a missing one
             # fails this rank's stage, and the stage's closing `agree` tells every rank.
-            self._release(call, err)
+            self._release(call, err, opened)
