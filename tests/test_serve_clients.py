@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from fsdp_sync.engines.reference import ReferenceEngine
-from fsdp_sync.serve import EngineServer
+from fsdp_sync.engines.reference.serve import EngineServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = """
