@@ -42,6 +42,12 @@ The client's generation calls (`rollout`), weight read-back (`readback`) and per
 (`update_items`) are in their own modules.
 
 Not here: the model math (`tp_model`) and the worker loop (`worker`).
+
+Why ~690 lines, one module: it is one concept, the engine's side of every protocol call (startup,
+the three update methods, the two-phase rounds and their failure handling), which share the lock,
+the worker set and the broken/transaction state; generation (`rollout`), read-back (`readback`) and
+building update items (`update_items`) already live apart. The next carve, if it grows, is the
+distributed-update calls (init/update/destroy of the weight-update group).
 """
 
 from __future__ import annotations

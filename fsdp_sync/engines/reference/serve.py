@@ -42,6 +42,10 @@ framework (fastapi + uvicorn) would be a new dependency of the core package for 
 Not here: the command and its flags (`fsdp_sync.cli.serve`), the engine (`engines.reference`), the
 client (`engines.sglang`), TLS (put a proxy in front, or keep the loopback default), tokenization
 (``text`` prompts are refused: send ``input_ids``).
+
+Why ~640 lines, one module: it is one concept, SGLang's HTTP surface (routes, body limits, auth,
+the one-update-at-a-time rule, dead-engine answers); the /generate body and the client connection
+are already apart (`generate_request`).
 """
 
 from __future__ import annotations
