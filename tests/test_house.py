@@ -128,7 +128,7 @@ def test_one_send_loop_gathers_payloads_to_the_engine():
     gatherers = sorted(str(path.relative_to(ROOT)) for _, (path, tree) in mods.items()
                        if called(tree) & {"gather_object", "gather_to_src"})
     assert gatherers == ["fsdp_sync/topology.py", "fsdp_sync/transport/tensor.py"]
-    path, tree = mods["fsdp_sync.integrations.verl"]
+    path, tree = mods["fsdp_sync.integrations.verl.adapter"]
     collectives = called(tree) & {"agree", "all_reduce", "broadcast_object_list", "broadcast",
                                   "gather_object", "gather_to_src", "update_weights_from_tensor"}
     assert collectives == set() and "send" in called(tree)

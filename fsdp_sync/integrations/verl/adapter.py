@@ -152,6 +152,20 @@ def sync_config(config: Any) -> SyncConfig:
     return SyncConfig.from_verl(config, **opts)
 
 
+def _timed(weights: Iterable, phases: dict) -> Iterator:
+    """``weights`` as they come, adding the seconds spent producing them to ``phases["export_s"]``."""
+    it = iter(weights)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            phases["export_s"] += time.perf_counter() - t0
+            return
+        phases["export_s"] += time.perf_counter() - t0
+        yield item
+
+
 def _resolve(fqdn: str) -> type:
     module, _, name = fqdn.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -212,6 +226,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self.last_stats: dict[str, Any] = {}
         self._sent: dict[str, str] | None = None   # digests of what was sent (verify, rank 0)
         self._syncs = 0
+        self._pack_s = 0.0
         self._engine = None
         self._server_actor = None
         tp = int(self.config.tensor_model_parallel_size)
@@ -296,11 +311,13 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         stats["global_steps"] = global_steps
         self.last_stats = stats
         metrics = {f"fsdp_sync/{k}": v for k, v in stats.items()
-                   if k in ("sync_s", "bytes", "tensors", "buckets", "engine_calls", "gbps",
-                            "verify_tensors", "verify_s")}
+                   if k in ("sync_s", "export_s", "pack_s", "transport_s", "bytes", "tensors",
+                            "buckets", "engine_calls", "gbps", "verify_tensors", "verify_s")}
         if engine is not None:
-            log.info("fsdp_sync verl sync (step %s): %.3f s, %.1f MiB in %d tensors, %d buckets, "
-                     "%d engine calls (%s)%s", global_steps, stats["sync_s"],
+            log.info("fsdp_sync verl sync (step %s): %.3f s (verl's export %.3f, packing %.3f, "
+                     "handles + gather + engine %.3f), %.1f MiB in %d tensors, %d buckets, "
+                     "%d engine calls (%s)%s", global_steps, stats["sync_s"], stats["export_s"],
+                     stats["pack_s"], stats["transport_s"],
                      stats["bytes"] / 2**20, stats["tensors"], stats["buckets"],
                      stats["engine_calls"], stats["strategy"],
                      f", verify {stats['verify']}: {stats['verify_tensors']} tensors equal in "
@@ -329,6 +346,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         # compares the engine's digests of what it now serves (`verify.check_sent`), agreed by the
         # send loop over the infer-TP group
         self._sent = {} if cfg.verify != "off" and engine is not None else None
+        self._pack_s = 0.0
         figures: dict[str, Any] = {}
 
         def check(eng: Any) -> str | None:
@@ -336,8 +354,9 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             figures.update(more)
             return err
 
+        phases = {"export_s": 0.0, "pack_s": 0.0}
         steps = (self._flattened_calls if cfg.strategy == "flattened"
-                 else self._per_tensor_handle_calls)(weights, topo, counted)
+                 else self._per_tensor_handle_calls)(_timed(weights, phases), topo, counted)
         t0 = time.perf_counter()
         try:
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
@@ -347,7 +366,12 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         finally:
             sent, self._sent = self._sent, None
             self._syncs += 1
-        out = {"strategy": cfg.strategy, "sync_s": sync_s, "bytes": counted.bytes,
+        # where the seconds went on this rank: pulling verl's export (its full_tensor per
+        # parameter), packing (the copy into the bucket and, with verify, hashing), and the rest:
+        # handles, gather to infer-TP rank 0, the engine's calls and the agreements
+        phases["pack_s"] = self._pack_s
+        phases["transport_s"] = max(0.0, sync_s - phases["export_s"] - phases["pack_s"])
+        out = {"strategy": cfg.strategy, "sync_s": sync_s, **phases, "bytes": counted.bytes,
                "tensors": counted.tensors, "buckets": counted.buckets,
                "engine_calls": counted.engine_calls, "bucket_bytes": cfg.bucket_bytes,
                "gbps": counted.bytes / sync_s / 1e9 if sync_s else 0.0, **figures}
@@ -356,6 +380,13 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         return out
 
     def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return self._prepare_one(name, t)
+        finally:
+            self._pack_s += time.perf_counter() - t0
+
+    def _prepare_one(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         if self.sync.dtype is not None and t.is_floating_point() and t.dtype != self.sync.dtype:
             t = t.to(self.sync.dtype)
@@ -397,14 +428,18 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                         yield call(stream)
                     stream.buf = None            # the bucket buffer goes before the big one comes
                     big = _Stream(-(-n // ALIGNMENT) * ALIGNMENT)
+                    t0 = time.perf_counter()
                     big.add(name, t)
+                    self._pack_s += time.perf_counter() - t0
                     del t
                     yield call(big)
                     big.buf = None
                     continue
                 if stream.metas and (not stream.fits(n) or stream.buf.device != t.device):
                     yield call(stream)
+                t0 = time.perf_counter()
                 stream.add(name, t)
+                self._pack_s += time.perf_counter() - t0
                 del t
             if stream.metas:
                 yield call(stream)

@@ -1,0 +1,138 @@
+"""verl's own trainer loop with fsdp_sync (`make test-verl`): the tiny GRPO recipe, end to end.
+
+`recipes/verl/run_tiny_grpo_cpu.sh` runs ``python -m verl.trainer.main_ppo`` (verl 0.9.1, GRPO,
+FSDP2 actor on 2 CPU ranks, ``VERL_PLATFORM=cpu``) for 3 steps with ``rollout.name=fsdp_sync_ref``:
+the replica starts ``fsdp-sync serve --tp 2`` itself and fsdp_sync's adapter syncs into it, with
+``verify=full``, before the first rollout and after every step. Checked from verl's own logged
+metrics and from the adapter's metrics file:
+
+- verl ran 3 steps and exited 0; the rewards were not constant; the rollout's log-probs (serve's
+  ``output_token_logprobs``, ``calculate_log_probs=True``) agree with the actor's recomputation;
+- 4 syncs (global steps 0-3), each verified in full: every tensor's digest in the engine equals the
+  digest of what verl's export sent (a mismatch would have failed the run);
+- sync 0 carries exactly the checkpoint's weights (digests of model.safetensors), and every later
+  sync carries weights that differ from the one before in every tensor (each step's Adam update
+  reaches them all);
+- nothing is left behind: no process of the run (they carry a marker in their environment), no
+  listener on serve's port, no new shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.verl, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "recipes" / "verl" / "run_tiny_grpo_cpu.sh"
+STEP = re.compile(r"step:(\d+) - (.*)")
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("FSDP_SYNC_TEST_RUN") == marker and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def _steps(log: str) -> dict[int, dict[str, float]]:
+    steps: dict[int, dict[str, float]] = {}
+    for m in STEP.finditer(log):
+        metrics = {}
+        for part in m.group(2).split(" - "):
+            key, _, value = part.partition(":")
+            num = re.search(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", value)
+            if num:
+                metrics[key.strip()] = float(num.group(0))
+        steps[int(m.group(1))] = metrics
+    return steps
+
+
+def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
+    from safetensors.torch import load_file
+
+    from fsdp_sync.verify import tensor_digest
+
+    marker = uuid.uuid4().hex
+    ray_tmp = tempfile.mkdtemp(prefix="fsr")          # Ray's socket paths must stay short
+    shm_before = set(os.listdir("/dev/shm"))
+    metrics_file = tmp_path / "sync.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, TINY_DIR=str(tmp_path / "tiny"),
+               RAY_TMPDIR=ray_tmp, FSDP_SYNC_TEST_RUN=marker,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            ["bash", str(RUN), f"+actor_rollout_ref.rollout.custom.fsdp_sync.metrics_file={metrics_file}",
+             f"+actor_rollout_ref.rollout.custom.fsdp_sync.log_dir={tmp_path}"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=780)
+        wall = time.monotonic() - t0
+        log = proc.stdout + proc.stderr
+        (tmp_path / "run.log").write_text(log)
+        assert proc.returncode == 0, log[-6000:]
+
+        # verl's own metrics: 3 steps, rewards with spread, rollout log-probs = actor's
+        steps = _steps(log)
+        assert sorted(steps) == [1, 2, 3], log[-4000:]
+        scores = [(s["critic/score/min"], s["critic/score/max"]) for s in steps.values()]
+        assert any(lo < hi for lo, hi in scores), f"constant rewards: {scores}"
+        for n, s in steps.items():
+            assert s["training/rollout_probs_diff_max"] < 1e-3, (n, s["training/rollout_probs_diff_max"])
+            assert s["timing_s/update_weights"] > 0
+
+        # the adapter's record of every sync
+        syncs = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+        assert [s["global_steps"] for s in syncs] == [0, 1, 2, 3]
+        ckpt = load_file(str(tmp_path / "tiny" / "model" / "model.safetensors"))
+        for s in syncs:
+            assert s["verify"] == "full" and s["verify_tensors"] == s["tensors"] == len(ckpt), s
+            assert sorted(s["digests"]) == sorted(ckpt)
+        assert syncs[0]["digests"] == {n: tensor_digest(n, t) for n, t in ckpt.items()}
+        for n in (1, 2, 3):
+            before, after = syncs[n - 1]["digests"], syncs[n]["digests"]
+            changed = [k for k in after if after[k] != before[k]]
+            # an Adam step moves every tensor whose gradient is not all zero: all of them here
+            assert steps[n]["actor/grad_norm"] > 0
+            assert len(changed) == len(after), (
+                f"step {n} trained (grad norm {steps[n]['actor/grad_norm']}) but sync {n} carried "
+                f"{len(after) - len(changed)} tensors unchanged: "
+                f"{sorted(set(after) - set(changed))[:5]}")
+        print(f"\ntiny GRPO, 3 steps in {wall:.0f} s; per sync (fsdp_sync s / verl update_weights s): "
+              + ", ".join(f"{s['global_steps']}: {s['sync_s']:.3f}" + (
+                  f"/{steps[s['global_steps']]['timing_s/update_weights']:.3f}"
+                  if s["global_steps"] in steps else "") for s in syncs))
+        url = re.search(r" on http://127\.0\.0\.1:(\d+) ",
+                        (tmp_path / "fsdp_sync_serve_0_0.log").read_text())
+        assert url, "serve's log has no URL line"
+        port = int(url.group(1))
+    finally:
+        deadline = time.monotonic() + 60
+        left = _marked(marker)
+        while left and time.monotonic() < deadline:
+            time.sleep(1)
+            left = _marked(marker)
+        for p in left:
+            p.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not left, [(p.pid, p.cmdline()[:4]) for p in left]
+    listening = [c for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    assert not listening, f"port {port} (serve) still listened on: {listening}"
+    new_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    assert not new_shm, f"shared-memory segments left behind: {new_shm}"
