@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.fsdp_sync-installed
 
-.PHONY: venv demo test test-gpu test-sglang test-verl bench bench-targets clean
+.PHONY: venv demo demo-verl test test-gpu test-sglang test-verl bench bench-targets clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,14 @@ test-verl:
 	VERL_VENV="$(VERL_VENV)" VERL_VERSION="$(VERL_VERSION)" TORCH_SPEC="$(TORCH_SPEC)" \
 	  PYTHON="$(PYTHON)" bash scripts/verl_env.sh
 	FSDP_SYNC_VERL_TIER=1 PYTHONPATH=. $(VERL_VENV)/bin/python -m pytest -q -m verl tests/verl_tier
+
+# verl 0.9.1's own trainer on this CPU machine: 3 GRPO steps of a tiny Qwen2, rollout on the
+# reference engine (rollout.name=fsdp_sync_ref), every sync verified. Assets go to out/tiny_grpo.
+demo-verl:
+	VERL_VENV="$(VERL_VENV)" VERL_VERSION="$(VERL_VERSION)" TORCH_SPEC="$(TORCH_SPEC)" \
+	  PYTHON="$(PYTHON)" bash scripts/verl_env.sh
+	mkdir -p out
+	cd out && PYTHON="$(abspath $(VERL_VENV))/bin/python" bash ../recipes/verl/run_tiny_grpo_cpu.sh
 
 bench-targets: $(STAMP)
 	$(VENV)/bin/fsdp-sync bench --preset targets --json bench-out/targets.json --plot bench-out

@@ -1,11 +1,14 @@
 """The tiny GRPO recipe's assets, made offline (no download): a 2-layer random Qwen2 with a byte-level
 BPE tokenizer trained here, and train/test parquet files of addition questions in verl's format.
 
-    python recipes/verl/tiny/make_assets.py OUT_DIR
+    python recipes/verl/tiny/make_assets.py OUT_DIR [--model small]
 
 writes OUT_DIR/model (config.json, model.safetensors, tokenizer files with a chat template),
 OUT_DIR/train.parquet (24 rows) and OUT_DIR/test.parquet (8 rows). Deterministic: the same files
 every time. Needs transformers, tokenizers, pandas and pyarrow (all in verl's environment).
+``--model NAME`` builds the Qwen2 of one of fsdp_sync's model recipes instead (``small``: ~10M
+parameters, ``qwen2-160m``: the benchmark model), with the same tokenizer and data: what the sync
+figures in docs/verl.md were measured on.
 """
 
 from __future__ import annotations
@@ -41,15 +44,26 @@ def tokenizer(out: str):
     return hf
 
 
-def model(out: str, hf) -> int:
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            tie_word_embeddings=False)
+
+
+def model(out: str, hf, recipe: str | None = None) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, eos_token_id=hf.eos_token_id,
-                      pad_token_id=hf.pad_token_id, bos_token_id=hf.eos_token_id,
-                      torch_dtype="float32")
+    dims = dict(TINY)
+    if recipe:
+        from fsdp_sync.models import load_config
+
+        given = load_config(recipe).to_dict()
+        if given.get("model_type") != "qwen2" or given["vocab_size"] < len(hf):
+            raise SystemExit(f"--model {recipe}: needs a qwen2 recipe with a vocabulary of at least "
+                             f"{len(hf)} tokens")
+        dims = {k: given[k] for k in list(TINY) + ["rms_norm_eps", "rope_theta"] if k in given}
+    cfg = Qwen2Config(**dims, eos_token_id=hf.eos_token_id, pad_token_id=hf.pad_token_id,
+                      bos_token_id=hf.eos_token_id, torch_dtype="float32")
     torch.manual_seed(0)
     m = Qwen2ForCausalLM(cfg)
     m.save_pretrained(out)
@@ -76,10 +90,13 @@ def data(out_dir: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", help="directory to write model/, train.parquet, test.parquet into")
-    out_dir = ap.parse_args().out_dir
+    ap.add_argument("--model", default=None,
+                    help="an fsdp_sync model recipe (qwen2) instead of the tiny model, e.g. small")
+    args = ap.parse_args()
+    out_dir = args.out_dir
     os.makedirs(os.path.join(out_dir, "model"), exist_ok=True)
     hf = tokenizer(os.path.join(out_dir, "model"))
-    n = model(os.path.join(out_dir, "model"), hf)
+    n = model(os.path.join(out_dir, "model"), hf, args.model)
     data(out_dir)
     print(f"tiny recipe assets in {out_dir}: Qwen2 of {n} parameters, vocabulary {len(hf)}, "
           f"24 train and 8 test prompts")
