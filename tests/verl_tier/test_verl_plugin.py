@@ -204,3 +204,34 @@ def test_adapter_syncs_fsdp2_weights_bit_exact_into_served_engine(tmp_path):
                                                        [102, 103], [104, 105]]
     assert dp[0]["full_uid"] == ["r0-0", "r0-1", "r0-2", "r1-0", "r1-1", "r1-2"]
     assert all(d["back_equal"] and d["meta"]["step"] == 7 for d in dp)
+
+
+def test_stream_buffer_grows_to_what_the_stream_needs_never_past_the_bucket():
+    """verl's default bucket is 2 GiB: a 0.5 MiB model must not get (and page in) a 2 GiB shared
+    buffer on every sync, which is where its syncs' second went. The buffer starts at the first
+    tensor (or the last sync's fill), doubles keeping its contents, and stops at the bucket."""
+    from fsdp_sync.integrations.verl.adapter import _Stream
+    from fsdp_sync.weights.bucket import unflatten
+
+    cap = 1 << 20
+    tensors = [(f"t{i}", torch.randn(1000 + 37 * i)) for i in range(40)]   # ~310 KiB in all
+    s = _Stream(cap)
+    sizes = []
+    for name, t in tensors:
+        s.add(name, t)
+        sizes.append(s.buf.numel())
+    assert sizes[0] == 4000 and sizes[-1] < cap and sizes == sorted(sizes)
+    # doubling: a handful of moves, and never more than twice what it holds
+    assert len(set(sizes)) <= 8 and s.buf.numel() < 2 * s.offset + 4096, sizes
+    back = dict(unflatten(s.buf[:s.bucket().nbytes], s.bucket().entries))
+    assert all(torch.equal(back[n], t) for n, t in tensors)          # nothing lost in a move
+    # the next sync starts at what this one filled: no growth at all
+    hint = s.high
+    s2 = _Stream(cap, hint=hint)
+    for name, t in tensors:
+        s2.add(name, t)
+    assert s2.buf.numel() == hint
+    # never past the bucket, even from a larger hint
+    s3 = _Stream(cap, hint=8 * cap)
+    s3.add("x", torch.zeros(10))
+    assert s3.buf.numel() == cap

@@ -172,27 +172,48 @@ def _resolve(fqdn: str) -> type:
 
 
 class _Stream:
-    """One trainer rank's reused flat buffer, filled tensor by tensor from verl's generator."""
+    """One trainer rank's reused flat buffer, filled tensor by tensor from verl's generator.
 
-    def __init__(self, capacity: int) -> None:
+    The buffer holds at most ``capacity`` (the bucket) but is never made larger than the stream
+    needs: it starts at ``hint`` (what the previous sync filled; the first tensor's size on the
+    first sync) and doubles, up to ``capacity``, when a tensor does not fit, copying what it
+    holds. A 0.5 MiB model under verl's default 2 GiB bucket thus gets a 0.5 MiB buffer, not a
+    2 GiB one made (and paged in) on every sync. While it grows, old and new buffers together stay
+    under 1.5 x capacity."""
+
+    def __init__(self, capacity: int, hint: int = 0) -> None:
         self.capacity = capacity
+        self.hint = min(int(hint), capacity)
         self.buf: torch.Tensor | None = None
         self.metas: list[TensorMeta] = []
         self.offset = 0
+        self.high = 0                        # the most bytes it held at once (the next hint)
 
     def fits(self, nbytes: int) -> bool:
         start = -(-self.offset // ALIGNMENT) * ALIGNMENT
         return not self.metas or start + nbytes <= self.capacity
 
+    def _room(self, end: int, device: torch.device) -> None:
+        buf = self.buf
+        if buf is not None and buf.device == device and end <= buf.numel():
+            return
+        kept = self.offset if buf is not None and buf.device == device else 0
+        size = max(end, self.hint, 2 * buf.numel() if kept else 0)
+        size = min(max(size, end), max(self.capacity, end))
+        new = handles.empty_shared(size, device)
+        if kept:
+            new[:kept].copy_(buf[:kept])
+        self.buf = new
+
     def add(self, name: str, t: torch.Tensor) -> None:
         start = -(-self.offset // ALIGNMENT) * ALIGNMENT
-        if self.buf is None or self.buf.device != t.device:
-            self.buf = handles.empty_shared(self.capacity, t.device)
         n = t.numel() * t.element_size()
+        self._room(start + n, t.device)
         if n:
             self.buf[start:start + n].copy_(t.reshape(-1).view(torch.uint8))
         self.metas.append(TensorMeta.of(name, t))
         self.offset = start + n
+        self.high = max(self.high, self.offset)
 
     def bucket(self) -> Bucket:
         (bucket,) = plan_buckets(self.metas, max(self.capacity, 1), alignment=ALIGNMENT)
@@ -227,6 +248,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self._sent: dict[str, str] | None = None   # digests of what was sent (verify, rank 0)
         self._syncs = 0
         self._pack_s = 0.0
+        self._buffer_hint = 0     # bytes the last sync's bucket buffer filled (`_Stream`)
         self._engine = None
         self._server_actor = None
         tp = int(self.config.tensor_model_parallel_size)
@@ -403,7 +425,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         """verl's stream packed into one reused flat buffer; one call per full bucket. The send
         loop takes the next call only after this one's payloads are released, so the buffer is
         refilled only then."""
-        stream = _Stream(self.sync.bucket_bytes)
+        stream = _Stream(self.sync.bucket_bytes, hint=self._buffer_hint)
 
         def call(s: _Stream) -> Call:
             bucket = s.bucket()
@@ -448,6 +470,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             # would otherwise hold the shared buffers until the process exits, and a segment
             # still referenced then outlives it
             stream.buf = big.buf = None
+            if stream.high:
+                self._buffer_hint = -(-stream.high // ALIGNMENT) * ALIGNMENT
 
     def _per_tensor_handle_calls(self, weights, topo: SyncTopology,
                                  stats: SyncStats) -> Iterator[Call]:
