@@ -50,7 +50,7 @@ from .engines.base import checksum_named_tensors
 from .weights.layout import TPLayout, rank_digest
 
 __all__ = ["SAMPLE_EVERY", "select", "tensor_digest", "trainer_tensors", "first_difference",
-           "verify_engines", "digests"]
+           "verify_engines", "digests", "check_sent"]
 
 SAMPLE_EVERY = 8
 
@@ -180,3 +180,31 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
 def digests(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """``{name: tensor_digest}`` of named tensors (what ``tensor_checksums`` returns)."""
     return {n: tensor_digest(n, t) for n, t in named}
+
+
+def check_sent(engine: Any, sent: dict[str, str], mode: str, step: int) -> tuple[str | None, dict]:
+    """For a caller that streams its own tensors (verl's adapter, which gets them from verl's
+    export and keeps ``sent``: ``{name: tensor_digest}`` of each tensor as it was sent): after the
+    sync, the digests ``engine.tensor_checksums`` reports for the tensors `select` picks, compared
+    with ``sent``. Returns ``(error or None, figures)``; runs where the engine is (the caller
+    agrees on the error over its group)."""
+    t0 = time.perf_counter()
+    chosen = select(list(sent), mode, step)
+    err: str | None = None
+    try:
+        got = dict(engine.tensor_checksums(chosen)) if chosen else {}
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        got = None
+        err = (f"the engine cannot be verified: {type(exc).__name__}: {exc}; set "
+               f"SyncConfig.verify='off' to sync without checking")
+    if got is not None:
+        bad = [n for n in chosen if got.get(n) != sent[n]]
+        if bad:
+            missing = [n for n in bad if n not in got]
+            err = (f"after sync {step} the engine serves {len(bad)} of {len(chosen)} checked "
+                   f"tensors different from what was sent, first {bad[0]!r}"
+                   + (f" ({len(missing)} not reported at all, e.g. {missing[0]!r})"
+                      if missing else ""))
+    return err, {"verify": mode, "verify_tensors": len(chosen),
+                 "verify_s": time.perf_counter() - t0}
+

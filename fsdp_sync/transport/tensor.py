@@ -38,7 +38,7 @@ import math
 import time
 from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -181,7 +181,8 @@ class TensorTransport:
             self.module = self.engine = None
 
     def send(self, calls: Iterable[Call], *, topo: Any, engine: Any, stats: SyncStats | None = None,
-             group: Any = None, what: str = "weight sync") -> SyncStats:
+             group: Any = None, what: str = "weight sync",
+             check: Callable[[Any], str | None] | None = None) -> SyncStats:
         """Hand ``calls`` to ``engine`` the way `sync` hands its own buckets, on every rank of the
         infer-TP group in step (``engine`` on infer-TP rank 0, None elsewhere).
 
@@ -189,7 +190,9 @@ class TensorTransport:
         update bracket, then per call: gather to infer-TP rank 0, deliver, `agree` over ``group``
         (None: the world), release; the next call is taken from ``calls`` (a generator may reuse
         the released call's buffer) only then. ``stats`` (kept and returned) counts the engine
-        calls; the caller counts what it exported. ``what`` names the sync in errors. Raises
+        calls; the caller counts what it exported. ``what`` names the sync in errors. ``check``,
+        when given, runs on infer-TP rank 0 after the update bracket closed (``check(engine)`` ->
+        an error text or None; the caller's verify) and is agreed like a call. Raises
         `SyncError`, the same on every rank of ``group``, when any rank failed."""
         self.topo, self.engine, self._group, self._what = topo, engine, group, what
         self.stats = stats if stats is not None else SyncStats()
@@ -201,11 +204,20 @@ class TensorTransport:
                 with closing(calls) if hasattr(calls, "close") else nullcontext():
                     for call in calls:
                         self._one_call(call)
+            self.stats.seconds = time.perf_counter() - t0
+            if check is not None:
+                # a rank with a missing acknowledgement says so here, so no rank waits alone
+                err: str | None = self._unacked
+                if err is None and self.topo.is_tp_src:
+                    try:
+                        err = check(engine)
+                    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                        err = f"{type(exc).__name__}: {exc}"
+                agree(err, self._group, what=f"{what}: verify")
+            if self._unacked:
+                raise handles.HandleError(self._unacked)
         finally:
             self.engine = None
-        self.stats.seconds = time.perf_counter() - t0
-        if self._unacked:
-            raise handles.HandleError(self._unacked)
         return self.stats
 
     def _sync_weights(self) -> None:

@@ -19,6 +19,7 @@ weights, on a CPU machine:
     POST /flush_cache
     POST /get_weights_by_name          {name, truncate_size}
     (these four also on GET, as SGLang takes them)
+    POST /fsdp_sync/tensor_checksums   {names}  (fsdp_sync's own: what SyncConfig.verify reads)
 
 Weight updates answer ``{"success": bool, "message": str}`` (HTTP 200, or 400 on a refusal), as
 SGLang does. An engine without a method (the distributed and disk ones on an older engine) answers
@@ -352,6 +353,7 @@ class EngineServer:
                 lambda b: self._update("resume_memory_occupation", {"tags": _tags(b)}),
             "/flush_cache": self._flush_cache,
             "/get_weights_by_name": self._get_weights_by_name,
+            "/fsdp_sync/tensor_checksums": self._tensor_checksums,
         }
         dead = self.dead_reason()
         if dead is not None and (path in get_routes or path in post_routes):
@@ -629,6 +631,20 @@ class EngineServer:
         except KeyError as e:
             raise _Refused(400, str(e)) from None
         return 200, t.float().tolist()
+
+    def _tensor_checksums(self, body: dict) -> tuple[int, Any]:
+        """fsdp_sync's own route (SGLang has none like it): ``{"names": [...] | null}`` ->
+        ``{"checksums": {name: digest}}``, the digests ``SyncConfig.verify`` compares with the
+        trainer's (`engines.base.checksum_named_tensors` of each full tensor)."""
+        names = body.get("names")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str)
+                                                                       for n in names)):
+            raise _Refused(400, f"field 'names' must be a list of parameter names or null, got "
+                                f"{str(names)[:100]!r}")
+        try:
+            return 200, {"checksums": self.engine.tensor_checksums(names)}
+        except KeyError as e:
+            raise _Refused(400, str(e)) from None
 
 
 def _accepted(fn: Callable, kwargs: dict) -> dict:

@@ -499,9 +499,25 @@ class SGLangEngine:
         return answer
 
     def tensor_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        """What ``SyncConfig.verify`` asks of an engine, which SGLang cannot give: always raises,
-        saying whether the server has ``/weights_checker`` (asked once) and why its checksums
-        cannot be compared with the trainer's."""
+        """What ``SyncConfig.verify`` asks of an engine: ``{name: digest of the full tensor}``.
+        ``fsdp-sync serve`` answers it (``POST /fsdp_sync/tensor_checksums``); SGLang cannot, so
+        against SGLang this raises, saying whether the server has ``/weights_checker`` (asked
+        once) and why its checksums cannot be compared with the trainer's."""
+        self._check_open("tensor_checksums")
+        if self._http and getattr(self, "_checker_report", None) is None:
+            try:
+                answer = self._http.json("POST", "/fsdp_sync/tensor_checksums",
+                                         {"names": None if names is None else list(names)},
+                                         idempotent=True)
+            except NotFound:
+                pass                     # SGLang itself: see below
+            else:
+                check_answer("tensor_checksums", answer, where=self.where)
+                sums = answer.get("checksums") if isinstance(answer, dict) else None
+                if not isinstance(sums, dict):
+                    raise SGLangError(f"/fsdp_sync/tensor_checksums{self.where} answered "
+                                      f"{str(answer)[:200]!r}", call="tensor_checksums")
+                return {str(k): str(v) for k, v in sums.items()}
         if getattr(self, "_checker_report", None) is None:
             try:
                 report = self.weights_checker("checksum")

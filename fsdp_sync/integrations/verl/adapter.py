@@ -1,15 +1,14 @@
-"""verl plug-in: fsdp_sync's flattened buckets behind verl's SGLang rollout, opt-in.
+"""verl's rollout adapter with fsdp_sync's sync: flattened buckets behind verl's SGLang rollout.
 
-Loaded by verl itself: fsdp_sync declares this module under the ``verl.plugins`` entry-point group,
-and every ``import verl`` (driver, task runner, each Ray worker) imports it unless
-``VERL_USE_EXTERNAL_PLUGINS`` excludes it. Importing it maps ``("sglang", "async")`` in verl's
-rollout registry to `SGLangAdapter` and remembers what was there before (verl's own
+`register` (called by the plug-in, ``fsdp_sync.integrations.verl``) maps ``("sglang", "async")`` in
+verl's rollout registry to `SGLangAdapter` and remembers what was there before (verl's own
 ``ServerAdapter``, or whatever another plug-in put there).
 
-Nothing changes until a run opts in with ``+actor_rollout_ref.rollout.custom.fsdp_sync.enable=true``:
-without it, building `SGLangAdapter` returns the previous class's object, built with the same
-arguments (verl's ``ServerAdapter`` itself, not a look-alike), so installing fsdp_sync changes no
-run by itself.
+Under ``rollout.name=sglang`` nothing changes until a run opts in with
+``+actor_rollout_ref.rollout.custom.fsdp_sync.enable=true``: without it, building `SGLangAdapter`
+returns the previous class's object, built with the same arguments (verl's ``ServerAdapter``
+itself, not a look-alike), so installing fsdp_sync changes no run by itself. Under
+``rollout.name=fsdp_sync_ref`` (`replica`) it is always on.
 
 Opted in, `SGLangAdapter` is verl's colocated SGLang adapter with fsdp_sync's sync: verl's worker
 still owns the export (``get_per_tensor_param``: one ``full_tensor()`` per parameter), the
@@ -29,9 +28,14 @@ engine calls are logged on infer-TP rank 0 (logger ``fsdp_sync.verl``, level fro
 ``update_weights`` as ``fsdp_sync/*`` metrics (verl 0.9.1 drops that value in its colocated
 ``naive`` mode), and appended as a JSON line to ``custom.fsdp_sync.metrics_file`` if set.
 
+With ``verify`` (``"full"`` or ``"sample"``) infer-TP rank 0 keeps a digest of each tensor as it
+is sent and, after the sync, compares the engine's digests of what it serves
+(`verify.check_sent`; ``fsdp-sync serve`` reports them, SGLang cannot and the sync says so); a
+difference raises on every rank. The digests go into the metrics-file line (``digests``).
+
 Options, under ``+actor_rollout_ref.rollout.custom.fsdp_sync.``: ``enable``; ``base_url`` (an SGLang
 server to talk to instead of the one verl's Ray actor names, e.g. ``fsdp-sync serve``);
-``api_key``; ``metrics_file``; and every `fsdp_sync.config.SyncConfig` field (``strategy``:
+``api_key``; ``metrics_file``; ``log_dir`` (where ``fsdp_sync_ref`` writes serve's log); and every `fsdp_sync.config.SyncConfig` field (``strategy``:
 ``flattened`` (default) or ``bucketed`` / ``per_tensor``, verl's own algorithm of one handle per
 tensor, kept for comparison; ``bucket_bytes`` / ``bucket_mb``; ``dtype``; ...). The verl keys users
 already set are read through `SyncConfig.from_verl`: bucket megabytes, ``free_cache_engine`` (resume
@@ -58,19 +62,21 @@ import torch.distributed as dist
 
 from verl.workers.rollout import base as _verl_rollout_base
 
-from ..weights import handles
-from ..weights.bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets
-from ..config import SyncConfig
-from ..topology import SyncTopology
-from ..transport import SyncStats
-from ..transport.tensor import Call, TensorTransport
-from ..wire import flattened_bucket
+from ...weights import handles
+from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets
+from ...config import SyncConfig
+from ...topology import SyncTopology
+from ...transport import SyncStats
+from ...transport.tensor import Call, TensorTransport
+from ...verify import check_sent, tensor_digest
+from ...wire import flattened_bucket
+from .replica import ROLLOUT_NAME, server_name
 
 __all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
 
 KEY = ("sglang", "async")
-_OURS = f"{__name__}.SGLangAdapter"
-_ADAPTER_KEYS = ("enable", "base_url", "api_key", "metrics_file")
+OURS = "fsdp_sync.integrations.verl.SGLangAdapter"   # the public path verl resolves
+_ADAPTER_KEYS = ("enable", "base_url", "api_key", "metrics_file", "log_dir")
 
 log = logging.getLogger("fsdp_sync.verl")
 log.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -83,9 +89,9 @@ def register() -> None:
     global VERL_DEFAULT
     reg = _verl_rollout_base._ROLLOUT_REGISTRY
     current = reg.get(KEY)
-    if current and current != _OURS:
+    if current and current != OURS:
         VERL_DEFAULT = current
-    reg[KEY] = _OURS
+    reg[KEY] = OURS
 
 
 def _get(node: Any, key: str, default: Any = None) -> Any:
@@ -125,7 +131,10 @@ def _bool(value: Any, key: str) -> bool:
 
 
 def enabled(config: Any) -> bool:
-    """Whether ``rollout.custom.fsdp_sync.enable`` is set (the one opt-in)."""
+    """Whether fsdp_sync syncs this rollout: ``rollout.custom.fsdp_sync.enable`` set, or the
+    rollout is fsdp_sync's own (``rollout.name=fsdp_sync_ref``, where nothing else could)."""
+    if _get(config, "name") == ROLLOUT_NAME:
+        return True
     return _bool(_options(config).get("enable", False), "enable")
 
 
@@ -201,6 +210,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self.api_key = opts.get("api_key")
         self.metrics_file = opts.get("metrics_file")
         self.last_stats: dict[str, Any] = {}
+        self._sent: dict[str, str] | None = None   # digests of what was sent (verify, rank 0)
+        self._syncs = 0
         self._engine = None
         self._server_actor = None
         tp = int(self.config.tensor_model_parallel_size)
@@ -236,13 +247,16 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         """The SGLang client on infer-TP rank 0 (None elsewhere)."""
         if self._engine is not None or not self._is_leader():
             return self._engine
-        from ..engines.sglang import SGLangEngine
+        from ...engines.sglang import SGLangEngine
 
         url = self.base_url
         if not url:
             import ray
 
-            self._server_actor = ray.get_actor(f"sglang_server_{self.replica_rank}_{self.node_rank}")
+            name = (server_name(self.replica_rank, self.node_rank)
+                    if _get(self.config, "name") == ROLLOUT_NAME
+                    else f"sglang_server_{self.replica_rank}_{self.node_rank}")
+            self._server_actor = ray.get_actor(name)
             host, port = await self._server_actor.get_server_address.remote()
             host = f"[{host}]" if ":" in str(host) else host
             url = f"http://{host}:{port}"
@@ -282,11 +296,15 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         stats["global_steps"] = global_steps
         self.last_stats = stats
         metrics = {f"fsdp_sync/{k}": v for k, v in stats.items()
-                   if k in ("sync_s", "bytes", "tensors", "buckets", "engine_calls", "gbps")}
+                   if k in ("sync_s", "bytes", "tensors", "buckets", "engine_calls", "gbps",
+                            "verify_tensors", "verify_s")}
         if engine is not None:
             log.info("fsdp_sync verl sync (step %s): %.3f s, %.1f MiB in %d tensors, %d buckets, "
-                     "%d engine calls (%s)", global_steps, stats["sync_s"], stats["bytes"] / 2**20,
-                     stats["tensors"], stats["buckets"], stats["engine_calls"], stats["strategy"])
+                     "%d engine calls (%s)%s", global_steps, stats["sync_s"],
+                     stats["bytes"] / 2**20, stats["tensors"], stats["buckets"],
+                     stats["engine_calls"], stats["strategy"],
+                     f", verify {stats['verify']}: {stats['verify_tensors']} tensors equal in "
+                     f"{stats['verify_s']:.3f} s" if stats.get("verify_tensors") else "")
             if self.metrics_file:
                 with open(self.metrics_file, "a") as f:
                     f.write(json.dumps(stats) + "\n")
@@ -307,16 +325,35 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free."""
         cfg, topo = self.sync, self._topology()
         counted = SyncStats()
+        # verify: infer-TP rank 0 keeps a digest of each tensor as it is sent, and after the sync
+        # compares the engine's digests of what it now serves (`verify.check_sent`), agreed by the
+        # send loop over the infer-TP group
+        self._sent = {} if cfg.verify != "off" and engine is not None else None
+        figures: dict[str, Any] = {}
+
+        def check(eng: Any) -> str | None:
+            err, more = check_sent(eng, self._sent or {}, cfg.verify, self._syncs)
+            figures.update(more)
+            return err
+
         steps = (self._flattened_calls if cfg.strategy == "flattened"
                  else self._per_tensor_handle_calls)(weights, topo, counted)
         t0 = time.perf_counter()
-        TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
-                                  group=topo.tp_group, what="fsdp_sync verl sync")
-        sync_s = time.perf_counter() - t0
-        return {"strategy": cfg.strategy, "sync_s": sync_s, "bytes": counted.bytes,
-                "tensors": counted.tensors, "buckets": counted.buckets,
-                "engine_calls": counted.engine_calls, "bucket_bytes": cfg.bucket_bytes,
-                "gbps": counted.bytes / sync_s / 1e9 if sync_s else 0.0}
+        try:
+            TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
+                                      group=topo.tp_group, what="fsdp_sync verl sync",
+                                      check=check if cfg.verify != "off" else None)
+            sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
+        finally:
+            sent, self._sent = self._sent, None
+            self._syncs += 1
+        out = {"strategy": cfg.strategy, "sync_s": sync_s, "bytes": counted.bytes,
+               "tensors": counted.tensors, "buckets": counted.buckets,
+               "engine_calls": counted.engine_calls, "bucket_bytes": cfg.bucket_bytes,
+               "gbps": counted.bytes / sync_s / 1e9 if sync_s else 0.0, **figures}
+        if sent is not None:
+            out["digests"] = sent
+        return out
 
     def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -324,7 +361,12 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             t = t.to(self.sync.dtype)
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"fsdp_sync cannot send {name!r}: dtype {t.dtype} is not supported")
-        return t.contiguous()
+        t = t.contiguous()
+        if self._sent is not None:
+            if name in self._sent:
+                raise ValueError(f"verl's weight stream holds {name!r} twice")
+            self._sent[name] = tensor_digest(name, t)
+        return t
 
     def _flattened_calls(self, weights, topo: SyncTopology, stats: SyncStats) -> Iterator[Call]:
         """verl's stream packed into one reused flat buffer; one call per full bucket. The send
@@ -413,6 +455,3 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
     def generate_sequences(self, prompts):
         raise NotImplementedError("verl's server mode generates through its agent loop, not the "
                                   "rollout adapter")
-
-
-register()

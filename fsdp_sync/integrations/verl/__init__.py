@@ -1,0 +1,43 @@
+"""fsdp_sync's verl plug-in, loaded by verl itself on every ``import verl``.
+
+fsdp_sync declares this package under the ``verl.plugins`` entry-point group, so the driver, the
+task runner and every Ray worker import it (unless ``VERL_USE_EXTERNAL_PLUGINS`` excludes it).
+Importing it:
+
+- maps ``("sglang", "async")`` in verl's rollout registry to `SGLangAdapter` (`adapter`), inert
+  until a run opts in with ``+actor_rollout_ref.rollout.custom.fsdp_sync.enable=true``;
+- registers the rollout name ``fsdp_sync_ref`` (`replica`): verl's rollout on fsdp_sync's reference
+  engine, one ``fsdp-sync serve`` per replica, `SGLangAdapter` always on;
+- only when ``VERL_PLATFORM=cpu``: verl's CPU platform (`cpu_platform`), so verl's own trainer runs
+  on a machine with no GPU.
+
+``recipes/verl/`` holds recipes for both: the tiny GRPO run on a laptop (``fsdp_sync_ref``, CPU) and
+Qwen2.5-0.5B on GSM8K (``sglang``, GPUs). docs/verl.md says what each piece does and costs.
+"""
+
+from __future__ import annotations
+
+from . import cpu_platform
+from .adapter import KEY, VERL_DEFAULT, SGLangAdapter, enabled, sync_config
+from .replica import ROLLOUT_NAME, ServeReplica
+
+__all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "ROLLOUT_NAME", "enabled", "sync_config",
+           "register"]
+
+
+def register() -> None:
+    """Everything the module docstring lists (idempotent)."""
+    from verl.workers.rollout import base as verl_rollout
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from . import adapter
+
+    adapter.register()
+    verl_rollout._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = adapter.OURS
+
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: ServeReplica)
+    if cpu_platform.requested():
+        cpu_platform.install()
+
+
+register()
