@@ -75,7 +75,7 @@ from ..weights.bucket import (SUPPORTED_DTYPES, Bucket, BucketPacker, TensorMeta
                               entries_from_metadata, unflatten)
 from ..wire import destroy_update_group, free_port, new_update_group
 
-__all__ = ["BACKEND", "FsdpSyncCheckpointEngine"]
+__all__ = ["BACKEND", "FsdpSyncCheckpointEngine", "ReceivedWeights"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -241,36 +241,75 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         return {f"checkpoint_engine/fsdp_sync/{k}": float(v) for k, v in self.last_stats.items()}
 
     # ------------------------------------------------------------------ receive
-    @torch.no_grad()
-    async def receive_weights(self, global_steps: int | None = None
-                              ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        """Rollout side: yield ``(name, tensor)`` as the sender put them in, in its order."""
+    def receive_weights(self, global_steps: int | None = None) -> "ReceivedWeights":
+        """Rollout side: the ``(name, tensor)`` stream as the sender put it in, in its order.
+
+        An iterable of both kinds (`ReceivedWeights`): verl's own server adapters take it with
+        ``async for`` (through ``ensure_async_iterator``), one that loops with ``for`` gets the
+        same tensors (its event loop then waits with it, as with verl's ``naive`` engine)."""
         self._require_group("receive_weights")
         if self.rank is None or self.rank < 1:
             raise RuntimeError(f"fsdp_sync checkpoint engine: receive_weights on group rank "
                                f"{self.rank}; rollout workers are ranks 1..{self.world_size}")
-        receiver = _Receiver(self.pg, self.device, self.timeout_s, self.rank)
-        receiver.start()
-        t0, n, nbytes = time.perf_counter(), 0, 0
+        return ReceivedWeights(self, global_steps)
+
+
+class ReceivedWeights:
+    """One sync's received stream, for ``for`` and ``async for`` alike (walk it once): each bucket
+    is checked (the sender's step against ``global_steps``), and given back as views."""
+
+    def __init__(self, engine: FsdpSyncCheckpointEngine, global_steps: int | None) -> None:
+        self.engine, self.global_steps = engine, global_steps
+        self.receiver = _Receiver(engine.pg, engine.device, engine.timeout_s, engine.rank)
+        self.t0, self.n, self.nbytes = time.perf_counter(), 0, 0
+
+    def _bucket(self, item: tuple[dict, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        header, flat = item
+        step = header.get("step")
+        if self.global_steps is not None and step is not None and step != self.global_steps:
+            raise RuntimeError(f"fsdp_sync checkpoint engine: rank {self.engine.rank} expected the "
+                               f"weights of step {self.global_steps}, the sender sent step {step}")
+        self.n += len(header["entries"])
+        self.nbytes += flat.numel()
+        return unflatten(flat, header["entries"])
+
+    def _end(self) -> None:
+        self.receiver.stop()
+        self.engine.last_stats = {"tensors": self.n, "mib": self.nbytes / 2**20,
+                                  "seconds": time.perf_counter() - self.t0}
+
+    @torch.no_grad()
+    def __iter__(self):
+        self.receiver.start()
         try:
             while True:
-                item = await asyncio.to_thread(receiver.next)
-                header, flat = item
-                step = header.get("step")
-                if global_steps is not None and step is not None and step != global_steps:
-                    raise RuntimeError(f"fsdp_sync checkpoint engine: rank {self.rank} expected the "
-                                       f"weights of step {global_steps}, the sender sent step {step}")
-                for name, tensor in unflatten(flat, header["entries"]):
-                    n += 1
-                    yield name, tensor
-                nbytes += flat.numel()
-                del flat, item
-                receiver.done_with_bucket()
-                if header["last"]:
-                    break
+                item = self.receiver.next()
+                yield from self._bucket(item)
+                last = item[0]["last"]
+                del item
+                self.receiver.done_with_bucket()   # the consumer has moved past this bucket
+                if last:
+                    return
         finally:
-            receiver.stop()
-        self.last_stats = {"tensors": n, "mib": nbytes / 2**20, "seconds": time.perf_counter() - t0}
+            self._end()
+
+    def __aiter__(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        self.receiver.start()
+        try:
+            while True:
+                item = await asyncio.to_thread(self.receiver.next)
+                for name, tensor in self._bucket(item):
+                    yield name, tensor
+                last = item[0]["last"]
+                del item
+                self.receiver.done_with_bucket()
+                if last:
+                    return
+        finally:
+            self._end()
 
 
 class _Sender:

@@ -103,7 +103,9 @@ def rank_main(conn, role: str, index: int, world_port: int | None) -> None:
                     out = asyncio.run(engine.send_weights(stream(kw["step"], bad_at=kw.get("bad_at")),
                                                           global_steps=kw["step"]))
                 elif cmd == "recv":
-                    got = asyncio.run(consume(engine.receive_weights(global_steps=kw["step"])))
+                    received = engine.receive_weights(global_steps=kw["step"])
+                    # rollout worker 0 takes it as verl's adapters do (async for), 1 with a plain for
+                    got = asyncio.run(consume(received)) if index == 0 else list(received)
                     out = check(got, kw["step"])
                 conn.send(("ok", out))
             except Exception as exc:  # noqa: BLE001 - reported to the test
