@@ -21,7 +21,7 @@ import torch
 
 __all__ = [
     "ALIGNMENT", "SUPPORTED_DTYPES", "TensorMeta", "BucketEntry", "Bucket",
-    "plan_buckets", "flatten", "unflatten", "sglang_metadata", "entries_from_metadata",
+    "plan_buckets", "BucketPacker", "flatten", "unflatten", "sglang_metadata", "entries_from_metadata",
     "check_tensor", "dtype_name", "plan_tight", "check_tight",
 ]
 
@@ -99,35 +99,61 @@ def plan_buckets(metas: Iterable[TensorMeta | tuple], bucket_bytes: int, *,
     """Group tensors, in order, into buckets of at most ``bucket_bytes`` (padding included).
 
     A tensor larger than the budget gets a bucket of its own. Every entry's start is a multiple of
-    ``alignment``. Names must be unique.
+    ``alignment``. Names must be unique. (`BucketPacker` is this rule one tensor at a time.)
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"alignment must be a power of two, got {alignment}")
-    buckets: list[Bucket] = []
-    current: list[BucketEntry] = []
-    offset = 0
-    seen: set[str] = set()
-    for m in metas:
+    packer = BucketPacker(bucket_bytes, alignment=alignment)
+    buckets = [b for b in (packer.add(m)[0] for m in metas) if b is not None]
+    last = packer.finish()
+    return buckets + [last] if last is not None else buckets
+
+
+class BucketPacker:
+    """`plan_buckets` one tensor at a time, for a stream whose tensors are not known ahead (verl's
+    checkpoint engine gets a generator): `add` places a tensor and says which bucket, if any, it
+    closed; `finish` closes the last one. The same rule and errors as `plan_buckets`, which is
+    built on it. Pure: no data, no process group.
+    """
+
+    def __init__(self, bucket_bytes: int, *, alignment: int = ALIGNMENT) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        self.bucket_bytes, self.alignment = bucket_bytes, alignment
+        self._current: list[BucketEntry] = []
+        self._offset = 0
+        self._seen: set[str] = set()
+
+    def add(self, m: TensorMeta | tuple) -> tuple[Bucket | None, BucketEntry]:
+        """Place one tensor: ``(the bucket this closed, or None; its entry in the open bucket)``.
+
+        An entry with ``start == 0`` and ``nbytes > bucket_bytes`` is alone in its bucket."""
         meta = m if isinstance(m, TensorMeta) else TensorMeta(m[0], m[1], tuple(m[2]))
-        if meta.name in seen:
+        if meta.name in self._seen:
             raise ValueError(f"tensor name {meta.name!r} appears twice in the bucket plan")
-        seen.add(meta.name)
+        self._seen.add(meta.name)
         if meta.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"unsupported dtype {meta.dtype} for {meta.name!r}; supported: "
                             f"{sorted(dtype_name(d) for d in SUPPORTED_DTYPES)}")
-        start = _align(offset, alignment)
+        closed = None
+        start = _align(self._offset, self.alignment)
         # the bucket's size includes its trailing alignment padding: compare that, or a bucket of
         # several tensors could exceed the budget by up to ``alignment - 1`` bytes
-        if current and _align(start + meta.nbytes, alignment) > bucket_bytes:
-            buckets.append(Bucket(tuple(current), _align(offset, alignment)))
-            current, start = [], 0
-        current.append(BucketEntry(meta.name, meta.dtype, meta.shape, start, start + meta.nbytes))
-        offset = start + meta.nbytes
-    if current:
-        buckets.append(Bucket(tuple(current), _align(offset, alignment)))
-    return buckets
+        if self._current and _align(start + meta.nbytes, self.alignment) > self.bucket_bytes:
+            closed = self.finish()
+            start = 0
+        entry = BucketEntry(meta.name, meta.dtype, meta.shape, start, start + meta.nbytes)
+        self._current.append(entry)
+        self._offset = entry.end
+        return closed, entry
+
+    def finish(self) -> Bucket | None:
+        """Close the open bucket (None when it is empty); the packer goes on from an empty one."""
+        if not self._current:
+            return None
+        bucket = Bucket(tuple(self._current), _align(self._offset, self.alignment))
+        self._current, self._offset = [], 0
+        return bucket
 
 
 def check_tensor(name: str, tensor: torch.Tensor, *, dtype: torch.dtype | None = None,

@@ -1,0 +1,225 @@
+"""fsdp_sync's verl checkpoint engine (`fsdp_sync.integrations.verl_checkpoint`), `make test-verl`.
+
+- Under verl's OWN `CheckpointEngineManager.update_weights` (Ray, CPU, logical GPUs): 2 actor
+  ranks (one gloo world, a collective per tensor) send to 2 rollout workers that are verl's own
+  `CheckpointEngineWorker`, two syncs in a row; every tensor bit-exact, names complete and in order.
+- The manager's calls in the manager's order, one process per worker (no Ray): the same checks,
+  several buckets, tensors larger than a bucket, the stream taken with
+  `async for` and with `for`, and a sender that fails mid-stream: every receiver
+  raises the sender's message at once.
+- Pure: the topology, and the errors for a missing master and a device mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from multiprocessing.connection import wait as mp_wait
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_roles
+from fsdp_sync.integrations.verl_checkpoint import BACKEND, FsdpSyncCheckpointEngine
+
+pytestmark = [pytest.mark.verl, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "fsdp_sync.integrations.verl_checkpoint"
+BUCKET = ckpt_roles.BUCKET_MB << 20
+NAMES = [n for n, _, _ in ckpt_roles.SPECS]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Workers:
+    """2 actor ranks + N rollout workers, each a process; `call` runs one step on a set of them
+    concurrently and returns their answers (raising on a harness failure, not on an engine error)."""
+
+    def __init__(self, n_rollout: int = 2) -> None:
+        ctx = mp.get_context("fork")     # verl is imported already: a forked child starts in 1 s
+        port = _port()
+        self.procs, self.conns = [], []
+        for role, index, wp in [("actor", 0, port), ("actor", 1, port)] + [
+                ("rollout", i, None) for i in range(n_rollout)]:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=ckpt_roles.rank_main, args=(child, role, index, wp), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self.actors, self.rollouts = [0, 1], list(range(2, 2 + n_rollout))
+
+    def call(self, which, cmd, kws, timeout=120):
+        for i, kw in zip(which, kws):
+            self.conns[i].send((cmd, dict(kw)))
+        out = []
+        for i in which:
+            if not self.conns[i].poll(timeout):
+                raise TimeoutError(f"worker {i} did not answer {cmd} within {timeout}s")
+            out.append(self.conns[i].recv())
+        return out
+
+    def close(self):
+        for c in self.conns:
+            try:
+                c.send(("exit", {}))
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+@pytest.fixture
+def workers():
+    w = Workers()
+    yield w
+    w.close()
+    assert not any(p.is_alive() for p in w.procs)
+
+
+def sync_like_the_manager(w: Workers, step: int, bad_at=None, timeout_s=60):
+    """CheckpointEngineManager.update_weights' steps 4-6 (base.py): prepare on all, build_topology,
+    init_process_group on all, send on the actor group with receive on the rollout workers, finalize."""
+    everyone = w.actors + w.rollouts
+    meta = [r[1] for r in w.call(everyone, "call", [{"method": "prepare"}] * len(everyone))]
+    actor_kw, rollout_kw = FsdpSyncCheckpointEngine.build_topology(len(w.actors), len(w.rollouts), meta)
+    kws = [{k: v[i] for k, v in actor_kw.items()} for i in range(len(w.actors))] + \
+          [{k: v[i] for k, v in rollout_kw.items()} for i in range(len(w.rollouts))]
+    inits = w.call(everyone, "call", [dict(kw, method="init_process_group") for kw in kws])
+    assert all(r[0] == "ok" for r in inits), inits
+    for i in w.actors:
+        w.conns[i].send(("send", {"step": step, "bad_at": bad_at}))
+    for i in w.rollouts:
+        w.conns[i].send(("recv", {"step": step}))
+    t0 = time.perf_counter()
+    answers, waiting = {}, {w.conns[i]: i for i in everyone}
+    while waiting:      # each answer with the time it came in
+        ready = mp_wait(list(waiting), timeout=timeout_s + 30)
+        assert ready, f"workers {sorted(waiting.values())} hung in the sync"
+        for c in ready:
+            answers[waiting.pop(c)] = (c.recv(), time.perf_counter() - t0)
+    fin = w.call(everyone, "call", [{"method": "finalize"}] * len(everyone))
+    assert all(r[0] == "ok" for r in fin), fin
+    return answers
+
+
+def test_manager_calls_in_order_bit_exact_over_several_buckets(workers):
+    workers.call(workers.actors, "new", [{"bucket_size": BUCKET, "is_master": True, "timeout_s": 60},
+                                         {"bucket_size": BUCKET, "is_master": False, "timeout_s": 60}])
+    workers.call(workers.rollouts, "new", [{"bucket_size": BUCKET, "timeout_s": 60}] * 2)
+    digests = []
+    for step in (1, 2):
+        answers = sync_like_the_manager(workers, step)
+        (status, metrics), _ = answers[0]
+        assert status == "ok", answers[0]
+        assert answers[1][0] == ("ok", None)           # actor rank 1: walked the stream, sent nothing
+        # 11 tensors, two larger than the 1 MiB bucket: 7 buckets of which 2 hold one tensor each
+        assert metrics[f"checkpoint_engine/{BACKEND}/tensors"] == len(NAMES)
+        assert metrics[f"checkpoint_engine/{BACKEND}/buckets"] >= 5
+        for i in workers.rollouts:
+            (status, report), _ = answers[i]
+            assert status == "ok", answers[i]
+            assert report["names"] == NAMES and report["bad"] == []
+        digests.append({answers[i][0][1]["digest"] for i in workers.rollouts})
+    assert len(digests[0]) == 1 and len(digests[1]) == 1 and digests[0] != digests[1]
+
+
+def test_a_failing_sender_fails_every_receiver_at_once(workers):
+    workers.call(workers.actors, "new", [{"bucket_size": BUCKET, "is_master": True, "timeout_s": 60},
+                                         {"bucket_size": BUCKET, "timeout_s": 60}])
+    workers.call(workers.rollouts, "new", [{"bucket_size": BUCKET, "timeout_s": 60}] * 2)
+    answers = sync_like_the_manager(workers, 3, bad_at=5)
+    (sent, _t) = answers[0]
+    assert sent[0] == "err" and "complex64" in sent[1] and "'model.bad.weight'" in sent[1], sent
+    for i in workers.rollouts:
+        (got, seconds) = answers[i]
+        assert got[0] == "err" and "the sender (actor rank 0) failed" in got[1], got
+        assert "model.bad.weight" in got[1]
+        assert seconds < 30, f"receiver {i} took {seconds:.1f}s: it waited for a timeout"
+    assert answers[1][0] == ("ok", None) and answers[1][1] < 30   # actor rank 1 walked to the end
+    # the engines are usable for the next sync after a failed one
+    answers = sync_like_the_manager(workers, 4)
+    for i in workers.rollouts:
+        assert answers[i][0][0] == "ok" and answers[i][0][1]["bad"] == [], answers[i]
+
+
+def test_topology_and_errors_that_name_the_problem():
+    meta = [{"master": {"address": "a", "port": 1, "group_name": "g", "device_type": "cpu",
+                        "bucket_size": BUCKET}}, {"master": None}, {"master": None}, {"master": None},
+            {"master": None}]
+    actor, rollout = FsdpSyncCheckpointEngine.build_topology(2, 3, meta)
+    assert actor["rank"] == [0, -1] and rollout["rank"] == [1, 2, 3]
+    assert actor["world_size"] == [4, 4] and rollout["world_size"] == [4, 4, 4]
+    with pytest.raises(ValueError, match=r"actor rank 0, and only it, must be the master.*\[\]"):
+        FsdpSyncCheckpointEngine.build_topology(2, 3, [{"master": None}] * 5)
+    with pytest.raises(ValueError, match=r"expected 2 actor \+ 3 rollout metadata, got 4"):
+        FsdpSyncCheckpointEngine.build_topology(2, 3, meta[:4])
+    e = FsdpSyncCheckpointEngine(bucket_size=BUCKET, device="cpu")
+    with pytest.raises(ValueError, match=r"sender's buckets are on cuda but this worker's \(rank 1\) "
+                                         r"are on cpu"):
+        e.init_process_group(rank=1, world_size=2, master=dict(meta[0]["master"], device_type="cuda"))
+    with pytest.raises(RuntimeError, match="receive_weights before init_process_group"):
+        e.receive_weights()
+    with pytest.raises(ValueError, match="bucket_size must be a positive number of bytes, got 0"):
+        FsdpSyncCheckpointEngine(bucket_size=0)
+
+
+@pytest.mark.timeout(420)
+def test_under_verls_own_checkpoint_engine_manager(tmp_path):
+    """verl's CheckpointEngineManager.update_weights, unmodified, on Ray (CPU, 2 logical GPUs'
+    worth of nothing: every worker is a plain Ray actor). Rollout workers are verl's own
+    CheckpointEngineWorker; the backend is found through custom_backend_module, as in a run."""
+    import ray
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+    from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+
+    ce = CheckpointEngineConfig(backend=BACKEND, update_weights_bucket_megabytes=ckpt_roles.BUCKET_MB,
+                                custom_backend_module=MODULE, engine_kwargs={BACKEND: {"timeout_s": 60}})
+    rollout_config = RolloutConfig(name="fsdp_sync_test", checkpoint_engine=ce)
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
+           "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
+    try:
+        def world(n):
+            port = _port()
+            return [{"RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(port), "LOCAL_RANK": "0"} for r in range(n)]
+
+        actor_cls = ray.remote(ckpt_roles.ActorWorker)
+        actors = [actor_cls.options(num_cpus=0, runtime_env={"env_vars": dict(env, **e)}).remote(ce)
+                  for e in world(2)]
+        actor_wg = RayWorkerGroup(worker_handles=actors, ray_cls_with_init=RayClassWithInitArgs(cls=actor_cls))
+        rollout_cls = ray.remote(CheckpointEngineWorker)
+        rollouts = [rollout_cls.options(num_cpus=0, runtime_env={"env_vars": dict(env, **e)}).remote(
+            rollout_config, None, server_adapter=ckpt_roles.RecordingAdapter(str(tmp_path), 0, r))
+            for r, e in enumerate(world(2))]
+        replica = ckpt_roles.Replica(rollouts)
+        manager = CheckpointEngineManager(config=ce, actor_wg=actor_wg, replicas=[replica])
+        assert manager.backend_cls is FsdpSyncCheckpointEngine
+        for step in (1, 2):
+            t0 = time.perf_counter()
+            metrics = manager.update_weights(global_steps=step)
+            seconds = time.perf_counter() - t0
+            assert metrics[f"checkpoint_engine/{BACKEND}/tensors"] == len(NAMES), metrics
+            reports = [json.loads((tmp_path / f"r0_{r}_step{step}.json").read_text()) for r in range(2)]
+            for rep in reports:
+                assert rep["names"] == NAMES and rep["bad"] == [], rep
+            assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["pid"] != reports[1]["pid"]
+            print(f"step {step}: manager.update_weights {seconds:.2f}s, {metrics}")
+        assert replica.calls == ["abort_all_requests", "release_kv_cache", "resume_kv_cache",
+                                 "resume_generation"] * 2
+    finally:
+        ray.shutdown()
