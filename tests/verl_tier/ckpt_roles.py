@@ -82,7 +82,7 @@ async def consume(gen) -> list[tuple[str, torch.Tensor]]:
 
 # ---------------------------------------------------------------- one process per worker
 def rank_main(conn, role: str, index: int, world_port: int | None) -> None:
-    from fsdp_sync.integrations.verl_checkpoint import BACKEND
+    from fsdp_sync.integrations.verl.checkpoint_engine import BACKEND
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     if world_port is not None:     # the actor ranks' own world (FSDP's), as in verl

@@ -1,4 +1,4 @@
-"""fsdp_sync's verl checkpoint engine (`fsdp_sync.integrations.verl_checkpoint`), `make test-verl`.
+"""fsdp_sync's verl checkpoint engine (`fsdp_sync.integrations.verl.checkpoint_engine`), `make test-verl`.
 
 - Under verl's OWN `CheckpointEngineManager.update_weights` (Ray, CPU, logical GPUs): 2 actor
   ranks (one gloo world, a collective per tensor) send to 2 rollout workers that are verl's own
@@ -24,12 +24,12 @@ import pytest
 import torch
 
 import ckpt_roles
-from fsdp_sync.integrations.verl_checkpoint import BACKEND, FsdpSyncCheckpointEngine
+from fsdp_sync.integrations.verl.checkpoint_engine import BACKEND, FsdpSyncCheckpointEngine
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULE = "fsdp_sync.integrations.verl_checkpoint"
+MODULE = "fsdp_sync.integrations.verl.checkpoint_engine"
 BUCKET = ckpt_roles.BUCKET_MB << 20
 NAMES = [n for n, _, _ in ckpt_roles.SPECS]
 

@@ -8,6 +8,8 @@ Importing it:
   until a run opts in with ``+actor_rollout_ref.rollout.custom.fsdp_sync.enable=true``;
 - registers the rollout name ``fsdp_sync_ref`` (`replica`): verl's rollout on fsdp_sync's reference
   engine, one ``fsdp-sync serve`` per replica, `SGLangAdapter` always on;
+- registers the checkpoint-engine backend ``fsdp_sync`` (`checkpoint_engine`) for verl's
+  disaggregated modes: ``rollout.checkpoint_engine.backend=fsdp_sync``;
 - only when ``VERL_PLATFORM=cpu``: verl's CPU platform (`cpu_platform`), so verl's own trainer runs
   on a machine with no GPU.
 
@@ -36,6 +38,7 @@ def register() -> None:
     verl_rollout._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = adapter.OURS
 
     RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: ServeReplica)
+    from . import checkpoint_engine  # noqa: F401  (registers the backend on import)
     if cpu_platform.requested():
         cpu_platform.install()
 

@@ -23,8 +23,9 @@ the name `ROLLOUT_NAME` (registered by the plug-in, ``fsdp_sync.integrations.ver
   refused by serve naming it (HTTP 400), never dropped. Images and video are refused;
 - memory: ``sleep``/``wake_up``/``release_kv_cache``/``resume_kv_cache`` are the same release and
   resume calls verl's SGLang server makes (only when ``free_cache_engine``);
-  ``abort_all_requests`` is ``/abort_request {"abort_all": true}``; ``resume_generation`` has
-  nothing to undo (serve does not hold new requests back).
+  ``abort_all_requests`` is ``/abort_request {"abort_all": true}`` and holds new requests in the
+  actor (or refuses them, ``reject_request``) until ``resume_generation``, as SGLang's
+  ``pause_generation(mode="abort")`` does.
 
 The adapter (`adapter.SGLangAdapter`, always on under this name) finds this actor by
 `server_name` and syncs into serve over HTTP.
@@ -159,6 +160,9 @@ class ServeServer:
         self.url: str | None = None
         self.http: HttpClient | None = None
         self.global_steps: int | None = None
+        self._open = asyncio.Event()          # cleared between abort_all_requests and resume
+        self._open.set()
+        self._reject = False
 
     # ------------------------------------------------------------------ lifetime
     async def launch_server(self) -> str:
@@ -210,7 +214,8 @@ class ServeServer:
         return proc.returncode
 
     def __del__(self) -> None:
-        self.shutdown(timeout_s=5.0)
+        if getattr(self, "proc", None) is not None:
+            self.shutdown(timeout_s=5.0)
 
     def get_server_address(self) -> tuple[str, int]:
         host, port = self.url.split("://", 1)[1].rsplit(":", 1)
@@ -229,6 +234,12 @@ class ServeServer:
                        image_data: Any = None, video_data: Any = None, **kwargs: Any) -> TokenOutput:
         body = sampling_request(prompt_ids, sampling_params, request_id, self.config,
                                 image_data=image_data, video_data=video_data)
+        if not self._open.is_set():
+            if self._reject:
+                raise RuntimeError(f"fsdp_sync_ref replica {self.replica_rank} is paused "
+                                   f"(abort_all_requests(reject_request=True)); request "
+                                   f"{request_id} refused")
+            await self._open.wait()           # held until resume_generation, as SGLang holds it
         out = await self._post("/generate", body)
         meta = out.get("meta_info") or {}
         ids = [int(t) for t in out.get("output_ids") or []]
@@ -268,11 +279,16 @@ class ServeServer:
         self.global_steps = global_steps
 
     async def abort_all_requests(self, reject_request: bool = False) -> None:
+        """Abort what runs and hold what comes (or refuse it, ``reject_request``) until
+        `resume_generation`: SGLang's ``pause_generation(mode="abort")``."""
+        self._reject = bool(reject_request)
+        self._open.clear()
         if self.node_rank == 0:
             await self._post("/abort_request", {"abort_all": True})
 
     async def resume_generation(self) -> None:
-        return None
+        self._reject = False
+        self._open.set()
 
     async def start_profile(self, **kwargs: Any) -> None:
         return None

@@ -5,7 +5,7 @@ rollout replicas (``separate_async``, fully async, one-step-off) through a `Chec
 picked by name. This module registers one named ``"fsdp_sync"``; select it with
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=fsdp_sync
-    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=fsdp_sync.integrations.verl_checkpoint
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=fsdp_sync.integrations.verl.checkpoint_engine
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fsdp_sync.timeout_s=600   # optional
 
 verl imports ``custom_backend_module`` in the driver and in every actor and rollout worker before
@@ -70,10 +70,10 @@ import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from ..transport.distributed import outward_address
-from ..weights.bucket import (SUPPORTED_DTYPES, Bucket, BucketPacker, TensorMeta, dtype_name,
+from ...transport.distributed import outward_address
+from ...weights.bucket import (SUPPORTED_DTYPES, Bucket, BucketPacker, TensorMeta, dtype_name,
                               entries_from_metadata, unflatten)
-from ..wire import destroy_update_group, free_port, new_update_group
+from ...wire import destroy_update_group, free_port, new_update_group
 
 __all__ = ["BACKEND", "FsdpSyncCheckpointEngine", "ReceivedWeights"]
 
