@@ -247,7 +247,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self.last_stats: dict[str, Any] = {}
         self._sent: dict[str, str] | None = None   # digests of what was sent (verify, rank 0)
         self._syncs = 0
-        self._pack_s = 0.0
+        self._pack_s = self._digest_s = 0.0
         self._buffer_hint = 0     # bytes the last sync's bucket buffer filled (`_Stream`)
         self._engine = None
         self._server_actor = None
@@ -333,13 +333,14 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         stats["global_steps"] = global_steps
         self.last_stats = stats
         metrics = {f"fsdp_sync/{k}": v for k, v in stats.items()
-                   if k in ("sync_s", "export_s", "pack_s", "transport_s", "bytes", "tensors",
-                            "buckets", "engine_calls", "gbps", "verify_tensors", "verify_s")}
+                   if k in ("sync_s", "export_s", "pack_s", "digest_s", "transport_s", "bytes",
+                            "tensors", "buckets", "engine_calls", "gbps", "verify_tensors",
+                            "verify_s")}
         if engine is not None:
             log.info("fsdp_sync verl sync (step %s): %.3f s (verl's export %.3f, packing %.3f, "
-                     "handles + gather + engine %.3f), %.1f MiB in %d tensors, %d buckets, "
-                     "%d engine calls (%s)%s", global_steps, stats["sync_s"], stats["export_s"],
-                     stats["pack_s"], stats["transport_s"],
+                     "hashing %.3f, handles + gather + engine %.3f), %.1f MiB in %d tensors, "
+                     "%d buckets, %d engine calls (%s)%s", global_steps, stats["sync_s"],
+                     stats["export_s"], stats["pack_s"], stats["digest_s"], stats["transport_s"],
                      stats["bytes"] / 2**20, stats["tensors"], stats["buckets"],
                      stats["engine_calls"], stats["strategy"],
                      f", verify {stats['verify']}: {stats['verify_tensors']} tensors equal in "
@@ -368,7 +369,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         # compares the engine's digests of what it now serves (`verify.check_sent`), agreed by the
         # send loop over the infer-TP group
         self._sent = {} if cfg.verify != "off" and engine is not None else None
-        self._pack_s = 0.0
+        self._pack_s = self._digest_s = 0.0
         figures: dict[str, Any] = {}
 
         def check(eng: Any) -> str | None:
@@ -389,10 +390,12 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             sent, self._sent = self._sent, None
             self._syncs += 1
         # where the seconds went on this rank: pulling verl's export (its full_tensor per
-        # parameter), packing (the copy into the bucket and, with verify, hashing), and the rest:
-        # handles, gather to infer-TP rank 0, the engine's calls and the agreements
+        # parameter), packing (casts, the copy into the bucket), hashing what is sent (verify
+        # only), and the rest: handles, gather to infer-TP rank 0, the engine's calls, agreements
         phases["pack_s"] = self._pack_s
-        phases["transport_s"] = max(0.0, sync_s - phases["export_s"] - phases["pack_s"])
+        phases["digest_s"] = self._digest_s
+        phases["transport_s"] = max(0.0, sync_s - phases["export_s"] - phases["pack_s"]
+                                    - phases["digest_s"])
         out = {"strategy": cfg.strategy, "sync_s": sync_s, **phases, "bytes": counted.bytes,
                "tensors": counted.tensors, "buckets": counted.buckets,
                "engine_calls": counted.engine_calls, "bucket_bytes": cfg.bucket_bytes,
@@ -403,22 +406,19 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
 
     def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        try:
-            return self._prepare_one(name, t)
-        finally:
-            self._pack_s += time.perf_counter() - t0
-
-    def _prepare_one(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         if self.sync.dtype is not None and t.is_floating_point() and t.dtype != self.sync.dtype:
             t = t.to(self.sync.dtype)
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"fsdp_sync cannot send {name!r}: dtype {t.dtype} is not supported")
         t = t.contiguous()
+        t1 = time.perf_counter()
+        self._pack_s += t1 - t0
         if self._sent is not None:
             if name in self._sent:
                 raise ValueError(f"verl's weight stream holds {name!r} twice")
             self._sent[name] = tensor_digest(name, t)
+            self._digest_s += time.perf_counter() - t1
         return t
 
     def _flattened_calls(self, weights, topo: SyncTopology, stats: SyncStats) -> Iterator[Call]:
