@@ -250,3 +250,29 @@ def test_sglang_weights_checker_request_and_verify_statement(tmp_path):
             eng.tensor_checksums()
     with pytest.raises(SGLangError, match="in-process sglang.Engine has no weights checker"):
         SGLangEngine(fake.FakeSGLangEngine(tp_size=1)).weights_checker()
+
+
+def test_streamed_verify_against_served_engine_names_the_stale_tensor():
+    """verl's adapter streams its own tensors and checks them after the sync (`check_sent`): over
+    HTTP, `fsdp-sync serve` reports the digests (``/fsdp_sync/tensor_checksums``); a tensor the
+    engine serves differently is named, one it does not report is named as such."""
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.engines.reference.serve import EngineServer
+    from fsdp_sync.engines.sglang import SGLangEngine
+    from fsdp_sync.verify import check_sent, tensor_digest
+
+    with ReferenceEngine("tiny", tp_size=2, seed=3) as engine, EngineServer(engine) as server:
+        client = SGLangEngine(base_url=server.url)
+        full = dict(engine.named_full_tensors())
+        sent = {n: tensor_digest(n, t) for n, t in full.items()}
+        err, fig = check_sent(client, sent, "full", 0)
+        assert err is None and fig["verify_tensors"] == len(full)
+        stale = dict(sent)
+        stale[WRONG] = tensor_digest(WRONG, full[WRONG] + 1)
+        err, _ = check_sent(client, stale, "full", 0)
+        assert err and repr(WRONG) in err and "1 of" in err
+        err, fig = check_sent(client, stale, "sample", 1)       # a sample that leaves it out
+        names = list(stale)
+        assert (WRONG in select(names, "sample", 1)) == (err is not None)
+        err, _ = check_sent(client, {**sent, "model.nope": "x"}, "full", 0)
+        assert err and "cannot be verified" in err and "model.nope" in err
