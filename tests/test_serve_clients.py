@@ -1,14 +1,16 @@
-"""An HTTP client of `fsdp-sync serve` leaves nothing behind that holds its stdio (issue 21 item 5).
+"""An HTTP client of `fsdp-sync serve` leaves nothing behind (issue 21 item 5).
 
 A client that sends one bucket update (`SGLangEngine(base_url=...)`) makes CPU shared memory, which
-starts its process's ``torch_shm_manager``; the served engine opened the client's payload and keeps
-its connection to that manager until the server exits, so the manager outlives the client. It
-inherited the client's stderr, so ``client 2>&1 | tail`` never ended. The client's pipe must now
-reach EOF when the client exits."""
+starts its process's ``torch_shm_manager``. The served engine opened the client's payload through
+torch's rebuild, which connected the server (and its workers) to that manager for good, so the
+manager outlived the client until serve stopped: one process per client run. It also inherited the
+client's stderr, so ``client 2>&1 | tail`` never ended. The client's pipe must now reach EOF when
+the client exits, and its manager must be gone seconds later while serve still runs."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -56,3 +58,60 @@ def test_a_clients_shm_manager_does_not_hold_its_stdio():
                 continue                          # it has exited
             assert not any(f.startswith("pipe:") for f in fds - {os.readlink(f"/proc/{pid}/fd/1")}
                            ), (pid, fds)
+
+
+# One bucket update (the workers open it) and one direct update (the server process opens it);
+# then the client names its own torch_shm_manager(s) before it exits.
+CLIENT_MANAGERS = """
+import sys, psutil, torch
+from fsdp_sync.engines.sglang import SGLangEngine
+c = SGLangEngine(base_url=sys.argv[1], tp_size=2, max_retries=0)
+shape = tuple(c.get_weights_by_name("model.norm.weight").shape)
+c.update_weights_from_bucket([("model.norm.weight", torch.full(shape, 3.0))])
+c.update_weights_from_tensor([("model.norm.weight", torch.full(shape, 4.0))])
+assert float(c.get_weights_by_name("model.norm.weight").flatten()[0]) == 4.0
+mine = [p.pid for p in psutil.Process().children() if p.name() == "torch_shm_manager"]
+print("managers", *mine, flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_a_clients_shm_manager_exits_with_the_client_while_serve_runs():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    serve = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", "0",
+                              "--tp", "2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 90
+        while "http://" not in line and time.monotonic() < deadline and serve.poll() is None:
+            line = serve.stdout.readline()
+        assert "http://127.0.0.1:" in line, line
+        url = line.split(" on ", 1)[1].split()[0]
+        client = subprocess.run([sys.executable, "-c", CLIENT_MANAGERS, url], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert client.returncode == 0, client.stdout + client.stderr
+        mine = [int(p) for p in client.stdout.split("managers", 1)[1].split()]
+        assert mine, client.stdout                 # the client did start one
+        # a manager exits 2 s after its last client leaves; it has only the client's own
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in mine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert serve.poll() is None                # serve still runs ...
+        left = [p for p in mine if _alive(p)]
+        assert not left, f"the client's torch_shm_manager {left} outlives it while serve runs"
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            try:
+                serve.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                serve.kill()
+                serve.wait(timeout=10)

@@ -6,7 +6,10 @@ consuming rank:
 
 - CPU tensors go through POSIX shared memory by file name (torch's ``file_system`` sharing), which a
   process the producer did not start can open. The global sharing strategy is not touched: the
-  choice is made by this module's own pickler.
+  choice is made by this module's own pickler. `open_payload` maps such a segment by its file in
+  /dev/shm, keeping torch's reference count in the segment's header, rather than through the
+  producer's ``torch_shm_manager`` (which would stay connected, and alive, as long as the
+  consumer: `_map_segment`).
 - CUDA tensors go through CUDA IPC, with the device written as its UUID so sender and receiver with
   different ``CUDA_VISIBLE_DEVICES`` agree. Only our pickler and our unpickler translate; torch's
   reductions are not patched, so pickling CPU tensors elsewhere in the process keeps working.
@@ -33,8 +36,11 @@ Not here: which tensors go in a bucket (`bucket`), and who carries payloads wher
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import functools
 import io
+import mmap
 import os
 import pickle
 import re
@@ -158,6 +164,9 @@ def adopt(tensor: torch.Tensor) -> torch.Tensor:
     """Mark a CPU tensor that already lives in shared memory by file name (one this process
     opened from a payload, say) as sharable without a copy."""
     storage = tensor.untyped_storage()
+    if tensor.device.type == "cpu" and _mapped_handle(storage) is not None:
+        raise HandleError("cannot adopt a tensor opened from a payload by file: open it with "
+                          "open_payload(..., share_again=True) to share it again without a copy")
     if tensor.device.type == "cpu":
         _OWNED[storage.data_ptr()] = _red.StorageWeakRef(storage)
     return tensor
@@ -235,9 +244,12 @@ class _Pickler(ForkingPickler):
             raise HandleError(f"cannot share a {storage.device} storage on its own; send its tensor")
         if storage.nbytes() == 0:
             return (_red.rebuild_storage_empty, (type(storage),))
+        if _mapped_handle(storage) is not None:
+            raise HandleError("cannot share again a storage opened from a payload by file; open it "
+                              "with open_payload(..., share_again=True)")
         _keep_sockets_from_shm_manager()
         manager, handle, size = storage._share_filename_cpu_()
-        storage._shared_incref()
+        _add_torch_reference(storage, +1)
         self._shared.append(storage)
         _red.shared_cache[handle] = _red.StorageWeakRef(storage)
         return (_red.rebuild_storage_filename, (type(storage), manager, handle, size))
@@ -347,14 +359,150 @@ def _check_segment(manager: bytes, handle: bytes, size: int) -> None:
                           f"holds {max(st.st_size - _SHM_HEADER, 0)}: a forged size; refused")
 
 
-def _safe_rebuild_storage_filename(cls, manager, handle, size, dtype=None):
+# --------------------------------------------------------------------------- opening segments by file
+
+# Segments this process mapped by file (`_map_segment`): by handle, so that a buffer the sender
+# reuses bucket after bucket maps once while it stays mapped (as torch's shared-storage cache does
+# for its own mappings), and by data pointer, so that `adopt` can refuse them.
+_MAPPED: dict[bytes, "_red.StorageWeakRef"] = {}
+_MAPPED_PTRS: dict[int, tuple[bytes, "_red.StorageWeakRef"]] = {}
+
+
+def _segment_path(handle: bytes) -> str:
+    return os.path.join(_SHM_DIR, handle.decode()[1:])
+
+
+@contextlib.contextmanager
+def _refcount_lock(handle: bytes):
+    """Hold an exclusive lock on a segment's file while this process changes its reference count.
+
+    torch changes the count with atomic instructions; `_map_segment` gives a reference back with a
+    read and a write (Python has no atomic add on shared memory). Every change this module makes
+    (pickling's increment, `_map_segment`'s give-back, `PayloadSet.release`'s decrements) holds
+    this lock, so two of ours never interleave. torch's own changes (a storage's creation, the
+    mapping torch's rebuild makes, a storage's last close) do not take it, and need not: by the
+    protocol they happen before a payload is sent or after its consumers have acknowledged it,
+    never while a consumer opens it."""
+    try:
+        fd = os.open(_segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield                   # unlinked already: nobody can change its count any more
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)            # (releases the lock)
+
+
+def _map_segment(handle: bytes, size: int) -> torch.UntypedStorage:
+    """Open a torch shared-memory segment by its file in /dev/shm, without its producer's manager.
+
+    torch's ``rebuild_storage_filename`` connects this process to the producer's
+    ``torch_shm_manager`` and libshm keeps that connection for the life of the process, so the
+    manager of every producer a long-lived consumer ever heard from (each HTTP client of ``fsdp-sync
+    serve``) lived on until the consumer exited: one process per client run (issue 21 item 5). The
+    manager has nothing to do for a consumer (it unlinks a segment only when all its clients are
+    gone); the reference count in the segment's 64-byte header does the work, and is kept here as
+    torch keeps it: the reference pickling took for this consumer is given back as soon as the
+    segment is mapped (the mapping needs its name no longer; the memory stays until the last
+    mapping goes), and the last reference unlinks the name, as torch's last close does.
+
+    The mapping holds one descriptor (Python's mmap keeps a duplicate) and both go when the last
+    tensor on the storage is freed."""
+    ref = _MAPPED.get(handle)
+    if ref is not None:
+        cached = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        if cached is not None:
+            _add_reference(handle, -1)
+            return cached
+    if size == 0:
+        _add_reference(handle, -1)
+        return torch.UntypedStorage()
+    try:
+        fd = os.open(_segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise HandleError(f"payload's storage names segment {handle.decode()}, which does not exist: "
+                          f"released by its producer already (PayloadSet.release)") from None
+    try:
+        st = os.fstat(fd)       # what was checked by name is what was opened
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < size + _SHM_HEADER:
+            raise HandleError(f"payload's segment {handle.decode()} changed after it was checked; refused")
+        mapping = mmap.mmap(fd, size + _SHM_HEADER)
+    finally:
+        os.close(fd)
+    storage = torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=_SHM_HEADER).untyped_storage()
+    _add_reference(handle, -1, mapping)
+    for k in [k for k, r in _MAPPED.items() if r.expired()]:
+        del _MAPPED[k]
+    for k in [k for k, (_, r) in _MAPPED_PTRS.items() if r.expired()]:
+        del _MAPPED_PTRS[k]
+    ref = _red.StorageWeakRef(storage)
+    _MAPPED[handle], _MAPPED_PTRS[storage.data_ptr()] = ref, (handle, ref)
+    return storage
+
+
+def _add_reference(handle: bytes, delta: int, mapping: mmap.mmap | None = None) -> None:
+    """Add ``delta`` to a segment's reference count (under `_refcount_lock`); at zero, unlink it."""
+    with _refcount_lock(handle):
+        own = mapping is None
+        if own:
+            try:
+                fd = os.open(_segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            try:
+                mapping = mmap.mmap(fd, _SHM_HEADER)
+            finally:
+                os.close(fd)
+        try:
+            count = int.from_bytes(mapping[:4], sys.byteorder, signed=True) + delta
+            mapping[:4] = count.to_bytes(4, sys.byteorder, signed=True)
+            if count <= 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_segment_path(handle))
+        finally:
+            if own:
+                mapping.close()
+
+
+def _mapped_handle(storage: torch.UntypedStorage) -> bytes | None:
+    """The handle of a segment `_map_segment` mapped to ``storage``, or None."""
+    entry = _MAPPED_PTRS.get(storage.data_ptr())
+    return None if entry is None or entry[1].expired() else entry[0]
+
+
+def _add_torch_reference(storage: torch.UntypedStorage, delta: int) -> None:
+    """`_add_reference` for a storage torch mapped (this process made it, or a relay opened it)."""
+    handle = storage._share_filename_cpu_()[1]
+    with _refcount_lock(handle):
+        (storage._shared_incref if delta > 0 else storage._shared_decref)()
+
+
+def _take_back(storage: torch.UntypedStorage) -> None:
+    """Undo what opening did to a segment's count: the rightful consumer's reference again."""
+    handle = _mapped_handle(storage)
+    if handle is not None:
+        _add_reference(handle, +1)
+    else:
+        _add_torch_reference(storage, +1)
+
+
+def _safe_rebuild_storage_filename(cls, manager, handle, size, dtype=None, *, via_manager=False):
     _cls(cls, (_USTORAGE,), "storage")
     if not (isinstance(manager, bytes) and isinstance(handle, bytes) and type(size) is int):
         raise HandleError("payload's shared-memory handle is not (bytes, bytes, int)")
     _check_segment(manager, handle, size)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise HandleError(f"payload's storage dtype is {type(dtype).__name__}, not a torch dtype")
-    return _red.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size, dtype)
+    if via_manager or _red.storage_from_cache(torch.UntypedStorage, handle) is not None:
+        # a relay that shares the segment again needs torch's own mapping (`adopt`); a segment
+        # this process made or mapped through torch is in torch's cache and needs no manager
+        with _refcount_lock(handle):
+            return _red.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size, dtype)
+    storage = _map_segment(handle, size if dtype is None else size * dtype.itemsize)
+    return storage if dtype is None else torch.TypedStorage(wrap_storage=storage, dtype=dtype,
+                                                           _internal=True)
 
 
 def _safe_rebuild_storage_empty(cls):
@@ -425,7 +573,12 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 
 
 class _Unpickler(pickle.Unpickler):
-    """Accepts what SGLang's safe deserializer accepts (exact pairs), and nothing of ours."""
+    """Accepts what SGLang's safe deserializer accepts (exact pairs), and nothing of ours.
+    ``via_manager``: map shared memory through torch's rebuild (see `open_payload`)."""
+
+    def __init__(self, file: io.BytesIO, via_manager: bool = False) -> None:
+        super().__init__(file)
+        self._via_manager = via_manager
 
     def find_class(self, module: str, name: str):
         obj = _ALLOWED.get((module, name))
@@ -433,6 +586,8 @@ class _Unpickler(pickle.Unpickler):
             raise HandleError(f"payload holds {module}.{name}, which is not on the allow-list "
                               f"(builtin data types, SimpleNamespace, torch dtypes and tensor/storage "
                               f"rebuild functions); refused")
+        if obj is _safe_rebuild_storage_filename and self._via_manager:
+            return functools.partial(obj, via_manager=True)
         return obj
 
     def persistent_load(self, pid: Any):
@@ -498,13 +653,11 @@ class PayloadSet:
         """Indices into ``payloads`` whose consumer has not acknowledged."""
         return [r for r in range(len(self.payloads)) if self.state(r) != ACKED]
 
-    def release(self, *, require_ack: bool = True, gone: Sequence[int] = (),
-                unopened: Sequence[int] = ()) -> None:
+    def release(self, *, require_ack: bool = True, unopened: Sequence[int] = ()) -> None:
         """Free every buffer. Raises `HandleError` naming ranks that never acknowledged.
 
-        ``gone``: consumer ranks whose process died; a payload such a rank opened but never
-        acknowledged still counts its mapping in the segment's reference count, given back here.
-        ``unopened``: consumer ranks the caller knows never opened their payload. A tagged payload
+        A consumer that opened its payload gave the reference back as it opened it (a consumer that
+        died later leaves nothing counted). ``unopened``: consumer ranks the caller knows never opened their payload. A tagged payload
         tells by its state word; an untagged one (SGLang's) only the caller can tell.
         """
         if self.released:
@@ -512,14 +665,13 @@ class PayloadSet:
         missing = [r for r in range(len(self.payloads)) if self.states[r] is not None
                    and self.state(r) != ACKED]
         # A payload nobody opened still holds the reference its pickling took: give it back, or
-        # the segment outlives every process that maps it. The same for a dead consumer's mapping.
+        # the segment outlives every process that maps it.
         for i in range(len(self.payloads)):
             rank = self.ranks[i] if self.ranks else i
             tagged = self.states[i] is not None
-            if (rank in unopened or (tagged and self.state(i) == FRESH)
-                    or (tagged and self.state(i) == OPENED and rank in gone)):
+            if rank in unopened or (tagged and self.state(i) == FRESH):
                 for storage in self._shared[i]:
-                    storage._shared_decref()
+                    _add_torch_reference(storage, -1)
         ranks = self.ranks
         self.payloads, self.obj, self._keep, self._shared, self.states = [], None, [], [], []
         self.released = True
@@ -626,13 +778,18 @@ def _for_each_cpu_storage(obj: Any, fn) -> None:
     walk(obj)
 
 
-def open_payload(payload: bytes | str, rank: int | None = None) -> Received:
-    """Rebuild a payload in this process. ``rank`` is the consuming rank, checked against the tag."""
+def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: bool = False) -> Received:
+    """Rebuild a payload in this process. ``rank`` is the consuming rank, checked against the tag.
+
+    CPU shared memory is mapped by file, without the producer's ``torch_shm_manager``
+    (`_map_segment`). ``share_again``: the caller will share the tensors again without a copy
+    (`adopt`, a relay such as `hostbuf`): map them through torch's rebuild, which connects this
+    process to the producer's manager for its lifetime (harmless between ranks of one job)."""
     data = base64.b64decode(payload) if isinstance(payload, str) else payload
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandleError(f"a payload is bytes or base64 text, got {type(payload).__name__}")
     try:
-        obj = _Unpickler(io.BytesIO(data)).load()
+        obj = _Unpickler(io.BytesIO(data), share_again).load()
     except HandleError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch's own errors say little about why
@@ -654,8 +811,8 @@ def open_payload(payload: bytes | str, rank: int | None = None) -> Received:
                  f"{'opened' if int(state[0]) == OPENED else 'acknowledged'})")
     if error is not None:
         # unpickling took the reference meant for the rightful consumer: hand it back
-        _for_each_cpu_storage(obj, lambda s: s._shared_incref())
-        _for_each_cpu_storage(tag, lambda s: s._shared_incref())
+        _for_each_cpu_storage(obj, _take_back)
+        _for_each_cpu_storage(tag, _take_back)
         raise HandleError(error)
     state[0] = OPENED
     value = obj["tensor"] if set(obj) == {"tensor"} else obj

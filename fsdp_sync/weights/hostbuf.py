@@ -82,7 +82,7 @@ class HostShared:
             dist.scatter_object_list(out, None, src=src, group=group)
             if isinstance(out[0], tuple) and out[0][:1] == ("unavailable",):
                 return None                  # group rank 0 could not make them
-            bufs = list(_handles.open_payload(out[0]).value)
+            bufs = list(_handles.open_payload(out[0], share_again=True).value)
             for b in bufs:
                 _handles.adopt(b)            # re-sharing them with the engine needs no copy
             dist.barrier(group=group)

@@ -369,9 +369,8 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
                     raise
                 self._two_phase(per_rank, what, keep_mapped=keep_mapped)
             finally:
-                gone = [r for r, p in enumerate(self._w.procs) if not p.is_alive()]
                 for s in sets:
-                    s.release(require_ack=False, gone=gone)   # a dead worker's mapping, too
+                    s.release(require_ack=False)
             if flush_cache:
                 self._raise_errors(self._round("flush_cache"), "flush_cache")
 
