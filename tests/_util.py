@@ -41,6 +41,25 @@ def shm_segments() -> set[str]:
         return set()
 
 
+def start_serve(*args: str, stderr=subprocess.STDOUT, wait_s: float = 90.0,
+                env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """``fsdp-sync serve --port 0 ARGS`` as a child, and its URL once it listens (read from the line
+    it prints). The caller stops it (``terminate``/``kill`` and ``wait``)."""
+    import time
+
+    env = env or dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", "0", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    line, deadline = "", time.monotonic() + wait_s
+    while "http://" not in line and time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+    if "http://127.0.0.1:" not in line:
+        proc.kill()
+        proc.wait(30)
+        raise AssertionError(f"fsdp-sync serve {' '.join(args)} did not print its URL: {line!r}")
+    return proc, line.split(" on ", 1)[1].split()[0]
+
+
 def num_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

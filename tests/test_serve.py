@@ -14,8 +14,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ from fsdp_sync.engines.base import EngineStateError
 from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.engines.sglang import SGLangEngine, SGLangError, SGLangHTTPError, SGLangUpdateError
 from fsdp_sync.engines.reference.serve import EngineServer
+from _util import start_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "s3cret-key"
@@ -330,17 +329,8 @@ def test_disk_and_distributed_endpoints(tmp_path):
 
 
 def test_serve_command_binds_loopback_and_stops_cleanly():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", "0",
-                             "--api-key", KEY], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc, url = start_serve("--api-key", KEY)
     try:
-        line = ""
-        deadline = time.monotonic() + 90
-        while "http://" not in line and time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-        assert "http://127.0.0.1:" in line, line
-        url = line.split(" on ", 1)[1].split()[0]
         client = SGLangEngine(base_url=url, api_key=KEY, max_retries=0)
         assert client.tp_size == 1
         names = ["model.norm.weight"]

@@ -21,6 +21,7 @@ import pytest
 
 from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.engines.reference.serve import EngineServer
+from _util import start_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = """
@@ -85,16 +86,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(180)
 def test_a_clients_shm_manager_exits_with_the_client_while_serve_runs():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    serve = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", "0",
-                              "--tp", "2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    serve, url = start_serve("--tp", "2", env=env)
     try:
-        line = ""
-        deadline = time.monotonic() + 90
-        while "http://" not in line and time.monotonic() < deadline and serve.poll() is None:
-            line = serve.stdout.readline()
-        assert "http://127.0.0.1:" in line, line
-        url = line.split(" on ", 1)[1].split()[0]
         client = subprocess.run([sys.executable, "-c", CLIENT_MANAGERS, url], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=120)
         assert client.returncode == 0, client.stdout + client.stderr

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.engines.reference.serve import EngineServer
+from _util import start_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,16 +93,8 @@ def test_dead_worker_turns_every_route_503_and_every_trainer_rank_raises():
 
 @pytest.mark.timeout(150)
 def test_serve_command_exits_nonzero_when_a_worker_dies():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", "0",
-                             "--tp", "2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc, _ = start_serve("--tp", "2", stderr=subprocess.PIPE)
     try:
-        line = ""
-        deadline = time.monotonic() + 90
-        while "http://" not in line and time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-        assert "http://127.0.0.1:" in line, line
         workers = {p.pid: p for p in psutil.Process(proc.pid).children(recursive=True)
                    if any("fsdp_sync-engine-tp" in a for a in p.cmdline())}
         tp1 = [p for p in workers.values() if "fsdp_sync-engine-tp1" in p.cmdline()]
