@@ -7,7 +7,7 @@ drops them. Every opened payload is acknowledged as soon as its memory is no lon
 (a per-rank bucket's shared buffer, reused by its sender bucket after bucket, stays mapped until the
 update ends, so it is not mapped anew every bucket: `_keep_mapped`). A checkpoint directory
 (``update_weights_from_disk``) is staged the same way: this rank's share of the files is checked
-against the manifest's sha256, every tensor's name, dtype and shape is checked from the safetensors
+against the manifest's digests, every tensor's name, dtype and shape is checked from the safetensors
 headers, and only this rank's slices are read (into CPU memory).
 
 Not here: the process loop and command dispatch (`worker`), memory release/resume (`regions`),
@@ -206,7 +206,7 @@ class UpdateStager:
         directory = spec["dir"]
         for file, sha in spec["verify"].items():
             try:
-                verify_file(directory, file, sha)
+                verify_file(directory, file, sha, spec.get("hash", "sha256"))
             except CheckpointError as exc:
                 raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.w.rank})") from exc
             self.bytes_read += os.path.getsize(os.path.join(directory, file))
@@ -241,7 +241,7 @@ class UpdateStager:
 
     def _stage_disk_ranked(self, spec: dict, writes: list[Write], seen: set[str]) -> None:
         """This rank's files of a per-rank checkpoint (``layout="engine"``): each is read once,
-        checked against the manifest's sha256 on the bytes read, and must hold exactly the tensor
+        checked against the manifest's digest on the bytes read (hashed as they are read), and must hold exactly the tensor
         names the manifest lists for it; every tensor is checked as a ``direct`` update (engine
         name, this rank's shape, dtype). No other rank's file is opened."""
         from ...weights.hf_checkpoint import CheckpointError, engine_name_of, read_verified
@@ -250,7 +250,7 @@ class UpdateStager:
         for file in spec["files"]:
             path = os.path.join(directory, file)
             try:
-                tensors, size = read_verified(path, spec["sha256"][file])
+                tensors, size = read_verified(path, spec["digests"][file], spec.get("hash", "sha256"))
             except CheckpointError as exc:
                 raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.w.rank})") from exc
             self.bytes_read += size
