@@ -60,7 +60,7 @@ __all__ = [
     "INDEX_FILE", "MANIFEST_FILE", "CONFIG_FILE", "MANIFEST_FORMAT", "SAFETENSORS_DTYPES",
     "HASHES", "DEFAULT_HASH", "new_hash", "digest_file", "manifest_hash",
     "CheckpointError", "ReadPlan", "shard_file_name", "sha256_file", "fsync_file", "fsync_dir",
-    "write_json", "write_safetensors", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
+    "write_json", "write_safetensors", "start_writeback", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
     "RankPlan", "is_ranked", "resolve_ranked", "read_verified", "rank_tensor_name", "engine_name_of",
 ]
 
@@ -184,10 +184,40 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing a file's dirty pages to the device now, without waiting for
+    it (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``); a no-op where that call is missing.
+    Durability still comes from the fsync that follows: this only lets the device work while the
+    caller goes on (the next bucket is made and written) instead of all at once in that fsync."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, 2)      # SYNC_FILE_RANGE_WRITE; offset 0, nbytes 0: the whole file
+
+
+_SFR: list = []
+
+
+def _sync_file_range() -> Any:
+    if not _SFR:
+        fn = None
+        try:
+            import ctypes
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):     # not Linux (or no libc symbol): fsync alone
+            fn = None
+        _SFR.append(fn)
+    return _SFR[0]
+
+
 def write_safetensors(path: str, flat: torch.Tensor, entries: Any, *, hash: str = DEFAULT_HASH,
-                      rename: Any = str, metadata: dict | None = None) -> tuple[str, int, list[str]]:
+                      rename: Any = str, metadata: dict | None = None,
+                      fsync: bool = True) -> tuple[str, int, list[str]]:
     """Write the tensors of a flattened bucket as one safetensors file straight from ``flat``,
-    fsynced, hashing each chunk as it is written; returns ``(digest, bytes, names)``.
+    hashing each chunk as it is written; returns ``(digest, bytes, names)``. ``fsync``: the file
+    is fsynced before this returns; False: its writeback is only started (`start_writeback`) and
+    the caller fsyncs it (`fsync_file`) before relying on it.
 
     ``flat``: a 1-D contiguous CPU uint8 tensor; ``entries``: its tensors (objects with ``name``,
     ``dtype``, ``shape``, ``start``, ``end``: `bucket.BucketEntry`), each named ``rename(name)``
@@ -232,7 +262,10 @@ def write_safetensors(path: str, flat: torch.Tensor, entries: Any, *, hash: str 
                 chunk = data[i:min(i + HASH_CHUNK, b)]
                 _write_all(fd, chunk)
                 h.update(chunk)                   # just copied to the page cache: still cached
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
+        else:
+            start_writeback(fd)
     finally:
         os.close(fd)
     return h.hexdigest(), len(head) + offset, names

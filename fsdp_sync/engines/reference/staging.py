@@ -34,6 +34,15 @@ __all__ = ["UpdateStager", "Write", "Txn", "MAX_MAPPED"]
 MAX_MAPPED = 4      # per-rank bucket buffers kept mapped within one update (two per pipelined slot)
 
 
+def _holding(names: list[str]) -> str:
+    """``; it holds 'a', 'b' and 3 more``: the tensors a refused file carries (a digest is per
+    file, so these are the tensors that may be damaged)."""
+    if not names:
+        return ""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return "; it holds " + ", ".join(repr(n) for n in names[:3]) + more
+
+
 def fmt_shape(shape: Any) -> str:
     return str(tuple(int(x) for x in shape))
 
@@ -208,7 +217,9 @@ class UpdateStager:
             try:
                 verify_file(directory, file, sha, spec.get("hash", "sha256"))
             except CheckpointError as exc:
-                raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.w.rank})") from exc
+                index = spec.get("index") or {}
+                raise WorkerError(KIND_UPDATE, f"{exc}{_holding([n for n, f in index.items() if f == file])} "
+                                               f"(TP rank {self.w.rank})") from exc
             self.bytes_read += os.path.getsize(os.path.join(directory, file))
         index = spec.get("index")
         for file in spec["files"]:
@@ -252,7 +263,8 @@ class UpdateStager:
             try:
                 tensors, size = read_verified(path, spec["digests"][file], spec.get("hash", "sha256"))
             except CheckpointError as exc:
-                raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.w.rank})") from exc
+                raise WorkerError(KIND_UPDATE, f"{exc}{_holding(spec['names'][file])} "
+                                               f"(TP rank {self.w.rank})") from exc
             self.bytes_read += size
             listed = list(spec["names"][file])
             if sorted(tensors) != sorted(listed):
