@@ -157,3 +157,22 @@ def test_each_hash_is_written_named_and_verified_on_read(tmp_path, layout):
         assert f"checksum mismatch for {os.path.join(bad, victim)}" in msg and "xxh3_128" in msg, msg
         assert repr(held[0]) in msg, msg
         assert engine.weights_checksum() == served         # nothing was applied
+
+
+def test_slice_reader_over_the_hashed_bytes_matches_the_file(tmp_path):
+    """A worker's own files are read once (`read_hashed`) and sliced from those bytes: the same
+    slices as from the file, and a flipped byte is refused before any slice is taken."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {"w": torch.randn(6, 8, generator=g), "b": torch.randn(8, generator=g).bfloat16()}
+    bkt = _bucket.plan_buckets([_bucket.TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20)[0]
+    path = str(tmp_path / "f.safetensors")
+    digest, _, _ = ckpt.write_safetensors(path, _bucket.flatten(bkt, tensors), bkt.entries)
+    data = ckpt.read_hashed(path, digest, "xxh3_128")
+    with ckpt.SliceReader(path) as f, ckpt.SliceReader(path, data=data) as m:
+        assert m.in_memory and not f.in_memory and sorted(m.keys()) == sorted(f.keys())
+        for index in [(), (slice(2, 4),), (slice(None), slice(1, 5))]:
+            assert torch.equal(m.read("w", index), f.read("w", index))
+        assert torch.equal(m.read("b"), tensors["b"])
+    _flip_last_data_byte(path)
+    with pytest.raises(ckpt.CheckpointError, match="checksum mismatch .* xxh3_128"):
+        ckpt.read_hashed(path, digest, "xxh3_128")

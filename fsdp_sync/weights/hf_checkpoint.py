@@ -60,7 +60,7 @@ __all__ = [
     "INDEX_FILE", "MANIFEST_FILE", "CONFIG_FILE", "MANIFEST_FORMAT", "SAFETENSORS_DTYPES",
     "HASHES", "DEFAULT_HASH", "new_hash", "digest_file", "manifest_hash",
     "CheckpointError", "ReadPlan", "shard_file_name", "sha256_file", "fsync_file", "fsync_dir",
-    "write_json", "write_safetensors", "start_writeback", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
+    "write_json", "write_safetensors", "start_writeback", "read_hashed", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
     "RankPlan", "is_ranked", "resolve_ranked", "read_verified", "rank_tensor_name", "engine_name_of",
 ]
 
@@ -499,13 +499,10 @@ def resolve_ranked(model_path: Any, tp_size: int) -> RankPlan:
     return RankPlan(directory, tp, files, sha, names, dict(doc["model"]), doc["dtype"], algo)
 
 
-def read_verified(path: str, expected: str | None,
-                  hash: str = "sha256") -> tuple[dict[str, torch.Tensor], int]:
-    """Read a safetensors file ONCE, hashing each chunk under ``hash`` as it is read, check the
-    digest against ``expected`` (when given) and return ``({name: tensor view of those bytes},
-    bytes read)``: the tensors are checked and loaded from exactly the bytes that were hashed, with
-    no second pass over them and no copy. Raises `CheckpointError` for a checksum mismatch or a
-    malformed file (header, dtype, offsets)."""
+def read_hashed(path: str, expected: str | None, hash: str = "sha256") -> torch.Tensor:
+    """A whole file read ONCE into a new uint8 tensor, each chunk hashed under ``hash`` as it is
+    read (while still in the CPU's cache), the digest checked against ``expected`` when given.
+    Raises `CheckpointError` for a mismatch or a read that fails or comes up short."""
     h = new_hash(hash) if expected is not None else None
     try:
         with open(path, "rb", buffering=0) as f:
@@ -528,6 +525,19 @@ def read_verified(path: str, expected: str | None,
         digest = h.hexdigest()
         if digest != expected:
             raise _mismatch(path, size, hash, expected, digest)
+    return buf
+
+
+def read_verified(path: str, expected: str | None,
+                  hash: str = "sha256") -> tuple[dict[str, torch.Tensor], int]:
+    """Read a safetensors file ONCE, hashing each chunk under ``hash`` as it is read, check the
+    digest against ``expected`` (when given) and return ``({name: tensor view of those bytes},
+    bytes read)``: the tensors are checked and loaded from exactly the bytes that were hashed, with
+    no second pass over them and no copy. Raises `CheckpointError` for a checksum mismatch or a
+    malformed file (header, dtype, offsets)."""
+    buf = read_hashed(path, expected, hash)
+    size = buf.numel()
+    view = memoryview(buf.numpy())
     # safetensors: u64 little-endian header size, JSON header, then the tensors' bytes
     try:
         n = int.from_bytes(bytes(view[:8]), "little")
@@ -565,6 +575,10 @@ class SliceReader:
     e.g. ``"F32"``), ``r.shape(name)``, ``r.read(name, index)`` (``tensor[index]`` as a new
     contiguous tensor; only the pages it touches are read).
 
+    ``SliceReader(path, data=buf)``: the file's bytes are already in memory (`read_hashed`: read
+    once and checked against the manifest), so the header and the slices come from ``buf``, the
+    very bytes that were hashed; the file is not opened again (``r.in_memory`` is True).
+
     Why not ``safe_open(...).get_slice(name)[index]``: with safetensors 0.8.0 and torch 2.13 every
     tensor that path creates leaves two small Python objects behind (about 57 bytes; measured with
     tracemalloc, the numpy framework and ``safetensors.torch.load`` do not), which an engine worker
@@ -575,24 +589,46 @@ class SliceReader:
     file for a header that does not describe its data.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, data: torch.Tensor | None = None):
         self.path = path
+        self.in_memory = data is not None
+        self._data = data
         self._file = None
-        self._mm: mmap.mmap | None = None
+        self._mm: Any = None
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
 
-    def __enter__(self) -> "SliceReader":
+    def _header(self) -> tuple[list[str], int, Any, int]:
+        """(tensor names, file size, parsed header, header bytes) from the file or from ``data``."""
+        if self._data is not None:
+            view = memoryview(self._data.numpy())
+            size = len(view)
+            if size < 8:
+                raise CheckpointError(f"{self.path}: {size} bytes hold no safetensors header")
+            (n,) = struct.unpack("<Q", view[:8])
+            if n > size - 8:
+                raise CheckpointError(f"{self.path}: header of {n} bytes does not fit the file ({size} bytes)")
+            try:
+                header = json.loads(bytes(view[8:8 + n]))
+            except ValueError as exc:
+                raise CheckpointError(f"{self.path}: the header is not JSON ({exc})") from exc
+            if not isinstance(header, dict):
+                raise CheckpointError(f"{self.path}: the header is not a JSON object")
+            self._mm = view
+            return [k for k in header if k != "__metadata__"], size, header, n
         from safetensors import safe_open
 
         with safe_open(self.path, framework="pt", device="cpu") as f:   # the library's validation
             names = list(f.keys())
         self._file = open(self.path, "rb")
+        size = os.fstat(self._file.fileno()).st_size
+        (n,) = struct.unpack("<Q", self._file.read(8))
+        if n > size - 8:
+            raise CheckpointError(f"{self.path}: header of {n} bytes does not fit the file ({size} bytes)")
+        return names, size, json.loads(self._file.read(n)), n
+
+    def __enter__(self) -> "SliceReader":
         try:
-            size = os.fstat(self._file.fileno()).st_size
-            (n,) = struct.unpack("<Q", self._file.read(8))
-            if n > size - 8:
-                raise CheckpointError(f"{self.path}: header of {n} bytes does not fit the file ({size} bytes)")
-            header = json.loads(self._file.read(n))
+            names, size, header, n = self._header()
             base = 8 + n
             for name in names:
                 e = header.get(name) if isinstance(header, dict) else None
@@ -609,7 +645,8 @@ class SliceReader:
                                           f"data offsets [{begin}, {end}) that do not fit the file's "
                                           f"{size - base} data bytes")
                 self._entries[name] = (code, shape, base + begin, end - begin)
-            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+            if self._data is None:
+                self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
         except BaseException:
             self.close()
             raise
@@ -619,9 +656,9 @@ class SliceReader:
         self.close()
 
     def close(self) -> None:
-        if self._mm is not None:
+        if isinstance(self._mm, mmap.mmap):
             self._mm.close()
-            self._mm = None
+        self._mm, self._data = None, None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -207,25 +207,31 @@ class UpdateStager:
         return {"writes": len(writes), "bytes_read": self.bytes_read}
 
     def _stage_disk(self, spec: dict, writes: list[Write], seen: set[str]) -> None:
-        """A checkpoint directory: verify this rank's share of the files against the manifest,
-        then check every tensor's name, dtype and shape from the file headers and read only this
-        rank's slices (`SliceReader`: no full tensor is materialized for a sharded one)."""
-        from ...weights.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, verify_file
+        """A checkpoint directory: this rank's share of the files is read once each, hashed as it
+        is read and checked against the manifest (`read_hashed`), and its slices are taken from
+        those same bytes; of the other files only this rank's slices are read (`SliceReader`: no
+        full tensor is materialized for a sharded one). Every tensor's name, dtype and shape is
+        checked from the file headers. Nothing is applied here, so a file refused after others
+        were staged changes nothing."""
+        from ...weights.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, read_hashed
 
         directory = spec["dir"]
-        for file, sha in spec["verify"].items():
-            try:
-                verify_file(directory, file, sha, spec.get("hash", "sha256"))
-            except CheckpointError as exc:
-                index = spec.get("index") or {}
-                raise WorkerError(KIND_UPDATE, f"{exc}{_holding([n for n, f in index.items() if f == file])} "
-                                               f"(TP rank {self.w.rank})") from exc
-            self.bytes_read += os.path.getsize(os.path.join(directory, file))
+        verify = spec["verify"]
         index = spec.get("index")
-        for file in spec["files"]:
+        # this rank's own files first: a corrupt one is refused before the others are sliced
+        order = sorted(spec["files"], key=lambda fl: fl not in verify)
+        for file in order:
             path = os.path.join(directory, file)
+            data = None
+            if file in verify:
+                try:
+                    data = read_hashed(path, verify[file], spec.get("hash", "sha256"))
+                except CheckpointError as exc:
+                    held = [n for n, fl in (index or {}).items() if fl == file]
+                    raise WorkerError(KIND_UPDATE, f"{exc}{_holding(held)} (TP rank {self.w.rank})") from exc
+                self.bytes_read += data.numel()
             try:
-                with SliceReader(path) as f:   # not safe_open's slices: they leak (see SliceReader)
+                with SliceReader(path, data=data) as f:   # not safe_open's slices: they leak (see SliceReader)
                     names = list(f.keys())
                     if index is not None:
                         listed = {n for n, fl in index.items() if fl == file}
@@ -244,6 +250,7 @@ class UpdateStager:
                                                            f"the checkpoint (TP rank {self.w.rank})", name)
                         seen.add(name)
                         self._disk_writes(path, name, f, writes, SAFETENSORS_DTYPES)
+                del data                       # its slices are copies: the file's bytes go now
             except WorkerError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a torn header, a short file: a refused update
@@ -303,7 +310,8 @@ class UpdateStager:
         placements = self.w.layout.placements(name, self.w.rank)
         for pl in placements:
             piece = f.read(name, pl.src)
-            self.bytes_read += piece.numel() * piece.element_size()
+            if not f.in_memory:                # in memory: counted when the file was read
+                self.bytes_read += piece.numel() * piece.element_size()
             out.append(Write(pl.engine, pl.dst, piece, (name,)))
         if not placements and name in self.w.hf_set:
             out.append(Write("", (), torch.empty(0, dtype=self.w.dtype), (name,)))   # counts as loaded
