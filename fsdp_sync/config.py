@@ -16,8 +16,10 @@ from typing import Any, Mapping
 
 import torch
 
+from .weights.hf_checkpoint import DEFAULT_HASH, HASHES as DISK_HASHES
+
 __all__ = ["SyncConfig", "STRATEGIES", "LAYOUTS", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
-           "VERIFY_MODES", "parse_dtype", "parse_bool"]
+           "VERIFY_MODES", "DISK_HASHES", "parse_dtype", "parse_bool"]
 
 METHODS = ("tensor", "distributed", "disk")
 DIST_BACKENDS = ("gloo", "nccl")
@@ -105,6 +107,11 @@ class SyncConfig:
         Face checkpoint) there. Required when ``method == "disk"``.
     disk_keep: how many of the newest versions the disk method keeps (>= 1; the one the engine
         loaded last is never removed).
+    disk_hash: the digest of every file in the disk method's manifest, taken while the file is
+        written and checked while the engine reads it: ``"xxh3_128"`` (default: XXH3-128, ~7x
+        sha256 on a CPU, against torn files and flipped bits) or ``"sha256"`` (a cryptographic
+        digest, for users who want one in the manifest). The manifest names the hash; a reader
+        verifies with the one it names.
     verify: after each sync, compare what the engine now serves with the trainer's tensors
         (`fsdp_sync.verify`): ``"off"`` (default: it costs another export and a read-back),
         ``"sample"`` (a rotating eighth of the tensors per sync, every tensor within 8 syncs) or
@@ -153,6 +160,7 @@ class SyncConfig:
     dist_timeout_s: float = 600.0
     disk_dir: str | None = None
     disk_keep: int = 2
+    disk_hash: str = DEFAULT_HASH
     verify: str = "off"
     layout: str = "auto"
     pipelined: bool = True
@@ -224,6 +232,9 @@ class SyncConfig:
         if not isinstance(self.disk_keep, int) or isinstance(self.disk_keep, bool) or self.disk_keep < 1:
             raise ValueError(f"disk_keep must be an int >= 1 (versions kept on disk), "
                              f"got {self.disk_keep!r}")
+        if self.disk_hash not in DISK_HASHES:
+            raise ValueError(f"disk_hash must be one of {list(DISK_HASHES)} (the digest in the disk "
+                             f"method's manifest), got {self.disk_hash!r}")
 
     def replace(self, **changes: Any) -> "SyncConfig":
         return dataclasses.replace(self, **changes)

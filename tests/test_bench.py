@@ -151,7 +151,10 @@ def test_writing_a_disk_file_allocates_no_second_bucket(tmp_path):
     finally:
         tracemalloc.stop()
     data = (tmp_path / "f.safetensors").read_bytes()
-    assert rec["sha256"] == hashlib.sha256(data).hexdigest() and rec["bytes"] == len(data)
+    import xxhash
+    assert rec["digest"] == xxhash.xxh3_128(data).hexdigest() and rec["bytes"] == len(data)
+    rec = disk._write_shard(str(tmp_path), "g.safetensors", bkt, flat, hash="sha256")
+    assert rec["digest"] == hashlib.sha256((tmp_path / "g.safetensors").read_bytes()).hexdigest()
     back = load_file(str(tmp_path / "f.safetensors"))
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
     assert peak < 1 << 20, f"writing an 8 MiB bucket allocated {peak / 2**20:.1f} MiB more in Python"

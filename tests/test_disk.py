@@ -61,7 +61,7 @@ class _RefusingEngine:
 
 
 def _rewrite_shard(path, mutate):
-    """Rewrite a safetensors file with ``mutate(dict)`` applied, and fix the manifest's sha256."""
+    """Rewrite a safetensors file with ``mutate(dict)`` applied, and fix the manifest's digest."""
     from safetensors.torch import load_file, save_file
 
     from fsdp_sync.weights import hf_checkpoint as ckpt
@@ -72,7 +72,8 @@ def _rewrite_shard(path, mutate):
     d, f = os.path.split(path)
     mp = os.path.join(d, ckpt.MANIFEST_FILE)
     doc = json.load(open(mp))
-    doc["files"][f]["sha256"], doc["files"][f]["bytes"] = ckpt.sha256_file(path)
+    algo = doc.get("hash", "sha256")
+    doc["files"][f][algo], doc["files"][f]["bytes"] = ckpt.digest_file(path, algo)
     json.dump(doc, open(mp, "w"))
 
 
@@ -437,7 +438,7 @@ def test_single_process_sync_and_resolve_rules(tmp_path):
     assert _listing(tmp_path / "ck") == ["step_1"]
     path = ctx.stats.extra["path"]
     plan = ckpt.resolve(path)
-    assert plan.files == ["model-00001-of-00001.safetensors"] and set(plan.sha256) == set(plan.files)
+    assert plan.files == ["model-00001-of-00001.safetensors"] and set(plan.digests) == set(plan.files)
     got = load_file(os.path.join(path, plan.files[0]))
     assert all(torch.equal(got[n], p) for n, p in model.named_parameters())
     # the index decides: a stray file is ignored, a missing indexed file is refused

@@ -1,7 +1,7 @@
 """``method="disk"``: one versioned Hugging Face checkpoint per sync, then ``update_weights_from_disk``.
 
 Every sync writes ``<disk_dir>/step_<N>/`` (layout in `fsdp_sync.weights.hf_checkpoint`: safetensors
-shards, ``config.json`` when the module has an HF config, a sha256 manifest, the index last), so
+shards, ``config.json`` when the module has an HF config, a manifest of digests, the index last), so
 that SGLang 0.5.23 — whose disk update is NOT atomic: a torn or half-written directory leaves it
 partly updated — only ever sees complete, immutable directories:
 
@@ -13,8 +13,11 @@ partly updated — only ever sees complete, immutable directories:
    host-shared buffer (no all-gather) and its owner copies it out; otherwise every rank
    all-gathers it. Each writer writes in a thread of its own, so bucket k is written while
    bucket k+1 is filled (at most two buckets alive per rank besides the shared one);
-3. every file is fsynced, its sha256 taken from what is on disk; rank 0 writes config.json, the
-   manifest and the index (last), fsyncs the directory and renames it to ``step_<N>`` (atomic);
+3. every file is written straight from its bucket (`hf_checkpoint.write_safetensors`: no
+   serialized copy), its writeback started at once and its fsync done after the last bucket, its digest (``SyncConfig.disk_hash``: XXH3-128 by default, or
+   sha256) taken chunk by chunk as it is written, not by reading the file again; rank 0 writes
+   config.json, the manifest (which names the hash) and the index (last), fsyncs the directory
+   and renames it to ``step_<N>`` (atomic);
 4. trainer rank 0 calls ``engine.update_weights_from_disk(path)`` for each engine;
 5. after success, versions beyond the newest ``disk_keep`` are removed (renamed to a hidden name
    first, then deleted), never the one just loaded.
@@ -34,7 +37,7 @@ r's shard in the engine's layout (`fsdp_sync.weights.layout`: engine names, fuse
 by `reshard.iter_rank_buckets` (on one host the trainer ranks write their pieces into shared
 per-rank buffers; across hosts one ``all_to_all_single`` per bucket brings each rank's buffer to
 the writer of its file). The manifest (layout, TP size, model spec, per rank its files, every
-file's sha256, size and names) is written last instead of an index; fsync, the rename and keep-N
+file's digest, size and names) is written last instead of an index; fsync, the rename and keep-N
 are the same. Each reference-engine worker reads only its own files, once
 (`hf_checkpoint.read_verified`), and the engine commits only if every worker's files check out.
 The engine's TP size and model come from the engines (trainer rank 0); every rank agrees on the
@@ -129,42 +132,37 @@ def _hf_config_json(module: torch.nn.Module, dtype: torch.dtype | None) -> dict 
 
 
 def _write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tensor,
-                 rename: Callable[[str], str] = str) -> dict:
-    """One bucket as one safetensors file, fsynced; sha256 of what is on disk. ``rename``: the
-    name each entry gets in the file (per-rank files: `hf_checkpoint.rank_tensor_name`)."""
-    from safetensors.torch import save_file
+                 rename: Callable[[str], str] = str, hash: str = ckpt.DEFAULT_HASH,
+                 fsync: bool = True) -> dict:
+    """One bucket as one safetensors file, hashed under ``hash`` while it is written
+    (`hf_checkpoint.write_safetensors`) and fsynced (``fsync=False``: its writeback started, the
+    caller fsyncs it). ``rename``: the name each entry gets in the file (per-rank files:
+    `hf_checkpoint.rank_tensor_name`).
 
+    Why not ``safetensors.torch.save_file`` then a hash of the file: save_file serializes the
+    whole file into one more bucket-sized buffer before writing it, and the hash read every byte
+    back from the page cache; at 0.5 GB/s (sha256) that second pass was most of the method's time
+    over its floor (issue 27)."""
     path = os.path.join(directory, file)
-    tensors = {rename(n): t for n, t in _bucket.unflatten(flat, bkt.entries)}
-    names = list(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-    del tensors
-    ckpt.fsync_file(path)
-    sha, size = _sha256_on_disk(path)
-    return {"file": file, "sha256": sha, "bytes": size, "names": names}
-
-
-def _sha256_on_disk(path: str) -> tuple[str, int]:
-    """(sha256, size) of the file as it is on disk, read through `hashlib.file_digest`'s 256 KiB
-    buffer: `hf_checkpoint.sha256_file`'s 8 MiB buffer, allocated per file on the writer thread
-    beside the buckets in flight, was most of the disk method's memory over its budget (issue 21
-    item 11)."""
-    import hashlib
-
-    if not hasattr(hashlib, "file_digest"):        # Python 3.10
-        return ckpt.sha256_file(path)
-    with open(path, "rb", buffering=0) as f:
-        return hashlib.file_digest(f, "sha256").hexdigest(), os.fstat(f.fileno()).st_size
+    digest, size, names = ckpt.write_safetensors(path, flat, bkt.entries, hash=hash, rename=rename,
+                                                 fsync=fsync)
+    return {"file": file, "digest": digest, "bytes": size, "names": names}
 
 
 class _OneWriter:
     """One writer thread over a collective bucket stream: at most one bucket is being written
     (`submit` waits for the previous one first) while the stream produces the next. The first
     error is kept (`fail`); after it the caller keeps consuming the stream, which is collective
-    (a rank that stopped would leave its peers waiting), and submits nothing more."""
+    (a rank that stopped would leave its peers waiting), and submits nothing more.
 
-    def __init__(self, what: str, planned: int) -> None:
+    Files are written without waiting for the device (their writeback is started) and fsynced
+    together once the stream ends (`drive`): an fsync per file, in turn, held the next bucket
+    back until the device had the previous one (about 1 s of the write phase's 2 at qwen2-160m,
+    the device idle meanwhile while the bucket was cut)."""
+
+    def __init__(self, what: str, planned: int, directory: str) -> None:
         self.what, self.planned = what, planned      # what yields the buckets, how many it should
+        self.directory = directory                   # where the records' files are
         self.records: list[dict] = []
         self.err: BaseException | None = None
         self.count = 0
@@ -196,6 +194,9 @@ class _OneWriter:
                 del item        # not alive while the stream makes the next bucket
             try:
                 self.collect()
+                if self.err is None:
+                    for r in self.records:   # durable before this rank reports its files written
+                        ckpt.fsync_file(os.path.join(self.directory, r["file"]))
             except Exception as exc:   # noqa: BLE001
                 self.fail(exc)
         except Exception as exc:   # noqa: BLE001 - stream failures come as the same SyncError
@@ -472,14 +473,16 @@ class DiskTransport:
         files are written on a thread while the next bucket is cut (two buffer sets rotate)."""
         cfg = ctx.config
         tp = layout.tp
-        w = _OneWriter("reshard", parts)
+        w = _OneWriter("reshard", parts, tmp)
         owners = [[writers[i % len(writers)]] for i in range(tp)]
 
         tied = bool(layout.spec.tie_word_embeddings)
+        algo = _disk_hash(cfg)
 
         def write_all(jobs: list) -> list[dict]:
             return [_write_shard(tmp, ckpt.rank_file_name(i, k), bkt, flat,
-                                 lambda n: ckpt.rank_tensor_name(n, tied)) | {"rank": i, "part": k}
+                                 lambda n: ckpt.rank_tensor_name(n, tied), algo, fsync=False)
+                    | {"rank": i, "part": k}
                     for i, k, bkt, flat in jobs]
 
         def write(rb: Any) -> None:
@@ -514,16 +517,17 @@ class DiskTransport:
             raise RuntimeError(f"written per-rank files {sorted(got)} are not the planned "
                                f"{sorted(want)} (each exactly once)")
         by_file = {r["file"]: r for r in records}
-        files = {f: {"sha256": r["sha256"], "bytes": r["bytes"], "names": r["names"]}
+        algo = _disk_hash(ctx.config)
+        files = {f: {algo: r["digest"], "bytes": r["bytes"], "names": r["names"]}
                  for f, r in sorted(by_file.items())}
         dtype = _float_dtype(metas)
         config = _hf_config_json(ctx.module, dtype)
         if config is not None:
-            sha, size = ckpt.write_json(os.path.join(tmp, ckpt.CONFIG_FILE), config)
-            files[ckpt.CONFIG_FILE] = {"sha256": sha, "bytes": size}
+            digest, size = ckpt.write_json(os.path.join(tmp, ckpt.CONFIG_FILE), config, algo)
+            files[ckpt.CONFIG_FILE] = {algo: digest, "bytes": size}
         # the manifest is the index of a per-rank version: written last, after every file is fsynced
         ckpt.write_json(os.path.join(tmp, ckpt.MANIFEST_FILE), {
-            "format": ckpt.MANIFEST_FORMAT, "step": int(ctx.step), "layout": "engine",
+            "format": ckpt.MANIFEST_FORMAT, "step": int(ctx.step), "hash": algo, "layout": "engine",
             "tp_size": layout.tp, "model": dataclasses.asdict(layout.spec),
             "dtype": _ST_CODE[metas[0].dtype], "hf_tensors": len(metas),
             "total_size": sum(m.nbytes for m in metas),
@@ -538,7 +542,7 @@ class DiskTransport:
         """Gather every bucket (collective: every rank runs the whole stream even after a local
         write failure) and write this rank's own; returns its file records and its error."""
         cfg = ctx.config
-        w = _OneWriter("export", n_files)
+        w = _OneWriter("export", n_files, tmp)
         mine: list[torch.Tensor] = []
         self.host_shared = False
 
@@ -546,8 +550,10 @@ class DiskTransport:
             mine[:] = [_plain_alloc(nbytes)]
             return mine[0]
 
+        algo = _disk_hash(cfg)
+
         def write_one(file: str, bkt: _bucket.Bucket, flat: torch.Tensor) -> list[dict]:
-            return [_write_shard(tmp, file, bkt, flat)]
+            return [_write_shard(tmp, file, bkt, flat, hash=algo, fsync=False)]
 
         def write(item: tuple) -> None:
             k, (bkt, flat) = item
@@ -580,14 +586,15 @@ class DiskTransport:
         if [r["file"] for r in files] != want:
             raise RuntimeError(f"written files {[r['file'] for r in files]} are not the planned "
                                f"{want}")
-        manifest_files = {r["file"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in files}
+        algo = _disk_hash(ctx.config)
+        manifest_files = {r["file"]: {algo: r["digest"], "bytes": r["bytes"]} for r in files}
         config = _hf_config_json(ctx.module, _float_dtype(metas))
         if config is not None:
-            sha, size = ckpt.write_json(os.path.join(tmp, ckpt.CONFIG_FILE), config)
-            manifest_files[ckpt.CONFIG_FILE] = {"sha256": sha, "bytes": size}
+            digest, size = ckpt.write_json(os.path.join(tmp, ckpt.CONFIG_FILE), config, algo)
+            manifest_files[ckpt.CONFIG_FILE] = {algo: digest, "bytes": size}
         total = sum(m.nbytes for m in metas)
         ckpt.write_json(os.path.join(tmp, ckpt.MANIFEST_FILE), {
-            "format": ckpt.MANIFEST_FORMAT, "step": int(ctx.step), "total_size": total,
+            "format": ckpt.MANIFEST_FORMAT, "step": int(ctx.step), "hash": algo, "total_size": total,
             "tensors": len(metas), "files": manifest_files})
         weight_map = {n: r["file"] for r in files for n in r["names"]}
         ckpt.write_json(os.path.join(tmp, ckpt.INDEX_FILE),
@@ -625,6 +632,11 @@ class DiskTransport:
         """Nothing stays open between syncs (the writer thread ends with each sync); the published
         versions stay on disk."""
         self.closed = True
+
+
+def _disk_hash(config: Any) -> str:
+    """The digest the manifest holds (``SyncConfig.disk_hash``; a config without one: the default)."""
+    return getattr(config, "disk_hash", ckpt.DEFAULT_HASH)
 
 
 def _float_dtype(metas: list) -> torch.dtype | None:

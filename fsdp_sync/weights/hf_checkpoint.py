@@ -5,10 +5,17 @@ and SGLang's ``update_weights_from_disk`` both read unchanged:
 
     model-00001-of-0000K.safetensors ...   the tensors (safetensors), HF names
     config.json                            when the trained module has an HF config
-    fsdp_sync_manifest.json                sha256 and size of every file above
+    fsdp_sync_manifest.json                the digest and size of every file above, and the
+                                           hash that made the digests (``"hash"``)
     model.safetensors.index.json           tensor name -> file; written last
 
-Helpers here: durable writes (`fsync_file`, `fsync_dir`, `write_json`), `sha256_file`, and
+Digests: ``"hash": "xxh3_128"`` (the default, `DEFAULT_HASH`: XXH3-128 from ``xxhash``, ~7x
+sha256 on this machine, against torn files and flipped bits) or ``"sha256"`` (a cryptographic
+digest, ``SyncConfig.disk_hash="sha256"``); each file's entry holds its digest under the hash's
+name (``{"xxh3_128": "...", "bytes": N}``). A manifest without ``"hash"`` (written before there
+was a choice) is sha256. `new_hash` makes one; `digest_file` hashes a file.
+
+Helpers here: durable writes (`fsync_file`, `fsync_dir`, `write_json`), `digest_file`, and
 `resolve` / `verify_file`, the reader's side with SGLang 0.5.23's rules (an index, when present,
 decides the files; a missing indexed file fails before anything loads) plus the manifest check,
 and `SliceReader`, which reads slices of a file's tensors (safetensors validates the header; the
@@ -24,11 +31,11 @@ names them:
     config.json                                 when the trained module has an HF config
     fsdp_sync_manifest.json                     written last: ``layout: "engine"``, tp size, the
                                                 model's layout spec, per rank its files, and every
-                                                file's sha256, size and tensor names
+                                                file's digest, size and tensor names
 
 There is no ``model.safetensors.index.json`` (tensor names repeat across ranks). `resolve_ranked`
-checks such a directory before anything loads; `read_verified` reads one file once, checks its
-sha256 on the bytes read and returns zero-copy tensor views of them (one read per engine rank of
+checks such a directory before anything loads; `read_verified` reads one file once, hashing each
+chunk as it is read and returns zero-copy tensor views of them (one read per engine rank of
 just its own bytes). SGLang 0.5.23 cannot load these through ``update_weights_from_disk`` (see
 `transport.disk`).
 
@@ -51,8 +58,9 @@ import torch
 
 __all__ = [
     "INDEX_FILE", "MANIFEST_FILE", "CONFIG_FILE", "MANIFEST_FORMAT", "SAFETENSORS_DTYPES",
+    "HASHES", "DEFAULT_HASH", "new_hash", "digest_file", "manifest_hash",
     "CheckpointError", "ReadPlan", "shard_file_name", "sha256_file", "fsync_file", "fsync_dir",
-    "write_json", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
+    "write_json", "write_safetensors", "start_writeback", "read_hashed", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
     "RankPlan", "is_ranked", "resolve_ranked", "read_verified", "rank_tensor_name", "engine_name_of",
 ]
 
@@ -72,24 +80,41 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 """safetensors' dtype codes (``safe_open(...).get_slice(n).get_dtype()``) as torch dtypes."""
 
-_CHUNK = 8 << 20
+HASH_CHUNK = 4 << 20
+"""Bytes hashed per step while a file is written or read: each chunk is hashed right after it was
+copied (to the page cache, or from it), while it is still in the CPU's cache."""
+
+HASHES = ("xxh3_128", "sha256")
+"""The digests a manifest may hold (``SyncConfig.disk_hash``)."""
+DEFAULT_HASH = "xxh3_128"
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory cannot be loaded as it is; the message names the file or tensor."""
 
 
-def shard_file_name(index: int, count: int) -> str:
-    """Hugging Face's shard name: ``model-00001-of-00003.safetensors`` for ``index`` 0 of 3."""
-    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+def new_hash(name: str) -> Any:
+    """A fresh hash object (``update(buffer)``, ``hexdigest()``) for ``name``, one of `HASHES`.
+    XXH3-128 (``xxhash``) and sha256 both take any buffer (a memoryview of a tensor's bytes) and
+    let other threads run while they hash."""
+    if name == "sha256":
+        return hashlib.sha256()
+    if name == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError as exc:   # a core dependency; say what to do where it is missing
+            raise CheckpointError("disk_hash 'xxh3_128' needs the xxhash package (pip install "
+                                  "xxhash), or use disk_hash='sha256'") from exc
+        return xxhash.xxh3_128()
+    raise CheckpointError(f"unknown hash {name!r}: expected one of {list(HASHES)}")
 
 
-def sha256_file(path: str) -> tuple[str, int]:
-    """(hex sha256, size in bytes) of a file, read in 8 MiB chunks (hashlib drops the GIL)."""
-    h = hashlib.sha256()
+def digest_file(path: str, hash: str = "sha256") -> tuple[str, int]:
+    """(hex digest, size in bytes) of a file under ``hash``, read in chunks into one small buffer."""
+    h = new_hash(hash)
     size = 0
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
+        buf = bytearray(HASH_CHUNK)
         view = memoryview(buf)
         while True:
             n = f.readinto(buf)
@@ -98,6 +123,26 @@ def sha256_file(path: str) -> tuple[str, int]:
             h.update(view[:n])
             size += n
     return h.hexdigest(), size
+
+
+def manifest_hash(doc: dict, where: str) -> str:
+    """The hash a manifest's digests were made with: its ``"hash"``, or sha256 where it has none
+    (manifests written before the choice). Raises `CheckpointError` for any other value."""
+    name = doc.get("hash", "sha256")
+    if name not in HASHES:
+        raise CheckpointError(f"{where} says hash {name!r}, expected one of {list(HASHES)}; "
+                              f"nothing was loaded")
+    return name
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """Hugging Face's shard name: ``model-00001-of-00003.safetensors`` for ``index`` 0 of 3."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def sha256_file(path: str) -> tuple[str, int]:
+    """(hex sha256, size in bytes) of a file: `digest_file` with sha256."""
+    return digest_file(path, "sha256")
 
 
 def fsync_file(path: str) -> None:
@@ -118,14 +163,112 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_json(path: str, obj: Any) -> tuple[str, int]:
-    """Write ``obj`` as JSON, flushed and fsynced; returns (sha256, size) of what was written."""
+def write_json(path: str, obj: Any, hash: str = "sha256") -> tuple[str, int]:
+    """Write ``obj`` as JSON, flushed and fsynced; returns (digest under ``hash``, size) of what
+    was written."""
     data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return hashlib.sha256(data).hexdigest(), len(data)
+    h = new_hash(hash)
+    h.update(data)
+    return h.hexdigest(), len(data)
+
+
+_ST_CODE = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        data = data[os.write(fd, data):]
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing a file's dirty pages to the device now, without waiting for
+    it (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``); a no-op where that call is missing.
+    Durability still comes from the fsync that follows: this only lets the device work while the
+    caller goes on (the next bucket is made and written) instead of all at once in that fsync."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, 2)      # SYNC_FILE_RANGE_WRITE; offset 0, nbytes 0: the whole file
+
+
+_SFR: list = []
+
+
+def _sync_file_range() -> Any:
+    if not _SFR:
+        fn = None
+        try:
+            import ctypes
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):     # not Linux (or no libc symbol): fsync alone
+            fn = None
+        _SFR.append(fn)
+    return _SFR[0]
+
+
+def write_safetensors(path: str, flat: torch.Tensor, entries: Any, *, hash: str = DEFAULT_HASH,
+                      rename: Any = str, metadata: dict | None = None,
+                      fsync: bool = True) -> tuple[str, int, list[str]]:
+    """Write the tensors of a flattened bucket as one safetensors file straight from ``flat``,
+    hashing each chunk as it is written; returns ``(digest, bytes, names)``. ``fsync``: the file
+    is fsynced before this returns; False: its writeback is only started (`start_writeback`) and
+    the caller fsyncs it (`fsync_file`) before relying on it.
+
+    ``flat``: a 1-D contiguous CPU uint8 tensor; ``entries``: its tensors (objects with ``name``,
+    ``dtype``, ``shape``, ``start``, ``end``: `bucket.BucketEntry`), each named ``rename(name)``
+    in the file. What ``safetensors.torch.save_file`` writes, without its serialized copy of the
+    whole file and without a second pass to hash it: the header, then the tensors' bytes written
+    from ``flat`` itself (one write per run of adjacent tensors), largest itemsize first (as
+    safetensors orders them, so every tensor's offset is a multiple of its itemsize), each chunk
+    hashed while it is still in the CPU's cache."""
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous() or flat.is_cuda:
+        raise ValueError(f"a flattened bucket is a 1-D contiguous CPU uint8 tensor, got "
+                         f"{flat.dtype} {tuple(flat.shape)} on {flat.device}")
+    order = sorted(entries, key=lambda e: -e.dtype.itemsize)     # stable: bucket order within
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    names, runs, offset = [], [], 0
+    for e in order:
+        name = rename(e.name)
+        code = _ST_CODE.get(e.dtype)
+        nbytes = e.end - e.start
+        if code is None or name in header or not 0 <= e.start <= e.end <= flat.numel() \
+                or nbytes != math.prod(e.shape) * e.dtype.itemsize:
+            raise ValueError(f"tensor {name!r} ({e.dtype}, shape {tuple(e.shape)}, bytes "
+                             f"[{e.start}, {e.end}) of {flat.numel()}) cannot be written: an "
+                             f"unsupported dtype, a repeated name or a span outside the bucket")
+        header[name] = {"dtype": code, "shape": list(e.shape), "data_offsets": [offset, offset + nbytes]}
+        names.append(name)
+        offset += nbytes
+        if runs and runs[-1][1] == e.start:
+            runs[-1][1] = e.end                  # adjacent in the bucket too: one write
+        elif nbytes:
+            runs.append([e.start, e.end])
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)               # the data starts 8-byte aligned (as safetensors)
+    head = memoryview(struct.pack("<Q", len(text)) + text)
+    data = memoryview(flat.numpy())
+    h = new_hash(hash)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, head)
+        h.update(head)
+        for a, b in runs:
+            for i in range(a, b, HASH_CHUNK):
+                chunk = data[i:min(i + HASH_CHUNK, b)]
+                _write_all(fd, chunk)
+                h.update(chunk)                   # just copied to the page cache: still cached
+        if fsync:
+            os.fsync(fd)
+        else:
+            start_writeback(fd)
+    finally:
+        os.close(fd)
+    return h.hexdigest(), len(head) + offset, names
 
 
 @dataclass
@@ -135,7 +278,8 @@ class ReadPlan:
     directory: str
     files: list[str]                                   # safetensors files to read, in order
     index: dict[str, str] | None = None                # tensor name -> file, when indexed
-    sha256: dict[str, str] = field(default_factory=dict)   # file -> digest, from the manifest
+    digests: dict[str, str] = field(default_factory=dict)  # file -> digest, from the manifest
+    hash: str = "sha256"                                   # what made the digests (`HASHES`)
 
     def names_in(self, file: str) -> set[str] | None:
         """Tensor names the index places in ``file`` (None without an index)."""
@@ -158,8 +302,8 @@ def resolve(model_path: Any, load_format: str | None = None) -> ReadPlan:
     ``model_path`` must be a local directory (SGLang would take anything else as a Hub id; nothing
     is downloaded here). With ``model.safetensors.index.json``: exactly the files its weight map
     names, each of which must exist. Without one: every ``*.safetensors`` file, sorted. With
-    ``fsdp_sync_manifest.json``: every file to load must be listed there (its digest is then
-    checked by `verify_file`). Raises `CheckpointError` naming the directory or file.
+    ``fsdp_sync_manifest.json``: every file to load must be listed there with a digest under the
+    manifest's hash (then checked by `verify_file`). Raises `CheckpointError` naming the directory or file.
     """
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"load_format {load_format!r} is not supported for a disk update; "
@@ -207,31 +351,35 @@ def resolve(model_path: Any, load_format: str | None = None) -> ReadPlan:
         listed = doc.get("files") if isinstance(doc, dict) else None
         if not isinstance(listed, dict):
             raise CheckpointError(f"{manifest_path} has no 'files' table")
+        plan.hash = manifest_hash(doc, manifest_path)
         bad = [f for f in listed if not isinstance(f, str) or os.path.basename(f) != f or f in ("", ".", "..")]
         if bad:
             raise CheckpointError(f"{manifest_path} names paths outside {directory}: {bad[:3]} (a "
                                   f"manifest lists file names of its own directory); nothing was loaded")
         for f in files:
             entry = listed.get(f)
-            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
-                raise CheckpointError(f"{f} in {directory} is not listed with a sha256 in "
-                                      f"{MANIFEST_FILE}: the checkpoint is not the one the manifest "
-                                      f"describes")
-            plan.sha256[f] = entry["sha256"]
+            if not isinstance(entry, dict) or not isinstance(entry.get(plan.hash), str):
+                raise CheckpointError(f"{f} in {directory} is not listed with a {plan.hash} digest "
+                                      f"in {MANIFEST_FILE}: the checkpoint is not the one the "
+                                      f"manifest describes")
+            plan.digests[f] = entry[plan.hash]
     return plan
 
 
-def verify_file(directory: str, file: str, expected: str) -> None:
-    """Raise `CheckpointError` unless ``file``'s sha256 is ``expected``."""
+def _mismatch(path: str, size: int, hash: str, expected: str, got: str) -> CheckpointError:
+    return CheckpointError(f"checksum mismatch for {path} ({size} bytes): the manifest says {hash} "
+                           f"{expected[:16]}..., the file has {got[:16]}... (torn or corrupt file)")
+
+
+def verify_file(directory: str, file: str, expected: str, hash: str = "sha256") -> None:
+    """Raise `CheckpointError` unless ``file``'s digest under ``hash`` is ``expected``."""
     path = os.path.join(directory, file)
     try:
-        got, size = sha256_file(path)
+        got, size = digest_file(path, hash)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     if got != expected:
-        raise CheckpointError(f"checksum mismatch for {path} ({size} bytes): the manifest says "
-                              f"sha256 {expected[:16]}..., the file has {got[:16]}... (torn or "
-                              f"corrupt file)")
+        raise _mismatch(path, size, hash, expected, got)
 
 
 # --------------------------------------------------------------------------- per-rank versions
@@ -272,10 +420,11 @@ class RankPlan:
     directory: str
     tp_size: int
     files: list[list[str]]              # per rank, its files in part order
-    sha256: dict[str, str]              # file -> digest
+    digests: dict[str, str]             # file -> digest
     names: dict[str, list[str]]         # file -> tensor names in it
     model: dict                         # the writer's layout spec (`layout.ModelSpec` fields)
     dtype: str                          # safetensors dtype code of every tensor
+    hash: str = "sha256"                # what made the digests (`HASHES`)
 
     def rank_bytes(self, rank: int) -> int:
         """Bytes of ``rank``'s files on disk (what that rank reads)."""
@@ -302,8 +451,8 @@ def is_ranked(model_path: Any) -> bool:
 
 def resolve_ranked(model_path: Any, tp_size: int) -> RankPlan:
     """Check a per-rank version before anything loads: the manifest names ``tp_size`` ranks, each
-    with its files; every file is a regular file of the directory, listed with a sha256 and its
-    tensor names, and every rank lists the same tensor names. Raises `CheckpointError` naming the
+    with its files; every file is a regular file of the directory, listed with a digest (under
+    the manifest's hash) and its tensor names, and every rank lists the same tensor names. Raises `CheckpointError` naming the
     file, rank or value; nothing has been read but the manifest then."""
     directory = os.path.abspath(os.fspath(model_path))
     if not os.path.isdir(directory):
@@ -321,16 +470,17 @@ def resolve_ranked(model_path: Any, tp_size: int) -> RankPlan:
             or not isinstance(doc.get("model"), dict) or not isinstance(doc.get("dtype"), str):
         raise CheckpointError(f"{where} lacks 'ranks' (one list of files per rank), 'files', "
                               f"'model' or 'dtype'")
+    algo = manifest_hash(doc, where)
     sha, names, files = {}, {}, []
     for r, rank_files in enumerate(ranks):
         if not isinstance(rank_files, list) or not rank_files:
             raise CheckpointError(f"{where} lists no files for engine rank {r}")
         for f in rank_files:
             entry = listed.get(f) if isinstance(f, str) else None
-            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
+            if not isinstance(entry, dict) or not isinstance(entry.get(algo), str) \
                     or not isinstance(entry.get("names"), list):
-                raise CheckpointError(f"{where}: rank {r}'s file {f!r} is not listed with a sha256 "
-                                      f"and its tensor names")
+                raise CheckpointError(f"{where}: rank {r}'s file {f!r} is not listed with a {algo} "
+                                      f"digest and its tensor names")
             if os.path.basename(f) != f or f in (".", "..") or not f.endswith(".safetensors"):
                 raise CheckpointError(f"{where} names paths outside {directory}: {f!r}; nothing "
                                       f"was loaded")
@@ -338,7 +488,7 @@ def resolve_ranked(model_path: Any, tp_size: int) -> RankPlan:
             if os.path.islink(path) or not os.path.isfile(path):
                 raise CheckpointError(f"missing shard {f} of engine rank {r} in {directory} (or "
                                       f"not a regular file); nothing was loaded")
-            sha[f], names[f] = entry["sha256"], list(entry["names"])
+            sha[f], names[f] = entry[algo], list(entry["names"])
         files.append(list(rank_files))
     per_rank = [sorted(n for f in fs for n in names[f]) for fs in files]
     for r in range(1, tp):
@@ -346,35 +496,48 @@ def resolve_ranked(model_path: Any, tp_size: int) -> RankPlan:
             diff = sorted(set(per_rank[r]) ^ set(per_rank[0]))
             raise CheckpointError(f"{where}: engine rank {r} lists other tensors than rank 0 "
                                   f"(e.g. {diff[:2]}); nothing was loaded")
-    return RankPlan(directory, tp, files, sha, names, dict(doc["model"]), doc["dtype"])
+    return RankPlan(directory, tp, files, sha, names, dict(doc["model"]), doc["dtype"], algo)
 
 
-def read_verified(path: str, expected_sha256: str | None) -> tuple[dict[str, torch.Tensor], int]:
-    """Read a safetensors file ONCE, check the sha256 of the bytes read (when given) and return
-    ``({name: tensor view of those bytes}, bytes read)``: the tensors are checked and loaded from
-    exactly the bytes that were hashed, with no second read and no copy. Raises `CheckpointError`
-    for a checksum mismatch or a malformed file (header, dtype, offsets)."""
+def read_hashed(path: str, expected: str | None, hash: str = "sha256") -> torch.Tensor:
+    """A whole file read ONCE into a new uint8 tensor, each chunk hashed under ``hash`` as it is
+    read (while still in the CPU's cache), the digest checked against ``expected`` when given.
+    Raises `CheckpointError` for a mismatch or a read that fails or comes up short."""
+    h = new_hash(hash) if expected is not None else None
     try:
-        size = os.path.getsize(path)
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
         with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = torch.empty(size, dtype=torch.uint8)
+            view = memoryview(buf.numpy())
             got = 0
             while got < size:
-                n = f.readinto(view[got:])
+                n = f.readinto(view[got:min(got + HASH_CHUNK, size)])
                 if not n:
                     break
+                if h is not None:
+                    h.update(view[got:got + n])     # still in the CPU's cache: no second pass
                 got += n
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     if got != size:
         raise CheckpointError(f"{path} shrank while being read ({got} of {size} bytes)")
-    if expected_sha256 is not None:
-        digest = hashlib.sha256(view).hexdigest()
-        if digest != expected_sha256:
-            raise CheckpointError(f"checksum mismatch for {path} ({size} bytes): the manifest says "
-                                  f"sha256 {expected_sha256[:16]}..., the file has {digest[:16]}... "
-                                  f"(torn or corrupt file)")
+    if h is not None:
+        digest = h.hexdigest()
+        if digest != expected:
+            raise _mismatch(path, size, hash, expected, digest)
+    return buf
+
+
+def read_verified(path: str, expected: str | None,
+                  hash: str = "sha256") -> tuple[dict[str, torch.Tensor], int]:
+    """Read a safetensors file ONCE, hashing each chunk under ``hash`` as it is read, check the
+    digest against ``expected`` (when given) and return ``({name: tensor view of those bytes},
+    bytes read)``: the tensors are checked and loaded from exactly the bytes that were hashed, with
+    no second pass over them and no copy. Raises `CheckpointError` for a checksum mismatch or a
+    malformed file (header, dtype, offsets)."""
+    buf = read_hashed(path, expected, hash)
+    size = buf.numel()
+    view = memoryview(buf.numpy())
     # safetensors: u64 little-endian header size, JSON header, then the tensors' bytes
     try:
         n = int.from_bytes(bytes(view[:8]), "little")
@@ -412,6 +575,10 @@ class SliceReader:
     e.g. ``"F32"``), ``r.shape(name)``, ``r.read(name, index)`` (``tensor[index]`` as a new
     contiguous tensor; only the pages it touches are read).
 
+    ``SliceReader(path, data=buf)``: the file's bytes are already in memory (`read_hashed`: read
+    once and checked against the manifest), so the header and the slices come from ``buf``, the
+    very bytes that were hashed; the file is not opened again (``r.in_memory`` is True).
+
     Why not ``safe_open(...).get_slice(name)[index]``: with safetensors 0.8.0 and torch 2.13 every
     tensor that path creates leaves two small Python objects behind (about 57 bytes; measured with
     tracemalloc, the numpy framework and ``safetensors.torch.load`` do not), which an engine worker
@@ -422,24 +589,46 @@ class SliceReader:
     file for a header that does not describe its data.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, data: torch.Tensor | None = None):
         self.path = path
+        self.in_memory = data is not None
+        self._data = data
         self._file = None
-        self._mm: mmap.mmap | None = None
+        self._mm: Any = None
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
 
-    def __enter__(self) -> "SliceReader":
+    def _header(self) -> tuple[list[str], int, Any, int]:
+        """(tensor names, file size, parsed header, header bytes) from the file or from ``data``."""
+        if self._data is not None:
+            view = memoryview(self._data.numpy())
+            size = len(view)
+            if size < 8:
+                raise CheckpointError(f"{self.path}: {size} bytes hold no safetensors header")
+            (n,) = struct.unpack("<Q", view[:8])
+            if n > size - 8:
+                raise CheckpointError(f"{self.path}: header of {n} bytes does not fit the file ({size} bytes)")
+            try:
+                header = json.loads(bytes(view[8:8 + n]))
+            except ValueError as exc:
+                raise CheckpointError(f"{self.path}: the header is not JSON ({exc})") from exc
+            if not isinstance(header, dict):
+                raise CheckpointError(f"{self.path}: the header is not a JSON object")
+            self._mm = view
+            return [k for k in header if k != "__metadata__"], size, header, n
         from safetensors import safe_open
 
         with safe_open(self.path, framework="pt", device="cpu") as f:   # the library's validation
             names = list(f.keys())
         self._file = open(self.path, "rb")
+        size = os.fstat(self._file.fileno()).st_size
+        (n,) = struct.unpack("<Q", self._file.read(8))
+        if n > size - 8:
+            raise CheckpointError(f"{self.path}: header of {n} bytes does not fit the file ({size} bytes)")
+        return names, size, json.loads(self._file.read(n)), n
+
+    def __enter__(self) -> "SliceReader":
         try:
-            size = os.fstat(self._file.fileno()).st_size
-            (n,) = struct.unpack("<Q", self._file.read(8))
-            if n > size - 8:
-                raise CheckpointError(f"{self.path}: header of {n} bytes does not fit the file ({size} bytes)")
-            header = json.loads(self._file.read(n))
+            names, size, header, n = self._header()
             base = 8 + n
             for name in names:
                 e = header.get(name) if isinstance(header, dict) else None
@@ -456,7 +645,8 @@ class SliceReader:
                                           f"data offsets [{begin}, {end}) that do not fit the file's "
                                           f"{size - base} data bytes")
                 self._entries[name] = (code, shape, base + begin, end - begin)
-            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+            if self._data is None:
+                self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
         except BaseException:
             self.close()
             raise
@@ -466,9 +656,9 @@ class SliceReader:
         self.close()
 
     def close(self) -> None:
-        if self._mm is not None:
+        if isinstance(self._mm, mmap.mmap):
             self._mm.close()
-            self._mm = None
+        self._mm, self._data = None, None
         if self._file is not None:
             self._file.close()
             self._file = None

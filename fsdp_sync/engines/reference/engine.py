@@ -15,7 +15,7 @@ call (one shared-memory copy, one handle per worker).
 
 ``update_weights_from_disk(path)`` goes through the same two phases: the engine resolves the
 checkpoint's files (`fsdp_sync.weights.hf_checkpoint.resolve`: index, missing shards, manifest), each
-worker checks its share of the files' sha256 and every tensor's header, and reads only its own
+worker checks its share of the files' digests and every tensor's header, and reads only its own
 slices into staging memory, so a torn or corrupt checkpoint changes nothing. A per-rank checkpoint
 (``SyncConfig.layout="engine"``, `hf_checkpoint.resolve_ranked`) is checked the same way, but each
 worker reads only its own rank's files, once (checksum and tensors from the same bytes).
@@ -392,8 +392,8 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
         SGLang's rules: an index (``model.safetensors.index.json``) decides the files and a
         missing indexed file fails before anything loads; without one every ``*.safetensors``
         file loads; only the names present are updated. All or nothing, unlike SGLang 0.5.23:
-        the files are checked against the manifest's sha256 when there is one (each worker
-        hashes its share of the files), every tensor's name, dtype and shape is checked on every
+        the files are checked against the manifest's digests when there is one (under the hash it
+        names; each worker hashes its share of the files), every tensor's name, dtype and shape is checked on every
         worker and each worker reads only its own slices into staging memory (one extra copy of
         its shard) before any weight changes. Raises `WeightUpdateError` naming the file or
         tensor; the previous weights keep serving."""
@@ -423,13 +423,14 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
                         files = rplan.files[r]
                         per_rank.append([("disk", "engine", {
                             "dir": rplan.directory, "files": files,
-                            "sha256": {f: rplan.sha256[f] for f in files},
+                            "digests": {f: rplan.digests[f] for f in files}, "hash": rplan.hash,
                             "names": {f: rplan.names[f] for f in files}})])
                 else:
                     plan = resolve(model_path, load_format)
                     for r in range(tp):
                         spec = {"dir": plan.directory, "files": plan.files, "index": plan.index,
-                                "verify": {f: plan.sha256[f] for f in plan.files[r::tp] if f in plan.sha256}}
+                                "verify": {f: plan.digests[f] for f in plan.files[r::tp] if f in plan.digests},
+                                "hash": plan.hash}
                         per_rank.append([("disk", "hf", spec)])
             except CheckpointError as exc:
                 err = WeightUpdateError(f"{what}: {exc}")

@@ -7,7 +7,7 @@ drops them. Every opened payload is acknowledged as soon as its memory is no lon
 (a per-rank bucket's shared buffer, reused by its sender bucket after bucket, stays mapped until the
 update ends, so it is not mapped anew every bucket: `_keep_mapped`). A checkpoint directory
 (``update_weights_from_disk``) is staged the same way: this rank's share of the files is checked
-against the manifest's sha256, every tensor's name, dtype and shape is checked from the safetensors
+against the manifest's digests, every tensor's name, dtype and shape is checked from the safetensors
 headers, and only this rank's slices are read (into CPU memory).
 
 Not here: the process loop and command dispatch (`worker`), memory release/resume (`regions`),
@@ -32,6 +32,15 @@ from .errors import KIND_STATE, KIND_UPDATE, WorkerError
 __all__ = ["UpdateStager", "Write", "Txn", "MAX_MAPPED"]
 
 MAX_MAPPED = 4      # per-rank bucket buffers kept mapped within one update (two per pipelined slot)
+
+
+def _holding(names: list[str]) -> str:
+    """``; it holds 'a', 'b' and 3 more``: the tensors a refused file carries (a digest is per
+    file, so these are the tensors that may be damaged)."""
+    if not names:
+        return ""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return "; it holds " + ", ".join(repr(n) for n in names[:3]) + more
 
 
 def fmt_shape(shape: Any) -> str:
@@ -198,23 +207,31 @@ class UpdateStager:
         return {"writes": len(writes), "bytes_read": self.bytes_read}
 
     def _stage_disk(self, spec: dict, writes: list[Write], seen: set[str]) -> None:
-        """A checkpoint directory: verify this rank's share of the files against the manifest,
-        then check every tensor's name, dtype and shape from the file headers and read only this
-        rank's slices (`SliceReader`: no full tensor is materialized for a sharded one)."""
-        from ...weights.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, verify_file
+        """A checkpoint directory: this rank's share of the files is read once each, hashed as it
+        is read and checked against the manifest (`read_hashed`), and its slices are taken from
+        those same bytes; of the other files only this rank's slices are read (`SliceReader`: no
+        full tensor is materialized for a sharded one). Every tensor's name, dtype and shape is
+        checked from the file headers. Nothing is applied here, so a file refused after others
+        were staged changes nothing."""
+        from ...weights.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, read_hashed
 
         directory = spec["dir"]
-        for file, sha in spec["verify"].items():
-            try:
-                verify_file(directory, file, sha)
-            except CheckpointError as exc:
-                raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.w.rank})") from exc
-            self.bytes_read += os.path.getsize(os.path.join(directory, file))
+        verify = spec["verify"]
         index = spec.get("index")
-        for file in spec["files"]:
+        # this rank's own files first: a corrupt one is refused before the others are sliced
+        order = sorted(spec["files"], key=lambda fl: fl not in verify)
+        for file in order:
             path = os.path.join(directory, file)
+            data = None
+            if file in verify:
+                try:
+                    data = read_hashed(path, verify[file], spec.get("hash", "sha256"))
+                except CheckpointError as exc:
+                    held = [n for n, fl in (index or {}).items() if fl == file]
+                    raise WorkerError(KIND_UPDATE, f"{exc}{_holding(held)} (TP rank {self.w.rank})") from exc
+                self.bytes_read += data.numel()
             try:
-                with SliceReader(path) as f:   # not safe_open's slices: they leak (see SliceReader)
+                with SliceReader(path, data=data) as f:   # not safe_open's slices: they leak (see SliceReader)
                     names = list(f.keys())
                     if index is not None:
                         listed = {n for n, fl in index.items() if fl == file}
@@ -233,6 +250,7 @@ class UpdateStager:
                                                            f"the checkpoint (TP rank {self.w.rank})", name)
                         seen.add(name)
                         self._disk_writes(path, name, f, writes, SAFETENSORS_DTYPES)
+                del data                       # its slices are copies: the file's bytes go now
             except WorkerError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a torn header, a short file: a refused update
@@ -241,7 +259,7 @@ class UpdateStager:
 
     def _stage_disk_ranked(self, spec: dict, writes: list[Write], seen: set[str]) -> None:
         """This rank's files of a per-rank checkpoint (``layout="engine"``): each is read once,
-        checked against the manifest's sha256 on the bytes read, and must hold exactly the tensor
+        checked against the manifest's digest on the bytes read (hashed as they are read), and must hold exactly the tensor
         names the manifest lists for it; every tensor is checked as a ``direct`` update (engine
         name, this rank's shape, dtype). No other rank's file is opened."""
         from ...weights.hf_checkpoint import CheckpointError, engine_name_of, read_verified
@@ -250,9 +268,10 @@ class UpdateStager:
         for file in spec["files"]:
             path = os.path.join(directory, file)
             try:
-                tensors, size = read_verified(path, spec["sha256"][file])
+                tensors, size = read_verified(path, spec["digests"][file], spec.get("hash", "sha256"))
             except CheckpointError as exc:
-                raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.w.rank})") from exc
+                raise WorkerError(KIND_UPDATE, f"{exc}{_holding(spec['names'][file])} "
+                                               f"(TP rank {self.w.rank})") from exc
             self.bytes_read += size
             listed = list(spec["names"][file])
             if sorted(tensors) != sorted(listed):
@@ -291,7 +310,8 @@ class UpdateStager:
         placements = self.w.layout.placements(name, self.w.rank)
         for pl in placements:
             piece = f.read(name, pl.src)
-            self.bytes_read += piece.numel() * piece.element_size()
+            if not f.in_memory:                # in memory: counted when the file was read
+                self.bytes_read += piece.numel() * piece.element_size()
             out.append(Write(pl.engine, pl.dst, piece, (name,)))
         if not placements and name in self.w.hf_set:
             out.append(Write("", (), torch.empty(0, dtype=self.w.dtype), (name,)))   # counts as loaded
