@@ -29,10 +29,10 @@ STAMP="$VENV/.sglang-tier-$VERSION-models"   # -models: transformers for the mod
 # What importing SGLang's serializer and bucket modules needs (found by importing them in a bare
 # venv until they import), plus what the tests themselves use. transformers (at SGLang's pin) and
 # omegaconf: building SGLang's Qwen2/Llama classes on CPU and fsdp_sync's model recipes
-# (tests/sglang_tier/sglang_models.py).
+# (tests/sglang_tier/sglang_models.py); xxhash: fsdp_sync's disk digests (it runs from the tree here).
 SGLANG_TRANSFORMERS=${SGLANG_TRANSFORMERS:-transformers==5.19.0}   # sglang 0.5.23's pin
 DEPS=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
-      tqdm IPython aiohttp pytest pytest-timeout omegaconf "$SGLANG_TRANSFORMERS")
+      tqdm IPython aiohttp pytest pytest-timeout omegaconf xxhash "$SGLANG_TRANSFORMERS")
 
 # verl's own SGLang HTTP client (HttpServerAdapter), which the tier runs against `fsdp-sync serve`
 # (tests/sglang_tier/verl_client_check.py), is read from verl's wheel: verl itself is not installed

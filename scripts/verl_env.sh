@@ -14,7 +14,8 @@
 # Why the extra packages: verl's base requirements do not cover what its trainer, rollout and
 # config modules import on CPU (its `verl-core` extra lists them, together with packages that
 # need CUDA). TransferQueue, cachetools, fastapi, uvicorn, msgspec and pyzmq are the ones a CPU
-# import of verl.workers.* needs; pytest and pytest-timeout run the tier.
+# import of verl.workers.* needs; pytest and pytest-timeout run the tier; xxhash is fsdp_sync's own
+# (installed --no-deps below).
 set -euo pipefail
 
 VENV=${VERL_VENV:-.venv-verl}
@@ -23,7 +24,7 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.verl-tier-$VERSION"
 
-DEPS=(TransferQueue cachetools fastapi uvicorn msgspec pyzmq pytest pytest-timeout)
+DEPS=(TransferQueue cachetools fastapi uvicorn msgspec pyzmq pytest pytest-timeout xxhash)
 
 start=$(date +%s)
 if [[ ! -f "$STAMP" ]]; then
