@@ -9,7 +9,7 @@ consuming rank:
   choice is made by this module's own pickler. `open_payload` maps such a segment by its file in
   /dev/shm, keeping torch's reference count in the segment's header, rather than through the
   producer's ``torch_shm_manager`` (which would stay connected, and alive, as long as the
-  consumer: `_map_segment`).
+  consumer: `shm._map_segment`).
 - CUDA tensors go through CUDA IPC, with the device written as its UUID so sender and receiver with
   different ``CUDA_VISIBLE_DEVICES`` agree. Only our pickler and our unpickler translate; torch's
   reductions are not patched, so pickling CPU tensors elsewhere in the process keeps working.
@@ -36,16 +36,9 @@ Not here: which tensors go in a bucket (`bucket`), and who carries payloads wher
 from __future__ import annotations
 
 import base64
-import contextlib
-import fcntl
 import functools
 import io
-import mmap
-import os
 import pickle
-import re
-import sys
-import stat
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -56,6 +49,9 @@ import torch
 from torch.multiprocessing import reductions as _red
 
 from .bucket import SUPPORTED_DTYPES, dtype_name
+from .shm import (HandleError, _add_torch_reference, _check_segment,
+                  _keep_sockets_from_shm_manager, _map_segment, _mapped_handle, _refcount_lock,
+                  _take_back)
 
 __all__ = [
     "HandleError", "UnreleasedPayloadWarning", "PayloadSet", "Received", "make_payloads", "open_payload",
@@ -65,9 +61,6 @@ __all__ = [
 TAG = "fsdp_sync"
 FRESH, OPENED, ACKED = 0, 1, 2
 
-
-class HandleError(RuntimeError):
-    """A payload could not be made, opened or released; the message names the tensor or rank."""
 
 
 class UnreleasedPayloadWarning(RuntimeWarning):
@@ -82,69 +75,6 @@ class UnreleasedPayloadWarning(RuntimeWarning):
 _OWNED: dict[int, "_red.StorageWeakRef"] = {}
 
 
-_SOCKETS_KEPT_FROM_MANAGER = False
-
-
-def _keep_sockets_from_shm_manager() -> None:
-    """Mark this process's sockets close-on-exec, once, before it first makes shared memory.
-
-    torch starts one ``torch_shm_manager`` per process (fork, then exec) the first time the process
-    makes shared memory by file name, and the manager inherits every descriptor not marked
-    close-on-exec: gloo's connections and the c10d store's are not. The manager then held a
-    trainer rank's connections open after the rank died, so its peers, which see a closed
-    connection at once, waited out the process-group timeout instead (`fsdp-sync faults`: a trainer
-    rank 0 killed after the first sync: 6 s, the matrix's timeout, instead of 0.01 s). A running
-    process never needs its sockets inherited through exec (multiprocessing and subprocess pass
-    the descriptors they mean to pass explicitly)."""
-    global _SOCKETS_KEPT_FROM_MANAGER
-    if _SOCKETS_KEPT_FROM_MANAGER:
-        return
-    _SOCKETS_KEPT_FROM_MANAGER = True
-    try:
-        fds = [int(n) for n in os.listdir("/proc/self/fd")]
-    except OSError:
-        return                  # not Linux: nothing known to fix
-    for fd in fds:
-        try:
-            if stat.S_ISSOCK(os.fstat(fd).st_mode):
-                os.set_inheritable(fd, False)
-        except OSError:
-            continue            # closed meanwhile (e.g. the listing's own descriptor)
-    _start_shm_manager_detached()
-
-
-def _start_shm_manager_detached() -> None:
-    """Start this process's ``torch_shm_manager`` now, with /dev/null as its stdin and stderr.
-
-    The manager also inherits those two (its stdout is torch's own pipe). It outlives this process
-    while another process still holds a segment it handed out (a served engine that opened this
-    process's payloads keeps its connection to the manager until it exits), and with the process's
-    stderr it kept a pipe open: ``client 2>&1 | tail`` never ended (issue 21 item 5). Stdio is
-    pointed at /dev/null only around the one allocation that starts the manager (a few ms; the
-    Python streams are flushed first)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
-    try:
-        null = os.open(os.devnull, os.O_RDWR)
-    except OSError:
-        return
-    saved: list[tuple[int, int]] = []
-    try:
-        for fd in (0, 2):
-            try:
-                saved.append((fd, os.dup(fd)))
-            except OSError:
-                continue        # not open: nothing to keep from the manager
-            os.dup2(null, fd)
-        torch.UntypedStorage._new_using_filename_cpu(1)     # starts the manager; freed at once
-    finally:
-        for fd, copy in saved:
-            os.dup2(copy, fd)
-            os.close(copy)
-        os.close(null)
 
 
 def empty_shared(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -317,175 +247,6 @@ def _safe_rebuild_tensor(cls, storage, metadata):
     return _red.rebuild_tensor(_cls(cls, (_TENSOR, _PARAM), "tensor"), _storage_arg(storage), metadata)
 
 
-# torch's names (``/torch_<pid>_<random>_<counter>``, made by libshm) and its segments' header
-_SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
-_SHM_DIR = "/dev/shm"
-_SHM_HEADER = 64      # torch's refcounted segments hold a 64-byte counter before the data
-
-
-def _check_segment(manager: bytes, handle: bytes, size: int) -> None:
-    """A storage handle may name only a live torch segment of this user, large enough for what it
-    asks, through a torch shm-manager socket. Otherwise the receiver would open ``/proc`` or
-    file paths or another user's memory, or grow (ftruncate) a
-    segment to a forged size and fault on reading past its end."""
-    m = _SHM_NAME.fullmatch(handle)
-    if m is None:
-        raise HandleError(f"payload's storage names shared-memory object {handle[:80]!r}, which is not "
-                          f"a torch segment name (/torch_<pid>_<n>_<n>); refused (a path, /proc, or "
-                          f"another program's segment)")
-    mgr = os.fsdecode(manager)
-    if (os.path.basename(mgr) != "manager.sock"
-            or not os.path.basename(os.path.dirname(mgr)).startswith("torch-shm-dir-")
-            or ".." in mgr.split("/")):
-        raise HandleError(f"payload's shm manager {mgr[:80]!r} is not a torch shm-manager socket "
-                          f"(<tmp>/torch-shm-dir-*/manager.sock); refused")
-    if not 0 <= size < 1 << 48:
-        raise HandleError(f"payload's storage {handle.decode()} has size {size}; refused")
-    path = os.path.join(_SHM_DIR, handle.decode()[1:])
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        raise HandleError(f"payload's storage names segment {handle.decode()}, which does not exist: "
-                          f"released by its producer already (PayloadSet.release), or made on another "
-                          f"host") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise HandleError(f"payload's storage {handle.decode()} is not a regular shared-memory segment")
-    if st.st_uid != os.geteuid():
-        raise HandleError(f"payload's storage names segment {handle.decode()}, owned by uid "
-                          f"{st.st_uid}, not by this process's uid {os.geteuid()}: another user's "
-                          f"memory; refused")
-    if size + _SHM_HEADER > st.st_size:
-        raise HandleError(f"payload's storage asks for {size} bytes of segment {handle.decode()}, which "
-                          f"holds {max(st.st_size - _SHM_HEADER, 0)}: a forged size; refused")
-
-
-# --------------------------------------------------------------------------- opening segments by file
-
-# Segments this process mapped by file (`_map_segment`): by handle, so that a buffer the sender
-# reuses bucket after bucket maps once while it stays mapped (as torch's shared-storage cache does
-# for its own mappings), and by data pointer, so that `adopt` can refuse them.
-_MAPPED: dict[bytes, "_red.StorageWeakRef"] = {}
-_MAPPED_PTRS: dict[int, tuple[bytes, "_red.StorageWeakRef"]] = {}
-
-
-def _segment_path(handle: bytes) -> str:
-    return os.path.join(_SHM_DIR, handle.decode()[1:])
-
-
-@contextlib.contextmanager
-def _refcount_lock(handle: bytes):
-    """Hold an exclusive lock on a segment's file while this process changes its reference count.
-
-    torch changes the count with atomic instructions; `_map_segment` gives a reference back with a
-    read and a write (Python has no atomic add on shared memory). Every change this module makes
-    (pickling's increment, `_map_segment`'s give-back, `PayloadSet.release`'s decrements) holds
-    this lock, so two of ours never interleave. torch's own changes (a storage's creation, the
-    mapping torch's rebuild makes, a storage's last close) do not take it, and need not: by the
-    protocol they happen before a payload is sent or after its consumers have acknowledged it,
-    never while a consumer opens it."""
-    try:
-        fd = os.open(_segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        yield                   # unlinked already: nobody can change its count any more
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)            # (releases the lock)
-
-
-def _map_segment(handle: bytes, size: int) -> torch.UntypedStorage:
-    """Open a torch shared-memory segment by its file in /dev/shm, without its producer's manager.
-
-    torch's ``rebuild_storage_filename`` connects this process to the producer's
-    ``torch_shm_manager`` and libshm keeps that connection for the life of the process, so the
-    manager of every producer a long-lived consumer ever heard from (each HTTP client of ``fsdp-sync
-    serve``) lived on until the consumer exited: one process per client run (issue 21 item 5). The
-    manager has nothing to do for a consumer (it unlinks a segment only when all its clients are
-    gone); the reference count in the segment's 64-byte header does the work, and is kept here as
-    torch keeps it: the reference pickling took for this consumer is given back as soon as the
-    segment is mapped (the mapping needs its name no longer; the memory stays until the last
-    mapping goes), and the last reference unlinks the name, as torch's last close does.
-
-    The mapping holds one descriptor (Python's mmap keeps a duplicate) and both go when the last
-    tensor on the storage is freed."""
-    ref = _MAPPED.get(handle)
-    if ref is not None:
-        cached = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-        if cached is not None:
-            _add_reference(handle, -1)
-            return cached
-    if size == 0:
-        _add_reference(handle, -1)
-        return torch.UntypedStorage()
-    try:
-        fd = os.open(_segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise HandleError(f"payload's storage names segment {handle.decode()}, which does not exist: "
-                          f"released by its producer already (PayloadSet.release)") from None
-    try:
-        st = os.fstat(fd)       # what was checked by name is what was opened
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < size + _SHM_HEADER:
-            raise HandleError(f"payload's segment {handle.decode()} changed after it was checked; refused")
-        mapping = mmap.mmap(fd, size + _SHM_HEADER)
-    finally:
-        os.close(fd)
-    storage = torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=_SHM_HEADER).untyped_storage()
-    _add_reference(handle, -1, mapping)
-    for k in [k for k, r in _MAPPED.items() if r.expired()]:
-        del _MAPPED[k]
-    for k in [k for k, (_, r) in _MAPPED_PTRS.items() if r.expired()]:
-        del _MAPPED_PTRS[k]
-    ref = _red.StorageWeakRef(storage)
-    _MAPPED[handle], _MAPPED_PTRS[storage.data_ptr()] = ref, (handle, ref)
-    return storage
-
-
-def _add_reference(handle: bytes, delta: int, mapping: mmap.mmap | None = None) -> None:
-    """Add ``delta`` to a segment's reference count (under `_refcount_lock`); at zero, unlink it."""
-    with _refcount_lock(handle):
-        own = mapping is None
-        if own:
-            try:
-                fd = os.open(_segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except FileNotFoundError:
-                return
-            try:
-                mapping = mmap.mmap(fd, _SHM_HEADER)
-            finally:
-                os.close(fd)
-        try:
-            count = int.from_bytes(mapping[:4], sys.byteorder, signed=True) + delta
-            mapping[:4] = count.to_bytes(4, sys.byteorder, signed=True)
-            if count <= 0:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(_segment_path(handle))
-        finally:
-            if own:
-                mapping.close()
-
-
-def _mapped_handle(storage: torch.UntypedStorage) -> bytes | None:
-    """The handle of a segment `_map_segment` mapped to ``storage``, or None."""
-    entry = _MAPPED_PTRS.get(storage.data_ptr())
-    return None if entry is None or entry[1].expired() else entry[0]
-
-
-def _add_torch_reference(storage: torch.UntypedStorage, delta: int) -> None:
-    """`_add_reference` for a storage torch mapped (this process made it, or a relay opened it)."""
-    handle = storage._share_filename_cpu_()[1]
-    with _refcount_lock(handle):
-        (storage._shared_incref if delta > 0 else storage._shared_decref)()
-
-
-def _take_back(storage: torch.UntypedStorage) -> None:
-    """Undo what opening did to a segment's count: the rightful consumer's reference again."""
-    handle = _mapped_handle(storage)
-    if handle is not None:
-        _add_reference(handle, +1)
-    else:
-        _add_torch_reference(storage, +1)
 
 
 def _safe_rebuild_storage_filename(cls, manager, handle, size, dtype=None, *, via_manager=False):
