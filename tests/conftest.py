@@ -3,6 +3,7 @@ child process or a new ``/dev/shm/torch_*`` shared-memory segment."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -61,6 +62,17 @@ def _ours(segments: set[str]) -> set[str]:
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Fail a test that leaves child processes running or new torch shared-memory segments."""
+    with checked_for_leftovers():
+        yield
+
+
+@contextlib.contextmanager
+def checked_for_leftovers():
+    """Fail if the block leaves child processes running or new torch shared-memory segments.
+
+    ``no_leftovers`` wraps every test in it; a module-scoped fixture that launches ranks for
+    several tests at once wraps its launch in it too, since it runs before any test's check
+    begins (``from conftest import checked_for_leftovers``)."""
     kids_before = set(_children())
     shm_before = shm_segments()
     yield

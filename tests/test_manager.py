@@ -2,7 +2,8 @@
 
 Each launch runs several configurations on one set of ranks (a new manager each, the same engine),
 so every strategy × multi-stage × FSDP version × layout is covered without paying a process start
-for each. After every step the engine's logits must equal the trainer's own forward (fp32,
+for each; the 2-rank jobs (FSDP2 and FSDP1 steps, an exception inside the block, an engine failure
+mid-sync) run one after another in one 2-rank launch, each with a module and engine of its own. After every step the engine's logits must equal the trainer's own forward (fp32,
 ≤ 1e-5) and must differ from the previous step's.
 """
 
@@ -20,6 +21,11 @@ from fsdp_sync.cli.launch import RankError, run_ranks, spawn_env
 
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7]]
 ATOL = 1e-5
+# The five 2-rank jobs (`two_rank_jobs`, below) once had a launch each (deadlines 170 + 170 + 110
+# + 110 + 110 s); one launch pays two rank start-ups instead of ten, and the test that starts it
+# waits for all five.
+TWO_RANK_DEADLINE = 400
+TWO_RANK_TIMEOUT = TWO_RANK_DEADLINE + 20
 
 
 def _setup(rank, world, tp, fsdp, model="tiny"):
@@ -115,9 +121,9 @@ ALL_FSDP2 = [
 ]
 
 
-@pytest.mark.timeout(180)
-def test_fsdp2_two_ranks_every_strategy_and_stage_mode():
-    results = run_ranks(_steps, 2, 2, 2, ALL_FSDP2, timeout_s=170, env=spawn_env())
+@pytest.mark.timeout(TWO_RANK_TIMEOUT)
+def test_fsdp2_two_ranks_every_strategy_and_stage_mode(two_rank_jobs):
+    results = [r["fsdp2"] for r in two_rank_jobs]
     _check(results, 2, len(ALL_FSDP2))
     names = results[0][0]["stage_names"]
     assert names.index("resume_weights") < names.index("sync_weights") < names.index("resume_kv_cache")
@@ -136,9 +142,9 @@ FSDP1 = [
 ]
 
 
-@pytest.mark.timeout(180)
-def test_fsdp1_two_ranks_every_state_dict_type():
-    results = run_ranks(_steps, 2, 2, 1, FSDP1, timeout_s=170, env=spawn_env())
+@pytest.mark.timeout(TWO_RANK_TIMEOUT)
+def test_fsdp1_two_ranks_every_state_dict_type(two_rank_jobs):
+    results = [r["fsdp1"] for r in two_rank_jobs]
     _check(results, 2, len(FSDP1))
 
 
@@ -187,9 +193,9 @@ def _exception_inside(rank, world):
             engine.shutdown()
 
 
-@pytest.mark.timeout(120)
-def test_exception_inside_block_releases_and_restores():
-    results = run_ranks(_exception_inside, 2, timeout_s=110, env=spawn_env())
+@pytest.mark.timeout(TWO_RANK_TIMEOUT)
+def test_exception_inside_block_releases_and_restores(two_rank_jobs):
+    results = [r["exception"] for r in two_rank_jobs]
     for r in results:
         assert r["raised"] == "'boom in rollout'"
         assert r["training"] is True
@@ -244,10 +250,10 @@ def _engine_failure(rank, world, kill):
             engine.shutdown()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(TWO_RANK_TIMEOUT)
 @pytest.mark.parametrize("kill", [False, True], ids=["engine-error", "worker-killed"])
-def test_engine_failure_mid_sync_raises_on_every_rank(kill):
-    results = run_ranks(_engine_failure, 2, kill, timeout_s=110, env=spawn_env())
+def test_engine_failure_mid_sync_raises_on_every_rank(two_rank_jobs, kill):
+    results = [r["worker-killed" if kill else "engine-error"] for r in two_rank_jobs]
     msgs = [r["error"] for r in results]
     assert msgs[0] is not None and msgs[0] == msgs[1], msgs
     assert "failed on rank 0" in msgs[0]
@@ -256,6 +262,22 @@ def test_engine_failure_mid_sync_raises_on_every_rank(kill):
     for r in results:
         assert r["seconds"] < 60, r
         assert r["training"] is True
+
+
+def _two_rank_jobs(rank, world):
+    """The 2-rank jobs, in order; the killed worker last, so no job after it meets what it leaves."""
+    jobs = [("fsdp2", _steps, (2, 2, ALL_FSDP2)), ("fsdp1", _steps, (2, 1, FSDP1)),
+            ("exception", _exception_inside, ()), ("engine-error", _engine_failure, (False,)),
+            ("worker-killed", _engine_failure, (True,))]
+    return {name: fn(rank, world, *args) for name, fn, args in jobs}
+
+
+@pytest.fixture(scope="module")
+def two_rank_jobs():
+    from conftest import checked_for_leftovers
+
+    with checked_for_leftovers():
+        return run_ranks(_two_rank_jobs, 2, timeout_s=TWO_RANK_DEADLINE, env=spawn_env())
 
 
 @pytest.mark.timeout(240)

@@ -508,27 +508,45 @@ def _refused_rank(rank: int, world: int, refuse: str) -> dict:
             "opened": eng.opened_payloads if src else None}
 
 
-@pytest.mark.timeout(90)
-def test_refused_begin_fails_the_sync_on_every_rank():
-    """A refused begin_weight_update on infer-TP rank 0 is a SyncError on every rank (it hung the
-    other ranks in the payload gather before the bracket agreed), and nothing is sent."""
+def _refused_ranks(rank: int, world: int, refusals: tuple[str, ...]) -> dict:
+    """`_refused_rank` for each refusal in turn, on the same ranks (each with its own module,
+    engine and manager; each sync fails on every rank before the next begins)."""
+    return {refuse: _refused_rank(rank, world, refuse) for refuse in refusals}
+
+
+# One launch for both refusals: once two (deadline 60 s each), now one that pays two rank
+# start-ups instead of four; the test that starts it waits for both.
+REFUSED_DEADLINE = 120
+
+
+@pytest.fixture(scope="module")
+def refused():
+    from conftest import checked_for_leftovers
     from fsdp_sync.cli.launch import run_ranks, spawn_env
 
-    out = run_ranks(_refused_rank, 2, "begin", timeout_s=60, pg_timeout_s=20, env=spawn_env())
+    with checked_for_leftovers():
+        out = run_ranks(_refused_ranks, 2, ("begin", "unopened"), timeout_s=REFUSED_DEADLINE,
+                        pg_timeout_s=20, env=spawn_env())
+    return {refuse: [r[refuse] for r in out] for refuse in ("begin", "unopened")}
+
+
+@pytest.mark.timeout(REFUSED_DEADLINE + 30)
+def test_refused_begin_fails_the_sync_on_every_rank(refused):
+    """A refused begin_weight_update on infer-TP rank 0 is a SyncError on every rank (it hung the
+    other ranks in the payload gather before the bracket agreed), and nothing is sent."""
+    out = refused["begin"]
     assert out[0]["error"] == out[1]["error"]
     assert "begin_weight_update" in out[0]["error"] and "already open" in out[0]["error"]
     assert "update_weights_from_tensor" not in out[0]["calls"] and out[0]["opened"] == 0
     assert out[0]["left"] == out[1]["left"] == []
 
 
-@pytest.mark.timeout(90)
-def test_update_refused_unopened_gives_every_rank_its_segments_back():
+@pytest.mark.timeout(REFUSED_DEADLINE + 30)
+def test_update_refused_unopened_gives_every_rank_its_segments_back(refused):
     """SGLang refused the first bucket before opening it: the SyncError names its message on
     every rank, and every rank gives back the shared-memory references its payloads took (the
     untagged payloads cannot tell; infer-TP rank 0 heard SGLang's answer and tells the others)."""
-    from fsdp_sync.cli.launch import run_ranks, spawn_env
-
-    out = run_ranks(_refused_rank, 2, "unopened", timeout_s=60, pg_timeout_s=20, env=spawn_env())
+    out = refused["unopened"]
     assert out[0]["error"] == out[1]["error"]
     assert "must run between begin_weight_update" in out[0]["error"], out[0]["error"]
     assert out[0]["calls"].count("update_weights_from_tensor") == 1 and out[0]["opened"] == 0
