@@ -395,7 +395,7 @@ def _manager_sockets(rank, world):
 def test_shm_manager_does_not_hold_the_ranks_connections():
     """torch's per-process torch_shm_manager inherits descriptors that are not close-on-exec:
     it must not get the rank's gloo/store sockets, or a dead rank's peers wait out the process-group
-    timeout instead of seeing its connections close (see `shm._keep_sockets_from_shm_manager`)."""
+    timeout instead of seeing its connections close (see `shm.keep_sockets_from_shm_manager`)."""
     results = run_ranks(_manager_sockets, 2, timeout_s=50, env=spawn_env())
     for r, res in enumerate(results):
         assert res["managers"] == 1 and res["ours"] > 0, (r, res)

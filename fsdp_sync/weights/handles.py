@@ -9,7 +9,7 @@ consuming rank:
   choice is made by this module's own pickler. `open_payload` maps such a segment by its file in
   /dev/shm, keeping torch's reference count in the segment's header, rather than through the
   producer's ``torch_shm_manager`` (which would stay connected, and alive, as long as the
-  consumer: `shm._map_segment`).
+  consumer: `shm.map_segment`).
 - CUDA tensors go through CUDA IPC, with the device written as its UUID so sender and receiver with
   different ``CUDA_VISIBLE_DEVICES`` agree. Only our pickler and our unpickler translate; torch's
   reductions are not patched, so pickling CPU tensors elsewhere in the process keeps working.
@@ -49,9 +49,9 @@ import torch
 from torch.multiprocessing import reductions as _red
 
 from .bucket import SUPPORTED_DTYPES, dtype_name
-from .shm import (HandleError, _add_torch_reference, _check_segment,
-                  _keep_sockets_from_shm_manager, _map_segment, _mapped_handle, _refcount_lock,
-                  _take_back)
+from .shm import (HandleError, add_torch_reference, check_segment,
+                  keep_sockets_from_shm_manager, map_segment, mapped_handle, refcount_lock,
+                  take_back)
 
 __all__ = [
     "HandleError", "UnreleasedPayloadWarning", "PayloadSet", "Received", "make_payloads", "open_payload",
@@ -82,7 +82,7 @@ def empty_shared(nbytes: int, device: torch.device | str = "cpu") -> torch.Tenso
     device = torch.device(device)
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    _keep_sockets_from_shm_manager()
+    keep_sockets_from_shm_manager()
     storage = torch.UntypedStorage._new_using_filename_cpu(max(int(nbytes), 1))
     _OWNED[storage.data_ptr()] = _red.StorageWeakRef(storage)
     out = torch.empty(0, dtype=torch.uint8)
@@ -94,7 +94,7 @@ def adopt(tensor: torch.Tensor) -> torch.Tensor:
     """Mark a CPU tensor that already lives in shared memory by file name (one this process
     opened from a payload, say) as sharable without a copy."""
     storage = tensor.untyped_storage()
-    if tensor.device.type == "cpu" and _mapped_handle(storage) is not None:
+    if tensor.device.type == "cpu" and mapped_handle(storage) is not None:
         raise HandleError("cannot adopt a tensor opened from a payload by file: open it with "
                           "open_payload(..., share_again=True) to share it again without a copy")
     if tensor.device.type == "cpu":
@@ -174,12 +174,12 @@ class _Pickler(ForkingPickler):
             raise HandleError(f"cannot share a {storage.device} storage on its own; send its tensor")
         if storage.nbytes() == 0:
             return (_red.rebuild_storage_empty, (type(storage),))
-        if _mapped_handle(storage) is not None:
+        if mapped_handle(storage) is not None:
             raise HandleError("cannot share again a storage opened from a payload by file; open it "
                               "with open_payload(..., share_again=True)")
-        _keep_sockets_from_shm_manager()
+        keep_sockets_from_shm_manager()
         manager, handle, size = storage._share_filename_cpu_()
-        _add_torch_reference(storage, +1)
+        add_torch_reference(storage, +1)
         self._shared.append(storage)
         _red.shared_cache[handle] = _red.StorageWeakRef(storage)
         return (_red.rebuild_storage_filename, (type(storage), manager, handle, size))
@@ -253,15 +253,15 @@ def _safe_rebuild_storage_filename(cls, manager, handle, size, dtype=None, *, vi
     _cls(cls, (_USTORAGE,), "storage")
     if not (isinstance(manager, bytes) and isinstance(handle, bytes) and type(size) is int):
         raise HandleError("payload's shared-memory handle is not (bytes, bytes, int)")
-    _check_segment(manager, handle, size)
+    check_segment(manager, handle, size)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise HandleError(f"payload's storage dtype is {type(dtype).__name__}, not a torch dtype")
     if via_manager or _red.storage_from_cache(torch.UntypedStorage, handle) is not None:
         # a relay that shares the segment again needs torch's own mapping (`adopt`); a segment
         # this process made or mapped through torch is in torch's cache and needs no manager
-        with _refcount_lock(handle):
+        with refcount_lock(handle):
             return _red.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size, dtype)
-    storage = _map_segment(handle, size if dtype is None else size * dtype.itemsize)
+    storage = map_segment(handle, size if dtype is None else size * dtype.itemsize)
     return storage if dtype is None else torch.TypedStorage(wrap_storage=storage, dtype=dtype,
                                                            _internal=True)
 
@@ -432,7 +432,7 @@ class PayloadSet:
             tagged = self.states[i] is not None
             if rank in unopened or (tagged and self.state(i) == FRESH):
                 for storage in self._shared[i]:
-                    _add_torch_reference(storage, -1)
+                    add_torch_reference(storage, -1)
         ranks = self.ranks
         self.payloads, self.obj, self._keep, self._shared, self.states = [], None, [], [], []
         self.released = True
@@ -543,7 +543,7 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
     """Rebuild a payload in this process. ``rank`` is the consuming rank, checked against the tag.
 
     CPU shared memory is mapped by file, without the producer's ``torch_shm_manager``
-    (`_map_segment`). ``share_again``: the caller will share the tensors again without a copy
+    (`map_segment`). ``share_again``: the caller will share the tensors again without a copy
     (`adopt`, a relay such as `hostbuf`): map them through torch's rebuild, which connects this
     process to the producer's manager for its lifetime (harmless between ranks of one job)."""
     data = base64.b64decode(payload) if isinstance(payload, str) else payload
@@ -572,8 +572,8 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
                  f"{'opened' if int(state[0]) == OPENED else 'acknowledged'})")
     if error is not None:
         # unpickling took the reference meant for the rightful consumer: hand it back
-        _for_each_cpu_storage(obj, _take_back)
-        _for_each_cpu_storage(tag, _take_back)
+        _for_each_cpu_storage(obj, take_back)
+        _for_each_cpu_storage(tag, take_back)
         raise HandleError(error)
     state[0] = OPENED
     value = obj["tensor"] if set(obj) == {"tensor"} else obj

@@ -2,11 +2,11 @@
 ``torch_shm_manager``.
 
 `handles` makes and opens payloads; this module is what it does with one shared-memory segment:
-check that a handle names an existing torch segment of this user (`_check_segment`), map it by its
+check that a handle names an existing torch segment of this user (`check_segment`), map it by its
 file in /dev/shm keeping torch's reference count in the segment's 64-byte header under a file lock
-(`_map_segment`, `_add_reference`, `_take_back`), so a consumer never connects to (and keeps alive)
+(`map_segment`, `add_reference`, `take_back`), so a consumer never connects to (and keeps alive)
 the producer's manager; and start this process's own manager with /dev/null for its stdio
-(`_start_shm_manager_detached`), so it never holds a caller's pipe open.
+(`start_shm_manager_detached`), so it never holds a caller's pipe open.
 
 Not here: payloads, pickling and the wire checks (`handles`).
 """
@@ -24,7 +24,9 @@ import sys
 import torch
 from torch.multiprocessing import reductions as _red
 
-__all__ = ["HandleError"]
+__all__ = ["HandleError", "check_segment", "map_segment", "mapped_handle", "add_reference",
+           "add_torch_reference", "take_back", "refcount_lock", "keep_sockets_from_shm_manager",
+           "start_shm_manager_detached"]
 
 
 class HandleError(RuntimeError):
@@ -35,7 +37,7 @@ class HandleError(RuntimeError):
 _SOCKETS_KEPT_FROM_MANAGER = False
 
 
-def _keep_sockets_from_shm_manager() -> None:
+def keep_sockets_from_shm_manager() -> None:
     """Mark this process's sockets close-on-exec, once, before it first makes shared memory.
 
     torch starts one ``torch_shm_manager`` per process (fork, then exec) the first time the process
@@ -60,10 +62,10 @@ def _keep_sockets_from_shm_manager() -> None:
                 os.set_inheritable(fd, False)
         except OSError:
             continue            # closed meanwhile (e.g. the listing's own descriptor)
-    _start_shm_manager_detached()
+    start_shm_manager_detached()
 
 
-def _start_shm_manager_detached() -> None:
+def start_shm_manager_detached() -> None:
     """Start this process's ``torch_shm_manager`` now, with /dev/null as its stdin and stderr.
 
     The manager also inherits those two (its stdout is torch's own pipe). It outlives this process
@@ -103,7 +105,7 @@ _SHM_DIR = "/dev/shm"
 _SHM_HEADER = 64      # torch's refcounted segments hold a 64-byte counter before the data
 
 
-def _check_segment(manager: bytes, handle: bytes, size: int) -> None:
+def check_segment(manager: bytes, handle: bytes, size: int) -> None:
     """A storage handle may name only a live torch segment of this user, large enough for what it
     asks, through a torch shm-manager socket. Otherwise the receiver would open ``/proc`` or
     file paths or another user's memory, or grow (ftruncate) a
@@ -141,30 +143,30 @@ def _check_segment(manager: bytes, handle: bytes, size: int) -> None:
 
 # --------------------------------------------------------------------------- opening segments by file
 
-# Segments this process mapped by file (`_map_segment`): by handle, so that a buffer the sender
+# Segments this process mapped by file (`map_segment`): by handle, so that a buffer the sender
 # reuses bucket after bucket maps once while it stays mapped (as torch's shared-storage cache does
 # for its own mappings), and by data pointer, so that `adopt` can refuse them.
 _MAPPED: dict[bytes, "_red.StorageWeakRef"] = {}
 _MAPPED_PTRS: dict[int, tuple[bytes, "_red.StorageWeakRef"]] = {}
 
 
-def _segment_path(handle: bytes) -> str:
+def segment_path(handle: bytes) -> str:
     return os.path.join(_SHM_DIR, handle.decode()[1:])
 
 
 @contextlib.contextmanager
-def _refcount_lock(handle: bytes):
+def refcount_lock(handle: bytes):
     """Hold an exclusive lock on a segment's file while this process changes its reference count.
 
-    torch changes the count with atomic instructions; `_map_segment` gives a reference back with a
+    torch changes the count with atomic instructions; `map_segment` gives a reference back with a
     read and a write (Python has no atomic add on shared memory). Every change this module makes
-    (pickling's increment, `_map_segment`'s give-back, `PayloadSet.release`'s decrements) holds
+    (pickling's increment, `map_segment`'s give-back, `PayloadSet.release`'s decrements) holds
     this lock, so two of ours never interleave. torch's own changes (a storage's creation, the
     mapping torch's rebuild makes, a storage's last close) do not take it, and need not: by the
     protocol they happen before a payload is sent or after its consumers have acknowledged it,
     never while a consumer opens it."""
     try:
-        fd = os.open(_segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         yield                   # unlinked already: nobody can change its count any more
         return
@@ -175,7 +177,7 @@ def _refcount_lock(handle: bytes):
         os.close(fd)            # (releases the lock)
 
 
-def _map_segment(handle: bytes, size: int) -> torch.UntypedStorage:
+def map_segment(handle: bytes, size: int) -> torch.UntypedStorage:
     """Open a torch shared-memory segment by its file in /dev/shm, without its producer's manager.
 
     torch's ``rebuild_storage_filename`` connects this process to the producer's
@@ -194,13 +196,13 @@ def _map_segment(handle: bytes, size: int) -> torch.UntypedStorage:
     if ref is not None:
         cached = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
         if cached is not None:
-            _add_reference(handle, -1)
+            add_reference(handle, -1)
             return cached
     if size == 0:
-        _add_reference(handle, -1)
+        add_reference(handle, -1)
         return torch.UntypedStorage()
     try:
-        fd = os.open(_segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise HandleError(f"payload's storage names segment {handle.decode()}, which does not exist: "
                           f"released by its producer already (PayloadSet.release)") from None
@@ -212,7 +214,7 @@ def _map_segment(handle: bytes, size: int) -> torch.UntypedStorage:
     finally:
         os.close(fd)
     storage = torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=_SHM_HEADER).untyped_storage()
-    _add_reference(handle, -1, mapping)
+    add_reference(handle, -1, mapping)
     for k in [k for k, r in _MAPPED.items() if r.expired()]:
         del _MAPPED[k]
     for k in [k for k, (_, r) in _MAPPED_PTRS.items() if r.expired()]:
@@ -222,13 +224,13 @@ def _map_segment(handle: bytes, size: int) -> torch.UntypedStorage:
     return storage
 
 
-def _add_reference(handle: bytes, delta: int, mapping: mmap.mmap | None = None) -> None:
-    """Add ``delta`` to a segment's reference count (under `_refcount_lock`); at zero, unlink it."""
-    with _refcount_lock(handle):
+def add_reference(handle: bytes, delta: int, mapping: mmap.mmap | None = None) -> None:
+    """Add ``delta`` to a segment's reference count (under `refcount_lock`); at zero, unlink it."""
+    with refcount_lock(handle):
         own = mapping is None
         if own:
             try:
-                fd = os.open(_segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
                 return
             try:
@@ -240,29 +242,29 @@ def _add_reference(handle: bytes, delta: int, mapping: mmap.mmap | None = None) 
             mapping[:4] = count.to_bytes(4, sys.byteorder, signed=True)
             if count <= 0:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(_segment_path(handle))
+                    os.unlink(segment_path(handle))
         finally:
             if own:
                 mapping.close()
 
 
-def _mapped_handle(storage: torch.UntypedStorage) -> bytes | None:
-    """The handle of a segment `_map_segment` mapped to ``storage``, or None."""
+def mapped_handle(storage: torch.UntypedStorage) -> bytes | None:
+    """The handle of a segment `map_segment` mapped to ``storage``, or None."""
     entry = _MAPPED_PTRS.get(storage.data_ptr())
     return None if entry is None or entry[1].expired() else entry[0]
 
 
-def _add_torch_reference(storage: torch.UntypedStorage, delta: int) -> None:
-    """`_add_reference` for a storage torch mapped (this process made it, or a relay opened it)."""
+def add_torch_reference(storage: torch.UntypedStorage, delta: int) -> None:
+    """`add_reference` for a storage torch mapped (this process made it, or a relay opened it)."""
     handle = storage._share_filename_cpu_()[1]
-    with _refcount_lock(handle):
+    with refcount_lock(handle):
         (storage._shared_incref if delta > 0 else storage._shared_decref)()
 
 
-def _take_back(storage: torch.UntypedStorage) -> None:
+def take_back(storage: torch.UntypedStorage) -> None:
     """Undo what opening did to a segment's count: the rightful consumer's reference again."""
-    handle = _mapped_handle(storage)
+    handle = mapped_handle(storage)
     if handle is not None:
-        _add_reference(handle, +1)
+        add_reference(handle, +1)
     else:
-        _add_torch_reference(storage, +1)
+        add_torch_reference(storage, +1)
