@@ -72,7 +72,8 @@ def checked_for_leftovers():
 
     ``no_leftovers`` wraps every test in it; a module-scoped fixture that launches ranks for
     several tests at once wraps its launch in it too, since it runs before any test's check
-    begins (``from conftest import checked_for_leftovers``)."""
+    begins: it asks for the `leftovers_check` fixture (``from conftest import`` would find
+    another directory's conftest module when the whole tree is collected)."""
     kids_before = set(_children())
     shm_before = shm_segments()
     yield
@@ -107,3 +108,9 @@ def checked_for_leftovers():
                         f"{[owner(s) for s in sorted(new_shm)[:8]]}")
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def leftovers_check():
+    """`checked_for_leftovers`, for module-scoped fixtures that launch ranks for several tests."""
+    return checked_for_leftovers

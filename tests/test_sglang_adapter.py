@@ -520,11 +520,10 @@ REFUSED_DEADLINE = 120
 
 
 @pytest.fixture(scope="module")
-def refused():
-    from conftest import checked_for_leftovers
+def refused(leftovers_check):
     from fsdp_sync.cli.launch import run_ranks, spawn_env
 
-    with checked_for_leftovers():
+    with leftovers_check():
         out = run_ranks(_refused_ranks, 2, ("begin", "unopened"), timeout_s=REFUSED_DEADLINE,
                         pg_timeout_s=20, env=spawn_env())
     return {refuse: [r[refuse] for r in out] for refuse in ("begin", "unopened")}
