@@ -15,7 +15,10 @@ checkpoint (wrapper prefixes ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_mo
 ``_orig_mod.`` and a leading ``module.`` stripped, see `hf_name`), each tensor once: a tied weight
 (``lm_head.weight`` tied to ``model.embed_tokens.weight``) is exported under its first name only, as
 ``save_pretrained`` does. Buffers that are not weights (rotary ``inv_freq``: `NON_WEIGHT_BUFFERS`)
-are left out. With ``dtype`` set, floating-point tensors are cast to it; the cast is done on the
+are left out. MoE experts leave under their Hub names too: transformers 5's fused
+``experts.gate_up_proj`` / ``experts.down_proj`` are cut into one item per expert and projection
+(`experts.hub_parts`), each a contiguous range of the fused tensor's shards, so no rank ever holds
+a fused tensor whole: a stream holds at most one expert's slice (or one bucket) beyond the shards. With ``dtype`` set, floating-point tensors are cast to it; the cast is done on the
 local shard before any gather (fewer bytes on the wire, the same bits as casting the full tensor).
 Non-float buffers keep their dtype; a non-float *parameter* asked to be cast is an error.
 
@@ -80,6 +83,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import bucket as _bucket
+from . import experts as _experts
 from . import handles as _handles
 from .gather import Pieces, Scratch, fill_bucket, fill_shared, materialize, shared_group
 from .hostbuf import HostShared
@@ -312,7 +316,46 @@ def _fsdp1_layout(module: nn.Module, units: list) -> list[_Item]:
 def _layout(module: nn.Module) -> list[_Item]:
     units = _fsdp1_units(module)
     _check_root(module, units)
-    return _fsdp1_layout(module, units) if units else _state_dict_items(module)
+    return _hub_items(_fsdp1_layout(module, units) if units else _state_dict_items(module),
+                      _experts.model_type_of(module))
+
+
+def _sub_pieces(p: Pieces, off: int, n: int) -> Pieces:
+    """Elements ``[off, off + n)`` of a tensor held as `Pieces`: on each rank the part of its
+    piece inside the range (contiguous, possibly empty)."""
+    starts = [sum(p.counts[:r]) for r in range(len(p.counts))]
+    counts = tuple(max(0, min(off + n, a + c) - max(off, a)) for a, c in zip(starts, p.counts))
+    lo = max(off, starts[p.rank]) - starts[p.rank]
+    local = p.local.reshape(-1)
+    return Pieces(local[lo:lo + counts[p.rank]] if counts[p.rank] else local[:0], counts, p.group, p.rank)
+
+
+def _hub_items(items: list[_Item], model_type: str | None) -> list[_Item]:
+    """transformers 5's fused expert tensors cut into per-expert items under their Hub names
+    (`experts.hub_parts`): each a contiguous range of the fused tensor, so its data is a slice of
+    a piece (sharded), a view (whole) or a range of an FSDP1 flat parameter (layout only)."""
+    out: list[_Item] = []
+    for it in items:
+        parts = _experts.hub_parts(it.name, it.shape, model_type)
+        if parts is None:
+            out.append(it)
+            continue
+        if it.dtensor is not None:
+            raise ValueError(f"{it.name!r} (rank {_rank()}): a fused expert tensor held as a DTensor "
+                             f"with placements {tuple(it.dtensor.placements)} cannot be cut expert by "
+                             f"expert without gathering all of it; shard it with fully_shard (Shard(0) "
+                             f"on a 1-D mesh) or FSDP1")
+        flat = it.full.reshape(-1) if it.full is not None else None
+        for name, shape, off in parts:
+            n = math.prod(shape)
+            sub = _Item(name, shape, it.src_dtype, it.is_param, unit=it.unit, offset=it.offset + off)
+            if flat is not None:
+                sub.full = flat[off:off + n].view(shape)
+            elif it.pieces is not None:
+                sub.pieces = _sub_pieces(it.pieces, off, n)
+            out.append(sub)
+        it.drop()
+    return out
 
 
 def param_metas(module: nn.Module, dtype: torch.dtype | None = None) -> list[_bucket.TensorMeta]:
@@ -548,6 +591,7 @@ def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None)
                     pieces = _dim0_pieces(it, meshes)   # also checks the shard against its shape
                     if pieces is not None:
                         it.pieces, it.dtensor = pieces, None
+        items = _hub_items(items, _experts.model_type_of(module))
         for it in items:
             it.out_dtype(dtype)
     except Exception as exc:  # noqa: BLE001 - whatever it is, every peer must hear of it

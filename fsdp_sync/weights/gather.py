@@ -70,6 +70,12 @@ def all_gather(out: torch.Tensor | list, inp: torch.Tensor | list, group: Any) -
             fn(o, i, group=group)
 
 
+def _single_owner(p: Pieces) -> int | None:
+    """The one group rank holding every element, when pieces are that uneven (else None)."""
+    held = [r for r, c in enumerate(p.counts) if c]
+    return held[0] if len(held) == 1 and len(p.counts) > 1 else None
+
+
 def gather_pieces(p: Pieces, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """One tensor from its pieces: cast locally, then one all-gather."""
     world = len(p.counts)
@@ -79,6 +85,13 @@ def gather_pieces(p: Pieces, shape: tuple[int, ...], dtype: torch.dtype) -> torc
         local = local.to(dtype)
     if numel == 0:
         return torch.empty(shape, dtype=dtype, device=local.device)
+    owner = _single_owner(p)
+    if owner is not None:      # one rank holds it all (an expert of a fused tensor): a broadcast
+        out = torch.empty(numel, dtype=dtype, device=local.device)
+        if p.rank == owner:
+            out.copy_(local)
+        dist.broadcast(out, group=p.group, group_src=owner)
+        return out.view(shape)
     most = max(p.counts)
     if all(c == most for c in p.counts):
         out = torch.empty(numel, dtype=dtype, device=local.device)
@@ -145,6 +158,9 @@ def gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
     if dst is not None:
         _gather_to(dst, group, pairs, flat)
         return
+    pairs = _broadcast_owned(group, pairs, flat)
+    if not pairs:
+        return
     if all(even(p) for _, p in pairs):
         outs, ins = [], []
         for entry, p in pairs:
@@ -187,6 +203,30 @@ def gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
             if b:
                 flat[pos:pos + b].copy_(rows[r, slot:slot + b])
             pos += b
+
+
+def _broadcast_owned(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
+                     flat: torch.Tensor) -> list[tuple[_bucket.BucketEntry, Pieces]]:
+    """Entries one rank holds whole (the experts of a fused tensor, cut expert by expert): each run
+    of adjacent such entries of one owner is written (cast) by the owner into its place in
+    ``flat`` and broadcast from there, one broadcast per run and no buffer of ours (an all-gather
+    would cost world x the bucket for them). The padding inside a run is zero on the owner (the
+    caller zeroed the gaps). Returns the other pairs."""
+    rest, runs = [], []   # runs: [owner, start, end]
+    for entry, p in pairs:
+        owner = _single_owner(p)
+        if owner is None:
+            rest.append((entry, p))
+            continue
+        if owner == p.rank:   # copy_ casts: the owner's shard is cast on its way in
+            flat[entry.start:entry.end].view(entry.dtype).copy_(p.local.reshape(-1))
+        if runs and runs[-1][0] == owner and _align(runs[-1][2]) == entry.start:
+            runs[-1][2] = entry.end
+        else:
+            runs.append([owner, entry.start, entry.end])
+    for owner, a, b in runs:
+        dist.broadcast(flat[a:b], group=group, group_src=owner)
+    return rest
 
 
 def _gather_to(dst: int, group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
@@ -244,8 +284,8 @@ def fill_bucket(bkt: _bucket.Bucket, items: list, flat: torch.Tensor, scratch: S
 # --------------------------------------------------------------------------- one host, no gather
 
 def shared_group(items: list) -> Any:
-    """The items' one gather group if `fill_shared` applies to them (every item an evenly sharded
-    or replicated CPU tensor of that one group), else None (same answer on
+    """The items' one gather group if `fill_shared` applies to them (every item a sharded or
+    replicated CPU tensor of that one group), else None (same answer on
     every rank: the items and their piece counts are the same everywhere)."""
     groups = {id(it.pieces.group): it.pieces.group for it in items if it.pieces is not None}
     if len(groups) != 1:
@@ -258,15 +298,15 @@ def shared_group(items: list) -> Any:
             if it.full.device.type != "cpu":
                 return None
             continue
-        if p.local.device.type != "cpu" or any(c != p.counts[0] for c in p.counts):
+        if p.local.device.type != "cpu":
             return None
     return next(iter(groups.values()))
 
 
 def fill_shared(host: HostShared, bkt: _bucket.Bucket, items: list) -> torch.Tensor:
     """Bucket ``bkt`` in ``host``'s one buffer (a view valid until the next bucket): each rank
-    writes only its own pieces of each tensor (for even dim-0 shards: bytes
-    ``[start + r * piece, start + (r + 1) * piece)``), group rank 0 the replicated tensors and the
+    writes only its own pieces of each tensor (bytes ``[start + before, start + before + piece)``,
+    ``before`` the elements of the ranks before it), group rank 0 the replicated tensors and the
     padding, so a bucket costs every rank one copy of its shard instead of an all-gather."""
     flat = host.bufs[0][:bkt.nbytes]
     me = host.me
@@ -284,7 +324,7 @@ def fill_shared(host: HostShared, bkt: _bucket.Bucket, items: list) -> torch.Ten
                 continue
             n = p.counts[me] * entry.dtype.itemsize
             if n:                # copy_ casts: the shard is cast on its way in
-                lo = entry.start + me * n
+                lo = entry.start + sum(p.counts[:me]) * entry.dtype.itemsize
                 flat[lo:lo + n].view(entry.dtype).copy_(p.local.reshape(-1))
         if me == 0 and bkt.nbytes > prev:
             flat[prev:bkt.nbytes].zero_()

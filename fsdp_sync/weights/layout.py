@@ -1,10 +1,10 @@
-"""The layout map: where each Hugging Face tensor of a Llama/Qwen2-family decoder lands on each
-tensor-parallel (TP) rank of the rollout engine. The one source of truth for the reference
+"""The layout map: where each Hugging Face tensor of a decoder (Llama, Qwen2, Qwen3; Qwen3-MoE,
+Qwen2-MoE, Mixtral) lands on each tensor-parallel (TP) rank of the rollout engine. The one source of truth for the reference
 engine's sharding, the per-rank buckets (`reshard`) and the SGLang custom weight loader.
 
 `ModelSpec` reads what the layout needs from a ``transformers`` config and refuses what the engine
 cannot run (other activations, rope scaling, sliding-window layers) with a clear error.
-`TPLayout(spec, tp_size)` is a pure function of the two, the same split as SGLang's for these
+`TPLayout(spec, tp_size, ep_size)` is a pure function of them, the same split as SGLang's for these
 models:
 
 - vocab-parallel ``embed_tokens`` and ``lm_head``: the vocab is padded up to a multiple of
@@ -18,7 +18,20 @@ models:
 - replicated RMSNorm weights;
 - GQA: KV heads split across ranks when there are at least as many as TP ranks, otherwise each
   rank holds (a replica of) the one KV head its query heads use, as SGLang does; this needs
-  ``tp % num_key_value_heads == 0``.
+  ``tp % num_key_value_heads == 0``;
+- Qwen3's per-head ``q_norm`` / ``k_norm`` (``[head_dim]``): replicated;
+- MoE layers (SGLang's ``FusedMoE``): the router ``gate`` replicated; the routed experts, named in
+  the Hub checkpoint one by one (``experts.{e}.gate_proj/up_proj/down_proj``, Mixtral's
+  ``block_sparse_moe.experts.{e}.w1/w3/w2``), land in two fused parameters per layer,
+  ``experts.w13_weight`` ``[E_local, 2 * I_local, H]`` (gate rows, then up rows) and
+  ``experts.w2_weight`` ``[E_local, H, I_local]``: with ``ep_size`` 1 every rank holds every expert
+  and slice ``r`` of its intermediate dim; with expert parallelism each group of ``tp / ep_size``
+  ranks holds ``E / ep_size`` whole experts, sliced over that group. Qwen2-MoE's shared expert is a
+  TP-split gated MLP (``shared_expert.gate_up_proj`` / ``down_proj``) with a replicated
+  ``shared_expert_gate``.
+
+Which layers are MoE, the expert sizes and the routing come from the config (`ModelSpec`); what a
+family needs and this map does not know is refused by `ModelSpec.from_config` by name.
 
 A `Placement` says where a piece of a full HF tensor lives in a rank's own parameter
 (``engine_param[dst] = full[src]``), with ``src`` a block of rows or of columns. Loading,
@@ -41,11 +54,17 @@ import torch
 VOCAB_PADDING = 64
 """The vocab is padded to a multiple of this before the TP split (SGLang's default padding)."""
 
-__all__ = ["VOCAB_PADDING", "ModelSpec", "TPLayout", "Placement", "shard_state_dict", "layout_for", "block_of",
-           "rank_digest"]
+__all__ = ["VOCAB_PADDING", "FAMILIES", "ModelSpec", "TPLayout", "Placement", "shard_state_dict", "layout_for",
+           "block_of", "view2d", "rank_digest"]
 
 
 # --------------------------------------------------------------------------- the model's shape
+
+_DENSE = ("llama", "qwen2", "qwen3")
+_MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = _DENSE + _MOE
+"""The ``model_type`` values the layout map (and the reference engine) know."""
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -65,13 +84,30 @@ class ModelSpec:
     mlp_bias: bool
     max_position_embeddings: int
     initializer_range: float = 0.02
+    qk_norm: bool = False                 # Qwen3: per-head RMSNorm of q and k before rope
+    num_experts: int = 0                  # routed experts per MoE layer (0: a dense model)
+    top_k: int = 0                        # experts per token
+    moe_intermediate_size: int = 0        # each routed expert's intermediate size
+    norm_topk_prob: bool = False          # renormalize the top-k routing weights
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE's shared expert (0: none)
+    moe_layers: tuple[int, ...] = ()      # the layers whose MLP is the sparse MoE block
+
+    @property
+    def moe_prefix(self) -> str:
+        """The MoE block's module name in a layer (Hub checkpoint and SGLang alike)."""
+        return "block_sparse_moe" if self.model_type == "mixtral" else "mlp"
+
+    @property
+    def expert_names(self) -> tuple[str, str, str]:
+        """(gate, up, down) projection names of one expert in the Hub checkpoint."""
+        return ("w1", "w3", "w2") if self.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ModelSpec":
         mt = getattr(cfg, "model_type", None)
-        if mt not in ("qwen2", "llama"):
-            raise ValueError(f"the reference engine runs Llama/Qwen2-family decoders "
-                             f"(model_type 'llama' or 'qwen2'), got model_type {mt!r}")
+        if mt not in FAMILIES:
+            raise ValueError(f"the layout map knows model_type {', '.join(map(repr, FAMILIES))} "
+                             f"(Llama, Qwen2, Qwen3 dense; Qwen3-MoE, Qwen2-MoE, Mixtral), got model_type {mt!r}")
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"expected hidden_act 'silu', got {act!r}")
@@ -85,6 +121,9 @@ class ModelSpec:
         layer_types = getattr(cfg, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types) or getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"sliding-window attention is not supported (layer_types {layer_types})")
+        if mt in ("qwen3_moe", "mixtral") and getattr(cfg, "sliding_window", None) is not None:
+            raise ValueError(f"sliding-window attention is not supported ({mt} sliding_window "
+                             f"{cfg.sliding_window}; set it to null for full attention)")
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -92,10 +131,17 @@ class ModelSpec:
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
                              f"num_key_value_heads ({kv})")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        if mt == "qwen2":   # Qwen2: q/k/v always carry biases, o_proj never, the MLP never
+        if mt in ("qwen2", "qwen2_moe"):   # q/k/v always carry biases, o_proj never, the MLP never
             qkv_bias, o_bias, mlp_bias = True, False, False
-        else:
+        elif mt == "mixtral":
+            qkv_bias = o_bias = mlp_bias = False
+        elif mt == "llama":
             qkv_bias, o_bias, mlp_bias = attention_bias, attention_bias, bool(getattr(cfg, "mlp_bias", False))
+        else:                              # qwen3, qwen3_moe: attention_bias on q/k/v and o
+            qkv_bias, o_bias, mlp_bias = attention_bias, attention_bias, False
+        moe: dict[str, Any] = {}
+        if mt in _MOE:
+            moe = cls._moe_fields(cfg, mt)
         return cls(model_type=mt, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                    intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
                    num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
@@ -103,7 +149,29 @@ class ModelSpec:
                    tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
                    qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
                    max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
-                   initializer_range=float(getattr(cfg, "initializer_range", 0.02)))
+                   initializer_range=float(getattr(cfg, "initializer_range", 0.02)),
+                   qk_norm=mt in ("qwen3", "qwen3_moe"), **moe)
+
+    @staticmethod
+    def _moe_fields(cfg: Any, mt: str) -> dict[str, Any]:
+        layers = cfg.num_hidden_layers
+        if mt == "mixtral":
+            experts, inter, norm = cfg.num_local_experts, cfg.intermediate_size, True
+            moe_layers, shared = tuple(range(layers)), 0
+        else:
+            experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+            norm = bool(getattr(cfg, "norm_topk_prob", False))
+            step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+            dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+            moe_layers = tuple(i for i in range(layers)
+                               if i not in dense and experts > 0 and (i + 1) % step == 0)
+            shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0
+        top_k = int(cfg.num_experts_per_tok)
+        if experts < 1 or not 1 <= top_k <= experts:
+            raise ValueError(f"{mt}: expected num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, "
+                             f"got {experts} experts, num_experts_per_tok {top_k}")
+        return dict(num_experts=int(experts), top_k=top_k, moe_intermediate_size=int(inter),
+                    norm_topk_prob=norm, shared_expert_intermediate_size=shared, moe_layers=moe_layers)
 
 
 # --------------------------------------------------------------------------- the sharding plan
@@ -111,10 +179,14 @@ class ModelSpec:
 @dataclass(frozen=True)
 class Placement:
     """``engine_param[dst] = full_hf_tensor[src]`` on one rank. ``owner``: the first rank holding
-    this piece of the full tensor (replicas are skipped when gathering)."""
+    this piece of the full tensor (replicas are skipped when gathering).
+
+    ``src`` is a block of rows or columns of a 1-D or 2-D HF tensor. ``dst`` indexes the engine
+    parameter: a block of rows/columns of a 1-D/2-D one, or ``(expert, rows)`` /
+    ``(expert, all rows, cols)`` of a fused 3-D expert parameter (``w13_weight``/``w2_weight``)."""
 
     engine: str
-    dst: tuple[slice, ...]
+    dst: tuple[Any, ...]
     src: tuple[slice, ...]
     owner: bool = True
 
@@ -131,16 +203,23 @@ _ALL = (slice(None),)
 
 
 class TPLayout:
-    """Which piece of which Hugging Face tensor each TP rank holds, and under which own name."""
+    """Which piece of which Hugging Face tensor each TP rank holds, and under which own name.
 
-    def __init__(self, spec: ModelSpec, tp_size: int):
+    ``ep_size`` (MoE only): expert parallelism inside the TP group, as SGLang's ``--ep-size``: the
+    experts are split into ``ep_size`` groups of ``E / ep_size`` whole experts, and each group's
+    experts are tensor-parallel over ``tp / ep_size`` ranks (``moe_tp``). TP rank r serves expert
+    group ``r // moe_tp`` and slice ``r % moe_tp`` of each of those experts' intermediate dim.
+    Attention, embeddings, the router and the shared expert stay tensor-parallel over all ``tp``."""
+
+    def __init__(self, spec: ModelSpec, tp_size: int, ep_size: int = 1):
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         s = spec
         self.spec, self.tp = s, tp_size
         if s.num_heads % tp_size:
             raise ValueError(f"num_attention_heads ({s.num_heads}) must be divisible by tp_size ({tp_size})")
-        if s.intermediate_size % tp_size:
+        dense_layers = [i for i in range(s.num_layers) if i not in s.moe_layers]
+        if dense_layers and s.intermediate_size % tp_size:
             raise ValueError(f"intermediate_size ({s.intermediate_size}) must be divisible by "
                              f"tp_size ({tp_size})")
         if s.num_kv_heads >= tp_size:
@@ -153,37 +232,93 @@ class TPLayout:
                 raise ValueError(f"with fewer KV heads ({s.num_kv_heads}) than TP ranks ({tp_size}), "
                                  f"tp_size must be a multiple of num_key_value_heads to replicate them")
             self.kv_local, self.kv_replicas = 1, tp_size // s.num_kv_heads
+        if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+            raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
+        if ep_size > 1 and not s.num_experts:
+            raise ValueError(f"ep_size {ep_size} needs an MoE model; {s.model_type} has no experts")
+        if tp_size % ep_size:
+            raise ValueError(f"ep_size ({ep_size}) must divide tp_size ({tp_size}) (SGLang's rule)")
+        self.ep = ep_size
+        self.moe_tp = tp_size // ep_size
+        if s.num_experts:
+            if s.num_experts % ep_size:
+                raise ValueError(f"num_experts ({s.num_experts}) must be divisible by ep_size ({ep_size})")
+            if s.moe_intermediate_size % self.moe_tp:
+                raise ValueError(f"moe_intermediate_size ({s.moe_intermediate_size}) must be divisible by "
+                                 f"tp_size / ep_size ({self.moe_tp})")
+            if s.shared_expert_intermediate_size % tp_size:
+                raise ValueError(f"shared_expert_intermediate_size ({s.shared_expert_intermediate_size}) "
+                                 f"must be divisible by tp_size ({tp_size})")
+        self.experts_local = s.num_experts // ep_size
+        self.moe_inter_local = s.moe_intermediate_size // self.moe_tp if s.num_experts else 0
+        self.shared_local = s.shared_expert_intermediate_size // tp_size
         self.q_local = s.num_heads // tp_size
         self.inter_local = s.intermediate_size // tp_size
         # SGLang's VocabParallelEmbedding/ParallelLMHead: pad to 64, then an even split
         self.vocab_shard = math.ceil(math.ceil(s.vocab_size / VOCAB_PADDING) * VOCAB_PADDING / tp_size)
+        self._kinds: dict[str, tuple] = {}
         self.hf_shapes: dict[str, tuple[int, ...]] = self._hf_shapes()
 
     # ----------------------------------------------------------------- names and shapes
+    def _add(self, out: dict, name: str, shape: tuple[int, ...], kind: str, engine: str = "", *extra: Any) -> None:
+        out[name] = shape
+        self._kinds[name] = (kind, engine or name, *extra)
+
     def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF (Hub checkpoint) names and full shapes, each with how it is split (``_kinds``)."""
         s, d = self.spec, self.spec.head_dim
         H, I = s.hidden_size, s.intermediate_size
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, H)}
+        out: dict[str, tuple[int, ...]] = {}
+        self._add(out, "model.embed_tokens.weight", (s.vocab_size, H), "vocab")
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
+            a = p + "self_attn."
             for proj, rows in (("q_proj", s.num_heads * d), ("k_proj", s.num_kv_heads * d),
                                ("v_proj", s.num_kv_heads * d)):
-                out[p + f"self_attn.{proj}.weight"] = (rows, H)
+                self._add(out, f"{a}{proj}.weight", (rows, H), proj[0], f"{a}qkv_proj.weight")
                 if s.qkv_bias:
-                    out[p + f"self_attn.{proj}.bias"] = (rows,)
-            out[p + "self_attn.o_proj.weight"] = (H, s.num_heads * d)
+                    self._add(out, f"{a}{proj}.bias", (rows,), proj[0], f"{a}qkv_proj.bias")
+            self._add(out, a + "o_proj.weight", (H, s.num_heads * d), "row", "", self.q_local * d)
             if s.o_bias:
-                out[p + "self_attn.o_proj.bias"] = (H,)
-            for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-                out[p + f"mlp.{proj}.weight"] = shape
-                if s.mlp_bias:
-                    out[p + f"mlp.{proj}.bias"] = (shape[0],)
-            out[p + "input_layernorm.weight"] = (H,)
-            out[p + "post_attention_layernorm.weight"] = (H,)
-        out["model.norm.weight"] = (H,)
+                self._add(out, a + "o_proj.bias", (H,), "replicated")
+            if s.qk_norm:
+                self._add(out, a + "q_norm.weight", (d,), "replicated")
+                self._add(out, a + "k_norm.weight", (d,), "replicated")
+            if i in s.moe_layers:
+                self._moe_shapes(out, p)
+            else:
+                self._mlp_shapes(out, p + "mlp.", I, self.inter_local, s.mlp_bias)
+            self._add(out, p + "input_layernorm.weight", (H,), "replicated")
+            self._add(out, p + "post_attention_layernorm.weight", (H,), "replicated")
+        self._add(out, "model.norm.weight", (H,), "replicated")
         if not s.tie_word_embeddings:
-            out["lm_head.weight"] = (s.vocab_size, H)
+            self._add(out, "lm_head.weight", (s.vocab_size, H), "vocab")
         return out
+
+    def _mlp_shapes(self, out: dict, m: str, inter: int, local: int, bias: bool) -> None:
+        """A gated MLP under TP: gate/up column-parallel into ``gate_up_proj``, down row-parallel."""
+        H = self.spec.hidden_size
+        for proj, shape, half in (("gate_proj", (inter, H), 0), ("up_proj", (inter, H), 1)):
+            self._add(out, f"{m}{proj}.weight", shape, "gu", f"{m}gate_up_proj.weight", half, local)
+            if bias:
+                self._add(out, f"{m}{proj}.bias", (inter,), "gu", f"{m}gate_up_proj.bias", half, local)
+        self._add(out, f"{m}down_proj.weight", (H, inter), "row", "", local)
+        if bias:
+            self._add(out, f"{m}down_proj.bias", (H,), "replicated")
+
+    def _moe_shapes(self, out: dict, p: str) -> None:
+        s, H, Im = self.spec, self.spec.hidden_size, self.spec.moe_intermediate_size
+        m = f"{p}{s.moe_prefix}."
+        g, u, dn = s.expert_names
+        self._add(out, m + "gate.weight", (s.num_experts, H), "replicated")
+        for e in range(s.num_experts):
+            x = f"{m}experts.{e}."
+            self._add(out, f"{x}{g}.weight", (Im, H), "expert", m + "experts.w13_weight", e, 0)
+            self._add(out, f"{x}{u}.weight", (Im, H), "expert", m + "experts.w13_weight", e, 1)
+            self._add(out, f"{x}{dn}.weight", (H, Im), "expert", m + "experts.w2_weight", e, 2)
+        if s.shared_expert_intermediate_size:
+            self._mlp_shapes(out, m + "shared_expert.", s.shared_expert_intermediate_size, self.shared_local, False)
+            self._add(out, m + "shared_expert_gate.weight", (1, H), "replicated")
 
     def hf_names(self) -> list[str]:
         """Hugging Face parameter names in ``named_parameters()`` order (tied lm_head excluded)."""
@@ -199,7 +334,11 @@ class TPLayout:
         return self.hf_shapes[name]
 
     def engine_shapes(self) -> dict[str, tuple[int, ...]]:
-        """This layout's own parameter names and per-rank shapes (the same on every rank)."""
+        """This layout's own parameter names and per-rank shapes (the same on every rank), in the
+        engine's order."""
+        cache = self.__dict__.get("_engine_shapes")
+        if cache is not None:
+            return dict(cache)
         s, d = self.spec, self.spec.head_dim
         H = s.hidden_size
         qkv_rows = (self.q_local + 2 * self.kv_local) * d
@@ -210,10 +349,24 @@ class TPLayout:
             out[p + "self_attn.qkv_proj.weight"] = (qkv_rows, H)
             if s.qkv_bias:
                 out[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
+            if s.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = (d,)
+                out[p + "self_attn.k_norm.weight"] = (d,)
             out[p + "self_attn.o_proj.weight"] = (H, self.q_local * d)
             if s.o_bias:
                 out[p + "self_attn.o_proj.bias"] = (H,)
             out[p + "post_attention_layernorm.weight"] = (H,)
+            if i in s.moe_layers:
+                m = f"{p}{s.moe_prefix}."
+                il, el = self.moe_inter_local, self.experts_local
+                out[m + "gate.weight"] = (s.num_experts, H)
+                out[m + "experts.w13_weight"] = (el, 2 * il, H)
+                out[m + "experts.w2_weight"] = (el, H, il)
+                if s.shared_expert_intermediate_size:
+                    out[m + "shared_expert.gate_up_proj.weight"] = (2 * self.shared_local, H)
+                    out[m + "shared_expert.down_proj.weight"] = (H, self.shared_local)
+                    out[m + "shared_expert_gate.weight"] = (1, H)
+                continue
             out[p + "mlp.gate_up_proj.weight"] = (2 * self.inter_local, H)
             if s.mlp_bias:
                 out[p + "mlp.gate_up_proj.bias"] = (2 * self.inter_local,)
@@ -223,19 +376,17 @@ class TPLayout:
         out["model.norm.weight"] = (H,)
         if not s.tie_word_embeddings:
             out["lm_head.weight"] = (self.vocab_shard, H)
-        return out
+        self.__dict__["_engine_shapes"] = out
+        return dict(out)
 
-    def engine_covers(self, engine_name: str) -> list[str]:
-        """HF names an engine parameter is built from (a whole engine param counts as all of them)."""
-        if engine_name.endswith("qkv_proj.weight") or engine_name.endswith("qkv_proj.bias"):
-            base, kind = engine_name.rsplit(".", 1)
-            base = base.removesuffix("qkv_proj")
-            return [f"{base}{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj")]
-        if ".gate_up_proj." in engine_name:
-            base, kind = engine_name.rsplit(".", 1)
-            base = base.removesuffix("gate_up_proj")
-            return [f"{base}{p}.{kind}" for p in ("gate_proj", "up_proj")]
-        return [engine_name]
+    def engine_covers(self, engine_name: str, rank: int = 0) -> list[str]:
+        """HF names an engine parameter on ``rank`` is built from (a whole engine param counts as
+        all of them)."""
+        return [hf for hf, _ in self.sources(rank).get(engine_name, [])] or [engine_name]
+
+    def rank_names(self, rank: int) -> set[str]:
+        """The HF names ``rank`` holds a piece of (every name but the experts of other EP ranks)."""
+        return {n for n in self.hf_names() if self.placements(n, rank)}
 
     # ----------------------------------------------------------------- placements
     def kv_heads_of(self, rank: int) -> int:
@@ -244,54 +395,50 @@ class TPLayout:
             return rank * self.kv_local
         return rank // self.kv_replicas
 
+    def expert_range(self, rank: int) -> range:
+        """The (global) experts whose slices ``rank`` holds."""
+        g = rank // self.moe_tp
+        return range(g * self.experts_local, (g + 1) * self.experts_local)
+
     def placements(self, name: str, rank: int) -> list[Placement]:
         """Where HF tensor ``name`` goes on ``rank`` (empty for a tied lm_head or a rank that holds
         no part of it)."""
         s, d = self.spec, self.spec.head_dim
-        if name not in self.hf_shapes:
+        kind = self._kinds.get(name)
+        if kind is None:
             if self.accepts(name):
                 return []
             raise KeyError(name)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        what, engine = kind[0], kind[1]
+        if what == "vocab":
             v0 = rank * self.vocab_shard
             n = max(0, min(s.vocab_size, v0 + self.vocab_shard) - v0)
             return [Placement(name, _rows(0, n), _rows(v0, v0 + n))] if n else []
-        if not name.startswith("model.layers."):
-            return [Placement(name, _ALL, _ALL, owner=rank == 0)]
-        if ".self_attn." in name:
-            prefix, rest = name.split(".self_attn.", 1)
-        elif ".mlp." in name:
-            prefix, rest = name.split(".mlp.", 1)
-        else:   # layer norms
-            return [Placement(name, _ALL, _ALL, owner=rank == 0)]
-        proj, kind = rest.rsplit(".", 1)
-        if ".self_attn." in name:
-            qkv = f"{prefix}.self_attn.qkv_proj.{kind}"
-            ql, kl = self.q_local * d, self.kv_local * d
-            if proj == "q_proj":
-                return [Placement(qkv, _rows(0, ql), _rows(rank * ql, (rank + 1) * ql))]
-            if proj in ("k_proj", "v_proj"):
-                h0 = self.kv_heads_of(rank)
-                off = ql if proj == "k_proj" else ql + kl
-                owner = self.kv_replicas == 1 or rank % self.kv_replicas == 0
-                return [Placement(qkv, _rows(off, off + kl), _rows(h0 * d, h0 * d + kl), owner=owner)]
-            if proj == "o_proj":
-                if kind == "bias":
-                    return [Placement(name, _ALL, _ALL, owner=rank == 0)]
-                ql = self.q_local * d
-                return [Placement(name, _cols(0, ql), _cols(rank * ql, (rank + 1) * ql))]
-        else:
-            il = self.inter_local
-            gu = f"{prefix}.mlp.gate_up_proj.{kind}"
-            if proj == "gate_proj":
-                return [Placement(gu, _rows(0, il), _rows(rank * il, (rank + 1) * il))]
-            if proj == "up_proj":
-                return [Placement(gu, _rows(il, 2 * il), _rows(rank * il, (rank + 1) * il))]
-            if proj == "down_proj":
-                if kind == "bias":
-                    return [Placement(name, _ALL, _ALL, owner=rank == 0)]
-                return [Placement(name, _cols(0, il), _cols(rank * il, (rank + 1) * il))]
-        raise KeyError(name)
+        if what == "replicated":
+            return [Placement(engine, _ALL, _ALL, owner=rank == 0)]
+        ql, kl = self.q_local * d, self.kv_local * d
+        if what == "q":
+            return [Placement(engine, _rows(0, ql), _rows(rank * ql, (rank + 1) * ql))]
+        if what in ("k", "v"):
+            h0 = self.kv_heads_of(rank)
+            off = ql if what == "k" else ql + kl
+            owner = self.kv_replicas == 1 or rank % self.kv_replicas == 0
+            return [Placement(engine, _rows(off, off + kl), _rows(h0 * d, h0 * d + kl), owner=owner)]
+        if what == "row":
+            w = kind[2]
+            return [Placement(engine, _cols(0, w), _cols(rank * w, (rank + 1) * w))]
+        if what == "gu":
+            half, il = kind[2], kind[3]
+            return [Placement(engine, _rows(half * il, (half + 1) * il), _rows(rank * il, (rank + 1) * il))]
+        if what == "expert":
+            e, part = kind[2], kind[3]
+            if e not in self.expert_range(rank):
+                return []
+            le, il, t = e - self.expert_range(rank).start, self.moe_inter_local, rank % self.moe_tp
+            if part == 2:
+                return [Placement(engine, (le, slice(None), slice(0, il)), _cols(t * il, (t + 1) * il))]
+            return [Placement(engine, (le, slice(part * il, (part + 1) * il)), _rows(t * il, (t + 1) * il))]
+        raise KeyError(name)   # pragma: no cover - every kind is handled above
 
 
     # ----------------------------------------------------------------- reverse map
@@ -339,17 +486,35 @@ def shard_state_dict(named: Any, layout: TPLayout, rank: int) -> dict[str, torch
     return out
 
 
-def layout_for(config: Any, tp_size: int) -> TPLayout:
-    """The layout map of a ``transformers`` config (or a `ModelSpec`) at ``tp_size``."""
+def layout_for(config: Any, tp_size: int, ep_size: int = 1) -> TPLayout:
+    """The layout map of a ``transformers`` config (or a `ModelSpec`) at ``tp_size`` (and, for an
+    MoE model, ``ep_size``)."""
     spec = config if isinstance(config, ModelSpec) else ModelSpec.from_config(config)
-    return TPLayout(spec, tp_size)
+    return TPLayout(spec, tp_size, ep_size)
 
 
-def block_of(sl: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """A placement's slices as a block ``rows [r0, r1) x cols [c0, c1)`` of the tensor viewed as
-    2-D (a 1-D tensor of n elements is ``n x 1``)."""
-    rows = shape[0] if shape else 1
-    cols = math.prod(shape[1:]) if len(shape) > 1 else 1
+def view2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D view blocks are cut in: ``[n, 1]`` for 1-D, ``[prod(shape[:-1]), shape[-1]]``
+    otherwise (a 2-D tensor as it is, a fused ``[experts, rows, cols]`` one as stacked rows)."""
+    if not shape:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def block_of(sl: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """A placement's index as a block ``rows [r0, r1) x cols [c0, c1)`` of the tensor's `view2d`
+    (a 1-D tensor of n elements is ``n x 1``; a 3-D expert parameter is indexed ``(expert,
+    rows[, cols])`` and its block lies in that expert's rows)."""
+    if len(shape) == 3:
+        if not sl or not isinstance(sl[0], int):
+            raise ValueError(f"a 3-D parameter is indexed (expert, rows[, cols]), got {sl}")
+        e, (A, B) = sl[0], shape[1:]
+        r0, r1, _ = (sl[1] if len(sl) > 1 else slice(None)).indices(A)
+        c0, c1, _ = (sl[2] if len(sl) > 2 else slice(None)).indices(B)
+        return e * A + r0, e * A + r1, c0, c1
+    rows, cols = view2d(shape)
     r0, r1, _ = (sl[0].indices(rows) if sl else (0, rows, 1))
     if len(sl) > 1:
         if len(shape) != 2:

@@ -50,7 +50,7 @@ from . import export as _export
 from . import handles as _handles
 from .gather import materialize
 from .hostbuf import HostShared
-from .layout import TPLayout, block_of
+from .layout import TPLayout, block_of, view2d
 from ..topology import agree
 
 __all__ = ["RankBucket", "ReshardStats", "plan_rank_buckets", "iter_rank_buckets", "default_owners",
@@ -168,7 +168,7 @@ class _Block:
 
 
 def _dims(shape: tuple[int, ...]) -> tuple[int, int]:
-    return (shape[0] if shape else 1), (math.prod(shape[1:]) if len(shape) > 1 else 1)
+    return view2d(shape)
 
 
 def _blocks(a: int, b: int, shape: tuple[int, ...], src: tuple[slice, ...],

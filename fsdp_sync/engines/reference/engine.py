@@ -106,6 +106,9 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
             broadcast of ``update_weights_from_distributed``) before it gives up: a sender that
             died mid-broadcast costs this long, then the update is refused and the previous
             weights serve. SGLang's own is 30 minutes, not settable.
+        ep_size: expert parallelism of an MoE model inside the TP group (SGLang's ``--ep-size``:
+            ``tp_size / ep_size`` ranks share each group of ``num_experts / ep_size`` experts);
+            1 (default) splits every expert over all TP ranks. See `weights.layout.TPLayout`.
     """
 
     accepts_tagged_payloads = True
@@ -124,7 +127,7 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
                  *, num_threads: int | None = None, pg_timeout_s: float = 60.0,
                  startup_timeout_s: float = 180.0, call_timeout_s: float | None = 900.0,
                  use_memory_saver: bool = True, transactional_updates: bool = True,
-                 update_recv_timeout_s: float = 60.0):
+                 update_recv_timeout_s: float = 60.0, ep_size: int = 1):
         given = dtype
         try:    # the names SyncConfig takes ("bf16", "bfloat16", ...) as well as torch dtypes
             dtype = parse_dtype(dtype, "dtype") if dtype is not None else None
@@ -161,7 +164,8 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
             kv_cache_tokens = 4096
         self.config = load_config(model_config)
         self.spec = ModelSpec.from_config(self.config)
-        self.layout = TPLayout(self.spec, int(tp_size))     # refuses an impossible split up front
+        self.layout = TPLayout(self.spec, int(tp_size), ep_size)   # refuses an impossible split up front
+        self.ep_size = self.layout.ep
         self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
         self.tp_size = int(tp_size)
         self.device, self.dtype = device, dtype
@@ -180,7 +184,7 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
             "weights_cpu_backup": self.weights_cpu_backup, "seed": int(seed),
             "num_threads": int(num_threads or 1),
             "pg_timeout_s": float(pg_timeout_s), "use_memory_saver": use_memory_saver,
-            "update_recv_timeout_s": float(update_recv_timeout_s),
+            "update_recv_timeout_s": float(update_recv_timeout_s), "ep": self.layout.ep,
         }
         self._update_groups: dict[str, dict] = {}   # weight-update groups the workers joined
         from . import worker as worker_mod
@@ -233,7 +237,8 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("broken" if getattr(self, "_broken", None) else "running")
-        return (f"ReferenceEngine({self.spec.model_type}, tp={self.tp_size}, {self.device}, "
+        return (f"ReferenceEngine({self.spec.model_type}, tp={self.tp_size}"
+                f"{f', ep={self.ep_size}' if self.ep_size > 1 else ''}, {self.device}, "
                 f"{str(self.dtype).removeprefix('torch.')}, {state})")
 
     def dead_reason(self) -> str | None:

@@ -136,7 +136,7 @@ class UpdateStager:
                                            f"of the engine's own (direct-layout) parameter names "
                                            f"(e.g. 'model.layers.0.self_attn.qkv_proj.weight')", name)
         self._check(name, t, self.w.engine_shapes[name])
-        out.append(Write(name, (slice(None),), t, tuple(self.w.layout.engine_covers(name))))
+        out.append(Write(name, (slice(None),), t, tuple(self.w.layout.engine_covers(name, self.w.rank))))
 
     def _open(self, payload: Any) -> Any:
         try:

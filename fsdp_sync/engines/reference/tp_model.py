@@ -1,9 +1,11 @@
-"""One TP rank's shard of a Llama/Qwen2-family decoder, written from scratch (no transformers modules).
+"""One TP rank's shard of a decoder (Llama, Qwen2, Qwen3; Qwen3-MoE, Qwen2-MoE, Mixtral), written
+from scratch (no transformers modules).
 
 Its parameters are laid out by the layout map, `fsdp_sync.weights.layout` (`ModelSpec`, `TPLayout`,
 `Placement`, re-exported here): vocab-parallel embedding and lm_head, fused column-parallel
 ``qkv_proj`` / ``gate_up_proj``, row-parallel ``o_proj`` / ``down_proj`` followed by an all-reduce,
-replicated norms, KV heads replicated when TP exceeds them.
+replicated norms, KV heads replicated when TP exceeds them, Qwen3's per-head q/k norms, and MoE
+layers whose experts are fused per layer (``w13_weight`` / ``w2_weight``, split over TP and EP).
 
 `TPModel` holds one rank's parameters and runs the forward pass with its process group:
 RMSNorm, rotary embeddings and attention follow transformers' numerics (float32 norm statistics,
@@ -143,6 +145,9 @@ class TPModel:
             q = q.view(n, ql, d)
             k = k.view(n, kl, d)
             v = v.view(n, kl, d)
+            if s.qk_norm:   # Qwen3: per-head RMSNorm before rope
+                q = rms_norm(q, P[p + "self_attn.q_norm.weight"], s.rms_norm_eps)
+                k = rms_norm(k, P[p + "self_attn.k_norm.weight"], s.rms_norm_eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attn = torch.empty(n, ql, d, dtype=x.dtype, device=x.device)
@@ -163,17 +168,50 @@ class TPModel:
                 o = o + P[p + "self_attn.o_proj.bias"]
             x = x + o
             h = rms_norm(x, P[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
-            gate, up = F.linear(h, P[p + "mlp.gate_up_proj.weight"],
-                                P.get(p + "mlp.gate_up_proj.bias")).chunk(2, dim=-1)
-            m = F.linear(F.silu(gate) * up, P[p + "mlp.down_proj.weight"])
-            m = self._all_reduce(m)
-            if s.mlp_bias:
-                m = m + P[p + "mlp.down_proj.bias"]
+            if i in s.moe_layers:
+                m = self._all_reduce(self._moe(h, f"{p}{s.moe_prefix}."))
+            else:
+                m = self._all_reduce(self._mlp(h, p + "mlp."))
+                if s.mlp_bias:
+                    m = m + P[p + "mlp.down_proj.bias"]
             x = x + m
         x = rms_norm(x[logits_rows], P["model.norm.weight"], s.rms_norm_eps)
         head = P["model.embed_tokens.weight"] if s.tie_word_embeddings else P["lm_head.weight"]
         logits = self._all_gather_last(F.linear(x, head))
         return logits[:, :s.vocab_size]
+
+    def _mlp(self, h: torch.Tensor, m: str) -> torch.Tensor:
+        """This rank's partial sum of a gated MLP (``m``: its prefix); the caller all-reduces."""
+        P = self.params
+        gate, up = F.linear(h, P[m + "gate_up_proj.weight"], P.get(m + "gate_up_proj.bias")).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, P[m + "down_proj.weight"])
+
+    def _moe(self, h: torch.Tensor, m: str) -> torch.Tensor:
+        """This rank's partial sum of a sparse MoE block: routing as transformers does it (softmax
+        in float32, top-k, renormalized when the config says so, Qwen's weights cast back to the
+        activations' dtype, Mixtral's kept in float32), then the experts this rank holds, each on
+        the tokens routed to it, plus Qwen2-MoE's sigmoid-gated shared expert. The caller
+        all-reduces (one all-reduce for attention-free MoE, experts and shared expert alike)."""
+        s, P = self.spec, self.params
+        logits = F.linear(h, P[m + "gate.weight"])
+        top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), s.top_k, dim=-1)
+        if s.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if s.model_type != "mixtral":
+            top_w = top_w.to(logits.dtype)
+        out = torch.zeros_like(h)
+        w13, w2 = P[m + "experts.w13_weight"], P[m + "experts.w2_weight"]
+        for le, e in enumerate(self.layout.expert_range(self.rank)):
+            tok, pos = torch.where(top_i == e)
+            if tok.numel() == 0:
+                continue
+            gate, up = F.linear(h[tok], w13[le]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[le]) * top_w[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        if s.shared_expert_intermediate_size:
+            shared = self._mlp(h, m + "shared_expert.")
+            out = out + torch.sigmoid(F.linear(h, P[m + "shared_expert_gate.weight"])) * shared
+        return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_cached: int,
                 scale: float) -> torch.Tensor:

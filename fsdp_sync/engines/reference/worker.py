@@ -80,9 +80,9 @@ class Worker:
                                     init_method=init_method, rank=rank, world_size=tp,
                                     timeout=datetime.timedelta(seconds=float(opts["pg_timeout_s"])), **kw)
             self.group = dist.group.WORLD
-        self.layout = TPLayout(opts["spec"], tp)   # a plain dataclass: workers never import transformers
+        self.layout = TPLayout(opts["spec"], tp, int(opts.get("ep", 1)))   # plain dataclasses: workers never import transformers
         self.model = TPModel(self.layout, rank, dtype=self.dtype, device=self.device, group=self.group)
-        self.hf_set = set(self.layout.hf_names())
+        self.hf_set = self.layout.rank_names(rank)   # under EP: only the experts this rank holds
         self.engine_shapes = self.layout.engine_shapes()
         self.gen = torch.Generator().manual_seed(int(opts["seed"]))
         self.decode: Decode | None = None   # the generate call in progress (`gen_step`)
@@ -100,7 +100,7 @@ class Worker:
             raise WorkerError(KIND_STATE, "weights are released; resume_memory_occupation(['weights']) "
                                           "and push weights before serving")
         if not self.updates.valid:
-            missing = [n for n in self.layout.hf_names() if n not in self.updates.coverage]
+            missing = [n for n in self.layout.hf_names() if n in self.hf_set and n not in self.updates.coverage]
             raise WorkerError(KIND_STATE, f"weights were released without a CPU backup and not all pushed "
                                           f"again: {len(missing)} of {len(self.hf_set)} tensors missing "
                                           f"(e.g. {missing[0]!r})")
