@@ -195,7 +195,7 @@ class Refusing:
 
 
 def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts, refuses,
-              make_manager, drop_extra=(), watch=None, after_sync=None) -> list[dict]:
+              make_manager, drop_extra=(), watch=None, after_sync=None, greedy: int = 0) -> list[dict]:
     """One training step and one sync per entry of ``syncs`` (SyncConfig overrides) on ``module``,
     a record per sync; ``engine`` (None on ranks that hold none) is shut down at the end.
 
@@ -207,11 +207,13 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
     ``prompts``), then what ``after_sync(manager, rec)`` adds. A SyncError instead: ``error``,
     ``kept`` (the engine still serves the weights it had; None without an engine) and, with
     ``watch`` (a callable reading state a refused sync must not touch), ``unchanged``.
+    ``greedy``: also ``tokens`` (the engine's greedy tokens, that many per prompt, equal the
+    trainer's own greedy generation; every rank runs the trainer's, a collective under FSDP).
     """
     from fsdp_sync.weights import export
     from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.topology import SyncError
-    from fsdp_sync.cli.trainer import last_logits, synthetic_batch, train_step
+    from fsdp_sync.cli.trainer import greedy_generate, last_logits, synthetic_batch, train_step
 
     out = []
     try:
@@ -226,11 +228,14 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
             try:
                 with manager:
                     ref = last_logits(module, prompts)
+                    want = greedy_generate(module, prompts, greedy) if greedy else None
                     trainer = checksum_named_tensors(export.iter_params(module, dtype=torch.float32))
                     rec["extra"] = {k: v for k, v in manager.stats.extra.items() if k not in drop_extra}
                     if engine is not None:
                         rec["exact"] = engine.weights_checksum() == trainer
                         rec["diff"] = float((engine.forward_logits(prompts).float() - ref).abs().max())
+                        if greedy:
+                            rec["tokens"] = engine.generate(prompts, max_new_tokens=greedy, ignore_eos=True) == want
                         if after_sync is not None:
                             after_sync(manager, rec)
             except SyncError as exc:

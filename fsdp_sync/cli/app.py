@@ -18,7 +18,7 @@ __all__ = ["main", "build_parser", "parse_args"]
 def _add_demo(sub) -> None:
     p = sub.add_parser(
         "demo", help="train a small model on N ranks and sync it into the reference engine each step",
-        description="Train a small Qwen2 (no download) under FSDP on N local ranks; after each step sync "
+        description="Train a small model (Qwen2 by default; Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral recipes too; no download) under FSDP on N local ranks; after each step sync "
                     "the weights into a colocated reference engine with FSDPShardingManager, generate "
                     "greedily, and check the engine's logits and tokens against the trainer's own. "
                     "Prints one row per step; exits non-zero on any mismatch.",
@@ -42,10 +42,14 @@ def _add_demo(sub) -> None:
                         "disk method writes per-rank files), full (full tensors to every rank; the "
                         "disk method writes a portable Hugging Face checkpoint), auto (engine where "
                         "the engine takes it)")
+    p.add_argument("--ep", type=ca.positive_int, default=1,
+                   help="MoE models: the engine's expert-parallel size inside its TP group (SGLang's "
+                        "--ep-size; divides --tp and the number of experts)")
     p.add_argument("--fsdp", type=int, choices=[1, 2], default=2, help="FSDP version of the trainer")
     p.add_argument("--model", type=ca.model_spec, default="tiny",
-                   help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m) or a "
-                        "path to a YAML recipe / HF config.json")
+                   help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m, "
+                        "tiny-qwen3, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, ...) or a path to a "
+                        "YAML recipe / Hugging Face config.json")
     p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda (cuda needs a visible GPU)")
     p.add_argument("--dtype", type=ca.dtype_name, default="float32",
                    help="rollout dtype the weights are cast to")
@@ -66,13 +70,21 @@ def _demo_options(args):
                        bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
                        dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
                        progress=not args.no_progress, method=args.method,
-                       disk_dir=args.disk_dir, layout=args.layout)
+                       disk_dir=args.disk_dir, layout=args.layout, ep=args.ep)
 
 
 def _check_demo(args, given: set[str]) -> None:
     """Cross-flag checks before anything starts (ValueError names the flags)."""
     if args.ranks % args.tp:
         raise ValueError(f"--ranks {args.ranks} must be a multiple of --tp {args.tp} (dp = ranks / tp)")
+    if args.ep > 1:
+        from ..models import load_config
+        from ..weights.layout import layout_for
+
+        try:
+            layout_for(load_config(args.model), args.tp, args.ep)
+        except ValueError as exc:
+            raise ValueError(f"--ep {args.ep}: {exc}") from None
     args.opts = _demo_options(args)
 
 

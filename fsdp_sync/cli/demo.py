@@ -50,6 +50,7 @@ class DemoOptions:
     method: str = "tensor"
     disk_dir: str | None = None     # method="disk": where the versions go (None: a temp dir, removed)
     layout: str = "auto"            # SyncConfig.layout
+    ep: int = 1                     # the engine's expert-parallel size (MoE models)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,9 +88,10 @@ def tolerance(opts: DemoOptions, ref_logits: torch.Tensor) -> float:
 def _rollout_copy(model: torch.nn.Module, ref: torch.nn.Module | None, dtype: torch.dtype) -> None:
     """Load the trainer's current weights, cast to the rollout dtype, into ``ref`` (an unsharded
     model on infer-TP rank 0, None elsewhere). Every rank iterates: the export gathers shards."""
+    from ..weights.experts import hub_views
     from ..weights.export import iter_params
 
-    params = dict(ref.named_parameters()) if ref is not None else {}
+    params = hub_views(ref) if ref is not None else {}
     seen = set()
     with torch.no_grad():
         for name, t in iter_params(model, dtype=dtype):
@@ -154,7 +156,8 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
         ref_model = build_model(cfg, seed=0, dtype=dtype).eval().to(opts.device)
     engine = None
     if holds:
-        engine = ReferenceEngine(model_config=cfg, tp_size=opts.tp, device=opts.device, dtype=dtype)
+        engine = ReferenceEngine(model_config=cfg, tp_size=opts.tp, device=opts.device, dtype=dtype,
+                                 ep_size=opts.ep)
     sync_cfg = SyncConfig(strategy=opts.strategy, bucket_bytes=int(opts.bucket_mb * 2**20), dtype=dtype,
                           multi_stage_wake_up=opts.multi_stage_wake_up, method=opts.method,
                           layout=opts.layout,

@@ -34,6 +34,9 @@ def add_serve_parser(sub) -> None:
                    help="a recipe name, YAML recipe or HF config.json")
     p.add_argument("--tp", type=ca.positive_int, default=1,
                    help="engine tensor-parallel size (must divide the model's heads)")
+    p.add_argument("--ep", type=ca.positive_int, default=1,
+                   help="MoE models: expert-parallel size inside the TP group (SGLang's --ep-size; "
+                        "must divide --tp and the number of experts)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weight and activation dtype")
     p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda")
@@ -113,10 +116,18 @@ def check_serve_args(args, given: set[str]) -> None:
     from ..weights.layout import ModelSpec, TPLayout
 
     try:
-        TPLayout(ModelSpec.from_config(load_config(args.model)), args.tp)
+        spec = ModelSpec.from_config(load_config(args.model))
+    except ValueError as exc:
+        raise ValueError(f"argument --model: {exc}") from None
+    try:
+        TPLayout(spec, args.tp)
     except ValueError as exc:
         raise ValueError(f"argument --tp: model {args.model!r} cannot be split over {args.tp} "
                          f"TP ranks: {exc}") from None
+    try:
+        TPLayout(spec, args.tp, args.ep)
+    except ValueError as exc:
+        raise ValueError(f"argument --ep: {exc}") from None
     if args.port:
         try:
             infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
@@ -144,7 +155,7 @@ def main_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"address can replace the weights", file=sys.stderr, flush=True)
-    engine = ReferenceEngine(args.model, tp_size=args.tp, device=args.device,
+    engine = ReferenceEngine(args.model, tp_size=args.tp, ep_size=args.ep, device=args.device,
                              dtype=parse_dtype(args.dtype) or torch.float32,
                              kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
                              weights_cpu_backup=args.weights_cpu_backup)

@@ -117,21 +117,25 @@ class EngineClosedError(EngineError):
 # --------------------------------------------------------------------------- checksums
 
 def checksum_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over ``(name, dtype, shape, bytes)`` of each tensor, in the order given.
+    """One digest of named tensors, whatever their order: sha256 over the sorted sha256 digests of
+    each tensor's ``(name, dtype, shape, bytes)``. Streams (one tensor's bytes at a time).
 
-    `Engine.weights_checksum` is this over the engine's full tensors in Hugging Face order
-    (``model.named_parameters()`` order; a tied ``lm_head.weight`` counted once, as the embedding).
+    Order-free, because the same weights arrive in different orders: a transformers-5 MoE trainer
+    exports each layer's experts as its fused tensors are laid out (every gate, up, then down),
+    a transformers-4 one and the engine expert by expert. `Engine.weights_checksum` is this over
+    the engine's full tensors (a tied ``lm_head.weight`` counted once, as the embedding).
     """
-    h = hashlib.sha256()
+    parts = []
     for name, t in named:
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.contiguous()
-        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+        h = hashlib.sha256(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
         if t.numel():
             h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
+        parts.append(h.digest())
+    return hashlib.sha256(b"".join(sorted(parts))).hexdigest()
 
 
 # --------------------------------------------------------------------------- the protocol

@@ -80,7 +80,7 @@ from ..weights import bucket as _bucket
 from ..weights import export
 from ..weights import hf_checkpoint as ckpt
 from ..weights import reshard
-from ..weights.layout import layout_for
+from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, agree
 
 __all__ = ["DiskTransport", "disk_floor", "STEP_RE", "NO_RANK_CHECKPOINTS"]
@@ -405,7 +405,7 @@ class DiskTransport:
         tp, why = None, None
         if rank == 0:
             try:
-                tp = self._engine_tp(ctx)
+                tp = self._engine_tp(ctx)   # (tp, ep)
             except Exception as exc:   # noqa: BLE001 - "auto" falls back, "engine" reports it
                 why = str(exc)
         tp, why = self._broadcast((tp, why), group)
@@ -416,7 +416,7 @@ class DiskTransport:
                 if hf_config is None:
                     raise ValueError("the module has no Hugging Face .config to take the engine's "
                                      "layout from")
-                layout = layout_for(hf_config, tp)
+                layout = layout_for(hf_config, *tp)
                 if rank == 0:
                     self._check_engine_models(ctx, layout)
             except Exception as exc:   # noqa: BLE001
@@ -438,7 +438,7 @@ class DiskTransport:
         return layout
 
     @staticmethod
-    def _engine_tp(ctx: Any) -> int:
+    def _engine_tp(ctx: Any) -> tuple[int, int]:
         engines = list(ctx.engines or [])
         if not engines:
             raise ValueError("no engine on trainer rank 0 to take the TP size of the per-rank files from")
@@ -450,7 +450,10 @@ class DiskTransport:
         tps = sorted({int(getattr(e, "tp_size", 0)) for e in engines})
         if len(tps) != 1 or tps[0] < 1:
             raise ValueError(f"the engines' TP sizes {tps} differ: per-rank files are cut for one")
-        return tps[0]
+        eps = sorted({engine_ep_size(e) for e in engines})
+        if len(eps) != 1:
+            raise ValueError(f"the engines' expert-parallel sizes {eps} differ: per-rank files are cut for one")
+        return tps[0], eps[0]
 
     @staticmethod
     def _check_engine_models(ctx: Any, layout: Any) -> None:
@@ -528,7 +531,7 @@ class DiskTransport:
         # the manifest is the index of a per-rank version: written last, after every file is fsynced
         ckpt.write_json(os.path.join(tmp, ckpt.MANIFEST_FILE), {
             "format": ckpt.MANIFEST_FORMAT, "step": int(ctx.step), "hash": algo, "layout": "engine",
-            "tp_size": layout.tp, "model": dataclasses.asdict(layout.spec),
+            "tp_size": layout.tp, "ep_size": layout.ep, "model": dataclasses.asdict(layout.spec),
             "dtype": _ST_CODE[metas[0].dtype], "hf_tensors": len(metas),
             "total_size": sum(m.nbytes for m in metas),
             "ranks": [[ckpt.rank_file_name(i, k) for k in range(parts)] for i in range(layout.tp)],

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from ..weights import export, reshard
 from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
-from ..weights.layout import TPLayout, layout_for
+from ..weights.layout import TPLayout, engine_ep_size, layout_for
 from ..topology import SyncError, agree
 from . import SyncContext, SyncStats
 from ..wire import PER_RANK_BUCKET, destroy_update_group, free_port, new_update_group, per_rank_bucket_plan
@@ -317,7 +317,7 @@ class DistributedTransport:
         hf_config = getattr(ctx.module, "config", None)
         info: list = [None]
         if me == 0:
-            why, tp = None, None
+            why, tp, ep = None, None, 1
             try:
                 tps = [_engine_tp(e) for e in engines]
                 refuse = [i for i, e in enumerate(engines)
@@ -334,9 +334,12 @@ class DistributedTransport:
                            f"one layout")
                 elif hf_config is None:
                     why = "the module has no Hugging Face .config to take the engine's layout from"
+                elif len({engine_ep_size(e) for e in engines}) > 1:
+                    why = (f"the engines have different expert-parallel sizes "
+                           f"{[engine_ep_size(e) for e in engines]}; per-rank buckets are cut for one layout")
                 else:
-                    tp = tps[0]
-                    layout = layout_for(hf_config, tp)
+                    tp, ep = tps[0], engine_ep_size(engines[0])
+                    layout = layout_for(hf_config, tp, ep)
                     for i, e in enumerate(engines):
                         espec = getattr(getattr(e, "layout", None), "spec", None)
                         if espec is not None and espec != layout.spec:
@@ -346,11 +349,11 @@ class DistributedTransport:
                             break
             except Exception as exc:  # noqa: BLE001 - "auto" falls back, "engine" reports it
                 why = f"no engine layout for this model: {type(exc).__name__}: {exc}"
-            info = [(None if why else tp, why)]
+            info = [(None if why else (tp, ep), why)]
         if dist.is_initialized() and dist.get_world_size(ctx.group) > 1:
             dist.broadcast_object_list(info, src=dist.get_global_rank(ctx.group, 0)
                                        if ctx.group is not None else 0, group=ctx.group)
-        tp, why = info[0]
+        split, why = info[0]
         if why is not None:
             if want == "engine":
                 raise SyncError(f"distributed weight sync: layout='engine': {why}; nothing was sent. "
@@ -358,7 +361,7 @@ class DistributedTransport:
             if me == 0:
                 log.info("fsdp_sync: layout='auto' sends full tensors: %s", why)
             return None
-        return layout_for(hf_config, tp)
+        return layout_for(hf_config, *split)
 
     def _send_ranks(self, ctx: SyncContext, engines: list, layout: TPLayout, metas: list,
                     device: torch.device, stats: SyncStats) -> None:

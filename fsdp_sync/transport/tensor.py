@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..weights import export, handles, reshard
 from ..weights.bucket import plan_buckets
-from ..weights.layout import layout_for
+from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, agree, broadcast_from_src, gather_to_src
 from ..wire import flattened_bucket
 from . import SyncContext, SyncStats
@@ -307,18 +307,19 @@ class TensorTransport:
         if want == "full" or cfg.strategy != "flattened":
             return None
         why, layout = None, None
+        # an engine that knows its model (the reference engine) must agree with the trainer's,
+        # or per-rank buckets would be cut for the wrong shapes: full tensors then name the
+        # tensor that differs; its expert-parallel split is the one buckets are cut for
+        espec, ep = (getattr(getattr(self.engine, "layout", None), "spec", None),
+                     engine_ep_size(self.engine)) if topo.is_tp_src else (None, 1)
+        espec, ep = broadcast_from_src((espec, ep), topo)
         try:
             hf_config = getattr(self.module, "config", None)
             if hf_config is None:
                 raise ValueError("the module has no Hugging Face .config to take the engine's layout from")
-            layout = layout_for(hf_config, topo.tp_size)
+            layout = layout_for(hf_config, topo.tp_size, ep)
         except Exception as exc:  # noqa: BLE001 - "auto" falls back, "engine" reports it
             why = f"no engine layout for this model: {type(exc).__name__}: {exc}"
-        # an engine that knows its model (the reference engine) must agree with the trainer's,
-        # or per-rank buckets would be cut for the wrong shapes: full tensors then name the
-        # tensor that differs
-        espec = getattr(getattr(self.engine, "layout", None), "spec", None) if topo.is_tp_src else None
-        espec = broadcast_from_src(espec, topo)
         if why is None and espec is not None and espec != layout.spec:
             diff = {k: (getattr(layout.spec, k), getattr(espec, k)) for k in vars(espec)
                     if getattr(layout.spec, k) != getattr(espec, k)}

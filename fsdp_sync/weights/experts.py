@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["SPLIT_FAMILIES", "hub_parts", "model_type_of"]
+__all__ = ["SPLIT_FAMILIES", "hub_parts", "model_type_of", "hub_views"]
 
 SPLIT_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 """Model types whose transformers-5 fused experts are ``cat([gate, up], dim=1)`` per expert."""
@@ -73,4 +73,22 @@ def hub_parts(name: str, shape: tuple[int, ...], model_type: str | None
     for e in range(E):
         out.append((f"{base}{e}.{gate}.weight", half, e * per))
         out.append((f"{base}{e}.{up}.weight", half, e * per + n))
+    return out
+
+
+def hub_views(module: Any) -> dict[str, Any]:
+    """``{hub_name: tensor}`` of a plain (unsharded) module's parameters under the names the
+    export streams them by: a fused expert parameter appears as one view per expert
+    and projection into its own storage, so copying a Hub-named tensor into the view loads it
+    (the reverse of `hub_parts`, without a copy of the fused tensor)."""
+    mt = model_type_of(module)
+    out: dict[str, Any] = {}
+    for name, t in module.named_parameters():
+        parts = hub_parts(name, tuple(t.shape), mt)
+        if parts is None:
+            out[name] = t
+            continue
+        flat = t.data.view(-1)
+        for hub, shape, off in parts:
+            out[hub] = flat[off:off + math.prod(shape)].view(shape)
     return out

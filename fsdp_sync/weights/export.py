@@ -317,7 +317,7 @@ def _layout(module: nn.Module) -> list[_Item]:
     units = _fsdp1_units(module)
     _check_root(module, units)
     return _hub_items(_fsdp1_layout(module, units) if units else _state_dict_items(module),
-                      _experts.model_type_of(module))
+                      _experts.model_type_of(module), data=False)
 
 
 def _sub_pieces(p: Pieces, off: int, n: int) -> Pieces:
@@ -330,31 +330,33 @@ def _sub_pieces(p: Pieces, off: int, n: int) -> Pieces:
     return Pieces(local[lo:lo + counts[p.rank]] if counts[p.rank] else local[:0], counts, p.group, p.rank)
 
 
-def _hub_items(items: list[_Item], model_type: str | None) -> list[_Item]:
+def _hub_items(items: list[_Item], model_type: str | None, data: bool = True) -> list[_Item]:
     """transformers 5's fused expert tensors cut into per-expert items under their Hub names
     (`experts.hub_parts`): each a contiguous range of the fused tensor, so its data is a slice of
-    a piece (sharded), a view (whole) or a range of an FSDP1 flat parameter (layout only)."""
+    a piece (sharded), a view (whole) or a range of an FSDP1 flat parameter. ``data=False``: names
+    and shapes only (`param_metas`)."""
     out: list[_Item] = []
     for it in items:
         parts = _experts.hub_parts(it.name, it.shape, model_type)
         if parts is None:
             out.append(it)
             continue
-        if it.dtensor is not None:
+        if data and it.dtensor is not None:
             raise ValueError(f"{it.name!r} (rank {_rank()}): a fused expert tensor held as a DTensor "
                              f"with placements {tuple(it.dtensor.placements)} cannot be cut expert by "
                              f"expert without gathering all of it; shard it with fully_shard (Shard(0) "
                              f"on a 1-D mesh) or FSDP1")
-        flat = it.full.reshape(-1) if it.full is not None else None
+        flat = it.full.reshape(-1) if data and it.full is not None else None
         for name, shape, off in parts:
             n = math.prod(shape)
             sub = _Item(name, shape, it.src_dtype, it.is_param, unit=it.unit, offset=it.offset + off)
             if flat is not None:
                 sub.full = flat[off:off + n].view(shape)
-            elif it.pieces is not None:
+            elif data and it.pieces is not None:
                 sub.pieces = _sub_pieces(it.pieces, off, n)
             out.append(sub)
-        it.drop()
+        if data:
+            it.drop()
     return out
 
 

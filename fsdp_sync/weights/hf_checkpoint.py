@@ -449,7 +449,7 @@ def is_ranked(model_path: Any) -> bool:
     return doc is not None and doc.get("layout") == "engine"
 
 
-def resolve_ranked(model_path: Any, tp_size: int) -> RankPlan:
+def resolve_ranked(model_path: Any, tp_size: int, ep_size: int = 1) -> RankPlan:
     """Check a per-rank version before anything loads: the manifest names ``tp_size`` ranks, each
     with its files; every file is a regular file of the directory, listed with a digest (under
     the manifest's hash) and its tensor names, and every rank lists the same tensor names. Raises `CheckpointError` naming the
@@ -466,6 +466,10 @@ def resolve_ranked(model_path: Any, tp_size: int) -> RankPlan:
     if tp != tp_size:
         raise CheckpointError(f"{directory} holds shards for {tp} engine TP ranks, this engine has "
                               f"{tp_size}: write it with the engine's TP size (or layout='full')")
+    if doc.get("ep_size", 1) != ep_size:
+        raise CheckpointError(f"{directory} holds shards for expert-parallel size {doc.get('ep_size', 1)}, "
+                              f"this engine runs ep_size {ep_size}: write it with the engine's split "
+                              f"(or layout='full')")
     if not isinstance(ranks, list) or len(ranks) != tp or not isinstance(listed, dict) \
             or not isinstance(doc.get("model"), dict) or not isinstance(doc.get("dtype"), str):
         raise CheckpointError(f"{where} lacks 'ranks' (one list of files per rank), 'files', "

@@ -55,7 +55,7 @@ VOCAB_PADDING = 64
 """The vocab is padded to a multiple of this before the TP split (SGLang's default padding)."""
 
 __all__ = ["VOCAB_PADDING", "FAMILIES", "ModelSpec", "TPLayout", "Placement", "shard_state_dict", "layout_for",
-           "block_of", "view2d", "rank_digest"]
+           "block_of", "view2d", "rank_digest", "engine_ep_size"]
 
 
 # --------------------------------------------------------------------------- the model's shape
@@ -501,6 +501,13 @@ def view2d(shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) == 1:
         return shape[0], 1
     return math.prod(shape[:-1]), shape[-1]
+
+
+def engine_ep_size(engine: Any) -> int:
+    """The expert-parallel size an engine object runs (its layout's ``ep``, else its ``ep_size``
+    attribute, else 1): per-rank buckets are cut for the engine's split, not a guess."""
+    ep = getattr(getattr(engine, "layout", None), "ep", None) or getattr(engine, "ep_size", None) or 1
+    return int(ep)
 
 
 def block_of(sl: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, int, int, int]:

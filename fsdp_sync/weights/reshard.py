@@ -329,7 +329,10 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
     stats.path = "host-shared" if host is not None else ("all-to-all" if world > 1 else "local")
     stats.engine_shard_bytes += layout.engine_bytes(dtype.itemsize)
     for k, bkt in enumerate(plan):
-        names = [hf for e in bkt.entries for hf, _ in layout.sources(0)[e.name]]
+        # every HF tensor any engine rank's part of this bucket is built from (under EP, ranks
+        # hold different experts under the same engine names)
+        names = list(dict.fromkeys(hf for i in range(layout.tp) for e in bkt.entries
+                                   for hf, _ in layout.sources(i)[e.name]))
         sources = {n: _source(by_name[n][1], by_name[n][0], world, me, dtype, stats) for n in names}
         for n in names:
             by_name[n][1].drop()

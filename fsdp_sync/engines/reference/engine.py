@@ -52,7 +52,9 @@ distributed-update calls (init/update/destroy of the weight-update group).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import pickle
 import sys
 import threading
@@ -418,8 +420,9 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
                     if load_format not in (None, "auto", "sharded_state"):
                         raise CheckpointError(f"load_format {load_format!r} does not read a per-rank "
                                               f"checkpoint; use None or 'sharded_state'")
-                    rplan = resolve_ranked(model_path, tp)
-                    mine = {k: v for k, v in vars(self.layout.spec).items()}
+                    rplan = resolve_ranked(model_path, tp, self.layout.ep)
+                    # as the manifest's JSON holds it (tuples are lists there)
+                    mine = json.loads(json.dumps(dataclasses.asdict(self.layout.spec)))
                     diff = {k: (v, mine.get(k)) for k, v in rplan.model.items() if mine.get(k) != v}
                     if diff or set(rplan.model) != set(mine):
                         raise CheckpointError(f"{rplan.directory} was cut for another model than this "

@@ -68,8 +68,8 @@ class WeightReadback:
             yield from self._gather(batch).items()
 
     def weights_checksum(self) -> str:
-        """`checksum_named_tensors` over every full tensor in HF order: equals the trainer's
-        ``checksum_named_tensors(model.named_parameters())`` when the weights are the same."""
+        """`checksum_named_tensors` over every full tensor: equals the trainer's
+        ``checksum_named_tensors(export.iter_params(model))`` when the weights are the same."""
         return checksum_named_tensors(self.named_full_tensors())
 
     def tensor_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
