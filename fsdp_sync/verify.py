@@ -27,12 +27,21 @@ tensor in eight per sync, deterministic, the same on every rank, and every tenso
 eight consecutive syncs. ``"off"`` (default): nothing; a verified sync costs another export and
 hashing on both sides (the bench's ``--verify`` reports the seconds).
 
-SGLang (`engines.sglang.SGLangEngine.tensor_checksums`): SGLang 0.5.23's ``POST /weights_checker``
-``{"action": "checksum"}`` answers, per TP rank, a hash of each of its *own* parameters (fused
-qkv/gate_up, vocab-padded shards, SGLang's internal names; a Triton hash on GPU), which a trainer
-cannot recompute from its full Hugging Face tensors, so verify cannot compare against it: with
-``verify`` on, a sync into an SGLang engine raises, saying so (and, where the server has no
-``/weights_checker`` at all, saying that), and names ``SyncConfig.verify="off"``.
+SGLang (`engines.sglang.SGLangEngine.weight_checksums`, an HTTP server): SGLang 0.5.23's ``POST
+/weights_checker`` ``{"action": "checksum"}`` answers, per TP rank, a hash of each of its *own*
+parameters (fused qkv / gate_up / expert w13 and w2, vocab-padded shards; sha256 on CPU, a Triton
+tile hash on GPU). The layout map says which bytes each rank holds, so the trainer recomputes
+them (`engines.sglang.checksums.Checker`: the module's ``config``, the engine's ``tp_size`` and the
+server's ``ep_size``; the server's ``--device`` picks the hash), assembling one engine parameter
+at a time from the streamed tensors, and a difference names the parameter and the TP rank. In
+``"sample"`` mode the chosen tensors grow to whole engine parameters (q with k and v, an expert
+with its layer's others) on every rank. Checked against SGLang's own WeightChecker on models
+SGLang built and loaded on CPU, and the tile hash against SGLang's Triton kernel run by Triton's
+interpreter (the SGLang tier). Unchecked: a GPU server end to end, weights SGLang repacks after
+loading (AMX on CPU, some GPU MoE runners; they report a mismatch), quantized weights (hashed
+dequantized there), pipeline or data parallelism beyond merging the answer's entries. An
+in-process ``sglang.Engine`` has no checker call: with ``verify`` on, a sync into it raises,
+naming ``SyncConfig.verify="off"``; so does a server without ``/weights_checker`` (before 0.5.21).
 
 Not here: the sync itself (the transports), the stages around it (the manager).
 """
@@ -47,7 +56,7 @@ import torch
 from .weights import bucket as _bucket
 from .weights import export
 from .engines.base import checksum_named_tensors
-from .weights.layout import TPLayout, rank_digest
+from .weights.layout import TPLayout, layout_for, rank_digest
 
 __all__ = ["SAMPLE_EVERY", "select", "tensor_digest", "trainer_tensors", "first_difference",
            "verify_engines", "digests", "check_sent"]
@@ -120,10 +129,20 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
     t0 = time.perf_counter()
     names = [m.name for m in export.param_metas(module, config.dtype)]
     chosen = select(names, config.verify, step)
-    want = set(chosen)
     err: str | None = None
     reports: list[tuple[Any, dict]] = []      # (the engine's layout for per-rank digests or None, digests)
+    checkers: dict[int, Any] = {}             # engine index -> `checksums.Checker` (SGLang)
     for i, engine in enumerate(engines):
+        sglang = getattr(engine, "weight_checksums", None)
+        try:
+            report = sglang() if callable(sglang) else None
+            if report is not None:
+                checkers[i] = _sglang_checker(module, config, engine, report, chosen)
+                continue
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            err = (f"engine {i} cannot be verified: {type(exc).__name__}: {exc}; set "
+                   f"SyncConfig.verify='off' to sync without checking")
+            break
         layout = getattr(engine, "layout", None)
         per_rank = getattr(engine, "rank_digests", None)
         fn = per_rank if callable(per_rank) and isinstance(layout, TPLayout) else getattr(
@@ -142,12 +161,18 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
             err = (f"engine {i} cannot be verified: {type(exc).__name__}: {exc}; set "
                    f"SyncConfig.verify='off' to sync without checking")
             break
+    chosen = _whole_engine_params(module, chosen, bool(checkers))
+    want = set(chosen)
     checked = 0
     mine_full: str | None = None
     for name, t in trainer_tensors(module, config, chosen, every=config.verify == "full"):
         if name not in want:
             continue
         checked += 1
+        for i, checker in checkers.items():
+            problems = checker.feed(name, t) if err is None else []
+            if problems:
+                err = _sglang_error(step, i, problems)
         if err is not None or not reports:
             continue        # keep consuming: the stream is collective
         mine_full = None
@@ -172,9 +197,57 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
                    f"trainer's{ranks}{where}")
             break
         del t
+    for i, checker in checkers.items():
+        problems = checker.finish() if err is None else []
+        if problems:
+            err = _sglang_error(step, i, problems)
     figures = {"verify": config.verify, "verify_tensors": checked,
                "verify_s": time.perf_counter() - t0}
     return err, figures
+
+
+def _sglang_checker(module: torch.nn.Module, config: Any, engine: Any, report: dict,
+                    chosen: list[str]) -> Any:
+    """A `checksums.Checker` for an SGLang engine's ``weight_checksums()`` report, over the
+    engine parameters the chosen HF tensors feed."""
+    from .engines.sglang.checksums import Checker
+
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        raise ValueError("the module has no Hugging Face .config, so the trainer cannot tell "
+                         "which bytes each SGLang TP rank holds")
+    layout = layout_for(cfg, int(engine.tp_size), int(report.get("ep_size", 1)))
+    params = {pl.engine for n in chosen if layout.accepts(n)
+              for r in range(layout.tp) for pl in layout.placements(n, r)}
+    if layout.spec.tie_word_embeddings and "lm_head.weight" in chosen:
+        params.add("model.embed_tokens.weight")
+    return Checker(layout, report["answer"], algorithm=report["algorithm"], names=params,
+                   dtype=config.dtype)
+
+
+def _whole_engine_params(module: torch.nn.Module, chosen: list[str], mine: bool) -> list[str]:
+    """Collective: where any rank compares against SGLang (per-rank hashes of fused engine
+    parameters), the chosen HF tensors plus every other tensor feeding the same engine parameter
+    (q with k and v, one expert with the layer's others), in export order, on every rank."""
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int64)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if not flag.item():
+        return chosen
+    try:
+        layout = layout_for(module.config, 1)
+    except Exception:  # noqa: BLE001 - the ranks with engines have reported it already
+        return chosen
+    group = {n: pl.engine for n in layout.hf_names() for pl in layout.placements(n, 0)}
+    engine_params = {group.get(n) for n in chosen}
+    names = [m.name for m in export.param_metas(module)]
+    return [n for n in names if n in chosen or group.get(n) in engine_params]
+
+
+def _sglang_error(step: int, i: int, problems: list[str]) -> str:
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return (f"after sync {step} engine {i} (SGLang, /weights_checker) serves weights different from "
+            f"the trainer's: {problems[0]}{more}")
 
 
 def digests(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

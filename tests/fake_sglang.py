@@ -256,7 +256,9 @@ class OldFakeSGLangEngine:
 
     def get_server_info(self):
         self._record("get_server_info")
-        return {"tp_size": self.tp_size, "version": self.VERSION,
+        layout = getattr(self, "layout", None)
+        return {"tp_size": self.tp_size, "version": self.VERSION, "device": "cpu",
+                "ep_size": layout.ep if layout is not None else 1,
                 "internal_states": [{"memory_usage": {"weight": 0.0, "kvcache": 0.0}}]}
 
     def shutdown(self):
@@ -337,8 +339,11 @@ class FakeSGLangServer:
     per path.
     """
 
-    def __init__(self, tp_size: int = 2, *, session_routes: bool = True) -> None:
+    def __init__(self, tp_size: int = 2, *, session_routes: bool = True, layout: Any = None) -> None:
         self.engine = FakeSGLangEngine(tp_size) if session_routes else OldFakeSGLangEngine(tp_size)
+        # with a layout (`layout.TPLayout`), /weights_checker hashes each TP rank's own engine
+        # parameters cut from the full tensors the fake holds, as SGLang on CPU does
+        self.engine.layout = layout
         self.session_routes = session_routes
         self.script: dict[str, list[tuple[int, str]]] = {}
         self.requests: list[tuple[str, str, Any]] = []
@@ -460,18 +465,29 @@ class FakeSGLangServer:
             return 400, "application/json", json.dumps(
                 {"success": False, "message": f"Unsupported action={action!r}"})
         e = self.engine
-        checksums = {n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()
-                                       .tobytes()).hexdigest()[:16] for n, t in e.weights.items()}
-        overall = hashlib.sha256("".join(f"{n}{checksums[n]}" for n in sorted(checksums))
-                                 .encode()).hexdigest()
-        ranks = [{"checksums": checksums, "per_gpu_checksum": overall,
-                  "parallelism_info": {"role": "target", "tp_rank": r, "tp_size": e.tp_size,
-                                       "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
-                                       "rank": r, "size": e.tp_size}}
-                 for r in range(e.tp_size)]
+
+        def sha(t):   # SGLang's tensor_hash on CPU: sha256 of the bytes, the first 8 bytes
+            return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+        def rank_sums(r):
+            if e.layout is None:       # whole tensors under their own names
+                return {n: sha(t) for n, t in e.weights.items()}
+            from fsdp_sync.weights.layout import shard_state_dict
+            return {n: sha(t) for n, t in shard_state_dict(e.weights, e.layout, r).items()}
+
+        ranks = []
+        for r in range(e.tp_size):
+            checksums = rank_sums(r)
+            overall = hashlib.sha256("".join(f"{n}{checksums[n]}" for n in sorted(checksums))
+                                     .encode()).hexdigest()
+            ranks.append({"checksums": checksums, "per_gpu_checksum": overall,
+                          "parallelism_info": {"role": "target", "tp_rank": r, "tp_size": e.tp_size,
+                                               "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                                               "rank": r, "size": e.tp_size}})
         return 200, "application/json", json.dumps(
             {"success": True, "message": "Success.", "ranks": ranks,
-             "per_engine_checksum": hashlib.sha256(overall.encode() * e.tp_size).hexdigest()})
+             "per_engine_checksum": hashlib.sha256("".join(x["per_gpu_checksum"] for x in ranks)
+                                                   .encode()).hexdigest()})
 
 
 # --------------------------------------------------------------------------- script entry

@@ -343,3 +343,29 @@ def test_engine_keeps_a_reused_rank_buffer_mapped_until_the_update_ends():
         assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [0, 0]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_rank_buckets_with_expert_parallelism_hold_each_ranks_own_experts():
+    """EP 2 over TP 4 (rank 0 holds experts 0..3 only): every rank's buffers carry its own experts'
+    bits, and a plan cut for EP 1 at the same TP is not reused (the cache is keyed by ep too)."""
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights import reshard
+    from fsdp_sync.weights.bucket import unflatten
+    from fsdp_sync.weights.export import iter_params
+    from fsdp_sync.weights.layout import layout_for, shard_state_dict
+
+    cfg = load_config("tiny-qwen3-moe")
+    hf = build_model(cfg, seed=3)
+    full = {k: v.detach().clone() for k, v in iter_params(hf)}
+    for ep in (1, 2):
+        layout = layout_for(cfg, 4, ep)
+        want = [shard_state_dict(full, layout, r) for r in range(4)]
+        seen = 0
+        for rb in reshard.iter_rank_buckets(hf, layout, 16 << 10, dtype=torch.float32,
+                                            alloc=lambda n: torch.empty(n, dtype=torch.uint8)):
+            for r in range(4):
+                for name, t in unflatten(rb.buffers[r], rb.bucket.entries):
+                    assert torch.equal(t, want[r][name]), (ep, r, name)
+                    seen += 1
+        assert seen == 4 * len(layout.engine_shapes()), ep

@@ -214,13 +214,9 @@ def test_rank_digests_match_the_trainers_pieces_and_name_the_rank():
 
 # --------------------------------------------------------------------------- SGLang
 
-def test_sglang_weights_checker_request_and_verify_statement(tmp_path):
+def test_sglang_weights_checker_request_and_unlaid_refusal():
     from fsdp_sync.engines.sglang import SGLangEngine, SGLangError
-    from fsdp_sync.manager import FSDPShardingManager
-    from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.topology import SyncError
 
-    module = build_model(load_config("tiny"), seed=0)
     with fake.FakeSGLangServer(tp_size=2) as server:
         eng = SGLangEngine(base_url=server.url)
         server.engine.weights = {"model.norm.weight": torch.ones(4)}
@@ -228,28 +224,75 @@ def test_sglang_weights_checker_request_and_verify_statement(tmp_path):
         assert [r["parallelism_info"]["tp_rank"] for r in report["ranks"]] == [0, 1]
         assert list(report["ranks"][0]["checksums"]) == ["model.norm.weight"]
         assert server.requests[-1][1:] == ("/weights_checker", {"action": "checksum"})
-        with pytest.raises(SGLangError, match="has /weights_checker, but its checksum action"):
+        with pytest.raises(SGLangError, match="hashes each TP rank's own parameters"):
             eng.tensor_checksums(["model.norm.weight"])
-        # through the manager: the sync goes through, the check raises naming the way out
-        m = FSDPShardingManager(module, eng, config=SyncConfig(
-            method="disk", disk_dir=str(tmp_path / "d"), verify="sample"))
-        with pytest.raises(SyncError, match=r"verify='off'.*|weights_checker") as info:
-            with m:
-                pass
-        assert "SyncConfig.verify='off'" in str(info.value)
-        assert "has /weights_checker" in str(info.value)
-        assert server.hits["/update_weights_from_disk"] == 1
-        assert m.step == 1
-        m.close()
+        sums = eng.weight_checksums()
+        assert (sums["algorithm"], sums["ep_size"]) == ("cpu", 1) and sums["answer"] == eng.weights_checker()
     with fake.FakeSGLangServer(tp_size=1, session_routes=False) as old:
         eng = SGLangEngine(base_url=old.url)
         with pytest.raises(SGLangError, match="has no /weights_checker") as info:
             eng.weights_checker()
         assert info.value.status == 404
-        with pytest.raises(SGLangError, match="cannot report per-tensor checksums.*has no"):
-            eng.tensor_checksums()
+        with pytest.raises(SGLangError, match="has no /weights_checker"):
+            eng.weight_checksums()
     with pytest.raises(SGLangError, match="in-process sglang.Engine has no weights checker"):
         SGLangEngine(fake.FakeSGLangEngine(tp_size=1)).weights_checker()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("recipe,tp,mode", [("tiny", 2, "full"), ("tiny-qwen3-moe", 2, "sample")])
+def test_verify_against_sglangs_weights_checker(tmp_path, recipe, tp, mode):
+    """SyncConfig.verify against an SGLang HTTP server: the fake answers /weights_checker as
+    SGLang on CPU does (per TP rank, sha256 of each own engine parameter cut by the layout map
+    from what it loaded); the trainer recomputes them from its tensors. In sync: no error. An
+    engine that kept one stale tensor (a vocab shard, or one expert's gate rows): the error names
+    the engine parameter and the TP ranks that hold it."""
+    from fsdp_sync.engines.sglang import SGLangEngine
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.weights.layout import layout_for
+
+    cfg = load_config(recipe)
+    module = build_model(cfg, seed=0)
+    if recipe == "tiny":
+        stale, param, ranks = "lm_head.weight", "lm_head.weight", [0, 1]
+    else:
+        stale, param, ranks = ("model.layers.2.mlp.experts.5.gate_proj.weight",
+                               "model.layers.2.mlp.experts.w13_weight", [0, 1])
+    with fake.FakeSGLangServer(tp_size=tp, layout=layout_for(cfg, tp)) as server:
+        eng = SGLangEngine(base_url=server.url)
+        m = FSDPShardingManager(module, eng, config=SyncConfig(
+            method="disk", disk_dir=str(tmp_path / "d"), verify=mode))
+        syncs = 8 if mode == "sample" else 1      # a sample covers every tensor within 8 syncs
+        for _ in range(syncs):
+            with m:
+                pass
+        assert m.stats.extra["verify_tensors"] > 0 and server.hits["/weights_checker"] == syncs
+        old = server.engine.weights[stale].clone()
+        load = server.engine.update_weights_from_disk
+
+        def keeps_one_stale(*a, **k):           # the engine loads everything but one tensor
+            out = load(*a, **k)
+            server.engine.weights[stale] = old
+            return out
+
+        server.engine.update_weights_from_disk = keeps_one_stale
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(0.5)                      # the trainer moves on
+        err = None
+        for _ in range(syncs):
+            try:
+                with m:
+                    pass
+            except SyncError as exc:
+                err = str(exc)
+                break
+        m.close()
+    assert err is not None
+    assert f"{param!r} on TP rank {ranks[0]}: SGLang hashes" in err, err
+    assert f"(and {len(ranks) - 1} more)" in err and "SGLang, /weights_checker" in err, err
 
 
 def test_streamed_verify_against_served_engine_names_the_stale_tensor():

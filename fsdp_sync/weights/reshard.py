@@ -107,7 +107,7 @@ def clear_plan_cache() -> None:
 
 
 def _cached_plan(layout: TPLayout, dtype: torch.dtype, bucket_bytes: int) -> list[_bucket.Bucket]:
-    key = (layout.spec, layout.tp, dtype, int(bucket_bytes))
+    key = (layout.spec, layout.tp, layout.ep, dtype, int(bucket_bytes))   # ep: which experts a rank holds
     plan = _PLAN_CACHE.get(key)
     if plan is None:
         if len(_PLAN_CACHE) >= 64:
@@ -336,7 +336,7 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
         sources = {n: _source(by_name[n][1], by_name[n][0], world, me, dtype, stats) for n in names}
         for n in names:
             by_name[n][1].drop()
-        tasks = _cached_tasks((layout.spec, layout.tp, dtype, int(bucket_bytes)), k, bkt, layout, sources)
+        tasks = _cached_tasks((layout.spec, layout.tp, layout.ep, dtype, int(bucket_bytes)), k, bkt, layout, sources)
         if host is not None:
             buffers = _fill_host(host, bkt, layout, tasks, sources, stats, (k % max(1, host_sets)) * layout.tp,
                                  wait_readers=not consumer_synced)

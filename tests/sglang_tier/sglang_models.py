@@ -1,7 +1,9 @@
-"""Build SGLang's own Qwen2 / Llama model classes on CPU, one TP rank at a time, and compare them
-with fsdp_sync's layout map and per-rank buckets. Run in the SGLang tier venv; prints JSON.
+"""Build SGLang's own model classes (Qwen2, Llama, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral) on CPU, one
+TP rank at a time, and compare them with fsdp_sync's layout map, per-rank buckets and SGLang
+checksums. Run in the SGLang tier venv; prints JSON. A case is ``[recipe, overrides, tp, ep,
+options]`` (``ep``: SGLang's ``--ep-size``; options ``checksum``, ``stale``, ``shapes_only``).
 
-What it does, per (model, tp, rank), in ONE process (no process groups: SGLang's runtime context
+What it does, per (model, tp, ep, rank), in ONE process (no process groups: SGLang's runtime context
 is published for the rank with ``runtime_context.publish`` and its group objects are stand-ins,
 which is all that constructing the layers reads):
 
@@ -18,10 +20,14 @@ which is all that constructing the layers reads):
    case: the files SGLang's ``ShardedStateLoader`` pattern globs for the rank, their tensor names
    and shapes beside the keys and shapes that loader requires (``_filter_subtensors`` of the
    model's ``state_dict()``), and what SGLang's real ``WeightUpdater.update_weights_from_disk``
-   answers for ``load_format="sharded_state"`` on that directory (once per case).
+   answers for ``load_format="sharded_state"`` on that directory (once per case; EP 1 only).
+5. With ``checksum``: SGLang's ``WeightChecker`` checksum action on A and B per rank, the hashes
+   `engines.sglang.checksums` computes from the full tensors, and `checksums.Checker`'s verdict
+   (and, with ``stale``, its verdict for a trainer whose tensor ``stale`` moved on).
 
 Modules SGLang imports at module level that need a GPU stack or packages the tier does not install
-(tvm_ffi, vllm, torchvision users, compressed_tensors, gguf, sentencepiece) are replaced by empty
+(tvm_ffi, vllm, torchvision users, compressed_tensors, gguf, sentencepiece; einops, which
+the MoE models' expert-distribution recorder imports and only its statistics call) are replaced by empty
 stand-ins before the import; nothing of them runs while building a model or loading weights.
 """
 
@@ -36,7 +42,8 @@ import tempfile
 import types
 from importlib.machinery import ModuleSpec
 
-STUBS = ("tvm_ffi", "vllm", "compressed_tensors", "gguf", "sentencepiece",
+STUBS = ("tvm_ffi", "vllm", "compressed_tensors", "gguf", "sentencepiece", "einops",
+         "sglang.srt.parser.reasoning_parser", "sglang.srt.sampling.custom_logit_processor",
          "sglang.srt.multimodal.internvl_utils", "sglang.srt.configs.deepseek_ocr")
 
 
@@ -102,20 +109,41 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def build(cls, cfg, model_dir: str, tp: int, rank: int):
+# model_type -> (SGLang module, class): the classes SGLang's registry picks for these architectures
+CLASSES = {"qwen2": ("qwen2", "Qwen2ForCausalLM"), "llama": ("llama", "LlamaForCausalLM"),
+           "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+           "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"), "mixtral": ("mixtral", "MixtralForCausalLM")}
+
+
+def model_class(model_type: str):
+    import importlib
+
+    mod, name = CLASSES[model_type]
+    return getattr(importlib.import_module(f"sglang.srt.models.{mod}"), name)
+
+
+def build(cls, cfg, model_dir: str, tp: int, rank: int, ep: int = 1):
     from sglang.srt import runtime_context as rc
     from sglang.srt.server_args import ServerArgs
 
-    sa = ServerArgs(model_path=model_dir, device="cpu", tp_size=tp, skip_tokenizer_init=True, load_format="dummy")
+    sa = ServerArgs(model_path=model_dir, device="cpu", tp_size=tp, ep_size=ep, skip_tokenizer_init=True,
+                    load_format="dummy")
     rc.get_parallel().clear_stamp()     # the previous case's groups; publish stamps the ranks again
     rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=rank))
     p = rc.get_parallel()
-    assert (p.tp_size, p.tp_rank) == (tp, rank), (p.tp_size, p.tp_rank)
-    # TP-wide groups hold this rank; no pipeline, context, expert or data parallelism
-    groups = {f"{n}_group": _Group(tp, rank) if n in ("tp", "attn_tp", "moe_tp") else _Group(1, 0)
+    moe_tp = tp // ep
+    # SGLang's own rank arithmetic (runtime_context.derive_spawn_ranks), not ours
+    assert (p.tp_size, p.tp_rank, p.moe_ep_size, p.moe_tp_size) == (tp, rank, ep, moe_tp), \
+        (p.tp_size, p.tp_rank, p.moe_ep_size, p.moe_tp_size)
+    ranks = {"tp": (tp, rank), "attn_tp": (tp, rank), "moe_tp": (moe_tp, p.moe_tp_rank),
+             "moe_ep": (ep, p.moe_ep_rank)}
+    # TP-wide groups hold this rank; no pipeline, context or data parallelism
+    groups = {f"{n}_group": _Group(*ranks.get(n, (1, 0)))
               for n in ("tp", "pp", "attn_tp", "attn_cp", "moe_tp", "moe_ep", "moe_dp")}
     p.override_permanently(**groups)
-    return cls(cfg)
+    model = cls(cfg)
+    model.sglang_moe_ranks = (p.moe_ep_rank, p.moe_tp_rank)
+    return model
 
 
 def sglang_disk_update(model, path: str, rank: int) -> list:
@@ -133,13 +161,46 @@ def sglang_disk_update(model, path: str, rank: int) -> list:
         return ["raised", f"{type(exc).__name__}: {exc}"]
 
 
+def sglang_checksums(model) -> dict:
+    """SGLang's own ``WeightChecker`` (what ``/weights_checker {"action": "checksum"}`` runs on each
+    TP worker) on a built model: ``{checksums, per_gpu_checksum, parallelism_info}``."""
+    from sglang.srt.utils.weight_checker import WeightChecker
+
+    return WeightChecker(get_model=lambda: model).handle("checksum", role="target")
+
+
+def checksum_report(layout, full: dict, reports: list, stale: str | None) -> dict:
+    """Our side of the checksum check: the hashes fsdp_sync computes from the trainer's full
+    tensors, and `checksums.Checker`'s verdict against SGLang's reports, first for the tensors
+    SGLang loaded, then for a trainer whose tensor ``stale`` changed after the engine loaded."""
+    from fsdp_sync.engines.sglang import checksums
+
+    answer = {"ranks": reports}
+    ours = {}
+    for name, per_rank in checksums.expected_checksums(layout, list(full.items())):
+        for r, h in enumerate(per_rank):
+            ours.setdefault(r, {})[name] = h
+
+    def verdict(tensors):
+        c = checksums.Checker(layout, answer, algorithm="cpu")
+        problems = [p for name, t in tensors.items() for p in c.feed(name, t)]
+        return problems + c.finish(), c.checked
+
+    same, checked = verdict(full)
+    out = {"ours": ours, "same": same, "checked": checked}
+    if stale:
+        newer = dict(full)
+        newer[stale] = full[stale] + 1.0     # the trainer moved on, the engine did not
+        out["stale"], _ = verdict(newer)
+    return out
+
+
 def main(cases: list) -> dict:
     from sglang.srt.model_executor.model_runner_components.weight_updater import (
         LocalSerializedTensor, WeightUpdater)
-    from sglang.srt.models.llama import LlamaForCausalLM
-    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
 
     from fsdp_sync.weights import handles, reshard
+    from fsdp_sync.weights.export import iter_params
     from fsdp_sync.weights.layout import layout_for, shard_state_dict
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.engines.sglang.loader import LOADER, bucket_name
@@ -187,35 +248,55 @@ def main(cases: list) -> dict:
     prepared = []
     # every payload is made before SGLang's first update: its monkey_patch_torch_reductions() is
     # process-global and breaks pickling CPU tensors afterwards (FACTS)
-    for recipe, ov, tp in cases:
+    for case in cases:
+        recipe, ov, tp = case[:3]
+        ep = case[3] if len(case) > 3 else 1
+        opts = case[4] if len(case) > 4 else {}
         cfg = load_config(recipe, **ov)
         hf = build_model(cfg, seed=7).eval()
-        full = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-        layout = layout_for(cfg, tp)
+        # Hub names (per-expert tensors even where transformers 5 fuses them), full tensors
+        full = {k: v.detach().clone() for k, v in iter_params(hf)}
+        layout = layout_for(cfg, tp, ep)
         model_dir = tempfile.mkdtemp(prefix="fsdp_sync_sgl_")
-        cfg.architectures = ["Qwen2ForCausalLM" if cfg.model_type == "qwen2" else "LlamaForCausalLM"]
+        cfg.architectures = [CLASSES[cfg.model_type][1]]
         cfg.save_pretrained(model_dir)
+        if opts.get("shapes_only"):
+            prepared.append((recipe, ov, tp, ep, opts, cfg, full, layout, model_dir, [], [], 0, None))
+            continue
         buckets = list(reshard.iter_rank_buckets(hf, layout, 16 << 10, dtype=torch.float32))
         sets = [[handles.make_payloads(rb.buffers[i], tp, ranks=[i], tagged=False) for i in range(tp)]
                 for rb in buckets]
         named = [(bucket_name(rb.bucket), LocalSerializedTensor(values=[s.payloads[0] for s in row]))
                  for rb, row in zip(buckets, sets)]
-        ckpt_dir = rank_checkpoint(hf, tp)
-        prepared.append((recipe, ov, tp, cfg, full, layout, model_dir, named, sets, len(buckets), ckpt_dir))
+        # the disk method cuts by TP only (no expert parallelism there)
+        ckpt_dir = rank_checkpoint(hf, tp) if ep == 1 else None
+        prepared.append((recipe, ov, tp, ep, opts, cfg, full, layout, model_dir, named, sets, len(buckets), ckpt_dir))
     out = {}
-    for recipe, ov, tp, cfg, full, layout, model_dir, named, sets, nb, ckpt_dir in prepared:
-        cls = Qwen2ForCausalLM if cfg.model_type == "qwen2" else LlamaForCausalLM
+    for recipe, ov, tp, ep, opts, cfg, full, layout, model_dir, named, sets, nb, ckpt_dir in prepared:
+        cls = model_class(cfg.model_type)
+        reports_a, reports_b = [], []
         for rank in range(tp):
             ours = shard_state_dict(full, layout, rank)
-            a = build(cls, cfg, model_dir, tp, rank)
+            a = build(cls, cfg, model_dir, tp, rank, ep)
             a_shapes = {k: list(v.shape) for k, v in a.named_parameters()}
-            disk_files, disk_keys = rank_files(ckpt_dir, rank)
-            loader_keys = {k: list(v.shape) for k, v in ShardedStateLoader._filter_subtensors(a.state_dict()).items()}
-            disk_update = None
-            if rank == 0:
-                disk_update = sglang_disk_update(a, ckpt_dir, rank)
+            moe_layers = {type(m).__module__ + "." + type(m).__name__ for m in a.modules()
+                          if hasattr(m, "w13_weight")}
+            key = f"{recipe}|{json.dumps(ov, sort_keys=True)}|{tp}|{rank}|ep{ep}"
+            if opts.get("shapes_only"):      # a model SGLang builds differently: names and shapes only
+                out[key] = {"sglang_shapes": a_shapes, "moe_classes": sorted(moe_layers),
+                            "layout_shapes": {k: list(s) for k, s in layout.engine_shapes().items()}}
+                continue
+            disk_files = disk_keys = loader_keys = disk_update = None
+            if ckpt_dir is not None:
+                disk_files, disk_keys = rank_files(ckpt_dir, rank)
+                loader_keys = {k: list(v.shape) for k, v in ShardedStateLoader._filter_subtensors(a.state_dict()).items()}
+                if rank == 0:
+                    disk_update = sglang_disk_update(a, ckpt_dir, rank)
+            with torch.no_grad():
+                for v in a.parameters():      # what SGLang's loader leaves unwritten shows as NaN
+                    v.fill_(float("nan"))
             a.load_weights(list(full.items()))
-            b = build(cls, cfg, model_dir, tp, rank)
+            b = build(cls, cfg, model_dir, tp, rank, ep)
             with torch.no_grad():
                 for v in b.parameters():
                     v.fill_(float("nan"))
@@ -227,18 +308,29 @@ def main(cases: list) -> dict:
             for item in named:
                 ok_calls.append(updater.update_weights_from_tensor([item], load_format=LOADER))
             rows = {}
+            b_params = dict(b.named_parameters())
             for k, v in a.named_parameters():
                 pad = layout.padding(k, rank)
                 keep = slice(0, pad[0].start) if pad is not None else slice(None)
-                bv = dict(b.named_parameters())[k]
+                bv = b_params[k]
                 rows[k] = {"a": digest(v[keep]), "b": digest(bv[keep]), "ours": digest(ours[k][keep]) if k in ours else None,
+                           "a_pad_zero": bool(pad is None or not v[pad[0]].any()),
                            "b_pad_zero": bool(pad is None or not bv[pad[0]].any()),
-                           "b_nan": bool(torch.isnan(bv).any())}
-            out[f"{recipe}|{json.dumps(ov, sort_keys=True)}|{tp}|{rank}"] = {
+                           "a_nan": bool(torch.isnan(v).any()), "b_nan": bool(torch.isnan(bv).any())}
+            if opts.get("checksum"):
+                reports_a.append(sglang_checksums(a))
+                reports_b.append(sglang_checksums(b))
+            out[key] = {
                 "sglang_shapes": a_shapes, "layout_shapes": {k: list(s) for k, s in layout.engine_shapes().items()},
                 "params": rows, "calls": [list(c) for c in ok_calls], "buckets": nb,
                 "disk_files": disk_files, "disk_keys": disk_keys, "sharded_state_keys": loader_keys,
-                "disk_update": disk_update}
+                "disk_update": disk_update, "moe_classes": sorted(moe_layers),
+                "moe_ranks": list(a.sglang_moe_ranks)}
+        if opts.get("checksum"):
+            key = f"{recipe}|{json.dumps(ov, sort_keys=True)}|{tp}|ep{ep}"
+            rep = checksum_report(layout, full, reports_a, opts.get("stale"))
+            out["checksum|" + key] = {"sglang": reports_a, "sglang_our_loader": reports_b, **rep,
+                                      "stale_name": opts.get("stale")}
         for row in sets:
             for s in row:
                 s.release(require_ack=False)

@@ -101,6 +101,7 @@ class SGLangEngine:
         self.accepts_rank_buckets = bool(rank_bucket_loader)
         self.allocator = ExpandableSegments(manage_expandable_segments)
         self.closed = False
+        self._fsdp_sync_route: bool | None = None   # fsdp-sync serve's checksum route, asked once
         if tp_size is not None and tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         # asked now, not on first use: a protocol isinstance check reads the attribute
@@ -498,41 +499,53 @@ class SGLangEngine:
                               f"an object", call="weights_checker")
         return answer
 
-    def tensor_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        """What ``SyncConfig.verify`` asks of an engine: ``{name: digest of the full tensor}``.
-        ``fsdp-sync serve`` answers it (``POST /fsdp_sync/tensor_checksums``); SGLang cannot, so
-        against SGLang this raises, saying whether the server has ``/weights_checker`` (asked
-        once) and why its checksums cannot be compared with the trainer's."""
-        self._check_open("tensor_checksums")
-        if self._http and getattr(self, "_checker_report", None) is None:
+    def _serves_tensor_checksums(self) -> bool:
+        """Whether the server is ``fsdp-sync serve`` (it answers ``/fsdp_sync/tensor_checksums``);
+        asked once."""
+        if self._fsdp_sync_route is None:
             try:
-                answer = self._http.json("POST", "/fsdp_sync/tensor_checksums",
-                                         {"names": None if names is None else list(names)},
+                answer = self._http.json("POST", "/fsdp_sync/tensor_checksums", {"names": []},
                                          idempotent=True)
             except NotFound:
-                pass                     # SGLang itself: see below
+                self._fsdp_sync_route = False
             else:
                 check_answer("tensor_checksums", answer, where=self.where)
-                sums = answer.get("checksums") if isinstance(answer, dict) else None
-                if not isinstance(sums, dict):
-                    raise SGLangError(f"/fsdp_sync/tensor_checksums{self.where} answered "
-                                      f"{str(answer)[:200]!r}", call="tensor_checksums")
-                return {str(k): str(v) for k, v in sums.items()}
-        if getattr(self, "_checker_report", None) is None:
-            try:
-                report = self.weights_checker("checksum")
-                ranks = report.get("ranks") or []
-                some = sorted((ranks[0].get("checksums") or {}) if ranks else {})
-                self._checker_report = (
-                    f"SGLang{self.where} has /weights_checker, but its checksum action hashes each "
-                    f"TP rank's own parameters ({len(ranks)} ranks, {len(some)} tensors on rank 0 "
-                    f"under SGLang's names, e.g. {some[:2]}: fused qkv/gate_up, vocab-padded "
-                    f"shards, a Triton hash on GPU), not full Hugging Face tensors, so the trainer "
-                    f"cannot recompute them to compare")
-            except SGLangError as exc:
-                self._checker_report = (f"SGLang cannot report per-tensor checksums of what it "
-                                        f"serves: {exc}")
-        raise SGLangError(self._checker_report, call="weights_checker")
+                self._fsdp_sync_route = True
+        return self._fsdp_sync_route
+
+    def tensor_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """``{name: digest of the full tensor}`` (`verify.tensor_digest`), which ``fsdp-sync serve``
+        answers (``POST /fsdp_sync/tensor_checksums``). SGLang cannot: it hashes its own
+        parameters (see `weight_checksums`), so against SGLang this raises, saying so."""
+        self._check_open("tensor_checksums")
+        if self._http and self._serves_tensor_checksums():
+            answer = self._http.json("POST", "/fsdp_sync/tensor_checksums",
+                                     {"names": None if names is None else list(names)},
+                                     idempotent=True)
+            check_answer("tensor_checksums", answer, where=self.where)
+            sums = answer.get("checksums") if isinstance(answer, dict) else None
+            if not isinstance(sums, dict):
+                raise SGLangError(f"/fsdp_sync/tensor_checksums{self.where} answered "
+                                  f"{str(answer)[:200]!r}", call="tensor_checksums")
+            return {str(k): str(v) for k, v in sums.items()}
+        raise SGLangError(f"SGLang{self.where} hashes each TP rank's own parameters (fused, "
+                          f"sharded), not full Hugging Face tensors: compare with weight_checksums "
+                          f"(SyncConfig.verify does)", call="tensor_checksums")
+
+    def weight_checksums(self) -> dict | None:
+        """What `SyncConfig.verify` compares against SGLang: ``{"answer": the /weights_checker
+        checksum answer, "algorithm": "cpu" | "gpu" (the server's --device), "ep_size": its
+        --ep-size}``, recomputed on the trainer by `checksums.Checker`. None when the server is
+        ``fsdp-sync serve`` (its `tensor_checksums` is the check). Raises where SGLang cannot
+        answer (an in-process engine, a server before 0.5.21 without the route)."""
+        self._check_open("weight_checksums")
+        if self._http and self._serves_tensor_checksums():
+            return None
+        answer = self.weights_checker("checksum")
+        info = self.server_info()
+        device = str(info.get("device") or "cuda")
+        return {"answer": answer, "algorithm": "cpu" if device == "cpu" else "gpu",
+                "ep_size": int(info.get("ep_size") or 1)}
 
     def forward_logits(self, input_ids: Any) -> Any:
         raise SGLangError("SGLang does not return logits; use generate (or its logprobs)",
