@@ -85,7 +85,7 @@ from torch import nn
 from . import bucket as _bucket
 from . import experts as _experts
 from . import handles as _handles
-from .gather import Pieces, Scratch, fill_bucket, fill_shared, materialize, shared_group
+from .gather import Pieces, Scratch, fill_bucket, fill_shared, materialize, shared_group, sub_pieces
 from .hostbuf import HostShared
 from ..topology import agree
 
@@ -320,16 +320,6 @@ def _layout(module: nn.Module) -> list[_Item]:
                       _experts.model_type_of(module), data=False)
 
 
-def _sub_pieces(p: Pieces, off: int, n: int) -> Pieces:
-    """Elements ``[off, off + n)`` of a tensor held as `Pieces`: on each rank the part of its
-    piece inside the range (contiguous, possibly empty)."""
-    starts = [sum(p.counts[:r]) for r in range(len(p.counts))]
-    counts = tuple(max(0, min(off + n, a + c) - max(off, a)) for a, c in zip(starts, p.counts))
-    lo = max(off, starts[p.rank]) - starts[p.rank]
-    local = p.local.reshape(-1)
-    return Pieces(local[lo:lo + counts[p.rank]] if counts[p.rank] else local[:0], counts, p.group, p.rank)
-
-
 def _hub_items(items: list[_Item], model_type: str | None, data: bool = True) -> list[_Item]:
     """transformers 5's fused expert tensors cut into per-expert items under their Hub names
     (`experts.hub_parts`): each a contiguous range of the fused tensor, so its data is a slice of
@@ -353,7 +343,7 @@ def _hub_items(items: list[_Item], model_type: str | None, data: bool = True) ->
             if flat is not None:
                 sub.full = flat[off:off + n].view(shape)
             elif data and it.pieces is not None:
-                sub.pieces = _sub_pieces(it.pieces, off, n)
+                sub.pieces = sub_pieces(it.pieces, off, n)
             out.append(sub)
         if data:
             it.drop()

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - older torch: one gather per tensor ins
 from . import bucket as _bucket
 from .hostbuf import HostShared
 
-__all__ = ["Pieces", "all_gather", "gather_pieces", "materialize", "Scratch", "fill_bucket",
+__all__ = ["Pieces", "sub_pieces", "all_gather", "gather_pieces", "materialize", "Scratch", "fill_bucket",
            "shared_group", "fill_shared"]
 
 
@@ -48,6 +48,16 @@ class Pieces:
     counts: tuple[int, ...]      # elements per group rank
     group: Any                   # the process group the pieces are gathered over
     rank: int                    # this process's rank in ``group``
+
+
+def sub_pieces(p: Pieces, off: int, n: int) -> Pieces:
+    """Elements ``[off, off + n)`` of a tensor held as `Pieces`: on each rank the part of its
+    piece inside the range (contiguous, possibly empty)."""
+    starts = [sum(p.counts[:r]) for r in range(len(p.counts))]
+    counts = tuple(max(0, min(off + n, a + c) - max(off, a)) for a, c in zip(starts, p.counts))
+    lo = max(off, starts[p.rank]) - starts[p.rank]
+    local = p.local.reshape(-1)
+    return Pieces(local[lo:lo + counts[p.rank]] if counts[p.rank] else local[:0], counts, p.group, p.rank)
 
 
 def all_gather(out: torch.Tensor | list, inp: torch.Tensor | list, group: Any) -> None:

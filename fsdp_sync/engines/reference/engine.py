@@ -3,8 +3,8 @@
 It exists so the whole sync can be run and checked without a GPU or SGLang: one worker process
 per TP rank (a fresh interpreter started by `procs`, which works without a main guard, in a
 notebook, under torchrun / ``accelerate launch`` and in a Ray actor), each holding only its shard of a
-Llama/Qwen2 decoder (`tp_model`) and a preallocated KV cache, driven over `multiprocessing` connections.
-The engine object lives in the caller's process (the trainer's infer-TP rank 0); the workers are
+decoder (`tp_model`: Llama, Qwen2, Qwen3, and MoE families with expert parallelism) and a
+preallocated KV cache, driven over pipes. The engine lives in the caller's process; the workers are
 its children.
 
 Weight updates are all or nothing, in two phases: every worker opens its payloads and checks every
@@ -38,16 +38,12 @@ costs one reply timeout, not more) and `shutdown()` ends it without waiting for 
 `shutdown()` (also on ``with`` exit, garbage collection and interpreter exit) stops every worker
 and closes every pipe; payload buffers are acknowledged by the workers and released by their owner.
 
-The client's generation calls (`rollout`), weight read-back (`readback`) and per-rank update items
-(`update_items`) are in their own modules.
+Not here: the model math (`tp_model`), the worker loop (`worker`), generation calls (`rollout`),
+weight read-back (`readback`) and per-rank update items (`update_items`).
 
-Not here: the model math (`tp_model`) and the worker loop (`worker`).
-
-Why ~690 lines, one module: it is one concept, the engine's side of every protocol call (startup,
-the three update methods, the two-phase rounds and their failure handling), which share the lock,
-the worker set and the broken/transaction state; generation (`rollout`), read-back (`readback`) and
-building update items (`update_items`) already live apart. The next carve, if it grows, is the
-distributed-update calls (init/update/destroy of the weight-update group).
+Why ~690 lines, one module: the engine's side of every protocol call (startup, the update methods,
+the two-phase rounds), sharing the lock, the worker set and the broken/transaction state. The next
+carve, if it grows: the distributed-update calls (init/update/destroy of the update group).
 """
 
 from __future__ import annotations
@@ -108,9 +104,8 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
             broadcast of ``update_weights_from_distributed``) before it gives up: a sender that
             died mid-broadcast costs this long, then the update is refused and the previous
             weights serve. SGLang's own is 30 minutes, not settable.
-        ep_size: expert parallelism of an MoE model inside the TP group (SGLang's ``--ep-size``:
-            ``tp_size / ep_size`` ranks share each group of ``num_experts / ep_size`` experts);
-            1 (default) splits every expert over all TP ranks. See `weights.layout.TPLayout`.
+        ep_size: MoE expert parallelism inside the TP group, as SGLang's ``--ep-size``
+            (`weights.layout.TPLayout`); 1 splits every expert over all TP ranks.
     """
 
     accepts_tagged_payloads = True
@@ -196,8 +191,7 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
         init_method = f"tcp://127.0.0.1:{free_port()}" if self.tp_size > 1 else None
         try:
             for rank in range(self.tp_size):
-                # a fresh interpreter without the launcher's env, not multiprocessing's spawn:
-                # see `procs` (unguarded scripts, notebooks, torchrun, Ray actors)
+                # a fresh interpreter, not multiprocessing's spawn: see `procs`
                 p, parent = procs.start(f"{worker_mod.__name__}:serve",
                                         (rank, self.tp_size, init_method, opts),
                                         name=f"fsdp_sync-engine-tp{rank}")
@@ -239,8 +233,8 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("broken" if getattr(self, "_broken", None) else "running")
-        return (f"ReferenceEngine({self.spec.model_type}, tp={self.tp_size}"
-                f"{f', ep={self.ep_size}' if self.ep_size > 1 else ''}, {self.device}, "
+        ep = f", ep={self.ep_size}" if self.ep_size > 1 else ""
+        return (f"ReferenceEngine({self.spec.model_type}, tp={self.tp_size}{ep}, {self.device}, "
                 f"{str(self.dtype).removeprefix('torch.')}, {state})")
 
     def dead_reason(self) -> str | None:
