@@ -16,6 +16,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _util import shm_segments  # noqa: E402
 
+# rank jobs fork from one server that imported torch/transformers/fsdp_sync once (`cli.launch`):
+# the suite runs dozens of small jobs, and each spawned rank would import them again
+os.environ.setdefault("FSDP_SYNC_RANKS_START", "forkserver")
+
 # Long-lived helpers that torch and multiprocessing start once per process, by design.
 _HELPERS = ("torch_shm_manager", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
 

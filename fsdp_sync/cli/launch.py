@@ -5,6 +5,12 @@ on one machine. Every process group gets a timeout, the whole job gets a deadlin
 fails or hangs takes the whole job down with its traceback: no rank waits forever and no process
 is left behind.
 
+Ranks start as ``spawn`` children (fresh interpreters) by default. ``FSDP_SYNC_RANKS_START=forkserver``
+(the test suite sets it) forks them from one server process that has already imported torch,
+transformers and fsdp_sync (`PRELOAD`): each rank then skips seconds of imports, which adds up over
+a test run of many small jobs. The server holds no process group, thread pool or CUDA context when
+it forks.
+
 It is not a general launcher (no multi-node, no elastic restarts): use torchrun for that; the
 library itself only needs an initialized default process group.
 """
@@ -23,7 +29,22 @@ import torch.multiprocessing as mp
 
 from ..wire import free_port
 
-__all__ = ["run_ranks", "RankError", "spawn_env"]
+__all__ = ["run_ranks", "RankError", "spawn_env", "PRELOAD"]
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "transformers",
+           "transformers.models.qwen2.modeling_qwen2", "fsdp_sync.manager", "fsdp_sync.models",
+           "fsdp_sync.engines"]
+"""What the forkserver imports once, before it forks ranks (``FSDP_SYNC_RANKS_START=forkserver``)."""
+
+
+def _context():
+    how = os.environ.get("FSDP_SYNC_RANKS_START", "spawn")
+    if how not in ("spawn", "forkserver"):
+        raise ValueError(f"FSDP_SYNC_RANKS_START must be 'spawn' or 'forkserver', got {how!r}")
+    ctx = mp.get_context(how)
+    if how == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 class RankError(RuntimeError):
@@ -72,7 +93,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
