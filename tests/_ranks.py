@@ -121,30 +121,35 @@ def lazy_violations(stream) -> list[str]:
 
 
 class CountCollectives:
-    """Count export's all-gathers (the bucketed and per-parameter gathers) and DTensor
-    ``full_tensor()`` calls (the fallback for other placements)."""
+    """Count export's all-gathers (the bucketed and per-parameter gathers), its broadcasts (of
+    tensors one rank holds whole) and DTensor ``full_tensor()`` calls (the fallback for other
+    placements)."""
 
     def __enter__(self):
         from torch.distributed.tensor import DTensor
 
-        self.counts = {"all_gather": 0, "full_tensor": 0}
-        self._ag, self._ft = gather.all_gather, DTensor.full_tensor
+        self.counts = {"all_gather": 0, "broadcast": 0, "full_tensor": 0}
+        self._ag, self._bc, self._ft = gather.all_gather, gather.broadcast, DTensor.full_tensor
 
         def ag(*a, **k):
             self.counts["all_gather"] += 1
             return self._ag(*a, **k)
 
+        def bc(*a, **k):
+            self.counts["broadcast"] += 1
+            return self._bc(*a, **k)
+
         def ft(*a, **k):
             self.counts["full_tensor"] += 1
             return self._ft(*a, **k)
 
-        gather.all_gather, DTensor.full_tensor = ag, ft
+        gather.all_gather, gather.broadcast, DTensor.full_tensor = ag, bc, ft
         return self.counts
 
     def __exit__(self, *exc):
         from torch.distributed.tensor import DTensor
 
-        gather.all_gather, DTensor.full_tensor = self._ag, self._ft
+        gather.all_gather, gather.broadcast, DTensor.full_tensor = self._ag, self._bc, self._ft
 
 
 def state_dict_type_checks(module) -> dict:

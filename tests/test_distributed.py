@@ -301,10 +301,8 @@ def _two_rank_jobs(rank, world):
 
 
 @pytest.fixture(scope="module")
-def two_rank_jobs():
-    from conftest import checked_for_leftovers
-
-    with checked_for_leftovers():
+def two_rank_jobs(leftovers_check):
+    with leftovers_check():
         return run_ranks(_two_rank_jobs, 2, timeout_s=TWO_RANK_DEADLINE, env=spawn_env())
 
 

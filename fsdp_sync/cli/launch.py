@@ -21,6 +21,7 @@ import datetime
 import os
 import pickle
 import queue
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -41,6 +42,8 @@ def _context():
     how = os.environ.get("FSDP_SYNC_RANKS_START", "spawn")
     if how not in ("spawn", "forkserver"):
         raise ValueError(f"FSDP_SYNC_RANKS_START must be 'spawn' or 'forkserver', got {how!r}")
+    if how == "forkserver" and len(tempfile.gettempdir()) > 60:
+        how = "spawn"   # the server's socket (TMPDIR/pymp-*/listener-*) would pass AF_UNIX's 107 bytes
     ctx = mp.get_context(how)
     if how == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - older torch: one gather per tensor ins
 from . import bucket as _bucket
 from .hostbuf import HostShared
 
-__all__ = ["Pieces", "sub_pieces", "all_gather", "gather_pieces", "materialize", "Scratch", "fill_bucket",
+__all__ = ["Pieces", "sub_pieces", "broadcast", "all_gather", "gather_pieces", "materialize", "Scratch", "fill_bucket",
            "shared_group", "fill_shared"]
 
 
@@ -48,6 +48,11 @@ class Pieces:
     counts: tuple[int, ...]      # elements per group rank
     group: Any                   # the process group the pieces are gathered over
     rank: int                    # this process's rank in ``group``
+
+
+def broadcast(t: torch.Tensor, group: Any, src: int) -> None:
+    """``t`` from group rank ``src`` to every rank of ``group`` (in place)."""
+    dist.broadcast(t, group=group, group_src=src)
 
 
 def sub_pieces(p: Pieces, off: int, n: int) -> Pieces:
@@ -100,7 +105,7 @@ def gather_pieces(p: Pieces, shape: tuple[int, ...], dtype: torch.dtype) -> torc
         out = torch.empty(numel, dtype=dtype, device=local.device)
         if p.rank == owner:
             out.copy_(local)
-        dist.broadcast(out, group=p.group, group_src=owner)
+        broadcast(out, p.group, owner)
         return out.view(shape)
     most = max(p.counts)
     if all(c == most for c in p.counts):
@@ -149,7 +154,9 @@ class Scratch:
 
 def gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
                     flat: torch.Tensor, scratch: Scratch, dst: int | None = None) -> None:
-    """All pieces of one bucket over one group, in ONE collective either way. When every entry's
+    """All pieces of one bucket over one group. Entries one rank holds whole (an expert cut from a
+    fused tensor, an FSDP1 parameter inside one rank's chunk) are broadcast from it, one broadcast
+    per run of them (`_broadcast_owned`); the rest in ONE collective either way. When every entry's
     pieces are equal on every rank: one coalesced all-gather straight into the entries' places in
     ``flat`` (no copies of ours; on 2 CPU ranks this took a 650 MB export from 1.37 s to 0.99 s).
     Otherwise (uneven ``torch.chunk`` splits, flat-parameter padding): pack this rank's (cast)
@@ -235,7 +242,7 @@ def _broadcast_owned(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]]
         else:
             runs.append([owner, entry.start, entry.end])
     for owner, a, b in runs:
-        dist.broadcast(flat[a:b], group=group, group_src=owner)
+        broadcast(flat[a:b], group, owner)
     return rest
 
 
