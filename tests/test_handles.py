@@ -400,3 +400,41 @@ def test_shm_manager_does_not_hold_the_ranks_connections():
     for r, res in enumerate(results):
         assert res["managers"] == 1 and res["ours"] > 0, (r, res)
         assert res["shared"] == [], (r, res)
+
+
+def test_dead_shm_manager_dirs_are_removed_and_live_ones_kept(tmp_path):
+    """Issue 21 item 14: a killed ``torch_shm_manager`` (Ray kills a worker's children) leaves its
+    ``torch-shm-dir-*`` behind; the next process of ours that makes shared memory removes the dead
+    ones (socket refusing, or empty for a minute) and nothing else."""
+    import socket
+    import time
+
+    from fsdp_sync.weights.shm import remove_dead_manager_dirs
+
+    def sock_dir(name: str, listen: bool):
+        d = tmp_path / name
+        d.mkdir()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(d / "manager.sock"))
+        if listen:
+            s.listen(1)
+            return s
+        s.close()                      # the file stays, nothing listens: a killed manager
+        return None
+
+    sock_dir("torch-shm-dir-killed", listen=False)
+    live = sock_dir("torch-shm-dir-live", listen=True)
+    old_empty, new_empty, other = (tmp_path / n for n in ("torch-shm-dir-old", "torch-shm-dir-new", "torch-shm-dir-x"))
+    for d in (old_empty, new_empty, other):
+        d.mkdir()
+    (other / "something").write_text("not torch's")
+    os.utime(old_empty, (time.time() - 120, time.time() - 120))
+    unrelated = tmp_path / "pymp-abc"
+    unrelated.mkdir()
+    try:
+        removed = remove_dead_manager_dirs(str(tmp_path))
+        assert sorted(os.path.basename(d) for d in removed) == ["torch-shm-dir-killed", "torch-shm-dir-old"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["pymp-abc", "torch-shm-dir-live", "torch-shm-dir-new",
+                                                             "torch-shm-dir-x"]
+    finally:
+        live.close()

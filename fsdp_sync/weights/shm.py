@@ -26,7 +26,7 @@ from torch.multiprocessing import reductions as _red
 
 __all__ = ["HandleError", "check_segment", "map_segment", "mapped_handle", "add_reference",
            "add_torch_reference", "take_back", "refcount_lock", "keep_sockets_from_shm_manager",
-           "start_shm_manager_detached"]
+           "start_shm_manager_detached", "remove_dead_manager_dirs"]
 
 
 class HandleError(RuntimeError):
@@ -62,7 +62,52 @@ def keep_sockets_from_shm_manager() -> None:
                 os.set_inheritable(fd, False)
         except OSError:
             continue            # closed meanwhile (e.g. the listing's own descriptor)
+    remove_dead_manager_dirs()
     start_shm_manager_detached()
+
+
+def remove_dead_manager_dirs(root: str | None = None, min_age_s: float = 60.0) -> list[str]:
+    """Remove the ``torch-shm-dir-*`` directories of dead ``torch_shm_manager``s of this user in
+    the temp directory; returns what was removed.
+
+    A manager removes its directory when it exits, but not when it is killed: Ray kills a worker's
+    child processes when the worker exits (``RAY_kill_child_processes_on_worker_exit``), so every
+    verl rollout worker that used shared memory left one behind (issue 21 item 14). A directory is
+    dead when its ``manager.sock`` refuses a connection (nothing listens: a live manager listens
+    until it exits), or when it has been empty for ``min_age_s`` (a starting manager creates its
+    directory a moment before its socket). Called once per process, before this process starts
+    its own manager."""
+    import glob
+    import socket
+    import tempfile
+    import time
+
+    removed = []
+    for d in glob.glob(os.path.join(root or tempfile.gettempdir(), "torch-shm-dir-*")):
+        try:
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            names = os.listdir(d)
+            if not names:
+                if time.time() - st.st_mtime < min_age_s:
+                    continue
+            else:
+                if names != ["manager.sock"]:
+                    continue     # not the shape torch leaves: not ours to judge
+                sock = os.path.join(d, "manager.sock")
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                    try:
+                        c.connect(sock)
+                        continue                    # a live manager
+                    except ConnectionRefusedError:
+                        pass
+                os.unlink(sock)
+            os.rmdir(d)
+            removed.append(d)
+        except OSError:
+            continue             # gone meanwhile, not ours, or not empty after all
+    return removed
 
 
 def start_shm_manager_detached() -> None:
