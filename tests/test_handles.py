@@ -403,38 +403,51 @@ def test_shm_manager_does_not_hold_the_ranks_connections():
 
 
 def test_dead_shm_manager_dirs_are_removed_and_live_ones_kept(tmp_path):
-    """Issue 21 item 14: a killed ``torch_shm_manager`` (Ray kills a worker's children) leaves its
-    ``torch-shm-dir-*`` behind; the next process of ours that makes shared memory removes the dead
-    ones (socket refusing, or empty for a minute) and nothing else."""
+    """Issue 21 item 14: a killed ``torch_shm_manager`` or multiprocessing listener (Ray kills a
+    worker's children) leaves its socket directory behind; the next process of ours that makes
+    shared memory removes the dead ones (only refusing sockets, or an old empty torch one) and
+    nothing else."""
     import socket
     import time
 
     from fsdp_sync.weights.shm import remove_dead_manager_dirs
 
-    def sock_dir(name: str, listen: bool):
+    live = []
+
+    def sock_dir(name: str, sock: str, listen: bool) -> None:
         d = tmp_path / name
-        d.mkdir()
+        d.mkdir(exist_ok=True)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(str(d / "manager.sock"))
+        s.bind(str(d / sock))
         if listen:
             s.listen(1)
-            return s
-        s.close()                      # the file stays, nothing listens: a killed manager
-        return None
+            live.append(s)
+        else:
+            s.close()                  # the file stays, nothing listens: a killed owner
 
-    sock_dir("torch-shm-dir-killed", listen=False)
-    live = sock_dir("torch-shm-dir-live", listen=True)
-    old_empty, new_empty, other = (tmp_path / n for n in ("torch-shm-dir-old", "torch-shm-dir-new", "torch-shm-dir-x"))
-    for d in (old_empty, new_empty, other):
-        d.mkdir()
-    (other / "something").write_text("not torch's")
-    os.utime(old_empty, (time.time() - 120, time.time() - 120))
-    unrelated = tmp_path / "pymp-abc"
-    unrelated.mkdir()
+    sock_dir("torch-shm-dir-killed", "manager.sock", listen=False)
+    sock_dir("torch-shm-dir-live", "manager.sock", listen=True)
+    sock_dir("pymp-killed", "listener-a", listen=False)
+    sock_dir("pymp-killed", "listener-b", listen=False)
+    sock_dir("pymp-half", "listener-a", listen=False)
+    sock_dir("pymp-half", "listener-b", listen=True)
+    for n in ("torch-shm-dir-old", "torch-shm-dir-new", "torch-shm-dir-x", "pymp-empty", "pymp-x"):
+        (tmp_path / n).mkdir()
+    (tmp_path / "torch-shm-dir-x" / "something").write_text("not torch's")
+    (tmp_path / "pymp-x" / "listener-z").write_text("not a socket")
+    sock_dir("pymp-young", "listener-a", listen=False)          # just bound: may not listen yet
+    old = time.time() - 120
+    for d in tmp_path.iterdir():
+        for f in [d, *d.iterdir()]:
+            if "young" not in str(f) and "new" not in str(f):
+                os.utime(f, (old, old), follow_symlinks=False)
     try:
         removed = remove_dead_manager_dirs(str(tmp_path))
-        assert sorted(os.path.basename(d) for d in removed) == ["torch-shm-dir-killed", "torch-shm-dir-old"]
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["pymp-abc", "torch-shm-dir-live", "torch-shm-dir-new",
+        assert sorted(os.path.basename(d) for d in removed) == ["pymp-killed", "torch-shm-dir-killed",
+                                                                "torch-shm-dir-old"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["pymp-empty", "pymp-half", "pymp-x", "pymp-young",
+                                                             "torch-shm-dir-live", "torch-shm-dir-new",
                                                              "torch-shm-dir-x"]
     finally:
-        live.close()
+        for s in live:
+            s.close()
