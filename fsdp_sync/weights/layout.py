@@ -379,6 +379,13 @@ class TPLayout:
         self.__dict__["_engine_shapes"] = out
         return dict(out)
 
+    def engine_name(self, name: str) -> str:
+        """The engine parameter HF tensor ``name`` lands in, on every rank that holds a piece of it
+        (``qkv_proj.weight`` for ``q_proj.weight``, ``experts.w13_weight`` for an expert's gate)."""
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        return self._kinds[name][1]
+
     def engine_covers(self, engine_name: str, rank: int = 0) -> list[str]:
         """HF names an engine parameter on ``rank`` is built from (a whole engine param counts as
         all of them)."""

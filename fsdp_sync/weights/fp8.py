@@ -1,0 +1,222 @@
+"""Block-wise FP8 as SGLang loads a block-FP8 checkpoint (``quantization_config: {quant_method: fp8,
+weight_block_size: [128, 128]}``): which Hugging Face tensors are quantized, and the quantizer.
+
+A quantized linear weight ``[N, K]`` travels as ``weight`` (``float8_e4m3fn``, same shape) plus
+``weight_scale_inv`` (``float32`` ``[ceil(N/128), ceil(K/128)]``, one per block, the edge blocks
+partial), and ``weight ~= q * scale_inv`` block by block.
+
+The convention is SGLang 0.5.23's own block quantizer,
+``sglang/srt/layers/quantization/mxfp8_block_convert.py:bf16_to_block_fp8_128`` ("the DeepSeek-V3
+block-fp8 contract"), followed bit for bit:
+
+- the weight is converted to float32 and zero-padded up to whole blocks (padding never raises a
+  block's amax, so the edge blocks are scaled by their real values only);
+- ``amax`` per block in float32, clamped to at least ``1e-4`` (DeepGEMM's floor: an all-zero block
+  gets ``scale_inv = float32(1e-4) / 448``, a block of tiny values is scaled as if its amax were
+  1e-4, so values far below that round to zero);
+- ``scale_inv = amax / 448`` (float32 division; no power-of-two rounding: the UE8M0 variant,
+  ``fp8_utils.per_block_cast_to_fp8``, is DeepGEMM's requantization, not the checkpoint format);
+- ``q = (x / scale_inv).to(float8_e4m3fn)``: a float32 division, then torch's cast, which rounds to
+  nearest, ties to even (``|x / scale_inv| <= 448`` up to one float32 rounding, which the cast
+  rounds back to 448, so nothing saturates);
+- NaN and Inf are refused, naming the tensor (a block's amax would be NaN/Inf and the whole block
+  lost).
+
+Dequantization is ``fp8_utils.block_quant_dequant``: the scale repeated over its block, cut to the
+weight's shape, multiplied in float32.
+
+Which tensors: SGLang builds the layers these families use with ``Fp8LinearMethod`` when they are a
+``LinearBase`` made with the model's quant config, and ``Fp8MoEMethod`` for ``FusedMoE``
+(``Fp8Config.get_quant_method``): ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj`` (the
+dense MLP and Qwen2-MoE's shared expert) and the routed experts (``w13_weight``/``w2_weight``).
+Embeddings and the lm_head (``VocabParallelEmbedding``, no Fp8 method), norms, biases, the router
+``gate`` (its ``ReplicatedLinear`` gets ``quant_config=None`` in ``qwen2_moe``/``mixtral``, and
+``qwen3_moe`` passes it only for ModelSlim) and ``shared_expert_gate`` (``quant_config=None``) stay
+in the rollout dtype. A checkpoint's ``ignored_layers`` / ``modules_to_not_convert`` are honoured
+as SGLang's ``is_layer_skipped`` matches them (on dotted module-path boundaries).
+
+Not here: moving the tensors (export, buckets, transports) or loading them (engines).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from fsdp_sync.weights.layout import Placement, TPLayout
+
+__all__ = ["BLOCK", "FP8_MAX", "AMAX_FLOOR", "scale_shape", "scale_name", "quantize_block",
+           "dequantize_block", "is_quantized", "quantized_names", "check_block_shapes",
+           "scale_placement"]
+
+BLOCK = (128, 128)
+"""SGLang's ``weight_block_size`` for block FP8 (rows, cols)."""
+FP8_MAX = 448.0
+"""The largest finite ``float8_e4m3fn`` value."""
+AMAX_FLOOR = 1e-4
+"""A block's amax is clamped to at least this (SGLang's and DeepGEMM's ``clamp(min=1e-4)``)."""
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+# SGLang's parameters that an Fp8 quant method owns: its fused linears and FusedMoE's two weights
+_QUANTIZED_ENGINE = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "gate_up_proj.weight",
+                     "down_proj.weight", "experts.w13_weight", "experts.w2_weight")
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
+    """The ``weight_scale_inv`` shape of a weight of ``shape`` (leading dims kept: ``[E, N, K]``
+    experts get ``[E, ceil(N/bn), ceil(K/bk)]``)."""
+    *lead, n, k = shape
+    return (*lead, math.ceil(n / block[0]), math.ceil(k / block[1]))
+
+
+def scale_name(name: str) -> str:
+    """``...proj.weight`` -> ``...proj.weight_scale_inv`` (the name SGLang's loader looks for)."""
+    if not name.endswith(".weight"):
+        raise ValueError(f"a quantized tensor's name ends with '.weight', got {name!r}")
+    return name + "_scale_inv"
+
+
+def _check(name: str, w: torch.Tensor, block: tuple[int, int]) -> None:
+    if w.dim() not in (2, 3):
+        raise ValueError(f"expected a 2-D weight (or 3-D [experts, rows, cols]) for {name!r}, "
+                         f"got shape {tuple(w.shape)}")
+    if w.dtype not in _FLOATS:
+        raise ValueError(f"expected dtype bfloat16, float16 or float32 for {name!r}, got "
+                         f"{str(w.dtype).removeprefix('torch.')}")
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"expected a block of two positive sizes, got {block!r}")
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"cannot quantize {name!r} to fp8: {int(bad.sum())} of {w.numel()} values "
+                         f"are NaN or Inf (first at {where}: {w[where].item()})")
+
+
+def quantize_block(name: str, w: torch.Tensor,
+                   block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale_inv)`` of weight ``w`` (``name`` is for errors): ``q`` float8_e4m3fn of ``w``'s
+    shape, ``scale_inv`` float32 `scale_shape`, on ``w``'s device, bit for bit SGLang's
+    ``bf16_to_block_fp8_128`` (see the module docstring). ``w``: 2-D, or 3-D for stacked experts
+    (each ``[N, K]`` matrix blocked on its own)."""
+    _check(name, w, block)
+    bn, bk = block
+    *lead, n, k = w.shape
+    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
+    x = w.to(torch.float32).reshape(-1, n, k)
+    if (nb * bn, kb * bk) != (n, k):           # zero-pad the edge blocks, as SGLang does
+        x = torch.nn.functional.pad(x, (0, kb * bk - k, 0, nb * bn - n))
+    xv = x.view(-1, nb, bn, kb, bk)
+    sf = xv.abs().amax(dim=(2, 4), keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    q = (xv / sf).to(torch.float8_e4m3fn).view(-1, nb * bn, kb * bk)[:, :n, :k]
+    return q.reshape(*lead, n, k).contiguous(), sf.reshape(*lead, nb, kb).contiguous()
+
+
+def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                     block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """``q * scale_inv`` block by block, in float32, then cast to ``dtype``: SGLang's
+    ``fp8_utils.block_quant_dequant`` (leading dims of both tensors kept)."""
+    *_, n, k = q.shape
+    if tuple(scale_inv.shape) != scale_shape(tuple(q.shape), block):
+        raise ValueError(f"expected scale_inv of shape {scale_shape(tuple(q.shape), block)} for a weight "
+                         f"of shape {tuple(q.shape)} in blocks {tuple(block)}, got {tuple(scale_inv.shape)}")
+    s = scale_inv.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :n, :k]
+    return (q.to(torch.float32) * s).to(dtype)
+
+
+def _module_match(ignored: str, module: str) -> bool:
+    """SGLang's ``_module_path_match``: equal, a parent module, or a run of whole dotted parts."""
+    ignored, module = ignored.rstrip("."), module.rstrip(".")
+    return ignored == module or module.startswith(ignored + ".") or f".{ignored}." in f".{module}."
+
+
+def is_quantized(name: str, layout: TPLayout, ignored: Iterable[str] = ()) -> bool:
+    """Whether HF tensor ``name`` travels as FP8 (``weight`` + ``weight_scale_inv``): a weight
+    whose engine parameter belongs to a layer SGLang builds with an Fp8 method (see the module
+    docstring), unless ``ignored`` (the checkpoint's ``ignored_layers`` / ``modules_to_not_convert``)
+    skips its layer as SGLang's ``is_layer_skipped`` does: a linear by its checkpoint module names
+    (``q_proj``: an entry ``qkv_proj`` skips nothing), a layer's experts by their FusedMoE prefix
+    (``mlp.experts``) or by any entry naming experts that contains it."""
+    if not layout.accepts(name) or not name.endswith(".weight"):
+        return False
+    engine = layout.engine_name(name)
+    if not engine.endswith(_QUANTIZED_ENGINE):
+        return False
+    if engine.endswith(("experts.w13_weight", "experts.w2_weight")):
+        # one FusedMoE per layer, matched by its own prefix, or skipped whole when an entry that
+        # names experts contains that prefix (one expert's name in the list skips them all)
+        moe = engine.rsplit(".", 1)[0]
+        return not any(_module_match(i, moe) or ("experts" in i and moe in i) for i in ignored)
+    # a linear (fused or not) is matched by its checkpoint names: q_proj, not qkv_proj
+    return not any(_module_match(i, name.removesuffix(".weight")) for i in ignored)
+
+
+def quantized_names(layout: TPLayout, ignored: Iterable[str] = ()) -> list[str]:
+    """The HF tensors of ``layout`` that travel as FP8, in `TPLayout.hf_names` order. Refuses an
+    ``ignored`` list that skips some but not all tensors of one fused parameter (q/k/v, gate/up,
+    one layer's experts), as SGLang's ``is_layer_skipped`` does."""
+    ignored = tuple(ignored)
+    names = [n for n in layout.hf_names() if is_quantized(n, layout, ignored)]
+    if ignored:
+        fused: dict[str, list[str]] = {}
+        for n in layout.hf_names():
+            fused.setdefault(layout.engine_name(n), []).append(n)
+        kept = set(names)
+        for engine, parts in fused.items():
+            part = [n for n in parts if n in kept]
+            if part and len(part) < len([n for n in parts if n.endswith(".weight")]):
+                raise ValueError(f"ignored layers {list(ignored)} skip some but not all tensors of {engine!r} "
+                                 f"(quantized: {part[:3]}); all shards of a fused layer have one precision")
+    return names
+
+
+def check_block_shapes(layout: TPLayout, block: tuple[int, int] = BLOCK) -> None:
+    """Refuse a layout SGLang's block FP8 refuses (``Fp8LinearMethod.validate_block_quant_shapes``,
+    ``Fp8MoEMethod.create_weights``), so that no TP or EP split cuts a block and each rank's
+    ``weight_scale_inv`` is whole blocks of the full one:
+
+    - every output partition of a fused column-parallel linear (this rank's q, k, v rows; gate and
+      up rows; the shared expert's too) is a multiple of ``block[0]``, at any TP size;
+    - at TP > 1 the row-parallel ``o_proj`` / ``down_proj`` input slice is a multiple of ``block[1]``;
+    - each expert's intermediate slice is a multiple of ``block[0]``, and of ``block[1]`` when the
+      experts are split over more than one rank (``tp / ep > 1``)."""
+    s, t, (bn, bk) = layout.spec, layout.tp, block
+    d = s.head_dim
+    cols = [("q_proj rows per rank", layout.q_local * d), ("k_proj/v_proj rows per rank", layout.kv_local * d)]
+    rows = [("o_proj input per rank (heads / tp * head_dim)", layout.q_local * d, t)]   # (what, size, split)
+    if len(s.moe_layers) < s.num_layers:
+        cols.append(("gate_proj/up_proj rows per rank (intermediate_size / tp)", layout.inter_local))
+        rows.append(("down_proj input per rank (intermediate_size / tp)", layout.inter_local, t))
+    if s.shared_expert_intermediate_size:
+        cols.append(("shared expert rows per rank", layout.shared_local))
+        rows.append(("shared expert down_proj input per rank", layout.shared_local, t))
+    if s.num_experts:
+        cols.append(("expert rows per rank (moe_intermediate_size / (tp / ep))", layout.moe_inter_local))
+        rows.append(("expert down_proj input per rank", layout.moe_inter_local, layout.moe_tp))
+    bad = [f"{what} = {v} is not a multiple of block {bn}" for what, v in cols if v % bn]
+    bad += [f"{what} = {v} is not a multiple of block {bk}" for what, v, split in rows if split > 1 and v % bk]
+    if bad:
+        raise ValueError(f"block FP8 {list(block)} at tp {t}, ep {layout.ep} ({s.model_type}): "
+                         + "; ".join(bad))
+
+
+def _in_blocks(sl: slice, b: int) -> slice:
+    start, stop = sl.start or 0, sl.stop
+    if start % b:
+        raise ValueError(f"a block-FP8 piece starts at {start}, not a multiple of block {b} "
+                         f"(check_block_shapes refuses such a split)")
+    return slice(start // b, None if stop is None else -(-stop // b))
+
+
+def scale_placement(pl: Placement, block: tuple[int, int] = BLOCK) -> Placement:
+    """The ``weight_scale_inv`` piece that goes with weight placement ``pl`` (`TPLayout.placements`):
+    the same rows and columns counted in blocks, into ``<engine>_scale_inv``. Exact because no split
+    cuts a block (`check_block_shapes`); a piece ending at a partial edge block keeps that block."""
+    src = tuple(_in_blocks(s, block[i]) for i, s in enumerate(pl.src))
+    if pl.dst and isinstance(pl.dst[0], int):        # (expert, rows[, cols]) of a fused 3-D parameter
+        dst = (pl.dst[0], *(_in_blocks(s, block[i]) for i, s in enumerate(pl.dst[1:])))
+    else:
+        dst = tuple(_in_blocks(s, block[i]) for i, s in enumerate(pl.dst))
+    return Placement(pl.engine + "_scale_inv", dst, src, pl.owner)
