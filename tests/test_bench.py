@@ -158,3 +158,54 @@ def test_writing_a_disk_file_allocates_no_second_bucket(tmp_path):
     back = load_file(str(tmp_path / "f.safetensors"))
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
     assert peak < 1 << 20, f"writing an 8 MiB bucket allocated {peak / 2**20:.1f} MiB more in Python"
+
+
+@pytest.mark.timeout(120)
+def test_bench_moe_at_ep_2_cuts_each_engine_rank_its_experts(tmp_path):
+    """Issue 24 item 7: `--ep` reaches the engine and the layout figures; a fused-expert model
+    is synced expert by expert, so the budget's largest tensor is an exported (per-expert) one."""
+    import torch
+
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights.export import param_metas
+    from fsdp_sync.weights.layout import layout_for
+
+    out = tmp_path / "moe.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny-qwen3-moe", "--methods", "tensor",
+         "--strategies", "flattened", "--layout", "engine", "--ranks", "2", "--tp", "2", "--ep", "2",
+         "--bucket-mb", "1", "--repeats", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg = load_config("tiny-qwen3-moe")
+    metas = param_metas(build_model(cfg, seed=0), torch.float32)
+    assert not any(m.name.endswith(("experts.gate_up_proj", "experts.down_proj")) for m in metas)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["ep"], row["layout"], row["exported_tensors"]) == (2, "engine", len(metas))
+    assert row["exported_tensors"] > row["tensors"]          # 8 experts x 3 projections per MoE layer
+    assert row["engine_rank_bytes_in"] == row["engine_rank_shard_bytes"] \
+        == layout_for(cfg, 2, 2).engine_bytes(4)
+    assert row["largest_tensor_bytes"] == max(m.nbytes for m in metas)
+    assert row["memory_budget_bytes"] == 2 * row["bucket_bytes"] + row["largest_tensor_bytes"]
+
+
+def test_moe_bench_recipe_size_and_its_largest_tensor_is_not_a_fused_expert():
+    """qwen3-moe-150m: 100-200 M parameters, every layer MoE; its budget's largest tensor is the
+    embedding, and an expert's largest exported slice is 1/E of the fused parameter it comes from."""
+    import torch
+
+    from fsdp_sync.models import build_model, count_params, load_config
+    from fsdp_sync.weights.export import param_metas
+
+    cfg = load_config("qwen3-moe-150m")
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.mlp_only_layers,
+            cfg.tie_word_embeddings) == (16, 2, True, [], False)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    params, _ = count_params(model)
+    assert 100e6 <= params <= 200e6
+    metas = param_metas(model, torch.float32)
+    assert max(metas, key=lambda m: m.nbytes).name == "model.embed_tokens.weight"
+    fused = max(p.numel() * 4 for n, p in model.named_parameters() if "experts" in n)
+    expert = max(m.nbytes for m in metas if ".experts." in m.name)
+    assert expert * cfg.num_experts * 2 == fused          # gate_up_proj: [E, 2 I, H] -> E x ([I, H], [I, H])

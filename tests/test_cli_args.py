@@ -37,6 +37,9 @@ BAD = [
     ("bench --preset quick --recipe targets", ["--recipe", "--preset"]),
     ("bench --preset nope", ["--preset", "quick, targets"]),
     ("bench --preset quick --ranks 3", ["--ranks", "--tp"]),
+    ("bench --ep 3", ["--ep", "--tp", "divide"]),
+    ("bench --models tiny --ep 2", ["--ep 2", "no experts"]),
+    ("bench --models tiny-qwen3-moe --ranks 4 --tp 4 --ep 4,3", ["--ep", "--tp", "divide"]),
     ("soak --warmup -1", ["--warmup", "integer >= 0", "'-1'"]),
     ("soak --syncs 0", ["--syncs", "positive integer"]),
     # serve (issue 21 item 8): each used to be a traceback, often after the workers started

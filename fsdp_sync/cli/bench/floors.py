@@ -153,7 +153,7 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
     model_bytes = sum(m.nbytes for m in param_metas(model, dtype))
     extra = dict(stats.extra)
     layout = extra.get("layout", "full")
-    shard = layout_for(cfg, job.tp).engine_bytes(dtype.itemsize)
+    shard = layout_for(cfg, job.tp, job.ep).engine_bytes(dtype.itemsize)
     world = dist.get_world_size()
     if layout == "engine":
         engine_in = int(extra["engine_rank_bytes_in"])

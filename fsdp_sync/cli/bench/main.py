@@ -1,7 +1,8 @@
 """`fsdp-sync bench`: where every second and byte of a sync goes, beside a floor and a baseline.
 
 A sweep (from flags, a recipe: a name from ``fsdp_sync/recipes/memory_tuning/`` or a YAML path, or ``--preset targets``) is split
-into jobs, one per (model, ranks, tp, device, multi-stage) group; each job stands up the trainer
+into jobs, one per (model, ranks, tp, ep, device, multi-stage) group (``ep``: the engine's MoE
+expert-parallel size inside its TP group, 1 for dense models); each job stands up the trainer
 ranks (FSDP2) and a colocated `ReferenceEngine` once, then measures every (strategy, bucket size)
 row of the group:
 
@@ -108,7 +109,7 @@ def sweep_recipe(text: str) -> str:
 # list-valued keys of a bench recipe and what each item is (a scalar counts as a one-item list)
 _FIELD_KINDS = {"models": _of(str, "a model name"), "strategies": _of(str, "a strategy name"),
                 "bucket_mb": _of(float, "a number of MiB"), "ranks": _of(int, "an integer"),
-                "tp": _of(int, "an integer"), "multi_stage": _of(bool, "true or false"),
+                "tp": _of(int, "an integer"), "ep": _of(int, "an integer"), "multi_stage": _of(bool, "true or false"),
                 "share_host_memory": _of(bool, "true or false"), "methods": _of(str, "a method name"),
                 "layouts": _of(str, "a layout name"), "pipelined": _of(bool, "true or false")}
 
@@ -120,6 +121,7 @@ class BenchSpec:
     bucket_mb: tuple[float, ...] = (64.0,)
     ranks: tuple[int, ...] = (2,)
     tp: tuple[int, ...] = (2,)
+    ep: tuple[int, ...] = (1,)              # the engine's expert-parallel size (MoE models)
     multi_stage: tuple[bool, ...] = (True,)
     share_host_memory: tuple[bool, ...] = (True,)
     device: str = "cpu"
@@ -152,6 +154,9 @@ class BenchSpec:
         for r, t in itertools.product(self.ranks, self.tp):
             if r % t:
                 raise ValueError(f"ranks ({r}) must be a multiple of tp ({t}) (--ranks, --tp)")
+        for t, e in itertools.product(self.tp, self.ep):
+            if e < 1 or t % e:
+                raise ValueError(f"ep ({e}) must be >= 1 and divide tp ({t}) (--ep, --tp; SGLang's rule)")
         if any(b <= 0 for b in self.bucket_mb):
             raise ValueError(f"bucket sizes must be positive, got {self.bucket_mb}")
 
@@ -187,8 +192,9 @@ class BenchSpec:
         return [Job(model=m, ranks=r, tp=t, multi_stage=ms, device=self.device, dtype=self.dtype,
                     strategies=self.strategies, bucket_mb=self.bucket_mb, repeats=self.repeats,
                     warmup=self.warmup, share_host_memory=self.share_host_memory, methods=self.methods,
-                    layouts=self.layouts, pipelined=self.pipelined)
-                for m, r, t, ms in itertools.product(self.models, self.ranks, self.tp, self.multi_stage)]
+                    layouts=self.layouts, pipelined=self.pipelined, ep=e)
+                for m, r, t, e, ms in itertools.product(self.models, self.ranks, self.tp, self.ep,
+                                                        self.multi_stage)]
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,7 @@ class Job:
     methods: tuple[str, ...] = ("tensor",)
     layouts: tuple[str, ...] = ("auto",)
     pipelined: tuple[bool, ...] = (True,)
+    ep: int = 1
 
 
 # --------------------------------------------------------------------------- one job on N ranks
@@ -235,8 +242,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     topo = SyncTopology.from_mesh(mesh)
     dtype = getattr(torch, job.dtype)
     colocated = "tensor" in job.methods
-    engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype) \
-        if topo.is_tp_src and colocated else None
+    engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, ep_size=job.ep, device=job.device,
+                             dtype=dtype) if topo.is_tp_src and colocated else None
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())
     progress = _Progress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
@@ -310,13 +317,19 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         r["method"] = "tensor"
         r["baseline_seconds"] = baseline
         r["speedup_vs_baseline"] = (baseline / r["seconds"]) if baseline else None
+    metas = param_metas(model, dtype)
     if any(m != "tensor" for m in job.methods):
         from .methods import method_rows
 
-        largest = max(m.nbytes for m in param_metas(model, dtype))
+        largest = max(m.nbytes for m in metas)
         for method in job.methods:
             if method != "tensor":
                 rows.extend(method_rows(rank, world, job, model, cfg, params, tensors, method, pids, largest))
+    for r in rows:
+        # ``tensors`` counts the module's parameters; a fused MoE expert parameter is exported
+        # as one tensor per expert and projection, so a sync moves more tensors than that
+        r["exported_tensors"] = len(metas)
+        r["ep"] = job.ep
     return {"rows": rows}
 
 
@@ -354,7 +367,8 @@ class _Progress:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(TextColumn(f"[bold]bench[/] {job.model} r{job.ranks} tp{job.tp} "
+        ep = f" ep{job.ep}" if job.ep > 1 else ""
+        self.bar = Progress(TextColumn(f"[bold]bench[/] {job.model} r{job.ranks} tp{job.tp}{ep} "
                                        f"ms={'on' if job.multi_stage else 'off'}"), BarColumn(),
                             MofNCompleteColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                             transient=True)
@@ -404,7 +418,7 @@ def _machine() -> dict:
 
 # flag dest -> BenchSpec key: a flag given with --preset or --recipe overrides that key
 _FLAG_KEYS = {"models": "models", "strategies": "strategies", "bucket_mb": "bucket_mb",
-              "ranks": "ranks", "tp": "tp", "multi_stage": "multi_stage",
+              "ranks": "ranks", "tp": "tp", "ep": "ep", "multi_stage": "multi_stage",
               "share_host_memory": "share_host_memory", "device": "device", "dtype": "dtype",
               "repeats": "repeats", "methods": "methods", "layout": "layouts"}
 
@@ -442,6 +456,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--ranks", type=ca.csv_of(ca.positive_int), default="2",
                    help="comma-separated trainer rank counts (each a multiple of every --tp)")
     p.add_argument("--tp", type=ca.csv_of(ca.positive_int), default="2", help="comma-separated engine TP sizes")
+    p.add_argument("--ep", type=ca.csv_of(ca.positive_int), default="1",
+                   help="comma-separated engine expert-parallel sizes inside the TP group (MoE models: "
+                        "SGLang's --ep-size; each divides every --tp and the model's number of experts)")
     p.add_argument("--multi-stage", type=ca.csv_of(ca.on_off), default="on", help="comma-separated: on, off")
     p.add_argument("--share-host-memory", type=ca.csv_of(ca.on_off), default="on",
                    help="comma-separated: on, off (flattened only: host-shared buckets instead of an all-gather)")
@@ -485,6 +502,15 @@ def spec_from_args(args, given: set[str] | None = None) -> BenchSpec:
 def check_bench_args(args, given: set[str]) -> None:
     """Cross-flag checks before anything starts (ValueError names the flags); keeps the spec."""
     args.spec = spec_from_args(args, given)
+    if any(e > 1 for e in args.spec.ep):
+        from ...models import load_config
+        from ...weights.layout import layout_for
+
+        for model, t, e in itertools.product(args.spec.models, args.spec.tp, args.spec.ep):
+            try:
+                layout_for(load_config(model), t, e)   # an MoE model whose experts split this way
+            except ValueError as exc:
+                raise ValueError(f"--ep {e}: {exc}") from None
     if args.spec.device == "cuda":
         from ..args import device
 
@@ -510,7 +536,8 @@ def cmd_bench(args) -> int:
             console.print(f"{r['method']}: skipped ({r['skipped']})")
             continue
         table.add_row(r["strategy"] + (f" ({r['layout']})" if r.get("layout") else ""), r["model"], f"{r['params'] / 1e6:.1f}M", str(r["tensors"]),
-                      f"{r['bytes'] / MiB:.0f}", f"{r['bucket_bytes'] / MiB:g}", str(r["ranks"]), str(r["tp"]),
+                      f"{r['bytes'] / MiB:.0f}", f"{r['bucket_bytes'] / MiB:g}", str(r["ranks"]),
+                      str(r["tp"]) + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""),
                       "on" if r["multi_stage"] else "off", "yes" if r.get("share_host_memory") else "no",
                       f"{r['seconds']:.3f}", f"{r['floor_seconds']:.3f}",
                       f"{r['seconds'] / r['floor_seconds']:.2f}",

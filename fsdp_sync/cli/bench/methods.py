@@ -95,6 +95,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     from ...config import SyncConfig
     from ...engines import ReferenceEngine
     from ...manager import FSDPShardingManager
+    from ...weights.layout import layout_for
 
     dtype = getattr(torch, job.dtype)
     if method == "disk":
@@ -102,8 +103,11 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
             from ...transport.disk import disk_floor  # noqa: F401
         except ImportError:
             return [{"method": "disk", "skipped": "this build has no disk method"}] if rank == 0 else []
-    engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype) \
-        if rank == 0 else None
+    engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, ep_size=job.ep, device=job.device,
+                             dtype=dtype) if rank == 0 else None
+    # one engine rank's shard, beside what a disk row's engine rank read (the full layout's rows
+    # carry no layout figures of their own: the workers slice their parts out of the HF files)
+    shard = layout_for(cfg, job.tp, job.ep).engine_bytes(dtype.itemsize)
     rows: list[dict] = []
     try:
         # distributed: the flattened format per bucket size and layout (job.layouts; per-rank rows
@@ -170,6 +174,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 if rank == 0:
                     rows.append(_row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med,
                                      floor, manager, sampler, largest))
+                    rows[-1].setdefault("engine_rank_shard_bytes", shard)
                     if lay is not None:
                         rows[-1].update(lay)
                         if lay["layout"] == "engine":

@@ -39,7 +39,8 @@ def _verify_rank(rank: int, world: int, job: dict) -> list[dict]:
     opt = torch.optim.SGD(module.parameters(), lr=1e-3)
     mesh = make_mesh(world // job["tp"], job["tp"], "cpu")
     holds = SyncTopology.from_mesh(mesh).is_tp_src
-    engine = ReferenceEngine(model_config=cfg, tp_size=job["tp"], dtype=dtype) if holds else None
+    engine = ReferenceEngine(model_config=cfg, tp_size=job["tp"], ep_size=job.get("ep", 1),
+                             dtype=dtype) if holds else None
     rows = []
     step = [0]
     try:
@@ -97,7 +98,7 @@ def verify_rows(spec: Any, modes: tuple[str, ...]) -> list[dict]:
     for model in spec.models:
         root = tempfile.mkdtemp(prefix="fsdp-sync-bench-verify-")
         try:
-            job = {"model": model, "dtype": spec.dtype, "tp": spec.tp[0], "methods": list(spec.methods),
+            job = {"model": model, "dtype": spec.dtype, "tp": spec.tp[0], "ep": spec.ep[0], "methods": list(spec.methods),
                    "modes": list(modes), "repeats": spec.repeats, "disk_root": root,
                    "bucket_bytes": int(spec.bucket_mb[0] * 2**20)}
             rows += run_ranks(_verify_rank, spec.ranks[0], job, timeout_s=1800, env=spawn_env())[0]
