@@ -67,54 +67,47 @@ def keep_sockets_from_shm_manager() -> None:
 
 
 def remove_dead_manager_dirs(root: str | None = None, min_age_s: float = 60.0) -> list[str]:
-    """Remove, in the temp directory, this user's socket directories whose owners were killed;
-    returns what was removed.
+    """Remove, in the temp directory, this user's ``torch-shm-dir-*`` directories whose
+    ``torch_shm_manager`` was killed; returns what was removed.
 
-    ``torch-shm-dir-*`` holds a ``torch_shm_manager``'s ``manager.sock`` and ``pymp-*``
-    multiprocessing's ``listener-*`` sockets; their owners remove them when they exit, not when
-    they are killed: Ray kills a worker's child processes when the worker exits
-    (``RAY_kill_child_processes_on_worker_exit``), so every verl rollout worker that used shared
-    memory left them behind (issue 21 item 14). A directory is dead when it holds only such
-    sockets, each at least ``min_age_s`` old (one just bound may not listen yet) and refusing a
-    connection (nothing listens: a live owner listens until it exits and unlinks its socket when
-    it closes it). An empty ``torch-shm-dir-*`` counts as dead after
-    ``min_age_s`` (a starting manager makes its directory a moment before its socket); an empty
-    ``pymp-*`` never does (a live process may make a listener there later). Called once per
-    process, before this process starts its own manager."""
+    A manager removes its directory when it exits, not when it is killed: Ray kills a worker's
+    child processes when the worker exits (``RAY_kill_child_processes_on_worker_exit``), so every
+    verl rollout worker that used shared memory left one behind (issue 21 item 14). Each manager
+    has its own directory, so one whose ``manager.sock`` is at least ``min_age_s`` old (one just
+    bound may not listen yet) and refuses a connection (nothing listens: a live manager listens
+    until it exits) is dead, and so is one left empty for ``min_age_s`` (a starting manager makes
+    its directory a moment before its socket). multiprocessing's ``pymp-*`` directories are not
+    touched: one belongs to a process for its whole life and may hold a dead listener's socket
+    while the process still uses it (its forkserver restarts there). Called once per process,
+    before this process starts its own manager."""
     import glob
     import socket
     import tempfile
     import time
 
-    def refused(path: str) -> bool:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
-            try:
-                c.connect(path)
-            except ConnectionRefusedError:
-                return True
-            except OSError:
-                return False
-            return False
-
-    base = root or tempfile.gettempdir()
     removed = []
-    for d in glob.glob(os.path.join(base, "torch-shm-dir-*")) + glob.glob(os.path.join(base, "pymp-*")):
-        torch_dir = os.path.basename(d).startswith("torch-shm-dir-")
+    for d in glob.glob(os.path.join(root or tempfile.gettempdir(), "torch-shm-dir-*")):
         try:
             st = os.lstat(d)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 continue
             names = os.listdir(d)
-            if not names and (not torch_dir or time.time() - st.st_mtime < min_age_s):
-                continue
-            socks = [os.path.join(d, n) for n in names]
             now = time.time()
-            if names and (any(not (n == "manager.sock" if torch_dir else n.startswith("listener-")) for n in names)
-                          or not all(stat.S_ISSOCK(os.lstat(p).st_mode) and now - os.lstat(p).st_mtime >= min_age_s
-                                     and refused(p) for p in socks)):
-                continue         # not only old, dead sockets of the shape they leave: not ours to judge
-            for p in socks:
-                os.unlink(p)
+            if not names:
+                if now - st.st_mtime < min_age_s:
+                    continue
+            else:
+                sock = os.path.join(d, "manager.sock")
+                if names != ["manager.sock"] or not stat.S_ISSOCK(os.lstat(sock).st_mode) \
+                        or now - os.lstat(sock).st_mtime < min_age_s:
+                    continue     # not the shape a killed manager leaves, or too young to judge
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                    try:
+                        c.connect(sock)
+                        continue                    # a live manager
+                    except ConnectionRefusedError:
+                        pass
+                os.unlink(sock)
             os.rmdir(d)
             removed.append(d)
         except OSError:
