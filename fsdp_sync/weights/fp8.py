@@ -45,11 +45,14 @@ from typing import Iterable
 
 import torch
 
-from fsdp_sync.weights.layout import Placement, TPLayout
+from fsdp_sync.weights.layout import ModelSpec, Placement, TPLayout
 
-__all__ = ["BLOCK", "FP8_MAX", "AMAX_FLOOR", "scale_shape", "scale_name", "quantize_block",
+__all__ = ["BLOCK", "FP8_MAX", "AMAX_FLOOR", "QUANTIZATIONS", "scale_shape", "scale_name", "quantize_block",
            "dequantize_block", "is_quantized", "quantized_names", "check_block_shapes",
-           "scale_placement"]
+           "scale_placement", "FP8Layout", "quantized_layout"]
+
+QUANTIZATIONS = (None, "fp8")
+"""What ``SyncConfig.quantization`` and the engines' ``quantization`` take (SGLang's names)."""
 
 BLOCK = (128, 128)
 """SGLang's ``weight_block_size`` for block FP8 (rows, cols)."""
@@ -220,3 +223,74 @@ def scale_placement(pl: Placement, block: tuple[int, int] = BLOCK) -> Placement:
     else:
         dst = tuple(_in_blocks(s, block[i]) for i, s in enumerate(pl.dst))
     return Placement(pl.engine + "_scale_inv", dst, src, pl.owner)
+
+
+class FP8Layout(TPLayout):
+    """`TPLayout` of a block-FP8 rollout: every quantized weight (`quantized_names`) is held as
+    ``float8_e4m3fn`` and followed by its ``weight_scale_inv`` (float32, `scale_shape`), both in
+    the HF names (``...q_proj.weight_scale_inv``) and in the engine's (``...qkv_proj.weight_scale_inv``,
+    ``experts.w13_weight_scale_inv`` ``[E_local, 2*I_local/128, H/128]``: SGLang's ``Fp8LinearMethod`` /
+    ``Fp8MoEMethod`` parameters); a scale's placements are its weight's counted in blocks
+    (`scale_placement`). Refuses, naming the tensor and the split, a TP/EP split that cuts a block
+    (`check_block_shapes`). ``dtype_of`` tells each tensor's dtype; everything else (norms,
+    embeddings, the lm_head, router gates, biases) stays in the rollout dtype."""
+
+    quantization = "fp8"
+
+    def __init__(self, spec: ModelSpec, tp_size: int, ep_size: int = 1, ignored: Iterable[str] = (),
+                 block: tuple[int, int] = BLOCK):
+        super().__init__(spec, tp_size, ep_size)
+        self.block = tuple(block)
+        check_block_shapes(self, self.block)
+        self.quantized: frozenset[str] = frozenset(quantized_names(self, ignored))
+        self.engine_quantized: frozenset[str] = frozenset(self.engine_name(n) for n in self.quantized)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in self.hf_shapes.items():
+            shapes[name] = shape
+            if name in self.quantized:
+                sn = scale_name(name)
+                shapes[sn] = scale_shape(shape, self.block)
+                self._kinds[sn] = ("scale", scale_name(self.engine_name(name)), name)
+        self.hf_shapes = shapes
+
+    def engine_shapes(self) -> dict[str, tuple[int, ...]]:
+        cache = self.__dict__.get("_fp8_engine_shapes")
+        if cache is None:
+            cache = {}
+            for name, shape in super().engine_shapes().items():
+                cache[name] = shape
+                if name in self.engine_quantized:
+                    cache[scale_name(name)] = scale_shape(shape, self.block)
+            self.__dict__["_fp8_engine_shapes"] = cache
+        return dict(cache)
+
+    def placements(self, name: str, rank: int) -> list[Placement]:
+        kind = self._kinds.get(name)
+        if kind is not None and kind[0] == "scale":
+            return [scale_placement(pl, self.block) for pl in super().placements(kind[2], rank)]
+        return super().placements(name, rank)
+
+    def weight_of(self, name: str) -> str | None:
+        """The weight a ``..._scale_inv`` tensor (HF or engine name) scales, else None."""
+        if not name.endswith("_scale_inv"):
+            return None
+        kind = self._kinds.get(name)
+        return kind[2] if kind is not None else name.removesuffix("_scale_inv")
+
+    def dtype_of(self, name: str, dtype, itemsize: int | None = None):
+        if name.endswith("_scale_inv") and (name in self.hf_shapes or name in self.engine_shapes()):
+            d = torch.float32
+        elif name in self.quantized or name in self.engine_quantized:
+            d = torch.float8_e4m3fn
+        else:
+            return itemsize if itemsize is not None else dtype
+        return d.itemsize if itemsize is not None else d
+
+
+def quantized_layout(layout: TPLayout, quantization: str | None) -> TPLayout:
+    """``layout`` as it is held under ``quantization`` (None: itself; ``"fp8"``: its `FP8Layout`)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization is None or isinstance(layout, FP8Layout):
+        return layout
+    return FP8Layout(layout.spec, layout.tp, layout.ep)

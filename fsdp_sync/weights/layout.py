@@ -470,7 +470,18 @@ class TPLayout:
 
     def engine_bytes(self, itemsize: int) -> int:
         """Bytes of one rank's shard (every rank's shard has the same shapes)."""
-        return sum(math.prod(s) for s in self.engine_shapes().values()) * itemsize
+        return sum(math.prod(s) * self.dtype_of(n, None, itemsize)
+                   for n, s in self.engine_shapes().items())
+
+    quantization: str | None = None
+    """None: every weight in the rollout dtype (``fp8.FP8Layout``: block FP8)."""
+
+    def dtype_of(self, name: str, dtype: Any, itemsize: int | None = None) -> Any:
+        """The dtype HF or engine tensor ``name`` is held in when the rollout dtype is ``dtype``
+        (``itemsize`` given: its size in bytes instead). Here always the rollout dtype; a
+        quantized layout (``fp8.FP8Layout``) answers ``float8_e4m3fn`` / ``float32`` for its
+        quantized weights and their scales."""
+        return itemsize if itemsize is not None else dtype
 
 
 def shard_state_dict(named: Any, layout: TPLayout, rank: int) -> dict[str, torch.Tensor]:
@@ -483,10 +494,10 @@ def shard_state_dict(named: Any, layout: TPLayout, rank: int) -> dict[str, torch
     if missing:
         raise KeyError(f"shard_state_dict needs every HF tensor; missing {missing[:3]}"
                        f"{' …' if len(missing) > 3 else ''}")
-    dtype = full[layout.hf_names()[0]].dtype
+    dtype = next(t.dtype for n, t in full.items() if layout.dtype_of(n, None) is None)
     shapes = layout.engine_shapes()
     for k in out:
-        out[k] = torch.zeros(shapes[k], dtype=dtype)
+        out[k] = torch.zeros(shapes[k], dtype=layout.dtype_of(k, dtype))
     for name in layout.hf_names():
         for pl in layout.placements(name, rank):
             out[pl.engine][pl.dst].copy_(full[name][pl.src])
