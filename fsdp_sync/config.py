@@ -16,10 +16,11 @@ from typing import Any, Mapping
 
 import torch
 
+from .weights.fp8 import QUANTIZATIONS
 from .weights.hf_checkpoint import DEFAULT_HASH, HASHES as DISK_HASHES
 
 __all__ = ["SyncConfig", "STRATEGIES", "LAYOUTS", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
-           "VERIFY_MODES", "DISK_HASHES", "parse_dtype", "parse_bool"]
+           "VERIFY_MODES", "DISK_HASHES", "QUANTIZATIONS", "parse_dtype", "parse_bool"]
 
 METHODS = ("tensor", "distributed", "disk")
 DIST_BACKENDS = ("gloo", "nccl")
@@ -63,7 +64,7 @@ def parse_bool(value: Any, field: str) -> bool:
     raise ValueError(f"{field} must be a bool (or true/false, yes/no, on/off, 1/0), got {value!r}")
 
 
-_OPTIONAL = ("dtype", "dist_master_address", "dist_master_port", "dist_backend", "disk_dir")
+_OPTIONAL = ("dtype", "quantization", "dist_master_address", "dist_master_port", "dist_backend", "disk_dir")
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,14 @@ class SyncConfig:
         the reference engine; SGLang 0.5.23 cannot, so ``"engine"`` is refused against an
         `SGLangEngine` on every rank before anything is written and ``"auto"`` writes a Hugging
         Face checkpoint there).
+    quantization: the rollout's weight format, named as SGLang's ``--quantization``: None (default:
+        every tensor in ``dtype``) or ``"fp8"``: block-wise FP8 as SGLang loads a block-FP8
+        checkpoint (``weight_block_size`` [128, 128]): each linear weight SGLang quantizes travels
+        as ``weight`` (float8_e4m3fn) plus ``weight_scale_inv`` (float32, one per 128x128 block),
+        quantized on the trainer after the gather, bucket by bucket, for every method and layout
+        (`fsdp_sync.weights.quantize`); norms, embeddings, the lm_head, biases and router gates stay
+        in ``dtype``. The engine must serve the same format (the reference engine's and SGLang's
+        ``quantization="fp8"``), and the model's TP split must not cut a 128 block.
     pipelined: with per-rank buckets, two buffers per TP rank: the trainer makes bucket k+1
         while the engine loads bucket k (tensor: on infer-TP rank 0 the engine call runs on a
         thread; distributed: while bucket k's sends are on the wire).
@@ -164,6 +173,7 @@ class SyncConfig:
     verify: str = "off"
     layout: str = "auto"
     pipelined: bool = True
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -196,6 +206,9 @@ class SyncConfig:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} (SGLang's names: "
+                             f"'fp8' is block-wise FP8), got {self.quantization!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.layout == "engine" and self.method == "distributed" and self.dist_format != "flattened_bucket":
@@ -280,7 +293,7 @@ class SyncConfig:
         """Map verl's config (the whole config, ``actor_rollout_ref`` or its ``rollout``) to ours.
 
         Follows verl 0.9.x (checked against 0.9.1). Keys read: ``rollout.free_cache_engine``,
-        ``rollout.dtype``, ``rollout.checkpoint_engine.update_weights_bucket_megabytes`` (or
+        ``rollout.dtype``, ``rollout.quantization`` (verl's ``null`` / ``fp8``), ``rollout.checkpoint_engine.update_weights_bucket_megabytes`` (or
         ``rollout.update_weights_bucket_megabytes``; verl's default 2048 MB when absent) and
         ``actor.fsdp_config.param_offload`` for ``offload_params``. ``multi_stage_wake_up`` is not
         read: verl >= 0.9 always wakes up in stages (resume weights, sync, resume kv_cache) and
@@ -304,6 +317,12 @@ class SyncConfig:
         dt = get(rollout, "dtype")
         if dt is not None:
             out["dtype"] = parse_dtype(dt, "rollout.dtype")
+        quant = get(rollout, "quantization")
+        if quant is not None:
+            if quant not in QUANTIZATIONS:
+                raise ValueError(f"rollout.quantization: fsdp_sync syncs block FP8 ('fp8') or "
+                                 f"nothing (null), got {quant!r}")
+            out["quantization"] = quant
         mb = get(get(rollout, "checkpoint_engine"), "update_weights_bucket_megabytes",
                  get(rollout, "update_weights_bucket_megabytes"))
         mb = VERL_BUCKET_MB if mb is None else mb

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from .weights import export
+from .weights import quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
 from .memory import Timeline, empty_cache
@@ -356,7 +356,7 @@ class FSDPShardingManager:
                 names = getattr(engine, "hf_names", None)
                 if not callable(names):
                     continue
-                sent = {m.name for m in export.param_metas(self.module, self.config.dtype)}
+                sent = {m.name for m in quantize.sync_metas(self.module, self.config)}
                 missing = [n for n in names() if n not in sent]
                 if missing:
                     err = (f"the engine holds {missing[:5]}{' …' if len(missing) > 5 else ''} "
@@ -372,6 +372,12 @@ class FSDPShardingManager:
         changes its outputs (`config_check`); engines that do not expose one are not checked."""
         from .config_check import check_configs, model_config
 
+        want, held = self.config.quantization, getattr(engine, "quantization", "unknown")
+        if (held is None or isinstance(held, str)) and held != "unknown" and held != want:
+            raise ValueError(f"the engine serves quantization={held!r} but SyncConfig.quantization="
+                             f"{want!r}: a sync would send weights in a format the engine does not "
+                             f"hold; set SyncConfig.quantization={held!r} or start the engine with "
+                             f"quantization={want!r} ({self._where()})")
         mine, theirs = model_config(self.module), getattr(engine, "config", None)
         if mine is not None and theirs is not None and hasattr(theirs, "to_dict"):
             check_configs(mine, theirs, where=self._where())

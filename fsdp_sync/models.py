@@ -6,11 +6,15 @@ to a Hugging Face ``config.json`` (or a folder holding one), or a ``transformers
 returns a ``transformers`` config. `build_model(config, seed)` builds a randomly initialized causal
 LM from it, the same on every rank for the same seed.
 
+`hf_config_json(module, dtype)` is the config.json a checkpoint of a (possibly FSDP1-wrapped)
+module gets.
+
 Not here: sharding the model (callers wrap it with FSDP) or loading weights.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -18,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RECIPES_DIR", "load_config", "build_model", "model_recipes", "count_params"]
+__all__ = ["RECIPES_DIR", "load_config", "build_model", "model_recipes", "count_params", "hf_config_json"]
 
 # The model recipes ship inside the package (package data), so an installed wheel has them too.
 # FSDP_SYNC_RECIPES points at another folder holding ``models/<name>.yaml``.
@@ -86,3 +90,36 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
     for p in model.parameters():
         seen.setdefault(id(p), p)
     return sum(p.numel() for p in seen.values()), len(seen)
+
+
+def _hf_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside FSDP1 wrappers (FSDP2 keeps the module itself)."""
+    while hasattr(module, "_fsdp_wrapped_module"):
+        module = module._fsdp_wrapped_module
+    return module
+
+
+def hf_config_json(module: torch.nn.Module, dtype: torch.dtype | None,
+                    quantization: str | None = None) -> dict | None:
+    """config.json as ``save_pretrained`` writes it (architectures, dtype of the saved tensors;
+    ``quantization="fp8"``: the ``quantization_config`` of a block-FP8 checkpoint), or None when
+    the module has no HF config."""
+    model = _hf_model(module)
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return None
+    d = json.loads(copy.deepcopy(config).to_json_string(use_diff=True))
+    arch = next((c.__name__ for c in type(model).__mro__
+                 if c.__module__.startswith("transformers.")
+                 and c.__name__.endswith(("ForCausalLM", "Model", "LMHeadModel"))), None)
+    if arch is not None:
+        d["architectures"] = [arch]
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        d["dtype"] = name
+        if "torch_dtype" in d:
+            d["torch_dtype"] = name
+    if quantization == "fp8":     # a block-FP8 checkpoint as SGLang and transformers read one
+        d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128]}
+    return d

@@ -54,7 +54,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .weights import bucket as _bucket
-from .weights import export
+from .weights import export, quantize
 from .engines.base import checksum_named_tensors
 from .weights.layout import TPLayout, layout_for, rank_digest
 
@@ -92,15 +92,20 @@ def trainer_tensors(module: torch.nn.Module, config: Any, chosen: list[str], *,
     """Collective on every trainer rank: ``(name, full tensor)`` of the chosen tensors, in export
     order; ``every``: all of them, gathered a bucket at a time (one all-gather per bucket)."""
     dtype, kind = config.dtype, config.fsdp1_state_dict
+    quant = quantize.for_sync(module, config, 1)       # quantized: what the sync sent, fp8 and scales
     if every:
         device = _device(module)
-        it = export.iter_buckets(module, config.bucket_bytes, dtype=dtype, fsdp1_state_dict=kind,
-                                 alloc=lambda n: torch.empty(n, dtype=torch.uint8, device=device))
+        alloc = lambda n: torch.empty(n, dtype=torch.uint8, device=device)  # noqa: E731
+        it = export.iter_buckets(module, config.bucket_bytes, dtype=dtype, fsdp1_state_dict=kind, alloc=alloc)
         for bkt, flat in it:
+            if quant is not None:
+                bkt, flat = quant.bucket(bkt, flat, alloc)
             yield from _bucket.unflatten(flat, bkt.entries)
             del flat
     else:
-        yield from export.iter_params(module, dtype=dtype, fsdp1_state_dict=kind, names=set(chosen))
+        names = {n.removesuffix("_scale_inv") if quant is not None else n for n in chosen}
+        it = export.iter_params(module, dtype=dtype, fsdp1_state_dict=kind, names=names)
+        yield from (quant.named(it) if quant is not None else it)
 
 
 def first_difference(expected: torch.Tensor, got: torch.Tensor) -> str:
@@ -127,7 +132,7 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
     with ``engines`` [] where this rank holds none). Returns ``(error or None, figures)``; the
     caller agrees on the error over the trainer ranks."""
     t0 = time.perf_counter()
-    names = [m.name for m in export.param_metas(module, config.dtype)]
+    names = [m.name for m in quantize.sync_metas(module, config)]
     chosen = select(names, config.verify, step)
     err: str | None = None
     reports: list[tuple[Any, dict]] = []      # (the engine's layout for per-rank digests or None, digests)

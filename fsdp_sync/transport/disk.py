@@ -60,9 +60,7 @@ manager), reading a checkpoint into an engine (the engines, with `hf_checkpoint.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -79,7 +77,8 @@ import torch.distributed as dist
 from ..weights import bucket as _bucket
 from ..weights import export
 from ..weights import hf_checkpoint as ckpt
-from ..weights import reshard
+from ..weights import quantize, reshard
+from ..models import hf_config_json
 from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, agree
 
@@ -101,34 +100,6 @@ _HIDDEN_RE = re.compile(r"^\.step_\d+\.(tmp|del)-[0-9a-f]+$")
 def _plain_alloc(nbytes: int) -> torch.Tensor:
     # buffers stay in this process (written to a file, never shared): plain memory, no /dev/shm
     return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def _hf_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The module inside FSDP1 wrappers (FSDP2 keeps the module itself)."""
-    while hasattr(module, "_fsdp_wrapped_module"):
-        module = module._fsdp_wrapped_module
-    return module
-
-
-def _hf_config_json(module: torch.nn.Module, dtype: torch.dtype | None) -> dict | None:
-    """config.json as ``save_pretrained`` writes it (architectures, dtype of the saved tensors),
-    or None when the module has no HF config."""
-    model = _hf_model(module)
-    config = getattr(model, "config", None)
-    if config is None or not callable(getattr(config, "to_json_string", None)):
-        return None
-    d = json.loads(copy.deepcopy(config).to_json_string(use_diff=True))
-    arch = next((c.__name__ for c in type(model).__mro__
-                 if c.__module__.startswith("transformers.")
-                 and c.__name__.endswith(("ForCausalLM", "Model", "LMHeadModel"))), None)
-    if arch is not None:
-        d["architectures"] = [arch]
-    if dtype is not None:
-        name = _bucket.dtype_name(dtype)
-        d["dtype"] = name
-        if "torch_dtype" in d:
-            d["torch_dtype"] = name
-    return d
 
 
 def _write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tensor,
@@ -240,6 +211,7 @@ class DiskTransport:
         self.loaded: str | None = None      # the version the engines loaded last: never pruned
         self.host_shared = False            # the last sync's buckets came from a host-shared buffer
         self.closed = False
+        self._quant: Any = None             # this sync's `quantize.StreamQuantizer`, if quantized
 
     # ------------------------------------------------------------------ collectives
     @staticmethod
@@ -313,6 +285,7 @@ class DiskTransport:
             t_write = time.perf_counter()
             metas = export.param_metas(ctx.module, cfg.dtype)
             st = reshard.ReshardStats()
+            self._quant = self._quantizer(ctx, rank, group, layout, what)
             if layout is None:
                 n_files = len(_bucket.plan_buckets(metas, cfg.bucket_bytes))
                 records, err = self._write_buckets(ctx, tmp, rank, writers, n_files)
@@ -323,6 +296,8 @@ class DiskTransport:
                 records, err = self._write_rank_buckets(ctx, tmp, rank, writers, layout, parts, st)
                 stats.buckets = parts
             self._agree(err, group, f"{what} (write)")
+            if self._quant is not None:     # what the files hold: fp8 weights and their scales
+                metas = quantize.expand_metas(metas, self._quant.hf)
             stats.bytes = sum(m.nbytes for m in metas)
             stats.tensors = len(metas)
             write_s = time.perf_counter() - t_write
@@ -381,7 +356,8 @@ class DiskTransport:
                 warnings.warn(f"could not remove old versions under {self.directory}: {exc}",
                               RuntimeWarning, stacklevel=2)
         stats.seconds = time.perf_counter() - t0
-        stats.extra = {"path": final, "files": n_files, "writers": len(writers),
+        stats.extra = {**(self._quant.figures() if self._quant is not None else {}),
+                       "path": final, "files": n_files, "writers": len(writers),
                        "host_shared": self.host_shared,
                        "write_s": write_s, "publish_s": publish_s, "load_s": load_s,
                        "pruned": pruned, "layout": "full" if layout is None else "engine",
@@ -389,6 +365,29 @@ class DiskTransport:
         if layout is not None:
             stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=st.engine_shard_bytes,
                                trainer_rank_bytes_in=trainer_in)
+
+    def _quantizer(self, ctx: Any, rank: int, group: Any, layout: Any, what: str) -> Any:
+        """``SyncConfig.quantization``: every writer quantizes the buckets it writes. The split it
+        is checked against: the per-rank layout's, or (HF files) every engine's TP/EP, checked on
+        trainer rank 0, which holds the engines; a refusal fails every rank before a byte is
+        written."""
+        cfg = ctx.config
+        if getattr(cfg, "quantization", None) is None:
+            return None
+        quant, err = None, None
+        try:
+            if layout is not None:
+                quant = quantize.for_sync(ctx.module, cfg, layout.tp, layout.ep)
+            else:
+                quant = quantize.for_sync(ctx.module, cfg, 1)
+                if rank == 0:
+                    for e in ctx.engines or []:
+                        tp = getattr(e, "tp_size", None)
+                        quantize.for_sync(ctx.module, cfg, int(tp) if tp else 1, engine_ep_size(e))
+        except Exception as exc:   # noqa: BLE001 - every rank must hear of it
+            err = exc
+        self._agree(err, group, f"{what} (quantization={cfg.quantization!r})")
+        return quant
 
     # ------------------------------------------------------------------ per-rank versions
     def _choose_layout(self, ctx: Any, rank: int, group: Any, what: str) -> Any:
@@ -492,8 +491,11 @@ class DiskTransport:
             k = rb.index
             self.host_shared |= rb.shared
             everywhere = st.path != "all-to-all"
-            jobs = [(i, k, rb.bucket, flat) for i, flat in sorted(rb.buffers.items())
+            mine = [i for i in sorted(rb.buffers)
                     if not everywhere or writers[(k * tp + i) % len(writers)] == rank]
+            if self._quant is not None and mine:    # its own buffers: the next bucket may reuse rb's
+                rb = self._quant.rank_bucket(rb, _plain_alloc, ranks=mine)
+            jobs = [(i, k, rb.bucket, rb.buffers[i]) for i in mine]
             try:
                 # bucket k-1's files are written before bucket k+1 is asked for: its buffers
                 # (host-shared set (k-1) % 2) are rewritten by bucket k+1
@@ -524,7 +526,7 @@ class DiskTransport:
         files = {f: {algo: r["digest"], "bytes": r["bytes"], "names": r["names"]}
                  for f, r in sorted(by_file.items())}
         dtype = _float_dtype(metas)
-        config = _hf_config_json(ctx.module, dtype)
+        config = hf_config_json(ctx.module, dtype, getattr(ctx.config, "quantization", None))
         if config is not None:
             digest, size = ckpt.write_json(os.path.join(tmp, ckpt.CONFIG_FILE), config, algo)
             files[ckpt.CONFIG_FILE] = {algo: digest, "bytes": size}
@@ -532,7 +534,8 @@ class DiskTransport:
         ckpt.write_json(os.path.join(tmp, ckpt.MANIFEST_FILE), {
             "format": ckpt.MANIFEST_FORMAT, "step": int(ctx.step), "hash": algo, "layout": "engine",
             "tp_size": layout.tp, "ep_size": layout.ep, "model": dataclasses.asdict(layout.spec),
-            "dtype": _ST_CODE[metas[0].dtype], "hf_tensors": len(metas),
+            "dtype": _ST_CODE[dtype], "quantization": getattr(ctx.config, "quantization", None),
+            "hf_tensors": len(metas),
             "total_size": sum(m.nbytes for m in metas),
             "ranks": [[ckpt.rank_file_name(i, k) for k in range(parts)] for i in range(layout.tp)],
             "files": files})
@@ -570,7 +573,9 @@ class DiskTransport:
                 if k >= n_files:
                     raise RuntimeError(f"export yielded more buckets than the {n_files} "
                                        f"planned from param_metas")
-                if shared:
+                if self._quant is not None:     # into a buffer of its own: no clone needed
+                    bkt, flat = self._quant.bucket(bkt, flat, _plain_alloc)
+                elif shared:
                     flat = flat.clone()
                 w.submit(write_one, ckpt.shard_file_name(k, n_files), bkt, flat)  # at most one
             except Exception as exc:   # noqa: BLE001
@@ -591,7 +596,7 @@ class DiskTransport:
                                f"{want}")
         algo = _disk_hash(ctx.config)
         manifest_files = {r["file"]: {algo: r["digest"], "bytes": r["bytes"]} for r in files}
-        config = _hf_config_json(ctx.module, _float_dtype(metas))
+        config = hf_config_json(ctx.module, _float_dtype(metas), getattr(ctx.config, "quantization", None))
         if config is not None:
             digest, size = ckpt.write_json(os.path.join(tmp, ckpt.CONFIG_FILE), config, algo)
             manifest_files[ckpt.CONFIG_FILE] = {algo: digest, "bytes": size}
@@ -643,8 +648,9 @@ def _disk_hash(config: Any) -> str:
 
 
 def _float_dtype(metas: list) -> torch.dtype | None:
+    """The rollout dtype: the first floating-point tensor's that is neither fp8 nor a scale."""
     for m in metas:
-        if m.dtype.is_floating_point:
+        if m.dtype.is_floating_point and m.dtype.itemsize > 1 and not m.name.endswith("_scale_inv"):
             return m.dtype
     return None
 

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..weights import export, reshard
+from ..weights import export, quantize, reshard
 from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
 from ..weights.layout import TPLayout, engine_ep_size, layout_for
 from ..topology import SyncError, agree
@@ -131,6 +131,7 @@ class DistributedTransport:
         self.broken = False               # torn down after a failure: remake at the next sync
         self.offsets: list[int] = []      # each engine's rank_offset in the group
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._quant: Any = None           # trainer rank 0: this sync's `quantize.StreamQuantizer`
 
     # ------------------------------------------------------------------ group
     def _backend(self, device: torch.device) -> str:
@@ -268,10 +269,12 @@ class DistributedTransport:
         # pure, the same on every rank; per-rank buckets plan over the engine's own parameters
         plan = plan_tight(metas, cfg.bucket_bytes) if layout is None else []
         err: Any = None
+        self._quant = None
         if me == 0:
             try:
                 for b in plan:
                     check_tight(b)
+                self._quant = self._quantizer(ctx, engines)
                 self._open_group(engines, device)
                 for e in engines:
                     if hasattr(e, "begin_weight_update"):
@@ -299,7 +302,19 @@ class DistributedTransport:
             err = f"flush_cache after the update: {errs[0]}" if errs else None
         _agree(err, group, "distributed weight sync")
         stats.engine_calls += len(engines)
+        if self._quant is not None:
+            stats.extra.update(self._quant.figures())
         stats.seconds = time.perf_counter() - t0
+
+    def _quantizer(self, ctx: SyncContext, engines: list) -> "quantize.StreamQuantizer | None":
+        """Trainer rank 0: ``SyncConfig.quantization``'s quantizer (it alone holds what is sent),
+        checked against every engine's TP/EP split (a split that cuts a block is refused)."""
+        cfg = self.config
+        if getattr(cfg, "quantization", None) is None:
+            return None
+        splits = list(dict.fromkeys((_engine_tp(e), engine_ep_size(e)) for e in engines)) or [(1, 1)]
+        quants = [quantize.for_sync(ctx.module, cfg, tp, ep, tight=True) for tp, ep in splits]
+        return quants[0]
 
     def _choose_layout(self, ctx: SyncContext, engines: list, me: int) -> TPLayout | None:
         """The engines' layout to cut per-rank buckets by, or None for full tensors.
@@ -376,6 +391,8 @@ class DistributedTransport:
         sets = 2 if piped else 1
         st = reshard.ReshardStats()
         pool = _RankBufferPool(layout.tp, device, sets)
+        quant = self._quant          # trainer rank 0 only: it holds every engine rank's buffer
+        qpool = _RankBufferPool(layout.tp, device, sets) if quant is not None else None
         # rank 0 holds all TP buffers of a bucket: each is bucket_bytes / tp, so one bucket is
         # bucket_bytes in all and the memory bound stays 2 x bucket (+ the largest tensor)
         it = reshard.iter_rank_buckets(ctx.module, layout, max(1, cfg.bucket_bytes // layout.tp), dtype=cfg.dtype,
@@ -395,6 +412,8 @@ class DistributedTransport:
                 if k and piped:
                     settle()
                 if me == 0:
+                    if quant is not None:
+                        rb = quant.rank_bucket(rb, qpool.take)
                     pending = self._launch_ranks(engines, rb, f"per-rank bucket {k} ({rb.bucket.names[0]}…)")
                 if not piped:
                     settle()
@@ -408,11 +427,16 @@ class DistributedTransport:
             it.close()
             if pending is not None:
                 self._abandon(pending, "the sync failed on trainer rank 0")
-        # bytes: what was exported (the HF tensors, as for full buckets); each engine rank's share
-        # of them is engine_rank_bytes_in
-        stats.bytes = sum(m.nbytes for m in metas if m.name in layout.hf_shapes)
+        # bytes: what was exported (the HF tensors, as for full buckets; quantized: fp8 weights
+        # and their scales); each engine rank's share of them is engine_rank_bytes_in
+        quantized = quantize.sync_metas(ctx.module, cfg) if getattr(cfg, "quantization", None) else metas
+        stats.bytes = sum(m.nbytes for m in quantized if layout.accepts(m.name.removesuffix("_scale_inv")))
+        shard = st.engine_shard_bytes
+        if getattr(cfg, "quantization", None):
+            from ..weights.fp8 import quantized_layout
+            shard = quantized_layout(layout, cfg.quantization).engine_bytes((cfg.dtype or metas[0].dtype).itemsize)
         stats.extra.update(reshard_path=st.path, engine_rank_bytes_in=engine_in,
-                           engine_rank_shard_bytes=st.engine_shard_bytes, trainer_rank_bytes_in=st.bytes_in,
+                           engine_rank_shard_bytes=shard, trainer_rank_bytes_in=st.bytes_in,
                            trainer_rank_bytes_written=st.bytes_written)
 
     def _launch_ranks(self, engines: list, rb: Any, what: str) -> _Pending:
@@ -452,6 +476,16 @@ class DistributedTransport:
         it = export.iter_buckets(ctx.module, cfg.bucket_bytes, dtype=cfg.dtype,
                                  fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=alloc, plan=plan,
                                  dst=0 if dist.is_initialized() else None)
+        quant = self._quant     # trainer rank 0 only: it holds the gathered bucket
+        if quant is not None:   # quantized into two buffers of their own, in turn like the above
+            qsize = max((quant.plan(b).nbytes for b in plan), default=0)
+            qbufs = [torch.empty(qsize, dtype=torch.uint8, device=device) for _ in range(2)]
+            qturn = [0]
+
+            def qalloc(nbytes: int) -> torch.Tensor:
+                buf = qbufs[qturn[0] % 2]
+                qturn[0] += 1
+                return buf[:nbytes]
         pending: _Pending | None = None
         try:
             for k, (bkt, flat) in enumerate(it):      # gathers bucket k (k-1 is still on the wire)
@@ -459,6 +493,8 @@ class DistributedTransport:
                     err, pending = (self._finish(pending) if pending is not None else None), None
                     _agree(err, group, "distributed weight sync")
                 if me == 0:
+                    if quant is not None:
+                        bkt, flat = quant.bucket(bkt, flat, qalloc)
                     pending = self._launch(engines, bkt, flat, f"bucket {k} ({bkt.names[0]}…)")
                 stats.bytes += bkt.payload_bytes
                 stats.tensors += len(bkt.entries)
@@ -467,6 +503,8 @@ class DistributedTransport:
             if plan:     # every rank: one agree per bucket, the last one here
                 err, pending = (self._finish(pending) if pending is not None else None), None
                 _agree(err, group, "distributed weight sync")
+            if getattr(cfg, "quantization", None):   # every rank reports what rank 0 sent
+                stats.bytes = sum(m.nbytes for m in quantize.sync_metas(ctx.module, cfg))
         finally:
             it.close()
             if pending is not None:          # an exception of our own between launch and finish

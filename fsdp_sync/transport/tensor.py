@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..weights import export, handles, reshard
+from ..weights import export, handles, quantize, reshard
 from ..weights.bucket import plan_buckets
 from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, agree, broadcast_from_src, gather_to_src
@@ -164,6 +164,7 @@ class TensorTransport:
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
+        self._quant: Any = None      # this sync's `quantize.StreamQuantizer`, if quantized
 
     def close(self) -> None:
         """Nothing outlives a sync: every buffer is released when its bucket is answered."""
@@ -228,6 +229,7 @@ class TensorTransport:
         tagged = getattr(self.engine, "accepts_tagged_payloads", True) if topo.is_tp_src else True
         # every rank must agree on tagging, or rank 0 opens payloads it cannot read
         tagged = bool(self._broadcast_flag(tagged))
+        self._quant = self._quantizer()
         with self._update_bracket():
             layout = self._choose_layout()
             self.stats.extra["layout"] = "engine" if layout is not None else "full"
@@ -245,9 +247,27 @@ class TensorTransport:
                 else:
                     for call in steps:
                         self._one_call(call)
+        if self._quant is not None:
+            self.stats.extra.update(self._quant.figures())
         self.stats.seconds = time.perf_counter() - t0
         if self._unacked:
             raise handles.HandleError(self._unacked)
+
+    def _quantizer(self) -> "quantize.StreamQuantizer | None":
+        """``SyncConfig.quantization``: the sync's quantizer, cut for the engine's TP (the
+        infer-TP group) and EP; a model or split it cannot quantize exactly fails on every rank
+        before anything is gathered."""
+        cfg, topo = self.config, self.topo
+        if getattr(cfg, "quantization", None) is None:
+            return None
+        ep = broadcast_from_src(engine_ep_size(self.engine) if topo.is_tp_src else 1, topo)
+        err, quant = None, None
+        try:
+            quant = quantize.for_sync(self.module, cfg, topo.tp_size, ep)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            err = f"quantization={cfg.quantization!r} ({topo.describe()}): {type(exc).__name__}: {exc}"
+        agree(err, self._group, what=f"{self._what}: quantization")
+        return quant
 
     @contextmanager
     def _update_bracket(self) -> Iterator[None]:
@@ -352,8 +372,12 @@ class TensorTransport:
         # the all-to-all path's buffers: reused bucket after bucket (the one-host path has its
         # own), each sized for the largest bucket (the module's dtype is a size hint only)
         guess = dtype or next((p.dtype for p in self.module.parameters()), torch.float32)
-        pool = _BufferPool(max((b.nbytes for b in reshard.plan_rank_buckets(layout, guess, cfg.bucket_bytes)),
-                               default=0), _module_device(self.module))
+        rank_plan = reshard.plan_rank_buckets(layout, guess, cfg.bucket_bytes)
+        pool = _BufferPool(max((b.nbytes for b in rank_plan), default=0), _module_device(self.module))
+        quant = self._quant
+        # quantized: each rank's slice goes from the reshard's buffer into one of its own
+        qpool = _BufferPool(max((quant.plan(b, engine=True).nbytes for b in rank_plan), default=0),
+                            _module_device(self.module)) if quant is not None else None
         it = reshard.iter_rank_buckets(self.module, layout, cfg.bucket_bytes, dtype=dtype,
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
                                        share_host_memory=cfg.share_host_memory, stats=st,
@@ -374,6 +398,12 @@ class TensorTransport:
                         f"{sorted(rb.buffers)} but serves infer-TP rank {topo.tp_rank} "
                         f"({topo.describe()}); the mesh must put global rank r at infer-TP rank "
                         f"r % tp (the ('dp', 'infer_tp') row-major mesh does), or use layout='full'")
+                if quant is not None:
+                    staged = [] if rb.shared else list(rb.buffers.values())
+                    rb = quant.rank_bucket(rb, qpool.take, ranks=[topo.tp_rank])
+                    flat = rb.buffers[topo.tp_rank]
+                    pool.give_back(staged)
+                    del staged
                 obj = flat if form == "tensor" else flattened_bucket(flat, rb.bucket)
                 sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
                 engine_in += rb.bucket.nbytes
@@ -381,21 +411,27 @@ class TensorTransport:
                 self.stats.buckets += 1
                 bkt = rb.bucket
                 views = [] if rb.shared else list(rb.buffers.values())
+                back = qpool if quant is not None else pool
                 del flat, obj, rb
                 yield Call(sets, sets[0].payloads[0],
                            lambda g, _b=bkt: _RankBucketCall(_b, g), "direct",
                            self.stats.buckets == plan_len, f"per-rank bucket {self.stats.buckets - 1} "
-                           f"({bkt.names[0]}…)", on_release=lambda _v=views: pool.give_back(_v))
+                           f"({bkt.names[0]}…)", on_release=lambda _v=views, _p=back: _p.give_back(_v))
                 del views
         pool.close()
-        # bytes: what was exported (the HF tensors, as for full buckets); each engine rank's
-        # share of them is engine_rank_bytes_in
+        if qpool is not None:
+            qpool.close()
+        # bytes: what was exported (the HF tensors, as for full buckets; quantized: with fp8
+        # weights and their scales); each engine rank's share of them is engine_rank_bytes_in
         itemsize = (cfg.dtype or next(self.module.parameters()).dtype).itemsize
-        self.stats.bytes = sum(math.prod(shape) for shape in layout.hf_shapes.values()) * itemsize
+        held = quant.layout if quant is not None else layout
+        self.stats.bytes = sum(math.prod(shape) * held.dtype_of(n, None, itemsize)
+                               for n, shape in held.hf_shapes.items())
         self.stats.extra.update(
             reshard_path=st.path, engine_rank_bytes_in=engine_in,
-            engine_rank_shard_bytes=st.engine_shard_bytes, trainer_rank_bytes_in=st.bytes_in,
-            trainer_rank_bytes_written=st.bytes_written)
+            engine_rank_shard_bytes=(st.engine_shard_bytes if quant is None
+                                     else quant.layout.engine_bytes(itemsize)),
+            trainer_rank_bytes_in=st.bytes_in, trainer_rank_bytes_written=st.bytes_written)
 
     def _broadcast_flag(self, value: bool) -> bool:
         """Infer-TP rank 0's answer on every rank of its group."""
@@ -409,11 +445,18 @@ class TensorTransport:
         cfg, topo = self.config, self.topo
         plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
         buffer = _ReusedBuffer(max((b.nbytes for b in plan), default=0), _module_device(self.module))
+        quant, release = self._quant, buffer.give_back
+        if quant is not None:   # the gathered bucket is quantized into a buffer of its own
+            out = _ReusedBuffer(max((quant.plan(b).nbytes for b in plan), default=0), _module_device(self.module))
+            release = out.give_back
         it = export.iter_buckets(self.module, cfg.bucket_bytes, dtype=cfg.dtype,
                                  fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=buffer.take,
                                  share_host_memory=cfg.share_host_memory)
         with closing(it):
             for i, (bucket, flat) in enumerate(it):
+                if quant is not None:
+                    bucket, flat = quant.bucket(bucket, flat, out.take)
+                    buffer.give_back()
                 obj = flattened_bucket(flat, bucket)
                 sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
                 self.stats.bytes += bucket.payload_bytes
@@ -422,12 +465,14 @@ class TensorTransport:
                 del flat, obj
                 yield Call(sets, sets[0].payloads[0], lambda g: g, "flattened_bucket",
                            i == len(plan) - 1, f"bucket {i} ({bucket.names[0]}…)",
-                           on_release=buffer.give_back)
+                           on_release=release)
 
     def _steps_per_tensor(self, tagged: bool) -> Iterator[tuple]:
         cfg, topo = self.config, self.topo
-        n = len(export.param_metas(self.module, cfg.dtype))
+        n = len(quantize.sync_metas(self.module, cfg))
         it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
+        if self._quant is not None:
+            it = self._quant.named(it)
         for i, (name, tensor) in enumerate(it):
             sets = [handles.make_payloads(tensor, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
             self.stats.bytes += tensor.numel() * tensor.element_size()
@@ -439,8 +484,10 @@ class TensorTransport:
 
     def _steps_bucketed(self, tagged: bool) -> Iterator[tuple]:
         cfg, topo = self.config, self.topo
-        plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
+        plan = plan_buckets(quantize.sync_metas(self.module, cfg), cfg.bucket_bytes)
         it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
+        if self._quant is not None:
+            it = self._quant.named(it)
         for i, bucket in enumerate(plan):
             names, sets = [], []
             for entry in bucket.entries:

@@ -1,0 +1,205 @@
+"""Quantizing a sync's stream on the trainer side (``SyncConfig.quantization``): after the gather,
+bucket by bucket, on the device the bucket is on, before any handle is made or byte is sent.
+
+A `StreamQuantizer` is made per sync from the model's layout map at the engine's TP/EP
+(`fp8.FP8Layout`: which tensors are quantized, and a refusal naming the tensor and the split when
+a TP cut would split a 128 block). It turns each item of the three kinds of stream the transports
+consume into its block-FP8 form:
+
+- a full-tensor bucket (`export.iter_buckets`: HF names; tensor ``flattened``, distributed,
+  disk): `StreamQuantizer.bucket` returns a new bucket in which each quantized ``X.weight``
+  is ``float8_e4m3fn`` followed by ``X.weight_scale_inv`` (float32), the other tensors' bytes
+  copied as they are. One input bucket gives one output bucket, its entries ordered by item size
+  (8, 4, 2, 1 bytes, stable), so both the 16-byte aligned layout and SGLang's tight broadcast layout
+  (``tight=True``, `bucket.plan_tight`) hold it without padding between dtypes;
+- a per-rank bucket (`reshard.iter_rank_buckets`: engine names, one engine rank's slice each;
+  ``layout="engine"``): `StreamQuantizer.rank_bucket` quantizes each buffer this rank holds.
+  Because no split cuts a block, a rank's slice quantized on its own is bit for bit that slice of
+  the full tensor's quantization: the same blocks, the same amax, the same scale;
+- ``(name, tensor)`` pairs (`export.iter_params`: the per-tensor and bucketed strategies, verify's
+  sample mode): `StreamQuantizer.named`.
+
+`sync_metas` gives the names, dtypes and shapes the engine receives (the scales included), for the
+manager's coverage check, verify and the bench. The quantization time is counted in
+``seconds`` (the sync's stats report it as its own stage, ``quantize_s``), and the bytes before
+and after in ``bytes_in`` / ``bytes_out``.
+
+Not here: the quantizer's math (`fp8`), gathering (`export`, `reshard`), who sends what where (the
+transports), loading (the engines).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from . import bucket as _bucket
+from . import fp8
+from .layout import layout_for
+
+__all__ = ["StreamQuantizer", "for_sync", "sync_metas", "quantized_hf_names"]
+
+
+def _layout(module: torch.nn.Module, tp: int, ep: int) -> fp8.FP8Layout:
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        raise ValueError("quantization='fp8' needs the module's Hugging Face .config: the layout "
+                         "map says which tensors SGLang quantizes and how the engine's TP cuts them")
+    base = layout_for(cfg, tp, ep)
+    return fp8.FP8Layout(base.spec, tp, ep)
+
+
+def quantized_hf_names(module: torch.nn.Module) -> frozenset[str]:
+    """The HF tensors of ``module`` that travel as FP8 (any TP: the set does not depend on it)."""
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        raise ValueError("quantization='fp8' needs the module's Hugging Face .config (which tensors "
+                         "to quantize is read from the layout map)")
+    return frozenset(fp8.quantized_names(layout_for(cfg, 1)))
+
+
+def sync_metas(module: torch.nn.Module, config: Any) -> list[_bucket.TensorMeta]:
+    """What a sync of ``module`` under ``config`` sends, by HF name: `export.param_metas`, with
+    each quantized weight as float8_e4m3fn followed by its ``weight_scale_inv`` under
+    ``config.quantization``."""
+    from . import export
+
+    metas = export.param_metas(module, config.dtype)
+    if getattr(config, "quantization", None) is None:
+        return metas
+    return expand_metas(metas, quantized_hf_names(module))
+
+
+def expand_metas(metas: Iterable[_bucket.TensorMeta], quantized: frozenset[str]) -> list[_bucket.TensorMeta]:
+    """``metas`` with each quantized weight turned fp8 and followed by its scale."""
+    out = []
+    for m in metas:
+        if m.name in quantized:
+            out.append(_bucket.TensorMeta(m.name, torch.float8_e4m3fn, m.shape))
+            out.append(_bucket.TensorMeta(fp8.scale_name(m.name), torch.float32, fp8.scale_shape(m.shape)))
+        else:
+            out.append(m)
+    return out
+
+
+def for_sync(module: torch.nn.Module, config: Any, tp: int, ep: int = 1, *,
+             tight: bool = False) -> "StreamQuantizer | None":
+    """The quantizer of one sync into engines of TP ``tp`` and EP ``ep`` (None when
+    ``config.quantization`` is None). Raises ValueError for a model the layout map does not know
+    or a split that cuts a block; call it where every rank hears of a failure (`agree`)."""
+    if getattr(config, "quantization", None) is None:
+        return None
+    return StreamQuantizer(_layout(module, tp, ep), tight=tight)
+
+
+class StreamQuantizer:
+    """Quantizes buckets, per-rank buckets and ``(name, tensor)`` pairs of one sync (see the
+    module docstring). ``tight``: output buckets in SGLang's broadcast layout (no padding)."""
+
+    def __init__(self, layout: fp8.FP8Layout, *, tight: bool = False) -> None:
+        self.layout = layout
+        self.hf: frozenset[str] = layout.quantized
+        self.engine: frozenset[str] = layout.engine_quantized
+        self.block = layout.block
+        self.tight = tight
+        self.seconds = 0.0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.tensors = 0
+        self._plans: dict[tuple, _bucket.Bucket] = {}
+
+    # ------------------------------------------------------------------ plans (pure)
+    def plan(self, bkt: _bucket.Bucket, engine: bool = False) -> _bucket.Bucket:
+        """The output bucket of input bucket ``bkt`` (HF names, or engine names with ``engine``)."""
+        key = (bkt, engine)
+        out = self._plans.get(key)
+        if out is None:
+            quantized = self.engine if engine else self.hf
+            metas = expand_metas((_bucket.TensorMeta(e.name, e.dtype, e.shape) for e in bkt.entries),
+                                 quantized)
+            metas.sort(key=lambda m: -m.dtype.itemsize)          # stable: 8, 4, 2, 1 bytes
+            total = sum(m.nbytes for m in metas) + _bucket.ALIGNMENT * len(metas) + 1
+            plans = _bucket.plan_tight(metas, total) if self.tight else _bucket.plan_buckets(metas, total)
+            if len(plans) > 1:      # pragma: no cover - the sort above makes one bucket hold it
+                raise RuntimeError(f"quantized bucket of {bkt.names[:2]} did not fit one bucket")
+            out = plans[0] if plans else _bucket.Bucket((), 0)
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            self._plans[key] = out
+        return out
+
+    # ------------------------------------------------------------------ data
+    def bucket(self, bkt: _bucket.Bucket, flat: torch.Tensor, alloc: Callable[[int], torch.Tensor],
+               *, engine: bool = False) -> tuple[_bucket.Bucket, torch.Tensor]:
+        """``(output bucket, its buffer from alloc)`` of bucket ``bkt`` held in ``flat``, on
+        ``alloc``'s device (the bucket's own device: pass an alloc on it)."""
+        t0 = time.perf_counter()
+        out = self.plan(bkt, engine)
+        quantized = self.engine if engine else self.hf
+        dst = alloc(out.nbytes)
+        if not isinstance(dst, torch.Tensor) or dst.dtype != torch.uint8 or dst.numel() < out.nbytes:
+            raise ValueError(f"alloc({out.nbytes}) must return a 1-D uint8 tensor of at least that many bytes")
+        dst = dst[:out.nbytes]
+        places = {e.name: e for e in out.entries}
+        with torch.no_grad():
+            prev = 0
+            for e in sorted(out.entries, key=lambda e: e.start):    # zero the padding: bytes are hashed
+                if e.start > prev:
+                    dst[prev:e.start].zero_()
+                prev = e.end
+            if out.nbytes > prev:
+                dst[prev:out.nbytes].zero_()
+            for src, (name, t) in zip(bkt.entries, _bucket.unflatten(flat, bkt.entries)):
+                if name in quantized:
+                    q, s = fp8.quantize_block(name, t.to(dst.device), self.block)
+                    self._put(dst, places[name], q)
+                    self._put(dst, places[fp8.scale_name(name)], s)
+                    self.tensors += 1
+                else:
+                    e = places[name]
+                    dst[e.start:e.end].copy_(flat[src.start:src.end])
+        self.bytes_in += bkt.payload_bytes
+        self.bytes_out += out.payload_bytes
+        self.seconds += time.perf_counter() - t0
+        return out, dst
+
+    @staticmethod
+    def _put(dst: torch.Tensor, e: _bucket.BucketEntry, t: torch.Tensor) -> None:
+        dst[e.start:e.end].view(e.dtype).view(e.shape).copy_(t)
+
+    def rank_bucket(self, rb: Any, alloc: Callable[[int], torch.Tensor],
+                    ranks: Iterable[int] | None = None) -> Any:
+        """A `reshard.RankBucket` with each buffer of ``ranks`` (default: all it holds) quantized
+        into a fresh one from ``alloc``; the input buffers are not kept."""
+        from .reshard import RankBucket
+
+        keep = rb.buffers if ranks is None else {r: rb.buffers[r] for r in ranks if r in rb.buffers}
+        out_bkt, buffers = self.plan(rb.bucket, engine=True), {}
+        for r, flat in keep.items():
+            out_bkt, buffers[r] = self.bucket(rb.bucket, flat, alloc, engine=True)
+        return RankBucket(rb.index, out_bkt, buffers, shared=False)
+
+    def named(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` pairs with each quantized weight replaced by ``(name, q)`` and
+        ``(scale name, scale)``."""
+        for name, t in items:
+            if name in self.hf:
+                t0 = time.perf_counter()
+                q, s = fp8.quantize_block(name, t, self.block)
+                self.seconds += time.perf_counter() - t0
+                self.bytes_in += t.numel() * t.element_size()
+                self.bytes_out += q.numel() + s.numel() * 4
+                self.tensors += 1
+                del t
+                yield name, q
+                yield fp8.scale_name(name), s
+            else:
+                yield name, t
+
+    def figures(self) -> dict[str, Any]:
+        """What this sync's quantization did, for `SyncStats.extra`."""
+        return {"quantization": "fp8", "quantize_s": self.seconds, "quantized_tensors": self.tensors,
+                "quantize_bytes_in": self.bytes_in, "quantize_bytes_out": self.bytes_out}
+
