@@ -45,6 +45,11 @@ def _add_demo(sub) -> None:
     p.add_argument("--ep", type=ca.positive_int, default=1,
                    help="MoE models: the engine's expert-parallel size inside its TP group (SGLang's "
                         "--ep-size; divides --tp and the number of experts)")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="the rollout's weight format: fp8 = block FP8 as SGLang's --quantization fp8 "
+                        "(quantized on the trainer each sync; the engine holds FP8 and is checked "
+                        "against the trainer's weights quantized the same way; the model's TP split "
+                        "must not cut a 128 block: try --model tiny-fp8)")
     p.add_argument("--fsdp", type=int, choices=[1, 2], default=2, help="FSDP version of the trainer")
     p.add_argument("--model", type=ca.model_spec, default="tiny",
                    help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m, "
@@ -70,7 +75,8 @@ def _demo_options(args):
                        bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
                        dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
                        progress=not args.no_progress, method=args.method,
-                       disk_dir=args.disk_dir, layout=args.layout, ep=args.ep)
+                       disk_dir=args.disk_dir, layout=args.layout, ep=args.ep,
+                       quantization=None if args.quantization == "none" else args.quantization)
 
 
 def _check_demo(args, given: set[str]) -> None:
@@ -85,6 +91,17 @@ def _check_demo(args, given: set[str]) -> None:
             layout_for(load_config(args.model), args.tp, args.ep)
         except ValueError as exc:
             raise ValueError(f"--ep {args.ep}: {exc}") from None
+    if args.quantization != "none":
+        from ..models import load_config
+        from ..weights.fp8 import FP8Layout
+        from ..weights.layout import layout_for
+
+        try:
+            lay = layout_for(load_config(args.model), args.tp, args.ep)
+            FP8Layout(lay.spec, args.tp, args.ep)
+        except ValueError as exc:
+            raise ValueError(f"--quantization {args.quantization} --model {args.model} --tp {args.tp}: "
+                             f"{exc}") from None
     args.opts = _demo_options(args)
 
 
@@ -98,7 +115,7 @@ def _cmd_demo(args) -> int:
     console = Console(width=None if sys.stdout.isatty() else 180)
     console.print(f"[bold]fsdp-sync demo[/]: {opts.ranks} ranks (dp {opts.ranks // opts.tp} × infer_tp "
                   f"{opts.tp}), FSDP{opts.fsdp}, model {opts.model}, method {opts.method}, strategy {opts.strategy}, "
-                  f"{opts.dtype}, {opts.device}")
+                  f"{opts.dtype}{' + block FP8' if opts.quantization else ''}, {opts.device}")
     result = run_demo(opts)
     table = Table(title="weight sync per training step")
     for col in ("step", "loss", "sync s", "GB/s", "bytes", "peak trainer RSS", "peak engine RSS",

@@ -51,6 +51,7 @@ class DemoOptions:
     disk_dir: str | None = None     # method="disk": where the versions go (None: a temp dir, removed)
     layout: str = "auto"            # SyncConfig.layout
     ep: int = 1                     # the engine's expert-parallel size (MoE models)
+    quantization: str | None = None  # SyncConfig.quantization and the engine's ("fp8": block FP8)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -85,17 +86,24 @@ def tolerance(opts: DemoOptions, ref_logits: torch.Tensor) -> float:
     return ATOL_EPS * torch.finfo(dtype).eps * max(1.0, float(ref_logits.abs().max()))
 
 
-def _rollout_copy(model: torch.nn.Module, ref: torch.nn.Module | None, dtype: torch.dtype) -> None:
+def _rollout_copy(model: torch.nn.Module, ref: torch.nn.Module | None, dtype: torch.dtype,
+                  quantization: str | None = None) -> None:
     """Load the trainer's current weights, cast to the rollout dtype, into ``ref`` (an unsharded
-    model on infer-TP rank 0, None elsewhere). Every rank iterates: the export gathers shards."""
+    model on infer-TP rank 0, None elsewhere); ``quantization="fp8"``: each weight the engine holds
+    in block FP8 as ``dequantize(quantize(w))``, what the engine computes with. Every rank
+    iterates: the export gathers shards."""
+    from ..weights import fp8, quantize
     from ..weights.experts import hub_views
     from ..weights.export import iter_params
 
     params = hub_views(ref) if ref is not None else {}
+    fake = quantize.quantized_hf_names(ref) if ref is not None and quantization else frozenset()
     seen = set()
     with torch.no_grad():
         for name, t in iter_params(model, dtype=dtype):
             if ref is not None:
+                if name in fake:
+                    t = fp8.dequantize_block(*fp8.quantize_block(name, t), dtype=dtype)
                 params[name].copy_(t)
                 seen.add(name)
     if ref is not None and seen != set(params):
@@ -150,17 +158,18 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
     dtype = getattr(torch, opts.dtype)
     # In a 16-bit rollout dtype the engine is compared with the trainer's weights cast to that
     # dtype (an unsharded copy on infer-TP rank 0), not with the float32 training forward.
-    low = dtype != torch.float32
+    low = dtype != torch.float32 or opts.quantization is not None
     ref_model = None
     if low and holds:
         ref_model = build_model(cfg, seed=0, dtype=dtype).eval().to(opts.device)
     engine = None
     if holds:
         engine = ReferenceEngine(model_config=cfg, tp_size=opts.tp, device=opts.device, dtype=dtype,
-                                 ep_size=opts.ep)
+                                 ep_size=opts.ep, **({"quantization": opts.quantization}
+                                                     if opts.quantization else {}))
     sync_cfg = SyncConfig(strategy=opts.strategy, bucket_bytes=int(opts.bucket_mb * 2**20), dtype=dtype,
                           multi_stage_wake_up=opts.multi_stage_wake_up, method=opts.method,
-                          layout=opts.layout,
+                          layout=opts.layout, quantization=opts.quantization,
                           **({"disk_dir": opts.disk_dir} if opts.method == "disk" else {}),
                           **opts.extra)
     manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
@@ -183,7 +192,7 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
                 progress.update(task, description=f"loss {loss:.3f} · syncing")
             with manager:
                 if low:
-                    _rollout_copy(model, ref_model, dtype)
+                    _rollout_copy(model, ref_model, dtype, opts.quantization)
                     ref_logits = last_logits(ref_model, PROMPTS) if ref_model is not None else None
                     ref_tokens = (greedy_generate(ref_model, PROMPTS, opts.max_new_tokens)
                                   if ref_model is not None else None)

@@ -147,13 +147,15 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
     import torch.distributed as dist
 
     from ...weights.export import param_metas
+    from ...weights.fp8 import quantized_layout
     from ...weights.layout import layout_for
 
     dtype = getattr(torch, job.dtype)
     model_bytes = sum(m.nbytes for m in param_metas(model, dtype))
     extra = dict(stats.extra)
     layout = extra.get("layout", "full")
-    shard = layout_for(cfg, job.tp, job.ep).engine_bytes(dtype.itemsize)
+    held = quantized_layout(layout_for(cfg, job.tp, job.ep), getattr(job, "quantization", None))
+    shard = held.engine_bytes(dtype.itemsize)
     world = dist.get_world_size()
     if layout == "engine":
         engine_in = int(extra["engine_rank_bytes_in"])
@@ -167,3 +169,10 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
             "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": int(t.item()),
             "reshard_path": extra.get("reshard_path"), "share_host_memory": share,
             "model_bytes": model_bytes}
+
+
+def quantized_bucket_bytes(bucket_bytes: int, dtype: torch.dtype) -> int:
+    """The most a quantized copy of one bucket of ``dtype`` tensors takes: one byte per element,
+    a float32 scale per 128 x 128 block, 16-byte alignment per tensor (bounded by a page)."""
+    elements = bucket_bytes // dtype.itemsize
+    return elements + 4 * (elements // (128 * 128) + 1) + 4096

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floor_shared_seconds,
-                     layout_figures)
+                     layout_figures, quantized_bucket_bytes)
 from .sampling import DeviceSampler, rises, sampled_sync
 from .targets import check_targets
 
@@ -111,7 +111,9 @@ _FIELD_KINDS = {"models": _of(str, "a model name"), "strategies": _of(str, "a st
                 "bucket_mb": _of(float, "a number of MiB"), "ranks": _of(int, "an integer"),
                 "tp": _of(int, "an integer"), "ep": _of(int, "an integer"), "multi_stage": _of(bool, "true or false"),
                 "share_host_memory": _of(bool, "true or false"), "methods": _of(str, "a method name"),
-                "layouts": _of(str, "a layout name"), "pipelined": _of(bool, "true or false")}
+                "layouts": _of(str, "a layout name"), "pipelined": _of(bool, "true or false"),
+                "quantization": _of(lambda x: None if str(x).lower() in ("none", "null", "") else str(x),
+                                    "none or fp8")}
 
 
 @dataclass(frozen=True)
@@ -131,9 +133,15 @@ class BenchSpec:
     methods: tuple[str, ...] = ("tensor",)
     layouts: tuple[str, ...] = ("auto",)    # SyncConfig.layout of the flattened rows
     pipelined: tuple[bool, ...] = (True,)   # SyncConfig.pipelined of the per-rank rows
+    quantization: tuple[str | None, ...] = (None,)   # SyncConfig.quantization: one job each
 
     def __post_init__(self) -> None:
-        from ...config import LAYOUTS, METHODS, STRATEGIES
+        from ...config import LAYOUTS, METHODS, QUANTIZATIONS, STRATEGIES
+
+        bad = [q for q in self.quantization if q not in QUANTIZATIONS]
+        if bad or not self.quantization:
+            raise ValueError(f"unknown quantization {bad or '(none)'} (--quantization); expected some "
+                             f"of none, fp8")
 
         bad = [x for x in self.layouts if x not in LAYOUTS]
         if bad or not self.layouts:
@@ -192,9 +200,9 @@ class BenchSpec:
         return [Job(model=m, ranks=r, tp=t, multi_stage=ms, device=self.device, dtype=self.dtype,
                     strategies=self.strategies, bucket_mb=self.bucket_mb, repeats=self.repeats,
                     warmup=self.warmup, share_host_memory=self.share_host_memory, methods=self.methods,
-                    layouts=self.layouts, pipelined=self.pipelined, ep=e)
-                for m, r, t, e, ms in itertools.product(self.models, self.ranks, self.tp, self.ep,
-                                                        self.multi_stage)]
+                    layouts=self.layouts, pipelined=self.pipelined, ep=e, quantization=q)
+                for m, r, t, e, ms, q in itertools.product(self.models, self.ranks, self.tp, self.ep,
+                                                           self.multi_stage, self.quantization)]
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,12 @@ class Job:
     layouts: tuple[str, ...] = ("auto",)
     pipelined: tuple[bool, ...] = (True,)
     ep: int = 1
+    quantization: str | None = None
+
+    @property
+    def engine_kw(self) -> dict:
+        """The reference engine's format arguments: its EP split and quantization."""
+        return {"ep_size": self.ep, **({"quantization": self.quantization} if self.quantization else {})}
 
 
 # --------------------------------------------------------------------------- one job on N ranks
@@ -242,8 +256,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     topo = SyncTopology.from_mesh(mesh)
     dtype = getattr(torch, job.dtype)
     colocated = "tensor" in job.methods
-    engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, ep_size=job.ep, device=job.device,
-                             dtype=dtype) if topo.is_tp_src and colocated else None
+    engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype,
+                             **job.engine_kw) if topo.is_tp_src and colocated else None
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())
     progress = _Progress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
@@ -264,7 +278,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             sync_cfg = SyncConfig(strategy=strategy, bucket_bytes=bucket_bytes, dtype=dtype,
                                   multi_stage_wake_up=job.multi_stage, memory_probe="rss",
                                   share_host_memory=share,
-                                  layout=layout if strategy == "flattened" else "full", pipelined=piped)
+                                  layout=layout if strategy == "flattened" else "full", pipelined=piped,
+                                  quantization=job.quantization)
             manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
             progress.update(f"{strategy} {bucket_mb:g} MiB: warm-up")
             for _ in range(job.warmup):
@@ -330,6 +345,10 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         # as one tensor per expert and projection, so a sync moves more tensors than that
         r["exported_tensors"] = len(metas)
         r["ep"] = job.ep
+        r["quantization"] = job.quantization
+        if job.quantization and "memory_budget_bytes" in r:   # the quantized bucket, beside the gathered one
+            r["memory_budget_bytes"] += quantized_bucket_bytes(r["bucket_bytes"], dtype)
+            r["memory_budget_rule"] += " + the quantized bucket"
     return {"rows": rows}
 
 
@@ -347,6 +366,7 @@ def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, 
         for st in timeline:
             st["t"] = round(st["started"] - sampler.t0, 5)
     return {
+        **{k: stats.extra[k] for k in ("quantize_s", "quantized_tensors") if k in stats.extra},
         "strategy": strategy, "model": job.model, "params": params, "tensors": tensors,
         "bytes": stats.bytes, "bucket_bytes": bucket_bytes, "largest_tensor_bytes": largest,
         "ranks": job.ranks, "tp": job.tp, "multi_stage": job.multi_stage, "device": job.device,
@@ -420,7 +440,8 @@ def _machine() -> dict:
 _FLAG_KEYS = {"models": "models", "strategies": "strategies", "bucket_mb": "bucket_mb",
               "ranks": "ranks", "tp": "tp", "ep": "ep", "multi_stage": "multi_stage",
               "share_host_memory": "share_host_memory", "device": "device", "dtype": "dtype",
-              "repeats": "repeats", "methods": "methods", "layout": "layouts"}
+              "repeats": "repeats", "methods": "methods", "layout": "layouts",
+              "quantization": "quantization"}
 
 
 def add_bench_parser(sub) -> None:
@@ -465,6 +486,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda (cuda needs a visible GPU)")
     p.add_argument("--dtype", type=ca.dtype_name, default="float32",
                    help=f"rollout dtype: {', '.join(ca.DTYPES)}")
+    p.add_argument("--quantization", type=ca.csv_of(ca.choice_of(("none", "fp8"))), default="none",
+                   help="comma-separated rollout formats side by side, one job each: none (the "
+                        "rollout dtype), fp8 (block FP8 as SGLang's --quantization fp8: quantized on "
+                        "the trainer, about half the bytes of bf16; rows add quantize_s)")
     p.add_argument("--repeats", type=ca.positive_int, default=3, help="timed syncs per row (median), >= 3")
     p.add_argument("--verify", type=ca.csv_of(ca.choice_of(("off", "sample", "full"))), default=None,
                    help="also time SyncConfig.verify per method: comma-separated off, sample, full (off "
@@ -484,7 +509,8 @@ def spec_from_args(args, given: set[str] | None = None) -> BenchSpec:
     ones on the command line, `cliargs.explicit_dests`) override the preset's or recipe's values."""
     def flag(dest: str) -> Any:
         v = getattr(args, dest)
-        return _csv(v, str) if isinstance(v, str) and dest in ("models", "strategies") else v
+        v = _csv(v, str) if isinstance(v, str) and dest in ("models", "strategies", "quantization") else v
+        return tuple(None if x == "none" else x for x in v) if dest == "quantization" else v
 
     if args.preset or args.recipe:
         if args.preset:

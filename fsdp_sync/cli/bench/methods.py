@@ -95,6 +95,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     from ...config import SyncConfig
     from ...engines import ReferenceEngine
     from ...manager import FSDPShardingManager
+    from ...weights.fp8 import quantized_layout
     from ...weights.layout import layout_for
 
     dtype = getattr(torch, job.dtype)
@@ -103,11 +104,11 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
             from ...transport.disk import disk_floor  # noqa: F401
         except ImportError:
             return [{"method": "disk", "skipped": "this build has no disk method"}] if rank == 0 else []
-    engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, ep_size=job.ep, device=job.device,
-                             dtype=dtype) if rank == 0 else None
+    engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype,
+                             **job.engine_kw) if rank == 0 else None
     # one engine rank's shard, beside what a disk row's engine rank read (the full layout's rows
     # carry no layout figures of their own: the workers slice their parts out of the HF files)
-    shard = layout_for(cfg, job.tp, job.ep).engine_bytes(dtype.itemsize)
+    shard = quantized_layout(layout_for(cfg, job.tp, job.ep), job.quantization).engine_bytes(dtype.itemsize)
     rows: list[dict] = []
     try:
         # distributed: the flattened format per bucket size and layout (job.layouts; per-rank rows
@@ -136,7 +137,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 workdir = box[0]
                 extra = {"disk_dir": workdir, "layout": layout}
             conf = SyncConfig(method=method, bucket_bytes=bucket_bytes, dtype=dtype, memory_probe="off",
-                              dist_master_address="127.0.0.1", **extra)
+                              dist_master_address="127.0.0.1", quantization=job.quantization, **extra)
             manager = FSDPShardingManager(model, engine, config=conf)
             try:
                 for _ in range(job.warmup):
@@ -232,6 +233,7 @@ def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floo
         "multi_stage": job.multi_stage, "device": job.device, "dtype": job.dtype, "seconds": med,
         "repeats": secs, "floor_seconds": floor, "baseline_seconds": None,
         "peak_extra_bytes": int(peak), **memory_budget(method, bucket_bytes, largest),
+        **{k: stats.extra[k] for k in ("quantize_s", "quantized_tensors") if k in stats.extra},
         "engine_calls": stats.engine_calls, "buckets": stats.buckets, "stages": timeline,
         "memory_curve": [], "share_host_memory": False, "floor_shared_seconds": None,
         "_peaks": [int(p) for p in peaks],
