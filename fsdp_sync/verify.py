@@ -217,6 +217,10 @@ def _sglang_checker(module: torch.nn.Module, config: Any, engine: Any, report: d
     engine parameters the chosen HF tensors feed."""
     from .engines.sglang.checksums import Checker
 
+    if getattr(config, "quantization", None) is not None:
+        raise ValueError(f"SGLang's /weights_checker hashes FP8 weights dequantized, which the trainer "
+                         f"does not recompute: verify with quantization={config.quantization!r} runs "
+                         f"against the reference engine only")
     cfg = getattr(module, "config", None)
     if cfg is None:
         raise ValueError("the module has no Hugging Face .config, so the trainer cannot tell "

@@ -41,6 +41,11 @@ def test_serve_command_from_verls_config_and_its_refusals(tmp_path):
         serve_command(_config(dtype="float8"), _model(tmp_path))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         serve_command(_config(), types.SimpleNamespace(local_path=str(tmp_path / "nowhere")))
+    assert "--quantization" not in cmd          # verl's rollout.quantization: null
+    fp8 = serve_command(_config(quantization="fp8"), _model(tmp_path))
+    assert fp8[fp8.index("--quantization") + 1] == "fp8"
+    with pytest.raises(ValueError, match="rollout.quantization='torchao'"):
+        serve_command(_config(quantization="torchao"), _model(tmp_path))
 
 
 def test_sampling_request_translates_verls_parameters():

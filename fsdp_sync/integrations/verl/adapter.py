@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from verl.workers.rollout import base as _verl_rollout_base
 
-from ...weights import handles
+from ...weights import handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets
 from ...config import SyncConfig
 from ...topology import SyncTopology
@@ -378,8 +378,12 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             return err
 
         phases = {"export_s": 0.0, "pack_s": 0.0}
+        stream = _timed(weights, phases)
+        quant = self._quantizer(topo) if cfg.quantization is not None else None
+        if quant is not None:      # rollout.quantization: block FP8, after the cast, tensor by tensor
+            stream = quant.named((n, self._cast(t) if n in quant.hf else t) for n, t in stream)
         steps = (self._flattened_calls if cfg.strategy == "flattened"
-                 else self._per_tensor_handle_calls)(_timed(weights, phases), topo, counted)
+                 else self._per_tensor_handle_calls)(stream, topo, counted)
         t0 = time.perf_counter()
         try:
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
@@ -400,15 +404,32 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                "tensors": counted.tensors, "buckets": counted.buckets,
                "engine_calls": counted.engine_calls, "bucket_bytes": cfg.bucket_bytes,
                "gbps": counted.bytes / sync_s / 1e9 if sync_s else 0.0, **figures}
+        if quant is not None:
+            out.update(quant.figures())
         if sent is not None:
             out["digests"] = sent
         return out
 
+    def _quantizer(self, topo: SyncTopology) -> "quantize.StreamQuantizer":
+        """The block-FP8 quantizer of verl's stream, from the model's HF config at the rollout's
+        TP (a split that cuts a 128 block is refused, naming the tensor)."""
+        from types import SimpleNamespace
+
+        hf = getattr(self.model_config, "hf_config", None)
+        if hf is None:
+            raise ValueError("rollout.quantization=fp8: verl's model config has no hf_config to read "
+                             "which tensors to quantize from")
+        return quantize.for_sync(SimpleNamespace(config=hf), self.sync, topo.tp_size)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.to(self.sync.dtype) if self.sync.dtype is not None and t.dtype != self.sync.dtype else t
+
     def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         t = t.detach()
-        if self.sync.dtype is not None and t.is_floating_point() and t.dtype != self.sync.dtype:
-            t = t.to(self.sync.dtype)
+        if (self.sync.dtype is not None and t.is_floating_point() and t.dtype != self.sync.dtype
+                and t.element_size() > 1 and not name.endswith("_scale_inv")):   # not FP8 pairs
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"fsdp_sync cannot send {name!r}: dtype {t.dtype} is not supported")
         t = t.contiguous()

@@ -103,9 +103,13 @@ def serve_command(config: Any, model_config: Any) -> list[str]:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"rollout.dtype={dtype!r}: the reference engine serves float32, "
                          f"bfloat16 or float16")
+    quant = _get(config, "quantization", None)
+    if quant not in (None, "fp8"):
+        raise ValueError(f"rollout.quantization={quant!r}: the reference engine serves block FP8 "
+                         f"('fp8') or the rollout dtype (null)")
     return [sys.executable, "-m", "fsdp_sync.cli", "serve", "--model",
             _model_config_json(model_config), "--tp", str(tp), "--dtype", dtype,
-            "--host", "127.0.0.1", "--port", "0"]
+            "--host", "127.0.0.1", "--port", "0", *(["--quantization", quant] if quant else [])]
 
 
 def sampling_request(prompt_ids: Any, sampling_params: dict, request_id: str, config: Any, *,
