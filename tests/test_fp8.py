@@ -195,8 +195,26 @@ def test_round_trip_within_fp8_precision(shape, dtype):
 def test_scale_name():
     assert fp8.scale_name("model.layers.0.mlp.experts.3.up_proj.weight") == \
         "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"
+    # SGLang's FusedMoE parameters (Fp8MoEMethod's w13_weight_scale_inv / w2_weight_scale_inv)
+    assert fp8.scale_name("model.layers.0.mlp.experts.w13_weight") == "model.layers.0.mlp.experts.w13_weight_scale_inv"
+    assert fp8.scale_name("model.layers.0.mlp.experts.w2_weight") == "model.layers.0.mlp.experts.w2_weight_scale_inv"
     with pytest.raises(ValueError, match="ends with '.weight'"):
         fp8.scale_name("model.layers.0.self_attn.q_proj.bias")
+    with pytest.raises(ValueError, match="ends with '.weight'"):
+        fp8.scale_name("model.layers.0.mlp.gate_weight")
+
+
+@pytest.mark.parametrize("family,tp,ep", [("qwen3_moe", 2, 2), ("mixtral", 1, 1)])
+def test_fp8_layout_of_an_moe_model(family, tp, ep):
+    """`FP8Layout` of an MoE model: the fused experts' engine scales are ``experts.w13_weight_scale_inv``
+    / ``experts.w2_weight_scale_inv`` of `scale_shape` of each rank's ``[E_local, rows, cols]``."""
+    layout = fp8.FP8Layout(SPECS[family], tp, ep)
+    shapes = layout.engine_shapes()
+    for w in ("w13_weight", "w2_weight"):
+        name = f"model.layers.0.{SPECS[family].moe_prefix}.experts.{w}"
+        assert layout.dtype_of(name, torch.bfloat16) == F8
+        assert shapes[name + "_scale_inv"] == fp8.scale_shape(shapes[name])
+        assert layout.dtype_of(name + "_scale_inv", torch.bfloat16) == torch.float32
 
 
 # --------------------------------------------------------------------------- which tensors

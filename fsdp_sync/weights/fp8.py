@@ -76,11 +76,11 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple
 
 
 def scale_name(name: str) -> str:
-    """``...proj.weight`` -> ``...proj.weight_scale_inv`` (the name SGLang's loader looks for;
-    an engine's ``experts.w13_weight`` -> ``experts.w13_weight_scale_inv``)."""
-    if not name.endswith((".weight", "_weight")):
-        raise ValueError(f"a quantized tensor's name ends with '.weight' (or an engine's "
-                         f"'_weight'), got {name!r}")
+    """``...proj.weight`` -> ``...proj.weight_scale_inv`` (the name SGLang's loader looks for); an
+    engine's fused experts ``experts.w13_weight`` -> ``experts.w13_weight_scale_inv`` (``Fp8MoEMethod``'s)."""
+    if not name.endswith((".weight", "experts.w13_weight", "experts.w2_weight")):
+        raise ValueError(f"a quantized tensor's name ends with '.weight' (or is an engine's "
+                         f"'experts.w13_weight' / 'experts.w2_weight'), got {name!r}")
     return name + "_scale_inv"
 
 

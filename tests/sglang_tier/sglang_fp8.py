@@ -20,6 +20,10 @@ venv with a JSON list of model cases ``[recipe, overrides, tp, ep]``; prints JSO
    float32's min, as SGLang allocates them).
 4. A checkpoint's ``ignored_layers`` / ``modules_to_not_convert``: for several lists, the layers
    SGLang's ``quantization.utils.is_layer_skipped`` skips (or refuses) beside `fp8.quantized_names`.
+5. The sync's own FP8 stream (`sglang_fp8_stream.py`, run last: it calls SGLang's
+   ``update_weights_from_tensor``, which patches torch's reductions for the rest of the process):
+   SGLang's ``load_weights`` of our quantized full-tensor buckets, and SGLang's updater with our
+   custom loader of our quantized per-rank buckets, beside the per-rank stream's bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sglang_models as sm  # noqa: E402  (installs the import stand-ins first)
+from sglang_fp8_stream import stream_report  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -198,4 +203,6 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     cases = json.loads(sys.argv[1])
     print(json.dumps({"quantizer": quantizer_report(), "models": model_report(cases),
-                      "ignored": ignored_report(cases)}))
+                      "ignored": ignored_report(cases), "stream": stream_report(cases, QUANT_CONFIG)}))
+    sys.stdout.flush()
+    os._exit(0)   # as sglang_models.py: SGLang may leave non-daemon threads behind

@@ -18,7 +18,24 @@ subprocess, behind the tier's import stand-ins):
   SGLang's Llama loader renames ``weight_scale_inv`` to ``weight_scale`` and so loads no block
   scale at all (its FP8 weights load as ours);
 - a checkpoint's ``ignored_layers`` / ``modules_to_not_convert`` skip (or refuse) the same layers by
-  `fp8.quantized_names` as by SGLang's ``is_layer_skipped``.
+  `fp8.quantized_names` as by SGLang's ``is_layer_skipped``;
+- the sync's own stream (`sglang_fp8_stream.py`; bfloat16 rollout, SGLang's model built in
+  bfloat16, buckets of 96 KiB so every case makes many): our quantized full-tensor buckets
+  (``export.iter_buckets`` -> ``StreamQuantizer.bucket``) loaded by SGLang's ``load_weights`` on each
+  TP/EP rank hold, bit for bit, what our quantized per-rank buckets (``reshard.iter_rank_buckets`` ->
+  ``StreamQuantizer.rank_bucket``) give that rank: fp8 weights, scales and every unquantized
+  parameter (quantizing each rank's slice == SGLang cutting the full quantized checkpoint), every
+  tensor we send named as SGLang's parameter; SGLang's ``block_quant_dequant`` of the pairs it
+  holds equals our `dequantize_block` of the rank stream's (bfloat16, float32); and the per-rank
+  buckets through SGLang's real ``WeightUpdater.update_weights_from_tensor`` with our custom loader
+  (``engines.sglang.loader``: fp8, float32 and bfloat16 entries in one bucket) fill every parameter
+  with the rank stream's bytes. Two differences, asserted: Llama's renamed scales (above: SGLang's
+  ``load_weights`` leaves every block scale unloaded, so its dequantized weights differ from ours;
+  our loader loads them); and the KV-cache scales ``attn.k_scale`` / ``attn.v_scale`` (0-dim float32)
+  that ``Fp8Config`` gives the attention of Qwen2, Llama, Qwen2-MoE and Mixtral (not Qwen3's nor
+  Qwen3-MoE's): no
+  block-FP8 checkpoint of ours and no stream carries them, so neither loader writes them and SGLang
+  keeps what it allocated (its ``BaseKVCacheMethod`` reads a scale <= 0 as 1.0).
 
 Not checked here (needs a GPU): SGLang's ``process_weights_after_loading`` for block FP8 (DeepGEMM's
 UE8M0 requantization, aiter / CUTLASS layouts), the FP8 GEMMs and a generation with the weights,
@@ -50,12 +67,17 @@ CASES = [["tiny", DENSE, 1, 1], ["tiny", DENSE, 2, 1],
          # SGLang's Qwen2-MoE and Mixtral take head_dim = hidden_size / heads (a config's head_dim
          # is ignored), so their hidden size is 2 x 128 here
          ["tiny-qwen2-moe", {**MOE, "hidden_size": 256, "shared_expert_intermediate_size": 256}, 2, 1],
-         ["tiny-mixtral", {**DENSE, "hidden_size": 256, "intermediate_size": 256}, 2, 2]]
+         ["tiny-mixtral", {**DENSE, "hidden_size": 256, "intermediate_size": 256}, 2, 2],
+         # TP 4: four heads (one KV head, replicated); experts split over 2 ranks each at EP 2
+         ["tiny", {**DENSE, "num_attention_heads": 4}, 4, 1],
+         ["tiny-qwen3-moe", {**MOE, "num_attention_heads": 4, "mlp_only_layers": []}, 4, 2]]
+KV_SCALES = ("self_attn.attn.k_scale", "self_attn.attn.v_scale")
 
 
 @pytest.fixture(scope="module")
 def report():
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1])}
+    # one torch thread: on a busy 2-core runner two threads' spin-waits made it ten times slower
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "sglang_fp8.py"), json.dumps(CASES)],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -119,3 +141,60 @@ def test_ignored_layers_skipped_as_sglang_skips_them(report):
     # the lists do something: some skip a part, one is refused, one skips nothing
     assert any(r["ours"] == "refused" for r in rows)
     assert any(isinstance(r["ours"], list) and 0 < len(r["ours"]) < r["all"] for r in rows)
+
+
+def _where(row):
+    return (row["case"][0], row["case"][1].get("model_type"), row["case"][2], row["case"][3], row["rank"])
+
+
+def test_stream_loaded_by_sglang_equals_our_rank_stream(report):
+    rows = report["stream"]
+    assert len(rows) == sum(c[2] for c in CASES)
+    assert any(r["hf_mixed_buckets"] for r in rows)     # fp8, scale and bf16 tensors in one bucket
+    llama = 0
+    for r in rows:
+        where, params = _where(r), r["params"]
+        # the stream is what it says: several buckets of fp8 weights, float32 scales, bf16 others
+        assert r["hf_buckets"] > 1 and r["rank_buckets"] > 1, where
+        assert r["hf_dtypes"] == ["bfloat16", "float32", "float8_e4m3fn"], where
+        assert r["only_ours"] == [], where                  # every tensor we send is SGLang's by name
+        assert sorted(k for k, v in params.items() if v["dtype"] == "float8_e4m3fn") == r["engine_fp8"], where
+        assert all(params[k + "_scale_inv"]["dtype"] == "float32" for k in r["engine_fp8"]), where
+        assert all(v["dtype"] == v["ours_dtype"] for v in params.values() if v["ours"] is not None), where
+        # what no stream of ours carries: only the attention's KV-cache scales, written by no loader
+        unsent = sorted(k for k, v in params.items() if v["ours"] is None)
+        kv = not r["case"][0].startswith("tiny-qwen3")      # SGLang's Qwen3 attention has none
+        assert unsent == (sorted(k for k in params if k.endswith(KV_SCALES)) if kv else []), where
+        assert bool(unsent) == kv, where
+        assert all(params[k]["a_unwritten"] and params[k]["a"] == params[k]["b"] for k in unsent), where
+        # our per-rank buckets through SGLang's updater and our loader: every sent parameter, all bytes
+        assert r["calls"] == [[True, "Success"]] * r["rank_buckets"], where
+        assert all(v["b"] == v["ours"] for v in params.values() if v["ours"] is not None), where
+        # SGLang's load_weights of our full-tensor stream: the same bytes (Llama: no block scale)
+        sent = {k: v for k, v in params.items() if v["ours"] is not None}
+        if r["case"][1].get("model_type") == "llama":
+            llama += 1
+            scales = {k for k in sent if k.endswith("_scale_inv")}
+            assert scales and all(sent[k]["a_unwritten"] for k in scales), where
+            assert all(v["a"] == v["ours_a"] for k, v in sent.items() if k not in scales), where
+            continue
+        for k, v in sent.items():
+            assert v["a"] == v["ours_a"] and not v["a_unwritten"], (where, k)
+    assert llama == 2
+
+
+def test_sglang_dequant_of_loaded_pairs_equals_ours(report):
+    for r in report["stream"]:
+        where = _where(r)
+        assert sorted(r["dequant"]) == r["engine_fp8"] and r["engine_fp8"], where
+        llama = r["case"][1].get("model_type") == "llama"
+        for k, per in r["dequant"].items():
+            assert sorted(per) == ["bfloat16", "float32"], (where, k)
+            for dt, d in per.items():
+                if llama:
+                    # load_weights left the scale unloaded: SGLang's weight is not ours; the pair
+                    # our loader put in SGLang's model dequantizes as ours does
+                    assert d["a"] != d["ours"] and d["b"] == d["ours"], (where, k, dt)
+                else:
+                    # b None: our loader left the very bytes load_weights did (asserted above)
+                    assert d["a"] == d["ours"] and d["b"] is None, (where, k, dt)
