@@ -39,6 +39,13 @@ def add_serve_parser(sub) -> None:
                         "must divide --tp and the number of experts)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weight and activation dtype")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: hold the weights in block-wise FP8, as SGLang's --quantization fp8 "
+                        "(each quantized linear weight float8_e4m3fn plus a float32 "
+                        "weight_scale_inv per 128x128 block; updates must send them so). Needs a "
+                        "model whose per-rank projection sizes are multiples of 128 (e.g. "
+                        "--model tiny-fp8). A config.json with a block-FP8 quantization_config "
+                        "turns it on by itself")
     p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=ca.non_negative_int, default=0,
                    help="seed of the initial random weights")
@@ -109,14 +116,17 @@ def _finite_seconds(text: str) -> float:
 
 def check_serve_args(args, given: set[str]) -> None:
     """Cross-flag and environment checks of `serve`, before any worker starts: the model splits
-    over ``--tp``, and ``--host``/``--port`` can be bound. Raises ValueError naming the flag."""
+    over ``--tp`` and ``--ep`` (with ``--quantization fp8``, in whole 128 blocks), and
+    ``--host``/``--port`` can be bound. Raises ValueError naming the flag."""
     import socket
 
+    from ..engines.reference.quant import engine_layout, resolve
     from ..models import load_config
     from ..weights.layout import ModelSpec, TPLayout
 
     try:
-        spec = ModelSpec.from_config(load_config(args.model))
+        config = load_config(args.model)
+        spec = ModelSpec.from_config(config)
     except ValueError as exc:
         raise ValueError(f"argument --model: {exc}") from None
     try:
@@ -128,6 +138,11 @@ def check_serve_args(args, given: set[str]) -> None:
         TPLayout(spec, args.tp, args.ep)
     except ValueError as exc:
         raise ValueError(f"argument --ep: {exc}") from None
+    flag = "--quantization" if args.quantization else "--model"
+    try:
+        engine_layout(spec, args.tp, args.ep, resolve(config, args.quantization))
+    except ValueError as exc:
+        raise ValueError(f"argument {flag}: {exc}") from None
     if args.port:
         try:
             infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
@@ -158,7 +173,7 @@ def main_serve(args) -> int:
     engine = ReferenceEngine(args.model, tp_size=args.tp, ep_size=args.ep, device=args.device,
                              dtype=parse_dtype(args.dtype) or torch.float32,
                              kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
-                             weights_cpu_backup=args.weights_cpu_backup)
+                             weights_cpu_backup=args.weights_cpu_backup, quantization=args.quantization)
     server = None
     rc = 0
     stop = threading.Event()

@@ -38,8 +38,13 @@ costs one reply timeout, not more) and `shutdown()` ends it without waiting for 
 `shutdown()` (also on ``with`` exit, garbage collection and interpreter exit) stops every worker
 and closes every pipe; payload buffers are acknowledged by the workers and released by their owner.
 
+``quantization="fp8"`` holds the weights in block FP8, as SGLang's ``--quantization fp8``: every
+quantized weight as float8_e4m3fn plus its float32 ``weight_scale_inv`` (`weights.fp8.FP8Layout`),
+and each tensor of every update must come in the dtype the layout says (`quant`).
+
 Not here: the model math (`tp_model`), the worker loop (`worker`), generation calls (`rollout`),
-weight read-back (`readback`) and per-rank update items (`update_items`).
+weight read-back (`readback`), per-rank update items and the checks of a distributed call's
+entries (`update_items`), which quantization a config and argument make (`quant`).
 
 Why ~690 lines, one module: the engine's side of every protocol call (startup, the update methods,
 the two-phase rounds), sharing the lock, the worker set and the broken/transaction state. The next
@@ -63,15 +68,15 @@ import torch
 
 from ...models import load_config
 from ...weights import handles
-from ...weights.layout import ModelSpec, TPLayout
-from ...wire import PER_RANK_BUCKET, free_port
+from ...weights.layout import ModelSpec
+from ...wire import free_port
 from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
                     WeightUpdateError, WorkerDiedError, ordered_tags)
-from . import procs
+from . import procs, quant
 from ...config import parse_dtype
 from .readback import WeightReadback
 from .rollout import GenerationCalls
-from .update_items import build_items, distributed_entries
+from .update_items import build_items, check_entries, distributed_entries
 
 __all__ = ["ReferenceEngine"]
 
@@ -106,6 +111,11 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
             weights serve. SGLang's own is 30 minutes, not settable.
         ep_size: MoE expert parallelism inside the TP group, as SGLang's ``--ep-size``
             (`weights.layout.TPLayout`); 1 splits every expert over all TP ranks.
+        quantization: None, or ``"fp8"``: block-wise FP8 as SGLang's ``--quantization fp8``
+            (`weights.fp8.FP8Layout`): each quantized weight is held as float8_e4m3fn with a
+            float32 ``weight_scale_inv`` per 128x128 block, the start-up weights are quantized,
+            updates must send them so, and the forward dequantizes them. A config whose
+            ``quantization_config`` is block FP8 makes it ``"fp8"`` (`quant.resolve`).
     """
 
     accepts_tagged_payloads = True
@@ -124,7 +134,7 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
                  *, num_threads: int | None = None, pg_timeout_s: float = 60.0,
                  startup_timeout_s: float = 180.0, call_timeout_s: float | None = 900.0,
                  use_memory_saver: bool = True, transactional_updates: bool = True,
-                 update_recv_timeout_s: float = 60.0, ep_size: int = 1):
+                 update_recv_timeout_s: float = 60.0, ep_size: int = 1, quantization: str | None = None):
         given = dtype
         try:    # the names SyncConfig takes ("bf16", "bfloat16", ...) as well as torch dtypes
             dtype = parse_dtype(dtype, "dtype") if dtype is not None else None
@@ -161,7 +171,10 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
             kv_cache_tokens = 4096
         self.config = load_config(model_config)
         self.spec = ModelSpec.from_config(self.config)
-        self.layout = TPLayout(self.spec, int(tp_size), ep_size)   # refuses an impossible split up front
+        self._quant = quant.resolve(self.config, quantization)
+        # refuses an impossible split up front (and, quantized, one that cuts an FP8 block)
+        self.layout = quant.engine_layout(self.spec, int(tp_size), ep_size, self._quant)
+        self.quantization: str | None = self.layout.quantization
         self.ep_size = self.layout.ep
         self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
         self.tp_size = int(tp_size)
@@ -181,7 +194,7 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
             "weights_cpu_backup": self.weights_cpu_backup, "seed": int(seed),
             "num_threads": int(num_threads or 1),
             "pg_timeout_s": float(pg_timeout_s), "use_memory_saver": use_memory_saver,
-            "update_recv_timeout_s": float(update_recv_timeout_s), "ep": self.layout.ep,
+            "update_recv_timeout_s": float(update_recv_timeout_s), "ep": self.layout.ep, "quant": self._quant,
         }
         self._update_groups: dict[str, dict] = {}   # weight-update groups the workers joined
         from . import worker as worker_mod
@@ -234,8 +247,9 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("broken" if getattr(self, "_broken", None) else "running")
         ep = f", ep={self.ep_size}" if self.ep_size > 1 else ""
+        q = f", {self.quantization}" if self.quantization else ""
         return (f"ReferenceEngine({self.spec.model_type}, tp={self.tp_size}{ep}, {self.device}, "
-                f"{str(self.dtype).removeprefix('torch.')}, {state})")
+                f"{str(self.dtype).removeprefix('torch.')}{q}, {state})")
 
     def dead_reason(self) -> str | None:
         """Why this engine can serve nothing more (shut down, a worker died or went silent), or
@@ -541,25 +555,7 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
                                         f"({self._txn_aborted}); call end_weight_update() and start again")
             try:
                 entries = distributed_entries(names, dtypes, shapes, load_format)
-                own = self.layout.engine_shapes() if load_format == PER_RANK_BUCKET else None
-                for name, dtype, shape in entries:   # checked before joining: the sender learns at once
-                    if own is not None and name not in own:
-                        raise WeightUpdateError(f"unknown parameter {name!r}: {PER_RANK_BUCKET!r} takes the "
-                                                f"engine's own parameter names (e.g. {next(iter(own))!r})",
-                                                name=name)
-                    if own is None and not self.layout.accepts(name):
-                        raise WeightUpdateError(f"unknown parameter {name!r}: not a {self.spec.model_type} "
-                                                f"parameter name of this model (e.g. {self.hf_names()[1]!r})",
-                                                name=name)
-                    if dtype != self.dtype:
-                        raise WeightUpdateError(f"expected dtype {str(self.dtype).removeprefix('torch.')} "
-                                                f"for {name!r}, got {str(dtype).removeprefix('torch.')}",
-                                                name=name)
-                    want = tuple(own[name] if own is not None else self.layout.full_shape(name))
-                    if shape != want:
-                        raise WeightUpdateError(f"expected shape {want} for {name!r}"
-                                                f"{' (one TP rank shard)' if own is not None else ''}, got "
-                                                f"{shape}", name=name)
+                check_entries(entries, self.layout, self.dtype, load_format)   # before joining
                 if group_name not in self._update_groups:
                     raise WeightUpdateError(f"unknown weight-update group {group_name!r} (known: "
                                             f"{sorted(self._update_groups)}); call init_weights_update_group first")

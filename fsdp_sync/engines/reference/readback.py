@@ -2,6 +2,10 @@
 TP ranks, checksums and per-rank digests (what `fsdp_sync.verify` compares). A mixin of
 `ReferenceEngine`: it asks the workers through the engine's ``_call``.
 
+Every tensor is read back as it is held (`TPLayout.dtype_of`): a block-FP8 engine's quantized
+weights as their float8_e4m3fn bytes and their ``weight_scale_inv`` scales (float32) under their own
+HF names, so a verify compares the quantized bytes and the scales, not a dequantized copy.
+
 Not here: loading weights (`engine`, `staging`), the digest math (`fsdp_sync.weights.layout`).
 """
 
@@ -40,15 +44,20 @@ class WeightReadback:
         out = {}
         for name in names:
             shape = self.layout.full_shape(name)
-            full = torch.empty(shape, dtype=self.dtype)
+            full = torch.empty(shape, dtype=self.layout.dtype_of(name, self.dtype))
             for r in range(self.tp_size):
                 for src, piece in replies[r][name]:
-                    full[src] = piece
+                    # float8 pieces come as their bytes (see `worker.Worker.pieces`)
+                    full[src] = piece.view(full.dtype) if piece.dtype != full.dtype else piece
             out[name] = full
         return out
 
+    def _nbytes(self, name: str) -> int:
+        return math.prod(self.layout.full_shape(name)) * self.layout.dtype_of(name, None, self.dtype.itemsize)
+
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
-        """The full (CPU) tensor of HF parameter ``name``, assembled from every rank's shard."""
+        """The full (CPU) tensor of HF parameter ``name``, assembled from every rank's shard, in the
+        dtype it is held in (block FP8: ``float8_e4m3fn`` weights, float32 ``..._scale_inv``)."""
         if not self.layout.accepts(name):
             raise KeyError(f"unknown parameter {name!r}; this model's HF names are e.g. "
                            f"{self.hf_names()[:3]}")
@@ -60,7 +69,7 @@ class WeightReadback:
         batch, size = [], 0
         for name in self.hf_names():
             batch.append(name)
-            size += math.prod(self.layout.full_shape(name)) * self.dtype.itemsize
+            size += self._nbytes(name)
             if size >= _PIECE_BATCH_BYTES:
                 yield from self._gather(batch).items()
                 batch, size = [], 0
@@ -85,7 +94,7 @@ class WeightReadback:
         batch, size = [], 0
         for i, name in enumerate(names):
             batch.append(name)
-            size += math.prod(self.layout.full_shape(name)) * self.dtype.itemsize
+            size += self._nbytes(name)
             if size >= _PIECE_BATCH_BYTES or i == len(names) - 1:
                 for n, t in self._gather(batch).items():
                     out[n] = checksum_named_tensors([(n, t)])

@@ -390,6 +390,7 @@ class EngineServer:
         return 200, {"tp_size": int(self.engine.tp_size), "dp_size": 1,
                      "model_path": self.model_path, "version": "fsdp_sync-serve",
                      "weight_version": self.weight_version,
+                     "quantization": getattr(self.engine, "quantization", None),   # SGLang's server arg
                      "disk_updates": bool(self.allowed_disk_dirs)}
 
     def _generate(self, body: dict, h: BaseHTTPRequestHandler | None) -> tuple[int | None, Any]:

@@ -10,6 +10,11 @@ update ends, so it is not mapped anew every bucket: `_keep_mapped`). A checkpoin
 against the manifest's digests, every tensor's name, dtype and shape is checked from the safetensors
 headers, and only this rank's slices are read (into CPU memory).
 
+Every tensor must come in the dtype the engine's layout holds it in (`TPLayout.dtype_of`: the
+rollout dtype, or for a block-FP8 engine float8_e4m3fn weights and float32 ``weight_scale_inv``
+scales), whichever path it came by (HF-named tensors, ``direct`` engine-named ones, a checkpoint);
+a tensor in another is refused naming it, both dtypes and what to change (`quant.dtype_refusal`).
+
 Not here: the process loop and command dispatch (`worker`), memory release/resume (`regions`),
 deciding commit vs abort (`engine`).
 """
@@ -25,9 +30,9 @@ from typing import Any
 import torch
 
 from ...weights import handles
-from ...weights.bucket import dtype_name
 from ...wire import open_flattened_bucket
 from .errors import KIND_STATE, KIND_UPDATE, WorkerError
+from .quant import dtype_refusal, scale_refusal
 
 __all__ = ["UpdateStager", "Write", "Txn", "MAX_MAPPED"]
 
@@ -85,14 +90,14 @@ class UpdateStager:
                                         f"got {got}", name)
 
     def _check(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+        """``t`` is a tensor of ``shape`` in the dtype the layout holds ``name`` in (HF or engine
+        name): the rollout dtype, or float8_e4m3fn / float32 for a block-FP8 weight / scale."""
         if not isinstance(t, torch.Tensor):
             raise self._mismatch(name, "a", "tensor", type(t).__name__)
-        if t.dtype != self.w.dtype:
-            err = self._mismatch(name, "dtype", dtype_name(self.w.dtype), dtype_name(t.dtype))
-            want = dtype_name(self.w.dtype)
-            hint = (f"; the engine runs in {want}: send {want} tensors (FSDPShardingManager "
-                           f"casts them with SyncConfig(dtype=torch.{want}))")
-            raise WorkerError(err.kind, str(err) + hint, name)
+        want = self.w.layout.dtype_of(name, self.w.dtype)
+        if t.dtype != want:
+            raise WorkerError(KIND_UPDATE, dtype_refusal(name, t.dtype, want, self.w.rank,
+                                                         self.w.layout.quantization), name)
         if tuple(t.shape) != tuple(shape):
             raise self._mismatch(name, "shape", fmt_shape(shape), fmt_shape(t.shape))
 
@@ -100,7 +105,8 @@ class UpdateStager:
         if not self.w.layout.accepts(name):
             raise WorkerError(KIND_UPDATE, f"unknown parameter {name!r} on TP rank {self.w.rank}: not a "
                                            f"{self.w.layout.spec.model_type} parameter name of this model "
-                                           f"(e.g. {self.w.layout.hf_names()[1]!r})", name)
+                                           f"(e.g. {self.w.layout.hf_names()[1]!r})"
+                                           f"{scale_refusal(name, self.w.layout.quantization)}", name)
         self._check(name, t, self.w.layout.full_shape(name))
         if name == "lm_head.weight" and self.w.layout.spec.tie_word_embeddings:
             self._check_tied_head(t, out)
@@ -134,7 +140,8 @@ class UpdateStager:
         if name not in self.w.engine_shapes:
             raise WorkerError(KIND_UPDATE, f"unknown parameter {name!r} on TP rank {self.w.rank}: not one "
                                            f"of the engine's own (direct-layout) parameter names "
-                                           f"(e.g. 'model.layers.0.self_attn.qkv_proj.weight')", name)
+                                           f"(e.g. 'model.layers.0.self_attn.qkv_proj.weight')"
+                                           f"{scale_refusal(name, self.w.layout.quantization)}", name)
         self._check(name, t, self.w.engine_shapes[name])
         out.append(Write(name, (slice(None),), t, tuple(self.w.layout.engine_covers(name, self.w.rank))))
 
@@ -295,17 +302,18 @@ class UpdateStager:
         if not self.w.layout.accepts(name):
             raise WorkerError(KIND_UPDATE, f"{path}: unknown parameter {name!r} on TP rank {self.w.rank}: "
                                            f"not a {self.w.layout.spec.model_type} parameter name of this "
-                                           f"model (e.g. {self.w.layout.hf_names()[1]!r})", name)
+                                           f"model (e.g. {self.w.layout.hf_names()[1]!r})"
+                                           f"{scale_refusal(name, self.w.layout.quantization)}", name)
         code = f.dtype_code(name)
         dtype = dtypes.get(code)
-        if dtype != self.w.dtype:
-            raise WorkerError(KIND_UPDATE, f"{path}: expected dtype {dtype_name(self.w.dtype)} for {name!r} "
-                                           f"on TP rank {self.w.rank}, got {dtype_name(dtype) if dtype else code}",
-                              name)
-        shape = f.shape(name)
-        want = tuple(self.w.layout.full_shape(name))
-        if shape != want:
-            raise WorkerError(KIND_UPDATE, f"{path}: expected shape {fmt_shape(want)} for {name!r} on "
+        want = self.w.layout.dtype_of(name, self.w.dtype)
+        if dtype != want:
+            msg = dtype_refusal(name, dtype if dtype is not None else code, want, self.w.rank,
+                                self.w.layout.quantization)
+            raise WorkerError(KIND_UPDATE, f"{path}: {msg}", name)
+        shape, full = f.shape(name), tuple(self.w.layout.full_shape(name))
+        if shape != full:
+            raise WorkerError(KIND_UPDATE, f"{path}: expected shape {fmt_shape(full)} for {name!r} on "
                                            f"TP rank {self.w.rank}, got {fmt_shape(shape)}", name)
         placements = self.w.layout.placements(name, self.w.rank)
         for pl in placements:
@@ -314,7 +322,7 @@ class UpdateStager:
                 self.bytes_read += piece.numel() * piece.element_size()
             out.append(Write(pl.engine, pl.dst, piece, (name,)))
         if not placements and name in self.w.hf_set:
-            out.append(Write("", (), torch.empty(0, dtype=self.w.dtype), (name,)))   # counts as loaded
+            out.append(Write("", (), torch.empty(0, dtype=want), (name,)))   # counts as loaded
 
     def _apply(self, writes: list[Write]) -> None:
         params = self.w.model.params

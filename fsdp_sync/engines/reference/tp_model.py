@@ -12,6 +12,12 @@ RMSNorm, rotary embeddings and attention follow transformers' numerics (float32 
 cos/sin computed in float32 then cast, SDPA). Attention runs per sequence over its own span of the
 KV cache, so prompts of different lengths need no padding.
 
+Block FP8 (a `fp8.FP8Layout`): each parameter is stored in ``layout.dtype_of`` (quantized weights
+as float8_e4m3fn, their ``_scale_inv`` as float32) and each quantized weight is dequantized
+(`fp8.dequantize_block`, to the engine dtype) where a matmul uses it; nothing derived is cached, so
+no load can leave a stale dequantized copy behind. The matmuls themselves run in the engine dtype
+(SGLang's FP8 GEMMs are a GPU matter; the weights they read are the same).
+
 Not here: processes, pipes, payloads and memory tags (`worker`, `regions`), or the engine API
 (`engine`).
 """
@@ -19,16 +25,34 @@ Not here: processes, pipes, payloads and memory tags (`worker`, `regions`), or t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["ModelSpec", "TPLayout", "Placement", "Span", "TPModel", "shard_state_dict"]
+__all__ = ["ModelSpec", "TPLayout", "Placement", "Span", "TPModel", "shard_state_dict", "initial_tensors"]
 
+from ...weights import fp8  # noqa: E402
 # the layout map lives in fsdp_sync.weights.layout (one source of truth); re-exported here for old imports
 from ...weights.layout import ModelSpec, Placement, TPLayout, shard_state_dict  # noqa: E402,F401
+
+
+def initial_tensors(layout: TPLayout, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full float32 start-up tensors of an engine of ``seed``, ``(hf name, tensor)`` in HF order:
+    norms ones, biases zeros, every other tensor drawn whole from its own generator (``N(0,
+    initializer_range)``). Scales are not drawn (a quantized engine quantizes these), so one seed
+    gives the same weights quantized or not, at every TP size."""
+    std = layout.spec.initializer_range
+    scales = {fp8.scale_name(n) for n in getattr(layout, "quantized", ())}
+    for i, name in enumerate(n for n in layout.hf_shapes if n not in scales):
+        shape = layout.hf_shapes[name]
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(shape)
+        else:
+            yield name, torch.randn(shape, generator=torch.Generator().manual_seed(seed * 100_003 + i)) * std
 
 
 # --------------------------------------------------------------------------- the forward pass
@@ -65,6 +89,7 @@ class TPModel:
         self.layout, self.spec, self.rank = layout, layout.spec, rank
         self.dtype, self.device, self.group = dtype, torch.device(device), group
         self.shapes = layout.engine_shapes()
+        self.quantized: frozenset[str] = getattr(layout, "engine_quantized", frozenset())
         self.params: dict[str, torch.Tensor] = {}
         d = self.spec.head_dim
         self.inv_freq = 1.0 / (self.spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
@@ -72,25 +97,35 @@ class TPModel:
 
     # ----------------------------------------------------------------- parameters
     def allocate(self) -> None:
-        self.params = {k: torch.zeros(s, dtype=self.dtype, device=self.device) for k, s in self.shapes.items()}
+        self.params = {k: torch.zeros(s, dtype=self.layout.dtype_of(k, self.dtype), device=self.device)
+                       for k, s in self.shapes.items()}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.params.values())
 
     def init_random(self, seed: int) -> None:
-        """Deterministic random weights, identical full tensors for every tp_size: each HF tensor
-        is drawn whole from its own generator, then this rank keeps its placements."""
-        std = self.spec.initializer_range
-        for i, (name, shape) in enumerate(self.layout.hf_shapes.items()):
-            if name.endswith("norm.weight"):
-                full = torch.ones(shape)
-            elif name.endswith(".bias"):
-                full = torch.zeros(shape)
-            else:
-                g = torch.Generator().manual_seed(seed * 100_003 + i)
-                full = torch.randn(shape, generator=g) * std
-            for pl in self.layout.placements(name, self.rank):
-                self.params[pl.engine][pl.dst].copy_(full[pl.src])
+        """Deterministic random weights, identical full tensors for every tp_size
+        (`initial_tensors`), of which this rank keeps its placements. Block FP8: each quantized
+        weight is cast to the engine dtype and quantized (`fp8.quantize_block`, as SGLang
+        quantizes a checkpoint online), then its weight and its scale are placed."""
+        quantized = getattr(self.layout, "quantized", frozenset())
+        for name, full in initial_tensors(self.layout, seed):
+            pairs = [(name, full)]
+            if name in quantized:
+                q, scale = fp8.quantize_block(name, full.to(self.dtype), self.layout.block)
+                pairs = [(name, q), (fp8.scale_name(name), scale)]
+            for n, t in pairs:
+                for pl in self.layout.placements(n, self.rank):
+                    self.params[pl.engine][pl.dst].copy_(t[pl.src])
+
+    def weight(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Parameter ``name`` (``index``: one expert of a fused 3-D one) as a matmul takes it: a
+        block-FP8 weight dequantized with its ``_scale_inv`` into the engine dtype, at every use."""
+        w = self.params[name] if index is None else self.params[name][index]
+        if name not in self.quantized:
+            return w
+        s = self.params[name + "_scale_inv"]
+        return fp8.dequantize_block(w, s if index is None else s[index], self.dtype, self.layout.block)
 
     # ----------------------------------------------------------------- collectives
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +175,7 @@ class TPModel:
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
             h = rms_norm(x, P[p + "input_layernorm.weight"], s.rms_norm_eps)
-            qkv = F.linear(h, P[p + "self_attn.qkv_proj.weight"], P.get(p + "self_attn.qkv_proj.bias"))
+            qkv = F.linear(h, self.weight(p + "self_attn.qkv_proj.weight"), P.get(p + "self_attn.qkv_proj.bias"))
             q, k, v = qkv.split([ql * d, kl * d, kl * d], dim=-1)
             q = q.view(n, ql, d)
             k = k.view(n, kl, d)
@@ -162,7 +197,7 @@ class TPModel:
                 else:
                     keys, vals = k[rows], v[rows]
                 attn[rows] = self._attend(q[rows], keys, vals, sp.n_cached, scale)
-            o = F.linear(attn.view(n, ql * d), P[p + "self_attn.o_proj.weight"])
+            o = F.linear(attn.view(n, ql * d), self.weight(p + "self_attn.o_proj.weight"))
             o = self._all_reduce(o)
             if s.o_bias:
                 o = o + P[p + "self_attn.o_proj.bias"]
@@ -182,9 +217,9 @@ class TPModel:
 
     def _mlp(self, h: torch.Tensor, m: str) -> torch.Tensor:
         """This rank's partial sum of a gated MLP (``m``: its prefix); the caller all-reduces."""
-        P = self.params
-        gate, up = F.linear(h, P[m + "gate_up_proj.weight"], P.get(m + "gate_up_proj.bias")).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, P[m + "down_proj.weight"])
+        gate, up = F.linear(h, self.weight(m + "gate_up_proj.weight"),
+                            self.params.get(m + "gate_up_proj.bias")).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.weight(m + "down_proj.weight"))
 
     def _moe(self, h: torch.Tensor, m: str) -> torch.Tensor:
         """This rank's partial sum of a sparse MoE block: routing as transformers does it (softmax
@@ -200,13 +235,12 @@ class TPModel:
         if s.model_type != "mixtral":
             top_w = top_w.to(logits.dtype)
         out = torch.zeros_like(h)
-        w13, w2 = P[m + "experts.w13_weight"], P[m + "experts.w2_weight"]
         for le, e in enumerate(self.layout.expert_range(self.rank)):
             tok, pos = torch.where(top_i == e)
             if tok.numel() == 0:
                 continue
-            gate, up = F.linear(h[tok], w13[le]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[le]) * top_w[tok, pos, None]
+            gate, up = F.linear(h[tok], self.weight(m + "experts.w13_weight", le)).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.weight(m + "experts.w2_weight", le)) * top_w[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         if s.shared_expert_intermediate_size:
             shared = self._mlp(h, m + "shared_expert.")

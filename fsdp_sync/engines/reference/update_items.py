@@ -1,5 +1,7 @@
 """What a reference engine sends its workers for one update: per-rank work items built from the
-arguments of ``update_weights_from_tensor`` and ``update_weights_from_distributed``.
+arguments of ``update_weights_from_tensor`` and ``update_weights_from_distributed``, and the
+engine-side check of a distributed call's names, dtypes and shapes (before any worker joins the
+broadcast, so the sender learns at once).
 
 Plain tensors are packed into one flattened bucket per distinct rank list (one shared buffer, one
 handle per rank); payloads given per rank pass through as they are. Every malformed argument is a
@@ -18,8 +20,9 @@ from ...weights import handles
 from ...weights.bucket import TensorMeta, flatten, plan_buckets
 from ...wire import PER_RANK_BUCKET, flattened_bucket
 from ..base import SerializedPerRank, WeightUpdateError
+from .quant import dtype_refusal, scale_refusal
 
-__all__ = ["build_items", "pack_plain", "distributed_entries"]
+__all__ = ["build_items", "pack_plain", "distributed_entries", "check_entries"]
 
 
 def distributed_entries(names: Any, dtypes: Any, shapes: Any, load_format: str | None) -> list[tuple]:
@@ -53,6 +56,31 @@ def distributed_entries(names: Any, dtypes: Any, shapes: Any, load_format: str |
         offset += math.prod(shape) * dtype.itemsize
         out.append((str(name), dtype, shape))
     return out
+
+
+def check_entries(entries: list[tuple], layout: Any, dtype: torch.dtype, load_format: str | None) -> None:
+    """Refuse an ``update_weights_from_distributed`` call whose ``(name, dtype, shape)`` entries
+    this engine cannot load: an unknown name (HF names, or with `PER_RANK_BUCKET` the engine's own),
+    a dtype other than ``layout.dtype_of(name, dtype)`` (``float8_e4m3fn`` / ``float32`` for a
+    block-FP8 engine's quantized weights and scales, the rollout dtype otherwise), a shape other
+    than the full tensor's (or one TP rank's shard). Raises `WeightUpdateError` naming the tensor."""
+    own = layout.engine_shapes() if load_format == PER_RANK_BUCKET else None
+    for name, got, shape in entries:
+        if own is not None and name not in own:
+            raise WeightUpdateError(f"unknown parameter {name!r}: {PER_RANK_BUCKET!r} takes the engine's own "
+                                    f"parameter names (e.g. {next(iter(own))!r})"
+                                    f"{scale_refusal(name, layout.quantization)}", name=name)
+        if own is None and not layout.accepts(name):
+            raise WeightUpdateError(f"unknown parameter {name!r}: not a {layout.spec.model_type} parameter name "
+                                    f"of this model (e.g. {layout.hf_names()[1]!r})"
+                                    f"{scale_refusal(name, layout.quantization)}", name=name)
+        want = layout.dtype_of(name, dtype)
+        if got != want:
+            raise WeightUpdateError(dtype_refusal(name, got, want, None, layout.quantization), name=name)
+        full = tuple(own[name] if own is not None else layout.full_shape(name))
+        if shape != full:
+            raise WeightUpdateError(f"expected shape {full} for {name!r}"
+                                    f"{' (one TP rank shard)' if own is not None else ''}, got {shape}", name=name)
 
 
 

@@ -1,12 +1,13 @@
 """A reference-engine worker: one process per TP rank, driven over a Pipe by `ReferenceEngine`.
 
-`serve` is the process entry point (started by `procs.start` in a fresh interpreter). It sets up the process (threads; glibc's mmap
-threshold pinned so freed weights and KV cache go back to the OS), joins the TP process group
-(gloo on CPU, NCCL on CUDA, with a timeout), builds its `TPModel` shard with deterministic random
-weights and a KV cache, then answers requests one at a time: ``("cmd", args)`` in, ``("ok", result)``
-or ``("err", kind, message, traceback)`` out, both as plain pickles (tensors travel by value here;
-only weight payloads travel as handles, see `fsdp_sync.weights.handles`). Commands are looked up in
-a table (`COMMANDS`); the benchmark floor ``receive_raw`` lives in `bench_floor`.
+`serve` is the process entry point (started by `procs.start` in a fresh interpreter). It sets up
+the process (threads; glibc's mmap threshold pinned so freed weights and KV cache go back to the
+OS), joins the TP process group (gloo on CPU, NCCL on CUDA, with a timeout), builds its `TPModel`
+shard with deterministic random weights (quantized, for a block-FP8 engine) and a KV cache, then
+answers requests one at a time: ``("cmd", args)`` in, ``("ok", result)`` or ``("err", kind,
+message, traceback)`` out, both as plain pickles (tensors travel by value here, float8 ones as
+their bytes; only weight payloads travel as handles, see `fsdp_sync.weights.handles`). Commands
+are looked up in a table (`COMMANDS`); the benchmark floor ``receive_raw`` lives in `bench_floor`.
 
 The `Worker` owns two collaborators: `staging.UpdateStager` (two-phase weight updates: stage,
 commit, abort, transactions, disk checkpoints) and `regions.MemoryRegions` (release/resume of the
@@ -33,9 +34,10 @@ import torch
 
 from ...faultpoint import fault_point
 from ...weights.bucket import unflatten
-from ...weights.layout import TPLayout, rank_digest
+from ...weights.layout import rank_digest
 from .errors import KIND_OTHER, KIND_STATE, KIND_UPDATE, WorkerError
 from .generation import Decode
+from .quant import engine_layout
 from .regions import MemoryRegions
 from .staging import UpdateStager
 from .tp_model import Span, TPModel
@@ -80,7 +82,8 @@ class Worker:
                                     init_method=init_method, rank=rank, world_size=tp,
                                     timeout=datetime.timedelta(seconds=float(opts["pg_timeout_s"])), **kw)
             self.group = dist.group.WORLD
-        self.layout = TPLayout(opts["spec"], tp, int(opts.get("ep", 1)))   # plain dataclasses: workers never import transformers
+        # plain data (a spec dataclass, the quantization dict): workers never import transformers
+        self.layout = engine_layout(opts["spec"], tp, int(opts.get("ep", 1)), opts.get("quant"))
         self.model = TPModel(self.layout, rank, dtype=self.dtype, device=self.device, group=self.group)
         self.hf_set = self.layout.rank_names(rank)   # under EP: only the experts this rank holds
         self.engine_shapes = self.layout.engine_shapes()
@@ -161,7 +164,9 @@ class Worker:
         return out if self.rank == 0 else {"finished": out["finished"]}
 
     def pieces(self, names: list[str]) -> dict:
-        """This rank's owned pieces of full HF tensors: ``{name: [(src slices, tensor), ...]}``."""
+        """This rank's owned pieces of full HF tensors: ``{name: [(src slices, tensor), ...]}``.
+        A float8 piece travels as its bytes (a uint8 view: torch 2.13 pickles a float8 tensor it
+        cannot load back); the engine views them as the dtype the layout holds them in."""
         self._require_weights()
         out = {}
         for name in names:
@@ -172,7 +177,7 @@ class Worker:
                 name_src = "model.embed_tokens.weight"
             else:
                 name_src = name
-            out[name] = [(pl.src, self.model.params[pl.engine][pl.dst].cpu().clone())
+            out[name] = [(pl.src, _bytes_of_fp8(self.model.params[pl.engine][pl.dst].cpu().clone()))
                          for pl in self.layout.placements(name_src, self.rank) if pl.owner]
         return out
 
@@ -274,7 +279,9 @@ class Worker:
                     off += nb
             else:
                 out = [(n, torch.empty(s, dtype=d, device=self.device)) for n, d, s in entries]
-                works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out if t.numel()]
+                # float8 received as its bytes: the same bytes whatever type the sender names them by
+                works = [dist.broadcast(_bytes_of_fp8(t), src=0, group=pg, async_op=True)
+                         for _, t in out if t.numel()]
                 for w in works:
                     w.wait()
         except Exception as exc:  # noqa: BLE001 - a torn receive: the group is unusable now
@@ -306,6 +313,12 @@ class Worker:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a peer may be gone already
                 pass
+
+
+def _bytes_of_fp8(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as a uint8 view of its bytes (anything else as it is): gloo has no float8
+    type, and torch 2.13 pickles a float8 tensor it cannot load back."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
 
 
 def _receive_raw(w: Worker, a: dict) -> None:
