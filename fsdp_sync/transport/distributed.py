@@ -304,6 +304,8 @@ class DistributedTransport:
         stats.engine_calls += len(engines)
         if self._quant is not None:
             stats.extra.update(self._quant.figures())
+        elif getattr(cfg, "quantization", None) is not None:   # trainer rank 0 quantized what was sent
+            stats.extra["quantization"] = cfg.quantization
         stats.seconds = time.perf_counter() - t0
 
     def _quantizer(self, ctx: SyncContext, engines: list) -> "quantize.StreamQuantizer | None":

@@ -430,6 +430,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         t = t.detach()
         if (self.sync.dtype is not None and t.is_floating_point() and t.dtype != self.sync.dtype
                 and t.element_size() > 1 and not name.endswith("_scale_inv")):   # not FP8 pairs
+            t = t.to(self.sync.dtype)
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"fsdp_sync cannot send {name!r}: dtype {t.dtype} is not supported")
         t = t.contiguous()
