@@ -209,3 +209,43 @@ def test_moe_bench_recipe_size_and_its_largest_tensor_is_not_a_fused_expert():
     fused = max(p.numel() * 4 for n, p in model.named_parameters() if "experts" in n)
     expert = max(m.nbytes for m in metas if ".experts." in m.name)
     assert expert * cfg.num_experts * 2 == fused          # gate_up_proj: [E, 2 I, H] -> E x ([I, H], [I, H])
+
+
+def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path):
+    """Issue 25 item 6: ``--quantization none,fp8`` runs one job per format on the same model and
+    bucket: the FP8 rows move the FP8 stream's bytes (about half of bf16) into each engine rank,
+    report the quantization's own seconds, and count the quantized bucket in their budget."""
+    import torch
+
+    from fsdp_sync.cli.bench.floors import quantized_bucket_bytes
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights import quantize
+    from fsdp_sync.weights.fp8 import FP8Layout
+    from fsdp_sync.weights.layout import layout_for
+
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny-fp8", "--methods", "tensor",
+         "--strategies", "flattened", "--layout", "full,engine", "--ranks", "2", "--tp", "2",
+         "--dtype", "bfloat16", "--bucket-mb", "1", "--repeats", "3", "--quantization", "none,fp8",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    by = {(r["quantization"], r["layout"]): r for r in rows}
+    assert set(by) == {(q, lay) for q in (None, "fp8") for lay in ("full", "engine")}, sorted(by, key=str)
+    model = build_model(load_config("tiny-fp8"), seed=0)
+    sent = sum(m.nbytes for m in quantize.sync_metas(model, SyncConfig(dtype=torch.bfloat16,
+                                                                       quantization="fp8")))
+    base = layout_for(model.config, 2)
+    for lay in ("full", "engine"):
+        bf16, fp8 = by[(None, lay)], by[("fp8", lay)]
+        assert fp8["bytes"] == sent and 0.5 < fp8["bytes"] / bf16["bytes"] < 0.6, (fp8["bytes"], bf16["bytes"])
+        assert fp8["quantize_s"] > 0 and fp8["quantized_tensors"] > 0 and "quantize_s" not in bf16
+        assert fp8["memory_budget_bytes"] == bf16["memory_budget_bytes"] + quantized_bucket_bytes(
+            fp8["bucket_bytes"], torch.bfloat16)
+    # per-rank: each engine rank gets exactly its FP8 shard (weights, scales, the rest in bf16)
+    shard = FP8Layout(base.spec, 2).engine_bytes(2)
+    assert by[("fp8", "engine")]["engine_rank_bytes_in"] <= 1.05 * shard == 1.05 * by[("fp8", "engine")]["engine_rank_shard_bytes"]
+    assert by[("fp8", "engine")]["engine_rank_shard_bytes"] < 0.6 * base.engine_bytes(2)

@@ -210,3 +210,23 @@ def test_demo_and_bench_take_layout_and_the_demo_shows_the_portable_checkpoint(t
     assert (tmp_path / "ckpt" / "step_0" / "config.json").is_file()          # kept, as said
     text = " ".join(proc.stdout.split())
     assert "checkpoint of the last step:" in text and "kept" in text
+
+
+def test_demo_runs_an_fp8_rollout_and_refuses_a_model_it_cannot_quantize(tmp_path):
+    """Issue 25 item 1: ``--quantization fp8``; the engine is checked against the trainer's weights
+    quantized the same way. A model whose TP split cuts a 128 block is refused before anything starts."""
+    import json
+
+    with pytest.raises(SystemExit):
+        cli.parse_args("demo --quantization fp8 --model tiny".split())
+    assert cli.parse_args("demo --quantization fp8 --model tiny-fp8".split()).opts.quantization == "fp8"
+    assert cli.parse_args("demo --model tiny".split()).opts.quantization is None
+    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--quantization", "fp8",
+                           "--model", "tiny-fp8", "--layout", "engine", "--steps", "2", "--no-progress",
+                           "--json", str(tmp_path / "d.json")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert result["ok"] and result["config"]["quantization"] == "fp8"
+    assert all(s["tokens_match"] and s["max_abs_logit_diff"] <= s["atol"] for s in result["steps"])
+    assert "block FP8" in proc.stdout

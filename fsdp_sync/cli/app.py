@@ -53,7 +53,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--fsdp", type=int, choices=[1, 2], default=2, help="FSDP version of the trainer")
     p.add_argument("--model", type=ca.model_spec, default="tiny",
                    help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m, "
-                        "tiny-qwen3, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, ...) or a path to a "
+                        "tiny-qwen3, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, tiny-fp8, ...) or a path to a "
                         "YAML recipe / Hugging Face config.json")
     p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda (cuda needs a visible GPU)")
     p.add_argument("--dtype", type=ca.dtype_name, default="float32",

@@ -521,11 +521,17 @@ class DistributedTransport:
                     flush_cache=False, load_format=None if per_tensor else "flattened_bucket")
         pool = self._executor(len(engines))
         futures = [pool.submit(e.update_weights_from_distributed, **body) for e in engines]
-        if per_tensor:
-            works = [dist.broadcast(flat[e.start:e.end].view(e.dtype), src=0, group=self.pg,
-                                    async_op=True) for e in bkt.entries if e.nbytes]
-        else:
-            works = [dist.broadcast(flat, src=0, group=self.pg, async_op=True)] if bkt.nbytes else []
+        try:
+            if per_tensor:
+                # a float8 tensor goes as its bytes (gloo has no float8 type; the receiver does the same)
+                works = [dist.broadcast(flat[e.start:e.end] if e.dtype.itemsize == 1 and e.dtype.is_floating_point
+                                        else flat[e.start:e.end].view(e.dtype), src=0, group=self.pg,
+                                        async_op=True) for e in bkt.entries if e.nbytes]
+            else:
+                works = [dist.broadcast(flat, src=0, group=self.pg, async_op=True)] if bkt.nbytes else []
+        except Exception as exc:   # the engines are already receiving: end their wait at once
+            self._abandon(_Pending(what, [], futures), f"{what}: {exc}")
+            raise
         return _Pending(what, works, futures)
 
     def _finish(self, p: _Pending) -> str | None:
