@@ -5,7 +5,10 @@ files), dense and MoE (TP 2, EP 1 and 2). After every sync ``verify="full"`` pas
 the trainer's FP8 bytes and scales bit for bit, per TP rank), the bytes moved are exactly the FP8
 stream's, and the engine's greedy tokens equal transformers' greedy run of the trainer's weights
 quantized and dequantized (what the engine computes with). A scale left stale in the engine is caught
-by verify, naming it; an engine and a config of different formats are refused before anything moves.
+by verify, naming it; a NaN in one trainer rank's shard (hence in one engine rank's slice) fails the
+sync on every rank at once, naming the tensor, for the per-rank and full paths of every method, and
+the engine keeps its weights; an engine and a config of different formats are refused before
+anything moves.
 The disk version is a checkpoint transformers' own block-FP8 dequantizing loader reads back to the
 weights the engine serves.
 """
@@ -26,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7]]
 STALE = "model.layers.1.mlp.down_proj.weight_scale_inv"
+NAN = "model.layers.1.mlp.down_proj.weight"      # [256, 512]: element [200, 300] is on trainer rank 1
+                                                 # (FSDP2 rows 128-255) and engine rank 1 (columns 256-511)
 CASES = [  # (fsdp, recipe, tp, ep, syncs)
     (2, "tiny-fp8", 2, 1,
      [{"method": "tensor", "layout": "full"}, {"method": "tensor", "layout": "engine"},
@@ -34,6 +39,8 @@ CASES = [  # (fsdp, recipe, tp, ep, syncs)
       {"method": "disk", "layout": "full", "keep": True}, {"method": "disk", "layout": "engine"},
       {"method": "tensor", "layout": "engine", "stale": True},
       {"method": "disk", "layout": "full", "stale": True},
+      {"method": "tensor", "layout": "engine", "nan": True}, {"method": "distributed", "layout": "engine", "nan": True},
+      {"method": "distributed", "layout": "full", "nan": True}, {"method": "disk", "layout": "full", "nan": True},
       {"method": "tensor", "quantization": None}]),
     (1, "tiny-fp8-moe", 2, 2,
      [{"method": "tensor", "layout": "engine", "fsdp1_state_dict": "local"},
@@ -66,7 +73,7 @@ def _job(rank, world, root):
         try:
             for step, kw in enumerate(syncs):
                 kw = dict(kw)
-                stale, keep = kw.pop("stale", False), kw.pop("keep", False)
+                stale, keep, nan = kw.pop("stale", False), kw.pop("keep", False), kw.pop("nan", False)
                 kw.setdefault("quantization", "fp8")
                 if kw["method"] == "disk":
                     kw["disk_dir"] = os.path.join(root, f"case{c}-{step}")
@@ -86,7 +93,14 @@ def _job(rank, world, root):
                             engine.update_weights_from_tensor([(STALE, old * 2)])
 
                     manager.transport.sync = sync
-                rec = {"case": c, "step": step, "kw": kw, "stale": stale}
+                rec = {"case": c, "step": step, "kw": kw, "stale": stale, "nan": nan}
+                if nan:       # one trainer rank's shard holds a NaN: every rank must fail, at once
+                    local = module.model.layers[1].mlp.down_proj.weight.to_local()
+                    old = local[200 - 128, 300].item() if rank == 1 else None
+                    if rank == 1:
+                        with torch.no_grad():
+                            local[200 - 128, 300] = float("nan")
+                    before = engine.weights_checksum() if engine is not None else None
                 try:
                     with manager:
                         rec["bytes"] = manager.stats.bytes
@@ -106,6 +120,11 @@ def _job(rank, world, root):
                     rec["error"] = str(exc)
                 finally:
                     manager.close()
+                if nan:
+                    if rank == 1:
+                        with torch.no_grad():
+                            local[200 - 128, 300] = old
+                    rec["kept"] = engine.weights_checksum() == before if engine is not None else True
                 if keep and rank == 0 and "checkpoint" in rec:
                     rec["hf"] = _read_with_transformers(rec["checkpoint"], engine)
                 out.append(rec)
@@ -155,6 +174,10 @@ def test_every_method_and_layout_syncs_fp8_bit_exact(tmp_path):
         assert len(recs) == n, rank
         for rec in recs:
             kw = rec["kw"]
+            if rec["nan"]:        # refused on every rank, naming the tensor; the engine kept its weights
+                assert NAN in rec.get("error", "") and "NaN" in rec["error"], (rank, rec)
+                assert rec["kept"], rec
+                continue
             if rec["stale"]:      # caught on every rank, naming the stale scale
                 assert "error" in rec and STALE in rec["error"], (rank, rec)
                 continue

@@ -404,19 +404,24 @@ class DistributedTransport:
         pending: _Pending | None = None
         engine_in = 0
 
+        failed: str | None = None     # rank 0's own failure (quantizing, launching): agreed below
+
         def settle() -> None:     # every rank: the outcome of the bucket in flight
             nonlocal pending
             err, pending = (self._finish(pending) if pending is not None else None), None
-            _agree(err, group, "distributed weight sync")
+            _agree(err or failed, group, "distributed weight sync")
 
         try:
             for k, rb in enumerate(it):        # reshards bucket k (k-1 is still on the wire)
                 if k and piped:
                     settle()
-                if me == 0:
-                    if quant is not None:
-                        rb = quant.rank_bucket(rb, qpool.take)
-                    pending = self._launch_ranks(engines, rb, f"per-rank bucket {k} ({rb.bucket.names[0]}…)")
+                if me == 0 and failed is None:
+                    try:     # the peers are in the stream: a failure here is agreed, never raised alone
+                        if quant is not None:
+                            rb = quant.rank_bucket(rb, qpool.take)
+                        pending = self._launch_ranks(engines, rb, f"per-rank bucket {k} ({rb.bucket.names[0]}…)")
+                    except Exception as exc:  # noqa: BLE001
+                        failed = f"per-rank bucket {k} on trainer rank 0: {type(exc).__name__}: {exc}"
                 if not piped:
                     settle()
                 engine_in += rb.bucket.nbytes
@@ -489,22 +494,26 @@ class DistributedTransport:
                 qturn[0] += 1
                 return buf[:nbytes]
         pending: _Pending | None = None
+        failed: str | None = None     # rank 0's own failure (quantizing, launching): agreed below
         try:
             for k, (bkt, flat) in enumerate(it):      # gathers bucket k (k-1 is still on the wire)
                 if k:   # every rank: bucket k-1's outcome (rank 0 waits for it here)
                     err, pending = (self._finish(pending) if pending is not None else None), None
-                    _agree(err, group, "distributed weight sync")
-                if me == 0:
-                    if quant is not None:
-                        bkt, flat = quant.bucket(bkt, flat, qalloc)
-                    pending = self._launch(engines, bkt, flat, f"bucket {k} ({bkt.names[0]}…)")
+                    _agree(err or failed, group, "distributed weight sync")
+                if me == 0 and failed is None:
+                    try:     # the peers are in the gather: a failure here is agreed, never raised alone
+                        if quant is not None:
+                            bkt, flat = quant.bucket(bkt, flat, qalloc)
+                        pending = self._launch(engines, bkt, flat, f"bucket {k} ({bkt.names[0]}…)")
+                    except Exception as exc:  # noqa: BLE001
+                        failed = f"bucket {k} on trainer rank 0: {type(exc).__name__}: {exc}"
                 stats.bytes += bkt.payload_bytes
                 stats.tensors += len(bkt.entries)
                 stats.buckets += 1
                 del flat
             if plan:     # every rank: one agree per bucket, the last one here
                 err, pending = (self._finish(pending) if pending is not None else None), None
-                _agree(err, group, "distributed weight sync")
+                _agree(err or failed, group, "distributed weight sync")
             if getattr(cfg, "quantization", None):   # every rank reports what rank 0 sent
                 stats.bytes = sum(m.nbytes for m in quantize.sync_metas(ctx.module, cfg))
         finally:

@@ -400,10 +400,15 @@ class TensorTransport:
                         f"r % tp (the ('dp', 'infer_tp') row-major mesh does), or use layout='full'")
                 if quant is not None:
                     staged = [] if rb.shared else list(rb.buffers.values())
-                    rb = quant.rank_bucket(rb, qpool.take, ranks=[topo.tp_rank])
-                    flat = rb.buffers[topo.tp_rank]
+                    err = None
+                    try:    # each rank quantizes its own slice: a failure (NaN) must reach every rank
+                        rb = quant.rank_bucket(rb, qpool.take, ranks=[topo.tp_rank])
+                    except Exception as exc:  # noqa: BLE001
+                        err = f"quantizing per-rank bucket {rb.index} ({topo.describe()}): {type(exc).__name__}: {exc}"
                     pool.give_back(staged)
                     del staged
+                    agree(err, self._group, what=f"{self._what}: quantization")
+                    flat = rb.buffers[topo.tp_rank]
                 obj = flat if form == "tensor" else flattened_bucket(flat, rb.bucket)
                 sets = [handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
                 engine_in += rb.bucket.nbytes

@@ -96,7 +96,8 @@ def for_sync(module: torch.nn.Module, config: Any, tp: int, ep: int = 1, *,
 
 class StreamQuantizer:
     """Quantizes buckets, per-rank buckets and ``(name, tensor)`` pairs of one sync (see the
-    module docstring). ``tight``: output buckets in SGLang's broadcast layout (no padding)."""
+    module docstring). ``tight``: full-tensor output buckets in SGLang's broadcast layout (no
+    padding); per-rank buckets are always 16-byte aligned, their own wire layout."""
 
     def __init__(self, layout: fp8.FP8Layout, *, tight: bool = False) -> None:
         self.layout = layout
@@ -121,7 +122,9 @@ class StreamQuantizer:
                                  quantized)
             metas.sort(key=lambda m: -m.dtype.itemsize)          # stable: 8, 4, 2, 1 bytes
             total = sum(m.nbytes for m in metas) + _bucket.ALIGNMENT * len(metas) + 1
-            plans = _bucket.plan_tight(metas, total) if self.tight else _bucket.plan_buckets(metas, total)
+            # per-rank buckets go out in their own wire layout (`wire.per_rank_bucket_plan`: aligned)
+            tight = self.tight and not engine
+            plans = _bucket.plan_tight(metas, total) if tight else _bucket.plan_buckets(metas, total)
             if len(plans) > 1:      # pragma: no cover - the sort above makes one bucket hold it
                 raise RuntimeError(f"quantized bucket of {bkt.names[:2]} did not fit one bucket")
             out = plans[0] if plans else _bucket.Bucket((), 0)

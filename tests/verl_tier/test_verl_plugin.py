@@ -235,3 +235,34 @@ def test_stream_buffer_grows_to_what_the_stream_needs_never_past_the_bucket():
     s3 = _Stream(cap, hint=8 * cap)
     s3.add("x", torch.zeros(10))
     assert s3.buf.numel() == cap
+
+
+def test_adapter_quantizes_verls_stream_to_block_fp8_for_an_fp8_engine():
+    """Issue 25: ``rollout.quantization=fp8`` (SyncConfig.from_verl) makes the adapter quantize
+    verl's own weight stream tensor by tensor after the cast; the FP8 engine then serves exactly the
+    trainer's weights quantized (verify full on the adapter's side, the bytes read back here)."""
+    from omegaconf import OmegaConf
+
+    from fsdp_sync.cli.launch import run_ranks
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.engines.reference.serve import EngineServer
+
+    import verl_ranks
+
+    cfg = compose(RECIPES[0], [
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.quantization=fp8",
+        "+actor_rollout_ref.rollout.custom.fsdp_sync.bucket_mb=1",
+        "+actor_rollout_ref.rollout.custom.fsdp_sync.verify=full",
+    ])
+    with ReferenceEngine("tiny-fp8", tp_size=2, seed=5, quantization="fp8") as engine, \
+            EngineServer(engine, api_key="k") as server:
+        rollout = OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
+        rollout["custom"]["fsdp_sync"].update(base_url=server.url, api_key="k")
+        results = run_ranks(verl_ranks.sync_fp8, 2, rollout, timeout_s=300)
+    st = results[0]["stats"]
+    assert results[0]["bad"] == [], results[0]["bad"]
+    assert st["quantization"] == "fp8" and st["quantized_tensors"] == 14, st      # 7 linears x 2 layers
+    assert st["verify"] == "full" and st["verify_tensors"] > 0, st
+

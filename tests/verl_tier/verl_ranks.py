@@ -119,3 +119,46 @@ def dataproto_roundtrip(rank: int, rollout_mesh, rollout_cfg: dict) -> dict:
             "back_equal": bool(back.batch["input_ids"].equal(ids))
             and list(back.non_tensor_batch["uid"]) == [f"r{rank}-{i}" for i in range(3)],
             "meta": back.meta_info}
+
+
+def sync_fp8(rank: int, world: int, rollout_cfg: dict):
+    """verl's adapter with ``rollout.quantization=fp8``: an FSDP2 tiny-fp8 Qwen2 synced into an
+    FP8 engine (verify full: the engine's digests of what it serves against what was sent);
+    returns the adapter's stats and, on rank 0, whether every FP8 weight and scale the engine
+    serves equals the trainer's weights quantized."""
+    import types
+
+    import verl  # noqa: F401
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.base import get_rollout_class
+
+    from fsdp_sync.cli.trainer import wrap_fsdp
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights import fp8
+
+    cfg = load_config("tiny-fp8")
+    model = wrap_fsdp(build_model(cfg, seed=3), 2)
+    rollout_config = omega_conf_to_dataclass(OmegaConf.create(rollout_cfg))
+    mesh = init_device_mesh("cpu", mesh_shape=(1, world, 1), mesh_dim_names=["dp", "infer_tp", "infer_pp"])
+    rollout = get_rollout_class(rollout_config.name, rollout_config.mode)(
+        config=rollout_config, model_config=types.SimpleNamespace(hf_config=cfg), device_mesh=mesh)
+    full = [(n, t.clone()) for n, t in verl_generator(model)]
+    asyncio.run(rollout.update_weights(verl_generator(model), global_steps=1))
+    out = {"stats": {k: v for k, v in rollout.last_stats.items() if k != "digests"}}
+    if rank == 0:
+        from fsdp_sync.engines.sglang import SGLangEngine
+
+        fs = rollout_cfg["custom"]["fsdp_sync"]
+        client = SGLangEngine(base_url=fs["base_url"], api_key=fs.get("api_key"), tp_size=2)
+        bad = []
+        for n, t in full:
+            if n.endswith("q_proj.weight") or n.endswith("down_proj.weight"):
+                q, s = fp8.quantize_block(n, t)
+                got_q, got_s = client.get_weights_by_name(n), client.get_weights_by_name(n + "_scale_inv")
+                if not (got_q.view(torch.uint8).equal(q.view(torch.uint8)) and got_s.equal(s)):
+                    bad.append(n)
+        out["bad"] = bad
+    dist.barrier()
+    return out
