@@ -261,8 +261,12 @@ def test_adapter_quantizes_verls_stream_to_block_fp8_for_an_fp8_engine():
         rollout = OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
         rollout["custom"]["fsdp_sync"].update(base_url=server.url, api_key="k")
         results = run_ranks(verl_ranks.sync_fp8, 2, rollout, timeout_s=300)
+        want = results[0]["want"]
+        assert len(want) == 4
+        for n, (q, s) in want.items():     # the engine's own bytes, read back from its workers
+            assert engine.get_weights_by_name(n).view(torch.uint8).equal(q), n
+            assert engine.get_weights_by_name(n + "_scale_inv").equal(s), n
     st = results[0]["stats"]
-    assert results[0]["bad"] == [], results[0]["bad"]
     assert st["quantization"] == "fp8" and st["quantized_tensors"] == 14, st      # 7 linears x 2 layers
     assert st["verify"] == "full" and st["verify_tensors"] > 0, st
 
