@@ -105,6 +105,7 @@ def _job(rank, world, root):
                     with manager:
                         rec["bytes"] = manager.stats.bytes
                         rec["want_bytes"] = sum(m.nbytes for m in quantize.sync_metas(module, manager.config))
+                        rec["fp8_shard"] = quantize.for_sync(module, manager.config, tp, ep).layout.engine_bytes(4)
                         rec["extra"] = {k: v for k, v in manager.stats.extra.items()
                                         if isinstance(v, (int, float, str, bool, type(None)))}
                         _rollout_copy(module, ref, torch.float32, "fp8")          # collective
@@ -191,6 +192,9 @@ def test_every_method_and_layout_syncs_fp8_bit_exact(tmp_path):
                 assert rec["extra"]["quantized_tensors"] > 0 and rec["extra"]["quantize_s"] > 0, rec
             if "layout" in kw:
                 assert rec["extra"]["layout"] == kw["layout"], rec
+            if kw.get("layout") == "engine" and rank == 0:   # each engine rank gets its FP8 shard only
+                x = rec["extra"]
+                assert x["engine_rank_bytes_in"] <= 1.05 * x["engine_rank_shard_bytes"] == 1.05 * rec["fp8_shard"], rec
             if "tokens" in rec:
                 assert rec["tokens"] == rec["want"], rec
                 assert rec["dtypes"] == {"model.layers.0.self_attn.q_proj.weight": "torch.float8_e4m3fn",

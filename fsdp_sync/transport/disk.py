@@ -363,7 +363,9 @@ class DiskTransport:
                        "pruned": pruned, "layout": "full" if layout is None else "engine",
                        "engine_rank_bytes_in": engine_in}
         if layout is not None:
-            stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=st.engine_shard_bytes,
+            shard = (st.engine_shard_bytes if self._quant is None       # FP8: the engine rank's FP8 shard
+                     else self._quant.layout.engine_bytes(_float_dtype(metas).itemsize))
+            stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=shard,
                                trainer_rank_bytes_in=trainer_in)
 
     def _quantizer(self, ctx: Any, rank: int, group: Any, layout: Any, what: str) -> Any:
