@@ -254,6 +254,9 @@ class FP8Layout(TPLayout):
                 shapes[sn] = scale_shape(shape, self.block)
                 self._kinds[sn] = ("scale", scale_name(self.engine_name(name)), name)
         self.hf_shapes = shapes
+        # every scale's name, HF and engine: `dtype_of` runs once per tensor of every load
+        self.scales: frozenset[str] = frozenset(scale_name(n) for n in self.quantized) | frozenset(
+            scale_name(n) for n in self.engine_quantized)
 
     def engine_shapes(self) -> dict[str, tuple[int, ...]]:
         cache = self.__dict__.get("_fp8_engine_shapes")
@@ -280,7 +283,7 @@ class FP8Layout(TPLayout):
         return kind[2] if kind is not None else name.removesuffix("_scale_inv")
 
     def dtype_of(self, name: str, dtype, itemsize: int | None = None):
-        if name.endswith("_scale_inv") and (name in self.hf_shapes or name in self.engine_shapes()):
+        if name in self.scales:
             d = torch.float32
         elif name in self.quantized or name in self.engine_quantized:
             d = torch.float8_e4m3fn
