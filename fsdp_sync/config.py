@@ -19,7 +19,7 @@ import torch
 from .weights.fp8 import QUANTIZATIONS
 from .weights.hf_checkpoint import DEFAULT_HASH, HASHES as DISK_HASHES
 
-__all__ = ["SyncConfig", "STRATEGIES", "LAYOUTS", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
+__all__ = ["SyncConfig", "STRATEGIES", "LAYOUTS", "REPLICA_FAILURE_MODES", "PAUSE_MODES", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
            "VERIFY_MODES", "DISK_HASHES", "QUANTIZATIONS", "parse_dtype", "parse_bool"]
 
 METHODS = ("tensor", "distributed", "disk")
@@ -28,6 +28,8 @@ DISTRIBUTED_FORMATS = ("flattened_bucket", "per_tensor")
 VERIFY_MODES = ("off", "sample", "full")
 STRATEGIES = ("per_tensor", "bucketed", "flattened")
 LAYOUTS = ("auto", "full", "engine")
+REPLICA_FAILURE_MODES = ("abort", "quarantine")
+PAUSE_MODES = (None, "abort", "retract", "in_place")
 FSDP1_STATE_DICTS = ("full", "sharded", "local")
 VERL_BUCKET_MB = 2048   # verl 0.9's checkpoint_engine.update_weights_bucket_megabytes default
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -64,7 +66,7 @@ def parse_bool(value: Any, field: str) -> bool:
     raise ValueError(f"{field} must be a bool (or true/false, yes/no, on/off, 1/0), got {value!r}")
 
 
-_OPTIONAL = ("dtype", "quantization", "dist_master_address", "dist_master_port", "dist_backend", "disk_dir")
+_OPTIONAL = ("dtype", "quantization", "pause_mode", "dist_master_address", "dist_master_port", "dist_backend", "disk_dir")
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,18 @@ class SyncConfig:
         while the engine loads bucket k (tensor: on infer-TP rank 0 the engine call runs on a
         thread; distributed: while bucket k's sends are on the wire).
         Ignored where per-rank buckets do not run (the sync's stats say ``pipelined`` False).
+    on_replica_failure: with several engines (rollout replicas; ``distributed`` and ``disk``), what
+        a replica that fails during a sync does to the others (`fsdp_sync.fleet`). ``"abort"``
+        (default): no replica commits the version; every trainer rank raises the same `SyncError`
+        naming the replica; every replica keeps the previous version. ``"quarantine"``: the
+        replica is marked out of service (its ``/health`` answers 503, so a router stops sending
+        to it) and the sync is run again for the healthy replicas, which commit; the next sync or
+        ``manager.recover(engine)`` brings it back at the current version.
+    pause_mode: None (default: an update waits for running requests, as SGLang's does) or SGLang's
+        ``/pause_generation`` mode, ``"abort"``, ``"retract"`` or ``"in_place"``: every replica is
+        paused before the update and continued after it (``in_place``: requests started on
+        version k finish on version k+1, their ``weight_versions`` spans say which tokens came from
+        which; ``flush_cache`` is skipped then, as SGLang refuses it with requests running).
     """
 
     strategy: str = "flattened"
@@ -174,6 +188,8 @@ class SyncConfig:
     layout: str = "auto"
     pipelined: bool = True
     quantization: str | None = None
+    on_replica_failure: str = "abort"
+    pause_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -209,6 +225,12 @@ class SyncConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} (SGLang's names: "
                              f"'fp8' is block-wise FP8), got {self.quantization!r}")
+        if self.on_replica_failure not in REPLICA_FAILURE_MODES:
+            raise ValueError(f"on_replica_failure must be one of {REPLICA_FAILURE_MODES}, "
+                             f"got {self.on_replica_failure!r}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES} (SGLang's /pause_generation "
+                             f"modes, or None: no pause), got {self.pause_mode!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.layout == "engine" and self.method == "distributed" and self.dist_format != "flattened_bucket":

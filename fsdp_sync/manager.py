@@ -34,6 +34,8 @@ import torch.distributed as dist
 from .weights import quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
+from . import fleet
+from .fleet import Fleet
 from .memory import Timeline, empty_cache
 from .topology import SyncError, SyncTopology, agree
 from .transport import SyncContext, SyncStats, make_transport
@@ -90,12 +92,14 @@ class FSDPShardingManager:
             if self.config.method == "tensor" and len(engine) != 1:
                 raise ValueError(f"method='tensor' takes one colocated engine per infer-TP group, "
                                  f"got a list of {len(engine)}")
-            self.engines = list(engine)
+            engines = list(engine)
         else:
-            self.engines = [] if engine is None else [engine]
-        self.engine = self.engines[0] if self.engines else None
+            engines = [] if engine is None else [engine]
+        self.fleet = Fleet(engines)
         self.transport = make_transport(self.config)
         self.step = 0
+        self.version: str | None = None       # the weight version every serving replica committed
+        self.global_steps: int | None = None  # set by the caller: the next sync's version is it
         self.timeline = Timeline()
         self.stats = SyncStats()
         self._inside = False
@@ -111,8 +115,18 @@ class FSDPShardingManager:
         _open.add(self)
 
     @property
+    def engines(self) -> list:
+        """The engines (rollout replicas) in service on this rank; [] on the ranks that hold none."""
+        return [r.engine for r in self.fleet.serving]
+
+    @property
+    def engine(self) -> Any:
+        engines = self.engines
+        return engines[0] if engines else None
+
+    @property
     def _holds_engine(self) -> bool:
-        return bool(self.engines)
+        return bool(self.fleet.replicas)
 
     # ------------------------------------------------------------------ the with block
     def __enter__(self) -> "FSDPShardingManager":
@@ -406,18 +420,204 @@ class FSDPShardingManager:
             raise SyncError(f"{what} failed: {err}")
 
     def _sync_weights(self) -> None:
+        targets = self._targets()
         self._check_coverage()
         if self.transport is None:
             raise RuntimeError("the manager was closed; make a new FSDPShardingManager")
-        ctx = SyncContext(module=self.module, config=self.config, topo=self.topo, group=None,
-                          engines=self.engines, step=self.step, stats=SyncStats())
+        version = str(self.global_steps) if self.global_steps is not None else str(self.step)
+        paused = self._pause(targets)
         try:
-            self.transport.sync(ctx)
-        finally:
-            self.stats = ctx.stats
-        self.step += 1        # counted even if the check fails: the disk method named its version
+            err, ctx = self._transport_sync(targets, version, self.step)
+            if err is not None:
+                targets = self._after_failure(targets, err, ctx, version)
+                if ctx.commit_failed is None:   # quarantined: again, without them
+                    err, _ = self._transport_sync(targets, version, self.step)
+                    if err is not None:
+                        raise err
+        except BaseException as exc:
+            self.step += 1    # counted even if the sync failed: the disk method named its version
+            try:
+                self._continue(paused)
+            except Exception as cont:  # noqa: BLE001 - the sync's error is the one to raise
+                exc.add_note(f"and then: {cont}")
+            raise
+        self.step += 1
+        self._continue(paused)
+        for rep in targets or []:
+            if not rep.serving:
+                self.fleet.reinstate(rep, version)     # quarantined, healthy again, synced now
+            rep.version = version
+        self.version = version
         if self.config.verify != "off":
             self._verify(self.step - 1)
+
+    # ------------------------------------------------------------------ the fleet (`fsdp_sync.fleet`)
+    def _from_rank0(self, obj: Any) -> Any:
+        """``obj`` as trainer rank 0 has it, on every rank (the fleet's decisions are its)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @property
+    def _fleet_mode(self) -> bool:
+        """Fleet decisions (quarantine, recover, add/remove) are trainer rank 0's; the tensor
+        method's engines are colocated, one per infer-TP group, fixed by placement."""
+        return self.config.method != "tensor"
+
+    def _targets(self) -> list:
+        """The replicas this sync goes to: those in service, and quarantined ones that can take
+        an update again (they rejoin at the new version)."""
+        reps = self.fleet.serving
+        if self._fleet_mode:
+            reps = [r for r in self.fleet.replicas if r.serving or fleet.problem(r.engine) is None]
+        return reps
+
+    def _transport_sync(self, targets: list, version: str | None, step: int):
+        ctx = SyncContext(module=self.module, config=self.config, topo=self.topo, group=None,
+                          engines=[r.engine for r in targets], step=step, stats=SyncStats(),
+                          version=version)
+        try:
+            self.transport.sync(ctx)
+            return None, ctx
+        except SyncError as exc:
+            return exc, ctx
+        finally:
+            self.stats = ctx.stats
+
+    def _after_failure(self, targets: list, err: SyncError, ctx: SyncContext, version: str):
+        """A sync failed. Trainer rank 0 finds the replicas that cannot take updates (`fleet.problem`)
+        or failed committing, and every rank follows its decision: raise (``"abort"``, or nothing
+        to blame on a replica), or quarantine them and return the replicas to sync again."""
+        decision = None
+        if self._fleet_mode and self.rank == 0 and len(targets) > 0:
+            cf = ctx.commit_failed
+            if cf is not None:
+                failed = {i: f"failed while committing version {version!r}: {type(e).__name__}: {e}"
+                          for i, e in cf.failed.items()}
+            else:
+                failed = {i: p for i, r in enumerate(targets) if (p := fleet.problem(r.engine))}
+            decision = {"failed": failed, "committed": list(cf.committed) if cf is not None else None}
+        decision = self._from_rank0(decision) if self._fleet_mode else None
+        if not decision or not decision["failed"]:
+            raise err
+        failed, committed = decision["failed"], decision["committed"]
+        names = "; ".join(f"{targets[i].name if self.rank == 0 else f'replica {i}'}: {why}"
+                          for i, why in sorted(failed.items()))
+        quarantine = self.config.on_replica_failure == "quarantine"
+        if self.rank == 0 and (committed is not None or quarantine):
+            for i, why in failed.items():
+                self.fleet.quarantine(targets[i], why)
+        if committed is not None:             # cannot be undone on those that committed
+            if quarantine and committed:
+                log.warning("fsdp_sync: version %s committed on %d replicas; quarantined: %s",
+                            version, len(committed), names)
+                return [targets[i] for i in committed] if self.rank == 0 else []
+            raise SyncError(f"{err}; quarantined (committing cannot be undone on the replicas that "
+                            f"committed version {version!r}): {names}") from None
+        if not quarantine or len(failed) == len(targets):
+            hint = ("" if quarantine else "; with SyncConfig.on_replica_failure='quarantine' the healthy "
+                    "replicas would commit and these be taken out of service")
+            raise SyncError(f"{err}; no replica committed version {version!r}; replicas that cannot "
+                            f"take updates: {names}{hint}") from None
+        log.warning("fsdp_sync: quarantined %s; syncing version %s to the %d others",
+                    names, version, len(targets) - len(failed))
+        return [r for i, r in enumerate(targets) if i not in failed] if self.rank == 0 else []
+
+    def _pause(self, targets: list) -> list:
+        """``SyncConfig.pause_mode``: SGLang's ``pause_generation`` on every target replica."""
+        mode = self.config.pause_mode
+        if mode is None:
+            return []
+        paused, err = [], None
+        for rep in targets:
+            try:
+                rep.engine.pause_generation(mode=mode)
+                paused.append(rep)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+                err = err or f"pause_generation(mode={mode!r}) on {rep.name}: {type(exc).__name__}: {exc}"
+        if err is not None:
+            self._continue(paused)
+        self._agree(err, what="pause_generation")
+        return paused
+
+    def _continue(self, paused: list) -> None:
+        err = None
+        for rep in paused:
+            try:
+                rep.engine.continue_generation()
+            except Exception as exc:  # noqa: BLE001
+                if fleet.problem(rep.engine) is None:
+                    err = err or f"continue_generation on {rep.name}: {type(exc).__name__}: {exc}"
+        if err is not None:
+            log.error("fsdp_sync: %s", err)
+            raise RuntimeError(err)
+
+    def fleet_status(self) -> dict:
+        """The published version and, on trainer rank 0, each replica's state and version."""
+        return {"version": self.version, **self.fleet.summary()}
+
+    def recover(self, engine: Any = None) -> bool:
+        """Bring a quarantined replica back at the current version (`fleet`). Called on every
+        trainer rank (``engine`` on trainer rank 0, None elsewhere). ``disk``: it loads the newest
+        published version now. ``distributed``: inside the ``with`` block (the trainer's weights
+        are that version) it is sent them now; outside, the trainer may have stepped since, so it
+        rejoins at the next sync (returns False). Returns whether it serves now; raises naming the
+        replica if it cannot take updates."""
+        return self._bring_in(engine, "recover")
+
+    def add_engine(self, engine: Any = None) -> bool:
+        """Add a replica between syncs (called on every trainer rank, ``engine`` on trainer rank
+        0): it is out of service until it holds the current version, brought to it as `recover`
+        does, then handed to the router (its /health turns 200). Refused for ``method='tensor'``:
+        colocated engines are fixed by placement."""
+        if not self._fleet_mode:
+            raise ValueError("add_engine: method='tensor' engines are colocated with the trainer "
+                             "ranks, one per infer-TP group, fixed by placement; a new replica "
+                             "needs method='distributed' or 'disk'")
+        if self.rank == 0:
+            if engine is None:
+                raise ValueError("add_engine: trainer rank 0 passes the engine (None on the others)")
+            rep = self.fleet.add(engine, serving=False)
+            self.fleet.quarantine(rep, "joining: waiting for the current weights")
+        return self._bring_in(engine, "add_engine")
+
+    def remove_engine(self, engine: Any = None) -> None:
+        """Take a replica out of the fleet (trainer rank 0; a no-op elsewhere): no later sync
+        goes to it (the distributed method's update group is made again without it)."""
+        if self.rank == 0:
+            self.fleet.remove(engine)
+
+    def _bring_in(self, engine: Any, what: str) -> bool:
+        action, rep, reason = "serve", None, ""
+        if self.rank == 0:
+            try:
+                rep = self.fleet.find(engine)
+                reason = fleet.problem(engine) or ""
+                if reason:
+                    action = "fail"
+                elif self.version is None:
+                    action = "serve"            # nothing synced yet: it gets the first sync
+                elif self.config.method == "disk":
+                    action = "load"
+                else:
+                    action = "send" if self._inside else "pending"
+            except Exception as exc:  # noqa: BLE001
+                action, reason = "fail", f"{type(exc).__name__}: {exc}"
+        action, reason = self._from_rank0((action, reason))
+        if action == "fail":
+            raise SyncError(f"{what}: {rep.name if rep is not None else 'the replica'} cannot take "
+                            f"updates: {reason}")
+        if action == "pending":
+            return False
+        if action in ("load", "send"):
+            err, _ = self._transport_sync([rep] if rep is not None else [], self.version, self.step - 1)
+            if err is not None:
+                raise err
+        if rep is not None:
+            self.fleet.reinstate(rep, self.version)
+        return True
 
     def _verify(self, step: int) -> None:
         """`SyncConfig.verify`: compare what the engines now serve with the trainer's tensors

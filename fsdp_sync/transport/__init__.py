@@ -49,6 +49,9 @@ class SyncContext:
     engines: on the rank that calls the engine (tensor: infer-TP rank 0 of each group;
         distributed/disk: trainer rank 0) the engine handles, one per rollout replica; [] elsewhere.
     step: the sync's number, counted from 0 by the manager (disk names ``step_<N>`` by it).
+    version: the weight version the engines commit with this sync (`fsdp_sync.fleet`), or None.
+    commit_failed: set by the transport on the engine-holding rank when engines failed while
+        committing (a `fleet.CommitError`: which committed, which did not); None otherwise.
     """
 
     module: torch.nn.Module
@@ -58,6 +61,8 @@ class SyncContext:
     engines: list
     step: int
     stats: SyncStats
+    version: str | None = None
+    commit_failed: Any = None
 
 
 class Transport(Protocol):

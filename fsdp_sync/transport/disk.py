@@ -18,7 +18,11 @@ partly updated — only ever sees complete, immutable directories:
    sha256) taken chunk by chunk as it is written, not by reading the file again; rank 0 writes
    config.json, the manifest (which names the hash) and the index (last), fsyncs the directory
    and renames it to ``step_<N>`` (atomic);
-4. trainer rank 0 calls ``engine.update_weights_from_disk(path)`` for each engine;
+4. trainer rank 0 calls ``engine.update_weights_from_disk(path)`` for each engine, with the sync's
+   weight version; with several engines (a fleet) inside ``begin_weight_update`` /
+   ``end_weight_update`` on each, and no engine commits until every one has loaded
+   (`fleet.end_all`). A sync of the step just published (the manager's retry after quarantining a
+   replica, ``recover``, ``add_engine``) skips 1-3 and loads that version again;
 5. after success, versions beyond the newest ``disk_keep`` are removed (renamed to a hidden name
    first, then deleted), never the one just loaded.
 
@@ -61,6 +65,7 @@ manager), reading a checkpoint into an engine (the engines, with `hf_checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import re
@@ -68,12 +73,13 @@ import shutil
 import time
 import uuid
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from .. import fleet
+from .disk_writer import OneWriter
 from ..weights import bucket as _bucket
 from ..weights import export
 from ..weights import hf_checkpoint as ckpt
@@ -97,6 +103,17 @@ STEP_RE = re.compile(r"^step_(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.step_\d+\.(tmp|del)-[0-9a-f]+$")
 
 
+def _load_one(engine: Any, path: str, version: str | None) -> None:
+    """``update_weights_from_disk`` with SGLang's ``weight_version`` where the engine takes it."""
+    fn = engine.update_weights_from_disk
+    if version is not None and "weight_version" in inspect.signature(fn).parameters:
+        fn(path, weight_version=version)
+    else:
+        fn(path)
+        if version is not None:
+            fleet.set_version(engine, version)
+
+
 def _plain_alloc(nbytes: int) -> torch.Tensor:
     # buffers stay in this process (written to a file, never shared): plain memory, no /dev/shm
     return torch.empty(nbytes, dtype=torch.uint8)
@@ -118,68 +135,6 @@ def _write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Ten
     digest, size, names = ckpt.write_safetensors(path, flat, bkt.entries, hash=hash, rename=rename,
                                                  fsync=fsync)
     return {"file": file, "digest": digest, "bytes": size, "names": names}
-
-
-class _OneWriter:
-    """One writer thread over a collective bucket stream: at most one bucket is being written
-    (`submit` waits for the previous one first) while the stream produces the next. The first
-    error is kept (`fail`); after it the caller keeps consuming the stream, which is collective
-    (a rank that stopped would leave its peers waiting), and submits nothing more.
-
-    Files are written without waiting for the device (their writeback is started) and fsynced
-    together once the stream ends (`drive`): an fsync per file, in turn, held the next bucket
-    back until the device had the previous one (about 1 s of the write phase's 2 at qwen2-160m,
-    the device idle meanwhile while the bucket was cut)."""
-
-    def __init__(self, what: str, planned: int, directory: str) -> None:
-        self.what, self.planned = what, planned      # what yields the buckets, how many it should
-        self.directory = directory                   # where the records' files are
-        self.records: list[dict] = []
-        self.err: BaseException | None = None
-        self.count = 0
-        self._pending: Future | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_sync-disk-writer")
-
-    def fail(self, exc: BaseException) -> None:
-        self.err = self.err or exc
-
-    def collect(self) -> None:
-        """Wait for the bucket being written, if any, and keep its records (raises its error)."""
-        if self._pending is not None:
-            fut, self._pending = self._pending, None
-            self.records.extend(fut.result())
-
-    def submit(self, fn: Callable[..., list[dict]], *args: Any) -> None:
-        self.collect()
-        self._pending = self._pool.submit(fn, *args)
-
-    def drive(self, stream: Iterable, body: Callable[[Any], None]) -> tuple[list[dict],
-                                                                              BaseException | None]:
-        """``body(item)`` for every item of ``stream`` (it catches its own errors into `fail`), then
-        the last write is waited for; returns the records and the first error, a count of buckets
-        other than the planned one included."""
-        try:
-            for item in stream:
-                self.count += 1
-                body(item)
-                del item        # not alive while the stream makes the next bucket
-            try:
-                self.collect()
-                if self.err is None:
-                    for r in self.records:   # durable before this rank reports its files written
-                        ckpt.fsync_file(os.path.join(self.directory, r["file"]))
-            except Exception as exc:   # noqa: BLE001
-                self.fail(exc)
-        except Exception as exc:   # noqa: BLE001 - stream failures come as the same SyncError
-            self.fail(exc)
-        finally:
-            if self._pending is not None:
-                self._pending.cancel()
-            self._pool.shutdown(wait=True)
-        if self.err is None and self.count != self.planned:
-            self.err = RuntimeError(f"{self.what} yielded {self.count} buckets, {self.planned} "
-                                    f"were planned")
-        return self.records, self.err
 
 
 class DiskTransport:
@@ -209,6 +164,7 @@ class DiskTransport:
         self.keep = keep
         self.parallel_write = bool(parallel_write)
         self.loaded: str | None = None      # the version the engines loaded last: never pruned
+        self.published: int | None = None   # the step whose version was published last
         self.host_shared = False            # the last sync's buckets came from a host-shared buffer
         self.closed = False
         self._quant: Any = None             # this sync's `quantize.StreamQuantizer`, if quantized
@@ -256,6 +212,13 @@ class DiskTransport:
         final = os.path.join(self.directory, name)
         what = f"disk sync of {final}"
         stats = ctx.stats
+        if self.published == int(ctx.step):
+            # the version is on disk already (a retry without a failed replica, a recovered or a
+            # new replica): load it, write nothing
+            self._load(ctx, final, group)
+            stats.extra.update(path=final, reloaded=True)
+            stats.seconds = time.perf_counter() - t0
+            return
 
         # 0. the layout (per-rank files or HF files): agreed on every rank before anything is written
         layout = self._choose_layout(ctx, rank, group, what)
@@ -326,24 +289,11 @@ class DiskTransport:
 
         # 4. the engines load it
         t_load = time.perf_counter()
-        err = None
-        calls = 0
-        engines = list(ctx.engines or [])
-        for i, engine in enumerate(engines):
-            try:
-                engine.update_weights_from_disk(final)
-                calls += 1
-            except Exception as exc:   # noqa: BLE001
-                err = exc if len(engines) == 1 else RuntimeError(
-                    f"engine {i} of {len(engines)} failed to load it (engines {list(range(i))} "
-                    f"loaded it; the later ones were not asked): {type(exc).__name__}: {exc}")
-                break
-        stats.engine_calls = calls
-        self._agree(err, group, f"update_weights_from_disk({final!r})")
+        self.published = int(ctx.step)
+        self._load(ctx, final, group)
         load_s = time.perf_counter() - t_load
-        self.loaded = final
         # what the engine ranks read (the engines that count it: the reference engine), on every rank
-        read = [max(getattr(e, "disk_bytes_read", None) or [0]) for e in engines
+        read = [max(getattr(e, "disk_bytes_read", None) or [0]) for e in ctx.engines or []
                 if getattr(e, "disk_bytes_read", None)]
         engine_in = self._broadcast(max(read) if read else None, group)
 
@@ -367,6 +317,43 @@ class DiskTransport:
                      else self._quant.layout.engine_bytes(_float_dtype(metas).itemsize))
             stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=shard,
                                trainer_rank_bytes_in=trainer_in)
+
+    def _load(self, ctx: Any, final: str, group: Any) -> None:
+        """Step 4 (trainer rank 0 calls, every rank agrees): one engine loads ``final`` with the
+        sync's version; a fleet loads it inside an update on each engine and commits only when
+        every engine has loaded it (`fleet.end_all`), else aborts on all."""
+        err: BaseException | None = None
+        engines = list(ctx.engines or [])
+        version = getattr(ctx, "version", None)
+        calls = 0
+        if len(engines) == 1:
+            try:
+                _load_one(engines[0], final, version)
+                calls = 1
+            except Exception as exc:   # noqa: BLE001
+                err = exc
+        elif engines:
+            opened: list = []
+            try:
+                for i, engine in enumerate(engines):
+                    if hasattr(engine, "begin_weight_update"):
+                        engine.begin_weight_update()
+                    opened.append(engine)
+                    engine.update_weights_from_disk(final)
+                    calls += 1
+            except Exception as exc:   # noqa: BLE001
+                err = RuntimeError(f"{fleet.describe(engines[i], i)} of {len(engines)} failed to "
+                                   f"load it; no replica committed it: {type(exc).__name__}: {exc}")
+                fleet.end_all(opened, commit=False)
+            if err is None:
+                try:
+                    fleet.end_all(engines, commit=True, version=version)
+                except fleet.CommitError as exc:
+                    ctx.commit_failed = exc
+                    err = RuntimeError(f"committing the update: {exc}")
+        ctx.stats.engine_calls = calls
+        self._agree(err, group, f"update_weights_from_disk({final!r})")
+        self.loaded = final
 
     def _quantizer(self, ctx: Any, rank: int, group: Any, layout: Any, what: str) -> Any:
         """``SyncConfig.quantization``: every writer quantizes the buckets it writes. The split it
@@ -477,7 +464,7 @@ class DiskTransport:
         files are written on a thread while the next bucket is cut (two buffer sets rotate)."""
         cfg = ctx.config
         tp = layout.tp
-        w = _OneWriter("reshard", parts, tmp)
+        w = OneWriter("reshard", parts, tmp)
         owners = [[writers[i % len(writers)]] for i in range(tp)]
 
         tied = bool(layout.spec.tie_word_embeddings)
@@ -550,7 +537,7 @@ class DiskTransport:
         """Gather every bucket (collective: every rank runs the whole stream even after a local
         write failure) and write this rank's own; returns its file records and its error."""
         cfg = ctx.config
-        w = _OneWriter("export", n_files, tmp)
+        w = OneWriter("export", n_files, tmp)
         mine: list[torch.Tensor] = []
         self.host_shared = False
 

@@ -33,8 +33,11 @@ k+1 is resharded while bucket k is on the wire (``SyncConfig.pipelined``). All e
 TP size. The choice is made on trainer rank 0 and told to every trainer rank before anything moves;
 ``"engine"`` against an engine that cannot take it raises there on every rank.
 Engine calls go inside ``begin_weight_update``/``end_weight_update`` where the engine has them,
-``flush_cache=False`` per bucket and one ``flush_cache()`` at the end. After a failure the group
-is torn down on both ends and made again at the next sync.
+``flush_cache=False`` per bucket and one ``flush_cache()`` at the end (none with
+``pause_mode="in_place"``: SGLang refuses it while requests are held). With several engines the
+end is the fleet's second phase (`fleet.end_all`): no engine commits until every engine has taken
+every bucket, and each commits with the sync's weight version. After a failure the group is torn
+down on both ends and made again at the next sync.
 
 Not here: export (`export.iter_buckets` with ``dst``), the per-rank cut (`reshard`, `layout`), the
 group's making (`group`), engines.
@@ -44,7 +47,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime
-import inspect
 import logging
 import socket
 import threading
@@ -54,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import fleet
 from ..weights import export, quantize, reshard
 from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
 from ..weights.layout import TPLayout, engine_ep_size, layout_for
@@ -290,16 +293,24 @@ class DistributedTransport:
                 self._send_ranks(ctx, engines, layout, metas, device, stats)
             ok = True
         finally:
-            if me == 0:
-                self._end(engines, ok)
+            if me == 0 and not ok:
+                self._end(engines, False, ctx)
+        err = None
         if me == 0:
+            # every engine staged: the fleet's second phase (`fleet.end_all`), then the caches
+            try:
+                self._end(engines, True, ctx)
+            except fleet.CommitError as exc:
+                ctx.commit_failed = exc
+                err = f"committing the update: {exc}"
             errs = []
-            for e in engines:
+            for e in engines if getattr(cfg, "pause_mode", None) != "in_place" else []:
                 try:
                     e.flush_cache()
                 except Exception as exc:  # noqa: BLE001
                     errs.append(exc)
-            err = f"flush_cache after the update: {errs[0]}" if errs else None
+            if err is None and errs:
+                err = f"flush_cache after the update: {errs[0]}"
         _agree(err, group, "distributed weight sync")
         stats.engine_calls += len(engines)
         if self._quant is not None:
@@ -579,21 +590,10 @@ class DistributedTransport:
                 pass
         return message
 
-    def _end(self, engines: list, ok: bool) -> None:
-        for e in engines:
-            if not hasattr(e, "end_weight_update"):
-                continue
-            try:
-                if ok:
-                    e.end_weight_update()
-                elif "abort" in inspect.signature(e.end_weight_update).parameters:
-                    e.end_weight_update(abort=True)
-                else:
-                    e.end_weight_update()
-            except Exception as exc:  # noqa: BLE001
-                if ok:
-                    raise
-                log.warning("fsdp_sync: closing an engine's update after a failed sync: %s", exc)
+    def _end(self, engines: list, ok: bool, ctx: SyncContext) -> None:
+        """Commit (``ok``) or abort the update on every engine (`fleet.end_all`); after a failure
+        a broken group is torn down on both ends."""
+        fleet.end_all(engines, commit=ok, version=ctx.version)
         if not ok and self.broken:
             self._drop_group(engines)
 

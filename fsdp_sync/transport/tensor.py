@@ -32,7 +32,6 @@ Not here: the stages around the sync (the manager), how tensors are gathered (`e
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -43,6 +42,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from .. import fleet
 from ..weights import export, handles, quantize, reshard
 from ..weights.bucket import plan_buckets
 from ..weights.layout import engine_ep_size, layout_for
@@ -174,6 +174,7 @@ class TensorTransport:
             raise ValueError("method='tensor' needs the ('dp', 'infer_tp') mesh: pass mesh= to the manager")
         self.module, self.config, self.topo = ctx.module, ctx.config, ctx.topo
         self.engine = ctx.engines[0] if ctx.engines else None
+        self._version = getattr(ctx, "version", None)
         self._group, self._what = None, "weight sync"
         try:
             self._sync_weights()
@@ -301,18 +302,13 @@ class TensorTransport:
                 agree(err, self._group, what=self._what)
 
     def _end_update(self, *, commit: bool) -> None:
-        """Close the engine's update bracket; after a failure, abort it where the engine can (the
-        reference engine then keeps serving its previous weights) instead of committing half."""
-        if commit:
-            self.engine.end_weight_update()
-            return
+        """Close the engine's update bracket: commit with the sync's weight version, or after a
+        failure abort it where the engine can (the reference engine then keeps serving its
+        previous weights) instead of committing half (`fleet.end_all`)."""
         try:
-            if "abort" in inspect.signature(self.engine.end_weight_update).parameters:
-                self.engine.end_weight_update(abort=True)
-            else:
-                self.engine.end_weight_update()
-        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to report
-            log.warning("fsdp_sync: closing the engine's update after a failed sync: %s", exc)
+            fleet.end_all([self.engine], commit=commit, version=self._version)
+        except fleet.CommitError as exc:
+            raise exc.failed[0] from None
 
     def _choose_layout(self) -> Any:
         """The engine-rank layout to cut per-rank buckets by, or None for full tensors.

@@ -1,0 +1,212 @@
+"""A fleet of rollout replicas: which engines serve, the version the fleet serves, and the
+fleet-wide commit of a weight update.
+
+With several engines (``method="distributed"`` or ``"disk"``: one per rollout replica, held by
+trainer rank 0), a weight version is published (``manager.version``) only when every serving
+replica has committed it. The update is two-phase across the fleet, as it is inside each
+reference engine across its TP workers: every replica stages (``begin_weight_update``, then the
+transport's calls), and only when every replica has staged does any of them commit
+(`end_all`: ``end_weight_update``, the version set in the same step where the engine can,
+``update_weight_version`` right after it otherwise); if any replica fails to stage, every replica
+aborts and keeps the version it had.
+
+What a failed replica does to the others is `SyncConfig.on_replica_failure`'s: ``"abort"`` raises
+on every trainer rank; ``"quarantine"`` marks it out of service (`Fleet.quarantine`: the engine's
+``set_serving(False, reason)``, so its ``/health`` answers 503 and a router stops sending to it)
+and the manager runs the sync again for the healthy replicas. A replica that fails while
+committing (after every replica staged) cannot be undone on the ones that committed already:
+it is quarantined in both modes, and the error names who holds which version.
+
+`problem` tells a replica that cannot take an update (dead or broken workers, a server that does
+not answer) from one that only refused a call: only the first kind is quarantined; a refusal
+(a wrong dtype, say) is the sync's error and fails it on every replica alike.
+
+Not here: moving the bytes (the transports), the ``with`` block and when a sync runs (the manager).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+__all__ = ["Replica", "Fleet", "CommitError", "end_all", "problem", "describe"]
+
+log = logging.getLogger("fsdp_sync")
+
+
+def describe(engine: Any, index: int) -> str:
+    """``replica 1 (http://127.0.0.1:30001)``: the index in the fleet and where it is."""
+    where = getattr(engine, "base_url", None) or getattr(engine, "url", None)
+    return f"replica {index}" + (f" ({where})" if isinstance(where, str) else "")
+
+
+def problem(engine: Any) -> str | None:
+    """Why ``engine`` cannot take a weight update now, or None when it can.
+
+    A reference engine says so itself (``dead_reason``: a dead or silent worker, a broken
+    engine); an HTTP engine is asked for its weight version (every route of `fsdp-sync serve`
+    answers 503 once its engine is dead; an unreachable server raises). Out of service (quarantined)
+    is not a problem here: such a replica can be brought back."""
+    fn = getattr(engine, "dead_reason", None)
+    if callable(fn):
+        try:
+            reason = fn()
+        except Exception as exc:  # noqa: BLE001 - the probe's own failure is the answer
+            return f"{type(exc).__name__}: {exc}"
+        if reason:
+            return str(reason)
+        return None
+    for name in ("get_weight_version", "server_info"):
+        fn = getattr(engine, name, None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001
+                return f"{type(exc).__name__}: {exc}"
+            return None
+    return None
+
+
+class CommitError(RuntimeError):
+    """Some replicas failed while committing, after every replica had staged. ``committed``:
+    the indices (in the list given to `end_all`) that hold the new version; ``failed``: index ->
+    the error."""
+
+    def __init__(self, committed: list[int], failed: dict[int, BaseException], version: Any) -> None:
+        first = min(failed)
+        super().__init__(f"engine {first} failed while committing version {version!r} "
+                         f"({type(failed[first]).__name__}: {failed[first]}); engines {committed} "
+                         f"committed it, engines {sorted(failed)} did not")
+        self.committed, self.failed, self.version = committed, failed, version
+
+
+def _commit(engine: Any, version: str | None) -> None:
+    if version is None:
+        engine.end_weight_update()
+    elif getattr(engine, "commits_weight_version", False):
+        engine.end_weight_update(weight_version=version)     # one step: no token between the two
+    else:
+        engine.end_weight_update()
+        set_version(engine, version)
+
+
+def set_version(engine: Any, version: str) -> None:
+    """SGLang's ``update_weight_version`` (running requests are not aborted), where the engine has it."""
+    fn = getattr(engine, "update_weight_version", None)
+    if callable(fn):
+        if "abort_all_requests" in inspect.signature(fn).parameters:
+            fn(version, abort_all_requests=False)
+        else:
+            fn(version)
+
+
+def end_all(engines: list, *, commit: bool, version: str | None = None) -> None:
+    """Close the open update on every engine: commit (with ``version``) when ``commit``, else
+    abort it where the engine can. Called only after every engine staged (``commit``) or after any
+    failed (not): this is the fleet's second phase. Commit failures raise `CommitError` once
+    every engine was asked; abort failures are logged (the sync's own error is the one to report)."""
+    committed: list[int] = []
+    failed: dict[int, BaseException] = {}
+    for i, e in enumerate(engines):
+        end = getattr(e, "end_weight_update", None)
+        try:
+            if commit:
+                if end is None:
+                    if version is not None:
+                        set_version(e, version)
+                else:
+                    _commit(e, version)
+                committed.append(i)
+            elif end is not None:
+                if "abort" in inspect.signature(end).parameters:
+                    end(abort=True)
+                else:
+                    end()
+        except Exception as exc:  # noqa: BLE001 - every engine is asked; reported below
+            if commit:
+                failed[i] = exc
+            else:
+                log.warning("fsdp_sync: closing %s's update after a failed sync: %s", describe(e, i), exc)
+    if failed:
+        raise CommitError(committed, failed, version)
+
+
+@dataclass
+class Replica:
+    """One engine of the fleet: whether it serves, why not, and the version it committed last."""
+
+    engine: Any
+    name: str
+    serving: bool = True
+    reason: str | None = None
+    version: str | None = None
+
+
+class Fleet:
+    """The manager's engines on the rank that holds them (see the module docstring)."""
+
+    def __init__(self, engines: Iterable[Any]) -> None:
+        self.replicas: list[Replica] = []
+        self._count = 0
+        for e in engines:
+            self.add(e)
+
+    def add(self, engine: Any, *, serving: bool = True) -> Replica:
+        if any(r.engine is engine for r in self.replicas):
+            raise ValueError(f"{self.find(engine).name} is in the fleet already")
+        rep = Replica(engine, describe(engine, self._count), serving=serving)
+        self._count += 1
+        self.replicas.append(rep)
+        return rep
+
+    def remove(self, engine: Any) -> Replica:
+        rep = self.find(engine)
+        self.replicas.remove(rep)
+        return rep
+
+    def find(self, engine: Any) -> Replica:
+        for r in self.replicas:
+            if r.engine is engine:
+                return r
+        raise ValueError(f"{engine!r:.80} is not one of this manager's engines "
+                         f"({[r.name for r in self.replicas]})")
+
+    @property
+    def engines(self) -> list:
+        return [r.engine for r in self.replicas]
+
+    @property
+    def serving(self) -> list[Replica]:
+        return [r for r in self.replicas if r.serving]
+
+    @property
+    def out_of_service(self) -> list[Replica]:
+        return [r for r in self.replicas if not r.serving]
+
+    def quarantine(self, rep: Replica, reason: str) -> None:
+        """Take ``rep`` out of service: it is not synced until it is brought back, and the engine
+        is told (``set_serving(False, reason)``: `fsdp-sync serve` then answers 503 on /health and
+        /generate). A dead engine cannot be told; it answers nothing anyway."""
+        rep.serving, rep.reason = False, reason
+        fn = getattr(rep.engine, "set_serving", None)
+        if callable(fn):
+            try:
+                fn(False, reason)
+            except Exception as exc:  # noqa: BLE001 - a dead replica: it serves nothing either
+                log.warning("fsdp_sync: could not mark %s out of service (%s); it is out of the "
+                            "fleet's syncs all the same", rep.name, exc)
+        log.warning("fsdp_sync: %s quarantined: %s", rep.name, reason)
+
+    def reinstate(self, rep: Replica, version: str | None) -> None:
+        """``rep`` holds ``version`` now: back in service (its /health answers 200 again)."""
+        fn = getattr(rep.engine, "set_serving", None)
+        if callable(fn):
+            fn(True, "")
+        rep.serving, rep.reason, rep.version = True, None, version
+
+    def summary(self) -> dict:
+        """What ``manager.fleet_status()`` returns: per replica its name, state and version."""
+        return {"replicas": [{"name": r.name, "serving": r.serving, "reason": r.reason,
+                              "version": r.version} for r in self.replicas]}

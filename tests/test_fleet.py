@@ -1,0 +1,145 @@
+"""A fleet of rollout replicas (`fsdp_sync.fleet`): one weight version committed on every replica
+or on none, a failed replica quarantined and brought back, replicas added and removed between
+syncs. Single-process trainer (no process group: the disaggregated methods run without one) and
+reference engines at TP 1, each a worker process; a replica is "killed" by SIGKILL of its worker.
+
+Every check compares real weights: each serving replica's tensors against the trainer's, bit
+for bit (`_util.digest`), and a replica that must keep the old version against the digests taken
+before the sync.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _util import digest, perturb_
+
+pytestmark = pytest.mark.timeout(240)
+
+RECIPE = "tiny"
+
+
+def _engine():
+    from fsdp_sync.engines.reference import ReferenceEngine
+
+    return ReferenceEngine(RECIPE, tp_size=1, kv_cache_tokens=64, call_timeout_s=20,
+                           update_recv_timeout_s=10)
+
+
+def _module():
+    from fsdp_sync.models import build_model, load_config
+
+    return build_model(load_config(RECIPE), seed=3)
+
+
+def _served(engine) -> dict:
+    return {n: digest(t) for n, t in engine.named_full_tensors()}
+
+
+def _trained(module) -> dict:
+    return {n: digest(t) for n, t in module.state_dict().items() if n in _served_names(module)}
+
+
+def _served_names(module):
+    return {n for n, _ in module.named_parameters()}
+
+
+def _same(engine, module) -> bool:
+    want = {n: digest(p) for n, p in module.named_parameters()}
+    got = _served(engine)
+    return all(got[n] == want[n] for n in want if n in got) and set(want) <= set(got) | {"lm_head.weight"}
+
+
+def _kill(engine) -> None:
+    import time
+
+    engine._w.procs[0].kill()
+    for _ in range(100):
+        if engine.dead_reason():
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed replica was not seen dead")
+
+
+def _config(method, tmp_path, **kw):
+    from fsdp_sync import SyncConfig
+
+    extra = {"disk_dir": str(tmp_path / "ckpt")} if method == "disk" else {"dist_timeout_s": 30.0}
+    return SyncConfig(method=method, bucket_bytes=1 << 20, **extra, **kw)
+
+
+def _manager(module, engines, cfg):
+    from fsdp_sync import FSDPShardingManager
+
+    return FSDPShardingManager(module, list(engines), config=cfg)
+
+
+def _sync(manager) -> None:
+    with manager:
+        pass
+
+
+@pytest.fixture
+def fleet3():
+    engines = [_engine() for _ in range(3)]
+    yield engines
+    for e in engines:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("method", ["disk", "distributed"])
+def test_abort_leaves_every_replica_on_the_old_version(method, tmp_path, fleet3):
+    from fsdp_sync.topology import SyncError
+
+    module = _module()
+    manager = _manager(module, fleet3, _config(method, tmp_path))
+    _sync(manager)
+    assert manager.version == "0"
+    assert all(_same(e, module) for e in fleet3)
+    before = [_served(e) for e in fleet3]
+    perturb_(module.parameters())
+    _kill(fleet3[1])
+    with pytest.raises(SyncError) as info:
+        _sync(manager)
+    assert "replica 1" in str(info.value) and "no replica committed" in str(info.value)
+    assert manager.version == "0"
+    for i in (0, 2):
+        assert _served(fleet3[i]) == before[i], f"replica {i} changed though the sync aborted"
+    manager.close()
+
+
+@pytest.mark.parametrize("method", ["disk", "distributed"])
+def test_quarantine_commits_the_healthy_and_a_new_replica_joins(method, tmp_path, fleet3):
+    module = _module()
+    manager = _manager(module, fleet3, _config(method, tmp_path, on_replica_failure="quarantine"))
+    _sync(manager)
+    perturb_(module.parameters())
+    _kill(fleet3[2])
+    _sync(manager)
+    assert manager.version == "1"
+    status = manager.fleet_status()
+    assert [r["serving"] for r in status["replicas"]] == [True, True, False]
+    assert "replica 2" in status["replicas"][2]["name"] and status["replicas"][2]["reason"]
+    assert manager.engines == fleet3[:2]
+    assert all(_same(e, module) for e in fleet3[:2])
+    # a dead replica cannot be brought back; it is named
+    from fsdp_sync.topology import SyncError
+    with pytest.raises(SyncError, match="replica 2"):
+        manager.recover(fleet3[2])
+    manager.remove_engine(fleet3[2])
+    # a new replica: out of service until it holds the current version
+    fresh = _engine()
+    try:
+        joined = manager.add_engine(fresh)
+        if method == "disk":
+            assert joined and _same(fresh, module)
+        else:                      # outside the with block: it joins at the next sync
+            assert not joined and fresh not in manager.engines
+        perturb_(module.parameters())
+        _sync(manager)
+        assert manager.version == "2" and fresh in manager.engines
+        assert all(_same(e, module) for e in manager.engines) and len(manager.engines) == 3
+    finally:
+        manager.close()
+        fresh.shutdown()
