@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -142,6 +143,7 @@ class Replica:
     serving: bool = True
     reason: str | None = None
     version: str | None = None
+    quarantined_at: float | None = None     # time.monotonic() when it was taken out of service
 
 
 class Fleet:
@@ -189,7 +191,7 @@ class Fleet:
         """Take ``rep`` out of service: it is not synced until it is brought back, and the engine
         is told (``set_serving(False, reason)``: `fsdp-sync serve` then answers 503 on /health and
         /generate). A dead engine cannot be told; it answers nothing anyway."""
-        rep.serving, rep.reason = False, reason
+        rep.serving, rep.reason, rep.quarantined_at = False, reason, time.monotonic()
         fn = getattr(rep.engine, "set_serving", None)
         if callable(fn):
             try:
@@ -209,4 +211,5 @@ class Fleet:
     def summary(self) -> dict:
         """What ``manager.fleet_status()`` returns: per replica its name, state and version."""
         return {"replicas": [{"name": r.name, "serving": r.serving, "reason": r.reason,
-                              "version": r.version} for r in self.replicas]}
+                              "version": r.version, "quarantined_at": r.quarantined_at}
+                             for r in self.replicas]}

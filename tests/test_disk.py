@@ -267,9 +267,9 @@ def _failures(rank, module, sc, engine, transport, d, dtype, syncs, disk_mod, Sy
     engines = [engine] if engine else []
     before = engine.weights_checksum() if engine else None
 
-    def attempt(step, engines_):
+    def attempt(step, engines_, via=transport):
         try:
-            transport.sync(_ctx(module, sc, engines_, step))
+            via.sync(_ctx(module, sc, engines_, step))
             return "no error"
         except SyncError as exc:
             return str(exc)
@@ -297,8 +297,11 @@ def _failures(rank, module, sc, engine, transport, d, dtype, syncs, disk_mod, Sy
     out["write_fail_listing"] = _listing(d)
     # the engine refuses: every rank raises (the published version is complete and stays)
     out["refuse"] = attempt(11, [_RefusingEngine()] if engine else [])
-    # a published version is never overwritten
-    out["exists"] = attempt(11, engines)
+    # a published version is never overwritten (by another run: this transport's own sync of the
+    # step it just published loads it again, the fleet's retry)
+    fresh = type(transport)(sc)
+    out["exists"] = attempt(11, engines, fresh)
+    fresh.close()
     if engine:
         out["kept_weights"] = engine.weights_checksum() == before
         out["corrupt"] = _corrupt_cases(engine, os.path.join(d, "step_11"),

@@ -487,11 +487,55 @@ def add_faults_parser(sub) -> None:
                    help="cells run at once, each in a process of its own; the short timeouts want "
                         "about 4 idle cores per job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--fleet", action="store_true",
+                   help="run the fleet cells instead: 3 replicas, replica 1 killed or stalled while "
+                        "it stages or commits, method distributed|disk x on_replica_failure "
+                        "abort|quarantine (16 cells, about 20 s each; --methods, --faults kill,stall "
+                        "and --call-timeout/--recv-timeout apply; see fsdp_sync/cli/faults_fleet.py)")
     p.set_defaults(run=cmd_faults)
+
+
+def _cmd_fleet(args) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .faults_fleet import FLEET_FAULTS, FLEET_METHODS, fleet_cells, run_fleet_matrix
+
+    methods = [m for m in args.methods if m in FLEET_METHODS] or list(FLEET_METHODS)
+    faults = [f for f in args.faults if f in FLEET_FAULTS] or list(FLEET_FAULTS)
+    selected = fleet_cells(methods=methods, faults=faults)
+
+    def save(rep: dict) -> None:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(rep, indent=1))
+
+    report = run_fleet_matrix(selected, progress=not args.no_progress, on_cell=save,
+                              call_s=args.call_timeout, recv_s=args.recv_timeout)
+    save(report)
+    table = Table(title="fleet fault cells (replica 1 of 3 is the victim)")
+    for col in ("method", "phase", "fault", "mode", "result", "sync s", "to quarantine s",
+                "version", "replicas after", "next sync"):
+        table.add_column(col)
+    for c in selected:
+        res = "[green]pass[/]" if c.ok else "[red]FAIL[/] " + "; ".join(c.problems)[:100]
+        table.add_row(c.method, c.phase, c.fault, c.mode, res, str(c.sync_s),
+                      "" if c.quarantine_s is None else str(c.quarantine_s), str(c.version_after),
+                      ",".join(c.replicas_after), "ok" if c.recovered else "FAIL")
+    console = Console(width=200)
+    console.print(table)
+    console.print(f"{report['cells']} cells: {report['passed']} passed, {report['failed']} failed; "
+                  f"{report['wall_s']} s" + (f"; wrote {args.json}" if args.json else ""))
+    return 0 if report["failed"] == 0 else 1
 
 
 def cmd_faults(args) -> int:
     from pathlib import Path
+
+    if getattr(args, "fleet", False):
+        return _cmd_fleet(args)
 
     from rich.console import Console
     from rich.table import Table

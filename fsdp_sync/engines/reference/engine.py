@@ -691,6 +691,7 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
         self._call("receive_raw", {"group_name": group_name, "nbytes": nbytes, "count": count, "p2p": p2p})
 
     def _set_fault(self, rank: int, fault: str | None) -> None:
-        """Test hook: ``"die_in_stage"`` makes worker ``rank`` SIGKILL itself while staging an update."""
+        """Test hook: ``"die_in_stage"`` / ``"die_in_commit"`` make worker ``rank`` SIGKILL itself
+        while staging an update / in ``end_weight_update``; ``"stall_in_…"`` make it stop answering."""
         with self._lock:
             self._raise_errors(self._round("set_fault", {"fault": fault}, ranks=[rank]), "set_fault")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,9 +169,15 @@ class UpdateStager:
         while len(self.mapped) > MAX_MAPPED:
             self.mapped.popitem(last=False)
 
-    def _maybe_fault(self) -> None:
-        if self.fault == "die_in_stage":
+    def _maybe_fault(self, phase: str = "stage") -> None:
+        """The armed test fault (`ReferenceEngine._set_fault`): ``die_in_<phase>`` SIGKILLs this
+        worker, ``stall_in_<phase>`` makes it stop answering (until the engine shuts it down);
+        phase ``stage`` (an update call's first phase) or ``commit`` (``end_weight_update``)."""
+        if self.fault == f"die_in_{phase}":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault == f"stall_in_{phase}":
+            self.fault = None
+            time.sleep(3600)
 
     def stage(self, items: list, keep_mapped: bool = False) -> dict:
         """Phase one: open, check and record every write of one call; weights are not touched.
@@ -394,6 +401,8 @@ class UpdateStager:
         return {"staging": self.txn.staging}
 
     def end(self, abort: bool = False) -> dict:
+        if not abort:
+            self._maybe_fault("commit")
         self.in_update = False
         self.mapped.clear()                 # the update's buffers: the sender frees them now
         txn, self.txn = self.txn, None
