@@ -144,6 +144,7 @@ class Replica:
     reason: str | None = None
     version: str | None = None
     quarantined_at: float | None = None     # time.monotonic() when it was taken out of service
+    held: bool = False                      # taken out by hand: only `recover` brings it back
 
 
 class Fleet:
@@ -206,7 +207,7 @@ class Fleet:
         fn = getattr(rep.engine, "set_serving", None)
         if callable(fn):
             fn(True, "")
-        rep.serving, rep.reason, rep.version = True, None, version
+        rep.serving, rep.reason, rep.version, rep.held = True, None, version, False
 
     def summary(self) -> dict:
         """What ``manager.fleet_status()`` returns: per replica its name, state and version."""

@@ -471,7 +471,8 @@ class FSDPShardingManager:
         an update again (they rejoin at the new version)."""
         reps = self.fleet.serving
         if self._fleet_mode:
-            reps = [r for r in self.fleet.replicas if r.serving or fleet.problem(r.engine) is None]
+            reps = [r for r in self.fleet.replicas
+                    if r.serving or (not r.held and fleet.problem(r.engine) is None)]
         return reps
 
     def _transport_sync(self, targets: list, version: str | None, step: int):
@@ -582,6 +583,15 @@ class FSDPShardingManager:
             rep = self.fleet.add(engine, serving=False)
             self.fleet.quarantine(rep, "joining: waiting for the current weights")
         return self._bring_in(engine, "add_engine")
+
+    def quarantine(self, engine: Any = None, reason: str = "taken out of service by hand") -> None:
+        """Take a replica out of service (trainer rank 0; a no-op elsewhere), e.g. to drain it:
+        it is told so (`fsdp-sync serve` answers 503 on /health and /generate, and a router stops
+        sending to it), no sync goes to it, and only `recover` brings it back."""
+        if self.rank == 0:
+            rep = self.fleet.find(engine)
+            self.fleet.quarantine(rep, reason)
+            rep.held = True
 
     def remove_engine(self, engine: Any = None) -> None:
         """Take a replica out of the fleet (trainer rank 0; a no-op elsewhere): no later sync

@@ -24,15 +24,18 @@ VERSION=${SGLANG_VERSION:-0.5.23}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 PYTHON=${PYTHON:-python3}
 TRITON_SPEC=${TRITON_SPEC:-triton==3.8.0}   # the triton SGLang 0.5.23's torch (2.14.1) pairs with
-STAMP="$VENV/.sglang-tier-$VERSION-models"   # -models: transformers for the model-class checks
+STAMP="$VENV/.sglang-tier-$VERSION-models-router"   # -models: transformers for the model-class checks; -router: sglang-router
 
 # What importing SGLang's serializer and bucket modules needs (found by importing them in a bare
 # venv until they import), plus what the tests themselves use. transformers (at SGLang's pin) and
 # omegaconf: building SGLang's Qwen2/Llama classes on CPU and fsdp_sync's model recipes
 # (tests/sglang_tier/sglang_models.py); xxhash: fsdp_sync's disk digests (it runs from the tree here).
 SGLANG_TRANSFORMERS=${SGLANG_TRANSFORMERS:-transformers==5.19.0}   # sglang 0.5.23's pin
+# sglang-router: SGLang's router (a Rust binary, CPU only) in front of `fsdp-sync serve` replicas
+# (tests/sglang_tier/test_router_fleet.py, examples/fleet_router.py).
+SGLANG_ROUTER=${SGLANG_ROUTER:-sglang-router==0.3.2}
 DEPS=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
-      tqdm IPython aiohttp pytest pytest-timeout omegaconf xxhash "$SGLANG_TRANSFORMERS")
+      tqdm IPython aiohttp pytest pytest-timeout omegaconf xxhash "$SGLANG_TRANSFORMERS" "$SGLANG_ROUTER")
 
 # verl's own SGLang HTTP client (HttpServerAdapter), which the tier runs against `fsdp-sync serve`
 # (tests/sglang_tier/verl_client_check.py), is read from verl's wheel: verl itself is not installed

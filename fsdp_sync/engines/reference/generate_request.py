@@ -37,7 +37,8 @@ _NEUTRAL = {"image_data": (None,), "video_data": (None,), "audio_data": (None,),
             "return_routed_experts": (None, False), "session_params": (None,),
             "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
             "data_parallel_rank": (None, 0), "modalities": (None,), "log_metrics": (None, True, False)}
-_KEYS = ("input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "stream", "rid")
+_KEYS = ("input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "stream", "rid",
+         "model")   # model: the served model's name, which sglang-router adds to every request it routes
 
 
 class GenerateRefused(ValueError):
@@ -74,6 +75,8 @@ def parse_generate(body: dict) -> GenerateRequest:
             continue
         raise GenerateRefused(f"field {key!r} is not supported by this server; supported: "
                               f"{', '.join(_KEYS)}")
+    if not isinstance(body.get("model"), (str, type(None))):
+        raise GenerateRefused(f"field 'model' must be a string (the served model's name), got {body['model']!r}")
     if body.get("text") is not None:
         raise GenerateRefused("field 'text': this server has no tokenizer: send input_ids, not text")
     ids = body.get("input_ids")

@@ -1,0 +1,255 @@
+"""A fleet of ``fsdp-sync serve`` replicas behind SGLang's router, synced while clients generate.
+
+    pip install sglang-router            # `make test-sglang` puts it in .venv-sglang
+    python examples/fleet_router.py --replicas 2 --syncs 50 --clients 8 --kill-at 15 --add-at 30
+
+What runs: N replicas (`fsdp-sync serve`, the tiny model, each its own process), SGLang's router
+in front of them (``--worker-urls``), C client threads sending ``/generate`` through the router for
+the whole run, and a one-process trainer whose `FSDPShardingManager` holds one `SGLangEngine` per
+replica (``method="disk"``, ``on_replica_failure="quarantine"``, ``pause_mode="in_place"``) and
+syncs after every "training step". At ``--kill-at`` replica 1 is SIGKILLed (the fleet quarantines
+it at the next sync; the router drops it when its /health fails); at ``--add-at`` a new replica
+starts, `manager.add_engine` brings it to the current version, and only then is it handed to the
+router (``POST /workers``); at ``--drain-at`` replica 0 is taken out of service by the manager
+(`manager.quarantine`: its /health answers 503) and, ``--drain-s`` later, brought back
+(`manager.recover`).
+
+Checked at the end and written as JSON (``--json``): requests served and failed, every span
+(``meta_info.weight_versions``) naming only versions the fleet committed, responses whose tokens
+came from two versions, generate requests the drained replica answered after the router could
+have seen its 503, time to quarantine, time to rejoin. Exit code 1 when any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _post(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _get(url: str, timeout: float = 10.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+
+
+def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
+    """``fsdp-sync serve`` on a free port, in a session of its own (killed as a group)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--model", "tiny",
+                             "--tp", "1", "--port", "0", "--allowed-disk-dir", disk_dir],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    line, deadline = "", time.monotonic() + 120
+    while "http://" not in line and time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+    if "http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"fsdp-sync serve did not start: {line!r}")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()   # drain its log
+    return proc, line.split(" on ", 1)[1].split()[0]
+
+
+def start_router(urls: list[str], port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+                             "--port", str(port), "--policy", "round_robin",
+                             "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                             "--log-level", "error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    router = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            status, body = _get(router + "/workers")
+            if status == 200 and sum(w["is_healthy"] for w in body["workers"]) == len(urls):
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("the router did not list every replica healthy within 60 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+class Clients:
+    """``n`` threads sending /generate through the router until `stop` (or ``max_requests`` each)."""
+
+    def __init__(self, router: str, n: int, max_requests: int, seed: int = 0) -> None:
+        self.router, self.results, self.lock = router, [], threading.Lock()
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(seed + i, max_requests), daemon=True)
+                        for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, seed: int, max_requests: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(max_requests):
+            if self.done.is_set():
+                return
+            prompt = [rng.randrange(1, 200) for _ in range(rng.randrange(2, 8))]
+            t0 = time.monotonic()
+            try:
+                status, body = _post(self.router + "/generate", {
+                    "input_ids": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
+                                                             "ignore_eos": True}})
+            except OSError as exc:
+                status, body = 0, {"error": str(exc)}
+            meta = body.get("meta_info", {}) if status == 200 else {}
+            with self.lock:
+                self.results.append({"status": status, "t0": t0, "t1": time.monotonic(),
+                                     "n": len(body.get("output_ids", [])) if status == 200 else 0,
+                                     "spans": meta.get("weight_versions"),
+                                     "error": None if status == 200 else str(body)[:200]})
+
+    def stop(self) -> list[dict]:
+        self.done.set()
+        for t in self.threads:
+            t.join(120)
+        return self.results
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.engines.sglang import SGLangEngine
+    from fsdp_sync.models import build_model, load_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--syncs", type=int, default=50)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--kill-at", type=int, default=15, help="sync before which replica 1 is SIGKILLed (-1: never)")
+    p.add_argument("--add-at", type=int, default=30, help="sync before which a replica is added (-1: never)")
+    p.add_argument("--drain-at", type=int, default=40, help="sync after which replica 0 is quarantined (-1: never)")
+    p.add_argument("--drain-s", type=float, default=4.0, help="how long replica 0 stays out of service")
+    p.add_argument("--router-port", type=int, default=0, help="0: a free port")
+    p.add_argument("--max-requests", type=int, default=2000, help="per client")
+    p.add_argument("--json", help="write the figures here")
+    a = p.parse_args(argv)
+    if a.replicas < 2:
+        p.error("--replicas must be >= 2 (one is killed)")
+
+    from fsdp_sync.wire import free_port
+
+    disk = tempfile.mkdtemp(prefix="fsdp_sync-fleet-")
+    procs: list[subprocess.Popen] = []
+    router = None
+    out: dict = {"replicas": a.replicas, "syncs": a.syncs, "clients": a.clients}
+    problems: list[str] = []
+    try:
+        started = [start_replica(disk) for _ in range(a.replicas)]
+        procs = [pr for pr, _ in started]
+        urls = [u for _, u in started]
+        port = a.router_port or free_port()
+        router = start_router(urls, port)
+        router_url = f"http://127.0.0.1:{port}"
+        engines = [SGLangEngine(base_url=u) for u in urls]
+        module = build_model(load_config("tiny"), seed=0)
+        cfg = SyncConfig(method="disk", disk_dir=disk, disk_keep=3, on_replica_failure="quarantine",
+                         pause_mode="in_place")
+        manager = FSDPShardingManager(module, engines, config=cfg)
+        clients = Clients(router_url, a.clients, a.max_requests)
+        committed, t_kill, t_drain, added = {"default"}, None, None, None
+        drained_hits = None
+        for step in range(a.syncs):
+            if step == a.kill_at:
+                os.killpg(procs[1].pid, signal.SIGKILL)
+                t_kill = time.monotonic()
+            if step == a.add_at:
+                t_add = time.monotonic()
+                proc, url = start_replica(disk)
+                procs.append(proc)
+                added = SGLangEngine(base_url=url)
+                manager.add_engine(added)                     # the current version first
+                _post(router_url + "/workers", {"url": url})  # then the router
+                out["rejoin_s"] = round(time.monotonic() - t_add, 2)
+            with torch.no_grad():                             # a "training step"
+                for prm in module.parameters():
+                    prm.add_(0.001 * torch.randn_like(prm))
+            with manager:
+                pass
+            committed.add(manager.version)
+            if t_kill is not None and "quarantine_s" not in out:
+                rep = manager.fleet.replicas[1]
+                if rep.quarantined_at is not None:
+                    out["quarantine_s"] = round(rep.quarantined_at - t_kill, 2)
+            if step == a.drain_at:
+                manager.quarantine(engines[0], "drained by the example")
+                t_drain = time.monotonic()
+                time.sleep(2.5)                               # the router's health check: 1 s x 1
+                before = engines[0].server_info().get("generate_requests", 0)
+                time.sleep(a.drain_s)
+                drained_hits = engines[0].server_info().get("generate_requests", 0) - before
+                manager.recover(engines[0])
+                out["drain_recover_s"] = round(time.monotonic() - t_drain, 2)
+        results = clients.stop()
+        status = manager.fleet_status()
+        manager.close()
+        ok = [r for r in results if r["status"] == 200]
+        spans = [s for r in ok for s in (r["spans"] or [])]
+        seen = sorted({s["version"] for s in spans}, key=lambda v: (v != "default", int(v) if v.isdigit() else -1))
+        out.update(requests=len(results), served=len(ok), failed=len(results) - len(ok),
+                   failures=[r["error"] for r in results if r["status"] != 200][:5],
+                   versions_committed=len(committed), versions_seen=len(seen),
+                   multi_version_responses=sum(len(r["spans"] or []) > 1 for r in ok),
+                   tokens=sum(r["n"] for r in ok), drained_replica_requests=drained_hits,
+                   fleet=status)
+        if out["failed"]:
+            problems.append(f"{out['failed']} requests failed: {out['failures']}")
+        if not set(seen) <= committed:
+            problems.append(f"spans name versions never committed: {sorted(set(seen) - committed)}")
+        if any(r["spans"] is None or sum(s["end"] - s["start"] for s in r["spans"]) != r["n"] for r in ok):
+            problems.append("a response's spans do not cover its tokens")
+        if drained_hits:
+            problems.append(f"the drained replica answered {drained_hits} generate requests after its /health turned 503")
+        if a.kill_at >= 0 and "quarantine_s" not in out:
+            problems.append("the killed replica was never quarantined")
+    finally:
+        if router is not None:
+            stop(router)
+        for pr in procs:
+            stop(pr)
+    out["problems"] = problems
+    print(json.dumps({k: v for k, v in out.items() if k != "fleet"}, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
