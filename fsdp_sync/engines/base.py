@@ -21,6 +21,19 @@ Load formats of ``update_weights_from_tensor(named_tensors, load_format, flush_c
 Memory tags and orders are SGLang's (see `fsdp_sync.memory`): release kv_cache → weights →
 cuda_graph, resume cuda_graph → weights → kv_cache; ``None`` means all.
 
+In-flight weight updates and weight versions (SGLang 0.5.23's meanings; optional, see the end of
+`Engine`): ``pause_generation(mode)`` with ``"abort"`` (requests in flight return at once, finish
+reason ``abort``), ``"retract"`` (their KV is freed; they are recomputed after the continue, from
+prompt + tokens so far with the weights loaded then) or ``"in_place"`` (they keep their KV and go
+on from it); new requests queue while paused, and weight updates run at once.
+``continue_generation()``. ``weight_version`` names the loaded weights: updates take
+``weight_version=`` (taken at their commit; ``end_weight_update(weight_version=)`` in the same
+critical section as the commit), ``update_weight_version(new_version, abort_all_requests)`` renames
+them, ``get_weight_version()`` reads it, and generate results carry SGLang's ``weight_versions``
+(``{"version", "start", "end"}`` spans over the output tokens) and ``weight_version``.
+``set_serving(serving, reason)`` / ``serving_state`` (fsdp_sync's, a fleet's quarantine): out of
+service, generate is refused naming the reason while updates and reads still work.
+
 Also here: the errors every engine raises and `checksum_named_tensors`, the checksum a trainer can
 compute over its own full tensors to compare with `Engine.weights_checksum`.
 
@@ -156,7 +169,8 @@ class Engine(Protocol):
         """Open an update: calls until `end_weight_update` are one transaction."""
 
     def end_weight_update(self) -> None:
-        """Commit the updates staged since `begin_weight_update`."""
+        """Commit the updates staged since `begin_weight_update` (an engine with weight versions
+        also takes ``weight_version=``, see the module docstring)."""
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Free memory by tag (None = all), in the order kv_cache → weights → cuda_graph."""
@@ -182,6 +196,13 @@ class Engine(Protocol):
     # ``disk_bytes_read`` (per TP rank, the last disk update) feeds ``engine_rank_bytes_in``.
     # For method distributed: ``accepts_distributed_rank_buckets = True`` and
     # ``update_weights_from_distributed(load_format="per_rank_bucket")`` (`transport.group.PER_RANK_BUCKET`).
+    # Optional, in-flight updates and versions (module docstring; `ReferenceEngine` and
+    # `SGLangEngine` have them): ``pause_generation(mode="abort")`` ("abort" | "retract" |
+    # "in_place"), ``continue_generation()``, ``get_weight_version() -> str``,
+    # ``update_weight_version(new_version, abort_all_requests=False)``,
+    # ``end_weight_update(*, weight_version=None)`` and ``weight_version=None`` on the update calls,
+    # ``set_serving(serving, reason="")`` and the read-only ``serving_state -> str | None``
+    # (None while serving, else the reason).
 
     def weights_checksum(self) -> str:
         """`checksum_named_tensors` over all full tensors in Hugging Face order."""

@@ -74,9 +74,11 @@ from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError,
                     WeightUpdateError, WorkerDiedError, ordered_tags)
 from . import procs, quant
 from ...config import parse_dtype
+from .group_calls import UpdateGroupCalls
 from .readback import WeightReadback
 from .rollout import GenerationCalls
-from .update_items import build_items, check_entries, distributed_entries
+from .scheduler import Scheduler, check_version
+from .update_items import build_items
 
 __all__ = ["ReferenceEngine"]
 
@@ -84,7 +86,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
 
-class ReferenceEngine(GenerationCalls, WeightReadback):
+class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
     """A TP rollout engine in worker processes. See the module docstring.
 
     Args:
@@ -188,6 +190,11 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
         self._in_txn = False
         self._txn_transactional = True
         self._txn_aborted: str | None = None
+        self._txn_version: str | None = None     # weight_version to take at the transaction's commit
+        self.weight_version = "default"
+        """SGLang's weight version: what the loaded weights are called (`update_weight_version`, or
+        ``weight_version=`` of an update). Changes only holding the lock, so a step's tokens carry
+        the version of the weights that made them."""
         opts = {
             "spec": self.spec, "device": device, "dtype": dtype,
             "kv_cache_tokens": kv_cache_tokens, "mem_fraction": mem_fraction,
@@ -227,6 +234,8 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
             raise
         self.worker_pids = [ready[r][1]["pid"] for r in range(self.tp_size)]
         self.kv_cache_tokens = ready[0][1]["kv_cache_tokens"]
+        self._sched = Scheduler(self, self.kv_cache_tokens)
+        weakref.finalize(self, self._sched.close, EngineClosedError("the engine was shut down"))
 
     # ------------------------------------------------------------------ context / lifetime
     def __enter__(self) -> "ReferenceEngine":
@@ -236,7 +245,10 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Stop every worker (gracefully, then terminate/kill) and close every pipe. Idempotent."""
+        """Stop every worker (gracefully, then terminate/kill) and close every pipe. Idempotent.
+        Requests still generating raise `EngineClosedError` in their callers."""
+        if getattr(self, "_sched", None) is not None:
+            self._sched.close(EngineClosedError("the engine was shut down"))
         with self._lock:
             self._finalizer()
 
@@ -362,15 +374,18 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
 
     # ------------------------------------------------------------------ weight updates
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
-                                   flush_cache: bool = True) -> None:
+                                   flush_cache: bool = True, *, weight_version: str | None = None) -> None:
         """Load weights; all or nothing (see the module docstring). Raises `WeightUpdateError`
-        naming the parameter, the rank and the values; the engine then serves its previous weights."""
-        self._update_from_tensor(named_tensors, load_format, flush_cache, keep_mapped=False)
+        naming the parameter, the rank and the values; the engine then serves its previous weights.
+        ``weight_version``: what the new weights are called, from their commit on."""
+        self._update_from_tensor(named_tensors, load_format, flush_cache, keep_mapped=False,
+                                 weight_version=weight_version)
 
     def _update_from_tensor(self, named_tensors: Any, load_format: str | None, flush_cache: bool,
-                            keep_mapped: bool) -> None:
+                            keep_mapped: bool, weight_version: str | None = None) -> None:
         what = f"update_weights_from_tensor(load_format={load_format!r})"
-        with self._lock:
+        check_version(weight_version, what)
+        with self._sched.exclusive(), self._lock:
             self._check_usable()
             if self._txn_aborted is not None:
                 raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
@@ -386,10 +401,22 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
             finally:
                 for s in sets:
                     s.release(require_ack=False)
-            if flush_cache:
-                self._raise_errors(self._round("flush_cache"), "flush_cache")
+            self._after_update(weight_version, flush_cache)
 
-    def load_rank_bucket(self, bucket: Any, payloads: list, *, flush_cache: bool = True) -> None:
+    def _after_update(self, weight_version: str | None, flush_cache: bool) -> None:
+        """After a call that loaded weights (holding the lock): take ``weight_version`` now, or at
+        the commit of the open transaction; flush the cache unless requests paused in place hold
+        it (there is no prefix cache to drop: their KV is theirs, as SGLang's in_place keeps it)."""
+        if weight_version is not None:
+            if self._in_txn and self._txn_transactional:
+                self._txn_version = weight_version
+            else:
+                self.weight_version = weight_version
+        if flush_cache and not (self._sched.paused == "in_place" and self._sched.holds_kv()):
+            self._raise_errors(self._round("flush_cache"), "flush_cache")
+
+    def load_rank_bucket(self, bucket: Any, payloads: list, *, flush_cache: bool = True,
+                         weight_version: str | None = None) -> None:
         """One per-rank bucket (`reshard.RankBucket`): ``payloads[i]`` opens to TP rank i's
         ``{"flattened_tensor", "metadata"}`` in engine names (``load_format="direct"``).
 
@@ -398,10 +425,11 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
         the end (at most a few buffers, see ``worker.MAX_MAPPED``) rather than mapping it anew
         every bucket (at TP 2 on qwen2-160m: a worker's page faults per sync 10 k -> 2 k, its
         load 0.085 -> 0.070 s)."""
-        self._update_from_tensor(list(payloads), "direct", flush_cache, keep_mapped=True)
+        self._update_from_tensor(list(payloads), "direct", flush_cache, keep_mapped=True,
+                                 weight_version=weight_version)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 flush_cache: bool = True) -> None:
+                                 flush_cache: bool = True, *, weight_version: str | None = None) -> None:
         """Load the tensors of a Hugging Face safetensors checkpoint directory (SGLang's call).
 
         SGLang's rules: an index (``model.safetensors.index.json``) decides the files and a
@@ -411,11 +439,12 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
         names; each worker hashes its share of the files), every tensor's name, dtype and shape is checked on every
         worker and each worker reads only its own slices into staging memory (one extra copy of
         its shard) before any weight changes. Raises `WeightUpdateError` naming the file or
-        tensor; the previous weights keep serving."""
+        tensor; the previous weights keep serving. ``weight_version`` as for tensors."""
         from ...weights.hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
 
         what = f"update_weights_from_disk({str(model_path)!r})"
-        with self._lock:
+        check_version(weight_version, what)
+        with self._sched.exclusive(), self._lock:
             self._check_usable()
             if self._txn_aborted is not None:
                 raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
@@ -454,8 +483,7 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
                 raise err from exc
             staged = self._two_phase(per_rank, what)
             self.disk_bytes_read = [int(staged[r][1].get("bytes_read", 0)) for r in range(tp)]
-            if flush_cache:
-                self._raise_errors(self._round("flush_cache"), "flush_cache")
+            self._after_update(weight_version, flush_cache)
 
     def _two_phase(self, per_rank: list, what: str, cmd: str = "stage",
                    keep_mapped: bool = False) -> dict[int, tuple]:
@@ -484,99 +512,6 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
                 self._broken = self._broken or f"{what}: interrupted while committing ({exc!r})"
             raise
 
-    # ------------------------------------------------------------------ update_weights_from_distributed
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "nccl") -> None:
-        """Join SGLang's weight-update group: TP worker r as rank ``rank_offset + r`` of
-        ``world_size``, the trainer as rank 0 (hosting the store at ``master_address:master_port``).
-        Blocks until every rank has joined. A group of the same name is replaced (SGLang leaks it)."""
-        what = f"init_weights_update_group({group_name!r})"
-        if not group_name:
-            raise WeightUpdateError(f"{what}: the group name must not be empty")
-        if not (isinstance(rank_offset, int) and rank_offset >= 1
-                and isinstance(world_size, int) and rank_offset + self.tp_size <= world_size):
-            raise WeightUpdateError(f"{what}: ranks {rank_offset}..{rank_offset + self.tp_size - 1} "
-                                    f"(rank_offset {rank_offset!r}, tp {self.tp_size}) do not fit a "
-                                    f"group of world_size {world_size!r} whose rank 0 is the trainer")
-        with self._lock:
-            self._check_usable()
-            if group_name in self._update_groups:
-                self._destroy_group(group_name)
-            args = [{"group_name": group_name, "backend": str(backend), "master_address": str(master_address),
-                     "master_port": int(master_port), "world_size": world_size,
-                     "rank": rank_offset + r} for r in range(self.tp_size)]
-            replies = self._round("join_group", per_rank=args, what=what)
-            if any(rep[0] != "ok" for rep in replies.values()):
-                self._round("leave_group", {"group_name": group_name}, ranks=self._responsive(),
-                            what=what + " (undo)")
-                self._raise_errors(replies, what)
-            self._update_groups[group_name] = {"world_size": world_size, "rank_offset": rank_offset,
-                                               "backend": str(backend)}
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        """Leave the group on every worker. An unknown name is refused, as SGLang does."""
-        with self._lock:
-            if group_name not in self._update_groups:
-                raise WeightUpdateError(f"destroy_weights_update_group: no group {group_name!r} "
-                                        f"(known: {sorted(self._update_groups)})")
-            self._check_usable()
-            self._destroy_group(group_name)
-
-    def _destroy_group(self, group_name: str) -> None:
-        self._update_groups.pop(group_name, None)
-        self._raise_errors(self._round("leave_group", {"group_name": group_name}, ranks=self._responsive(),
-                                       what=f"destroy_weights_update_group({group_name!r})"),
-                           "destroy_weights_update_group")
-
-    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
-                                        group_name: str = "weight_update_group",
-                                        flush_cache: bool = True, load_format: str | None = None) -> None:
-        """Receive tensors broadcast by rank 0 of ``group_name`` and load them, all or nothing.
-
-        ``load_format=None``: one broadcast per tensor, in ``names`` order. ``"flattened_bucket"``:
-        one broadcast of all of them, tightly packed in ``names`` order (each offset a multiple of
-        its dtype size). ``"per_rank_bucket"`` (fsdp_sync's, not SGLang's): ``names`` are the
-        engine's own parameter names and ``shapes`` one TP rank's shard shapes; each worker
-        receives only its own shard, one point-to-point message from group rank 0 laid out by
-        `transport.group.per_rank_bucket_plan`. dtypes are torch attribute names (``"bfloat16"``). Refused before any
-        worker joins the broadcast: no open `begin_weight_update`, an unknown group, a bad dtype,
-        shape or layout, lengths that differ. A sender that dies mid-broadcast makes the workers
-        give up after ``update_recv_timeout_s``; the group is then dropped (make it again) and the
-        previous weights serve."""
-        what = f"update_weights_from_distributed(load_format={load_format!r}, {len(names)} tensors)"
-        with self._lock:
-            self._check_usable()
-            if not self._in_txn:
-                raise EngineStateError(f"{what}: no open weight update: call begin_weight_update() "
-                                       f"first (SGLang 0.5.21+ refuses updates outside begin/end)")
-            if self._txn_aborted is not None:
-                raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
-                                        f"({self._txn_aborted}); call end_weight_update() and start again")
-            try:
-                entries = distributed_entries(names, dtypes, shapes, load_format)
-                check_entries(entries, self.layout, self.dtype, load_format)   # before joining
-                if group_name not in self._update_groups:
-                    raise WeightUpdateError(f"unknown weight-update group {group_name!r} (known: "
-                                            f"{sorted(self._update_groups)}); call init_weights_update_group first")
-            except WeightUpdateError as exc:
-                self._abort_all(what, str(exc))
-                raise WeightUpdateError(f"{what}: {exc}", name=exc.name) from None
-            spec = {"group_name": group_name, "load_format": load_format, "entries": entries}
-            try:
-                self._two_phase([spec] * self.tp_size, what, cmd="stage_broadcast")
-            except WeightUpdateError:
-                # a receive that failed (sender gone, timeout) leaves the group unusable: drop it
-                if any(not p.is_alive() for p in self._w.procs) or self._broken:
-                    raise
-                try:
-                    self._destroy_group(group_name)
-                except EngineError:
-                    pass
-                raise
-            if flush_cache:
-                self._raise_errors(self._round("flush_cache"), "flush_cache")
-
     def _responsive(self) -> list[int]:
         """TP ranks alive that have not let a call time out: the ones worth asking."""
         return [r for r, p in enumerate(self._w.procs) if p.is_alive() and r not in self._w.silent]
@@ -598,46 +533,65 @@ class ReferenceEngine(GenerationCalls, WeightReadback):
         the calls until `end_weight_update` are committed together, or not at all. Otherwise each
         call commits on its own, as outside begin/end (no extra memory)."""
         transactional = self.transactional_updates if transactional is None else bool(transactional)
-        with self._lock:
+        with self._sched.exclusive(), self._lock:
             self._check_usable()
             if self._in_txn:
                 raise EngineStateError("begin_weight_update called twice without end_weight_update")
             self._raise_errors(self._round("begin", {"transactional": transactional}), "begin_weight_update")
             self._in_txn, self._txn_aborted, self._txn_transactional = True, None, transactional
+            self._txn_version = None
 
-    def end_weight_update(self, *, abort: bool = False) -> None:
+    def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> None:
         """Commit the open transaction (``abort=True``: drop it). After a failed update in the
-        transaction this only closes it (the failure was raised already)."""
-        with self._lock:
+        transaction this only closes it (the failure was raised already). On a commit the engine
+        takes ``weight_version`` (else the one an update call in the transaction gave) in the same
+        critical section: no step runs between the new weights and their new version."""
+        check_version(weight_version, "end_weight_update")
+        with self._sched.exclusive(), self._lock:
             if not self._in_txn:
                 raise EngineStateError("end_weight_update without begin_weight_update")
             self._in_txn = False
             aborted, self._txn_aborted = self._txn_aborted, None
+            pending, self._txn_version = self._txn_version, None
             self._check_usable()
             replies = self._round("end", {"abort": abort or aborted is not None})
             self._raise_errors(replies, "end_weight_update")
+            version = weight_version if weight_version is not None else pending
+            if version is not None and not abort and aborted is None:
+                self.weight_version = version
 
     # ------------------------------------------------------------------ memory
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Free ``tags`` (None = all) in the order kv_cache → weights → cuda_graph."""
         tags = ordered_tags(tags, RELEASE_ORDER)
-        with self._lock:
+        with self._sched.exclusive(), self._lock:
             if self._in_txn:
                 raise EngineStateError("cannot release memory inside begin/end_weight_update")
+            if "kv_cache" in tags and self._sched.holds_kv():
+                raise EngineStateError(f"cannot release the KV cache: {self._sched.holds_kv()} requests "
+                                       f"paused in place hold it; continue_generation() or pause with "
+                                       f"mode 'retract' or 'abort' first")
             self._call("release", {"tags": tags}, what=f"release_memory_occupation({tags})")
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Reallocate ``tags`` (None = all) in the order cuda_graph → weights → kv_cache. Released
         weights come back as zeros (push them again) unless the engine keeps a CPU backup."""
         tags = ordered_tags(tags, RESUME_ORDER)
-        with self._lock:
+        with self._sched.exclusive(), self._lock:
             if self._in_txn:
                 raise EngineStateError("cannot resume memory inside begin/end_weight_update")
             self._call("resume", {"tags": tags}, what=f"resume_memory_occupation({tags})")
 
     def flush_cache(self) -> None:
-        """Nothing is cached between generate calls (no prefix cache); checks the workers answer."""
-        self._call("flush_cache")
+        """Nothing is cached between requests (no prefix cache); checks the workers answer. Waits
+        for running requests as an update does; refused (`EngineStateError`) while requests
+        paused in place hold the KV cache, as SGLang refuses it."""
+        with self._sched.exclusive(), self._lock:
+            if self._sched.holds_kv():
+                raise EngineStateError(f"flush_cache: {self._sched.holds_kv()} requests paused in place "
+                                       f"hold the KV cache (SGLang refuses a flush then); "
+                                       f"continue_generation() first, or pause with mode 'retract'")
+            self._call("flush_cache")
 
     def memory_stats(self) -> dict:
         """Per worker: weights/KV/backup/staging bytes, RSS/USS (and CUDA allocator stats), plus totals.

@@ -7,13 +7,15 @@ the temperature-scaled distribution before top-k/top-p/min-p filtering; ``log_so
 when greedy). A greedy row is ``argmax`` of the raw logits: the same tokens the engine produced
 before sampling grew options.
 
-`Decode` is the state of one generate call on one worker: prompts are packed into waves whose
-KV-cache slots fit together, and `Decode.step` runs exactly one forward (a wave's prefill or one
-decode step of its active rows). The engine client drives the steps, so between two steps it can
-stream tokens out and drop aborted rows; every TP worker runs the same steps with the same rows,
-so the collective forward never goes out of step.
+`Decode` is a worker's running batch (continuous batching): the engine's scheduler
+(`scheduler.Scheduler`) adds requests to it and removes them between steps, choosing their
+KV-cache slots, and `Decode.step` runs exactly one forward over all of them (the prefill of the
+ones just added packed with one decode token of each running one). A row's tokens depend only on
+its own prompt, slots and sampling, never on the other rows of the batch; every TP worker runs the
+same steps with the same rows, so the collective forward never goes out of step.
 
-Not here: the HTTP fields (`fsdp_sync.engines.reference.serve`), the worker's process loop (`worker`).
+Not here: which requests run and where their KV goes (`scheduler`), the HTTP fields
+(`fsdp_sync.engines.reference.serve`), the worker's process loop (`worker`).
 """
 
 from __future__ import annotations
@@ -172,95 +174,85 @@ def pick(logits: torch.Tensor, rows: Sequence[Sampling], produced: Sequence[int]
     return tokens, logprobs
 
 
+@dataclass
+class _Row:
+    """One request in a worker's running batch."""
+
+    slot: int                      # first of its KV-cache slots (a contiguous run)
+    sampling: Sampling
+    want_logprobs: bool
+    produced: int                  # tokens it made so far (before it joined, when recomputed)
+    pending: list[int] | None      # tokens to prefill at the next step (None once prefilled)
+    cached: int = 0                # tokens it holds in the KV cache
+    last: int = -1                 # its newest token, fed to the next decode step
+
+
 class Decode:
-    """One generate call on one worker: waves of prompts, one forward per `step`."""
+    """A worker's running batch: requests `add`-ed and `remove`-d by id between steps, one forward
+    per `step` over all of them (prefills of the new ones packed with one decode token of each
+    running one). The KV-cache slots are the engine's to choose (`scheduler`): this only writes
+    where it is told, so every TP rank runs the same rows in the same order."""
 
-    def __init__(self, model: Any, kv: torch.Tensor, kv_tokens: int, device: torch.device,
-                 prompts: list[list[int]], rows: list[Sampling], gen: torch.Generator | None,
-                 want_logprobs: bool) -> None:
-        self.model, self.kv, self.device, self.gen = model, kv, device, gen
-        self.prompts, self.rows, self.want_logprobs = prompts, rows, want_logprobs
-        self.need = [len(p) + max(s.max_new_tokens, 1) - 1 for p, s in zip(prompts, rows)]
-        for i, n in enumerate(self.need):
-            if n > kv_tokens:
-                raise ValueError(f"prompt {i} ({len(prompts[i])} tokens) + max_new_tokens "
-                                 f"({rows[i].max_new_tokens}) needs {n} KV-cache tokens; the cache "
-                                 f"holds {kv_tokens} (kv_cache_tokens)")
-        self.kv_tokens = kv_tokens
-        self.produced = [0] * len(prompts)
-        self.done = [s.max_new_tokens <= 0 for s in rows]
-        self.order = [i for i in range(len(prompts)) if not self.done[i]]
-        self.wave: list[tuple[int, int]] = []     # (row, first KV slot) of the running wave
-        self.cached: dict[int, int] = {}          # row -> tokens it has in the KV cache
-        self.last: dict[int, int] = {}            # row -> its newest token
+    def __init__(self, model: Any, device: torch.device, gen: torch.Generator | None) -> None:
+        self.model, self.device, self.gen = model, device, gen
+        self.rows: dict[int, _Row] = {}
 
-    @property
-    def finished(self) -> bool:
-        return not self.order and not self._active()
+    def add(self, rid: int, tokens: list[int], sampling: Sampling, slot: int, produced: int = 0,
+            want_logprobs: bool = False) -> None:
+        """Admit request ``rid``: ``tokens`` (its prompt, or prompt + the tokens it had made when it
+        is recomputed after a retract) are prefilled at the next step into slots from ``slot``."""
+        if rid in self.rows:
+            raise ValueError(f"request {rid} is already in the batch")
+        if not tokens:
+            raise ValueError(f"request {rid} has no tokens to prefill")
+        self.rows[rid] = _Row(slot=int(slot), sampling=sampling, want_logprobs=bool(want_logprobs),
+                              produced=int(produced), pending=list(tokens))
 
-    def _active(self) -> list[int]:
-        return [i for i, _ in self.wave if not self.done[i]]
+    def remove(self, rids: Sequence[int]) -> None:
+        """Drop ``rids`` (finished elsewhere, aborted, retracted); unknown ids are ignored."""
+        for rid in rids:
+            self.rows.pop(rid, None)
 
-    def drop(self, rows: Sequence[int]) -> None:
-        """Stop ``rows`` (aborted): no more tokens for them; their KV slots free with the wave."""
-        for i in rows:
-            self.done[i] = True
-        self.order = [i for i in self.order if not self.done[i]]
+    def clear(self) -> None:
+        self.rows.clear()
 
-    def step(self) -> dict:
-        """One forward. Returns ``{"tokens": {row: token}, "logprobs": {row: lp}, "ended":
-        {row: "stop" | "length"}}`` for the rows it advanced."""
-        active = self._active()
-        if not active:
-            return self._prefill()
-        ids = torch.tensor([self.last[i] for i in active], dtype=torch.long, device=self.device)
-        pos = torch.tensor([self.cached[i] for i in active], dtype=torch.long, device=self.device)
-        slots = dict(self.wave)
-        spans = [Span(k, 1, slots[i], self.cached[i]) for k, i in enumerate(active)]
-        rows = torch.arange(len(active), device=self.device)
-        logits = self.model.forward(ids, pos, spans, self.kv, rows)
-        for i in active:
-            self.cached[i] += 1
-        return self._take(active, logits)
-
-    def _prefill(self) -> dict:
-        if not self.order:
-            return {"tokens": {}, "logprobs": {}, "ended": {}}
-        wave, used = [], 0
-        while self.order and used + self.need[self.order[0]] <= self.kv_tokens:
-            i = self.order.pop(0)
-            wave.append((i, used))
-            used += self.need[i]
-        self.wave = wave
-        idx = [i for i, _ in wave]
-        chunks = [self.prompts[i] for i in idx]
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
-        pos = torch.cat([torch.arange(len(c)) for c in chunks]).to(self.device)
-        spans, off, last_rows = [], 0, []
-        for (i, slot), c in zip(wave, chunks):
-            spans.append(Span(off, len(c), slot, 0))
-            last_rows.append(off + len(c) - 1)
-            off += len(c)
-        logits = self.model.forward(ids, pos, spans, self.kv, torch.tensor(last_rows, device=self.device))
-        for i in idx:
-            self.cached[i] = len(self.prompts[i])
-        return self._take(idx, logits)
-
-    def _take(self, idx: list[int], logits: torch.Tensor) -> dict:
-        tokens, lps = pick(logits, [self.rows[i] for i in idx], [self.produced[i] for i in idx],
-                           self.gen, self.want_logprobs)
+    def step(self, kv: torch.Tensor) -> dict:
+        """One forward over every row. Returns ``{"tokens": {rid: token}, "logprobs": {rid: lp}
+        (rows that asked), "ended": {rid: "stop" | "length"}}``; ended rows leave the batch."""
         out: dict = {"tokens": {}, "logprobs": {}, "ended": {}}
-        for k, i in enumerate(idx):
+        if not self.rows:
+            return out
+        order = list(self.rows)
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        spans, last_rows, off = [], [], 0
+        for rid in order:
+            r = self.rows[rid]
+            chunk = r.pending if r.pending is not None else [r.last]
+            ids.extend(chunk)
+            pos.append(torch.arange(r.cached, r.cached + len(chunk)))
+            spans.append(Span(off, len(chunk), r.slot, r.cached))
+            off += len(chunk)
+            last_rows.append(off - 1)
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
+                                    torch.cat(pos).to(self.device), spans, kv,
+                                    torch.tensor(last_rows, device=self.device))
+        rows = [self.rows[rid] for rid in order]
+        want = any(r.want_logprobs for r in rows)
+        tokens, lps = pick(logits, [r.sampling for r in rows], [r.produced for r in rows],
+                           self.gen, want)
+        for k, (rid, r) in enumerate(zip(order, rows)):
+            r.cached += len(r.pending) if r.pending is not None else 1
+            r.pending = None
             t = tokens[k]
-            self.last[i] = t
-            self.produced[i] += 1
-            out["tokens"][i] = t
-            if lps is not None:
-                out["logprobs"][i] = lps[k]
-            if t in self.rows[i].stop and self.produced[i] >= self.rows[i].min_new_tokens:
-                self.done[i] = True
-                out["ended"][i] = "stop"
-            elif self.produced[i] >= self.rows[i].max_new_tokens:
-                self.done[i] = True
-                out["ended"][i] = "length"
+            r.last = t
+            r.produced += 1
+            out["tokens"][rid] = t
+            if lps is not None and r.want_logprobs:
+                out["logprobs"][rid] = lps[k]
+            if t in r.sampling.stop and r.produced >= r.sampling.min_new_tokens:
+                out["ended"][rid] = "stop"
+            elif r.produced >= r.sampling.max_new_tokens:
+                out["ended"][rid] = "length"
+        self.remove(list(out["ended"]))
         return out

@@ -1,10 +1,12 @@
 """Generation on a reference engine, from the client's side: checking prompts, SGLang's
-``generate`` and the per-request `generate_requests` (sampling, EOS, aborts, input logprobs), and
-``forward_logits``. A mixin of `ReferenceEngine`: it speaks to the workers through the engine's
-``_call``.
+``generate`` and the per-request `generate_requests` (sampling, EOS, aborts, input logprobs, weight
+versions), SGLang's generation controls (``pause_generation`` / ``continue_generation``,
+``update_weight_version`` / ``get_weight_version``), fsdp_sync's ``set_serving`` (out of service,
+for a fleet's quarantine), and ``forward_logits``. A mixin of `ReferenceEngine`: requests go to
+the engine's scheduler (``_sched``), other calls to the workers through the engine's ``_call``.
 
-Not here: the decode loop and sampling math (`generation`, run in each worker), the HTTP fields
-(`generate_request`).
+Not here: batching, pausing and versioning requests (`scheduler`), the decode loop and sampling
+math (`generation`, run in each worker), the HTTP fields (`generate_request`).
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..base import EngineStateError
 from .generation import Sampling
+from .scheduler import PAUSE_MODES, check_version, kv_need, weight_version_spans
 
 __all__ = ["GenerationCalls"]
 
 
 class GenerationCalls:
-    """`ReferenceEngine`'s generation methods (it provides ``_call``, ``_lock``, ``spec``, ``config``)."""
+    """`ReferenceEngine`'s generation methods (it provides ``_call``, ``_lock``, ``_sched``,
+    ``weight_version``, ``spec``, ``config``)."""
 
     def _check_prompts(self, input_ids: Any) -> list[list[int]]:
         if isinstance(input_ids, torch.Tensor):
@@ -61,8 +66,8 @@ class GenerationCalls:
         eos = getattr(self.config, "eos_token_id", None)
         return [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(t) for t in eos])
 
-    ABORT_STEPS = 4
-    """Decode steps per worker round trip while a caller watches for aborts (`generate_requests`)."""
+    ABORT_POLL_S = 0.02
+    """How often a waiting caller asks its ``should_abort`` when no step arrives (`generate_requests`)."""
 
     def generate_requests(self, input_ids: Any, sampling_params: dict | Sequence[dict] | None = None, *,
                           return_logprob: bool = False, logprob_start_len: int | None = None,
@@ -72,14 +77,20 @@ class GenerationCalls:
         """SGLang's ``/generate`` on this engine. One result per prompt and sample (``n`` samples of
         a prompt are consecutive): ``output_ids``, ``finish_reason`` (SGLang's ``{"type": "stop",
         "matched": id}`` / ``{"type": "length", "length": n}`` / ``{"type": "abort", ...}``),
-        ``prompt_index``, and with ``return_logprob`` SGLang's ``output_token_logprobs``
-        (``[logprob, token_id, None]`` each, the temperature-scaled distribution's) and, when
+        ``prompt_index``, SGLang's ``weight_versions`` (``{"version", "start", "end"}`` spans over
+        the output tokens: the version loaded when each token's step ran) and ``weight_version``
+        (the last span's), ``request_id`` (the engine's id of the row, as `step_records` names
+        it), and with ``return_logprob`` SGLang's ``output_token_logprobs`` (``[logprob,
+        token_id, None]`` each, the temperature-scaled distribution's) and, when
         ``logprob_start_len >= 0``, ``input_token_logprobs`` from that position (position 0 has
         no logprob). ``sampling_params``: one dict for all prompts or one per prompt.
 
-        ``on_step(results)`` runs after each decode step (streaming); ``should_abort(row)`` is asked
-        every `ABORT_STEPS` steps and an aborted row ends there. The engine is held for the whole
-        call."""
+        Calls from several threads run batched together (`scheduler`): each row joins the
+        running batch at the next step once KV-cache room is free. ``on_step(results)`` runs in
+        the caller's thread after each step that changed one of its results (streaming);
+        ``should_abort(row)`` is asked after each step and every `ABORT_POLL_S` while waiting, and
+        an aborted row ends at the next step (at once while generation is paused). Out of
+        service (`set_serving`) this raises `EngineStateError` naming the reason."""
         prompts = self._check_prompts(input_ids)
         sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
             [sampling_params] * len(prompts)
@@ -88,7 +99,7 @@ class GenerationCalls:
         eos = self._eos() if eos is None else [int(t) for t in eos]
         specs = [Sampling.from_sglang(sp, eos=eos, vocab=self.spec.vocab_size) for sp in sps]
         ctx = getattr(self.config, "max_position_embeddings", None)
-        for p, s in zip(prompts, specs):
+        for i, (p, s) in enumerate(zip(prompts, specs)):
             if ctx is not None and len(p) + s.max_new_tokens > ctx:   # SGLang's words
                 raise ValueError(
                     f"Requested token count exceeds the model's maximum context length of {ctx} "
@@ -96,52 +107,130 @@ class GenerationCalls:
                     f"tokens from the input messages and {s.max_new_tokens} tokens for the "
                     f"completion. Please reduce the number of tokens in the input messages or the "
                     f"completion to fit within the limit.")
+            need = kv_need(len(p), s)
+            if need > self.kv_cache_tokens:
+                raise EngineStateError(f"generate: prompt {i} ({len(p)} tokens) + max_new_tokens "
+                                       f"({s.max_new_tokens}) needs {need} KV-cache tokens; the "
+                                       f"cache holds {self.kv_cache_tokens} (kv_cache_tokens)")
         if logprob_start_len is not None and logprob_start_len >= 0 and not return_logprob:
             raise ValueError("logprob_start_len needs return_logprob=True")
+        self._check_usable()
+        if self.serving_state is not None:
+            raise EngineStateError(f"generate: the engine is out of service ({self.serving_state}); "
+                                   f"set_serving(True) brings it back")
         rows = [(i, s) for i, (p, s) in enumerate(zip(prompts, specs)) for _ in range(s.n)]
-        # decode steps per worker round trip: one when every token is streamed; a few when only
-        # aborts are watched (an abort then lands within that many steps); many otherwise
-        steps = 1 if on_step is not None else (self.ABORT_STEPS if should_abort is not None else 64)
-        results = [{"prompt_index": i, "output_ids": [], "finish_reason": None}
+        version = self.weight_version
+        results = [{"prompt_index": i, "output_ids": [], "finish_reason": None,
+                    "weight_versions": weight_version_spans([], version), "weight_version": version}
                    | ({"output_token_logprobs": []} if return_logprob else {}) for i, _ in rows]
-        with self._lock:
-            if return_logprob and logprob_start_len is not None and logprob_start_len >= 0:
-                inputs = self._input_logprobs(prompts, int(logprob_start_len))
-                for r in results:
-                    r["input_token_logprobs"] = inputs[r["prompt_index"]]
-            self._call("gen_begin", {"prompts": [prompts[i] for i, _ in rows],
-                                     "rows": [s for _, s in rows], "logprobs": return_logprob},
-                       what="generate", collective=True)
-            try:
-                finished = False
-                while not finished:
-                    drop = [k for k, r in enumerate(results) if r["finish_reason"] is None
-                            and should_abort is not None and should_abort(k)]
-                    for k in drop:
-                        results[k]["finish_reason"] = {"type": "abort", "message": "request aborted"}
-                    out = self._call("gen_step", {"drop": drop, "steps": steps}, what="generate",
-                                     collective=True)[0]
-                    for k, ts in out["tokens"].items():
-                        r = results[k]
-                        r["output_ids"].extend(ts)
-                        if return_logprob:
-                            r["output_token_logprobs"].extend(
-                                [lp, t, None] for lp, t in zip(out["logprobs"][k], ts))
-                    for k, why in out["ended"].items():
-                        r = results[k]
-                        r["finish_reason"] = ({"type": "stop", "matched": r["output_ids"][-1]}
-                                              if why == "stop" else
-                                              {"type": "length", "length": len(r["output_ids"])})
-                    finished = out["finished"]
-                    if on_step is not None:
-                        on_step(results)
-            finally:
-                if self.dead_reason() is None:
-                    self._call("gen_end", what="generate")
-        for r, (_, s) in zip(results, rows):
-            if r["finish_reason"] is None:     # max_new_tokens 0
-                r["finish_reason"] = {"type": "length", "length": 0}
+        if return_logprob and logprob_start_len is not None and logprob_start_len >= 0:
+            inputs = self._input_logprobs(prompts, int(logprob_start_len))
+            for r in results:
+                r["input_token_logprobs"] = inputs[r["prompt_index"]]
+        call = self._sched.submit([(prompts[i], s, return_logprob) for i, s in rows], version)
+        for r, row in zip(results, call.rows):
+            r["request_id"] = row.rid
+        tags: list[list[str]] = [[] for _ in rows]
+        try:
+            done = False
+            while not done:
+                event = call.next_event(self.ABORT_POLL_S if should_abort is not None else 1.0)
+                if event is not None:
+                    kind, payload = event
+                    if kind == "error":
+                        raise payload
+                    if kind == "done":
+                        done = True
+                    else:
+                        self._apply(results, tags, payload)
+                        if on_step is not None:
+                            on_step(results)
+                if should_abort is not None and not done:
+                    for k, r in enumerate(results):
+                        if r["finish_reason"] is None and call.rows[k].abort is None and should_abort(k):
+                            self._sched.abort(call, k, "request aborted")
+        except BaseException:
+            self._sched.cancel(call)
+            raise
         return results
+
+    @staticmethod
+    def _apply(results: list[dict], tags: list[list[str]], changes: dict) -> None:
+        """One step's changes (`scheduler.Call` events) into the caller's results."""
+        for k, ch in changes.items():
+            r = results[k]
+            r["output_ids"].extend(ch["tokens"])
+            if "output_token_logprobs" in r:
+                r["output_token_logprobs"].extend([lp, t, None] for lp, t in zip(ch["logprobs"], ch["tokens"]))
+            tags[k].extend(ch["versions"])
+            r["weight_versions"] = weight_version_spans(tags[k], ch["version"])
+            r["weight_version"] = r["weight_versions"][-1]["version"]
+            if ch["finish"] is not None:
+                r["finish_reason"] = ch["finish"]
+
+    # ------------------------------------------------------------------ versions, pause, service
+    def get_weight_version(self) -> str:
+        """SGLang's weight version of the loaded weights (``"default"`` until one is given)."""
+        return self.weight_version
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
+        """Call the loaded weights ``new_version`` from the next step on (SGLang's
+        ``/update_weight_version``; tokens made before keep their version in ``weight_versions``).
+        ``abort_all_requests``: first end every request, as aborted."""
+        check_version(new_version, "update_weight_version", optional=False)
+        if not isinstance(abort_all_requests, bool):
+            raise ValueError(f"update_weight_version: abort_all_requests must be a bool, got "
+                             f"{abort_all_requests!r}")
+        with self._lock:
+            if abort_all_requests:
+                self._sched.abort_all(self, "aborted by update_weight_version(abort_all_requests=True)")
+            self.weight_version = new_version
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's ``/pause_generation``: ``"abort"`` ends every request now (finish reason
+        ``abort``, with the tokens it had); ``"retract"`` frees the running requests' KV and
+        recomputes them after `continue_generation` (prompt + tokens so far, with the weights
+        loaded then); ``"in_place"`` stops stepping and keeps their KV. New requests queue until
+        `continue_generation`; weight updates run at once while paused."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation: mode must be one of {', '.join(map(repr, PAUSE_MODES))}, "
+                             f"got {mode!r}")
+        with self._lock:       # no step in flight
+            self._sched.pause(self, mode)
+
+    def continue_generation(self) -> None:
+        """SGLang's ``/continue_generation``: steps run again."""
+        self._sched.resume()
+
+    @property
+    def generation_paused(self) -> str | None:
+        """The `pause_generation` mode in force, or None."""
+        return self._sched.paused
+
+    def set_serving(self, serving: bool, reason: str = "") -> None:
+        """Take the engine out of service (``serving=False``; a fleet's quarantine) or bring it
+        back. Out of service, generate refuses with `EngineStateError` naming ``reason`` and the
+        requests in flight end as aborted; weight updates and reads still work."""
+        if not isinstance(serving, bool):
+            raise ValueError(f"set_serving: serving must be a bool, got {serving!r}")
+        if not isinstance(reason, str):
+            raise ValueError(f"set_serving: reason must be a string, got {reason!r}")
+        with self._lock:
+            self._sched.set_out_of_service(self, None if serving else (reason or "taken out of service"))
+
+    @property
+    def serving_state(self) -> str | None:
+        """None while serving; else why the engine is out of service (`set_serving`)."""
+        return self._sched.out_of_service
+
+    def step_records(self) -> list:
+        """The scheduler's last steps (`scheduler.StepRecord`: the requests each prefilled and
+        decoded, and their tokens' weight version), oldest first."""
+        return self._sched.records()
+
+    def scheduler_stats(self) -> dict:
+        """Requests waiting and running, the pause mode, updates waiting, steps run."""
+        return self._sched.stats()
 
     def _input_logprobs(self, prompts: list[list[int]], start: int) -> list[list]:
         logits = self._call("forward_logits", {"prompts": prompts, "all_positions": True},

@@ -8,7 +8,7 @@ weights, on a CPU machine:
     GET  /health  /health_generate  /ready  /get_model_info  /get_server_info (/server_info)
     POST /generate                     {input_ids | text, sampling_params}
     POST /update_weights_from_tensor   {serialized_named_tensors, load_format, flush_cache}
-    POST /begin_weight_update  /end_weight_update
+    POST /begin_weight_update  /end_weight_update {weight_version}
     POST /init_weights_update_group    {master_address, master_port, rank_offset, world_size,
                                         group_name, backend}
     POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache,
@@ -20,6 +20,14 @@ weights, on a CPU machine:
     POST /get_weights_by_name          {name, truncate_size}
     (these four also on GET, as SGLang takes them)
     POST /fsdp_sync/tensor_checksums   {names}  (fsdp_sync's own: what SyncConfig.verify reads)
+    POST /pause_generation  /continue_generation  /update_weight_version  /fsdp_sync/set_serving,
+    GET  /get_weight_version           (`serve_control`: pause modes, versions, out of service)
+
+The update routes take SGLang's ``weight_version`` (the engine takes it with the commit), and every
+``/generate`` answer's ``meta_info`` (each streamed chunk too) carries SGLang's ``weight_version``
+and ``weight_versions`` (spans over the output tokens) from the engine's results. Concurrent
+``/generate`` requests are batched by the engine (`scheduler`), each joining the running batch at
+the next step.
 
 Weight updates answer ``{"success": bool, "message": str}`` (HTTP 200, or 400 on a refusal), as
 SGLang does. An engine without a method (the distributed and disk ones on an older engine) answers
@@ -41,22 +49,20 @@ HTTP is the standard library's `ThreadingHTTPServer`: the routes are a dozen JSO
 framework (fastapi + uvicorn) would be a new dependency of the core package for no gain here.
 
 Not here: the command and its flags (`fsdp_sync.cli.serve`), the engine (`engines.reference`), the
-client (`engines.sglang`), TLS (put a proxy in front, or keep the loopback default), tokenization
-(``text`` prompts are refused: send ``input_ids``).
+client (`engines.sglang`), the field checks (`http_fields`), the control routes and the health
+answers out of service or paused (`serve_control`), TLS (put a proxy in front, or keep the
+loopback default), tokenization (``text`` prompts are refused: send ``input_ids``).
 
-Why ~640 lines, one module: it is one concept, SGLang's HTTP surface (routes, body limits, auth,
+Why ~600 lines, one module: it is one concept, SGLang's HTTP surface (routes, body limits, auth,
 the one-update-at-a-time rule, dead-engine answers); the /generate body and the client connection
-are already apart (`generate_request`).
+(`generate_request`), the field checks and the control routes are already apart.
 """
 
 from __future__ import annotations
 
 import hmac
-import inspect
 import json
 import logging
-import math
-import os
 import threading
 from collections import Counter
 import time
@@ -64,82 +70,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .generate_request import ClientWatch as _ClientWatch, GenerateRefused, parse_generate
+from .generate_request import ClientWatch, GenerateRefused, parse_generate
+from .http_fields import (Refused, accepted_kwargs, body_field, check_disk_path, str_list_field,
+                          tags_field)
+from .serve_control import ControlRoutes
 
-__all__ = ["EngineServer", "check_disk_path", "DEFAULT_MAX_BODY"]
+__all__ = ["EngineServer", "check_disk_path", "DEFAULT_MAX_BODY"]   # check_disk_path: `http_fields`
 
 log = logging.getLogger("fsdp_sync.engines.reference.serve")
 
 DEFAULT_MAX_BODY = 32 << 20
 
 
-class _Refused(Exception):
-    """A request refused with ``status`` and a ``{success: false, message}`` body."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def check_disk_path(path: Any, allowed: Sequence[str | os.PathLike]) -> Path:
-    """``path`` resolved (symlinks followed) if it lies inside one of ``allowed``; else `_Refused`.
-
-    A path that does not exist is refused too (SGLang would take it for a Hub repo id and try to
-    download it)."""
-    if not isinstance(path, str) or not path:
-        raise _Refused(400, f"model_path must be a non-empty string, got {type(path).__name__}")
-    if not allowed:
-        raise _Refused(403, "update_weights_from_disk is disabled: the server was started without "
-                            "--allowed-disk-dir")
-    try:
-        real = Path(path).resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise _Refused(400, f"model_path {path!r} is not an existing local path") from None
-    for root in allowed:
-        root = Path(root).resolve()
-        if real == root or root in real.parents:
-            return real
-    raise _Refused(403, f"model_path {path!r} (resolved {str(real)!r}) is outside the allowed "
-                        f"directories {[str(Path(r).resolve()) for r in allowed]}")
-
-
-# --------------------------------------------------------------------------- field checks
-
-def _field(body: dict, key: str, types: type | tuple, default: Any = ..., *, optional=False) -> Any:
-    if key not in body or (optional and body[key] is None):
-        if default is ...:
-            raise _Refused(400, f"missing field {key!r}")
-        return default
-    v = body[key]
-    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise _Refused(400, f"field {key!r} must be {_tname(types)}, got bool")
-    if not isinstance(v, types):
-        raise _Refused(400, f"field {key!r} must be {_tname(types)}, got {type(v).__name__}")
-    return v
-
-
-def _tname(types: type | tuple) -> str:
-    ts = types if isinstance(types, tuple) else (types,)
-    return " or ".join(t.__name__ for t in ts)
-
-
-def _str_list(body: dict, key: str) -> list[str]:
-    v = _field(body, key, list)
-    if not all(isinstance(x, str) for x in v):
-        raise _Refused(400, f"field {key!r} must be a list of strings")
-    return v
-
-
-def _tags(body: dict) -> list[str] | None:
-    tags = _field(body, "tags", (list, type(None)), None)
-    if tags is not None and not all(isinstance(t, str) for t in tags):
-        raise _Refused(400, "field 'tags' must be a list of strings or null")
-    return tags
-
-
 # --------------------------------------------------------------------------- the server
 
-class EngineServer:
+class EngineServer(ControlRoutes):
     """SGLang's HTTP routes over ``engine`` (see the module docstring). ``start()`` serves in a
     thread; ``close()`` stops serving (the engine is its owner's to shut down)."""
 
@@ -169,7 +114,6 @@ class EngineServer:
         self.max_body_bytes = int(max_body_bytes)
         self.update_wait_s = float(update_wait_s)
         self.model_path = model_path
-        self.weight_version = "default"
         self._update_lock = threading.Lock()
         self._live: dict[str, threading.Event] = {}     # rid -> abort flag of a running generate
         self._live_lock = threading.Lock()
@@ -236,11 +180,11 @@ class EngineServer:
                 if self.api_key is not None and path not in ("/health", "/ready"):
                     got = h.headers.get("Authorization", "")
                     if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
-                        raise _Refused(401, "missing or wrong API key "
+                        raise Refused(401, "missing or wrong API key "
                                             "(send 'Authorization: Bearer KEY')")
                 body = self._read_body(h, method)
                 status, out = self._route(method, path, body, h)
-            except _Refused as e:
+            except Refused as e:
                 status, out = e.status, {"success": False, "message": str(e)}
             except Exception as e:  # noqa: BLE001 - an engine error becomes the answer, not a crash
                 log.warning("%s %s failed: %s", method, h.path, e)
@@ -255,33 +199,33 @@ class EngineServer:
 
     def _read_body(self, h: BaseHTTPRequestHandler, method: str) -> dict:
         if h.headers.get("Transfer-Encoding"):
-            raise _Refused(411, "chunked bodies are not accepted; send Content-Length")
+            raise Refused(411, "chunked bodies are not accepted; send Content-Length")
         raw_len = h.headers.get("Content-Length")
         if raw_len is None:
             if method == "POST":
-                raise _Refused(411, "POST needs a Content-Length header")
+                raise Refused(411, "POST needs a Content-Length header")
             return {}
         try:
             n = int(raw_len)
         except ValueError:
-            raise _Refused(400, f"bad Content-Length {raw_len!r}") from None
+            raise Refused(400, f"bad Content-Length {raw_len!r}") from None
         if n < 0:
-            raise _Refused(400, f"bad Content-Length {raw_len!r}")
+            raise Refused(400, f"bad Content-Length {raw_len!r}")
         if n > self.max_body_bytes:
-            raise _Refused(413, f"request body of {n} bytes is over this server's limit of "
+            raise Refused(413, f"request body of {n} bytes is over this server's limit of "
                                 f"{self.max_body_bytes} (--max-body-mb)")
         raw = h.rfile.read(n) if n else b""
         h._body_read = True
         if len(raw) != n:
-            raise _Refused(400, f"body ended after {len(raw)} of {n} bytes")
+            raise Refused(400, f"body ended after {len(raw)} of {n} bytes")
         if not raw.strip():
             return {}
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise _Refused(400, f"malformed JSON body: {e}") from None
+            raise Refused(400, f"malformed JSON body: {e}") from None
         if not isinstance(body, dict):
-            raise _Refused(400, f"the JSON body must be an object, got {type(body).__name__}")
+            raise Refused(400, f"the JSON body must be an object, got {type(body).__name__}")
         return body
 
     @staticmethod
@@ -328,29 +272,29 @@ class EngineServer:
     # ------------------------------------------------------------------ routes
     def _route(self, method: str, path: str, body: dict,
                h: BaseHTTPRequestHandler | None = None) -> tuple[int | None, Any]:
+        control_gets, control_posts = self.control_routes()
         get_routes: dict[str, Callable[[dict], tuple[int, Any]]] = {
-            "/health": lambda b: (200, ""),
-            "/health_generate": self._health_generate,
-            "/ready": lambda b: (200, ""),
+            **control_gets,
             "/get_model_info": self._model_info,
             "/model_info": self._model_info,
             "/get_server_info": self._server_info,
             "/server_info": self._server_info,
         }
         post_routes: dict[str, Callable[[dict], tuple[int, Any]]] = {
+            **control_posts,
             "/generate": lambda b: self._generate(b, h),
             "/abort_request": self._abort_request,
             "/update_weights_from_tensor": self._update_from_tensor,
             "/begin_weight_update": lambda b: self._update("begin_weight_update", {}),
-            "/end_weight_update": lambda b: self._update("end_weight_update", {}),
+            "/end_weight_update": self._end_weight_update,
             "/init_weights_update_group": self._init_group,
             "/update_weights_from_distributed": self._update_from_distributed,
             "/destroy_weights_update_group": self._destroy_group,
             "/update_weights_from_disk": self._update_from_disk,
             "/release_memory_occupation":
-                lambda b: self._update("release_memory_occupation", {"tags": _tags(b)}),
+                lambda b: self._update("release_memory_occupation", {"tags": tags_field(b)}),
             "/resume_memory_occupation":
-                lambda b: self._update("resume_memory_occupation", {"tags": _tags(b)}),
+                lambda b: self._update("resume_memory_occupation", {"tags": tags_field(b)}),
             "/flush_cache": self._flush_cache,
             "/get_weights_by_name": self._get_weights_by_name,
             "/fsdp_sync/tensor_checksums": self._tensor_checksums,
@@ -377,10 +321,6 @@ class EngineServer:
             return fn()
         return "the engine was shut down" if getattr(self.engine, "closed", False) is True else None
 
-    def _health_generate(self, body: dict) -> tuple[int, Any]:
-        self.engine.generate([[0]], max_new_tokens=1)
-        return 200, ""
-
     def _model_info(self, body: dict) -> tuple[int, Any]:
         return 200, {"model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
                      "weight_version": self.weight_version,
@@ -397,17 +337,20 @@ class EngineServer:
         try:
             req = parse_generate(body)
         except GenerateRefused as exc:
-            raise _Refused(400, str(exc)) from None
+            raise Refused(400, str(exc)) from None
         if not hasattr(self.engine, "generate_requests"):
-            raise _Refused(404, "this engine has no generate_requests")
+            raise Refused(404, "this engine has no generate_requests")
+        if self.serving_refusal() is not None:       # a router must route elsewhere
+            return self.serving_refusal()
         rids = req.rids
         events = {rid: threading.Event() for rid in rids}
         with self._live_lock:
             clash = sorted(set(rids) & set(self._live))
             if clash:
-                raise _Refused(400, f"field 'rid': request id(s) {clash} are already running")
+                raise Refused(400, f"field 'rid': request id(s) {clash} are already running")
             self._live.update(events)
-        gone = _ClientWatch(h)
+        gone = ClientWatch(h)
+        version = self.weight_version      # for an engine whose results carry none
         t0 = time.monotonic()
         results: list[dict] = []
 
@@ -416,7 +359,10 @@ class EngineServer:
                  f"{rids[r['prompt_index']]}-{r['sample']}",
                  "finish_reason": r["finish_reason"], "prompt_tokens": len(req.prompts[r["prompt_index"]]),
                  "completion_tokens": len(r["output_ids"]), "cached_tokens": 0,
-                 "weight_version": self.weight_version, "e2e_latency": time.monotonic() - t0}
+                 "weight_version": r.get("weight_version", version),
+                 "weight_versions": [dict(v) for v in r.get("weight_versions") or
+                                     [{"version": version, "start": 0, "end": len(r["output_ids"])}]],
+                 "e2e_latency": time.monotonic() - t0}
             for key in ("output_token_logprobs", "input_token_logprobs"):
                 if key in r:
                     m[key] = list(r[key])
@@ -429,19 +375,23 @@ class EngineServer:
             return out
 
         sent: list[int] = []           # tokens of each result streamed so far
+        ended: list[bool] = []         # whether its last chunk (with its finish_reason) went out
+
         def on_step(rs: list[dict]) -> None:
             if not req.stream:
                 return
             if not sent:
                 results.extend(rs)
                 sent.extend([0] * len(rs))
+                ended.extend([False] * len(rs))
                 for k, r in enumerate(rs):
                     r["sample"] = k % req.n
             for k, r in enumerate(rs):
                 n = len(r["output_ids"])
                 done = r["finish_reason"] is not None
-                if n > sent[k] and (done or n - sent[k] >= req.interval[r["prompt_index"]]):
-                    sent[k] = n
+                if (n > sent[k] and (done or n - sent[k] >= req.interval[r["prompt_index"]])) or (
+                        done and not ended[k]):     # an abort ends a stream with no new token
+                    sent[k], ended[k] = n, done
                     gone.send(item(k, r))
 
         try:
@@ -452,15 +402,18 @@ class EngineServer:
                     req.prompts, req.sampling, return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len, on_step=on_step,
                     should_abort=lambda k: gone() or events[rids[k // req.n]].is_set())
-            except (ValueError, _Refused) as exc:
+            except (ValueError, Refused) as exc:
                 if not req.stream:
-                    raise _Refused(400, str(exc)) from None
+                    raise Refused(400, str(exc)) from None
                 gone.send({"error": {"message": str(exc), "type": "invalid_request_error",
                                      "code": 400, "retryable": False}})
                 gone.end_stream()
                 return None, None
             except Exception as exc:  # noqa: BLE001 - in a stream the error is a chunk, as SGLang's
                 if not req.stream:
+                    refused = self.serving_refusal()     # taken out of service meanwhile
+                    if refused is not None:
+                        return refused
                     raise
                 gone.send({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error",
                                      "code": 500, "retryable": False}})
@@ -486,8 +439,8 @@ class EngineServer:
         """SGLang's ``/abort_request``: ``{"rid": id}`` or ``{"abort_all": true}``; an unknown id is
         ignored, as SGLang ignores it. The request ends at its next decode step with
         ``finish_reason`` ``{"type": "abort"}``."""
-        rid = _field(body, "rid", (str, type(None)), "") or ""
-        abort_all = _field(body, "abort_all", bool, False)
+        rid = body_field(body, "rid", (str, type(None)), "") or ""
+        abort_all = body_field(body, "abort_all", bool, False)
         with self._live_lock:
             hit = list(self._live) if abort_all else [r for r in self._live if rid and r == rid]
             for r in hit:
@@ -497,7 +450,7 @@ class EngineServer:
     # ---- updates: one at a time
     def _locked(self, what: str, fn: Callable[[], Any]) -> tuple[int, Any]:
         if not self._update_lock.acquire(timeout=self.update_wait_s):
-            raise _Refused(503, f"{what}: another weight update is running; waited "
+            raise Refused(503, f"{what}: another weight update is running; waited "
                                 f"{self.update_wait_s:.0f}s, try again")
         try:
             answer = fn()
@@ -516,25 +469,27 @@ class EngineServer:
     def _method(self, name: str) -> Callable:
         fn = getattr(self.engine, name, None)
         if not callable(fn):
-            raise _Refused(404, f"this engine has no {name}")
+            raise Refused(404, f"this engine has no {name}")
         return fn
 
     def _update_from_tensor(self, body: dict) -> tuple[int, Any]:
         from ...weights import handles
 
-        payloads = _field(body, "serialized_named_tensors", list)
-        load_format = _field(body, "load_format", (str, type(None)), None)
-        flush = _field(body, "flush_cache", bool, True)
+        payloads = body_field(body, "serialized_named_tensors", list)
+        load_format = body_field(body, "load_format", (str, type(None)), None)
+        flush = body_field(body, "flush_cache", bool, True)
+        body_field(body, "weight_version", (str, type(None)), None)     # checked before any payload opens
         tp = int(self.engine.tp_size)
         if len(payloads) != tp or not all(isinstance(p, str) for p in payloads):
-            raise _Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
+            raise Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
                                 f"rank), got {len(payloads)} item(s)")
+        update = self._method("update_weights_from_tensor")
         if load_format == "flattened_bucket":
-            call = lambda: self.engine.update_weights_from_tensor(   # noqa: E731
-                payloads, load_format=load_format, flush_cache=flush)
+            call = self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
+                                  args=(payloads,))
             return self._locked("update_weights_from_tensor", call)
         if load_format not in (None, "direct"):
-            raise _Refused(400, f"unknown load_format {load_format!r}; expected null, "
+            raise Refused(400, f"unknown load_format {load_format!r}; expected null, "
                                 f"'flattened_bucket' or 'direct'")
 
         # Each payload opens, in this process, to TP rank i's list of (name, tensor): the server
@@ -550,17 +505,17 @@ class EngineServer:
                     if not isinstance(lst, list) or not all(
                             isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
                             for x in lst):
-                        raise _Refused(400, f"payload {i} is not a list of (name, tensor) pairs")
+                        raise Refused(400, f"payload {i} is not a list of (name, tensor) pairs")
                 names = [n for n, _ in lists[0]]
                 for i, lst in enumerate(lists[1:], 1):
                     if [n for n, _ in lst] != names:
-                        raise _Refused(400, f"payload {i} names other tensors than payload 0")
+                        raise Refused(400, f"payload {i} names other tensors than payload 0")
                 if load_format is None:
                     named = list(lists[0])
                 else:
                     named = [(n, [lst[j][1] for lst in lists]) for j, n in enumerate(names)]
-                return self.engine.update_weights_from_tensor(named, load_format=load_format,
-                                                              flush_cache=flush)
+                return self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
+                                      args=(named,))()
             finally:
                 for r in per_rank:
                     r.ack()
@@ -568,48 +523,54 @@ class EngineServer:
         return self._locked("update_weights_from_tensor", call)
 
     def _init_group(self, body: dict) -> tuple[int, Any]:
-        kwargs = {"master_address": _field(body, "master_address", str),
-                  "master_port": _field(body, "master_port", int),
-                  "rank_offset": _field(body, "rank_offset", int),
-                  "world_size": _field(body, "world_size", int),
-                  "group_name": _field(body, "group_name", str, "weight_update_group"),
-                  "backend": _field(body, "backend", str, "gloo")}
+        kwargs = {"master_address": body_field(body, "master_address", str),
+                  "master_port": body_field(body, "master_port", int),
+                  "rank_offset": body_field(body, "rank_offset", int),
+                  "world_size": body_field(body, "world_size", int),
+                  "group_name": body_field(body, "group_name", str, "weight_update_group"),
+                  "backend": body_field(body, "backend", str, "gloo")}
         if not 0 < kwargs["master_port"] < 65536:
-            raise _Refused(400, f"master_port must be in 1..65535, got {kwargs['master_port']}")
+            raise Refused(400, f"master_port must be in 1..65535, got {kwargs['master_port']}")
         fn = self._method("init_weights_update_group")
-        return self._answer("init_weights_update_group", fn(**_accepted(fn, kwargs)))
+        return self._answer("init_weights_update_group", fn(**accepted_kwargs(fn, kwargs)))
 
     def _destroy_group(self, body: dict) -> tuple[int, Any]:
         fn = self._method("destroy_weights_update_group")
-        kwargs = {"group_name": _field(body, "group_name", str, "weight_update_group")}
-        return self._answer("destroy_weights_update_group", fn(**_accepted(fn, kwargs)))
+        kwargs = {"group_name": body_field(body, "group_name", str, "weight_update_group")}
+        return self._answer("destroy_weights_update_group", fn(**accepted_kwargs(fn, kwargs)))
 
     def _update_from_distributed(self, body: dict) -> tuple[int, Any]:
-        names = _str_list(body, "names")
-        dtypes = _str_list(body, "dtypes")
-        shapes = _field(body, "shapes", list)
+        names = str_list_field(body, "names")
+        dtypes = str_list_field(body, "dtypes")
+        shapes = body_field(body, "shapes", list)
         if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool)
                                                and d >= 0 for d in s) for s in shapes):
-            raise _Refused(400, "field 'shapes' must be a list of lists of non-negative ints")
+            raise Refused(400, "field 'shapes' must be a list of lists of non-negative ints")
         if not len(names) == len(dtypes) == len(shapes):
-            raise _Refused(400, f"names, dtypes and shapes differ in length: {len(names)}, "
+            raise Refused(400, f"names, dtypes and shapes differ in length: {len(names)}, "
                                 f"{len(dtypes)}, {len(shapes)}")
         kwargs = {"names": names, "dtypes": dtypes, "shapes": shapes,
-                  "group_name": _field(body, "group_name", str, "weight_update_group"),
-                  "flush_cache": _field(body, "flush_cache", bool, True),
-                  "load_format": _field(body, "load_format", (str, type(None)), None)}
+                  "group_name": body_field(body, "group_name", str, "weight_update_group"),
+                  "flush_cache": body_field(body, "flush_cache", bool, True),
+                  "load_format": body_field(body, "load_format", (str, type(None)), None)}
         fn = self._method("update_weights_from_distributed")
-        return self._locked("update_weights_from_distributed", lambda: fn(**_accepted(fn, kwargs)))
+        return self._locked("update_weights_from_distributed", self.versioned(fn, kwargs, body))
 
     def _update_from_disk(self, body: dict) -> tuple[int, Any]:
         real = check_disk_path(body.get("model_path"), self.allowed_disk_dirs)
         kwargs = {"model_path": str(real),
-                  "load_format": _field(body, "load_format", (str, type(None)), None)}
+                  "load_format": body_field(body, "load_format", (str, type(None)), None)}
         fn = self._method("update_weights_from_disk")
-        status, out = self._locked("update_weights_from_disk", lambda: fn(**_accepted(fn, kwargs)))
-        if status == 200 and isinstance(body.get("weight_version"), str):
-            self.weight_version = body["weight_version"]
+        status, out = self._locked("update_weights_from_disk", self.versioned(fn, kwargs, body))
         out.setdefault("num_paused_requests", 0)
+        return status, out
+
+    def _end_weight_update(self, body: dict) -> tuple[int, Any]:
+        """Commit the session; with ``weight_version`` the engine takes it in the same step."""
+        fn = self._method("end_weight_update")
+        status, out = self._locked("end_weight_update", self.versioned(fn, {}, body))
+        if status == 200 and body.get("weight_version") is not None:
+            out["weight_version"] = self.weight_version     # the client sees it was taken
         return status, out
 
     @staticmethod
@@ -623,14 +584,14 @@ class EngineServer:
         return 200, "Cache flushed.\n"
 
     def _get_weights_by_name(self, body: dict) -> tuple[int, Any]:
-        name = _field(body, "name", str)
-        size = _field(body, "truncate_size", int, 100)
+        name = body_field(body, "name", str)
+        size = body_field(body, "truncate_size", int, 100)
         if size < 0:
-            raise _Refused(400, f"truncate_size must be >= 0, got {size}")
+            raise Refused(400, f"truncate_size must be >= 0, got {size}")
         try:
             t = self.engine.get_weights_by_name(name, truncate_size=size)
         except KeyError as e:
-            raise _Refused(400, str(e)) from None
+            raise Refused(400, str(e)) from None
         return 200, t.float().tolist()
 
     def _tensor_checksums(self, body: dict) -> tuple[int, Any]:
@@ -640,21 +601,9 @@ class EngineServer:
         names = body.get("names")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str)
                                                                        for n in names)):
-            raise _Refused(400, f"field 'names' must be a list of parameter names or null, got "
+            raise Refused(400, f"field 'names' must be a list of parameter names or null, got "
                                 f"{str(names)[:100]!r}")
         try:
             return 200, {"checksums": self.engine.tensor_checksums(names)}
         except KeyError as e:
-            raise _Refused(400, str(e)) from None
-
-
-def _accepted(fn: Callable, kwargs: dict) -> dict:
-    """``kwargs`` less the keys ``fn`` does not take (SGLang's bodies carry more than some engines
-    accept; the keys dropped are optional ones with defaults)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
+            raise Refused(400, str(e)) from None

@@ -88,7 +88,7 @@ class Worker:
         self.hf_set = self.layout.rank_names(rank)   # under EP: only the experts this rank holds
         self.engine_shapes = self.layout.engine_shapes()
         self.gen = torch.Generator().manual_seed(int(opts["seed"]))
-        self.decode: Decode | None = None   # the generate call in progress (`gen_step`)
+        self.decode = Decode(self.model, self.device, self.gen)   # the running batch (`gen_step`)
         self.update_groups: dict[str, Any] = {}     # weight-update groups (group name -> ProcessGroup)
         self.closed = False
         self.updates = UpdateStager(self)
@@ -131,37 +131,22 @@ class Worker:
             off += len(c)
         return ids.to(self.device), pos.to(self.device), spans, torch.tensor(rows, device=self.device)
 
-    def gen_begin(self, a: dict) -> None:
-        """Start a generate call (`generation.Decode`); the client then drives `gen_step`."""
-        self._require_weights()
-        if self.memory.kv_released:
-            raise WorkerError(KIND_STATE, "the KV cache is released; call "
-                                          "resume_memory_occupation(['kv_cache']) before generating")
-        try:
-            self.decode = Decode(self.model, self.memory.kv, self.memory.kv_tokens, self.device, a["prompts"],
-                                 a["rows"], self.gen, bool(a.get("logprobs")))
-        except ValueError as exc:
-            raise WorkerError(KIND_STATE, str(exc)) from None
-
     @torch.no_grad()
     def gen_step(self, a: dict) -> dict | None:
-        if self.decode is None:
-            raise WorkerError(KIND_STATE, "gen_step without gen_begin")
-        if a.get("drop"):
-            self.decode.drop(a["drop"])
-        # up to `steps` forwards per call: each call is a round trip to the client, which only
-        # needs one per step to stream every token or to drop an aborted row at once
-        out: dict = {"tokens": {}, "logprobs": {}, "ended": {}}
-        for _ in range(max(1, int(a.get("steps", 1)))):
-            one = self.decode.step()
-            for key in ("tokens", "logprobs"):
-                for row, v in one[key].items():
-                    out[key].setdefault(row, []).append(v)
-            out["ended"].update(one["ended"])
-            if self.decode.finished:
-                break
-        out["finished"] = self.decode.finished
-        return out if self.rank == 0 else {"finished": out["finished"]}
+        """One step of the running batch (`generation.Decode`): drop ``remove``, admit ``add``
+        (``(rid, tokens, sampling, slot, produced, want_logprobs)`` each), run one forward. The
+        engine's scheduler decides all of it; rank 0 answers the tokens."""
+        self.decode.remove(a.get("remove") or ())
+        adds = a.get("add") or ()
+        if adds or self.decode.rows:
+            self._require_weights()
+            if self.memory.kv_released:
+                raise WorkerError(KIND_STATE, "the KV cache is released; call "
+                                              "resume_memory_occupation(['kv_cache']) before generating")
+        for spec in adds:
+            self.decode.add(*spec)
+        out = self.decode.step(self.memory.kv)
+        return out if self.rank == 0 else {}
 
     def pieces(self, names: list[str]) -> dict:
         """This rank's owned pieces of full HF tensors: ``{name: [(src slices, tensor), ...]}``.
@@ -212,7 +197,7 @@ class Worker:
         return fn(self, args)
 
     def end_generate(self) -> None:
-        self.decode = None
+        self.decode.clear()
 
     def set_fault(self, fault: str | None) -> None:
         """Arm a fault the stager fires while staging (the `fsdp-sync faults` drills)."""
@@ -329,15 +314,16 @@ def _receive_raw(w: Worker, a: dict) -> None:
 
 
 # Each command the engine sends: cmd -> handler(worker, args). `flush_cache` does nothing: there is
-# no prefix cache, nothing outlives a generate call.
+# no prefix cache; the running batch's KV is its requests' own (the engine refuses a flush that
+# would have to drop it, as SGLang does while paused in place).
 COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "stage": lambda w, a: w.updates.stage(a["items"], bool(a.get("keep_mapped"))),
     "commit": lambda w, a: w.updates.commit(),
     "abort": lambda w, a: w.updates.abort(a.get("reason", "")),
     "begin": lambda w, a: w.updates.begin(bool(a.get("transactional", True))),
     "end": lambda w, a: w.updates.end(bool(a.get("abort"))),
-    "gen_begin": lambda w, a: w.gen_begin(a),
     "gen_step": lambda w, a: w.gen_step(a),
+    "gen_remove": lambda w, a: w.decode.remove(a["rids"]),
     "gen_end": lambda w, a: w.end_generate(),
     "forward_logits": lambda w, a: w.forward_logits(a["prompts"], a["all_positions"]),
     "pieces": lambda w, a: w.pieces(a["names"]),

@@ -6,6 +6,9 @@ the engine has them (detected once: the method is missing, or HTTP 404), turns t
 expandable segments off while SGLang holds GPU memory (`allocator`), raises on every
 ``success=False`` with SGLang's message, and retries only idempotent HTTP calls (`client`).
 
+Generation controls (pause/continue, weight versions, ``fsdp-sync serve``'s out-of-service
+switch) come from `control`.
+
 Not here: the per-rank payloads (`payloads`, with their lifetime rule), starting SGLang (the caller
 launches the engine or server), and any import of sglang at import time: sglang is imported lazily,
 only for ``LocalSerializedTensor`` (load formats other than ``"flattened_bucket"`` given
@@ -26,6 +29,7 @@ from ...weights import handles
 from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineStateError,
                     SerializedPerRank, ordered_tags)
 from .allocator import ExpandableSegments
+from .control import GenerationControl
 from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLangError,
                      SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text)
 from .payloads import FLATTENED_BUCKET, flattened_bucket_payloads
@@ -50,7 +54,7 @@ def _local_serialized_tensor_cls():
 
 # --------------------------------------------------------------------------- the adapter
 
-class SGLangEngine:
+class SGLangEngine(GenerationControl):
     """fsdp_sync's engine protocol over SGLang: an in-process ``sglang.Engine`` or an HTTP server.
 
     ``SGLangEngine(engine)`` wraps an ``sglang.Engine`` (any object with its methods);
@@ -348,23 +352,46 @@ class SGLangEngine:
         """Open SGLang's weight-update session (0.5.21+); skipped on engines without one."""
         self._session_call("begin_weight_update")
 
-    def end_weight_update(self) -> None:
-        """Close SGLang's weight-update session; skipped on engines without one."""
-        self._session_call("end_weight_update")
+    def end_weight_update(self, weight_version: str | None = None) -> None:
+        """Close SGLang's weight-update session; skipped on engines without one.
 
-    def _session_call(self, name: str) -> None:
+        ``weight_version``: the name of the weights just committed, sent in the body.
+        ``fsdp-sync serve`` takes it with the commit (no step runs between); a server whose answer
+        does not say it took it (SGLang 0.5.23 has no such field) gets `update_weight_version`
+        right after, which a request step may come between. In process it is passed to an
+        ``end_weight_update`` that takes it, else set with the engine's ``update_weight_version``."""
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise ValueError(f"end_weight_update: weight_version must be a string or None, got "
+                             f"{weight_version!r}")
+        local_kw: dict[str, Any] = {}
+        if weight_version is not None and self._local:
+            if _takes(self._local.engine, "end_weight_update", "weight_version"):
+                local_kw = {"weight_version": weight_version}
+            elif not self._local.has("update_weight_version"):
+                raise SGLangError(f"this in-process engine ({type(self._local.engine).__name__}) can "
+                                  f"take no weight_version (no end_weight_update(weight_version=) "
+                                  f"nor update_weight_version); nothing was committed",
+                                  call="end_weight_update")
+        body = {} if weight_version is None else {"weight_version": weight_version}
+        answer = self._session_call("end_weight_update", body, local_kw)
+        if weight_version is not None and not local_kw and not (
+                isinstance(answer, dict) and answer.get("weight_version") == weight_version):
+            self.update_weight_version(weight_version, abort_all_requests=False)
+
+    def _session_call(self, name: str, body: dict | None = None,
+                      local_kw: dict | None = None) -> Any:
         self._check_open(name)
         if self.session_api is False:
-            return
+            return None
         try:
             if self._http:
-                answer = self._http.json("POST", f"/{name}", {}, error=SGLangHTTPError)
+                answer = self._http.json("POST", f"/{name}", body or {}, error=SGLangHTTPError)
             else:
-                answer = self._local.call(name)
+                answer = self._local.call(name, **(local_kw or {}))
         except (MissingMethod, NotFound) as e:
             if self.session_api is None:      # detected once: an older SGLang
                 self.session_api = False
-                return
+                return None
             err = e.error if isinstance(e, NotFound) else None
             raise SGLangError(f"{name} disappeared{self.where} after it had answered before"
                               + (f": {err}" if err else ""), call=name) from None
@@ -375,6 +402,7 @@ class SGLangEngine:
             raise
         self.session_api = True
         check_answer(name, answer, error=_state_error, where=self.where)
+        return answer
 
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
         """SGLang's copy of a parameter, as float32 (SGLang converts), its first ``truncate_size``
@@ -575,6 +603,17 @@ class SGLangEngine:
                 self._local.engine.shutdown()
         finally:
             self.allocator.restore("shutdown")
+
+
+def _takes(obj: Any, method: str, param: str) -> bool:
+    """Whether ``obj.method`` takes the keyword ``param``."""
+    import inspect
+
+    try:
+        params = inspect.signature(getattr(obj, method)).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return param in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _state_error(message: str, **kw: Any) -> EngineStateError:

@@ -1,0 +1,93 @@
+"""The checks `fsdp-sync serve` applies to a JSON request body, shared by its route modules: a
+refusal with its HTTP status (`Refused`), typed fields that name themselves when wrong (400), the
+disk-update path rule, and which keyword arguments an engine method takes.
+
+Not here: the routes (`serve`, `serve_control`), the ``/generate`` body (`generate_request`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["Refused", "body_field", "str_list_field", "tags_field", "check_disk_path",
+           "accepted_kwargs", "type_names"]
+
+
+class Refused(Exception):
+    """A request refused with ``status`` and a ``{success: false, message}`` body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def type_names(types: type | tuple) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    return " or ".join(t.__name__ for t in ts)
+
+
+def body_field(body: dict, key: str, types: type | tuple, default: Any = ..., *,
+               optional: bool = False) -> Any:
+    """``body[key]`` if it has one of ``types`` (a bool is not an int here); ``default`` when
+    missing (or null with ``optional``); `Refused` 400 naming the field otherwise."""
+    if key not in body or (optional and body[key] is None):
+        if default is ...:
+            raise Refused(400, f"missing field {key!r}")
+        return default
+    v = body[key]
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise Refused(400, f"field {key!r} must be {type_names(types)}, got bool")
+    if not isinstance(v, types):
+        raise Refused(400, f"field {key!r} must be {type_names(types)}, got {type(v).__name__}")
+    return v
+
+
+def str_list_field(body: dict, key: str) -> list[str]:
+    v = body_field(body, key, list)
+    if not all(isinstance(x, str) for x in v):
+        raise Refused(400, f"field {key!r} must be a list of strings")
+    return v
+
+
+def tags_field(body: dict) -> list[str] | None:
+    tags = body_field(body, "tags", (list, type(None)), None)
+    if tags is not None and not all(isinstance(t, str) for t in tags):
+        raise Refused(400, "field 'tags' must be a list of strings or null")
+    return tags
+
+
+def check_disk_path(path: Any, allowed: Sequence[str | os.PathLike]) -> Path:
+    """``path`` resolved (symlinks followed) if it lies inside one of ``allowed``; else `Refused`.
+
+    A path that does not exist is refused too (SGLang would take it for a Hub repo id and try to
+    download it)."""
+    if not isinstance(path, str) or not path:
+        raise Refused(400, f"model_path must be a non-empty string, got {type(path).__name__}")
+    if not allowed:
+        raise Refused(403, "update_weights_from_disk is disabled: the server was started without "
+                           "--allowed-disk-dir")
+    try:
+        real = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise Refused(400, f"model_path {path!r} is not an existing local path") from None
+    for root in allowed:
+        root = Path(root).resolve()
+        if real == root or root in real.parents:
+            return real
+    raise Refused(403, f"model_path {path!r} (resolved {str(real)!r}) is outside the allowed "
+                       f"directories {[str(Path(r).resolve()) for r in allowed]}")
+
+
+def accepted_kwargs(fn: Callable, kwargs: dict) -> dict:
+    """``kwargs`` less the keys ``fn`` does not take (SGLang's bodies carry more than some engines
+    accept; the keys dropped are optional ones with defaults)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}

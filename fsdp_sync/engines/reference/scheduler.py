@@ -1,0 +1,508 @@
+"""The reference engine's request scheduler: continuous batching, SGLang's pause modes, a weight
+version on every token, the weight-update gate and the out-of-service state.
+
+`Scheduler` owns every request a `ReferenceEngine` is generating: concurrent ``generate_requests``
+calls (any threads) `submit` their rows, and one scheduler thread runs the steps. Each step holds
+the engine's lock for one round trip to the workers (`generation.Decode.step`): rows waiting for
+KV-cache room are admitted first come, first served, prefilled in the same forward as one decode
+token of every running row, and a row that ends leaves the batch and frees its slots at once. So
+a request that arrives while others decode joins at the next step, and any engine call (a weight
+update, a read) runs between two steps. KV-cache slots are one contiguous run per row (prompt +
+``max_new_tokens`` - 1), taken first fit; the engine decides them here so every TP worker writes
+the same places.
+
+Weight versions, as SGLang 0.5.23 keeps them: every token is tagged with the engine's
+``weight_version`` read in the same critical section as its step, and `weight_version_spans`
+turns a row's tags into SGLang's ``weight_versions`` (``{"version", "start", "end"}`` spans over
+the output tokens, one per change).
+
+Weight updates (`exclusive`), as SGLang's writer lock: without a pause an update waits until the
+running rows have finished and holds new ones back until it ends; while generation is paused it
+runs at once. `pause` takes SGLang's three modes: ``abort`` ends every request now (finish reason
+``abort``, with the tokens it had); ``retract`` frees the running rows' KV and queues them again
+at the front, to be recomputed after `resume` (a prefill of prompt + the tokens so far, with
+whatever weights are loaded then); ``in_place`` only stops stepping: rows keep their KV and go on
+from it. While paused, new requests queue; none is refused.
+
+Out of service (`set_out_of_service`, the fleet's quarantine): new requests are refused with
+`EngineStateError` naming the reason, and the requests in flight end as aborted, so nothing
+computed with weights the fleet gave up on is served.
+
+The scheduler reaches its engine through a weak reference (so an engine nobody holds is still
+collected and shut down) and uses only its ``_lock``, ``_call``, ``weight_version`` and
+``dead_reason``.
+
+Not here: the decode math and sampling (`generation`, in each worker), checking a call's prompts
+and sampling parameters (`rollout`), the HTTP routes (`serve`, `serve_control`).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+import queue
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from ..base import EngineClosedError, EngineError, EngineStateError, WorkerDiedError
+from .generation import Sampling
+
+__all__ = ["Scheduler", "Call", "Row", "StepRecord", "PAUSE_MODES", "weight_version_spans", "kv_need",
+           "check_version"]
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+RECORDS = 4096        # step records kept (`Scheduler.records`)
+
+
+def weight_version_spans(tags: Sequence[str], current: str) -> list[dict]:
+    """SGLang's ``weight_versions`` of one output: a ``{"version", "start", "end"}`` span per
+    change of the per-token version ``tags``, contiguous over ``[0, len(tags))``; with no tokens,
+    one empty span of ``current`` (what `compute_weight_version_spans` gives in SGLang 0.5.23)."""
+    spans: list[dict] = []
+    for i, v in enumerate(tags):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans or [{"version": current, "start": 0, "end": 0}]
+
+
+def check_version(value: object, what: str, *, optional: bool = True) -> None:
+    """Refuse a weight version that is not a string (None allowed when ``optional``), naming it."""
+    if (value is None and optional) or isinstance(value, str):
+        return
+    raise ValueError(f"{what}: weight_version must be a string{' or None' if optional else ''}, "
+                     f"got {value!r} ({type(value).__name__})")
+
+
+def kv_need(prompt_len: int, sampling: Sampling) -> int:
+    """KV-cache slots a row holds at most: its prompt and every token but the last."""
+    return prompt_len + max(sampling.max_new_tokens, 1) - 1
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step the workers ran: which requests it prefilled and which decoded one token, and the
+    weight version their new tokens carry."""
+
+    index: int
+    version: str
+    prefill: tuple[int, ...]
+    decode: tuple[int, ...]
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return self.prefill + self.decode
+
+
+class Row:
+    """One request (one sample of one prompt) of a `Call`."""
+
+    def __init__(self, rid: int, call: "Call", index: int, prompt: list[int], sampling: Sampling,
+                 logprobs: bool) -> None:
+        self.rid, self.call, self.index = rid, call, index
+        self.prompt, self.sampling, self.logprobs = prompt, sampling, logprobs
+        self.need = kv_need(len(prompt), sampling)
+        self.output: list[int] = []
+        self.tags: list[str] = []          # the weight version of each output token
+        self.finish: dict | None = None
+        self.slot: int | None = None       # first KV slot while it holds the cache
+        self.abort: str | None = None      # an abort asked for, done at the next step
+
+
+class Call:
+    """One ``generate_requests`` call: its rows, and the events its caller reads (``("step",
+    {row index: change})``, then ``("done", None)``, or ``("error", exception)``)."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.left = 0
+
+    def next_event(self, timeout: float) -> tuple[str, Any] | None:
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class _Slots:
+    """Free runs of KV-cache slots, first fit."""
+
+    def __init__(self, total: int) -> None:
+        self.free = [(0, total)]
+
+    def take(self, n: int) -> int | None:
+        for k, (start, length) in enumerate(self.free):
+            if length >= n:
+                self.free[k] = (start + n, length - n)
+                if length == n:
+                    del self.free[k]
+                return start
+        return None
+
+    def give(self, start: int, n: int) -> None:
+        runs = sorted(self.free + [(start, n)])
+        merged = [runs[0]]
+        for s, ln in runs[1:]:
+            ps, pl = merged[-1]
+            if ps + pl == s:
+                merged[-1] = (ps, pl + ln)
+            else:
+                merged.append((s, ln))
+        self.free = merged
+
+
+class Scheduler:
+    """The requests of one engine and the thread that steps them (see the module docstring)."""
+
+    IDLE_WAIT_S = 0.5
+
+    def __init__(self, engine: Any, kv_tokens: int) -> None:
+        self._engine = weakref.ref(engine)
+        self.kv_tokens = int(kv_tokens)
+        self._cond = threading.Condition()
+        self._slots = _Slots(self.kv_tokens)
+        self._waiting: collections.deque[Row] = collections.deque()
+        self._running: list[Row] = []      # in the workers' batch, holding KV
+        self._drops: list[Row] = []        # aborts asked for, done at the next step
+        self._changes: dict[Call, dict] = {}
+        self._paused: str | None = None
+        self._held = 0                     # weight updates waiting for, or holding, the engine
+        self._out: str | None = None       # out of service: why
+        self._closed: BaseException | None = None
+        self._ids = itertools.count(1)
+        self._steps = 0
+        self._records: collections.deque[StepRecord] = collections.deque(maxlen=RECORDS)
+        self._thread: threading.Thread | None = None
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in force, or None while generating."""
+        return self._paused
+
+    @property
+    def out_of_service(self) -> str | None:
+        return self._out
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"waiting": len(self._waiting), "running": len(self._running),
+                    "paused": self._paused, "updates_waiting": self._held,
+                    "out_of_service": self._out, "steps": self._steps,
+                    "kv_free": sum(n for _, n in self._slots.free)}
+
+    def records(self) -> list[StepRecord]:
+        """The last `RECORDS` steps, oldest first."""
+        with self._cond:
+            return list(self._records)
+
+    def holds_kv(self) -> int:
+        """Rows holding KV-cache slots (running, or paused in place)."""
+        with self._cond:
+            return len(self._running)
+
+    # ------------------------------------------------------------------ callers
+    def submit(self, rows: Sequence[tuple[list[int], Sampling, bool]], version: str) -> Call:
+        """Queue a call's rows (``(prompt, sampling, logprobs)`` each). Rows with
+        ``max_new_tokens`` 0 end at once. Raises `EngineStateError` out of service."""
+        call = Call()
+        with self._cond:
+            if self._closed is not None:
+                raise _copy(self._closed)
+            if self._out is not None:
+                raise EngineStateError(f"generate: the engine is out of service ({self._out}); "
+                                       f"set_serving(True) brings it back")
+            for k, (prompt, sampling, logprobs) in enumerate(rows):
+                call.rows.append(Row(next(self._ids), call, k, list(prompt), sampling, bool(logprobs)))
+            call.left = len(call.rows)
+            for r in call.rows:
+                if r.sampling.max_new_tokens <= 0:
+                    self._finish(r, {"type": "length", "length": 0}, version)
+                else:
+                    self._waiting.append(r)
+            self._publish()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="fsdp_sync-scheduler",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return call
+
+    def abort(self, call: Call, index: int, message: str) -> None:
+        """End row ``index`` of ``call`` at the next step (at once while paused)."""
+        with self._cond:
+            r = call.rows[index]
+            if r.finish is None and r.abort is None:
+                r.abort = message
+                self._drops.append(r)
+                self._cond.notify_all()
+
+    def cancel(self, call: Call, message: str = "request cancelled by its caller") -> None:
+        """Drop every row of ``call`` still going (its caller stopped reading)."""
+        for k in range(len(call.rows)):
+            self.abort(call, k, message)
+
+    # ------------------------------------------------------------------ engine control
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """A weight update's hold on the engine (SGLang's writer lock): unless generation is
+        paused, wait until no row is running, and admit none until the block ends. Nested blocks
+        in one thread count once. Enter it before taking the engine's lock."""
+        if getattr(self._local, "depth", 0):
+            self._local.depth += 1
+            try:
+                yield
+            finally:
+                self._local.depth -= 1
+            return
+        with self._cond:
+            self._held += 1
+            try:
+                while self._running and self._paused is None and self._closed is None:
+                    self._cond.wait(self.IDLE_WAIT_S)
+            except BaseException:
+                self._held -= 1
+                self._cond.notify_all()
+                raise
+        self._local.depth = 1
+        try:
+            yield
+        finally:
+            self._local.depth = 0
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+    def pause(self, engine: Any, mode: str) -> None:
+        """SGLang's ``pause_generation`` (see the module docstring). Call holding the engine's
+        lock, so no step is in flight."""
+        removed: list[int] = []
+        with self._cond:
+            self._paused = mode
+            if mode == "abort":
+                removed = self._end_all(f"aborted by pause_generation(mode='abort')",
+                                        engine.weight_version)
+            elif mode == "retract":
+                for r in reversed(self._running):
+                    removed.append(r.rid)
+                    self._slots.give(r.slot, r.need)
+                    r.slot = None
+                    self._waiting.appendleft(r)
+                self._running.clear()
+            self._publish()
+            self._cond.notify_all()
+        self._remove_on_workers(engine, removed)
+
+    def resume(self) -> None:
+        """SGLang's ``continue_generation``: steps run again (retracted rows are recomputed)."""
+        with self._cond:
+            self._paused = None
+            self._cond.notify_all()
+
+    def abort_all(self, engine: Any, message: str) -> int:
+        """End every request now, as aborted; returns how many. Call holding the engine's lock."""
+        with self._cond:
+            n = len(self._running) + len(self._waiting)
+            removed = self._end_all(message, engine.weight_version)
+            self._publish()
+            self._cond.notify_all()
+        self._remove_on_workers(engine, removed)
+        return n
+
+    def set_out_of_service(self, engine: Any, reason: str | None) -> None:
+        """``reason`` None: serve again. Otherwise refuse new requests naming ``reason`` and end
+        those in flight as aborted. Call holding the engine's lock."""
+        with self._cond:
+            self._out = reason
+        if reason is not None:
+            self.abort_all(engine, f"aborted: the engine was taken out of service ({reason})")
+
+    def close(self, exc: BaseException) -> None:
+        """Fail every request with ``exc`` and stop the thread (the engine is going away)."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = exc
+            calls = {r.call for r in list(self._running) + list(self._waiting)}
+            self._running.clear()
+            self._waiting.clear()
+            self._drops.clear()
+            self._slots = _Slots(self.kv_tokens)
+            for c in calls:
+                c.events.put(("error", _copy(exc)))
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ the step loop
+    def _has_work(self) -> bool:
+        return bool(self._drops) or (self._paused is None and bool(
+            self._running or (self._waiting and self._held == 0)))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._closed is None and not self._has_work():
+                    self._cond.wait(self.IDLE_WAIT_S)
+                    if self._engine() is None:
+                        break
+                if self._closed is not None:
+                    return
+            engine = self._engine()
+            if engine is None:
+                self.close(EngineClosedError("the engine was garbage-collected"))
+                return
+            try:
+                self._step(engine)
+            finally:
+                engine = None
+
+    def _step(self, engine: Any) -> None:
+        with engine._lock:
+            with self._cond:
+                if self._closed is not None:
+                    return
+                removed = self._take_drops(engine.weight_version)
+                adds: list[Row] = []
+                if self._paused is None:
+                    while self._waiting and self._held == 0:
+                        slot = self._slots.take(self._waiting[0].need)
+                        if slot is None:
+                            break
+                        r = self._waiting.popleft()
+                        r.slot = slot
+                        adds.append(r)
+                    decodes = list(self._running)
+                    self._running.extend(adds)
+                else:
+                    decodes = []
+                version = engine.weight_version
+                self._publish()
+            if not adds and not decodes:
+                self._remove_on_workers(engine, removed)
+                return
+            args = {"remove": removed,
+                    "add": [(r.rid, r.prompt + r.output, r.sampling, r.slot, len(r.output), r.logprobs)
+                            for r in adds]}
+            try:
+                out = engine._call("gen_step", args, what="generate", collective=True)[0]
+            except BaseException as exc:  # noqa: BLE001 - every caller of these rows gets it
+                self._fail_step(engine, exc)
+                return
+            with self._cond:
+                self._steps += 1
+                self._records.append(StepRecord(self._steps, version, tuple(r.rid for r in adds),
+                                                tuple(r.rid for r in decodes)))
+                for r in decodes + adds:
+                    t = out["tokens"][r.rid]
+                    r.output.append(t)
+                    r.tags.append(version)
+                    ch = self._change(r, version)
+                    ch["tokens"].append(t)
+                    ch["versions"].append(version)
+                    if r.logprobs:
+                        ch["logprobs"].append(out["logprobs"][r.rid])
+                    why = out["ended"].get(r.rid)
+                    if why is not None:
+                        self._finish(r, {"type": "stop", "matched": t} if why == "stop" else
+                                     {"type": "length", "length": len(r.output)}, version)
+                self._publish()
+                self._cond.notify_all()
+
+    def _fail_step(self, engine: Any, exc: BaseException) -> None:
+        """A step failed: its rows' callers get ``exc`` (their other rows are dropped); if the
+        engine can serve no more, every caller does."""
+        dead = engine.dead_reason() is not None or isinstance(exc, (WorkerDiedError, EngineClosedError))
+        with self._cond:
+            failed = {r.call for r in self._running}
+            if dead:
+                failed |= {r.call for r in self._waiting}
+            for r in self._running:
+                self._slots.give(r.slot, r.need)
+                r.slot = None
+            self._running.clear()
+            self._waiting = collections.deque(r for r in self._waiting if r.call not in failed)
+            for c in failed:
+                for r in c.rows:
+                    if r.finish is None:
+                        r.finish = {"type": "abort", "message": f"failed: {exc}"}
+                c.left = 0
+                self._changes.pop(c, None)
+                c.events.put(("error", _copy(exc)))
+            self._cond.notify_all()
+        if not dead:
+            try:          # the workers' batch is gone with the rows
+                engine._call("gen_end", what="generate")
+            except EngineError:
+                pass
+
+    # ------------------------------------------------------------------ helpers (under _cond)
+    def _change(self, r: Row, version: str) -> dict:
+        per_call = self._changes.setdefault(r.call, {})
+        ch = per_call.get(r.index)
+        if ch is None:
+            ch = per_call[r.index] = {"tokens": [], "logprobs": [], "versions": [], "finish": None,
+                                      "version": version}
+        ch["version"] = version
+        return ch
+
+    def _finish(self, r: Row, reason: dict, version: str) -> None:
+        r.finish = reason
+        self._change(r, version)["finish"] = reason
+        if r.slot is not None:
+            self._slots.give(r.slot, r.need)
+            r.slot = None
+        if r in self._running:
+            self._running.remove(r)
+        r.call.left -= 1
+
+    def _take_drops(self, version: str) -> list[int]:
+        removed = []
+        for r in self._drops:
+            if r.finish is not None:
+                continue
+            if r in self._running:
+                removed.append(r.rid)
+            elif r in self._waiting:
+                self._waiting.remove(r)
+            self._finish(r, {"type": "abort", "message": r.abort}, version)
+        self._drops.clear()
+        return removed
+
+    def _end_all(self, message: str, version: str) -> list[int]:
+        removed = [r.rid for r in self._running]
+        for r in list(self._running) + list(self._waiting):
+            self._finish(r, {"type": "abort", "message": message}, version)
+        self._waiting.clear()
+        self._drops.clear()
+        return removed
+
+    def _publish(self) -> None:
+        for call, changes in self._changes.items():
+            call.events.put(("step", changes))
+            if call.left == 0:
+                call.events.put(("done", None))
+        self._changes = {}
+
+    @staticmethod
+    def _remove_on_workers(engine: Any, rids: list[int]) -> None:
+        if rids and engine.dead_reason() is None:
+            try:
+                engine._call("gen_remove", {"rids": rids}, what="generate")
+            except EngineError:
+                pass      # the engine broke: the next call says so
+
+
+def _copy(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` to raise in one more thread (a traceback belongs to one raise)."""
+    try:
+        return copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception that cannot be copied is raised as is
+        return exc
