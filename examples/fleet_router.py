@@ -76,8 +76,11 @@ def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
 
 
 def start_router(urls: list[str], port: int) -> subprocess.Popen:
+    from fsdp_sync.wire import free_port
+
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-                             "--port", str(port), "--policy", "round_robin",
+                             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                              "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                              "--log-level", "error"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -86,8 +86,10 @@ class CommitError(RuntimeError):
 def _commit(engine: Any, version: str | None) -> None:
     if version is None:
         engine.end_weight_update()
-    elif getattr(engine, "commits_weight_version", False):
-        engine.end_weight_update(weight_version=version)     # one step: no token between the two
+    elif "weight_version" in inspect.signature(engine.end_weight_update).parameters:
+        # the reference engine (and `fsdp-sync serve`) set it in the commit's own step: no token
+        # between the two; `SGLangEngine` falls back to update_weight_version where SGLang cannot
+        engine.end_weight_update(weight_version=version)
     else:
         engine.end_weight_update()
         set_version(engine, version)

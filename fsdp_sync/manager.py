@@ -471,8 +471,16 @@ class FSDPShardingManager:
         an update again (they rejoin at the new version)."""
         reps = self.fleet.serving
         if self._fleet_mode:
-            reps = [r for r in self.fleet.replicas
-                    if r.serving or (not r.held and fleet.problem(r.engine) is None)]
+            quarantine = self.config.on_replica_failure == "quarantine"
+            reps = []
+            for r in self.fleet.replicas:
+                if r.held or (not r.serving and not quarantine):
+                    continue
+                why = fleet.problem(r.engine) if (quarantine or not r.serving) else None
+                if why is None:
+                    reps.append(r)
+                elif r.serving:          # died since the last sync: out before anything is sent
+                    self.fleet.quarantine(r, why)
         return reps
 
     def _transport_sync(self, targets: list, version: str | None, step: int):

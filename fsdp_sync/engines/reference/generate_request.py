@@ -36,7 +36,10 @@ _NEUTRAL = {"image_data": (None,), "video_data": (None,), "audio_data": (None,),
             "custom_logit_processor": (None,), "return_hidden_states": (None, False),
             "return_routed_experts": (None, False), "session_params": (None,),
             "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
-            "data_parallel_rank": (None, 0), "modalities": (None,), "log_metrics": (None, True, False)}
+            "data_parallel_rank": (None, 0), "modalities": (None,), "log_metrics": (None, True, False),
+            # what sglang-router 0.3 sends in every routed request, at these values
+            "background": (None, False), "no_logs": (None, False, True), "return_bytes": (None, False),
+            "return_entropy": (None, False)}
 _KEYS = ("input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "stream", "rid",
          "model")   # model: the served model's name, which sglang-router adds to every request it routes
 

@@ -331,7 +331,10 @@ class EngineServer(ControlRoutes):
                      "model_path": self.model_path, "version": "fsdp_sync-serve",
                      "weight_version": self.weight_version,
                      "quantization": getattr(self.engine, "quantization", None),   # SGLang's server arg
-                     "disk_updates": bool(self.allowed_disk_dirs)}
+                     "disk_updates": bool(self.allowed_disk_dirs),
+                     # fsdp_sync's: /generate requests that reached this server (refused ones too),
+                     # so a fleet can check a router stopped sending to a replica out of service
+                     "generate_requests": self.hits["/generate"]}
 
     def _generate(self, body: dict, h: BaseHTTPRequestHandler | None) -> tuple[int | None, Any]:
         try:
