@@ -158,3 +158,48 @@ def test_fleet_fault_cells(method, phase, fault, mode):
     survivors = "v0" if (phase, mode) == ("stage", "abort") else "v1"
     assert cell.replicas_after[0] == cell.replicas_after[2] == survivors
     assert cell.recovered and not cell.leftovers
+
+
+@pytest.mark.parametrize("pause_mode", ["in_place", None])
+def test_pause_mode_brackets_the_sync_on_every_replica(pause_mode, tmp_path):
+    """``SyncConfig.pause_mode`` through the manager: a request running on replica 0 when the sync
+    starts. ``in_place``: the fleet's sync runs while it is paused, and it finishes on the new
+    version, its spans splitting its tokens between "0" and "1"; None: the update waits for it,
+    so all its tokens are version "0"'s. Either way the new version is committed on both replicas."""
+    import threading
+
+    from fsdp_sync.config import SyncConfig
+
+    engines = [_engine(), _engine()]
+    try:
+        module = _module()
+        manager = _manager(module, engines, SyncConfig(method="distributed", bucket_bytes=1 << 20,
+                                                       dist_timeout_s=30.0, pause_mode=pause_mode))
+        _sync(manager)
+        perturb_(module.parameters())
+        started, out = threading.Event(), {}
+
+        def generate():
+            out["r"] = engines[0].generate_requests(
+                [[11, 27, 93]], {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+                on_step=lambda rs: len(rs[0]["output_ids"]) >= 3 and started.set())[0]
+
+        t = threading.Thread(target=generate, daemon=True)
+        t.start()
+        assert started.wait(60)
+        _sync(manager)
+        t.join(120)
+        assert not t.is_alive()
+        spans = [(s["version"], s["start"], s["end"]) for s in out["r"]["weight_versions"]]
+        n = len(out["r"]["output_ids"])
+        assert n == 40 and spans[-1][2] == n
+        if pause_mode == "in_place":
+            assert [v for v, _, _ in spans] == ["0", "1"] and 3 <= spans[0][2] < n, spans
+        else:
+            assert spans == [("0", 0, n)], spans
+        assert manager.version == "1" and all(e.get_weight_version() == "1" for e in engines)
+        assert all(_same(e, module) for e in engines)
+        manager.close()
+    finally:
+        for e in engines:
+            e.shutdown()
