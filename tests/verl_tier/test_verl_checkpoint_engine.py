@@ -17,6 +17,7 @@ import multiprocessing as mp
 from multiprocessing.connection import wait as mp_wait
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -189,8 +190,14 @@ def test_under_verls_own_checkpoint_engine_manager(tmp_path):
     ce = CheckpointEngineConfig(backend=BACKEND, update_weights_bucket_megabytes=ckpt_roles.BUCKET_MB,
                                 custom_backend_module=MODULE, engine_kwargs={BACKEND: {"timeout_s": 60}})
     rollout_config = RolloutConfig(name="fsdp_sync_test", checkpoint_engine=ce)
+    # TMPDIR: Ray SIGKILLs its workers at shutdown, so what multiprocessing made in their temp dir
+    # (a forkserver's pymp-* directory) is never removed; under tmp_path it goes with the test's
+    # own temp directories instead of piling up in /tmp (issue 21, item 14)
+    worker_tmp = tmp_path / "ray-workers-tmp"
+    worker_tmp.mkdir()
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
-           "VERL_USE_EXTERNAL_PLUGINS": "none"}
+           "VERL_USE_EXTERNAL_PLUGINS": "none", "TMPDIR": str(worker_tmp)}
+    before = {p.name for p in Path(tempfile.gettempdir()).glob("pymp-*")}
     ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
     try:
         def world(n):
@@ -223,3 +230,5 @@ def test_under_verls_own_checkpoint_engine_manager(tmp_path):
                                  "resume_generation"] * 2
     finally:
         ray.shutdown()
+    left = sorted({p.name for p in Path(tempfile.gettempdir()).glob("pymp-*")} - before)
+    assert not left, f"the Ray workers left {left} in {tempfile.gettempdir()}"
