@@ -4,7 +4,9 @@ out-of-service state, each checked with real tokens against greedy runs of the s
 
 One TP-2 engine serves the module; the ``fresh`` fixture loads the weights of model A under the
 version "A" before each test and leaves the engine generating and in service after it. Overlaps
-are read from the engine's step records (`ReferenceEngine.step_records`), not from timing.
+are read from the engine's step records (`ReferenceEngine.step_records`), not from timing: a
+request the test acts on either runs until the test ends it (`endless`) or is paused in place by
+the engine itself after its third step (`held`), so no outcome depends on the machine's speed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ pytestmark = pytest.mark.timeout(120)
 
 P1 = [11, 27, 93, 5]
 P2 = [201, 3, 64, 64, 17, 88, 42, 9, 120]
-LONG = 150        # tokens of a request that is surely still running when the test acts on it
+LONG = 40         # tokens of a request that is held, then runs to its end
+HUGE = 3000       # tokens of a request the test ends itself (~30 s of steps: never reached)
 
 
 def sp(n: int) -> dict:
@@ -62,10 +65,10 @@ def greedy(eng, prompt, n) -> list[int]:
     return eng.generate_requests([prompt], sp(n))[0]["output_ids"]
 
 
-def running(eng, prompt, n, after: int = 3) -> tuple[Bg, list]:
-    """A greedy request in a thread, returned once it has made ``after`` tokens; and the caller's
-    live results (what ``on_step`` sees)."""
-    seen, live = threading.Event(), []
+def endless(eng, prompt, after: int = 3) -> tuple[Bg, threading.Event, list]:
+    """A greedy request in a thread that runs until ``stop`` is set (then ends aborted), returned
+    once it has made ``after`` tokens; and the caller's live results (what ``on_step`` sees)."""
+    seen, stop, live = threading.Event(), threading.Event(), []
 
     def on_step(rs):
         if not live:
@@ -73,10 +76,21 @@ def running(eng, prompt, n, after: int = 3) -> tuple[Bg, list]:
         if len(rs[0]["output_ids"]) >= after:
             seen.set()
 
-    bg = Bg(eng.generate_requests, [prompt], sp(n), on_step=on_step)
+    bg = Bg(eng.generate_requests, [prompt], sp(HUGE), on_step=on_step,
+            should_abort=lambda k: stop.is_set())
     bg.start()
     assert seen.wait(30), "the request made no tokens"
-    return bg, live
+    return bg, stop, live
+
+
+def held(eng, prompt, n, after: int = 3) -> Bg:
+    """A greedy request in a thread, paused in place by the engine right after its ``after``-th
+    step (`ReferenceEngine._pause_after_steps`): it has made exactly ``after`` tokens."""
+    eng._pause_after_steps(after)
+    bg = Bg(eng.generate_requests, [prompt], sp(n))
+    bg.start()
+    wait_until(lambda: eng.generation_paused == "in_place")
+    return bg
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +105,9 @@ def named(model):
 
 @pytest.fixture(scope="module")
 def eng():
-    with ReferenceEngine("tiny", tp_size=2, kv_cache_tokens=1024) as e:
+    cfg = load_config("tiny")
+    cfg.max_position_embeddings = 4096        # room for `HUGE` (RoPE: no weight depends on it)
+    with ReferenceEngine(cfg, tp_size=2, kv_cache_tokens=4096) as e:
         yield e
 
 
@@ -106,26 +122,32 @@ def fresh(eng, models):
 # --------------------------------------------------------------------------- batching
 
 def test_a_request_joins_the_running_batch_and_keeps_its_greedy_tokens(fresh):
+    """B, sent from another thread while A decodes, is prefilled in A's next step and decodes
+    beside it; both make exactly the tokens they make alone."""
     eng = fresh
-    alone1, alone2 = greedy(eng, P1, LONG), greedy(eng, P2, 12)
-    a, _ = running(eng, P1, LONG)
-    b = Bg(eng.generate_requests, [P2], sp(12))
-    b.start()
-    ra, rb = a.get()[0], b.get()[0]
-    assert ra["output_ids"] == alone1 and rb["output_ids"] == alone2   # batched = alone, exactly
+    alone2 = greedy(eng, P2, 12)
+    a, stop, _ = endless(eng, P1)
+    rb = Bg(eng.generate_requests, [P2], sp(12))
+    rb.start()
+    rb = rb.get()[0]
+    stop.set()
+    ra = a.get()[0]
+    assert ra["finish_reason"]["type"] == "abort"
+    assert rb["output_ids"] == alone2                                   # batched = alone, exactly
+    assert ra["output_ids"] == greedy(eng, P1, len(ra["output_ids"]))
     ia, ib = ra["request_id"], rb["request_id"]
     recs = [r for r in eng.step_records() if {ia, ib} & set(r.rows)]
     join = [r for r in recs if ib in r.prefill]
     assert len(join) == 1 and ia in join[0].decode           # prefilled in a step where A decoded
     assert sum(1 for r in recs if {ia, ib} <= set(r.decode)) == 11   # then decoded beside it
     assert max(r.index for r in recs if ib in r.rows) < max(r.index for r in recs if ia in r.rows)
-    assert ra["weight_versions"] == [{"version": "A", "start": 0, "end": LONG}]
+    assert rb["weight_versions"] == [{"version": "A", "start": 0, "end": 12}]
 
 
 def test_more_rows_than_the_kv_cache_holds_queue_and_match_their_lone_runs(fresh):
-    """10 rows needing ~1040 of 1024 KV slots: the last waits for the first to free its slots."""
+    """10 rows needing 4135 of 4096 KV slots: the last waits for the first two to free theirs."""
     eng = fresh
-    prompts = [[(7 * i + j) % 500 for j in range(90)] for i in range(10)]
+    prompts = [[(7 * i + j) % 500 for j in range(400)] for i in range(10)]
     params = [sp(10 + i) for i in range(10)]
     batched = eng.generate_requests(prompts, params)
     assert [len(r["output_ids"]) for r in batched] == [10 + i for i in range(10)]
@@ -134,29 +156,32 @@ def test_more_rows_than_the_kv_cache_holds_queue_and_match_their_lone_runs(fresh
     recs = [r for r in eng.step_records() if set(ids) & set(r.rows)]
     first_step = next(r for r in recs if ids[9] in r.prefill)
     assert first_step.index > recs[0].index and ids[0] not in first_step.rows   # after row 0 left
-    assert eng.scheduler_stats()["kv_free"] == 1024
+    assert eng.scheduler_stats()["kv_free"] == 4096
 
 
 # --------------------------------------------------------------------------- updates and versions
 
 def test_an_update_waits_for_running_requests_and_holds_new_ones(fresh, models):
     eng = fresh
-    old = greedy(eng, P1, LONG)
-    r, _ = running(eng, P1, LONG)
+    r, stop, _ = endless(eng, P1)
     u = Bg(eng.update_weights_from_tensor, named(models[1]), weight_version="B")
     u.start()
-    wait_until(lambda: eng.scheduler_stats()["updates_waiting"] == 1)
+    wait_until(lambda: eng.scheduler_stats()["updates_waiting"] == 1)   # waiting for r
     c = Bg(eng.generate_requests, [P2], sp(10))
     c.start()
     wait_until(lambda: eng.scheduler_stats()["waiting"] == 1)           # held back
+    assert u.is_alive() and eng.get_weight_version() == "A"
+    stop.set()                                                           # r ends: the update runs
     rr, _, rc = r.get()[0], u.get(), c.get()[0]
-    assert rr["output_ids"] == old                                       # all of it old weights
-    assert rr["weight_versions"] == [{"version": "A", "start": 0, "end": LONG}]
+    n = len(rr["output_ids"])
+    assert rr["weight_versions"] == [{"version": "A", "start": 0, "end": n}]
     assert rc["weight_versions"] == [{"version": "B", "start": 0, "end": 10}]
     assert rc["output_ids"] == greedy(eng, P2, 10)                       # the new weights'
     recs = eng.step_records()
     last_r = max(x.index for x in recs if rr["request_id"] in x.rows)
     assert min(x.index for x in recs if rc["request_id"] in x.rows) > last_r
+    eng.update_weights_from_tensor(named(models[0]))
+    assert rr["output_ids"] == greedy(eng, P1, n)                        # all of it old weights
 
 
 def test_weight_version_follows_commits_only(fresh, models):
@@ -233,7 +258,7 @@ def test_no_token_carries_a_version_its_weights_are_not(fresh, models):
 
 def test_update_weight_version_tags_later_tokens_and_can_abort_everything(fresh):
     eng = fresh
-    r, live = running(eng, P1, LONG)
+    r, _, live = endless(eng, P1)
     eng.update_weight_version("A-renamed")
     rid = live[0]["request_id"]
     wait_until(lambda: any(x.version == "A-renamed" and rid in x.rows for x in eng.step_records()))
@@ -242,7 +267,7 @@ def test_update_weight_version_tags_later_tokens_and_can_abort_everything(fresh)
     assert res["finish_reason"]["type"] == "abort" and "update_weight_version" in res["finish_reason"]["message"]
     spans = res["weight_versions"]
     n = len(res["output_ids"])
-    assert [s["version"] for s in spans] == ["A", "A-renamed"] and spans[-1]["end"] == n < LONG
+    assert [s["version"] for s in spans] == ["A", "A-renamed"] and spans[-1]["end"] == n
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
     assert res["weight_version"] == "A-renamed" and eng.get_weight_version() == "A-3"
     with pytest.raises(ValueError, match="abort_all_requests must be a bool"):
@@ -261,8 +286,8 @@ def test_spans_are_sglangs():
 def test_pause_in_place_keeps_the_kv_and_splits_the_spans(fresh, models):
     eng = fresh
     old = greedy(eng, P1, LONG)
-    r, _ = running(eng, P1, LONG)
-    eng.pause_generation("in_place")
+    r = held(eng, P1, LONG)
+    eng.pause_generation("in_place")                                     # again: no change
     assert eng.generation_paused == "in_place"
     steps = eng.scheduler_stats()["steps"]
     q = Bg(eng.generate_requests, [P2], sp(10))
@@ -281,7 +306,7 @@ def test_pause_in_place_keeps_the_kv_and_splits_the_spans(fresh, models):
     j = res["weight_versions"][0]["end"]
     assert res["weight_versions"] == [{"version": "A", "start": 0, "end": j},
                                       {"version": "B", "start": j, "end": LONG}]
-    assert 3 <= j < LONG and res["output_ids"][:j] == old[:j]
+    assert j == 3 and res["output_ids"][:j] == old[:j]
     prefills = [x for x in eng.step_records() if res["request_id"] in x.prefill]
     assert len(prefills) == 1 and prefills[0].version == "A"            # its KV was kept
     assert rq["weight_versions"] == [{"version": "B", "start": 0, "end": 10}]
@@ -291,7 +316,7 @@ def test_pause_in_place_keeps_the_kv_and_splits_the_spans(fresh, models):
 def test_pause_retract_recomputes_with_the_new_weights(fresh, models):
     eng = fresh
     old = greedy(eng, P1, LONG)
-    r, _ = running(eng, P1, LONG)
+    r = held(eng, P1, LONG)
     eng.pause_generation("retract")
     assert eng.scheduler_stats()["running"] == 0 and eng.scheduler_stats()["waiting"] == 1
     eng.flush_cache()                                                    # no KV held: allowed
@@ -304,20 +329,35 @@ def test_pause_retract_recomputes_with_the_new_weights(fresh, models):
     assert res["weight_versions"] == [{"version": "A", "start": 0, "end": j},
                                       {"version": "B", "start": j, "end": LONG}]
     out = res["output_ids"]
-    assert 3 <= j < LONG and out[:j] == old[:j]
+    assert j == 3 and out[:j] == old[:j]
     assert out[j:] == greedy(eng, P1 + out[:j], LONG - j)               # new weights over prompt+prefix
     prefills = [x for x in eng.step_records() if res["request_id"] in x.prefill]
     assert [x.version for x in prefills] == ["A", "B"]
 
 
+def test_a_disk_update_while_paused_in_place(fresh, models, tmp_path):
+    eng = fresh
+    models[1].save_pretrained(tmp_path / "B", safe_serialization=True)
+    old = greedy(eng, P2, LONG)
+    r = held(eng, P2, LONG)
+    eng.update_weights_from_disk(str(tmp_path / "B"), weight_version="B-disk")
+    assert eng.get_weight_version() == "B-disk"
+    eng.continue_generation()
+    res = r.get()[0]
+    j = res["weight_versions"][0]["end"]
+    assert res["weight_versions"] == [{"version": "A", "start": 0, "end": j},
+                                      {"version": "B-disk", "start": j, "end": LONG}]
+    assert res["output_ids"][:j] == old[:j]
+
+
 def test_pause_abort_returns_requests_at_once_and_queues_new_ones(fresh):
     eng = fresh
     old = greedy(eng, P1, LONG)
-    r, _ = running(eng, P1, LONG)
+    r = held(eng, P1, LONG)
     eng.pause_generation()                                               # SGLang's default: abort
     res = r.get(10)[0]
     n = len(res["output_ids"])
-    assert res["finish_reason"]["type"] == "abort" and 3 <= n < LONG and res["output_ids"] == old[:n]
+    assert res["finish_reason"]["type"] == "abort" and n == 3 and res["output_ids"] == old[:n]
     assert res["weight_versions"] == [{"version": "A", "start": 0, "end": n}]
     q = Bg(eng.generate_requests, [P2], sp(5))
     q.start()
@@ -332,7 +372,7 @@ def test_pause_abort_returns_requests_at_once_and_queues_new_ones(fresh):
 
 def test_out_of_service_refuses_generate_but_takes_updates(fresh, models):
     eng = fresh
-    r, _ = running(eng, P1, LONG)
+    r, _, _ = endless(eng, P1)
     why = "quarantined: fleet commit failed on this replica"
     eng.set_serving(False, why)
     res = r.get(10)[0]                                                   # in flight: aborted
@@ -355,10 +395,10 @@ def test_out_of_service_refuses_generate_but_takes_updates(fresh, models):
 
 
 @pytest.mark.timeout(60)
-def test_shutdown_fails_a_running_request_and_leaves_nothing():
+def test_shutdown_fails_a_request_in_flight_and_leaves_nothing():
     eng = ReferenceEngine("tiny", tp_size=1)
     try:
-        r, _ = running(eng, P1, LONG)
+        r = held(eng, P1, LONG)
     finally:
         eng.shutdown()
     with pytest.raises(EngineClosedError):

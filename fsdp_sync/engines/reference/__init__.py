@@ -2,8 +2,9 @@
 
 Holds the engine client (`engine`), the worker process it starts per TP rank (`worker`) and the
 worker's collaborators (`staging`: weight updates; `regions`: memory release/resume), the TP model
-(`tp_model`), process start (`procs`), generation (`generation`) and the SGLang-compatible HTTP
-server (`serve`, `generate_request`).
+(`tp_model`), process start (`procs`), generation (`generation`), the request scheduler
+(`scheduler`: continuous batching, pause modes, weight versions) and the SGLang-compatible HTTP
+server (`serve`, `serve_control`, `http_fields`, `generate_request`).
 Not here: the `Engine` protocol (`engines.base`), the SGLang adapter (`engines.sglang`), the
 `fsdp-sync serve` command and its flags (`fsdp_sync.cli.serve`).
 

@@ -38,17 +38,28 @@ costs one reply timeout, not more) and `shutdown()` ends it without waiting for 
 `shutdown()` (also on ``with`` exit, garbage collection and interpreter exit) stops every worker
 and closes every pipe; payload buffers are acknowledged by the workers and released by their owner.
 
+Generation runs in the engine's scheduler (`scheduler`): concurrent generate calls are batched
+continuously and hold the lock one step at a time, so weight updates run between steps. Without a
+pause an update (tensor, disk, distributed, begin/end, memory release/resume) waits for the running
+requests and holds new ones until it ends, as SGLang's writer lock does; while generation is paused
+(``pause_generation``, SGLang's three modes) it runs at once. ``weight_version`` names the loaded
+weights: an update's ``weight_version=`` is taken at its commit, ``end_weight_update(weight_version=)``
+in the same critical section as the transaction's commit, so every token is tagged with the version
+of the weights that made it.
+
 ``quantization="fp8"`` holds the weights in block FP8, as SGLang's ``--quantization fp8``: every
 quantized weight as float8_e4m3fn plus its float32 ``weight_scale_inv`` (`weights.fp8.FP8Layout`),
 and each tensor of every update must come in the dtype the layout says (`quant`).
 
-Not here: the model math (`tp_model`), the worker loop (`worker`), generation calls (`rollout`),
-weight read-back (`readback`), per-rank update items and the checks of a distributed call's
-entries (`update_items`), which quantization a config and argument make (`quant`).
+Not here: the model math (`tp_model`), the worker loop (`worker`), generation calls, pause and
+versions (`rollout`), batching requests (`scheduler`), the update-group calls of
+``update_weights_from_distributed`` (`group_calls`), weight read-back (`readback`), per-rank update
+items and the checks of a distributed call's entries (`update_items`), which quantization a config
+and argument make (`quant`).
 
-Why ~690 lines, one module: the engine's side of every protocol call (startup, the update methods,
+Why ~670 lines, one module: the engine's side of every protocol call (startup, the update methods,
 the two-phase rounds), sharing the lock, the worker set and the broken/transaction state. The next
-carve, if it grows: the distributed-update calls (init/update/destroy of the update group).
+carve, if it grows: the disk update's checkpoint resolution.
 """
 
 from __future__ import annotations

@@ -223,6 +223,11 @@ class GenerationCalls:
         """None while serving; else why the engine is out of service (`set_serving`)."""
         return self._sched.out_of_service
 
+    def _pause_after_steps(self, steps: int) -> None:
+        """Test hook: pause generation in place once ``steps`` more steps have run (a point to
+        update weights at that does not depend on the machine's speed)."""
+        self._sched.pause_after(steps)
+
     def step_records(self) -> list:
         """The scheduler's last steps (`scheduler.StepRecord`: the requests each prefilled and
         decoded, and their tokens' weight version), oldest first."""

@@ -174,6 +174,7 @@ class Scheduler:
         self._paused: str | None = None
         self._held = 0                     # weight updates waiting for, or holding, the engine
         self._out: str | None = None       # out of service: why
+        self._pause_at: int | None = None  # `pause_after`: the step after which to pause in place
         self._closed: BaseException | None = None
         self._ids = itertools.count(1)
         self._steps = 0
@@ -300,6 +301,12 @@ class Scheduler:
             self._cond.notify_all()
         self._remove_on_workers(engine, removed)
 
+    def pause_after(self, steps: int) -> None:
+        """Test hook: pause in place once ``steps`` more steps have run, in the critical section
+        of that step (a point to act at that does not depend on the machine's speed)."""
+        with self._cond:
+            self._pause_at = self._steps + int(steps)
+
     def resume(self) -> None:
         """SGLang's ``continue_generation``: steps run again (retracted rows are recomputed)."""
         with self._cond:
@@ -347,22 +354,27 @@ class Scheduler:
             self._running or (self._waiting and self._held == 0)))
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._closed is None and not self._has_work():
-                    self._cond.wait(self.IDLE_WAIT_S)
-                    if self._engine() is None:
-                        break
-                if self._closed is not None:
+        try:
+            while True:
+                with self._cond:
+                    while self._closed is None and not self._has_work():
+                        self._cond.wait(self.IDLE_WAIT_S)
+                        if self._engine() is None:
+                            break
+                    if self._closed is not None:
+                        return
+                engine = self._engine()
+                if engine is None:
+                    self.close(EngineClosedError("the engine was garbage-collected"))
                     return
-            engine = self._engine()
-            if engine is None:
-                self.close(EngineClosedError("the engine was garbage-collected"))
-                return
-            try:
-                self._step(engine)
-            finally:
-                engine = None
+                try:
+                    self._step(engine)
+                except BaseException as exc:  # noqa: BLE001 - a fault here fails the rows, not the loop
+                    self._fail_step(engine, exc)
+                finally:
+                    engine = None
+        except BaseException as exc:  # noqa: BLE001 - no caller may be left waiting for a dead loop
+            self.close(EngineError(f"the request scheduler stopped: {type(exc).__name__}: {exc}"))
 
     def _step(self, engine: Any) -> None:
         with engine._lock:
@@ -413,6 +425,8 @@ class Scheduler:
                     if why is not None:
                         self._finish(r, {"type": "stop", "matched": t} if why == "stop" else
                                      {"type": "length", "length": len(r.output)}, version)
+                if self._pause_at is not None and self._steps >= self._pause_at:
+                    self._paused, self._pause_at = "in_place", None
                 self._publish()
                 self._cond.notify_all()
 

@@ -181,7 +181,7 @@ class EngineServer(ControlRoutes):
                     got = h.headers.get("Authorization", "")
                     if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
                         raise Refused(401, "missing or wrong API key "
-                                            "(send 'Authorization: Bearer KEY')")
+                                           "(send 'Authorization: Bearer KEY')")
                 body = self._read_body(h, method)
                 status, out = self._route(method, path, body, h)
             except Refused as e:
@@ -213,7 +213,7 @@ class EngineServer(ControlRoutes):
             raise Refused(400, f"bad Content-Length {raw_len!r}")
         if n > self.max_body_bytes:
             raise Refused(413, f"request body of {n} bytes is over this server's limit of "
-                                f"{self.max_body_bytes} (--max-body-mb)")
+                               f"{self.max_body_bytes} (--max-body-mb)")
         raw = h.rfile.read(n) if n else b""
         h._body_read = True
         if len(raw) != n:
@@ -454,7 +454,7 @@ class EngineServer(ControlRoutes):
     def _locked(self, what: str, fn: Callable[[], Any]) -> tuple[int, Any]:
         if not self._update_lock.acquire(timeout=self.update_wait_s):
             raise Refused(503, f"{what}: another weight update is running; waited "
-                                f"{self.update_wait_s:.0f}s, try again")
+                               f"{self.update_wait_s:.0f}s, try again")
         try:
             answer = fn()
             self.updates_served += 1
@@ -481,11 +481,12 @@ class EngineServer(ControlRoutes):
         payloads = body_field(body, "serialized_named_tensors", list)
         load_format = body_field(body, "load_format", (str, type(None)), None)
         flush = body_field(body, "flush_cache", bool, True)
-        body_field(body, "weight_version", (str, type(None)), None)     # checked before any payload opens
+        body_field(body, "weight_version", (str, type(None)), None)     # checked before any payload
+        body_field(body, "abort_all_requests", bool, False)             # opens
         tp = int(self.engine.tp_size)
         if len(payloads) != tp or not all(isinstance(p, str) for p in payloads):
             raise Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
-                                f"rank), got {len(payloads)} item(s)")
+                               f"rank), got {len(payloads)} item(s)")
         update = self._method("update_weights_from_tensor")
         if load_format == "flattened_bucket":
             call = self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
@@ -493,7 +494,7 @@ class EngineServer(ControlRoutes):
             return self._locked("update_weights_from_tensor", call)
         if load_format not in (None, "direct"):
             raise Refused(400, f"unknown load_format {load_format!r}; expected null, "
-                                f"'flattened_bucket' or 'direct'")
+                               f"'flattened_bucket' or 'direct'")
 
         # Each payload opens, in this process, to TP rank i's list of (name, tensor): the server
         # plays SGLang's TP workers here. Every payload is opened (each holds a shared-memory
@@ -551,7 +552,7 @@ class EngineServer(ControlRoutes):
             raise Refused(400, "field 'shapes' must be a list of lists of non-negative ints")
         if not len(names) == len(dtypes) == len(shapes):
             raise Refused(400, f"names, dtypes and shapes differ in length: {len(names)}, "
-                                f"{len(dtypes)}, {len(shapes)}")
+                               f"{len(dtypes)}, {len(shapes)}")
         kwargs = {"names": names, "dtypes": dtypes, "shapes": shapes,
                   "group_name": body_field(body, "group_name", str, "weight_update_group"),
                   "flush_cache": body_field(body, "flush_cache", bool, True),
@@ -605,7 +606,7 @@ class EngineServer(ControlRoutes):
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str)
                                                                        for n in names)):
             raise Refused(400, f"field 'names' must be a list of parameter names or null, got "
-                                f"{str(names)[:100]!r}")
+                               f"{str(names)[:100]!r}")
         try:
             return 200, {"checksums": self.engine.tensor_checksums(names)}
         except KeyError as e:

@@ -20,7 +20,8 @@ While generation is paused, ``/ready`` answers 503 (SGLang's ``is_ready``) and
 The weight version is the engine's (``get_weight_version`` / ``update_weight_version``); for an
 engine that keeps none (a stand-in) the server keeps it, set by the same calls. Update routes pass
 their body's ``weight_version`` to the engine method when it takes one (`versioned`), else set it
-here once the update succeeded.
+here once the update succeeded; their ``abort_all_requests`` ends the /generate requests in flight
+first, as SGLang's does (without it an update waits for them).
 
 Not here: the other routes, the server and its limits (`serve`), the engine side (`scheduler`,
 `rollout`).
@@ -41,7 +42,8 @@ def _succeeded(answer: Any) -> bool:
 
 
 class ControlRoutes:
-    """`EngineServer`'s control routes (it provides ``engine``, ``_method`` and ``_live``)."""
+    """`EngineServer`'s control routes (it provides ``engine``, ``_method``, ``_live`` and
+    ``_live_lock``)."""
 
     _own_version = "default"
 
@@ -63,15 +65,24 @@ class ControlRoutes:
     def versioned(self, fn: Callable, kwargs: dict, body: dict, *, args: tuple = ()) -> Callable[[], Any]:
         """A call of engine method ``fn`` with ``args``, ``kwargs`` and the body's ``weight_version``."""
         version = body_field(body, "weight_version", (str, type(None)), None)
+        abort_all = body_field(body, "abort_all_requests", bool, False)
         kw = accepted_kwargs(fn, dict(kwargs, weight_version=version) if version is not None else kwargs)
 
         def call() -> Any:
+            if abort_all:        # SGLang's field: end the requests the update would wait for
+                self._abort_all_requests()
             answer = fn(*args, **kw)
             if version is not None and "weight_version" not in kw and _succeeded(answer):
                 self.weight_version = version        # an engine that keeps no version
             return answer
 
         return call
+
+    def _abort_all_requests(self) -> None:
+        """End every /generate in flight at its next step (SGLang's ``abort_all_requests``)."""
+        with self._live_lock:
+            for flag in self._live.values():
+                flag.set()
 
     # ------------------------------------------------------------------ routes
     def control_routes(self) -> tuple[dict, dict]:
@@ -140,9 +151,7 @@ class ControlRoutes:
             fn(new, abort_all_requests=abort_all)
         else:
             if abort_all:
-                with self._live_lock:
-                    for flag in self._live.values():
-                        flag.set()
+                self._abort_all_requests()
             self._own_version = new
         return 200, {"success": True, "message": f"Weight version updated to {new}", "new_version": new}
 
