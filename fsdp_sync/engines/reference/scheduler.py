@@ -288,8 +288,8 @@ class Scheduler:
         with self._cond:
             self._paused = mode
             if mode == "abort":
-                removed = self._end_all(f"aborted by pause_generation(mode='abort')",
-                                        engine.weight_version)
+                removed = self._end_all("aborted by pause_generation(mode='abort')",
+                                       engine.weight_version)
             elif mode == "retract":
                 for r in reversed(self._running):
                     removed.append(r.rid)
