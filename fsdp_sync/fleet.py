@@ -84,8 +84,8 @@ class CommitError(RuntimeError):
 
 
 def _commit(engine: Any, version: str | None) -> None:
-    if version is None:
-        engine.end_weight_update()
+    if version is None or getattr(engine, "takes_weight_version", True) is False:
+        engine.end_weight_update()      # an engine that cannot name its weights: committed unnamed
     elif "weight_version" in inspect.signature(engine.end_weight_update).parameters:
         # the reference engine (and `fsdp-sync serve`) set it in the commit's own step: no token
         # between the two; `SGLangEngine` falls back to update_weight_version where SGLang cannot

@@ -86,6 +86,7 @@ def run_fleet_cell(cell: FleetCell, *, call_s: float = 6.0, recv_s: float = 6.0)
     from ..topology import SyncError
 
     t0 = time.monotonic()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}   # not the cell's
     tmp = tempfile.mkdtemp(prefix="fsdp_sync-fleet-")
     engines: list = []
     manager = None
@@ -155,7 +156,7 @@ def run_fleet_cell(cell: FleetCell, *, call_s: float = 6.0, recv_s: float = 6.0)
         for e in engines:
             e.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-        children = psutil.Process().children(recursive=True)
+        children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         _, alive = psutil.wait_procs(children, timeout=5)
         cell.leftovers = [p.pid for p in alive]
         if alive:

@@ -122,6 +122,17 @@ class SGLangEngine(GenerationControl):
         return (self._http or self._local).where
 
     @property
+    def takes_weight_version(self) -> bool:
+        """Whether `end_weight_update` can name the committed weights: over HTTP always (with
+        ``/update_weight_version`` after it where the server does not take it in the body); in
+        process only an engine with ``end_weight_update(weight_version=)`` or
+        ``update_weight_version``. The fleet commits without a version where it cannot."""
+        if self._local is None:
+            return True
+        return (_takes(self._local.engine, "end_weight_update", "weight_version")
+                or self._local.has("update_weight_version"))
+
+    @property
     def http_attempts(self) -> Counter:
         """HTTP requests sent per path, retries included (empty in process)."""
         return self._http.attempts if self._http else Counter()
