@@ -448,6 +448,10 @@ class FSDPShardingManager:
                 self.fleet.reinstate(rep, version)     # quarantined, healthy again, synced now
             rep.version = version
         self.version = version
+        if self._fleet_mode and self.rank == 0:       # what a run's metrics log shows of the fleet
+            out = self.fleet.out_of_service
+            self.stats.extra.update(version=version, replicas_serving=len(self.fleet.serving),
+                                    replicas_out=[f"{r.name}: {r.reason}" for r in out])
         if self.config.verify != "off":
             self._verify(self.step - 1)
 

@@ -122,6 +122,8 @@ def test_quarantine_commits_the_healthy_and_a_new_replica_joins(method, tmp_path
     assert [r["serving"] for r in status["replicas"]] == [True, True, False]
     assert "replica 2" in status["replicas"][2]["name"] and status["replicas"][2]["reason"]
     assert manager.engines == fleet3[:2]
+    assert manager.stats.extra["version"] == "1" and manager.stats.extra["replicas_serving"] == 2
+    assert manager.stats.extra["replicas_out"][0].startswith("replica 2")
     assert all(_same(e, module) for e in fleet3[:2])
     # a dead replica cannot be brought back; it is named
     from fsdp_sync.topology import SyncError
