@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fsdp-sync demo
 
+# --durations: the slowest tests, so the suite's time can be watched where it runs
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
