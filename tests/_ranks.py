@@ -372,3 +372,17 @@ def export_cuda(rank: int, world: int) -> list:
         assert flat.is_cuda, flat.device
         out.extend([n, digest(t)] for n, t in bucket.unflatten(flat, b.entries))
     return out
+
+
+def send_bracket(rank: int, world: int, version) -> dict:
+    """`TensorTransport.send` (the loop verl's adapter drives) around a reference engine: the update
+    bracket closes with ``version`` (None: unnamed) and the engine serves it afterwards."""
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.topology import SyncTopology, make_mesh
+    from fsdp_sync.transport.tensor import TensorTransport
+
+    topo = SyncTopology.from_mesh(make_mesh(1, 1))
+    with ReferenceEngine("tiny", tp_size=1, kv_cache_tokens=64) as engine:
+        before = engine.get_weight_version()
+        stats = TensorTransport().send(iter([]), topo=topo, engine=engine, version=version)
+        return {"before": before, "after": engine.get_weight_version(), "calls": stats.engine_calls}

@@ -205,3 +205,19 @@ def test_pause_mode_brackets_the_sync_on_every_replica(pause_mode, tmp_path):
     finally:
         for e in engines:
             e.shutdown()
+
+
+@pytest.mark.parametrize("version", ["step-7", None])
+def test_the_send_loop_verl_drives_commits_its_version(version):
+    """verl's adapter hands its own calls to `TensorTransport.send`, which then closes the engine's
+    update bracket: the commit carries the caller's version (or none) instead of failing the sync
+    on a version only `sync` used to set."""
+    from _ranks import send_bracket
+    from fsdp_sync.cli.launch import run_ranks
+
+    r = run_ranks(send_bracket, 1, version, timeout_s=120)[0]
+    assert r["calls"] == 0
+    if version is None:
+        assert r["after"] == r["before"]
+    else:
+        assert r["after"] == version != r["before"]

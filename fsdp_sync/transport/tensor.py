@@ -165,6 +165,7 @@ class TensorTransport:
     def __init__(self, config: Any = None) -> None:
         self.config = config
         self._quant: Any = None      # this sync's `quantize.StreamQuantizer`, if quantized
+        self._version: Any = None    # the weight version the engine commits (None: unnamed)
 
     def close(self) -> None:
         """Nothing outlives a sync: every buffer is released when its bucket is answered."""
@@ -184,7 +185,7 @@ class TensorTransport:
 
     def send(self, calls: Iterable[Call], *, topo: Any, engine: Any, stats: SyncStats | None = None,
              group: Any = None, what: str = "weight sync",
-             check: Callable[[Any], str | None] | None = None) -> SyncStats:
+             check: Callable[[Any], str | None] | None = None, version: Any = None) -> SyncStats:
         """Hand ``calls`` to ``engine`` the way `sync` hands its own buckets, on every rank of the
         infer-TP group in step (``engine`` on infer-TP rank 0, None elsewhere).
 
@@ -194,9 +195,11 @@ class TensorTransport:
         the released call's buffer) only then. ``stats`` (kept and returned) counts the engine
         calls; the caller counts what it exported. ``what`` names the sync in errors. ``check``,
         when given, runs on infer-TP rank 0 after the update bracket closed (``check(engine)`` ->
-        an error text or None; the caller's verify) and is agreed like a call. Raises
+        an error text or None; the caller's verify) and is agreed like a call. ``version`` names
+        the weights the engine commits (None: the engine's own naming). Raises
         `SyncError`, the same on every rank of ``group``, when any rank failed."""
         self.topo, self.engine, self._group, self._what = topo, engine, group, what
+        self._version = version
         self.stats = stats if stats is not None else SyncStats()
         self._unacked: str | None = None
         t0 = time.perf_counter()

@@ -186,6 +186,8 @@ def test_adapter_syncs_fsdp2_weights_bit_exact_into_served_engine(tmp_path):
     assert max(m.nbytes for m in metas) > bucket_mb * 2**20 and want_buckets > 2
     flat, per_tensor = r0["syncs"]
     assert flat["mismatched"] == [] and per_tensor["mismatched"] == []
+    # each sync committed the weights named by verl's global_steps (SGLang's weight_version)
+    assert [s["version"] for s in r0["syncs"]] == ["0", "1"]
     assert flat["stats"]["tensors"] == per_tensor["stats"]["tensors"] == n_tensors
     assert flat["stats"]["buckets"] == flat["stats"]["engine_calls"] == want_buckets
     assert per_tensor["stats"]["engine_calls"] == per_tensor["stats"]["buckets"]

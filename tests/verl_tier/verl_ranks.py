@@ -65,7 +65,7 @@ def sync_ranks(rank: int, world: int, rollout_cfg: dict, strategies: list[str], 
             return metrics
 
         metrics = asyncio.run(one_sync())
-        mismatched = None
+        mismatched = version = None
         if rank == 0:   # read every weight back over HTTP (float32 survives JSON exactly)
             from fsdp_sync.engines.sglang import SGLangEngine
 
@@ -74,9 +74,11 @@ def sync_ranks(rank: int, world: int, rollout_cfg: dict, strategies: list[str], 
             mismatched = [n for n, t in full
                           if not client.get_weights_by_name(n).view(torch.int32).equal(
                               t.view(torch.int32))]
+            version = client.get_weight_version()
         del full
         out["syncs"].append({"strategy": strategy, "checksum": checksum, "metrics": metrics,
-                             "stats": rollout.last_stats, "mismatched": mismatched})
+                             "stats": rollout.last_stats, "mismatched": mismatched,
+                             "version": version})
         dist.barrier()
     # a refused bucket (bf16 into a float32 engine) raises the same error on every rank
     cfg = dict(rollout_cfg)

@@ -325,7 +325,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                                       "actor_rollout_ref.model.lora.merge=true or drop "
                                       "rollout.custom.fsdp_sync.enable")
         engine = await self._client()
-        stats = self._sync(weights, engine)
+        # the engine commits the weights named by verl's step, as SGLang's weight_version
+        stats = self._sync(weights, engine, None if global_steps is None else str(global_steps))
         if engine is not None:
             engine.flush_cache()
             if global_steps is not None and self._server_actor is not None:
@@ -359,7 +360,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                             dp_size=dp.size(), tp_rank=tp.get_local_rank(), tp_size=tp.size(),
                             tp_ranks=tuple(int(r) for r in tp.mesh.tolist()), tp_group=tp.get_group())
 
-    def _sync(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any) -> dict[str, Any]:
+    def _sync(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any,
+              version: str | None = None) -> dict[str, Any]:
         """Every rank of the infer-TP group runs this in step; rank 0 holds ``engine``. The calls
         go through the tensor transport's send loop (`TensorTransport.send`): the update bracket,
         then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free."""
@@ -388,7 +390,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         try:
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
                                       group=topo.tp_group, what="fsdp_sync verl sync",
-                                      check=check if cfg.verify != "off" else None)
+                                      check=check if cfg.verify != "off" else None,
+                                      version=version)
             sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
         finally:
             sent, self._sent = self._sent, None
