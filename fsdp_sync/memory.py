@@ -43,24 +43,39 @@ _LIBC: Any = None
 
 
 def temp_dirs() -> set[str]:
-    """The empty temporary directories that processes of a sync made and did not remove: Python
+    """The temporary directories that processes of a sync made and did not remove: Python
     multiprocessing's ``pymp-*`` (its listeners' sockets) and ``torch-shm-dir-*`` (a
-    ``torch_shm_manager``'s socket). A running owner keeps its socket there, so only empty ones
-    count: what an exited or killed owner left behind. `fsdp-sync soak` and the fault matrix
-    count new ones with their other leftovers."""
+    ``torch_shm_manager``'s socket). A running owner keeps a socket bound in its directory and
+    removes the directory when it exits; what counts is a directory with no socket a live process
+    has bound: empty (an exited owner's) or holding a dead one (a killed owner's). `fsdp-sync soak`,
+    the fault matrix and the verl tier count new ones with their other leftovers."""
     import glob
     import tempfile
 
     root = tempfile.gettempdir()
     found = glob.glob(os.path.join(root, "pymp-*")) + glob.glob(os.path.join(root, "torch-shm-dir-*"))
+    held = _bound_socket_dirs()
     out = set()
-    for d in found:     # a live owner keeps its socket in it: only an empty one is left behind
+    for d in found:
         try:
-            if not os.listdir(d):
+            if held is not None and d not in held:
+                out.add(d)
+            elif not os.listdir(d):   # not allowed to see other processes' sockets: empty ones only
                 out.add(d)
         except OSError:
             continue    # removed meanwhile, or not ours to read
     return out
+
+
+def _bound_socket_dirs() -> set[str] | None:
+    """The directories of the Unix sockets live processes have bound (None: not allowed to see)."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections("unix")
+    except (psutil.AccessDenied, OSError):
+        return None
+    return {os.path.dirname(c.laddr) for c in conns if isinstance(c.laddr, str) and c.laddr}
 
 
 def empty_cache() -> None:

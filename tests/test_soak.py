@@ -64,6 +64,7 @@ def test_soak_without_matplotlib_keeps_its_measurement_and_says_what_it_measured
 def test_temp_dirs_left_behind_count_as_leftovers(tmp_path, monkeypatch):
     """Issue 21 item 14: empty pymp-* and torch-shm-dir-* directories piled up in /tmp; the soak
     and the fault matrix count them with the other leftovers."""
+    import socket
     import tempfile
 
     from fsdp_sync.memory import temp_dirs
@@ -73,9 +74,19 @@ def test_temp_dirs_left_behind_count_as_leftovers(tmp_path, monkeypatch):
     (tmp_path / "pymp-abc").mkdir()
     (tmp_path / "torch-shm-dir-xyz").mkdir()
     (tmp_path / "other").mkdir()
-    (tmp_path / "pymp-live").mkdir()
-    (tmp_path / "pymp-live" / "listener-1").write_text("")     # a live owner's socket
-    assert temp_dirs() == {str(tmp_path / "pymp-abc"), str(tmp_path / "torch-shm-dir-xyz")}
+    for d in ("pymp-live", "torch-shm-dir-killed"):
+        (tmp_path / d).mkdir()
+    live = socket.socket(socket.AF_UNIX)                    # a live owner's listener
+    live.bind(str(tmp_path / "pymp-live" / "listener-1"))
+    live.listen()
+    dead = socket.socket(socket.AF_UNIX)                    # a killed owner's: its file stays
+    dead.bind(str(tmp_path / "torch-shm-dir-killed" / "manager.sock"))
+    dead.close()
+    try:
+        assert temp_dirs() == {str(tmp_path / d) for d in
+                               ("pymp-abc", "torch-shm-dir-xyz", "torch-shm-dir-killed")}
+    finally:
+        live.close()
     grows = _series(lambda s: 200 * MiB)
     for s in grows:
         s["temp_dirs"] = s["sync"] // 400

@@ -15,9 +15,16 @@ export VERL_PLATFORM=cpu                        # fsdp_sync's CPU platform for v
 export TOKENIZERS_PARALLELISM=false
 # Ray's socket paths must stay under ~107 characters: a short session directory of its own
 export RAY_TMPDIR=${RAY_TMPDIR:-$(mktemp -d /tmp/fsr.XXXXXX)}
+# Ray SIGKILLs its workers at shutdown, so what multiprocessing made in their temp directory (a
+# forkserver's pymp-* directory) is never removed by them: the run's temp directory goes at its end
+RUN_TMP=$(mktemp -d /tmp/fsr-tmp.XXXXXX)
+export TMPDIR=$RUN_TMP
 
-exec "$PY" -m verl.trainer.main_ppo --config-path "$HERE" --config-name tiny_grpo_cpu \
+status=0
+"$PY" -m verl.trainer.main_ppo --config-path "$HERE" --config-name tiny_grpo_cpu \
   data.train_files="$TINY_DIR/train.parquet" data.val_files="$TINY_DIR/test.parquet" \
   actor_rollout_ref.model.path="$TINY_DIR/model" \
   reward.custom_reward_function.path="$HERE/tiny/reward.py" \
-  "$@"
+  "$@" || status=$?
+rm -rf "$RUN_TMP"
+exit $status

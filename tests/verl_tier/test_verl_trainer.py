@@ -83,6 +83,14 @@ def _steps(log: str) -> dict[int, dict[str, float]]:
     return steps
 
 
+def _temp_dirs() -> set[str]:
+    """What a run left in the temp directory: multiprocessing's and torch_shm_manager's
+    directories no live process holds (`memory.temp_dirs`) and the run script's own TMPDIR."""
+    from fsdp_sync.memory import temp_dirs
+
+    return temp_dirs() | {str(p) for p in Path(tempfile.gettempdir()).glob("fsr-tmp.*")}
+
+
 def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
     from safetensors.torch import load_file
 
@@ -91,6 +99,7 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
     marker = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="fsr")          # Ray's socket paths must stay short
     shm_before = set(os.listdir("/dev/shm"))
+    tmp_before = _temp_dirs()
     metrics_file = tmp_path / "sync.jsonl"
     env = dict(os.environ, PYTHON=sys.executable, TINY_DIR=str(tmp_path / "tiny"),
                RAY_TMPDIR=ray_tmp, FSDP_SYNC_TEST_RUN=marker,
@@ -155,3 +164,6 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
     assert not listening, f"port {port} (serve) still listened on: {listening}"
     left_shm = _orphaned(set(os.listdir("/dev/shm")) - shm_before)
     assert not left_shm, f"shared-memory segments left behind: {left_shm}"
+    # Ray SIGKILLs its workers: the run script's own TMPDIR takes what multiprocessing left there
+    left_tmp = sorted(_temp_dirs() - tmp_before)
+    assert not left_tmp, f"temp directories left behind by the run: {left_tmp}"
