@@ -161,8 +161,8 @@ def test_a_command_without_its_extra_says_how_to_install_it(monkeypatch, capsys,
         monkeypatch.setitem(sys.modules, name, None)   # as if not installed: find_spec gives None
     assert cli.main(argv) == 2                         # before anything starts
     err = capsys.readouterr().err.strip()
-    assert err == (f"fsdp-sync {argv[0]}: needs {missing}, which the library does not install; "
-                   f"install the command's extra: pip install 'fsdp_sync[cli]'")
+    assert err == (f"fsdp-sync {argv[0]}: needs {missing}, which the library does not install: "
+                   f"pip install {missing} (or, in your clone of fsdp_sync, pip install -e '.[cli]')")
 
 
 def test_serve_needs_no_cli_extra(monkeypatch):

@@ -209,7 +209,8 @@ def missing_dependency(args: argparse.Namespace) -> str | None:
     if not missing:
         return None
     return (f"fsdp-sync {args.command}: needs {' and '.join(missing)}, which the library does not "
-            f"install; install the command's extra: pip install 'fsdp_sync[cli]'")
+            f"install: pip install {' '.join(missing)} (or, in your clone of fsdp_sync, "
+            f"pip install -e '.[cli]')")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,7 +258,7 @@ def plot_report(rep: dict, png: str) -> str | None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        return "matplotlib is not installed, so no plot was drawn (pip install 'fsdp_sync[cli]')"
+        return "matplotlib is not installed, so no plot was drawn (pip install matplotlib)"
     plot(rep["series"], rep["procs"], png, rep["warmup"])
     rep["png"] = png
     return None
