@@ -38,7 +38,9 @@ def test_mismatches_name_each_key_and_both_values():
     assert model_config(torch.nn.Linear(2, 2)) is None
 
 
-def _job(rank, world):
+def _job(rank, world, http=False):
+    from contextlib import ExitStack
+
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.manager import FSDPShardingManager
@@ -48,17 +50,31 @@ def _job(rank, world):
     module = build_model(load_config("tiny"), seed=1)
     cfg = SyncConfig(dtype=torch.float32, free_cache_engine=False, verify="full")
     out = {}
-    with ReferenceEngine(load_config("tiny", rope_theta=1e6, rms_norm_eps=1e-5), tp_size=1) as eng:
+
+    def driven(stack, eng):
+        """The engine the manager drives: itself, or over HTTP through fsdp-sync serve"""
+        if not http:
+            return eng
+        from fsdp_sync.engines.reference.serve import EngineServer
+        from fsdp_sync.engines.sglang import SGLangEngine
+
+        server = stack.enter_context(EngineServer(eng))
+        return SGLangEngine(base_url=server.url, tp_size=1)
+
+    with ExitStack() as stack:
+        eng = stack.enter_context(ReferenceEngine(load_config("tiny", rope_theta=1e6, rms_norm_eps=1e-5),
+                                                  tp_size=1))
         before = eng.weights_checksum()
         try:
-            with FSDPShardingManager(module, eng, mesh=make_mesh(1, 1), config=cfg):
+            with FSDPShardingManager(module, driven(stack, eng), mesh=make_mesh(1, 1), config=cfg):
                 pass
             out["error"] = None
         except SyncError as exc:
             out["error"] = str(exc)
         out["unchanged"] = eng.weights_checksum() == before
-    with ReferenceEngine(load_config("tiny"), tp_size=1) as eng:   # equal configs: syncs, verified
-        with FSDPShardingManager(module, eng, mesh=make_mesh(1, 1), config=cfg):
+    with ExitStack() as stack:   # equal configs: syncs, verified
+        eng = stack.enter_context(ReferenceEngine(load_config("tiny"), tp_size=1))
+        with FSDPShardingManager(module, driven(stack, eng), mesh=make_mesh(1, 1), config=cfg):
             pass
         out["equal_synced"] = torch.equal(eng.get_weights_by_name("model.norm.weight"),
                                           module.model.norm.weight)
@@ -66,9 +82,31 @@ def _job(rank, world):
 
 
 @pytest.mark.timeout(150)
-def test_the_manager_refuses_an_engine_with_other_math_on_every_rank():
-    (r,) = run_ranks(_job, 1, timeout_s=140, env=spawn_env())
+@pytest.mark.parametrize("http", [False, True], ids=["in_process", "over_http"])
+def test_the_manager_refuses_an_engine_with_other_math_on_every_rank(http):
+    """In process, and over HTTP through fsdp-sync serve (which reports its config in
+    /get_model_info): the manager refuses before any byte moves."""
+    (r,) = run_ranks(_job, 1, http, timeout_s=140, env=spawn_env())
     assert r["error"] is not None, r
     assert "rms_norm_eps: trainer 1e-06, engine 1e-05" in r["error"], r["error"]
     assert "rope_theta: trainer 10000.0, engine 1000000.0" in r["error"], r["error"]
     assert r["unchanged"] and r["equal_synced"]
+
+
+def test_a_served_config_is_read_from_serve_or_from_sglangs_model_path(tmp_path):
+    """SGLang's /get_model_info names only model_path: where that is a local directory its
+    config.json is the engine's config; fsdp-sync serve reports the whole config (hf_config)."""
+    import json
+
+    from fsdp_sync.engines.sglang.served_config import served_config
+
+    base = load_config("tiny")
+    (tmp_path / "config.json").write_text(json.dumps(load_config("tiny", rope_theta=1e6).to_dict()))
+    from_path = served_config({"model_path": str(tmp_path), "weight_version": "default"})
+    assert config_mismatches(base, from_path) == [("rope_theta", 10000.0, 1e6)]
+    assert config_mismatches(base, served_config({"hf_config": base.to_dict()})) == []
+    # a model type transformers does not know: its values still compare
+    odd = served_config({"hf_config": {"model_type": "not-a-model", "rms_norm_eps": 1e-5}})
+    assert ("rms_norm_eps", base.rms_norm_eps, 1e-5) in config_mismatches(base, odd)
+    # nothing to read: not checked
+    assert served_config({"model_path": "Qwen/Qwen3-8B"}) is None and served_config(None) is None

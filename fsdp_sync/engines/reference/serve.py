@@ -322,9 +322,13 @@ class EngineServer(ControlRoutes):
         return "the engine was shut down" if getattr(self.engine, "closed", False) is True else None
 
     def _model_info(self, body: dict) -> tuple[int, Any]:
+        cfg = getattr(self.engine, "config", None)
         return 200, {"model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
                      "weight_version": self.weight_version,
-                     "model_type": getattr(getattr(self.engine, "config", None), "model_type", None)}
+                     "model_type": getattr(cfg, "model_type", None),
+                     # fsdp_sync's: the whole HF config, so a trainer checks the math-changing
+                     # values against its own at the first sync (SGLang reports only model_path)
+                     "hf_config": json.loads(cfg.to_json_string()) if hasattr(cfg, "to_json_string") else None}
 
     def _server_info(self, body: dict) -> tuple[int, Any]:
         return 200, {"tp_size": int(self.engine.tp_size), "dp_size": 1,

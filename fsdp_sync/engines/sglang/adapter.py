@@ -33,6 +33,9 @@ from .control import GenerationControl
 from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLangError,
                      SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text)
 from .payloads import FLATTENED_BUCKET, flattened_bucket_payloads
+from .served_config import served_config
+
+_UNASKED = object()   # `SGLangEngine.config` not asked yet
 
 __all__ = ["SGLangEngine"]
 
@@ -106,6 +109,7 @@ class SGLangEngine(GenerationControl):
         self.allocator = ExpandableSegments(manage_expandable_segments)
         self.closed = False
         self._fsdp_sync_route: bool | None = None   # fsdp-sync serve's checksum route, asked once
+        self._config: Any = _UNASKED
         if tp_size is not None and tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         # asked now, not on first use: a protocol isinstance check reads the attribute
@@ -120,6 +124,24 @@ class SGLangEngine(GenerationControl):
     @property
     def where(self) -> str:
         return (self._http or self._local).where
+
+    @property
+    def config(self) -> Any:
+        """The served model's config where the server reports it (`served_config`: ``fsdp-sync
+        serve``, or SGLang started from a local directory), else None; asked once."""
+        if self._config is _UNASKED:
+            info = None
+            if self._http is not None:
+                try:
+                    info = self._http.json("GET", "/get_model_info", idempotent=True)
+                except NotFound:          # a server without the route: not checked
+                    info = None
+            else:     # sglang.Engine: its tokenizer manager holds the ModelConfig it loaded
+                tm = getattr(self._local.engine, "tokenizer_manager", None)
+                hf = getattr(getattr(tm, "model_config", None), "hf_config", None)
+                info = {"hf_config": hf.to_dict()} if hasattr(hf, "to_dict") else None
+            self._config = served_config(info)
+        return self._config
 
     @property
     def takes_weight_version(self) -> bool:
