@@ -177,6 +177,10 @@ def test_adapter_syncs_fsdp2_weights_bit_exact_into_served_engine(tmp_path):
     assert results[0]["refused"] and results[0]["refused"] == results[1]["refused"]
     assert results[0]["refused"].startswith("SyncError") and "dtype" in results[0]["refused"], \
         results[0]["refused"]
+    # an actor config with other math than the served model's: refused on both ranks, naming it
+    assert results[0]["config_refused"] == results[1]["config_refused"]
+    assert "rope_theta: trainer 1000000.0, engine 10000.0" in (results[0]["config_refused"] or ""), \
+        results[0]["config_refused"]
     # the engine serves exactly what the trainer had after the last sync; each sync was bit-exact
     # too: the reference engine commits begin..end as a whole, and the last checksum matches
     assert after == r0["syncs"][-1]["checksum"] != before

@@ -91,6 +91,19 @@ def sync_ranks(rank: int, world: int, rollout_cfg: dict, strategies: list[str], 
     except Exception as exc:  # noqa: BLE001 - returned to the test, which checks it
         out["refused"] = f"{type(exc).__name__}: {exc}"
     dist.barrier()
+    # an actor whose model config has other math than the served model's (rope theta): refused at
+    # the first sync on every rank, before any byte moves
+    from types import SimpleNamespace
+
+    rollout = rollout_cls(config=omega_conf_to_dataclass(OmegaConf.create(rollout_cfg)),
+                          model_config=SimpleNamespace(hf_config=load_config("tiny", rope_theta=1e6)),
+                          device_mesh=mesh)
+    try:
+        asyncio.run(rollout.update_weights(verl_generator(model), global_steps=100))
+        out["config_refused"] = None
+    except Exception as exc:  # noqa: BLE001 - returned to the test, which checks it
+        out["config_refused"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
     if batch_check:
         out["dataproto"] = dataproto_roundtrip(rank, mesh, rollout_cfg)
     return out

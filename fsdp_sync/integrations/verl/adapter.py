@@ -65,7 +65,8 @@ from verl.workers.rollout import base as _verl_rollout_base
 from ...weights import handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets
 from ...config import SyncConfig
-from ...topology import SyncTopology
+from ...config_check import check_configs
+from ...topology import SyncTopology, agree
 from ...transport import SyncStats
 from ...transport.tensor import Call, TensorTransport
 from ...verify import check_sent, tensor_digest
@@ -366,6 +367,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         go through the tensor transport's send loop (`TensorTransport.send`): the update bracket,
         then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free."""
         cfg, topo = self.sync, self._topology()
+        if self._syncs == 0:     # before any byte moves, on every rank of the infer-TP group
+            agree(self._config_error(engine, topo), topo.tp_group, what="fsdp_sync verl sync")
         counted = SyncStats()
         # verify: infer-TP rank 0 keeps a digest of each tensor as it is sent, and after the sync
         # compares the engine's digests of what it now serves (`verify.check_sent`), agreed by the
@@ -412,6 +415,20 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         if sent is not None:
             out["digests"] = sent
         return out
+
+    def _config_error(self, engine: Any, topo: SyncTopology) -> str | None:
+        """On infer-TP rank 0: the actor's model config (verl's ``model_config.hf_config``) against
+        the served one (`SGLangEngine.config`) in every value that changes the engine's math
+        (`config_check`); skipped where either side has none."""
+        mine = getattr(self.model_config, "hf_config", None)
+        theirs = getattr(engine, "config", None) if engine is not None else None
+        if mine is None or theirs is None:
+            return None
+        try:
+            check_configs(mine, theirs, where=topo.describe())
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def _quantizer(self, topo: SyncTopology) -> "quantize.StreamQuantizer":
         """The block-FP8 quantizer of verl's stream, from the model's HF config at the rollout's
