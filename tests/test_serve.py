@@ -379,3 +379,17 @@ def test_sglang_get_routes_and_empty_tags_mean_all(engine, server):
     assert status == 200 and torch.tensor(json.loads(text)).equal(
         engine.get_weights_by_name("model.norm.weight")), text
     assert raw(server, "GET", "/update_weights_from_tensor")[0] == 405      # updates stay POST
+
+
+def test_openai_model_list_and_lora_routes_are_sglangs(engine, server):
+    """verl's AsyncHttpServerAdapter has ``available_models`` (GET /v1/models, SGLang's OpenAI
+    card list) and LoRA routes: the served model's card, and a 400 naming what to do for LoRA
+    instead of a bare 404."""
+    status, text = raw(server, "GET", "/v1/models")
+    assert status == 200, text
+    models = json.loads(text)
+    assert models["object"] == "list" and [c["object"] for c in models["data"]] == ["model"]
+    assert models["data"][0]["max_model_len"] == engine.config.max_position_embeddings
+    for route in ("/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter"):
+        status, out = post(server, route, {"lora_name": "x"})
+        assert status == 400 and "no LoRA adapters" in out["message"], (route, out)

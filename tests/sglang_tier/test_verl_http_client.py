@@ -27,6 +27,11 @@ CALLED = {"generate", "flush_cache", "release_memory_occupation", "resume_memory
           "update_weights_from_tensor", "abort_request", "shutdown"}
 NOT_CALLED = {"reward_score": "asserts server_args.is_embedding before any request: embedding "
                               "models only, and the reference engine is a generation model"}
+# verl's AsyncHttpServerAdapter (what its SGLang rollout drives): every async method it defines
+ASYNC_CALLED = {"generate", "async_generate", "flush_cache", "available_models",
+                "release_memory_occupation", "resume_memory_occupation", "update_weights_from_tensor",
+                "load_lora_adapter_from_tensor", "unload_lora_adapter", "reward_score",
+                "async_reward_score", "abort_request"}
 
 
 def _weights(host: str, port: int, name: str) -> list:
@@ -74,7 +79,33 @@ def test_verls_http_client_drives_serve_and_every_call_takes_effect(tmp_path):
         assert out["resume"].get("success") is True
         assert out["generate_resumed"]["output_ids"] == gen["output_ids"]     # weights came back
         assert out["update"].get("success") is True, out["update"]
-        assert _weights(host, int(port), "model.norm.weight") == [0.5] * 64
+        assert out["update_served"] == [0.5] * 64
+
+        # the async client, every method it has, each for its effect
+        aout = out["async"]
+        print({k: str(aout[k])[:160] for k in ("generate_released", "load_lora", "reward_score",
+                                               "models", "flush_cache", "update")})
+        assert set(aout["methods"]) == ASYNC_CALLED, aout["methods"]
+        # greedy, same weights: both of its generate calls give the same 6 tokens
+        assert len(aout["generate"]["output_ids"]) == 6
+        assert aout["generate"]["output_ids"] == aout["async_generate"]["output_ids"]
+        assert [t for _, t, _ in aout["generate"]["meta_info"]["output_token_logprobs"]] == \
+            aout["generate"]["output_ids"]
+        assert aout["flush_cache"].get("text") == "Cache flushed.\n", aout["flush_cache"]
+        card = aout["models"]["data"]
+        assert aout["models"]["object"] == "list" and len(card) == 1 and card[0]["object"] == "model"
+        assert card[0]["max_model_len"] > 0 and card[0]["owned_by"] == "sglang"
+        assert aout["release"].get("success") is True and aout["resume"].get("success") is True
+        assert aout["generate_released"] != "answered" and "400" in aout["generate_released"], \
+            aout["generate_released"]
+        assert aout["generate_resumed"]["output_ids"] == aout["generate"]["output_ids"]
+        assert aout["update"].get("success") is True and aout["update_served"] == [0.25] * 64
+        # LoRA is refused by name (400), classify is a route of embedding models only (404)
+        assert "400" in aout["load_lora"] and "400" in aout["unload_lora"], (aout["load_lora"],
+                                                                             aout["unload_lora"])
+        assert "404" in aout["reward_score"] and "404" in aout["async_reward_score"]
+        assert aout["abort"].get("success") is True and aout["abort_all"].get("success") is True
+        assert _weights(host, int(port), "model.norm.weight") == [0.25] * 64
         assert out["abort"].get("success") is True and out["abort_all"].get("success") is True
         assert serve.poll() is None                    # shutdown() of a client leaves it serving
     finally:

@@ -82,6 +82,18 @@ adapter = Adapter(launch_server=False, host=host, port=port, model_path="unused"
                                 max_attempts=2, retry_delay=0.1, timeout=60)
 out: dict = {"io_struct_fields": FIELDS, "abstract_in_verl": missing, "methods": sorted(n for n in vars(mod.HttpServerAdapter)
                                if not n.startswith("_") and callable(getattr(adapter, n)))}
+import urllib.request  # noqa: E402
+
+
+def served(name: str) -> list:
+    """What the server now serves under ``name`` (SGLang's /get_weights_by_name)."""
+    req = urllib.request.Request(f"http://{host}:{port}/get_weights_by_name",
+                                 json.dumps({"name": name}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
 prompt = [11, 27, 93, 5]
 greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 out["generate"] = adapter.generate(input_ids=prompt, sampling_params=greedy, return_logprob=True)
@@ -107,5 +119,57 @@ req = UpdateWeightsFromTensorReqInput(
 out["update"] = adapter.update_weights_from_tensor(req)
 out["abort"] = adapter.abort_request(rid="no-such-request")
 out["abort_all"] = adapter.abort_request(abort_all=True)
+out["update_served"] = served("model.norm.weight")
 adapter.shutdown()                                 # launched nothing: must not touch the server
+
+
+# verl's AsyncHttpServerAdapter: the class verl 0.9.1's SGLang rollout (ServerAdapter) drives, with
+# aiohttp; every async method it has, each checked for its effect
+class AsyncAdapter(mod.AsyncHttpServerAdapter):
+    begin_weight_update = end_weight_update = Adapter.begin_weight_update
+
+
+async def async_calls() -> dict:
+    a = AsyncAdapter(launch_server=False, host=host, port=port, model_path="unused",
+                     max_attempts=2, retry_delay=0.1, timeout=60)
+    got: dict = {"methods": sorted(n for n in vars(mod.AsyncHttpServerAdapter)
+                                   if not n.startswith("_") and callable(getattr(a, n)))}
+    got["generate"] = await a.generate(input_ids=prompt, sampling_params=greedy, return_logprob=True)
+    got["async_generate"] = await a.async_generate(input_ids=prompt, sampling_params=greedy)
+    got["flush_cache"] = await a.flush_cache()
+    got["models"] = await a.available_models()
+    got["release"] = await a.release_memory_occupation()
+    try:
+        await a.generate(input_ids=prompt, sampling_params=greedy)
+        got["generate_released"] = "answered"
+    except Exception as e:  # noqa: BLE001 - the refusal is what is checked
+        got["generate_released"] = f"{type(e).__name__}: {e}"
+    got["resume"] = await a.resume_memory_occupation(tags=None)
+    got["generate_resumed"] = await a.generate(input_ids=prompt, sampling_params=greedy)
+    quarter = [("model.norm.weight", torch.full((64,), 0.25))]
+    got["update"] = await a.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(quarter) for _ in range(2)],
+        load_format=None, flush_cache=True))
+    got["update_served"] = served("model.norm.weight")
+    lora = types.SimpleNamespace(lora_name="x", config_dict={}, serialized_named_tensors=[b"x"])
+    for name, call in (("load_lora", a.load_lora_adapter_from_tensor(lora)),
+                       ("unload_lora", a.unload_lora_adapter("x"))):
+        try:
+            got[name] = await call
+        except Exception as e:  # noqa: BLE001 - the refusal is what is checked
+            got[name] = f"{type(e).__name__}: {e}"
+    for name, call in (("reward_score", a.reward_score(input_ids=prompt)),
+                       ("async_reward_score", a.async_reward_score(input_ids=prompt))):
+        try:
+            got[name] = await call
+        except BaseException as e:  # noqa: BLE001 - an AssertionError on a generation model
+            got[name] = f"{type(e).__name__}: {e}"
+    got["abort"] = await a.abort_request(rid="no-such-request")
+    got["abort_all"] = await a.abort_request(abort_all=True)
+    return got
+
+
+import asyncio  # noqa: E402
+
+out["async"] = asyncio.run(async_calls())
 print("RESULT " + json.dumps(out))

@@ -6,6 +6,7 @@ HTTP client drive it unchanged and a weight sync over HTTP can be run end to end
 weights, on a CPU machine:
 
     GET  /health  /health_generate  /ready  /get_model_info  /get_server_info (/server_info)
+    GET  /v1/models                    (SGLang's OpenAI-style model list: the served model)
     POST /generate                     {input_ids | text, sampling_params}
     POST /update_weights_from_tensor   {serialized_named_tensors, load_format, flush_cache}
     POST /begin_weight_update  /end_weight_update {weight_version}
@@ -22,6 +23,8 @@ weights, on a CPU machine:
     POST /fsdp_sync/tensor_checksums   {names}  (fsdp_sync's own: what SyncConfig.verify reads)
     POST /pause_generation  /continue_generation  /update_weight_version  /fsdp_sync/set_serving,
     GET  /get_weight_version           (`serve_control`: pause modes, versions, out of service)
+    POST /load_lora_adapter  /load_lora_adapter_from_tensors  /unload_lora_adapter: refused (400),
+         the reference engine serves no LoRA adapters
 
 The update routes take SGLang's ``weight_version`` (the engine takes it with the commit), and every
 ``/generate`` answer's ``meta_info`` (each streamed chunk too) carries SGLang's ``weight_version``
@@ -114,6 +117,7 @@ class EngineServer(ControlRoutes):
         self.max_body_bytes = int(max_body_bytes)
         self.update_wait_s = float(update_wait_s)
         self.model_path = model_path
+        self.started = time.time()
         self._update_lock = threading.Lock()
         self._live: dict[str, threading.Event] = {}     # rid -> abort flag of a running generate
         self._live_lock = threading.Lock()
@@ -279,6 +283,7 @@ class EngineServer(ControlRoutes):
             "/model_info": self._model_info,
             "/get_server_info": self._server_info,
             "/server_info": self._server_info,
+            "/v1/models": self._models,
         }
         post_routes: dict[str, Callable[[dict], tuple[int, Any]]] = {
             **control_posts,
@@ -298,6 +303,10 @@ class EngineServer(ControlRoutes):
             "/flush_cache": self._flush_cache,
             "/get_weights_by_name": self._get_weights_by_name,
             "/fsdp_sync/tensor_checksums": self._tensor_checksums,
+            # SGLang's LoRA routes: the reference engine serves no adapters; refused by name
+            # (verl's client calls these only for LoRA runs) rather than a bare 404
+            **{r: self._no_lora for r in ("/load_lora_adapter", "/load_lora_adapter_from_tensors",
+                                          "/unload_lora_adapter")},
         }
         dead = self.dead_reason()
         if dead is not None and (path in get_routes or path in post_routes):
@@ -329,6 +338,19 @@ class EngineServer(ControlRoutes):
                      # fsdp_sync's: the whole HF config, so a trainer checks the math-changing
                      # values against its own at the first sync (SGLang reports only model_path)
                      "hf_config": json.loads(cfg.to_json_string()) if hasattr(cfg, "to_json_string") else None}
+
+    def _models(self, body: dict) -> tuple[int, Any]:
+        """SGLang's OpenAI-style ``/v1/models``: one card, the served model (no LoRA adapters)."""
+        cfg = getattr(self.engine, "config", None)
+        return 200, {"object": "list", "data": [{
+            "id": self.model_path, "object": "model", "created": int(self.started),
+            "owned_by": "sglang", "root": self.model_path, "parent": None,
+            "max_model_len": getattr(cfg, "max_position_embeddings", None)}]}
+
+    def _no_lora(self, body: dict) -> tuple[int, Any]:
+        return 400, {"success": False, "message": "fsdp-sync serve loads no LoRA adapters: merge the "
+                     "adapter into the weights (verl: actor_rollout_ref.model.lora.merge=true) "
+                     "and sync those"}
 
     def _server_info(self, body: dict) -> tuple[int, Any]:
         return 200, {"tp_size": int(self.engine.tp_size), "dp_size": 1,
