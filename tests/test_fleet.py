@@ -165,14 +165,18 @@ def test_fleet_fault_cells(method, phase, fault, mode):
 @pytest.mark.parametrize("pause_mode", ["in_place", None])
 def test_pause_mode_brackets_the_sync_on_every_replica(pause_mode, tmp_path):
     """``SyncConfig.pause_mode`` through the manager: a request running on replica 0 when the sync
-    starts. ``in_place``: the fleet's sync runs while it is paused, and it finishes on the new
-    version, its spans splitting its tokens between "0" and "1"; None: the update waits for it,
-    so all its tokens are version "0"'s. Either way the new version is committed on both replicas."""
+    starts. ``in_place``: the request is held by the engine right after its 3rd token (the
+    engine's test hook: a point that does not depend on the machine's speed), the fleet's sync runs
+    while it is paused, and it finishes on the new version, its spans splitting its tokens 3 / 37
+    between "0" and "1"; None: the update waits for it, so all its tokens are version "0"'s. Either
+    way the new version is committed on both replicas."""
     import threading
+    import time
 
     from fsdp_sync.config import SyncConfig
 
     engines = [_engine(), _engine()]
+    manager = None
     try:
         module = _module()
         manager = _manager(module, engines, SyncConfig(method="distributed", bucket_bytes=1 << 20,
@@ -180,6 +184,8 @@ def test_pause_mode_brackets_the_sync_on_every_replica(pause_mode, tmp_path):
         _sync(manager)
         perturb_(module.parameters())
         started, out = threading.Event(), {}
+        if pause_mode == "in_place":
+            engines[0]._pause_after_steps(3)
 
         def generate():
             out["r"] = engines[0].generate_requests(
@@ -189,6 +195,11 @@ def test_pause_mode_brackets_the_sync_on_every_replica(pause_mode, tmp_path):
         t = threading.Thread(target=generate, daemon=True)
         t.start()
         assert started.wait(60)
+        if pause_mode == "in_place":
+            deadline = time.monotonic() + 30
+            while engines[0].generation_paused != "in_place" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engines[0].generation_paused == "in_place"
         _sync(manager)
         t.join(120)
         assert not t.is_alive()
@@ -196,13 +207,16 @@ def test_pause_mode_brackets_the_sync_on_every_replica(pause_mode, tmp_path):
         n = len(out["r"]["output_ids"])
         assert n == 40 and spans[-1][2] == n
         if pause_mode == "in_place":
-            assert [v for v, _, _ in spans] == ["0", "1"] and 3 <= spans[0][2] < n, spans
+            # the manager's continue_generation resumed it: what it made after came from "1"
+            assert spans == [("0", 0, 3), ("1", 3, n)], spans
+            assert engines[0].generation_paused is None
         else:
             assert spans == [("0", 0, n)], spans
         assert manager.version == "1" and all(e.get_weight_version() == "1" for e in engines)
         assert all(_same(e, module) for e in engines)
-        manager.close()
     finally:
+        if manager is not None:
+            manager.close()     # its update group, even when an assertion failed above
         for e in engines:
             e.shutdown()
 
