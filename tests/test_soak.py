@@ -59,6 +59,7 @@ def test_soak_without_matplotlib_keeps_its_measurement_and_says_what_it_measured
     assert "no plot: matplotlib is not installed" in text and not (tmp_path / "soak.png").exists()
     assert "measured 3 syncs per method" in text and "run --syncs 1000 to judge it" in text
     assert "target NOT met" not in text and "target met" not in text
+    assert "– (<1000)" in text        # 3 syncs are not scaled to "per 1000" in the table
 
 
 def test_temp_dirs_left_behind_count_as_leftovers(tmp_path, monkeypatch):
