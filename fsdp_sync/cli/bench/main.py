@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
+from ...plan import memory_budget, quantized_bucket_bytes
 from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floor_shared_seconds,
-                     layout_figures, quantized_bucket_bytes)
+                     layout_figures)
 from .sampling import DeviceSampler, rises, sampled_sync
 from .targets import check_targets
 
@@ -372,8 +373,7 @@ def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, 
         "ranks": job.ranks, "tp": job.tp, "multi_stage": job.multi_stage, "device": job.device,
         "dtype": job.dtype, "seconds": secs_med, "repeats": secs, "floor_seconds": floor,
         "baseline_seconds": None, "peak_extra_bytes": int(peak_extra),
-        "memory_budget_bytes": 2 * bucket_bytes + largest,
-        "memory_budget_rule": "2 x bucket + largest tensor", "engine_calls": stats.engine_calls,
+        **memory_budget("tensor", bucket_bytes, largest), "engine_calls": stats.engine_calls,
         "stages": timeline, "memory_curve": curve,
     }
 
