@@ -223,6 +223,7 @@ def add_plan_parser(sub) -> None:
                         "shard in --trainer-dtype; 0 when offloaded)")
     p.add_argument("--save-cluster", metavar="PATH", help="write the cluster used (measured or not) as JSON here")
     p.add_argument("--json", metavar="PATH", help="write {'cluster': ..., 'rows': [...]} here")
+    p.add_argument("--plot", metavar="DIR", help="write a PNG per model here (needs matplotlib)")
     p.set_defaults(check=check_plan_args, run=cmd_plan)
 
 
@@ -369,4 +370,14 @@ def cmd_plan(args) -> int:
         out = {"cluster": cluster.to_dict(), "sweep": {k: v for k, v in sweep.items()}, "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
         console.print(f"wrote {args.json}")
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            console.print("--plot: matplotlib is not installed; no plot written")
+        else:
+            from .plots import plot_plan
+
+            for path in plot_plan(rows, args.plot):
+                console.print(f"wrote {path}")
     return 1 if refused and len(refused) == len(rows) else 0

@@ -89,7 +89,8 @@ def sweep_recipes() -> list[str]:
     """The bench sweeps shipped with the package (``fsdp_sync/recipes/memory_tuning/<name>.yaml``)."""
     from ...models import RECIPES_DIR
 
-    return sorted(p.stem for p in (RECIPES_DIR / "memory_tuning").glob("*.yaml"))
+    return sorted(p.stem for p in (RECIPES_DIR / "memory_tuning").glob("*.yaml")
+                  if not p.stem.startswith("plan_"))    # plan_*: `fsdp-sync plan` sweeps
 
 
 def sweep_recipe(text: str) -> str:
