@@ -211,18 +211,14 @@ def _sync_file_range() -> Any:
     return _SFR[0]
 
 
-def _file_layout(entries: Any, rename: Any, metadata: dict | None, limit: int | None
-                 ) -> tuple[bytes, list[str], list[list[int]]]:
-    """(the file's head: u64 header size + JSON header, the names in file order, the runs of
-    bucket bytes written after it) of a safetensors file holding ``entries``: what
-    `write_safetensors` writes and `safetensors_file_bytes` counts, from one code path."""
+def _file_layout(entries: Any, rename: Any, metadata: dict | None, limit: int | None) -> tuple:
+    """(head: u64 size + JSON header; names in file order; runs of bucket bytes after it): one
+    code path for what `write_safetensors` writes and `safetensors_file_bytes` counts."""
     order = sorted(entries, key=lambda e: -e.dtype.itemsize)     # stable: bucket order within
     header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
     names, runs, offset = [], [], 0
     for e in order:
-        name = rename(e.name)
-        code = _ST_CODE.get(e.dtype)
-        nbytes = e.end - e.start
+        name, code, nbytes = rename(e.name), _ST_CODE.get(e.dtype), e.end - e.start
         if code is None or name in header or not 0 <= e.start <= e.end <= (e.end if limit is None else limit) \
                 or nbytes != math.prod(e.shape) * e.dtype.itemsize:
             raise ValueError(f"tensor {name!r} ({e.dtype}, shape {tuple(e.shape)}, bytes "
@@ -241,8 +237,7 @@ def _file_layout(entries: Any, rename: Any, metadata: dict | None, limit: int | 
 
 
 def safetensors_file_bytes(entries: Any, *, rename: Any = str, metadata: dict | None = None) -> int:
-    """Size in bytes of the file `write_safetensors` writes for ``entries`` (header included),
-    without writing it: pure, for planning (`fsdp_sync.plan`)."""
+    """Bytes of the file `write_safetensors` writes for ``entries``, header included (pure)."""
     head, _, runs = _file_layout(entries, rename, metadata, None)
     return len(head) + sum(b - a for a, b in runs)
 
@@ -266,8 +261,7 @@ def write_safetensors(path: str, flat: torch.Tensor, entries: Any, *, hash: str 
         raise ValueError(f"a flattened bucket is a 1-D contiguous CPU uint8 tensor, got "
                          f"{flat.dtype} {tuple(flat.shape)} on {flat.device}")
     head, names, runs = _file_layout(entries, rename, metadata, flat.numel())
-    head = memoryview(head)
-    offset = sum(b - a for a, b in runs)
+    head, offset = memoryview(head), sum(b - a for a, b in runs)
     data = memoryview(flat.numpy())
     h = new_hash(hash)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
