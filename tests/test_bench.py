@@ -217,7 +217,7 @@ def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path):
     report the quantization's own seconds, and count the quantized bucket in their budget."""
     import torch
 
-    from fsdp_sync.cli.bench.floors import quantized_bucket_bytes
+    from fsdp_sync.plan import quantized_bucket_bytes
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.weights import quantize

@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.main import add_bench_parser
 
     add_bench_parser(sub)
+    from .plan import add_plan_parser
+
+    add_plan_parser(sub)
     from .serve import add_serve_parser
 
     add_serve_parser(sub)
@@ -192,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # what each subcommand imports beyond the library: the ``cli`` extra (pyproject.toml) installs them
-_RICH_COMMANDS = ("demo", "bench", "faults", "soak")
+_RICH_COMMANDS = ("demo", "bench", "plan", "faults", "soak")
 
 
 def missing_dependency(args: argparse.Namespace) -> str | None:

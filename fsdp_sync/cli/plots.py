@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["plot_bench"]
+__all__ = ["plot_bench", "plot_plan"]
 
 MiB = 2**20
 
@@ -99,6 +99,54 @@ def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
         axes[-1].set_xlabel("seconds since the with block began")
         fig.tight_layout()
         path = out / f"memory_timeline_{model}_{strategy}_{int(bucket / MiB)}MiB.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def plot_plan(rows: list[dict], out_dir: str | Path) -> list[Path]:
+    """`fsdp-sync plan` rows: estimated seconds and the peak-memory bound against bucket size, one
+    line per (method, layout) and model, with the memory left on the GPU; refused plans marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for model in sorted({str(r["model"]) for r in rows}):
+        mrows = [r for r in rows if str(r["model"]) == model]
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+        by: dict[str, list] = defaultdict(list)
+        for r in mrows:
+            by[f"{r['method']} ({r['layout']})"].append(r)
+        for label, rs in sorted(by.items()):
+            rs = sorted(rs, key=lambda r: r["bucket_bytes"])
+            ok = [r for r in rs if not r.get("refused")]
+            line = ax_t.plot([r["bucket_bytes"] / MiB for r in ok], [r["seconds"] for r in ok], "o-", label=label)
+            ax_m.plot([r["bucket_bytes"] / MiB for r in ok], [r["memory_budget_bytes"] / 2**30 for r in ok], "o-",
+                      color=line[0].get_color() if line else None, label=label)
+            bad = [r for r in rs if r.get("refused")]
+            ax_t.plot([r["bucket_bytes"] / MiB for r in bad], [max((x["seconds"] for x in ok), default=1)] * len(bad),
+                      "x", color=line[0].get_color() if line else "k")
+        free = sorted({(r["method"] == "tensor", r["memory_free_bytes"]) for r in mrows if "memory_free_bytes" in r})
+        for colocated, f in free:
+            ax_m.axhline(f / 2**30, ls=":", color="k")
+            ax_m.annotate(f"free on {'a colocated' if colocated else 'an engine'} GPU", (1, f / 2**30),
+                          xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=8)
+        for ax in (ax_t, ax_m):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("bucket MiB")
+            ax.grid(alpha=0.3)
+        ax_t.set_yscale("log")
+        ax_t.set_ylabel("estimated seconds (x: refused)")
+        ax_m.set_ylabel("peak extra memory bound, GiB")
+        ax_t.legend(fontsize=7)
+        fig.suptitle(f"fsdp-sync plan: {Path(model).stem}")
+        fig.tight_layout()
+        path = out / f"plan_{Path(model).stem}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

@@ -60,7 +60,7 @@ __all__ = [
     "INDEX_FILE", "MANIFEST_FILE", "CONFIG_FILE", "MANIFEST_FORMAT", "SAFETENSORS_DTYPES",
     "HASHES", "DEFAULT_HASH", "new_hash", "digest_file", "manifest_hash",
     "CheckpointError", "ReadPlan", "shard_file_name", "sha256_file", "fsync_file", "fsync_dir",
-    "write_json", "write_safetensors", "start_writeback", "read_hashed", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
+    "write_json", "write_safetensors", "safetensors_file_bytes", "start_writeback", "read_hashed", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
     "RankPlan", "is_ranked", "resolve_ranked", "read_verified", "rank_tensor_name", "engine_name_of",
 ]
 
@@ -211,6 +211,37 @@ def _sync_file_range() -> Any:
     return _SFR[0]
 
 
+def _file_layout(entries: Any, rename: Any, metadata: dict | None, limit: int | None) -> tuple:
+    """(head: u64 size + JSON header; names in file order; runs of bucket bytes after it): one
+    code path for what `write_safetensors` writes and `safetensors_file_bytes` counts."""
+    order = sorted(entries, key=lambda e: -e.dtype.itemsize)     # stable: bucket order within
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    names, runs, offset = [], [], 0
+    for e in order:
+        name, code, nbytes = rename(e.name), _ST_CODE.get(e.dtype), e.end - e.start
+        if code is None or name in header or not 0 <= e.start <= e.end <= (e.end if limit is None else limit) \
+                or nbytes != math.prod(e.shape) * e.dtype.itemsize:
+            raise ValueError(f"tensor {name!r} ({e.dtype}, shape {tuple(e.shape)}, bytes "
+                             f"[{e.start}, {e.end}) of {limit}) cannot be written: an "
+                             f"unsupported dtype, a repeated name or a span outside the bucket")
+        header[name] = {"dtype": code, "shape": list(e.shape), "data_offsets": [offset, offset + nbytes]}
+        names.append(name)
+        offset += nbytes
+        if runs and runs[-1][1] == e.start:
+            runs[-1][1] = e.end                  # adjacent in the bucket too: one write
+        elif nbytes:
+            runs.append([e.start, e.end])
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)               # the data starts 8-byte aligned (as safetensors)
+    return struct.pack("<Q", len(text)) + text, names, runs
+
+
+def safetensors_file_bytes(entries: Any, *, rename: Any = str, metadata: dict | None = None) -> int:
+    """Bytes of the file `write_safetensors` writes for ``entries``, header included (pure)."""
+    head, _, runs = _file_layout(entries, rename, metadata, None)
+    return len(head) + sum(b - a for a, b in runs)
+
+
 def write_safetensors(path: str, flat: torch.Tensor, entries: Any, *, hash: str = DEFAULT_HASH,
                       rename: Any = str, metadata: dict | None = None,
                       fsync: bool = True) -> tuple[str, int, list[str]]:
@@ -229,28 +260,8 @@ def write_safetensors(path: str, flat: torch.Tensor, entries: Any, *, hash: str 
     if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous() or flat.is_cuda:
         raise ValueError(f"a flattened bucket is a 1-D contiguous CPU uint8 tensor, got "
                          f"{flat.dtype} {tuple(flat.shape)} on {flat.device}")
-    order = sorted(entries, key=lambda e: -e.dtype.itemsize)     # stable: bucket order within
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    names, runs, offset = [], [], 0
-    for e in order:
-        name = rename(e.name)
-        code = _ST_CODE.get(e.dtype)
-        nbytes = e.end - e.start
-        if code is None or name in header or not 0 <= e.start <= e.end <= flat.numel() \
-                or nbytes != math.prod(e.shape) * e.dtype.itemsize:
-            raise ValueError(f"tensor {name!r} ({e.dtype}, shape {tuple(e.shape)}, bytes "
-                             f"[{e.start}, {e.end}) of {flat.numel()}) cannot be written: an "
-                             f"unsupported dtype, a repeated name or a span outside the bucket")
-        header[name] = {"dtype": code, "shape": list(e.shape), "data_offsets": [offset, offset + nbytes]}
-        names.append(name)
-        offset += nbytes
-        if runs and runs[-1][1] == e.start:
-            runs[-1][1] = e.end                  # adjacent in the bucket too: one write
-        elif nbytes:
-            runs.append([e.start, e.end])
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)               # the data starts 8-byte aligned (as safetensors)
-    head = memoryview(struct.pack("<Q", len(text)) + text)
+    head, names, runs = _file_layout(entries, rename, metadata, flat.numel())
+    head, offset = memoryview(head), sum(b - a for a, b in runs)
     data = memoryview(flat.numpy())
     h = new_hash(hash)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

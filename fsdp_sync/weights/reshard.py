@@ -54,7 +54,7 @@ from .layout import TPLayout, block_of, view2d
 from ..topology import agree
 
 __all__ = ["RankBucket", "ReshardStats", "plan_rank_buckets", "iter_rank_buckets", "default_owners",
-           "clear_plan_cache"]
+           "clear_plan_cache", "exchange_bytes"]
 
 
 @dataclass
@@ -133,6 +133,39 @@ def default_owners(tp: int, world: int) -> list[list[int]]:
     multiple of tp, each engine replica's rank i sits next to its own buffer); with fewer trainer
     ranks than TP ranks, engine rank i's buffer is held by group rank ``i % world``."""
     return [[r for r in range(world) if r % tp == i] or [i % world] for i in range(tp)]
+
+
+def exchange_bytes(layout: TPLayout, itemsize: int, counts: dict[str, Sequence[int]],
+                   owners: Sequence[Sequence[int]] | None = None) -> list[tuple[int, int]]:
+    """Pure: what each group rank receives and sends, ``(bytes_in, bytes_out)``, over a whole
+    sync on the all-to-all path of `iter_rank_buckets`, from how the trainer ranks hold each HF
+    tensor (``counts[name]``: elements per group rank, contiguous and in rank order, as FSDP2's
+    ``Shard(0)`` or an FSDP1 flat parameter holds them) and the engine's ``itemsize``. The same
+    blocks `_exchange` moves (`_tasks`, `_blocks`): bucket boundaries do not change the totals,
+    so no bucket plan is needed. Planning (`fsdp_sync.plan`) calls it; the sync never does."""
+    world = len(next(iter(counts.values()))) if counts else 1
+    own = [list(o) for o in (owners if owners is not None else default_owners(layout.tp, world))]
+    offsets = {n: tuple(sum(c[:r]) for r in range(world)) for n, c in counts.items()}
+    bytes_in, bytes_out = [0] * world, [0] * world
+    memo: dict[tuple, int] = {}
+    for i in range(layout.tp):
+        for ename, pieces in layout.sources(i).items():
+            eshape = layout.engine_shapes()[ename]
+            for hf, pl in pieces:
+                shape, c = tuple(layout.full_shape(hf)), counts[hf]
+                for t in range(world):
+                    if not c[t]:
+                        continue
+                    a = offsets[hf][t]
+                    key = (a, c[t], shape, block_of(pl.src, shape))
+                    n = memo.get(key)
+                    if n is None:
+                        n = memo[key] = sum(b.numel for b in _blocks(a, a + c[t], shape, pl.src, pl.dst, eshape))
+                    for o in own[i]:
+                        if o != t and n:
+                            bytes_out[t] += n * itemsize
+                            bytes_in[o] += n * itemsize
+    return list(zip(bytes_in, bytes_out))
 
 
 # --------------------------------------------------------------------------- blocks

@@ -169,10 +169,3 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
             "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": int(t.item()),
             "reshard_path": extra.get("reshard_path"), "share_host_memory": share,
             "model_bytes": model_bytes}
-
-
-def quantized_bucket_bytes(bucket_bytes: int, dtype: torch.dtype) -> int:
-    """The most a quantized copy of one bucket of ``dtype`` tensors takes: one byte per element,
-    a float32 scale per 128 x 128 block, 16-byte alignment per tensor (bounded by a page)."""
-    elements = bucket_bytes // dtype.itemsize
-    return elements + 4 * (elements // (128 * 128) + 1) + 4096

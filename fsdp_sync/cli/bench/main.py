@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
+from ...plan import memory_budget, quantized_bucket_bytes
 from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floor_shared_seconds,
-                     layout_figures, quantized_bucket_bytes)
+                     layout_figures)
 from .sampling import DeviceSampler, rises, sampled_sync
 from .targets import check_targets
 
@@ -88,7 +89,8 @@ def sweep_recipes() -> list[str]:
     """The bench sweeps shipped with the package (``fsdp_sync/recipes/memory_tuning/<name>.yaml``)."""
     from ...models import RECIPES_DIR
 
-    return sorted(p.stem for p in (RECIPES_DIR / "memory_tuning").glob("*.yaml"))
+    return sorted(p.stem for p in (RECIPES_DIR / "memory_tuning").glob("*.yaml")
+                  if not p.stem.startswith("plan_"))    # plan_*: `fsdp-sync plan` sweeps
 
 
 def sweep_recipe(text: str) -> str:
@@ -372,8 +374,7 @@ def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, 
         "ranks": job.ranks, "tp": job.tp, "multi_stage": job.multi_stage, "device": job.device,
         "dtype": job.dtype, "seconds": secs_med, "repeats": secs, "floor_seconds": floor,
         "baseline_seconds": None, "peak_extra_bytes": int(peak_extra),
-        "memory_budget_bytes": 2 * bucket_bytes + largest,
-        "memory_budget_rule": "2 x bucket + largest tensor", "engine_calls": stats.engine_calls,
+        **memory_budget("tensor", bucket_bytes, largest), "engine_calls": stats.engine_calls,
         "stages": timeline, "memory_curve": curve,
     }
 

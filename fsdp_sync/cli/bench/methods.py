@@ -200,15 +200,11 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
 
 
 def memory_budget(method: str, bucket_bytes: int, largest: int) -> dict:
-    """A row's memory budget (the most extra memory any one process may take during the sync), the
-    rule it comes from, for `flag_over_budget`. tensor and distributed: two buckets (the one being
-    sent and the next being made) plus the largest tensor (gathered whole). disk: one bucket more
-    on a writing rank, for safetensors' serialized copy of the bucket it writes."""
-    if method == "disk":
-        return {"memory_budget_bytes": 3 * bucket_bytes + largest,
-                "memory_budget_rule": "3 x bucket + largest tensor"}
-    return {"memory_budget_bytes": 2 * bucket_bytes + largest,
-            "memory_budget_rule": "2 x bucket + largest tensor"}
+    """A row's memory budget and its rule: `fsdp_sync.plan.memory_budget` (the one formula the
+    bench and ``fsdp-sync plan`` share; the quantized bucket is added by `bench.bench_rank`)."""
+    from ...plan import memory_budget as rule
+
+    return rule(method, bucket_bytes, largest)
 
 
 def flag_over_budget(rows: list[dict]) -> list[dict]:

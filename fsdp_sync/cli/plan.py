@@ -1,0 +1,382 @@
+"""`fsdp-sync plan`: bytes, engine calls, peak extra memory and a time estimate of a sync, before
+running it, for any model and cluster (`fsdp_sync.plan` does the planning); and ``--cluster
+this-machine``: this machine's links measured by small timed copies, all-gathers, file writes and
+round trips (two gloo ranks, a few seconds).
+
+Takes the bench's flags (``--models``, ``--methods``, ``--ranks``, ``--tp``, ``--bucket-mb``,
+``--layout``, ``--dtype``, ...): one row per combination, under the bench's field names, so
+``fsdp-sync plan --json P`` and ``fsdp-sync bench --json B`` of the same job compare key by key.
+A sweep may also come from a YAML recipe (``--recipe``, keys as the flags, under ``plan:``).
+
+Not here: the planning (`fsdp_sync.plan`), the measured runs (`bench`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_plan_parser", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes"]
+
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------- this machine
+
+def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
+    """Two gloo ranks: memcpy, all-gather, a tiny collective, file write/read, a pipe round trip."""
+    import multiprocessing as mp
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+
+    def timed(body, n: int = repeats) -> float:
+        times = []
+        for _ in range(n + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            body()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    copy_s = timed(lambda: dst.copy_(src))
+    part = torch.ones(nbytes // world, dtype=torch.uint8)
+    out = torch.empty(part.numel() * world, dtype=torch.uint8)
+    from ..weights.gather import all_gather
+
+    gather_s = timed(lambda: all_gather(out, part, None))     # the sync's own gather call
+    tiny = torch.zeros(1)
+    coll_s = timed(lambda: dist.all_reduce(tiny), 50)
+    call_s = disk_w = disk_r = 0.0
+    if rank == 0:
+        # one engine call at least: a payload pickled to another process and its answer back
+        parent, child = mp.Pipe()
+        proc = mp.get_context("spawn").Process(target=_echo, args=(child,), daemon=True)
+        proc.start()
+        payload = {"names": [f"t{i}" for i in range(64)], "handle": bytes(256)}
+        parent.send(payload)
+        parent.recv()
+        rts = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            parent.send(payload)
+            parent.recv()
+            rts.append(time.perf_counter() - t0)
+        parent.send(None)
+        proc.join(10)
+        call_s = statistics.median(rts)
+        data = memoryview(os.urandom(nbytes))
+        with tempfile.TemporaryDirectory(prefix="fsdp-sync-plan-") as d:
+            ws, rs = [], []
+            for i in range(3):
+                path = os.path.join(d, f"f{i}")
+                t0 = time.perf_counter()
+                with open(path, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                ws.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                with open(path, "rb") as f:
+                    while f.read(8 << 20):
+                        pass
+                rs.append(time.perf_counter() - t0)
+            disk_w, disk_r = statistics.median(ws), statistics.median(rs)
+    dist.barrier()
+    return {"copy_s": copy_s, "gather_s": gather_s, "gather_bytes": part.numel() * (world - 1),
+            "collective_s": coll_s, "call_s": call_s, "disk_write_s": disk_w, "disk_read_s": disk_r}
+
+
+def _echo(conn: Any) -> None:
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        conn.send(True)
+
+
+def measure_this_machine(nbytes: int = 64 * MiB, repeats: int = 5) -> Any:
+    """This machine as a `Cluster`: one host holding every rank (CPU), its links measured."""
+    from ..plan import GB, Cluster
+    from .launch import run_ranks, spawn_env
+
+    m = run_ranks(_measure_rank, 2, nbytes, repeats, timeout_s=180, env=spawn_env())[0]
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    gather = m["gather_bytes"] / m["gather_s"] / GB
+    return Cluster(
+        name="this-machine", device="cpu", gpus_per_node=1024, memory_per_gpu=total,
+        d2d_gbps=nbytes / m["copy_s"] / GB, intra_gbps=gather, inter_gbps=gather,
+        disk_write_gbps=nbytes / m["disk_write_s"] / GB, disk_read_gbps=nbytes / m["disk_read_s"] / GB,
+        call_s=m["call_s"], collective_s=m["collective_s"],
+        source=(f"measured {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs: a {nbytes // MiB} "
+                f"MiB memcpy, a gloo all-gather of {nbytes // MiB} MiB over 2 ranks, a file write + "
+                f"fsync and read of {nbytes // MiB} MiB, a pipe round trip to another process (the "
+                f"least an engine call costs), a 1-element all-reduce; medians. One host: every "
+                f"rank on it (gpus_per_node is not a limit), memory_per_gpu is the host's RAM"))
+
+
+# --------------------------------------------------------------------------- the sweep
+
+def plan_recipes() -> list[str]:
+    from ..models import RECIPES_DIR
+
+    return sorted(p.stem for p in (RECIPES_DIR / "memory_tuning").glob("plan_*.yaml"))
+
+
+def plan_rows(sweep: dict, cluster: Any) -> list[dict]:
+    """One row per combination of ``sweep``'s lists (a refused plan: a row with ``refused`` and
+    ``suggested_bucket_bytes``)."""
+    from ..plan import PlanError, PlanJob, plan_row
+
+    rows = []
+    keys = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
+    for model, method, layout, mb, ranks, tp, ep, q in itertools.product(*(sweep[k] for k in keys)):
+        reps = sweep.get("replicas")
+        job = PlanJob(model, method, layout, int(mb * MiB), sweep["dtype"], q, ranks, sweep["fsdp"], tp, ep,
+                      replicas=None if method == "tensor" or not reps else reps,
+                      share_host_memory=sweep["share_host_memory"], pipelined=sweep["pipelined"],
+                      gpu_memory_utilization=sweep["gpu_memory_utilization"],
+                      trainer_dtype=sweep["trainer_dtype"],
+                      trainer_resident_bytes=None if sweep["trainer_resident_gib"] is None
+                      else int(sweep["trainer_resident_gib"] * 2**30))
+        try:
+            rows.append(plan_row(job, cluster))
+        except PlanError as exc:
+            rows.append({"plan": True, "model": model, "method": method, "layout": layout,
+                         "bucket_bytes": job.bucket_bytes, "ranks": ranks, "tp": tp, "ep": ep,
+                         "quantization": q, "refused": str(exc),
+                         "suggested_bucket_bytes": exc.suggested_bucket_bytes})
+    return rows
+
+
+# --------------------------------------------------------------------------- CLI
+
+_DEFAULTS = {"models": ("qwen2-160m",), "methods": ("tensor",), "layouts": ("full",), "bucket_mb": (64.0,),
+             "ranks": (2,), "tp": (2,), "ep": (1,), "quantization": (None,), "replicas": None,
+             "dtype": "float32", "fsdp": 2, "share_host_memory": True, "pipelined": True,
+             "gpu_memory_utilization": 0.85, "trainer_dtype": "float32", "trainer_resident_gib": None,
+             "cluster": "this-machine"}
+_LISTS = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
+
+
+def add_plan_parser(sub) -> None:
+    from . import args as ca
+
+    p = sub.add_parser(
+        "plan", help="predict a sync's bytes, engine calls, peak memory and time for any model and cluster",
+        description="Plan weight syncs without running them: for each combination of the flags, the bytes "
+                    "every trainer rank receives and every engine rank takes in, the engine calls, the peak "
+                    "extra memory bound (the budget rule the bench holds measured rows to: 2 x bucket + "
+                    "largest tensor, disk 3 x bucket) and whether it fits the memory left on a GPU, and a "
+                    "time estimate (each link's floor + per-call overheads). The model is built on the meta "
+                    "device: a 235B model plans in seconds without memory. A plan that cannot fit is refused "
+                    "with the largest bucket that would (exit code 1 when every plan is refused). Rows use the bench's field names.",
+        formatter_class=ca.DefaultsFormatter)
+    p.add_argument("--recipe", type=_plan_recipe,
+                   help="a plan sweep shipped with fsdp_sync (" + ", ".join(plan_recipes()) + ") or a YAML file "
+                        "(keys as the flags' names with underscores, under 'plan:'); flags given override it")
+    p.add_argument("--models", type=ca.csv_of(ca.model_spec), default="qwen2-160m",
+                   help="comma-separated model recipes or config paths")
+    p.add_argument("--config-json", type=ca.existing_file, metavar="PATH",
+                   help="a Hugging Face config.json to plan (instead of --models)")
+    p.add_argument("--methods", type=ca.csv_of(ca.choice_of(("tensor", "distributed", "disk"))), default="tensor",
+                   help="comma-separated update methods: tensor, distributed, disk")
+    p.add_argument("--layout", type=ca.csv_of(ca.choice_of(("full", "engine"))), default="full",
+                   help="comma-separated: full (full tensors; disk: a Hugging Face checkpoint), engine "
+                        "(per-rank buckets; disk: per-rank files)")
+    p.add_argument("--bucket-mb", type=ca.csv_of(ca.positive_float), default="64",
+                   help="comma-separated bucket sizes in MiB")
+    p.add_argument("--ranks", type=ca.csv_of(ca.positive_int), default="2", help="comma-separated trainer world sizes")
+    p.add_argument("--tp", type=ca.csv_of(ca.positive_int), default="2", help="comma-separated engine TP sizes")
+    p.add_argument("--ep", type=ca.csv_of(ca.positive_int), default="1",
+                   help="comma-separated engine expert-parallel sizes (MoE; each divides --tp)")
+    p.add_argument("--replicas", type=ca.positive_int,
+                   help="engines fed by one sync (distributed, disk; default 1; tensor: ranks / tp)")
+    p.add_argument("--dtype", type=ca.dtype_name, default="float32", help=f"rollout dtype: {', '.join(ca.DTYPES)}")
+    p.add_argument("--quantization", type=ca.csv_of(ca.choice_of(("none", "fp8"))), default="none",
+                   help="comma-separated rollout formats: none, fp8 (block FP8)")
+    p.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="the trainer's FSDP version")
+    p.add_argument("--share-host-memory", type=ca.on_off, default="on",
+                   help="on, off: host-shared buckets where the shards are in one host's memory (CPU)")
+    p.add_argument("--pipelined", type=ca.on_off, default="on", help="on, off: per-rank buckets pipelined")
+    p.add_argument("--cluster", type=_cluster_spec, default="this-machine",
+                   help="h100-node, h200-node (NVLink + 400 Gb/s IB, spec figures), this-machine (measured "
+                        "now, a few seconds), or a JSON file with the fields of fsdp_sync.plan.Cluster")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.85,
+                   help="the engine's static memory fraction (SGLang's --mem-fraction-static)")
+    p.add_argument("--trainer-dtype", type=ca.dtype_name, default="float32",
+                   help="the trainer's parameter dtype (its FSDP shard stays on the GPU during the sync)")
+    p.add_argument("--trainer-resident-gib", type=ca.nonnegative_float,
+                   help="GiB the trainer keeps on each GPU during the sync (default: its FSDP parameter "
+                        "shard in --trainer-dtype; 0 when offloaded)")
+    p.add_argument("--save-cluster", metavar="PATH", help="write the cluster used (measured or not) as JSON here")
+    p.add_argument("--json", metavar="PATH", help="write {'cluster': ..., 'rows': [...]} here")
+    p.add_argument("--plot", metavar="DIR", help="write a PNG per model here (needs matplotlib)")
+    p.set_defaults(check=check_plan_args, run=cmd_plan)
+
+
+def _plan_recipe(text: str) -> str:
+    import argparse
+
+    from ..models import RECIPES_DIR
+
+    if Path(text).is_file():
+        return text
+    shipped = RECIPES_DIR / "memory_tuning" / f"{text}.yaml"
+    if shipped.is_file():
+        return str(shipped)
+    raise argparse.ArgumentTypeError(f"no such file or shipped plan sweep: {text!r} (shipped: "
+                                     f"{', '.join(plan_recipes())})")
+
+
+def _cluster_spec(text: str) -> str:
+    import argparse
+
+    from ..plan import CLUSTERS
+
+    if text in CLUSTERS or text == "this-machine" or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(sorted(CLUSTERS))}, this-machine, or a "
+                                     f"cluster JSON file, got {text!r}")
+
+
+def _fraction(text: str) -> float:
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}")
+    return v
+
+
+_FLAG_KEYS = {"models": "models", "methods": "methods", "layout": "layouts", "bucket_mb": "bucket_mb",
+              "ranks": "ranks", "tp": "tp", "ep": "ep", "quantization": "quantization", "replicas": "replicas",
+              "dtype": "dtype", "fsdp": "fsdp", "share_host_memory": "share_host_memory",
+              "pipelined": "pipelined", "gpu_memory_utilization": "gpu_memory_utilization",
+              "trainer_dtype": "trainer_dtype", "trainer_resident_gib": "trainer_resident_gib",
+              "cluster": "cluster"}
+
+
+def check_plan_args(args, given: set[str]) -> None:
+    """The sweep (recipe, then the flags given), checked before anything is planned; ValueError
+    names the flag."""
+    sweep = dict(_DEFAULTS)
+    if args.recipe:
+        from omegaconf import OmegaConf
+
+        d = OmegaConf.to_container(OmegaConf.load(args.recipe), resolve=True)
+        d = dict(d.get("plan", d))
+        unknown = sorted(set(d) - set(_DEFAULTS))
+        if unknown:
+            raise ValueError(f"--recipe {args.recipe}: unknown keys {unknown}; known: {sorted(_DEFAULTS)}")
+        for k, v in d.items():
+            sweep[k] = tuple(v) if k in _LISTS and isinstance(v, (list, tuple)) else ((v,) if k in _LISTS else v)
+    for dest, key in _FLAG_KEYS.items():
+        if dest in given or not args.recipe:
+            v = getattr(args, dest)
+            if v is not None or key in ("replicas", "trainer_resident_gib"):
+                sweep[key] = v
+    if args.config_json:
+        if "models" in given:
+            raise ValueError("--config-json and --models name the model twice: give one")
+        sweep["models"] = (args.config_json,)
+    sweep["quantization"] = tuple(None if q in (None, "none") else q for q in sweep["quantization"])
+    for r, t in itertools.product(sweep["ranks"], sweep["tp"]):
+        if "tensor" in sweep["methods"] and r % t:
+            raise ValueError(f"--ranks {r} must be a multiple of --tp {t} for the tensor method (colocated)")
+    for t, e in itertools.product(sweep["tp"], sweep["ep"]):
+        if t % e:
+            raise ValueError(f"--ep {e} must divide --tp {t} (SGLang's rule)")
+    from ..plan import meta_model
+    from ..weights.layout import layout_for
+
+    for model, t, e in itertools.product(sweep["models"], sweep["tp"], sweep["ep"]):
+        try:
+            layout_for(meta_model(model)[0], t, e)
+        except (ValueError, OSError) as exc:
+            flag = "--config-json" if args.config_json else "--models"
+            raise ValueError(f"{flag} {model} at --tp {t} --ep {e}: {exc}") from None
+    args.sweep = sweep
+
+
+def cmd_plan(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..plan import load_cluster
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    sweep = getattr(args, "sweep", None)
+    if sweep is None:
+        check_plan_args(args, set())
+        sweep = args.sweep
+    if sweep["cluster"] == "this-machine":
+        console.print("measuring this machine (memcpy, gloo all-gather, file write/read, round trips) ...")
+        cluster = measure_this_machine()
+    else:
+        cluster = load_cluster(sweep["cluster"])
+    t0 = time.perf_counter()
+    rows = plan_rows(sweep, cluster)
+    took = time.perf_counter() - t0
+    c = cluster
+    console.print(f"[bold]fsdp-sync plan[/] on {c.name}: {c.gpus_per_node} GPUs/node, "
+                  f"{c.memory_per_gpu / 2**30:.0f} GiB each; d2d {c.d2d_gbps:.1f}, intra {c.intra_gbps:.1f}, "
+                  f"inter {c.inter_gbps:.1f}, disk w/r {c.disk_write_gbps:.2f}/{c.disk_read_gbps:.2f} GB/s; "
+                  f"call {c.call_s * 1e3:.2f} ms, collective {c.collective_s * 1e6:.0f} us ({len(rows)} plans "
+                  f"in {took:.1f} s)")
+    table = Table(title="weight sync plan: bytes exact, memory a bound, seconds an estimate")
+    cols = ("method", "layout", "model", "GiB sent", "ranks", "tp", "bucket MiB", "buckets", "calls",
+            "engine rank in GiB", "trainer rank in GiB", "budget GiB", "free GiB", "est. s", "slowest phase")
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        name = Path(str(r["model"])).stem if "/" in str(r["model"]) else str(r["model"])
+        if r.get("refused"):
+            table.add_row(r["method"], r["layout"], name, "-", str(r["ranks"]), str(r["tp"]),
+                          f"{r['bucket_bytes'] / MiB:g}", "-", "-", "-", "-", "-", "-", "[red]refused[/]", "-")
+            continue
+        slow = max(r["phases"], key=lambda p: p["seconds"])
+        table.add_row(r["method"], r["layout"], name, f"{r['bytes'] / 2**30:.2f}", str(r["ranks"]),
+                      str(r["tp"]) + (f" ep{r['ep']}" if r["ep"] > 1 else ""), f"{r['bucket_bytes'] / MiB:g}",
+                      str(r["buckets"]), str(r["engine_calls"]), f"{r['engine_rank_bytes_in'] / 2**30:.2f}",
+                      f"{(r.get('trainer_rank_bytes_in') or 0) / 2**30:.2f}",
+                      f"{r['memory_budget_bytes'] / 2**30:.2f}", f"{r['memory_free_bytes'] / 2**30:.1f}",
+                      f"{r['seconds']:.3f}", f"{slow['what']} ({slow['link']})")
+    console.print(table)
+    refused = [r for r in rows if r.get("refused")]
+    for r in refused:
+        console.print(f"[red]refused[/]: {r['refused']}")
+    if args.save_cluster:
+        Path(args.save_cluster).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save_cluster).write_text(json.dumps(cluster.to_dict(), indent=1))
+        console.print(f"wrote {args.save_cluster}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        out = {"cluster": cluster.to_dict(), "sweep": {k: v for k, v in sweep.items()}, "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            console.print("--plot: matplotlib is not installed; no plot written")
+        else:
+            from .plots import plot_plan
+
+            for path in plot_plan(rows, args.plot):
+                console.print(f"wrote {path}")
+    return 1 if refused and len(refused) == len(rows) else 0

@@ -1,0 +1,541 @@
+"""Plan a sync before running it: bytes, engine calls, peak extra memory and a time estimate of one
+weight sync, for any model the layout map knows and any cluster, without a process or a byte of
+model memory.
+
+`plan_row(job, cluster)` takes a `PlanJob` (model: a recipe name, a config.json path or a
+``transformers`` config; method, layout, bucket size, rollout dtype and quantization, trainer world
+size and FSDP version, engine TP/EP and replicas) and a `Cluster` (GPUs per node, memory per GPU,
+the bandwidth of each link, per-call overheads: `CLUSTERS` has H100 and H200 nodes; ``fsdp-sync
+plan --cluster this-machine`` measures this machine) and returns one row under the bench's field
+names, so a plan row and a bench row of the same job compare key by key:
+
+- bytes come from the planners the sync itself runs, so they are exact by construction: the model
+  is built on the meta device (no memory, even for 235B) and exported by `export.param_metas`;
+  buckets by `bucket.plan_buckets` / `plan_tight` / `reshard.plan_rank_buckets` (and, for FP8,
+  `quantize.StreamQuantizer.plan`); the engine's shard by the layout map; the trainer ranks'
+  all-to-all bytes by `reshard.exchange_bytes` over the FSDP split; checkpoint file sizes by
+  `hf_checkpoint.safetensors_file_bytes`;
+- ``memory_budget_bytes``: the rule the bench holds every measured row to (`memory_budget`: two
+  buckets + the largest tensor; disk one bucket more; FP8 the quantized bucket too), and whether
+  it fits the memory left on each device: a plan that cannot fit raises `PlanError` naming the
+  figures and the largest bucket that would fit;
+- ``seconds``: an estimate, the floor of each link the bytes cross (bytes / that link's bandwidth,
+  phase after phase; a pipelined method overlaps its phases) plus the per-call and per-collective
+  overheads. It is a model: docs/plan.md sets it beside measured and published figures.
+
+Not here: measuring a cluster (``fsdp-sync plan --cluster this-machine``, in the CLI), printing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Cluster", "CLUSTERS", "PlanJob", "PlanError", "plan_row", "memory_budget",
+           "quantized_bucket_bytes", "meta_model", "load_cluster", "GB", "MiB", "GiB"]
+
+GB, MiB, GiB = 1e9, 2**20, 2**30
+
+
+# --------------------------------------------------------------------------- the cluster
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the estimate needs to know of the machines. Bandwidths in GB/s (1e9 bytes) per GPU,
+    one direction; ``d2d_gbps``: one copy on one device (it reads and writes each byte);
+    ``call_s``: one engine call's overhead; ``collective_s``: one collective's latency."""
+
+    name: str
+    device: str                    # "cuda" or "cpu" (this machine: one host, shards in host memory)
+    gpus_per_node: int
+    memory_per_gpu: int            # bytes
+    d2d_gbps: float
+    intra_gbps: float              # between GPUs of one node (NVLink), per GPU
+    inter_gbps: float              # between nodes (one NIC per GPU), per GPU
+    disk_write_gbps: float         # one node's checkpoint disk, write + fsync
+    disk_read_gbps: float
+    call_s: float
+    collective_s: float
+    source: str = ""               # where each figure comes from
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"cluster device must be cuda or cpu, got {self.device!r}")
+        for f in ("gpus_per_node", "memory_per_gpu", "d2d_gbps", "intra_gbps", "inter_gbps",
+                  "disk_write_gbps", "disk_read_gbps"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"cluster {f} must be > 0, got {getattr(self, f)!r}")
+        if self.call_s < 0 or self.collective_s < 0:
+            raise ValueError(f"cluster call_s and collective_s must be >= 0, got {self.call_s}, "
+                             f"{self.collective_s}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SPEC = ("nominal spec-sheet figures, not measured: HBM {hbm} TB/s (a copy reads and writes: "
+         "d2d = HBM / 2), NVLink 4 900 GB/s both ways (450 GB/s one way per GPU), one 400 Gb/s "
+         "InfiniBand NIC per GPU (50 GB/s); assumed: a node-local NVMe checkpoint disk of "
+         "5 GB/s write and 10 GB/s read, 2 ms per engine call (an SGLang HTTP/RPC round trip), "
+         "30 us per collective")
+CLUSTERS: dict[str, Cluster] = {
+    "h100-node": Cluster("h100-node", "cuda", 8, 80 * 10**9, 3350 / 2, 450.0, 50.0, 5.0, 10.0,
+                         2e-3, 30e-6, _SPEC.format(hbm=3.35)),
+    "h200-node": Cluster("h200-node", "cuda", 8, 141 * 10**9, 4800 / 2, 450.0, 50.0, 5.0, 10.0,
+                         2e-3, 30e-6, _SPEC.format(hbm=4.8)),
+}
+"""Presets. ``this-machine`` is measured by the CLI (`fsdp_sync.cli.plan`), not stored here."""
+
+
+def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
+    """A `Cluster` from a preset name, a JSON file (the fields of `Cluster`) or a mapping."""
+    if isinstance(spec, Cluster):
+        return spec
+    if isinstance(spec, dict):
+        d = spec
+    elif str(spec) in CLUSTERS:
+        return CLUSTERS[str(spec)]
+    elif Path(spec).is_file():
+        d = json.loads(Path(spec).read_text())
+        d = d.get("cluster", d)
+    else:
+        raise ValueError(f"unknown cluster {str(spec)!r}: expected one of {sorted(CLUSTERS)}, "
+                         f"this-machine, or a JSON file with the fields of Cluster")
+    known = {f.name for f in dataclasses.fields(Cluster)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown cluster fields {unknown}; known: {sorted(known)}")
+    return Cluster(**d)
+
+
+# --------------------------------------------------------------------------- the memory rule
+
+def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: str | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The most extra memory one process may take during a sync, and the rule it comes from (the
+    bench flags every measured row above it). tensor and distributed: two buckets (the one being
+    sent and the next being made) plus the largest tensor (gathered whole). disk: one bucket
+    more on a writing rank. FP8: plus the quantized copy of a bucket (`quantized_bucket_bytes`)."""
+    k = 3 if method == "disk" else 2
+    out = {"memory_budget_bytes": k * bucket_bytes + largest,
+           "memory_budget_rule": f"{k} x bucket + largest tensor"}
+    if quantization:
+        out["memory_budget_bytes"] += quantized_bucket_bytes(bucket_bytes, dtype)
+        out["memory_budget_rule"] += " + the quantized bucket"
+    return out
+
+
+def quantized_bucket_bytes(bucket_bytes: int, dtype: torch.dtype) -> int:
+    """The most a quantized copy of one bucket of ``dtype`` tensors takes: one byte per element,
+    a float32 scale per 128 x 128 block, 16-byte alignment per tensor (bounded by a page)."""
+    elements = bucket_bytes // dtype.itemsize
+    return elements + 4 * (elements // (128 * 128) + 1) + 4096
+
+
+# --------------------------------------------------------------------------- the job
+
+class PlanError(ValueError):
+    """A plan that cannot run: the message names the figures; ``suggested_bucket_bytes`` is the
+    largest bucket that fits (None when none does)."""
+
+    def __init__(self, message: str, suggested_bucket_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.suggested_bucket_bytes = suggested_bucket_bytes
+
+
+@dataclass(frozen=True)
+class PlanJob:
+    """One sync to plan. ``layout``: ``full`` (full tensors to every engine rank; disk: a Hugging
+    Face checkpoint) or ``engine`` (per-rank buckets / per-rank files). ``share_host_memory``
+    applies only where the trainer ranks' shards are in one host's memory (a CPU cluster).
+    ``replicas``: engines fed by one sync (tensor: one per ``ranks / tp`` group, the colocated
+    rule). ``trainer_resident_bytes``: what the trainer keeps on a GPU during the sync (None:
+    its FSDP shard of the parameters in ``trainer_dtype``; 0 when offloaded)."""
+
+    model: Any
+    method: str = "tensor"
+    layout: str = "full"
+    bucket_bytes: int = 64 * 2**20
+    dtype: str = "bfloat16"
+    quantization: str | None = None
+    ranks: int = 8
+    fsdp: int = 2
+    tp: int = 8
+    ep: int = 1
+    replicas: int | None = None
+    share_host_memory: bool = True
+    pipelined: bool = True
+    gpu_memory_utilization: float = 0.85
+    trainer_dtype: str = "float32"
+    trainer_resident_bytes: int | None = None
+    label: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        from .config import METHODS, QUANTIZATIONS
+
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; expected one of {METHODS}")
+        if self.layout not in ("full", "engine"):
+            raise ValueError(f"layout must be full or engine, got {self.layout!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be none or fp8, got {self.quantization!r}")
+        for f in ("ranks", "tp", "ep", "bucket_bytes"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"{f} must be a positive integer, got {getattr(self, f)!r}")
+        if self.fsdp not in (1, 2):
+            raise ValueError(f"fsdp must be 1 or 2, got {self.fsdp!r}")
+        if self.method == "tensor" and self.ranks % self.tp:
+            raise ValueError(f"ranks ({self.ranks}) must be a multiple of tp ({self.tp}) for the "
+                             f"colocated tensor method")
+        if self.tp % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide tp ({self.tp}) (SGLang's rule)")
+        if self.method == "tensor" and self.replicas not in (None, self.ranks // self.tp):
+            raise ValueError(f"the tensor method runs one engine per tp group: replicas is "
+                             f"ranks / tp = {self.ranks // self.tp}, got {self.replicas}")
+        if self.replicas is not None and self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        for d in (self.dtype, self.trainer_dtype):
+            if d not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"dtype must be float32, bfloat16 or float16, got {d!r}")
+
+    @property
+    def engines(self) -> int:
+        return self.replicas or (self.ranks // self.tp if self.method == "tensor" else 1)
+
+
+# --------------------------------------------------------------------------- the model
+
+_META_CACHE: dict[str, tuple] = {}
+
+
+def meta_model(model: Any) -> tuple[Any, torch.nn.Module]:
+    """(``transformers`` config, the causal LM built on the meta device: shapes, no memory) of a
+    recipe name, a config.json / YAML path or a config; kept for the next plan of the same model."""
+    from .models import load_config
+
+    cfg = load_config(model)
+    key = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    hit = _META_CACHE.get(key)
+    if hit is None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            module = AutoModelForCausalLM.from_config(cfg)
+        if len(_META_CACHE) > 8:
+            _META_CACHE.clear()
+        hit = _META_CACHE[key] = (cfg, module)
+    return hit
+
+
+def _chunk(rows: int, per_row: int, world: int) -> tuple[int, ...]:
+    """FSDP2's ``Shard(0)``: torch.chunk's split of ``rows`` (trailing ranks may get none)."""
+    c = -(-rows // world) if rows else 0
+    return tuple(max(0, min(c, rows - r * c)) * per_row for r in range(world))
+
+
+def _fsdp_counts(module: torch.nn.Module, world: int, fsdp: int) -> dict[str, tuple[int, ...]]:
+    """Elements of every exported HF tensor on each trainer rank, in rank order. FSDP2: every
+    parameter split on dim 0 (``Shard(0)``); a fused expert tensor's per-expert parts are ranges
+    of it (`experts.hub_parts`). FSDP1 (``use_orig_params``, one unit per decoder layer, as the
+    CLI's trainer wraps): each unit's parameters concatenated in order into one flat parameter
+    padded to a multiple of the world and split evenly."""
+    from .weights.experts import hub_parts, model_type_of
+    from .weights.export import hf_name
+
+    mt = model_type_of(module)
+    params = list(dict((id(p), (n, p)) for n, p in module.named_parameters()).values())
+    if fsdp == 2:
+        whole = {n: _chunk(p.shape[0] if p.dim() else 1, math.prod(p.shape[1:]) if p.dim() else 1, world)
+                 for n, p in params}
+    else:
+        whole = {}
+        layers = {id(m) for m in getattr(getattr(module, "model", None), "layers", [])}
+        units: dict[int, list] = {}
+        for mod_name, m in module.named_modules():
+            if id(m) in layers:
+                for pn, p in m.named_parameters():
+                    units.setdefault(id(m), []).append(f"{mod_name}.{pn}")
+        in_layer = {n for names in units.values() for n in names}
+        groups = list(units.values()) + [[n for n, _ in params if n not in in_layer]]
+        shape = {n: p.shape for n, p in params}
+        for names in groups:
+            names = [n for n in names if n in shape]
+            total = sum(math.prod(shape[n]) for n in names)
+            per = -(-total // world) if total else 0
+            off = 0
+            for n in names:
+                k = math.prod(shape[n])
+                whole[n] = tuple(max(0, min(off + k, (r + 1) * per) - max(off, r * per)) for r in range(world))
+                off += k
+    out: dict[str, tuple[int, ...]] = {}
+    for n, p in params:
+        name, c = hf_name(n), whole[n]
+        parts = hub_parts(name, tuple(p.shape), mt)
+        if parts is None:
+            out[name] = c
+            continue
+        starts = [sum(c[:r]) for r in range(world)]
+        for sub, shape, off in parts:
+            k = math.prod(shape)
+            out[sub] = tuple(max(0, min(off + k, a + x) - max(off, a)) for a, x in zip(starts, c))
+    return out
+
+
+# --------------------------------------------------------------------------- the plan
+
+def _fmt(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
+    """One row for ``job`` on ``cluster`` (see the module docstring). Raises `PlanError` when the
+    sync cannot fit the memory left on a device, ValueError for a model or split the layout map
+    refuses."""
+    from .weights import bucket as bk
+    from .weights import reshard
+    from .weights.export import param_metas
+    from .weights.fp8 import quantized_layout
+    from .weights.layout import layout_for
+    from .weights.quantize import StreamQuantizer, expand_metas
+
+    cl = load_cluster(cluster)
+    dtype = getattr(torch, job.dtype)
+    cfg, module = meta_model(job.model)
+    layout = layout_for(cfg, job.tp, job.ep)
+    held = quantized_layout(layout, job.quantization)
+    metas = param_metas(module, dtype)
+    want = {n for n in layout.hf_shapes}
+    have = {m.name for m in metas}
+    if have - want - ({"lm_head.weight"} if layout.spec.tie_word_embeddings else set()) or want - have:
+        raise ValueError(f"the model exports other tensors than the {layout.spec.model_type} layout "
+                         f"map knows: unknown {sorted(have - want)[:3]}, missing {sorted(want - have)[:3]}")
+    quant = StreamQuantizer(held, tight=job.method == "distributed") if job.quantization else None
+    sent = expand_metas(metas, quant.hf) if quant else metas
+    model_bytes = sum(m.nbytes for m in metas)          # the rollout dtype, before quantization
+    largest = max(m.nbytes for m in metas)
+    shard = held.engine_bytes(dtype.itemsize)
+    world, engines = job.ranks, job.engines
+    one_host_cpu = cl.device == "cpu" and world <= cl.gpus_per_node
+    shared = job.share_host_memory and one_host_cpu and world > 1
+    counts = _fsdp_counts(module, world, job.fsdp) if world > 1 else {}
+    allgather_in = max((sum((math.prod(m.shape) - counts[m.name][r]) * dtype.itemsize for m in metas)
+                        for r in range(world)), default=0) if world > 1 else 0
+
+    row: dict[str, Any] = {
+        "plan": True, "method": job.method, "model": str(job.model) if not hasattr(job.model, "to_dict") else cfg.model_type,
+        "model_type": layout.spec.model_type, "params": sum(math.prod(m.shape) for m in metas),
+        "tensors": len(list(module.parameters())), "exported_tensors": len(metas), "bytes": sum(m.nbytes for m in sent),
+        "model_bytes": model_bytes, "bucket_bytes": job.bucket_bytes, "largest_tensor_bytes": largest,
+        "ranks": world, "tp": job.tp, "ep": job.ep, "replicas": engines, "fsdp": job.fsdp,
+        "device": cl.device, "dtype": job.dtype, "quantization": job.quantization, "layout": job.layout,
+        "engine_rank_shard_bytes": shard, "cluster": cl.name,
+    }
+    engine_layout = job.layout == "engine"
+
+    def rank_plan(bucket: int) -> list:
+        plan = reshard.plan_rank_buckets(layout, dtype, bucket)
+        return [quant.plan(b, engine=True) for b in plan] if quant else plan
+
+    # ---- bytes and calls, as each transport counts them
+    if job.method == "tensor":
+        row["strategy"] = "flattened"
+        if engine_layout:
+            plan = rank_plan(job.bucket_bytes)
+            path = "host-shared" if shared else ("all-to-all" if world > 1 else "local")
+            trainer_in = _exchange_in(reshard, layout, dtype, counts, None) if path == "all-to-all" else 0
+            row.update(engine_rank_bytes_in=sum(b.nbytes for b in plan), trainer_rank_bytes_in=trainer_in,
+                       reshard_path=path, pipelined=job.pipelined)
+        else:
+            plan = bk.plan_buckets(metas, job.bucket_bytes)
+            path = "host-shared" if shared else ("all-gather" if world > 1 else "local")
+            row.update(engine_rank_bytes_in=row["bytes"], pipelined=False,
+                       trainer_rank_bytes_in=0 if shared or world == 1 else model_bytes - model_bytes // world)
+        row.update(buckets=len(plan), engine_calls=len(plan), share_host_memory=shared)
+    elif job.method == "distributed":
+        if engine_layout:
+            plan = rank_plan(max(1, job.bucket_bytes // job.tp))
+            path = "host-shared" if shared else ("all-to-all" if world > 1 else "local")
+            trainer_in = _exchange_in(reshard, layout, dtype, counts, [[0]] * job.tp) if path == "all-to-all" else 0
+            row.update(strategy="distributed:per_rank_bucket", engine_rank_bytes_in=sum(b.nbytes for b in plan),
+                       trainer_rank_bytes_in=trainer_in, reshard_path=path, pipelined=job.pipelined,
+                       share_host_memory=shared)
+        else:
+            plan = bk.plan_tight(metas, job.bucket_bytes)
+            path = "gather" if world > 1 else "local"
+            row.update(strategy="distributed:flattened_bucket", engine_rank_bytes_in=row["bytes"],
+                       trainer_rank_bytes_in=model_bytes - model_bytes // world if world > 1 else 0,
+                       pipelined=False, share_host_memory=False)
+        # as the transport counts them: one per engine per sync (its flush); requests: per bucket
+        row.update(buckets=len(plan), engine_calls=engines, engine_requests=len(plan) * engines)
+    else:
+        row.update(_disk_bytes(job, layout, held, quant, metas, dtype, counts, shared, reshard, bk))
+        row.update(strategy="disk:checkpoint", engine_calls=engines, share_host_memory=shared)
+        path = row.get("reshard_path") or ("host-shared" if shared else "all-gather")
+    row["path"] = path
+    row["allgather_bytes_in"] = allgather_in
+
+    # ---- memory
+    row.update(memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype))
+    row["trainer_rank_peak_extra_bytes"] = row["engine_rank_peak_extra_bytes"] = row["memory_budget_bytes"]
+    row["peak_extra_bytes"] = row["memory_budget_bytes"]      # a bound: measured rows stay at or below it
+    _check_fit(job, cl, row, model_bytes)
+
+    # ---- time
+    row.update(_estimate(job, cl, row, shard))
+    return row
+
+
+def _exchange_in(reshard: Any, layout: Any, dtype: torch.dtype, counts: dict, owners: Any) -> int:
+    return max(i for i, _ in reshard.exchange_bytes(layout, dtype.itemsize, counts, owners))
+
+
+def _disk_bytes(job: PlanJob, layout: Any, held: Any, quant: Any, metas: list, dtype: torch.dtype,
+                counts: dict, shared: bool, reshard: Any, bk: Any) -> dict:
+    """The disk method's files: their sizes (headers included) and what each engine rank reads."""
+    from .weights.hf_checkpoint import rank_tensor_name, safetensors_file_bytes
+
+    if job.layout == "engine":
+        plan = reshard.plan_rank_buckets(layout, dtype, job.bucket_bytes)
+        files = [quant.plan(b, engine=True) if quant else b for b in plan]
+        tied = bool(layout.spec.tie_word_embeddings)
+        per_file = [safetensors_file_bytes(b.entries, rename=lambda n: rank_tensor_name(n, tied)) for b in files]
+        world = job.ranks
+        path = "host-shared" if shared else ("all-to-all" if world > 1 else "local")
+        owners = [[i % world] for i in range(job.tp)]
+        trainer_in = _exchange_in(reshard, layout, dtype, counts, owners) if path == "all-to-all" else 0
+        return {"buckets": len(plan), "files": len(plan) * job.tp, "file_bytes": sum(per_file) * job.tp,
+                "engine_rank_bytes_in": sum(per_file), "trainer_rank_bytes_in": trainer_in,
+                "reshard_path": path}
+    plan = bk.plan_buckets(metas, job.bucket_bytes)
+    files = [quant.plan(b) if quant else b for b in plan]
+    sizes = [safetensors_file_bytes(b.entries) for b in files]
+    reads = []
+    for r in range(job.tp):
+        n = sum(sizes[r::job.tp])            # its share of the files, read whole (and hashed)
+        for k, b in enumerate(files):
+            if k % job.tp == r:
+                continue
+            for e in b.entries:              # of the others, only its slices
+                for pl in held.placements(e.name, r):
+                    r0, r1, c0, c1 = _block(pl.src, e.shape)
+                    n += (r1 - r0) * (c1 - c0) * e.dtype.itemsize
+        reads.append(n)
+    return {"buckets": len(plan), "files": len(plan), "file_bytes": sum(sizes), "engine_rank_bytes_in": max(reads)}
+
+
+def _block(src: tuple, shape: tuple) -> tuple[int, int, int, int]:
+    from .weights.layout import block_of
+
+    return block_of(src, tuple(shape))
+
+
+def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
+    """Refuse a sync whose budget exceeds the memory left on a device (`PlanError`, with the
+    largest bucket that fits)."""
+    util = job.gpu_memory_utilization
+    resident = job.trainer_resident_bytes
+    if resident is None:      # the trainer's FSDP shard of the parameters, in its own dtype
+        resident = row["params"] * getattr(torch, job.trainer_dtype).itemsize // job.ranks
+    row["trainer_resident_bytes"] = resident
+    engine_free = int(cl.memory_per_gpu * (1 - util))
+    if job.method == "tensor":     # colocated: the trainer's shard and the sync share the engine's GPU
+        free, where = engine_free - resident, (f"left on the GPU at gpu_memory_utilization {util} "
+                                               f"beside the trainer's {_fmt(resident)} resident")
+    else:                          # disaggregated: each side on its own GPUs
+        trainer_free = cl.memory_per_gpu - resident
+        free, where = ((engine_free, f"left on an engine GPU at gpu_memory_utilization {util}")
+                       if engine_free <= trainer_free else
+                       (trainer_free, f"left on a trainer GPU beside its {_fmt(resident)} resident"))
+    row["memory_free_bytes"] = free
+    if row["memory_budget_bytes"] <= free:
+        return
+    k = 3 if job.method == "disk" else 2
+    largest = row["largest_tensor_bytes"]
+    dtype = getattr(torch, job.dtype)
+
+    def budget(b: int) -> int:
+        return memory_budget(job.method, b, largest, job.quantization, dtype)["memory_budget_bytes"]
+
+    lo, hi = 0, job.bucket_bytes // MiB         # the largest whole MiB that fits (bisection)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if budget(mid * MiB) <= free else (lo, mid - 1)
+    best = lo * MiB if lo else None
+    what = f"{k} x bucket {_fmt(job.bucket_bytes)} + largest tensor {_fmt(largest)}" + (
+        " + the quantized bucket" if job.quantization else "")
+    hint = (f"; the largest bucket that fits is {lo} MiB (--bucket-mb {lo})" if best else
+            f"; no bucket fits: the largest tensor alone needs {_fmt(largest)}")
+    raise PlanError(f"{job.method} {row['model']}: {what} = {_fmt(row['memory_budget_bytes'])} exceeds "
+                    f"the {_fmt(max(free, 0))} {where}{hint}", best)
+
+
+# --------------------------------------------------------------------------- time
+
+def _link(cl: Cluster, ranks_on_link: int) -> float:
+    """Bandwidth (bytes/s) of the link between ``ranks_on_link`` GPUs placed node by node."""
+    return (cl.intra_gbps if ranks_on_link <= cl.gpus_per_node else cl.inter_gbps) * GB
+
+
+def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int) -> dict:
+    """``seconds``: each phase's floor (its bytes over its link) plus overheads; a pipelined
+    method overlaps its phases bucket by bucket (the slowest phase, plus one bucket of the
+    others). ``phases`` says which bytes crossed which link."""
+    world, tp, engines = job.ranks, job.tp, job.engines
+    d2d, n = cl.d2d_gbps * GB, max(1, row["buckets"])
+    trainer_link = _link(cl, world)
+    # disaggregated engines sit beside the trainer only when every GPU fits one node
+    engine_link = _link(cl, world + engines * tp) if cl.device == "cuda" else cl.intra_gbps * GB
+    phases: list[tuple[str, float, str]] = []       # (what, seconds, link)
+    own = row["model_bytes"] // world
+    path = row["path"]
+    fill = ("copy my shard into the buffers", own / d2d, "d2d")
+    exchange = None
+    if path == "all-gather" or path == "gather":
+        b = row["allgather_bytes_in"] if path == "all-gather" else row["model_bytes"] - own
+        exchange = ("gather the other ranks' shards", b / trainer_link + n * cl.collective_s,
+                    "intra" if trainer_link == cl.intra_gbps * GB else "inter")
+    elif path == "all-to-all":
+        exchange = ("all-to-all of the engine ranks' pieces",
+                    row["trainer_rank_bytes_in"] / trainer_link + n * cl.collective_s,
+                    "intra" if trainer_link == cl.intra_gbps * GB else "inter")
+    elif path == "host-shared":
+        exchange = ("barriers around the shared buffers", 2 * n * cl.collective_s, "host")
+    load = ("engine rank copies its shard in", row["engine_rank_bytes_in"] / d2d if job.layout == "engine"
+            else shard / d2d, "d2d")
+    m = job.method
+    if m == "tensor":
+        phases = [fill] + ([exchange] if exchange else []) + [load,
+                  ("engine calls", row["engine_calls"] * cl.call_s, "call")]
+        overlap = job.layout == "engine" and job.pipelined
+    elif m == "distributed":
+        sent = row["engine_rank_bytes_in"] * (tp * engines if job.layout == "engine" else 1)
+        phases = [fill] + ([exchange] if exchange else []) + [
+            ("trainer rank 0 sends to the engines", sent / engine_link + n * cl.collective_s,
+             "intra" if engine_link == cl.intra_gbps * GB else "inter"),
+            load, ("engine requests", row["engine_requests"] * cl.call_s, "call")]
+        overlap = job.layout == "full" or job.pipelined
+    else:
+        written = row["file_bytes"]
+        read = row["engine_rank_bytes_in"] * tp * engines
+        phases = [fill] + ([exchange] if exchange else []) + [
+            ("write and fsync the files", written / (cl.disk_write_gbps * GB), "disk"),
+            ("engine ranks read their bytes", read / (cl.disk_read_gbps * GB), "disk"),
+            load, ("engine calls", row["engine_calls"] * cl.call_s, "call")]
+        overlap = False
+    total = sum(s for _, s, _ in phases)
+    if overlap and n > 1:
+        # bucket k+1 is made while bucket k is on the wire: the slowest phase, plus one bucket
+        # of the others (the pipeline's fill and drain)
+        moving = [s for w, s, _ in phases if w not in ("engine calls", "engine requests")]
+        calls = total - sum(moving)
+        total = max(moving) + (sum(moving) - max(moving)) / n + calls
+    return {"seconds": total, "phases": [{"what": w, "seconds": s, "link": ln} for w, s, ln in phases],
+            "estimate_rule": "sum of phase floors + overheads" + (" (pipelined)" if overlap and n > 1 else "")}

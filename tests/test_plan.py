@@ -1,0 +1,161 @@
+"""`fsdp-sync plan` (issue 27 items 2-4): its byte counts equal what the bench measures, for every
+method and layout on CPU (exact), the tensor method's measured peaks stay within its budget rule, a plan that cannot fit is refused with the largest bucket that fits, a 235B MoE
+plans on the meta device, and bad flags exit 2 naming the flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fsdp_sync.cli import app as cli
+from fsdp_sync.plan import Cluster, PlanError, PlanJob, meta_model, plan_row
+
+from _util import ROOT
+
+MiB = 2**20
+# one host, every rank on it: the path the bench takes here (figures only matter for seconds)
+CPU = Cluster("cpu-test", "cpu", 64, 10**12, 5.0, 1.0, 1.0, 1.0, 1.0, 1e-4, 1e-4)
+EXACT = ("bytes", "buckets", "engine_calls", "engine_rank_bytes_in", "engine_rank_shard_bytes",
+         "trainer_rank_bytes_in", "largest_tensor_bytes", "memory_budget_bytes", "reshard_path",
+         "params", "tensors", "exported_tensors", "layout")
+
+
+def _plan_of(bench_row: dict) -> dict:
+    r = bench_row
+    # the disk rows say share_host_memory False, but their sync runs SyncConfig's default (on)
+    share = True if r["method"] == "disk" else bool(r.get("share_host_memory"))
+    return plan_row(PlanJob(r["model"], r["method"], r["layout"], r["bucket_bytes"], r["dtype"],
+                            r.get("quantization"), r["ranks"], 2, r["tp"], r.get("ep", 1),
+                            share_host_memory=share, pipelined=bool(r.get("pipelined"))), CPU)
+
+
+def _bench(**kw) -> list[dict]:
+    from fsdp_sync.cli.bench.main import BenchSpec, run_bench
+
+    spec = BenchSpec(strategies=("flattened",), ranks=(2,), tp=(2,), repeats=3, **kw)
+    rows = run_bench(spec, timeout_s=150)["rows"]
+    return [r for r in rows if not r.get("skipped") and r["strategy"] != "distributed:per_tensor"]
+
+
+@pytest.mark.timeout(180)
+def test_plan_bytes_equal_the_bench_for_every_method_and_layout():
+    """One bench job (tensor, distributed, disk x full, engine x host-shared on/off): every byte
+    figure of every row equals the plan's; the memory budgets are the same formula."""
+    rows = _bench(models=("small",), methods=("tensor", "distributed", "disk"), layouts=("full", "engine"),
+                  share_host_memory=(True, False), bucket_mb=(4.0,))
+    seen = {(r["method"], r["layout"], r.get("reshard_path")) for r in rows}
+    assert {("tensor", "full", None), ("tensor", "engine", "host-shared"), ("tensor", "engine", "all-to-all"),
+            ("distributed", "full", None), ("distributed", "engine", "host-shared"),
+            ("distributed", "engine", "all-to-all"), ("disk", "full", None),
+            ("disk", "engine", "host-shared")} <= seen, seen
+    for r in rows:
+        p = _plan_of(r)
+        diff = {k: (r[k], p.get(k)) for k in EXACT if k in r and r[k] != p.get(k)}
+        assert not diff, f"{r['strategy']} ({r['layout']}, {r.get('reshard_path')}): bench vs plan {diff}"
+        # measured peaks within the plan's bound where the code holds to the rule (the colocated
+        # tensor method); the distributed and disk methods' measured peaks go over it at times
+        # (docs/plan.md, "Memory"): the bound is the code's stated rule, not a guarantee there
+        if r["method"] == "tensor":
+            assert r["peak_extra_bytes"] <= p["peak_extra_bytes"], (r["strategy"], r["layout"],
+                                                                    r["peak_extra_bytes"], p["peak_extra_bytes"])
+
+
+@pytest.mark.timeout(120)
+def test_plan_counts_the_all_to_all_of_fused_moe_experts_exactly():
+    """An MoE model whose experts FSDP2 shards as fused [E, 2I, H] tensors, cut per expert on
+    export: the all-to-all bytes each trainer rank receives are the plan's."""
+    rows = _bench(models=("tiny-qwen3-moe",), methods=("tensor",), layouts=("engine",),
+                  share_host_memory=(False,), bucket_mb=(0.25,))
+    assert rows and all(r["reshard_path"] == "all-to-all" and r["trainer_rank_bytes_in"] > 0 for r in rows)
+    for r in rows:
+        p = _plan_of(r)
+        assert {k: r[k] for k in EXACT if k in r} == {k: p[k] for k in EXACT if k in r}
+
+
+def test_refusal_names_the_figures_and_suggests_the_largest_bucket_that_fits():
+    job = dict(model="qwen3-30b-a3b", method="tensor", layout="full", dtype="bfloat16", ranks=8, tp=8,
+               trainer_resident_bytes=4 * 2**30)
+    with pytest.raises(PlanError) as info:
+        plan_row(PlanJob(bucket_bytes=8 * 2**30, **job), "h100-node")
+    msg, best = str(info.value), info.value.suggested_bucket_bytes
+    for w in ("2 x bucket 8.0 GiB", "largest tensor", "exceeds", "gpu_memory_utilization 0.85", "--bucket-mb"):
+        assert w in msg, (w, msg)
+    assert best and best % MiB == 0 and f"--bucket-mb {best // MiB}" in msg
+    ok = plan_row(PlanJob(bucket_bytes=best, **job), "h100-node")     # the suggestion fits ...
+    assert ok["memory_budget_bytes"] <= ok["memory_free_bytes"]
+    with pytest.raises(PlanError):                                     # ... and is the largest
+        plan_row(PlanJob(bucket_bytes=best + MiB, **job), "h100-node")
+    with pytest.raises(PlanError, match="no bucket fits"):             # the trainer's fp32 shard alone
+        plan_row(PlanJob(bucket_bytes=2**30, **{**job, "trainer_resident_bytes": None}), "h100-node")
+
+
+@pytest.mark.timeout(60)
+def test_a_235b_moe_plans_on_the_meta_device():
+    row = plan_row(PlanJob("qwen3-235b-a22b", "tensor", "engine", 2**30, "bfloat16", None, 8, 2, 8,
+                           trainer_resident_bytes=0), "h100-node")
+    _, module = meta_model("qwen3-235b-a22b")
+    assert all(p.device.type == "meta" for p in module.parameters())
+    assert 234e9 < row["params"] < 236e9 and row["bytes"] == 2 * row["params"]    # bf16
+    assert row["engine_rank_bytes_in"] >= row["engine_rank_shard_bytes"]     # + alignment padding
+    assert row["engine_calls"] == row["buckets"] > 1 and row["seconds"] > 0
+
+
+def test_fp8_budget_adds_the_quantized_bucket():
+    base = dict(model="tiny-fp8", method="tensor", layout="engine", bucket_bytes=MiB, dtype="bfloat16",
+                ranks=2, tp=2)
+    bf16 = plan_row(PlanJob(**base), CPU)
+    fp8 = plan_row(PlanJob(**base, quantization="fp8"), CPU)
+    assert fp8["bytes"] < bf16["bytes"] and fp8["engine_rank_shard_bytes"] < bf16["engine_rank_shard_bytes"]
+    assert fp8["memory_budget_bytes"] > bf16["memory_budget_bytes"]
+    assert fp8["memory_budget_rule"].endswith("the quantized bucket")
+
+
+BAD = [
+    ("plan --bucket-mb 0", ["--bucket-mb", "positive number"]),
+    ("plan --ranks 3 --tp 2", ["--ranks 3", "--tp 2", "multiple"]),
+    ("plan --ep 3 --tp 2", ["--ep 3", "--tp 2", "divide"]),
+    ("plan --models nope", ["--models", "'nope'"]),
+    ("plan --layout auto", ["--layout", "full, engine"]),
+    ("plan --cluster mars", ["--cluster", "h100-node", "this-machine"]),
+    ("plan --gpu-memory-utilization 1.5", ["--gpu-memory-utilization", "(0, 1)"]),
+    ("plan --config-json /nonexistent/config.json", ["--config-json", "no such file"]),
+    ("plan --models tiny --tp 3 --ranks 3", ["--models tiny", "--tp 3", "num_attention_heads"]),
+    ("plan --recipe nope", ["--recipe", "no such file or shipped plan sweep"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", BAD, ids=[a for a, _ in BAD])
+def test_bad_plan_flags_give_one_line_and_exit_2(argv, words, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv.split())
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_plan_cli_writes_rows_under_the_bench_names(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    from fsdp_sync.models import load_config
+
+    cfg.write_text(json.dumps(load_config("tiny-qwen3-moe").to_dict()))
+    out = tmp_path / "plan.json"
+    rc = cli.main(["plan", "--config-json", str(cfg), "--methods", "tensor,distributed,disk",
+                   "--layout", "full,engine", "--ranks", "2", "--tp", "2", "--ep", "2", "--bucket-mb", "0.25",
+                   "--cluster", "h100-node", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6 and all(r["ep"] == 2 for r in rows)
+    for k in ("engine_rank_bytes_in", "engine_rank_shard_bytes", "trainer_rank_bytes_in", "peak_extra_bytes",
+              "memory_budget_bytes", "seconds", "engine_calls", "bytes"):
+        assert all(k in r for r in rows if k != "trainer_rank_bytes_in" or r["method"] != "disk"), k
+    assert "refused" not in capsys.readouterr().out
+    # a plan that cannot fit: refused, with the bucket that would, exit 1
+    rc = cli.main(["plan", "--models", "qwen3-30b-a3b", "--ranks", "8", "--tp", "8", "--dtype", "bfloat16",
+                   "--bucket-mb", "8192", "--trainer-resident-gib", "4", "--cluster", "h100-node"])
+    text = capsys.readouterr().out
+    assert rc == 1 and "refused" in text and "--bucket-mb" in text
