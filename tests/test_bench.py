@@ -61,8 +61,12 @@ def test_bench_cli_rows_json_and_plots(tmp_path):
 
 
 def test_recipes_load_and_validate():
-    specs = {p.stem: BenchSpec.from_recipe(p) for p in RECIPES.glob("*.yaml")}
+    from fsdp_sync.cli.bench.main import sweep_recipes
+
+    # every bench sweep shipped (plan_*.yaml are `fsdp-sync plan`'s: tests/test_plan.py)
+    specs = {n: BenchSpec.from_recipe(RECIPES / f"{n}.yaml") for n in sweep_recipes()}
     assert {"bucket_sweep", "targets"} <= set(specs)
+    assert set(specs) | {p.stem for p in RECIPES.glob("plan_*.yaml")} == {p.stem for p in RECIPES.glob("*.yaml")}
     assert specs["targets"].models == ("qwen2-160m",) and specs["targets"].tp == (2,)
     assert len(specs["bucket_sweep"].jobs()) == 2
     with pytest.raises(ValueError, match="unknown strategies \\['fast'\\]"):

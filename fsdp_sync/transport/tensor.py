@@ -185,7 +185,8 @@ class TensorTransport:
 
     def send(self, calls: Iterable[Call], *, topo: Any, engine: Any, stats: SyncStats | None = None,
              group: Any = None, what: str = "weight sync",
-             check: Callable[[Any], str | None] | None = None, version: Any = None) -> SyncStats:
+             check: Callable[[Any], str | None] | None = None, version: Any = None,
+             before: Callable[[Any], str | None] | None = None) -> SyncStats:
         """Hand ``calls`` to ``engine`` the way `sync` hands its own buckets, on every rank of the
         infer-TP group in step (``engine`` on infer-TP rank 0, None elsewhere).
 
@@ -196,7 +197,9 @@ class TensorTransport:
         calls; the caller counts what it exported. ``what`` names the sync in errors. ``check``,
         when given, runs on infer-TP rank 0 after the update bracket closed (``check(engine)`` ->
         an error text or None; the caller's verify) and is agreed like a call. ``version`` names
-        the weights the engine commits (None: the engine's own naming). Raises
+        the weights the engine commits (None: the engine's own naming). ``before``, when given,
+        runs on infer-TP rank 0 before anything is sent (``before(engine)`` -> an error text or
+        None: the caller's check that the engine may take these weights) and is agreed. Raises
         `SyncError`, the same on every rank of ``group``, when any rank failed."""
         self.topo, self.engine, self._group, self._what = topo, engine, group, what
         self._version = version
@@ -204,6 +207,14 @@ class TensorTransport:
         self._unacked: str | None = None
         t0 = time.perf_counter()
         try:
+            if before is not None:
+                refused: str | None = None
+                if self.topo.is_tp_src:
+                    try:
+                        refused = before(engine)
+                    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                        refused = f"{type(exc).__name__}: {exc}"
+                agree(refused, self._group, what=what)
             with self._update_bracket():
                 # a generator is closed here, not when its frame goes: it may hold shared buffers
                 with closing(calls) if hasattr(calls, "close") else nullcontext():

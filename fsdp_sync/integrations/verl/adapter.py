@@ -66,7 +66,7 @@ from ...weights import handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets
 from ...config import SyncConfig
 from ...config_check import check_configs
-from ...topology import SyncTopology, agree
+from ...topology import SyncTopology
 from ...transport import SyncStats
 from ...transport.tensor import Call, TensorTransport
 from ...verify import check_sent, tensor_digest
@@ -367,8 +367,6 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         go through the tensor transport's send loop (`TensorTransport.send`): the update bracket,
         then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free."""
         cfg, topo = self.sync, self._topology()
-        if self._syncs == 0:     # before any byte moves, on every rank of the infer-TP group
-            agree(self._config_error(engine, topo), topo.tp_group, what="fsdp_sync verl sync")
         counted = SyncStats()
         # verify: infer-TP rank 0 keeps a digest of each tensor as it is sent, and after the sync
         # compares the engine's digests of what it now serves (`verify.check_sent`), agreed by the
@@ -394,7 +392,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
                                       group=topo.tp_group, what="fsdp_sync verl sync",
                                       check=check if cfg.verify != "off" else None,
-                                      version=version)
+                                      version=version,
+                                      # the first sync: the served model's math against the actor's
+                                      before=(lambda eng: self._config_error(eng, topo))
+                                      if self._syncs == 0 else None)
             sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
         finally:
             sent, self._sent = self._sent, None
