@@ -117,18 +117,45 @@ def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
 # --------------------------------------------------------------------------- the memory rule
 
 def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: str | None = None,
-                  dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The most extra memory one process may take during a sync, and the rule it comes from (the
-    bench flags every measured row above it). tensor and distributed: two buckets (the one being
-    sent and the next being made) plus the largest tensor (gathered whole). disk: one bucket
-    more on a writing rank. FP8: plus the quantized copy of a bucket (`quantized_bucket_bytes`)."""
-    k = 3 if method == "disk" else 2
-    out = {"memory_budget_bytes": k * bucket_bytes + largest,
-           "memory_budget_rule": f"{k} x bucket + largest tensor"}
+                  dtype: torch.dtype = torch.bfloat16, *, layout: str = "full",
+                  pipelined: bool = True) -> dict:
+    """The most extra memory one trainer rank (colocated: its device, trainer rank and engine
+    together) may take during a sync, and the rule it comes from (the bench flags every measured
+    row above it): k buckets in flight, each up to max(bucket, largest tensor) (a tensor larger
+    than a bucket goes alone, and two such tensors can follow each other), plus the largest tensor
+    gathered whole. k: 2 for tensor and distributed with full tensors (the bucket being sent, the
+    next being made); 3 for disk (the one being made, safetensors' serialized copy, the one the
+    writer thread writes) and for distributed per-rank buckets on trainer rank 0, which assembles
+    every engine rank's buffer (two buffer sets and the pieces the exchange brings it for one
+    bucket; 2 when not pipelined). FP8: plus the quantized copy of a bucket
+    (`quantized_bucket_bytes`). With buckets at least as large as the largest tensor (the usual
+    case: verl's default is 2 GiB) this is k x bucket + largest tensor."""
+    k = 3 if method == "disk" or (method == "distributed" and layout == "engine" and pipelined) else 2
+    out = {"memory_budget_bytes": k * max(bucket_bytes, largest) + largest,
+           "memory_budget_rule": f"{k} x max(bucket, largest tensor) + largest tensor"}
     if quantization:
         out["memory_budget_bytes"] += quantized_bucket_bytes(bucket_bytes, dtype)
         out["memory_budget_rule"] += " + the quantized bucket"
     return out
+
+
+def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: int,
+                         staged: bool) -> dict:
+    """The most extra memory one engine rank of a disaggregated method (distributed, disk) may
+    take during a sync, and its rule: what it receives at once (a broadcast bucket, a per-rank
+    bucket, one file's slices: never more than the larger of a bucket and the largest tensor)
+    and, on an engine that stages an update (fsdp_sync's reference engine while it holds loaded
+    weights: what is pushed is copied aside until the commit, so a failed update leaves the old
+    weights serving), its whole shard. SGLang loads in place: no staging. The colocated tensor
+    method's engine maps the trainer's buckets, so its device is held to `memory_budget`."""
+    if method == "tensor":
+        rule = memory_budget(method, bucket_bytes, largest)
+        return {"engine_memory_budget_bytes": rule["memory_budget_bytes"],
+                "engine_memory_budget_rule": rule["memory_budget_rule"] + " (the trainer's device)"}
+    unit = max(bucket_bytes, largest)
+    return {"engine_memory_budget_bytes": unit + (shard if staged else 0),
+            "engine_memory_budget_rule": "max(bucket, largest tensor)" + (
+                " + its shard (staged until the commit)" if staged else "")}
 
 
 def quantized_bucket_bytes(bucket_bytes: int, dtype: torch.dtype) -> int:
@@ -139,6 +166,9 @@ def quantized_bucket_bytes(bucket_bytes: int, dtype: torch.dtype) -> int:
 
 
 # --------------------------------------------------------------------------- the job
+
+ENGINES = ("sglang", "reference")    # the rollout engine: SGLang, or fsdp_sync's reference engine
+
 
 class PlanError(ValueError):
     """A plan that cannot run: the message names the figures; ``suggested_bucket_bytes`` is the
@@ -174,6 +204,7 @@ class PlanJob:
     gpu_memory_utilization: float = 0.85
     trainer_dtype: str = "float32"
     trainer_resident_bytes: int | None = None
+    engine: str = "sglang"
     label: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -188,6 +219,8 @@ class PlanJob:
         for f in ("ranks", "tp", "ep", "bucket_bytes"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ValueError(f"{f} must be a positive integer, got {getattr(self, f)!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.fsdp not in (1, 2):
             raise ValueError(f"fsdp must be 1 or 2, got {self.fsdp!r}")
         if self.method == "tensor" and self.ranks % self.tp:
@@ -383,9 +416,14 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     row["allgather_bytes_in"] = allgather_in
 
     # ---- memory
-    row.update(memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype))
-    row["trainer_rank_peak_extra_bytes"] = row["engine_rank_peak_extra_bytes"] = row["memory_budget_bytes"]
-    row["peak_extra_bytes"] = row["memory_budget_bytes"]      # a bound: measured rows stay at or below it
+    row.update(memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype,
+                             layout=job.layout, pipelined=job.pipelined))
+    staged = job.engine == "reference" and job.method != "tensor"
+    row.update(engine_memory_budget(job.method, job.bucket_bytes, largest, shard, staged), engine=job.engine)
+    row["trainer_rank_peak_extra_bytes"] = row["memory_budget_bytes"]
+    row["engine_rank_peak_extra_bytes"] = row["engine_memory_budget_bytes"]
+    # bounds: a measured row stays at or below them (a device: colocated, trainer and engine together)
+    row["peak_extra_bytes"] = max(row["memory_budget_bytes"], row["engine_memory_budget_bytes"])
     _check_fit(job, cl, row, model_bytes)
 
     # ---- time
@@ -439,42 +477,59 @@ def _block(src: tuple, shape: tuple) -> tuple[int, int, int, int]:
 
 def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
     """Refuse a sync whose budget exceeds the memory left on a device (`PlanError`, with the
-    largest bucket that fits)."""
+    largest bucket that fits): colocated, the trainer's rule on the engine's GPU beside the
+    trainer's resident shard; disaggregated, the trainer's rule on a trainer GPU and the engine's
+    rule (`engine_memory_budget`) on an engine GPU."""
     util = job.gpu_memory_utilization
     resident = job.trainer_resident_bytes
     if resident is None:      # the trainer's FSDP shard of the parameters, in its own dtype
         resident = row["params"] * getattr(torch, job.trainer_dtype).itemsize // job.ranks
     row["trainer_resident_bytes"] = resident
     engine_free = int(cl.memory_per_gpu * (1 - util))
-    if job.method == "tensor":     # colocated: the trainer's shard and the sync share the engine's GPU
-        free, where = engine_free - resident, (f"left on the GPU at gpu_memory_utilization {util} "
-                                               f"beside the trainer's {_fmt(resident)} resident")
-    else:                          # disaggregated: each side on its own GPUs
-        trainer_free = cl.memory_per_gpu - resident
-        free, where = ((engine_free, f"left on an engine GPU at gpu_memory_utilization {util}")
-                       if engine_free <= trainer_free else
-                       (trainer_free, f"left on a trainer GPU beside its {_fmt(resident)} resident"))
-    row["memory_free_bytes"] = free
-    if row["memory_budget_bytes"] <= free:
-        return
-    k = 3 if job.method == "disk" else 2
-    largest = row["largest_tensor_bytes"]
+    largest, shard = row["largest_tensor_bytes"], row["engine_rank_shard_bytes"]
     dtype = getattr(torch, job.dtype)
+    staged = job.engine == "reference" and job.method != "tensor"
 
-    def budget(b: int) -> int:
-        return memory_budget(job.method, b, largest, job.quantization, dtype)["memory_budget_bytes"]
+    def trainer_need(b: int) -> int:
+        return memory_budget(job.method, b, largest, job.quantization, dtype, layout=job.layout,
+                             pipelined=job.pipelined)["memory_budget_bytes"]
+
+    def engine_need(b: int) -> int:
+        return engine_memory_budget(job.method, b, largest, shard, staged)["engine_memory_budget_bytes"]
+
+    rule = memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype,
+                         layout=job.layout, pipelined=job.pipelined)["memory_budget_rule"]
+    # the rule with this job's figures: "2 x bucket 8.0 GiB + largest tensor 594 MiB"
+    trainer_what = rule.replace("bucket", "bucket {}", 1).replace("largest tensor", f"largest tensor {_fmt(largest)}")
+    if job.method == "tensor":     # colocated: the trainer's shard and the sync share the engine's GPU
+        sides = [(trainer_need, engine_free - resident, trainer_what,
+                  f"left on the GPU at gpu_memory_utilization {util} beside the trainer's "
+                  f"{_fmt(resident)} resident")]
+    else:                          # disaggregated: each side on its own GPUs
+        sides = [(trainer_need, cl.memory_per_gpu - resident, trainer_what,
+                  f"left on a trainer GPU beside its {_fmt(resident)} resident"),
+                 (engine_need, engine_free, f"the larger of bucket {{}} and largest tensor {_fmt(largest)}"
+                  + (f" + its shard {_fmt(shard)} (staged)" if staged else ""),
+                  f"left on an engine GPU at gpu_memory_utilization {util}")]
+    row["memory_free_bytes"] = min(free for _, free, _, _ in sides)
+    row["trainer_memory_free_bytes"], row["engine_memory_free_bytes"] = sides[0][1], sides[-1][1]
+    failing = [side for side in sides if side[0](job.bucket_bytes) > side[1]]
+    if not failing:
+        return
+
+    def fits(b: int) -> bool:
+        return all(need(b) <= free for need, free, _, _ in sides)
 
     lo, hi = 0, job.bucket_bytes // MiB         # the largest whole MiB that fits (bisection)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if budget(mid * MiB) <= free else (lo, mid - 1)
+        lo, hi = (mid, hi) if fits(mid * MiB) else (lo, mid - 1)
     best = lo * MiB if lo else None
-    what = f"{k} x bucket {_fmt(job.bucket_bytes)} + largest tensor {_fmt(largest)}" + (
-        " + the quantized bucket" if job.quantization else "")
+    need, free, what, where = failing[0]
     hint = (f"; the largest bucket that fits is {lo} MiB (--bucket-mb {lo})" if best else
             f"; no bucket fits: the largest tensor alone needs {_fmt(largest)}")
-    raise PlanError(f"{job.method} {row['model']}: {what} = {_fmt(row['memory_budget_bytes'])} exceeds "
-                    f"the {_fmt(max(free, 0))} {where}{hint}", best)
+    raise PlanError(f"{job.method} {row['model']}: {what.format(_fmt(job.bucket_bytes))} = "
+                    f"{_fmt(need(job.bucket_bytes))} exceeds the {_fmt(max(free, 0))} {where}{hint}", best)
 
 
 # --------------------------------------------------------------------------- time

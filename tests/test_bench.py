@@ -41,8 +41,9 @@ def test_bench_cli_rows_json_and_plots(tmp_path):
         assert r["bytes"] == rows[0]["bytes"] > 0
         assert r["peak_extra_bytes"] >= 0 and r["memory_curve"]
         # issue 21 item 11: every row says its budget's rule and whether it went over it
-        assert r["memory_budget_rule"] == "2 x bucket + largest tensor"
-        assert r["memory_budget_bytes"] == 2 * r["bucket_bytes"] + r["largest_tensor_bytes"]
+        assert r["memory_budget_rule"] == "2 x max(bucket, largest tensor) + largest tensor"
+        largest = r["largest_tensor_bytes"]
+        assert r["memory_budget_bytes"] == 2 * max(r["bucket_bytes"], largest) + largest
         assert r["over_budget"] is (r["peak_extra_bytes"] > r["memory_budget_bytes"])
         assert [s["name"] for s in r["stages"]].count("sync_weights") == 1
     flat = [r for r in rows if r["strategy"] == "flattened"]
@@ -125,12 +126,36 @@ def test_target_model_recipe_has_the_size_the_targets_need():
 def test_rows_over_their_budget_are_flagged():
     from fsdp_sync.cli.bench.methods import flag_over_budget, memory_budget
 
+    # a tensor larger than a bucket goes alone: the disk method's three buckets in flight are each
+    # up to max(bucket, largest tensor), + the largest gathered whole
     disk = memory_budget("disk", 4 << 20, 8 << 20)
-    assert disk == {"memory_budget_bytes": 20 << 20, "memory_budget_rule": "3 x bucket + largest tensor"}
-    assert memory_budget("tensor", 4 << 20, 8 << 20)["memory_budget_bytes"] == 16 << 20
-    rows = flag_over_budget([{"peak_extra_bytes": 25 << 20, **disk},
+    assert disk == {"memory_budget_bytes": 32 << 20,
+                    "memory_budget_rule": "3 x max(bucket, largest tensor) + largest tensor"}
+    assert memory_budget("disk", 16 << 20, 8 << 20)["memory_budget_bytes"] == 56 << 20
+    # tensor, distributed with full tensors: two buckets; 2 x bucket + largest once buckets are larger
+    assert memory_budget("tensor", 4 << 20, 8 << 20)["memory_budget_bytes"] == 24 << 20
+    assert memory_budget("tensor", 16 << 20, 8 << 20)["memory_budget_bytes"] == 40 << 20
+    assert memory_budget("distributed", 4 << 20, 8 << 20)["memory_budget_bytes"] == 24 << 20
+    # per-rank buckets: trainer rank 0's buffer sets (two pipelined) + the exchange's pieces of one
+    assert memory_budget("distributed", 4 << 20, 8 << 20, "engine", True)["memory_budget_bytes"] == 32 << 20
+    assert memory_budget("distributed", 4 << 20, 8 << 20, "engine", False)["memory_budget_bytes"] == 24 << 20
+    rows = flag_over_budget([{"peak_extra_bytes": 33 << 20, **disk},
                              {"peak_extra_bytes": 12 << 20, **disk}, {"skipped": "no engine"}])
     assert [r.get("over_budget") for r in rows] == [True, False, None]
+    # disaggregated rows: trainer ranks against the trainer's rule, engine workers against theirs
+    # (the larger of bucket and largest tensor, + the shard the reference engine stages)
+    from fsdp_sync.cli.bench.methods import engine_memory_budget
+
+    eng = engine_memory_budget("distributed", 4 << 20, 8 << 20, 100 << 20, staged=True)
+    assert eng["engine_memory_budget_bytes"] == 108 << 20
+    assert engine_memory_budget("distributed", 4 << 20, 8 << 20, 100 << 20,
+                                staged=False)["engine_memory_budget_bytes"] == 8 << 20
+    dist = {**memory_budget("distributed", 4 << 20, 8 << 20), **eng, "peak_extra_bytes": 105 << 20}
+    ok = {"trainer rank 0": 23 << 20, "engine worker 0": 105 << 20}
+    rows = flag_over_budget([{**dist, "peak_extra_by_process": ok},
+                             {**dist, "peak_extra_by_process": {**ok, "trainer rank 1": 25 << 20}},
+                             {**dist, "peak_extra_by_process": {**ok, "engine worker 1": 109 << 20}}])
+    assert [r["over_budget"] for r in rows] == [False, True, True]
 
 
 def test_writing_a_disk_file_allocates_no_second_bucket(tmp_path):
@@ -190,7 +215,8 @@ def test_bench_moe_at_ep_2_cuts_each_engine_rank_its_experts(tmp_path):
     assert row["engine_rank_bytes_in"] == row["engine_rank_shard_bytes"] \
         == layout_for(cfg, 2, 2).engine_bytes(4)
     assert row["largest_tensor_bytes"] == max(m.nbytes for m in metas)
-    assert row["memory_budget_bytes"] == 2 * row["bucket_bytes"] + row["largest_tensor_bytes"]
+    largest = row["largest_tensor_bytes"]
+    assert row["memory_budget_bytes"] == 2 * max(row["bucket_bytes"], largest) + largest
 
 
 def test_moe_bench_recipe_size_and_its_largest_tensor_is_not_a_fused_expert():

@@ -147,7 +147,7 @@ def plan_rows(sweep: dict, cluster: Any) -> list[dict]:
                       replicas=None if method == "tensor" or not reps else reps,
                       share_host_memory=sweep["share_host_memory"], pipelined=sweep["pipelined"],
                       gpu_memory_utilization=sweep["gpu_memory_utilization"],
-                      trainer_dtype=sweep["trainer_dtype"],
+                      trainer_dtype=sweep["trainer_dtype"], engine=sweep["engine"],
                       trainer_resident_bytes=None if sweep["trainer_resident_gib"] is None
                       else int(sweep["trainer_resident_gib"] * 2**30))
         try:
@@ -166,7 +166,7 @@ _DEFAULTS = {"models": ("qwen2-160m",), "methods": ("tensor",), "layouts": ("ful
              "ranks": (2,), "tp": (2,), "ep": (1,), "quantization": (None,), "replicas": None,
              "dtype": "float32", "fsdp": 2, "share_host_memory": True, "pipelined": True,
              "gpu_memory_utilization": 0.85, "trainer_dtype": "float32", "trainer_resident_gib": None,
-             "cluster": "this-machine"}
+             "cluster": "this-machine", "engine": "sglang"}
 _LISTS = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
 
 
@@ -177,8 +177,11 @@ def add_plan_parser(sub) -> None:
         "plan", help="predict a sync's bytes, engine calls, peak memory and time for any model and cluster",
         description="Plan weight syncs without running them: for each combination of the flags, the bytes "
                     "every trainer rank receives and every engine rank takes in, the engine calls, the peak "
-                    "extra memory bound (the budget rule the bench holds measured rows to: 2 x bucket + "
-                    "largest tensor, disk 3 x bucket) and whether it fits the memory left on a GPU, and a "
+                    "extra memory bounds (the budget rules the bench holds measured rows to: a trainer rank "
+                    "2 x max(bucket, largest tensor) + largest tensor, disk and distributed per-rank buckets "
+                    "3 x; an engine rank of the distributed and disk methods "
+                    "max(bucket, largest tensor), + its shard on an engine that stages, --engine "
+                    "reference) and whether it fits the memory left on a GPU, and a "
                     "time estimate (each link's floor + per-call overheads). The model is built on the meta "
                     "device: a 235B model plans in seconds without memory. A plan that cannot fit is refused "
                     "with the largest bucket that would (exit code 1 when every plan is refused). Rows use the bench's field names.",
@@ -220,6 +223,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--trainer-resident-gib", type=ca.nonnegative_float,
                    help="GiB the trainer keeps on each GPU during the sync (default: its FSDP parameter "
                         "shard in --trainer-dtype; 0 when offloaded)")
+    p.add_argument("--engine", type=ca.choice_of(("sglang", "reference")), default="sglang",
+                   help="the rollout engine: sglang (loads in place) or reference (fsdp_sync's, which "
+                        "stages a disaggregated update beside its weights until the commit: + its shard)")
     p.add_argument("--save-cluster", metavar="PATH", help="write the cluster used (measured or not) as JSON here")
     p.add_argument("--json", metavar="PATH", help="write {'cluster': ..., 'rows': [...]} here")
     p.add_argument("--plot", metavar="DIR", help="write a PNG per model here (needs matplotlib)")
@@ -268,7 +274,7 @@ _FLAG_KEYS = {"models": "models", "methods": "methods", "layout": "layouts", "bu
               "dtype": "dtype", "fsdp": "fsdp", "share_host_memory": "share_host_memory",
               "pipelined": "pipelined", "gpu_memory_utilization": "gpu_memory_utilization",
               "trainer_dtype": "trainer_dtype", "trainer_resident_gib": "trainer_resident_gib",
-              "cluster": "cluster"}
+              "cluster": "cluster", "engine": "engine"}
 
 
 def check_plan_args(args, given: set[str]) -> None:
@@ -340,7 +346,7 @@ def cmd_plan(args) -> int:
                   f"in {took:.1f} s)")
     table = Table(title="weight sync plan: bytes exact, memory a bound, seconds an estimate")
     cols = ("method", "layout", "model", "GiB sent", "ranks", "tp", "bucket MiB", "buckets", "calls",
-            "engine rank in GiB", "trainer rank in GiB", "budget GiB", "free GiB", "est. s", "slowest phase")
+            "engine rank in GiB", "trainer rank in GiB", "budget GiB trainer / engine", "free GiB trainer / engine", "est. s", "slowest phase")
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
@@ -354,7 +360,8 @@ def cmd_plan(args) -> int:
                       str(r["tp"]) + (f" ep{r['ep']}" if r["ep"] > 1 else ""), f"{r['bucket_bytes'] / MiB:g}",
                       str(r["buckets"]), str(r["engine_calls"]), f"{r['engine_rank_bytes_in'] / 2**30:.2f}",
                       f"{(r.get('trainer_rank_bytes_in') or 0) / 2**30:.2f}",
-                      f"{r['memory_budget_bytes'] / 2**30:.2f}", f"{r['memory_free_bytes'] / 2**30:.1f}",
+                      f"{r['memory_budget_bytes'] / 2**30:.2f} / {r['engine_memory_budget_bytes'] / 2**30:.2f}",
+                      f"{r['trainer_memory_free_bytes'] / 2**30:.1f} / {r['engine_memory_free_bytes'] / 2**30:.1f}",
                       f"{r['seconds']:.3f}", f"{slow['what']} ({slow['link']})")
     console.print(table)
     refused = [r for r in rows if r.get("refused")]

@@ -126,15 +126,27 @@ def plot_plan(rows: list[dict], out_dir: str | Path) -> list[Path]:
             rs = sorted(rs, key=lambda r: r["bucket_bytes"])
             ok = [r for r in rs if not r.get("refused")]
             line = ax_t.plot([r["bucket_bytes"] / MiB for r in ok], [r["seconds"] for r in ok], "o-", label=label)
+            color = line[0].get_color() if line else None
             ax_m.plot([r["bucket_bytes"] / MiB for r in ok], [r["memory_budget_bytes"] / 2**30 for r in ok], "o-",
-                      color=line[0].get_color() if line else None, label=label)
+                      color=color, label=label)
+            if any(r["method"] != "tensor" for r in ok):     # a disaggregated engine rank: its own rule
+                ax_m.plot([r["bucket_bytes"] / MiB for r in ok],
+                          [r["engine_memory_budget_bytes"] / 2**30 for r in ok], "^--", color=color)
             bad = [r for r in rs if r.get("refused")]
             ax_t.plot([r["bucket_bytes"] / MiB for r in bad], [max((x["seconds"] for x in ok), default=1)] * len(bad),
                       "x", color=line[0].get_color() if line else "k")
-        free = sorted({(r["method"] == "tensor", r["memory_free_bytes"]) for r in mrows if "memory_free_bytes" in r})
-        for colocated, f in free:
+        free = {}
+        for r in mrows:
+            if "trainer_memory_free_bytes" not in r:
+                continue
+            if r["method"] == "tensor":
+                free["a colocated GPU"] = r["trainer_memory_free_bytes"]
+            else:
+                free["a trainer GPU"] = r["trainer_memory_free_bytes"]
+                free["an engine GPU"] = r["engine_memory_free_bytes"]
+        for where, f in sorted(free.items(), key=lambda kv: kv[1]):
             ax_m.axhline(f / 2**30, ls=":", color="k")
-            ax_m.annotate(f"free on {'a colocated' if colocated else 'an engine'} GPU", (1, f / 2**30),
+            ax_m.annotate(f"free on {where}", (1, f / 2**30),
                           xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=8)
         for ax in (ax_t, ax_m):
             ax.set_xscale("log", base=2)
@@ -142,7 +154,7 @@ def plot_plan(rows: list[dict], out_dir: str | Path) -> list[Path]:
             ax.grid(alpha=0.3)
         ax_t.set_yscale("log")
         ax_t.set_ylabel("estimated seconds (x: refused)")
-        ax_m.set_ylabel("peak extra memory bound, GiB")
+        ax_m.set_ylabel("memory bound GiB (o trainer, ^ engine)")
         ax_t.legend(fontsize=7)
         fig.suptitle(f"fsdp-sync plan: {Path(model).stem}")
         fig.tight_layout()

@@ -555,7 +555,7 @@ def cmd_bench(args) -> int:
     result = run_bench(spec)
     table = Table(title="weight sync: median seconds beside floor and per_tensor baseline")
     cols = ("strategy", "model", "params", "tensors", "MiB", "bucket MiB", "ranks", "tp", "ms", "shm",
-            "seconds", "floor s", "× floor", "× copy", "baseline s", "speedup", "peak extra MiB", "budget MiB")
+            "seconds", "floor s", "× floor", "× copy", "baseline s", "speedup", "peak extra MiB", "budget MiB (engine)")
     for c in cols:
         table.add_column(c, justify="right")
     for r in result["rows"]:
@@ -572,13 +572,18 @@ def cmd_bench(args) -> int:
                       f"{r['baseline_seconds']:.3f}" if r["baseline_seconds"] else "-",
                       f"{r['speedup_vs_baseline']:.1f}×" if r["speedup_vs_baseline"] else "-",
                       f"{r['peak_extra_bytes'] / MiB:.0f}" + (" [red]OVER[/]" if r.get("over_budget") else ""),
-                      f"{r['memory_budget_bytes'] / MiB:.0f}")
+                      f"{r['memory_budget_bytes'] / MiB:.0f}" + (
+                          f" / {r['engine_memory_budget_bytes'] / MiB:.0f}" if "engine_memory_budget_bytes" in r
+                          else ""))
     console.print(table)
     over = [r for r in result["rows"] if r.get("over_budget")]
     if over:
         console.print(f"[red]{len(over)} row(s) over their memory budget[/] ("
                       + "; ".join(f"{r['strategy']}: {r['peak_extra_bytes'] / MiB:.1f} MiB > "
                                   f"{r['memory_budget_bytes'] / MiB:.1f} MiB = {r['memory_budget_rule']}"
+                                  + (f" (an engine worker: {r['engine_memory_budget_bytes'] / MiB:.1f} MiB "
+                                     f"= {r['engine_memory_budget_rule']})" if "engine_memory_budget_bytes" in r
+                                     else "")
                                   for r in over) + ")")
     if args.preset == "targets":
         result["targets"] = check_targets(result["rows"])

@@ -183,6 +183,10 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     names = [f"trainer rank {r}" for r in range(len(pids))] + \
                         [f"engine worker {j}" for j in range(len(getattr(engine, "worker_pids", []) or []))]
                     rows[-1]["peak_extra_by_process"] = dict(zip(names, rows[-1].pop("_peaks")))
+                    # the engine workers' own rule: the reference engine stages a disaggregated
+                    # update beside the weights it holds (loaded by the warm-up) until the commit
+                    rows[-1].update(engine_memory_budget(method, bucket_bytes, largest,
+                                                         rows[-1]["engine_rank_shard_bytes"], staged=True))
             finally:
                 manager.close()
                 if workdir is not None:
@@ -199,18 +203,36 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     return rows
 
 
-def memory_budget(method: str, bucket_bytes: int, largest: int) -> dict:
+def memory_budget(method: str, bucket_bytes: int, largest: int, layout: str = "full",
+                  pipelined: bool = True) -> dict:
     """A row's memory budget and its rule: `fsdp_sync.plan.memory_budget` (the one formula the
     bench and ``fsdp-sync plan`` share; the quantized bucket is added by `bench.bench_rank`)."""
     from ...plan import memory_budget as rule
 
-    return rule(method, bucket_bytes, largest)
+    return rule(method, bucket_bytes, largest, layout=layout, pipelined=pipelined)
+
+
+def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: int, staged: bool) -> dict:
+    """An engine worker's budget and its rule (`fsdp_sync.plan.engine_memory_budget`)."""
+    from ...plan import engine_memory_budget as rule
+
+    return rule(method, bucket_bytes, largest, shard, staged)
 
 
 def flag_over_budget(rows: list[dict]) -> list[dict]:
-    """Mark every measured row whose peak extra memory is over its budget (``over_budget``)."""
+    """Mark every measured row whose peak extra memory is over its budget (``over_budget``): a
+    device's peak against the trainer's rule; where the row has each process's peak (the
+    disaggregated methods), each trainer rank against the trainer's rule and each engine worker
+    against the engine's (``engine_memory_budget_bytes``)."""
     for r in rows:
-        if "peak_extra_bytes" in r and "memory_budget_bytes" in r:
+        if "peak_extra_bytes" not in r or "memory_budget_bytes" not in r:
+            continue
+        by_process = r.get("peak_extra_by_process")
+        if by_process and "engine_memory_budget_bytes" in r:
+            r["over_budget"] = any(
+                peak > (r["engine_memory_budget_bytes"] if name.startswith("engine") else r["memory_budget_bytes"])
+                for name, peak in by_process.items())
+        else:
             r["over_budget"] = r["peak_extra_bytes"] > r["memory_budget_bytes"]
     return rows
 
@@ -228,7 +250,9 @@ def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floo
         "largest_tensor_bytes": largest, "ranks": job.ranks, "tp": job.tp,
         "multi_stage": job.multi_stage, "device": job.device, "dtype": job.dtype, "seconds": med,
         "repeats": secs, "floor_seconds": floor, "baseline_seconds": None,
-        "peak_extra_bytes": int(peak), **memory_budget(method, bucket_bytes, largest),
+        "peak_extra_bytes": int(peak),
+        **memory_budget(method, bucket_bytes, largest, stats.extra.get("layout") or "full",
+                        bool(stats.extra.get("pipelined", True))),
         **{k: stats.extra[k] for k in ("quantize_s", "quantized_tensors") if k in stats.extra},
         "engine_calls": stats.engine_calls, "buckets": stats.buckets, "stages": timeline,
         "memory_curve": [], "share_host_memory": False, "floor_shared_seconds": None,
