@@ -98,6 +98,7 @@ class FSDPShardingManager:
         self.fleet = Fleet(engines)
         self.transport = make_transport(self.config)
         self.step = 0
+        self._configs_checked: set[int] = set()    # ids of engines whose model config matched
         self.version: str | None = None       # the weight version every serving replica committed
         self.global_steps: int | None = None  # set by the caller: the next sync's version is it
         self.timeline = Timeline()
@@ -365,8 +366,9 @@ class FSDPShardingManager:
             if err is not None:
                 break
             try:
-                if self.step == 0:
+                if id(engine) not in self._configs_checked:   # each engine, a replica added later too
                     self._check_config(engine)
+                    self._configs_checked.add(id(engine))
                 names = getattr(engine, "hf_names", None)
                 if not callable(names):
                     continue
@@ -617,6 +619,9 @@ class FSDPShardingManager:
             try:
                 rep = self.fleet.find(engine)
                 reason = fleet.problem(engine) or ""
+                if not reason and id(engine) not in self._configs_checked:
+                    self._check_config(engine)      # a new replica's math, before any byte moves
+                    self._configs_checked.add(id(engine))
                 if reason:
                     action = "fail"
                 elif self.version is None:

@@ -235,3 +235,31 @@ def test_the_send_loop_verl_drives_commits_its_version(version):
         assert r["after"] == r["before"]
     else:
         assert r["after"] == version != r["before"]
+
+
+def test_a_replica_with_other_math_is_refused_when_added(tmp_path):
+    """An elastic replica started from another config (rope_theta) is refused by add_engine before
+    it loads anything, names the key, stays out of service, and the fleet syncs on without it."""
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.models import load_config
+    from fsdp_sync.topology import SyncError
+
+    module = _module()
+    good = _engine()
+    odd = ReferenceEngine(load_config(RECIPE, rope_theta=1e6), tp_size=1, kv_cache_tokens=64,
+                          call_timeout_s=20, update_recv_timeout_s=10)
+    manager = _manager(module, [good], _config("disk", tmp_path))
+    try:
+        _sync(manager)
+        before = _served(odd)
+        with pytest.raises(SyncError, match=r"rope_theta: trainer 10000.0, engine 1000000.0"):
+            manager.add_engine(odd)
+        assert odd not in manager.engines and _served(odd) == before
+        assert not manager.fleet_status()["replicas"][-1]["serving"]
+        perturb_(module.parameters())
+        _sync(manager)
+        assert manager.version == "1" and manager.engines == [good] and _same(good, module)
+    finally:
+        manager.close()
+        good.shutdown()
+        odd.shutdown()

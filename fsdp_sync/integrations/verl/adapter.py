@@ -248,6 +248,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self.last_stats: dict[str, Any] = {}
         self._sent: dict[str, str] | None = None   # digests of what was sent (verify, rank 0)
         self._syncs = 0
+        self._config_checked = False    # the served config matched the actor's (`_config_error`)
         self._pack_s = self._digest_s = 0.0
         self._buffer_hint = 0     # bytes the last sync's bucket buffer filled (`_Stream`)
         self._engine = None
@@ -393,9 +394,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                                       group=topo.tp_group, what="fsdp_sync verl sync",
                                       check=check if cfg.verify != "off" else None,
                                       version=version,
-                                      # the first sync: the served model's math against the actor's
+                                      # until a sync passed: the served model's math against the actor's
                                       before=(lambda eng: self._config_error(eng, topo))
-                                      if self._syncs == 0 else None)
+                                      if not self._config_checked else None)
+            self._config_checked = True
             sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
         finally:
             sent, self._sent = self._sent, None
