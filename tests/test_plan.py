@@ -26,8 +26,7 @@ EXACT = ("bytes", "buckets", "engine_calls", "engine_rank_bytes_in", "engine_ran
 
 def _plan_of(bench_row: dict) -> dict:
     r = bench_row
-    # the disk rows say share_host_memory False, but their sync runs SyncConfig's default (on)
-    share = True if r["method"] == "disk" else bool(r.get("share_host_memory"))
+    share = bool(r.get("share_host_memory"))
     return plan_row(PlanJob(r["model"], r["method"], r["layout"], r["bucket_bytes"], r["dtype"],
                             r.get("quantization"), r["ranks"], 2, r["tp"], r.get("ep", 1),
                             share_host_memory=share, pipelined=bool(r.get("pipelined")),

@@ -255,7 +255,9 @@ def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floo
                         bool(stats.extra.get("pipelined", True))),
         **{k: stats.extra[k] for k in ("quantize_s", "quantized_tensors") if k in stats.extra},
         "engine_calls": stats.engine_calls, "buckets": stats.buckets, "stages": timeline,
-        "memory_curve": [], "share_host_memory": False, "floor_shared_seconds": None,
+        # what the sync ran with (the distributed rows say below which path it took)
+        "memory_curve": [], "share_host_memory": bool(getattr(manager.config, "share_host_memory", False)),
+        "floor_shared_seconds": None,
         "_peaks": [int(p) for p in peaks],
         **{k: stats.extra[k] for k in ("layout", "engine_rank_bytes_in", "engine_rank_shard_bytes",
                                        "trainer_rank_bytes_in", "reshard_path") if k in stats.extra},
