@@ -34,6 +34,7 @@ BAD = [
     ("bench --models tiny,nope", ["--models", "'nope'"]),
     ("bench --repeats 2", ["--repeats", ">= 3"]),
     ("bench --recipe /nonexistent.yaml", ["--recipe", "no such file or shipped sweep", "bucket_sweep"]),
+    ("bench --recipe plan_moe_h100", ["--recipe", "shipped sweep: 'plan_moe_h100'", "bucket_sweep"]),
     ("bench --preset quick --recipe targets", ["--recipe", "--preset"]),
     ("bench --preset nope", ["--preset", "quick, targets"]),
     ("bench --preset quick --ranks 3", ["--ranks", "--tp"]),

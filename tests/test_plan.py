@@ -137,6 +137,7 @@ BAD = [
     ("plan --config-json /nonexistent/config.json", ["--config-json", "no such file"]),
     ("plan --models tiny --tp 3 --ranks 3", ["--models tiny", "--tp 3", "num_attention_heads"]),
     ("plan --recipe nope", ["--recipe", "no such file or shipped plan sweep"]),
+    ("plan --recipe bucket_sweep", ["--recipe", "shipped plan sweep: 'bucket_sweep'", "plan_moe_h100"]),
 ]
 
 

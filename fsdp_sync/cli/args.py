@@ -140,6 +140,30 @@ def existing_file(text: str) -> str:
     return text
 
 
+def shipped_sweeps(kind: str) -> list[str]:
+    """The sweeps shipped in ``fsdp_sync/recipes/memory_tuning/``: ``fsdp-sync plan``'s are
+    ``plan_*.yaml`` (``kind="plan"``), the bench's the rest (``kind="bench"``)."""
+    from ..models import RECIPES_DIR
+
+    return sorted(p.stem for p in (RECIPES_DIR / "memory_tuning").glob("*.yaml")
+                  if p.stem.startswith("plan_") == (kind == "plan"))
+
+
+def sweep_of(kind: str) -> Callable[[str], str]:
+    """``--recipe``: a YAML path, or the name of a shipped sweep of ``kind`` (`shipped_sweeps`);
+    a name of the other command's sweeps is refused."""
+    def parse(text: str) -> str:
+        from ..models import RECIPES_DIR
+
+        if Path(text).is_file():
+            return text
+        if text in shipped_sweeps(kind):
+            return str(RECIPES_DIR / "memory_tuning" / f"{text}.yaml")
+        raise argparse.ArgumentTypeError(f"no such file or shipped {'plan ' if kind == 'plan' else ''}"
+                                         f"sweep: {text!r} (shipped: {', '.join(shipped_sweeps(kind))})")
+    return _named(parse, "recipe")
+
+
 def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     """The ``dest`` of every flag given on ``argv`` (as opposed to left at its default)."""
     saved = [(a, a.default) for a in parser._actions]

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import args as ca
+
 __all__ = ["add_plan_parser", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes"]
 
 MiB = 2**20
@@ -129,9 +131,8 @@ def measure_this_machine(nbytes: int = 64 * MiB, repeats: int = 5) -> Any:
 # --------------------------------------------------------------------------- the sweep
 
 def plan_recipes() -> list[str]:
-    from ..models import RECIPES_DIR
-
-    return sorted(p.stem for p in (RECIPES_DIR / "memory_tuning").glob("plan_*.yaml"))
+    """The plan sweeps shipped with the package (``memory_tuning/plan_*.yaml``)."""
+    return ca.shipped_sweeps("plan")
 
 
 def plan_rows(sweep: dict, cluster: Any) -> list[dict]:
@@ -171,7 +172,6 @@ _LISTS = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "qua
 
 
 def add_plan_parser(sub) -> None:
-    from . import args as ca
 
     p = sub.add_parser(
         "plan", help="predict a sync's bytes, engine calls, peak memory and time for any model and cluster",
@@ -232,18 +232,7 @@ def add_plan_parser(sub) -> None:
     p.set_defaults(check=check_plan_args, run=cmd_plan)
 
 
-def _plan_recipe(text: str) -> str:
-    import argparse
-
-    from ..models import RECIPES_DIR
-
-    if Path(text).is_file():
-        return text
-    shipped = RECIPES_DIR / "memory_tuning" / f"{text}.yaml"
-    if shipped.is_file():
-        return str(shipped)
-    raise argparse.ArgumentTypeError(f"no such file or shipped plan sweep: {text!r} (shipped: "
-                                     f"{', '.join(plan_recipes())})")
+_plan_recipe = ca.sweep_of("plan")     # ``--recipe``: a YAML path, or a shipped plan sweep's name
 
 
 def _cluster_spec(text: str) -> str:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ...plan import memory_budget, quantized_bucket_bytes
+from .. import args as ca
 from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floor_shared_seconds,
                      layout_figures)
 from .sampling import DeviceSampler, rises, sampled_sync
@@ -87,25 +88,10 @@ def _of(cast: Any, what: str) -> Any:
 
 def sweep_recipes() -> list[str]:
     """The bench sweeps shipped with the package (``fsdp_sync/recipes/memory_tuning/<name>.yaml``)."""
-    from ...models import RECIPES_DIR
-
-    return sorted(p.stem for p in (RECIPES_DIR / "memory_tuning").glob("*.yaml")
-                  if not p.stem.startswith("plan_"))    # plan_*: `fsdp-sync plan` sweeps
+    return ca.shipped_sweeps("bench")
 
 
-def sweep_recipe(text: str) -> str:
-    """``--recipe``: a YAML path, or the name of a shipped sweep (`sweep_recipes`)."""
-    import argparse
-
-    from ...models import RECIPES_DIR
-
-    if Path(text).is_file():
-        return text
-    shipped = RECIPES_DIR / "memory_tuning" / f"{text}.yaml"
-    if shipped.is_file():
-        return str(shipped)
-    raise argparse.ArgumentTypeError(f"no such file or shipped sweep: {text!r} (shipped: "
-                                     f"{', '.join(sweep_recipes())})")
+sweep_recipe = ca.sweep_of("bench")     # ``--recipe``: a YAML path, or a shipped sweep's name
 
 
 # list-valued keys of a bench recipe and what each item is (a scalar counts as a one-item list)
@@ -446,7 +432,6 @@ _FLAG_KEYS = {"models": "models", "strategies": "strategies", "bucket_mb": "buck
 
 
 def add_bench_parser(sub) -> None:
-    from .. import args as ca
     from ...config import LAYOUTS, METHODS, STRATEGIES
 
     p = sub.add_parser(
