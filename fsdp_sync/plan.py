@@ -49,7 +49,18 @@ GB, MiB, GiB = 1e9, 2**20, 2**30
 class Cluster:
     """What the estimate needs to know of the machines. Bandwidths in GB/s (1e9 bytes) per GPU,
     one direction; ``d2d_gbps``: one copy on one device (it reads and writes each byte);
-    ``call_s``: one engine call's overhead; ``collective_s``: one collective's latency."""
+    ``call_s``: one engine call's overhead; ``collective_s``: one collective's latency (a small
+    object gathered to one rank, as the tensor method gathers its handles).
+
+    Costs a GPU cluster does not have, measured on a CPU host and 0 (not priced) elsewhere:
+    ``cores``: the host's CPUs, shared by every trainer rank and engine worker (0: each has a
+    device of its own): with more processes than cores a pipelined method's phases cannot
+    overlap. ``touch_gbps``: the rate at which fresh memory becomes resident on first touch (the
+    sync's buffers, made each sync and freed after it; CUDA's caching allocator hands out memory
+    that is already mapped). ``map_gbps``: the rate at which a process maps the pages of a buffer
+    another process shared with it (an engine worker opening a bucket's handle).
+    ``collective_gbps``: what a rank receives per second in the trainer's gather, all-gather and
+    all-to-all (0: the link's rate; gloo's all-gather runs far below a point-to-point send)."""
 
     name: str
     device: str                    # "cuda" or "cpu" (this machine: one host, shards in host memory)
@@ -63,6 +74,10 @@ class Cluster:
     call_s: float
     collective_s: float
     source: str = ""               # where each figure comes from
+    cores: int = 0
+    touch_gbps: float = 0.0
+    map_gbps: float = 0.0
+    collective_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -71,6 +86,9 @@ class Cluster:
                   "disk_write_gbps", "disk_read_gbps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"cluster {f} must be > 0, got {getattr(self, f)!r}")
+        for f in ("cores", "touch_gbps", "map_gbps", "collective_gbps"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"cluster {f} must be >= 0 (0: not priced), got {getattr(self, f)!r}")
         if self.call_s < 0 or self.collective_s < 0:
             raise ValueError(f"cluster call_s and collective_s must be >= 0, got {self.call_s}, "
                              f"{self.collective_s}")
@@ -414,6 +432,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
         path = row.get("reshard_path") or ("host-shared" if shared else "all-gather")
     row["path"] = path
     row["allgather_bytes_in"] = allgather_in
+    unit = max((b.nbytes for b in plan), default=0) if job.method != "disk" else 0   # its largest bucket
 
     # ---- memory
     row.update(memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype,
@@ -427,7 +446,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     _check_fit(job, cl, row, model_bytes)
 
     # ---- time
-    row.update(_estimate(job, cl, row, shard))
+    row.update(_estimate(job, cl, row, shard, unit))
     return row
 
 
@@ -539,58 +558,102 @@ def _link(cl: Cluster, ranks_on_link: int) -> float:
     return (cl.intra_gbps if ranks_on_link <= cl.gpus_per_node else cl.inter_gbps) * GB
 
 
-def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int) -> dict:
+def _fresh_bytes(job: PlanJob, row: dict, unit: int) -> tuple[int, int]:
+    """(bytes of fresh buffers one trainer rank first-touches in a sync, bytes one engine rank
+    maps or first-touches): the sync's buffers are made each sync and freed after it.
+    ``unit``: the largest bucket (tensor and distributed; disk's buffers are left unpriced)."""
+    world, tp, m = job.ranks, job.tp, job.method
+    sets = 2 if job.pipelined else 1
+    shared = row.get("share_host_memory") and row["path"] == "host-shared"
+    if m == "disk" or not unit:
+        return 0, 0
+    if job.layout == "engine":
+        # one buffer per engine TP rank (and set); host-shared: the group's ranks touch a part each
+        trainer = tp * sets * unit // world if shared else tp * sets * unit
+        # tensor: the engine keeps its buffers mapped across the sync; distributed: it receives
+        # each bucket into a fresh buffer
+        engine = sets * unit if m == "tensor" else row["engine_rank_bytes_in"]
+    elif m == "tensor":
+        trainer = unit // world if shared else unit       # one buffer, reused bucket after bucket
+        engine = row["engine_rank_bytes_in"]               # each bucket's handle mapped afresh
+    else:
+        trainer = 2 * unit                                 # trainer rank 0's two gather buffers
+        engine = row["engine_rank_bytes_in"]
+    return trainer, engine
+
+
+def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -> dict:
     """``seconds``: each phase's floor (its bytes over its link) plus overheads; a pipelined
     method overlaps its phases bucket by bucket (the slowest phase, plus one bucket of the
-    others). ``phases`` says which bytes crossed which link."""
+    others), unless its processes outnumber a CPU host's cores. ``phases`` says which bytes
+    crossed which link."""
     world, tp, engines = job.ranks, job.tp, job.engines
     d2d, n = cl.d2d_gbps * GB, max(1, row["buckets"])
     trainer_link = _link(cl, world)
+    coll_link = cl.collective_gbps * GB if cl.collective_gbps else trainer_link
+    coll_name = "host" if cl.collective_gbps else ("intra" if trainer_link == cl.intra_gbps * GB else "inter")
     # disaggregated engines sit beside the trainer only when every GPU fits one node
     engine_link = _link(cl, world + engines * tp) if cl.device == "cuda" else cl.intra_gbps * GB
     phases: list[tuple[str, float, str]] = []       # (what, seconds, link)
     own = row["model_bytes"] // world
     path = row["path"]
+    m = job.method
     fill = ("copy my shard into the buffers", own / d2d, "d2d")
     exchange = None
     if path == "all-gather" or path == "gather":
         b = row["allgather_bytes_in"] if path == "all-gather" else row["model_bytes"] - own
-        exchange = ("gather the other ranks' shards", b / trainer_link + n * cl.collective_s,
-                    "intra" if trainer_link == cl.intra_gbps * GB else "inter")
+        exchange = ("gather the other ranks' shards", b / coll_link + n * cl.collective_s, coll_name)
     elif path == "all-to-all":
         exchange = ("all-to-all of the engine ranks' pieces",
-                    row["trainer_rank_bytes_in"] / trainer_link + n * cl.collective_s,
-                    "intra" if trainer_link == cl.intra_gbps * GB else "inter")
+                    row["trainer_rank_bytes_in"] / coll_link + n * cl.collective_s, coll_name)
     elif path == "host-shared":
         exchange = ("barriers around the shared buffers", 2 * n * cl.collective_s, "host")
-    load = ("engine rank copies its shard in", row["engine_rank_bytes_in"] / d2d if job.layout == "engine"
-            else shard / d2d, "d2d")
-    m = job.method
+    first = [fill] + ([exchange] if exchange else [])
+    touch, mapped = _fresh_bytes(job, row, unit)
+    if cl.touch_gbps and touch:
+        first.append(("first touch of the sync's fresh buffers", touch / (cl.touch_gbps * GB), "host"))
+    staged = job.engine == "reference" and m != "tensor"
+    in_bytes = row["engine_rank_bytes_in"] if job.layout == "engine" else shard
+    load = ("engine rank copies its shard in" + (", then commits it (staged: a second copy)" if staged else ""),
+            in_bytes / d2d * (2 if staged else 1), "d2d")
+    receive = []
+    if mapped and m == "tensor" and cl.map_gbps:
+        receive = [("engine rank maps the shared buckets", mapped / (cl.map_gbps * GB), "host")]
+    elif mapped and cl.touch_gbps:
+        receive = [("first touch of the engine's receive buffers", mapped / (cl.touch_gbps * GB), "host")]
     if m == "tensor":
-        phases = [fill] + ([exchange] if exchange else []) + [load,
-                  ("engine calls", row["engine_calls"] * cl.call_s, "call")]
+        # per call: the handles gathered to infer-TP rank 0, the outcome agreed on every rank
+        phases = first + receive + [load, ("engine calls", row["engine_calls"] * (cl.call_s + 2 * cl.collective_s),
+                                           "call")]
         overlap = job.layout == "engine" and job.pipelined
     elif m == "distributed":
         sent = row["engine_rank_bytes_in"] * (tp * engines if job.layout == "engine" else 1)
-        phases = [fill] + ([exchange] if exchange else []) + [
+        phases = first + [
             ("trainer rank 0 sends to the engines", sent / engine_link + n * cl.collective_s,
-             "intra" if engine_link == cl.intra_gbps * GB else "inter"),
+             "intra" if engine_link == cl.intra_gbps * GB else "inter")] + receive + [
             load, ("engine requests", row["engine_requests"] * cl.call_s, "call")]
         overlap = job.layout == "full" or job.pipelined
     else:
         written = row["file_bytes"]
         read = row["engine_rank_bytes_in"] * tp * engines
-        phases = [fill] + ([exchange] if exchange else []) + [
+        phases = first + [
             ("write and fsync the files", written / (cl.disk_write_gbps * GB), "disk"),
             ("engine ranks read their bytes", read / (cl.disk_read_gbps * GB), "disk"),
             load, ("engine calls", row["engine_calls"] * cl.call_s, "call")]
         overlap = False
     total = sum(s for _, s, _ in phases)
+    rule = "sum of phase floors + overheads"
+    procs = world + engines * tp
+    if overlap and n > 1 and cl.cores and procs > cl.cores:
+        overlap = False          # every process copies: on too few cores the phases take turns
+        rule += f" (not overlapped: {procs} processes on {cl.cores} cores)"
     if overlap and n > 1:
         # bucket k+1 is made while bucket k is on the wire: the slowest phase, plus one bucket
         # of the others (the pipeline's fill and drain)
         moving = [s for w, s, _ in phases if w not in ("engine calls", "engine requests")]
         calls = total - sum(moving)
         total = max(moving) + (sum(moving) - max(moving)) / n + calls
+        rule += " (pipelined)"
     return {"seconds": total, "phases": [{"what": w, "seconds": s, "link": ln} for w, s, ln in phases],
-            "estimate_rule": "sum of phase floors + overheads" + (" (pipelined)" if overlap and n > 1 else "")}
+            "estimate_rule": rule}
+

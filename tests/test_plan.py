@@ -174,3 +174,68 @@ def test_plan_cli_writes_rows_under_the_bench_names(tmp_path, capsys):
                    "--bucket-mb", "8192", "--trainer-resident-gib", "4", "--cluster", "h100-node"])
     text = capsys.readouterr().out
     assert rc == 1 and "refused" in text and "--bucket-mb" in text
+
+
+def _phase(row: dict, what: str) -> float:
+    hits = [p["seconds"] for p in row["phases"] if p["what"].startswith(what)]
+    assert len(hits) == 1, (what, [p["what"] for p in row["phases"]])
+    return hits[0]
+
+
+def test_a_cpu_hosts_costs_are_priced_only_where_measured():
+    """A CPU host's first touch of the sync's fresh buffers, an engine mapping a shared bucket and
+    its cores: each priced from its own figure (bytes over the rate), absent on a cluster
+    without them (a GPU preset), and the pipeline not overlapped when processes outnumber cores."""
+    import dataclasses
+
+    host = dataclasses.replace(CPU, cores=2, touch_gbps=2.0, map_gbps=10.0, collective_gbps=0.5)
+    job = dict(model="small", method="tensor", bucket_bytes=MiB, dtype="float32", ranks=2, tp=2,
+               engine="reference")
+    full = plan_row(PlanJob(layout="full", **job), host)
+    unit = full["largest_tensor_bytes"]        # small: every tensor over 1 MiB goes alone
+    assert _phase(full, "first touch of the sync's fresh buffers") == pytest.approx(unit // 2 / 2e9)
+    assert _phase(full, "engine rank maps") == pytest.approx(full["engine_rank_bytes_in"] / 10e9)
+    assert _phase(full, "engine calls") == pytest.approx(full["engine_calls"] * (CPU.call_s + 2 * CPU.collective_s))
+    bare = plan_row(PlanJob(layout="full", **job), CPU)
+    assert not [p for p in bare["phases"] if "touch" in p["what"] or "maps" in p["what"]]
+
+    piped = plan_row(PlanJob(layout="engine", **job), dataclasses.replace(host, cores=0))
+    assert piped["estimate_rule"].endswith("(pipelined)")
+    turns = plan_row(PlanJob(layout="engine", **job), host)        # 2 ranks + 2 workers on 2 cores
+    assert "not overlapped: 4 processes on 2 cores" in turns["estimate_rule"]
+    assert turns["seconds"] == pytest.approx(sum(p["seconds"] for p in turns["phases"]))
+    assert turns["seconds"] > piped["seconds"]
+
+    # the reference engine stages what the disaggregated methods push: two copies of its shard
+    dist_job = dict(job, method="distributed", share_host_memory=False)
+    ref = plan_row(PlanJob(layout="full", **dist_job), host)
+    sgl = plan_row(PlanJob(layout="full", **{**dist_job, "engine": "sglang"}), host)
+    assert _phase(ref, "engine rank copies") == pytest.approx(2 * _phase(sgl, "engine rank copies"))
+    # the trainer's gather at the collectives' rate, the sends to the engines at the link's
+    assert _phase(ref, "gather the other ranks'") == pytest.approx(
+        (ref["model_bytes"] - ref["model_bytes"] // 2) / 0.5e9 + ref["buckets"] * CPU.collective_s)
+
+
+def test_cluster_figures_are_checked_and_old_cluster_files_still_load(tmp_path):
+    from fsdp_sync.plan import load_cluster
+
+    with pytest.raises(ValueError, match="touch_gbps must be >= 0"):
+        Cluster("x", "cpu", 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, touch_gbps=-1.0)
+    old = {k: v for k, v in CPU.to_dict().items() if k not in ("cores", "touch_gbps", "map_gbps", "collective_gbps")}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(old))
+    assert load_cluster(path) == CPU            # the costs it does not name stay unpriced
+
+
+@pytest.mark.timeout(120)
+def test_this_machine_is_measured():
+    import os
+
+    from fsdp_sync.cli.plan import measure_this_machine
+
+    c = measure_this_machine(nbytes=8 * MiB, repeats=2)
+    assert c.device == "cpu" and c.cores == len(os.sched_getaffinity(0))
+    for f in ("d2d_gbps", "intra_gbps", "touch_gbps", "map_gbps", "collective_gbps", "disk_write_gbps",
+              "disk_read_gbps", "call_s", "collective_s"):
+        assert getattr(c, f) > 0, f
+    assert "fresh shared buffer" in c.source

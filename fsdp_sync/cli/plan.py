@@ -50,15 +50,51 @@ def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    copy_s = timed(lambda: dst.copy_(src))
-    part = torch.ones(nbytes // world, dtype=torch.uint8)
-    out = torch.empty(part.numel() * world, dtype=torch.uint8)
+    from ..weights import handles
     from ..weights.gather import all_gather
 
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    copy_s = timed(lambda: dst.copy_(src))
+    fresh: list = []                 # the same copy into a fresh shared buffer: its first touch
+    fresh_s = timed(lambda: fresh.append(handles.empty_shared(nbytes).copy_(src)))
+    fresh.clear()
+    part = torch.ones(nbytes // world, dtype=torch.uint8)
+    out = torch.empty(part.numel() * world, dtype=torch.uint8)
     gather_s = timed(lambda: all_gather(out, part, None))     # the sync's own gather call
-    tiny = torch.zeros(1)
-    coll_s = timed(lambda: dist.all_reduce(tiny), 50)
+
+    def send() -> None:              # one rank to another, as the distributed method sends
+        if rank == 0:
+            dist.send(src, 1)
+        elif rank == 1:
+            dist.recv(dst, 0)
+
+    send_s = timed(send)
+    # a small object gathered to rank 0: what the tensor method does with each bucket's handles
+    objs: Any = [None] * world if rank == 0 else None
+    coll_s = timed(lambda: dist.gather_object({"handle": bytes(600)}, objs, dst=0), 50)
+    # rank 1 maps a buffer rank 0 shared (an engine worker opening a bucket) and copies it out,
+    # against the same copy from a buffer it has mapped already
+    map_s = []
+    for _ in range(repeats + 1):
+        buf = handles.empty_shared(nbytes).copy_(src) if rank == 0 else None
+        sets = handles.make_payloads(buf, 2, ranks=[1]) if rank == 0 else None
+        box = [sets.payloads[0] if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if rank == 1:
+            t0 = time.perf_counter()
+            rec = handles.open_payload(box[0], 1)
+            dst.copy_(rec.value)
+            t1 = time.perf_counter()
+            dst.copy_(rec.value)
+            map_s.append((t1 - t0) - (time.perf_counter() - t1))
+            rec.ack()
+            del rec
+        dist.barrier()
+        if rank == 0:
+            sets.release(require_ack=False)
+        del buf
+    map_s = [statistics.median(map_s[1:])] if rank == 1 else [0.0]
+    dist.broadcast_object_list(map_s, src=1)
     call_s = disk_w = disk_r = 0.0
     if rank == 0:
         # one engine call at least: a payload pickled to another process and its answer back
@@ -96,7 +132,8 @@ def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
             disk_w, disk_r = statistics.median(ws), statistics.median(rs)
     dist.barrier()
     return {"copy_s": copy_s, "gather_s": gather_s, "gather_bytes": part.numel() * (world - 1),
-            "collective_s": coll_s, "call_s": call_s, "disk_write_s": disk_w, "disk_read_s": disk_r}
+            "collective_s": coll_s, "call_s": call_s, "disk_write_s": disk_w, "disk_read_s": disk_r,
+            "send_s": send_s, "touch_s": max(fresh_s - copy_s, 1e-9), "map_s": max(map_s[0], 1e-9)}
 
 
 def _echo(conn: Any) -> None:
@@ -116,16 +153,22 @@ def measure_this_machine(nbytes: int = 64 * MiB, repeats: int = 5) -> Any:
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     gather = m["gather_bytes"] / m["gather_s"] / GB
+    send = nbytes / m["send_s"] / GB
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return Cluster(
         name="this-machine", device="cpu", gpus_per_node=1024, memory_per_gpu=total,
-        d2d_gbps=nbytes / m["copy_s"] / GB, intra_gbps=gather, inter_gbps=gather,
+        d2d_gbps=nbytes / m["copy_s"] / GB, intra_gbps=send, inter_gbps=send,
         disk_write_gbps=nbytes / m["disk_write_s"] / GB, disk_read_gbps=nbytes / m["disk_read_s"] / GB,
-        call_s=m["call_s"], collective_s=m["collective_s"],
-        source=(f"measured {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs: a {nbytes // MiB} "
-                f"MiB memcpy, a gloo all-gather of {nbytes // MiB} MiB over 2 ranks, a file write + "
-                f"fsync and read of {nbytes // MiB} MiB, a pipe round trip to another process (the "
-                f"least an engine call costs), a 1-element all-reduce; medians. One host: every "
-                f"rank on it (gpus_per_node is not a limit), memory_per_gpu is the host's RAM"))
+        call_s=m["call_s"], collective_s=m["collective_s"], cores=cores,
+        touch_gbps=nbytes / m["touch_s"] / GB, map_gbps=nbytes / m["map_s"] / GB, collective_gbps=gather,
+        source=(f"measured {time.strftime('%Y-%m-%d %H:%M')} on {cores} CPUs, two gloo ranks: a "
+                f"{nbytes // MiB} MiB memcpy (both ranks at once), the same into a fresh shared "
+                f"buffer (less the memcpy: touch), a gloo send (intra, inter) and all-gather "
+                f"(collective) of {nbytes // MiB} MiB, another process mapping a shared buffer "
+                f"(map), a file write + fsync and read of {nbytes // MiB} MiB, a pipe round trip to "
+                f"another process (the least an engine call costs), a small object gathered to "
+                f"rank 0 (collective_s); medians. One host: every rank on it (gpus_per_node is "
+                f"not a limit), memory_per_gpu is the host's RAM"))
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -331,8 +374,10 @@ def cmd_plan(args) -> int:
     console.print(f"[bold]fsdp-sync plan[/] on {c.name}: {c.gpus_per_node} GPUs/node, "
                   f"{c.memory_per_gpu / 2**30:.0f} GiB each; d2d {c.d2d_gbps:.1f}, intra {c.intra_gbps:.1f}, "
                   f"inter {c.inter_gbps:.1f}, disk w/r {c.disk_write_gbps:.2f}/{c.disk_read_gbps:.2f} GB/s; "
-                  f"call {c.call_s * 1e3:.2f} ms, collective {c.collective_s * 1e6:.0f} us ({len(rows)} plans "
-                  f"in {took:.1f} s)")
+                  f"call {c.call_s * 1e3:.2f} ms, collective {c.collective_s * 1e6:.0f} us"
+                  + (f"; {c.cores} cores, first touch {c.touch_gbps:.1f}, map {c.map_gbps:.1f}, "
+                     f"trainer collectives {c.collective_gbps:.2f} GB/s" if c.cores else "")
+                  + f" ({len(rows)} plans in {took:.1f} s)")
     table = Table(title="weight sync plan: bytes exact, memory a bound, seconds an estimate")
     cols = ("method", "layout", "model", "GiB sent", "ranks", "tp", "bucket MiB", "buckets", "calls",
             "engine rank in GiB", "trainer rank in GiB", "budget GiB trainer / engine", "free GiB trainer / engine", "est. s", "slowest phase")
