@@ -69,9 +69,10 @@ def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
             dist.recv(dst, 0)
 
     send_s = timed(send)
-    # a small object gathered to rank 0: what the tensor method does with each bucket's handles
-    objs: Any = [None] * world if rank == 0 else None
-    coll_s = timed(lambda: dist.gather_object({"handle": bytes(600)}, objs, dst=0), 50)
+    # a small object exchanged by every rank: what the tensor method does with each bucket's
+    # handles (gathered to infer-TP rank 0 in its one send loop, which alone calls gather_object)
+    objs: Any = [None] * world
+    coll_s = timed(lambda: dist.all_gather_object(objs, {"handle": bytes(600)}), 50)
     # rank 1 maps a buffer rank 0 shared (an engine worker opening a bucket) and copies it out,
     # against the same copy from a buffer it has mapped already
     map_s = []
@@ -166,8 +167,8 @@ def measure_this_machine(nbytes: int = 64 * MiB, repeats: int = 5) -> Any:
                 f"buffer (less the memcpy: touch), a gloo send (intra, inter) and all-gather "
                 f"(collective) of {nbytes // MiB} MiB, another process mapping a shared buffer "
                 f"(map), a file write + fsync and read of {nbytes // MiB} MiB, a pipe round trip to "
-                f"another process (the least an engine call costs), a small object gathered to "
-                f"rank 0 (collective_s); medians. One host: every rank on it (gpus_per_node is "
+                f"another process (the least an engine call costs), a small object all-gathered "
+                f"(collective_s); medians. One host: every rank on it (gpus_per_node is "
                 f"not a limit), memory_per_gpu is the host's RAM"))
 
 
