@@ -253,7 +253,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--dtype", type=ca.dtype_name, default="float32", help=f"rollout dtype: {', '.join(ca.DTYPES)}")
     p.add_argument("--quantization", type=ca.csv_of(ca.choice_of(("none", "fp8"))), default="none",
                    help="comma-separated rollout formats: none, fp8 (block FP8)")
-    p.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="the trainer's FSDP version")
+    p.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="the trainer's FSDP version (FSDP1: flat parameters as "
+                   "fsdp-sync's trainer wraps them, one unit per decoder layer with use_orig_params; "
+                   "the all-to-all bytes are exact for that wrapping)")
     p.add_argument("--share-host-memory", type=ca.on_off, default="on",
                    help="on, off: host-shared buckets where the shards are in one host's memory (CPU)")
     p.add_argument("--pipelined", type=ca.on_off, default="on", help="on, off: per-rank buckets pipelined")
