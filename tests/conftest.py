@@ -19,6 +19,7 @@ from _util import shm_segments  # noqa: E402
 # rank jobs fork from one server that imported torch/transformers/fsdp_sync once (`cli.launch`):
 # the suite runs dozens of small jobs, and each spawned rank would import them again
 os.environ.setdefault("FSDP_SYNC_RANKS_START", "forkserver")
+os.environ.setdefault("FSDP_SYNC_WORKERS_START", "forkserver")   # engine workers: see engines/reference/procs
 
 # Long-lived helpers that torch and multiprocessing start once per process, by design.
 _HELPERS = ("torch_shm_manager", "multiprocessing.resource_tracker", "multiprocessing.forkserver")

@@ -26,6 +26,9 @@ LAUNCHER = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", 
 
 def _env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    # a launcher's script starts its engine's workers as a user's would: fresh interpreters
+    # (an unguarded script cannot have them forked: the forkserver's children import __main__)
+    env.pop("FSDP_SYNC_WORKERS_START", None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})

@@ -26,6 +26,13 @@ filling over the first ~170 syncs of the distributed method), and a worker never
 Also `WorkerSet`, the started processes and their pipes, kept apart from the engine so a
 finalizer can stop them.
 
+``FSDP_SYNC_WORKERS_START=forkserver`` (the test suite sets it, as it sets
+``FSDP_SYNC_RANKS_START``) forks workers from multiprocessing's forkserver instead, which has
+imported torch once (`PRELOAD`): a worker then starts in a fraction of a second instead of paying
+seconds of imports, which adds up over a test run that starts hundreds. The child takes the same
+environment (`worker_env`) and ``sys.path``. Only for a caller whose ``__main__`` is guarded (the
+forkserver's children import it, as spawn's do); a daemonic process falls back to a fresh interpreter.
+
 Not here: what a worker does (`worker`), or talking to it (`engine`).
 """
 
@@ -41,7 +48,10 @@ from multiprocessing.connection import Connection
 from typing import Any, Mapping
 
 __all__ = ["WorkerSet", "signame", "WorkerProcess", "start", "worker_env", "launcher_env_names", "LAUNCHER_ENV",
-           "LAUNCHER_ENV_PREFIXES"]
+           "LAUNCHER_ENV_PREFIXES", "PRELOAD"]
+
+PRELOAD = ["torch", "torch.distributed", "fsdp_sync.engines.reference.worker"]
+"""What the forkserver imports once (``FSDP_SYNC_WORKERS_START=forkserver``)."""
 
 LAUNCHER_ENV = (
     # torchrun / torch.distributed.elastic, per rank
@@ -139,6 +149,11 @@ def start(target: str, args: tuple, name: str,
     ``sys.path``, so they may hold anything importable from there. ``env`` defaults to
     `worker_env()`. Raises `RuntimeError` saying what to change when no interpreter can be started.
     """
+    how = os.environ.get("FSDP_SYNC_WORKERS_START", "fresh")
+    if how not in ("fresh", "forkserver"):
+        raise ValueError(f"FSDP_SYNC_WORKERS_START must be 'fresh' or 'forkserver', got {how!r}")
+    if how == "forkserver" and _can_fork_serve():
+        return _start_forked(target, args, name, env)
     exe = sys.executable
     if not exe or not os.path.exists(exe):
         raise RuntimeError(f"cannot start engine worker {name}: this interpreter has no usable "
@@ -170,6 +185,44 @@ def start(target: str, args: tuple, name: str,
     except OSError:
         pass   # the child died at once: the caller sees it through the sentinel and exit code
     return proc, conn
+
+
+def _can_fork_serve() -> bool:
+    import multiprocessing as mp
+    import tempfile
+
+    # a daemonic process may not have children; a long TMPDIR would pass AF_UNIX's 107 bytes
+    # with the server's socket (TMPDIR/pymp-*/listener-*)
+    return not mp.current_process().daemon and len(tempfile.gettempdir()) <= 60
+
+
+def _forked(conn: Connection, path: list, env: dict, target: str, blob: bytes) -> None:
+    """The forked worker's first lines: `_BOOT`'s, with the environment the child must see."""
+    import importlib
+
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    module, _, fn = target.partition(":")
+    getattr(importlib.import_module(module), fn)(conn, *pickle.loads(blob))
+
+
+def _start_forked(target: str, args: tuple, name: str, env: Mapping[str, str] | None) -> tuple[Any, Connection]:
+    """`start` through multiprocessing's forkserver (see the module): the process has the
+    lifecycle methods and ``sentinel`` `WorkerProcess` offers."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    blob = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_forked, name=name, daemon=False,
+                       args=(child, list(sys.path), worker_env(env), target, blob))
+    try:
+        proc.start()
+    finally:
+        child.close()
+    return proc, parent
 
 
 def signame(code: int | None) -> str:
