@@ -47,7 +47,9 @@ def start_serve(*args: str, stderr=subprocess.STDOUT, wait_s: float = 90.0,
     it prints). The caller stops it (``terminate``/``kill`` and ``wait``)."""
     import time
 
-    env = env or dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(env or dict(os.environ, PYTHONPATH=str(ROOT)))
+    # serve starts its workers as a user's does: fresh interpreters, named in their command line
+    env.pop("FSDP_SYNC_WORKERS_START", None)
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", "0", *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
     line, deadline = "", time.monotonic() + wait_s
