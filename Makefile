@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fsdp-sync demo
 
-# -n 2: two tests at a time (pytest-xdist). The suite's multi-process tests spend much of their
-# time waiting (process start, timeouts, polls): two at a time take 8.5 min on 2 cores, one at a
-# time 11.5. --durations: the slowest tests, so the suite's time can be watched where it runs
+# -n 2: two tests at a time (pytest-xdist): the multi-process tests spend much of their time
+# waiting (timeouts, polls, replies). Rank and engine-worker processes fork from a server that
+# imported torch once (tests/conftest.py). On 2 cores: about 6 min (one at a time with fresh
+# worker interpreters: 11.5). --durations: the slowest tests, so the suite's time can be watched
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=20
 
