@@ -35,10 +35,24 @@ def digests(named) -> dict[str, list]:
 
 
 def shm_segments() -> set[str]:
+    """torch's shared-memory segments that may be this test's: made by this process, one of its
+    children, or a process that is gone. torch names them ``torch_<creator pid>_...``; a segment
+    of a live process outside this tree belongs to a test running beside this one (``make test``
+    runs two at a time) or another session's."""
+    import psutil
+
     try:
-        return {f for f in os.listdir("/dev/shm") if f.startswith("torch_")}
+        names = {f for f in os.listdir("/dev/shm") if f.startswith("torch_")}
     except FileNotFoundError:  # pragma: no cover - not Linux
         return set()
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    out = set()
+    for name in names:
+        parts = name.split("_")
+        pid = int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else None
+        if pid is None or pid in mine or not psutil.pid_exists(pid):
+            out.add(name)
+    return out
 
 
 def start_serve(*args: str, stderr=subprocess.STDOUT, wait_s: float = 90.0,

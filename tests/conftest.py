@@ -50,20 +50,6 @@ def _children() -> dict[int, psutil.Process]:
     return kids
 
 
-def _ours(segments: set[str]) -> set[str]:
-    """Drop segments made by a live process outside this test run (another session's tests on
-    the same machine): torch names segments ``torch_<creator pid>_...``. A segment whose creator
-    is gone, or is this process or one of its children, counts."""
-    mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
-    out = set()
-    for name in segments:
-        parts = name.split("_")
-        pid = int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else None
-        if pid is None or pid in mine or not psutil.pid_exists(pid):
-            out.add(name)
-    return out
-
-
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Fail a test that leaves child processes running or new torch shared-memory segments."""
@@ -86,13 +72,13 @@ def checked_for_leftovers():
     if leftovers:
         _, alive = psutil.wait_procs(leftovers, timeout=3.0)   # a child on its way out
         leftovers = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    new_shm = _ours(shm_segments() - shm_before)
+    new_shm = shm_segments() - shm_before
     if new_shm:
         gc.collect()   # a segment held only by a garbage cycle is not a leak of the test
         # torch_shm_manager unlinks the segments of a process that exited once its last client
         # is gone: on a loaded machine that takes a few seconds
         deadline = time.monotonic() + 5.0
-        while (new_shm := _ours(shm_segments() - shm_before)) and time.monotonic() < deadline:
+        while (new_shm := shm_segments() - shm_before) and time.monotonic() < deadline:
             time.sleep(0.05)
     problems = []
     if leftovers:
