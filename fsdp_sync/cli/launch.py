@@ -21,13 +21,13 @@ import datetime
 import os
 import pickle
 import queue
-import tempfile
 import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from ..engines.reference.procs import forkserver_usable
 from ..wire import free_port
 
 __all__ = ["run_ranks", "RankError", "spawn_env", "PRELOAD"]
@@ -42,8 +42,8 @@ def _context():
     how = os.environ.get("FSDP_SYNC_RANKS_START", "spawn")
     if how not in ("spawn", "forkserver"):
         raise ValueError(f"FSDP_SYNC_RANKS_START must be 'spawn' or 'forkserver', got {how!r}")
-    if how == "forkserver" and len(tempfile.gettempdir()) > 60:
-        how = "spawn"   # the server's socket (TMPDIR/pymp-*/listener-*) would pass AF_UNIX's 107 bytes
+    if how == "forkserver" and not forkserver_usable():
+        how = "spawn"   # e.g. a TMPDIR too long for the server's socket
     ctx = mp.get_context(how)
     if how == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)

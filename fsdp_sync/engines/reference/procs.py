@@ -48,7 +48,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Mapping
 
 __all__ = ["WorkerSet", "signame", "WorkerProcess", "start", "worker_env", "launcher_env_names", "LAUNCHER_ENV",
-           "LAUNCHER_ENV_PREFIXES", "PRELOAD"]
+           "LAUNCHER_ENV_PREFIXES", "PRELOAD", "forkserver_usable"]
 
 PRELOAD = ["torch", "torch.distributed", "fsdp_sync.engines.reference.worker"]
 """What the forkserver imports once (``FSDP_SYNC_WORKERS_START=forkserver``)."""
@@ -152,7 +152,7 @@ def start(target: str, args: tuple, name: str,
     how = os.environ.get("FSDP_SYNC_WORKERS_START", "fresh")
     if how not in ("fresh", "forkserver"):
         raise ValueError(f"FSDP_SYNC_WORKERS_START must be 'fresh' or 'forkserver', got {how!r}")
-    if how == "forkserver" and _can_fork_serve():
+    if how == "forkserver" and forkserver_usable():
         return _start_forked(target, args, name, env)
     exe = sys.executable
     if not exe or not os.path.exists(exe):
@@ -187,7 +187,9 @@ def start(target: str, args: tuple, name: str,
     return proc, conn
 
 
-def _can_fork_serve() -> bool:
+def forkserver_usable() -> bool:
+    """Whether this process can have children forked by multiprocessing's forkserver (engine
+    workers here, rank jobs in `cli.launch`)."""
     import multiprocessing as mp
     import tempfile
 
