@@ -204,6 +204,10 @@ class _Cls:
 
 
 _TENSOR, _PARAM, _USTORAGE = _Cls(torch.Tensor), _Cls(torch.nn.Parameter), _Cls(torch.UntypedStorage)
+# A CUDA IPC handle names its storage's class as an argument of ``rebuild_cuda_tensor``: torch
+# shares a CUDA tensor's typed storage, so the class is ``torch.storage.TypedStorage`` (torch 2.11,
+# 2.13). It is accepted there only, as a stand-in like the others.
+_TSTORAGE = _Cls(torch.TypedStorage)
 
 
 def _cls(value: Any, allowed: tuple, what: str) -> type:
@@ -277,16 +281,35 @@ def _safe_rebuild_typed_storage(storage, dtype):
 
 
 def _safe_rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    # (cls, size, stride, offset, storage_cls, dtype, device, handle, storage bytes, storage offset,
+    #  requires_grad, ref-counter handle, ref-counter offset, event handle, event sync required)
     if len(args) != 15:
         raise HandleError(f"payload's CUDA tensor handle has {len(args)} fields, expected 15")
     args = list(args)
     args[0] = _cls(args[0], (_TENSOR, _PARAM), "tensor")
-    args[4] = _cls(args[4], (_USTORAGE,), "storage")
+    args[4] = _cls(args[4], (_USTORAGE, _TSTORAGE), "storage")
     if not isinstance(args[5], torch.dtype):
         raise HandleError("payload's CUDA tensor dtype is not a torch dtype")
-    # (cls, size, stride, offset, storage_cls, dtype, device, handle, storage bytes, storage offset, ...)
+    fields = {"device": (args[6], (int, str)), "IPC handle": (args[7], (bytes, type(None))),
+              "storage size": (args[8], (int,)), "storage offset": (args[9], (int,)),
+              "requires_grad": (args[10], (bool,)), "ref-counter handle": (args[11], (bytes, type(None))),
+              "ref-counter offset": (args[12], (int,)), "event handle": (args[13], (bytes, type(None))),
+              "event sync flag": (args[14], (bool,))}
+    for what, (value, types_) in fields.items():
+        if type(value) not in types_ or (type(value) is int and value < 0):
+            raise HandleError(f"payload's CUDA tensor {what} is {value!r:.40} "
+                              f"({type(value).__name__}); refused")
     _check_view(args[5].itemsize, args[8], args[3], args[1], args[2])
     return _rebuild_cuda_tensor_by_uuid(*args)
+
+
+def _latin1_bytes(text: Any, encoding: Any = "utf-8") -> bytes:
+    """``_codecs.encode`` as pickle protocol 2 writes a ``bytes`` value (a CUDA IPC handle, say):
+    ``encode(str, 'latin1')``. Nothing else: no other codec, no other argument types."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise HandleError(f"payload calls _codecs.encode({type(text).__name__}, {encoding!r:.20}); "
+                          f"only encode(str, 'latin1'), protocol 2's bytes, is accepted")
+    return text.encode("latin1")
 
 
 def _refuse_by_value(*_args: Any) -> Any:
@@ -323,6 +346,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.nn.parameter", "Parameter"): _PARAM,
     ("torch.storage", "UntypedStorage"): _USTORAGE,
     ("torch", "UntypedStorage"): _USTORAGE,
+    ("torch.storage", "TypedStorage"): _TSTORAGE,
+    ("_codecs", "encode"): _latin1_bytes,
     (_RED, "rebuild_tensor"): _safe_rebuild_tensor,
     (_RED, "rebuild_storage_filename"): _safe_rebuild_storage_filename,
     (_RED, "rebuild_storage_empty"): _safe_rebuild_storage_empty,
