@@ -37,7 +37,7 @@ from .faultpoint import fault_point
 from . import fleet
 from .fleet import Fleet
 from .memory import Timeline, empty_cache
-from .topology import SyncError, SyncTopology, agree
+from .topology import SyncError, cpu_group, SyncTopology, agree
 from .transport import SyncContext, SyncStats, make_transport
 
 __all__ = ["FSDPShardingManager", "SyncStats"]
@@ -189,7 +189,7 @@ class FSDPShardingManager:
             raise TypeError(f"preprocess_data takes a dict of tensors/lists or a DataProto, got "
                             f"{type(batch).__name__}")
         parts: list = [None] * topo.tp_size
-        dist.all_gather_object(parts, batch, group=topo.tp_group)
+        dist.all_gather_object(parts, batch, group=cpu_group(topo.tp_group))
         if not isinstance(batch, dict):
             self._tp_sizes = [len(p) for p in parts]
             return type(batch).concat(parts)
@@ -463,7 +463,7 @@ class FSDPShardingManager:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=cpu_group())
         return box[0]
 
     @property

@@ -6,6 +6,12 @@ collectives the sync needs are here: `gather_to_src` (payloads to infer-TP rank 
 ``gather_object``), `broadcast_from_src`, and `agree` (every rank learns whether any rank failed,
 so no rank waits forever in a later collective).
 
+Objects, agreement flags and barriers run on `cpu_group`: the group itself where it has a CPU
+backend (gloo, ``"cpu:gloo,cuda:nccl"``), else a gloo group over the same ranks, made once by its
+members. Users' groups are often NCCL-only (``init_process_group("nccl")`` under torchrun or
+accelerate), and a CPU tensor's collective on such a group raises ``No backend type associated with
+device type cpu``. Weights keep travelling over the user's group (NCCL on GPUs).
+
 Not here: what is gathered (handles) or when (manager). No module-level process groups: every
 collective takes the topology it runs on.
 """
@@ -19,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "SyncError"]
+__all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "SyncError",
+           "cpu_group", "has_cpu_backend"]
 
 DIMS = ("dp", "infer_tp")
 
@@ -76,12 +83,72 @@ class SyncTopology:
                 f"infer_tp {self.tp_rank}/{self.tp_size})")
 
 
+def has_cpu_backend(group: Any = None) -> bool:
+    """Whether ``group`` (None: the default group) runs collectives of CPU tensors."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    try:
+        (group or _get_default_group())._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    return True
+
+
+# Gloo groups made for groups without a CPU backend, by (the default group's id, member ranks).
+# A cache of groups derived from the caller's, not a group of the library's own: an entry is used
+# only while its group is registered (a destroyed world takes its groups with it).
+_CPU_TWINS: dict[tuple, Any] = {}
+
+
+def _timeout_of(group: Any) -> Any:
+    import datetime
+
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return datetime.timedelta(minutes=10)
+
+
+def cpu_group(group: Any = None) -> Any:
+    """A group over the ranks of ``group`` (None: the default group) that runs CPU tensors and
+    objects: ``group`` itself (None stays None) where it has a CPU backend, else a gloo group made
+    at the first call and kept. Every member of ``group`` must make this call at the same point
+    (as for any collective on ``group``); non-members are not involved.
+
+    The twin is made as SGLang makes its update group: a name and a store prefix of its own on the
+    default store. ``new_group(use_local_synchronization=True)`` would hash the number of groups a
+    process holds into the name, which differs between ranks when one of them holds more (trainer
+    rank 0's weight-update group), and they would wait for each other forever."""
+    if has_cpu_backend(group):
+        return group
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    ranks = tuple(dist.get_process_group_ranks(group or default))
+    key = (id(default), ranks)
+    twin = _CPU_TWINS.get(key)
+    if twin is not None and twin in c10d._world.pg_map:
+        return twin
+    name = "fsdp_sync_cpu_" + "_".join(map(str, ranks)) if len(ranks) <= 16 else (
+        "fsdp_sync_cpu_" + __import__("hashlib").sha1(repr(ranks).encode()).hexdigest())
+    store = c10d.PrefixStore("fsdp_sync_cpu/", c10d._get_default_store())
+    twin, _ = c10d._new_process_group_helper(
+        len(ranks), ranks.index(dist.get_rank()), list(ranks), c10d.Backend("gloo"), store,
+        group_name=name, backend_options=None, timeout=_timeout_of(group or default),
+        group_desc="fsdp_sync objects and agreement (the user's group has no CPU backend)")
+    c10d._world.pg_group_ranks[twin] = {r: i for i, r in enumerate(ranks)}
+    _CPU_TWINS[key] = twin
+    return twin
+
+
 def gather_to_src(obj: Any, topo: SyncTopology) -> list | None:
     """``gather_object`` of ``obj`` to infer-TP rank 0: a list by TP rank there, None elsewhere."""
     if topo.tp_size == 1:
         return [obj]
     out = [None] * topo.tp_size if topo.is_tp_src else None
-    dist.gather_object(obj, out, dst=topo.tp_src, group=topo.tp_group)
+    dist.gather_object(obj, out, dst=topo.tp_src, group=cpu_group(topo.tp_group))
     return out
 
 
@@ -90,7 +157,7 @@ def broadcast_from_src(obj: Any, topo: SyncTopology) -> Any:
     if topo.tp_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=topo.tp_src, group=topo.tp_group)
+    dist.broadcast_object_list(box, src=topo.tp_src, group=cpu_group(topo.tp_group))
     return box[0]
 
 
@@ -102,10 +169,9 @@ def agree(error: str | BaseException | None, group: Any = None, *, what: str = "
     failing rank (its rank in ``group``) and carries its text, identical on every rank. One
     all-reduce when all is well; the messages travel only on failure.
     """
-    device = "cpu"
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
+    who = "rank" if group is None else "group rank"
+    group = cpu_group(group)
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
     dist.all_reduce(flag, group=group)
     if int(flag.item()) == 0:
         return
@@ -115,7 +181,6 @@ def agree(error: str | BaseException | None, group: Any = None, *, what: str = "
     dist.all_gather_object(msgs, text, group=group)
     first = next(r for r, m in enumerate(msgs) if m is not None)
     others = [r for r, m in enumerate(msgs) if m is not None and r != first]
-    who = "rank" if group is None else "group rank"
     suffix = f" ({who}s {others} failed too)" if others else ""
     raise SyncError(f"{what} failed on {who} {first}{suffix}: {msgs[first]}") from (
         error if isinstance(error, BaseException) else None)

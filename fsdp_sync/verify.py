@@ -55,6 +55,7 @@ import torch
 
 from .weights import bucket as _bucket
 from .weights import export, quantize
+from .topology import cpu_group
 from .engines.base import checksum_named_tensors
 from .weights.layout import TPLayout, layout_for, rank_digest
 
@@ -240,7 +241,7 @@ def _whole_engine_params(module: torch.nn.Module, chosen: list[str], mine: bool)
     (q with k and v, one expert with the layer's others), in export order, on every rank."""
     flag = torch.tensor([1 if mine else 0], dtype=torch.int64)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=cpu_group())
     if not flag.item():
         return chosen
     try:

@@ -56,6 +56,7 @@ def _add_demo(sub) -> None:
                         "tiny-qwen3, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, tiny-fp8, ...) or a path to a "
                         "YAML recipe / Hugging Face config.json")
     p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda (cuda needs a visible GPU)")
+    p.add_argument("--backend", type=ca.backend, default=None, help=ca.BACKEND_HELP)
     p.add_argument("--dtype", type=ca.dtype_name, default="float32",
                    help="rollout dtype the weights are cast to")
     p.add_argument("--no-multi-stage", action="store_true", help="resume all engine memory before the sync")
@@ -75,7 +76,7 @@ def _demo_options(args):
                        bucket_mb=args.bucket_mb, fsdp=args.fsdp, model=args.model, device=args.device,
                        dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
                        progress=not args.no_progress, method=args.method,
-                       disk_dir=args.disk_dir, layout=args.layout, ep=args.ep,
+                       disk_dir=args.disk_dir, layout=args.layout, ep=args.ep, backend=args.backend,
                        quantization=None if args.quantization == "none" else args.quantization)
 
 
@@ -83,6 +84,7 @@ def _check_demo(args, given: set[str]) -> None:
     """Cross-flag checks before anything starts (ValueError names the flags)."""
     if args.ranks % args.tp:
         raise ValueError(f"--ranks {args.ranks} must be a multiple of --tp {args.tp} (dp = ranks / tp)")
+    ca.check_gpus(args.method, args.device, args.ranks, args.tp)
     if args.ep > 1:
         from ..models import load_config
         from ..weights.layout import layout_for

@@ -115,6 +115,40 @@ def device(text: str) -> str:
     return text
 
 
+BACKEND_HELP = ("the trainer ranks' process-group backend (default: gloo on cpu, nccl on cuda). "
+                "The sync runs on any, NCCL-only included: its objects and agreement go over a gloo "
+                "group of its own where the group has no CPU backend. cuda:gloo makes such a group on "
+                "a CPU machine (what init_process_group('nccl') gives on GPUs)")
+
+
+def backend(text: str) -> str:
+    """A torch.distributed backend string: ``gloo``, ``nccl``, or a per-device map such as
+    ``cpu:gloo,cuda:nccl``."""
+    import re
+
+    if not re.fullmatch(r"(gloo|nccl)|((cpu|cuda):(gloo|nccl))(,(cpu|cuda):(gloo|nccl))?", text):
+        raise argparse.ArgumentTypeError(f"expected gloo, nccl or a device map such as "
+                                         f"cpu:gloo,cuda:nccl, got {text!r}")
+    return text
+
+
+def check_gpus(method: str, device: str, ranks: int, tp: int, gpus: int | None = None) -> None:
+    """Refuse, before anything starts, a job this machine's GPUs cannot hold: the distributed
+    method's engine needs GPUs of its own (NCCL refuses one GPU on both ends of the update group),
+    so trainer ranks on GPUs 0..ranks-1 and the engine's TP workers after them."""
+    if device != "cuda" or method != "distributed":
+        return
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    if ranks + tp > gpus:
+        raise ValueError(f"--method distributed --device cuda needs --ranks + --tp = {ranks + tp} GPUs "
+                         f"(the engine's {tp} on GPUs of their own: NCCL refuses one GPU on both ends "
+                         f"of the weight-update group); this machine has {gpus}. Use --method tensor "
+                         f"(colocated, CUDA IPC) or --method disk on one GPU")
+
+
 def dtype_name(text: str) -> str:
     if text not in DTYPES:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)}, got {text!r}")

@@ -52,6 +52,7 @@ class DemoOptions:
     layout: str = "auto"            # SyncConfig.layout
     ep: int = 1                     # the engine's expert-parallel size (MoE models)
     quantization: str | None = None  # SyncConfig.quantization and the engine's ("fp8": block FP8)
+    backend: str | None = None      # the trainer ranks' process group (None: gloo on cpu, nccl on cuda)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -164,8 +165,11 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
         ref_model = build_model(cfg, seed=0, dtype=dtype).eval().to(opts.device)
     engine = None
     if holds:
+        # a disaggregated engine's workers go on the GPUs after the trainer ranks' (NCCL refuses
+        # one GPU on both ends of the update group; `cli.args.check_gpus` checked there are enough)
+        base_gpu = world if opts.method == "distributed" and opts.device == "cuda" else 0
         engine = ReferenceEngine(model_config=cfg, tp_size=opts.tp, device=opts.device, dtype=dtype,
-                                 ep_size=opts.ep, **({"quantization": opts.quantization}
+                                 ep_size=opts.ep, base_gpu_id=base_gpu, **({"quantization": opts.quantization}
                                                      if opts.quantization else {}))
     sync_cfg = SyncConfig(strategy=opts.strategy, bucket_bytes=int(opts.bucket_mb * 2**20), dtype=dtype,
                           multi_stage_wake_up=opts.multi_stage_wake_up, method=opts.method,
@@ -251,7 +255,8 @@ def run_demo(opts: DemoOptions, *, timeout_s: float = 600.0) -> dict:
         opts = dataclasses.replace(opts, disk_dir=tmp)
     try:
         per_rank = run_ranks(demo_rank, opts.ranks, opts, timeout_s=timeout_s,
-                             backend="nccl" if opts.device == "cuda" else "gloo", env=spawn_env())
+                             backend=opts.backend or ("nccl" if opts.device == "cuda" else "gloo"),
+                             env=spawn_env())
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -279,6 +284,7 @@ def run_demo(opts: DemoOptions, *, timeout_s: float = 600.0) -> dict:
             "checkpoint": next((r["checkpoint"] for r in recs if r.get("checkpoint")), None),
         })
     cfg = {k: v for k, v in opts.__dict__.items() if k not in ("progress", "extra")}
+    cfg["backend"] = opts.backend or ("nccl" if opts.device == "cuda" else "gloo")
     ok = all(s["tokens_match"] and s["max_abs_logit_diff"] <= s["atol"] and s["changed_since_last_step"]
              for s in steps)
     return {"config": cfg, "steps": steps, "ok": ok, "wall_seconds": time.perf_counter() - t0}

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import args as ca
+from ..topology import cpu_group
 
 __all__ = ["add_plan_parser", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes"]
 
@@ -44,7 +45,7 @@ def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
     def timed(body, n: int = repeats) -> float:
         times = []
         for _ in range(n + 1):
-            dist.barrier()
+            dist.barrier(group=cpu_group())
             t0 = time.perf_counter()
             body()
             times.append(time.perf_counter() - t0)
@@ -72,7 +73,7 @@ def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
     # a small object exchanged by every rank: what the tensor method does with each bucket's
     # handles (gathered to infer-TP rank 0 in its one send loop, which alone calls gather_object)
     objs: Any = [None] * world
-    coll_s = timed(lambda: dist.all_gather_object(objs, {"handle": bytes(600)}), 50)
+    coll_s = timed(lambda: dist.all_gather_object(objs, {"handle": bytes(600)}, group=cpu_group()), 50)
     # rank 1 maps a buffer rank 0 shared (an engine worker opening a bucket) and copies it out,
     # against the same copy from a buffer it has mapped already
     map_s = []
@@ -80,7 +81,7 @@ def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
         buf = handles.empty_shared(nbytes).copy_(src) if rank == 0 else None
         sets = handles.make_payloads(buf, 2, ranks=[1]) if rank == 0 else None
         box = [sets.payloads[0] if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=cpu_group())
         if rank == 1:
             t0 = time.perf_counter()
             rec = handles.open_payload(box[0], 1)
@@ -90,12 +91,12 @@ def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
             map_s.append((t1 - t0) - (time.perf_counter() - t1))
             rec.ack()
             del rec
-        dist.barrier()
+        dist.barrier(group=cpu_group())
         if rank == 0:
             sets.release(require_ack=False)
         del buf
     map_s = [statistics.median(map_s[1:])] if rank == 1 else [0.0]
-    dist.broadcast_object_list(map_s, src=1)
+    dist.broadcast_object_list(map_s, src=1, group=cpu_group())
     call_s = disk_w = disk_r = 0.0
     if rank == 0:
         # one engine call at least: a payload pickled to another process and its answer back
@@ -131,7 +132,7 @@ def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
                         pass
                 rs.append(time.perf_counter() - t0)
             disk_w, disk_r = statistics.median(ws), statistics.median(rs)
-    dist.barrier()
+    dist.barrier(group=cpu_group())
     return {"copy_s": copy_s, "gather_s": gather_s, "gather_bytes": part.numel() * (world - 1),
             "collective_s": coll_s, "call_s": call_s, "disk_write_s": disk_w, "disk_read_s": disk_r,
             "send_s": send_s, "touch_s": max(fresh_s - copy_s, 1e-9), "map_s": max(map_s[0], 1e-9)}

@@ -28,6 +28,7 @@ from typing import Any
 __all__ = ["run_soak", "add_soak_parser", "cmd_soak", "summarise"]
 
 from ..memory import temp_dirs
+from ..topology import cpu_group
 
 METHODS = ("tensor", "distributed", "disk")
 CONTROL = "train"
@@ -94,7 +95,7 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
     engine = ReferenceEngine(model_config=cfg, tp_size=2, dtype=torch.float32,
                              kv_cache_tokens=64) if rank == 0 else None
     pids = [None] * world
-    dist.all_gather_object(pids, os.getpid())
+    dist.all_gather_object(pids, os.getpid(), group=cpu_group())
     procs = {f"trainer{r}": p for r, p in enumerate(pids)}
     if engine is not None:
         procs.update({f"worker{r}": p for r, p in enumerate(engine.worker_pids)})
@@ -118,7 +119,7 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
             for i in range(warmup + syncs):
                 train_step(module, opt, synthetic_batch(cfg.vocab_size, step=i, rank=rank, batch=2, seq_len=8))
                 if manager is None:
-                    dist.barrier()
+                    dist.barrier(group=cpu_group())
                     empty_cache()
                 else:
                     with manager:
@@ -135,14 +136,14 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
                 manager.close()
             if engine is not None and method == "tensor":   # colocated: released on exit; the
                 engine.resume_memory_occupation()            # others push into a resident engine
-            dist.barrier()
+            dist.barrier(group=cpu_group())
     finally:
         if engine is not None:
             engine.shutdown()
         if trace:
             tracemalloc.stop()
     everyone = [None] * world
-    dist.all_gather_object(everyone, traced)
+    dist.all_gather_object(everyone, traced, group=cpu_group())
     if rank != 0:
         return None
     return {"series": series, "seconds": seconds, "procs": list(procs),

@@ -22,8 +22,13 @@ def decoder_layer_cls(model: torch.nn.Module) -> type:
 
 def wrap_fsdp(model: torch.nn.Module, version: int, *, device: str = "cpu") -> torch.nn.Module:
     """Shard ``model`` over the default process group: FSDP2 (``fully_shard`` per decoder layer and
-    at the root) or FSDP1 (``FullyShardedDataParallel`` with one unit per decoder layer)."""
+    at the root) or FSDP1 (``FullyShardedDataParallel`` with one unit per decoder layer). A CPU
+    trainer on a group without a CPU backend (``--backend cuda:gloo``) shards over its gloo twin
+    (`topology.cpu_group`): that is where CPU tensors can travel."""
+    from ..topology import cpu_group, has_cpu_backend
+
     world = dist.get_world_size()
+    cpu_twin = cpu_group() if device == "cpu" and not has_cpu_backend() else None
     if device == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
         model = model.to("cuda")
@@ -31,7 +36,12 @@ def wrap_fsdp(model: torch.nn.Module, version: int, *, device: str = "cpu") -> t
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(device, (world,), mesh_dim_names=("fsdp",))
+        if cpu_twin is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(cpu_twin, "cpu", mesh_dim_names=("fsdp",))
+        else:
+            mesh = init_device_mesh(device, (world,), mesh_dim_names=("fsdp",))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -42,7 +52,7 @@ def wrap_fsdp(model: torch.nn.Module, version: int, *, device: str = "cpu") -> t
 
         dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
         return FSDP(model, device_id=dev, auto_wrap_policy=ModuleWrapPolicy({decoder_layer_cls(model)}),
-                    use_orig_params=True)
+                    use_orig_params=True, **({"process_group": cpu_twin} if cpu_twin is not None else {}))
     raise ValueError(f"fsdp version must be 1 or 2, got {version!r}")
 
 

@@ -86,7 +86,7 @@ from ..weights import hf_checkpoint as ckpt
 from ..weights import quantize, reshard
 from ..models import hf_config_json
 from ..weights.layout import engine_ep_size, layout_for
-from ..topology import SyncError, agree
+from ..topology import SyncError, cpu_group, agree
 
 __all__ = ["DiskTransport", "disk_floor", "STEP_RE", "NO_RANK_CHECKPOINTS"]
 
@@ -189,7 +189,7 @@ class DiskTransport:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None
-                                   else 0, group=group)
+                                   else 0, group=cpu_group(group))
         return box[0]
 
     @staticmethod
@@ -197,7 +197,7 @@ class DiskTransport:
         if world == 1:
             return [obj]
         out: list = [None] * world
-        dist.all_gather_object(out, obj, group=group)
+        dist.all_gather_object(out, obj, group=cpu_group(group))
         return out
 
     # ------------------------------------------------------------------ the sync

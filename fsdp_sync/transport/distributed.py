@@ -60,7 +60,7 @@ from .. import fleet
 from ..weights import export, quantize, reshard
 from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
 from ..weights.layout import TPLayout, engine_ep_size, layout_for
-from ..topology import SyncError, agree
+from ..topology import SyncError, cpu_group, agree
 from . import SyncContext, SyncStats
 from ..wire import PER_RANK_BUCKET, destroy_update_group, free_port, new_update_group, per_rank_bucket_plan
 
@@ -121,6 +121,25 @@ class _RankBufferPool:
         return self.bufs[i][:nbytes]
 
 
+def check_distinct_gpus(engines: list, device: torch.device) -> None:
+    """NCCL refuses a group with two ranks on one GPU (``Duplicate GPU detected``), and says so
+    only once the model is built and the engine started: refuse before joining, naming the GPU.
+    Engines that say where their workers run (``gpu_ids()``: the reference engine) are checked;
+    others (SGLang, its own ``--base-gpu-id``) are the caller's to place."""
+    mine = torch.device(device).index
+    mine = torch.cuda.current_device() if mine is None else mine
+    for i, engine in enumerate(engines):
+        ids = getattr(engine, "gpu_ids", None)
+        ids = list(ids()) if callable(ids) else []
+        if mine in ids:
+            raise ValueError(
+                f"method='distributed' on CUDA: trainer rank 0 (cuda:{mine}) and engine {i}'s TP "
+                f"worker {ids.index(mine)} would share GPU {mine}, and NCCL refuses one GPU on both "
+                f"ends of the weight-update group ({torch.cuda.device_count()} GPUs visible). Put "
+                f"the engine on other GPUs (ReferenceEngine(base_gpu_id=...), SGLang's "
+                f"--base-gpu-id), or use method='tensor' (colocated, CUDA IPC) on one GPU")
+
+
 class DistributedTransport:
     """``method="distributed"``: disaggregated engines held by trainer rank 0. See the module."""
 
@@ -146,6 +165,8 @@ class DistributedTransport:
         if self.pg is not None and not self.broken and engines == self.engines:
             return
         self._drop_group(engines)
+        if device.type == "cuda" and (cfg.dist_backend or "nccl") == "nccl":
+            check_distinct_gpus(engines, device)
         tps = [_engine_tp(e) for e in engines]
         world = 1 + sum(tps)
         address = cfg.dist_master_address or outward_address()
@@ -380,7 +401,7 @@ class DistributedTransport:
             info = [(None if why else (tp, ep), why)]
         if dist.is_initialized() and dist.get_world_size(ctx.group) > 1:
             dist.broadcast_object_list(info, src=dist.get_global_rank(ctx.group, 0)
-                                       if ctx.group is not None else 0, group=ctx.group)
+                                       if ctx.group is not None else 0, group=cpu_group(ctx.group))
         split, why = info[0]
         if why is not None:
             if want == "engine":

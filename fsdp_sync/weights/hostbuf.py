@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..topology import cpu_group
 from . import handles as _handles
 
 __all__ = ["HostShared", "host_key"]
@@ -58,6 +59,7 @@ class HostShared:
         if world == 1:
             return None
         keys: list = [None] * world
+        group = cpu_group(group)   # objects, barriers: never the data plane's NCCL group
         dist.all_gather_object(keys, host_key(), group=group)
         if any(k != keys[0] for k in keys):
             return None                      # several hosts: the caller gathers instead

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from ...topology import cpu_group
 
 __all__ = ["median_seconds", "floor_seconds", "copy_seconds", "floor_shared_seconds",
            "floor_all_to_all_seconds", "layout_figures"]
@@ -24,7 +25,7 @@ def median_seconds(body: Callable[[], None], dev: str, repeats: int) -> float:
 
     times = []
     for _ in range(repeats + 1):
-        dist.barrier()
+        dist.barrier(group=cpu_group())
         t0 = time.perf_counter()
         body()
         if dev == "cuda":
@@ -102,7 +103,7 @@ def floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
 
     def body() -> None:
         into.copy_(mine)
-        dist.barrier()
+        dist.barrier(group=cpu_group())
         dst.copy_(src)
 
     return median_seconds(body, dev, repeats)
@@ -164,7 +165,7 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
         engine_in = int(stats.bytes)
         mine = 0 if share else model_bytes - model_bytes // world   # the all-gather's share
     t = torch.tensor([mine], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
     return {"layout": layout, "pipelined": bool(extra.get("pipelined", False)), "engine_rank_bytes_in": engine_in,
             "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": int(t.item()),
             "reshard_path": extra.get("reshard_path"), "share_host_memory": share,

@@ -45,6 +45,7 @@ from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floo
                      layout_figures)
 from .sampling import DeviceSampler, rises, sampled_sync
 from .targets import check_targets
+from ...topology import cpu_group
 
 __all__ = ["BenchSpec", "Job", "run_bench", "add_bench_parser", "cmd_bench", "PRESETS", "check_targets"]
 
@@ -247,7 +248,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype,
                              **job.engine_kw) if topo.is_tp_src and colocated else None
     pids: list = [None] * world
-    dist.all_gather_object(pids, os.getpid())
+    dist.all_gather_object(pids, os.getpid(), group=cpu_group())
     progress = _Progress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
                          * len(job.layouts) * len(job.pipelined), job)
     rows = []
@@ -276,7 +277,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             secs = []
             for i in range(job.repeats):
                 progress.update(f"{strategy} {bucket_mb:g} MiB: repeat {i + 1}/{job.repeats}")
-                dist.barrier()
+                dist.barrier(group=cpu_group())
                 with manager:
                     pass
                 secs.append(manager.stats.seconds)

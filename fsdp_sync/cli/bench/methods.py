@@ -33,6 +33,7 @@ import torch
 
 from .floors import layout_figures
 from .sampling import DeviceSampler, rises, sampled_sync
+from ...topology import cpu_group
 
 MiB = 2**20
 
@@ -60,7 +61,7 @@ def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, dev
     times = []
     try:
         for _ in range(repeats + 1):
-            dist.barrier()
+            dist.barrier(group=cpu_group())
             t0 = time.perf_counter()
             for _ in range(n):
                 dist.gather(send, rows, dst=0)
@@ -79,7 +80,7 @@ def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, dev
                     for w in works:
                         w.wait()
                 fut.result()
-            dist.barrier()
+            dist.barrier(group=cpu_group())
             times.append(time.perf_counter() - t0)
     finally:
         if pool is not None:
@@ -133,7 +134,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 # numbers its syncs from 0. Only rank 0's name is used (the ranks share a host).
                 import tempfile
                 box = [tempfile.mkdtemp(prefix="fsdp-sync-bench-disk-") if rank == 0 else None]
-                dist.broadcast_object_list(box, src=0)
+                dist.broadcast_object_list(box, src=0, group=cpu_group())
                 workdir = box[0]
                 extra = {"disk_dir": workdir, "layout": layout}
             conf = SyncConfig(method=method, bucket_bytes=bucket_bytes, dtype=dtype, memory_probe="off",
@@ -145,7 +146,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                         pass
                 secs = []
                 for _ in range(job.repeats):
-                    dist.barrier()
+                    dist.barrier(group=cpu_group())
                     with manager:
                         pass
                     secs.append(manager.stats.seconds)
@@ -190,7 +191,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
             finally:
                 manager.close()
                 if workdir is not None:
-                    dist.barrier()
+                    dist.barrier(group=cpu_group())
                     if rank == 0:
                         import shutil
                         shutil.rmtree(workdir, ignore_errors=True)

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from ...memory import status as _status
+from ...topology import cpu_group
 
 __all__ = ["DeviceSampler", "device_bytes", "sampled_sync", "rises"]
 
@@ -61,7 +62,7 @@ def sampled_sync(manager: Any, sampler: DeviceSampler | None) -> None:
     ranks) sampling memory from before it begins until it is done."""
     import torch.distributed as dist
 
-    dist.barrier()
+    dist.barrier(group=cpu_group())
     if sampler:
         sampler.__enter__()
     with manager:

@@ -103,7 +103,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
     Args:
         model_config: a ``transformers`` config, a recipe name, or a path (`fsdp_sync.models.load_config`).
         tp_size: number of TP workers.
-        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; worker i on GPU ``i % device_count``).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; worker i on GPU
+            ``(base_gpu_id + i) % device_count``).
         dtype: weight and activation dtype (float32, bfloat16 or float16). Updates must match it.
         kv_cache_tokens: KV-cache slots per worker (default 4096 when ``mem_fraction`` is not given).
         mem_fraction: instead of a token count, size weights + KV cache to this fraction of the
@@ -129,6 +130,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
             float32 ``weight_scale_inv`` per 128x128 block, the start-up weights are quantized,
             updates must send them so, and the forward dequantizes them. A config whose
             ``quantization_config`` is block FP8 makes it ``"fp8"`` (`quant.resolve`).
+        base_gpu_id: the first GPU of the workers, as SGLang's ``--base-gpu-id``: a disaggregated
+            engine beside trainer ranks on GPUs 0..n-1 starts at n (NCCL refuses one GPU on both
+            ends of the weight-update group).
     """
 
     accepts_tagged_payloads = True
@@ -141,13 +145,21 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
     """``update_weights_from_distributed(load_format="per_rank_bucket")``: each worker receives
     only its own shard (`transport.group.PER_RANK_BUCKET`); "auto" picks it for method distributed."""
 
+    def gpu_ids(self) -> list[int]:
+        """The CUDA device index of each TP worker, as this process numbers them ([] on CPU)."""
+        if self.device != "cuda":
+            return []
+        n = torch.cuda.device_count()
+        return [(self.base_gpu_id + i) % n for i in range(self.tp_size)]
+
     def __init__(self, model_config: Any = "tiny", tp_size: int = 1, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, kv_cache_tokens: int | None = None,
                  mem_fraction: float | None = None, weights_cpu_backup: bool = False, seed: int = 0,
                  *, num_threads: int | None = None, pg_timeout_s: float = 60.0,
                  startup_timeout_s: float = 180.0, call_timeout_s: float | None = 900.0,
                  use_memory_saver: bool = True, transactional_updates: bool = True,
-                 update_recv_timeout_s: float = 60.0, ep_size: int = 1, quantization: str | None = None):
+                 update_recv_timeout_s: float = 60.0, ep_size: int = 1, quantization: str | None = None,
+                 base_gpu_id: int = 0):
         given = dtype
         try:    # the names SyncConfig takes ("bf16", "bfloat16", ...) as well as torch dtypes
             dtype = parse_dtype(dtype, "dtype") if dtype is not None else None
@@ -166,6 +178,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
                               f"one GPU); this process sees {torch.cuda.device_count()}")
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+        if isinstance(base_gpu_id, bool) or not isinstance(base_gpu_id, int) or base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be an int >= 0, got {base_gpu_id!r}")
         if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
                                         or num_threads < 1):
             raise ValueError(f"num_threads must be an int >= 1 (or None for 1), got {num_threads!r}")
@@ -189,6 +203,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
         self.layout = quant.engine_layout(self.spec, int(tp_size), ep_size, self._quant)
         self.quantization: str | None = self.layout.quantization
         self.ep_size = self.layout.ep
+        self.base_gpu_id = int(base_gpu_id)
         self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
         self.tp_size = int(tp_size)
         self.device, self.dtype = device, dtype
@@ -210,7 +225,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
             "spec": self.spec, "device": device, "dtype": dtype,
             "kv_cache_tokens": kv_cache_tokens, "mem_fraction": mem_fraction,
             "weights_cpu_backup": self.weights_cpu_backup, "seed": int(seed),
-            "num_threads": int(num_threads or 1),
+            "num_threads": int(num_threads or 1), "base_gpu_id": int(base_gpu_id),
             "pg_timeout_s": float(pg_timeout_s), "use_memory_saver": use_memory_saver,
             "update_recv_timeout_s": float(update_recv_timeout_s), "ep": self.layout.ep, "quant": self._quant,
         }

@@ -69,7 +69,7 @@ class Worker:
         torch.set_num_threads(int(opts.get("num_threads") or 1))
         self.device = torch.device(opts["device"])
         if self.device.type == "cuda":
-            idx = rank % torch.cuda.device_count()
+            idx = (int(opts.get("base_gpu_id", 0)) + rank) % torch.cuda.device_count()
             self.device = torch.device("cuda", idx)
             torch.cuda.set_device(self.device)
         self.dtype: torch.dtype = opts["dtype"]
