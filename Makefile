@@ -28,8 +28,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=20
 
+# The GPU tier (tests/test_gpu.py and the other gpu-marked tests): skips without CUDA. On a GPU
+# machine without the venv (scripts/gpu_check.sh): make test-gpu PY=python3 STAMP=
+PYTEST_GPU_ARGS ?=
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m gpu
+	$(PY) -m pytest -q -m gpu $(PYTEST_GPU_ARGS)
 
 # Optional tier, not part of `make test`: our payloads and adapter calls against the real sglang,
 # installed (CPU torch, sglang without its GPU dependencies) into a venv of its own by

@@ -74,12 +74,16 @@ def load_config(spec: Any = "tiny", **overrides: Any):
     return _from_dict(d)
 
 
-def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A randomly initialized causal LM for ``config``: identical on every process for one seed."""
+def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> torch.nn.Module:
+    """A randomly initialized causal LM for ``config``: identical on every process for one seed
+    (and one device kind). ``device="cuda"`` allocates and initializes on the GPU: a 7B model
+    is built in seconds there, against minutes of single-threaded CPU initialization."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = 0
     return model
 

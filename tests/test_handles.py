@@ -334,6 +334,18 @@ r.ack()
 """
 
 
+def _drop_cuda_ipc() -> None:
+    """A producer's CUDA IPC reference counters live in a /dev/shm file of torch's, freed by
+    ``torch.cuda.ipc_collect`` once no shared block is in use: the caller drops what it shared,
+    then this collects (the file would otherwise stay until the process exits: the leftover of the
+    first GPU run)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_cuda_ipc_round_trip_across_cuda_visible_devices():
@@ -352,6 +364,8 @@ def test_cuda_ipc_round_trip_across_cuda_visible_devices():
         assert (device, count) == ("cuda:0", "1")
         assert sha == digest(t)[2]
         assert ps.unacknowledged() == []
+    del t
+    _drop_cuda_ipc()
 
 
 @pytest.mark.gpu
@@ -363,6 +377,8 @@ def test_cuda_bucket_payload_round_trip(consumer):
     with make_payloads({"flattened_tensor": flat, "metadata": bucket.sglang_metadata(b)}, 1) as ps:
         (got,) = consumer.open(ps.payloads, ranks=[0])
         assert got["tensors"] == {n: digest(t) for n, t in tensors.items()}
+    del flat, tensors, b
+    _drop_cuda_ipc()
 
 
 def _sockets(pid: int) -> set[str]:

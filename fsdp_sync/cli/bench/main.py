@@ -43,6 +43,7 @@ from ...plan import memory_budget, quantized_bucket_bytes
 from .. import args as ca
 from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floor_shared_seconds,
                      layout_figures)
+from .gpu_memory import CudaPeaks
 from .sampling import DeviceSampler, rises, sampled_sync
 from .targets import check_targets
 from ...topology import cpu_group
@@ -235,7 +236,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
 
     torch.set_num_threads(1)
     cfg = load_config(job.model)
-    model = build_model(cfg, seed=0)
+    model = build_model(cfg, seed=0, device="cuda" if job.device == "cuda" else "cpu")
     params, tensors = count_params(model)
     model = wrap_fsdp(model, 2, device=job.device)
     # before the engine takes its memory: two model-sized buffers for a moment
@@ -289,7 +290,13 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                 pairs = [(pids[r], workers[j] if j < len(workers) else None)
                          for j, r in enumerate(topo.tp_ranks)]
                 sampler = DeviceSampler(pairs)
+            peaks = CudaPeaks(engine) if job.device == "cuda" else None
+            if peaks:
+                peaks.start()
             sampled_sync(manager, sampler)
+            gpu_mem = peaks.finish(
+                memory_budget("tensor", bucket_bytes, largest_bytes(manager.module, job))["memory_budget_bytes"]
+                + (quantized_bucket_bytes(bucket_bytes, dtype) if job.quantization else 0)) if peaks else None
             progress.update(f"{strategy} {bucket_mb:g} MiB: floor")
             # the floor is noisier than the sync (one big transfer): give it more repeats
             lay = layout_figures(model, cfg, job, stats, share and strategy == "flattened")
@@ -307,6 +314,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                 row = _row(job, strategy, bucket_bytes, params, tensors, stats, secs, secs_med,
                            floor, manager, sampler)
                 row["share_host_memory"] = bool(share and strategy == "flattened")
+                if gpu_mem is not None:
+                    row["gpu_memory"] = gpu_mem
                 row["floor_shared_seconds"] = floor_shared
                 row["copy_seconds"] = copy_s
                 row["ratio_to_copy"] = secs_med / copy_s if copy_s > 0 else None
@@ -339,6 +348,12 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             r["memory_budget_bytes"] += quantized_bucket_bytes(r["bucket_bytes"], dtype)
             r["memory_budget_rule"] += " + the quantized bucket"
     return {"rows": rows}
+
+
+def largest_bytes(module, job: Job) -> int:
+    from ...weights.export import param_metas
+
+    return max(m.nbytes for m in param_metas(module, getattr(torch, job.dtype)))
 
 
 def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, stats, secs, secs_med,

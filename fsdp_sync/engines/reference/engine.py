@@ -619,6 +619,11 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
                                        f"continue_generation() first, or pause with mode 'retract'")
             self._call("flush_cache")
 
+    def reset_peak_memory_stats(self) -> None:
+        """CUDA workers: restart the allocator's peak counters (``max_allocated``/``max_reserved``
+        in `memory_stats`), so a later read gives the peak of what ran in between."""
+        self._per_worker("reset_peak_memory")
+
     def memory_stats(self) -> dict:
         """Per worker: weights/KV/backup/staging bytes, RSS/USS (and CUDA allocator stats), plus totals.
 

@@ -181,5 +181,6 @@ class MemoryRegions:
         if self.w.device.type == "cuda":
             out["cuda"] = {"allocated": int(torch.cuda.memory_allocated(self.w.device)),
                            "reserved": int(torch.cuda.memory_reserved(self.w.device)),
-                           "max_allocated": int(torch.cuda.max_memory_allocated(self.w.device))}
+                           "max_allocated": int(torch.cuda.max_memory_allocated(self.w.device)),
+                           "max_reserved": int(torch.cuda.max_memory_reserved(self.w.device))}
         return out

@@ -331,6 +331,9 @@ COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "resume": lambda w, a: w.memory.resume(a["tags"]),
     "flush_cache": lambda w, a: None,
     "memory_stats": lambda w, a: w.memory.stats(),
+    # CUDA allocator peaks from here on (a bench row's engine peak); nothing to do on CPU
+    "reset_peak_memory": lambda w, a: (torch.cuda.reset_peak_memory_stats(w.device)
+                                       if w.device.type == "cuda" else None),
     "shard_checksum": lambda w, a: w.shard_checksum(),
     "rank_digests": lambda w, a: w.rank_digests(a["names"]),
     "join_group": lambda w, a: w.join_group(a),

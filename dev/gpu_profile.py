@@ -1,0 +1,88 @@
+"""Where a colocated CUDA sync's time goes (issue 35): one trainer rank on a NCCL-only group, a
+TP-1 reference engine on the same GPU, ``--model`` in bf16, one sync per layout after warm-ups.
+
+For each layout it prints the manager's stages, a cProfile of one sync on the trainer (Python
+functions by cumulative time: per-bucket work, handle making, the engine call and its wait), and
+torch.profiler's CPU/CUDA operator table of another (kernel launches, copies, syncs). The engine
+worker is another process: its share is the trainer's wait inside the engine call.
+
+Usage (a GPU machine): PYTHONPATH=. python dev/gpu_profile.py [--model qwen2-1500m] [--bucket-mb 512]
+           [--out profile.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+
+def _rank(rank, world, a):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
+    from fsdp_sync.cli.trainer import wrap_fsdp
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.models import build_model, load_config
+
+    cfg = load_config(a.model)
+    t0 = time.perf_counter()
+    model = wrap_fsdp(build_model(cfg, seed=0, device="cuda"), 2, device="cuda")
+    out = [f"model {a.model} built and sharded on cuda in {time.perf_counter() - t0:.1f} s"]
+    engine = ReferenceEngine(model_config=cfg, tp_size=1, device="cuda", dtype=torch.bfloat16)
+    mesh = make_mesh(1, 1, "cuda")
+    try:
+        for layout in ("engine", "full"):
+            m = FSDPShardingManager(model, engine, mesh=mesh, config=SyncConfig(
+                bucket_bytes=int(a.bucket_mb * 2**20), dtype=torch.bfloat16, layout=layout))
+            secs = []
+            for _ in range(4):
+                with m:
+                    pass
+                secs.append(m.stats.seconds)
+            out.append(f"\n===== layout={layout}: syncs {[round(s * 1e3, 1) for s in secs]} ms, "
+                       f"{m.stats.bytes / 2**20:.0f} MiB, {m.stats.engine_calls} engine calls, "
+                       f"extra {({k: v for k, v in m.stats.extra.items() if not isinstance(v, (list, dict))})}")
+            out.append("stages: " + ", ".join(f"{s['name']} {s['seconds'] * 1e3:.1f} ms"
+                                               for s in m.timeline.to_dict()))
+            prof = cProfile.Profile()
+            prof.enable()
+            with m:
+                pass
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
+            out.append(f"--- cProfile, one sync ({m.stats.seconds * 1e3:.1f} ms)\n" + s.getvalue())
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                with m:
+                    pass
+            torch.cuda.synchronize()
+            out.append(f"--- torch.profiler, one sync ({m.stats.seconds * 1e3:.1f} ms), by CPU time\n"
+                       + p.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+            out.append("--- by CUDA time\n" + p.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+            m.close()
+    finally:
+        engine.shutdown()
+    return "\n".join(out)
+
+
+def main() -> None:
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2-1500m")
+    p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    (text,) = run_ranks(_rank, 1, a, backend="nccl", timeout_s=400, env=spawn_env())
+    print(text[:6000])
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
