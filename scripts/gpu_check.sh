@@ -12,7 +12,7 @@
 # In about 8 minutes on one H100 it runs, each step under its own time limit, going on past a
 # failure: `make test-gpu`, the demo, `bench --preset gpu`, an FP8 bench, a 7B-class bench, `plan`
 # beside each bench row, a per-bucket profile (dev/gpu_profile.py), and records a real CUDA IPC
-# payload (protocols 5 and 2) for the CPU tests. It writes OUTDIR/gpu_check.json (every step's
+# payload (protocols 5 and 2) for the CPU tests. GPU_CHECK_ONLY="step step" runs only the named steps. It writes OUTDIR/gpu_check.json (every step's
 # status and seconds, every bench row beside its plan) and OUTDIR/gpu_check.md (a short table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,14 +32,16 @@ FS=("$PY" -m fsdp_sync.cli)
 STEPS="$OUT/steps.tsv"
 : > "$STEPS"
 
+ONLY=" ${GPU_CHECK_ONLY:-} "   # e.g. GPU_CHECK_ONLY="test_gpu bench_7b": run only these steps
 step() {   # step NAME LIMIT_S CMD...: run, log to OUT/NAME.log, record status and seconds
   local name=$1 limit=$2; shift 2
-  local t0=$(date +%s.%N)
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ "$ONLY" != *" $name "* ]]; then return; fi
+  local t0=$(date +%s%N)
   echo "== $name (limit ${limit}s): $*"
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  local secs=$(echo "$(date +%s.%N) - $t0" | bc)
-  printf '%s\t%s\t%.1f\n' "$name" "$rc" "$secs" >> "$STEPS"
+  local secs=$(awk -v a="$t0" -v b="$(date +%s%N)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$secs" >> "$STEPS"
   echo "   rc=$rc in ${secs}s"; tail -n 4 "$OUT/$name.log"
 }
 
@@ -53,11 +55,10 @@ from fsdp_sync.weights import handles
 t = torch.arange(1000, dtype=torch.float32, device="cuda").view(10, 100)
 with handles.make_payloads(t, 1, tagged=False) as ps:
     open(f"{sys.argv[1]}/cuda_payload_p5.bin", "wb").write(ps.payloads[0])
-    obj = pickle.loads(ps.payloads[0])                       # as torch itself rebuilds it
     buf = __import__("io").BytesIO()
     handles._Pickler.__mro__[1](buf, 2).dump(t)              # ForkingPickler, protocol 2
     open(f"{sys.argv[1]}/cuda_payload_p2.bin", "wb").write(buf.getvalue())
-    print(handles.open_payload(ps.payloads[0]).value.sum().item(), obj.sum().item())
+    print("protocol 5:", handles.open_payload(ps.payloads[0]).value.sum().item())
 print("protocol 2:", handles.open_payload(buf.getvalue()).value.sum().item())
 EOF
 step demo 90 "${FS[@]}" demo --device cuda --ranks 1 --tp 1 --dtype bfloat16 --no-progress --json "$OUT/demo.json"

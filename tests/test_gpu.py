@@ -30,7 +30,8 @@ def _gpus() -> int:
 
 def _demo(tmp_path, *flags: str, steps: int = 2) -> dict:
     out = tmp_path / "demo.json"
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TMPDIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--device", "cuda",
                            "--ranks", "1", "--tp", "1", "--steps", str(steps), "--no-progress",
                            "--json", str(out), *flags],

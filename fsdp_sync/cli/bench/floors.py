@@ -34,6 +34,29 @@ def median_seconds(body: Callable[[], None], dev: str, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+# On a GPU a floor's copies go through one pair of buffers of at most this size, again and again:
+# device-to-device bandwidth does not depend on the size past a few MiB, and a 7B model's
+# full-size pairs beside the trainer and the engine would not fit in its memory.
+CUDA_COPY_CHUNK = 1 << 30
+
+
+class _Copy:
+    """``dst.copy_(src)`` of ``nbytes`` on ``dev`` (pre-touched): whole on CPU, in chunks on CUDA."""
+
+    def __init__(self, nbytes: int, dev: str) -> None:
+        size = max(1, min(nbytes, CUDA_COPY_CHUNK) if dev == "cuda" else nbytes)
+        self.src = torch.ones(size, dtype=torch.uint8, device=dev)
+        self.dst = torch.zeros_like(self.src)
+        self.nbytes = max(nbytes, 1)
+
+    def __call__(self) -> None:
+        left = self.nbytes
+        while left > 0:
+            n = min(left, self.src.numel())
+            self.dst[:n].copy_(self.src[:n])
+            left -= n
+
+
 def floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, repeats: int) -> float:
     """A bare all-gather of ``total_bytes`` over the world in bucket-sized pieces, plus one copy of
     a TP rank's shard (``total_bytes / tp``): what any sync must at least do."""
@@ -47,20 +70,21 @@ def floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, rep
     per_rank = (piece + world - 1) // world
     send = torch.empty(per_rank, dtype=torch.uint8, device=dev)
     recv = torch.empty(per_rank * world, dtype=torch.uint8, device=dev)
-    shard = total_bytes // tp
-    src = torch.empty(shard, dtype=torch.uint8, device=dev)
-    dst = torch.empty(shard, dtype=torch.uint8, device=dev)
-    src.fill_(1)
-    dst.fill_(0)  # touch the pages once, as a loaded engine's weights are
+    copy = _Copy(total_bytes // tp, dev)   # touched once, as a loaded engine's weights are
 
     def body() -> None:
         left = total_bytes
         while left > 0:
             all_gather(recv, send, None)       # the sync's own gather call (no deprecation warning)
             left -= piece
-        dst.copy_(src)
+        copy()
 
-    return median_seconds(body, dev, repeats)
+    try:
+        return median_seconds(body, dev, repeats)
+    finally:
+        del copy, send, recv
+        if dev == "cuda":
+            torch.cuda.empty_cache()
 
 
 def copy_seconds(nbytes: int, device: str, repeats: int) -> float:
@@ -96,17 +120,20 @@ def floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
 
     world = dist.get_world_size()
     dev = "cuda" if device == "cuda" else "cpu"
-    mine = torch.ones(total_bytes // world, dtype=torch.uint8, device=dev)
-    into = torch.zeros_like(mine)
-    src = torch.ones(shard if shard is not None else total_bytes // tp, dtype=torch.uint8, device=dev)
-    dst = torch.zeros_like(src)
+    own = _Copy(total_bytes // world, dev)
+    engine = _Copy(shard if shard is not None else total_bytes // tp, dev)
 
     def body() -> None:
-        into.copy_(mine)
+        own()
         dist.barrier(group=cpu_group())
-        dst.copy_(src)
+        engine()
 
-    return median_seconds(body, dev, repeats)
+    try:
+        return median_seconds(body, dev, repeats)
+    finally:
+        del own, engine
+        if dev == "cuda":
+            torch.cuda.empty_cache()
 
 
 def floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, device: str,
