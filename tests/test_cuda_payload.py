@@ -145,3 +145,21 @@ def test_codecs_encode_is_only_protocol_2_bytes():
                 G + b"(X\x03\x00\x00\x00abctR."):                         # default codec
         with pytest.raises(HandleError, match=r"only encode\(str, 'latin1'\)"):
             open_payload(bad)
+
+
+@pytest.mark.parametrize("protocol, fails_with", [
+    (5, r"payload names CUDA device '[0-9a-f-]+', which this process cannot see"),
+    (2, r"cannot open payload: AssertionError: Torch not compiled with CUDA enabled"),
+])
+def test_recorded_h100_payloads_pass_the_allow_list(protocol, fails_with):
+    """Payloads recorded on an H100 (torch 2.11.0+cu130, scripts/gpu_check.sh's payload step): our
+    pickler's (protocol 5, device by UUID) and torch's own ForkingPickler's at protocol 2 (device
+    by index, bytes through _codecs.encode). Both get past every name check and fail only where
+    the CUDA handle is opened."""
+    from pathlib import Path
+
+    data = (Path(__file__).parent / "data" / f"cuda_ipc_payload_torch211_p{protocol}.bin").read_bytes()
+    assert "torch.storage.TypedStorage" in _globals(data)
+    assert ("_codecs.encode" in _globals(data)) == (protocol == 2)
+    with pytest.raises(HandleError, match=fails_with):
+        open_payload(data)
