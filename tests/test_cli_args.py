@@ -142,6 +142,28 @@ def test_serve_port_in_use_is_one_line_and_starts_no_worker():
     assert len(err.strip().splitlines()) == 1 and not started, (err, started)
 
 
+@pytest.mark.parametrize("host, words", [
+    ("999.1.1.1", ["--host", "cannot resolve '999.1.1.1'"]),        # no such address at all
+    ("192.0.2.1", ["--host", "'192.0.2.1'", "not an address of this machine"]),   # not this machine's
+])
+def test_serve_blames_host_for_an_address_it_cannot_bind(host, words, capsys):
+    """Issue 36 item 9: ``serve --host 999.1.1.1`` (default port) said ``argument --port``."""
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(["serve", "--host", host])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--port" not in err and all(w in err for w in words), err
+
+
+def test_serve_help_describes_every_flag(capsys):
+    """Issue 36 item 9: ``--kv-cache-tokens`` had no help text."""
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--kv-cache-tokens KV_CACHE_TOKENS KV-cache slots (tokens) per TP worker" in out
+    assert "(default: 4096)" in out
+
+
 def test_serve_help_never_prints_the_api_key(monkeypatch, capsys):
     monkeypatch.setenv("FSDP_SYNC_API_KEY", "do-not-print-me")
     with pytest.raises(SystemExit):

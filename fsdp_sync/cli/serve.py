@@ -49,7 +49,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=ca.non_negative_int, default=0,
                    help="seed of the initial random weights")
-    p.add_argument("--kv-cache-tokens", type=ca.positive_int, default=None)
+    p.add_argument("--kv-cache-tokens", type=ca.positive_int, default=None,
+                   help="KV-cache slots (tokens) per TP worker; a request needs prompt + "
+                        "max_new_tokens of them (default: 4096)")
     p.add_argument("--weights-cpu-backup", action="store_true",
                    help="keep weights' contents across a release (SGLang's --enable-weights-cpu-backup)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
@@ -68,8 +70,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-concurrent", type=ca.positive_int, default=32,
                    help="requests served at once")
     p.add_argument("--update-wait-s", type=_finite_seconds, default=60.0,
-                   help="how long a weight update waits for a running one before it gets 503 "
-                        "(0: not at all)")
+                   help="how long a weight update waits to start (for a running update, or for "
+                        "running requests to finish) before it gets 503 and is dropped (0: not at "
+                        "all)")
     p.set_defaults(check=check_serve_args)
 
 
@@ -118,6 +121,7 @@ def check_serve_args(args, given: set[str]) -> None:
     """Cross-flag and environment checks of `serve`, before any worker starts: the model splits
     over ``--tp`` and ``--ep`` (with ``--quantization fp8``, in whole 128 blocks), and
     ``--host``/``--port`` can be bound. Raises ValueError naming the flag."""
+    import errno
     import socket
 
     from ..engines.reference.quant import engine_layout, resolve
@@ -143,20 +147,20 @@ def check_serve_args(args, given: set[str]) -> None:
         engine_layout(spec, args.tp, args.ep, resolve(config, args.quantization))
     except ValueError as exc:
         raise ValueError(f"argument {flag}: {exc}") from None
-    if args.port:
-        try:
-            infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
-            with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
-                s.bind(infos[0][4])
-        except OSError as exc:
-            raise ValueError(f"argument --port: cannot bind {args.host}:{args.port} "
-                             f"({exc.strerror or exc}); pick another port, or 0 for any free "
-                             f"one") from None
-    else:
-        try:
-            socket.getaddrinfo(args.host, 0, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise ValueError(f"argument --host: cannot resolve {args.host!r} ({exc})") from None
+    try:
+        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(f"argument --host: cannot resolve {args.host!r} ({exc})") from None
+    try:
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.bind(infos[0][4])     # port 0: checks the address alone
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:     # resolves, but is no address of this machine
+            raise ValueError(f"argument --host: cannot bind {args.host!r}: it is not an address of "
+                             f"this machine ({exc.strerror or exc})") from None
+        raise ValueError(f"argument --port: cannot bind {args.host}:{args.port} "
+                         f"({exc.strerror or exc}); pick another port, or 0 for any free "
+                         f"one") from None
 
 
 def main_serve(args) -> int:
@@ -203,6 +207,9 @@ def main_serve(args) -> int:
         if server is not None:
             server.close()
         engine.shutdown()
+        if server is not None:
+            # requests in flight end with EngineClosedError: let their 503 go out before exiting
+            server.wait_idle(5.0)
         for s, h in old.items():
             signal.signal(s, h)
     print("fsdp-sync serve: stopped", flush=True)

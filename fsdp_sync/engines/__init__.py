@@ -6,11 +6,12 @@ SGLang adapter lives in `fsdp_sync.engines.sglang` and is never imported from he
 
 from importlib import import_module
 
-from .base import (Engine, EngineClosedError, EngineError, EngineStateError, SerializedPerRank,
-                   WeightUpdateError, WorkerDiedError, checksum_named_tensors)
+from .base import (Engine, EngineClosedError, EngineError, EngineStateError, EngineUnavailableError,
+                   SerializedPerRank, WeightUpdateError, WorkerDiedError, checksum_named_tensors)
 
 __all__ = ["Engine", "ReferenceEngine", "SerializedPerRank", "EngineError", "WeightUpdateError",
-           "WorkerDiedError", "EngineStateError", "EngineClosedError", "checksum_named_tensors"]
+           "WorkerDiedError", "EngineStateError", "EngineUnavailableError", "EngineClosedError",
+           "checksum_named_tensors"]
 
 
 def __getattr__(name: str):

@@ -51,7 +51,7 @@ import torch
 __all__ = [
     "Engine", "SerializedPerRank", "LOAD_FORMATS", "TAGS", "RELEASE_ORDER", "RESUME_ORDER",
     "ordered_tags", "EngineError", "WeightUpdateError", "WorkerDiedError", "EngineStateError",
-    "EngineClosedError", "checksum_named_tensors",
+    "EngineUnavailableError", "EngineClosedError", "checksum_named_tensors",
 ]
 
 LOAD_FORMATS = (None, "flattened_bucket", "direct")
@@ -121,6 +121,13 @@ class WorkerDiedError(EngineError):
 class EngineStateError(EngineError):
     """The call does not fit the engine's state (weights released, KV cache released, an update
     already open, ...); nothing was changed."""
+
+
+class EngineUnavailableError(EngineStateError):
+    """The engine cannot take the call now, through no fault of the call: its weights or KV cache
+    are released, it is out of service, or it stayed busy (running requests, another update) past
+    the caller's wait limit. Nothing was changed; the same call may succeed later or on another
+    engine (`fsdp-sync serve` answers it with HTTP 503)."""
 
 
 class EngineClosedError(EngineError):

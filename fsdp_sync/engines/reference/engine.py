@@ -54,26 +54,25 @@ and each tensor of every update must come in the dtype the layout says (`quant`)
 Not here: the model math (`tp_model`), the worker loop (`worker`), generation calls, pause and
 versions (`rollout`), batching requests (`scheduler`), the update-group calls of
 ``update_weights_from_distributed`` (`group_calls`), weight read-back (`readback`), per-rank update
-items and the checks of a distributed call's entries (`update_items`), which quantization a config
-and argument make (`quant`).
+items, the checks of a distributed call's entries and the disk update's checkpoint resolution
+(`update_items`), which quantization a config and argument make (`quant`).
 
-Why ~670 lines, one module: the engine's side of every protocol call (startup, the update methods,
-the two-phase rounds), sharing the lock, the worker set and the broken/transaction state. The next
-carve, if it grows: the disk update's checkpoint resolution.
+Why ~680 lines, one module: the engine's side of every protocol call (startup, the update methods,
+the two-phase rounds, the update gate and its wait limit), sharing the lock, the worker set and the
+broken/transaction state. The next carve, if it grows: memory release/resume and read-back stats.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import itertools
-import json
 import pickle
 import sys
 import threading
 import time
 import weakref
 from multiprocessing import connection as mp_connection
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -82,14 +81,14 @@ from ...weights import handles
 from ...weights.layout import ModelSpec
 from ...wire import free_port
 from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
-                    WeightUpdateError, WorkerDiedError, ordered_tags)
+                    EngineUnavailableError, WeightUpdateError, WorkerDiedError, ordered_tags)
 from . import procs, quant
 from ...config import parse_dtype
 from .group_calls import UpdateGroupCalls
 from .readback import WeightReadback
 from .rollout import GenerationCalls
 from .scheduler import Scheduler, check_version
-from .update_items import build_items
+from .update_items import build_items, disk_items
 
 __all__ = ["ReferenceEngine"]
 
@@ -205,12 +204,14 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
         self.ep_size = self.layout.ep
         self.base_gpu_id = int(base_gpu_id)
         self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
+        self.disk_tensors_loaded = 0           # checkpoint tensors the last disk update loaded
         self.tp_size = int(tp_size)
         self.device, self.dtype = device, dtype
         self.weights_cpu_backup = bool(weights_cpu_backup)
         self.call_timeout_s = call_timeout_s
         self.transactional_updates = bool(transactional_updates)
         self._lock = threading.RLock()
+        self._wait = threading.local()          # this thread's `wait_limit` deadline
         self._seq = itertools.count(1)
         self._broken: str | None = None
         self._in_txn = False
@@ -388,6 +389,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
             raise WeightUpdateError(text, rank=r, name=name)
         if kind == "state":
             raise EngineStateError(text)
+        if kind == "unavailable":
+            raise EngineUnavailableError(text)
         raise EngineError(f"{text}\n(worker traceback)\n{tb}")
 
     def _call(self, cmd: str, args: Any = None, *, what: str | None = None, collective: bool = False,
@@ -397,6 +400,36 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
             replies = self._round(cmd, args, per_rank=per_rank, what=what)
             self._raise_errors(replies, what or cmd, collective=collective)
             return {r: rep[1] for r, rep in replies.items()}
+
+    @contextlib.contextmanager
+    def wait_limit(self, seconds: float | None) -> Iterator[None]:
+        """Within the block, a call of this thread that changes the engine (an update, begin/end,
+        release/resume, flush, joining a group) and cannot start within ``seconds`` (requests
+        still running, another call holding the engine) raises `EngineUnavailableError` having
+        changed nothing, instead of starting later (`fsdp-sync serve`'s ``--update-wait-s``;
+        SGLang waits without a limit). None: no limit."""
+        prev = getattr(self._wait, "deadline", None)
+        self._wait.deadline = None if seconds is None else time.monotonic() + max(0.0, float(seconds))
+        try:
+            yield
+        finally:
+            self._wait.deadline = prev
+
+    @contextlib.contextmanager
+    def _gate(self, what: str, *, exclusive: bool = True) -> Iterator[None]:
+        """A changing call's hold on the engine: the scheduler's writer gate (``exclusive``: no
+        request running unless generation is paused), then the lock; both waits end at this
+        thread's `wait_limit`."""
+        deadline = getattr(self._wait, "deadline", None)
+        with self._sched.exclusive(deadline, what) if exclusive else contextlib.nullcontext():
+            left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._lock.acquire(timeout=left):
+                raise EngineUnavailableError(f"{what}: another call held the engine past the wait "
+                                             f"limit; nothing was changed (retry)")
+            try:
+                yield
+            finally:
+                self._lock.release()
 
     # ------------------------------------------------------------------ weight updates
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
@@ -411,7 +444,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
                             keep_mapped: bool, weight_version: str | None = None) -> None:
         what = f"update_weights_from_tensor(load_format={load_format!r})"
         check_version(weight_version, what)
-        with self._sched.exclusive(), self._lock:
+        with self._gate(what):
             self._check_usable()
             if self._txn_aborted is not None:
                 raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
@@ -455,60 +488,44 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
                                  weight_version=weight_version)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 flush_cache: bool = True, *, weight_version: str | None = None) -> None:
+                                 flush_cache: bool = True, *, weight_version: str | None = None,
+                                 require_complete: bool = False) -> None:
         """Load the tensors of a Hugging Face safetensors checkpoint directory (SGLang's call).
 
         SGLang's rules: an index (``model.safetensors.index.json``) decides the files and a
         missing indexed file fails before anything loads; without one every ``*.safetensors``
-        file loads; only the names present are updated. All or nothing, unlike SGLang 0.5.23:
+        file loads; only the names present are updated (``require_complete=True``, what
+        `fsdp-sync serve` asks: a checkpoint that lacks any tensor this engine holds is refused).
+        A ``config.json`` beside the weights must agree with the engine's model in every value
+        that changes its math (`config_check`). All or nothing, unlike SGLang 0.5.23:
         the files are checked against the manifest's digests when there is one (under the hash it
         names; each worker hashes its share of the files), every tensor's name, dtype and shape is checked on every
         worker and each worker reads only its own slices into staging memory (one extra copy of
         its shard) before any weight changes. Raises `WeightUpdateError` naming the file or
-        tensor; the previous weights keep serving. ``weight_version`` as for tensors."""
-        from ...weights.hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
+        tensor; the previous weights keep serving. ``weight_version`` as for tensors. Afterwards
+        ``disk_tensors_loaded`` is the number of checkpoint tensors loaded."""
+        from ...weights.hf_checkpoint import CheckpointError
 
         what = f"update_weights_from_disk({str(model_path)!r})"
         check_version(weight_version, what)
-        with self._sched.exclusive(), self._lock:
+        with self._gate(what):
             self._check_usable()
             if self._txn_aborted is not None:
                 raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
                                         f"({self._txn_aborted}); call end_weight_update() and start again")
-            tp = self.tp_size
-            per_rank = []
             try:
-                if is_ranked(model_path):
-                    # a per-rank checkpoint: each worker reads only its own rank's files
-                    if load_format not in (None, "auto", "sharded_state"):
-                        raise CheckpointError(f"load_format {load_format!r} does not read a per-rank "
-                                              f"checkpoint; use None or 'sharded_state'")
-                    rplan = resolve_ranked(model_path, tp, self.layout.ep)
-                    # as the manifest's JSON holds it (tuples are lists there)
-                    mine = json.loads(json.dumps(dataclasses.asdict(self.layout.spec)))
-                    diff = {k: (v, mine.get(k)) for k, v in rplan.model.items() if mine.get(k) != v}
-                    if diff or set(rplan.model) != set(mine):
-                        raise CheckpointError(f"{rplan.directory} was cut for another model than this "
-                                              f"engine's (checkpoint, engine): {diff}")
-                    for r in range(tp):
-                        files = rplan.files[r]
-                        per_rank.append([("disk", "engine", {
-                            "dir": rplan.directory, "files": files,
-                            "digests": {f: rplan.digests[f] for f in files}, "hash": rplan.hash,
-                            "names": {f: rplan.names[f] for f in files}})])
-                else:
-                    plan = resolve(model_path, load_format)
-                    for r in range(tp):
-                        spec = {"dir": plan.directory, "files": plan.files, "index": plan.index,
-                                "verify": {f: plan.digests[f] for f in plan.files[r::tp] if f in plan.digests},
-                                "hash": plan.hash}
-                        per_rank.append([("disk", "hf", spec)])
+                per_rank = disk_items(model_path, load_format, self.layout, self.config,
+                                      complete=bool(require_complete))
             except CheckpointError as exc:
                 err = WeightUpdateError(f"{what}: {exc}")
                 self._abort_all(what, str(err))       # a refused call ends an open transaction too
                 raise err from exc
             staged = self._two_phase(per_rank, what)
+            tp = self.tp_size
             self.disk_bytes_read = [int(staged[r][1].get("bytes_read", 0)) for r in range(tp)]
+            counts = [int(staged[r][1].get("tensors", 0)) for r in range(tp)]
+            # HF files: every rank reads every header; per-rank files: each its own tensors
+            self.disk_tensors_loaded = counts[0] if per_rank[0][0][1] == "hf" else sum(counts)
             self._after_update(weight_version, flush_cache)
 
     def _two_phase(self, per_rank: list, what: str, cmd: str = "stage",
@@ -559,7 +576,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
         the calls until `end_weight_update` are committed together, or not at all. Otherwise each
         call commits on its own, as outside begin/end (no extra memory)."""
         transactional = self.transactional_updates if transactional is None else bool(transactional)
-        with self._sched.exclusive(), self._lock:
+        with self._gate("begin_weight_update"):
             self._check_usable()
             if self._in_txn:
                 raise EngineStateError("begin_weight_update called twice without end_weight_update")
@@ -573,7 +590,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
         takes ``weight_version`` (else the one an update call in the transaction gave) in the same
         critical section: no step runs between the new weights and their new version."""
         check_version(weight_version, "end_weight_update")
-        with self._sched.exclusive(), self._lock:
+        with self._gate("end_weight_update"):
             if not self._in_txn:
                 raise EngineStateError("end_weight_update without begin_weight_update")
             self._in_txn = False
@@ -590,7 +607,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Free ``tags`` (None = all) in the order kv_cache → weights → cuda_graph."""
         tags = ordered_tags(tags, RELEASE_ORDER)
-        with self._sched.exclusive(), self._lock:
+        with self._gate(f"release_memory_occupation({tags})"):
             if self._in_txn:
                 raise EngineStateError("cannot release memory inside begin/end_weight_update")
             if "kv_cache" in tags and self._sched.holds_kv():
@@ -603,7 +620,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
         """Reallocate ``tags`` (None = all) in the order cuda_graph → weights → kv_cache. Released
         weights come back as zeros (push them again) unless the engine keeps a CPU backup."""
         tags = ordered_tags(tags, RESUME_ORDER)
-        with self._sched.exclusive(), self._lock:
+        with self._gate(f"resume_memory_occupation({tags})"):
             if self._in_txn:
                 raise EngineStateError("cannot resume memory inside begin/end_weight_update")
             self._call("resume", {"tags": tags}, what=f"resume_memory_occupation({tags})")
@@ -612,7 +629,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
         """Nothing is cached between requests (no prefix cache); checks the workers answer. Waits
         for running requests as an update does; refused (`EngineStateError`) while requests
         paused in place hold the KV cache, as SGLang refuses it."""
-        with self._sched.exclusive(), self._lock:
+        with self._gate("flush_cache"):
             if self._sched.holds_kv():
                 raise EngineStateError(f"flush_cache: {self._sched.holds_kv()} requests paused in place "
                                        f"hold the KV cache (SGLang refuses a flush then); "

@@ -1,7 +1,8 @@
 """``update_weights_from_distributed`` on a reference engine, from the client's side: joining and
 leaving SGLang's weight-update group, and receiving one call's broadcast all or nothing. A mixin of
-`ReferenceEngine`: it uses the engine's lock, its two-phase rounds (``_two_phase``), the update gate
-(``_sched.exclusive``) and the weight-version bookkeeping (``_versioned``).
+`ReferenceEngine`: it uses the engine's lock and update gate (``_gate``: the scheduler's writer
+gate and the lock, bounded by `wait_limit`), its two-phase rounds (``_two_phase``) and the
+weight-version bookkeeping (``_versioned``).
 
 Not here: the workers' receive (`worker.Worker.receive_broadcast`), checking a call's entries
 (`update_items`), the trainer's send (`fsdp_sync.transport.distributed`).
@@ -19,6 +20,12 @@ __all__ = ["UpdateGroupCalls"]
 class UpdateGroupCalls:
     """`ReferenceEngine`'s update-group methods (see the module docstring)."""
 
+    @property
+    def update_group_backends(self) -> tuple[str, ...]:
+        """The ``backend`` values `init_weights_update_group` takes: gloo on CPU, NCCL (SGLang's
+        default) or gloo on CUDA."""
+        return ("nccl", "gloo") if self.device == "cuda" else ("gloo",)
+
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
                                   backend: str = "nccl") -> None:
@@ -28,12 +35,19 @@ class UpdateGroupCalls:
         what = f"init_weights_update_group({group_name!r})"
         if not group_name:
             raise WeightUpdateError(f"{what}: the group name must not be empty")
+        if backend not in self.update_group_backends:
+            raise WeightUpdateError(f"{what}: backend {backend!r} is not one this {self.device} engine "
+                                    f"joins; expected one of {list(self.update_group_backends)}")
+        if not (isinstance(master_address, str) and master_address) or isinstance(master_port, bool) \
+                or not isinstance(master_port, int) or not 0 < master_port < 65536:
+            raise WeightUpdateError(f"{what}: master_address must be a host name and master_port in "
+                                    f"1..65535, got {master_address!r}:{master_port!r}")
         if not (isinstance(rank_offset, int) and rank_offset >= 1
                 and isinstance(world_size, int) and rank_offset + self.tp_size <= world_size):
             raise WeightUpdateError(f"{what}: ranks {rank_offset}..{rank_offset + self.tp_size - 1} "
                                     f"(rank_offset {rank_offset!r}, tp {self.tp_size}) do not fit a "
                                     f"group of world_size {world_size!r} whose rank 0 is the trainer")
-        with self._lock:
+        with self._gate(what, exclusive=False):
             self._check_usable()
             if group_name in self._update_groups:
                 self._destroy_group(group_name)
@@ -50,7 +64,7 @@ class UpdateGroupCalls:
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         """Leave the group on every worker. An unknown name is refused, as SGLang does."""
-        with self._lock:
+        with self._gate(f"destroy_weights_update_group({group_name!r})", exclusive=False):
             if group_name not in self._update_groups:
                 raise WeightUpdateError(f"destroy_weights_update_group: no group {group_name!r} "
                                         f"(known: {sorted(self._update_groups)})")
@@ -82,7 +96,7 @@ class UpdateGroupCalls:
         transaction's commit, in a transactional update)."""
         what = f"update_weights_from_distributed(load_format={load_format!r}, {len(names)} tensors)"
         check_version(weight_version, what)
-        with self._sched.exclusive(), self._lock:
+        with self._gate(what):
             self._check_usable()
             if not self._in_txn:
                 raise EngineStateError(f"{what}: no open weight update: call begin_weight_update() "

@@ -1,6 +1,7 @@
 """The checks `fsdp-sync serve` applies to a JSON request body, shared by its route modules: a
-refusal with its HTTP status (`Refused`), typed fields that name themselves when wrong (400), the
-disk-update path rule, and which keyword arguments an engine method takes.
+refusal with its HTTP status (`Refused`), the status of an error a route raised (`error_status`:
+4xx the client's mistake, 5xx the server's), typed fields that name themselves when wrong (400),
+the disk-update path rule, and which keyword arguments an engine method takes.
 
 Not here: the routes (`serve`, `serve_control`), the ``/generate`` body (`generate_request`).
 """
@@ -12,16 +13,47 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["Refused", "body_field", "str_list_field", "tags_field", "check_disk_path",
+from ..base import (EngineClosedError, EngineStateError, EngineUnavailableError, WorkerDiedError)
+
+__all__ = ["Refused", "error_status", "error_text", "body_field", "str_list_field", "tags_field", "check_disk_path",
            "accepted_kwargs", "type_names"]
 
 
 class Refused(Exception):
-    """A request refused with ``status`` and a ``{success: false, message}`` body."""
+    """A request refused with ``status`` and a ``{success: false, message}`` body (and
+    ``headers``, e.g. a 405's ``Allow``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = dict(headers or {})
+
+
+def error_status(exc: BaseException) -> tuple[int, bool]:
+    """``(HTTP status, retryable)`` for an error a route raised. Retryable: the request was fine
+    and the same request may succeed later or on another server (a router retries it there).
+
+    - `Refused`: its own status; retryable when 503.
+    - The engine cannot serve now: `EngineUnavailableError` (weights or KV cache released, out of
+      service, busy past the wait limit), `WorkerDiedError`, `EngineClosedError` (shut down, e.g.
+      at SIGTERM): 503, retryable.
+    - The request does not fit: ``ValueError`` (`WeightUpdateError` among them), ``KeyError``,
+      ``TypeError``, `EngineStateError` (an update outside begin/end, begin twice): 400.
+    - Anything else is the server's fault: 500, not retryable (it may fail the same way)."""
+    if isinstance(exc, Refused):
+        return exc.status, exc.status == 503
+    if isinstance(exc, (EngineUnavailableError, WorkerDiedError, EngineClosedError)):
+        return 503, True
+    if isinstance(exc, (ValueError, KeyError, TypeError, EngineStateError)):
+        return 400, False
+    return 500, False
+
+
+def error_text(exc: BaseException) -> str:
+    """``exc``'s message for an answer (a KeyError's without the quotes ``str`` adds)."""
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return str(exc)
 
 
 def type_names(types: type | tuple) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..base import EngineStateError
+from ..base import EngineStateError, EngineUnavailableError
 from .generation import Sampling
 from .scheduler import PAUSE_MODES, check_version, kv_need, weight_version_spans
 
@@ -90,7 +90,7 @@ class GenerationCalls:
         the caller's thread after each step that changed one of its results (streaming);
         ``should_abort(row)`` is asked after each step and every `ABORT_POLL_S` while waiting, and
         an aborted row ends at the next step (at once while generation is paused). Out of
-        service (`set_serving`) this raises `EngineStateError` naming the reason."""
+        service (`set_serving`) this raises `EngineUnavailableError` naming the reason."""
         prompts = self._check_prompts(input_ids)
         sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
             [sampling_params] * len(prompts)
@@ -116,7 +116,7 @@ class GenerationCalls:
             raise ValueError("logprob_start_len needs return_logprob=True")
         self._check_usable()
         if self.serving_state is not None:
-            raise EngineStateError(f"generate: the engine is out of service ({self.serving_state}); "
+            raise EngineUnavailableError(f"generate: the engine is out of service ({self.serving_state}); "
                                    f"set_serving(True) brings it back")
         rows = [(i, s) for i, (p, s) in enumerate(zip(prompts, specs)) for _ in range(s.n)]
         version = self.weight_version
@@ -209,7 +209,7 @@ class GenerationCalls:
 
     def set_serving(self, serving: bool, reason: str = "") -> None:
         """Take the engine out of service (``serving=False``; a fleet's quarantine) or bring it
-        back. Out of service, generate refuses with `EngineStateError` naming ``reason`` and the
+        back. Out of service, generate refuses with `EngineUnavailableError` naming ``reason`` and the
         requests in flight end as aborted; weight updates and reads still work."""
         if not isinstance(serving, bool):
             raise ValueError(f"set_serving: serving must be a bool, got {serving!r}")

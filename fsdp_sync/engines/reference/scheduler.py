@@ -25,7 +25,7 @@ whatever weights are loaded then); ``in_place`` only stops stepping: rows keep t
 from it. While paused, new requests queue; none is refused.
 
 Out of service (`set_out_of_service`, the fleet's quarantine): new requests are refused with
-`EngineStateError` naming the reason, and the requests in flight end as aborted, so nothing
+`EngineUnavailableError` naming the reason, and the requests in flight end as aborted, so nothing
 computed with weights the fleet gave up on is served.
 
 The scheduler reaches its engine through a weak reference (so an engine nobody holds is still
@@ -43,12 +43,13 @@ import copy
 import itertools
 import queue
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ..base import EngineClosedError, EngineError, EngineStateError, WorkerDiedError
+from ..base import EngineClosedError, EngineError, EngineUnavailableError, WorkerDiedError
 from .generation import Sampling
 
 __all__ = ["Scheduler", "Call", "Row", "StepRecord", "PAUSE_MODES", "weight_version_spans", "kv_need",
@@ -212,13 +213,13 @@ class Scheduler:
     # ------------------------------------------------------------------ callers
     def submit(self, rows: Sequence[tuple[list[int], Sampling, bool]], version: str) -> Call:
         """Queue a call's rows (``(prompt, sampling, logprobs)`` each). Rows with
-        ``max_new_tokens`` 0 end at once. Raises `EngineStateError` out of service."""
+        ``max_new_tokens`` 0 end at once. Raises `EngineUnavailableError` out of service."""
         call = Call()
         with self._cond:
             if self._closed is not None:
                 raise _copy(self._closed)
             if self._out is not None:
-                raise EngineStateError(f"generate: the engine is out of service ({self._out}); "
+                raise EngineUnavailableError(f"generate: the engine is out of service ({self._out}); "
                                        f"set_serving(True) brings it back")
             for k, (prompt, sampling, logprobs) in enumerate(rows):
                 call.rows.append(Row(next(self._ids), call, k, list(prompt), sampling, bool(logprobs)))
@@ -252,10 +253,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ engine control
     @contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self, deadline: float | None = None, what: str = "update") -> Iterator[None]:
         """A weight update's hold on the engine (SGLang's writer lock): unless generation is
         paused, wait until no row is running, and admit none until the block ends. Nested blocks
-        in one thread count once. Enter it before taking the engine's lock."""
+        in one thread count once. Enter it before taking the engine's lock. Rows still running
+        at ``deadline`` (``time.monotonic()``; None: no limit) raise `EngineUnavailableError`."""
         if getattr(self._local, "depth", 0):
             self._local.depth += 1
             try:
@@ -267,7 +269,12 @@ class Scheduler:
             self._held += 1
             try:
                 while self._running and self._paused is None and self._closed is None:
-                    self._cond.wait(self.IDLE_WAIT_S)
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise EngineUnavailableError(
+                            f"{what}: {len(self._running)} running request(s) did not finish within "
+                            f"the wait limit; nothing was changed (pause_generation first, or retry)")
+                    self._cond.wait(self.IDLE_WAIT_S if left is None else min(self.IDLE_WAIT_S, left))
             except BaseException:
                 self._held -= 1
                 self._cond.notify_all()

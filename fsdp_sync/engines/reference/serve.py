@@ -8,15 +8,10 @@ weights, on a CPU machine:
     GET  /health  /health_generate  /ready  /get_model_info  /get_server_info (/server_info)
     GET  /v1/models                    (SGLang's OpenAI-style model list: the served model)
     POST /generate                     {input_ids | text, sampling_params}
-    POST /update_weights_from_tensor   {serialized_named_tensors, load_format, flush_cache}
-    POST /begin_weight_update  /end_weight_update {weight_version}
-    POST /init_weights_update_group    {master_address, master_port, rank_offset, world_size,
-                                        group_name, backend}
-    POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache,
-                                            load_format}
-    POST /destroy_weights_update_group {group_name}
-    POST /update_weights_from_disk     {model_path, load_format}
-    POST /release_memory_occupation  /resume_memory_occupation  {tags}  (null or []: all tags)
+    POST /update_weights_from_tensor  /begin_weight_update  /end_weight_update
+    POST /init_weights_update_group  /update_weights_from_distributed  /destroy_weights_update_group
+    POST /update_weights_from_disk  /release_memory_occupation  /resume_memory_occupation
+                                       (`serve_updates`: one at a time, bounded waits)
     POST /flush_cache
     POST /get_weights_by_name          {name, truncate_size}
     (these four also on GET, as SGLang takes them)
@@ -36,29 +31,36 @@ Weight updates answer ``{"success": bool, "message": str}`` (HTTP 200, or 400 on
 SGLang does. An engine without a method (the distributed and disk ones on an older engine) answers
 404 on its route, which `SGLangEngine` reads as "an older server".
 
+Statuses say whose fault an error is (`http_fields.error_status`), so clients and routers retry
+or mark a server down on 5xx only: 4xx for the client's mistakes (400 a bad field or a call that
+does not fit, 401, 403, 404, 405 a method a route does not take, 411 chunked bodies, 413), 503
+when the engine cannot serve now (a dead worker, shut down at SIGTERM, weights or KV cache
+released, out of service, busy past ``update_wait_s``, too many requests), 500 for anything else.
+Every error answer made here carries ``"retryable"`` (true: the same request may succeed later or
+on another server), a streamed ``/generate`` error chunk too. Every answer is JSON, the standard
+library's own refusals (an unknown method, a malformed request line) included.
+
 Safe by default (none of this is SGLang's behaviour, which binds where it is told and takes any
 path): it binds 127.0.0.1 unless given another host; with an API key every request but
 ``/health`` must carry ``Authorization: Bearer KEY`` (401 otherwise, compared in constant time);
 ``update_weights_from_disk`` takes only directories inside ``allowed_disk_dirs`` after resolving
-symlinks (none allowed: every disk update is refused); request bodies are bounded
-(``Content-Length`` required, 413 past ``max_body_bytes``, never read); a request line or body
-that stalls times out; malformed JSON and wrong field types get 400 naming the field; at most
-``max_concurrent`` requests are served at once (503 beyond); and weight updates run one at a
-time: a second one waits up to ``update_wait_s`` for the first to finish, then gets 503, so two
-updates never interleave. ``begin_weight_update`` … ``end_weight_update`` is the engine's one
-session, as in SGLang: a second ``begin`` while one is open is refused.
+symlinks (none allowed: every disk update is refused), and only checkpoints that hold every tensor
+the engine serves; request bodies are bounded (413 past ``max_body_bytes``, never read; a request
+with neither ``Content-Length`` nor chunked encoding has an empty body, as HTTP/1.1 says); a
+request line or body that stalls times out; malformed JSON and wrong field types get 400 naming
+the field; at most ``max_concurrent`` requests are served at once (503 beyond); and weight
+updates run one at a time: one waits up to ``update_wait_s`` to start, then gets 503 and is never
+applied, so two updates never interleave. ``begin_weight_update`` … ``end_weight_update`` is the
+engine's one session, as in SGLang: a second ``begin`` while one is open is refused.
 
 HTTP is the standard library's `ThreadingHTTPServer`: the routes are a dozen JSON calls, and a web
 framework (fastapi + uvicorn) would be a new dependency of the core package for no gain here.
 
 Not here: the command and its flags (`fsdp_sync.cli.serve`), the engine (`engines.reference`), the
-client (`engines.sglang`), the field checks (`http_fields`), the control routes and the health
-answers out of service or paused (`serve_control`), TLS (put a proxy in front, or keep the
-loopback default), tokenization (``text`` prompts are refused: send ``input_ids``).
-
-Why ~600 lines, one module: it is one concept, SGLang's HTTP surface (routes, body limits, auth,
-the one-update-at-a-time rule, dead-engine answers); the /generate body and the client connection
-(`generate_request`), the field checks and the control routes are already apart.
+client (`engines.sglang`), the field checks and error statuses (`http_fields`), the update routes
+(`serve_updates`), the control routes and the health answers out of service or paused
+(`serve_control`), TLS (put a proxy in front, or keep the loopback default), tokenization
+(``text`` prompts are refused: send ``input_ids``).
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .generate_request import ClientWatch, GenerateRefused, parse_generate
-from .http_fields import (Refused, accepted_kwargs, body_field, check_disk_path, str_list_field,
-                          tags_field)
+from .http_fields import Refused, body_field, check_disk_path, error_status, error_text, tags_field
 from .serve_control import ControlRoutes
+from .serve_updates import UpdateRoutes
 
 __all__ = ["EngineServer", "check_disk_path", "DEFAULT_MAX_BODY"]   # check_disk_path: `http_fields`
 
@@ -87,7 +89,7 @@ DEFAULT_MAX_BODY = 32 << 20
 
 # --------------------------------------------------------------------------- the server
 
-class EngineServer(ControlRoutes):
+class EngineServer(ControlRoutes, UpdateRoutes):
     """SGLang's HTTP routes over ``engine`` (see the module docstring). ``start()`` serves in a
     thread; ``close()`` stops serving (the engine is its owner's to shut down)."""
 
@@ -122,6 +124,8 @@ class EngineServer(ControlRoutes):
         self._live: dict[str, threading.Event] = {}     # rid -> abort flag of a running generate
         self._live_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._busy = 0                        # requests being answered (`wait_idle`)
+        self._busy_cond = threading.Condition()
         self.updates_served = 0
         self.hits: Counter[str] = Counter()   # requests per path (auth refusals included)
         outer = self
@@ -138,6 +142,33 @@ class EngineServer(ControlRoutes):
 
             def do_POST(self):  # noqa: N802
                 outer._handle(self, "POST")
+
+            # other methods answer a JSON 405 (known route) or 404, not the stdlib's 501 page
+            def do_PUT(self):  # noqa: N802
+                outer._handle(self, "PUT")
+
+            def do_DELETE(self):  # noqa: N802
+                outer._handle(self, "DELETE")
+
+            def do_PATCH(self):  # noqa: N802
+                outer._handle(self, "PATCH")
+
+            def do_OPTIONS(self):  # noqa: N802
+                outer._handle(self, "OPTIONS")
+
+            def send_error(self, code, message=None, explain=None):
+                """The stdlib's own refusals (a malformed request line, an unknown method such
+                as HEAD) in JSON too, not an HTML page."""
+                data = json.dumps({"success": False, "message": message or explain or
+                                   f"HTTP {int(code)}", "retryable": False}).encode()
+                self.send_response(code, message)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Connection", "close")
+                self.close_connection = True
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if getattr(self, "command", None) != "HEAD" and code >= 200 and code not in (204, 304):
+                    self.wfile.write(data)
 
         self.httpd = ThreadingHTTPServer((host, int(port)), Handler)
         self.httpd.daemon_threads = True
@@ -159,10 +190,17 @@ class EngineServer(ControlRoutes):
         self.httpd.serve_forever(poll_interval=0.2)
 
     def close(self) -> None:
+        """Stop taking connections. Requests being answered go on (`wait_idle` waits for them)."""
         if self._thread is not None:
             self.httpd.shutdown()
             self._thread.join(timeout=10)
         self.httpd.server_close()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no request is being answered (after the engine was shut
+        down, so a request in flight gets its 503 before the process exits); True if none is."""
+        with self._busy_cond:
+            return self._busy_cond.wait_for(lambda: self._busy == 0, timeout=timeout_s)
 
     def __enter__(self) -> "EngineServer":
         return self.start()
@@ -173,11 +211,14 @@ class EngineServer(ControlRoutes):
     # ------------------------------------------------------------------ request plumbing
     def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
         if not self._slots.acquire(blocking=False):
-            self._reply(h, 503, {"success": False, "message": "server busy: too many requests"},
-                        close=True)
+            self._reply(h, 503, {"success": False, "message": "server busy: too many requests",
+                                 "retryable": True}, close=True)
             return
+        with self._busy_cond:
+            self._busy += 1
         try:
             h._body_read = False
+            headers: dict[str, str] = {}
             path = h.path.split("?", 1)[0]
             self.hits[path] += 1
             try:
@@ -186,28 +227,33 @@ class EngineServer(ControlRoutes):
                     if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
                         raise Refused(401, "missing or wrong API key "
                                            "(send 'Authorization: Bearer KEY')")
-                body = self._read_body(h, method)
+                body = self._read_body(h)
                 status, out = self._route(method, path, body, h)
-            except Refused as e:
-                status, out = e.status, {"success": False, "message": str(e)}
-            except Exception as e:  # noqa: BLE001 - an engine error becomes the answer, not a crash
-                log.warning("%s %s failed: %s", method, h.path, e)
-                status, out = 400, {"success": False, "message": f"{type(e).__name__}: {e}"}
+            except Exception as e:  # noqa: BLE001 - an error becomes the answer, not a crash
+                # 4xx: the client's mistake; 5xx: the server's (a router retries those elsewhere)
+                status, retryable = error_status(e)
+                headers = getattr(e, "headers", None) or {}
+                text = error_text(e) if isinstance(e, Refused) else f"{type(e).__name__}: {error_text(e)}"
+                if not isinstance(e, Refused):
+                    (log.warning if status >= 500 else log.info)("%s %s failed: %s", method, h.path, e)
+                out = {"success": False, "message": text, "retryable": retryable}
             # a body left unread (refused before reading) must not be taken for the next request
             unread = not getattr(h, "_body_read", False) and (
                 h.headers.get("Content-Length") not in (None, "0") or h.headers.get("Transfer-Encoding"))
             if status is not None:          # None: the route answered itself (a stream)
-                self._reply(h, status, out, close=bool(unread) or status in (411, 413))
+                self._reply(h, status, out, close=bool(unread) or status in (411, 413),
+                            headers=headers)
         finally:
             self._slots.release()
+            with self._busy_cond:
+                self._busy -= 1
+                self._busy_cond.notify_all()
 
-    def _read_body(self, h: BaseHTTPRequestHandler, method: str) -> dict:
+    def _read_body(self, h: BaseHTTPRequestHandler) -> dict:
         if h.headers.get("Transfer-Encoding"):
             raise Refused(411, "chunked bodies are not accepted; send Content-Length")
         raw_len = h.headers.get("Content-Length")
-        if raw_len is None:
-            if method == "POST":
-                raise Refused(411, "POST needs a Content-Length header")
+        if raw_len is None:     # HTTP/1.1: neither Content-Length nor chunked is an empty body
             return {}
         try:
             n = int(raw_len)
@@ -233,7 +279,8 @@ class EngineServer(ControlRoutes):
         return body
 
     @staticmethod
-    def _reply(h: BaseHTTPRequestHandler, status: int, out: Any, *, close: bool = False) -> None:
+    def _reply(h: BaseHTTPRequestHandler, status: int, out: Any, *, close: bool = False,
+               headers: dict[str, str] | None = None) -> None:
         if isinstance(out, str):
             data, ctype = out.encode(), "text/plain; charset=utf-8"
         else:
@@ -242,6 +289,8 @@ class EngineServer(ControlRoutes):
             h.send_response(status)
             h.send_header("Content-Type", ctype)
             h.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                h.send_header(k, v)
             if close:   # the unread body must not be taken for the next request
                 h.send_header("Connection", "close")
                 h.close_connection = True
@@ -308,20 +357,21 @@ class EngineServer(ControlRoutes):
             **{r: self._no_lora for r in ("/load_lora_adapter", "/load_lora_adapter_from_tensors",
                                           "/unload_lora_adapter")},
         }
+        if path not in get_routes and path not in post_routes:
+            return 404, {"detail": "Not Found"}
         dead = self.dead_reason()
-        if dead is not None and (path in get_routes or path in post_routes):
+        if dead is not None:
             # SGLang's server exits when a scheduler dies; until ours does (`main_serve`), every
             # route, /health and /ready included, says so: a router must stop sending traffic here
-            return 503, {"success": False, "message": f"the engine behind this server is dead: {dead}"}
-        if method == "GET" and path in get_routes:
-            return get_routes[path](body)
-        if path in post_routes:
-            if method != "POST" and path not in self.GET_OR_POST:
-                return 405, {"success": False, "message": f"{path} takes POST"}
+            return 503, {"success": False, "message": f"the engine behind this server is dead: {dead}",
+                         "retryable": True}
+        allowed = ("POST",) if path in post_routes and path not in self.GET_OR_POST else ("GET", "POST")
+        if method not in allowed:
+            raise Refused(405, f"{path} takes {' or '.join(allowed)}, not {method}",
+                          headers={"Allow": ", ".join(allowed)})
+        if path in post_routes and (method == "POST" or path not in get_routes):
             return post_routes[path](body)
-        if path in get_routes:   # SGLang answers these on POST too
-            return get_routes[path](body)
-        return 404, {"detail": "Not Found"}
+        return get_routes[path](body)      # SGLang answers these on POST too
 
     def dead_reason(self) -> str | None:
         """Why the engine can serve nothing more (a worker died, it was shut down), or None."""
@@ -431,21 +481,21 @@ class EngineServer(ControlRoutes):
                     req.prompts, req.sampling, return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len, on_step=on_step,
                     should_abort=lambda k: gone() or events[rids[k // req.n]].is_set())
-            except (ValueError, Refused) as exc:
-                if not req.stream:
-                    raise Refused(400, str(exc)) from None
-                gone.send({"error": {"message": str(exc), "type": "invalid_request_error",
-                                     "code": 400, "retryable": False}})
-                gone.end_stream()
-                return None, None
             except Exception as exc:  # noqa: BLE001 - in a stream the error is a chunk, as SGLang's
                 if not req.stream:
                     refused = self.serving_refusal()     # taken out of service meanwhile
                     if refused is not None:
                         return refused
+                    if isinstance(exc, ValueError):      # SGLang's words, without a type name
+                        raise Refused(400, str(exc)) from None
                     raise
-                gone.send({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error",
-                                     "code": 500, "retryable": False}})
+                # the 200 went out with the stream: the chunk carries the status the answer had had
+                status, retryable = error_status(exc)
+                text = str(exc) if isinstance(exc, (ValueError, Refused)) else \
+                    f"{type(exc).__name__}: {error_text(exc)}"
+                gone.send({"error": {"message": text, "code": status, "retryable": retryable,
+                                     "type": "invalid_request_error" if status < 500 else
+                                     "service_unavailable" if status == 503 else "server_error"}})
                 gone.end_stream()
                 return None, None
             for k, r in enumerate(rs):
@@ -476,138 +526,12 @@ class EngineServer(ControlRoutes):
                 self._live[r].set()
         return 200, {"success": True, "message": f"aborted {len(hit)} request(s)"}
 
-    # ---- updates: one at a time
-    def _locked(self, what: str, fn: Callable[[], Any]) -> tuple[int, Any]:
-        if not self._update_lock.acquire(timeout=self.update_wait_s):
-            raise Refused(503, f"{what}: another weight update is running; waited "
-                               f"{self.update_wait_s:.0f}s, try again")
-        try:
-            answer = fn()
-            self.updates_served += 1
-        finally:
-            self._update_lock.release()
-        if isinstance(answer, tuple) and len(answer) >= 2 and isinstance(answer[0], bool):
-            ok, msg = answer[0], str(answer[1])
-            return (200 if ok else 400), {"success": ok, "message": msg}
-        return 200, {"success": True, "message": f"{what}: ok"}
-
-    def _update(self, method: str, kwargs: dict) -> tuple[int, Any]:
-        fn = self._method(method)
-        return self._locked(method, lambda: fn(**kwargs))
-
     def _method(self, name: str) -> Callable:
         fn = getattr(self.engine, name, None)
         if not callable(fn):
             raise Refused(404, f"this engine has no {name}")
         return fn
 
-    def _update_from_tensor(self, body: dict) -> tuple[int, Any]:
-        from ...weights import handles
-
-        payloads = body_field(body, "serialized_named_tensors", list)
-        load_format = body_field(body, "load_format", (str, type(None)), None)
-        flush = body_field(body, "flush_cache", bool, True)
-        body_field(body, "weight_version", (str, type(None)), None)     # checked before any payload
-        body_field(body, "abort_all_requests", bool, False)             # opens
-        tp = int(self.engine.tp_size)
-        if len(payloads) != tp or not all(isinstance(p, str) for p in payloads):
-            raise Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
-                               f"rank), got {len(payloads)} item(s)")
-        update = self._method("update_weights_from_tensor")
-        if load_format == "flattened_bucket":
-            call = self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
-                                  args=(payloads,))
-            return self._locked("update_weights_from_tensor", call)
-        if load_format not in (None, "direct"):
-            raise Refused(400, f"unknown load_format {load_format!r}; expected null, "
-                               f"'flattened_bucket' or 'direct'")
-
-        # Each payload opens, in this process, to TP rank i's list of (name, tensor): the server
-        # plays SGLang's TP workers here. Every payload is opened (each holds a shared-memory
-        # reference the sender counted on its consumer to take).
-        def call() -> Any:
-            per_rank = []
-            try:
-                for i, p in enumerate(payloads):
-                    per_rank.append(handles.open_payload(p))
-                lists = [r.value for r in per_rank]
-                for i, lst in enumerate(lists):
-                    if not isinstance(lst, list) or not all(
-                            isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
-                            for x in lst):
-                        raise Refused(400, f"payload {i} is not a list of (name, tensor) pairs")
-                names = [n for n, _ in lists[0]]
-                for i, lst in enumerate(lists[1:], 1):
-                    if [n for n, _ in lst] != names:
-                        raise Refused(400, f"payload {i} names other tensors than payload 0")
-                if load_format is None:
-                    named = list(lists[0])
-                else:
-                    named = [(n, [lst[j][1] for lst in lists]) for j, n in enumerate(names)]
-                return self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
-                                      args=(named,))()
-            finally:
-                for r in per_rank:
-                    r.ack()
-
-        return self._locked("update_weights_from_tensor", call)
-
-    def _init_group(self, body: dict) -> tuple[int, Any]:
-        kwargs = {"master_address": body_field(body, "master_address", str),
-                  "master_port": body_field(body, "master_port", int),
-                  "rank_offset": body_field(body, "rank_offset", int),
-                  "world_size": body_field(body, "world_size", int),
-                  "group_name": body_field(body, "group_name", str, "weight_update_group"),
-                  "backend": body_field(body, "backend", str, "gloo")}
-        if not 0 < kwargs["master_port"] < 65536:
-            raise Refused(400, f"master_port must be in 1..65535, got {kwargs['master_port']}")
-        fn = self._method("init_weights_update_group")
-        return self._answer("init_weights_update_group", fn(**accepted_kwargs(fn, kwargs)))
-
-    def _destroy_group(self, body: dict) -> tuple[int, Any]:
-        fn = self._method("destroy_weights_update_group")
-        kwargs = {"group_name": body_field(body, "group_name", str, "weight_update_group")}
-        return self._answer("destroy_weights_update_group", fn(**accepted_kwargs(fn, kwargs)))
-
-    def _update_from_distributed(self, body: dict) -> tuple[int, Any]:
-        names = str_list_field(body, "names")
-        dtypes = str_list_field(body, "dtypes")
-        shapes = body_field(body, "shapes", list)
-        if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool)
-                                               and d >= 0 for d in s) for s in shapes):
-            raise Refused(400, "field 'shapes' must be a list of lists of non-negative ints")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise Refused(400, f"names, dtypes and shapes differ in length: {len(names)}, "
-                               f"{len(dtypes)}, {len(shapes)}")
-        kwargs = {"names": names, "dtypes": dtypes, "shapes": shapes,
-                  "group_name": body_field(body, "group_name", str, "weight_update_group"),
-                  "flush_cache": body_field(body, "flush_cache", bool, True),
-                  "load_format": body_field(body, "load_format", (str, type(None)), None)}
-        fn = self._method("update_weights_from_distributed")
-        return self._locked("update_weights_from_distributed", self.versioned(fn, kwargs, body))
-
-    def _update_from_disk(self, body: dict) -> tuple[int, Any]:
-        real = check_disk_path(body.get("model_path"), self.allowed_disk_dirs)
-        kwargs = {"model_path": str(real),
-                  "load_format": body_field(body, "load_format", (str, type(None)), None)}
-        fn = self._method("update_weights_from_disk")
-        status, out = self._locked("update_weights_from_disk", self.versioned(fn, kwargs, body))
-        out.setdefault("num_paused_requests", 0)
-        return status, out
-
-    def _end_weight_update(self, body: dict) -> tuple[int, Any]:
-        """Commit the session; with ``weight_version`` the engine takes it in the same step."""
-        fn = self._method("end_weight_update")
-        status, out = self._locked("end_weight_update", self.versioned(fn, {}, body))
-        if status == 200 and body.get("weight_version") is not None:
-            out["weight_version"] = self.weight_version     # the client sees it was taken
-        return status, out
-
-    @staticmethod
-    def _answer(what: str, answer: Any) -> tuple[int, Any]:
-        if isinstance(answer, tuple) and len(answer) >= 2 and isinstance(answer[0], bool):
-            return (200 if answer[0] else 400), {"success": answer[0], "message": str(answer[1])}
-        return 200, {"success": True, "message": f"{what}: ok"}
 
     def _flush_cache(self, body: dict) -> tuple[int, Any]:
         self.engine.flush_cache()
@@ -621,7 +545,7 @@ class EngineServer(ControlRoutes):
         try:
             t = self.engine.get_weights_by_name(name, truncate_size=size)
         except KeyError as e:
-            raise Refused(400, str(e)) from None
+            raise Refused(400, error_text(e)) from None
         return 200, t.float().tolist()
 
     def _tensor_checksums(self, body: dict) -> tuple[int, Any]:
@@ -636,4 +560,4 @@ class EngineServer(ControlRoutes):
         try:
             return 200, {"checksums": self.engine.tensor_checksums(names)}
         except KeyError as e:
-            raise Refused(400, str(e)) from None
+            raise Refused(400, error_text(e)) from None

@@ -100,7 +100,7 @@ class ControlRoutes:
         state = getattr(self.engine, "serving_state", None)
         if not isinstance(state, str):
             return None
-        return 503, {"success": False, "message": state, "serving": False}
+        return 503, {"success": False, "message": state, "serving": False, "retryable": True}
 
     def _paused(self) -> str | None:
         mode = getattr(self.engine, "generation_paused", None)
@@ -116,15 +116,21 @@ class ControlRoutes:
         mode = self._paused()
         if mode is not None:
             return 503, {"success": False, "message": f"generation is paused (mode {mode!r}): "
-                                                      f"POST /continue_generation"}
+                                                      f"POST /continue_generation", "retryable": True}
         return 200, ""
 
     def _health_generate(self, body: dict) -> tuple[int, Any]:
+        """200 once one token was generated; 503 naming why not (SGLang's unhealthy answer:
+        weights or KV cache released, a dead worker), never a 4xx: the probe asked nothing wrong."""
         refused = self.serving_refusal()
         if refused is not None:
             return refused
         if self._paused() is None:
-            self.engine.generate([[0]], max_new_tokens=1)
+            try:
+                self.engine.generate([[0]], max_new_tokens=1)
+            except Exception as exc:  # noqa: BLE001 - any failure to generate is unhealthy
+                return 503, {"success": False, "message": f"cannot generate: {type(exc).__name__}: "
+                                                          f"{exc}", "retryable": True}
         return 200, ""
 
     def _get_weight_version(self, body: dict) -> tuple[int, Any]:

@@ -8,7 +8,9 @@ drops them. Every opened payload is acknowledged as soon as its memory is no lon
 update ends, so it is not mapped anew every bucket: `_keep_mapped`). A checkpoint directory
 (``update_weights_from_disk``) is staged the same way: this rank's share of the files is checked
 against the manifest's digests, every tensor's name, dtype and shape is checked from the safetensors
-headers, and only this rank's slices are read (into CPU memory).
+headers, and only this rank's slices are read (into CPU memory); asked for a complete one
+(``complete``, what `fsdp-sync serve` asks), a checkpoint lacking any tensor this rank holds is
+refused.
 
 Every tensor must come in the dtype the engine's layout holds it in (`TPLayout.dtype_of`: the
 rollout dtype, or for a block-FP8 engine float8_e4m3fn weights and float32 ``weight_scale_inv``
@@ -199,6 +201,8 @@ class UpdateStager:
             kind, layout_kind = item[0], item[1]
             if kind == "disk":
                 (self._stage_disk if layout_kind == "hf" else self._stage_disk_ranked)(item[2], writes, seen)
+                if item[2].get("complete"):
+                    self._check_complete(item[2]["dir"], writes)
                 self._maybe_fault()
                 continue
             if kind == "bucket":
@@ -218,7 +222,23 @@ class UpdateStager:
                 seen.add(name)
                 (self._hf_writes if layout_kind == "hf" else self._direct_writes)(name, t, writes)
             self._maybe_fault()
-        return {"writes": len(writes), "bytes_read": self.bytes_read}
+        return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen)}
+
+    def _check_complete(self, directory: str, writes: list[Write]) -> None:
+        """Refuse a checkpoint that lacks a tensor this rank holds: loading it would serve a mix
+        of its weights and the old ones (a tied checkpoint, without ``lm_head.weight``, into an
+        untied engine serves the old head)."""
+        covered = {c for w in writes for c in w.covers}
+        missing = [n for n in self.w.layout.hf_names() if n in self.w.hf_set and n not in covered]
+        if missing:
+            tied = ("; a tied checkpoint (no 'lm_head.weight') cannot load into this untied model"
+                    if "lm_head.weight" in missing else "")
+            shown = ", ".join(repr(n) for n in missing[:3]) + (f" and {len(missing) - 3} more"
+                                                               if len(missing) > 3 else "")
+            raise WorkerError(KIND_UPDATE, f"{directory} lacks {len(missing)} of the {len(self.w.hf_set)} "
+                                           f"tensors TP rank {self.w.rank} holds ({shown}){tied}: a "
+                                           f"partial checkpoint would serve old and new weights "
+                                           f"mixed; nothing was loaded", missing[0])
 
     def _stage_disk(self, spec: dict, writes: list[Write], seen: set[str]) -> None:
         """A checkpoint directory: this rank's share of the files is read once each, hashed as it

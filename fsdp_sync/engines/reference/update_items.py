@@ -1,7 +1,8 @@
 """What a reference engine sends its workers for one update: per-rank work items built from the
-arguments of ``update_weights_from_tensor`` and ``update_weights_from_distributed``, and the
-engine-side check of a distributed call's names, dtypes and shapes (before any worker joins the
-broadcast, so the sender learns at once).
+arguments of ``update_weights_from_tensor``, ``update_weights_from_distributed`` and
+``update_weights_from_disk`` (the checkpoint's files resolved, its ``config.json`` checked against
+the engine's model), and the engine-side check of a distributed call's names, dtypes and shapes
+(before any worker joins the broadcast, so the sender learns at once).
 
 Plain tensors are packed into one flattened bucket per distinct rank list (one shared buffer, one
 handle per rank); payloads given per rank pass through as they are. Every malformed argument is a
@@ -11,7 +12,10 @@ Not here: sending items and deciding commit vs abort (`engine`), opening them (`
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 from typing import Any
 
 import torch
@@ -22,7 +26,7 @@ from ...wire import PER_RANK_BUCKET, flattened_bucket
 from ..base import SerializedPerRank, WeightUpdateError
 from .quant import dtype_refusal, scale_refusal
 
-__all__ = ["build_items", "pack_plain", "distributed_entries", "check_entries"]
+__all__ = ["build_items", "pack_plain", "distributed_entries", "check_entries", "disk_items"]
 
 
 def distributed_entries(names: Any, dtypes: Any, shapes: Any, load_format: str | None) -> list[tuple]:
@@ -160,3 +164,49 @@ def pack_plain(plain: list[list[tuple[str, torch.Tensor]]], kind: str, items: li
         sets.append(ps)
         for r, payload in zip(ranks, ps.payloads):
             items[r].append(("bucket", kind, payload))
+
+
+def disk_items(model_path: Any, load_format: str | None, layout: Any, config: Any, *,
+               complete: bool) -> list[list]:
+    """Per-rank work items of ``update_weights_from_disk``: ``("disk", "hf", spec)`` for a Hugging
+    Face checkpoint (every rank reads every header, checks its share of the files' digests and
+    reads its own slices), ``("disk", "engine", spec)`` for a per-rank one (each rank its own
+    files). ``complete``: a worker refuses the checkpoint unless it holds every tensor of its rank.
+    Raises `CheckpointError` naming the directory, file or config value."""
+    from ...config_check import config_mismatches
+    from ...models import load_config
+    from ...weights.hf_checkpoint import CheckpointError, is_ranked, resolve, resolve_ranked
+
+    tp = layout.tp
+    cfg_path = os.path.join(os.fspath(model_path), "config.json") if isinstance(
+        model_path, (str, os.PathLike)) else None
+    if cfg_path is not None and os.path.isfile(cfg_path):
+        try:
+            theirs = load_config(cfg_path)
+        except Exception as exc:  # noqa: BLE001 - unreadable: the checkpoint's model is unknown
+            raise CheckpointError(f"cannot read {cfg_path}: {type(exc).__name__}: {exc}") from None
+        diff = config_mismatches(theirs, config)
+        if diff:
+            listed = "; ".join(f"{k}: checkpoint {a!r}, engine {b!r}" for k, a, b in diff)
+            raise CheckpointError(f"{cfg_path} describes another model than this engine serves "
+                                  f"({listed}); nothing was loaded")
+    if is_ranked(model_path):
+        if load_format not in (None, "auto", "sharded_state"):
+            raise CheckpointError(f"load_format {load_format!r} does not read a per-rank "
+                                  f"checkpoint; use None or 'sharded_state'")
+        rplan = resolve_ranked(model_path, tp, layout.ep)
+        # as the manifest's JSON holds it (tuples are lists there)
+        mine = json.loads(json.dumps(dataclasses.asdict(layout.spec)))
+        diff = {k: (v, mine.get(k)) for k, v in rplan.model.items() if mine.get(k) != v}
+        if diff or set(rplan.model) != set(mine):
+            raise CheckpointError(f"{rplan.directory} was cut for another model than this "
+                                  f"engine's (checkpoint, engine): {diff}")
+        return [[("disk", "engine", {
+            "dir": rplan.directory, "files": rplan.files[r], "complete": complete,
+            "digests": {f: rplan.digests[f] for f in rplan.files[r]}, "hash": rplan.hash,
+            "names": {f: rplan.names[f] for f in rplan.files[r]}})] for r in range(tp)]
+    plan = resolve(model_path, load_format)
+    return [[("disk", "hf", {
+        "dir": plan.directory, "files": plan.files, "index": plan.index, "complete": complete,
+        "verify": {f: plan.digests[f] for f in plan.files[r::tp] if f in plan.digests},
+        "hash": plan.hash})] for r in range(tp)]

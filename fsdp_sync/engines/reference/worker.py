@@ -35,7 +35,7 @@ import torch
 from ...faultpoint import fault_point
 from ...weights.bucket import unflatten
 from ...weights.layout import rank_digest
-from .errors import KIND_OTHER, KIND_STATE, KIND_UPDATE, WorkerError
+from .errors import KIND_OTHER, KIND_STATE, KIND_UNAVAILABLE, KIND_UPDATE, WorkerError
 from .generation import Decode
 from .quant import engine_layout
 from .regions import MemoryRegions
@@ -100,11 +100,11 @@ class Worker:
     # ----------------------------------------------------------------- serving
     def _require_weights(self) -> None:
         if self.memory.weights_released:
-            raise WorkerError(KIND_STATE, "weights are released; resume_memory_occupation(['weights']) "
+            raise WorkerError(KIND_UNAVAILABLE, "weights are released; resume_memory_occupation(['weights']) "
                                           "and push weights before serving")
         if not self.updates.valid:
             missing = [n for n in self.layout.hf_names() if n in self.hf_set and n not in self.updates.coverage]
-            raise WorkerError(KIND_STATE, f"weights were released without a CPU backup and not all pushed "
+            raise WorkerError(KIND_UNAVAILABLE, f"weights were released without a CPU backup and not all pushed "
                                           f"again: {len(missing)} of {len(self.hf_set)} tensors missing "
                                           f"(e.g. {missing[0]!r})")
 
@@ -141,7 +141,7 @@ class Worker:
         if adds or self.decode.rows:
             self._require_weights()
             if self.memory.kv_released:
-                raise WorkerError(KIND_STATE, "the KV cache is released; call "
+                raise WorkerError(KIND_UNAVAILABLE, "the KV cache is released; call "
                                               "resume_memory_occupation(['kv_cache']) before generating")
         for spec in adds:
             self.decode.add(*spec)

@@ -1,0 +1,214 @@
+"""The weight-update routes of `fsdp-sync serve`, one at a time, each bounded by ``update_wait_s``; a
+mixin of `serve.EngineServer`:
+
+    POST /update_weights_from_tensor   {serialized_named_tensors, load_format, flush_cache}
+    POST /begin_weight_update  /end_weight_update {weight_version}
+    POST /init_weights_update_group    {master_address, master_port, rank_offset, world_size,
+                                        group_name, backend}
+    POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache,
+                                            load_format}
+    POST /destroy_weights_update_group {group_name}
+    POST /update_weights_from_disk     {model_path, load_format}
+    POST /release_memory_occupation  /resume_memory_occupation  {tags}
+
+Each runs holding the server's update lock (`_locked`), so two never interleave. Its wait is
+bounded: a call that cannot start within ``update_wait_s`` (another update holds the lock, or the
+engine is busy: running requests, a group being joined) answers 503 and is never applied later
+(the engine's ``wait_limit``). An answer is ``{"success": bool, "message": str}``, 200 or 400 on
+the engine's refusal, as SGLang's.
+
+Stricter than SGLang, so a served engine never says success for a wrong model:
+``init_weights_update_group`` checks every field before any worker tries to join (a backend the
+engine cannot join, ranks that do not fit ``world_size``, a bad port or address: 400 naming the
+field); ``update_weights_from_disk`` refuses a checkpoint that lacks any tensor the engine holds or
+whose ``config.json`` describes another model (400, old weights kept) and reports the number of
+tensors loaded (``tensors_loaded``).
+
+Not here: the server, its limits and how an error becomes a status (`serve`, `http_fields`), the
+engine's side of each call (`engine`, `group_calls`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from typing import Any, Callable
+
+from .http_fields import Refused, accepted_kwargs, body_field, check_disk_path, str_list_field
+
+__all__ = ["UpdateRoutes"]
+
+
+class UpdateRoutes:
+    """`EngineServer`'s update routes (it provides ``engine``, ``_method``, ``versioned``,
+    ``allowed_disk_dirs``, ``update_wait_s``, ``_update_lock`` and ``weight_version``)."""
+
+    def _locked(self, what: str, fn: Callable[[], Any]) -> tuple[int, Any]:
+        """``fn()`` holding the update lock; 503 (nothing applied) if it cannot start within
+        ``update_wait_s``."""
+        deadline = time.monotonic() + self.update_wait_s
+        if not self._update_lock.acquire(timeout=self.update_wait_s):
+            raise Refused(503, f"{what}: another weight update is running; waited "
+                               f"{self.update_wait_s:g}s (--update-wait-s), try again")
+        try:
+            limit = getattr(self.engine, "wait_limit", None)
+            # the engine's own waits (running requests, a group being joined) end at the deadline
+            # too: past it the call raises, having changed nothing, rather than applying later
+            with (limit(max(0.0, deadline - time.monotonic())) if callable(limit)
+                  else contextlib.nullcontext()):
+                answer = fn()
+            self.updates_served += 1
+        finally:
+            self._update_lock.release()
+        if isinstance(answer, tuple) and len(answer) >= 2 and isinstance(answer[0], bool):
+            ok, msg = answer[0], str(answer[1])
+            return (200 if ok else 400), {"success": ok, "message": msg}
+        return 200, {"success": True, "message": f"{what}: ok"}
+
+    def _update(self, method: str, kwargs: dict) -> tuple[int, Any]:
+        fn = self._method(method)
+        return self._locked(method, lambda: fn(**kwargs))
+
+    def _update_from_tensor(self, body: dict) -> tuple[int, Any]:
+        from ...weights import handles
+
+        payloads = body_field(body, "serialized_named_tensors", list)
+        load_format = body_field(body, "load_format", (str, type(None)), None)
+        flush = body_field(body, "flush_cache", bool, True)
+        body_field(body, "weight_version", (str, type(None)), None)     # checked before any payload
+        body_field(body, "abort_all_requests", bool, False)             # opens
+        tp = int(self.engine.tp_size)
+        if len(payloads) != tp or not all(isinstance(p, str) for p in payloads):
+            raise Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
+                               f"rank), got {len(payloads)} item(s)")
+        update = self._method("update_weights_from_tensor")
+        if load_format == "flattened_bucket":
+            call = self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
+                                  args=(payloads,))
+            return self._locked("update_weights_from_tensor", call)
+        if load_format not in (None, "direct"):
+            raise Refused(400, f"unknown load_format {load_format!r}; expected null, "
+                               f"'flattened_bucket' or 'direct'")
+
+        # Each payload opens, in this process, to TP rank i's list of (name, tensor): the server
+        # plays SGLang's TP workers here. Every payload is opened (each holds a shared-memory
+        # reference the sender counted on its consumer to take).
+        def call() -> Any:
+            per_rank = []
+            try:
+                for i, p in enumerate(payloads):
+                    try:
+                        per_rank.append(handles.open_payload(p))
+                    except Exception as exc:  # noqa: BLE001 - what the client sent cannot be opened
+                        raise Refused(400, f"payload {i}: {type(exc).__name__}: {exc}") from None
+                lists = [r.value for r in per_rank]
+                for i, lst in enumerate(lists):
+                    if not isinstance(lst, list) or not all(
+                            isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
+                            for x in lst):
+                        raise Refused(400, f"payload {i} is not a list of (name, tensor) pairs")
+                names = [n for n, _ in lists[0]]
+                for i, lst in enumerate(lists[1:], 1):
+                    if [n for n, _ in lst] != names:
+                        raise Refused(400, f"payload {i} names other tensors than payload 0")
+                if load_format is None:
+                    named = list(lists[0])
+                else:
+                    named = [(n, [lst[j][1] for lst in lists]) for j, n in enumerate(names)]
+                return self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
+                                      args=(named,))()
+            finally:
+                for r in per_rank:
+                    r.ack()
+
+        return self._locked("update_weights_from_tensor", call)
+
+    def _init_group(self, body: dict) -> tuple[int, Any]:
+        """Every field checked before any worker tries to join: a bad one would otherwise cost a
+        rendezvous timeout (a minute or more) holding the engine."""
+        fn = self._method("init_weights_update_group")
+        address = body_field(body, "master_address", str)
+        port = body_field(body, "master_port", int)
+        offset = body_field(body, "rank_offset", int)
+        world = body_field(body, "world_size", int)
+        group = body_field(body, "group_name", str, "weight_update_group")
+        backend = body_field(body, "backend", str, "gloo")
+        tp = int(self.engine.tp_size)
+        if not 0 < port < 65536:
+            raise Refused(400, f"field 'master_port' must be in 1..65535, got {port}")
+        if offset < 1:
+            raise Refused(400, f"field 'rank_offset' must be >= 1 (rank 0 is the trainer), got {offset}")
+        if world < offset + tp:
+            raise Refused(400, f"field 'world_size' {world} cannot hold this server's {tp} TP "
+                               f"worker(s) as ranks {offset}..{offset + tp - 1} (rank_offset {offset})")
+        if not group:
+            raise Refused(400, "field 'group_name' must not be empty")
+        backends = getattr(self.engine, "update_group_backends", ("nccl", "gloo"))
+        if backend not in backends:
+            device = getattr(self.engine, "device", None)
+            raise Refused(400, f"field 'backend' must be one of {list(backends)} for this "
+                               f"{f'{device} ' if device else ''}engine, got {backend!r}")
+        try:
+            socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise Refused(400, f"field 'master_address': cannot resolve {address!r} ({exc})") from None
+        kwargs = accepted_kwargs(fn, {"master_address": address, "master_port": port,
+                                      "rank_offset": offset, "world_size": world,
+                                      "group_name": group, "backend": backend})
+        return self._locked("init_weights_update_group", lambda: fn(**kwargs))
+
+    def _destroy_group(self, body: dict) -> tuple[int, Any]:
+        fn = self._method("destroy_weights_update_group")
+        kwargs = {"group_name": body_field(body, "group_name", str, "weight_update_group")}
+        return self._locked("destroy_weights_update_group", lambda: fn(**accepted_kwargs(fn, kwargs)))
+
+    def _update_from_distributed(self, body: dict) -> tuple[int, Any]:
+        names = str_list_field(body, "names")
+        dtypes = str_list_field(body, "dtypes")
+        shapes = body_field(body, "shapes", list)
+        if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool)
+                                               and d >= 0 for d in s) for s in shapes):
+            raise Refused(400, "field 'shapes' must be a list of lists of non-negative ints")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise Refused(400, f"names, dtypes and shapes differ in length: {len(names)}, "
+                               f"{len(dtypes)}, {len(shapes)}")
+        kwargs = {"names": names, "dtypes": dtypes, "shapes": shapes,
+                  "group_name": body_field(body, "group_name", str, "weight_update_group"),
+                  "flush_cache": body_field(body, "flush_cache", bool, True),
+                  "load_format": body_field(body, "load_format", (str, type(None)), None)}
+        fn = self._method("update_weights_from_distributed")
+        return self._locked("update_weights_from_distributed", self.versioned(fn, kwargs, body))
+
+    def _update_from_disk(self, body: dict) -> tuple[int, Any]:
+        """A checkpoint must hold every tensor the engine serves (``require_complete``, where the
+        engine takes it): SGLang loads the names present, so a partial directory would serve a
+        mix of old and new weights and still say success."""
+        real = check_disk_path(body.get("model_path"), self.allowed_disk_dirs)
+        kwargs = {"model_path": str(real),
+                  "load_format": body_field(body, "load_format", (str, type(None)), None),
+                  "require_complete": True}
+        fn = self._method("update_weights_from_disk")
+        call = self.versioned(fn, kwargs, body)
+        loaded: list[Any] = []
+
+        def run() -> Any:
+            answer = call()
+            loaded.append(getattr(self.engine, "disk_tensors_loaded", None))   # still holding the lock
+            return answer
+
+        status, out = self._locked("update_weights_from_disk", run)
+        n = loaded[0] if loaded else None
+        if status == 200 and isinstance(n, int) and not isinstance(n, bool):
+            out["message"] = f"Succeeded to update model weights: {n} tensors from {real}"
+            out["tensors_loaded"] = n
+        out.setdefault("num_paused_requests", 0)
+        return status, out
+
+    def _end_weight_update(self, body: dict) -> tuple[int, Any]:
+        """Commit the session; with ``weight_version`` the engine takes it in the same step."""
+        fn = self._method("end_weight_update")
+        status, out = self._locked("end_weight_update", self.versioned(fn, {}, body))
+        if status == 200 and body.get("weight_version") is not None:
+            out["weight_version"] = self.weight_version     # the client sees it was taken
+        return status, out
