@@ -278,6 +278,10 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
             self._sched.close(EngineClosedError("the engine was shut down"))
         with self._lock:
             self._finalizer()
+        if self.device == "cuda" and torch.cuda.is_initialized():
+            # the workers released what they opened: free the CUDA IPC blocks whose counts are now
+            # zero, and with them this process's counter file once none is in use
+            torch.cuda.ipc_collect()
 
     @property
     def closed(self) -> bool:

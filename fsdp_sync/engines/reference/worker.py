@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import gc
 import hashlib
 import math
 import os
@@ -291,6 +292,12 @@ class Worker:
         self.updates.in_update = False
         self.updates.mapped.clear()
         self.model.params, self.memory.kv, self.memory.backup = {}, None, None
+        # storages opened from CUDA IPC handles give their producer's reference counts back when
+        # freed: free them now, before the engine is told this worker is gone (a producer that exits
+        # while a count is up leaves its counter file in /dev/shm)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         if self.group is not None:
             import torch.distributed as dist
 
