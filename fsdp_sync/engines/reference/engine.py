@@ -146,10 +146,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
 
     def gpu_ids(self) -> list[int]:
         """The CUDA device index of each TP worker, as this process numbers them ([] on CPU)."""
-        if self.device != "cuda":
-            return []
-        n = torch.cuda.device_count()
-        return [(self.base_gpu_id + i) % n for i in range(self.tp_size)]
+        n = torch.cuda.device_count() if self.device == "cuda" else 0
+        return [(self.base_gpu_id + i) % n for i in range(self.tp_size)] if n else []
 
     def __init__(self, model_config: Any = "tiny", tp_size: int = 1, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, kv_cache_tokens: int | None = None,
@@ -641,8 +639,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
             self._call("flush_cache")
 
     def reset_peak_memory_stats(self) -> None:
-        """CUDA workers: restart the allocator's peak counters (``max_allocated``/``max_reserved``
-        in `memory_stats`), so a later read gives the peak of what ran in between."""
+        """CUDA workers: restart the allocator's peaks (`memory_stats`' ``max_allocated``/``max_reserved``)."""
         self._per_worker("reset_peak_memory")
 
     def memory_stats(self) -> dict:
