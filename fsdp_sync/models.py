@@ -64,10 +64,20 @@ def load_config(spec: Any = "tiny", **overrides: Any):
         if path.suffix in (".yaml", ".yml"):
             from omegaconf import OmegaConf
 
-            d = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-            d = d.get("model", d)
+            try:
+                d = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+            except Exception as exc:   # noqa: BLE001 - yaml's and omegaconf's many error types
+                raise ValueError(f"{path} is not a YAML recipe: {type(exc).__name__}: "
+                                 f"{' '.join(str(exc).split())}") from None
+            d = d.get("model", d) if isinstance(d, dict) else d
         else:
-            d = json.loads(path.read_text())
+            try:
+                d = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{path} is not a JSON config: {exc}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path} must hold a mapping of config fields (a Hugging Face "
+                             f"config.json), got a {type(d).__name__}")
     for drop in ("architectures", "transformers_version", "_name_or_path"):
         d.pop(drop, None)
     d.update(overrides)

@@ -59,6 +59,11 @@ def test_bench_cli_rows_json_and_plots(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     t = check_targets([dict(r) for r in rows if r["multi_stage"]])
     assert set(t["met"]) == {"speedup", "floor", "memory"}
+    # issue 36 item 9: the table's sizes in a unit that shows a tiny model (its 546 KiB were
+    # "1" in a MiB column), its multi-stage column named so (it was "ms"), nothing cut
+    text = " ".join(proc.stdout.split())
+    assert "…" not in proc.stdout and "multi-stage" in text and "546 KiB" in text, proc.stdout
+    assert "every row: model tiny, params 0.1M, tensors 27, bytes 546 KiB, ranks 2, tp 2" in text, text
 
 
 def test_recipes_load_and_validate():

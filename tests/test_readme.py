@@ -95,3 +95,95 @@ def test_readme_snippet(i):
     r = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=100)
     assert r.returncode == 0, f"{page} block {i} failed:\n{block}\n{r.stderr[-3000:]}"
+
+
+# --------------------------------------------------------------------------- the Layout section
+# Issue 36 item 10: it named fsdp_sync/serve.py and fsdp_sync/sglang_loader.py (neither existed),
+# left `plan` out of cli/ and listed 4 of the 14 model recipes.
+
+_PATH = re.compile(r"(?<![\w/.`-])([\w.-]+(?:/[\w.-]+)*(?:\.py|\.md|\.sh|\.yaml|/))(?![\w/-])")
+
+
+def _layout_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"^## Layout\n+```\n(.*?)^```$", text, re.S | re.M)
+    assert m, "README.md has no ## Layout section with a code block"
+    return m.group(1)
+
+
+def _layout_entries() -> list[tuple[str, Path, list[Path], str]]:
+    """(token, the folder it is read in, the folders of its entry it may also be read in, line):
+    a line at column 0 is read from the repository root; an indented one inside ``fsdp_sync/``;
+    a token may also name a file inside a folder its entry named before it (``engines/ ...
+    reference/ ... serve.py``), on the entry's line or its continuation lines."""
+    out = []
+    context: list[Path] = []
+    for line in _layout_block().splitlines():
+        indent = len(line) - len(line.lstrip())
+        base = ROOT if indent == 0 else ROOT / "fsdp_sync"
+        if indent <= 2:                      # a new entry (continuation lines are indented deeper)
+            context = []
+        for token in _PATH.findall(line):
+            out.append((token, base, list(context), line.strip()))
+            for folder in [base] + context:
+                if token.endswith("/") and (folder / token).is_dir():
+                    context.append(folder / token)
+                    break
+    return out
+
+
+def test_readme_layout_names_only_paths_that_exist():
+    entries = _layout_entries()
+    assert len(entries) > 20, entries
+    missing = [f"{token!r} in {line!r}" for token, base, context, line in entries
+               if not any((folder / token).exists() for folder in [base] + context)]
+    assert not missing, f"README.md's Layout names paths that do not exist: {missing}"
+
+
+def test_readme_layout_lists_every_module_and_package():
+    named = {(base / token).resolve() for token, base, _, _ in _layout_entries()}
+    pkg = ROOT / "fsdp_sync"
+    want = {p.resolve() for p in pkg.glob("*.py")} | {p.resolve() for p in pkg.iterdir()
+                                                       if p.is_dir() and p.name != "__pycache__"}
+    absent = sorted(str(p.relative_to(ROOT.resolve())) for p in want - named)
+    assert not absent, f"README.md's Layout leaves out {absent}"
+
+
+def test_readme_layout_names_every_command_and_model_recipe():
+    from fsdp_sync.cli.app import build_parser
+    from fsdp_sync.models import model_recipes
+
+    block = _layout_block()
+    commands = re.search(r"`fsdp-sync ([^`]*)`", block).group(1)
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert [c.strip() for c in commands.split("|")] == list(sub.choices), commands
+    listed = re.search(r"models/ \(([^)]*)\)", block, re.S).group(1)
+    names = [n.strip() for n in " ".join(listed.split()).split(",")]
+    assert sorted(names) == model_recipes(), (names, model_recipes())
+
+
+def _stated_counts(comment: str) -> list[tuple[str, float, float]]:
+    """(what the comment says, the count it states, how far off it may be): ``139,840
+    parameters`` exactly; ``~0.2M`` / ``1.54 B parameters`` to half its last digit or 1 %."""
+    out = []
+    for digits in re.findall(r"(?<![\d.,])(\d{1,3}(?:,\d{3})+|\d+) parameters", comment):
+        out.append((f"{digits} parameters", float(digits.replace(",", "")), 0.0))
+    for num, unit in re.findall(r"~?(\d+(?:\.\d+)?) ?([MB]) parameters", comment):
+        scale = {"M": 1e6, "B": 1e9}[unit]
+        last = 10 ** -len(num.split(".")[1]) if "." in num else 1
+        value = float(num) * scale
+        out.append((f"{num}{unit} parameters", value, max(last * scale / 2, 0.01 * value)))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "fsdp_sync/recipes/models").glob("*.yaml")))
+def test_model_recipe_comments_state_their_parameter_count(name):
+    """tiny.yaml said about 0.2 M parameters; it has 139,840 (counted on the meta device)."""
+    from fsdp_sync.models import count_params
+    from fsdp_sync.plan import meta_model
+
+    text = (ROOT / "fsdp_sync/recipes/models" / f"{name}.yaml").read_text()
+    comment = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    params = count_params(meta_model(name)[1])[0]
+    for said, value, slack in _stated_counts(comment):
+        assert abs(value - params) <= slack, f"{name}.yaml says {said}; it has {params:,}"

@@ -43,6 +43,7 @@ def test_soak_without_matplotlib_keeps_its_measurement_and_says_what_it_measured
     """Issue 21 items 9 and 12: without matplotlib, soak ran every sync and then died plotting,
     writing no JSON; with --syncs 10 it scaled 10 syncs to "per 1000" and said "target NOT met"."""
     import json
+    import re
     import sys
 
     from fsdp_sync import cli
@@ -60,6 +61,9 @@ def test_soak_without_matplotlib_keeps_its_measurement_and_says_what_it_measured
     assert "measured 3 syncs per method" in text and "run --syncs 1000 to judge it" in text
     assert "target NOT met" not in text and "target met" not in text
     assert "– (<1000)" in text        # 3 syncs are not scaled to "per 1000" in the table
+    # issue 36 item 9: the time per method was a raw dict ({'tensor': 1.2}); now a table
+    assert "{'" not in text and "time per method: 4 steps each" in text, text
+    assert re.search(rf"│ tensor │ {rep['seconds_per_method']['tensor']:.1f} │ [\d.]+ │", text), text
 
 
 def test_temp_dirs_left_behind_count_as_leftovers(tmp_path, monkeypatch):

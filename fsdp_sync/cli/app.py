@@ -81,29 +81,19 @@ def _demo_options(args):
 
 
 def _check_demo(args, given: set[str]) -> None:
-    """Cross-flag checks before anything starts (ValueError names the flags)."""
+    """Cross-flag checks before anything starts (ValueError names the flags): the model (family,
+    TP/EP split, FP8 blocks), its size against this machine's memory, --disk-dir."""
+    from . import demo_check
+
     if args.ranks % args.tp:
         raise ValueError(f"--ranks {args.ranks} must be a multiple of --tp {args.tp} (dp = ranks / tp)")
     ca.check_gpus(args.method, args.device, args.ranks, args.tp)
-    if args.ep > 1:
-        from ..models import load_config
-        from ..weights.layout import layout_for
-
-        try:
-            layout_for(load_config(args.model), args.tp, args.ep)
-        except ValueError as exc:
-            raise ValueError(f"--ep {args.ep}: {exc}") from None
-    if args.quantization != "none":
-        from ..models import load_config
-        from ..weights.fp8 import FP8Layout
-        from ..weights.layout import layout_for
-
-        try:
-            lay = layout_for(load_config(args.model), args.tp, args.ep)
-            FP8Layout(lay.spec, args.tp, args.ep)
-        except ValueError as exc:
-            raise ValueError(f"--quantization {args.quantization} --model {args.model} --tp {args.tp}: "
-                             f"{exc}") from None
+    quant = None if args.quantization == "none" else args.quantization
+    config = demo_check.check_model(args.model, args.tp, args.ep, quant)
+    if args.method == "disk" and args.disk_dir is not None:
+        demo_check.check_disk_dir(args.disk_dir)
+    demo_check.check_fits(args.model, config, ranks=args.ranks, tp=args.tp, method=args.method,
+                          dtype=args.dtype, quantization=quant, device=args.device)
     args.opts = _demo_options(args)
 
 
@@ -190,7 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         subparser = sub.choices[args.command]
         given = ca.explicit_dests(subparser, argv[argv.index(args.command) + 1:])
         try:
-            check(args, given)
+            with ca.quiet_transformers():
+                check(args, given)
         except (ValueError, FileNotFoundError) as exc:
             subparser.error(str(exc))
     return args

@@ -12,12 +12,14 @@ Not here: what the commands do (`demo`, `bench`) or their printing (`cli`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 __all__ = ["Parser", "positive_int", "non_negative_int", "positive_float", "nonnegative_float", "on_off", "csv_of",
-           "device", "dtype_name", "model_spec", "existing_file", "explicit_dests", "DefaultsFormatter"]
+           "device", "dtype_name", "model_spec", "existing_file", "explicit_dests", "DefaultsFormatter",
+           "quiet_transformers"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -209,6 +211,21 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[
         for a, default in saved:
             a.default = default
     return set(vars(ns))
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings off (errors still on) while the flags are checked: a config.json's
+    warnings (``bos_token_id must be ... within the vocabulary``) would turn the one-line error
+    of a refused flag into three lines."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def fail(parser: argparse.ArgumentParser, message: str) -> None:

@@ -452,7 +452,7 @@ def _csv(choices):
 
 
 def add_faults_parser(sub) -> None:
-    import argparse
+    from . import args as ca
 
     p = sub.add_parser(
         "faults", help="run the fault-injection matrix (method × stage × victim × fault)",
@@ -468,12 +468,18 @@ def add_faults_parser(sub) -> None:
                     "--recv-timeout; real runs' defaults are 60 s, 900 s and 60 s). Cells where the "
                     "victim is never reached by construction are listed as n/a. Exit code 1 if any "
                     "cell fails. The injection hook is the FSDP_SYNC_FAULT variable "
-                    "(see fsdp_sync/faults.py).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--methods", type=_csv(METHODS), default=METHODS, help="comma list of " + ",".join(METHODS))
-    p.add_argument("--stages", type=_csv(STAGES), default=STAGES, help="comma list of " + ",".join(STAGES))
-    p.add_argument("--victims", type=_csv(VICTIMS), default=VICTIMS, help="comma list of " + ",".join(VICTIMS))
-    p.add_argument("--faults", type=_csv(FAULTS), default=FAULTS, help="comma list of " + ",".join(FAULTS))
+                    "(see fsdp_sync/faultpoint.py).",
+        formatter_class=ca.DefaultsFormatter)
+    # string defaults: argparse parses them with ``type`` as it parses the flag, and --help
+    # prints them as they are typed
+    p.add_argument("--methods", type=_csv(METHODS), default=",".join(METHODS),
+                   help="comma list of " + ", ".join(METHODS))
+    p.add_argument("--stages", type=_csv(STAGES), default=",".join(STAGES),
+                   help="comma list of " + ", ".join(STAGES))
+    p.add_argument("--victims", type=_csv(VICTIMS), default=",".join(VICTIMS),
+                   help="comma list of " + ", ".join(VICTIMS))
+    p.add_argument("--faults", type=_csv(FAULTS), default=",".join(FAULTS),
+                   help="comma list of " + ", ".join(FAULTS))
     p.add_argument("--pg-timeout", type=float, default=Timeouts.pg_s, help="trainer process-group timeout, s")
     p.add_argument("--call-timeout", type=float, default=Timeouts.call_s, help="engine worker reply timeout, s")
     p.add_argument("--recv-timeout", type=float, default=Timeouts.recv_s,

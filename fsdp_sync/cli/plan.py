@@ -25,7 +25,8 @@ from typing import Any
 from . import args as ca
 from ..topology import cpu_group
 
-__all__ = ["add_plan_parser", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes"]
+__all__ = ["add_plan_parser", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes", "plan_table",
+           "refusals", "split_refusal", "size"]
 
 MiB = 2**20
 
@@ -180,14 +181,38 @@ def plan_recipes() -> list[str]:
     return ca.shipped_sweeps("plan")
 
 
+def split_refusal(model: Any, tp: int, ep: int, quantization: str | None) -> str | None:
+    """Why ``model`` cannot be held by an engine of ``tp`` TP ranks and ``ep`` expert ranks in
+    ``quantization`` (``--ep 2`` on a dense model, heads that ``--tp`` does not divide, an FP8
+    block cut by the split), or None when it can. A row of the sweep, not the sweep: the other
+    combinations still plan."""
+    from ..plan import meta_model
+    from ..weights.fp8 import quantized_layout
+    from ..weights.layout import layout_for
+
+    try:
+        quantized_layout(layout_for(meta_model(model)[0], tp, ep), quantization)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None
+
+
 def plan_rows(sweep: dict, cluster: Any) -> list[dict]:
     """One row per combination of ``sweep``'s lists (a refused plan: a row with ``refused`` and
-    ``suggested_bucket_bytes``)."""
+    ``suggested_bucket_bytes``; a model that this TP/EP split or quantization cannot hold: a row
+    with ``refused`` saying why, `split_refusal`)."""
     from ..plan import PlanError, PlanJob, plan_row
 
     rows = []
     keys = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
     for model, method, layout, mb, ranks, tp, ep, q in itertools.product(*(sweep[k] for k in keys)):
+        why = split_refusal(model, tp, ep, q)
+        if why is not None:
+            rows.append({"plan": True, "model": model, "method": method, "layout": layout,
+                         "bucket_bytes": int(mb * MiB), "ranks": ranks, "tp": tp, "ep": ep,
+                         "quantization": q, "refused": f"tp {tp}, ep {ep}"
+                         + (f", {q}" if q else "") + f": {why}", "suggested_bucket_bytes": None})
+            continue
         reps = sweep.get("replicas")
         job = PlanJob(model, method, layout, int(mb * MiB), sweep["dtype"], q, ranks, sweep["fsdp"], tp, ep,
                       replicas=None if method == "tensor" or not reps else reps,
@@ -344,20 +369,75 @@ def check_plan_args(args, given: set[str]) -> None:
         if t % e:
             raise ValueError(f"--ep {e} must divide --tp {t} (SGLang's rule)")
     from ..plan import meta_model
-    from ..weights.layout import layout_for
 
-    for model, t, e in itertools.product(sweep["models"], sweep["tp"], sweep["ep"]):
+    flag = "--config-json" if args.config_json else "--models"
+    for model in sweep["models"]:
         try:
-            layout_for(meta_model(model)[0], t, e)
-        except (ValueError, OSError) as exc:
-            flag = "--config-json" if args.config_json else "--models"
-            raise ValueError(f"{flag} {model} at --tp {t} --ep {e}: {exc}") from None
+            meta_model(model)
+        except (ValueError, TypeError, OSError) as exc:
+            raise ValueError(f"{flag} {model}: {exc}") from None
+    # a combination the model cannot split into is a refused row; a sweep of nothing else is
+    # refused here, before --cluster this-machine spends seconds measuring
+    refused = []
+    for model, t, e, q in itertools.product(sweep["models"], sweep["tp"], sweep["ep"], sweep["quantization"]):
+        why = split_refusal(model, t, e, q)
+        if why is None:
+            break
+        refused.append(f"{flag} {model} at --tp {t} --ep {e}" + (f" --quantization {q}" if q else "")
+                       + f": {why}")
+    else:
+        raise ValueError(refused[0] + (f" (and {len(refused) - 1} more: every combination "
+                                       f"is refused)" if len(refused) > 1 else ""))
     args.sweep = sweep
+
+
+def size(n: float) -> str:
+    """Bytes in the unit that shows them: 3 figures in GiB, MiB or KiB (a tiny model's kilobytes
+    are not 0.00 GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:.{0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2}f} {unit}"
+    return f"{int(n)} B"
+
+
+def refusals(rows: list[dict]) -> list[str]:
+    """The reasons of the refused rows, each once, in the order of the rows."""
+    return list(dict.fromkeys(r["refused"] for r in rows if r.get("refused")))
+
+
+def plan_table(rows: list[dict]) -> Any:
+    """The rich table of `plan_rows`'s rows: a refused row names its reason, `refusals`, which
+    follow the table."""
+    from rich.table import Table
+
+    reasons = refusals(rows)
+    table = Table(title="weight sync plan: bytes exact, memory a bound, seconds an estimate")
+    cols = ("method", "layout", "model", "sent", "ranks", "tp", "bucket MiB", "buckets", "calls",
+            "engine rank in", "trainer rank in", "budget trainer / engine", "free trainer / engine",
+            "est. s", "slowest phase")
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        name = Path(str(r["model"])).stem if "/" in str(r["model"]) else str(r["model"])
+        tp = str(r["tp"]) + (f" ep{r['ep']}" if r["ep"] > 1 else "")
+        if r.get("refused"):
+            table.add_row(r["method"], r["layout"], name, "-", str(r["ranks"]), tp,
+                          f"{r['bucket_bytes'] / MiB:g}", "-", "-", "-", "-", "-", "-", "[red]refused[/]",
+                          f"why: ({reasons.index(r['refused']) + 1}) below")
+            continue
+        slow = max(r["phases"], key=lambda p: p["seconds"])
+        table.add_row(r["method"], r["layout"], name, size(r["bytes"]), str(r["ranks"]), tp,
+                      f"{r['bucket_bytes'] / MiB:g}", str(r["buckets"]), str(r["engine_calls"]),
+                      size(r["engine_rank_bytes_in"]), size(r.get("trainer_rank_bytes_in") or 0),
+                      f"{size(r['memory_budget_bytes'])} / {size(r['engine_memory_budget_bytes'])}",
+                      f"{size(r['trainer_memory_free_bytes'])} / {size(r['engine_memory_free_bytes'])}",
+                      f"{r['seconds']:.3f}", f"{slow['what']} ({slow['link']})")
+    return table
 
 
 def cmd_plan(args) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from ..plan import load_cluster
 
@@ -382,29 +462,10 @@ def cmd_plan(args) -> int:
                   + (f"; {c.cores} cores, first touch {c.touch_gbps:.1f}, map {c.map_gbps:.1f}, "
                      f"trainer collectives {c.collective_gbps:.2f} GB/s" if c.cores else "")
                   + f" ({len(rows)} plans in {took:.1f} s)")
-    table = Table(title="weight sync plan: bytes exact, memory a bound, seconds an estimate")
-    cols = ("method", "layout", "model", "GiB sent", "ranks", "tp", "bucket MiB", "buckets", "calls",
-            "engine rank in GiB", "trainer rank in GiB", "budget GiB trainer / engine", "free GiB trainer / engine", "est. s", "slowest phase")
-    for col in cols:
-        table.add_column(col, justify="right")
-    for r in rows:
-        name = Path(str(r["model"])).stem if "/" in str(r["model"]) else str(r["model"])
-        if r.get("refused"):
-            table.add_row(r["method"], r["layout"], name, "-", str(r["ranks"]), str(r["tp"]),
-                          f"{r['bucket_bytes'] / MiB:g}", "-", "-", "-", "-", "-", "-", "[red]refused[/]", "-")
-            continue
-        slow = max(r["phases"], key=lambda p: p["seconds"])
-        table.add_row(r["method"], r["layout"], name, f"{r['bytes'] / 2**30:.2f}", str(r["ranks"]),
-                      str(r["tp"]) + (f" ep{r['ep']}" if r["ep"] > 1 else ""), f"{r['bucket_bytes'] / MiB:g}",
-                      str(r["buckets"]), str(r["engine_calls"]), f"{r['engine_rank_bytes_in'] / 2**30:.2f}",
-                      f"{(r.get('trainer_rank_bytes_in') or 0) / 2**30:.2f}",
-                      f"{r['memory_budget_bytes'] / 2**30:.2f} / {r['engine_memory_budget_bytes'] / 2**30:.2f}",
-                      f"{r['trainer_memory_free_bytes'] / 2**30:.1f} / {r['engine_memory_free_bytes'] / 2**30:.1f}",
-                      f"{r['seconds']:.3f}", f"{slow['what']} ({slow['link']})")
-    console.print(table)
+    console.print(plan_table(rows))
     refused = [r for r in rows if r.get("refused")]
-    for r in refused:
-        console.print(f"[red]refused[/]: {r['refused']}")
+    for i, why in enumerate(refusals(rows), 1):
+        console.print(f"[red]refused[/] ({i}): {why}")
     if args.save_cluster:
         Path(args.save_cluster).parent.mkdir(parents=True, exist_ok=True)
         Path(args.save_cluster).write_text(json.dumps(cluster.to_dict(), indent=1))

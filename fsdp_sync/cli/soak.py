@@ -266,8 +266,6 @@ def plot_report(rep: dict, png: str) -> str | None:
 
 
 def add_soak_parser(sub) -> None:
-    import argparse
-
     from . import args as ca
 
     p = sub.add_parser(
@@ -278,7 +276,7 @@ def add_soak_parser(sub) -> None:
                     "ranks, engine workers) and their /dev/shm segments, plots them (--png) and "
                     "prints the growth after the warm-up. Target: RSS growth <= 1 MiB per process "
                     "per 1000 syncs, no growth in fds, threads or segments; exit code 1 otherwise.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=ca.DefaultsFormatter)
     p.add_argument("--syncs", type=ca.positive_int, default=1000,
                    help="measured syncs per method (run after the warm-up)")
     p.add_argument("--methods", default="tensor,distributed,disk",
@@ -295,6 +293,21 @@ def add_soak_parser(sub) -> None:
                    help="trace the trainer ranks' Python allocations from the warm-up on and report "
                         "what grew (slower; tells Python-level growth from native)")
     p.set_defaults(run=cmd_soak)
+
+
+def time_table(rep: dict) -> Any:
+    """How long each method's loop took (its warm-up and measured steps, each a training step and
+    a sync; the control: a training step alone), and the whole run's wall time."""
+    from rich.table import Table
+
+    steps = rep["warmup"] + rep["syncs"]
+    table = Table(title=f"time per method: {steps} steps each (training step + sync)",
+                  caption=f"wall {rep['wall_s']} s, process start and engine included")
+    for col in ("method", "seconds", "ms per step"):
+        table.add_column(col, justify="right")
+    for method, secs in rep["seconds_per_method"].items():
+        table.add_row(method, f"{secs:.1f}", f"{secs / steps * 1e3:.1f}" if steps else "-")
+    return table
 
 
 def cmd_soak(args) -> int:
@@ -338,7 +351,7 @@ def cmd_soak(args) -> int:
             for site in t["top"][:3]:
                 console.print(f"   {site['bytes'] / 2**10:+.1f} KiB {site['blocks']:+d} blocks  "
                               + " <- ".join(reversed(site["where"][-3:])))
-    console.print(f"seconds per method: {rep['seconds_per_method']}; wall {rep['wall_s']} s")
+    console.print(time_table(rep))
     # the measurement is kept before anything that can fail for want of a package (the plot)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

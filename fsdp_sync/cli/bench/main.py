@@ -530,15 +530,29 @@ def spec_from_args(args, given: set[str] | None = None) -> BenchSpec:
 def check_bench_args(args, given: set[str]) -> None:
     """Cross-flag checks before anything starts (ValueError names the flags); keeps the spec."""
     args.spec = spec_from_args(args, given)
-    if any(e > 1 for e in args.spec.ep):
-        from ...models import load_config
-        from ...weights.layout import layout_for
+    from ...models import load_config
+    from ...weights.fp8 import quantized_layout
+    from ...weights.layout import ModelSpec, TPLayout
 
-        for model, t, e in itertools.product(args.spec.models, args.spec.tp, args.spec.ep):
+    for model in args.spec.models:
+        try:
+            spec = ModelSpec.from_config(load_config(model))     # a family the engine knows
+        except (ValueError, TypeError, OSError) as exc:
+            raise ValueError(f"--models {model}: {exc}") from None
+        for t, e in itertools.product(args.spec.tp, args.spec.ep):
             try:
-                layout_for(load_config(model), t, e)   # an MoE model whose experts split this way
+                TPLayout(spec, t)
+            except ValueError as exc:
+                raise ValueError(f"--models {model} --tp {t}: {exc}") from None
+            try:
+                lay = TPLayout(spec, t, e)               # an MoE model whose experts split this way
             except ValueError as exc:
                 raise ValueError(f"--ep {e}: {exc}") from None
+            for q in args.spec.quantization:
+                try:
+                    quantized_layout(lay, q)             # FP8: whole 128 blocks on every rank
+                except ValueError as exc:
+                    raise ValueError(f"--quantization {q} --models {model} --tp {t}: {exc}") from None
     if args.spec.device == "cuda":
         from ..args import device
 
@@ -549,33 +563,19 @@ def cmd_bench(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from .table import bench_table
+
     console = Console(width=None if sys.stdout.isatty() else 180)
     spec = getattr(args, "spec", None) or spec_from_args(args)
     console.print(f"[bold]fsdp-sync bench[/]: {len(spec.jobs())} jobs; models {', '.join(spec.models)}; "
                   f"strategies {', '.join(spec.strategies)}; buckets {', '.join(f'{b:g}' for b in spec.bucket_mb)} MiB")
     result = run_bench(spec)
-    table = Table(title="weight sync: median seconds beside floor and per_tensor baseline")
-    cols = ("strategy", "model", "params", "tensors", "MiB", "bucket MiB", "ranks", "tp", "ms", "shm",
-            "seconds", "floor s", "× floor", "× copy", "baseline s", "speedup", "peak extra MiB", "budget MiB (engine)")
-    for c in cols:
-        table.add_column(c, justify="right")
     for r in result["rows"]:
         if r.get("skipped"):
             console.print(f"{r['method']}: skipped ({r['skipped']})")
-            continue
-        table.add_row(r["strategy"] + (f" ({r['layout']})" if r.get("layout") else ""), r["model"], f"{r['params'] / 1e6:.1f}M", str(r["tensors"]),
-                      f"{r['bytes'] / MiB:.0f}", f"{r['bucket_bytes'] / MiB:g}", str(r["ranks"]),
-                      str(r["tp"]) + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""),
-                      "on" if r["multi_stage"] else "off", "yes" if r.get("share_host_memory") else "no",
-                      f"{r['seconds']:.3f}", f"{r['floor_seconds']:.3f}",
-                      f"{r['seconds'] / r['floor_seconds']:.2f}",
-                      f"{r['ratio_to_copy']:.2f}" if r.get("ratio_to_copy") else "-",
-                      f"{r['baseline_seconds']:.3f}" if r["baseline_seconds"] else "-",
-                      f"{r['speedup_vs_baseline']:.1f}×" if r["speedup_vs_baseline"] else "-",
-                      f"{r['peak_extra_bytes'] / MiB:.0f}" + (" [red]OVER[/]" if r.get("over_budget") else ""),
-                      f"{r['memory_budget_bytes'] / MiB:.0f}" + (
-                          f" / {r['engine_memory_budget_bytes'] / MiB:.0f}" if "engine_memory_budget_bytes" in r
-                          else ""))
+    table = bench_table(result["rows"])
+    if not sys.stdout.isatty():     # a log or a file: as wide as the table, nothing folded
+        console.width = max(console.width, console.measure(table).maximum)
     console.print(table)
     over = [r for r in result["rows"] if r.get("over_budget")]
     if over:

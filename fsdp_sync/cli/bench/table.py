@@ -1,0 +1,80 @@
+"""The table ``fsdp-sync bench`` prints: one line per measured row, each figure beside its floor,
+baseline and memory budget.
+
+What every row of the sweep shares (the model, its size, ranks, TP, bucket size, multi-stage,
+...) goes to the caption under the table, so the columns left are what tells the rows apart and
+fit a terminal. Every row's strategy (``disk:checkpoint (engine, fp8)``) is printed whole at any
+width. Sizes are in the unit that shows them (a tiny model's kilobytes are not ``0`` MiB).
+
+Not here: measuring the rows (`main`, `methods`), the targets (`targets`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..plan import size
+
+__all__ = ["bench_table", "row_label", "COLUMNS"]
+
+MiB = 2**20
+
+
+def row_label(r: dict) -> str:
+    """``strategy (layout, fp8)``: what tells one row of a sweep from another of the same model."""
+    tags = [t for t in (r.get("layout"), r.get("quantization")) if t]
+    return r["strategy"] + (f" ({', '.join(tags)})" if tags else "")
+
+
+def _budget(r: dict) -> str:
+    return size(r["memory_budget_bytes"]) + (
+        f" / {size(r['engine_memory_budget_bytes'])}" if "engine_memory_budget_bytes" in r else "")
+
+
+# (header, cell, shared: printed in the caption when every row has the same value)
+COLUMNS: list[tuple[str, Callable[[dict], str], bool]] = [
+    ("strategy", row_label, False),
+    ("model", lambda r: str(r["model"]), True),
+    ("params", lambda r: f"{r['params'] / 1e6:.1f}M", True),
+    ("tensors", lambda r: str(r["tensors"]), True),
+    ("bytes", lambda r: size(r["bytes"]), True),
+    ("bucket MiB", lambda r: f"{r['bucket_bytes'] / MiB:g}", True),
+    ("ranks", lambda r: str(r["ranks"]), True),
+    ("tp", lambda r: str(r["tp"]) + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""), True),
+    ("multi-stage", lambda r: "on" if r["multi_stage"] else "off", True),
+    ("shared host memory", lambda r: "yes" if r.get("share_host_memory") else "no", True),
+    ("seconds", lambda r: f"{r['seconds']:.3f}", False),
+    ("floor s", lambda r: f"{r['floor_seconds']:.3f}", False),
+    ("× floor", lambda r: f"{r['seconds'] / r['floor_seconds']:.2f}", False),
+    ("× copy", lambda r: f"{r['ratio_to_copy']:.2f}" if r.get("ratio_to_copy") else "-", False),
+    ("baseline s", lambda r: f"{r['baseline_seconds']:.3f}" if r["baseline_seconds"] else "-", False),
+    ("speedup", lambda r: f"{r['speedup_vs_baseline']:.1f}×" if r["speedup_vs_baseline"] else "-", False),
+    ("peak extra", lambda r: size(r["peak_extra_bytes"]) + (" [red]OVER[/]" if r.get("over_budget") else ""),
+     False),
+    ("budget (engine)", _budget, False),
+]
+
+
+def bench_table(rows: list[dict]) -> Any:
+    """The rich table of the measured rows (``skipped`` rows are left out: the command names
+    them); the columns every row agrees on move to its caption. Nothing is cut: a column too
+    narrow for the terminal folds its text onto the next line."""
+    from rich.table import Table
+
+    rows = [r for r in rows if not r.get("skipped")]
+    cells = [[cell(r) for _, cell, _ in COLUMNS] for r in rows]
+    shared = {i for i, (_, _, movable) in enumerate(COLUMNS)
+              if movable and rows and len({c[i] for c in cells}) == 1}
+    caption = ", ".join(f"{COLUMNS[i][0]} {cells[0][i]}" for i in sorted(shared))
+    table = Table(title="weight sync: median seconds beside floor and per_tensor baseline",
+                  caption=f"every row: {caption}" if caption else None)
+    for i, (header, _, _) in enumerate(COLUMNS):
+        if i in shared:
+            continue
+        if header in ("strategy", "model"):
+            table.add_column(header, no_wrap=True)        # never cut: they name the row
+        else:
+            table.add_column(header, justify="right", overflow="fold")
+    for c in cells:
+        table.add_row(*(v for i, v in enumerate(c) if i not in shared))
+    return table
