@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,24 @@ def test_torchrun_example():
     assert r.returncode == 0, r.stdout[-4000:]
     steps = [line for line in r.stdout.splitlines() if "engine == trainer" in line]
     assert [s.split(":")[0] for s in steps] == ["step 0", "step 1"], r.stdout[-4000:]
+
+
+@pytest.mark.timeout(260)
+def test_torchrun_distributed_example():
+    """Issue 36 item 1: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True in every rank) trainer
+    rank 0 never hosted the update group's store; the sync waited out the timeouts. The example
+    checks the engine's weights against the trainer's bit for bit after every sync."""
+    t0 = time.monotonic()
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              str(EXAMPLES / "torchrun_rollout.py"), "--method", "distributed", "--steps", "2"],
+             env=_env(), timeout=240)      # 44 s on 2 idle cores; 143 s at load 11
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-4000:]
+    steps = [line for line in r.stdout.splitlines() if "engine == trainer" in line]
+    assert [s.split(":")[0] for s in steps] == ["step 0", "step 1"], r.stdout[-4000:]
+    ms = [float(s.split(" bytes in ")[1].split(" ms")[0]) for s in steps]
+    print(f"torchrun --method distributed: {wall:.1f} s in all, syncs {ms} ms")
+    assert ms[0] < 30_000, ms          # the first sync makes the group: seconds, not timeouts
 
 
 @pytest.mark.timeout(150)
