@@ -122,3 +122,57 @@ def test_accelerate_launch_example():
     steps = [line for line in r.stdout.splitlines() if "engine == trainer" in line]
     assert [s.split(":")[0] for s in steps] == ["step 0", "step 1"], r.stdout[-4000:]
     assert all("(FSDPQwen2ForCausalLM)" in s for s in steps), steps    # really FSDP2
+
+
+OWNER = """
+import time
+from fsdp_sync.engines import ReferenceEngine
+
+engine = ReferenceEngine(model_config="tiny", tp_size=1)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_trees_forkserver_dir_goes_and_live_ones_stay():
+    """Issue 36: Ray SIGKILLs a worker with its children at shutdown. With its engine's workers
+    forked from multiprocessing's forkserver, the worker's anonymous pymp-* directory (the
+    forkserver's socket) stayed in /tmp, one per worker, and could not be told from a live
+    process's. It is now named after its owner, and a process removes a dead owner's before it
+    starts a forkserver; a live owner's and anything not ours stay."""
+    import shutil
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="fst", dir="/tmp"))    # short: AF_UNIX paths
+    env = _env({"TMPDIR": str(tmp_path), "FSDP_SYNC_WORKERS_START": "forkserver"})
+
+    def owner() -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", OWNER], cwd=tmp_path, env=env, text=True,
+                             stdout=subprocess.PIPE, start_new_session=True)
+        assert p.stdout.readline().strip() == "ready"
+        return p
+
+    def pymp() -> list[str]:
+        return sorted(d for d in os.listdir(tmp_path) if d.startswith("pymp"))
+
+    started: list = []
+    try:
+        started += [owner(), owner()]
+        killed, live = started
+        mine = {p.pid: [d for d in pymp() if d.startswith(f"{procs.TEMP_DIR_PREFIX}{p.pid}-")] for p in started}
+        assert [len(v) for v in mine.values()] == [1, 1], pymp()
+        (tmp_path / "pymp-notours").mkdir()
+        os.killpg(killed.pid, 9)                  # the owner with its forkserver and worker
+        killed.wait(30)
+        assert mine[killed.pid][0] in pymp()     # a killed tree removes nothing itself
+        # what the next process does before it starts a forkserver (procs.claim_temp_dir)
+        assert procs.remove_dead_temp_dirs(str(tmp_path)) == [str(tmp_path / mine[killed.pid][0])]
+        assert pymp() == sorted([mine[live.pid][0], "pymp-notours"]), pymp()
+    finally:
+        for p in started:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+            p.wait(30)
+            p.stdout.close()
+        shutil.rmtree(tmp_path)
