@@ -2,11 +2,18 @@
 engine inside ``with manager:``, roll out, and check the engine against the trainer.
 
     torchrun --nproc_per_node 2 examples/torchrun_rollout.py --steps 3
+    torchrun --standalone --nproc_per_node 2 examples/torchrun_rollout.py --method distributed
 
-Runs on CPU (gloo) or GPUs (NCCL), with any even number of ranks: the ranks form a
-("dp", "infer_tp") mesh of world/2 x 2, and infer-TP rank 0 of each group owns a `ReferenceEngine`
-(swap in `fsdp_sync.engines.sglang.SGLangEngine` for SGLang). The engine starts its own worker
-processes; they do not inherit torchrun's rank environment.
+``--method tensor`` (default, colocated): runs on CPU (gloo) or GPUs (NCCL), with any even number
+of ranks: the ranks form a ("dp", "infer_tp") mesh of world/2 x 2, and infer-TP rank 0 of each
+group owns a `ReferenceEngine` (swap in `fsdp_sync.engines.sglang.SGLangEngine` for SGLang).
+
+``--method distributed`` (disaggregated, the README's example under torchrun): trainer rank 0 alone
+owns the engine and broadcasts each bucket to its workers over the weight-update group; every rank
+sends its prompts to rank 0, which rolls them out. CPU only here (the engine's workers would take
+the trainer ranks' GPUs; on GPUs give the engine devices of its own).
+
+The engine starts its own worker processes; they do not inherit torchrun's rank environment.
 """
 
 import argparse
@@ -28,9 +35,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--method", choices=["tensor", "distributed"], default="tensor")
     args = ap.parse_args()
+    distributed = args.method == "distributed"
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not distributed
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
@@ -49,12 +58,15 @@ def main() -> None:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    mesh = make_mesh(dp=world // args.tp, infer_tp=args.tp, device_type=device)
-    engine = (ReferenceEngine(model_config=config, tp_size=args.tp, device=device)
-              if mesh["infer_tp"].get_local_rank() == 0 else None)
-    manager = FSDPShardingManager(model, engine, mesh=mesh,
-                                  config=SyncConfig(strategy="flattened", bucket_bytes=512 << 20))
-    tp_src, tp_group = manager.topo.tp_ranks[0], manager.topo.tp_group
+    if not distributed:     # colocated: one engine per infer-TP group, on its infer-TP rank 0
+        mesh = make_mesh(dp=world // args.tp, infer_tp=args.tp, device_type=device)
+        holder = mesh["infer_tp"].get_local_rank() == 0
+        sync = SyncConfig(strategy="flattened", bucket_bytes=512 << 20)
+    else:                   # disaggregated: the engine on trainer rank 0 only, no mesh
+        mesh, holder = None, rank == 0
+        sync = SyncConfig(method="distributed", bucket_bytes=512 << 20)
+    engine = ReferenceEngine(model_config=config, tp_size=args.tp, device=device) if holder else None
+    manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync)
 
     try:
         for step in range(args.steps):
@@ -67,14 +79,24 @@ def main() -> None:
 
             prompts = torch.randint(0, config.vocab_size, (2, 8), generator=g)
             with manager:                                   # resume weights -> sync -> resume kv_cache
-                batch = manager.preprocess_data({"input_ids": prompts})   # the TP group's prompts
-                out = [None]
-                if engine is not None:
-                    out = [engine.generate(input_ids=batch["input_ids"].tolist(), max_new_tokens=8,
-                                           ignore_eos=True)]
-                dist.broadcast_object_list(out, src=tp_src, group=tp_group)
-                batch["responses"] = torch.tensor(out[0])
-                batch = manager.postprocess_data(batch)      # this rank's prompts again
+                if not distributed:
+                    batch = manager.preprocess_data({"input_ids": prompts})   # the TP group's prompts
+                    out = [None]
+                    if engine is not None:
+                        out = [engine.generate(input_ids=batch["input_ids"].tolist(), max_new_tokens=8,
+                                               ignore_eos=True)]
+                    dist.broadcast_object_list(out, src=manager.topo.tp_src, group=manager.topo.tp_group)
+                    batch["responses"] = torch.tensor(out[0])
+                    batch = manager.postprocess_data(batch)      # this rank's prompts again
+                else:               # trainer rank 0 rolls out every rank's prompts
+                    every: list = [None] * world
+                    dist.all_gather_object(every, prompts.tolist())
+                    out = [None]
+                    if engine is not None:
+                        out = [engine.generate(input_ids=[p for ps in every for p in ps],
+                                               max_new_tokens=8, ignore_eos=True)]
+                    dist.broadcast_object_list(out, src=0)
+                    batch = {"input_ids": prompts, "responses": torch.tensor(out[0][2 * rank:2 * rank + 2])}
 
                 # check: the engine holds the trainer's weights bit for bit and computes its logits
                 trainer_sum = checksum_named_tensors(export.iter_params(model))   # collective
@@ -90,6 +112,7 @@ def main() -> None:
                       f"{manager.stats.seconds * 1e3:.0f} ms  engine == trainer  "
                       f"responses {batch['responses'][0].tolist()}", flush=True)
     finally:
+        manager.close()         # distributed: destroys the weight-update group
         if engine is not None:
             engine.shutdown()
         dist.destroy_process_group()

@@ -318,14 +318,14 @@ class FSDPShardingManager:
                 errors.append(exc)
         if collective:
             mine = errors[0] if errors else (
-                None if original is None else
-                f"{type(original).__name__} inside the with block: {original}")
+                None if original is None else f"{type(original).__name__}{_INSIDE}: {original}")
             try:
                 self._agree(mine, what="exit")
             except SyncError as exc:
                 if original is None:
                     raise
-                errors = [exc]
+                if not _only_passed_on(exc):   # some rank's restoring failed: say so with ours
+                    errors = [exc]
         if errors and original is None:
             raise errors[0]
         for err in errors:
@@ -419,7 +419,9 @@ class FSDPShardingManager:
         if dist.is_initialized():
             agree(err, what=what)
         elif err is not None:
-            raise SyncError(f"{what} failed: {err}")
+            exc = SyncError(f"{what} failed: {err}")
+            exc.failures = {0: f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else str(err)}
+            raise exc
 
     def _sync_weights(self) -> None:
         targets = self._targets()
@@ -664,6 +666,16 @@ class FSDPShardingManager:
         transport, self.transport = getattr(self, "transport", None), None
         if transport is not None:
             transport.close()
+
+
+_INSIDE = " inside the with block"
+
+
+def _only_passed_on(exc: SyncError) -> bool:
+    """Whether every rank that failed the exit's `agree` only passed on an exception raised inside
+    its ``with`` block (``"<Type> inside the with block: ..."``; a failed exit stage reads
+    ``"<Type>: ..."``): then restoring went well everywhere, and that exception is all there is."""
+    return bool(exc.failures) and all(m.split(": ", 1)[0].endswith(_INSIDE) for m in exc.failures.values())
 
 
 _open: "weakref.WeakSet[FSDPShardingManager]" = weakref.WeakSet()

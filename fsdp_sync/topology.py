@@ -3,8 +3,9 @@
 It names this rank's dp and infer-TP coordinates, the infer-TP group, and the global rank of that
 group's infer-TP rank 0 (the only rank that holds an engine handle and calls the engine). The
 collectives the sync needs are here: `gather_to_src` (payloads to infer-TP rank 0 with
-``gather_object``), `broadcast_from_src`, and `agree` (every rank learns whether any rank failed,
-so no rank waits forever in a later collective).
+``gather_object``), `broadcast_from_src`, `agree` (every rank learns whether any rank failed,
+so no rank waits forever in a later collective) and `agree_after_rank0` (the same after work that
+only group rank 0 does, however long it takes).
 
 Objects, agreement flags and barriers run on `cpu_group`: the group itself where it has a CPU
 backend (gloo, ``"cpu:gloo,cuda:nccl"``), else a gloo group over the same ranks, made once by its
@@ -18,21 +19,26 @@ collective takes the topology it runs on.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "SyncError",
-           "cpu_group", "has_cpu_backend"]
+__all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "agree_after_rank0",
+           "SyncError", "cpu_group", "has_cpu_backend"]
 
 DIMS = ("dp", "infer_tp")
 
 
 class SyncError(RuntimeError):
-    """A sync failed on some rank; raised on every rank with the same message."""
+    """A sync failed on some rank; raised on every rank with the same message.
+
+    ``failures``: what each failing rank passed to `agree`, by its rank in the group."""
+
+    failures: dict[int, str] = {}
 
 
 def make_mesh(dp: int, infer_tp: int, device_type: str = "cpu") -> DeviceMesh:
@@ -182,5 +188,54 @@ def agree(error: str | BaseException | None, group: Any = None, *, what: str = "
     first = next(r for r, m in enumerate(msgs) if m is not None)
     others = [r for r, m in enumerate(msgs) if m is not None and r != first]
     suffix = f" ({who}s {others} failed too)" if others else ""
-    raise SyncError(f"{what} failed on {who} {first}{suffix}: {msgs[first]}") from (
-        error if isinstance(error, BaseException) else None)
+    exc = SyncError(f"{what} failed on {who} {first}{suffix}: {msgs[first]}")
+    exc.failures = {r: m for r, m in enumerate(msgs) if m is not None}
+    raise exc from (error if isinstance(error, BaseException) else None)
+
+
+def agree_after_rank0(work: Callable[[], str | None], group: Any = None, *, what: str,
+                      round_s: float = 1.0) -> None:
+    """Run ``work()`` on group rank 0 of ``group`` and raise one `SyncError` on every rank if it
+    failed (it returns an error text, or raises), however long it takes.
+
+    Why not rank 0 working while the others wait in `agree`: their collective is bounded by the
+    group's timeout, rank 0's work (a rendezvous with engines, bounded by ``dist_timeout_s``) is
+    not, and a collective that times out raises a raw backend error, a different one on each rank.
+    Here rank 0 works in a thread and tells the others, every ``round_s`` (far inside any group
+    timeout) and at once when it is done, whether it is still working: one small broadcast a round."""
+    if not dist.is_initialized():
+        err = _run_caught(work)
+        if err is not None:
+            raise SyncError(f"{what} failed: {err}")
+        return
+    if dist.get_world_size(group) == 1:
+        agree(_run_caught(work), group, what=what)
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    flags = cpu_group(group)                     # a CPU flag: the group's own where it has CPU
+    out: list = [None]
+    thread = None
+    if dist.get_rank(group) == 0:
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+        def run() -> None:
+            if cuda is not None:
+                torch.cuda.set_device(cuda)      # the device is per thread
+            out[0] = _run_caught(work)
+
+        thread = threading.Thread(target=run, name="fsdp_sync-rank0-work", daemon=True)
+        thread.start()
+    done = torch.zeros(1, dtype=torch.int64)
+    while not int(done.item()):
+        if thread is not None:
+            thread.join(round_s)
+            done.fill_(0 if thread.is_alive() else 1)
+        dist.broadcast(done, src=src, group=flags)
+    agree(out[0], group, what=what)
+
+
+def _run_caught(work: Callable[[], str | None]) -> str | None:
+    try:
+        return work()
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it through `agree`
+        return f"{type(exc).__name__}: {exc}"

@@ -92,13 +92,17 @@ def new_update_group(*, backend: str, master_address: str, master_port: int, wor
     ``timeout_s`` bounds the rendezvous and every collective on the group (a receive that waits
     longer fails). SGLang's own engines use 30 minutes, not settable."""
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                    _world, rendezvous)
+                                                    _world)
 
     if not group_name:
         raise ValueError("the update group's name must not be empty")
     timeout = datetime.timedelta(seconds=float(timeout_s))
-    init_method = f"tcp://{master_address}:{int(master_port)}"
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    # The store that SGLang's ``rendezvous("tcp://...")`` makes, made here directly: rank 0 hosts
+    # it. torch's tcp:// handler makes every rank a client when the process's environment has
+    # TORCHELASTIC_USE_AGENT_STORE=True (torchrun, accelerate launch set it for the trainer's own
+    # group), and then nobody hosts this group's store: every rank waited out the timeout.
+    store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout,
+                          multi_tenant=True)
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,

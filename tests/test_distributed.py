@@ -432,3 +432,74 @@ def test_distributed_into_a_shut_down_engine_fails_at_once():
     assert res["error"] is not None and "the engine was shut down" in res["error"], res
     assert "init_weights_update_group" in res["error"], res
     assert res["seconds"] < 12, res           # 10% of dist_timeout_s=120; the disk method: 0.1 s
+
+
+# --------------------------------------------------------------------------- a slow rendezvous
+
+def _slow_rendezvous(rank, world, servers, timeouts):
+    """Per served engine (each stalls in its first join): one sync with that dist_timeout_s."""
+    from _remote import RemoteEngine
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.cli.trainer import wrap_fsdp
+
+    torch.set_num_threads(1)
+    module = wrap_fsdp(build_model(load_config("tiny"), seed=3), 2)
+    out = []
+    for (address, authkey), timeout in zip(servers, timeouts):
+        engine = RemoteEngine(address, authkey) if rank == 0 else None
+        manager = FSDPShardingManager(module, engine, config=SyncConfig(
+            method="distributed", dtype=torch.float32, dist_timeout_s=timeout))
+        t0 = time.monotonic()
+        try:
+            with manager:
+                pass
+            rec = {"error": None, "trainer": checksum_named_tensors(_exported(module, torch.float32).items())}
+        except SyncError as exc:
+            rec = {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - what the test must not see
+            rec = {"error": f"not a SyncError: {type(exc).__name__}: {exc}"}
+        rec["seconds"] = time.monotonic() - t0
+        out.append(rec)
+        manager.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_a_rendezvous_longer_than_the_trainer_groups_timeout(monkeypatch):
+    """Issue 36 item 1: trainer rank 0 makes the update group (bounded by dist_timeout_s) while the
+    other ranks waited in one collective bounded by the trainer group's timeout: a slower
+    rendezvous gave them a raw gloo timeout, and rank 0 another error later. Each engine here
+    joins 12 s late, the trainer group's timeout is 5 s: with dist_timeout_s=40 the sync succeeds,
+    with 6 it fails with one SyncError, the same on both ranks, naming the stage."""
+    from _remote import EngineServer
+
+    from fsdp_sync.models import load_config
+
+    monkeypatch.setenv("FSDP_SYNC_FAULT", "worker:0:join_group:stall")
+    monkeypatch.setenv("FSDP_SYNC_FAULT_STALL_S", "12")
+    engines = [_engine(load_config("tiny"), 1, torch.float32, update_recv_timeout_s=5.0) for _ in range(2)]
+    monkeypatch.delenv("FSDP_SYNC_FAULT")
+    servers = [EngineServer(e) for e in engines]
+    try:
+        results = run_ranks(_slow_rendezvous, 2, [(s.address, s.authkey) for s in servers], [40, 6],
+                            timeout_s=120, pg_timeout_s=5, env=spawn_env())
+        ok, failed = [r[0] for r in results], [r[1] for r in results]
+        assert [r["error"] for r in ok] == [None, None], ok
+        assert ok[0]["seconds"] > 10, ok            # the rendezvous did outlast the group's timeout
+        assert engines[0].weights_checksum() == ok[0]["trainer"] == ok[1]["trainer"]
+        assert failed[0]["error"] == failed[1]["error"], failed
+        err = failed[0]["error"]
+        assert err.startswith("distributed weight sync failed on rank 0: opening the weight update on "
+                              "trainer rank 0:"), err
+        assert "making the weight-update group 'weight_update_group'" in err, err
+        assert "not every engine TP worker joined within dist_timeout_s=6s" in err, err
+        assert all(5 < r["seconds"] < 20 for r in failed), failed
+    finally:
+        for s in servers:
+            s.close()
+        for e in engines:
+            e.shutdown()

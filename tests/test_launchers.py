@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,24 @@ def test_torchrun_example():
     assert [s.split(":")[0] for s in steps] == ["step 0", "step 1"], r.stdout[-4000:]
 
 
+@pytest.mark.timeout(260)
+def test_torchrun_distributed_example():
+    """Issue 36 item 1: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True in every rank) trainer
+    rank 0 never hosted the update group's store; the sync waited out the timeouts. The example
+    checks the engine's weights against the trainer's bit for bit after every sync."""
+    t0 = time.monotonic()
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              str(EXAMPLES / "torchrun_rollout.py"), "--method", "distributed", "--steps", "2"],
+             env=_env(), timeout=240)      # 44 s on 2 idle cores; 143 s at load 11
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-4000:]
+    steps = [line for line in r.stdout.splitlines() if "engine == trainer" in line]
+    assert [s.split(":")[0] for s in steps] == ["step 0", "step 1"], r.stdout[-4000:]
+    ms = [float(s.split(" bytes in ")[1].split(" ms")[0]) for s in steps]
+    print(f"torchrun --method distributed: {wall:.1f} s in all, syncs {ms} ms")
+    assert ms[0] < 30_000, ms          # the first sync makes the group: seconds, not timeouts
+
+
 @pytest.mark.timeout(150)
 def test_accelerate_launch_example():
     pytest.importorskip("accelerate", reason="the `accelerate` extra (pip install -e '.[accelerate]')")
@@ -103,3 +122,57 @@ def test_accelerate_launch_example():
     steps = [line for line in r.stdout.splitlines() if "engine == trainer" in line]
     assert [s.split(":")[0] for s in steps] == ["step 0", "step 1"], r.stdout[-4000:]
     assert all("(FSDPQwen2ForCausalLM)" in s for s in steps), steps    # really FSDP2
+
+
+OWNER = """
+import time
+from fsdp_sync.engines import ReferenceEngine
+
+engine = ReferenceEngine(model_config="tiny", tp_size=1)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_trees_forkserver_dir_goes_and_live_ones_stay():
+    """Issue 36: Ray SIGKILLs a worker with its children at shutdown. With its engine's workers
+    forked from multiprocessing's forkserver, the worker's anonymous pymp-* directory (the
+    forkserver's socket) stayed in /tmp, one per worker, and could not be told from a live
+    process's. It is now named after its owner, and a process removes a dead owner's before it
+    starts a forkserver; a live owner's and anything not ours stay."""
+    import shutil
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="fst", dir="/tmp"))    # short: AF_UNIX paths
+    env = _env({"TMPDIR": str(tmp_path), "FSDP_SYNC_WORKERS_START": "forkserver"})
+
+    def owner() -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", OWNER], cwd=tmp_path, env=env, text=True,
+                             stdout=subprocess.PIPE, start_new_session=True)
+        assert p.stdout.readline().strip() == "ready"
+        return p
+
+    def pymp() -> list[str]:
+        return sorted(d for d in os.listdir(tmp_path) if d.startswith("pymp"))
+
+    started: list = []
+    try:
+        started += [owner(), owner()]
+        killed, live = started
+        mine = {p.pid: [d for d in pymp() if d.startswith(f"{procs.TEMP_DIR_PREFIX}{p.pid}-")] for p in started}
+        assert [len(v) for v in mine.values()] == [1, 1], pymp()
+        (tmp_path / "pymp-notours").mkdir()
+        os.killpg(killed.pid, 9)                  # the owner with its forkserver and worker
+        killed.wait(30)
+        assert mine[killed.pid][0] in pymp()     # a killed tree removes nothing itself
+        # what the next process does before it starts a forkserver (procs.claim_temp_dir)
+        assert procs.remove_dead_temp_dirs(str(tmp_path)) == [str(tmp_path / mine[killed.pid][0])]
+        assert pymp() == sorted([mine[live.pid][0], "pymp-notours"]), pymp()
+    finally:
+        for p in started:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+            p.wait(30)
+            p.stdout.close()
+        shutil.rmtree(tmp_path)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -19,7 +20,9 @@ def _job(rank, world):
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncError, SyncTopology, make_mesh
-    from fsdp_sync.cli.trainer import wrap_fsdp
+    from fsdp_sync.cli.trainer import synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.weights import export
 
     torch.set_num_threads(1)
     cfg = load_config("tiny")
@@ -51,6 +54,11 @@ def _job(rank, world):
                 out["keys_error"] = None
             except ValueError as exc:
                 out["keys_error"] = str(exc).split(" (rank")[0]
+        # what the manager logs from here on (issue 36 item 6: a false "restoring ... failed too")
+        records: list = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append
+        logging.getLogger("fsdp_sync").addHandler(handler)
         # item 4: an exception inside the block on rank 1 only: rank 1's wins there, rank 0 raises
         try:
             with FSDPShardingManager(module, engine, mesh=mesh, config=SyncConfig(dtype=torch.float32)):
@@ -59,6 +67,34 @@ def _job(rank, world):
             out["one_rank_exc"] = None
         except (SyncError, KeyError) as exc:
             out["one_rank_exc"] = type(exc).__name__ + ": " + str(exc)
+            out["one_rank_notes"] = getattr(exc, "__notes__", [])
+        # issue 36 item 6: a user's exception on every rank, restoring fine everywhere: it comes
+        # out unchanged (no note, nothing logged), training mode is back, and the next with syncs
+        manager = FSDPShardingManager(module, engine, mesh=mesh, config=SyncConfig(dtype=torch.float32))
+        module.train()
+        bug = RuntimeError("user bug in rollout")
+        try:
+            with manager:
+                raise bug
+        except RuntimeError as exc:
+            out["user_exc"] = {"same": exc is bug, "notes": getattr(exc, "__notes__", []),
+                               "training": module.training}
+        train_step(module, torch.optim.SGD(module.parameters(), lr=0.1),
+                   synthetic_batch(cfg.vocab_size, step=1, rank=rank))
+        with manager:
+            trainer = checksum_named_tensors(export.iter_params(module, dtype=torch.float32))
+            out["next_sync"] = engine is None or engine.weights_checksum() == trainer
+        # ... but a restoring that does fail (restore_rng on rank 0) is told with the user's exception
+        os.environ["FSDP_SYNC_FAULT"] = "trainer:0:restore_rng:raise"
+        try:
+            with manager:
+                raise ValueError("user bug 2")
+        except ValueError as exc:
+            out["restore_failed_notes"] = getattr(exc, "__notes__", [])
+        finally:
+            del os.environ["FSDP_SYNC_FAULT"]
+        logging.getLogger("fsdp_sync").removeHandler(handler)
+        out["logged"] = [r.getMessage() for r in records]
         # item 4: a worker dies during the rollout: the same SyncError on every rank at exit
         try:
             with FSDPShardingManager(module, engine, mesh=mesh, config=SyncConfig(dtype=torch.float32)):
@@ -93,6 +129,15 @@ def test_uneven_batches_and_exit_agree_across_ranks():
     assert r1["one_rank_exc"] == "KeyError: 'only on rank 1'"
     assert r0["one_rank_exc"].startswith("SyncError: exit failed on rank 1")
     assert "only on rank 1" in r0["one_rank_exc"]
+    assert r1["one_rank_notes"] == [], r1          # restoring went well: nothing to add
+    for r in (r0, r1):
+        assert r["user_exc"] == {"same": True, "notes": [], "training": True}, r["user_exc"]
+        assert r["next_sync"] is True
+        (note,) = r["restore_failed_notes"]
+        assert note.startswith("while restoring after it: SyncError: exit failed on rank 0"), note
+        assert "InjectedFault: injected fault: trainer 0 at restore_rng" in note, note
+        assert [m.startswith("fsdp_sync: restoring after ValueError failed too: exit failed on rank 0")
+                for m in r["logged"]] == [True], r["logged"]     # the user's bug logged nothing
     assert r0["worker_died"] is not None and r0["worker_died"] == r1["worker_died"]
     assert "WorkerDiedError" in r0["worker_died"] and "TP rank 1" in r0["worker_died"]
     assert r0["after"] == r1["after"] == 2.0

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from ..engines.reference.procs import forkserver_usable
+from ..engines.reference.procs import claim_temp_dir, forkserver_usable
 from ..wire import free_port
 
 __all__ = ["run_ranks", "RankError", "spawn_env", "PRELOAD"]
@@ -46,6 +46,7 @@ def _context():
         how = "spawn"   # e.g. a TMPDIR too long for the server's socket
     ctx = mp.get_context(how)
     if how == "forkserver":
+        claim_temp_dir()        # a named pymp dir, removable once this process is gone
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
 

@@ -60,7 +60,7 @@ from .. import fleet
 from ..weights import export, quantize, reshard
 from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
 from ..weights.layout import TPLayout, engine_ep_size, layout_for
-from ..topology import SyncError, cpu_group, agree
+from ..topology import SyncError, agree, agree_after_rank0, cpu_group
 from . import SyncContext, SyncStats
 from ..wire import PER_RANK_BUCKET, destroy_update_group, free_port, new_update_group, per_rank_bucket_plan
 
@@ -190,13 +190,17 @@ class DistributedTransport:
                                f"{address}:{port} (world size {world}, engines' TP sizes {tps}) "
                                f"failed: {exc}") from exc.__cause__
         except Exception as exc:
-            errs = [f.exception() for f in futures if f.done() and f.exception() is not None]
+            errs = [f"an engine said: {f.exception()}" for f in futures
+                    if f.done() and f.exception() is not None]
             if "already been created" in str(exc):
                 errs.append(f"a group named {cfg.dist_group_name!r} exists in this process already: "
                             f"close() the manager that made it, or give this one another dist_group_name")
+            elif isinstance(exc, dist.DistStoreError):
+                errs.append(f"not every engine TP worker joined within dist_timeout_s="
+                            f"{cfg.dist_timeout_s}s; each must reach {address}:{port}")
             raise RuntimeError(f"making the weight-update group {cfg.dist_group_name!r} at "
                                f"{address}:{port} (world size {world}, engines' TP sizes {tps}) "
-                               f"failed: {exc}" + (f"; an engine said: {errs[0]}" if errs else "")) from exc
+                               f"failed: {exc}" + (f"; {errs[0]}" if errs else "")) from exc
         for i, f in enumerate(futures):
             try:
                 _check_answer(f.result(timeout=cfg.dist_timeout_s), f"engine {i} init_weights_update_group")
@@ -292,9 +296,9 @@ class DistributedTransport:
         stats.extra["pipelined"] = False    # per-rank buckets only (the full path always overlaps)
         # pure, the same on every rank; per-rank buckets plan over the engine's own parameters
         plan = plan_tight(metas, cfg.bucket_bytes) if layout is None else []
-        err: Any = None
         self._quant = None
-        if me == 0:
+
+        def open_update() -> str | None:     # trainer rank 0; the others wait with it
             try:
                 for b in plan:
                     check_tight(b)
@@ -304,8 +308,11 @@ class DistributedTransport:
                     if hasattr(e, "begin_weight_update"):
                         _begin(e)
             except Exception as exc:  # noqa: BLE001 - every trainer rank must hear of it
-                err = f"opening the weight update on trainer rank 0: {type(exc).__name__}: {exc}"
-        _agree(err, group, "distributed weight sync")
+                return f"opening the weight update on trainer rank 0: {type(exc).__name__}: {exc}"
+            return None
+
+        # the rendezvous may take up to dist_timeout_s, longer than the trainer group's timeout
+        agree_after_rank0(open_update, group, what="distributed weight sync")
         ok = False
         try:
             if layout is None:

@@ -32,6 +32,11 @@ imported torch once (`PRELOAD`): a worker then starts in a fraction of a second 
 seconds of imports, which adds up over a test run that starts hundreds. The child takes the same
 environment (`worker_env`) and ``sys.path``. Only for a caller whose ``__main__`` is guarded (the
 forkserver's children import it, as spawn's do); a daemonic process falls back to a fresh interpreter.
+The forkserver's socket lives in a multiprocessing temp directory, which a process removes when it
+exits but not when it is killed with its children (Ray SIGKILLs a worker's tree at shutdown), and
+an anonymous ``pymp-*`` cannot be told from a live process's: `claim_temp_dir` names it
+``pymp-fs<pid>-*``, and `remove_dead_temp_dirs` removes those whose owner is gone. (A fresh
+interpreter, the default, makes no such directory.)
 
 Not here: what a worker does (`worker`), or talking to it (`engine`).
 """
@@ -48,7 +53,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Mapping
 
 __all__ = ["WorkerSet", "signame", "WorkerProcess", "start", "worker_env", "launcher_env_names", "LAUNCHER_ENV",
-           "LAUNCHER_ENV_PREFIXES", "PRELOAD", "forkserver_usable"]
+           "LAUNCHER_ENV_PREFIXES", "PRELOAD", "forkserver_usable", "claim_temp_dir",
+           "remove_dead_temp_dirs", "TEMP_DIR_PREFIX"]
 
 PRELOAD = ["torch", "torch.distributed", "fsdp_sync.engines.reference.worker"]
 """What the forkserver imports once (``FSDP_SYNC_WORKERS_START=forkserver``)."""
@@ -194,8 +200,70 @@ def forkserver_usable() -> bool:
     import tempfile
 
     # a daemonic process may not have children; a long TMPDIR would pass AF_UNIX's 107 bytes
-    # with the server's socket (TMPDIR/pymp-*/listener-*)
+    # with the server's socket (TMPDIR/pymp-fs<pid>-*/listener-*: 60 + 42)
     return not mp.current_process().daemon and len(tempfile.gettempdir()) <= 60
+
+
+TEMP_DIR_PREFIX = "pymp-fs"
+"""`claim_temp_dir`'s directories: ``pymp-fs<owner pid>-<random>`` in the temp directory."""
+
+
+def claim_temp_dir() -> str:
+    """This process's multiprocessing temp directory (its forkserver's socket goes there), made now
+    as ``pymp-fs<pid>-*`` unless it has one already; dead owners' are removed first
+    (`remove_dead_temp_dirs`). Called before this process starts a forkserver."""
+    import multiprocessing.process as mp_process
+    import multiprocessing.util as mp_util
+    import shutil
+    import tempfile
+
+    config = mp_process.current_process()._config      # where multiprocessing.util keeps it
+    if config.get("tempdir") is None:
+        remove_dead_temp_dirs()
+        path = tempfile.mkdtemp(prefix=f"{TEMP_DIR_PREFIX}{os.getpid()}-")
+
+        def remove(rmtree=shutil.rmtree) -> None:      # as multiprocessing.util does for its own
+            rmtree(path, ignore_errors=True)
+            if mp_process.current_process() is not None:
+                mp_process.current_process()._config["tempdir"] = None
+
+        mp_util.Finalize(None, remove, exitpriority=-100)
+        config["tempdir"] = path
+    return config["tempdir"]
+
+
+def remove_dead_temp_dirs(root: str | None = None) -> list[str]:
+    """Remove, in ``root`` (default: the temp directory), this user's `claim_temp_dir` directories
+    whose owner pid no longer runs and in which no live process has a socket bound (a forked child
+    shares its parent's); returns what was removed. Other ``pymp-*`` directories are not touched:
+    their owners cannot be told, and removing a live process's breaks its next forkserver."""
+    import glob
+    import re
+    import shutil
+    import stat
+    import tempfile
+
+    import psutil
+
+    removed: list[str] = []
+    bound: set[str] | None = None
+    for path in glob.glob(os.path.join(root or tempfile.gettempdir(), TEMP_DIR_PREFIX + "*")):
+        m = re.fullmatch(re.escape(TEMP_DIR_PREFIX) + r"(\d+)-\w+", os.path.basename(path))
+        try:
+            st = os.lstat(path)
+            if m is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() \
+                    or psutil.pid_exists(int(m.group(1))):
+                continue                # not ours, or its owner (or a process with its pid) runs
+            if bound is None:
+                bound = {os.path.dirname(c.laddr) for c in psutil.net_connections("unix")
+                         if isinstance(c.laddr, str) and c.laddr}
+            if path in bound:
+                continue
+            shutil.rmtree(path)
+            removed.append(path)
+        except (OSError, psutil.Error):
+            continue                    # gone meanwhile, or not allowed to look: keep it
+    return removed
 
 
 def _forked(conn: Connection, path: list, env: dict, target: str, blob: bytes) -> None:
@@ -214,6 +282,7 @@ def _start_forked(target: str, args: tuple, name: str, env: Mapping[str, str] | 
     lifecycle methods and ``sentinel`` `WorkerProcess` offers."""
     import multiprocessing as mp
 
+    claim_temp_dir()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     blob = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
