@@ -14,6 +14,8 @@ Not here: sharding the model (callers wrap it with FSDP) or loading weights.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import json
 import os
@@ -85,14 +87,15 @@ def load_config(spec: Any = "tiny", **overrides: Any):
 
 
 def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> torch.nn.Module:
+                device: str | torch.device | None = None) -> torch.nn.Module:
     """A randomly initialized causal LM for ``config``: identical on every process for one seed
     (and one device kind). ``device="cuda"`` allocates and initializes on the GPU: a 7B model
-    is built in seconds there, against minutes of single-threaded CPU initialization."""
+    is built in seconds there, against minutes of single-threaded CPU initialization. None: the
+    ambient default device (a ``with torch.device("meta"):`` block, or the CPU)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device(device) if device is not None else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = 0
     return model

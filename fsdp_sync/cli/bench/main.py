@@ -236,7 +236,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
 
     torch.set_num_threads(1)
     cfg = load_config(job.model)
-    model = build_model(cfg, seed=0, device="cuda" if job.device == "cuda" else "cpu")
+    model = build_model(cfg, seed=0, device="cuda" if job.device == "cuda" else None)
     params, tensors = count_params(model)
     model = wrap_fsdp(model, 2, device=job.device)
     # before the engine takes its memory: two model-sized buffers for a moment
