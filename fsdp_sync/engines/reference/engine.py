@@ -86,6 +86,7 @@ from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError,
 from . import procs, quant
 from ...config import parse_dtype
 from .group_calls import UpdateGroupCalls
+from .lora_calls import LoRACalls
 from .readback import WeightReadback
 from .rollout import GenerationCalls
 from .scheduler import Scheduler, check_version
@@ -97,7 +98,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
 
-class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
+class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback, LoRACalls):
     """A TP rollout engine in worker processes. See the module docstring.
 
     Args:
@@ -133,6 +134,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
         base_gpu_id: the first GPU of the workers, as SGLang's ``--base-gpu-id``: a disaggregated
             engine beside trainer ranks on GPUs 0..n-1 starts at n (NCCL refuses one GPU on both
             ends of the weight-update group).
+        max_lora_rank, lora_target_modules: bound the LoRA adapters the engine loads (SGLang's
+            server arguments; `lora_calls`): None takes any rank / any of `lora.TARGETS`.
     """
 
     accepts_tagged_payloads = True
@@ -159,8 +162,14 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
                  startup_timeout_s: float = 180.0, call_timeout_s: float | None = 900.0,
                  use_memory_saver: bool = True, transactional_updates: bool = True,
                  update_recv_timeout_s: float = 60.0, ep_size: int = 1, quantization: str | None = None,
-                 base_gpu_id: int = 0):
+                 base_gpu_id: int = 0, max_lora_rank: int | None = None,
+                 lora_target_modules: Sequence[str] | None = None):
         given = dtype
+        if max_lora_rank is not None and (isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int)
+                                          or max_lora_rank < 1):
+            raise ValueError(f"max_lora_rank must be an int >= 1 or None, got {max_lora_rank!r}")
+        self.max_lora_rank = max_lora_rank
+        self.lora_target_modules = None if lora_target_modules is None else tuple(lora_target_modules)
         try:    # the names SyncConfig takes ("bf16", "bfloat16", ...) as well as torch dtypes
             dtype = parse_dtype(dtype, "dtype") if dtype is not None else None
         except ValueError:
