@@ -31,6 +31,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from . import lora_sync
 from .weights import quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
@@ -63,7 +64,7 @@ class FSDPShardingManager:
     """
 
     def __init__(self, module: torch.nn.Module, engine: Any, *, mesh=None,
-                 config: SyncConfig | Mapping[str, Any] | None = None):
+                 config: SyncConfig | Mapping[str, Any] | None = None, peft_config: Any = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be the torch.nn.Module being trained (FSDP2, FSDP1 or "
                             f"plain), got {type(module).__name__} {module!r:.60}")
@@ -74,6 +75,10 @@ class FSDPShardingManager:
                             f"{type(config).__name__} {config!r:.60}")
         self.module = module
         self.config = config or SyncConfig()
+        self.peft_config = peft_config       # lora="adapter" without a peft model: its config dict
+        self.base_sync_done = False           # lora="adapter": False makes the next sync send the base
+        self._lora_base: dict[int, Any] = {}  # lora="adapter": engine id -> its base weight_version
+        lora_sync.check_mode(module, self.config)
         if mesh is None and self.config.method == "tensor":
             raise ValueError("method='tensor' needs mesh= (a ('dp', 'infer_tp') DeviceMesh, see make_mesh); "
                              "only 'distributed' and 'disk' run without one")
@@ -271,14 +276,16 @@ class FSDPShardingManager:
         self._set_rng(self._gen_rng)
 
     def _resume(self, tags: list[str] | None) -> None:
-        if self.config.free_cache_engine and self.transport.colocated:
+        tags = lora_sync.memory_tags(self.config, tags)   # lora="adapter": the KV cache only
+        if tags != [] and self.config.free_cache_engine and self.transport.colocated:
             for engine in self.engines:
                 engine.resume_memory_occupation(tags=tags)
 
     def _release(self) -> None:
+        tags = lora_sync.memory_tags(self.config, ["kv_cache", "weights"])
         if self.config.free_cache_engine and self.transport.colocated:
             for engine in self.engines:
-                engine.release_memory_occupation(tags=["kv_cache", "weights"])
+                engine.release_memory_occupation(tags=tags)
 
     def _offload_params(self) -> None:
         if not self.config.offload_params:
@@ -422,6 +429,21 @@ class FSDPShardingManager:
             raise SyncError(f"{what} failed: {err}")
 
     def _sync_weights(self) -> None:
+        """lora="adapter": the base once (and whenever ``base_sync_done`` is set False), then the
+        adapter alone, every sync (`lora_sync.sync_adapter`); otherwise every weight."""
+        full = self.config.lora != "adapter" or not self.base_sync_done
+        if full:
+            self._sync_full()
+        if self.config.lora == "adapter":
+            base, self.base_sync_done = self.stats, True
+            self._lora_base = self._lora_base if not full else {id(e): getattr(e, "weight_version", None)
+                                                                  for e in self.engines}
+            self.stats = lora_sync.sync_adapter(self.module, self.config, self.engines, self.peft_config,
+                                                self._lora_base, self._agree)
+            self.step += int(not full)
+            self.stats.extra.update({"base_seconds": base.seconds, "base_bytes": base.bytes} if full else {})
+
+    def _sync_full(self) -> None:
         targets = self._targets()
         self._check_coverage()
         if self.transport is None:
