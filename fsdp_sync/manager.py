@@ -436,12 +436,12 @@ class FSDPShardingManager:
             self._sync_full()
         if self.config.lora == "adapter":
             base, self.base_sync_done = self.stats, True
-            self._lora_base = self._lora_base if not full else {id(e): getattr(e, "weight_version", None)
-                                                                  for e in self.engines}
+            self._lora_base = {id(e): getattr(e, "weight_version", None) for e in self.engines} if full else self._lora_base
             self.stats = lora_sync.sync_adapter(self.module, self.config, self.engines, self.peft_config,
                                                 self._lora_base, self._agree)
             self.step += int(not full)
-            self.stats.extra.update({"base_seconds": base.seconds, "base_bytes": base.bytes} if full else {})
+            self.stats.extra.update({"base_seconds": base.seconds, "base_bytes": base.bytes,
+                                     "base_tensors": base.tensors} if full else {})
 
     def _sync_full(self) -> None:
         targets = self._targets()

@@ -138,3 +138,35 @@ def test_lora_module_refused_when_lora_off():
     assert base == [m.name for m in export.param_metas(build_model(load_config("tiny"), seed=0))]
     lora = [m.name for m in export.param_metas(model, lora=True)]
     assert lora[0] == "model.layers.0.self_attn.q_proj.lora_A.default.weight" and len(lora) == 28
+
+
+@pytest.mark.timeout(400)
+def test_demo_lora_and_bench_row():
+    """`fsdp-sync demo --lora`: the engine with the adapter matches the trainer every step, the
+    first sync sends the base and later ones the adapter alone; `bench --lora-r`: the adapter row
+    beside the full row of the same model, both checked against the trainer."""
+    from fsdp_sync.cli.bench.lora import run_lora_bench
+    from fsdp_sync.cli.demo import DemoOptions, run_demo
+
+    res = run_demo(DemoOptions(steps=2, lora_r=4, lora_alpha=8, progress=False, max_new_tokens=4),
+                   timeout_s=380)
+    assert res["ok"], res["steps"]
+    first, second = res["steps"]
+    assert first["base_bytes"] > 10 * first["bytes"] and second["base_bytes"] is None
+    assert second["bytes"] == first["bytes"] == 2 * 4 * 4 * (2 * 64 + 2 * (64 + 32) + 2 * 64 + 3 * (64 + 128))  # layers, fp32, r
+    bench = run_lora_bench("tiny", 2, 2, 4, 8.0, repeats=1, timeout_s=300)
+    full, adapter = bench["rows"]
+    assert bench["ok"] and full["mode"] == "full" and adapter["mode"] == "adapter"
+    assert adapter["bytes"] == first["bytes"] and full["bytes"] == first["bytes"] + first["base_bytes"]
+    assert adapter["bytes_ratio"] == adapter["bytes"] / full["bytes"]
+
+
+def test_cli_lora_flags_need_lora():
+    from fsdp_sync.cli.app import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["demo", "--lora-r", "8"])
+    with pytest.raises(SystemExit):
+        parse_args(["bench", "--lora-alpha", "8"])
+    args = parse_args(["demo", "--lora", "--lora-r", "8", "--lora-alpha", "16"])
+    assert (args.opts.lora_r, args.opts.lora_alpha) == (8, 16.0)
