@@ -36,6 +36,7 @@ import torch
 
 from .transport import SyncStats
 from .weights import export
+from .weights.bucket import unflatten
 
 __all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "adapter_tensors", "check_engine", "load_adapter",
            "verify_adapter", "peft_name"]
@@ -72,7 +73,7 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
     err, tensors, cfg = None, {}, {}
     try:
         cfg = adapter_config(module, peft_config)
-        tensors = adapter_tensors(module, config.dtype)
+        tensors = adapter_tensors(module, config.dtype, config.bucket_bytes)
     except Exception as exc:  # noqa: BLE001 - reported to every rank just below
         err = f"{type(exc).__name__}: {exc}"
     agree(err, what="adapter sync")
@@ -142,14 +143,24 @@ def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "
     return cfg
 
 
-def adapter_tensors(module: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The full LoRA tensors in peft's saved names (collective over the module's shard group)."""
-    return {peft_name(n): t.clone() for n, t in export.iter_params(module, dtype=dtype, lora=True)}
+def adapter_tensors(module: torch.nn.Module, dtype: torch.dtype | None,
+                    bucket_bytes: int = 512 << 20) -> dict[str, torch.Tensor]:
+    """The full LoRA tensors in peft's saved names (collective over the module's shard group):
+    gathered bucket by bucket (one all-gather per bucket, not one per tensor), each tensor a view
+    of its bucket's buffer (plain memory: the engine call copies what it sends)."""
+    out = {}
+    for bkt, flat in export.iter_buckets(module, bucket_bytes, dtype=dtype, lora=True,
+                                         alloc=lambda n: torch.empty(n, dtype=torch.uint8)):
+        out.update((peft_name(n), t) for n, t in unflatten(flat, bkt.entries))
+    return out
 
 
 def check_engine(engine: Any, cfg: dict, name: str, base_version: Any) -> str | None:
     """Why ``engine`` cannot take this adapter now (None: it can). See the module docstring."""
     r, targets = cfg.get("r"), cfg.get("target_modules")
+    if not callable(getattr(engine, "load_lora_adapter_from_tensors", None)):
+        return (f"adapter {name!r}: the engine {type(engine).__name__} has no load_lora_adapter_from_tensors "
+                f"(SGLang's LoRA call); SyncConfig.lora='adapter' needs an engine that serves adapters")
     loaded = getattr(engine, "lora_adapters", None)
     held = loaded.get(name) if isinstance(loaded, dict) else None
     if held is not None:

@@ -170,3 +170,26 @@ def test_cli_lora_flags_need_lora():
         parse_args(["bench", "--lora-alpha", "8"])
     args = parse_args(["demo", "--lora", "--lora-r", "8", "--lora-alpha", "16"])
     assert (args.opts.lora_r, args.opts.lora_alpha) == (8, 16.0)
+
+
+def test_check_engine_refusals_name_the_difference():
+    """`lora_sync.check_engine` on engines described by their attributes (no process needed)."""
+    from types import SimpleNamespace
+
+    from fsdp_sync.lora_sync import check_engine, peft_name
+
+    cfg = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    load = lambda *a, **k: None   # noqa: E731
+    assert "has no load_lora_adapter_from_tensors" in check_engine(object(), cfg, "a", None)
+    ok = SimpleNamespace(load_lora_adapter_from_tensors=load, lora_adapters={}, weight_version="3")
+    assert check_engine(ok, cfg, "a", "3") is None
+    assert "base weights are version '3', not the base version '2'" in check_engine(ok, cfg, "a", "2")
+    held = SimpleNamespace(load_lora_adapter_from_tensors=load, weight_version="3",
+                           lora_adapters={"a": {"r": 8, "target_modules": ["q_proj"]}})
+    assert "target_modules ['q_proj', 'v_proj'] but the engine serves it on ['q_proj']" in check_engine(held, cfg, "a", "3")
+    assert check_engine(held, cfg, "b", "3") is None          # another name: nothing to match
+    small = SimpleNamespace(load_lora_adapter_from_tensors=load, max_lora_rank=4, lora_target_modules=("q_proj",))
+    assert "exceeds the engine's max_lora_rank 4" in check_engine(small, cfg, "a", None)
+    assert "['v_proj'] are not in the engine's lora_target_modules" in check_engine(small, dict(cfg, r=4), "a", None)
+    assert peft_name("model.layers.0.mlp.up_proj.lora_B.default.weight") == \
+        "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"

@@ -639,7 +639,7 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
                  fsdp1_state_dict: str = "full",
                  alloc: Callable[[int], torch.Tensor] = _handles.empty_shared,
                  share_host_memory: bool = False, plan: list[_bucket.Bucket] | None = None,
-                 dst: int | None = None,
+                 dst: int | None = None, lora: bool = False,
                  ) -> Iterator[tuple[_bucket.Bucket, torch.Tensor]]:
     """Yield ``(bucket, flat)``: buckets planned by `bucket.plan_buckets` over `param_metas`
     (``bucket_bytes`` a budget per bucket, alignment padding included), each gathered into a fresh
@@ -663,7 +663,7 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
     other ranks it holds only what was local (replicated tensors), not the model. Tensors that
     cannot be gathered by pieces (``full_tensor()``) still arrive on every rank.
     """
-    items = resolve(module, fsdp1_state_dict, dtype)
+    items = resolve(module, fsdp1_state_dict, dtype, lora)   # lora: the LoRA tensors (`peft_names`)
     metas = [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in items]
     if plan is None:
         plan = _bucket.plan_buckets(metas, bucket_bytes)
