@@ -158,3 +158,29 @@ def test_load_from_peft_directory(tmp_path, tiny):
         e.update_weights_from_tensor(list(tiny.state_dict().items()))
         e.load_lora_adapter("disk", str(tmp_path))
         assert (e.forward_logits(PROMPTS, lora_path="disk") - hf_logits(merged(tiny, t, c), PROMPTS)).abs().max() < 1e-5
+
+
+def test_unload_refused_while_paused_requests_use_it(eng, tiny):
+    import threading
+    import time
+
+    t, c = make_adapter(tiny)
+    eng.load_lora_adapter_from_tensors("a", t, c)
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.update(r=eng.generate(PROMPTS[:1], max_new_tokens=200, ignore_eos=True,
+                                                                   lora_path="a")))
+    th.start()
+    try:
+        deadline = time.monotonic() + 30
+        while eng.scheduler_stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        eng.pause_generation(mode="in_place")
+        try:
+            with pytest.raises(WeightUpdateError, match="1 requests waiting or paused use it"):
+                eng.unload_lora_adapter("a")
+        finally:
+            eng.continue_generation()
+    finally:
+        th.join(120)
+    assert out["r"] == hf_generate(merged(tiny, t, c), PROMPTS[:1], 200)
+    eng.unload_lora_adapter("a")

@@ -116,13 +116,18 @@ class LoRACalls:
         return self.load_lora_adapter_from_tensors(lora_name, load_file(st_file), config)
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
-        """Drop adapter ``lora_name`` (waits for running requests, as a weight update does)."""
+        """Drop adapter ``lora_name`` (waits for running requests, as a weight update does; refused
+        while requests that use it wait or are paused)."""
         loaded = self.__dict__.setdefault("_lora_loaded", {})
         with self._sched.exclusive(), self._lock:
             self._check_usable()
             if lora_name not in loaded:
                 raise WeightUpdateError(f"unload_lora_adapter({lora_name!r}): no such adapter is loaded "
                                         f"(loaded: {sorted(loaded)})")
+            using = self._sched.rows_using(lora_name)
+            if using:   # paused or waiting requests would run without it: refused, nothing changes
+                raise WeightUpdateError(f"unload_lora_adapter({lora_name!r}): {using} requests waiting or "
+                                        f"paused use it; let them finish (continue_generation) or abort them")
             self._raise_errors(self._round("lora_unload", {"name": lora_name}), "unload_lora_adapter",
                                collective=True)
             del loaded[lora_name]
