@@ -26,6 +26,7 @@ METHODS = ("tensor", "distributed", "disk")
 DIST_BACKENDS = ("gloo", "nccl")
 DISTRIBUTED_FORMATS = ("flattened_bucket", "per_tensor")
 VERIFY_MODES = ("off", "sample", "full")
+LORA_MODES = ("off", "adapter")
 STRATEGIES = ("per_tensor", "bucketed", "flattened")
 LAYOUTS = ("auto", "full", "engine")
 REPLICA_FAILURE_MODES = ("abort", "quarantine")
@@ -162,6 +163,13 @@ class SyncConfig:
         paused before the update and continued after it (``in_place``: requests started on
         version k finish on version k+1, their ``weight_versions`` spans say which tokens came from
         which; ``flush_cache`` is skipped then, as SGLang refuses it with requests running).
+    lora: ``"off"`` (default: a module holding LoRA tensors is refused) or ``"adapter"``: a
+        peft-wrapped model (or one with peft-named ``base_layer`` / ``lora_A`` / ``lora_B``
+        parameters) is synced as SGLang serves LoRA: the base weights once (``.base_layer.``
+        and ``base_model.model.`` dropped from the names, ``lora_`` tensors left out), and again
+        whenever ``manager.base_sync_done`` is set False; every other sync sends only the adapter
+        (`fsdp_sync.lora_sync`) through the engine's ``load_lora_adapter_from_tensors``.
+    lora_name: the adapter's name in the engine (requests pass it as ``lora_path``).
     """
 
     strategy: str = "flattened"
@@ -190,6 +198,8 @@ class SyncConfig:
     quantization: str | None = None
     on_replica_failure: str = "abort"
     pause_mode: str | None = None
+    lora: str = "off"
+    lora_name: str = "fsdp_sync_lora"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -216,6 +226,12 @@ class SyncConfig:
         # YAML 1.1 reads a bare `off` as false (and `on` as true)
         if self.verify is False:
             object.__setattr__(self, "verify", "off")
+        if self.lora is False:
+            object.__setattr__(self, "lora", "off")
+        if self.lora not in LORA_MODES:
+            raise ValueError(f"lora must be one of {LORA_MODES}, got {self.lora!r}")
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
         if self.memory_probe is False:
             object.__setattr__(self, "memory_probe", "off")
         if self.verify not in VERIFY_MODES:

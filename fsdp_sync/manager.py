@@ -12,10 +12,8 @@ holds the engine handles (None on the other ranks); every stage ends with an `ag
 so a failure on any rank (engine error, bad tensor, dead worker) raises the same `SyncError` on
 every rank instead of leaving ranks blocked.
 
-The weight sync itself is the transport's (`fsdp_sync.transport`, picked by `SyncConfig.method`):
-``tensor`` (handle tuples, strategies per_tensor/bucketed/flattened), ``distributed`` (broadcast
-over SGLang's update group) or ``disk``. The manager counts syncs (``step``) and closes the
-transport in `close` and at interpreter exit.
+The weight sync itself is the transport's (`fsdp_sync.transport`, by `SyncConfig.method`): ``tensor``,
+``distributed`` or ``disk``. The manager counts syncs (``step``) and closes the transport (`close`).
 
 Not here: how tensors are gathered (export), laid out (bucket), shared (handles) or moved
 (transport), and no process group of its own: it runs on the mesh (or default group) it is given.
@@ -31,6 +29,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from . import lora_sync
 from .weights import quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
@@ -63,7 +62,7 @@ class FSDPShardingManager:
     """
 
     def __init__(self, module: torch.nn.Module, engine: Any, *, mesh=None,
-                 config: SyncConfig | Mapping[str, Any] | None = None):
+                 config: SyncConfig | Mapping[str, Any] | None = None, peft_config: Any = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be the torch.nn.Module being trained (FSDP2, FSDP1 or "
                             f"plain), got {type(module).__name__} {module!r:.60}")
@@ -74,6 +73,9 @@ class FSDPShardingManager:
                             f"{type(config).__name__} {config!r:.60}")
         self.module = module
         self.config = config or SyncConfig()
+        # lora="adapter": peft config (no peft model), base_sync_done, engine id -> base weight_version
+        self.peft_config, self.base_sync_done, self.lora_base = peft_config, False, {}
+        lora_sync.check_mode(module, self.config)
         if mesh is None and self.config.method == "tensor":
             raise ValueError("method='tensor' needs mesh= (a ('dp', 'infer_tp') DeviceMesh, see make_mesh); "
                              "only 'distributed' and 'disk' run without one")
@@ -177,11 +179,9 @@ class FSDPShardingManager:
     def preprocess_data(self, batch: Any) -> Any:
         """All-gather a batch across infer_tp so every TP rank of a group runs the same prompts.
 
-        A dict: tensors are concatenated along dim 0, lists are concatenated, in TP-rank order.
-        A verl ``DataProto``: ``DataProto.concat`` of the TP group's batches. The ranks' batches
-        may differ in size (each rank's size is kept for `postprocess_data`); a dict must have the
-        same keys on every rank and one batch size across its fields. Every rank sees every
-        batch, so a bad one raises the same error on every rank of the group."""
+        A dict: tensors concatenated along dim 0, lists concatenated, in TP-rank order (same keys
+        on every rank, one batch size across fields); a verl ``DataProto``: ``DataProto.concat``.
+        Sizes may differ per rank (kept for `postprocess_data`); a bad batch raises on every rank."""
         topo = self.topo
         if topo is None or topo.tp_size == 1:
             return batch
@@ -271,14 +271,16 @@ class FSDPShardingManager:
         self._set_rng(self._gen_rng)
 
     def _resume(self, tags: list[str] | None) -> None:
-        if self.config.free_cache_engine and self.transport.colocated:
+        tags = lora_sync.memory_tags(self.config, tags)   # lora="adapter": the KV cache only
+        if tags != [] and self.config.free_cache_engine and self.transport.colocated:
             for engine in self.engines:
                 engine.resume_memory_occupation(tags=tags)
 
     def _release(self) -> None:
+        tags = lora_sync.memory_tags(self.config, ["kv_cache", "weights"])
         if self.config.free_cache_engine and self.transport.colocated:
             for engine in self.engines:
-                engine.release_memory_occupation(tags=["kv_cache", "weights"])
+                engine.release_memory_occupation(tags=tags)
 
     def _offload_params(self) -> None:
         if not self.config.offload_params:
@@ -424,6 +426,14 @@ class FSDPShardingManager:
             raise exc
 
     def _sync_weights(self) -> None:
+        """Every weight; lora="adapter": the base once (again once ``base_sync_done`` is set False),
+        then the adapter alone (`lora_sync.sync_weights`)."""
+        if self.config.lora == "adapter":
+            lora_sync.sync_weights(self, self._sync_full, self._agree)
+        else:
+            self._sync_full()
+
+    def _sync_full(self) -> None:
         targets = self._targets()
         self._check_coverage()
         if self.transport is None:

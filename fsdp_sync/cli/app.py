@@ -64,6 +64,12 @@ def _add_demo(sub) -> None:
                    help="largest |logit diff| accepted (default: 1e-5 in float32; in bfloat16/float16 "
                         "4 units of the dtype's rounding at the largest logit, against the trainer's "
                         "weights cast to that dtype)")
+    p.add_argument("--lora", action="store_true",
+                   help="freeze the base, train a LoRA adapter on every linear layer and sync it as an "
+                        "adapter (SyncConfig.lora='adapter': the base once, then the adapter alone)")
+    p.add_argument("--lora-r", type=ca.positive_int, default=16, help="--lora: the adapter's rank r")
+    p.add_argument("--lora-alpha", type=ca.positive_float, default=32.0,
+                   help="--lora: lora_alpha (the adapter is scaled by lora_alpha / r)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(check=_check_demo)
@@ -77,7 +83,8 @@ def _demo_options(args):
                        dtype=args.dtype, multi_stage_wake_up=not args.no_multi_stage, atol=args.atol,
                        progress=not args.no_progress, method=args.method,
                        disk_dir=args.disk_dir, layout=args.layout, ep=args.ep, backend=args.backend,
-                       quantization=None if args.quantization == "none" else args.quantization)
+                       quantization=None if args.quantization == "none" else args.quantization,
+                       lora_r=args.lora_r if args.lora else 0, lora_alpha=args.lora_alpha)
 
 
 def _check_demo(args, given: set[str]) -> None:
@@ -85,6 +92,8 @@ def _check_demo(args, given: set[str]) -> None:
     TP/EP split, FP8 blocks), its size against this machine's memory, --disk-dir."""
     from . import demo_check
 
+    if {"lora_r", "lora_alpha"} & given and not args.lora:
+        raise ValueError("--lora-r / --lora-alpha configure the adapter of --lora; add --lora")
     if args.ranks % args.tp:
         raise ValueError(f"--ranks {args.ranks} must be a multiple of --tp {args.tp} (dp = ranks / tp)")
     ca.check_gpus(args.method, args.device, args.ranks, args.tp)
@@ -125,6 +134,11 @@ def _cmd_demo(args) -> int:
                                                       for st in stages))
     last = result["steps"][-1]
     console.print(f"layout: {last.get('layout') or 'n/a'}")
+    if opts.lora_r:
+        first = result["steps"][0]
+        console.print(f"lora (r {opts.lora_r}, alpha {opts.lora_alpha:g}): the first sync sent the base "
+                      f"({first.get('base_bytes') or 0:,} bytes) and the adapter; every sync sends the "
+                      f"adapter alone ({last['bytes']:,} bytes)")
     ckpt = last.get("checkpoint")
     if ckpt:
         kept = "kept" if opts.disk_dir else "removed at the end (give --disk-dir DIR to keep it)"

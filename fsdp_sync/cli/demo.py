@@ -8,7 +8,10 @@ trainer's world, reached by a broadcast or a checkpoint: ``disk_dir``, by defaul
 removed at the end); inside the ``with`` block the engine generates greedily
 from a few prompts and its logits are compared with the trainer's own forward on the same prompts.
 Each step's sync time, bytes, peak memory, max |logit diff| and token match are returned for the
-table (and the JSON file). A mismatch makes the demo fail.
+table (and the JSON file). A mismatch makes the demo fail. With ``lora_r`` (``--lora``) the base is
+frozen and a peft-shaped adapter on every linear layer is trained (`lora_model`); the first sync
+sends the base and the adapter, every later one the adapter alone (``SyncConfig.lora="adapter"``),
+and the engine is checked with the adapter applied (``lora_path``).
 
 Not here: argument parsing and printing (cli).
 """
@@ -53,6 +56,8 @@ class DemoOptions:
     ep: int = 1                     # the engine's expert-parallel size (MoE models)
     quantization: str | None = None  # SyncConfig.quantization and the engine's ("fp8": block FP8)
     backend: str | None = None      # the trainer ranks' process group (None: gloo on cpu, nccl on cuda)
+    lora_r: int = 0                 # > 0: a LoRA adapter of this rank on every linear layer, synced as an adapter
+    lora_alpha: float = 32.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -68,6 +73,11 @@ class DemoOptions:
             raise ValueError(f"--fsdp must be 1 or 2, got {self.fsdp}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.lora_r < 0:
+            raise ValueError(f"--lora-r must be >= 1, got {self.lora_r}")
+        if self.lora_r and (self.dtype != "float32" or self.quantization or self.fsdp != 2):
+            raise ValueError(f"--lora runs with --dtype float32, no --quantization and --fsdp 2, got "
+                             f"--dtype {self.dtype} --quantization {self.quantization} --fsdp {self.fsdp}")
 
 
 # In bfloat16/float16 the engine's TP split rounds partial sums differently from the reference
@@ -151,8 +161,15 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
 
     torch.set_num_threads(1)
     cfg = load_config(opts.model)
-    model = wrap_fsdp(build_model(cfg, seed=0), opts.fsdp, device=opts.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr)
+    model = build_model(cfg, seed=0)
+    if opts.lora_r:       # LoRA RL: the base frozen, the adapter trained and synced alone
+        from .lora_model import add_lora
+
+        model.requires_grad_(False)
+        model = add_lora(model, opts.lora_r, opts.lora_alpha)
+    model = wrap_fsdp(model, opts.fsdp, device=opts.device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr)
+    lora_path = "fsdp_sync_lora" if opts.lora_r else None
     colocated = opts.method == "tensor"
     mesh = make_mesh(world // opts.tp, opts.tp, "cuda" if opts.device == "cuda" else "cpu") if colocated else None
     holds = SyncTopology.from_mesh(mesh).is_tp_src if colocated else rank == 0
@@ -170,11 +187,13 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
         base_gpu = world if opts.method == "distributed" and opts.device == "cuda" else 0
         engine = ReferenceEngine(model_config=cfg, tp_size=opts.tp, device=opts.device, dtype=dtype,
                                  ep_size=opts.ep, base_gpu_id=base_gpu, **({"quantization": opts.quantization}
-                                                     if opts.quantization else {}))
+                                                     if opts.quantization else {}),
+                                 **({"max_lora_rank": opts.lora_r} if opts.lora_r else {}))
     sync_cfg = SyncConfig(strategy=opts.strategy, bucket_bytes=int(opts.bucket_mb * 2**20), dtype=dtype,
                           multi_stage_wake_up=opts.multi_stage_wake_up, method=opts.method,
                           layout=opts.layout, quantization=opts.quantization,
                           **({"disk_dir": opts.disk_dir} if opts.method == "disk" else {}),
+                          **({"lora": "adapter", "lora_name": lora_path} if opts.lora_r else {}),
                           **opts.extra)
     manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
 
@@ -205,9 +224,9 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
                     ref_tokens = greedy_generate(model, PROMPTS, opts.max_new_tokens)
                 rec: dict[str, Any] = {"step": step, "loss": loss}
                 if holds:
-                    eng_logits = engine.forward_logits(PROMPTS).float().cpu()
+                    eng_logits = engine.forward_logits(PROMPTS, lora_path=lora_path).float().cpu()
                     eng_tokens = engine.generate(input_ids=PROMPTS, max_new_tokens=opts.max_new_tokens,
-                                                 temperature=0.0)
+                                                 temperature=0.0, lora_path=lora_path)
                     tol = tolerance(opts, ref_logits)
                     rec["atol"] = tol
                     rec["max_abs_logit_diff"] = float((eng_logits - ref_logits).abs().max())
@@ -220,6 +239,7 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
             stages = manager.timeline.to_dict()
             extra = manager.stats.extra or {}
             rec["layout"] = extra.get("layout")
+            rec["base_bytes"] = extra.get("base_bytes")   # lora: the base went too (first sync)
             if extra.get("path"):                 # the disk method: what the version holds
                 files = sorted(os.listdir(extra["path"])) if os.path.isdir(extra["path"]) else []
                 rec["checkpoint"] = {
@@ -281,6 +301,7 @@ def run_demo(opts: DemoOptions, *, timeout_s: float = 600.0) -> dict:
             "changed_since_last_step": all(r["changed_since_last_step"] for r in srcs),
             "stages": recs[0]["stages"],
             "layout": next((r.get("layout") for r in recs if r.get("layout")), None),
+            "base_bytes": recs[0].get("base_bytes"),
             "checkpoint": next((r["checkpoint"] for r in recs if r.get("checkpoint")), None),
         })
     cfg = {k: v for k, v in opts.__dict__.items() if k not in ("progress", "extra")}

@@ -87,6 +87,7 @@ from . import experts as _experts
 from . import handles as _handles
 from .gather import Pieces, Scratch, fill_bucket, fill_shared, materialize, shared_group, sub_pieces
 from .hostbuf import HostShared
+from .peft_names import base_parts, is_lora, select  # noqa: F401 - is_lora: part of the export API
 from ..topology import agree
 
 __all__ = [
@@ -108,11 +109,12 @@ _FLAT_PARAM = "_flat_param"
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face checkpoint name of a (possibly wrapped) module's state-dict key."""
+    """The Hugging Face checkpoint name of a (possibly wrapped) module's state-dict key. A peft
+    model's base weights lose peft's levels (`peft_names`)."""
     parts = [p for p in name.split(".") if p not in WRAPPER_PREFIXES]
     while parts and parts[0] == "module":
         parts.pop(0)
-    return ".".join(parts)
+    return ".".join(base_parts(parts))
 
 
 def _join(prefix: str, name: str) -> str:
@@ -313,10 +315,10 @@ def _fsdp1_layout(module: nn.Module, units: list) -> list[_Item]:
     return [item for _, item in keyed]
 
 
-def _layout(module: nn.Module) -> list[_Item]:
+def _layout(module: nn.Module, lora: bool = False) -> list[_Item]:
     units = _fsdp1_units(module)
     _check_root(module, units)
-    return _hub_items(_fsdp1_layout(module, units) if units else _state_dict_items(module),
+    return _hub_items(select(_fsdp1_layout(module, units) if units else _state_dict_items(module), lora),
                       _experts.model_type_of(module), data=False)
 
 
@@ -350,13 +352,15 @@ def _hub_items(items: list[_Item], model_type: str | None, data: bool = True) ->
     return out
 
 
-def param_metas(module: nn.Module, dtype: torch.dtype | None = None) -> list[_bucket.TensorMeta]:
-    """Name (HF), rollout dtype and full shape of every exported tensor, in state-dict order.
+def param_metas(module: nn.Module, dtype: torch.dtype | None = None, *,
+                lora: bool = False) -> list[_bucket.TensorMeta]:
+    """Name (HF), rollout dtype and full shape of every exported tensor, in state-dict order
+    (``lora``: of the LoRA tensors instead of the base weights).
 
     Moves no data and runs no collective: callable on one rank alone.
     """
     _check_dtype(dtype)
-    return [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in _layout(module)]
+    return [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in _layout(module, lora)]
 
 
 def _check_dtype(dtype: torch.dtype | None) -> None:
@@ -556,9 +560,11 @@ def _dim0_pieces(item: _Item, cache: dict) -> Pieces | None:
     return Pieces(local.detach(), counts, group, me)
 
 
-def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None) -> list[_Item]:
+def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None,
+            lora: bool = False) -> list[_Item]:
     """Items with their data sources; any rank's failure is raised on every rank. Collective like
-    the streams; `reshard` builds its per-rank buckets from these items too."""
+    the streams; `reshard` builds its per-rank buckets from these items too. ``lora``: the LoRA
+    tensors' items instead of the base weights' (`is_lora`)."""
     _check_dtype(dtype)
     if fsdp1_state_dict not in STATE_DICT_TYPES:
         raise ValueError(f"fsdp1_state_dict must be one of {STATE_DICT_TYPES}, "
@@ -583,7 +589,7 @@ def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None)
                     pieces = _dim0_pieces(it, meshes)   # also checks the shard against its shape
                     if pieces is not None:
                         it.pieces, it.dtensor = pieces, None
-        items = _hub_items(items, _experts.model_type_of(module))
+        items = _hub_items(select(items, lora), _experts.model_type_of(module))
         for it in items:
             it.out_dtype(dtype)
     except Exception as exc:  # noqa: BLE001 - whatever it is, every peer must hear of it
@@ -606,14 +612,15 @@ def _agree_group(dt: Any) -> Any:
 
 def iter_params(module: nn.Module, *, dtype: torch.dtype | None = None,
                 fsdp1_state_dict: str = "full",
-                names: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+                names: Any = None, lora: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` in state-dict order, one gathered tensor at a time.
 
     Collective when ``module`` is sharded. A yielded tensor is contiguous and, for a plain module
     without a cast, may be the module's own storage (detached): copy it before changing the module.
     ``names``: only these tensors are gathered and yielded (every rank must pass the same set).
+    ``lora``: the LoRA tensors (`is_lora`) instead of the base weights.
     """
-    items = resolve(module, fsdp1_state_dict, dtype)
+    items = resolve(module, fsdp1_state_dict, dtype, lora)
     for i, it in enumerate(items):
         if names is not None and it.name not in names:
             items[i] = None
@@ -632,7 +639,7 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
                  fsdp1_state_dict: str = "full",
                  alloc: Callable[[int], torch.Tensor] = _handles.empty_shared,
                  share_host_memory: bool = False, plan: list[_bucket.Bucket] | None = None,
-                 dst: int | None = None,
+                 dst: int | None = None, lora: bool = False,
                  ) -> Iterator[tuple[_bucket.Bucket, torch.Tensor]]:
     """Yield ``(bucket, flat)``: buckets planned by `bucket.plan_buckets` over `param_metas`
     (``bucket_bytes`` a budget per bucket, alignment padding included), each gathered into a fresh
@@ -656,7 +663,7 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
     other ranks it holds only what was local (replicated tensors), not the model. Tensors that
     cannot be gathered by pieces (``full_tensor()``) still arrive on every rank.
     """
-    items = resolve(module, fsdp1_state_dict, dtype)
+    items = resolve(module, fsdp1_state_dict, dtype, lora)   # lora: the LoRA tensors (`peft_names`)
     metas = [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in items]
     if plan is None:
         plan = _bucket.plan_buckets(metas, bucket_bytes)

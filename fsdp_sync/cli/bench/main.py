@@ -497,6 +497,10 @@ def add_bench_parser(sub) -> None:
                    help="also time SyncConfig.verify per method: comma-separated off, sample, full (off "
                         "always runs, as the reference; rows under 'verify' in the JSON: sync seconds "
                         "and the seconds the check adds)")
+    p.add_argument("--lora-r", type=ca.positive_int, default=None,
+                   help="instead of the sweep: a LoRA adapter of rank R on every linear layer of the "
+                        "first --models entry, its adapter-only sync beside a full sync (`bench.lora`)")
+    p.add_argument("--lora-alpha", type=ca.positive_float, default=32.0, help="--lora-r: lora_alpha")
     p.add_argument("--json", metavar="PATH", help="write {'rows': [...]} here")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots here")
     p.set_defaults(check=check_bench_args)
@@ -529,6 +533,8 @@ def spec_from_args(args, given: set[str] | None = None) -> BenchSpec:
 
 def check_bench_args(args, given: set[str]) -> None:
     """Cross-flag checks before anything starts (ValueError names the flags); keeps the spec."""
+    if "lora_alpha" in given and not args.lora_r:
+        raise ValueError("--lora-alpha configures the adapter of --lora-r; add --lora-r R")
     args.spec = spec_from_args(args, given)
     from ...models import load_config
     from ...weights.fp8 import quantized_layout
@@ -566,6 +572,10 @@ def cmd_bench(args) -> int:
     from .table import bench_table
 
     console = Console(width=None if sys.stdout.isatty() else 180)
+    if args.lora_r:
+        from .lora import print_lora_bench
+
+        return print_lora_bench(args, console)
     spec = getattr(args, "spec", None) or spec_from_args(args)
     console.print(f"[bold]fsdp-sync bench[/]: {len(spec.jobs())} jobs; models {', '.join(spec.models)}; "
                   f"strategies {', '.join(spec.strategies)}; buckets {', '.join(f'{b:g}' for b in spec.bucket_mb)} MiB")

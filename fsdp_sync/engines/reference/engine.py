@@ -84,7 +84,9 @@ from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError,
                     EngineUnavailableError, WeightUpdateError, WorkerDiedError, ordered_tags)
 from . import procs, quant
 from ...config import parse_dtype
+from .gpu_calls import GPUCalls
 from .group_calls import UpdateGroupCalls
+from .lora_calls import LoRACalls
 from .readback import WeightReadback
 from .rollout import GenerationCalls
 from .scheduler import Scheduler, check_version
@@ -96,7 +98,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
 
-class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
+class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback, LoRACalls, GPUCalls):
     """A TP rollout engine in worker processes. See the module docstring.
 
     Args:
@@ -129,9 +131,10 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
             float32 ``weight_scale_inv`` per 128x128 block, the start-up weights are quantized,
             updates must send them so, and the forward dequantizes them. A config whose
             ``quantization_config`` is block FP8 makes it ``"fp8"`` (`quant.resolve`).
-        base_gpu_id: the first GPU of the workers, as SGLang's ``--base-gpu-id``: a disaggregated
-            engine beside trainer ranks on GPUs 0..n-1 starts at n (NCCL refuses one GPU on both
-            ends of the weight-update group).
+        base_gpu_id: the workers' first GPU (SGLang's ``--base-gpu-id``): a disaggregated engine
+            beside trainer ranks on GPUs 0..n-1 starts at n (NCCL refuses one GPU on both ends).
+        max_lora_rank, lora_target_modules: bound the LoRA adapters the engine loads (SGLang's
+            server arguments; `lora_calls`): None takes any rank / any of `lora.TARGETS`.
     """
 
     accepts_tagged_payloads = True
@@ -144,11 +147,6 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
     """``update_weights_from_distributed(load_format="per_rank_bucket")``: each worker receives
     only its own shard (`transport.group.PER_RANK_BUCKET`); "auto" picks it for method distributed."""
 
-    def gpu_ids(self) -> list[int]:
-        """The CUDA device index of each TP worker, as this process numbers them ([] on CPU)."""
-        n = torch.cuda.device_count() if self.device == "cuda" else 0
-        return [(self.base_gpu_id + i) % n for i in range(self.tp_size)] if n else []
-
     def __init__(self, model_config: Any = "tiny", tp_size: int = 1, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, kv_cache_tokens: int | None = None,
                  mem_fraction: float | None = None, weights_cpu_backup: bool = False, seed: int = 0,
@@ -156,8 +154,14 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
                  startup_timeout_s: float = 180.0, call_timeout_s: float | None = 900.0,
                  use_memory_saver: bool = True, transactional_updates: bool = True,
                  update_recv_timeout_s: float = 60.0, ep_size: int = 1, quantization: str | None = None,
-                 base_gpu_id: int = 0):
+                 base_gpu_id: int = 0, max_lora_rank: int | None = None,
+                 lora_target_modules: Sequence[str] | None = None):
         given = dtype
+        if max_lora_rank is not None and (isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int)
+                                          or max_lora_rank < 1):
+            raise ValueError(f"max_lora_rank must be an int >= 1 or None, got {max_lora_rank!r}")
+        self.max_lora_rank = max_lora_rank
+        self.lora_target_modules = None if lora_target_modules is None else tuple(lora_target_modules)
         try:    # the names SyncConfig takes ("bf16", "bfloat16", ...) as well as torch dtypes
             dtype = parse_dtype(dtype, "dtype") if dtype is not None else None
         except ValueError:
@@ -637,10 +641,6 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback):
                                        f"hold the KV cache (SGLang refuses a flush then); "
                                        f"continue_generation() first, or pause with mode 'retract'")
             self._call("flush_cache")
-
-    def reset_peak_memory_stats(self) -> None:
-        """CUDA workers: restart the allocator's peaks (`memory_stats`' ``max_allocated``/``max_reserved``)."""
-        self._per_worker("reset_peak_memory")
 
     def memory_stats(self) -> dict:
         """Per worker: weights/KV/backup/staging bytes, RSS/USS (and CUDA allocator stats), plus totals.

@@ -70,6 +70,7 @@ class Sampling:
     ignore_eos: bool = False
     stream_interval: int = 1
     stop: frozenset = field(default_factory=frozenset)   # what ends a row: stop ids (+ eos)
+    lora: str | None = None   # the request's LoRA adapter (SGLang's ``lora_path``), not a sampling key
 
     @property
     def greedy(self) -> bool:
@@ -234,9 +235,16 @@ class Decode:
             spans.append(Span(off, len(chunk), r.slot, r.cached))
             off += len(chunk)
             last_rows.append(off - 1)
+        lora: dict[str, list[int]] = {}
+        for rid, sp in zip(order, spans):
+            name = self.rows[rid].sampling.lora
+            if name is not None:
+                lora.setdefault(name, []).extend(range(sp.offset, sp.offset + sp.n_new))
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
                                     torch.cat(pos).to(self.device), spans, kv,
-                                    torch.tensor(last_rows, device=self.device))
+                                    torch.tensor(last_rows, device=self.device),
+                                    lora={n: (None if len(r) == len(ids) else torch.tensor(r, device=self.device))
+                                          for n, r in lora.items()})
         rows = [self.rows[rid] for rid in order]
         want = any(r.want_logprobs for r in rows)
         tokens, lps = pick(logits, [r.sampling for r in rows], [r.produced for r in rows],

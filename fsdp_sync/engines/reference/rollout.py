@@ -11,6 +11,7 @@ math (`generation`, run in each worker), the HTTP fields (`generate_request`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -49,18 +50,19 @@ class GenerationCalls:
 
     def generate(self, input_ids: Any = None, max_new_tokens: int = 16, temperature: float = 0.0, *,
                  sampling_params: dict | None = None, stop_token_ids: Sequence[int] | None = None,
-                 ignore_eos: bool = False) -> list[list[int]]:
+                 ignore_eos: bool = False, lora_path: str | Sequence[str | None] | None = None) -> list[list[int]]:
         """New token ids for each prompt (greedy when ``temperature`` is 0). Prompts may differ in
         length. ``sampling_params`` are SGLang's (`generation.Sampling`; they override the
         keywords); they stop at the config's eos (unless ``ignore_eos``) and at their
-        ``stop_token_ids``. The ``stop_token_ids`` keyword instead replaces the eos."""
+        ``stop_token_ids``. The ``stop_token_ids`` keyword instead replaces the eos. ``lora_path``:
+        a loaded LoRA adapter's name for every prompt (or one per prompt), as SGLang's."""
         sp = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
         sp.update(sampling_params or {})
         eos = None
         if stop_token_ids is not None:
             sp["stop_token_ids"] = [int(t) for t in stop_token_ids]
             eos = []
-        return [r["output_ids"] for r in self.generate_requests(input_ids, sp, eos=eos)]
+        return [r["output_ids"] for r in self.generate_requests(input_ids, sp, eos=eos, lora_path=lora_path)]
 
     def _eos(self) -> list[int]:
         eos = getattr(self.config, "eos_token_id", None)
@@ -73,7 +75,8 @@ class GenerationCalls:
                           return_logprob: bool = False, logprob_start_len: int | None = None,
                           on_step: Callable[[list[dict]], None] | None = None,
                           should_abort: Callable[[int], bool] | None = None,
-                          eos: Sequence[int] | None = None) -> list[dict]:
+                          eos: Sequence[int] | None = None,
+                          lora_path: str | Sequence[str | None] | None = None) -> list[dict]:
         """SGLang's ``/generate`` on this engine. One result per prompt and sample (``n`` samples of
         a prompt are consecutive): ``output_ids``, ``finish_reason`` (SGLang's ``{"type": "stop",
         "matched": id}`` / ``{"type": "length", "length": n}`` / ``{"type": "abort", ...}``),
@@ -97,7 +100,9 @@ class GenerationCalls:
         if len(sps) != len(prompts):
             raise ValueError(f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
         eos = self._eos() if eos is None else [int(t) for t in eos]
-        specs = [Sampling.from_sglang(sp, eos=eos, vocab=self.spec.vocab_size) for sp in sps]
+        loras = self._check_lora_paths(lora_path, len(prompts))
+        specs = [dataclasses.replace(Sampling.from_sglang(sp, eos=eos, vocab=self.spec.vocab_size), lora=lp)
+                 for sp, lp in zip(sps, loras)]
         ctx = getattr(self.config, "max_position_embeddings", None)
         for i, (p, s) in enumerate(zip(prompts, specs)):
             if ctx is not None and len(p) + s.max_new_tokens > ctx:   # SGLang's words
@@ -124,7 +129,7 @@ class GenerationCalls:
                     "weight_versions": weight_version_spans([], version), "weight_version": version}
                    | ({"output_token_logprobs": []} if return_logprob else {}) for i, _ in rows]
         if return_logprob and logprob_start_len is not None and logprob_start_len >= 0:
-            inputs = self._input_logprobs(prompts, int(logprob_start_len))
+            inputs = self._input_logprobs(prompts, int(logprob_start_len), loras)
             for r in results:
                 r["input_token_logprobs"] = inputs[r["prompt_index"]]
         call = self._sched.submit([(prompts[i], s, return_logprob) for i, s in rows], version)
@@ -237,9 +242,28 @@ class GenerationCalls:
         """Requests waiting and running, the pause mode, updates waiting, steps run."""
         return self._sched.stats()
 
-    def _input_logprobs(self, prompts: list[list[int]], start: int) -> list[list]:
-        logits = self._call("forward_logits", {"prompts": prompts, "all_positions": True},
-                            collective=True)[0]
+    def _check_lora_paths(self, lora_path: Any, n: int) -> list[str | None]:
+        """One adapter name (or None) per prompt, each a loaded adapter (SGLang's ``lora_path``)."""
+        paths = list(lora_path) if isinstance(lora_path, (list, tuple)) else [lora_path] * n
+        if len(paths) != n:
+            raise ValueError(f"lora_path has {len(paths)} entries for {n} prompts")
+        loaded = getattr(self, "lora_adapters", {})
+        for i, p in enumerate(paths):
+            if p is not None and p not in loaded:
+                raise ValueError(f"lora_path {p!r} (prompt {i}) is not a loaded LoRA adapter; loaded: "
+                                 f"{sorted(loaded)} (load_lora_adapter_from_tensors)")
+        return paths
+
+    def _input_logprobs(self, prompts: list[list[int]], start: int,
+                        loras: Sequence[str | None] = ()) -> list[list]:
+        loras = list(loras) or [None] * len(prompts)
+        logits: list = [None] * len(prompts)
+        for name in dict.fromkeys(loras):     # one forward per adapter (None: the base)
+            idx = [i for i, lp in enumerate(loras) if lp == name]
+            got = self._call("forward_logits", {"prompts": [prompts[i] for i in idx], "all_positions": True,
+                                                "lora": name}, collective=True)[0]
+            for i, lg in zip(idx, got):
+                logits[i] = lg
         out = []
         for p, lg in zip(prompts, logits):
             lps = torch.log_softmax(lg.float(), dim=-1)
@@ -247,13 +271,15 @@ class GenerationCalls:
                         for j in range(min(start, len(p)), len(p))])
         return out
 
-    def forward_logits(self, input_ids: Any, *, all_positions: bool = False) -> Any:
+    def forward_logits(self, input_ids: Any, *, all_positions: bool = False, lora_path: str | None = None) -> Any:
         """Logits of the engine dtype: ``[batch, vocab]`` at each prompt's last position, or with
-        ``all_positions`` a list of ``[len_i, vocab]`` (``[batch, len, vocab]`` for a tensor input)."""
+        ``all_positions`` a list of ``[len_i, vocab]`` (``[batch, len, vocab]`` for a tensor input).
+        ``lora_path``: a loaded LoRA adapter applied to every prompt."""
         rect = isinstance(input_ids, torch.Tensor)
         prompts = self._check_prompts(input_ids)
-        out = self._call("forward_logits", {"prompts": prompts, "all_positions": all_positions},
-                         collective=True)[0]
+        self._check_lora_paths(lora_path, len(prompts))
+        out = self._call("forward_logits", {"prompts": prompts, "all_positions": all_positions,
+                                            "lora": lora_path}, collective=True)[0]
         if all_positions and rect:
             return torch.stack(out)
         return out

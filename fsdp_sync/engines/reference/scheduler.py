@@ -210,6 +210,11 @@ class Scheduler:
         with self._cond:
             return len(self._running)
 
+    def rows_using(self, lora: str) -> int:
+        """Rows waiting or running (paused ones too) with LoRA adapter ``lora``."""
+        with self._cond:
+            return sum(r.sampling.lora == lora for r in (*self._waiting, *self._running))
+
     # ------------------------------------------------------------------ callers
     def submit(self, rows: Sequence[tuple[list[int], Sampling, bool]], version: str) -> Call:
         """Queue a call's rows (``(prompt, sampling, logprobs)`` each). Rows with

@@ -91,6 +91,8 @@ class TPModel:
         self.shapes = layout.engine_shapes()
         self.quantized: frozenset[str] = getattr(layout, "engine_quantized", frozenset())
         self.params: dict[str, torch.Tensor] = {}
+        self.adapters: dict[str, Any] = {}   # LoRA adapters by name (`lora.LoRAShard`)
+        self._active: list[tuple[Any, torch.Tensor | None]] = []   # this forward's (adapter, rows)
         d = self.spec.head_dim
         self.inv_freq = 1.0 / (self.spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.inv_freq = self.inv_freq.to(self.device)
@@ -157,14 +159,34 @@ class TPModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
+    def linear(self, h: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear`` of engine weight ``name``, plus each active LoRA adapter's ``scale * B A h``
+        on its rows (`lora.LoRAShard.apply`; this rank's share of a row-parallel layer's partial sum)."""
+        y = F.linear(h, self.weight(name), bias)
+        for adapter, rows in self._active:
+            y = adapter.apply(name, h, y, rows)
+        return y
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
-                kv_cache: torch.Tensor | None, logits_rows: torch.Tensor) -> torch.Tensor:
+                kv_cache: torch.Tensor | None, logits_rows: torch.Tensor,
+                lora: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor:
         """Full-vocabulary logits (float of the engine dtype) at packed rows ``logits_rows``.
 
         ``ids``/``positions``: packed new tokens of every span. ``kv_cache``: ``[layers, 2, tokens,
         kv_local, head_dim]`` or None (then every span must have ``n_cached == 0`` and keys are
-        not kept).
+        not kept). ``lora``: loaded adapter name -> the packed rows it applies to (None: all).
         """
+        missing = [n for n in (lora or {}) if n not in self.adapters]
+        if missing:
+            raise KeyError(f"LoRA adapter {missing[0]!r} is not loaded (loaded: {sorted(self.adapters)})")
+        self._active = [(self.adapters[n], rows) for n, rows in (lora or {}).items()]
+        try:
+            return self._forward(ids, positions, spans, kv_cache, logits_rows)
+        finally:
+            self._active = []
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
+                 kv_cache: torch.Tensor | None, logits_rows: torch.Tensor) -> torch.Tensor:
         s, L = self.spec, self.layout
         d, ql, kl = s.head_dim, L.q_local, L.kv_local
         P = self.params
@@ -175,7 +197,7 @@ class TPModel:
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
             h = rms_norm(x, P[p + "input_layernorm.weight"], s.rms_norm_eps)
-            qkv = F.linear(h, self.weight(p + "self_attn.qkv_proj.weight"), P.get(p + "self_attn.qkv_proj.bias"))
+            qkv = self.linear(h, p + "self_attn.qkv_proj.weight", P.get(p + "self_attn.qkv_proj.bias"))
             q, k, v = qkv.split([ql * d, kl * d, kl * d], dim=-1)
             q = q.view(n, ql, d)
             k = k.view(n, kl, d)
@@ -197,7 +219,7 @@ class TPModel:
                 else:
                     keys, vals = k[rows], v[rows]
                 attn[rows] = self._attend(q[rows], keys, vals, sp.n_cached, scale)
-            o = F.linear(attn.view(n, ql * d), self.weight(p + "self_attn.o_proj.weight"))
+            o = self.linear(attn.view(n, ql * d), p + "self_attn.o_proj.weight")
             o = self._all_reduce(o)
             if s.o_bias:
                 o = o + P[p + "self_attn.o_proj.bias"]
@@ -217,9 +239,8 @@ class TPModel:
 
     def _mlp(self, h: torch.Tensor, m: str) -> torch.Tensor:
         """This rank's partial sum of a gated MLP (``m``: its prefix); the caller all-reduces."""
-        gate, up = F.linear(h, self.weight(m + "gate_up_proj.weight"),
-                            self.params.get(m + "gate_up_proj.bias")).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.weight(m + "down_proj.weight"))
+        gate, up = self.linear(h, m + "gate_up_proj.weight", self.params.get(m + "gate_up_proj.bias")).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, m + "down_proj.weight")
 
     def _moe(self, h: torch.Tensor, m: str) -> torch.Tensor:
         """This rank's partial sum of a sparse MoE block: routing as transformers does it (softmax

@@ -36,6 +36,9 @@ import torch
 from ...faultpoint import fault_point
 from ...weights.bucket import unflatten
 from ...weights.layout import rank_digest
+from ...weights import handles
+from ...wire import open_flattened_bucket
+from . import lora as lora_mod
 from .errors import KIND_OTHER, KIND_STATE, KIND_UNAVAILABLE, KIND_UPDATE, WorkerError
 from .generation import Decode
 from .quant import engine_layout
@@ -92,6 +95,7 @@ class Worker:
         self.decode = Decode(self.model, self.device, self.gen)   # the running batch (`gen_step`)
         self.update_groups: dict[str, Any] = {}     # weight-update groups (group name -> ProcessGroup)
         self.closed = False
+        self.lora_pending: Any = None    # a staged LoRA adapter (`lora_stage`) awaiting commit
         self.updates = UpdateStager(self)
         self.memory = MemoryRegions(self, libc)   # allocates the weights and the KV cache
         self.model.init_random(int(opts["seed"]))
@@ -110,10 +114,13 @@ class Worker:
                                           f"(e.g. {missing[0]!r})")
 
     @torch.no_grad()
-    def forward_logits(self, prompts: list[list[int]], all_positions: bool) -> Any:
+    def forward_logits(self, prompts: list[list[int]], all_positions: bool, lora: str | None = None) -> Any:
         self._require_weights()
+        if lora is not None and lora not in self.model.adapters:
+            raise WorkerError(KIND_STATE, f"LoRA adapter {lora!r} is not loaded on TP rank {self.rank} "
+                                          f"(loaded: {sorted(self.model.adapters)})")
         ids, pos, spans, rows = self._pack(prompts, [0] * len(prompts), all_positions)
-        logits = self.model.forward(ids, pos, spans, None, rows)
+        logits = self.model.forward(ids, pos, spans, None, rows, lora={lora: None} if lora else None)
         if self.rank != 0:
             return None
         logits = logits.cpu()
@@ -278,6 +285,51 @@ class Worker:
                                            f"{type(exc).__name__}: {str(exc)[:300]}") from exc
         return [("tensor", "hf", n, t) for n, t in out]
 
+    # ----------------------------------------------------------------- LoRA adapters
+    def lora_stage(self, a: dict) -> dict:
+        """Phase one of loading adapter ``a["name"]``: open its full tensors (payload items, as
+        `update_items.build_items` makes them), check them against the base model, build this
+        rank's shard (`lora.shard_adapter`, copies: the payloads are acknowledged at once). The
+        loaded adapters are untouched until ``lora_commit``."""
+        cfg = lora_mod.LoRAConfig.from_dict(a["config"])
+        named: list = []
+        recs = []
+        try:
+            for item in a["items"]:
+                if item[0] != "bucket":
+                    raise WorkerError(KIND_UPDATE, f"LoRA tensors travel as one bucket per call, got {item[0]!r}")
+                try:
+                    rec = handles.open_payload(item[2], self.rank)
+                except Exception as exc:  # noqa: BLE001 - a bad payload is a refused load
+                    raise WorkerError(KIND_UPDATE, f"could not open the LoRA payload for TP rank {self.rank}: "
+                                                   f"{type(exc).__name__}: {exc}") from exc
+                recs.append(rec)
+                named.extend(open_flattened_bucket(rec.value))
+            try:
+                pairs = lora_mod.check_adapter(self.layout, cfg, named)
+                shard = lora_mod.shard_adapter(self.layout, self.rank, a["name"], cfg, pairs, self.dtype, self.device)
+            except ValueError as exc:
+                raise WorkerError(KIND_UPDATE, f"LoRA adapter {a['name']!r} on TP rank {self.rank}: {exc}") from exc
+        finally:
+            del named
+            for rec in recs:
+                rec.ack()
+        self.lora_pending = shard
+        return {"nbytes": shard.nbytes()}
+
+    def lora_commit(self, a: dict) -> dict:
+        shard, self.lora_pending = self.lora_pending, None
+        if shard is None or shard.name != a["name"]:
+            raise WorkerError(KIND_STATE, f"no staged LoRA adapter {a['name']!r} on TP rank {self.rank}")
+        self.model.adapters[shard.name] = shard
+        return {}
+
+    def lora_pieces(self, a: dict) -> dict:
+        shard = self.model.adapters.get(a["name"])
+        if shard is None:
+            raise WorkerError(KIND_STATE, f"LoRA adapter {a['name']!r} is not loaded on TP rank {self.rank}")
+        return lora_mod.unshard_pieces(shard)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -292,6 +344,7 @@ class Worker:
         self.updates.in_update = False
         self.updates.mapped.clear()
         self.model.params, self.memory.kv, self.memory.backup = {}, None, None
+        self.model.adapters, self.lora_pending = {}, None
         # storages opened from CUDA IPC handles give their producer's reference counts back when
         # freed: free them now, before the engine is told this worker is gone (a producer that exits
         # while a count is up leaves its counter file in /dev/shm)
@@ -332,7 +385,12 @@ COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "gen_step": lambda w, a: w.gen_step(a),
     "gen_remove": lambda w, a: w.decode.remove(a["rids"]),
     "gen_end": lambda w, a: w.end_generate(),
-    "forward_logits": lambda w, a: w.forward_logits(a["prompts"], a["all_positions"]),
+    "forward_logits": lambda w, a: w.forward_logits(a["prompts"], a["all_positions"], a.get("lora")),
+    "lora_stage": lambda w, a: w.lora_stage(a),
+    "lora_commit": lambda w, a: w.lora_commit(a),
+    "lora_abort": lambda w, a: setattr(w, "lora_pending", None),
+    "lora_unload": lambda w, a: w.model.adapters.pop(a["name"], None) and None,
+    "lora_pieces": lambda w, a: w.lora_pieces(a),
     "pieces": lambda w, a: w.pieces(a["names"]),
     "release": lambda w, a: w.memory.release(a["tags"]),
     "resume": lambda w, a: w.memory.resume(a["tags"]),

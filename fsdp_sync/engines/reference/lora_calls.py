@@ -1,0 +1,151 @@
+"""LoRA adapters on a reference engine, from the client's side: SGLang's
+``load_lora_adapter_from_tensors`` / ``load_lora_adapter`` (a peft directory) /
+``unload_lora_adapter``, the loaded adapters' list, and reading an adapter back (``lora_tensors``,
+what verify compares). A mixin of `ReferenceEngine`: it uses the engine's lock, the update gate
+(``_sched.exclusive``: a load waits for running requests as a weight update does) and ``_call``.
+
+A load is all or nothing, in two phases: each worker opens the tensors (one flattened bucket, one
+handle per worker), checks them against its base model and builds its shard (`lora`); only when
+every worker said yes are the shards installed, otherwise dropped, so a refused adapter changes
+nothing (with ``replace=True``, an fsdp_sync extension, the adapter of that name keeps serving).
+The engine's ``max_lora_rank`` and ``lora_target_modules`` (SGLang's server arguments of those
+names) bound what it accepts; an adapter beyond them is refused by name.
+
+Not here: the math and the TP split (`lora`), the forward (`tp_model`), the workers' side
+(`worker.Worker.lora_stage`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from ...weights import handles
+from ..base import WeightUpdateError
+from .lora import LoRAConfig, check_adapter
+from .update_items import pack_plain
+
+__all__ = ["LoRACalls"]
+
+
+class LoRACalls:
+    """`ReferenceEngine`'s LoRA methods (see the module docstring)."""
+
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None
+
+    @property
+    def lora_adapters(self) -> dict[str, dict]:
+        """The loaded adapters: name -> ``{"r", "lora_alpha", "target_modules", "scale"}``."""
+        return dict(self.__dict__.setdefault("_lora_loaded", {}))
+
+    def _lora_refusal(self, cfg: LoRAConfig) -> str | None:
+        if self.max_lora_rank is not None and cfg.r > self.max_lora_rank:
+            return f"its rank r={cfg.r} exceeds the engine's max_lora_rank {self.max_lora_rank}"
+        if self.lora_target_modules is not None:
+            extra = [m for m in cfg.target_modules if m not in self.lora_target_modules]
+            if extra:
+                return (f"its target_modules {extra} are not in the engine's lora_target_modules "
+                        f"{list(self.lora_target_modules)}")
+        return None
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
+                                       load_format: str | None = None, pinned: bool = False,
+                                       added_tokens_config: Any = None, *, replace: bool = False) -> dict:
+        """Load adapter ``lora_name`` from full tensors: ``[(name, tensor)]`` or a dict, peft's names
+        (`lora.hf_weight_of`), with ``config_dict`` a peft ``LoraConfig`` dict. SGLang refuses a
+        name already loaded; so does this unless ``replace`` (then the old adapter is swapped out
+        only once the new one is staged everywhere). Raises `WeightUpdateError` naming the tensor
+        or the config key; nothing changes on a refusal. Returns ``{"success", "nbytes"}``."""
+        what = f"load_lora_adapter_from_tensors({lora_name!r})"
+        if not isinstance(lora_name, str) or not lora_name:
+            raise WeightUpdateError(f"{what}: lora_name must be a non-empty string")
+        if load_format not in (None, "tensor") or added_tokens_config:
+            raise WeightUpdateError(f"{what}: load_format={load_format!r} / added_tokens_config are not "
+                                    f"served (plain tensors only)")
+        named = list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
+        try:
+            cfg = LoRAConfig.from_dict(config_dict)
+            check_adapter(self.layout, cfg, named)
+        except ValueError as exc:
+            raise WeightUpdateError(f"{what}: {exc}") from None
+        refusal = self._lora_refusal(cfg)
+        if refusal:
+            raise WeightUpdateError(f"{what}: {refusal}")
+        loaded = self.__dict__.setdefault("_lora_loaded", {})
+        with self._sched.exclusive(), self._lock:
+            self._check_usable()
+            if lora_name in loaded and not replace:
+                raise WeightUpdateError(f"{what}: an adapter named {lora_name!r} is already loaded; "
+                                        f"unload_lora_adapter({lora_name!r}) first")
+            sets: list[handles.PayloadSet] = []
+            items: list[list] = [[] for _ in range(self.tp_size)]
+            try:
+                pack_plain([named] * self.tp_size, "hf", items, sets, self.tp_size)
+                per_rank = [{"name": lora_name, "config": dict(config_dict), "items": items[r]}
+                            for r in range(self.tp_size)]
+                replies = self._round("lora_stage", per_rank=per_rank, what=what)
+                if any(rep[0] != "ok" for rep in replies.values()):
+                    self._round("lora_abort", what=f"{what} abort")
+                    self._raise_errors(replies, what)
+            finally:
+                for s in sets:
+                    s.release(require_ack=False)
+            self._raise_errors(self._round("lora_commit", {"name": lora_name}, what=f"{what} commit"),
+                               f"{what} commit", collective=True)
+            loaded[lora_name] = {"r": cfg.r, "lora_alpha": cfg.lora_alpha,
+                                 "target_modules": list(cfg.target_modules), "scale": cfg.scale}
+            nbytes = replies[0][1]["nbytes"]
+        return {"success": True, "message": f"loaded LoRA adapter {lora_name!r}", "nbytes": nbytes}
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """Load a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+        from safetensors.torch import load_file
+
+        cfg_file = os.path.join(str(lora_path), "adapter_config.json")
+        st_file = os.path.join(str(lora_path), "adapter_model.safetensors")
+        for f in (cfg_file, st_file):
+            if not os.path.isfile(f):
+                raise WeightUpdateError(f"load_lora_adapter({lora_name!r}): {f} does not exist (a peft "
+                                        f"adapter directory holds adapter_config.json and adapter_model.safetensors)")
+        with open(cfg_file) as fh:
+            config = json.load(fh)
+        return self.load_lora_adapter_from_tensors(lora_name, load_file(st_file), config)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Drop adapter ``lora_name`` (waits for running requests, as a weight update does; refused
+        while requests that use it wait or are paused)."""
+        loaded = self.__dict__.setdefault("_lora_loaded", {})
+        with self._sched.exclusive(), self._lock:
+            self._check_usable()
+            if lora_name not in loaded:
+                raise WeightUpdateError(f"unload_lora_adapter({lora_name!r}): no such adapter is loaded "
+                                        f"(loaded: {sorted(loaded)})")
+            using = self._sched.rows_using(lora_name)
+            if using:   # paused or waiting requests would run without it: refused, nothing changes
+                raise WeightUpdateError(f"unload_lora_adapter({lora_name!r}): {using} requests waiting or "
+                                        f"paused use it; let them finish (continue_generation) or abort them")
+            self._raise_errors(self._round("lora_unload", {"name": lora_name}), "unload_lora_adapter",
+                               collective=True)
+            del loaded[lora_name]
+        return {"success": True, "message": f"unloaded LoRA adapter {lora_name!r}"}
+
+    def lora_tensors(self, lora_name: str) -> dict[str, torch.Tensor]:
+        """Adapter ``lora_name`` read back from the workers' shards as full tensors
+        (``model.layers.{i}...{module}.lora_A.weight`` names, the engine dtype)."""
+        shapes: dict[str, torch.Tensor] = {}
+        pieces = self._call("lora_pieces", {"name": lora_name}, what=f"lora_tensors({lora_name!r})")
+        info = self.lora_adapters[lora_name]
+        r = info["r"]
+        for rank in sorted(pieces):
+            for name, lst in pieces[rank].items():
+                weight = name.replace(".lora_A.weight", ".weight").replace(".lora_B.weight", ".weight")
+                out_dim, in_dim = self.layout.full_shape(weight)
+                full = shapes.setdefault(name, torch.empty((r, in_dim) if ".lora_A." in name else (out_dim, r),
+                                                           dtype=self.dtype))
+                for src, t in lst:
+                    full[src] = t
+        return shapes

@@ -1,0 +1,242 @@
+"""Adapter-only syncs of a LoRA model (`SyncConfig.lora="adapter"`), as verl's SGLang rollout
+serves LoRA: the base weights go once through the configured transport (the export leaves
+``lora_`` tensors out and drops peft's ``base_model.model.`` / ``.base_layer`` levels), then every
+sync sends only the adapter, through the engine's ``load_lora_adapter_from_tensors`` under
+`SyncConfig.lora_name`.
+
+- `adapter_config`: the adapter's peft config dict (``module.peft_config[name]`` of a peft model,
+  or the ``peft_config=`` given to the manager), normalized as verl does for SGLang (enums to
+  strings), checked against the LoRA tensors the module holds (rank from their shapes, targets
+  from their names).
+- `adapter_tensors`: the full LoRA tensors, gathered from FSDP2 / FSDP1 / plain modules by the
+  export (collective: every trainer rank calls it), named as peft saves them
+  (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the adapter's name segment
+  dropped), the names SGLang's LoRA loader and the reference engine read.
+- `check_engine`: refuse, by name and before the engine's adapter is touched, an adapter that the
+  engine's base cannot take: another rank or other target modules than the adapter it serves,
+  beyond its ``max_lora_rank`` / ``lora_target_modules``, or base weights that are not the ones
+  this manager synced (their ``weight_version`` changed).
+- `load_adapter`: swap the adapter in (the reference engine stages the new one on every worker
+  before dropping the old one, ``replace=True``; an engine without that unloads, then loads, as
+  verl does).
+- `verify_adapter`: read the adapter back (``engine.lora_tensors``) and compare bit for bit.
+
+The adapter travels as one flattened bucket per call (one shared buffer, one handle per TP rank:
+`engines.reference.update_items.pack_plain`), the same payload form as a full sync's buckets.
+
+Not here: the base weights' sync (the transports), the engine's side (`engines.reference.lora`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from .transport import SyncStats
+from .weights import export
+from .weights.bucket import unflatten
+
+__all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "adapter_tensors", "check_engine", "load_adapter",
+           "verify_adapter", "peft_name"]
+
+
+def check_mode(module: torch.nn.Module, config: Any) -> None:
+    """Refuse a module holding LoRA tensors under ``SyncConfig.lora="off"``: its full sync
+    would leave the adapter out (the export never sends ``lora_`` tensors as weights)."""
+    if config.lora == "off" and any(export.is_lora(n) for n, _ in module.named_parameters()):
+        raise ValueError("the module holds LoRA tensors (peft's lora_A / lora_B) but SyncConfig.lora "
+                         "is 'off': a full sync would leave the adapter out; set SyncConfig(lora="
+                         "'adapter') to sync the base once and then the adapter only, or merge the "
+                         "adapter into the weights first")
+
+
+def memory_tags(config: Any, tags: list[str] | None) -> list[str] | None:
+    """The engine memory the manager releases / resumes: with ``lora="adapter"`` the KV cache
+    only, as verl's SGLang rollout does for LoRA adapters (the base weights are synced once and
+    must still be there at the next, adapter-only, sync); ``[]``: nothing."""
+    if config.lora != "adapter":
+        return tags
+    return ["kv_cache"] if tags is None or "kv_cache" in tags else []
+
+
+def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_config: Any,
+                 base_versions: dict[int, Any], agree: Callable[..., None]) -> SyncStats:
+    """One adapter-only sync, on every trainer rank: all gather the adapter, the engine ranks
+    check it against each engine (`check_engine`) and load it, all ``agree`` (so a refusal on
+    one rank raises the same `SyncError` on every rank, naming it); then, with
+    `SyncConfig.verify`, each engine's adapter is read back and compared bit for bit. Returns
+    the sync's figures (seconds: gather + load, without the verify)."""
+    name = config.lora_name
+    t0 = time.perf_counter()
+    err, tensors, cfg = None, {}, {}
+    try:
+        cfg = adapter_config(module, peft_config)
+        tensors = adapter_tensors(module, config.dtype, config.bucket_bytes)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+        err = f"{type(exc).__name__}: {exc}"
+    agree(err, what="adapter sync")
+    for engine in engines:
+        if err is not None:
+            break
+        try:
+            err = check_engine(engine, cfg, name, base_versions.get(id(engine)))
+            if err is None:
+                load_adapter(engine, name, tensors, cfg)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+            err = f"{type(exc).__name__}: {exc}"
+    agree(err, what=f"adapter sync of {name!r}")
+    stats = SyncStats(seconds=time.perf_counter() - t0,
+                      bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                      tensors=len(tensors), buckets=1, engine_calls=len(engines),
+                      extra={"lora": name, "r": cfg.get("r")})
+    if config.verify != "off":
+        err = None
+        for engine in engines:
+            err = err or verify_adapter(engine, name, tensors)
+        agree(err, what=f"verify={config.verify!r} of adapter {name!r}")
+    return stats
+
+
+def peft_name(name: str) -> str:
+    """A LoRA tensor's export name as peft saves it: ``base_model.model.`` first, no adapter
+    segment (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.startswith("lora_") and i + 2 < len(parts):
+            parts = parts[:i + 1] + parts[i + 2:]
+            break
+    return "base_model.model." + ".".join(parts)
+
+
+def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "default") -> dict:
+    """The adapter's config dict (see the module docstring); raises ValueError naming what is
+    missing or what the module's LoRA tensors contradict."""
+    cfg = given
+    if cfg is None:
+        peft_cfg = getattr(module, "peft_config", None)
+        if isinstance(peft_cfg, dict) and adapter in peft_cfg:
+            cfg = peft_cfg[adapter]
+    if cfg is None:
+        raise ValueError("SyncConfig.lora='adapter' needs the adapter's config: a peft model "
+                         "(module.peft_config) or FSDPShardingManager(peft_config={'r': ..., "
+                         "'lora_alpha': ..., 'target_modules': [...]})")
+    if hasattr(cfg, "to_dict"):
+        cfg = cfg.to_dict()
+    cfg = dict(cfg)
+    cfg.setdefault("peft_type", "LORA")
+    for key in ("task_type", "peft_type"):
+        if key in cfg:
+            cfg[key] = getattr(cfg[key], "value", cfg[key])
+    tm = cfg.get("target_modules")
+    if isinstance(tm, (set, frozenset, tuple)):
+        cfg["target_modules"] = sorted(tm)
+    metas = export.param_metas(module, lora=True)
+    if not metas:
+        raise ValueError("SyncConfig.lora='adapter' but the module holds no LoRA tensors (no "
+                         "parameter named like '...q_proj.lora_A.default.weight')")
+    ranks = {m.shape[0] for m in metas if ".lora_A." in m.name} | {m.shape[1] for m in metas if ".lora_B." in m.name}
+    if ranks != {cfg.get("r")}:
+        raise ValueError(f"the adapter config says r={cfg.get('r')!r} but the module's LoRA tensors "
+                         f"have rank {sorted(ranks)}")
+    return cfg
+
+
+def adapter_tensors(module: torch.nn.Module, dtype: torch.dtype | None,
+                    bucket_bytes: int = 512 << 20) -> dict[str, torch.Tensor]:
+    """The full LoRA tensors in peft's saved names (collective over the module's shard group):
+    gathered bucket by bucket (one all-gather per bucket, not one per tensor), each tensor a view
+    of its bucket's buffer (plain memory: the engine call copies what it sends)."""
+    out = {}
+    for bkt, flat in export.iter_buckets(module, bucket_bytes, dtype=dtype, lora=True,
+                                         alloc=lambda n: torch.empty(n, dtype=torch.uint8)):
+        out.update((peft_name(n), t) for n, t in unflatten(flat, bkt.entries))
+    return out
+
+
+def check_engine(engine: Any, cfg: dict, name: str, base_version: Any) -> str | None:
+    """Why ``engine`` cannot take this adapter now (None: it can). See the module docstring."""
+    r, targets = cfg.get("r"), cfg.get("target_modules")
+    if not callable(getattr(engine, "load_lora_adapter_from_tensors", None)):
+        return (f"adapter {name!r}: the engine {type(engine).__name__} has no load_lora_adapter_from_tensors "
+                f"(SGLang's LoRA call); SyncConfig.lora='adapter' needs an engine that serves adapters")
+    loaded = getattr(engine, "lora_adapters", None)
+    held = loaded.get(name) if isinstance(loaded, dict) else None
+    if held is not None:
+        want = sorted(targets) if isinstance(targets, (list, tuple)) else targets
+        if held.get("r") != r:
+            return (f"adapter {name!r}: r={r} but the engine serves it with r={held.get('r')} "
+                    f"(its LoRA memory is sized for that rank); the engine keeps its adapter")
+        got = sorted(held.get("target_modules") or [])
+        if isinstance(want, list) and got != want:
+            return (f"adapter {name!r}: target_modules {want} but the engine serves it on {got}; "
+                    f"the engine keeps its adapter")
+    max_r = getattr(engine, "max_lora_rank", None)
+    if isinstance(max_r, int) and isinstance(r, int) and r > max_r:
+        return f"adapter {name!r}: r={r} exceeds the engine's max_lora_rank {max_r}"
+    allowed = getattr(engine, "lora_target_modules", None)
+    if allowed is not None and isinstance(targets, (list, tuple)):
+        extra = [m for m in targets if m not in allowed]
+        if extra:
+            return (f"adapter {name!r}: target_modules {extra} are not in the engine's "
+                    f"lora_target_modules {list(allowed)}")
+    now = getattr(engine, "weight_version", None)
+    if base_version is not None and now is not None and now != base_version:
+        return (f"adapter {name!r}: the engine's base weights are version {now!r}, not the base "
+                f"version {base_version!r} this manager synced; set manager.base_sync_done=False "
+                f"to sync the base again")
+    return None
+
+
+def load_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor], cfg: dict) -> None:
+    """Put the adapter into ``engine`` under ``name`` (see the module docstring)."""
+    loaded = getattr(engine, "lora_adapters", None)
+    if isinstance(loaded, dict):          # the reference engine: staged everywhere, then swapped
+        engine.load_lora_adapter_from_tensors(name, list(tensors.items()), cfg, replace=True)
+        return
+    models = getattr(engine, "available_models", None)
+    if callable(models) and any(m.get("id") == name for m in (models() or {}).get("data", [])):
+        engine.unload_lora_adapter(name)
+    engine.load_lora_adapter_from_tensors(name, list(tensors.items()), cfg)
+
+
+def verify_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor]) -> str | None:
+    """Compare the engine's adapter with ``tensors`` bit for bit; a message naming the first
+    tensor that differs (or None)."""
+    read = getattr(engine, "lora_tensors", None)
+    if not callable(read):
+        return (f"verify: the engine {type(engine).__name__} cannot read its LoRA adapter back; "
+                f"set SyncConfig.verify='off' for adapter syncs into it")
+    got = read(name)
+    for n, want in tensors.items():
+        short = n.removeprefix("base_model.model.")
+        g = got.get(short)
+        if g is None:
+            return f"verify: the engine's adapter {name!r} has no {short!r}"
+        w = want.to(g.dtype)
+        if g.shape != w.shape or not torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)):
+            diff = (g.float() - w.float()).abs()
+            return (f"verify: adapter {name!r} tensor {short!r} differs from the trainer's "
+                    f"(max abs difference {float(diff.max()) if diff.numel() else 0.0:.3g})")
+    extra = sorted(set(got) - {n.removeprefix("base_model.model.") for n in tensors})
+    if extra:
+        return f"verify: the engine's adapter {name!r} holds {extra[:3]} that the trainer does not"
+    return None
+
+
+def sync_weights(manager: Any, sync_full: Any, agree: Any) -> None:
+    """The manager's sync_weights stage under ``lora="adapter"``: the base through ``sync_full``
+    (the configured method) when ``manager.base_sync_done`` is False, then the adapter
+    (`sync_adapter`); the manager's stats become the adapter's, with the base's beside them."""
+    full = not manager.base_sync_done
+    if full:
+        sync_full()
+        manager.lora_base = {id(e): getattr(e, "weight_version", None) for e in manager.engines}
+    base, manager.base_sync_done = manager.stats, True
+    manager.stats = sync_adapter(manager.module, manager.config, manager.engines, manager.peft_config,
+                                 manager.lora_base, agree)
+    manager.step += int(not full)
+    if full:
+        manager.stats.extra.update({"base_seconds": base.seconds, "base_bytes": base.bytes,
+                                    "base_tensors": base.tensors})
