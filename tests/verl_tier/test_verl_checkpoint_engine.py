@@ -7,6 +7,9 @@
   several buckets, tensors larger than a bucket, the stream taken with
   `async for` and with `for`, and a sender that fails mid-stream: every receiver
   raises the sender's message at once.
+- verl's own `CheckpointEngineWorker` (outside Ray) with fsdp_sync's adapter as its rollout and a
+  backend whose `receive_weights` is an async generator (as verl's nccl engine's): the received
+  stream synced into a served engine, bit-exact and verified.
 - Pure: the topology, and the errors for a missing master and a device mismatch.
 """
 
@@ -89,20 +92,30 @@ def workers():
     assert not any(p.is_alive() for p in w.procs)
 
 
-def sync_like_the_manager(w: Workers, step: int, bad_at=None, timeout_s=60):
+def sync_like_the_manager(w: Workers, step: int, bad_at=None, timeout_s=60, workers=False):
     """CheckpointEngineManager.update_weights' steps 4-6 (base.py): prepare on all, build_topology,
-    init_process_group on all, send on the actor group with receive on the rollout workers, finalize."""
+    init_process_group on all, send on the actor group with receive on the rollout workers, finalize.
+    ``workers``: the rollout side is verl's CheckpointEngineWorker (its execute_checkpoint_engine
+    and update_weights, which hands the received stream to the rollout adapter), the actors send
+    the tiny model (`ckpt_roles.model_stream`)."""
     everyone = w.actors + w.rollouts
-    meta = [r[1] for r in w.call(everyone, "call", [{"method": "prepare"}] * len(everyone))]
+    call = lambda i: "worker_call" if workers and i in w.rollouts else "call"   # noqa: E731
+
+    def on_all(kws):
+        for i, kw in zip(everyone, kws):
+            w.conns[i].send((call(i), dict(kw)))
+        return [w.conns[i].recv() if w.conns[i].poll(120) else ("hung", i) for i in everyone]
+
+    meta = [r[1] for r in on_all([{"method": "prepare"}] * len(everyone))]
     actor_kw, rollout_kw = FsdpSyncCheckpointEngine.build_topology(len(w.actors), len(w.rollouts), meta)
     kws = [{k: v[i] for k, v in actor_kw.items()} for i in range(len(w.actors))] + \
           [{k: v[i] for k, v in rollout_kw.items()} for i in range(len(w.rollouts))]
-    inits = w.call(everyone, "call", [dict(kw, method="init_process_group") for kw in kws])
+    inits = on_all([dict(kw, method="init_process_group") for kw in kws])
     assert all(r[0] == "ok" for r in inits), inits
     for i in w.actors:
-        w.conns[i].send(("send", {"step": step, "bad_at": bad_at}))
+        w.conns[i].send(("send", {"step": step, "bad_at": bad_at, "model": workers}))
     for i in w.rollouts:
-        w.conns[i].send(("recv", {"step": step}))
+        w.conns[i].send(("update" if workers else "recv", {"step": step}))
     t0 = time.perf_counter()
     answers, waiting = {}, {w.conns[i]: i for i in everyone}
     while waiting:      # each answer with the time it came in
@@ -110,9 +123,47 @@ def sync_like_the_manager(w: Workers, step: int, bad_at=None, timeout_s=60):
         assert ready, f"workers {sorted(waiting.values())} hung in the sync"
         for c in ready:
             answers[waiting.pop(c)] = (c.recv(), time.perf_counter() - t0)
-    fin = w.call(everyone, "call", [{"method": "finalize"}] * len(everyone))
+    fin = on_all([{"method": "finalize"}] * len(everyone))
     assert all(r[0] == "ok" for r in fin), fin
     return answers
+
+
+def test_adapter_takes_an_async_generator_under_verls_checkpoint_engine_worker(workers):
+    """Issue 37, item 1: with ``custom.fsdp_sync.enable=true`` and a checkpoint engine whose
+    ``receive_weights`` is an async generator (verl's nccl, nixl, mooncake, hccl, kimi), verl's own
+    ``CheckpointEngineWorker.update_weights`` hands that generator to fsdp_sync's adapter. The
+    adapter syncs it into the served engine (TP 2, the two workers of one replica), bit-exact and
+    verified in full, two syncs in a row."""
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.engines.reference.serve import EngineServer
+
+    backend = ckpt_roles.ASYNC_BACKEND
+    ce = {"backend": backend, "custom_backend_module": "ckpt_roles",
+          "update_weights_bucket_megabytes": 1, "engine_kwargs": {backend: {"timeout_s": 60}}}
+    with ReferenceEngine("tiny", tp_size=2, seed=5) as engine, EngineServer(engine) as server:
+        port = _port()
+        rollout = {"name": "sglang", "tensor_model_parallel_size": 2, "dtype": "float32",
+                   "custom": {"fsdp_sync": {"enable": True, "base_url": server.url,
+                                            "verify": "full", "bucket_mb": 0.1}}}
+        workers.call(workers.actors, "new", [{"bucket_size": BUCKET, "is_master": True, "timeout_s": 60},
+                                             {"bucket_size": BUCKET, "timeout_s": 60}])
+        built = workers.call(workers.rollouts, "rollout_worker", [
+            dict(rollout, index=i, world_port=port, checkpoint_engine=ce) for i in range(2)])
+        assert all(b[0] == "ok" for b in built), built
+        before = engine.weights_checksum()
+        for step in (1, 2):
+            answers = sync_like_the_manager(workers, step, workers=True)
+            assert answers[0][0][0] == "ok", answers[0]
+            for i in workers.rollouts:
+                (status, stats), _ = answers[i]
+                assert status == "ok", answers[i][0][1:]
+                # the 128 KiB embedding and lm_head are larger than a 100 KiB bucket
+                assert stats["tensors"] == len(ckpt_roles.model_weights(0)) and stats["buckets"] > 2
+            (_, leader), _ = answers[workers.rollouts[0]]
+            assert leader["verify"] == "full" and leader["verify_tensors"] == leader["tensors"]
+            assert engine.weights_checksum() == checksum_named_tensors(
+                ckpt_roles.model_weights(step)) != before
 
 
 def test_manager_calls_in_order_bit_exact_over_several_buckets(workers):
