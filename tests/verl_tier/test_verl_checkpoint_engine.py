@@ -6,7 +6,8 @@
 - The manager's calls in the manager's order, one process per worker (no Ray): the same checks,
   several buckets, tensors larger than a bucket, the stream taken with
   `async for` and with `for`, and a sender that fails mid-stream: every receiver
-  raises the sender's message at once.
+  raises the sender's message at once. The group is kept from one sync to the next, and made
+  anew after a failed one.
 - verl's own `CheckpointEngineWorker` (outside Ray) with fsdp_sync's adapter as its rollout and a
   backend whose `receive_weights` is an async generator (as verl's nccl engine's): the received
   stream synced into a served engine, bit-exact and verified.
@@ -36,6 +37,13 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULE = "fsdp_sync.integrations.verl.checkpoint_engine"
 BUCKET = ckpt_roles.BUCKET_MB << 20
 NAMES = [n for n, _, _ in ckpt_roles.SPECS]
+
+
+def _made_since(path: str, t: float) -> bool:
+    try:
+        return os.stat(path).st_ctime >= t
+    except OSError:         # removed meanwhile
+        return False
 
 
 def _port() -> int:
@@ -179,6 +187,8 @@ def test_manager_calls_in_order_bit_exact_over_several_buckets(workers):
         # 11 tensors, two larger than the 1 MiB bucket: 7 buckets of which 2 hold one tensor each
         assert metrics[f"checkpoint_engine/{BACKEND}/tensors"] == len(NAMES)
         assert metrics[f"checkpoint_engine/{BACKEND}/buckets"] >= 5
+        # the first sync makes the group, the second runs on it (issue 37, item 6)
+        assert metrics[f"checkpoint_engine/{BACKEND}/group_kept"] == (step == 2), metrics
         for i in workers.rollouts:
             (status, report), _ = answers[i]
             assert status == "ok", answers[i]
@@ -200,10 +210,13 @@ def test_a_failing_sender_fails_every_receiver_at_once(workers):
         assert "model.bad.weight" in got[1]
         assert seconds < 30, f"receiver {i} took {seconds:.1f}s: it waited for a timeout"
     assert answers[1][0] == ("ok", None) and answers[1][1] < 30   # actor rank 1 walked to the end
-    # the engines are usable for the next sync after a failed one
-    answers = sync_like_the_manager(workers, 4)
-    for i in workers.rollouts:
-        assert answers[i][0][0] == "ok" and answers[i][0][1]["bad"] == [], answers[i]
+    # the engines are usable for the next sync after a failed one, on a group made anew (the
+    # failed sync's is dropped where it failed), and the one after keeps that group
+    for step, kept in ((4, 0.0), (5, 1.0)):
+        answers = sync_like_the_manager(workers, step)
+        for i in workers.rollouts:
+            assert answers[i][0][0] == "ok" and answers[i][0][1]["bad"] == [], answers[i]
+        assert answers[0][0][1][f"checkpoint_engine/{BACKEND}/group_kept"] == kept, answers[0]
 
 
 def test_topology_and_errors_that_name_the_problem():
@@ -248,7 +261,10 @@ def test_under_verls_own_checkpoint_engine_manager(tmp_path):
     worker_tmp.mkdir()
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
            "VERL_USE_EXTERNAL_PLUGINS": "none", "TMPDIR": str(worker_tmp)}
-    before = {p.name for p in Path(tempfile.gettempdir()).glob("pymp-*")}
+    from fsdp_sync.memory import temp_dirs
+
+    started = time.time() - 1.0
+    before = temp_dirs()
     ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
     try:
         def world(n):
@@ -272,6 +288,7 @@ def test_under_verls_own_checkpoint_engine_manager(tmp_path):
             metrics = manager.update_weights(global_steps=step)
             seconds = time.perf_counter() - t0
             assert metrics[f"checkpoint_engine/{BACKEND}/tensors"] == len(NAMES), metrics
+            assert metrics[f"checkpoint_engine/{BACKEND}/group_kept"] == (step == 2), metrics
             reports = [json.loads((tmp_path / f"r0_{r}_step{step}.json").read_text()) for r in range(2)]
             for rep in reports:
                 assert rep["names"] == NAMES and rep["bad"] == [], rep
@@ -281,5 +298,7 @@ def test_under_verls_own_checkpoint_engine_manager(tmp_path):
                                  "resume_generation"] * 2
     finally:
         ray.shutdown()
-    left = sorted({p.name for p in Path(tempfile.gettempdir()).glob("pymp-*")} - before)
+    # what no live process holds and was made during the test (older ones are other jobs' on a
+    # shared machine, orphaned meanwhile)
+    left = sorted(d for d in temp_dirs() - before if _made_since(d, started))
     assert not left, f"the Ray workers left {left} in {tempfile.gettempdir()}"
