@@ -171,7 +171,7 @@ def lora_refusal(model_config: Any = None, peft_config: Any = None) -> str | Non
     lora = _get(model_config, "lora") or {}
     rank = int(_get(model_config, "lora_rank", 0) or 0) or int(_get(lora, "rank", 0) or 0)
     path = _get(model_config, "lora_adapter_path") or _get(lora, "adapter_path")
-    merge = _bool(_get(lora, "merge", False), "lora.merge")
+    merge = bool(_get(lora, "merge", False))
     if peft_config:
         what = "verl passed a LoRA peft_config to update_weights"
     elif (rank > 0 or path) and not merge:
