@@ -43,6 +43,14 @@ dequantized there), pipeline or data parallelism beyond merging the answer's ent
 in-process ``sglang.Engine`` has no checker call: with ``verify`` on, a sync into it raises,
 naming ``SyncConfig.verify="off"``; so does a server without ``/weights_checker`` (before 0.5.21).
 
+A caller that streams its own tensors and holds no module (verl's adapter: verl's export is a
+generator it walks once) records what it sends as it sends it, in the form the engine is checked
+in (`sent_record`): full-tensor digests for an engine that reports them (`SentDigests`,
+`check_sent`), or, for SGLang, each TP rank's hash of each engine parameter, assembled from the
+passing tensors one engine parameter at a time by the same code the manager's check uses
+(`SentToSGLang`: `checksums.RankParams`, `hex_hash`, `rank_reports`), compared after the sync with
+``/weights_checker``. ``"sample"`` there picks every `SAMPLE_EVERY`-th engine parameter, rotating.
+
 Not here: the sync itself (the transports), the stages around it (the manager).
 """
 
@@ -60,7 +68,7 @@ from .engines.base import checksum_named_tensors
 from .weights.layout import TPLayout, layout_for, rank_digest
 
 __all__ = ["SAMPLE_EVERY", "select", "tensor_digest", "trainer_tensors", "first_difference",
-           "verify_engines", "digests", "check_sent"]
+           "verify_engines", "digests", "check_sent", "SentDigests", "SentToSGLang", "sent_record"]
 
 SAMPLE_EVERY = 8
 
@@ -291,3 +299,94 @@ def check_sent(engine: Any, sent: dict[str, str], mode: str, step: int) -> tuple
     return err, {"verify": mode, "verify_tensors": len(chosen),
                  "verify_s": time.perf_counter() - t0}
 
+
+
+class SentDigests:
+    """`tensor_digest` of each tensor as it is sent, checked by `check_sent` after the sync."""
+
+    def __init__(self, mode: str, step: int) -> None:
+        self.mode, self.step = mode, step
+        self.digests: dict[str, str] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self.digests:
+            raise ValueError(f"the weight stream holds {name!r} twice")
+        self.digests[name] = tensor_digest(name, t)
+
+    def check(self, engine: Any) -> tuple[str | None, dict]:
+        return check_sent(engine, self.digests, self.mode, self.step)
+
+
+class SentToSGLang:
+    """SGLang's per-TP-rank hash of each (chosen) engine parameter, computed from the tensors as
+    they are sent, and their comparison with ``/weights_checker`` after the sync.
+
+    ``hf_config``: the model's Hugging Face config (which bytes each rank holds); ``tp_size``: the
+    server's tensor parallelism; ``dtype``: what the engine stores (the sent tensors' dtype if
+    None). The hash is the server's (``--device``: sha256 on CPU, the tile hash on GPU); a
+    parameter the server keeps elsewhere (offloaded to CPU on a GPU server) reports a mismatch."""
+
+    def __init__(self, engine: Any, mode: str, step: int, *, hf_config: Any, tp_size: int,
+                 dtype: torch.dtype | None = None, quantization: str | None = None) -> None:
+        from .engines.sglang.checksums import RankParams
+
+        if quantization is not None:
+            raise ValueError(f"SGLang's /weights_checker hashes FP8 weights dequantized, which the "
+                             f"trainer does not recompute: verify with quantization={quantization!r} "
+                             f"runs against the reference engine only")
+        if hf_config is None:
+            raise ValueError("verifying against SGLang needs the model's Hugging Face config, to "
+                             "tell which bytes each TP rank holds; there is none")
+        info = engine.server_info()
+        self.algorithm = "cpu" if str(info.get("device") or "cuda") == "cpu" else "gpu"
+        self.mode, self.step, self.tp_size = mode, step, int(tp_size)
+        self.layout = layout_for(hf_config, self.tp_size, int(info.get("ep_size") or 1))
+        chosen = select(list(self.layout.engine_shapes()), mode, step)
+        self.params = RankParams(self.layout, chosen, dtype)
+        self.expected: dict[str, list[str]] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        from .engines.sglang.checksums import hex_hash
+
+        if not self.layout.accepts(name):
+            return
+        for engine_name, per_rank in self.params.add(name, t):
+            self.expected[engine_name] = [hex_hash(x, self.algorithm) for x in per_rank]
+
+    def check(self, engine: Any) -> tuple[str | None, dict]:
+        from .engines.sglang.checksums import rank_reports
+
+        t0 = time.perf_counter()
+        problems: list[str] = []
+        try:
+            reports = rank_reports(engine.weights_checker("checksum"), self.tp_size)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            return (f"the engine cannot be verified: {type(exc).__name__}: {exc}; set "
+                    f"SyncConfig.verify='off' to sync without checking"), {
+                "verify": self.mode, "verify_tensors": 0, "verify_s": time.perf_counter() - t0}
+        for name, per_rank in self.expected.items():
+            for r, want in enumerate(per_rank):
+                for sums in reports[r]:
+                    got = sums.get(name)
+                    if got != want:
+                        problems.append(f"{name!r} on TP rank {r}: " + (
+                            "SGLang reports no checksum for it" if got is None else
+                            f"SGLang hashes {got}, the sent bytes hash {want} ({self.algorithm})"))
+                        break
+        pending = self.params.pending()
+        if pending:
+            problems.append(f"the sent tensors did not complete {pending[:3]} ({len(pending)} "
+                            f"engine parameters)")
+        err = _sglang_error(self.step, 0, problems) if problems else None
+        return err, {"verify": self.mode, "verify_tensors": len(self.expected),
+                     "verify_s": time.perf_counter() - t0}
+
+
+def sent_record(engine: Any, mode: str, step: int, **sglang: Any) -> "SentDigests | SentToSGLang":
+    """The record a streaming sender keeps for ``engine``: `SentToSGLang` when it is an SGLang
+    server (its client says it has no full-tensor digests), else `SentDigests`. ``sglang``: the
+    keyword arguments of `SentToSGLang` past the first three."""
+    serves = getattr(engine, "serves_tensor_checksums", None)
+    if callable(serves) and not serves():
+        return SentToSGLang(engine, mode, step, **sglang)
+    return SentDigests(mode, step)

@@ -445,6 +445,10 @@ class FakeSGLangServer:
             return ok(value)
         if path == "/weights_checker" and self.session_routes:   # an older server has neither
             return self._weights_checker(body or {})
+        if path == "/update_weight_version":     # SGLang 0.5.23's UpdateWeightVersionReqInput
+            e._record("update_weight_version", **(body or {}))
+            e.weight_version = str((body or {}).get("new_version"))
+            return ok({"success": True, "message": "Success", "new_version": e.weight_version})
         if path == "/generate":
             return ok(e.generate(input_ids=body.get("input_ids"),
                                  sampling_params=body.get("sampling_params")))

@@ -75,6 +75,23 @@ def check(received: list[tuple[str, torch.Tensor]], step: int) -> dict:
     return report
 
 
+def model_weights(step: int) -> list[tuple[str, torch.Tensor]]:
+    """The tiny Qwen2's weights as an actor exports them at ``step`` (deterministic per step)."""
+    from fsdp_sync.models import build_model, load_config
+
+    model = build_model(load_config("tiny"), seed=0)
+    with torch.no_grad():
+        return [(n, (t * (1.0 + 0.125 * step)).contiguous()) for n, t in model.state_dict().items()]
+
+
+def model_stream(step: int):
+    """`model_weights` with one collective per tensor over the actor ranks, as `stream`."""
+    for name, t in model_weights(step):
+        if dist.is_initialized():
+            dist.all_reduce(torch.ones(1))
+        yield name, t
+
+
 async def consume(gen) -> list[tuple[str, torch.Tensor]]:
     """Hold every tensor to the end (no copy): buckets must not be reused under a consumer."""
     return [(n, t) async for n, t in gen]
@@ -100,8 +117,16 @@ def rank_main(conn, role: str, index: int, world_port: int | None) -> None:
                 elif cmd == "call":
                     out = getattr(engine, kw.pop("method"))(**kw)
                 elif cmd == "send":
-                    out = asyncio.run(engine.send_weights(stream(kw["step"], bad_at=kw.get("bad_at")),
-                                                          global_steps=kw["step"]))
+                    weights = (model_stream(kw["step"]) if kw.get("model")
+                               else stream(kw["step"], bad_at=kw.get("bad_at")))
+                    out = asyncio.run(engine.send_weights(weights, global_steps=kw["step"]))
+                elif cmd == "rollout_worker":   # verl's own CheckpointEngineWorker, built as verl does
+                    engine, out = rollout_worker(**kw), None
+                elif cmd == "worker_call":      # a CheckpointEngineManager call on the worker
+                    out = engine.execute_checkpoint_engine(kw.pop("method"), **kw)
+                elif cmd == "update":           # the manager's rollout.update_weights(global_steps)
+                    asyncio.run(engine.update_weights(global_steps=kw["step"]))
+                    out = engine.server_adapter.last_stats
                 elif cmd == "recv":
                     received = engine.receive_weights(global_steps=kw["step"])
                     # rollout worker 0 takes it as verl's adapters do (async for), 1 with a plain for
@@ -113,6 +138,40 @@ def rank_main(conn, role: str, index: int, world_port: int | None) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def rollout_worker(index: int, world_port: int, checkpoint_engine: dict, **rollout):
+    """verl's ``CheckpointEngineWorker`` for rollout rank ``index`` of 2, outside Ray: its env is
+    what Ray's worker group sets; it builds the rollout adapter itself
+    (``get_rollout_class(rollout.name, rollout.mode)``, device_mesh None) and the checkpoint
+    engine named by ``checkpoint_engine["backend"]`` (imported from ``custom_backend_module``)."""
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+
+    os.environ.update({"RANK": str(index), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(world_port), "LOCAL_RANK": "0"})
+    config = RolloutConfig(checkpoint_engine=CheckpointEngineConfig(**checkpoint_engine), **rollout)
+    return CheckpointEngineWorker(config, None)
+
+
+# ---------------------------------------------------------------- an async-generator backend
+from verl.checkpoint_engine.base import CheckpointEngineRegistry  # noqa: E402
+
+from fsdp_sync.integrations.verl.checkpoint_engine import FsdpSyncCheckpointEngine  # noqa: E402
+
+ASYNC_BACKEND = "fsdp_sync_async_generator"
+
+
+@CheckpointEngineRegistry.register(ASYNC_BACKEND)
+class AsyncGeneratorEngine(FsdpSyncCheckpointEngine):
+    """fsdp_sync's checkpoint engine whose ``receive_weights`` is an async generator, as verl's
+    ``nccl``, ``nixl``, ``mooncake``, ``hccl`` and ``kimi`` engines' are
+    (``nccl_checkpoint_engine.py`` ~437): nothing to ``iter()``; each bucket is awaited on the
+    event loop (a thread receives it), so a consumer that blocks the loop never gets the next."""
+
+    async def receive_weights(self, global_steps=None):
+        async for name, tensor in super().receive_weights(global_steps):
+            yield name, tensor
 
 
 # ---------------------------------------------------------------- under verl's manager (Ray)

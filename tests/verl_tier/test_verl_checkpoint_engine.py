@@ -6,7 +6,11 @@
 - The manager's calls in the manager's order, one process per worker (no Ray): the same checks,
   several buckets, tensors larger than a bucket, the stream taken with
   `async for` and with `for`, and a sender that fails mid-stream: every receiver
-  raises the sender's message at once.
+  raises the sender's message at once. The group is kept from one sync to the next, and made
+  anew after a failed one.
+- verl's own `CheckpointEngineWorker` (outside Ray) with fsdp_sync's adapter as its rollout and a
+  backend whose `receive_weights` is an async generator (as verl's nccl engine's): the received
+  stream synced into a served engine, bit-exact and verified.
 - Pure: the topology, and the errors for a missing master and a device mismatch.
 """
 
@@ -33,6 +37,13 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULE = "fsdp_sync.integrations.verl.checkpoint_engine"
 BUCKET = ckpt_roles.BUCKET_MB << 20
 NAMES = [n for n, _, _ in ckpt_roles.SPECS]
+
+
+def _made_since(path: str, t: float) -> bool:
+    try:
+        return os.stat(path).st_ctime >= t
+    except OSError:         # removed meanwhile
+        return False
 
 
 def _port() -> int:
@@ -89,20 +100,30 @@ def workers():
     assert not any(p.is_alive() for p in w.procs)
 
 
-def sync_like_the_manager(w: Workers, step: int, bad_at=None, timeout_s=60):
+def sync_like_the_manager(w: Workers, step: int, bad_at=None, timeout_s=60, workers=False):
     """CheckpointEngineManager.update_weights' steps 4-6 (base.py): prepare on all, build_topology,
-    init_process_group on all, send on the actor group with receive on the rollout workers, finalize."""
+    init_process_group on all, send on the actor group with receive on the rollout workers, finalize.
+    ``workers``: the rollout side is verl's CheckpointEngineWorker (its execute_checkpoint_engine
+    and update_weights, which hands the received stream to the rollout adapter), the actors send
+    the tiny model (`ckpt_roles.model_stream`)."""
     everyone = w.actors + w.rollouts
-    meta = [r[1] for r in w.call(everyone, "call", [{"method": "prepare"}] * len(everyone))]
+    call = lambda i: "worker_call" if workers and i in w.rollouts else "call"   # noqa: E731
+
+    def on_all(kws):
+        for i, kw in zip(everyone, kws):
+            w.conns[i].send((call(i), dict(kw)))
+        return [w.conns[i].recv() if w.conns[i].poll(120) else ("hung", i) for i in everyone]
+
+    meta = [r[1] for r in on_all([{"method": "prepare"}] * len(everyone))]
     actor_kw, rollout_kw = FsdpSyncCheckpointEngine.build_topology(len(w.actors), len(w.rollouts), meta)
     kws = [{k: v[i] for k, v in actor_kw.items()} for i in range(len(w.actors))] + \
           [{k: v[i] for k, v in rollout_kw.items()} for i in range(len(w.rollouts))]
-    inits = w.call(everyone, "call", [dict(kw, method="init_process_group") for kw in kws])
+    inits = on_all([dict(kw, method="init_process_group") for kw in kws])
     assert all(r[0] == "ok" for r in inits), inits
     for i in w.actors:
-        w.conns[i].send(("send", {"step": step, "bad_at": bad_at}))
+        w.conns[i].send(("send", {"step": step, "bad_at": bad_at, "model": workers}))
     for i in w.rollouts:
-        w.conns[i].send(("recv", {"step": step}))
+        w.conns[i].send(("update" if workers else "recv", {"step": step}))
     t0 = time.perf_counter()
     answers, waiting = {}, {w.conns[i]: i for i in everyone}
     while waiting:      # each answer with the time it came in
@@ -110,9 +131,47 @@ def sync_like_the_manager(w: Workers, step: int, bad_at=None, timeout_s=60):
         assert ready, f"workers {sorted(waiting.values())} hung in the sync"
         for c in ready:
             answers[waiting.pop(c)] = (c.recv(), time.perf_counter() - t0)
-    fin = w.call(everyone, "call", [{"method": "finalize"}] * len(everyone))
+    fin = on_all([{"method": "finalize"}] * len(everyone))
     assert all(r[0] == "ok" for r in fin), fin
     return answers
+
+
+def test_adapter_takes_an_async_generator_under_verls_checkpoint_engine_worker(workers):
+    """Issue 37, item 1: with ``custom.fsdp_sync.enable=true`` and a checkpoint engine whose
+    ``receive_weights`` is an async generator (verl's nccl, nixl, mooncake, hccl, kimi), verl's own
+    ``CheckpointEngineWorker.update_weights`` hands that generator to fsdp_sync's adapter. The
+    adapter syncs it into the served engine (TP 2, the two workers of one replica), bit-exact and
+    verified in full, two syncs in a row."""
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.engines.reference.serve import EngineServer
+
+    backend = ckpt_roles.ASYNC_BACKEND
+    ce = {"backend": backend, "custom_backend_module": "ckpt_roles",
+          "update_weights_bucket_megabytes": 1, "engine_kwargs": {backend: {"timeout_s": 60}}}
+    with ReferenceEngine("tiny", tp_size=2, seed=5) as engine, EngineServer(engine) as server:
+        port = _port()
+        rollout = {"name": "sglang", "tensor_model_parallel_size": 2, "dtype": "float32",
+                   "custom": {"fsdp_sync": {"enable": True, "base_url": server.url,
+                                            "verify": "full", "bucket_mb": 0.1}}}
+        workers.call(workers.actors, "new", [{"bucket_size": BUCKET, "is_master": True, "timeout_s": 60},
+                                             {"bucket_size": BUCKET, "timeout_s": 60}])
+        built = workers.call(workers.rollouts, "rollout_worker", [
+            dict(rollout, index=i, world_port=port, checkpoint_engine=ce) for i in range(2)])
+        assert all(b[0] == "ok" for b in built), built
+        before = engine.weights_checksum()
+        for step in (1, 2):
+            answers = sync_like_the_manager(workers, step, workers=True)
+            assert answers[0][0][0] == "ok", answers[0]
+            for i in workers.rollouts:
+                (status, stats), _ = answers[i]
+                assert status == "ok", answers[i][0][1:]
+                # the 128 KiB embedding and lm_head are larger than a 100 KiB bucket
+                assert stats["tensors"] == len(ckpt_roles.model_weights(0)) and stats["buckets"] > 2
+            (_, leader), _ = answers[workers.rollouts[0]]
+            assert leader["verify"] == "full" and leader["verify_tensors"] == leader["tensors"]
+            assert engine.weights_checksum() == checksum_named_tensors(
+                ckpt_roles.model_weights(step)) != before
 
 
 def test_manager_calls_in_order_bit_exact_over_several_buckets(workers):
@@ -128,6 +187,8 @@ def test_manager_calls_in_order_bit_exact_over_several_buckets(workers):
         # 11 tensors, two larger than the 1 MiB bucket: 7 buckets of which 2 hold one tensor each
         assert metrics[f"checkpoint_engine/{BACKEND}/tensors"] == len(NAMES)
         assert metrics[f"checkpoint_engine/{BACKEND}/buckets"] >= 5
+        # the first sync makes the group, the second runs on it (issue 37, item 6)
+        assert metrics[f"checkpoint_engine/{BACKEND}/group_kept"] == (step == 2), metrics
         for i in workers.rollouts:
             (status, report), _ = answers[i]
             assert status == "ok", answers[i]
@@ -149,10 +210,13 @@ def test_a_failing_sender_fails_every_receiver_at_once(workers):
         assert "model.bad.weight" in got[1]
         assert seconds < 30, f"receiver {i} took {seconds:.1f}s: it waited for a timeout"
     assert answers[1][0] == ("ok", None) and answers[1][1] < 30   # actor rank 1 walked to the end
-    # the engines are usable for the next sync after a failed one
-    answers = sync_like_the_manager(workers, 4)
-    for i in workers.rollouts:
-        assert answers[i][0][0] == "ok" and answers[i][0][1]["bad"] == [], answers[i]
+    # the engines are usable for the next sync after a failed one, on a group made anew (the
+    # failed sync's is dropped where it failed), and the one after keeps that group
+    for step, kept in ((4, 0.0), (5, 1.0)):
+        answers = sync_like_the_manager(workers, step)
+        for i in workers.rollouts:
+            assert answers[i][0][0] == "ok" and answers[i][0][1]["bad"] == [], answers[i]
+        assert answers[0][0][1][f"checkpoint_engine/{BACKEND}/group_kept"] == kept, answers[0]
 
 
 def test_topology_and_errors_that_name_the_problem():
@@ -197,7 +261,10 @@ def test_under_verls_own_checkpoint_engine_manager(tmp_path):
     worker_tmp.mkdir()
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
            "VERL_USE_EXTERNAL_PLUGINS": "none", "TMPDIR": str(worker_tmp)}
-    before = {p.name for p in Path(tempfile.gettempdir()).glob("pymp-*")}
+    from fsdp_sync.memory import temp_dirs
+
+    started = time.time() - 1.0
+    before = temp_dirs()
     ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
     try:
         def world(n):
@@ -221,6 +288,7 @@ def test_under_verls_own_checkpoint_engine_manager(tmp_path):
             metrics = manager.update_weights(global_steps=step)
             seconds = time.perf_counter() - t0
             assert metrics[f"checkpoint_engine/{BACKEND}/tensors"] == len(NAMES), metrics
+            assert metrics[f"checkpoint_engine/{BACKEND}/group_kept"] == (step == 2), metrics
             reports = [json.loads((tmp_path / f"r0_{r}_step{step}.json").read_text()) for r in range(2)]
             for rep in reports:
                 assert rep["names"] == NAMES and rep["bad"] == [], rep
@@ -230,5 +298,7 @@ def test_under_verls_own_checkpoint_engine_manager(tmp_path):
                                  "resume_generation"] * 2
     finally:
         ray.shutdown()
-    left = sorted({p.name for p in Path(tempfile.gettempdir()).glob("pymp-*")} - before)
+    # what no live process holds and was made during the test (older ones are other jobs' on a
+    # shared machine, orphaned meanwhile)
+    left = sorted(d for d in temp_dirs() - before if _made_since(d, started))
     assert not left, f"the Ray workers left {left} in {tempfile.gettempdir()}"

@@ -3,7 +3,8 @@
 - The plug-in loads on `import verl` (entry point), maps ("sglang", "async") to fsdp_sync's
   adapter, and without the opt-in builds verl's own ServerAdapter with the same arguments.
 - Every YAML in recipes/verl composes through verl's Hydra config and validates into verl's
-  config classes; `python -m verl.trainer.main_ppo ... --cfg job` prints it with fsdp_sync on.
+  config classes; the command in a recipe's header, run as written with `--cfg job`, and each run
+  script prints it with fsdp_sync on.
 - The adapter, built as verl's worker builds it, on 2 CPU trainer ranks with an FSDP2 model, moves
   every weight bit-exact into `fsdp-sync serve`'s engine over HTTP with one call per bucket, for
   the flattened strategy and for verl's own algorithm (`bucketed`), side by side.
@@ -113,14 +114,33 @@ def test_recipe_composes_and_validates_into_verl_config_classes(recipe):
         plugin.sync_config(bad)
 
 
+def header_command(recipe: Path) -> str | None:
+    """The ``python3 -m verl.trainer.main_ppo ...`` command a recipe's header comment gives (its
+    continuation lines joined), or None."""
+    lines = [x[1:].strip() for x in recipe.read_text().splitlines() if x.startswith("#")]
+    for i, line in enumerate(lines):
+        if line.startswith("python3 -m verl.trainer.main_ppo"):
+            cmd = line
+            while cmd.endswith("\\"):
+                i += 1
+                cmd = cmd[:-1] + " " + lines[i]
+            return cmd
+    return None
+
+
 def test_main_ppo_prints_the_composed_config_with_fsdp_sync_on(tmp_path):
-    # Hydra resolves a relative --config-path against verl's main_ppo module under `python -m`,
-    # so the recipe directory is given as an absolute path.
-    for recipe in RECIPES:
-        proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "--config-path",
-                               str(recipe.parent), "--config-name", recipe.stem, "--cfg", "job"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    # each recipe's header command, as written, from the clone's root (`python3` is this venv's);
+    # the tiny CPU recipe has none: its run script is the command, run below
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               TINY_DIR=str(tmp_path / "tiny"))
+    commands = {r: header_command(r) for r in RECIPES}
+    assert commands[ROOT / "recipes" / "verl" / "grpo_qwen2_5_0_5b_gsm8k_fsdp_sync.yaml"]
+    for recipe, command in commands.items():
+        if command is None:
+            continue
+        proc = subprocess.run(["bash", "-c", command + " --cfg job"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (command, proc.stderr[-2000:])
         from omegaconf import OmegaConf
 
         lines = proc.stdout.splitlines()
@@ -131,8 +151,6 @@ def test_main_ppo_prints_the_composed_config_with_fsdp_sync_on(tmp_path):
             ("sglang", True), ("fsdp_sync_ref", None)), (recipe.name, rollout.name)
     # the run scripts' override arrays compose too (`--cfg job` is passed through "$@")
     for script in sorted((ROOT / "recipes" / "verl").glob("run_*.sh")):
-        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                   TINY_DIR=str(tmp_path / "tiny"))
         proc = subprocess.run(["bash", str(script), "--cfg", "job"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -217,12 +235,12 @@ def test_stream_buffer_grows_to_what_the_stream_needs_never_past_the_bucket():
     """verl's default bucket is 2 GiB: a 0.5 MiB model must not get (and page in) a 2 GiB shared
     buffer on every sync, which is where its syncs' second went. The buffer starts at the first
     tensor (or the last sync's fill), doubles keeping its contents, and stops at the bucket."""
-    from fsdp_sync.integrations.verl.adapter import _Stream
+    from fsdp_sync.integrations.verl.stream import BucketBuffer
     from fsdp_sync.weights.bucket import unflatten
 
     cap = 1 << 20
     tensors = [(f"t{i}", torch.randn(1000 + 37 * i)) for i in range(40)]   # ~310 KiB in all
-    s = _Stream(cap)
+    s = BucketBuffer(cap)
     sizes = []
     for name, t in tensors:
         s.add(name, t)
@@ -234,12 +252,12 @@ def test_stream_buffer_grows_to_what_the_stream_needs_never_past_the_bucket():
     assert all(torch.equal(back[n], t) for n, t in tensors)          # nothing lost in a move
     # the next sync starts at what this one filled: no growth at all
     hint = s.high
-    s2 = _Stream(cap, hint=hint)
+    s2 = BucketBuffer(cap, hint=hint)
     for name, t in tensors:
         s2.add(name, t)
     assert s2.buf.numel() == hint
     # never past the bucket, even from a larger hint
-    s3 = _Stream(cap, hint=8 * cap)
+    s3 = BucketBuffer(cap, hint=8 * cap)
     s3.add("x", torch.zeros(10))
     assert s3.buf.numel() == cap
 

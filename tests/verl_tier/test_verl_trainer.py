@@ -10,6 +10,8 @@ metrics and from the adapter's metrics file:
   ``output_token_logprobs``, ``calculate_log_probs=True``) agree with the actor's recomputation;
 - 4 syncs (global steps 0-3), each verified in full: every tensor's digest in the engine equals the
   digest of what verl's export sent (a mismatch would have failed the run);
+- each step's logged metrics carry that step's sync figures (``fsdp_sync/sync_s``, ``bytes``,
+  ``buckets``, ``tensors``, ``verify_tensors``, ...) equal to the adapter's own record;
 - sync 0 carries exactly the checkpoint's weights (digests of model.safetensors), and every later
   sync carries weights that differ from the one before in every tensor (each step's Adam update
   reaches them all);
@@ -83,12 +85,22 @@ def _steps(log: str) -> dict[int, dict[str, float]]:
     return steps
 
 
-def _temp_dirs() -> set[str]:
+def _temp_dirs(since: float = 0.0) -> set[str]:
     """What a run left in the temp directory: multiprocessing's and torch_shm_manager's
-    directories no live process holds (`memory.temp_dirs`) and the run script's own TMPDIR."""
+    directories no live process holds (`memory.temp_dirs`) and the run script's own TMPDIR, made
+    at ``since`` or later (a directory older than the run is another job's, orphaned meanwhile:
+    on a shared machine other test runs come and go)."""
     from fsdp_sync.memory import temp_dirs
 
-    return temp_dirs() | {str(p) for p in Path(tempfile.gettempdir()).glob("fsr-tmp.*")}
+    found = temp_dirs() | {str(p) for p in Path(tempfile.gettempdir()).glob("fsr-tmp.*")}
+    out = set()
+    for d in found:
+        try:
+            if os.stat(d).st_ctime >= since:
+                out.add(d)
+        except OSError:
+            continue
+    return out
 
 
 def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
@@ -99,6 +111,7 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
     marker = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="fsr")          # Ray's socket paths must stay short
     shm_before = set(os.listdir("/dev/shm"))
+    started = time.time() - 1.0
     tmp_before = _temp_dirs()
     metrics_file = tmp_path / "sync.jsonl"
     env = dict(os.environ, PYTHON=sys.executable, TINY_DIR=str(tmp_path / "tiny"),
@@ -141,6 +154,16 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
                 f"step {n} trained (grad norm {steps[n]['actor/grad_norm']}) but sync {n} carried "
                 f"{len(after) - len(changed)} tensors unchanged: "
                 f"{sorted(set(after) - set(changed))[:5]}")
+        # the adapter's figures reach verl's own step metrics (console here; wandb and
+        # tensorboard get the same dict), beside timing_s/update_weights of the same sync
+        for n in (1, 2, 3):
+            logged, sync = steps[n], syncs[n]
+            assert logged["fsdp_sync/replicas"] == 1, logged
+            for key in ("bytes", "tensors", "buckets", "engine_calls", "verify_tensors"):
+                assert logged[f"fsdp_sync/{key}"] == sync[key], (n, key, logged)
+            assert logged["fsdp_sync/sync_s"] == pytest.approx(sync["sync_s"], rel=1e-6)
+            assert 0 < logged["fsdp_sync/sync_s"] < logged["timing_s/update_weights"], logged
+            assert logged["fsdp_sync/verify_s"] == pytest.approx(sync["verify_s"], rel=1e-6)
         print(f"\ntiny GRPO, 3 steps in {wall:.0f} s; per sync (fsdp_sync s / verl update_weights s): "
               + ", ".join(f"{s['global_steps']}: {s['sync_s']:.3f}" + (
                   f"/{steps[s['global_steps']]['timing_s/update_weights']:.3f}"
@@ -165,5 +188,5 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
     left_shm = _orphaned(set(os.listdir("/dev/shm")) - shm_before)
     assert not left_shm, f"shared-memory segments left behind: {left_shm}"
     # Ray SIGKILLs its workers: the run script's own TMPDIR takes what multiprocessing left there
-    left_tmp = sorted(_temp_dirs() - tmp_before)
+    left_tmp = sorted(_temp_dirs(since=started) - tmp_before)
     assert not left_tmp, f"temp directories left behind by the run: {left_tmp}"

@@ -172,3 +172,85 @@ def sync_fp8(rank: int, world: int, rollout_cfg: dict):
                 out["want"][n] = (q.view(torch.uint8).clone(), s)
     dist.barrier()
     return out
+
+
+def _adapter(rank: int, world: int, rollout_cfg: dict, model_config=None):
+    """fsdp_sync's adapter, built as verl's worker builds it, on a (1, world, 1) mesh."""
+    import verl  # noqa: F401
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.base import get_rollout_class
+
+    config = omega_conf_to_dataclass(OmegaConf.create(rollout_cfg))
+    mesh = init_device_mesh("cpu", mesh_shape=(1, world, 1), mesh_dim_names=["dp", "infer_tp", "infer_pp"])
+    return get_rollout_class(config.name, config.mode)(config=config, model_config=model_config,
+                                                       device_mesh=mesh), mesh
+
+
+def _tiny_stream(step: int):
+    """The tiny Qwen2's weights scaled per step, each after a collective (verl's export does one)."""
+    from fsdp_sync.models import build_model, load_config
+
+    model = build_model(load_config("tiny"), seed=0)
+    for name, t in model.state_dict().items():
+        dist.all_reduce(torch.ones(1))
+        yield name, (t * (1.0 + 0.125 * step)).contiguous()
+
+
+def mixed_group(rank: int, world: int, rollout_cfg: dict, ours_at: int):
+    """Infer-TP rank ``ours_at`` runs fsdp_sync's adapter; the other runs what verl's own SGLang
+    adapter does with its first bucket: pull verl's export (a collective per tensor), then
+    SGLang 0.5.x's ``weight_sync.utils.update_weights``: one ``gather_object`` of
+    ``[(name, serialized handle)]`` to the group's first rank. Returns each rank's error text
+    (None: no error) and the seconds it took."""
+    import time
+
+    t0 = time.monotonic()
+    return _mixed_group(rank, world, rollout_cfg, ours_at), time.monotonic() - t0
+
+
+def _mixed_group(rank: int, world: int, rollout_cfg: dict, ours_at: int):
+    if rank == ours_at:
+        adapter, _ = _adapter(rank, world, rollout_cfg)
+        try:
+            asyncio.run(adapter.update_weights(_tiny_stream(1), global_steps=1))
+            return None
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            return f"{type(exc).__name__}: {exc}"
+    import verl  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape=(1, world, 1), mesh_dim_names=["dp", "infer_tp", "infer_pp"])
+    tp = mesh["infer_tp"]
+    try:
+        named = [(name, f"<serialized ipc handle of {name}>") for name, _ in _tiny_stream(1)]
+        gathered = [None] * world if tp.get_local_rank() == 0 else None
+        dist.gather_object(obj=named, object_gather_list=gathered, dst=tp.mesh.tolist()[0],
+                           group=tp.get_group())
+        return None
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return f"{type(exc).__name__}: {exc}"
+
+
+def verify_on_sglang(rank: int, world: int, rollout_cfg: dict, modes: list[str]):
+    """fsdp_sync's adapter into an SGLang server (the test's stand-in, /weights_checker hashing
+    each TP rank's own parameters), one sync per verify mode; returns per sync the adapter's stats
+    (digests left out) or the error text."""
+    import types
+
+    from fsdp_sync.models import load_config
+
+    out = []
+    for step, mode in enumerate(modes):
+        cfg = dict(rollout_cfg)
+        cfg["custom"] = {"fsdp_sync": dict(rollout_cfg["custom"]["fsdp_sync"], verify=mode)}
+        adapter, _ = _adapter(rank, world, cfg,
+                              model_config=types.SimpleNamespace(hf_config=load_config("tiny")))
+        try:
+            asyncio.run(adapter.update_weights(_tiny_stream(step), global_steps=step))
+            out.append({k: v for k, v in adapter.last_stats.items() if k != "digests"})
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out.append(f"{type(exc).__name__}: {exc}")
+        dist.barrier()
+    return out

@@ -560,9 +560,12 @@ class SGLangEngine(GenerationControl):
                               f"an object", call="weights_checker")
         return answer
 
-    def _serves_tensor_checksums(self) -> bool:
-        """Whether the server is ``fsdp-sync serve`` (it answers ``/fsdp_sync/tensor_checksums``);
-        asked once."""
+    def serves_tensor_checksums(self) -> bool:
+        """Whether the server is ``fsdp-sync serve`` (it answers ``/fsdp_sync/tensor_checksums``:
+        full-tensor digests), as opposed to SGLang (``/weights_checker``: per-TP-rank hashes);
+        asked once. False for an in-process engine."""
+        if not self._http:
+            return False
         if self._fsdp_sync_route is None:
             try:
                 answer = self._http.json("POST", "/fsdp_sync/tensor_checksums", {"names": []},
@@ -579,7 +582,7 @@ class SGLangEngine(GenerationControl):
         answers (``POST /fsdp_sync/tensor_checksums``). SGLang cannot: it hashes its own
         parameters (see `weight_checksums`), so against SGLang this raises, saying so."""
         self._check_open("tensor_checksums")
-        if self._http and self._serves_tensor_checksums():
+        if self.serves_tensor_checksums():
             answer = self._http.json("POST", "/fsdp_sync/tensor_checksums",
                                      {"names": None if names is None else list(names)},
                                      idempotent=True)
@@ -600,7 +603,7 @@ class SGLangEngine(GenerationControl):
         ``fsdp-sync serve`` (its `tensor_checksums` is the check). Raises where SGLang cannot
         answer (an in-process engine, a server before 0.5.21 without the route)."""
         self._check_open("weight_checksums")
-        if self._http and self._serves_tensor_checksums():
+        if self.serves_tensor_checksums():
             return None
         answer = self.weights_checker("checksum")
         info = self.server_info()

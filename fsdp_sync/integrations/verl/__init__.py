@@ -10,8 +10,15 @@ Importing it:
   engine, one ``fsdp-sync serve`` per replica, `SGLangAdapter` always on;
 - registers the checkpoint-engine backend ``fsdp_sync`` (`checkpoint_engine`) for verl's
   disaggregated modes: ``rollout.checkpoint_engine.backend=fsdp_sync``;
+- makes verl's v1 trainer add each sync's ``fsdp_sync/*`` figures to its step metrics
+  (`metrics`: patched in when verl imports its trainer module, not before);
 - only when ``VERL_PLATFORM=cpu``: verl's CPU platform (`cpu_platform`), so verl's own trainer runs
   on a machine with no GPU.
+
+A process where this plug-in failed to import runs verl's own adapter instead (verl logs the
+failure at DEBUG only); the adapter refuses, at its first sync, an infer-TP group where not every
+rank runs it (`fsdp_sync.integrations.peer_check`). ``VERL_USE_EXTERNAL_MODULES=fsdp_sync.integrations.verl``
+makes verl import this package itself, failing loudly where it cannot.
 
 ``recipes/verl/`` holds recipes for both: the tiny GRPO run on a laptop (``fsdp_sync_ref``, CPU) and
 Qwen2.5-0.5B on GSM8K (``sglang``, GPUs). docs/verl.md says what each piece does and costs.
@@ -32,9 +39,10 @@ def register() -> None:
     from verl.workers.rollout import base as verl_rollout
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from . import adapter
+    from . import adapter, metrics
 
     adapter.register()
+    metrics.install()
     verl_rollout._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = adapter.OURS
 
     RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: ServeReplica)

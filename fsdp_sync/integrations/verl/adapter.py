@@ -63,17 +63,21 @@ import torch.distributed as dist
 from verl.workers.rollout import base as _verl_rollout_base
 
 from ...weights import handles, quantize
-from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES, Bucket, TensorMeta, plan_buckets
+from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES
 from ...config import SyncConfig
 from ...config_check import check_configs
 from ...topology import SyncTopology
 from ...transport import SyncStats
 from ...transport.tensor import Call, TensorTransport
-from ...verify import check_sent, tensor_digest
+from ...verify import sent_record
 from ...wire import flattened_bucket
+from .. import peer_check
+from . import metrics as step_metrics
 from .replica import ROLLOUT_NAME, server_name
+from .stream import BucketBuffer, pulled_in_a_thread, timed
 
-__all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
+__all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register",
+           "lora_refusal"]
 
 KEY = ("sglang", "async")
 OURS = "fsdp_sync.integrations.verl.SGLangAdapter"   # the public path verl resolves
@@ -153,75 +157,36 @@ def sync_config(config: Any) -> SyncConfig:
     return SyncConfig.from_verl(config, **opts)
 
 
-def _timed(weights: Iterable, phases: dict) -> Iterator:
-    """``weights`` as they come, adding the seconds spent producing them to ``phases["export_s"]``."""
-    it = iter(weights)
-    while True:
-        t0 = time.perf_counter()
-        try:
-            item = next(it)
-        except StopIteration:
-            phases["export_s"] += time.perf_counter() - t0
-            return
-        phases["export_s"] += time.perf_counter() - t0
-        yield item
+def lora_refusal(model_config: Any = None, peft_config: Any = None) -> str | None:
+    """Why this adapter cannot sync a run's weights as LoRA, or None: THE one place LoRA is
+    refused (LoRA sync, when it is built, replaces this function and its two callers).
+
+    verl's worker hands a rollout LoRA in two ways: merged (``actor_rollout_ref.model.lora.merge=true``:
+    verl folds the adapters into full weights with clean names and passes ``peft_config=None``),
+    which this adapter syncs like any full model; or as adapters (``merge=false``): a first
+    base sync whose names still carry PEFT's ``.base_layer.``, then adapter tensors with a
+    ``peft_config`` to load as a LoRA adapter, neither of which this adapter handles. Checked at
+    construction from verl's model config (``lora_rank``, ``lora.rank``, ``lora_adapter_path``) and,
+    for what the config did not show, at every sync from the ``peft_config`` verl passes."""
+    lora = _get(model_config, "lora") or {}
+    rank = int(_get(model_config, "lora_rank", 0) or 0) or int(_get(lora, "rank", 0) or 0)
+    path = _get(model_config, "lora_adapter_path") or _get(lora, "adapter_path")
+    merge = bool(_get(lora, "merge", False))
+    if peft_config:
+        what = "verl passed a LoRA peft_config to update_weights"
+    elif (rank > 0 or path) and not merge:
+        what = (f"actor_rollout_ref.model.lora_rank={rank}"
+                + (f", lora_adapter_path={path!r}" if path else "") + ", lora.merge=false")
+    else:
+        return None
+    return (f"fsdp_sync's verl adapter does not sync LoRA adapters ({what}): set "
+            f"actor_rollout_ref.model.lora.merge=true (verl merges them into full weights, which "
+            f"it syncs) or drop rollout.custom.fsdp_sync.enable")
 
 
 def _resolve(fqdn: str) -> type:
     module, _, name = fqdn.rpartition(".")
     return getattr(importlib.import_module(module), name)
-
-
-class _Stream:
-    """One trainer rank's reused flat buffer, filled tensor by tensor from verl's generator.
-
-    The buffer holds at most ``capacity`` (the bucket) but is never made larger than the stream
-    needs: it starts at ``hint`` (what the previous sync filled; the first tensor's size on the
-    first sync) and doubles, up to ``capacity``, when a tensor does not fit, copying what it
-    holds. A 0.5 MiB model under verl's default 2 GiB bucket thus gets a 0.5 MiB buffer, not a
-    2 GiB one made (and paged in) on every sync. While it grows, old and new buffers together stay
-    under 1.5 x capacity."""
-
-    def __init__(self, capacity: int, hint: int = 0) -> None:
-        self.capacity = capacity
-        self.hint = min(int(hint), capacity)
-        self.buf: torch.Tensor | None = None
-        self.metas: list[TensorMeta] = []
-        self.offset = 0
-        self.high = 0                        # the most bytes it held at once (the next hint)
-
-    def fits(self, nbytes: int) -> bool:
-        start = -(-self.offset // ALIGNMENT) * ALIGNMENT
-        return not self.metas or start + nbytes <= self.capacity
-
-    def _room(self, end: int, device: torch.device) -> None:
-        buf = self.buf
-        if buf is not None and buf.device == device and end <= buf.numel():
-            return
-        kept = self.offset if buf is not None and buf.device == device else 0
-        size = max(end, self.hint, 2 * buf.numel() if kept else 0)
-        size = min(max(size, end), max(self.capacity, end))
-        new = handles.empty_shared(size, device)
-        if kept:
-            new[:kept].copy_(buf[:kept])
-        self.buf = new
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        start = -(-self.offset // ALIGNMENT) * ALIGNMENT
-        n = t.numel() * t.element_size()
-        self._room(start + n, t.device)
-        if n:
-            self.buf[start:start + n].copy_(t.reshape(-1).view(torch.uint8))
-        self.metas.append(TensorMeta.of(name, t))
-        self.offset = start + n
-        self.high = max(self.high, self.offset)
-
-    def bucket(self) -> Bucket:
-        (bucket,) = plan_buckets(self.metas, max(self.capacity, 1), alignment=ALIGNMENT)
-        return bucket
-
-    def reset(self) -> None:
-        self.metas, self.offset = [], 0
 
 
 class SGLangAdapter(_verl_rollout_base.BaseRollout):
@@ -240,17 +205,21 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
     def __init__(self, config: Any, model_config: Any, device_mesh: Any,
                  replica_rank: int = -1, **kwargs: Any) -> None:
         super().__init__(config, model_config, device_mesh)
+        refusal = lora_refusal(self.model_config)
+        if refusal:
+            raise NotImplementedError(refusal)
         opts = _options(self.config)
         self.sync = sync_config(self.config)
         self.base_url = opts.get("base_url")
         self.api_key = opts.get("api_key")
         self.metrics_file = opts.get("metrics_file")
         self.last_stats: dict[str, Any] = {}
-        self._sent: dict[str, str] | None = None   # digests of what was sent (verify, rank 0)
+        self._sent: Any = None     # what was sent, as the engine is checked (`verify.sent_record`)
         self._syncs = 0
         self._config_checked = False    # the served config matched the actor's (`_config_error`)
+        self._peers_checked = False     # every infer-TP rank runs this adapter (`peer_check`)
         self._pack_s = self._digest_s = 0.0
-        self._buffer_hint = 0     # bytes the last sync's bucket buffer filled (`_Stream`)
+        self._buffer_hint = 0     # bytes the last sync's bucket buffer filled (`BucketBuffer`)
         self._engine = None
         self._server_actor = None
         tp = int(self.config.tensor_model_parallel_size)
@@ -322,13 +291,18 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             raise NotImplementedError(f"fsdp_sync's verl adapter takes wire_format "
                                       f"'named_tensors', got {wire_format!r}; drop "
                                       f"rollout.custom.fsdp_sync.enable for verl's delta engine")
-        if kwargs.get("peft_config") and kwargs.get("base_sync_done", False):
-            raise NotImplementedError("fsdp_sync's verl adapter does not load LoRA adapters; set "
-                                      "actor_rollout_ref.model.lora.merge=true or drop "
-                                      "rollout.custom.fsdp_sync.enable")
+        refusal = lora_refusal(peft_config=kwargs.get("peft_config"))
+        if refusal:
+            raise NotImplementedError(refusal)
         engine = await self._client()
         # the engine commits the weights named by verl's step, as SGLang's weight_version
-        stats = self._sync(weights, engine, None if global_steps is None else str(global_steps))
+        version = None if global_steps is None else str(global_steps)
+        if hasattr(weights, "__aiter__"):
+            # verl's checkpoint engines (nccl, nixl, ...) hand an async generator: walked on this
+            # loop, consumed by the sync in a thread
+            stats = await pulled_in_a_thread(weights, lambda it: self._sync(it, engine, version))
+        else:
+            stats = self._sync(weights, engine, version)
         if engine is not None:
             engine.flush_cache()
             if global_steps is not None and self._server_actor is not None:
@@ -351,6 +325,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             if self.metrics_file:
                 with open(self.metrics_file, "a") as f:
                     f.write(json.dumps(stats) + "\n")
+            await step_metrics.publish(stats)      # into verl's step metrics (`metrics`)
         return metrics
 
     def _topology(self) -> SyncTopology:
@@ -369,20 +344,33 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free."""
         cfg, topo = self.sync, self._topology()
         counted = SyncStats()
-        # verify: infer-TP rank 0 keeps a digest of each tensor as it is sent, and after the sync
-        # compares the engine's digests of what it now serves (`verify.check_sent`), agreed by the
-        # send loop over the infer-TP group
-        self._sent = {} if cfg.verify != "off" and engine is not None else None
+        if not self._peers_checked:     # before any weight moves: one protocol on every rank
+            peer_check.check_group(topo.tp_ranks, cfg.dist_timeout_s)
+            self._peers_checked = True
+        # verify: infer-TP rank 0 records what it sends as it is sent (digests for fsdp-sync
+        # serve, SGLang's per-rank hashes for SGLang), and after the sync compares what the
+        # engine reports it serves (`verify.sent_record`); both agreed by the send loop
+        self._sent = None
         self._pack_s = self._digest_s = 0.0
         figures: dict[str, Any] = {}
 
+        def before(eng: Any) -> str | None:     # infer-TP rank 0, before any byte moves
+            if cfg.verify != "off":
+                self._sent = sent_record(
+                    eng, cfg.verify, self._syncs,
+                    hf_config=getattr(self.model_config, "hf_config", None),
+                    tp_size=int(self.config.tensor_model_parallel_size), dtype=cfg.dtype,
+                    quantization=cfg.quantization)
+            # until a sync passed: the served model's math against the actor's
+            return None if self._config_checked else self._config_error(eng, topo)
+
         def check(eng: Any) -> str | None:
-            err, more = check_sent(eng, self._sent or {}, cfg.verify, self._syncs)
+            err, more = self._sent.check(eng)
             figures.update(more)
             return err
 
         phases = {"export_s": 0.0, "pack_s": 0.0}
-        stream = _timed(weights, phases)
+        stream = timed(weights, phases)
         quant = self._quantizer(topo) if cfg.quantization is not None else None
         if quant is not None:      # rollout.quantization: block FP8, after the cast, tensor by tensor
             stream = quant.named((n, self._cast(t) if n in quant.hf else t) for n, t in stream)
@@ -393,10 +381,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
                                       group=topo.tp_group, what="fsdp_sync verl sync",
                                       check=check if cfg.verify != "off" else None,
-                                      version=version,
-                                      # until a sync passed: the served model's math against the actor's
-                                      before=(lambda eng: self._config_error(eng, topo))
-                                      if not self._config_checked else None)
+                                      version=version, before=before)
             self._config_checked = True
             sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
         finally:
@@ -415,8 +400,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                "gbps": counted.bytes / sync_s / 1e9 if sync_s else 0.0, **figures}
         if quant is not None:
             out.update(quant.figures())
-        if sent is not None:
-            out["digests"] = sent
+        if getattr(sent, "digests", None) is not None:
+            out["digests"] = sent.digests
         return out
 
     def _config_error(self, engine: Any, topo: SyncTopology) -> str | None:
@@ -460,9 +445,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         t1 = time.perf_counter()
         self._pack_s += t1 - t0
         if self._sent is not None:
-            if name in self._sent:
-                raise ValueError(f"verl's weight stream holds {name!r} twice")
-            self._sent[name] = tensor_digest(name, t)
+            self._sent.add(name, t)
             self._digest_s += time.perf_counter() - t1
         return t
 
@@ -470,9 +453,9 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         """verl's stream packed into one reused flat buffer; one call per full bucket. The send
         loop takes the next call only after this one's payloads are released, so the buffer is
         refilled only then."""
-        stream = _Stream(self.sync.bucket_bytes, hint=self._buffer_hint)
+        stream = BucketBuffer(self.sync.bucket_bytes, hint=self._buffer_hint)
 
-        def call(s: _Stream) -> Call:
+        def call(s: BucketBuffer) -> Call:
             bucket = s.bucket()
             obj = flattened_bucket(s.buf, bucket)
             ps = handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=False,
@@ -485,7 +468,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             return Call([ps], ps.payloads[0], lambda g: g, "flattened_bucket", False,
                         f"bucket {stats.buckets - 1} ({bucket.names[0]}…)", on_release=s.reset)
 
-        big = _Stream(0)
+        big = BucketBuffer(0)
         try:
             for name, t in weights:
                 t = self._prepare(name, t)
@@ -494,7 +477,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                     if stream.metas:
                         yield call(stream)
                     stream.buf = None            # the bucket buffer goes before the big one comes
-                    big = _Stream(-(-n // ALIGNMENT) * ALIGNMENT)
+                    big = BucketBuffer(-(-n // ALIGNMENT) * ALIGNMENT)
                     t0 = time.perf_counter()
                     big.add(name, t)
                     self._pack_s += time.perf_counter() - t0

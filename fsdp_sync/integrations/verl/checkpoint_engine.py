@@ -13,14 +13,19 @@ it builds the engine, so the registration below runs wherever the engine is need
 
 How one sync goes, in the order the manager calls (every call, every sync):
 
-- ``prepare`` on every worker: actor rank 0 (``is_master=True``) picks the rendezvous (its
+- ``prepare`` on every worker: actor rank 0 (``is_master=True``) picks a rendezvous (its
   outward address, a free port, a fresh group name) and returns it; the others return no master.
+  Each worker also returns the group it still holds from an earlier sync, if any.
 - ``build_topology`` on the driver: actor rank 0 is group rank 0 (the only sender), rollout
   worker i is group rank ``1 + i``; actor ranks > 0 get rank -1 and stay out of the group (they
-  still walk the weight stream: producing a weight is collective over the actor group).
-- ``init_process_group`` on every worker: a process group outside both worlds, made by
-  `fsdp_sync.wire.new_update_group` (a ``tcp://`` store on actor rank 0), ``gloo`` on CPU and
-  ``cpu:gloo,cuda:nccl`` on CUDA (the small bucket headers go over gloo, the buckets over NCCL).
+  still walk the weight stream: producing a weight is collective over the actor group). When
+  every member still holds one same group at the rank and world size it would get now, that
+  group is kept (``keep``); otherwise all make the new one (replicas added or removed, a worker
+  restarted, a failed sync).
+- ``init_process_group`` on every worker: kept, nothing to do; else a process group outside both
+  worlds, made by `fsdp_sync.wire.new_update_group` (a ``tcp://`` store on actor rank 0),
+  ``gloo`` on CPU and ``cpu:gloo,cuda:nccl`` on CUDA (the small bucket headers go over gloo, the
+  buckets over NCCL).
 - ``send_weights`` on actor ranks / ``receive_weights`` on rollout workers, concurrently: the
   sender packs the (name, tensor) stream in order into flattened buckets of at most
   ``bucket_size`` bytes (`weights.bucket.BucketPacker`: `plan_buckets`' rule, 16-byte aligned
@@ -28,7 +33,9 @@ How one sync goes, in the order the manager calls (every call, every sync):
   the bucket. Two staging buffers: bucket k+1 is filled while bucket k is on the wire. A tensor
   larger than a bucket is broadcast from its own storage (no staging copy). Each receiver yields
   ``(name, tensor)`` in the sender's order, with the sender's dtype and shape, bit for bit.
-- ``finalize`` on every worker: the group is destroyed and the buffers dropped.
+- ``finalize`` on every worker: the buffers are dropped; the group stays for the next sync
+  (verl's ``nccl`` engine does the same: ``rebuild_group=False``), unless this sync failed on
+  this worker or ``rebuild_group=True``, which destroy it.
 
 Memory: the sender holds two staging buffers (``2 x bucket_size``) and at most one tensor larger
 than a bucket while it is on the wire. A receiver allocates each bucket as it arrives and yields
@@ -103,13 +110,16 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         bucket_size: bytes per bucket (verl passes ``update_weights_bucket_megabytes << 20``).
         is_master: True on actor rank 0 only (verl passes it on the actor side).
         timeout_s: bound on the rendezvous and on every collective of a sync.
+        rebuild_group: make the group anew at every sync (default False: keep it while the
+            workers and their ranks stay the same).
         device: where buckets live, ``"cuda"`` / ``"cpu"``; default CUDA when there is one. All
             workers must agree (the group's backend follows it).
         master_address: the address receivers reach actor rank 0 at; default its outward address.
     """
 
     def __init__(self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0,
-                 device: str | None = None, master_address: str | None = None) -> None:
+                 device: str | None = None, master_address: str | None = None,
+                 rebuild_group: bool = False) -> None:
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"fsdp_sync checkpoint engine: bucket_size must be a positive number of "
                              f"bytes, got {bucket_size!r}")
@@ -123,19 +133,25 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         self.rank: int | None = None
         self.world_size: int | None = None
         self.pg: Any = None
+        self.rebuild_group = bool(rebuild_group)
+        self.held: dict | None = None       # the live group: group_name, rank, world_size
+        self.kept = False                   # this sync runs on the group of an earlier one
+        self.failed = False                 # this sync failed here: the group goes at finalize
         self._master: dict | None = None
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------ group
     def prepare(self) -> dict:
-        """Actor rank 0: the rendezvous for this sync (address, port, group name, backend)."""
+        """Actor rank 0: a rendezvous for this sync (address, port, group name, backend); every
+        worker: the group it holds (None if none)."""
         master = None
         if self.is_master:
             master = {"address": self.master_address or outward_address(), "port": free_port(),
                       "group_name": f"fsdp_sync_verl_{uuid.uuid4().hex[:12]}",
                       "device_type": self.device.type, "bucket_size": self.bucket_size}
             self._master = master
-        return {"master": master}
+        held = dict(self.held) if self.pg is not None and self.held and not self.rebuild_group else None
+        return {"master": master, "held": held}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
@@ -150,8 +166,16 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
             raise ValueError(f"fsdp_sync checkpoint engine: actor rank 0, and only it, must be the "
                              f"master (is_master=True); workers reporting a master: {masters} (actor "
                              f"ranks are 0..{actor_wg_world_size - 1}, then the rollout workers)")
-        master = metadata[0]["master"]
         world = 1 + rollout_world_size
+        members = {0: 0, **{actor_wg_world_size + i: 1 + i for i in range(rollout_world_size)}}
+        held = [m.get("held") if isinstance(m, dict) else None for m in metadata]
+        name = held[0]["group_name"] if held[0] else None
+        keep = name is not None and all(
+            held[i] and (held[i]["group_name"], held[i]["rank"], held[i]["world_size"]) == (name, r, world)
+            for i, r in members.items())
+        master = dict(metadata[0]["master"], keep=keep)
+        if keep:
+            master["group_name"] = name
         actor = {"rank": [0] + [_NOT_IN_GROUP] * (actor_wg_world_size - 1),
                  "world_size": [world] * actor_wg_world_size, "master": [master] * actor_wg_world_size}
         rollout = {"rank": list(range(1, world)), "world_size": [world] * rollout_world_size,
@@ -159,10 +183,17 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         return actor, rollout
 
     def init_process_group(self, rank: int, world_size: int, master: dict) -> None:
-        """Join the sync's group (blocks until every member has joined, at most ``timeout_s``)."""
+        """Join the sync's group (blocks until every member has joined, at most ``timeout_s``),
+        or keep the one held (``master["keep"]``: every member holds it, build_topology said)."""
         self.rank = self.world_size = None     # set once this worker is in the group
+        self.kept = self.failed = False
         if rank == _NOT_IN_GROUP:
+            self._drop_group()
             self.rank, self.world_size = rank, world_size
+            return
+        mine = {"group_name": master["group_name"], "rank": rank, "world_size": world_size}
+        if master.get("keep") and self.pg is not None and self.held == mine:
+            self.rank, self.world_size, self.kept = rank, world_size, True
             return
         if master["device_type"] != self.device.type:
             raise ValueError(f"fsdp_sync checkpoint engine: the sender's buckets are on "
@@ -172,7 +203,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         if master["bucket_size"] != self.bucket_size:
             log.info("fsdp_sync checkpoint engine: rank %d bucket_size %d, the sender's %d (the "
                      "sender's rules)", rank, self.bucket_size, master["bucket_size"])
-        if self.pg is not None:      # a sync that never reached finalize
+        if self.pg is not None:      # another group (or a sync that never reached finalize)
             self._drop_group()
         try:
             self.pg = new_update_group(backend=_group_backend(self.device.type),
@@ -183,17 +214,19 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
             raise RuntimeError(f"fsdp_sync checkpoint engine: rank {rank} of {world_size} could not "
                                f"join group {master['group_name']!r} at {master['address']}:"
                                f"{master['port']} within {self.timeout_s}s: {exc}") from exc
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.held = rank, world_size, mine
 
     def finalize(self) -> None:
-        """Destroy the group, drop the buffers (the manager calls this after every sync)."""
-        self._drop_group()
+        """Drop the buffers (the manager calls this after every sync); destroy the group only
+        if this sync failed here or ``rebuild_group`` is set (see the module)."""
+        if self.failed or self.rebuild_group:
+            self._drop_group()
         self._master = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _drop_group(self) -> None:
-        pg, self.pg = self.pg, None
+        pg, self.pg, self.held = self.pg, None, None
         if pg is not None:
             try:
                 destroy_update_group(pg)
@@ -226,6 +259,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
                 sender.add(name, tensor)
             sender.close()
         except Exception as exc:
+            self.failed = True
             sender.fail(f"{type(exc).__name__}: {exc}")
             # the other actor ranks are still walking the stream, whose every weight is a
             # collective over the actor group: walk it to the end with them, or they hang there
@@ -235,7 +269,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
             except Exception:  # noqa: BLE001 - the stream itself failed: nothing left to walk
                 pass
             raise
-        self.last_stats = sender.stats()
+        self.last_stats = dict(sender.stats(), group_kept=float(self.kept))
         log.info("fsdp_sync checkpoint engine: sent %d tensors, %.1f MiB in %d buckets in %.3fs",
                  *(self.last_stats[k] for k in ("tensors", "mib", "buckets", "seconds")))
         return {f"checkpoint_engine/fsdp_sync/{k}": float(v) for k, v in self.last_stats.items()}
@@ -262,6 +296,7 @@ class ReceivedWeights:
         self.engine, self.global_steps = engine, global_steps
         self.receiver = _Receiver(engine.pg, engine.device, engine.timeout_s, engine.rank)
         self.t0, self.n, self.nbytes = time.perf_counter(), 0, 0
+        self.done = False
 
     def _bucket(self, item: tuple[dict, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         header, flat = item
@@ -274,6 +309,8 @@ class ReceivedWeights:
         return unflatten(flat, header["entries"])
 
     def _end(self) -> None:
+        if not self.done:        # stopped early or by an error: the group's state is unknown
+            self.engine.failed = True
         self.receiver.stop()
         self.engine.last_stats = {"tensors": self.n, "mib": self.nbytes / 2**20,
                                   "seconds": time.perf_counter() - self.t0}
@@ -289,6 +326,7 @@ class ReceivedWeights:
                 del item
                 self.receiver.done_with_bucket()   # the consumer has moved past this bucket
                 if last:
+                    self.done = True
                     return
         finally:
             self._end()
@@ -307,6 +345,7 @@ class ReceivedWeights:
                 del item
                 self.receiver.done_with_bucket()
                 if last:
+                    self.done = True
                     return
         finally:
             self._end()

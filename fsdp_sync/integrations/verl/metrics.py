@@ -1,0 +1,202 @@
+"""fsdp_sync's sync figures in verl's step metrics, beside ``timing_s/update_weights``.
+
+How a sync's figures reach verl 0.9.1's logger (console, wandb, tensorboard: one
+``Tracking.log(data=metrics, step)`` per step, in ``PPOTrainer.fit``, ``trainer/ppo/v1/trainer_base.py``):
+the step's ``metrics`` dict gets ``timing_s/*`` from the driver's own timers and, right after
+``on_step_end`` (where the sync runs), ``PPOTrainer._consume_sync_metrics()``: whatever the trainer
+stashed in ``_pending_sync_metrics``. Only the ``separate_async`` trainer stashes anything (the
+checkpoint-engine manager's return: the actor ranks' ``send_weights`` figures); in the colocated
+``sync`` trainer ``CheckpointEngineManager.update_weights`` returns ``{}`` for the ``naive``
+backend and the trainer drops even that, and ``ActorRolloutRefWorker.update_weights`` returns
+nothing. The rollout adapter runs in the workers; the figures are needed in the task runner.
+
+So, two halves, both in this module:
+
+- `publish` (worker side, infer-TP rank 0 of each replica, awaited before the adapter's
+  ``update_weights`` returns, so before verl's ``ray.get`` of the sync does): the sync's figures
+  go to one Ray actor of this job, `SINK`, made (and held: Ray collects a named actor nobody
+  holds) by the first rank that publishes; it asks for no resources.
+- `install` (every process, idempotent): once verl's ``trainer_base`` module is imported, its
+  ``PPOTrainer._consume_sync_metrics`` also drains `SINK` and adds `step_metrics` of the newest
+  sync: ``fsdp_sync/sync_s`` (slowest replica), ``fsdp_sync/bytes``, ``fsdp_sync/buckets``,
+  ``fsdp_sync/tensors``, ``fsdp_sync/engine_calls`` (summed over replicas), the phases
+  (``export_s``, ``pack_s``, ``transport_s``), ``fsdp_sync/verify_tensors`` and
+  ``fsdp_sync/verify_s`` (a failed verify fails the step instead), ``fsdp_sync/replicas`` and
+  ``fsdp_sync/gbps`` (all replicas' bytes over the slowest one's seconds). The
+  wrap only adds keys; with nothing published it adds none. verl's trainer module is not imported
+  for this (it costs every process a second and 100 MB): an import hook patches it when verl does.
+
+Without Ray (a test, a script) `publish` does nothing. verl's older trainer (``trainer.use_v1=false``,
+``ray_trainer.py``) has no such hook and does not get the figures.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import sys
+import threading
+from typing import Any
+
+__all__ = ["SINK", "TRAINER_MODULE", "KEYS", "publish", "step_metrics", "install", "drain"]
+
+log = logging.getLogger("fsdp_sync.verl")
+
+SINK = "fsdp_sync_sync_metrics"
+"""The Ray actor (this job's namespace) the adapters publish to and the trainer drains."""
+
+TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+
+KEYS = {   # figure -> how replicas combine
+    "sync_s": max, "export_s": max, "pack_s": max, "digest_s": max, "transport_s": max,
+    "bytes": sum, "tensors": sum, "buckets": sum, "engine_calls": sum,
+    "verify_tensors": sum, "verify_s": max,
+}
+
+_sink_cls = None
+_sink_handle = None        # held: Ray collects a named actor once no handle to it is left
+_lock = threading.Lock()
+
+
+def _sink():
+    global _sink_cls, _sink_handle
+    import ray
+
+    with _lock:
+        if _sink_handle is not None:
+            return _sink_handle
+        if _sink_cls is None:
+            @ray.remote(num_cpus=0)
+            class Sink:
+                """One job's published sync figures, until the trainer drains them."""
+
+                def __init__(self) -> None:
+                    self.records: list[dict] = []
+
+                def put(self, record: dict) -> None:
+                    self.records.append(record)
+
+                def drain(self) -> list[dict]:
+                    out, self.records = self.records, []
+                    return out
+
+            _sink_cls = Sink
+        _sink_handle = _sink_cls.options(name=SINK, get_if_exists=True).remote()
+        return _sink_handle
+
+
+async def publish(stats: dict) -> None:
+    """Hand one replica's sync figures to `SINK` (awaited: it holds them before this returns).
+    A no-op outside Ray."""
+    try:
+        import ray
+    except ImportError:
+        return
+    if not ray.is_initialized():
+        return
+    global _sink_handle
+    record = {k: float(stats[k]) for k in KEYS if isinstance(stats.get(k), (int, float))}
+    record["global_steps"] = stats.get("global_steps")
+    for attempt in (1, 2):      # a held handle whose actor died (its owner went): made again
+        try:
+            await _sink().put.remote(record)
+            return
+        except Exception as exc:  # noqa: BLE001 - figures must never fail a sync
+            _sink_handle = None
+            if attempt == 2:
+                log.warning("fsdp_sync: could not publish the sync figures to verl's step "
+                            "metrics: %s", exc)
+
+
+def step_metrics(records: list[dict]) -> dict[str, float]:
+    """The ``fsdp_sync/*`` metrics of the newest sync among ``records`` (one per replica)."""
+    if not records:
+        return {}
+    steps = [r.get("global_steps") for r in records]
+    newest = max((s for s in steps if s is not None), default=None)
+    group = [r for r in records if r.get("global_steps") == newest]
+    out = {f"fsdp_sync/{k}": float(combine(r[k] for r in group))
+           for k, combine in KEYS.items() if all(k in r for r in group)}
+    out["fsdp_sync/replicas"] = float(len(group))
+    if out.get("fsdp_sync/sync_s") and "fsdp_sync/bytes" in out:   # all replicas' bytes in the slowest's time
+        out["fsdp_sync/gbps"] = out["fsdp_sync/bytes"] / out["fsdp_sync/sync_s"] / 1e9
+    return out
+
+
+def drain() -> dict[str, float]:
+    """`step_metrics` of what `SINK` holds, emptied; ``{}`` without Ray or before any publish."""
+    try:
+        import ray
+    except ImportError:
+        return {}
+    if not ray.is_initialized():
+        return {}
+    try:
+        sink = ray.get_actor(SINK)
+    except ValueError:          # nothing published in this job yet
+        return {}
+    return step_metrics(ray.get(sink.drain.remote()))
+
+
+def _patch(module: Any) -> None:
+    trainer = getattr(module, "PPOTrainer", None)
+    original = getattr(trainer, "_consume_sync_metrics", None)
+    if original is None:
+        log.warning("fsdp_sync: %s has no PPOTrainer._consume_sync_metrics (another verl than "
+                    "0.9.1?): fsdp_sync's sync figures do not reach verl's step metrics",
+                    module.__name__)
+        return
+    if getattr(original, "_fsdp_sync", False):
+        return
+
+    def _consume_sync_metrics(self):
+        out = dict(original(self) or {})
+        try:
+            out.update(drain())
+        except Exception as exc:  # noqa: BLE001 - figures must never fail a training step
+            log.warning("fsdp_sync: could not read the sync figures: %s", exc)
+        return out
+
+    _consume_sync_metrics._fsdp_sync = True
+    _consume_sync_metrics.__doc__ = original.__doc__
+    trainer._consume_sync_metrics = _consume_sync_metrics
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.inner.exec_module(module)
+        _patch(module)
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    """Patches `TRAINER_MODULE` right after it executes, whenever that is."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TRAINER_MODULE:
+            return None
+        for finder in sys.meta_path:        # whoever would have found it (an editable install's too)
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def install() -> None:
+    """Make verl's trainer add fsdp_sync's figures to its step metrics (see the module)."""
+    module = sys.modules.get(TRAINER_MODULE)
+    if module is not None:
+        _patch(module)
+        return
+    if not any(isinstance(f, _Hook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Hook())

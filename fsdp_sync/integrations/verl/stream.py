@@ -1,0 +1,139 @@
+"""verl's weight stream on the adapter's side: walking it, timing it, packing it.
+
+- `pulled_in_a_thread`: a consumer written for a plain iterator, fed from an async iterable
+  (verl's checkpoint engines' ``receive_weights`` are async generators) without blocking the
+  event loop the stream runs on;
+- `timed`: the seconds spent waiting on the stream (verl's export, or the receive);
+- `BucketBuffer`: one trainer rank's reused flat buffer, filled tensor by tensor.
+
+Not here: what goes to the engine (the adapter's calls, `fsdp_sync.transport.tensor`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterable, Iterable, Iterator
+
+import torch
+
+from ...weights import handles
+from ...weights.bucket import ALIGNMENT, Bucket, TensorMeta, plan_buckets
+
+__all__ = ["pulled_in_a_thread", "timed", "BucketBuffer"]
+
+
+async def pulled_in_a_thread(weights: AsyncIterable, run: Any) -> Any:
+    """``run(iterator)`` in a thread, the iterator pulling ``weights`` (an async iterable: verl's
+    checkpoint engines' ``receive_weights``) one item at a time on this event loop, which stays
+    free to run what the stream awaits (a receive thread, a socket). Nothing is read ahead: an
+    item is requested only after the previous one was consumed (a receiver may reuse its buffer).
+    If ``run`` fails, the rest of the stream is walked, so the sender and the other receivers of
+    the sync end with it instead of waiting out their timeouts; then the error is raised."""
+    loop = asyncio.get_running_loop()
+    stream = weights.__aiter__()
+    failed_in_stream = False
+    device = (torch.cuda.current_device()
+              if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+    async def next_item() -> Any:    # a coroutine: what run_coroutine_threadsafe takes
+        return await stream.__anext__()
+
+    def pulled() -> Iterator:
+        nonlocal failed_in_stream
+        while True:
+            try:
+                item = asyncio.run_coroutine_threadsafe(next_item(), loop).result()
+            except StopAsyncIteration:
+                return
+            except BaseException:
+                failed_in_stream = True
+                raise
+            yield item
+
+    def in_thread() -> Any:
+        if device is not None:       # a thread's CUDA device is its own: the caller's
+            torch.cuda.set_device(device)
+        return run(pulled())
+
+    try:
+        return await asyncio.to_thread(in_thread)
+    except Exception:
+        if not failed_in_stream:
+            try:
+                async for _ in stream:
+                    pass
+            except Exception:  # noqa: BLE001 - the sync's own error is the one to raise
+                pass
+        raise
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def timed(weights: Iterable, phases: dict) -> Iterator:
+    """``weights`` as they come, adding the seconds spent producing them to ``phases["export_s"]``."""
+    it = iter(weights)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            phases["export_s"] += time.perf_counter() - t0
+            return
+        phases["export_s"] += time.perf_counter() - t0
+        yield item
+
+
+
+class BucketBuffer:
+    """One trainer rank's reused flat buffer, filled tensor by tensor from verl's generator.
+
+    The buffer holds at most ``capacity`` (the bucket) but is never made larger than the stream
+    needs: it starts at ``hint`` (what the previous sync filled; the first tensor's size on the
+    first sync) and doubles, up to ``capacity``, when a tensor does not fit, copying what it
+    holds. A 0.5 MiB model under verl's default 2 GiB bucket thus gets a 0.5 MiB buffer, not a
+    2 GiB one made (and paged in) on every sync. While it grows, old and new buffers together stay
+    under 1.5 x capacity."""
+
+    def __init__(self, capacity: int, hint: int = 0) -> None:
+        self.capacity = capacity
+        self.hint = min(int(hint), capacity)
+        self.buf: torch.Tensor | None = None
+        self.metas: list[TensorMeta] = []
+        self.offset = 0
+        self.high = 0                        # the most bytes it held at once (the next hint)
+
+    def fits(self, nbytes: int) -> bool:
+        start = -(-self.offset // ALIGNMENT) * ALIGNMENT
+        return not self.metas or start + nbytes <= self.capacity
+
+    def _room(self, end: int, device: torch.device) -> None:
+        buf = self.buf
+        if buf is not None and buf.device == device and end <= buf.numel():
+            return
+        kept = self.offset if buf is not None and buf.device == device else 0
+        size = max(end, self.hint, 2 * buf.numel() if kept else 0)
+        size = min(max(size, end), max(self.capacity, end))
+        new = handles.empty_shared(size, device)
+        if kept:
+            new[:kept].copy_(buf[:kept])
+        self.buf = new
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        start = -(-self.offset // ALIGNMENT) * ALIGNMENT
+        n = t.numel() * t.element_size()
+        self._room(start + n, t.device)
+        if n:
+            self.buf[start:start + n].copy_(t.reshape(-1).view(torch.uint8))
+        self.metas.append(TensorMeta.of(name, t))
+        self.offset = start + n
+        self.high = max(self.high, self.offset)
+
+    def bucket(self) -> Bucket:
+        (bucket,) = plan_buckets(self.metas, max(self.capacity, 1), alignment=ALIGNMENT)
+        return bucket
+
+    def reset(self) -> None:
+        self.metas, self.offset = [], 0
