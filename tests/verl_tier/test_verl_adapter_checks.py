@@ -94,7 +94,9 @@ def test_a_rank_running_another_adapter_is_named_not_waited_for_forever():
                                                 "rank 1 (global rank 1): infer-TP rank 0 (global "
                                                 "rank 0) did not start fsdp_sync's adapter within 2 s"), ours
     assert "VERL_USE_EXTERNAL_MODULES=fsdp_sync.integrations.verl" in ours, ours
-    assert seconds < 30, seconds
+    # not forever: the refusal comes dist_timeout_s after the first sync begins; the rest is the
+    # rank's export and imports, which took 36 s once on a 2-core machine under heavy load
+    assert seconds < 120, seconds
     assert theirs is not None          # verl's rank waited in its collectives: its own timeout
 
 
