@@ -18,7 +18,7 @@ from fsdp_sync.engines import (EngineClosedError, EngineStateError, ReferenceEng
 from fsdp_sync.models import build_model, load_config
 
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7]]
-INFRA = ("torch_shm_manager", "resource_tracker")   # per-process helpers torch/multiprocessing keep
+INFRA = ("torch_shm_manager", "resource_tracker", "multiprocessing.forkserver")   # per-process helpers kept
 
 
 def _shm(pids):
