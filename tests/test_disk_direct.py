@@ -170,3 +170,58 @@ def test_verified_file_refuses_hostile_headers_and_closes(tmp_path):
     assert len(vf.tensors) == 300 and int(vf.tensors["t0255"].load()[0]) == 255
     vf.close()
     assert vf.fd == -1
+
+
+def _kept_buffers_job(rank, world, root):
+    from fsdp_sync.cli.trainer import synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights import export
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny")
+    module = wrap_fsdp(build_model(cfg, seed=1), 2)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-1)
+    engine = ReferenceEngine(model_config=cfg, tp_size=2, dtype=torch.float32) if rank == 0 else None
+    manager = FSDPShardingManager(module, [engine] if engine is not None else None, config=SyncConfig(
+        method="disk", disk_dir=root, dtype=torch.float32, bucket_bytes=24 << 10,
+        free_cache_engine=False, layout="engine"))
+    out = []
+    try:
+        for step in range(3):
+            train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
+            with manager:
+                trainer = checksum_named_tensors(export.iter_params(module, dtype=torch.float32))
+                keep = manager.transport._host_keep
+                rec = {"path": manager.stats.extra["reshard_path"],
+                       "bufs": [b.data_ptr() for b in keep[0].bufs] if keep else None}
+                if engine is not None:
+                    rec["exact"] = engine.weights_checksum() == trainer
+            out.append(rec)
+    finally:
+        transport = manager.transport
+        manager.close()
+        out.append({"kept_after_close": len(transport._host_keep)})
+        if engine is not None:
+            engine.shutdown()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_one_host_buffers_are_kept_from_sync_to_sync_and_freed_by_close(tmp_path):
+    """The per-rank cut's one-host buffers are made once, rewritten by every later sync (fresh
+    shared memory faulted in every sync cost more than the cut), and freed when the transport
+    closes; every sync's weights are still the trainer's bit for bit."""
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    results = run_ranks(_kept_buffers_job, 2, str(tmp_path), timeout_s=170, env=spawn_env())
+    for rank, recs in enumerate(results):
+        *syncs, closed = recs
+        assert [r["path"] for r in syncs] == ["host-shared"] * 3, recs
+        assert syncs[0]["bufs"] and all(r["bufs"] == syncs[0]["bufs"] for r in syncs), recs
+        assert closed == {"kept_after_close": 0}, recs
+        if rank == 0:
+            assert all(r["exact"] for r in syncs), recs

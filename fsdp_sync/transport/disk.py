@@ -39,7 +39,7 @@ checksums, then its slices), the version holds one file per engine TP rank and b
 r's shard in the engine's layout (`fsdp_sync.weights.layout`: engine names, fused ``qkv_proj`` /
 ``gate_up_proj``, vocab rows with padding, row-parallel column slices, replicated KV heads), cut
 by `reshard.iter_rank_buckets` (on one host the trainer ranks write their pieces into shared
-per-rank buffers; across hosts one ``all_to_all_single`` per bucket brings each rank's buffer to
+per-rank buffers, kept from sync to sync until `close`; across hosts one ``all_to_all_single`` per bucket brings each rank's buffer to
 the writer of its file). The manifest (layout, TP size, model spec, per rank its files, every
 file's digest, size and names) is written last instead of an index; fsync, the rename and keep-N
 are the same. Each reference-engine worker hashes only its own files, through one small buffer
@@ -173,6 +173,7 @@ class DiskTransport:
         self.closed = False
         self._quant: Any = None             # this sync's `quantize.StreamQuantizer`, if quantized
         self._split: dict = {}              # this rank's write-phase split (`OneWriter.seconds`)
+        self._host_keep: list = []          # per-rank one-host buffers, kept between syncs until close()
 
     # ------------------------------------------------------------------ collectives
     @staticmethod
@@ -321,9 +322,7 @@ class DiskTransport:
                        "path": final, "files": n_files, "writers": len(writers),
                        "host_shared": self.host_shared,
                        "write_s": write_s, "publish_s": publish_s, "load_s": load_s,
-                       # the split (seconds, slowest rank each): write_s = export_s + write_wait_s
-                       # + fsync_s on a rank; file_write_s runs beside export_s; load_s holds
-                       # read_hash_s and copy_s (the engine's two phases) and the calls around them
+                       # the split (module docstring): write_s ~ export_s + write_wait_s + fsync_s
                        "export_s": split.get("export_s"), "file_write_s": split.get("write_s"),
                        "write_wait_s": split.get("wait_s"), "fsync_s": split.get("fsync_s"),
                        "read_hash_s": load_split.get("read_hash_s"), "copy_s": load_split.get("copy_s"),
@@ -519,7 +518,7 @@ class DiskTransport:
             ctx.module, layout, cfg.bucket_bytes, dtype=cfg.dtype,
             fsdp1_state_dict=cfg.fsdp1_state_dict,
             share_host_memory=bool(getattr(cfg, "share_host_memory", False)),
-            owners=owners, alloc=_plain_alloc, stats=st, host_sets=2), write)
+            owners=owners, alloc=_plain_alloc, stats=st, host_sets=2, host_keep=self._host_keep), write)
 
     def _publish_ranked(self, ctx: Any, tmp: str, final: str, records: list[dict], layout: Any,
                         parts: int, metas: list) -> None:
@@ -645,9 +644,10 @@ class DiskTransport:
                 shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
 
     def close(self) -> None:
-        """Nothing stays open between syncs (the writer thread ends with each sync); the published
-        versions stay on disk."""
+        """Frees the one-host buffers kept between syncs (the writer thread ends with each sync);
+        the published versions stay on disk."""
         self.closed = True
+        self._host_keep.clear()
 
 
 def _disk_hash(config: Any) -> str:
