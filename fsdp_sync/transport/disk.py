@@ -39,8 +39,8 @@ checksums, then its slices), the version holds one file per engine TP rank and b
 r's shard in the engine's layout (`fsdp_sync.weights.layout`: engine names, fused ``qkv_proj`` /
 ``gate_up_proj``, vocab rows with padding, row-parallel column slices, replicated KV heads), cut
 by `reshard.iter_rank_buckets` (on one host the trainer ranks write their pieces into shared
-per-rank buffers, kept from sync to sync until `close`; across hosts one ``all_to_all_single`` per bucket brings each rank's buffer to
-the writer of its file). The manifest (layout, TP size, model spec, per rank its files, every
+per-rank buffers, kept from sync to sync until `close`; across hosts one ``all_to_all_single``
+per bucket brings each rank's buffer to the writer of its file). The manifest (layout, TP size, model spec, per rank its files, every
 file's digest, size and names) is written last instead of an index; fsync, the rename and keep-N
 are the same. Each reference-engine worker hashes only its own files, through one small buffer
 (`weights.verified_file`), and only when every worker's files check out does the commit read them
