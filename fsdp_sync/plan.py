@@ -164,8 +164,9 @@ def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: in
     bucket, one file's slices: never more than the larger of a bucket and the largest tensor)
     and, on an engine that stages an update (fsdp_sync's reference engine while it holds loaded
     weights: what is pushed is copied aside until the commit, so a failed update leaves the old
-    weights serving), its whole shard. SGLang loads in place: no staging. The colocated tensor
-    method's engine maps the trainer's buckets, so its device is held to `memory_budget`."""
+    weights serving; not for per-rank disk files: `reference_engine_stages`), its whole shard.
+    SGLang loads in place: no staging. The colocated tensor method's engine maps the trainer's
+    buckets, so its device is held to `memory_budget`."""
     if method == "tensor":
         rule = memory_budget(method, bucket_bytes, largest)
         return {"engine_memory_budget_bytes": rule["memory_budget_bytes"],
@@ -174,6 +175,13 @@ def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: in
     return {"engine_memory_budget_bytes": unit + (shard if staged else 0),
             "engine_memory_budget_rule": "max(bucket, largest tensor)" + (
                 " + its shard (staged until the commit)" if staged else "")}
+
+
+def reference_engine_stages(engine: str, method: str, layout: str) -> bool:
+    """Whether the engine stages a disaggregated update's shard until the commit: the reference
+    engine does (distributed; disk with Hugging Face files), except for per-rank disk files, which
+    each worker hashes first and then reads straight into its weights (`weights.verified_file`)."""
+    return engine == "reference" and method != "tensor" and not (method == "disk" and layout == "engine")
 
 
 def quantized_bucket_bytes(bucket_bytes: int, dtype: torch.dtype) -> int:
@@ -437,7 +445,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     # ---- memory
     row.update(memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype,
                              layout=job.layout, pipelined=job.pipelined))
-    staged = job.engine == "reference" and job.method != "tensor"
+    staged = reference_engine_stages(job.engine, job.method, job.layout)
     row.update(engine_memory_budget(job.method, job.bucket_bytes, largest, shard, staged), engine=job.engine)
     row["trainer_rank_peak_extra_bytes"] = row["memory_budget_bytes"]
     row["engine_rank_peak_extra_bytes"] = row["engine_memory_budget_bytes"]
@@ -507,7 +515,7 @@ def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
     engine_free = int(cl.memory_per_gpu * (1 - util))
     largest, shard = row["largest_tensor_bytes"], row["engine_rank_shard_bytes"]
     dtype = getattr(torch, job.dtype)
-    staged = job.engine == "reference" and job.method != "tensor"
+    staged = reference_engine_stages(job.engine, job.method, job.layout)
 
     def trainer_need(b: int) -> int:
         return memory_budget(job.method, b, largest, job.quantization, dtype, layout=job.layout,

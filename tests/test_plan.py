@@ -73,6 +73,12 @@ def test_plan_bytes_equal_the_bench_for_every_method_and_layout():
                                     else "trainer_rank_peak_extra_bytes"])
                      for name, peak in r["peak_extra_by_process"].items()}
         over += [(where, name, peak, bound) for name, (peak, bound) in peaks.items() if peak > bound + NOISE]
+        # where the time goes (bench `split`): the disk rows' parts, the per-rank distributed rows'
+        want = {"disk": {"export_s", "file_write_s", "write_wait_s", "fsync_s", "read_hash_s", "copy_s", "load_s"},
+                "distributed": {"export_s", "send_wait_s"}}.get(r["method"], set())
+        if want and (r["layout"] == "engine" or r["method"] == "disk"):
+            assert want <= set(r["split"]), (where, r["split"])
+            assert all(v >= 0 for v in r["split"].values()), (where, r["split"])
     assert not over, over
 
 

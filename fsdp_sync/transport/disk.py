@@ -39,11 +39,12 @@ checksums, then its slices), the version holds one file per engine TP rank and b
 r's shard in the engine's layout (`fsdp_sync.weights.layout`: engine names, fused ``qkv_proj`` /
 ``gate_up_proj``, vocab rows with padding, row-parallel column slices, replicated KV heads), cut
 by `reshard.iter_rank_buckets` (on one host the trainer ranks write their pieces into shared
-per-rank buffers; across hosts one ``all_to_all_single`` per bucket brings each rank's buffer to
-the writer of its file). The manifest (layout, TP size, model spec, per rank its files, every
+per-rank buffers, kept from sync to sync until `close`; across hosts one ``all_to_all_single``
+per bucket brings each rank's buffer to the writer of its file). The manifest (layout, TP size, model spec, per rank its files, every
 file's digest, size and names) is written last instead of an index; fsync, the rename and keep-N
-are the same. Each reference-engine worker reads only its own files, once
-(`hf_checkpoint.read_verified`), and the engine commits only if every worker's files check out.
+are the same. Each reference-engine worker hashes only its own files, through one small buffer
+(`weights.verified_file`), and only when every worker's files check out does the commit read them
+straight into the weights (from the page cache the check warmed): no staged copy of the shard.
 The engine's TP size and model come from the engines (trainer rank 0); every rank agrees on the
 layout before anything is written.
 
@@ -56,7 +57,10 @@ the reference engine does, `SGLangEngine` does not): ``"engine"`` against any ot
 refused on every rank before anything is written, ``"auto"`` writes the full checkpoint.
 
 `disk_floor(nbytes, directory)` times the same bytes through plain file I/O (write, fsync, read):
-the floor the bench puts beside this method.
+the floor the bench puts beside this method. ``stats.extra`` splits each sync (seconds, the slowest
+rank's): ``export_s`` (gathers and the cut), ``file_write_s`` (writes and hashing, beside the
+export), ``write_wait_s``, ``fsync_s``, ``publish_s``, and within ``load_s`` the engine's
+``read_hash_s`` and ``copy_s`` (engines that report them: ``disk_seconds``).
 
 Not here: exporting and bucket planning (`export`, `bucket`), the stages around a sync (the
 manager), reading a checkpoint into an engine (the engines, with `hf_checkpoint.resolve`).
@@ -168,6 +172,8 @@ class DiskTransport:
         self.host_shared = False            # the last sync's buckets came from a host-shared buffer
         self.closed = False
         self._quant: Any = None             # this sync's `quantize.StreamQuantizer`, if quantized
+        self._split: dict = {}              # this rank's write-phase split (`OneWriter.seconds`)
+        self._host_keep: list = []          # per-rank one-host buffers, kept between syncs until close()
 
     # ------------------------------------------------------------------ collectives
     @staticmethod
@@ -267,12 +273,14 @@ class DiskTransport:
 
             # 3. rank 0: config, manifest, index last; fsync; publish by rename
             t_pub = time.perf_counter()
-            everyone = self._all_gather((records, st.bytes_in), group, world)
-            trainer_in = max(b for _, b in everyone)
+            everyone = self._all_gather((records, st.bytes_in, self._split), group, world)
+            trainer_in = max(b for _, b, _ in everyone)
+            # the write phase's split: the slowest rank's figure of each part
+            split = {k: max(s[k] for _, _, s in everyone) for k in everyone[0][2]}
             err = None
             if rank == 0:
                 try:
-                    files = [r for rs, _ in everyone for r in rs]
+                    files = [r for rs, _, _ in everyone for r in rs]
                     if layout is None:
                         self._publish(ctx, tmp, final, files, n_files, metas)
                     else:
@@ -295,7 +303,11 @@ class DiskTransport:
         # what the engine ranks read (the engines that count it: the reference engine), on every rank
         read = [max(getattr(e, "disk_bytes_read", None) or [0]) for e in ctx.engines or []
                 if getattr(e, "disk_bytes_read", None)]
-        engine_in = self._broadcast(max(read) if read else None, group)
+        # the engines' split of the load (the reference engine's: hashing its files, the commit)
+        load_split = [getattr(e, "disk_seconds", None) or {} for e in ctx.engines or []]
+        load_split = {k: max(d.get(k, 0.0) for d in load_split)
+                      for k in ("read_hash_s", "copy_s") if any(k in d for d in load_split)}
+        engine_in, load_split = self._broadcast((max(read) if read else None, load_split), group)
 
         # 5. keep the newest disk_keep versions
         pruned: list[str] = []
@@ -310,6 +322,10 @@ class DiskTransport:
                        "path": final, "files": n_files, "writers": len(writers),
                        "host_shared": self.host_shared,
                        "write_s": write_s, "publish_s": publish_s, "load_s": load_s,
+                       # the split (module docstring): write_s ~ export_s + write_wait_s + fsync_s
+                       "export_s": split.get("export_s"), "file_write_s": split.get("write_s"),
+                       "write_wait_s": split.get("wait_s"), "fsync_s": split.get("fsync_s"),
+                       "read_hash_s": load_split.get("read_hash_s"), "copy_s": load_split.get("copy_s"),
                        "pruned": pruned, "layout": "full" if layout is None else "engine",
                        "engine_rank_bytes_in": engine_in}
         if layout is not None:
@@ -497,11 +513,12 @@ class DiskTransport:
                 w.fail(exc)
 
         self.host_shared = False
+        self._split = w.seconds
         return w.drive(reshard.iter_rank_buckets(
             ctx.module, layout, cfg.bucket_bytes, dtype=cfg.dtype,
             fsdp1_state_dict=cfg.fsdp1_state_dict,
             share_host_memory=bool(getattr(cfg, "share_host_memory", False)),
-            owners=owners, alloc=_plain_alloc, stats=st, host_sets=2), write)
+            owners=owners, alloc=_plain_alloc, stats=st, host_sets=2, host_keep=self._host_keep), write)
 
     def _publish_ranked(self, ctx: Any, tmp: str, final: str, records: list[dict], layout: Any,
                         parts: int, metas: list) -> None:
@@ -572,6 +589,7 @@ class DiskTransport:
 
         # share_host_memory: on one host the ranks fill one shared buffer (no all-gather); it
         # is reused by the next bucket, so the owner copies its bucket out before writing it
+        self._split = w.seconds
         return w.drive(enumerate(export.iter_buckets(
             ctx.module, cfg.bucket_bytes, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict,
             alloc=alloc, share_host_memory=bool(getattr(cfg, "share_host_memory", False)))), write)
@@ -626,9 +644,10 @@ class DiskTransport:
                 shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
 
     def close(self) -> None:
-        """Nothing stays open between syncs (the writer thread ends with each sync); the published
-        versions stay on disk."""
+        """Frees the one-host buffers kept between syncs (the writer thread ends with each sync);
+        the published versions stay on disk."""
         self.closed = True
+        self._host_keep.clear()
 
 
 def _disk_hash(config: Any) -> str:

@@ -445,13 +445,26 @@ class DistributedTransport:
 
         failed: str | None = None     # rank 0's own failure (quantizing, launching): agreed below
 
+        split = {"export_s": 0.0, "send_wait_s": 0.0}     # this rank's (rank 0's in the stats)
+
         def settle() -> None:     # every rank: the outcome of the bucket in flight
             nonlocal pending
+            t = time.perf_counter()
             err, pending = (self._finish(pending) if pending is not None else None), None
             _agree(err or failed, group, "distributed weight sync")
+            split["send_wait_s"] += time.perf_counter() - t
+
+        def timed(stream: Any) -> Any:     # export_s: the stream making each bucket
+            while True:
+                t = time.perf_counter()
+                rb = next(stream, None)
+                split["export_s"] += time.perf_counter() - t
+                if rb is None:
+                    return
+                yield rb
 
         try:
-            for k, rb in enumerate(it):        # reshards bucket k (k-1 is still on the wire)
+            for k, rb in enumerate(timed(it)):        # reshards bucket k (k-1 is still on the wire)
                 if k and piped:
                     settle()
                 if me == 0 and failed is None:
@@ -481,6 +494,7 @@ class DistributedTransport:
         if getattr(cfg, "quantization", None):
             from ..weights.fp8 import quantized_layout
             shard = quantized_layout(layout, cfg.quantization).engine_bytes((cfg.dtype or metas[0].dtype).itemsize)
+        stats.extra.update(split)
         stats.extra.update(reshard_path=st.path, engine_rank_bytes_in=engine_in,
                            engine_rank_shard_bytes=shard, trainer_rank_bytes_in=st.bytes_in,
                            trainer_rank_bytes_written=st.bytes_written)

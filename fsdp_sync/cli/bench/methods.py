@@ -18,7 +18,8 @@ Called by `bench.bench_rank` on every trainer rank of a job, for each method oth
   skipped with a note when this build has no disk method.
 
 ``peak_extra_bytes`` is the largest rise of any one process's RSS (every trainer rank and every
-engine worker, sampled from trainer rank 0) above its level before the sync stage.
+engine worker, sampled from trainer rank 0) above its level before the sync stage. ``split``:
+where a row's time goes (`SPLIT_KEYS`, medians over the timed syncs).
 
 Not here: the colocated rows, the sweep and the table (`bench`).
 """
@@ -36,6 +37,14 @@ from .sampling import DeviceSampler, rises, sampled_sync
 from ...topology import cpu_group
 
 MiB = 2**20
+
+SPLIT_KEYS = ("export_s", "file_write_s", "write_wait_s", "fsync_s", "publish_s", "read_hash_s",
+              "copy_s", "load_s", "send_wait_s")
+"""The parts of a sync a row's ``split`` reports (`stats.extra`, seconds, the slowest rank's):
+disk: the export (gathers and the cut), the writer thread's writes and hashing (beside the export),
+the export held back by an unfinished write, the fsyncs, the manifest and rename, the engine's
+hashing pass and its copy into the weights (inside ``load_s``); distributed: the export and the
+wait for each bucket's broadcast and the engine's stage of it."""
 
 
 def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, device: str,
@@ -144,12 +153,14 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 for _ in range(job.warmup):
                     with manager:
                         pass
-                secs = []
+                secs, splits = [], []
                 for _ in range(job.repeats):
                     dist.barrier(group=cpu_group())
                     with manager:
                         pass
                     secs.append(manager.stats.seconds)
+                    splits.append({k: v for k, v in manager.stats.extra.items()
+                                   if k in SPLIT_KEYS and v is not None})
                 stats = manager.stats
                 sampler = None
                 if rank == 0:
@@ -177,6 +188,9 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     rows.append(_row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med,
                                      floor, manager, sampler, largest))
                     rows[-1].setdefault("engine_rank_shard_bytes", shard)
+                    # where the time goes: each part's median over the timed syncs
+                    rows[-1]["split"] = {k: statistics.median(s[k] for s in splits if k in s)
+                                         for k in SPLIT_KEYS if any(k in s for s in splits)}
                     if lay is not None:
                         rows[-1].update(lay)
                         if lay["layout"] == "engine":
@@ -185,9 +199,12 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                         [f"engine worker {j}" for j in range(len(getattr(engine, "worker_pids", []) or []))]
                     rows[-1]["peak_extra_by_process"] = dict(zip(names, rows[-1].pop("_peaks")))
                     # the engine workers' own rule: the reference engine stages a disaggregated
-                    # update beside the weights it holds (loaded by the warm-up) until the commit
+                    # update beside the weights it holds (loaded by the warm-up) until the commit,
+                    # except per-rank disk files (checked first, then read into the weights)
+                    from ...plan import reference_engine_stages
+                    staged = reference_engine_stages("reference", method, rows[-1].get("layout") or "full")
                     rows[-1].update(engine_memory_budget(method, bucket_bytes, largest,
-                                                         rows[-1]["engine_rank_shard_bytes"], staged=True))
+                                                         rows[-1]["engine_rank_shard_bytes"], staged=staged))
             finally:
                 manager.close()
                 if workdir is not None:

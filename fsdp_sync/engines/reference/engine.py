@@ -17,8 +17,8 @@ call (one shared-memory copy, one handle per worker).
 checkpoint's files (`fsdp_sync.weights.hf_checkpoint.resolve`: index, missing shards, manifest), each
 worker checks its share of the files' digests and every tensor's header, and reads only its own
 slices into staging memory, so a torn or corrupt checkpoint changes nothing. A per-rank checkpoint
-(``SyncConfig.layout="engine"``, `hf_checkpoint.resolve_ranked`) is checked the same way, but each
-worker reads only its own rank's files, once (checksum and tensors from the same bytes).
+(``SyncConfig.layout="engine"``) is checked the same way, each worker hashing only its own files
+(`weights.verified_file`), then read at the commit straight from them into the weights (no staging).
 
 ``begin_weight_update()`` … ``end_weight_update()`` is one transaction (``transactional_updates``,
 the default): each call is checked as above; while the engine holds weights worth protecting
@@ -57,9 +57,9 @@ versions (`rollout`), batching requests (`scheduler`), the update-group calls of
 items, the checks of a distributed call's entries and the disk update's checkpoint resolution
 (`update_items`), which quantization a config and argument make (`quant`).
 
-Why ~680 lines, one module: the engine's side of every protocol call (startup, the update methods,
-the two-phase rounds, the update gate and its wait limit), sharing the lock, the worker set and the
-broken/transaction state. The next carve, if it grows: memory release/resume and read-back stats.
+Why ~700 lines, one module: the engine's side of every protocol call (startup, update methods, two-phase
+rounds, the update gate), sharing the lock, the worker set and the broken/transaction state. The
+next carve, if it grows: memory release/resume and read-back stats.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ...config import parse_dtype
 from ...models import load_config
 from ...weights import handles
 from ...weights.layout import ModelSpec
@@ -83,7 +84,6 @@ from ...wire import free_port
 from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
                     EngineUnavailableError, WeightUpdateError, WorkerDiedError, ordered_tags)
 from . import procs, quant
-from ...config import parse_dtype
 from .gpu_calls import GPUCalls
 from .group_calls import UpdateGroupCalls
 from .lora_calls import LoRACalls
@@ -206,6 +206,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback, LoRACal
         self.ep_size = self.layout.ep
         self.base_gpu_id = int(base_gpu_id)
         self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
+        self.disk_seconds: dict[str, float] = {}   # the last disk update: read_hash_s, copy_s (slowest rank)
         self.disk_tensors_loaded = 0           # checkpoint tensors the last disk update loaded
         self.tp_size = int(tp_size)
         self.device, self.dtype = device, dtype
@@ -486,10 +487,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback, LoRACal
         ``{"flattened_tensor", "metadata"}`` in engine names (``load_format="direct"``).
 
         The per-rank buffers are the sync's own, reused bucket after bucket: inside
-        ``begin_weight_update``/``end_weight_update`` each worker keeps its buffer mapped until
-        the end (at most a few buffers, see ``worker.MAX_MAPPED``) rather than mapping it anew
-        every bucket (at TP 2 on qwen2-160m: a worker's page faults per sync 10 k -> 2 k, its
-        load 0.085 -> 0.070 s)."""
+        ``begin_weight_update``/``end_weight_update`` each worker keeps its buffer mapped until the
+        end (at most ``worker.MAX_MAPPED``) rather than mapping it anew every bucket (TP 2,
+        qwen2-160m: a worker's page faults per sync 10 k -> 2 k, its load 0.085 -> 0.070 s)."""
         self._update_from_tensor(list(payloads), "direct", flush_cache, keep_mapped=True,
                                  weight_version=weight_version)
 
@@ -503,13 +503,11 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback, LoRACal
         file loads; only the names present are updated (``require_complete=True``, what
         `fsdp-sync serve` asks: a checkpoint that lacks any tensor this engine holds is refused).
         A ``config.json`` beside the weights must agree with the engine's model in every value
-        that changes its math (`config_check`). All or nothing, unlike SGLang 0.5.23:
-        the files are checked against the manifest's digests when there is one (under the hash it
-        names; each worker hashes its share of the files), every tensor's name, dtype and shape is checked on every
-        worker and each worker reads only its own slices into staging memory (one extra copy of
-        its shard) before any weight changes. Raises `WeightUpdateError` naming the file or
-        tensor; the previous weights keep serving. ``weight_version`` as for tensors. Afterwards
-        ``disk_tensors_loaded`` is the number of checkpoint tensors loaded."""
+        that changes its math (`config_check`). All or nothing, unlike SGLang 0.5.23: the files'
+        digests (each worker hashes its share) and every tensor's name, dtype and shape are checked
+        on every worker before any weight changes (HF files: slices staged; per-rank files: read
+        into the weights at the commit). Raises `WeightUpdateError` naming the file or tensor; the
+        old weights keep serving. ``weight_version`` as for tensors; ``disk_tensors_loaded``."""
         from ...weights.hf_checkpoint import CheckpointError
 
         what = f"update_weights_from_disk({str(model_path)!r})"
@@ -529,6 +527,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback, LoRACal
             staged = self._two_phase(per_rank, what)
             tp = self.tp_size
             self.disk_bytes_read = [int(staged[r][1].get("bytes_read", 0)) for r in range(tp)]
+            self.disk_seconds = {k: max(float(rs[r][1].get(f, 0.0)) for r in range(tp)) for k, f, rs in
+                                 (("read_hash_s", "stage_s", staged), ("copy_s", "commit_s", self._committed))}
             counts = [int(staged[r][1].get("tensors", 0)) for r in range(tp)]
             # HF files: every rank reads every header; per-rank files: each its own tensors
             self.disk_tensors_loaded = counts[0] if per_rank[0][0][1] == "hf" else sum(counts)
@@ -547,7 +547,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback, LoRACal
                 self._abort_all(what, str(errs[min(errs)][2]))
                 self._raise_errors(staged, what)
             phase = "commit"
-            committed = self._round("commit", what=what + " (commit)")
+            committed = self._committed = self._round("commit", what=what + " (commit)")
             phase = "done"
             if any(rep[0] != "ok" for rep in committed.values()):
                 # copies only fail on e.g. out-of-memory; ranks may now disagree on their weights

@@ -10,7 +10,9 @@ update ends, so it is not mapped anew every bucket: `_keep_mapped`). A checkpoin
 against the manifest's digests, every tensor's name, dtype and shape is checked from the safetensors
 headers, and only this rank's slices are read (into CPU memory); asked for a complete one
 (``complete``, what `fsdp-sync serve` asks), a checkpoint lacking any tensor this rank holds is
-refused.
+refused. A per-rank checkpoint's files are only hashed while staging (`weights.verified_file`,
+their descriptors kept open): the commit reads them straight into the weights, so no staged copy
+of the shard is held.
 
 Every tensor must come in the dtype the engine's layout holds it in (`TPLayout.dtype_of`: the
 rollout dtype, or for a block-FP8 engine float8_e4m3fn weights and float32 ``weight_scale_inv``
@@ -87,6 +89,7 @@ class UpdateStager:
         self.keep_call = False              # this call's buffers are the update's, reused call after call
         self.mapped: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
         self.bytes_read = 0                 # what the last disk update read on this rank
+        self.files: list[Any] = []          # this call's checked per-rank files (`VerifiedFile`), open
 
     def _mismatch(self, name: str, what: str, expected: Any, got: Any) -> WorkerError:
         return WorkerError(KIND_UPDATE, f"expected {what} {expected} for {name!r} on TP rank {self.w.rank}, "
@@ -197,6 +200,8 @@ class UpdateStager:
         self.keep_call = bool(keep_mapped)
         seen: set[str] = set()
         self.bytes_read = 0
+        self._close_files()
+        t0 = time.perf_counter()
         for item in items:
             kind, layout_kind = item[0], item[1]
             if kind == "disk":
@@ -222,7 +227,8 @@ class UpdateStager:
                 seen.add(name)
                 (self._hf_writes if layout_kind == "hf" else self._direct_writes)(name, t, writes)
             self._maybe_fault()
-        return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen)}
+        return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen),
+                "stage_s": time.perf_counter() - t0}
 
     def _check_complete(self, directory: str, writes: list[Write]) -> None:
         """Refuse a checkpoint that lacks a tensor this rank holds: loading it would serve a mix
@@ -292,21 +298,28 @@ class UpdateStager:
                                                f"{type(exc).__name__}: {exc}") from exc
 
     def _stage_disk_ranked(self, spec: dict, writes: list[Write], seen: set[str]) -> None:
-        """This rank's files of a per-rank checkpoint (``layout="engine"``): each is read once,
-        checked against the manifest's digest on the bytes read (hashed as they are read), and must hold exactly the tensor
-        names the manifest lists for it; every tensor is checked as a ``direct`` update (engine
-        name, this rank's shape, dtype). No other rank's file is opened."""
-        from ...weights.hf_checkpoint import CheckpointError, engine_name_of, read_verified
+        """This rank's files of a per-rank checkpoint (``layout="engine"``): each is read once
+        through a small buffer, hashed as it is read and checked against the manifest's digest
+        (`VerifiedFile`: its descriptor stays open), and must hold exactly the tensor names the
+        manifest lists for it; every tensor is checked as a ``direct`` update (engine name, this
+        rank's shape, dtype). No other rank's file is opened, and nothing is kept in memory: the
+        writes' sources are the checked files (`FileTensor`), which the commit reads straight into
+        the weights (from the page cache this pass warmed) once every rank's files checked out,
+        instead of a staged copy of the whole shard."""
+        from ...weights.hf_checkpoint import CheckpointError, engine_name_of
+        from ...weights.verified_file import VerifiedFile
 
         directory = spec["dir"]
         for file in spec["files"]:
             path = os.path.join(directory, file)
             try:
-                tensors, size = read_verified(path, spec["digests"][file], spec.get("hash", "sha256"))
+                vf = VerifiedFile(path, spec["digests"][file], spec.get("hash", "sha256"))
             except CheckpointError as exc:
                 raise WorkerError(KIND_UPDATE, f"{exc}{_holding(spec['names'][file])} "
                                                f"(TP rank {self.w.rank})") from exc
-            self.bytes_read += size
+            self.files.append(vf)
+            tensors = vf.tensors
+            self.bytes_read += vf.size
             listed = list(spec["names"][file])
             if sorted(tensors) != sorted(listed):
                 diff = sorted(set(tensors) ^ set(listed))
@@ -321,9 +334,10 @@ class UpdateStager:
                                                    f"rank's files (TP rank {self.w.rank})", name)
                 seen.add(name)
                 try:
-                    self._direct_writes(name, tensors[key], writes)
+                    self._direct_writes(name, tensors[key].meta, writes)
                 except WorkerError as exc:
                     raise WorkerError(exc.kind, f"{path}: {exc}", name) from exc
+                writes[-1].src = tensors[key]        # read at the commit, straight into the weight
 
     def _disk_writes(self, path: str, name: str, f: Any, out: list[Write], dtypes: dict) -> None:
         if not self.w.layout.accepts(name):
@@ -352,14 +366,32 @@ class UpdateStager:
             out.append(Write("", (), torch.empty(0, dtype=want), (name,)))   # counts as loaded
 
     def _apply(self, writes: list[Write]) -> None:
+        self._files_unchanged()
         params = self.w.model.params
         for w in writes:
             if w.engine:
-                params[w.engine][w.dst].copy_(w.src)
+                if isinstance(w.src, torch.Tensor):
+                    params[w.engine][w.dst].copy_(w.src)
+                else:                               # a checked file's tensor (`FileTensor`)
+                    w.src.read_into(params[w.engine][w.dst])
+
+    def _files_unchanged(self) -> None:
+        """Before a weight changes: every checked file is still the one that was hashed."""
+        for f in self.files:
+            try:
+                f.check_unchanged()
+            except ValueError as exc:    # CheckpointError
+                raise WorkerError(KIND_UPDATE, f"{exc} (TP rank {self.w.rank})") from exc
+
+    def _close_files(self) -> None:
+        files, self.files = self.files, []
+        for f in files:
+            f.close()
 
     def drop_call(self) -> None:
         """Forget a failed stage: nothing of it survives, and its payloads are acknowledged."""
         self.call = None
+        self._close_files()
         self._ack_all()
 
     def _ack_all(self) -> None:
@@ -377,6 +409,7 @@ class UpdateStager:
     def commit(self) -> dict:
         """Phase two for one call: apply (or, inside a staging transaction, copy aside)."""
         writes, self.call = self.call or [], None
+        t0 = time.perf_counter()
         try:
             covers = {c for w in writes for c in w.covers}
             if self.txn is None:
@@ -384,8 +417,9 @@ class UpdateStager:
                 self._covered(covers)
                 self.dummy = False
             elif self.txn.staging:
-                for w in writes:
-                    w.src = w.src.to("cpu", copy=True)   # the sender frees its buffer after the call
+                self._files_unchanged()
+                for w in writes:     # the sender frees its buffer after the call; a file's tensor is read
+                    w.src = w.src.to("cpu", copy=True) if isinstance(w.src, torch.Tensor) else w.src.load()
                 self.txn.writes.extend(writes)
                 self.txn.covers |= covers
             else:
@@ -397,11 +431,13 @@ class UpdateStager:
             raise
         finally:
             del writes
+            self._close_files()
             self._ack_all()
-        return {}
+        return {"commit_s": time.perf_counter() - t0}
 
     def abort(self, reason: str = "") -> dict:
         self.call = None
+        self._close_files()
         self._ack_all()
         if self.txn is not None and not self.txn.aborted:
             if not self.txn.staging:
