@@ -2,6 +2,14 @@
 inside ``with manager:`` after every step, roll out, and check the engine against the trainer.
 
     accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/accelerate_rollout.py
+    accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/accelerate_rollout.py \
+        --method distributed
+
+``--method tensor`` (default, colocated): infer-TP rank 0 of each ("dp", "infer_tp") group owns an
+engine. ``--method distributed`` (disaggregated): the process accelerate makes rank 0 alone owns
+the engine and broadcasts each bucket to its workers over the weight-update group (accelerate
+launches through torchrun, whose agent store rank 0 must not wait for); CPU only here (on GPUs
+give the engine devices of its own).
 
 The model `accelerator.prepare` returns goes to `FSDPShardingManager` as it is (FSDP2, or the
 FSDP1 root wrapper with ``fsdp_version: 1``); do not pass ``accelerator.unwrap_model(model)`` of
@@ -31,7 +39,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--method", choices=["tensor", "distributed"], default="tensor")
     args = ap.parse_args()
+    distributed = args.method == "distributed"
 
     accelerator = Accelerator()
     if accelerator.distributed_type != DistributedType.FSDP:
@@ -50,11 +60,16 @@ def main() -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = make_mesh(dp=world // args.tp, infer_tp=args.tp, device_type=device.type)
-    engine = (ReferenceEngine(model_config=config, tp_size=args.tp, device=device.type)
-              if mesh["infer_tp"].get_local_rank() == 0 else None)
-    manager = FSDPShardingManager(model, engine, mesh=mesh, config=SyncConfig())
-    tp_src, tp_group = manager.topo.tp_ranks[0], manager.topo.tp_group
+    if not distributed:     # colocated: one engine per infer-TP group, on its infer-TP rank 0
+        mesh = make_mesh(dp=world // args.tp, infer_tp=args.tp, device_type=device.type)
+        holder, sync = mesh["infer_tp"].get_local_rank() == 0, SyncConfig()
+    else:                   # disaggregated: the engine on rank 0 only, no mesh
+        if device.type != "cpu":
+            raise SystemExit("--method distributed runs on CPU here: on GPUs give the engine GPUs "
+                             "of its own (ReferenceEngine(base_gpu_id=...))")
+        mesh, holder, sync = None, rank == 0, SyncConfig(method="distributed")
+    engine = ReferenceEngine(model_config=config, tp_size=args.tp, device=device.type) if holder else None
+    manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync)
 
     try:
         for step in range(args.steps):
@@ -67,14 +82,24 @@ def main() -> None:
 
             prompts = torch.randint(0, config.vocab_size, (2, 8), generator=g)
             with manager:                                   # resume weights -> sync -> resume kv_cache
-                batch = manager.preprocess_data({"input_ids": prompts})   # the TP group's prompts
-                out = [None]
-                if engine is not None:
-                    out = [engine.generate(input_ids=batch["input_ids"].tolist(), max_new_tokens=8,
-                                           ignore_eos=True)]
-                dist.broadcast_object_list(out, src=tp_src, group=tp_group)
-                batch["responses"] = torch.tensor(out[0])
-                batch = manager.postprocess_data(batch)      # this rank's prompts again
+                if not distributed:
+                    batch = manager.preprocess_data({"input_ids": prompts})   # the TP group's prompts
+                    out = [None]
+                    if engine is not None:
+                        out = [engine.generate(input_ids=batch["input_ids"].tolist(), max_new_tokens=8,
+                                               ignore_eos=True)]
+                    dist.broadcast_object_list(out, src=manager.topo.tp_src, group=manager.topo.tp_group)
+                    batch["responses"] = torch.tensor(out[0])
+                    batch = manager.postprocess_data(batch)      # this rank's prompts again
+                else:               # rank 0 rolls out every rank's prompts
+                    every: list = [None] * world
+                    dist.all_gather_object(every, prompts.tolist())
+                    out = [None]
+                    if engine is not None:
+                        out = [engine.generate(input_ids=[p for ps in every for p in ps],
+                                               max_new_tokens=8, ignore_eos=True)]
+                    dist.broadcast_object_list(out, src=0)
+                    batch = {"input_ids": prompts, "responses": torch.tensor(out[0][2 * rank:2 * rank + 2])}
 
                 # check: the engine holds the trainer's weights bit for bit and computes its logits
                 trainer_sum = checksum_named_tensors(export.iter_params(model))   # collective
@@ -90,6 +115,7 @@ def main() -> None:
                       f"{manager.stats.seconds * 1e3:.0f} ms  engine == trainer  "
                       f"({type(model).__name__})", flush=True)
     finally:
+        manager.close()         # distributed: destroys the weight-update group
         if engine is not None:
             engine.shutdown()
     accelerator.end_training()
