@@ -8,7 +8,8 @@
 - ``init_weights_update_group`` checks its body (``{"backend": "foo"}`` used to wait ~120 s in a
   rendezvous), and a ``begin_weight_update`` that cannot start within ``--update-wait-s`` answers
   503 and is never applied afterwards (it used to block 100 s and open a session later).
-- A POST with neither Content-Length nor chunked encoding is an empty body (was 411).
+- A POST with neither Content-Length nor chunked encoding is an empty body (was 411); a chunked
+  body is read (was 411), bounded as a sized one, and a malformed one is a 400.
 - DELETE / PUT answer a JSON 405 (was the stdlib's 501 HTML page); an unknown parameter name is
   quoted once.
 """
@@ -116,6 +117,37 @@ def test_bodyless_posts_are_empty_bodies(server):
         status, _, out = request(server, "POST", path)        # no Content-Length, no chunked
         assert (status, out) == (200, want), (path, status, out)
     assert server.engine.generation_paused is None
+
+
+def chunked(data: bytes, sizes: list[int]) -> bytes:
+    out, at = b"", 0
+    for n in sizes:
+        out += f"{n:x};ext=1\r\n".encode() + data[at:at + n] + b"\r\n"
+        at += n
+    assert at == len(data)
+    return out + b"0\r\nX-Trailer: t\r\n\r\n"
+
+
+def test_chunked_bodies_are_read_and_bounded(server):
+    body = json.dumps({"input_ids": [[1, 2, 3]], "sampling_params": {"max_new_tokens": 4,
+                                                                     "temperature": 0.0}}).encode()
+    te = {"Transfer-Encoding": "chunked", "Content-Type": "application/json"}
+    want = request(server, "POST", "/generate", json.loads(body))
+    assert want[0] == 200 and len(want[2][0]["output_ids"]) == 4, want
+    got = request(server, "POST", "/generate", raw_body=chunked(body, [5, 1, len(body) - 6]), headers=te)
+    assert (got[0], got[2][0]["output_ids"]) == (200, want[2][0]["output_ids"]), got
+    # a bodyless route takes an empty chunked body
+    assert request(server, "POST", "/flush_cache", raw_body=b"0\r\n\r\n", headers=te)[:1] == (200,)
+    # refused, each naming why; the connection is closed (the rest of the body is never read)
+    over = f"{server.max_body_bytes + 1:x}\r\n".encode() + b" " * 4096     # refused from its size line
+    for raw_body, headers, status, needle in (
+            (b"zz\r\n{}\r\n0\r\n\r\n", te, 400, "bad chunk size"),
+            (b"2\r\n{}XX0\r\n\r\n", te, 400, "a chunk of 2 bytes is cut short or not followed by CRLF"),
+            (over, te, 413, "--max-body-mb"),
+            (body, {"Transfer-Encoding": "gzip"}, 501, "Transfer-Encoding 'gzip'")):
+        s, h, out = request(server, "POST", "/generate", raw_body=raw_body, headers=headers)
+        assert s == status and needle in out["message"], (needle, s, out)
+        assert h.get("Connection") == "close" or status == 400, h
 
 
 def test_other_methods_get_json_405_and_names_are_quoted_once(server):

@@ -33,7 +33,7 @@ SGLang does. An engine without a method (the distributed and disk ones on an old
 
 Statuses say whose fault an error is (`http_fields.error_status`), so clients and routers retry
 or mark a server down on 5xx only: 4xx for the client's mistakes (400 a bad field or a call that
-does not fit, 401, 403, 404, 405 a method a route does not take, 411 chunked bodies, 413), 503
+does not fit, 401, 403, 404, 405 a method a route does not take, 413, 501 a transfer coding other than chunked), 503
 when the engine cannot serve now (a dead worker, shut down at SIGTERM, weights or KV cache
 released, out of service, busy past ``update_wait_s``, too many requests), 500 for anything else.
 Every error answer made here carries ``"retryable"`` (true: the same request may succeed later or
@@ -250,24 +250,15 @@ class EngineServer(ControlRoutes, UpdateRoutes):
                 self._busy_cond.notify_all()
 
     def _read_body(self, h: BaseHTTPRequestHandler) -> dict:
-        if h.headers.get("Transfer-Encoding"):
-            raise Refused(411, "chunked bodies are not accepted; send Content-Length")
-        raw_len = h.headers.get("Content-Length")
-        if raw_len is None:     # HTTP/1.1: neither Content-Length nor chunked is an empty body
-            return {}
-        try:
-            n = int(raw_len)
-        except ValueError:
-            raise Refused(400, f"bad Content-Length {raw_len!r}") from None
-        if n < 0:
-            raise Refused(400, f"bad Content-Length {raw_len!r}")
-        if n > self.max_body_bytes:
-            raise Refused(413, f"request body of {n} bytes is over this server's limit of "
-                               f"{self.max_body_bytes} (--max-body-mb)")
-        raw = h.rfile.read(n) if n else b""
-        h._body_read = True
-        if len(raw) != n:
-            raise Refused(400, f"body ended after {len(raw)} of {n} bytes")
+        coding = h.headers.get("Transfer-Encoding")
+        if coding:
+            if coding.strip().lower() != "chunked":
+                raise Refused(501, f"Transfer-Encoding {coding!r} is not supported: send the body "
+                                   f"plain (Content-Length) or chunked")
+            raw = read_chunked(h.rfile, self.max_body_bytes)
+            h._body_read = True
+        else:
+            raw = self._read_sized(h)
         if not raw.strip():
             return {}
         try:
@@ -277,6 +268,24 @@ class EngineServer(ControlRoutes, UpdateRoutes):
         if not isinstance(body, dict):
             raise Refused(400, f"the JSON body must be an object, got {type(body).__name__}")
         return body
+
+    def _read_sized(self, h: BaseHTTPRequestHandler) -> bytes:
+        raw_len = h.headers.get("Content-Length")
+        if raw_len is None:     # HTTP/1.1: neither Content-Length nor chunked is an empty body
+            return b""
+        try:
+            n = int(raw_len)
+        except ValueError:
+            raise Refused(400, f"bad Content-Length {raw_len!r}") from None
+        if n < 0:
+            raise Refused(400, f"bad Content-Length {raw_len!r}")
+        if n > self.max_body_bytes:
+            raise Refused(413, too_big(n, self.max_body_bytes))
+        raw = h.rfile.read(n) if n else b""
+        h._body_read = True
+        if len(raw) != n:
+            raise Refused(400, f"body ended after {len(raw)} of {n} bytes")
+        return raw
 
     @staticmethod
     def _reply(h: BaseHTTPRequestHandler, status: int, out: Any, *, close: bool = False,
@@ -561,3 +570,43 @@ class EngineServer(ControlRoutes, UpdateRoutes):
             return 200, {"checksums": self.engine.tensor_checksums(names)}
         except KeyError as e:
             raise Refused(400, error_text(e)) from None
+
+
+def too_big(n: int, limit: int) -> str:
+    return f"request body of {n} bytes is over this server's limit of {limit} (--max-body-mb)"
+
+
+def read_chunked(rfile: Any, limit: int) -> bytes:
+    """A ``Transfer-Encoding: chunked`` body (RFC 9112 7.1): size lines in hex (extensions after
+    ``;`` ignored), each chunk followed by CRLF, a zero-size chunk, then trailer lines up to an
+    empty one. Refuses a body over ``limit`` bytes (413) as soon as its size lines say so, and a
+    malformed or cut one (400)."""
+    parts, total = [], 0
+    while True:
+        line = rfile.readline(1026)
+        if not line.endswith(b"\n"):
+            raise Refused(400, "chunked body ended or its size line is too long")
+        size_text = line.split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise Refused(400, f"bad chunk size {size_text[:20]!r} in a chunked body") from None
+        if size < 0:
+            raise Refused(400, f"bad chunk size {size_text[:20]!r} in a chunked body")
+        if size == 0:
+            break
+        total += size
+        if total > limit:
+            raise Refused(413, too_big(total, limit))
+        data = rfile.read(size)
+        if len(data) != size or rfile.readline(3) not in (b"\r\n", b"\n"):
+            raise Refused(400, f"chunked body: a chunk of {size} bytes is cut short or not "
+                               f"followed by CRLF")
+        parts.append(data)
+    for _ in range(100):        # trailers, up to the empty line
+        line = rfile.readline(8192)
+        if line in (b"\r\n", b"\n"):
+            return b"".join(parts)
+        if not line.endswith(b"\n"):
+            break
+    raise Refused(400, "chunked body has no end (its trailer section is not closed)")
