@@ -9,13 +9,14 @@
 #   pip wheel --no-deps antlr4-python3-runtime==4.9.3 -w .whl          # an sdist: build the wheel
 # ), installed into a scratch directory; the project runs from the work tree (PYTHONPATH).
 #
-# In about 8 minutes on one H100 (its steps took 9.5 minutes in all over two partial runs, before
-# the plan rows were made in one call and the tests ran 8 at a time) it runs, each step under its own time limit, going on past a
-# failure: `make test-gpu`, the demo, `bench --preset gpu`, an FP8 bench, a 7B-class bench, `plan`
+# Within GPU_CHECK_BUDGET_S seconds (default 480: 8 minutes) it runs, each step under its own time
+# limit cut to what is left of the budget (scripts/gpu_check_steps.sh: a step with under 10 s left
+# is skipped and recorded as such, rc 125), going on past a failure: `make test-gpu`, the demo, `bench --preset gpu`, an FP8 bench, a 7B-class bench, `plan`
 # beside each bench row, a per-bucket profile (dev/gpu_profile.py), and records a real CUDA IPC
 # payload (protocols 5 and 2) for the CPU tests. GPU_CHECK_ONLY="step step" runs only the named steps. It writes OUTDIR/gpu_check.json (every step's
 # status and seconds, every bench row beside its plan) and OUTDIR/gpu_check.md (a short table).
 set -uo pipefail
+START_S=$(date +%s)
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu-check-out}"
 mkdir -p "$OUT"
@@ -33,18 +34,7 @@ FS=("$PY" -m fsdp_sync.cli)
 STEPS="$OUT/steps.tsv"
 : > "$STEPS"
 
-ONLY=" ${GPU_CHECK_ONLY:-} "   # e.g. GPU_CHECK_ONLY="test_gpu bench_7b": run only these steps
-step() {   # step NAME LIMIT_S CMD...: run, log to OUT/NAME.log, record status and seconds
-  local name=$1 limit=$2; shift 2
-  if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ "$ONLY" != *" $name "* ]]; then return; fi
-  local t0=$(date +%s%N)
-  echo "== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  local secs=$(awk -v a="$t0" -v b="$(date +%s%N)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$secs" >> "$STEPS"
-  echo "   rc=$rc in ${secs}s"; tail -n 4 "$OUT/$name.log"
-}
+. scripts/gpu_check_steps.sh      # step NAME LIMIT_S CMD...: within the budget
 
 BENCH=(--ranks 1 --tp 1 --device cuda --dtype bfloat16 --bucket-mb 512 --repeats 3)
 PLAN=(--ranks 1 --tp 1 --dtype bfloat16 --bucket-mb 512 --cluster h100-node --engine reference --gpu-memory-utilization 0.3)
