@@ -37,14 +37,24 @@ test-gpu: $(STAMP)
 # Optional tier, not part of `make test`: our payloads and adapter calls against the real sglang,
 # installed (CPU torch, sglang without its GPU dependencies) into a venv of its own by
 # scripts/sglang_env.sh. Fails, never skips, when sglang cannot be installed or imported.
+# Then the wire contract, the receivers and the adapter again against each of SGLANG_OLD_VERSIONS
+# (0.5.12: verl 0.9.1's pin), installed beside it in the same venv and put first on PYTHONPATH.
 SGLANG_VENV    ?= .venv-sglang
 SGLANG_VERSION ?= 0.5.23
+SGLANG_OLD_VERSIONS ?= 0.5.12
+SGLANG_OLD_TESTS ?= tests/sglang_tier/test_real_sglang.py tests/sglang_tier/test_sglang_distributed.py
 
 test-sglang:
 	SGLANG_VENV="$(SGLANG_VENV)" SGLANG_VERSION="$(SGLANG_VERSION)" TORCH_SPEC="$(TORCH_SPEC)" \
-	  PYTHON="$(PYTHON)" bash scripts/sglang_env.sh
+	  SGLANG_OLD_VERSIONS="$(SGLANG_OLD_VERSIONS)" PYTHON="$(PYTHON)" bash scripts/sglang_env.sh
 	FSDP_SYNC_SGLANG_TIER=1 FSDP_SYNC_SGLANG_VERSION="$(SGLANG_VERSION)" PYTHONPATH=. \
 	  $(SGLANG_VENV)/bin/python -m pytest -q -m sglang tests/sglang_tier
+	@set -e; for v in $(SGLANG_OLD_VERSIONS); do \
+	  echo "sglang $$v: $(SGLANG_OLD_TESTS)"; \
+	  FSDP_SYNC_SGLANG_TIER=1 FSDP_SYNC_SGLANG_VERSION=$$v \
+	  PYTHONPATH="$(abspath $(SGLANG_VENV))/sglang-$$v:$(CURDIR)/tests/sglang_tier/old_release:$(CURDIR)" \
+	    $(SGLANG_VENV)/bin/python -m pytest -q -m sglang $(SGLANG_OLD_TESTS); \
+	done
 
 # Optional tier, not part of `make test`: fsdp_sync's verl plug-in, recipes and adapter against the
 # real verl (pinned, no extras: they pull another torch), in a venv of its own built by

@@ -41,7 +41,7 @@ interpreter (the SGLang tier). Unchecked: a GPU server end to end, weights SGLan
 loading (AMX on CPU, some GPU MoE runners; they report a mismatch), quantized weights (hashed
 dequantized there), pipeline or data parallelism beyond merging the answer's entries. An
 in-process ``sglang.Engine`` has no checker call: with ``verify`` on, a sync into it raises,
-naming ``SyncConfig.verify="off"``; so does a server without ``/weights_checker`` (before 0.5.21).
+naming ``SyncConfig.verify="off"``; so does a server without ``/weights_checker``.
 
 A caller that streams its own tensors and holds no module (verl's adapter: verl's export is a
 generator it walks once) records what it sends as it sends it, in the form the engine is checked

@@ -8,6 +8,13 @@
 #
 #   SGLANG_VENV     the venv (default .venv-sglang; `.venv-*/` is gitignored)
 #   SGLANG_VERSION  sglang release from PyPI (default 0.5.23)
+#   SGLANG_OLD_VERSIONS  older releases also checked (default 0.5.12, verl 0.9.1's `verl[sglang]`
+#                   pin; empty: none): each goes, without dependencies, into "$VENV/sglang-$V"
+#                   (`pip install --target`), which `make test-sglang` puts first on PYTHONPATH
+#                   for a second run of the wire-contract, receiver and adapter tests in this same
+#                   venv (the shared packages serve them: ~20 s and ~40 MB per release, instead of
+#                   a second venv). 0.5.12 imports torchvision at module level, which no CPU wheel
+#                   provides: tests/sglang_tier/old_release/sitecustomize.py stands in for it.
 #   TORCH_SPEC      the CPU torch (default torch==2.13.0, the wheel that lies on CPU machines)
 #   PYTHON          interpreter for the venv (default python3)
 #
@@ -25,6 +32,8 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 PYTHON=${PYTHON:-python3}
 TRITON_SPEC=${TRITON_SPEC:-triton==3.8.0}   # the triton SGLang 0.5.23's torch (2.14.1) pairs with
 STAMP="$VENV/.sglang-tier-$VERSION-models-router"   # -models: transformers for the model-class checks; -router: sglang-router
+OLD_VERSIONS=${SGLANG_OLD_VERSIONS-0.5.12}
+STAND_IN="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/tests/sglang_tier/old_release"
 
 # What importing SGLang's serializer and bucket modules needs (found by importing them in a bare
 # venv until they import), plus what the tests themselves use. transformers (at SGLang's pin) and
@@ -48,9 +57,36 @@ verl_wheel() {
     "$VERL_CLIENT" >/dev/null 2>&1 || { echo "could not download $VERL_CLIENT's wheel" >&2; exit 1; }
 }
 
+# An older release beside the venv's own: its files only, checked to import (through the stand-in)
+# as itself, ahead of the venv's sglang.
+old_releases() {
+  local v dir
+  for v in $OLD_VERSIONS; do
+    dir="$VENV/sglang-$v"
+    [[ -f "$dir/.fsdp_sync-installed" ]] && continue
+    rm -rf "$dir"
+    local t0=$(date +%s)
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --target "$dir" \
+      "sglang==$v" >>"$VENV/sglang-tier-install.log" 2>&1 || {
+        tail -20 "$VENV/sglang-tier-install.log" >&2; echo "pip install sglang==$v failed" >&2; exit 1; }
+    PYTHONPATH="$dir:$STAND_IN" "$VENV/bin/python" -W ignore - "$v" <<'PYEOF'
+import sys
+import sglang
+from sglang.srt.utils import MultiprocessingSerializer                  # noqa: F401
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket  # noqa: F401
+if sglang.__version__ != sys.argv[1]:
+    sys.exit(f"expected sglang {sys.argv[1]} first on the path, got {sglang.__version__} "
+             f"from {sglang.__file__}")
+PYEOF
+    touch "$dir/.fsdp_sync-installed"
+    echo "sglang $v installed beside it in $(( $(date +%s) - t0 )) s: $dir"
+  done
+}
+
 if [[ -f "$STAMP" ]]; then
   verl_wheel
-  echo "sglang tier env: $VENV (sglang $VERSION) already built"
+  old_releases
+  echo "sglang tier env: $VENV (sglang $VERSION${OLD_VERSIONS:+; $OLD_VERSIONS beside it}) already built"
   exit 0
 fi
 
@@ -100,4 +136,5 @@ PYEOF
 
 verl_wheel
 touch "$STAMP"
+old_releases
 echo "sglang tier env built in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1) on disk"

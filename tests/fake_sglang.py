@@ -10,8 +10,10 @@
 - `FakeSGLangEngine`: methods with ``sglang.Engine``'s 0.5.23 signatures (`SGLANG_SIGNATURES`),
   SGLang's weight-update session rule (0.5.21+: updates only between begin/end), and a record of
   every call. `OldFakeSGLangEngine` has no begin/end, like SGLang before 0.5.21.
+  `Fake0512Engine`: SGLang 0.5.12 (verl 0.9.1's pin): the distributed calls, no session at all.
 - `FakeSGLangServer`: the same engine behind SGLang's HTTP routes, on 127.0.0.1 in a thread, with
-  a switch for the begin/end routes (404 on an older server) and scripted failures.
+  a switch for the begin/end routes (404 on an older server) and scripted failures;
+  ``version="0.5.12"`` answers as 0.5.12 does (no session routes, its narrower /weights_checker).
 
 Kept free of pytest: the reader runs as a script in an independent process.
 """
@@ -309,7 +311,7 @@ class FakeSGLangEngine(OldFakeSGLangEngine):
                                         flush_cache=True, load_format=None):
         self._record("update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
                      group_name=group_name, flush_cache=flush_cache, load_format=load_format)
-        if not self.session_open:
+        if self._session_ok() is not None:
             return False, ("update_weights_from_distributed must run between begin_weight_update() "
                            "and end_weight_update()")
         if group_name not in getattr(self, "groups", {}):
@@ -328,6 +330,18 @@ class FakeSGLangEngine(OldFakeSGLangEngine):
         return True, "Succeeded to destroy custom process group."
 
 
+class Fake0512Engine(FakeSGLangEngine):
+    """SGLang 0.5.12 (``verl[sglang]==0.9.1``'s pin): the distributed calls with 0.5.23's
+    arguments, but no weight-update session: no begin/end methods, nothing refused outside one."""
+
+    VERSION = "0.5.12"
+    begin_weight_update = None      # not callable: the adapter sees no such method
+    end_weight_update = None
+
+    def _session_ok(self) -> str | None:
+        return None
+
+
 # --------------------------------------------------------------------------- the fake server
 
 class FakeSGLangServer:
@@ -339,8 +353,16 @@ class FakeSGLangServer:
     per path.
     """
 
-    def __init__(self, tp_size: int = 2, *, session_routes: bool = True, layout: Any = None) -> None:
-        self.engine = FakeSGLangEngine(tp_size) if session_routes else OldFakeSGLangEngine(tp_size)
+    def __init__(self, tp_size: int = 2, *, session_routes: bool = True, layout: Any = None,
+                 version: str | None = None) -> None:
+        if version not in (None, "0.5.12", "0.5.23"):
+            raise ValueError(f"the fake answers as SGLang 0.5.12 or 0.5.23, not {version!r}")
+        self.version = version
+        if version == "0.5.12":
+            self.engine = Fake0512Engine(tp_size)
+            session_routes = False
+        else:
+            self.engine = FakeSGLangEngine(tp_size) if session_routes else OldFakeSGLangEngine(tp_size)
         # with a layout (`layout.TPLayout`), /weights_checker hashes each TP rank's own engine
         # parameters cut from the full tensors the fake holds, as SGLang on CPU does
         self.engine.layout = layout
@@ -443,8 +465,8 @@ class FakeSGLangServer:
             if value is None:
                 return bad({"error": {"message": "Get parameter by name failed"}})
             return ok(value)
-        if path == "/weights_checker" and self.session_routes:   # an older server has neither
-            return self._weights_checker(body or {})
+        if path == "/weights_checker" and (self.session_routes or self.version == "0.5.12"):
+            return self._weights_checker(body or {})     # OldFakeSGLangEngine's server: no route
         if path == "/update_weight_version":     # SGLang 0.5.23's UpdateWeightVersionReqInput
             e._record("update_weight_version", **(body or {}))
             e.weight_version = str((body or {}).get("new_version"))
@@ -457,10 +479,16 @@ class FakeSGLangServer:
 
     # SGLang 0.5.23's CheckWeightsReqInput fields (io_struct.py)
     CHECK_WEIGHTS_FIELDS = ("action", "allow_quant_error", "skip_tensor_list", "selector")
+    CHECK_WEIGHTS_FIELDS_0512 = ("action",)
 
     def _weights_checker(self, body: dict) -> tuple[int, str, str]:
         """``/weights_checker`` as 0.5.23 answers ``checksum``: per TP rank, a 16-hex hash of each
-        of its own tensors (here: the whole tensors the fake holds) and their overall hash."""
+        of its own tensors (here: the whole tensors the fake holds) and their overall hash. As
+        0.5.12: fields beyond ``action`` dropped without a word (FastAPI's dataclass body), the
+        answer without ``per_gpu_checksum``, ``per_engine_checksum`` and ``role``."""
+        old = self.version == "0.5.12"
+        if old:
+            body = {k: v for k, v in body.items() if k in self.CHECK_WEIGHTS_FIELDS_0512}
         unknown = sorted(set(body) - set(self.CHECK_WEIGHTS_FIELDS))
         if unknown:
             return 422, "application/json", json.dumps({"detail": f"unknown fields {unknown}"})
@@ -488,6 +516,10 @@ class FakeSGLangServer:
                           "parallelism_info": {"role": "target", "tp_rank": r, "tp_size": e.tp_size,
                                                "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
                                                "rank": r, "size": e.tp_size}})
+        if old:
+            for entry in ranks:
+                del entry["per_gpu_checksum"], entry["parallelism_info"]["role"]
+            return 200, "application/json", json.dumps({"success": True, "message": "Success.", "ranks": ranks})
         return 200, "application/json", json.dumps(
             {"success": True, "message": "Success.", "ranks": ranks,
              "per_engine_checksum": hashlib.sha256("".join(x["per_gpu_checksum"] for x in ranks)

@@ -5,6 +5,13 @@
 - Every global our payloads name is on SGLang's allow-list, and it refuses classes of ours.
 - Every call the adapter makes binds to the installed ``sglang.Engine`` signatures; every HTTP
   route and body field it sends exists in the installed server.
+- The release table (`engines.sglang.versions`) says what the installed release has: the
+  weight-update session, the checker's fields, the LoRA-from-tensors payload field, the receive
+  bucket's pre-check.
+
+`make test-sglang` runs this file against 0.5.23 and again against 0.5.12 (verl 0.9.1's pin): the
+adapter is driven through the fake of the installed release (`fake_sglang`: 0.5.12 has no
+weight-update session and a checker that takes only ``action``).
 
 On a CPU-only torch ``sglang.srt.entrypoints.engine`` does not import (torchvision), so Engine's
 signatures and the server's routes are read from the installed source when the import fails.
@@ -15,6 +22,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import io
 import json
 import os
 import pickle
@@ -31,6 +39,7 @@ from sglang.srt.utils.common import SafeUnpickler
 
 from fsdp_sync.weights.bucket import BucketEntry
 from fsdp_sync.engines import sglang as sg
+from fsdp_sync.engines.sglang import versions
 
 TIER = Path(__file__).resolve().parent
 sys.path.insert(0, str(TIER.parent))
@@ -41,6 +50,27 @@ mixed_tensors = fake.mixed_tensors
 pytestmark = pytest.mark.sglang
 
 SRT = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt"
+INSTALLED = versions.features(sglang.__version__)
+FAKE_VERSION = "0.5.12" if not INSTALLED.weight_update_session else "0.5.23"
+
+
+class _Resolved(pickle.Unpickler):
+    def find_class(self, module, name):      # stands for the import SGLang's check would allow
+        return (module, name)
+
+
+class _AllowProbe(SafeUnpickler, _Resolved):
+    """SGLang's own ``find_class`` check, whose ``super().find_class`` lands in `_Resolved`: the rule
+    decides without importing the module (0.5.12's model_runner does not import on CPU)."""
+
+
+def unpickler_allows(module: str, name: str) -> bool:
+    """SGLang's own ``SafeUnpickler.find_class`` decides (0.5.12: module prefixes and a deny list;
+    0.5.21 on: an exact allow-list)."""
+    try:
+        return _AllowProbe(io.BytesIO(b"")).find_class(module, name) == (module, name)
+    except Exception:   # noqa: BLE001 - SGLang raises RuntimeError / UnpicklingError by release
+        return False
 
 
 def open_with_sglang(tmp_path: Path, payloads: list, tag: str) -> list[dict]:
@@ -85,14 +115,14 @@ def test_sglang_rebuilds_base64_payloads_bit_exact(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_our_globals_are_on_sglangs_allow_list():
-    assert fake.ALLOWED_GLOBALS <= SafeUnpickler.ALLOWED_GLOBALS, sorted(
-        fake.ALLOWED_GLOBALS - SafeUnpickler.ALLOWED_GLOBALS)
+    refused = sorted(g for g in fake.ALLOWED_GLOBALS if not unpickler_allows(*g))
+    assert not refused, refused
 
 
 @pytest.mark.timeout(60)
 def test_sglang_refuses_our_classes_and_takes_simplenamespace_metadata():
     entry = BucketEntry("w", torch.float32, (2,), 0, 8)
-    with pytest.raises(Exception, match="Blocked unsafe global"):
+    with pytest.raises(Exception, match="Blocked unsafe"):   # "global" / "class loading" by release
         MultiprocessingSerializer.deserialize(pickle.dumps([entry]))
     with sg.flattened_bucket_payloads(mixed_tensors()[:2], 1) as payloads:
         obj = MultiprocessingSerializer.deserialize(payloads[0])     # in process, opened once
@@ -170,7 +200,9 @@ def drive_adapter(target) -> None:
     a.generate([[1, 2, 3]], max_new_tokens=3)
     a.get_weights_by_name(named[0][0], truncate_size=2)
     if a.is_http:       # verify's probe: SGLang serves /weights_checker over HTTP only
-        a.weights_checker("checksum", skip_tensor_list=["rotary_emb"])
+        skip = {"skip_tensor_list": ["rotary_emb"]} if "skip_tensor_list" in \
+            a.features.weights_checker_fields else {}
+        a.weights_checker("checksum", **skip)
     a.flush_cache()
     a.release_memory_occupation()
     a.shutdown()
@@ -178,7 +210,7 @@ def drive_adapter(target) -> None:
 
 @pytest.mark.timeout(60)
 def test_adapter_calls_bind_to_installed_engine(record_property):
-    eng = fake.FakeSGLangEngine(tp_size=2)
+    eng = (fake.FakeSGLangEngine if FAKE_VERSION == "0.5.23" else fake.Fake0512Engine)(tp_size=2)
     drive_adapter(eng)
     called = sorted({name for name, _ in eng.calls})
     sigs, how = engine_signatures(called)
@@ -212,8 +244,13 @@ def _routes() -> dict[str, set[str]]:
     return routes
 
 
-def _fields(cls_name: str, path: Path = SRT / "managers" / "io_struct.py") -> set[str]:
-    """Annotated fields (dataclass / msgspec Struct) and ``__init__`` arguments of a class."""
+def _fields(cls_name: str, path: Path | None = None) -> set[str]:
+    """Annotated fields (dataclass / msgspec Struct / pydantic) and ``__init__`` arguments of a
+    class (default: in io_struct.py, else utils/weight_checker.py, where 0.5.12 keeps the
+    checker's answer models)."""
+    if path is None:
+        paths = [SRT / "managers" / "io_struct.py", SRT / "utils" / "weight_checker.py"]
+        path = next((p for p in paths if f"class {cls_name}(" in p.read_text()), paths[0])
     cls = _class_node(path, cls_name)
     names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)
              and isinstance(n.target, ast.Name)}
@@ -245,9 +282,11 @@ REQUEST_CLASSES = {
 
 @pytest.mark.timeout(60)
 def test_adapter_http_requests_match_installed_server():
-    with fake.FakeSGLangServer(tp_size=2) as srv:
+    with fake.FakeSGLangServer(tp_size=2, version=FAKE_VERSION) as srv:
         drive_adapter(srv.url)
         requests = list(srv.requests)
+    if not INSTALLED.weight_update_session:
+        assert not {p for _, p, _ in requests} & {"/begin_weight_update", "/end_weight_update"}
     routes = _routes()
     for method, path, body in requests:
         assert method in routes.get(path, set()), f"{method} {path} not served by sglang " \
@@ -263,12 +302,18 @@ def test_adapter_http_requests_match_installed_server():
 def test_weights_checker_request_and_answer_are_sglangs():
     """The fake's /weights_checker takes exactly SGLang's request fields and answers its shape
     (per rank: ChecksumInfo with ParallelismInfo), so the adapter's reading of it holds."""
-    assert set(fake.FakeSGLangServer.CHECK_WEIGHTS_FIELDS) == _fields("CheckWeightsReqInput")
-    assert "/weights_checker" in _routes()
-    with fake.FakeSGLangServer(tp_size=2) as srv:
+    fields = (fake.FakeSGLangServer.CHECK_WEIGHTS_FIELDS if FAKE_VERSION == "0.5.23"
+              else fake.FakeSGLangServer.CHECK_WEIGHTS_FIELDS_0512)
+    assert set(fields) == _fields("CheckWeightsReqInput")
+    assert "POST" in _routes()["/weights_checker"]
+    with fake.FakeSGLangServer(tp_size=2, version=FAKE_VERSION) as srv:
         srv.engine.weights = dict(mixed_tensors()[:2])
         report = sg.SGLangEngine(base_url=srv.url).weights_checker()
-    assert {"success", "message", "ranks", "per_engine_checksum"} == set(report)
+    answer = {"success", "message", "ranks"} | (
+        {"per_engine_checksum"} if FAKE_VERSION == "0.5.23" else set())
+    assert answer == set(report)
+    source = (SRT / "entrypoints" / "http_server.py").read_text()
+    assert ('"per_engine_checksum"' in source) == ("per_engine_checksum" in report)
     for info in report["ranks"]:
         assert set(info) == _fields("ChecksumInfo")
         assert set(info["parallelism_info"]) == _fields("ParallelismInfo")
@@ -286,5 +331,29 @@ def test_local_serialized_tensor_is_where_the_adapter_looks():
             found += [module for n in tree.body
                       if isinstance(n, ast.ClassDef) and n.name == "LocalSerializedTensor"]
     assert found, "no LocalSerializedTensor where fsdp_sync.engines.sglang looks for it"
-    allowed = {m for m, n in SafeUnpickler.ALLOWED_GLOBALS if n == "LocalSerializedTensor"}
-    assert any(f"sglang.srt.{f[:-3].replace('/', '.')}" in allowed for f in found)
+    assert any(unpickler_allows(f"sglang.srt.{f[:-3].replace('/', '.')}", "LocalSerializedTensor")
+               for f in found)
+
+
+@pytest.mark.timeout(60)
+def test_release_table_matches_installed_sglang():
+    """`versions.features(sglang.__version__)` against the installed code: what the adapter skips
+    or refuses for this release is what the release lacks."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    f = INSTALLED
+    routes = _routes()
+    engine = _class_node(SRT / "entrypoints" / "engine.py", "Engine")
+    methods = {n.name for n in engine.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for name in ("begin_weight_update", "end_weight_update"):
+        assert (f"/{name}" in routes) is f.weight_update_session, (name, sglang.__version__)
+        assert (name in methods) is f.weight_update_session, (name, sglang.__version__)
+    assert set(f.weights_checker_fields) == _fields("CheckWeightsReqInput")
+    lora = _class_node(SRT / "managers" / "io_struct.py", "LoadLoRAAdapterFromTensorsReqInput")
+    annotations = {n.target.id: ast.unparse(n.annotation) for n in lora.body
+                   if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert f.lora_tensors_field in annotations, sorted(annotations)
+    # 0.5.12: ``str`` (one payload for every rank); 0.5.23: ``Annotated[List[bytes], ...]``
+    assert ("List[" in annotations[f.lora_tensors_field]) is f.lora_tensors_per_rank
+    assert hasattr(FlattenedTensorBucket, "empty") is f.distributed_bucket_prechecked
+    assert sglang.__version__ in versions.CHECKED

@@ -3,9 +3,12 @@
 The trainer side is fsdp_sync's `DistributedTransport`, run by a one-rank `FSDPShardingManager`
 on a module with bf16 / fp16 / fp32 parameters of odd sizes and an int64 buffer (so a plain
 packing would misalign). Its engine handle forwards each call to a process of its own that does
-what an SGLang 0.5.23 TP worker does, with SGLang's code: ``init_custom_process_group`` (the
-store prefix, group name and rank mapping), ``FlattenedTensorBucket.empty`` for
-``load_format="flattened_bucket"`` (which itself refuses misaligned offsets) and, for
+what a TP worker of the installed SGLang (0.5.23, or 0.5.12 in `make test-sglang`'s second run)
+does, with SGLang's code: ``init_custom_process_group`` (the store prefix, group name and rank
+mapping), for ``load_format="flattened_bucket"`` 0.5.23's ``FlattenedTensorBucket.empty`` (which
+itself refuses misaligned offsets) or 0.5.12's ``FlattenedTensorBucket(named_tensors=[empty
+tensors])`` (``ModelRunner._update_bucketed_weights_from_distributed``: the same tight packing by
+``torch.cat``, no alignment check before the broadcast) and, for
 ``load_format=None``, ``torch.empty`` + ``broadcast(src=0, async_op=True)`` per tensor in names
 order (``WeightUpdater.receive_weights_from_distributed``, which does not import on CPU).
 Every received tensor must equal the trainer's bit for bit.
@@ -46,7 +49,13 @@ def _sglang_worker(conn) -> None:
             elif cmd == "update_weights_from_distributed":
                 pg = groups[kw["group_name"]]
                 if kw["load_format"] == "flattened_bucket":
-                    bucket = FlattenedTensorBucket.empty(kw["names"], kw["dtypes"], kw["shapes"], "cpu")
+                    if hasattr(FlattenedTensorBucket, "empty"):
+                        bucket = FlattenedTensorBucket.empty(kw["names"], kw["dtypes"], kw["shapes"],
+                                                             "cpu")
+                    else:      # 0.5.12 has no .empty: its model runner packs empty tensors
+                        bucket = FlattenedTensorBucket(named_tensors=[
+                            (name, torch.empty(shape, dtype=getattr(torch, dt)))
+                            for name, dt, shape in zip(kw["names"], kw["dtypes"], kw["shapes"])])
                     dist.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
                     named = bucket.reconstruct_tensors()
                 else:

@@ -2,7 +2,8 @@
 names) over an in-process ``sglang.Engine`` object or a running SGLang HTTP server.
 
 It orders memory tags the way SGLang does, uses ``begin_weight_update`` / ``end_weight_update`` when
-the engine has them (detected once: the method is missing, or HTTP 404), turns the CUDA allocator's
+the engine has them (known from the release it reports, `versions`, or detected once: a missing
+method, HTTP 404), refuses by name what that release cannot take, turns the CUDA allocator's
 expandable segments off while SGLang holds GPU memory (`allocator`), raises on every
 ``success=False`` with SGLang's message, and retries only idempotent HTTP calls (`client`).
 
@@ -34,6 +35,7 @@ from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLan
                      SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text)
 from .payloads import FLATTENED_BUCKET, flattened_bucket_payloads
 from .served_config import served_config
+from . import versions
 
 _UNASKED = object()   # `SGLangEngine.config` not asked yet
 
@@ -110,6 +112,7 @@ class SGLangEngine(GenerationControl):
         self.closed = False
         self._fsdp_sync_route: bool | None = None   # fsdp-sync serve's checksum route, asked once
         self._config: Any = _UNASKED
+        self._version: Any = _UNASKED     # the release SGLang reports (`sglang_version`)
         if tp_size is not None and tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         # asked now, not on first use: a protocol isinstance check reads the attribute
@@ -144,6 +147,20 @@ class SGLangEngine(GenerationControl):
         return self._config
 
     @property
+    def sglang_version(self) -> str | None:
+        """SGLang's release (``get_server_info``'s ``version``), asked once; None if unsaid."""
+        if self._version is _UNASKED:
+            try:
+                self.server_info()            # records the version
+            except (SGLangError, NotFound):
+                self._version = None
+        return self._version
+
+    @property
+    def features(self) -> versions.SGLangFeatures:
+        return versions.features(self.sglang_version)
+
+    @property
     def takes_weight_version(self) -> bool:
         """Whether `end_weight_update` can name the committed weights: over HTTP always (with
         ``/update_weight_version`` after it where the server does not take it in the body); in
@@ -169,6 +186,8 @@ class SGLangEngine(GenerationControl):
 
     def _ask_tp_size(self) -> int:
         tp = self._local.tp_size() if self._local else self.server_info().get("tp_size")
+        if self._local and self._local.server_info is not None:
+            self._version = versions.reported(self._local.server_info)
         if not tp:
             raise SGLangError(f"cannot tell SGLang's tp_size{self.where}; pass tp_size=",
                               call="get_server_info")
@@ -194,6 +213,8 @@ class SGLangEngine(GenerationControl):
         if not isinstance(info, dict):
             raise SGLangError(f"get_server_info{self.where} answered {info!r}, not a dict",
                               call="get_server_info")
+        if self._version is _UNASKED:
+            self._version = versions.reported(info)
         return info
 
     def health(self) -> bool:
@@ -414,6 +435,9 @@ class SGLangEngine(GenerationControl):
     def _session_call(self, name: str, body: dict | None = None,
                       local_kw: dict | None = None) -> Any:
         self._check_open(name)
+        if self.session_api is None and isinstance(self._version, str) \
+                and not versions.features(self._version).weight_update_session:
+            self.session_api = False     # a release known to have none (0.5.12, 0.5.20): no probe
         if self.session_api is False:
             return None
         try:
@@ -534,26 +558,30 @@ class SGLangEngine(GenerationControl):
 
     def weights_checker(self, action: str = "checksum", *,
                         skip_tensor_list: Sequence[str] | None = None) -> dict:
-        """SGLang's ``POST /weights_checker`` (HTTP only; 0.5.23's ``CheckWeightsReqInput``:
-        ``action`` snapshot / reset_tensors / compare / checksum, ``skip_tensor_list``). The
-        checksum answer is ``{success, message, ranks: [{checksums: {sglang_name: hash},
-        per_gpu_checksum, parallelism_info}, ...], per_engine_checksum}``, one entry per TP rank,
-        over SGLang's own (fused, sharded) parameters. A server without the route raises an
-        `SGLangError` with ``status=404`` that says so."""
+        """SGLang's ``POST /weights_checker`` (HTTP only; ``action`` snapshot / reset_tensors /
+        compare / checksum; ``skip_tensor_list`` from 0.5.21, refused before sending to an older
+        release, which drops it: `versions`). The checksum answer is ``{success, message, ranks:
+        [{checksums: {sglang_name: hash}, per_gpu_checksum, parallelism_info}, ...],
+        per_engine_checksum}`` (0.5.12: no per_*_checksum), one entry per TP rank, over SGLang's
+        own (fused, sharded) parameters. No route: `SGLangError` with ``status=404``."""
         self._check_open("weights_checker")
         if not self._http:
             raise SGLangError("an in-process sglang.Engine has no weights checker call (SGLang "
-                              "0.5.23 serves it only over HTTP, POST /weights_checker)",
+                              "0.5.12 to 0.5.23 serve it only over HTTP, POST /weights_checker)",
                               call="weights_checker")
         body: dict[str, Any] = {"action": str(action)}
         if skip_tensor_list is not None:
             body["skip_tensor_list"] = [str(x) for x in skip_tensor_list]
+            refusal = self.features.refuse_checker_fields(set(body))
+            if refusal:
+                raise SGLangError(f"{refusal}{self.where}", call="weights_checker")
         try:
             answer = self._http.json("POST", "/weights_checker", body)
         except NotFound as e:
-            raise SGLangError(f"this SGLang server{self.where} has no /weights_checker (it came "
-                              f"after 0.5.20): {e.error}", call="weights_checker",
-                              status=404) from None
+            raise SGLangError(f"this SGLang server{self.where} has no /weights_checker (SGLang "
+                              f"0.5.12 and later serve it; fsdp-sync serve answers "
+                              f"/fsdp_sync/tensor_checksums instead): {e.error}",
+                              call="weights_checker", status=404) from None
         check_answer("weights_checker", answer, where=self.where)
         if not isinstance(answer, dict):
             raise SGLangError(f"weights_checker{self.where} answered {str(answer)[:200]!r}, not "
@@ -601,7 +629,7 @@ class SGLangEngine(GenerationControl):
         checksum answer, "algorithm": "cpu" | "gpu" (the server's --device), "ep_size": its
         --ep-size}``, recomputed on the trainer by `checksums.Checker`. None when the server is
         ``fsdp-sync serve`` (its `tensor_checksums` is the check). Raises where SGLang cannot
-        answer (an in-process engine, a server before 0.5.21 without the route)."""
+        answer (an in-process engine, a server without the route)."""
         self._check_open("weight_checksums")
         if self.serves_tensor_checksums():
             return None

@@ -6,6 +6,9 @@ per TP rank, every ``named_parameters()`` and ``named_buffers()`` entry of its m
 non-persistent rotary caches (names containing ``cos_sin_cache``, ``cos_cache``, ``sin_cache``,
 ``inv_freq``, ``freqs_cis``, ``expert_mask_gpu``), parameters marked ``_skip_weight_check`` (kv-cache
 scales) and the request's ``skip_tensor_list`` patterns; quantized weights are hashed dequantized.
+SGLang 0.5.12 (verl 0.9.1's pin) hashes the same way with the same ``tensor_hash``, skipping
+``cos_sin_cache`` / ``inv_freq`` / ``freqs_cis`` / ``_weight_fp32`` and taking no ``skip_tensor_list``:
+its extra entries are names the layout map has none of, so `Checker` reads both answers alike.
 Each hash is ``sglang/srt/managers/mm_utils.py:tensor_hash`` of the tensor as it lies, printed
 ``f"{h:016x}"``:
 

@@ -85,6 +85,7 @@ class InProcessClient:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.where = ""
+        self.server_info: dict | None = None    # the answer `tp_size` read, if any
 
     def call(self, method: str, /, **kwargs: Any) -> Any:
         fn = getattr(self.engine, method, None)
@@ -99,6 +100,7 @@ class InProcessClient:
         if self.has("get_server_info"):
             try:
                 info = self.engine.get_server_info()
+                self.server_info = info if isinstance(info, dict) else None
                 if isinstance(info, dict) and info.get("tp_size"):
                     return int(info["tp_size"])
             except Exception:   # noqa: BLE001 - fall back to server_args below

@@ -1,0 +1,128 @@
+"""What differs between the SGLang releases fsdp_sync talks to: a table of facts by version, and
+the release an adapter reports.
+
+`features(version)` answers from the version string SGLang reports (``version`` in
+``get_server_info``, HTTP or in process; `reported`). ``None`` (a server that does not say, e.g.
+``fsdp-sync serve``) gets the newest behaviour, and the adapter probes where it can.
+
+Read from the wheels of 0.5.12 (verl 0.9.1's ``verl[sglang]`` pin), 0.5.20, 0.5.21 and 0.5.23
+(paths under ``sglang/srt/``); `make test-sglang` checks the table against the installed 0.5.12
+and 0.5.23 (``tests/sglang_tier/test_real_sglang.py``). Where a fact changed between two releases
+that were read, the first one read that has it is named (the change may be older).
+
+- Weight-update session (``begin_weight_update`` / ``end_weight_update``, Engine methods and
+  ``POST`` routes; updates outside one are refused): 0.5.21 on. 0.5.12 and 0.5.20 have none.
+- ``POST /weights_checker``: 0.5.12 has it, with ``CheckWeightsReqInput`` = ``action`` only
+  (extra fields are dropped without a word, so ``skip_tensor_list`` would be ignored);
+  ``allow_quant_error`` by 0.5.20; ``skip_tensor_list`` and ``selector`` from 0.5.21. Its checksum
+  answer in 0.5.12 is ``{success, message, ranks: [{checksums, parallelism_info}]}`` (no
+  ``per_gpu_checksum``, no ``per_engine_checksum``, no ``role``), hashed by the same
+  ``mm_utils.tensor_hash`` (sha256 on CPU, the same Triton tile hash on GPU) over every parameter
+  and buffer but ``cos_sin_cache`` / ``inv_freq`` / ``freqs_cis`` / ``_weight_fp32``; it calls
+  ``torch.cuda.synchronize()``, so a CPU-only 0.5.12 server answers it with an error.
+- LoRA from tensors (``load_lora_adapter_from_tensors``): 0.5.12 takes ONE payload for all TP
+  ranks, ``serialized_tensors: str`` (in process the Engine serializes a dict itself; with
+  ``load_format="flattened_bucket"`` the caller's one payload); 0.5.20 on take one per TP rank,
+  ``serialized_named_tensors: List[bytes]`` (base64 over HTTP), plus ``expected_checksums``.
+- ``update_weights_from_distributed(load_format="flattened_bucket")``: every release read packs the
+  bucket tightly in ``names`` order (``torch.cat`` of the tensors' bytes in 0.5.12 and 0.5.20,
+  ``FlattenedTensorBucket.empty`` in 0.5.23). Only 0.5.23 refuses a misaligned offset before it
+  joins the broadcast; the older ones fail in ``reconstruct_tensors`` after it (fsdp_sync's
+  `wire` sends aligned buckets only). Its arguments and HTTP body are the same in all.
+- ``update_weights_from_tensor`` (payload per TP rank: base64 text over HTTP in all;
+  ``List[Union[str, bytes]]`` in 0.5.12, ``Base64Bytes`` from 0.5.20), ``update_weights_from_disk``,
+  ``init_weights_update_group`` / ``destroy_weights_update_group``, the memory tags and
+  ``get_weights_by_name`` take the same arguments in all. The flattened-bucket metadata is read by
+  attribute (name, shape, dtype, start_idx, end_idx, numel) in all.
+- Unpickler: 0.5.12 and 0.5.20 allow whole module prefixes (``builtins.``, ``types.``,
+  ``torch.``, ``sglang.srt.model_executor.model_runner.``...); 0.5.21 on allow exact
+  ``(module, name)`` pairs (``SafeUnpickler.ALLOWED_GLOBALS``). fsdp_sync's payloads pass both.
+- ``LocalSerializedTensor`` lives in ``model_executor.model_runner`` in 0.5.12 and in
+  ``model_executor.model_runner_components.weight_updater`` from 0.5.20.
+- ``GET /get_weight_version`` answers 404 ("deprecated, use /model_info") in 0.5.12 and 0.5.20 and
+  is gone from 0.5.21; ``/get_model_info``'s ``weight_version`` is the version in all.
+
+Imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CHECKED", "SESSION_SINCE", "CHECKER_SKIP_LIST_SINCE", "LORA_ONE_PAYLOAD_UNTIL",
+           "LORA_PER_RANK_SINCE", "SGLangFeatures", "parse", "features", "reported"]
+
+CHECKED = ("0.5.12", "0.5.23")
+"""The releases `make test-sglang` runs fsdp_sync's payloads, receivers and adapter against."""
+
+SESSION_SINCE = (0, 5, 21)
+CHECKER_SKIP_LIST_SINCE = (0, 5, 21)
+LORA_ONE_PAYLOAD_UNTIL = (0, 5, 12)   # the last release read with one LoRA payload for all ranks
+LORA_PER_RANK_SINCE = (0, 5, 20)      # the first release read with one per TP rank
+
+
+def parse(version: str | None) -> tuple[int, ...] | None:
+    """``"0.5.12"`` -> ``(0, 5, 12)``; a suffix (``"0.5.23rc1"``, ``"0.5.12.post1"``) is dropped;
+    None or anything without a leading ``X.Y.Z`` gives None."""
+    if not isinstance(version, str):
+        return None
+    m = re.match(r"\s*v?(\d+)\.(\d+)\.(\d+)", version)
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+@dataclass(frozen=True)
+class SGLangFeatures:
+    """What one SGLang release takes (see the module docstring for where each fact was read)."""
+
+    version: str | None
+    weight_update_session: bool
+    weights_checker_fields: tuple[str, ...]
+    lora_tensors_field: str | None
+    """The request field of ``load_lora_adapter_from_tensors``'s payloads; None: a release between
+    0.5.12 and 0.5.20, not read (a LoRA sync into it is refused rather than guessed)."""
+    lora_tensors_per_rank: bool | None
+    distributed_bucket_prechecked: bool
+
+    @property
+    def label(self) -> str:
+        return f"SGLang {self.version}" if self.version else "this SGLang server (version not reported)"
+
+    def refuse_checker_fields(self, fields: set[str] | frozenset[str]) -> str | None:
+        """Why this release cannot take ``/weights_checker`` fields ``fields`` (None: it can)."""
+        missing = sorted(set(fields) - set(self.weights_checker_fields))
+        if not missing:
+            return None
+        return (f"{self.label}'s /weights_checker takes only {list(self.weights_checker_fields)} and "
+                f"drops {missing} without a word; leave {missing} out or upgrade SGLang to "
+                f">={'.'.join(map(str, CHECKER_SKIP_LIST_SINCE))}")
+
+
+def features(version: str | None) -> SGLangFeatures:
+    """The table's row for ``version`` (None or unparsable: the newest behaviour)."""
+    v = parse(version)
+    newest = v is None
+    session = newest or v >= SESSION_SINCE
+    if newest or v >= CHECKER_SKIP_LIST_SINCE:
+        checker = ("action", "allow_quant_error", "skip_tensor_list", "selector")
+    elif v >= (0, 5, 20):
+        checker = ("action", "allow_quant_error")
+    else:
+        checker = ("action",)
+    if newest or v >= LORA_PER_RANK_SINCE:
+        lora_field, per_rank = "serialized_named_tensors", True
+    elif v <= LORA_ONE_PAYLOAD_UNTIL:
+        lora_field, per_rank = "serialized_tensors", False
+    else:
+        lora_field = per_rank = None
+    return SGLangFeatures(version=version if isinstance(version, str) else None,
+                          weight_update_session=session, weights_checker_fields=checker,
+                          lora_tensors_field=lora_field, lora_tensors_per_rank=per_rank,
+                          distributed_bucket_prechecked=newest or v >= (0, 5, 23))
+
+
+def reported(server_info: Any) -> str | None:
+    """The release a ``get_server_info`` answer names (its ``version``), else None."""
+    version = server_info.get("version") if isinstance(server_info, dict) else None
+    return version if isinstance(version, str) and parse(version) is not None else None
