@@ -110,8 +110,13 @@ def client(tiny):
 def test_adapter_swapped_in_as_verl_does_and_verified(client, tiny):
     eng, sg = client
     t1, cfg = make_adapter(tiny, r=4, alpha=8, seed=1)
-    config = verl_lora.normalize_peft_config(cfg)
+    # what a peft model's config holds once "all-linear" is resolved (verl sends it): module paths,
+    # read by their last part, as SGLang reads them
+    paths = {n.removeprefix("base_model.model.").removesuffix(".lora_A.weight") for n in t1 if ".lora_A." in n}
+    config = verl_lora.normalize_peft_config(dict(cfg, target_modules=paths))
+    assert config["target_modules"] == sorted(paths) and "model.layers.0.self_attn.q_proj" in paths
     assert verl_lora.load_adapter(sg, list(t1.items()), config) == 2        # not listed: load only
+    assert eng.lora_adapters[verl_lora.LORA_NAME]["target_modules"] == list(cfg["target_modules"])
     err, figures = verl_lora.check_adapter(sg, t1.items())
     assert err is None and figures["verify_tensors"] == len(t1)
     assert figures["digests"] == {n.removeprefix("base_model.model."): tensor_digest(

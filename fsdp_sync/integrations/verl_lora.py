@@ -14,9 +14,11 @@ infer-TP rank 0 loads under verl's name `LORA_NAME`: unload it if ``/v1/models``
 released (verl's ``sleep_level=1``), so the base stays. With merged LoRA (``lora.merge=true``) verl
 folds the adapter into full weights and syncs those, like any model: nothing here applies.
 
-`load_adapter` does the engine's part of one adapter sync and `check_adapter` its verify: each
-adapter tensor as the engine holds it (``fsdp-sync serve``'s ``/fsdp_sync/lora_checksums``, in the
-engine's dtype) against the same digest of what was sent, bit for bit.
+`sync_adapter` is the engine's part of one adapter sync on every rank of the infer-TP group:
+group rank 0 loads (`load_adapter`) and verifies (`check_adapter`: each adapter tensor as the
+engine holds it, ``fsdp-sync serve``'s ``/fsdp_sync/lora_checksums`` in the engine's dtype, against
+the same digest of what was sent, bit for bit) while the others wait in bounded rounds
+(`topology.agree_after_rank0`); a failure raises the same `SyncError` on every rank.
 
 `refusal` says what cannot be done exactly, naming verl's key: an adapter run whose base the
 engine would never get (``rollout.name=fsdp_sync_ref`` starts without weights, and verl syncs the
@@ -37,7 +39,8 @@ from typing import Any, Iterable, Mapping
 import torch
 
 __all__ = ["LORA_NAME", "lora_rank", "served_as_adapter", "refusal", "no_adapter_refusal",
-           "base_name", "normalize_peft_config", "load_adapter", "check_adapter", "engine_name"]
+           "base_name", "normalize_peft_config", "load_adapter", "check_adapter", "engine_name",
+           "sync_adapter"]
 
 LORA_NAME = "verl_actor_lora_name"
 """verl's adapter name in SGLang (``SGLANG_LORA_NAME``): its server's requests carry it as ``lora_path``."""
@@ -168,3 +171,29 @@ def check_adapter(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
     if extra:
         return f"verify: the engine's adapter {name!r} holds {extra[:3]} that was not sent", figures
     return None, figures
+
+
+def sync_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], peft_config: Any, group: Any,
+                 *, verify: str, name: str = LORA_NAME) -> dict[str, Any]:
+    """One adapter sync's engine side (see the module docstring), on every rank of ``group``;
+    ``engine`` and ``named`` matter on group rank 0 only. Returns rank 0's figures
+    (``engine_calls``, ``load_s``, ``r``, and with ``verify`` ``verify_tensors``, ``verify_s``,
+    ``digests``); raises `SyncError` on every rank if the load or the verify failed."""
+    from ..topology import agree_after_rank0
+
+    out: dict[str, Any] = {"engine_calls": 0, "load_s": 0.0, "r": None}
+
+    def work() -> str | None:
+        config = normalize_peft_config(peft_config)
+        out["r"] = config.get("r")
+        t0 = time.perf_counter()
+        out["engine_calls"] = load_adapter(engine, named, config, name)
+        out["load_s"] = time.perf_counter() - t0
+        if verify == "off":
+            return None
+        err, figures = check_adapter(engine, named, name)
+        out.update(figures)
+        return err
+
+    agree_after_rank0(work, group, what=f"fsdp_sync verl adapter sync of LoRA adapter {name!r}")
+    return out

@@ -280,9 +280,13 @@ def _peft_stream(step: int, *, base: bool):
             yield f"{stem}.lora_B.weight", torch.randn(t.shape[0], 4, generator=g) * 0.1
 
 
+# verl's peft config dict (``LoraConfig.to_dict()``): target_modules as peft resolves "all-linear",
+# a set of module paths
 PEFT_CONFIG = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
-               "target_modules": set(LORA_TARGETS), "bias": "none", "use_dora": False,
-               "use_rslora": False, "modules_to_save": None, "layers_pattern": None}
+               "target_modules": {f"model.layers.{i}.{'mlp' if m in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{m}"
+                                  for i in range(2) for m in LORA_TARGETS},
+               "bias": "none", "use_dora": False, "use_rslora": False, "modules_to_save": None,
+               "layers_pattern": None}
 
 
 def lora_syncs(rank: int, world: int, rollout_cfg: dict):

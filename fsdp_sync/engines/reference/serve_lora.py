@@ -63,7 +63,8 @@ class LoRARoutes:
             try:
                 out = fn()
             except (ValueError, KeyError) as exc:   # the engine's refusal: nothing changed
-                return False, f"{what}: {error_text(exc)}"
+                text = error_text(exc)
+                return False, text if text.startswith(what) else f"{what}: {text}"
             return True, str((out or {}).get("message", f"{what}: ok"))
 
         return self._locked(what, call)

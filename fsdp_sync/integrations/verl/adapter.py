@@ -83,7 +83,6 @@ from ...transport.tensor import Call, TensorTransport
 from ...verify import sent_record
 from ...wire import flattened_bucket
 from .. import peer_check, verl_lora
-from ...topology import SyncError
 from . import metrics as step_metrics
 from .replica import ROLLOUT_NAME, server_name
 from .stream import BucketBuffer, pulled_in_a_thread, timed
@@ -309,11 +308,13 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                             "tensors", "buckets", "engine_calls", "gbps", "verify_tensors",
                             "verify_s")}
         if engine is not None:
-            log.info("fsdp_sync verl %s sync (step %s): %.3f s (verl's export %.3f, packing %.3f, "
-                     "hashing %.3f, handles + gather + engine %.3f), %.1f MiB in %d tensors, "
-                     "%d buckets, %d engine calls (%s)%s", stats["kind"], global_steps, stats["sync_s"],
+            log.info("fsdp_sync verl %ssync (step %s): %.3f s (verl's export %.3f, packing %.3f, "
+                     "hashing %.3f, handles + gather + engine %.3f), %s in %d tensors, "
+                     "%d buckets, %d engine calls (%s)%s",
+                     "" if stats["kind"] == "full" else stats["kind"] + " ", global_steps, stats["sync_s"],
                      stats["export_s"], stats["pack_s"], stats["digest_s"], stats["transport_s"],
-                     stats["bytes"] / 2**20, stats["tensors"], stats["buckets"],
+                     f"{stats['bytes'] / 2**20:.1f} MiB" if stats["bytes"] >= 2**20 / 10 else
+                     f"{stats['bytes'] / 2**10:.1f} KiB", stats["tensors"], stats["buckets"],
                      stats["engine_calls"], stats["strategy"],
                      f", verify {stats['verify']}: {stats['verify_tensors']} tensors equal in "
                      f"{stats['verify_s']:.3f} s" if stats.get("verify_tensors") else "")
@@ -403,8 +404,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                       peft_config: Any) -> dict[str, Any]:
         """One adapter-only sync (see the module docstring), on every rank of the infer-TP group:
         every rank walks verl's stream (full tensors already: verl gathered the adapter), rank 0
-        loads it into the engine and, with ``verify``, reads it back; its verdict is broadcast so
-        a failure raises on every rank, naming it."""
+        loads it into the engine and, with ``verify``, reads it back (`verl_lora.sync_adapter`: a
+        failure raises the same `SyncError` on every rank)."""
         cfg, topo = self.sync, self._topology()
         if not self._peers_checked:
             peer_check.check_group(topo.tp_ranks, cfg.dist_timeout_s)
@@ -418,33 +419,18 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                 named.append((name, self._cast(t).contiguous()))
                 phases["pack_s"] += time.perf_counter() - t1
             del t
-        err, figures, calls, r = None, {}, 0, None
-        t_load = time.perf_counter()
-        if engine is not None:
-            try:
-                config = verl_lora.normalize_peft_config(peft_config)
-                r = config.get("r")
-                calls = verl_lora.load_adapter(engine, named, config)
-                t_load = time.perf_counter() - t_load
-                if cfg.verify != "off":
-                    err, figures = verl_lora.check_adapter(engine, named)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
-                err = f"{type(exc).__name__}: {exc}"
-        else:
-            t_load = 0.0
-        verdict = [err]
-        dist.broadcast_object_list(verdict, src=topo.tp_ranks[0], group=topo.tp_group)
-        self._syncs += 1
-        if verdict[0] is not None:
-            raise SyncError(f"fsdp_sync verl adapter sync of LoRA adapter {verl_lora.LORA_NAME!r} "
-                            f"on {topo.describe()}: {verdict[0]}")
+        try:
+            figures = verl_lora.sync_adapter(engine, named, peft_config, topo.tp_group,
+                                             verify=cfg.verify)
+        finally:
+            self._syncs += 1
         sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         out = {"kind": "adapter", "strategy": "lora_adapter", "sync_s": sync_s, **phases,
-               "digest_s": 0.0, "transport_s": t_load, "bytes": nbytes, "tensors": len(named),
-               "buckets": 1 if named else 0, "engine_calls": calls, "bucket_bytes": cfg.bucket_bytes,
-               "gbps": nbytes / sync_s / 1e9 if sync_s else 0.0, "lora_name": verl_lora.LORA_NAME,
-               "lora_r": r}
+               "digest_s": 0.0, "transport_s": figures["load_s"], "bytes": nbytes, "tensors": len(named),
+               "buckets": 1 if named else 0, "engine_calls": figures["engine_calls"],
+               "bucket_bytes": cfg.bucket_bytes, "gbps": nbytes / sync_s / 1e9 if sync_s else 0.0,
+               "lora_name": verl_lora.LORA_NAME, "lora_r": figures["r"]}
         if cfg.verify != "off" and engine is not None:
             out.update(verify=cfg.verify, verify_tensors=figures.get("verify_tensors", 0),
                        verify_s=figures.get("verify_s", 0.0), digests=figures.get("digests", {}))
