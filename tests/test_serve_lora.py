@@ -148,3 +148,49 @@ def test_lora_checksums_need_fsdp_sync_serve():
         srv.shutdown()
         srv.server_close()
         t.join(5)
+
+
+def test_manager_adapter_mode_into_serve_over_http_verified_by_digest(tmp_path):
+    """`SyncConfig(lora="adapter")` with `SGLangEngine` in front of ``fsdp-sync serve``: the base by
+    the disk method (inside --allowed-disk-dir), then the adapter alone through SGLang's LoRA
+    route, verified digest for digest (`lora_sync.check_digests`); a spoiled adapter in the engine
+    fails the next verify naming the tensor."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.cli.lora_model import add_lora
+
+    model = add_lora(build_model(load_config("tiny"), seed=0), r=4, alpha=8, seed=1)
+    with torch.no_grad():                    # B nonzero: the adapter changes the tokens
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.1)
+    with ReferenceEngine("tiny", tp_size=2, seed=4) as eng, \
+            EngineServer(eng, allowed_disk_dirs=[str(tmp_path)]) as srv:
+        client = SGLangEngine(base_url=f"http://{srv.host}:{srv.port}")
+        manager = FSDPShardingManager(model, client, config=SyncConfig(
+            method="disk", disk_dir=str(tmp_path), lora="adapter", lora_name="x", verify="full"))
+        with manager:
+            assert manager.stats.extra["base_bytes"] > 10 * manager.stats.bytes
+        assert list(eng.lora_adapters) == ["x"]
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_A." in n:
+                    p.mul_(1.5)
+        with manager:                        # the adapter alone, checked by digest
+            assert "base_bytes" not in manager.stats.extra
+        got = eng.generate(PROMPTS, max_new_tokens=4, lora_path="x")
+        assert got != eng.generate(PROMPTS, max_new_tokens=4)
+        load = eng.load_lora_adapter_from_tensors
+
+        def spoiled(name, tensors, config, *a, **kw):   # the engine takes a wrong copy
+            tensors = [(n, t + 1 if n.endswith("layers.1.mlp.up_proj.lora_B.weight") else t)
+                       for n, t in tensors]
+            return load(name, tensors, config, *a, **kw)
+
+        eng.load_lora_adapter_from_tensors = spoiled
+        try:
+            with pytest.raises(Exception, match=r"verify.*'model\.layers\.1\.mlp\.up_proj\.lora_B\.weight'"):
+                with manager:
+                    pass
+        finally:
+            del eng.load_lora_adapter_from_tensors
+        manager.close()

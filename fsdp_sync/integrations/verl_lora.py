@@ -149,28 +149,11 @@ def load_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], config: dic
 def check_adapter(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
                   name: str = LORA_NAME) -> tuple[str | None, dict[str, Any]]:
     """Verify adapter ``name`` in ``engine`` against ``named`` (what was sent): ``(error or None,
-    figures)``; the error names the first tensor that differs, is missing or is extra."""
-    from ..verify import tensor_digest
+    figures)``; the error names the first tensor that differs, is missing or is extra
+    (`lora_sync.check_digests`)."""
+    from ..lora_sync import check_digests
 
-    t0 = time.perf_counter()
-    sums, dtype = engine.lora_checksums(name)
-    want_dtype = getattr(torch, dtype, None)
-    if not isinstance(want_dtype, torch.dtype):
-        return f"verify: the engine's adapter {name!r} is held in {dtype!r}, not one dtype", {}
-    want = {engine_name(n): t for n, t in named}
-    digests = {n: tensor_digest(n, t.detach().to(want_dtype)) for n, t in want.items()}
-    figures = {"verify_tensors": len(digests), "verify_s": time.perf_counter() - t0,
-               "digests": digests}
-    for n, d in digests.items():
-        if n not in sums:
-            return f"verify: the engine's adapter {name!r} has no {n!r}", figures
-        if sums[n] != d:
-            return (f"verify: adapter {name!r} tensor {n!r} in the engine differs from what was "
-                    f"sent (digest {sums[n][:12]} != {d[:12]})"), figures
-    extra = sorted(set(sums) - set(digests))
-    if extra:
-        return f"verify: the engine's adapter {name!r} holds {extra[:3]} that was not sent", figures
-    return None, figures
+    return check_digests(engine, name, named)
 
 
 def sync_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], peft_config: Any, group: Any,
