@@ -69,11 +69,12 @@ test-verl:
 
 # verl 0.9.1's own trainer on this CPU machine: 3 GRPO steps of a tiny Qwen2, rollout on the
 # reference engine (rollout.name=fsdp_sync_ref), every sync verified. Assets go to out/tiny_grpo.
+# VERL_ARGS: Hydra overrides, e.g. "actor_rollout_ref.model.lora_rank=4" (LoRA, docs/lora.md).
 demo-verl:
 	VERL_VENV="$(VERL_VENV)" VERL_VERSION="$(VERL_VERSION)" TORCH_SPEC="$(TORCH_SPEC)" \
 	  PYTHON="$(PYTHON)" bash scripts/verl_env.sh
 	mkdir -p out
-	cd out && PYTHON="$(abspath $(VERL_VENV))/bin/python" bash ../recipes/verl/run_tiny_grpo_cpu.sh
+	cd out && PYTHON="$(abspath $(VERL_VENV))/bin/python" bash ../recipes/verl/run_tiny_grpo_cpu.sh $(VERL_ARGS)
 
 bench-targets: $(STAMP)
 	$(VENV)/bin/fsdp-sync bench --preset targets --json bench-out/targets.json --plot bench-out

@@ -19,7 +19,9 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
 - `load_adapter`: swap the adapter in (the reference engine stages the new one on every worker
   before dropping the old one, ``replace=True``; an engine without that unloads, then loads, as
   verl does).
-- `verify_adapter`: read the adapter back (``engine.lora_tensors``) and compare bit for bit.
+- `verify_adapter`: read the adapter back (``engine.lora_tensors``) and compare bit for bit; an
+  engine that reports digests instead (`SGLangEngine` over ``fsdp-sync serve``: `check_digests`)
+  is compared digest for digest.
 
 The adapter travels as one flattened bucket per call (one shared buffer, one handle per TP rank:
 `engines.reference.update_items.pack_plain`), the same payload form as a full sync's buckets.
@@ -39,7 +41,7 @@ from .weights import export
 from .weights.bucket import unflatten
 
 __all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "adapter_tensors", "check_engine", "load_adapter",
-           "verify_adapter", "peft_name"]
+           "verify_adapter", "check_digests", "peft_name"]
 
 
 def check_mode(module: torch.nn.Module, config: Any) -> None:
@@ -201,10 +203,44 @@ def load_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor], cfg: 
     engine.load_lora_adapter_from_tensors(name, list(tensors.items()), cfg)
 
 
+def check_digests(engine: Any, name: str, named: Any) -> tuple[str | None, dict[str, Any]]:
+    """Verify adapter ``name`` through the engine's digests (``engine.lora_checksums(name)``:
+    ``fsdp-sync serve`` over HTTP) against the same digests of ``named`` (what was sent, cast to
+    the engine's dtype): ``(error naming the first tensor that differs, is missing or extra, or
+    None; figures: verify_tensors, verify_s, digests)``."""
+    from .verify import tensor_digest
+
+    t0 = time.perf_counter()
+    sums, dtype = engine.lora_checksums(name)
+    want_dtype = getattr(torch, dtype, None)
+    if not isinstance(want_dtype, torch.dtype):
+        return f"verify: the engine's adapter {name!r} is held in {dtype!r}, not one dtype", {}
+    want = {n.removeprefix("base_model.model."): t for n, t in named}
+    digests = {n: tensor_digest(n, t.detach().to(want_dtype)) for n, t in want.items()}
+    figures = {"verify_tensors": len(digests), "verify_s": time.perf_counter() - t0,
+               "digests": digests}
+    for n, d in digests.items():
+        if n not in sums:
+            return f"verify: the engine's adapter {name!r} has no {n!r}", figures
+        if sums[n] != d:
+            return (f"verify: adapter {name!r} tensor {n!r} in the engine differs from what was "
+                    f"sent (digest {sums[n][:12]} != {d[:12]})"), figures
+    extra = sorted(set(sums) - set(digests))
+    if extra:
+        return f"verify: the engine's adapter {name!r} holds {extra[:3]} that was not sent", figures
+    return None, figures
+
+
 def verify_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor]) -> str | None:
     """Compare the engine's adapter with ``tensors`` bit for bit; a message naming the first
-    tensor that differs (or None)."""
+    tensor that differs (or None). An engine that cannot hand its tensors back but reports their
+    digests (`SGLangEngine` over ``fsdp-sync serve``) is checked by digest (`check_digests`)."""
     read = getattr(engine, "lora_tensors", None)
+    if not callable(read) and callable(getattr(engine, "lora_checksums", None)):
+        try:
+            return check_digests(engine, name, tensors.items())[0]
+        except Exception as exc:  # noqa: BLE001 - SGLang itself has no such route: said by name
+            return f"verify: {type(exc).__name__}: {exc}"
     if not callable(read):
         return (f"verify: the engine {type(engine).__name__} cannot read its LoRA adapter back; "
                 f"set SyncConfig.verify='off' for adapter syncs into it")

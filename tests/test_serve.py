@@ -383,13 +383,14 @@ def test_sglang_get_routes_and_empty_tags_mean_all(engine, server):
 
 def test_openai_model_list_and_lora_routes_are_sglangs(engine, server):
     """verl's AsyncHttpServerAdapter has ``available_models`` (GET /v1/models, SGLang's OpenAI
-    card list) and LoRA routes: the served model's card, and a 400 naming what to do for LoRA
-    instead of a bare 404."""
+    card list) and LoRA routes: the served model's card (no adapter loaded), and a 400 naming the
+    missing field for a LoRA call without it (the routes themselves: test_serve_lora)."""
     status, text = raw(server, "GET", "/v1/models")
     assert status == 200, text
     models = json.loads(text)
     assert models["object"] == "list" and [c["object"] for c in models["data"]] == ["model"]
     assert models["data"][0]["max_model_len"] == engine.config.max_position_embeddings
-    for route in ("/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter"):
-        status, out = post(server, route, {"lora_name": "x"})
-        assert status == 400 and "no LoRA adapters" in out["message"], (route, out)
+    for route, field in (("/load_lora_adapter", "lora_path"), ("/load_lora_adapter_from_tensors",
+                                                                "config_dict"), ("/unload_lora_adapter", "lora_name")):
+        status, out = post(server, route, {} if field == "lora_name" else {"lora_name": "x"})
+        assert status == 400 and field in out["message"], (route, out)

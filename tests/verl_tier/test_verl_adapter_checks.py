@@ -1,7 +1,8 @@
 """What fsdp_sync's verl adapter refuses, and how it checks SGLang (`make test-verl`).
 
-- LoRA: refused when the adapter is built (verl's model config says adapters, not merged), and at
-  a sync where verl passes a ``peft_config``; merged LoRA (full weights) is taken.
+- LoRA: served as adapters (the base once, then lora_A/lora_B only, verified), merged LoRA as full
+  weights; what cannot be exact (a regex target_modules, an fsdp_sync_ref run whose base verl
+  would never sync, a LoRA sync without its adapter) refused naming verl's key.
 - An infer-TP group where one rank runs another adapter (verl's own, when the plug-in failed to
   load there): fsdp_sync's rank refuses at its first sync, naming the other rank, instead of
   hanging with it.
@@ -41,7 +42,7 @@ def rollout_config(overrides=()) -> dict:
     return OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
 
 
-def test_lora_adapters_are_refused_when_the_adapter_is_built_merged_lora_is_not(tmp_path):
+def test_lora_runs_build_the_adapter_what_cannot_be_exact_is_refused(tmp_path):
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import HFModelConfig
     from verl.workers.rollout.base import get_rollout_class
@@ -53,23 +54,68 @@ def test_lora_adapters_are_refused_when_the_adapter_is_built_merged_lora_is_not(
     hf.save_pretrained(tmp_path)
     config = omega_conf_to_dataclass(rollout_config())
     cls = get_rollout_class("sglang", "async")
-    adapters = HFModelConfig(path=str(tmp_path), load_tokenizer=False, lora_rank=8)
-    with pytest.raises(NotImplementedError, match=(
-            r"does not sync LoRA adapters \(actor_rollout_ref\.model\.lora_rank=8, lora\.merge=false\): "
-            r"set actor_rollout_ref\.model\.lora\.merge=true")):
-        cls(config=config, model_config=adapters, device_mesh=None)
-    megatron = HFModelConfig(path=str(tmp_path), load_tokenizer=False, lora={"rank": 16})
-    with pytest.raises(NotImplementedError, match=r"lora_rank=16, lora\.merge=false"):
-        cls(config=config, model_config=megatron, device_mesh=None)
-    merged = HFModelConfig(path=str(tmp_path), load_tokenizer=False, lora_rank=8,
-                           lora={"merge": True})
-    adapter = cls(config=config, model_config=merged, device_mesh=None)
-    assert type(adapter).__name__ == "SGLangAdapter"
-    # what the config did not show: verl's first LoRA base sync passes base_sync_done=False
-    # with the adapter's peft_config (and '.base_layer.' names): refused before anything moves
-    with pytest.raises(NotImplementedError, match="verl passed a LoRA peft_config"):
-        asyncio.run(adapter.update_weights(iter([("x.base_layer.weight", torch.zeros(2))]),
-                                           peft_config={"r": 8}, base_sync_done=False))
+    # adapters (verl's HFModelConfig, fsdp's flat key and megatron's block): served as verl's own
+    # SGLang rollout serves them, the base kept between syncs (sleep_level 1)
+    for kw in ({"lora_rank": 8}, {"lora": {"rank": 16}}):
+        adapter = cls(config=config, model_config=HFModelConfig(path=str(tmp_path),
+                                                                load_tokenizer=False, **kw),
+                      device_mesh=None)
+        assert type(adapter).__name__ == "SGLangAdapter" and adapter.lora and adapter.sleep_level == 1
+    merged = cls(config=config, model_config=HFModelConfig(path=str(tmp_path), load_tokenizer=False,
+                                                           lora_rank=8, lora={"merge": True}),
+                 device_mesh=None)
+    assert not merged.lora and merged.sleep_level == 2            # full weights, synced as any
+    regex = HFModelConfig(path=str(tmp_path), load_tokenizer=False, lora_rank=8,
+                          target_modules=".*proj")
+    with pytest.raises(NotImplementedError, match=r"actor_rollout_ref\.model\.target_modules='\.\*proj'"):
+        cls(config=config, model_config=regex, device_mesh=None)
+    ref = omega_conf_to_dataclass(rollout_config(["actor_rollout_ref.rollout.name=fsdp_sync_ref",
+                                                  "actor_rollout_ref.rollout.load_format=auto"]))
+    with pytest.raises(NotImplementedError, match=r"rollout\.load_format='auto' with LoRA adapters"):
+        get_rollout_class("fsdp_sync_ref", "async")(
+            config=ref, model_config=HFModelConfig(path=str(tmp_path), load_tokenizer=False,
+                                                   lora_rank=8), device_mesh=None)
+
+
+def test_lora_base_once_then_adapter_only_every_sync_verified():
+    """verl's LoRA-as-adapter calls through fsdp_sync's adapter into ``fsdp-sync serve`` (TP 2):
+    the base (``base_sync_done=False``, '.base_layer.' names) lands under the engine's names, each
+    adapter sync (``base_sync_done=True``) loads verl's adapter name with only lora_A / lora_B,
+    read back bit for bit; a sync of a LoRA run without a peft_config (verl's checkpoint-engine
+    modes: base only, the adapter never) is refused on both ranks."""
+    from fsdp_sync.cli.launch import run_ranks
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.engines.reference.serve import EngineServer
+    from fsdp_sync.integrations.verl_lora import LORA_NAME
+    from fsdp_sync.models import build_model, load_config
+
+    import verl_ranks
+
+    base = build_model(load_config("tiny"), seed=0).state_dict()
+    with ReferenceEngine("tiny", tp_size=2, seed=9) as engine, EngineServer(engine) as server:
+        cfg = rollout_config([f"+actor_rollout_ref.rollout.custom.fsdp_sync.base_url={server.url}",
+                              "+actor_rollout_ref.rollout.custom.fsdp_sync.verify=full"])
+        results = run_ranks(verl_ranks.lora_syncs, 2, cfg, timeout_s=240)
+        served = {n: engine.get_weights_by_name(n) for n in base}
+        loaded = engine.lora_adapters
+        held = engine.lora_tensors(LORA_NAME)
+    for out in results:
+        assert out["sleep_level"] == 1
+        syncs = out["syncs"]
+        assert all(isinstance(s, dict) for s in syncs[:4]), syncs
+        assert isinstance(syncs[4], str) and syncs[4].startswith("NotImplementedError") \
+            and "without its adapter" in syncs[4], syncs[4]
+    first, adapters = results[0]["syncs"][0], results[0]["syncs"][1:4]
+    assert first["kind"] == "base" and first["verify_tensors"] == first["tensors"] == len(base)
+    assert all(served[n].equal(t) for n, t in base.items())          # base_layer names stripped
+    assert list(loaded) == [LORA_NAME] and loaded[LORA_NAME]["r"] == 4
+    n_lora = 2 * 7 * load_config("tiny").num_hidden_layers
+    for s in adapters:
+        assert s["kind"] == "adapter" and s["tensors"] == n_lora and s["verify_tensors"] == n_lora, s
+        assert s["verify"] == "full" and s["bytes"] < first["bytes"] / 5, (s["bytes"], first["bytes"])
+    assert [s["engine_calls"] for s in adapters] == [2, 3, 3]        # then unload + load
+    want = {n.removeprefix("base_model.model."): t for n, t in results[0]["adapter"].items()}
+    assert sorted(held) == sorted(want) and all(held[n].equal(want[n]) for n in want)
 
 
 def test_a_rank_running_another_adapter_is_named_not_waited_for_forever():

@@ -15,7 +15,10 @@ metrics and from the adapter's metrics file:
 - sync 0 carries exactly the checkpoint's weights (digests of model.safetensors), and every later
   sync carries weights that differ from the one before in every tensor (each step's Adam update
   reaches them all);
-- nothing is left behind: no process of the run (they carry a marker in their environment), no
+- with LoRA (``lora_rank=4``, served as an adapter as verl's SGLang rollout serves it): the base
+  once, then the adapter only (its bytes exactly lora_A + lora_B, far below the model's), every
+  sync verified, each step's figures the adapter sync's;
+- nothing is left behind (after each run): no process of the run (they carry a marker in their environment), no
   listener on serve's port, no new shared-memory segment that no live process holds (other jobs
   on the machine may hold theirs).
 """
@@ -103,11 +106,10 @@ def _temp_dirs(since: float = 0.0) -> set[str]:
     return out
 
 
-def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
-    from safetensors.torch import load_file
-
-    from fsdp_sync.verify import tensor_digest
-
+def _run_recipe(tmp_path, overrides: list[str], check) -> None:
+    """Run the tiny GRPO recipe with ``overrides``, call ``check(log, steps, syncs, wall)`` on a
+    successful run (``syncs``: the adapter's metrics-file records), then check that nothing is
+    left behind (see the module docstring)."""
     marker = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="fsr")          # Ray's socket paths must stay short
     shm_before = set(os.listdir("/dev/shm"))
@@ -121,16 +123,47 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
     try:
         proc = subprocess.run(
             ["bash", str(RUN), f"+actor_rollout_ref.rollout.custom.fsdp_sync.metrics_file={metrics_file}",
-             f"+actor_rollout_ref.rollout.custom.fsdp_sync.log_dir={tmp_path}"],
+             f"+actor_rollout_ref.rollout.custom.fsdp_sync.log_dir={tmp_path}", *overrides],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=780)
         wall = time.monotonic() - t0
         log = proc.stdout + proc.stderr
         (tmp_path / "run.log").write_text(log)
         assert proc.returncode == 0, log[-6000:]
-
-        # verl's own metrics: 3 steps, rewards with spread, rollout log-probs = actor's
         steps = _steps(log)
         assert sorted(steps) == [1, 2, 3], log[-4000:]
+        syncs = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+        check(log, steps, syncs, wall)
+        url = re.search(r" on http://127\.0\.0\.1:(\d+) ",
+                        (tmp_path / "fsdp_sync_serve_0_0.log").read_text())
+        assert url, "serve's log has no URL line"
+        port = int(url.group(1))
+    finally:
+        deadline = time.monotonic() + 60
+        left = _marked(marker)
+        while left and time.monotonic() < deadline:
+            time.sleep(1)
+            left = _marked(marker)
+        for p in left:
+            p.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not left, [(p.pid, p.cmdline()[:4]) for p in left]
+    listening = [c for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    assert not listening, f"port {port} (serve) still listened on: {listening}"
+    left_shm = _orphaned(set(os.listdir("/dev/shm")) - shm_before)
+    assert not left_shm, f"shared-memory segments left behind: {left_shm}"
+    # Ray SIGKILLs its workers: the run script's own TMPDIR takes what multiprocessing left there
+    left_tmp = sorted(_temp_dirs(since=started) - tmp_before)
+    assert not left_tmp, f"temp directories left behind by the run: {left_tmp}"
+
+
+def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
+    from safetensors.torch import load_file
+
+    from fsdp_sync.verify import tensor_digest
+
+    def check(log, steps, syncs, wall):
+        # verl's own metrics: rewards with spread, rollout log-probs = actor's
         scores = [(s["critic/score/min"], s["critic/score/max"]) for s in steps.values()]
         assert any(lo < hi for lo, hi in scores), f"constant rewards: {scores}"
         for n, s in steps.items():
@@ -138,8 +171,8 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
             assert s["timing_s/update_weights"] > 0
 
         # the adapter's record of every sync
-        syncs = [json.loads(line) for line in metrics_file.read_text().splitlines()]
         assert [s["global_steps"] for s in syncs] == [0, 1, 2, 3]
+        assert {s["kind"] for s in syncs} == {"full"}
         ckpt = load_file(str(tmp_path / "tiny" / "model" / "model.safetensors"))
         for s in syncs:
             assert s["verify"] == "full" and s["verify_tensors"] == s["tensors"] == len(ckpt), s
@@ -168,25 +201,63 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
               + ", ".join(f"{s['global_steps']}: {s['sync_s']:.3f}" + (
                   f"/{steps[s['global_steps']]['timing_s/update_weights']:.3f}"
                   if s["global_steps"] in steps else "") for s in syncs))
-        url = re.search(r" on http://127\.0\.0\.1:(\d+) ",
-                        (tmp_path / "fsdp_sync_serve_0_0.log").read_text())
-        assert url, "serve's log has no URL line"
-        port = int(url.group(1))
-    finally:
-        deadline = time.monotonic() + 60
-        left = _marked(marker)
-        while left and time.monotonic() < deadline:
-            time.sleep(1)
-            left = _marked(marker)
-        for p in left:
-            p.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert not left, [(p.pid, p.cmdline()[:4]) for p in left]
-    listening = [c for c in psutil.net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
-    assert not listening, f"port {port} (serve) still listened on: {listening}"
-    left_shm = _orphaned(set(os.listdir("/dev/shm")) - shm_before)
-    assert not left_shm, f"shared-memory segments left behind: {left_shm}"
-    # Ray SIGKILLs its workers: the run script's own TMPDIR takes what multiprocessing left there
-    left_tmp = sorted(_temp_dirs(since=started) - tmp_before)
-    assert not left_tmp, f"temp directories left behind by the run: {left_tmp}"
+
+    _run_recipe(tmp_path, [], check)
+
+
+LORA_R, LORA_ALPHA = 4, 8
+
+
+def test_tiny_grpo_with_lora_syncs_the_base_once_then_the_adapter_only(tmp_path):
+    """The same recipe with LoRA (``actor_rollout_ref.model.lora_rank=4``, verl's default
+    ``target_modules=all-linear``, ``lora.merge=false``: served as an adapter, as verl's own SGLang
+    rollout serves it). verl syncs the base once (global step 0, peft's ``.base_layer.`` names),
+    then only the adapter, before the first rollout and after every step; each sync verified in
+    full (the base's digests against the checkpoint's, the adapter read back from the engine bit
+    for bit), the adapter syncs' bytes exactly lora_A + lora_B of every linear layer, far below
+    the model's, and each step's logged ``fsdp_sync/*`` figures the adapter sync's."""
+    from safetensors.torch import load_file
+
+    from fsdp_sync.models import load_config
+    from fsdp_sync.verify import tensor_digest
+
+    def check(log, steps, syncs, wall):
+        for n, s in steps.items():
+            assert s["training/rollout_probs_diff_max"] < 1e-3, (n, s["training/rollout_probs_diff_max"])
+        assert [(s["global_steps"], s["kind"]) for s in syncs] == [
+            (0, "base"), (0, "adapter"), (1, "adapter"), (2, "adapter"), (3, "adapter")], syncs
+        ckpt = load_file(str(tmp_path / "tiny" / "model" / "model.safetensors"))
+        base, adapters = syncs[0], syncs[1:]
+        assert base["verify"] == "full" and base["verify_tensors"] == base["tensors"] == len(ckpt)
+        assert base["digests"] == {n: tensor_digest(n, t) for n, t in ckpt.items()}  # names stripped
+        cfg = load_config(str(tmp_path / "tiny" / "model" / "config.json"))
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        q, kv, h, i = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim, \
+            cfg.hidden_size, cfg.intermediate_size
+        shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]     # (in, out) per target
+        want_bytes = cfg.num_hidden_layers * sum(LORA_R * (a + b) * 4 for a, b in shapes)   # float32
+        for s in adapters:
+            assert s["verify"] == "full" and s["verify_tensors"] == s["tensors"] \
+                == 2 * len(shapes) * cfg.num_hidden_layers, s
+            assert s["bytes"] == want_bytes and s["bytes"] < base["bytes"] / 10, (s["bytes"], base["bytes"])
+            assert s["lora_r"] == LORA_R and all(".lora_A." in n or ".lora_B." in n for n in s["digests"])
+        for n in (1, 2, 3):
+            before, after = adapters[n - 1]["digests"], adapters[n]["digests"]
+            changed = {k for k in after if after[k] != before[k]}
+            # peft starts B at zero, so A's gradient is zero in step 1; every B moves every step,
+            # every tensor from step 2 on
+            want = {k for k in after if ".lora_B." in k} if n == 1 else set(after)
+            assert want <= changed, (n, sorted(want - changed)[:4])
+        for n in (1, 2, 3):
+            logged, sync = steps[n], adapters[n]
+            assert logged["fsdp_sync/adapter"] == 1.0, logged
+            for key in ("bytes", "tensors", "engine_calls", "verify_tensors"):
+                assert logged[f"fsdp_sync/{key}"] == sync[key], (n, key, logged)
+            assert logged["fsdp_sync/sync_s"] == pytest.approx(sync["sync_s"], rel=1e-6)
+        print(f"\ntiny GRPO with LoRA r={LORA_R}, 3 steps in {wall:.0f} s; base sync "
+              f"{base['sync_s']:.3f} s, {base['bytes']} B; adapter syncs "
+              + ", ".join(f"{s['global_steps']}: {s['sync_s']:.3f} s" for s in adapters)
+              + f", {adapters[-1]['bytes']} B each")
+
+    _run_recipe(tmp_path, [f"actor_rollout_ref.model.lora_rank={LORA_R}",
+                           f"actor_rollout_ref.model.lora_alpha={LORA_ALPHA}"], check)

@@ -254,3 +254,69 @@ def verify_on_sglang(rank: int, world: int, rollout_cfg: dict, modes: list[str])
             out.append(f"{type(exc).__name__}: {exc}")
         dist.barrier()
     return out
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _peft_stream(step: int, *, base: bool):
+    """What verl 0.9.1's FSDP worker hands the rollout for a LoRA run (``lora.merge=false``):
+    ``base``: the base weights with peft's ``.base_layer.`` on every targeted linear weight
+    (``replace_lora_wrapper``); else the adapter, ``get_peft_model_state_dict``'s names, full
+    tensors (B nonzero, new every step). Each item after a collective, as verl's export."""
+    from fsdp_sync.models import build_model, load_config
+
+    model = build_model(load_config("tiny"), seed=0)
+    g = torch.Generator().manual_seed(100 + step)
+    for name, t in model.state_dict().items():
+        dist.all_reduce(torch.ones(1))
+        parts = name.split(".")
+        targeted = name.endswith(".weight") and len(parts) > 3 and parts[-2] in LORA_TARGETS
+        if base:
+            yield (name[:-len(".weight")] + ".base_layer.weight" if targeted else name), t
+        elif targeted:
+            stem = "base_model.model." + name[:-len(".weight")]
+            yield f"{stem}.lora_A.weight", torch.randn(4, t.shape[1], generator=g) * 0.1
+            yield f"{stem}.lora_B.weight", torch.randn(t.shape[0], 4, generator=g) * 0.1
+
+
+# verl's peft config dict (``LoraConfig.to_dict()``): target_modules as peft resolves "all-linear",
+# a set of module paths
+PEFT_CONFIG = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
+               "target_modules": {f"model.layers.{i}.{'mlp' if m in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{m}"
+                                  for i in range(2) for m in LORA_TARGETS},
+               "bias": "none", "use_dora": False, "use_rslora": False, "modules_to_save": None,
+               "layers_pattern": None}
+
+
+def lora_syncs(rank: int, world: int, rollout_cfg: dict):
+    """verl's LoRA-as-adapter order through fsdp_sync's adapter: the base (``base_sync_done=False``),
+    then the adapter at steps 0, 1, 2 (``base_sync_done=True``), with verl's peft config dict; then
+    a sync without a ``peft_config`` (verl's checkpoint-engine modes). Returns per call the stats
+    (digests left out) or the error text, and on rank 0 the adapter tensors of the last step."""
+    import types
+
+    from fsdp_sync.models import load_config
+
+    model_config = types.SimpleNamespace(hf_config=load_config("tiny"), lora_rank=4, lora={},
+                                         target_modules="all-linear")
+    adapter, _ = _adapter(rank, world, rollout_cfg, model_config=model_config)
+    out = {"sleep_level": adapter.sleep_level, "syncs": []}
+
+    def run(stream, **kw):
+        try:
+            asyncio.run(adapter.update_weights(stream, **kw))
+            out["syncs"].append({k: v for k, v in adapter.last_stats.items() if k != "digests"})
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out["syncs"].append(f"{type(exc).__name__}: {exc}")
+        dist.barrier()
+
+    run(_peft_stream(0, base=True), global_steps=0, peft_config=PEFT_CONFIG, base_sync_done=False)
+    for step in (0, 1, 2):
+        run(_peft_stream(step, base=False), global_steps=step, peft_config=PEFT_CONFIG,
+            base_sync_done=True)
+    run(_peft_stream(3, base=True), global_steps=3)
+    last = dict(_peft_stream(2, base=False))      # every rank: the stream's collectives
+    if rank == 0:
+        out["adapter"] = last
+    return out

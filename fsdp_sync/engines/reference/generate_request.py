@@ -4,8 +4,9 @@
 ``requests``): ``input_ids`` (one prompt or a batch), ``sampling_params`` (one dict or one per
 prompt; checked by `generation.Sampling`), ``return_logprob`` with ``logprob_start_len``,
 ``stream``, ``rid``. A field this server cannot honour is refused naming it (400), never ignored;
-fields SGLang defines that change nothing at their default value (``image_data: null``,
-``lora_path: null``, ...) are accepted at that value only.
+``lora_path`` (a loaded LoRA adapter's name, or one name or null per prompt); fields SGLang defines
+that change nothing at their default value (``image_data: null``, ``lora_id: null``, ...) are
+accepted at that value only.
 
 `ClientWatch` is the answering side of one request: it tells whether the client has gone away
 (its socket reads EOF: the request is then aborted, as SGLang aborts a disconnected client's
@@ -31,7 +32,7 @@ __all__ = ["GenerateRequest", "parse_generate", "ClientWatch", "GenerateRefused"
 
 # SGLang GenerateReqInput fields accepted only at a value that changes nothing here
 _NEUTRAL = {"image_data": (None,), "video_data": (None,), "audio_data": (None,),
-            "lora_path": (None,), "lora_id": (None,), "top_logprobs_num": (None, 0),
+            "lora_id": (None,), "top_logprobs_num": (None, 0),
             "token_ids_logprob": (None,), "return_text_in_logprobs": (None, False),
             "custom_logit_processor": (None,), "return_hidden_states": (None, False),
             "return_routed_experts": (None, False), "session_params": (None,),
@@ -41,7 +42,8 @@ _NEUTRAL = {"image_data": (None,), "video_data": (None,), "audio_data": (None,),
             "background": (None, False), "no_logs": (None, False, True), "return_bytes": (None, False),
             "return_entropy": (None, False)}
 _KEYS = ("input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "stream", "rid",
-         "model")   # model: the served model's name, which sglang-router adds to every request it routes
+         "model", "lora_path")
+# model: the served model's name, which sglang-router adds to every request it routes
 
 
 class GenerateRefused(ValueError):
@@ -59,6 +61,7 @@ class GenerateRequest:
     return_logprob: bool
     logprob_start_len: int | None
     stream: bool
+    lora_path: str | list | None = None   # the adapter (one, or one or None per prompt)
 
 
 def _ids_list(v: Any) -> bool:
@@ -125,11 +128,17 @@ def parse_generate(body: dict) -> GenerateRequest:
     else:
         raise GenerateRefused(f"field 'rid' must be a non-empty string (one prompt) or a list of "
                               f"{len(prompts)} distinct strings (a batch), got {rid!r:.80}")
+    lora = body.get("lora_path")
+    if not (lora is None or (isinstance(lora, str) and lora) or (
+            isinstance(lora, list) and len(lora) == len(prompts)
+            and all(x is None or (isinstance(x, str) and x) for x in lora))):
+        raise GenerateRefused(f"field 'lora_path' must be a loaded LoRA adapter's name, or a list of "
+                              f"{len(prompts)} names or nulls (one per prompt), got {lora!r:.80}")
     return GenerateRequest(prompts=prompts, single=single, sampling=sps, n=ns.pop(),
                            interval=[s.stream_interval for s in specs], rids=rids,
                            return_logprob=flags["return_logprob"],
                            logprob_start_len=None if start is None or start < 0 else start,
-                           stream=flags["stream"])
+                           stream=flags["stream"], lora_path=lora)
 
 
 class ClientWatch:

@@ -77,11 +77,14 @@ class LoRAConfig:
             raise ValueError(f"config_dict target_modules must be a list of module names (of {list(TARGETS)}) "
                              f"or 'all-linear', got {tm!r}")
         else:
-            bad = sorted(str(m) for m in tm if m not in TARGETS)
+            # module names, or peft's resolved paths ('model.layers.0.self_attn.q_proj', what a
+            # peft model's config holds after "all-linear"): the last part, as SGLang reads them
+            bad = sorted(str(m) for m in tm if not isinstance(m, str) or m.split(".")[-1] not in TARGETS)
             if bad:
-                raise ValueError(f"config_dict target_modules {bad} cannot take a LoRA adapter here; "
+                raise ValueError(f"config_dict target_modules {bad[:4]} cannot take a LoRA adapter here; "
                                  f"the reference engine serves {list(TARGETS)}")
-            targets = tuple(m for m in TARGETS if m in tm)
+            names = {m.split(".")[-1] for m in tm}
+            targets = tuple(m for m in TARGETS if m in names)
         return cls(r=r, lora_alpha=float(alpha), target_modules=targets)
 
 

@@ -18,8 +18,9 @@ weights, on a CPU machine:
     POST /fsdp_sync/tensor_checksums   {names}  (fsdp_sync's own: what SyncConfig.verify reads)
     POST /pause_generation  /continue_generation  /update_weight_version  /fsdp_sync/set_serving,
     GET  /get_weight_version           (`serve_control`: pause modes, versions, out of service)
-    POST /load_lora_adapter  /load_lora_adapter_from_tensors  /unload_lora_adapter: refused (400),
-         the reference engine serves no LoRA adapters
+    POST /load_lora_adapter_from_tensors  /load_lora_adapter  /unload_lora_adapter,
+         /fsdp_sync/lora_checksums (`serve_lora`: the engine's LoRA adapters; ``/generate`` takes
+         ``lora_path``, ``/v1/models`` lists them)
 
 The update routes take SGLang's ``weight_version`` (the engine takes it with the commit), and every
 ``/generate`` answer's ``meta_info`` (each streamed chunk too) carries SGLang's ``weight_version``
@@ -78,6 +79,7 @@ from typing import Any, Callable, Sequence
 from .generate_request import ClientWatch, GenerateRefused, parse_generate
 from .http_fields import Refused, body_field, check_disk_path, error_status, error_text, tags_field
 from .serve_control import ControlRoutes
+from .serve_lora import LoRARoutes
 from .serve_updates import UpdateRoutes
 
 __all__ = ["EngineServer", "check_disk_path", "DEFAULT_MAX_BODY"]   # check_disk_path: `http_fields`
@@ -89,7 +91,7 @@ DEFAULT_MAX_BODY = 32 << 20
 
 # --------------------------------------------------------------------------- the server
 
-class EngineServer(ControlRoutes, UpdateRoutes):
+class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
     """SGLang's HTTP routes over ``engine`` (see the module docstring). ``start()`` serves in a
     thread; ``close()`` stops serving (the engine is its owner's to shut down)."""
 
@@ -361,10 +363,7 @@ class EngineServer(ControlRoutes, UpdateRoutes):
             "/flush_cache": self._flush_cache,
             "/get_weights_by_name": self._get_weights_by_name,
             "/fsdp_sync/tensor_checksums": self._tensor_checksums,
-            # SGLang's LoRA routes: the reference engine serves no adapters; refused by name
-            # (verl's client calls these only for LoRA runs) rather than a bare 404
-            **{r: self._no_lora for r in ("/load_lora_adapter", "/load_lora_adapter_from_tensors",
-                                          "/unload_lora_adapter")},
+            **self.lora_routes(),        # SGLang's LoRA routes (`serve_lora`)
         }
         if path not in get_routes and path not in post_routes:
             return 404, {"detail": "Not Found"}
@@ -399,17 +398,13 @@ class EngineServer(ControlRoutes, UpdateRoutes):
                      "hf_config": json.loads(cfg.to_json_string()) if hasattr(cfg, "to_json_string") else None}
 
     def _models(self, body: dict) -> tuple[int, Any]:
-        """SGLang's OpenAI-style ``/v1/models``: one card, the served model (no LoRA adapters)."""
+        """SGLang's OpenAI-style ``/v1/models``: the served model, then each loaded LoRA adapter."""
         cfg = getattr(self.engine, "config", None)
         return 200, {"object": "list", "data": [{
             "id": self.model_path, "object": "model", "created": int(self.started),
             "owned_by": "sglang", "root": self.model_path, "parent": None,
-            "max_model_len": getattr(cfg, "max_position_embeddings", None)}]}
-
-    def _no_lora(self, body: dict) -> tuple[int, Any]:
-        return 400, {"success": False, "message": "fsdp-sync serve loads no LoRA adapters: merge the "
-                     "adapter into the weights (verl: actor_rollout_ref.model.lora.merge=true) "
-                     "and sync those"}
+            "max_model_len": getattr(cfg, "max_position_embeddings", None)},
+            *self.lora_cards(self.model_path, int(self.started))]}
 
     def _server_info(self, body: dict) -> tuple[int, Any]:
         return 200, {"tp_size": int(self.engine.tp_size), "dp_size": 1,
@@ -489,7 +484,8 @@ class EngineServer(ControlRoutes, UpdateRoutes):
                 rs = self.engine.generate_requests(
                     req.prompts, req.sampling, return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len, on_step=on_step,
-                    should_abort=lambda k: gone() or events[rids[k // req.n]].is_set())
+                    should_abort=lambda k: gone() or events[rids[k // req.n]].is_set(),
+                    **({} if req.lora_path is None else {"lora_path": req.lora_path}))
             except Exception as exc:  # noqa: BLE001 - in a stream the error is a chunk, as SGLang's
                 if not req.stream:
                     refused = self.serving_refusal()     # taken out of service meanwhile

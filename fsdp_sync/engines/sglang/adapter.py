@@ -8,7 +8,8 @@ expandable segments off while SGLang holds GPU memory (`allocator`), raises on e
 ``success=False`` with SGLang's message, and retries only idempotent HTTP calls (`client`).
 
 Generation controls (pause/continue, weight versions, ``fsdp-sync serve``'s out-of-service
-switch) come from `control`.
+switch) come from `control`, SGLang's LoRA calls (load from tensors, unload, the loaded list) from
+`lora`.
 
 Not here: the per-rank payloads (`payloads`, with their lifetime rule), starting SGLang (the caller
 launches the engine or server), and any import of sglang at import time: sglang is imported lazily,
@@ -31,6 +32,7 @@ from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineStateE
                     SerializedPerRank, ordered_tags)
 from .allocator import ExpandableSegments
 from .control import GenerationControl
+from .lora import LoRAClient
 from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLangError,
                      SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text)
 from .payloads import FLATTENED_BUCKET, flattened_bucket_payloads
@@ -59,7 +61,7 @@ def _local_serialized_tensor_cls():
 
 # --------------------------------------------------------------------------- the adapter
 
-class SGLangEngine(GenerationControl):
+class SGLangEngine(GenerationControl, LoRAClient):
     """fsdp_sync's engine protocol over SGLang: an in-process ``sglang.Engine`` or an HTTP server.
 
     ``SGLangEngine(engine)`` wraps an ``sglang.Engine`` (any object with its methods);

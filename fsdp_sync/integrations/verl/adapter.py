@@ -42,9 +42,20 @@ already set are read through `SyncConfig.from_verl`: bucket megabytes, ``free_ca
 and release only when set, as verl does) and ``dtype`` (tensors are cast to it before they are
 flattened). ``param_offload`` stays verl's: its worker offloads the actor after ``update_weights``.
 
-Not here: LoRA adapters and verl's delta checkpoint wire (refused with an error when opted in),
-prefill/decode disaggregation, starting SGLang (verl's Ray actors do), and the export itself
-(verl's FSDP engine; see docs/verl.md for why it is not replaced).
+LoRA, as verl's own SGLang rollout serves it (`fsdp_sync.integrations.verl_lora`): with
+``lora_rank`` > 0 and ``lora.merge=false`` verl's worker calls ``update_weights`` with its
+``peft_config`` and ``base_sync_done``. ``base_sync_done=False``: the base weights, sent as above
+with peft's ``.base_layer.`` dropped from their names. ``base_sync_done=True``: the adapter only
+(`_sync_adapter`): infer-TP rank 0 unloads verl's adapter name where the server lists it and loads
+``lora_A``/``lora_B`` with the normalized peft config through SGLang's
+``load_lora_adapter_from_tensors``; with ``verify`` it then reads the adapter's digests back
+(``fsdp-sync serve``) and compares them bit for bit. Between syncs only the KV cache is released
+(``sleep_level`` 1, as verl's). What cannot be done exactly is refused when the adapter is built,
+naming verl's key (`verl_lora.refusal`). Merged LoRA (``lora.merge=true``) is a full sync.
+
+Not here: verl's delta checkpoint wire (refused with an error when opted in), prefill/decode
+disaggregation, starting SGLang (verl's Ray actors do), and the export itself (verl's FSDP engine;
+see docs/verl.md for why it is not replaced).
 """
 
 from __future__ import annotations
@@ -71,13 +82,12 @@ from ...transport import SyncStats
 from ...transport.tensor import Call, TensorTransport
 from ...verify import sent_record
 from ...wire import flattened_bucket
-from .. import peer_check
+from .. import peer_check, verl_lora
 from . import metrics as step_metrics
 from .replica import ROLLOUT_NAME, server_name
 from .stream import BucketBuffer, pulled_in_a_thread, timed
 
-__all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register",
-           "lora_refusal"]
+__all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
 
 KEY = ("sglang", "async")
 OURS = "fsdp_sync.integrations.verl.SGLangAdapter"   # the public path verl resolves
@@ -157,33 +167,6 @@ def sync_config(config: Any) -> SyncConfig:
     return SyncConfig.from_verl(config, **opts)
 
 
-def lora_refusal(model_config: Any = None, peft_config: Any = None) -> str | None:
-    """Why this adapter cannot sync a run's weights as LoRA, or None: THE one place LoRA is
-    refused (LoRA sync, when it is built, replaces this function and its two callers).
-
-    verl's worker hands a rollout LoRA in two ways: merged (``actor_rollout_ref.model.lora.merge=true``:
-    verl folds the adapters into full weights with clean names and passes ``peft_config=None``),
-    which this adapter syncs like any full model; or as adapters (``merge=false``): a first
-    base sync whose names still carry PEFT's ``.base_layer.``, then adapter tensors with a
-    ``peft_config`` to load as a LoRA adapter, neither of which this adapter handles. Checked at
-    construction from verl's model config (``lora_rank``, ``lora.rank``, ``lora_adapter_path``) and,
-    for what the config did not show, at every sync from the ``peft_config`` verl passes."""
-    lora = _get(model_config, "lora") or {}
-    rank = int(_get(model_config, "lora_rank", 0) or 0) or int(_get(lora, "rank", 0) or 0)
-    path = _get(model_config, "lora_adapter_path") or _get(lora, "adapter_path")
-    merge = bool(_get(lora, "merge", False))
-    if peft_config:
-        what = "verl passed a LoRA peft_config to update_weights"
-    elif (rank > 0 or path) and not merge:
-        what = (f"actor_rollout_ref.model.lora_rank={rank}"
-                + (f", lora_adapter_path={path!r}" if path else "") + ", lora.merge=false")
-    else:
-        return None
-    return (f"fsdp_sync's verl adapter does not sync LoRA adapters ({what}): set "
-            f"actor_rollout_ref.model.lora.merge=true (verl merges them into full weights, which "
-            f"it syncs) or drop rollout.custom.fsdp_sync.enable")
-
-
 def _resolve(fqdn: str) -> type:
     module, _, name = fqdn.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -205,9 +188,11 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
     def __init__(self, config: Any, model_config: Any, device_mesh: Any,
                  replica_rank: int = -1, **kwargs: Any) -> None:
         super().__init__(config, model_config, device_mesh)
-        refusal = lora_refusal(self.model_config)
+        refusal = verl_lora.refusal(self.config, self.model_config, ROLLOUT_NAME)
         if refusal:
-            raise NotImplementedError(refusal)
+            raise NotImplementedError(f"fsdp_sync's verl adapter: {refusal}")
+        # LoRA served as an adapter (verl_lora): the base stays in the engine between syncs
+        self.lora = verl_lora.served_as_adapter(self.model_config)
         opts = _options(self.config)
         self.sync = sync_config(self.config)
         self.base_url = opts.get("base_url")
@@ -230,7 +215,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self.replica_rank = rank // rollout_world if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % rollout_world
         self.node_rank = self.rollout_rank // local_world
-        self.sleep_level = 2
+        self.sleep_level = 1 if self.lora else 2    # verl's: 1 releases the KV cache only
         if getattr(self.config, "disaggregation", None) is not None and getattr(
                 self.config.disaggregation, "enabled", False):
             raise NotImplementedError("fsdp_sync's verl adapter does not support prefill/decode "
@@ -281,7 +266,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
     async def release(self):
         engine = await self._client()
         if engine is not None and self.config.free_cache_engine:
-            engine.release_memory_occupation(tags=["kv_cache", "weights"])
+            engine.release_memory_occupation(
+                tags=["kv_cache"] if self.sleep_level == 1 else ["kv_cache", "weights"])
 
     # ------------------------------------------------------------------ the sync
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
@@ -291,18 +277,26 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             raise NotImplementedError(f"fsdp_sync's verl adapter takes wire_format "
                                       f"'named_tensors', got {wire_format!r}; drop "
                                       f"rollout.custom.fsdp_sync.enable for verl's delta engine")
-        refusal = lora_refusal(peft_config=kwargs.get("peft_config"))
-        if refusal:
-            raise NotImplementedError(refusal)
+        peft_config, base_sync_done = kwargs.get("peft_config"), kwargs.get("base_sync_done", False)
+        if self.lora and not peft_config:
+            raise NotImplementedError(f"fsdp_sync's verl adapter: {verl_lora.no_adapter_refusal(self.model_config)}")
         engine = await self._client()
         # the engine commits the weights named by verl's step, as SGLang's weight_version
         version = None if global_steps is None else str(global_steps)
+        if peft_config and base_sync_done:      # the adapter only (verl's LoRA-as-adapter syncs)
+            def run(it):
+                return self._sync_adapter(it, engine, peft_config)
+        else:
+            def run(it):      # full weights; a LoRA run's base: peft's .base_layer. dropped
+                if peft_config:
+                    it = ((verl_lora.base_name(n), t) for n, t in it)
+                return dict(self._sync(it, engine, version), kind="base" if peft_config else "full")
         if hasattr(weights, "__aiter__"):
             # verl's checkpoint engines (nccl, nixl, ...) hand an async generator: walked on this
             # loop, consumed by the sync in a thread
-            stats = await pulled_in_a_thread(weights, lambda it: self._sync(it, engine, version))
+            stats = await pulled_in_a_thread(weights, run)
         else:
-            stats = self._sync(weights, engine, version)
+            stats = run(weights)
         if engine is not None:
             engine.flush_cache()
             if global_steps is not None and self._server_actor is not None:
@@ -314,11 +308,13 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                             "tensors", "buckets", "engine_calls", "gbps", "verify_tensors",
                             "verify_s")}
         if engine is not None:
-            log.info("fsdp_sync verl sync (step %s): %.3f s (verl's export %.3f, packing %.3f, "
-                     "hashing %.3f, handles + gather + engine %.3f), %.1f MiB in %d tensors, "
-                     "%d buckets, %d engine calls (%s)%s", global_steps, stats["sync_s"],
+            log.info("fsdp_sync verl %ssync (step %s): %.3f s (verl's export %.3f, packing %.3f, "
+                     "hashing %.3f, handles + gather + engine %.3f), %s in %d tensors, "
+                     "%d buckets, %d engine calls (%s)%s",
+                     "" if stats["kind"] == "full" else stats["kind"] + " ", global_steps, stats["sync_s"],
                      stats["export_s"], stats["pack_s"], stats["digest_s"], stats["transport_s"],
-                     stats["bytes"] / 2**20, stats["tensors"], stats["buckets"],
+                     f"{stats['bytes'] / 2**20:.1f} MiB" if stats["bytes"] >= 2**20 / 10 else
+                     f"{stats['bytes'] / 2**10:.1f} KiB", stats["tensors"], stats["buckets"],
                      stats["engine_calls"], stats["strategy"],
                      f", verify {stats['verify']}: {stats['verify_tensors']} tensors equal in "
                      f"{stats['verify_s']:.3f} s" if stats.get("verify_tensors") else "")
@@ -402,6 +398,42 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             out.update(quant.figures())
         if getattr(sent, "digests", None) is not None:
             out["digests"] = sent.digests
+        return out
+
+    def _sync_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any,
+                      peft_config: Any) -> dict[str, Any]:
+        """One adapter-only sync (see the module docstring), on every rank of the infer-TP group:
+        every rank walks verl's stream (full tensors already: verl gathered the adapter), rank 0
+        loads it into the engine and, with ``verify``, reads it back (`verl_lora.sync_adapter`: a
+        failure raises the same `SyncError` on every rank)."""
+        cfg, topo = self.sync, self._topology()
+        if not self._peers_checked:
+            peer_check.check_group(topo.tp_ranks, cfg.dist_timeout_s)
+            self._peers_checked = True
+        phases = {"export_s": 0.0, "pack_s": 0.0}
+        t0 = time.perf_counter()
+        named: list[tuple[str, torch.Tensor]] = []
+        for name, t in timed(weights, phases):
+            if engine is not None:
+                t1 = time.perf_counter()
+                named.append((name, self._cast(t).contiguous()))
+                phases["pack_s"] += time.perf_counter() - t1
+            del t
+        try:
+            figures = verl_lora.sync_adapter(engine, named, peft_config, topo.tp_group,
+                                             verify=cfg.verify)
+        finally:
+            self._syncs += 1
+        sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        out = {"kind": "adapter", "strategy": "lora_adapter", "sync_s": sync_s, **phases,
+               "digest_s": 0.0, "transport_s": figures["load_s"], "bytes": nbytes, "tensors": len(named),
+               "buckets": 1 if named else 0, "engine_calls": figures["engine_calls"],
+               "bucket_bytes": cfg.bucket_bytes, "gbps": nbytes / sync_s / 1e9 if sync_s else 0.0,
+               "lora_name": verl_lora.LORA_NAME, "lora_r": figures["r"]}
+        if cfg.verify != "off" and engine is not None:
+            out.update(verify=cfg.verify, verify_tensors=figures.get("verify_tensors", 0),
+                       verify_s=figures.get("verify_s", 0.0), digests=figures.get("digests", {}))
         return out
 
     def _config_error(self, engine: Any, topo: SyncTopology) -> str | None:

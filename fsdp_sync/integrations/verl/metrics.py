@@ -23,7 +23,9 @@ So, two halves, both in this module:
   (``export_s``, ``pack_s``, ``transport_s``), ``fsdp_sync/verify_tensors`` and
   ``fsdp_sync/verify_s`` (a failed verify fails the step instead), ``fsdp_sync/replicas`` and
   ``fsdp_sync/gbps`` (all replicas' bytes over the slowest one's seconds). The
-  wrap only adds keys; with nothing published it adds none. verl's trainer module is not imported
+  wrap only adds keys; with nothing published it adds none. A LoRA run's step syncs the adapter
+  only (``fsdp_sync/adapter`` 1); where its base went in the same step (the first), the adapter's
+  figures are the ``fsdp_sync/*`` ones and the base's ``fsdp_sync/base_sync_s`` / ``base_bytes``. verl's trainer module is not imported
   for this (it costs every process a second and 100 MB): an import hook patches it when verl does.
 
 Without Ray (a test, a script) `publish` does nothing. verl's older trainer (``trainer.use_v1=false``,
@@ -97,6 +99,7 @@ async def publish(stats: dict) -> None:
     global _sink_handle
     record = {k: float(stats[k]) for k in KEYS if isinstance(stats.get(k), (int, float))}
     record["global_steps"] = stats.get("global_steps")
+    record["kind"] = stats.get("kind", "full")
     for attempt in (1, 2):      # a held handle whose actor died (its owner went): made again
         try:
             await _sink().put.remote(record)
@@ -115,8 +118,17 @@ def step_metrics(records: list[dict]) -> dict[str, float]:
     steps = [r.get("global_steps") for r in records]
     newest = max((s for s in steps if s is not None), default=None)
     group = [r for r in records if r.get("global_steps") == newest]
+    base = [r for r in group if r.get("kind") == "base"]
+    adapter = [r for r in group if r.get("kind") == "adapter"]
+    if adapter:              # a LoRA run: the adapter's figures; the base's (first step) beside
+        group = adapter
     out = {f"fsdp_sync/{k}": float(combine(r[k] for r in group))
            for k, combine in KEYS.items() if all(k in r for r in group)}
+    if adapter:
+        out["fsdp_sync/adapter"] = 1.0
+        if base and all("sync_s" in r and "bytes" in r for r in base):
+            out["fsdp_sync/base_sync_s"] = float(max(r["sync_s"] for r in base))
+            out["fsdp_sync/base_bytes"] = float(sum(r["bytes"] for r in base))
     out["fsdp_sync/replicas"] = float(len(group))
     if out.get("fsdp_sync/sync_s") and "fsdp_sync/bytes" in out:   # all replicas' bytes in the slowest's time
         out["fsdp_sync/gbps"] = out["fsdp_sync/bytes"] / out["fsdp_sync/sync_s"] / 1e9

@@ -21,6 +21,9 @@ the name `ROLLOUT_NAME` (registered by the plug-in, ``fsdp_sync.integrations.ver
   ``rollout.calculate_log_probs=True``, verl's default for rollout correction, gets
   ``output_token_logprobs``), every other sampling key passed on; a key serve cannot honour is
   refused by serve naming it (HTTP 400), never dropped. Images and video are refused;
+- LoRA served as an adapter (``lora_rank`` > 0, ``lora.merge=false``; `verl_lora`): every request
+  carries ``lora_path`` = verl's adapter name, and ``sleep``/``wake_up`` release and resume the KV
+  cache only, keeping the base weights synced once, as verl's SGLang server does;
 - memory: ``sleep``/``wake_up``/``release_kv_cache``/``resume_kv_cache`` are the same release and
   resume calls verl's SGLang server makes (only when ``free_cache_engine``);
   ``abort_all_requests`` is ``/abort_request {"abort_all": true}`` and holds new requests in the
@@ -51,6 +54,7 @@ import ray
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from ...engines.sglang.client import HttpClient
+from .. import verl_lora
 
 __all__ = ["ROLLOUT_NAME", "ServeReplica", "ServeServer", "server_name", "serve_command",
            "sampling_request"]
@@ -158,6 +162,7 @@ class ServeServer:
         self.config = config
         self.replica_rank, self.node_rank = replica_rank, node_rank
         self.command = serve_command(config, model_config)
+        self.lora_as_adapter = verl_lora.served_as_adapter(model_config)
         self.log_path = os.path.join(log_dir or tempfile.gettempdir(),
                                      f"fsdp_sync_serve_{replica_rank}_{node_rank}.log")
         self.proc: subprocess.Popen | None = None
@@ -238,6 +243,8 @@ class ServeServer:
                        image_data: Any = None, video_data: Any = None, **kwargs: Any) -> TokenOutput:
         body = sampling_request(prompt_ids, sampling_params, request_id, self.config,
                                 image_data=image_data, video_data=video_data)
+        if self.lora_as_adapter:
+            body["lora_path"] = verl_lora.LORA_NAME
         if not self._open.is_set():
             if self._reject:
                 raise RuntimeError(f"fsdp_sync_ref replica {self.replica_rank} is paused "
@@ -264,10 +271,13 @@ class ServeServer:
             await self._post(path, {"tags": tags})
 
     async def wake_up(self) -> None:
-        await self._memory("/resume_memory_occupation", ["kv_cache", "weights"])
+        await self._memory("/resume_memory_occupation", self._tags())
 
     async def sleep(self) -> None:
-        await self._memory("/release_memory_occupation", ["kv_cache", "weights"])
+        await self._memory("/release_memory_occupation", self._tags())
+
+    def _tags(self) -> list[str]:
+        return ["kv_cache"] if self.lora_as_adapter else ["kv_cache", "weights"]
 
     async def clear_kv_cache(self) -> None:
         if self.node_rank == 0:

@@ -1,0 +1,136 @@
+"""SGLang's LoRA calls through `SGLangEngine`: load an adapter from tensors, unload it, list the
+loaded ones, and (``fsdp-sync serve`` only) digests of an adapter as the engine holds it. A mixin
+of `adapter.SGLangEngine` (it provides ``_http``, ``_local``, ``_check_open``, ``tp_size`` and
+``where``).
+
+Over HTTP the body is the one verl 0.9.1's ``AsyncHttpServerAdapter.load_lora_adapter_from_tensor``
+sends to SGLang's ``/load_lora_adapter_from_tensors``: ``lora_name``, ``config_dict`` (a peft
+``LoraConfig`` dict, enums as strings) and ``serialized_named_tensors``, one base64 payload per TP
+rank, each the whole ``{name: tensor}`` dict (SGLang shards it itself). The tensors are copied into
+one shared buffer first, so the payloads point at one segment, kept until the server answered.
+``unload_lora_adapter`` is ``/unload_lora_adapter {lora_name}``; ``available_models`` is
+``GET /v1/models`` (SGLang lists each adapter as a card under its name). In process, the
+``sglang.Engine`` methods of those names are called with the tensors themselves.
+
+``lora_checksums`` reads ``POST /fsdp_sync/lora_checksums``, which only ``fsdp-sync serve`` has:
+SGLang cannot hand an adapter back, so against it the call raises, naming what to set instead.
+
+Not here: which adapter to send and when (`fsdp_sync.lora_sync`, the verl adapter), the server's
+side (`engines.reference.serve_lora`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ...weights import handles
+from .client import NotFound, SGLangError, SGLangUpdateError, check_answer
+
+__all__ = ["LoRAClient"]
+
+
+def shared_copy(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``tensors`` as views of one shared-memory buffer (one segment for the whole adapter)."""
+    total = sum(-(-t.numel() * t.element_size() // 64) * 64 for _, t in tensors)
+    buf = handles.empty_shared(max(total, 1))
+    out, off = {}, 0
+    for name, t in tensors:
+        t = t.detach().contiguous()
+        n = t.numel() * t.element_size()
+        view = buf[off:off + n].view(t.dtype).view(t.shape)
+        view.copy_(t.cpu())
+        out[name] = view
+        off += -(-n // 64) * 64
+    return out
+
+
+class LoRAClient:
+    """`SGLangEngine`'s LoRA methods (see the module docstring)."""
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
+                                       load_format: str | None = None, pinned: bool = False,
+                                       added_tokens_config: Any = None) -> dict:
+        """Load adapter ``lora_name`` from full tensors (``[(name, tensor)]`` or a dict, peft's
+        names) with ``config_dict``; raises `SGLangUpdateError` with the server's message."""
+        self._check_open("load_lora_adapter_from_tensors")
+        call = f"load_lora_adapter_from_tensors({lora_name!r})"
+        named = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        if self._local:
+            answer = self._local.call("load_lora_adapter_from_tensors", lora_name=lora_name,
+                                      tensors=named, config_dict=dict(config_dict),
+                                      load_format=load_format, pinned=pinned,
+                                      added_tokens_config=added_tokens_config)
+            check_answer(call, answer, error=SGLangUpdateError)
+            return answer if isinstance(answer, dict) else {"success": True}
+        lease = handles.make_payloads(shared_copy(named), self.tp_size, output_str=True, tagged=False)
+        opened: bool | None = True
+        body = {"lora_name": lora_name, "config_dict": dict(config_dict),
+                "serialized_named_tensors": lease.payloads}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if pinned:
+            body["pinned"] = True
+        try:
+            answer = self._http.json("POST", "/load_lora_adapter_from_tensors", body,
+                                     error=SGLangUpdateError)
+            check_answer(call, answer, error=SGLangUpdateError, where=self.where)
+        except NotFound as e:
+            opened = False
+            raise e.error from None
+        except SGLangUpdateError as e:
+            opened = e.opened
+            raise
+        finally:
+            lease.release(require_ack=False,
+                          unopened=range(len(lease.payloads)) if opened is False else ())
+        return answer if isinstance(answer, dict) else {"success": True}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Drop adapter ``lora_name``; raises `SGLangUpdateError` with the server's message."""
+        self._check_open("unload_lora_adapter")
+        call = f"unload_lora_adapter({lora_name!r})"
+        if self._local:
+            answer = self._local.call("unload_lora_adapter", lora_name=lora_name)
+        else:
+            try:
+                answer = self._http.json("POST", "/unload_lora_adapter", {"lora_name": lora_name},
+                                         error=SGLangUpdateError)
+            except NotFound as e:
+                raise e.error from None
+        check_answer(call, answer, error=SGLangUpdateError, where=self.where)
+        return answer if isinstance(answer, dict) else {"success": True}
+
+    def available_models(self) -> dict:
+        """SGLang's ``/v1/models``: ``{"data": [{"id": ...}, ...]}``, the served model and each
+        loaded LoRA adapter."""
+        self._check_open("available_models")
+        if self._local:
+            loaded = getattr(self._local.engine, "lora_adapters", None)
+            return {"object": "list", "data": [{"id": n} for n in (loaded or {})]}
+        try:
+            return self._http.json("GET", "/v1/models", idempotent=True)
+        except NotFound as e:
+            raise e.error from None
+
+    def lora_checksums(self, lora_name: str) -> tuple[dict[str, str], str]:
+        """``({name: digest}, dtype)`` of adapter ``lora_name`` as ``fsdp-sync serve`` holds it
+        (names without ``base_model.model.``; `verify.tensor_digest`)."""
+        self._check_open("lora_checksums")
+        if not self._http:
+            raise SGLangError("an in-process SGLang engine cannot hand its LoRA adapter back; set "
+                              "verify=off for adapter syncs into it", call="lora_checksums")
+        try:
+            answer = self._http.json("POST", "/fsdp_sync/lora_checksums", {"lora_name": lora_name},
+                                     idempotent=True)
+        except NotFound:
+            raise SGLangError(f"SGLang{self.where} cannot hand its LoRA adapter back (no "
+                              f"/fsdp_sync/lora_checksums: fsdp-sync serve's route); set "
+                              f"verify=off for adapter syncs into SGLang", call="lora_checksums") from None
+        check_answer("lora_checksums", answer, where=self.where)
+        sums = answer.get("checksums") if isinstance(answer, dict) else None
+        if not isinstance(sums, dict):
+            raise SGLangError(f"/fsdp_sync/lora_checksums{self.where} answered {str(answer)[:200]!r}",
+                              call="lora_checksums")
+        return {str(k): str(v) for k, v in sums.items()}, str(answer.get("dtype"))

@@ -1,0 +1,182 @@
+"""verl's LoRA sync as its own SGLang rollout does it, without importing verl (the verl adapter,
+`integrations.verl.adapter`, calls these; so do the default tier's tests).
+
+verl 0.9.1 serves a LoRA run (``actor_rollout_ref.model.lora_rank`` > 0, or megatron's
+``lora.rank``, with ``lora.merge=false``) as an adapter: its FSDP worker syncs the base weights
+once (``update_weights(..., peft_config=..., base_sync_done=False)``, names carrying peft's
+``.base_layer.``, which SGLang's loader does not know: `base_name` strips it, as verl's
+``_strip_lora_base_layer``), then at every sync only the adapter (``base_sync_done=True``: peft's
+``lora_A``/``lora_B`` state dict, full tensors, with the adapter's ``LoraConfig`` dict), which
+infer-TP rank 0 loads under verl's name `LORA_NAME`: unload it if ``/v1/models`` lists it, then
+``load_lora_adapter_from_tensors`` with the config normalized as verl's
+``normalize_peft_config_for_sglang`` does it (`normalize_peft_config`: enums to strings, a
+``peft_type``, ``target_modules`` a list or ``"all-linear"``). Between syncs only the KV cache is
+released (verl's ``sleep_level=1``), so the base stays. With merged LoRA (``lora.merge=true``) verl
+folds the adapter into full weights and syncs those, like any model: nothing here applies.
+
+`sync_adapter` is the engine's part of one adapter sync on every rank of the infer-TP group:
+group rank 0 loads (`load_adapter`) and verifies (`check_adapter`: each adapter tensor as the
+engine holds it, ``fsdp-sync serve``'s ``/fsdp_sync/lora_checksums`` in the engine's dtype, against
+the same digest of what was sent, bit for bit) while the others wait in bounded rounds
+(`topology.agree_after_rank0`); a failure raises the same `SyncError` on every rank.
+
+`refusal` says what cannot be done exactly, naming verl's key: an adapter run whose base the
+engine would never get (``rollout.name=fsdp_sync_ref`` starts without weights, and verl syncs the
+base only when ``rollout.load_format`` is ``dummy``), adapters on block-FP8 rollout weights, and a
+regex ``target_modules`` (SGLang takes module names or ``all-linear`` only). `no_adapter_refusal`:
+an adapter run's sync without a ``peft_config`` (verl's checkpoint-engine modes send the base
+weights alone, never the trained adapter: the rollout would silently serve the untrained base).
+
+Not here: the adapter's send loop (`integrations.verl.adapter`), the engine's side
+(`engines.sglang.lora`, `engines.reference.serve_lora`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Mapping
+
+import torch
+
+__all__ = ["LORA_NAME", "lora_rank", "served_as_adapter", "refusal", "no_adapter_refusal",
+           "base_name", "normalize_peft_config", "load_adapter", "check_adapter", "engine_name",
+           "sync_adapter"]
+
+LORA_NAME = "verl_actor_lora_name"
+"""verl's adapter name in SGLang (``SGLANG_LORA_NAME``): its server's requests carry it as ``lora_path``."""
+
+
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    if node is None:
+        return default
+    if isinstance(node, Mapping) or hasattr(node, "keys"):
+        try:
+            return node.get(key, default)
+        except (AttributeError, TypeError):
+            pass
+    return getattr(node, key, default)
+
+
+def lora_rank(model_config: Any) -> int:
+    """The LoRA rank of verl's model config: fsdp's flat ``lora_rank`` or megatron's ``lora.rank``."""
+    return max(int(_get(model_config, "lora_rank", 0) or 0),
+               int(_get(_get(model_config, "lora") or {}, "rank", 0) or 0))
+
+
+def served_as_adapter(model_config: Any) -> bool:
+    """Whether verl serves this run's LoRA as an adapter (rank > 0 and not ``lora.merge``)."""
+    merge = _get(_get(model_config, "lora") or {}, "merge", False)
+    return lora_rank(model_config) > 0 and not (merge is True or str(merge).lower() == "true")
+
+
+def refusal(config: Any, model_config: Any, rollout_name: str) -> str | None:
+    """Why an adapter run cannot be synced exactly (None: it can, or it is no adapter run)."""
+    if not served_as_adapter(model_config):
+        return None
+    r = lora_rank(model_config)
+    load_format = str(_get(config, "load_format", "dummy") or "")
+    if _get(config, "name") == rollout_name and "dummy" not in load_format:
+        return (f"actor_rollout_ref.rollout.load_format={load_format!r} with LoRA adapters "
+                f"(lora_rank={r}) on rollout.name={rollout_name}: verl then never syncs the base "
+                f"weights, and fsdp-sync serve starts without them; set "
+                f"actor_rollout_ref.rollout.load_format=dummy (verl syncs the base once)")
+    quant = _get(config, "quantization", None)
+    if quant is not None:
+        return (f"actor_rollout_ref.rollout.quantization={quant!r} with LoRA adapters "
+                f"(lora_rank={r}): fsdp_sync does not apply adapters over quantized rollout "
+                f"weights; drop the quantization or set actor_rollout_ref.model.lora.merge=true")
+    tm = _get(model_config, "target_modules", "all-linear")
+    if isinstance(tm, str) and tm not in ("all-linear", "all"):
+        return (f"actor_rollout_ref.model.target_modules={tm!r}: SGLang's LoRA takes module names "
+                f"or 'all-linear', not a regex; list the modules")
+    return None
+
+
+def no_adapter_refusal(model_config: Any) -> str:
+    return (f"verl synced a LoRA run (lora_rank={lora_rank(model_config)}, lora.merge=false) "
+            f"without its adapter (no peft_config: verl's checkpoint-engine modes send the base "
+            f"weights only, so the rollout would serve the untrained base); use "
+            f"actor_rollout_ref.rollout.checkpoint_engine.backend=naive or set "
+            f"actor_rollout_ref.model.lora.merge=true")
+
+
+def base_name(name: str) -> str:
+    """A base weight's name as SGLang's loader knows it: peft's ``.base_layer.`` level dropped."""
+    return name.replace(".base_layer.", ".") if ".base_layer." in name else name
+
+
+def normalize_peft_config(peft_config: Any) -> dict:
+    """verl's peft config (a ``LoraConfig.to_dict()``, or the config itself) as SGLang's adapter
+    loader takes it: enums as their values, ``peft_type`` required, ``target_modules`` a sorted
+    list (a set in peft) or a bare string (``"all-linear"``) kept whole."""
+    if hasattr(peft_config, "to_dict"):
+        peft_config = peft_config.to_dict()
+    if not isinstance(peft_config, Mapping):
+        raise TypeError(f"peft_config must be a LoraConfig dict, got {type(peft_config).__name__}")
+    out = dict(peft_config)
+    for key in ("task_type", "peft_type"):
+        if key in out:
+            out[key] = getattr(out[key], "value", out[key])
+    if "peft_type" not in out:
+        raise ValueError(f"peft_config has no 'peft_type', which SGLang's adapter loader requires; "
+                         f"keys: {sorted(out)}")
+    tm = out.get("target_modules")
+    if isinstance(tm, (set, frozenset)):
+        out["target_modules"] = sorted(tm)
+    elif tm is not None and not isinstance(tm, str):
+        out["target_modules"] = list(tm)
+    return out
+
+
+def engine_name(name: str) -> str:
+    """An adapter tensor's name as the engine reads it back (peft's ``base_model.model.`` dropped)."""
+    return name.removeprefix("base_model.model.")
+
+
+def load_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], config: dict,
+                 name: str = LORA_NAME) -> int:
+    """Swap adapter ``name`` in ``engine`` as verl does: unload it where ``/v1/models`` lists it,
+    then load from tensors. Returns the engine calls made."""
+    calls = 1
+    cards = (engine.available_models() or {}).get("data") or []
+    if any(isinstance(c, dict) and c.get("id") == name for c in cards):
+        engine.unload_lora_adapter(name)
+        calls += 1
+    engine.load_lora_adapter_from_tensors(name, named, config)
+    return calls + 1
+
+
+def check_adapter(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
+                  name: str = LORA_NAME) -> tuple[str | None, dict[str, Any]]:
+    """Verify adapter ``name`` in ``engine`` against ``named`` (what was sent): ``(error or None,
+    figures)``; the error names the first tensor that differs, is missing or is extra
+    (`lora_sync.check_digests`)."""
+    from ..lora_sync import check_digests
+
+    return check_digests(engine, name, named)
+
+
+def sync_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], peft_config: Any, group: Any,
+                 *, verify: str, name: str = LORA_NAME) -> dict[str, Any]:
+    """One adapter sync's engine side (see the module docstring), on every rank of ``group``;
+    ``engine`` and ``named`` matter on group rank 0 only. Returns rank 0's figures
+    (``engine_calls``, ``load_s``, ``r``, and with ``verify`` ``verify_tensors``, ``verify_s``,
+    ``digests``); raises `SyncError` on every rank if the load or the verify failed."""
+    from ..topology import agree_after_rank0
+
+    out: dict[str, Any] = {"engine_calls": 0, "load_s": 0.0, "r": None}
+
+    def work() -> str | None:
+        config = normalize_peft_config(peft_config)
+        out["r"] = config.get("r")
+        t0 = time.perf_counter()
+        out["engine_calls"] = load_adapter(engine, named, config, name)
+        out["load_s"] = time.perf_counter() - t0
+        if verify == "off":
+            return None
+        err, figures = check_adapter(engine, named, name)
+        out.update(figures)
+        return err
+
+    agree_after_rank0(work, group, what=f"fsdp_sync verl adapter sync of LoRA adapter {name!r}")
+    return out
