@@ -143,3 +143,73 @@ def test_memory_probe_reads_smaps_rollup_only_when_asked(runs):
     for rec in _steady(runs, (2, "engine", "full")):
         assert rec["rollups"] == 9 * 2, rec
         assert {"rss", "uss", "pss"} <= set(rec["memory_keys"]), rec
+
+
+def _deferred_failures(rank, world):
+    """A stage agreed with the next one fails on rank 1 only: both ranks raise the same error
+    naming that stage and rank 1; rank 1 ran no later stage before the agreement, rank 0 did;
+    the next sync, with no fault, goes through on both."""
+    import os
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.faultpoint import FAULT_ENV
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError, SyncTopology, make_mesh
+    from fsdp_sync.cli.trainer import wrap_fsdp
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny")
+    module = wrap_fsdp(build_model(cfg, seed=0), 2)
+    mesh = make_mesh(world, 1)
+    engine = ReferenceEngine(model_config=cfg, tp_size=1, dtype=torch.float32) \
+        if SyncTopology.from_mesh(mesh).is_tp_src else None
+    manager = FSDPShardingManager(module, engine, mesh=mesh,
+                                  config=SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10))
+    ran: list = []
+    for name in ("_resume", "_sync_weights", "_swap_rng", "_offload_params"):
+        fn = getattr(manager, name)
+        setattr(manager, name, lambda *a, _fn=fn, _n=name: (ran.append(_n), _fn(*a))[1])
+    out = {}
+    try:
+        for stage in ("prepare", "offload_params", "resume_kv_cache"):
+            os.environ[FAULT_ENV] = f"trainer:1:{stage}:raise"
+            ran.clear()
+            try:
+                with manager:
+                    pass
+                out[stage] = {"raised": None}
+            except SyncError as exc:
+                out[stage] = {"raised": str(exc), "failures": sorted(exc.failures)}
+            out[stage]["ran"] = list(ran)
+        os.environ.pop(FAULT_ENV)
+        with manager:
+            full = {n: t.full_tensor() for n, t in module.state_dict().items()}
+            if engine is not None:
+                out["equal"] = all(torch.equal(engine.get_weights_by_name(n), full[n]) for n in engine.hf_names())
+    finally:
+        manager.close()
+        if engine is not None:
+            engine.shutdown()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_agreed_with_the_next_still_fails_every_rank(leftovers_check):
+    with leftovers_check():
+        r0, r1 = run_ranks(_deferred_failures, 2, timeout_s=200, env=spawn_env())
+    for stage in ("prepare", "offload_params", "resume_kv_cache"):
+        for r in (r0, r1):
+            assert r[stage]["raised"] is not None and r[stage]["raised"].startswith(
+                f"stage {stage!r} failed on rank 1: InjectedFault"), (stage, r[stage])
+            assert r[stage]["failures"] == [1], r[stage]
+        assert r0[stage]["raised"] == r1[stage]["raised"]
+    # prepare failed on rank 1: it resumed nothing; rank 0 resumed the weights, then both stopped
+    assert r1["prepare"]["ran"] == [] and r0["prepare"]["ran"] == ["_resume"]
+    # offload_params failed on rank 1 (the fault fires before the stage's work): it skipped
+    # resume_kv_cache and swap_rng, rank 0 ran both
+    every = ["_resume", "_sync_weights", "_offload_params", "_resume", "_swap_rng"]
+    assert r1["offload_params"]["ran"] == every[:2] and r0["offload_params"]["ran"] == every
+    assert r1["resume_kv_cache"]["ran"] == every[:3] and r0["resume_kv_cache"]["ran"] == every
+    assert r0["equal"] and r1["equal"]
