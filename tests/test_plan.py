@@ -242,10 +242,12 @@ def test_this_machine_is_measured():
     c = measure_this_machine(nbytes=8 * MiB, repeats=2)
     assert c.device == "cpu" and c.cores == len(os.sched_getaffinity(0))
     for f in ("d2d_gbps", "intra_gbps", "touch_gbps", "map_gbps", "collective_gbps", "disk_write_gbps",
-              "disk_read_gbps", "call_s", "collective_s", "tensor_s", "bucket_s"):
+              "disk_read_gbps", "call_s", "collective_s"):
         assert getattr(c, f) > 0, f
-    assert c.sync_s >= 0
-    assert "fresh shared buffer" in c.source and "us/tensor" in c.source
+    # solved from three timed syncs on a shared host: each >= 0 (noise may zero one), together
+    # the one-bucket sync's seconds beyond its bytes
+    assert min(c.tensor_s, c.bucket_s, c.sync_s) >= 0 and c.tensor_s + c.bucket_s + c.sync_s > 0
+    assert "fresh shared buffer" in c.source and "us/tensor" in c.source and "ms/bucket" in c.source
 
 
 @pytest.mark.parametrize("layout", ["full", "engine"])
