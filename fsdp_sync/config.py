@@ -93,10 +93,12 @@ class SyncConfig:
         hold CPU shards (even dim-0 splits): no all-gather; the ranks write their shards into one
         host-shared buffer that the engine workers open (`export.iter_buckets`). Off, or where it
         does not apply, every rank all-gathers each bucket over the process group.
-    memory_probe: what the stage timeline records after each stage: ``"full"`` (RSS, peak RSS,
-        anonymous and shared-memory RSS, USS and PSS of the trainer rank and of each engine worker;
-        a few ms per process and stage), ``"rss"`` (the /proc status figures only, ~50 µs) or
-        ``"off"``. CUDA allocator figures are added whenever CUDA is in use.
+    memory_probe: what the stage timeline records after each stage: ``"rss"`` (the default: RSS,
+        peak RSS, anonymous and shared-memory RSS of the trainer rank and of each engine worker,
+        from /proc/<pid>/status, ~50 µs each), ``"full"`` (USS and PSS too, from
+        /proc/<pid>/smaps_rollup: a few ms per process and stage in a torch process, 18 reads a
+        sync; ask for it when you study memory) or ``"off"``. CUDA allocator figures are added
+        whenever CUDA is in use.
     dist_format: (distributed method) ``"flattened_bucket"`` (default: one broadcast per bucket,
         SGLang's tight layout) or ``"per_tensor"`` (``load_format=None``: one broadcast per
         tensor, the baseline).
@@ -180,7 +182,7 @@ class SyncConfig:
     offload_params: bool = False
     fsdp1_state_dict: str = "full"
     seed: int = 1000
-    memory_probe: str = "full"
+    memory_probe: str = "rss"
     share_host_memory: bool = True
     method: str = "tensor"
     dist_format: str = "flattened_bucket"

@@ -106,6 +106,7 @@ class FSDPShardingManager:
         self.timeline = Timeline()
         self.stats = SyncStats()
         self._inside = False
+        self._failed: tuple[str, str] | None = None   # an unsettled stage's failure (`_run`)
         self._was_training = True
         self._trainer_rng: tuple | None = None
         self._offloaded: dict[str, torch.device] = {}
@@ -141,17 +142,17 @@ class FSDPShardingManager:
         pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe)
         self._was_training = self.module.training
-        try:
-            self._run("prepare", self._prepare)
+        try:   # settle=False: no collective inside; agreed with the next stage (`_run`)
+            self._run("prepare", self._prepare, settle=False)
             if self.config.multi_stage_wake_up:
                 self._run("resume_weights", self._resume, ["weights"])
                 self._run("sync_weights", self._sync_weights)
-                self._run("offload_params", self._offload_params)
-                self._run("resume_kv_cache", self._resume, ["kv_cache"])
+                self._run("offload_params", self._offload_params, settle=False)
+                self._run("resume_kv_cache", self._resume, ["kv_cache"], settle=False)
             else:
                 self._run("resume_all", self._resume, None)
                 self._run("sync_weights", self._sync_weights)
-                self._run("offload_params", self._offload_params)
+                self._run("offload_params", self._offload_params, settle=False)
             self._run("swap_rng", self._swap_rng)
         except BaseException as exc:
             self._restore(release=True, original=exc)
@@ -249,18 +250,21 @@ class FSDPShardingManager:
         return batch.slice(start, end) if hasattr(batch, "slice") else batch[start:end]
 
     # ------------------------------------------------------------------ stages
-    def _run(self, name: str, fn, *args) -> None:
-        """Run a stage on every rank; any rank's failure becomes a SyncError on all ranks."""
+    def _run(self, name: str, fn, *args, settle: bool = True) -> None:
+        """Run a stage on every rank; any rank's failure becomes a SyncError on all ranks (with
+        ``settle=False``, one agreed with the next settled stage: the failed rank runs none)."""
         with self.timeline.stage(name):
-            err = None
             try:
-                fault_point("trainer", self.rank, name)   # FSDP_SYNC_FAULT (tests, fsdp-sync faults)
-                fn(*args)
+                if self._failed is None:    # after a failed, unsettled stage this rank runs nothing
+                    fault_point("trainer", self.rank, name)   # FSDP_SYNC_FAULT (tests, fsdp-sync faults)
+                    fn(*args)
             except SyncError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
-                err = f"{type(exc).__name__}: {exc}"
-            self._agree(err, what=f"stage {name!r}")
+                self._failed = (f"stage {name!r}", f"{type(exc).__name__}: {exc}")
+            if settle:
+                failed, self._failed = self._failed, None
+                self._agree(failed, what=f"stage {name!r}")
 
     def _prepare(self) -> None:
         empty_cache()  # before resuming engine memory: verl's first-iteration OOM
@@ -416,14 +420,9 @@ class FSDPShardingManager:
 
     @staticmethod
     def _agree(err, *, what: str) -> None:
-        """`agree` over the trainer's ranks; a one-process trainer without a process group
-        (disaggregated) raises its own error directly."""
-        if dist.is_initialized():
-            agree(err, what=what)
-        elif err is not None:
-            exc = SyncError(f"{what} failed: {err}")
-            exc.failures = {0: f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else str(err)}
-            raise exc
+        """`agree` over the trainer's ranks (``err`` may be ``(what, text)``); a one-process
+        trainer without a process group (disaggregated) raises its own error (`agree` too)."""
+        agree(err, what=what)
 
     def _sync_weights(self) -> None:
         """Every weight; lora="adapter": the base once (again once ``base_sync_done`` is set False),

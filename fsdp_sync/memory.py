@@ -161,7 +161,7 @@ class Timeline:
 
     stages: list[StageRecord] = field(default_factory=list)
     engine_pids: list[int] = field(default_factory=list)
-    mode: str = "full"   # "full": rss + uss/pss; "rss": /proc status only (cheap); "off": no memory
+    mode: str = "rss"    # "rss": /proc status only (cheap); "full": + uss/pss (smaps_rollup); "off": none
 
     @contextmanager
     def stage(self, name: str) -> Iterator[StageRecord]:

@@ -60,7 +60,14 @@ class Cluster:
     that is already mapped). ``map_gbps``: the rate at which a process maps the pages of a buffer
     another process shared with it (an engine worker opening a bucket's handle).
     ``collective_gbps``: what a rank receives per second in the trainer's gather, all-gather and
-    all-to-all (0: the link's rate; gloo's all-gather runs far below a point-to-point send)."""
+    all-to-all (0: the link's rate; gloo's all-gather runs far below a point-to-point send).
+
+    What bytes do not explain, measured by real syncs (``--cluster this-machine``, on its CPU or
+    its GPU) and 0 (not priced) in the presets, which have no such measurement: ``tensor_s``:
+    each tensor of a sync (its packing on the trainer, its load in the engine: host work and,
+    on a GPU, kernel launches); ``bucket_s``: each bucket's engine call of the tensor method
+    (handles made and gathered, opened, loaded, acknowledged, agreed; 0: ``call_s`` + 2
+    collectives); ``sync_s``: each sync once (the engine's update bracket, the layout agreed)."""
 
     name: str
     device: str                    # "cuda" or "cpu" (this machine: one host, shards in host memory)
@@ -78,6 +85,9 @@ class Cluster:
     touch_gbps: float = 0.0
     map_gbps: float = 0.0
     collective_gbps: float = 0.0
+    tensor_s: float = 0.0
+    bucket_s: float = 0.0
+    sync_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -86,7 +96,7 @@ class Cluster:
                   "disk_write_gbps", "disk_read_gbps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"cluster {f} must be > 0, got {getattr(self, f)!r}")
-        for f in ("cores", "touch_gbps", "map_gbps", "collective_gbps"):
+        for f in ("cores", "touch_gbps", "map_gbps", "collective_gbps", "tensor_s", "bucket_s", "sync_s"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"cluster {f} must be >= 0 (0: not priced), got {getattr(self, f)!r}")
         if self.call_s < 0 or self.collective_s < 0:
@@ -417,7 +427,8 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
             path = "host-shared" if shared else ("all-gather" if world > 1 else "local")
             row.update(engine_rank_bytes_in=row["bytes"], pipelined=False,
                        trainer_rank_bytes_in=0 if shared or world == 1 else model_bytes - model_bytes // world)
-        row.update(buckets=len(plan), engine_calls=len(plan), share_host_memory=shared)
+        row.update(buckets=len(plan), engine_calls=len(plan), share_host_memory=shared,
+                   sync_tensors=sum(len(b.entries) for b in plan))   # as the sync counts them
     elif job.method == "distributed":
         if engine_layout:
             plan = rank_plan(max(1, job.bucket_bytes // job.tp))
@@ -631,8 +642,12 @@ def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -
         receive = [("first touch of the engine's receive buffers", mapped / (cl.touch_gbps * GB), "host")]
     if m == "tensor":
         # per call: the handles gathered to infer-TP rank 0, the outcome agreed on every rank
-        phases = first + receive + [load, ("engine calls", row["engine_calls"] * (cl.call_s + 2 * cl.collective_s),
-                                           "call")]
+        per_call = cl.bucket_s or cl.call_s + 2 * cl.collective_s
+        phases = first + receive + [load, ("engine calls", row["engine_calls"] * per_call, "call")]
+        if cl.tensor_s:
+            phases.append(("per-tensor host work", row["sync_tensors"] * cl.tensor_s, "host"))
+        if cl.sync_s:
+            phases.append(("per-sync engine bracket", cl.sync_s, "call"))
         overlap = job.layout == "engine" and job.pipelined
     elif m == "distributed":
         sent = row["engine_rank_bytes_in"] * (tp * engines if job.layout == "engine" else 1)
@@ -658,7 +673,8 @@ def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -
     if overlap and n > 1:
         # bucket k+1 is made while bucket k is on the wire: the slowest phase, plus one bucket
         # of the others (the pipeline's fill and drain)
-        moving = [s for w, s, _ in phases if w not in ("engine calls", "engine requests")]
+        moving = [s for w, s, _ in phases if w not in ("engine calls", "engine requests",
+                                                        "per-tensor host work", "per-sync engine bracket")]
         calls = total - sum(moving)
         total = max(moving) + (sum(moving) - max(moving)) / n + calls
         rule += " (pipelined)"

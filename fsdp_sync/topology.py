@@ -171,25 +171,42 @@ def agree(error: str | BaseException | None, group: Any = None, *, what: str = "
     """Collective over ``group`` (default: the whole world): raise `SyncError` on every rank if
     any rank passed an error.
 
-    Each rank passes its own error (text or exception, or None). The message names the first
-    failing rank (its rank in ``group``) and carries its text, identical on every rank. One
-    all-reduce when all is well; the messages travel only on failure.
+    Each rank passes its own error (text or exception, or None; or ``(what, text)`` where the
+    failure names what failed itself, as the manager's stages agreed together do). The message
+    names the first failing rank (its rank in ``group``) and carries its text, identical on every
+    rank. One all-reduce when all is well; the messages travel only on failure. A group of one
+    rank runs no collective: there is no other rank to tell; without a process group (a
+    one-process trainer) the error is raised as ``"<what> failed: <text>"``.
     """
     who = "rank" if group is None else "group rank"
-    group = cpu_group(group)
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag, group=group)
-    if int(flag.item()) == 0:
-        return
+    own_what = None
+    if isinstance(error, tuple):
+        own_what, error = error
     text = None if error is None else (
         f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error))
-    msgs: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(msgs, text, group=group)
+    if not dist.is_initialized():
+        if text is None:
+            return
+        exc = SyncError(f"{own_what or what} failed: {text}")
+        exc.failures = {0: text}
+        raise exc
+    if dist.get_world_size(group) == 1:
+        msgs: list = [None if text is None else (own_what, text)]
+    else:
+        group = cpu_group(group)
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        dist.all_reduce(flag, group=group)
+        if int(flag.item()) == 0:
+            return
+        msgs = [None] * dist.get_world_size(group)
+        dist.all_gather_object(msgs, None if text is None else (own_what, text), group=group)
+    if all(m is None for m in msgs):
+        return
     first = next(r for r, m in enumerate(msgs) if m is not None)
     others = [r for r, m in enumerate(msgs) if m is not None and r != first]
     suffix = f" ({who}s {others} failed too)" if others else ""
-    exc = SyncError(f"{what} failed on {who} {first}{suffix}: {msgs[first]}")
-    exc.failures = {r: m for r, m in enumerate(msgs) if m is not None}
+    exc = SyncError(f"{msgs[first][0] or what} failed on {who} {first}{suffix}: {msgs[first][1]}")
+    exc.failures = {r: m[1] for r, m in enumerate(msgs) if m is not None}
     raise exc from (error if isinstance(error, BaseException) else None)
 
 

@@ -139,6 +139,57 @@ def _measure_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict:
             "send_s": send_s, "touch_s": max(fresh_s - copy_s, 1e-9), "map_s": max(map_s[0], 1e-9)}
 
 
+def _measure_sync_rank(rank: int, world: int, device: str, repeats: int) -> dict:
+    """One trainer rank and a reference engine of TP 1 on ``device``: real syncs (the tensor
+    method, what the bench times: ``stats.seconds``) of a deep tiny model, to price what bytes do
+    not explain. Three runs per layout: the deep model in one bucket (A), the deep model in 256 KiB
+    buckets (B: n of them), a one-layer model in one bucket (C); A = F + c + N t, B = F + n c + N t,
+    C = F + c + N1 t give the cost per bucket c (an engine call: handles made, sent, opened,
+    loaded, acknowledged), per tensor t (packing it, the engine loading it) and per sync F."""
+    from ..config import SyncConfig
+    from ..engines import ReferenceEngine
+    from ..manager import FSDPShardingManager
+    from ..models import build_model, load_config
+    from ..topology import SyncTopology, make_mesh
+    from .trainer import wrap_fsdp
+
+    import torch
+
+    torch.set_num_threads(1)
+    mesh = make_mesh(1, 1, device)
+    SyncTopology.from_mesh(mesh)
+    out: dict = {}
+    for layers in (12, 1):
+        cfg = load_config("tiny", num_hidden_layers=layers)
+        model = wrap_fsdp(build_model(cfg, seed=0, device="cuda" if device == "cuda" else None), 2, device=device)
+        engine = ReferenceEngine(model_config=cfg, tp_size=1, device=device, dtype=torch.float32)
+        try:
+            for layout in ("full", "engine"):
+                for bucket in ((1 << 30,) if layers == 1 else (1 << 30, 256 << 10)):
+                    conf = SyncConfig(dtype=torch.float32, bucket_bytes=bucket, layout=layout, memory_probe="off")
+                    manager = FSDPShardingManager(model, engine, mesh=mesh, config=conf)
+                    secs = []
+                    for _ in range(repeats + 1):
+                        with manager:
+                            pass
+                        secs.append(manager.stats.seconds)
+                    out[(layers, layout, bucket)] = (statistics.median(secs[1:]), manager.stats.buckets,
+                                                     manager.stats.tensors)
+                    manager.close()
+        finally:
+            engine.shutdown()
+    costs = {}
+    for layout in ("full", "engine"):
+        a, n_a, tensors_a = out[(12, layout, 1 << 30)]
+        b, n_b, _ = out[(12, layout, 256 << 10)]
+        c1, _, tensors_c = out[(1, layout, 1 << 30)]
+        per_bucket = max((b - a) / max(n_b - n_a, 1), 0.0)
+        per_tensor = max((a - c1) / max(tensors_a - tensors_c, 1), 0.0)
+        costs[layout] = {"bucket_s": per_bucket, "tensor_s": per_tensor,
+                         "sync_s": max(a - per_bucket - tensors_a * per_tensor, 0.0)}
+    return costs
+
+
 def _echo(conn: Any) -> None:
     while True:
         msg = conn.recv()
@@ -153,6 +204,13 @@ def measure_this_machine(nbytes: int = 64 * MiB, repeats: int = 5) -> Any:
     from .launch import run_ranks, spawn_env
 
     m = run_ranks(_measure_rank, 2, nbytes, repeats, timeout_s=180, env=spawn_env())[0]
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    costs = run_ranks(_measure_sync_rank, 1, device, 3, timeout_s=300, env=spawn_env(),
+                      backend="cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")[0]
+    # one figure each for both layouts (their mean): the rows of either stay within it
+    per = {k: statistics.fmean(c[k] for c in costs.values()) for k in ("tensor_s", "bucket_s", "sync_s")}
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     gather = m["gather_bytes"] / m["gather_s"] / GB
@@ -164,14 +222,20 @@ def measure_this_machine(nbytes: int = 64 * MiB, repeats: int = 5) -> Any:
         disk_write_gbps=nbytes / m["disk_write_s"] / GB, disk_read_gbps=nbytes / m["disk_read_s"] / GB,
         call_s=m["call_s"], collective_s=m["collective_s"], cores=cores,
         touch_gbps=nbytes / m["touch_s"] / GB, map_gbps=nbytes / m["map_s"] / GB, collective_gbps=gather,
+        tensor_s=per["tensor_s"], bucket_s=per["bucket_s"], sync_s=per["sync_s"],
         source=(f"measured {time.strftime('%Y-%m-%d %H:%M')} on {cores} CPUs, two gloo ranks: a "
                 f"{nbytes // MiB} MiB memcpy (both ranks at once), the same into a fresh shared "
                 f"buffer (less the memcpy: touch), a gloo send (intra, inter) and all-gather "
                 f"(collective) of {nbytes // MiB} MiB, another process mapping a shared buffer "
                 f"(map), a file write + fsync and read of {nbytes // MiB} MiB, a pipe round trip to "
                 f"another process (the least an engine call costs), a small object all-gathered "
-                f"(collective_s); medians. One host: every rank on it (gpus_per_node is "
-                f"not a limit), memory_per_gpu is the host's RAM"))
+                f"(collective_s); medians. tensor_s, bucket_s, sync_s: real tensor-method syncs on "
+                f"{device} (one trainer rank, a reference engine of TP 1, a tiny model of 12 and 1 "
+                f"layers in one bucket and in 256 KiB buckets; the mean of layouts "
+                + ", ".join(f"{lay}: {c['tensor_s'] * 1e6:.0f} us/tensor, {c['bucket_s'] * 1e3:.2f} ms/bucket, "
+                            f"{c['sync_s'] * 1e3:.2f} ms/sync" for lay, c in costs.items())
+                + "). One host: every rank on it (gpus_per_node is not a limit), memory_per_gpu is "
+                f"the host's RAM"))
 
 
 # --------------------------------------------------------------------------- the sweep

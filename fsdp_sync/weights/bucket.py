@@ -3,7 +3,9 @@
 `plan_buckets` is a pure function of tensor metadata (name, dtype, shape) and a byte budget: it
 keeps the order, never splits a tensor, gives a tensor larger than the budget a bucket of its own,
 and aligns every tensor's byte offset. `flatten` copies tensors into one buffer laid out by a
-plan; `unflatten` gives zero-copy views back. `sglang_metadata` writes a plan in the form SGLang's
+plan; `unflatten` gives zero-copy views back. `copy_many` and `zero_gaps` are the fused copies
+every packer of a bucket uses (here, `gather`, `reshard`, `quantize`): one kernel per dtype pair
+and one for the padding, not one per tensor (on a GPU each ``copy_`` is a kernel launch). `sglang_metadata` writes a plan in the form SGLang's
 `load_format="flattened_bucket"` reads (byte offsets; SGLang itself adds no padding, so the
 alignment here is what keeps e.g. a ``bf16[3]`` followed by an ``int64`` rebuildable).
 
@@ -22,7 +24,7 @@ import torch
 __all__ = [
     "ALIGNMENT", "SUPPORTED_DTYPES", "TensorMeta", "BucketEntry", "Bucket",
     "plan_buckets", "BucketPacker", "flatten", "unflatten", "sglang_metadata", "entries_from_metadata",
-    "check_tensor", "dtype_name", "plan_tight", "check_tight",
+    "check_tensor", "dtype_name", "plan_tight", "check_tight", "copy_many", "zero_gaps", "entry_views",
 ]
 
 ALIGNMENT = 16
@@ -174,6 +176,101 @@ def check_tensor(name: str, tensor: torch.Tensor, *, dtype: torch.dtype | None =
                          f"for shape {tuple(tensor.shape)}")
 
 
+# dtypes every ``_foreach_copy_`` kernel takes, casts between them included (CUDA's fused one
+# too); pairs of one other dtype (FP8, bool) are copied as bytes, other casts one ``copy_`` each
+_FOREACH_TYPED = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+_FOREACH_CAST = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as uint8 (same memory), or None where a dtype view cannot express it."""
+    if t.dim() == 0 or (t.stride(-1) != 1 and t.shape[-1] != 1):
+        return None
+    try:
+        return t.view(torch.uint8)
+    except RuntimeError:
+        return None
+
+
+def copy_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every i (casting where the dtypes differ; shapes must be
+    equal), in one ``torch._foreach_copy_`` per (destination dtype, source dtype, device) instead
+    of one ``copy_`` per pair: a GPU runs each as one multi-tensor kernel where the pairs are dense
+    and shaped alike (pair by pair inside the op otherwise), a CPU copies pair by pair inside the
+    op, without Python's per-tensor dispatch. Same-dtype pairs of FP8 or bool are copied as their
+    bytes; casts outside the plain float dtypes, pairs across devices and 0-d bytes pairs go one
+    ``copy_`` each. No temporaries: each source goes straight into its destination."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"copy_many: {len(dsts)} destinations for {len(srcs)} sources")
+    groups: dict[tuple, tuple[list, list]] = {}
+    for d, s in zip(dsts, srcs):
+        if d.shape != s.shape:
+            raise ValueError(f"copy_many: destination shape {tuple(d.shape)} != source shape {tuple(s.shape)}")
+        dd, sd = d.dtype, s.dtype
+        if d.device != s.device:
+            d.copy_(s)
+            continue
+        if dd == sd and dd not in _FOREACH_TYPED:
+            db, sb = _bytes(d), _bytes(s)
+            if db is None or sb is None:
+                d.copy_(s)
+                continue
+            d, s, dd, sd = db, sb, torch.uint8, torch.uint8
+        elif dd != sd and not (dd in _FOREACH_CAST and sd in _FOREACH_CAST):
+            d.copy_(s)
+            continue
+        lists = groups.get((dd, sd, d.device))
+        if lists is None:
+            lists = groups[(dd, sd, d.device)] = ([], [])
+        lists[0].append(d)
+        lists[1].append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
+
+
+def zero_gaps(flat: torch.Tensor, entries: Iterable[BucketEntry], nbytes: int) -> None:
+    """Zero the bytes of ``flat[:nbytes]`` outside every entry (alignment padding, trailing
+    bytes; entries in byte order): one fused ``_foreach_zero_``, not one ``zero_`` per gap."""
+    gaps, prev = [], 0
+    for e in entries:
+        if e.start > prev:
+            gaps.append(flat[prev:e.start])
+        prev = max(prev, e.end)
+    if nbytes > prev:
+        gaps.append(flat[prev:nbytes])
+    if gaps:
+        torch._foreach_zero_(gaps)
+
+
+def entry_views(flat: torch.Tensor, bucket: Bucket, shaped: bool = True) -> list[torch.Tensor]:
+    """One view per entry of ``bucket`` into ``flat`` (its dtype; its shape, or 1-D with
+    ``shaped=False``), cut with one ``split`` of the bucket instead of a slice and views each
+    (entries in byte order; a bucket of one dtype is viewed as that dtype once)."""
+    sizes, keep, prev = [], [], 0
+    dtypes = {e.dtype for e in bucket.entries}
+    one = dtypes.pop() if len(dtypes) == 1 else None
+    unit = one.itemsize if one is not None else 1
+    for e in bucket.entries:
+        if e.start < prev:
+            raise ValueError(f"entry {e.name!r} starts at byte {e.start}, before the previous one ends ({prev})")
+        if e.start > prev:
+            sizes.append((e.start - prev) // unit)
+            keep.append(False)
+        sizes.append(e.nbytes // unit)
+        keep.append(True)
+        prev = e.end
+    if not sizes:
+        return []
+    base = flat[:prev] if one is None else flat[:prev].view(one)
+    views = [p for p, k in zip(base.split(sizes), keep) if k]
+    if one is None:
+        views = [v.view(e.dtype) for v, e in zip(views, bucket.entries)]
+    if not shaped:
+        return views
+    return [v if len(e.shape) == 1 else v.view(e.shape) for v, e in zip(views, bucket.entries)]
+
+
 def flatten(bucket: Bucket, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *,
             out: torch.Tensor | None = None, device: torch.device | str | None = None) -> torch.Tensor:
     """Copy ``tensors`` into one uint8 buffer laid out by ``bucket``; return the buffer.
@@ -191,15 +288,11 @@ def flatten(bucket: Bucket, tensors: Mapping[str, torch.Tensor] | Sequence[torch
     elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < bucket.nbytes:
         raise ValueError(f"out must be a 1-D uint8 tensor of at least {bucket.nbytes} bytes, got "
                          f"{out.dtype} {tuple(out.shape)}")
-    prev_end = 0
     for entry, t in zip(bucket.entries, seq):
         check_tensor(entry.name, t, dtype=entry.dtype, shape=entry.shape)
-        if entry.start > prev_end:
-            out[prev_end:entry.start].zero_()
-        out[entry.start:entry.end].copy_(t.reshape(-1).view(torch.uint8))
-        prev_end = entry.end
-    if bucket.nbytes > prev_end:
-        out[prev_end:bucket.nbytes].zero_()
+    zero_gaps(out, bucket.entries, bucket.nbytes)
+    # one fused copy, not one per tensor; flat views on both sides (one view op per tensor)
+    copy_many(entry_views(out, bucket, shaped=False), [t if t.dim() == 1 else t.view(-1) for t in seq])
     return out
 
 

@@ -200,26 +200,33 @@ def gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
     device = pairs[0][1].local.device
     send = scratch.get("send", width, device)
     recv = scratch.get("recv", world * width, device)
+    dsts, srcs = [], []
     for (entry, p), slot in zip(pairs, slots):
         n = p.counts[me] * entry.dtype.itemsize
-        if n:   # copy_ casts: the pack is the cast
-            send[slot:slot + n].view(entry.dtype).view(p.local.shape).copy_(p.local)
+        if n:   # the copy casts: the pack is the cast
+            dsts.append(send[slot:slot + n].view(entry.dtype).view(p.local.shape))
+            srcs.append(p.local)
+    _bucket.copy_many(dsts, srcs)
     all_gather(recv, send, group)
     rows = recv.view(world, width)
+    dsts, srcs = [], []
     for (entry, p), slot in zip(pairs, slots):
         item = entry.dtype.itemsize
         first = p.counts[0]
         if all(c == first for c in p.counts):
             if first:
                 b = first * item
-                flat[entry.start:entry.end].view(world, b).copy_(rows[:, slot:slot + b])
+                dsts.append(flat[entry.start:entry.end].view(world, b))
+                srcs.append(rows[:, slot:slot + b])
             continue
         pos = entry.start
         for r, c in enumerate(p.counts):
             b = c * item
             if b:
-                flat[pos:pos + b].copy_(rows[r, slot:slot + b])
+                dsts.append(flat[pos:pos + b])
+                srcs.append(rows[r, slot:slot + b])
             pos += b
+    _bucket.copy_many(dsts, srcs)
 
 
 def _broadcast_owned(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
@@ -230,17 +237,20 @@ def _broadcast_owned(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]]
     would cost world x the bucket for them). The padding inside a run is zero on the owner (the
     caller zeroed the gaps). Returns the other pairs."""
     rest, runs = [], []   # runs: [owner, start, end]
+    dsts, srcs = [], []
     for entry, p in pairs:
         owner = _single_owner(p)
         if owner is None:
             rest.append((entry, p))
             continue
-        if owner == p.rank:   # copy_ casts: the owner's shard is cast on its way in
-            flat[entry.start:entry.end].view(entry.dtype).copy_(p.local.reshape(-1))
+        if owner == p.rank:   # the copy casts: the owner's shard is cast on its way in
+            dsts.append(flat[entry.start:entry.end].view(entry.dtype))
+            srcs.append(p.local.reshape(-1))
         if runs and runs[-1][0] == owner and _align(runs[-1][2]) == entry.start:
             runs[-1][2] = entry.end
         else:
             runs.append([owner, entry.start, entry.end])
+    _bucket.copy_many(dsts, srcs)
     for owner, a, b in runs:
         broadcast(flat[a:b], group, owner)
     return rest
@@ -254,13 +264,15 @@ def _gather_to(dst: int, group: Any, pairs: list[tuple[_bucket.BucketEntry, Piec
     keep nothing, so only ``dst`` ever holds the bucket."""
     me = pairs[0][1].rank
     works, keep = [], []     # keep: what is on the wire stays alive until its wait
+    dsts, srcs = [], []      # dst's own pieces: one fused copy
     for i, (entry, p) in enumerate(pairs):
         item = entry.dtype.itemsize
         if me == dst:
             off = entry.start
             for r, c in enumerate(p.counts):
                 if c and r == me:
-                    flat[off:off + c * item].view(entry.dtype).copy_(p.local.reshape(-1))
+                    dsts.append(flat[off:off + c * item].view(entry.dtype))
+                    srcs.append(p.local.reshape(-1))
                 elif c:
                     works.append(dist.irecv(flat[off:off + c * item].view(entry.dtype), group=group,
                                             group_src=r, tag=i))
@@ -271,29 +283,33 @@ def _gather_to(dst: int, group: Any, pairs: list[tuple[_bucket.BucketEntry, Piec
                 local = local.to(entry.dtype)
             keep.append(local.contiguous())
             works.append(dist.isend(keep[-1], group=group, group_dst=dst, tag=i))
+    _bucket.copy_many(dsts, srcs)
     for w in works:
         w.wait()
 
 
 def fill_bucket(bkt: _bucket.Bucket, items: list, flat: torch.Tensor, scratch: Scratch,
           dst: int | None = None) -> None:
+    """Bucket ``bkt`` into ``flat``: the padding zeroed in one op, the tensors held whole copied
+    (cast included) in one fused copy (`bucket.copy_many`), the sharded ones gathered straight
+    into their places. A tensor that must be materialized (``full_tensor()``) is copied as soon
+    as it exists, so no more than one such temporary is alive at a time."""
     pending: dict[int, tuple[Any, list]] = {}
-    prev = 0
+    dsts, srcs = [], []
     with torch.no_grad():
-        for entry, it in zip(bkt.entries, items):
-            if entry.start > prev:
-                flat[prev:entry.start].zero_()
-            prev = entry.end
+        _bucket.zero_gaps(flat, bkt.entries, bkt.nbytes)
+        views = _bucket.entry_views(flat, bkt)
+        for entry, it, view in zip(bkt.entries, items, views):
             if it.pieces is not None:
                 pending.setdefault(id(it.pieces.group), (it.pieces.group, []))[1].append(
                     (entry, it.pieces))
-            elif it.full is not None:   # one copy, cast included
-                flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(it.full)
+            elif it.full is not None:   # the fused copy below, cast included
+                dsts.append(view)
+                srcs.append(it.full)
             else:
-                t = materialize(it, entry.dtype)
-                flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(t)
-        if bkt.nbytes > prev:
-            flat[prev:bkt.nbytes].zero_()
+                view.copy_(materialize(it, entry.dtype))
+        _bucket.copy_many(dsts, srcs)
+        del dsts, srcs
         for group, pairs in pending.values():
             gather_bucketed(group, pairs, flat, scratch, dst)
 
@@ -329,22 +345,22 @@ def fill_shared(host: HostShared, bkt: _bucket.Bucket, items: list) -> torch.Ten
     me = host.me
 
     def write() -> None:
-        prev = 0
+        if me == 0:
+            _bucket.zero_gaps(flat, bkt.entries, bkt.nbytes)
+        dsts, srcs = [], []       # one fused copy (`bucket.copy_many`) of every piece this rank writes
         for entry, it in zip(bkt.entries, items):
-            if me == 0 and entry.start > prev:
-                flat[prev:entry.start].zero_()
-            prev = entry.end
             p = it.pieces
             if p is None:
                 if me == 0:         # replicated on every rank: rank 0 writes it
-                    flat[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(it.full)
+                    dsts.append(flat[entry.start:entry.end].view(entry.dtype).view(entry.shape))
+                    srcs.append(it.full)
                 continue
             n = p.counts[me] * entry.dtype.itemsize
-            if n:                # copy_ casts: the shard is cast on its way in
+            if n:                # the copy casts: the shard is cast on its way in
                 lo = entry.start + sum(p.counts[:me]) * entry.dtype.itemsize
-                flat[lo:lo + n].view(entry.dtype).copy_(p.local.reshape(-1))
-        if me == 0 and bkt.nbytes > prev:
-            flat[prev:bkt.nbytes].zero_()
+                dsts.append(flat[lo:lo + n].view(entry.dtype))
+                srcs.append(p.local.reshape(-1))
+        _bucket.copy_many(dsts, srcs)
 
     host.fill(write)
     return flat

@@ -146,14 +146,9 @@ class StreamQuantizer:
             raise ValueError(f"alloc({out.nbytes}) must return a 1-D uint8 tensor of at least that many bytes")
         dst = dst[:out.nbytes]
         places = {e.name: e for e in out.entries}
-        with torch.no_grad():
-            prev = 0
-            for e in sorted(out.entries, key=lambda e: e.start):    # zero the padding: bytes are hashed
-                if e.start > prev:
-                    dst[prev:e.start].zero_()
-                prev = e.end
-            if out.nbytes > prev:
-                dst[prev:out.nbytes].zero_()
+        with torch.no_grad():   # zero the padding: bytes are hashed
+            _bucket.zero_gaps(dst, sorted(out.entries, key=lambda e: e.start), out.nbytes)
+            dsts, srcs = [], []         # the tensors passed through unquantized: one fused copy
             for src, (name, t) in zip(bkt.entries, _bucket.unflatten(flat, bkt.entries)):
                 if name in quantized:
                     q, s = fp8.quantize_block(name, t.to(dst.device), self.block)
@@ -162,7 +157,9 @@ class StreamQuantizer:
                     self.tensors += 1
                 else:
                     e = places[name]
-                    dst[e.start:e.end].copy_(flat[src.start:src.end])
+                    dsts.append(dst[e.start:e.end])
+                    srcs.append(flat[src.start:src.end])
+            _bucket.copy_many(dsts, srcs)
         self.bytes_in += bkt.payload_bytes
         self.bytes_out += out.payload_bytes
         self.seconds += time.perf_counter() - t0

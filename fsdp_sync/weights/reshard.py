@@ -269,17 +269,13 @@ def _param2d(flat: torch.Tensor, e: _bucket.BucketEntry) -> torch.Tensor:
 
 
 def _zero_gaps(flat: torch.Tensor, bkt: _bucket.Bucket, layout: TPLayout, rank: int) -> None:
-    """Alignment padding between entries and the vocab padding rows: nobody else writes them."""
-    prev = 0
+    """Alignment padding between entries and the vocab padding rows: nobody else writes them
+    (one fused zero for the gaps, one ``zero_`` per padded parameter)."""
+    _bucket.zero_gaps(flat, bkt.entries, bkt.nbytes)
     for e in bkt.entries:
-        if e.start > prev:
-            flat[prev:e.start].zero_()
-        prev = e.end
         pad = layout.padding(e.name, rank)
         if pad is not None:
             _param2d(flat, e)[pad[0]].zero_()
-    if bkt.nbytes > prev:
-        flat[prev:bkt.nbytes].zero_()
 
 
 # --------------------------------------------------------------------------- the stream
@@ -418,6 +414,7 @@ def _source(it: Any, index: int, world: int, me: int, dtype: torch.dtype, stats:
 def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[int, torch.Tensor],
                  me: int, stats: ReshardStats) -> None:
     views: dict[tuple[int, str], torch.Tensor] = {}     # one 2-D view per engine parameter
+    dsts, srcs = [], []
     with torch.no_grad():
         for t in tasks:
             if t.holder == me and t.engine_rank in buffers:
@@ -425,8 +422,10 @@ def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[
                 p2d = views.get(key)
                 if p2d is None:
                     p2d = views[key] = _param2d(buffers[t.engine_rank], t.entry)
-                t.block.dst(p2d).copy_(t.block.src(sources[t.name].local))
+                dsts.append(t.block.dst(p2d))
+                srcs.append(t.block.src(sources[t.name].local))
                 stats.bytes_written += t.block.numel * t.entry.dtype.itemsize
+        _bucket.copy_many(dsts, srcs)     # one fused copy for the bucket, not one per block
 
 
 def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources: dict[str, _Source],
@@ -454,6 +453,7 @@ def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     s_pos = [sum(send_sizes[:o]) for o in range(world)]
     with torch.no_grad():
+        dsts, srcs = [], []           # one fused copy for the packing, one for the unpacking
         for t in tasks:
             if t.holder != me:
                 continue
@@ -461,22 +461,27 @@ def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources
             nb = t.block.numel * itemsize
             for o in owners[t.engine_rank]:
                 if o == me:
-                    t.block.dst(_param2d(buffers[t.engine_rank], t.entry)).copy_(src)
+                    dsts.append(t.block.dst(_param2d(buffers[t.engine_rank], t.entry)))
                     stats.bytes_written += nb
                 else:
-                    send[s_pos[o]:s_pos[o] + nb].view(t.entry.dtype).view(src.shape).copy_(src)
+                    dsts.append(send[s_pos[o]:s_pos[o] + nb].view(t.entry.dtype).view(src.shape))
                     s_pos[o] += nb
+                srcs.append(src)
+        _bucket.copy_many(dsts, srcs)
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
         r_pos = [sum(recv_sizes[:t]) for t in range(world)]
+        dsts, srcs = [], []
         for t in tasks:
             if t.holder == me or me not in owners[t.engine_rank]:
                 continue
             nb = t.block.numel * itemsize
             piece = recv[r_pos[t.holder]:r_pos[t.holder] + nb].view(t.entry.dtype)
             dst = t.block.dst(_param2d(buffers[t.engine_rank], t.entry))
-            dst.copy_(piece.view(dst.shape))
+            dsts.append(dst)
+            srcs.append(piece.view(dst.shape))
             r_pos[t.holder] += nb
             stats.bytes_written += nb
+        _bucket.copy_many(dsts, srcs)
     stats.bytes_in += sum(recv_sizes)
     stats.bytes_out += sum(send_sizes)
     return buffers

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ...weights import handles
+from ...weights.bucket import copy_many
 from ...wire import open_flattened_bucket
 from .errors import KIND_STATE, KIND_UPDATE, WorkerError
 from .quant import dtype_refusal, scale_refusal
@@ -368,12 +369,18 @@ class UpdateStager:
     def _apply(self, writes: list[Write]) -> None:
         self._files_unchanged()
         params = self.w.model.params
+        dsts, srcs = [], []     # the tensors: one fused copy (`bucket.copy_many`), not one each
         for w in writes:
             if w.engine:
-                if isinstance(w.src, torch.Tensor):
-                    params[w.engine][w.dst].copy_(w.src)
-                else:                               # a checked file's tensor (`FileTensor`)
-                    w.src.read_into(params[w.engine][w.dst])
+                dst = params[w.engine][w.dst]
+                if not isinstance(w.src, torch.Tensor):     # a checked file's tensor (`FileTensor`)
+                    w.src.read_into(dst)
+                elif dst.shape == w.src.shape:
+                    dsts.append(dst)
+                    srcs.append(w.src)
+                else:
+                    dst.copy_(w.src)
+        copy_many(dsts, srcs)
 
     def _files_unchanged(self) -> None:
         """Before a weight changes: every checked file is still the one that was hashed."""
