@@ -42,9 +42,14 @@ already set are read through `SyncConfig.from_verl`: bucket megabytes, ``free_ca
 and release only when set, as verl does) and ``dtype`` (tensors are cast to it before they are
 flattened). ``param_offload`` stays verl's: its worker offloads the actor after ``update_weights``.
 
+Where verl's FSDP engine hands its module along (`module_stream`: wrapped when a run opts in) and
+fsdp_sync's export would send exactly what verl's stream would, every rank agreeing, the buckets
+come from fsdp_sync's own export of the module (`weights.export.iter_buckets`: a gather per
+bucket, or none through a host-shared buffer) instead of verl's one ``full_tensor()`` per
+parameter; the sync's ``export`` figure says which ran.
+
 Not here: LoRA adapters and verl's delta checkpoint wire (refused with an error when opted in),
-prefill/decode disaggregation, starting SGLang (verl's Ray actors do), and the export itself
-(verl's FSDP engine; see docs/verl.md for why it is not replaced).
+prefill/decode disaggregation, starting SGLang (verl's Ray actors do).
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ from ...verify import sent_record
 from ...wire import flattened_bucket
 from .. import peer_check
 from . import metrics as step_metrics
+from .. import module_stream
 from .replica import ROLLOUT_NAME, server_name
 from .stream import BucketBuffer, pulled_in_a_thread, timed
 
@@ -208,6 +214,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         refusal = lora_refusal(self.model_config)
         if refusal:
             raise NotImplementedError(refusal)
+        module_stream.install()   # verl's FSDP engine hands its module along (`module_stream`)
         opts = _options(self.config)
         self.sync = sync_config(self.config)
         self.base_url = opts.get("base_url")
@@ -314,11 +321,11 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                             "tensors", "buckets", "engine_calls", "gbps", "verify_tensors",
                             "verify_s")}
         if engine is not None:
-            log.info("fsdp_sync verl sync (step %s): %.3f s (verl's export %.3f, packing %.3f, "
+            log.info("fsdp_sync verl sync (step %s): %.3f s (%s's export %.3f, packing %.3f, "
                      "hashing %.3f, handles + gather + engine %.3f), %.1f MiB in %d tensors, "
                      "%d buckets, %d engine calls (%s)%s", global_steps, stats["sync_s"],
-                     stats["export_s"], stats["pack_s"], stats["digest_s"], stats["transport_s"],
-                     stats["bytes"] / 2**20, stats["tensors"], stats["buckets"],
+                     stats["export"], stats["export_s"], stats["pack_s"], stats["digest_s"],
+                     stats["transport_s"], stats["bytes"] / 2**20, stats["tensors"], stats["buckets"],
                      stats["engine_calls"], stats["strategy"],
                      f", verify {stats['verify']}: {stats['verify_tensors']} tensors equal in "
                      f"{stats['verify_s']:.3f} s" if stats.get("verify_tensors") else "")
@@ -369,14 +376,20 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             figures.update(more)
             return err
 
-        phases = {"export_s": 0.0, "pack_s": 0.0}
-        stream = timed(weights, phases)
-        quant = self._quantizer(topo) if cfg.quantization is not None else None
-        if quant is not None:      # rollout.quantization: block FP8, after the cast, tensor by tensor
-            stream = quant.named((n, self._cast(t) if n in quant.hf else t) for n, t in stream)
-        steps = (self._flattened_calls if cfg.strategy == "flattened"
-                 else self._per_tensor_handle_calls)(stream, topo, counted)
         t0 = time.perf_counter()
+        phases = {"export_s": 0.0, "pack_s": 0.0}
+        # fsdp_sync's bucketed export from verl's FSDP module where it sends exactly what verl's
+        # stream would (agreed by every rank), else verl's generator (`module_stream`)
+        steps = module_stream.calls(weights, cfg, topo, counted, phases, self._prepare,
+                                    quantized=cfg.quantization is not None)
+        exported_by = module_stream.EXPORT_VERL if steps is None else module_stream.EXPORT_MODULE
+        quant = self._quantizer(topo) if cfg.quantization is not None else None
+        if steps is None:
+            stream = timed(weights, phases)
+            if quant is not None:  # rollout.quantization: block FP8, after the cast, tensor by tensor
+                stream = quant.named((n, self._cast(t) if n in quant.hf else t) for n, t in stream)
+            steps = (self._flattened_calls if cfg.strategy == "flattened"
+                     else self._per_tensor_handle_calls)(stream, topo, counted)
         try:
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
                                       group=topo.tp_group, what="fsdp_sync verl sync",
@@ -394,7 +407,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         phases["digest_s"] = self._digest_s
         phases["transport_s"] = max(0.0, sync_s - phases["export_s"] - phases["pack_s"]
                                     - phases["digest_s"])
-        out = {"strategy": cfg.strategy, "sync_s": sync_s, **phases, "bytes": counted.bytes,
+        out = {"strategy": cfg.strategy, "export": exported_by, "sync_s": sync_s, **phases,
+               "bytes": counted.bytes,
                "tensors": counted.tensors, "buckets": counted.buckets,
                "engine_calls": counted.engine_calls, "bucket_bytes": cfg.bucket_bytes,
                "gbps": counted.bytes / sync_s / 1e9 if sync_s else 0.0, **figures}
