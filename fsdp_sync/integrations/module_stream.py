@@ -24,8 +24,8 @@ nothing. That needs the module, which verl keeps to itself: the rollout adapter 
   ``module.state_dict()``); and none of these may be on: LoRA (adapters or merged), FSDP1, verl's
   parameter offload (its FSDP2 CPU-offload policy included), QAT, the rollout's FP8 quantization,
   a strategy other than ``flattened``. Each rank decides alone, then every rank of the world learns
-  every rank's answer (one ``all_gather_object``, before any collective of either export), so all
-  take the same path; why the fast path was not taken is logged once per reason on infer-TP rank 0.
+  whether any refused (one all-reduce, before any collective of either export; the reasons travel
+  only then), so all take the same path; why the fast path was not taken is logged once per reason on infer-TP rank 0.
 
 What fsdp_sync's export changes against verl's is only how the bytes are gathered: the same
 shards, cast to the rollout dtype before the gather (bit for bit the cast of the full tensor),
@@ -229,8 +229,13 @@ def agreed(reason: str | None, group: Any = None) -> str | None:
     else the same text everywhere, naming the first rank that refused."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return reason
+    group = cpu_group(group)
+    flag = torch.tensor([0 if reason is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag, group=group)          # one small all-reduce when every rank agrees
+    if int(flag.item()) == 0:
+        return None
     answers: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(answers, reason, group=cpu_group(group))
+    dist.all_gather_object(answers, reason, group=group)
     for rank, why in enumerate(answers):
         if why is not None:
             return f"rank {rank}: {why}"
