@@ -25,12 +25,13 @@ nothing. That needs the module, which verl keeps to itself: the rollout adapter 
   parameter offload (its FSDP2 CPU-offload policy included), QAT, the rollout's FP8 quantization,
   a strategy other than ``flattened``. Each rank decides alone, then every rank of the world learns
   whether any refused (one all-reduce, before any collective of either export; the reasons travel
-  only then), so all take the same path; why the fast path was not taken is logged once per reason on infer-TP rank 0.
+  only then), so all take the same path; why the fast path was not taken is logged once per
+  reason on infer-TP rank 0.
 
 What fsdp_sync's export changes against verl's is only how the bytes are gathered: the same
 shards, cast to the rollout dtype before the gather (bit for bit the cast of the full tensor),
-in the same order under the same names, in buckets of ``bucket_bytes`` laid out as the adapter's
-own flattened buckets are. Tied weights are an example of a difference that falls back: verl sends
+in the same order under the same names, sent as the same wire (flattened buckets of at most
+``bucket_bytes``, one engine call each). Tied weights are an example of a difference that falls back: verl sends
 ``lm_head.weight`` and ``model.embed_tokens.weight`` both, fsdp_sync's export the first only.
 
 Not here: the send loop, verify, the figures (`verl.adapter`, `transport.tensor`); the export
