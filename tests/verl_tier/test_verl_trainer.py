@@ -196,9 +196,9 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
     assert not listening, f"port {port} (serve) still listened on: {listening}"
     left_shm = _orphaned(set(os.listdir("/dev/shm")) - shm_before)
     if left_shm:
-        # other jobs on a shared machine make segments too (a multiprocessing semaphore exists
-        # unheld for a moment between sem_open and its children's mapping): a leftover of this
-        # run is still there, still unheld, a few seconds later
+        # other jobs on a shared machine make segments too, and one may be unheld for a moment
+        # while its processes start or stop: a leftover of this run is still there, still
+        # unheld, a few seconds later
         time.sleep(5)
         left_shm = sorted(set(left_shm) & set(_orphaned(set(left_shm))))
     assert not left_shm, f"shared-memory segments left behind: {left_shm}"
