@@ -18,6 +18,12 @@ after one warm-up sync each:
   algorithm is run by the adapter.
 - ``per_tensor``: the older verl sharding manager's loop: one handle and one call per tensor.
 
+``--stream module``: the generator comes as verl's engine hands it once fsdp_sync's plug-in is on
+(`fsdp_sync.integrations.module_stream.ModuleStream`: the generator plus the FSDP module), so the
+adapter exports from the module with fsdp_sync's bucketed export where that is exact (the
+``flattened`` strategy only; the others walk the generator). ``--stream verl`` (default): the bare
+generator, verl's per-tensor export.
+
 Not a test: figures only (JSON), no asserts beyond the bit-exact check of the last sync.
 """
 
@@ -42,7 +48,8 @@ def _generator(module):
     return ((n, p.full_tensor() if isinstance(p, DTensor) else p) for n, p in params.items())
 
 
-def _ranks(rank: int, world: int, rollout_cfg: dict, plan: list[str], model_name: str):
+def _ranks(rank: int, world: int, rollout_cfg: dict, plan: list[str], model_name: str,
+           stream: str = "verl"):
     import verl  # noqa: F401  (loads the plug-in)
     from omegaconf import OmegaConf
     from torch.distributed.device_mesh import init_device_mesh
@@ -68,7 +75,12 @@ def _ranks(rank: int, world: int, rollout_cfg: dict, plan: list[str], model_name
 
         async def one():
             await rollout.resume(tags=["weights"])
-            await rollout.update_weights(_generator(model), global_steps=i)
+            weights = _generator(model)
+            if stream == "module":
+                from fsdp_sync.integrations.module_stream import ModuleStream
+
+                weights = ModuleStream(weights, model)
+            await rollout.update_weights(weights, global_steps=i)
             await asyncio.to_thread(dist.barrier)
             await rollout.resume(tags=["kv_cache"])
 
@@ -88,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--strategies", default="flattened,bucketed,per_tensor")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--stream", choices=("verl", "module"), default="verl",
+                    help="verl: the bare generator; module: with the FSDP module (see above)")
     args = ap.parse_args(argv)
 
     from omegaconf import OmegaConf
@@ -113,7 +127,7 @@ def main(argv=None) -> int:
         rollout = OmegaConf.to_container(verl_rollout, resolve=True)
         rollout["custom"] = {"fsdp_sync": {"enable": True, "base_url": server.url,
                                            "bucket_mb": args.bucket_mb, "memory_probe": "off"}}
-        results = run_ranks(_ranks, 2, rollout, plan, args.model, timeout_s=1800)
+        results = run_ranks(_ranks, 2, rollout, plan, args.model, args.stream, timeout_s=1800)
         exact = engine.weights_checksum() == results[0]["checksum"]
         calls = dict(server.hits)
     rows = results[0]["rows"]
@@ -122,16 +136,21 @@ def main(argv=None) -> int:
         timed = [r for r in rows[len(strategies):] if r["strategy"] == s]
         summary[s] = {"sync_s_median": statistics.median(r["sync_s"] for r in timed),
                       "sync_s_all": [round(r["sync_s"], 4) for r in timed],
+                      "export_s_median": statistics.median(r["export_s"] for r in timed),
+                      "export": timed[0].get("export"),
                       "engine_calls": timed[0]["engine_calls"], "tensors": timed[0]["tensors"],
                       "bytes": timed[0]["bytes"]}
-    out = {"model": args.model, "bucket_mb": args.bucket_mb, "repeats": args.repeats,
+    out = {"model": args.model, "stream": args.stream, "bucket_mb": args.bucket_mb,
+           "repeats": args.repeats,
            "trainer_ranks": 2, "engine_tp": 2, "transport": "HTTP (fsdp-sync serve) + CPU shm",
            "last_sync_bit_exact": exact, "http_requests": calls, "strategies": summary,
            "wall_s": time.perf_counter() - t0, "torch": torch.__version__,
            "verl": __import__("verl").__version__}
-    print(f"{'strategy':>10} {'sync s (median)':>16} {'engine calls':>13} {'tensors':>8} {'MiB':>8}")
+    print(f"{'strategy':>10} {'export':>9} {'sync s (median)':>16} {'of it export':>13} "
+          f"{'engine calls':>13} {'tensors':>8} {'MiB':>8}")
     for s, v in summary.items():
-        print(f"{s:>10} {v['sync_s_median']:16.3f} {v['engine_calls']:13d} {v['tensors']:8d} "
+        print(f"{s:>10} {v['export'] or '-':>9} {v['sync_s_median']:16.3f} "
+              f"{v['export_s_median']:13.3f} {v['engine_calls']:13d} {v['tensors']:8d} "
               f"{v['bytes'] / 2**20:8.1f}")
     print(f"last sync bit-exact: {exact}")
     if args.json:

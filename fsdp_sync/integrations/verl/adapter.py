@@ -53,9 +53,14 @@ with peft's ``.base_layer.`` dropped from their names. ``base_sync_done=True``: 
 (``sleep_level`` 1, as verl's). What cannot be done exactly is refused when the adapter is built,
 naming verl's key (`verl_lora.refusal`). Merged LoRA (``lora.merge=true``) is a full sync.
 
+Where verl's FSDP engine hands its module along (`module_stream`: wrapped when a run opts in) and
+fsdp_sync's export would send exactly what verl's stream would, every rank agreeing, the buckets
+come from fsdp_sync's own export of the module (`weights.export.iter_buckets`: a gather per
+bucket, or none through a host-shared buffer) instead of verl's one ``full_tensor()`` per
+parameter (LoRA streams keep verl's); the sync's ``export`` figure says which ran.
+
 Not here: verl's delta checkpoint wire (refused with an error when opted in), prefill/decode
-disaggregation, starting SGLang (verl's Ray actors do), and the export itself (verl's FSDP engine;
-see docs/verl.md for why it is not replaced).
+disaggregation, starting SGLang (verl's Ray actors do).
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ from ...transport import SyncStats
 from ...transport.tensor import Call, TensorTransport
 from ...verify import sent_record
 from ...wire import flattened_bucket
-from .. import peer_check, verl_lora
+from .. import module_stream, peer_check, verl_lora
 from . import metrics as step_metrics
 from .replica import ROLLOUT_NAME, server_name
 from .stream import BucketBuffer, pulled_in_a_thread, timed
@@ -193,6 +198,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             raise NotImplementedError(f"fsdp_sync's verl adapter: {refusal}")
         # LoRA served as an adapter (verl_lora): the base stays in the engine between syncs
         self.lora = verl_lora.served_as_adapter(self.model_config)
+        module_stream.install()   # verl's FSDP engine hands its module along (`module_stream`)
         opts = _options(self.config)
         self.sync = sync_config(self.config)
         self.base_url = opts.get("base_url")
@@ -308,11 +314,12 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                             "tensors", "buckets", "engine_calls", "gbps", "verify_tensors",
                             "verify_s")}
         if engine is not None:
-            log.info("fsdp_sync verl %ssync (step %s): %.3f s (verl's export %.3f, packing %.3f, "
+            log.info("fsdp_sync verl %ssync (step %s): %.3f s (%s's export %.3f, packing %.3f, "
                      "hashing %.3f, handles + gather + engine %.3f), %s in %d tensors, "
                      "%d buckets, %d engine calls (%s)%s",
                      "" if stats["kind"] == "full" else stats["kind"] + " ", global_steps, stats["sync_s"],
-                     stats["export_s"], stats["pack_s"], stats["digest_s"], stats["transport_s"],
+                     stats.get("export", "verl"), stats["export_s"], stats["pack_s"], stats["digest_s"],
+                     stats["transport_s"],
                      f"{stats['bytes'] / 2**20:.1f} MiB" if stats["bytes"] >= 2**20 / 10 else
                      f"{stats['bytes'] / 2**10:.1f} KiB", stats["tensors"], stats["buckets"],
                      stats["engine_calls"], stats["strategy"],
@@ -365,14 +372,20 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             figures.update(more)
             return err
 
-        phases = {"export_s": 0.0, "pack_s": 0.0}
-        stream = timed(weights, phases)
-        quant = self._quantizer(topo) if cfg.quantization is not None else None
-        if quant is not None:      # rollout.quantization: block FP8, after the cast, tensor by tensor
-            stream = quant.named((n, self._cast(t) if n in quant.hf else t) for n, t in stream)
-        steps = (self._flattened_calls if cfg.strategy == "flattened"
-                 else self._per_tensor_handle_calls)(stream, topo, counted)
         t0 = time.perf_counter()
+        phases = {"export_s": 0.0, "pack_s": 0.0}
+        # fsdp_sync's bucketed export from verl's FSDP module where it sends exactly what verl's
+        # stream would (agreed by every rank), else verl's generator (`module_stream`)
+        steps = module_stream.calls(weights, cfg, topo, counted, phases, self._prepare,
+                                    quantized=cfg.quantization is not None)
+        exported_by = module_stream.EXPORT_VERL if steps is None else module_stream.EXPORT_MODULE
+        quant = self._quantizer(topo) if cfg.quantization is not None else None
+        if steps is None:
+            stream = timed(weights, phases)
+            if quant is not None:  # rollout.quantization: block FP8, after the cast, tensor by tensor
+                stream = quant.named((n, self._cast(t) if n in quant.hf else t) for n, t in stream)
+            steps = (self._flattened_calls if cfg.strategy == "flattened"
+                     else self._per_tensor_handle_calls)(stream, topo, counted)
         try:
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
                                       group=topo.tp_group, what="fsdp_sync verl sync",
@@ -390,7 +403,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         phases["digest_s"] = self._digest_s
         phases["transport_s"] = max(0.0, sync_s - phases["export_s"] - phases["pack_s"]
                                     - phases["digest_s"])
-        out = {"strategy": cfg.strategy, "sync_s": sync_s, **phases, "bytes": counted.bytes,
+        out = {"strategy": cfg.strategy, "export": exported_by, "sync_s": sync_s, **phases,
+               "bytes": counted.bytes,
                "tensors": counted.tensors, "buckets": counted.buckets,
                "engine_calls": counted.engine_calls, "bucket_bytes": cfg.bucket_bytes,
                "gbps": counted.bytes / sync_s / 1e9 if sync_s else 0.0, **figures}

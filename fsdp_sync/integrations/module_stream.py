@@ -1,0 +1,332 @@
+"""verl's weight stream with its FSDP module: fsdp_sync's own bucketed export where it is exact.
+
+verl's FSDP engine exports for the rollout with one ``full_tensor()`` per parameter
+(``FSDPEngine.get_per_tensor_param``): 219 all-gathers for a 219-tensor model, about half of a
+sync's seconds in verl's loop (docs/verl.md). fsdp_sync's own export (`weights.export.iter_buckets`,
+the manager's path) gathers a bucket at a time, or, where the FSDP group shares one host and the
+shards are CPU tensors, has each rank write its shards into one host-shared buffer and gathers
+nothing. That needs the module, which verl keeps to itself: the rollout adapter gets a generator.
+
+- `install` (called by `SGLangAdapter` when a run opts in, in the worker process that holds both
+  verl's engine and the adapter) wraps ``FSDPEngine.get_per_tensor_param``: what it returns is
+  unchanged except that a full-weight stream (no LoRA ``peft_config``) comes as a `ModuleStream`,
+  an iterator over verl's own generator, same items in the same order, that also carries the FSDP
+  module, the flags verl called with, and what decides verl's names (its key conversion and MoE
+  unfusing). Every other consumer of the stream (verl's checkpoint engines) iterates it as before.
+  Engines that override ``get_per_tensor_param`` (veomni, Megatron, ...) are not wrapped.
+- `calls` (the adapter's hook, at every sync): given a `ModuleStream`, decides on every rank whether
+  fsdp_sync's export may replace verl's generator, and if so returns the sync's engine calls
+  (`transport.tensor.Call`, one flattened bucket per call) made from `export.iter_buckets`; else
+  None, and the adapter walks verl's generator as before. The decision is exact or nothing: the
+  names, shapes and dtypes fsdp_sync's export would send (`export.param_metas`) must equal, in
+  order, what verl's stream would send after the adapter's cast, computed without moving data
+  (verl's own ``convert_weight_keys`` and ``unfuse_moe_params`` run over meta tensors of
+  ``module.state_dict()``); and none of these may be on: LoRA (adapters or merged), FSDP1, verl's
+  parameter offload (its FSDP2 CPU-offload policy included), QAT, the rollout's FP8 quantization,
+  a strategy other than ``flattened``. Each rank decides alone, then every rank of the world learns
+  whether any refused (one all-reduce, before any collective of either export; the reasons travel
+  only then), so all take the same path; why the fast path was not taken is logged once per
+  reason on infer-TP rank 0.
+
+What fsdp_sync's export changes against verl's is only how the bytes are gathered: the same
+shards, cast to the rollout dtype before the gather (bit for bit the cast of the full tensor),
+in the same order under the same names, sent as the same wire (flattened buckets of at most
+``bucket_bytes``, one engine call each). Tied weights are an example of a difference that falls back: verl sends
+``lm_head.weight`` and ``model.embed_tokens.weight`` both, fsdp_sync's export the first only.
+
+Not here: the send loop, verify, the figures (`verl.adapter`, `transport.tensor`); the export
+itself (`weights.export`). Imports verl only inside `install` and `uninstall`, so it sits beside
+`peer_check` rather than in ``integrations/verl`` (whose package imports verl): the default tier
+tests it with a verl-like stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..topology import cpu_group
+from ..transport import SyncStats
+from ..transport.tensor import Call
+from ..weights import export, handles
+from ..weights.bucket import SUPPORTED_DTYPES, TensorMeta, dtype_name, plan_buckets
+from ..wire import flattened_bucket
+
+__all__ = ["ModuleStream", "install", "uninstall", "verl_metas", "refusal", "agreed", "calls",
+           "EXPORT_MODULE", "EXPORT_VERL"]
+
+log = logging.getLogger("fsdp_sync.verl")
+
+EXPORT_MODULE = "fsdp_sync"
+"""The sync's ``export`` figure when fsdp_sync's export ran from verl's module."""
+EXPORT_VERL = "verl"
+"""... and when the adapter walked verl's generator."""
+
+_WRAPPED = "_fsdp_sync_module_stream"
+_logged: set[str] = set()
+
+
+class ModuleStream:
+    """verl's ``(name, tensor)`` stream, unchanged, plus what made it.
+
+    An iterator over ``items`` (verl's generator: nothing is pulled until it is iterated) with:
+    ``module`` (verl's FSDP module), ``flags`` (the keyword arguments verl called
+    ``get_per_tensor_param`` with), ``peft`` (the module is a peft model: LoRA adapters or merged),
+    ``fsdp_version``, ``param_offload`` (verl offloads parameters, or FSDP2's CPU-offload policy owns
+    them), ``qat``, ``convert`` (state dict -> state dict under verl's names: verl's
+    ``convert_weight_keys`` on the module) and ``unfuse`` (``(name, tensor)`` iterable -> verl's
+    per-expert items: ``unfuse_moe_params`` for the model type); the last two default to identity."""
+
+    def __init__(self, items: Iterable, module: torch.nn.Module, *, flags: dict | None = None,
+                 peft: bool = False, fsdp_version: int = 2, param_offload: bool = False,
+                 qat: bool = False, convert: Callable[[dict], dict] | None = None,
+                 unfuse: Callable[[Iterable], Iterable] | None = None) -> None:
+        self._items = iter(items)
+        self.module = module
+        self.flags = dict(flags or {})
+        self.peft, self.fsdp_version = peft, fsdp_version
+        self.param_offload, self.qat = param_offload, qat
+        self.convert, self.unfuse = convert, unfuse
+
+    def __iter__(self) -> "ModuleStream":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._items)
+
+    def close(self) -> None:
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
+
+
+# --------------------------------------------------------------------------- verl's side
+
+def _wrap(engine: Any, items: Any, flags: dict, impl: Any) -> ModuleStream:
+    module = engine.module
+    inner = getattr(module, "_fsdp_wrapped_module", module)
+    hf = getattr(getattr(engine, "model_config", None), "hf_config", None)
+    model_type = getattr(hf, "model_type", None)
+    return ModuleStream(
+        items, module, flags=flags, peft=hasattr(inner, "peft_config"),
+        fsdp_version=int(impl.fsdp_version(module)),
+        param_offload=bool(getattr(engine, "_is_offload_param", False)
+                           or getattr(engine, "_uses_fsdp2_cpu_offload_policy", False)),
+        qat=bool(getattr(engine, "_qat_enabled", False)),
+        convert=lambda sd: impl.convert_weight_keys(sd, inner),
+        unfuse=lambda pairs: impl.unfuse_moe_params(pairs, model_type))
+
+
+def install() -> bool:
+    """Wrap verl's ``FSDPEngine.get_per_tensor_param`` in this process (idempotent): a full-weight
+    stream comes as a `ModuleStream`. False (logged once) where verl's FSDP engine cannot be
+    imported; the adapter then always walks verl's generator."""
+    try:
+        from verl.workers.engine.fsdp import transformer_impl as impl
+    except Exception as exc:  # noqa: BLE001 - any import failure means: verl's generator only
+        _log_once(f"verl's FSDP engine is not importable ({type(exc).__name__}: {exc})", True)
+        return False
+    cls = impl.FSDPEngine
+    current = cls.__dict__.get("get_per_tensor_param")
+    if current is None or getattr(current, _WRAPPED, False):
+        return current is not None
+
+    @functools.wraps(current)
+    def get_per_tensor_param(self, *args: Any, **kwargs: Any):
+        items, peft_config = current(self, *args, **kwargs)
+        if peft_config is not None:     # LoRA adapters: verl's stream, untouched
+            return items, peft_config
+        flags = dict(kwargs, args=args) if args else dict(kwargs)
+        return _wrap(self, items, flags, impl), peft_config
+
+    setattr(get_per_tensor_param, _WRAPPED, True)
+    get_per_tensor_param.__wrapped__ = current
+    cls.get_per_tensor_param = get_per_tensor_param
+    return True
+
+
+def uninstall() -> None:
+    """Undo `install` in this process (tests)."""
+    try:
+        from verl.workers.engine.fsdp import transformer_impl as impl
+    except Exception:  # noqa: BLE001
+        return
+    current = impl.FSDPEngine.__dict__.get("get_per_tensor_param")
+    if current is not None and getattr(current, _WRAPPED, False):
+        impl.FSDPEngine.get_per_tensor_param = current.__wrapped__
+
+
+def verl_metas(stream: ModuleStream,
+               prepare: Callable[[str, torch.Tensor], torch.Tensor]) -> list[TensorMeta]:
+    """Name, dtype and shape of every tensor verl's stream yields, after ``prepare`` (the
+    adapter's cast), in order, without moving data: verl's own conversion over meta tensors of
+    ``module.state_dict()`` (which for FSDP2 holds DTensor references: no gather)."""
+    sd: dict[str, Any] = {}
+    for key, value in stream.module.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state-dict entry {key!r} is a {type(value).__name__}, not a tensor")
+        sd[key] = torch.empty(tuple(value.shape), dtype=value.dtype, device="meta")
+    if stream.convert is not None:
+        sd = stream.convert(sd)
+    pairs: Iterable = sd.items()
+    if stream.unfuse is not None:
+        pairs = stream.unfuse(pairs)
+    return [TensorMeta.of(name, prepare(name, t)) for name, t in pairs]
+
+
+def _first_difference(theirs: list[TensorMeta], ours: list[TensorMeta]) -> str:
+    def show(m: TensorMeta | None) -> str:
+        return "nothing" if m is None else f"{m.name!r} {dtype_name(m.dtype)} {tuple(m.shape)}"
+
+    for i in range(max(len(theirs), len(ours))):
+        a = theirs[i] if i < len(theirs) else None
+        b = ours[i] if i < len(ours) else None
+        if a is None or b is None or (a.name, a.dtype, tuple(a.shape)) != (b.name, b.dtype, tuple(b.shape)):
+            return (f"verl's stream sends {len(theirs)} tensors, fsdp_sync's export {len(ours)}; "
+                    f"tensor #{i}: verl {show(a)}, fsdp_sync {show(b)}")
+    return ""
+
+
+def refusal(stream: Any, sync: Any, prepare: Callable[[str, torch.Tensor], torch.Tensor], *,
+            quantized: bool = False) -> tuple[str | None, list[TensorMeta] | None]:
+    """This rank's answer, no collective: (why fsdp_sync's export may not replace ``stream``, or
+    None; the export's metas when it may). ``sync``: the adapter's `SyncConfig`; ``prepare``: the
+    adapter's per-tensor cast (it must take meta tensors)."""
+    if not isinstance(stream, ModuleStream):
+        return "verl's stream carries no FSDP module", None
+    if sync.strategy != "flattened":
+        return f"strategy={sync.strategy!r} (the module's export makes flattened buckets)", None
+    if quantized or getattr(sync, "quantization", None) is not None:
+        return "the rollout quantizes (quantization is applied to verl's stream)", None
+    if stream.peft:
+        return "the actor is a LoRA (peft) model", None
+    if stream.fsdp_version != 2:
+        return f"the actor is FSDP{stream.fsdp_version}, not FSDP2", None
+    if stream.param_offload:
+        return "verl offloads the actor's parameters (param_offload or FSDP2's CPU-offload policy)", None
+    if stream.qat:
+        return "QAT is on (verl quantizes its stream)", None
+    try:
+        ours = export.param_metas(stream.module, sync.dtype)
+        theirs = verl_metas(stream, prepare)
+    except Exception as exc:  # noqa: BLE001 - whatever it is: verl's generator instead
+        return f"the names could not be compared ({type(exc).__name__}: {exc})", None
+    diff = _first_difference(theirs, ours)
+    if diff:
+        return diff, None
+    bad = [m for m in ours if m.dtype not in SUPPORTED_DTYPES]
+    if bad:
+        return f"{bad[0].name!r} has dtype {dtype_name(bad[0].dtype)}, which buckets cannot hold", None
+    return None, ours
+
+
+def agreed(reason: str | None, group: Any = None) -> str | None:
+    """Collective over ``group`` (None: the world): None on every rank if every rank passed None,
+    else the same text everywhere, naming the first rank that refused."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return reason
+    group = cpu_group(group)
+    flag = torch.tensor([0 if reason is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag, group=group)          # one small all-reduce when every rank agrees
+    if int(flag.item()) == 0:
+        return None
+    answers: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(answers, reason, group=group)
+    for rank, why in enumerate(answers):
+        if why is not None:
+            return f"rank {rank}: {why}"
+    return None
+
+
+def _log_once(reason: str, loud: bool) -> None:
+    if reason in _logged:
+        return
+    _logged.add(reason)
+    (log.warning if loud else log.info)(
+        "fsdp_sync verl sync: walking verl's per-tensor export, not fsdp_sync's from the FSDP "
+        "module: %s", reason)
+
+
+class _OneBuffer:
+    """The one flat buffer every bucket of a sync reuses (when the export gathers): the send loop
+    releases a call before it asks for the next, which `take` checks."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes, self.device = nbytes, device
+        self.buf: torch.Tensor | None = None
+        self.busy = False
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.busy:
+            raise RuntimeError("the sync buffer is still in use by the previous bucket")
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None
+            self.buf = handles.empty_shared(max(nbytes, self.nbytes), self.device)
+        self.busy = True
+        return self.buf[:nbytes]
+
+    def give_back(self) -> None:
+        self.busy = False
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def calls(weights: Any, sync: Any, topo: Any, stats: SyncStats, phases: dict,
+          prepare: Callable[[str, torch.Tensor], torch.Tensor], *,
+          quantized: bool = False) -> Iterator[Call] | None:
+    """The adapter's hook: the sync's calls from fsdp_sync's export of ``weights.module``, or None
+    (every rank alike) where verl's generator must be walked. Collective over the world when
+    ``weights`` is a `ModuleStream` (every rank gets one: verl's engine is the same class on
+    each). ``prepare(name, tensor)`` is the adapter's per-tensor step: it decides verl's dtypes
+    (on meta tensors) and, on the fast path, records each sent tensor for verify (bucket views).
+    ``phases["export_s"]`` gets the seconds spent in the export."""
+    if not isinstance(weights, ModuleStream):
+        return None
+    t0 = time.perf_counter()
+    reason, metas = refusal(weights, sync, prepare, quantized=quantized)
+    reason = agreed(reason)
+    phases["export_s"] += time.perf_counter() - t0
+    if reason is not None:
+        if topo.is_tp_src:
+            _log_once(reason, False)
+        return None
+    weights.close()          # verl's generator: never pulled, nothing gathered
+    return _module_calls(weights.module, metas, sync, topo, stats, phases, prepare)
+
+
+def _module_calls(module: torch.nn.Module, metas: list[TensorMeta], sync: Any, topo: Any,
+                  stats: SyncStats, phases: dict,
+                  prepare: Callable[[str, torch.Tensor], torch.Tensor]) -> Iterator[Call]:
+    plan = plan_buckets(metas, sync.bucket_bytes)
+    buf = _OneBuffer(max((b.nbytes for b in plan), default=0), _device(module))
+    it = export.iter_buckets(module, sync.bucket_bytes, dtype=sync.dtype, alloc=buf.take,
+                             share_host_memory=sync.share_host_memory, plan=plan)
+    try:
+        for i in range(len(plan)):
+            t0 = time.perf_counter()
+            bucket, flat = next(it)
+            phases["export_s"] += time.perf_counter() - t0
+            for e in bucket.entries:         # verify's record (infer-TP rank 0), the cast a no-op
+                prepare(e.name, flat[e.start:e.end].view(e.dtype).view(e.shape))
+            obj = flattened_bucket(flat, bucket)
+            ps = handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=False,
+                                       output_str=True)
+            del obj, flat
+            stats.buckets += 1
+            stats.tensors += len(bucket.entries)
+            stats.bytes += bucket.payload_bytes
+            # one flush_cache after the last bucket (the adapter's update_weights)
+            yield Call([ps], ps.payloads[0], lambda g: g, "flattened_bucket", False,
+                       f"bucket {i} ({bucket.names[0]}…)", on_release=buf.give_back)
+    finally:
+        it.close()               # a host-shared buffer goes with the generator, not later
+        buf.buf = None
