@@ -19,7 +19,7 @@ def job(rank, world, model, bucket_mb):
 
     from fsdp_sync.weights import export, gather
     from fsdp_sync.cli.bench.floors import floor_seconds
-    from fsdp_sync.transport.tensor import _ReusedBuffer
+    from fsdp_sync.transport.tensor import ReusedBuffer
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.cli.trainer import wrap_fsdp
 
@@ -39,7 +39,7 @@ def job(rank, world, model, bucket_mb):
     for share in (False, True):
         times, waits = [], []
         for _ in range(4):
-            buf = _ReusedBuffer(0, torch.device("cpu"))
+            buf = ReusedBuffer(0, torch.device("cpu"))
             waited[0] = 0.0
             dist.barrier()
             t = time.perf_counter()

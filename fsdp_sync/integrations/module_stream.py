@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ..topology import cpu_group
 from ..transport import SyncStats
-from ..transport.tensor import Call
+from ..transport.tensor import Call, ReusedBuffer
 from ..weights import export, handles
 from ..weights.bucket import SUPPORTED_DTYPES, TensorMeta, dtype_name, plan_buckets
 from ..wire import flattened_bucket
@@ -252,28 +252,6 @@ def _log_once(reason: str, loud: bool) -> None:
         "module: %s", reason)
 
 
-class _OneBuffer:
-    """The one flat buffer every bucket of a sync reuses (when the export gathers): the send loop
-    releases a call before it asks for the next, which `take` checks."""
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.nbytes, self.device = nbytes, device
-        self.buf: torch.Tensor | None = None
-        self.busy = False
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        if self.busy:
-            raise RuntimeError("the sync buffer is still in use by the previous bucket")
-        if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = None
-            self.buf = handles.empty_shared(max(nbytes, self.nbytes), self.device)
-        self.busy = True
-        return self.buf[:nbytes]
-
-    def give_back(self) -> None:
-        self.busy = False
-
-
 def _device(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
@@ -307,7 +285,7 @@ def _module_calls(module: torch.nn.Module, metas: list[TensorMeta], sync: Any, t
                   stats: SyncStats, phases: dict,
                   prepare: Callable[[str, torch.Tensor], torch.Tensor]) -> Iterator[Call]:
     plan = plan_buckets(metas, sync.bucket_bytes)
-    buf = _OneBuffer(max((b.nbytes for b in plan), default=0), _device(module))
+    buf = ReusedBuffer(max((b.nbytes for b in plan), default=0), _device(module))
     it = export.iter_buckets(module, sync.bucket_bytes, dtype=sync.dtype, alloc=buf.take,
                              share_host_memory=sync.share_host_memory, plan=plan)
     try:

@@ -50,7 +50,7 @@ from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_t
 from ..wire import flattened_bucket
 from . import SyncContext, SyncStats
 
-__all__ = ["TensorTransport", "Call"]
+__all__ = ["TensorTransport", "Call", "ReusedBuffer"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -89,7 +89,7 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class _ReusedBuffer:
+class ReusedBuffer:
     """The one flat buffer every bucket of a sync reuses in turn (shared memory on CPU, device
     memory on CUDA), sized for the largest bucket. Fresh pages cost a fault (and on CPU a kernel
     zero-fill) each: a buffer per bucket paid that for the whole model on every sync, this pays it
@@ -459,10 +459,10 @@ class TensorTransport:
     def _steps_flattened(self, tagged: bool) -> Iterator[Call]:
         cfg, topo = self.config, self.topo
         plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
-        buffer = _ReusedBuffer(max((b.nbytes for b in plan), default=0), _module_device(self.module))
+        buffer = ReusedBuffer(max((b.nbytes for b in plan), default=0), _module_device(self.module))
         quant, release = self._quant, buffer.give_back
         if quant is not None:   # the gathered bucket is quantized into a buffer of its own
-            out = _ReusedBuffer(max((quant.plan(b).nbytes for b in plan), default=0), _module_device(self.module))
+            out = ReusedBuffer(max((quant.plan(b).nbytes for b in plan), default=0), _module_device(self.module))
             release = out.give_back
         it = export.iter_buckets(self.module, cfg.bucket_bytes, dtype=cfg.dtype,
                                  fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=buffer.take,
