@@ -156,7 +156,7 @@ def test_fleet_fault_cells(method, phase, fault, mode):
 
     cell = run_fleet_cell(FleetCell(method, phase, fault, mode), call_s=4.0, recv_s=4.0)
     assert cell.ok, cell.problems
-    assert cell.quarantine_s is not None and cell.quarantine_s < cell.sync_s
+    assert cell.quarantine_s is not None and cell.quarantine_s <= cell.sync_s   # within the sync (both rounded to 10 ms)
     survivors = "v0" if (phase, mode) == ("stage", "abort") else "v1"
     assert cell.replicas_after[0] == cell.replicas_after[2] == survivors
     assert cell.recovered and not cell.leftovers

@@ -156,7 +156,8 @@ def run_fleet_cell(cell: FleetCell, *, call_s: float = 6.0, recv_s: float = 6.0)
         for e in engines:
             e.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-        children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        children = [p for p in psutil.Process().children(recursive=True)
+                    if p.pid not in before and not _per_process_helper(p)]
         _, alive = psutil.wait_procs(children, timeout=5)
         cell.leftovers = [p.pid for p in alive]
         if alive:
@@ -188,3 +189,19 @@ def run_fleet_matrix(selected: list[FleetCell], *, progress: bool = True, on_cel
             if on_cell is not None:
                 on_cell(report())
     return report()
+
+
+# started once per process by multiprocessing and torch and kept for its life, by design (the
+# first cell of a process that starts engine workers through a forkserver starts them)
+_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker", "torch_shm_manager")
+
+
+def _per_process_helper(proc) -> bool:
+    import psutil
+
+    try:
+        cmd = " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return False        # gone already: wait_procs sees it gone
+    return any(h in cmd for h in _HELPERS)
+
