@@ -1,12 +1,16 @@
 """Test-wide rules: GPU tests skip cleanly without CUDA, and no test may leave behind a running
-child process or a new ``/dev/shm/torch_*`` shared-memory segment."""
+child process, a new ``/dev/shm/torch_*`` shared-memory segment or a new temporary file or
+directory (each test process gets a temporary directory of its own, ``TMPDIR`` for every child it
+starts, so what a test leaves there is its own)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import psutil
@@ -20,6 +24,17 @@ from _util import shm_segments  # noqa: E402
 # the suite runs dozens of small jobs, and each spawned rank would import them again
 os.environ.setdefault("FSDP_SYNC_RANKS_START", "forkserver")
 os.environ.setdefault("FSDP_SYNC_WORKERS_START", "forkserver")   # engine workers: see engines/reference/procs
+
+# One temporary directory per test process (xdist worker), inherited by everything it starts
+# (ranks, engine workers, torchrun, servers): a test's leftovers there are the test's own.
+# pytest's tmp_path stays where it was: sockets (AF_UNIX, 108 bytes) are made under test paths
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+_TMP_ROOT = tempfile.mkdtemp(prefix=f"fst_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_")
+os.environ["TMPDIR"] = _TMP_ROOT
+tempfile.tempdir = None   # gettempdir() reads TMPDIR again
+# what lives across tests by design: pytest's tmp_path root, multiprocessing's forkserver and
+# manager sockets (removed by their owner at exit), torch's compile cache
+_TMP_KEPT = ("pytest-of-", "pymp-", "torchinductor_")
 
 # Long-lived helpers that torch and multiprocessing start once per process, by design.
 _HELPERS = ("torch_shm_manager", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
@@ -67,6 +82,7 @@ def checked_for_leftovers():
     another directory's conftest module when the whole tree is collected)."""
     kids_before = set(_children())
     shm_before = shm_segments()
+    tmp_before = _tmp_entries()
     yield
     leftovers = [p for pid, p in _children().items() if pid not in kids_before]
     if leftovers:
@@ -80,7 +96,17 @@ def checked_for_leftovers():
         deadline = time.monotonic() + 5.0
         while (new_shm := shm_segments() - shm_before) and time.monotonic() < deadline:
             time.sleep(0.05)
+    new_tmp = _tmp_entries() - tmp_before
+    if new_tmp:   # a child's cleanup at exit may still be running
+        deadline = time.monotonic() + 3.0
+        while (new_tmp := _tmp_entries() - tmp_before) and time.monotonic() < deadline:
+            time.sleep(0.05)
     problems = []
+    if new_tmp:
+        for name in new_tmp:   # not blamed on the next test
+            path = os.path.join(_TMP_ROOT, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
+        problems.append(f"left {len(new_tmp)} temporary file(s)/dir(s) in {_TMP_ROOT}: {sorted(new_tmp)[:8]}")
     if leftovers:
         desc = []
         for p in leftovers:
@@ -99,6 +125,22 @@ def checked_for_leftovers():
                         f"{[owner(s) for s in sorted(new_shm)[:8]]}")
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+def _tmp_entries() -> set[str]:
+    try:
+        return {n for n in os.listdir(_TMP_ROOT) if not n.startswith(_TMP_KEPT)}
+    except FileNotFoundError:
+        return set()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_TMP_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

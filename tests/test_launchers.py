@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -37,15 +38,20 @@ def _env(extra: dict | None = None) -> dict:
 
 
 def _run(cmd: list[str], *, env: dict, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    # a new session, so a timeout can end the whole tree (launcher, ranks, engine workers)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran past {timeout}s:\n{out[-4000:]}")
+    # torchrun keeps its agent's logs in a torchelastic_* directory of TMPDIR by design: a
+    # directory of the run's own, removed after it
+    with tempfile.TemporaryDirectory(prefix="run") as tmp:
+        if env.get("TMPDIR") == os.environ.get("TMPDIR"):
+            env = {**env, "TMPDIR": tmp}
+        # a new session, so a timeout can end the whole tree (launcher, ranks, engine workers)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, _ = proc.communicate()
+            pytest.fail(f"{' '.join(cmd)} ran past {timeout}s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 

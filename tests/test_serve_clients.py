@@ -25,24 +25,21 @@ from _util import start_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = """
-import sys, torch
+import sys, psutil, torch
 from fsdp_sync.engines.sglang import SGLangEngine
 c = SGLangEngine(base_url=sys.argv[1], tp_size=1, max_retries=0)
 shape = tuple(c.get_weights_by_name("model.norm.weight").shape)
 c.update_weights_from_bucket([("model.norm.weight", torch.full(shape, 3.0))])
+mine = [p.pid for p in psutil.Process().children() if p.name() == "torch_shm_manager"]
+print("managers", *mine, flush=True)
 print("updated", flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 """
 
 
-def _managers() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "torch_shm_manager"}
-
-
 @pytest.mark.timeout(120)
 def test_a_clients_shm_manager_does_not_hold_its_stdio():
     with ReferenceEngine("tiny", tp_size=1) as eng, EngineServer(eng) as srv:
-        before = _managers()
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         proc = subprocess.Popen([sys.executable, "-c", CLIENT, srv.url], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -52,7 +49,10 @@ def test_a_clients_shm_manager_does_not_hold_its_stdio():
         assert time.monotonic() - t0 < 60
         assert float(eng.get_weights_by_name("model.norm.weight")[0]) == 3.0
         # the client's manager lives on while the server holds its segment, but holds no pipe
-        for pid in _managers() - before:
+        # (the client names its own: another test process's managers may run beside it)
+        mine = {int(x) for line in out.splitlines() if line.startswith("managers") for x in line.split()[1:]}
+        assert mine, out                          # the bucket update made shared memory
+        for pid in mine:
             try:
                 fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
             except (FileNotFoundError, ProcessLookupError):

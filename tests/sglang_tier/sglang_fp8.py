@@ -202,7 +202,9 @@ def ignored_report(cases: list) -> list:
 if __name__ == "__main__":
     torch.manual_seed(0)
     cases = json.loads(sys.argv[1])
+    scratch = sm.scratch_tempdir()
     print(json.dumps({"quantizer": quantizer_report(), "models": model_report(cases),
                       "ignored": ignored_report(cases), "stream": stream_report(cases, QUANT_CONFIG)}))
     sys.stdout.flush()
+    scratch.cleanup()
     os._exit(0)   # as sglang_models.py: SGLang may leave non-daemon threads behind

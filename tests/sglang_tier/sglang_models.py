@@ -337,9 +337,19 @@ def main(cases: list) -> dict:
     return out
 
 
+def scratch_tempdir() -> tempfile.TemporaryDirectory:
+    """Every mkdtemp of this process (model configs, checkpoints) inside one directory, removed
+    before ``os._exit`` (which runs no cleanup)."""
+    scratch = tempfile.TemporaryDirectory(prefix="fsdp_sync_sgl_")
+    tempfile.tempdir = scratch.name
+    return scratch
+
+
 if __name__ == "__main__":
     cases = [tuple(c) for c in json.loads(sys.argv[1])]
+    scratch = scratch_tempdir()
     result = main(cases)
     print("RESULT " + json.dumps(result))
     sys.stdout.flush()
+    scratch.cleanup()
     os._exit(0)   # SGLang leaves non-daemon threads behind
