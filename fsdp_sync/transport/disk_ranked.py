@@ -145,12 +145,13 @@ class HashAhead:
                           type(e).__name__, type(exc).__name__, exc)
                 self.engines.remove(e)
 
-    def at_bucket(self, k: int, own: list[dict]) -> None:
-        """The stream made bucket ``k``: this rank's written files (``own``) and every writer's
-        files of bucket k-2 are complete."""
+    def at_bucket(self, k: int, own: list[dict], synced: bool) -> None:
+        """The stream made bucket ``k``: this rank's written files (``own``) are complete, and
+        where the stream synchronizes the ranks every bucket (``synced``: the one-host path's
+        barriers, the all-to-all) every writer's files of bucket k-2 too."""
         if self.engines:
             self.tell([r["file"] for r in own]
-                      + ([ckpt.rank_file_name(i, k - 2) for i in range(self.tp)] if k >= 2 else []))
+                      + ([ckpt.rank_file_name(i, k - 2) for i in range(self.tp)] if synced and k >= 2 else []))
 
 
 def write_rank_buckets(ctx: Any, tmp: str, rank: int, writers: list[int], layout: Any, parts: int,
@@ -194,7 +195,7 @@ def write_rank_buckets(ctx: Any, tmp: str, rank: int, writers: list[int], layout
             # (host-shared set (k-1) % 2) are rewritten by bucket k+1
             w.collect()
             if w.err is None:
-                ahead.at_bucket(k, w.records)
+                ahead.at_bucket(k, w.records, st.path in ("host-shared", "all-to-all"))
             if w.err is None and jobs:
                 if k >= parts:
                     raise RuntimeError(f"reshard yielded more buckets than the {parts} planned")

@@ -91,6 +91,9 @@ class UpdateStager:
         self.mapped: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
         self.bytes_read = 0                 # what the last disk update read on this rank
         self.files: list[Any] = []          # this call's checked per-rank files (`VerifiedFile`), open
+        self.ahead: dict[str, Any] = {}     # file name -> `VerifiedFile` hashed ahead (`hash_ahead`)
+        self.ahead_dir: str | None = None   # the temp directory they were hashed in
+        self.ahead_used = 0                 # files the last disk stage took as hashed ahead
 
     def _mismatch(self, name: str, what: str, expected: Any, got: Any) -> WorkerError:
         return WorkerError(KIND_UPDATE, f"expected {what} {expected} for {name!r} on TP rank {self.w.rank}, "
@@ -229,7 +232,7 @@ class UpdateStager:
                 (self._hf_writes if layout_kind == "hf" else self._direct_writes)(name, t, writes)
             self._maybe_fault()
         return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen),
-                "stage_s": time.perf_counter() - t0}
+                "stage_s": time.perf_counter() - t0, "hashed_ahead": self.ahead_used}
 
     def _check_complete(self, directory: str, writes: list[Write]) -> None:
         """Refuse a checkpoint that lacks a tensor this rank holds: loading it would serve a mix
@@ -306,18 +309,36 @@ class UpdateStager:
         rank's shape, dtype). No other rank's file is opened, and nothing is kept in memory: the
         writes' sources are the checked files (`FileTensor`), which the commit reads straight into
         the weights (from the page cache this pass warmed) once every rank's files checked out,
-        instead of a staged copy of the whole shard."""
+        instead of a staged copy of the whole shard. A file hashed ahead (`hash_ahead`, while the
+        trainer wrote the rest) is not read again where it is still the very file it hashed (device,
+        inode, size, mtime) and its digest is the manifest's; any other is hashed here."""
+        directory = spec["dir"]
+        ahead, self.ahead, self.ahead_dir, self.ahead_used = self.ahead, {}, None, 0
+        try:
+            self._stage_files(spec, directory, ahead, writes, seen)
+        finally:
+            for vf in ahead.values():           # hashed ahead but not asked for (or a failed stage)
+                vf.close()
+
+    def _stage_files(self, spec: dict, directory: str, ahead: dict, writes: list[Write],
+                     seen: set[str]) -> None:
         from ...weights.hf_checkpoint import CheckpointError, engine_name_of
         from ...weights.verified_file import VerifiedFile
 
-        directory = spec["dir"]
+        algo = spec.get("hash", "sha256")
         for file in spec["files"]:
             path = os.path.join(directory, file)
-            try:
-                vf = VerifiedFile(path, spec["digests"][file], spec.get("hash", "sha256"))
-            except CheckpointError as exc:
-                raise WorkerError(KIND_UPDATE, f"{exc}{_holding(spec['names'][file])} "
-                                               f"(TP rank {self.w.rank})") from exc
+            vf = ahead.pop(file, None)
+            if vf is not None and vf.is_file(path, spec["digests"][file], algo):
+                self.ahead_used += 1            # this very file hashed to the manifest's digest
+            else:
+                if vf is not None:
+                    vf.close()
+                try:
+                    vf = VerifiedFile(path, spec["digests"][file], algo)
+                except CheckpointError as exc:
+                    raise WorkerError(KIND_UPDATE, f"{exc}{_holding(spec['names'][file])} "
+                                                   f"(TP rank {self.w.rank})") from exc
             self.files.append(vf)
             tensors = vf.tensors
             self.bytes_read += vf.size
@@ -339,6 +360,35 @@ class UpdateStager:
                 except WorkerError as exc:
                     raise WorkerError(exc.kind, f"{path}: {exc}", name) from exc
                 writes[-1].src = tensors[key]        # read at the commit, straight into the weight
+
+    def hash_ahead(self, a: dict) -> None:
+        """Hash this rank's per-rank files ``a["files"]`` in ``a["dir"]`` (a version still being
+        written) under ``a["hash"]``, and keep them open for the disk stage that follows
+        (`_stage_disk_ranked` takes one only while it is the same file with the manifest's digest).
+        A file that cannot be read or parsed yet is skipped (the stage hashes it); files of another
+        directory are dropped. Changes nothing else."""
+        from ...weights.hf_checkpoint import CheckpointError
+        from ...weights.verified_file import VerifiedFile
+
+        directory = str(a["dir"])
+        if self.ahead_dir != directory:
+            self.close_ahead()
+            self.ahead_dir = directory
+        for file in a["files"]:
+            file = os.path.basename(str(file))
+            old = self.ahead.pop(file, None)
+            if old is not None:
+                old.close()
+            try:
+                self.ahead[file] = VerifiedFile(os.path.join(directory, file), None, str(a["hash"]),
+                                                record=True)
+            except (CheckpointError, OSError, ValueError):
+                pass
+
+    def close_ahead(self) -> None:
+        ahead, self.ahead, self.ahead_dir = self.ahead, {}, None
+        for vf in ahead.values():
+            vf.close()
 
     def _disk_writes(self, path: str, name: str, f: Any, out: list[Write], dtypes: dict) -> None:
         if not self.w.layout.accepts(name):
