@@ -7,12 +7,14 @@ hashed (inode, size, mtime) with the manifest's digest. Checked here: every file
 hashed and the weights are the trainer's bit for bit; a file corrupted while the engine hashes the
 early ones (or after it hashed it) is refused naming the file, nothing is applied and the old
 weights serve, no file stays open in a worker; a file told before it was complete, or one of
-another directory, is hashed again at the load and loads right.
+another directory, is hashed again at the load and loads right; files told under a temp name that
+is published meanwhile are still found and taken.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -208,5 +210,23 @@ def test_a_file_told_too_early_or_from_another_directory_is_hashed_at_the_load(t
         stats = _sync(module, [_NotAhead(engine)], d, 2)
         assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
         assert stats.extra["files_told_ahead"] == 0 and stats.extra["files_hashed_ahead"] == 0, stats.extra
+        # told of files under a temp name that is then published (renamed) while the worker still
+        # works through them: found in the directory it opened, and taken as hashed at the load
+        _scale(module, 0.5)
+        stats = _sync(module, [_NotAhead(engine)], d, 3)
+        src = stats.extra["path"]
+        tmp = os.path.join(d, ".step_9.tmp-0123456789ab")
+        shutil.copytree(src, tmp)
+        files = sorted(f for f in os.listdir(tmp) if f.startswith("model-rank-"))
+        early = [f for f in files if f.endswith("-part-0.safetensors")]      # one per worker
+        engine.hash_files_ahead(tmp, early, "xxh3_128")
+        engine.weights_checksum()                        # a round trip: each worker took its first
+        final = os.path.join(d, "step_9")
+        os.rename(tmp, final)
+        later = [f for f in files if f not in early]
+        engine.hash_files_ahead(tmp, later, "xxh3_128")  # the old name, as the trainer told it
+        engine.update_weights_from_disk(final)
+        assert engine.disk_seconds["files_hashed_ahead"] == len(files), engine.disk_seconds
+        assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
         for pid in engine.worker_pids:
             assert _open_under(pid, str(tmp_path)) == []

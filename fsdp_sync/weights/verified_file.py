@@ -13,7 +13,8 @@ What keeps that second read honest: the descriptor stays open from the check to 
 removed or renamed meanwhile (keep-N pruning, a swept temp directory) is still the file that was
 hashed; `VerifiedFile.check_unchanged` refuses a file whose size, inode or modification time changed
 since it was hashed (``record=True``: hashed with no digest to check yet, kept in ``digest``; a
-file hashed ahead so under its temp name stands for the published one while `VerifiedFile.is_file`) (a published version is never rewritten in place; this turns a writer that
+file hashed ahead so under its temp name stands for the published one while `VerifiedFile.is_file`;
+``dir_fd``: the file is opened by its name in that open directory, which a rename does not move) (a published version is never rewritten in place; this turns a writer that
 breaks that rule into an error before any weight changes, not into mixed weights).
 
 Not here: which files an engine rank reads and what the manifest says (`hf_checkpoint.resolve_ranked`),
@@ -81,14 +82,15 @@ class VerifiedFile:
     the file's data (nothing stays open then)."""
 
     def __init__(self, path: str, expected: str | None, hash: str = "sha256", *,
-                 chunk: int = HASH_CHUNK, record: bool = False) -> None:
+                 chunk: int = HASH_CHUNK, record: bool = False, dir_fd: int | None = None) -> None:
         self.path = path
         self.fd = -1
         self.tensors: dict[str, FileTensor] = {}
         self.hash = hash
         self.digest: str | None = None      # what it hashed to (with ``expected`` or ``record``)
         try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self.fd = os.open(path if dir_fd is None else os.path.basename(path),
+                              os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
             st = os.fstat(self.fd)
             self._stamp = _stamp(st)
             self.size = st.st_size

@@ -64,6 +64,7 @@ class Write:
     dst: tuple
     src: torch.Tensor
     covers: tuple[str, ...]
+    owned: bool = False     # src is this worker's own memory (received, not a sender's buffer)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class UpdateStager:
         self.files: list[Any] = []          # this call's checked per-rank files (`VerifiedFile`), open
         self.ahead: dict[str, Any] = {}     # file name -> `VerifiedFile` hashed ahead (`hash_ahead`)
         self.ahead_dir: str | None = None   # the temp directory they were hashed in
+        self.ahead_dirfd = -1               # ... open (its name changes when it is published)
         self.ahead_used = 0                 # files the last disk stage took as hashed ahead
 
     def _mismatch(self, name: str, what: str, expected: Any, got: Any) -> WorkerError:
@@ -224,12 +226,16 @@ class UpdateStager:
                 name, payload = item[2], item[3]
                 value = self._open(payload) if isinstance(payload, (bytes, bytearray, str)) else payload
                 named = [(name, value)]
+            first = len(writes)
             for name, t in named:
                 if name in seen:
                     raise WorkerError(KIND_UPDATE, f"{name!r} appears twice in one update "
                                                    f"(TP rank {self.w.rank})", name)
                 seen.add(name)
                 (self._hf_writes if layout_kind == "hf" else self._direct_writes)(name, t, writes)
+            if kind == "tensor" and not isinstance(item[3], (bytes, bytearray, str)):
+                for w in writes[first:]:        # received into this worker's own buffer
+                    w.owned = True
             self._maybe_fault()
         return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen),
                 "stage_s": time.perf_counter() - t0, "hashed_ahead": self.ahead_used}
@@ -313,7 +319,8 @@ class UpdateStager:
         trainer wrote the rest) is not read again where it is still the very file it hashed (device,
         inode, size, mtime) and its digest is the manifest's; any other is hashed here."""
         directory = spec["dir"]
-        ahead, self.ahead, self.ahead_dir, self.ahead_used = self.ahead, {}, None, 0
+        ahead, self.ahead, self.ahead_used = self.ahead, {}, 0
+        self.close_ahead()
         try:
             self._stage_files(spec, directory, ahead, writes, seen)
         finally:
@@ -365,14 +372,20 @@ class UpdateStager:
         """Hash this rank's per-rank files ``a["files"]`` in ``a["dir"]`` (a version still being
         written) under ``a["hash"]``, and keep them open for the disk stage that follows
         (`_stage_disk_ranked` takes one only while it is the same file with the manifest's digest).
-        A file that cannot be read or parsed yet is skipped (the stage hashes it); files of another
-        directory are dropped. Changes nothing else."""
+        The directory is opened at its first files, and later files are found by name in that open
+        directory, so files told while the trainer publishes the version (renames it) are still
+        found. A file that cannot be read or parsed yet is skipped (the stage hashes it); files of
+        another directory are dropped. Changes nothing else."""
         from ...weights.hf_checkpoint import CheckpointError
         from ...weights.verified_file import VerifiedFile
 
         directory = str(a["dir"])
         if self.ahead_dir != directory:
             self.close_ahead()
+            try:    # opened once: its files are found by name even after the version is renamed
+                self.ahead_dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                return                          # published (or gone) already: the stage hashes
             self.ahead_dir = directory
         for file in a["files"]:
             file = os.path.basename(str(file))
@@ -381,7 +394,7 @@ class UpdateStager:
                 old.close()
             try:
                 self.ahead[file] = VerifiedFile(os.path.join(directory, file), None, str(a["hash"]),
-                                                record=True)
+                                                record=True, dir_fd=self.ahead_dirfd)
             except (CheckpointError, OSError, ValueError):
                 pass
 
@@ -389,6 +402,9 @@ class UpdateStager:
         ahead, self.ahead, self.ahead_dir = self.ahead, {}, None
         for vf in ahead.values():
             vf.close()
+        fd, self.ahead_dirfd = self.ahead_dirfd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def _disk_writes(self, path: str, name: str, f: Any, out: list[Write], dtypes: dict) -> None:
         if not self.w.layout.accepts(name):
@@ -476,7 +492,10 @@ class UpdateStager:
             elif self.txn.staging:
                 self._files_unchanged()
                 for w in writes:     # the sender frees its buffer after the call; a file's tensor is read
-                    w.src = w.src.to("cpu", copy=True) if isinstance(w.src, torch.Tensor) else w.src.load()
+                    if not isinstance(w.src, torch.Tensor):
+                        w.src = w.src.load()
+                    elif not (w.owned and w.src.device.type == "cpu"):   # a received CPU buffer is
+                        w.src = w.src.to("cpu", copy=True)             # already a copy of its own
                 self.txn.writes.extend(writes)
                 self.txn.covers |= covers
             else:
