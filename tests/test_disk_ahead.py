@@ -8,7 +8,8 @@ hashed and the weights are the trainer's bit for bit; a file corrupted while the
 early ones (or after it hashed it) is refused naming the file, nothing is applied and the old
 weights serve, no file stays open in a worker; a file told before it was complete, or one of
 another directory, is hashed again at the load and loads right; files told under a temp name that
-is published meanwhile are still found and taken.
+is published meanwhile are still found and taken; files of a version never loaded are closed by
+the next update of any kind.
 """
 
 from __future__ import annotations
@@ -227,6 +228,19 @@ def test_a_file_told_too_early_or_from_another_directory_is_hashed_at_the_load(t
         engine.hash_files_ahead(tmp, later, "xxh3_128")  # the old name, as the trainer told it
         engine.update_weights_from_disk(final)
         assert engine.disk_seconds["files_hashed_ahead"] == len(files), engine.disk_seconds
+        assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
+        for pid in engine.worker_pids:
+            assert _open_under(pid, str(tmp_path)) == []
+        # told of a version that is never loaded (its sync failed, its temp directory removed):
+        # the files stay open only until the next update of any kind
+        gone = os.path.join(d, ".step_10.tmp-0123456789ab")
+        shutil.copytree(final, gone)
+        engine.hash_files_ahead(gone, files, "xxh3_128")
+        engine.weights_checksum()
+        assert any(_open_under(pid, gone) for pid in engine.worker_pids)
+        shutil.rmtree(gone)
+        _scale(module, 0.5)
+        engine.update_weights_from_tensor(list(module.state_dict().items()))
         assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
         for pid in engine.worker_pids:
             assert _open_under(pid, str(tmp_path)) == []

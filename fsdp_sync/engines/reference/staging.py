@@ -207,6 +207,8 @@ class UpdateStager:
         seen: set[str] = set()
         self.bytes_read = 0
         self._close_files()
+        if not any(item[0] == "disk" and item[1] != "hf" for item in items):
+            self.close_ahead()      # files hashed ahead for a version that was never loaded
         t0 = time.perf_counter()
         for item in items:
             kind, layout_kind = item[0], item[1]
