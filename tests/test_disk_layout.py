@@ -113,6 +113,12 @@ def test_disk_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa(tmp_path):
                 # each engine rank read its own files only: its shard plus the files' headers
                 assert 0 < extra["engine_rank_bytes_in"] <= 1.05 * extra["engine_rank_shard_bytes"], rec
                 assert extra["files"] % tp == 0 and extra["files"] // tp > 1, rec     # several parts
+                if path != "local":
+                    # the engine was told of files while the rest were written (every writer's
+                    # bucket k-2 once the stream made bucket k), and each it was told of was
+                    # complete then: it took every one as hashed, without a second pass
+                    assert 0 < extra["files_told_ahead"] <= extra["files"], rec
+                    assert extra["files_hashed_ahead"] == extra["files_told_ahead"], rec
                 if path != "all-to-all":
                     assert extra["trainer_rank_bytes_in"] == 0, rec
                 else:

@@ -45,8 +45,11 @@ file's digest, size and names) is written last instead of an index; fsync, the r
 are the same. Each reference-engine worker hashes only its own files, through one small buffer
 (`weights.verified_file`), and only when every worker's files check out does the commit read them
 straight into the weights (from the page cache the check warmed): no staged copy of the shard.
+An engine that hashes ahead (``hash_files_ahead``: the reference engine) is told each file once
+it is complete, and hashes it while the trainer writes the next ones (`disk_ranked.HashAhead`).
 The engine's TP size and model come from the engines (trainer rank 0); every rank agrees on the
-layout before anything is written.
+layout before anything is written. Choosing the layout, writing and publishing per-rank files:
+`transport.disk_ranked`.
 
 SGLang 0.5.23 cannot load a per-rank version through ``update_weights_from_disk``: its disk update
 takes only loaders that are a ``DefaultModelLoader`` (``load_format="sharded_state"`` gets
@@ -60,7 +63,8 @@ refused on every rank before anything is written, ``"auto"`` writes the full che
 the floor the bench puts beside this method. ``stats.extra`` splits each sync (seconds, the slowest
 rank's): ``export_s`` (gathers and the cut), ``file_write_s`` (writes and hashing, beside the
 export), ``write_wait_s``, ``fsync_s``, ``publish_s``, and within ``load_s`` the engine's
-``read_hash_s`` and ``copy_s`` (engines that report them: ``disk_seconds``).
+``read_hash_s`` and ``copy_s`` (engines that report them: ``disk_seconds``); per-rank files also
+``files_told_ahead`` and ``files_hashed_ahead`` (those the engine took as hashed ahead).
 
 Not here: exporting and bucket planning (`export`, `bucket`), the stages around a sync (the
 manager), reading a checkpoint into an engine (the engines, with `hf_checkpoint.resolve`).
@@ -68,40 +72,29 @@ manager), reading a checkpoint into an engine (the engines, with `hf_checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import logging
 import os
 import re
 import shutil
 import time
 import uuid
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import fleet
-from .disk_writer import OneWriter
+from .disk_ranked import NO_RANK_CHECKPOINTS, HashAhead, choose_layout, publish_ranked, write_rank_buckets
+from .disk_writer import OneWriter, agree_on, all_gather, broadcast, disk_hash, float_dtype, plain_alloc
+from .disk_writer import rank_world, write_shard as _write_shard   # tests replace _write_shard here
 from ..weights import bucket as _bucket
 from ..weights import export
 from ..weights import hf_checkpoint as ckpt
 from ..weights import quantize, reshard
 from ..models import hf_config_json
-from ..weights.layout import engine_ep_size, layout_for
-from ..topology import SyncError, cpu_group, agree
+from ..weights.layout import engine_ep_size
 
 __all__ = ["DiskTransport", "disk_floor", "STEP_RE", "NO_RANK_CHECKPOINTS"]
-
-log = logging.getLogger("fsdp_sync")
-
-NO_RANK_CHECKPOINTS = (
-    "SGLang 0.5.23 cannot load per-rank files through update_weights_from_disk: its disk update "
-    "takes only a DefaultModelLoader (load_format='sharded_state' gets ShardedStateLoader, which "
-    "is not one, and is refused before anything is read; 'presharded' re-reads the Hugging Face "
-    "files), and --custom-weight-loader applies only to update_weights_from_tensor")
-_ST_CODE = {v: k for k, v in ckpt.SAFETENSORS_DTYPES.items()}
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.step_\d+\.(tmp|del)-[0-9a-f]+$")
@@ -116,29 +109,6 @@ def _load_one(engine: Any, path: str, version: str | None) -> None:
         fn(path)
         if version is not None:
             fleet.set_version(engine, version)
-
-
-def _plain_alloc(nbytes: int) -> torch.Tensor:
-    # buffers stay in this process (written to a file, never shared): plain memory, no /dev/shm
-    return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def _write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tensor,
-                 rename: Callable[[str], str] = str, hash: str = ckpt.DEFAULT_HASH,
-                 fsync: bool = True) -> dict:
-    """One bucket as one safetensors file, hashed under ``hash`` while it is written
-    (`hf_checkpoint.write_safetensors`) and fsynced (``fsync=False``: its writeback started, the
-    caller fsyncs it). ``rename``: the name each entry gets in the file (per-rank files:
-    `hf_checkpoint.rank_tensor_name`).
-
-    Why not ``safetensors.torch.save_file`` then a hash of the file: save_file serializes the
-    whole file into one more bucket-sized buffer before writing it, and the hash read every byte
-    back from the page cache; at 0.5 GB/s (sha256) that second pass was most of the method's time
-    over its floor (issue 27)."""
-    path = os.path.join(directory, file)
-    digest, size, names = ckpt.write_safetensors(path, flat, bkt.entries, hash=hash, rename=rename,
-                                                 fsync=fsync)
-    return {"file": file, "digest": digest, "bytes": size, "names": names}
 
 
 class DiskTransport:
@@ -175,44 +145,13 @@ class DiskTransport:
         self._split: dict = {}              # this rank's write-phase split (`OneWriter.seconds`)
         self._host_keep: list = []          # per-rank one-host buffers, kept between syncs until close()
 
-    # ------------------------------------------------------------------ collectives
-    @staticmethod
-    def _dist(group: Any) -> tuple[int, int]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0, 1
-        return dist.get_rank(group), dist.get_world_size(group)
-
-    def _agree(self, error: BaseException | None, group: Any, what: str) -> None:
-        if not (dist.is_available() and dist.is_initialized()):   # one process: no peers to tell
-            if error is not None:
-                raise SyncError(f"{what} failed: {type(error).__name__}: {error}") from error
-            return
-        agree(error, group, what=what)
-
-    @staticmethod
-    def _broadcast(obj: Any, group: Any) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None
-                                   else 0, group=cpu_group(group))
-        return box[0]
-
-    @staticmethod
-    def _all_gather(obj: Any, group: Any, world: int) -> list:
-        if world == 1:
-            return [obj]
-        out: list = [None] * world
-        dist.all_gather_object(out, obj, group=cpu_group(group))
-        return out
-
     # ------------------------------------------------------------------ the sync
     def sync(self, ctx: Any) -> None:
         if self.closed:
             raise RuntimeError("DiskTransport.sync after close()")
         t0 = time.perf_counter()
         group = ctx.group
-        rank, world = self._dist(group)
+        rank, world = rank_world(group)
         cfg = ctx.config
         name = f"step_{int(ctx.step)}"
         final = os.path.join(self.directory, name)
@@ -227,7 +166,7 @@ class DiskTransport:
             return
 
         # 0. the layout (per-rank files or HF files): agreed on every rank before anything is written
-        layout = self._choose_layout(ctx, rank, group, what)
+        layout = choose_layout(ctx, rank, group, what)
 
         # 1. rank 0 makes the temp directory; the writers are the ranks that can see it
         tmp, err = None, None
@@ -244,16 +183,17 @@ class DiskTransport:
                 os.mkdir(tmp)
             except Exception as exc:   # noqa: BLE001 - every rank must hear of it
                 err = exc
-        self._agree(err, group, f"{what} (prepare)")
-        tmp = self._broadcast(tmp, group)
+        agree_on(err, group, f"{what} (prepare)")
+        tmp = broadcast(tmp, group)
         try:
-            sees = self._all_gather(os.path.isdir(tmp), group, world)
+            sees = all_gather(os.path.isdir(tmp), group, world)
             writers = [r for r in range(world) if sees[r]] if self.parallel_write else [0]
 
             # 2. gather every bucket; its owner writes it while the next one is gathered
             t_write = time.perf_counter()
             metas = export.param_metas(ctx.module, cfg.dtype)
             st = reshard.ReshardStats()
+            told = 0                        # files told to the engines while the rest were written
             self._quant = self._quantizer(ctx, rank, group, layout, what)
             if layout is None:
                 n_files = len(_bucket.plan_buckets(metas, cfg.bucket_bytes))
@@ -262,9 +202,13 @@ class DiskTransport:
             else:
                 parts = len(reshard.plan_rank_buckets(layout, metas[0].dtype, cfg.bucket_bytes))
                 n_files = parts * layout.tp
-                records, err = self._write_rank_buckets(ctx, tmp, rank, writers, layout, parts, st)
+                ahead = HashAhead(ctx.engines, tmp, layout.tp, disk_hash(cfg), rank)
+                records, err, self.host_shared, self._split = write_rank_buckets(
+                    ctx, tmp, rank, writers, layout, parts, st, quant=self._quant,
+                    host_keep=self._host_keep, ahead=ahead)
+                told = len(ahead.told)
                 stats.buckets = parts
-            self._agree(err, group, f"{what} (write)")
+            agree_on(err, group, f"{what} (write)")
             if self._quant is not None:     # what the files hold: fp8 weights and their scales
                 metas = quantize.expand_metas(metas, self._quant.hf)
             stats.bytes = sum(m.nbytes for m in metas)
@@ -273,7 +217,7 @@ class DiskTransport:
 
             # 3. rank 0: config, manifest, index last; fsync; publish by rename
             t_pub = time.perf_counter()
-            everyone = self._all_gather((records, st.bytes_in, self._split), group, world)
+            everyone = all_gather((records, st.bytes_in, self._split), group, world)
             trainer_in = max(b for _, b, _ in everyone)
             # the write phase's split: the slowest rank's figure of each part
             split = {k: max(s[k] for _, _, s in everyone) for k in everyone[0][2]}
@@ -284,11 +228,11 @@ class DiskTransport:
                     if layout is None:
                         self._publish(ctx, tmp, final, files, n_files, metas)
                     else:
-                        self._publish_ranked(ctx, tmp, final, files, layout, parts, metas)
+                        publish_ranked(ctx, tmp, final, self.directory, files, layout, parts, metas)
                     tmp = None
                 except Exception as exc:   # noqa: BLE001
                     err = exc
-            self._agree(err, group, f"{what} (publish)")
+            agree_on(err, group, f"{what} (publish)")
             tmp = None
             publish_s = time.perf_counter() - t_pub
         finally:
@@ -306,8 +250,9 @@ class DiskTransport:
         # the engines' split of the load (the reference engine's: hashing its files, the commit)
         load_split = [getattr(e, "disk_seconds", None) or {} for e in ctx.engines or []]
         load_split = {k: max(d.get(k, 0.0) for d in load_split)
-                      for k in ("read_hash_s", "copy_s") if any(k in d for d in load_split)}
-        engine_in, load_split = self._broadcast((max(read) if read else None, load_split), group)
+                      for k in ("read_hash_s", "copy_s", "files_hashed_ahead")
+                      if any(k in d for d in load_split)}
+        engine_in, load_split, told = broadcast((max(read) if read else None, load_split, told), group)
 
         # 5. keep the newest disk_keep versions
         pruned: list[str] = []
@@ -326,11 +271,14 @@ class DiskTransport:
                        "export_s": split.get("export_s"), "file_write_s": split.get("write_s"),
                        "write_wait_s": split.get("wait_s"), "fsync_s": split.get("fsync_s"),
                        "read_hash_s": load_split.get("read_hash_s"), "copy_s": load_split.get("copy_s"),
+                       # per-rank files told to the engines early / taken as hashed then (`disk_ranked`)
+                       "files_told_ahead": told,
+                       "files_hashed_ahead": load_split.get("files_hashed_ahead"),
                        "pruned": pruned, "layout": "full" if layout is None else "engine",
                        "engine_rank_bytes_in": engine_in}
         if layout is not None:
             shard = (st.engine_shard_bytes if self._quant is None       # FP8: the engine rank's FP8 shard
-                     else self._quant.layout.engine_bytes(_float_dtype(metas).itemsize))
+                     else self._quant.layout.engine_bytes(float_dtype(metas).itemsize))
             stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=shard,
                                trainer_rank_bytes_in=trainer_in)
 
@@ -368,7 +316,7 @@ class DiskTransport:
                     ctx.commit_failed = exc
                     err = RuntimeError(f"committing the update: {exc}")
         ctx.stats.engine_calls = calls
-        self._agree(err, group, f"update_weights_from_disk({final!r})")
+        agree_on(err, group, f"update_weights_from_disk({final!r})")
         self.loaded = final
 
     def _quantizer(self, ctx: Any, rank: int, group: Any, layout: Any, what: str) -> Any:
@@ -391,163 +339,8 @@ class DiskTransport:
                         quantize.for_sync(ctx.module, cfg, int(tp) if tp else 1, engine_ep_size(e))
         except Exception as exc:   # noqa: BLE001 - every rank must hear of it
             err = exc
-        self._agree(err, group, f"{what} (quantization={cfg.quantization!r})")
+        agree_on(err, group, f"{what} (quantization={cfg.quantization!r})")
         return quant
-
-    # ------------------------------------------------------------------ per-rank versions
-    def _choose_layout(self, ctx: Any, rank: int, group: Any, what: str) -> Any:
-        """The engines' `layout.TPLayout` to cut per-rank files by, or None for HF files.
-
-        ``layout="full"``: None. Otherwise trainer rank 0 (it holds the engines) checks that there
-        are engines, all with ``accepts_rank_checkpoints``, one TP size, and a model equal to the
-        trainer's; every rank then builds the layout from the module's config. ``"engine"``: any
-        refusal raises the same `SyncError` on every rank before anything is written; ``"auto"``:
-        HF files (logged on rank 0)."""
-        want = getattr(ctx.config, "layout", "full")
-        if want == "full":
-            return None
-        tp, why = None, None
-        if rank == 0:
-            try:
-                tp = self._engine_tp(ctx)   # (tp, ep)
-            except Exception as exc:   # noqa: BLE001 - "auto" falls back, "engine" reports it
-                why = str(exc)
-        tp, why = self._broadcast((tp, why), group)
-        layout, err = None, None
-        if why is None:
-            try:
-                hf_config = getattr(ctx.module, "config", None)
-                if hf_config is None:
-                    raise ValueError("the module has no Hugging Face .config to take the engine's "
-                                     "layout from")
-                layout = layout_for(hf_config, *tp)
-                if rank == 0:
-                    self._check_engine_models(ctx, layout)
-            except Exception as exc:   # noqa: BLE001
-                err = exc
-        if want == "engine":
-            text = why or (err and f"{type(err).__name__}: {err}")
-            self._agree(text and ValueError(
-                f"layout='engine' with method='disk': {text}; use layout='full' (or 'auto', which "
-                f"falls back to it) for the disk method, or method='tensor' with layout='engine'"),
-                group, f"{what} (choosing the layout)")
-            return layout
-        # "auto": every rank must take the same answer
-        ok = self._all_gather(why is None and err is None, group, self._dist(group)[1])
-        if not all(ok):
-            if rank == 0:
-                log.info("fsdp_sync: disk layout='auto' writes a Hugging Face checkpoint: %s",
-                         why or err or "a trainer rank could not build the engine layout")
-            return None
-        return layout
-
-    @staticmethod
-    def _engine_tp(ctx: Any) -> tuple[int, int]:
-        engines = list(ctx.engines or [])
-        if not engines:
-            raise ValueError("no engine on trainer rank 0 to take the TP size of the per-rank files from")
-        for i, e in enumerate(engines):
-            if not getattr(e, "accepts_rank_checkpoints", False):
-                raise ValueError(f"engine {i} ({type(e).__name__}) does not load per-rank "
-                                 f"checkpoints (accepts_rank_checkpoints is not true); "
-                                 f"{NO_RANK_CHECKPOINTS}")
-        tps = sorted({int(getattr(e, "tp_size", 0)) for e in engines})
-        if len(tps) != 1 or tps[0] < 1:
-            raise ValueError(f"the engines' TP sizes {tps} differ: per-rank files are cut for one")
-        eps = sorted({engine_ep_size(e) for e in engines})
-        if len(eps) != 1:
-            raise ValueError(f"the engines' expert-parallel sizes {eps} differ: per-rank files are cut for one")
-        return tps[0], eps[0]
-
-    @staticmethod
-    def _check_engine_models(ctx: Any, layout: Any) -> None:
-        for i, e in enumerate(ctx.engines or []):
-            espec = getattr(getattr(e, "layout", None), "spec", None)
-            if espec is not None and espec != layout.spec:
-                diff = {k: (getattr(layout.spec, k), getattr(espec, k)) for k in vars(espec)
-                        if getattr(layout.spec, k) != getattr(espec, k)}
-                raise ValueError(f"engine {i}'s model differs from the trainer's (trainer, engine): "
-                                 f"{diff}")
-
-    def _write_rank_buckets(self, ctx: Any, tmp: str, rank: int, writers: list[int], layout: Any,
-                            parts: int, st: Any) -> tuple[list[dict], BaseException | None]:
-        """Cut every bucket per engine rank (collective: every rank runs the whole stream even
-        after a local failure) and write this rank's files; returns its file records and error.
-
-        File (engine rank i, part k) is written by the rank that holds i's buffer: on the
-        all-to-all path the one owner ``writers[i % W]``; where every rank sees every buffer
-        (host-shared, or full tensors everywhere) ``writers[(k * tp + i) % W]``. One bucket's
-        files are written on a thread while the next bucket is cut (two buffer sets rotate)."""
-        cfg = ctx.config
-        tp = layout.tp
-        w = OneWriter("reshard", parts, tmp)
-        owners = [[writers[i % len(writers)]] for i in range(tp)]
-
-        tied = bool(layout.spec.tie_word_embeddings)
-        algo = _disk_hash(cfg)
-
-        def write_all(jobs: list) -> list[dict]:
-            return [_write_shard(tmp, ckpt.rank_file_name(i, k), bkt, flat,
-                                 lambda n: ckpt.rank_tensor_name(n, tied), algo, fsync=False)
-                    | {"rank": i, "part": k}
-                    for i, k, bkt, flat in jobs]
-
-        def write(rb: Any) -> None:
-            k = rb.index
-            self.host_shared |= rb.shared
-            everywhere = st.path != "all-to-all"
-            mine = [i for i in sorted(rb.buffers)
-                    if not everywhere or writers[(k * tp + i) % len(writers)] == rank]
-            if self._quant is not None and mine:    # its own buffers: the next bucket may reuse rb's
-                rb = self._quant.rank_bucket(rb, _plain_alloc, ranks=mine)
-            jobs = [(i, k, rb.bucket, rb.buffers[i]) for i in mine]
-            try:
-                # bucket k-1's files are written before bucket k+1 is asked for: its buffers
-                # (host-shared set (k-1) % 2) are rewritten by bucket k+1
-                w.collect()
-                if w.err is None and jobs:
-                    if k >= parts:
-                        raise RuntimeError(f"reshard yielded more buckets than the {parts} planned")
-                    w.submit(write_all, jobs)
-            except Exception as exc:   # noqa: BLE001 - keep consuming: the stream is collective
-                w.fail(exc)
-
-        self.host_shared = False
-        self._split = w.seconds
-        return w.drive(reshard.iter_rank_buckets(
-            ctx.module, layout, cfg.bucket_bytes, dtype=cfg.dtype,
-            fsdp1_state_dict=cfg.fsdp1_state_dict,
-            share_host_memory=bool(getattr(cfg, "share_host_memory", False)),
-            owners=owners, alloc=_plain_alloc, stats=st, host_sets=2, host_keep=self._host_keep), write)
-
-    def _publish_ranked(self, ctx: Any, tmp: str, final: str, records: list[dict], layout: Any,
-                        parts: int, metas: list) -> None:
-        want = {ckpt.rank_file_name(i, k) for i in range(layout.tp) for k in range(parts)}
-        got = {r["file"] for r in records}
-        if got != want or len(records) != len(want):
-            raise RuntimeError(f"written per-rank files {sorted(got)} are not the planned "
-                               f"{sorted(want)} (each exactly once)")
-        by_file = {r["file"]: r for r in records}
-        algo = _disk_hash(ctx.config)
-        files = {f: {algo: r["digest"], "bytes": r["bytes"], "names": r["names"]}
-                 for f, r in sorted(by_file.items())}
-        dtype = _float_dtype(metas)
-        config = hf_config_json(ctx.module, dtype, getattr(ctx.config, "quantization", None))
-        if config is not None:
-            digest, size = ckpt.write_json(os.path.join(tmp, ckpt.CONFIG_FILE), config, algo)
-            files[ckpt.CONFIG_FILE] = {algo: digest, "bytes": size}
-        # the manifest is the index of a per-rank version: written last, after every file is fsynced
-        ckpt.write_json(os.path.join(tmp, ckpt.MANIFEST_FILE), {
-            "format": ckpt.MANIFEST_FORMAT, "step": int(ctx.step), "hash": algo, "layout": "engine",
-            "tp_size": layout.tp, "ep_size": layout.ep, "model": dataclasses.asdict(layout.spec),
-            "dtype": _ST_CODE[dtype], "quantization": getattr(ctx.config, "quantization", None),
-            "hf_tensors": len(metas),
-            "total_size": sum(m.nbytes for m in metas),
-            "ranks": [[ckpt.rank_file_name(i, k) for k in range(parts)] for i in range(layout.tp)],
-            "files": files})
-        ckpt.fsync_dir(tmp)
-        os.rename(tmp, final)          # atomic: the version appears whole or not at all
-        ckpt.fsync_dir(self.directory)
 
     def _write_buckets(self, ctx: Any, tmp: str, rank: int, writers: list[int],
                        n_files: int) -> tuple[list[dict], BaseException | None]:
@@ -559,10 +352,10 @@ class DiskTransport:
         self.host_shared = False
 
         def alloc(nbytes: int) -> torch.Tensor:
-            mine[:] = [_plain_alloc(nbytes)]
+            mine[:] = [plain_alloc(nbytes)]
             return mine[0]
 
-        algo = _disk_hash(cfg)
+        algo = disk_hash(cfg)
 
         def write_one(file: str, bkt: _bucket.Bucket, flat: torch.Tensor) -> list[dict]:
             return [_write_shard(tmp, file, bkt, flat, hash=algo, fsync=False)]
@@ -580,7 +373,7 @@ class DiskTransport:
                     raise RuntimeError(f"export yielded more buckets than the {n_files} "
                                        f"planned from param_metas")
                 if self._quant is not None:     # into a buffer of its own: no clone needed
-                    bkt, flat = self._quant.bucket(bkt, flat, _plain_alloc)
+                    bkt, flat = self._quant.bucket(bkt, flat, plain_alloc)
                 elif shared:
                     flat = flat.clone()
                 w.submit(write_one, ckpt.shard_file_name(k, n_files), bkt, flat)  # at most one
@@ -601,9 +394,9 @@ class DiskTransport:
         if [r["file"] for r in files] != want:
             raise RuntimeError(f"written files {[r['file'] for r in files]} are not the planned "
                                f"{want}")
-        algo = _disk_hash(ctx.config)
+        algo = disk_hash(ctx.config)
         manifest_files = {r["file"]: {algo: r["digest"], "bytes": r["bytes"]} for r in files}
-        config = hf_config_json(ctx.module, _float_dtype(metas), getattr(ctx.config, "quantization", None))
+        config = hf_config_json(ctx.module, float_dtype(metas), getattr(ctx.config, "quantization", None))
         if config is not None:
             digest, size = ckpt.write_json(os.path.join(tmp, ckpt.CONFIG_FILE), config, algo)
             manifest_files[ckpt.CONFIG_FILE] = {algo: digest, "bytes": size}
@@ -648,19 +441,6 @@ class DiskTransport:
         the published versions stay on disk."""
         self.closed = True
         self._host_keep.clear()
-
-
-def _disk_hash(config: Any) -> str:
-    """The digest the manifest holds (``SyncConfig.disk_hash``; a config without one: the default)."""
-    return getattr(config, "disk_hash", ckpt.DEFAULT_HASH)
-
-
-def _float_dtype(metas: list) -> torch.dtype | None:
-    """The rollout dtype: the first floating-point tensor's that is neither fp8 nor a scale."""
-    for m in metas:
-        if m.dtype.is_floating_point and m.dtype.itemsize > 1 and not m.name.endswith("_scale_inv"):
-            return m.dtype
-    return None
 
 
 def disk_floor(nbytes: int, directory: str, *, files: int = 1, chunk_bytes: int = 8 << 20) -> float:

@@ -1,7 +1,9 @@
-"""The disk method's writer thread: one bucket written while the collective stream makes the next.
+"""The disk method's writer thread (one bucket written while the collective stream makes the next),
+and what the disk transport's modules share: one bucket written as one hashed file (`write_shard`),
+the collectives over the trainer group (`rank_world`, `agree_on`, `broadcast`, `all_gather`).
 
 Not here: what a file holds and how it is hashed (`weights.hf_checkpoint.write_safetensors`), the
-sync's phases (`transport.disk`).
+sync's phases (`transport.disk`), per-rank versions (`transport.disk_ranked`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,87 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
+import torch
+import torch.distributed as dist
+
+from ..topology import SyncError, agree, cpu_group
+from ..weights import bucket as _bucket
 from ..weights import hf_checkpoint as ckpt
 
-__all__ = ["OneWriter"]
+__all__ = ["OneWriter", "write_shard", "plain_alloc", "disk_hash", "float_dtype", "rank_world",
+           "agree_on", "broadcast", "all_gather"]
+
+
+def plain_alloc(nbytes: int) -> torch.Tensor:
+    # buffers stay in this process (written to a file, never shared): plain memory, no /dev/shm
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tensor,
+                rename: Callable[[str], str] = str, hash: str = ckpt.DEFAULT_HASH,
+                fsync: bool = True) -> dict:
+    """One bucket as one safetensors file, hashed under ``hash`` while it is written
+    (`hf_checkpoint.write_safetensors`) and fsynced (``fsync=False``: its writeback started, the
+    caller fsyncs it). ``rename``: the name each entry gets in the file (per-rank files:
+    `hf_checkpoint.rank_tensor_name`).
+
+    Why not ``safetensors.torch.save_file`` then a hash of the file: save_file serializes the
+    whole file into one more bucket-sized buffer before writing it, and the hash read every byte
+    back from the page cache; at 0.5 GB/s (sha256) that second pass was most of the method's time
+    over its floor (issue 27)."""
+    path = os.path.join(directory, file)
+    digest, size, names = ckpt.write_safetensors(path, flat, bkt.entries, hash=hash, rename=rename,
+                                                 fsync=fsync)
+    return {"file": file, "digest": digest, "bytes": size, "names": names}
+
+
+def disk_hash(config: Any) -> str:
+    """The digest the manifest holds (``SyncConfig.disk_hash``; a config without one: the default)."""
+    return getattr(config, "disk_hash", ckpt.DEFAULT_HASH)
+
+
+def float_dtype(metas: list) -> torch.dtype | None:
+    """The rollout dtype: the first floating-point tensor's that is neither fp8 nor a scale."""
+    for m in metas:
+        if m.dtype.is_floating_point and m.dtype.itemsize > 1 and not m.name.endswith("_scale_inv"):
+            return m.dtype
+    return None
+
+
+def rank_world(group: Any) -> tuple[int, int]:
+    """This rank and the group's size (0, 1 without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def agree_on(error: BaseException | None, group: Any, what: str) -> None:
+    """`topology.agree` (every rank raises the same `SyncError` when any failed); one process:
+    its own error as a `SyncError`."""
+    if not (dist.is_available() and dist.is_initialized()):   # one process: no peers to tell
+        if error is not None:
+            raise SyncError(f"{what} failed: {type(error).__name__}: {error}") from error
+        return
+    agree(error, group, what=what)
+
+
+def broadcast(obj: Any, group: Any) -> Any:
+    """Group rank 0's ``obj`` on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None
+                               else 0, group=cpu_group(group))
+    return box[0]
+
+
+def all_gather(obj: Any, group: Any, world: int) -> list:
+    """Every rank's ``obj``, in group rank order."""
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj, group=cpu_group(group))
+    return out
 
 _END = object()
 
@@ -68,11 +148,13 @@ class OneWriter:
         finally:
             self.seconds["write_s"] += time.perf_counter() - t0
 
-    def drive(self, stream: Iterable, body: Callable[[Any], None]) -> tuple[list[dict],
-                                                                              BaseException | None]:
+    def drive(self, stream: Iterable, body: Callable[[Any], None],
+              written: Callable[[list[dict]], None] | None = None) -> tuple[list[dict],
+                                                                            BaseException | None]:
         """``body(item)`` for every item of ``stream`` (it catches its own errors into `fail`), then
-        the last write is waited for; returns the records and the first error, a count of buckets
-        other than the planned one included."""
+        the last write is waited for (then ``written(records)``, before the fsyncs, when nothing
+        failed); returns the records and the first error, a count of buckets other than the
+        planned one included."""
         sec = self.seconds
         try:
             items = iter(stream)
@@ -87,6 +169,8 @@ class OneWriter:
                 del item        # not alive while the stream makes the next bucket
             try:
                 self.collect()
+                if self.err is None and written is not None:
+                    written(self.records)
                 t0 = time.perf_counter()
                 if self.err is None:
                     for r in self.records:   # durable before this rank reports its files written

@@ -12,7 +12,9 @@ comes from the page cache the first one warmed (the trainer's writes warmed it f
 What keeps that second read honest: the descriptor stays open from the check to the copy, so a file
 removed or renamed meanwhile (keep-N pruning, a swept temp directory) is still the file that was
 hashed; `VerifiedFile.check_unchanged` refuses a file whose size, inode or modification time changed
-since it was hashed (a published version is never rewritten in place; this turns a writer that
+since it was hashed (``record=True``: hashed with no digest to check yet, kept in ``digest``; a
+file hashed ahead so under its temp name stands for the published one while `VerifiedFile.is_file`;
+``dir_fd``: the file is opened by its name in that open directory, which a rename does not move) (a published version is never rewritten in place; this turns a writer that
 breaks that rule into an error before any weight changes, not into mixed weights).
 
 Not here: which files an engine rank reads and what the manifest says (`hf_checkpoint.resolve_ranked`),
@@ -80,16 +82,19 @@ class VerifiedFile:
     the file's data (nothing stays open then)."""
 
     def __init__(self, path: str, expected: str | None, hash: str = "sha256", *,
-                 chunk: int = HASH_CHUNK) -> None:
+                 chunk: int = HASH_CHUNK, record: bool = False, dir_fd: int | None = None) -> None:
         self.path = path
         self.fd = -1
         self.tensors: dict[str, FileTensor] = {}
+        self.hash = hash
+        self.digest: str | None = None      # what it hashed to (with ``expected`` or ``record``)
         try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self.fd = os.open(path if dir_fd is None else os.path.basename(path),
+                              os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
             st = os.fstat(self.fd)
             self._stamp = _stamp(st)
             self.size = st.st_size
-            head = self._hash_whole(expected, hash, max(8, int(chunk)))
+            head = self._hash_whole(expected, hash, max(8, int(chunk)), record)
             self._parse(head)
         except OSError as exc:
             self.close()
@@ -98,10 +103,10 @@ class VerifiedFile:
             self.close()
             raise
 
-    def _hash_whole(self, expected: str | None, hash: str, chunk: int) -> bytes:
+    def _hash_whole(self, expected: str | None, hash: str, chunk: int, record: bool) -> bytes:
         """Read every byte once through one chunk-sized buffer, hashing it; returns the leading
         bytes that hold the header (u64 length + JSON)."""
-        h = new_hash(hash) if expected is not None else None
+        h = new_hash(hash) if expected is not None or record else None
         buf = bytearray(min(chunk, max(self.size, 1)))
         view = memoryview(buf)
         head = bytearray()
@@ -125,8 +130,8 @@ class VerifiedFile:
         if got != self.size:
             raise CheckpointError(f"{self.path} shrank while being read ({got} of {self.size} bytes)")
         if h is not None:
-            digest = h.hexdigest()
-            if digest != expected:
+            digest = self.digest = h.hexdigest()
+            if expected is not None and digest != expected:
                 raise CheckpointError(
                     f"checksum mismatch for {self.path} ({self.size} bytes): the manifest says "
                     f"{hash} {expected[:16]}..., the file has {digest[:16]}... (torn or corrupt file)")
@@ -174,6 +179,16 @@ class VerifiedFile:
         if done != len(view):
             raise CheckpointError(f"{self.path} shrank after it was checked (tensor {name!r}: "
                                   f"{done} of {len(view)} bytes)")
+
+    def is_file(self, path: str, expected: str, hash: str) -> bool:
+        """``path`` is this file as it was hashed (same device, inode, size and modification time,
+        as `check_unchanged` asks) and it hashed to ``expected`` under ``hash``: what lets a file
+        hashed ahead, under its temp name, stand for the published one without a second pass."""
+        try:
+            same = _stamp(os.stat(path)) == self._stamp == _stamp(os.fstat(self.fd))
+        except OSError:
+            return False
+        return same and self.fd >= 0 and self.hash == hash and self.digest == expected
 
     def check_unchanged(self) -> None:
         """Raise `CheckpointError` if the file changed since it was hashed (size, inode, mtime)."""

@@ -278,5 +278,6 @@ def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floo
         "floor_shared_seconds": None,
         "_peaks": [int(p) for p in peaks],
         **{k: stats.extra[k] for k in ("layout", "engine_rank_bytes_in", "engine_rank_shard_bytes",
-                                       "trainer_rank_bytes_in", "reshard_path") if k in stats.extra},
+                                       "trainer_rank_bytes_in", "reshard_path", "files_told_ahead",
+                                       "files_hashed_ahead") if k in stats.extra},
     }

@@ -18,7 +18,8 @@ checkpoint's files (`fsdp_sync.weights.hf_checkpoint.resolve`: index, missing sh
 worker checks its share of the files' digests and every tensor's header, and reads only its own
 slices into staging memory, so a torn or corrupt checkpoint changes nothing. A per-rank checkpoint
 (``SyncConfig.layout="engine"``) is checked the same way, each worker hashing only its own files
-(`weights.verified_file`), then read at the commit straight from them into the weights (no staging).
+(`weights.verified_file`), then read at the commit straight from them into the weights (no staging);
+files it was told of while the trainer wrote them (``hash_files_ahead``) are hashed then (`disk_calls`).
 
 ``begin_weight_update()`` … ``end_weight_update()`` is one transaction (``transactional_updates``,
 the default): each call is checked as above; while the engine holds weights worth protecting
@@ -84,13 +85,14 @@ from ...wire import free_port
 from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
                     EngineUnavailableError, WeightUpdateError, WorkerDiedError, ordered_tags)
 from . import procs, quant
+from .disk_calls import DiskCalls
 from .gpu_calls import GPUCalls
 from .group_calls import UpdateGroupCalls
 from .lora_calls import LoRACalls
 from .readback import WeightReadback
 from .rollout import GenerationCalls
 from .scheduler import Scheduler, check_version
-from .update_items import build_items, disk_items
+from .update_items import build_items
 
 __all__ = ["ReferenceEngine"]
 
@@ -98,7 +100,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
 
-class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback, LoRACalls, GPUCalls):
+class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadback, LoRACalls, GPUCalls):
     """A TP rollout engine in worker processes. See the module docstring.
 
     Args:
@@ -492,47 +494,6 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, WeightReadback, LoRACal
         qwen2-160m: a worker's page faults per sync 10 k -> 2 k, its load 0.085 -> 0.070 s)."""
         self._update_from_tensor(list(payloads), "direct", flush_cache, keep_mapped=True,
                                  weight_version=weight_version)
-
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 flush_cache: bool = True, *, weight_version: str | None = None,
-                                 require_complete: bool = False) -> None:
-        """Load the tensors of a Hugging Face safetensors checkpoint directory (SGLang's call).
-
-        SGLang's rules: an index (``model.safetensors.index.json``) decides the files and a
-        missing indexed file fails before anything loads; without one every ``*.safetensors``
-        file loads; only the names present are updated (``require_complete=True``, what
-        `fsdp-sync serve` asks: a checkpoint that lacks any tensor this engine holds is refused).
-        A ``config.json`` beside the weights must agree with the engine's model in every value
-        that changes its math (`config_check`). All or nothing, unlike SGLang 0.5.23: the files'
-        digests (each worker hashes its share) and every tensor's name, dtype and shape are checked
-        on every worker before any weight changes (HF files: slices staged; per-rank files: read
-        into the weights at the commit). Raises `WeightUpdateError` naming the file or tensor; the
-        old weights keep serving. ``weight_version`` as for tensors; ``disk_tensors_loaded``."""
-        from ...weights.hf_checkpoint import CheckpointError
-
-        what = f"update_weights_from_disk({str(model_path)!r})"
-        check_version(weight_version, what)
-        with self._gate(what):
-            self._check_usable()
-            if self._txn_aborted is not None:
-                raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
-                                        f"({self._txn_aborted}); call end_weight_update() and start again")
-            try:
-                per_rank = disk_items(model_path, load_format, self.layout, self.config,
-                                      complete=bool(require_complete))
-            except CheckpointError as exc:
-                err = WeightUpdateError(f"{what}: {exc}")
-                self._abort_all(what, str(err))       # a refused call ends an open transaction too
-                raise err from exc
-            staged = self._two_phase(per_rank, what)
-            tp = self.tp_size
-            self.disk_bytes_read = [int(staged[r][1].get("bytes_read", 0)) for r in range(tp)]
-            self.disk_seconds = {k: max(float(rs[r][1].get(f, 0.0)) for r in range(tp)) for k, f, rs in
-                                 (("read_hash_s", "stage_s", staged), ("copy_s", "commit_s", self._committed))}
-            counts = [int(staged[r][1].get("tensors", 0)) for r in range(tp)]
-            # HF files: every rank reads every header; per-rank files: each its own tensors
-            self.disk_tensors_loaded = counts[0] if per_rank[0][0][1] == "hf" else sum(counts)
-            self._after_update(weight_version, flush_cache)
 
     def _two_phase(self, per_rank: list, what: str, cmd: str = "stage",
                    keep_mapped: bool = False) -> dict[int, tuple]:

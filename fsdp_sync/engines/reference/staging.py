@@ -64,6 +64,7 @@ class Write:
     dst: tuple
     src: torch.Tensor
     covers: tuple[str, ...]
+    owned: bool = False     # src is this worker's own memory (received, not a sender's buffer)
 
 
 @dataclass
@@ -91,6 +92,10 @@ class UpdateStager:
         self.mapped: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
         self.bytes_read = 0                 # what the last disk update read on this rank
         self.files: list[Any] = []          # this call's checked per-rank files (`VerifiedFile`), open
+        self.ahead: dict[str, Any] = {}     # file name -> `VerifiedFile` hashed ahead (`hash_ahead`)
+        self.ahead_dir: str | None = None   # the temp directory they were hashed in
+        self.ahead_dirfd = -1               # ... open (its name changes when it is published)
+        self.ahead_used = 0                 # files the last disk stage took as hashed ahead
 
     def _mismatch(self, name: str, what: str, expected: Any, got: Any) -> WorkerError:
         return WorkerError(KIND_UPDATE, f"expected {what} {expected} for {name!r} on TP rank {self.w.rank}, "
@@ -202,6 +207,8 @@ class UpdateStager:
         seen: set[str] = set()
         self.bytes_read = 0
         self._close_files()
+        if not any(item[0] == "disk" and item[1] != "hf" for item in items):
+            self.close_ahead()      # files hashed ahead for a version that was never loaded
         t0 = time.perf_counter()
         for item in items:
             kind, layout_kind = item[0], item[1]
@@ -221,15 +228,19 @@ class UpdateStager:
                 name, payload = item[2], item[3]
                 value = self._open(payload) if isinstance(payload, (bytes, bytearray, str)) else payload
                 named = [(name, value)]
+            first = len(writes)
             for name, t in named:
                 if name in seen:
                     raise WorkerError(KIND_UPDATE, f"{name!r} appears twice in one update "
                                                    f"(TP rank {self.w.rank})", name)
                 seen.add(name)
                 (self._hf_writes if layout_kind == "hf" else self._direct_writes)(name, t, writes)
+            if kind == "tensor" and not isinstance(item[3], (bytes, bytearray, str)):
+                for w in writes[first:]:        # received into this worker's own buffer
+                    w.owned = True
             self._maybe_fault()
         return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen),
-                "stage_s": time.perf_counter() - t0}
+                "stage_s": time.perf_counter() - t0, "hashed_ahead": self.ahead_used}
 
     def _check_complete(self, directory: str, writes: list[Write]) -> None:
         """Refuse a checkpoint that lacks a tensor this rank holds: loading it would serve a mix
@@ -306,18 +317,37 @@ class UpdateStager:
         rank's shape, dtype). No other rank's file is opened, and nothing is kept in memory: the
         writes' sources are the checked files (`FileTensor`), which the commit reads straight into
         the weights (from the page cache this pass warmed) once every rank's files checked out,
-        instead of a staged copy of the whole shard."""
+        instead of a staged copy of the whole shard. A file hashed ahead (`hash_ahead`, while the
+        trainer wrote the rest) is not read again where it is still the very file it hashed (device,
+        inode, size, mtime) and its digest is the manifest's; any other is hashed here."""
+        directory = spec["dir"]
+        ahead, self.ahead, self.ahead_used = self.ahead, {}, 0
+        self.close_ahead()
+        try:
+            self._stage_files(spec, directory, ahead, writes, seen)
+        finally:
+            for vf in ahead.values():           # hashed ahead but not asked for (or a failed stage)
+                vf.close()
+
+    def _stage_files(self, spec: dict, directory: str, ahead: dict, writes: list[Write],
+                     seen: set[str]) -> None:
         from ...weights.hf_checkpoint import CheckpointError, engine_name_of
         from ...weights.verified_file import VerifiedFile
 
-        directory = spec["dir"]
+        algo = spec.get("hash", "sha256")
         for file in spec["files"]:
             path = os.path.join(directory, file)
-            try:
-                vf = VerifiedFile(path, spec["digests"][file], spec.get("hash", "sha256"))
-            except CheckpointError as exc:
-                raise WorkerError(KIND_UPDATE, f"{exc}{_holding(spec['names'][file])} "
-                                               f"(TP rank {self.w.rank})") from exc
+            vf = ahead.pop(file, None)
+            if vf is not None and vf.is_file(path, spec["digests"][file], algo):
+                self.ahead_used += 1            # this very file hashed to the manifest's digest
+            else:
+                if vf is not None:
+                    vf.close()
+                try:
+                    vf = VerifiedFile(path, spec["digests"][file], algo)
+                except CheckpointError as exc:
+                    raise WorkerError(KIND_UPDATE, f"{exc}{_holding(spec['names'][file])} "
+                                                   f"(TP rank {self.w.rank})") from exc
             self.files.append(vf)
             tensors = vf.tensors
             self.bytes_read += vf.size
@@ -339,6 +369,44 @@ class UpdateStager:
                 except WorkerError as exc:
                     raise WorkerError(exc.kind, f"{path}: {exc}", name) from exc
                 writes[-1].src = tensors[key]        # read at the commit, straight into the weight
+
+    def hash_ahead(self, a: dict) -> None:
+        """Hash this rank's per-rank files ``a["files"]`` in ``a["dir"]`` (a version still being
+        written) under ``a["hash"]``, and keep them open for the disk stage that follows
+        (`_stage_disk_ranked` takes one only while it is the same file with the manifest's digest).
+        The directory is opened at its first files, and later files are found by name in that open
+        directory, so files told while the trainer publishes the version (renames it) are still
+        found. A file that cannot be read or parsed yet is skipped (the stage hashes it); files of
+        another directory are dropped. Changes nothing else."""
+        from ...weights.hf_checkpoint import CheckpointError
+        from ...weights.verified_file import VerifiedFile
+
+        directory = str(a["dir"])
+        if self.ahead_dir != directory:
+            self.close_ahead()
+            try:    # opened once: its files are found by name even after the version is renamed
+                self.ahead_dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                return                          # published (or gone) already: the stage hashes
+            self.ahead_dir = directory
+        for file in a["files"]:
+            file = os.path.basename(str(file))
+            old = self.ahead.pop(file, None)
+            if old is not None:
+                old.close()
+            try:
+                self.ahead[file] = VerifiedFile(os.path.join(directory, file), None, str(a["hash"]),
+                                                record=True, dir_fd=self.ahead_dirfd)
+            except (CheckpointError, OSError, ValueError):
+                pass
+
+    def close_ahead(self) -> None:
+        ahead, self.ahead, self.ahead_dir = self.ahead, {}, None
+        for vf in ahead.values():
+            vf.close()
+        fd, self.ahead_dirfd = self.ahead_dirfd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def _disk_writes(self, path: str, name: str, f: Any, out: list[Write], dtypes: dict) -> None:
         if not self.w.layout.accepts(name):
@@ -426,7 +494,10 @@ class UpdateStager:
             elif self.txn.staging:
                 self._files_unchanged()
                 for w in writes:     # the sender frees its buffer after the call; a file's tensor is read
-                    w.src = w.src.to("cpu", copy=True) if isinstance(w.src, torch.Tensor) else w.src.load()
+                    if not isinstance(w.src, torch.Tensor):
+                        w.src = w.src.load()
+                    elif not (w.owned and w.src.device.type == "cpu"):   # a received CPU buffer is
+                        w.src = w.src.to("cpu", copy=True)             # already a copy of its own
                 self.txn.writes.extend(writes)
                 self.txn.covers |= covers
             else:

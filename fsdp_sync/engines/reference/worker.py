@@ -348,6 +348,7 @@ class Worker:
         self.updates.txn = None
         self.updates.in_update = False
         self.updates.mapped.clear()
+        self.updates.close_ahead()
         self.model.params, self.memory.kv, self.memory.backup = {}, None, None
         self.model.adapters, self.lora_pending = {}, None
         # storages opened from CUDA IPC handles give their producer's reference counts back when
@@ -411,7 +412,10 @@ COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "stage_broadcast": lambda w, a: w.updates.stage(w.receive_broadcast(a)),
     "receive_raw": _receive_raw,
     "set_fault": lambda w, a: w.set_fault(a["fault"]),
+    "hash_ahead": lambda w, a: w.updates.hash_ahead(a),
 }
+NO_REPLY = {"hash_ahead"}
+"""Commands the engine sends without waiting for them (a hint): no reply, a failure ignored."""
 
 
 def _send(conn: Any, msg: Any) -> None:
@@ -464,6 +468,12 @@ def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> 
                 except OSError:
                     pass
                 break
+            if cmd in NO_REPLY:
+                try:
+                    worker.handle(cmd, args)
+                except Exception:  # noqa: BLE001 - a hint; the update it helps checks everything
+                    pass
+                continue
             try:
                 reply = (seq, "ok", worker.handle(cmd, args))
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to the engine
