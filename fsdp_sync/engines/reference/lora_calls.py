@@ -64,7 +64,9 @@ class LoRACalls:
         rank (``handles.make_payloads``, peft's names), which the workers open without a copy here
         (`lora_sync` hands over the trainer's own buffer); each worker checks the tensors.
         Raises `WeightUpdateError` naming the tensor or the config key; nothing changes on a
-        refusal. Returns ``{"success", "nbytes"}``."""
+        refusal. Returns ``{"success", "nbytes", "in_place", "kept_check"}``: the last two count
+        the workers that staged into the shard the adapter replaced and that took the checked
+        tensors of the previous payload (`worker.Worker.lora_stage`)."""
         what = f"load_lora_adapter_from_tensors({lora_name!r})"
         if not isinstance(lora_name, str) or not lora_name:
             raise WeightUpdateError(f"{what}: lora_name must be a non-empty string")
@@ -113,7 +115,8 @@ class LoRACalls:
             loaded[lora_name] = {"r": cfg.r, "lora_alpha": cfg.lora_alpha,
                                  "target_modules": list(cfg.target_modules), "scale": cfg.scale}
             nbytes = replies[0][1]["nbytes"]
-        return {"success": True, "message": f"loaded LoRA adapter {lora_name!r}", "nbytes": nbytes}
+            kept = {k: sum(bool(rep[1].get(k)) for rep in replies.values()) for k in ("in_place", "kept_check")}
+        return {"success": True, "message": f"loaded LoRA adapter {lora_name!r}", "nbytes": nbytes, **kept}
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
         """Load a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""

@@ -307,16 +307,19 @@ class Worker:
                     raise WorkerError(KIND_UPDATE, f"could not open the LoRA payload for TP rank {self.rank}: "
                                                    f"{type(exc).__name__}: {exc}") from exc
             try:
+                kept = self.lora_in
                 pairs = self._lora_pairs(cfg, [rec.value for rec in recs])
+                spare = self.lora_spare.pop(a["name"], None)
                 shard = lora_mod.shard_adapter(self.layout, self.rank, a["name"], cfg, pairs, self.dtype,
-                                               self.device, reuse=self.lora_spare.pop(a["name"], None))
+                                               self.device, reuse=spare)
             except ValueError as exc:
                 raise WorkerError(KIND_UPDATE, f"LoRA adapter {a['name']!r} on TP rank {self.rank}: {exc}") from exc
         finally:
             for rec in recs:
                 rec.ack()
         self.lora_pending = shard
-        return {"nbytes": shard.nbytes()}
+        return {"nbytes": shard.nbytes(), "kept_check": kept is not None and self.lora_in is kept,
+                "in_place": spare is not None and shard.mats is spare.mats}
 
     def _lora_pairs(self, cfg: Any, values: list) -> dict:
         """The checked ``{HF weight: (A, B)}`` of opened LoRA payloads (`lora.check_adapter`).
