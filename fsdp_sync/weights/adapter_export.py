@@ -97,7 +97,8 @@ class AdapterExport:
             except Exception as exc:  # noqa: BLE001 - told to every rank just below
                 err = exc
         miss = items is None and err is None
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        synced = dist.is_initialized() and dist.get_world_size() > 1
+        if synced:
             flags = torch.tensor([int(miss), int(err is not None)], dtype=torch.int64)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(None))
             miss, failed = bool(flags[0]), bool(flags[1])
@@ -112,8 +113,9 @@ class AdapterExport:
             self.hits += 1
         if self.bucket is None:
             return {}
-        if self.host is not None:
-            fill_shared(self.host, self.bucket, items)
+        if self.host is not None:   # no barrier first: the all-reduce above was one (nobody
+            # still reads the last sync's bytes: every rank is in this call), as is a miss's resolve
+            fill_shared(self.host, self.bucket, items, wait_readers=not synced)
         else:
             fill_bucket(self.bucket, items, self.buf, self.scratch)
         return dict(self.views)
