@@ -3,7 +3,7 @@ engine (the `fsdp-sync bench --lora-r` job): per adapter sync, on each trainer r
 each of `lora_sync`'s steps and, on infer-TP rank 0, in the engine's LoRA load (packing, the
 workers' stage round, the commit round), plus the CPU seconds and minor page faults of the engine
 workers (from ``/proc``). Prints the median over ``--syncs`` adapter syncs after one full sync and
-one warm-up adapter sync.
+one warm-up adapter sync (``--each``: every adapter sync's figures, the warm-up's first).
 
 ``--alternate``: a full sync before each adapter sync (as `fsdp-sync bench --lora-r` times them).
 
@@ -86,7 +86,7 @@ def _rank(rank, world, a):
     holds = SyncTopology.from_mesh(mesh).is_tp_src
     engine = ReferenceEngine(model_config=cfg, tp_size=2, max_lora_rank=a.r) if holds else None
     manager = FSDPShardingManager(model, engine, mesh=mesh, config=SyncConfig(
-        dtype=torch.float32, lora="adapter", verify=a.verify))
+        dtype=torch.float32, lora="adapter", verify=a.verify, bucket_bytes=int(a.bucket_mb * 2**20)))
     pids = list(engine.worker_pids) if engine is not None else []
     load = lora_sync.load_adapter
 
@@ -113,17 +113,19 @@ def _rank(rank, world, a):
                 pass
             after = [_proc(p) for p in pids]
             stage = next(s.seconds for s in manager.timeline.stages if s.name == "sync_weights")
-            row = {"stage": stage, **acc}
+            row = {"stage": stage, **acc, "export.misses": float(manager.lora_export.misses)}
             for w, (b, e) in enumerate(zip(before, after)):
                 row[f"worker{w}.faults"] = e[0] - b[0]
                 row[f"worker{w}.cpu"] = e[1] - b[1]
-            if i >= 2:
+            if i >= 2 or (a.each and i >= 1):
                 rows.append(row)
     finally:
         manager.close()
         if engine is not None:
             engine.shutdown()
     keys = sorted({k for r in rows for k in r})
+    if a.each:
+        return {k: [round(r.get(k, 0.0), 4) for r in rows] for k in keys}
     return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
 
 
@@ -136,6 +138,8 @@ def main() -> None:
     p.add_argument("--syncs", type=int, default=8)
     p.add_argument("--verify", default="off")
     p.add_argument("--alternate", action="store_true", help="a full sync before each adapter sync")
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--each", action="store_true", help="every sync's figures, not the medians")
     a = p.parse_args()
     per_rank = run_ranks(_rank, 2, a, timeout_s=900, env=spawn_env())
     for rank, res in enumerate(per_rank):
