@@ -24,8 +24,10 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   engine that reports digests instead (`SGLangEngine` over ``fsdp-sync serve``: `check_digests`)
   is compared digest for digest.
 
-The adapter travels as one flattened bucket per call (one shared buffer, one handle per TP rank:
-`engines.reference.update_items.pack_plain`), the same payload form as a full sync's buckets.
+The adapter travels as one flattened bucket per call, one handle per TP rank, the same payload
+form as a full sync's buckets: to a reference engine, the trainer's own kept buffer where the ranks
+share one host (``load_format="flattened_bucket"``, no copy), else the engine packs the tensors
+(`engines.reference.update_items.pack_plain`).
 
 Not here: the base weights' sync (the transports), the engine's side (`engines.reference.lora`).
 """
