@@ -8,8 +8,9 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   or the ``peft_config=`` given to the manager), normalized as verl does for SGLang (enums to
   strings), checked against the LoRA tensors the module holds (rank from their shapes, targets
   from their names).
-- `adapter_tensors`: the full LoRA tensors, gathered from FSDP2 / FSDP1 / plain modules by the
-  export (collective: every trainer rank calls it), named as peft saves them
+- the full LoRA tensors, gathered from FSDP2 / FSDP1 / plain modules by the export (collective:
+  every trainer rank calls it) into one flattened bucket that the manager keeps from one sync to
+  the next with its plan and sources (`weights.adapter_export`), named as peft saves them
   (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the adapter's name segment
   dropped), the names SGLang's LoRA loader and the reference engine read.
 - `check_engine`: refuse, by name and before the engine's adapter is touched, an adapter that the
@@ -23,8 +24,10 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   engine that reports digests instead (`SGLangEngine` over ``fsdp-sync serve``: `check_digests`)
   is compared digest for digest.
 
-The adapter travels as one flattened bucket per call (one shared buffer, one handle per TP rank:
-`engines.reference.update_items.pack_plain`), the same payload form as a full sync's buckets.
+The adapter travels as one flattened bucket per call, one handle per TP rank, the same payload
+form as a full sync's buckets: to a reference engine, the trainer's own kept buffer where the ranks
+share one host (``load_format="flattened_bucket"``, no copy), else the engine packs the tensors
+(`engines.reference.update_items.pack_plain`).
 
 Not here: the base weights' sync (the transports), the engine's side (`engines.reference.lora`).
 """
@@ -37,11 +40,12 @@ from typing import Any, Callable
 import torch
 
 from .transport import SyncStats
-from .weights import export
-from .weights.bucket import unflatten
+from .weights import bucket, export, handles
+from .wire import flattened_bucket
+from .weights.adapter_export import AdapterExport
 
-__all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "adapter_tensors", "check_engine", "load_adapter",
-           "verify_adapter", "check_digests", "peft_name"]
+__all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "check_engine", "load_adapter",
+           "verify_adapter", "check_digests", "peft_name", "close"]
 
 
 def check_mode(module: torch.nn.Module, config: Any) -> None:
@@ -64,41 +68,59 @@ def memory_tags(config: Any, tags: list[str] | None) -> list[str] | None:
 
 
 def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_config: Any,
-                 base_versions: dict[int, Any], agree: Callable[..., None]) -> SyncStats:
+                 base_versions: dict[int, Any], agree: Callable[..., None],
+                 kept: AdapterExport | None = None) -> SyncStats:
     """One adapter-only sync, on every trainer rank: all gather the adapter, the engine ranks
     check it against each engine (`check_engine`) and load it, all ``agree`` (so a refusal on
     one rank raises the same `SyncError` on every rank, naming it); then, with
-    `SyncConfig.verify`, each engine's adapter is read back and compared bit for bit. Returns
-    the sync's figures (seconds: gather + load, without the verify)."""
+    `SyncConfig.verify`, each engine's adapter is read back and compared bit for bit. ``kept``:
+    the export kept from the previous sync (`weights.adapter_export`; None: a fresh one, freed
+    after). Returns the sync's figures (seconds: gather + load, without the verify)."""
     name = config.lora_name
     t0 = time.perf_counter()
     err, tensors, cfg = None, {}, {}
+    export_ = kept if kept is not None else AdapterExport(peft_name)
     try:
-        cfg = adapter_config(module, peft_config)
-        tensors = adapter_tensors(module, config.dtype, config.bucket_bytes)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank just below
-        err = f"{type(exc).__name__}: {exc}"
-    agree(err, what="adapter sync")
-    for engine in engines:
-        if err is not None:
-            break
         try:
-            err = check_engine(engine, cfg, name, base_versions.get(id(engine)))
-            if err is None:
-                load_adapter(engine, name, tensors, cfg)
+            tensors = export_.tensors(module, config.dtype)
+            metas = [bucket.TensorMeta(e.name, e.dtype, e.shape) for e in export_.bucket.entries] \
+                if export_.bucket is not None else []
+            cfg = adapter_config(module, peft_config, metas=metas)
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
-    agree(err, what=f"adapter sync of {name!r}")
-    stats = SyncStats(seconds=time.perf_counter() - t0,
-                      bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-                      tensors=len(tensors), buckets=1, engine_calls=len(engines),
-                      extra={"lora": name, "r": cfg.get("r")})
-    if config.verify != "off":
-        err = None
+        agree(err, what="adapter sync")
         for engine in engines:
-            err = err or verify_adapter(engine, name, tensors)
-        agree(err, what=f"verify={config.verify!r} of adapter {name!r}")
+            if err is not None:
+                break
+            try:
+                err = check_engine(engine, cfg, name, base_versions.get(id(engine)))
+                if err is None:
+                    load_adapter(engine, name, tensors, cfg, export_.shared())
+            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+                err = f"{type(exc).__name__}: {exc}"
+        agree(err, what=f"adapter sync of {name!r}")
+        stats = SyncStats(seconds=time.perf_counter() - t0,
+                          bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                          tensors=len(tensors), buckets=1, engine_calls=len(engines),
+                          extra={"lora": name, "r": cfg.get("r")})
+        if config.verify != "off":
+            err = None
+            for engine in engines:
+                err = err or verify_adapter(engine, name, tensors)
+            agree(err, what=f"verify={config.verify!r} of adapter {name!r}")
+    finally:
+        del tensors
+        if kept is None:
+            export_.close()
     return stats
+
+
+def close(manager: Any) -> None:
+    """Free the adapter's export ``manager`` kept between syncs (`sync_weights`; the manager's
+    ``close``)."""
+    kept, manager.lora_export = getattr(manager, "lora_export", None), None
+    if kept is not None:
+        kept.close()
 
 
 def peft_name(name: str) -> str:
@@ -112,9 +134,11 @@ def peft_name(name: str) -> str:
     return "base_model.model." + ".".join(parts)
 
 
-def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "default") -> dict:
+def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "default", *,
+                   metas: list | None = None) -> dict:
     """The adapter's config dict (see the module docstring); raises ValueError naming what is
-    missing or what the module's LoRA tensors contradict."""
+    missing or what the module's LoRA tensors contradict. ``metas``: the LoRA tensors' metas
+    when the caller has them (the export's plan), else read from the module."""
     cfg = given
     if cfg is None:
         peft_cfg = getattr(module, "peft_config", None)
@@ -134,7 +158,8 @@ def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "
     tm = cfg.get("target_modules")
     if isinstance(tm, (set, frozenset, tuple)):
         cfg["target_modules"] = sorted(tm)
-    metas = export.param_metas(module, lora=True)
+    if metas is None:
+        metas = export.param_metas(module, lora=True)
     if not metas:
         raise ValueError("SyncConfig.lora='adapter' but the module holds no LoRA tensors (no "
                          "parameter named like '...q_proj.lora_A.default.weight')")
@@ -143,18 +168,6 @@ def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "
         raise ValueError(f"the adapter config says r={cfg.get('r')!r} but the module's LoRA tensors "
                          f"have rank {sorted(ranks)}")
     return cfg
-
-
-def adapter_tensors(module: torch.nn.Module, dtype: torch.dtype | None,
-                    bucket_bytes: int = 512 << 20) -> dict[str, torch.Tensor]:
-    """The full LoRA tensors in peft's saved names (collective over the module's shard group):
-    gathered bucket by bucket (one all-gather per bucket, not one per tensor), each tensor a view
-    of its bucket's buffer (plain memory: the engine call copies what it sends)."""
-    out = {}
-    for bkt, flat in export.iter_buckets(module, bucket_bytes, dtype=dtype, lora=True,
-                                         alloc=lambda n: torch.empty(n, dtype=torch.uint8)):
-        out.update((peft_name(n), t) for n, t in unflatten(flat, bkt.entries))
-    return out
 
 
 def check_engine(engine: Any, cfg: dict, name: str, base_version: Any) -> str | None:
@@ -191,10 +204,21 @@ def check_engine(engine: Any, cfg: dict, name: str, base_version: Any) -> str | 
     return None
 
 
-def load_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor], cfg: dict) -> None:
-    """Put the adapter into ``engine`` under ``name`` (see the module docstring)."""
+def load_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor], cfg: dict,
+                 shared: tuple[torch.Tensor, Any] | None = None) -> None:
+    """Put the adapter into ``engine`` under ``name`` (see the module docstring). ``shared``:
+    ``(flat, bucket)``, the same tensors in a shared buffer (`AdapterExport.shared`), handed to a
+    reference engine's workers as payloads of that buffer (no copy) where it takes them."""
     loaded = getattr(engine, "lora_adapters", None)
     if isinstance(loaded, dict):          # the reference engine: staged everywhere, then swapped
+        if shared is not None and "flattened_bucket" in getattr(engine, "lora_load_formats", ()):
+            ps = handles.make_payloads(flattened_bucket(*shared), engine.tp_size)
+            try:
+                engine.load_lora_adapter_from_tensors(name, list(ps.payloads), cfg,
+                                                      load_format="flattened_bucket", replace=True)
+            finally:
+                ps.release(require_ack=False)
+            return
         engine.load_lora_adapter_from_tensors(name, list(tensors.items()), cfg, replace=True)
         return
     models = getattr(engine, "available_models", None)
@@ -270,8 +294,10 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any) -> None:
         sync_full()
         manager.lora_base = {id(e): getattr(e, "weight_version", None) for e in manager.engines}
     base, manager.base_sync_done = manager.stats, True
+    if getattr(manager, "lora_export", None) is None:
+        manager.lora_export = AdapterExport(peft_name)
     manager.stats = sync_adapter(manager.module, manager.config, manager.engines, manager.peft_config,
-                                 manager.lora_base, agree)
+                                 manager.lora_base, agree, manager.lora_export)
     manager.step += int(not full)
     if full:
         manager.stats.extra.update({"base_seconds": base.seconds, "base_bytes": base.bytes,

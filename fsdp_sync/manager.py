@@ -673,6 +673,7 @@ class FSDPShardingManager:
         """Close the transport (distributed: destroy the weight-update group). Idempotent; also
         runs at interpreter exit."""
         transport, self.transport = getattr(self, "transport", None), None
+        lora_sync.close(self)     # the adapter's export kept between syncs
         if transport is not None:
             transport.close()
 

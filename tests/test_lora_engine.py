@@ -120,6 +120,55 @@ def test_partial_targets_and_replace(eng, tiny):
         eng.unload_lora_adapter("a")
 
 
+def test_replacing_reuses_the_old_shard_only_where_its_layout_is_the_same(eng, tiny):
+    """Each replace stages into the shard the previous one replaced where r, targets and dtype
+    are the same (written in place, B's off-block zeros kept), else into new memory: a sequence
+    that changes targets and r back and forth serves every adapter exactly (logits of the merged
+    model; the read-back alone would not see a stale entry in B's zeros). The last loads come as
+    flattened-bucket payloads of one kept buffer (what `lora_sync` sends): the workers keep their
+    check of it while buffer, metadata and config stay the same, and read the new bytes."""
+    from fsdp_sync.weights import handles
+    from fsdp_sync.weights.bucket import TensorMeta, flatten, plan_buckets
+    from fsdp_sync.wire import flattened_bucket
+
+    qv = ("q_proj", "v_proj", "down_proj")
+    # (r, targets, seed, as payloads of the kept buffer); alpha 2r: one config per (r, targets)
+    steps = [(4, TARGETS, 1, False), (4, qv, 2, False), (4, TARGETS, 3, False), (2, TARGETS, 4, False),
+             (2, TARGETS, 5, True), (2, TARGETS, 6, True), (2, TARGETS, 7, False), (4, qv, 8, True)]
+    tp = eng.tp_size
+    seen, kept = [], {}
+    try:
+        for i, (r, targets, seed, bucketed) in enumerate(steps):
+            t, c = make_adapter(tiny, r=r, alpha=2 * r, targets=targets, seed=seed)
+            if not bucketed:
+                res = eng.load_lora_adapter_from_tensors("a", t, c, replace=True)
+            else:
+                metas = [TensorMeta.of(n, v) for n, v in t.items()]
+                bkt = plan_buckets(metas, sum(m.nbytes for m in metas) + 64 * (len(metas) + 1))[0]
+                if kept.get("nbytes") != bkt.nbytes:
+                    kept = {"nbytes": bkt.nbytes, "flat": handles.empty_shared(bkt.nbytes)}
+                flatten(bkt, list(t.values()), out=kept["flat"])
+                with handles.make_payloads(flattened_bucket(kept["flat"], bkt), tp) as ps:
+                    res = eng.load_lora_adapter_from_tensors("a", list(ps.payloads), c,
+                                                             load_format="flattened_bucket", replace=True)
+            seen.append((res["in_place"], res["kept_check"]))
+            want = hf_logits(merged(tiny, t, c), PROMPTS)
+            assert (eng.forward_logits(PROMPTS, lora_path="a") - want).abs().max() < 1e-5, (i, r, targets)
+            got = eng.lora_tensors("a")
+            assert sorted(got) == sorted(k.removeprefix("base_model.model.") for k in t)
+            assert all(torch.equal(got[k.removeprefix("base_model.model.")], v) for k, v in t.items())
+        # in place: where the spare (the shard the previous load replaced, two steps back) has this
+        # layout (steps 2, 5, 6); the check kept: for the second payload of the same buffer with
+        # the same config (step 5)
+        assert seen == [(0, 0), (0, 0), (tp, 0), (0, 0), (0, 0), (tp, tp), (tp, 0), (0, 0)], seen
+        with pytest.raises(WeightUpdateError, match=r"one payload \(bytes or base64 text\) per TP rank"):
+            eng.load_lora_adapter_from_tensors("a", [b"x"] * (tp + 1), c, load_format="flattened_bucket",
+                                               replace=True)
+        assert (eng.forward_logits(PROMPTS, lora_path="a") - want).abs().max() < 1e-5
+    finally:
+        eng.unload_lora_adapter("a")
+
+
 def test_refused_adapters_change_nothing(eng, tiny):
     t, c = make_adapter(tiny)
     eng.load_lora_adapter_from_tensors("a", t, c)

@@ -336,11 +336,13 @@ def shared_group(items: list) -> Any:
     return next(iter(groups.values()))
 
 
-def fill_shared(host: HostShared, bkt: _bucket.Bucket, items: list) -> torch.Tensor:
+def fill_shared(host: HostShared, bkt: _bucket.Bucket, items: list, *,
+                wait_readers: bool = True) -> torch.Tensor:
     """Bucket ``bkt`` in ``host``'s one buffer (a view valid until the next bucket): each rank
     writes only its own pieces of each tensor (bytes ``[start + before, start + before + piece)``,
     ``before`` the elements of the ranks before it), group rank 0 the replicated tensors and the
-    padding, so a bucket costs every rank one copy of its shard instead of an all-gather."""
+    padding, so a bucket costs every rank one copy of its shard instead of an all-gather.
+    ``wait_readers=False``: the caller has just synchronized the group itself (`HostShared.fill`)."""
     flat = host.bufs[0][:bkt.nbytes]
     me = host.me
 
@@ -362,5 +364,5 @@ def fill_shared(host: HostShared, bkt: _bucket.Bucket, items: list) -> torch.Ten
                 srcs.append(p.local.reshape(-1))
         _bucket.copy_many(dsts, srcs)
 
-    host.fill(write)
+    host.fill(write, wait_readers=wait_readers)
     return flat

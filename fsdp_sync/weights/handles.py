@@ -393,12 +393,17 @@ def _check_value(obj: Any, path: str, device: str | None) -> None:
             raise HandleError(f"expected {path!r} on {device}, got {obj.device}")
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _check_value(v, f"{path}.{k}" if path else str(k), device)
-    elif isinstance(obj, (list, tuple)):
+            if isinstance(v, _NESTED):   # leaves are not checked: no path made for them
+                _check_value(v, f"{path}.{k}" if path else str(k), device)
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
         for i, v in enumerate(obj):
-            _check_value(v, f"{path}[{i}]", device)
+            if isinstance(v, _NESTED):
+                _check_value(v, f"{path}[{i}]", device)
     elif isinstance(obj, types.SimpleNamespace):
         _check_value(vars(obj), path, device)
+
+
+_NESTED = (torch.Tensor, dict, list, tuple, types.SimpleNamespace)
 
 
 def _dump(obj: Any, keep: list, shared: list) -> bytes:

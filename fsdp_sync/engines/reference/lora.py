@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
+
+from ...weights.bucket import copy_many
 
 __all__ = ["TARGETS", "LoRAConfig", "hf_weight_of", "check_adapter", "shard_adapter", "LoRAShard",
            "unshard_pieces"]
@@ -150,6 +152,10 @@ class LoRAShard:
     cfg: LoRAConfig
     mats: dict[str, tuple[torch.Tensor, torch.Tensor]]
     pieces: dict[str, list[tuple[str, int, tuple, tuple]]]   # engine -> [(hf weight, block j, src, dst)]
+    # how it was laid out (`shard_adapter`'s reuse): (layout, rank, r, weights, dtype, device), and
+    # the views of ``mats`` each piece is copied into, in ``pieces`` order (A block, B block)
+    plan: tuple = field(default=(), repr=False, compare=False)
+    views: list = field(default_factory=list, repr=False, compare=False)
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.mats.values())
@@ -169,8 +175,32 @@ class LoRAShard:
 
 def shard_adapter(layout: Any, rank: int, name: str, cfg: LoRAConfig,
                   pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> LoRAShard:
-    """TP rank ``rank``'s `LoRAShard` of checked full ``pairs`` (`check_adapter`), in ``dtype``."""
+                  device: torch.device | str = "cpu", reuse: LoRAShard | None = None) -> LoRAShard:
+    """TP rank ``rank``'s `LoRAShard` of checked full ``pairs`` (`check_adapter`), in ``dtype``.
+    ``reuse``: a shard nobody serves any more (the adapter this one replaces, or an earlier spare)
+    laid out for the same layout, rank, rank r, target weights, dtype and device: its matrices are
+    written in place (every element that is not one of B's off-block zeros is rewritten; those
+    stay zero) with the plan and views it was built with, instead of new memory whose pages fault
+    in and a plan made again; anything else is laid out afresh."""
+    r = cfg.r
+    plan = (layout, rank, r, frozenset(pairs), dtype, torch.device(device))
+    if reuse is not None and reuse.plan[:1] == (layout,) and reuse.plan[1:] == plan[1:]:
+        mats, pieces, views = reuse.mats, reuse.pieces, reuse.views
+    else:
+        mats, pieces, views = _layout_shard(layout, rank, cfg, pairs, dtype, device)
+    srcs = []
+    for lst in pieces.values():
+        for weight, _, src, _ in lst:
+            A, B = pairs[weight]
+            srcs += [A[:, src[1]], B[src[0], :]]
+    copy_many(views, srcs)   # one fused copy (casts included), not two per module
+    return LoRAShard(name, cfg, mats, pieces, plan, views)
+
+
+def _layout_shard(layout: Any, rank: int, cfg: LoRAConfig, pairs: dict, dtype: torch.dtype,
+                  device: torch.device | str) -> tuple[dict, dict, list]:
+    """New matrices for `shard_adapter` (A empty, B zeros), the pieces, and the views of the
+    matrices the pieces go to; raises ValueError where a weight's split cannot be taken."""
     r = cfg.r
     by_engine: dict[str, list[tuple[str, tuple, tuple]]] = {}
     for weight in layout.hf_names():
@@ -179,23 +209,24 @@ def shard_adapter(layout: Any, rank: int, name: str, cfg: LoRAConfig,
         for pl in layout.placements(weight, rank):
             by_engine.setdefault(pl.engine, []).append((weight, _two(pl.src), _two(pl.dst)))
     shapes = layout.engine_shapes()
-    mats, pieces = {}, {}
+    mats, pieces, views = {}, {}, []
     for engine, lst in by_engine.items():
         out_local, in_local = shapes[engine]
         a = torch.empty(len(lst) * r, in_local, dtype=dtype, device=device)
         b = torch.zeros(out_local, len(lst) * r, dtype=dtype, device=device)
         pieces[engine] = []
         for j, (weight, src, dst) in enumerate(lst):
-            A, B = pairs[weight]
-            a_loc = A[:, src[1]]
-            if a_loc.shape[1] != in_local or dst[1] != slice(None) and dst[1].indices(in_local) != (0, in_local, 1):
+            A = pairs[weight][0]
+            if A[:, src[1]].shape[1] != in_local or dst[1] != slice(None) and dst[1].indices(in_local) != (0, in_local, 1):
                 raise ValueError(f"{weight!r} on TP rank {rank}: its input columns {src[1]} do not fill "
                                  f"{engine!r}'s {in_local} (cannot shard its lora_A)")
-            a[j * r:(j + 1) * r] = a_loc.to(dtype)
-            b[dst[0], j * r:(j + 1) * r] = B[src[0], :].to(dtype)
+            if not isinstance(dst[0], slice):
+                raise ValueError(f"{weight!r} on TP rank {rank}: {engine!r} places it at {dst}, not a "
+                                 f"block of rows (cannot shard its lora_B)")
+            views += [a[j * r:(j + 1) * r], b[dst[0], j * r:(j + 1) * r]]
             pieces[engine].append((weight, j, src, dst))
         mats[engine] = (a, b)
-    return LoRAShard(name, cfg, mats, pieces)
+    return mats, pieces, views
 
 
 def unshard_pieces(shard: LoRAShard) -> dict[str, list[tuple[str, tuple, torch.Tensor]]]:

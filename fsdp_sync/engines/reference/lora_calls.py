@@ -35,6 +35,7 @@ class LoRACalls:
     """`ReferenceEngine`'s LoRA methods (see the module docstring)."""
 
     max_lora_rank: int | None = None
+    lora_load_formats = (None, "tensor", "flattened_bucket")   # of load_lora_adapter_from_tensors
     lora_target_modules: tuple[str, ...] | None = None
 
     @property
@@ -58,18 +59,30 @@ class LoRACalls:
         """Load adapter ``lora_name`` from full tensors: ``[(name, tensor)]`` or a dict, peft's names
         (`lora.hf_weight_of`), with ``config_dict`` a peft ``LoraConfig`` dict. SGLang refuses a
         name already loaded; so does this unless ``replace`` (then the old adapter is swapped out
-        only once the new one is staged everywhere). Raises `WeightUpdateError` naming the tensor
-        or the config key; nothing changes on a refusal. Returns ``{"success", "nbytes"}``."""
+        only once the new one is staged everywhere). ``load_format="flattened_bucket"`` (an
+        fsdp_sync extension, as ``replace``): ``tensors`` is one flattened-bucket payload per TP
+        rank (``handles.make_payloads``, peft's names), which the workers open without a copy here
+        (`lora_sync` hands over the trainer's own buffer); each worker checks the tensors.
+        Raises `WeightUpdateError` naming the tensor or the config key; nothing changes on a
+        refusal. Returns ``{"success", "nbytes", "in_place", "kept_check"}``: the last two count
+        the workers that staged into the shard the adapter replaced and that took the checked
+        tensors of the previous payload (`worker.Worker.lora_stage`)."""
         what = f"load_lora_adapter_from_tensors({lora_name!r})"
         if not isinstance(lora_name, str) or not lora_name:
             raise WeightUpdateError(f"{what}: lora_name must be a non-empty string")
-        if load_format not in (None, "tensor") or added_tokens_config:
+        if load_format not in self.lora_load_formats or added_tokens_config:
             raise WeightUpdateError(f"{what}: load_format={load_format!r} / added_tokens_config are not "
-                                    f"served (plain tensors only)")
-        named = list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
+                                    f"served (plain tensors, or load_format='flattened_bucket' payloads, only)")
+        bucketed = load_format == "flattened_bucket"
+        if bucketed and not (isinstance(tensors, (list, tuple)) and len(tensors) == self.tp_size
+                             and all(isinstance(p, (bytes, bytearray, str)) for p in tensors)):
+            raise WeightUpdateError(f"{what}: load_format='flattened_bucket' takes one payload (bytes or "
+                                    f"base64 text) per TP rank ({self.tp_size})")
+        named = [] if bucketed else list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
         try:
             cfg = LoRAConfig.from_dict(config_dict)
-            check_adapter(self.layout, cfg, named)
+            if not bucketed:
+                check_adapter(self.layout, cfg, named)
         except ValueError as exc:
             raise WeightUpdateError(f"{what}: {exc}") from None
         refusal = self._lora_refusal(cfg)
@@ -84,7 +97,10 @@ class LoRACalls:
             sets: list[handles.PayloadSet] = []
             items: list[list] = [[] for _ in range(self.tp_size)]
             try:
-                pack_plain([named] * self.tp_size, "hf", items, sets, self.tp_size)
+                if bucketed:
+                    items = [[("bucket", "hf", p)] for p in tensors]
+                else:
+                    pack_plain([named] * self.tp_size, "hf", items, sets, self.tp_size)
                 per_rank = [{"name": lora_name, "config": dict(config_dict), "items": items[r]}
                             for r in range(self.tp_size)]
                 replies = self._round("lora_stage", per_rank=per_rank, what=what)
@@ -99,7 +115,8 @@ class LoRACalls:
             loaded[lora_name] = {"r": cfg.r, "lora_alpha": cfg.lora_alpha,
                                  "target_modules": list(cfg.target_modules), "scale": cfg.scale}
             nbytes = replies[0][1]["nbytes"]
-        return {"success": True, "message": f"loaded LoRA adapter {lora_name!r}", "nbytes": nbytes}
+            kept = {k: sum(bool(rep[1].get(k)) for rep in replies.values()) for k in ("in_place", "kept_check")}
+        return {"success": True, "message": f"loaded LoRA adapter {lora_name!r}", "nbytes": nbytes, **kept}
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
         """Load a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""

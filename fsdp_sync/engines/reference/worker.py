@@ -96,6 +96,8 @@ class Worker:
         self.update_groups: dict[str, Any] = {}     # weight-update groups (group name -> ProcessGroup)
         self.closed = False
         self.lora_pending: Any = None    # a staged LoRA adapter (`lora_stage`) awaiting commit
+        self.lora_spare: dict[str, Any] = {}   # per adapter name, the shard it replaced (reused)
+        self.lora_in: Any = None         # the last LoRA payload's checked tensors (`_lora_pairs`)
         self.updates = UpdateStager(self)
         self.memory = MemoryRegions(self, libc)   # allocates the weights and the KV cache
         self.model.init_random(int(opts["seed"]))
@@ -294,40 +296,74 @@ class Worker:
     def lora_stage(self, a: dict) -> dict:
         """Phase one of loading adapter ``a["name"]``: open its full tensors (payload items, as
         `update_items.build_items` makes them), check them against the base model, build this
-        rank's shard (`lora.shard_adapter`, copies: the payloads are acknowledged at once). The
-        loaded adapters are untouched until ``lora_commit``."""
+        rank's shard (`lora.shard_adapter`, copies: the payloads are acknowledged at once) into the
+        spare shard of that name where one is kept (the one the last commit replaced). The loaded
+        adapters are untouched until ``lora_commit``."""
         cfg = lora_mod.LoRAConfig.from_dict(a["config"])
-        named: list = []
+        self.lora_abort()
         recs = []
         try:
             for item in a["items"]:
                 if item[0] != "bucket":
                     raise WorkerError(KIND_UPDATE, f"LoRA tensors travel as one bucket per call, got {item[0]!r}")
                 try:
-                    rec = handles.open_payload(item[2], self.rank)
+                    recs.append(handles.open_payload(item[2], self.rank))
                 except Exception as exc:  # noqa: BLE001 - a bad payload is a refused load
                     raise WorkerError(KIND_UPDATE, f"could not open the LoRA payload for TP rank {self.rank}: "
                                                    f"{type(exc).__name__}: {exc}") from exc
-                recs.append(rec)
-                named.extend(open_flattened_bucket(rec.value))
             try:
-                pairs = lora_mod.check_adapter(self.layout, cfg, named)
-                shard = lora_mod.shard_adapter(self.layout, self.rank, a["name"], cfg, pairs, self.dtype, self.device)
+                kept = self.lora_in
+                pairs = self._lora_pairs(cfg, [rec.value for rec in recs])
+                spare = self.lora_spare.pop(a["name"], None)
+                shard = lora_mod.shard_adapter(self.layout, self.rank, a["name"], cfg, pairs, self.dtype,
+                                               self.device, reuse=spare)
             except ValueError as exc:
                 raise WorkerError(KIND_UPDATE, f"LoRA adapter {a['name']!r} on TP rank {self.rank}: {exc}") from exc
         finally:
-            del named
             for rec in recs:
                 rec.ack()
         self.lora_pending = shard
-        return {"nbytes": shard.nbytes()}
+        return {"nbytes": shard.nbytes(), "kept_check": kept is not None and self.lora_in is kept,
+                "in_place": spare is not None and shard.mats is spare.mats}
+
+    def _lora_pairs(self, cfg: Any, values: list) -> dict:
+        """The checked ``{HF weight: (A, B)}`` of opened LoRA payloads (`lora.check_adapter`).
+        The last ones are kept, with the buffer they view (so it stays mapped): a payload of the
+        same buffer with equal metadata under an equal config (an adapter sync from a trainer that
+        keeps its buffer, `lora_sync`) takes them again instead of reading and checking 2 x
+        modules x layers entries anew; its bytes are read by the copy into the shard."""
+        key = meta = flat = None
+        if len(values) == 1 and isinstance(values[0], dict):
+            flat, meta = values[0].get("flattened_tensor"), values[0].get("metadata")
+            if isinstance(flat, torch.Tensor) and flat.device.type == "cpu":
+                key = (flat.data_ptr(), flat.numel(), cfg)
+                kept = self.lora_in
+                if kept is not None and kept[0] == key and kept[1] == meta:
+                    return kept[2]
+        named = [pair for v in values for pair in open_flattened_bucket(v)]
+        pairs = lora_mod.check_adapter(self.layout, cfg, named)
+        self.lora_in = (key, meta, pairs, flat) if key is not None else None
+        return pairs
 
     def lora_commit(self, a: dict) -> dict:
         shard, self.lora_pending = self.lora_pending, None
         if shard is None or shard.name != a["name"]:
             raise WorkerError(KIND_STATE, f"no staged LoRA adapter {a['name']!r} on TP rank {self.rank}")
+        old = self.model.adapters.get(shard.name)
         self.model.adapters[shard.name] = shard
+        if old is not None:          # nobody serves it now: the next stage of this name writes into it
+            self.lora_spare[shard.name] = old
         return {}
+
+    def lora_abort(self, a: dict | None = None) -> None:
+        """Drop a staged adapter; its memory is kept as the spare of its name."""
+        shard, self.lora_pending = self.lora_pending, None
+        if shard is not None and shard.name not in self.lora_spare:
+            self.lora_spare[shard.name] = shard
+
+    def lora_unload(self, a: dict) -> None:
+        self.model.adapters.pop(a["name"], None)
+        self.lora_spare.pop(a["name"], None)
 
     def lora_pieces(self, a: dict) -> dict:
         shard = self.model.adapters.get(a["name"])
@@ -350,7 +386,7 @@ class Worker:
         self.updates.mapped.clear()
         self.updates.close_ahead()
         self.model.params, self.memory.kv, self.memory.backup = {}, None, None
-        self.model.adapters, self.lora_pending = {}, None
+        self.model.adapters, self.lora_pending, self.lora_spare, self.lora_in = {}, None, {}, None
         # storages opened from CUDA IPC handles give their producer's reference counts back when
         # freed: free them now, before the engine is told this worker is gone (a producer that exits
         # while a count is up leaves its counter file in /dev/shm)
@@ -394,8 +430,8 @@ COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "forward_logits": lambda w, a: w.forward_logits(a["prompts"], a["all_positions"], a.get("lora")),
     "lora_stage": lambda w, a: w.lora_stage(a),
     "lora_commit": lambda w, a: w.lora_commit(a),
-    "lora_abort": lambda w, a: setattr(w, "lora_pending", None),
-    "lora_unload": lambda w, a: w.model.adapters.pop(a["name"], None) and None,
+    "lora_abort": lambda w, a: w.lora_abort(a),
+    "lora_unload": lambda w, a: w.lora_unload(a),
     "lora_pieces": lambda w, a: w.lora_pieces(a),
     "pieces": lambda w, a: w.pieces(a["names"]),
     "release": lambda w, a: w.memory.release(a["tags"]),
@@ -445,6 +481,11 @@ def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> 
         finally:
             conn.close()
         return
+    # what startup made (the interpreter, torch, the model: ~170k objects) lives as long as the
+    # worker: frozen, a full collection walks only what came since (walking it all took 0.25 s in
+    # the middle of a LoRA load on 2 shared cores)
+    gc.collect()
+    gc.freeze()
     try:
         _send(conn, (0, "ok", {"pid": os.getpid(), "kv_cache_tokens": worker.memory.kv_tokens}))
     except OSError:                     # the engine's process is gone: nobody to serve
