@@ -101,11 +101,6 @@ class Worker:
         self.updates = UpdateStager(self)
         self.memory = MemoryRegions(self, libc)   # allocates the weights and the KV cache
         self.model.init_random(int(opts["seed"]))
-        # what start-up made (torch, the model code) stays for the worker's life: out of the
-        # cyclic collector's sight, so its full collections (and the one at `close`) scan only
-        # what serving makes (0.3-3 s per full collection of the whole heap before)
-        gc.collect()
-        gc.freeze()
 
 
 
@@ -483,7 +478,7 @@ def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> 
         return
     # what startup made (the interpreter, torch, the model: ~170k objects) lives as long as the
     # worker: frozen, a full collection walks only what came since (walking it all took 0.25 s in
-    # the middle of a LoRA load on 2 shared cores)
+    # the middle of a LoRA load on 2 shared cores, and 0.3-3 s in `close` at every shutdown)
     gc.collect()
     gc.freeze()
     try:
