@@ -14,10 +14,12 @@ TINY_DIR=$(mkdir -p "${TINY_DIR:-tiny_grpo}" && cd "${TINY_DIR:-tiny_grpo}" && p
 export VERL_PLATFORM=cpu                        # fsdp_sync's CPU platform for verl
 export TOKENIZERS_PARALLELISM=false
 # Ray's socket paths must stay under ~107 characters: a short session directory of its own
-export RAY_TMPDIR=${RAY_TMPDIR:-$(mktemp -d /tmp/fsr.XXXXXX)}
+# (removed after a run that succeeded when this script made it; kept, with Ray's logs, after a failure)
+if [[ -z "${RAY_TMPDIR:-}" ]]; then RAY_TMPDIR=$(mktemp -d /tmp/fsr.XXXXXX); OWN_RAY_TMP=1; fi
+export RAY_TMPDIR
 # Ray SIGKILLs its workers at shutdown, so what multiprocessing made in their temp directory (a
 # forkserver's pymp-* directory) is never removed by them: the run's temp directory goes at its end
-RUN_TMP=$(mktemp -d /tmp/fsr-tmp.XXXXXX)
+RUN_TMP=$(mktemp -d "${TMPDIR:-/tmp}/fsr-tmp.XXXXXX")
 export TMPDIR=$RUN_TMP
 
 status=0
@@ -27,4 +29,5 @@ status=0
   reward.custom_reward_function.path="$HERE/tiny/reward.py" \
   "$@" || status=$?
 rm -rf "$RUN_TMP"
+if [[ -n "${OWN_RAY_TMP:-}" && $status -eq 0 ]]; then rm -rf "$RAY_TMPDIR"; fi
 exit $status

@@ -113,7 +113,7 @@ def _run_recipe(tmp_path, overrides: list[str], check) -> None:
     successful run (``syncs``: the adapter's metrics-file records), then check that nothing is
     left behind (see the module docstring)."""
     marker = uuid.uuid4().hex
-    ray_tmp = tempfile.mkdtemp(prefix="fsr")          # Ray's socket paths must stay short
+    ray_tmp = tempfile.mkdtemp(prefix="fsr", dir="/tmp")   # Ray's socket paths must stay short
     shm_before = set(os.listdir("/dev/shm"))
     started = time.time() - 1.0
     tmp_before = _temp_dirs()
