@@ -108,3 +108,21 @@ def test_keepalive_zero_is_a_connection_per_request_and_negative_is_refused():
         for _ in range(3):
             assert client.request("POST", "/flush_cache")[0] == 200
         assert client.connections == 0 and srv.hits["/flush_cache"] == 3   # urllib's, one each
+
+
+@pytest.mark.timeout(120)
+def test_both_ends_of_a_kept_connection_send_without_waiting_for_an_ack():
+    """An answer is written as head then body: with Nagle's algorithm on, the body of every answer
+    on a kept-alive connection waited for the client's delayed ACK (40 ms a request)."""
+    import socket
+
+    with ReferenceEngine("tiny", tp_size=1) as eng, EngineServer(eng) as srv:
+        client = SGLangEngine(base_url=srv.url, tp_size=1, max_retries=0)
+        try:
+            client.flush_cache()
+            (conn, _), = client._http._idle
+            assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            served = list(srv._conns)
+            assert served and all(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in served)
+        finally:
+            client.shutdown()

@@ -69,6 +69,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import socket
 import threading
 from collections import Counter
 import time
@@ -145,6 +146,12 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
 
             def setup(self):
                 super().setup()
+                # an answer is two writes (head, body): with Nagle's algorithm on, the body of
+                # an answer on a kept-alive connection waits for the client's delayed ACK (40 ms)
+                try:
+                    self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
                 with outer._conns_lock:
                     outer._conns[self.connection] = False
 
@@ -214,8 +221,6 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
             self.httpd.shutdown()
             self._thread.join(timeout=10)
         self.httpd.server_close()
-        import socket
-
         with self._conns_lock:
             self._closed = True
             idle = [c for c, busy in self._conns.items() if not busy]

@@ -197,6 +197,10 @@ class HttpClient:
         `http.client` / socket errors as urllib would (the caller maps both)."""
         conn = self._take(timeout)
         try:
+            if conn.sock is None:
+                conn.connect()
+                # as the server's answers: no write of a request waits for a delayed ACK
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.request(method, self._prefix + path, body=data, headers=headers)
             resp = conn.getresponse()
             text = resp.read().decode("utf-8", errors="replace")
