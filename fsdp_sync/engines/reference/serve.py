@@ -56,6 +56,8 @@ engine's one session, as in SGLang: a second ``begin`` while one is open is refu
 
 HTTP is the standard library's `ThreadingHTTPServer`: the routes are a dozen JSON calls, and a web
 framework (fastapi + uvicorn) would be a new dependency of the core package for no gain here.
+Connections stay open between requests (HTTP/1.1, ``TCP_NODELAY``: a sync's calls share one);
+``close()`` ends the idle ones, and a request read after it is refused (503), not served.
 
 Not here: the command and its flags (`fsdp_sync.cli.serve`), the engine (`engines.reference`), the
 client (`engines.sglang`), the field checks and error statuses (`http_fields`), the update routes
