@@ -8,8 +8,11 @@ Two CPU trainer ranks hold an FSDP2 model; verl's rollout class (``get_rollout_c
 "async")``, i.e. fsdp_sync's plug-in, opted in) is built as verl's worker builds it and syncs
 verl's own per-tensor generator (``full_tensor()`` per parameter, as ``FSDPEngine.
 get_per_tensor_param``) into a reference engine served over HTTP (`fsdp_sync.engines.reference.serve`, TP 2), in
-verl's order (resume weights, update_weights, barrier, resume kv_cache). Strategies alternate,
-after one warm-up sync each:
+verl's order (resume weights, update_weights, barrier, resume kv_cache), each sync followed by
+the release verl's colocated loop makes after generation (``sleep_replicas``: weights and KV
+cache; ``--keep-weights`` skips it, so the engine holds valid weights at each sync and stages it
+all or nothing, one more copy of the model). One rollout per strategy, kept across its syncs (as
+verl's worker keeps its own). Strategies alternate, after one warm-up sync each:
 
 - ``flattened``: fsdp_sync's: one handle per bucket per TP rank, one call per bucket.
 - ``bucketed``: verl 0.9.1's own algorithm (SGLang's ``weight_sync.utils.update_weights``): one
@@ -49,7 +52,7 @@ def _generator(module):
 
 
 def _ranks(rank: int, world: int, rollout_cfg: dict, plan: list[str], model_name: str,
-           stream: str = "verl"):
+           stream: str = "verl", release: bool = True):
     import verl  # noqa: F401  (loads the plug-in)
     from omegaconf import OmegaConf
     from torch.distributed.device_mesh import init_device_mesh
@@ -64,11 +67,14 @@ def _ranks(rank: int, world: int, rollout_cfg: dict, plan: list[str], model_name
     mesh = init_device_mesh("cpu", (world // 2, 2, 1), mesh_dim_names=["dp", "infer_tp", "infer_pp"])
     cls = get_rollout_class("sglang", "async")
     rows = []
+    rollouts = {}       # one per strategy, kept across its syncs, as verl's worker keeps its own
     for i, strategy in enumerate(plan):
-        cfg = dict(rollout_cfg)
-        cfg["custom"] = {"fsdp_sync": dict(rollout_cfg["custom"]["fsdp_sync"], strategy=strategy)}
-        rollout = cls(config=omega_conf_to_dataclass(OmegaConf.create(cfg)), model_config=None,
-                      device_mesh=mesh)
+        if strategy not in rollouts:
+            cfg = dict(rollout_cfg)
+            cfg["custom"] = {"fsdp_sync": dict(rollout_cfg["custom"]["fsdp_sync"], strategy=strategy)}
+            rollouts[strategy] = cls(config=omega_conf_to_dataclass(OmegaConf.create(cfg)),
+                                     model_config=None, device_mesh=mesh)
+        rollout = rollouts[strategy]
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.001)
@@ -89,6 +95,9 @@ def _ranks(rank: int, world: int, rollout_cfg: dict, plan: list[str], model_name
         asyncio.run(one())
         wall = time.perf_counter() - t0
         rows.append(dict(rollout.last_stats, wall_s=wall, i=i))
+        if release and i + 1 < len(plan):   # verl's sleep_replicas after generation: weights
+            # and KV cache released (not after the last sync: its weights are checked)
+            asyncio.run(rollout.release())
     checksum = checksum_named_tensors(_generator(model))
     return {"rows": rows, "checksum": checksum if rank == 0 else None}
 
@@ -102,6 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--stream", choices=("verl", "module"), default="verl",
                     help="verl: the bare generator; module: with the FSDP module (see above)")
+    ap.add_argument("--keep-weights", action="store_true",
+                    help="skip the release after each sync (verl's sleep_replicas): the engine then "
+                         "holds valid weights at the next sync and stages it all or nothing")
     args = ap.parse_args(argv)
 
     from omegaconf import OmegaConf
@@ -127,7 +139,8 @@ def main(argv=None) -> int:
         rollout = OmegaConf.to_container(verl_rollout, resolve=True)
         rollout["custom"] = {"fsdp_sync": {"enable": True, "base_url": server.url,
                                            "bucket_mb": args.bucket_mb, "memory_probe": "off"}}
-        results = run_ranks(_ranks, 2, rollout, plan, args.model, args.stream, timeout_s=1800)
+        results = run_ranks(_ranks, 2, rollout, plan, args.model, args.stream,
+                            not args.keep_weights, timeout_s=1800)
         exact = engine.weights_checksum() == results[0]["checksum"]
         calls = dict(server.hits)
     rows = results[0]["rows"]
@@ -141,6 +154,7 @@ def main(argv=None) -> int:
                       "engine_calls": timed[0]["engine_calls"], "tensors": timed[0]["tensors"],
                       "bytes": timed[0]["bytes"]}
     out = {"model": args.model, "stream": args.stream, "bucket_mb": args.bucket_mb,
+           "released_between_syncs": not args.keep_weights,
            "repeats": args.repeats,
            "trainer_ranks": 2, "engine_tp": 2, "transport": "HTTP (fsdp-sync serve) + CPU shm",
            "last_sync_bit_exact": exact, "http_requests": calls, "strategies": summary,

@@ -284,3 +284,26 @@ def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path):
     shard = FP8Layout(base.spec, 2).engine_bytes(2)
     assert by[("fp8", "engine")]["engine_rank_bytes_in"] <= 1.05 * shard == 1.05 * by[("fp8", "engine")]["engine_rank_shard_bytes"]
     assert by[("fp8", "engine")]["engine_rank_shard_bytes"] < 0.6 * base.engine_bytes(2)
+
+
+@pytest.mark.timeout(240)
+def test_bench_engine_http_puts_the_engine_behind_serve(tmp_path):
+    """``--engine http``: the manager's calls reach the same engine through `fsdp-sync serve`'s
+    server (the figure verl's adapter is compared with), over kept-alive connections."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny", "--strategies",
+         "flattened", "--layout", "full", "--engine", "http", "--repeats", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["engine"] == "http" and row["seconds"] > 0 and row["engine_calls"] == 1
+    hits = row["http_requests"]
+    syncs = hits["/begin_weight_update"]
+    assert syncs >= 5                                 # warm-up, 3 timed, the sampled one
+    assert hits["/update_weights_from_tensor"] == syncs * row["engine_calls"]
+    assert hits["/end_weight_update"] == syncs
+    assert 1 <= row["http_connections"] < syncs       # kept alive across a sync's calls
+    bad = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "bench", "--engine", "grpc"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--engine" in bad.stderr and "grpc" in bad.stderr, bad.stderr

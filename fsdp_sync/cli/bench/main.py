@@ -16,6 +16,11 @@ row of the group:
   to device on CUDA), measured once per job: ``ratio_to_copy`` is the sync's seconds over it;
 - per-rank buckets across hosts (``layout="engine"`` without shared memory): ``floor_seconds`` is
   the host-shared floor's two copies plus a bare ``all_to_all`` of the bytes a trainer rank received;
+- ``engine``: ``direct`` (default) hands the manager the `ReferenceEngine` itself; ``http`` puts
+  it behind `fsdp-sync serve`'s server (`EngineServer`, loopback) and hands the manager an
+  `SGLangEngine` client of it, so a sync pays what an HTTP engine costs (SGLang's wire: the calls
+  as JSON, the payloads as base64 strings): the like-for-like figure for verl's adapter, which
+  reaches its engine over HTTP (docs/verl.md);
 - ``peak_extra_bytes``: in one more, sampled, sync: the largest rise of one device's memory (the
   trainer rank plus its engine worker, RSS from /proc with the shared-memory pages a worker maps
   from a trainer counted once) above its level just before the sync stage, and the stage timeline
@@ -51,6 +56,7 @@ from ...topology import cpu_group
 __all__ = ["BenchSpec", "Job", "run_bench", "add_bench_parser", "cmd_bench", "PRESETS", "check_targets"]
 
 MiB = 2**20
+ENGINES = ("direct", "http")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The configuration the targets are judged on (2 ranks, TP 2, >=100M params, >=200 tensors, fp32).
@@ -124,6 +130,7 @@ class BenchSpec:
     layouts: tuple[str, ...] = ("auto",)    # SyncConfig.layout of the flattened rows
     pipelined: tuple[bool, ...] = (True,)   # SyncConfig.pipelined of the per-rank rows
     quantization: tuple[str | None, ...] = (None,)   # SyncConfig.quantization: one job each
+    engine: str = "direct"                  # the tensor rows' engine: direct, or http (served)
 
     def __post_init__(self) -> None:
         from ...config import LAYOUTS, METHODS, QUANTIZATIONS, STRATEGIES
@@ -137,6 +144,8 @@ class BenchSpec:
         if bad or not self.layouts:
             raise ValueError(f"unknown layouts {bad or '(none)'}; expected some of {LAYOUTS}")
 
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r} (--engine); expected one of {ENGINES}")
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise ValueError(f"unknown methods {bad or '(none)'}; expected some of {METHODS}")
@@ -190,7 +199,8 @@ class BenchSpec:
         return [Job(model=m, ranks=r, tp=t, multi_stage=ms, device=self.device, dtype=self.dtype,
                     strategies=self.strategies, bucket_mb=self.bucket_mb, repeats=self.repeats,
                     warmup=self.warmup, share_host_memory=self.share_host_memory, methods=self.methods,
-                    layouts=self.layouts, pipelined=self.pipelined, ep=e, quantization=q)
+                    layouts=self.layouts, pipelined=self.pipelined, ep=e, quantization=q,
+                    engine=self.engine)
                 for m, r, t, e, ms, q in itertools.product(self.models, self.ranks, self.tp, self.ep,
                                                            self.multi_stage, self.quantization)]
 
@@ -213,6 +223,7 @@ class Job:
     pipelined: tuple[bool, ...] = (True,)
     ep: int = 1
     quantization: str | None = None
+    engine: str = "direct"
 
     @property
     def engine_kw(self) -> dict:
@@ -248,6 +259,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     colocated = "tensor" in job.methods
     engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype,
                              **job.engine_kw) if topo.is_tp_src and colocated else None
+    served = _Served(engine, job.tp) if engine is not None and job.engine == "http" else None
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid(), group=cpu_group())
     progress = _Progress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
@@ -270,7 +282,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                                   share_host_memory=share,
                                   layout=layout if strategy == "flattened" else "full", pipelined=piped,
                                   quantization=job.quantization)
-            manager = FSDPShardingManager(model, engine, mesh=mesh, config=sync_cfg)
+            manager = FSDPShardingManager(model, served.client if served else engine, mesh=mesh,
+                                          config=sync_cfg)
             progress.update(f"{strategy} {bucket_mb:g} MiB: warm-up")
             for _ in range(job.warmup):
                 with manager:
@@ -324,10 +337,16 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             progress.advance()
     finally:
         progress.stop()
+        if served is not None:
+            served.close()
         if engine is not None:
             engine.shutdown()
     for r in rows:
         r["method"] = "tensor"
+        r["engine"] = job.engine
+        if served is not None:
+            r["http_requests"] = dict(served.server.hits)
+            r["http_connections"] = served.client._http.connections
         r["baseline_seconds"] = baseline
         r["speedup_vs_baseline"] = (baseline / r["seconds"]) if baseline else None
     metas = param_metas(model, dtype)
@@ -348,6 +367,24 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             r["memory_budget_bytes"] += quantized_bucket_bytes(r["bucket_bytes"], dtype)
             r["memory_budget_rule"] += " + the quantized bucket"
     return {"rows": rows}
+
+
+class _Served:
+    """``--engine http``: the job's engine behind `EngineServer` on loopback, and the
+    `SGLangEngine` client the manager gets instead of the engine."""
+
+    def __init__(self, engine: Any, tp: int) -> None:
+        from ...engines.reference.serve import EngineServer
+        from ...engines.sglang import SGLangEngine
+
+        self.server = EngineServer(engine).start()
+        self.client = SGLangEngine(base_url=self.server.url, tp_size=tp, max_retries=0)
+
+    def close(self) -> None:
+        try:
+            self.client.shutdown()
+        finally:
+            self.server.close()
 
 
 def largest_bytes(module, job: Job) -> int:
@@ -444,7 +481,7 @@ _FLAG_KEYS = {"models": "models", "strategies": "strategies", "bucket_mb": "buck
               "ranks": "ranks", "tp": "tp", "ep": "ep", "multi_stage": "multi_stage",
               "share_host_memory": "share_host_memory", "device": "device", "dtype": "dtype",
               "repeats": "repeats", "methods": "methods", "layout": "layouts",
-              "quantization": "quantization"}
+              "quantization": "quantization", "engine": "engine"}
 
 
 def add_bench_parser(sub) -> None:
@@ -492,6 +529,10 @@ def add_bench_parser(sub) -> None:
                    help="comma-separated rollout formats side by side, one job each: none (the "
                         "rollout dtype), fp8 (block FP8 as SGLang's --quantization fp8: quantized on "
                         "the trainer, about half the bytes of bf16; rows add quantize_s)")
+    p.add_argument("--engine", type=ca.choice_of(ENGINES), default="direct",
+                   help="the tensor rows' engine: direct (the reference engine's client in the "
+                        "trainer's process) or http (the same engine behind fsdp-sync serve's server "
+                        "on loopback, reached as SGLang is: verl's adapter's path)")
     p.add_argument("--repeats", type=ca.positive_int, default=3, help="timed syncs per row (median), >= 3")
     p.add_argument("--verify", type=ca.csv_of(ca.choice_of(("off", "sample", "full"))), default=None,
                    help="also time SyncConfig.verify per method: comma-separated off, sample, full (off "

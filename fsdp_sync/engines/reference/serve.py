@@ -56,6 +56,8 @@ engine's one session, as in SGLang: a second ``begin`` while one is open is refu
 
 HTTP is the standard library's `ThreadingHTTPServer`: the routes are a dozen JSON calls, and a web
 framework (fastapi + uvicorn) would be a new dependency of the core package for no gain here.
+Connections stay open between requests (HTTP/1.1, ``TCP_NODELAY``: a sync's calls share one);
+``close()`` ends the idle ones, and a request read after it is refused (503), not served.
 
 Not here: the command and its flags (`fsdp_sync.cli.serve`), the engine (`engines.reference`), the
 client (`engines.sglang`), the field checks and error statuses (`http_fields`), the update routes
@@ -69,6 +71,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import socket
 import threading
 from collections import Counter
 import time
@@ -130,6 +133,10 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
         self._busy_cond = threading.Condition()
         self.updates_served = 0
         self.hits: Counter[str] = Counter()   # requests per path (auth refusals included)
+        # open connections (HTTP/1.1 keeps them alive) -> whether a request on it is being answered
+        self._conns: dict[Any, bool] = {}
+        self._conns_lock = threading.Lock()
+        self._closed = False
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -138,6 +145,24 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
 
             def log_message(self, fmt, *args):  # noqa: N802 - the stdlib's name
                 log.debug("%s " + fmt, self.client_address[0], *args)
+
+            def setup(self):
+                super().setup()
+                # an answer is two writes (head, body): with Nagle's algorithm on, the body of
+                # an answer on a kept-alive connection waits for the client's delayed ACK (40 ms)
+                try:
+                    self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
+                with outer._conns_lock:
+                    outer._conns[self.connection] = False
+
+            def finish(self):
+                try:
+                    super().finish()
+                finally:
+                    with outer._conns_lock:
+                        outer._conns.pop(self.connection, None)
 
             def do_GET(self):  # noqa: N802
                 outer._handle(self, "GET")
@@ -192,11 +217,20 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
         self.httpd.serve_forever(poll_interval=0.2)
 
     def close(self) -> None:
-        """Stop taking connections. Requests being answered go on (`wait_idle` waits for them)."""
+        """Stop taking connections and requests: idle kept-alive connections are closed, a
+        connection whose request is being answered after its answer (`wait_idle` waits for them)."""
         if self._thread is not None:
             self.httpd.shutdown()
             self._thread.join(timeout=10)
         self.httpd.server_close()
+        with self._conns_lock:
+            self._closed = True
+            idle = [c for c, busy in self._conns.items() if not busy]
+        for conn in idle:            # its handler's read ends; it serves nothing more
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until no request is being answered (after the engine was shut
@@ -212,6 +246,25 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
 
     # ------------------------------------------------------------------ request plumbing
     def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
+        with self._conns_lock:
+            closed = self._closed
+            if not closed:
+                self._conns[h.connection] = True
+        if closed:                   # read as the server closed: refused, nothing applied
+            h.close_connection = True
+            self._reply(h, 503, {"success": False, "message": "the server is closed",
+                                 "retryable": True})
+            return
+        try:
+            self._handle_one(h, method)
+        finally:
+            with self._conns_lock:
+                if h.connection in self._conns:
+                    self._conns[h.connection] = False
+                if self._closed:
+                    h.close_connection = True
+
+    def _handle_one(self, h: BaseHTTPRequestHandler, method: str) -> None:
         if not self._slots.acquire(blocking=False):
             self._reply(h, 503, {"success": False, "message": "server busy: too many requests",
                                  "retryable": True}, close=True)

@@ -667,6 +667,8 @@ class SGLangEngine(GenerationControl, LoRAClient):
         try:
             if self._local and self._local.has("shutdown"):
                 self._local.engine.shutdown()
+            if self._http is not None:
+                self._http.close()          # its kept-alive connections
         finally:
             self.allocator.restore("shutdown")
 

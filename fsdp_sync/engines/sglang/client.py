@@ -1,6 +1,7 @@
 """How the adapter reaches SGLang: its errors, the answer check, and two backends with one
 ``call`` surface: an in-process ``sglang.Engine`` (`InProcessClient`) and JSON over HTTP with
-bounded retries of idempotent calls (`HttpClient`, standard library only).
+bounded retries of idempotent calls and kept-alive connections (`HttpClient`, standard library
+only).
 
 Not here: what each call means and when to make it (`adapter.SGLangEngine`).
 """
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from typing import Any
@@ -113,18 +117,34 @@ class InProcessClient:
 RETRY_STATUS = (429, 500, 502, 503, 504)
 
 
+KEEPALIVE_S = 2.0
+"""How long an idle connection is reused: under uvicorn's 5 s keep-alive (SGLang's server) and
+``fsdp-sync serve``'s socket timeout, so a server never closes one the client is about to use."""
+
+
 class HttpClient:
     """JSON over HTTP to an SGLang server (standard library only), with bounded retries.
 
     Only calls marked idempotent are retried: on a connection error, a timeout, or HTTP 429/5xx,
     after ``backoff_s * 2**attempt`` seconds (at most ``backoff_max_s``). Every error carries the
     server's response text. No proxy is used unless ``proxies`` are given.
+
+    Connections are kept alive (HTTP/1.1) and reused while idle for less than ``keepalive_s``: a
+    sync's calls (begin, one per bucket, end, flush) share one connection instead of a TCP
+    handshake and a server thread each. An idle connection the server closed, or one idle longer,
+    is closed and a fresh one made before the request is sent, so no request is sent twice. Each
+    thread takes its own connection from a small pool (`close` ends them). With ``proxies`` every
+    request goes through urllib, one connection each, as before. ``connections`` counts the
+    connections made (tests, figures).
     """
 
     def __init__(self, base_url: str, *, api_key: str | None, timeout_s: float, max_retries: int,
-                 backoff_s: float, backoff_max_s: float, proxies: dict | None) -> None:
+                 backoff_s: float, backoff_max_s: float, proxies: dict | None,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        if keepalive_s < 0:
+            raise ValueError(f"keepalive_s must be >= 0 (0: a connection per request), got {keepalive_s!r}")
         self.base_url = base_url.rstrip("/")
         self.where = f" at {self.base_url}"
         self.api_key = api_key
@@ -134,6 +154,64 @@ class HttpClient:
         self.backoff_max_s = backoff_max_s
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler(proxies or {}))
         self.attempts: Counter[str] = Counter()
+        self.keepalive_s = float(keepalive_s) if not proxies else 0.0
+        url = urllib.parse.urlsplit(self.base_url)
+        self._https = url.scheme == "https"
+        self._host, self._port = url.hostname or "", url.port
+        self._prefix = url.path.rstrip("/")
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []   # (connection, idle since)
+        self._lock = threading.Lock()
+        self.connections = 0
+
+    # ------------------------------------------------------------------ kept-alive connections
+    def _take(self, timeout: float) -> http.client.HTTPConnection:
+        """An idle connection still open and idle under ``keepalive_s``, or a new one."""
+        now = time.monotonic()
+        with self._lock:
+            while self._idle:
+                conn, since = self._idle.pop()
+                if now - since < self.keepalive_s and not _dropped(conn):
+                    conn.timeout = timeout
+                    if conn.sock is not None:
+                        conn.sock.settimeout(timeout)
+                    return conn
+                conn.close()
+            self.connections += 1
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        return cls(self._host, self._port, timeout=timeout)
+
+    def _give_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._idle.append((conn, time.monotonic()))
+
+    def close(self) -> None:
+        """Close the idle connections (one in use is closed by its request)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn, _ in idle:
+            conn.close()
+
+    def _exchange(self, method: str, path: str, data: bytes | None, headers: dict,
+                  timeout: float) -> tuple[int, str]:
+        """One request on a kept-alive connection: ``(status, text)``, any status; raises
+        `http.client` / socket errors as urllib would (the caller maps both)."""
+        conn = self._take(timeout)
+        try:
+            if conn.sock is None:
+                conn.connect()
+                # as the server's answers: no write of a request waits for a delayed ACK
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.request(method, self._prefix + path, body=data, headers=headers)
+            resp = conn.getresponse()
+            text = resp.read().decode("utf-8", errors="replace")
+        except BaseException:
+            conn.close()
+            raise
+        if resp.will_close:
+            conn.close()
+        else:
+            self._give_back(conn)
+        return resp.status, text
 
     def request(self, method: str, path: str, body: Any = None, *, idempotent: bool = False,
                 timeout_s: float | None = None, error=SGLangHTTPError) -> tuple[int, str]:
@@ -148,10 +226,23 @@ class HttpClient:
         tries = 1 + (self.max_retries if idempotent else 0)
         for attempt in range(tries):
             self.attempts[path] += 1
-            req = urllib.request.Request(url, data=data, headers=headers, method=method)
             try:
+                if self.keepalive_s > 0:
+                    status, text = self._exchange(method, path, data, headers,
+                                                  timeout_s or self.timeout_s)
+                    if 200 <= status < 300:
+                        return status, text
+                    raise _Status(status, text)
+                req = urllib.request.Request(url, data=data, headers=headers, method=method)
                 with self.opener.open(req, timeout=timeout_s or self.timeout_s) as resp:
                     return resp.status, resp.read().decode("utf-8", errors="replace")
+            except _Status as e:
+                status, text = e.status, e.text
+                exc = self._error(error, method, path, status, text, reached=True)
+                if status == 404:
+                    raise NotFound(exc) from None
+                if not (idempotent and status in RETRY_STATUS):
+                    raise exc from None
             except urllib.error.HTTPError as e:
                 status = e.code
                 try:
@@ -166,7 +257,7 @@ class HttpClient:
                 if not (idempotent and status in RETRY_STATUS):
                     raise exc from None
             except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
-                    http.client.HTTPException) as e:
+                    http.client.HTTPException, OSError) as e:
                 reason = getattr(e, "reason", e)
                 refused = isinstance(reason, ConnectionRefusedError)
                 exc = self._error(error, method, path, None, f"{type(reason).__name__}: {reason}",
@@ -194,6 +285,27 @@ class HttpClient:
     def json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
         status, text = self.request(method, path, body, **kw)
         return json_or_text(text)
+
+
+class _Status(Exception):
+    """A non-2xx answer on a kept-alive connection (urllib's ``HTTPError``, for `request`)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(status)
+        self.status, self.text = status, text
+
+
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle connection is unusable: never connected is fine; readable while idle means
+    the server closed it (or sent what nobody asked for)."""
+    sock = conn.sock
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 class NotFound(Exception):
