@@ -33,8 +33,8 @@ _TMP_ROOT = tempfile.mkdtemp(prefix=f"fst_{os.environ.get('PYTEST_XDIST_WORKER',
 os.environ["TMPDIR"] = _TMP_ROOT
 tempfile.tempdir = None   # gettempdir() reads TMPDIR again
 # what lives across tests by design: pytest's tmp_path root, multiprocessing's forkserver and
-# manager sockets (removed by their owner at exit), torch's compile cache
-_TMP_KEPT = ("pytest-of-", "pymp-", "torchinductor_")
+# manager sockets and torch_shm_manager's (removed by their owner at exit), torch's compile cache
+_TMP_KEPT = ("pytest-of-", "pymp-", "torch-shm-dir-", "torchinductor_")
 
 # Long-lived helpers that torch and multiprocessing start once per process, by design.
 _HELPERS = ("torch_shm_manager", "multiprocessing.resource_tracker", "multiprocessing.forkserver")

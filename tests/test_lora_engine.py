@@ -1,6 +1,6 @@
 """LoRA adapters in the reference engine against transformers with the adapter merged in
 (``W + lora_alpha / r * B @ A``, what peft's ``merge_and_unload`` computes; peft itself is not a
-dependency): logits within 1e-5 in float32 and equal greedy tokens at TP 1 and 2, a batch mixing
+dependency here: `tests/verl_tier/test_peft_reference.py` checks against it): logits within 1e-5 in float32 and equal greedy tokens at TP 1 and 2, a batch mixing
 adapter and base rows, refusals that change nothing, unload, read-back.
 """
 
