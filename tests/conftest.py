@@ -29,7 +29,8 @@ os.environ.setdefault("FSDP_SYNC_WORKERS_START", "forkserver")   # engine worker
 # (ranks, engine workers, torchrun, servers): a test's leftovers there are the test's own.
 # pytest's tmp_path stays where it was: sockets (AF_UNIX, 108 bytes) are made under test paths
 os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
-_TMP_ROOT = tempfile.mkdtemp(prefix=f"fst_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_")
+_TMP_ROOT = tempfile.mkdtemp(prefix=f"fst_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_",
+                             dir=os.environ["PYTEST_DEBUG_TEMPROOT"])   # not inside xdist's controller's
 os.environ["TMPDIR"] = _TMP_ROOT
 tempfile.tempdir = None   # gettempdir() reads TMPDIR again
 # what lives across tests by design: pytest's tmp_path root, multiprocessing's forkserver and

@@ -235,9 +235,9 @@ class UpdateStager:
                                                    f"(TP rank {self.w.rank})", name)
                 seen.add(name)
                 (self._hf_writes if layout_kind == "hf" else self._direct_writes)(name, t, writes)
-            if kind == "tensor" and not isinstance(item[3], (bytes, bytearray, str)):
-                for w in writes[first:]:        # received into this worker's own buffer
-                    w.owned = True
+            if kind == "tensor" and layout_kind != "hf" and not isinstance(item[3], (bytes, bytearray, str)):
+                for w in writes[first:]:        # received into this worker's own buffer, all of it
+                    w.owned = True              # its shard (a full tensor's slice would keep the whole)
             self._maybe_fault()
         return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen),
                 "stage_s": time.perf_counter() - t0, "hashed_ahead": self.ahead_used}
