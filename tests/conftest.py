@@ -34,8 +34,9 @@ _TMP_ROOT = tempfile.mkdtemp(prefix=f"fst_{os.environ.get('PYTEST_XDIST_WORKER',
 os.environ["TMPDIR"] = _TMP_ROOT
 tempfile.tempdir = None   # gettempdir() reads TMPDIR again
 # what lives across tests by design: pytest's tmp_path root, multiprocessing's forkserver and
-# manager sockets and torch_shm_manager's (removed by their owner at exit), torch's compile cache
-_TMP_KEPT = ("pytest-of-", "pymp-", "torch-shm-dir-", "torchinductor_")
+# manager sockets and torch_shm_manager's (removed by their owner at exit), torch's compile cache,
+# Ray's session root (its logs: Ray never removes it); all go with the directory at the end
+_TMP_KEPT = ("pytest-of-", "pymp-", "torch-shm-dir-", "torchinductor_", "ray")
 
 # Long-lived helpers that torch and multiprocessing start once per process, by design.
 _HELPERS = ("torch_shm_manager", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
