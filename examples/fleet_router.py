@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             stop(router)
         for pr in procs:
             stop(pr)
+        shutil.rmtree(disk, ignore_errors=True)     # the versions the fleet loaded from
     out["problems"] = problems
     print(json.dumps({k: v for k, v in out.items() if k != "fleet"}, indent=1))
     if a.json:
