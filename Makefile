@@ -23,12 +23,10 @@ demo: $(STAMP)
 
 # -n 2: two tests at a time (pytest-xdist): the multi-process tests spend much of their time
 # waiting (timeouts, polls, replies). Rank and engine-worker processes fork from a server that
-# imported torch once (tests/conftest.py). On 2 cores: about 12-13 min (740 tests; one at a time with fresh
-# worker interpreters: 11.5). --dist loadgroup: a module marked xdist_group (its fixture launches
-# ranks for all its tests) runs whole on one worker, so its fixture runs once, not once per worker.
-# --durations: the slowest tests, so the suite's time can be watched
+# imported torch once (tests/conftest.py). On 2 cores: about 6 min (one at a time with fresh
+# worker interpreters: 11.5). --durations: the slowest tests, so the suite's time can be watched
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
+	$(PY) -m pytest -q -n 2 --durations=20
 
 # The GPU tier (tests/test_gpu.py and the other gpu-marked tests): skips without CUDA. On a GPU
 # machine without the venv (scripts/gpu_check.sh): make test-gpu PY=python3 STAMP=

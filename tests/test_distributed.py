@@ -25,9 +25,6 @@ import torch
 from fsdp_sync.weights.bucket import TensorMeta, check_tight, plan_tight
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 
-# the module's fixture launches ranks once: its tests run on one xdist worker (`--dist loadgroup`)
-pytestmark = pytest.mark.xdist_group("distributed")
-
 
 # --------------------------------------------------------------------------- pure planning
 

@@ -16,10 +16,6 @@ from fsdp_sync.weights import bucket, export, handles
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.models import build_model, load_config
 
-# the module's fixture launches ranks once: its tests run on one xdist worker (`--dist loadgroup`)
-pytestmark = pytest.mark.xdist_group("export")
-
-
 BF16 = torch.bfloat16
 DTYPES = {"none": None, "bfloat16": BF16}
 

@@ -17,10 +17,6 @@ import torch
 
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 
-# the module's fixture launches ranks once: its tests run on one xdist worker (`--dist loadgroup`)
-pytestmark = pytest.mark.xdist_group("sync_overhead")
-
-
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_gather_single",
                "broadcast", "broadcast_object_list", "barrier", "all_to_all_single", "gather_object",
                "scatter_object_list", "reduce", "gather", "send", "recv", "isend", "irecv")
