@@ -57,7 +57,15 @@ class Workers:
     concurrently and returns their answers (raising on a harness failure, not on an engine error)."""
 
     def __init__(self, n_rollout: int = 2) -> None:
-        ctx = mp.get_context("fork")     # verl is imported already: a forked child starts in 1 s
+        # not "fork": a child forked from this process after it ran torch's OpenMP kernels (any
+        # earlier test that computes does) hangs in its first parallel op (libgomp is not
+        # fork-safe; CI hung here on every test of this file). The forkserver forks from a
+        # process that never computed.
+        from fsdp_sync.engines.reference.procs import claim_temp_dir
+
+        claim_temp_dir()    # the server's socket dir, named and removed with this process
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["ckpt_roles"])     # when this test starts the server
         port = _port()
         self.procs, self.conns = [], []
         for role, index, wp in [("actor", 0, port), ("actor", 1, port)] + [
