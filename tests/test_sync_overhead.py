@@ -39,7 +39,9 @@ def _counting():
     return counts
 
 
-def _syncs(rank, world, layout, probe):
+def _syncs(rank, world, configs):
+    """Three syncs per (layout, memory_probe) of ``configs``, in one job (the ranks start and
+    the model is built once); a manager and an engine per config."""
     import builtins
 
     from fsdp_sync.config import SyncConfig
@@ -55,10 +57,6 @@ def _syncs(rank, world, layout, probe):
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     mesh = make_mesh(world, 1)
     topo = SyncTopology.from_mesh(mesh)
-    engine = ReferenceEngine(model_config=cfg, tp_size=1, dtype=torch.float32) if topo.is_tp_src else None
-    kw = {} if probe is None else {"memory_probe": probe}
-    conf = SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10, layout=layout, **kw)
-    manager = FSDPShardingManager(module, engine, mesh=mesh, config=conf)
     counts = _counting()
     rollups = [0]
     real_open = builtins.open
@@ -67,43 +65,52 @@ def _syncs(rank, world, layout, probe):
         if str(path).endswith("smaps_rollup"):
             rollups[0] += 1
         return real_open(path, *a, **k)
-    out = []
-    try:
-        for step in range(3):
-            train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
-            full = {n: t.full_tensor() if hasattr(t, "full_tensor") else t
-                    for n, t in module.state_dict().items()}
-            counts.clear()
-            rollups[0] = 0
-            builtins.open = open_counting
-            rec = {}
-            try:
-                with manager:
-                    builtins.open = real_open        # the engine's read-back is not the sync's
-                    if engine is not None:
-                        names = engine.hf_names()
-                        rec["compared"] = len(names)
-                        rec["equal"] = all(torch.equal(engine.get_weights_by_name(n).float(),
-                                                       full[n].float()) for n in names)
-                    builtins.open = open_counting
-            finally:
-                builtins.open = real_open
-            rec.update(collectives=dict(counts), rollups=rollups[0], buckets=manager.stats.buckets,
-                       memory_keys=sorted(manager.timeline.stages[0].memory.get("trainer", {})))
-            out.append(rec)
-    finally:
-        manager.close()
-        if engine is not None:
-            engine.shutdown()
-    return out
+    results = {}
+    for layout, probe in configs:
+        engine = ReferenceEngine(model_config=cfg, tp_size=1, dtype=torch.float32) if topo.is_tp_src else None
+        kw = {} if probe is None else {"memory_probe": probe}
+        conf = SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10, layout=layout, **kw)
+        manager = FSDPShardingManager(module, engine, mesh=mesh, config=conf)
+        out = results[(layout, probe)] = []
+        try:
+            for step in range(3):
+                train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
+                full = {n: t.full_tensor() if hasattr(t, "full_tensor") else t
+                        for n, t in module.state_dict().items()}
+                counts.clear()
+                rollups[0] = 0
+                builtins.open = open_counting
+                rec = {}
+                try:
+                    with manager:
+                        builtins.open = real_open        # the engine's read-back is not the sync's
+                        if engine is not None:
+                            names = engine.hf_names()
+                            rec["compared"] = len(names)
+                            rec["equal"] = all(torch.equal(engine.get_weights_by_name(n).float(),
+                                                           full[n].float()) for n in names)
+                        builtins.open = open_counting
+                finally:
+                    builtins.open = real_open
+                rec.update(collectives=dict(counts), rollups=rollups[0], buckets=manager.stats.buckets,
+                           memory_keys=sorted(manager.timeline.stages[0].memory.get("trainer", {})))
+                out.append(rec)
+        finally:
+            manager.close()
+            if engine is not None:
+                engine.shutdown()
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs(leftovers_check):
     with leftovers_check():
-        return {(world, layout, probe): run_ranks(_syncs, world, layout, probe, timeout_s=200, env=spawn_env())
-                for world, layout, probe in ((2, "full", None), (2, "engine", None), (2, "engine", "full"),
-                                             (1, "engine", None))}
+        out = {}
+        for world, configs in ((2, [("full", None), ("engine", None), ("engine", "full")]),
+                               (1, [("engine", None)])):
+            ranks = run_ranks(_syncs, world, configs, timeout_s=300, env=spawn_env())
+            out.update({(world, *c): [r[c] for r in ranks] for c in configs})
+        return out
 
 
 def _steady(runs, key):
