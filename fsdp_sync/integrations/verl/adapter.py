@@ -57,7 +57,9 @@ Where verl's FSDP engine hands its module along (`module_stream`: wrapped when a
 fsdp_sync's export would send exactly what verl's stream would, every rank agreeing, the buckets
 come from fsdp_sync's own export of the module (`weights.export.iter_buckets`: a gather per
 bucket, or none through a host-shared buffer) instead of verl's one ``full_tensor()`` per
-parameter (LoRA streams keep verl's); the sync's ``export`` figure says which ran.
+parameter (LoRA streams keep verl's); the sync's ``export`` figure says which ran. The comparison
+is made at the first sync and kept while the module is unchanged (`module_stream.ExportDecision`;
+``export_decision``: ``made`` or ``kept``).
 
 Not here: verl's delta checkpoint wire (refused with an error when opted in), prefill/decode
 disaggregation, starting SGLang (verl's Ray actors do).
