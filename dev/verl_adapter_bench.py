@@ -151,6 +151,9 @@ def main(argv=None) -> int:
                       "sync_s_all": [round(r["sync_s"], 4) for r in timed],
                       "export_s_median": statistics.median(r["export_s"] for r in timed),
                       "export": timed[0].get("export"),
+                      # the module export's exactness comparison: made (first sync) or kept
+                      "export_decision": [r.get("export_decision") for r in rows
+                                          if r["strategy"] == s],
                       "engine_calls": timed[0]["engine_calls"], "tensors": timed[0]["tensors"],
                       "bytes": timed[0]["bytes"]}
     out = {"model": args.model, "stream": args.stream, "bucket_mb": args.bucket_mb,

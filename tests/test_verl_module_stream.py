@@ -243,3 +243,176 @@ def test_the_wrapped_stream_is_verls_generator_item_for_item():
     assert [n for n, _ in got] == [n for n, _ in ref]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, ref))
     assert stream.flags == {"base_sync_done": True} and stream.module is module
+
+
+# --------------------------------------------------------------------------- the kept decision
+
+def _decide(decision, module, cfg, prepare, **kw):
+    from fsdp_sync.integrations.module_stream import refusal
+
+    return refusal(_stream(module, **kw), cfg, prepare, decision=decision)
+
+
+def test_the_decision_is_kept_while_the_module_is_unchanged():
+    from fsdp_sync.integrations.module_stream import ExportDecision
+    from fsdp_sync.weights import export
+
+    module, cfg, prepare = _model(), _cfg(dtype=torch.float32), _prepare_fn(torch.float32, None)
+    decision = ExportDecision()
+    first = _decide(decision, module, cfg, prepare)
+    assert first[0] is None and decision.builds == 1 and not decision.kept
+    with torch.no_grad():                          # new values, same objects: a training step
+        for p in module.parameters():
+            p.add_(1.0)
+    for _ in range(3):
+        assert _decide(decision, module, cfg, prepare) == first
+    assert decision.builds == 1 and decision.kept
+    assert first[1] == export.param_metas(module, torch.float32)
+    assert [(e.name, e.dtype, e.shape) for b in decision.plan for e in b.entries] == \
+        [(m.name, m.dtype, m.shape) for m in first[1]]
+
+
+def _swap_param(module, name, make):
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner)
+    setattr(sub, leaf, torch.nn.Parameter(make(getattr(sub, leaf).detach())))
+
+
+@pytest.mark.parametrize("change,check", [
+    # the same shape and dtype, a new object (an optimizer that rebuilds parameters)
+    ("new object", lambda reason, metas: reason is None),
+    # one tensor becomes bfloat16 under a rollout dtype of None: a stale decision would plan
+    # float32 bytes for it
+    ("dtype", lambda reason, metas: reason is None and {m.name: m.dtype for m in metas}[
+        "model.norm.weight"] == torch.bfloat16),
+    ("shape", lambda reason, metas: reason is None and {m.name: tuple(m.shape) for m in metas}[
+        "model.norm.weight"] == (32,)),
+    ("same object, new data", lambda reason, metas: reason is None and {
+        m.name: m.dtype for m in metas}["model.norm.weight"] == torch.float16),
+    ("new buffer", lambda reason, metas: reason is None and "model.extra" in [m.name for m in metas]),
+    ("tied", lambda reason, metas: metas is None and "verl's stream sends 27 tensors, fsdp_sync's "
+                                   "export 26" in reason),
+    ("replaced submodule", lambda reason, metas: reason is None),
+])
+def test_any_change_to_the_module_after_kept_syncs_is_compared_again(change, check):
+    from fsdp_sync.integrations.module_stream import ExportDecision
+    from fsdp_sync.weights import export
+
+    module, cfg, prepare = _model(), _cfg(dtype=None), _prepare_fn(None, None)
+    decision = ExportDecision()
+    for _ in range(2):
+        assert _decide(decision, module, cfg, prepare)[0] is None
+    assert decision.builds == 1 and decision.kept
+    if change == "new object":
+        _swap_param(module, "model.norm.weight", lambda t: t.clone())
+    elif change == "dtype":
+        _swap_param(module, "model.norm.weight", lambda t: t.to(torch.bfloat16))
+    elif change == "shape":
+        _swap_param(module, "model.norm.weight", lambda t: t[:32].clone())
+    elif change == "same object, new data":
+        module.model.norm.weight.data = module.model.norm.weight.data.to(torch.float16)
+    elif change == "new buffer":
+        module.model.register_buffer("extra", torch.zeros(3))
+    elif change == "tied":
+        module.lm_head.weight = module.model.embed_tokens.weight
+    elif change == "replaced submodule":
+        module.model.norm = type(module.model.norm)(module.model.norm.weight.shape[0])
+    reason, metas = _decide(decision, module, cfg, prepare)
+    assert decision.builds == 2 and not decision.kept
+    assert check(reason, metas), (reason, metas)
+    if metas is not None:       # the fresh answer is the module's export as it is now
+        assert metas == export.param_metas(module, None)
+    assert _decide(decision, module, cfg, prepare) == (reason, metas)   # kept again from here
+    assert decision.builds == 2 and decision.kept
+
+
+def test_what_the_decision_depends_on_outside_the_module_rebuilds_it():
+    from fsdp_sync.integrations.module_stream import ExportDecision
+
+    module, prepare = _model(), _prepare_fn(None, None)
+    decision = ExportDecision()
+    _decide(decision, module, _cfg(dtype=None), prepare)
+    _decide(decision, module, _cfg(dtype=torch.bfloat16), prepare)           # the rollout dtype
+    assert decision.builds == 2 and "tensor #0" in decision.reason           # prepare kept float32
+    _decide(decision, module, _cfg(dtype=torch.bfloat16), _prepare_fn(torch.bfloat16, None))
+    assert decision.builds == 3 and decision.reason is None                  # another cast
+    cfg = _cfg(dtype=torch.bfloat16, bucket_bytes=1 << 20)
+    bf16 = _prepare_fn(torch.bfloat16, None)
+    _decide(decision, module, cfg, bf16)
+    assert decision.builds == 4                                              # the bucket size
+    assert {b.nbytes <= 1 << 20 for b in decision.plan} == {True}
+    _decide(decision, _model(), cfg, bf16)                                   # another module
+    assert decision.builds == 5
+    # verl's naming: functions made anew each stream are never trusted; a naming key is
+    rename = {"convert": lambda sd: dict(sd)}
+    _decide(decision, module, cfg, bf16, **rename)
+    _decide(decision, module, cfg, bf16, convert=lambda sd: dict(sd))
+    assert decision.builds == 7
+    _decide(decision, module, cfg, bf16, convert=lambda sd: dict(sd), naming="m")
+    _decide(decision, module, cfg, bf16, convert=lambda sd: dict(sd), naming="m")
+    assert decision.builds == 8 and decision.kept
+    _decide(decision, module, cfg, bf16, convert=lambda sd: dict(sd), naming="other")
+    assert decision.builds == 9
+    # the cheap refusals are asked every call, before the kept answer
+    reason, _ = _decide(decision, module, cfg, bf16, naming="other", param_offload=True)
+    assert "offloads" in reason
+
+
+def _kept_syncs(rank, world, url):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.engines.sglang import SGLangEngine
+    from fsdp_sync.integrations import module_stream
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncTopology, make_mesh
+    from fsdp_sync.transport import SyncStats
+    from fsdp_sync.transport.tensor import TensorTransport
+    from fsdp_sync.cli.trainer import wrap_fsdp
+
+    torch.set_num_threads(1)
+    module = wrap_fsdp(build_model(load_config("tiny"), seed=0), 2)
+    topo = SyncTopology.from_mesh(make_mesh(1, 2))
+    engine = SGLangEngine(base_url=url, tp_size=2) if topo.is_tp_src else None
+    cfg = SyncConfig(dtype=torch.float32, bucket_bytes=96 << 10, share_host_memory=True)
+    prepare = _prepare_fn(cfg.dtype, None)
+    decision = module_stream.ExportDecision()
+    out = []
+    for step in range(4):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(0.001 * (step + 1))
+        if step == 2:   # a new object, replicated instead of sharded, with other values
+            old = module.model.norm.weight
+            module.model.norm.weight = torch.nn.Parameter(distribute_tensor(
+                (old.full_tensor() * 2 + 1).detach(), old.device_mesh, [Replicate()]))
+        stream = module_stream.ModuleStream(_verl_style(module, []), module, naming="tiny")
+        steps = module_stream.calls(stream, cfg, topo, SyncStats(), {"export_s": 0.0}, prepare,
+                                    decision=decision)
+        assert steps is not None
+        TensorTransport(cfg).send(steps, topo=topo, engine=engine, group=topo.tp_group,
+                                  what="test sync")
+        if engine is not None:
+            engine.flush_cache()
+        dist.barrier()
+        out.append({"builds": decision.builds, "kept": decision.kept,
+                    "expected": checksum_named_tensors(_verl_style(module, []))})
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_kept_decisions_sync_exactly_and_a_changed_module_is_compared_again():
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.engines.reference.serve import EngineServer
+
+    with ReferenceEngine("tiny", tp_size=2, seed=1, dtype=torch.float32) as engine, \
+            EngineServer(engine) as server:
+        results = run_ranks(_kept_syncs, 2, server.url, timeout_s=220, env=spawn_env())
+        final = engine.weights_checksum()
+    for r in results:
+        # made, kept, made again (the swapped parameter), kept
+        assert [(s["builds"], s["kept"]) for s in r] == [(1, False), (1, True), (2, False), (2, True)]
+    assert results[0][-1]["expected"] == results[1][-1]["expected"] == final

@@ -27,6 +27,13 @@ nothing. That needs the module, which verl keeps to itself: the rollout adapter 
   whether any refused (one all-reduce, before any collective of either export; the reasons travel
   only then), so all take the same path; why the fast path was not taken is logged once per
   reason on infer-TP rank 0.
+- `ExportDecision` (one per adapter): a rank's comparison is made once per module and kept while
+  nothing it reads changed: the same module and parameter and buffer objects (weak references),
+  with the same names, shapes, dtypes, devices, DTensor placements and meshes, the same rollout
+  dtype, bucket size, cast and naming (``ModuleStream.naming``). Any difference rebuilds it, so a
+  changed module is compared again (exact, or refused by name). The cheap refusals above and the
+  all-reduce still run at every sync: each rank decides its cache alone, and only the all-reduce
+  makes the ranks agree. Not seen: a state-dict hook registered on an unchanged module.
 
 What fsdp_sync's export changes against verl's is only how the bytes are gathered: the same
 shards, cast to the rollout dtype before the gather (bit for bit the cast of the full tensor),
@@ -43,8 +50,10 @@ tests it with a verl-like stream.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -57,8 +66,8 @@ from ..weights import export, handles
 from ..weights.bucket import SUPPORTED_DTYPES, TensorMeta, dtype_name, plan_buckets
 from ..wire import flattened_bucket
 
-__all__ = ["ModuleStream", "install", "uninstall", "verl_metas", "refusal", "agreed", "calls",
-           "EXPORT_MODULE", "EXPORT_VERL"]
+__all__ = ["ModuleStream", "ExportDecision", "install", "uninstall", "verl_metas", "refusal",
+           "agreed", "calls", "EXPORT_MODULE", "EXPORT_VERL"]
 
 log = logging.getLogger("fsdp_sync.verl")
 
@@ -80,18 +89,23 @@ class ModuleStream:
     ``fsdp_version``, ``param_offload`` (verl offloads parameters, or FSDP2's CPU-offload policy owns
     them), ``qat``, ``convert`` (state dict -> state dict under verl's names: verl's
     ``convert_weight_keys`` on the module) and ``unfuse`` (``(name, tensor)`` iterable -> verl's
-    per-expert items: ``unfuse_moe_params`` for the model type); the last two default to identity."""
+    per-expert items: ``unfuse_moe_params`` for the model type); the last two default to identity.
+    ``naming``: a value that, for the same module, promises the same ``convert`` and ``unfuse``
+    results (`_wrap`: verl's model type); None: the two functions themselves, compared by
+    equality (a new lambda each stream: the decision is never kept)."""
 
     def __init__(self, items: Iterable, module: torch.nn.Module, *, flags: dict | None = None,
                  peft: bool = False, fsdp_version: int = 2, param_offload: bool = False,
                  qat: bool = False, convert: Callable[[dict], dict] | None = None,
-                 unfuse: Callable[[Iterable], Iterable] | None = None) -> None:
+                 unfuse: Callable[[Iterable], Iterable] | None = None,
+                 naming: Any = None) -> None:
         self._items = iter(items)
         self.module = module
         self.flags = dict(flags or {})
         self.peft, self.fsdp_version = peft, fsdp_version
         self.param_offload, self.qat = param_offload, qat
         self.convert, self.unfuse = convert, unfuse
+        self.naming = ("given", naming) if naming is not None else ("functions", convert, unfuse)
 
     def __iter__(self) -> "ModuleStream":
         return self
@@ -119,7 +133,9 @@ def _wrap(engine: Any, items: Any, flags: dict, impl: Any) -> ModuleStream:
                            or getattr(engine, "_uses_fsdp2_cpu_offload_policy", False)),
         qat=bool(getattr(engine, "_qat_enabled", False)),
         convert=lambda sd: impl.convert_weight_keys(sd, inner),
-        unfuse=lambda pairs: impl.unfuse_moe_params(pairs, model_type))
+        unfuse=lambda pairs: impl.unfuse_moe_params(pairs, model_type),
+        # the two read only the module (inner is its own) and the model type
+        naming=("verl", impl.convert_weight_keys, impl.unfuse_moe_params, model_type))
 
 
 def install() -> bool:
@@ -192,11 +208,72 @@ def _first_difference(theirs: list[TensorMeta], ours: list[TensorMeta]) -> str:
     return ""
 
 
+def _fingerprint(module: torch.nn.Module) -> tuple[tuple, list]:
+    """What the comparison reads of ``module``, without moving data: (facts, tensors). Facts per
+    parameter and buffer (tied ones under each name): name, shape, dtype, device, DTensor
+    placements and mesh; the tensors themselves are compared by identity."""
+    facts: list = []
+    tensors: list = []
+    for name, t in itertools.chain(module.named_parameters(remove_duplicate=False),
+                                   module.named_buffers(remove_duplicate=False)):
+        facts.append((name, tuple(t.shape), t.dtype, t.device, getattr(t, "placements", None),
+                      getattr(t, "device_mesh", None)))
+        tensors.append(t)
+    return tuple(facts), tensors
+
+
+class ExportDecision:
+    """One rank's `refusal` answer for one module, kept across syncs while nothing it depends on
+    changed (see the module docstring), with the bucket plan of its metas. ``builds`` counts the
+    comparisons made, ``kept`` says whether the last sync reused one."""
+
+    def __init__(self) -> None:
+        self._module: Any = None          # weakref to the module the answer is for
+        self._key: Any = None
+        self._facts: tuple = ()
+        self._refs: list = []             # weakrefs to its parameters and buffers
+        self.reason: str | None = None
+        self.metas: list[TensorMeta] | None = None
+        self.plan: list | None = None
+        self.builds = 0
+        self.kept = False
+
+    @staticmethod
+    def _key_of(stream: ModuleStream, sync: Any, prepare: Callable) -> tuple:
+        return (sync.dtype, sync.bucket_bytes, prepare, stream.naming)
+
+    def lookup(self, stream: ModuleStream, sync: Any, prepare: Callable) -> tuple | None:
+        """(facts, tensors) to `store` after a fresh comparison, or None when the kept answer
+        holds for ``stream`` (then ``reason`` / ``metas`` / ``plan`` are it)."""
+        facts, tensors = _fingerprint(stream.module)
+        self.kept = (self._module is not None and self._module() is stream.module
+                     and self._key == self._key_of(stream, sync, prepare)
+                     and facts == self._facts and len(tensors) == len(self._refs)
+                     and all(r() is t for r, t in zip(self._refs, tensors)))
+        return None if self.kept else (facts, tensors)
+
+    def store(self, stream: ModuleStream, sync: Any, prepare: Callable, seen: tuple,
+              reason: str | None, metas: list[TensorMeta] | None) -> None:
+        facts, tensors = seen
+        self._module = weakref.ref(stream.module)
+        self._key = self._key_of(stream, sync, prepare)
+        self._facts, self._refs = facts, [weakref.ref(t) for t in tensors]
+        self.reason, self.metas = reason, metas
+        self.plan = None if metas is None else plan_buckets(metas, sync.bucket_bytes)
+        self.builds += 1
+
+    def forget(self) -> None:
+        self._module, self._refs, self._facts = None, [], ()
+        self.reason = self.metas = self.plan = None
+
+
 def refusal(stream: Any, sync: Any, prepare: Callable[[str, torch.Tensor], torch.Tensor], *,
-            quantized: bool = False) -> tuple[str | None, list[TensorMeta] | None]:
+            quantized: bool = False,
+            decision: ExportDecision | None = None) -> tuple[str | None, list[TensorMeta] | None]:
     """This rank's answer, no collective: (why fsdp_sync's export may not replace ``stream``, or
     None; the export's metas when it may). ``sync``: the adapter's `SyncConfig`; ``prepare``: the
-    adapter's per-tensor cast (it must take meta tensors)."""
+    adapter's per-tensor cast (it must take meta tensors); ``decision``: where the comparison of
+    names, shapes and dtypes is kept between syncs (`ExportDecision`; None: made every call)."""
     if not isinstance(stream, ModuleStream):
         return "verl's stream carries no FSDP module", None
     if sync.strategy != "flattened":
@@ -211,18 +288,30 @@ def refusal(stream: Any, sync: Any, prepare: Callable[[str, torch.Tensor], torch
         return "verl offloads the actor's parameters (param_offload or FSDP2's CPU-offload policy)", None
     if stream.qat:
         return "QAT is on (verl quantizes its stream)", None
+    seen = None
+    if decision is not None:
+        try:
+            seen = decision.lookup(stream, sync, prepare)
+        except Exception as exc:  # noqa: BLE001 - whatever it is: verl's generator instead
+            decision.forget()
+            return f"the module could not be read ({type(exc).__name__}: {exc})", None
+        if seen is None:
+            return decision.reason, decision.metas
     try:
         ours = export.param_metas(stream.module, sync.dtype)
         theirs = verl_metas(stream, prepare)
     except Exception as exc:  # noqa: BLE001 - whatever it is: verl's generator instead
+        if decision is not None:
+            decision.forget()     # not kept: compared again next sync
         return f"the names could not be compared ({type(exc).__name__}: {exc})", None
-    diff = _first_difference(theirs, ours)
-    if diff:
-        return diff, None
+    reason = _first_difference(theirs, ours) or None
     bad = [m for m in ours if m.dtype not in SUPPORTED_DTYPES]
-    if bad:
-        return f"{bad[0].name!r} has dtype {dtype_name(bad[0].dtype)}, which buckets cannot hold", None
-    return None, ours
+    if reason is None and bad:
+        reason = f"{bad[0].name!r} has dtype {dtype_name(bad[0].dtype)}, which buckets cannot hold"
+    metas = None if reason is not None else ours
+    if decision is not None:
+        decision.store(stream, sync, prepare, seen, reason, metas)
+    return reason, metas
 
 
 def agreed(reason: str | None, group: Any = None) -> str | None:
@@ -260,17 +349,20 @@ def _device(module: torch.nn.Module) -> torch.device:
 
 def calls(weights: Any, sync: Any, topo: Any, stats: SyncStats, phases: dict,
           prepare: Callable[[str, torch.Tensor], torch.Tensor], *,
-          quantized: bool = False) -> Iterator[Call] | None:
+          quantized: bool = False, decision: ExportDecision | None = None) -> Iterator[Call] | None:
     """The adapter's hook: the sync's calls from fsdp_sync's export of ``weights.module``, or None
     (every rank alike) where verl's generator must be walked. Collective over the world when
     ``weights`` is a `ModuleStream` (every rank gets one: verl's engine is the same class on
     each). ``prepare(name, tensor)`` is the adapter's per-tensor step: it decides verl's dtypes
     (on meta tensors) and, on the fast path, records each sent tensor for verify (bucket views).
-    ``phases["export_s"]`` gets the seconds spent in the export."""
+    ``phases["export_s"]`` gets the seconds spent in the export. ``decision``: `refusal`'s, kept
+    between syncs (the all-reduce runs every sync all the same)."""
     if not isinstance(weights, ModuleStream):
         return None
     t0 = time.perf_counter()
-    reason, metas = refusal(weights, sync, prepare, quantized=quantized)
+    if decision is not None:
+        decision.kept = False
+    reason, metas = refusal(weights, sync, prepare, quantized=quantized, decision=decision)
     reason = agreed(reason)
     phases["export_s"] += time.perf_counter() - t0
     if reason is not None:
@@ -278,13 +370,15 @@ def calls(weights: Any, sync: Any, topo: Any, stats: SyncStats, phases: dict,
             _log_once(reason, False)
         return None
     weights.close()          # verl's generator: never pulled, nothing gathered
-    return _module_calls(weights.module, metas, sync, topo, stats, phases, prepare)
+    plan = decision.plan if decision is not None and decision.plan is not None \
+        else plan_buckets(metas, sync.bucket_bytes)
+    return _module_calls(weights.module, plan, sync, topo, stats, phases, prepare)
 
 
-def _module_calls(module: torch.nn.Module, metas: list[TensorMeta], sync: Any, topo: Any,
+def _module_calls(module: torch.nn.Module, plan: list, sync: Any, topo: Any,
                   stats: SyncStats, phases: dict,
                   prepare: Callable[[str, torch.Tensor], torch.Tensor]) -> Iterator[Call]:
-    plan = plan_buckets(metas, sync.bucket_bytes)
+    # the plan is checked against the module's live export in iter_buckets, every sync
     buf = ReusedBuffer(max((b.nbytes for b in plan), default=0), _device(module))
     it = export.iter_buckets(module, sync.bucket_bytes, dtype=sync.dtype, alloc=buf.take,
                              share_host_memory=sync.share_host_memory, plan=plan)

@@ -9,6 +9,8 @@ function itself, on an engine object holding only what it reads) once `module_st
   ``convert_weight_keys`` and ``unfuse_moe_params``): a dense Qwen2 and a Qwen3-MoE whose
   transformers-5 fused experts verl cuts into per-expert tensors, every bucket's bytes equal to
   verl's tensors;
+- a kept `ExportDecision` holds across two of verl's streams of the same engine and is made
+  again once the module changed;
 - `uninstall` gives verl its function back.
 """
 
@@ -62,7 +64,28 @@ def _ranks(rank, world, models):
         for bkt, flat in export.iter_buckets(module, 64 << 10, share_host_memory=True):
             for e in bkt.entries:
                 ours[e.name] = tensor_digest(e.name, flat[e.start:e.end].view(e.dtype).view(e.shape))
+        # a second stream of the same engine (verl's next sync): its naming promises the same
+        # names, so an adapter's kept decision holds; a changed module is compared again
+        decision = module_stream.ExportDecision()
+        builds = []
+        for _ in range(2):
+            again, _ = impl.FSDPEngine.get_per_tensor_param(
+                _engine(module, cfg.model_type), layered_summon=False, base_sync_done=True)
+            kept = module_stream.refusal(again, SimpleNamespace(
+                strategy="flattened", quantization=None, dtype=None, bucket_bytes=64 << 10),
+                prepare, decision=decision)
+            builds.append((decision.builds, decision.kept, kept == (reason, metas)))
+        with torch.no_grad():
+            module.model.norm.weight.data = module.model.norm.weight.data.to(torch.bfloat16)
+        again, _ = impl.FSDPEngine.get_per_tensor_param(
+            _engine(module, cfg.model_type), layered_summon=False, base_sync_done=True)
+        module_stream.refusal(again, SimpleNamespace(
+            strategy="flattened", quantization=None, dtype=None, bucket_bytes=64 << 10),
+            prepare, decision=decision)
+        builds.append((decision.builds, decision.kept, decision.reason or {
+            m.name: m.dtype for m in decision.metas}.get("model.norm.weight")))
         out[name] = {"module_stream": is_module_stream, "peft": peft, "reason": reason,
+                     "builds": builds,
                      "flags": stream.flags, "same_module": stream.module is module,
                      "names": [m.name for m in metas or []], "verl_names": list(theirs),
                      "equal": theirs == ours}
@@ -84,6 +107,12 @@ def test_verls_engine_hands_its_module_along_and_fsdp_syncs_export_is_exact_agai
             assert got["flags"] == {"layered_summon": False, "base_sync_done": True}
             assert got["reason"] is None, got["reason"]
             assert got["names"] == got["verl_names"] and got["equal"]
+            # kept across verl's streams; after the change compared again: here (a bfloat16
+            # local tensor under a float32 DTensor) the two disagree and it is refused by name
+            assert got["builds"][:2] == [(1, False, True), (1, True, True)]
+            assert got["builds"][2][:2] == (2, False)
+            assert ": verl 'model.norm.weight' float32 (64,), fsdp_sync " \
+                   "'model.norm.weight' bfloat16 (64,)" in got["builds"][2][2], got["builds"]
     moe = results[0]["tiny-qwen3-moe"]["verl_names"]
     # verl cut the fused experts into per-expert tensors, and so did fsdp_sync's export
     assert "model.layers.0.mlp.experts.7.up_proj.weight" in moe

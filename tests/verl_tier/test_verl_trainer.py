@@ -188,6 +188,8 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
             # generator: the names match exactly (`integrations.module_stream`)
             assert s["export"] == "fsdp_sync", s
             assert sorted(s["digests"]) == sorted(ckpt)
+        # the exactness comparison made once, then kept: verl's loop keeps the module's objects
+        assert [s["export_decision"] for s in syncs] == ["made", "kept", "kept", "kept"]
         # the sync's log line says so too (Ray may fold alike lines of a run: one at least)
         assert re.search(r"fsdp_sync verl sync \(step \d\): [\d.]+ s \(fsdp_sync's export", log), \
             log[-4000:]

@@ -57,7 +57,9 @@ Where verl's FSDP engine hands its module along (`module_stream`: wrapped when a
 fsdp_sync's export would send exactly what verl's stream would, every rank agreeing, the buckets
 come from fsdp_sync's own export of the module (`weights.export.iter_buckets`: a gather per
 bucket, or none through a host-shared buffer) instead of verl's one ``full_tensor()`` per
-parameter (LoRA streams keep verl's); the sync's ``export`` figure says which ran.
+parameter (LoRA streams keep verl's); the sync's ``export`` figure says which ran. The comparison
+is made at the first sync and kept while the module is unchanged (`module_stream.ExportDecision`;
+``export_decision``: ``made`` or ``kept``).
 
 Not here: verl's delta checkpoint wire (refused with an error when opted in), prefill/decode
 disaggregation, starting SGLang (verl's Ray actors do).
@@ -211,6 +213,9 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self._peers_checked = False     # every infer-TP rank runs this adapter (`peer_check`)
         self._pack_s = self._digest_s = 0.0
         self._buffer_hint = 0     # bytes the last sync's bucket buffer filled (`BucketBuffer`)
+        # the module export's exactness comparison, kept while the module is unchanged
+        self._decision = module_stream.ExportDecision()
+        self._topo: SyncTopology | None = None     # built once per device mesh (`_topology`)
         self._engine = None
         self._server_actor = None
         tp = int(self.config.tensor_model_parallel_size)
@@ -332,13 +337,17 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         return metrics
 
     def _topology(self) -> SyncTopology:
-        """verl's ``infer_tp`` mesh dim as the tensor transport's topology."""
+        """verl's ``infer_tp`` mesh dim as the tensor transport's topology (built once per
+        device mesh: slicing the mesh costs about a millisecond a sync)."""
         tp = self._mesh()
+        if self._topo is not None and self._topo.mesh is self.device_mesh:
+            return self._topo
         dp = self.device_mesh["dp"]
-        return SyncTopology(mesh=self.device_mesh, rank=dist.get_rank(),
+        self._topo = SyncTopology(mesh=self.device_mesh, rank=dist.get_rank(),
                             world_size=dist.get_world_size(), dp_rank=dp.get_local_rank(),
                             dp_size=dp.size(), tp_rank=tp.get_local_rank(), tp_size=tp.size(),
                             tp_ranks=tuple(int(r) for r in tp.mesh.tolist()), tp_group=tp.get_group())
+        return self._topo
 
     def _sync(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any,
               version: str | None = None) -> dict[str, Any]:
@@ -377,7 +386,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         # fsdp_sync's bucketed export from verl's FSDP module where it sends exactly what verl's
         # stream would (agreed by every rank), else verl's generator (`module_stream`)
         steps = module_stream.calls(weights, cfg, topo, counted, phases, self._prepare,
-                                    quantized=cfg.quantization is not None)
+                                    quantized=cfg.quantization is not None,
+                                    decision=self._decision)
         exported_by = module_stream.EXPORT_VERL if steps is None else module_stream.EXPORT_MODULE
         quant = self._quantizer(topo) if cfg.quantization is not None else None
         if steps is None:
@@ -390,7 +400,12 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
                                       group=topo.tp_group, what="fsdp_sync verl sync",
                                       check=check if cfg.verify != "off" else None,
-                                      version=version, before=before)
+                                      version=version,
+                                      # nothing to check or record: no agreement to pay for
+                                      # (_config_checked is the same on every rank: set after
+                                      # a sync that passed everywhere)
+                                      before=before if cfg.verify != "off"
+                                      or not self._config_checked else None)
             self._config_checked = True
             sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
         finally:
@@ -403,6 +418,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         phases["digest_s"] = self._digest_s
         phases["transport_s"] = max(0.0, sync_s - phases["export_s"] - phases["pack_s"]
                                     - phases["digest_s"])
+        if exported_by == module_stream.EXPORT_MODULE:   # the comparison made, or kept
+            phases["export_decision"] = "kept" if self._decision.kept else "made"
         out = {"strategy": cfg.strategy, "export": exported_by, "sync_s": sync_s, **phases,
                "bytes": counted.bytes,
                "tensors": counted.tensors, "buckets": counted.buckets,
