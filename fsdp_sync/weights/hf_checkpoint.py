@@ -84,6 +84,11 @@ HASH_CHUNK = 4 << 20
 """Bytes hashed per step while a file is written or read: each chunk is hashed right after it was
 copied (to the page cache, or from it), while it is still in the CPU's cache."""
 
+WRITE_CHUNK = 512 << 10
+"""Bytes written then hashed per step by `write_safetensors`: small enough that the chunk the write
+just read is still in a core's L2 cache when it is hashed (64 MiB written to tmpfs and hashed, CPU
+time, median of 15 interleaved: 50.0 ms in 4 MiB chunks, 45.2 in 1 MiB, 43.9 in 512 KiB; issue 39)."""
+
 HASHES = ("xxh3_128", "sha256")
 """The digests a manifest may hold (``SyncConfig.disk_hash``)."""
 DEFAULT_HASH = "xxh3_128"
@@ -269,8 +274,8 @@ def write_safetensors(path: str, flat: torch.Tensor, entries: Any, *, hash: str 
         _write_all(fd, head)
         h.update(head)
         for a, b in runs:
-            for i in range(a, b, HASH_CHUNK):
-                chunk = data[i:min(i + HASH_CHUNK, b)]
+            for i in range(a, b, WRITE_CHUNK):
+                chunk = data[i:min(i + WRITE_CHUNK, b)]
                 _write_all(fd, chunk)
                 h.update(chunk)                   # just copied to the page cache: still cached
         if fsync:
