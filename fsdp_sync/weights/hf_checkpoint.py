@@ -84,11 +84,7 @@ HASH_CHUNK = 4 << 20
 """Bytes hashed per step while a file is written or read: each chunk is hashed right after it was
 copied (to the page cache, or from it), while it is still in the CPU's cache."""
 
-WRITE_CHUNK = 512 << 10
-"""Bytes written then hashed per step by `write_safetensors`: small enough that the chunk the write
-just read is still in a core's L2 cache when it is hashed (64 MiB written to tmpfs and hashed, CPU
-time, median of 15 interleaved: 50.0 ms in 4 MiB chunks, 45.2 in 1 MiB, 43.9 in 512 KiB; issue 39)."""
-
+WRITE_CHUNK = 512 << 10   # written then hashed by write_safetensors: still in L2 (issue 39)
 HASHES = ("xxh3_128", "sha256")
 """The digests a manifest may hold (``SyncConfig.disk_hash``)."""
 DEFAULT_HASH = "xxh3_128"
