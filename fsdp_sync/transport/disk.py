@@ -24,9 +24,14 @@ partly updated — only ever sees complete, immutable directories:
    (`fleet.end_all`). A sync of the step just published (the manager's retry after quarantining a
    replica, ``recover``, ``add_engine``) skips 1-3 and loads that version again;
 5. versions beyond the newest ``disk_keep`` (the one just published counted) are removed, never the
-   one the engines serve: renamed to a hidden name first, then deleted on trainer rank 0 by a thread
+   one the engines serve: renamed out of view first, then deleted on trainer rank 0 by a thread
    while the engines load (step 4 waits for it; even a failed load leaves the served version),
-   and once the load succeeded the version served before it where ``disk_keep`` is 1.
+   and once the load succeeded the version served before it where ``disk_keep`` is 1. The newest
+   of them is kept, hidden, as the pool ``<disk_dir>/.recycle``: the next sync's writers move each
+   file of the same name out of it and overwrite it in place (`disk_writer.write_shard`), so its
+   pages are reused instead of fresh ones allocated and zeroed while the old ones are freed (on
+   tmpfs, 57 against 22 ms of CPU per 64 MiB; issue 39). Every byte is still written and hashed
+   anew; the pool costs one more version on disk between syncs and is removed by `close`.
 
 Each phase ends with `topology.agree` over the trainer group, so a failure on any rank (a full
 disk, an engine refusal) raises the same `SyncError` on every rank; a failure before the rename
@@ -100,7 +105,9 @@ from ..weights.layout import engine_ep_size
 __all__ = ["DiskTransport", "disk_floor", "STEP_RE", "NO_RANK_CHECKPOINTS"]
 
 STEP_RE = re.compile(r"^step_(\d+)$")
-_HIDDEN_RE = re.compile(r"^\.step_\d+\.(tmp|del)-[0-9a-f]+$")
+_HIDDEN_RE = re.compile(r"^\.(step_\d+|recycle)\.(tmp|del)-[0-9a-f]+$")
+POOL = ".recycle"
+"""The dropped version whose files the next sync's writers overwrite in place (`DiskTransport`)."""
 
 
 def _load_one(engine: Any, path: str, version: str | None) -> None:
@@ -147,6 +154,7 @@ class DiskTransport:
         self._quant: Any = None             # this sync's `quantize.StreamQuantizer`, if quantized
         self._split: dict = {}              # this rank's write-phase split (`OneWriter.seconds`)
         self._host_keep: list = []          # per-rank one-host buffers, kept between syncs until close()
+        self._pool: str | None = None       # trainer rank 0: the dropped version kept for reuse (`POOL`)
 
     # ------------------------------------------------------------------ the sync
     def sync(self, ctx: Any) -> None:
@@ -172,7 +180,7 @@ class DiskTransport:
         layout = choose_layout(ctx, rank, group, what)
 
         # 1. rank 0 makes the temp directory; the writers are the ranks that can see it
-        tmp, err = None, None
+        tmp, pool, err = None, None, None
         if rank == 0:
             try:
                 os.makedirs(self.directory, exist_ok=True)
@@ -184,10 +192,12 @@ class DiskTransport:
                 self._sweep_hidden()
                 tmp = os.path.join(self.directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
                 os.mkdir(tmp)
+                pool = os.path.join(self.directory, POOL) if os.path.isdir(
+                    os.path.join(self.directory, POOL)) else None
             except Exception as exc:   # noqa: BLE001 - every rank must hear of it
                 err = exc
         agree_on(err, group, f"{what} (prepare)")
-        tmp = broadcast(tmp, group)
+        tmp, pool = broadcast((tmp, pool), group)
         try:
             sees = all_gather(os.path.isdir(tmp), group, world)
             writers = [r for r in range(world) if sees[r]] if self.parallel_write else [0]
@@ -200,7 +210,7 @@ class DiskTransport:
             self._quant = self._quantizer(ctx, rank, group, layout, what)
             if layout is None:
                 n_files = len(_bucket.plan_buckets(metas, cfg.bucket_bytes))
-                records, err = self._write_buckets(ctx, tmp, rank, writers, n_files)
+                records, err = self._write_buckets(ctx, tmp, rank, writers, n_files, pool)
                 stats.buckets = n_files
             else:
                 parts = len(reshard.plan_rank_buckets(layout, metas[0].dtype, cfg.bucket_bytes))
@@ -208,7 +218,7 @@ class DiskTransport:
                 ahead = HashAhead(ctx.engines, tmp, layout.tp, disk_hash(cfg), rank)
                 records, err, self.host_shared, self._split = write_rank_buckets(
                     ctx, tmp, rank, writers, layout, parts, st, quant=self._quant,
-                    host_keep=self._host_keep, ahead=ahead)
+                    host_keep=self._host_keep, ahead=ahead, pool=pool)
                 told = len(ahead.told)
                 stats.buckets = parts
             agree_on(err, group, f"{what} (write)")
@@ -351,8 +361,8 @@ class DiskTransport:
         agree_on(err, group, f"{what} (quantization={cfg.quantization!r})")
         return quant
 
-    def _write_buckets(self, ctx: Any, tmp: str, rank: int, writers: list[int],
-                       n_files: int) -> tuple[list[dict], BaseException | None]:
+    def _write_buckets(self, ctx: Any, tmp: str, rank: int, writers: list[int], n_files: int,
+                       pool: str | None) -> tuple[list[dict], BaseException | None]:
         """Gather every bucket (collective: every rank runs the whole stream even after a local
         write failure) and write this rank's own; returns its file records and its error."""
         cfg = ctx.config
@@ -367,7 +377,7 @@ class DiskTransport:
         algo = disk_hash(cfg)
 
         def write_one(file: str, bkt: _bucket.Bucket, flat: torch.Tensor) -> list[dict]:
-            return [_write_shard(tmp, file, bkt, flat, hash=algo, fsync=False)]
+            return [_write_shard(tmp, file, bkt, flat, hash=algo, fsync=False, pool=pool)]
 
         def write(item: tuple) -> None:
             k, (bkt, flat) = item
@@ -436,15 +446,21 @@ class DiskTransport:
         return doomed
 
     def _hide_doomed(self) -> tuple[list[str], list[str]]:
-        """Rename the versions `_prune` removes to hidden names (gone from view at once, and swept
-        by the next sync if their deletion never ends); returns (versions, hidden paths)."""
+        """Rename the versions `_prune` removes out of view at once: the newest of them becomes the
+        pool (`POOL`) the next sync's writers take their files from, the rest and the pool before
+        it get hidden names, to be deleted (and swept by the next sync if their deletion never
+        ends); returns (versions, hidden paths)."""
         versions = self._versions()
         doomed = [p for _, p in versions[:-self.keep] if p != self.loaded]
         hidden = []
-        for path in doomed:
-            head, tail = os.path.split(path)
-            hidden.append(os.path.join(head, f".{tail}.del-{uuid.uuid4().hex[:12]}"))
+        pool = os.path.join(self.directory, POOL)
+        for path in doomed[:-1] + ([pool] if doomed and os.path.lexists(pool) else []):
+            hidden.append(os.path.join(self.directory, f".{os.path.basename(path).lstrip('.')}"
+                                                       f".del-{uuid.uuid4().hex[:12]}"))
             os.rename(path, hidden[-1])
+        if doomed:
+            os.rename(doomed[-1], pool)
+            self._pool = pool
         return doomed, hidden
 
     def _start_prune(self) -> "_Pruning":
@@ -471,6 +487,9 @@ class DiskTransport:
         the published versions stay on disk."""
         self.closed = True
         self._host_keep.clear()
+        if self._pool is not None:           # one version's worth of files: not left behind
+            shutil.rmtree(self._pool, ignore_errors=True)
+            self._pool = None
 
 
 class _Pruning:
