@@ -1,4 +1,4 @@
-"""An experiment, not a feature (issue 39): the disk method writing each new version into the files
+"""The experiment behind the pool (issue 39; `transport.disk` has done this since ae17c95): the disk method writing each new version into the files
 of the version keep-N dropped (renamed into it, overwritten in place, cut to size) instead of fresh
 files, against fresh files, in one job, syncs alternating ABBA after a warm-up: 2 CPU trainer ranks
 (FSDP2), qwen2-160m, reference engine TP 2, 64 MiB buckets, per-rank files, tmpfs. In both arms the
@@ -12,7 +12,9 @@ version's file open sees it change (the reference engine's stamps would refuse i
 Prints each sync's seconds, split and CPU seconds (both trainer ranks and the engine workers, from
 ``/proc``), then each arm's medians.
 
-Run: PYTHONPATH=. .venv/bin/python dev/measure_disk_recycle.py  (PAIRS=3, DIR=/dev/shm)
+It patches the tree before the pool (38d1a57): run it with PYTHONPATH at that tree, e.g.
+``git archive 38d1a57 | tar -x -C /tmp/t && PYTHONPATH=/tmp/t .venv/bin/python dev/measure_disk_recycle.py``
+(PAIRS=3, DIR=/dev/shm).
 """
 import os
 import statistics
