@@ -50,7 +50,8 @@ def _engine_digests(engine):
 
 
 def _listing(d):
-    return sorted(os.listdir(d))
+    # but the pool of a dropped version's files the next sync reuses (`transport.disk.POOL`)
+    return sorted(f for f in os.listdir(d) if f != ".recycle")
 
 
 class _RefusingEngine:

@@ -155,8 +155,8 @@ class HashAhead:
 
 
 def write_rank_buckets(ctx: Any, tmp: str, rank: int, writers: list[int], layout: Any, parts: int,
-                       st: Any, *, quant: Any, host_keep: list,
-                       ahead: HashAhead) -> tuple[list[dict], BaseException | None, bool, dict]:
+                       st: Any, *, quant: Any, host_keep: list, ahead: HashAhead,
+                       pool: str | None = None) -> tuple[list[dict], BaseException | None, bool, dict]:
     """Cut every bucket per engine rank (collective: every rank runs the whole stream even
     after a local failure) and write this rank's files; returns its file records, its error,
     whether a bucket came from host-shared buffers, and its write-phase split (`OneWriter.seconds`).
@@ -165,7 +165,8 @@ def write_rank_buckets(ctx: Any, tmp: str, rank: int, writers: list[int], layout
     all-to-all path the one owner ``writers[i % W]``; where every rank sees every buffer
     (host-shared, or full tensors everywhere) ``writers[(k * tp + i) % W]``. One bucket's
     files are written on a thread while the next bucket is cut (two buffer sets rotate);
-    ``ahead`` is told which files are complete as the stream goes (`HashAhead.at_bucket`)."""
+    ``ahead`` is told which files are complete as the stream goes (`HashAhead.at_bucket`); ``pool``:
+    the dropped version whose files are overwritten in place (`disk_writer.write_shard`)."""
     cfg = ctx.config
     tp = layout.tp
     w = OneWriter("reshard", parts, tmp)
@@ -177,7 +178,7 @@ def write_rank_buckets(ctx: Any, tmp: str, rank: int, writers: list[int], layout
 
     def write_all(jobs: list) -> list[dict]:
         return [write_shard(tmp, ckpt.rank_file_name(i, k), bkt, flat,
-                            lambda n: ckpt.rank_tensor_name(n, tied), algo, fsync=False)
+                            lambda n: ckpt.rank_tensor_name(n, tied), algo, fsync=False, pool=pool)
                 | {"rank": i, "part": k}
                 for i, k, bkt, flat in jobs]
 

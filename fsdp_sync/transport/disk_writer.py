@@ -31,19 +31,28 @@ def plain_alloc(nbytes: int) -> torch.Tensor:
 
 def write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tensor,
                 rename: Callable[[str], str] = str, hash: str = ckpt.DEFAULT_HASH,
-                fsync: bool = True) -> dict:
+                fsync: bool = True, pool: str | None = None) -> dict:
     """One bucket as one safetensors file, hashed under ``hash`` while it is written
     (`hf_checkpoint.write_safetensors`) and fsynced (``fsync=False``: its writeback started, the
     caller fsyncs it). ``rename``: the name each entry gets in the file (per-rank files:
-    `hf_checkpoint.rank_tensor_name`).
+    `hf_checkpoint.rank_tensor_name`). ``pool``: a directory holding a dropped version's files
+    (`transport.disk`, keep-N): the file of the same name there, if any, is moved here and
+    overwritten in place, its pages reused instead of fresh ones allocated (and the old ones freed).
 
     Why not ``safetensors.torch.save_file`` then a hash of the file: save_file serializes the
     whole file into one more bucket-sized buffer before writing it, and the hash read every byte
     back from the page cache; at 0.5 GB/s (sha256) that second pass was most of the method's time
     over its floor (issue 27)."""
     path = os.path.join(directory, file)
+    reuse = False
+    if pool is not None:
+        try:
+            os.rename(os.path.join(pool, file), path)
+            reuse = True
+        except OSError:          # none there (or gone): a fresh file
+            pass
     digest, size, names = ckpt.write_safetensors(path, flat, bkt.entries, hash=hash, rename=rename,
-                                                 fsync=fsync)
+                                                 fsync=fsync, in_place=reuse)
     return {"file": file, "digest": digest, "bytes": size, "names": names}
 
 

@@ -80,10 +80,9 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 """safetensors' dtype codes (``safe_open(...).get_slice(n).get_dtype()``) as torch dtypes."""
 
+WRITE_CHUNK = 512 << 10   # `write_safetensors` writes, then hashes, this much: still in L2 (issue 39)
 HASH_CHUNK = 4 << 20
-"""Bytes hashed per step while a file is written or read: each chunk is hashed right after it was
-copied (to the page cache, or from it), while it is still in the CPU's cache."""
-
+"""Bytes read then hashed per step (`digest_file`, the engines' checks)."""
 HASHES = ("xxh3_128", "sha256")
 """The digests a manifest may hold (``SyncConfig.disk_hash``)."""
 DEFAULT_HASH = "xxh3_128"
@@ -243,12 +242,12 @@ def safetensors_file_bytes(entries: Any, *, rename: Any = str, metadata: dict | 
 
 
 def write_safetensors(path: str, flat: torch.Tensor, entries: Any, *, hash: str = DEFAULT_HASH,
-                      rename: Any = str, metadata: dict | None = None,
-                      fsync: bool = True) -> tuple[str, int, list[str]]:
+                      rename: Any = str, metadata: dict | None = None, fsync: bool = True,
+                      in_place: bool = False) -> tuple[str, int, list[str]]:
     """Write the tensors of a flattened bucket as one safetensors file straight from ``flat``,
-    hashing each chunk as it is written; returns ``(digest, bytes, names)``. ``fsync``: the file
-    is fsynced before this returns; False: its writeback is only started (`start_writeback`) and
-    the caller fsyncs it (`fsync_file`) before relying on it.
+    hashing each chunk as it is written; returns ``(digest, bytes, names)``. ``fsync``: fsynced
+    before this returns, or (False) its writeback only started, the caller fsyncs it (`fsync_file`).
+    ``in_place``: a file at ``path`` is overwritten without truncation (pages reused), then cut.
 
     ``flat``: a 1-D contiguous CPU uint8 tensor; ``entries``: its tensors (objects with ``name``,
     ``dtype``, ``shape``, ``start``, ``end``: `bucket.BucketEntry`), each named ``rename(name)``
@@ -264,15 +263,17 @@ def write_safetensors(path: str, flat: torch.Tensor, entries: Any, *, hash: str 
     head, offset = memoryview(head), sum(b - a for a, b in runs)
     data = memoryview(flat.numpy())
     h = new_hash(hash)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_NOFOLLOW if in_place else os.O_TRUNC), 0o644)
     try:
         _write_all(fd, head)
         h.update(head)
         for a, b in runs:
-            for i in range(a, b, HASH_CHUNK):
-                chunk = data[i:min(i + HASH_CHUNK, b)]
+            for i in range(a, b, WRITE_CHUNK):
+                chunk = data[i:min(i + WRITE_CHUNK, b)]
                 _write_all(fd, chunk)
                 h.update(chunk)                   # just copied to the page cache: still cached
+        if in_place:
+            os.ftruncate(fd, len(head) + offset)
         if fsync:
             os.fsync(fd)
         else:
