@@ -48,9 +48,7 @@ class DiskCalls:
         check_version(weight_version, what)
         with self._gate(what):
             self._check_usable()
-            if self._txn_aborted is not None:
-                raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
-                                        f"({self._txn_aborted}); call end_weight_update() and start again")
+            self._check_not_aborted(what)
             try:
                 per_rank = disk_items(model_path, load_format, self.layout, self.config,
                                       complete=bool(require_complete))

@@ -325,6 +325,12 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                 self._mark_dead(r, "idle time (noticed by the next call)")
                 raise WorkerDiedError(self._broken or "a worker died")
 
+    def _check_not_aborted(self, what: str) -> None:
+        """An open transaction an earlier call aborted takes no more updates until it ends."""
+        if self._txn_aborted is not None:
+            raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
+                                    f"({self._txn_aborted}); call end_weight_update() and start again")
+
     def _mark_dead(self, rank: int, what: str) -> WorkerDiedError:
         p = self._w.procs[rank]
         p.join(timeout=1.0)
@@ -455,9 +461,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         check_version(weight_version, what)
         with self._gate(what):
             self._check_usable()
-            if self._txn_aborted is not None:
-                raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
-                                        f"({self._txn_aborted}); call end_weight_update() and start again")
+            self._check_not_aborted(what)
             sets: list[handles.PayloadSet] = []
             try:
                 try:

@@ -101,9 +101,7 @@ class UpdateGroupCalls:
             if not self._in_txn:
                 raise EngineStateError(f"{what}: no open weight update: call begin_weight_update() "
                                        f"first (SGLang 0.5.21+ refuses updates outside begin/end)")
-            if self._txn_aborted is not None:
-                raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
-                                        f"({self._txn_aborted}); call end_weight_update() and start again")
+            self._check_not_aborted(what)
             try:
                 entries = distributed_entries(names, dtypes, shapes, load_format)
                 check_entries(entries, self.layout, self.dtype, load_format)   # before joining
