@@ -79,6 +79,10 @@ def test_plan_bytes_equal_the_bench_for_every_method_and_layout():
         if want and (r["layout"] == "engine" or r["method"] == "disk"):
             assert want <= set(r["split"]), (where, r["split"])
             assert all(v >= 0 for v in r["split"].values()), (where, r["split"])
+        # the disk rows time the steady state: after keep-N (disk_keep 2) dropped a version whose
+        # files the timed syncs reuse; the warm-up syncs' seconds are in the row
+        assert len(r["warmup_seconds"]) == (3 if r["method"] == "disk" else 1), (where, r["warmup_seconds"])
+        assert all(s > 0 for s in r["warmup_seconds"]), (where, r["warmup_seconds"])
     assert not over, over
 
 

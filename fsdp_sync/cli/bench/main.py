@@ -6,7 +6,9 @@ expert-parallel size inside its TP group, 1 for dense models); each job stands u
 ranks (FSDP2) and a colocated `ReferenceEngine` once, then measures every (strategy, bucket size)
 row of the group:
 
-- ``seconds``: the median over ``repeats`` of the manager's ``sync_weights`` stage, after a warm-up;
+- ``seconds``: the median over ``repeats`` of the manager's ``sync_weights`` stage, after a warm-up
+  (``warmup_seconds``; the disk method's rows warm up ``disk_keep`` syncs more: a run's steady
+  state reuses the files of the version keep-N dropped);
 - ``floor_seconds``: measured beside it in the same job: a bare all-gather of the same bytes over
   the same group (in bucket-sized pieces) plus one copy of each TP rank's shard;
 - ``baseline_seconds``: the ``per_tensor`` strategy (verl's original loop) on the same model;
@@ -285,9 +287,11 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             manager = FSDPShardingManager(model, served.client if served else engine, mesh=mesh,
                                           config=sync_cfg)
             progress.update(f"{strategy} {bucket_mb:g} MiB: warm-up")
+            warm = []
             for _ in range(job.warmup):
                 with manager:
                     pass
+                warm.append(manager.stats.seconds)
             secs = []
             for i in range(job.repeats):
                 progress.update(f"{strategy} {bucket_mb:g} MiB: repeat {i + 1}/{job.repeats}")
@@ -327,6 +331,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                 row = _row(job, strategy, bucket_bytes, params, tensors, stats, secs, secs_med,
                            floor, manager, sampler)
                 row["share_host_memory"] = bool(share and strategy == "flattened")
+                row["warmup_seconds"] = warm
                 if gpu_mem is not None:
                     row["gpu_memory"] = gpu_mem
                 row["floor_shared_seconds"] = floor_shared
@@ -490,7 +495,7 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench", help="sweep strategies/bucket sizes/models; time and memory beside a floor and baseline",
         description="Measure weight-sync time and peak extra memory over a sweep. Every row is the median "
-                    "of --repeats syncs after a warm-up, with the floor (bare all-gather of the same bytes "
+                    "of --repeats syncs after a warm-up (disk rows: disk_keep more, the steady state), with the floor (bare all-gather of the same bytes "
                     "+ one copy of each TP rank's shard) and the per_tensor baseline measured in the same "
                     "run. Sweep from --preset, --recipe (a name: " + ", ".join(sweep_recipes()) + "; or a YAML path) or the flags; "
                     "flags given with --preset or --recipe override the preset's or recipe's values.",

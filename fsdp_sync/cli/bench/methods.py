@@ -150,9 +150,14 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                               dist_master_address="127.0.0.1", quantization=job.quantization, **extra)
             manager = FSDPShardingManager(model, engine, config=conf)
             try:
-                for _ in range(job.warmup):
+                # disk: the steady state a run reaches once keep-N has dropped a version, whose
+                # files each later sync overwrites in place (transport.disk's pool): disk_keep
+                # more warm-up syncs (their seconds in the row's warmup_seconds)
+                warm = []
+                for _ in range(job.warmup + (conf.disk_keep if method == "disk" else 0)):
                     with manager:
                         pass
+                    warm.append(manager.stats.seconds)
                 secs, splits = [], []
                 for _ in range(job.repeats):
                     dist.barrier(group=cpu_group())
@@ -186,7 +191,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     baseline = med
                 if rank == 0:
                     rows.append(_row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med,
-                                     floor, manager, sampler, largest))
+                                     floor, manager, sampler, largest, warm))
                     rows[-1].setdefault("engine_rank_shard_bytes", shard)
                     # where the time goes: each part's median over the timed syncs
                     rows[-1]["split"] = {k: statistics.median(s[k] for s in splits if k in s)
@@ -256,7 +261,7 @@ def flag_over_budget(rows: list[dict]) -> list[dict]:
 
 
 def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floor, manager, sampler,
-         largest) -> dict:
+         largest, warm=()) -> dict:
     timeline = manager.timeline.to_dict()
     peak, peaks = 0, []
     if sampler is not None and sampler.samples:
@@ -267,7 +272,7 @@ def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floo
         "tensors": tensors, "bytes": stats.bytes, "bucket_bytes": bucket_bytes,
         "largest_tensor_bytes": largest, "ranks": job.ranks, "tp": job.tp,
         "multi_stage": job.multi_stage, "device": job.device, "dtype": job.dtype, "seconds": med,
-        "repeats": secs, "floor_seconds": floor, "baseline_seconds": None,
+        "repeats": secs, "warmup_seconds": list(warm), "floor_seconds": floor, "baseline_seconds": None,
         "peak_extra_bytes": int(peak),
         **memory_budget(method, bucket_bytes, largest, stats.extra.get("layout") or "full",
                         bool(stats.extra.get("pipelined", True))),
