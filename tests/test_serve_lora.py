@@ -194,3 +194,19 @@ def test_manager_adapter_mode_into_serve_over_http_verified_by_digest(tmp_path):
         finally:
             del eng.load_lora_adapter_from_tensors
         manager.close()
+
+
+def test_a_server_without_the_lora_route_gets_nothing_opened_and_the_segments_back(served, tiny):
+    """A 404 (the server has no ``load_lora_adapter_from_tensors``) means SGLang opened none of
+    the payloads: the error says so (``opened`` False) and the sender's shared-memory copies are
+    given back at once (the conftest leftover check sees none), nothing is loaded."""
+    eng, _, client, _ = served
+    tensors, config = make_adapter(tiny, r=4, alpha=16, seed=5)
+    eng.load_lora_adapter_from_tensors = None        # serve answers 404: no such method here
+    try:
+        with pytest.raises(SGLangUpdateError, match="404") as ei:
+            client.load_lora_adapter_from_tensors("gone", tensors, config)
+    finally:
+        del eng.load_lora_adapter_from_tensors
+    assert ei.value.opened is False and ei.value.status == 404
+    assert "gone" not in eng.lora_adapters

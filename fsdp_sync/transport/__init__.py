@@ -18,12 +18,13 @@ stages around the sync (the manager).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Iterable, Iterator, Protocol
 
 import torch
 
-__all__ = ["Transport", "SyncContext", "SyncStats", "METHODS", "make_transport"]
+__all__ = ["Transport", "SyncContext", "SyncStats", "METHODS", "make_transport", "timed_items"]
 
 METHODS = ("tensor", "distributed", "disk")
 
@@ -90,3 +91,19 @@ def make_transport(config: Any) -> Transport:
         from .disk import DiskTransport
         return DiskTransport(config)
     raise ValueError(f"unknown update method {method!r}; expected one of {METHODS}")
+
+
+def timed_items(stream: Iterable, seconds: dict, key: str) -> Iterator[Any]:
+    """``stream``'s items, the time spent making each (the producer's share of a pipelined sync,
+    e.g. the export of the next bucket) added to ``seconds[key]``. The last item handed out is
+    not held here while the next is made (a bucket's buffer may be reused for it)."""
+    items = iter(stream)
+    end = object()
+    while True:
+        t0 = time.perf_counter()
+        item = next(items, end)
+        seconds[key] += time.perf_counter() - t0
+        if item is end:
+            return
+        yield item
+        item = None

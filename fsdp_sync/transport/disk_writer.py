@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import SyncError, agree, cpu_group
+from . import timed_items
 from ..weights import bucket as _bucket
 from ..weights import hf_checkpoint as ckpt
 
@@ -104,8 +105,6 @@ def all_gather(obj: Any, group: Any, world: int) -> list:
     dist.all_gather_object(out, obj, group=cpu_group(group))
     return out
 
-_END = object()
-
 
 class OneWriter:
     """One writer thread over a collective bucket stream: at most one bucket is being written
@@ -166,13 +165,7 @@ class OneWriter:
         planned one included."""
         sec = self.seconds
         try:
-            items = iter(stream)
-            while True:
-                t0 = time.perf_counter()
-                item = next(items, _END)
-                sec["export_s"] += time.perf_counter() - t0
-                if item is _END:
-                    break
+            for item in timed_items(stream, sec, "export_s"):
                 self.count += 1
                 body(item)
                 del item        # not alive while the stream makes the next bucket

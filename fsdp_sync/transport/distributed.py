@@ -61,7 +61,7 @@ from ..weights import export, quantize, reshard
 from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
 from ..weights.layout import TPLayout, engine_ep_size, layout_for
 from ..topology import SyncError, agree, agree_after_rank0, cpu_group
-from . import SyncContext, SyncStats
+from . import SyncContext, SyncStats, timed_items
 from ..wire import PER_RANK_BUCKET, destroy_update_group, free_port, new_update_group, per_rank_bucket_plan
 
 __all__ = ["DistributedTransport", "outward_address"]
@@ -454,17 +454,9 @@ class DistributedTransport:
             _agree(err or failed, group, "distributed weight sync")
             split["send_wait_s"] += time.perf_counter() - t
 
-        def timed(stream: Any) -> Any:     # export_s: the stream making each bucket
-            while True:
-                t = time.perf_counter()
-                rb = next(stream, None)
-                split["export_s"] += time.perf_counter() - t
-                if rb is None:
-                    return
-                yield rb
-
         try:
-            for k, rb in enumerate(timed(it)):        # reshards bucket k (k-1 is still on the wire)
+            # export_s: the stream making each bucket
+            for k, rb in enumerate(timed_items(it, split, "export_s")):   # reshards bucket k (k-1 on the wire)
                 if k and piped:
                     settle()
                 if me == 0 and failed is None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import inspect
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..base import (EngineClosedError, EngineStateError, EngineUnavailableError, WorkerDiedError)
 
 __all__ = ["Refused", "error_status", "error_text", "body_field", "str_list_field", "tags_field", "check_disk_path",
-           "accepted_kwargs", "type_names"]
+           "accepted_kwargs", "type_names", "opened_payloads"]
 
 
 class Refused(Exception):
@@ -123,3 +124,24 @@ def accepted_kwargs(fn: Callable, kwargs: dict) -> dict:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in params}
+
+
+@contextmanager
+def opened_payloads(payloads: Sequence[Any], label: str) -> Iterator[list]:
+    """The values of a request's serialized payloads (`weights.handles.open_payload`), every one
+    opened, and every one opened acknowledged when the block ends, failed or not (each holds a
+    shared-memory reference its sender counted on its consumer to take). One that cannot be
+    opened is a 400 naming it: ``label`` with ``{i}`` for its index."""
+    from ...weights import handles
+
+    opened = []
+    try:
+        for i, p in enumerate(payloads):
+            try:
+                opened.append(handles.open_payload(p))
+            except Exception as exc:  # noqa: BLE001 - what the client sent cannot be opened
+                raise Refused(400, f"{label.format(i=i)}: {type(exc).__name__}: {exc}") from None
+        yield [r.value for r in opened]
+    finally:
+        for r in opened:
+            r.ack()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .http_fields import Refused, body_field, check_disk_path, error_text
+from .http_fields import Refused, body_field, check_disk_path, error_text, opened_payloads
 
 __all__ = ["LoRARoutes"]
 
@@ -70,8 +70,6 @@ class LoRARoutes:
         return self._locked(what, call)
 
     def _load_lora_from_tensors(self, body: dict) -> tuple[int, Any]:
-        from ...weights import handles
-
         load = self._method("load_lora_adapter_from_tensors")
         name = self._lora_name(body)
         config = body_field(body, "config_dict", dict)
@@ -84,14 +82,8 @@ class LoRARoutes:
         if len(payloads) != tp or not all(isinstance(p, str) for p in payloads):
             raise Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
                                f"rank), got {len(payloads)} item(s)")
-        opened = []
-        try:
-            for i, p in enumerate(payloads):
-                try:
-                    opened.append(handles.open_payload(p))
-                except Exception as exc:  # noqa: BLE001 - what the client sent cannot be opened
-                    raise Refused(400, f"serialized_named_tensors[{i}]: {type(exc).__name__}: {exc}") from None
-            value = opened[0].value
+        with opened_payloads(payloads, "serialized_named_tensors[{i}]") as values:
+            value = values[0]
             named = list(value.items()) if isinstance(value, dict) else value
             if not isinstance(named, list) or not all(
                     isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str) for x in named):
@@ -99,9 +91,6 @@ class LoRARoutes:
                                    "name -> tensor")
             return self._lora_call(f"load_lora_adapter_from_tensors({name!r})",
                                    lambda: load(name, named, config, load_format=load_format))
-        finally:
-            for r in opened:
-                r.ack()
 
     def _load_lora_from_disk(self, body: dict) -> tuple[int, Any]:
         load = self._method("load_lora_adapter")

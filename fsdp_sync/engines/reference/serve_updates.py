@@ -35,7 +35,8 @@ import socket
 import time
 from typing import Any, Callable
 
-from .http_fields import Refused, accepted_kwargs, body_field, check_disk_path, str_list_field
+from .http_fields import (Refused, accepted_kwargs, body_field, check_disk_path, opened_payloads,
+                          str_list_field)
 
 __all__ = ["UpdateRoutes"]
 
@@ -71,8 +72,6 @@ class UpdateRoutes:
         return self._locked(method, lambda: fn(**kwargs))
 
     def _update_from_tensor(self, body: dict) -> tuple[int, Any]:
-        from ...weights import handles
-
         payloads = body_field(body, "serialized_named_tensors", list)
         load_format = body_field(body, "load_format", (str, type(None)), None)
         flush = body_field(body, "flush_cache", bool, True)
@@ -95,14 +94,7 @@ class UpdateRoutes:
         # plays SGLang's TP workers here. Every payload is opened (each holds a shared-memory
         # reference the sender counted on its consumer to take).
         def call() -> Any:
-            per_rank = []
-            try:
-                for i, p in enumerate(payloads):
-                    try:
-                        per_rank.append(handles.open_payload(p))
-                    except Exception as exc:  # noqa: BLE001 - what the client sent cannot be opened
-                        raise Refused(400, f"payload {i}: {type(exc).__name__}: {exc}") from None
-                lists = [r.value for r in per_rank]
+            with opened_payloads(payloads, "payload {i}") as lists:
                 for i, lst in enumerate(lists):
                     if not isinstance(lst, list) or not all(
                             isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
@@ -118,9 +110,6 @@ class UpdateRoutes:
                     named = [(n, [lst[j][1] for lst in lists]) for j, n in enumerate(names)]
                 return self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
                                       args=(named,))()
-            finally:
-                for r in per_rank:
-                    r.ack()
 
         return self._locked("update_weights_from_tensor", call)
 

@@ -34,7 +34,8 @@ from .allocator import ExpandableSegments
 from .control import GenerationControl
 from .lora import LoRAClient
 from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLangError,
-                     SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text)
+                     SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text,
+                     lease_answered)
 from .payloads import FLATTENED_BUCKET, flattened_bucket_payloads
 from .served_config import served_config
 from . import versions
@@ -261,16 +262,8 @@ class SGLangEngine(GenerationControl, LoRAClient):
             return
         # over HTTP SGLang takes one serialized copy of the whole list per TP rank
         lease = handles.make_payloads(named, self.tp_size, output_str=True, tagged=False)
-        opened: bool | None = True
-        try:
+        with lease_answered(lease):
             self._http_update(call, lease.payloads, load_format, flush_cache)
-        except SGLangUpdateError as e:
-            opened = e.opened
-            raise
-        finally:
-            # untagged payloads cannot tell whether SGLang opened them; its answer can
-            lease.release(require_ack=False,
-                          unopened=range(len(lease.payloads)) if opened is False else ())
 
     def load_rank_bucket(self, bucket: Any, payloads: list, *, flush_cache: bool = True) -> None:
         """One per-rank bucket through fsdp_sync's custom weight loader: ONE named tensor whose

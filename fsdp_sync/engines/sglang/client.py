@@ -18,11 +18,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from ..base import EngineError
 
-__all__ = ["SGLangError", "SGLangHTTPError", "SGLangUpdateError", "NO_SESSION_MARK", "check_answer",
+__all__ = ["SGLangError", "SGLangHTTPError", "SGLangUpdateError", "NO_SESSION_MARK", "check_answer", "lease_answered",
            "MissingMethod", "InProcessClient", "HttpClient", "NotFound", "json_or_text", "RETRY_STATUS"]
 
 class SGLangError(EngineError):
@@ -306,6 +307,22 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
     except (OSError, ValueError):
         return True
     return bool(readable)
+
+
+@contextmanager
+def lease_answered(lease: Any) -> Iterator[None]:
+    """Around one HTTP call that carries ``lease``'s untagged payloads (`handles.make_payloads`):
+    the lease is released when the call ends, its payloads counted as unopened only where the
+    call's `SGLangUpdateError` says SGLang certainly did not open them (``opened`` False);
+    untagged payloads cannot say so themselves."""
+    opened: bool | None = True
+    try:
+        yield
+    except SGLangUpdateError as e:
+        opened = e.opened
+        raise
+    finally:
+        lease.release(require_ack=False, unopened=range(len(lease.payloads)) if opened is False else ())
 
 
 class NotFound(Exception):

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from ...weights import handles
-from .client import NotFound, SGLangError, SGLangUpdateError, check_answer
+from .client import NotFound, SGLangError, SGLangUpdateError, check_answer, lease_answered
 
 __all__ = ["LoRAClient"]
 
@@ -65,26 +65,20 @@ class LoRAClient:
             check_answer(call, answer, error=SGLangUpdateError)
             return answer if isinstance(answer, dict) else {"success": True}
         lease = handles.make_payloads(shared_copy(named), self.tp_size, output_str=True, tagged=False)
-        opened: bool | None = True
         body = {"lora_name": lora_name, "config_dict": dict(config_dict),
                 "serialized_named_tensors": lease.payloads}
         if load_format is not None:
             body["load_format"] = load_format
         if pinned:
             body["pinned"] = True
-        try:
-            answer = self._http.json("POST", "/load_lora_adapter_from_tensors", body,
-                                     error=SGLangUpdateError)
+        with lease_answered(lease):
+            try:
+                answer = self._http.json("POST", "/load_lora_adapter_from_tensors", body,
+                                         error=SGLangUpdateError)
+            except NotFound as e:        # no such route: nothing was opened
+                e.error.opened = False
+                raise e.error from None
             check_answer(call, answer, error=SGLangUpdateError, where=self.where)
-        except NotFound as e:
-            opened = False
-            raise e.error from None
-        except SGLangUpdateError as e:
-            opened = e.opened
-            raise
-        finally:
-            lease.release(require_ack=False,
-                          unopened=range(len(lease.payloads)) if opened is False else ())
         return answer if isinstance(answer, dict) else {"success": True}
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
