@@ -37,12 +37,13 @@ test-gpu: $(STAMP)
 # Optional tier, not part of `make test`: our payloads and adapter calls against the real sglang,
 # installed (CPU torch, sglang without its GPU dependencies) into a venv of its own by
 # scripts/sglang_env.sh. Fails, never skips, when sglang cannot be installed or imported.
-# Then the wire contract, the receivers and the adapter again against each of SGLANG_OLD_VERSIONS
+# Then the wire contract, the receivers, the adapter and LoRA again against each of SGLANG_OLD_VERSIONS
 # (0.5.12: verl 0.9.1's pin), installed beside it in the same venv and put first on PYTHONPATH.
 SGLANG_VENV    ?= .venv-sglang
 SGLANG_VERSION ?= 0.5.23
 SGLANG_OLD_VERSIONS ?= 0.5.12
-SGLANG_OLD_TESTS ?= tests/sglang_tier/test_real_sglang.py tests/sglang_tier/test_sglang_distributed.py
+SGLANG_OLD_TESTS ?= tests/sglang_tier/test_real_sglang.py tests/sglang_tier/test_sglang_distributed.py \
+                    tests/sglang_tier/test_sglang_lora.py
 
 test-sglang:
 	SGLANG_VENV="$(SGLANG_VENV)" SGLANG_VERSION="$(SGLANG_VERSION)" TORCH_SPEC="$(TORCH_SPEC)" \

@@ -15,8 +15,9 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   dropped), the names SGLang's LoRA loader and the reference engine read.
 - `check_engine`: refuse, by name and before the engine's adapter is touched, an adapter that the
   engine's base cannot take: another rank or other target modules than the adapter it serves,
-  beyond its ``max_lora_rank`` / ``lora_target_modules``, or base weights that are not the ones
-  this manager synced (their ``weight_version`` changed).
+  beyond its ``max_lora_rank`` / ``lora_target_modules``, base weights that are not the ones
+  this manager synced (their ``weight_version`` changed), or, for SGLang, target modules its LoRA
+  code cannot stack (`sglang_refusal`).
 - `load_adapter`: swap the adapter in (the reference engine stages the new one on every worker
   before dropping the old one, ``replace=True``; an engine without that unloads, then loads, as
   verl does).
@@ -44,8 +45,8 @@ from .weights import bucket, export, handles
 from .wire import flattened_bucket
 from .weights.adapter_export import AdapterExport
 
-__all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "check_engine", "load_adapter",
-           "verify_adapter", "check_digests", "peft_name", "close"]
+__all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "check_engine", "sglang_refusal",
+           "load_adapter", "verify_adapter", "check_digests", "peft_name", "close"]
 
 
 def check_mode(module: torch.nn.Module, config: Any) -> None:
@@ -187,6 +188,10 @@ def check_engine(engine: Any, cfg: dict, name: str, base_version: Any) -> str | 
         if isinstance(want, list) and got != want:
             return (f"adapter {name!r}: target_modules {want} but the engine serves it on {got}; "
                     f"the engine keeps its adapter")
+    if not isinstance(loaded, dict):      # SGLang (the reference engine serves any subset)
+        why = sglang_refusal(targets)
+        if why is not None:
+            return f"adapter {name!r}: {why}"
     max_r = getattr(engine, "max_lora_rank", None)
     if isinstance(max_r, int) and isinstance(r, int) and r > max_r:
         return f"adapter {name!r}: r={r} exceeds the engine's max_lora_rank {max_r}"
@@ -202,6 +207,27 @@ def check_engine(engine: Any, cfg: dict, name: str, base_version: Any) -> str | 
                 f"version {base_version!r} this manager synced; set manager.base_sync_done=False "
                 f"to sync the base again")
     return None
+
+
+def sglang_refusal(targets: Any) -> str | None:
+    """Why SGLang cannot serve an adapter on ``targets`` (None: it can, "all-linear" included).
+    Its ``LoRAAdapter`` stacks q/k/v into ``qkv_proj`` only from a ``q_proj`` tensor and needs
+    ``v_proj`` beside it (a missing ``k_proj`` becomes zeros), and gate/up into ``gate_up_proj``
+    only from ``gate_proj`` (a missing ``up_proj`` becomes zeros); anything else it leaves
+    unstacked or raises on, and its memory pool cannot place an unstacked ``k_proj`` / ``v_proj``
+    / ``up_proj``: it raises when a request first uses the adapter (checked against SGLang's own
+    code in tests/sglang_tier/test_sglang_lora.py)."""
+    if not isinstance(targets, (list, tuple, set, frozenset)):
+        return None
+    names = {str(m).split(".")[-1] for m in targets}
+    add = sorted({"q_proj", "v_proj"} - names) if names & {"q_proj", "k_proj", "v_proj"} else []
+    if "up_proj" in names and "gate_proj" not in names:
+        add.append("gate_proj")
+    if not add:
+        return None
+    return (f"SGLang cannot serve target_modules {sorted(names)}: it stacks q/k/v from q_proj with "
+            f"v_proj (k_proj may be left out) and gate/up from gate_proj (up_proj may be left out); "
+            f"add {add} to the adapter's target_modules")
 
 
 def load_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor], cfg: dict,

@@ -193,3 +193,30 @@ def test_check_engine_refusals_name_the_difference():
     assert "['v_proj'] are not in the engine's lora_target_modules" in check_engine(small, dict(cfg, r=4), "a", None)
     assert peft_name("model.layers.0.mlp.up_proj.lora_B.default.weight") == \
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
+
+
+def test_check_engine_refuses_targets_sglang_cannot_stack():
+    """SGLang stacks q/k/v from q_proj with v_proj and gate/up from gate_proj (its own code:
+    tests/sglang_tier/test_sglang_lora.py); an adapter on k/v without q, q without v or up without
+    gate is refused by name before an SGLang engine is touched. The reference engine (which keeps
+    ``lora_adapters``) serves any subset, so it is not refused there."""
+    from types import SimpleNamespace
+
+    from fsdp_sync.lora_sync import check_engine, sglang_refusal
+
+    load = lambda *a, **k: None   # noqa: E731
+    sglang = SimpleNamespace(load_lora_adapter_from_tensors=load)
+    reference = SimpleNamespace(load_lora_adapter_from_tensors=load, lora_adapters={})
+    for targets, add in [(["v_proj", "o_proj"], ["q_proj"]), (["q_proj", "k_proj"], ["v_proj"]),
+                         (["k_proj"], ["q_proj", "v_proj"]), (["up_proj", "down_proj"], ["gate_proj"]),
+                         (["model.layers.0.self_attn.k_proj", "model.layers.0.mlp.up_proj"],
+                          ["q_proj", "v_proj", "gate_proj"])]:
+        cfg = {"r": 8, "lora_alpha": 16, "target_modules": targets}
+        msg = check_engine(sglang, cfg, "a", None)
+        assert msg is not None and msg.startswith("adapter 'a': SGLang cannot serve target_modules ") \
+            and msg.endswith(f"add {add} to the adapter's target_modules"), (targets, msg)
+        assert check_engine(reference, cfg, "a", None) is None
+    for targets in (["q_proj", "v_proj"], ["q_proj", "v_proj", "gate_proj"], ["o_proj", "down_proj"],
+                    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "all-linear"):
+        assert sglang_refusal(targets) is None, targets
+        assert check_engine(sglang, {"r": 8, "lora_alpha": 16, "target_modules": targets}, "a", None) is None
