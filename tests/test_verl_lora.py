@@ -59,6 +59,23 @@ def test_refusals_name_verls_key():
     assert msg.startswith("actor_rollout_ref.model.target_modules='.*proj'"), msg
     assert verl_lora.refusal(rollout(), model(lora_rank=8, target_modules=["q_proj", "v_proj"]),
                              "fsdp_sync_ref") is None
+    # a real SGLang server stacks q/k/v from q_proj with v_proj and gate/up from gate_proj: other
+    # target sets fail there at load or at the first request using the adapter, so they are
+    # refused when built (as a list, or as OmegaConf's ListConfig verl's config holds)
+    from omegaconf import OmegaConf
+
+    for tm in (["q_proj", "k_proj"], OmegaConf.create({"t": ["q_proj", "k_proj"]}).t):
+        msg = verl_lora.refusal(rollout(name="sglang"), model(lora_rank=8, target_modules=tm), "fsdp_sync_ref")
+        assert msg.startswith("actor_rollout_ref.model.target_modules=['q_proj', 'k_proj']: SGLang cannot serve"), msg
+        assert "add ['v_proj']" in msg, msg
+    msg = verl_lora.refusal(rollout(name="sglang"), model(lora_rank=8, target_modules=["up_proj", "down_proj"]),
+                            "fsdp_sync_ref")
+    assert "add ['gate_proj']" in msg, msg
+    for ok in (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "gate_proj"], "all-linear"):
+        assert verl_lora.refusal(rollout(name="sglang"), model(lora_rank=8, target_modules=ok),
+                                 "fsdp_sync_ref") is None, ok
+    # the reference engine serves any subset
+    assert verl_lora.refusal(rollout(), model(lora_rank=8, target_modules=["k_proj"]), "fsdp_sync_ref") is None
     msg = verl_lora.no_adapter_refusal(model(lora_rank=8))
     assert "without its adapter" in msg and "checkpoint_engine.backend=naive" in msg
 

@@ -89,6 +89,14 @@ def refusal(config: Any, model_config: Any, rollout_name: str) -> str | None:
     if isinstance(tm, str) and tm not in ("all-linear", "all"):
         return (f"actor_rollout_ref.model.target_modules={tm!r}: SGLang's LoRA takes module names "
                 f"or 'all-linear', not a regex; list the modules")
+    if _get(config, "name") != rollout_name and tm is not None and not isinstance(tm, str):
+        # a real SGLang server: only the target sets its LoRA code can stack (the reference
+        # engine behind rollout_name serves any); a list here may be an OmegaConf ListConfig
+        from ..lora_sync import sglang_refusal
+
+        why = sglang_refusal(list(tm))
+        if why is not None:
+            return f"actor_rollout_ref.model.target_modules={list(tm)}: {why}"
     return None
 
 
