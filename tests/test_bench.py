@@ -4,7 +4,6 @@ JSON has the documented fields, the plots are real PNGs; recipes load into the d
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,8 @@ import pytest
 
 from fsdp_sync.cli.bench.main import BenchSpec
 from fsdp_sync.cli.bench.targets import check_targets
+
+from _util import run_output
 
 RECIPES = Path(__file__).resolve().parent.parent / "fsdp_sync" / "recipes" / "memory_tuning"
 ROW_KEYS = {"strategy", "model", "params", "tensors", "bytes", "bucket_bytes", "largest_tensor_bytes",
@@ -22,11 +23,11 @@ ROW_KEYS = {"strategy", "model", "params", "tensors", "bytes", "bucket_bytes", "
 def test_bench_cli_rows_json_and_plots(tmp_path):
     out = tmp_path / "bench.json"
     plots = tmp_path / "plots"
-    proc = subprocess.run(
+    proc = run_output(
         [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny", "--strategies",
          "flattened,per_tensor", "--bucket-mb", "0.0625,1", "--multi-stage", "on,off", "--repeats", "3",
          "--json", str(out), "--plot", str(plots)],
-        capture_output=True, text=True, timeout=230)
+        timeout=230)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     # 2 jobs (multi-stage on/off) × (flattened at 2 bucket sizes + per_tensor once)
@@ -101,10 +102,10 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
     params, _ = count_params(model)
     assert 2.9e9 <= 2 * params <= 3.3e9      # bytes in bf16
     out = tmp_path / "gpu.json"
-    proc = subprocess.run(
+    proc = run_output(
         [sys.executable, "-m", "fsdp_sync.cli", "bench", "--preset", "gpu", "--device", "cpu",
          "--models", "tiny", "--dtype", "float32", "--json", str(out)],
-        capture_output=True, text=True, timeout=200)
+        timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     got = sorted((r["strategy"], r["layout"], r["pipelined"]) for r in rows)
@@ -205,11 +206,11 @@ def test_bench_moe_at_ep_2_cuts_each_engine_rank_its_experts(tmp_path):
     from fsdp_sync.weights.layout import layout_for
 
     out = tmp_path / "moe.json"
-    proc = subprocess.run(
+    proc = run_output(
         [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny-qwen3-moe", "--methods", "tensor",
          "--strategies", "flattened", "--layout", "engine", "--ranks", "2", "--tp", "2", "--ep", "2",
          "--bucket-mb", "1", "--repeats", "3", "--json", str(out)],
-        capture_output=True, text=True, timeout=110)
+        timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cfg = load_config("tiny-qwen3-moe")
     metas = param_metas(build_model(cfg, seed=0), torch.float32)
@@ -260,12 +261,12 @@ def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path):
     from fsdp_sync.weights.layout import layout_for
 
     out = tmp_path / "fp8.json"
-    proc = subprocess.run(
+    proc = run_output(
         [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny-fp8", "--methods", "tensor",
          "--strategies", "flattened", "--layout", "full,engine", "--ranks", "2", "--tp", "2",
          "--dtype", "bfloat16", "--bucket-mb", "1", "--repeats", "3", "--quantization", "none,fp8",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=170)
+        timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     by = {(r["quantization"], r["layout"]): r for r in rows}
@@ -291,10 +292,10 @@ def test_bench_engine_http_puts_the_engine_behind_serve(tmp_path):
     """``--engine http``: the manager's calls reach the same engine through `fsdp-sync serve`'s
     server (the figure verl's adapter is compared with), over kept-alive connections."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = run_output(
         [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny", "--strategies",
          "flattened", "--layout", "full", "--engine", "http", "--repeats", "3", "--json", str(out)],
-        capture_output=True, text=True, timeout=230)
+        timeout=230)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert row["engine"] == "http" and row["seconds"] > 0 and row["engine_calls"] == 1
@@ -304,6 +305,6 @@ def test_bench_engine_http_puts_the_engine_behind_serve(tmp_path):
     assert hits["/update_weights_from_tensor"] == syncs * row["engine_calls"]
     assert hits["/end_weight_update"] == syncs
     assert 1 <= row["http_connections"] < syncs       # kept alive across a sync's calls
-    bad = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "bench", "--engine", "grpc"],
-                         capture_output=True, text=True, timeout=60)
+    bad = run_output([sys.executable, "-m", "fsdp_sync.cli", "bench", "--engine", "grpc"],
+                     timeout=60)
     assert bad.returncode != 0 and "--engine" in bad.stderr and "grpc" in bad.stderr, bad.stderr
