@@ -106,6 +106,19 @@ def run_output(cmd: list[str], *, timeout: float, **kw) -> subprocess.CompletedP
     return subprocess.CompletedProcess(cmd, proc.returncode, *texts)
 
 
+def cli_here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``fsdp-sync ARGV`` through `cli.main` in this (test) process, its output read from pytest's
+    ``capsys``: as `run_output` reports a child's. Its ranks fork from this process's forkserver,
+    which has imported torch and transformers already, where a fresh ``python -m fsdp_sync.cli``
+    spends 8 s of CPU on them and its own imports; the command itself is run as a child by the
+    tests that check it as such (test_demo_methods, test_bench_cli_rows_json_and_plots, ...)."""
+    from fsdp_sync.cli import app
+
+    rc = app.main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["fsdp-sync", *argv], rc, out, err)
+
+
 def shm_segments() -> set[str]:
     """torch's shared-memory segments that may be this test's: made by this process, one of its
     children, or a process that is gone. torch names them ``torch_<creator pid>_...``; a segment

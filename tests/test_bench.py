@@ -12,23 +12,12 @@ import pytest
 from fsdp_sync.cli.bench.main import BenchSpec
 from fsdp_sync.cli.bench.targets import check_targets
 
-from _util import run_output
+from _util import cli_here, run_output
 
 RECIPES = Path(__file__).resolve().parent.parent / "fsdp_sync" / "recipes" / "memory_tuning"
 ROW_KEYS = {"strategy", "model", "params", "tensors", "bytes", "bucket_bytes", "largest_tensor_bytes",
             "ranks", "tp", "seconds", "floor_seconds", "baseline_seconds", "peak_extra_bytes", "stages"}
 
-
-def _bench_here(capsys, *argv: str) -> tuple[int, str]:
-    """``fsdp-sync bench ARGV`` through `cli.main` in this process: (exit code, what it printed).
-    Its ranks fork from this process's forkserver, which has imported torch and transformers
-    already; a fresh ``python -m fsdp_sync.cli`` spends 8 s of CPU on that and its own imports.
-    test_bench_cli_rows_json_and_plots runs the command as a user does."""
-    from fsdp_sync.cli import app
-
-    rc = app.main(["bench", *argv])
-    out, err = capsys.readouterr()
-    return rc, out + err
 
 
 @pytest.mark.timeout(240)
@@ -114,9 +103,9 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
     params, _ = count_params(model)
     assert 2.9e9 <= 2 * params <= 3.3e9      # bytes in bf16
     out = tmp_path / "gpu.json"
-    rc, printed = _bench_here(capsys, "--preset", "gpu", "--device", "cpu", "--models", "tiny",
-                              "--dtype", "float32", "--json", str(out))
-    assert rc == 0, printed
+    res = cli_here(capsys, "bench", "--preset", "gpu", "--device", "cpu", "--models", "tiny",
+                   "--dtype", "float32", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(out.read_text())["rows"]
     got = sorted((r["strategy"], r["layout"], r["pipelined"]) for r in rows)
     assert got == [("flattened", "engine", False), ("flattened", "engine", True),
@@ -216,10 +205,10 @@ def test_bench_moe_at_ep_2_cuts_each_engine_rank_its_experts(tmp_path, capsys):
     from fsdp_sync.weights.layout import layout_for
 
     out = tmp_path / "moe.json"
-    rc, printed = _bench_here(capsys, "--models", "tiny-qwen3-moe", "--methods", "tensor", "--strategies",
-                              "flattened", "--layout", "engine", "--ranks", "2", "--tp", "2", "--ep", "2",
-                              "--bucket-mb", "1", "--repeats", "3", "--json", str(out))
-    assert rc == 0, printed
+    res = cli_here(capsys, "bench", "--models", "tiny-qwen3-moe", "--methods", "tensor", "--strategies",
+                   "flattened", "--layout", "engine", "--ranks", "2", "--tp", "2", "--ep", "2",
+                   "--bucket-mb", "1", "--repeats", "3", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
     cfg = load_config("tiny-qwen3-moe")
     metas = param_metas(build_model(cfg, seed=0), torch.float32)
     assert not any(m.name.endswith(("experts.gate_up_proj", "experts.down_proj")) for m in metas)
@@ -269,11 +258,11 @@ def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path, capsys):
     from fsdp_sync.weights.layout import layout_for
 
     out = tmp_path / "fp8.json"
-    rc, printed = _bench_here(capsys, "--models", "tiny-fp8", "--methods", "tensor", "--strategies", "flattened",
-                              "--layout", "full,engine", "--ranks", "2", "--tp", "2", "--dtype", "bfloat16",
-                              "--bucket-mb", "1", "--repeats", "3", "--quantization", "none,fp8",
-                              "--json", str(out))
-    assert rc == 0, printed
+    res = cli_here(capsys, "bench", "--models", "tiny-fp8", "--methods", "tensor", "--strategies", "flattened",
+                   "--layout", "full,engine", "--ranks", "2", "--tp", "2", "--dtype", "bfloat16",
+                   "--bucket-mb", "1", "--repeats", "3", "--quantization", "none,fp8",
+                   "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(out.read_text())["rows"]
     by = {(r["quantization"], r["layout"]): r for r in rows}
     assert set(by) == {(q, lay) for q in (None, "fp8") for lay in ("full", "engine")}, sorted(by, key=str)
@@ -298,9 +287,9 @@ def test_bench_engine_http_puts_the_engine_behind_serve(tmp_path, capsys):
     """``--engine http``: the manager's calls reach the same engine through `fsdp-sync serve`'s
     server (the figure verl's adapter is compared with), over kept-alive connections."""
     out = tmp_path / "bench.json"
-    rc, printed = _bench_here(capsys, "--models", "tiny", "--strategies", "flattened", "--layout", "full",
-                              "--engine", "http", "--repeats", "3", "--json", str(out))
-    assert rc == 0, printed
+    res = cli_here(capsys, "bench", "--models", "tiny", "--strategies", "flattened", "--layout", "full",
+                   "--engine", "http", "--repeats", "3", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert row["engine"] == "http" and row["seconds"] > 0 and row["engine_calls"] == 1
     hits = row["http_requests"]
