@@ -34,6 +34,91 @@ def digests(named) -> dict[str, list]:
     return {n: digest(t) for n, t in named}
 
 
+_HELPERS = ("torch_shm_manager", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
+"""Long-lived helpers that torch and multiprocessing start (tests/conftest.py knows them too)."""
+
+
+def session_leftovers(sid: int, grace_s: float = 3.0) -> list[str]:
+    """The processes of session ``sid`` still running after ``grace_s``, but for the helpers.
+
+    A helper outlives the command that started it by design (``torch_shm_manager`` 2 s after its
+    last client, a forkserver and resource tracker as long as it holds their pipes). A process
+    forked *by* a forkserver has the server's command line, and is no helper: a rank or engine
+    worker left behind."""
+    import time
+
+    import psutil
+
+    def left() -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) != sid or p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                cmd = " ".join(p.cmdline())
+                parent = p.parent()
+                forked = parent is not None and " ".join(parent.cmdline()) == cmd
+                if forked or not any(h in cmd for h in _HELPERS):
+                    out.append(p)
+            except (psutil.Error, OSError):
+                continue   # gone meanwhile
+        return out
+
+    deadline = time.monotonic() + grace_s
+    while (procs := left()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    desc = []
+    for p in procs:
+        try:
+            desc.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.Error:
+            pass
+    return desc
+
+
+def run_output(cmd: list[str], *, timeout: float, **kw) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=...)`, done once ``cmd`` exits
+    and nothing it started but the helpers runs (`session_leftovers`: else an AssertionError).
+
+    Its output goes through unnamed temporary files, not pipes: a pipe's end is reached only when
+    every process holding it is gone, and a child's ``torch_shm_manager`` (started by torch with
+    the child's file descriptors, its stdout included) stays 2 s after its last client leaves,
+    the multiprocessing helpers it keeps open with it. The caller would wait for them. The
+    child runs in a session of its own, so what it leaves is found though its parent is gone.
+    On the timeout the session is killed and `subprocess.TimeoutExpired` raised."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        with subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True, **kw) as proc:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace"))
+    left = session_leftovers(proc.pid)
+    assert not left, f"{' '.join(map(str, cmd))[:200]} left {len(left)} process(es) running: {left}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, *texts)
+
+
+def cli_here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``fsdp-sync ARGV`` through `cli.main` in this (test) process, its output read from pytest's
+    ``capsys``: as `run_output` reports a child's. Its ranks fork from this process's forkserver,
+    which has imported torch and transformers already, where a fresh ``python -m fsdp_sync.cli``
+    spends 8 s of CPU on them and its own imports; the command itself is run as a child by the
+    tests that check it as such (test_demo_methods, test_bench_cli_rows_json_and_plots, ...)."""
+    from fsdp_sync.cli import app
+
+    rc = app.main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["fsdp-sync", *argv], rc, out, err)
+
+
 def shm_segments() -> set[str]:
     """torch's shared-memory segments that may be this test's: made by this process, one of its
     children, or a process that is gone. torch names them ``torch_<creator pid>_...``; a segment

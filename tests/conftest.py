@@ -42,7 +42,21 @@ _TMP_KEPT = ("pytest-of-", "pymp-", "torch-shm-dir-", "torchinductor_", "ray")
 _HELPERS = ("torch_shm_manager", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
+# The modules that hold a test of 20 s or more on 2 busy cores (`make test`'s --durations), its
+# longest first: they start first, so that the run's last minutes are short tests that even out
+# between the two xdist workers, not one worker finishing a long one while the other idles. Each
+# module's tests stay together and in their order (module-scoped fixtures); the others follow as
+# collected.
+START_FIRST = ("test_moe.py", "test_lora_sync.py", "test_distributed.py", "test_bench.py",
+               "test_nccl_only_group.py", "test_demo_methods.py", "test_manager.py", "test_launchers.py",
+               "test_plan.py", "test_faults.py", "test_layout_engine.py", "test_fp8_sync.py",
+               "test_readme.py", "test_cli_args.py", "test_config_check.py", "test_lora_engine.py",
+               "test_engine_lifecycle.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(START_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(START_FIRST)))   # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -65,6 +79,28 @@ def _children() -> dict[int, psutil.Process]:
         if not _is_helper(p):
             kids[p.pid] = p
     return kids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forkserver_for_ranks_and_workers():
+    """This process's one forkserver, started before any test with what both rank jobs and engine
+    workers preload. The library starts it on first use with that user's list: the engine's
+    leaves out transformers, so had a test that starts an engine come first (test_moe.py's
+    engine tests come before its rank job), every rank of every later job in the process would
+    import it again (3 s a rank)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    from fsdp_sync.cli import launch
+    from fsdp_sync.engines.reference import procs
+
+    if os.environ.get("FSDP_SYNC_RANKS_START") == "forkserver" and procs.forkserver_usable():
+        last = "fsdp_sync.engines.reference.preloaded"     # freezes what the others imported
+        both = [m for m in dict.fromkeys(launch.PRELOAD + procs.PRELOAD) if m != last] + [last]
+        procs.claim_temp_dir()
+        multiprocessing.get_context("forkserver").set_forkserver_preload(both)
+        multiprocessing.forkserver.ensure_running()
+    yield
 
 
 @pytest.fixture(autouse=True)

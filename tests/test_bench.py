@@ -4,7 +4,6 @@ JSON has the documented fields, the plots are real PNGs; recipes load into the d
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,20 +12,23 @@ import pytest
 from fsdp_sync.cli.bench.main import BenchSpec
 from fsdp_sync.cli.bench.targets import check_targets
 
+from _util import cli_here, run_output
+
 RECIPES = Path(__file__).resolve().parent.parent / "fsdp_sync" / "recipes" / "memory_tuning"
 ROW_KEYS = {"strategy", "model", "params", "tensors", "bytes", "bucket_bytes", "largest_tensor_bytes",
             "ranks", "tp", "seconds", "floor_seconds", "baseline_seconds", "peak_extra_bytes", "stages"}
+
 
 
 @pytest.mark.timeout(240)
 def test_bench_cli_rows_json_and_plots(tmp_path):
     out = tmp_path / "bench.json"
     plots = tmp_path / "plots"
-    proc = subprocess.run(
+    proc = run_output(
         [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny", "--strategies",
          "flattened,per_tensor", "--bucket-mb", "0.0625,1", "--multi-stage", "on,off", "--repeats", "3",
          "--json", str(out), "--plot", str(plots)],
-        capture_output=True, text=True, timeout=230)
+        timeout=230)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     # 2 jobs (multi-stage on/off) × (flattened at 2 bucket sizes + per_tensor once)
@@ -85,7 +87,7 @@ def test_recipes_load_and_validate():
         BenchSpec.from_mapping({"bucket": 3})
 
 
-def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(tmp_path):
+def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(tmp_path, capsys):
     """`--preset gpu` is one trainer rank and a TP-1 engine on one CUDA device, a model of about
     3 GB in bf16; its code path (1 rank, TP 1, both layouts, pipelined or not, the copy beside
     it) runs here on CPU with the model and device swapped by flags."""
@@ -101,11 +103,9 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
     params, _ = count_params(model)
     assert 2.9e9 <= 2 * params <= 3.3e9      # bytes in bf16
     out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_sync.cli", "bench", "--preset", "gpu", "--device", "cpu",
-         "--models", "tiny", "--dtype", "float32", "--json", str(out)],
-        capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = cli_here(capsys, "bench", "--preset", "gpu", "--device", "cpu", "--models", "tiny",
+                   "--dtype", "float32", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(out.read_text())["rows"]
     got = sorted((r["strategy"], r["layout"], r["pipelined"]) for r in rows)
     assert got == [("flattened", "engine", False), ("flattened", "engine", True),
@@ -195,7 +195,7 @@ def test_writing_a_disk_file_allocates_no_second_bucket(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_bench_moe_at_ep_2_cuts_each_engine_rank_its_experts(tmp_path):
+def test_bench_moe_at_ep_2_cuts_each_engine_rank_its_experts(tmp_path, capsys):
     """Issue 24 item 7: `--ep` reaches the engine and the layout figures; a fused-expert model
     is synced expert by expert, so the budget's largest tensor is an exported (per-expert) one."""
     import torch
@@ -205,12 +205,10 @@ def test_bench_moe_at_ep_2_cuts_each_engine_rank_its_experts(tmp_path):
     from fsdp_sync.weights.layout import layout_for
 
     out = tmp_path / "moe.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny-qwen3-moe", "--methods", "tensor",
-         "--strategies", "flattened", "--layout", "engine", "--ranks", "2", "--tp", "2", "--ep", "2",
-         "--bucket-mb", "1", "--repeats", "3", "--json", str(out)],
-        capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = cli_here(capsys, "bench", "--models", "tiny-qwen3-moe", "--methods", "tensor", "--strategies",
+                   "flattened", "--layout", "engine", "--ranks", "2", "--tp", "2", "--ep", "2",
+                   "--bucket-mb", "1", "--repeats", "3", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
     cfg = load_config("tiny-qwen3-moe")
     metas = param_metas(build_model(cfg, seed=0), torch.float32)
     assert not any(m.name.endswith(("experts.gate_up_proj", "experts.down_proj")) for m in metas)
@@ -246,7 +244,7 @@ def test_moe_bench_recipe_size_and_its_largest_tensor_is_not_a_fused_expert():
     assert expert * cfg.num_experts * 2 == fused          # gate_up_proj: [E, 2 I, H] -> E x ([I, H], [I, H])
 
 
-def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path):
+def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path, capsys):
     """Issue 25 item 6: ``--quantization none,fp8`` runs one job per format on the same model and
     bucket: the FP8 rows move the FP8 stream's bytes (about half of bf16) into each engine rank,
     report the quantization's own seconds, and count the quantized bucket in their budget."""
@@ -260,13 +258,11 @@ def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path):
     from fsdp_sync.weights.layout import layout_for
 
     out = tmp_path / "fp8.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny-fp8", "--methods", "tensor",
-         "--strategies", "flattened", "--layout", "full,engine", "--ranks", "2", "--tp", "2",
-         "--dtype", "bfloat16", "--bucket-mb", "1", "--repeats", "3", "--quantization", "none,fp8",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = cli_here(capsys, "bench", "--models", "tiny-fp8", "--methods", "tensor", "--strategies", "flattened",
+                   "--layout", "full,engine", "--ranks", "2", "--tp", "2", "--dtype", "bfloat16",
+                   "--bucket-mb", "1", "--repeats", "3", "--quantization", "none,fp8",
+                   "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(out.read_text())["rows"]
     by = {(r["quantization"], r["layout"]): r for r in rows}
     assert set(by) == {(q, lay) for q in (None, "fp8") for lay in ("full", "engine")}, sorted(by, key=str)
@@ -287,15 +283,13 @@ def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_bench_engine_http_puts_the_engine_behind_serve(tmp_path):
+def test_bench_engine_http_puts_the_engine_behind_serve(tmp_path, capsys):
     """``--engine http``: the manager's calls reach the same engine through `fsdp-sync serve`'s
     server (the figure verl's adapter is compared with), over kept-alive connections."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "tiny", "--strategies",
-         "flattened", "--layout", "full", "--engine", "http", "--repeats", "3", "--json", str(out)],
-        capture_output=True, text=True, timeout=230)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = cli_here(capsys, "bench", "--models", "tiny", "--strategies", "flattened", "--layout", "full",
+                   "--engine", "http", "--repeats", "3", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert row["engine"] == "http" and row["seconds"] > 0 and row["engine_calls"] == 1
     hits = row["http_requests"]
@@ -304,6 +298,6 @@ def test_bench_engine_http_puts_the_engine_behind_serve(tmp_path):
     assert hits["/update_weights_from_tensor"] == syncs * row["engine_calls"]
     assert hits["/end_weight_update"] == syncs
     assert 1 <= row["http_connections"] < syncs       # kept alive across a sync's calls
-    bad = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "bench", "--engine", "grpc"],
-                         capture_output=True, text=True, timeout=60)
+    bad = run_output([sys.executable, "-m", "fsdp_sync.cli", "bench", "--engine", "grpc"],
+                     timeout=60)
     assert bad.returncode != 0 and "--engine" in bad.stderr and "grpc" in bad.stderr, bad.stderr

@@ -11,7 +11,7 @@ import torch
 
 from fsdp_sync.cli import app as cli
 
-from _util import ROOT
+from _util import ROOT, cli_here, run_output
 
 CUDA = torch.cuda.is_available()
 
@@ -80,8 +80,8 @@ def test_bad_flags_give_one_line_and_exit_2(argv, words, capsys, monkeypatch):
 
 def test_bad_flag_from_the_shell_starts_nothing():
     # the issue's case: --bucket-mb 0 used to start ranks and an engine, then fail with a traceback
-    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--bucket-mb", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = run_output([sys.executable, "-m", "fsdp_sync.cli", "demo", "--bucket-mb", "0"],
+                      cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("fsdp-sync demo: error: argument --bucket-mb: expected a positive "
                                    "number, got '0'")
@@ -211,7 +211,7 @@ def test_bench_recipe_scalars_are_one_item_lists(tmp_path, capsys):
 
 
 @pytest.mark.timeout(200)
-def test_demo_and_bench_take_layout_and_the_demo_shows_the_portable_checkpoint(tmp_path):
+def test_demo_and_bench_take_layout_and_the_demo_shows_the_portable_checkpoint(tmp_path, capsys):
     """Issue 21 item 13: neither command had --layout, so the demo could not show the disk
     method's Hugging Face checkpoint (its default there is per-rank files)."""
     import json
@@ -220,10 +220,8 @@ def test_demo_and_bench_take_layout_and_the_demo_shows_the_portable_checkpoint(t
     assert spec.layouts == ("full", "engine") and spec.methods == ("disk",)
     assert cli.parse_args("demo --method disk --layout engine".split()).opts.layout == "engine"
     out = tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--method", "disk",
-                           "--layout", "full", "--disk-dir", str(tmp_path / "ckpt"), "--steps", "1",
-                           "--no-progress", "--json", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180)
+    proc = cli_here(capsys, "demo", "--method", "disk", "--layout", "full", "--disk-dir", str(tmp_path / "ckpt"),
+                    "--steps", "1", "--no-progress", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     step = json.loads(out.read_text())["steps"][-1]
     assert step["layout"] == "full"
@@ -235,7 +233,7 @@ def test_demo_and_bench_take_layout_and_the_demo_shows_the_portable_checkpoint(t
     assert "checkpoint of the last step:" in text and "kept" in text
 
 
-def test_demo_runs_an_fp8_rollout_and_refuses_a_model_it_cannot_quantize(tmp_path):
+def test_demo_runs_an_fp8_rollout_and_refuses_a_model_it_cannot_quantize(tmp_path, capsys):
     """Issue 25 item 1: ``--quantization fp8``; the engine is checked against the trainer's weights
     quantized the same way. A model whose TP split cuts a 128 block is refused before anything starts."""
     import json
@@ -244,10 +242,8 @@ def test_demo_runs_an_fp8_rollout_and_refuses_a_model_it_cannot_quantize(tmp_pat
         cli.parse_args("demo --quantization fp8 --model tiny".split())
     assert cli.parse_args("demo --quantization fp8 --model tiny-fp8".split()).opts.quantization == "fp8"
     assert cli.parse_args("demo --model tiny".split()).opts.quantization is None
-    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--quantization", "fp8",
-                           "--model", "tiny-fp8", "--layout", "engine", "--steps", "2", "--no-progress",
-                           "--json", str(tmp_path / "d.json")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=180)
+    proc = cli_here(capsys, "demo", "--quantization", "fp8", "--model", "tiny-fp8", "--layout", "engine",
+                    "--steps", "2", "--no-progress", "--json", str(tmp_path / "d.json"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "d.json").read_text())
     assert result["ok"] and result["config"]["quantization"] == "fp8"

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from _util import run_output
 
 
 def _demo(tmp_path, method: str, *extra: str) -> dict:
@@ -23,10 +24,10 @@ def _demo(tmp_path, method: str, *extra: str) -> dict:
     tmp = tmp_path / f"tmp-{method}"
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp))
-    proc = subprocess.run(
+    proc = run_output(
         [sys.executable, "-m", "fsdp_sync.cli", "demo", "--method", method, "--steps", "2",
          "--no-progress", "--json", str(out), *extra],
-        capture_output=True, text=True, timeout=200, env=env)
+        timeout=200, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["config"]["method"] == method and result["ok"]

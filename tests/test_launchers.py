@@ -17,6 +17,8 @@ import pytest
 
 from fsdp_sync.engines.reference import procs
 
+from _util import session_leftovers
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
@@ -51,15 +53,25 @@ def _run(cmd: list[str], *, env: dict, timeout: float, cwd: Path = ROOT) -> subp
     with tempfile.TemporaryDirectory(prefix="run") as tmp:
         if env.get("TMPDIR") == os.environ.get("TMPDIR"):
             env = {**env, "TMPDIR": tmp}
-        # a new session, so a timeout can end the whole tree (launcher, ranks, engine workers)
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, _ = proc.communicate()
+        # a new session, so a timeout can end the whole tree (launcher, ranks, engine workers);
+        # the output through an unnamed file, read once the launcher exits (`_util.run_output`:
+        # a pipe would also wait for the torch_shm_manager a rank started, 2 s after its last client)
+        with tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                timed_out = True
+            log.seek(0)
+            out = log.read().decode(errors="replace")
+        if timed_out:
             pytest.fail(f"{' '.join(cmd)} ran past {timeout}s:\n{out[-4000:]}")
+        left = session_leftovers(proc.pid)
+        assert not left, f"{' '.join(cmd)} left {len(left)} process(es) running: {left}\n{out[-4000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 

@@ -19,6 +19,8 @@ import torch
 
 from fsdp_sync.cli.launch import RankError, run_ranks, spawn_env
 
+from _util import cli_here
+
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7]]
 ATOL = 1e-5
 # The five 2-rank jobs (`two_rank_jobs`, below) once had a launch each (deadlines 170 + 170 + 110
@@ -279,11 +281,10 @@ def two_rank_jobs(leftovers_check):
 
 
 @pytest.mark.timeout(240)
-def test_demo_end_to_end_json(tmp_path):
+def test_demo_end_to_end_json(tmp_path, capsys):
     out = tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--ranks", "4", "--tp", "2",
-                           "--steps", "2", "--no-progress", "--json", str(out)],
-                          capture_output=True, text=True, timeout=230)
+    proc = cli_here(capsys, "demo", "--ranks", "4", "--tp", "2", "--steps", "2", "--no-progress",
+                    "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["config"]["ranks"] == 4 and data["config"]["tp"] == 2

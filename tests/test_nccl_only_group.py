@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from fsdp_sync.cli.launch import RankError, run_ranks, spawn_env
+
+from _util import run_output
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="emulates NCCL-only on a CPU machine")
 
@@ -74,9 +75,9 @@ def test_objects_and_agreement_run_on_a_gloo_twin():
 def _demo(tmp_path, *flags: str) -> dict:
     out = tmp_path / "demo.json"
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--backend", "cuda:gloo",
-                           "--steps", "1", "--no-progress", "--json", str(out), *flags],
-                          capture_output=True, text=True, timeout=250, env=env)
+    proc = run_output([sys.executable, "-m", "fsdp_sync.cli", "demo", "--backend", "cuda:gloo",
+                       "--steps", "1", "--no-progress", "--json", str(out), *flags],
+                      timeout=250, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["ok"] and result["config"]["backend"] == "cuda:gloo"
@@ -99,8 +100,8 @@ def test_backend_flag_is_checked():
 
     for good in ("gloo", "nccl", "cuda:gloo", "cpu:gloo,cuda:nccl"):
         assert build_parser().parse_args(["demo", "--backend", good]).backend == good
-    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "demo", "--backend", "mpi"],
-                          capture_output=True, text=True, timeout=60)
+    proc = run_output([sys.executable, "-m", "fsdp_sync.cli", "demo", "--backend", "mpi"],
+                      timeout=60)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "expected gloo, nccl or a device map such as cpu:gloo,cuda:nccl, got 'mpi'" in proc.stderr
 

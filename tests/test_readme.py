@@ -9,11 +9,12 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from _util import run_output
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
@@ -92,8 +93,7 @@ def test_readme_snippet(i):
         assert "base_url" in params and list(params)[0] != "base_url"
         return
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=100)
+    r = run_output([sys.executable, "-c", block], cwd=ROOT, env=env, timeout=100)
     assert r.returncode == 0, f"{page} block {i} failed:\n{block}\n{r.stderr[-3000:]}"
 
 

@@ -247,7 +247,7 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     log = os.path.join(tmp, "fault.log")
     # the ranks and the engine's workers (started by rank 0) read the spec from their environment
     env = launch.spawn_env({"FSDP_SYNC_FAULT": cell.spec, "FSDP_SYNC_FAULT_LOG": log})
-    ctx = mp.get_context("spawn")
+    ctx = launch._context()   # fresh interpreters, or FSDP_SYNC_RANKS_START=forkserver's forks, as run_ranks
     results = ctx.Queue()
     port = free_port()
     args = (cell.method, cell.stage, tmp, asdict(t))

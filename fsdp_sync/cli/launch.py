@@ -34,8 +34,9 @@ __all__ = ["run_ranks", "RankError", "spawn_env", "PRELOAD"]
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "transformers",
            "transformers.models.qwen2.modeling_qwen2", "fsdp_sync.manager", "fsdp_sync.models",
-           "fsdp_sync.engines"]
-"""What the forkserver imports once, before it forks ranks (``FSDP_SYNC_RANKS_START=forkserver``)."""
+           "fsdp_sync.engines", "fsdp_sync.engines.reference.preloaded"]
+"""What the forkserver imports once, before it forks ranks (``FSDP_SYNC_RANKS_START=forkserver``),
+in order: `preloaded` last, which freezes the rest (a quick exit for the server, see there)."""
 
 
 def _context():
