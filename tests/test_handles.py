@@ -470,3 +470,47 @@ def test_dead_shm_manager_dirs_are_removed_and_live_ones_kept(tmp_path):
     finally:
         for s in live:
             s.close()
+
+
+def test_a_manager_that_answers_late_is_asked_again(monkeypatch):
+    """torch's ``torch_shm_manager`` answers a segment's registration within a fixed 1 s or torch
+    raises (seen in a loaded ``make test``: a whole sync failed on it). `empty_shared` asks again
+    (3 tries): a late answer costs a retry, not the sync; every try names a new segment; an error
+    of another kind, or three late answers, is raised (the last naming the tries)."""
+    real = torch.UntypedStorage._new_using_filename_cpu
+    calls = []
+
+    from fsdp_sync.weights.shm import MANAGER_TIMEOUT
+
+    def flaky(fails, message=MANAGER_TIMEOUT):
+        def new(nbytes):
+            calls.append(nbytes)
+            if len(calls) <= fails:
+                raise RuntimeError(f"{message}\nException raised from recv at socket.h:67")
+            return real(nbytes)
+        return new
+
+    handles.empty_shared(1)      # this process's manager started (its first segment is one more try)
+    monkeypatch.setattr(torch.UntypedStorage, "_new_using_filename_cpu", staticmethod(flaky(2)))
+    buf = handles.empty_shared(4096)
+    assert len(calls) == 3
+    buf.copy_(torch.arange(4096, dtype=torch.int64).to(torch.uint8))
+    lease = handles.make_payloads([buf], 1, tagged=False)
+    try:
+        got = handles.open_payload(lease.payloads[0]).value[0]
+        assert torch.equal(got, buf)            # a real segment, shared without a copy
+    finally:
+        lease.release(require_ack=False)
+
+    calls.clear()
+    monkeypatch.setattr(torch.UntypedStorage, "_new_using_filename_cpu", staticmethod(flaky(9)))
+    with pytest.raises(RuntimeError, match=r"3 tries for a 64-byte segment.*overloaded"):
+        handles.empty_shared(64)
+    assert len(calls) == 3
+
+    calls.clear()
+    monkeypatch.setattr(torch.UntypedStorage, "_new_using_filename_cpu",
+                        staticmethod(flaky(9, "unable to open shared memory object")))
+    with pytest.raises(RuntimeError, match="unable to open shared memory object"):
+        handles.empty_shared(64)
+    assert len(calls) == 1

@@ -50,7 +50,7 @@ from torch.multiprocessing import reductions as _red
 
 from .bucket import SUPPORTED_DTYPES, dtype_name
 from .shm import (HandleError, add_torch_reference, check_segment,
-                  keep_sockets_from_shm_manager, map_segment, mapped_handle, refcount_lock,
+                  keep_sockets_from_shm_manager, new_shared_storage, map_segment, mapped_handle, refcount_lock,
                   take_back)
 
 __all__ = [
@@ -83,7 +83,7 @@ def empty_shared(nbytes: int, device: torch.device | str = "cpu") -> torch.Tenso
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     keep_sockets_from_shm_manager()
-    storage = torch.UntypedStorage._new_using_filename_cpu(max(int(nbytes), 1))
+    storage = new_shared_storage(max(int(nbytes), 1))
     _OWNED[storage.data_ptr()] = _red.StorageWeakRef(storage)
     out = torch.empty(0, dtype=torch.uint8)
     out.set_(storage, 0, (int(nbytes),), (1,))

@@ -20,13 +20,14 @@ import os
 import re
 import stat
 import sys
+import time
 
 import torch
 from torch.multiprocessing import reductions as _red
 
 __all__ = ["HandleError", "check_segment", "map_segment", "mapped_handle", "add_reference",
            "add_torch_reference", "take_back", "refcount_lock", "keep_sockets_from_shm_manager",
-           "start_shm_manager_detached", "remove_dead_manager_dirs"]
+           "start_shm_manager_detached", "remove_dead_manager_dirs", "new_shared_storage", "MANAGER_TIMEOUT"]
 
 
 class HandleError(RuntimeError):
@@ -115,6 +116,32 @@ def remove_dead_manager_dirs(root: str | None = None, min_age_s: float = 60.0) -
     return removed
 
 
+MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+"""What torch raises when its ``torch_shm_manager`` did not answer a segment's registration within
+its fixed 1 s (libshm's socket poll): the manager was not scheduled in time on a busy host."""
+MANAGER_TRIES = 3
+
+
+def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """A new shared-memory storage by file name, registered with this process's
+    ``torch_shm_manager``. A registration the manager did not answer within torch's 1 s
+    (`MANAGER_TIMEOUT`) is tried again, `MANAGER_TRIES` times in all: torch creates no segment
+    for it (the file is made only after the registration is answered) and names each try's segment
+    afresh, so nothing is left or shared twice; any other error is raised at once."""
+    for attempt in range(1, MANAGER_TRIES + 1):
+        try:
+            return torch.UntypedStorage._new_using_filename_cpu(nbytes)
+        except RuntimeError as exc:
+            if MANAGER_TIMEOUT not in str(exc):
+                raise
+            if attempt == MANAGER_TRIES:
+                raise RuntimeError(f"{MANAGER_TIMEOUT} ({MANAGER_TRIES} tries for a {nbytes}-byte "
+                                   f"segment: torch_shm_manager did not answer within torch's 1 s "
+                                   f"each time; the host is overloaded)") from exc
+            time.sleep(0.05 * attempt)
+    raise AssertionError("unreachable")
+
+
 def start_shm_manager_detached() -> None:
     """Start this process's ``torch_shm_manager`` now, with /dev/null as its stdin and stderr.
 
@@ -141,7 +168,7 @@ def start_shm_manager_detached() -> None:
             except OSError:
                 continue        # not open: nothing to keep from the manager
             os.dup2(null, fd)
-        torch.UntypedStorage._new_using_filename_cpu(1)     # starts the manager; freed at once
+        new_shared_storage(1)     # starts the manager; freed at once
     finally:
         for fd, copy in saved:
             os.dup2(copy, fd)
