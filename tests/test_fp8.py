@@ -355,3 +355,58 @@ def test_rank_pieces_are_whole_blocks(family, tp, ep):
                 eng[spl.dst] += 1
                 assert eng[spl.dst].shape == s[spl.src].shape
         assert filled and all((c == 1).all() for c in filled.values()), r
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (129, 257), (3, 256, 128), (3, 200, 130)],
+                         ids=["whole-blocks", "edge-blocks", "experts", "experts-edge"])
+def test_out_is_written_in_place_bit_for_bit(shape):
+    """``out=`` (a bucket's slot): q lands in it, the same bytes as without, padded or not."""
+    w = (torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 5).to(torch.bfloat16)
+    q0, s0 = quantize_block("w", w)
+    slot = torch.full((w.numel() + 16,), 0x7F, dtype=torch.uint8)       # a bucket, bytes around it
+    out = slot[8:8 + w.numel()].view(F8).view(shape)
+    q1, s1 = quantize_block("w", w, out=out)
+    assert q1.data_ptr() == out.data_ptr() and _bytes(q1) == _bytes(q0) and _bytes(s1) == _bytes(s0)
+    assert (slot[:8] == 0x7F).all() and (slot[-8:] == 0x7F).all()          # nothing written around it
+
+
+def test_out_of_another_shape_or_dtype_is_refused_naming_the_tensor():
+    w = torch.randn(128, 256)
+    for bad in (torch.empty(128, 255, dtype=F8), torch.empty(128, 256, dtype=torch.uint8),
+                torch.empty(256, 128, dtype=F8).t()):
+        with pytest.raises(ValueError, match=r"out for 'layers\.0\.w' must be a contiguous float8_e4m3fn "
+                                             r"tensor of shape \(128, 256\)"):
+            quantize_block("layers.0.w", w, out=bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_buckets_non_finite_weight_is_refused_by_name_after_one_check(bad):
+    """The bucket quantizer checks NaN/Inf once per bucket, on the scales (one wait for the device
+    instead of one per tensor), and still names the tensor, the count and the first place."""
+    from fsdp_sync.weights import bucket as bk
+    from fsdp_sync.weights.quantize import StreamQuantizer
+
+    metas = [bk.TensorMeta("model.layers.0.mlp.up_proj.weight", torch.bfloat16, (256, 128)),
+             bk.TensorMeta("model.layers.0.input_layernorm.weight", torch.bfloat16, (128,)),
+             bk.TensorMeta("model.layers.0.mlp.down_proj.weight", torch.bfloat16, (128, 256))]
+    (plan,) = bk.plan_buckets(metas, 1 << 20)
+    flat = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {e.name: torch.randn(*e.shape, generator=gen).to(torch.bfloat16) for e in plan.entries}
+    tensors["model.layers.0.mlp.down_proj.weight"][100, 200] = bad
+    for e in plan.entries:
+        flat[e.start:e.end].view(e.dtype).view(e.shape).copy_(tensors[e.name])
+    layout = type("L", (), {"quantized": frozenset({m.name for m in metas if "proj" in m.name}),
+                            "engine_quantized": frozenset(), "block": fp8.BLOCK})()
+    quant = StreamQuantizer(layout)
+    with pytest.raises(ValueError, match=r"cannot quantize 'model\.layers\.0\.mlp\.down_proj\.weight' to fp8: "
+                                         r"1 of 32768 values are NaN or Inf \(first at \(100, 200\)"):
+        quant.bucket(plan, flat, lambda n: torch.empty(n, dtype=torch.uint8))
+    tensors["model.layers.0.mlp.down_proj.weight"][100, 200] = 1.0     # the same bucket, finite
+    for e in plan.entries:
+        flat[e.start:e.end].view(e.dtype).view(e.shape).copy_(tensors[e.name])
+    out, buf = quant.bucket(plan, flat, lambda n: torch.empty(n, dtype=torch.uint8))
+    for name in layout.quantized:
+        q, s = quantize_block(name, tensors[name])
+        e, es = {x.name: x for x in out.entries}[name], {x.name: x for x in out.entries}[fp8.scale_name(name)]
+        assert _bytes(buf[e.start:e.end]) == _bytes(q) and _bytes(buf[es.start:es.end]) == _bytes(s)

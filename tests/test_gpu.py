@@ -158,3 +158,37 @@ def test_release_and_resume_really_move_gpu_memory():
     assert r["free_released"] - r["free_before"] >= 0.9 * r["held"], r
     assert r["free_before"] - r["free_resumed"] >= 0.9 * r["held"] - (64 << 20), r
     assert r["generates"], r
+
+
+@pytest.mark.timeout(120)
+def test_fp8_quantizer_on_cuda_is_the_cpu_bits_in_place_and_refuses_nan():
+    """The quantizer on the GPU: the same bytes as on the CPU (whole and edge blocks), ``q`` written
+    straight into the bucket's slot with no float32 copy of the weight (peak allocation below the
+    weight's own bytes), and a NaN refused by name from the bucket's one check of its scales."""
+    from fsdp_sync.weights import bucket as bk
+    from fsdp_sync.weights import fp8
+    from fsdp_sync.weights.quantize import StreamQuantizer
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((1536, 8960), (129, 257), (4, 256, 384)):
+        w = (torch.randn(*shape, generator=gen) * 3).to(torch.bfloat16)
+        q_cpu, s_cpu = fp8.quantize_block("w", w)
+        wc = w.cuda()
+        out = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        q, s = fp8.quantize_block("w", wc, out=out, check=False)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert q.data_ptr() == out.data_ptr()
+        assert torch.equal(q.cpu().view(torch.uint8), q_cpu.view(torch.uint8)) and torch.equal(s.cpu(), s_cpu)
+        if shape == (1536, 8960):                  # whole blocks: nothing of the weight's size made
+            assert extra < wc.numel() * wc.element_size(), (shape, extra)
+    meta = bk.TensorMeta("model.layers.0.mlp.down_proj.weight", torch.bfloat16, (256, 384))
+    (plan,) = bk.plan_buckets([meta], 1 << 20)
+    flat = torch.randn(256 * 384, generator=gen).to(torch.bfloat16).view(torch.uint8).cuda()
+    flat.view(torch.bfloat16)[1000] = float("nan")
+    layout = type("L", (), {"quantized": frozenset({meta.name}), "engine_quantized": frozenset(), "block": fp8.BLOCK})()
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' to fp8: 1 of 98304 values"):
+        StreamQuantizer(layout).bucket(plan, flat[:plan.nbytes], lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"))

@@ -22,6 +22,12 @@ block-fp8 contract"), followed bit for bit:
 - NaN and Inf are refused, naming the tensor (a block's amax would be NaN/Inf and the whole block
   lost).
 
+`quantize_block` computes the same bits with less traffic: a bfloat16 or float16 value is exact in
+float32, so its amax (and the zero padding) can be taken in its own dtype and only the scale made
+in float32; the division promotes to float32 as above and is cast to FP8 on its way into the
+output (a 16-bit weight is read twice, FP8 written once). A bucket's quantizer checks NaN/Inf on
+the scales, once per bucket (a non-finite value makes its block's scale non-finite).
+
 Dequantization is ``fp8_utils.block_quant_dequant``: the scale repeated over its block, cut to the
 weight's shape, multiplied in float32.
 
@@ -48,7 +54,7 @@ import torch
 from fsdp_sync.weights.layout import ModelSpec, Placement, TPLayout
 
 __all__ = ["BLOCK", "FP8_MAX", "AMAX_FLOOR", "QUANTIZATIONS", "scale_shape", "scale_name", "quantize_block",
-           "dequantize_block", "is_quantized", "quantized_names", "check_block_shapes",
+           "check_finite", "scales_finite", "dequantize_block", "is_quantized", "quantized_names", "check_block_shapes",
            "scale_placement", "FP8Layout", "quantized_layout"]
 
 QUANTIZATIONS = (None, "fp8")
@@ -93,6 +99,12 @@ def _check(name: str, w: torch.Tensor, block: tuple[int, int]) -> None:
                          f"{str(w.dtype).removeprefix('torch.')}")
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"expected a block of two positive sizes, got {block!r}")
+
+
+def check_finite(name: str, w: torch.Tensor) -> None:
+    """Raise naming ``name``, the count and the first place of a NaN or Inf in ``w`` (reads it
+    all and waits for the device: `quantize_block` callers that quantize many tensors check their
+    scales once instead, see `scales_finite`)."""
     bad = ~torch.isfinite(w)
     if bool(bad.any()):
         where = tuple(int(i) for i in bad.nonzero()[0])
@@ -100,23 +112,55 @@ def _check(name: str, w: torch.Tensor, block: tuple[int, int]) -> None:
                          f"are NaN or Inf (first at {where}: {w[where].item()})")
 
 
-def quantize_block(name: str, w: torch.Tensor,
-                   block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def scales_finite(scales: list[torch.Tensor]) -> bool:
+    """Whether every scale of `quantize_block` outputs is finite: a block holding a NaN or an Inf
+    has a NaN or Inf amax (``amax``/``amin`` and ``maximum`` propagate NaN), so this is the
+    weights' own check at a scale's size, with one wait for the device for all of them."""
+    if not scales:
+        return True
+    return bool(torch.isfinite(torch.cat([s.reshape(-1) for s in scales])).all())
+
+
+def quantize_block(name: str, w: torch.Tensor, block: tuple[int, int] = BLOCK, *,
+                   out: torch.Tensor | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)`` of weight ``w`` (``name`` is for errors): ``q`` float8_e4m3fn of ``w``'s
     shape, ``scale_inv`` float32 `scale_shape`, on ``w``'s device, bit for bit SGLang's
     ``bf16_to_block_fp8_128`` (see the module docstring). ``w``: 2-D, or 3-D for stacked experts
-    (each ``[N, K]`` matrix blocked on its own)."""
+    (each ``[N, K]`` matrix blocked on its own). ``out``: a contiguous float8_e4m3fn tensor of
+    ``w``'s shape that ``q`` is written into (and returned as ``q``). ``check=False`` leaves the
+    NaN/Inf check to the caller (`scales_finite` of the scales, then `check_finite` by name).
+
+    Computed in ``w``'s own dtype where that is exact: the block amax as the larger of ``amax``
+    and ``-amin`` (a 16-bit value is exact in float32, so its amax is the float32 one), then the
+    float32 scale; the division promotes to float32 as SGLang's does and is cast to FP8 on its
+    way out. A 16-bit weight is read twice and FP8 written once (no float32 copy of the weight,
+    no wait for the device)."""
     _check(name, w, block)
+    if check:
+        check_finite(name, w)
     bn, bk = block
     *lead, n, k = w.shape
     nb, kb = math.ceil(n / bn), math.ceil(k / bk)
-    x = w.to(torch.float32).reshape(-1, n, k)
-    if (nb * bn, kb * bk) != (n, k):           # zero-pad the edge blocks, as SGLang does
+    padded = (nb * bn, kb * bk) != (n, k)
+    if out is not None and (out.dtype != torch.float8_e4m3fn or tuple(out.shape) != tuple(w.shape)
+                            or not out.is_contiguous() or out.device != w.device):
+        raise ValueError(f"out for {name!r} must be a contiguous float8_e4m3fn tensor of shape "
+                         f"{tuple(w.shape)} on {w.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    x = w.reshape(-1, n, k)
+    if padded:                                 # zero-pad the edge blocks, as SGLang does
         x = torch.nn.functional.pad(x, (0, kb * bk - k, 0, nb * bn - n))
     xv = x.view(-1, nb, bn, kb, bk)
-    sf = xv.abs().amax(dim=(2, 4), keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
-    q = (xv / sf).to(torch.float8_e4m3fn).view(-1, nb * bn, kb * bk)[:, :n, :k]
-    return q.reshape(*lead, n, k).contiguous(), sf.reshape(*lead, nb, kb).contiguous()
+    amax = torch.maximum(xv.amax(dim=(2, 4), keepdim=True), xv.amin(dim=(2, 4), keepdim=True).neg())
+    sf = amax.to(torch.float32).clamp(min=AMAX_FLOOR) / FP8_MAX
+    scale = sf.reshape(*lead, nb, kb).contiguous()
+    if not padded:
+        q = out if out is not None else torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+        torch.div(xv, sf, out=q.view(-1, nb, bn, kb, bk))
+        return q, scale
+    q = torch.div(xv, sf).to(torch.float8_e4m3fn).view(-1, nb * bn, kb * bk)[:, :n, :k].reshape(*lead, n, k)
+    if out is not None:
+        return out.copy_(q), scale
+    return q.contiguous(), scale
 
 
 def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
