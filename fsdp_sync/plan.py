@@ -67,7 +67,10 @@ class Cluster:
     each tensor of a sync (its packing on the trainer, its load in the engine: host work and,
     on a GPU, kernel launches); ``bucket_s``: each bucket's engine call of the tensor method
     (handles made and gathered, opened, loaded, acknowledged, agreed; 0: ``call_s`` + 2
-    collectives); ``sync_s``: each sync once (the engine's update bracket, the layout agreed)."""
+    collectives); ``sync_s``: each sync once (the engine's update bracket, the layout agreed);
+    ``quantize_gbps`` and ``quantize_tensor_s``: the FP8 bucket quantizer on the trainer's device,
+    bytes of the rollout dtype through it per second and each quantized tensor's own cost (its
+    kernels' launches), priced for rows with ``quantization``."""
 
     name: str
     device: str                    # "cuda" or "cpu" (this machine: one host, shards in host memory)
@@ -88,6 +91,8 @@ class Cluster:
     tensor_s: float = 0.0
     bucket_s: float = 0.0
     sync_s: float = 0.0
+    quantize_gbps: float = 0.0
+    quantize_tensor_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -96,7 +101,8 @@ class Cluster:
                   "disk_write_gbps", "disk_read_gbps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"cluster {f} must be > 0, got {getattr(self, f)!r}")
-        for f in ("cores", "touch_gbps", "map_gbps", "collective_gbps", "tensor_s", "bucket_s", "sync_s"):
+        for f in ("cores", "touch_gbps", "map_gbps", "collective_gbps", "tensor_s", "bucket_s", "sync_s",
+                  "quantize_gbps", "quantize_tensor_s"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"cluster {f} must be >= 0 (0: not priced), got {getattr(self, f)!r}")
         if self.call_s < 0 or self.collective_s < 0:
@@ -451,6 +457,8 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
         path = row.get("reshard_path") or ("host-shared" if shared else "all-gather")
     row["path"] = path
     row["allgather_bytes_in"] = allgather_in
+    if quant is not None:
+        row.update(_quantizer_load(job, layout, dtype, metas, quant, reshard))
     unit = max((b.nbytes for b in plan), default=0) if job.method != "disk" else 0   # its largest bucket
 
     # ---- memory
@@ -505,6 +513,27 @@ def _disk_bytes(job: PlanJob, layout: Any, held: Any, quant: Any, metas: list, d
                     n += (r1 - r0) * (c1 - c0) * e.dtype.itemsize
         reads.append(n)
     return {"buckets": len(plan), "files": len(plan), "file_bytes": sum(sizes), "engine_rank_bytes_in": max(reads)}
+
+
+def _quantizer_load(job: PlanJob, layout: Any, dtype: torch.dtype, metas: list, quant: Any,
+                    reshard: Any) -> dict:
+    """What the busiest trainer rank passes through the FP8 quantizer in one sync, as the
+    transports quantize: layout full, each gathered bucket whole (the tensor method: on every
+    rank; the distributed method: on rank 0; the disk method: each writer its own buckets, 1 in
+    ``ranks``); layout engine, each per-rank bucket of the engine ranks the rank serves (the
+    tensor method: its own infer-TP rank's; the distributed method: rank 0, every engine rank's;
+    the disk method: its share of them). ``quantize_bytes_in``: the buckets' bytes in the rollout
+    dtype (quantized or passed through); ``quantize_tensors``: the tensors quantized."""
+    world, tp, m = job.ranks, job.tp, job.method
+    if job.layout == "engine":
+        per = job.bucket_bytes // tp if m == "distributed" else job.bucket_bytes
+        entries = [e for b in reshard.plan_rank_buckets(layout, dtype, max(1, per)) for e in b.entries]
+        one = (sum(e.end - e.start for e in entries), sum(e.name in quant.engine for e in entries))
+        times = {"tensor": 1, "distributed": tp}.get(m, math.ceil(tp / world))
+    else:
+        one = (sum(x.nbytes for x in metas), sum(x.name in quant.hf for x in metas))
+        times = 1 / world if m == "disk" else 1
+    return {"quantize_bytes_in": int(one[0] * times), "quantize_tensors": math.ceil(one[1] * times)}
 
 
 def _block(src: tuple, shape: tuple) -> tuple[int, int, int, int]:
@@ -628,6 +657,9 @@ def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -
     elif path == "host-shared":
         exchange = ("barriers around the shared buffers", 2 * n * cl.collective_s, "host")
     first = [fill] + ([exchange] if exchange else [])
+    if job.quantization and cl.quantize_gbps:
+        first.append(("quantize to FP8 on the trainer", row["quantize_bytes_in"] / (cl.quantize_gbps * GB)
+                      + row["quantize_tensors"] * cl.quantize_tensor_s, "device"))
     touch, mapped = _fresh_bytes(job, row, unit)
     if cl.touch_gbps and touch:
         first.append(("first touch of the sync's fresh buffers", touch / (cl.touch_gbps * GB), "host"))

@@ -12,7 +12,7 @@ import pytest
 from fsdp_sync.cli.bench.main import BenchSpec
 from fsdp_sync.cli.bench.targets import check_targets
 
-from _util import cli_here, run_output
+from _util import ROOT, cli_here, run_output
 
 RECIPES = Path(__file__).resolve().parent.parent / "fsdp_sync" / "recipes" / "memory_tuning"
 ROW_KEYS = {"strategy", "model", "params", "tensors", "bytes", "bucket_bytes", "largest_tensor_bytes",
@@ -115,6 +115,46 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
         assert r["copy_seconds"] > 0 and r["ratio_to_copy"] > 0
     engine = [r for r in rows if r["layout"] == "engine"]
     assert all(r["engine_rank_bytes_in"] == r["engine_rank_shard_bytes"] for r in engine)
+
+    # scripts/gpu_check.sh's summary puts these rows beside `plan` of the same jobs, under the file
+    # names the script gives them: the spec cluster (plan) and this machine's measured one (plan_here)
+    import dataclasses
+    import shutil
+    import subprocess
+
+    from fsdp_sync.plan import CLUSTERS
+
+    d = tmp_path / "check"
+    d.mkdir()
+    shutil.copy(out, d / "bench_gpu.json")
+    (d / "steps.tsv").write_text("bench_gpu\t0\t12.5\nplan\t0\t3.1\nplan_here\t0\t61.0\nbench_7b\t125\t0\n")
+    here = dataclasses.replace(CLUSTERS["h100-node"], name="this-machine", tensor_s=1e-4, bucket_s=2e-3, sync_s=1e-3)
+    (d / "this_machine.json").write_text(json.dumps(here.to_dict()))
+    for name, cluster in (("plan", "h100-node"), ("plan_here", str(d / "this_machine.json"))):
+        res = cli_here(capsys, "plan", "--models", "tiny", "--ranks", "1", "--tp", "1", "--dtype", "float32",
+                       "--bucket-mb", "512", "--layout", "full,engine", "--engine", "reference",
+                       "--cluster", cluster, "--json", str(d / f"{name}.json"))
+        assert res.returncode == 0, res.stdout + res.stderr
+    plans = {name: {r["layout"]: r["seconds"] for r in json.loads((d / f"{name}.json").read_text())["rows"]}
+             for name in ("plan", "plan_here")}
+    res = subprocess.run([sys.executable, "scripts/gpu_check_summary.py", str(d)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads((d / "gpu_check.json").read_text())
+    assert [(s["step"], s["rc"]) for s in summary["steps"]] == [("bench_gpu", "0"), ("plan", "0"),
+                                                                  ("plan_here", "0"), ("bench_7b", "125")]
+    assert summary["this_machine"]["tensor_s"] == 1e-4 and len(summary["rows"]) == len(rows)
+    for r, b in zip(summary["rows"], rows):
+        assert (r["seconds"], r["layout"], r["strategy"]) == (b["seconds"], b["layout"], b["strategy"])
+        if r["strategy"] != "flattened":
+            assert r["plan_seconds"] is r["plan_here_seconds"] is r["bench_over_plan"] is None
+            continue
+        for name in ("plan", "plan_here"):
+            assert r[f"{name}_seconds"] == plans[name][r["layout"]]
+            assert r[f"bench_over_{name}"] == pytest.approx(b["seconds"] / plans[name][r["layout"]])
+        assert r["plan_here_seconds"] > r["plan_seconds"]          # the measured costs priced
+    md = (d / "gpu_check.md").read_text()
+    assert md.count("| tiny |") == len(rows) and "| bench_7b | 125 | 0 |" in md and "us/tensor" in md
 
 
 def test_target_model_recipe_has_the_size_the_targets_need():

@@ -192,3 +192,19 @@ def test_fp8_quantizer_on_cuda_is_the_cpu_bits_in_place_and_refuses_nan():
     layout = type("L", (), {"quantized": frozenset({meta.name}), "engine_quantized": frozenset(), "block": fp8.BLOCK})()
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' to fp8: 1 of 98304 values"):
         StreamQuantizer(layout).bucket(plan, flat[:plan.nbytes], lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"))
+
+
+@pytest.mark.timeout(400)
+def test_plan_measures_this_gpu_machine_as_a_gpu_cluster():
+    """`fsdp-sync plan --cluster this-machine` on a GPU host: its GPUs, their memory and copy rate,
+    and the per-tensor, per-bucket, per-sync and FP8 quantizer costs measured by real syncs on the
+    GPU (what `plan` must price to come within 1.5x of the GPU bench rows, issue 35)."""
+    from fsdp_sync.cli.plan import measure_this_machine
+
+    c = measure_this_machine(nbytes=64 << 20, repeats=3)
+    props = torch.cuda.get_device_properties(0)
+    assert (c.device, c.gpus_per_node, c.memory_per_gpu) == ("cuda", _gpus(), props.total_memory), c
+    assert props.name in c.source and "tensor-method syncs on cuda" in c.source and "quantizer on cuda" in c.source
+    assert c.d2d_gbps > 0 and c.quantize_gbps > 0 and c.quantize_tensor_s >= 0
+    assert min(c.tensor_s, c.bucket_s, c.sync_s) >= 0 and c.tensor_s + c.bucket_s + c.sync_s > 0
+    assert (c.cores, c.touch_gbps, c.map_gbps) == (0, 0.0, 0.0)

@@ -5,6 +5,7 @@ plans on the meta device, and bad flags exit 2 naming the flag."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -252,6 +253,83 @@ def test_this_machine_is_measured():
     # the one-bucket sync's seconds beyond its bytes
     assert min(c.tensor_s, c.bucket_s, c.sync_s) >= 0 and c.tensor_s + c.bucket_s + c.sync_s > 0
     assert "fresh shared buffer" in c.source and "us/tensor" in c.source and "ms/bucket" in c.source
+    # the FP8 quantizer, timed on this machine's device: a rate and a per-tensor cost
+    assert c.quantize_gbps > 0 and c.quantize_tensor_s >= 0 and "FP8 bucket quantizer on cpu" in c.source
+
+
+# what `_measure_rank` and `_measure_sync_rank` returned on a host, figures as measured there
+HOST = {"copy_s": 0.02, "gather_s": 0.5, "gather_bytes": 32 * MiB, "collective_s": 2e-4, "call_s": 1e-4,
+        "disk_write_s": 0.1, "disk_read_s": 0.05, "send_s": 0.04, "touch_s": 0.01, "map_s": 0.005}
+COSTS = {"full": {"tensor_s": 3e-5, "bucket_s": 4e-3, "sync_s": 2e-3},
+         "engine": {"tensor_s": 5e-5, "bucket_s": 6e-3, "sync_s": 4e-3},
+         "quantize": {"quantize_gbps": 150.0, "quantize_tensor_s": 4e-5,
+                      "quantize_measured": "89 MiB in 7 tensors 0.6 ms, 5.0 MiB in 112 tensors 4.5 ms"}}
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_this_machine_with_gpus_is_a_gpu_cluster(gpus):
+    """Issue 35: `plan --cluster this-machine` on a GPU host prices the GPU, not the host: device
+    cuda, its GPUs and their memory, d2d from a copy on GPU 0, intra from a copy between two GPUs
+    (one GPU: the host's send, said in the source), no host-only costs (cores, first touch,
+    mapping); the measured per-tensor, per-bucket, per-sync and quantizer costs on both kinds."""
+    from fsdp_sync.cli.plan import GPU_COPY, cluster_of
+
+    dev = None if not gpus else {"name": "NVIDIA H100 80GB HBM3", "count": gpus, "memory": 85 * 10**9,
+                                 "copy_s": 0.0006, **({"peer_copy_s": 0.003} if gpus > 1 else {})}
+    c = cluster_of(HOST, {**COSTS, "device": dev}, 64 * MiB, 2, 16 * 2**30)
+    send = 64 * MiB / 0.04 / 1e9
+    assert c.tensor_s == pytest.approx(4e-5) and c.bucket_s == pytest.approx(5e-3) and c.sync_s == pytest.approx(3e-3)
+    assert (c.quantize_gbps, c.quantize_tensor_s) == (150.0, 4e-5) and "89 MiB in 7 tensors" in c.source
+    assert c.inter_gbps == pytest.approx(send) and c.call_s == 1e-4 and c.collective_s == 2e-4
+    if not gpus:
+        assert (c.device, c.gpus_per_node, c.memory_per_gpu, c.cores) == ("cpu", 1024, 16 * 2**30, 2)
+        assert c.d2d_gbps == pytest.approx(64 * MiB / 0.02 / 1e9) and c.touch_gbps > 0 and c.map_gbps > 0
+        return
+    assert (c.device, c.gpus_per_node, c.memory_per_gpu) == ("cuda", gpus, 85 * 10**9)
+    assert c.d2d_gbps == pytest.approx(GPU_COPY / 0.0006 / 1e9)
+    assert (c.cores, c.touch_gbps, c.map_gbps, c.collective_gbps) == (0, 0.0, 0.0, 0.0)
+    assert "NVIDIA H100 80GB HBM3" in c.source and "tensor-method syncs on cuda" in c.source
+    if gpus == 1:
+        assert c.intra_gbps == pytest.approx(send) and "one GPU: intra is the host's gloo send" in c.source
+    else:
+        assert c.intra_gbps == pytest.approx(GPU_COPY / 0.003 / 1e9) and "GPU 0 to GPU 1" in c.source
+    # a plan on it is a GPU plan: a one-rank FP8 sync prices the quantizer on top of the bytes
+    job = PlanJob(model="tiny-fp8", method="tensor", layout="engine", bucket_bytes=64 << 10, dtype="bfloat16",
+                  ranks=1, tp=1, engine="reference", quantization="fp8")
+    row = plan_row(job, c)
+    assert row["device"] == "cuda" and _phase(row, "quantize to FP8") > 0
+
+
+@pytest.mark.parametrize("method, layout", [("tensor", "full"), ("tensor", "engine"), ("distributed", "full"),
+                                            ("distributed", "engine"), ("disk", "full"), ("disk", "engine")])
+def test_fp8_quantization_is_priced_as_each_transport_quantizes(method, layout):
+    """What the busiest trainer rank passes through the quantizer: every rank the whole model
+    (tensor, full), its own engine rank's share (tensor, engine), rank 0 the whole model or every
+    engine rank's share (distributed), each writer its part (disk); priced at the cluster's rate
+    plus its per-tensor cost, and not at all where the cluster has no quantizer figures."""
+    import dataclasses
+
+    from fsdp_sync.weights.fp8 import quantized_layout
+    from fsdp_sync.weights.layout import layout_for
+
+    q = dataclasses.replace(CPU, quantize_gbps=0.5, quantize_tensor_s=1e-4)
+    job = PlanJob(model="tiny-fp8", method=method, layout=layout, bucket_bytes=64 << 10, dtype="bfloat16",
+                  ranks=2, tp=2, engine="reference", quantization="fp8")
+    row, bare = plan_row(job, q), plan_row(job, CPU)
+    cfg, module = meta_model("tiny-fp8")
+    held = quantized_layout(layout_for(cfg, 2), "fp8")
+    model = sum(p.numel() * 2 for p in module.parameters())
+    whole = len([n for n in held.hf_shapes if n in held.quantized])
+    shard = sum(math.prod(s) * 2 for s in layout_for(cfg, 2).engine_shapes().values())
+    want = {("tensor", "full"): (model, whole), ("distributed", "full"): (model, whole),
+            ("disk", "full"): (model / 2, whole / 2), ("tensor", "engine"): (shard, None),
+            ("distributed", "engine"): (2 * shard, None), ("disk", "engine"): (shard, None)}[(method, layout)]
+    assert row["quantize_bytes_in"] == pytest.approx(want[0], rel=0.01), row["quantize_bytes_in"]
+    if want[1] is not None:
+        assert row["quantize_tensors"] == math.ceil(want[1])
+    assert _phase(row, "quantize to FP8") == pytest.approx(row["quantize_bytes_in"] / 0.5e9
+                                                           + row["quantize_tensors"] * 1e-4)
+    assert not [p for p in bare["phases"] if p["what"].startswith("quantize")]
 
 
 @pytest.mark.parametrize("layout", ["full", "engine"])

@@ -25,10 +25,11 @@ from typing import Any
 from . import args as ca
 from ..topology import cpu_group
 
-__all__ = ["add_plan_parser", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes", "plan_table",
+__all__ = ["add_plan_parser", "cluster_of", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes", "plan_table",
            "refusals", "split_refusal", "size"]
 
 MiB = 2**20
+GPU_COPY = 1 << 30          # the bytes of a GPU host's timed copies (1 GiB: launch costs vanish)
 
 
 # --------------------------------------------------------------------------- this machine
@@ -178,7 +179,8 @@ def _measure_sync_rank(rank: int, world: int, device: str, repeats: int) -> dict
                     manager.close()
         finally:
             engine.shutdown()
-    costs = {}
+    costs: dict = {"quantize": _measure_quantize(device, repeats),
+                   "device": _measure_device(GPU_COPY, repeats) if device == "cuda" else None}
     for layout in ("full", "engine"):
         a, n_a, tensors_a = out[(12, layout, 1 << 30)]
         b, n_b, _ = out[(12, layout, 256 << 10)]
@@ -190,6 +192,72 @@ def _measure_sync_rank(rank: int, world: int, device: str, repeats: int) -> dict
     return costs
 
 
+def _measure_quantize(device: str, repeats: int) -> dict:
+    """The FP8 bucket quantizer on ``device``: one bucket of one qwen2-1500m-shaped layer (large
+    tensors: bytes dominate) and one of sixteen 128-wide layers (small tensors: each quantized
+    tensor's own kernels dominate), timed as the sync times it (its one wait for the device per
+    bucket included); solved for seconds per byte and per quantized tensor."""
+    import torch
+
+    from ..models import load_config
+    from ..plan import meta_model
+    from ..weights import bucket as bk
+    from ..weights.export import param_metas
+    from ..weights.fp8 import quantized_layout
+    from ..weights.layout import layout_for
+    from ..weights.quantize import StreamQuantizer
+
+    def timed(cfg: Any) -> tuple[float, int, int]:
+        _, module = meta_model(cfg)
+        quant = StreamQuantizer(quantized_layout(layout_for(cfg, 1), "fp8"))
+        metas = [m for m in param_metas(module, torch.bfloat16) if "layers." in m.name]
+        (plan,) = bk.plan_buckets(metas, sum(m.nbytes for m in metas) + bk.ALIGNMENT * len(metas) + 1)
+        flat = torch.randn(plan.nbytes // 2, dtype=torch.bfloat16, device=device).view(torch.uint8)
+        out = torch.empty(quant.plan(plan).nbytes, dtype=torch.uint8, device=device)
+        secs = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            quant.bucket(plan, flat, lambda n: out)
+            secs.append(time.perf_counter() - t0)
+        return statistics.median(secs[1:]), plan.payload_bytes, sum(m.name in quant.hf for m in metas)
+
+    big = timed(load_config("qwen2-1500m", num_hidden_layers=1, vocab_size=256))
+    small = timed(load_config("tiny", num_hidden_layers=16, hidden_size=128, intermediate_size=256,
+                              num_attention_heads=1, num_key_value_heads=1))
+    # big = B1 s + N1 t, small = B2 s + N2 t
+    (t1, b1, n1), (t2, b2, n2) = big, small
+    det = b1 * n2 - b2 * n1
+    per_byte = max((t1 * n2 - t2 * n1) / det, t1 / b1 / 4)     # noise must not make it free
+    per_tensor = max((t2 - b2 * per_byte) / n2, 0.0)
+    return {"quantize_gbps": 1 / per_byte / 1e9, "quantize_tensor_s": per_tensor,
+            "quantize_measured": f"{b1 / 2**20:.0f} MiB in {n1} tensors {t1 * 1e3:.1f} ms, "
+                                 f"{b2 / 2**20:.1f} MiB in {n2} tensors {t2 * 1e3:.1f} ms"}
+
+
+def _measure_device(nbytes: int, repeats: int) -> dict:
+    """A CUDA device as the plan sees it: one copy on it (d2d, bytes it reads and writes), and
+    with two or more devices a copy from device 0 to device 1 (intra: the link between them)."""
+    import torch
+
+    def copy_s(src: Any, dst: Any) -> float:
+        secs = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            secs.append(time.perf_counter() - t0)
+        return statistics.median(secs[1:])
+
+    props = torch.cuda.get_device_properties(0)
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda:0")
+    out = {"name": props.name, "count": torch.cuda.device_count(), "memory": props.total_memory,
+           "copy_s": copy_s(src, torch.empty_like(src))}
+    if out["count"] > 1:
+        out["peer_copy_s"] = copy_s(src, torch.empty(nbytes, dtype=torch.uint8, device="cuda:1"))
+    return out
+
+
 def _echo(conn: Any) -> None:
     while True:
         msg = conn.recv()
@@ -199,8 +267,8 @@ def _echo(conn: Any) -> None:
 
 
 def measure_this_machine(nbytes: int = 64 * MiB, repeats: int = 5) -> Any:
-    """This machine as a `Cluster`: one host holding every rank (CPU), its links measured."""
-    from ..plan import GB, Cluster
+    """This machine as a `Cluster`, its links and costs measured: a CPU host holding every rank,
+    or, where CUDA is available, its GPUs (`cluster_of`)."""
     from .launch import run_ranks, spawn_env
 
     m = run_ranks(_measure_rank, 2, nbytes, repeats, timeout_s=180, env=spawn_env())[0]
@@ -209,33 +277,69 @@ def measure_this_machine(nbytes: int = 64 * MiB, repeats: int = 5) -> Any:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     costs = run_ranks(_measure_sync_rank, 1, device, 3, timeout_s=300, env=spawn_env(),
                       backend="cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")[0]
-    # one figure each for both layouts (their mean): the rows of either stay within it
-    per = {k: statistics.fmean(c[k] for c in costs.values()) for k in ("tensor_s", "bucket_s", "sync_s")}
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cluster_of(m, costs, nbytes, cores, total)
+
+
+def cluster_of(m: dict, costs: dict, nbytes: int, cores: int, host_memory: int) -> Any:
+    """The `Cluster` of this machine's measurements: ``m`` from two gloo ranks (`_measure_rank`),
+    ``costs`` from real syncs on its device (`_measure_sync_rank`: per layout, the quantizer, and
+    ``device``, a CUDA device's figures or None).
+
+    A CPU host: every rank on it, shards in host memory (``gpus_per_node`` is not a limit,
+    ``memory_per_gpu`` its RAM), its cores and its first-touch and mapping rates priced. A GPU
+    host: ``device`` cuda, its GPUs and their memory, ``d2d`` one copy on GPU 0, ``intra`` a copy
+    from GPU 0 to GPU 1 (one GPU: the host's gloo send, as it has no link between GPUs to measure),
+    ``inter`` the host's gloo send (one machine: no network between nodes to measure); first
+    touch, mapping and cores are not priced (CUDA's caching allocator keeps memory mapped, a CUDA
+    IPC open is part of ``bucket_s``, each rank has a device of its own)."""
+    from ..plan import GB, Cluster
+
+    layouts = {k: v for k, v in costs.items() if k in ("full", "engine")}
+    # one figure each for both layouts (their mean): the rows of either stay within it
+    per = {k: statistics.fmean(c[k] for c in layouts.values()) for k in ("tensor_s", "bucket_s", "sync_s")}
+    q, dev = costs.get("quantize") or {}, costs.get("device")
     gather = m["gather_bytes"] / m["gather_s"] / GB
     send = nbytes / m["send_s"] / GB
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    where = "cuda" if dev else "cpu"
+    common = dict(disk_write_gbps=nbytes / m["disk_write_s"] / GB, disk_read_gbps=nbytes / m["disk_read_s"] / GB,
+                  call_s=m["call_s"], collective_s=m["collective_s"], tensor_s=per["tensor_s"],
+                  bucket_s=per["bucket_s"], sync_s=per["sync_s"], quantize_gbps=q.get("quantize_gbps", 0.0),
+                  quantize_tensor_s=q.get("quantize_tensor_s", 0.0))
+    syncs = (f"tensor_s, bucket_s, sync_s: real tensor-method syncs on {where} (one trainer rank, a "
+             f"reference engine of TP 1, a tiny model of 12 and 1 layers in one bucket and in 256 KiB "
+             f"buckets; the mean of layouts "
+             + ", ".join(f"{lay}: {c['tensor_s'] * 1e6:.0f} us/tensor, {c['bucket_s'] * 1e3:.2f} ms/bucket, "
+                         f"{c['sync_s'] * 1e3:.2f} ms/sync" for lay, c in layouts.items()) + ")"
+             + (f"; quantize_gbps, quantize_tensor_s: the FP8 bucket quantizer on {where} "
+                f"({q['quantize_measured']})" if q else ""))
+    host = (f"a gloo send of {nbytes // MiB} MiB between two processes, a file write + fsync and read of "
+            f"{nbytes // MiB} MiB, a pipe round trip to another process (the least an engine call "
+            f"costs), a small object all-gathered (collective_s)")
+    when = time.strftime('%Y-%m-%d %H:%M')
+    if dev:
+        peer = dev.get("peer_copy_s")
+        return Cluster(
+            name="this-machine", device="cuda", gpus_per_node=dev["count"], memory_per_gpu=dev["memory"],
+            d2d_gbps=GPU_COPY / dev["copy_s"] / GB, intra_gbps=GPU_COPY / peer / GB if peer else send,
+            inter_gbps=send, **common,
+            source=(f"measured {when} on {dev['count']} x {dev['name']}: a 1 GiB copy on GPU 0 (d2d), "
+                    + ("a 1 GiB copy from GPU 0 to GPU 1 (intra), " if peer else
+                       "one GPU: intra is the host's gloo send (no link between GPUs to measure), ")
+                    + f"inter is the host's gloo send (one machine); on the host: {host}; medians. "
+                    + syncs))
     return Cluster(
-        name="this-machine", device="cpu", gpus_per_node=1024, memory_per_gpu=total,
-        d2d_gbps=nbytes / m["copy_s"] / GB, intra_gbps=send, inter_gbps=send,
-        disk_write_gbps=nbytes / m["disk_write_s"] / GB, disk_read_gbps=nbytes / m["disk_read_s"] / GB,
-        call_s=m["call_s"], collective_s=m["collective_s"], cores=cores,
+        name="this-machine", device="cpu", gpus_per_node=1024, memory_per_gpu=host_memory,
+        d2d_gbps=nbytes / m["copy_s"] / GB, intra_gbps=send, inter_gbps=send, cores=cores,
         touch_gbps=nbytes / m["touch_s"] / GB, map_gbps=nbytes / m["map_s"] / GB, collective_gbps=gather,
-        tensor_s=per["tensor_s"], bucket_s=per["bucket_s"], sync_s=per["sync_s"],
-        source=(f"measured {time.strftime('%Y-%m-%d %H:%M')} on {cores} CPUs, two gloo ranks: a "
-                f"{nbytes // MiB} MiB memcpy (both ranks at once), the same into a fresh shared "
-                f"buffer (less the memcpy: touch), a gloo send (intra, inter) and all-gather "
-                f"(collective) of {nbytes // MiB} MiB, another process mapping a shared buffer "
-                f"(map), a file write + fsync and read of {nbytes // MiB} MiB, a pipe round trip to "
-                f"another process (the least an engine call costs), a small object all-gathered "
-                f"(collective_s); medians. tensor_s, bucket_s, sync_s: real tensor-method syncs on "
-                f"{device} (one trainer rank, a reference engine of TP 1, a tiny model of 12 and 1 "
-                f"layers in one bucket and in 256 KiB buckets; the mean of layouts "
-                + ", ".join(f"{lay}: {c['tensor_s'] * 1e6:.0f} us/tensor, {c['bucket_s'] * 1e3:.2f} ms/bucket, "
-                            f"{c['sync_s'] * 1e3:.2f} ms/sync" for lay, c in costs.items())
-                + "). One host: every rank on it (gpus_per_node is not a limit), memory_per_gpu is "
-                f"the host's RAM"))
+        **common,
+        source=(f"measured {when} on {cores} CPUs, two gloo ranks: a {nbytes // MiB} MiB memcpy (both "
+                f"ranks at once), the same into a fresh shared buffer (less the memcpy: touch), "
+                f"{host}, a gloo all-gather of {nbytes // MiB} MiB (collective), another process "
+                f"mapping a shared buffer (map); medians. " + syncs + ". One host: every rank on it "
+                f"(gpus_per_node is not a limit), memory_per_gpu is the host's RAM"))
 
 
 # --------------------------------------------------------------------------- the sweep

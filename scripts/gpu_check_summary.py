@@ -1,0 +1,93 @@
+"""The GPU check's summary (scripts/gpu_check.sh runs it last): OUT/gpu_check.json (every step's
+status and seconds, each bench row beside its plans: `plan --cluster h100-node`, spec figures, and
+`plan --cluster this-machine`, the costs measured on this machine) and OUT/gpu_check.md (a short
+table). Rows of the flattened strategy are paired with the plan of the same model, layout and
+quantization; a missing file (a step that failed or was skipped) leaves its columns empty.
+
+Usage: python scripts/gpu_check_summary.py OUT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCHES = ("bench_gpu", "bench_fp8", "bench_7b")
+PLANS = ("plan", "plan_here")
+
+
+def _load(out: Path, name: str) -> dict:
+    try:
+        return json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def summarize(out: Path, device: str | None = None, torch_version: str | None = None) -> dict:
+    steps = [dict(zip(("step", "rc", "seconds"), line.split("\t")))
+             for line in (out / "steps.tsv").read_text().splitlines() if line.strip()]
+    plans: dict = {name: {} for name in PLANS}
+    for name in PLANS:
+        for r in _load(out, name).get("rows", []):
+            if not r.get("refused"):
+                plans[name][(r.get("model"), r.get("layout"), r.get("quantization") or None)] = r.get("seconds")
+    rows = []
+    for name in BENCHES:
+        for r in _load(out, name).get("rows", []):
+            key = (r.get("model"), r.get("layout"), r.get("quantization") or None)
+            flat = r.get("strategy") == "flattened"
+            g = r.get("gpu_memory") or {}
+            row = {"bench": name, "model": r.get("model"), "strategy": r.get("strategy"), "layout": r.get("layout"),
+                   "pipelined": r.get("pipelined"), "quantization": r.get("quantization"),
+                   "seconds": r.get("seconds"), "copy_seconds": r.get("copy_seconds"),
+                   "x_copy": r.get("ratio_to_copy"), "bytes": r.get("bytes"), "quantize_s": r.get("quantize_s"),
+                   "gpu_memory": r.get("gpu_memory"), "memory_budget_mib": (r.get("memory_budget_bytes") or 0) / 2**20,
+                   "trainer_within_budget": g.get("trainer_within_budget")}
+            for name_, col in (("plan", "plan"), ("plan_here", "plan_here")):
+                planned = plans[name_].get(key) if flat else None
+                row[f"{col}_seconds"] = planned
+                row[f"bench_over_{col}"] = r["seconds"] / planned if planned and r.get("seconds") else None
+            rows.append(row)
+    cluster = _load(out, "this_machine") or None
+    result = {"device": device, "torch": torch_version, "steps": steps, "rows": rows, "this_machine": cluster}
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    (out / "gpu_check.md").write_text(table(result))
+    return result
+
+
+def _f(v, p: int = 3) -> str:
+    return "" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
+
+
+def table(result: dict) -> str:
+    lines = ["| step | rc | s |", "|---|---|---|"]
+    lines += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in result["steps"]]
+    lines += ["", "| model | strategy | layout | piped | quant | s | copy s | x copy | plan s (h100-node) | "
+              "bench/plan | plan s (this machine) | bench/plan | trainer peak MiB (alloc/res) | "
+              "engine peak MiB | budget MiB | within |", "|" + "---|" * 16]
+    for r in result["rows"]:
+        g = r["gpu_memory"] or {}
+        lines.append(
+            f"| {r['model']} | {r['strategy']} | {r['layout']} | {_f(r['pipelined'])} | {_f(r['quantization'])} | "
+            f"{_f(r['seconds'], 4)} | {_f(r['copy_seconds'], 4)} | {_f(r['x_copy'], 1)} | {_f(r['plan_seconds'], 4)} | "
+            f"{_f(r['bench_over_plan'], 2)} | {_f(r['plan_here_seconds'], 4)} | {_f(r['bench_over_plan_here'], 2)} | "
+            f"{_f(g.get('trainer_peak_allocated_mib'), 0)}/{_f(g.get('trainer_peak_reserved_mib'), 0)} | "
+            f"{_f(g.get('engine_peak_allocated_mib'), 0)}/{_f(g.get('engine_peak_reserved_mib'), 0)} | "
+            f"{_f(r['memory_budget_mib'], 0)} | {_f(r['trainer_within_budget'])} |")
+    c = result.get("this_machine")
+    if c:
+        lines += ["", f"This machine, measured: d2d {c['d2d_gbps']:.0f} GB/s, {c['tensor_s'] * 1e6:.0f} us/tensor, "
+                      f"{c['bucket_s'] * 1e3:.2f} ms/bucket, {c['sync_s'] * 1e3:.2f} ms/sync, FP8 quantizer "
+                      f"{c.get('quantize_gbps', 0):.0f} GB/s + {c.get('quantize_tensor_s', 0) * 1e6:.0f} us/tensor"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    try:
+        import torch
+        dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        ver = torch.__version__
+    except ImportError:
+        dev = ver = None
+    print(table(summarize(Path(sys.argv[1]), dev, ver)), end="")
