@@ -48,6 +48,12 @@ def _rank(rank, world, a):
                        f"extra {({k: v for k, v in m.stats.extra.items() if not isinstance(v, (list, dict))})}")
             out.append("stages: " + ", ".join(f"{s['name']} {s['seconds'] * 1e3:.1f} ms"
                                                for s in m.timeline.to_dict()))
+            out.append("per bucket (ms; engine call: the engine's own, on the pipeline's thread when pipelined):\n"
+                       + "\n".join(f"  {c['what'][:48]:48s} make {c.get('make_s', 0) * 1e3:6.1f}  gather "
+                                    f"{c.get('gather_s', 0) * 1e3:5.1f}  engine {c.get('engine_s', 0) * 1e3:6.1f}  "
+                                    f"agree {c.get('agree_s', 0) * 1e3:5.1f}  release {c.get('release_s', 0) * 1e3:5.1f}  "
+                                    f"engine call {c.get('engine_call_s', 0) * 1e3:6.1f}"
+                                    for c in m.stats.extra.get("calls", [])))
             prof = cProfile.Profile()
             prof.enable()
             with m:

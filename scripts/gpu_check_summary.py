@@ -43,7 +43,8 @@ def summarize(out: Path, device: str | None = None, torch_version: str | None = 
                    "seconds": r.get("seconds"), "copy_seconds": r.get("copy_seconds"),
                    "x_copy": r.get("ratio_to_copy"), "bytes": r.get("bytes"), "quantize_s": r.get("quantize_s"),
                    "gpu_memory": r.get("gpu_memory"), "memory_budget_mib": (r.get("memory_budget_bytes") or 0) / 2**20,
-                   "trainer_within_budget": g.get("trainer_within_budget")}
+                   "trainer_within_budget": g.get("trainer_within_budget"),
+                   "call_seconds": r.get("call_seconds"), "calls": r.get("calls")}
             for name_, col in (("plan", "plan"), ("plan_here", "plan_here")):
                 planned = plans[name_].get(key) if flat else None
                 row[f"{col}_seconds"] = planned
@@ -75,6 +76,15 @@ def table(result: dict) -> str:
             f"{_f(g.get('trainer_peak_allocated_mib'), 0)}/{_f(g.get('trainer_peak_reserved_mib'), 0)} | "
             f"{_f(g.get('engine_peak_allocated_mib'), 0)}/{_f(g.get('engine_peak_reserved_mib'), 0)} | "
             f"{_f(r['memory_budget_mib'], 0)} | {_f(r['trainer_within_budget'])} |")
+    lines += ["", "Per engine call (bucket), ms, the sampled sync: make / gather / engine / agree / release "
+                  "(engine call: the engine's own)", ""]
+    for r in result["rows"]:
+        for k, c in enumerate(r.get("calls") or []):
+            lines.append(f"- {r['model']} {r['layout']}{' fp8' if r['quantization'] else ''} "
+                         f"{'piped ' if r['pipelined'] else ''}#{k}: "
+                         + " / ".join(_f((c.get(p) or 0) * 1e3, 1) for p in
+                                      ("make_s", "gather_s", "engine_s", "agree_s", "release_s"))
+                         + f" (engine call {_f((c.get('engine_call_s') or 0) * 1e3, 1)})")
     c = result.get("this_machine")
     if c:
         lines += ["", f"This machine, measured: d2d {c['d2d_gbps']:.0f} GB/s, {c['tensor_s'] * 1e6:.0f} us/tensor, "

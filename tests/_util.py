@@ -332,6 +332,7 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
                     want = greedy_generate(module, prompts, greedy) if greedy else None
                     trainer = checksum_named_tensors(export.iter_params(module, dtype=torch.float32))
                     rec["extra"] = {k: v for k, v in manager.stats.extra.items() if k not in drop_extra}
+                    rec["seconds"], rec["engine_calls"] = manager.stats.seconds, manager.stats.engine_calls
                     if engine is not None:
                         rec["exact"] = engine.weights_checksum() == trainer
                         rec["diff"] = float((engine.forward_logits(prompts).float() - ref).abs().max())

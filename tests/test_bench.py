@@ -155,6 +155,12 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
         assert r["plan_here_seconds"] > r["plan_seconds"]          # the measured costs priced
     md = (d / "gpu_check.md").read_text()
     assert md.count("| tiny |") == len(rows) and "| bench_7b | 125 | 0 |" in md and "us/tensor" in md
+    # each row says where its time went, engine call by engine call (the per-tensor row: sums only)
+    for r in rows:
+        assert r["call_seconds"]["engine_s"] > 0 and ("calls" in r) == (r["strategy"] != "per_tensor"), r
+        if "calls" in r:
+            assert len(r["calls"]) == r["engine_calls"] and all(c["engine_call_s"] > 0 for c in r["calls"])
+    assert md.count("(engine call ") == sum(len(r.get("calls", ())) for r in rows) > 0
 
 
 def test_target_model_recipe_has_the_size_the_targets_need():

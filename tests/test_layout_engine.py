@@ -116,6 +116,24 @@ def test_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa():
             if holder:
                 assert rec["exact"], rec                 # every engine weight, bit for bit
                 assert rec["diff"] <= 1e-5, rec
+            if not distributed:
+                _check_call_times(rec, holder)
+
+
+def _check_call_times(rec: dict, holder: bool) -> None:
+    """Where each engine call's time went (`transport.call_times`, issue 35's profile per bucket):
+    a row per call, full layout or per-rank buckets, pipelined or not, on every rank; its phases
+    add up to the sums and stay within the sync; the engine's own seconds on the rank that
+    called it."""
+    calls, sums = rec["extra"]["calls"], rec["extra"]["call_seconds"]
+    assert len(calls) >= 2 and (not holder or len(calls) == rec["engine_calls"]), (len(calls), rec["engine_calls"])
+    phases = ("make_s", "gather_s", "engine_s", "agree_s", "release_s")
+    for row in calls:
+        assert row["what"] and all(row[p] >= 0 for p in phases), row
+        assert ("engine_call_s" in row) == holder and (not holder or row["engine_call_s"] > 0), row
+    for p in phases:
+        assert sums[p] == pytest.approx(sum(row[p] for row in calls), abs=1e-9), p
+    assert 0 < sum(sums.values()) <= rec["seconds"], (sums, rec["seconds"])
 
 
 @pytest.mark.timeout(30)

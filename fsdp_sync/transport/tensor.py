@@ -49,6 +49,7 @@ from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_to_src
 from ..wire import flattened_bucket
 from . import SyncContext, SyncStats
+from .call_times import CallTimes
 
 __all__ = ["TensorTransport", "Call", "ReusedBuffer"]
 
@@ -206,6 +207,7 @@ class TensorTransport:
         self.stats = stats if stats is not None else SyncStats()
         self._unacked: str | None = None
         t0 = time.perf_counter()
+        self._times = CallTimes(self.stats)
         try:
             if before is not None:
                 refused: str | None = None
@@ -218,8 +220,9 @@ class TensorTransport:
             with self._update_bracket():
                 # a generator is closed here, not when its frame goes: it may hold shared buffers
                 with closing(calls) if hasattr(calls, "close") else nullcontext():
+                    self._times.t = time.perf_counter()
                     for call in calls:
-                        self._one_call(call)
+                        self._one_call(call, self._times.made(call))
             self.stats.seconds = time.perf_counter() - t0
             if check is not None:
                 # a rank with a missing acknowledgement says so here, so no rank waits alone
@@ -256,12 +259,13 @@ class TensorTransport:
             else:
                 steps = {"per_tensor": self._steps_per_tensor, "bucketed": self._steps_bucketed,
                          "flattened": self._steps_flattened}[cfg.strategy](tagged)
+            self._times = CallTimes(self.stats)
             with closing(steps):  # an abandoned export generator restores FSDP state on close
                 if self._pipelined:
                     self._run_pipelined(steps)
                 else:
                     for call in steps:
-                        self._one_call(call)
+                        self._one_call(call, self._times.made(call))
         if self._quant is not None:
             self.stats.extra.update(self._quant.figures())
         self.stats.seconds = time.perf_counter() - t0
@@ -524,9 +528,18 @@ class TensorTransport:
             yield Call(sets, [x.payloads[0] for x in sets], named, None, i == len(plan) - 1,
                        f"bucket {i} ({names[0]}…)")
 
-    def _engine_call(self, call: Call, gathered: list) -> tuple[str | None, bool]:
+    def _engine_call(self, call: Call, gathered: list, row: dict | None = None) -> tuple[str | None, bool]:
         """Infer-TP rank 0: hand one gathered call to the engine; (the error text or None,
-        whether the engine may have opened the payloads)."""
+        whether the engine may have opened the payloads). ``row``: its `CallTimes` row, given the
+        call's own seconds."""
+        t0 = time.perf_counter()
+        try:
+            return self._engine_call_timed(call, gathered)
+        finally:
+            if row is not None:
+                row["engine_call_s"] = time.perf_counter() - t0
+
+    def _engine_call_timed(self, call: Call, gathered: list) -> tuple[str | None, bool]:
         topo = self.topo
         try:
             if call.deliver is not None:
@@ -571,28 +584,37 @@ class TensorTransport:
         pool = cf.ThreadPoolExecutor(1, thread_name_prefix="fsdp_sync-engine") if topo.is_tp_src else None
         pending: tuple | None = None       # (call, future on infer-TP rank 0 / None elsewhere)
 
+        times = self._times
+        rows: dict[int, dict] = {}
+
         def finish() -> str | None:
             nonlocal pending
             if pending is None:
                 return None
             call, fut = pending
+            row = rows.pop(id(call), None)
             err = fut.result()[0] if fut is not None else None
+            times.lap(row, "engine_s")
             try:
                 agree(err, self._group, what=self._what)
+                times.lap(row, "agree_s")
             finally:
                 pending = None
                 self._release(call, err)
+                times.lap(row, "release_s")
             return err
 
         try:
             for call in steps:
+                row = rows[id(call)] = times.made(call)
                 try:
                     gathered = gather_to_src(call.wire, topo)
+                    times.lap(row, "gather_s")
                     finish()
                 except BaseException:
                     self._release(call, "failed")
                     raise
-                fut = pool.submit(self._engine_call, call, gathered) if pool is not None else None
+                fut = pool.submit(self._engine_call, call, gathered, row) if pool is not None else None
                 pending = (call, fut)
                 del gathered
             finish()
@@ -608,15 +630,20 @@ class TensorTransport:
             if pool is not None:
                 pool.shutdown(wait=True)
 
-    def _one_call(self, call: Call) -> None:
-        """Gather this rank's payloads to infer-TP rank 0, call the engine there, agree, free."""
+    def _one_call(self, call: Call, row: dict | None = None) -> None:
+        """Gather this rank's payloads to infer-TP rank 0, call the engine there, agree, free
+        (each phase's seconds into ``row``, `CallTimes`)."""
         err: str | None = "failed"
         opened = True
+        times = self._times
         try:
             gathered = gather_to_src(call.wire, self.topo)
-            err, opened = self._engine_call(call, gathered) if self.topo.is_tp_src else (None, True)
+            times.lap(row, "gather_s")
+            err, opened = self._engine_call(call, gathered, row) if self.topo.is_tp_src else (None, True)
+            times.lap(row, "engine_s")
             del gathered
             agree(err, self._group, what=self._what)
+            times.lap(row, "agree_s")
         except SyncError:
             # only infer-TP rank 0 heard whether the engine opened the payloads
             opened = bool(broadcast_from_src(opened, self.topo))
@@ -625,3 +652,4 @@ class TensorTransport:
             # Acknowledgements are checked without a collective of their own: a missing one
             # fails this rank's stage, and the stage's closing `agree` tells every rank.
             self._release(call, err, opened)
+            times.lap(row, "release_s")

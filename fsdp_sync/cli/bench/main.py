@@ -413,6 +413,9 @@ def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, 
             st["t"] = round(st["started"] - sampler.t0, 5)
     return {
         **{k: stats.extra[k] for k in ("quantize_s", "quantized_tensors") if k in stats.extra},
+        # where the last sync's time went, engine call by engine call (per tensor: the sums only)
+        "call_seconds": stats.extra.get("call_seconds"),
+        **({"calls": stats.extra["calls"]} if strategy != "per_tensor" and "calls" in stats.extra else {}),
         "strategy": strategy, "model": job.model, "params": params, "tensors": tensors,
         "bytes": stats.bytes, "bucket_bytes": bucket_bytes, "largest_tensor_bytes": largest,
         "ranks": job.ranks, "tp": job.tp, "multi_stage": job.multi_stage, "device": job.device,
