@@ -410,3 +410,34 @@ def test_a_buckets_non_finite_weight_is_refused_by_name_after_one_check(bad):
         q, s = quantize_block(name, tensors[name])
         e, es = {x.name: x for x in out.entries}[name], {x.name: x for x in out.entries}[fp8.scale_name(name)]
         assert _bytes(buf[e.start:e.end]) == _bytes(q) and _bytes(buf[es.start:es.end]) == _bytes(s)
+
+
+def test_a_device_that_cannot_cast_on_store_gets_the_same_bits_in_two_steps(monkeypatch):
+    """The division is cast to FP8 as it is stored where the device does that with torch's own
+    rounding (`fp8.cast_on_store`, asked once per device type); elsewhere the quotient is made in
+    float32 and cast: the same bytes either way."""
+    w = (torch.randn(256, 384, generator=torch.Generator().manual_seed(11)) * 7).to(torch.bfloat16)
+    assert fp8.cast_on_store(w.device)            # torch's CPU kernel does
+    direct = quantize_block("w", w)
+    monkeypatch.setitem(fp8._CAST_ON_STORE, "cpu", False)
+    slot = torch.empty(256, 384, dtype=F8)
+    two = quantize_block("w", w, out=slot)
+    assert two[0].data_ptr() == slot.data_ptr()
+    assert _bytes(two[0]) == _bytes(direct[0]) and _bytes(two[1]) == _bytes(direct[1])
+    _assert_same(w)                               # and both are the reference's
+
+
+def test_cast_on_store_is_refused_where_the_kernel_rounds_otherwise(monkeypatch):
+    """A device whose division stores other bits than the two steps is not trusted (emulated: the
+    direct store made to round one value differently)."""
+    real = torch.div
+
+    def off_by_one(*args, out=None, **kw):
+        r = real(*args, out=out, **kw)
+        if out is not None:
+            out.view(torch.uint8)[100] ^= 1
+        return r
+
+    monkeypatch.setattr(fp8, "_CAST_ON_STORE", {})
+    monkeypatch.setattr(torch, "div", off_by_one)
+    assert fp8.cast_on_store(torch.device("cpu")) is False

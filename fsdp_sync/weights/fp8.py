@@ -121,6 +121,32 @@ def scales_finite(scales: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.cat([s.reshape(-1) for s in scales])).all())
 
 
+_CAST_ON_STORE: dict[str, bool] = {}
+
+
+def cast_on_store(device: torch.device) -> bool:
+    """Whether ``torch.div(x, s, out=<float8_e4m3fn>)`` on ``device`` stores the float32 quotient
+    with the same bits as the division followed by torch's cast (`quantize_block` then skips the
+    float32 quotient in memory). Asked once per device type, on bf16 values over the FP8 range and
+    at its rounding ties; a device whose kernel refuses the out dtype, or rounds otherwise, gets
+    the two steps."""
+    key = torch.device(device).type
+    if key not in _CAST_ON_STORE:
+        gen = torch.Generator().manual_seed(0)
+        x = (torch.randn(4096, generator=gen) * torch.logspace(-6, 3, 4096)).to(torch.bfloat16)
+        x[:8] = torch.tensor([448.0, 17.0, 19.0, 17.5, -17.0, 0.0009765625, 0.0029296875, -0.0])
+        s = torch.tensor([1.0, 0.37, 1e-4 / FP8_MAX, 3.9], dtype=torch.float32).repeat_interleave(1024)
+        x, s = x.to(device), s.to(device)
+        try:
+            out = torch.empty(4096, dtype=torch.float8_e4m3fn, device=device)
+            torch.div(x, s, out=out)
+            two = torch.div(x, s).to(torch.float8_e4m3fn)
+            _CAST_ON_STORE[key] = torch.equal(out.view(torch.uint8), two.view(torch.uint8))
+        except (RuntimeError, TypeError):
+            _CAST_ON_STORE[key] = False
+    return _CAST_ON_STORE[key]
+
+
 def quantize_block(name: str, w: torch.Tensor, block: tuple[int, int] = BLOCK, *,
                    out: torch.Tensor | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)`` of weight ``w`` (``name`` is for errors): ``q`` float8_e4m3fn of ``w``'s
@@ -155,7 +181,10 @@ def quantize_block(name: str, w: torch.Tensor, block: tuple[int, int] = BLOCK, *
     scale = sf.reshape(*lead, nb, kb).contiguous()
     if not padded:
         q = out if out is not None else torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-        torch.div(xv, sf, out=q.view(-1, nb, bn, kb, bk))
+        if cast_on_store(w.device):
+            torch.div(xv, sf, out=q.view(-1, nb, bn, kb, bk))
+        else:
+            q.view(-1, nb, bn, kb, bk).copy_(torch.div(xv, sf).to(torch.float8_e4m3fn))
         return q, scale
     q = torch.div(xv, sf).to(torch.float8_e4m3fn).view(-1, nb * bn, kb * bk)[:, :n, :k].reshape(*lead, n, k)
     if out is not None:
