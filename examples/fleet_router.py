@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-s", type=float, default=4.0, help="how long replica 0 stays out of service")
     p.add_argument("--router-port", type=int, default=0, help="0: a free port")
     p.add_argument("--max-requests", type=int, default=2000, help="per client")
+    p.add_argument("--retry-backoff-s", type=float, default=0.5,
+                   help="SGLangEngine's retry_backoff_s (doubling, 3 retries): the killed replica "
+                        "is probed again at every sync and waits it out (0.5 + 1 + 2 s)")
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
     if a.replicas < 2:
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         port = a.router_port or free_port()
         router = start_router(urls, port)
         router_url = f"http://127.0.0.1:{port}"
-        engines = [SGLangEngine(base_url=u) for u in urls]
+        engines = [SGLangEngine(base_url=u, retry_backoff_s=a.retry_backoff_s) for u in urls]
         module = build_model(load_config("tiny"), seed=0)
         cfg = SyncConfig(method="disk", disk_dir=disk, disk_keep=3, on_replica_failure="quarantine",
                          pause_mode="in_place")
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 t_add = time.monotonic()
                 proc, url = start_replica(disk)
                 procs.append(proc)
-                added = SGLangEngine(base_url=url)
+                added = SGLangEngine(base_url=url, retry_backoff_s=a.retry_backoff_s)
                 manager.add_engine(added)                     # the current version first
                 _post(router_url + "/workers", {"url": url})  # then the router
                 out["rejoin_s"] = round(time.monotonic() - t_add, 2)
