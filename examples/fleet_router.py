@@ -79,7 +79,12 @@ def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
 def start_router(urls: list[str], port: int) -> subprocess.Popen:
     from fsdp_sync.wire import free_port
 
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+    # SGLang's own launcher (``python -m sglang_router.launch_router``) as it runs where only
+    # sglang-router is installed: its Python load balancer's optional tracing import would
+    # otherwise import all of sglang (torch, transformers: ~8 s of CPU) for a router that is Rust
+    launch = ("import sys; sys.modules['sglang'] = None; "
+              "from sglang_router.launch_router import main; main()")
+    proc = subprocess.Popen([sys.executable, "-c", launch, "--worker-urls", *urls,
                              "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
                              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                              "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
