@@ -59,13 +59,18 @@ def _get(url: str, timeout: float = 10.0) -> tuple[int, dict]:
         return e.code, {}
 
 
-def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
-    """``fsdp-sync serve`` on a free port, in a session of its own (killed as a group)."""
+def launch_replica(disk_dir: str) -> subprocess.Popen:
+    """``fsdp-sync serve`` on a free port, in a session of its own (killed as a group); its URL
+    comes from `replica_url`, so that several start at once."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--model", "tiny",
+    return subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--model", "tiny",
                              "--tp", "1", "--port", "0", "--allowed-disk-dir", disk_dir],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def replica_url(proc: subprocess.Popen) -> str:
+    """The URL a launched replica serves on, once it does (its first line that names one)."""
     line, deadline = "", time.monotonic() + 120
     while "http://" not in line and time.monotonic() < deadline and proc.poll() is None:
         line = proc.stdout.readline()
@@ -73,7 +78,12 @@ def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise RuntimeError(f"fsdp-sync serve did not start: {line!r}")
     threading.Thread(target=proc.stdout.read, daemon=True).start()   # drain its log
-    return proc, line.split(" on ", 1)[1].split()[0]
+    return line.split(" on ", 1)[1].split()[0]
+
+
+def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
+    proc = launch_replica(disk_dir)
+    return proc, replica_url(proc)
 
 
 def start_router(urls: list[str], port: int) -> subprocess.Popen:
@@ -184,14 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"replicas": a.replicas, "syncs": a.syncs, "clients": a.clients}
     problems: list[str] = []
     try:
-        started = [start_replica(disk) for _ in range(a.replicas)]
-        procs = [pr for pr, _ in started]
-        urls = [u for _, u in started]
+        procs = [launch_replica(disk) for _ in range(a.replicas)]   # all start at once
+        module = build_model(load_config("tiny"), seed=0)              # meanwhile, the trainer's
+        urls = [replica_url(pr) for pr in procs]
         port = a.router_port or free_port()
         router = start_router(urls, port)
         router_url = f"http://127.0.0.1:{port}"
         engines = [SGLangEngine(base_url=u, retry_backoff_s=a.retry_backoff_s) for u in urls]
-        module = build_model(load_config("tiny"), seed=0)
         cfg = SyncConfig(method="disk", disk_dir=disk, disk_keep=3, on_replica_failure="quarantine",
                          pause_mode="in_place")
         manager = FSDPShardingManager(module, engines, config=cfg)
