@@ -59,13 +59,18 @@ def _get(url: str, timeout: float = 10.0) -> tuple[int, dict]:
         return e.code, {}
 
 
-def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
-    """``fsdp-sync serve`` on a free port, in a session of its own (killed as a group)."""
+def launch_replica(disk_dir: str) -> subprocess.Popen:
+    """``fsdp-sync serve`` on a free port, in a session of its own (killed as a group); its URL
+    comes from `replica_url`, so that several start at once."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--model", "tiny",
+    return subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--model", "tiny",
                              "--tp", "1", "--port", "0", "--allowed-disk-dir", disk_dir],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def replica_url(proc: subprocess.Popen) -> str:
+    """The URL a launched replica serves on, once it does (its first line that names one)."""
     line, deadline = "", time.monotonic() + 120
     while "http://" not in line and time.monotonic() < deadline and proc.poll() is None:
         line = proc.stdout.readline()
@@ -73,13 +78,23 @@ def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise RuntimeError(f"fsdp-sync serve did not start: {line!r}")
     threading.Thread(target=proc.stdout.read, daemon=True).start()   # drain its log
-    return proc, line.split(" on ", 1)[1].split()[0]
+    return line.split(" on ", 1)[1].split()[0]
+
+
+def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
+    proc = launch_replica(disk_dir)
+    return proc, replica_url(proc)
 
 
 def start_router(urls: list[str], port: int) -> subprocess.Popen:
     from fsdp_sync.wire import free_port
 
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+    # SGLang's own launcher (``python -m sglang_router.launch_router``) as it runs where only
+    # sglang-router is installed: its Python load balancer's optional tracing import would
+    # otherwise import all of sglang (torch, transformers: ~8 s of CPU) for a router that is Rust
+    launch = ("import sys; sys.modules['sglang'] = None; "
+              "from sglang_router.launch_router import main; main()")
+    proc = subprocess.Popen([sys.executable, "-c", launch, "--worker-urls", *urls,
                              "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
                              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                              "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
@@ -163,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-s", type=float, default=4.0, help="how long replica 0 stays out of service")
     p.add_argument("--router-port", type=int, default=0, help="0: a free port")
     p.add_argument("--max-requests", type=int, default=2000, help="per client")
+    p.add_argument("--retry-backoff-s", type=float, default=0.5,
+                   help="SGLangEngine's retry_backoff_s (doubling, 3 retries): the killed replica "
+                        "is probed again at every sync and waits it out (0.5 + 1 + 2 s)")
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
     if a.replicas < 2:
@@ -176,14 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"replicas": a.replicas, "syncs": a.syncs, "clients": a.clients}
     problems: list[str] = []
     try:
-        started = [start_replica(disk) for _ in range(a.replicas)]
-        procs = [pr for pr, _ in started]
-        urls = [u for _, u in started]
+        procs = [launch_replica(disk) for _ in range(a.replicas)]   # all start at once
+        module = build_model(load_config("tiny"), seed=0)              # meanwhile, the trainer's
+        urls = [replica_url(pr) for pr in procs]
         port = a.router_port or free_port()
         router = start_router(urls, port)
         router_url = f"http://127.0.0.1:{port}"
-        engines = [SGLangEngine(base_url=u) for u in urls]
-        module = build_model(load_config("tiny"), seed=0)
+        engines = [SGLangEngine(base_url=u, retry_backoff_s=a.retry_backoff_s) for u in urls]
         cfg = SyncConfig(method="disk", disk_dir=disk, disk_keep=3, on_replica_failure="quarantine",
                          pause_mode="in_place")
         manager = FSDPShardingManager(module, engines, config=cfg)
@@ -198,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 t_add = time.monotonic()
                 proc, url = start_replica(disk)
                 procs.append(proc)
-                added = SGLangEngine(base_url=url)
+                added = SGLangEngine(base_url=url, retry_backoff_s=a.retry_backoff_s)
                 manager.add_engine(added)                     # the current version first
                 _post(router_url + "/workers", {"url": url})  # then the router
                 out["rejoin_s"] = round(time.monotonic() - t_add, 2)

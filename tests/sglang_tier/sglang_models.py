@@ -2,8 +2,10 @@
 TP rank at a time, and compare them with fsdp_sync's layout map, per-rank buckets and SGLang
 checksums. Run in the SGLang tier venv; prints JSON. A case is ``[recipe, overrides, tp, ep,
 options]`` (``ep``: SGLang's ``--ep-size``; options ``checksum``, ``stale``, ``shapes_only``).
+``python sglang_models.py PART...``: each PART (a JSON list of cases) in a process of its own,
+all at once, forked once SGLang's modules are imported; prints ``RESULT`` and a list, one per part.
 
-What it does, per (model, tp, ep, rank), in ONE process (no process groups: SGLang's runtime context
+What it does, per (model, tp, ep, rank), in ONE process per part (no process groups: SGLang's runtime context
 is published for the rank with ``runtime_context.publish`` and its group objects are stand-ins,
 which is all that constructing the layers reads):
 
@@ -345,11 +347,66 @@ def scratch_tempdir() -> tempfile.TemporaryDirectory:
     return scratch
 
 
+def preload() -> None:
+    """What `main` and `build` import, imported before the parts fork (a fork then starts there)."""
+    from sglang.srt import runtime_context  # noqa: F401
+    from sglang.srt.model_executor.model_runner_components import weight_updater  # noqa: F401
+    from sglang.srt.model_loader import loader  # noqa: F401
+    from sglang.srt.server_args import ServerArgs  # noqa: F401
+    from sglang.srt.utils import weight_checker  # noqa: F401
+
+    import fsdp_sync.engines.sglang.checksums  # noqa: F401
+    import fsdp_sync.engines.sglang.loader  # noqa: F401
+    import fsdp_sync.models  # noqa: F401
+    import fsdp_sync.transport.disk  # noqa: F401
+    import fsdp_sync.weights.reshard  # noqa: F401
+    for model_type in CLASSES:
+        model_class(model_type)
+
+
+def run_part(cases: list, w: int) -> None:
+    """In a forked child: `main` on ``cases``, its JSON written to ``w``; never returns."""
+    code, scratch = 1, scratch_tempdir()
+    try:
+        data = json.dumps(main(cases)).encode()
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+        code = 0
+    except BaseException:  # noqa: BLE001 - the parent reports the exit code, the traceback is above
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        scratch.cleanup()
+        sys.stderr.flush()
+        os._exit(code)   # SGLang leaves non-daemon threads behind
+
+
 if __name__ == "__main__":
-    cases = [tuple(c) for c in json.loads(sys.argv[1])]
-    scratch = scratch_tempdir()
-    result = main(cases)
-    print("RESULT " + json.dumps(result))
+    # one argument per part (a JSON list of cases): each part runs in a process of its own, all at
+    # once, forked from this one once SGLang's modules are imported (its imports: ~9 s of CPU)
+    parts = [[tuple(c) for c in json.loads(a)] for a in sys.argv[1:]]
+    preload()
+    children = []
+    for cases in parts:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            run_part(cases, w)
+        os.close(w)
+        children.append((pid, r))
+    results, failed = [], []
+    for i, (pid, r) in enumerate(children):
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code != 0:
+            failed.append(f"part {i} exited {code}")
+        else:
+            results.append(json.loads(data))
+    if failed:
+        sys.exit(f"sglang_models.py: {', '.join(failed)} (their errors above)")
+    print("RESULT " + json.dumps(results))
     sys.stdout.flush()
-    scratch.cleanup()
-    os._exit(0)   # SGLang leaves non-daemon threads behind
+    os._exit(0)

@@ -26,6 +26,7 @@ import io
 import json
 import os
 import pickle
+import select
 import subprocess
 import sys
 import tempfile
@@ -73,17 +74,43 @@ def unpickler_allows(module: str, name: str) -> bool:
         return False
 
 
-def open_with_sglang(tmp_path: Path, payloads: list, tag: str) -> list[dict]:
-    """One process per TP rank, each opening its own payload once with SGLang's code."""
-    results = []
+@pytest.fixture(scope="module")
+def sglang_opener(tmp_path_factory, leftovers_check):
+    """`sglang_open.py --serve`: one process that imported SGLang's modules; each payload is then
+    opened in a child forked from it, a process of its own per TP rank."""
+    cwd = tmp_path_factory.mktemp("sglang_open")
+    with leftovers_check():
+        with open(cwd / "stderr.log", "w") as err:
+            proc = subprocess.Popen([sys.executable, str(TIER / "sglang_open.py"), "--serve"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                    text=True, cwd=cwd)
+        try:
+            yield proc, cwd / "stderr.log"
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def open_with_sglang(opener, tmp_path: Path, payloads: list, tag: str) -> list[dict]:
+    """Each TP rank's payload opened once with SGLang's code, in a process of its own."""
+    proc, log = opener
+    paths = []
     for rank, p in enumerate(payloads):
         path = tmp_path / f"{tag}-rank{rank}.{'b64' if isinstance(p, str) else 'bin'}"
         path.write_bytes(p.encode("ascii") if isinstance(p, str) else p)
-        out = subprocess.run([sys.executable, str(TIER / "sglang_open.py"), str(path)],
-                             capture_output=True, text=True, timeout=180, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
-        results.extend(json.loads(out.stdout.strip().splitlines()[-1]))
-    return results
+        paths.append(str(path))
+    proc.stdin.write(json.dumps(paths) + "\n")
+    proc.stdin.flush()
+    ready, _, _ = select.select([proc.stdout], [], [], 180)
+    line = proc.stdout.readline() if ready else ""
+    answer = json.loads(line) if line else {"error": "no answer in 180 s"}
+    assert "results" in answer, f"{answer.get('error')}; sglang_open.py: {log.read_text()[-3000:]}"
+    assert len(answer["results"]) == len(payloads)
+    return answer["results"]
 
 
 @pytest.mark.timeout(60)
@@ -95,10 +122,10 @@ def test_installed_stack():
 
 
 @pytest.mark.timeout(300)
-def test_sglang_rebuilds_our_payloads_bit_exact(tmp_path):
+def test_sglang_rebuilds_our_payloads_bit_exact(sglang_opener, tmp_path):
     named = mixed_tensors(seed=7)
     with sg.flattened_bucket_payloads(named, 2) as payloads:
-        results = open_with_sglang(tmp_path, payloads, "bytes")
+        results = open_with_sglang(sglang_opener, tmp_path, payloads, "bytes")
     assert len(results) == 2
     for r in results:
         assert r["keys"] == ["flattened_tensor", "metadata"]
@@ -106,10 +133,10 @@ def test_sglang_rebuilds_our_payloads_bit_exact(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_sglang_rebuilds_base64_payloads_bit_exact(tmp_path):
+def test_sglang_rebuilds_base64_payloads_bit_exact(sglang_opener, tmp_path):
     named = mixed_tensors(seed=8)
     with sg.flattened_bucket_payloads(named, 1, output_str=True) as payloads:
-        (result,) = open_with_sglang(tmp_path, payloads, "b64")
+        (result,) = open_with_sglang(sglang_opener, tmp_path, payloads, "b64")
     assert result["digests"] == fake.digests(named)
 
 

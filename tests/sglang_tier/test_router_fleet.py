@@ -27,7 +27,8 @@ def test_router_fleet_under_load(tmp_path):
     out = tmp_path / "fleet.json"
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "fleet_router.py"), "--replicas", "2",
                            "--syncs", "10", "--clients", "4", "--kill-at", "2", "--add-at", "4",
-                           "--drain-at", "7", "--drain-s", "3", "--json", str(out)],
+                           "--drain-at", "7", "--drain-s", "3", "--retry-backoff-s", "0.05",
+                           "--json", str(out)],
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                           text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,7 +1,8 @@
 """fsdp_sync's layout map and per-rank buckets against SGLang's own model classes: Qwen2, Llama,
 Qwen3 (dense), Qwen3-MoE, Qwen2-MoE and Mixtral.
 
-`sglang_models.py` (two processes, one for the dense cases and one for the MoE cases) builds
+`sglang_models.py` (two processes at once, one for the dense cases and one for the MoE cases,
+forked from one that imported SGLang's modules) builds
 SGLang's model class for each TP rank on CPU and checks, for Qwen2 (untied, a vocab SGLang pads),
 Qwen2 tied, Llama with attention biases and Qwen3 (tied, per-head q/k norms) at TP 1, 2 and 4 (TP 4
 replicates tiny's 2 KV heads), and for Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral at TP 1,
@@ -80,19 +81,22 @@ STALE_RANKS = {"model.layers.0.mlp.experts.3.gate_proj.weight": ("model.layers.0
                "model.layers.2.mlp.experts.6.down_proj.weight": ("model.layers.2.mlp.experts.w2_weight", [2, 3])}
 
 
-def _run(cases: list) -> dict:
+def _run(*parts: list) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent))
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "sglang_models.py"), json.dumps(cases)],
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "sglang_models.py"),
+                           *[json.dumps(cases) for cases in parts]],
                           capture_output=True, text=True, timeout=280, env=env)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, f"sglang_models.py failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(line[len("RESULT "):])
+    results = json.loads(line[len("RESULT "):])
+    assert len(results) == len(parts)
+    return results
 
 
 @pytest.fixture(scope="module")
 def every():
-    """Dense cases and MoE cases, each in a subprocess of its own (one at a time)."""
-    return _run(CASES), _run(MOE_CASES)
+    """Dense cases and MoE cases, each in a process of its own (both at once)."""
+    return tuple(_run(CASES, MOE_CASES))
 
 
 @pytest.fixture(scope="module")
