@@ -43,13 +43,15 @@ def describe(engine: Any, index: int) -> str:
     return f"replica {index}" + (f" ({where})" if isinstance(where, str) else "")
 
 
-def problem(engine: Any) -> str | None:
+def problem(engine: Any, *, once: bool = False) -> str | None:
     """Why ``engine`` cannot take a weight update now, or None when it can.
 
     A reference engine says so itself (``dead_reason``: a dead or silent worker, a broken
     engine); an HTTP engine is asked for its weight version (every route of `fsdp-sync serve`
     answers 503 once its engine is dead; an unreachable server raises). Out of service (quarantined)
-    is not a problem here: such a replica can be brought back."""
+    is not a problem here: such a replica can be brought back. ``once``: one attempt, no retries
+    (the probe of a replica already out of service, made every sync: a dead one must not cost
+    each sync the client's whole backoff)."""
     fn = getattr(engine, "dead_reason", None)
     if callable(fn):
         try:
@@ -63,11 +65,18 @@ def problem(engine: Any) -> str | None:
         fn = getattr(engine, name, None)
         if callable(fn):
             try:
-                fn()
+                fn(**({"retries": 0} if once and _takes(fn, "retries") else {}))
             except Exception as exc:  # noqa: BLE001
                 return f"{type(exc).__name__}: {exc}"
             return None
     return None
+
+
+def _takes(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class CommitError(RuntimeError):

@@ -493,7 +493,9 @@ class FSDPShardingManager:
             for r in self.fleet.replicas:
                 if r.held or (not r.serving and not quarantine):
                     continue
-                why = fleet.problem(r.engine) if (quarantine or not r.serving) else None
+                # out of service already: one attempt (a dead one must not cost every sync the
+                # client's whole backoff); in service: the client's retries before it is taken out
+                why = fleet.problem(r.engine, once=not r.serving) if (quarantine or not r.serving) else None
                 if why is None:
                     reps.append(r)
                 elif r.serving:          # died since the last sync: out before anything is sent

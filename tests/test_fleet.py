@@ -125,6 +125,17 @@ def test_quarantine_commits_the_healthy_and_a_new_replica_joins(method, tmp_path
     assert manager.stats.extra["version"] == "1" and manager.stats.extra["replicas_serving"] == 2
     assert manager.stats.extra["replicas_out"][0].startswith("replica 2")
     assert all(_same(e, module) for e in fleet3[:2])
+    # every sync probes the replica out of service once (no retries: a dead one must not cost
+    # each sync the client's backoff), those in service with the client's retries
+    import fsdp_sync.fleet as fl
+
+    probes, real = [], fl.problem
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fl, "problem", lambda e, **kw: probes.append((fleet3.index(e), kw)) or real(e, **kw))
+        perturb_(module.parameters())
+        _sync(manager)
+    assert manager.version == "2" and (2, {"once": True}) in probes, probes
+    assert {(i, kw.get("once")) for i, kw in probes if i != 2} <= {(0, False), (1, False)}, probes
     # a dead replica cannot be brought back; it is named
     from fsdp_sync.topology import SyncError
     with pytest.raises(SyncError, match="replica 2"):
@@ -140,7 +151,7 @@ def test_quarantine_commits_the_healthy_and_a_new_replica_joins(method, tmp_path
             assert not joined and fresh not in manager.engines
         perturb_(module.parameters())
         _sync(manager)
-        assert manager.version == "2" and fresh in manager.engines
+        assert manager.version == "3" and fresh in manager.engines
         assert all(_same(e, module) for e in manager.engines) and len(manager.engines) == 3
     finally:
         manager.close()

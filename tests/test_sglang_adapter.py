@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -410,6 +411,23 @@ def test_http_unreachable_server():
         a.update_weights_from_bucket(mixed_tensors()[:1])
     assert ei.value.opened is False and a.http_attempts["/update_weights_from_tensor"] == 1
     assert not a.health()
+
+
+@pytest.mark.timeout(30)
+def test_a_replica_out_of_service_is_probed_once_per_sync():
+    """The fleet's probe (`fleet.problem`): a replica still in service gets the client's retries
+    before it is taken out; one already out of service is asked once (the manager probes it every
+    sync: a dead one cost each sync the whole backoff, 3.5 s at the default 0.5 s)."""
+    from fsdp_sync import fleet
+
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        url = srv.url
+    a = sg.SGLangEngine(base_url=url, tp_size=1, max_retries=3, retry_backoff_s=0.2, timeout_s=2)
+    t0 = time.monotonic()
+    assert "no answer" in fleet.problem(a, once=True)
+    assert a.http_attempts["/get_weight_version"] == 1 and time.monotonic() - t0 < 0.2
+    assert "gave up after 4 attempts" in fleet.problem(a)
+    assert a.http_attempts["/get_weight_version"] == 5
 
 
 # --------------------------------------------------------------------------- the manager drives it

@@ -215,8 +215,10 @@ class HttpClient:
         return resp.status, text
 
     def request(self, method: str, path: str, body: Any = None, *, idempotent: bool = False,
-                timeout_s: float | None = None, error=SGLangHTTPError) -> tuple[int, str]:
-        """``(status, text)`` of a 2xx answer; raises ``error`` on anything else."""
+                timeout_s: float | None = None, error=SGLangHTTPError,
+                retries: int | None = None) -> tuple[int, str]:
+        """``(status, text)`` of a 2xx answer; raises ``error`` on anything else. ``retries``: of
+        an idempotent call, instead of ``max_retries`` (0: one attempt)."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Accept": "application/json"}
         if data is not None:
@@ -224,7 +226,7 @@ class HttpClient:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         url = self.base_url + path
-        tries = 1 + (self.max_retries if idempotent else 0)
+        tries = 1 + ((self.max_retries if retries is None else max(0, retries)) if idempotent else 0)
         for attempt in range(tries):
             self.attempts[path] += 1
             try:

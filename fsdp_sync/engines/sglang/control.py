@@ -82,9 +82,11 @@ class GenerationControl:
                                  "abort_all_requests": bool(abort_all_requests)})
         check_answer("update_weight_version", answer, where=self.where)
 
-    def get_weight_version(self) -> str:
+    def get_weight_version(self, *, retries: int | None = None) -> str:
         """The server's weight version: ``/get_weight_version`` (``fsdp-sync serve``), or
-        ``/get_model_info``'s ``weight_version`` where that route is missing (SGLang 0.5.23)."""
+        ``/get_model_info``'s ``weight_version`` where that route is missing (SGLang 0.5.23).
+        ``retries``: over HTTP, instead of the engine's ``max_retries`` (0: one attempt, as the
+        fleet probes a replica it has taken out of service)."""
         self._check_open("get_weight_version")
         if self._local:
             if self._local.has("get_weight_version"):
@@ -93,10 +95,10 @@ class GenerationControl:
             version = info.get("weight_version") if isinstance(info, dict) else None
         else:
             try:
-                answer = self._http.json("GET", "/get_weight_version", idempotent=True)
+                answer = self._http.json("GET", "/get_weight_version", idempotent=True, retries=retries)
             except NotFound:
                 try:
-                    answer = self._http.json("GET", "/get_model_info", idempotent=True)
+                    answer = self._http.json("GET", "/get_model_info", idempotent=True, retries=retries)
                 except NotFound as e:
                     raise e.error from None
             version = answer.get("weight_version") if isinstance(answer, dict) else None
