@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 TIER = os.environ.get("FSDP_SYNC_VERL_TIER") == "1"
 
 if not TIER:
@@ -17,3 +19,12 @@ if not TIER:
 else:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import verl  # noqa: F401  (fails the run loudly when verl is not installed)
+
+
+@pytest.fixture(scope="session")
+def tiny_grpo_dir(tmp_path_factory):
+    """One TINY_DIR for every test that runs recipes/verl/run_tiny_grpo_cpu.sh: the first run makes
+    the assets (the script's own `make_assets.py` step), the later ones reuse them, as a user's
+    second run does (each making them again cost about 5 s of a 2-core machine). Nothing writes
+    there but make_assets.py: a run's checkpoints and logs go to its own directory."""
+    return tmp_path_factory.mktemp("tiny_grpo") / "tiny"

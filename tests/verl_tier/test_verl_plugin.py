@@ -128,11 +128,12 @@ def header_command(recipe: Path) -> str | None:
     return None
 
 
-def test_main_ppo_prints_the_composed_config_with_fsdp_sync_on(tmp_path):
+def test_main_ppo_prints_the_composed_config_with_fsdp_sync_on(tiny_grpo_dir):
     # each recipe's header command, as written, from the clone's root (`python3` is this venv's);
-    # the tiny CPU recipe has none: its run script is the command, run below
+    # the tiny CPU recipe has none: its run script is the command, run below (it makes the tiny
+    # assets when they are not there yet: the tier's trainer tests reuse them)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               TINY_DIR=str(tmp_path / "tiny"))
+               TINY_DIR=str(tiny_grpo_dir))
     commands = {r: header_command(r) for r in RECIPES}
     assert commands[ROOT / "recipes" / "verl" / "grpo_qwen2_5_0_5b_gsm8k_fsdp_sync.yaml"]
     for recipe, command in commands.items():

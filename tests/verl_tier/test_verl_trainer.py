@@ -108,24 +108,27 @@ def _temp_dirs(since: float = 0.0) -> set[str]:
     return out
 
 
-def _run_recipe(tmp_path, overrides: list[str], check) -> None:
-    """Run the tiny GRPO recipe with ``overrides``, call ``check(log, steps, syncs, wall)`` on a
-    successful run (``syncs``: the adapter's metrics-file records), then check that nothing is
-    left behind (see the module docstring)."""
+def _run_recipe(tmp_path, tiny_dir, overrides: list[str], check) -> None:
+    """Run the tiny GRPO recipe with ``overrides`` (assets in ``tiny_dir``, made by the first run
+    of the session), call ``check(log, steps, syncs, wall)`` on a successful run (``syncs``: the
+    adapter's metrics-file records), then check that nothing is left behind (see the module
+    docstring). Ray's dashboard is left out (``include_dashboard=false``): nothing here reads it,
+    and its head process and modules are seconds of CPU in every run."""
     marker = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="fsr", dir="/tmp")   # Ray's socket paths must stay short
     shm_before = set(os.listdir("/dev/shm"))
     started = time.time() - 1.0
     tmp_before = _temp_dirs()
     metrics_file = tmp_path / "sync.jsonl"
-    env = dict(os.environ, PYTHON=sys.executable, TINY_DIR=str(tmp_path / "tiny"),
+    env = dict(os.environ, PYTHON=sys.executable, TINY_DIR=str(tiny_dir),
                RAY_TMPDIR=ray_tmp, FSDP_SYNC_TEST_RUN=marker,
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     t0 = time.monotonic()
     try:
         proc = subprocess.run(
             ["bash", str(RUN), f"+actor_rollout_ref.rollout.custom.fsdp_sync.metrics_file={metrics_file}",
-             f"+actor_rollout_ref.rollout.custom.fsdp_sync.log_dir={tmp_path}", *overrides],
+             f"+actor_rollout_ref.rollout.custom.fsdp_sync.log_dir={tmp_path}",
+             "+ray_kwargs.ray_init.include_dashboard=false", *overrides],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=780)
         wall = time.monotonic() - t0
         log = proc.stdout + proc.stderr
@@ -165,7 +168,7 @@ def _run_recipe(tmp_path, overrides: list[str], check) -> None:
     assert not left_tmp, f"temp directories left behind by the run: {left_tmp}"
 
 
-def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
+def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path, tiny_grpo_dir):
     from safetensors.torch import load_file
 
     from fsdp_sync.verify import tensor_digest
@@ -181,7 +184,7 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
         # the adapter's record of every sync
         assert [s["global_steps"] for s in syncs] == [0, 1, 2, 3]
         assert {s["kind"] for s in syncs} == {"full"}
-        ckpt = load_file(str(tmp_path / "tiny" / "model" / "model.safetensors"))
+        ckpt = load_file(str(tiny_grpo_dir / "model" / "model.safetensors"))
         for s in syncs:
             assert s["verify"] == "full" and s["verify_tensors"] == s["tensors"] == len(ckpt), s
             # fsdp_sync's bucketed export from verl's FSDP module, not verl's per-tensor
@@ -219,13 +222,13 @@ def test_tiny_grpo_trains_in_verls_own_loop_with_every_sync_verified(tmp_path):
                   f"/{steps[s['global_steps']]['timing_s/update_weights']:.3f}"
                   if s["global_steps"] in steps else "") for s in syncs))
 
-    _run_recipe(tmp_path, [], check)
+    _run_recipe(tmp_path, tiny_grpo_dir, [], check)
 
 
 LORA_R, LORA_ALPHA = 4, 8
 
 
-def test_tiny_grpo_with_lora_syncs_the_base_once_then_the_adapter_only(tmp_path):
+def test_tiny_grpo_with_lora_syncs_the_base_once_then_the_adapter_only(tmp_path, tiny_grpo_dir):
     """The same recipe with LoRA (``actor_rollout_ref.model.lora_rank=4``, verl's default
     ``target_modules=all-linear``, ``lora.merge=false``: served as an adapter, as verl's own SGLang
     rollout serves it). verl syncs the base once (global step 0, peft's ``.base_layer.`` names),
@@ -243,11 +246,11 @@ def test_tiny_grpo_with_lora_syncs_the_base_once_then_the_adapter_only(tmp_path)
             assert s["training/rollout_probs_diff_max"] < 1e-3, (n, s["training/rollout_probs_diff_max"])
         assert [(s["global_steps"], s["kind"]) for s in syncs] == [
             (0, "base"), (0, "adapter"), (1, "adapter"), (2, "adapter"), (3, "adapter")], syncs
-        ckpt = load_file(str(tmp_path / "tiny" / "model" / "model.safetensors"))
+        ckpt = load_file(str(tiny_grpo_dir / "model" / "model.safetensors"))
         base, adapters = syncs[0], syncs[1:]
         assert base["verify"] == "full" and base["verify_tensors"] == base["tensors"] == len(ckpt)
         assert base["digests"] == {n: tensor_digest(n, t) for n, t in ckpt.items()}  # names stripped
-        cfg = load_config(str(tmp_path / "tiny" / "model" / "config.json"))
+        cfg = load_config(str(tiny_grpo_dir / "model" / "config.json"))
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         q, kv, h, i = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim, \
             cfg.hidden_size, cfg.intermediate_size
@@ -276,5 +279,5 @@ def test_tiny_grpo_with_lora_syncs_the_base_once_then_the_adapter_only(tmp_path)
               + ", ".join(f"{s['global_steps']}: {s['sync_s']:.3f} s" for s in adapters)
               + f", {adapters[-1]['bytes']} B each")
 
-    _run_recipe(tmp_path, [f"actor_rollout_ref.model.lora_rank={LORA_R}",
+    _run_recipe(tmp_path, tiny_grpo_dir, [f"actor_rollout_ref.model.lora_rank={LORA_R}",
                            f"actor_rollout_ref.model.lora_alpha={LORA_ALPHA}"], check)
