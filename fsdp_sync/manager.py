@@ -485,7 +485,7 @@ class FSDPShardingManager:
 
     def _targets(self) -> list:
         """The replicas this sync goes to: those in service, and quarantined ones that can take
-        an update again (they rejoin at the new version)."""
+        an update again (asked once, not with the client's retries; they rejoin at the new version)."""
         reps = self.fleet.serving
         if self._fleet_mode:
             quarantine = self.config.on_replica_failure == "quarantine"
@@ -493,8 +493,6 @@ class FSDPShardingManager:
             for r in self.fleet.replicas:
                 if r.held or (not r.serving and not quarantine):
                     continue
-                # out of service already: one attempt (a dead one must not cost every sync the
-                # client's whole backoff); in service: the client's retries before it is taken out
                 why = fleet.problem(r.engine, once=not r.serving) if (quarantine or not r.serving) else None
                 if why is None:
                     reps.append(r)
