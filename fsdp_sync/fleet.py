@@ -65,18 +65,11 @@ def problem(engine: Any, *, once: bool = False) -> str | None:
         fn = getattr(engine, name, None)
         if callable(fn):
             try:
-                fn(**({"retries": 0} if once and _takes(fn, "retries") else {}))
+                fn(**({"retries": 0} if once and "retries" in inspect.signature(fn).parameters else {}))
             except Exception as exc:  # noqa: BLE001
                 return f"{type(exc).__name__}: {exc}"
             return None
     return None
-
-
-def _takes(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class CommitError(RuntimeError):
