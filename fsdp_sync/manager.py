@@ -103,7 +103,7 @@ class FSDPShardingManager:
         self._configs_checked: set[int] = set()    # ids of engines whose model config matched
         self.version: str | None = None       # the weight version every serving replica committed
         self.global_steps: int | None = None  # set by the caller: the next sync's version is it
-        self.timeline = Timeline()
+        self.timeline, self.watch = Timeline(), {}   # watch: stage name -> `Timeline.watch`
         self.stats = SyncStats()
         self._inside = False
         self._failed: tuple[str, str] | None = None   # an unsettled stage's failure (`_run`)
@@ -140,7 +140,7 @@ class FSDPShardingManager:
             raise RuntimeError("this FSDPShardingManager was closed (close(), or interpreter exit): "
                                "make a new one to sync again")
         pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
-        self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe)
+        self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe, watch=self.watch)
         self._was_training = self.module.training
         try:   # settle=False: no collective inside; agreed with the next stage (`_run`)
             self._run("prepare", self._prepare, settle=False)

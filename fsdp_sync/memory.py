@@ -18,7 +18,7 @@ import os
 import ctypes
 import json
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -162,23 +162,31 @@ class Timeline:
     stages: list[StageRecord] = field(default_factory=list)
     engine_pids: list[int] = field(default_factory=list)
     mode: str = "rss"    # "rss": /proc status only (cheap); "full": + uss/pss (smaps_rollup); "off": none
+    # stage name -> a context manager (or a callable making one) entered just before that stage
+    # starts and left just after it ends, outside its seconds: a measurement of that stage alone
+    # (`fsdp-sync bench`'s CUDA allocator peaks of ``sync_weights``, `cli.bench.gpu_memory`)
+    watch: dict[str, Any] = field(default_factory=dict)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[StageRecord]:
-        t0 = time.perf_counter()
-        rec = StageRecord(name, 0.0, started=t0)
-        try:
-            yield rec
-        finally:
-            rec.seconds = time.perf_counter() - t0
-            if self.mode != "off":
-                full = self.mode == "full"
-                rec.memory["trainer"] = probe(full=full)
-                if self.engine_pids:
-                    # read from /proc, not asked of the engine: no RPC, works on a dead worker too
-                    rec.memory["engine"] = {"workers": [dict(probe(p, full=full), pid=p)
-                                                        for p in self.engine_pids]}
-            self.stages.append(rec)
+        with ExitStack() as around:
+            watcher = self.watch.get(name)
+            if watcher is not None:
+                around.enter_context(watcher() if callable(watcher) else watcher)
+            t0 = time.perf_counter()
+            rec = StageRecord(name, 0.0, started=t0)
+            try:
+                yield rec
+            finally:
+                rec.seconds = time.perf_counter() - t0
+                if self.mode != "off":
+                    full = self.mode == "full"
+                    rec.memory["trainer"] = probe(full=full)
+                    if self.engine_pids:
+                        # read from /proc, not asked of the engine: no RPC, works on a dead worker too
+                        rec.memory["engine"] = {"workers": [dict(probe(p, full=full), pid=p)
+                                                            for p in self.engine_pids]}
+                self.stages.append(rec)
 
     def seconds(self, name: str) -> float:
         return sum(s.seconds for s in self.stages if s.name == name)

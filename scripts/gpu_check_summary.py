@@ -43,7 +43,7 @@ def summarize(out: Path, device: str | None = None, torch_version: str | None = 
                    "seconds": r.get("seconds"), "copy_seconds": r.get("copy_seconds"),
                    "x_copy": r.get("ratio_to_copy"), "bytes": r.get("bytes"), "quantize_s": r.get("quantize_s"),
                    "gpu_memory": r.get("gpu_memory"), "memory_budget_mib": (r.get("memory_budget_bytes") or 0) / 2**20,
-                   "trainer_within_budget": g.get("trainer_within_budget"),
+                   "trainer_within_budget": g.get("trainer_within_budget"), "within_budget": g.get("within_budget"),
                    "call_seconds": r.get("call_seconds"), "calls": r.get("calls")}
             for name_, col in (("plan", "plan"), ("plan_here", "plan_here")):
                 planned = plans[name_].get(key) if flat else None
@@ -65,8 +65,8 @@ def table(result: dict) -> str:
     lines = ["| step | rc | s |", "|---|---|---|"]
     lines += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in result["steps"]]
     lines += ["", "| model | strategy | layout | piped | quant | s | copy s | x copy | plan s (h100-node) | "
-              "bench/plan | plan s (this machine) | bench/plan | trainer peak MiB (alloc/res) | "
-              "engine peak MiB | budget MiB | within |", "|" + "---|" * 16]
+              "bench/plan | plan s (this machine) | bench/plan | trainer rise MiB (alloc/res) | "
+              "engine rise MiB | GPU rise MiB | budget MiB | within (GPU/trainer) |", "|" + "---|" * 17]
     for r in result["rows"]:
         g = r["gpu_memory"] or {}
         lines.append(
@@ -75,8 +75,11 @@ def table(result: dict) -> str:
             f"{_f(r['bench_over_plan'], 2)} | {_f(r['plan_here_seconds'], 4)} | {_f(r['bench_over_plan_here'], 2)} | "
             f"{_f(g.get('trainer_peak_allocated_mib'), 0)}/{_f(g.get('trainer_peak_reserved_mib'), 0)} | "
             f"{_f(g.get('engine_peak_allocated_mib'), 0)}/{_f(g.get('engine_peak_reserved_mib'), 0)} | "
-            f"{_f(r['memory_budget_mib'], 0)} | {_f(r['trainer_within_budget'])} |")
-    lines += ["", "Per engine call (bucket), ms, the sampled sync: make / gather / engine / agree / release "
+            f"{_f(g.get('device_peak_allocated_mib'), 0)} | {_f(r['memory_budget_mib'], 0)} | "
+            f"{_f(r['within_budget'])}/{_f(r['trainer_within_budget'])} |")
+    lines += ["", "Rises: each allocator's peak over its level during the sync stage alone (after the engine's "
+                  "weights woke, before its KV cache did); GPU: the trainer's plus its GPU's engine worker's.",
+              "", "Per engine call (bucket), ms, the sampled sync: make / gather / engine / agree / release "
                   "(engine call: the engine's own)", ""]
     for r in result["rows"]:
         for k, c in enumerate(r.get("calls") or []):

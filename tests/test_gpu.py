@@ -210,3 +210,29 @@ def test_plan_measures_this_gpu_machine_as_a_gpu_cluster():
     assert c.d2d_gbps > 0 and c.quantize_gbps > 0 and c.quantize_tensor_s >= 0
     assert min(c.tensor_s, c.bucket_s, c.sync_s) >= 0 and c.tensor_s + c.bucket_s + c.sync_s > 0
     assert (c.cores, c.touch_gbps, c.map_gbps) == (0, 0.0, 0.0)
+
+
+@pytest.mark.timeout(300)
+def test_bench_row_measures_the_sync_stage_on_the_gpu(tmp_path):
+    """A CUDA bench row's GPU memory is the sync stage's own (issue 35: measured per row and held to
+    the budget rule): the trainer's gathered bucket, not the engine's weights and KV cache that the
+    sync wakes before and after that stage (with them, the engine's rise was at least its weights)."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, TMPDIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "qwen2-160m",
+                           "--device", "cuda", "--ranks", "1", "--tp", "1", "--dtype", "bfloat16",
+                           "--strategies", "flattened", "--layout", "full,engine", "--bucket-mb", "64",
+                           "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=280, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["layout"] for r in rows} == {"full", "engine"}, rows
+    MiB = 2**20
+    for r in rows:
+        g = r["gpu_memory"]
+        assert g["stage"] == "sync_weights" and g["budget_mib"] * MiB == r["memory_budget_bytes"], g
+        assert 0 < g["trainer_peak_allocated_mib"] * MiB <= r["memory_budget_bytes"], (r["layout"], g)
+        assert g["engine_peak_allocated_mib"] * MiB < r["bytes"], (r["layout"], g)   # not its weights
+        assert g["within_budget"] == (g["device_peak_allocated_mib"] * MiB <= r["memory_budget_bytes"]), g
+        assert r["over_budget"] == (not g["within_budget"]), r

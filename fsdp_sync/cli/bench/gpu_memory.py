@@ -1,10 +1,15 @@
-"""CUDA memory of a bench row: the trainer's and the engine's allocator peaks during one sync.
+"""CUDA memory of a bench row: the trainer's and the engine's allocator peaks during the sync stage.
 
-/proc's RSS says nothing of GPU memory, so a CUDA row is measured by torch's allocator: before the
-sampled sync every counter restarts (this process, and each engine worker through
-`ReferenceEngine.reset_peak_memory_stats`), after it the peak minus the level before is the rise,
-allocated (what tensors held) and reserved (what the caching allocator took from the device). The
-trainer's allocated rise is held to the same budget rule as a CPU row's RSS rise.
+/proc's RSS says nothing of GPU memory, so a CUDA row is measured by torch's allocator, over the
+``sync_weights`` stage alone, as a CPU row's RSS is (`sampling.rises`): `CudaPeaks` is put in the
+manager's ``watch`` for that stage, so it is entered after the engine's weights were woken and left
+before its KV cache is (neither is the sync's own memory). Entering restarts every peak (this
+process's, and each engine worker's through `ReferenceEngine.reset_peak_memory_stats`) and reads the
+levels; leaving reads the peaks: peak minus level is the rise, allocated (what tensors held) and
+reserved (what the caching allocator took from the device). The colocated engine shares the
+trainer's GPU, so the device's rise is at most the trainer's plus its GPU's engine worker's, and
+that sum is held to the row's budget (`plan.memory_budget`, the rule `plan.engine_memory_budget`
+gives the tensor method's engine); the trainer's rise alone is held to it too.
 
 Not here: the sync itself (`main`), host memory (`sampling`).
 """
@@ -21,33 +26,56 @@ MiB = 2**20
 
 
 class CudaPeaks:
-    """``start`` before the sync, ``finish`` after it; both on every rank (each measures its own
-    process; the engine is measured where it is held)."""
+    """A reusable context manager around one stage, on every rank (each measures its own process;
+    the engine where it is held): ``manager.watch["sync_weights"] = peaks``, one sync, then
+    ``peaks.result(budget)``. ``cuda`` is the allocator's API (``torch.cuda``; tests pass another)."""
 
-    def __init__(self, engine: Any | None) -> None:
+    def __init__(self, engine: Any | None, cuda: Any = torch.cuda) -> None:
         self.engine = engine if hasattr(engine, "reset_peak_memory_stats") else None
+        self.cuda = cuda
         self.before: dict = {}
+        self.rises: dict | None = None
 
-    def start(self) -> None:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        self.before = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+    def __enter__(self) -> "CudaPeaks":
+        self.cuda.synchronize()
+        self.cuda.reset_peak_memory_stats()
+        self.before = {"allocated": self.cuda.memory_allocated(), "reserved": self.cuda.memory_reserved()}
         if self.engine is not None:
             self.engine.reset_peak_memory_stats()
             self.before["engine"] = [w.get("cuda", {}) for w in self.engine.memory_stats()["workers"]]
+        return self
 
-    def finish(self, budget_bytes: int | None = None) -> dict:
-        torch.cuda.synchronize()
-        out = {
-            "trainer_peak_allocated_mib": (torch.cuda.max_memory_allocated() - self.before["allocated"]) / MiB,
-            "trainer_peak_reserved_mib": (torch.cuda.max_memory_reserved() - self.before["reserved"]) / MiB,
+    def __exit__(self, *exc: Any) -> None:
+        self.cuda.synchronize()
+        out: dict[str, Any] = {
+            "stage": "sync_weights",
+            "trainer_peak_allocated_mib": (self.cuda.max_memory_allocated() - self.before["allocated"]) / MiB,
+            "trainer_peak_reserved_mib": (self.cuda.max_memory_reserved() - self.before["reserved"]) / MiB,
         }
         if self.engine is not None:
             after = [w.get("cuda", {}) for w in self.engine.memory_stats()["workers"]]
-            out["engine_peak_allocated_mib"] = max(
-                (a.get("max_allocated", 0) - b.get("allocated", 0)) / MiB for a, b in zip(after, self.before["engine"]))
-            out["engine_peak_reserved_mib"] = max(
-                (a.get("max_reserved", 0) - b.get("reserved", 0)) / MiB for a, b in zip(after, self.before["engine"]))
+            alloc = [(a.get("max_allocated", 0) - b.get("allocated", 0)) / MiB
+                     for a, b in zip(after, self.before["engine"])]
+            res = [(a.get("max_reserved", 0) - b.get("reserved", 0)) / MiB
+                   for a, b in zip(after, self.before["engine"])]
+            out.update(engine_peak_allocated_mib=max(alloc), engine_peak_reserved_mib=max(res),
+                       engine_workers_peak_allocated_mib=alloc)
+            here = self.cuda.current_device()
+            mine = [j for j, a in enumerate(after) if a.get("device") == here]
+            out["device_peak_allocated_mib"] = out["trainer_peak_allocated_mib"] + sum(alloc[j] for j in mine)
+        else:
+            out["device_peak_allocated_mib"] = out["trainer_peak_allocated_mib"]
+        self.rises = out
+
+    def result(self, budget_bytes: int | None = None) -> dict:
+        """The rises of the last stage measured, with ``budget_bytes``: ``trainer_within_budget``
+        (the trainer's allocated rise) and ``within_budget`` (the device's: trainer plus its GPU's
+        engine worker, an upper bound as their peaks need not coincide)."""
+        if self.rises is None:
+            raise RuntimeError("CudaPeaks measured no stage: put it in manager.watch['sync_weights'] and sync")
+        out = dict(self.rises)
         if budget_bytes is not None:
+            out["budget_mib"] = budget_bytes / MiB
             out["trainer_within_budget"] = out["trainer_peak_allocated_mib"] * MiB <= budget_bytes
+            out["within_budget"] = out["device_peak_allocated_mib"] * MiB <= budget_bytes
         return out

@@ -308,10 +308,11 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                          for j, r in enumerate(topo.tp_ranks)]
                 sampler = DeviceSampler(pairs)
             peaks = CudaPeaks(engine) if job.device == "cuda" else None
-            if peaks:
-                peaks.start()
+            if peaks:   # the sync stage alone: not the engine's weights and KV cache it wakes
+                manager.watch["sync_weights"] = peaks
             sampled_sync(manager, sampler)
-            gpu_mem = peaks.finish(
+            manager.watch.pop("sync_weights", None)
+            gpu_mem = peaks.result(
                 memory_budget("tensor", bucket_bytes, largest_bytes(manager.module, job))["memory_budget_bytes"]
                 + (quantized_bucket_bytes(bucket_bytes, dtype) if job.quantization else 0)) if peaks else None
             progress.update(f"{strategy} {bucket_mb:g} MiB: floor")
@@ -372,6 +373,17 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             r["memory_budget_bytes"] += quantized_bucket_bytes(r["bucket_bytes"], dtype)
             r["memory_budget_rule"] += " + the quantized bucket"
     return {"rows": rows}
+
+
+def _over_budget(r: dict) -> str:
+    """What a row over its budget took, against the rule (a CUDA row: its GPU's allocator rise)."""
+    gpu = r.get("gpu_memory") or {}
+    took = (f"GPU {gpu['device_peak_allocated_mib']:.1f} MiB (trainer "
+            f"{gpu['trainer_peak_allocated_mib']:.1f} + its GPU's engine worker)" if "within_budget" in gpu
+            else f"{r['peak_extra_bytes'] / MiB:.1f} MiB")
+    return (f"{r['strategy']}: {took} > {r['memory_budget_bytes'] / MiB:.1f} MiB = {r['memory_budget_rule']}"
+            + (f" (an engine worker: {r['engine_memory_budget_bytes'] / MiB:.1f} MiB "
+               f"= {r['engine_memory_budget_rule']})" if "engine_memory_budget_bytes" in r and not gpu else ""))
 
 
 class _Served:
@@ -639,12 +651,7 @@ def cmd_bench(args) -> int:
     over = [r for r in result["rows"] if r.get("over_budget")]
     if over:
         console.print(f"[red]{len(over)} row(s) over their memory budget[/] ("
-                      + "; ".join(f"{r['strategy']}: {r['peak_extra_bytes'] / MiB:.1f} MiB > "
-                                  f"{r['memory_budget_bytes'] / MiB:.1f} MiB = {r['memory_budget_rule']}"
-                                  + (f" (an engine worker: {r['engine_memory_budget_bytes'] / MiB:.1f} MiB "
-                                     f"= {r['engine_memory_budget_rule']})" if "engine_memory_budget_bytes" in r
-                                     else "")
-                                  for r in over) + ")")
+                      + "; ".join(_over_budget(r) for r in over) + ")")
     if args.preset == "targets":
         result["targets"] = check_targets(result["rows"])
         t = result["targets"]

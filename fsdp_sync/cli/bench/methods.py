@@ -246,8 +246,12 @@ def flag_over_budget(rows: list[dict]) -> list[dict]:
     """Mark every measured row whose peak extra memory is over its budget (``over_budget``): a
     device's peak against the trainer's rule; where the row has each process's peak (the
     disaggregated methods), each trainer rank against the trainer's rule and each engine worker
-    against the engine's (``engine_memory_budget_bytes``)."""
+    against the engine's (``engine_memory_budget_bytes``); a CUDA row by its GPU's allocator rise
+    (``gpu_memory``, `gpu_memory.CudaPeaks`), not the host's RSS."""
     for r in rows:
+        if "within_budget" in (r.get("gpu_memory") or {}):
+            r["over_budget"] = not r["gpu_memory"]["within_budget"]
+            continue
         if "peak_extra_bytes" not in r or "memory_budget_bytes" not in r:
             continue
         by_process = r.get("peak_extra_by_process")

@@ -179,7 +179,8 @@ class MemoryRegions:
             "rss": rss, "uss": uss,
         }
         if self.w.device.type == "cuda":
-            out["cuda"] = {"allocated": int(torch.cuda.memory_allocated(self.w.device)),
+            out["cuda"] = {"device": self.w.device.index,
+                           "allocated": int(torch.cuda.memory_allocated(self.w.device)),
                            "reserved": int(torch.cuda.memory_reserved(self.w.device)),
                            "max_allocated": int(torch.cuda.max_memory_allocated(self.w.device)),
                            "max_reserved": int(torch.cuda.max_memory_reserved(self.w.device))}
