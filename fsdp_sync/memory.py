@@ -14,11 +14,12 @@ their release/resume orders (the engine protocol's, `engines.base`).
 from __future__ import annotations
 
 import os
+import sys
 
 import ctypes
 import json
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -153,6 +154,22 @@ class StageRecord:
     seconds: float
     memory: dict[str, Any] = field(default_factory=dict)
     started: float = 0.0  # time.perf_counter() at the stage's start (same clock as samplers)
+    watch_error: str | None = None   # the stage's watcher failed (`Timeline.watch`): how
+
+
+def _enter_watch(watcher: Any, rec: StageRecord) -> Any:
+    """Enter a stage's watcher (a context manager, or a callable making one): the entered one, or
+    None. A watcher that fails is recorded in ``rec.watch_error``, never raised: the stage runs
+    on every rank alike, so that its collectives stay in step (a measurement is not the sync)."""
+    if watcher is None:
+        return None
+    try:
+        cm = watcher() if callable(watcher) else watcher
+        cm.__enter__()
+        return cm
+    except Exception as exc:  # noqa: BLE001 - recorded, see above
+        rec.watch_error = f"entering: {type(exc).__name__}: {exc}"
+        return None
 
 
 @dataclass
@@ -164,29 +181,33 @@ class Timeline:
     mode: str = "rss"    # "rss": /proc status only (cheap); "full": + uss/pss (smaps_rollup); "off": none
     # stage name -> a context manager (or a callable making one) entered just before that stage
     # starts and left just after it ends, outside its seconds: a measurement of that stage alone
-    # (`fsdp-sync bench`'s CUDA allocator peaks of ``sync_weights``, `cli.bench.gpu_memory`)
+    # (`fsdp-sync bench`'s CUDA allocator peaks of ``sync_weights``, `cli.bench.gpu_memory`); one
+    # that raises is recorded in the stage's ``watch_error``, and the stage goes on (`_enter_watch`)
     watch: dict[str, Any] = field(default_factory=dict)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[StageRecord]:
-        with ExitStack() as around:
-            watcher = self.watch.get(name)
+        t0 = time.perf_counter()
+        rec = StageRecord(name, 0.0, started=t0)
+        watcher = _enter_watch(self.watch.get(name), rec)
+        rec.started = t0 = time.perf_counter()
+        try:
+            yield rec
+        finally:
+            rec.seconds = time.perf_counter() - t0
+            if self.mode != "off":
+                full = self.mode == "full"
+                rec.memory["trainer"] = probe(full=full)
+                if self.engine_pids:
+                    # read from /proc, not asked of the engine: no RPC, works on a dead worker too
+                    rec.memory["engine"] = {"workers": [dict(probe(p, full=full), pid=p)
+                                                        for p in self.engine_pids]}
+            self.stages.append(rec)
             if watcher is not None:
-                around.enter_context(watcher() if callable(watcher) else watcher)
-            t0 = time.perf_counter()
-            rec = StageRecord(name, 0.0, started=t0)
-            try:
-                yield rec
-            finally:
-                rec.seconds = time.perf_counter() - t0
-                if self.mode != "off":
-                    full = self.mode == "full"
-                    rec.memory["trainer"] = probe(full=full)
-                    if self.engine_pids:
-                        # read from /proc, not asked of the engine: no RPC, works on a dead worker too
-                        rec.memory["engine"] = {"workers": [dict(probe(p, full=full), pid=p)
-                                                            for p in self.engine_pids]}
-                self.stages.append(rec)
+                try:
+                    watcher.__exit__(*sys.exc_info())
+                except Exception as exc:  # noqa: BLE001 - a measurement never fails the stage
+                    rec.watch_error = f"leaving: {type(exc).__name__}: {exc}"
 
     def seconds(self, name: str) -> float:
         return sum(s.seconds for s in self.stages if s.name == name)

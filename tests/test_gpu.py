@@ -223,7 +223,7 @@ def test_bench_row_measures_the_sync_stage_on_the_gpu(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "qwen2-160m",
                            "--device", "cuda", "--ranks", "1", "--tp", "1", "--dtype", "bfloat16",
                            "--strategies", "flattened", "--layout", "full,engine", "--bucket-mb", "64",
-                           "--repeats", "1", "--json", str(out)],
+                           "--repeats", "3", "--json", str(out)],
                           capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]

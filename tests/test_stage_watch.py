@@ -144,12 +144,20 @@ def test_cuda_peaks_are_the_rises_within_the_stage_and_the_devices_sum_is_held_t
     assert r["engine_workers_peak_allocated_mib"] == [8, 40] and r["engine_peak_allocated_mib"] == 40, r
     assert r["device_peak_allocated_mib"] == 96 + 8, r
     assert r["trainer_within_budget"] and not r["within_budget"], r
-    assert CudaPeaks(engine, cuda=trainer).__class__ is CudaPeaks
 
     with peaks:                             # reused: the next stage's rises alone
         trainer.alloc(10 * MiB)
     r = peaks.result(100 * MiB)
     assert r["trainer_peak_allocated_mib"] == 10 and r["device_peak_allocated_mib"] == 10 and r["within_budget"], r
+
+    dying = _FakeEngine()                  # a stage that failed: nothing read, its own error goes on
+    failed = CudaPeaks(dying, cuda=trainer)
+    with pytest.raises(KeyError, match="the stage's own"):
+        with failed:
+            dying.memory_stats = lambda: {}["the engine, asked after a failed stage"]
+            raise KeyError("the stage's own")
+    with pytest.raises(RuntimeError, match="measured no stage"):
+        failed.result(100 * MiB)
 
     alone = CudaPeaks(None, cuda=trainer)   # a rank that holds no engine: its trainer alone
     with alone:
@@ -171,3 +179,45 @@ def test_a_cuda_row_over_its_gpu_budget_is_flagged_by_the_gpu_not_the_hosts_rss(
     assert flagged[0]["over_budget"] and not flagged[1]["over_budget"]
     line = _over_budget(flagged[0])
     assert "GPU 104.0 MiB (trainer 96.0" in line and "> 100.0 MiB" in line, line
+
+
+def test_a_failing_watcher_is_recorded_and_never_fails_the_stage():
+    """The stage runs on every rank alike whatever its measurement does (a watcher that raised out
+    of the stage on one rank would leave the others waiting in its agreement); the stage's own
+    error still reaches the watcher and goes on."""
+    from fsdp_sync.cli.bench.gpu_memory import CudaPeaks
+    from fsdp_sync.memory import Timeline
+
+    class Boom:
+        def __init__(self, where):
+            self.where, self.saw = where, []
+
+        def __enter__(self):
+            if self.where == "enter":
+                raise OSError("no device")
+
+        def __exit__(self, *exc):
+            self.saw.append(exc[0])
+            if self.where == "exit":
+                raise ValueError("the engine went away")
+
+    on_enter, on_exit, quiet = Boom("enter"), Boom("exit"), Boom(None)
+    tl = Timeline(mode="off", watch={"a": on_enter, "b": on_exit, "c": quiet, "d": lambda: quiet})
+    ran = []
+    for name in "ab":
+        with tl.stage(name):
+            ran.append(name)
+    with pytest.raises(KeyError):
+        with tl.stage("c"):
+            raise KeyError("the stage's own")
+    with tl.stage("d"):             # a callable: made anew, entered, left
+        pass
+    assert ran == ["a", "b"] and [s.name for s in tl.stages] == ["a", "b", "c", "d"]
+    assert tl.stages[0].watch_error == "entering: OSError: no device" and on_enter.saw == []
+    assert tl.stages[1].watch_error == "leaving: ValueError: the engine went away"
+    assert quiet.saw == [KeyError, None] and tl.stages[2].watch_error is None
+
+    peaks = CudaPeaks(None, cuda=_FakeAllocator(0))
+    tl.stages[0].name = "sync_weights"
+    with pytest.raises(RuntimeError, match="sync_weights: entering: OSError: no device"):
+        peaks.result(1 << 20, tl)

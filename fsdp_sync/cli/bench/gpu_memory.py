@@ -45,7 +45,10 @@ class CudaPeaks:
             self.before["engine"] = [w.get("cuda", {}) for w in self.engine.memory_stats()["workers"]]
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:    # the stage failed: its error, not a measurement's, is the news
+            self.rises = None
+            return
         self.cuda.synchronize()
         out: dict[str, Any] = {
             "stage": "sync_weights",
@@ -67,12 +70,15 @@ class CudaPeaks:
             out["device_peak_allocated_mib"] = out["trainer_peak_allocated_mib"]
         self.rises = out
 
-    def result(self, budget_bytes: int | None = None) -> dict:
+    def result(self, budget_bytes: int | None = None, timeline: Any = None) -> dict:
         """The rises of the last stage measured, with ``budget_bytes``: ``trainer_within_budget``
         (the trainer's allocated rise) and ``within_budget`` (the device's: trainer plus its GPU's
-        engine worker, an upper bound as their peaks need not coincide)."""
+        engine worker, an upper bound as their peaks need not coincide). ``timeline``: the
+        manager's, whose stage record says why a measurement failed (`memory.Timeline.watch`)."""
         if self.rises is None:
-            raise RuntimeError("CudaPeaks measured no stage: put it in manager.watch['sync_weights'] and sync")
+            why = [f"{s.name}: {s.watch_error}" for s in getattr(timeline, "stages", []) if s.watch_error]
+            raise RuntimeError("CudaPeaks measured no stage: " + ("; ".join(why) if why else
+                               "put it in manager.watch['sync_weights'] and sync"))
         out = dict(self.rises)
         if budget_bytes is not None:
             out["budget_mib"] = budget_bytes / MiB

@@ -314,7 +314,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             manager.watch.pop("sync_weights", None)
             gpu_mem = peaks.result(
                 memory_budget("tensor", bucket_bytes, largest_bytes(manager.module, job))["memory_budget_bytes"]
-                + (quantized_bucket_bytes(bucket_bytes, dtype) if job.quantization else 0)) if peaks else None
+                + (quantized_bucket_bytes(bucket_bytes, dtype) if job.quantization else 0),
+                manager.timeline) if peaks else None
             progress.update(f"{strategy} {bucket_mb:g} MiB: floor")
             # the floor is noisier than the sync (one big transfer): give it more repeats
             lay = layout_figures(model, cfg, job, stats, share and strategy == "flattened")
