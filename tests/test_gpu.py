@@ -213,26 +213,34 @@ def test_plan_measures_this_gpu_machine_as_a_gpu_cluster():
 
 
 @pytest.mark.timeout(300)
-def test_bench_row_measures_the_sync_stage_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("method, model", [("tensor", "qwen2-160m"), ("disk", "tiny")])
+def test_bench_row_measures_the_sync_stage_on_the_gpu(tmp_path, method, model):
     """A CUDA bench row's GPU memory is the sync stage's own (issue 35: measured per row and held to
     the budget rule): the trainer's gathered bucket, not the engine's weights and KV cache that the
-    sync wakes before and after that stage (with them, the engine's rise was at least its weights)."""
+    sync wakes before and after that stage (with them, the engine's rise was at least its weights).
+    The colocated tensor method's device (trainer + engine) against the row's budget; the disk
+    method's trainer against its budget and each engine worker against the engine's rule."""
     out = tmp_path / "bench.json"
     env = dict(os.environ, TMPDIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", "qwen2-160m",
+    proc = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "bench", "--models", model, "--methods", method,
                            "--device", "cuda", "--ranks", "1", "--tp", "1", "--dtype", "bfloat16",
                            "--strategies", "flattened", "--layout", "full,engine", "--bucket-mb", "64",
                            "--repeats", "3", "--json", str(out)],
                           capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["method"] == method]
     assert {r["layout"] for r in rows} == {"full", "engine"}, rows
     MiB = 2**20
     for r in rows:
         g = r["gpu_memory"]
         assert g["stage"] == "sync_weights" and g["budget_mib"] * MiB == r["memory_budget_bytes"], g
         assert 0 < g["trainer_peak_allocated_mib"] * MiB <= r["memory_budget_bytes"], (r["layout"], g)
-        assert g["engine_peak_allocated_mib"] * MiB < r["bytes"], (r["layout"], g)   # not its weights
-        assert g["within_budget"] == (g["device_peak_allocated_mib"] * MiB <= r["memory_budget_bytes"]), g
+        if method == "tensor":
+            assert g["engine_peak_allocated_mib"] * MiB < r["bytes"], (r["layout"], g)   # not its weights
+            assert g["within_budget"] == (g["device_peak_allocated_mib"] * MiB <= r["memory_budget_bytes"]), g
+        else:
+            assert g["engine_budget_mib"] * MiB == r["engine_memory_budget_bytes"], g
+            assert g["within_budget"] == all(w * MiB <= r["engine_memory_budget_bytes"]
+                                             for w in g["engine_workers_peak_allocated_mib"]), g
         assert r["over_budget"] == (not g["within_budget"]), r

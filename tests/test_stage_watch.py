@@ -166,7 +166,7 @@ def test_cuda_peaks_are_the_rises_within_the_stage_and_the_devices_sum_is_held_t
 
 
 def test_a_cuda_row_over_its_gpu_budget_is_flagged_by_the_gpu_not_the_hosts_rss():
-    from fsdp_sync.cli.bench.main import _over_budget
+    from fsdp_sync.cli.bench.methods import over_budget_line as _over_budget
     from fsdp_sync.cli.bench.methods import flag_over_budget
 
     MiB = 1 << 20
@@ -221,3 +221,34 @@ def test_a_failing_watcher_is_recorded_and_never_fails_the_stage():
     tl.stages[0].name = "sync_weights"
     with pytest.raises(RuntimeError, match="sync_weights: entering: OSError: no device"):
         peaks.result(1 << 20, tl)
+
+
+def test_a_disaggregated_rows_trainer_and_engine_workers_are_held_to_their_own_rules():
+    """distributed and disk on CUDA: the trainer against the row's budget, each engine worker against
+    the engine's rule (`plan.engine_memory_budget`), not the two added on one device."""
+    from fsdp_sync.cli.bench.gpu_memory import CudaPeaks
+    from fsdp_sync.cli.bench.methods import over_budget_line as _over_budget
+    from fsdp_sync.cli.bench.methods import flag_over_budget
+
+    MiB = 1 << 20
+    trainer, engine = _FakeAllocator(1 << 30), _FakeEngine()
+    peaks = CudaPeaks(engine, cuda=trainer)
+    with peaks:
+        trainer.alloc(90 * MiB)
+        engine.workers[0].alloc(60 * MiB)   # on the trainer's GPU: 150 MiB there, over 100
+        engine.workers[1].alloc(50 * MiB)
+    r = peaks.result(100 * MiB, None, 64 * MiB)
+    assert r["device_peak_allocated_mib"] == 150 and r["trainer_within_budget"] and r["within_budget"], r
+    engine.workers[1].alloc(-50 * MiB)
+    with peaks:
+        engine.workers[1].alloc(70 * MiB)   # one worker over the engine's rule
+    r = peaks.result(100 * MiB, None, 64 * MiB)
+    assert r["trainer_within_budget"] and not r["within_budget"], r
+    row = {"strategy": "distributed:flattened_bucket", "peak_extra_bytes": 0, "memory_budget_bytes": 100 * MiB,
+           "memory_budget_rule": "2 x max(bucket, largest tensor) + largest tensor",
+           "engine_memory_budget_bytes": 64 * MiB, "engine_memory_budget_rule": "max(bucket, largest tensor)",
+           "gpu_memory": r}
+    (row,) = flag_over_budget([row])
+    line = _over_budget(row)
+    assert row["over_budget"] and "GPU: trainer 0.0 MiB, engine workers 0.0, 70.0 MiB" in line, line
+    assert "(an engine worker: 64.0 MiB = max(bucket, largest tensor))" in line, line

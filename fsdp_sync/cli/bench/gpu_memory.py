@@ -9,7 +9,9 @@ levels; leaving reads the peaks: peak minus level is the rise, allocated (what t
 reserved (what the caching allocator took from the device). The colocated engine shares the
 trainer's GPU, so the device's rise is at most the trainer's plus its GPU's engine worker's, and
 that sum is held to the row's budget (`plan.memory_budget`, the rule `plan.engine_memory_budget`
-gives the tensor method's engine); the trainer's rise alone is held to it too.
+gives the tensor method's engine); the trainer's rise alone is held to it too. A disaggregated
+method's row (distributed, disk: `methods`) holds the trainer to its budget and each engine worker
+to the engine's rule.
 
 Not here: the sync itself (`main`), host memory (`sampling`).
 """
@@ -70,11 +72,15 @@ class CudaPeaks:
             out["device_peak_allocated_mib"] = out["trainer_peak_allocated_mib"]
         self.rises = out
 
-    def result(self, budget_bytes: int | None = None, timeline: Any = None) -> dict:
+    def result(self, budget_bytes: int | None = None, timeline: Any = None,
+               engine_budget_bytes: int | None = None) -> dict:
         """The rises of the last stage measured, with ``budget_bytes``: ``trainer_within_budget``
-        (the trainer's allocated rise) and ``within_budget`` (the device's: trainer plus its GPU's
-        engine worker, an upper bound as their peaks need not coincide). ``timeline``: the
-        manager's, whose stage record says why a measurement failed (`memory.Timeline.watch`)."""
+        (the trainer's allocated rise) and ``within_budget``: colocated (the tensor method), the
+        device's rise (trainer plus its GPU's engine worker, an upper bound as their peaks need
+        not coincide) against ``budget_bytes``; with ``engine_budget_bytes`` (a disaggregated
+        method's engine rule, `plan.engine_memory_budget`), the trainer against its budget and every
+        engine worker against that. ``timeline``: the manager's, whose stage record says why a
+        measurement failed (`memory.Timeline.watch`)."""
         if self.rises is None:
             why = [f"{s.name}: {s.watch_error}" for s in getattr(timeline, "stages", []) if s.watch_error]
             raise RuntimeError("CudaPeaks measured no stage: " + ("; ".join(why) if why else
@@ -84,4 +90,8 @@ class CudaPeaks:
             out["budget_mib"] = budget_bytes / MiB
             out["trainer_within_budget"] = out["trainer_peak_allocated_mib"] * MiB <= budget_bytes
             out["within_budget"] = out["device_peak_allocated_mib"] * MiB <= budget_bytes
+            if engine_budget_bytes is not None:
+                out["engine_budget_mib"] = engine_budget_bytes / MiB
+                out["within_budget"] = out["trainer_within_budget"] and all(
+                    w * MiB <= engine_budget_bytes for w in out.get("engine_workers_peak_allocated_mib", []))
         return out

@@ -376,17 +376,6 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     return {"rows": rows}
 
 
-def _over_budget(r: dict) -> str:
-    """What a row over its budget took, against the rule (a CUDA row: its GPU's allocator rise)."""
-    gpu = r.get("gpu_memory") or {}
-    took = (f"GPU {gpu['device_peak_allocated_mib']:.1f} MiB (trainer "
-            f"{gpu['trainer_peak_allocated_mib']:.1f} + its GPU's engine worker)" if "within_budget" in gpu
-            else f"{r['peak_extra_bytes'] / MiB:.1f} MiB")
-    return (f"{r['strategy']}: {took} > {r['memory_budget_bytes'] / MiB:.1f} MiB = {r['memory_budget_rule']}"
-            + (f" (an engine worker: {r['engine_memory_budget_bytes'] / MiB:.1f} MiB "
-               f"= {r['engine_memory_budget_rule']})" if "engine_memory_budget_bytes" in r and not gpu else ""))
-
-
 class _Served:
     """``--engine http``: the job's engine behind `EngineServer` on loopback, and the
     `SGLangEngine` client the manager gets instead of the engine."""
@@ -651,8 +640,10 @@ def cmd_bench(args) -> int:
     console.print(table)
     over = [r for r in result["rows"] if r.get("over_budget")]
     if over:
+        from .methods import over_budget_line
+
         console.print(f"[red]{len(over)} row(s) over their memory budget[/] ("
-                      + "; ".join(_over_budget(r) for r in over) + ")")
+                      + "; ".join(over_budget_line(r) for r in over) + ")")
     if args.preset == "targets":
         result["targets"] = check_targets(result["rows"])
         t = result["targets"]

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .floors import layout_figures
+from .gpu_memory import CudaPeaks
 from .sampling import DeviceSampler, rises, sampled_sync
 from ...topology import cpu_group
 
@@ -171,7 +172,11 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 if rank == 0:
                     workers = list(getattr(engine, "worker_pids", []) or [])
                     sampler = DeviceSampler([(p, None) for p in list(pids) + workers])
+                peaks = CudaPeaks(engine) if job.device == "cuda" else None
+                if peaks:       # the sync stage alone, as a tensor row's (`gpu_memory`)
+                    manager.watch["sync_weights"] = peaks
                 sampled_sync(manager, sampler)
+                manager.watch.pop("sync_weights", None)
                 lay = None
                 if method == "distributed":
                     # the full path gathers to rank 0 (no host-shared memory): share only per-rank
@@ -210,6 +215,13 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     staged = reference_engine_stages("reference", method, rows[-1].get("layout") or "full")
                     rows[-1].update(engine_memory_budget(method, bucket_bytes, largest,
                                                          rows[-1]["engine_rank_shard_bytes"], staged=staged))
+                    if peaks:
+                        from ...plan import quantized_bucket_bytes
+
+                        rows[-1]["gpu_memory"] = peaks.result(
+                            rows[-1]["memory_budget_bytes"] + (quantized_bucket_bytes(bucket_bytes, dtype)
+                                                               if job.quantization else 0),
+                            manager.timeline, rows[-1]["engine_memory_budget_bytes"])
             finally:
                 manager.close()
                 if workdir is not None:
@@ -262,6 +274,23 @@ def flag_over_budget(rows: list[dict]) -> list[dict]:
         else:
             r["over_budget"] = r["peak_extra_bytes"] > r["memory_budget_bytes"]
     return rows
+
+
+def over_budget_line(r: dict) -> str:
+    """What a row over its budget took, against the rule (a CUDA row: its GPU's allocator rise)."""
+    gpu = r.get("gpu_memory") or {}
+    if "engine_budget_mib" in gpu:      # disaggregated: each process against its own rule
+        took = (f"GPU: trainer {gpu['trainer_peak_allocated_mib']:.1f} MiB, engine workers "
+                f"{', '.join(f'{w:.1f}' for w in gpu.get('engine_workers_peak_allocated_mib', []))} MiB")
+    elif "within_budget" in gpu:
+        took = (f"GPU {gpu['device_peak_allocated_mib']:.1f} MiB (trainer "
+                f"{gpu['trainer_peak_allocated_mib']:.1f} + its GPU's engine worker)")
+    else:
+        took = f"{r['peak_extra_bytes'] / MiB:.1f} MiB"
+    return (f"{r['strategy']}: {took} > {r['memory_budget_bytes'] / MiB:.1f} MiB = {r['memory_budget_rule']}"
+            + (f" (an engine worker: {r['engine_memory_budget_bytes'] / MiB:.1f} MiB "
+               f"= {r['engine_memory_budget_rule']})" if "engine_memory_budget_bytes" in r
+               and ("engine_budget_mib" in gpu or not gpu) else ""))
 
 
 def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floor, manager, sampler,
