@@ -42,7 +42,9 @@ STEPS="$OUT/steps.tsv"
 BENCH=(--ranks 1 --tp 1 --device cuda --dtype bfloat16 --bucket-mb 512 --repeats 3)
 PLAN=(--ranks 1 --tp 1 --dtype bfloat16 --bucket-mb 512 --engine reference --gpu-memory-utilization 0.3)
 
-step test_gpu 150 make test-gpu PY="$PY" STAMP= PYTEST_GPU_ARGS="-n 8 --timeout 140"
+# -vv: each test's outcome on a line of its own as it ends, so a step cut at its limit still says
+# which tests passed and failed (xdist's dots would not)
+step test_gpu 150 make test-gpu PY="$PY" STAMP= PYTEST_GPU_ARGS="-n 8 --timeout 140 -vv -rfE"
 step payload 60 "$PY" - "$OUT" <<'EOF'
 import sys, pickle, torch
 from fsdp_sync.weights import handles

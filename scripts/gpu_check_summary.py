@@ -10,6 +10,7 @@ Usage: python scripts/gpu_check_summary.py OUT
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -51,10 +52,29 @@ def summarize(out: Path, device: str | None = None, torch_version: str | None = 
                 row[f"bench_over_{col}"] = r["seconds"] / planned if planned and r.get("seconds") else None
             rows.append(row)
     cluster = _load(out, "this_machine") or None
-    result = {"device": device, "torch": torch_version, "steps": steps, "rows": rows, "this_machine": cluster}
+    result = {"device": device, "torch": torch_version, "steps": steps, "tests": gpu_tests(out),
+              "rows": rows, "this_machine": cluster}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     (out / "gpu_check.md").write_text(table(result))
     return result
+
+
+def gpu_tests(out: Path) -> dict | None:
+    """The test_gpu step's outcome per test, from its log (pytest -vv under xdist: a line per test
+    as it ends, so a step cut at its limit still tells what ran): counts and the names of those
+    that failed or errored, and whether the log has pytest's closing line (None: no log)."""
+    try:
+        text = (out / "test_gpu.log").read_text(errors="replace")
+    except OSError:
+        return None
+    seen: dict[str, str] = {}
+    for outcome, name in re.findall(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests/\S+)", text):
+        seen.setdefault(name, outcome)     # the -rfE summary repeats a failure: its first word counts
+    counts: dict = {}
+    for outcome in seen.values():
+        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    return {**counts, "failed_tests": sorted(n for n, o in seen.items() if o in ("FAILED", "ERROR")),
+            "finished": bool(re.search(r"^=+ .* in [\d.]+s", text, re.M))}
 
 
 def _f(v, p: int = 3) -> str:
@@ -64,6 +84,11 @@ def _f(v, p: int = 3) -> str:
 def table(result: dict) -> str:
     lines = ["| step | rc | s |", "|---|---|---|"]
     lines += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in result["steps"]]
+    t = result.get("tests")
+    if t is not None:
+        lines += ["", "test_gpu: " + ", ".join(f"{t[k]} {k}" for k in ("passed", "failed", "error", "skipped") if k in t)
+                  + ("" if t["finished"] else " (cut at the step's limit: the tests not named did not finish)")
+                  + "".join(f"\n- {n}" for n in t["failed_tests"])]
     lines += ["", "| model | strategy | layout | piped | quant | s | copy s | x copy | plan s (h100-node) | "
               "bench/plan | plan s (this machine) | bench/plan | trainer rise MiB (alloc/res) | "
               "engine rise MiB | GPU rise MiB | budget MiB | within (GPU/trainer) |", "|" + "---|" * 17]

@@ -128,6 +128,13 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
     d.mkdir()
     shutil.copy(out, d / "bench_gpu.json")
     (d / "steps.tsv").write_text("bench_gpu\t0\t12.5\nplan\t0\t3.1\nplan_here\t0\t61.0\nbench_7b\t125\t0\n")
+    # the test_gpu step's log as pytest -vv under xdist writes it, cut at the step's limit
+    (d / "test_gpu.log").write_text(
+        "[gw0] [ 10%] PASSED tests/test_gpu.py::test_verify_full_on_cuda \n"
+        "tests/test_gpu.py::test_disk_method_on_cuda[full] \n"
+        "[gw1] [ 20%] FAILED tests/test_gpu.py::test_disk_method_on_cuda[full] \n"
+        "[gw0] [ 30%] SKIPPED tests/test_gpu.py::test_distributed_method_on_two_gpus \n"
+        "FAILED tests/test_gpu.py::test_disk_method_on_cuda[full] - AssertionError\n")
     here = dataclasses.replace(CLUSTERS["h100-node"], name="this-machine", tensor_s=1e-4, bucket_s=2e-3, sync_s=1e-3)
     (d / "this_machine.json").write_text(json.dumps(here.to_dict()))
     for name, cluster in (("plan", "h100-node"), ("plan_here", str(d / "this_machine.json"))):
@@ -144,6 +151,8 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
     assert [(s["step"], s["rc"]) for s in summary["steps"]] == [("bench_gpu", "0"), ("plan", "0"),
                                                                   ("plan_here", "0"), ("bench_7b", "125")]
     assert summary["this_machine"]["tensor_s"] == 1e-4 and len(summary["rows"]) == len(rows)
+    assert summary["tests"] == {"passed": 1, "failed": 1, "skipped": 1, "finished": False,
+                                "failed_tests": ["tests/test_gpu.py::test_disk_method_on_cuda[full]"]}
     for r, b in zip(summary["rows"], rows):
         assert (r["seconds"], r["layout"], r["strategy"]) == (b["seconds"], b["layout"], b["strategy"])
         if r["strategy"] != "flattened":
@@ -155,6 +164,8 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
         assert r["plan_here_seconds"] > r["plan_seconds"]          # the measured costs priced
     md = (d / "gpu_check.md").read_text()
     assert md.count("| tiny |") == len(rows) and "| bench_7b | 125 | 0 |" in md and "us/tensor" in md
+    assert "test_gpu: 1 passed, 1 failed, 1 skipped (cut at the step's limit" in md
+    assert "\n- tests/test_gpu.py::test_disk_method_on_cuda[full]" in md
     # each row says where its time went, engine call by engine call (the per-tensor row: sums only)
     for r in rows:
         assert r["call_seconds"]["engine_s"] > 0 and ("calls" in r) == (r["strategy"] != "per_tensor"), r
