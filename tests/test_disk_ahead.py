@@ -64,8 +64,8 @@ class _Spy:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def hash_files_ahead(self, directory, files, hash):
-        self._engine.hash_files_ahead(directory, files, hash)
+    def hash_files_ahead(self, directory, files, hash, published=None):
+        self._engine.hash_files_ahead(directory, files, hash, published=published)
         self.told.append(list(files))
         if self._then is not None:
             self._then(directory, files)
@@ -231,6 +231,16 @@ def test_a_file_told_too_early_or_from_another_directory_is_hashed_at_the_load(t
         assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
         for pid in engine.worker_pids:
             assert _open_under(pid, str(tmp_path)) == []
+        # a worker that comes to the first files only after the version was published (a loaded
+        # machine; the trainer told them before its rename): found under the published name
+        tmp2, final2 = os.path.join(d, ".step_11.tmp-0123456789ab"), os.path.join(d, "step_11")
+        shutil.copytree(final, tmp2)
+        os.rename(tmp2, final2)
+        engine.hash_files_ahead(tmp2, files, "xxh3_128", published=final2)
+        engine.update_weights_from_disk(final2)
+        assert engine.disk_seconds["files_hashed_ahead"] == len(files), engine.disk_seconds
+        assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
+        shutil.rmtree(final2)
         # told of a version that is never loaded (its sync failed, its temp directory removed):
         # the files stay open only until the next update of any kind
         gone = os.path.join(d, ".step_10.tmp-0123456789ab")

@@ -201,8 +201,9 @@ class Engine(Protocol):
     # Optional: ``accepts_rank_checkpoints = True`` (with ``tp_size``): ``update_weights_from_disk``
     # loads per-rank checkpoints (`hf_checkpoint.resolve_ranked`), so the disk method writes them;
     # ``disk_bytes_read`` (per TP rank, the last disk update) feeds ``engine_rank_bytes_in``.
-    # Optional with it: ``hash_files_ahead(directory, files, hash)``, a hint sent without waiting
-    # that per-rank files of a version still being written are complete (`transport.disk_ranked`).
+    # Optional with it: ``hash_files_ahead(directory, files, hash, published=None)``, a hint sent
+    # without waiting that per-rank files of a version still being written are complete
+    # (``published``: the version's name once renamed; `transport.disk_ranked`).
     # For method distributed: ``accepts_distributed_rank_buckets = True`` and
     # ``update_weights_from_distributed(load_format="per_rank_bucket")`` (`transport.group.PER_RANK_BUCKET`).
     # Optional, in-flight updates and versions (module docstring; `ReferenceEngine` and

@@ -215,7 +215,7 @@ class DiskTransport:
             else:
                 parts = len(reshard.plan_rank_buckets(layout, metas[0].dtype, cfg.bucket_bytes))
                 n_files = parts * layout.tp
-                ahead = HashAhead(ctx.engines, tmp, layout.tp, disk_hash(cfg), rank)
+                ahead = HashAhead(ctx.engines, tmp, layout.tp, disk_hash(cfg), rank, published=final)
                 records, err, self.host_shared, self._split = write_rank_buckets(
                     ctx, tmp, rank, writers, layout, parts, st, quant=self._quant,
                     host_keep=self._host_keep, ahead=ahead, pool=pool)

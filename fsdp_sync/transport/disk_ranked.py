@@ -4,8 +4,9 @@ while the rest are written (`HashAhead`), and publishing the version under its m
 
 What a per-rank version holds and why SGLang cannot load one: `transport.disk` (module docstring).
 
-**Hashing ahead.** An engine that has ``hash_files_ahead(directory, files, hash)`` (the reference
-engine) is told, on trainer rank 0 while the trainer still writes later buckets, the names of the
+**Hashing ahead.** An engine that has ``hash_files_ahead(directory, files, hash, published=)``
+(the reference engine; ``published``: the version's name once renamed, where a worker that comes
+to the hint late finds the files) is told, on trainer rank 0 while the trainer still writes later buckets, the names of the
 files in the temp directory that are complete: this rank's own once its writer finished them, and
 every writer's files of bucket k-2 once the stream has made bucket k (each writer waits for its
 bucket k-2 to be written before the stream's collectives of bucket k, so they are complete by
@@ -126,10 +127,11 @@ class HashAhead:
     docstring); on other ranks, or without such an engine, it does nothing. ``told``: the files
     told this sync."""
 
-    def __init__(self, engines: Iterable[Any], directory: str, tp: int, hash: str, rank: int) -> None:
+    def __init__(self, engines: Iterable[Any], directory: str, tp: int, hash: str, rank: int,
+                 published: str | None = None) -> None:
         self.engines = [e for e in engines or []
                         if callable(getattr(e, "hash_files_ahead", None))] if rank == 0 else []
-        self.directory, self.tp, self.hash = directory, tp, hash
+        self.directory, self.tp, self.hash, self.published = directory, tp, hash, published
         self.told: set[str] = set()
 
     def tell(self, files: Iterable[str]) -> None:
@@ -139,7 +141,7 @@ class HashAhead:
         self.told.update(new)
         for e in list(self.engines):
             try:
-                e.hash_files_ahead(self.directory, new, self.hash)
+                e.hash_files_ahead(self.directory, new, self.hash, published=self.published)
             except Exception as exc:   # noqa: BLE001 - an optimization: the load checks every file
                 log.debug("fsdp_sync: %s cannot hash ahead (%s: %s); not told again this sync",
                           type(e).__name__, type(exc).__name__, exc)

@@ -68,13 +68,16 @@ class DiskCalls:
             self.disk_tensors_loaded = counts[0] if per_rank[0][0][1] == "hf" else sum(counts)
             self._after_update(weight_version, flush_cache)
 
-    def hash_files_ahead(self, directory: str, files: Sequence[str], hash: str) -> None:
+    def hash_files_ahead(self, directory: str, files: Sequence[str], hash: str,
+                         published: str | None = None) -> None:
         """A hint, sent without waiting: ``files`` (per-rank file names, ``model-rank-{r}-part-{k}``)
         in ``directory`` are complete; worker r hashes its own under ``hash`` and keeps them open
         for the next ``update_weights_from_disk``, which takes one as checked only while it is the
         very file it hashed (device, inode, size, mtime) with the digest its manifest names, and
-        hashes every other file itself. Nothing is loaded or changed. Does nothing while another
-        call holds the engine or a worker is gone (the update then hashes the files itself)."""
+        hashes every other file itself. ``published``: the name ``directory`` will have once the
+        version is published, where a worker that comes to the hint only after the rename finds
+        the files. Nothing is loaded or changed. Does nothing while another call holds the engine
+        or a worker is gone (the update then hashes the files itself)."""
         by_rank: dict[int, list[str]] = {}
         for f in files:
             m = _RANK_FILE.match(os.path.basename(str(f)))
@@ -87,7 +90,8 @@ class DiskCalls:
                 return
             seq = next(self._seq)
             for r, fs in sorted(by_rank.items()):
-                self._send(r, seq, "hash_ahead", {"dir": os.fspath(directory), "files": fs,
-                                                   "hash": str(hash)}, "hash_files_ahead")
+                self._send(r, seq, "hash_ahead", {"dir": os.fspath(directory), "files": fs, "hash": str(hash),
+                                                   "published": os.fspath(published) if published else None},
+                           "hash_files_ahead")
         finally:
             self._lock.release()

@@ -376,18 +376,26 @@ class UpdateStager:
         (`_stage_disk_ranked` takes one only while it is the same file with the manifest's digest).
         The directory is opened at its first files, and later files are found by name in that open
         directory, so files told while the trainer publishes the version (renames it) are still
-        found. A file that cannot be read or parsed yet is skipped (the stage hashes it); files of
-        another directory are dropped. Changes nothing else."""
+        found; a worker that comes to its first files only after the rename (a loaded machine)
+        opens the version under ``a["published"]``, its name once published. A file that cannot
+        be read or parsed yet is skipped (the stage hashes it); files of another directory are
+        dropped. Changes nothing else."""
         from ...weights.hf_checkpoint import CheckpointError
         from ...weights.verified_file import VerifiedFile
 
         directory = str(a["dir"])
         if self.ahead_dir != directory:
             self.close_ahead()
-            try:    # opened once: its files are found by name even after the version is renamed
-                self.ahead_dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            except OSError:
-                return                          # published (or gone) already: the stage hashes
+            # opened once: its files are found by name even after the version is renamed; renamed
+            # before this worker came to it: under its published name
+            for where in filter(None, (directory, a.get("published"))):
+                try:
+                    self.ahead_dirfd = os.open(str(where), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                    break
+                except OSError:
+                    continue
+            else:
+                return                          # gone (a failed sync removed it): the stage hashes
             self.ahead_dir = directory
         for file in a["files"]:
             file = os.path.basename(str(file))
