@@ -2,9 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# The CPU build of torch that lies on CPU machines of this kind. It is installed before the project,
-# so `torch>=2.6` in pyproject.toml is already met and no CUDA build is ever pulled. Override
-# TORCH_SPEC on a GPU machine (e.g. TORCH_SPEC=torch) if you want pip to pick a CUDA build there.
+# The CPU build of torch that lies on CPU machines of this kind (where pip's find-links point). It is
+# installed before the project, so `torch>=2.6` in pyproject.toml is already met and no CUDA build is
+# ever pulled. Override TORCH_SPEC on a GPU machine (e.g. TORCH_SPEC=torch) for a CUDA build there.
+# Every venv is built with uv (scripts/uv_env.sh), itself installed once into .venv-uv with pip.
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.fsdp_sync-installed
 
@@ -12,10 +13,9 @@ STAMP  := $(VENV)/.fsdp_sync-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,cli]"
+# scripts/project_env.sh: uv installs torch, then the project with its test and cli extras.
+$(STAMP): pyproject.toml scripts/project_env.sh scripts/uv_env.sh
+	VENV="$(VENV)" TORCH_SPEC="$(TORCH_SPEC)" PYTHON="$(PYTHON)" bash scripts/project_env.sh
 	@touch $(STAMP)
 
 demo: $(STAMP)

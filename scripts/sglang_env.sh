@@ -10,7 +10,7 @@
 #   SGLANG_VERSION  sglang release from PyPI (default 0.5.23)
 #   SGLANG_OLD_VERSIONS  older releases also checked (default 0.5.12, verl 0.9.1's `verl[sglang]`
 #                   pin; empty: none): each goes, without dependencies, into "$VENV/sglang-$V"
-#                   (`pip install --target`), which `make test-sglang` puts first on PYTHONPATH
+#                   (`uv pip install --target`), which `make test-sglang` puts first on PYTHONPATH
 #                   for a second run of the wire-contract, receiver and adapter tests in this same
 #                   venv (the shared packages serve them: ~20 s and ~40 MB per release, instead of
 #                   a second venv). 0.5.12 imports torchvision at module level, which no CPU wheel
@@ -25,6 +25,7 @@
 # are CUDA builds), so the tier reads Engine's signatures and the HTTP routes from the installed
 # source instead.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/uv_env.sh"   # installs with uv: ensure_uv, uv_venv, uv_pip, uv_torch
 
 VENV=${SGLANG_VENV:-.venv-sglang}
 VERSION=${SGLANG_VERSION:-0.5.23}
@@ -66,9 +67,8 @@ old_releases() {
     [[ -f "$dir/.fsdp_sync-installed" ]] && continue
     rm -rf "$dir"
     local t0=$(date +%s)
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --target "$dir" \
-      "sglang==$v" >>"$VENV/sglang-tier-install.log" 2>&1 || {
-        tail -20 "$VENV/sglang-tier-install.log" >&2; echo "pip install sglang==$v failed" >&2; exit 1; }
+    uv_pip "$VENV" --no-deps --target "$dir" "sglang==$v" >>"$VENV/sglang-tier-install.log" 2>&1 || {
+        tail -20 "$VENV/sglang-tier-install.log" >&2; echo "uv pip install sglang==$v failed" >&2; exit 1; }
     PYTHONPATH="$dir:$STAND_IN" "$VENV/bin/python" -W ignore - "$v" <<'PYEOF'
 import sys
 import sglang
@@ -83,6 +83,7 @@ PYEOF
   done
 }
 
+ensure_uv
 if [[ -f "$STAMP" ]]; then
   verl_wheel
   old_releases
@@ -91,30 +92,19 @@ if [[ -f "$STAMP" ]]; then
 fi
 
 start=$(date +%s)
-[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-PY=("$VENV/bin/python" -W ignore)          # torch warns about numpy until numpy is in
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+uv_venv "$VENV"
 
-# pip's log goes to a file: it warns at length that sglang's (GPU) dependencies are missing,
-# which is the point here. On a failure the log is shown.
+# The installer's log goes to a file; on a failure it is shown.
 LOG="$VENV/sglang-tier-install.log"
 quiet_pip() {
-  "${PIP[@]}" "$@" >>"$LOG" 2>&1 || {
+  uv_pip "$VENV" "$@" >>"$LOG" 2>&1 || {
     cat "$LOG" >&2
-    echo "pip install $* failed" >&2
+    echo "uv pip install $* failed" >&2
     exit 1
   }
 }
-"${PY[@]}" -c "import torch" 2>/dev/null || quiet_pip "$TORCH_SPEC"
-
 PIN="$VENV/torch-pin.txt"
-"${PY[@]}" - "$PIN" <<'PYEOF'
-import sys, torch
-if torch.version.cuda is not None:
-    sys.exit(f"refusing to go on: {torch.__version__} in this venv is a CUDA build")
-with open(sys.argv[1], "w") as f:
-    f.write(f"torch=={torch.__version__.split('+')[0]}\n")
-PYEOF
+uv_torch "$VENV" "$TORCH_SPEC" "$PIN" >>"$LOG" 2>&1 || { cat "$LOG" >&2; exit 1; }
 
 echo "installing sglang==$VERSION (no dependencies), $TRITON_SPEC and ${#DEPS[@]} packages" \
      "(log: $LOG)"

@@ -17,6 +17,7 @@
 # import of verl.workers.* needs; pytest and pytest-timeout run the tier; xxhash is fsdp_sync's own
 # (installed --no-deps below).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/uv_env.sh"   # installs with uv: ensure_uv, uv_venv, uv_pip, uv_torch
 
 VENV=${VERL_VENV:-.venv-verl}
 VERSION=${VERL_VERSION:-0.9.1}
@@ -27,34 +28,26 @@ STAMP="$VENV/.verl-tier-$VERSION"
 DEPS=(TransferQueue cachetools fastapi uvicorn msgspec pyzmq pytest pytest-timeout xxhash)
 
 start=$(date +%s)
+ensure_uv
 if [[ ! -f "$STAMP" ]]; then
-  [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-  PY=("$VENV/bin/python" -W ignore)
-  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  uv_venv "$VENV"
   LOG="$VENV/verl-tier-install.log"
   quiet_pip() {
-    "${PIP[@]}" "$@" >>"$LOG" 2>&1 || {
+    uv_pip "$VENV" "$@" >>"$LOG" 2>&1 || {
       tail -50 "$LOG" >&2
-      echo "pip install $* failed (whole log: $LOG)" >&2
+      echo "uv pip install $* failed (whole log: $LOG)" >&2
       exit 1
     }
   }
-  "${PY[@]}" -c "import torch" 2>/dev/null || quiet_pip "$TORCH_SPEC"
   PIN="$VENV/torch-pin.txt"
-  "${PY[@]}" - "$PIN" <<'PYEOF'
-import sys, torch
-if torch.version.cuda is not None:
-    sys.exit(f"refusing to go on: {torch.__version__} in this venv is a CUDA build")
-with open(sys.argv[1], "w") as f:
-    f.write(f"torch=={torch.__version__.split('+')[0]}\n")
-PYEOF
+  uv_torch "$VENV" "$TORCH_SPEC" "$PIN" >>"$LOG" 2>&1 || { cat "$LOG" >&2; exit 1; }
   echo "installing verl==$VERSION (no extras) and ${#DEPS[@]} packages (log: $LOG)"
   quiet_pip -c "$PIN" "verl==$VERSION" "${DEPS[@]}"
   touch "$STAMP"
 fi
 
 # fsdp_sync itself, editable, every time (cheap): its entry points are read from its metadata.
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . >/dev/null
+uv_pip "$VENV" --no-deps -e . >/dev/null
 
 "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as md, sys, torch
