@@ -42,12 +42,14 @@ uv_venv() {
   [[ -x "$1/bin/python" ]] || "$UV" venv -q --seed -p "$PYTHON" "$1"
 }
 
-# uv_pip VENV ARGS...: uv pip install into VENV, with pip's find-links.
+# uv_pip VENV ARGS...: uv pip install into VENV, with pip's find-links, compiling the bytecode as
+# pip does (uv does not by default): where PYTHONDONTWRITEBYTECODE is set, as on these machines, a
+# venv without it compiles torch and transformers anew in every process that imports them.
 uv_pip() {
   local venv=$1; shift
   local links=()
   mapfile -t links < <(_uv_find_links)
-  "$UV" pip install -q -p "$venv/bin/python" "${links[@]}" "$@"
+  "$UV" pip install -q --compile-bytecode -p "$venv/bin/python" "${links[@]}" "$@"
 }
 
 # uv_torch VENV SPEC PIN: install SPEC (unless torch imports already), refuse a CUDA build on a
