@@ -27,10 +27,10 @@ demo: $(STAMP)
 BYTECODE = -m compileall -q -j 0 fsdp_sync tests examples scripts dev > /dev/null
 
 # -n 2: two tests at a time (pytest-xdist): the multi-process tests spend much of their time
-# waiting (timeouts, polls, replies). Rank and engine-worker processes fork from a server that
-# imported torch and transformers once (tests/conftest.py), the longest tests start first. On 2
-# cores: 8.5 to 11 min as the host's speed varies (768 tests, about 1200 s of CPU measured test by
-# test: CPU-bound throughout). --durations: the slowest tests, so the suite's time can be watched
+# waiting (timeouts, polls, replies). Rank processes fork from a server that imported torch and
+# transformers once (tests/conftest.py), a rank's engine workers from a server forked from the rank
+# (procs.prefork_worker_server), the longest tests start first. On 2 cores: 9.3 min (770 tests;
+# 10.7 to 11.8 min before rank jobs forked their workers' server: the host's speed varies). --durations: the slowest tests, so the suite's time can be watched
 test: $(STAMP)
 	$(PY) $(BYTECODE)
 	$(PY) -m pytest -q -n 2 --durations=20

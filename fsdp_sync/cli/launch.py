@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from ..engines.reference.procs import claim_temp_dir, forkserver_usable
+from ..engines.reference.procs import claim_temp_dir, forkserver_usable, prefork_worker_server
 from ..wire import free_port
 
 __all__ = ["run_ranks", "RankError", "spawn_env", "PRELOAD"]
@@ -66,6 +66,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, pg_timeout_s: f
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
     try:
+        prefork_worker_server()   # FSDP_SYNC_WORKERS_START=forkserver: before any thread starts
         dist.init_process_group(
             backend=backend, rank=rank, world_size=world_size,
             init_method=f"tcp://127.0.0.1:{port}",

@@ -32,6 +32,8 @@ imported torch once (`PRELOAD`): a worker then starts in a fraction of a second 
 seconds of imports, which adds up over a test run that starts hundreds. The child takes the same
 environment (`worker_env`) and ``sys.path``. Only for a caller whose ``__main__`` is guarded (the
 forkserver's children import it, as spawn's do); a daemonic process falls back to a fresh interpreter.
+A `cli.launch.run_ranks` rank forks that server from itself when it starts (`prefork_worker_server`):
+it has imported torch already, so the server costs a fork instead of a fresh interpreter's imports.
 The forkserver's socket lives in a multiprocessing temp directory, which a process removes when it
 exits but not when it is killed with its children (Ray SIGKILLs a worker's tree at shutdown), and
 an anonymous ``pymp-*`` cannot be told from a live process's: `claim_temp_dir` names it
@@ -54,7 +56,7 @@ from typing import Any, Mapping
 
 __all__ = ["WorkerSet", "signame", "WorkerProcess", "start", "worker_env", "launcher_env_names", "LAUNCHER_ENV",
            "LAUNCHER_ENV_PREFIXES", "PRELOAD", "forkserver_usable", "claim_temp_dir",
-           "remove_dead_temp_dirs", "TEMP_DIR_PREFIX"]
+           "remove_dead_temp_dirs", "TEMP_DIR_PREFIX", "prefork_worker_server"]
 
 PRELOAD = ["torch", "torch.distributed", "fsdp_sync.engines.reference.worker",
            "fsdp_sync.engines.reference.preloaded"]
@@ -268,6 +270,68 @@ def remove_dead_temp_dirs(root: str | None = None) -> list[str]:
         except (OSError, psutil.Error):
             continue                    # gone meanwhile, or not allowed to look: keep it
     return removed
+
+
+def prefork_worker_server() -> bool:
+    """Under ``FSDP_SYNC_WORKERS_START=forkserver``: give this process its forkserver now, forked
+    from this process, instead of the fresh interpreter multiprocessing starts at the first worker
+    (which imports torch again: 2.2-2.8 s of a core on 2-core CPU hosts, paid once for every rank job
+    of a test run that starts an engine). Called first thing by a `cli.launch.run_ranks` rank,
+    while it has no other thread (fork is safe then, as it is in multiprocessing's own server) and
+    after it imported what a worker needs (`PRELOAD`). The server is multiprocessing's
+    (``multiprocessing.forkserver.main``) and is set as this process's forkserver as
+    ``ForkServer.ensure_running`` sets one it started; it ends when this process and the workers it
+    forked are gone, with ``os._exit`` (none of this process's exit handlers runs twice).
+
+    Returns whether it did: not without the forkserver start, with a server already running, with
+    other threads, or on a Python whose forkserver it does not know (3.14 and later add a handshake);
+    then the first worker starts the server as usual."""
+    if os.environ.get("FSDP_SYNC_WORKERS_START") != "forkserver" or not forkserver_usable():
+        return False
+    import importlib
+    import inspect
+    import socket
+    import threading
+    import multiprocessing.forkserver as mp_forkserver
+    from multiprocessing import connection
+
+    server = mp_forkserver._forkserver
+    known = (sys.version_info < (3, 14)
+             and list(inspect.signature(mp_forkserver.main).parameters)
+             == ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+             and all(hasattr(server, a) for a in ("_forkserver_address", "_forkserver_alive_fd",
+                                                  "_forkserver_pid")))
+    if not known or server._forkserver_pid is not None or threading.active_count() > 1:
+        return False
+    for name in PRELOAD:
+        importlib.import_module(name)
+    claim_temp_dir()                       # the socket goes in this process's named pymp dir
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()           # this process and every worker hold the write end
+    pid = os.fork()
+    if pid == 0:                           # the server
+        code = 0
+        try:
+            os.close(alive_w)
+            mp_forkserver.main(listener.fileno(), alive_r, [])   # preloaded already: this process's
+        except SystemExit as exc:          # its way out once every holder of alive_w is gone
+            code = exc.code if isinstance(exc.code, int) else 0
+        except BaseException:              # noqa: BLE001 - say why, then leave as the server would
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = \
+        address, alive_w, pid
+    return True
 
 
 def _forked(conn: Connection, path: list, env: dict, target: str, blob: bytes) -> None:

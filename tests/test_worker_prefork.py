@@ -1,0 +1,59 @@
+"""`procs.prefork_worker_server`: a `run_ranks` rank under ``FSDP_SYNC_WORKERS_START=forkserver``
+(as this suite runs them) forks its engine workers' forkserver from itself when it starts, instead of
+multiprocessing starting a fresh interpreter at the first worker, which imports torch once more
+(2.2-2.8 s of a core, once per rank job that starts an engine: about 80 in `make test`).
+
+Checked: the server is the rank's only child at its start and a fork of it (the rank's command
+line, the rank its parent); the engine's workers are that server's children; the engine generates
+the same greedy tokens as one whose workers come from this test process's own forkserver; the
+server is gone once the job ends; and a rank started without the setting forks nothing."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from fsdp_sync.cli.launch import run_ranks, spawn_env
+from fsdp_sync.engines import ReferenceEngine
+
+PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7]]
+
+
+def _job(rank: int, world: int) -> dict:
+    me = psutil.Process()
+    at_start = [c.pid for c in me.children()]
+    forks = [c.pid for c in me.children() if c.cmdline() == me.cmdline()]
+    engine = ReferenceEngine(model_config="tiny", tp_size=2, pg_timeout_s=30)
+    try:
+        parents = [psutil.Process(p.pid).parent() for p in engine._w.procs]
+        return {"pid": me.pid, "at_start": at_start, "forks": forks,
+                "parents": [p.pid for p in parents],
+                "parents_parent": [p.ppid() for p in parents],
+                "tokens": engine.generate(PROMPTS, 6)}
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_ranks_workers_fork_from_a_server_forked_from_the_rank():
+    (out,) = run_ranks(_job, 1, timeout_s=100, env=spawn_env({"FSDP_SYNC_WORKERS_START": "forkserver"}))
+    assert len(out["at_start"]) == 1 and out["forks"] == out["at_start"], out
+    server = out["at_start"][0]
+    assert out["parents"] == [server, server], out           # both TP workers forked by it
+    assert out["parents_parent"] == [out["pid"]] * 2, out     # and it by the rank
+    with ReferenceEngine(model_config="tiny", tp_size=2, pg_timeout_s=30) as here:
+        assert out["tokens"] == here.generate(PROMPTS, 6)
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(server) and psutil.Process(server).status() != psutil.STATUS_ZOMBIE \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(120)
+def test_without_the_forkserver_start_a_rank_forks_nothing():
+    (out,) = run_ranks(_job, 1, timeout_s=100, env=spawn_env({"FSDP_SYNC_WORKERS_START": "fresh"}))
+    assert out["at_start"] == [] and out["forks"] == [], out
+    assert out["parents"] == [out["pid"]] * 2, out            # fresh interpreters, the rank's own
