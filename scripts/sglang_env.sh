@@ -32,7 +32,7 @@ VERSION=${SGLANG_VERSION:-0.5.23}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 PYTHON=${PYTHON:-python3}
 TRITON_SPEC=${TRITON_SPEC:-triton==3.8.0}   # the triton SGLang 0.5.23's torch (2.14.1) pairs with
-STAMP="$VENV/.sglang-tier-$VERSION-models-router"   # -models: transformers for the model-class checks; -router: sglang-router
+STAMP="$VENV/.sglang-tier-$VERSION-models-router-xdist"   # -models: transformers for the model-class checks; -router: sglang-router; -xdist: the tier runs two test files at a time
 OLD_VERSIONS=${SGLANG_OLD_VERSIONS-0.5.12}
 STAND_IN="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/tests/sglang_tier/old_release"
 
@@ -45,7 +45,7 @@ SGLANG_TRANSFORMERS=${SGLANG_TRANSFORMERS:-transformers==5.19.0}   # sglang 0.5.
 # (tests/sglang_tier/test_router_fleet.py, examples/fleet_router.py).
 SGLANG_ROUTER=${SGLANG_ROUTER:-sglang-router==0.3.2}
 DEPS=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
-      tqdm IPython aiohttp pytest pytest-timeout omegaconf xxhash "$SGLANG_TRANSFORMERS" "$SGLANG_ROUTER")
+      tqdm IPython aiohttp pytest pytest-timeout pytest-xdist omegaconf xxhash "$SGLANG_TRANSFORMERS" "$SGLANG_ROUTER")
 
 # verl's own SGLang HTTP client (HttpServerAdapter), which the tier runs against `fsdp-sync serve`
 # (tests/sglang_tier/verl_client_check.py), is read from verl's wheel: verl itself is not installed
