@@ -54,10 +54,24 @@ uv_pip() {
 
 # uv_torch VENV SPEC PIN: install SPEC (unless torch imports already), refuse a CUDA build on a
 # machine with no NVIDIA GPU, and write the constraint file PIN that keeps that torch.
+# Where no NVIDIA GPU is seen and no torch wheel lies in the find-links, uv takes torch from
+# PyTorch's CPU index (--torch-backend cpu) instead of PyPI, whose Linux x86_64 torch is a CUDA build.
+_no_gpu() { ! command -v nvidia-smi >/dev/null 2>&1 && [[ ! -e /dev/nvidia0 ]]; }
+_local_torch_wheel() {
+  local d
+  for d in ${FIND_LINKS:-${PIP_FIND_LINKS:-$("$PYTHON" -m pip config get global.find-links 2>/dev/null || true)}}; do
+    compgen -G "${d#file://}/torch-*.whl" >/dev/null && return 0
+  done
+  return 1
+}
 uv_torch() {
-  local venv=$1 spec=$2 pin=$3
-  "$venv/bin/python" -W ignore -c "import torch" 2>/dev/null || uv_pip "$venv" "$spec" || {
-    echo "could not install $spec into $venv" >&2; return 1; }
+  local venv=$1 spec=$2 pin=$3 backend=()
+  if ! "$venv/bin/python" -W ignore -c "import torch" 2>/dev/null; then
+    if _no_gpu && ! _local_torch_wheel; then backend=(--torch-backend cpu); fi
+    uv_pip "$venv" "${backend[@]}" "$spec" || {
+      echo "could not install $spec into $venv${backend:+ (from PyTorch's CPU index: no torch wheel where pip's find-links point)}" >&2
+      return 1; }
+  fi
   "$venv/bin/python" -W ignore - "$pin" <<'PYEOF'
 import os, shutil, sys, torch
 if torch.version.cuda is not None and not (shutil.which("nvidia-smi") or os.path.exists("/dev/nvidia0")):
