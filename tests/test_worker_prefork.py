@@ -6,7 +6,8 @@ multiprocessing starting a fresh interpreter at the first worker, which imports 
 Checked: the server is the rank's only child at its start and a fork of it (the rank's command
 line, the rank its parent); the engine's workers are that server's children; the engine generates
 the same greedy tokens as one whose workers come from this test process's own forkserver; the
-server is gone once the job ends; and a rank started without the setting forks nothing."""
+server is gone once the job ends; a rank started without the setting forks nothing; and a process
+that initialized CUDA, or runs another thread, forks nothing either."""
 
 from __future__ import annotations
 
@@ -57,3 +58,37 @@ def test_without_the_forkserver_start_a_rank_forks_nothing():
     (out,) = run_ranks(_job, 1, timeout_s=100, env=spawn_env({"FSDP_SYNC_WORKERS_START": "fresh"}))
     assert out["at_start"] == [] and out["forks"] == [], out
     assert out["parents"] == [out["pid"]] * 2, out            # fresh interpreters, the rank's own
+
+
+
+CHECK = """
+import os, threading, torch
+from fsdp_sync.engines.reference import procs
+os.environ["FSDP_SYNC_WORKERS_START"] = "forkserver"
+real = torch.cuda.is_initialized
+torch.cuda.is_initialized = lambda: True    # as after the first CUDA call of a GPU rank
+print("cuda", procs.prefork_worker_server())
+torch.cuda.is_initialized = real
+stop = threading.Event()
+t = threading.Thread(target=stop.wait, args=(30,))
+t.start()
+print("thread", procs.prefork_worker_server())
+stop.set()
+t.join()
+print("plain", procs.prefork_worker_server())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_no_fork_once_cuda_is_initialized_or_another_thread_runs():
+    """A process that initialized CUDA (a GPU rank past its first CUDA call) must not fork the
+    server its workers come from: a fork of it cannot use the GPU. Nor may one with another thread
+    (a fork keeps only the calling one, and whatever locks the others held). Then, with neither,
+    it does."""
+    import sys
+
+    from _util import run_output
+
+    r = run_output([sys.executable, "-c", CHECK], timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["cuda", "False", "thread", "False", "plain", "True"], (r.stdout, r.stderr[-1000:])

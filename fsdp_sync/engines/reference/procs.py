@@ -284,8 +284,9 @@ def prefork_worker_server() -> bool:
     forked are gone, with ``os._exit`` (none of this process's exit handlers runs twice).
 
     Returns whether it did: not without the forkserver start, with a server already running, with
-    other threads, or on a Python whose forkserver it does not know (3.14 and later add a handshake);
-    then the first worker starts the server as usual."""
+    other threads, once this process initialized CUDA (its forks could not use the GPU), or on a
+    Python whose forkserver it does not know (3.14 and later add a handshake); then the first
+    worker starts the server as usual."""
     if os.environ.get("FSDP_SYNC_WORKERS_START") != "forkserver" or not forkserver_usable():
         return False
     import importlib
@@ -303,6 +304,9 @@ def prefork_worker_server() -> bool:
                                                   "_forkserver_pid")))
     if not known or server._forkserver_pid is not None or threading.active_count() > 1:
         return False
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return False    # a fork of a process that initialized CUDA cannot use it: workers could not
     for name in PRELOAD:
         importlib.import_module(name)
     claim_temp_dir()                       # the socket goes in this process's named pymp dir
