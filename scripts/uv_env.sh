@@ -30,11 +30,11 @@ ensure_uv() {
     return 1; }
 }
 
-_uv_find_links() {
-  local links=${FIND_LINKS:-${PIP_FIND_LINKS:-}}
+# The find-links directories that exist, one a line: FIND_LINKS, else PIP_FIND_LINKS, else pip's.
+_find_links_dirs() {
+  local links=${FIND_LINKS:-${PIP_FIND_LINKS:-}} d
   [[ -n "$links" ]] || links=$("$PYTHON" -m pip config get global.find-links 2>/dev/null || true)
-  local d
-  for d in $links; do [[ -e "${d#file://}" ]] && printf -- '--find-links\n%s\n' "$d"; done
+  for d in $links; do [[ -e "${d#file://}" ]] && printf '%s\n' "${d#file://}"; done
 }
 
 # uv_venv DIR: a venv with pip in it (some steps still use pip: `pip download`, `pip wheel`).
@@ -47,8 +47,8 @@ uv_venv() {
 # venv without it compiles torch and transformers anew in every process that imports them.
 uv_pip() {
   local venv=$1; shift
-  local links=()
-  mapfile -t links < <(_uv_find_links)
+  local links=() d
+  while read -r d; do links+=(--find-links "$d"); done < <(_find_links_dirs)
   "$UV" pip install -q --compile-bytecode -p "$venv/bin/python" "${links[@]}" "$@"
 }
 
@@ -59,9 +59,7 @@ uv_pip() {
 _no_gpu() { ! command -v nvidia-smi >/dev/null 2>&1 && [[ ! -e /dev/nvidia0 ]]; }
 _local_torch_wheel() {
   local d
-  for d in ${FIND_LINKS:-${PIP_FIND_LINKS:-$("$PYTHON" -m pip config get global.find-links 2>/dev/null || true)}}; do
-    compgen -G "${d#file://}/torch-*.whl" >/dev/null && return 0
-  done
+  while read -r d; do compgen -G "$d/torch-*.whl" >/dev/null && return 0; done < <(_find_links_dirs)
   return 1
 }
 uv_torch() {
