@@ -8,10 +8,6 @@ PY     := $(VENV)/bin/python
 # Every venv is built with uv (scripts/uv_env.sh), itself installed once into .venv-uv with pip.
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.fsdp_sync-installed
-# Python writes the bytecode of what it imports, once, into the venvs (uv installs without compiling
-# it: scripts/uv_env.sh), even where PYTHONDONTWRITEBYTECODE is set (as on CPU machines of this kind):
-# with it, every process of a run would compile torch and transformers anew (8 s of CPU each).
-unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv demo demo-verl test test-gpu test-sglang test-verl bench bench-targets clean
 
@@ -25,8 +21,9 @@ $(STAMP): pyproject.toml scripts/project_env.sh scripts/uv_env.sh
 demo: $(STAMP)
 	$(VENV)/bin/fsdp-sync demo
 
-# The project's bytecode, compiled once before the tests, on both cores: otherwise the first processes
-# of a run (two xdist workers and what they start) would each compile the library's modules at once.
+# The project's bytecode, compiled once before the tests: where PYTHONDONTWRITEBYTECODE is set (as on
+# these machines) or the clone is fresh, every process a test starts (a CLI run, a launcher's ranks, a
+# snippet, a server) would otherwise compile the library's modules anew: about 0.8 s of CPU each.
 BYTECODE = -m compileall -q -j 0 fsdp_sync tests examples scripts dev > /dev/null
 
 # -n 2: two tests at a time (pytest-xdist): the multi-process tests spend much of their time

@@ -42,17 +42,20 @@ uv_venv() {
   [[ -x "$1/bin/python" ]] || "$UV" venv -q --seed -p "$PYTHON" "$1"
 }
 
-# uv_pip VENV ARGS...: uv pip install into VENV, with pip's find-links. No bytecode is compiled at
-# install (uv's default; pip compiles every module): the first process that imports a module writes
-# its .pyc, so only what runs is compiled, once. Compiling all of .venv, .venv-verl and .venv-sglang
-# cost 61, 76 and 77 s of CPU (11,163 to 17,964 modules), and a whole `make test` imports 3,184 of
-# .venv's 11,163. The Makefile lets its recipes write bytecode even where PYTHONDONTWRITEBYTECODE
-# is set, as on these machines (without that, every process would compile torch anew).
+# uv_pip VENV ARGS...: uv pip install into VENV, with pip's find-links, compiling the bytecode as
+# pip does (uv does not by default): where PYTHONDONTWRITEBYTECODE is set, as on these machines, a
+# venv without it compiles torch and transformers anew in every process that imports them.
+# This costs 61/76/77 s of CPU for .venv/.venv-verl/.venv-sglang, of which a run imports about 30%;
+# leaving it to the first import (with make's recipes allowed to write bytecode) was tried and
+# gained nothing: the venvs were built 71 s faster in all, but the tests ran 30-50 s slower per tier
+# on the same host (make test 651 s against 601-619 s, the verl tier 484 s against 438-454 s): a
+# tier starts many processes at once (xdist workers, Ray's actors, servers), each compiling the
+# same torch and transformers modules.
 uv_pip() {
   local venv=$1; shift
   local links=() d
   while read -r d; do links+=(--find-links "$d"); done < <(_find_links_dirs)
-  "$UV" pip install -q -p "$venv/bin/python" "${links[@]}" "$@"
+  "$UV" pip install -q --compile-bytecode -p "$venv/bin/python" "${links[@]}" "$@"
 }
 
 # uv_torch VENV SPEC PIN: install SPEC (unless torch imports already), refuse a CUDA build on a
