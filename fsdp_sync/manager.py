@@ -394,6 +394,16 @@ class FSDPShardingManager:
         changes its outputs (`config_check`); engines that do not expose one are not checked."""
         from .config_check import check_configs, model_config
 
+        tp = getattr(engine, "tp_size", None)
+        if self.config.method == "tensor" and self.topo is not None and isinstance(tp, int) \
+                and tp != self.topo.tp_size:
+            # colocated: infer-TP rank r makes the payload of engine TP rank r; the engine would
+            # refuse the first bucket for its count of payloads, after the wake-up and a gather
+            raise ValueError(f"the engine runs TP {tp} but the mesh's infer_tp has {self.topo.tp_size} "
+                             f"rank(s): the tensor method sends one payload per engine TP rank, one from "
+                             f"each infer-TP rank; make the mesh with infer_tp={tp} (make_mesh(dp=world "
+                             f"// {tp}, infer_tp={tp})) or start the engine with tp_size="
+                             f"{self.topo.tp_size} ({self._where()})")
         want, held = self.config.quantization, getattr(engine, "quantization", "unknown")
         if (held is None or isinstance(held, str)) and held != "unknown" and held != want:
             raise ValueError(f"the engine serves quantization={held!r} but SyncConfig.quantization="

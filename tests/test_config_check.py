@@ -110,3 +110,43 @@ def test_a_served_config_is_read_from_serve_or_from_sglangs_model_path(tmp_path)
     assert ("rms_norm_eps", base.rms_norm_eps, 1e-5) in config_mismatches(base, odd)
     # nothing to read: not checked
     assert served_config({"model_path": "Qwen/Qwen3-8B"}) is None and served_config(None) is None
+
+
+def _tp_job(rank, world):
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.topology import SyncError, make_mesh
+
+    torch.set_num_threads(1)
+    module = build_model(load_config("tiny"), seed=1)
+    cfg = SyncConfig(dtype=torch.float32, free_cache_engine=False)
+    engine = ReferenceEngine(load_config("tiny"), tp_size=1) if rank == 0 else None
+    out = {}
+    try:
+        before = engine.weights_checksum() if engine is not None else None
+        try:
+            with FSDPShardingManager(module, engine, mesh=make_mesh(1, world), config=cfg):
+                pass
+            out["error"] = None
+        except SyncError as exc:
+            out["error"] = str(exc)
+        out["unchanged"] = engine is None or engine.weights_checksum() == before
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_tp_other_than_the_meshs_infer_tp_is_refused_on_every_rank_naming_both():
+    """The tensor method: infer-TP rank r makes engine TP rank r's payload, so an engine of TP 1
+    under a mesh of infer_tp 2 cannot take what the ranks send. Refused at the first sync, on
+    every rank, with both sizes and what to change, before any payload is made (the engine kept
+    its weights); before, the engine refused the first bucket for its count of payloads."""
+    results = run_ranks(_tp_job, 2, timeout_s=110, env=spawn_env())
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, (rank, r)
+        assert "the engine runs TP 1 but the mesh's infer_tp has 2 rank(s)" in r["error"], (rank, r["error"])
+        assert "make the mesh with infer_tp=1" in r["error"] and "tp_size=2" in r["error"], r["error"]
+        assert r["unchanged"], rank
