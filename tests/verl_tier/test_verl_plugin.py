@@ -31,9 +31,31 @@ OURS = "fsdp_sync.integrations.verl.SGLangAdapter"
 VERL_SGLANG = "verl.workers.rollout.sglang_rollout.sglang_rollout"
 
 
-def run_py(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, **env))
+def start(cmd: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
+    """Each process's (returncode, stdout, stderr). The tests here start their verl processes
+    side by side and collect them after: each is a fresh interpreter importing verl (about 10 s
+    of one core), and the tier runs one test at a time on a 2-core machine. A process still
+    running at the deadline (or left by a failure) is killed."""
+    out = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            out.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return out
+
+
+def start_py(code: str, **env) -> subprocess.Popen:
+    return start([sys.executable, "-c", code], dict(os.environ, **env))
 
 
 def compose(recipe: Path, overrides=()):
@@ -48,9 +70,16 @@ def compose(recipe: Path, overrides=()):
 def test_plugin_loads_on_import_verl_and_is_inert_until_opted_in(monkeypatch):
     code = ("import verl; from verl.workers.rollout.base import _ROLLOUT_REGISTRY as r; "
             "print(r[('sglang', 'async')])")
-    assert run_py(code).stdout.strip() == OURS
-    assert run_py(code, VERL_USE_EXTERNAL_PLUGINS="none").stdout.strip() == f"{VERL_SGLANG}.ServerAdapter"
+    procs = [start_py(code), start_py(code, VERL_USE_EXTERNAL_PLUGINS="none")]
+    try:
+        _in_process_checks(monkeypatch)
+    finally:
+        (rc, on, err_on), (rc_off, off, err_off) = finish(procs)
+    assert rc == 0 and on.strip() == OURS, err_on[-2000:]
+    assert rc_off == 0 and off.strip() == f"{VERL_SGLANG}.ServerAdapter", err_off[-2000:]
 
+
+def _in_process_checks(monkeypatch):
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.rollout.base import get_rollout_class
@@ -134,29 +163,28 @@ def test_main_ppo_prints_the_composed_config_with_fsdp_sync_on(tiny_grpo_dir):
     # assets when they are not there yet: the tier's trainer tests reuse them)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                TINY_DIR=str(tiny_grpo_dir))
+    from omegaconf import OmegaConf
+
     commands = {r: header_command(r) for r in RECIPES}
     assert commands[ROOT / "recipes" / "verl" / "grpo_qwen2_5_0_5b_gsm8k_fsdp_sync.yaml"]
-    for recipe, command in commands.items():
-        if command is None:
-            continue
-        proc = subprocess.run(["bash", "-c", command + " --cfg job"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, (command, proc.stderr[-2000:])
-        from omegaconf import OmegaConf
-
-        lines = proc.stdout.splitlines()
-        start = next(i for i, x in enumerate(lines) if x.startswith("actor_rollout_ref:"))
-        cfg = OmegaConf.create("\n".join(lines[start:]))
+    commands = {r: c for r, c in commands.items() if c is not None}
+    # the run scripts' override arrays compose too (`--cfg job` is passed through "$@")
+    scripts = sorted((ROOT / "recipes" / "verl").glob("run_*.sh"))
+    results = finish([start(["bash", "-c", c + " --cfg job"], env) for c in commands.values()]
+                     + [start(["bash", str(s), "--cfg", "job"], env) for s in scripts])
+    for (recipe, command), (rc, stdout, stderr) in zip(commands.items(), results):
+        assert rc == 0, (command, stderr[-2000:])
+        lines = stdout.splitlines()
+        begin = next(i for i, x in enumerate(lines) if x.startswith("actor_rollout_ref:"))
+        cfg = OmegaConf.create("\n".join(lines[begin:]))
         rollout = cfg.actor_rollout_ref.rollout
         assert (rollout.name, rollout.custom.fsdp_sync.get("enable")) in (
             ("sglang", True), ("fsdp_sync_ref", None)), (recipe.name, rollout.name)
-    # the run scripts' override arrays compose too (`--cfg job` is passed through "$@")
-    for script in sorted((ROOT / "recipes" / "verl").glob("run_*.sh")):
-        proc = subprocess.run(["bash", str(script), "--cfg", "job"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert ("fsdp_sync:\n        enable: true" in proc.stdout
-                or "name: fsdp_sync_ref" in proc.stdout), script.name
+    assert len(scripts) == 2, scripts
+    for script, (rc, stdout, stderr) in zip(scripts, results[len(commands):]):
+        assert rc == 0, (script.name, stderr[-2000:])
+        assert ("fsdp_sync:\n        enable: true" in stdout
+                or "name: fsdp_sync_ref" in stdout), script.name
 
 
 def test_adapter_syncs_fsdp2_weights_bit_exact_into_served_engine(tmp_path):
