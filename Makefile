@@ -70,7 +70,7 @@ test-sglang:
 # Optional tier, not part of `make test`: fsdp_sync's verl plug-in, recipes and adapter against the
 # real verl (pinned, no extras: they pull another torch), in a venv of its own built by
 # scripts/verl_env.sh. Fails, never skips, when verl cannot be installed or imported.
-# On 2 cores: about 6 min (25 tests), half of it the two runs of verl's own trainer.
+# On 2 cores: about 7 min (25 tests), more than half of it the two runs of verl's own trainer.
 VERL_VENV    ?= .venv-verl
 VERL_VERSION ?= 0.9.1
 

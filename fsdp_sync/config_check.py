@@ -6,7 +6,9 @@ and `verify` passes, yet every rollout is silently wrong. `config_mismatches` co
 in `MATH_KEYS` of two Hugging Face configs (or any objects with those attributes);
 `check_configs` raises naming each differing key with both values. The manager runs it at the
 first sync against every engine that exposes its model config (``engine.config``: the reference
-engine does; an SGLang server does not report its config, so it is not checked).
+engine does; an SGLang server does not report its config, so it is not checked), in
+`check_engine`, which also compares the engine's TP with the mesh's and its quantization with the
+sync's.
 
 Floats compare exactly: these are configuration values, not computed ones. A key missing on one
 side and present on the other counts as a difference (unless the side that has it holds the
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "model_config"]
+__all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "check_engine", "model_config"]
 
 MATH_KEYS = (
     # sizes (shapes catch most, but not a transposed split of equal products)
@@ -98,3 +100,26 @@ def check_configs(trainer: Any, engine: Any, *, where: str = "") -> None:
                          f"change its outputs ({listed}): the sync would move every byte and the "
                          f"engine would still compute other logits. Start the engine from the "
                          f"trainer's config{f' ({where})' if where else ''}")
+
+
+def check_engine(module: Any, engine: Any, config: Any, topo: Any, *, where: str) -> None:
+    """What the manager checks of an engine before its first sync, raising ValueError naming both
+    values and what to change: the tensor method's engine runs the mesh's infer-TP size (infer-TP
+    rank r makes engine TP rank r's payload: otherwise the engine refuses the first bucket for
+    its count of payloads, after the wake-up and a gather), it serves the sync's quantization,
+    and its model config computes what the trainer's does (`check_configs`)."""
+    tp = getattr(engine, "tp_size", None)
+    if config.method == "tensor" and topo is not None and isinstance(tp, int) and tp != topo.tp_size:
+        raise ValueError(f"the engine runs TP {tp} but the mesh's infer_tp has {topo.tp_size} rank(s): "
+                         f"the tensor method sends one payload per engine TP rank, one from each "
+                         f"infer-TP rank; make the mesh with infer_tp={tp} (make_mesh(dp=world // {tp}, "
+                         f"infer_tp={tp})) or start the engine with tp_size={topo.tp_size} ({where})")
+    want, held = config.quantization, getattr(engine, "quantization", "unknown")
+    if (held is None or isinstance(held, str)) and held != "unknown" and held != want:
+        raise ValueError(f"the engine serves quantization={held!r} but SyncConfig.quantization="
+                         f"{want!r}: a sync would send weights in a format the engine does not "
+                         f"hold; set SyncConfig.quantization={held!r} or start the engine with "
+                         f"quantization={want!r} ({where})")
+    mine, theirs = model_config(module), getattr(engine, "config", None)
+    if mine is not None and theirs is not None and hasattr(theirs, "to_dict"):
+        check_configs(mine, theirs, where=where)

@@ -390,29 +390,10 @@ class FSDPShardingManager:
         self._agree(err, what="weight sync")
 
     def _check_config(self, engine: Any) -> None:
-        """First sync: the engine's model config must equal the trainer's in every value that
-        changes its outputs (`config_check`); engines that do not expose one are not checked."""
-        from .config_check import check_configs, model_config
+        """First sync with ``engine``: `config_check.check_engine` (its TP, quantization, math)."""
+        from .config_check import check_engine
 
-        tp = getattr(engine, "tp_size", None)
-        if self.config.method == "tensor" and self.topo is not None and isinstance(tp, int) \
-                and tp != self.topo.tp_size:
-            # colocated: infer-TP rank r makes the payload of engine TP rank r; the engine would
-            # refuse the first bucket for its count of payloads, after the wake-up and a gather
-            raise ValueError(f"the engine runs TP {tp} but the mesh's infer_tp has {self.topo.tp_size} "
-                             f"rank(s): the tensor method sends one payload per engine TP rank, one from "
-                             f"each infer-TP rank; make the mesh with infer_tp={tp} (make_mesh(dp=world "
-                             f"// {tp}, infer_tp={tp})) or start the engine with tp_size="
-                             f"{self.topo.tp_size} ({self._where()})")
-        want, held = self.config.quantization, getattr(engine, "quantization", "unknown")
-        if (held is None or isinstance(held, str)) and held != "unknown" and held != want:
-            raise ValueError(f"the engine serves quantization={held!r} but SyncConfig.quantization="
-                             f"{want!r}: a sync would send weights in a format the engine does not "
-                             f"hold; set SyncConfig.quantization={held!r} or start the engine with "
-                             f"quantization={want!r} ({self._where()})")
-        mine, theirs = model_config(self.module), getattr(engine, "config", None)
-        if mine is not None and theirs is not None and hasattr(theirs, "to_dict"):
-            check_configs(mine, theirs, where=self._where())
+        check_engine(self.module, engine, self.config, self.topo, where=self._where())
 
     def _what_differs(self, missing: list[str], sent: set[str], held: list[str]) -> str:
         from .config_check import model_config

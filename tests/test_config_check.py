@@ -150,3 +150,34 @@ def test_an_engine_tp_other_than_the_meshs_infer_tp_is_refused_on_every_rank_nam
         assert "the engine runs TP 1 but the mesh's infer_tp has 2 rank(s)" in r["error"], (rank, r["error"])
         assert "make the mesh with infer_tp=1" in r["error"] and "tp_size=2" in r["error"], r["error"]
         assert r["unchanged"], rank
+
+
+def test_check_engine_names_tp_quantization_and_math_and_passes_a_matching_engine():
+    """`check_engine`, what the manager asks of each engine before its first sync, on stand-ins:
+    the tensor method's TP against the mesh's infer_tp (other methods send no per-rank payloads),
+    the engine's quantization against the sync's, then the model config's math."""
+    import types
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.config_check import check_engine
+
+    cfg = load_config("tiny")
+    module = build_model(cfg, seed=0)
+    topo = types.SimpleNamespace(tp_size=2)
+
+    def engine(tp=2, quantization=None, config=cfg):
+        return types.SimpleNamespace(tp_size=tp, quantization=quantization, config=config)
+
+    plain = SyncConfig(dtype=torch.float32)
+    check_engine(module, engine(), plain, topo, where="here")                  # all equal: passes
+    with pytest.raises(ValueError, match=r"engine runs TP 4 but the mesh's infer_tp has 2 .*"
+                                         r"infer_tp=4 .*tp_size=2 \(here\)"):
+        check_engine(module, engine(tp=4), plain, topo, where="here")
+    check_engine(module, engine(tp=4), SyncConfig(method="distributed"), None, where="here")
+    check_engine(module, types.SimpleNamespace(), plain, topo, where="here")    # tells nothing: passes
+    with pytest.raises(ValueError, match=r"serves quantization='fp8' but SyncConfig.quantization=None"):
+        check_engine(module, engine(quantization="fp8"), plain, topo, where="here")
+    with pytest.raises(ValueError, match=r"serves quantization=None but SyncConfig.quantization='fp8'"):
+        check_engine(module, engine(), SyncConfig(quantization="fp8"), topo, where="here")
+    with pytest.raises(ValueError, match=r"rope_theta: trainer 10000.0, engine 1000000.0.* \(here\)"):
+        check_engine(module, engine(config=load_config("tiny", rope_theta=1e6)), plain, topo, where="here")
