@@ -104,7 +104,7 @@ class SyncConfig:
         tensor, the baseline).
     dist_master_address / dist_master_port: where trainer rank 0 hosts the update group's store;
         None: trainer rank 0's outward IP address (127.0.0.1 on a host without a network) and a
-        free port.
+        port the OS picks, listened on before any engine is told it.
     dist_backend: the update group's backend; None: ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
     dist_group_name: the group's name, the same on both ends (SGLang's default).
     dist_timeout_s: how long trainer rank 0 waits for the engines to join the group or to receive

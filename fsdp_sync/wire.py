@@ -5,7 +5,9 @@
   the per-rank ``"direct"`` buckets), built and read in this one place.
 - `new_update_group` / `destroy_update_group`: SGLang's weight-update group (below).
 - `PER_RANK_BUCKET` / `per_rank_bucket_plan`: fsdp_sync's per-rank distributed load format.
-- `free_port`: a free local TCP port (update-group rendezvous, the reference engine's workers).
+- `host_store` / `join_store`: a rendezvous store that listens before its port is handed out (the
+  launcher's ranks, the reference engine's workers, the update group), and a member joining it.
+- `free_port`: a port free at this moment only (for a server that binds it at once, or a test).
 
 SGLang's weight-update group, made the way SGLang 0.5.23 makes it, for both ends of the wire.
 
@@ -38,7 +40,8 @@ import torch.distributed as dist
 from .weights.bucket import Bucket, entries_from_metadata, plan_buckets, sglang_metadata, unflatten
 
 __all__ = ["new_update_group", "destroy_update_group", "DEFAULT_GROUP_NAME", "PER_RANK_BUCKET",
-           "per_rank_bucket_plan", "flattened_bucket", "open_flattened_bucket", "free_port"]
+           "per_rank_bucket_plan", "flattened_bucket", "open_flattened_bucket", "free_port",
+           "host_store", "join_store"]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
@@ -71,10 +74,33 @@ def open_flattened_bucket(value: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    """A TCP port free on 127.0.0.1 now (the OS picks it). Free NOW only: on a busy machine another
+    process may take it before it is bound again, so a rendezvous must not be given one of these
+    (`host_store` listens first and then hands out its port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def host_store(world_size: int | None, timeout_s: float, port: int = 0) -> Any:
+    """A `torch.distributed.TCPStore` hosted by this process, already listening (on every address)
+    when it returns; its ``.port`` is what the members are told (`join_store`). ``port=0`` lets the
+    OS pick one, so no other process can take it between the pick and the bind (CI once failed with
+    EADDRINUSE when a port picked by `free_port` was bound a moment later). The store, and its port,
+    live as long as the returned object; it does not wait for its members."""
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    store = dist.TCPStore("127.0.0.1", int(port), world_size, True, timeout, wait_for_workers=False)
+    store.set_timeout(timeout)
+    return store
+
+
+def join_store(address: str, port: int, world_size: int | None, timeout_s: float) -> Any:
+    """A member's connection to a store that `host_store` (or any TCPStore master) hosts at
+    ``address:port``; waits up to ``timeout_s`` for it to answer."""
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    store = dist.TCPStore(address, int(port), world_size, False, timeout)
+    store.set_timeout(timeout)
+    return store
 
 
 def per_rank_bucket_plan(entries: Any) -> Any:
@@ -86,8 +112,11 @@ def per_rank_bucket_plan(entries: Any) -> Any:
 
 
 def new_update_group(*, backend: str, master_address: str, master_port: int, world_size: int,
-                     rank: int, group_name: str, timeout_s: float) -> Any:
+                     rank: int, group_name: str, timeout_s: float, store: Any = None) -> Any:
     """Join (rank 0: host) the update group; blocks until all ``world_size`` ranks have joined.
+
+    Rank 0 may pass ``store``, one it already hosts at ``master_port`` (`host_store`), so that the
+    port was listened on before anyone was told it; otherwise rank 0 binds ``master_port`` here.
 
     ``timeout_s`` bounds the rendezvous and every collective on the group (a receive that waits
     longer fails). SGLang's own engines use 30 minutes, not settable."""
@@ -96,13 +125,16 @@ def new_update_group(*, backend: str, master_address: str, master_port: int, wor
 
     if not group_name:
         raise ValueError("the update group's name must not be empty")
+    if store is not None and rank != 0:
+        raise ValueError(f"only rank 0 hosts the update group's store; rank {rank} was given one")
     timeout = datetime.timedelta(seconds=float(timeout_s))
     # The store that SGLang's ``rendezvous("tcp://...")`` makes, made here directly: rank 0 hosts
     # it. torch's tcp:// handler makes every rank a client when the process's environment has
     # TORCHELASTIC_USE_AGENT_STORE=True (torchrun, accelerate launch set it for the trainer's own
     # group), and then nobody hosts this group's store: every rank waited out the timeout.
-    store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout,
-                          multi_tenant=True)
+    if store is None:
+        store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout,
+                              multi_tenant=True)
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,

@@ -42,7 +42,7 @@ from fsdp_sync.models import build_model, load_config
 from fsdp_sync.weights import export, fp8
 from fsdp_sync.weights.experts import hub_views
 from fsdp_sync.weights.layout import ModelSpec, TPLayout, rank_digest
-from fsdp_sync.wire import free_port, new_update_group, destroy_update_group
+from fsdp_sync.wire import host_store, new_update_group, destroy_update_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,10 +124,11 @@ def _write_ranked(directory, eng, named: dict, cast: dict | None = None) -> str:
 def _send_distributed(eng, named: list, load_format: str | None) -> None:
     """``named`` over ``update_weights_from_distributed`` from this process as group rank 0 (gloo;
     float8 broadcast as its bytes, which gloo has no type for)."""
-    port, box = free_port(), {}
+    store, box = host_store(1 + eng.tp_size, 30), {}
+    port = store.port
     joined = threading.Thread(target=lambda: box.setdefault("pg", new_update_group(
         backend="gloo", master_address="127.0.0.1", master_port=port, world_size=1 + eng.tp_size, rank=0,
-        group_name="fp8", timeout_s=30)))
+        group_name="fp8", timeout_s=30, store=store)))
     joined.start()
     eng.init_weights_update_group("127.0.0.1", port, 1, 1 + eng.tp_size, "fp8", backend="gloo")
     joined.join(30)

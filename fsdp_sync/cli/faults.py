@@ -213,12 +213,15 @@ def _fds() -> int:
 
 def _warm() -> None:
     """Start what a first use starts once per process (the resource tracker, a spawn queue's
-    machinery), so fds and threads before and after a cell compare."""
+    machinery, torch's store machinery), so fds and threads before and after a cell compare."""
     from multiprocessing import resource_tracker
 
     import torch.multiprocessing as mp
 
+    from ..wire import host_store
+
     resource_tracker.ensure_running()
+    host_store(1, 5.0)   # dropped at once: torch's first store in a process opens a pipe pair that stays
     q = mp.get_context("spawn").Queue()
     q.put(1)
     q.get()
@@ -235,7 +238,7 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     import torch.multiprocessing as mp
 
     from . import launch
-    from ..wire import free_port
+    from ..wire import host_store
 
     t = timeouts or Timeouts()
     if not cell.possible:
@@ -249,7 +252,8 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     env = launch.spawn_env({"FSDP_SYNC_FAULT": cell.spec, "FSDP_SYNC_FAULT_LOG": log})
     ctx = launch._context()   # fresh interpreters, or FSDP_SYNC_RANKS_START=forkserver's forks, as run_ranks
     results = ctx.Queue()
-    port = free_port()
+    store = host_store(WORLD, t.cell_s)     # listening before the ranks are told its port (as run_ranks)
+    port = store.port
     args = (cell.method, cell.stage, tmp, asdict(t))
     procs = [ctx.Process(target=launch._worker, name=f"fsdp_sync-fault-rank{r}",
                          args=(r, WORLD, port, "gloo", t.cell_s, _cell_rank, args, results, env))
@@ -328,7 +332,7 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
             pass
     import gc
 
-    del results, procs   # a queue this process never put into keeps its write end until collected
+    del results, procs, store   # a queue this process never put into keeps its write end until collected
     gc.collect()
     left["fds"] = _fds() - fds0
     left["threads"] = _threads() - threads0

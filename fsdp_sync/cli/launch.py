@@ -3,7 +3,8 @@
 This is what the demo, the benchmarks and the multi-process tests use to stand up a trainer world
 on one machine. Every process group gets a timeout, the whole job gets a deadline, and a rank that
 fails or hangs takes the whole job down with its traceback: no rank waits forever and no process
-is left behind.
+is left behind. The job's rendezvous store is hosted by the calling process, listening before the
+ranks start (`wire.host_store`), so no other process can take its port in between.
 
 Ranks start as ``spawn`` children (fresh interpreters) by default. ``FSDP_SYNC_RANKS_START=forkserver``
 (the test suite sets it) forks them from one server process that has already imported torch,
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from ..engines.reference.procs import claim_temp_dir, forkserver_usable, prefork_worker_server
-from ..wire import free_port
+from ..wire import host_store, join_store
 
 __all__ = ["run_ranks", "RankError", "spawn_env", "PRELOAD"]
 
@@ -69,7 +70,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, pg_timeout_s: f
         prefork_worker_server()   # FSDP_SYNC_WORKERS_START=forkserver: before any thread starts
         dist.init_process_group(
             backend=backend, rank=rank, world_size=world_size,
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=join_store("127.0.0.1", port, world_size, pg_timeout_s),
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
         out = fn(rank, world_size, *args)
@@ -101,7 +102,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    # The job's store, hosted here and listening before any rank is told its port: a port picked
+    # free and bound later by rank 0 was once taken in between on a busy CI machine (EADDRINUSE).
+    store = host_store(world_size, pg_timeout_s)
+    port = store.port
     procs = [
         ctx.Process(target=_worker, name=f"fsdp_sync-rank{r}",
                     args=(r, world_size, port, backend, pg_timeout_s, fn, args, results, env or {}),
@@ -150,6 +154,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
                 p.join()
         results.close()
         results.join_thread()
+        del store
     if failure is not None:
         raise RankError(failure)
     return [got[r] for r in range(world_size)]

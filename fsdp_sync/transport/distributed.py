@@ -62,7 +62,7 @@ from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
 from ..weights.layout import TPLayout, engine_ep_size, layout_for
 from ..topology import SyncError, agree, agree_after_rank0, cpu_group
 from . import SyncContext, SyncStats, timed_items
-from ..wire import PER_RANK_BUCKET, destroy_update_group, free_port, new_update_group, per_rank_bucket_plan
+from ..wire import PER_RANK_BUCKET, destroy_update_group, host_store, new_update_group, per_rank_bucket_plan
 
 __all__ = ["DistributedTransport", "outward_address"]
 
@@ -170,7 +170,10 @@ class DistributedTransport:
         tps = [_engine_tp(e) for e in engines]
         world = 1 + sum(tps)
         address = cfg.dist_master_address or outward_address()
-        port = cfg.dist_master_port or free_port()
+        # without a port of the user's, the group's store listens (on a port the OS picks) before
+        # any engine is told the port: a port picked free and bound later can be taken in between
+        store = None if cfg.dist_master_port else host_store(world, cfg.dist_timeout_s)
+        port = cfg.dist_master_port or store.port
         backend = self._backend(device)
         pool = self._executor(len(engines))
         futures, offset = [], 1
@@ -183,7 +186,7 @@ class DistributedTransport:
             offset += tp
         try:
             pg = self._make_group(futures, backend=backend, master_address=address,
-                                  master_port=port, world_size=world, rank=0,
+                                  master_port=port, world_size=world, rank=0, store=store,
                                   group_name=cfg.dist_group_name, timeout_s=cfg.dist_timeout_s)
         except _EngineRefused as exc:
             raise RuntimeError(f"making the weight-update group {cfg.dist_group_name!r} at "

@@ -103,7 +103,10 @@ def rank_main(conn, role: str, index: int, world_port: int | None) -> None:
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     if world_port is not None:     # the actor ranks' own world (FSDP's), as in verl
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{world_port}", rank=index,
+        from fsdp_sync.wire import join_store
+
+        # the test's process hosts the store (`Workers`)
+        dist.init_process_group("gloo", store=join_store("127.0.0.1", world_port, 2, 60), rank=index,
                                 world_size=2, timeout=datetime.timedelta(seconds=60))
     engine = None
     try:

@@ -66,7 +66,10 @@ class Workers:
         claim_temp_dir()    # the server's socket dir, named and removed with this process
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["ckpt_roles"])     # when this test starts the server
-        port = _port()
+        from fsdp_sync.wire import host_store
+
+        self.store = host_store(2, 60)      # the actor ranks' world: listening before they start
+        port = self.store.port
         self.procs, self.conns = [], []
         for role, index, wp in [("actor", 0, port), ("actor", 1, port)] + [
                 ("rollout", i, None) for i in range(n_rollout)]:
@@ -98,6 +101,7 @@ class Workers:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        self.store = None
 
 
 @pytest.fixture

@@ -81,7 +81,7 @@ from ...config import parse_dtype
 from ...models import load_config
 from ...weights import handles
 from ...weights.layout import ModelSpec
-from ...wire import free_port
+from ...wire import host_store
 from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
                     EngineUnavailableError, WeightUpdateError, WorkerDiedError, ordered_tags)
 from . import procs, quant
@@ -240,12 +240,14 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
 
         self._w = procs.WorkerSet()
         self._finalizer = weakref.finalize(self, self._w.stop)
-        init_method = f"tcp://127.0.0.1:{free_port()}" if self.tp_size > 1 else None
         try:
+            # the TP workers' store, listening before they are told its port (`wire.host_store`)
+            self._w.store = host_store(self.tp_size, pg_timeout_s) if self.tp_size > 1 else None
+            store_port = self._w.store.port if self._w.store is not None else None
             for rank in range(self.tp_size):
                 # a fresh interpreter, not multiprocessing's spawn: see `procs`
                 p, parent = procs.start(f"{worker_mod.__name__}:serve",
-                                        (rank, self.tp_size, init_method, opts),
+                                        (rank, self.tp_size, store_port, opts),
                                         name=f"fsdp_sync-engine-tp{rank}")
                 self._w.procs.append(p)
                 self._w.conns.append(parent)

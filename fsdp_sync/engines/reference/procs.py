@@ -384,6 +384,8 @@ class WorkerSet:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.closed = False
+        # the TP workers' rendezvous store (`wire.host_store`, TP > 1), hosted here while they live
+        self.store: Any = None
         # TP ranks that did not answer a call within its timeout: nothing more is asked of them
         # (no abort round, no diagnostics) and `stop` ends them without a grace period
         self.silent: set[int] = set()
@@ -418,3 +420,4 @@ class WorkerSet:
                 p.close()   # releases the sentinel fd
             except ValueError:
                 pass
+        self.store = None

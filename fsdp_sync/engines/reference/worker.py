@@ -67,7 +67,7 @@ def _pin_malloc() -> Any:
 
 
 class Worker:
-    def __init__(self, rank: int, tp: int, init_method: str | None, opts: dict):
+    def __init__(self, rank: int, tp: int, store_port: int | None, opts: dict):
         self.rank, self.tp, self.opts = rank, tp, opts
         libc = _pin_malloc()
         torch.set_num_threads(int(opts.get("num_threads") or 1))
@@ -81,10 +81,15 @@ class Worker:
         if tp > 1:
             import torch.distributed as dist
 
+            from ...wire import join_store
+
             kw = {"device_id": self.device} if self.device.type == "cuda" else {}
+            timeout_s = float(opts["pg_timeout_s"])
+            # the engine's process hosts the TP group's store (`wire.host_store`)
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                    init_method=init_method, rank=rank, world_size=tp,
-                                    timeout=datetime.timedelta(seconds=float(opts["pg_timeout_s"])), **kw)
+                                    store=join_store("127.0.0.1", store_port, tp, timeout_s),
+                                    rank=rank, world_size=tp,
+                                    timeout=datetime.timedelta(seconds=timeout_s), **kw)
             self.group = dist.group.WORLD
         # plain data (a spec dataclass, the quantization dict): workers never import transformers
         self.layout = engine_layout(opts["spec"], tp, int(opts.get("ep", 1)), opts.get("quant"))
@@ -460,7 +465,7 @@ def _error_reply(exc: BaseException) -> tuple:
     return ("err", kind, msg, traceback.format_exc(), name)
 
 
-def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> None:
+def main(rank: int, tp: int, store_port: int | None, conn: Any, opts: dict) -> None:
     """Process entry point: build the shard, say ready, serve until shutdown or the parent is gone.
 
     Requests are ``(seq, cmd, args)``; replies ``(seq, "ok", result)`` or
@@ -469,7 +474,7 @@ def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> 
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the engine's process handles Ctrl-C and stops us
     try:
-        worker = Worker(rank, tp, init_method, opts)
+        worker = Worker(rank, tp, store_port, opts)
     except BaseException as exc:  # noqa: BLE001 - the engine shows this to its caller
         try:
             _send(conn, (0, *_error_reply(exc)))
@@ -528,6 +533,6 @@ def main(rank: int, tp: int, init_method: str | None, conn: Any, opts: dict) -> 
             sys.stdout.flush()
 
 
-def serve(conn: Any, rank: int, tp: int, init_method: str | None, opts: dict) -> None:
+def serve(conn: Any, rank: int, tp: int, store_port: int | None, opts: dict) -> None:
     """`procs.start`'s entry point: ``main`` with the connection first."""
-    main(rank, tp, init_method, conn, opts)
+    main(rank, tp, store_port, conn, opts)

@@ -13,8 +13,9 @@ it builds the engine, so the registration below runs wherever the engine is need
 
 How one sync goes, in the order the manager calls (every call, every sync):
 
-- ``prepare`` on every worker: actor rank 0 (``is_master=True``) picks a rendezvous (its
-  outward address, a free port, a fresh group name) and returns it; the others return no master.
+- ``prepare`` on every worker: actor rank 0 (``is_master=True``) opens a rendezvous (its
+  outward address, the port of a store it already listens on, a fresh group name) and returns it;
+  the others return no master.
   Each worker also returns the group it still holds from an earlier sync, if any.
 - ``build_topology`` on the driver: actor rank 0 is group rank 0 (the only sender), rollout
   worker i is group rank ``1 + i``; actor ranks > 0 get rank -1 and stay out of the group (they
@@ -23,7 +24,7 @@ How one sync goes, in the order the manager calls (every call, every sync):
   group is kept (``keep``); otherwise all make the new one (replicas added or removed, a worker
   restarted, a failed sync).
 - ``init_process_group`` on every worker: kept, nothing to do; else a process group outside both
-  worlds, made by `fsdp_sync.wire.new_update_group` (a ``tcp://`` store on actor rank 0),
+  worlds, made by `fsdp_sync.wire.new_update_group` (on the store actor rank 0 hosts since prepare),
   ``gloo`` on CPU and ``cpu:gloo,cuda:nccl`` on CUDA (the small bucket headers go over gloo, the
   buckets over NCCL).
 - ``send_weights`` on actor ranks / ``receive_weights`` on rollout workers, concurrently: the
@@ -80,7 +81,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 from ...transport.distributed import outward_address
 from ...weights.bucket import (SUPPORTED_DTYPES, Bucket, BucketPacker, TensorMeta, dtype_name,
                               entries_from_metadata, unflatten)
-from ...wire import destroy_update_group, free_port, new_update_group
+from ...wire import destroy_update_group, host_store, new_update_group
 
 __all__ = ["BACKEND", "FsdpSyncCheckpointEngine", "ReceivedWeights"]
 
@@ -138,6 +139,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         self.kept = False                   # this sync runs on the group of an earlier one
         self.failed = False                 # this sync failed here: the group goes at finalize
         self._master: dict | None = None
+        self._store: Any = None             # actor rank 0: the store prepare opened (`wire.host_store`)
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------ group
@@ -146,7 +148,10 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         worker: the group it holds (None if none)."""
         master = None
         if self.is_master:
-            master = {"address": self.master_address or outward_address(), "port": free_port(),
+            # listening before its port is handed out: a port picked free and bound only at
+            # init_process_group could be taken in between on a busy machine
+            self._store = host_store(None, self.timeout_s)
+            master = {"address": self.master_address or outward_address(), "port": self._store.port,
                       "group_name": f"fsdp_sync_verl_{uuid.uuid4().hex[:12]}",
                       "device_type": self.device.type, "bucket_size": self.bucket_size}
             self._master = master
@@ -187,6 +192,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         or keep the one held (``master["keep"]``: every member holds it, build_topology said)."""
         self.rank = self.world_size = None     # set once this worker is in the group
         self.kept = self.failed = False
+        store, self._store = self._store, None   # prepare's, used only to make a new group as rank 0
         if rank == _NOT_IN_GROUP:
             self._drop_group()
             self.rank, self.world_size = rank, world_size
@@ -205,10 +211,12 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
                      "sender's rules)", rank, self.bucket_size, master["bucket_size"])
         if self.pg is not None:      # another group (or a sync that never reached finalize)
             self._drop_group()
+        if rank != 0 or store is None or store.port != master["port"]:
+            store = None
         try:
             self.pg = new_update_group(backend=_group_backend(self.device.type),
                                        master_address=master["address"], master_port=master["port"],
-                                       world_size=world_size, rank=rank,
+                                       world_size=world_size, rank=rank, store=store,
                                        group_name=master["group_name"], timeout_s=self.timeout_s)
         except Exception as exc:
             raise RuntimeError(f"fsdp_sync checkpoint engine: rank {rank} of {world_size} could not "
@@ -221,7 +229,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         if this sync failed here or ``rebuild_group`` is set (see the module)."""
         if self.failed or self.rebuild_group:
             self._drop_group()
-        self._master = None
+        self._master = self._store = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
