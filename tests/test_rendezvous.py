@@ -123,3 +123,12 @@ def _distributed_sync_with_taken_ports(rank, world):
 def test_the_distributed_methods_update_group_does_not_either():
     (res,) = run_ranks(_distributed_sync_with_taken_ports, 1, timeout_s=120, env=spawn_env())
     assert res["after"] == res["trainer"] != res["before"], res
+
+
+def test_only_rank_0_may_bring_the_update_groups_store():
+    from fsdp_sync.wire import host_store, new_update_group
+
+    store = host_store(2, 5)
+    with pytest.raises(ValueError, match="rank 1 was given one"):
+        new_update_group(backend="gloo", master_address="127.0.0.1", master_port=store.port,
+                         world_size=2, rank=1, group_name="g", timeout_s=5, store=store)
