@@ -47,12 +47,12 @@ def taken_port(monkeypatch):
 def test_a_hosted_store_holds_its_port_from_the_start_and_gives_it_back():
     from fsdp_sync.wire import host_store, join_store
 
-    store = host_store(2, 10)
+    store = host_store(2, 60)
     port = store.port
     with socket.socket() as s, pytest.raises(OSError) as held:
         s.bind(("127.0.0.1", port))
     assert held.value.errno == errno.EADDRINUSE
-    client = join_store("127.0.0.1", port, 2, 10)
+    client = join_store("127.0.0.1", port, 2, 60)
     client.set("k", "v")
     assert store.get("k") == b"v"
     del client, store
@@ -128,7 +128,7 @@ def test_the_distributed_methods_update_group_does_not_either():
 def test_only_rank_0_may_bring_the_update_groups_store():
     from fsdp_sync.wire import host_store, new_update_group
 
-    store = host_store(2, 5)
+    store = host_store(2, 60)
     with pytest.raises(ValueError, match="rank 1 was given one"):
         new_update_group(backend="gloo", master_address="127.0.0.1", master_port=store.port,
                          world_size=2, rank=1, group_name="g", timeout_s=5, store=store)

@@ -221,7 +221,9 @@ def _warm() -> None:
     from ..wire import host_store
 
     resource_tracker.ensure_running()
-    host_store(1, 5.0)   # dropped at once: torch's first store in a process opens a pipe pair that stays
+    # dropped at once: torch's first store in a process opens a pipe pair that stays. A generous
+    # timeout: a store's own handshake sometimes stalls 5 s in torch (about 2% of rapid openings)
+    host_store(1, 60.0)
     q = mp.get_context("spawn").Queue()
     q.put(1)
     q.get()

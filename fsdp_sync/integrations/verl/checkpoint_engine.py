@@ -14,7 +14,8 @@ it builds the engine, so the registration below runs wherever the engine is need
 How one sync goes, in the order the manager calls (every call, every sync):
 
 - ``prepare`` on every worker: actor rank 0 (``is_master=True``) opens a rendezvous (its
-  outward address, the port of a store it already listens on, a fresh group name) and returns it;
+  outward address, the port of a store it listens on from its first prepare on, a fresh group
+  name) and returns it;
   the others return no master.
   Each worker also returns the group it still holds from an earlier sync, if any.
 - ``build_topology`` on the driver: actor rank 0 is group rank 0 (the only sender), rollout
@@ -139,7 +140,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         self.kept = False                   # this sync runs on the group of an earlier one
         self.failed = False                 # this sync failed here: the group goes at finalize
         self._master: dict | None = None
-        self._store: Any = None             # actor rank 0: the store prepare opened (`wire.host_store`)
+        self._store: Any = None             # actor rank 0: the groups' store (`wire.host_store`), kept
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------ group
@@ -148,9 +149,11 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         worker: the group it holds (None if none)."""
         master = None
         if self.is_master:
-            # listening before its port is handed out: a port picked free and bound only at
-            # init_process_group could be taken in between on a busy machine
-            self._store = host_store(None, self.timeout_s)
+            # listening before its port is handed out (a port picked free and bound only at
+            # init_process_group could be taken in between on a busy machine); opened once and
+            # shared by every group this engine makes (each under its own name's prefix)
+            if self._store is None:
+                self._store = host_store(None, self.timeout_s)
             master = {"address": self.master_address or outward_address(), "port": self._store.port,
                       "group_name": f"fsdp_sync_verl_{uuid.uuid4().hex[:12]}",
                       "device_type": self.device.type, "bucket_size": self.bucket_size}
@@ -192,7 +195,6 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         or keep the one held (``master["keep"]``: every member holds it, build_topology said)."""
         self.rank = self.world_size = None     # set once this worker is in the group
         self.kept = self.failed = False
-        store, self._store = self._store, None   # prepare's, used only to make a new group as rank 0
         if rank == _NOT_IN_GROUP:
             self._drop_group()
             self.rank, self.world_size = rank, world_size
@@ -211,6 +213,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
                      "sender's rules)", rank, self.bucket_size, master["bucket_size"])
         if self.pg is not None:      # another group (or a sync that never reached finalize)
             self._drop_group()
+        store = self._store       # prepare's, used only to make a new group as rank 0
         if rank != 0 or store is None or store.port != master["port"]:
             store = None
         try:
@@ -229,7 +232,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         if this sync failed here or ``rebuild_group`` is set (see the module)."""
         if self.failed or self.rebuild_group:
             self._drop_group()
-        self._master = self._store = None
+        self._master = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
