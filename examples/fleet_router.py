@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from fsdp_sync.wire import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -86,32 +88,59 @@ def start_replica(disk_dir: str) -> tuple[subprocess.Popen, str]:
     return proc, replica_url(proc)
 
 
-def start_router(urls: list[str], port: int) -> subprocess.Popen:
-    from fsdp_sync.wire import free_port
+def start_router(urls: list[str], port: int = 0, attempts: int = 5) -> tuple[subprocess.Popen, int]:
+    """SGLang's router in front of ``urls``, on ``port`` (0: a free one); returns it and its port
+    once it lists every replica healthy.
 
+    The router binds the ports it is told (its own and its Prometheus exporter's; it takes no 0),
+    so they are picked free here and another process may take one before the router binds it. A
+    router that exits for an address in use is started again on new ports (``port``, when given,
+    is kept: then only the exporter's can be the one taken), up to ``attempts`` times; any other
+    exit is an error with the router's own last words."""
     # SGLang's own launcher (``python -m sglang_router.launch_router``) as it runs where only
     # sglang-router is installed: its Python load balancer's optional tracing import would
     # otherwise import all of sglang (torch, transformers: ~8 s of CPU) for a router that is Rust
     launch = ("import sys; sys.modules['sglang'] = None; "
               "from sglang_router.launch_router import main; main()")
-    proc = subprocess.Popen([sys.executable, "-c", launch, "--worker-urls", *urls,
-                             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                             "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-                             "--log-level", "error"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    router = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    tries = []
+    for _ in range(attempts):
+        here = port or free_port()
+        with tempfile.TemporaryFile() as log:    # unlinked: nothing is left on disk
+            proc = subprocess.Popen([sys.executable, "-c", launch, "--worker-urls", *urls,
+                                     "--host", "127.0.0.1", "--port", str(here), "--policy", "round_robin",
+                                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                                     "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                                     "--log-level", "error"],
+                                    stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+            if _router_up(proc, f"http://127.0.0.1:{here}", len(urls)):
+                return proc, here
+            log.seek(0)
+            said = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
+        last = said[-1] if said else f"exit status {proc.returncode}"
+        tries.append(f"port {here}: {last}")
+        taken = any("Address already in use" in ln for ln in said)
+        exporter = any("Prometheus" in ln for ln in said)
+        if not taken or (port and not exporter):
+            break
+    raise RuntimeError(f"the router did not start ({len(tries)} tries): " + "; ".join(tries))
+
+
+def _router_up(proc: subprocess.Popen, router: str, replicas: int, wait_s: float = 60.0) -> bool:
+    """True once ``router`` lists ``replicas`` healthy workers; False when the router exited first;
+    RuntimeError (the router killed) when neither happened within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
         try:
             status, body = _get(router + "/workers")
-            if status == 200 and sum(w["is_healthy"] for w in body["workers"]) == len(urls):
-                return proc
+            if status == 200 and sum(w["is_healthy"] for w in body["workers"]) == replicas:
+                return True
         except OSError:
             pass
         time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the router did not list every replica healthy within 60 s")
+    stop(proc)
+    raise RuntimeError(f"the router at {router} did not list every replica healthy within {wait_s:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -186,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.replicas < 2:
         p.error("--replicas must be >= 2 (one is killed)")
 
-    from fsdp_sync.wire import free_port
-
     disk = tempfile.mkdtemp(prefix="fsdp_sync-fleet-")
     procs: list[subprocess.Popen] = []
     router = None
@@ -197,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         procs = [launch_replica(disk) for _ in range(a.replicas)]   # all start at once
         module = build_model(load_config("tiny"), seed=0)              # meanwhile, the trainer's
         urls = [replica_url(pr) for pr in procs]
-        port = a.router_port or free_port()
-        router = start_router(urls, port)
+        router, port = start_router(urls, a.router_port)
         router_url = f"http://127.0.0.1:{port}"
         engines = [SGLangEngine(base_url=u, retry_backoff_s=a.retry_backoff_s) for u in urls]
         cfg = SyncConfig(method="disk", disk_dir=disk, disk_keep=3, on_replica_failure="quarantine",

@@ -5,6 +5,12 @@ trains under either launcher. Ray is what verl uses to place its workers.
     python examples/ray_launch.py --nproc 2 examples/torchrun_rollout.py --method distributed
     python examples/ray_launch.py --nproc 2 examples/torchrun_rollout.py            # colocated
 
+The job's rendezvous store is hosted here, in the launching process, before any actor starts
+(`fsdp_sync.wire.host_store`: the OS picks its port, so nothing else can take it), and the ranks
+join it as torchrun's ranks join its agent's (`wire.agent_store_env`:
+``TORCHELASTIC_USE_AGENT_STORE=True``); a port picked free here and bound by rank 0 seconds later,
+once its actor had started, could have been taken in between.
+
 Each rank's output comes back to this process and is printed with its rank in front. A rank that
 fails fails the launch (exit status 1), after every rank has finished or failed. Ray kills its
 actors at shutdown; the script's engine workers are shut down by the script itself before that
@@ -18,11 +24,12 @@ import contextlib
 import io
 import os
 import runpy
-import socket
 import sys
 import traceback
 
 import ray
+
+from fsdp_sync.wire import agent_store_env, host_store
 
 
 @ray.remote(num_cpus=0)
@@ -45,12 +52,6 @@ class Rank:
         return ok, out.getvalue()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,12 +66,11 @@ def main() -> int:
     ray.init(num_cpus=args.nproc, include_dashboard=False, runtime_env={"env_vars": env},
              log_to_driver=False)
     try:
-        port = free_port()
+        store = host_store(args.nproc, timeout_s=1800)      # as torchrun's default timeout
         ranks = [Rank.remote() for _ in range(args.nproc)]
         futures = [r.run.remote(os.path.abspath(args.script), args.args,
                                 {"RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": str(args.nproc),
-                                 "LOCAL_WORLD_SIZE": str(args.nproc), "MASTER_ADDR": "127.0.0.1",
-                                 "MASTER_PORT": str(port)})
+                                 "LOCAL_WORLD_SIZE": str(args.nproc), **agent_store_env(store)})
                    for i, r in enumerate(ranks)]
         results = ray.get(futures)
     finally:

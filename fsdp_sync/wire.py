@@ -7,6 +7,8 @@
 - `PER_RANK_BUCKET` / `per_rank_bucket_plan`: fsdp_sync's per-rank distributed load format.
 - `host_store` / `join_store`: a rendezvous store that listens before its port is handed out (the
   launcher's ranks, the reference engine's workers, the update group), and a member joining it.
+- `agent_store_env`: the environment that makes a torchrun-style rank (``init_process_group`` with
+  ``env://``) join a store its launcher hosts, as torchrun's own ranks join its agent's.
 - `free_port`: a port free at this moment only (for a server that binds it at once, or a test).
 
 SGLang's weight-update group, made the way SGLang 0.5.23 makes it, for both ends of the wire.
@@ -41,7 +43,7 @@ from .weights.bucket import Bucket, entries_from_metadata, plan_buckets, sglang_
 
 __all__ = ["new_update_group", "destroy_update_group", "DEFAULT_GROUP_NAME", "PER_RANK_BUCKET",
            "per_rank_bucket_plan", "flattened_bucket", "open_flattened_bucket", "free_port",
-           "host_store", "join_store"]
+           "host_store", "join_store", "agent_store_env"]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
@@ -101,6 +103,17 @@ def join_store(address: str, port: int, world_size: int | None, timeout_s: float
     store = dist.TCPStore(address, int(port), world_size, False, timeout)
     store.set_timeout(timeout)
     return store
+
+
+def agent_store_env(store: Any, address: str = "127.0.0.1") -> dict[str, str]:
+    """What a launcher puts in each rank's environment (beside ``RANK``/``WORLD_SIZE``) so that
+    ``init_process_group`` with ``env://`` joins ``store``, which the launcher hosts (`host_store`),
+    instead of rank 0 binding ``MASTER_PORT`` itself: torchrun's agent-store protocol
+    (``TORCHELASTIC_USE_AGENT_STORE=True`` makes every rank a client of ``MASTER_ADDR:MASTER_PORT``).
+    A port that rank 0 binds only when it gets there (seconds later, on a Ray actor) can be taken
+    by another process in between; a hosted store's port cannot."""
+    return {"MASTER_ADDR": address, "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
 def per_rank_bucket_plan(entries: Any) -> Any:

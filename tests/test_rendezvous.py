@@ -132,3 +132,57 @@ def test_only_rank_0_may_bring_the_update_groups_store():
     with pytest.raises(ValueError, match="rank 1 was given one"):
         new_update_group(backend="gloo", master_address="127.0.0.1", master_port=store.port,
                          world_size=2, rank=1, group_name="g", timeout_s=5, store=store)
+
+
+_TORCHRUN_STYLE = """
+import datetime, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print("sum", t.item())
+dist.destroy_process_group()
+"""
+
+
+def _torchrun_style_ranks(envs: list[dict]) -> list[tuple[int, str]]:
+    import os
+    import subprocess
+
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("MASTER_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE")}
+    procs = [subprocess.Popen([sys.executable, "-c", _TORCHRUN_STYLE], env=dict(base, **e),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for e in envs]
+    out = []
+    try:
+        for p in procs:
+            out.append((p.wait(90), p.stdout.read()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            p.stdout.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_style_ranks_join_the_store_their_launcher_hosts():
+    """`wire.agent_store_env`: how examples/ray_launch.py (and the verl tier's Ray workers) start
+    ranks that call ``init_process_group`` with ``env://``: the launcher hosts the store before any
+    rank starts and every rank joins it as a client (torchrun's agent-store protocol), so no rank
+    binds ``MASTER_PORT`` seconds after it was picked. Without that protocol rank 0 binds the port
+    itself, which here another socket (the hosted store) holds: EADDRINUSE, what a port picked free
+    and taken meanwhile did."""
+    from fsdp_sync.wire import agent_store_env, host_store
+
+    store = host_store(2, 60)
+    env = agent_store_env(store)
+    assert env["MASTER_PORT"] == str(store.port) and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    ranks = _torchrun_style_ranks([dict(env, RANK=str(r), WORLD_SIZE="2") for r in range(2)])
+    assert [rc for rc, _ in ranks] == [0, 0], ranks
+    assert all("sum 3.0" in text for _, text in ranks), ranks
+
+    (rc, text), = _torchrun_style_ranks([{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                          "MASTER_PORT": str(store.port)}])
+    assert rc != 0 and "EADDRINUSE" in text, text

@@ -39,3 +39,53 @@ def test_router_fleet_under_load(tmp_path):
     assert fig["drained_replica_requests"] == 0, fig
     states = {r["name"]: r for r in fig["fleet"]["replicas"]}
     assert sum(r["serving"] for r in states.values()) == 2, states     # 0 and the new one; 1 is dead
+
+
+def _example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fleet_router", ROOT / "examples" / "fleet_router.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.timeout(240)
+def test_router_ports_taken_meanwhile(tmp_path, monkeypatch):
+    """The router binds the ports it is told (it takes no 0), picked free by the example: one
+    taken before the router binds it (here: the first pick answers a port another socket listens
+    on) makes it exit, and the example starts it again on new ports; a port the user gave that
+    is taken is an error naming it, with the router's own words, in seconds, not after 60 s."""
+    import socket
+    import time
+
+    fleet = _example()
+    replica = fleet.launch_replica(str(tmp_path))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        held = other.getsockname()[1]
+        picks = []
+        real = fleet.free_port
+
+        def first_taken():
+            picks.append(held if not picks else real())
+            return picks[-1]
+
+        try:
+            url = fleet.replica_url(replica)
+            monkeypatch.setattr(fleet, "free_port", first_taken)
+            router, port = fleet.start_router([url])
+            try:
+                assert picks[0] == held and port not in (held, None) and len(picks) >= 4, picks
+                status, body = fleet._get(f"http://127.0.0.1:{port}/workers")
+                assert status == 200 and [w["url"] for w in body["workers"]] == [url], body
+            finally:
+                fleet.stop(router)
+            monkeypatch.setattr(fleet, "free_port", real)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match=f"1 tries.*port {held}: .*Address already in use"):
+                fleet.start_router([url], port=held)
+            assert time.monotonic() - t0 < 30
+        finally:
+            fleet.stop(replica)

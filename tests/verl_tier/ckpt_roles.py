@@ -152,7 +152,8 @@ def rollout_worker(index: int, world_port: int, checkpoint_engine: dict, **rollo
     from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 
     os.environ.update({"RANK": str(index), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(world_port), "LOCAL_RANK": "0"})
+                       "MASTER_PORT": str(world_port), "LOCAL_RANK": "0",
+                       "TORCHELASTIC_USE_AGENT_STORE": "True"})   # the test hosts the store
     config = RolloutConfig(checkpoint_engine=CheckpointEngineConfig(**checkpoint_engine), **rollout)
     return CheckpointEngineWorker(config, None)
 

@@ -20,7 +20,6 @@ import json
 import multiprocessing as mp
 from multiprocessing.connection import wait as mp_wait
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 
 import ckpt_roles
 from fsdp_sync.integrations.verl.checkpoint_engine import BACKEND, FsdpSyncCheckpointEngine
+from fsdp_sync.wire import agent_store_env, host_store
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(300)]
 
@@ -46,12 +46,6 @@ def _made_since(path: str, t: float) -> bool:
         return False
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Workers:
     """2 actor ranks + N rollout workers, each a process; `call` runs one step on a set of them
     concurrently and returns their answers (raising on a harness failure, not on an engine error)."""
@@ -66,8 +60,6 @@ class Workers:
         claim_temp_dir()    # the server's socket dir, named and removed with this process
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["ckpt_roles"])     # when this test starts the server
-        from fsdp_sync.wire import host_store
-
         self.store = host_store(2, 60)      # the actor ranks' world: listening before they start
         port = self.store.port
         self.procs, self.conns = [], []
@@ -162,14 +154,14 @@ def test_adapter_takes_an_async_generator_under_verls_checkpoint_engine_worker(w
     ce = {"backend": backend, "custom_backend_module": "ckpt_roles",
           "update_weights_bucket_megabytes": 1, "engine_kwargs": {backend: {"timeout_s": 60}}}
     with ReferenceEngine("tiny", tp_size=2, seed=5) as engine, EngineServer(engine) as server:
-        port = _port()
+        world = host_store(2, 60)     # the rollout workers' world, as verl's worker group sets it
         rollout = {"name": "sglang", "tensor_model_parallel_size": 2, "dtype": "float32",
                    "custom": {"fsdp_sync": {"enable": True, "base_url": server.url,
                                             "verify": "full", "bucket_mb": 0.1}}}
         workers.call(workers.actors, "new", [{"bucket_size": BUCKET, "is_master": True, "timeout_s": 60},
                                              {"bucket_size": BUCKET, "timeout_s": 60}])
         built = workers.call(workers.rollouts, "rollout_worker", [
-            dict(rollout, index=i, world_port=port, checkpoint_engine=ce) for i in range(2)])
+            dict(rollout, index=i, world_port=world.port, checkpoint_engine=ce) for i in range(2)])
         assert all(b[0] == "ok" for b in built), built
         before = engine.weights_checksum()
         for step in (1, 2):
@@ -279,10 +271,15 @@ def test_under_verls_own_checkpoint_engine_manager(tmp_path):
     before = temp_dirs()
     ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
     try:
+        stores = []
+
         def world(n):
-            port = _port()
-            return [{"RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": str(port), "LOCAL_RANK": "0"} for r in range(n)]
+            # hosted here before any actor starts, joined as torchrun's ranks join its agent's
+            # store: a port picked free here and bound by the rank-0 actor once it had started
+            # (seconds later) could be taken in between
+            stores.append(host_store(n, 60))
+            return [{"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": "0",
+                     **agent_store_env(stores[-1])} for r in range(n)]
 
         actor_cls = ray.remote(ckpt_roles.ActorWorker)
         actors = [actor_cls.options(num_cpus=0, runtime_env={"env_vars": dict(env, **e)}).remote(ce)
