@@ -25,6 +25,14 @@ from _util import shm_segments  # noqa: E402
 os.environ.setdefault("FSDP_SYNC_RANKS_START", "forkserver")
 os.environ.setdefault("FSDP_SYNC_WORKERS_START", "forkserver")   # engine workers: see engines/reference/procs
 
+# torch's TCPStore looks up the name of every peer it accepts (getnameinfo of ::ffff:127.0.0.1,
+# which /etc/hosts does not list, so a DNS query). These machines' DNS drops about 2% of queries,
+# and glibc waits 5 s before asking again: measured, 15 of 200 store openings took 5.01 s, and the
+# suite makes hundreds of rendezvous (192 lookups in test_distributed.py + test_faults.py). Waiting
+# 1 s per try instead (resolv.conf's options, per process: RES_OPTIONS) changes no result, only
+# how long a lost query holds up a rendezvous; see docs/reliability.md for users' machines.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:2")
+
 # One temporary directory per test process (xdist worker), inherited by everything it starts
 # (ranks, engine workers, torchrun, servers): a test's leftovers there are the test's own.
 # pytest's tmp_path stays where it was: sockets (AF_UNIX, 108 bytes) are made under test paths
