@@ -149,17 +149,24 @@ def test_codecs_encode_is_only_protocol_2_bytes():
 
 @pytest.mark.parametrize("protocol, fails_with", [
     (5, r"payload names CUDA device '[0-9a-f-]+', which this process cannot see"),
-    (2, r"cannot open payload: AssertionError: Torch not compiled with CUDA enabled"),
+    # torch's own CUDA open: "Torch not compiled with CUDA enabled" (a CPU build), "Found no
+    # NVIDIA driver" (a CUDA build without a GPU), the IPC open's error (another GPU)
+    (2, r"cannot open payload: (AssertionError|RuntimeError): "),
 ])
 def test_recorded_h100_payloads_pass_the_allow_list(protocol, fails_with):
     """Payloads recorded on an H100 (torch 2.11.0+cu130, scripts/gpu_check.sh's payload step): our
     pickler's (protocol 5, device by UUID) and torch's own ForkingPickler's at protocol 2 (device
     by index, bytes through _codecs.encode). Both get past every name check and fail only where
-    the CUDA handle is opened."""
+    the CUDA handle is opened: protocol 2's failure comes from inside torch's
+    ``rebuild_cuda_tensor``, whatever the build says there."""
+    import traceback
     from pathlib import Path
 
     data = (Path(__file__).parent / "data" / f"cuda_ipc_payload_torch211_p{protocol}.bin").read_bytes()
     assert "torch.storage.TypedStorage" in _globals(data)
     assert ("_codecs.encode" in _globals(data)) == (protocol == 2)
-    with pytest.raises(HandleError, match=fails_with):
+    with pytest.raises(HandleError, match=fails_with) as failed:
         open_payload(data)
+    if protocol == 2:
+        frames = [f.name for f in traceback.extract_tb(failed.value.__cause__.__traceback__)]
+        assert "rebuild_cuda_tensor" in frames, frames
