@@ -185,6 +185,30 @@ def state_dict_type_checks(module) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- 1 rank
+
+def export_1rank(rank: int, world: int) -> dict:
+    """A one-rank trainer (FSDP2, FSDP1 local/sharded/full): every tensor and bucket, and the
+    collectives the export made (none: a group of one rank has nothing to gather)."""
+    models = {"fsdp2": fsdp2(tiny()), "fsdp1": fsdp1(tiny(), use_orig_params=False)}
+    out: dict = {"cases": {}, "collectives": {}, "shares_storage": {}}
+    for model_key, kinds in (("fsdp2", ("full",)), ("fsdp1", export.STATE_DICT_TYPES)):
+        module = models[model_key]
+        own = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+               for p in module.parameters()}
+        for kind in kinds:
+            for dtype in (None, BF16):
+                for mode in ("params", "buckets"):
+                    key = f"{model_key}/{kind}/{_dtype_key(dtype)}/{mode}"
+                    with CountCollectives() as counts:
+                        out["cases"][key] = local_digests(module, mode, dtype, kind, SMALL_BUCKET)
+                    out["collectives"][key] = dict(counts)
+            out["shares_storage"][f"{model_key}/{kind}"] = [
+                n for n, t in export.iter_params(module, dtype=None, fsdp1_state_dict=kind)
+                if t.untyped_storage().data_ptr() in own]
+    return out
+
+
 # --------------------------------------------------------------------------- 2 ranks
 
 def export_2rank(rank: int, world: int) -> dict:

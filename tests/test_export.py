@@ -54,6 +54,26 @@ def four_ranks():
     return run_ranks(_ranks.export_4rank, 4, env=spawn_env(), timeout_s=220)
 
 
+# --------------------------------------------------------------------------- 1 rank
+
+@pytest.mark.timeout(150)
+def test_one_rank_exports_bit_identical_with_no_collective():
+    """A one-rank trainer (FSDP2; FSDP1 local, sharded, full): its shards are the tensors, so the
+    export copies (casts) them into place and calls no collective. Through the all-gather it had
+    made one per bucket (and per parameter), with a cast copy of the bucket beside it: a one-rank
+    qwen2-160m sync rose 298 MiB (budget 175) at 3x the copy floor; now 64 MiB, 0.86x
+    (`fsdp-sync bench --models qwen2-160m --strategies flattened --layout full --ranks 1 --tp 1
+    --dtype bfloat16 --bucket-mb 64`). A tensor yielded without a cast is a copy, not the shard."""
+    (res,) = run_ranks(_ranks.export_1rank, 1, env=spawn_env(), timeout_s=120)
+    assert len(res["cases"]) == 16, sorted(res["cases"])
+    for key, named in res["cases"].items():
+        _check(named, ref("tiny", key.split("/")[2]), key)
+        if not key.startswith("fsdp1/full/"):   # FSDP1's full state dict is FSDP's own unshard
+            assert res["collectives"][key] == {"all_gather": 0, "broadcast": 0, "full_tensor": 0}, \
+                (key, res["collectives"][key])
+    assert all(not names for names in res["shares_storage"].values()), res["shares_storage"]
+
+
 # --------------------------------------------------------------------------- 2 ranks
 
 @pytest.mark.timeout(240)
