@@ -16,7 +16,9 @@
 # spec figures, and on this machine's costs measured here: `--cluster this-machine`, kept as
 # OUTDIR/this_machine.json), a per-bucket profile (dev/gpu_profile.py), and records a real CUDA IPC
 # payload (protocols 5 and 2) for the CPU tests. GPU_CHECK_ONLY="step step" runs only the named
-# steps. scripts/gpu_check_summary.py writes OUTDIR/gpu_check.json (every step's status and
+# steps; GPU_CHECK_DRY_RUN=1 runs none and writes their commands to OUTDIR/dry_run.txt (no GPU needed:
+# tests/test_gpu_check_budget.py parses every fsdp-sync step's flags with the CLI's own parser).
+# scripts/gpu_check_summary.py writes OUTDIR/gpu_check.json (every step's status and
 # seconds, every bench row beside its plans) and OUTDIR/gpu_check.md (a short table).
 set -uo pipefail
 START_S=$(date +%s)
@@ -24,7 +26,9 @@ cd "$(dirname "$0")/.."
 OUT="${1:-gpu-check-out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
+  : > "$OUT/dry_run.txt"
+elif ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/fsdp_sync_site .whl/*.whl || exit 1
   export PYTHONPATH="$PWD:/tmp/fsdp_sync_site"
@@ -32,7 +36,7 @@ else
   export PYTHONPATH="$PWD"
 fi
 export PYTHONUNBUFFERED=1
-"$PY" -c "import torch, omegaconf; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+[ -n "${GPU_CHECK_DRY_RUN:-}" ] || "$PY" -c "import torch, omegaconf; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
 FS=("$PY" -m fsdp_sync.cli)
 STEPS="$OUT/steps.tsv"
 : > "$STEPS"
@@ -71,4 +75,4 @@ step plan_here 120 "${FS[@]}" plan --models qwen2-1500m,qwen2-7b --quantization 
   "${PLAN[@]}" --cluster this-machine --save-cluster "$OUT/this_machine.json" --json "$OUT/plan_here.json"
 step profile 120 "$PY" dev/gpu_profile.py --model qwen2-1500m --out "$OUT/profile.txt"
 
-"$PY" scripts/gpu_check_summary.py "$OUT"
+[ -n "${GPU_CHECK_DRY_RUN:-}" ] || "$PY" scripts/gpu_check_summary.py "$OUT"

@@ -63,7 +63,9 @@ BAD = [
 ] + ([] if CUDA else [("demo --device cuda", ["--device", "no CUDA"]),
                       ("bench --device cuda", ["--device", "no CUDA"]),
                       ("bench --recipe targets --device cuda",
-                       ["--device", "no CUDA"])])
+                       ["--device", "no CUDA"]),
+                      # the sweep's own device: was a traceback (an uncaught ArgumentTypeError)
+                      ("bench --preset gpu", ["--preset gpu runs on cuda", "no CUDA"])])
 
 
 @pytest.mark.parametrize("argv, words", BAD, ids=[a for a, _ in BAD])

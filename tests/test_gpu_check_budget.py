@@ -36,3 +36,43 @@ def test_steps_never_run_past_the_budget(tmp_path):
     assert float(rows[1][2]) <= 30 - 15 + 1, rows          # cut to the budget's remainder
     assert wall < 30, f"{wall:.1f} s for a 30 s budget"
     assert "skipped" in r.stdout and "GPU_CHECK_BUDGET_S" in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_every_step_of_the_gpu_check_is_well_formed(tmp_path, monkeypatch):
+    """A GPU machine is lent for minutes: a flag misspelled in scripts/gpu_check.sh would cost a
+    step of them. Its dry run (GPU_CHECK_DRY_RUN=1: no GPU, nothing run) lists every step's
+    command; each `fsdp-sync` step's flags go through the CLI's own parser and cross-flag checks
+    (with CUDA reported present, as it is there), the payload step's Python compiles, and the
+    other commands name what exists."""
+    import torch
+
+    from fsdp_sync.cli.app import parse_args
+
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=50, env={**__import__("os").environ, "GPU_CHECK_DRY_RUN": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = {}
+    for line in (tmp_path / "dry_run.txt").read_bytes().split(b"\n"):
+        if line:
+            name, *cmd = [w.decode() for w in line.split(b"\0")[:-1]]
+            steps[name] = cmd
+    assert list(steps) == ["test_gpu", "payload", "demo", "bench_gpu", "bench_fp8", "bench_7b", "plan",
+                           "plan_here", "profile"], list(steps)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    parsed = {}
+    for name, cmd in steps.items():
+        if cmd[1:3] == ["-m", "fsdp_sync.cli"]:
+            args = parse_args(cmd[3:])            # exits 2, naming the flag, on a bad one
+            parsed[name] = args.command
+    assert parsed == {"demo": "demo", "bench_gpu": "bench", "bench_fp8": "bench", "bench_7b": "bench",
+                      "plan": "plan", "plan_here": "plan"}, parsed
+    payload = script.split("step payload", 1)[1].split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    compile(payload, "gpu_check.sh: payload", "exec")
+    assert steps["profile"][1] == "dev/gpu_profile.py" and (ROOT / steps["profile"][1]).is_file()
+    compile((ROOT / "dev" / "gpu_profile.py").read_text(), "dev/gpu_profile.py", "exec")
+    make = subprocess.run(["make", "-n", *steps["test_gpu"][1:]], cwd=ROOT, capture_output=True,
+                          text=True, timeout=30)
+    assert make.returncode == 0 and "-m gpu" in make.stdout, make.stdout + make.stderr

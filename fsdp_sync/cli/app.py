@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             with ca.quiet_transformers():
                 check(args, given)
-        except (ValueError, FileNotFoundError) as exc:
+        except (ValueError, FileNotFoundError, argparse.ArgumentTypeError) as exc:
             subparser.error(str(exc))
     return args
 

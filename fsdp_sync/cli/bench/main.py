@@ -610,10 +610,17 @@ def check_bench_args(args, given: set[str]) -> None:
                     quantized_layout(lay, q)             # FP8: whole 128 blocks on every rank
                 except ValueError as exc:
                     raise ValueError(f"--quantization {q} --models {model} --tp {t}: {exc}") from None
-    if args.spec.device == "cuda":
+    if args.spec.device == "cuda":   # a sweep's device: cuda needs a GPU as much as the flag does
+        import argparse
+
         from ..args import device
 
-        device("cuda")          # a recipe's device: cuda needs a GPU as much as the flag does
+        try:
+            device("cuda")
+        except argparse.ArgumentTypeError as exc:
+            sweep = (f"--preset {args.preset}" if args.preset else
+                     f"--recipe {args.recipe}" if args.recipe else "--device cuda")
+            raise ValueError(f"{sweep} runs on cuda: {exc}") from None
 
 
 def cmd_bench(args) -> int:
