@@ -8,6 +8,8 @@ worker is another process: its share is the trainer's wait inside the engine cal
 
 Usage (a GPU machine): PYTHONPATH=. python dev/gpu_profile.py [--model qwen2-1500m] [--bucket-mb 512]
            [--out profile.txt]
+``--device cpu`` runs the same on the CPU (gloo, shared memory; tests/test_gpu_check_budget.py runs it
+so with the tiny model, so the GPU check's profile step does not meet its first error on a GPU).
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ def _rank(rank, world, a):
 
     cfg = load_config(a.model)
     t0 = time.perf_counter()
-    model = wrap_fsdp(build_model(cfg, seed=0, device="cuda"), 2, device="cuda")
-    out = [f"model {a.model} built and sharded on cuda in {time.perf_counter() - t0:.1f} s"]
-    engine = ReferenceEngine(model_config=cfg, tp_size=1, device="cuda", dtype=torch.bfloat16)
-    mesh = make_mesh(1, 1, "cuda")
+    model = wrap_fsdp(build_model(cfg, seed=0, device=a.device), 2, device=a.device)
+    out = [f"model {a.model} built and sharded on {a.device} in {time.perf_counter() - t0:.1f} s"]
+    engine = ReferenceEngine(model_config=cfg, tp_size=1, device=a.device, dtype=torch.bfloat16)
+    mesh = make_mesh(1, 1, a.device)
+    cuda = a.device == "cuda"
     try:
         for layout in ("engine", "full"):
             m = FSDPShardingManager(model, engine, mesh=mesh, config=SyncConfig(
@@ -62,13 +65,15 @@ def _rank(rank, world, a):
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
             out.append(f"--- cProfile, one sync ({m.stats.seconds * 1e3:.1f} ms)\n" + s.getvalue())
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as p:
                 with m:
                     pass
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             out.append(f"--- torch.profiler, one sync ({m.stats.seconds * 1e3:.1f} ms), by CPU time\n"
                        + p.key_averages().table(sort_by="cpu_time_total", row_limit=30))
-            out.append("--- by CUDA time\n" + p.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+            if cuda:
+                out.append("--- by CUDA time\n" + p.key_averages().table(sort_by="cuda_time_total", row_limit=15))
             m.close()
     finally:
         engine.shutdown()
@@ -82,8 +87,10 @@ def main() -> None:
     p.add_argument("--model", default="qwen2-1500m")
     p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument("--out", default=None)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     a = p.parse_args()
-    (text,) = run_ranks(_rank, 1, a, backend="nccl", timeout_s=400, env=spawn_env())
+    (text,) = run_ranks(_rank, 1, a, backend="nccl" if a.device == "cuda" else "gloo", timeout_s=400,
+                        env=spawn_env())
     print(text[:6000])
     if a.out:
         with open(a.out, "w") as f:

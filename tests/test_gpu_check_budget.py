@@ -76,3 +76,24 @@ def test_every_step_of_the_gpu_check_is_well_formed(tmp_path, monkeypatch):
     make = subprocess.run(["make", "-n", *steps["test_gpu"][1:]], cwd=ROOT, capture_output=True,
                           text=True, timeout=30)
     assert make.returncode == 0 and "-m gpu" in make.stdout, make.stdout + make.stderr
+
+
+@pytest.mark.timeout(150)
+def test_the_profile_step_runs(tmp_path):
+    """The GPU check's last step (dev/gpu_profile.py) on the CPU with the tiny model: both layouts'
+    syncs, a line per bucket, the cProfile and torch.profiler tables."""
+    import os
+    import sys
+
+    out = tmp_path / "profile.txt"
+    r = subprocess.run([sys.executable, "dev/gpu_profile.py", "--model", "tiny", "--device", "cpu",
+                        "--bucket-mb", "0.05", "--out", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=140, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    text = out.read_text()
+    for layout in ("engine", "full"):
+        section = text.split(f"===== layout={layout}:", 1)[1].split("=====", 1)[0]
+        calls = int(section.split(" engine calls", 1)[0].rsplit(" ", 1)[1])
+        rows = [ln for ln in section.splitlines() if " make " in ln and " engine call " in ln]
+        assert calls > 1 and len(rows) == calls, section[:2000]
+        assert "--- cProfile, one sync" in section and "--- torch.profiler, one sync" in section
