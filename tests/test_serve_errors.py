@@ -268,8 +268,10 @@ def test_init_weights_update_group_checks_its_body(engine, server):
 
 def test_a_begin_that_cannot_start_in_time_is_503_and_never_applied(engine, server):
     # a group whose trainer never comes: the workers wait in the rendezvous (update_recv_timeout_s 8)
+    # on a port held, bound but not listening, by this test: nobody else can serve it meanwhile
+    nobody = _held_port()
     joining, joined = in_thread(request, server, "POST", "/init_weights_update_group",
-                                dict(GROUP, master_port=_free_port()))
+                                dict(GROUP, master_port=nobody.getsockname()[1]))
     time.sleep(0.5)
     t0 = time.monotonic()
     status, _, out = request(server, "POST", "/begin_weight_update", {})
@@ -292,9 +294,14 @@ def test_a_begin_that_cannot_start_in_time_is_503_and_never_applied(engine, serv
     assert engine._in_txn is False
     assert request(server, "POST", "/begin_weight_update", {})[0] == 200        # nothing left open
     assert request(server, "POST", "/end_weight_update", {})[0] == 200
+    nobody.close()
 
 
-def _free_port() -> int:
-    from fsdp_sync.wire import free_port
+def _held_port():
+    """A socket bound to a free port and not listening: a connection there is refused, and no
+    other process can bind (and serve) the port while the socket lives."""
+    import socket
 
-    return free_port()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
