@@ -36,6 +36,9 @@ else
   export PYTHONPATH="$PWD"
 fi
 export PYTHONUNBUFFERED=1
+# torch's store looks up every peer's name; on a machine that reaches no network a lost DNS query
+# costs glibc's 5 s per try and rendezvous (docs/reliability.md): 1 s, one try, in this check
+export RES_OPTIONS="${RES_OPTIONS:-timeout:1 attempts:1}"
 [ -n "${GPU_CHECK_DRY_RUN:-}" ] || "$PY" -c "import torch, omegaconf; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
 FS=("$PY" -m fsdp_sync.cli)
 STEPS="$OUT/steps.tsv"
