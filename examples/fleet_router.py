@@ -23,6 +23,7 @@ have seen its 503, time to quarantine, time to rejoin. Exit code 1 when any chec
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -112,7 +113,12 @@ def start_router(urls: list[str], port: int = 0, attempts: int = 5) -> tuple[sub
                                      "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                                      "--log-level", "error"],
                                     stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-            if _router_up(proc, f"http://127.0.0.1:{here}", len(urls)):
+            try:
+                up = _router_up(proc, f"http://127.0.0.1:{here}", len(urls))
+            except BaseException:
+                stop(proc)          # its own session: nothing else would stop it
+                raise
+            if up:
                 return proc, here
             log.seek(0)
             said = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
@@ -134,10 +140,11 @@ def _router_up(proc: subprocess.Popen, router: str, replicas: int, wait_s: float
             return False
         try:
             status, body = _get(router + "/workers")
-            if status == 200 and sum(w["is_healthy"] for w in body["workers"]) == replicas:
-                return True
-        except OSError:
-            pass
+            healthy = status == 200 and sum(w["is_healthy"] for w in body["workers"]) == replicas
+        except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException):
+            healthy = False     # not up yet, or not a router answering there
+        if healthy and proc.poll() is None:     # ours, still running: not another on the port
+            return True
         time.sleep(0.3)
     stop(proc)
     raise RuntimeError(f"the router at {router} did not list every replica healthy within {wait_s:.0f} s")

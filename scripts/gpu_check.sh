@@ -42,7 +42,7 @@ export RES_OPTIONS="${RES_OPTIONS:-timeout:1 attempts:1}"
 [ -n "${GPU_CHECK_DRY_RUN:-}" ] || "$PY" -c "import torch, omegaconf; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
 FS=("$PY" -m fsdp_sync.cli)
 STEPS="$OUT/steps.tsv"
-: > "$STEPS"
+[ -n "${GPU_CHECK_DRY_RUN:-}" ] || : > "$STEPS"     # a dry run leaves a real run's record be
 
 . scripts/gpu_check_steps.sh      # step NAME LIMIT_S CMD...: within the budget
 

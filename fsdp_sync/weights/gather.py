@@ -101,7 +101,7 @@ def gather_pieces(p: Pieces, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     if numel == 0:
         return torch.empty(shape, dtype=dtype, device=local.device)
     if world == 1:             # a group of one rank: its piece is the tensor (a copy: not the shard)
-        return (local if local.dtype != p.local.dtype else local.clone()).contiguous().view(shape)
+        return (local if local.dtype != p.local.dtype else local.clone()).detach().contiguous().view(shape)
     owner = _single_owner(p)
     if owner is not None:      # one rank holds it all (an expert of a fused tensor): a broadcast
         out = torch.empty(numel, dtype=dtype, device=local.device)
