@@ -7,7 +7,8 @@ Checked: the server is the rank's only child at its start and a fork of it (the 
 line, the rank its parent); the engine's workers are that server's children; the engine generates
 the same greedy tokens as one whose workers come from this test process's own forkserver; the
 server is gone once the job ends; a rank started without the setting forks nothing; and a process
-that initialized CUDA, or runs another thread, forks nothing either."""
+that initialized CUDA, asked for its GPUs (torch then marks its forks bad for CUDA), or runs another
+thread, forks nothing either."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.engines import ReferenceEngine
@@ -69,6 +71,15 @@ real = torch.cuda.is_initialized
 torch.cuda.is_initialized = lambda: True    # as after the first CUDA call of a GPU rank
 print("cuda", procs.prefork_worker_server())
 torch.cuda.is_initialized = real
+real_version, real_probe = torch.version.cuda, getattr(torch._C, "_cuda_isInBadFork", None)
+torch.version.cuda = real_version or "13.0"     # a CUDA build whose forks torch marks bad, as after
+torch._C._cuda_isInBadFork = lambda: True       # torch.cuda.is_available() (is_initialized: False)
+print("asked", procs.prefork_worker_server())
+torch.version.cuda = real_version
+if real_probe is None:
+    del torch._C._cuda_isInBadFork
+else:
+    torch._C._cuda_isInBadFork = real_probe
 stop = threading.Event()
 t = threading.Thread(target=stop.wait, args=(30,))
 t.start()
@@ -91,4 +102,34 @@ def test_no_fork_once_cuda_is_initialized_or_another_thread_runs():
 
     r = run_output([sys.executable, "-c", CHECK], timeout=100)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["cuda", "False", "thread", "False", "plain", "True"], (r.stdout, r.stderr[-1000:])
+    assert r.stdout.split() == ["cuda", "False", "asked", "False", "thread", "False", "plain", "True"], \
+        (r.stdout, r.stderr[-1000:])
+
+
+REAL = """
+import os, sys, torch
+from fsdp_sync.engines.reference import procs
+os.environ["FSDP_SYNC_WORKERS_START"] = "forkserver"
+if sys.argv[1] == "asked":
+    torch.cuda.is_available()
+print(sys.argv[1], torch.cuda.is_initialized(), procs.prefork_worker_server())
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (no GPU needed)")
+@pytest.mark.parametrize("asked", [False, True], ids=["plain", "after_is_available"])
+def test_no_fork_once_the_process_asked_for_its_gpus(asked):
+    """torch's own marking, not a fake: on a CUDA build, ``torch.cuda.is_available()`` (which asks
+    the driver for its GPUs) leaves ``is_initialized()`` False but makes every later fork of the
+    process a bad fork for CUDA, so engine workers forked from a server forked then could not use
+    the GPU. Such a rank starts no server; one that never asked does. Runs on the GPU machine's
+    build, with or without a GPU (torch 2.11.0+cu130 on a CPU host: see docs/gpu.md)."""
+    import sys
+
+    from _util import run_output
+
+    arg = "asked" if asked else "plain"
+    r = run_output([sys.executable, "-c", REAL, arg], timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [arg, "False", str(not asked)], (r.stdout, r.stderr[-1000:])

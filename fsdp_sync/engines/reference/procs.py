@@ -272,6 +272,37 @@ def remove_dead_temp_dirs(root: str | None = None) -> list[str]:
     return removed
 
 
+def _forks_cannot_use_cuda(torch: Any) -> bool:
+    """Whether a fork of this process could not use CUDA: it initialized CUDA, or merely asked
+    the driver how many GPUs there are (``torch.cuda.is_available()``, ``device_count()``: torch
+    then marks every later fork as a bad fork, "Cannot re-initialize CUDA in forked subprocess",
+    while ``is_initialized()`` still says False). The second is seen only in a fork: one is made
+    that reports torch's own flag and exits at once. A CPU build of torch has no CUDA to lose."""
+    if torch is None:
+        return False
+    if torch.cuda.is_initialized():
+        return True
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return False
+    in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", None)
+    if in_bad_fork is None:
+        return True     # a torch that does not say: assume the worst, workers start fresh
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:        # the probe: no Python-level cleanup, nothing of the parent's runs twice
+        try:
+            os.write(w, b"1" if in_bad_fork() else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        answer = os.read(r, 1)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    return answer != b"0"
+
+
 def prefork_worker_server() -> bool:
     """Under ``FSDP_SYNC_WORKERS_START=forkserver``: give this process its forkserver now, forked
     from this process, instead of the fresh interpreter multiprocessing starts at the first worker
@@ -284,8 +315,9 @@ def prefork_worker_server() -> bool:
     forked are gone, with ``os._exit`` (none of this process's exit handlers runs twice).
 
     Returns whether it did: not without the forkserver start, with a server already running, with
-    other threads, once this process initialized CUDA (its forks could not use the GPU), or on a
-    Python whose forkserver it does not know (3.14 and later add a handshake); then the first
+    other threads, once this process initialized CUDA or asked for its GPUs (its forks could not use
+    the GPU: `_forks_cannot_use_cuda`, checked after `PRELOAD` is imported), or on a Python whose
+    forkserver it does not know (3.14 and later add a handshake); then the first
     worker starts the server as usual."""
     if os.environ.get("FSDP_SYNC_WORKERS_START") != "forkserver" or not forkserver_usable():
         return False
@@ -304,11 +336,10 @@ def prefork_worker_server() -> bool:
                                                   "_forkserver_pid")))
     if not known or server._forkserver_pid is not None or threading.active_count() > 1:
         return False
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return False    # a fork of a process that initialized CUDA cannot use it: workers could not
     for name in PRELOAD:
         importlib.import_module(name)
+    if _forks_cannot_use_cuda(sys.modules["torch"]):
+        return False    # workers forked from this process could not use the GPU
     claim_temp_dir()                       # the socket goes in this process's named pymp dir
     listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")
