@@ -72,6 +72,14 @@ class SGLangEngine(GenerationControl, LoRAClient):
     ``max_retries`` and ``retry_backoff_s`` for idempotent calls (``get_weights_by_name``,
     ``flush_cache``, server info, health), ``proxies`` (none by default).
 
+    ``released_tags``: the memory tags SGLang had already released when this wrapper was made
+    (default none: a launched engine holds everything). SGLang's scheduler dies on a resume of a
+    tag it holds (a ``set.remove`` of it), so `resume_memory_occupation` sends only the tags
+    released since, `release_memory_occupation` only those held, and neither calls SGLang when
+    nothing is left to do (`memory_skipped` records those tags). ``track_memory=False``: another
+    client also releases and resumes this SGLang (verl's replicas do), so no state is kept here
+    and the tags go to SGLang as given (None: SGLang's all), as that client's own calls would.
+
     ``rank_bucket_loader=True``: the server was started with ``--custom-weight-loader
     fsdp_sync.engines.sglang.loader.load_rank_buckets``, so it takes per-rank buckets
     (`load_rank_bucket`, `SyncConfig.layout` "engine"/"auto"). Off (default), "auto" sends full
@@ -91,7 +99,8 @@ class SGLangEngine(GenerationControl, LoRAClient):
                  tp_size: int | None = None, api_key: str | None = None,
                  timeout_s: float = 600.0, max_retries: int = 3, retry_backoff_s: float = 0.5,
                  retry_backoff_max_s: float = 8.0, proxies: dict | None = None,
-                 manage_expandable_segments: bool = True, rank_bucket_loader: bool = False) -> None:
+                 manage_expandable_segments: bool = True, rank_bucket_loader: bool = False,
+                 released_tags: Sequence[str] = (), track_memory: bool = True) -> None:
         if isinstance(engine, str):
             engine, base_url = None, engine
         if (engine is None) == (base_url is None):
@@ -112,6 +121,14 @@ class SGLangEngine(GenerationControl, LoRAClient):
         # there, so the caller says so (`SyncConfig.layout` "auto" reads this)
         self.accepts_rank_buckets = bool(rank_bucket_loader)
         self.allocator = ExpandableSegments(manage_expandable_segments)
+        # what SGLang holds: everything once launched, less what was released before this wrapper
+        if released_tags:
+            if not track_memory:
+                raise ValueError("released_tags is SGLang's state at construction, kept by this "
+                                 "wrapper: it needs track_memory=True")
+            self.allocator.held -= set(ordered_tags(list(released_tags), RELEASE_ORDER))
+        self.track_memory = bool(track_memory)
+        self.memory_skipped: list[tuple[str, list[str]]] = []   # (call, tags SGLang was already in)
         self.closed = False
         self._fsdp_sync_route: bool | None = None   # fsdp-sync serve's checksum route, asked once
         self._config: Any = _UNASKED
@@ -495,19 +512,34 @@ class SGLangEngine(GenerationControl, LoRAClient):
     def _memory_call(self, name: str, tags: Sequence[str] | None, order: Sequence[str]) -> None:
         self._check_open(name)
         ordered = ordered_tags(tags, order)
-        wire = None if tags is None else ordered
         resume = name.startswith("resume")
+        held = self.allocator.held
+        if not self.track_memory:
+            wire: list[str] | None = None if tags is None else ordered
+        else:
+            # only tags whose state changes: SGLang's scheduler raises on (and quits for) a resume
+            # of a tag it holds, and would pause a released region again; never None (all)
+            wire = [t for t in ordered if (t not in held) == resume]
+            if len(wire) < len(ordered):
+                self.memory_skipped.append((name, [t for t in ordered if t not in wire]))
         if resume:
             # before SGLang maps its memory again, so the trainer's allocator stops growing segments
             self.allocator.resumed(ordered)
-        if self._http:
-            try:
-                answer = self._http.json("POST", f"/{name}", {"tags": wire})
-            except NotFound as e:
-                raise e.error from None
-        else:
-            answer = self._local.call(name, tags=wire)
-        check_answer(f"{name}(tags={wire})", answer, where=self.where)
+        if wire == []:
+            return
+        try:
+            if self._http:
+                try:
+                    answer = self._http.json("POST", f"/{name}", {"tags": wire})
+                except NotFound as e:
+                    raise e.error from None
+            else:
+                answer = self._local.call(name, tags=wire)
+            check_answer(f"{name}(tags={wire})", answer, where=self.where)
+        except BaseException:
+            if resume:      # not taken back: a later resume asks for them again
+                self.allocator.held -= set(ordered if wire is None else wire)
+            raise
         if not resume:
             self.allocator.released(ordered)
 
