@@ -135,6 +135,9 @@ SGLANG_SIGNATURES = {
     "update_weights_from_distributed": "(names, dtypes, shapes, group_name='weight_update_group', "
                                        "flush_cache=True, load_format=None)",
     "destroy_weights_update_group": "(group_name)",
+    # the same in 0.5.12: no pinned / added_tokens_config (the HTTP request's fields only)
+    "load_lora_adapter_from_tensors": "(lora_name, tensors, config_dict, load_format=None)",
+    "unload_lora_adapter": "(lora_name)",
 }
 
 
@@ -156,6 +159,7 @@ class OldFakeSGLangEngine:
         self.fail_next_flush: str | None = None
         self.opened_payloads = 0
         self.lock = threading.Lock()
+        self.offload_tags: set[str] = set()     # a launched engine holds everything
 
     def _record(self, method: str, /, **kwargs: Any) -> None:
         with self.lock:
@@ -226,11 +230,19 @@ class OldFakeSGLangEngine:
             return False, msg, 0
         return True, "Succeeded to update model weights.", 0
 
+    # SGLang's scheduler keeps the released tags in a set (``offload_tags``, both 0.5.12 and
+    # 0.5.23): release adds them, resume removes them with ``set.remove``, so resuming a tag it
+    # holds raises KeyError, which kills a real server (its scheduler process quits). None or []
+    # means every tag, as there.
     def release_memory_occupation(self, tags=None):
         self._record("release_memory_occupation", tags=tags)
+        for tag in tags or ("weights", "kv_cache", "cuda_graph"):
+            self.offload_tags.add(tag)
 
     def resume_memory_occupation(self, tags=None):
         self._record("resume_memory_occupation", tags=tags)
+        for tag in tags or ("weights", "kv_cache", "cuda_graph"):
+            self.offload_tags.remove(tag)
 
     def flush_cache(self):
         self._record("flush_cache")
@@ -265,6 +277,47 @@ class OldFakeSGLangEngine:
 
     def shutdown(self):
         self._record("shutdown")
+
+    # LoRA. In process (0.5.12 and 0.5.23 alike) ``Engine.load_lora_adapter_from_tensors``
+    # serializes ``tensors`` itself and every TP worker hands what it deserializes to
+    # ``LoRAManager.load_lora_adapter_from_tensors``, which reads ``tensors.items()`` and answers
+    # ``LoRAUpdateOutput(success=False, error_message=str(exc))`` when that raises. ``loras``:
+    # name -> {"tensors", "config", "pinned", "added_tokens_config", "ranks"} as loaded.
+    @property
+    def loras(self) -> dict:
+        return self.__dict__.setdefault("_loras", {})
+
+    def load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict, load_format=None):
+        self._record("load_lora_adapter_from_tensors", lora_name=lora_name, tensors=tensors,
+                     config_dict=config_dict, load_format=load_format)
+        if load_format == "flattened_bucket":
+            return lora_update(False, "the fake reads no flattened-bucket LoRA payloads")
+        return self.load_lora(lora_name, [tensors] * self.tp_size, config_dict)
+
+    def load_lora(self, lora_name, per_rank, config_dict, pinned=False, added_tokens_config=None):
+        """What every TP worker does with the value it deserialized (``per_rank[rank]``)."""
+        if lora_name in self.loras:
+            return lora_update(False, f"Failed to load LoRA adapter {lora_name} because it is "
+                                      f"already loaded")
+        try:
+            ranks = [{n: t.detach().clone() for n, t in value.items()} for value in per_rank]
+        except AttributeError as exc:      # SGLang's str(exc) of ``tensors.items()``
+            return lora_update(False, str(exc))
+        self.loras[lora_name] = {"tensors": ranks[0], "config": dict(config_dict),
+                                 "pinned": pinned, "added_tokens_config": added_tokens_config,
+                                 "ranks": len(ranks)}
+        return lora_update(True)
+
+    def unload_lora_adapter(self, lora_name):
+        self._record("unload_lora_adapter", lora_name=lora_name)
+        if self.loras.pop(lora_name, None) is None:
+            return lora_update(False, f"LoRA adapter {lora_name} is not loaded")
+        return lora_update(True)
+
+
+def lora_update(success: bool, error_message: str | None = None) -> types.SimpleNamespace:
+    """SGLang's ``LoRAUpdateOutput`` (``success``, ``error_message``, ``loaded_adapters``)."""
+    return types.SimpleNamespace(success=success, error_message=error_message, loaded_adapters=None)
 
 
 class FakeSGLangEngine(OldFakeSGLangEngine):
@@ -474,8 +527,54 @@ class FakeSGLangServer:
         if path == "/generate":
             return ok(e.generate(input_ids=body.get("input_ids"),
                                  sampling_params=body.get("sampling_params")))
+        if path == "/load_lora_adapter_from_tensors":
+            return self._load_lora(body or {})
+        if path == "/unload_lora_adapter":
+            out = e.unload_lora_adapter((body or {}).get("lora_name"))
+            return (ok if out.success else bad)(vars(out))
+        if path == "/v1/models" and method == "GET":      # the served model, then each adapter
+            return ok({"object": "list", "data": [{"id": "fake-model", "object": "model"}] + [
+                {"id": n, "object": "model", "parent": "fake-model"} for n in e.loras]})
         return not_found
 
+
+    # LoadLoRAAdapterFromTensorsReqInput (io_struct.py): 0.5.23 takes one payload per TP rank
+    # (base64 over HTTP), 0.5.12 ONE payload (a str) that every TP worker deserializes
+    LORA_FIELDS = ("lora_name", "config_dict", "serialized_named_tensors", "pinned",
+                   "added_tokens_config", "lora_id", "load_format", "expected_checksums")
+    LORA_FIELDS_0512 = ("lora_name", "config_dict", "serialized_tensors", "pinned",
+                        "added_tokens_config", "lora_id", "load_format")
+
+    def _load_lora(self, body: dict) -> tuple[int, str, str]:
+        """``/load_lora_adapter_from_tensors`` as the release does it: 422 for a missing required
+        field or a payload field of the wrong type (unknown fields are ignored, as its request
+        model does), then each TP worker opens its payload (0.5.23: ``[tp_rank]``; 0.5.12: the one
+        ``serialized_tensors``) and loads the dict it holds; 400 with ``LoRAUpdateOutput``."""
+        old = self.version == "0.5.12"
+        field = "serialized_tensors" if old else "serialized_named_tensors"
+        missing = [f for f in ("lora_name", "config_dict", field) if f not in body]
+        value = body.get(field)
+        wrong = (not isinstance(value, str)) if old else not (
+            isinstance(value, list) and all(isinstance(p, str) for p in value))
+        if missing or wrong:
+            return 422, "application/json", json.dumps(
+                {"detail": f"missing fields {missing}" if missing else
+                 f"{field}: expected {'a string' if old else 'a list of base64 strings'}, got "
+                 f"{type(value).__name__}"})
+        e = self.engine
+        if not old and len(value) < e.tp_size:      # its worker indexes [tp_rank]
+            return 400, "application/json", json.dumps(vars(lora_update(
+                False, f"list index out of range ({len(value)} payloads for {e.tp_size} ranks)")))
+        per_rank = []
+        for rank in range(e.tp_size):
+            obj, _ = unpickle(value if old else value[rank])
+            per_rank.append(obj)
+            e.opened_payloads += 1
+        out = e.load_lora(body["lora_name"], per_rank, body["config_dict"],
+                          pinned=bool(body.get("pinned", False)),
+                          added_tokens_config=body.get("added_tokens_config"))
+        del per_rank, obj
+        return (200 if out.success else 400), "application/json", json.dumps(vars(out))
 
     # SGLang 0.5.23's CheckWeightsReqInput fields (io_struct.py)
     CHECK_WEIGHTS_FIELDS = ("action", "allow_quant_error", "skip_tensor_list", "selector")

@@ -170,7 +170,7 @@ def test_sync_step_call_order_and_kwargs():
     assert kw[2] == {"tags": ["weights"]}
     assert kw[4]["load_format"] == "flattened_bucket" and kw[4]["flush_cache"] is False
     assert kw[5]["flush_cache"] is True
-    assert kw[-1] == {"tags": None}                              # None: all, SGLang orders them
+    assert kw[-1] == {"tags": ["kv_cache", "weights", "cuda_graph"]}   # None: all it holds
     assert kw[8]["sampling_params"] == {"max_new_tokens": 4, "temperature": 0.0}
     assert isinstance(a, Engine)                                 # fsdp_sync's engine protocol
     assert out == [[6, 7, 8, 9], [4, 5, 6, 7]]
@@ -186,12 +186,79 @@ def test_sync_step_call_order_and_kwargs():
 def test_resume_order_and_unknown_tags():
     eng = fake.FakeSGLangEngine()
     a = sg.SGLangEngine(eng, tp_size=2)
+    a.release_memory_occupation()
     a.resume_memory_occupation(["kv_cache", "weights", "cuda_graph"])
     assert eng.calls[-1] == ("resume_memory_occupation",
                              {"tags": ["cuda_graph", "weights", "kv_cache"]})
     with pytest.raises(ValueError, match="unknown memory tag"):
         a.release_memory_occupation(["weights", "kv"])
-    assert len(eng.calls) == 1
+    assert len(eng.calls) == 2
+
+
+@pytest.mark.timeout(30)
+def test_memory_calls_send_only_tags_whose_state_changes():
+    """SGLang's scheduler keeps released tags in a set and ``remove``s each resumed one: a resume
+    of a tag it holds raises there and its server quits (the fake raises the same KeyError). So a
+    launched engine is resumed with nothing, a released one with what it released, and an engine
+    released before it was wrapped says so (``released_tags``)."""
+    eng = fake.FakeSGLangEngine()
+    with pytest.raises(KeyError):                   # what SGLang does with a resume of a held tag
+        eng.resume_memory_occupation(["weights"])
+    eng.calls.clear()
+    a = sg.SGLangEngine(eng, tp_size=2)
+    a.resume_memory_occupation(["weights"])         # launched: holds everything, nothing sent
+    a.resume_memory_occupation()
+    assert eng.calls == []
+    a.release_memory_occupation(["kv_cache"])
+    a.release_memory_occupation(["kv_cache", "weights"])        # kv_cache is released already
+    a.resume_memory_occupation()                    # back: exactly the two released
+    assert eng.calls == [("release_memory_occupation", {"tags": ["kv_cache"]}),
+                         ("release_memory_occupation", {"tags": ["weights"]}),
+                         ("resume_memory_occupation", {"tags": ["weights", "kv_cache"]})]
+    assert eng.offload_tags == set()
+    assert a.memory_skipped == [("resume_memory_occupation", ["weights"]),
+                                ("resume_memory_occupation", ["cuda_graph", "weights", "kv_cache"]),
+                                ("release_memory_occupation", ["kv_cache"]),
+                                ("resume_memory_occupation", ["cuda_graph"])]
+    eng2 = fake.FakeSGLangEngine()
+    eng2.release_memory_occupation(["kv_cache", "weights"])      # as verl does after launching
+    b = sg.SGLangEngine(eng2, tp_size=2, released_tags=["weights", "kv_cache"])
+    b.resume_memory_occupation(["weights"])
+    assert eng2.offload_tags == {"kv_cache"}
+    with pytest.raises(ValueError, match="unknown memory tag"):
+        sg.SGLangEngine(eng2, tp_size=2, released_tags=["kv"])
+    # verl's adapter: verl's replicas also release SGLang's memory, so its calls go as given
+    eng3 = fake.FakeSGLangEngine()
+    c = sg.SGLangEngine(eng3, tp_size=2, track_memory=False)
+    c.release_memory_occupation()
+    c.resume_memory_occupation(["kv_cache", "weights"])
+    c.release_memory_occupation(["weights"])
+    assert eng3.calls == [("release_memory_occupation", {"tags": None}),
+                          ("resume_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+                          ("release_memory_occupation", {"tags": ["weights"]})]
+    assert c.memory_skipped == []
+    with pytest.raises(ValueError, match="track_memory=True"):
+        sg.SGLangEngine(eng3, tp_size=2, track_memory=False, released_tags=["weights"])
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_resume_is_asked_again():
+    class Refusing(fake.FakeSGLangEngine):
+        refuse = True
+
+        def resume_memory_occupation(self, tags=None):
+            if self.refuse:
+                self.refuse = False
+                raise RuntimeError("out of memory")
+            super().resume_memory_occupation(tags)
+
+    eng = Refusing()
+    a = sg.SGLangEngine(eng, tp_size=2)
+    a.release_memory_occupation(["kv_cache", "weights"])
+    with pytest.raises(Exception, match="out of memory"):
+        a.resume_memory_occupation(["weights"])
+    a.resume_memory_occupation(["weights"])
+    assert eng.offload_tags == {"kv_cache"}
 
 
 @pytest.mark.timeout(30)
@@ -293,6 +360,7 @@ def test_http_sync_round_trip():
     with fake.FakeSGLangServer(tp_size=2) as srv:
         a = http_engine(srv)
         assert a.tp_size == 2 and a.health()
+        a.release_memory_occupation(["kv_cache", "weights"])
         a.resume_memory_occupation(["weights"])
         a.begin_weight_update()
         a.update_weights_from_bucket(named)
@@ -306,15 +374,16 @@ def test_http_sync_round_trip():
             assert torch.equal(a.get_weights_by_name(name), t.to(torch.float32))
         paths = [(m, p) for m, p, _ in srv.requests]
         bodies = [b for _, _, b in srv.requests]
-    assert paths[:6] == [("GET", "/get_server_info"), ("GET", "/health"),
+    assert paths[:7] == [("GET", "/get_server_info"), ("GET", "/health"),
+                         ("POST", "/release_memory_occupation"),
                          ("POST", "/resume_memory_occupation"), ("POST", "/begin_weight_update"),
                          ("POST", "/update_weights_from_tensor"),
                          ("POST", "/update_weights_from_tensor")]
-    assert bodies[2] == {"tags": ["weights"]}
-    update = bodies[4]
+    assert bodies[2] == {"tags": ["kv_cache", "weights"]} and bodies[3] == {"tags": ["weights"]}
+    update = bodies[5]
     assert update["load_format"] == "flattened_bucket" and update["flush_cache"] is True
     assert all(isinstance(p, str) for p in update["serialized_named_tensors"])
-    assert bodies[5]["flush_cache"] is False
+    assert bodies[6]["flush_cache"] is False
 
 
 @pytest.mark.timeout(30)
@@ -432,8 +501,10 @@ def test_a_replica_out_of_service_is_probed_once_per_sync():
 
 # --------------------------------------------------------------------------- the manager drives it
 
-def _manager_rank(rank: int, world: int) -> dict | None:
-    """Two FSDP2 ranks (dp 1 x infer-TP 2) sync through FSDPShardingManager into SGLangEngine."""
+def _manager_rank(rank: int, world: int, multi_stage: bool = True) -> dict | None:
+    """Two FSDP2 ranks (dp 1 x infer-TP 2) sync through FSDPShardingManager into SGLangEngine
+    twice, training between: the first `with` on a freshly launched engine (holding all its
+    memory), the second on one the first released."""
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.weights.export import iter_params
     from fsdp_sync.manager import FSDPShardingManager
@@ -450,33 +521,59 @@ def _manager_rank(rank: int, world: int) -> dict | None:
     src = SyncTopology.from_mesh(mesh).is_tp_src
     eng = fake.FakeSGLangEngine(tp_size=world) if src else None
     adapter = sg.SGLangEngine(eng) if src else None
-    config = SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10, strategy="flattened")
-    with FSDPShardingManager(module, adapter, mesh=mesh, config=config) as manager:
-        engine_calls = manager.stats.engine_calls
-    expected = fake.digests(iter_params(module, dtype=torch.float32))   # collective: every rank
+    config = SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10, strategy="flattened",
+                        multi_stage_wake_up=multi_stage)
+    manager = FSDPShardingManager(module, adapter, mesh=mesh, config=config)
+    per_sync, matches = [], []
+    for step in (1, 2):
+        before = len(eng.calls) if src else 0
+        with manager:
+            engine_calls = manager.stats.engine_calls
+        expected = fake.digests(iter_params(module, dtype=torch.float32))   # collective: every rank
+        if src:
+            # get_server_info: tp_size at construction, then the stage timeline's memory probes
+            calls = [c for c in eng.calls[before:] if c[0] != "get_server_info"]
+            per_sync.append({"calls": [c[0] for c in calls], "tags": [c[1].get("tags") for c in calls]})
+            matches.append(fake.digests(eng.weights.items()) == expected)
+        train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
+    manager.close()
     if not src:
         return None
-    # get_server_info: tp_size at construction, then the stage timeline's memory probes
-    calls = [c for c in eng.calls if c[0] != "get_server_info"]
-    return {"calls": [c[0] for c in calls], "tags": [c[1].get("tags") for c in calls],
-            "engine_calls": engine_calls, "opened": eng.opened_payloads,
-            "match": fake.digests(eng.weights.items()) == expected, "n": len(expected)}
+    return {"syncs": per_sync, "engine_calls": engine_calls, "opened": eng.opened_payloads,
+            "match": matches, "n": len(expected), "held_back": sorted(eng.offload_tags),
+            "skipped": adapter.memory_skipped}
 
 
 @pytest.mark.timeout(120)
-def test_sharding_manager_drives_the_adapter_unchanged():
+@pytest.mark.parametrize("multi_stage", [True, False], ids=["multi_stage", "resume_all"])
+def test_sharding_manager_drives_the_adapter_unchanged(multi_stage):
+    """The manager on a freshly launched SGLang (which holds all its memory) and then on the one
+    it released. SGLang's scheduler quits on a resume of a tag it holds (the fake raises as its
+    ``set.remove`` does): the first `with` resumes nothing, the second exactly what the first
+    released; the cuda_graph pool, never released, is never resumed (``resume_all`` too)."""
     from fsdp_sync.cli.launch import run_ranks, spawn_env
 
-    out = run_ranks(_manager_rank, 2, timeout_s=110, env=spawn_env())[0]
-    assert out["match"] and out["n"] > 0           # bit-exact: every tensor SGLang got
+    out = run_ranks(_manager_rank, 2, multi_stage, timeout_s=110, env=spawn_env())[0]
+    assert out["match"] == [True, True] and out["n"] > 0     # bit-exact: every tensor SGLang got
     n = out["engine_calls"]
-    assert n >= 1 and out["opened"] == 2 * n       # each TP rank opened its own payload once
-    assert out["calls"] == (["resume_memory_occupation", "begin_weight_update"]
-                            + ["update_weights_from_tensor"] * n
-                            + ["end_weight_update", "resume_memory_occupation",
-                               "release_memory_occupation"])
-    assert out["tags"][0] == ["weights"] and out["tags"][-2] == ["kv_cache"]
-    assert out["tags"][-1] == ["kv_cache", "weights"]
+    assert n >= 1 and out["opened"] == 2 * 2 * n  # each TP rank opened its own payload once a sync
+    update = ["begin_weight_update"] + ["update_weights_from_tensor"] * n + ["end_weight_update"]
+    first, second = out["syncs"]
+    assert first["calls"] == update + ["release_memory_occupation"], first
+    assert first["tags"][-1] == ["kv_cache", "weights"]
+    if multi_stage:
+        assert second["calls"] == (["resume_memory_occupation"] + update
+                                   + ["resume_memory_occupation", "release_memory_occupation"])
+        assert [second["tags"][0], second["tags"][-2]] == [["weights"], ["kv_cache"]]
+    else:
+        assert second["calls"] == (["resume_memory_occupation"] + update
+                                   + ["release_memory_occupation"])
+        assert second["tags"][0] == ["weights", "kv_cache"]      # not cuda_graph: SGLang holds it
+    assert second["tags"][-1] == ["kv_cache", "weights"]
+    assert out["held_back"] == ["kv_cache", "weights"]           # released again at the end
+    skipped = [tags for call, tags in out["skipped"] if call == "resume_memory_occupation"]
+    assert skipped == ([["weights"], ["kv_cache"]] if multi_stage
+                       else [["cuda_graph", "weights", "kv_cache"], ["cuda_graph"]]), out["skipped"]
 
 
 class _NoSessionSGLang(fake.FakeSGLangEngine):
@@ -600,3 +697,99 @@ def test_distributed_calls_in_process_and_over_http():
                     "group_name": "weight_update_group", "backend": "gloo"}
     calls = [c for c in eng.calls if c[0] == "update_weights_from_distributed"]
     assert calls[1][1] == {**{k: v for k, v in body.items()}}
+
+
+# --------------------------------------------------------------------------- LoRA
+
+LORA_CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+
+
+def lora_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    base = "base_model.model.model.layers.0.self_attn"
+    return [(f"{base}.{m}.lora_{ab}.weight", torch.randn(*shape, generator=g).to(torch.bfloat16))
+            for m in ("q_proj", "v_proj") for ab, shape in (("A", (4, 16)), ("B", (16, 4)))]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("engine_cls", [fake.FakeSGLangEngine, fake.Fake0512Engine],
+                         ids=["0.5.23", "0.5.12"])
+def test_lora_in_process_calls_sglangs_engine_with_a_dict(engine_cls):
+    """``Engine.load_lora_adapter_from_tensors(lora_name, tensors, config_dict, load_format)``
+    (0.5.12 and 0.5.23): the kwargs bind, ``tensors`` is the {name: tensor} dict its workers read,
+    each TP rank holds every tensor bit for bit; pinned / added_tokens_config, which that Engine
+    cannot take, are refused by name and release before anything is called; SGLang's
+    ``error_message`` reaches the error."""
+    eng = engine_cls(tp_size=2)
+    a = sg.SGLangEngine(eng)
+    named = lora_tensors()
+    assert a.load_lora_adapter_from_tensors("a", named, LORA_CONFIG) == {"success": True}
+    (name, kwargs), = [c for c in eng.calls if c[0] == "load_lora_adapter_from_tensors"]
+    recorded_bind(engine_cls, name, kwargs)
+    assert isinstance(kwargs["tensors"], dict) and kwargs["config_dict"] == LORA_CONFIG
+    held = eng.loras["a"]
+    assert held["ranks"] == 2 and fake.digests(held["tensors"].items()) == fake.digests(named)
+    for kw, shown in (({"pinned": True}, "pinned=True"),
+                      ({"added_tokens_config": {"<t>": 7}}, "added_tokens_config={'<t>': 7}")):
+        with pytest.raises(sg.SGLangError, match=f"{shown}.*{engine_cls.VERSION}.*without "
+                                                 f"{shown.split('=')[0]}"):
+            a.load_lora_adapter_from_tensors("b", named, LORA_CONFIG, **kw)
+    assert len([c for c in eng.calls if c[0] == "load_lora_adapter_from_tensors"]) == 1
+    with pytest.raises(sg.SGLangUpdateError, match="Failed to load LoRA adapter a because it is "
+                                                   "already loaded"):
+        a.load_lora_adapter_from_tensors("a", dict(named), LORA_CONFIG)
+    with pytest.raises(ValueError, match="load_format='flattened_bucket'"):
+        a.load_lora_adapter_from_tensors("c", named, LORA_CONFIG, load_format="flattened_bucket")
+    a.unload_lora_adapter("a")
+    assert eng.loras == {}
+    with pytest.raises(sg.SGLangUpdateError, match="LoRA adapter a is not loaded"):
+        a.unload_lora_adapter("a")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.12"])
+def test_lora_over_http_sends_the_releases_payload_field(version):
+    """0.5.23: ``serialized_named_tensors``, one base64 payload per TP rank; 0.5.12 (verl 0.9.1's
+    pin): ``serialized_tensors``, ONE payload every TP rank opens. Each rank loads every tensor
+    bit for bit, pinned / added_tokens_config arrive, no segment is left (the autouse check: one
+    reference per opening), and the server's error_message reaches the error."""
+    named = lora_tensors(seed=1)
+    with fake.FakeSGLangServer(tp_size=2, version=version) as srv:
+        a = sg.SGLangEngine(base_url=srv.url, retry_backoff_s=0.01, timeout_s=10)
+        a.load_lora_adapter_from_tensors("a", named, LORA_CONFIG, pinned=True,
+                                         added_tokens_config={"<t>": 7})
+        assert [m["id"] for m in a.available_models()["data"]] == ["fake-model", "a"]
+        with pytest.raises(sg.SGLangUpdateError, match="already loaded"):
+            a.load_lora_adapter_from_tensors("a", named, LORA_CONFIG)
+        a.unload_lora_adapter("a")
+        bodies = [b for _, p, b in srv.requests if p == "/load_lora_adapter_from_tensors"]
+        held = srv.engine.loras
+        opened = srv.engine.opened_payloads
+    field, other = (("serialized_named_tensors", "serialized_tensors") if version == "0.5.23"
+                    else ("serialized_tensors", "serialized_named_tensors"))
+    body = bodies[0]
+    assert other not in body
+    assert set(body) <= set(fake.FakeSGLangServer.LORA_FIELDS if version == "0.5.23"
+                            else fake.FakeSGLangServer.LORA_FIELDS_0512)
+    if version == "0.5.23":
+        assert isinstance(body[field], list) and len(body[field]) == 2
+    else:
+        assert isinstance(body[field], str)
+    assert body["pinned"] is True and body["added_tokens_config"] == {"<t>": 7}
+    assert held == {} and opened == 4          # two loads, each opened by both TP ranks
+
+
+@pytest.mark.timeout(30)
+def test_lora_over_http_loads_bit_exact_and_refuses_an_unread_release():
+    named = lora_tensors(seed=2)
+    with fake.FakeSGLangServer(tp_size=2, version="0.5.12") as srv:
+        a = sg.SGLangEngine(base_url=srv.url, retry_backoff_s=0.01, timeout_s=10)
+        a.load_lora_adapter_from_tensors("a", dict(named), LORA_CONFIG)
+        assert fake.digests(srv.engine.loras["a"]["tensors"].items()) == fake.digests(named)
+        assert srv.engine.loras["a"]["ranks"] == 2
+    with fake.FakeSGLangServer(tp_size=2) as srv:
+        srv.engine.VERSION = "0.5.15"        # between 0.5.12 and 0.5.20: its field was not read
+        a = sg.SGLangEngine(base_url=srv.url, retry_backoff_s=0.01, timeout_s=10)
+        with pytest.raises(sg.SGLangError, match="SGLang 0.5.15.*not read.*nothing was sent"):
+            a.load_lora_adapter_from_tensors("a", named, LORA_CONFIG)
+        assert "/load_lora_adapter_from_tensors" not in srv.hits

@@ -5,6 +5,9 @@
 - Every global our payloads name is on SGLang's allow-list, and it refuses classes of ours.
 - Every call the adapter makes binds to the installed ``sglang.Engine`` signatures; every HTTP
   route and body field it sends exists in the installed server.
+- LoRA from tensors: the body is the installed ``LoadLoRAAdapterFromTensorsReqInput`` (its required
+  fields, its payload field and type: one payload or one per TP rank), and SGLang's own
+  deserializer, as the installed TP worker calls it, opens in each rank's process the dict sent.
 - The release table (`engines.sglang.versions`) says what the installed release has: the
   weight-update session, the checker's fields, the LoRA-from-tensors payload field, the receive
   bucket's pre-check.
@@ -200,6 +203,9 @@ def engine_signatures(names) -> tuple[dict[str, inspect.Signature], str]:
     return {n: _ast_signature(defs[n]) for n in names}, f"read from source ({why})"
 
 
+LORA_CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+
+
 def drive_adapter(target) -> None:
     """A whole sync step through the adapter, as the sharding manager drives it."""
     a = sg.SGLangEngine(target) if not isinstance(target, str) else sg.SGLangEngine(
@@ -226,6 +232,9 @@ def drive_adapter(target) -> None:
     a.resume_memory_occupation(["kv_cache"])
     a.generate([[1, 2, 3]], max_new_tokens=3)
     a.get_weights_by_name(named[0][0], truncate_size=2)
+    a.load_lora_adapter_from_tensors("sync", dict(named[:2]), dict(LORA_CONFIG))   # LoRA
+    a.available_models()
+    a.unload_lora_adapter("sync")
     if a.is_http:       # verify's probe: SGLang serves /weights_checker over HTTP only
         skip = {"skip_tensor_list": ["rotary_emb"]} if "skip_tensor_list" in \
             a.features.weights_checker_fields else {}
@@ -304,6 +313,8 @@ REQUEST_CLASSES = {
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/generate": "GenerateReqInput",
     "/weights_checker": "CheckWeightsReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
 }
 
 
@@ -323,6 +334,111 @@ def test_adapter_http_requests_match_installed_server():
             assert not unknown, f"{path} body fields {sorted(unknown)} unknown to sglang"
         if path == "/generate":
             assert set(body["sampling_params"]) <= _sampling_params()
+
+
+# What the installed TP worker does with the LoRA request's payload field, each rank in a process
+# of its own (forked from one that imported SGLang): 0.5.12's ``TpModelWorker
+# .load_lora_adapter_from_tensors`` deserializes the one ``serialized_tensors`` on every rank;
+# 0.5.23's ``deserialize_own_rank`` takes ``serialized_named_tensors[tp_rank]`` (base64 decoded
+# by the request model, ``normalize_serialized_named_tensor_payload`` here) after
+# ``monkey_patch_torch_reductions``. Both hand the result to the LoRA manager as ``tensors``.
+OPEN_LORA = r"""
+import gc, hashlib, json, os, sys
+import torch
+from sglang.srt.utils import MultiprocessingSerializer
+field, tp, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+with open(path) as f:
+    value = json.load(f)
+out = []
+for rank in range(tp):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        code = 1
+        try:
+            if field == "serialized_tensors":
+                tensors = MultiprocessingSerializer.deserialize(value)
+            else:
+                from sglang.srt.utils.common import normalize_serialized_named_tensor_payload
+                from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+                monkey_patch_torch_reductions()
+                tensors = MultiprocessingSerializer.deserialize(
+                    normalize_serialized_named_tensor_payload(value[rank]))
+            answer = {"type": type(tensors).__name__, "digests": {
+                n: [str(t.dtype).removeprefix("torch."), list(t.shape), hashlib.sha256(
+                    t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+                for n, t in tensors.items()}}
+            del tensors
+            gc.collect()            # the mappings closed (and counted) before the exit
+            with os.fdopen(w, "w") as f:
+                json.dump(answer, f)
+            code = 0
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    out.append(json.loads(data) if code == 0 else {"error": f"rank {rank} exit {code}"})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _lora_request() -> tuple[dict[str, str], set[str]]:
+    """``LoadLoRAAdapterFromTensorsReqInput``'s fields (annotation text) and its required ones."""
+    cls = _class_node(SRT / "managers" / "io_struct.py", "LoadLoRAAdapterFromTensorsReqInput")
+    fields = {n.target.id: ast.unparse(n.annotation) for n in cls.body
+              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    required = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)
+                and isinstance(n.target, ast.Name) and n.value is None}
+    return fields, required
+
+
+@pytest.mark.timeout(180)
+def test_lora_http_body_is_the_installed_request_and_sglang_opens_it(tmp_path):
+    """The adapter's ``/load_lora_adapter_from_tensors`` body against the installed release: every
+    required field there, no field the request lacks, the payload field the release reads with
+    its type (0.5.12: one ``str``; 0.5.23: a list, one per TP rank); and SGLang's deserializer,
+    called as the installed TP worker calls it, gives each rank the ``{name: tensor}`` dict sent,
+    bit for bit (while the adapter still holds the payloads' segments)."""
+    fields, required = _lora_request()
+    field = INSTALLED.lora_tensors_field
+    opened: list = []
+
+    class SGLangOpensFirst(fake.FakeSGLangServer):
+        def _load_lora(self, body):
+            if field in body:
+                path = tmp_path / "lora_payload.json"
+                path.write_text(json.dumps(body[field]))
+                proc = subprocess.run([sys.executable, "-c", OPEN_LORA, field,
+                                       str(self.engine.tp_size), str(path)],
+                                      capture_output=True, text=True, timeout=120)
+                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                opened.append(json.loads(line[7:]) if line else {"error": proc.stderr[-3000:]})
+            # SGLang's workers were the TP ranks: each opening gave back the one reference the
+            # adapter counted for it, so the fake opens nothing more (it would over-count)
+            return 200, "application/json", json.dumps({"success": True, "error_message": None})
+
+    named = mixed_tensors(seed=5)
+    with SGLangOpensFirst(tp_size=2, version=FAKE_VERSION) as srv:
+        a = sg.SGLangEngine(base_url=srv.url, timeout_s=150)
+        a.load_lora_adapter_from_tensors("a", named, dict(LORA_CONFIG), pinned=True,
+                                         added_tokens_config={"<t>": 7})
+        (body,) = [b for _, p, b in srv.requests if p == "/load_lora_adapter_from_tensors"]
+    assert required <= set(body) <= set(fields), (sorted(body), sorted(fields), sorted(required))
+    assert field in required, (field, sorted(required))
+    if "List[" in fields[field]:          # one payload per TP rank
+        assert isinstance(body[field], list) and len(body[field]) == 2, type(body[field])
+        assert all(isinstance(p, str) for p in body[field])
+    else:
+        assert fields[field] == "str" and isinstance(body[field], str), (fields[field], type(body[field]))
+    assert body["pinned"] is True and body["added_tokens_config"] == {"<t>": 7}
+    assert len(opened) == 1 and isinstance(opened[0], list), opened
+    assert [r.get("type") for r in opened[0]] == ["dict", "dict"], opened[0]
+    for r in opened[0]:
+        assert r["digests"] == fake.digests(named)
 
 
 @pytest.mark.timeout(60)

@@ -3,14 +3,21 @@ loaded ones, and (``fsdp-sync serve`` only) digests of an adapter as the engine 
 of `adapter.SGLangEngine` (it provides ``_http``, ``_local``, ``_check_open``, ``tp_size`` and
 ``where``).
 
-Over HTTP the body is the one verl 0.9.1's ``AsyncHttpServerAdapter.load_lora_adapter_from_tensor``
-sends to SGLang's ``/load_lora_adapter_from_tensors``: ``lora_name``, ``config_dict`` (a peft
-``LoraConfig`` dict, enums as strings) and ``serialized_named_tensors``, one base64 payload per TP
-rank, each the whole ``{name: tensor}`` dict (SGLang shards it itself). The tensors are copied into
-one shared buffer first, so the payloads point at one segment, kept until the server answered.
+Over HTTP the body is what the server's release takes (`versions`: its ``lora_tensors_field``):
+``lora_name``, ``config_dict`` (a peft ``LoraConfig`` dict, enums as strings) and the tensors as
+the whole ``{name: tensor}`` dict (SGLang shards it itself) in base64 payloads: from 0.5.20 on
+``serialized_named_tensors``, one payload per TP rank (what verl's ``AsyncHttpServerAdapter
+.load_lora_adapter_from_tensor`` sends); in 0.5.12 (verl 0.9.1's pin) ``serialized_tensors``, ONE
+payload that every TP worker deserializes. The tensors are copied into one shared buffer first, so
+the payloads point at one segment, kept until the server answered; the lease counts one reference
+per TP rank either way (each opening gives one back). ``pinned`` and ``added_tokens_config`` are
+fields of both releases' request. A release between 0.5.12 and 0.5.20 (not read) is refused.
 ``unload_lora_adapter`` is ``/unload_lora_adapter {lora_name}``; ``available_models`` is
 ``GET /v1/models`` (SGLang lists each adapter as a card under its name). In process, the
-``sglang.Engine`` methods of those names are called with the tensors themselves.
+``sglang.Engine`` methods of those names are called with the tensors themselves, as a dict:
+``Engine.load_lora_adapter_from_tensors(lora_name, tensors, config_dict, load_format=None)`` in
+0.5.12 and 0.5.23 (it serializes the dict itself) takes no ``pinned`` / ``added_tokens_config``:
+given to such an engine they are refused by name, not dropped.
 
 ``lora_checksums`` reads ``POST /fsdp_sync/lora_checksums``, which only ``fsdp-sync serve`` has:
 SGLang cannot hand an adapter back, so against it the call raises, naming what to set instead.
@@ -21,6 +28,7 @@ side (`engines.reference.serve_lora`).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 import torch
@@ -29,6 +37,28 @@ from ...weights import handles
 from .client import NotFound, SGLangError, SGLangUpdateError, check_answer, lease_answered
 
 __all__ = ["LoRAClient"]
+
+
+def _takes(obj: Any, method: str, param: str) -> bool:
+    """Whether ``obj.method`` takes the keyword ``param``."""
+    try:
+        params = inspect.signature(getattr(obj, method)).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return param in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _with_message(answer: Any) -> Any:
+    """SGLang answers LoRA calls with ``LoRAUpdateOutput`` (``success``, ``error_message``), which
+    `check_answer` reads as ``message``."""
+    if isinstance(answer, dict):
+        if answer.get("error_message") and not answer.get("message"):
+            return dict(answer, message=answer["error_message"])
+        return answer
+    error = getattr(answer, "error_message", None)
+    if error and isinstance(getattr(answer, "success", None), bool):
+        return {"success": answer.success, "message": error}
+    return answer
 
 
 def shared_copy(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -53,24 +83,56 @@ class LoRAClient:
                                        load_format: str | None = None, pinned: bool = False,
                                        added_tokens_config: Any = None) -> dict:
         """Load adapter ``lora_name`` from full tensors (``[(name, tensor)]`` or a dict, peft's
-        names) with ``config_dict``; raises `SGLangUpdateError` with the server's message."""
+        names) with ``config_dict``; raises `SGLangUpdateError` with the server's message, and
+        `SGLangError` before sending anything where the engine cannot take what was given."""
         self._check_open("load_lora_adapter_from_tensors")
         call = f"load_lora_adapter_from_tensors({lora_name!r})"
+        if load_format == "flattened_bucket":
+            # SGLang reads such payloads as {flattened_tensor, metadata}; this call sends tensors
+            raise ValueError("load_format='flattened_bucket' takes pre-serialized bucket payloads; "
+                             "SGLangEngine.load_lora_adapter_from_tensors sends named tensors: "
+                             "leave load_format None")
         named = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
         if self._local:
+            kwargs = {}
+            for param, value, given in (("pinned", pinned, bool(pinned)),
+                                        ("added_tokens_config", added_tokens_config,
+                                         added_tokens_config is not None)):
+                if not given:
+                    continue
+                if not _takes(self._local.engine, "load_lora_adapter_from_tensors", param):
+                    raise SGLangError(
+                        f"{param}={value!r}: the in-process engine "
+                        f"({type(self._local.engine).__name__}, {self.features.label}) has "
+                        f"load_lora_adapter_from_tensors(lora_name, tensors, config_dict, "
+                        f"load_format) without {param} (sglang.Engine 0.5.12 to 0.5.23; SGLang's "
+                        f"HTTP request takes it); leave {param} out or serve SGLang over HTTP",
+                        call="load_lora_adapter_from_tensors")
+                kwargs[param] = value
+            # sglang.Engine serializes ``tensors`` itself and its workers read a {name: tensor} dict
             answer = self._local.call("load_lora_adapter_from_tensors", lora_name=lora_name,
-                                      tensors=named, config_dict=dict(config_dict),
-                                      load_format=load_format, pinned=pinned,
-                                      added_tokens_config=added_tokens_config)
-            check_answer(call, answer, error=SGLangUpdateError)
+                                      tensors=dict(named), config_dict=dict(config_dict),
+                                      load_format=load_format, **kwargs)
+            check_answer(call, _with_message(answer), error=SGLangUpdateError)
             return answer if isinstance(answer, dict) else {"success": True}
+        feats = self.features
+        if feats.lora_tensors_field is None:
+            raise SGLangError(f"{feats.label}{self.where}: its /load_lora_adapter_from_tensors was "
+                              f"not read (fsdp_sync knows 0.5.12's one payload, serialized_tensors, "
+                              f"and 0.5.20 on, serialized_named_tensors per TP rank); nothing was "
+                              f"sent: upgrade SGLang", call="load_lora_adapter_from_tensors")
+        # one reference per TP rank that opens a payload: with one payload for all ranks (0.5.12)
+        # each rank still opens it once, giving one back, so the lease takes tp_size of them
         lease = handles.make_payloads(shared_copy(named), self.tp_size, output_str=True, tagged=False)
+        wire = lease.payloads if feats.lora_tensors_per_rank else lease.payloads[0]
         body = {"lora_name": lora_name, "config_dict": dict(config_dict),
-                "serialized_named_tensors": lease.payloads}
+                feats.lora_tensors_field: wire}
         if load_format is not None:
             body["load_format"] = load_format
         if pinned:
             body["pinned"] = True
+        if added_tokens_config is not None:
+            body["added_tokens_config"] = added_tokens_config
         with lease_answered(lease):
             try:
                 answer = self._http.json("POST", "/load_lora_adapter_from_tensors", body,
@@ -78,7 +140,7 @@ class LoRAClient:
             except NotFound as e:        # no such route: nothing was opened
                 e.error.opened = False
                 raise e.error from None
-            check_answer(call, answer, error=SGLangUpdateError, where=self.where)
+            check_answer(call, _with_message(answer), error=SGLangUpdateError, where=self.where)
         return answer if isinstance(answer, dict) else {"success": True}
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
@@ -93,7 +155,7 @@ class LoRAClient:
                                          error=SGLangUpdateError)
             except NotFound as e:
                 raise e.error from None
-        check_answer(call, answer, error=SGLangUpdateError, where=self.where)
+        check_answer(call, _with_message(answer), error=SGLangUpdateError, where=self.where)
         return answer if isinstance(answer, dict) else {"success": True}
 
     def available_models(self) -> dict:
