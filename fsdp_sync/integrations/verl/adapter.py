@@ -92,7 +92,7 @@ from ...wire import flattened_bucket
 from .. import module_stream, peer_check, verl_lora
 from . import metrics as step_metrics
 from .replica import ROLLOUT_NAME, server_name
-from .stream import BucketBuffer, pulled_in_a_thread, timed
+from .stream import BucketBuffer, pulled_in_a_thread, reuses_memory, timed
 
 __all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
 
@@ -265,7 +265,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             host = f"[{host}]" if ":" in str(host) else host
             url = f"http://{host}:{port}"
         # one payload per rank of verl's infer_tp mesh dim (tp x dp of the server), as verl sends
-        self._engine = SGLangEngine(base_url=url, api_key=self.api_key, tp_size=self._mesh().size())
+        # verl's replicas also release and resume SGLang's memory themselves (sleep_replicas), so
+        # the adapter cannot know SGLang's state: verl's tags go as verl gives them
+        self._engine = SGLangEngine(base_url=url, api_key=self.api_key, tp_size=self._mesh().size(),
+                                    track_memory=False)
         return self._engine
 
     # ------------------------------------------------------------------ memory
@@ -294,6 +297,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         engine = await self._client()
         # the engine commits the weights named by verl's step, as SGLang's weight_version
         version = None if global_steps is None else str(global_steps)
+        # verl's nccl receiver (and its kin) overwrite a yielded tensor's memory after a later pull
+        reused = reuses_memory(weights)
         if peft_config and base_sync_done:      # the adapter only (verl's LoRA-as-adapter syncs)
             def run(it):
                 return self._sync_adapter(it, engine, peft_config)
@@ -301,7 +306,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             def run(it):      # full weights; a LoRA run's base: peft's .base_layer. dropped
                 if peft_config:
                     it = ((verl_lora.base_name(n), t) for n, t in it)
-                return dict(self._sync(it, engine, version), kind="base" if peft_config else "full")
+                return dict(self._sync(it, engine, version, reused=reused),
+                            kind="base" if peft_config else "full")
         if hasattr(weights, "__aiter__"):
             # verl's checkpoint engines (nccl, nixl, ...) hand an async generator: walked on this
             # loop, consumed by the sync in a thread
@@ -350,10 +356,12 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         return self._topo
 
     def _sync(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any,
-              version: str | None = None) -> dict[str, Any]:
+              version: str | None = None, reused: bool = False) -> dict[str, Any]:
         """Every rank of the infer-TP group runs this in step; rank 0 holds ``engine``. The calls
         go through the tensor transport's send loop (`TensorTransport.send`): the update bracket,
-        then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free."""
+        then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free.
+        ``reused``: the stream may overwrite a tensor once the next is pulled
+        (`stream.reuses_memory`); what is held across a pull is then a copy."""
         cfg, topo = self.sync, self._topology()
         counted = SyncStats()
         if not self._peers_checked:     # before any weight moves: one protocol on every rank
@@ -394,8 +402,9 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             stream = timed(weights, phases)
             if quant is not None:  # rollout.quantization: block FP8, after the cast, tensor by tensor
                 stream = quant.named((n, self._cast(t) if n in quant.hf else t) for n, t in stream)
-            steps = (self._flattened_calls if cfg.strategy == "flattened"
-                     else self._per_tensor_handle_calls)(stream, topo, counted)
+            # flattened copies each tensor into its bucket before the next pull: safe as it is
+            steps = (self._flattened_calls(stream, topo, counted) if cfg.strategy == "flattened"
+                     else self._per_tensor_handle_calls(stream, topo, counted, copy_held=reused))
         try:
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
                                       group=topo.tp_group, what="fsdp_sync verl sync",
@@ -564,11 +573,18 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             if stream.high:
                 self._buffer_hint = -(-stream.high // ALIGNMENT) * ALIGNMENT
 
-    def _per_tensor_handle_calls(self, weights, topo: SyncTopology,
-                                 stats: SyncStats) -> Iterator[Call]:
+    def _per_tensor_handle_calls(self, weights, topo: SyncTopology, stats: SyncStats,
+                                 copy_held: bool = False) -> Iterator[Call]:
         """verl's own algorithm (``bucketed``): tensors grouped by bytes, one handle per tensor,
-        one engine call per group; ``per_tensor``: one tensor per call."""
-        limit = 1 if self.sync.strategy == "per_tensor" else self.sync.bucket_bytes
+        one engine call per group; ``per_tensor``: one tensor per call.
+
+        A group is closed when the next tensor, already pulled, would overflow it, so its tensors
+        are held across pulls: with ``copy_held`` (a stream that overwrites what it yielded once
+        the next is pulled, `stream.reuses_memory`) each is copied as it joins the group, unless
+        the dtype cast already made it a tensor of its own (at most a bucket more memory).
+        ``per_tensor`` sends each tensor before pulling the next: nothing held, nothing copied."""
+        per_tensor = self.sync.strategy == "per_tensor"
+        limit = self.sync.bucket_bytes
         batch: list[tuple[str, torch.Tensor]] = []
         size = 0
 
@@ -590,14 +606,20 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             batch, size = [], 0
             return Call([ps], ps.payloads[0], None, None, False, what, deliver=deliver)
 
-        for name, t in weights:
-            t = self._prepare(name, t)
+        for name, pulled in weights:
+            t = self._prepare(name, pulled)
             n = t.numel() * t.element_size()
             if batch and size + n > limit:
                 yield call()
+            if copy_held and not per_tensor and n and t.data_ptr() == pulled.data_ptr():
+                t0 = time.perf_counter()
+                t = t.clone()            # the stream's memory: overwritten after a later pull
+                self._pack_s += time.perf_counter() - t0
             batch.append((name, t))
             size += n
-            del t
+            del t, pulled
+            if per_tensor:
+                yield call()
         if batch:
             yield call()
 

@@ -95,8 +95,20 @@ _DTYPES = {dtype_name(d): d for d in SUPPORTED_DTYPES}
 _NOT_IN_GROUP = -1
 
 
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def _resolve_device(device: str | None) -> torch.device:
+    """Where this engine's buckets live: ``device``, else CUDA when there is one, else CPU. A CUDA
+    device without an index gets the calling thread's current one, read once here. CUDA's current
+    device is per thread and a new thread starts on GPU 0; under
+    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` (verl recommends it for TP >= 8) every GPU of
+    the node is visible and verl picks the worker's with ``set_device`` in the thread that builds
+    the worker only (``single_controller/base/worker.py`` ~274-281; `CheckpointEngineWorker`
+    builds this engine right after, in that thread). So every later call, in any thread, names
+    this device rather than relying on the thread's current one."""
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available()
+                                                            else "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _group_backend(device_type: str) -> str:
@@ -114,8 +126,10 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         timeout_s: bound on the rendezvous and on every collective of a sync.
         rebuild_group: make the group anew at every sync (default False: keep it while the
             workers and their ranks stay the same).
-        device: where buckets live, ``"cuda"`` / ``"cpu"``; default CUDA when there is one. All
-            workers must agree (the group's backend follows it).
+        device: where buckets live, ``"cuda"`` / ``"cuda:N"`` / ``"cpu"``; default CUDA when there
+            is one. ``"cuda"`` is the constructing thread's current GPU (verl's worker sets it
+            there), resolved here once and used by every thread of the engine. All workers must
+            agree on the type (the group's backend follows it).
         master_address: the address receivers reach actor rank 0 at; default its outward address.
     """
 
@@ -130,7 +144,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
         self.timeout_s = float(timeout_s)
-        self.device = torch.device(device or _default_device())
+        self.device = _resolve_device(device)
         self.master_address = master_address
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -303,6 +317,10 @@ class ReceivedWeights:
     """One sync's received stream, for ``for`` and ``async for`` alike (walk it once): each bucket
     is checked (the sender's step against ``global_steps``), and given back as views."""
 
+    views_stay_valid = True
+    """A yielded tensor is never overwritten, however long it is held (each bucket is received
+    into a fresh buffer): a consumer need not copy it (`stream.reuses_memory`)."""
+
     def __init__(self, engine: FsdpSyncCheckpointEngine, global_steps: int | None) -> None:
         self.engine, self.global_steps = engine, global_steps
         self.receiver = _Receiver(engine.pg, engine.device, engine.timeout_s, engine.rank)
@@ -425,7 +443,7 @@ class _Sender:
             self.turn ^= 1
         self._wait()
         if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()   # the copies into flat, before NCCL reads it
+            torch.cuda.current_stream(self.device).synchronize()   # the copies into flat, before NCCL reads it
         entries = [[e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in bucket.entries]
         self._header({"entries": entries, "nbytes": bucket.nbytes, "last": last, "step": self.step})
         if bucket.nbytes:
@@ -460,7 +478,8 @@ def _broadcast_header(pg: Any, header: dict | None) -> dict:
 
 class _Receiver:
     """A rollout worker's side of one sync: a thread receives buckets (header, then the bucket
-    into a fresh buffer) while the consumer works on the previous one; two buckets at most."""
+    into a fresh buffer) while the consumer works on the previous one; two buckets at most. The
+    thread runs on the engine's device (a new thread's current CUDA device is GPU 0)."""
 
     def __init__(self, pg: Any, device: torch.device, timeout_s: float, rank: int) -> None:
         self.pg, self.device, self.timeout_s, self.rank = pg, device, timeout_s, rank
@@ -493,6 +512,8 @@ class _Receiver:
 
     def _run(self) -> None:
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             while True:
                 self.slots.acquire()
                 if self.stopping.is_set():
@@ -506,7 +527,7 @@ class _Receiver:
                 if flat.numel():
                     dist.broadcast(flat, group_src=0, group=self.pg)
                     if self.device.type == "cuda":
-                        torch.cuda.current_stream().synchronize()
+                        torch.cuda.current_stream(self.device).synchronize()
                 self.q.put(({"entries": entries, "last": bool(header["last"]),
                              "step": header.get("step")}, flat))
                 if header["last"]:

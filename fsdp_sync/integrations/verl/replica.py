@@ -30,6 +30,13 @@ the name `ROLLOUT_NAME` (registered by the plug-in, ``fsdp_sync.integrations.ver
   actor (or refuses them, ``reject_request``) until ``resume_generation``, as SGLang's
   ``pause_generation(mode="abort")`` does.
 
+CPU runs only (``VERL_PLATFORM=cpu``, `cpu_platform`): serve runs on CPU (no ``--device``) in an
+actor that asks Ray for no GPU, while on a GPU host verl's trainer tensors are CUDA tensors, which
+reach serve as CUDA IPC handles a CPU server cannot open. `ServeReplica.launch_servers` therefore
+refuses, before any actor starts, wherever verl's device is not ``cpu`` (`check_device`), naming
+what to use there: ``rollout.name=sglang`` with fsdp_sync's adapter. Serving on the replica's GPUs
+(``--device cuda``, the actor placed on them) is not built: it has never run on a GPU.
+
 The adapter (`adapter.SGLangAdapter`, always on under this name) finds this actor by
 `server_name` and syncs into serve over HTTP.
 
@@ -51,13 +58,14 @@ import time
 from typing import Any
 
 import ray
+from verl.utils import device as verl_device
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from ...engines.sglang.client import HttpClient
 from .. import verl_lora
 
 __all__ = ["ROLLOUT_NAME", "ServeReplica", "ServeServer", "server_name", "serve_command",
-           "sampling_request"]
+           "sampling_request", "check_device"]
 
 ROLLOUT_NAME = "fsdp_sync_ref"
 START_TIMEOUT_S = 300.0
@@ -91,6 +99,21 @@ def _model_config_json(model_config: Any) -> str:
                                 f"actor_rollout_ref.model.path={path!r}); the reference engine "
                                 f"builds the model from it")
     return cfg
+
+
+def check_device() -> None:
+    """Refuse a run whose trainer is not on CPU (see the module docstring): ``fsdp-sync serve``
+    here runs on CPU and cannot open the CUDA IPC handles of a GPU trainer's tensors."""
+    device = verl_device.get_device_name()
+    if device != "cpu":
+        raise ValueError(
+            f"rollout.name={ROLLOUT_NAME} runs fsdp_sync's reference engine on CPU (fsdp-sync serve, "
+            f"a Ray actor with no GPU) and takes the weights as handles of the trainer's tensors, "
+            f"but verl runs on {device!r} here, whose tensor handles a CPU server cannot open: "
+            f"on GPUs use actor_rollout_ref.rollout.name=sglang with "
+            f"+actor_rollout_ref.rollout.custom.fsdp_sync.enable=true (fsdp_sync's adapter over "
+            f"SGLang, docs/verl.md); {ROLLOUT_NAME} is for CPU runs (VERL_PLATFORM=cpu, "
+            f"recipes/verl/run_tiny_grpo_cpu.sh)")
 
 
 def serve_command(config: Any, model_config: Any) -> list[str]:
@@ -315,6 +338,7 @@ class ServeReplica(RolloutReplica):
     """verl's replica for `ROLLOUT_NAME`: one `ServeServer` actor per node (see the module docstring)."""
 
     async def launch_servers(self) -> None:
+        check_device()          # before any actor starts: a GPU host cannot run this rollout
         opts = _get(_get(self.config, "custom"), "fsdp_sync") or {}
         log_dir = _get(opts, "log_dir")
         actor = ray.remote(ServeServer)

@@ -3,6 +3,9 @@
 - `pulled_in_a_thread`: a consumer written for a plain iterator, fed from an async iterable
   (verl's checkpoint engines' ``receive_weights`` are async generators) without blocking the
   event loop the stream runs on;
+- `reuses_memory`: whether a stream may overwrite a tensor it yielded once the next is pulled
+  (verl's checkpoint engines' receivers do: a consumer that keeps tensors across a pull copies
+  them);
 - `timed`: the seconds spent waiting on the stream (verl's export, or the receive);
 - `BucketBuffer`: one trainer rank's reused flat buffer, filled tensor by tensor.
 
@@ -20,7 +23,7 @@ import torch
 from ...weights import handles
 from ...weights.bucket import ALIGNMENT, Bucket, TensorMeta, plan_buckets
 
-__all__ = ["pulled_in_a_thread", "timed", "BucketBuffer"]
+__all__ = ["pulled_in_a_thread", "reuses_memory", "timed", "BucketBuffer"]
 
 
 async def pulled_in_a_thread(weights: AsyncIterable, run: Any) -> Any:
@@ -70,6 +73,20 @@ async def pulled_in_a_thread(weights: AsyncIterable, run: Any) -> Any:
         close = getattr(stream, "aclose", None)
         if close is not None:
             await close()
+
+
+def reuses_memory(weights: Any) -> bool:
+    """Whether ``weights`` may overwrite a tensor it yielded once the next item is pulled.
+
+    verl's checkpoint engines hand ``receive_weights()``, an async generator, and verl 0.9.1's
+    ``nccl`` receiver (``nccl_checkpoint_engine.py`` ~449-508) yields views into two buffers it
+    alternates: pulling the first tensor of bucket k+1 starts the broadcast of bucket k+2 into
+    bucket k's buffer, so a view of bucket k kept past that pull changes under its holder (a
+    tensor larger than a bucket is merged into memory of its own, ``base.merge_weight_chunks``).
+    Async streams are taken to do this unless they say they do not (``views_stay_valid``:
+    fsdp_sync's own engine, `checkpoint_engine.ReceivedWeights`, allocates each bucket afresh).
+    verl's colocated export (a plain generator of ``full_tensor()`` results) does not."""
+    return hasattr(weights, "__aiter__") and not getattr(weights, "views_stay_valid", False)
 
 
 def timed(weights: Iterable, phases: dict) -> Iterator:
