@@ -1,14 +1,15 @@
 """SGLangEngine: fsdp_sync's engine protocol (`fsdp_sync.engines.base.Engine`, SGLang's method
 names) over an in-process ``sglang.Engine`` object or a running SGLang HTTP server.
 
-It orders memory tags the way SGLang does, uses ``begin_weight_update`` / ``end_weight_update`` when
+It uses ``begin_weight_update`` / ``end_weight_update`` when
 the engine has them (known from the release it reports, `versions`, or detected once: a missing
 method, HTTP 404), refuses by name what that release cannot take, turns the CUDA allocator's
 expandable segments off while SGLang holds GPU memory (`allocator`), raises on every
 ``success=False`` with SGLang's message, and retries only idempotent HTTP calls (`client`).
 
-Generation controls (pause/continue, weight versions, ``fsdp-sync serve``'s out-of-service
-switch) come from `control`, SGLang's LoRA calls (load from tensors, unload, the loaded list) from
+Memory release and resume by tag (only tags whose state changes, in SGLang's order) come from
+`memory_calls`, generation controls (pause/continue, weight versions, ``fsdp-sync serve``'s
+out-of-service switch) from `control`, SGLang's LoRA calls (load from tensors, unload, the loaded list) from
 `lora`.
 
 Not here: the per-rank payloads (`payloads`, with their lifetime rule), starting SGLang (the caller
@@ -28,10 +29,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from ...weights import handles
-from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineStateError,
+from ..base import (RELEASE_ORDER, EngineClosedError, EngineStateError,
                     SerializedPerRank, ordered_tags)
 from .allocator import ExpandableSegments
 from .control import GenerationControl
+from .memory_calls import MemoryCalls
 from .lora import LoRAClient
 from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLangError,
                      SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text,
@@ -62,7 +64,7 @@ def _local_serialized_tensor_cls():
 
 # --------------------------------------------------------------------------- the adapter
 
-class SGLangEngine(GenerationControl, LoRAClient):
+class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
     """fsdp_sync's engine protocol over SGLang: an in-process ``sglang.Engine`` or an HTTP server.
 
     ``SGLangEngine(engine)`` wraps an ``sglang.Engine`` (any object with its methods);
@@ -496,52 +498,6 @@ class SGLangEngine(GenerationControl, LoRAClient):
             raise SGLangError(f"SGLang has no parameter {name!r} (or cannot read it)"
                               f"{self.where}{detail}", call="get_weights_by_name")
         return torch.tensor(value, dtype=torch.float32)
-
-    # ---------------------------------------------------------------- memory
-
-    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Free SGLang's GPU memory by tag (None: all), in SGLang's order kv_cache → weights →
-        cuda_graph. Expandable segments are restored once SGLang holds neither weights nor KV."""
-        self._memory_call("release_memory_occupation", tags, RELEASE_ORDER)
-
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Take SGLang's GPU memory back by tag (None: all), in SGLang's order cuda_graph →
-        weights → kv_cache. Expandable segments are turned off first."""
-        self._memory_call("resume_memory_occupation", tags, RESUME_ORDER)
-
-    def _memory_call(self, name: str, tags: Sequence[str] | None, order: Sequence[str]) -> None:
-        self._check_open(name)
-        ordered = ordered_tags(tags, order)
-        resume = name.startswith("resume")
-        held = self.allocator.held
-        if not self.track_memory:
-            wire: list[str] | None = None if tags is None else ordered
-        else:
-            # only tags whose state changes: SGLang's scheduler raises on (and quits for) a resume
-            # of a tag it holds, and would pause a released region again; never None (all)
-            wire = [t for t in ordered if (t not in held) == resume]
-            if len(wire) < len(ordered):
-                self.memory_skipped.append((name, [t for t in ordered if t not in wire]))
-        if resume:
-            # before SGLang maps its memory again, so the trainer's allocator stops growing segments
-            self.allocator.resumed(ordered)
-        if wire == []:
-            return
-        try:
-            if self._http:
-                try:
-                    answer = self._http.json("POST", f"/{name}", {"tags": wire})
-                except NotFound as e:
-                    raise e.error from None
-            else:
-                answer = self._local.call(name, tags=wire)
-            check_answer(f"{name}(tags={wire})", answer, where=self.where)
-        except BaseException:
-            if resume:      # not taken back: a later resume asks for them again
-                self.allocator.held -= set(ordered if wire is None else wire)
-            raise
-        if not resume:
-            self.allocator.released(ordered)
 
     def flush_cache(self) -> None:
         """Drop SGLang's prefix cache; raises if SGLang refused (requests still running)."""
