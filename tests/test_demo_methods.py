@@ -57,3 +57,54 @@ def test_demo_disk_dir_flag():
     args = build_parser().parse_args(["demo", "--method", "disk", "--disk-dir", "/x/y"])
     opts = _demo_options(args)
     assert (opts.method, opts.disk_dir) == ("disk", "/x/y")
+
+
+class _Stop(Exception):
+    """Ends a rank's demo once the engine (or, on a rank without one, the manager) is made."""
+
+
+def _engine_gpus(rank: int, world: int, method: str, tp: int):
+    """Run `demo_rank` with ``--device cuda`` on a CPU machine up to the engine it makes: the
+    mesh built on gloo, the trainer left unwrapped, and `ReferenceEngine` a recorder."""
+    import fsdp_sync.engines as engines
+    import fsdp_sync.manager as manager
+    import fsdp_sync.topology as topology
+    from fsdp_sync.cli import demo, trainer
+
+    made = []
+    real_mesh = topology.make_mesh
+
+    def record(**kwargs):
+        made.append(kwargs)
+        raise _Stop
+
+    def stop(*args, **kwargs):
+        raise _Stop
+
+    topology.make_mesh = lambda dp, infer_tp, device_type="cpu": real_mesh(dp, infer_tp, "cpu")
+    trainer.wrap_fsdp = lambda model, fsdp, device: model
+    engines.ReferenceEngine = record
+    manager.FSDPShardingManager = stop
+    opts = demo.DemoOptions(ranks=world, tp=tp, steps=1, device="cuda", method=method, progress=False)
+    try:
+        demo.demo_rank(rank, world, opts)
+    except _Stop:
+        pass
+    return {k: made[0][k] for k in ("base_gpu_id", "tp_size", "device")} if made else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method, world, tp, want", [
+    # colocated: one engine per TP group, on that group's GPUs (trainer rank r is on cuda:r)
+    ("tensor", 4, 2, {0: 0, 2: 2}),
+    ("tensor", 2, 1, {0: 0, 1: 1}),
+    # disaggregated: one engine, on the GPUs after the trainer ranks'
+    ("distributed", 2, 2, {0: 2}),
+])
+def test_demo_puts_each_engine_on_its_own_gpus(method, world, tp, want):
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    got = run_ranks(_engine_gpus, world, method, tp, timeout_s=100, env=spawn_env())
+    engines = {r: g for r, g in enumerate(got) if g is not None}
+    assert {r: g["base_gpu_id"] for r, g in engines.items()} == want, engines
+    assert all(g["tp_size"] == tp and g["device"] == "cuda" for g in engines.values()), engines

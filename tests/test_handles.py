@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import pickle
 import types
@@ -12,9 +13,10 @@ import sys
 import pytest
 import torch
 
-from fsdp_sync.weights import bucket, handles
+from fsdp_sync.weights import bucket, handles, unpickle
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.weights.handles import HandleError, make_payloads, open_payload
+from torch.multiprocessing import reductions as red
 
 from _util import ROOT, Consumer, digest, num_fds, shm_segments
 
@@ -102,6 +104,9 @@ def test_200_rounds_leave_no_fds_and_no_segments():
 
 
 def test_rounds_through_another_process_leave_nothing_on_either_side(consumer):
+    # this process's first shared memory connects it to torch's shm manager, once: not a leak
+    # (a test run first in its process, under -n 2 say, would count that socket)
+    handles.empty_shared(1)
     fds, shm = num_fds(), shm_segments()
     consumer_fds = consumer.stats()["fds"]
     for i in range(30):
@@ -321,6 +326,107 @@ def test_a_dropped_payload_set_is_released_with_a_warning():
     assert not (shm_segments() & made), "segments of a dropped PayloadSet outlive it"
 
 
+# The shape of SGLang's `monkey_patch_torch_reductions` (sglang/srt/utils/patch_torch.py), installed
+# the same way: torch's functions kept under ``_*_original``, wrappers under the module's names,
+# the ForkingPickler table rebuilt. Its reduce wrapper indexes slot 6 of every reduction, so a CPU
+# tensor's 3-tuple raises IndexError. Before patching, ``reduce_tensor`` answers for one marked
+# tensor as torch's does for a CUDA tensor (no CUDA here): `rebuild_cuda_tensor` read from the
+# module at call time, 15 fields, the device an index.
+_PATCHED_PROCESS = r"""
+import json, sys, traceback
+import torch
+from multiprocessing.reduction import ForkingPickler
+from torch.multiprocessing import reductions
+from fsdp_sync.weights import bucket, handles
+
+UUID = "GPU-6f1d2a3b-0000-4c5d-8e9f-0123456789ab"
+marked = handles.empty_shared(4000).view(torch.float32)     # (not copied before it is reduced)
+torch_reduce = reductions.reduce_tensor
+
+def cuda_shaped_reduce(t):
+    if t.data_ptr() != marked.data_ptr():
+        return torch_reduce(t)
+    return (reductions.rebuild_cuda_tensor,
+            (torch.Tensor, t.size(), t.stride(), 0, torch.storage.TypedStorage, t.dtype, 0,
+             bytes(range(64)), 4000, 0, False, b"/torch_4242_1234567890", 3, bytes(64), True))
+
+reductions.reduce_tensor = cuda_shaped_reduce
+handles.device_uuid = lambda index: UUID
+before = handles.make_payloads(marked, 1, tagged=False)
+
+def _reduce_tensor_modified(*args, **kwargs):
+    fn, out = reductions._reduce_tensor_original(*args, **kwargs)
+    return fn, (*out[:6], f"uuid-of-{out[6]}", *out[7:])     # out[6]: IndexError on CPU
+
+def _rebuild_cuda_tensor_modified(*args):
+    return reductions._rebuild_cuda_tensor_original(*args)
+
+reductions._reduce_tensor_original = reductions.reduce_tensor
+reductions._rebuild_cuda_tensor_original = reductions.rebuild_cuda_tensor
+reductions.reduce_tensor = _reduce_tensor_modified
+reductions.rebuild_cuda_tensor = _rebuild_cuda_tensor_modified
+reductions.init_reductions()
+try:                                   # the patch bites: torch's own pickling of a CPU tensor fails
+    ForkingPickler.dumps(torch.ones(2))
+    sys.exit("the fake patch did not break ForkingPickler on a CPU tensor")
+except IndexError:
+    pass
+
+def cpu_round_trip():
+    g = torch.Generator().manual_seed(3)
+    raw = lambda n: torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    tensors = {"norm": raw(6).view(torch.bfloat16), "step": raw(16).view(torch.int64),
+               "w8": raw(21).view(torch.float8_e4m3fn).view(7, 3), "f": torch.randn(4, 3, generator=g)}
+    (b,) = bucket.plan_buckets([bucket.TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20)
+    flat = bucket.flatten(b, tensors, out=handles.empty_shared(b.nbytes))
+    for obj in (tensors, {"flattened_tensor": flat, "metadata": bucket.sglang_metadata(b)}):
+        with handles.make_payloads(obj, 2) as ps:
+            for rank in (0, 1):
+                rec = handles.open_payload(ps.payloads[rank], rank)
+                for name, t in obj.items():
+                    if isinstance(t, torch.Tensor):
+                        got = rec.value[name]
+                        assert got.dtype == t.dtype and got.shape == t.shape, name
+                        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
+                rec.ack()
+
+def cuda_payload():
+    after = handles.make_payloads(marked, 1, tagged=False)
+    data = after.payloads[0]
+    assert b"_modified" not in data and b"__main__" not in data, f"names the wrapper: {data[:90]!r}"
+    assert data == before.payloads[0], "the CUDA payload changed with the patch"
+    try:
+        handles.open_payload(data)
+        raise AssertionError("a CUDA payload opened without CUDA")
+    except handles.HandleError as exc:      # past the allow-list, refused only for want of CUDA
+        assert f"names CUDA device '{UUID}', which this process cannot see" in str(exc), exc
+    after.release(require_ack=False)
+
+out = {}
+for check in (cpu_round_trip, cuda_payload):
+    try:
+        check()
+        out[check.__name__] = "ok"
+    except Exception:
+        out[check.__name__] = traceback.format_exc(limit=-3)
+before.release(require_ack=False)
+print(json.dumps(out))
+"""
+
+
+def test_payloads_are_torchs_own_in_a_process_sglang_patched():
+    """SGLang's `monkey_patch_torch_reductions` replaces torch's ``reduce_tensor`` (and
+    ``rebuild_cuda_tensor``) process-wide. Our payloads use torch's reducer: CPU payloads still
+    round-trip bit for bit, and a CUDA payload is byte for byte the one made before the patch,
+    naming torch's ``rebuild_cuda_tensor`` (the allow-listed name), not the wrapper."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    out = subprocess.run([sys.executable, "-c", _PATCHED_PROCESS], env=env, capture_output=True,
+                         text=True, timeout=80)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got == {"cpu_round_trip": "ok", "cuda_payload": "ok"}, "\n".join(got.values())
+
+
 # --------------------------------------------------------------------------- GPU tier
 
 _GPU_CONSUMER = r"""
@@ -514,3 +620,169 @@ def test_a_manager_that_answers_late_is_asked_again(monkeypatch):
     with pytest.raises(RuntimeError, match="unable to open shared memory object"):
         handles.empty_shared(64)
     assert len(calls) == 1
+
+
+# --------------------------------------------------------------------------- acknowledgement order
+
+def _on_cuda(index: int) -> torch.Tensor:
+    """A CPU tensor that says it lives on ``cuda:index``: all `ack_all` looks at (no CUDA here)."""
+    device = property(lambda self: torch.device("cuda", index))
+    cls = type(f"OnCuda{index}", (torch.Tensor,), {"device": device})
+    return torch.ones(3).as_subclass(cls)
+
+
+class _Probe:
+    """Sits in a received value; records the shared state word when the value is dropped."""
+
+    def __init__(self, name: str, state: torch.Tensor, events: list) -> None:
+        self.name, self.state, self.events = name, state, events
+
+    def __del__(self) -> None:
+        self.events.append(("drop", self.name, int(self.state[0])))
+
+
+def test_ack_synchronizes_each_cuda_device_once_then_drops_values_then_acknowledges(monkeypatch):
+    """The producer may rewrite its bucket as soon as the state word says acknowledged: the
+    consumer's asynchronous copies out of a CUDA bucket must be finished (the current stream of
+    each device synchronized, once per batch) and the values dropped before that word is set."""
+    events: list = []
+    states = [torch.full((1,), handles.OPENED, dtype=torch.int32) for _ in range(4)]
+    monkeypatch.setattr(handles, "_sync_stream", lambda device: events.append(
+        ("sync", str(device), [int(s[0]) for s in states], [r.value is not None for r in recs])))
+    values = [
+        {"w": _on_cuda(1), "probe": _Probe("a", states[0], events)},
+        [types.SimpleNamespace(t=_on_cuda(0)), _Probe("b", states[1], events)],
+        {"w": _on_cuda(1), "x": (torch.ones(2), _Probe("c", states[2], events))},
+        {"cpu": torch.ones(2), "probe": _Probe("d", states[3], events)},
+    ]
+    recs = [handles.Received(v, r, states[r]) for r, v in enumerate(values)]
+    del values
+    handles.ack_all(recs)
+    o = handles.OPENED
+    assert events == [("sync", "cuda:0", [o] * 4, [True] * 4), ("sync", "cuda:1", [o] * 4, [True] * 4),
+                      ("drop", "a", o), ("drop", "b", o), ("drop", "c", o), ("drop", "d", o)]
+    assert [int(s[0]) for s in states] == [handles.ACKED] * 4 and all(r.value is None for r in recs)
+
+    events.clear()                       # one record, CPU only: nothing to synchronize
+    state = torch.full((1,), handles.OPENED, dtype=torch.int32)
+    rec = handles.Received({"cpu": torch.ones(2), "probe": _Probe("e", state, events)}, 0, state)
+    rec.ack()
+    assert events == [("drop", "e", handles.OPENED)] and int(state[0]) == handles.ACKED
+    rec.ack()                            # twice: nothing more
+    assert events == [("drop", "e", handles.OPENED)]
+
+
+def test_a_failed_synchronization_acknowledges_nothing(monkeypatch):
+    def broken(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(handles, "_sync_stream", broken)
+    state = torch.full((1,), handles.OPENED, dtype=torch.int32)
+    rec = handles.Received({"w": _on_cuda(0)}, 0, state)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        rec.ack()
+    assert int(state[0]) == handles.OPENED and rec.value is not None
+
+
+def test_the_engine_acknowledges_a_call_as_one_batch(monkeypatch):
+    """The reference engine's worker (`UpdateStager`) and HTTP server (`opened_payloads`) acknowledge
+    what one call opened together: one stream synchronization per device, not one per payload."""
+    from fsdp_sync.engines.reference.http_fields import opened_payloads
+    from fsdp_sync.engines.reference.staging import UpdateStager
+
+    synced: list = []
+    monkeypatch.setattr(handles, "_sync_stream", synced.append)
+    monkeypatch.setattr(handles, "_cuda_devices",
+                        lambda value: {torch.device("cuda", 0)} if value is not None else set())
+    with make_payloads(torch.arange(4.0), 3) as ps:
+        with opened_payloads(ps.payloads[:2], "payload {i}") as values:
+            assert [v.tolist() for v in values] == [[0.0, 1.0, 2.0, 3.0]] * 2
+        assert synced == [torch.device("cuda", 0)]
+        assert [ps.state(r) for r in range(3)] == [handles.ACKED, handles.ACKED, handles.FRESH]
+        ps.release(require_ack=False)
+    synced.clear()
+    with make_payloads(torch.arange(4.0), 2) as ps:
+        stager = types.SimpleNamespace(received=[open_payload(p, r) for r, p in enumerate(ps.payloads)])
+        UpdateStager._ack_all(stager)
+        assert synced == [torch.device("cuda", 0)] and stager.received == []
+        assert ps.unacknowledged() == []
+
+
+# --------------------------------------------------------------------------- unopened CUDA payloads
+
+_UUID = "GPU-6f1d2a3b-0000-4c5d-8e9f-0123456789ab"
+
+
+def _cuda_shaped(monkeypatch, marked: torch.Tensor) -> list:
+    """torch's ``reduce_tensor`` answers for ``marked`` as for a CUDA tensor (no CUDA here): a new
+    IPC reference counter (one offset further) per share, as `_share_cuda_` gives. Returns the
+    list that records each counter torch is asked to release."""
+    real = red.reduce_tensor
+    offsets = iter(range(100, 200))
+    ptr = marked.data_ptr()              # (not the tensor: the fake outlives the test)
+
+    def reduce(t):
+        if t.data_ptr() != ptr:
+            return real(t)
+        return (red.rebuild_cuda_tensor,
+                (type(t), t.size(), t.stride(), 0, torch.storage.TypedStorage, t.dtype, 0,
+                 bytes(range(64)), 4000, 0, False, b"/torch_4242_1234567890", next(offsets),
+                 bytes(64), True))
+
+    released: list = []
+    monkeypatch.setattr(red, "reduce_tensor", reduce)
+    monkeypatch.setattr(handles, "device_uuid", lambda index: _UUID)
+    # the consumer's side of the handle: a CPU tensor where torch would map the producer's block
+    monkeypatch.setattr(unpickle, "rebuild_cuda_tensor_by_uuid", lambda *args: torch.zeros(1000))
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
+                        staticmethod(lambda handle, offset: released.append((handle, offset))))
+    return released
+
+
+def test_release_gives_back_the_cuda_counters_of_payloads_nobody_opened(monkeypatch):
+    """torch starts each CUDA share's counter at 1 and parks the producer's block until a consumer
+    releases it: a payload nobody opened would park its bucket forever. Released here: exactly
+    the counters of fresh payloads (tagged) or of the ranks the caller names (untagged)."""
+    marked = handles.empty_shared(4000).view(torch.float32)
+    released = _cuda_shaped(monkeypatch, marked)
+    counter = lambda offset: (b"/torch_4242_1234567890", offset)   # noqa: E731
+    ps = make_payloads({"flattened_tensor": marked, "metadata": []}, 3)
+    assert all(b"rebuild_cuda_tensor" in p for p in ps.payloads)
+    # rank 0 acknowledged, rank 1 opened (its consumer's storage releases its counter when it
+    # dies), rank 2 never opened
+    open_payload(ps.payloads[0], 0).ack()
+    opened = open_payload(ps.payloads[1], 1)
+    assert [ps.state(r) for r in range(3)] == [handles.ACKED, handles.OPENED, handles.FRESH]
+    with pytest.raises(HandleError, match=r"consumer ranks \[1, 2\] never acknowledged"):
+        ps.release()
+    assert released == [counter(102)]
+    ps.release()                                         # once only
+    assert released == [counter(102)]
+    del opened
+
+    released.clear()
+    ps = make_payloads(marked, 3, tagged=False)          # SGLang's: only the caller can tell
+    ps.release(require_ack=False, unopened=[0, 2])
+    assert released == [counter(103), counter(105)]
+    released.clear()
+    make_payloads(marked, 2, tagged=False).release(require_ack=False)
+    assert released == []
+
+
+def test_a_consumer_racing_the_release_is_refused_not_handed_freed_memory(monkeypatch):
+    """The producer gives up (releases) while a consumer is between unpickling its payload and
+    marking it opened: the state word is decided under one lock on both sides, so that consumer
+    is refused (and the producer gave back the references) rather than reading a buffer the
+    producer frees or rewrites."""
+    ps = make_payloads({"w": torch.arange(8.0)}, 1)
+    data = ps.payloads[0]
+    real_load = handles.Unpickler.load
+
+    def load_then_the_producer_releases(self):
+        obj = real_load(self)
+        ps.release(require_ack=False)
+        return obj
+
+    monkeypatch.setattr(handles.Unpickler, "load", load_then_the_producer_releases)
+    with pytest.raises(HandleError, match="rank 0 was released by its producer before it was opened"):
+        open_payload(data, 0)

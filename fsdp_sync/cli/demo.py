@@ -172,7 +172,8 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
     lora_path = "fsdp_sync_lora" if opts.lora_r else None
     colocated = opts.method == "tensor"
     mesh = make_mesh(world // opts.tp, opts.tp, "cuda" if opts.device == "cuda" else "cpu") if colocated else None
-    holds = SyncTopology.from_mesh(mesh).is_tp_src if colocated else rank == 0
+    topo = SyncTopology.from_mesh(mesh) if colocated else None
+    holds = topo.is_tp_src if colocated else rank == 0
     dtype = getattr(torch, opts.dtype)
     # In a 16-bit rollout dtype the engine is compared with the trainer's weights cast to that
     # dtype (an unsharded copy on infer-TP rank 0), not with the float32 training forward.
@@ -183,8 +184,14 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
     engine = None
     if holds:
         # a disaggregated engine's workers go on the GPUs after the trainer ranks' (NCCL refuses
-        # one GPU on both ends of the update group; `cli.args.check_gpus` checked there are enough)
-        base_gpu = world if opts.method == "distributed" and opts.device == "cuda" else 0
+        # one GPU on both ends of the update group; `cli.args.check_gpus` checked there are enough);
+        # a colocated engine's on its TP group's own GPUs: trainer rank r is on cuda:r, so the
+        # group's first rank's GPU (rank - tp_rank) first, one engine per data-parallel group
+        base_gpu = 0
+        if opts.device == "cuda" and opts.method == "distributed":
+            base_gpu = world
+        elif opts.device == "cuda" and colocated:
+            base_gpu = topo.tp_ranks[0]
         engine = ReferenceEngine(model_config=cfg, tp_size=opts.tp, device=opts.device, dtype=dtype,
                                  ep_size=opts.ep, base_gpu_id=base_gpu, **({"quantization": opts.quantization}
                                                      if opts.quantization else {}),

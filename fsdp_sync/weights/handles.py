@@ -1,8 +1,8 @@
 """Handle payloads: tensors travel between processes as handle tuples, never as data.
 
-The only module that knows torch's handle tuples. A payload is one ForkingPickler dump (bytes, or
-base64 text for HTTP) of a tensor or of a dict of tensors (a flattened bucket), made for exactly one
-consuming rank:
+The only module that knows torch's handle tuples. A payload is one pickle with ForkingPickler's
+reductions (bytes, or base64 text for HTTP) of a tensor or of a dict of tensors (a flattened
+bucket), made for exactly one consuming rank:
 
 - CPU tensors go through POSIX shared memory by file name (torch's ``file_system`` sharing), which a
   process the producer did not start can open. The global sharing strategy is not touched: the
@@ -13,6 +13,9 @@ consuming rank:
 - CUDA tensors go through CUDA IPC, with the device written as its UUID so sender and receiver with
   different ``CUDA_VISIBLE_DEVICES`` agree. Only our pickler and our unpickler translate; torch's
   reductions are not patched, so pickling CPU tensors elsewhere in the process keeps working.
+  Where SGLang's ``monkey_patch_torch_reductions`` did patch them in this process (verl's and
+  SGLang's serializers apply it), our pickler still uses torch's own reducer and writes torch's
+  ``rebuild_cuda_tensor`` by name: a payload is the same whether or not the patch ran.
 
 On the wire there are only builtins, ``types.SimpleNamespace``, torch dtypes/sizes/storages and
 torch's rebuild functions: what SGLang's safe deserializer accepts. `open_payload` admits exact
@@ -25,10 +28,14 @@ inside its storage. A segment of another process of the same user is admitted: r
 segments other processes made, and such a process can read ``/dev/shm`` anyway.
 
 A tagged payload (the default) carries an ``"fsdp_sync"`` entry: the rank it is for and a 4-byte
-shared state word (0 fresh, 1 opened, 2 acknowledged). Opening by the wrong rank or twice raises;
-the producer's `PayloadSet` keeps every buffer alive until `release`, which reports ranks that never
-acknowledged and balances the shared-memory references of payloads nobody opened, so no segment,
-file descriptor or IPC handle is left behind.
+shared state word (0 fresh, 1 opened, 2 acknowledged, 3 revoked). Opening by the wrong rank or twice
+raises; the producer's `PayloadSet` keeps every buffer alive until `release`, which reports ranks
+that never acknowledged and gives back what a payload nobody opened still holds: its shared-memory
+references and its CUDA IPC reference counters (torch starts each at 1 and parks the producer's
+block until a consumer releases it), so no segment, file descriptor, IPC handle or GPU block is left
+behind. "Nobody opened" is decided under a lock on the state word's segment, which `open_payload`
+takes too: fresh becomes revoked (that consumer's open is refused) or opened (nothing is given back),
+never both.
 
 Not here: which tensors go in a bucket (`bucket`), and who carries payloads where (`transport`).
 """
@@ -36,7 +43,7 @@ Not here: which tensors go in a bucket (`bucket`), and who carries payloads wher
 from __future__ import annotations
 
 import base64
-import functools
+import copyreg
 import io
 import pickle
 import types
@@ -49,17 +56,18 @@ import torch
 from torch.multiprocessing import reductions as _red
 
 from .bucket import SUPPORTED_DTYPES, dtype_name
-from .shm import (HandleError, add_torch_reference, check_segment,
+from .unpickle import RED, Unpickler, device_uuid, torch_rebuild_cuda_tensor, torch_reduce_tensor
+from .shm import (HandleError, add_torch_reference,
                   keep_sockets_from_shm_manager, new_shared_storage, map_segment, mapped_handle, refcount_lock,
                   take_back)
 
 __all__ = [
     "HandleError", "UnreleasedPayloadWarning", "PayloadSet", "Received", "make_payloads", "open_payload",
-    "empty_shared", "adopt", "TAG", "FRESH", "OPENED", "ACKED",
+    "ack_all", "empty_shared", "adopt", "TAG", "FRESH", "OPENED", "ACKED", "REVOKED",
 ]
 
 TAG = "fsdp_sync"
-FRESH, OPENED, ACKED = 0, 1, 2
+FRESH, OPENED, ACKED, REVOKED = 0, 1, 2, 3
 
 
 
@@ -117,39 +125,27 @@ def _prune_owned() -> None:
         del _OWNED[k]
 
 
-# --------------------------------------------------------------------------- CUDA device UUIDs
-
-@functools.lru_cache(maxsize=None)
-def _device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
-
-
-def _device_index(device: int | str) -> int:
-    if isinstance(device, int):
-        return device
-    for i in range(torch.cuda.device_count()):
-        if _device_uuid(i) == device:
-            return i
-    raise HandleError(f"payload names CUDA device {device!r}, which this process cannot see "
-                      f"(CUDA_VISIBLE_DEVICES exposes {torch.cuda.device_count()} devices)")
-
-
-def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
-    args = list(args)
-    args[6] = _device_index(args[6])
-    return _red.rebuild_cuda_tensor(*args)
-
-
 # --------------------------------------------------------------------------- pickling
 
-class _Pickler(ForkingPickler):
-    """ForkingPickler that shares CPU storages by file name and names CUDA devices by UUID."""
+class _Pickler(pickle._Pickler):
+    """multiprocessing's ForkingPickler reductions, sharing CPU storages by file name and naming
+    CUDA devices by UUID.
 
-    def __init__(self, file: io.BytesIO, keep: list, shared: list) -> None:
+    Python's pickler, not the C one: under SGLang's patch the module name
+    ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` is bound to SGLang's wrapper, and the
+    C pickler refuses to write a function under a name that holds another object (torch's own
+    reducer returns whatever the module's name holds at call time). This one writes torch's
+    function under torch's name (`_save_function`), what every receiver resolves."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._keep = keep          # tensors copied into shared memory for this payload
         self._shared = shared      # CPU storages whose ref count this payload raised
-        table = dict(self.dispatch_table)
+        self._counters = counters  # (handle, offset) of each CUDA IPC reference counter it holds
+        table = copyreg.dispatch_table.copy()
+        table.update(ForkingPickler._extra_reducers)
         table[torch.Tensor] = self._reduce_tensor
         table[torch.nn.Parameter] = self._reduce_tensor
         table[torch.UntypedStorage] = self._reduce_storage
@@ -161,13 +157,28 @@ class _Pickler(ForkingPickler):
             copy.copy_(t)
             self._keep.append(copy)
             t = copy
-        fn, args = _red.reduce_tensor(t.detach())
-        if fn is _red.rebuild_cuda_tensor and isinstance(args[6], int):
-            # (a process that applied SGLang's global patch already wrote the UUID: keep it)
-            args = list(args)
-            args[6] = _device_uuid(args[6])
+        fn, args = torch_reduce_tensor()(t.detach())
+        if fn is _red.rebuild_cuda_tensor or fn is torch_rebuild_cuda_tensor():
+            # torch's reducer returns what the module's name holds: SGLang's wrapper where it is
+            # patched. Send torch's function, by torch's name, with the device as its UUID.
+            fn, args = torch_rebuild_cuda_tensor(), list(args)
+            if isinstance(args[6], int):
+                args[6] = device_uuid(args[6])
             args = tuple(args)
+            if args[11] is not None:       # (an empty storage shares no memory and no counter)
+                self._counters.append((args[11], args[12]))
         return fn, args
+
+    def _save_function(self, obj: Any, name: Any = None) -> None:
+        if obj is torch_rebuild_cuda_tensor() and name is None and self.proto >= 4:
+            self.save(RED)
+            self.save("rebuild_cuda_tensor")
+            self.write(pickle.STACK_GLOBAL)
+            self.memoize(obj)
+        else:
+            super().save_global(obj, name)
+
+    dispatch[types.FunctionType] = _save_function
 
     def _reduce_storage(self, storage: torch.UntypedStorage):
         if storage.device.type != "cpu":
@@ -183,201 +194,6 @@ class _Pickler(ForkingPickler):
         self._shared.append(storage)
         _red.shared_cache[handle] = _red.StorageWeakRef(storage)
         return (_red.rebuild_storage_filename, (type(storage), manager, handle, size))
-
-
-class _Cls:
-    """Stands in for a mutable class (``torch.Tensor``, ``torch.nn.Parameter``,
-    ``torch.UntypedStorage``) while a payload is unpickled: a payload's ``BUILD`` opcode could
-    otherwise set attributes on the class itself. Only our rebuild wrappers turn it back into the
-    class; it has no attributes or state of its own to set."""
-
-    __slots__ = ("_cls",)
-
-    def __init__(self, cls: type) -> None:
-        object.__setattr__(self, "_cls", cls)
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise HandleError("payload tried to set an attribute on a class")
-
-    def __reduce__(self):
-        raise HandleError("a class stand-in is not picklable")
-
-
-_TENSOR, _PARAM, _USTORAGE = _Cls(torch.Tensor), _Cls(torch.nn.Parameter), _Cls(torch.UntypedStorage)
-# A CUDA IPC handle names its storage's class as an argument of ``rebuild_cuda_tensor``: torch
-# shares a CUDA tensor's typed storage, so the class is ``torch.storage.TypedStorage`` (torch 2.11,
-# 2.13). It is accepted there only, as a stand-in like the others.
-_TSTORAGE = _Cls(torch.TypedStorage)
-
-
-def _cls(value: Any, allowed: tuple, what: str) -> type:
-    if not any(value is a for a in allowed):
-        raise HandleError(f"payload passes {value!r:.60} as the {what} class of a rebuild call; "
-                          f"expected one of {[a._cls.__name__ for a in allowed]}")
-    return value._cls
-
-
-def _storage_arg(value: Any) -> Any:
-    if not isinstance(value, (torch.UntypedStorage, torch.TypedStorage)):
-        raise HandleError(f"payload passes {type(value).__name__} where a storage belongs")
-    return value
-
-
-def _check_view(itemsize: int, nbytes: Any, offset: Any, size: Any, stride: Any) -> None:
-    """A view must lie inside its storage: torch would otherwise try to grow the shared storage
-    (refused with a cryptic message) or, for a CUDA handle, read past the allocation."""
-    ints = lambda v: isinstance(v, (tuple, list)) and all(type(x) is int and x >= 0 for x in v)  # noqa: E731
-    if type(offset) is not int or offset < 0 or not ints(size) or not ints(stride) or len(size) != len(stride):
-        raise HandleError(f"payload's tensor view (offset {offset!r:.30}, size {size!r:.60}, stride "
-                          f"{stride!r:.60}) is not non-negative ints of one rank; refused")
-    if type(nbytes) is not int:
-        raise HandleError(f"payload's storage size {nbytes!r:.30} is not an int; refused")
-    if 0 in size:
-        return
-    end = (offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1) * itemsize
-    if end > nbytes:
-        raise HandleError(f"payload's tensor view (offset {offset}, size {tuple(size)}, stride "
-                          f"{tuple(stride)}) reaches byte {end} of a {nbytes}-byte storage: it points "
-                          f"outside its buffer; refused")
-
-
-def _safe_rebuild_tensor(cls, storage, metadata):
-    if not (isinstance(metadata, tuple) and len(metadata) == 4):
-        raise HandleError("payload's tensor metadata is not (offset, size, stride, requires_grad)")
-    if isinstance(storage, torch.TypedStorage):
-        _check_view(storage.dtype.itemsize, storage._untyped_storage.nbytes(), *metadata[:3])
-    elif isinstance(storage, torch.UntypedStorage):
-        _check_view(1, storage.nbytes(), *metadata[:3])
-    return _red.rebuild_tensor(_cls(cls, (_TENSOR, _PARAM), "tensor"), _storage_arg(storage), metadata)
-
-
-
-
-def _safe_rebuild_storage_filename(cls, manager, handle, size, dtype=None, *, via_manager=False):
-    _cls(cls, (_USTORAGE,), "storage")
-    if not (isinstance(manager, bytes) and isinstance(handle, bytes) and type(size) is int):
-        raise HandleError("payload's shared-memory handle is not (bytes, bytes, int)")
-    check_segment(manager, handle, size)
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise HandleError(f"payload's storage dtype is {type(dtype).__name__}, not a torch dtype")
-    if via_manager or _red.storage_from_cache(torch.UntypedStorage, handle) is not None:
-        # a relay that shares the segment again needs torch's own mapping (`adopt`); a segment
-        # this process made or mapped through torch is in torch's cache and needs no manager
-        with refcount_lock(handle):
-            return _red.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size, dtype)
-    storage = map_segment(handle, size if dtype is None else size * dtype.itemsize)
-    return storage if dtype is None else torch.TypedStorage(wrap_storage=storage, dtype=dtype,
-                                                           _internal=True)
-
-
-def _safe_rebuild_storage_empty(cls):
-    return _cls(cls, (_USTORAGE,), "storage")()
-
-
-def _safe_rebuild_typed_storage(storage, dtype):
-    if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
-        raise HandleError("payload's typed storage is not (UntypedStorage, dtype)")
-    return _red.rebuild_typed_storage(storage, dtype)
-
-
-def _safe_rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
-    # (cls, size, stride, offset, storage_cls, dtype, device, handle, storage bytes, storage offset,
-    #  requires_grad, ref-counter handle, ref-counter offset, event handle, event sync required)
-    if len(args) != 15:
-        raise HandleError(f"payload's CUDA tensor handle has {len(args)} fields, expected 15")
-    args = list(args)
-    args[0] = _cls(args[0], (_TENSOR, _PARAM), "tensor")
-    args[4] = _cls(args[4], (_USTORAGE, _TSTORAGE), "storage")
-    if not isinstance(args[5], torch.dtype):
-        raise HandleError("payload's CUDA tensor dtype is not a torch dtype")
-    fields = {"device": (args[6], (int, str)), "IPC handle": (args[7], (bytes, type(None))),
-              "storage size": (args[8], (int,)), "storage offset": (args[9], (int,)),
-              "requires_grad": (args[10], (bool,)), "ref-counter handle": (args[11], (bytes, type(None))),
-              "ref-counter offset": (args[12], (int,)), "event handle": (args[13], (bytes, type(None))),
-              "event sync flag": (args[14], (bool,))}
-    for what, (value, types_) in fields.items():
-        if type(value) not in types_ or (type(value) is int and value < 0):
-            raise HandleError(f"payload's CUDA tensor {what} is {value!r:.40} "
-                              f"({type(value).__name__}); refused")
-    _check_view(args[5].itemsize, args[8], args[3], args[1], args[2])
-    return _rebuild_cuda_tensor_by_uuid(*args)
-
-
-def _latin1_bytes(text: Any, encoding: Any = "utf-8") -> bytes:
-    """``_codecs.encode`` as pickle protocol 2 writes a ``bytes`` value (a CUDA IPC handle, say):
-    ``encode(str, 'latin1')``. Nothing else: no other codec, no other argument types."""
-    if type(text) is not str or encoding not in ("latin1", "latin-1"):
-        raise HandleError(f"payload calls _codecs.encode({type(text).__name__}, {encoding!r:.20}); "
-                          f"only encode(str, 'latin1'), protocol 2's bytes, is accepted")
-    return text.encode("latin1")
-
-
-def _refuse_by_value(*_args: Any) -> Any:
-    raise HandleError("payload holds a by-value storage (torch.storage._load_from_bytes, a nested "
-                      "unrestricted unpickle); refused: payloads carry shared-memory or CUDA IPC "
-                      "handles, made by fsdp_sync.weights.handles.make_payloads")
-
-
-def _no_count(cls: type) -> Any:
-    """``bytes`` / ``bytearray`` as older protocols pickle them (from a list or a string), never
-    from a count: ``bytearray(10**12)`` in a payload would exhaust the receiver's memory."""
-    def build(*args: Any) -> Any:
-        if any(isinstance(a, int) for a in args):
-            raise HandleError(f"payload builds {cls.__name__} from a count; refused")
-        return cls(*args)
-
-    return build
-
-
-_RED = "torch.multiprocessing.reductions"
-# Exact (module, name) pairs, each mapped to the object a payload gets: nothing by prefix, no
-# getattr, no dotted names (``torch.serialization.os`` is the os module). Mutable classes and
-# torch's rebuild functions are replaced by stand-ins and wrappers that check their arguments.
-_ALLOWED: dict[tuple[str, str], Any] = {
-    **{("builtins", t.__name__): t for t in (dict, list, tuple, set, frozenset, int, float, str,
-                                             bool, complex, slice)},
-    ("builtins", "bytes"): _no_count(bytes),
-    ("builtins", "bytearray"): _no_count(bytearray),
-    ("types", "SimpleNamespace"): types.SimpleNamespace,
-    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
-    ("torch", "Size"): torch.Size,
-    ("torch", "Tensor"): _TENSOR,
-    ("torch._tensor", "Tensor"): _TENSOR,
-    ("torch.nn.parameter", "Parameter"): _PARAM,
-    ("torch.storage", "UntypedStorage"): _USTORAGE,
-    ("torch", "UntypedStorage"): _USTORAGE,
-    ("torch.storage", "TypedStorage"): _TSTORAGE,
-    ("_codecs", "encode"): _latin1_bytes,
-    (_RED, "rebuild_tensor"): _safe_rebuild_tensor,
-    (_RED, "rebuild_storage_filename"): _safe_rebuild_storage_filename,
-    (_RED, "rebuild_storage_empty"): _safe_rebuild_storage_empty,
-    (_RED, "rebuild_typed_storage"): _safe_rebuild_typed_storage,
-    (_RED, "rebuild_cuda_tensor"): _safe_rebuild_cuda_tensor,
-    ("torch.storage", "_load_from_bytes"): _refuse_by_value,
-    **{("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)},
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    """Accepts what SGLang's safe deserializer accepts (exact pairs), and nothing of ours.
-    ``via_manager``: map shared memory through torch's rebuild (see `open_payload`)."""
-
-    def __init__(self, file: io.BytesIO, via_manager: bool = False) -> None:
-        super().__init__(file)
-        self._via_manager = via_manager
-
-    def find_class(self, module: str, name: str):
-        obj = _ALLOWED.get((module, name))
-        if obj is None:
-            raise HandleError(f"payload holds {module}.{name}, which is not on the allow-list "
-                              f"(builtin data types, SimpleNamespace, torch dtypes and tensor/storage "
-                              f"rebuild functions); refused")
-        if obj is _safe_rebuild_storage_filename and self._via_manager:
-            return functools.partial(obj, via_manager=True)
-        return obj
-
-    def persistent_load(self, pid: Any):
-        raise HandleError("payload holds a persistent id; refused")
 
 
 def _check_value(obj: Any, path: str, device: str | None) -> None:
@@ -406,9 +222,9 @@ def _check_value(obj: Any, path: str, device: str | None) -> None:
 _NESTED = (torch.Tensor, dict, list, tuple, types.SimpleNamespace)
 
 
-def _dump(obj: Any, keep: list, shared: list) -> bytes:
+def _dump(obj: Any, keep: list, shared: list, counters: list) -> bytes:
     buf = io.BytesIO()
-    pickler = _Pickler(buf, keep, shared)
+    pickler = _Pickler(buf, keep, shared, counters)
     try:
         pickler.dump(obj)
     finally:
@@ -435,6 +251,7 @@ class PayloadSet:
     _shared: list[list] = field(default_factory=list, repr=False)
     ranks: list[int] = field(default_factory=list)
     released: bool = False
+    _counters: list[list] = field(default_factory=list, repr=False)
 
     def state(self, rank: int) -> int:
         s = self.states[rank]
@@ -448,23 +265,28 @@ class PayloadSet:
         """Free every buffer. Raises `HandleError` naming ranks that never acknowledged.
 
         A consumer that opened its payload gave the reference back as it opened it (a consumer that
-        died later leaves nothing counted). ``unopened``: consumer ranks the caller knows never opened their payload. A tagged payload
-        tells by its state word; an untagged one (SGLang's) only the caller can tell.
+        died later leaves nothing counted). ``unopened``: consumer ranks the caller knows never
+        opened their payload, for untagged payloads (SGLang's): a tagged one tells by its state
+        word, revoked here if still fresh, so that it can no longer be opened.
         """
         if self.released:
             return
         missing = [r for r in range(len(self.payloads)) if self.states[r] is not None
                    and self.state(r) != ACKED]
-        # A payload nobody opened still holds the reference its pickling took: give it back, or
-        # the segment outlives every process that maps it.
+        # A payload nobody opened still holds the reference its pickling took and, for a CUDA
+        # tensor, torch's IPC counter (1 until a consumer's storage dies): give them back, or the
+        # segment outlives every process that maps it and the GPU block stays in torch's limbo.
         for i in range(len(self.payloads)):
             rank = self.ranks[i] if self.ranks else i
-            tagged = self.states[i] is not None
-            if rank in unopened or (tagged and self.state(i) == FRESH):
+            state = self.states[i]
+            if _revoke(state) if state is not None else rank in unopened:
                 for storage in self._shared[i]:
                     add_torch_reference(storage, -1)
+                for handle, offset in (self._counters[i] if self._counters else ()):
+                    _release_ipc_counter(handle, offset)
         ranks = self.ranks
         self.payloads, self.obj, self._keep, self._shared, self.states = [], None, [], [], []
+        self._counters = []
         self.released = True
         _prune_owned()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -515,9 +337,11 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
     keep: list = []
     states: list[torch.Tensor | None] = []
     shared_per_rank: list[list] = []
+    counters_per_rank: list[list] = []
     payloads: list = []
     for rank in ranks:
         shared: list = []
+        counters: list = []
         if tagged:
             state = empty_shared(4).view(torch.int32)
             state.zero_()
@@ -527,27 +351,100 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
         else:
             states.append(None)
             wire = obj
-        data = _dump(wire, keep, shared)
+        data = _dump(wire, keep, shared, counters)
         payloads.append(base64.b64encode(data).decode("ascii") if output_str else data)
         shared_per_rank.append(shared)
-    return PayloadSet(payloads, obj, states, keep, shared_per_rank, ranks)
+        counters_per_rank.append(counters)
+    return PayloadSet(payloads, obj, states, keep, shared_per_rank, ranks, _counters=counters_per_rank)
+
+
+def _segment_handle(state: torch.Tensor) -> bytes:
+    """The shared-memory handle of a state word's segment (mapped by `map_segment` or by torch)."""
+    storage = state.untyped_storage()
+    return mapped_handle(storage) or storage._share_filename_cpu_()[1]
+
+
+def _revoke(state: torch.Tensor) -> bool:
+    """Fresh becomes revoked, under the lock `open_payload` takes to turn fresh into opened: True
+    when nobody opened the payload and nobody can from now on."""
+    if int(state[0]) != FRESH:          # the word never goes back to fresh: no lock needed
+        return False
+    with refcount_lock(_segment_handle(state)):
+        if int(state[0]) != FRESH:
+            return False
+        state[0] = REVOKED
+        return True
+
+
+def _release_ipc_counter(handle: bytes, offset: int) -> None:
+    """What a consumer's storage does when it dies (and torch's ``rebuild_cuda_tensor`` on a
+    cache hit): decrement one CUDA IPC reference counter, so the producer's block is freed once
+    the producer drops it (or by ``torch.cuda.ipc_collect`` if it already has)."""
+    torch.UntypedStorage._release_ipc_counter_cuda(handle, offset)
 
 
 # --------------------------------------------------------------------------- consumer side
 
 @dataclass
 class Received:
-    """What a consumer got from its payload. Call `ack` once it no longer needs the memory."""
+    """What a consumer got from its payload. Call `ack` (or `ack_all` for several) once it no
+    longer needs the memory."""
 
     value: Any
     rank: int | None
     _state: torch.Tensor | None = field(default=None, repr=False)
 
     def ack(self) -> None:
-        if self._state is not None:
-            self._state[0] = ACKED
-            self._state = None
-        self.value = None
+        ack_all([self])
+
+
+def _cuda_devices(value: Any) -> set[torch.device]:
+    """The CUDA devices the tensors of a received value live on."""
+    found: set[torch.device] = set()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            if o.device.type == "cuda":
+                found.add(o.device)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        elif isinstance(o, types.SimpleNamespace):
+            walk(vars(o))
+
+    walk(value)
+    return found
+
+
+def _sync_stream(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
+def ack_all(received: Sequence[Received]) -> None:
+    """Acknowledge received payloads: after it their producers may free or rewrite the buffers.
+
+    In this order: wait for this process's work on the buffers (a copy out of a CUDA bucket is
+    asynchronous: the current stream of each device a value lives on is synchronized, once per
+    device for the whole batch, not per tensor; torch's IPC deleter would synchronize only when the
+    last reference goes, and only if none survives), then drop the values, then set each shared
+    state word to acknowledged. If the synchronization fails nothing is acknowledged: the producer
+    reports these ranks rather than rewriting a buffer still being read."""
+    received = list(received)
+    devices: set[torch.device] = set()
+    for rec in received:
+        devices |= _cuda_devices(rec.value)
+    for device in sorted(devices, key=lambda d: d.index if d.index is not None else -1):
+        _sync_stream(device)
+    states = []
+    for rec in received:
+        states.append(rec._state)
+        rec.value, rec._state = None, None
+    for state in states:
+        if state is not None:
+            state[0] = ACKED
 
 
 def _for_each_cpu_storage(obj: Any, fn) -> None:
@@ -580,7 +477,7 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandleError(f"a payload is bytes or base64 text, got {type(payload).__name__}")
     try:
-        obj = _Unpickler(io.BytesIO(data), share_again).load()
+        obj = Unpickler(io.BytesIO(data), share_again).load()
     except HandleError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch's own errors say little about why
@@ -597,15 +494,22 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
     error = None
     if rank is not None and rank != tag["rank"]:
         error = f"payload for infer-TP rank {tag['rank']} (of {tag['of']}) opened by rank {rank}"
-    elif int(state[0]) != FRESH:
-        error = (f"payload for rank {tag['rank']} opened twice (state "
-                 f"{'opened' if int(state[0]) == OPENED else 'acknowledged'})")
+    else:
+        with refcount_lock(_segment_handle(state)):     # against `_revoke` in the producer's release
+            was = int(state[0])
+            if was == FRESH:
+                state[0] = OPENED
+        if was == REVOKED:
+            error = (f"payload for rank {tag['rank']} was released by its producer before it was "
+                     f"opened (PayloadSet.release: the producer stopped waiting for this consumer)")
+        elif was != FRESH:
+            error = (f"payload for rank {tag['rank']} opened twice (state "
+                     f"{'opened' if was == OPENED else 'acknowledged'})")
     if error is not None:
         # unpickling took the reference meant for the rightful consumer: hand it back
         _for_each_cpu_storage(obj, take_back)
         _for_each_cpu_storage(tag, take_back)
         raise HandleError(error)
-    state[0] = OPENED
     value = obj["tensor"] if set(obj) == {"tensor"} else obj
     return Received(value, tag["rank"], state)
 

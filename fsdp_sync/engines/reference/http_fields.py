@@ -143,5 +143,4 @@ def opened_payloads(payloads: Sequence[Any], label: str) -> Iterator[list]:
                 raise Refused(400, f"{label.format(i=i)}: {type(exc).__name__}: {exc}") from None
         yield [r.value for r in opened]
     finally:
-        for r in opened:
-            r.ack()
+        handles.ack_all(opened)   # waits for the copies out of CUDA payloads, then acknowledges

@@ -478,9 +478,9 @@ class UpdateStager:
         self._ack_all()
 
     def _ack_all(self) -> None:
-        for rec in self.received:
-            rec.ack()
-        self.received = []
+        # one stream synchronization for the batch, then values dropped, then acknowledged
+        received, self.received = self.received, []
+        handles.ack_all(received)
 
     def _covered(self, covers: set[str]) -> None:
         if self.valid:

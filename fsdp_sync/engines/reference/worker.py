@@ -320,8 +320,7 @@ class Worker:
             except ValueError as exc:
                 raise WorkerError(KIND_UPDATE, f"LoRA adapter {a['name']!r} on TP rank {self.rank}: {exc}") from exc
         finally:
-            for rec in recs:
-                rec.ack()
+            handles.ack_all(recs)      # the shard's copies done (stream synchronized), then acknowledged
         self.lora_pending = shard
         return {"nbytes": shard.nbytes(), "kept_check": kept is not None and self.lora_in is kept,
                 "in_place": spare is not None and shard.mats is spare.mats}
