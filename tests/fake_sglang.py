@@ -28,6 +28,7 @@ import pickle
 import sys
 import threading
 import types
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -283,9 +284,16 @@ class OldFakeSGLangEngine:
     # ``LoRAManager.load_lora_adapter_from_tensors``, which reads ``tensors.items()`` and answers
     # ``LoRAUpdateOutput(success=False, error_message=str(exc))`` when that raises. ``loras``:
     # name -> {"tensors", "config", "pinned", "added_tokens_config", "ranks"} as loaded.
+    # ``tokenizer_manager.lora_registry``: what the Engine lists (sglang.Engine has no
+    # ``lora_adapters``; the tokenizer manager registers an adapter once every worker loaded it
+    # and unregisters it before they drop it, both releases).
     @property
     def loras(self) -> dict:
         return self.__dict__.setdefault("_loras", {})
+
+    @property
+    def tokenizer_manager(self) -> "FakeTokenizerManager":
+        return self.__dict__.setdefault("_tokenizer_manager", FakeTokenizerManager())
 
     def load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict, load_format=None):
         self._record("load_lora_adapter_from_tensors", lora_name=lora_name, tensors=tensors,
@@ -306,13 +314,44 @@ class OldFakeSGLangEngine:
         self.loras[lora_name] = {"tensors": ranks[0], "config": dict(config_dict),
                                  "pinned": pinned, "added_tokens_config": added_tokens_config,
                                  "ranks": len(ranks)}
+        self.tokenizer_manager.lora_registry.register(lora_name, pinned)
         return lora_update(True)
 
     def unload_lora_adapter(self, lora_name):
         self._record("unload_lora_adapter", lora_name=lora_name)
+        self.tokenizer_manager.lora_registry.unregister(lora_name)
         if self.loras.pop(lora_name, None) is None:
             return lora_update(False, f"LoRA adapter {lora_name} is not loaded")
         return lora_update(True)
+
+
+class FakeLoRARegistry:
+    """SGLang's ``LoRARegistry`` (srt/lora/lora_registry.py) as read from outside:
+    ``get_all_adapters()``, a copy of ``{lora_name: LoRARef(lora_id, lora_name, lora_path,
+    pinned)}``; adapters loaded from tensors are registered with ``lora_path="__tensor__"``.
+    (SGLang's ``register`` / ``unregister`` are coroutines under its tokenizer manager's lock.)"""
+
+    def __init__(self) -> None:
+        self._registry: dict[str, types.SimpleNamespace] = {}
+
+    def register(self, lora_name: str, pinned: bool = False) -> None:
+        self._registry[lora_name] = types.SimpleNamespace(
+            lora_id=uuid.uuid4().hex, lora_name=lora_name, lora_path="__tensor__", pinned=pinned)
+
+    def unregister(self, lora_name: str) -> None:
+        self._registry.pop(lora_name, None)
+
+    def get_all_adapters(self) -> dict:
+        return dict(self._registry)
+
+
+class FakeTokenizerManager:
+    """``sglang.Engine.tokenizer_manager``, the parts read here: ``served_model_name`` and
+    ``lora_registry``."""
+
+    def __init__(self) -> None:
+        self.served_model_name = "fake-model"
+        self.lora_registry = FakeLoRARegistry()
 
 
 def lora_update(success: bool, error_message: str | None = None) -> types.SimpleNamespace:
@@ -533,8 +572,10 @@ class FakeSGLangServer:
             out = e.unload_lora_adapter((body or {}).get("lora_name"))
             return (ok if out.success else bad)(vars(out))
         if path == "/v1/models" and method == "GET":      # the served model, then each adapter
-            return ok({"object": "list", "data": [{"id": "fake-model", "object": "model"}] + [
-                {"id": n, "object": "model", "parent": "fake-model"} for n in e.loras]})
+            served = e.tokenizer_manager.served_model_name  # as registered (the route reads that)
+            return ok({"object": "list", "data": [{"id": served, "object": "model"}] + [
+                {"id": ref.lora_name, "object": "model", "root": ref.lora_path, "parent": served}
+                for ref in e.tokenizer_manager.lora_registry.get_all_adapters().values()]})
         return not_found
 
 

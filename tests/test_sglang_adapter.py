@@ -793,3 +793,47 @@ def test_lora_over_http_loads_bit_exact_and_refuses_an_unread_release():
         with pytest.raises(sg.SGLangError, match="SGLang 0.5.15.*not read.*nothing was sent"):
             a.load_lora_adapter_from_tensors("a", named, LORA_CONFIG)
         assert "/load_lora_adapter_from_tensors" not in srv.hits
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine_cls", [fake.FakeSGLangEngine, fake.Fake0512Engine],
+                         ids=["0.5.23", "0.5.12"])
+def test_two_lora_syncs_under_one_name_into_an_in_process_engine(engine_cls):
+    """`lora_sync.sync_adapter` twice under the same name into an in-process ``sglang.Engine``:
+    ``available_models`` lists the first adapter from the Engine's LoRA registry (what
+    ``/v1/models`` reads; the Engine has no ``lora_adapters``), so the second sync unloads it
+    before loading again instead of failing with SGLang's "already loaded"; the engine then holds
+    the second adapter's tensors bit for bit, and its cards have ``/v1/models``' shape."""
+    from fsdp_sync import lora_sync
+    from fsdp_sync.cli.lora_model import add_lora
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import agree
+
+    module = add_lora(build_model(load_config("tiny"), seed=0), 4, 8, ["q_proj", "v_proj"], seed=1)
+    config = SyncConfig(lora="adapter", lora_name="policy", verify="off")
+    eng = engine_cls(tp_size=2)
+    a = sg.SGLangEngine(eng)
+    assert not hasattr(eng, "lora_adapters")
+    for step in range(2):
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                if ".lora_" in n:
+                    p.add_(0.25 * (step + 1))
+        lora_sync.sync_adapter(module, config, [a], None, {}, agree)
+    want = [(n.replace(".default.", "."), p.detach()) for n, p in module.named_parameters()
+            if ".lora_" in n]                    # peft's names as saved: no adapter segment
+    assert [c[0] for c in eng.calls if "lora" in c[0]] == [
+        "load_lora_adapter_from_tensors", "unload_lora_adapter", "load_lora_adapter_from_tensors"]
+    assert fake.digests(eng.loras["policy"]["tensors"].items()) == fake.digests(want)
+    cards = a.available_models()
+    assert cards["object"] == "list"
+    base, card = cards["data"]
+    assert (base["id"], base["root"], base["parent"]) == ("fake-model", "fake-model", None)
+    assert (card["id"], card["root"], card["parent"], card["object"]) == (
+        "policy", "__tensor__", "fake-model", "model")
+    a.unload_lora_adapter("policy")
+    assert [c["id"] for c in a.available_models()["data"]] == ["fake-model"]
+    del eng.tokenizer_manager.lora_registry      # not an sglang.Engine: refused, not "none loaded"
+    with pytest.raises(sg.SGLangError, match="no tokenizer_manager.lora_registry"):
+        a.available_models()

@@ -7,7 +7,8 @@
   route and body field it sends exists in the installed server.
 - LoRA from tensors: the body is the installed ``LoadLoRAAdapterFromTensorsReqInput`` (its required
   fields, its payload field and type: one payload or one per TP rank), and SGLang's own
-  deserializer, as the installed TP worker calls it, opens in each rank's process the dict sent.
+  deserializer, as the installed TP worker calls it, opens in each rank's process the dict sent;
+  in process, the adapters are listed from the Engine's LoRA registry, as ``/v1/models`` lists them.
 - The release table (`engines.sglang.versions`) says what the installed release has: the
   weight-update session, the checker's fields, the LoRA-from-tensors payload field, the receive
   bucket's pre-check.
@@ -439,6 +440,56 @@ def test_lora_http_body_is_the_installed_request_and_sglang_opens_it(tmp_path):
     assert [r.get("type") for r in opened[0]] == ["dict", "dict"], opened[0]
     for r in opened[0]:
         assert r["digests"] == fake.digests(named)
+
+
+def _assigns_self(node: ast.AST, attr: str) -> bool:
+    """Whether ``node`` (a class) assigns ``self.<attr>`` anywhere."""
+    return any(isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.ctx, ast.Store)
+               and isinstance(n.value, ast.Name) and n.value.id == "self" for n in ast.walk(node))
+
+
+@pytest.mark.timeout(60)
+def test_in_process_adapter_list_is_the_engines_lora_registry():
+    """In process, `SGLangEngine.available_models` reads what the installed ``/v1/models`` route
+    reads: ``Engine.tokenizer_manager`` (``lora_registry``, ``served_model_name``), not a
+    ``lora_adapters`` the Engine lacks; the real ``LoRARegistry``, filled as the tokenizer manager
+    fills it for an adapter loaded from tensors, is listed card for card (the installed
+    ``ModelCard``'s fields) and emptied by its unregister; the fake's registry holds the installed
+    ``LoRARef``'s fields."""
+    import asyncio
+
+    from sglang.srt.lora.lora_registry import LoRARef, LoRARegistry
+
+    engine_src = (SRT / "entrypoints" / "engine.py").read_text()
+    engine = _class_node(SRT / "entrypoints" / "engine.py", "Engine")
+    assert _assigns_self(engine, "tokenizer_manager") and "lora_adapters" not in engine_src
+    tm = _class_node(SRT / "managers" / "tokenizer_manager.py", "TokenizerManager")
+    assert _assigns_self(tm, "lora_registry") and _assigns_self(tm, "served_model_name")
+    route = next(n for n in ast.walk(ast.parse((SRT / "entrypoints" / "http_server.py").read_text()))
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == "available_models")
+    route_src = ast.unparse(route)
+    assert "tokenizer_manager.lora_registry" in route_src and ".get_all_adapters()" in route_src
+    mixin = (SRT / "managers" / "tokenizer_control_mixin.py").read_text()
+    assert 'lora_path="__tensor__"' in mixin          # what the fake registers tensors under
+
+    registry = LoRARegistry()
+    asyncio.run(registry.register(LoRARef(lora_name="sync", lora_path="__tensor__")))
+    eng = (fake.FakeSGLangEngine if FAKE_VERSION == "0.5.23" else fake.Fake0512Engine)(tp_size=2)
+    eng.tokenizer_manager.lora_registry = registry
+    a = sg.SGLangEngine(eng)
+    cards = a.available_models()["data"]
+    assert [(c["id"], c["root"], c["parent"]) for c in cards] == [
+        ("fake-model", "fake-model", None), ("sync", "__tensor__", "fake-model")]
+    card_fields = _fields("ModelCard", SRT / "entrypoints" / "openai" / "protocol.py")
+    assert all(set(c) == card_fields for c in cards), (cards, card_fields)
+    asyncio.run(registry.unregister("sync"))
+    assert [c["id"] for c in a.available_models()["data"]] == ["fake-model"]
+
+    ours = fake.FakeLoRARegistry()
+    ours.register("sync")
+    (ref,) = ours.get_all_adapters().values()
+    assert set(vars(ref)) == _fields("LoRARef", SRT / "lora" / "lora_registry.py")
 
 
 @pytest.mark.timeout(60)

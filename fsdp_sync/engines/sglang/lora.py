@@ -13,8 +13,10 @@ the payloads point at one segment, kept until the server answered; the lease cou
 per TP rank either way (each opening gives one back). ``pinned`` and ``added_tokens_config`` are
 fields of both releases' request. A release between 0.5.12 and 0.5.20 (not read) is refused.
 ``unload_lora_adapter`` is ``/unload_lora_adapter {lora_name}``; ``available_models`` is
-``GET /v1/models`` (SGLang lists each adapter as a card under its name). In process, the
-``sglang.Engine`` methods of those names are called with the tensors themselves, as a dict:
+``GET /v1/models`` (SGLang lists each adapter as a card under its name). In process,
+``available_models`` builds the same cards from what that route reads, the tokenizer manager's
+LoRA registry (``sglang.Engine`` has no method for it), and the load / unload ``sglang.Engine``
+methods of those names are called with the tensors themselves, as a dict:
 ``Engine.load_lora_adapter_from_tensors(lora_name, tensors, config_dict, load_format=None)`` in
 0.5.12 and 0.5.23 (it serializes the dict itself) takes no ``pinned`` / ``added_tokens_config``:
 given to such an engine they are refused by name, not dropped.
@@ -29,6 +31,7 @@ side (`engines.reference.serve_lora`).
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any, Mapping
 
 import torch
@@ -159,16 +162,46 @@ class LoRAClient:
         return answer if isinstance(answer, dict) else {"success": True}
 
     def available_models(self) -> dict:
-        """SGLang's ``/v1/models``: ``{"data": [{"id": ...}, ...]}``, the served model and each
-        loaded LoRA adapter."""
+        """SGLang's ``/v1/models``: ``{"object": "list", "data": [{"id": ...}, ...]}``, the served
+        model and each loaded LoRA adapter.
+
+        In process, the same cards built from what that route reads (0.5.12 and 0.5.23 alike):
+        ``Engine.tokenizer_manager.lora_registry.get_all_adapters()`` (``{name: LoRARef}``, a copy),
+        the registry the Engine's own load / unload calls register into once every TP worker
+        loaded an adapter and unregister from before the workers drop it, and the tokenizer
+        manager's ``served_model_name``. An engine without that registry is refused by name: an
+        empty list would read as "nothing loaded" (`lora_sync.load_adapter` would then load over
+        an adapter it holds and fail with SGLang's "already loaded")."""
         self._check_open("available_models")
         if self._local:
-            loaded = getattr(self._local.engine, "lora_adapters", None)
-            return {"object": "list", "data": [{"id": n} for n in (loaded or {})]}
+            return self._local_models()
         try:
             return self._http.json("GET", "/v1/models", idempotent=True)
         except NotFound as e:
             raise e.error from None
+
+    def _local_models(self) -> dict:
+        """`available_models` of an in-process ``sglang.Engine`` (SGLang's ``available_models``
+        route in http_server.py, card for card)."""
+        engine = self._local.engine
+        tm = getattr(engine, "tokenizer_manager", None)
+        registry = getattr(tm, "lora_registry", None)
+        if not callable(getattr(registry, "get_all_adapters", None)):
+            raise SGLangError(
+                f"the in-process engine ({type(engine).__name__}, {self.features.label}) has no "
+                f"tokenizer_manager.lora_registry.get_all_adapters() (sglang.Engine 0.5.12 to "
+                f"0.5.23 has, and /v1/models reads it): its loaded LoRA adapters cannot be listed",
+                call="available_models")
+        served = getattr(tm, "served_model_name", None)
+        context = getattr(getattr(tm, "model_config", None), "context_len", None)
+        now = int(time.time())
+        cards = [{"id": served, "object": "model", "created": now, "owned_by": "sglang",
+                  "root": served, "parent": None,
+                  "max_model_len": context if isinstance(context, int) else None}]
+        cards += [{"id": ref.lora_name, "object": "model", "created": now, "owned_by": "sglang",
+                   "root": ref.lora_path, "parent": served, "max_model_len": None}
+                  for ref in registry.get_all_adapters().values()]
+        return {"object": "list", "data": cards}
 
     def lora_checksums(self, lora_name: str) -> tuple[dict[str, str], str]:
         """``({name: digest}, dtype)`` of adapter ``lora_name`` as ``fsdp-sync serve`` holds it
