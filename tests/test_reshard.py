@@ -369,3 +369,58 @@ def test_rank_buckets_with_expert_parallelism_hold_each_ranks_own_experts():
                     assert torch.equal(t, want[r][name]), (ep, r, name)
                     seen += 1
         assert seen == 4 * len(layout.engine_shapes()), ep
+
+
+def test_buffers_take_turns_where_the_engine_may_answer_before_every_rank_read():
+    """SGLang at TP > 1 answers once its ranks passed a CPU barrier, their copies out of the call's
+    buffers possibly still queued on their GPUs: a buffer is handed out again only after the next
+    bucket was answered (``lag``). Without it, a released buffer is the next bucket's at once."""
+    from fsdp_sync.transport.tensor import ReusedBuffer, _BufferPool
+
+    cpu = torch.device("cpu")
+    plain, lagged = ReusedBuffer(256, cpu), ReusedBuffer(256, cpu, lag=True)
+    seen: dict[str, list[int]] = {"plain": [], "lagged": []}
+    for _ in range(4):
+        for key, buf in (("plain", plain), ("lagged", lagged)):
+            seen[key].append(buf.take(200).data_ptr())
+            buf.give_back()
+    assert len(set(seen["plain"])) == 1
+    a, b = seen["lagged"][:2]
+    assert a != b and seen["lagged"] == [a, b, a, b]     # bucket k's buffer again only at k + 2
+    pool = _BufferPool(256, cpu, lag=True)
+    x = pool.take(100)
+    pool.give_back([x])
+    y = pool.take(100)                                   # x waits for the next release
+    assert y.data_ptr() != x.data_ptr()
+    pool.give_back([y])
+    z = pool.take(100)
+    assert z.data_ptr() == x.data_ptr() and pool.pending == [y]
+    pool.close()
+    assert not pool.free and not pool.pending
+
+
+def _reads_outlast_rank(rank: int, world: int, flag: bool) -> list[bool]:
+    import types
+
+    from fsdp_sync.engines.sglang import SGLangEngine
+    from fsdp_sync.topology import SyncTopology, make_mesh
+    from fsdp_sync.transport.tensor import TensorTransport
+
+    topo = SyncTopology.from_mesh(make_mesh(1, world))
+    engine = (types.SimpleNamespace(reads_may_outlast_answer=flag) if topo.is_tp_src else None)
+    stub = types.SimpleNamespace(topo=topo, engine=engine)
+    out = [TensorTransport._engine_reads_outlast(stub, torch.device(d)) for d in ("cuda", "cpu")]
+    # what SGLangEngine says of itself, by its TP size (no server asked: tp_size given)
+    said = [SGLangEngine("http://127.0.0.1:9", tp_size=n).reads_may_outlast_answer for n in (1, 2)]
+    return out + said
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag", [True, False])
+def test_every_rank_learns_whether_its_engine_may_answer_early(flag):
+    """The flag lives with the engine on infer-TP rank 0; every rank of the group packs its own
+    engine rank's buffer, so every rank must hear it. Asked only on CUDA (no collective on CPU)."""
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    out = run_ranks(_reads_outlast_rank, 2, flag, timeout_s=100, env=spawn_env())
+    assert out == [[flag, False, False, True]] * 2

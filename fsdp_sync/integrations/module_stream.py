@@ -349,14 +349,16 @@ def _device(module: torch.nn.Module) -> torch.device:
 
 def calls(weights: Any, sync: Any, topo: Any, stats: SyncStats, phases: dict,
           prepare: Callable[[str, torch.Tensor], torch.Tensor], *,
-          quantized: bool = False, decision: ExportDecision | None = None) -> Iterator[Call] | None:
+          quantized: bool = False, decision: ExportDecision | None = None,
+          lag: bool = False) -> Iterator[Call] | None:
     """The adapter's hook: the sync's calls from fsdp_sync's export of ``weights.module``, or None
     (every rank alike) where verl's generator must be walked. Collective over the world when
     ``weights`` is a `ModuleStream` (every rank gets one: verl's engine is the same class on
     each). ``prepare(name, tensor)`` is the adapter's per-tensor step: it decides verl's dtypes
     (on meta tensors) and, on the fast path, records each sent tensor for verify (bucket views).
     ``phases["export_s"]`` gets the seconds spent in the export. ``decision``: `refusal`'s, kept
-    between syncs (the all-reduce runs every sync all the same)."""
+    between syncs (the all-reduce runs every sync all the same). ``lag``: the engine may answer
+    before every rank read a bucket: its buffers take turns (`ReusedBuffer`)."""
     if not isinstance(weights, ModuleStream):
         return None
     t0 = time.perf_counter()
@@ -372,14 +374,15 @@ def calls(weights: Any, sync: Any, topo: Any, stats: SyncStats, phases: dict,
     weights.close()          # verl's generator: never pulled, nothing gathered
     plan = decision.plan if decision is not None and decision.plan is not None \
         else plan_buckets(metas, sync.bucket_bytes)
-    return _module_calls(weights.module, plan, sync, topo, stats, phases, prepare)
+    return _module_calls(weights.module, plan, sync, topo, stats, phases, prepare, lag)
 
 
 def _module_calls(module: torch.nn.Module, plan: list, sync: Any, topo: Any,
                   stats: SyncStats, phases: dict,
-                  prepare: Callable[[str, torch.Tensor], torch.Tensor]) -> Iterator[Call]:
+                  prepare: Callable[[str, torch.Tensor], torch.Tensor],
+                  lag: bool = False) -> Iterator[Call]:
     # the plan is checked against the module's live export in iter_buckets, every sync
-    buf = ReusedBuffer(max((b.nbytes for b in plan), default=0), _device(module))
+    buf = ReusedBuffer(max((b.nbytes for b in plan), default=0), _device(module), lag=lag)
     it = export.iter_buckets(module, sync.bucket_bytes, dtype=sync.dtype, alloc=buf.take,
                              share_host_memory=sync.share_host_memory, plan=plan)
     try:
@@ -401,4 +404,4 @@ def _module_calls(module: torch.nn.Module, plan: list, sync: Any, topo: Any,
                        f"bucket {i} ({bucket.names[0]}…)", on_release=buf.give_back)
     finally:
         it.close()               # a host-shared buffer goes with the generator, not later
-        buf.buf = None
+        buf.buf = buf.prev = None

@@ -95,11 +95,17 @@ class ReusedBuffer:
     memory on CUDA), sized for the largest bucket. Fresh pages cost a fault (and on CPU a kernel
     zero-fill) each: a buffer per bucket paid that for the whole model on every sync, this pays it
     for one bucket. Safe because the manager's calls are sequential: a bucket is released (its
-    consumers acknowledged) before the next one is taken, which `take` checks."""
+    consumers acknowledged) before the next one is taken, which `take` checks.
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.nbytes, self.device = nbytes, device
+    ``lag``: the engine may answer before every one of its ranks finished reading (SGLang at TP > 1
+    on CUDA, `_engine_reads_outlast`); a bucket's buffer is then taken again only after the next
+    bucket was answered, which every engine rank reaches only once done with the call before: two
+    buffers take turns (one bucket more memory)."""
+
+    def __init__(self, nbytes: int, device: torch.device, lag: bool = False) -> None:
+        self.nbytes, self.device, self.lag = nbytes, device, lag
         self.buf: torch.Tensor | None = None
+        self.prev: torch.Tensor | None = None   # with lag: the buffer the last answered bucket used
         self.busy = False
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -113,6 +119,8 @@ class ReusedBuffer:
 
     def give_back(self) -> None:
         self.busy = False
+        if self.lag:
+            self.buf, self.prev = self.prev, self.buf
 
 
 class _BufferPool:
@@ -121,11 +129,14 @@ class _BufferPool:
     acknowledged, the engine answered), so a sync holds one buffer per bucket in flight (two when
     pipelined) instead of a fresh segment per bucket. Fresh shared memory costs a file, a page
     fault and a kernel zero-fill per page: per bucket that was the whole model's worth each sync.
-    Every buffer is sized for the largest bucket (``nbytes``); all are freed with the pool."""
+    Every buffer is sized for the largest bucket (``nbytes``); all are freed with the pool.
+    ``lag``: as `ReusedBuffer`'s, a released bucket's buffers are handed out again only once the
+    next bucket was released."""
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.nbytes, self.device = nbytes, device
+    def __init__(self, nbytes: int, device: torch.device, lag: bool = False) -> None:
+        self.nbytes, self.device, self.lag = nbytes, device, lag
         self.free: list[torch.Tensor] = []
+        self.pending: list[torch.Tensor] = []        # with lag: the last released bucket's
         self.lent: dict[int, torch.Tensor] = {}      # data_ptr -> buffer, while a bucket holds it
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -140,13 +151,15 @@ class _BufferPool:
 
     def give_back(self, views: Any) -> None:
         """Return the buffers that ``views`` (tensors from `take`, possibly sliced) came from."""
-        for v in views:
-            buf = self.lent.pop(v.data_ptr(), None)
-            if buf is not None:
-                self.free.append(buf)
+        back = [b for b in (self.lent.pop(v.data_ptr(), None) for v in views) if b is not None]
+        if self.lag:
+            self.free += self.pending
+            self.pending = back
+        else:
+            self.free += back
 
     def close(self) -> None:
-        self.free, self.lent = [], {}
+        self.free, self.pending, self.lent = [], [], {}
 
 
 def _per_rank(values: list) -> Any:
@@ -387,11 +400,13 @@ class TensorTransport:
         # own), each sized for the largest bucket (the module's dtype is a size hint only)
         guess = dtype or next((p.dtype for p in self.module.parameters()), torch.float32)
         rank_plan = reshard.plan_rank_buckets(layout, guess, cfg.bucket_bytes)
-        pool = _BufferPool(max((b.nbytes for b in rank_plan), default=0), _module_device(self.module))
-        quant = self._quant
+        quant, device = self._quant, _module_device(self.module)
+        lag = self._engine_reads_outlast(device)    # then the engine's buffers take turns
+        pool = _BufferPool(max((b.nbytes for b in rank_plan), default=0), device,
+                           lag=lag and quant is None)
         # quantized: each rank's slice goes from the reshard's buffer into one of its own
         qpool = _BufferPool(max((quant.plan(b, engine=True).nbytes for b in rank_plan), default=0),
-                            _module_device(self.module)) if quant is not None else None
+                            device, lag=lag) if quant is not None else None
         it = reshard.iter_rank_buckets(self.module, layout, cfg.bucket_bytes, dtype=dtype,
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
                                        share_host_memory=cfg.share_host_memory, stats=st,
@@ -460,13 +475,26 @@ class TensorTransport:
         dist.broadcast(t, src=self.topo.tp_src, group=cpu_group(self.topo.tp_group))
         return bool(t.item())
 
+    def _engine_reads_outlast(self, device: torch.device) -> bool:
+        """Whether the engine may answer a call before each of its ranks finished reading the
+        call's buffers, so that a buffer must not be rewritten at the answer (`ReusedBuffer`'s
+        ``lag``): SGLang at TP > 1 says so (`SGLangEngine.reads_may_outlast_answer`: its TP ranks
+        meet at a CPU barrier with their copies still queued, and only rank 0's waited before it
+        answers). Only a CUDA copy can be outstanding: on a CPU nothing is asked (no collective)."""
+        if device.type != "cuda" or self.topo.tp_size == 1:
+            return False
+        flag = bool(getattr(self.engine, "reads_may_outlast_answer", False)) if self.topo.is_tp_src else False
+        return bool(broadcast_from_src(flag, self.topo))
+
     def _steps_flattened(self, tagged: bool) -> Iterator[Call]:
         cfg, topo = self.config, self.topo
         plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
-        buffer = ReusedBuffer(max((b.nbytes for b in plan), default=0), _module_device(self.module))
-        quant, release = self._quant, buffer.give_back
+        quant, device = self._quant, _module_device(self.module)
+        lag = self._engine_reads_outlast(device)    # then the engine's buffers take turns
+        buffer = ReusedBuffer(max((b.nbytes for b in plan), default=0), device, lag=lag and quant is None)
+        release = buffer.give_back
         if quant is not None:   # the gathered bucket is quantized into a buffer of its own
-            out = ReusedBuffer(max((quant.plan(b).nbytes for b in plan), default=0), _module_device(self.module))
+            out = ReusedBuffer(max((quant.plan(b).nbytes for b in plan), default=0), device, lag=lag)
             release = out.give_back
         it = export.iter_buckets(self.module, cfg.bucket_bytes, dtype=cfg.dtype,
                                  fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=buffer.take,

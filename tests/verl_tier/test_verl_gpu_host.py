@@ -205,3 +205,38 @@ def test_streams_that_may_overwrite_what_they_yielded():
     assert reuses_memory(receiver())
     assert not reuses_memory(ReceivedWeights.__new__(ReceivedWeights))
     assert not reuses_memory(iter([("w", torch.zeros(1))]))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lag", [False, True])
+def test_flattened_buffers_take_turns_where_sglang_may_answer_before_every_rank_read(lag):
+    """SGLang at TP > 1 answers once its ranks passed a CPU barrier, their copies out of the
+    bucket possibly still queued on their GPUs (`SGLangEngine.reads_may_outlast_answer`): the
+    adapter's flattened packing then lets two buffers take turns, so the buffer of bucket k is
+    refilled only after bucket k + 1 was answered; otherwise one buffer serves every bucket."""
+    import types
+
+    import torch
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.integrations import verl as plugin
+    from fsdp_sync.transport import SyncStats
+
+    a = object.__new__(plugin.SGLangAdapter)     # its __new__ reads a verl config
+    a.sync, a._buffer_hint, a._pack_s = SyncConfig(bucket_bytes=1024), 0, 0.0
+    a._prepare = lambda name, t: t
+    weights = [(f"w{i}", torch.full((64,), float(i))) for i in range(8)]   # 256 B each: 4 a bucket
+    topo = types.SimpleNamespace(tp_size=1, tp_rank=0)
+    used, contents = [], []
+    for call in a._flattened_calls(iter(weights), topo, SyncStats(), lag=lag):
+        buf = call.on_release.__self__
+        used.append((id(buf), buf.buf.data_ptr()))
+        contents.append(buf.buf[:1024].view(torch.float32)[::64].tolist())
+        for ps in call.sets:
+            ps.release(require_ack=False, unopened=[0])   # (no engine opened it)
+        call.on_release()
+    assert contents == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+    if lag:
+        assert used[0] != used[1]                        # bucket 1 did not refill bucket 0's
+    else:
+        assert used[0] == used[1]

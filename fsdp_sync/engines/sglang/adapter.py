@@ -143,6 +143,14 @@ class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
     # ---------------------------------------------------------------- basics
 
     @property
+    def reads_may_outlast_answer(self) -> bool:
+        """True at TP > 1: SGLang's TP ranks queue their copies out of a call's payloads, meet at a
+        CPU barrier, and each frees the payloads (torch then waits for its copies) only after it;
+        rank 0 answers then, possibly before another rank's copies ran. The answer to the next call
+        shows every rank done with this one, so a trainer reuses a buffer only after that."""
+        return self.tp_size > 1
+
+    @property
     def is_http(self) -> bool:
         return self._http is not None
 

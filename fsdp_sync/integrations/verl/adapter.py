@@ -84,7 +84,7 @@ from ...weights import handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES
 from ...config import SyncConfig
 from ...config_check import check_configs
-from ...topology import SyncTopology
+from ...topology import SyncTopology, broadcast_from_src
 from ...transport import SyncStats
 from ...transport.tensor import Call, TensorTransport
 from ...verify import sent_record
@@ -393,9 +393,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         phases = {"export_s": 0.0, "pack_s": 0.0}
         # fsdp_sync's bucketed export from verl's FSDP module where it sends exactly what verl's
         # stream would (agreed by every rank), else verl's generator (`module_stream`)
+        lag = self._engine_reads_outlast(engine, topo)
         steps = module_stream.calls(weights, cfg, topo, counted, phases, self._prepare,
                                     quantized=cfg.quantization is not None,
-                                    decision=self._decision)
+                                    decision=self._decision, lag=lag)
         exported_by = module_stream.EXPORT_VERL if steps is None else module_stream.EXPORT_MODULE
         quant = self._quantizer(topo) if cfg.quantization is not None else None
         if steps is None:
@@ -403,7 +404,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             if quant is not None:  # rollout.quantization: block FP8, after the cast, tensor by tensor
                 stream = quant.named((n, self._cast(t) if n in quant.hf else t) for n, t in stream)
             # flattened copies each tensor into its bucket before the next pull: safe as it is
-            steps = (self._flattened_calls(stream, topo, counted) if cfg.strategy == "flattened"
+            steps = (self._flattened_calls(stream, topo, counted, lag=lag) if cfg.strategy == "flattened"
                      else self._per_tensor_handle_calls(stream, topo, counted, copy_held=reused))
         try:
             TensorTransport(cfg).send(steps, topo=topo, engine=engine, stats=counted,
@@ -521,11 +522,25 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             self._digest_s += time.perf_counter() - t1
         return t
 
-    def _flattened_calls(self, weights, topo: SyncTopology, stats: SyncStats) -> Iterator[Call]:
+    @staticmethod
+    def _engine_reads_outlast(engine: Any, topo: SyncTopology) -> bool:
+        """SGLang at TP > 1 may answer before each of its ranks finished reading a CUDA bucket
+        (`SGLangEngine.reads_may_outlast_answer`): infer-TP rank 0's engine says so to the group,
+        whose every rank packs its own buffer. Asked only where CUDA is in use (no collective on
+        a CPU host: nothing there runs after the answer)."""
+        if topo.tp_size == 1 or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return False
+        flag = bool(getattr(engine, "reads_may_outlast_answer", False)) if topo.is_tp_src else False
+        return bool(broadcast_from_src(flag, topo))
+
+    def _flattened_calls(self, weights, topo: SyncTopology, stats: SyncStats,
+                         lag: bool = False) -> Iterator[Call]:
         """verl's stream packed into one reused flat buffer; one call per full bucket. The send
         loop takes the next call only after this one's payloads are released, so the buffer is
-        refilled only then."""
+        refilled only then. ``lag`` (`_engine_reads_outlast`): two buffers take turns, so a
+        bucket's is refilled only once the next bucket was answered."""
         stream = BucketBuffer(self.sync.bucket_bytes, hint=self._buffer_hint)
+        spare = BucketBuffer(self.sync.bucket_bytes, hint=self._buffer_hint) if lag else None
 
         def call(s: BucketBuffer) -> Call:
             bucket = s.bucket()
@@ -559,6 +574,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                     continue
                 if stream.metas and (not stream.fits(n) or stream.buf.device != t.device):
                     yield call(stream)
+                    if spare is not None:        # released; refilled after the next one's answer
+                        stream, spare = spare, stream
                 t0 = time.perf_counter()
                 stream.add(name, t)
                 self._pack_s += time.perf_counter() - t0
@@ -569,9 +586,12 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             # freed here, not when the frames go: an exception's traceback (kept by asyncio, say)
             # would otherwise hold the shared buffers until the process exits, and a segment
             # still referenced then outlives it
+            high = max(stream.high, spare.high if spare is not None else 0)
             stream.buf = big.buf = None
-            if stream.high:
-                self._buffer_hint = -(-stream.high // ALIGNMENT) * ALIGNMENT
+            if spare is not None:
+                spare.buf = None
+            if high:
+                self._buffer_hint = -(-high // ALIGNMENT) * ALIGNMENT
 
     def _per_tensor_handle_calls(self, weights, topo: SyncTopology, stats: SyncStats,
                                  copy_held: bool = False) -> Iterator[Call]:
