@@ -48,7 +48,7 @@ GB, MiB, GiB = 1e9, 2**20, 2**30
 
 def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: str | None = None,
                   dtype: torch.dtype = torch.bfloat16, *, layout: str = "full",
-                  pipelined: bool = True) -> dict:
+                  pipelined: bool = True, turns: bool = False) -> dict:
     """The most extra memory one trainer rank (colocated: its device, trainer rank and engine
     together) may take during a sync, and the rule it comes from (the bench flags every measured
     row above it): k buckets in flight, each up to max(bucket, largest tensor) (a tensor larger
@@ -59,13 +59,20 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
     every engine rank's buffer (two buffer sets and the pieces the exchange brings it for one
     bucket; 2 when not pipelined). FP8: plus the quantized copy of a bucket
     (`quantized_bucket_bytes`). With buckets at least as large as the largest tensor (the usual
-    case: verl's default is 2 GiB) this is k x bucket + largest tensor."""
+    case: verl's default is 2 GiB) this is k x bucket + largest tensor. ``turns``: the tensor
+    method into an engine that may answer before every rank read (SGLang at TP > 1 on CUDA), whose
+    buffers take turns (`transport.tensor.ReusedBuffer`): one bucket more where two are in flight
+    (per-rank buckets, pipelined) and one more quantized bucket."""
     k = 3 if method == "disk" or (method == "distributed" and layout == "engine" and pipelined) else 2
+    turns = turns and method == "tensor"
+    if turns and layout == "engine" and pipelined:
+        k += 1
     out = {"memory_budget_bytes": k * max(bucket_bytes, largest) + largest,
            "memory_budget_rule": f"{k} x max(bucket, largest tensor) + largest tensor"}
     if quantization:
-        out["memory_budget_bytes"] += quantized_bucket_bytes(bucket_bytes, dtype)
-        out["memory_budget_rule"] += " + the quantized bucket"
+        n = 2 if turns else 1
+        out["memory_budget_bytes"] += n * quantized_bucket_bytes(bucket_bytes, dtype)
+        out["memory_budget_rule"] += " + 2 quantized buckets" if turns else " + the quantized bucket"
     return out
 
 
@@ -359,7 +366,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
 
     # ---- memory
     row.update(memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype,
-                             layout=job.layout, pipelined=job.pipelined))
+                             layout=job.layout, pipelined=job.pipelined, turns=_turns(job, cl)))
     staged = reference_engine_stages(job.engine, job.method, job.layout)
     row.update(engine_memory_budget(job.method, job.bucket_bytes, largest, shard, staged), engine=job.engine)
     row["trainer_rank_peak_extra_bytes"] = row["memory_budget_bytes"]
@@ -438,6 +445,12 @@ def _block(src: tuple, shape: tuple) -> tuple[int, int, int, int]:
     return block_of(src, tuple(shape))
 
 
+def _turns(job: PlanJob, cl: Cluster) -> bool:
+    """SGLang at TP > 1 on CUDA may answer before every rank read: the trainer's buffers take
+    turns (`memory_budget`'s ``turns``)."""
+    return job.engine == "sglang" and job.tp > 1 and cl.device == "cuda"
+
+
 def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
     """Refuse a sync whose budget exceeds the memory left on a device (`PlanError`, with the
     largest bucket that fits): colocated, the trainer's rule on the engine's GPU beside the
@@ -455,13 +468,13 @@ def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
 
     def trainer_need(b: int) -> int:
         return memory_budget(job.method, b, largest, job.quantization, dtype, layout=job.layout,
-                             pipelined=job.pipelined)["memory_budget_bytes"]
+                             pipelined=job.pipelined, turns=_turns(job, cl))["memory_budget_bytes"]
 
     def engine_need(b: int) -> int:
         return engine_memory_budget(job.method, b, largest, shard, staged)["engine_memory_budget_bytes"]
 
     rule = memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype,
-                         layout=job.layout, pipelined=job.pipelined)["memory_budget_rule"]
+                         layout=job.layout, pipelined=job.pipelined, turns=_turns(job, cl))["memory_budget_rule"]
     # the rule with this job's figures: "2 x bucket 8.0 GiB + largest tensor 594 MiB"
     trainer_what = rule.replace("bucket", "bucket {}", 1).replace("largest tensor", f"largest tensor {_fmt(largest)}")
     if job.method == "tensor":     # colocated: the trainer's shard and the sync share the engine's GPU

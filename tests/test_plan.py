@@ -371,3 +371,29 @@ def test_per_tensor_per_bucket_and_per_sync_costs_are_priced_for_the_tensor_meth
     assert not [p for p in bare["phases"] if p["what"].startswith(("per-tensor", "per-sync"))]
     with pytest.raises(ValueError, match="tensor_s must be >= 0"):
         dataclasses.replace(CPU, tensor_s=-1.0)
+
+
+def test_sglang_at_tp_2_on_cuda_budgets_the_buffers_that_take_turns():
+    """SGLang at TP > 1 may answer before every rank read a CUDA bucket, so the trainer's buffers
+    take turns (`transport.tensor.ReusedBuffer`'s lag): one bucket more where two are in flight
+    (per-rank buckets, pipelined), one more quantized bucket; not for the reference engine (it
+    answers once every worker's copies are done), TP 1, or the full layout without FP8."""
+    def row(**kw) -> dict:
+        job = dict(model="qwen2-1500m", method="tensor", layout="engine", bucket_bytes=64 * MiB,
+                   dtype="bfloat16", ranks=2, fsdp=2, tp=2, engine="sglang")
+        return plan_row(PlanJob(**{**job, **kw}), "h100-node")
+
+    def budget(**kw) -> tuple[int, str]:
+        r = row(**kw)
+        return r["memory_budget_bytes"], r["memory_budget_rule"]
+
+    turns, rule = budget()
+    base, base_rule = budget(engine="reference")
+    assert rule.startswith("3 x") and base_rule.startswith("2 x"), (rule, base_rule)
+    assert turns - base == max(64 * MiB, row()["largest_tensor_bytes"])
+    assert budget(tp=1) == budget(tp=1, engine="reference")
+    assert budget(layout="full") == budget(layout="full", engine="reference")
+    assert budget(pipelined=False) == budget(pipelined=False, engine="reference")
+    q_turns, q_rule = budget(layout="full", quantization="fp8")
+    q_base, _ = budget(layout="full", quantization="fp8", engine="reference")
+    assert "2 quantized buckets" in q_rule and q_turns > q_base
