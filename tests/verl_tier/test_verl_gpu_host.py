@@ -240,3 +240,30 @@ def test_flattened_buffers_take_turns_where_sglang_may_answer_before_every_rank_
         assert used[0] != used[1]                        # bucket 1 did not refill bucket 0's
     else:
         assert used[0] == used[1]
+
+
+@pytest.mark.timeout(60)
+def test_cpu_tensors_from_verl_go_to_the_gpu_before_packing_on_a_gpu_host(monkeypatch):
+    """verl hands a LoRA run's base over on the CPU (``collect_lora_params``: ``.cpu()``): on a GPU
+    host the adapter moves each tensor to this rank's GPU before packing, as verl's own adapter
+    does, so buckets go by CUDA IPC and not through /dev/shm (64 MiB in a default container, a
+    bucket up to 2 GiB). The GPU is `_ipc_device`'s: None on a CPU host. Here the meta device
+    stands in for the GPU (it takes a copy without a GPU)."""
+    import torch
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.integrations import verl as plugin
+    from fsdp_sync.integrations.verl import adapter as adapter_mod
+
+    assert adapter_mod._ipc_device() is None                     # this CPU host
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert adapter_mod._ipc_device() == torch.device("cuda", 5)
+    a = object.__new__(plugin.SGLangAdapter)     # its __new__ reads a verl config
+    a.sync, a._pack_s, a._sent = SyncConfig(dtype=torch.bfloat16), 0.0, None
+    a._ipc_device = torch.device("meta")
+    out = a._prepare("w", torch.ones(3, 4))
+    assert out.device.type == "meta" and out.dtype == torch.bfloat16 and out.shape == (3, 4)
+    a._ipc_device = None
+    assert a._prepare("w", torch.ones(2)).device.type == "cpu"

@@ -174,6 +174,14 @@ def sync_config(config: Any) -> SyncConfig:
     return SyncConfig.from_verl(config, **opts)
 
 
+def _ipc_device() -> torch.device | None:
+    """Where CPU tensors from verl's stream go before they are packed: this rank's GPU where CUDA
+    is in use, so every bucket travels by CUDA IPC (None on a CPU host: shared memory)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
 def _resolve(fqdn: str) -> type:
     module, _, name = fqdn.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -213,6 +221,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self._peers_checked = False     # every infer-TP rank runs this adapter (`peer_check`)
         self._pack_s = self._digest_s = 0.0
         self._buffer_hint = 0     # bytes the last sync's bucket buffer filled (`BucketBuffer`)
+        self._ipc_device: torch.device | None = None   # where CPU tensors go first (`_ipc_device`)
         # the module export's exactness comparison, kept while the module is unchanged
         self._decision = module_stream.ExportDecision()
         self._topo: SyncTopology | None = None     # built once per device mesh (`_topology`)
@@ -364,6 +373,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         (`stream.reuses_memory`); what is held across a pull is then a copy."""
         cfg, topo = self.sync, self._topology()
         counted = SyncStats()
+        self._ipc_device = _ipc_device()
         if not self._peers_checked:     # before any weight moves: one protocol on every rank
             peer_check.check_group(topo.tp_ranks, cfg.dist_timeout_s)
             self._peers_checked = True
@@ -509,6 +519,12 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
     def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         t = t.detach()
+        device = getattr(self, "_ipc_device", None)
+        if device is not None and t.device.type == "cpu":
+            # verl hands a LoRA run's base (and QAT's weights) over on the CPU: on a GPU host they
+            # go by CUDA IPC, as verl's own adapter sends them, not through /dev/shm (a container's
+            # is often 64 MiB, a bucket up to 2 GiB)
+            t = t.to(device)
         if (self.sync.dtype is not None and t.is_floating_point() and t.dtype != self.sync.dtype
                 and t.element_size() > 1 and not name.endswith("_scale_inv")):   # not FP8 pairs
             t = t.to(self.sync.dtype)
