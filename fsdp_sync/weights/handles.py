@@ -50,7 +50,7 @@ import types
 import warnings
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.multiprocessing import reductions as _red
@@ -398,25 +398,21 @@ class Received:
         ack_all([self])
 
 
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a payload's value (dicts, lists, tuples, SimpleNamespaces, nested)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (dict, types.SimpleNamespace)):
+        for v in (obj if isinstance(obj, dict) else vars(obj)).values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
 def _cuda_devices(value: Any) -> set[torch.device]:
     """The CUDA devices the tensors of a received value live on."""
-    found: set[torch.device] = set()
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            if o.device.type == "cuda":
-                found.add(o.device)
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-        elif isinstance(o, types.SimpleNamespace):
-            walk(vars(o))
-
-    walk(value)
-    return found
+    return {t.device for t in _tensors(value) if t.device.type == "cuda"}
 
 
 def _sync_stream(device: torch.device) -> None:
@@ -449,21 +445,11 @@ def ack_all(received: Sequence[Received]) -> None:
 
 def _for_each_cpu_storage(obj: Any, fn) -> None:
     seen: set[int] = set()
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            st = o.untyped_storage()
-            if o.device.type == "cpu" and st.nbytes() and st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                fn(st)
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
-    walk(obj)
+    for t in _tensors(obj):
+        st = t.untyped_storage()
+        if t.device.type == "cpu" and st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            fn(st)
 
 
 def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: bool = False) -> Received:

@@ -35,7 +35,7 @@ from .allocator import ExpandableSegments
 from .control import GenerationControl
 from .memory_calls import MemoryCalls
 from .lora import LoRAClient
-from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLangError,
+from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLangError, takes_keyword,
                      SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text,
                      lease_answered)
 from .payloads import FLATTENED_BUCKET, flattened_bucket_payloads
@@ -198,7 +198,7 @@ class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
         ``update_weight_version``. The fleet commits without a version where it cannot."""
         if self._local is None:
             return True
-        return (_takes(self._local.engine, "end_weight_update", "weight_version")
+        return (takes_keyword(self._local.engine, "end_weight_update", "weight_version")
                 or self._local.has("update_weight_version"))
 
     @property
@@ -441,7 +441,7 @@ class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
                              f"{weight_version!r}")
         local_kw: dict[str, Any] = {}
         if weight_version is not None and self._local:
-            if _takes(self._local.engine, "end_weight_update", "weight_version"):
+            if takes_keyword(self._local.engine, "end_weight_update", "weight_version"):
                 local_kw = {"weight_version": weight_version}
             elif not self._local.has("update_weight_version"):
                 raise SGLangError(f"this in-process engine ({type(self._local.engine).__name__}) can "
@@ -660,17 +660,6 @@ class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
                 self._http.close()          # its kept-alive connections
         finally:
             self.allocator.restore("shutdown")
-
-
-def _takes(obj: Any, method: str, param: str) -> bool:
-    """Whether ``obj.method`` takes the keyword ``param``."""
-    import inspect
-
-    try:
-        params = inspect.signature(getattr(obj, method)).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return param in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _state_error(message: str, **kw: Any) -> EngineStateError:

@@ -24,7 +24,8 @@ from typing import Any, Iterator
 from ..base import EngineError
 
 __all__ = ["SGLangError", "SGLangHTTPError", "SGLangUpdateError", "NO_SESSION_MARK", "check_answer", "lease_answered",
-           "MissingMethod", "InProcessClient", "HttpClient", "NotFound", "json_or_text", "RETRY_STATUS"]
+           "MissingMethod", "InProcessClient", "HttpClient", "NotFound", "json_or_text", "RETRY_STATUS",
+           "takes_keyword"]
 
 class SGLangError(EngineError):
     """An SGLang call failed. ``call`` names it; ``body`` is the server's response text (HTTP)."""
@@ -82,6 +83,17 @@ def check_answer(call: str, answer: Any, *, error=SGLangError, where: str = "") 
 
 class MissingMethod(Exception):
     """The engine has no such method (older SGLang)."""
+
+
+def takes_keyword(obj: Any, method: str, param: str) -> bool:
+    """Whether ``obj.method`` takes the keyword ``param`` (an in-process engine's release)."""
+    import inspect
+
+    try:
+        params = inspect.signature(getattr(obj, method)).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return param in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 class InProcessClient:

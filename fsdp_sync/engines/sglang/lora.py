@@ -30,25 +30,16 @@ side (`engines.reference.serve_lora`).
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Any, Mapping
 
 import torch
 
 from ...weights import handles
-from .client import NotFound, SGLangError, SGLangUpdateError, check_answer, lease_answered
+from .client import (NotFound, SGLangError, SGLangUpdateError, check_answer, lease_answered,
+                     takes_keyword)
 
 __all__ = ["LoRAClient"]
-
-
-def _takes(obj: Any, method: str, param: str) -> bool:
-    """Whether ``obj.method`` takes the keyword ``param``."""
-    try:
-        params = inspect.signature(getattr(obj, method)).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return param in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _with_message(answer: Any) -> Any:
@@ -103,7 +94,7 @@ class LoRAClient:
                                          added_tokens_config is not None)):
                 if not given:
                     continue
-                if not _takes(self._local.engine, "load_lora_adapter_from_tensors", param):
+                if not takes_keyword(self._local.engine, "load_lora_adapter_from_tensors", param):
                     raise SGLangError(
                         f"{param}={value!r}: the in-process engine "
                         f"({type(self._local.engine).__name__}, {self.features.label}) has "
