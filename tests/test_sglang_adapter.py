@@ -8,8 +8,10 @@ reconstruction); the adapter runs against `FakeSGLangEngine` (in process) and `F
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fsdp_sync.weights import handles
 from fsdp_sync.weights.bucket import ALIGNMENT
 from fsdp_sync.engines.base import Engine, EngineClosedError, EngineStateError
 from fsdp_sync.engines import sglang as sg
@@ -837,3 +840,54 @@ def test_two_lora_syncs_under_one_name_into_an_in_process_engine(engine_cls):
     del eng.tokenizer_manager.lora_registry      # not an sglang.Engine: refused, not "none loaded"
     with pytest.raises(sg.SGLangError, match="no tokenizer_manager.lora_registry"):
         a.available_models()
+
+
+class _Recording(pickle.Unpickler):
+    """Opens a per-tensor HTTP payload as a server would, recording the class path it names for
+    SGLang's LocalSerializedTensor (any other global: the standard lookup)."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.named: list[tuple[str, str]] = []
+
+    def find_class(self, module: str, name: str):
+        if name == "LocalSerializedTensor":
+            self.named.append((module, name))
+            return type(name, (), {})
+        return super().find_class(module, name)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("version, module", [
+    ("0.5.12", "sglang.srt.model_executor.model_runner"),
+    ("0.5.23", "sglang.srt.model_executor.model_runner_components.weight_updater"),
+])
+def test_per_rank_values_go_under_the_servers_release_path(version, module):
+    """`SerializedPerRank` values (per-tensor updates, the engine-layout loader) go to a server as
+    SGLang's LocalSerializedTensor, which moved between releases: under the path of the release
+    the server reports, not the trainer's (which may run another release or, as here, none)."""
+    from fsdp_sync.engines.base import SerializedPerRank
+
+    with fake.FakeSGLangServer(tp_size=2, version=version) as srv:
+        a = http_engine(srv)
+        obj = a._to_sglang(SerializedPerRank(values=[b"rank0", b"rank1"]))
+    lease = handles.make_payloads([("w", obj)], 1, tagged=False)
+    try:
+        u = _Recording(lease.payloads[0])
+        ((name, got),) = u.load()
+    finally:
+        lease.release(require_ack=False, unopened=[0])
+    assert u.named == [(module, "LocalSerializedTensor")]
+    assert name == "w" and got.values == [b"rank0", b"rank1"]
+
+
+@pytest.mark.timeout(30)
+def test_per_rank_values_for_an_unread_release_are_refused_before_sending():
+    from fsdp_sync.engines.base import SerializedPerRank
+
+    with fake.FakeSGLangServer(tp_size=2) as srv:
+        srv.engine.VERSION = "0.5.15"        # between 0.5.12 and 0.5.20: not read
+        a = http_engine(srv)
+        with pytest.raises(sg.SGLangError, match="0.5.15.*LocalSerializedTensor was not read"):
+            a.update_weights_from_tensor([("w", SerializedPerRank(values=["a", "b"]))])
+        assert not [p for _, p, _ in srv.requests if p == "/update_weights_from_tensor"]

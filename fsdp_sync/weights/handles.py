@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import base64
 import copyreg
+import functools
 import io
 import pickle
 import types
@@ -63,7 +64,8 @@ from .shm import (HandleError, add_torch_reference,
 
 __all__ = [
     "HandleError", "UnreleasedPayloadWarning", "PayloadSet", "Received", "make_payloads", "open_payload",
-    "ack_all", "empty_shared", "adopt", "TAG", "FRESH", "OPENED", "ACKED", "REVOKED",
+    "ack_all", "empty_shared", "adopt", "wire_class", "WireClass", "TAG", "FRESH", "OPENED", "ACKED",
+    "REVOKED",
 ]
 
 TAG = "fsdp_sync"
@@ -127,6 +129,28 @@ def _prune_owned() -> None:
 
 # --------------------------------------------------------------------------- pickling
 
+class WireClass(type):
+    """The type of a class that stands in for another process's class: its instances are pickled
+    as instances of ``wire_module.wire_name`` (that name, their ``__dict__`` as state), which this
+    process need not be able to import (`wire_class`)."""
+
+    wire_module: str
+    wire_name: str
+
+
+@functools.lru_cache(maxsize=None)
+def wire_class(module: str, name: str) -> WireClass:
+    """A class whose instances (made with keyword fields, kept in ``__dict__``) unpickle as
+    instances of ``module.name`` in the receiving process: e.g. SGLang's ``LocalSerializedTensor``
+    under the path of the release a server runs, not the trainer's (`engines.sglang`)."""
+    def __init__(self: Any, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    cls = WireClass(name, (), {"__init__": __init__, "__module__": module, "__qualname__": name})
+    cls.wire_module, cls.wire_name = module, name
+    return cls
+
+
 class _Pickler(pickle._Pickler):
     """multiprocessing's ForkingPickler reductions, sharing CPU storages by file name and naming
     CUDA devices by UUID.
@@ -179,6 +203,14 @@ class _Pickler(pickle._Pickler):
             super().save_global(obj, name)
 
     dispatch[types.FunctionType] = _save_function
+
+    def _save_wire_class(self, obj: Any, name: Any = None) -> None:
+        self.save(obj.wire_module)
+        self.save(obj.wire_name)
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(obj)
+
+    dispatch[WireClass] = _save_wire_class
 
     def _reduce_storage(self, storage: torch.UntypedStorage):
         if storage.device.type != "cpu":

@@ -530,6 +530,40 @@ def test_local_serialized_tensor_is_where_the_adapter_looks():
 
 
 @pytest.mark.timeout(60)
+def test_a_server_gets_local_serialized_tensor_under_its_releases_path():
+    """Over HTTP `SerializedPerRank` values go as LocalSerializedTensor under the path of the
+    release the server reports (the trainer may run another release, or none): the path this
+    release defines the class at, and one its unpickler lets through, with the values intact."""
+    import io
+    import pickle
+
+    from fsdp_sync.engines.base import SerializedPerRank
+    from fsdp_sync.weights import handles
+
+    with fake.FakeSGLangServer(tp_size=2, version=FAKE_VERSION) as srv:
+        obj = sg.SGLangEngine(base_url=srv.url)._to_sglang(SerializedPerRank(values=[b"r0", b"r1"]))
+    named: list = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            if name == "LocalSerializedTensor":
+                named.append((module, name))
+                return type(name, (), {})
+            return super().find_class(module, name)
+
+    lease = handles.make_payloads([("w", obj)], 1, tagged=False)
+    try:
+        ((_, got),) = Recording(io.BytesIO(lease.payloads[0])).load()
+    finally:
+        lease.release(require_ack=False, unopened=[0])
+    ((module, name),) = named
+    path = SRT.parent / (module.removeprefix("sglang.").replace(".", "/") + ".py")
+    assert path.exists(), path
+    assert any(isinstance(n, ast.ClassDef) and n.name == name for n in ast.parse(path.read_text()).body)
+    assert unpickler_allows(module, name) and got.values == [b"r0", b"r1"]
+
+
+@pytest.mark.timeout(60)
 def test_release_table_matches_installed_sglang():
     """`versions.features(sglang.__version__)` against the installed code: what the adapter skips
     or refuses for this release is what the release lacks."""

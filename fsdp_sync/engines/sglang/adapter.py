@@ -14,8 +14,9 @@ out-of-service switch) from `control`, SGLang's LoRA calls (load from tensors, u
 
 Not here: the per-rank payloads (`payloads`, with their lifetime rule), starting SGLang (the caller
 launches the engine or server), and any import of sglang at import time: sglang is imported lazily,
-only for ``LocalSerializedTensor`` (load formats other than ``"flattened_bucket"`` given
-`SerializedPerRank` values). HTTP uses only the standard library.
+only for an in-process engine's ``LocalSerializedTensor`` (load formats other than
+``"flattened_bucket"`` given `SerializedPerRank` values); a server gets it under the path of the
+release it reports, without sglang here (`handles.wire_class`). HTTP uses only the standard library.
 """
 
 
@@ -283,7 +284,7 @@ class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
             else:
                 self._local_update(call, payloads, load_format, flush_cache)
             return
-        named = [(n, _to_sglang(v)) for n, v in named_tensors]
+        named = [(n, self._to_sglang(v)) for n, v in named_tensors]
         if self._local:
             self._local_update(call, named, load_format, flush_cache)
             return
@@ -291,6 +292,23 @@ class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
         lease = handles.make_payloads(named, self.tp_size, output_str=True, tagged=False)
         with lease_answered(lease):
             self._http_update(call, lease.payloads, load_format, flush_cache)
+
+    def _to_sglang(self, value: Any) -> Any:
+        """`SerializedPerRank` as SGLang's ``LocalSerializedTensor``: in process the installed
+        class; for a server, the path of the release it reports (`versions`), so a trainer with
+        another release, or none, sends what the server's unpickler resolves."""
+        if not isinstance(value, SerializedPerRank):
+            return value
+        if self._local:
+            return _local_serialized_tensor_cls()(values=list(value.values))
+        module = self.features.local_serialized_tensor_module
+        if module is None:
+            raise SGLangError(f"{self.features.label}{self.where}: where it keeps "
+                              f"LocalSerializedTensor was not read (0.5.12: model_runner; 0.5.20 on: "
+                              f"model_runner_components.weight_updater); nothing was sent: use "
+                              f"load_format='flattened_bucket' or upgrade SGLang",
+                              call="update_weights_from_tensor")
+        return handles.wire_class(module, "LocalSerializedTensor")(values=list(value.values))
 
     def load_rank_bucket(self, bucket: Any, payloads: list, *, flush_cache: bool = True) -> None:
         """One per-rank bucket through fsdp_sync's custom weight loader: ONE named tensor whose
@@ -664,9 +682,3 @@ class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
 
 def _state_error(message: str, **kw: Any) -> EngineStateError:
     return EngineStateError(message)
-
-
-def _to_sglang(value: Any) -> Any:
-    if isinstance(value, SerializedPerRank):
-        return _local_serialized_tensor_cls()(values=list(value.values))
-    return value

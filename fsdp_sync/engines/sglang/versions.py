@@ -38,7 +38,8 @@ that were read, the first one read that has it is named (the change may be older
   ``torch.``, ``sglang.srt.model_executor.model_runner.``...); 0.5.21 on allow exact
   ``(module, name)`` pairs (``SafeUnpickler.ALLOWED_GLOBALS``). fsdp_sync's payloads pass both.
 - ``LocalSerializedTensor`` lives in ``model_executor.model_runner`` in 0.5.12 and in
-  ``model_executor.model_runner_components.weight_updater`` from 0.5.20.
+  ``model_executor.model_runner_components.weight_updater`` from 0.5.20; a server's payload names
+  the path of the server's release (``local_serialized_tensor_module``), not the trainer's.
 - ``GET /get_weight_version`` answers 404 ("deprecated, use /model_info") in 0.5.12 and 0.5.20 and
   is gone from 0.5.21; ``/get_model_info``'s ``weight_version`` is the version in all.
 
@@ -84,6 +85,9 @@ class SGLangFeatures:
     0.5.12 and 0.5.20, not read (a LoRA sync into it is refused rather than guessed)."""
     lora_tensors_per_rank: bool | None
     distributed_bucket_prechecked: bool
+    local_serialized_tensor_module: str | None = None
+    """Where the release keeps ``LocalSerializedTensor`` (per-rank values of a tensor update):
+    pickled under this path for a server, whatever the trainer has installed; None: not read."""
 
     @property
     def label(self) -> str:
@@ -116,10 +120,17 @@ def features(version: str | None) -> SGLangFeatures:
         lora_field, per_rank = "serialized_tensors", False
     else:
         lora_field = per_rank = None
+    if newest or v >= LORA_PER_RANK_SINCE:       # moved in 0.5.20, as the LoRA field changed
+        local = "sglang.srt.model_executor.model_runner_components.weight_updater"
+    elif v <= LORA_ONE_PAYLOAD_UNTIL:
+        local = "sglang.srt.model_executor.model_runner"
+    else:
+        local = None
     return SGLangFeatures(version=version if isinstance(version, str) else None,
                           weight_update_session=session, weights_checker_fields=checker,
                           lora_tensors_field=lora_field, lora_tensors_per_rank=per_rank,
-                          distributed_bucket_prechecked=newest or v >= (0, 5, 23))
+                          distributed_bucket_prechecked=newest or v >= (0, 5, 23),
+                          local_serialized_tensor_module=local)
 
 
 def reported(server_info: Any) -> str | None:
