@@ -172,3 +172,17 @@ def test_sglang_adapter_accepts_rank_buckets_only_when_told():
     with pytest.raises(SGLangError, match="--custom-weight-loader"):
         plain.load_rank_bucket(None, [b"a", b"b"])
     assert fake.calls == []
+
+
+def test_a_vocab_that_does_not_split_evenly_is_padded_as_sglang_pads_it():
+    """SGLang's VocabParallelEmbedding pads the vocabulary to 64 and splits it evenly; where that
+    does not split (999 -> 1024 over TP 3) it pads to 64 x tp instead (0.5.23; 0.5.12 on CPU):
+    1152 rows, 384 a rank. The sglang tier checks this against SGLang's own model at TP 3."""
+    from fsdp_sync.models import load_config
+    from fsdp_sync.weights.layout import layout_for
+
+    cfg = load_config("tiny", vocab_size=999, hidden_size=96, intermediate_size=192,
+                      num_attention_heads=6, num_key_value_heads=3)
+    assert [layout_for(cfg, tp).vocab_shard for tp in (1, 3)] == [1024, 384]   # not 342
+    three = layout_for(cfg, 3)
+    assert three.engine_shapes()["model.embed_tokens.weight"] == (384, 96)

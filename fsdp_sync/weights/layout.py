@@ -9,7 +9,9 @@ models:
 
 - vocab-parallel ``embed_tokens`` and ``lm_head``: the vocab is padded up to a multiple of
   `VOCAB_PADDING` (64, SGLang's ``DEFAULT_VOCAB_PADDING_SIZE``) and split evenly, so rank r owns
-  ids ``[r*Vs, (r+1)*Vs)`` with ``Vs = round_up(V, 64) / tp`` (SGLang's per-rank shape); the padding rows of the last shard are zero; a tied ``lm_head`` is the
+  ids ``[r*Vs, (r+1)*Vs)`` with ``Vs = round_up(V, 64) / tp`` (SGLang's per-rank shape), or
+  ``round_up(V, 64 * tp) / tp`` where ``round_up(V, 64)`` does not split evenly (SGLang 0.5.23's
+  rule: TP 3, say); the padding rows of the last shard are zero; a tied ``lm_head`` is the
   embedding shard, and the engine has no ``lm_head`` parameter of its own);
 - column-parallel fused ``qkv_proj`` (rows ``[q heads | k heads | v heads]`` of this rank, biases
   split the same way) and fused ``gate_up_proj`` (rows ``[gate | up]``, biases too);
@@ -254,8 +256,11 @@ class TPLayout:
         self.shared_local = s.shared_expert_intermediate_size // tp_size
         self.q_local = s.num_heads // tp_size
         self.inter_local = s.intermediate_size // tp_size
-        # SGLang's VocabParallelEmbedding/ParallelLMHead: pad to 64, then an even split
-        self.vocab_shard = math.ceil(math.ceil(s.vocab_size / VOCAB_PADDING) * VOCAB_PADDING / tp_size)
+        # SGLang's VocabParallelEmbedding/ParallelLMHead: pad to 64, then an even split; where
+        # that does not split evenly, pad to 64 x tp instead (SGLang 0.5.23; 0.5.12 on CPU)
+        padding = VOCAB_PADDING if math.ceil(s.vocab_size / VOCAB_PADDING) * VOCAB_PADDING % tp_size == 0 \
+            else VOCAB_PADDING * tp_size
+        self.vocab_shard = math.ceil(s.vocab_size / padding) * padding // tp_size
         self._kinds: dict[str, tuple] = {}
         self.hf_shapes: dict[str, tuple[int, ...]] = self._hf_shapes()
 

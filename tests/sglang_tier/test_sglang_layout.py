@@ -68,6 +68,10 @@ CASES = [[recipe, ov, tp, 1, {"checksum": True} if (recipe, tp) == ("tiny", 2) a
          for recipe, ov in [("tiny", {"vocab_size": 999}), ("tiny-tied", {}),
                             ("tiny", {"model_type": "llama", "attention_bias": True}), ("tiny-qwen3", {})]
          for tp in (1, 2, 4)]
+# TP 3: the padded vocabulary (999 -> 1024) does not split in three, so SGLang pads it to a
+# multiple of 64 x 3 (1152: 384 rows a rank; 0.5.23 everywhere, 0.5.12 on CPU)
+CASES += [["tiny", {"vocab_size": 999, "hidden_size": 96, "intermediate_size": 192,
+                    "num_attention_heads": 6, "num_key_value_heads": 3}, 3, 1, {}]]
 MOE_CASES = ([["tiny-qwen3-moe", ALL_SPARSE, tp, ep, {}] for tp, ep in ((1, 1), (4, 1), (2, 2))]
              + [["tiny-qwen3-moe", ALL_SPARSE, 2, 1,
                  {"checksum": True, "stale": "model.layers.0.mlp.experts.3.gate_proj.weight"}],
