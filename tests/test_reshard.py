@@ -404,12 +404,11 @@ def _reads_outlast_rank(rank: int, world: int, flag: bool) -> list[bool]:
 
     from fsdp_sync.engines.sglang import SGLangEngine
     from fsdp_sync.topology import SyncTopology, make_mesh
-    from fsdp_sync.transport.tensor import TensorTransport
+    from fsdp_sync.transport.tensor import engine_reads_outlast
 
     topo = SyncTopology.from_mesh(make_mesh(1, world))
     engine = (types.SimpleNamespace(reads_may_outlast_answer=flag) if topo.is_tp_src else None)
-    stub = types.SimpleNamespace(topo=topo, engine=engine)
-    out = [TensorTransport._engine_reads_outlast(stub, torch.device(d)) for d in ("cuda", "cpu")]
+    out = [engine_reads_outlast(engine, topo, on_cuda) for on_cuda in (True, False)]
     # what SGLangEngine says of itself, by its TP size (no server asked: tp_size given)
     said = [SGLangEngine("http://127.0.0.1:9", tp_size=n).reads_may_outlast_answer for n in (1, 2)]
     return out + said

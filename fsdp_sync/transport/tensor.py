@@ -51,7 +51,7 @@ from ..wire import flattened_bucket
 from . import SyncContext, SyncStats
 from .call_times import CallTimes
 
-__all__ = ["TensorTransport", "Call", "ReusedBuffer"]
+__all__ = ["TensorTransport", "Call", "ReusedBuffer", "engine_reads_outlast"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -90,6 +90,19 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def engine_reads_outlast(engine: Any, topo: Any, on_cuda: bool) -> bool:
+    """Whether the engine may answer a call before each of its ranks finished reading the call's
+    buffers, so that a buffer must not be rewritten at the answer (`ReusedBuffer`'s ``lag``):
+    SGLang at TP > 1 says so (`SGLangEngine.reads_may_outlast_answer`: its TP ranks meet at a CPU
+    barrier with their copies still queued, and only rank 0's waited before it answers). Infer-TP
+    rank 0 holds the engine and tells its group, whose every rank packs its own buffer. Only a CUDA
+    copy can be outstanding: off CUDA nothing is asked (no collective)."""
+    if not on_cuda or topo.tp_size == 1:
+        return False
+    flag = bool(getattr(engine, "reads_may_outlast_answer", False)) if topo.is_tp_src else False
+    return bool(broadcast_from_src(flag, topo))
+
+
 class ReusedBuffer:
     """The one flat buffer every bucket of a sync reuses in turn (shared memory on CPU, device
     memory on CUDA), sized for the largest bucket. Fresh pages cost a fault (and on CPU a kernel
@@ -98,7 +111,7 @@ class ReusedBuffer:
     consumers acknowledged) before the next one is taken, which `take` checks.
 
     ``lag``: the engine may answer before every one of its ranks finished reading (SGLang at TP > 1
-    on CUDA, `_engine_reads_outlast`); a bucket's buffer is then taken again only after the next
+    on CUDA, `engine_reads_outlast`); a bucket's buffer is then taken again only after the next
     bucket was answered, which every engine rank reaches only once done with the call before: two
     buffers take turns (one bucket more memory)."""
 
@@ -401,7 +414,7 @@ class TensorTransport:
         guess = dtype or next((p.dtype for p in self.module.parameters()), torch.float32)
         rank_plan = reshard.plan_rank_buckets(layout, guess, cfg.bucket_bytes)
         quant, device = self._quant, _module_device(self.module)
-        lag = self._engine_reads_outlast(device)    # then the engine's buffers take turns
+        lag = engine_reads_outlast(self.engine, self.topo, device.type == "cuda")    # then the engine's buffers take turns
         pool = _BufferPool(max((b.nbytes for b in rank_plan), default=0), device,
                            lag=lag and quant is None)
         # quantized: each rank's slice goes from the reshard's buffer into one of its own
@@ -475,22 +488,11 @@ class TensorTransport:
         dist.broadcast(t, src=self.topo.tp_src, group=cpu_group(self.topo.tp_group))
         return bool(t.item())
 
-    def _engine_reads_outlast(self, device: torch.device) -> bool:
-        """Whether the engine may answer a call before each of its ranks finished reading the
-        call's buffers, so that a buffer must not be rewritten at the answer (`ReusedBuffer`'s
-        ``lag``): SGLang at TP > 1 says so (`SGLangEngine.reads_may_outlast_answer`: its TP ranks
-        meet at a CPU barrier with their copies still queued, and only rank 0's waited before it
-        answers). Only a CUDA copy can be outstanding: on a CPU nothing is asked (no collective)."""
-        if device.type != "cuda" or self.topo.tp_size == 1:
-            return False
-        flag = bool(getattr(self.engine, "reads_may_outlast_answer", False)) if self.topo.is_tp_src else False
-        return bool(broadcast_from_src(flag, self.topo))
-
     def _steps_flattened(self, tagged: bool) -> Iterator[Call]:
         cfg, topo = self.config, self.topo
         plan = plan_buckets(export.param_metas(self.module, cfg.dtype), cfg.bucket_bytes)
         quant, device = self._quant, _module_device(self.module)
-        lag = self._engine_reads_outlast(device)    # then the engine's buffers take turns
+        lag = engine_reads_outlast(self.engine, self.topo, device.type == "cuda")    # then the engine's buffers take turns
         buffer = ReusedBuffer(max((b.nbytes for b in plan), default=0), device, lag=lag and quant is None)
         release = buffer.give_back
         if quant is not None:   # the gathered bucket is quantized into a buffer of its own

@@ -84,9 +84,9 @@ from ...weights import handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES
 from ...config import SyncConfig
 from ...config_check import check_configs
-from ...topology import SyncTopology, broadcast_from_src
+from ...topology import SyncTopology
 from ...transport import SyncStats
-from ...transport.tensor import Call, TensorTransport
+from ...transport.tensor import Call, TensorTransport, engine_reads_outlast
 from ...verify import sent_record
 from ...wire import flattened_bucket
 from .. import module_stream, peer_check, verl_lora
@@ -403,7 +403,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         phases = {"export_s": 0.0, "pack_s": 0.0}
         # fsdp_sync's bucketed export from verl's FSDP module where it sends exactly what verl's
         # stream would (agreed by every rank), else verl's generator (`module_stream`)
-        lag = self._engine_reads_outlast(engine, topo)
+        # SGLang at TP > 1 may answer before every rank read a CUDA bucket: buffers take turns
+        lag = engine_reads_outlast(engine, topo, torch.cuda.is_available() and torch.cuda.is_initialized())
         steps = module_stream.calls(weights, cfg, topo, counted, phases, self._prepare,
                                     quantized=cfg.quantization is not None,
                                     decision=self._decision, lag=lag)
@@ -538,22 +539,11 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             self._digest_s += time.perf_counter() - t1
         return t
 
-    @staticmethod
-    def _engine_reads_outlast(engine: Any, topo: SyncTopology) -> bool:
-        """SGLang at TP > 1 may answer before each of its ranks finished reading a CUDA bucket
-        (`SGLangEngine.reads_may_outlast_answer`): infer-TP rank 0's engine says so to the group,
-        whose every rank packs its own buffer. Asked only where CUDA is in use (no collective on
-        a CPU host: nothing there runs after the answer)."""
-        if topo.tp_size == 1 or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return False
-        flag = bool(getattr(engine, "reads_may_outlast_answer", False)) if topo.is_tp_src else False
-        return bool(broadcast_from_src(flag, topo))
-
     def _flattened_calls(self, weights, topo: SyncTopology, stats: SyncStats,
                          lag: bool = False) -> Iterator[Call]:
         """verl's stream packed into one reused flat buffer; one call per full bucket. The send
         loop takes the next call only after this one's payloads are released, so the buffer is
-        refilled only then. ``lag`` (`_engine_reads_outlast`): two buffers take turns, so a
+        refilled only then. ``lag`` (`transport.tensor.engine_reads_outlast`): two buffers take turns, so a
         bucket's is refilled only once the next bucket was answered."""
         stream = BucketBuffer(self.sync.bucket_bytes, hint=self._buffer_hint)
         spare = BucketBuffer(self.sync.bucket_bytes, hint=self._buffer_hint) if lag else None
