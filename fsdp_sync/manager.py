@@ -24,13 +24,14 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
+from contextlib import nullcontext
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from . import lora_sync
-from .weights import quantize
+from .weights import ipc_memory, quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
 from . import fleet
@@ -417,11 +418,17 @@ class FSDPShardingManager:
 
     def _sync_weights(self) -> None:
         """Every weight; lora="adapter": the base once (again once ``base_sync_done`` is set False),
-        then the adapter alone (`lora_sync.sync_weights`)."""
-        if self.config.lora == "adapter":
-            lora_sync.sync_weights(self, self._sync_full, self._agree)
-        else:
-            self._sync_full()
+        then the adapter alone (`lora_sync.sync_weights`). What goes to an engine by CUDA IPC
+        handles (the tensor method, a LoRA adapter) is allocated with expandable segments off
+        (`weights.ipc_memory`): a consumer opens a block of one only with ptrace rights over us."""
+        shares = self.config.method == "tensor" or self.config.lora == "adapter"
+        with ipc_memory.shareable() if shares else nullcontext(False) as switched:
+            if self.config.lora == "adapter":
+                lora_sync.sync_weights(self, self._sync_full, self._agree)
+            else:
+                self._sync_full()
+        if switched:
+            self.stats.extra["expandable_segments"] = "off during the sync (CUDA IPC handles)"
 
     def _sync_full(self) -> None:
         targets = self._targets()

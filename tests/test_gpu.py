@@ -122,6 +122,47 @@ def test_verify_full_on_cuda():
     assert res["checked"] == [("full", res["tensors"])] * 2, res
 
 
+def _expandable_sync(rank, world):
+    """A trainer whose allocator runs with expandable segments on (verl's workers do) syncs into a
+    CUDA engine: what it shares is allocated from ordinary segments (`weights.ipc_memory`), a
+    parameter shared as it is goes as a copy, every tensor verified, and the setting is back on
+    after each sync."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
+    from fsdp_sync.cli.trainer import wrap_fsdp
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights import ipc_memory
+
+    ipc_memory.set_allocator_settings("expandable_segments:True")   # (and the env says so too)
+    cfg = load_config("tiny")
+    model = wrap_fsdp(build_model(cfg, seed=0), 2, device="cuda")
+    segments = torch.cuda.memory._snapshot()["segments"]
+    out = {"model_in_expandable": any(seg.get("is_expandable") for seg in segments), "syncs": []}
+    with ReferenceEngine(model_config=cfg, tp_size=1, device="cuda") as engine:
+        for kw in (dict(strategy="flattened", layout="full"), dict(layout="engine"),
+                   dict(strategy="per_tensor")):
+            m = FSDPShardingManager(model, engine, mesh=make_mesh(1, 1, "cuda"),
+                                    config=SyncConfig(verify="full", **kw))
+            with m:
+                pass
+            m.close()
+            out["syncs"].append({"verify": m.stats.extra.get("verify"),
+                                 "switched": m.stats.extra.get("expandable_segments"),
+                                 "on_after": ipc_memory.expandable_segments_on()})
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_sync_from_a_trainer_with_expandable_segments_on():
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    (r,) = run_ranks(_expandable_sync, 1, backend="nccl", timeout_s=280,
+                     env=spawn_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}))
+    assert r["model_in_expandable"], r            # the setting took: the model is in one
+    for s in r["syncs"]:
+        assert s["verify"] == "full" and s["switched"] and s["on_after"], r
+
+
 def _release_resume(rank, world):
     """GPU memory really drops on release and comes back on resume (the engine's own allocator
     and the device's free memory both say so), and the weights are pushed again after it."""

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fleet
-from ..weights import export, handles, quantize, reshard
+from ..weights import export, handles, ipc_memory, quantize, reshard
 from ..weights.bucket import plan_buckets
 from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_to_src
@@ -235,32 +235,36 @@ class TensorTransport:
         t0 = time.perf_counter()
         self._times = CallTimes(self.stats)
         try:
-            if before is not None:
-                refused: str | None = None
-                if self.topo.is_tp_src:
-                    try:
-                        refused = before(engine)
-                    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                        refused = f"{type(exc).__name__}: {exc}"
-                agree(refused, self._group, what=what)
-            with self._update_bracket():
-                # a generator is closed here, not when its frame goes: it may hold shared buffers
-                with closing(calls) if hasattr(calls, "close") else nullcontext():
-                    self._times.t = time.perf_counter()
-                    for call in calls:
-                        self._one_call(call, self._times.made(call))
-            self.stats.seconds = time.perf_counter() - t0
-            if check is not None:
-                # a rank with a missing acknowledgement says so here, so no rank waits alone
-                err: str | None = self._unacked
-                if err is None and self.topo.is_tp_src:
-                    try:
-                        err = check(engine)
-                    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                        err = f"{type(exc).__name__}: {exc}"
-                agree(err, self._group, what=f"{what}: verify")
-            if self._unacked:
-                raise handles.HandleError(self._unacked)
+            # what it shares comes from ordinary CUDA segments (`ipc_memory`; verl switches them too)
+            with ipc_memory.shareable() as switched:
+                if switched:
+                    self.stats.extra["expandable_segments"] = "off during the sync (CUDA IPC handles)"
+                if before is not None:
+                    refused: str | None = None
+                    if self.topo.is_tp_src:
+                        try:
+                            refused = before(engine)
+                        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                            refused = f"{type(exc).__name__}: {exc}"
+                    agree(refused, self._group, what=what)
+                with self._update_bracket():
+                    # a generator is closed here, not when its frame goes: it may hold shared buffers
+                    with closing(calls) if hasattr(calls, "close") else nullcontext():
+                        self._times.t = time.perf_counter()
+                        for call in calls:
+                            self._one_call(call, self._times.made(call))
+                self.stats.seconds = time.perf_counter() - t0
+                if check is not None:
+                    # a rank with a missing acknowledgement says so here, so no rank waits alone
+                    err: str | None = self._unacked
+                    if err is None and self.topo.is_tp_src:
+                        try:
+                            err = check(engine)
+                        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                            err = f"{type(exc).__name__}: {exc}"
+                    agree(err, self._group, what=f"{what}: verify")
+                if self._unacked:
+                    raise handles.HandleError(self._unacked)
         finally:
             self.engine = None
         return self.stats

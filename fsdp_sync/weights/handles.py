@@ -46,6 +46,7 @@ import base64
 import copyreg
 import functools
 import io
+import logging
 import pickle
 import types
 import warnings
@@ -56,6 +57,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.multiprocessing import reductions as _red
 
+from . import ipc_memory
 from .bucket import SUPPORTED_DTYPES, dtype_name
 from .unpickle import RED, Unpickler, device_uuid, torch_rebuild_cuda_tensor, torch_reduce_tensor
 from .shm import (HandleError, add_torch_reference,
@@ -83,15 +85,21 @@ class UnreleasedPayloadWarning(RuntimeWarning):
 # made without a copy. Anything else is copied into a fresh segment before it is shared, so that
 # sharing never moves a caller's tensor (a parameter, say) into shared memory behind its back.
 _OWNED: dict[int, "_red.StorageWeakRef"] = {}
+_log = logging.getLogger(__name__)
+_copied_expandable = False     # said once per process (`_Pickler._shareable_copy`)
 
 
+def _mib(t: torch.Tensor) -> str:
+    return f"{t.numel() * t.element_size() / 2**20:.1f} MiB"
 
 
 def empty_shared(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A 1-D uint8 buffer whose handle can be made without a copy: shared memory on CPU."""
+    """A 1-D uint8 buffer whose handle can be made without a copy: shared memory on CPU, an
+    ordinary segment on CUDA (never an expandable one: `ipc_memory`)."""
     device = torch.device(device)
     if device.type != "cpu":
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with ipc_memory.shareable(device):
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
     keep_sockets_from_shm_manager()
     storage = new_shared_storage(max(int(nbytes), 1))
     _OWNED[storage.data_ptr()] = _red.StorageWeakRef(storage)
@@ -151,6 +159,10 @@ def wire_class(module: str, name: str) -> WireClass:
     return cls
 
 
+def _is_cuda_rebuild(fn: Any) -> bool:
+    return fn is _red.rebuild_cuda_tensor or fn is torch_rebuild_cuda_tensor()
+
+
 class _Pickler(pickle._Pickler):
     """multiprocessing's ForkingPickler reductions, sharing CPU storages by file name and naming
     CUDA devices by UUID.
@@ -163,9 +175,11 @@ class _Pickler(pickle._Pickler):
 
     dispatch = dict(pickle._Pickler.dispatch)
 
-    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list) -> None:
+    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list,
+                 copies: dict | None = None) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._keep = keep          # tensors copied into shared memory for this payload
+        self._copies = {} if copies is None else copies   # shareable copies, one per source tensor
         self._shared = shared      # CPU storages whose ref count this payload raised
         self._counters = counters  # (handle, offset) of each CUDA IPC reference counter it holds
         table = copyreg.dispatch_table.copy()
@@ -181,8 +195,15 @@ class _Pickler(pickle._Pickler):
             copy.copy_(t)
             self._keep.append(copy)
             t = copy
-        fn, args = torch_reduce_tensor()(t.detach())
-        if fn is _red.rebuild_cuda_tensor or fn is torch_rebuild_cuda_tensor():
+        try:
+            fn, args = torch_reduce_tensor()(t.detach())
+        except RuntimeError as exc:      # a torch built to refuse sharing expandable segments
+            if "expandable_segments" not in str(exc):
+                raise
+            fn, args = self._shareable_copy(t, None)
+        if _is_cuda_rebuild(fn) and ipc_memory.is_expandable_handle(args[7]):
+            fn, args = self._shareable_copy(t, args)
+        if _is_cuda_rebuild(fn):
             # torch's reducer returns what the module's name holds: SGLang's wrapper where it is
             # patched. Send torch's function, by torch's name, with the device as its UUID.
             fn, args = torch_rebuild_cuda_tensor(), list(args)
@@ -191,6 +212,35 @@ class _Pickler(pickle._Pickler):
             args = tuple(args)
             if args[11] is not None:       # (an empty storage shares no memory and no counter)
                 self._counters.append((args[11], args[12]))
+        return fn, args
+
+    def _shareable_copy(self, t: torch.Tensor, args: tuple | None):
+        """``t`` lies in an expandable segment (allocated before `ipc_memory.shareable`), whose
+        share a consumer may not open: give back the reference its share took (``args``; None:
+        torch refused to share it) and share a copy in an ordinary segment instead, kept with the
+        payload until it is released."""
+        if args is not None and args[11] is not None:
+            _release_ipc_counter(args[11], args[12])
+        global _copied_expandable
+        if not _copied_expandable:
+            _copied_expandable = True
+            _log.warning("fsdp_sync: a CUDA tensor of %s in an expandable segment was copied to be "
+                         "shared (a consumer opens such a block only with ptrace rights over this "
+                         "process); allocate what you send inside fsdp_sync.weights.ipc_memory."
+                         "shareable() to share it without a copy", _mib(t))
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        copy = self._copies.get(key)       # every rank's payload shares the same copy
+        if copy is None:
+            copy = empty_shared(t.numel() * t.element_size(), t.device).view(t.dtype).view(t.shape)
+            copy.copy_(t)
+            self._keep.append(copy)
+            self._copies[key] = copy
+        fn, args = torch_reduce_tensor()(copy)
+        if _is_cuda_rebuild(fn) and ipc_memory.is_expandable_handle(args[7]):
+            raise HandleError(f"cannot share {tuple(t.shape)} {t.dtype} on {t.device} by a CUDA IPC "
+                              f"handle: a copy allocated with expandable segments off still came "
+                              f"from an expandable segment; set PYTORCH_CUDA_ALLOC_CONF="
+                              f"expandable_segments:False for the trainer")
         return fn, args
 
     def _save_function(self, obj: Any, name: Any = None) -> None:
@@ -254,9 +304,9 @@ def _check_value(obj: Any, path: str, device: str | None) -> None:
 _NESTED = (torch.Tensor, dict, list, tuple, types.SimpleNamespace)
 
 
-def _dump(obj: Any, keep: list, shared: list, counters: list) -> bytes:
+def _dump(obj: Any, keep: list, shared: list, counters: list, copies: dict | None = None) -> bytes:
     buf = io.BytesIO()
-    pickler = _Pickler(buf, keep, shared, counters)
+    pickler = _Pickler(buf, keep, shared, counters, copies)
     try:
         pickler.dump(obj)
     finally:
@@ -367,6 +417,7 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
     if tagged and isinstance(obj, dict) and TAG in obj:
         raise HandleError(f"payload dict already has a {TAG!r} key")
     keep: list = []
+    copies: dict = {}
     states: list[torch.Tensor | None] = []
     shared_per_rank: list[list] = []
     counters_per_rank: list[list] = []
@@ -383,7 +434,7 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
         else:
             states.append(None)
             wire = obj
-        data = _dump(wire, keep, shared, counters)
+        data = _dump(wire, keep, shared, counters, copies)
         payloads.append(base64.b64encode(data).decode("ascii") if output_str else data)
         shared_per_rank.append(shared)
         counters_per_rank.append(counters)

@@ -5,11 +5,9 @@ Not here: when SGLang releases or resumes memory (`adapter.SGLangEngine` tells `
 
 from __future__ import annotations
 
-import os
-from typing import Sequence
-
 import torch
 
+from ...weights import ipc_memory
 from ..base import TAGS
 
 __all__ = ["ExpandableSegments"]
@@ -18,18 +16,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _set_allocator_settings(value: str) -> None:
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:  # torch before 2.9
-        setter = torch.cuda.memory._set_allocator_settings
-    setter(value)
-
-
-def _allocator_settings() -> str:
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    current = getter() if getter is not None else ""
-    return current or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or os.environ.get(
-        "PYTORCH_ALLOC_CONF", "")
+# module names, so that a test can stand in for torch's allocator
+_set_allocator_settings = ipc_memory.set_allocator_settings
+_allocator_settings = ipc_memory.allocator_settings
 
 
 class ExpandableSegments:
