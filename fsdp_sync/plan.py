@@ -539,10 +539,17 @@ def _fresh_bytes(job: PlanJob, row: dict, unit: int) -> tuple[int, int]:
     return trainer, engine
 
 
+_TOUCH = "first touch of the sync's fresh buffers"
+_SEND = "trainer rank 0 sends to the engines"
+# per-call and per-sync costs: paid in turn, whatever overlaps
+_NOT_MOVING = ("engine calls", "engine requests", "per-tensor host work", "per-sync engine bracket")
+
+
 def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -> dict:
     """``seconds``: each phase's floor (its bytes over its link) plus overheads; a pipelined
-    method overlaps its phases bucket by bucket (the slowest phase, plus one bucket of the
-    others), unless its processes outnumber a CPU host's cores. ``phases`` says which bytes
+    method overlaps the trainer's phases with the link's and the engine's bucket by bucket (the
+    slowest side, plus one bucket of the others; a colocated engine's copies share the trainer's
+    memory bandwidth), unless its processes outnumber a CPU host's cores. ``phases`` says which bytes
     crossed which link."""
     world, tp, engines = job.ranks, job.tp, job.engines
     d2d, n = cl.d2d_gbps * GB, max(1, row["buckets"])
@@ -571,7 +578,7 @@ def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -
                       + row["quantize_tensors"] * cl.quantize_tensor_s, "device"))
     touch, mapped = _fresh_bytes(job, row, unit)
     if cl.touch_gbps and touch:
-        first.append(("first touch of the sync's fresh buffers", touch / (cl.touch_gbps * GB), "host"))
+        first.append((_TOUCH, touch / (cl.touch_gbps * GB), "host"))
     staged = job.engine == "reference" and m != "tensor"
     in_bytes = row["engine_rank_bytes_in"] if job.layout == "engine" else shard
     load = ("engine rank copies its shard in" + (", then commits it (staged: a second copy)" if staged else ""),
@@ -593,7 +600,7 @@ def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -
     elif m == "distributed":
         sent = row["engine_rank_bytes_in"] * (tp * engines if job.layout == "engine" else 1)
         phases = first + [
-            ("trainer rank 0 sends to the engines", sent / engine_link + n * cl.collective_s,
+            (_SEND, sent / engine_link + n * cl.collective_s,
              "intra" if engine_link == cl.intra_gbps * GB else "inter")] + receive + [
             load, ("engine requests", row["engine_requests"] * cl.call_s, "call")]
         overlap = job.layout == "full" or job.pipelined
@@ -612,12 +619,21 @@ def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -
         overlap = False          # every process copies: on too few cores the phases take turns
         rule += f" (not overlapped: {procs} processes on {cl.cores} cores)"
     if overlap and n > 1:
-        # bucket k+1 is made while bucket k is on the wire: the slowest phase, plus one bucket
-        # of the others (the pipeline's fill and drain)
-        moving = [s for w, s, _ in phases if w not in ("engine calls", "engine requests",
-                                                        "per-tensor host work", "per-sync engine bracket")]
-        calls = total - sum(moving)
-        total = max(moving) + (sum(moving) - max(moving)) / n + calls
+        # bucket k+1 is made while bucket k is on the wire. The trainer's phases follow one
+        # another, so do the engine's; what pipelining overlaps is the trainer's side with the
+        # link's and the engine's. A colocated engine copies through the memory the trainer fills
+        # (one GPU's, or the host's): those copies share its bandwidth and take turns. The
+        # slowest of these, plus one bucket of the rest (the pipeline's fill and drain).
+        engine_side = {load[0]} | {w for w, _, _ in receive}
+        moving = [(w, s, ln) for w, s, ln in phases if w not in _NOT_MOVING]
+        sides = [sum(s for w, s, _ in moving if w in engine_side),
+                 sum(s for w, s, _ in moving if w == _SEND),
+                 sum(s for w, s, _ in moving if w not in engine_side and w != _SEND)]
+        if m == "tensor":
+            sides.append(sum(s for w, s, ln in moving if ln == "d2d" or w == _TOUCH))
+        slowest = max(sides)
+        calls = total - sum(s for _, s, _ in moving)
+        total = slowest + (sum(s for _, s, _ in moving) - slowest) / n + calls
         rule += " (pipelined)"
     return {"seconds": total, "phases": [{"what": w, "seconds": s, "link": ln} for w, s, ln in phases],
             "estimate_rule": rule}
