@@ -67,3 +67,30 @@ def test_a_staged_distributed_update_keeps_the_received_buffers(tmp_path):
     # later ones stage: the received shard, and before this change a copy of it beside
     for faulted in res["faults"][1:]:
         assert faulted < 1.5 * shard, (faulted, shard, res["faults"])
+
+
+# --------------------------------------------------------------------------- where a copy is kept
+
+def test_a_senders_tensor_is_kept_aside_on_the_weights_device_and_on_the_host_without_room(monkeypatch):
+    """Inside a staging transaction a sender's tensor is copied aside until the end: beside the
+    weights (a device copy: on a GPU engine it went to host memory before, two trips over PCIe
+    for every staged shard, where the plan prices two device copies), and to host memory only
+    where the device has no room. ``meta`` stands in for a GPU here."""
+    from fsdp_sync.engines.reference.staging import stage_aside
+
+    src = torch.arange(12, dtype=torch.float32).view(3, 4)[:, 1:3]      # a strided view of a buffer
+    copy, on_host = stage_aside(src, torch.device("meta"))
+    assert copy.device.type == "meta" and copy.shape == src.shape and not on_host
+    copy, on_host = stage_aside(src, torch.device("cpu"))                # a CPU engine: its own memory
+    assert torch.equal(copy, src) and copy.data_ptr() != src.data_ptr() and not on_host
+
+    real_to = torch.Tensor.to
+
+    def no_room(self, *args, **kw):
+        if args and torch.device(args[0]).type == "meta":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 B")
+        return real_to(self, *args, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "to", no_room)
+    copy, on_host = stage_aside(src, torch.device("meta"))
+    assert on_host and copy.device.type == "cpu" and torch.equal(copy, src)

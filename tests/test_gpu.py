@@ -163,6 +163,36 @@ def test_sync_from_a_trainer_with_expandable_segments_on():
         assert s["verify"] == "full" and s["switched"] and s["on_after"], r
 
 
+def _staged_on_gpu(rank, world):
+    """A transaction on a GPU engine holding valid weights stages each sender's tensor on the GPU
+    (as the plan prices and budgets it), not in host memory, and commits it bit for bit."""
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.models import build_model, load_config
+
+    cfg = load_config("small")
+    first = build_model(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    second = build_model(cfg, seed=1, dtype=torch.bfloat16, device="cuda")
+    with ReferenceEngine(model_config=cfg, tp_size=1, device="cuda", dtype=torch.bfloat16) as e:
+        e.update_weights_from_tensor(list(first.state_dict().items()))
+        e.begin_weight_update()
+        e.update_weights_from_tensor(list(second.state_dict().items()))
+        staging = e.memory_stats()["staging_bytes"]
+        serving_first = e.weights_checksum() == checksum_named_tensors(first.state_dict().items())
+        e.end_weight_update()
+        return {"staging": staging, "serving_first": serving_first, "on_host": e.staged_on_host_bytes,
+                "exact": e.weights_checksum() == checksum_named_tensors(second.state_dict().items())}
+
+
+@pytest.mark.timeout(300)
+def test_a_transaction_on_a_gpu_engine_stages_on_the_gpu():
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    (r,) = run_ranks(_staged_on_gpu, 1, backend="nccl", timeout_s=280, env=spawn_env())
+    assert r["staging"] > 0 and r["serving_first"] and r["exact"], r
+    assert r["on_host"] == 0, r
+
+
 def _release_resume(rank, world):
     """GPU memory really drops on release and comes back on resume (the engine's own allocator
     and the device's free memory both say so), and the weights are pushed again after it."""

@@ -215,6 +215,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         self.weights_cpu_backup = bool(weights_cpu_backup)
         self.call_timeout_s = call_timeout_s
         self.transactional_updates = bool(transactional_updates)
+        self.staged_on_host_bytes = 0     # the last transaction's copies kept off the GPU (no room)
         self._lock = threading.RLock()
         self._wait = threading.local()          # this thread's `wait_limit` deadline
         self._seq = itertools.count(1)
@@ -572,6 +573,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             self._check_usable()
             replies = self._round("end", {"abort": abort or aborted is not None})
             self._raise_errors(replies, "end_weight_update")
+            # what the transaction kept in host memory, its workers' GPUs having no room for it
+            self.staged_on_host_bytes = sum(int(rep[1].get("staged_on_host_bytes", 0))
+                                            for rep in replies.values() if isinstance(rep[1], dict))
             version = weight_version if weight_version is not None else pending
             if version is not None and not abort and aborted is None:
                 self.weight_version = version

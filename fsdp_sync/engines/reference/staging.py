@@ -40,7 +40,7 @@ from ...wire import open_flattened_bucket
 from .errors import KIND_STATE, KIND_UPDATE, WorkerError
 from .quant import dtype_refusal, scale_refusal
 
-__all__ = ["UpdateStager", "Write", "Txn", "MAX_MAPPED"]
+__all__ = ["UpdateStager", "Write", "Txn", "MAX_MAPPED", "stage_aside"]
 
 MAX_MAPPED = 4      # per-rank bucket buffers kept mapped within one update (two per pipelined slot)
 
@@ -56,6 +56,19 @@ def _holding(names: list[str]) -> str:
 
 def fmt_shape(shape: Any) -> str:
     return str(tuple(int(x) for x in shape))
+
+
+def stage_aside(src: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """A copy of a sender's tensor, kept until the transaction ends: on the weights' ``device``
+    (a device copy, and the shard the plan budgets for an engine that stages), or in host memory
+    where that device has no room for it (then two trips over the host link instead). Returns
+    the copy and whether it went to the host."""
+    if device.type != "cpu":
+        try:
+            return src.to(device, copy=True), False
+        except torch.OutOfMemoryError:
+            pass
+    return src.to("cpu", copy=True), device.type != "cpu"
 
 
 @dataclass
@@ -96,6 +109,7 @@ class UpdateStager:
         self.ahead_dir: str | None = None   # the temp directory they were hashed in
         self.ahead_dirfd = -1               # ... open (its name changes when it is published)
         self.ahead_used = 0                 # files the last disk stage took as hashed ahead
+        self.staged_on_host = 0             # bytes the open transaction keeps in host memory
 
     def _mismatch(self, name: str, what: str, expected: Any, got: Any) -> WorkerError:
         return WorkerError(KIND_UPDATE, f"expected {what} {expected} for {name!r} on TP rank {self.w.rank}, "
@@ -504,8 +518,9 @@ class UpdateStager:
                 for w in writes:     # the sender frees its buffer after the call; a file's tensor is read
                     if not isinstance(w.src, torch.Tensor):
                         w.src = w.src.load()
-                    elif not (w.owned and w.src.device.type == "cpu"):   # a received CPU buffer is
-                        w.src = w.src.to("cpu", copy=True)             # already a copy of its own
+                    elif not w.owned:        # a received buffer is already a copy of its own
+                        w.src, on_host = stage_aside(w.src, self.w.device)
+                        self.staged_on_host += w.src.nbytes if on_host else 0
                 self.txn.writes.extend(writes)
                 self.txn.covers |= covers
             else:
@@ -536,6 +551,7 @@ class UpdateStager:
             raise WorkerError(KIND_STATE, "begin_weight_update called twice without end_weight_update")
         self.mapped.clear()
         self.in_update = True
+        self.staged_on_host = 0
         if not transactional:
             return {"staging": False}       # each call commits on its own, as outside begin/end
         # Stage copies only when there is something worth protecting: loaded, valid weights.
@@ -566,4 +582,4 @@ class UpdateStager:
             txn.writes = []
             if txn.staging:
                 self.w.memory.trim()    # give the staged copies back to the OS; nothing to trim otherwise
-        return {"committed": True}
+        return {"committed": True, "staged_on_host_bytes": self.staged_on_host}
