@@ -133,7 +133,8 @@ def _expandable_sync(rank, world):
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.weights import ipc_memory
 
-    ipc_memory.set_allocator_settings("expandable_segments:True")   # (and the env says so too)
+    # set through fsdp_sync, which torch 2.11 cannot read back: so the switch knows them on
+    ipc_memory.set_allocator_settings("expandable_segments:True")
     cfg = load_config("tiny")
     model = wrap_fsdp(build_model(cfg, seed=0), 2, device="cuda")
     segments = torch.cuda.memory._snapshot()["segments"]
@@ -148,7 +149,7 @@ def _expandable_sync(rank, world):
             m.close()
             out["syncs"].append({"verify": m.stats.extra.get("verify"),
                                  "switched": m.stats.extra.get("expandable_segments"),
-                                 "on_after": ipc_memory.expandable_segments_on()})
+                                 "on_after": ipc_memory.expandable_segments_state()})
     return out
 
 

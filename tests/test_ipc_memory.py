@@ -35,10 +35,13 @@ class FakeAllocator:
         self.calls.append(value)
         self.settings = value
 
-    def install(self, monkeypatch) -> "FakeAllocator":
+    def install(self, monkeypatch, known: bool = True) -> "FakeAllocator":
+        """``known``: torch reads its settings back (2.13); else, as torch 2.11, only what
+        fsdp_sync set is known."""
         monkeypatch.setattr(ipc_memory, "cuda_in_use", lambda: True)
-        monkeypatch.setattr(ipc_memory, "allocator_settings", lambda: self.settings)
         monkeypatch.setattr(ipc_memory, "set_allocator_settings", self.set)
+        monkeypatch.setattr(ipc_memory, "expandable_segments_state",
+                            lambda: self.on if known or self.calls else None)
         return self
 
     @property
@@ -118,19 +121,44 @@ def test_empty_shared_allocates_cuda_buffers_with_expandable_segments_off(monkey
     assert buf.numel() == 256 and at_alloc == ["expandable_segments:False"] and alloc.on
 
 
-def test_settings_without_torchs_getter_are_the_environments_and_what_was_set_here(monkeypatch):
-    """torch 2.11 (the GPU machine's) can set the allocator's settings but not read them back."""
+def test_without_torchs_getter_only_what_fsdp_sync_set_is_known(monkeypatch):
+    """torch 2.11 (the GPU machine's) sets the allocator's settings but cannot read them back.
+    The environment saying on is not taken for on: verl switches them off through torch around
+    its updates, and turning them back on after a sync would undo that."""
     monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda value: None, raising=False)
     monkeypatch.setattr(ipc_memory, "_last_set", None)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
-    assert ipc_memory.expandable_segments_on()
+    assert ipc_memory.expandable_segments_state() is None
+    assert ipc_memory.expandable_segments_on()            # the environment's word (SGLang's switch)
     ipc_memory.set_allocator_settings("expandable_segments:False")
+    assert ipc_memory.expandable_segments_state() is False
     assert ipc_memory.allocator_settings() == "max_split_size_mb:512,expandable_segments:False"
-    assert not ipc_memory.expandable_segments_on()
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    ipc_memory.set_allocator_settings("expandable_segments:True")      # set in code, no env
-    assert ipc_memory.expandable_segments_on()
+    ipc_memory.set_allocator_settings("expandable_segments:True")
+    assert ipc_memory.expandable_segments_state() is True
+
+
+def test_unknown_state_switches_nothing_and_a_forced_copy_leaves_them_off(monkeypatch, caplog):
+    alloc = FakeAllocator().install(monkeypatch, known=False)
+    with ipc_memory.shareable() as switched:               # on, per the environment: not trusted
+        assert not switched
+    assert alloc.calls == []
+    monkeypatch.setattr(ipc_memory, "_left_off", False)
+    with ipc_memory.forced_off():                          # a tensor was found in one
+        assert not alloc.on
+    assert alloc.calls == ["expandable_segments:False"]    # left off: torch's default
+    assert "expandable segments turned off for this process" in caplog.text
+
+    alloc = FakeAllocator().install(monkeypatch)           # known on: back on after
+    with ipc_memory.forced_off():
+        assert not alloc.on
+    assert alloc.on and alloc.calls == ["expandable_segments:False", "expandable_segments:True"]
+    alloc = FakeAllocator().install(monkeypatch)
+    with ipc_memory.shareable():                           # inside a switch: the switch restores
+        with ipc_memory.forced_off():
+            pass
+        assert not alloc.on
+    assert alloc.on and alloc.calls[-1] == "expandable_segments:True"
 
 
 def test_handle_kinds_as_torch_writes_them():
@@ -165,6 +193,7 @@ def _expandable(monkeypatch, marked: torch.Tensor, *, refuse: bool = False) -> l
                  b"\x02e" + bytes(30), 4000, 0, False, b"/torch_4242_1234567890", 7, bytes(64), True))
 
     released: list = []
+    FakeAllocator().install(monkeypatch)          # (the copy is made with them switched off)
     monkeypatch.setattr(red, "reduce_tensor", reduce)
     monkeypatch.setattr(handles, "device_uuid", lambda index: _UUID)
     monkeypatch.setattr(unpickle, "rebuild_cuda_tensor_by_uuid", lambda *args: pytest.fail("opened"))
@@ -201,6 +230,7 @@ def test_a_copy_that_is_still_expandable_is_refused_by_name(monkeypatch):
                 (type(t), t.size(), t.stride(), 0, torch.storage.TypedStorage, t.dtype, 0,
                  b"\x02e" + bytes(30), 4000, 0, False, b"/torch_4242_1234567890", 7, bytes(64), True))
 
+    FakeAllocator().install(monkeypatch)
     monkeypatch.setattr(red, "reduce_tensor", reduce)
     monkeypatch.setattr(handles, "device_uuid", lambda index: _UUID)
     monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
@@ -225,7 +255,7 @@ def _switch_seen(rank, world, disk_dir):
     torch.set_num_threads(1)
     state = {"settings": "expandable_segments:True"}
     ipc_memory.cuda_in_use = lambda: True
-    ipc_memory.allocator_settings = lambda: state["settings"]
+    ipc_memory.expandable_segments_state = lambda: state["settings"] == "expandable_segments:True"
     ipc_memory.set_allocator_settings = lambda v: state.update(settings=v)
     made = []
     real_make = handles.make_payloads

@@ -226,12 +226,13 @@ class _Pickler(pickle._Pickler):
             _copied_expandable = True
             _log.warning("fsdp_sync: a CUDA tensor of %s in an expandable segment was copied to be "
                          "shared (a consumer opens such a block only with ptrace rights over this "
-                         "process); allocate what you send inside fsdp_sync.weights.ipc_memory."
-                         "shareable() to share it without a copy", _mib(t))
+                         "process); what is allocated with them off is shared without a copy "
+                         "(fsdp_sync.weights.ipc_memory)", _mib(t))
         key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         copy = self._copies.get(key)       # every rank's payload shares the same copy
         if copy is None:
-            copy = empty_shared(t.numel() * t.element_size(), t.device).view(t.dtype).view(t.shape)
+            with ipc_memory.forced_off():
+                copy = empty_shared(t.numel() * t.element_size(), t.device).view(t.dtype).view(t.shape)
             copy.copy_(t)
             self._keep.append(copy)
             self._copies[key] = copy

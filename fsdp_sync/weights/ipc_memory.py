@@ -14,10 +14,11 @@ disable it"): what is allocated meanwhile comes from ordinary segments, and cach
 are not handed out. verl and SGLang switch it the same way around their own updates.
 
 - `shareable`: a context in which CUDA allocations are shareable by ``cudaIpcMemHandle``; it turns
-  expandable segments off only where they are on (and back on after), nests, and does nothing
-  without CUDA.
+  expandable segments off only where they are known to be on (and back on after), nests, and does
+  nothing without CUDA.
 - `is_expandable_handle`: whether a share handle torch made names an expandable segment (a tensor
-  allocated before the switch, which `handles` then copies into shareable memory).
+  allocated before the switch, or where the setting could not be read), which `handles` then
+  copies into memory allocated under `forced_off`.
 
 Not here: when SGLang's own memory is resumed and released (`engines.sglang.allocator`), the
 handles themselves (`handles`).
@@ -25,6 +26,7 @@ handles themselves (`handles`).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from contextlib import contextmanager
@@ -32,8 +34,8 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["allocator_settings", "set_allocator_settings", "expandable_segments_on", "shareable",
-           "is_expandable_handle", "cuda_in_use"]
+__all__ = ["allocator_settings", "set_allocator_settings", "expandable_segments_on",
+           "expandable_segments_state", "shareable", "forced_off", "is_expandable_handle", "cuda_in_use"]
 
 # torch's share handle (c10 CUDACachingAllocator shareIpcHandle, torch 2.5 on): a version byte,
 # then 'c' (cudaMalloc: a cudaIpcMemHandle follows) or 'e' (an expandable segment's handles)
@@ -43,6 +45,8 @@ _lock = threading.Lock()
 _depth = 0           # how many `shareable` contexts are open in this process
 _switched = False    # whether the outermost one turned expandable segments off
 _last_set: str | None = None   # the expandable_segments value set through this module, if any
+_left_off = False              # `forced_off` said so once
+_log = logging.getLogger(__name__)
 
 
 def allocator_settings() -> str:
@@ -73,8 +77,26 @@ def set_allocator_settings(value: str) -> None:
             _last_set = val.strip()
 
 
+def _says_on(settings: str) -> bool:
+    return "expandable_segments:true" in settings.replace(" ", "").lower()
+
+
 def expandable_segments_on() -> bool:
-    return "expandable_segments:true" in allocator_settings().replace(" ", "").lower()
+    """What `allocator_settings` says (the environment's where torch cannot tell)."""
+    return _says_on(allocator_settings())
+
+
+def expandable_segments_state() -> bool | None:
+    """Expandable segments on (True), off (False), or unknown (None). torch 2.13 reads its setting
+    back; before, only a value this module set is known: the environment may say on while a
+    library switched them off through torch's own setter (verl does around its updates), and
+    turning them back on under it would undo that."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return _says_on(getter())
+    if _last_set is not None:
+        return _last_set.lower() == "true"
+    return None
 
 
 def cuda_in_use() -> bool:
@@ -95,7 +117,7 @@ def shareable(device: torch.device | str | None = None) -> Iterator[bool]:
         return
     with _lock:
         _depth += 1
-        switched = _depth == 1 and cuda_in_use() and expandable_segments_on()
+        switched = _depth == 1 and cuda_in_use() and expandable_segments_state() is True
         if switched:
             set_allocator_settings("expandable_segments:False")
             _switched = True
@@ -107,6 +129,31 @@ def shareable(device: torch.device | str | None = None) -> Iterator[bool]:
             if _depth == 0 and _switched:      # the last one out, in whichever thread
                 _switched = False
                 set_allocator_settings("expandable_segments:True")
+
+
+@contextmanager
+def forced_off() -> Iterator[None]:
+    """Expandable segments off around an allocation that must be shareable, whatever the state
+    (a tensor to share was just found in an expandable segment). Turned back on after only where
+    they were known to be on; where the state is unknown (torch 2.11 and before, set through
+    torch by someone else) they stay off, torch's default, and a warning says so once."""
+    global _left_off
+    with _lock:
+        before = expandable_segments_state()
+        set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        with _lock:
+            if before is True and not _switched:
+                set_allocator_settings("expandable_segments:True")
+            elif before is None and not _left_off:
+                _left_off = True
+                _log.warning("fsdp_sync: CUDA expandable segments turned off for this process: a "
+                             "tensor to share by CUDA IPC was in one (a consumer opens such a block "
+                             "only with ptrace rights over this process), and this torch cannot "
+                             "tell whether something else had turned them off; torch 2.13 can, "
+                             "or leave expandable_segments out of PYTORCH_CUDA_ALLOC_CONF")
 
 
 def is_expandable_handle(handle: object) -> bool:
