@@ -71,8 +71,9 @@ def _rank(rank, world, a):
     timed(tensor_transport, "agree", "agree per bucket")
     cfg = load_config(a.model)
     module = wrap_fsdp(build_model(cfg, seed=0), 2)
-    mesh = make_mesh(world // 2, 2, "cpu")
-    engine = ReferenceEngine(model_config=cfg, tp_size=2, dtype=torch.float32) \
+    dtype = getattr(torch, a.dtype)
+    mesh = make_mesh(world // a.tp, a.tp, "cpu")
+    engine = ReferenceEngine(model_config=cfg, tp_size=a.tp, dtype=dtype) \
         if SyncTopology.from_mesh(mesh).is_tp_src else None
     workers = list(engine.worker_pids) if engine is not None else []
     if engine is not None:
@@ -88,7 +89,7 @@ def _rank(rank, world, a):
                 after = [_proc(p) for p in workers]
                 acc["engine workers: faults in load"] += sum(x[0] - y[0] for x, y in zip(after, before))
         type(engine).load_rank_bucket = load_timed
-    conf = SyncConfig(strategy="flattened", bucket_bytes=a.bucket_mb << 20, dtype=torch.float32,
+    conf = SyncConfig(strategy="flattened", bucket_bytes=a.bucket_mb << 20, dtype=dtype,
                       memory_probe="off", share_host_memory=not a.all_to_all, layout="engine",
                       pipelined=a.pipelined)
     manager = FSDPShardingManager(module, engine, mesh=mesh, config=conf)
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--all-to-all", action="store_true", help="share_host_memory=False")
     ap.add_argument("--keep-buffers", action="store_true", help="the experiment (see the docstring)")
     ap.add_argument("--syncs", type=int, default=5)
+    ap.add_argument("--tp", type=int, default=2, help="engine TP size (2 trainer ranks: 1 or 2)")
+    ap.add_argument("--dtype", default="float32", help="rollout dtype: float32, bfloat16")
     a = ap.parse_args()
     for row in run_ranks(_rank, 2, a, timeout_s=900, env=spawn_env()):
         print(json.dumps(row))
