@@ -428,7 +428,7 @@ class FSDPShardingManager:
             else:
                 self._sync_full()
         if switched:
-            self.stats.extra["expandable_segments"] = "off during the sync (CUDA IPC handles)"
+            self.stats.extra["expandable_segments"] = ipc_memory.SWITCHED
 
     def _sync_full(self) -> None:
         targets = self._targets()

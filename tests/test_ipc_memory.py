@@ -130,7 +130,8 @@ def test_without_torchs_getter_only_what_fsdp_sync_set_is_known(monkeypatch):
     monkeypatch.setattr(ipc_memory, "_last_set", None)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
     assert ipc_memory.expandable_segments_state() is None
-    assert ipc_memory.expandable_segments_on()            # the environment's word (SGLang's switch)
+    # the environment's word, which SGLang's own switch reads
+    assert ipc_memory.says_on(ipc_memory.allocator_settings())
     ipc_memory.set_allocator_settings("expandable_segments:False")
     assert ipc_memory.expandable_segments_state() is False
     assert ipc_memory.allocator_settings() == "max_split_size_mb:512,expandable_segments:False"

@@ -238,7 +238,7 @@ class TensorTransport:
             # what it shares comes from ordinary CUDA segments (`ipc_memory`; verl switches them too)
             with ipc_memory.shareable() as switched:
                 if switched:
-                    self.stats.extra["expandable_segments"] = "off during the sync (CUDA IPC handles)"
+                    self.stats.extra["expandable_segments"] = ipc_memory.SWITCHED
                 if before is not None:
                     refused: str | None = None
                     if self.topo.is_tp_src:

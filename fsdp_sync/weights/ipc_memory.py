@@ -34,12 +34,15 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["allocator_settings", "set_allocator_settings", "expandable_segments_on",
-           "expandable_segments_state", "shareable", "forced_off", "is_expandable_handle", "cuda_in_use"]
+__all__ = ["allocator_settings", "set_allocator_settings", "says_on", "expandable_segments_state",
+           "shareable", "forced_off", "is_expandable_handle", "cuda_in_use", "SWITCHED"]
 
 # torch's share handle (c10 CUDACachingAllocator shareIpcHandle, torch 2.5 on): a version byte,
 # then 'c' (cudaMalloc: a cudaIpcMemHandle follows) or 'e' (an expandable segment's handles)
 _HANDLE_VERSION, _EXPANDABLE = 2, ord("e")
+
+# a sync's ``stats.extra["expandable_segments"]`` where `shareable` switched them
+SWITCHED = "off during the sync (CUDA IPC handles)"
 
 _lock = threading.Lock()
 _depth = 0           # how many `shareable` contexts are open in this process
@@ -77,13 +80,9 @@ def set_allocator_settings(value: str) -> None:
             _last_set = val.strip()
 
 
-def _says_on(settings: str) -> bool:
+def says_on(settings: str) -> bool:
+    """Whether an allocator settings string turns expandable segments on."""
     return "expandable_segments:true" in settings.replace(" ", "").lower()
-
-
-def expandable_segments_on() -> bool:
-    """What `allocator_settings` says (the environment's where torch cannot tell)."""
-    return _says_on(allocator_settings())
 
 
 def expandable_segments_state() -> bool | None:
@@ -93,7 +92,7 @@ def expandable_segments_state() -> bool | None:
     turning them back on under it would undo that."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is not None:
-        return _says_on(getter())
+        return says_on(getter())
     if _last_set is not None:
         return _last_set.lower() == "true"
     return None

@@ -39,8 +39,7 @@ class ExpandableSegments:
         self._switched_off = False
 
     def _was_on(self) -> bool:
-        s = _allocator_settings().replace(" ", "").lower()
-        return "expandable_segments:true" in s
+        return ipc_memory.says_on(_allocator_settings())
 
     def resumed(self, tags: Sequence[str]) -> None:
         self.held |= set(tags)
