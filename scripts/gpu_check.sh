@@ -53,13 +53,15 @@ PLAN=(--ranks 1 --tp 1 --dtype bfloat16 --bucket-mb 512 --engine reference --gpu
 # which tests passed and failed (xdist's dots would not)
 step test_gpu 150 make test-gpu PY="$PY" STAMP= PYTEST_GPU_ARGS="-n 8 --timeout 140 -vv -rfE"
 step payload 60 "$PY" - "$OUT" <<'EOF'
-import sys, pickle, torch
+import io, sys, torch
+import torch.multiprocessing                              # registers torch's reductions
+from multiprocessing.reduction import ForkingPickler
 from fsdp_sync.weights import handles
 t = torch.arange(1000, dtype=torch.float32, device="cuda").view(10, 100)
 with handles.make_payloads(t, 1, tagged=False) as ps:
     open(f"{sys.argv[1]}/cuda_payload_p5.bin", "wb").write(ps.payloads[0])
-    buf = __import__("io").BytesIO()
-    handles._Pickler.__mro__[1](buf, 2).dump(t)              # ForkingPickler, protocol 2
+    buf = io.BytesIO()
+    ForkingPickler(buf, 2).dump(t)                           # what verl's workers send: protocol 2
     open(f"{sys.argv[1]}/cuda_payload_p2.bin", "wb").write(buf.getvalue())
     print("protocol 5:", handles.open_payload(ps.payloads[0]).value.sum().item())
 print("protocol 2:", handles.open_payload(buf.getvalue()).value.sum().item())

@@ -59,6 +59,21 @@ def _job(rank, world):
                 out[key] = None
             except SyncError as exc:
                 out[key] = str(exc)
+        # a trainer tied after its manager synced: the next sync's check sees the new export
+        # (the manager keeps the names it sends while the module holds the same tensors)
+        model = build_model(untied_cfg, seed=3)
+        manager = FSDPShardingManager(model, _NoConfig(e_untied), mesh=mesh, config=cfg)
+        for _ in range(2):
+            with manager:
+                pass
+        model.lm_head.weight = model.model.embed_tokens.weight
+        try:
+            with manager:
+                pass
+            out["tied_later"] = None
+        except SyncError as exc:
+            out["tied_later"] = str(exc)
+        manager.close()
     return out
 
 
@@ -87,3 +102,5 @@ def test_tied_and_untied_disagreement_fails_naming_the_tensor():
     assert no_cfg is not None and "['lm_head.weight']" in no_cfg and "does not export" in no_cfg
     assert "the trainer ties lm_head to embed_tokens (tie_word_embeddings=True) and the engine " \
            "keeps its own lm_head" in no_cfg
+    later = r["tied_later"]
+    assert later is not None and "['lm_head.weight']" in later and "does not export" in later, later

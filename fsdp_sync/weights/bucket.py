@@ -301,14 +301,20 @@ def unflatten(flat: torch.Tensor, entries: Iterable[BucketEntry]) -> list[tuple[
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"a flattened bucket is a 1-D uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")
     out = []
+    size = flat.numel()
+    typed: dict[torch.dtype, torch.Tensor] = {}    # the buffer viewed once per dtype
     for e in entries:
-        if e.end > flat.numel() or e.start < 0 or e.end - e.start != math.prod(e.shape) * e.dtype.itemsize:
+        isz = e.dtype.itemsize
+        if e.end > size or e.start < 0 or e.end - e.start != math.prod(e.shape) * isz:
             raise ValueError(f"entry {e.name!r} [{e.start}, {e.end}) does not fit a buffer of "
-                             f"{flat.numel()} bytes for shape {e.shape} {dtype_name(e.dtype)}")
-        if e.start % e.dtype.itemsize:
+                             f"{size} bytes for shape {e.shape} {dtype_name(e.dtype)}")
+        if e.start % isz:
             raise ValueError(f"entry {e.name!r} starts at byte {e.start}, not a multiple of "
-                             f"{e.dtype.itemsize} ({dtype_name(e.dtype)})")
-        out.append((e.name, flat[e.start:e.end].view(e.dtype).view(e.shape)))
+                             f"{isz} ({dtype_name(e.dtype)})")
+        view = typed.get(e.dtype)
+        if view is None:
+            view = typed[e.dtype] = flat[:size - size % isz].view(e.dtype)
+        out.append((e.name, view[e.start // isz:e.end // isz].view(e.shape)))
     return out
 
 

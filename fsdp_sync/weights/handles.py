@@ -163,21 +163,11 @@ def _is_cuda_rebuild(fn: Any) -> bool:
     return fn is _red.rebuild_cuda_tensor or fn is torch_rebuild_cuda_tensor()
 
 
-class _Pickler(pickle._Pickler):
+class _Reductions:
     """multiprocessing's ForkingPickler reductions, sharing CPU storages by file name and naming
-    CUDA devices by UUID.
+    CUDA devices by UUID: what both picklers below do with tensors and storages."""
 
-    Python's pickler, not the C one: under SGLang's patch the module name
-    ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` is bound to SGLang's wrapper, and the
-    C pickler refuses to write a function under a name that holds another object (torch's own
-    reducer returns whatever the module's name holds at call time). This one writes torch's
-    function under torch's name (`_save_function`), what every receiver resolves."""
-
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list,
-                 copies: dict | None = None) -> None:
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+    def _setup(self, keep: list, shared: list, counters: list, copies: dict | None) -> None:
         self._keep = keep          # tensors copied into shared memory for this payload
         self._copies = {} if copies is None else copies   # shareable copies, one per source tensor
         self._shared = shared      # CPU storages whose ref count this payload raised
@@ -244,6 +234,37 @@ class _Pickler(pickle._Pickler):
                               f"expandable_segments:False for the trainer")
         return fn, args
 
+    def _reduce_storage(self, storage: torch.UntypedStorage):
+        if storage.device.type != "cpu":
+            raise HandleError(f"cannot share a {storage.device} storage on its own; send its tensor")
+        if storage.nbytes() == 0:
+            return (_red.rebuild_storage_empty, (type(storage),))
+        if mapped_handle(storage) is not None:
+            raise HandleError("cannot share again a storage opened from a payload by file; open it "
+                              "with open_payload(..., share_again=True)")
+        keep_sockets_from_shm_manager()
+        manager, handle, size = storage._share_filename_cpu_()
+        add_torch_reference(storage, +1)
+        self._shared.append(storage)
+        _red.shared_cache[handle] = _red.StorageWeakRef(storage)
+        return (_red.rebuild_storage_filename, (type(storage), manager, handle, size))
+
+
+class _Pickler(_Reductions, pickle._Pickler):
+    """Python's pickler, for what the C one cannot write: under SGLang's patch the module name
+    ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` is bound to SGLang's wrapper, and the
+    C pickler refuses to write a function under a name that holds another object (torch's own
+    reducer returns whatever the module's name holds at call time). This one writes torch's
+    function under torch's name (`_save_function`), what every receiver resolves; and a wire
+    class's instances under a module this process may not import (`wire_class`)."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list,
+                 copies: dict | None = None) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._setup(keep, shared, counters, copies)
+
     def _save_function(self, obj: Any, name: Any = None) -> None:
         if obj is torch_rebuild_cuda_tensor() and name is None and self.proto >= 4:
             self.save(RED)
@@ -263,23 +284,22 @@ class _Pickler(pickle._Pickler):
 
     dispatch[WireClass] = _save_wire_class
 
-    def _reduce_storage(self, storage: torch.UntypedStorage):
-        if storage.device.type != "cpu":
-            raise HandleError(f"cannot share a {storage.device} storage on its own; send its tensor")
-        if storage.nbytes() == 0:
-            return (_red.rebuild_storage_empty, (type(storage),))
-        if mapped_handle(storage) is not None:
-            raise HandleError("cannot share again a storage opened from a payload by file; open it "
-                              "with open_payload(..., share_again=True)")
-        keep_sockets_from_shm_manager()
-        manager, handle, size = storage._share_filename_cpu_()
-        add_torch_reference(storage, +1)
-        self._shared.append(storage)
-        _red.shared_cache[handle] = _red.StorageWeakRef(storage)
-        return (_red.rebuild_storage_filename, (type(storage), manager, handle, size))
+
+class _FastPickler(_Reductions, pickle.Pickler):
+    """The C pickler, with the same reductions: for every payload that needs neither of
+    `_Pickler`'s two tricks (`_dump`). A bucket's metadata is a dozen objects per tensor, which
+    Python's pickler takes ~20 us each to write: 8 ms of a 338-tensor sync on this host."""
+
+    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list,
+                 copies: dict | None = None) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._setup(keep, shared, counters, copies)
 
 
-def _check_value(obj: Any, path: str, device: str | None) -> None:
+def _check_value(obj: Any, path: str, device: str | None) -> bool:
+    """Refuse a tensor the payload cannot carry, naming where it is; True where the value holds an
+    instance of a wire class (which only `_Pickler` writes)."""
+    wired = False
     if isinstance(obj, torch.Tensor):
         if obj.dtype not in SUPPORTED_DTYPES:
             raise HandleError(f"unsupported dtype {dtype_name(obj.dtype)} for {path!r}")
@@ -293,21 +313,31 @@ def _check_value(obj: Any, path: str, device: str | None) -> None:
     elif isinstance(obj, dict):
         for k, v in obj.items():
             if isinstance(v, _NESTED):   # leaves are not checked: no path made for them
-                _check_value(v, f"{path}.{k}" if path else str(k), device)
+                wired |= _check_value(v, f"{path}.{k}" if path else str(k), device)
+            elif isinstance(type(v), WireClass):
+                wired = True
     elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
         for i, v in enumerate(obj):
             if isinstance(v, _NESTED):
-                _check_value(v, f"{path}[{i}]", device)
+                wired |= _check_value(v, f"{path}[{i}]", device)
+            elif isinstance(type(v), WireClass):
+                wired = True
     elif isinstance(obj, types.SimpleNamespace):
-        _check_value(vars(obj), path, device)
+        wired = _check_value(vars(obj), path, device)
+    return wired or isinstance(type(obj), WireClass)
 
 
 _NESTED = (torch.Tensor, dict, list, tuple, types.SimpleNamespace)
 
 
-def _dump(obj: Any, keep: list, shared: list, counters: list, copies: dict | None = None) -> bytes:
+def _dump(obj: Any, keep: list, shared: list, counters: list, copies: dict | None = None, *,
+          wired: bool = True) -> bytes:
+    """``obj`` pickled with the C pickler where it can write it: ``wired`` False (no wire class in
+    it, `_check_value`) and torch's ``rebuild_cuda_tensor`` under its own name (no SGLang patch in
+    this process); else with Python's (`_Pickler`). Either writes the same objects."""
     buf = io.BytesIO()
-    pickler = _Pickler(buf, keep, shared, counters, copies)
+    fast = not wired and _red.rebuild_cuda_tensor is torch_rebuild_cuda_tensor()
+    pickler = (_FastPickler if fast else _Pickler)(buf, keep, shared, counters, copies)
     try:
         pickler.dump(obj)
     finally:
@@ -414,7 +444,7 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
     bad = [r for r in ranks if not 0 <= r < num_consumers]
     if bad:
         raise ValueError(f"consumer ranks {bad} outside [0, {num_consumers})")
-    _check_value(obj, "tensor" if isinstance(obj, torch.Tensor) else "", None)
+    wired = _check_value(obj, "tensor" if isinstance(obj, torch.Tensor) else "", None)
     if tagged and isinstance(obj, dict) and TAG in obj:
         raise HandleError(f"payload dict already has a {TAG!r} key")
     keep: list = []
@@ -435,7 +465,7 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
         else:
             states.append(None)
             wire = obj
-        data = _dump(wire, keep, shared, counters, copies)
+        data = _dump(wire, keep, shared, counters, copies, wired=wired)
         payloads.append(base64.b64encode(data).decode("ascii") if output_str else data)
         shared_per_rank.append(shared)
         counters_per_rank.append(counters)
@@ -483,15 +513,20 @@ class Received:
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a payload's value (dicts, lists, tuples, SimpleNamespaces, nested)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (dict, types.SimpleNamespace)):
-        for v in (obj if isinstance(obj, dict) else vars(obj)).values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+    """Every tensor in a payload's value (dicts, lists, tuples, SimpleNamespaces, nested), in
+    order. A walk with its own stack, not a generator per object, that does not enter a
+    ``torch.Size``: a bucket's metadata is ~20 objects per tensor, walked at each open and ack."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            yield o
+        elif isinstance(o, dict):
+            stack.extend(reversed(o.values()))
+        elif isinstance(o, types.SimpleNamespace):
+            stack.extend(reversed(vars(o).values()))
+        elif isinstance(o, (list, tuple)) and not isinstance(o, torch.Size):
+            stack.extend(reversed(o))
 
 
 def _cuda_devices(value: Any) -> set[torch.device]:

@@ -8,9 +8,12 @@ items), syncing an adapter (`fsdp_sync.lora_sync`).
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["is_lora", "base_parts", "select"]
 
 
+@functools.lru_cache(maxsize=1 << 16)     # a pure function of the name, asked twice a tensor a sync
 def is_lora(name: str) -> bool:
     """A peft LoRA tensor: left out of the base weights' stream, the only ones in ``lora=True``
     streams."""

@@ -199,6 +199,17 @@ class _Block:
     def dst(self, param2d: torch.Tensor) -> torch.Tensor:
         return param2d[self.dr:self.dr + self.r1 - self.r0, self.dc:self.dc + self.c1 - self.c0]
 
+    def flat(self, cols: int) -> tuple[int, int, int] | None:
+        """``(source element, destination element, count)`` where the block is one contiguous
+        run on both sides (whole rows, or part of one row): the piece's local elements from the
+        first and the engine parameter's (``cols`` wide) from the second; else None."""
+        rows, width = self.r1 - self.r0, self.c1 - self.c0
+        if rows != 1 and (self.c0 or width != self.width):
+            return None
+        if rows != 1 and (self.dc or width != cols):
+            return None
+        return self.lo + self.r0 * self.width + self.c0, self.dr * cols + self.dc, rows * width
+
 
 def _dims(shape: tuple[int, ...]) -> tuple[int, int]:
     return view2d(shape)
@@ -247,6 +258,14 @@ class _Task:
     holder: int
     name: str
     block: _Block
+    # (source element, element of the engine rank's buffer viewed as the entry's dtype, count):
+    # a block that is one run on both sides is copied as one 1-D slice of each (`_write_local`)
+    run: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        flat = self.block.flat(_dims(self.entry.shape)[1])
+        if flat is not None and self.entry.start % self.entry.dtype.itemsize == 0:
+            self.run = (flat[0], self.entry.start // self.entry.dtype.itemsize + flat[1], flat[2])
 
 
 def _tasks(bkt: _bucket.Bucket, layout: TPLayout, sources: dict[str, _Source]) -> list[_Task]:
@@ -413,19 +432,41 @@ def _source(it: Any, index: int, world: int, me: int, dtype: torch.dtype, stats:
 
 def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[int, torch.Tensor],
                  me: int, stats: ReshardStats) -> None:
+    """This rank's blocks into the engine ranks' buffers it holds, in one fused copy. A block
+    that is one run on both sides (a whole tensor, whole rows) is a 1-D slice of the buffer
+    viewed once per dtype: one view a block, not six (2-D views of the parameter and the piece,
+    ~3 us each: 7 ms of a 338-tensor sync on this host, the same on a GPU host's CPU)."""
     views: dict[tuple[int, str], torch.Tensor] = {}     # one 2-D view per engine parameter
+    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # a buffer viewed as one dtype
     dsts, srcs = [], []
+    written = 0
     with torch.no_grad():
         for t in tasks:
             if t.holder == me and t.engine_rank in buffers:
-                key = (t.engine_rank, t.entry.name)
-                p2d = views.get(key)
-                if p2d is None:
-                    p2d = views[key] = _param2d(buffers[t.engine_rank], t.entry)
-                dsts.append(t.block.dst(p2d))
-                srcs.append(t.block.src(sources[t.name].local))
-                stats.bytes_written += t.block.numel * t.entry.dtype.itemsize
+                local = sources[t.name].local
+                if t.run is not None:
+                    s0, d0, n = t.run
+                    key = (t.engine_rank, t.entry.dtype)
+                    flat = typed.get(key)
+                    if flat is None:
+                        flat = typed[key] = _typed(buffers[t.engine_rank], t.entry.dtype)
+                    dsts.append(flat[d0:d0 + n])
+                    srcs.append(local if s0 == 0 and n == local.numel() else local[s0:s0 + n])
+                else:
+                    key = (t.engine_rank, t.entry.name)
+                    p2d = views.get(key)
+                    if p2d is None:
+                        p2d = views[key] = _param2d(buffers[t.engine_rank], t.entry)
+                    dsts.append(t.block.dst(p2d))
+                    srcs.append(t.block.src(local))
+                written += t.block.numel * t.entry.dtype.itemsize
+        stats.bytes_written += written
         _bucket.copy_many(dsts, srcs)     # one fused copy for the bucket, not one per block
+
+
+def _typed(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A uint8 buffer's whole elements of ``dtype`` (its trailing odd bytes left out)."""
+    return flat[:flat.numel() - flat.numel() % dtype.itemsize].view(dtype)
 
 
 def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources: dict[str, _Source],
