@@ -141,6 +141,38 @@ def test_blocks_of_arbitrary_element_ranges():
             assert torch.equal(got[sel], want[sel]) and not got[~sel].any(), (src, a, b)
 
 
+def test_a_block_that_is_one_run_on_both_sides_is_copied_as_one():
+    """`_write_local` copies a block whose elements are one run in the piece and one in the engine
+    parameter (whole rows, or part of one row) as two 1-D slices (`_Block.flat`): for every block
+    of every range and placement, the run names exactly the elements the 2-D views hold, and a
+    block that is not one run on either side has none."""
+    full = torch.arange(7 * 10, dtype=torch.float32).view(7, 10)
+    cases = [((slice(2, 5),), (slice(1, 4),), (5, 10)),              # rows: q/k/v, vocab
+             ((slice(None), slice(3, 8)), (slice(None), slice(0, 5)), (7, 5)),    # columns: o/down
+             ((slice(None), slice(0, 10)), (slice(None), slice(10, 20)), (7, 30)),  # rows, wider param
+             ((slice(None),), (slice(None),), (7, 10))]              # whole (TP 1, replicated)
+    runs = both = 0
+    for src, dst, eshape in cases:
+        cols = eshape[1]
+        for a, b in [(0, 70), (13, 47), (25, 26), (0, 9), (61, 70), (30, 40), (5, 8)]:
+            piece = full.view(-1)[a:b]
+            for blk in reshard._blocks(a, b, (7, 10), src, dst, eshape):
+                param = torch.arange(eshape[0] * cols, dtype=torch.float32).view(eshape)
+                view_src, view_dst = blk.src(piece), blk.dst(param)
+                run = blk.flat(cols)
+                one = (view_src.is_contiguous() or view_src.shape[0] == 1) and \
+                      (view_dst.is_contiguous() or view_dst.shape[0] == 1)
+                assert (run is not None) == one, (src, dst, a, b, blk)
+                if run is None:
+                    continue
+                s0, d0, n = run
+                assert torch.equal(piece[s0:s0 + n], view_src.reshape(-1)), (src, a, b, blk)
+                assert torch.equal(param.view(-1)[d0:d0 + n], view_dst.reshape(-1)), (dst, a, b, blk)
+                runs += 1
+                both += n == b - a
+    assert runs > 20 and both > 3          # whole pieces and partial ones were both seen
+
+
 # --------------------------------------------------------------------------- trainer ranks
 
 def _rank_digests(rank, world):

@@ -37,6 +37,8 @@ cross-host path, then the collective must be NCCL).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -88,8 +90,9 @@ class ReshardStats:
 
 
 def plan_rank_buckets(layout: TPLayout, dtype: torch.dtype, bucket_bytes: int) -> list[_bucket.Bucket]:
-    """Buckets over the engine's own parameters (names and per-rank shapes, engine order): pure."""
-    return _bucket.plan_buckets([(n, dtype, s) for n, s in layout.engine_shapes().items()], bucket_bytes)
+    """Buckets over the engine's own parameters (names and per-rank shapes, engine order): pure
+    (worked out once per model, TP, EP, dtype and bucket size: `_cached_plan`)."""
+    return list(_cached_plan(layout, dtype, bucket_bytes))
 
 
 # Plans and write lists depend only on the model's spec, TP, dtype, bucket size and (for the
@@ -112,7 +115,8 @@ def _cached_plan(layout: TPLayout, dtype: torch.dtype, bucket_bytes: int) -> lis
     if plan is None:
         if len(_PLAN_CACHE) >= 64:
             clear_plan_cache()
-        plan = _PLAN_CACHE[key] = plan_rank_buckets(layout, dtype, bucket_bytes)
+        plan = _PLAN_CACHE[key] = _bucket.plan_buckets(
+            [(n, dtype, s) for n, s in layout.engine_shapes().items()], bucket_bytes)
     return plan
 
 
@@ -426,8 +430,14 @@ def _source(it: Any, index: int, world: int, me: int, dtype: torch.dtype, stats:
         holder = index % world
         counts = tuple(numel if r == holder else 0 for r in range(world))
         local = full.reshape(-1)
-    offsets = tuple(sum(counts[:r]) for r in range(len(counts)))
-    return _Source(it.name, tuple(it.shape), offsets, counts, local if counts[me] else None)
+    return _Source(it.name, tuple(it.shape), _offsets(counts), counts, local if counts[me] else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each rank's piece starts: the running sum of ``counts`` (a few distinct splits a
+    model, asked for every tensor of every sync)."""
+    return (0, *itertools.accumulate(counts[:-1])) if counts else ()
 
 
 def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[int, torch.Tensor],
@@ -436,8 +446,8 @@ def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[
     that is one run on both sides (a whole tensor, whole rows) is a 1-D slice of the buffer
     viewed once per dtype: one view a block, not six (2-D views of the parameter and the piece,
     ~3 us each: 7 ms of a 338-tensor sync on this host, the same on a GPU host's CPU)."""
-    views: dict[tuple[int, str], torch.Tensor] = {}     # one 2-D view per engine parameter
-    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # a buffer viewed as one dtype
+    params: dict[tuple[int, str], torch.Tensor] = {}     # one 2-D view per engine parameter
+    typed: dict[int, dict] = {}           # each engine rank's buffer viewed once per dtype
     dsts, srcs = [], []
     written = 0
     with torch.no_grad():
@@ -446,27 +456,20 @@ def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[
                 local = sources[t.name].local
                 if t.run is not None:
                     s0, d0, n = t.run
-                    key = (t.engine_rank, t.entry.dtype)
-                    flat = typed.get(key)
-                    if flat is None:
-                        flat = typed[key] = _typed(buffers[t.engine_rank], t.entry.dtype)
-                    dsts.append(flat[d0:d0 + n])
+                    views = typed.setdefault(t.engine_rank, {})
+                    dsts.append(_bucket.typed_view(buffers[t.engine_rank], t.entry.dtype, views)[d0:d0 + n])
                     srcs.append(local if s0 == 0 and n == local.numel() else local[s0:s0 + n])
                 else:
                     key = (t.engine_rank, t.entry.name)
-                    p2d = views.get(key)
+                    p2d = params.get(key)
                     if p2d is None:
-                        p2d = views[key] = _param2d(buffers[t.engine_rank], t.entry)
+                        p2d = params[key] = _param2d(buffers[t.engine_rank], t.entry)
                     dsts.append(t.block.dst(p2d))
                     srcs.append(t.block.src(local))
                 written += t.block.numel * t.entry.dtype.itemsize
         stats.bytes_written += written
         _bucket.copy_many(dsts, srcs)     # one fused copy for the bucket, not one per block
 
-
-def _typed(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A uint8 buffer's whole elements of ``dtype`` (its trailing odd bytes left out)."""
-    return flat[:flat.numel() - flat.numel() % dtype.itemsize].view(dtype)
 
 
 def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources: dict[str, _Source],

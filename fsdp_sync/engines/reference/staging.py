@@ -80,6 +80,9 @@ class Write:
     owned: bool = False     # src is this worker's own memory (received, not a sender's buffer)
 
 
+_WHOLE = (slice(None),)
+
+
 @dataclass
 class Txn:
     staging: bool                       # True: writes are copied aside and applied at end
@@ -169,7 +172,7 @@ class UpdateStager:
                                            f"(e.g. 'model.layers.0.self_attn.qkv_proj.weight')"
                                            f"{scale_refusal(name, self.w.layout.quantization)}", name)
         self._check(name, t, self.w.engine_shapes[name])
-        out.append(Write(name, (slice(None),), t, tuple(self.w.layout.engine_covers(name, self.w.rank))))
+        out.append(Write(name, _WHOLE, t, tuple(self.w.layout.engine_covers(name, self.w.rank))))
 
     def _open(self, payload: Any) -> Any:
         try:
@@ -462,7 +465,9 @@ class UpdateStager:
         dsts, srcs = [], []     # the tensors: one fused copy (`bucket.copy_many`), not one each
         for w in writes:
             if w.engine:
-                dst = params[w.engine][w.dst]
+                dst = params[w.engine]
+                if w.dst != _WHOLE:            # (a view of the whole parameter is one op each for nothing)
+                    dst = dst[w.dst]
                 if not isinstance(w.src, torch.Tensor):     # a checked file's tensor (`FileTensor`)
                     w.src.read_into(dst)
                 elif dst.shape == w.src.shape:
