@@ -158,3 +158,44 @@ def test_ops_per_bucket_do_not_grow_with_the_number_of_tensors():
     # flatten: one fused copy (no padding: bf16 tiny's sizes are 16-byte multiples) or + one zero;
     # engine at tp 2: one fused copy, one zero of the gaps per engine rank, the vocab padding rows
     assert few["flatten"] <= 2 and few["full"] <= 2 and few["engine"] <= 8, counts
+
+
+def _ops(fn) -> int:
+    """Top-level ops of any kind (views and slices too) while ``fn`` runs."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def test_host_ops_per_tensor_stay_few():
+    """Structural, for the host's work a GPU sync waits on (docs/gpu.md, *The host's work per
+    tensor*): each tensor added to a model adds at most three top-level ops of any kind (views
+    and slices included, ~3 us each on a CPU) to the one-rank packers (its detached view, its
+    flat view, the slice of the bucket it goes to), and each engine entry two to the engine's
+    reading of a bucket (a slice of the buffer viewed once per dtype, its shape). Before, the
+    per-rank write took 2-D views of the parameter and the piece: 7.75 ops a tensor, and the
+    engine three an entry."""
+    counts = {}
+    for layers in (2, 8):
+        config, model = _model(layers)
+        layout = layout_for(config, 1)
+        big = 1 << 30                       # one bucket for the whole model
+        alloc = lambda n: torch.empty(n, dtype=torch.uint8)    # noqa: E731
+
+        def full():
+            assert len(list(export.iter_buckets(model, big, dtype=torch.bfloat16, alloc=alloc))) == 1
+
+        def engine():
+            assert len(list(reshard.iter_rank_buckets(model, layout, big, dtype=torch.bfloat16, alloc=alloc))) == 1
+
+        (rb,) = reshard.iter_rank_buckets(model, layout, big, dtype=torch.bfloat16, alloc=alloc)
+        full()                                      # plans, metas and write lists cached, as in a 2nd sync
+        counts[layers] = {"tensors": len(model.state_dict()), "entries": len(rb.bucket.entries),
+                          "full": _ops(full), "engine": _ops(engine),
+                          "unflatten": _ops(lambda: bucket.unflatten(rb.buffers[0], rb.bucket.entries))}
+    few, many = counts[2], counts[8]
+    tensors, entries = many["tensors"] - few["tensors"], many["entries"] - few["entries"]
+    assert tensors >= 2 * few["tensors"] and entries >= 2 * few["entries"], counts
+    for what in ("full", "engine"):
+        assert many[what] - few[what] <= 3 * tensors, (what, counts)
+    assert many["unflatten"] - few["unflatten"] <= 2 * entries, counts

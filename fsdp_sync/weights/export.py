@@ -91,6 +91,7 @@ from . import handles as _handles
 from .gather import Pieces, Scratch, fill_bucket, fill_shared, materialize, shared_group, sub_pieces
 from .hostbuf import HostShared
 from .peft_names import base_parts, is_lora, select  # noqa: F401 - is_lora: part of the export API
+from .shards import dim0_pieces, rank as _rank, sharded_tensor_pieces
 from ..topology import agree
 
 __all__ = [
@@ -123,10 +124,6 @@ def hf_name(name: str) -> str:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 # --------------------------------------------------------------------------- what is exported
@@ -440,42 +437,6 @@ def _missing(name: str, kind: str, sd: dict) -> KeyError:
                     f"{len(sd)} entries, e.g. {list(sd)[:4]}")
 
 
-def _chunk_counts(rows: int, per_row: int, world: int) -> tuple[int, ...]:
-    """Elements per rank of a dim-0 split with torch.chunk semantics (trailing ranks may get 0)."""
-    c = -(-rows // world) if rows else 0
-    return tuple(max(0, min(c, rows - r * c)) * per_row for r in range(world))
-
-
-def _sharded_tensor_pieces(name: str, st: Any) -> Pieces:
-    md = st.metadata()
-    shape = tuple(md.size)
-    pg = st._process_group
-    world, me = dist.get_world_size(pg), dist.get_rank(pg)
-    per_row = math.prod(shape[1:])
-    counts = [0] * world
-    expected, last_rank = 0, -1
-    for sm in sorted(md.shards_metadata, key=lambda s: s.shard_offsets[0] if s.shard_offsets else 0):
-        grank = dist.get_group_rank(pg, sm.placement.rank()) if pg is not None else sm.placement.rank()
-        if (not shape or list(sm.shard_offsets[1:]) != [0] * (len(shape) - 1)
-                or tuple(sm.shard_sizes[1:]) != shape[1:] or sm.shard_offsets[0] != expected
-                or grank <= last_rank):
-            raise ValueError(f"{name!r} (rank {_rank()}) is a ShardedTensor of shape {shape} not "
-                             f"split along dim 0 in rank order: shard at offsets "
-                             f"{list(sm.shard_offsets)} sizes {list(sm.shard_sizes)} on group rank "
-                             f"{grank}")
-        counts[grank] = sm.shard_sizes[0] * per_row
-        expected += sm.shard_sizes[0]
-        last_rank = grank
-    if expected != (shape[0] if shape else 0):
-        raise ValueError(f"{name!r} (rank {_rank()}): shards cover {expected} of {shape[0]} rows")
-    shards = st.local_shards()
-    local = shards[0].tensor if shards else torch.empty(0, dtype=md.tensor_properties.dtype)
-    if local.numel() != counts[me]:
-        raise ValueError(f"{name!r} (rank {_rank()}): local shard has {local.numel()} elements, "
-                         f"the shard metadata says {counts[me]}")
-    return Pieces(local, tuple(counts), pg, me)
-
-
 def _flat_pieces(item: _Item, local: torch.Tensor, local_offset: int) -> Pieces:
     """The item's pieces inside an FSDP1 flat parameter sharded in equal padded chunks of ``L``."""
     unit = item.unit
@@ -534,75 +495,11 @@ def _fsdp1_items(module: nn.Module, units: list, kind: str) -> list[_Item]:
         elif _is_dtensor(v):
             it.dtensor = v
         else:
-            it.pieces = _sharded_tensor_pieces(it.name, v)
+            it.pieces = sharded_tensor_pieces(it.name, v)
         if tuple(v.shape) != it.shape:
             raise ValueError(f"{it.name!r} (rank {_rank()}): the {kind} state dict has shape "
                              f"{tuple(v.shape)}, the flat parameter's metadata says {it.shape}")
     return items
-
-
-# --------------------------------------------------------------------------- DTensor fast path
-
-def _mesh_info(mesh: Any, cache: dict) -> tuple | None:
-    """(group, world, rank) of a 1-D mesh whose ranks are in group order, else None (cached:
-    ``DeviceMesh.mesh`` costs a fraction of a millisecond per call)."""
-    info = cache.get(id(mesh), False)
-    if info is False:
-        info = None
-        if mesh.ndim == 1:
-            ranks = [int(r) for r in mesh.mesh.tolist()]
-            if ranks == sorted(ranks):
-                info = (mesh.get_group(), len(ranks), mesh.get_local_rank())
-        cache[id(mesh)] = info
-    return info
-
-
-def _dim0_pieces(item: _Item, cache: dict) -> Pieces | None:
-    """The bucketed gather applies to a DTensor sharded ``Shard(0)`` on a 1-D mesh whose ranks
-    are in group order (FSDP2's layout). Anything else is gathered with ``full_tensor()``.
-    ``cache`` (one per export) keeps the split of each (mesh, placements, shape) seen."""
-    dt = item.dtensor
-    try:
-        key = (id(dt.device_mesh), dt.placements, dt.shape)
-        split = cache.get(key, False)
-    except TypeError:          # a placement that cannot be hashed: worked out for this tensor
-        key, split = None, False
-    if split is False:
-        split = _dim0_split(dt, cache)
-        if key is not None:
-            cache[key] = split
-    if split is None:
-        return None
-    group, world, me, counts = split
-    local = _local_shard(dt)
-    if local.shape[1:] != dt.shape[1:] or local.numel() != counts[me]:
-        rows = counts[me] // max(1, math.prod(dt.shape[1:]))
-        raise ValueError(f"{item.name!r} (rank {_rank()}): a Shard(0) DTensor of shape "
-                         f"{tuple(dt.shape)} on {world} ranks should hold {rows} rows here "
-                         f"(torch.chunk split), got a local shard of shape {tuple(local.shape)}")
-    return Pieces(local.detach(), counts, group, me)
-
-
-def _dim0_split(dt: Any, cache: dict) -> tuple | None:
-    """(group, world, rank, elements per rank) of a ``Shard(0)`` DTensor on a 1-D mesh in group
-    order, else None."""
-    from torch.distributed.tensor import Shard
-
-    if dt.ndim == 0 or len(dt.placements) != 1 or dt.placements[0] != Shard(0):
-        return None
-    info = _mesh_info(dt.device_mesh, cache)
-    if info is None:
-        return None
-    group, world, me = info
-    return group, world, me, _chunk_counts(dt.shape[0], math.prod(dt.shape[1:]), world)
-
-
-def _local_shard(dt: Any) -> torch.Tensor:
-    """A DTensor's local shard: the tensor it holds (``_local_tensor``), not ``to_local()``, an
-    autograd function (16 us a call, 5.5 ms of a 338-tensor sync on this host) for the gradient
-    an export never takes; ``to_local()`` where a DTensor holds it elsewhere."""
-    local = getattr(dt, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else dt.to_local()
 
 
 def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None,
@@ -631,7 +528,7 @@ def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None,
                 if it.dtensor is not None:
                     if group is None:
                         group = _agree_group(it.dtensor)
-                    pieces = _dim0_pieces(it, meshes)   # also checks the shard against its shape
+                    pieces = dim0_pieces(it.name, it.dtensor, meshes)   # also checks the shard against its shape
                     if pieces is not None:
                         it.pieces, it.dtensor = pieces, None
         items = _hub_items(select(items, lora), _experts.model_type_of(module))
