@@ -471,7 +471,6 @@ def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[
         _bucket.copy_many(dsts, srcs)     # one fused copy for the bucket, not one per block
 
 
-
 def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources: dict[str, _Source],
               owners: list[list[int]], group: Any, me: int, alloc: Callable, stats: ReshardStats
               ) -> dict[int, torch.Tensor]:
