@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import time
+
+import _timing      # dev/_timing.py (run as dev/NAME.py: dev/ is on the path)
 
 
 def _rank(rank, world, a):
@@ -29,17 +32,7 @@ def _rank(rank, world, a):
     from fsdp_sync.weights import export, handles, reshard
 
     took: dict[str, float] = collections.defaultdict(float)
-
-    def timed(owner, name):
-        fn = getattr(owner, name)
-
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                took[name] += time.perf_counter() - t0
-        setattr(owner, name, run)
+    timed = functools.partial(_timing.timed, took)
 
     for name in ("_check_coverage", "_resume", "_release"):
         timed(manager_mod.FSDPShardingManager, name)

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import statistics
 import time
+
+import _timing      # dev/_timing.py (run as dev/NAME.py: dev/ is on the path)
 
 
 def _proc(pid: int) -> tuple[int, float]:
@@ -43,16 +46,7 @@ def _rank(rank, world, a):
     torch.set_num_threads(1)
     acc: dict[str, float] = collections.defaultdict(float)
 
-    def timed(owner, name, key):
-        fn = getattr(owner, name)
-
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                acc[key] += time.perf_counter() - t0
-        setattr(owner, name, run)
+    timed = functools.partial(_timing.timed, acc)
 
     from fsdp_sync.weights import adapter_export
     for name in ("adapter_config", "check_engine", "load_adapter"):
