@@ -312,12 +312,16 @@ def _check_value(obj: Any, path: str, device: str | None) -> bool:
             raise HandleError(f"expected {path!r} on {device}, got {obj.device}")
     elif isinstance(obj, dict):
         for k, v in obj.items():
+            if type(v) in _LEAVES:       # (a bucket's metadata is mostly these)
+                continue
             if isinstance(v, _NESTED):   # leaves are not checked: no path made for them
                 wired |= _check_value(v, f"{path}.{k}" if path else str(k), device)
             elif isinstance(type(v), WireClass):
                 wired = True
     elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
         for i, v in enumerate(obj):
+            if type(v) in _LEAVES:
+                continue
             if isinstance(v, _NESTED):
                 wired |= _check_value(v, f"{path}[{i}]", device)
             elif isinstance(type(v), WireClass):
@@ -328,6 +332,11 @@ def _check_value(obj: Any, path: str, device: str | None) -> bool:
 
 
 _NESTED = (torch.Tensor, dict, list, tuple, types.SimpleNamespace)
+
+_LEAVES = frozenset({int, str, float, bool, type(None), bytes, torch.dtype, torch.Size})
+"""Types that hold no tensor and no wire class: `_tensors` and `_check_value` pass them at the
+first look (a bucket's metadata is mostly these: 0.44 ms a walk of 338 entries, 1.2 ms asking
+each what it is)."""
 
 
 def _dump(obj: Any, keep: list, shared: list, counters: list, copies: dict | None = None, *,
@@ -529,11 +538,6 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             stack.extend(reversed(vars(o).values()))
         elif isinstance(o, (list, tuple)) and not isinstance(o, torch.Size):
             stack.extend(reversed(o))
-
-
-_LEAVES = frozenset({int, str, float, bool, type(None), bytes, torch.dtype, torch.Size})
-"""Types a payload's value holds no tensor in: `_tensors` leaves them at the first look (a
-bucket's metadata is mostly these: 0.44 ms a walk of 338 entries, 1.2 ms asking each what it is)."""
 
 
 def _cuda_devices(value: Any) -> set[torch.device]:

@@ -413,9 +413,17 @@ class TPLayout:
         g = rank // self.moe_tp
         return range(g * self.experts_local, (g + 1) * self.experts_local)
 
-    def placements(self, name: str, rank: int) -> list[Placement]:
+    def placements(self, name: str, rank: int) -> tuple[Placement, ...]:
         """Where HF tensor ``name`` goes on ``rank`` (empty for a tied lm_head or a rank that holds
-        no part of it)."""
+        no part of it). Worked out once per (name, rank) and kept: an engine asks for every
+        tensor it loads, twice (a layout is read-only, `layout_for`)."""
+        cache = self.__dict__.setdefault("_placements_cache", {})
+        hit = cache.get((name, rank))
+        if hit is None:
+            hit = cache[(name, rank)] = tuple(self._placements(name, rank))
+        return hit
+
+    def _placements(self, name: str, rank: int) -> list[Placement]:
         s, d = self.spec, self.spec.head_dim
         kind = self._kinds.get(name)
         if kind is None:
