@@ -342,11 +342,11 @@ class FP8Layout(TPLayout):
             self.__dict__["_fp8_engine_shapes"] = cache
         return dict(cache)
 
-    def _placements(self, name: str, rank: int) -> list[Placement]:
+    def placements(self, name: str, rank: int) -> list[Placement]:
         kind = self._kinds.get(name)
         if kind is not None and kind[0] == "scale":
             return [scale_placement(pl, self.block) for pl in super().placements(kind[2], rank)]
-        return super()._placements(name, rank)
+        return super().placements(name, rank)
 
     def weight_of(self, name: str) -> str | None:
         """The weight a ``..._scale_inv`` tensor (HF or engine name) scales, else None."""
