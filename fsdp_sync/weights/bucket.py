@@ -26,7 +26,7 @@ __all__ = [
     "ALIGNMENT", "SUPPORTED_DTYPES", "TensorMeta", "BucketEntry", "Bucket",
     "plan_buckets", "BucketPacker", "flatten", "unflatten", "sglang_metadata", "entries_from_metadata",
     "check_tensor", "dtype_name", "plan_tight", "check_tight", "copy_many", "zero_gaps", "entry_views",
-    "typed_view",
+    "typed_view", "entry_flat",
 ]
 
 ALIGNMENT = 16
@@ -105,13 +105,8 @@ def plan_buckets(metas: Iterable[TensorMeta | tuple], bucket_bytes: int, *,
     A tensor larger than the budget gets a bucket of its own. Every entry's start is a multiple of
     ``alignment``. Names must be unique. (`BucketPacker` is this rule one tensor at a time.)
     """
-    metas = tuple(metas)
-    try:
-        return list(_plan(metas, bucket_bytes, alignment))
-    except TypeError as exc:          # a meta given as a tuple with a list for its shape
-        if "unhashable" not in str(exc):
-            raise
-        return list(_plan.__wrapped__(metas, bucket_bytes, alignment))
+    metas = tuple(m if isinstance(m, TensorMeta) else TensorMeta(m[0], m[1], tuple(m[2])) for m in metas)
+    return list(_plan(metas, bucket_bytes, alignment))
 
 
 # every sync plans the same tensors (2.5 ms for 338 on this host); few are kept, each holding
@@ -322,6 +317,12 @@ def typed_view(flat: torch.Tensor, dtype: torch.dtype, views: dict) -> torch.Ten
     return view
 
 
+def entry_flat(flat: torch.Tensor, e: BucketEntry, views: dict) -> torch.Tensor:
+    """Entry ``e``'s bytes of ``flat`` as a 1-D tensor of its dtype: one slice of `typed_view`."""
+    isz = e.dtype.itemsize
+    return typed_view(flat, e.dtype, views)[e.start // isz:e.end // isz]
+
+
 def unflatten(flat: torch.Tensor, entries: Iterable[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
     """Zero-copy views ``(name, tensor)`` into ``flat`` for each entry."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
@@ -337,7 +338,7 @@ def unflatten(flat: torch.Tensor, entries: Iterable[BucketEntry]) -> list[tuple[
         if e.start % isz:
             raise ValueError(f"entry {e.name!r} starts at byte {e.start}, not a multiple of "
                              f"{isz} ({dtype_name(e.dtype)})")
-        out.append((e.name, typed_view(flat, e.dtype, views)[e.start // isz:e.end // isz].view(e.shape)))
+        out.append((e.name, entry_flat(flat, e, views).view(e.shape)))
     return out
 
 

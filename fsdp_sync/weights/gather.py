@@ -180,8 +180,7 @@ def gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
     if world == 1:   # a group of one rank (one trainer rank): its pieces are the tensors
         held = [(e, p) for e, p in pairs if p.counts[0]]
         views: dict = {}
-        _bucket.copy_many([_bucket.typed_view(flat, e.dtype, views)[e.start // e.dtype.itemsize:
-                                                                    e.end // e.dtype.itemsize] for e, _ in held],
+        _bucket.copy_many([_bucket.entry_flat(flat, e, views) for e, _ in held],
                           [p.local if p.local.dim() == 1 else p.local.reshape(-1) for _, p in held])   # the copy casts
         return
     if dst is not None:
