@@ -245,16 +245,23 @@ class Consumer:
             raise RuntimeError(f"consumer exited with code {self.proc.wait(5)}")
         return json.loads(line)
 
-    def open(self, payloads, *, ranks=None, names=None, ack: bool = True, twice: bool = False) -> list:
+    def open(self, payloads, *, ranks=None, names=None, ack: bool = True, twice: bool = False,
+             keep: bool = False) -> list:
         """Open each payload (bytes or base64 str) as ``ranks[i]``; a result per payload:
-        ``{"tensors": {name: digest}}`` or ``{"error": "..."}``."""
+        ``{"tensors": {name: digest}}`` or ``{"error": "..."}``. ``keep``: the consumer holds what
+        it opened until `drop` (results then carry ``"ptr"``, the storage's address there)."""
         items = []
         for i, p in enumerate(payloads):
             is_str = isinstance(p, str)
             items.append({"payload": p if is_str else base64.b64encode(p).decode("ascii"),
                           "str": is_str, "rank": None if ranks is None else ranks[i],
                           "name": None if names is None else names[i]})
-        return self.request({"op": "open", "items": items, "ack": ack, "twice": twice})["results"]
+        return self.request({"op": "open", "items": items, "ack": ack, "twice": twice,
+                             "keep": keep})["results"]
+
+    def drop(self) -> None:
+        """Let go of everything opened with ``keep``."""
+        self.request({"op": "drop"})
 
     def stats(self) -> dict:
         return self.request({"op": "stats"})

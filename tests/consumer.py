@@ -8,7 +8,9 @@ Reads JSON requests, one a line, on stdin and answers one JSON line each on stdo
   bucket is unflattened with its metadata; a dict gives its tensors; a bare tensor is named
   ``name``), answers ``{"results": [{"tensors": {name: [dtype, shape, sha256]}} | {"error": str}]}``
   and acknowledges (unless ``ack`` is false). With ``twice`` it opens the payload again after the
-  first open and reports that second attempt's error as ``"again"``.
+  first open and reports that second attempt's error as ``"again"``. With ``keep`` each opened
+  value is held (as an engine worker keeps a reused bucket buffer mapped) until ``{"op": "drop"}``,
+  and each result also says ``"ptr"``, the data pointer of its first tensor's storage here.
 - ``{"op": "stats"}``: ``{"fds": open file descriptors, "pid": ...}``.
 - ``{"op": "exit"}``.
 """
@@ -39,13 +41,20 @@ def _tensors(value, name):
     raise TypeError(f"payload holds {type(value).__name__}, not tensors")
 
 
-def _open(item: dict, ack: bool, twice: bool) -> dict:
+_KEPT: list = []     # values held by ``keep`` until ``drop``
+
+
+def _open(item: dict, ack: bool, twice: bool, keep: bool = False) -> dict:
     payload = item["payload"] if item["str"] else base64.b64decode(item["payload"])
     try:
         received = handles.open_payload(payload, item["rank"])
     except Exception as exc:  # noqa: BLE001 - reported to the producer
         return {"error": f"{type(exc).__name__}: {exc}"}
-    out = {"tensors": {n: digest(t) for n, t in _tensors(received.value, item["name"])}}
+    named = _tensors(received.value, item["name"])
+    out = {"tensors": {n: digest(t) for n, t in named}}
+    if keep:
+        _KEPT.append(received.value)
+        out["ptr"] = named[0][1].untyped_storage().data_ptr() if named else None
     if twice:
         try:
             handles.open_payload(payload, item["rank"])
@@ -65,8 +74,11 @@ def main() -> None:
         if op == "exit":
             break
         if op == "open":
-            reply = {"results": [_open(it, req.get("ack", True), req.get("twice", False))
-                                 for it in req["items"]]}
+            reply = {"results": [_open(it, req.get("ack", True), req.get("twice", False),
+                                       req.get("keep", False)) for it in req["items"]]}
+        elif op == "drop":
+            _KEPT.clear()
+            reply = {"dropped": True}
         elif op == "stats":
             reply = {"fds": num_fds(), "pid": os.getpid()}
         else:

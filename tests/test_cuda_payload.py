@@ -170,3 +170,53 @@ def test_recorded_h100_payloads_pass_the_allow_list(protocol, fails_with):
     if protocol == 2:
         frames = [f.name for f in traceback.extract_tb(failed.value.__cause__.__traceback__)]
         assert "rebuild_cuda_tensor" in frames, frames
+
+
+def test_a_cuda_storage_this_process_still_holds_waits_for_the_producer_as_a_first_open_does(monkeypatch):
+    """An engine worker keeps a per-rank bucket's CUDA buffer open for the whole update
+    (`UpdateStager._keep_mapped`), so the next bucket's payload names a storage torch finds in
+    its shared-storage cache. torch's own ``rebuild_cuda_tensor`` (run here as it is) then hands
+    the mapping back without waiting on the event the producer recorded for that payload: only its
+    first open (C++, stood in for below) waits. A copy out of the bucket could read the buffer
+    before the producer's writes of it landed. Every payload's event is waited on exactly once:
+    by torch where it opens the handle, by us where it does not."""
+    from fsdp_sync.weights import unpickle
+
+    opened, waited = [], []
+
+    def new_shared_cuda(device, handle, nbytes, offset, ref_handle, ref_offset, event, sync):
+        # what THPStorage_newSharedCuda does: open the IPC handle, wait on the producer's event
+        opened.append(handle)
+        if sync:
+            waited.append(("torch", event))
+        return torch.UntypedStorage(nbytes)
+
+    class Event:
+        def __init__(self, device, handle):
+            self.device, self.handle = device, handle
+
+        def wait(self, stream):
+            waited.append(("ours", self.handle, self.device, stream))
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", staticmethod(new_shared_cuda))
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda", staticmethod(lambda *a, **k: None))
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", classmethod(lambda cls, d, h: Event(d, h)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    monkeypatch.setattr(unpickle, "device_index", lambda device: 0)
+    handle = bytes([7]) * 64
+    ev = [bytes([i]) * 64 for i in range(4)]
+
+    def value(i, **change):
+        return open_payload(_payload(5, handle=handle, event=ev[i], **change)).value["flattened_tensor"]
+
+    first = value(0)                     # opened: torch waits
+    second = value(1)                    # still held: torch's cache, so we wait
+    assert second.data_ptr() == first.data_ptr() and opened == [handle]
+    assert waited == [("torch", ev[0]), ("ours", ev[1], 0, "stream of 0")]
+    third = value(2, event_sync=False)   # the producer synchronized its stream itself: no event
+    assert len(waited) == 2
+    del first, second, third
+    value(3)                             # nothing held: opened again, torch waits, we do not
+    assert opened == [handle, handle]
+    assert waited[2:] == [("torch", ev[3])]

@@ -122,6 +122,50 @@ def test_verify_full_on_cuda():
     assert res["checked"] == [("full", res["tensors"])] * 2, res
 
 
+def _kept_buffers_sync(rank, world):
+    """Engine-layout syncs of many small per-rank buckets (tiny's 27 tensors in 64 KiB buckets):
+    the rank's bucket buffers are reused bucket after bucket and the engine worker keeps them open
+    for the whole update (`UpdateStager._keep_mapped`). Each sync is verified tensor by tensor,
+    and the trainer's allocated CUDA memory after the ``with`` block is what it was before it:
+    the blocks the engine held left torch's IPC limbo when the update ended."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
+    from fsdp_sync.cli.trainer import synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.models import build_model, load_config
+
+    cfg = load_config("tiny")
+    model = wrap_fsdp(build_model(cfg, seed=0), 2, device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    with ReferenceEngine(model_config=cfg, tp_size=1, device="cuda") as engine:
+        for pipelined in (False, True):
+            m = FSDPShardingManager(model, engine, mesh=make_mesh(1, 1, "cuda"),
+                                    config=SyncConfig(verify="full", layout="engine", bucket_bytes=64 << 10,
+                                                      pipelined=pipelined))
+            for step in range(2):
+                train_step(model, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank, device="cuda"))
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                with m:
+                    pass
+                torch.cuda.synchronize()
+                out.append({"pipelined": pipelined, "verify": m.stats.extra.get("verify"),
+                            "calls": m.stats.engine_calls,
+                            "grew": torch.cuda.memory_allocated() - before})
+            m.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_bucket_buffers_kept_open_by_the_engine_load_every_bucket_and_are_freed():
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    (rows,) = run_ranks(_kept_buffers_sync, 1, backend="nccl", timeout_s=280, env=spawn_env())
+    for r in rows:
+        assert r["verify"] == "full" and r["calls"] >= 4, r
+        assert r["grew"] < 64 << 10, r        # a bucket buffer left in limbo is 64 KiB or more
+
+
 def _expandable_sync(rank, world):
     """A trainer whose allocator runs with expandable segments on (verl's workers do) syncs into a
     CUDA engine: what it shares is allocated from ordinary segments (`weights.ipc_memory`), a

@@ -531,6 +531,34 @@ def test_cuda_bucket_payload_round_trip(consumer):
     _drop_cuda_ipc()
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_a_cuda_buffer_kept_open_is_read_after_the_producers_next_writes(consumer):
+    """An engine worker keeps a per-rank bucket's CUDA buffer open for the whole update, so the
+    next bucket's payload finds it in torch's shared-storage cache, where torch hands the mapping
+    back without waiting on the producer's event. The producer's write of the second bucket is
+    queued behind half a second of GPU sleep when its payload is made and opened: the consumer
+    must still read the second bucket's values, not the first's."""
+    n = 1 << 18
+    before = torch.cuda.memory_allocated()
+    buf = handles.empty_shared(4 * n, "cuda").view(torch.float32)
+    buf.fill_(1.0)
+    with make_payloads(buf, 1) as ps:
+        (first,) = consumer.open(ps.payloads, ranks=[0], keep=True)
+    assert first["tensors"]["tensor"] == digest(torch.ones(n))
+    torch.cuda._sleep(10 ** 9)          # about half a second at an H100's clock
+    buf.fill_(2.0)
+    with make_payloads(buf, 1) as ps:
+        (second,) = consumer.open(ps.payloads, ranks=[0], keep=True)
+    assert second["ptr"] == first["ptr"], "the consumer opened the buffer again: nothing was kept"
+    assert second["tensors"]["tensor"] == digest(torch.full((n,), 2.0))
+    consumer.drop()
+    del buf
+    _drop_cuda_ipc()
+    # the consumer let go: the block left torch's IPC limbo and was freed
+    assert torch.cuda.memory_allocated() == before
+
+
 def _sockets(pid: int) -> set[str]:
     out = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):

@@ -338,16 +338,23 @@ class TensorTransport:
             yield
             ok = True
         finally:
-            if bracket and hasattr(self.engine, "end_weight_update"):
+            try:
+                if bracket and hasattr(self.engine, "end_weight_update"):
+                    if ok:
+                        try:
+                            self._end_update(commit=True)
+                        except Exception as exc:  # noqa: BLE001 - told to every rank by agree
+                            err = f"end_weight_update on {topo.describe()}: {type(exc).__name__}: {exc}"
+                    else:
+                        self._end_update(commit=False)
                 if ok:
-                    try:
-                        self._end_update(commit=True)
-                    except Exception as exc:  # noqa: BLE001 - told to every rank by agree
-                        err = f"end_weight_update on {topo.describe()}: {type(exc).__name__}: {exc}"
-                else:
-                    self._end_update(commit=False)
-            if ok:
-                agree(err, self._group, what=self._what)
+                    agree(err, self._group, what=self._what)
+            finally:
+                # An engine keeps a rank's bucket buffers mapped until the update ends: their CUDA
+                # blocks wait in torch's limbo until then, and go back to this rank here, before the
+                # rollout's memory is woken (every rank shared its own; after the agreement each
+                # knows the engine has ended the update)
+                handles.collect_ipc()
 
     def _end_update(self, *, commit: bool) -> None:
         """Close the engine's update bracket: commit with the sync's weight version, or after a

@@ -411,8 +411,7 @@ class PayloadSet:
         self._counters = []
         self.released = True
         _prune_owned()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.ipc_collect()
+        collect_ipc()
         if require_ack and missing:
             raise HandleError(f"consumer ranks {[ranks[i] for i in missing]} never "
                               f"acknowledged their payloads")
@@ -436,6 +435,14 @@ class PayloadSet:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.release(require_ack=exc_type is None)
+
+
+def collect_ipc() -> None:
+    """Free the CUDA blocks this process shared that its consumers have since let go (torch keeps
+    a shared block it dropped in limbo until then: `torch.cuda.ipc_collect`); nothing without
+    CUDA in use."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
 
 
 def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
@@ -573,13 +580,19 @@ def ack_all(received: Sequence[Received]) -> None:
             state[0] = ACKED
 
 
-def _for_each_cpu_storage(obj: Any, fn) -> None:
+def _for_each_storage(obj: Any, fn, devices: tuple[str, ...] = ("cpu",)) -> None:
+    """``fn(storage)`` once for each storage with bytes that a tensor of ``obj`` on a device of
+    one of the ``devices`` types views."""
     seen: set[int] = set()
     for t in _tensors(obj):
         st = t.untyped_storage()
-        if t.device.type == "cpu" and st.nbytes() and st.data_ptr() not in seen:
+        if t.device.type in devices and st.nbytes() and st.data_ptr() not in seen:
             seen.add(st.data_ptr())
             fn(st)
+
+
+def _for_each_cpu_storage(obj: Any, fn) -> None:
+    _for_each_storage(obj, fn, ("cpu",))
 
 
 def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: bool = False) -> Received:

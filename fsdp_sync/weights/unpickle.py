@@ -57,9 +57,31 @@ def torch_rebuild_cuda_tensor():
 
 
 def rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
+    """torch's ``rebuild_cuda_tensor`` with the device named by UUID, and the producer's writes
+    waited for on every open. torch makes the current stream wait on the event the producer
+    recorded when it shared the storage only where it opens the IPC handle; a storage this process
+    still holds (torch's shared-storage cache: an engine worker keeps a per-rank bucket's buffer
+    mapped for the whole update, `staging.UpdateStager._keep_mapped`) is handed back without that
+    wait, and a copy out of it could read the buffer before the producer's writes of this bucket
+    land. Here that wait is made on a cache hit too, with the event of this payload."""
     args = list(args)
     args[6] = device_index(args[6])
-    return torch_rebuild_cuda_tensor()(*args)
+    # held across the rebuild, so torch's lookup finds what this one found
+    held = (_red.storage_from_cache(args[4], (args[7], args[9]))
+            if args[7] is not None and args[8] else None)
+    t = torch_rebuild_cuda_tensor()(*args)
+    if held is not None:
+        wait_for_producer(args[6], args[13], args[14])
+    return t
+
+
+def wait_for_producer(device: int, event_handle: bytes | None, sync_required: bool) -> None:
+    """Make ``device``'s current stream wait on the producer's IPC event (what torch's open of a
+    CUDA storage does); nothing where the producer synchronized its stream instead (torch does
+    once it has made its maximum number of IPC events, and says so by ``sync_required`` False)."""
+    if sync_required and event_handle:
+        event = torch.cuda.Event.from_ipc_handle(device, event_handle)
+        event.wait(torch.cuda.current_stream(device))
 
 
 # --------------------------------------------------------------------------- unpickling

@@ -5,7 +5,7 @@ dtype, and records the writes without touching a weight; ``commit`` applies them
 open transaction that protects valid weights, copies them aside to apply at ``end``); ``abort``
 drops them. Every opened payload is acknowledged as soon as its memory is no longer needed
 (a per-rank bucket's shared buffer, reused by its sender bucket after bucket, stays mapped until the
-update ends, so it is not mapped anew every bucket: `_keep_mapped`). A checkpoint directory
+update ends, so it is not mapped, or on CUDA opened, anew every bucket: `_keep_mapped`). A checkpoint directory
 (``update_weights_from_disk``) is staged the same way: this rank's share of the files is checked
 against the manifest's digests, every tensor's name, dtype and shape is checked from the safetensors
 headers, and only this rank's slices are read (into CPU memory); asked for a complete one
@@ -192,15 +192,19 @@ class UpdateStager:
                                            f"{type(exc).__name__}: {exc}") from exc
         self.received.append(rec)
         if self.keep_call and self.in_update:
-            handles._for_each_cpu_storage(rec.value, self._keep_mapped)
+            handles._for_each_storage(rec.value, self._keep_mapped, ("cpu", "cuda"))
         return rec.value
 
     def _keep_mapped(self, storage: torch.UntypedStorage) -> None:
         """Keep a per-rank bucket's shared buffer mapped until the update ends: the sender reuses
         its buffers bucket after bucket (`load_rank_bucket`), so the next bucket's payload opens
         this mapping again (torch's shared-storage cache) instead of mapping and faulting in the
-        same pages anew. At most ``MAX_MAPPED`` buffers are kept (the least recently used goes
-        first), so a sender that does make a new buffer per call holds no more than that."""
+        same pages anew, or on CUDA instead of opening and closing the sender's IPC handle (and
+        its reference-counter file) every bucket; the rebuild then still waits for the sender's
+        writes, as a first open does (`unpickle.rebuild_cuda_tensor_by_uuid`). At most
+        ``MAX_MAPPED`` buffers are kept (the least recently used goes first), so a sender that
+        does make a new buffer per call holds no more than that; the sender frees what was kept
+        once the update ends (`TensorTransport`'s update bracket collects torch's IPC blocks)."""
         key = storage.data_ptr()
         self.mapped[key] = storage
         self.mapped.move_to_end(key)
