@@ -6,6 +6,9 @@ functions by cumulative time: per-bucket work, handle making, the engine call an
 torch.profiler's CPU/CUDA operator table of another (kernel launches, copies, syncs). The engine
 worker is another process: its share is the trainer's wait inside the engine call.
 
+Last, the engine layout's syncs with each rank's bucket buffer kept open by the engine for the
+whole update (the default) and opened anew every bucket (``keep_bucket_buffers=False``), in turn.
+
 Usage (a GPU machine): PYTHONPATH=. python dev/gpu_profile.py [--model qwen2-1500m] [--bucket-mb 512]
            [--out profile.txt]
 ``--device cpu`` runs the same on the CPU (gloo, shared memory; tests/test_gpu_check_budget.py runs it
@@ -75,9 +78,46 @@ def _rank(rank, world, a):
             if cuda:
                 out.append("--- by CUDA time\n" + p.key_averages().table(sort_by="cuda_time_total", row_limit=15))
             m.close()
+        out.append(_kept_against_reopened(model, cfg, engine, mesh, a))
     finally:
         engine.shutdown()
     return "\n".join(out)
+
+
+def _kept_against_reopened(model, cfg, engine, mesh, a) -> str:
+    """Engine layout into the engine above (each rank's bucket buffer kept open for the whole
+    update) and into a second one started with ``keep_bucket_buffers=False`` (opened and closed
+    every bucket), syncs taken in turn: medians of the last five each, and the median engine call
+    per bucket."""
+    import statistics
+
+    import torch
+
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.engines import ReferenceEngine
+
+    other = ReferenceEngine(model_config=cfg, tp_size=1, device=a.device, dtype=torch.bfloat16,
+                            keep_bucket_buffers=False)
+    try:
+        managers = {kept: FSDPShardingManager(model, e, mesh=mesh, config=SyncConfig(
+            bucket_bytes=int(a.bucket_mb * 2**20), dtype=torch.bfloat16, layout="engine"))
+            for kept, e in (("kept open", engine), ("opened per bucket", other))}
+        secs: dict = {k: [] for k in managers}
+        calls: dict = {k: [] for k in managers}
+        for i in range(6):
+            for k, m in managers.items():
+                with m:
+                    pass
+                if i:
+                    secs[k].append(m.stats.seconds)
+                    calls[k] += [c.get("engine_call_s", 0.0) for c in m.stats.extra.get("calls", [])]
+        for m in managers.values():
+            m.close()
+    finally:
+        other.shutdown()
+    return "\n===== bucket buffers, layout engine, syncs in turn (median of 5; engine call per bucket):\n" + \
+        "\n".join(f"  {k:18s} sync {statistics.median(secs[k]) * 1e3:7.1f} ms   engine call "
+                  f"{statistics.median(calls[k]) * 1e3:6.2f} ms" for k in managers)
 
 
 def main() -> None:

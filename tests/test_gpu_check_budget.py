@@ -97,3 +97,5 @@ def test_the_profile_step_runs(tmp_path):
         rows = [ln for ln in section.splitlines() if " make " in ln and " engine call " in ln]
         assert calls > 1 and len(rows) == calls, section[:2000]
         assert "--- cProfile, one sync" in section and "--- torch.profiler, one sync" in section
+    kept = text.split("===== bucket buffers, layout engine", 1)[1]
+    assert " kept open " in kept and " opened per bucket " in kept and kept.count(" ms") == 4

@@ -335,10 +335,12 @@ def _maps_of(pid: int, segment: str) -> int:
 
 
 @pytest.mark.timeout(120)
-def test_engine_keeps_a_reused_rank_buffer_mapped_until_the_update_ends():
+@pytest.mark.parametrize("keep", [True, False])
+def test_engine_keeps_a_reused_rank_buffer_mapped_until_the_update_ends(keep):
     """Per-rank buckets come in the sync's own buffers, reused bucket after bucket: inside
     begin/end each worker maps its buffer once (not once per bucket) and unmaps it at the end;
-    outside an update nothing stays mapped; the weights are the model's bit for bit."""
+    outside an update nothing stays mapped; the weights are the model's bit for bit. An engine
+    started with ``keep_bucket_buffers=False`` maps each bucket's anew and keeps nothing."""
     cfg = load_config("tiny", vocab_size=999)
     model = build_model(cfg, seed=6)
     full = dict(model.state_dict())
@@ -347,7 +349,7 @@ def test_engine_keeps_a_reused_rank_buffer_mapped_until_the_update_ends():
     assert len(buckets) >= 3
     bufs = [handles.empty_shared(max(rb.bucket.nbytes for rb in buckets)) for _ in range(2)]
     segments = [b.untyped_storage()._share_filename_cpu_()[1].decode() for b in bufs]
-    engine = ReferenceEngine(model_config=cfg, tp_size=2, dtype=torch.float32)
+    engine = ReferenceEngine(model_config=cfg, tp_size=2, dtype=torch.float32, keep_bucket_buffers=keep)
     try:
         pids = list(engine.worker_pids)
 
@@ -367,7 +369,7 @@ def test_engine_keeps_a_reused_rank_buffer_mapped_until_the_update_ends():
         engine.begin_weight_update()
         for rb in buckets:
             load(rb)
-            assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [1, 1], rb.index
+            assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [int(keep)] * 2, rb.index
         engine.end_weight_update()
         assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [0, 0]
         assert checksum_named_tensors(engine.named_full_tensors()) == checksum_named_tensors(full.items())

@@ -137,6 +137,11 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             beside trainer ranks on GPUs 0..n-1 starts at n (NCCL refuses one GPU on both ends).
         max_lora_rank, lora_target_modules: bound the LoRA adapters the engine loads (SGLang's
             server arguments; `lora_calls`): None takes any rank / any of `lora.TARGETS`.
+        keep_bucket_buffers: keep each sender's per-rank bucket buffer mapped (CPU) or its CUDA IPC
+            handle open from its first bucket to the end of the update, as the sender reuses it
+            bucket after bucket (`load_rank_bucket`); False maps or opens every bucket's buffer
+            anew and lets it go after the call (what a sender's memory then does is freed at
+            once; `dev/gpu_profile.py` compares the two).
     """
 
     accepts_tagged_payloads = True
@@ -157,7 +162,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                  use_memory_saver: bool = True, transactional_updates: bool = True,
                  update_recv_timeout_s: float = 60.0, ep_size: int = 1, quantization: str | None = None,
                  base_gpu_id: int = 0, max_lora_rank: int | None = None,
-                 lora_target_modules: Sequence[str] | None = None):
+                 lora_target_modules: Sequence[str] | None = None, keep_bucket_buffers: bool = True):
         given = dtype
         if max_lora_rank is not None and (isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int)
                                           or max_lora_rank < 1):
@@ -235,6 +240,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             "num_threads": int(num_threads or 1), "base_gpu_id": int(base_gpu_id),
             "pg_timeout_s": float(pg_timeout_s), "use_memory_saver": use_memory_saver,
             "update_recv_timeout_s": float(update_recv_timeout_s), "ep": self.layout.ep, "quant": self._quant,
+            "keep_bucket_buffers": bool(keep_bucket_buffers),
         }
         self._update_groups: dict[str, dict] = {}   # weight-update groups the workers joined
         from . import worker as worker_mod

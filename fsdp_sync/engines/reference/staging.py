@@ -234,7 +234,7 @@ class UpdateStager:
             raise WorkerError(KIND_STATE, f"this weight update was aborted: {self.txn.aborted}")
         writes: list[Write] = []
         self.call = writes
-        self.keep_call = bool(keep_mapped)
+        self.keep_call = bool(keep_mapped) and self.w.opts.get("keep_bucket_buffers", True)
         seen: set[str] = set()
         self.bytes_read = 0
         self._close_files()
