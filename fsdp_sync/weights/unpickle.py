@@ -66,13 +66,13 @@ def rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
     land. Here that wait is made on a cache hit too, with the event of this payload."""
     args = list(args)
     args[6] = device_index(args[6])
-    # held across the rebuild, so torch's lookup finds what this one found
+    # held across the rebuild, so torch's lookup finds what this one found; the wait is queued
+    # first, before torch's hit gives back this payload's reference counter
     held = (_red.storage_from_cache(args[4], (args[7], args[9]))
             if args[7] is not None and args[8] else None)
-    t = torch_rebuild_cuda_tensor()(*args)
     if held is not None:
         wait_for_producer(args[6], args[13], args[14])
-    return t
+    return torch_rebuild_cuda_tensor()(*args)
 
 
 def wait_for_producer(device: int, event_handle: bytes | None, sync_required: bool) -> None:
