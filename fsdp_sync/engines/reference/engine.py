@@ -140,8 +140,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         keep_bucket_buffers: keep each sender's per-rank bucket buffer mapped (CPU) or its CUDA IPC
             handle open from its first bucket to the end of the update, as the sender reuses it
             bucket after bucket (`load_rank_bucket`); False maps or opens every bucket's buffer
-            anew and lets it go after the call (what a sender's memory then does is freed at
-            once; `dev/gpu_profile.py` compares the two).
+            anew and lets it go after the call (a sender's CUDA buffer is then freed as soon as
+            the sender drops it, not at the update's end; `dev/gpu_profile.py` compares the two).
     """
 
     accepts_tagged_payloads = True
