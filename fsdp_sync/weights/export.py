@@ -158,12 +158,18 @@ class _Item:
         self.full = self.dtensor = self.pieces = None
 
 
-def _is_dtensor(t: Any) -> bool:
+@functools.lru_cache(maxsize=1)
+def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - very old torch
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+def _is_dtensor(t: Any) -> bool:
+    cls = _dtensor_class()      # imported once, not per tensor (every tensor of every sync asks)
+    return cls is not None and isinstance(t, cls)
 
 
 def _fsdp1_units(module: nn.Module) -> list:
