@@ -58,7 +58,10 @@ def _rank(rank, world, a):
                        + "\n".join(f"  {c['what'][:48]:48s} make {c.get('make_s', 0) * 1e3:6.1f}  gather "
                                     f"{c.get('gather_s', 0) * 1e3:5.1f}  engine {c.get('engine_s', 0) * 1e3:6.1f}  "
                                     f"agree {c.get('agree_s', 0) * 1e3:5.1f}  release {c.get('release_s', 0) * 1e3:5.1f}  "
-                                    f"engine call {c.get('engine_call_s', 0) * 1e3:6.1f}"
+                                    f"engine call {c.get('engine_call_s', 0) * 1e3:6.1f}  workers: stage "
+                                    f"{c.get('worker_stage_s', 0) * 1e3:6.2f} (open {c.get('worker_open_s', 0) * 1e3:5.2f}) "
+                                    f"commit {c.get('worker_commit_s', 0) * 1e3:6.2f} (copies "
+                                    f"{c.get('worker_apply_s', 0) * 1e3:5.2f}, ack {c.get('worker_ack_s', 0) * 1e3:5.2f})"
                                     for c in m.stats.extra.get("calls", [])))
             prof = cProfile.Profile()
             prof.enable()

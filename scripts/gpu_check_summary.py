@@ -105,14 +105,20 @@ def table(result: dict) -> str:
     lines += ["", "Rises: each allocator's peak over its level during the sync stage alone (after the engine's "
                   "weights woke, before its KV cache did); GPU: the trainer's plus its GPU's engine worker's.",
               "", "Per engine call (bucket), ms, the sampled sync: make / gather / engine / agree / release "
-                  "(engine call: the engine's own)", ""]
+                  "(engine call: the engine's own; in its workers: stage, of which opening the payloads, and "
+                  "commit, of which the copies and the acknowledgement's stream sync)", ""]
     for r in result["rows"]:
         for k, c in enumerate(r.get("calls") or []):
             lines.append(f"- {r['model']} {r['layout']}{' fp8' if r['quantization'] else ''} "
                          f"{'piped ' if r['pipelined'] else ''}#{k}: "
                          + " / ".join(_f((c.get(p) or 0) * 1e3, 1) for p in
                                       ("make_s", "gather_s", "engine_s", "agree_s", "release_s"))
-                         + f" (engine call {_f((c.get('engine_call_s') or 0) * 1e3, 1)})")
+                         + f" (engine call {_f((c.get('engine_call_s') or 0) * 1e3, 1)}"
+                         + ("" if "worker_stage_s" not in c else
+                            f"; workers: stage {_f(c['worker_stage_s'] * 1e3, 2)} (open "
+                            f"{_f(c.get('worker_open_s', 0) * 1e3, 2)}), commit {_f(c.get('worker_commit_s', 0) * 1e3, 2)} "
+                            f"(copies {_f(c.get('worker_apply_s', 0) * 1e3, 2)}, ack {_f(c.get('worker_ack_s', 0) * 1e3, 2)})")
+                         + ")")
     c = result.get("this_machine")
     if c:
         lines += ["", f"This machine, measured: d2d {c['d2d_gbps']:.0f} GB/s, {c['tensor_s'] * 1e6:.0f} us/tensor, "

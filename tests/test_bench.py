@@ -172,6 +172,8 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
         if "calls" in r:
             assert len(r["calls"]) == r["engine_calls"] and all(c["engine_call_s"] > 0 for c in r["calls"])
     assert md.count("(engine call ") == sum(len(r.get("calls", ())) for r in rows) > 0
+    # ... and, with the reference engine, where each call went in its workers
+    assert md.count("; workers: stage ") == md.count("(engine call ")
 
 
 def test_target_model_recipe_has_the_size_the_targets_need():

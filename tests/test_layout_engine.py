@@ -117,20 +117,31 @@ def test_layout_engine_is_bit_exact_across_fsdp_tp_tied_gqa():
                 assert rec["exact"], rec                 # every engine weight, bit for bit
                 assert rec["diff"] <= 1e-5, rec
             if not distributed:
-                _check_call_times(rec, holder)
+                _check_call_times(rec, holder, reference=holder and not rec["kw"].get("engine"))
 
 
-def _check_call_times(rec: dict, holder: bool) -> None:
+def _check_call_times(rec: dict, holder: bool, reference: bool = False) -> None:
     """Where each engine call's time went (`transport.call_times`, issue 35's profile per bucket):
     a row per call, full layout or per-rank buckets, pipelined or not, on every rank; its phases
     add up to the sums and stay within the sync; the engine's own seconds on the rank that
-    called it."""
+    called it, and with the reference engine (``reference``) where they went in its workers:
+    opening the payloads within staging, the copies and the acknowledgement making up the
+    commit, both within the call."""
     calls, sums = rec["extra"]["calls"], rec["extra"]["call_seconds"]
     assert len(calls) >= 2 and (not holder or len(calls) == rec["engine_calls"]), (len(calls), rec["engine_calls"])
     phases = ("make_s", "gather_s", "engine_s", "agree_s", "release_s")
     for row in calls:
         assert row["what"] and all(row[p] >= 0 for p in phases), row
         assert ("engine_call_s" in row) == holder and (not holder or row["engine_call_s"] > 0), row
+        if reference:
+            w = {k[len("worker_"):]: v for k, v in row.items() if k.startswith("worker_")}
+            assert set(w) == {"stage_s", "open_s", "commit_s", "apply_s", "ack_s"}, row
+            assert 0 < w["open_s"] <= w["stage_s"] and 0 < w["apply_s"] and 0 < w["ack_s"], row
+            # each the slowest rank's: on each rank apply + ack is its commit
+            assert max(w["apply_s"], w["ack_s"]) <= w["commit_s"] <= w["apply_s"] + w["ack_s"] + 1e-9, row
+            assert w["stage_s"] + w["commit_s"] < row["engine_call_s"], row
+        else:
+            assert not any(k.startswith("worker_") for k in row), row
     for p in phases:
         assert sums[p] == pytest.approx(sum(row[p] for row in calls), abs=1e-9), p
     assert 0 < sum(sums.values()) <= rec["seconds"], (sums, rec["seconds"])

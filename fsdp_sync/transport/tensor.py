@@ -575,7 +575,12 @@ class TensorTransport:
         call's own seconds."""
         t0 = time.perf_counter()
         try:
-            return self._engine_call_timed(call, gathered)
+            err, opened = self._engine_call_timed(call, gathered)
+            if row is not None and err is None:
+                # an engine that says where the call's time went in its workers (the reference one)
+                for k, v in (getattr(self.engine, "last_call_seconds", None) or {}).items():
+                    row[f"worker_{k}"] = v
+            return err, opened
         finally:
             if row is not None:
                 row["engine_call_s"] = time.perf_counter() - t0

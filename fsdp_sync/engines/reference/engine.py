@@ -100,6 +100,20 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
 
+def _worker_seconds(staged: dict[int, tuple], committed: dict[int, tuple]) -> dict[str, float]:
+    """Where a tensor update's time went in the workers, each part the slowest rank's: ``stage_s``
+    (of which ``open_s``, opening the payloads: unpickling, mapping shared memory or opening CUDA
+    IPC handles; the rest checks every name, shape and dtype), ``commit_s`` (of which ``apply_s``,
+    the copies into the weights, and ``ack_s``, acknowledging the payloads: on CUDA the stream
+    synchronization that waits for those copies)."""
+    out: dict[str, float] = {}
+    for replies, keys in ((staged, ("stage_s", "open_s")), (committed, ("commit_s", "apply_s", "ack_s"))):
+        for k in keys:
+            out[k] = max((float(rep[1].get(k, 0.0)) for rep in replies.values()
+                          if rep[0] == "ok" and isinstance(rep[1], dict)), default=0.0)
+    return out
+
+
 class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadback, LoRACalls, GPUCalls):
     """A TP rollout engine in worker processes. See the module docstring.
 
@@ -214,6 +228,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         self.base_gpu_id = int(base_gpu_id)
         self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
         self.disk_seconds: dict[str, float] = {}   # the last disk update: read_hash_s, copy_s (slowest rank)
+        self.last_call_seconds: dict[str, float] = {}
+        """The last tensor update's time in the workers (`_worker_seconds`), each part the slowest
+        rank's: what a call's round trip spent where (`transport.call_times`)."""
         self.disk_tensors_loaded = 0           # checkpoint tensors the last disk update loaded
         self.tp_size = int(tp_size)
         self.device, self.dtype = device, dtype
@@ -478,7 +495,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                 except WeightUpdateError as exc:
                     self._abort_all(what, str(exc))   # a refused call ends an open transaction too
                     raise
-                self._two_phase(per_rank, what, keep_mapped=keep_mapped)
+                staged = self._two_phase(per_rank, what, keep_mapped=keep_mapped)
+                self.last_call_seconds = _worker_seconds(staged, self._committed)
             finally:
                 for s in sets:
                     s.release(require_ack=False)

@@ -241,6 +241,7 @@ class UpdateStager:
         if not any(item[0] == "disk" and item[1] != "hf" for item in items):
             self.close_ahead()      # files hashed ahead for a version that was never loaded
         t0 = time.perf_counter()
+        opening = 0.0       # of which opening payloads (unpickling, mapping or opening IPC handles)
         for item in items:
             kind, layout_kind = item[0], item[1]
             if kind == "disk":
@@ -250,14 +251,18 @@ class UpdateStager:
                 self._maybe_fault()
                 continue
             if kind == "bucket":
+                t1 = time.perf_counter()
                 value = self._open(item[2])
+                opening += time.perf_counter() - t1
                 try:
                     named = open_flattened_bucket(value)
                 except ValueError as exc:
                     raise WorkerError(KIND_UPDATE, f"TP rank {self.w.rank}: {exc}") from exc
             else:
                 name, payload = item[2], item[3]
+                t1 = time.perf_counter()
                 value = self._open(payload) if isinstance(payload, (bytes, bytearray, str)) else payload
+                opening += time.perf_counter() - t1
                 named = [(name, value)]
             first = len(writes)
             for name, t in named:
@@ -271,7 +276,7 @@ class UpdateStager:
                     w.owned = True              # its shard (a full tensor's slice would keep the whole)
             self._maybe_fault()
         return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen),
-                "stage_s": time.perf_counter() - t0, "hashed_ahead": self.ahead_used}
+                "stage_s": time.perf_counter() - t0, "open_s": opening, "hashed_ahead": self.ahead_used}
 
     def _check_complete(self, directory: str, writes: list[Write]) -> None:
         """Refuse a checkpoint that lacks a tensor this rank holds: loading it would serve a mix
@@ -526,6 +531,7 @@ class UpdateStager:
         """Phase two for one call: apply (or, inside a staging transaction, copy aside)."""
         writes, self.call = self.call or [], None
         t0 = time.perf_counter()
+        t_ack = t0
         try:
             covers = {c for w in writes for c in w.covers}
             if self.txn is None:
@@ -552,8 +558,10 @@ class UpdateStager:
         finally:
             del writes
             self._close_files()
-            self._ack_all()
-        return {"commit_s": time.perf_counter() - t0}
+            t_ack = time.perf_counter()
+            self._ack_all()         # on CUDA: waits for the copies above (one stream sync)
+        t1 = time.perf_counter()
+        return {"commit_s": t1 - t0, "apply_s": t_ack - t0, "ack_s": t1 - t_ack}
 
     def abort(self, reason: str = "") -> dict:
         self.call = None
