@@ -6,8 +6,9 @@ functions by cumulative time: per-bucket work, handle making, the engine call an
 torch.profiler's CPU/CUDA operator table of another (kernel launches, copies, syncs). The engine
 worker is another process: its share is the trainer's wait inside the engine call.
 
-Last, the engine layout's syncs with each rank's bucket buffer kept open by the engine for the
-whole update (the default) and opened anew every bucket (``keep_bucket_buffers=False``), in turn.
+With ``--kept`` instead: the engine layout's syncs with each rank's bucket buffer kept open by the
+engine for the whole update (the default) and opened anew every bucket (a second engine, started
+with ``keep_bucket_buffers=False``), in turn (the GPU check's ``kept`` step).
 
 Usage (a GPU machine): PYTHONPATH=. python dev/gpu_profile.py [--model qwen2-1500m] [--bucket-mb 512]
            [--out profile.txt]
@@ -41,6 +42,9 @@ def _rank(rank, world, a):
     mesh = make_mesh(1, 1, a.device)
     cuda = a.device == "cuda"
     try:
+        if a.kept:
+            out.append(_kept_against_reopened(model, cfg, engine, mesh, a))
+            return "\n".join(out)
         for layout in ("engine", "full"):
             m = FSDPShardingManager(model, engine, mesh=mesh, config=SyncConfig(
                 bucket_bytes=int(a.bucket_mb * 2**20), dtype=torch.bfloat16, layout=layout))
@@ -81,7 +85,6 @@ def _rank(rank, world, a):
             if cuda:
                 out.append("--- by CUDA time\n" + p.key_averages().table(sort_by="cuda_time_total", row_limit=15))
             m.close()
-        out.append(_kept_against_reopened(model, cfg, engine, mesh, a))
     finally:
         engine.shutdown()
     return "\n".join(out)
@@ -131,6 +134,9 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument("--out", default=None)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--kept", action="store_true",
+                   help="instead: engine-layout syncs with the bucket buffers kept open against opened "
+                        "per bucket (a second engine), in turn")
     a = p.parse_args()
     (text,) = run_ranks(_rank, 1, a, backend="nccl" if a.device == "cuda" else "gloo", timeout_s=400,
                         env=spawn_env())

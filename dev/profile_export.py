@@ -19,7 +19,7 @@ def job(rank, world, model, bucket_mb):
 
     from fsdp_sync.weights import export, gather
     from fsdp_sync.cli.bench.floors import floor_seconds
-    from fsdp_sync.transport.tensor import ReusedBuffer
+    from fsdp_sync.transport.buffers import ReusedBuffer
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.cli.trainer import wrap_fsdp
 

@@ -78,6 +78,8 @@ step plan 60 "${FS[@]}" plan --models qwen2-1500m,qwen2-7b --quantization none,f
 # sync, the FP8 quantizer; measured by real syncs here), kept for `plan --cluster FILE` elsewhere
 step plan_here 120 "${FS[@]}" plan --models qwen2-1500m,qwen2-7b --quantization none,fp8 --layout full,engine \
   "${PLAN[@]}" --cluster this-machine --save-cluster "$OUT/this_machine.json" --json "$OUT/plan_here.json"
+# what the engine keeping a rank's bucket buffer open for the whole update saves, beside opening it per bucket
+step kept 90 "$PY" dev/gpu_profile.py --model qwen2-1500m --kept --out "$OUT/kept.txt"
 step profile 120 "$PY" dev/gpu_profile.py --model qwen2-1500m --out "$OUT/profile.txt"
 
 [ -n "${GPU_CHECK_DRY_RUN:-}" ] || "$PY" scripts/gpu_check_summary.py "$OUT"

@@ -59,7 +59,7 @@ def test_every_step_of_the_gpu_check_is_well_formed(tmp_path, monkeypatch):
             name, *cmd = [w.decode() for w in line.split(b"\0")[:-1]]
             steps[name] = cmd
     assert list(steps) == ["test_gpu", "payload", "demo", "bench_gpu", "bench_fp8", "bench_7b", "plan",
-                           "plan_here", "profile"], list(steps)
+                           "plan_here", "kept", "profile"], list(steps)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     parsed = {}
@@ -72,6 +72,7 @@ def test_every_step_of_the_gpu_check_is_well_formed(tmp_path, monkeypatch):
     payload = script.split("step payload", 1)[1].split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
     compile(payload, "gpu_check.sh: payload", "exec")
     assert steps["profile"][1] == "dev/gpu_profile.py" and (ROOT / steps["profile"][1]).is_file()
+    assert steps["kept"][1] == "dev/gpu_profile.py" and "--kept" in steps["kept"]
     compile((ROOT / "dev" / "gpu_profile.py").read_text(), "dev/gpu_profile.py", "exec")
     make = subprocess.run(["make", "-n", *steps["test_gpu"][1:]], cwd=ROOT, capture_output=True,
                           text=True, timeout=30)
@@ -80,8 +81,9 @@ def test_every_step_of_the_gpu_check_is_well_formed(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(150)
 def test_the_profile_step_runs(tmp_path):
-    """The GPU check's last step (dev/gpu_profile.py) on the CPU with the tiny model: both layouts'
-    syncs, a line per bucket, the cProfile and torch.profiler tables."""
+    """The GPU check's last two steps (dev/gpu_profile.py) on the CPU with the tiny model: both
+    layouts' syncs, a line per bucket, the cProfile and torch.profiler tables; with ``--kept``, the
+    syncs into an engine keeping the bucket buffers open and one opening them per bucket."""
     import os
     import sys
 
@@ -97,5 +99,10 @@ def test_the_profile_step_runs(tmp_path):
         rows = [ln for ln in section.splitlines() if " make " in ln and " engine call " in ln]
         assert calls > 1 and len(rows) == calls, section[:2000]
         assert "--- cProfile, one sync" in section and "--- torch.profiler, one sync" in section
-    kept = text.split("===== bucket buffers, layout engine", 1)[1]
+    assert "===== bucket buffers" not in text
+    r = subprocess.run([sys.executable, "dev/gpu_profile.py", "--model", "tiny", "--device", "cpu",
+                        "--bucket-mb", "0.05", "--kept", "--out", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=140, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    kept = out.read_text().split("===== bucket buffers, layout engine", 1)[1]
     assert " kept open " in kept and " opened per bucket " in kept and kept.count(" ms") == 4

@@ -538,7 +538,9 @@ def test_a_cuda_buffer_kept_open_is_read_after_the_producers_next_writes(consume
     next bucket's payload finds it in torch's shared-storage cache, where torch hands the mapping
     back without waiting on the producer's event. The producer's write of the second bucket is
     queued behind half a second of GPU sleep when its payload is made and opened: the consumer
-    must still read the second bucket's values, not the first's."""
+    must still read the second bucket's values, not the first's. The producer then drops the
+    buffer while the consumer still holds it: the block waits in torch's IPC limbo (still
+    allocated) until the consumer lets go and the producer collects."""
     n = 1 << 18
     before = torch.cuda.memory_allocated()
     buf = handles.empty_shared(4 * n, "cuda").view(torch.float32)
@@ -550,10 +552,12 @@ def test_a_cuda_buffer_kept_open_is_read_after_the_producers_next_writes(consume
     buf.fill_(2.0)
     with make_payloads(buf, 1) as ps:
         (second,) = consumer.open(ps.payloads, ranks=[0], keep=True)
-    assert second["ptr"] == first["ptr"], "the consumer opened the buffer again: nothing was kept"
+    assert second["ptr"] == first["ptr"], "the consumer's second open is not the first's mapping"
     assert second["tensors"]["tensor"] == digest(torch.full((n,), 2.0))
-    consumer.drop()
     del buf
+    _drop_cuda_ipc()
+    assert torch.cuda.memory_allocated() >= before + 4 * n     # in limbo: the consumer holds it
+    consumer.drop()
     _drop_cuda_ipc()
     # the consumer let go: the block left torch's IPC limbo and was freed
     assert torch.cuda.memory_allocated() == before

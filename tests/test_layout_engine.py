@@ -126,7 +126,9 @@ def _check_call_times(rec: dict, holder: bool, reference: bool = False) -> None:
     add up to the sums and stay within the sync; the engine's own seconds on the rank that
     called it, and with the reference engine (``reference``) where they went in its workers:
     opening the payloads within staging, the copies and the acknowledgement making up the
-    commit, both within the call."""
+    commit, both within the call; per-rank buckets come in buffers the workers keep open, so
+    every call after the first one or two (pipelined: two buffers take turns) finds its buffer
+    open, and full-layout calls never do."""
     calls, sums = rec["extra"]["calls"], rec["extra"]["call_seconds"]
     assert len(calls) >= 2 and (not holder or len(calls) == rec["engine_calls"]), (len(calls), rec["engine_calls"])
     phases = ("make_s", "gather_s", "engine_s", "agree_s", "release_s")
@@ -135,13 +137,16 @@ def _check_call_times(rec: dict, holder: bool, reference: bool = False) -> None:
         assert ("engine_call_s" in row) == holder and (not holder or row["engine_call_s"] > 0), row
         if reference:
             w = {k[len("worker_"):]: v for k, v in row.items() if k.startswith("worker_")}
-            assert set(w) == {"stage_s", "open_s", "commit_s", "apply_s", "ack_s"}, row
+            assert set(w) == {"stage_s", "open_s", "commit_s", "apply_s", "ack_s", "kept"}, row
             assert 0 < w["open_s"] <= w["stage_s"] and 0 < w["apply_s"] and 0 < w["ack_s"], row
             # each the slowest rank's: on each rank apply + ack is its commit
             assert max(w["apply_s"], w["ack_s"]) <= w["commit_s"] <= w["apply_s"] + w["ack_s"] + 1e-9, row
             assert w["stage_s"] + w["commit_s"] < row["engine_call_s"], row
         else:
             assert not any(k.startswith("worker_") for k in row), row
+    if reference:
+        kept = sum(row["worker_kept"] for row in calls)
+        assert kept >= len(calls) - 2 if rec["extra"]["layout"] == "engine" else kept == 0, calls
     for p in phases:
         assert sums[p] == pytest.approx(sum(row[p] for row in calls), abs=1e-9), p
     assert 0 < sum(sums.values()) <= rec["seconds"], (sums, rec["seconds"])

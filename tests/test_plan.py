@@ -375,7 +375,7 @@ def test_per_tensor_per_bucket_and_per_sync_costs_are_priced_for_the_tensor_meth
 
 def test_sglang_at_tp_2_on_cuda_budgets_the_buffers_that_take_turns():
     """SGLang at TP > 1 may answer before every rank read a CUDA bucket, so the trainer's buffers
-    take turns (`transport.tensor.ReusedBuffer`'s lag): one bucket more where two are in flight
+    take turns (`transport.buffers.ReusedBuffer`'s lag): one bucket more where two are in flight
     (per-rank buckets, pipelined), one more quantized bucket; not for the reference engine (it
     answers once every worker's copies are done), TP 1, or the full layout without FP8."""
     def row(**kw) -> dict:

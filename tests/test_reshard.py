@@ -107,9 +107,9 @@ def test_all_to_all_buffer_pool_reuses_released_buffers():
     """The tensor transport's per-rank buffers (all-to-all path) come from a pool: two buckets in
     flight get two buffers; a released one is handed out again (same memory, still sharable
     without a copy); a bucket larger than the pool's size gets a buffer of its own."""
-    from fsdp_sync.transport.tensor import _BufferPool
+    from fsdp_sync.transport.buffers import BufferPool
 
-    pool = _BufferPool(1024, torch.device("cpu"))
+    pool = BufferPool(1024, torch.device("cpu"))
     a, b = pool.take(1000), pool.take(500)
     assert a.data_ptr() != b.data_ptr() and a.numel() == b.numel() == 1024
     pool.give_back([a[:1000]])
@@ -409,7 +409,7 @@ def test_buffers_take_turns_where_the_engine_may_answer_before_every_rank_read()
     """SGLang at TP > 1 answers once its ranks passed a CPU barrier, their copies out of the call's
     buffers possibly still queued on their GPUs: a buffer is handed out again only after the next
     bucket was answered (``lag``). Without it, a released buffer is the next bucket's at once."""
-    from fsdp_sync.transport.tensor import ReusedBuffer, _BufferPool
+    from fsdp_sync.transport.buffers import BufferPool, ReusedBuffer
 
     cpu = torch.device("cpu")
     plain, lagged = ReusedBuffer(256, cpu), ReusedBuffer(256, cpu, lag=True)
@@ -421,7 +421,7 @@ def test_buffers_take_turns_where_the_engine_may_answer_before_every_rank_read()
     assert len(set(seen["plain"])) == 1
     a, b = seen["lagged"][:2]
     assert a != b and seen["lagged"] == [a, b, a, b]     # bucket k's buffer again only at k + 2
-    pool = _BufferPool(256, cpu, lag=True)
+    pool = BufferPool(256, cpu, lag=True)
     x = pool.take(100)
     pool.give_back([x])
     y = pool.take(100)                                   # x waits for the next release

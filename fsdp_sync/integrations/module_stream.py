@@ -61,7 +61,8 @@ import torch.distributed as dist
 
 from ..topology import cpu_group
 from ..transport import SyncStats
-from ..transport.tensor import Call, ReusedBuffer
+from ..transport.buffers import ReusedBuffer
+from ..transport.tensor import Call
 from ..weights import export, handles
 from ..weights.bucket import SUPPORTED_DTYPES, TensorMeta, dtype_name, plan_buckets
 from ..wire import flattened_bucket

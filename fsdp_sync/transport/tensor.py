@@ -16,10 +16,10 @@ infer-TP rank 0 and handed to the engine in one call per bucket (``load_format="
 `_load_rank_bucket`). Every rank of the world must agree on the layout (one all-reduce): the
 reshard is collective over the module's whole shard group. ``SyncConfig.pipelined`` (per-rank
 buckets only): the engine loads bucket k on a thread of infer-TP rank 0 while every rank makes
-bucket k+1 (`_run_pipelined`), so two buckets' buffers are alive at once. On the all-to-all path
-the per-rank buffers come from a pool (`_BufferPool`) and are reused bucket after bucket; every
-bucket ends in a world-wide agree, so the one-host path needs no barrier before it rewrites a
-buffer (``consumer_synced``).
+bucket k+1 (`_run_pipelined`), so two buckets' buffers are alive at once. The per-rank buffers
+come from a pool (`buffers.BufferPool`) and are reused bucket after bucket; every bucket ends in a
+world-wide agree, so the one-host path needs no barrier before it rewrites a buffer
+(``consumer_synced``).
 
 `TensorTransport.send` is the same send loop for a caller that owns the export and makes its own
 `Call`s (verl's adapter, `fsdp_sync.integrations.verl`, from verl's ``(name, tensor)`` stream):
@@ -49,9 +49,10 @@ from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_to_src
 from ..wire import flattened_bucket
 from . import SyncContext, SyncStats
+from .buffers import BufferPool, ReusedBuffer
 from .call_times import CallTimes
 
-__all__ = ["TensorTransport", "Call", "ReusedBuffer", "engine_reads_outlast"]
+__all__ = ["TensorTransport", "Call", "engine_reads_outlast"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -101,78 +102,6 @@ def engine_reads_outlast(engine: Any, topo: Any, on_cuda: bool) -> bool:
         return False
     flag = bool(getattr(engine, "reads_may_outlast_answer", False)) if topo.is_tp_src else False
     return bool(broadcast_from_src(flag, topo))
-
-
-class ReusedBuffer:
-    """The one flat buffer every bucket of a sync reuses in turn (shared memory on CPU, device
-    memory on CUDA), sized for the largest bucket. Fresh pages cost a fault (and on CPU a kernel
-    zero-fill) each: a buffer per bucket paid that for the whole model on every sync, this pays it
-    for one bucket. Safe because the manager's calls are sequential: a bucket is released (its
-    consumers acknowledged) before the next one is taken, which `take` checks.
-
-    ``lag``: the engine may answer before every one of its ranks finished reading (SGLang at TP > 1
-    on CUDA, `engine_reads_outlast`); a bucket's buffer is then taken again only after the next
-    bucket was answered, which every engine rank reaches only once done with the call before: two
-    buffers take turns (one bucket more memory)."""
-
-    def __init__(self, nbytes: int, device: torch.device, lag: bool = False) -> None:
-        self.nbytes, self.device, self.lag = nbytes, device, lag
-        self.buf: torch.Tensor | None = None
-        self.prev: torch.Tensor | None = None   # with lag: the buffer the last answered bucket used
-        self.busy = False
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        if self.busy:
-            raise RuntimeError("the sync buffer is still in use by the previous bucket")
-        if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = None
-            self.buf = handles.empty_shared(max(nbytes, self.nbytes), self.device)
-        self.busy = True
-        return self.buf[:nbytes]
-
-    def give_back(self) -> None:
-        self.busy = False
-        if self.lag:
-            self.buf, self.prev = self.prev, self.buf
-
-
-class _BufferPool:
-    """Flat shared buffers that the per-rank buckets of one sync reuse (the all-to-all path's
-    ``alloc``): a buffer goes back to the pool when its bucket is released (every consumer
-    acknowledged, the engine answered), so a sync holds one buffer per bucket in flight (two when
-    pipelined) instead of a fresh segment per bucket. Fresh shared memory costs a file, a page
-    fault and a kernel zero-fill per page: per bucket that was the whole model's worth each sync.
-    Every buffer is sized for the largest bucket (``nbytes``); all are freed with the pool.
-    ``lag``: as `ReusedBuffer`'s, a released bucket's buffers are handed out again only once the
-    next bucket was released."""
-
-    def __init__(self, nbytes: int, device: torch.device, lag: bool = False) -> None:
-        self.nbytes, self.device, self.lag = nbytes, device, lag
-        self.free: list[torch.Tensor] = []
-        self.pending: list[torch.Tensor] = []        # with lag: the last released bucket's
-        self.lent: dict[int, torch.Tensor] = {}      # data_ptr -> buffer, while a bucket holds it
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        fits = [b for b in self.free if b.numel() >= nbytes]
-        if fits:
-            buf = fits[0]
-            self.free.remove(buf)
-        else:
-            buf = handles.empty_shared(max(nbytes, self.nbytes), self.device)
-        self.lent[buf.data_ptr()] = buf
-        return buf
-
-    def give_back(self, views: Any) -> None:
-        """Return the buffers that ``views`` (tensors from `take`, possibly sliced) came from."""
-        back = [b for b in (self.lent.pop(v.data_ptr(), None) for v in views) if b is not None]
-        if self.lag:
-            self.free += self.pending
-            self.pending = back
-        else:
-            self.free += back
-
-    def close(self) -> None:
-        self.free, self.pending, self.lent = [], [], {}
 
 
 def _per_rank(values: list) -> Any:
@@ -327,6 +256,7 @@ class TensorTransport:
         topo = self.topo
         bracket = topo.is_tp_src and hasattr(self.engine, "begin_weight_update")
         err: str | None = None
+        handles.collect_ipc()   # what a failed sync's engine let go of only after this rank collected
         if bracket:
             try:
                 self.engine.begin_weight_update()
@@ -353,8 +283,12 @@ class TensorTransport:
                 # An engine keeps a rank's bucket buffers mapped until the update ends: their CUDA
                 # blocks wait in torch's limbo until then, and go back to this rank here, before the
                 # rollout's memory is woken (every rank shared its own; after the agreement each
-                # knows the engine has ended the update)
-                handles.collect_ipc()
+                # knows the engine has ended the update; after a failure, without one, a rank may
+                # come here first: the next sync collects those)
+                try:
+                    handles.collect_ipc()
+                except Exception as exc:  # noqa: BLE001 - never hide the sync's own outcome
+                    log.warning("torch.cuda.ipc_collect after the update failed: %s", exc)
 
     def _end_update(self, *, commit: bool) -> None:
         """Close the engine's update bracket: commit with the sync's weight version, or after a
@@ -426,10 +360,10 @@ class TensorTransport:
         rank_plan = reshard.plan_rank_buckets(layout, guess, cfg.bucket_bytes)
         quant, device = self._quant, _module_device(self.module)
         lag = engine_reads_outlast(self.engine, self.topo, device.type == "cuda")    # then the engine's buffers take turns
-        pool = _BufferPool(max((b.nbytes for b in rank_plan), default=0), device,
+        pool = BufferPool(max((b.nbytes for b in rank_plan), default=0), device,
                            lag=lag and quant is None)
         # quantized: each rank's slice goes from the reshard's buffer into one of its own
-        qpool = _BufferPool(max((quant.plan(b, engine=True).nbytes for b in rank_plan), default=0),
+        qpool = BufferPool(max((quant.plan(b, engine=True).nbytes for b in rank_plan), default=0),
                             device, lag=lag) if quant is not None else None
         it = reshard.iter_rank_buckets(self.module, layout, cfg.bucket_bytes, dtype=dtype,
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
@@ -574,11 +508,13 @@ class TensorTransport:
         whether the engine may have opened the payloads). ``row``: its `CallTimes` row, given the
         call's own seconds."""
         t0 = time.perf_counter()
+        before = getattr(self.engine, "last_call_figures", None)
         try:
             err, opened = self._engine_call_timed(call, gathered)
-            if row is not None and err is None:
-                # an engine that says where the call's time went in its workers (the reference one)
-                for k, v in (getattr(self.engine, "last_call_seconds", None) or {}).items():
+            after = getattr(self.engine, "last_call_figures", None)
+            if row is not None and err is None and after is not before:
+                # an engine that says where this call's time went in its workers (the reference one)
+                for k, v in (after or {}).items():
                     row[f"worker_{k}"] = v
             return err, opened
         finally:

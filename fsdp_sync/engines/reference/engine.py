@@ -100,17 +100,21 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
 
-def _worker_seconds(staged: dict[int, tuple], committed: dict[int, tuple]) -> dict[str, float]:
+def _worker_figures(staged: dict[int, tuple], committed: dict[int, tuple]) -> dict[str, float]:
     """Where a tensor update's time went in the workers, each part the slowest rank's: ``stage_s``
     (of which ``open_s``, opening the payloads: unpickling, mapping shared memory or opening CUDA
     IPC handles; the rest checks every name, shape and dtype), ``commit_s`` (of which ``apply_s``,
-    the copies into the weights, and ``ack_s``, acknowledging the payloads: on CUDA the stream
-    synchronization that waits for those copies)."""
+    the copies into the weights, or aside in a staging transaction, and ``ack_s``, acknowledging
+    the payloads: on CUDA the stream synchronization that waits for those copies); and ``kept``,
+    the buffers every rank found still open from an earlier call of the update (the fewest)."""
+    def ok(replies: dict[int, tuple]) -> list[dict]:
+        return [rep[1] for rep in replies.values() if rep[0] == "ok" and isinstance(rep[1], dict)]
+
     out: dict[str, float] = {}
     for replies, keys in ((staged, ("stage_s", "open_s")), (committed, ("commit_s", "apply_s", "ack_s"))):
         for k in keys:
-            out[k] = max((float(rep[1].get(k, 0.0)) for rep in replies.values()
-                          if rep[0] == "ok" and isinstance(rep[1], dict)), default=0.0)
+            out[k] = max((float(r.get(k, 0.0)) for r in ok(replies)), default=0.0)
+    out["kept"] = min((int(r.get("kept", 0)) for r in ok(staged)), default=0)
     return out
 
 
@@ -228,9 +232,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         self.base_gpu_id = int(base_gpu_id)
         self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
         self.disk_seconds: dict[str, float] = {}   # the last disk update: read_hash_s, copy_s (slowest rank)
-        self.last_call_seconds: dict[str, float] = {}
-        """The last tensor update's time in the workers (`_worker_seconds`), each part the slowest
-        rank's: what a call's round trip spent where (`transport.call_times`)."""
+        self.last_call_figures: dict[str, float] = {}
+        """The last tensor update in the workers (`_worker_figures`): where its time went, each
+        part the slowest rank's, and the bucket buffers found still open (`transport.call_times`)."""
         self.disk_tensors_loaded = 0           # checkpoint tensors the last disk update loaded
         self.tp_size = int(tp_size)
         self.device, self.dtype = device, dtype
@@ -496,7 +500,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                     self._abort_all(what, str(exc))   # a refused call ends an open transaction too
                     raise
                 staged = self._two_phase(per_rank, what, keep_mapped=keep_mapped)
-                self.last_call_seconds = _worker_seconds(staged, self._committed)
+                self.last_call_figures = _worker_figures(staged, self._committed)
             finally:
                 for s in sets:
                     s.release(require_ack=False)

@@ -106,6 +106,7 @@ class UpdateStager:
         self.in_update = False              # between begin and end (transactional or not)
         self.keep_call = False              # this call's buffers are the update's, reused call after call
         self.mapped: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
+        self.kept = 0                       # buffers the open call found still open from an earlier one
         self.bytes_read = 0                 # what the last disk update read on this rank
         self.files: list[Any] = []          # this call's checked per-rank files (`VerifiedFile`), open
         self.ahead: dict[str, Any] = {}     # file name -> `VerifiedFile` hashed ahead (`hash_ahead`)
@@ -206,6 +207,7 @@ class UpdateStager:
         does make a new buffer per call holds no more than that; the sender frees what was kept
         once the update ends (`TensorTransport`'s update bracket collects torch's IPC blocks)."""
         key = storage.data_ptr()
+        self.kept += key in self.mapped
         self.mapped[key] = storage
         self.mapped.move_to_end(key)
         while len(self.mapped) > MAX_MAPPED:
@@ -235,6 +237,7 @@ class UpdateStager:
         writes: list[Write] = []
         self.call = writes
         self.keep_call = bool(keep_mapped) and self.w.opts.get("keep_bucket_buffers", True)
+        self.kept = 0
         seen: set[str] = set()
         self.bytes_read = 0
         self._close_files()
@@ -276,7 +279,8 @@ class UpdateStager:
                     w.owned = True              # its shard (a full tensor's slice would keep the whole)
             self._maybe_fault()
         return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen),
-                "stage_s": time.perf_counter() - t0, "open_s": opening, "hashed_ahead": self.ahead_used}
+                "stage_s": time.perf_counter() - t0, "open_s": opening, "kept": self.kept,
+                "hashed_ahead": self.ahead_used}
 
     def _check_complete(self, directory: str, writes: list[Write]) -> None:
         """Refuse a checkpoint that lacks a tensor this rank holds: loading it would serve a mix
@@ -567,6 +571,7 @@ class UpdateStager:
         self.call = None
         self._close_files()
         self._ack_all()
+        self.mapped.clear()         # the sender's buffers go back to it, not at an `end` that may never come
         if self.txn is not None and not self.txn.aborted:
             if not self.txn.staging:
                 self.coverage -= self.txn.covers        # those params now hold aborted data
