@@ -16,7 +16,7 @@ import torch
 
 from fsdp_sync.weights import bucket, handles, reshard
 from fsdp_sync.engines import ReferenceEngine, checksum_named_tensors
-from fsdp_sync.engines.base import EngineStateError
+from fsdp_sync.engines.base import EngineStateError, WeightUpdateError
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.weights.layout import block_of, layout_for, shard_state_dict
 from fsdp_sync.models import build_model, load_config
@@ -375,6 +375,15 @@ def test_engine_keeps_a_reused_rank_buffer_mapped_until_the_update_ends(keep):
         assert checksum_named_tensors(engine.named_full_tensors()) == checksum_named_tensors(full.items())
         load(buckets[0])                 # outside begin/end: nothing is kept
         assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [0, 0]
+        # an update that fails lets the buffers go as it aborts, not at an end that may never come
+        engine.begin_weight_update()
+        load(buckets[1])
+        assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [int(keep)] * 2
+        with pytest.raises(WeightUpdateError, match="no_such_tensor"):
+            engine.update_weights_from_tensor([("no_such_tensor", torch.zeros(3))])
+        assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [0, 0]
+        engine.end_weight_update()
+        assert checksum_named_tensors(engine.named_full_tensors()) == checksum_named_tensors(full.items())
     finally:
         engine.shutdown()
 
