@@ -223,6 +223,37 @@ def test_a_tensor_of_an_expandable_segment_is_shared_as_a_copy(monkeypatch, refu
     assert released == ([] if refuse else [(b"/torch_4242_1234567890", 7)] * 2)
 
 
+def test_a_reused_buffer_shared_as_a_copy_is_allocated_again_not_copied_every_bucket(monkeypatch):
+    """A sync's reused buffer that came from an expandable segment (allocated where the switch
+    could not tell they were on: torch 2.11 with them on in the environment) was copied to be
+    shared for every bucket, and an engine keeps each bucket's buffer open for the update: the
+    copies would pile up. The buffer is let go and allocated again after its first copy."""
+    from fsdp_sync.transport.buffers import BufferPool, ReusedBuffer
+
+    cpu = torch.device("cpu")
+    for make in (lambda: ReusedBuffer(4000, cpu), lambda: BufferPool(4000, cpu)):
+        buffers = make()
+        take = buffers.take
+        give = (lambda v: buffers.give_back()) if isinstance(buffers, ReusedBuffer) else \
+            (lambda v: buffers.give_back([v]))
+        first = take(4000)
+        _expandable(monkeypatch, first)
+        with make_payloads(first.view(torch.float32), 1) as ps:
+            got = open_payload(ps.payloads[0], 0)
+            assert got.value.data_ptr() != first.data_ptr()          # shared as a copy
+            got.ack()
+        give(first)
+        second = take(4000)
+        assert second.data_ptr() != first.data_ptr()                  # allocated again
+        with make_payloads(second.view(torch.float32), 1) as ps:     # shared as it is
+            got = open_payload(ps.payloads[0], 0)
+            assert got.value.data_ptr() == second.data_ptr()
+            got.ack()
+        give(second)
+        assert take(4000).data_ptr() == second.data_ptr()             # and reused from then on
+        monkeypatch.undo()
+
+
 def test_a_copy_that_is_still_expandable_is_refused_by_name(monkeypatch):
     """Should torch hand out an expandable block with the setting off, the payload is refused
     with what to do, not sent for a consumer that cannot open it."""

@@ -28,7 +28,11 @@ class ReusedBuffer:
     ``lag``: the engine may answer before every one of its ranks finished reading (SGLang at TP > 1
     on CUDA, `engine_reads_outlast`); a bucket's buffer is then taken again only after the next
     bucket was answered, which every engine rank reaches only once done with the call before: two
-    buffers take turns (one bucket more memory)."""
+    buffers take turns (one bucket more memory).
+
+    A buffer that could be shared only as a copy (allocated in an expandable CUDA segment, where
+    the switch could not tell they were on: `handles.shared_as_copy`) is let go and allocated
+    again, now shareable as it is, instead of copied for every bucket."""
 
     def __init__(self, nbytes: int, device: torch.device, lag: bool = False) -> None:
         self.nbytes, self.device, self.lag = nbytes, device, lag
@@ -39,7 +43,7 @@ class ReusedBuffer:
     def take(self, nbytes: int) -> torch.Tensor:
         if self.busy:
             raise RuntimeError("the sync buffer is still in use by the previous bucket")
-        if self.buf is None or self.buf.numel() < nbytes:
+        if self.buf is None or self.buf.numel() < nbytes or handles.shared_as_copy(self.buf):
             self.buf = None
             self.buf = handles.empty_shared(max(nbytes, self.nbytes), self.device)
         self.busy = True
@@ -68,6 +72,7 @@ class BufferPool:
         self.lent: dict[int, torch.Tensor] = {}      # data_ptr -> buffer, while a bucket holds it
 
     def take(self, nbytes: int) -> torch.Tensor:
+        self.free = [b for b in self.free if not handles.shared_as_copy(b)]    # (see ReusedBuffer)
         fits = [b for b in self.free if b.numel() >= nbytes]
         if fits:
             buf = fits[0]

@@ -87,6 +87,7 @@ class UnreleasedPayloadWarning(RuntimeWarning):
 _OWNED: dict[int, "_red.StorageWeakRef"] = {}
 _log = logging.getLogger(__name__)
 _copied_expandable = False     # said once per process (`_Pickler._shareable_copy`)
+_SHARED_AS_COPY: set[int] = set()   # storages `_shareable_copy` had to copy to share (data_ptr)
 
 
 def _mib(t: torch.Tensor) -> str:
@@ -211,6 +212,7 @@ class _Reductions:
         payload until it is released."""
         if args is not None and args[11] is not None:
             _release_ipc_counter(args[11], args[12])
+        _SHARED_AS_COPY.add(t.untyped_storage().data_ptr())
         global _copied_expandable
         if not _copied_expandable:
             _copied_expandable = True
@@ -435,6 +437,18 @@ class PayloadSet:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.release(require_ack=exc_type is None)
+
+
+def shared_as_copy(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage was shared as a copy, being in an expandable segment: a sync's
+    reused buffer that was is let go and allocated again (now shareable as it is) rather than
+    copied, and the copy kept by the engine for the update, bucket after bucket. Forgotten once
+    asked: its address may be another allocation's next."""
+    ptr = t.untyped_storage().data_ptr()
+    if ptr in _SHARED_AS_COPY:
+        _SHARED_AS_COPY.discard(ptr)
+        return True
+    return False
 
 
 def collect_ipc() -> None:
