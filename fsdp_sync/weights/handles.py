@@ -605,10 +605,6 @@ def _for_each_storage(obj: Any, fn, devices: tuple[str, ...] = ("cpu",)) -> None
             fn(st)
 
 
-def _for_each_cpu_storage(obj: Any, fn) -> None:
-    _for_each_storage(obj, fn, ("cpu",))
-
-
 def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: bool = False) -> Received:
     """Rebuild a payload in this process. ``rank`` is the consuming rank, checked against the tag.
 
@@ -650,8 +646,8 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
                      f"{'opened' if was == OPENED else 'acknowledged'})")
     if error is not None:
         # unpickling took the reference meant for the rightful consumer: hand it back
-        _for_each_cpu_storage(obj, take_back)
-        _for_each_cpu_storage(tag, take_back)
+        _for_each_storage(obj, take_back)
+        _for_each_storage(tag, take_back)
         raise HandleError(error)
     value = obj["tensor"] if set(obj) == {"tensor"} else obj
     return Received(value, tag["rank"], state)

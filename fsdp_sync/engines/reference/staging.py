@@ -107,6 +107,7 @@ class UpdateStager:
         self.keep_call = False              # this call's buffers are the update's, reused call after call
         self.mapped: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
         self.kept = 0                       # buffers the open call found still open from an earlier one
+        self.open_s = 0.0                   # the open call's time opening payloads (`_open`)
         self.bytes_read = 0                 # what the last disk update read on this rank
         self.files: list[Any] = []          # this call's checked per-rank files (`VerifiedFile`), open
         self.ahead: dict[str, Any] = {}     # file name -> `VerifiedFile` hashed ahead (`hash_ahead`)
@@ -186,6 +187,7 @@ class UpdateStager:
         out.append(Write(name, _WHOLE, t, tuple(self.w.layout.engine_covers(name, self.w.rank))))
 
     def _open(self, payload: Any) -> Any:
+        t0 = time.perf_counter()
         try:
             rec = handles.open_payload(payload, self.w.rank)
         except Exception as exc:  # noqa: BLE001 - a bad payload is a refused update
@@ -194,6 +196,7 @@ class UpdateStager:
         self.received.append(rec)
         if self.keep_call and self.in_update:
             handles._for_each_storage(rec.value, self._keep_mapped, ("cpu", "cuda"))
+        self.open_s += time.perf_counter() - t0
         return rec.value
 
     def _keep_mapped(self, storage: torch.UntypedStorage) -> None:
@@ -237,14 +240,13 @@ class UpdateStager:
         writes: list[Write] = []
         self.call = writes
         self.keep_call = bool(keep_mapped) and self.w.opts.get("keep_bucket_buffers", True)
-        self.kept = 0
+        self.kept, self.open_s = 0, 0.0
         seen: set[str] = set()
         self.bytes_read = 0
         self._close_files()
         if not any(item[0] == "disk" and item[1] != "hf" for item in items):
             self.close_ahead()      # files hashed ahead for a version that was never loaded
         t0 = time.perf_counter()
-        opening = 0.0       # of which opening payloads (unpickling, mapping or opening IPC handles)
         for item in items:
             kind, layout_kind = item[0], item[1]
             if kind == "disk":
@@ -254,18 +256,14 @@ class UpdateStager:
                 self._maybe_fault()
                 continue
             if kind == "bucket":
-                t1 = time.perf_counter()
                 value = self._open(item[2])
-                opening += time.perf_counter() - t1
                 try:
                     named = open_flattened_bucket(value)
                 except ValueError as exc:
                     raise WorkerError(KIND_UPDATE, f"TP rank {self.w.rank}: {exc}") from exc
             else:
                 name, payload = item[2], item[3]
-                t1 = time.perf_counter()
                 value = self._open(payload) if isinstance(payload, (bytes, bytearray, str)) else payload
-                opening += time.perf_counter() - t1
                 named = [(name, value)]
             first = len(writes)
             for name, t in named:
@@ -279,7 +277,7 @@ class UpdateStager:
                     w.owned = True              # its shard (a full tensor's slice would keep the whole)
             self._maybe_fault()
         return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen),
-                "stage_s": time.perf_counter() - t0, "open_s": opening, "kept": self.kept,
+                "stage_s": time.perf_counter() - t0, "open_s": self.open_s, "kept": self.kept,
                 "hashed_ahead": self.ahead_used}
 
     def _check_complete(self, directory: str, writes: list[Write]) -> None:
