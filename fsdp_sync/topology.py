@@ -19,16 +19,21 @@ collective takes the topology it runs on.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "agree_after_rank0",
-           "SyncError", "cpu_group", "has_cpu_backend"]
+           "SyncError", "cpu_group", "has_cpu_backend", "released_by_backend"]
+
+log = logging.getLogger(__name__)
 
 DIMS = ("dp", "infer_tp")
 
@@ -149,6 +154,35 @@ def cpu_group(group: Any = None) -> Any:
     return twin
 
 
+@contextlib.contextmanager
+def released_by_backend(*tensors: torch.Tensor, timeout_s: float = 5.0) -> Iterator[None]:
+    """Around collectives on ``tensors`` (small CPU tensors of the caller's own): on leaving, wait
+    until the backend has let go of them (at most ``timeout_s``; then go on, logged).
+
+    gloo's worker thread completes a collective's work, which wakes the caller, before it drops
+    its own reference to the work's tensors. A tensor whose Python object dies in between is freed
+    by that thread, which must take the GIL to do it; when the rank has meanwhile reached
+    interpreter exit (its last collective was the agreement that closed a ``with`` block), taking
+    the GIL ends the thread inside a frame that cannot unwind: ``terminate called without an
+    active exception``, SIGABRT at exit (seen on CPU in 4 of ~180 runs of a launcher test, most
+    under load; pytorch/pytorch#179291 describes it). Keeping the tensor alive until the backend
+    let go makes its release a plain count decrement that needs no GIL."""
+    counts = [t._use_count() for t in tensors] if hasattr(torch.Tensor, "_use_count") else None
+    yield
+    if counts is None:
+        return
+    deadline = None
+    for t, base in zip(tensors, counts):
+        while t._use_count() > base:
+            now = time.monotonic()
+            deadline = deadline or now + timeout_s
+            if now > deadline:
+                log.debug("fsdp_sync: a collective's tensor still held by the backend after %.1f s",
+                          timeout_s)
+                return
+            time.sleep(0.0002)
+
+
 def gather_to_src(obj: Any, topo: SyncTopology) -> list | None:
     """``gather_object`` of ``obj`` to infer-TP rank 0: a list by TP rank there, None elsewhere."""
     if topo.tp_size == 1:
@@ -195,7 +229,8 @@ def agree(error: str | BaseException | None, group: Any = None, *, what: str = "
     else:
         group = cpu_group(group)
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-        dist.all_reduce(flag, group=group)
+        with released_by_backend(flag):
+            dist.all_reduce(flag, group=group)
         if int(flag.item()) == 0:
             return
         msgs = [None] * dist.get_world_size(group)
@@ -243,11 +278,12 @@ def agree_after_rank0(work: Callable[[], str | None], group: Any = None, *, what
         thread = threading.Thread(target=run, name="fsdp_sync-rank0-work", daemon=True)
         thread.start()
     done = torch.zeros(1, dtype=torch.int64)
-    while not int(done.item()):
-        if thread is not None:
-            thread.join(round_s)
-            done.fill_(0 if thread.is_alive() else 1)
-        dist.broadcast(done, src=src, group=flags)
+    with released_by_backend(done):
+        while not int(done.item()):
+            if thread is not None:
+                thread.join(round_s)
+                done.fill_(0 if thread.is_alive() else 1)
+            dist.broadcast(done, src=src, group=flags)
     agree(out[0], group, what=what)
 
 

@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..topology import cpu_group
+from ..topology import cpu_group, released_by_backend
 from ..transport import SyncStats
 from ..transport.buffers import ReusedBuffer
 from ..transport.tensor import Call
@@ -322,7 +322,8 @@ def agreed(reason: str | None, group: Any = None) -> str | None:
         return reason
     group = cpu_group(group)
     flag = torch.tensor([0 if reason is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag, group=group)          # one small all-reduce when every rank agrees
+    with released_by_backend(flag):
+        dist.all_reduce(flag, group=group)      # one small all-reduce when every rank agrees
     if int(flag.item()) == 0:
         return None
     answers: list = [None] * dist.get_world_size(group)

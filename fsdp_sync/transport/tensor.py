@@ -46,7 +46,7 @@ from .. import fleet
 from ..weights import export, handles, ipc_memory, quantize, reshard
 from ..weights.bucket import plan_buckets
 from ..weights.layout import engine_ep_size, layout_for
-from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_to_src
+from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_to_src, released_by_backend
 from ..wire import flattened_bucket
 from . import SyncContext, SyncStats
 from .buffers import BufferPool, ReusedBuffer
@@ -339,7 +339,8 @@ class TensorTransport:
                   what="choosing the layout")
             return layout
         flag = torch.tensor([0 if why else 1], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group())
+        with released_by_backend(flag):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group())
         if why and topo.rank == 0:
             log.info("fsdp_sync: layout='auto' runs full tensors: %s", why)
         return layout if flag.item() else None
@@ -430,7 +431,8 @@ class TensorTransport:
         if self.topo.tp_size == 1:
             return value
         t = torch.tensor([1 if value else 0], dtype=torch.int64)
-        dist.broadcast(t, src=self.topo.tp_src, group=cpu_group(self.topo.tp_group))
+        with released_by_backend(t):
+            dist.broadcast(t, src=self.topo.tp_src, group=cpu_group(self.topo.tp_group))
         return bool(t.item())
 
     def _steps_flattened(self, tagged: bool) -> Iterator[Call]:

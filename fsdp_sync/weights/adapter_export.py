@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..topology import agree, cpu_group
+from ..topology import agree, cpu_group, released_by_backend
 from .bucket import Bucket, TensorMeta, plan_buckets, unflatten
 from .export import hf_name, is_lora, resolve
 from .gather import Pieces, Scratch, fill_bucket, fill_shared, shared_group
@@ -100,7 +100,8 @@ class AdapterExport:
         synced = dist.is_initialized() and dist.get_world_size() > 1
         if synced:
             flags = torch.tensor([int(miss), int(err is not None)], dtype=torch.int64)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(None))
+            with released_by_backend(flags):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(None))
             miss, failed = bool(flags[0]), bool(flags[1])
         else:
             failed = err is not None
