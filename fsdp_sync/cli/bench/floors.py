@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from ...topology import cpu_group
+from ...topology import cpu_group, released_by_backend
 
 __all__ = ["median_seconds", "floor_seconds", "copy_seconds", "floor_shared_seconds",
            "floor_all_to_all_seconds", "layout_figures"]
@@ -192,7 +192,8 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
         engine_in = int(stats.bytes)
         mine = 0 if share else model_bytes - model_bytes // world   # the all-gather's share
     t = torch.tensor([mine], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
+    with released_by_backend(t):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
     return {"layout": layout, "pipelined": bool(extra.get("pipelined", False)), "engine_rank_bytes_in": engine_in,
             "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": int(t.item()),
             "reshard_path": extra.get("reshard_path"), "share_host_memory": share,

@@ -18,7 +18,7 @@ import tempfile
 from typing import Any
 
 import torch
-from ...topology import cpu_group
+from ...topology import cpu_group, released_by_backend
 
 __all__ = ["verify_rows"]
 
@@ -72,7 +72,8 @@ def _verify_rank(rank: int, world: int, job: dict) -> list[dict]:
                             checked = m.stats.extra.get("verify_tensors", 0)
                     t = torch.tensor([statistics.median(sync_s), statistics.median(verify_s)],
                                      dtype=torch.float64)
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())   # the slowest rank sets the pace
+                    with released_by_backend(t):     # the slowest rank sets the pace
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
                     rows.append({"model": job["model"], "method": method, "verify": mode,
                                  "sync_seconds": float(t[0]), "verify_seconds": float(t[1]),
                                  "tensors_checked": checked, "repeats": job["repeats"],

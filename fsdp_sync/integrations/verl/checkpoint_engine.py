@@ -79,6 +79,7 @@ import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.workers.rollout.utils import ensure_async_iterator
 
+from ...topology import released_by_backend
 from ...transport.distributed import outward_address
 from ...weights.bucket import (SUPPORTED_DTYPES, Bucket, BucketPacker, TensorMeta, dtype_name,
                               entries_from_metadata, unflatten)
@@ -469,10 +470,12 @@ def _broadcast_header(pg: Any, header: dict | None) -> dict:
         size = torch.tensor([raw.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, group_src=0, group=pg)
+    with released_by_backend(size):     # gloo lets go of them before they die (topology)
+        dist.broadcast(size, group_src=0, group=pg)
     if header is None:
         raw = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(raw, group_src=0, group=pg)
+    with released_by_backend(raw):
+        dist.broadcast(raw, group_src=0, group=pg)
     return header if header is not None else json.loads(bytes(raw.numpy()).decode())
 
 
