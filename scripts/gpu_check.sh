@@ -53,23 +53,31 @@ PLAN=(--ranks 1 --tp 1 --dtype bfloat16 --bucket-mb 512 --engine reference --gpu
 # which tests passed and failed (xdist's dots would not)
 step test_gpu 150 make test-gpu PY="$PY" STAMP= PYTEST_GPU_ARGS="-n 8 --timeout 140 -vv -rfE"
 step payload 60 "$PY" - "$OUT" <<'EOF'
-import io, sys, torch
+# CUDA opens an IPC handle only in another process than its producer's ("invalid device context"):
+# the payloads are written here and opened by a child while this process holds the tensor
+import io, subprocess, sys, torch
 import torch.multiprocessing                              # registers torch's reductions
 from multiprocessing.reduction import ForkingPickler
 from fsdp_sync.weights import handles
+out = sys.argv[1]
 t = torch.arange(1000, dtype=torch.float32, device="cuda").view(10, 100)
 with handles.make_payloads(t, 1, tagged=False) as ps:
-    open(f"{sys.argv[1]}/cuda_payload_p5.bin", "wb").write(ps.payloads[0])
+    open(f"{out}/cuda_payload_p5.bin", "wb").write(ps.payloads[0])
     buf = io.BytesIO()
     ForkingPickler(buf, 2).dump(t)                           # what verl's workers send: protocol 2
-    open(f"{sys.argv[1]}/cuda_payload_p2.bin", "wb").write(buf.getvalue())
-    print("protocol 5:", handles.open_payload(ps.payloads[0]).value.sum().item())
-print("protocol 2:", handles.open_payload(buf.getvalue()).value.sum().item())
+    open(f"{out}/cuda_payload_p2.bin", "wb").write(buf.getvalue())
+    child = ("import sys, torch.multiprocessing\n"
+             "from fsdp_sync.weights import handles\n"
+             "for p in (5, 2):\n"
+             "    v = handles.open_payload(open(f'{sys.argv[1]}/cuda_payload_p{p}.bin', 'rb').read()).value\n"
+             "    print(f'protocol {p}: opened in a child, sum {v.sum().item()} on {v.device}')\n"
+             "    assert v.sum().item() == 499500.0, v\n")
+    subprocess.run([sys.executable, "-c", child, out], check=True, timeout=50)
 EOF
 step demo 90 "${FS[@]}" demo --device cuda --ranks 1 --tp 1 --dtype bfloat16 --no-progress --json "$OUT/demo.json"
 step bench_gpu 150 "${FS[@]}" bench --preset gpu --json "$OUT/bench_gpu.json"
 step bench_fp8 120 "${FS[@]}" bench --models qwen2-1500m --quantization fp8 --strategies flattened \
-  --layout engine "${BENCH[@]}" --json "$OUT/bench_fp8.json"
+  --layout full,engine "${BENCH[@]}" --json "$OUT/bench_fp8.json"
 step bench_7b 170 "${FS[@]}" bench --models qwen2-7b --strategies flattened,per_tensor --layout full,engine \
   "${BENCH[@]}" --json "$OUT/bench_7b.json"
 step plan 60 "${FS[@]}" plan --models qwen2-1500m,qwen2-7b --quantization none,fp8 --layout full,engine \

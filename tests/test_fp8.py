@@ -368,6 +368,13 @@ def test_out_is_written_in_place_bit_for_bit(shape):
     q1, s1 = quantize_block("w", w, out=out)
     assert q1.data_ptr() == out.data_ptr() and _bytes(q1) == _bytes(q0) and _bytes(s1) == _bytes(s0)
     assert (slot[:8] == 0x7F).all() and (slot[-8:] == 0x7F).all()          # nothing written around it
+    # scale_out= (its slot in the same bucket): the scale lands there, q unchanged
+    ns = s0.numel()
+    sslot = torch.full((4 * ns + 8,), 0x7F, dtype=torch.uint8)
+    sout = sslot[4:4 + 4 * ns].view(torch.float32).view(s0.shape)
+    q2, s2 = quantize_block("w", w, out=out, scale_out=sout)
+    assert s2.data_ptr() == sout.data_ptr() and _bytes(s2) == _bytes(s0) and _bytes(q2) == _bytes(q0)
+    assert (sslot[:4] == 0x7F).all() and (sslot[-4:] == 0x7F).all()
 
 
 def test_out_of_another_shape_or_dtype_is_refused_naming_the_tensor():
@@ -377,6 +384,11 @@ def test_out_of_another_shape_or_dtype_is_refused_naming_the_tensor():
         with pytest.raises(ValueError, match=r"out for 'layers\.0\.w' must be a contiguous float8_e4m3fn "
                                              r"tensor of shape \(128, 256\)"):
             quantize_block("layers.0.w", w, out=bad)
+    for bad in (torch.empty(2, 1), torch.empty(2), torch.empty(1, 2, dtype=torch.float64),
+                torch.empty(1, 4)[:, ::2]):
+        with pytest.raises(ValueError, match=r"scale_out for 'layers\.0\.w' must be a contiguous float32 "
+                                             r"tensor of shape \(1, 2\)"):
+            quantize_block("layers.0.w", w, scale_out=bad)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -279,11 +279,35 @@ def test_release_and_resume_really_move_gpu_memory():
     assert r["generates"], r
 
 
+def _sglang_block_fp8_128(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang 0.5.23's ``bf16_to_block_fp8_128`` written out (sglang is not on the GPU machine; the
+    sglang tier checks `fp8.quantize_block` against the real function on CPU), on ``w``'s device,
+    one ``[N, K]`` matrix at a time."""
+    if w.dim() == 3:
+        per = [_sglang_block_fp8_128(m, block) for m in w]
+        return torch.stack([q for q, _ in per]), torch.stack([s for _, s in per])
+    n, k = w.shape
+    pn, pk = -(-n // block) * block, -(-k // block) * block
+    xp = torch.zeros((pn, pk), dtype=torch.float32, device=w.device)
+    xp[:n, :k] = w.to(torch.float32)
+    xv = xp.view(pn // block, block, pk // block, block)
+    sf = xv.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-4) / 448.0
+    q = (xv / sf).to(torch.float8_e4m3fn).view(pn, pk)[:n, :k].contiguous()
+    return q, sf.view(pn // block, pk // block).contiguous()
+
+
 @pytest.mark.timeout(120)
-def test_fp8_quantizer_on_cuda_is_the_cpu_bits_in_place_and_refuses_nan():
-    """The quantizer on the GPU: the same bytes as on the CPU (whole and edge blocks), ``q`` written
-    straight into the bucket's slot with no float32 copy of the weight (peak allocation below the
-    weight's own bytes), and a NaN refused by name from the bucket's one check of its scales."""
+def test_fp8_quantizer_on_cuda_is_sglangs_bits_in_place_and_refuses_nan():
+    """The quantizer on the GPU: the bytes of SGLang's own block quantizer run on the same GPU
+    (whole and edge blocks), ``q`` written straight into the bucket's slot with no float32 copy of
+    the weight (peak allocation below the weight's own bytes), and a NaN refused by name from the
+    bucket's one check of its scales.
+
+    Not the CPU's bytes: torch divides by a Python scalar (``amax / 448``) on CUDA as a
+    multiplication by its float32 reciprocal, on CPU as a division, so SGLang's function itself
+    gives scales one float32 step apart on the two devices for some blocks (first seen on an
+    H200, 2026-11-29: this test then compared with the CPU). Asserted here: the two differ by at
+    most that one step, and the FP8 bytes of a block differ only where its scale does."""
     from fsdp_sync.weights import bucket as bk
     from fsdp_sync.weights import fp8
     from fsdp_sync.weights.quantize import StreamQuantizer
@@ -295,6 +319,7 @@ def test_fp8_quantizer_on_cuda_is_the_cpu_bits_in_place_and_refuses_nan():
         w = (torch.randn(*shape, generator=gen) * 3).to(torch.bfloat16)
         q_cpu, s_cpu = fp8.quantize_block("w", w)
         wc = w.cuda()
+        rq, rs = _sglang_block_fp8_128(wc)
         out = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -303,7 +328,13 @@ def test_fp8_quantizer_on_cuda_is_the_cpu_bits_in_place_and_refuses_nan():
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base
         assert q.data_ptr() == out.data_ptr()
-        assert torch.equal(q.cpu().view(torch.uint8), q_cpu.view(torch.uint8)) and torch.equal(s.cpu(), s_cpu)
+        assert torch.equal(s, rs), f"{shape}: scales differ from SGLang's quantizer on the same GPU"
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), f"{shape}: fp8 bytes differ from SGLang's"
+        ulps = (s.cpu().view(torch.int32) - s_cpu.view(torch.int32)).abs()
+        assert int(ulps.max()) <= 1, f"{shape}: CUDA's scales more than one float32 step from the CPU's"
+        same = (ulps == 0).repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :shape[-2], :shape[-1]]
+        assert torch.equal(q.cpu().view(torch.uint8)[same], q_cpu.view(torch.uint8)[same]), shape
+        print(f"{shape}: {int((ulps > 0).sum())} of {ulps.numel()} scales one step from the CPU's")
         if shape == (1536, 8960):                  # whole blocks: nothing of the weight's size made
             assert extra < wc.numel() * wc.element_size(), (shape, extra)
     meta = bk.TensorMeta("model.layers.0.mlp.down_proj.weight", torch.bfloat16, (256, 384))

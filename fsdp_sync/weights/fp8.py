@@ -14,8 +14,12 @@ block-fp8 contract"), followed bit for bit:
 - ``amax`` per block in float32, clamped to at least ``1e-4`` (DeepGEMM's floor: an all-zero block
   gets ``scale_inv = float32(1e-4) / 448``, a block of tiny values is scaled as if its amax were
   1e-4, so values far below that round to zero);
-- ``scale_inv = amax / 448`` (float32 division; no power-of-two rounding: the UE8M0 variant,
-  ``fp8_utils.per_block_cast_to_fp8``, is DeepGEMM's requantization, not the checkpoint format);
+- ``scale_inv = amax / 448`` (float32; no power-of-two rounding: the UE8M0 variant,
+  ``fp8_utils.per_block_cast_to_fp8``, is DeepGEMM's requantization, not the checkpoint format).
+  torch divides by a Python scalar on CUDA as a multiplication by its float32 reciprocal, on the
+  CPU as a division, so SGLang's function, and this one, give a block's scale one float32 step
+  apart on the two devices now and then (seen on an H200): the bits are SGLang's of the device
+  the trainer quantizes on;
 - ``q = (x / scale_inv).to(float8_e4m3fn)``: a float32 division, then torch's cast, which rounds to
   nearest, ties to even (``|x / scale_inv| <= 448`` up to one float32 rounding, which the cast
   rounds back to 448, so nothing saturates);
@@ -148,12 +152,14 @@ def cast_on_store(device: torch.device) -> bool:
 
 
 def quantize_block(name: str, w: torch.Tensor, block: tuple[int, int] = BLOCK, *,
-                   out: torch.Tensor | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                   check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)`` of weight ``w`` (``name`` is for errors): ``q`` float8_e4m3fn of ``w``'s
     shape, ``scale_inv`` float32 `scale_shape`, on ``w``'s device, bit for bit SGLang's
     ``bf16_to_block_fp8_128`` (see the module docstring). ``w``: 2-D, or 3-D for stacked experts
     (each ``[N, K]`` matrix blocked on its own). ``out``: a contiguous float8_e4m3fn tensor of
-    ``w``'s shape that ``q`` is written into (and returned as ``q``). ``check=False`` leaves the
+    ``w``'s shape that ``q`` is written into (and returned as ``q``); ``scale_out``: likewise a
+    contiguous float32 tensor of `scale_shape` for ``scale_inv``. ``check=False`` leaves the
     NaN/Inf check to the caller (`scales_finite` of the scales, then `check_finite` by name).
 
     Computed in ``w``'s own dtype where that is exact: the block amax as the larger of ``amax``
@@ -172,13 +178,24 @@ def quantize_block(name: str, w: torch.Tensor, block: tuple[int, int] = BLOCK, *
                             or not out.is_contiguous() or out.device != w.device):
         raise ValueError(f"out for {name!r} must be a contiguous float8_e4m3fn tensor of shape "
                          f"{tuple(w.shape)} on {w.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if scale_out is not None and (scale_out.dtype != torch.float32 or not scale_out.is_contiguous()
+                                  or tuple(scale_out.shape) != (*lead, nb, kb) or scale_out.device != w.device):
+        raise ValueError(f"scale_out for {name!r} must be a contiguous float32 tensor of shape "
+                         f"{(*lead, nb, kb)} on {w.device}, got {scale_out.dtype} "
+                         f"{tuple(scale_out.shape)} on {scale_out.device}")
     x = w.reshape(-1, n, k)
     if padded:                                 # zero-pad the edge blocks, as SGLang does
         x = torch.nn.functional.pad(x, (0, kb * bk - k, 0, nb * bn - n))
     xv = x.view(-1, nb, bn, kb, bk)
-    amax = torch.maximum(xv.amax(dim=(2, 4), keepdim=True), xv.amin(dim=(2, 4), keepdim=True).neg())
-    sf = amax.to(torch.float32).clamp(min=AMAX_FLOOR) / FP8_MAX
-    scale = sf.reshape(*lead, nb, kb).contiguous()
+    # few kernels and allocations a tensor: a sync quantizes hundreds, each costs its launches
+    amax = xv.amax(dim=(2, 4), keepdim=True)
+    torch.maximum(amax, xv.amin(dim=(2, 4), keepdim=True).neg_(), out=amax)
+    sf = amax.to(torch.float32).clamp_(min=AMAX_FLOOR)
+    if scale_out is not None:
+        sf = torch.div(sf, FP8_MAX, out=scale_out.view(sf.shape))
+    else:
+        sf = sf.div_(FP8_MAX)
+    scale = sf.view(*lead, nb, kb)
     if not padded:
         q = out if out is not None else torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
         if cast_on_store(w.device):

@@ -152,10 +152,10 @@ class StreamQuantizer:
             scales, done = [], []
             for src, (name, t) in zip(bkt.entries, _bucket.unflatten(flat, bkt.entries)):
                 if name in quantized:
-                    e = places[name]     # q straight into its place in the bucket
+                    e, se = places[name], places[fp8.scale_name(name)]   # q and its scale in place
                     _, s = fp8.quantize_block(name, t.to(dst.device), self.block, check=False,
-                                              out=dst[e.start:e.end].view(e.dtype).view(e.shape))
-                    self._put(dst, places[fp8.scale_name(name)], s)
+                                              out=dst[e.start:e.end].view(e.dtype).view(e.shape),
+                                              scale_out=dst[se.start:se.end].view(se.dtype).view(se.shape))
                     scales.append(s)
                     done.append((name, t))
                     self.tensors += 1
@@ -174,10 +174,6 @@ class StreamQuantizer:
         self.bytes_out += out.payload_bytes
         self.seconds += time.perf_counter() - t0
         return out, dst
-
-    @staticmethod
-    def _put(dst: torch.Tensor, e: _bucket.BucketEntry, t: torch.Tensor) -> None:
-        dst[e.start:e.end].view(e.dtype).view(e.shape).copy_(t)
 
     def rank_bucket(self, rb: Any, alloc: Callable[[int], torch.Tensor],
                     ranks: Iterable[int] | None = None) -> Any:
