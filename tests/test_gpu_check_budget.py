@@ -6,7 +6,9 @@ its steps ask for 3 x 60 s."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -106,3 +108,41 @@ def test_the_profile_step_runs(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     kept = out.read_text().split("===== bucket buffers, layout engine", 1)[1]
     assert " kept open " in kept and " opened per bucket " in kept and kept.count(" ms") == 4
+
+
+def _payload_step(script: str) -> str:
+    """The Python the check's `payload` step feeds to the interpreter (its heredoc)."""
+    start = script.index("step payload ")
+    body = script[script.index("\n", start) + 1:]
+    return body[:body.index("\nEOF\n") + 1]
+
+
+PRODUCER_AS_CUDA = """\
+import os
+import torch.multiprocessing
+torch.multiprocessing.set_sharing_strategy("file_system")   # CPU payloads' strategy, not fds
+from fsdp_sync.weights import handles
+_producer, _open = os.getpid(), handles.open_payload
+def _as_cuda(*args, **kw):        # CUDA refuses an IPC handle in the process that made it
+    if os.getpid() == _producer:
+        raise RuntimeError("CUDA error: invalid device context")
+    return _open(*args, **kw)
+handles.open_payload = _as_cuda
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_payload_step_opens_its_payloads_in_another_process(tmp_path):
+    """The H200 run (2026-11-29) failed the `payload` step: it opened the CUDA payloads it had just
+    recorded in its own process, which CUDA refuses ('invalid device context'). The step runs here
+    on CPU: its tensor on the CPU, and an open in the producer's process refused as CUDA refuses
+    it; its child must open both payloads (protocols 5 and 2) and find the values."""
+    step = _payload_step((ROOT / "scripts" / "gpu_check.sh").read_text())
+    assert 'device="cuda"' in step
+    src = PRODUCER_AS_CUDA + step.replace('device="cuda"', 'device="cpu"')
+    r = subprocess.run([sys.executable, "-", str(tmp_path)], input=src, cwd=ROOT, capture_output=True,
+                       text=True, timeout=50, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    for p in (5, 2):
+        assert f"protocol {p}: opened in a child, sum 499500.0 on cpu" in r.stdout, r.stdout + r.stderr
+        assert (tmp_path / f"cuda_payload_p{p}.bin").stat().st_size > 0
