@@ -90,6 +90,7 @@ from . import experts as _experts
 from . import handles as _handles
 from .gather import Pieces, Scratch, fill_bucket, fill_shared, materialize, shared_group, sub_pieces
 from .hostbuf import HostShared
+from .items_memo import ItemsMemo
 from .peft_names import base_parts, is_lora, select  # noqa: F401 - is_lora: part of the export API
 from .shards import dim0_pieces, rank as _rank, sharded_tensor_pieces
 from ..topology import agree
@@ -142,6 +143,7 @@ class _Item:
     # FSDP1 flat-parameter layout (param_metas and the "local" type)
     unit: Any = None
     offset: int = 0
+    src: int = -1                          # its entry's index in the state dict it came from
 
     def out_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         if dtype is None or dtype == self.src_dtype:
@@ -233,13 +235,15 @@ def _check_root(module: nn.Module, units: list) -> None:
                              f"{_PASS_ROOT}")
 
 
-def _state_dict_items(module: nn.Module) -> list[_Item]:
-    """Plain modules and FSDP2 (or any DTensor) modules: ``state_dict(keep_vars=True)``, which
-    moves no data, keeps Parameter identity (tied weights are one object) and state-dict order."""
+def _state_dict_items(module: nn.Module, sd: dict | None = None) -> list[_Item]:
+    """Plain modules and FSDP2 (or any DTensor) modules: ``state_dict(keep_vars=True)`` (or
+    ``sd``, that of ``module``), which moves no data, keeps Parameter identity (tied weights are
+    one object) and state-dict order."""
     items: list[_Item] = []
     seen: dict[int, str] = {}
     foreign: list[str] = []
-    for key, value in module.state_dict(keep_vars=True).items():
+    sd = module.state_dict(keep_vars=True) if sd is None else sd
+    for src, (key, value) in enumerate(sd.items()):
         if not isinstance(value, torch.Tensor):
             continue  # _extra_state and the like
         name = hf_name(key)
@@ -249,7 +253,7 @@ def _state_dict_items(module: nn.Module) -> list[_Item]:
         if foreign or _skip(name, is_param) or id(value) in seen:
             continue
         seen[id(value)] = name
-        item = _Item(name, tuple(value.shape), value.dtype, is_param)
+        item = _Item(name, tuple(value.shape), value.dtype, is_param, src=src)
         if _is_dtensor(value):
             item.dtensor = value
         else:
@@ -528,15 +532,10 @@ def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None,
             items = _fsdp1_items(module, units, fsdp1_state_dict)
         else:
             _check_root(module, units)
-            items = _state_dict_items(module)
-            meshes: dict = {}
-            for it in items:
-                if it.dtensor is not None:
-                    if group is None:
-                        group = _agree_group(it.dtensor)
-                    pieces = dim0_pieces(it.name, it.dtensor, meshes)   # also checks the shard against its shape
-                    if pieces is not None:
-                        it.pieces, it.dtensor = pieces, None
+            sd = module.state_dict(keep_vars=True)
+            # the group a failure is agreed over, known before anything can fail
+            group = next((_agree_group(v) for v in sd.values() if _is_dtensor(v)), None)
+            items = _MEMO.items(module, sd, functools.partial(_sharded_items, module))
         items = _hub_items(select(items, lora), _experts.model_type_of(module))
         for it in items:
             it.out_dtype(dtype)
@@ -547,6 +546,22 @@ def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None,
     elif error is not None:
         raise error
     return items
+
+
+def _sharded_items(module: nn.Module, sd: dict) -> list[_Item]:
+    """A plain or FSDP2 module's items from its state dict ``sd``, each ``Shard(0)`` DTensor as
+    its pieces (`_MEMO` keeps them for the next sync)."""
+    items, meshes = _state_dict_items(module, sd), {}
+    for it in items:
+        if it.dtensor is not None:
+            pieces = dim0_pieces(it.name, it.dtensor, meshes)   # also checks the shard against its shape
+            if pieces is not None:
+                it.pieces, it.dtensor = pieces, None
+    return items
+
+
+_MEMO = ItemsMemo()
+"""`_sharded_items`' answer per module, reused while its state dict holds the same tensors."""
 
 
 def _agree_group(dt: Any) -> Any:
