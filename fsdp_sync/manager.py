@@ -37,7 +37,7 @@ from .faultpoint import fault_point
 from . import fleet
 from .fleet import Fleet
 from .memory import Timeline, empty_cache
-from .topology import SyncError, cpu_group, SyncTopology, agree
+from .topology import SyncError, cpu_group, SyncTopology, agree, let_go_of_frames
 from .transport import SyncContext, SyncStats, make_transport
 
 __all__ = ["FSDPShardingManager", "SyncStats"]
@@ -506,6 +506,7 @@ class FSDPShardingManager:
             self.transport.sync(ctx)
             return None, ctx
         except SyncError as exc:
+            let_go_of_frames(exc)
             return exc, ctx
         finally:
             self.stats = ctx.stats
@@ -696,3 +697,4 @@ def _close_open_managers() -> None:
             manager.close()
         except Exception as exc:  # noqa: BLE001 - interpreter exit: report, go on
             log.warning("fsdp_sync: closing a sharding manager at exit: %s", exc)
+

@@ -228,6 +228,8 @@ def _resources() -> dict:
 
 
 def _refusals_and_soak(rank, world, n_soak):
+    import gc
+
     import torch.distributed as dist
 
     from fsdp_sync.config import SyncConfig
@@ -243,6 +245,10 @@ def _refusals_and_soak(rank, world, n_soak):
     engine = _engine(cfg, 2, torch.float32) if rank == 0 else None
     conf = SyncConfig(method="distributed", dtype=torch.float32, bucket_bytes=96 << 10, dist_timeout_s=60)
     out = {"refusals": {}}
+    # no collection until the end: a refused sync's buffers must go when it fails, not when the
+    # garbage collector finds its error's reference cycle (two host-shared segments stayed mapped
+    # on rank 1 that way, until a collection during the soak: its resource counts then differ)
+    gc.disable()
     try:
         first = FSDPShardingManager(module, engine, config=conf)
         with first:
@@ -284,11 +290,13 @@ def _refusals_and_soak(rank, world, n_soak):
         for _ in range(n_soak):
             with manager:
                 pass
+        gc.collect()       # what only a collection frees was held in `before` too: it must be nothing
         out["resources"] = (before, _resources())
         out["soak_layout"] = manager.stats.extra.get("layout")
         manager.close()
         dist.barrier()
     finally:
+        gc.enable()
         if engine is not None:
             engine.shutdown()
     return out
