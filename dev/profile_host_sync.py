@@ -6,8 +6,12 @@ after three warm-up syncs. Each phase is timed by wrapping its function (one clo
 side, nothing per tensor). With ``--model dev/qwen2-1500m-tensors.yaml`` (qwen2-1500m's 338
 tensors, 4 MiB) a sync is all host work: the part a GPU sync waits on (docs/gpu.md).
 
+With ``--bucket-kb`` the sync is cut into buckets as a GPU sync of the real model is (400: six
+per-rank buckets, as qwen2-1500m's 512 MiB ones on the H200) and the first bucket's making, which
+also holds the export's resolve, is shown beside the others' (median).
+
 Usage: PYTHONPATH=. .venv/bin/python dev/profile_host_sync.py [--model dev/qwen2-1500m-tensors.yaml]
-           [--layout engine|full] [--dtype bfloat16] [--syncs 40]
+           [--layout engine|full] [--dtype bfloat16] [--syncs 40] [--bucket-kb 400] [--unpipelined]
 """
 
 from __future__ import annotations
@@ -47,7 +51,10 @@ def _rank(rank, world, a):
     per: dict[str, list[float]] = collections.defaultdict(list)
     with ReferenceEngine(model_config=cfg, tp_size=1, dtype=dtype) as engine:
         manager = FSDPShardingManager(module, engine, mesh=make_mesh(1, 1),
-                                      config=SyncConfig(layout=a.layout, strategy="flattened", dtype=dtype))
+                                      config=SyncConfig(layout=a.layout, strategy="flattened", dtype=dtype,
+                                                        pipelined=not a.unpipelined,
+                                                        **({"bucket_bytes": a.bucket_kb * 1024}
+                                                           if a.bucket_kb else {})))
         for _ in range(3):
             with manager:
                 pass
@@ -58,6 +65,12 @@ def _rank(rank, world, a):
                 pass
             per["the with block"].append(time.perf_counter() - t0)
             per["sync_weights (stats.seconds)"].append(manager.stats.seconds)
+            calls = manager.stats.extra["calls"]
+            if len(calls) > 1:
+                per["first bucket's making"].append(calls[0]["make_s"])
+                per["other buckets' making (median)"].append(
+                    sorted(c["make_s"] for c in calls[1:])[(len(calls) - 1) // 2])
+                per[f"buckets ({len(calls)}): engine_s"].append(sum(c["engine_s"] for c in calls))
             for k, v in took.items():
                 per[k].append(v)
         manager.close()
@@ -73,9 +86,12 @@ def main() -> None:
     ap.add_argument("--layout", default="engine", choices=("engine", "full"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--syncs", type=int, default=40)
+    ap.add_argument("--bucket-kb", type=int, default=0, help="bucket size (0: SyncConfig's default)")
+    ap.add_argument("--unpipelined", action="store_true")
     a = ap.parse_args()
     (out,) = run_ranks(_rank, 1, a, timeout_s=900, env=spawn_env())
-    print(f"{a.model}, layout {a.layout}, {a.dtype}, {a.syncs} syncs (ms: median, min)")
+    print(f"{a.model}, layout {a.layout}, {a.dtype}, {a.syncs} syncs, "
+          f"{'un' if a.unpipelined else ''}pipelined (ms: median, min)")
     for k, (med, low) in sorted(out.items(), key=lambda kv: -kv[1][0]):
         print(f"  {k:30s} {med * 1e3:7.2f} {low * 1e3:7.2f}")
 
