@@ -325,7 +325,7 @@ def _check_value(obj: Any, path: str, device: str | None) -> bool:
             if type(v) in _LEAVES:
                 continue
             # a bucket's metadata entry holds leaves only: passed here, not a call and a dict
-            # walk each (60 entries: 34 us instead of 180 on this host)
+            # walk each (a 60-entry bucket checked in 33-59 us instead of 69-138 on this host)
             if type(v) is types.SimpleNamespace and all(type(x) in _LEAVES for x in v.__dict__.values()):
                 continue
             if isinstance(v, _NESTED):
