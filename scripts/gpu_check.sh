@@ -12,7 +12,7 @@
 # Within GPU_CHECK_BUDGET_S seconds (default 480: 8 minutes) it runs, each step under its own time
 # limit cut to what is left of the budget (scripts/gpu_check_steps.sh: a step with under 10 s left
 # is skipped and recorded as such, rc 125), going on past a failure: `make test-gpu`, the demo,
-# `bench --preset gpu`, an FP8 bench, a 7B-class bench, `plan` beside each bench row (on h100-node's
+# `bench --preset gpu`, an FP8 bench (and an A/B of the quantizer's block amax), a 7B-class bench, `plan` beside each bench row (on h100-node's
 # spec figures, and on this machine's costs measured here: `--cluster this-machine`, kept as
 # OUTDIR/this_machine.json), a per-bucket profile (dev/gpu_profile.py), and records a real CUDA IPC
 # payload (protocols 5 and 2) for the CPU tests. GPU_CHECK_ONLY="step step" runs only the named
@@ -78,6 +78,8 @@ step demo 90 "${FS[@]}" demo --device cuda --ranks 1 --tp 1 --dtype bfloat16 --n
 step bench_gpu 150 "${FS[@]}" bench --preset gpu --json "$OUT/bench_gpu.json"
 step bench_fp8 120 "${FS[@]}" bench --models qwen2-1500m --quantization fp8 --strategies flattened \
   --layout full,engine "${BENCH[@]}" --json "$OUT/bench_fp8.json"
+# the quantizer's block amax, one-step reduction (before 2026-11-29) against two-step (now), same bits
+step fp8_ab 45 "$PY" dev/fp8_reductions_ab.py cuda
 step bench_7b 170 "${FS[@]}" bench --models qwen2-7b --strategies flattened,per_tensor --layout full,engine \
   "${BENCH[@]}" --json "$OUT/bench_7b.json"
 step plan 60 "${FS[@]}" plan --models qwen2-1500m,qwen2-7b --quantization none,fp8 --layout full,engine \

@@ -52,8 +52,12 @@ def summarize(out: Path, device: str | None = None, torch_version: str | None = 
                 row[f"bench_over_{col}"] = r["seconds"] / planned if planned and r.get("seconds") else None
             rows.append(row)
     cluster = _load(out, "this_machine") or None
+    try:    # the quantizer's block-amax A/B (dev/fp8_reductions_ab.py): its printed lines
+        fp8_ab = (out / "fp8_ab.log").read_text(errors="replace").strip() or None
+    except OSError:
+        fp8_ab = None
     result = {"device": device, "torch": torch_version, "steps": steps, "tests": gpu_tests(out),
-              "rows": rows, "this_machine": cluster}
+              "rows": rows, "this_machine": cluster, "fp8_ab": fp8_ab}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     (out / "gpu_check.md").write_text(table(result))
     return result
@@ -89,6 +93,8 @@ def table(result: dict) -> str:
         lines += ["", "test_gpu: " + ", ".join(f"{t[k]} {k}" for k in ("passed", "failed", "error", "skipped") if k in t)
                   + ("" if t["finished"] else " (cut at the step's limit: the tests not named did not finish)")
                   + "".join(f"\n- {n}" for n in t["failed_tests"])]
+    if result.get("fp8_ab"):
+        lines += ["", "fp8_ab:", "", "```", result["fp8_ab"], "```"]
     lines += ["", "| model | strategy | layout | piped | quant | s | copy s | x copy | plan s (h100-node) | "
               "bench/plan | plan s (this machine) | bench/plan | trainer rise MiB (alloc/res) | "
               "engine rise MiB | GPU rise MiB | budget MiB | within (GPU/trainer) |", "|" + "---|" * 17]

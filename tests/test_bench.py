@@ -135,6 +135,8 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
         "[gw1] [ 20%] FAILED tests/test_gpu.py::test_disk_method_on_cuda[full] \n"
         "[gw0] [ 30%] SKIPPED tests/test_gpu.py::test_distributed_method_on_two_gpus \n"
         "FAILED tests/test_gpu.py::test_disk_method_on_cuda[full] - AssertionError\n")
+    ab = "cuda: the block amax of 28 layers' 7 weights (2499 MiB bf16), scales equal"
+    (d / "fp8_ab.log").write_text(ab + "\n")      # dev/fp8_reductions_ab.py's output, first line
     here = dataclasses.replace(CLUSTERS["h100-node"], name="this-machine", tensor_s=1e-4, bucket_s=2e-3, sync_s=1e-3)
     (d / "this_machine.json").write_text(json.dumps(here.to_dict()))
     for name, cluster in (("plan", "h100-node"), ("plan_here", str(d / "this_machine.json"))):
@@ -166,6 +168,7 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
     assert md.count("| tiny |") == len(rows) and "| bench_7b | 125 | 0 |" in md and "us/tensor" in md
     assert "test_gpu: 1 passed, 1 failed, 1 skipped (cut at the step's limit" in md
     assert "\n- tests/test_gpu.py::test_disk_method_on_cuda[full]" in md
+    assert summary["fp8_ab"] == ab and f"fp8_ab:\n\n```\n{ab}\n```" in md
     # each row says where its time went, engine call by engine call (the per-tensor row: sums only)
     for r in rows:
         assert r["call_seconds"]["engine_s"] > 0 and ("calls" in r) == (r["strategy"] != "per_tensor"), r

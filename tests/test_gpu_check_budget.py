@@ -60,8 +60,8 @@ def test_every_step_of_the_gpu_check_is_well_formed(tmp_path, monkeypatch):
         if line:
             name, *cmd = [w.decode() for w in line.split(b"\0")[:-1]]
             steps[name] = cmd
-    assert list(steps) == ["test_gpu", "payload", "demo", "bench_gpu", "bench_fp8", "bench_7b", "plan",
-                           "plan_here", "kept", "profile"], list(steps)
+    assert list(steps) == ["test_gpu", "payload", "demo", "bench_gpu", "bench_fp8", "fp8_ab", "bench_7b",
+                           "plan", "plan_here", "kept", "profile"], list(steps)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     parsed = {}
@@ -76,6 +76,11 @@ def test_every_step_of_the_gpu_check_is_well_formed(tmp_path, monkeypatch):
     assert steps["profile"][1] == "dev/gpu_profile.py" and (ROOT / steps["profile"][1]).is_file()
     assert steps["kept"][1] == "dev/gpu_profile.py" and "--kept" in steps["kept"]
     compile((ROOT / "dev" / "gpu_profile.py").read_text(), "dev/gpu_profile.py", "exec")
+    assert steps["fp8_ab"][1:] == ["dev/fp8_reductions_ab.py", "cuda"]
+    ab = subprocess.run([sys.executable, "dev/fp8_reductions_ab.py", "cpu", "--rounds", "1"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120,
+                        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert ab.returncode == 0 and "scales equal" in ab.stdout, ab.stdout + ab.stderr
     make = subprocess.run(["make", "-n", *steps["test_gpu"][1:]], cwd=ROOT, capture_output=True,
                           text=True, timeout=30)
     assert make.returncode == 0 and "-m gpu" in make.stdout, make.stdout + make.stderr
