@@ -697,4 +697,3 @@ def _close_open_managers() -> None:
             manager.close()
         except Exception as exc:  # noqa: BLE001 - interpreter exit: report, go on
             log.warning("fsdp_sync: closing a sharding manager at exit: %s", exc)
-

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["SyncTopology", "make_mesh", "let_go_of_frames", "gather_to_src", "broadcast_from_src", "agree", "agree_after_rank0",
-           "SyncError", "cpu_group", "has_cpu_backend", "released_by_backend"]
+__all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "agree_after_rank0",
+           "SyncError", "cpu_group", "has_cpu_backend", "released_by_backend", "let_go_of_frames"]
 
 log = logging.getLogger(__name__)
 
@@ -309,4 +309,3 @@ def let_go_of_frames(exc: BaseException) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)    # the frame still running is left as it is
         e = e.__cause__ or e.__context__
-

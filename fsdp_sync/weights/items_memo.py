@@ -95,9 +95,6 @@ class ItemsMemo:
         self._kept[module] = ([_Entry(k, v) for k, v in sd.items()], [_template(it) for it in items])
         return items
 
-    def forget(self, module: nn.Module) -> None:
-        self._kept.pop(module, None)
-
 
 def _template(item: Any) -> tuple[Any, str]:
     """``item`` without its data, and where its data comes from (``full``, ``dtensor``, ``pieces``)."""
