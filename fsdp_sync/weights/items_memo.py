@@ -28,14 +28,15 @@ import torch
 from torch import nn
 
 from .gather import Pieces
+from .shards import local_shard
 
 __all__ = ["ItemsMemo"]
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (``_local_tensor``), else the tensor itself."""
-    local = getattr(value, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else value
+    """A DTensor's local tensor, as `export` takes its pieces from (`shards.local_shard`), else
+    the tensor itself."""
+    return local_shard(value) if getattr(value, "_spec", None) is not None else value
 
 
 class _Entry:
