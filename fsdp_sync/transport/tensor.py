@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fleet
-from ..weights import export, handles, ipc_memory, quantize, reshard
+from ..weights import export, handles, ipc_memory, quantize, reshard, state_words
 from ..weights.bucket import plan_buckets
 from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_to_src, released_by_backend
@@ -265,7 +265,8 @@ class TensorTransport:
         agree(err, self._group, what=self._what)
         ok = False
         try:
-            yield
+            with state_words.pooled():   # the update's payloads share their state words' pages
+                yield
             ok = True
         finally:
             try:

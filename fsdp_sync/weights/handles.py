@@ -57,7 +57,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.multiprocessing import reductions as _red
 
-from . import ipc_memory
+from . import ipc_memory, state_words
 from .bucket import SUPPORTED_DTYPES, dtype_name
 from .unpickle import RED, Unpickler, device_uuid, torch_rebuild_cuda_tensor, torch_reduce_tensor
 from .shm import (HandleError, add_torch_reference,
@@ -380,6 +380,7 @@ class PayloadSet:
     ranks: list[int] = field(default_factory=list)
     released: bool = False
     _counters: list[list] = field(default_factory=list, repr=False)
+    _slots: list = field(default_factory=list, repr=False)     # `state_words.Slot`s, pooled ones
 
     def state(self, rank: int) -> int:
         s = self.states[rank]
@@ -412,9 +413,11 @@ class PayloadSet:
                     add_torch_reference(storage, -1)
                 for handle, offset in (self._counters[i] if self._counters else ()):
                     _release_ipc_counter(handle, offset)
+        for slot in self._slots:        # a final state frees the slot for the sync's next payload
+            state_words.give_back(slot)
         ranks = self.ranks
         self.payloads, self.obj, self._keep, self._shared, self.states = [], None, [], [], []
-        self._counters = []
+        self._counters, self._slots = [], []
         self.released = True
         _prune_owned()
         collect_ipc()
@@ -487,14 +490,23 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
     shared_per_rank: list[list] = []
     counters_per_rank: list[list] = []
     payloads: list = []
+    slots: list = []
     for rank in ranks:
         shared: list = []
         counters: list = []
         if tagged:
-            state = empty_shared(4).view(torch.int32)
-            state.zero_()
+            # inside a sync (`state_words.pooled`) a slot of a page the sync's payloads share;
+            # else a 4-byte segment of its own
+            slot = state_words.take(empty_shared)
+            if slot is not None:
+                slots.append(slot)
+                state = slot.state
+                tag = {"rank": rank, "of": num_consumers, "state": state, "gen": slot.gen}
+            else:
+                state = empty_shared(4).view(torch.int32)
+                state.zero_()
+                tag = {"rank": rank, "of": num_consumers, "state": state}
             states.append(state)
-            tag = {"rank": rank, "of": num_consumers, "state": state}
             wire = dict(obj, **{TAG: tag}) if isinstance(obj, dict) else {"tensor": obj, TAG: tag}
         else:
             states.append(None)
@@ -503,7 +515,8 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
         payloads.append(base64.b64encode(data).decode("ascii") if output_str else data)
         shared_per_rank.append(shared)
         counters_per_rank.append(counters)
-    return PayloadSet(payloads, obj, states, keep, shared_per_rank, ranks, _counters=counters_per_rank)
+    return PayloadSet(payloads, obj, states, keep, shared_per_rank, ranks, _counters=counters_per_rank,
+                      _slots=slots)
 
 
 def _segment_handle(state: torch.Tensor) -> bytes:
@@ -631,23 +644,32 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
         return Received(obj, rank)
     tag = obj.pop(TAG)
     state = tag.get("state") if isinstance(tag, dict) else None
+    gen = tag.get("gen") if isinstance(tag, dict) else None
     if not (isinstance(state, torch.Tensor) and state.dtype == torch.int32 and state.numel() == 1
-            and isinstance(tag.get("rank"), int)):
+            and isinstance(tag.get("rank"), int) and (gen is None or type(gen) is int)):
         raise HandleError(f"payload's {TAG!r} tag is malformed: {tag!r:.80}")
     error = None
     if rank is not None and rank != tag["rank"]:
         error = f"payload for infer-TP rank {tag['rank']} (of {tag['of']}) opened by rank {rank}"
     else:
-        with refcount_lock(_segment_handle(state)):     # against `_revoke` in the producer's release
-            was = int(state[0])
-            if was == FRESH:
-                state[0] = OPENED
-        if was == REVOKED:
-            error = (f"payload for rank {tag['rank']} was released by its producer before it was "
-                     f"opened (PayloadSet.release: the producer stopped waiting for this consumer)")
-        elif was != FRESH:
-            error = (f"payload for rank {tag['rank']} opened twice (state "
-                     f"{'opened' if was == OPENED else 'acknowledged'})")
+        try:
+            words = state_words.words_of(state) if gen is not None else None
+        except HandleError as exc:
+            error = str(exc)
+        else:
+            # under the lock `_revoke` and a pooled slot's reuse take: a slot that went to a later
+            # payload (another generation) reads as revoked, this payload having been released
+            with refcount_lock(_segment_handle(state)):
+                was = (int(state[0]) if words is None or state_words.generation_matches(words, gen)
+                       else REVOKED)
+                if was == FRESH:
+                    state[0] = OPENED
+            if was == REVOKED:
+                error = (f"payload for rank {tag['rank']} was released by its producer before it was "
+                         f"opened (PayloadSet.release: the producer stopped waiting for this consumer)")
+            elif was != FRESH:
+                error = (f"payload for rank {tag['rank']} opened twice (state "
+                         f"{'opened' if was == OPENED else 'acknowledged'})")
     if error is not None:
         # unpickling took the reference meant for the rightful consumer: hand it back
         _for_each_storage(obj, take_back)
