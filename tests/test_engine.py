@@ -8,14 +8,16 @@ Memory, dead workers and shutdown hygiene are in test_engine_lifecycle.py.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
 
 from fsdp_sync.weights import handles
 from fsdp_sync.weights.bucket import flatten, plan_buckets, sglang_metadata, TensorMeta
-from fsdp_sync.engines import (Engine, EngineStateError, ReferenceEngine, SerializedPerRank,
+from fsdp_sync.engines import (Engine, EngineError, EngineStateError, ReferenceEngine, SerializedPerRank,
                                WeightUpdateError, checksum_named_tensors)
+from fsdp_sync.engines.reference import worker
 from fsdp_sync.engines.reference.tp_model import ModelSpec, TPLayout, shard_state_dict
 from fsdp_sync.models import build_model, load_config
 
@@ -303,6 +305,58 @@ def test_a_failed_call_aborts_the_whole_transaction(eng, tiny, tiny2):
     with pytest.raises(EngineStateError, match="without begin"):
         eng.end_weight_update()
     restore(eng, tiny)
+
+
+@pytest.mark.timeout(90)
+def test_one_worker_stages_and_commits_in_one_round_trip(eng, tiny, tiny2, monkeypatch):
+    """A worker alone has no other rank's stage to wait for: the update is one round trip
+    (``stage_commit``), where TP ranks stage, then commit, each a round."""
+    sent = []
+    real = eng._round
+
+    def spy(cmd, *args, **kw):
+        sent.append(cmd)
+        return real(cmd, *args, **kw)
+
+    monkeypatch.setattr(eng, "_round", spy)
+    eng.update_weights_from_tensor(list(tiny2.state_dict().items()), flush_cache=False)
+    assert sent == (["stage_commit"] if eng.tp_size == 1 else ["stage", "commit"])
+    assert eng.weights_checksum() == checksum(tiny2)
+    assert eng.last_call_figures["commit_s"] > 0 and eng.last_call_figures["stage_s"] > 0
+    restore(eng, tiny)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_commit_of_one_worker_breaks_the_engine(tiny, monkeypatch):
+    """The commit's failure comes back inside the fused reply; it is taken as a failed commit
+    (the engine says its weights may be inconsistent and serves no more), not as a refused
+    stage. (Copies fail only on, say, running out of memory: the reply is scripted here.)"""
+    with ReferenceEngine(model_config=load_config("tiny"), tp_size=1) as e:
+        real = e._round
+
+        def failing_commit(cmd, *args, **kw):
+            replies = real(cmd, *args, **kw)
+            if cmd == "stage_commit":
+                replies[0][1]["committed"] = ("err", "other", "RuntimeError: out of memory", "tb", None)
+            return replies
+
+        monkeypatch.setattr(e, "_round", failing_commit)
+        with pytest.raises(EngineError, match="out of memory"):
+            e.update_weights_from_tensor(list(tiny.state_dict().items()))
+        with pytest.raises(EngineError, match="commit failed on some TP ranks"):
+            e.forward_logits(PROMPTS)
+    # the worker's side: a commit that raises is its reply's "committed", the stage's reply kept
+
+    class Updates:
+        def stage(self, items, keep_mapped):
+            return {"stage_s": 0.5, "keep": keep_mapped}
+
+        def commit(self):
+            raise RuntimeError("out of memory")
+
+    reply = worker._stage_commit(types.SimpleNamespace(updates=Updates()), {"items": [], "keep_mapped": True})
+    assert reply["stage_s"] == 0.5 and reply["keep"] is True
+    assert reply["committed"][0] == "err" and "RuntimeError: out of memory" in reply["committed"][2]
 
 
 @pytest.mark.timeout(60)

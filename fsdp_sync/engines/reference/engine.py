@@ -92,30 +92,12 @@ from .lora_calls import LoRACalls
 from .readback import WeightReadback
 from .rollout import GenerationCalls
 from .scheduler import Scheduler, check_version
-from .update_items import build_items
+from .update_items import build_items, worker_figures
 
 __all__ = ["ReferenceEngine"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
-
-
-def _worker_figures(staged: dict[int, tuple], committed: dict[int, tuple]) -> dict[str, float]:
-    """Where a tensor update's time went in the workers, each part the slowest rank's: ``stage_s``
-    (of which ``open_s``, opening the payloads: unpickling, mapping shared memory or opening CUDA
-    IPC handles; the rest checks every name, shape and dtype), ``commit_s`` (of which ``apply_s``,
-    the copies into the weights, or aside in a staging transaction, and ``ack_s``, acknowledging
-    the payloads: on CUDA the stream synchronization that waits for those copies); and ``kept``,
-    the buffers every rank found still open from an earlier call of the update (the fewest)."""
-    def ok(replies: dict[int, tuple]) -> list[dict]:
-        return [rep[1] for rep in replies.values() if rep[0] == "ok" and isinstance(rep[1], dict)]
-
-    out: dict[str, float] = {}
-    for replies, keys in ((staged, ("stage_s", "open_s")), (committed, ("commit_s", "apply_s", "ack_s"))):
-        for k in keys:
-            out[k] = max((float(r.get(k, 0.0)) for r in ok(replies)), default=0.0)
-    out["kept"] = min((int(r.get("kept", 0)) for r in ok(staged)), default=0)
-    return out
 
 
 class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadback, LoRACalls, GPUCalls):
@@ -233,7 +215,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
         self.disk_seconds: dict[str, float] = {}   # the last disk update: read_hash_s, copy_s (slowest rank)
         self.last_call_figures: dict[str, float] = {}
-        """The last tensor update in the workers (`_worker_figures`): where its time went, each
+        """The last tensor update in the workers (`worker_figures`): where its time went, each
         part the slowest rank's, and the bucket buffers found still open (`transport.call_times`)."""
         self.disk_tensors_loaded = 0           # checkpoint tensors the last disk update loaded
         self.tp_size = int(tp_size)
@@ -500,7 +482,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                     self._abort_all(what, str(exc))   # a refused call ends an open transaction too
                     raise
                 staged = self._two_phase(per_rank, what, keep_mapped=keep_mapped)
-                self.last_call_figures = _worker_figures(staged, self._committed)
+                self.last_call_figures = worker_figures(staged, self._committed)
             finally:
                 for s in sets:
                     s.release(require_ack=False)
@@ -532,18 +514,21 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
 
     def _two_phase(self, per_rank: list, what: str, cmd: str = "stage",
                    keep_mapped: bool = False) -> dict[int, tuple]:
-        """Stage on every worker, then commit (or abort everywhere); returns the stage replies."""
+        """Stage on every worker, then commit (or abort everywhere); returns the stage replies. One
+        worker has no other rank's stage to wait for: it stages and commits in one round trip."""
         phase = "stage"
+        fused = cmd == "stage" and len(per_rank) == 1
         try:
             args = [{"items": it, "keep_mapped": keep_mapped} for it in per_rank] if cmd == "stage" else per_rank
-            staged = self._round(cmd, per_rank=args, what=what)
+            staged = self._round("stage_commit" if fused else cmd, per_rank=args, what=what)
             errs = {r: rep for r, rep in staged.items() if rep[0] != "ok"}
             if errs:
                 phase = "aborted"
                 self._abort_all(what, str(errs[min(errs)][2]))
                 self._raise_errors(staged, what)
             phase = "commit"
-            committed = self._committed = self._round("commit", what=what + " (commit)")
+            committed = self._committed = ({r: rep[1].pop("committed") for r, rep in staged.items()} if fused
+                                           else self._round("commit", what=what + " (commit)"))
             phase = "done"
             if any(rep[0] != "ok" for rep in committed.values()):
                 # copies only fail on e.g. out-of-memory; ranks may now disagree on their weights

@@ -2,7 +2,8 @@
 arguments of ``update_weights_from_tensor``, ``update_weights_from_distributed`` and
 ``update_weights_from_disk`` (the checkpoint's files resolved, its ``config.json`` checked against
 the engine's model), and the engine-side check of a distributed call's names, dtypes and shapes
-(before any worker joins the broadcast, so the sender learns at once).
+(before any worker joins the broadcast, so the sender learns at once), and what the workers'
+replies say of where an update's time went (`worker_figures`).
 
 Plain tensors are packed into one flattened bucket per distinct rank list (one shared buffer, one
 handle per rank); payloads given per rank pass through as they are. Every malformed argument is a
@@ -26,7 +27,7 @@ from ...wire import PER_RANK_BUCKET, flattened_bucket
 from ..base import SerializedPerRank, WeightUpdateError
 from .quant import dtype_refusal, scale_refusal
 
-__all__ = ["build_items", "pack_plain", "distributed_entries", "check_entries", "disk_items"]
+__all__ = ["build_items", "pack_plain", "distributed_entries", "check_entries", "disk_items", "worker_figures"]
 
 
 def distributed_entries(names: Any, dtypes: Any, shapes: Any, load_format: str | None) -> list[tuple]:
@@ -210,3 +211,21 @@ def disk_items(model_path: Any, load_format: str | None, layout: Any, config: An
         "dir": plan.directory, "files": plan.files, "index": plan.index, "complete": complete,
         "verify": {f: plan.digests[f] for f in plan.files[r::tp] if f in plan.digests},
         "hash": plan.hash})] for r in range(tp)]
+
+
+def worker_figures(staged: dict[int, tuple], committed: dict[int, tuple]) -> dict[str, float]:
+    """Where a tensor update's time went in the workers, each part the slowest rank's: ``stage_s``
+    (of which ``open_s``, opening the payloads: unpickling, mapping shared memory or opening CUDA
+    IPC handles; the rest checks every name, shape and dtype), ``commit_s`` (of which ``apply_s``,
+    the copies into the weights, or aside in a staging transaction, and ``ack_s``, acknowledging
+    the payloads: on CUDA the stream synchronization that waits for those copies); and ``kept``,
+    the buffers every rank found still open from an earlier call of the update (the fewest)."""
+    def ok(replies: dict[int, tuple]) -> list[dict]:
+        return [rep[1] for rep in replies.values() if rep[0] == "ok" and isinstance(rep[1], dict)]
+
+    out: dict[str, float] = {}
+    for replies, keys in ((staged, ("stage_s", "open_s")), (committed, ("commit_s", "apply_s", "ack_s"))):
+        for k in keys:
+            out[k] = max((float(r.get(k, 0.0)) for r in ok(replies)), default=0.0)
+    out["kept"] = min((int(r.get("kept", 0)) for r in ok(staged)), default=0)
+    return out

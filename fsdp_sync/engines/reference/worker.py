@@ -205,7 +205,8 @@ class Worker:
     # ----------------------------------------------------------------- loop
     def handle(self, cmd: str, args: dict) -> Any:
         tags = args.get("tags") if cmd in ("resume", "release") and isinstance(args, dict) else None
-        fault_point("worker", self.rank, cmd + (":" + ",".join(tags) if tags else ""))  # FSDP_SYNC_FAULT
+        point = "stage" if cmd == "stage_commit" else cmd     # (one worker's stage, its commit with it)
+        fault_point("worker", self.rank, point + (":" + ",".join(tags) if tags else ""))  # FSDP_SYNC_FAULT
         fn = COMMANDS.get(cmd)
         if fn is None:
             raise WorkerError(KIND_OTHER, f"unknown command {cmd!r}")
@@ -414,12 +415,24 @@ def _receive_raw(w: Worker, a: dict) -> None:
                 p2p=bool(a.get("p2p")))
 
 
+def _stage_commit(w: Worker, a: dict) -> dict:
+    """An update's two phases in one command (an engine of one worker): the stage's reply, with
+    the commit's (``("ok", figures)`` or its error reply) as ``"committed"``."""
+    staged = w.updates.stage(a["items"], bool(a.get("keep_mapped")))
+    try:
+        staged["committed"] = ("ok", w.updates.commit())
+    except Exception as exc:  # noqa: BLE001 - the engine takes it as a failed commit (broken)
+        staged["committed"] = _error_reply(exc)
+    return staged
+
+
 # Each command the engine sends: cmd -> handler(worker, args). `flush_cache` does nothing: there is
 # no prefix cache; the running batch's KV is its requests' own (the engine refuses a flush that
 # would have to drop it, as SGLang does while paused in place).
 COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "stage": lambda w, a: w.updates.stage(a["items"], bool(a.get("keep_mapped"))),
     "commit": lambda w, a: w.updates.commit(),
+    "stage_commit": _stage_commit,
     "abort": lambda w, a: w.updates.abort(a.get("reason", "")),
     "begin": lambda w, a: w.updates.begin(bool(a.get("transactional", True))),
     "end": lambda w, a: w.updates.end(bool(a.get("abort"))),
@@ -517,7 +530,7 @@ def main(rank: int, tp: int, store_port: int | None, conn: Any, opts: dict) -> N
             try:
                 reply = (seq, "ok", worker.handle(cmd, args))
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to the engine
-                if cmd in ("stage", "stage_broadcast"):   # nothing of a failed stage survives here
+                if cmd in ("stage", "stage_broadcast", "stage_commit"):   # nothing of a failed stage survives
                     worker.updates.drop_call()
                 reply = (seq, *_error_reply(exc))
             try:
