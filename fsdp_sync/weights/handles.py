@@ -28,7 +28,8 @@ inside its storage. A segment of another process of the same user is admitted: r
 segments other processes made, and such a process can read ``/dev/shm`` anyway.
 
 A tagged payload (the default) carries an ``"fsdp_sync"`` entry: the rank it is for and a 4-byte
-shared state word (0 fresh, 1 opened, 2 acknowledged, 3 revoked). Opening by the wrong rank or twice
+shared state word (0 fresh, 1 opened, 2 acknowledged, 3 revoked; inside a sync a slot of a page the
+sync's payloads share, a generation beside it: `state_words`). Opening by the wrong rank or twice
 raises; the producer's `PayloadSet` keeps every buffer alive until `release`, which reports ranks
 that never acknowledged and gives back what a payload nobody opened still holds: its shared-memory
 references and its CUDA IPC reference counters (torch starts each at 1 and parks the producer's
