@@ -746,6 +746,39 @@ def test_ack_synchronizes_each_cuda_device_once_then_drops_values_then_acknowled
     assert events == [("drop", "e", handles.OPENED)]
 
 
+def test_an_opened_payload_knows_its_tensors_without_walking_its_value(monkeypatch):
+    """A tagged payload's tensors are the ones its unpickling rebuilt (the state word aside): the
+    consumer's storage walk and the acknowledgement's device walk take them, not a walk of the
+    bucket's metadata, and the acknowledgement lets go of them with the value."""
+    tensors, obj = _bucket_of(_mixed(11))
+    with make_payloads(obj, 1) as ps:
+        rec = open_payload(ps.payloads[0], 0)
+        walked = list(handles._tensors(rec.value))
+        assert [id(t) for t in rec._tensors] == [id(t) for t in walked]
+        assert all(t is not rec._state for t in rec._tensors)
+
+        def no_walk(obj):
+            raise AssertionError("walked the value")
+
+        monkeypatch.setattr(handles, "_tensors", no_walk)
+        seen = []
+        rec.each_storage(seen.append)
+        assert [s.data_ptr() for s in seen] == [walked[0].untyped_storage().data_ptr()]
+        del walked
+        rec.ack()
+        assert rec._tensors is None and rec.value is None
+    monkeypatch.undo()
+    # untagged (SGLang's): nothing recorded, the value is walked as before
+    with make_payloads(obj, 1, tagged=False) as ps:
+        rec = open_payload(ps.payloads[0], 0)
+        assert rec._tensors is None
+        seen = []
+        rec.each_storage(seen.append)
+        assert len(seen) == 1
+        del rec
+        ps.release(unopened=())
+
+
 def test_a_failed_synchronization_acknowledges_nothing(monkeypatch):
     def broken(device):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -767,7 +800,7 @@ def test_the_engine_acknowledges_a_call_as_one_batch(monkeypatch):
     synced: list = []
     monkeypatch.setattr(handles, "_sync_stream", synced.append)
     monkeypatch.setattr(handles, "_cuda_devices",
-                        lambda value: {torch.device("cuda", 0)} if value is not None else set())
+                        lambda rec: {torch.device("cuda", 0)} if rec.value is not None else set())
     with make_payloads(torch.arange(4.0), 3) as ps:
         with opened_payloads(ps.payloads[:2], "payload {i}") as values:
             assert [v.tolist() for v in values] == [[0.0, 1.0, 2.0, 3.0]] * 2

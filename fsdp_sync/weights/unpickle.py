@@ -259,6 +259,12 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
+def _recorded(rebuild: Any, into: list, *args: Any) -> torch.Tensor:
+    t = rebuild(*args)
+    into.append(t)
+    return t
+
+
 class Unpickler(pickle.Unpickler):
     """Accepts what SGLang's safe deserializer accepts (exact pairs), and nothing of ours.
     ``via_manager``: map shared memory through torch's rebuild (see `open_payload`)."""
@@ -266,6 +272,8 @@ class Unpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, via_manager: bool = False) -> None:
         super().__init__(file)
         self._via_manager = via_manager
+        self.rebuilt: list[torch.Tensor] = []
+        """Every tensor the payload rebuilt (its only way to make one), in order."""
 
     def find_class(self, module: str, name: str):
         obj = _ALLOWED.get((module, name))
@@ -275,6 +283,8 @@ class Unpickler(pickle.Unpickler):
                               f"rebuild functions); refused")
         if obj is _safe_rebuild_storage_filename and self._via_manager:
             return functools.partial(obj, via_manager=True)
+        if obj is _safe_rebuild_tensor or obj is _safe_rebuild_cuda_tensor:
+            return functools.partial(_recorded, obj, self.rebuilt)
         return obj
 
     def persistent_load(self, pid: Any):

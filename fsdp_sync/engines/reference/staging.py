@@ -195,7 +195,7 @@ class UpdateStager:
                                            f"{type(exc).__name__}: {exc}") from exc
         self.received.append(rec)
         if self.keep_call and self.in_update:
-            handles._for_each_storage(rec.value, self._keep_mapped, ("cpu", "cuda"))
+            rec.each_storage(self._keep_mapped, ("cpu", "cuda"))
         self.open_s += time.perf_counter() - t0
         return rec.value
 
