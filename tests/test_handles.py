@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import pickle
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from fsdp_sync.weights import bucket, handles, unpickle
+from fsdp_sync.weights import bucket, handles, state_words, unpickle
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.weights.handles import HandleError, make_payloads, open_payload
 from torch.multiprocessing import reductions as red
@@ -846,14 +847,21 @@ def _cuda_shaped(monkeypatch, marked: torch.Tensor) -> list:
     return released
 
 
-def test_release_gives_back_the_cuda_counters_of_payloads_nobody_opened(monkeypatch):
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-words", "sync-pool"])
+def test_release_gives_back_the_cuda_counters_of_payloads_nobody_opened(monkeypatch, pooled):
     """torch starts each CUDA share's counter at 1 and parks the producer's block until a consumer
     releases it: a payload nobody opened would park its bucket forever. Released here: exactly
-    the counters of fresh payloads (tagged) or of the ranks the caller names (untagged)."""
+    the counters of fresh payloads (tagged) or of the ranks the caller names (untagged). Inside a
+    sync (state words from a shared page) the same, and only the final slots are taken again."""
     marked = handles.empty_shared(4000).view(torch.float32)
     released = _cuda_shaped(monkeypatch, marked)
     counter = lambda offset: (b"/torch_4242_1234567890", offset)   # noqa: E731
+    pool = contextlib.ExitStack()
+    if pooled:
+        pool.enter_context(state_words.pooled())
     ps = make_payloads({"flattened_tensor": marked, "metadata": []}, 3)
+    slots = [s.index for s in ps._slots]
+    assert len(slots) == (3 if pooled else 0)
     assert all(b"rebuild_cuda_tensor" in p for p in ps.payloads)
     # rank 0 acknowledged, rank 1 opened (its consumer's storage releases its counter when it
     # dies), rank 2 never opened
@@ -865,6 +873,12 @@ def test_release_gives_back_the_cuda_counters_of_payloads_nobody_opened(monkeypa
     assert released == [counter(102)]
     ps.release()                                         # once only
     assert released == [counter(102)]
+    if pooled:      # rank 0's (acknowledged) and rank 2's (revoked) slots again, not rank 1's (opened)
+        again = make_payloads(torch.ones(2), 2)
+        assert sorted(s.index for s in again._slots) == sorted([slots[0], slots[2]])
+        again.release(require_ack=False)
+        assert released == [counter(102)]
+    pool.close()
     del opened
 
     released.clear()
