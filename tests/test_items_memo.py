@@ -157,3 +157,48 @@ def test_fsdp2_reuses_items_through_training_and_not_past_a_swapped_shard(world)
         assert all(not bad for bad in res["wrong"].values()), res["wrong"]
         assert res["counts"] == {"first": (0, 1), "after a training step": (1, 0),
                                  "swapped local shard": (0, 1), "local shard on other memory": (0, 1)}, res["counts"]
+
+
+def test_submodules_walks_what_modules_walks():
+    """`items_memo.submodules` stands in for ``list(module.modules())`` (the FSDP1 unit search,
+    `tensors_key`): the same modules, in the same order, a module held twice once, and a child
+    slot holding None skipped."""
+    from fsdp_sync.weights.items_memo import submodules
+
+    m = build_model(load_config("tiny"), seed=SEED)
+    shared = m.model.layers[0].mlp
+    m.model.layers[1].register_module("again", shared)       # one module in two places
+    m.model.register_module("nothing", None)
+    assert [id(x) for x in submodules(m)] == [id(x) for x in m.modules()]
+    assert sum(x is shared for x in submodules(m)) == 1
+
+
+@pytest.mark.parametrize("change", ["new parameter", "removed buffer", "cast", "resize",
+                                    "replaced submodule", "new submodule"])
+def test_param_metas_follow_any_change_to_the_modules_tensors(model, change):
+    """`export.param_metas` is remembered while the module holds the same tensors: after each
+    change, the answer is the one worked out from scratch (and differs from the one before)."""
+    dtype = None if change == "cast" else BF16
+    before = export.param_metas(model, dtype)
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        if change == "new parameter":
+            layer.mlp.up_proj.register_parameter("extra", nn.Parameter(torch.ones(4, 2)))
+        elif change == "removed buffer":
+            model.register_buffer("extra_scale", torch.ones(3))
+            before = export.param_metas(model, dtype)
+            del model.extra_scale
+        elif change == "cast":
+            layer.mlp.up_proj.to(torch.float64)             # the same objects, another dtype
+        elif change == "resize":
+            layer.mlp.up_proj.weight.data = torch.ones(layer.mlp.up_proj.weight.shape[0] + 8, 3)
+        elif change == "replaced submodule":
+            old = layer.mlp.down_proj
+            layer.mlp.down_proj = nn.Linear(old.in_features, old.out_features + 4, bias=False)
+        else:
+            layer.mlp.register_module("side", nn.Linear(3, 5))
+    got = export.param_metas(model, dtype)
+    export._METAS.pop(model, None)
+    want = export.param_metas(model, dtype)
+    assert got == want, change
+    assert got != before, change

@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
 import warnings
 import weakref
@@ -90,7 +89,7 @@ from . import experts as _experts
 from . import handles as _handles
 from .gather import Pieces, Scratch, fill_bucket, fill_shared, materialize, shared_group, sub_pieces
 from .hostbuf import HostShared
-from .items_memo import ItemsMemo
+from .items_memo import ItemsMemo, submodules, tensors_key
 from .peft_names import base_parts, is_lora, select  # noqa: F401 - is_lora: part of the export API
 from .shards import dim0_pieces, rank as _rank, sharded_tensor_pieces
 from ..topology import agree
@@ -179,7 +178,7 @@ def _fsdp1_units(module: nn.Module) -> list:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover
         return []
-    return [m for m in module.modules() if isinstance(m, FSDP)]
+    return [m for m in submodules(module) if isinstance(m, FSDP)]
 
 
 def _skip(name: str, is_param: bool) -> bool:
@@ -373,10 +372,10 @@ def param_metas(module: nn.Module, dtype: torch.dtype | None = None, *,
     the module's parameters and buffers are other objects, or of other dtypes or shapes, than when
     it was last asked (one added, replaced, tied, wrapped, cast in place): every sync asks, and the
     layout walk is 6 ms of a 338-tensor sync on this host, the walk that tells whether anything
-    changed 1.5 ms.
+    changed (`items_memo.tensors_key`) 0.3 ms.
     """
     _check_dtype(dtype)
-    key = tuple((id(t), t.dtype, t.shape) for t in itertools.chain(module.parameters(), module.buffers()))
+    key = tensors_key(module)
     known = _METAS.setdefault(module, {})
     hit = known.get((dtype, lora))
     if hit is None or hit[0] != key:
