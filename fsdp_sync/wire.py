@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .weights.bucket import Bucket, entries_from_metadata, plan_buckets, sglang_metadata, unflatten
+from .weights.bucket import (Bucket, KnownMetadata, entries_from_metadata, plan_buckets, sglang_metadata,
+                             unflatten)
 
 __all__ = ["new_update_group", "destroy_update_group", "DEFAULT_GROUP_NAME", "PER_RANK_BUCKET",
            "per_rank_bucket_plan", "flattened_bucket", "open_flattened_bucket", "free_port",
@@ -62,15 +63,17 @@ def flattened_bucket(flat: torch.Tensor, bucket: Bucket) -> dict:
             "metadata": sglang_metadata(bucket)}
 
 
-def open_flattened_bucket(value: Any) -> list[tuple[str, torch.Tensor]]:
+def open_flattened_bucket(value: Any, known: KnownMetadata | None = None) -> list[tuple[str, torch.Tensor]]:
     """The named tensors of an opened flattened-bucket payload (views into its buffer).
+    ``known``: metadata this receiver checked before (`bucket.KnownMetadata`), kept by it.
 
     Raises ValueError saying what was wrong (not a dict with both keys, bad metadata)."""
     if not (isinstance(value, dict) and "flattened_tensor" in value and "metadata" in value):
         raise ValueError(f"a flattened bucket is a dict with 'flattened_tensor' and 'metadata', got "
                          f"{type(value).__name__}")
     try:
-        return unflatten(value["flattened_tensor"], entries_from_metadata(value["metadata"]))
+        entries = (known.entries if known is not None else entries_from_metadata)(value["metadata"])
+        return unflatten(value["flattened_tensor"], entries)
     except (ValueError, KeyError, AttributeError, TypeError) as exc:
         raise ValueError(f"bad flattened bucket: {exc}") from exc
 

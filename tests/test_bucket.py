@@ -159,3 +159,54 @@ def test_unflatten_rejects_entries_that_do_not_fit_or_are_misaligned():
         unflatten(flat, [bucket.BucketEntry("y", torch.int64, (1,), 6, 14)])
     with pytest.raises(ValueError, match="1-D uint8"):
         unflatten(flat.view(torch.int32), [])
+
+
+def _metadata():
+    b = plan_buckets([TensorMeta("a.weight", torch.bfloat16, (4, 3)), TensorMeta("b.weight", torch.float32, (5,))],
+                     10_000)[0]
+    return b, bucket.sglang_metadata(b)
+
+
+def test_known_metadata_is_checked_once_and_only_while_it_is_the_same():
+    """`KnownMetadata` (a receiver's checked buckets): equal metadata, a new list of new objects as
+    every payload brings, is taken from what was kept; a payload that differs in any field is
+    checked in full, so a bad one is refused after a good one was kept, and its entries are the
+    checked ones, never the payload's own values."""
+    b, md = _metadata()
+    known = bucket.KnownMetadata()
+    first = known.entries(md)
+    assert first == list(b.entries) and (known.hits, known.misses) == (0, 1)
+    again = known.entries(bucket.sglang_metadata(b))             # new objects, same fields
+    assert again == first and (known.hits, known.misses) == (1, 1)
+    again.clear()                                                 # a caller's list is its own
+    assert known.entries(bucket.sglang_metadata(b)) == first
+    # True == 1 in Python: an equal value of another type reads as the checked entry
+    md2 = bucket.sglang_metadata(b)
+    md2[0].start_idx = False          # == 0
+    got = known.entries(md2)
+    assert type(got[0].start) is int and got == first
+    # a field changed: checked in full, and refused
+    for field, value, words in [("end_idx", 23, "range"), ("dtype", torch.float64, "bytes"),
+                                ("start_idx", 16, "range")]:
+        bad = bucket.sglang_metadata(b)
+        setattr(bad[0], field, value)
+        with pytest.raises(ValueError, match=words):
+            known.entries(bad)
+    overlap = bucket.sglang_metadata(b)
+    overlap[1].start_idx, overlap[1].end_idx = 8, 28
+    with pytest.raises(ValueError, match="overlap"):
+        known.entries(overlap)
+    assert known.entries(bucket.sglang_metadata(b)) == first     # the good one is still kept
+
+
+def test_known_metadata_keeps_at_most_its_size():
+    known = bucket.KnownMetadata(size=2)
+    mds = []
+    for i in range(3):
+        b = plan_buckets([TensorMeta(f"l{i}.weight", torch.bfloat16, (i + 1,))], 100)[0]
+        mds.append(bucket.sglang_metadata(b))
+        known.entries(mds[-1])
+    assert len(known._kept) == 2
+    known.entries(mds[0])                                          # dropped: checked again
+    known.entries(mds[2])
+    assert (known.hits, known.misses) == (1, 4)

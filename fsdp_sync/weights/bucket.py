@@ -14,6 +14,7 @@ This module moves no data between processes (see `handles`) and talks to no proc
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ __all__ = [
     "ALIGNMENT", "SUPPORTED_DTYPES", "TensorMeta", "BucketEntry", "Bucket",
     "plan_buckets", "BucketPacker", "flatten", "unflatten", "sglang_metadata", "entries_from_metadata",
     "check_tensor", "dtype_name", "plan_tight", "check_tight", "copy_many", "zero_gaps", "entry_views",
-    "typed_view", "entry_flat",
+    "typed_view", "entry_flat", "KnownMetadata",
 ]
 
 ALIGNMENT = 16
@@ -395,6 +396,48 @@ def entries_from_metadata(metadata: Iterable) -> list[BucketEntry]:
             raise ValueError(f"bucket metadata entries {n0!r} [{s0}, {e0}) and {n1!r} [{s1}, {e1}) "
                              f"overlap")
     return out
+
+
+class KnownMetadata:
+    """Bucket metadata a receiver has checked (`entries_from_metadata`), kept for the next payload
+    that carries the same: a trainer sends the same buckets sync after sync, and checking the
+    fields of qwen2-1500m's six engine-layout buckets took 0.48 ms of each sync's engine calls on
+    this project's CPU host, 0.02 ms once known (`dev/metadata_check_ab.py`).
+    A payload's metadata is taken as known only when it equals a kept one field for field (a list
+    of `SimpleNamespace` or dict entries, compared as Python compares them); its entries are then
+    the kept, checked ones, never the payload's own values (so an equal value of another type,
+    ``True`` for ``1``, is read as the checked one). Anything else is checked in full, and then
+    kept. At most ``size`` buckets are kept, the least recently used dropped first."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._kept: "collections.OrderedDict[tuple, tuple[list, list[BucketEntry]]]" = collections.OrderedDict()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def _key(metadata: object) -> tuple | None:
+        if type(metadata) is not list or not metadata:
+            return None
+        m = metadata[0]
+        name = m.get("name") if type(m) is dict else (m.name if type(m) is SimpleNamespace else None)
+        return (len(metadata), name) if type(name) is str else None
+
+    def entries(self, metadata: object) -> list[BucketEntry]:
+        """``entries_from_metadata(metadata)`` (its errors too), from the kept ones when known."""
+        key = self._key(metadata)
+        kept = self._kept.get(key) if key is not None else None
+        if kept is not None and kept[0] == metadata:
+            self._kept.move_to_end(key)
+            self.hits += 1
+            return list(kept[1])
+        entries = entries_from_metadata(metadata)
+        self.misses += 1
+        if key is not None:
+            self._kept[key] = (metadata, entries)
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+        return list(entries)
 
 
 def plan_tight(metas: Iterable[TensorMeta | tuple], bucket_bytes: int) -> list[Bucket]:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ...weights import handles
-from ...weights.bucket import copy_many
+from ...weights.bucket import KnownMetadata, copy_many
 from ...wire import open_flattened_bucket
 from .errors import KIND_STATE, KIND_UPDATE, WorkerError
 from .quant import dtype_refusal, scale_refusal
@@ -116,6 +116,8 @@ class UpdateStager:
         self.ahead_used = 0                 # files the last disk stage took as hashed ahead
         self.staged_on_host = 0             # bytes the open transaction keeps in host memory
         self._held: dict[str, tuple] = {}   # HF name -> its placements on this rank (`_placements`)
+        self._covers: dict[str, tuple] = {}  # engine name -> the HF names it is built from, this rank
+        self.known = KnownMetadata()        # bucket metadata checked at an earlier call
 
     def _mismatch(self, name: str, what: str, expected: Any, got: Any) -> WorkerError:
         return WorkerError(KIND_UPDATE, f"expected {what} {expected} for {name!r} on TP rank {self.w.rank}, "
@@ -184,7 +186,10 @@ class UpdateStager:
                                            f"(e.g. 'model.layers.0.self_attn.qkv_proj.weight')"
                                            f"{scale_refusal(name, self.w.layout.quantization)}", name)
         self._check(name, t, self.w.engine_shapes[name])
-        out.append(Write(name, _WHOLE, t, tuple(self.w.layout.engine_covers(name, self.w.rank))))
+        covers = self._covers.get(name)
+        if covers is None:      # the layout never changes: worked out once per name
+            covers = self._covers[name] = tuple(self.w.layout.engine_covers(name, self.w.rank))
+        out.append(Write(name, _WHOLE, t, covers))
 
     def _open(self, payload: Any) -> Any:
         t0 = time.perf_counter()
@@ -258,7 +263,7 @@ class UpdateStager:
             if kind == "bucket":
                 value = self._open(item[2])
                 try:
-                    named = open_flattened_bucket(value)
+                    named = open_flattened_bucket(value, self.known)
                 except ValueError as exc:
                     raise WorkerError(KIND_UPDATE, f"TP rank {self.w.rank}: {exc}") from exc
             else:
