@@ -199,6 +199,32 @@ def test_known_metadata_is_checked_once_and_only_while_it_is_the_same():
     assert known.entries(bucket.sglang_metadata(b)) == first     # the good one is still kept
 
 
+def test_known_metadata_keeps_no_payload_object_but_plain_fields():
+    """Metadata that passed its check while holding something else than plain values (a tensor as
+    ``numel``, which compares equal to its byte count) is not kept: it would keep the payload's
+    storage mapped after the acknowledgement."""
+    b, md = _metadata()
+    md[1].numel = torch.tensor(md[1].end_idx - md[1].start_idx)
+    known = bucket.KnownMetadata()
+    assert known.entries(md) == list(b.entries)
+    assert not known._kept
+    known.entries(bucket.sglang_metadata(b))
+    assert len(known._kept) == 1
+    other = [bucket.sglang_metadata(b)[0], dict(vars(bucket.sglang_metadata(b)[1]))]
+    other[0].name = "c.weight"
+    assert len(known.entries(other)) == 2 and len(known._kept) == 2   # dict entries are kept too
+
+    class Slotted:                    # a producer's own entry class: checked, not kept
+        __slots__ = ("name", "dtype", "shape", "start_idx", "end_idx")
+
+        def __init__(self, ns):
+            for k in self.__slots__:
+                setattr(self, k, getattr(ns, k))
+    mixed = [bucket.sglang_metadata(b)[0], Slotted(bucket.sglang_metadata(b)[1])]
+    mixed[0].name = "d.weight"
+    assert len(known.entries(mixed)) == 2 and len(known._kept) == 2
+
+
 def test_known_metadata_keeps_at_most_its_size():
     known = bucket.KnownMetadata(size=2)
     mds = []

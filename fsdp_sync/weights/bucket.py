@@ -398,6 +398,16 @@ def entries_from_metadata(metadata: Iterable) -> list[BucketEntry]:
     return out
 
 
+def _fields(m: object) -> dict:
+    return m if type(m) is dict else vars(m)
+
+
+def _plain(v: object) -> bool:
+    t = type(v)
+    return (t in (str, int, bool, float, type(None), torch.dtype)
+            or t in (tuple, list, torch.Size) and all(type(x) is int for x in v))
+
+
 class KnownMetadata:
     """Bucket metadata a receiver has checked (`entries_from_metadata`), kept for the next payload
     that carries the same: a trainer sends the same buckets sync after sync, and checking the
@@ -432,8 +442,9 @@ class KnownMetadata:
             return list(kept[1])
         entries = entries_from_metadata(metadata)
         self.misses += 1
-        if key is not None:
-            self._kept[key] = (metadata, entries)
+        if key is not None and all(type(m) in (dict, SimpleNamespace) and all(map(_plain, _fields(m).values()))
+                                   for m in metadata):
+            self._kept[key] = (metadata, entries)     # (never a payload's tensor: it would stay mapped)
             self._kept.move_to_end(key)
             while len(self._kept) > self.size:
                 self._kept.popitem(last=False)
