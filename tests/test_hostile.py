@@ -362,6 +362,32 @@ def test_bad_input_is_refused_and_changes_nothing(engine, current, tmp_path, kin
     assert all(torch.equal(v, current[n]) for n, v in engine.named_full_tensors())
 
 
+@pytest.mark.parametrize("forge", ["overlap", "range", "dtype", "numel"])
+def test_a_forged_bucket_after_its_genuine_twin_is_still_refused(engine, current, forge):
+    """The worker keeps bucket metadata it checked (`bucket.KnownMetadata`): a bucket sent once
+    genuinely, then again with one field forged, is checked in full the second time and refused,
+    changing nothing (the metadata cases above each come alone)."""
+    name = _target(current)
+    other = next(n for n, t in current.items() if n != name and ".layers." in n)
+    named = [(name, current[name]), (other, current[other])]
+    flat, meta = _bucket_obj(named)
+    _send_bucket(engine, flat, meta, num_consumers=1)             # kept by the worker
+    before = engine.weights_checksum()
+    flat, meta = _bucket_obj(named)
+    if forge == "overlap":
+        meta[1].start_idx, meta[1].end_idx = meta[0].start_idx, meta[0].start_idx + meta[1].numel
+    elif forge == "range":
+        _shift(meta[1], 16)
+    elif forge == "dtype":
+        meta[0].dtype = torch.float16
+    else:
+        meta[0].numel -= 4
+    with pytest.raises(E, match="bad flattened bucket"):
+        _send_bucket(engine, flat, meta, num_consumers=1)
+    assert engine.weights_checksum() == before
+    assert all(torch.equal(v, current[n]) for n, v in engine.named_full_tensors())
+
+
 def test_there_are_at_least_25_kinds():
     assert len({c[0] for c in CASES}) == len(CASES) >= 25
 
