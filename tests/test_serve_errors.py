@@ -305,3 +305,52 @@ def _held_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     return s
+
+
+# --------------------------------------------------------------------------- the generation limit
+
+def test_the_generation_limit_leaves_health_control_and_updates_answered(engine):
+    """``max_concurrent`` bounds generation only: with every generation slot held, a third
+    ``/generate`` gets 503 naming the limit while ``/health``, ``/ready``, ``/get_model_info`` and
+    the control routes answer 200; stalled uploads (a body announced and never sent) hold no slot.
+    Before, every route took a slot before its body was read: at the limit ``/health`` and
+    ``/abort_request`` were 503, and 2 stalled uploads shut the server to everything."""
+    with EngineServer(engine, max_concurrent=2, socket_timeout_s=30) as srv:
+        stalled = []
+        for _ in range(3):          # more stalled uploads than slots: none may hold one
+            conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+            conn.putrequest("POST", "/generate")
+            conn.putheader("Content-Length", "100")
+            conn.endheaders(b"{")
+            stalled.append(conn)
+        time.sleep(0.3)
+        gens = [in_thread(request, srv, "POST", "/generate", {"input_ids": [1, 2 + i], "sampling_params": LONG})
+                for i in range(2)]
+        deadline = time.monotonic() + 30
+        while len(srv._live) < 2:
+            assert time.monotonic() < deadline, srv._live
+            time.sleep(0.05)
+        # held in place (a control route, answered at the limit), so neither ends meanwhile
+        assert request(srv, "POST", "/pause_generation", {"mode": "in_place"})[0] == 200
+        status, _, out = request(srv, "POST", "/generate", {"input_ids": [3], "sampling_params": {"max_new_tokens": 1}})
+        assert status == 503 and "2 generation requests" in out["message"] and out["retryable"], out
+        for method, path, body in (("GET", "/health", None), ("GET", "/get_model_info", None),
+                                   ("GET", "/get_server_info", None), ("POST", "/continue_generation", {}),
+                                   ("POST", "/abort_request", {"abort_all": True}), ("GET", "/ready", None)):
+            status, _, out = request(srv, method, path, body)
+            assert status == 200, (path, status, out)
+        for t, box in gens:
+            t.join(60)
+            assert box and box[0][0] == 200 and box[0][2]["meta_info"]["finish_reason"]["type"] == "abort", box
+        status, _, out = request(srv, "POST", "/generate", {"input_ids": [3], "sampling_params": {"max_new_tokens": 1}})
+        assert status == 200, out                       # the slots came back
+        for conn in stalled:
+            conn.close()
+
+
+def test_json_nested_too_deeply_is_a_400(server):
+    deep = b'{"input_ids":' + b"[" * 100000 + b"]" * 100000 + b"}"
+    status, _, out = request(server, "POST", "/generate", raw_body=deep,
+                             headers={"Content-Type": "application/json", "Content-Length": str(len(deep))})
+    assert status == 400 and "nested too deeply" in out["message"] and not out["retryable"], (status, out)
+    assert request(server, "GET", "/health")[0] == 200

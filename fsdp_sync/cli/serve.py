@@ -68,7 +68,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-body-mb", type=ca.positive_float, default=DEFAULT_MAX_BODY / 2**20,
                    help="largest request body accepted")
     p.add_argument("--max-concurrent", type=ca.positive_int, default=32,
-                   help="requests served at once")
+                   help="generation requests (/generate, /health_generate) served at once; "
+                        "more get 503 (health, control and update routes are not counted)")
     p.add_argument("--update-wait-s", type=_finite_seconds, default=60.0,
                    help="how long a weight update waits to start (for a running update, or for "
                         "running requests to finish) before it gets 503 and is dropped (0: not at "

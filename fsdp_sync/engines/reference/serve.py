@@ -49,7 +49,9 @@ symlinks (none allowed: every disk update is refused), and only checkpoints that
 the engine serves; request bodies are bounded (413 past ``max_body_bytes``, never read; a request
 with neither ``Content-Length`` nor chunked encoding has an empty body, as HTTP/1.1 says); a
 request line or body that stalls times out; malformed JSON and wrong field types get 400 naming
-the field; at most ``max_concurrent`` requests are served at once (503 beyond); and weight
+the field; at most ``max_concurrent`` generation requests (``/generate``, ``/health_generate``)
+are served at once (503 beyond; the health, control and update routes are never refused for
+them, and a slot is taken only once the body is read, so stalled uploads hold none); and weight
 updates run one at a time: one waits up to ``update_wait_s`` to start, then gets 503 and is never
 applied, so two updates never interleave. ``begin_weight_update`` … ``end_weight_update`` is the
 engine's one session, as in SGLang: a second ``begin`` while one is open is refused.
@@ -128,7 +130,8 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
         self._update_lock = threading.Lock()
         self._live: dict[str, threading.Event] = {}     # rid -> abort flag of a running generate
         self._live_lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self.max_concurrent = int(max_concurrent)
+        self._slots = threading.BoundedSemaphore(self.max_concurrent)
         self._busy = 0                        # requests being answered (`wait_idle`)
         self._busy_cond = threading.Condition()
         self.updates_served = 0
@@ -264,13 +267,13 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
                 if self._closed:
                     h.close_connection = True
 
+    GENERATION = ("/generate", "/health_generate")
+    """The routes ``max_concurrent`` bounds: each holds the engine's scheduler for a rollout."""
+
     def _handle_one(self, h: BaseHTTPRequestHandler, method: str) -> None:
-        if not self._slots.acquire(blocking=False):
-            self._reply(h, 503, {"success": False, "message": "server busy: too many requests",
-                                 "retryable": True}, close=True)
-            return
         with self._busy_cond:
             self._busy += 1
+        slot = False
         try:
             h._body_read = False
             headers: dict[str, str] = {}
@@ -283,6 +286,11 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
                         raise Refused(401, "missing or wrong API key "
                                            "(send 'Authorization: Bearer KEY')")
                 body = self._read_body(h)
+                if path in self.GENERATION:
+                    slot = self._slots.acquire(blocking=False)
+                    if not slot:
+                        raise Refused(503, f"server busy: {self.max_concurrent} generation requests "
+                                           f"are being served (--max-concurrent)")
                 status, out = self._route(method, path, body, h)
             except Exception as e:  # noqa: BLE001 - an error becomes the answer, not a crash
                 # 4xx: the client's mistake; 5xx: the server's (a router retries those elsewhere)
@@ -299,7 +307,8 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
                 self._reply(h, status, out, close=bool(unread) or status in (411, 413),
                             headers=headers)
         finally:
-            self._slots.release()
+            if slot:
+                self._slots.release()
             with self._busy_cond:
                 self._busy -= 1
                 self._busy_cond.notify_all()
@@ -320,6 +329,8 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise Refused(400, f"malformed JSON body: {e}") from None
+        except RecursionError:
+            raise Refused(400, "malformed JSON body: nested too deeply") from None
         if not isinstance(body, dict):
             raise Refused(400, f"the JSON body must be an object, got {type(body).__name__}")
         return body
