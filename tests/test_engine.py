@@ -290,7 +290,9 @@ def test_a_failed_call_aborts_the_whole_transaction(eng, tiny, tiny2):
         eng.update_weights_from_tensor([(names[10], sd2[names[10]][:1])])
     with pytest.raises(WeightUpdateError, match="aborted by an earlier failure"):
         eng.update_weights_from_tensor([(k, sd2[k]) for k in names[10:]])
-    eng.end_weight_update()     # only closes the aborted transaction
+    with pytest.raises(WeightUpdateError, match="nothing was committed"):
+        eng.end_weight_update()     # closes the aborted transaction, and says nothing was committed
+    assert not eng._in_txn
     assert eng.weights_checksum() == before
     # explicit abort drops a transaction that had no failure
     eng.begin_weight_update()

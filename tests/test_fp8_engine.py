@@ -305,13 +305,14 @@ def test_the_wrong_precision_is_refused_on_every_path_and_nothing_lands(eng, tmp
     eng.begin_weight_update()
     with pytest.raises(WeightUpdateError, match=rf"expected dtype float8_e4m3fn for '{Q}', got float32{hint}"):
         eng.update_weights_from_distributed([Q], ["float32"], [list(plain[Q].shape)], group_name="none")
-    eng.end_weight_update()
+    eng.end_weight_update(abort=True)
     # in a transaction: a good call, then a refused one, and the transaction keeps neither
     eng.begin_weight_update()
     eng.update_weights_from_tensor(list(b))
     with pytest.raises(WeightUpdateError, match=Q):
         eng.update_weights_from_tensor([(Q, plain[Q])])
-    eng.end_weight_update()
+    with pytest.raises(WeightUpdateError, match="nothing was committed"):
+        eng.end_weight_update()
     assert eng.weights_checksum() == before
 
 
@@ -335,7 +336,7 @@ def test_an_unquantized_engine_refuses_fp8_weights_and_scales(tmp_path):
             plain.begin_weight_update()      # refused before any group is asked for
             with pytest.raises(WeightUpdateError, match=match):
                 plain.update_weights_from_distributed(names, dtypes, [list(dict(a)[names[0]].shape)], "none")
-            plain.end_weight_update()
+            plain.end_weight_update(abort=True)
         os.makedirs(tmp_path / "hf")
         save_file(dict(a), str(tmp_path / "hf" / "model.safetensors"))
         with pytest.raises(WeightUpdateError, match=rf"(got float8_e4m3fn|block-FP8 scale){hint}"):

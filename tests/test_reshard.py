@@ -382,7 +382,7 @@ def test_engine_keeps_a_reused_rank_buffer_mapped_until_the_update_ends(keep):
         with pytest.raises(WeightUpdateError, match="no_such_tensor"):
             engine.update_weights_from_tensor([("no_such_tensor", torch.zeros(3))])
         assert [_maps_of(p, s) for p, s in zip(pids, segments)] == [0, 0]
-        engine.end_weight_update()
+        engine.end_weight_update(abort=True)
         assert checksum_named_tensors(engine.named_full_tensors()) == checksum_named_tensors(full.items())
     finally:
         engine.shutdown()

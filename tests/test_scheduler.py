@@ -204,7 +204,8 @@ def test_weight_version_follows_commits_only(fresh, models):
     with pytest.raises(WeightUpdateError):
         eng.update_weights_from_tensor([("model.norm.weight", A.model.norm.weight[:3])],
                                        weight_version="bad")
-    eng.end_weight_update(weight_version="after a failure")             # only closes it
+    with pytest.raises(WeightUpdateError, match="nothing was committed"):
+        eng.end_weight_update(weight_version="after a failure")         # closes it, commits nothing
     assert eng.get_weight_version() == "A2"
     eng.begin_weight_update()
     eng.update_weights_from_tensor(named(B))

@@ -210,7 +210,9 @@ class Engine(Protocol):
     # `SGLangEngine` have them): ``pause_generation(mode="abort")`` ("abort" | "retract" |
     # "in_place"), ``continue_generation()``, ``get_weight_version() -> str``,
     # ``update_weight_version(new_version, abort_all_requests=False)``,
-    # ``end_weight_update(*, weight_version=None)`` and ``weight_version=None`` on the update calls,
+    # ``end_weight_update(*, weight_version=None, abort=False)`` (``abort``: drop the update where
+    # the engine can; a commit of an update an earlier failure aborted raises) and
+    # ``weight_version=None`` on the update calls,
     # ``set_serving(serving, reason="")`` and the read-only ``serving_state -> str | None``
     # (None while serving, else the reason).
 

@@ -585,3 +585,40 @@ def test_release_table_matches_installed_sglang():
     assert ("List[" in annotations[f.lora_tensors_field]) is f.lora_tensors_per_rank
     assert hasattr(FlattenedTensorBucket, "empty") is f.distributed_bucket_prechecked
     assert sglang.__version__ in versions.CHECKED
+
+
+@pytest.mark.timeout(60)
+def test_sglangs_end_weight_update_ignores_an_abort_field():
+    """`SGLangEngine.end_weight_update(abort=True)` sends ``{"abort": true}``, which ``fsdp-sync
+    serve`` takes to drop the session. The installed SGLang's request model has no such field and
+    its HTTP schema (SGLang's own ``msgspec_struct_pydantic_core_schema``, with which ``BaseReq``
+    builds every request's pydantic schema) ignores fields it does not know: the request is taken
+    as a plain end that closes the session, not refused (a refusal would leave it open)."""
+    if not INSTALLED.weight_update_session:
+        pytest.skip(f"sglang {sglang.__version__} has no weight-update session")
+    import msgspec
+    import pydantic
+    from sglang.srt.utils.msgspec_utils import msgspec_struct_pydantic_core_schema
+
+    io_struct = SRT / "managers" / "io_struct.py"
+    end = _class_node(io_struct, "EndWeightUpdateReqInput")
+    assert [b.id for b in end.bases if isinstance(b, ast.Name)] == ["BaseReq"]
+    assert "abort" not in _fields("EndWeightUpdateReqInput")
+    base = _class_node(io_struct, "BaseReq")
+    hook = next(n for n in base.body if isinstance(n, ast.FunctionDef) and n.name == "__get_pydantic_core_schema__")
+    assert "msgspec_struct_pydantic_core_schema(cls, handler)" in ast.unparse(hook)
+    assert _fields("BaseReq") == {"rid", "http_worker_ipc"}
+
+    class BaseReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):     # io_struct's, as parsed above
+        rid: str | None = None
+        http_worker_ipc: str | None = None
+
+        @classmethod
+        def __get_pydantic_core_schema__(cls, source, handler):
+            return msgspec_struct_pydantic_core_schema(cls, handler)
+
+    class EndWeightUpdateReqInput(BaseReq, kw_only=True):
+        pass
+
+    taken = pydantic.TypeAdapter(EndWeightUpdateReqInput).validate_json(b'{"abort": true}')
+    assert isinstance(taken, EndWeightUpdateReqInput)

@@ -28,7 +28,8 @@ the default): each call is checked as above; while the engine holds weights wort
 previous weights stay. Where there is nothing to protect (the random start-up weights, or weights
 released without a backup and resumed as zeros) calls write in place at no extra memory. After a
 release without backup the engine refuses to serve until every tensor has been pushed again.
-``end_weight_update(abort=True)`` drops a transaction; ``begin_weight_update(transactional=False)``
+``end_weight_update(abort=True)`` drops a transaction (a plain ``end_weight_update()`` after a
+failed call drops it too, and raises: nothing was committed); ``begin_weight_update(transactional=False)``
 makes each call commit on its own, as SGLang does.
 
 Liveness: every wait on a worker polls its pipe and its process sentinel, so a dead worker is
@@ -341,7 +342,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         """An open transaction an earlier call aborted takes no more updates until it ends."""
         if self._txn_aborted is not None:
             raise WeightUpdateError(f"{what}: this weight update was aborted by an earlier failure "
-                                    f"({self._txn_aborted}); call end_weight_update() and start again")
+                                    f"({self._txn_aborted}); call end_weight_update(abort=True) and "
+                                    f"start again")
 
     def _mark_dead(self, rank: int, what: str) -> WorkerDiedError:
         p = self._w.procs[rank]
@@ -573,7 +575,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
 
     def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> None:
         """Commit the open transaction (``abort=True``: drop it). After a failed update in the
-        transaction this only closes it (the failure was raised already). On a commit the engine
+        transaction it is closed and dropped either way, and a commit is refused
+        (`WeightUpdateError`: nothing was committed, the previous weights and version stay). On a commit the engine
         takes ``weight_version`` (else the one an update call in the transaction gave) in the same
         critical section: no step runs between the new weights and their new version."""
         check_version(weight_version, "end_weight_update")
@@ -589,8 +592,12 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             # what the transaction kept in host memory, its workers' GPUs having no room for it
             self.staged_on_host_bytes = sum(int(rep[1].get("staged_on_host_bytes", 0))
                                             for rep in replies.values() if isinstance(rep[1], dict))
+            if aborted is not None and not abort:
+                raise WeightUpdateError(f"end_weight_update: nothing was committed: this weight update was "
+                                        f"aborted by an earlier failure ({aborted}); the engine keeps its "
+                                        f"previous weights (version {self.weight_version!r})")
             version = weight_version if weight_version is not None else pending
-            if version is not None and not abort and aborted is None:
+            if version is not None and not abort:
                 self.weight_version = version
 
     # ------------------------------------------------------------------ memory

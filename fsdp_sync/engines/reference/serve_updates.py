@@ -2,7 +2,7 @@
 mixin of `serve.EngineServer`:
 
     POST /update_weights_from_tensor   {serialized_named_tensors, load_format, flush_cache}
-    POST /begin_weight_update  /end_weight_update {weight_version}
+    POST /begin_weight_update  /end_weight_update {weight_version | abort}
     POST /init_weights_update_group    {master_address, master_port, rank_offset, world_size,
                                         group_name, backend}
     POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache,
@@ -195,8 +195,24 @@ class UpdateRoutes:
         return status, out
 
     def _end_weight_update(self, body: dict) -> tuple[int, Any]:
-        """Commit the session; with ``weight_version`` the engine takes it in the same step."""
+        """Commit the session; with ``weight_version`` the engine takes it in the same step.
+        ``{"abort": true}`` (not SGLang's, whose updates apply as they arrive; it ignores the
+        field) drops the session's updates instead: the answer says ``"aborted": true``, which
+        tells a client this server kept its previous weights. A commit of a session an earlier
+        failure aborted is a 400: nothing was committed."""
         fn = self._method("end_weight_update")
+        abort = body_field(body, "abort", bool, False)
+        if abort:
+            if body.get("weight_version") is not None:
+                raise Refused(400, "end_weight_update: weight_version names weights to commit; "
+                                   "an abort commits none (send one or the other)")
+            if not accepted_kwargs(fn, {"abort": True}):
+                raise Refused(400, f"end_weight_update: this engine ({type(self.engine).__name__}) "
+                                   f"cannot abort an update; end it without abort")
+            status, out = self._locked("end_weight_update", lambda: fn(abort=True))
+            if status == 200:
+                out.update(message="end_weight_update: aborted, nothing committed", aborted=True)
+            return status, out
         status, out = self._locked("end_weight_update", self.versioned(fn, {}, body))
         if status == 200 and body.get("weight_version") is not None:
             out["weight_version"] = self.weight_version     # the client sees it was taken

@@ -3,7 +3,7 @@ names) over an in-process ``sglang.Engine`` object or a running SGLang HTTP serv
 
 It uses ``begin_weight_update`` / ``end_weight_update`` when
 the engine has them (known from the release it reports, `versions`, or detected once: a missing
-method, HTTP 404), refuses by name what that release cannot take, turns the CUDA allocator's
+method, HTTP 404; `session_calls`, with what an abort can and cannot undo), refuses by name what that release cannot take, turns the CUDA allocator's
 expandable segments off while SGLang holds GPU memory (`allocator`), raises on every
 ``success=False`` with SGLang's message, and retries only idempotent HTTP calls (`client`).
 
@@ -30,11 +30,12 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from ...weights import handles
-from ..base import (RELEASE_ORDER, EngineClosedError, EngineStateError,
+from ..base import (RELEASE_ORDER, EngineClosedError,
                     SerializedPerRank, ordered_tags)
 from .allocator import ExpandableSegments
 from .control import GenerationControl
 from .memory_calls import MemoryCalls
+from .session_calls import SessionCalls
 from .lora import LoRAClient
 from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLangError, takes_keyword,
                      SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text,
@@ -65,7 +66,7 @@ def _local_serialized_tensor_cls():
 
 # --------------------------------------------------------------------------- the adapter
 
-class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
+class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient):
     """fsdp_sync's engine protocol over SGLang: an in-process ``sglang.Engine`` or an HTTP server.
 
     ``SGLangEngine(engine)`` wraps an ``sglang.Engine`` (any object with its methods);
@@ -442,65 +443,6 @@ class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
             raise e.error from None
         check_answer(name, answer, error=error, where=self.where)
 
-    def begin_weight_update(self) -> None:
-        """Open SGLang's weight-update session (0.5.21+); skipped on engines without one."""
-        self._session_call("begin_weight_update")
-
-    def end_weight_update(self, weight_version: str | None = None) -> None:
-        """Close SGLang's weight-update session; skipped on engines without one.
-
-        ``weight_version``: the name of the weights just committed, sent in the body.
-        ``fsdp-sync serve`` takes it with the commit (no step runs between); a server whose answer
-        does not say it took it (SGLang 0.5.23 has no such field) gets `update_weight_version`
-        right after, which a request step may come between. In process it is passed to an
-        ``end_weight_update`` that takes it, else set with the engine's ``update_weight_version``."""
-        if weight_version is not None and not isinstance(weight_version, str):
-            raise ValueError(f"end_weight_update: weight_version must be a string or None, got "
-                             f"{weight_version!r}")
-        local_kw: dict[str, Any] = {}
-        if weight_version is not None and self._local:
-            if takes_keyword(self._local.engine, "end_weight_update", "weight_version"):
-                local_kw = {"weight_version": weight_version}
-            elif not self._local.has("update_weight_version"):
-                raise SGLangError(f"this in-process engine ({type(self._local.engine).__name__}) can "
-                                  f"take no weight_version (no end_weight_update(weight_version=) "
-                                  f"nor update_weight_version); nothing was committed",
-                                  call="end_weight_update")
-        body = {} if weight_version is None else {"weight_version": weight_version}
-        answer = self._session_call("end_weight_update", body, local_kw)
-        if weight_version is not None and not local_kw and not (
-                isinstance(answer, dict) and answer.get("weight_version") == weight_version):
-            self.update_weight_version(weight_version, abort_all_requests=False)
-
-    def _session_call(self, name: str, body: dict | None = None,
-                      local_kw: dict | None = None) -> Any:
-        self._check_open(name)
-        if self.session_api is None and isinstance(self._version, str) \
-                and not versions.features(self._version).weight_update_session:
-            self.session_api = False     # a release known to have none (0.5.12, 0.5.20): no probe
-        if self.session_api is False:
-            return None
-        try:
-            if self._http:
-                answer = self._http.json("POST", f"/{name}", body or {}, error=SGLangHTTPError)
-            else:
-                answer = self._local.call(name, **(local_kw or {}))
-        except (MissingMethod, NotFound) as e:
-            if self.session_api is None:      # detected once: an older SGLang
-                self.session_api = False
-                return None
-            err = e.error if isinstance(e, NotFound) else None
-            raise SGLangError(f"{name} disappeared{self.where} after it had answered before"
-                              + (f": {err}" if err else ""), call=name) from None
-        except SGLangHTTPError as e:
-            self.session_api = True
-            if e.status == 400:   # SGLang's refusal: {"success": false, "message": ...}
-                raise EngineStateError(str(e)) from e
-            raise
-        self.session_api = True
-        check_answer(name, answer, error=_state_error, where=self.where)
-        return answer
-
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
         """SGLang's copy of a parameter, as float32 (SGLang converts), its first ``truncate_size``
         rows (None: all). With TP > 1 SGLang returns rank 0's shard for most parameters."""
@@ -678,7 +620,3 @@ class SGLangEngine(MemoryCalls, GenerationControl, LoRAClient):
                 self._http.close()          # its kept-alive connections
         finally:
             self.allocator.restore("shutdown")
-
-
-def _state_error(message: str, **kw: Any) -> EngineStateError:
-    return EngineStateError(message)

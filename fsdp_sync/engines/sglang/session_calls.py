@@ -1,0 +1,114 @@
+"""SGLang's weight-update session through `SGLangEngine`: ``begin_weight_update`` …
+``end_weight_update`` (0.5.21+; detected once, skipped on older servers). A mixin of
+`adapter.SGLangEngine` (it provides ``_http``, ``_local``, ``_check_open``, ``where``,
+``_version``, ``session_api`` and ``update_weight_version``).
+
+An abort (``end_weight_update(abort=True)``, what a failed sync sends) is dropped by servers that
+can (``fsdp-sync serve``: its answer says ``"aborted": true``; an in-process engine whose
+``end_weight_update`` takes ``abort``); SGLang applies each update as it arrives and ignores the
+field, so there the session is only closed and a warning says the engine holds what arrived.
+
+Not here: the update calls themselves (`adapter`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..base import EngineStateError
+from .client import MissingMethod, NotFound, SGLangError, SGLangHTTPError, check_answer, takes_keyword
+from . import versions
+
+__all__ = ["SessionCalls"]
+
+log = logging.getLogger(__name__)
+
+
+class SessionCalls:
+    """`SGLangEngine`'s session methods (see the module docstring)."""
+
+    def begin_weight_update(self) -> None:
+        """Open SGLang's weight-update session (0.5.21+); skipped on engines without one."""
+        self._session_call("begin_weight_update")
+
+    def end_weight_update(self, weight_version: str | None = None, *, abort: bool = False) -> None:
+        """Close SGLang's weight-update session; skipped on engines without one.
+
+        ``abort=True`` (after a failed sync: what `fleet.end_all` and the transports send) asks
+        the server to drop the session's updates. ``fsdp-sync serve`` does, and says so
+        (``"aborted": true``); SGLang applies each update as it arrives and ignores the field, so
+        the session is only closed and the engine holds what arrived before the failure: that is
+        logged as a warning (sync again before generating), not hidden.
+
+        ``weight_version``: the name of the weights just committed, sent in the body.
+        ``fsdp-sync serve`` takes it with the commit (no step runs between); a server whose answer
+        does not say it took it (SGLang 0.5.23 has no such field) gets `update_weight_version`
+        right after, which a request step may come between. In process it is passed to an
+        ``end_weight_update`` that takes it, else set with the engine's ``update_weight_version``."""
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise ValueError(f"end_weight_update: weight_version must be a string or None, got "
+                             f"{weight_version!r}")
+        if abort:
+            if weight_version is not None:
+                raise ValueError("end_weight_update: an abort commits no weights; pass "
+                                 "weight_version or abort=True, not both")
+            self._abort_update()
+            return
+        local_kw: dict[str, Any] = {}
+        if weight_version is not None and self._local:
+            if takes_keyword(self._local.engine, "end_weight_update", "weight_version"):
+                local_kw = {"weight_version": weight_version}
+            elif not self._local.has("update_weight_version"):
+                raise SGLangError(f"this in-process engine ({type(self._local.engine).__name__}) can "
+                                  f"take no weight_version (no end_weight_update(weight_version=) "
+                                  f"nor update_weight_version); nothing was committed",
+                                  call="end_weight_update")
+        body = {} if weight_version is None else {"weight_version": weight_version}
+        answer = self._session_call("end_weight_update", body, local_kw)
+        if weight_version is not None and not local_kw and not (
+                isinstance(answer, dict) and answer.get("weight_version") == weight_version):
+            self.update_weight_version(weight_version, abort_all_requests=False)
+
+    def _abort_update(self) -> None:
+        """`end_weight_update(abort=True)`: dropped where the engine can, else closed and said so."""
+        local_kw = ({"abort": True} if self._local and takes_keyword(self._local.engine, "end_weight_update", "abort")
+                    else {})
+        answer = self._session_call("end_weight_update", {"abort": True}, local_kw)
+        if not (local_kw or (isinstance(answer, dict) and answer.get("aborted") is True)):
+            log.warning("fsdp_sync: SGLang%s cannot drop a failed update (it applies each bucket as it "
+                        "arrives): the engine now holds the weights sent before the failure; sync "
+                        "again before generating", self.where)
+
+    def _session_call(self, name: str, body: dict | None = None,
+                      local_kw: dict | None = None) -> Any:
+        self._check_open(name)
+        if self.session_api is None and isinstance(self._version, str) \
+                and not versions.features(self._version).weight_update_session:
+            self.session_api = False     # a release known to have none (0.5.12, 0.5.20): no probe
+        if self.session_api is False:
+            return None
+        try:
+            if self._http:
+                answer = self._http.json("POST", f"/{name}", body or {}, error=SGLangHTTPError)
+            else:
+                answer = self._local.call(name, **(local_kw or {}))
+        except (MissingMethod, NotFound) as e:
+            if self.session_api is None:      # detected once: an older SGLang
+                self.session_api = False
+                return None
+            err = e.error if isinstance(e, NotFound) else None
+            raise SGLangError(f"{name} disappeared{self.where} after it had answered before"
+                              + (f": {err}" if err else ""), call=name) from None
+        except SGLangHTTPError as e:
+            self.session_api = True
+            if e.status == 400:   # SGLang's refusal: {"success": false, "message": ...}
+                raise EngineStateError(str(e)) from e
+            raise
+        self.session_api = True
+        check_answer(name, answer, error=_state_error, where=self.where)
+        return answer
+
+
+def _state_error(message: str, **kw: Any) -> EngineStateError:
+    return EngineStateError(message)
