@@ -115,6 +115,30 @@ def test_sampling_parameters_take_effect(server, tiny):
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_a_tiny_temperature_is_greedy_and_an_unsatisfiable_request_is_refused_alone(server):
+    """SGLang samples greedily below a temperature of 1e-6; dividing the logits by 1e-300 made
+    them inf and the draw failed, and the failure was every running request's (500 for all).
+    A request whose stop tokens cover the whole vocabulary with ``min_new_tokens`` > 0 (nothing
+    may be drawn) is refused at once (400 naming the field), not failed with its batch."""
+    greedy = post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})[1]["output_ids"]
+    long_one = {}
+    t = threading.Thread(target=lambda: long_one.setdefault("out", post(server, dict(LONG, sampling_params=dict(
+        LONG["sampling_params"], max_new_tokens=300)))))
+    t.start()
+    for temp in (1e-300, 1e-7, 5e-324):
+        status, out = post(server, {"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 6, "temperature": temp, "ignore_eos": True}})
+        assert status == 200 and out["output_ids"] == greedy, (temp, status, out)
+    vocab = load_config("tiny").vocab_size
+    status, out = post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 4, "min_new_tokens": 2, "temperature": 1.0, "stop_token_ids": list(range(vocab))}})
+    assert status == 400 and "min_new_tokens" in out["message"] and "whole vocabulary" in out["message"], out
+    t.join(60)
+    status, out = long_one["out"]
+    assert status == 200 and len(out["output_ids"]) == 300, (status, out)      # never failed with the others
+
+
 def test_stream_is_sglangs_sse(server):
     body = {"input_ids": PROMPT, "stream": True, "return_logprob": True, "rid": "stream-1",
             "sampling_params": {"max_new_tokens": 7, "temperature": 0, "ignore_eos": True}}

@@ -55,6 +55,10 @@ def _num(sp: dict, key: str, default: Any, ok: Callable[[float], bool], expected
     return v
 
 
+GREEDY_BELOW = 1e-6
+"""A temperature below this samples greedily (SGLang's ``_SAMPLING_EPS``)."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """One request's sampling parameters (SGLang's names and defaults)."""
@@ -74,7 +78,9 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0 or self.top_k == 1
+        # SGLang's rule (``SamplingParams``): a temperature below 1e-6 is greedy; dividing the
+        # logits by one as small as 1e-300 would overflow them to inf and NaN probabilities
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @classmethod
     def from_sglang(cls, sp: dict | None, *, eos: Sequence[int] = (), vocab: int | None = None,
@@ -121,6 +127,10 @@ class Sampling:
                 raise ValueError(f"sampling_params.stop_token_ids {outside[:5]} are outside the "
                                  f"vocabulary [0, {vocab})")
         stop = set(stop_ids) | (set() if ignore_eos else set(eos))
+        if min_new > 0 and vocab is not None and len(stop & set(range(vocab))) >= vocab:
+            raise ValueError(f"sampling_params.min_new_tokens={min_new} cannot be honoured: the stop "
+                             f"tokens (stop_token_ids and eos) cover the whole vocabulary of {vocab}, "
+                             f"so no token may be drawn before min_new_tokens")
         return cls(max_new_tokens=int(max_new), temperature=temperature, top_p=top_p,
                    top_k=int(top_k), min_p=min_p, min_new_tokens=int(min_new), n=int(n),
                    stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
