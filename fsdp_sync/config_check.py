@@ -35,8 +35,10 @@ MATH_KEYS = (
     # mixture of experts: routing
     "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
     "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step",
-    "mlp_only_layers", "router_aux_loss_coef",
+    "mlp_only_layers",
 )
+"""Not compared: what only training or serving reads (``router_aux_loss_coef``, a loss weight;
+``max_position_embeddings``; dropout), and the sliding-window sizes while the window is off."""
 DEFAULTS = {"tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
             "rope_scaling": None, "partial_rotary_factor": 1.0, "use_sliding_window": False}
 _MISSING = object()
@@ -58,10 +60,15 @@ def _value(cfg: Any, key: str) -> Any:
             return _MISSING if v is None else float(v)
         rest = {k: v for k, v in rp.items() if k != "rope_theta"}
         return None if rest in ({}, {"rope_type": "default"}, {"type": "default"}) else rest
-    if key == "use_sliding_window" or key == "sliding_window":
-        # a window that is off does not change the math, whatever its size says
-        if not getattr(cfg, "use_sliding_window", False):
+    if key in ("use_sliding_window", "sliding_window", "max_window_layers"):
+        # a window that is off does not change the math, whatever its sizes say. Qwen2/3 switch
+        # it with use_sliding_window; Mistral and Mixtral have no switch: a sliding_window is on
+        on = getattr(cfg, "use_sliding_window", None)
+        on = getattr(cfg, "sliding_window", None) is not None if on is None else bool(on)
+        if not on:
             return False if key == "use_sliding_window" else _MISSING
+        if key == "use_sliding_window":
+            return True
     v = getattr(cfg, key, _MISSING)
     return DEFAULTS.get(key, _MISSING) if v is _MISSING else v
 

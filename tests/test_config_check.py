@@ -26,6 +26,30 @@ def test_mismatches_name_each_key_and_both_values():
     assert [k for k, _, _ in config_mismatches(base, act)] == ["hidden_act"]
     # values that do not change the math are not compared
     assert config_mismatches(base, load_config("tiny", max_position_embeddings=4096)) == []
+
+
+def test_training_only_keys_and_an_idle_window_are_not_compared():
+    """A loss weight (``router_aux_loss_coef``) and the sizes of a sliding window that is off
+    (``max_window_layers``, ``sliding_window`` with ``use_sliding_window`` false) do not change the
+    engine's outputs: a trainer's 0.02 against the recipe's 0.001 refused a valid sync. A window
+    that is on is compared, and a Mixtral-style config (no switch) has it on when it has a size."""
+    moe = load_config("tiny-qwen3-moe")
+    assert config_mismatches(moe, load_config("tiny-qwen3-moe", router_aux_loss_coef=moe.router_aux_loss_coef * 20)) == []
+    base = load_config("tiny")
+    assert base.use_sliding_window is False
+    assert config_mismatches(base, load_config("tiny", max_window_layers=base.max_window_layers + 3,
+                                               sliding_window=17)) == []
+    on = load_config("tiny", use_sliding_window=True, sliding_window=64)
+    assert config_mismatches(on, load_config("tiny", use_sliding_window=True, sliding_window=64,
+                                             max_window_layers=on.max_window_layers + 3)) == [
+        ("max_window_layers", on.max_window_layers, on.max_window_layers + 3)]
+    assert [k for k, _, _ in config_mismatches(base, on)] == ["use_sliding_window", "sliding_window",
+                                                             "max_window_layers"]
+    mixtral = load_config("tiny-mixtral")
+    assert getattr(mixtral, "use_sliding_window", None) is None and mixtral.sliding_window is None
+    windowed = load_config("tiny-mixtral", sliding_window=4096)
+    assert config_mismatches(mixtral, windowed) == [("use_sliding_window", False, True),
+                                                    ("sliding_window", None, 4096)]
     # a module's config, through wrappers
     model = build_model(base, seed=0)
 
