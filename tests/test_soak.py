@@ -5,7 +5,7 @@ uses the growth from the warm-up sample on; fds, threads and segments must not g
 
 from __future__ import annotations
 
-from fsdp_sync.cli.soak import _meets, summarise
+from fsdp_sync.cli.soak import _meets, sample_points, summarise
 
 MiB = 2**20
 
@@ -29,6 +29,26 @@ def test_summary_tells_a_leak_from_settling():
     assert rows["settles"]["rss_growth_mib"] > 1.5 and rows["settles"]["rss_growth_mib_second_half_per_1000"] == 0
     assert not _meets(rows["settles"])        # the target counts from the warm-up, not from the settling
     assert _meets(rows["flat"]) and rows["flat"]["second_half_from_sync"] == 551   # halfway from 101
+
+
+def test_the_baseline_and_the_end_are_always_two_samples_apart():
+    """``--syncs 20 --warmup 5 --every 100`` sampled after syncs 1 and 25 only: the baseline (the
+    first sample at or past the warm-up) was the last one, compared with itself, so a leak read
+    as +0.00 MiB over "1 sync" and the soak said nothing grew. The end of the warm-up, the middle
+    and the end are now always sampled."""
+    assert sample_points(5, 20, 100) == {1, 5, 15, 25}
+    assert sample_points(0, 4, 100) == {0, 1, 2, 4}
+    assert sample_points(2, 6, 3) == {1, 2, 4, 5, 7, 8}
+    leak = [{"sync": s, "p": {"rss": 200 * MiB + s * MiB, "fds": 10 + s, "threads": 4}, "shm": 0}
+            for s in sorted(sample_points(5, 20, 100))]
+    row = next(r for r in summarise({"m": leak}, ["p"], 5) if r["process"] == "p")
+    assert row["syncs"] == 20 and row["rss_growth_mib"] == 20 and row["fds_growth"] == 20
+    assert row["second_half_from_sync"] == 15 and not _meets(row)
+    # a report with nothing measured after its baseline says so and fails, never "did not grow"
+    rows = summarise({"m": [leak[0], leak[-1]]}, ["p"], 25)
+    assert rows == [{"method": "m", "process": "*",
+                     "error": "one sample only (sync 25): nothing measured after the warm-up"}]
+    assert not _meets(rows[0])
 
 
 def test_fds_and_segments_must_not_grow():

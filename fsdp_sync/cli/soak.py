@@ -116,6 +116,9 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
             rows = series.setdefault(method, [])
             t0 = time.monotonic()
             snap = None
+            points = sample_points(warmup, syncs, every)
+            if rank == 0 and 0 in points:       # no warm-up: the baseline is before the first sync
+                rows.append({"sync": 0, **_sample(procs)})
             for i in range(warmup + syncs):
                 train_step(module, opt, synthetic_batch(cfg.vocab_size, step=i, rank=rank, batch=2, seq_len=8))
                 if manager is None:
@@ -124,7 +127,7 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
                 else:
                     with manager:
                         pass
-                if rank == 0 and (i % every == 0 or i == warmup + syncs - 1):
+                if rank == 0 and i + 1 in points:
                     rows.append({"sync": i + 1, **_sample(procs)})
                 if trace and (snap is None and i + 1 >= warmup):
                     gc.collect()
@@ -150,6 +153,17 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
             "tracemalloc": {f"trainer{r}": t for r, t in enumerate(everyone)} if trace else None}
 
 
+def sample_points(warmup: int, syncs: int, every: int) -> set[int]:
+    """After which syncs (counted from 1; 0: before the first) the processes are sampled: every
+    ``every`` syncs, and always at the end of the warm-up (the baseline every growth is counted
+    from), halfway through the measured syncs (the second half's growth) and at the end. With
+    ``--every`` larger than the run, the baseline and the end are still two samples ``syncs``
+    apart: the report never compares a sample with itself."""
+    end = warmup + syncs
+    return ({s for s in range(1, end + 1) if (s - 1) % every == 0}
+            | {warmup, warmup + syncs // 2, end})
+
+
 def summarise(series: dict, procs: list, warmup: int) -> list[dict]:
     """One row per method × process (and the /dev/shm count): after warm-up, at the end, growth;
     and the growth over the second half of the measured syncs alone (a leak grows there as it did
@@ -158,6 +172,10 @@ def summarise(series: dict, procs: list, warmup: int) -> list[dict]:
     for method, samples in series.items():
         base = next((s for s in samples if s["sync"] >= warmup), samples[0])
         last = samples[-1]
+        if last is base:         # nothing measured after the baseline: no growth can be told
+            rows.append({"method": method, "process": "*", "error": f"one sample only (sync {base['sync']}): "
+                                                                     f"nothing measured after the warm-up"})
+            continue
         span = max(1, last["sync"] - base["sync"])
         mid = next((s for s in samples if s["sync"] >= (base["sync"] + last["sync"]) // 2), samples[0])
         half = max(1, last["sync"] - mid["sync"])
@@ -282,7 +300,8 @@ def add_soak_parser(sub) -> None:
     p.add_argument("--methods", default="tensor,distributed,disk",
                    help="comma list of tensor,distributed,disk; 'train' adds the control: the same "
                         "training steps with no sync")
-    p.add_argument("--every", type=ca.positive_int, default=None, help="sample every K syncs (default: N/200)")
+    p.add_argument("--every", type=ca.positive_int, default=None, help="sample every K syncs (default: N/200); the end of the warm-up, the middle "
+                        "and the end are always sampled")
     p.add_argument("--warmup", type=ca.non_negative_int, default=None,
                    help="syncs per method before the baseline sample, not counted in --syncs "
                         "(default: 300, or N/3 (>= 5) when N < 900: a fresh process's RSS settles "
