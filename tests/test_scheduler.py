@@ -184,6 +184,32 @@ def test_an_update_waits_for_running_requests_and_holds_new_ones(fresh, models):
     assert rr["output_ids"] == greedy(eng, P1, n)                        # all of it old weights
 
 
+def test_input_logprobs_come_from_the_weights_of_the_first_token(fresh, models):
+    """A request with ``return_logprob`` and ``logprob_start_len`` arriving while an update waits
+    got its input logprobs from a forward run at once (the old weights) and its tokens after the
+    update (the new ones), under one weight version. Now both come from one hold of the engine's
+    lock, at the row's first step; and a prompt scored alone (``max_new_tokens`` 0) still gets
+    them."""
+    eng = fresh
+    r, stop, _ = endless(eng, P1)
+    u = Bg(eng.update_weights_from_tensor, named(models[1]), weight_version="B")
+    u.start()
+    wait_until(lambda: eng.scheduler_stats()["updates_waiting"] == 1)
+    c = Bg(eng.generate_requests, [P2], sp(4), return_logprob=True, logprob_start_len=0)
+    c.start()
+    wait_until(lambda: eng.scheduler_stats()["waiting"] == 1)
+    stop.set()
+    r.get(), u.get()
+    rc = c.get()[0]
+    assert rc["weight_versions"] == [{"version": "B", "start": 0, "end": 4}]
+    scored = eng.generate_requests([P2], sp(0), return_logprob=True, logprob_start_len=0)[0]
+    assert scored["output_ids"] == [] and len(scored["input_token_logprobs"]) == len(P2)
+    assert rc["input_token_logprobs"] == scored["input_token_logprobs"]     # model B's
+    eng.update_weights_from_tensor(named(models[0]))
+    assert eng.generate_requests([P2], sp(0), return_logprob=True, logprob_start_len=0)[0][
+        "input_token_logprobs"] != rc["input_token_logprobs"]                 # model A's differ
+
+
 def test_weight_version_follows_commits_only(fresh, models):
     eng = fresh
     A, B = models

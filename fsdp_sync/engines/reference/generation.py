@@ -155,6 +155,15 @@ def _filtered_probs(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, to
     return probs / probs.sum(), logprobs
 
 
+def input_token_logprobs(prompt: Sequence[int], logits: torch.Tensor, start: int) -> list[list]:
+    """SGLang's ``input_token_logprobs`` of ``prompt`` from position ``start`` on: ``[logprob,
+    token_id, None]`` each, from ``logits`` [len, vocab] of a forward over the prompt (position
+    0 has no logprob: None)."""
+    lps = torch.log_softmax(logits.float(), dim=-1)
+    return [[None if j == 0 else float(lps[j - 1, prompt[j]]), prompt[j], None]
+            for j in range(min(start, len(prompt)), len(prompt))]
+
+
 def pick(logits: torch.Tensor, rows: Sequence[Sampling], produced: Sequence[int],
          gen: torch.Generator | None, want_logprobs: bool) -> tuple[list[int], list[float] | None]:
     """Next token of each row of ``logits`` [rows, vocab] (see the module docstring). ``produced``:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..base import EngineStateError, EngineUnavailableError
-from .generation import Sampling
+from .generation import Sampling, input_token_logprobs
 from .scheduler import PAUSE_MODES, check_version, kv_need, weight_version_spans
 
 __all__ = ["GenerationCalls"]
@@ -128,11 +128,21 @@ class GenerationCalls:
         results = [{"prompt_index": i, "output_ids": [], "finish_reason": None,
                     "weight_versions": weight_version_spans([], version), "weight_version": version}
                    | ({"output_token_logprobs": []} if return_logprob else {}) for i, _ in rows]
+        start = None
         if return_logprob and logprob_start_len is not None and logprob_start_len >= 0:
-            inputs = self._input_logprobs(prompts, int(logprob_start_len), loras)
+            start = int(logprob_start_len)
             for r in results:
-                r["input_token_logprobs"] = inputs[r["prompt_index"]]
-        call = self._sched.submit([(prompts[i], s, return_logprob) for i, s in rows], version)
+                r["input_token_logprobs"] = []
+            # a row that generates gets them from the scheduler, with its first token's weights;
+            # one that generates nothing (a prompt scored alone) here
+            idle = sorted({i for i, s in rows if s.max_new_tokens <= 0})
+            if idle:
+                inputs = self._input_logprobs([prompts[i] for i in idle], start, [loras[i] for i in idle])
+                for r in results:
+                    if r["prompt_index"] in idle:
+                        r["input_token_logprobs"] = inputs[idle.index(r["prompt_index"])]
+        call = self._sched.submit([(prompts[i], s, return_logprob, start if s.max_new_tokens > 0 else None)
+                                   for i, s in rows], version)
         for r, row in zip(results, call.rows):
             r["request_id"] = row.rid
         tags: list[list[str]] = [[] for _ in rows]
@@ -167,6 +177,8 @@ class GenerationCalls:
             r["output_ids"].extend(ch["tokens"])
             if "output_token_logprobs" in r:
                 r["output_token_logprobs"].extend([lp, t, None] for lp, t in zip(ch["logprobs"], ch["tokens"]))
+            if "input_logprobs" in ch:
+                r["input_token_logprobs"] = ch["input_logprobs"]
             tags[k].extend(ch["versions"])
             r["weight_versions"] = weight_version_spans(tags[k], ch["version"])
             r["weight_version"] = r["weight_versions"][-1]["version"]
@@ -264,12 +276,7 @@ class GenerationCalls:
                                                 "lora": name}, collective=True)[0]
             for i, lg in zip(idx, got):
                 logits[i] = lg
-        out = []
-        for p, lg in zip(prompts, logits):
-            lps = torch.log_softmax(lg.float(), dim=-1)
-            out.append([[None if j == 0 else float(lps[j - 1, p[j]]), p[j], None]
-                        for j in range(min(start, len(p)), len(p))])
-        return out
+        return [input_token_logprobs(p, lg, start) for p, lg in zip(prompts, logits)]
 
     def forward_logits(self, input_ids: Any, *, all_positions: bool = False, lora_path: str | None = None) -> Any:
         """Logits of the engine dtype: ``[batch, vocab]`` at each prompt's last position, or with

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ..base import EngineClosedError, EngineError, EngineUnavailableError, WorkerDiedError
-from .generation import Sampling
+from .generation import Sampling, input_token_logprobs
 
 __all__ = ["Scheduler", "Call", "Row", "StepRecord", "PAUSE_MODES", "weight_version_spans", "kv_need",
            "check_version"]
@@ -104,9 +104,10 @@ class Row:
     """One request (one sample of one prompt) of a `Call`."""
 
     def __init__(self, rid: int, call: "Call", index: int, prompt: list[int], sampling: Sampling,
-                 logprobs: bool) -> None:
+                 logprobs: bool, input_from: int | None = None) -> None:
         self.rid, self.call, self.index = rid, call, index
         self.prompt, self.sampling, self.logprobs = prompt, sampling, logprobs
+        self.input_from = input_from       # input logprobs from here on, at its first admission
         self.need = kv_need(len(prompt), sampling)
         self.output: list[int] = []
         self.tags: list[str] = []          # the weight version of each output token
@@ -216,9 +217,12 @@ class Scheduler:
             return sum(r.sampling.lora == lora for r in (*self._waiting, *self._running))
 
     # ------------------------------------------------------------------ callers
-    def submit(self, rows: Sequence[tuple[list[int], Sampling, bool]], version: str) -> Call:
-        """Queue a call's rows (``(prompt, sampling, logprobs)`` each). Rows with
-        ``max_new_tokens`` 0 end at once. Raises `EngineUnavailableError` out of service."""
+    def submit(self, rows: Sequence[tuple], version: str) -> Call:
+        """Queue a call's rows (``(prompt, sampling, logprobs)`` each, or ``(..., input_from)``:
+        SGLang's ``input_token_logprobs`` from that position, worked out at the row's first step in
+        the same hold of the engine's lock as its prefill, so with the weights of its first token).
+        Rows with ``max_new_tokens`` 0 end at once (without input logprobs: the caller's). Raises
+        `EngineUnavailableError` out of service."""
         call = Call()
         with self._cond:
             if self._closed is not None:
@@ -226,8 +230,9 @@ class Scheduler:
             if self._out is not None:
                 raise EngineUnavailableError(f"generate: the engine is out of service ({self._out}); "
                                        f"set_serving(True) brings it back")
-            for k, (prompt, sampling, logprobs) in enumerate(rows):
-                call.rows.append(Row(next(self._ids), call, k, list(prompt), sampling, bool(logprobs)))
+            for k, (prompt, sampling, logprobs, *start) in enumerate(rows):
+                call.rows.append(Row(next(self._ids), call, k, list(prompt), sampling, bool(logprobs),
+                                     start[0] if start else None))
             call.left = len(call.rows)
             for r in call.rows:
                 if r.sampling.max_new_tokens <= 0:
@@ -416,11 +421,15 @@ class Scheduler:
                     "add": [(r.rid, r.prompt + r.output, r.sampling, r.slot, len(r.output), r.logprobs)
                             for r in adds]}
             try:
+                inputs = self._input_logprobs(engine, [r for r in adds if r.input_from is not None])
                 out = engine._call("gen_step", args, what="generate", collective=True)[0]
             except BaseException as exc:  # noqa: BLE001 - every caller of these rows gets it
                 self._fail_step(engine, exc)
                 return
             with self._cond:
+                for r in adds:
+                    if r.rid in inputs:
+                        self._change(r, version)["input_logprobs"] = inputs.pop(r.rid)
                 self._steps += 1
                 self._records.append(StepRecord(self._steps, version, tuple(r.rid for r in adds),
                                                 tuple(r.rid for r in decodes)))
@@ -441,6 +450,24 @@ class Scheduler:
                     self._paused, self._pause_at = "in_place", None
                 self._publish()
                 self._cond.notify_all()
+
+    @staticmethod
+    def _input_logprobs(engine: Any, rows: list[Row]) -> dict[int, list]:
+        """Each row's input logprobs (by row id) from one forward per adapter over the distinct
+        prompts; called holding the engine's lock, before the rows' prefill."""
+        out: dict[int, list] = {}
+        groups: dict[str | None, dict[tuple, list[Row]]] = {}
+        for r in rows:
+            groups.setdefault(r.sampling.lora, {}).setdefault(tuple(r.prompt), []).append(r)
+        for name, by_prompt in groups.items():
+            prompts = [list(p) for p in by_prompt]
+            got = engine._call("forward_logits", {"prompts": prompts, "all_positions": True, "lora": name},
+                               what="generate", collective=True)[0]
+            for p, lg in zip(prompts, got):
+                for r in by_prompt[tuple(p)]:
+                    out[r.rid] = input_token_logprobs(p, lg, r.input_from)
+                    r.input_from = None
+        return out
 
     def _fail_step(self, engine: Any, exc: BaseException) -> None:
         """A step failed: its rows' callers get ``exc`` (their other rows are dropped); if the
