@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 from typing import Any
 
 import torch
@@ -101,11 +102,30 @@ def host_store(world_size: int | None, timeout_s: float, port: int = 0) -> Any:
 
 def join_store(address: str, port: int, world_size: int | None, timeout_s: float) -> Any:
     """A member's connection to a store that `host_store` (or any TCPStore master) hosts at
-    ``address:port``; waits up to ``timeout_s`` for it to answer."""
-    timeout = datetime.timedelta(seconds=float(timeout_s))
-    store = dist.TCPStore(address, int(port), world_size, False, timeout)
-    store.set_timeout(timeout)
+    ``address:port``; waits up to ``timeout_s`` for it to answer (`_wait_listening`)."""
+    left = _wait_listening(address, port, time.monotonic() + float(timeout_s))
+    store = dist.TCPStore(address, int(port), world_size, False, datetime.timedelta(seconds=left))
+    store.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
     return store
+
+
+def _wait_listening(address: str, port: int, deadline: float, what: str = "the store") -> float:
+    """Wait until something accepts connections at ``address:port``, at most until ``deadline``
+    (``time.monotonic()``); returns the seconds left (at least 1). torch's TCPStore client, given
+    a timeout T for a port nobody listens on, tries for T, sleeps up to T and tries again: 2 to
+    3 T in all (160 s for a 60 s timeout, with the engine's workers held the whole time). This
+    keeps the wait to the timeout given, and says what nobody answered."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((address, int(port)), timeout=max(0.05, min(1.0, left))).close()
+            return max(1.0, deadline - time.monotonic())
+        except OSError as exc:
+            if deadline - time.monotonic() <= 0:
+                raise dist.DistNetworkError(
+                    f"nothing accepted a connection at {address}:{port} ({what}) within the "
+                    f"timeout ({type(exc).__name__}: {exc or 'no answer'})") from None
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def agent_store_env(store: Any, address: str = "127.0.0.1") -> dict[str, str]:
@@ -144,17 +164,23 @@ def new_update_group(*, backend: str, master_address: str, master_port: int, wor
     if store is not None and rank != 0:
         raise ValueError(f"only rank 0 hosts the update group's store; rank {rank} was given one")
     timeout = datetime.timedelta(seconds=float(timeout_s))
+    deadline = time.monotonic() + float(timeout_s)
     # The store that SGLang's ``rendezvous("tcp://...")`` makes, made here directly: rank 0 hosts
     # it. torch's tcp:// handler makes every rank a client when the process's environment has
     # TORCHELASTIC_USE_AGENT_STORE=True (torchrun, accelerate launch set it for the trainer's own
     # group), and then nobody hosts this group's store: every rank waited out the timeout.
     if store is None:
-        store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout,
+        left = timeout if rank == 0 else datetime.timedelta(
+            seconds=_wait_listening(master_address, master_port, deadline,
+                                    f"the store of update group {group_name!r}, hosted by its rank 0"))
+        store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, left,
                               multi_tenant=True)
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+    # the rendezvous gets what is left of the timeout; the group's collectives the whole of it
+    base = store
+    base.set_timeout(datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, base),
                                       group_name=group_name, backend_options=None, timeout=timeout)
+    base.set_timeout(timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

@@ -270,6 +270,7 @@ def test_a_begin_that_cannot_start_in_time_is_503_and_never_applied(engine, serv
     # a group whose trainer never comes: the workers wait in the rendezvous (update_recv_timeout_s 8)
     # on a port held, bound but not listening, by this test: nobody else can serve it meanwhile
     nobody = _held_port()
+    t_join = time.monotonic()
     joining, joined = in_thread(request, server, "POST", "/init_weights_update_group",
                                 dict(GROUP, master_port=nobody.getsockname()[1]))
     time.sleep(0.5)
@@ -279,6 +280,8 @@ def test_a_begin_that_cannot_start_in_time_is_503_and_never_applied(engine, serv
     assert status == 503 and out["retryable"] is True and waited < 4, (status, out, waited)
     joining.join(60)
     assert joined[0][0] == 400, joined                    # the rendezvous timed out: the client's
+    # within the engine's timeout (8 s), not torch's two tries and a sleep (2-3x: 160 s for 60)
+    assert time.monotonic() - t_join < 8.0 * 1.6 and "nothing accepted a connection" in joined[0][2]["message"], joined
     assert engine._in_txn is False                        # the refused begin did not open later
 
     # requests still running at the limit: the same (the engine's own wait is bounded too)
