@@ -134,6 +134,10 @@ def test_a_tiny_temperature_is_greedy_and_an_unsatisfiable_request_is_refused_al
     status, out = post(server, {"input_ids": PROMPT, "sampling_params": {
         "max_new_tokens": 4, "min_new_tokens": 2, "temperature": 1.0, "stop_token_ids": list(range(vocab))}})
     assert status == 400 and "min_new_tokens" in out["message"] and "whole vocabulary" in out["message"], out
+    # logprob_start_len without return_logprob: SGLang ignores it (it was a 400 here)
+    status, out = post(server, {"input_ids": PROMPT, "logprob_start_len": 0, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+    assert status == 200 and out["output_ids"] == greedy and "input_token_logprobs" not in out["meta_info"], out
     t.join(60)
     status, out = long_one["out"]
     assert status == 200 and len(out["output_ids"]) == 300, (status, out)      # never failed with the others

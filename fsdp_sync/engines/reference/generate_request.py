@@ -137,7 +137,9 @@ def parse_generate(body: dict) -> GenerateRequest:
     return GenerateRequest(prompts=prompts, single=single, sampling=sps, n=ns.pop(),
                            interval=[s.stream_interval for s in specs], rids=rids,
                            return_logprob=flags["return_logprob"],
-                           logprob_start_len=None if start is None or start < 0 else start,
+                           # SGLang reads it only with return_logprob, and ignores it otherwise
+                           logprob_start_len=(None if start is None or start < 0 or not flags["return_logprob"]
+                                              else start),
                            stream=flags["stream"], lora_path=lora)
 
 
