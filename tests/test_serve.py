@@ -147,6 +147,8 @@ def test_bad_requests_are_refused_and_the_server_lives(engine, server):
         (post(server, "/update_weights_from_tensor",
               {"serialized_named_tensors": ["a", "b"], "load_format": "pickle"}), 400, "load_format"),
         (post(server, "/release_memory_occupation", {"tags": 5}), 400, "'tags'"),
+        (post(server, "/update_weights_from_disk", {"model_path": str(server.allowed), "flush_cache": "yes"}),
+         400, "'flush_cache'"),
         (post(server, "/generate", {"input_ids": [["a"]]}), 400, "'input_ids'"),
         (post(server, "/generate", {"input_ids": [[1]], "sampling_params": {"frequency_penalty": 0.5}}),
          400, "sampling_params.frequency_penalty=0.5 is not supported"),

@@ -174,6 +174,7 @@ class UpdateRoutes:
         engine takes it): SGLang loads the names present, so a partial directory would serve a
         mix of old and new weights and still say success."""
         real = check_disk_path(body.get("model_path"), self.allowed_disk_dirs)
+        body_field(body, "flush_cache", bool, True)       # SGLang's field: the engine always flushes
         kwargs = {"model_path": str(real),
                   "load_format": body_field(body, "load_format", (str, type(None)), None),
                   "require_complete": True}
