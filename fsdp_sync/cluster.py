@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,17 @@ class Cluster:
     quantize_tensor_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type in (str, "str"):
+                if not isinstance(v, str):
+                    raise ValueError(f"cluster {f.name} must be a string, got {v!r}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"cluster {f.name} must be a finite number, got {v!r}")
+            elif f.type in (int, "int"):
+                if v != int(v):          # JSON's 80e9 is a float: a whole one is the integer
+                    raise ValueError(f"cluster {f.name} must be a whole number, got {v!r}")
+                object.__setattr__(self, f.name, int(v))
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"cluster device must be cuda or cpu, got {self.device!r}")
         for f in ("gpus_per_node", "memory_per_gpu", "d2d_gbps", "intra_gbps", "inter_gbps",
@@ -99,7 +111,10 @@ CLUSTERS: dict[str, Cluster] = {
 
 
 def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
-    """A `Cluster` from a preset name, a JSON file (the fields of `Cluster`) or a mapping."""
+    """A `Cluster` from a preset name, a JSON file (the fields of `Cluster`, or a plan's JSON
+    whose ``cluster`` holds them) or a mapping. ValueError says what is wrong, naming the field
+    and the value (the caller names the file): not JSON, no mapping, a field missing, unknown or
+    of the wrong type (``"memory_per_gpu": "80e9"``)."""
     if isinstance(spec, Cluster):
         return spec
     if isinstance(spec, dict):
@@ -107,13 +122,22 @@ def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
     elif str(spec) in CLUSTERS:
         return CLUSTERS[str(spec)]
     elif Path(spec).is_file():
-        d = json.loads(Path(spec).read_text())
-        d = d.get("cluster", d)
+        try:
+            d = json.loads(Path(spec).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a cluster JSON file: {exc}") from None
+        if isinstance(d, dict) and isinstance(d.get("cluster"), dict):
+            d = d["cluster"]
     else:
         raise ValueError(f"unknown cluster {str(spec)!r}: expected one of {sorted(CLUSTERS)}, "
                          f"this-machine, or a JSON file with the fields of Cluster")
-    known = {f.name for f in dataclasses.fields(Cluster)}
-    unknown = sorted(set(d) - known)
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a mapping of the fields of Cluster, got a {type(d).__name__}")
+    fields = dataclasses.fields(Cluster)
+    unknown = sorted(set(d) - {f.name for f in fields})
     if unknown:
-        raise ValueError(f"unknown cluster fields {unknown}; known: {sorted(known)}")
+        raise ValueError(f"unknown cluster fields {unknown}; known: {sorted(f.name for f in fields)}")
+    missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in d]
+    if missing:
+        raise ValueError(f"cluster fields missing: {missing} (each is required)")
     return Cluster(**d)

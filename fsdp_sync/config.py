@@ -20,7 +20,7 @@ from .weights.fp8 import QUANTIZATIONS
 from .weights.hf_checkpoint import DEFAULT_HASH, HASHES as DISK_HASHES
 
 __all__ = ["SyncConfig", "STRATEGIES", "LAYOUTS", "REPLICA_FAILURE_MODES", "PAUSE_MODES", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
-           "VERIFY_MODES", "DISK_HASHES", "QUANTIZATIONS", "parse_dtype", "parse_bool"]
+           "VERIFY_MODES", "DISK_HASHES", "QUANTIZATIONS", "parse_dtype", "parse_bool", "mib_to_bytes"]
 
 METHODS = ("tensor", "distributed", "disk")
 DIST_BACKENDS = ("gloo", "nccl")
@@ -65,6 +65,22 @@ def parse_bool(value: Any, field: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(f"{field} must be a bool (or true/false, yes/no, on/off, 1/0), got {value!r}")
+
+
+def mib_to_bytes(value: Any, field: str) -> int:
+    """``value`` MiB (a number, or its text: YAML and verl spell it either way) as whole bytes, at
+    least 1: a bool, text that is no number, NaN, infinity, 0, a negative size or one under a
+    byte (``int(1e-7 * 2**20)`` is 0) is refused naming ``field``."""
+    try:
+        mb = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        mb = float("nan")
+    if not 0 < mb < float("inf"):
+        raise ValueError(f"{field} must be a positive number of MiB, got {value!r}")
+    if int(mb * 2**20) < 1:
+        raise ValueError(f"{field} must be at least 1 byte ({1 / 2**20:.3g} MiB), got {value!r} MiB "
+                         f"(0 bytes)")
+    return int(mb * 2**20)
 
 
 _OPTIONAL = ("dtype", "quantization", "pause_mode", "dist_master_address", "dist_master_port", "dist_backend", "disk_dir")
@@ -313,14 +329,7 @@ class SyncConfig:
             raise ValueError(f"give bucket_mb or bucket_bytes, not both (got bucket_mb="
                              f"{d['bucket_mb']!r}, bucket_bytes={d['bucket_bytes']!r})")
         if "bucket_mb" in d:
-            mb = d.pop("bucket_mb")
-            try:
-                ok = not isinstance(mb, bool) and 0 < float(mb) < float("inf")
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise ValueError(f"bucket_mb must be a positive number of MiB, got {mb!r}")
-            d["bucket_bytes"] = int(float(mb) * 2**20)
+            d["bucket_bytes"] = mib_to_bytes(d.pop("bucket_mb"), "bucket_mb")
         try:
             return cls(**d)
         except TypeError as exc:   # a wrong type the checks above did not name: name the key
@@ -365,11 +374,8 @@ class SyncConfig:
             out["quantization"] = quant
         mb = get(get(rollout, "checkpoint_engine"), "update_weights_bucket_megabytes",
                  get(rollout, "update_weights_bucket_megabytes"))
-        mb = VERL_BUCKET_MB if mb is None else mb
-        if isinstance(mb, bool) or not isinstance(mb, (int, float, str)):
-            raise ValueError(f"checkpoint_engine.update_weights_bucket_megabytes must be a number, "
-                             f"got {mb!r}")
-        out["bucket_bytes"] = int(float(mb) * 2**20)
+        out["bucket_bytes"] = mib_to_bytes(VERL_BUCKET_MB if mb is None else mb,
+                                           "checkpoint_engine.update_weights_bucket_megabytes")
         offload = get(get(get(ref, "actor"), "fsdp_config"), "param_offload")
         if offload is not None:
             out["offload_params"] = parse_bool(offload, "actor.fsdp_config.param_offload")

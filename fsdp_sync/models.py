@@ -6,6 +6,11 @@ to a Hugging Face ``config.json`` (or a folder holding one), or a ``transformers
 returns a ``transformers`` config. `build_model(config, seed)` builds a randomly initialized causal
 LM from it, the same on every rank for the same seed.
 
+`check_config(config)` refuses, naming the key and the value, sizes no model can be built from (a
+count or size that is not a positive integer, heads that do not group, a head_dim of 0):
+`load_config` runs it on every config it returns, so the demo, the benchmarks, the plan, the
+reference engine and `fsdp-sync serve` refuse such a config before anything is built.
+
 `hf_config_json(module, dtype)` is the config.json a checkpoint of a (possibly FSDP1-wrapped)
 module gets.
 
@@ -20,11 +25,12 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-__all__ = ["RECIPES_DIR", "load_config", "build_model", "model_recipes", "count_params", "hf_config_json"]
+__all__ = ["RECIPES_DIR", "load_config", "check_config", "build_model", "model_recipes", "count_params",
+           "hf_config_json"]
 
 # The model recipes ship inside the package (package data), so an installed wheel has them too.
 # FSDP_SYNC_RECIPES points at another folder holding ``models/<name>.yaml``.
@@ -35,20 +41,76 @@ def model_recipes() -> list[str]:
     return sorted(p.stem for p in (RECIPES_DIR / "models").glob("*.yaml"))
 
 
-def _from_dict(d: dict[str, Any]):
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
+             "num_experts", "num_local_experts", "num_experts_per_tok", "decoder_sparse_step")
+"""Config keys that count or size something: a positive integer where given (None: the family's
+default). 0 or a negative number divides by zero or makes a negative dimension when the model is
+built; 0 layers, 0 vocabulary or a 0-wide MLP builds a model that syncs nothing worth having."""
+
+
+def check_config(config: Any, source: str = "model config") -> None:
+    """Refuse (ValueError: ``<source>: <key> must be ..., got <value>``) a config, a mapping or a
+    ``transformers`` config, that no model can be built from: a `SIZE_KEYS` value that is not a
+    positive integer (a bool, a float, a string such as ``"64"``), a negative
+    ``shared_expert_intermediate_size``, num_attention_heads not a multiple of
+    num_key_value_heads, no head_dim with hidden_size < num_attention_heads (head_dim 0), or
+    num_experts_per_tok above the experts. Keys a mapping leaves out are not checked (the
+    family's defaults are sound)."""
+    if isinstance(config, Mapping):
+        d = config
+    else:
+        d = {k: getattr(config, k) for k in (*SIZE_KEYS, "shared_expert_intermediate_size")
+             if hasattr(config, k)}     # attributes: a family's own names map onto these
+
+    def given(key: str) -> Any:
+        v = d.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    for key in SIZE_KEYS:
+        v = d.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{source}: {key} must be a positive integer, got {v!r}")
+    shared = d.get("shared_expert_intermediate_size")
+    if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool) or shared < 0):
+        raise ValueError(f"{source}: shared_expert_intermediate_size must be an integer >= 0 (0: no "
+                         f"shared expert), got {shared!r}")
+    heads, kv, hidden = given("num_attention_heads"), given("num_key_value_heads"), given("hidden_size")
+    if heads and kv and heads % kv:
+        raise ValueError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads "
+                         f"(each key/value head serves a whole group of query heads), got "
+                         f"num_attention_heads {heads}, num_key_value_heads {kv}")
+    if heads and hidden and d.get("head_dim") is None and hidden < heads:
+        raise ValueError(f"{source}: head_dim is hidden_size // num_attention_heads = {hidden} // {heads} "
+                         f"= 0: give hidden_size >= num_attention_heads, or a head_dim")
+    experts = next((k for k in ("num_experts", "num_local_experts") if given(k)), None)
+    top_k = given("num_experts_per_tok")
+    if experts and top_k and top_k > d[experts]:
+        raise ValueError(f"{source}: num_experts_per_tok must be at most {experts} ({d[experts]}), "
+                         f"got {top_k}")
+
+
+def _from_dict(d: dict[str, Any], source: str):
     from transformers import AutoConfig
 
+    check_config(d, source)          # before transformers sees it: its own errors are tracebacks
     d = dict(d)
     model_type = d.pop("model_type", "qwen2")
-    cfg = AutoConfig.for_model(model_type, **d)
+    try:
+        cfg = AutoConfig.for_model(model_type, **d)
+    except Exception as exc:   # noqa: BLE001 - a strict-dataclass field error is no ValueError
+        raise ValueError(f"{source}: {' '.join(str(exc).split())}") from None
+    check_config(cfg, source)        # with the family's defaults for the keys left out
     cfg.use_cache = True
     return cfg
 
 
 def load_config(spec: Any = "tiny", **overrides: Any):
-    """A ``transformers`` config from a recipe name, a YAML/JSON path, a folder, or a config."""
+    """A ``transformers`` config from a recipe name, a YAML/JSON path, a folder, or a config;
+    checked by `check_config` (ValueError naming the file, the key and the value)."""
     from transformers import PretrainedConfig
 
+    source = "model config"
     if isinstance(spec, PretrainedConfig):
         d = spec.to_dict()
     elif isinstance(spec, dict):
@@ -63,6 +125,7 @@ def load_config(spec: Any = "tiny", **overrides: Any):
                                         f"(known: {', '.join(model_recipes())}) or a config path")
         if path.is_dir():
             path = path / "config.json"
+        source = str(path)
         if path.suffix in (".yaml", ".yml"):
             from omegaconf import OmegaConf
 
@@ -83,7 +146,7 @@ def load_config(spec: Any = "tiny", **overrides: Any):
     for drop in ("architectures", "transformers_version", "_name_or_path"):
         d.pop(drop, None)
     d.update(overrides)
-    return _from_dict(d)
+    return _from_dict(d, source)
 
 
 def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -124,3 +124,111 @@ def test_manager_arguments_are_checked_by_name(tmp_path):
     with pytest.raises(RuntimeError, match="was closed .* make a new one"):
         with m:
             pass
+
+
+# --------------------------------------------------------------------------- CLI audit: library inputs
+
+@pytest.mark.parametrize("value, words", [
+    ("inf", "update_weights_bucket_megabytes must be a positive number of MiB, got 'inf'"),   # was OverflowError
+    ("abc", "update_weights_bucket_megabytes must be a positive number of MiB, got 'abc'"),   # did not name the key
+    (1e-7, "update_weights_bucket_megabytes must be at least 1 byte"),                       # was bucket_bytes 0
+    (True, "update_weights_bucket_megabytes must be a positive number of MiB, got True"),
+])
+def test_from_verl_refuses_a_bucket_size_naming_the_key(value, words):
+    with pytest.raises(ValueError) as info:
+        SyncConfig.from_verl({"rollout": {"checkpoint_engine": {"update_weights_bucket_megabytes": value}}})
+    assert words in str(info.value)
+    with pytest.raises(ValueError, match="bucket_mb must be at least 1 byte"):
+        SyncConfig.from_dict({"bucket_mb": 1e-7})
+    assert SyncConfig.from_verl({"rollout": {"update_weights_bucket_megabytes": "64"}}).bucket_bytes == 64 << 20
+
+
+_GOOD = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+BAD_MODELS = [     # (the change to a sound config.json, the words of the refusal)
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),   # ZeroDivisionError
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
+    ({"hidden_size": -64}, "hidden_size must be a positive integer, got -64"),               # RuntimeError
+    ({"intermediate_size": -5}, "intermediate_size must be a positive integer, got -5"),
+    ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),             # strict-dataclass error
+    ({"hidden_size": 64.5}, "hidden_size must be a positive integer, got 64.5"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),       # was accepted
+    ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+    ({"intermediate_size": 0}, "intermediate_size must be a positive integer, got 0"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
+    ({"num_key_value_heads": 3}, "num_attention_heads must be a multiple of num_key_value_heads"),
+    ({"hidden_size": 2}, "head_dim is hidden_size // num_attention_heads = 2 // 4 = 0"),
+    ({"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 5},
+     "num_experts_per_tok must be at most num_experts (4), got 5"),
+    ({"model_type": "qwen2_moe", "decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer, got 0"),
+    ({"model_type": "qwen2_moe", "shared_expert_intermediate_size": -1},
+     "shared_expert_intermediate_size must be an integer >= 0"),
+    ({"rms_norm_eps": "small"}, "rms_norm_eps"),            # a field transformers checks: one line, named
+]
+
+
+@pytest.mark.parametrize("change, words", BAD_MODELS, ids=[str(c) for c, _ in BAD_MODELS])
+def test_load_config_refuses_sizes_no_model_can_be_built_from(change, words, tmp_path):
+    """Every loader (the demo, bench, plan, serve, the reference engine) goes through load_config:
+    a config.json, a mapping, overrides and a transformers config are all refused with the key and
+    the value (they were ZeroDivisionError, RuntimeError or strict-dataclass tracebacks, or a
+    0-layer model that synced nothing)."""
+    import json
+
+    from fsdp_sync.models import check_config, load_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_GOOD, **change}))
+    with pytest.raises(ValueError) as info:
+        load_config(str(path))
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: ") and words in msg and "\n" not in msg, msg
+    with pytest.raises(ValueError, match="^model config: "):
+        load_config({**_GOOD, **change})
+    if "rms_norm_eps" not in change:
+        with pytest.raises(ValueError):
+            check_config({**_GOOD, **change})
+
+
+def test_load_config_still_loads_every_shipped_recipe_and_unusual_sound_shapes():
+    from fsdp_sync.models import load_config, model_recipes
+
+    for name in model_recipes():
+        load_config(name)
+    cfg = load_config({**_GOOD, "hidden_size": 66})          # head_dim 16 from 66 // 4: HF builds it
+    assert cfg.hidden_size == 66
+    assert load_config(cfg).num_key_value_heads == 2           # a transformers config goes through too
+    with pytest.raises(ValueError, match="num_hidden_layers must be a positive integer, got 0"):
+        load_config("tiny", num_hidden_layers=0)
+
+
+def test_load_cluster_refuses_a_bad_file_naming_the_field(tmp_path):
+    """A cluster JSON with missing fields, no JSON, an unknown key, a number as text or a list was
+    a TypeError, JSONDecodeError or AttributeError traceback."""
+    import json
+
+    from fsdp_sync.cluster import CLUSTERS, Cluster, load_cluster
+
+    good = CLUSTERS["h100-node"].to_dict()
+    path = tmp_path / "c.json"
+    for body, words in ((json.dumps({"name": "x", "device": "cuda"}), "cluster fields missing: ['gpus_per_node'"),
+                        ("not json", "not a cluster JSON file"),
+                        (json.dumps({**good, "bogus": 1}), "unknown cluster fields ['bogus']"),
+                        (json.dumps({**good, "memory_per_gpu": "80e9"}),
+                         "cluster memory_per_gpu must be a finite number, got '80e9'"),
+                        (json.dumps({**good, "gpus_per_node": 8.5}), "cluster gpus_per_node must be a whole number"),
+                        (json.dumps({**good, "d2d_gbps": float("inf")}), "cluster d2d_gbps must be a finite number"),
+                        (json.dumps({**good, "gpus_per_node": True}), "cluster gpus_per_node must be a finite number"),
+                        (json.dumps({**good, "name": 3}), "cluster name must be a string, got 3"),
+                        (json.dumps([1, 2]), "expected a mapping of the fields of Cluster, got a list")):
+        path.write_text(body)
+        with pytest.raises(ValueError) as info:
+            load_cluster(path)
+        assert words in str(info.value), (body, str(info.value))
+    path.write_text(json.dumps({**good, "memory_per_gpu": 80e9}))      # JSON's 80e9: a whole float
+    assert load_cluster(path) == CLUSTERS["h100-node"] and isinstance(load_cluster(path).memory_per_gpu, int)
+    path.write_text(json.dumps({"cluster": good, "rows": []}))          # a plan's --json holds one
+    assert load_cluster(str(path)) == CLUSTERS["h100-node"]
+    with pytest.raises(ValueError, match="cluster cores must be a finite number"):
+        Cluster(**{**good, "cores": None})
