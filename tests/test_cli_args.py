@@ -60,6 +60,34 @@ BAD = [
                                   "multiple of block 128"]),
     ("serve --model tiny-fp8-moe --tp 4 --quantization fp8", ["--quantization", "tp 4, ep 1",
                                                               "expert rows per rank"]),
+    # sizes that passed the flag check and crashed later (1e-7 MiB is 0 bytes; inf GiB overflowed)
+    ("demo --bucket-mb 0.0000001", ["--bucket-mb", "at least 1 byte", "'0.0000001'"]),
+    ("bench --bucket-mb 4,0.0000001", ["--bucket-mb", "at least 1 byte", "1e-07"]),
+    ("plan --bucket-mb 0.0000001", ["--bucket-mb", "at least 1 byte", "'0.0000001'"]),
+    ("plan --trainer-resident-gib inf", ["--trainer-resident-gib", "finite number >= 0", "'inf'"]),
+    ("serve --max-body-mb 0.0000001", ["--max-body-mb", "at least 1 byte", "'0.0000001'"]),
+    ("demo --strategy per_tensor --layout engine", ["--strategy per_tensor", "--layout engine",
+                                                     "strategy='flattened'", "layout='full' or 'auto'"]),
+    # faults: a timeout of 0 was a DistNetworkError traceback, a negative one a library FAIL
+    ("faults --cell-timeout 0", ["--cell-timeout", "positive number", "'0'"]),
+    ("faults --pg-timeout -1", ["--pg-timeout", "positive number", "'-1'"]),
+    ("faults --call-timeout nan", ["--call-timeout", "positive number"]),
+    ("faults --jobs 0", ["--jobs", "positive integer"]),
+    ("faults --resume", ["--resume", "needs --json"]),
+    # --fleet ran its own methods and faults when given others, and ignored the matrix's flags
+    ("faults --fleet --methods tensor", ["--methods", "--fleet covers distributed, disk", "got tensor"]),
+    ("faults --fleet --methods disk,tensor", ["--methods", "got tensor"]),
+    ("faults --fleet --faults raise", ["--faults", "--fleet covers kill, stall", "got raise"]),
+    ("faults --fleet --stages prepare --jobs 2", ["--fleet", "does not take --stages, --jobs"]),
+    # outputs written at the end of a long run: checked before it starts
+    ("demo --json tests", ["--json", "tests is a directory", "file path"]),
+    ("bench --json tests", ["--json", "tests is a directory"]),
+    ("plan --save-cluster README.md/c.json", ["--save-cluster", "README.md is not a directory"]),
+    ("plan --json README.md/sub/p.json", ["--json", "README.md is not a directory"]),
+    ("plan --plot README.md", ["--plot", "README.md is a file", "directory"]),
+    ("faults --json README.md/f.json", ["--json", "README.md is not a directory"]),
+    ("soak --png README.md/s.png", ["--png", "README.md is not a directory"]),
+    ("soak --json tests", ["--json", "tests is a directory"]),
 ] + ([] if CUDA else [("demo --device cuda", ["--device", "no CUDA"]),
                       ("bench --device cuda", ["--device", "no CUDA"]),
                       ("bench --recipe targets --device cuda",
@@ -251,3 +279,55 @@ def test_demo_runs_an_fp8_rollout_and_refuses_a_model_it_cannot_quantize(tmp_pat
     assert result["ok"] and result["config"]["quantization"] == "fp8"
     assert all(s["tokens_match"] and s["max_abs_logit_diff"] <= s["atol"] for s in result["steps"])
     assert "block FP8" in proc.stdout
+
+
+BAD_MODEL = [    # (the change to a sound config.json, the words of the refusal)
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
+    ({"hidden_size": -64}, "hidden_size must be a positive integer, got -64"),
+    ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+    ({"intermediate_size": 0}, "intermediate_size must be a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize("command, flag", [("demo", "--model"), ("serve", "--model"), ("bench", "--models"),
+                                           ("plan", "--models"), ("plan", "--config-json")])
+def test_a_bad_model_config_is_one_line_for_every_command(command, flag, tmp_path, capsys):
+    """A config.json no model can be built from was a ZeroDivisionError / RuntimeError /
+    strict-dataclass traceback, or accepted (``demo`` with 0 layers reported ok)."""
+    import json
+
+    good = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    for i, (change, words) in enumerate(BAD_MODEL):
+        path = tmp_path / f"m{i}.json"
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(SystemExit) as info:
+            cli.parse_args([command, flag, str(path)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert flag in err and str(path) in err and words in err, (change, err)
+
+
+def test_faults_fleet_defaults_to_what_the_fleet_covers(tmp_path):
+    args = cli.parse_args(["faults", "--fleet"])
+    assert args.methods == ("distributed", "disk") and args.faults == ("kill", "stall")
+    args = cli.parse_args(["faults", "--fleet", "--methods", "disk", "--faults", "stall"])
+    assert args.methods == ("disk",) and args.faults == ("stall",)
+    assert cli.parse_args(["faults"]).methods == ("tensor", "distributed", "disk")     # the matrix's own
+    # an output under a folder still to be made is fine: the command makes it
+    assert cli.parse_args(["faults", "--json", str(tmp_path / "new" / "f.json")]).json
+
+
+def test_a_size_in_mib_is_refused_only_below_one_byte(capsys):
+    """1e-7 MiB is 0 bytes (refused: it crashed after the ranks or the engine started); 1e-6 MiB
+    is 1 byte, the smallest size taken."""
+    assert cli.parse_args("demo --bucket-mb 0.000001".split()).opts.bucket_mb == 0.000001
+    assert cli.parse_args("serve --max-body-mb 0.000001".split()).max_body_mb == 0.000001
+    for argv in ("demo --bucket-mb 0.0000009", "serve --max-body-mb 0.0000009"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(argv.split())
+        assert "at least 1 byte" in capsys.readouterr().err

@@ -29,7 +29,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--strategy", choices=["flattened", "bucketed", "per_tensor"], default="flattened",
                    help="flattened: one handle per bucket; bucketed: one engine call per bucket; "
                         "per_tensor: verl's one-parameter-at-a-time baseline")
-    p.add_argument("--bucket-mb", type=ca.positive_float, default=64.0, help="bucket size in MiB (> 0)")
+    p.add_argument("--bucket-mb", type=ca.mib, default=64.0, help="bucket size in MiB (> 0)")
     p.add_argument("--method", choices=["tensor", "distributed", "disk"], default="tensor",
                    help="tensor: colocated engine, handle tuples; distributed: disaggregated engine "
                         "(own processes) reached by a broadcast from trainer rank 0; disk: a versioned "
@@ -88,8 +88,9 @@ def _demo_options(args):
 
 
 def _check_demo(args, given: set[str]) -> None:
-    """Cross-flag checks before anything starts (ValueError names the flags): the model (family,
-    TP/EP split, FP8 blocks), its size against this machine's memory, --disk-dir."""
+    """Cross-flag checks before anything starts (ValueError names the flags): the SyncConfig the
+    flags make, the model (family, TP/EP split, FP8 blocks), its size against this machine's
+    memory, --disk-dir. (The output paths: `cli.args.check_outputs`, after this.)"""
     from . import demo_check
 
     if {"lora_r", "lora_alpha"} & given and not args.lora:
@@ -98,6 +99,8 @@ def _check_demo(args, given: set[str]) -> None:
         raise ValueError(f"--ranks {args.ranks} must be a multiple of --tp {args.tp} (dp = ranks / tp)")
     ca.check_gpus(args.method, args.device, args.ranks, args.tp)
     quant = None if args.quantization == "none" else args.quantization
+    demo_check.check_sync_config(strategy=args.strategy, bucket_mb=args.bucket_mb, method=args.method,
+                                 layout=args.layout, dtype=args.dtype, quantization=quant, lora=args.lora)
     config = demo_check.check_model(args.model, args.tp, args.ep, quant)
     if args.method == "disk" and args.disk_dir is not None:
         demo_check.check_disk_dir(args.disk_dir)
@@ -184,20 +187,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the command line; a bad flag exits with one line and code 2 before
-    anything starts. The subcommand's ``check`` (cross-flag rules) sees which flags were given."""
+    anything starts. The subcommand's ``check`` (cross-flag rules) sees which flags were given;
+    then every output flag (`cli.args.OUTPUTS`: --json, --save-cluster, --png, --plot) is checked
+    writable, so a long run never ends in a traceback that loses its work."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     check = getattr(args, "check", None)
-    if check is not None:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        subparser = sub.choices[args.command]
-        given = ca.explicit_dests(subparser, argv[argv.index(args.command) + 1:])
-        try:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    subparser = sub.choices[args.command]
+    try:
+        if check is not None:
+            given = ca.explicit_dests(subparser, argv[argv.index(args.command) + 1:])
             with ca.quiet_transformers():
                 check(args, given)
-        except (ValueError, FileNotFoundError, argparse.ArgumentTypeError) as exc:
-            subparser.error(str(exc))
+        ca.check_outputs(args)      # before the run: its work is not lost to a bad --json
+    except (ValueError, FileNotFoundError, argparse.ArgumentTypeError) as exc:
+        subparser.error(str(exc))
     return args
 
 

@@ -3,8 +3,9 @@
 Every flag is checked while the command line is parsed, before any process, engine or process
 group starts: a bad value gives one line (``fsdp-sync demo: error: argument --tp: ...``) naming
 the flag and what it accepts, and exit code 2. Cross-flag rules (``--ranks`` a multiple of
-``--tp``) are checked right after parsing, through the same one-line error. A new flag gets its
-check by passing one of these functions as ``type=`` (or a new one written like them).
+``--tp``) are checked right after parsing, through the same one-line error, and so are the output
+flags (`OUTPUTS`, `check_outputs`): a path a long run would write only at its end. A new flag gets
+its check by passing one of these functions as ``type=`` (or a new one written like them).
 
 Not here: what the commands do (`demo`, `bench`) or their printing (`cli`).
 """
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["Parser", "positive_int", "non_negative_int", "positive_float", "nonnegative_float", "on_off", "csv_of",
-           "device", "dtype_name", "model_spec", "existing_file", "explicit_dests", "DefaultsFormatter",
-           "quiet_transformers"]
+__all__ = ["Parser", "positive_int", "non_negative_int", "positive_float", "nonnegative_float", "mib", "on_off",
+           "csv_of", "device", "dtype_name", "model_spec", "existing_file", "explicit_dests", "DefaultsFormatter",
+           "quiet_transformers", "check_mib", "OUTPUTS", "check_output", "check_outputs"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -63,7 +65,18 @@ def _number(cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str
 positive_int = _number(int, lambda v: v >= 1, "a positive integer", "positive_int")
 non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0", "non_negative_int")
 positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number", "positive_float")
-nonnegative_float = _number(float, lambda v: v >= 0, "a number >= 0", "nonnegative_float")
+nonnegative_float = _number(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0", "nonnegative_float")
+
+
+def mib(text: str) -> float:
+    """A size in MiB (``--bucket-mb``, ``--max-body-mb``): a positive number that is at least one
+    byte, as the command turns it into whole bytes (``int(1e-7 * 2**20)`` is 0: no bucket holds
+    anything, no request body fits)."""
+    v = positive_float(text)
+    if int(v * 2**20) < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 byte ({1 / 2**20:.3g} MiB), got {text!r} "
+                                         f"(0 bytes)")
+    return v
 
 
 def on_off(text: str) -> bool:
@@ -198,6 +211,46 @@ def sweep_of(kind: str) -> Callable[[str], str]:
         raise argparse.ArgumentTypeError(f"no such file or shipped {'plan ' if kind == 'plan' else ''}"
                                          f"sweep: {text!r} (shipped: {', '.join(shipped_sweeps(kind))})")
     return _named(parse, "recipe")
+
+
+def check_mib(values: Sequence[Any], flag: str) -> None:
+    """Each of a sweep's sizes in MiB (its flag's or its recipe's) holds at least a byte, as
+    `mib` checks one flag: ValueError naming ``flag`` (`fsdp_sync.config.mib_to_bytes`)."""
+    from ..config import mib_to_bytes
+
+    for v in values:
+        mib_to_bytes(v, flag)
+
+
+OUTPUTS = {"json": "file", "save_cluster": "file", "png": "file", "plot": "directory"}
+"""The output flags (by ``dest``) of every command, written at the end of a run: `check_outputs`
+checks them before the run starts."""
+
+
+def check_output(path: str, flag: str, kind: str = "file") -> None:
+    """Refuse (ValueError naming the flag and the path) an output the command could write only
+    after its work is done and would then fail on: a file path that is a directory, a directory
+    that is a file, or a path whose nearest existing parent is not a writable directory (missing
+    parents are fine: the command makes them)."""
+    p = Path(os.path.abspath(path))
+    if kind == "file" and p.is_dir():
+        raise ValueError(f"argument {flag}: {path} is a directory; expected a file path to write")
+    if kind == "directory" and p.exists() and not p.is_dir():
+        raise ValueError(f"argument {flag}: {path} is a file; expected a directory to write into")
+    base = p if kind == "directory" else p.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"argument {flag}: cannot write {path}: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ValueError(f"argument {flag}: cannot write {path}: {base} is not writable")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """`check_output` for each of `OUTPUTS` the command has and was given."""
+    for dest, kind in OUTPUTS.items():
+        if getattr(args, dest, None):
+            check_output(str(getattr(args, dest)), "--" + dest.replace("_", "-"), kind)
 
 
 def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:

@@ -8,8 +8,10 @@ demo cannot fit the memory this machine has available, naming the parameters and
 trainer rank builds the float32 model whole before FSDP shards it, so ``--ranks`` copies of it are
 held at once (``{"model_type": "qwen2"}`` takes Qwen2's defaults, 10.8 B parameters: 80 GiB on
 2 ranks before the first step). `check_disk_dir` makes sure the disk method can create its
-versions there. Each raises ValueError whose message names the flag and the value (the command
-prints it as one line, exit code 2).
+versions there. `check_sync_config` builds the `SyncConfig` the ranks will build, so a combination it
+refuses (``--strategy per_tensor --layout engine``) is refused before they start. Each raises
+ValueError whose message names the flag and the value (the command prints it as one line, exit
+code 2).
 
 Not here: parsing the flags (`app`, `args`), running the demo (`demo`).
 """
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_model", "demo_memory", "check_fits", "check_disk_dir"]
+__all__ = ["check_model", "demo_memory", "check_fits", "check_disk_dir", "check_sync_config"]
 
 GiB = 2**30
 
@@ -146,3 +148,17 @@ def check_disk_dir(disk_dir: str) -> None:
         raise ValueError(f"argument --disk-dir: cannot create {disk_dir}: "
                          f"{exc.strerror or exc} in {base}") from None
     os.rmdir(probe)
+
+
+def check_sync_config(*, strategy: str, bucket_mb: float, method: str, layout: str, dtype: str,
+                      quantization: str | None, lora: bool) -> None:
+    """The flags' `SyncConfig` (as `demo.run_demo`'s ranks build it), built once here: what it
+    refuses is refused now, naming the flags, not on every rank after they started."""
+    from ..config import SyncConfig
+
+    try:
+        SyncConfig(strategy=strategy, bucket_bytes=int(bucket_mb * 2**20), method=method, layout=layout,
+                   dtype=dtype, quantization=quantization, disk_dir="unchecked-here",
+                   lora="adapter" if lora else "off")
+    except ValueError as exc:
+        raise ValueError(f"--method {method} --strategy {strategy} --layout {layout}: {exc}") from None

@@ -486,16 +486,18 @@ def add_faults_parser(sub) -> None:
                    help="comma list of " + ", ".join(VICTIMS))
     p.add_argument("--faults", type=_csv(FAULTS), default=",".join(FAULTS),
                    help="comma list of " + ", ".join(FAULTS))
-    p.add_argument("--pg-timeout", type=float, default=Timeouts.pg_s, help="trainer process-group timeout, s")
-    p.add_argument("--call-timeout", type=float, default=Timeouts.call_s, help="engine worker reply timeout, s")
-    p.add_argument("--recv-timeout", type=float, default=Timeouts.recv_s,
+    p.add_argument("--pg-timeout", type=ca.positive_float, default=Timeouts.pg_s, help="trainer process-group timeout, s")
+    p.add_argument("--call-timeout", type=ca.positive_float, default=Timeouts.call_s,
+                   help="engine worker reply timeout, s")
+    p.add_argument("--recv-timeout", type=ca.positive_float, default=Timeouts.recv_s,
                    help="engine worker receive timeout (and the trainer's dist_timeout_s), s")
-    p.add_argument("--cell-timeout", type=float, default=Timeouts.cell_s, help="a cell that runs longer is a hang, s")
+    p.add_argument("--cell-timeout", type=ca.positive_float, default=Timeouts.cell_s,
+                   help="a cell that runs longer is a hang, s")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON here (rewritten after every cell)")
     p.add_argument("--resume", action="store_true",
                    help="keep the cells that passed in --json PATH (an interrupted run with the same "
                         "timeouts) and run the others, failed ones included")
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--jobs", type=ca.positive_int, default=1,
                    help="cells run at once, each in a process of its own; the short timeouts want "
                         "about 4 idle cores per job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -504,7 +506,31 @@ def add_faults_parser(sub) -> None:
                         "it stages or commits, method distributed|disk x on_replica_failure "
                         "abort|quarantine (16 cells, about 20 s each; --methods, --faults kill,stall "
                         "and --call-timeout/--recv-timeout apply; see fsdp_sync/cli/faults_fleet.py)")
-    p.set_defaults(run=cmd_faults)
+    p.set_defaults(run=cmd_faults, check=check_faults_args)
+
+
+_NOT_FLEET = ("stages", "victims", "pg_timeout", "cell_timeout", "jobs", "resume")   # the matrix's alone
+
+
+def check_faults_args(args, given: set[str]) -> None:
+    """Before any cell runs (ValueError names the flag): ``--resume`` needs ``--json``; with
+    ``--fleet``, a method or fault its cells do not cover, or a flag only the matrix takes, is
+    refused (each was dropped without a word), and the defaults become the fleet's own."""
+    if args.fleet:
+        from .faults_fleet import FLEET_FAULTS, FLEET_METHODS
+
+        for dest, covered in (("methods", FLEET_METHODS), ("faults", FLEET_FAULTS)):
+            bad = [x for x in getattr(args, dest) if x not in covered]
+            if dest in given and bad:
+                raise ValueError(f"argument --{dest}: --fleet covers {', '.join(covered)}, got "
+                                 f"{', '.join(bad)}")
+            setattr(args, dest, tuple(x for x in getattr(args, dest) if x in covered))
+        ignored = [f"--{d.replace('_', '-')}" for d in _NOT_FLEET if d in given]
+        if ignored:
+            raise ValueError(f"--fleet runs the fleet's own cells and does not take {', '.join(ignored)} "
+                             f"(it takes --methods, --faults, --call-timeout, --recv-timeout, --json)")
+    if args.resume and not args.json:
+        raise ValueError("argument --resume: needs --json PATH (the report of the interrupted run)")
 
 
 def _cmd_fleet(args) -> int:
@@ -515,8 +541,10 @@ def _cmd_fleet(args) -> int:
 
     from .faults_fleet import FLEET_FAULTS, FLEET_METHODS, fleet_cells, run_fleet_matrix
 
-    methods = [m for m in args.methods if m in FLEET_METHODS] or list(FLEET_METHODS)
-    faults = [f for f in args.faults if f in FLEET_FAULTS] or list(FLEET_FAULTS)
+    # check_faults_args refused what the fleet does not cover; without it (a caller's own
+    # namespace) the matrix's defaults keep what the fleet covers
+    methods = [m for m in args.methods if m in FLEET_METHODS]
+    faults = [f for f in args.faults if f in FLEET_FAULTS]
     selected = fleet_cells(methods=methods, faults=faults)
 
     def save(rep: dict) -> None:

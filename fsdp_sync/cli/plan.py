@@ -436,7 +436,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--layout", type=ca.csv_of(ca.choice_of(("full", "engine"))), default="full",
                    help="comma-separated: full (full tensors; disk: a Hugging Face checkpoint), engine "
                         "(per-rank buckets; disk: per-rank files)")
-    p.add_argument("--bucket-mb", type=ca.csv_of(ca.positive_float), default="64",
+    p.add_argument("--bucket-mb", type=ca.csv_of(ca.mib), default="64",
                    help="comma-separated bucket sizes in MiB")
     p.add_argument("--ranks", type=ca.csv_of(ca.positive_int), default="2", help="comma-separated trainer world sizes")
     p.add_argument("--tp", type=ca.csv_of(ca.positive_int), default="2", help="comma-separated engine TP sizes")

@@ -65,7 +65,7 @@ def add_serve_parser(sub) -> None:
                    type=_existing_dir,
                    help="a directory update_weights_from_disk may read from (repeatable); "
                         "without one, disk updates are refused")
-    p.add_argument("--max-body-mb", type=ca.positive_float, default=DEFAULT_MAX_BODY / 2**20,
+    p.add_argument("--max-body-mb", type=ca.mib, default=DEFAULT_MAX_BODY / 2**20,
                    help="largest request body accepted")
     p.add_argument("--max-concurrent", type=ca.positive_int, default=32,
                    help="generation requests (/generate, /health_generate) served at once; "

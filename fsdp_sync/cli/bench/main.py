@@ -587,6 +587,7 @@ def check_bench_args(args, given: set[str]) -> None:
     if "lora_alpha" in given and not args.lora_r:
         raise ValueError("--lora-alpha configures the adapter of --lora-r; add --lora-r R")
     args.spec = spec_from_args(args, given)
+    ca.check_mib(args.spec.bucket_mb, "--bucket-mb")      # the flag's or the sweep's: 1e-7 MiB is 0 bytes
     from ...models import load_config
     from ...weights.fp8 import quantized_layout
     from ...weights.layout import ModelSpec, TPLayout
