@@ -155,6 +155,20 @@ class PlanJob:
     def __post_init__(self) -> None:
         from .config import METHODS, QUANTIZATIONS
 
+        # types before values: YAML's quoted "no" is a str (truthy), True is an int (== 1)
+        for f in ("share_host_memory", "pipelined"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be a bool (True or False), got {getattr(self, f)!r}")
+        ints = ("ranks", "tp", "ep", "bucket_bytes", "fsdp")
+        for f in ints + ("replicas", "trainer_resident_bytes"):
+            v = getattr(self, f)
+            if (v is not None or f in ints) and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"{f} must be an integer{'' if f in ints else ' or None'}, got {v!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u < 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1), got {u!r}")
+        if self.trainer_resident_bytes is not None and self.trainer_resident_bytes < 0:
+            raise ValueError(f"trainer_resident_bytes must be >= 0 or None, got {self.trainer_resident_bytes}")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; expected one of {METHODS}")
         if self.layout not in ("full", "engine"):
@@ -162,7 +176,7 @@ class PlanJob:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be none or fp8, got {self.quantization!r}")
         for f in ("ranks", "tp", "ep", "bucket_bytes"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+            if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be a positive integer, got {getattr(self, f)!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
@@ -178,11 +192,9 @@ class PlanJob:
                              f"ranks / tp = {self.ranks // self.tp}, got {self.replicas}")
         if self.replicas is not None and self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if not 0 < self.gpu_memory_utilization < 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
-        for d in (self.dtype, self.trainer_dtype):
-            if d not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"dtype must be float32, bfloat16 or float16, got {d!r}")
+        for f in ("dtype", "trainer_dtype"):
+            if getattr(self, f) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{f} must be float32, bfloat16 or float16, got {getattr(self, f)!r}")
 
     @property
     def engines(self) -> int:

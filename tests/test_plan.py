@@ -427,3 +427,72 @@ def test_a_pipeline_overlaps_sides_not_the_copies_that_share_one_memory():
     trainer = _phase(dist, "copy my shard") + _phase(dist, "gather the other ranks'")
     assert dist["seconds"] >= trainer
     assert dist["seconds"] < sum(p["seconds"] for p in dist["phases"])
+
+
+def test_plan_job_checks_its_field_types():
+    """A bool field takes a bool (a YAML "no" is a truthy str), an integer field an int (not True,
+    which equals 1), a fraction a number: each refused as a ValueError naming the field."""
+    job = dict(model="tiny", method="tensor", layout="engine", bucket_bytes=MiB, ranks=2, tp=2)
+    for kw, field in [({"share_host_memory": "no"}, "share_host_memory"), ({"pipelined": "false"}, "pipelined"),
+                      ({"share_host_memory": 1}, "share_host_memory"), ({"ranks": True}, "ranks"),
+                      ({"fsdp": True}, "fsdp"), ({"bucket_bytes": 1.5}, "bucket_bytes"),
+                      ({"replicas": "2", "method": "disk"}, "replicas"),
+                      ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization"),
+                      ({"gpu_memory_utilization": True}, "gpu_memory_utilization"),
+                      ({"trainer_resident_bytes": -1}, "trainer_resident_bytes"),
+                      ({"trainer_dtype": "int8"}, "trainer_dtype")]:
+        with pytest.raises(ValueError, match=field):
+            PlanJob(**{**job, **kw})
+    assert PlanJob(**job, share_host_memory=False, pipelined=False).share_host_memory is False
+
+
+RECIPES = [     # (YAML under plan:, the words of its one-line refusal)
+    ("models: tiny\nmethods: tensor\nranks: 0", ["ranks: 0", "positive integer"]),
+    ("models: [nope]", ["models: 'nope'", "no model recipe"]),
+    ("models: [tiny]\nbucket_mb: [-5]", ["bucket_mb: -5", "positive number"]),
+    ("models: [tiny]\nbucket_mb: [64, 0.0000001]", ["bucket_mb: 1e-07", "at least 1 byte"]),
+    ("models: [tiny]\ncluster: nope", ["cluster: 'nope'", "h100-node"]),
+    ("models: [tiny]\nmethods: [teleport]", ["methods: 'teleport'", "tensor, distributed, disk"]),
+    ("models: [tiny]\ndtype: int8", ["dtype: 'int8'", "float32"]),
+    ("models: [tiny]\ngpu_memory_utilization: 2", ["gpu_memory_utilization: 2", "(0, 1)"]),
+    ("models: [tiny]\nshare_host_memory: maybe", ["share_host_memory: 'maybe'", "on or off"]),
+    ("models: [tiny]\npipelined: [true]", ["pipelined: [True]", "one value"]),
+    ("models: [tiny]\nranks: [true]", ["ranks: True", "positive integer"]),
+    ("models: [tiny]\nfsdp: 3", ["fsdp: 3", "1, 2"]),
+    ("models: [tiny]\ntrainer_resident_gib: -1", ["trainer_resident_gib: -1", ">= 0"]),
+    ("models: [tiny]\ncluster: bad-cluster.json", ["cluster: bad-cluster.json", "unknown cluster fields"]),
+]
+
+
+@pytest.mark.parametrize("body, words", RECIPES, ids=[b.splitlines()[-1] for b, _ in RECIPES])
+def test_recipe_values_are_checked_as_the_flags_are(body, words, tmp_path, capsys, monkeypatch):
+    """Every value a recipe gives is checked as its flag's text is: one line naming the recipe,
+    the key and the value, exit code 2, no traceback from PlanJob or load_cluster."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad-cluster.json").write_text(json.dumps({**CPU.to_dict(), "warp_gbps": 1.0}))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("plan:\n  " + body.replace("\n", "\n  ") + "\n")
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(["plan", "--recipe", str(recipe)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    for w in ["--recipe", str(recipe), *words]:
+        assert w in err, (w, err)
+
+
+def test_a_recipes_bool_spellings_are_read_as_the_flags_are(tmp_path, monkeypatch):
+    """``share_host_memory: "no"`` and ``pipelined: "false"`` are off, as ``--share-host-memory no``
+    is (they were read as True: a host-shared row showing ``pipelined: "false"``); ``layout:``,
+    the flag's name, is the key ``layouts``."""
+    from fsdp_sync.cli.plan import plan_rows
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cpu.json").write_text(json.dumps(CPU.to_dict()))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text('plan:\n  models: [tiny]\n  layout: [engine]\n  pipelined: "false"\n'
+                      '  share_host_memory: "no"\n  cluster: cpu.json\n  quantization: null\n')
+    args = cli.parse_args(["plan", "--recipe", str(recipe)])
+    assert args.sweep["share_host_memory"] is False and args.sweep["pipelined"] is False
+    (row,) = plan_rows(args.sweep, CPU)
+    assert row["share_host_memory"] is False and row["pipelined"] is False
+    assert row["reshard_path"] == "all-to-all" and row["trainer_rank_bytes_in"] > 0

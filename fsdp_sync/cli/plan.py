@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import args as ca
+from .plan_recipe import DEFAULTS, cluster_spec, fraction, read_recipe
 from ..topology import cpu_group
 
 __all__ = ["add_plan_parser", "cluster_of", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes", "plan_table",
@@ -365,15 +366,32 @@ def split_refusal(model: Any, tp: int, ep: int, quantization: str | None) -> str
     return None
 
 
+_SWEEP_KEYS = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
+
+
+def plan_job(sweep: dict, model: Any, method: str, layout: str, mb: float, ranks: int, tp: int, ep: int,
+             q: str | None) -> Any:
+    """The `PlanJob` of one combination of ``sweep``'s lists (ValueError where PlanJob refuses it)."""
+    from ..plan import PlanJob
+
+    reps = sweep.get("replicas")
+    return PlanJob(model, method, layout, int(mb * MiB), sweep["dtype"], q, ranks, sweep["fsdp"], tp, ep,
+                   replicas=None if method == "tensor" or not reps else reps,
+                   share_host_memory=sweep["share_host_memory"], pipelined=sweep["pipelined"],
+                   gpu_memory_utilization=sweep["gpu_memory_utilization"],
+                   trainer_dtype=sweep["trainer_dtype"], engine=sweep["engine"],
+                   trainer_resident_bytes=None if sweep["trainer_resident_gib"] is None
+                   else int(sweep["trainer_resident_gib"] * 2**30))
+
+
 def plan_rows(sweep: dict, cluster: Any) -> list[dict]:
     """One row per combination of ``sweep``'s lists (a refused plan: a row with ``refused`` and
     ``suggested_bucket_bytes``; a model that this TP/EP split or quantization cannot hold: a row
     with ``refused`` saying why, `split_refusal`)."""
-    from ..plan import PlanError, PlanJob, plan_row
+    from ..plan import PlanError, plan_row
 
     rows = []
-    keys = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
-    for model, method, layout, mb, ranks, tp, ep, q in itertools.product(*(sweep[k] for k in keys)):
+    for model, method, layout, mb, ranks, tp, ep, q in itertools.product(*(sweep[k] for k in _SWEEP_KEYS)):
         why = split_refusal(model, tp, ep, q)
         if why is not None:
             rows.append({"plan": True, "model": model, "method": method, "layout": layout,
@@ -381,14 +399,7 @@ def plan_rows(sweep: dict, cluster: Any) -> list[dict]:
                          "quantization": q, "refused": f"tp {tp}, ep {ep}"
                          + (f", {q}" if q else "") + f": {why}", "suggested_bucket_bytes": None})
             continue
-        reps = sweep.get("replicas")
-        job = PlanJob(model, method, layout, int(mb * MiB), sweep["dtype"], q, ranks, sweep["fsdp"], tp, ep,
-                      replicas=None if method == "tensor" or not reps else reps,
-                      share_host_memory=sweep["share_host_memory"], pipelined=sweep["pipelined"],
-                      gpu_memory_utilization=sweep["gpu_memory_utilization"],
-                      trainer_dtype=sweep["trainer_dtype"], engine=sweep["engine"],
-                      trainer_resident_bytes=None if sweep["trainer_resident_gib"] is None
-                      else int(sweep["trainer_resident_gib"] * 2**30))
+        job = plan_job(sweep, model, method, layout, mb, ranks, tp, ep, q)
         try:
             rows.append(plan_row(job, cluster))
         except PlanError as exc:
@@ -400,14 +411,6 @@ def plan_rows(sweep: dict, cluster: Any) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- CLI
-
-_DEFAULTS = {"models": ("qwen2-160m",), "methods": ("tensor",), "layouts": ("full",), "bucket_mb": (64.0,),
-             "ranks": (2,), "tp": (2,), "ep": (1,), "quantization": (None,), "replicas": None,
-             "dtype": "float32", "fsdp": 2, "share_host_memory": True, "pipelined": True,
-             "gpu_memory_utilization": 0.85, "trainer_dtype": "float32", "trainer_resident_gib": None,
-             "cluster": "this-machine", "engine": "sglang"}
-_LISTS = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
-
 
 def add_plan_parser(sub) -> None:
 
@@ -453,10 +456,10 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--share-host-memory", type=ca.on_off, default="on",
                    help="on, off: host-shared buckets where the shards are in one host's memory (CPU)")
     p.add_argument("--pipelined", type=ca.on_off, default="on", help="on, off: per-rank buckets pipelined")
-    p.add_argument("--cluster", type=_cluster_spec, default="this-machine",
+    p.add_argument("--cluster", type=cluster_spec, default="this-machine",
                    help="h100-node, h200-node (NVLink + 400 Gb/s IB, spec figures), this-machine (measured "
                         "now, a few seconds), or a JSON file with the fields of fsdp_sync.plan.Cluster")
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.85,
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.85,
                    help="the engine's static memory fraction (SGLang's --mem-fraction-static)")
     p.add_argument("--trainer-dtype", type=ca.dtype_name, default="float32",
                    help="the trainer's parameter dtype (its FSDP shard stays on the GPU during the sync)")
@@ -475,29 +478,6 @@ def add_plan_parser(sub) -> None:
 _plan_recipe = ca.sweep_of("plan")     # ``--recipe``: a YAML path, or a shipped plan sweep's name
 
 
-def _cluster_spec(text: str) -> str:
-    import argparse
-
-    from ..plan import CLUSTERS
-
-    if text in CLUSTERS or text == "this-machine" or Path(text).is_file():
-        return text
-    raise argparse.ArgumentTypeError(f"expected one of {', '.join(sorted(CLUSTERS))}, this-machine, or a "
-                                     f"cluster JSON file, got {text!r}")
-
-
-def _fraction(text: str) -> float:
-    import argparse
-
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 < v < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}")
-    return v
-
-
 _FLAG_KEYS = {"models": "models", "methods": "methods", "layout": "layouts", "bucket_mb": "bucket_mb",
               "ranks": "ranks", "tp": "tp", "ep": "ep", "quantization": "quantization", "replicas": "replicas",
               "dtype": "dtype", "fsdp": "fsdp", "share_host_memory": "share_host_memory",
@@ -508,18 +488,10 @@ _FLAG_KEYS = {"models": "models", "methods": "methods", "layout": "layouts", "bu
 
 def check_plan_args(args, given: set[str]) -> None:
     """The sweep (recipe, then the flags given), checked before anything is planned; ValueError
-    names the flag."""
-    sweep = dict(_DEFAULTS)
+    names the flag, or the recipe's key and value."""
+    sweep = dict(DEFAULTS)
     if args.recipe:
-        from omegaconf import OmegaConf
-
-        d = OmegaConf.to_container(OmegaConf.load(args.recipe), resolve=True)
-        d = dict(d.get("plan", d))
-        unknown = sorted(set(d) - set(_DEFAULTS))
-        if unknown:
-            raise ValueError(f"--recipe {args.recipe}: unknown keys {unknown}; known: {sorted(_DEFAULTS)}")
-        for k, v in d.items():
-            sweep[k] = tuple(v) if k in _LISTS and isinstance(v, (list, tuple)) else ((v,) if k in _LISTS else v)
+        sweep.update(read_recipe(args.recipe))
     for dest, key in _FLAG_KEYS.items():
         if dest in given or not args.recipe:
             v = getattr(args, dest)
@@ -536,7 +508,20 @@ def check_plan_args(args, given: set[str]) -> None:
     for t, e in itertools.product(sweep["tp"], sweep["ep"]):
         if t % e:
             raise ValueError(f"--ep {e} must divide --tp {t} (SGLang's rule)")
-    from ..plan import meta_model
+    from ..plan import load_cluster, meta_model
+
+    source = f"--recipe {args.recipe}: " if args.recipe else ""
+    if sweep["cluster"] != "this-machine":      # a JSON file's fields, checked before planning
+        try:
+            load_cluster(sweep["cluster"])
+        except (ValueError, TypeError, OSError) as exc:
+            where = "--cluster" if "cluster" in given or not args.recipe else source + "cluster:"
+            raise ValueError(f"{where} {sweep['cluster']}: {exc}") from None
+    for combo in itertools.product(*(sweep[k] for k in _SWEEP_KEYS)):   # what PlanJob refuses
+        try:
+            plan_job(sweep, *combo)
+        except ValueError as exc:
+            raise ValueError(f"{source}{exc}") from None
 
     flag = "--config-json" if args.config_json else "--models"
     for model in sweep["models"]:
