@@ -77,7 +77,9 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
 
 
 def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: int,
-                         staged: bool) -> dict:
+                         staged: bool, quantization: str | None = None,
+                         dtype: torch.dtype = torch.bfloat16, *, layout: str = "full",
+                         pipelined: bool = True, turns: bool = False) -> dict:
     """The most extra memory one engine rank of a disaggregated method (distributed, disk) may
     take during a sync, and its rule: what it receives at once (a broadcast bucket, a per-rank
     bucket, one file's slices: never more than the larger of a bucket and the largest tensor)
@@ -85,9 +87,12 @@ def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: in
     weights: what is pushed is copied aside until the commit, so a failed update leaves the old
     weights serving; not for per-rank disk files: `reference_engine_stages`), its whole shard.
     SGLang loads in place: no staging. The colocated tensor method's engine maps the trainer's
-    buckets, so its device is held to `memory_budget`."""
+    buckets on the trainer's GPU: one device, one budget, the trainer's `memory_budget` with the
+    same job (quantization, layout, pipelining, turns; the bench holds the device's rise, trainer
+    plus engine worker, to it: `cli.bench.gpu_memory`)."""
     if method == "tensor":
-        rule = memory_budget(method, bucket_bytes, largest)
+        rule = memory_budget(method, bucket_bytes, largest, quantization, dtype, layout=layout,
+                             pipelined=pipelined, turns=turns)
         return {"engine_memory_budget_bytes": rule["memory_budget_bytes"],
                 "engine_memory_budget_rule": rule["memory_budget_rule"] + " (the trainer's device)"}
     unit = max(bucket_bytes, largest)
@@ -369,7 +374,10 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     else:
         row.update(_disk_bytes(job, layout, held, quant, metas, dtype, counts, shared, reshard, bk))
         row.update(strategy="disk:checkpoint", engine_calls=engines, share_host_memory=shared)
-        path = row.get("reshard_path") or ("host-shared" if shared else "all-gather")
+        path = row.get("reshard_path") or ("host-shared" if shared else ("all-gather" if world > 1 else "local"))
+        # full: HF files cut from gathered buckets; without the host-shared buffer every rank
+        # all-gathers each bucket (`transport.disk`), as the tensor method's full path does
+        row.setdefault("trainer_rank_bytes_in", model_bytes - model_bytes // world if path == "all-gather" else 0)
     row["path"] = path
     row["allgather_bytes_in"] = allgather_in
     if quant is not None:
@@ -377,10 +385,11 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     unit = max((b.nbytes for b in plan), default=0) if job.method != "disk" else 0   # its largest bucket
 
     # ---- memory
-    row.update(memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype,
-                             layout=job.layout, pipelined=job.pipelined, turns=_turns(job, cl)))
+    same = dict(layout=job.layout, pipelined=job.pipelined, turns=_turns(job, cl))
+    row.update(memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype, **same))
     staged = reference_engine_stages(job.engine, job.method, job.layout)
-    row.update(engine_memory_budget(job.method, job.bucket_bytes, largest, shard, staged), engine=job.engine)
+    row.update(engine_memory_budget(job.method, job.bucket_bytes, largest, shard, staged, job.quantization,
+                                    dtype, **same), engine=job.engine)
     row["trainer_rank_peak_extra_bytes"] = row["memory_budget_bytes"]
     row["engine_rank_peak_extra_bytes"] = row["engine_memory_budget_bytes"]
     # bounds: a measured row stays at or below them (a device: colocated, trainer and engine together)

@@ -192,7 +192,7 @@ def test_plan_cli_writes_rows_under_the_bench_names(tmp_path, capsys):
     assert len(rows) == 6 and all(r["ep"] == 2 for r in rows)
     for k in ("engine_rank_bytes_in", "engine_rank_shard_bytes", "trainer_rank_bytes_in", "peak_extra_bytes",
               "memory_budget_bytes", "seconds", "engine_calls", "bytes"):
-        assert all(k in r for r in rows if k != "trainer_rank_bytes_in" or r["method"] != "disk"), k
+        assert all(k in r for r in rows), k
     assert "refused" not in capsys.readouterr().out
     # a plan that cannot fit: refused, with the bucket that would, exit 1
     rc = cli.main(["plan", "--models", "qwen3-30b-a3b", "--ranks", "8", "--tp", "8", "--dtype", "bfloat16",
@@ -496,3 +496,35 @@ def test_a_recipes_bool_spellings_are_read_as_the_flags_are(tmp_path, monkeypatc
     (row,) = plan_rows(args.sweep, CPU)
     assert row["share_host_memory"] is False and row["pipelined"] is False
     assert row["reshard_path"] == "all-to-all" and row["trainer_rank_bytes_in"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_colocated_gpu_has_one_budget():
+    """The tensor method's engine shares the trainer's GPU: its budget is the device's, the
+    trainer's rule with the same layout, pipelining, turns and quantization (it was the bare
+    2 x rule: 1.74 GiB beside the trainer's 2.32 GiB for one GPU of plan_moe_h100)."""
+    moe = dict(model="qwen3-30b-a3b", method="tensor", bucket_bytes=256 * MiB, dtype="bfloat16",
+               ranks=8, tp=8, gpu_memory_utilization=0.7)
+    fp8 = dict(model="tiny-fp8", method="tensor", bucket_bytes=MiB, dtype="bfloat16", ranks=2, tp=2,
+               quantization="fp8")
+    for job in (dict(moe, layout="engine"), dict(moe, layout="full"), dict(fp8, layout="engine"),
+                dict(fp8, layout="full"), dict(fp8, layout="engine", engine="reference")):
+        row = plan_row(PlanJob(**job), "h100-node")
+        assert row["engine_memory_budget_bytes"] == row["memory_budget_bytes"] == row["peak_extra_bytes"], job
+        assert row["engine_memory_budget_rule"] == row["memory_budget_rule"] + " (the trainer's device)"
+    assert plan_row(PlanJob(**moe, layout="engine"), "h100-node")["memory_budget_rule"].startswith("3 x")
+
+
+def test_disk_full_rows_count_the_all_gather():
+    """The disk method's HF files are cut from gathered buckets: without the host-shared buffer
+    each trainer rank receives the other ranks' shards, the bytes its own gather phase prices."""
+    big = plan_row(PlanJob("qwen3-30b-a3b", method="disk", layout="full", bucket_bytes=1 << 30,
+                           dtype="bfloat16", ranks=8, tp=8), "h100-node")
+    assert big["path"] == "all-gather" and _phase(big, "gather the other ranks'") > 0
+    assert big["trainer_rank_bytes_in"] == big["model_bytes"] - big["model_bytes"] // 8 > 50e9
+    job = dict(model="small", method="disk", layout="full", bucket_bytes=MiB, dtype="float32", tp=2)
+    assert plan_row(PlanJob(**job, ranks=2), CPU)["trainer_rank_bytes_in"] == 0          # host-shared
+    off = plan_row(PlanJob(**job, ranks=2, share_host_memory=False), CPU)
+    assert off["path"] == "all-gather" and off["trainer_rank_bytes_in"] > 0
+    one = plan_row(PlanJob(**{**job, "tp": 1}, ranks=1), CPU)
+    assert one["path"] == "local" and one["trainer_rank_bytes_in"] == 0
