@@ -312,6 +312,29 @@ def test_a_bad_model_config_is_one_line_for_every_command(command, flag, tmp_pat
         assert flag in err and str(path) in err and words in err, (change, err)
 
 
+def test_a_bad_cluster_file_is_one_line(tmp_path, capsys):
+    """``plan --cluster FILE``: missing fields, not JSON, an unknown key, a number as text and a
+    list were TypeError / JSONDecodeError / AttributeError tracebacks after the flags passed."""
+    import json
+
+    from fsdp_sync.cluster import CLUSTERS
+
+    good = CLUSTERS["h100-node"].to_dict()
+    for i, (body, words) in enumerate([
+            (json.dumps({"name": "x", "device": "cuda"}), "cluster fields missing: ['gpus_per_node'"),
+            ("not json", "not a cluster JSON file"),
+            (json.dumps({**good, "bogus": 1}), "unknown cluster fields ['bogus']"),
+            (json.dumps({**good, "memory_per_gpu": "80e9"}), "memory_per_gpu must be a finite number, got '80e9'"),
+            (json.dumps([1, 2]), "expected a mapping of the fields of Cluster, got a list")]):
+        path = tmp_path / f"c{i}.json"
+        path.write_text(body)
+        with pytest.raises(SystemExit) as info:
+            cli.parse_args(["plan", "--models", "tiny", "--cluster", str(path)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "--cluster" in err and str(path) in err and words in err, (body, err)
+
+
 def test_faults_fleet_defaults_to_what_the_fleet_covers(tmp_path):
     args = cli.parse_args(["faults", "--fleet"])
     assert args.methods == ("distributed", "disk") and args.faults == ("kill", "stall")
