@@ -45,15 +45,19 @@ def _bench(**kw) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_plan_bytes_equal_the_bench_for_every_method_and_layout():
     """One bench job (tensor, distributed, disk x full, engine x host-shared on/off): every byte
-    figure of every row equals the plan's; the memory budgets are the same formula."""
+    figure of every row equals the plan's; the memory budgets are the same formula. The disk
+    rows run with share_host_memory off too (they ran host-shared whatever the flag said)."""
     job = dict(models=("small",), methods=("tensor", "distributed", "disk"), layouts=("full", "engine"),
                share_host_memory=(True, False), bucket_mb=(4.0,))
     rows = _bench(**job)
-    seen = {(r["method"], r["layout"], r.get("reshard_path")) for r in rows}
-    assert {("tensor", "full", None), ("tensor", "engine", "host-shared"), ("tensor", "engine", "all-to-all"),
-            ("distributed", "full", None), ("distributed", "engine", "host-shared"),
-            ("distributed", "engine", "all-to-all"), ("disk", "full", None),
-            ("disk", "engine", "host-shared")} <= seen, seen
+    seen = {(r["method"], r["layout"], r.get("reshard_path"), r["share_host_memory"]) for r in rows}
+    assert {("tensor", "full", None, True), ("tensor", "full", None, False),
+            ("tensor", "engine", "host-shared", True), ("tensor", "engine", "all-to-all", False),
+            ("distributed", "full", None, False), ("distributed", "engine", "host-shared", True),
+            ("distributed", "engine", "all-to-all", False), ("disk", "full", None, True),
+            ("disk", "full", None, False), ("disk", "engine", "host-shared", True),
+            ("disk", "engine", "all-to-all", False)} <= seen, seen
+    assert all(r["trainer_rank_bytes_in"] > 0 for r in rows if r["method"] == "disk" and not r["share_host_memory"])
     over = _check_rows(rows)
     if over:
         # an RSS peak over its bound by noise (30.8 MB against 25.2 + 3 MiB was seen once in make
@@ -104,10 +108,14 @@ def _check_rows(rows: list[dict]) -> list[tuple]:
 @pytest.mark.timeout(120)
 def test_plan_counts_the_all_to_all_of_fused_moe_experts_exactly():
     """An MoE model whose experts FSDP2 shards as fused [E, 2I, H] tensors, cut per expert on
-    export: the all-to-all bytes each trainer rank receives are the plan's."""
-    rows = _bench(models=("tiny-qwen3-moe",), methods=("tensor",), layouts=("engine",),
+    export: the all-to-all bytes each trainer rank receives are the plan's, for the tensor method
+    and for the disk method's per-rank files (whose rows ran host-shared, 0 bytes in, whatever
+    --share-host-memory said)."""
+    rows = _bench(models=("tiny-qwen3-moe",), methods=("tensor", "disk"), layouts=("engine",),
                   share_host_memory=(False,), bucket_mb=(0.25,))
-    assert rows and all(r["reshard_path"] == "all-to-all" and r["trainer_rank_bytes_in"] > 0 for r in rows)
+    assert {r["method"] for r in rows} == {"tensor", "disk"}
+    assert all(r["reshard_path"] == "all-to-all" and r["trainer_rank_bytes_in"] > 0
+               and r["share_host_memory"] is False for r in rows), [(r["method"], r["reshard_path"]) for r in rows]
     for r in rows:
         p = _plan_of(r)
         assert {k: r[k] for k in EXACT if k in r} == {k: p[k] for k in EXACT if k in r}

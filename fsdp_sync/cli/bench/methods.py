@@ -14,8 +14,10 @@ Called by `bench.bench_rank` on every trainer rank of a job, for each method oth
   bucket-sized pieces over the trainer's group, plus bare broadcasts of the same bytes over the
   update group (per-rank rows: bare point-to-point sends of one engine rank's bytes to each
   engine rank; the engine workers receive and drop them: `ReferenceEngine._receive_raw`).
-- ``disk``: the checkpoint transport (`transport.disk`) and its floor `transport.disk.disk_floor`;
-  skipped with a note when this build has no disk method.
+- ``disk``: the checkpoint transport (`transport.disk`) and its floor `transport.disk.disk_floor`,
+  a row per bucket size, layout and share-host-memory value (``share_host_memory``: what the sync
+  did; the full layout's ``trainer_rank_bytes_in``: the all-gather's, or 0 host-shared); skipped
+  with a note when this build has no disk method.
 
 ``peak_extra_bytes`` is the largest rise of any one process's RSS (every trainer rank and every
 engine worker, sampled from trainer rank 0) above its level before the sync stage. ``split``:
@@ -106,6 +108,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     from ...config import SyncConfig
     from ...engines import ReferenceEngine
     from ...manager import FSDPShardingManager
+    from ...weights.export import param_metas
     from ...weights.fp8 import quantized_layout
     from ...weights.layout import layout_for
 
@@ -120,19 +123,21 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     # one engine rank's shard, beside what a disk row's engine rank read (the full layout's rows
     # carry no layout figures of their own: the workers slice their parts out of the HF files)
     shard = quantized_layout(layout_for(cfg, job.tp, job.ep), job.quantization).engine_bytes(dtype.itemsize)
+    model_bytes = sum(m.nbytes for m in param_metas(model, dtype))     # in the rollout dtype
     rows: list[dict] = []
     try:
         # distributed: the flattened format per bucket size and layout (job.layouts; per-rank rows
         # once per share_host_memory x pipelined), then the per-tensor baseline (full tensors);
-        # disk: one row per bucket size and layout (full: HF files; engine: per-rank files)
+        # disk: one row per bucket size, layout (full: HF files; engine: per-rank files) and
+        # share_host_memory value (both layouts fill a host-shared buffer or else gather)
         full = ("full", job.share_host_memory[0], job.pipelined[0])
         variants = ([("flattened_bucket", b, v) for b in job.bucket_mb for lay in dict.fromkeys(job.layouts)
                      for v in ([full] if lay == "full" else
                                [(lay, sh, pp) for sh in job.share_host_memory for pp in job.pipelined])]
                     + [("per_tensor", job.bucket_mb[0], full)]
                     if method == "distributed" else
-                    [("checkpoint", b, (lay, full[1], full[2])) for b in job.bucket_mb
-                     for lay in dict.fromkeys(job.layouts)])
+                    [("checkpoint", b, (lay, sh, full[2])) for b in job.bucket_mb
+                     for lay in dict.fromkeys(job.layouts) for sh in dict.fromkeys(job.share_host_memory)])
         baseline = None
         for fmt, bucket_mb, (layout, share, piped) in variants:
             bucket_bytes = int(bucket_mb * MiB)
@@ -146,7 +151,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 box = [tempfile.mkdtemp(prefix="fsdp-sync-bench-disk-") if rank == 0 else None]
                 dist.broadcast_object_list(box, src=0, group=cpu_group())
                 workdir = box[0]
-                extra = {"disk_dir": workdir, "layout": layout}
+                extra = {"disk_dir": workdir, "layout": layout, "share_host_memory": share}
             conf = SyncConfig(method=method, bucket_bytes=bucket_bytes, dtype=dtype, memory_probe="off",
                               dist_master_address="127.0.0.1", quantization=job.quantization, **extra)
             manager = FSDPShardingManager(model, engine, config=conf)
@@ -205,6 +210,13 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                         rows[-1].update(lay)
                         if lay["layout"] == "engine":
                             rows[-1]["strategy"] = "distributed:per_rank_bucket"
+                    elif method == "disk":
+                        # what the sync did: one host-shared buffer, or (full) every rank
+                        # all-gathering each bucket, as the tensor method's full path counts it
+                        rows[-1]["share_host_memory"] = bool(stats.extra.get("host_shared"))
+                        if rows[-1].get("layout") == "full":
+                            rows[-1]["trainer_rank_bytes_in"] = 0 if rows[-1]["share_host_memory"] \
+                                else model_bytes - model_bytes // world
                     names = [f"trainer rank {r}" for r in range(len(pids))] + \
                         [f"engine worker {j}" for j in range(len(getattr(engine, "worker_pids", []) or []))]
                     rows[-1]["peak_extra_by_process"] = dict(zip(names, rows[-1].pop("_peaks")))
