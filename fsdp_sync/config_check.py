@@ -5,7 +5,8 @@ scaling, norm epsilon, activation or MoE routing. A sync between them moves ever
 and `verify` passes, yet every rollout is silently wrong. `config_mismatches` compares the values
 in `MATH_KEYS` of two Hugging Face configs (or any objects with those attributes);
 `check_configs` raises naming each differing key with both values. The manager runs it at the
-first sync against every engine that exposes its model config (``engine.config``: the reference
+first sync against every engine that exposes its model config, and again at a sync after a value
+of the trainer's changed (`math_key`) (``engine.config``: the reference
 engine does; an SGLang server does not report its config, so it is not checked), in
 `check_engine`, which also compares the engine's TP with the mesh's and its quantization with the
 sync's.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "check_engine", "model_config"]
+__all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "check_engine", "model_config", "math_key"]
 
 MATH_KEYS = (
     # sizes (shapes catch most, but not a transposed split of equal products)
@@ -84,6 +85,13 @@ def model_config(module: Any) -> Any:
             return None
         module = inner
     return None
+
+
+def math_key(module: Any) -> tuple | None:
+    """What `MATH_KEYS` read in ``module``'s config (`model_config`), comparable: it differs
+    once one of those values changed (None: the module has no config)."""
+    cfg = model_config(module)
+    return None if cfg is None else tuple(repr(_value(cfg, k)) for k in MATH_KEYS)
 
 
 def config_mismatches(trainer: Any, engine: Any) -> list[tuple[str, Any, Any]]:

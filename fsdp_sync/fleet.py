@@ -149,6 +149,7 @@ class Replica:
     version: str | None = None
     quarantined_at: float | None = None     # time.monotonic() when it was taken out of service
     held: bool = False                      # taken out by hand: only `recover` brings it back
+    rejoin: bool = False                    # `recover` / `add_engine` outside a sync: the next one brings it in
 
 
 class Fleet:
@@ -211,7 +212,7 @@ class Fleet:
         fn = getattr(rep.engine, "set_serving", None)
         if callable(fn):
             fn(True, "")
-        rep.serving, rep.reason, rep.version, rep.held = True, None, version, False
+        rep.serving, rep.reason, rep.version, rep.held, rep.rejoin = True, None, version, False, False
 
     def summary(self) -> dict:
         """What ``manager.fleet_status()`` returns: per replica its name, state and version."""

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from . import lora_sync
+from . import lora_sync, tp_batch
 from .weights import ipc_memory, quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
@@ -101,7 +101,7 @@ class FSDPShardingManager:
         self.fleet = Fleet(engines)
         self.transport = make_transport(self.config)
         self.step = 0
-        self._configs_checked: set[int] = set()    # ids of engines whose model config matched
+        self._configs_checked: dict[int, Any] = {}  # engine id -> the trainer's config key it matched
         self.version: str | None = None       # the weight version every serving replica committed
         self.global_steps: int | None = None  # set by the caller: the next sync's version is it
         self.timeline, self.watch = Timeline(), {}   # watch: stage name -> `Timeline.watch`
@@ -143,6 +143,7 @@ class FSDPShardingManager:
         pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe, watch=self.watch)
         self._was_training = self.module.training
+        self._tp_sizes = None                      # preprocess_data's sizes belong to one block
         try:   # settle=False: no collective inside; agreed with the next stage (`_run`)
             self._run("prepare", self._prepare, settle=False)
             if self.config.multi_stage_wake_up:
@@ -179,76 +180,17 @@ class FSDPShardingManager:
 
     # ------------------------------------------------------------------ data
     def preprocess_data(self, batch: Any) -> Any:
-        """All-gather a batch across infer_tp so every TP rank of a group runs the same prompts.
-
-        A dict: tensors concatenated along dim 0, lists concatenated, in TP-rank order (same keys
-        on every rank, one batch size across fields); a verl ``DataProto``: ``DataProto.concat``.
-        Sizes may differ per rank (kept for `postprocess_data`); a bad batch raises on every rank."""
-        topo = self.topo
-        if topo is None or topo.tp_size == 1:
-            return batch
-        if not isinstance(batch, dict) and not (hasattr(batch, "chunk") and hasattr(type(batch), "concat")):
-            raise TypeError(f"preprocess_data takes a dict of tensors/lists or a DataProto, got "
-                            f"{type(batch).__name__}")
-        parts: list = [None] * topo.tp_size
-        dist.all_gather_object(parts, batch, group=cpu_group(topo.tp_group))
-        if not isinstance(batch, dict):
-            self._tp_sizes = [len(p) for p in parts]
-            return type(batch).concat(parts)
-        keys = [sorted(map(str, p)) for p in parts]
-        if any(k != keys[0] for k in keys):
-            diff = {r: sorted(set(k) ^ set(keys[0])) for r, k in enumerate(keys) if k != keys[0]}
-            raise ValueError(f"preprocess_data: the infer-TP ranks' batches have different keys: "
-                             f"rank 0 has {keys[0]}, " + ", ".join(
-                                 f"rank {r} differs in {d}" for r, d in diff.items())
-                             + f" ({topo.describe()})")
-        self._tp_sizes = [self._batch_size(p, r) for r, p in enumerate(parts)]
-        return {key: torch.cat([p[key] for p in parts], dim=0) if isinstance(value, torch.Tensor)
-                else [x for p in parts for x in p[key]]
-                for key, value in batch.items()}
-
-    @staticmethod
-    def _batch_size(batch: dict, rank: int) -> int:
-        sizes = {k: (v.shape[0] if isinstance(v, torch.Tensor) and v.dim() else len(v))
-                 for k, v in batch.items()}
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"preprocess_data: infer-TP rank {rank}'s batch fields differ in size "
-                             f"{sizes}; every field holds one entry per sample")
-        return next(iter(sizes.values()), 0)
+        """All-gather a batch across infer_tp so every TP rank of a group runs the same prompts
+        (`tp_batch.gather`: a dict of tensors/lists, or a verl ``DataProto``); sizes may differ
+        per rank (kept for `postprocess_data`); a bad batch raises on every rank."""
+        batch, self._tp_sizes = tp_batch.gather(self.topo, batch)
+        return batch
 
     def postprocess_data(self, batch: Any) -> Any:
-        """Keep this rank's part of a batch that `preprocess_data` gathered (its own size, in
-        TP-rank order; k times it when each prompt became k samples); without a preceding
-        `preprocess_data`, an even split."""
-        topo = self.topo
-        if topo is None or topo.tp_size == 1:
-            return batch
-        sizes = getattr(self, "_tp_sizes", None)
-        if isinstance(batch, dict):
-            total = {k: (v.shape[0] if isinstance(v, torch.Tensor) else len(v)) for k, v in batch.items()}
-        elif hasattr(batch, "chunk"):
-            total = {"batch": len(batch)}
-        else:
-            raise TypeError(f"postprocess_data takes a dict of tensors or a DataProto, got "
-                            f"{type(batch).__name__}")
-        n = next(iter(total.values()), 0)
-        if len(set(total.values())) > 1:
-            raise ValueError(f"postprocess_data: batch fields differ in size {total}")
-        if sizes is not None and sum(sizes) and n != sum(sizes) and n % sum(sizes) == 0:
-            sizes = [x * (n // sum(sizes)) for x in sizes]   # k samples per gathered prompt
-        if sizes is None or sum(sizes) != n:
-            if n % topo.tp_size:
-                raise ValueError(f"postprocess_data: {n} samples do not split into {topo.tp_size} "
-                                 f"infer-TP parts" + ("" if sizes is None else
-                                                      f", nor into the gathered sizes {sizes}"))
-            sizes = [n // topo.tp_size] * topo.tp_size
-        start = sum(sizes[:topo.tp_rank])
-        end = start + sizes[topo.tp_rank]
-        if isinstance(batch, dict):
-            return {key: value[start:end] for key, value in batch.items()}
-        if len(set(sizes)) == 1:
-            return batch.chunk(topo.tp_size)[topo.tp_rank]
-        return batch.slice(start, end) if hasattr(batch, "slice") else batch[start:end]
+        """Keep this rank's part of a batch that `preprocess_data` gathered in this ``with``
+        block (its own size, in TP-rank order; k times it when each prompt became k samples);
+        without a preceding `preprocess_data`, an even split (`tp_batch.keep_own`)."""
+        return tp_batch.keep_own(self.topo, batch, self._tp_sizes)
 
     # ------------------------------------------------------------------ stages
     def _run(self, name: str, fn, *args, settle: bool = True) -> None:
@@ -373,9 +315,7 @@ class FSDPShardingManager:
             if err is not None:
                 break
             try:
-                if id(engine) not in self._configs_checked:   # each engine, a replica added later too
-                    self._check_config(engine)
-                    self._configs_checked.add(id(engine))
+                self._check_config(engine)        # each engine, a replica added later too
                 names = getattr(engine, "hf_names", None)
                 if not callable(names):
                     continue
@@ -384,28 +324,38 @@ class FSDPShardingManager:
                 if missing:
                     err = (f"the engine holds {missing[:5]}{' …' if len(missing) > 5 else ''} "
                            f"({len(missing)} tensors) that the trainer does not export, so a sync "
-                           f"would leave them stale; {self._what_differs(missing, sent, names())}; "
-                           f"start the engine from the trainer's config ({self._where()})")
+                           f"would leave them stale; {self._what_differs(missing, sent, names())} "
+                           f"({self._where()})")
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 err = f"{type(exc).__name__}: {exc}"
         self._agree(err, what="weight sync")
 
     def _check_config(self, engine: Any) -> None:
-        """First sync with ``engine``: `config_check.check_engine` (its TP, quantization, math)."""
-        from .config_check import check_engine
+        """`config_check.check_engine` (TP, quantization, math) at the first sync with ``engine``,
+        and again whenever the trainer's config changed since (a value edited between syncs)."""
+        from .config_check import check_engine, math_key
 
-        check_engine(self.module, engine, self.config, self.topo, where=self._where())
+        key = math_key(self.module)
+        if self._configs_checked.get(id(engine), _UNCHECKED) != key:
+            check_engine(self.module, engine, self.config, self.topo, where=self._where())
+            self._configs_checked[id(engine)] = key
 
     def _what_differs(self, missing: list[str], sent: set[str], held: list[str]) -> str:
         from .config_check import model_config
 
         cfg = model_config(self.module)
-        if missing == ["lm_head.weight"] and cfg is not None and getattr(cfg, "tie_word_embeddings", False):
-            return ("the trainer ties lm_head to embed_tokens (tie_word_embeddings=True) and the "
-                    "engine keeps its own lm_head")
+        if missing == ["lm_head.weight"] and cfg is not None:
+            if getattr(cfg, "tie_word_embeddings", False):
+                return ("the trainer ties lm_head to embed_tokens (tie_word_embeddings=True) and the "
+                        "engine keeps its own lm_head; start the engine from the trainer's config")
+            return ("the trainer's config unties lm_head (tie_word_embeddings=False), but its module "
+                    "holds lm_head and embed_tokens as one tensor (tied by hand, or by tie_weights()), "
+                    "which is exported once: give lm_head a Parameter of its own, or set "
+                    "tie_word_embeddings=True in the trainer's and the engine's configs")
         extra = sorted(set(sent) - set(held))
         return (f"the models differ: the engine holds {len(held)} tensors, the trainer exports "
-                f"{len(sent)}" + (f" (the trainer's {extra[:3]} are not in the engine)" if extra else ""))
+                f"{len(sent)}" + (f" (the trainer's {extra[:3]} are not in the engine)" if extra else "")
+                + "; start the engine from the trainer's config")
 
     def _where(self) -> str:
         return self.topo.describe() if self.topo is not None else f"trainer rank {self.rank}"
@@ -489,7 +439,7 @@ class FSDPShardingManager:
             quarantine = self.config.on_replica_failure == "quarantine"
             reps = []
             for r in self.fleet.replicas:
-                if r.held or (not r.serving and not quarantine):
+                if r.held or (not r.serving and not quarantine and not r.rejoin):
                     continue
                 why = fleet.problem(r.engine, once=not r.serving) if (quarantine or not r.serving) else None
                 if why is None:
@@ -629,9 +579,8 @@ class FSDPShardingManager:
             try:
                 rep = self.fleet.find(engine)
                 reason = fleet.problem(engine) or ""
-                if not reason and id(engine) not in self._configs_checked:
+                if not reason:
                     self._check_config(engine)      # a new replica's math, before any byte moves
-                    self._configs_checked.add(id(engine))
                 if reason:
                     action = "fail"
                 elif self.version is None:
@@ -647,6 +596,8 @@ class FSDPShardingManager:
             raise SyncError(f"{what}: {rep.name if rep is not None else 'the replica'} cannot take "
                             f"updates: {reason}")
         if action == "pending":
+            if rep is not None:               # the next sync brings it in, whatever the failure mode
+                rep.held, rep.rejoin = False, True
             return False
         if action in ("load", "send"):
             err, _ = self._transport_sync([rep] if rep is not None else [], self.version, self.step - 1)
@@ -671,6 +622,9 @@ class FSDPShardingManager:
     def close(self) -> None:
         """Close the transport (distributed: destroy the weight-update group). Idempotent; also
         runs at interpreter exit."""
+        if getattr(self, "_inside", False):
+            raise RuntimeError("close() inside the with block: leave the block first (its exit gives "
+                               "the engine's memory back and restores the module), then close()")
         transport, self.transport = getattr(self, "transport", None), None
         lora_sync.close(self)     # the adapter's export kept between syncs
         if transport is not None:
@@ -678,6 +632,7 @@ class FSDPShardingManager:
 
 
 _INSIDE = " inside the with block"
+_UNCHECKED = object()
 
 
 def _only_passed_on(exc: SyncError) -> bool:

@@ -274,3 +274,30 @@ def test_a_replica_with_other_math_is_refused_when_added(tmp_path):
         manager.close()
         good.shutdown()
         odd.shutdown()
+
+
+@pytest.mark.parametrize("method", ["distributed"])
+def test_a_replica_brought_in_between_syncs_joins_the_next_one_under_abort(method, tmp_path):
+    """Under the default ``on_replica_failure="abort"``, ``add_engine`` (and ``recover`` of a
+    replica taken out by hand) outside the with block said the replica joins at the next sync,
+    and no sync ever went to it: it stayed out of service on its start-up weights."""
+    engines = [_engine(), _engine()]
+    module = _module()
+    manager = _manager(module, engines[:1], _config(method, tmp_path))
+    try:
+        _sync(manager)
+        assert manager.add_engine(engines[1]) is False and engines[1] not in manager.engines
+        perturb_(module.parameters())
+        _sync(manager)
+        assert manager.engines == engines and all(_same(e, module) for e in engines)
+        assert [r["serving"] for r in manager.fleet_status()["replicas"]] == [True, True]
+        manager.quarantine(engines[0])
+        assert manager.recover(engines[0]) is False and manager.engines == engines[1:]
+        perturb_(module.parameters())
+        _sync(manager)
+        assert manager.engines == engines and all(_same(e, module) for e in engines)
+        assert manager.version == "2" and {r["version"] for r in manager.fleet_status()["replicas"]} == {"2"}
+    finally:
+        manager.close()
+        for e in engines:
+            e.shutdown()

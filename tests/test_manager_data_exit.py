@@ -54,6 +54,10 @@ def _job(rank, world):
                 out["keys_error"] = None
             except ValueError as exc:
                 out["keys_error"] = str(exc).split(" (rank")[0]
+        # a new block: the last block's gathered sizes ([2, 1]) do not carry over to a batch
+        # this block never gathered (6 samples split evenly, not [4, 2])
+        with manager:
+            out["fresh_split"] = manager.postprocess_data({"ids": torch.arange(6)})["ids"].tolist()
         # what the manager logs from here on (issue 36 item 6: a false "restoring ... failed too")
         records: list = []
         handler = logging.Handler(logging.WARNING)
@@ -123,6 +127,7 @@ def test_uneven_batches_and_exit_agree_across_ranks():
     assert r0["gathered_tags"] == r1["gathered_tags"] == ["r0s0", "r0s1", "r1s0"]
     assert r0["round_trip"] and r1["round_trip"]
     assert r0["repeat"] and r1["repeat"]
+    assert (r0["fresh_split"], r1["fresh_split"]) == ([0, 1, 2], [3, 4, 5])
     assert r0["keys_error"] is not None and r0["keys_error"] == r1["keys_error"]
     assert "different keys" in r0["keys_error"] and "extra" in r0["keys_error"] \
         and "other" in r0["keys_error"]
