@@ -107,12 +107,16 @@ def set_version(engine: Any, version: str) -> None:
             fn(version)
 
 
-def end_all(engines: list, *, commit: bool, version: str | None = None) -> None:
+def end_all(engines: list, *, commit: bool, version: str | None = None) -> list[str]:
     """Close the open update on every engine: commit (with ``version``) when ``commit``, else
     abort it where the engine can. Called only after every engine staged (``commit``) or after any
     failed (not): this is the fleet's second phase. Commit failures raise `CommitError` once
-    every engine was asked; abort failures are logged (the sync's own error is the one to report)."""
+    every engine was asked; abort failures are logged (the sync's own error is the one to report).
+    Returns, after an abort, the engines that could not drop what they had taken (an engine that
+    applies each call as it arrives: SGLang, a non-transactional reference engine): they hold
+    partly new weights, which is logged and said in the sync's error (`partial_note`)."""
     committed: list[int] = []
+    partial: list[str] = []
     failed: dict[int, BaseException] = {}
     for i, e in enumerate(engines):
         end = getattr(e, "end_weight_update", None)
@@ -124,11 +128,12 @@ def end_all(engines: list, *, commit: bool, version: str | None = None) -> None:
                 else:
                     _commit(e, version)
                 committed.append(i)
-            elif end is not None:
-                if "abort" in inspect.signature(end).parameters:
-                    end(abort=True)
-                else:
+            elif end is None or "abort" not in inspect.signature(end).parameters:
+                if end is not None:
                     end()
+                partial.append(describe(e, i))
+            elif end(abort=True) is False:       # closed, but what it had applied stays
+                partial.append(describe(e, i))
         except Exception as exc:  # noqa: BLE001 - every engine is asked; reported below
             if commit:
                 failed[i] = exc
@@ -136,6 +141,16 @@ def end_all(engines: list, *, commit: bool, version: str | None = None) -> None:
                 log.warning("fsdp_sync: closing %s's update after a failed sync: %s", describe(e, i), exc)
     if failed:
         raise CommitError(committed, failed, version)
+    if partial:
+        log.warning("fsdp_sync: %s", partial_note(partial))
+    return partial
+
+
+def partial_note(partial: list[str]) -> str:
+    """What to tell the user of engines that kept part of a failed update (`end_all`)."""
+    return (f"{', '.join(partial)} could not drop any calls it took before the failure (it applies "
+            f"each as it arrives): it now holds partly new weights; sync again before generating "
+            f"from it")
 
 
 @dataclass

@@ -573,10 +573,12 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             self._in_txn, self._txn_aborted, self._txn_transactional = True, None, transactional
             self._txn_version = None
 
-    def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> None:
+    def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> bool:
         """Commit the open transaction (``abort=True``: drop it). After a failed update in the
         transaction it is closed and dropped either way, and a commit is refused
-        (`WeightUpdateError`: nothing was committed, the previous weights and version stay). On a commit the engine
+        (`WeightUpdateError`: nothing was committed, the previous weights and version stay). Returns
+        False after an abort of an update that was not transactional (its calls were committed as
+        they came: the weights are partly new), else True. On a commit the engine
         takes ``weight_version`` (else the one an update call in the transaction gave) in the same
         critical section: no step runs between the new weights and their new version."""
         check_version(weight_version, "end_weight_update")
@@ -586,6 +588,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             self._in_txn = False
             aborted, self._txn_aborted = self._txn_aborted, None
             pending, self._txn_version = self._txn_version, None
+            dropped = self._txn_transactional      # else each call was committed as it came
             self._check_usable()
             replies = self._round("end", {"abort": abort or aborted is not None})
             self._raise_errors(replies, "end_weight_update")
@@ -599,6 +602,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             version = weight_version if weight_version is not None else pending
             if version is not None and not abort:
                 self.weight_version = version
+            return dropped if abort else True
 
     # ------------------------------------------------------------------ memory
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:

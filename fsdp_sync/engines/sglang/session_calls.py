@@ -32,14 +32,14 @@ class SessionCalls:
         """Open SGLang's weight-update session (0.5.21+); skipped on engines without one."""
         self._session_call("begin_weight_update")
 
-    def end_weight_update(self, weight_version: str | None = None, *, abort: bool = False) -> None:
+    def end_weight_update(self, weight_version: str | None = None, *, abort: bool = False) -> bool | None:
         """Close SGLang's weight-update session; skipped on engines without one.
 
         ``abort=True`` (after a failed sync: what `fleet.end_all` and the transports send) asks
         the server to drop the session's updates. ``fsdp-sync serve`` does, and says so
         (``"aborted": true``); SGLang applies each update as it arrives and ignores the field, so
         the session is only closed and the engine holds what arrived before the failure: that is
-        logged as a warning (sync again before generating), not hidden.
+        logged as a warning (sync again before generating), not hidden, and False returned.
 
         ``weight_version``: the name of the weights just committed, sent in the body.
         ``fsdp-sync serve`` takes it with the commit (no step runs between); a server whose answer
@@ -53,8 +53,7 @@ class SessionCalls:
             if weight_version is not None:
                 raise ValueError("end_weight_update: an abort commits no weights; pass "
                                  "weight_version or abort=True, not both")
-            self._abort_update()
-            return
+            return self._abort_update()
         local_kw: dict[str, Any] = {}
         if weight_version is not None and self._local:
             if takes_keyword(self._local.engine, "end_weight_update", "weight_version"):
@@ -70,15 +69,19 @@ class SessionCalls:
                 isinstance(answer, dict) and answer.get("weight_version") == weight_version):
             self.update_weight_version(weight_version, abort_all_requests=False)
 
-    def _abort_update(self) -> None:
+    def _abort_update(self) -> bool:
         """`end_weight_update(abort=True)`: dropped where the engine can, else closed and said so."""
         local_kw = ({"abort": True} if self._local and takes_keyword(self._local.engine, "end_weight_update", "abort")
                     else {})
         answer = self._session_call("end_weight_update", {"abort": True}, local_kw)
-        if not (local_kw or (isinstance(answer, dict) and answer.get("aborted") is True)):
-            log.warning("fsdp_sync: SGLang%s cannot drop a failed update (it applies each bucket as it "
-                        "arrives): the engine now holds the weights sent before the failure; sync "
-                        "again before generating", self.where)
+        if local_kw:
+            return answer is not False
+        if isinstance(answer, dict) and answer.get("aborted") is True:
+            return True
+        log.warning("fsdp_sync: SGLang%s cannot drop a failed update (it applies each bucket as it "
+                    "arrives): the engine now holds the weights sent before the failure; sync "
+                    "again before generating", self.where)
+        return False
 
     def _session_call(self, name: str, body: dict | None = None,
                       local_kw: dict | None = None) -> Any:
