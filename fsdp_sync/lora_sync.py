@@ -8,6 +8,11 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   or the ``peft_config=`` given to the manager), normalized as verl does for SGLang (enums to
   strings), checked against the LoRA tensors the module holds (rank from their shapes, targets
   from their names).
+- `refusal`, before anything is sent (the base at the first sync included): a config the engines
+  would serve differently from the trainer (`pattern_refusal`: a peft ``rank_pattern`` /
+  ``alpha_pattern`` entry, which SGLang's LoRA ignores), and, at a sync that sends the adapter
+  alone, base parameters that still train (``requires_grad``): the engine would keep serving the
+  base as last sent while the trainer's moves on.
 - the full LoRA tensors, gathered from FSDP2 / FSDP1 / plain modules by the export (collective:
   every trainer rank calls it) into one flattened bucket that the manager keeps from one sync to
   the next with its plan and sources (`weights.adapter_export`), named as peft saves them
@@ -23,7 +28,9 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   verl does).
 - `verify_adapter`: read the adapter back (``engine.lora_tensors``) and compare bit for bit; an
   engine that reports digests instead (`SGLangEngine` over ``fsdp-sync serve``: `check_digests`)
-  is compared digest for digest.
+  is compared digest for digest. At a sync that sends the adapter alone, `SyncConfig.verify`
+  checks the base too (`verify.verify_engines`, the same mode), so a verified sync says the engine
+  serves the trainer's model, not only its adapter.
 
 The adapter travels as one flattened bucket per call, one handle per TP rank, the same payload
 form as a full sync's buckets: to a reference engine, the trainer's own kept buffer where the ranks
@@ -36,17 +43,20 @@ Not here: the base weights' sync (the transports), the engine's side (`engines.r
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .transport import SyncStats
+from .verify import tensor_digest, verify_engines
 from .weights import bucket, export, handles
 from .wire import flattened_bucket
 from .weights.adapter_export import AdapterExport
+from .weights.peft_names import trainable_base
 
-__all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "check_engine", "sglang_refusal",
-           "load_adapter", "verify_adapter", "check_digests", "peft_name", "close"]
+__all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "refusal", "pattern_refusal",
+           "check_engine", "sglang_refusal", "load_adapter", "verify_adapter", "check_digests",
+           "peft_name", "close"]
 
 
 def check_mode(module: torch.nn.Module, config: Any) -> None:
@@ -70,23 +80,27 @@ def memory_tags(config: Any, tags: list[str] | None) -> list[str] | None:
 
 def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_config: Any,
                  base_versions: dict[int, Any], agree: Callable[..., None],
-                 kept: AdapterExport | None = None) -> SyncStats:
-    """One adapter-only sync, on every trainer rank: all gather the adapter, the engine ranks
-    check it against each engine (`check_engine`) and load it, all ``agree`` (so a refusal on
-    one rank raises the same `SyncError` on every rank, naming it); then, with
+                 kept: AdapterExport | None = None, *, base_sent: bool = False) -> SyncStats:
+    """One adapter sync, on every trainer rank: all gather the adapter, the engine ranks check
+    it (`refusal`) and against each engine (`check_engine`) and load it, all ``agree`` (so a
+    refusal on one rank raises the same `SyncError` on every rank, naming it); then, with
     `SyncConfig.verify`, each engine's adapter is read back and compared bit for bit. ``kept``:
     the export kept from the previous sync (`weights.adapter_export`; None: a fresh one, freed
-    after). Returns the sync's figures (seconds: gather + load, without the verify)."""
+    after). ``base_sent``: this sync sent the base just before (False: the adapter goes alone,
+    so base parameters that still train are refused). Returns the sync's figures (seconds:
+    gather + load, without the verify)."""
     name = config.lora_name
     t0 = time.perf_counter()
     err, tensors, cfg = None, {}, {}
     export_ = kept if kept is not None else AdapterExport(peft_name)
     try:
         try:
-            tensors = export_.tensors(module, config.dtype)
+            why = refusal(module, peft_config, base_sent=base_sent)
+            tensors = export_.tensors(module, config.dtype)     # collective: even after a refusal
             metas = [bucket.TensorMeta(e.name, e.dtype, e.shape) for e in export_.bucket.entries] \
                 if export_.bucket is not None else []
             cfg = adapter_config(module, peft_config, metas=metas)
+            err = why
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
         agree(err, what="adapter sync")
@@ -108,6 +122,7 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
             err = None
             for engine in engines:
                 err = err or verify_adapter(engine, name, tensors)
+            stats.extra["verify_tensors"] = len(tensors)
             agree(err, what=f"verify={config.verify!r} of adapter {name!r}")
     finally:
         del tensors
@@ -135,23 +150,70 @@ def peft_name(name: str) -> str:
     return "base_model.model." + ".".join(parts)
 
 
-def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "default", *,
-                   metas: list | None = None) -> dict:
-    """The adapter's config dict (see the module docstring); raises ValueError naming what is
-    missing or what the module's LoRA tensors contradict. ``metas``: the LoRA tensors' metas
-    when the caller has them (the export's plan), else read from the module."""
+def _given_config(module: torch.nn.Module, given: Any, adapter: str = "default") -> dict | None:
+    """The adapter's config as given (``peft_config=``) or as the peft model holds it, a dict."""
     cfg = given
     if cfg is None:
         peft_cfg = getattr(module, "peft_config", None)
         if isinstance(peft_cfg, dict) and adapter in peft_cfg:
             cfg = peft_cfg[adapter]
     if cfg is None:
+        return None
+    return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+
+
+def pattern_refusal(cfg: Any) -> str | None:
+    """Why an adapter config cannot be served as the trainer computes it (None: it can): a peft
+    ``rank_pattern`` / ``alpha_pattern`` entry other than the adapter's own ``r`` /
+    ``lora_alpha``. peft gives each module it matches its own rank or ``lora_alpha`` (scaling
+    ``alpha / r`` of that module); SGLang's LoRA reads neither key (0.5.23's ``LoRAAdapter``: one
+    ``scaling = lora_alpha / r`` and one rank for the whole adapter), nor does the reference
+    engine, so those modules would be served with another scaling (or rank) than trained."""
+    if not isinstance(cfg, Mapping):
+        return None
+    for key, main, default in (("rank_pattern", "r", 8), ("alpha_pattern", "lora_alpha", 8)):
+        pattern, whole = cfg.get(key), cfg.get(main, default)
+        if pattern is None or pattern == {}:
+            continue
+        differ = {k: v for k, v in pattern.items() if v != whole} if isinstance(pattern, Mapping) else pattern
+        if differ:
+            return (f"the adapter config's {key}={differ!r} ({main}={whole!r} elsewhere) cannot be "
+                    f"served exactly: SGLang's LoRA (and the reference engine) reads no {key} and "
+                    f"applies one {main} and one scaling lora_alpha / r to every module, so those "
+                    f"modules would be served with another {main} than the trainer's; train with "
+                    f"one r and lora_alpha for every module (no {key}), or merge the adapter into "
+                    f"the weights and sync them with SyncConfig(lora='off')")
+    return None
+
+
+def refusal(module: torch.nn.Module, given: Any, *, base_sent: bool) -> str | None:
+    """Why this adapter sync must not run (None: it may): the config's `pattern_refusal`, and, at
+    a sync that sends the adapter alone (``base_sent`` False), base parameters that still train
+    (`peft_names.trainable_base`). Cheap (the config and one walk over ``named_parameters``)."""
+    why = pattern_refusal(_given_config(module, given))
+    if why is not None or base_sent:
+        return why
+    live = trainable_base(module.named_parameters())
+    if not live:
+        return None
+    return (f"SyncConfig.lora='adapter' sends the adapter alone at this sync, but {len(live)} base "
+            f"parameter(s) still train (requires_grad=True: {live[:3]}{' ...' if len(live) > 3 else ''}): "
+            f"the engine would serve the base as last sent while the trainer's changes; freeze "
+            f"them (p.requires_grad_(False), as peft's get_peft_model does), or set "
+            f"manager.base_sync_done=False before every sync that follows a change of them (the "
+            f"base is sent again), or merge the adapter and sync with SyncConfig(lora='off')")
+
+
+def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "default", *,
+                   metas: list | None = None) -> dict:
+    """The adapter's config dict (see the module docstring); raises ValueError naming what is
+    missing or what the module's LoRA tensors contradict. ``metas``: the LoRA tensors' metas
+    when the caller has them (the export's plan), else read from the module."""
+    cfg = _given_config(module, given, adapter)
+    if cfg is None:
         raise ValueError("SyncConfig.lora='adapter' needs the adapter's config: a peft model "
                          "(module.peft_config) or FSDPShardingManager(peft_config={'r': ..., "
                          "'lora_alpha': ..., 'target_modules': [...]})")
-    if hasattr(cfg, "to_dict"):
-        cfg = cfg.to_dict()
-    cfg = dict(cfg)
     cfg.setdefault("peft_type", "LORA")
     for key in ("task_type", "peft_type"):
         if key in cfg:
@@ -258,8 +320,6 @@ def check_digests(engine: Any, name: str, named: Any) -> tuple[str | None, dict[
     ``fsdp-sync serve`` over HTTP) against the same digests of ``named`` (what was sent, cast to
     the engine's dtype): ``(error naming the first tensor that differs, is missing or extra, or
     None; figures: verify_tensors, verify_s, digests)``."""
-    from .verify import tensor_digest
-
     t0 = time.perf_counter()
     sums, dtype = engine.lora_checksums(name)
     want_dtype = getattr(torch, dtype, None)
@@ -314,17 +374,48 @@ def verify_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor]) -> 
 def sync_weights(manager: Any, sync_full: Any, agree: Any) -> None:
     """The manager's sync_weights stage under ``lora="adapter"``: the base through ``sync_full``
     (the configured method) when ``manager.base_sync_done`` is False, then the adapter
-    (`sync_adapter`); the manager's stats become the adapter's, with the base's beside them."""
+    (`sync_adapter`); the manager's stats become the adapter's, with the base's beside them. A
+    config the engines would serve otherwise is refused before the base goes (`refusal`); with
+    `SyncConfig.verify`, a sync of the adapter alone verifies the base too (`verify_base`)."""
     full = not manager.base_sync_done
+    module, config = manager.module, manager.config
     if full:
+        err = None
+        try:
+            err = refusal(module, manager.peft_config, base_sent=True)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+            err = f"{type(exc).__name__}: {exc}"
+        agree(err, what=f"adapter sync of {config.lora_name!r}")
         sync_full()
         manager.lora_base = {id(e): getattr(e, "weight_version", None) for e in manager.engines}
     base, manager.base_sync_done = manager.stats, True
     if getattr(manager, "lora_export", None) is None:
         manager.lora_export = AdapterExport(peft_name)
-    manager.stats = sync_adapter(manager.module, manager.config, manager.engines, manager.peft_config,
-                                 manager.lora_base, agree, manager.lora_export)
-    manager.step += int(not full)
+    manager.stats = sync_adapter(module, config, manager.engines, manager.peft_config,
+                                 manager.lora_base, agree, manager.lora_export, base_sent=full)
     if full:
         manager.stats.extra.update({"base_seconds": base.seconds, "base_bytes": base.bytes,
                                     "base_tensors": base.tensors})
+        if config.verify != "off":      # the base sync's own verify (`manager._sync_full`)
+            manager.stats.extra["base_verify_tensors"] = base.extra.get("verify_tensors")
+    step, manager.step = manager.step, manager.step + int(not full)   # counted even if the verify fails
+    if not full and config.verify != "off":      # as a full sync's step is (`manager._sync_full`)
+        verify_base(module, config, manager.engines, step, agree, manager.stats)
+
+
+def verify_base(module: torch.nn.Module, config: Any, engines: list, step: int, agree: Any,
+                stats: SyncStats) -> None:
+    """`SyncConfig.verify` of the base weights at a sync that sent the adapter alone (collective:
+    every trainer rank): what the engines serve against the trainer's base now, as a full sync's
+    verify checks it (`verify.verify_engines`, the same mode: ``"sample"`` rotates with
+    ``step``). A difference raises the same `SyncError` on every rank, naming the tensor: the
+    base changed since it was sent. Its figures go into ``stats.extra`` as ``base_verify_*``."""
+    try:
+        err, figures = verify_engines(module, config, engines, step)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+        err, figures = f"{type(exc).__name__}: {exc}", {}
+    stats.extra.update({f"base_{k}": v for k, v in figures.items() if k != "verify"})
+    if err is not None and "different from" in err:     # a difference, not an engine that cannot tell
+        err = (f"{err} (this sync sent the adapter alone; the base was sent at an earlier sync: "
+               f"after changing base weights set manager.base_sync_done=False)")
+    agree(err, what=f"verify={config.verify!r} of the base weights under adapter {config.lora_name!r}")

@@ -7,7 +7,8 @@ the adapter name (``"default"``), and wraps the model as ``base_model.model`` wi
 ``peft_config`` dict, so every state-dict name is the one a ``peft.get_peft_model`` model has
 (``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``,
 ``...q_proj.lora_A.default.weight``) and the forward is peft's: ``base_layer(x) + lora_B(lora_A(x))
-* lora_alpha / r`` (no dropout). lora_B starts random (peft starts it at zero, which would make
+* lora_alpha / r`` (no dropout); only the adapter trains (the base's ``requires_grad`` off, as
+peft sets it). lora_B starts random (peft starts it at zero, which would make
 the first adapter a no-op and a sync check blind).
 
 Not here: syncing it (`fsdp_sync.lora_sync`).
@@ -76,6 +77,7 @@ def add_lora(model: nn.Module, r: int, alpha: float, targets: Sequence[str] = AL
     if r < 1:
         raise ValueError(f"--lora-r must be >= 1, got {r}")
     g = torch.Generator().manual_seed(seed)
+    model.requires_grad_(False)       # the base frozen, as peft's get_peft_model leaves it
     for layer in model.model.layers:
         for parent in layer.modules():
             for name, child in list(parent.named_children()):

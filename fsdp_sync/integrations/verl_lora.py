@@ -116,7 +116,8 @@ def base_name(name: str) -> str:
 def normalize_peft_config(peft_config: Any) -> dict:
     """verl's peft config (a ``LoraConfig.to_dict()``, or the config itself) as SGLang's adapter
     loader takes it: enums as their values, ``peft_type`` required, ``target_modules`` a sorted
-    list (a set in peft) or a bare string (``"all-linear"``) kept whole."""
+    list (a set in peft) or a bare string (``"all-linear"``) kept whole. A ``rank_pattern`` /
+    ``alpha_pattern`` that SGLang would ignore is refused (`lora_sync.pattern_refusal`)."""
     if hasattr(peft_config, "to_dict"):
         peft_config = peft_config.to_dict()
     if not isinstance(peft_config, Mapping):
@@ -133,6 +134,11 @@ def normalize_peft_config(peft_config: Any) -> dict:
         out["target_modules"] = sorted(tm)
     elif tm is not None and not isinstance(tm, str):
         out["target_modules"] = list(tm)
+    from ..lora_sync import pattern_refusal
+
+    why = pattern_refusal(out)      # SGLang would load it and ignore the pattern
+    if why is not None:
+        raise ValueError(why)
     return out
 
 

@@ -43,7 +43,8 @@ _NAME = re.compile(r"^(?:base_model\.model\.)?(?P<prefix>model\.layers\.\d+\.(?:
 @dataclass(frozen=True)
 class LoRAConfig:
     """The parts of a peft ``LoraConfig`` dict the engine uses; anything it cannot serve exactly
-    (DoRA, rsLoRA, trained biases, extra saved modules) is refused by name."""
+    (DoRA, rsLoRA, trained biases, extra saved modules, a ``rank_pattern`` / ``alpha_pattern``
+    entry other than ``r`` / ``lora_alpha``) is refused by name."""
 
     r: int
     lora_alpha: float
@@ -72,6 +73,10 @@ class LoRAConfig:
                 raise ValueError(f"config_dict {key}={d.get(key)!r} is not served by the reference engine "
                                  f"(it serves plain LoRA: use_dora/use_rslora false, bias 'none', no "
                                  f"modules_to_save)")
+        for key, whole in (("rank_pattern", r), ("alpha_pattern", alpha)):
+            why = _pattern_refusal(key, d.get(key), whole)
+            if why is not None:
+                raise ValueError(why)
         tm = d.get("target_modules")
         if tm in ("all-linear", "all"):
             targets = TARGETS
@@ -88,6 +93,26 @@ class LoRAConfig:
             names = {m.split(".")[-1] for m in tm}
             targets = tuple(m for m in TARGETS if m in names)
         return cls(r=r, lora_alpha=float(alpha), target_modules=targets)
+
+
+def _pattern_refusal(key: str, pattern: Any, whole: float) -> str | None:
+    """Why a peft ``rank_pattern`` / ``alpha_pattern`` cannot be served (None: it is empty, or
+    every entry equals the adapter's own ``r`` / ``lora_alpha``, so nothing differs). SGLang's LoRA
+    reads neither (0.5.23: one ``scaling = lora_alpha / r`` and one rank per adapter), nor does
+    this engine, so an entry that differs would serve its modules with another scaling than
+    peft's ``lora_alpha / r`` of that module."""
+    if pattern is None or pattern == {}:
+        return None
+    main = "r" if key == "rank_pattern" else "lora_alpha"
+    if not isinstance(pattern, dict):
+        return f"config_dict {key} must be a dict of module pattern -> {main}, got {pattern!r}"
+    differ = {k: v for k, v in pattern.items() if v != whole}
+    if not differ:
+        return None
+    return (f"config_dict {key}={differ!r} is not served: the reference engine, as SGLang, applies "
+            f"one {main} ({whole:g}) and one scaling lora_alpha / r to every module of an adapter; "
+            f"train the adapter with the same r and lora_alpha for every module, or merge it into "
+            f"the weights")
 
 
 def hf_weight_of(name: str) -> tuple[str, str, str]:
