@@ -33,6 +33,10 @@ partly updated — only ever sees complete, immutable directories:
    tmpfs, 57 against 22 ms of CPU per 64 MiB; issue 39). Every byte is still written and hashed
    anew; the pool costs one more version on disk between syncs and is removed by `close`.
 
+Before step 1, an ``lm_head.weight`` the trainer holds apart from the embedding of a tied config
+(which every reader of the version would drop) is refused on every rank unless it equals the
+embedding bit for bit (`weights.tied`; per-rank files: `reshard` checks it before the first file).
+
 Each phase ends with `topology.agree` over the trainer group, so a failure on any rank (a full
 disk, an engine refusal) raises the same `SyncError` on every rank; a failure before the rename
 removes the temp directory, so no partial ``step_<N>`` is ever visible. A published version is
@@ -98,7 +102,7 @@ from .disk_writer import rank_world, write_shard as _write_shard   # tests repla
 from ..weights import bucket as _bucket
 from ..weights import export
 from ..weights import hf_checkpoint as ckpt
-from ..weights import quantize, reshard
+from ..weights import quantize, reshard, tied
 from ..models import hf_config_json
 from ..weights.layout import engine_ep_size
 
@@ -178,6 +182,8 @@ class DiskTransport:
 
         # 0. the layout (per-rank files or HF files): agreed on every rank before anything is written
         layout = choose_layout(ctx, rank, group, what)
+        if layout is None:      # per-rank files: `reshard` checks it, before the first file
+            self._check_tied_head(ctx, group, what)
 
         # 1. rank 0 makes the temp directory; the writers are the ranks that can see it
         tmp, pool, err = None, None, None
@@ -337,6 +343,18 @@ class DiskTransport:
         ctx.stats.engine_calls = calls
         agree_on(err, group, f"update_weights_from_disk({final!r})")
         self.loaded = final
+
+    @staticmethod
+    def _check_tied_head(ctx: Any, group: Any, what: str) -> None:
+        """A trainer ``lm_head.weight`` of its own under a tied config would be written and then
+        dropped by every reader (the config says the head is the embedding): unless it equals the
+        embedding bit for bit, every rank refuses before anything is written (`tied`)."""
+        cfg, refused = ctx.config, None
+        try:
+            refused = tied.module_refusal(ctx.module, fsdp1_state_dict=cfg.fsdp1_state_dict, dtype=cfg.dtype)
+        except Exception as exc:   # noqa: BLE001 - every rank must hear of it
+            refused = f"{type(exc).__name__}: {exc}"
+        agree_on(refused and ValueError(refused), group, f"{what} (tied embeddings)")
 
     def _quantizer(self, ctx: Any, rank: int, group: Any, layout: Any, what: str) -> Any:
         """``SyncConfig.quantization``: every writer quantizes the buckets it writes. The split it

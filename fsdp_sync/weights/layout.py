@@ -331,7 +331,8 @@ class TPLayout:
         return list(self.hf_shapes)
 
     def accepts(self, name: str) -> bool:
-        """Known HF name; a tied model also accepts (and ignores) ``lm_head.weight``."""
+        """Known HF name; a tied model also accepts (and ignores) ``lm_head.weight`` (a trainer
+        refuses to send one that differs from the embedding: `weights.tied`)."""
         return name in self.hf_shapes or (self.spec.tie_word_embeddings and name == "lm_head.weight")
 
     def full_shape(self, name: str) -> tuple[int, ...]:

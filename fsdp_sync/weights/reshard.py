@@ -28,7 +28,11 @@ A tensor every rank holds whole (a plain module, FSDP1 "full", a DTensor that ne
 ``full_tensor()``) is written by one rank (``index % world``), never by all of them.
 
 The module must export exactly the layout's HF tensors (a tied ``lm_head`` is not exported);
-anything else is an error on every rank (`topology.agree`) before any data moves.
+anything else is an error on every rank (`topology.agree`) before any data moves. An
+``lm_head.weight`` exported beside the embedding of a tied config (a head the trainer holds apart)
+is not sent (the engine's head is its embedding): it must equal the embedding bit for bit, or every
+rank refuses the sync naming both (`tied.head_refusal`: the shards compared where they are split
+alike, no data moved).
 
 Not here: handles and payloads (`handles`; the transport makes one per engine rank), who calls the
 engine, pipelining, GPU copies (the buffers are CPU; ``alloc`` may give CUDA buffers on the
@@ -50,6 +54,7 @@ from torch import nn
 from . import bucket as _bucket
 from . import export as _export
 from . import handles as _handles
+from . import tied as _tied
 from .gather import materialize
 from .hostbuf import HostShared
 from .layout import TPLayout, block_of, view2d
@@ -380,6 +385,13 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
         agree(error, group, what="per-rank buckets")
     elif error is not None:
         raise error
+    if _tied.needs_check((it.name for it in items), layout.spec.tie_word_embeddings):
+        # after the names are agreed: on the gather path it is collective
+        refused = _tied.head_refusal(items, layout.spec.tie_word_embeddings)
+        if world > 1:
+            agree(refused, group, what="per-rank buckets")
+        elif refused is not None:
+            raise ValueError(refused)
     by_name = {it.name: (i, it) for i, it in enumerate(items)}
     host = _host_buffers(group, layout.tp * max(1, host_sets), max((b.nbytes for b in plan), default=0),
                          host_keep) if share_host_memory and world > 1 and _host_eligible(items) else None
