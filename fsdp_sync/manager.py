@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import lora_sync, tp_batch
-from .weights import ipc_memory, quantize
+from .weights import ipc_memory, quantize, tied
 from .config import SyncConfig
 from .faultpoint import fault_point
 from . import fleet
@@ -328,7 +328,12 @@ class FSDPShardingManager:
                            f"({self._where()})")
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 err = f"{type(exc).__name__}: {exc}"
-        self._agree(err, what="weight sync")
+        try:    # every rank (collective where it must compare values): a head the config ties away
+            head = tied.module_refusal(self.module, fsdp1_state_dict=self.config.fsdp1_state_dict,
+                                       dtype=self.config.dtype)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+            head = f"{type(exc).__name__}: {exc}"
+        self._agree(err or head, what="weight sync")
 
     def _check_config(self, engine: Any) -> None:
         """`config_check.check_engine` (TP, quantization, math) at the first sync with ``engine``,
