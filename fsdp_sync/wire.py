@@ -3,7 +3,8 @@
 - `flattened_bucket` / `open_flattened_bucket`: SGLang's flattened-bucket payload
   ``{"flattened_tensor": uint8 tensor, "metadata": [...]}`` (``load_format="flattened_bucket"``, and
   the per-rank ``"direct"`` buckets), built and read in this one place.
-- `new_update_group` / `destroy_update_group`: SGLang's weight-update group (below).
+- `new_update_group` / `destroy_update_group` / `update_group_open` / `call_off_join`: SGLang's
+  weight-update group (below).
 - `PER_RANK_BUCKET` / `per_rank_bucket_plan`: fsdp_sync's per-rank distributed load format.
 - `host_store` / `join_store`: a rendezvous store that listens before its port is handed out (the
   launcher's ranks, the reference engine's workers, the update group), and a member joining it.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 from typing import Any
 
@@ -45,12 +47,14 @@ from .weights.bucket import (Bucket, KnownMetadata, entries_from_metadata, plan_
 
 __all__ = ["new_update_group", "destroy_update_group", "DEFAULT_GROUP_NAME", "PER_RANK_BUCKET",
            "per_rank_bucket_plan", "flattened_bucket", "open_flattened_bucket", "free_port",
-           "host_store", "join_store", "agent_store_env"]
+           "host_store", "join_store", "agent_store_env", "update_group_open", "call_off_join"]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
 PER_RANK_BUCKET = "per_rank_bucket"
 """``load_format`` of a per-rank ``update_weights_from_distributed`` call (see the module)."""
+
+_CALLED_OFF = "fsdp_sync/called_off"    # in the group's store: rank 0 gave the group up (`call_off_join`)
 
 
 
@@ -92,21 +96,55 @@ def host_store(world_size: int | None, timeout_s: float, port: int = 0) -> Any:
     """A `torch.distributed.TCPStore` hosted by this process, already listening (on every address)
     when it returns; its ``.port`` is what the members are told (`join_store`). ``port=0`` lets the
     OS pick one, so no other process can take it between the pick and the bind (CI once failed with
-    EADDRINUSE when a port picked by `free_port` was bound a moment later). The store, and its port,
-    live as long as the returned object; it does not wait for its members."""
+    EADDRINUSE when a port picked by `free_port` was bound a moment later). A port the caller names
+    is bound here, at once (EADDRINUSE, a `DistNetworkError`, where another program holds it), and
+    shared with any store of this process already there, as torch's ``tcp://`` rendezvous shares it.
+    The store, and its port, live as long as the returned object (and any sharing it): dropping the
+    last one closes the port and every member's connection, so a member waiting on it fails at
+    once. It does not wait for its members."""
     timeout = datetime.timedelta(seconds=float(timeout_s))
-    store = dist.TCPStore("127.0.0.1", int(port), world_size, True, timeout, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", int(port), world_size, True, timeout, wait_for_workers=False,
+                          multi_tenant=bool(port))
     store.set_timeout(timeout)
     return store
 
 
 def join_store(address: str, port: int, world_size: int | None, timeout_s: float) -> Any:
     """A member's connection to a store that `host_store` (or any TCPStore master) hosts at
-    ``address:port``; waits up to ``timeout_s`` for it to answer (`_wait_listening`)."""
-    left = _wait_listening(address, port, time.monotonic() + float(timeout_s))
-    store = dist.TCPStore(address, int(port), world_size, False, datetime.timedelta(seconds=left))
+    ``address:port``; waits up to ``timeout_s`` for it to answer (`_wait_listening`, `_connect`)."""
+    deadline = time.monotonic() + float(timeout_s)
+    left = _wait_listening(address, port, deadline)
+    store = _connect(address, port, world_size, left, deadline)
     store.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
     return store
+
+
+def _connect(address: str, port: int, world_size: int | None, left: float, deadline: float,
+             what: str = "the store", **kw: Any) -> Any:
+    """A TCPStore client of ``address:port``, given up at ``deadline`` (at least 1 s from now).
+    torch's client, connected to a program that accepts but is no store (another program on the
+    port), waits for its handshake's answer with no timeout at all: it runs in a thread here (torch
+    lets go of the GIL meanwhile), and one that has not answered by the deadline is left to end
+    when that program closes the connection."""
+    box: dict = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(address, int(port), world_size, False,
+                                         datetime.timedelta(seconds=left), **kw)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=connect, name="fsdp_sync-store-connect", daemon=True)
+    t.start()
+    t.join(max(1.0, deadline - time.monotonic()))
+    if "error" in box:
+        raise box["error"]
+    if "store" not in box:
+        raise dist.DistNetworkError(
+            f"something at {address}:{port} accepted a connection but did not answer as a "
+            f"torch.distributed store ({what}) within the timeout: another program on that port?")
+    return box["store"]
 
 
 def _wait_listening(address: str, port: int, deadline: float, what: str = "the store") -> float:
@@ -151,8 +189,10 @@ def new_update_group(*, backend: str, master_address: str, master_port: int, wor
                      rank: int, group_name: str, timeout_s: float, store: Any = None) -> Any:
     """Join (rank 0: host) the update group; blocks until all ``world_size`` ranks have joined.
 
-    Rank 0 may pass ``store``, one it already hosts at ``master_port`` (`host_store`), so that the
-    port was listened on before anyone was told it; otherwise rank 0 binds ``master_port`` here.
+    Rank 0 may pass ``store``, one it already hosts at ``master_port`` (`host_store`), or a client
+    of that one (`join_store`: then dropping the host's object ends every member's wait, this
+    rank's too), so that the port was listened on before anyone was told it; otherwise rank 0
+    binds ``master_port`` here.
 
     ``timeout_s`` bounds the rendezvous and every collective on the group (a receive that waits
     longer fails). SGLang's own engines use 30 minutes, not settable."""
@@ -169,12 +209,18 @@ def new_update_group(*, backend: str, master_address: str, master_port: int, wor
     # it. torch's tcp:// handler makes every rank a client when the process's environment has
     # TORCHELASTIC_USE_AGENT_STORE=True (torchrun, accelerate launch set it for the trainer's own
     # group), and then nobody hosts this group's store: every rank waited out the timeout.
-    if store is None:
-        left = timeout if rank == 0 else datetime.timedelta(
-            seconds=_wait_listening(master_address, master_port, deadline,
-                                    f"the store of update group {group_name!r}, hosted by its rank 0"))
-        store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, left,
+    if store is None and rank == 0:
+        store = dist.TCPStore(master_address, int(master_port), world_size, True, timeout,
                               multi_tenant=True)
+    elif store is None:
+        what = f"the store of update group {group_name!r}, hosted by its rank 0"
+        left = _wait_listening(master_address, master_port, deadline, what)
+        store = _connect(master_address, master_port, world_size, left, deadline, what, multi_tenant=True)
+        called_off = PrefixStore(group_name, store)
+        if called_off.check([_CALLED_OFF]):
+            raise dist.DistNetworkError(
+                f"update group {group_name!r} at {master_address}:{master_port}: its rank 0 called the "
+                f"join off ({called_off.get(_CALLED_OFF).decode(errors='replace')})")
     # the rendezvous gets what is left of the timeout; the group's collectives the whole of it
     base = store
     base.set_timeout(datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
@@ -183,6 +229,28 @@ def new_update_group(*, backend: str, master_address: str, master_port: int, wor
     base.set_timeout(timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def update_group_open(group_name: str) -> bool:
+    """Whether this process has a process group named ``group_name`` (another manager's update
+    group, not destroyed): torch refuses to make a second one, but only once the rendezvous is
+    under way, after the engines were told to join."""
+    from torch.distributed.distributed_c10d import _world
+
+    return group_name in _world.pg_names.values()
+
+
+def call_off_join(store: Any, group_name: str, why: str) -> None:
+    """Rank 0 gives update group ``group_name`` up before every rank joined: marked in ``store``
+    (the group's, or one hosted again on its port), a member that `new_update_group` connects from
+    now on fails at once, saying ``why``, instead of waiting out its timeout in a rendezvous that
+    cannot complete. A member already in the rendezvous is ended by closing the store (dropping
+    the host's object: `host_store`)."""
+    from torch.distributed.distributed_c10d import PrefixStore
+
+    mark = PrefixStore(group_name, store)
+    mark.set(_CALLED_OFF, why)
+    mark.get(_CALLED_OFF)     # a set is not answered: read back, the store surely holds it
 
 
 def destroy_update_group(pg: Any) -> None:

@@ -6,7 +6,8 @@
                      weight-update group, ``update_weights_from_distributed``
     disk.py          a versioned safetensors checkpoint per sync, ``update_weights_from_disk``
 
-    group.py         SGLang's weight-update group, made as SGLang makes it (both ends use it)
+    update_group.py  trainer rank 0 opens SGLang's weight-update group for distributed.py (the
+                     group's wire form, which both ends use, is `fsdp_sync.wire`)
 
 A transport is any object with the attributes and methods of `Transport`. There is no base class
 to inherit from: the manager only calls ``sync(ctx)`` and ``close()`` and reads ``colocated``.

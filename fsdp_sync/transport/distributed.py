@@ -40,7 +40,8 @@ every bucket, and each commits with the sync's weight version. After a failure t
 down on both ends and made again at the next sync.
 
 Not here: export (`export.iter_buckets` with ``dst``), the per-rank cut (`reshard`, `layout`), the
-group's making (`group`), engines.
+group's making (`update_group`: every check the trainer side can make before an engine is told to
+join, and a failed opening called off), engines.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import logging
-import socket
-import threading
 import time
 from typing import Any
 
@@ -62,33 +61,14 @@ from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
 from ..weights.layout import TPLayout, engine_ep_size, layout_for
 from ..topology import SyncError, agree, agree_after_rank0, cpu_group
 from . import SyncContext, SyncStats, timed_items
-from ..wire import PER_RANK_BUCKET, destroy_update_group, host_store, new_update_group, per_rank_bucket_plan
+from ..wire import PER_RANK_BUCKET, destroy_update_group, per_rank_bucket_plan
+from .update_group import check_answer, check_distinct_gpus, engine_tp, open_group, outward_address
 
-__all__ = ["DistributedTransport", "outward_address"]
+__all__ = ["DistributedTransport", "check_distinct_gpus", "outward_address"]
 
 log = logging.getLogger("fsdp_sync")
 
 _POLL_S = 0.002
-
-
-def outward_address() -> str:
-    """This host's address as other hosts reach it (a UDP connect sends no packet); 127.0.0.1
-    where there is no route."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def _engine_tp(engine: Any) -> int:
-    tp = getattr(engine, "tp_size", None)
-    tp = tp() if callable(tp) else tp
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"cannot tell the TP size of engine {engine!r} (tp_size = {tp!r}); the "
-                         f"update group's ranks depend on it")
-    return tp
 
 
 class _Pending:
@@ -121,25 +101,6 @@ class _RankBufferPool:
         return self.bufs[i][:nbytes]
 
 
-def check_distinct_gpus(engines: list, device: torch.device) -> None:
-    """NCCL refuses a group with two ranks on one GPU (``Duplicate GPU detected``), and says so
-    only once the model is built and the engine started: refuse before joining, naming the GPU.
-    Engines that say where their workers run (``gpu_ids()``: the reference engine) are checked;
-    others (SGLang, its own ``--base-gpu-id``) are the caller's to place."""
-    mine = torch.device(device).index
-    mine = torch.cuda.current_device() if mine is None else mine
-    for i, engine in enumerate(engines):
-        ids = getattr(engine, "gpu_ids", None)
-        ids = list(ids()) if callable(ids) else []
-        if mine in ids:
-            raise ValueError(
-                f"method='distributed' on CUDA: trainer rank 0 (cuda:{mine}) and engine {i}'s TP "
-                f"worker {ids.index(mine)} would share GPU {mine}, and NCCL refuses one GPU on both "
-                f"ends of the weight-update group ({torch.cuda.device_count()} GPUs visible). Put "
-                f"the engine on other GPUs (ReferenceEngine(base_gpu_id=...), SGLang's "
-                f"--base-gpu-id), or use method='tensor' (colocated, CUDA IPC) on one GPU")
-
-
 class DistributedTransport:
     """``method="distributed"``: disaggregated engines held by trainer rank 0. See the module."""
 
@@ -152,6 +113,7 @@ class DistributedTransport:
         self.engines: list = []           # the engines the group was made with
         self.broken = False               # torn down after a failure: remake at the next sync
         self.offsets: list[int] = []      # each engine's rank_offset in the group
+        self._store: Any = None           # the group's store, hosted while the group lives
         self._pool: cf.ThreadPoolExecutor | None = None
         self._quant: Any = None           # trainer rank 0: this sync's `quantize.StreamQuantizer`
 
@@ -160,97 +122,21 @@ class DistributedTransport:
         return self.config.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
 
     def _open_group(self, engines: list, device: torch.device) -> None:
-        """Trainer rank 0: make the update group with every engine (at the first sync)."""
-        cfg = self.config
+        """Trainer rank 0: make the update group with every engine (at the first sync, and again
+        after a failure; `update_group.open_group`)."""
         if self.pg is not None and not self.broken and engines == self.engines:
             return
         self._drop_group(engines)
-        if device.type == "cuda" and (cfg.dist_backend or "nccl") == "nccl":
-            check_distinct_gpus(engines, device)
-        tps = [_engine_tp(e) for e in engines]
-        world = 1 + sum(tps)
-        address = cfg.dist_master_address or outward_address()
-        # without a port of the user's, the group's store listens (on a port the OS picks) before
-        # any engine is told the port: a port picked free and bound later can be taken in between
-        store = None if cfg.dist_master_port else host_store(world, cfg.dist_timeout_s)
-        port = cfg.dist_master_port or store.port
-        backend = self._backend(device)
-        pool = self._executor(len(engines))
-        futures, offset = [], 1
-        self.offsets = []
-        for engine, tp in zip(engines, tps):
-            self.offsets.append(offset)
-            futures.append(pool.submit(engine.init_weights_update_group, master_address=address,
-                                       master_port=port, rank_offset=offset, world_size=world,
-                                       group_name=cfg.dist_group_name, backend=backend))
-            offset += tp
-        try:
-            pg = self._make_group(futures, backend=backend, master_address=address,
-                                  master_port=port, world_size=world, rank=0, store=store,
-                                  group_name=cfg.dist_group_name, timeout_s=cfg.dist_timeout_s)
-        except _EngineRefused as exc:
-            raise RuntimeError(f"making the weight-update group {cfg.dist_group_name!r} at "
-                               f"{address}:{port} (world size {world}, engines' TP sizes {tps}) "
-                               f"failed: {exc}") from exc.__cause__
-        except Exception as exc:
-            errs = [f"an engine said: {f.exception()}" for f in futures
-                    if f.done() and f.exception() is not None]
-            if "already been created" in str(exc):
-                errs.append(f"a group named {cfg.dist_group_name!r} exists in this process already: "
-                            f"close() the manager that made it, or give this one another dist_group_name")
-            elif isinstance(exc, dist.DistStoreError):
-                errs.append(f"not every engine TP worker joined within dist_timeout_s="
-                            f"{cfg.dist_timeout_s}s; each must reach {address}:{port}")
-            raise RuntimeError(f"making the weight-update group {cfg.dist_group_name!r} at "
-                               f"{address}:{port} (world size {world}, engines' TP sizes {tps}) "
-                               f"failed: {exc}" + (f"; {errs[0]}" if errs else "")) from exc
-        for i, f in enumerate(futures):
-            try:
-                _check_answer(f.result(timeout=cfg.dist_timeout_s), f"engine {i} init_weights_update_group")
-            except Exception:
-                pg.abort()
-                destroy_update_group(pg)
-                raise
-        self.pg, self.engines, self.broken = pg, list(engines), False
-        log.info("fsdp_sync: weight-update group %r: %s:%d, world size %d (%s), backend %s",
-                 cfg.dist_group_name, address, port, world, tps, backend)
-
-    @staticmethod
-    def _make_group(futures: list, **kw: Any) -> Any:
-        """`new_update_group` as rank 0, given up at once when an engine's
-        ``init_weights_update_group`` fails: that engine will never join, and the rendezvous would
-        otherwise wait out ``dist_timeout_s`` (600 s by default). The abandoned rendezvous runs on in
-        a daemon thread and ends at its own timeout."""
-        made: dict = {}
-
-        def make() -> None:
-            try:
-                made["pg"] = new_update_group(**kw)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                made["error"] = exc
-
-        t = threading.Thread(target=make, name="fsdp_sync-update-group", daemon=True)
-        t.start()
-        while t.is_alive():
-            t.join(0.05)
-            for i, f in enumerate(futures):
-                if not f.done() or not t.is_alive():
-                    continue
-                try:
-                    _check_answer(f.result(), f"engine {i} init_weights_update_group")
-                except Exception as exc:  # noqa: BLE001 - the engine's own error, named
-                    raise _EngineRefused(f"engine {i} init_weights_update_group: {exc} (the group "
-                                         f"was not waited for)") from exc
-        if "error" in made:
-            raise made["error"]
-        return made["pg"]
+        made = open_group(engines, self.config, device, self._backend(device), self._executor(len(engines)))
+        self.pg, self._store, self.offsets = made.pg, made.store, made.offsets
+        self.engines, self.broken = list(engines), False
 
     def _drop_group(self, engines: list) -> None:
         """Tear the group down on both ends: the engines first (their workers close their
         connections, which ends a broadcast of ours still pending: gloo's destructor would wait
         for it), then ours. Errors are logged: a dead engine cannot answer."""
         if self.pg is None:
-            self.engines = []
+            self.engines, self._store = [], None
             return
         try:
             self.pg.abort()
@@ -258,8 +144,8 @@ class DistributedTransport:
             pass
         for engine in self.engines or engines:
             try:
-                _check_answer(engine.destroy_weights_update_group(self.config.dist_group_name),
-                              "destroy_weights_update_group")
+                check_answer(engine.destroy_weights_update_group(self.config.dist_group_name),
+                             "destroy_weights_update_group")
             except Exception as exc:  # noqa: BLE001
                 log.warning("fsdp_sync: an engine's destroy_weights_update_group: %s", exc)
         pg, self.pg, self.engines = self.pg, None, []
@@ -268,6 +154,7 @@ class DistributedTransport:
         except Exception as exc:  # noqa: BLE001
             log.warning("fsdp_sync: destroying the weight-update group: %s", exc)
         del pg
+        self._store = None     # its port closes with the group
 
     def _executor(self, n: int) -> cf.ThreadPoolExecutor:
         if self._pool is None or self._pool._max_workers < n:   # noqa: SLF001 - grow only
@@ -356,7 +243,7 @@ class DistributedTransport:
         cfg = self.config
         if getattr(cfg, "quantization", None) is None:
             return None
-        splits = list(dict.fromkeys((_engine_tp(e), engine_ep_size(e)) for e in engines)) or [(1, 1)]
+        splits = list(dict.fromkeys((engine_tp(e), engine_ep_size(e)) for e in engines)) or [(1, 1)]
         quants = [quantize.for_sync(ctx.module, cfg, tp, ep, tight=True) for tp, ep in splits]
         return quants[0]
 
@@ -378,7 +265,7 @@ class DistributedTransport:
         if me == 0:
             why, tp, ep = None, None, 1
             try:
-                tps = [_engine_tp(e) for e in engines]
+                tps = [engine_tp(e) for e in engines]
                 refuse = [i for i, e in enumerate(engines)
                           if not getattr(e, "accepts_distributed_rank_buckets", False)]
                 if refuse:
@@ -609,7 +496,7 @@ class DistributedTransport:
             time.sleep(_POLL_S)
         try:
             for i, f in enumerate(p.futures):
-                _check_answer(f.result(), f"engine {i} update_weights_from_distributed")
+                check_answer(f.result(), f"engine {i} update_weights_from_distributed")
             for w in p.works:    # every engine has its bytes: the sends are done, or nearly
                 w.wait(datetime.timedelta(seconds=self.config.dist_timeout_s)) if p.p2p else w.wait()
         except Exception as exc:  # noqa: BLE001
@@ -635,10 +522,6 @@ class DistributedTransport:
             self._drop_group(engines)
 
 
-class _EngineRefused(Exception):
-    """An engine's init_weights_update_group failed while the trainer was making the group."""
-
-
 def _begin(engine: Any) -> None:
     """Open the engine's update. One left open by a trainer that died inside it (this transport
     owns the engine now) is aborted first, so a fresh trainer can take over."""
@@ -659,16 +542,6 @@ def _agree(err: Any, group: Any, what: str) -> None:
     elif err is not None:
         from ..topology import SyncError
         raise SyncError(f"{what} failed: {err}")
-
-
-def _check_answer(answer: Any, call: str) -> Any:
-    """SGLang's in-process Engine answers ``(success, message)``; ours raise. Both are accepted."""
-    if isinstance(answer, tuple) and len(answer) >= 2 and isinstance(answer[0], bool):
-        if not answer[0]:
-            raise RuntimeError(f"{call}: {answer[1]}")
-    elif isinstance(answer, dict) and answer.get("success") is False:
-        raise RuntimeError(f"{call}: {answer.get('message')}")
-    return answer
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
