@@ -4,7 +4,8 @@ An engine that applies each call as it arrives (a non-transactional reference en
 ``begin_weight_update``/``end_weight_update``, as SGLang before 0.5.21; SGLang itself, which
 ignores an abort) cannot drop the buckets it took before the failure. The sync's error said only
 which call failed, and the engine served 26 old tensors and 1 new one. Now the error carries a
-note naming the engine and saying it holds partly new weights, and a warning is logged; a
+note naming the engine and saying it holds partly new weights (both methods that send calls:
+tensor and distributed), and a warning is logged; a
 transactional engine drops the update, keeps its old weights, and no such note is made.
 """
 
@@ -93,5 +94,4 @@ def test_an_engine_that_kept_part_of_a_failed_sync_is_named(method, variant):
         return
     assert out["new"] > 0, out                       # it did keep part of the failed sync
     assert said and "partly new weights" in said[0] and "sync again" in said[0], out
-    if method == "tensor":
-        assert any("could not drop" in n and "replica 0" in n for n in out["notes"]), out
+    assert any("could not drop" in n and "replica 0" in n for n in out["notes"]), out

@@ -49,6 +49,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import logging
+import sys
 import time
 from typing import Any
 
@@ -212,7 +213,10 @@ class DistributedTransport:
             ok = True
         finally:
             if me == 0 and not ok:
-                self._end(engines, False, ctx)
+                kept = self._end(engines, False, ctx)
+                failure = sys.exc_info()[1]
+                if kept and failure is not None:     # the sync's own error says who kept part of it
+                    failure.add_note(fleet.partial_note(kept))
         err = None
         if me == 0:
             # every engine staged: the fleet's second phase (`fleet.end_all`), then the caches
@@ -514,12 +518,14 @@ class DistributedTransport:
                 pass
         return message
 
-    def _end(self, engines: list, ok: bool, ctx: SyncContext) -> None:
-        """Commit (``ok``) or abort the update on every engine (`fleet.end_all`); after a failure
-        a broken group is torn down on both ends."""
-        fleet.end_all(engines, commit=ok, version=ctx.version)
+    def _end(self, engines: list, ok: bool, ctx: SyncContext) -> list[str]:
+        """Commit (``ok``) or abort the update on every engine (`fleet.end_all`: after an abort,
+        the engines that kept part of it); after a failure a broken group is torn down on both
+        ends."""
+        kept = fleet.end_all(engines, commit=ok, version=ctx.version)
         if not ok and self.broken:
             self._drop_group(engines)
+        return kept
 
 
 def _begin(engine: Any) -> None:
