@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -151,6 +152,13 @@ def partial_note(partial: list[str]) -> str:
     return (f"{', '.join(partial)} could not drop any calls it took before the failure (it applies "
             f"each as it arrives): it now holds partly new weights; sync again before generating "
             f"from it")
+
+
+def note_partial(partial: list[str]) -> None:
+    """Add `partial_note` to the exception being raised (a failed sync's own error), if any."""
+    failure = sys.exc_info()[1]
+    if partial and failure is not None:
+        failure.add_note(partial_note(partial))
 
 
 @dataclass

@@ -49,7 +49,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import logging
-import sys
 import time
 from typing import Any
 
@@ -213,10 +212,7 @@ class DistributedTransport:
             ok = True
         finally:
             if me == 0 and not ok:
-                kept = self._end(engines, False, ctx)
-                failure = sys.exc_info()[1]
-                if kept and failure is not None:     # the sync's own error says who kept part of it
-                    failure.add_note(fleet.partial_note(kept))
+                fleet.note_partial(self._end(engines, False, ctx))   # the error says who kept part
         err = None
         if me == 0:
             # every engine staged: the fleet's second phase (`fleet.end_all`), then the caches

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -278,10 +277,11 @@ class TensorTransport:
                         except Exception as exc:  # noqa: BLE001 - told to every rank by agree
                             err = f"end_weight_update on {topo.describe()}: {type(exc).__name__}: {exc}"
                     else:
-                        self._say_partial(self._end_update(commit=False))
+                        fleet.note_partial(self._end_update(commit=False))
                 elif not ok and topo.is_tp_src:   # no update bracket: each call applied as it came
-                    log.warning("fsdp_sync: %s", fleet.partial_note([fleet.describe(self.engine, 0)]))
-                    self._say_partial([fleet.describe(self.engine, 0)])
+                    kept = [fleet.describe(self.engine, 0)]
+                    log.warning("fsdp_sync: %s", fleet.partial_note(kept))
+                    fleet.note_partial(kept)
                 if ok:
                     agree(err, self._group, what=self._what)
             finally:
@@ -294,13 +294,6 @@ class TensorTransport:
                     handles.collect_ipc()
                 except Exception as exc:  # noqa: BLE001 - never hide the sync's own outcome
                     log.warning("torch.cuda.ipc_collect after the update failed: %s", exc)
-
-    @staticmethod
-    def _say_partial(kept: list[str]) -> None:
-        """The failing sync's own error (being raised) says which engine kept part of it."""
-        failure = sys.exc_info()[1]
-        if kept and failure is not None:
-            failure.add_note(fleet.partial_note(kept))
 
     def _end_update(self, *, commit: bool) -> list[str]:
         """Close the engine's update bracket: commit with the sync's weight version, or after a
