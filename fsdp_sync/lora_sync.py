@@ -9,8 +9,9 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   strings), checked against the LoRA tensors the module holds (rank from their shapes, targets
   from their names).
 - `refusal`, before anything is sent (the base at the first sync included): a config the engines
-  would serve differently from the trainer (`pattern_refusal`: a peft ``rank_pattern`` /
-  ``alpha_pattern`` entry, which SGLang's LoRA ignores), and, at a sync that sends the adapter
+  would serve differently from the trainer (`pattern_refusal`: an option SGLang's LoRA does not
+  apply, `peft_names.UNSERVED`, or a peft ``rank_pattern`` / ``alpha_pattern`` entry, which it
+  ignores), and, at a sync that sends the adapter
   alone, base parameters that still train (``requires_grad``): the engine would keep serving the
   base as last sent while the trainer's moves on.
 - the full LoRA tensors, gathered from FSDP2 / FSDP1 / plain modules by the export (collective:
@@ -52,7 +53,7 @@ from .verify import tensor_digest, verify_engines
 from .weights import bucket, export, handles
 from .wire import flattened_bucket
 from .weights.adapter_export import AdapterExport
-from .weights.peft_names import trainable_base
+from .weights.peft_names import trainable_base, unserved_option
 
 __all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "refusal", "pattern_refusal",
            "check_engine", "sglang_refusal", "load_adapter", "verify_adapter", "check_digests",
@@ -163,14 +164,18 @@ def _given_config(module: torch.nn.Module, given: Any, adapter: str = "default")
 
 
 def pattern_refusal(cfg: Any) -> str | None:
-    """Why an adapter config cannot be served as the trainer computes it (None: it can): a peft
-    ``rank_pattern`` / ``alpha_pattern`` entry other than the adapter's own ``r`` /
+    """Why an adapter config cannot be served as the trainer computes it (None: it can): an option
+    the engines do not apply (`peft_names.unserved_option`: rsLoRA, DoRA, LoRA biases, ...), or a
+    peft ``rank_pattern`` / ``alpha_pattern`` entry other than the adapter's own ``r`` /
     ``lora_alpha``. peft gives each module it matches its own rank or ``lora_alpha`` (scaling
     ``alpha / r`` of that module); SGLang's LoRA reads neither key (0.5.23's ``LoRAAdapter``: one
     ``scaling = lora_alpha / r`` and one rank for the whole adapter), nor does the reference
     engine, so those modules would be served with another scaling (or rank) than trained."""
     if not isinstance(cfg, Mapping):
         return None
+    why = unserved_option(cfg)
+    if why is not None:
+        return why
     for key, main, default in (("rank_pattern", "r", 8), ("alpha_pattern", "lora_alpha", 8)):
         pattern, whole = cfg.get(key), cfg.get(main, default)
         if pattern is None or pattern == {}:

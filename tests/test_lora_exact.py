@@ -182,3 +182,72 @@ def test_add_lora_freezes_the_base_as_peft_does():
     model = add_lora(build_model(load_config("tiny"), seed=0), r=4, alpha=8)
     assert trainable_base(model.named_parameters()) == []
     assert all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)
+
+
+# peft options that change what the trained model computes, which SGLang's LoRA does not apply
+# (rsLoRA: alpha / sqrt(r) against SGLang's alpha / r; DoRA; LoRA biases; trained copies of whole
+# modules; ...): refused by name by the engine's config, on verl's path, and by the manager before
+# the base is sent (before, the reference engine refused the adapter only after the base had gone,
+# and an SGLang engine served rsLoRA's adapter at another scaling without a word)
+UNSERVED_CASES = [("use_rslora", True), ("use_dora", True), ("lora_bias", True),
+                  ("modules_to_save", ["lm_head"]), ("trainable_token_indices", [5, 6]),
+                  ("target_parameters", ["mlp.experts.gate_up_proj"]),
+                  ("layer_replication", [[0, 2], [1, 2]]), ("use_qalora", True),
+                  ("alora_invocation_tokens", [7, 8])]
+
+
+@pytest.mark.parametrize("key, value", UNSERVED_CASES)
+def test_options_the_engines_do_not_apply_are_refused(key, value):
+    from fsdp_sync.integrations import verl_lora
+
+    pattern = rf"{key}={value!r}".replace("[", r"\[").replace("]", r"\]") + ".*cannot be served exactly"
+    with pytest.raises(ValueError, match=pattern):
+        LoRAConfig.from_dict(dict(CFG, **{key: value}))
+    with pytest.raises(ValueError, match=pattern):
+        verl_lora.normalize_peft_config(dict(CFG, **{key: value}))
+    # peft's defaults for them (False, None, empty) are plain LoRA
+    for off in (False, None, [], {}):
+        assert LoRAConfig.from_dict(dict(CFG, **{key: off})).scale == 2.0
+        assert verl_lora.normalize_peft_config(dict(CFG, **{key: off}))["r"] == 8
+
+
+def test_rslora_is_refused_before_the_base_is_sent(eng, tmp_path):
+    _drop(eng)
+    version = eng.weight_version
+    model = _model()
+    model.peft_config["default"]["use_rslora"] = True
+    manager = _manager(model, eng, tmp_path)
+    try:
+        with pytest.raises(SyncError, match=r"use_rslora=True cannot be served exactly: rsLoRA scales "
+                                            r"by lora_alpha / sqrt\(r\)"):
+            with manager:
+                pass
+        assert eng.weight_version == version and "L" not in eng.lora_adapters   # nothing sent
+    finally:
+        manager.close()
+
+
+def test_an_adapter_on_some_layers_only_is_served_exactly(eng, tmp_path):
+    """peft's ``layers_to_transform`` / ``exclude_modules`` leave some layers without tensors: the
+    engine serves those layers without LoRA (SGLang's memory pool zero-fills them), as trained."""
+    from fsdp_sync.cli.lora_model import LoRALinear
+
+    _drop(eng)
+    model = _model()
+    for layer in model.base_model.model.model.layers[1:]:
+        for parent in (layer.self_attn, layer.mlp):
+            for n, child in list(parent.named_children()):
+                if isinstance(child, LoRALinear):
+                    setattr(parent, n, child.base_layer)
+    with torch.no_grad():                               # B nonzero: the adapter moves the logits
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.5)
+    model.peft_config["default"].update(layers_to_transform=[0], layers_pattern="layers")
+    manager = _manager(model, eng, tmp_path)
+    try:
+        with manager:
+            assert _diff(model, eng) < 1e-5
+            assert sorted({k.split(".")[2] for k in eng.lora_tensors("L")}) == ["0"]
+    finally:
+        manager.close()

@@ -3,7 +3,10 @@
 which tensors are the adapter's (``lora_A`` / ``lora_B`` / ``lora_embedding_*`` / ...).
 
 `trainable_base` names the parameters outside the adapter that still train (what an adapter-only
-sync would leave stale in the engine).
+sync would leave stale in the engine). `unserved_option` names a peft ``LoraConfig`` option that
+changes what the trained model computes and that SGLang's LoRA (and the reference engine) does not
+apply (rsLoRA's scaling, DoRA, LoRA biases, ``modules_to_save``, ...): such an adapter would be
+served as another model than the trainer's.
 
 Not here: the export itself (`export` calls `base_parts` from `hf_name` and `select` on its
 items), syncing an adapter (`fsdp_sync.lora_sync`).
@@ -12,9 +15,9 @@ items), syncing an adapter (`fsdp_sync.lora_sync`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
-__all__ = ["is_lora", "base_parts", "select", "trainable_base"]
+__all__ = ["is_lora", "base_parts", "select", "trainable_base", "unserved_option", "UNSERVED"]
 
 
 @functools.lru_cache(maxsize=1 << 16)     # a pure function of the name, asked twice a tensor a sync
@@ -57,3 +60,40 @@ def trainable_base(named: Iterable[tuple[str, Any]]) -> list[str]:
         names = [f"{prefix}.{f}" if prefix else f for f in held] if held else [name]
         out += [n for n in names if not is_lora(n)]
     return out
+
+
+UNSERVED: dict[str, str] = {
+    "use_rslora": "rsLoRA scales by lora_alpha / sqrt(r); SGLang's LoRA always scales by lora_alpha / r",
+    "use_dora": "DoRA's magnitude vectors are not applied (SGLang refuses DoRA adapters when loading them)",
+    "lora_bias": "the bias of lora_B is not applied",
+    "modules_to_save": "the trained copies of those whole modules are not served (the base's are)",
+    "trainable_token_indices": "the trained token embeddings are not served (the base's are)",
+    "target_parameters": "LoRA on bare parameters (MoE experts) is not applied; only target_modules are",
+    "layer_replication": "the replicated layers are not built (the base's layer stack is served)",
+    "use_qalora": "QALoRA's pooled input is not applied",
+    "alora_invocation_tokens": "activated LoRA (applied only after its invocation tokens) is applied to every token",
+    "arrow_config": "Arrow's per-token routing among adapters is not applied",
+}
+"""peft ``LoraConfig`` options that change what the trained model computes, with what the engine
+does instead: SGLang 0.5.23's LoRA reads only ``r``, ``lora_alpha``, ``target_modules`` and
+``use_dora`` (which it refuses), as does the reference engine. Options that only shape training
+(``lora_dropout``, ``init_lora_weights``, LoftQ/EVA/CorDA initialization) or choose which layers
+hold tensors (``layers_to_transform``, ``exclude_modules``: a layer without tensors is served
+without LoRA, as SGLang's memory pool zero-fills it) are served exactly and not listed."""
+
+
+def unserved_option(cfg: Any) -> str | None:
+    """Why an adapter config cannot be served as the trainer computes it (None: it can): its first
+    `UNSERVED` option that is set (true, or a non-empty list / dict / string), named with its value,
+    what the engine would do instead, and what to do."""
+    if not isinstance(cfg, Mapping):
+        return None
+    for key, instead in UNSERVED.items():
+        value = cfg.get(key)
+        if value is None or value is False or (hasattr(value, "__len__") and len(value) == 0):
+            continue
+        return (f"the adapter config's {key}={value!r} cannot be served exactly: {instead}, so the "
+                f"engine would serve another model than the trainer's; train without {key} (SGLang "
+                f"serves plain LoRA: r, lora_alpha, target_modules), or merge the adapter into the "
+                f"weights and sync them with SyncConfig(lora='off')")
+    return None

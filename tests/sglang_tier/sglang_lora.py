@@ -162,6 +162,8 @@ def mutate(control: str | None, tensors: dict, cfg_dict: dict) -> tuple[dict, di
     elif control == "transposed":   # o_proj's B sent as [r, out] viewed back to [out, r]
         n = f"{p}self_attn.o_proj.lora_B.weight"
         tensors[n] = tensors[n].t().contiguous().view(tensors[n].shape)
+    elif control == "rslora":       # peft's rsLoRA flag, which SGLang reads nowhere (we refuse it)
+        cfg_dict["use_rslora"] = True
     elif control is not None:
         raise ValueError(f"control must be one of {CONTROLS} or None, got {control!r}")
     return tensors, cfg_dict

@@ -59,7 +59,7 @@ QV, NO_UP = ["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "gate_proj", "d
 CASES = [["tiny", {}, 1, 6, 10, None], ["tiny", {}, 2, 6, 10, None], ["tiny", {}, 4, 6, 10, None],
          ["tiny", {"num_key_value_heads": 1}, 2, 6, 10, None], ["tiny-qwen3", {}, 2, 4, 16, None],
          ["tiny", {}, 2, 6, 10, None, QV], ["tiny", {}, 2, 6, 10, None, NO_UP]]
-CONTROLS = [["tiny", {}, 2, 6, 10, c] for c in ("alpha", "swap_kv", "dropped", "transposed")]
+CONTROLS = [["tiny", {}, 2, 6, 10, c] for c in ("alpha", "swap_kv", "dropped", "transposed", "rslora")]
 # every subset of q/k/v and of gate/up (with o_proj), at TP 1: served by SGLang or not
 SUBSETS = [["tiny", {}, 1, 4, 8, None, [m for m, on in zip(ALL, bits) if on]]
            for bits in itertools.product((0, 1), (0, 1), (0, 1), (1,), (0, 1), (0, 1), (0,))]
@@ -141,6 +141,11 @@ def test_negative_controls_are_caught(results):
         "'base_model.model.model.layers.1.mlp.down_proj.lora_A.weight'", p["dropped"]
     assert any("o_proj o_proj: lora_B block differs" in m for m in p["transposed"]), p["transposed"]
     assert all("layers.1.self_attn.o_proj" in m for m in p["transposed"]), p["transposed"]
+    # use_rslora=True: SGLang serves alpha / r (10 / 6) where peft trained alpha / sqrt(r)
+    # (10 / sqrt(6) = 4.08): why fsdp_sync refuses the flag (peft_names.UNSERVED) instead of sending it
+    rs = results[key(CONTROLS[-1])]
+    assert rs["stats"]["config"].get("use_rslora") in (None, False) and not rs["problems"], rs["problems"]
+    assert rs["stats"]["scaling"] == [10 / 6, 10 / 6] and abs(10 / 6 - 10 / 6 ** 0.5) > 2
 
 
 @pytest.mark.timeout(300)

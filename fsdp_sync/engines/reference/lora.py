@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ...weights.bucket import copy_many
+from ...weights.peft_names import unserved_option
 
 __all__ = ["TARGETS", "LoRAConfig", "hf_weight_of", "check_adapter", "shard_adapter", "LoRAShard",
            "unshard_pieces"]
@@ -43,8 +44,10 @@ _NAME = re.compile(r"^(?:base_model\.model\.)?(?P<prefix>model\.layers\.\d+\.(?:
 @dataclass(frozen=True)
 class LoRAConfig:
     """The parts of a peft ``LoraConfig`` dict the engine uses; anything it cannot serve exactly
-    (DoRA, rsLoRA, trained biases, extra saved modules, a ``rank_pattern`` / ``alpha_pattern``
-    entry other than ``r`` / ``lora_alpha``) is refused by name."""
+    (an option of `peft_names.UNSERVED`: DoRA, rsLoRA, LoRA biases, extra saved modules, ...;
+    trained biases; a ``rank_pattern`` / ``alpha_pattern`` entry other than ``r`` /
+    ``lora_alpha``) is refused by name. ``layers_to_transform`` / ``exclude_modules`` /
+    ``layers_pattern`` only choose which layers hold tensors: served as given."""
 
     r: int
     lora_alpha: float
@@ -67,12 +70,12 @@ class LoRAConfig:
         alpha = d.get("lora_alpha", 8)
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
             raise ValueError(f"config_dict lora_alpha must be a finite number, got {alpha!r}")
-        for key, ok in (("use_dora", (None, False)), ("use_rslora", (None, False)), ("bias", (None, "none")),
-                        ("modules_to_save", (None, [], ())), ("layers_pattern", (None, [], ""))):
-            if d.get(key) not in ok:
-                raise ValueError(f"config_dict {key}={d.get(key)!r} is not served by the reference engine "
-                                 f"(it serves plain LoRA: use_dora/use_rslora false, bias 'none', no "
-                                 f"modules_to_save)")
+        why = unserved_option(d)
+        if why is not None:
+            raise ValueError(f"config_dict: {why}")
+        if d.get("bias") not in (None, "none"):
+            raise ValueError(f"config_dict bias={d.get('bias')!r} is not served by the reference engine "
+                             f"(it serves plain LoRA: bias 'none')")
         for key, whole in (("rank_pattern", r), ("alpha_pattern", alpha)):
             why = _pattern_refusal(key, d.get(key), whole)
             if why is not None:
