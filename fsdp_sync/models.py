@@ -90,6 +90,26 @@ def check_config(config: Any, source: str = "model config") -> None:
                          f"got {top_k}")
 
 
+FILE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+"""What a model config file (a recipe, a config.json) must state: `load_config` refuses one that
+leaves any out, which transformers would build at its family's defaults."""
+
+
+def _check_stated(d: dict[str, Any], path: Path) -> None:
+    """Refuse a config file that leaves out a `FILE_KEYS` key (under its own name or the family's,
+    e.g. GPT-2's ``n_embd`` for ``hidden_size``): transformers would fill it with its defaults."""
+    from transformers import CONFIG_MAPPING
+
+    kind = d.get("model_type")
+    aliases = getattr(CONFIG_MAPPING[kind], "attribute_map", {}) if kind in CONFIG_MAPPING else {}
+    missing = [k for k in FILE_KEYS if k not in d and aliases.get(k) not in d]
+    if missing:
+        raise ValueError(f"{path} gives no {', '.join(missing)}: a model config file must state "
+                         f"{', '.join(FILE_KEYS)} (every Hugging Face config.json does); left out, "
+                         f"transformers' defaults ({kind or 'qwen2'}'s) would build another model "
+                         f"than the file describes")
+
+
 def _from_dict(d: dict[str, Any], source: str):
     from transformers import AutoConfig
 
@@ -143,6 +163,7 @@ def load_config(spec: Any = "tiny", **overrides: Any):
         if not isinstance(d, dict):
             raise ValueError(f"{path} must hold a mapping of config fields (a Hugging Face "
                              f"config.json), got a {type(d).__name__}")
+        _check_stated(d, path)
     for drop in ("architectures", "transformers_version", "_name_or_path"):
         d.pop(drop, None)
     d.update(overrides)

@@ -232,3 +232,40 @@ def test_load_cluster_refuses_a_bad_file_naming_the_field(tmp_path):
     assert load_cluster(str(path)) == CLUSTERS["h100-node"]
     with pytest.raises(ValueError, match="cluster cores must be a finite number"):
         Cluster(**{**good, "cores": None})
+
+
+@pytest.mark.parametrize("left_out", ["model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                                      "num_attention_heads"])
+def test_a_config_file_that_leaves_out_the_model_is_refused(left_out, tmp_path, capsys):
+    """A config file without its sizes was built at transformers' defaults: ``{"x": 1}`` planned
+    as a 7B qwen2 and `bench` built it on the CPU until the kernel killed the rank (-9, a
+    traceback). Refused by `load_config`, and by `plan` / `bench` in one line that names the path
+    once; a family's own names (GPT-2's ``n_embd``) count as stated."""
+    import json
+
+    from fsdp_sync.cli import app as cli
+    from fsdp_sync.models import load_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in _GOOD.items() if k != left_out}))
+    with pytest.raises(ValueError, match=rf"^{path} gives no {left_out}: a model config file must state"):
+        load_config(str(path))
+    for command in ("plan", "bench"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            cli.main([command, "--models", str(path)])
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2 and len(err.splitlines()) == 1, err
+        assert err.count(str(path)) == 1 and f"gives no {left_out}" in err, err
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512, "n_layer": 2, "n_embd": 64, "n_head": 4}))
+    assert load_config(str(gpt2)).hidden_size == 64
+
+
+def test_a_missing_model_file_is_named_once(capsys):
+    from fsdp_sync.cli import app as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--models", "/nonexistent/config.json"])
+    err = capsys.readouterr().err
+    assert err.count("/nonexistent/config.json") == 1 and "no model recipe" in err, err

@@ -101,7 +101,8 @@ def csv_of(item: Callable[[str], Any], what: str = "") -> Callable[[str], tuple]
             try:
                 out.append(item(x))
             except argparse.ArgumentTypeError as exc:
-                raise argparse.ArgumentTypeError(f"item {x!r}: {exc}") from None
+                # the item's own message names it already (a path): not twice
+                raise argparse.ArgumentTypeError(str(exc) if x in str(exc) else f"item {x!r}: {exc}") from None
         return tuple(out)
 
     return _named(parse, f"comma-separated {getattr(item, '__name__', 'value')}")

@@ -528,7 +528,7 @@ def check_plan_args(args, given: set[str]) -> None:
         try:
             meta_model(model)
         except (ValueError, TypeError, OSError) as exc:
-            raise ValueError(f"{flag} {model}: {exc}") from None
+            raise ValueError(f"{flag}: {exc}" if str(model) in str(exc) else f"{flag} {model}: {exc}") from None
     # a combination the model cannot split into is a refused row; a sweep of nothing else is
     # refused here, before --cluster this-machine spends seconds measuring
     refused = []

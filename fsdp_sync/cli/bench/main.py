@@ -596,7 +596,7 @@ def check_bench_args(args, given: set[str]) -> None:
         try:
             spec = ModelSpec.from_config(load_config(model))     # a family the engine knows
         except (ValueError, TypeError, OSError) as exc:
-            raise ValueError(f"--models {model}: {exc}") from None
+            raise ValueError(f"--models: {exc}" if str(model) in str(exc) else f"--models {model}: {exc}") from None
         for t, e in itertools.product(args.spec.tp, args.spec.ep):
             try:
                 TPLayout(spec, t)
