@@ -432,3 +432,58 @@ def test_shutdown_fails_a_request_in_flight_and_leaves_nothing():
         r.get(20)
     with pytest.raises(EngineClosedError):
         eng.generate([P1], 2)
+
+
+# --------------------------------------------------------------------------- seeded sampling, streaming
+
+def seeded(tokens: int, seed: int | None = 7, **more) -> dict:
+    return {"max_new_tokens": tokens, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed, **more}
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_runs_beside_it(fresh):
+    """SGLang's ``sampling_seed``: a sampled row's tokens depend on its prompt, seed and the
+    weights alone: beside other rows (before or after it in the batch), beside a request running
+    in another thread, and after a retract and recompute. Before, the key was refused, and every
+    sampled row drew from the worker's one generator in batch order (request A alone, after B and
+    before B: three different outputs on one engine seed)."""
+    eng = fresh
+    alone = eng.generate_requests([P1], seeded(12))[0]["output_ids"]
+    assert eng.generate_requests([P1], seeded(12))[0]["output_ids"] == alone
+    assert eng.generate_requests([P2, P1], [seeded(12, None), seeded(12)])[1]["output_ids"] == alone
+    assert eng.generate_requests([P1, P2], [seeded(12), seeded(12, 8)])[0]["output_ids"] == alone
+    other = eng.generate_requests([P1], seeded(12, 8))[0]["output_ids"]
+    assert other != alone                                   # the seed decides, not the prompt alone
+    bg, stop, _ = endless(eng, P2)                          # a request of another thread runs
+    try:
+        assert eng.generate_requests([P1], seeded(12))[0]["output_ids"] == alone
+    finally:
+        stop.set()
+        bg.get()
+    eng._pause_after_steps(3)                               # retracted after 3 tokens, recomputed
+    r = Bg(eng.generate_requests, [P1], seeded(12))
+    r.start()
+    wait_until(lambda: eng.generation_paused == "in_place")
+    eng.pause_generation("retract")
+    eng.continue_generation()
+    res = r.get()[0]
+    assert res["output_ids"] == alone
+    assert len([x for x in eng.step_records() if res["request_id"] in x.prefill]) == 2
+    # n samples of one seeded request differ from each other; the first is the request's own
+    samples = [x["output_ids"] for x in eng.generate_requests([P1], seeded(12, n=3))]
+    assert samples[0] == alone and len({tuple(s) for s in samples}) == 3
+
+
+@pytest.mark.parametrize("bad", [-1, 2 ** 63, 1.5, "7", True])
+def test_a_sampling_seed_that_is_no_seed_is_refused(fresh, bad):
+    with pytest.raises(ValueError, match=r"sampling_params\.sampling_seed must be"):
+        fresh.generate_requests([P1], seeded(4, bad))
+
+
+@pytest.mark.parametrize("interval, told", [(None, list(range(1, 13))), (3, [3, 6, 9, 12]), (5, [5, 10, 12])])
+def test_on_step_follows_stream_interval(fresh, interval, told):
+    """``on_step`` is the Python API's stream: SGLang's ``stream_interval`` spaces it as it spaces
+    the server's chunks (before, it was accepted and ``on_step`` ran after every step)."""
+    seen = []
+    params = sp(12) | ({} if interval is None else {"stream_interval": interval})
+    fresh.generate_requests([P1], params, on_step=lambda rs: seen.append(len(rs[0]["output_ids"])))
+    assert seen == told

@@ -10,9 +10,13 @@ before sampling grew options.
 `Decode` is a worker's running batch (continuous batching): the engine's scheduler
 (`scheduler.Scheduler`) adds requests to it and removes them between steps, choosing their
 KV-cache slots, and `Decode.step` runs exactly one forward over all of them (the prefill of the
-ones just added packed with one decode token of each running one). A row's tokens depend only on
-its own prompt, slots and sampling, never on the other rows of the batch; every TP worker runs the
-same steps with the same rows, so the collective forward never goes out of step.
+ones just added packed with one decode token of each running one). A greedy row's tokens depend
+only on its own prompt and the weights, never on the other rows of the batch; so do a sampled
+row's when it gives SGLang's ``sampling_seed`` (each of its draws comes from a generator seeded by
+that seed and the token's index, `draw_seed`, so a retract and recompute draws the same). A
+sampled row without one draws from the worker's one generator (the engine's ``seed``) in batch
+order, as SGLang's sampler does: its tokens depend on what else runs beside it. Every TP worker
+runs the same steps with the same rows, so the collective forward never goes out of step.
 
 Not here: which requests run and where their KV goes (`scheduler`), the HTTP fields
 (`fsdp_sync.engines.reference.serve`), the worker's process loop (`worker`).
@@ -28,17 +32,17 @@ import torch
 
 from .tp_model import Span
 
-__all__ = ["Sampling", "pick", "Decode", "SAMPLING_KEYS"]
+__all__ = ["Sampling", "pick", "Decode", "SAMPLING_KEYS", "draw_seed", "sample_seed"]
 
 # SGLang's sampling_params keys this engine honours, and the ones that are accepted only at the
 # value that changes nothing here (penalties off; options that shape detokenized text, which this
 # tokenizer-less engine does not produce).
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "min_new_tokens",
-                 "n", "stop_token_ids", "ignore_eos", "stream_interval")
+                 "n", "stop_token_ids", "ignore_eos", "stream_interval", "sampling_seed")
 _NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
             "repetition_penalty": (1, 1.0), "stop": (None, [], ""), "regex": (None,),
             "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
-            "logit_bias": (None, {}), "custom_params": (None,), "sampling_seed": (None,)}
+            "logit_bias": (None, {}), "custom_params": (None,)}
 _TEXT_ONLY = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
@@ -73,6 +77,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     stream_interval: int = 1
+    seed: int | None = None        # SGLang's ``sampling_seed``: this row's own draws (`draw_seed`)
     stop: frozenset = field(default_factory=frozenset)   # what ends a row: stop ids (+ eos)
     lora: str | None = None   # the request's LoRA adapter (SGLang's ``lora_path``), not a sampling key
 
@@ -113,6 +118,8 @@ class Sampling:
         min_p = float(_num(sp, "min_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]"))
         n = _num(sp, "n", 1, lambda v: 1 <= v <= 1024, "an integer in [1, 1024]", integer=True)
         interval = _num(sp, "stream_interval", 1, lambda v: v >= 1, "an integer >= 1", integer=True)
+        seed = _num(sp, "sampling_seed", None, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)",
+                    integer=True)
         ignore_eos = sp.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"sampling_params.ignore_eos must be true or false, got {ignore_eos!r}")
@@ -134,7 +141,8 @@ class Sampling:
         return cls(max_new_tokens=int(max_new), temperature=temperature, top_p=top_p,
                    top_k=int(top_k), min_p=min_p, min_new_tokens=int(min_new), n=int(n),
                    stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
-                   stream_interval=int(interval), stop=frozenset(stop))
+                   stream_interval=int(interval), seed=None if seed is None else int(seed),
+                   stop=frozenset(stop))
 
 
 def _filtered_probs(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +172,22 @@ def input_token_logprobs(prompt: Sequence[int], logits: torch.Tensor, start: int
             for j in range(min(start, len(prompt)), len(prompt))]
 
 
+_MIX = 0x9E3779B97F4A7C15       # 2**64 / golden ratio: spreads consecutive seeds and indices
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded row's draw of its token ``index`` (0: its first new token),
+    a function of the two alone: the same on every TP rank, after a retract and recompute, and
+    whatever else the batch holds. The ``n`` samples of one request draw with ``seed``,
+    ``draw_seed(seed, -1)``, ``draw_seed(seed, -2)``, ... (`sample_seed`), so they differ."""
+    return ((seed + 1) * _MIX + index * 0xBF58476D1CE4E5B9) % (2 ** 63)
+
+
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample ``sample`` (0-based) of a request with ``sampling_seed=seed``."""
+    return seed if seed is None or sample == 0 else draw_seed(seed, -sample)
+
+
 def pick(logits: torch.Tensor, rows: Sequence[Sampling], produced: Sequence[int],
          gen: torch.Generator | None, want_logprobs: bool) -> tuple[list[int], list[float] | None]:
     """Next token of each row of ``logits`` [rows, vocab] (see the module docstring). ``produced``:
@@ -187,7 +211,8 @@ def pick(logits: torch.Tensor, rows: Sequence[Sampling], produced: Sequence[int]
         if s.greedy:
             continue
         probs, lps = _filtered_probs(logits[i], s)
-        t = int(torch.multinomial(probs, 1, generator=gen))
+        own = gen if s.seed is None else torch.Generator().manual_seed(draw_seed(s.seed, produced[i]))
+        t = int(torch.multinomial(probs, 1, generator=own))
         tokens[i] = t
         if logprobs is not None:
             logprobs[i] = float(lps[t])

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..base import EngineStateError, EngineUnavailableError
-from .generation import Sampling, input_token_logprobs
+from .generation import Sampling, input_token_logprobs, sample_seed
 from .scheduler import PAUSE_MODES, check_version, kv_need, weight_version_spans
 
 __all__ = ["GenerationCalls"]
@@ -90,7 +90,8 @@ class GenerationCalls:
 
         Calls from several threads run batched together (`scheduler`): each row joins the
         running batch at the next step once KV-cache room is free. ``on_step(results)`` runs in
-        the caller's thread after each step that changed one of its results (streaming);
+        the caller's thread after a step that gave one of its results ``stream_interval`` new
+        tokens since the last call, or ended it (streaming, SGLang's rule);
         ``should_abort(row)`` is asked after each step and every `ABORT_POLL_S` while waiting, and
         an aborted row ends at the next step (at once while generation is paused). Out of
         service (`set_serving`) this raises `EngineUnavailableError` naming the reason."""
@@ -123,7 +124,8 @@ class GenerationCalls:
         if self.serving_state is not None:
             raise EngineUnavailableError(f"generate: the engine is out of service ({self.serving_state}); "
                                    f"set_serving(True) brings it back")
-        rows = [(i, s) for i, (p, s) in enumerate(zip(prompts, specs)) for _ in range(s.n)]
+        rows = [(i, dataclasses.replace(s, seed=sample_seed(s.seed, c)) if c and s.seed is not None else s)
+                for i, (p, s) in enumerate(zip(prompts, specs)) for c in range(s.n)]
         version = self.weight_version
         results = [{"prompt_index": i, "output_ids": [], "finish_reason": None,
                     "weight_versions": weight_version_spans([], version), "weight_version": version}
@@ -146,6 +148,7 @@ class GenerationCalls:
         for r, row in zip(results, call.rows):
             r["request_id"] = row.rid
         tags: list[list[str]] = [[] for _ in rows]
+        told, ended = [0] * len(rows), [False] * len(rows)      # as of the last on_step
         try:
             done = False
             while not done:
@@ -158,7 +161,7 @@ class GenerationCalls:
                         done = True
                     else:
                         self._apply(results, tags, payload)
-                        if on_step is not None:
+                        if on_step is not None and self._stream_due(results, rows, told, ended):
                             on_step(results)
                 if should_abort is not None and not done:
                     for k, r in enumerate(results):
@@ -168,6 +171,18 @@ class GenerationCalls:
             self._sched.cancel(call)
             raise
         return results
+
+    @staticmethod
+    def _stream_due(results: list[dict], rows: list, told: list[int], ended: list[bool]) -> bool:
+        """Whether a streaming caller is told now (SGLang's ``stream_interval`` rule): some result
+        made ``stream_interval`` tokens since it was last told, or ended (an abort may end one
+        with no new token). Updates ``told`` (output tokens at the last telling) and ``ended``."""
+        due = False
+        for k, (r, (_, s)) in enumerate(zip(results, rows)):
+            n, done = len(r["output_ids"]), r["finish_reason"] is not None
+            if (n > told[k] and (done or n - told[k] >= s.stream_interval)) or (done and not ended[k]):
+                due, told[k], ended[k] = True, n, done
+        return due
 
     @staticmethod
     def _apply(results: list[dict], tags: list[list[str]], changes: dict) -> None:
