@@ -363,3 +363,41 @@ def test_bench_engine_http_puts_the_engine_behind_serve(tmp_path, capsys):
     bad = run_output([sys.executable, "-m", "fsdp_sync.cli", "bench", "--engine", "grpc"],
                      timeout=60)
     assert bad.returncode != 0 and "--engine" in bad.stderr and "grpc" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--dtype", "bfloat16"], "--dtype bfloat16"), (["--methods", "disk"], "--methods disk"),
+    (["--methods", "tensor,disk"], "--methods tensor,disk"),
+    (["--strategies", "per_tensor"], "--strategies per_tensor"), (["--verify", "full"], "--verify"),
+    (["--verify", "off"], "--verify"), (["--plot", "PLOTS"], "--plot"),
+    (["--quantization", "fp8"], "--quantization fp8"), (["--engine", "http"], "--engine http"),
+    (["--layout", "engine"], "--layout engine"), (["--share-host-memory", "off"], "--share-host-memory off"),
+    (["--multi-stage", "off"], "--multi-stage off"), (["--preset", "quick"], "--preset"),
+    (["--recipe", "bucket_sweep"], "--recipe"), (["--models", "tiny,small"], "--models tiny,small"),
+    (["--ranks", "2,4"], "--ranks 2,4"), (["--tp", "1,2"], "--tp 1,2"),
+    (["--bucket-mb", "1,4"], "--bucket-mb 1,4")])
+def test_lora_bench_refuses_sweep_flags_it_would_ignore(flags, named, tmp_path, capsys):
+    """`bench --lora-r` ran the tensor method in float32 on CPU whatever --dtype, --methods,
+    --strategies, --verify, --plot, ... said, and exited 0 with figures of what was not asked
+    for. Each such flag given with --lora-r is refused: one line naming it, exit code 2."""
+    from fsdp_sync.cli.app import parse_args
+
+    flags = [str(tmp_path / f) if f == "PLOTS" else f for f in flags]
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["bench", "--lora-r", "4", "--models", "tiny", *flags])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{named}" in err and "the LoRA bench (--lora-r)" in err, err
+
+
+def test_lora_bench_takes_its_own_values_and_the_sweep_defaults():
+    """A flag the LoRA bench honours (one model, ranks, TP, bucket size, repeats) or given at the
+    value it runs with is accepted; the sweep flags' defaults (two strategies) are not "given"."""
+    from fsdp_sync.cli.app import parse_args
+
+    args = parse_args(["bench", "--lora-r", "4", "--models", "tiny", "--ranks", "2", "--tp", "2",
+                       "--bucket-mb", "1", "--repeats", "3", "--dtype", "float32", "--methods", "tensor",
+                       "--strategies", "flattened", "--device", "cpu", "--quantization", "none"])
+    assert args.lora_r == 4 and args.spec.models == ("tiny",)
+    assert parse_args(["bench", "--lora-r", "4", "--models", "tiny"]).spec.strategies == ("flattened", "per_tensor")
+

@@ -15,6 +15,12 @@ Both rows carry the median seconds over ``repeats``; the adapter row carries ``b
 ``speedup`` against the full row. Each row is checked: after it the engine's logits with the
 adapter equal the trainer's own forward within 1e-5 (float32).
 
+What it does not sweep: one model, rank count, TP size and bucket size; the tensor method's
+flattened buckets, float32 (the logit check), on CPU, the direct engine. `check_lora_args` refuses a
+flag given with ``--lora-r`` that asks for anything else (``--dtype bfloat16``, ``--verify``,
+``--plot``, a second ``--models`` entry, ...), since it would be silently ignored; each row says
+what it ran with (``method``, ``strategy``, ``dtype``, ``device``, ``bucket_bytes``).
+
 Not here: the sweep of full syncs (`main`).
 """
 
@@ -26,9 +32,55 @@ from typing import Any
 
 import torch
 
-__all__ = ["lora_bench_rank", "run_lora_bench", "print_lora_bench"]
+__all__ = ["lora_bench_rank", "run_lora_bench", "print_lora_bench", "check_lora_args", "RUNS_WITH"]
 
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120]]
+
+RUNS_WITH: dict[str, tuple[tuple, str]] = {
+    # bench flag dest -> (the only value the LoRA bench runs with, why)
+    "methods": (("tensor",), "the colocated tensor method only"),
+    "strategies": (("flattened",), "flattened buckets only"),
+    "layout": (("auto",), "the default layout only"),
+    "dtype": (("float32",), "float32 only (its check: the engine's logits within 1e-5 of the trainer's)"),
+    "device": (("cpu",), "on CPU only"),
+    "quantization": (("none",), "the rollout dtype only, no quantization"),
+    "engine": (("direct",), "the direct engine only"),
+    "ep": ((1,), "a dense model's engine only (ep 1)"),
+    "multi_stage": ((True,), "with multi-stage wake-up only"),
+    "share_host_memory": ((True,), "with host-shared buckets only"),
+}
+"""What ``--lora-r`` runs with, whatever the sweep flags say: a flag given with another value is
+refused (`check_lora_args`)."""
+ONE_VALUE = ("models", "ranks", "tp", "bucket_mb")     # one job: the first value would be used alone
+NEVER = {"preset": "runs its own job, not a sweep", "recipe": "runs its own job, not a sweep",
+         "verify": "does not time the verify step", "plot": "draws no plots"}
+
+
+def _show(v: Any) -> str:
+    items = v if isinstance(v, (tuple, list)) else (v,)
+    return ",".join(("on" if x else "off") if isinstance(x, bool) else f"{x:g}" if isinstance(x, float)
+                    else str(x) for x in items)
+
+
+def check_lora_args(args: Any, given: set[str]) -> None:
+    """Refuse (ValueError, one line naming the flag and why) every bench flag given with
+    ``--lora-r`` that the LoRA bench would not honour; ``given``: the flags on the command line
+    (`cli.args.explicit_dests`), so a sweep flag left at its default is never refused."""
+    for dest, why in NEVER.items():
+        if dest in given:
+            raise ValueError(f"--{dest.replace('_', '-')}: the LoRA bench (--lora-r) {why}; "
+                             f"leave it out or drop --lora-r")
+    for dest in ONE_VALUE:
+        v = getattr(args, dest)
+        if dest in given and isinstance(v, (tuple, list)) and len(v) > 1:
+            raise ValueError(f"--{dest.replace('_', '-')} {_show(v)}: the LoRA bench (--lora-r) runs one "
+                             f"job; give one value")
+    for dest, (allowed, why) in RUNS_WITH.items():
+        v = getattr(args, dest)
+        got = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+        if dest in given and got != allowed:
+            raise ValueError(f"--{dest.replace('_', '-')} {_show(got)}: the LoRA bench (--lora-r) runs "
+                             f"{why}; leave it out or drop --lora-r")
 
 
 def _stage_seconds(manager: Any) -> float:
@@ -80,6 +132,8 @@ def lora_bench_rank(rank: int, world: int, opts: dict) -> dict:
     rows = []
     for mode in ("full", "adapter"):
         rows.append({"mode": mode, "model": opts["model"], "ranks": world, "tp": opts["tp"], "lora_r": opts["r"],
+                     "method": "tensor", "strategy": "flattened", "dtype": "float32", "device": "cpu",
+                     "bucket_bytes": int(opts["bucket_mb"] * 2**20),
                      "lora_alpha": opts["alpha"], "seconds": statistics.median(times[mode]),
                      "all_seconds": times[mode], **figures[mode]})
     full, ad = rows

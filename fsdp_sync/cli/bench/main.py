@@ -586,6 +586,10 @@ def check_bench_args(args, given: set[str]) -> None:
     """Cross-flag checks before anything starts (ValueError names the flags); keeps the spec."""
     if "lora_alpha" in given and not args.lora_r:
         raise ValueError("--lora-alpha configures the adapter of --lora-r; add --lora-r R")
+    if args.lora_r:             # a sweep flag it would ignore is refused, not dropped
+        from .lora import check_lora_args
+
+        check_lora_args(args, given)
     args.spec = spec_from_args(args, given)
     ca.check_mib(args.spec.bucket_mb, "--bucket-mb")      # the flag's or the sweep's: 1e-7 MiB is 0 bytes
     from ...models import load_config
