@@ -401,3 +401,28 @@ def test_lora_bench_takes_its_own_values_and_the_sweep_defaults():
     assert args.lora_r == 4 and args.spec.models == ("tiny",)
     assert parse_args(["bench", "--lora-r", "4", "--models", "tiny"]).spec.strategies == ("flattened", "per_tensor")
 
+
+def test_host_shared_rows_are_judged_against_their_own_floor():
+    """The fastest flattened row took the host-shared path (no all-gather) and was judged against
+    the all-gather floor: 0.30 s over 0.40 s read 0.75x, target met, where its own floor (0.10 s)
+    gives 3x. Targets, their JSON and the table's floor columns now use the row's own floor."""
+    from fsdp_sync.cli.bench.table import COLUMNS
+
+    row = {"method": "tensor", "strategy": "flattened", "layout": "full", "share_host_memory": True,
+           "seconds": 0.30, "floor_seconds": 0.40, "floor_shared_seconds": 0.10, "baseline_seconds": 1.5,
+           "peak_extra_bytes": 10, "memory_budget_bytes": 100, "model": "m", "bucket_bytes": 1 << 26}
+    t = check_targets([row])
+    assert t["ratio_to_floor"] == pytest.approx(3.0) and t["met"]["floor"] is False
+    assert t["floor_judged_against"] == "floor_shared_seconds"
+    assert t["ratio_to_all_gather_floor"] == pytest.approx(0.75)
+    gathered = check_targets([dict(row, share_host_memory=False)])
+    assert gathered["ratio_to_floor"] == pytest.approx(0.75) and gathered["met"]["floor"] is True
+    assert gathered["floor_judged_against"] == "floor_seconds"
+    cell = {h: c for h, c, _ in COLUMNS}
+    assert cell["× floor"](row) == "3.00" and cell["floor s"](row) == "0.100 (shared)"
+    assert cell["× floor"](dict(row, share_host_memory=False)) == "0.75"
+    # a disaggregated row that shared host memory has no shared floor: its own floor_seconds
+    disk = dict(row, method="disk", floor_shared_seconds=None)
+    assert cell["× floor"](disk) == "0.75"
+    lay = check_targets([dict(row, layout="engine", engine_rank_bytes_in=1, engine_rank_shard_bytes=1)])
+    assert lay["layout"]["one-host"]["floor_judged_against"] == "floor_shared_seconds"

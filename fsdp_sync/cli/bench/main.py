@@ -661,7 +661,7 @@ def cmd_bench(args) -> int:
         t = result["targets"]
         if "met" in t and isinstance(t["met"], dict):
             console.print(f"targets: speedup {t['speedup_vs_per_tensor']:.2f}× (≥3: {t['met']['speedup']}), "
-                          f"{t['ratio_to_floor']:.2f}× floor (≤1.3: {t['met']['floor']}), peak extra "
+                          f"{t['ratio_to_floor']:.2f}× its floor ({t['floor_judged_against']}; ≤1.3: {t['met']['floor']}), peak extra "
                           f"{t['peak_extra_over_budget']:.2f}× budget (≤1: {t['met']['memory']})")
         lt = t.get("layout")
         if lt:

@@ -13,7 +13,9 @@ Called by `bench.bench_rank` on every trainer rank of a job, for each method oth
   measured in the same job on the same groups: a bare gather of the same bytes to rank 0 in
   bucket-sized pieces over the trainer's group, plus bare broadcasts of the same bytes over the
   update group (per-rank rows: bare point-to-point sends of one engine rank's bytes to each
-  engine rank; the engine workers receive and drop them: `ReferenceEngine._receive_raw`).
+  engine rank; the engine workers receive and drop them: `ReferenceEngine._receive_raw`; a per-rank
+  row that took the host-shared path gathers nothing, so its floor has one copy of each trainer
+  rank's shard in place of the gather).
 - ``disk``: the checkpoint transport (`transport.disk`) and its floor `transport.disk.disk_floor`,
   a row per bucket size, layout and share-host-memory value (``share_host_memory``: what the sync
   did; the full layout's ``trainer_rank_bytes_in``: the all-gather's, or 0 host-shared); skipped
@@ -51,10 +53,13 @@ wait for each bucket's broadcast and the engine's stage of it."""
 
 
 def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, device: str,
-                       repeats: int, rank_bytes: int | None = None) -> float:
+                       repeats: int, rank_bytes: int | None = None, shared: bool = False) -> float:
     """Bare gather of ``total`` bytes to rank 0 (bucket-sized pieces) + bare broadcasts of them;
     per-rank rows (``rank_bytes``: what each engine rank gets): the same gather + bare
-    point-to-point sends of ``rank_bytes`` to every engine rank in bucket-sized pieces."""
+    point-to-point sends of ``rank_bytes`` to every engine rank in bucket-sized pieces. ``shared``
+    (a per-rank row that took the host-shared path: the trainer ranks write their shards into
+    buffers rank 0 maps, no gather): one copy of each rank's shard (``total / world``) instead of
+    the gather."""
     import concurrent.futures as cf
 
     import torch.distributed as dist
@@ -70,12 +75,17 @@ def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, dev
     flat_r = torch.ones(max(1, min(bucket, rank_bytes)), dtype=torch.uint8, device=dev) \
         if rank_bytes else None
     pool = cf.ThreadPoolExecutor(1) if rank == 0 else None
+    own = (torch.ones(max(1, total // world), dtype=torch.uint8, device=dev), ) if shared else ()
+    into = torch.zeros_like(own[0]) if shared else None
     times = []
     try:
         for _ in range(repeats + 1):
             dist.barrier(group=cpu_group())
             t0 = time.perf_counter()
-            for _ in range(n):
+            if shared:
+                into.copy_(own[0])
+                dist.barrier(group=cpu_group())
+            for _ in range(0 if shared else n):
                 dist.gather(send, rows, dst=0)
             if rank == 0 and rank_bytes is None:
                 fut = pool.submit(engine._receive_raw, transport.config.dist_group_name, piece, n)
@@ -190,7 +200,8 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     per_rank = lay["layout"] == "engine"
                     floor = _floor_distributed(manager.transport, engine, stats.bytes, bucket_bytes,
                                                job.device, max(job.repeats, 5),
-                                               lay["engine_rank_bytes_in"] if per_rank else None)
+                                               lay["engine_rank_bytes_in"] if per_rank else None,
+                                               shared=per_rank and lay["reshard_path"] == "host-shared")
                 else:
                     from ...transport.disk import disk_floor
                     floor = statistics.median(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..plan import size
+from .targets import row_floor
 
 __all__ = ["bench_table", "row_label", "COLUMNS"]
 
@@ -44,8 +45,10 @@ COLUMNS: list[tuple[str, Callable[[dict], str], bool]] = [
     ("multi-stage", lambda r: "on" if r["multi_stage"] else "off", True),
     ("shared host memory", lambda r: "yes" if r.get("share_host_memory") else "no", True),
     ("seconds", lambda r: f"{r['seconds']:.3f}", False),
-    ("floor s", lambda r: f"{r['floor_seconds']:.3f}", False),
-    ("× floor", lambda r: f"{r['seconds'] / r['floor_seconds']:.2f}", False),
+    # each row's own floor (`targets.row_floor`): a host-shared row's has no all-gather
+    ("floor s", lambda r: f"{row_floor(r)[0]:.3f}" + (" (shared)" if row_floor(r)[1] == "floor_shared_seconds"
+                                                       else ""), False),
+    ("× floor", lambda r: f"{r['seconds'] / row_floor(r)[0]:.2f}", False),
     ("× copy", lambda r: f"{r['ratio_to_copy']:.2f}" if r.get("ratio_to_copy") else "-", False),
     ("baseline s", lambda r: f"{r['baseline_seconds']:.3f}" if r["baseline_seconds"] else "-", False),
     ("speedup", lambda r: f"{r['speedup_vs_baseline']:.1f}×" if r["speedup_vs_baseline"] else "-", False),

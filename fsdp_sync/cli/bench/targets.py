@@ -6,7 +6,17 @@ Pure: rows in, a dict of figures and ``met`` flags out. Not here: measuring the 
 
 from __future__ import annotations
 
-__all__ = ["check_targets"]
+__all__ = ["check_targets", "row_floor"]
+
+
+def row_floor(r: dict) -> tuple[float, str]:
+    """The floor a row is judged against and its key: a row that took the host-shared path
+    (``share_host_memory``, where the bench measured ``floor_shared_seconds``: no all-gather, each
+    rank copies its shard once) against that floor, every other row against ``floor_seconds`` (its
+    method's own: the all-gather's, the all-to-all's, the distributed and disk methods')."""
+    if r.get("share_host_memory") and r.get("floor_shared_seconds"):
+        return r["floor_shared_seconds"], "floor_shared_seconds"
+    return r["floor_seconds"], "floor_seconds"
 
 
 def check_targets(rows: list[dict]) -> dict:
@@ -47,13 +57,13 @@ def _check_layout_targets(rows: list[dict]) -> dict:
         if r["strategy"] != "flattened" or r.get("layout") != "engine":
             continue
         shared = bool(r.get("share_host_memory"))
-        floor = r["floor_shared_seconds"] if shared else r["floor_seconds"]
+        floor, key = row_floor(r)
         if shared in best and best[shared] <= r["seconds"] / floor:
             continue
         best[shared] = r["seconds"] / floor
         d = {"pipelined": r.get("pipelined"),
              "engine_in_over_shard": r["engine_rank_bytes_in"] / r["engine_rank_shard_bytes"],
-             "ratio_to_floor": r["seconds"] / floor}
+             "ratio_to_floor": r["seconds"] / floor, "floor_judged_against": key}
         met = {"engine_bytes": d["engine_in_over_shard"] <= 1.05,
                "floor": d["ratio_to_floor"] <= (1.5 if shared else 1.05)}
         f = full.get(r.get("share_host_memory"))
@@ -72,7 +82,10 @@ def _check_tensor_targets(rows: list[dict]) -> dict:
         return {"met": False, "why": "no flattened row"}
     r = min(flat, key=lambda x: x["seconds"])   # the configuration a user would pick
     speedup = r["baseline_seconds"] / r["seconds"] if r["baseline_seconds"] else None
-    ratio = r["seconds"] / r["floor_seconds"]
+    # its own path's floor: a host-shared row does no all-gather, so the all-gather floor would
+    # flatter it (0.30 s against 0.40 s read as 0.75x where its own 0.10 s floor gives 3x)
+    floor, key = row_floor(r)
+    ratio = r["seconds"] / floor
     shared_ratio = r["seconds"] / r["floor_shared_seconds"] if r.get("share_host_memory") else None
     mem_ratio = r["peak_extra_bytes"] / r["memory_budget_bytes"]
     out = {
@@ -80,7 +93,8 @@ def _check_tensor_targets(rows: list[dict]) -> dict:
                                       "floor_seconds", "floor_shared_seconds", "baseline_seconds",
                                       "peak_extra_bytes", "memory_budget_bytes")},
         "speedup_vs_per_tensor": speedup, "target_speedup": 3.0,
-        "ratio_to_floor": ratio, "target_ratio_to_floor": 1.3,
+        "ratio_to_floor": ratio, "floor_judged_against": key, "target_ratio_to_floor": 1.3,
+        "ratio_to_all_gather_floor": r["seconds"] / r["floor_seconds"],
         "ratio_to_shared_floor": shared_ratio,
         "peak_extra_over_budget": mem_ratio, "target_peak_extra_over_budget": 1.0,
     }
