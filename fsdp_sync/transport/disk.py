@@ -204,6 +204,7 @@ class DiskTransport:
                 err = exc
         agree_on(err, group, f"{what} (prepare)")
         tmp, pool = broadcast((tmp, pool), group)
+        ahead = None                        # per-rank files: the engines told of them (`HashAhead`)
         try:
             sees = all_gather(os.path.isdir(tmp), group, world)
             writers = [r for r in range(world) if sees[r]] if self.parallel_write else [0]
@@ -257,6 +258,8 @@ class DiskTransport:
         finally:
             if rank == 0 and tmp is not None:   # not published: leave nothing behind
                 shutil.rmtree(tmp, ignore_errors=True)
+                if ahead is not None:           # nor engine workers holding its files open
+                    ahead.drop()
 
         # 4. the engines load it; 5. meanwhile rank 0 removes the versions keep-N drops (its main
         # thread only waits on the engines here: freeing 2 versions' pages took 0.13 CPU s at
@@ -266,6 +269,10 @@ class DiskTransport:
         pruning = self._start_prune() if rank == 0 else None
         try:
             self._load(ctx, final, group)
+        except BaseException:
+            if ahead is not None:               # engines not asked to load it hold its files
+                ahead.drop()
+            raise
         finally:
             pruned = pruning.finish() if pruning is not None else []
         load_s = time.perf_counter() - t_load

@@ -15,7 +15,10 @@ file it is asked for is still that file (inode, size, mtime, beside the digest t
 names) instead of hashing it again. Nothing is applied early: the load still verifies every file
 before any weight changes, and a file told too early (not yet complete) or changed since is
 hashed again at the load, as any file not told. The telling is an optimization only: it never
-fails a sync (an engine that cannot take it is simply not told again this sync).
+fails a sync (an engine that cannot take it is simply not told again this sync). A sync that
+fails after telling (writing, publishing, loading) tells each engine it told to drop them
+(``drop_files_ahead(directory)`` where it has it: the reference engine), so its workers do not
+hold the removed temp directory's files open, their disk space allocated, until the next update.
 
 Not here: the sync's phases, the full (Hugging Face) layout, keep-N (`transport.disk`); the cut
 (`weights.reshard`); the writer thread (`transport.disk_writer`).
@@ -133,6 +136,7 @@ class HashAhead:
                         if callable(getattr(e, "hash_files_ahead", None))] if rank == 0 else []
         self.directory, self.tp, self.hash, self.published = directory, tp, hash, published
         self.told: set[str] = set()
+        self._hinted: list[Any] = []        # the engines told at least once (`drop`)
 
     def tell(self, files: Iterable[str]) -> None:
         new = sorted(f for f in set(files) if f not in self.told)
@@ -140,12 +144,28 @@ class HashAhead:
             return
         self.told.update(new)
         for e in list(self.engines):
+            if not any(e is h for h in self._hinted):
+                self._hinted.append(e)
             try:
                 e.hash_files_ahead(self.directory, new, self.hash, published=self.published)
             except Exception as exc:   # noqa: BLE001 - an optimization: the load checks every file
                 log.debug("fsdp_sync: %s cannot hash ahead (%s: %s); not told again this sync",
                           type(e).__name__, type(exc).__name__, exc)
                 self.engines.remove(e)
+
+    def drop(self) -> None:
+        """The sync failed: each engine told of files drops what it hashed ahead for this
+        directory (module docstring); best effort, as the telling."""
+        hinted, self._hinted = self._hinted, []
+        for e in hinted:
+            fn = getattr(e, "drop_files_ahead", None)
+            if not callable(fn):
+                continue
+            try:
+                fn(self.directory)
+            except Exception as exc:   # noqa: BLE001 - the sync's own error is the one to raise
+                log.warning("fsdp_sync: %s could not drop the files it hashed ahead (%s: %s)",
+                            type(e).__name__, type(exc).__name__, exc)
 
     def at_bucket(self, k: int, own: list[dict], synced: bool) -> None:
         """The stream made bucket ``k``: this rank's written files (``own``) are complete, and

@@ -1,6 +1,7 @@
 """``update_weights_from_disk`` on a reference engine, from the client's side, and
 ``hash_files_ahead``: the disk method's hint that per-rank files of a version still being written
-are complete, so that the workers hash them while the trainer writes the rest. A mixin of
+are complete, so that the workers hash them while the trainer writes the rest, and
+``drop_files_ahead``: the trainer gave that version up (its sync failed), the workers close them. A mixin of
 `ReferenceEngine`: it uses the engine's lock and update gate (``_gate``), its two-phase rounds
 (``_two_phase``) and the worker pipes (``_send``).
 
@@ -95,3 +96,13 @@ class DiskCalls:
                            "hash_files_ahead")
         finally:
             self._lock.release()
+
+    def drop_files_ahead(self, directory: str) -> None:
+        """The version ``directory`` (as given to `hash_files_ahead`) will not be loaded: the
+        trainer's sync failed and removed it. Every worker closes the files it hashed ahead for it
+        and the directory, so the deleted files' disk space is freed now (after a full disk, the
+        retry needs it) instead of at the next update. Nothing else changes; files of another
+        directory stay. Waits for the workers; does nothing on an engine shut down or broken."""
+        if self.closed or self._broken:
+            return
+        self._call("drop_ahead", {"dir": os.fspath(directory)}, what="drop_files_ahead")

@@ -451,6 +451,13 @@ class UpdateStager:
             except (CheckpointError, OSError, ValueError):
                 pass
 
+    def drop_ahead(self, directory: str) -> None:
+        """The trainer gave up the version ``directory`` files were hashed ahead for (its sync
+        failed; the temp directory is removed): close them and the directory now, so that their
+        disk space is freed (a retry after a full disk needs it), not at the next update."""
+        if self.ahead_dir == directory:
+            self.close_ahead()
+
     def close_ahead(self) -> None:
         ahead, self.ahead, self.ahead_dir = self.ahead, {}, None
         for vf in ahead.values():

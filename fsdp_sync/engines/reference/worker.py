@@ -461,6 +461,7 @@ COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "receive_raw": _receive_raw,
     "set_fault": lambda w, a: w.set_fault(a["fault"]),
     "hash_ahead": lambda w, a: w.updates.hash_ahead(a),
+    "drop_ahead": lambda w, a: w.updates.drop_ahead(str(a["dir"])),
 }
 NO_REPLY = {"hash_ahead"}
 """Commands the engine sends without waiting for them (a hint): no reply, a failure ignored."""
