@@ -354,3 +354,17 @@ def test_a_size_in_mib_is_refused_only_below_one_byte(capsys):
         with pytest.raises(SystemExit):
             cli.parse_args(argv.split())
         assert "at least 1 byte" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_fp8_without_a_model_takes_the_recipe_whose_blocks_split(command, capsys):
+    """`--quantization fp8` alone was refused (the default model, tiny, cuts its 128 blocks at
+    every TP size): the default is tiny-fp8 then; a --model given is kept, and refused as before."""
+    from fsdp_sync.cli import app as cli
+
+    extra = ["--port", "0"] if command == "serve" else []
+    assert cli.parse_args([command, "--quantization", "fp8", *extra]).model == "tiny-fp8"
+    assert cli.parse_args([command, *extra]).model == "tiny"
+    with pytest.raises(SystemExit):
+        cli.parse_args([command, "--quantization", "fp8", "--model", "tiny", *extra])
+    assert "is not a multiple of block 128" in capsys.readouterr().err

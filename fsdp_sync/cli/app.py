@@ -54,7 +54,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--model", type=ca.model_spec, default="tiny",
                    help="a recipe name from fsdp_sync/recipes/models (tiny, tiny-tied, small, qwen2-160m, "
                         "tiny-qwen3, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral, tiny-fp8, ...) or a path to a "
-                        "YAML recipe / Hugging Face config.json")
+                        "YAML recipe / Hugging Face config.json (default: tiny; tiny-fp8 with "
+                        "--quantization fp8)")
     p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda (cuda needs a visible GPU)")
     p.add_argument("--backend", type=ca.backend, default=None, help=ca.BACKEND_HELP)
     p.add_argument("--dtype", type=ca.dtype_name, default="float32",
@@ -97,6 +98,8 @@ def _check_demo(args, given: set[str]) -> None:
         raise ValueError("--lora-r / --lora-alpha configure the adapter of --lora; add --lora")
     if args.ranks % args.tp:
         raise ValueError(f"--ranks {args.ranks} must be a multiple of --tp {args.tp} (dp = ranks / tp)")
+    if args.quantization == "fp8" and "model" not in given:
+        args.model = "tiny-fp8"         # the default that takes FP8 blocks at every --tp it splits
     ca.check_gpus(args.method, args.device, args.ranks, args.tp)
     quant = None if args.quantization == "none" else args.quantization
     demo_check.check_sync_config(strategy=args.strategy, bucket_mb=args.bucket_mb, method=args.method,

@@ -31,7 +31,8 @@ def add_serve_parser(sub) -> None:
                     "Exits 0 on SIGINT/SIGTERM, 1 when an engine worker dies.",
         formatter_class=ca.DefaultsFormatter)
     p.add_argument("--model", default="tiny", type=ca.model_spec,
-                   help="a recipe name, YAML recipe or HF config.json")
+                   help="a recipe name, YAML recipe or HF config.json (default: tiny; tiny-fp8 "
+                        "with --quantization fp8, whose blocks tiny's split would cut)")
     p.add_argument("--tp", type=ca.positive_int, default=1,
                    help="engine tensor-parallel size (must divide the model's heads)")
     p.add_argument("--ep", type=ca.positive_int, default=1,
@@ -129,6 +130,8 @@ def check_serve_args(args, given: set[str]) -> None:
     from ..models import load_config
     from ..weights.layout import ModelSpec, TPLayout
 
+    if args.quantization == "fp8" and "model" not in given:
+        args.model = "tiny-fp8"         # the default that takes FP8 blocks at every --tp it splits
     try:
         config = load_config(args.model)
         spec = ModelSpec.from_config(config)
