@@ -453,10 +453,10 @@ class FSDPShardingManager:
                     self.fleet.quarantine(r, why)
         return reps
 
-    def _transport_sync(self, targets: list, version: str | None, step: int):
+    def _transport_sync(self, targets: list, version: str | None, step: int, reload: bool = False):
         ctx = SyncContext(module=self.module, config=self.config, topo=self.topo, group=None,
                           engines=[r.engine for r in targets], step=step, stats=SyncStats(),
-                          version=version)
+                          version=version, reload=reload)
         try:
             self.transport.sync(ctx)
             return None, ctx
@@ -540,11 +540,12 @@ class FSDPShardingManager:
 
     def recover(self, engine: Any = None) -> bool:
         """Bring a quarantined replica back at the current version (`fleet`). Called on every
-        trainer rank (``engine`` on trainer rank 0, None elsewhere). ``disk``: it loads the newest
-        published version now. ``distributed``: inside the ``with`` block (the trainer's weights
-        are that version) it is sent them now; outside, the trainer may have stepped since, so it
-        rejoins at the next sync (returns False). Returns whether it serves now; raises naming the
-        replica if it cannot take updates."""
+        trainer rank (``engine`` on trainer rank 0, None elsewhere). ``disk``: it loads now the
+        directory the replicas in service loaded (not one a failed sync published since; refused
+        if its files are gone). ``distributed``: inside the ``with`` block (the trainer's weights
+        are that version) it is sent them now; outside (after a failed sync too), the trainer may
+        have stepped since, so it rejoins at the next sync (returns False). Returns whether it
+        serves now; raises naming the replica if it cannot take updates."""
         return self._bring_in(engine, "recover")
 
     def add_engine(self, engine: Any = None) -> bool:
@@ -604,8 +605,9 @@ class FSDPShardingManager:
             if rep is not None:               # the next sync brings it in, whatever the failure mode
                 rep.held, rep.rejoin = False, True
             return False
-        if action in ("load", "send"):
-            err, _ = self._transport_sync([rep] if rep is not None else [], self.version, self.step - 1)
+        if action in ("load", "send"):   # the weights the others serve, under their version
+            err, _ = self._transport_sync([rep] if rep is not None else [], self.version,
+                                          self.step - 1, reload=True)
             if err is not None:
                 raise err
         if rep is not None:

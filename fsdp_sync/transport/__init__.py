@@ -54,6 +54,11 @@ class SyncContext:
     version: the weight version the engines commit with this sync (`fsdp_sync.fleet`), or None.
     commit_failed: set by the transport on the engine-holding rank when engines failed while
         committing (a `fleet.CommitError`: which committed, which did not); None otherwise.
+    reload: a replica brought in between syncs (`recover`, `add_engine`) gets ``version`` as the
+        replicas in service hold it, never new weights: disk loads the directory they loaded
+        (not the one published last, nor one written now). The tensor and distributed methods
+        send the trainer's weights; the manager asks them only inside its ``with`` block, after
+        that block's sync committed ``version``, so those are the same weights.
     """
 
     module: torch.nn.Module
@@ -65,6 +70,7 @@ class SyncContext:
     stats: SyncStats
     version: str | None = None
     commit_failed: Any = None
+    reload: bool = False
 
 
 class Transport(Protocol):

@@ -22,7 +22,9 @@ partly updated — only ever sees complete, immutable directories:
    weight version; with several engines (a fleet) inside ``begin_weight_update`` /
    ``end_weight_update`` on each, and no engine commits until every one has loaded
    (`fleet.end_all`). A sync of the step just published (the manager's retry after quarantining a
-   replica, ``recover``, ``add_engine``) skips 1-3 and loads that version again;
+   replica) skips 1-3 and loads that version again; a replica brought in between syncs
+   (``recover``, ``add_engine``: ``ctx.reload``) loads the version the others loaded last
+   (``loaded``), never one a failed sync published or a fresh one;
 5. versions beyond the newest ``disk_keep`` (the one just published counted) are removed, never the
    one the engines serve: renamed out of view first, then deleted on trainer rank 0 by a thread
    while the engines load (step 4 waits for it; even a failed load leaves the served version),
@@ -172,6 +174,14 @@ class DiskTransport:
         final = os.path.join(self.directory, name)
         what = f"disk sync of {final}"
         stats = ctx.stats
+        if getattr(ctx, "reload", False):
+            # a replica brought in (recover, add_engine): what the others serve, whatever a failed
+            # sync published or left half-written since
+            final = self._served(ctx, group)
+            self._load(ctx, final, group)
+            stats.extra.update(path=final, reloaded=True)
+            stats.seconds = time.perf_counter() - t0
+            return
         if self.published == int(ctx.step):
             # the version is on disk already (a retry without a failed replica, a recovered or a
             # new replica): load it, write nothing
@@ -350,6 +360,22 @@ class DiskTransport:
         ctx.stats.engine_calls = calls
         agree_on(err, group, f"update_weights_from_disk({final!r})")
         self.loaded = final
+
+    def _served(self, ctx: Any, group: Any) -> str:
+        """The directory the engines in service loaded (``loaded``), checked on trainer rank 0
+        before a replica brought in loads it; a refusal fails every rank."""
+        err = None
+        if rank_world(group)[0] == 0:
+            what = f"bringing a replica in at version {getattr(ctx, 'version', None)!r}"
+            if self.loaded is None:
+                err = RuntimeError(f"{what}: no version was loaded through {self.directory} yet")
+            elif not os.path.isfile(os.path.join(self.loaded, ckpt.MANIFEST_FILE)):
+                err = FileNotFoundError(
+                    f"{what}: its files {self.loaded} are gone (removed outside fsdp_sync), so the "
+                    f"replica cannot be given the weights the others serve; it stays out of "
+                    f"service: bring it in after the next sync")
+        agree_on(err, group, f"update_weights_from_disk({self.loaded!r})")
+        return str(self.loaded)
 
     @staticmethod
     def _check_tied_head(ctx: Any, group: Any, what: str) -> None:

@@ -1,0 +1,140 @@
+"""A replica brought in between syncs (`recover`, `add_engine`) after a FAILED sync holds exactly
+what the replicas in service hold under the same version label.
+
+The disk method used to reload whatever was published last (``step_<N>`` of the failed sync,
+which no replica committed) or, where the failed sync never published, to write a fresh
+``step_<N>`` from the trainer's current weights: either way under the old version label. The
+tensor and distributed methods send the trainer's current weights, which the manager does only
+inside its ``with`` block (after that block's sync committed the version): after a failed sync
+the replica rejoins at the next sync. Single-process trainer, reference engines at TP 1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from _util import digest, perturb_
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _engine():
+    from fsdp_sync.engines.reference import ReferenceEngine
+
+    return ReferenceEngine("tiny", tp_size=1, kv_cache_tokens=64, call_timeout_s=20,
+                           update_recv_timeout_s=10)
+
+
+def _served(engine) -> dict:
+    return {n: digest(t) for n, t in engine.named_full_tensors()}
+
+
+def _trained(module) -> dict:
+    return {n: digest(p) for n, p in module.named_parameters()}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.models import build_model, load_config
+
+    def make(method, engines):
+        module = build_model(load_config("tiny"), seed=3)
+        extra = {"disk_dir": str(tmp_path / "ckpt")} if method == "disk" else {"dist_timeout_s": 30.0}
+        cfg = SyncConfig(method=method, bucket_bytes=1 << 20, layout="full", **extra)
+        made.append(FSDPShardingManager(module, engines, config=cfg))
+        return module, made[-1]
+
+    made, engines = [], [_engine(), _engine()]
+    yield make, engines
+    for m in made:
+        m.close()
+    for e in engines:
+        e.shutdown()
+
+
+def _sync(manager) -> None:
+    with manager:
+        pass
+
+
+def _fail_load(monkeypatch, engine):
+    def refuse(*a, **k):
+        raise RuntimeError("injected: the engine refuses this load")
+    monkeypatch.setattr(engine, "update_weights_from_disk", refuse)
+
+
+@pytest.mark.parametrize("phase", ["load", "write"])
+def test_disk_add_engine_after_a_failed_sync_gets_what_the_fleet_serves(phase, setup, monkeypatch, tmp_path):
+    """``load``: the failed sync published step_1, no replica committed it; ``write``: it failed
+    writing step_1 (a full disk). Either way the replica added then serves step_0's weights, as
+    the one in service does under version "0", and no step_1 is written for it."""
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.transport import disk
+
+    make, (a, c) = setup
+    module, manager = make("disk", [a])
+    _sync(manager)
+    served = _served(a)
+    perturb_(module.parameters())
+    with monkeypatch.context() as mp:
+        if phase == "load":
+            _fail_load(mp, a)
+        else:
+            def full(*args, **kw):
+                raise OSError(28, "No space left on device (injected)")
+            mp.setattr(disk, "_write_shard", full)
+        with pytest.raises(SyncError):
+            _sync(manager)
+    assert manager.version == "0"
+    listed = sorted(f for f in os.listdir(tmp_path / "ckpt") if f.startswith("step_"))
+    assert manager.add_engine(c) is True
+    assert _served(c) == served == _served(a), "the replica added holds other weights than version 0"
+    assert sorted(f for f in os.listdir(tmp_path / "ckpt") if f.startswith("step_")) == listed
+    assert c.get_weight_version() == a.get_weight_version() == "0"
+    # the next sync brings both to the trainer's weights
+    _sync(manager)
+    assert _served(a) == _served(c) and all(_served(a)[n] == d for n, d in _trained(module).items())
+
+
+def test_disk_recover_refused_when_the_served_version_is_gone(setup, tmp_path):
+    """The files of the version the fleet serves were removed by hand: the replica is refused
+    (naming why) rather than given another version's weights; it stays out of service."""
+    from fsdp_sync.topology import SyncError
+
+    make, (a, c) = setup
+    module, manager = make("disk", [a, c])
+    _sync(manager)
+    perturb_(module.parameters())
+    manager.quarantine(c, "drained")
+    shutil.rmtree(tmp_path / "ckpt" / "step_0")
+    with pytest.raises(SyncError, match="step_0 are gone"):
+        manager.recover(c)
+    assert manager.engines == [a]
+
+
+def test_distributed_add_engine_after_a_failed_sync_joins_at_the_next(setup, monkeypatch):
+    """Distributed: after a failed sync (outside the with block) the trainer's weights are not
+    version "0" any more, so nothing is sent: the replica joins at the next sync."""
+    from fsdp_sync.topology import SyncError
+
+    make, (a, c) = setup
+    module, manager = make("distributed", [a])
+    _sync(manager)
+    served = _served(a)
+    perturb_(module.parameters())
+    with monkeypatch.context() as mp:
+        def refuse(*args, **kw):
+            raise RuntimeError("injected: the engine refuses this update")
+        mp.setattr(a, "update_weights_from_distributed", refuse)
+        with pytest.raises(SyncError):
+            _sync(manager)
+    assert manager.version == "0" and _served(a) == served
+    before = _served(c)
+    assert manager.add_engine(c) is False and c not in manager.engines and _served(c) == before
+    _sync(manager)
+    assert manager.engines == [a, c] and _served(a) == _served(c)
+    assert all(_served(c)[n] == d for n, d in _trained(module).items())
