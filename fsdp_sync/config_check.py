@@ -9,7 +9,8 @@ first sync against every engine that exposes its model config, and again at a sy
 of the trainer's changed (`math_key`) (``engine.config``: the reference
 engine does; an SGLang server does not report its config, so it is not checked), in
 `check_engine`, which also compares the engine's TP with the mesh's and its quantization with the
-sync's.
+sync's, and asks the engine whether it would load the sync wrongly (`load_refusal`: SGLang's Llama
+loader drops block-FP8 scales on every path but fsdp_sync's per-rank loader).
 
 Floats compare exactly: these are configuration values, not computed ones. A key missing on one
 side and present on the other counts as a difference (unless the side that has it holds the
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "check_engine", "model_config", "math_key"]
+__all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "check_engine", "model_config", "math_key",
+           "through_own_loader", "load_refusal"]
 
 MATH_KEYS = (
     # sizes (shapes catch most, but not a transposed split of equal products)
@@ -135,6 +137,32 @@ def check_engine(module: Any, engine: Any, config: Any, topo: Any, *, where: str
                          f"{want!r}: a sync would send weights in a format the engine does not "
                          f"hold; set SyncConfig.quantization={held!r} or start the engine with "
                          f"quantization={want!r} ({where})")
+    why = load_refusal(module, engine, config)
+    if why:
+        raise ValueError(f"{why} ({where})")
     mine, theirs = model_config(module), getattr(engine, "config", None)
     if mine is not None and theirs is not None and hasattr(theirs, "to_dict"):
         check_configs(mine, theirs, where=where)
+
+
+def through_own_loader(config: Any, engine: Any) -> bool:
+    """Whether a sync reaches ``engine`` as Hugging Face tensors for the engine's own loader: always
+    but for the tensor method's per-rank buckets, which it sends (`TensorTransport._choose_layout`)
+    with ``layout`` "engine" or "auto", ``strategy="flattened"`` and an engine that takes them
+    (``accepts_rank_buckets``; SGLang: fsdp_sync's custom loader, loading by engine name)."""
+    return not (getattr(config, "method", None) == "tensor"
+                and getattr(config, "layout", "full") in ("engine", "auto")
+                and getattr(config, "strategy", None) == "flattened"
+                and bool(getattr(engine, "accepts_rank_buckets", False)))
+
+
+def load_refusal(module: Any, engine: Any, config: Any) -> str | None:
+    """The engine's own word (``engine.load_refusal(quantization, model_type, own_loader=)``, where
+    it has one: `SGLangEngine`) on a sync it would load wrongly, e.g. SGLang's Llama loader, which
+    drops block-FP8 scales; None where it has none or loads it right."""
+    ask = getattr(engine, "load_refusal", None)
+    quantization = getattr(config, "quantization", None)
+    if quantization is None or not callable(ask):
+        return None
+    model_type = getattr(model_config(module), "model_type", None)
+    return ask(quantization, model_type, own_loader=through_own_loader(config, engine))

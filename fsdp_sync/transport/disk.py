@@ -98,6 +98,7 @@ from typing import Any
 import torch
 
 from .. import fleet
+from ..config_check import load_refusal
 from .disk_ranked import NO_RANK_CHECKPOINTS, HashAhead, choose_layout, publish_ranked, write_rank_buckets
 from .disk_writer import OneWriter, agree_on, all_gather, broadcast, disk_hash, float_dtype, plain_alloc
 from .disk_writer import rank_world, write_shard as _write_shard   # tests replace _write_shard here
@@ -407,6 +408,9 @@ class DiskTransport:
                     for e in ctx.engines or []:
                         tp = getattr(e, "tp_size", None)
                         quantize.for_sync(ctx.module, cfg, int(tp) if tp else 1, engine_ep_size(e))
+                        why = load_refusal(ctx.module, e, cfg)   # SGLang's Llama loader: scales dropped
+                        if why:
+                            raise ValueError(why)
         except Exception as exc:   # noqa: BLE001 - every rank must hear of it
             err = exc
         agree_on(err, group, f"{what} (quantization={cfg.quantization!r})")
