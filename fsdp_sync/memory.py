@@ -43,17 +43,20 @@ def _libc() -> Any:
 _LIBC: Any = None
 
 
-def temp_dirs() -> set[str]:
+def temp_dirs(root: str | None = None) -> set[str]:
     """The temporary directories that processes of a sync made and did not remove: Python
     multiprocessing's ``pymp-*`` (its listeners' sockets) and ``torch-shm-dir-*`` (a
-    ``torch_shm_manager``'s socket). A running owner keeps a socket bound in its directory and
-    removes the directory when it exits; what counts is a directory with no socket a live process
-    has bound: empty (an exited owner's) or holding a dead one (a killed owner's). `fsdp-sync soak`,
-    the fault matrix and the verl tier count new ones with their other leftovers."""
+    ``torch_shm_manager``'s socket), in ``root`` (default: the temp directory). A running owner
+    keeps a socket bound in its directory and removes the directory when it exits; what counts is a
+    directory with no socket a live process has bound: empty (an exited owner's) or holding a dead
+    one (a killed owner's). Who made one cannot be told afterwards, so the machine's temp directory
+    holds every other program's too: `fsdp-sync soak` and the fault matrix give their job a
+    ``TMPDIR`` of its own (`cli.launch.run_ranks`'s ``env``) and count only there; the verl tier
+    counts new ones with its other leftovers."""
     import glob
     import tempfile
 
-    root = tempfile.gettempdir()
+    root = root or tempfile.gettempdir()
     found = glob.glob(os.path.join(root, "pymp-*")) + glob.glob(os.path.join(root, "torch-shm-dir-*"))
     held = _bound_socket_dirs()
     out = set()

@@ -117,3 +117,61 @@ def test_temp_dirs_left_behind_count_as_leftovers(tmp_path, monkeypatch):
         s["temp_dirs"] = s["sync"] // 400
     row = [r for r in summarise({"m": grows}, ["p"], 100) if r["process"] == "/dev/shm"][0]
     assert row["temp_dirs_growth"] == 2 and not _meets(row)
+
+
+def _leaves_temp_dirs(rank: int, world: int) -> dict:
+    """A rank that leaves a ``pymp-*`` directory behind (as a killed multiprocessing listener's
+    owner does) and says where its temp directory and a child's (an engine worker's) are."""
+    import subprocess
+    import sys
+    import tempfile
+
+    left = tempfile.mkdtemp(prefix="pymp-left-")
+    child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return {"tmp": tempfile.gettempdir(), "child": child, "left": left}
+
+
+def test_soak_counts_the_temp_dirs_of_its_own_job_only(tmp_path):
+    """The soak counted every stale pymp-* / torch-shm-dir-* in the machine's temp directory, so
+    another program's leftover made during the run failed it ("GREW", exit 1). The job now has a
+    TMPDIR of its own (`launch.run_ranks`'s env reaches its ranks and what they start) and only
+    there is a directory counted: another program's is not; the job's own leftover still is."""
+    import os
+    import tempfile
+    import threading
+
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+    from fsdp_sync.cli.soak import run_soak
+    from fsdp_sync.memory import temp_dirs
+
+    outer = tempfile.gettempdir()
+    made: list[str] = []
+    stop = threading.Event()
+
+    def other_program() -> None:     # leaves an empty pymp-* behind every few ms, all run long
+        while not stop.wait(0.003):
+            made.append(tempfile.mkdtemp(prefix="pymp-other-", dir=outer))
+
+    t = threading.Thread(target=other_program, daemon=True)
+    t.start()
+    try:
+        rep = run_soak(12, ("train",), every=1, warmup=1)
+    finally:
+        stop.set()
+        t.join()
+    try:
+        row = next(r for r in rep["rows"] if r["process"] == "/dev/shm")
+        assert len(made) > 10 and set(made) <= temp_dirs()       # counted machine-wide, as before
+        assert row["temp_dirs_growth"] == 0 and rep["ok"], row
+    finally:
+        for d in made:
+            os.rmdir(d)
+    # a leftover of the job's own processes lands in its TMPDIR and is counted there
+    job = tmp_path / "job"
+    job.mkdir()
+    res = run_ranks(_leaves_temp_dirs, 2, env=spawn_env({"TMPDIR": str(job)}), timeout_s=120)
+    for r in res:
+        assert r["tmp"] == r["child"] == str(job) and r["left"].startswith(str(job)), r
+    assert {r["left"] for r in res} <= temp_dirs(str(job))
+    assert not {r["left"] for r in res} & temp_dirs()

@@ -5,7 +5,8 @@ cell (2 trainer ranks on gloo, a 2-worker `ReferenceEngine` held by trainer rank
 Per cell: the seconds from the fault until every surviving process raised, the engine's state
 afterwards (its previous weights, the complete new ones when the fault came after the sync, or
 cleanly dead with a message; never anything else) and what was left (processes, fds and threads of
-this process, ``/dev/shm`` segments of the cell's processes, the job's port). Cells where the victim
+this process, ``/dev/shm`` segments of the cell's processes, the job's port, the temp directories
+its processes left in the cell's own ``TMPDIR``: not another program's in the machine's). Cells where the victim
 is never reached by construction (an engine worker in a stage that does not call the engine) are
 listed as ``n/a`` with the reason. Not here: faults of real SGLang servers or of NCCL.
 """
@@ -247,11 +248,12 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
         return cell
     _warm()
     t0 = time.monotonic()
-    fds0, threads0, dirs0 = _fds(), _threads(), temp_dirs()
+    fds0, threads0 = _fds(), _threads()
     tmp = tempfile.mkdtemp(prefix="fsdp_sync_fault_")
     log = os.path.join(tmp, "fault.log")
-    # the ranks and the engine's workers (started by rank 0) read the spec from their environment
-    env = launch.spawn_env({"FSDP_SYNC_FAULT": cell.spec, "FSDP_SYNC_FAULT_LOG": log})
+    # the ranks and the engine's workers (started by rank 0) read the spec from their environment;
+    # tmp is their TMPDIR, where the temp directories they leave are counted (and nowhere else)
+    env = launch.spawn_env({"FSDP_SYNC_FAULT": cell.spec, "FSDP_SYNC_FAULT_LOG": log, "TMPDIR": tmp})
     ctx = launch._context()   # fresh interpreters, or FSDP_SYNC_RANKS_START=forkserver's forks, as run_ranks
     results = ctx.Queue()
     store = host_store(WORLD, t.cell_s)     # listening before the ranks are told its port (as run_ranks)
@@ -326,7 +328,7 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
     while _alive(pids) and time.monotonic() < end:
         time.sleep(0.2)
     left = {"processes": _alive(pids), "shm": _shm(pids),
-            "temp_dirs": sorted(temp_dirs() - dirs0)}
+            "temp_dirs": sorted(temp_dirs(tmp))}
     for p in procs:
         try:
             p.close()

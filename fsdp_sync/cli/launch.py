@@ -59,9 +59,15 @@ class RankError(RuntimeError):
 
 def _worker(rank: int, world_size: int, port: int, backend: str, pg_timeout_s: float,
             fn: Callable, args: tuple, results: "mp.Queue", env: dict) -> None:
+    import tempfile
+
     import torch.distributed as dist
 
     os.environ.update(env)
+    if "TMPDIR" in env:
+        # the job's own temp directory (`fsdp-sync soak`, the fault matrix: what their processes
+        # leave there is theirs): a forkserver's fork has its server's gettempdir() cached
+        tempfile.tempdir = None
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -94,6 +100,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
               env: dict | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results by rank.
 
+    ``env`` is set in every rank before it starts anything (its engine workers inherit it); a
+    ``TMPDIR`` there is the temp directory of the rank and of what it starts.
     ``fn`` must be importable (a module-level function). Raises `RankError` with the first failing
     rank's traceback if any rank raises, exits without a result, or the job passes ``timeout_s``;
     all processes are terminated before it returns or raises.

@@ -5,7 +5,9 @@ One `run_ranks` job (2 trainer ranks on gloo, FSDP2, a 2-worker `ReferenceEngine
 rank 0, the tiny model on CPU) runs the methods one after the other, one `FSDPShardingManager`
 each. Trainer rank 0 samples with psutil, every ``--every`` syncs, the RSS, open fds and threads of
 every process (both trainer ranks and both engine workers) and the ``/dev/shm`` segments those
-processes own. The report: per method and process, the value after the warm-up (``--warmup``
+processes own, and the ``pymp-*`` / ``torch-shm-dir-*`` directories left in the job's own temp
+directory (its ``TMPDIR``, made for the run: another program's, in the machine's temp directory,
+are not the job's). The report: per method and process, the value after the warm-up (``--warmup``
 syncs, run before the N measured ones) and at the end, the growth over the N syncs and scaled to
 1000 syncs, and the growth over their second half alone; a PNG of the series; JSON.
 The warm-up defaults to 300 syncs (fewer for small N): a fresh trainer process's RSS settles over
@@ -44,7 +46,9 @@ def _shm_of(pids) -> int:
     return sum(1 for n in names for p in pids if n.startswith(f"torch_{p}_"))
 
 
-def _sample(procs: dict) -> dict:
+def _sample(procs: dict, tmp: str) -> dict:
+    """Every process's RSS, fds and threads, their ``/dev/shm`` segments and the temp directories
+    left in ``tmp``, the job's own ``TMPDIR`` (`run_soak`)."""
     import psutil
 
     out = {}
@@ -55,7 +59,7 @@ def _sample(procs: dict) -> dict:
         except psutil.Error:
             out[name] = None
     out["shm"] = _shm_of(procs.values())
-    out["temp_dirs"] = len(temp_dirs())     # pymp-* and torch-shm-dir-* in the temp directory
+    out["temp_dirs"] = len(temp_dirs(tmp))     # pymp-* and torch-shm-dir-* the job's processes left
     return out
 
 
@@ -118,7 +122,7 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
             snap = None
             points = sample_points(warmup, syncs, every)
             if rank == 0 and 0 in points:       # no warm-up: the baseline is before the first sync
-                rows.append({"sync": 0, **_sample(procs)})
+                rows.append({"sync": 0, **_sample(procs, tmp)})
             for i in range(warmup + syncs):
                 train_step(module, opt, synthetic_batch(cfg.vocab_size, step=i, rank=rank, batch=2, seq_len=8))
                 if manager is None:
@@ -128,7 +132,7 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
                     with manager:
                         pass
                 if rank == 0 and i + 1 in points:
-                    rows.append({"sync": i + 1, **_sample(procs)})
+                    rows.append({"sync": i + 1, **_sample(procs, tmp)})
                 if trace and (snap is None and i + 1 >= warmup):
                     gc.collect()
                     snap = tracemalloc.take_snapshot()
@@ -259,8 +263,10 @@ def run_soak(syncs: int, methods=METHODS, every: int | None = None, warmup: int 
     warmup = warmup if warmup is not None else default_warmup(syncs)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fsdp_sync_soak_") as tmp:
-        out = run_ranks(_soak_rank, 2, tuple(methods), syncs, every, tmp, warmup, trace, env=spawn_env(),
-                        timeout_s=24 * 3600, pg_timeout_s=120)[0]
+        # the job's TMPDIR: the ranks and their engine workers make their temp directories there,
+        # and only there are leftovers counted (the machine's holds other programs' as well)
+        out = run_ranks(_soak_rank, 2, tuple(methods), syncs, every, tmp, warmup, trace,
+                        env=spawn_env({"TMPDIR": tmp}), timeout_s=24 * 3600, pg_timeout_s=120)[0]
     rows = summarise(out["series"], out["procs"], warmup)
     judged = syncs >= TARGET_SYNCS
     return {"syncs": syncs, "methods": list(methods), "every": every, "warmup": warmup,
