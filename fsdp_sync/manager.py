@@ -387,10 +387,19 @@ class FSDPShardingManager:
 
     def _sync_full(self) -> None:
         targets = self._targets()
+        if self._fleet_mode:        # every replica out of service: no version that nobody holds
+            none = self._from_rank0([f"{r.name}: {r.reason}" for r in self.fleet.out_of_service]
+                                    if self.rank == 0 and not targets and self.fleet.replicas else None)
+            if none is not None:
+                version = self._next_version()
+                self.step += 1        # counted, as for any failed sync
+                raise SyncError(f"no replica can take version {version!r}: every one is out of "
+                                f"service ({'; '.join(none)}); recover() or add_engine() one, then "
+                                f"sync again") from None
         self._check_coverage()
         if self.transport is None:
             raise RuntimeError("the manager was closed; make a new FSDPShardingManager")
-        version = str(self.global_steps) if self.global_steps is not None else str(self.step)
+        version = self._next_version()
         paused = self._pause(targets)
         try:
             err, ctx = self._transport_sync(targets, version, self.step)
@@ -420,6 +429,9 @@ class FSDPShardingManager:
                                     replicas_out=[f"{r.name}: {r.reason}" for r in out])
         if self.config.verify != "off":
             self._verify(self.step - 1)
+
+    def _next_version(self) -> str:
+        return str(self.global_steps) if self.global_steps is not None else str(self.step)
 
     # ------------------------------------------------------------------ the fleet (`fsdp_sync.fleet`)
     def _from_rank0(self, obj: Any) -> Any:
@@ -490,6 +502,9 @@ class FSDPShardingManager:
             for i, why in failed.items():
                 self.fleet.quarantine(targets[i], why)
         if committed is not None:             # cannot be undone on those that committed
+            if self.rank == 0:
+                for i in committed:           # what they serve now, as fleet_status() says
+                    targets[i].version = version
             if quarantine and committed:
                 log.warning("fsdp_sync: version %s committed on %d replicas; quarantined: %s",
                             version, len(committed), names)
