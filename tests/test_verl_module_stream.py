@@ -416,3 +416,51 @@ def test_kept_decisions_sync_exactly_and_a_changed_module_is_compared_again():
         # made, kept, made again (the swapped parameter), kept
         assert [(s["builds"], s["kept"]) for s in r] == [(1, False), (1, True), (2, False), (2, True)]
     assert results[0][-1]["expected"] == results[1][-1]["expected"] == final
+
+
+# --------------------------------------------------------------------------- a mixed world
+
+def _mixed_world(rank, world):
+    """Ranks 0 and 1 (one infer-TP group) run fsdp_sync's adapter, ranks 2 and 3 verl's own (the
+    plug-in did not load there): they walk verl's stream, one all-gather per tensor over the world."""
+    import time
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.integrations import module_stream
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncTopology, make_mesh
+    from fsdp_sync.transport import SyncStats
+    from fsdp_sync.cli.trainer import wrap_fsdp
+
+    torch.set_num_threads(1)
+    module = wrap_fsdp(build_model(load_config("tiny"), seed=0), 2)   # over the 4 ranks
+    topo = SyncTopology.from_mesh(make_mesh(2, 2))
+    out = []
+    for _ in range(2):
+        pulled: list = []
+        stream = module_stream.ModuleStream(_verl_style(module, pulled), module)
+        t0 = time.monotonic()
+        fell = None
+        if rank < 2:
+            cfg = SyncConfig(dtype=torch.float32, dist_timeout_s=60)
+            fell = module_stream.calls(stream, cfg, topo, SyncStats(), {"export_s": 0.0},
+                                       _prepare_fn(None, None)) is None
+        decided_s = time.monotonic() - t0
+        names = [n for n, _ in stream]         # verl's generator, whole, on every rank
+        out.append({"fell": fell, "decided_s": decided_s, "names": names})
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_ranks_without_the_plugin_send_every_rank_down_verls_stream_instead_of_a_hang():
+    """The plug-in loaded on ranks 0 and 1 only: their module export's world all-reduce met ranks
+    2 and 3's per-tensor all-gathers and hung until the process-group timeout. Now ranks 0 and 1
+    find (in the store) that 2 and 3 never came, walk verl's stream with them, and the next sync
+    does not wait again."""
+    results = run_ranks(_mixed_world, 4, timeout_s=120, pg_timeout_s=20, env=spawn_env())
+    for rank, syncs in enumerate(results):
+        for sync in syncs:
+            assert sync["names"] == results[0][0]["names"] and len(sync["names"]) == 27
+            assert sync["fell"] is (True if rank < 2 else None), (rank, sync)
+    first, second = results[0]
+    assert first["decided_s"] < 15 and second["decided_s"] < 2, results[0]

@@ -26,7 +26,11 @@ nothing. That needs the module, which verl keeps to itself: the rollout adapter 
   a strategy other than ``flattened``. Each rank decides alone, then every rank of the world learns
   whether any refused (one all-reduce, before any collective of either export; the reasons travel
   only then), so all take the same path; why the fast path was not taken is logged once per
-  reason on infer-TP rank 0.
+  reason on infer-TP rank 0. Before that all-reduce the ranks meet in the store
+  (`peer_check.absent_ranks`): where the plug-in did not load on some ranks (they run verl's own
+  adapter, whose export is one all-gather per parameter over the same ranks) those never come to
+  the all-reduce, so every rank that did walks verl's generator too (after a few seconds' wait
+  the first time, none later), with a warning naming the ranks, instead of hanging.
 - `ExportDecision` (one per adapter): a rank's comparison is made once per module and kept while
   nothing it reads changed: the same module and parameter and buffer objects (weak references),
   with the same names, shapes, dtypes, devices, DTensor placements and meshes, the same rollout
@@ -66,6 +70,7 @@ from ..transport.tensor import Call
 from ..weights import export, handles
 from ..weights.bucket import SUPPORTED_DTYPES, TensorMeta, dtype_name, plan_buckets
 from ..wire import flattened_bucket
+from . import peer_check
 
 __all__ = ["ModuleStream", "ExportDecision", "install", "uninstall", "verl_metas", "refusal",
            "agreed", "calls", "EXPORT_MODULE", "EXPORT_VERL"]
@@ -334,6 +339,15 @@ def agreed(reason: str | None, group: Any = None) -> str | None:
     return None
 
 
+def _absent(sync: Any) -> list[int]:
+    """The ranks of the world that did not come to this sync's export decision (`peer_check`:
+    by the store, no collective), the same list on every rank that did; [] without a world."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return []
+    return peer_check.absent_ranks(range(dist.get_world_size()),
+                                   float(getattr(sync, "dist_timeout_s", 600.0)))
+
+
 def _log_once(reason: str, loud: bool) -> None:
     if reason in _logged:
         return
@@ -356,7 +370,8 @@ def calls(weights: Any, sync: Any, topo: Any, stats: SyncStats, phases: dict,
     """The adapter's hook: the sync's calls from fsdp_sync's export of ``weights.module``, or None
     (every rank alike) where verl's generator must be walked. Collective over the world when
     ``weights`` is a `ModuleStream` (every rank gets one: verl's engine is the same class on
-    each). ``prepare(name, tensor)`` is the adapter's per-tensor step: it decides verl's dtypes
+    each); where some ranks of the world never come (no fsdp_sync adapter there), None on every
+    rank that did, with no collective (`peer_check.absent_ranks`). ``prepare(name, tensor)`` is the adapter's per-tensor step: it decides verl's dtypes
     (on meta tensors) and, on the fast path, records each sent tensor for verify (bucket views).
     ``phases["export_s"]`` gets the seconds spent in the export. ``decision``: `refusal`'s, kept
     between syncs (the all-reduce runs every sync all the same). ``lag``: the engine may answer
@@ -367,6 +382,15 @@ def calls(weights: Any, sync: Any, topo: Any, stats: SyncStats, phases: dict,
     if decision is not None:
         decision.kept = False
     reason, metas = refusal(weights, sync, prepare, quantized=quantized, decision=decision)
+    absent = _absent(sync)
+    if absent:
+        phases["export_s"] += time.perf_counter() - t0
+        if topo.is_tp_src:
+            _log_once(f"global ranks {absent} did not come to fsdp_sync's export: they run another "
+                      f"rollout adapter (verl's own, if the fsdp_sync plug-in failed to load there: "
+                      f"verl logs that at DEBUG only), which walks verl's per-tensor export, so "
+                      f"every rank walks it; {peer_check.ENV_HINT}", True)
+        return None
     reason = agreed(reason)
     phases["export_s"] += time.perf_counter() - t0
     if reason is not None:

@@ -16,17 +16,28 @@ group raises, naming it. Ranks that run fsdp_sync's adapter pay a store round tr
 (The ranks that run verl's adapter wait in their own collectives until the run, failed by this
 error, is torn down.)
 
+`absent_ranks` is the same idea over every rank of the world, every sync, for the module export
+(`module_stream.calls`, whose all-reduce spans the world: a rank that runs verl's adapter is then
+in verl's per-tensor all-gathers and never meets it). Each rank marks its arrival for the round in
+the store and waits for the others; a rank that never said it runs fsdp_sync's adapter
+(`announce`, at the adapter's construction and at each round) is waited for only ``grace_s``
+(once: a later round does not wait for a rank found absent before), one that did up to
+``timeout_s``. The first rank to decide writes the answer once (``compare_set``) and every rank
+takes that one, so a rank that arrives late follows the ranks that did not wait for it.
+
 Not here: the sync (`fsdp_sync.integrations.verl.adapter`). Imports only torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from typing import Sequence
 
 import torch.distributed as dist
 
-__all__ = ["PROTOCOL", "ENV_HINT", "check_group"]
+__all__ = ["PROTOCOL", "ENV_HINT", "GRACE_S", "check_group", "announce", "absent_ranks"]
 
 PROTOCOL = "fsdp_sync.verl.SGLangAdapter/1"
 """The protocol this check vouches for: part of the store keys, so another protocol's ranks do
@@ -35,6 +46,11 @@ not count either."""
 ENV_HINT = ("set VERL_USE_EXTERNAL_MODULES=fsdp_sync.integrations.verl on every node (verl then "
             "imports the plug-in itself and fails loudly where it cannot), or drop "
             "rollout.custom.fsdp_sync.enable")
+
+
+GRACE_S = 5.0
+"""How long `absent_ranks` waits for a rank that never said it runs fsdp_sync's adapter: verl builds
+every rank's adapter (``init_model``) before the first sync, so such a rank runs another one."""
 
 
 def _store():
@@ -72,3 +88,60 @@ def check_group(ranks: Sequence[int], timeout_s: float, *, what: str = "infer-TP
                 f"only) or never reached the sync; {ENV_HINT}")
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
+
+
+def _present_key(rank: int) -> str:
+    return f"fsdp_sync/present/{PROTOCOL}/{rank}"
+
+
+def announce() -> None:
+    """Say in the store that this rank runs fsdp_sync's adapter (once per process and world is
+    enough; idempotent). A no-op without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        _store().set(_present_key(dist.get_rank()), "1")
+
+
+def absent_ranks(ranks: Sequence[int], timeout_s: float, *, grace_s: float = GRACE_S,
+                 what: str = "module_export") -> list[int]:
+    """Collective over the ranks of ``ranks`` (global, this process among them) that call it, by
+    the store only: [] when every rank of ``ranks`` arrived at this round (its n-th call), else the
+    global ranks that did not (see the module docstring for how long each is waited for). Every
+    rank that calls it for a round gets the same answer, whenever it arrives. ``what`` keeps one
+    use's rounds apart from another's."""
+    ranks = [int(r) for r in ranks]
+    me = dist.get_rank()
+    if len(ranks) < 2:
+        return []
+    store = _store()
+    announce()
+    digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+    prefix = f"fsdp_sync/arrived/{PROTOCOL}/{what}/{digest}"
+    n = store.add(f"{prefix}/round/{me}", 1)
+
+    def here(r: int, k: int = n) -> str:
+        return f"{prefix}/{k}/{r}"
+
+    store.set(here(me), "1")
+    before: list[int] = []
+    if n > 1:
+        store.delete_key(here(me, n - 1))    # every rank reads a round's decision before its own
+        before = json.loads(store.get(f"{prefix}/{n - 1}/decision"))   # this rank read it last round
+    decision = f"{prefix}/{n}/decision"
+    waited = [here(r) for r in ranks if r not in before]     # a rank absent before: not waited for
+    t0 = time.monotonic()
+    pause = 0.001
+    while not store.check([decision]):
+        answer = None
+        if store.check(waited):
+            answer = [r for r in before if not store.check([here(r)])]
+        elif time.monotonic() - t0 > min(grace_s, timeout_s):
+            missing = [r for r in ranks if not store.check([here(r)])]
+            if (time.monotonic() - t0 > timeout_s
+                    or any(not store.check([_present_key(r)]) for r in missing)):
+                answer = missing
+        if answer is not None:
+            store.compare_set(decision, "", json.dumps(sorted(answer)))
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    return json.loads(store.get(decision))

@@ -209,6 +209,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         # LoRA served as an adapter (verl_lora): the base stays in the engine between syncs
         self.lora = verl_lora.served_as_adapter(self.model_config)
         module_stream.install()   # verl's FSDP engine hands its module along (`module_stream`)
+        peer_check.announce()     # this rank runs fsdp_sync's adapter (`module_stream.calls` asks)
         opts = _options(self.config)
         self.sync = sync_config(self.config)
         self.base_url = opts.get("base_url")
