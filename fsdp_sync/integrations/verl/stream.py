@@ -103,6 +103,9 @@ def timed(weights: Iterable, phases: dict) -> Iterator:
         yield item
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
 
 class BucketBuffer:
     """One trainer rank's reused flat buffer, filled tensor by tensor from verl's generator.
@@ -120,11 +123,13 @@ class BucketBuffer:
         self.buf: torch.Tensor | None = None
         self.metas: list[TensorMeta] = []
         self.offset = 0
-        self.high = 0                        # the most bytes it held at once (the next hint)
+        self.high = 0                        # the most bytes it needed at once (the next hint)
 
     def fits(self, nbytes: int) -> bool:
-        start = -(-self.offset // ALIGNMENT) * ALIGNMENT
-        return not self.metas or start + nbytes <= self.capacity
+        """Whether a tensor of ``nbytes`` joins this bucket: its end, padded to the alignment as
+        `plan_buckets` pads a bucket (`BucketPacker`), within ``capacity``; an empty bucket takes
+        any tensor."""
+        return not self.metas or _aligned(_aligned(self.offset) + nbytes) <= self.capacity
 
     def _room(self, end: int, device: torch.device) -> None:
         buf = self.buf
@@ -139,14 +144,16 @@ class BucketBuffer:
         self.buf = new
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        start = -(-self.offset // ALIGNMENT) * ALIGNMENT
+        start = _aligned(self.offset)
         n = t.numel() * t.element_size()
-        self._room(start + n, t.device)
+        # the buffer holds the bucket's padded end: the payload (`wire.flattened_bucket`) is
+        # ``bucket.nbytes``, the aligned end, long
+        self._room(_aligned(start + n), t.device)
         if n:
             self.buf[start:start + n].copy_(t.reshape(-1).view(torch.uint8))
         self.metas.append(TensorMeta.of(name, t))
         self.offset = start + n
-        self.high = max(self.high, self.offset)
+        self.high = max(self.high, _aligned(self.offset))   # what the buffer had to hold
 
     def bucket(self) -> Bucket:
         (bucket,) = plan_buckets(self.metas, max(self.capacity, 1), alignment=ALIGNMENT)
