@@ -16,7 +16,7 @@ auto-detection never sees it) registers:
 - a global process group of ``cpu:gloo``: verl builds ``"cpu:gloo,{device}:{backend}"``, which is
   ``"cpu:gloo,cpu:gloo"`` here and refused by torch.
 
-The rest of a CPU run is configuration (the recipe in ``recipes/verl/tiny_grpo/`` sets it):
+The rest of a CPU run is configuration (the recipe ``recipes/verl/tiny_grpo_cpu.yaml`` sets it):
 ``trainer.device=cpu``, ``ray_kwargs.ray_init.num_cpus`` large enough for TransferQueue's actors (on
 2 cores Ray waits for CPUs forever otherwise), ``+ray_kwargs.ray_init.num_gpus`` = the trainer's
 ranks, ``attn_implementation=sdpa`` and ``use_remove_padding=False`` (flash-attention is CUDA-only).
