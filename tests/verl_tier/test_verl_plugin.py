@@ -129,14 +129,14 @@ def test_recipe_composes_and_validates_into_verl_config_classes(recipe):
     assert sync.bucket_bytes == rollout.checkpoint_engine.update_weights_bucket_megabytes << 20
     assert sync.free_cache_engine == rollout.free_cache_engine
     assert str(sync.dtype) == f"torch.{rollout.dtype}"
-    # every SyncConfig option is settable under custom.fsdp_sync.*
+    # the SyncConfig options the adapter honours are settable under custom.fsdp_sync.*
     tuned = omega_conf_to_dataclass(compose(recipe, [
         "+actor_rollout_ref.rollout.custom.fsdp_sync.bucket_mb=3",
-        "+actor_rollout_ref.rollout.custom.fsdp_sync.memory_probe=rss",
+        "++actor_rollout_ref.rollout.custom.fsdp_sync.verify=sample",
         "++actor_rollout_ref.rollout.custom.fsdp_sync.strategy=bucketed",
     ]).actor_rollout_ref.rollout)
     s = plugin.sync_config(tuned)
-    assert (s.bucket_bytes, s.memory_probe, s.strategy) == (3 << 20, "rss", "bucketed")
+    assert (s.bucket_bytes, s.verify, s.strategy) == (3 << 20, "sample", "bucketed")
     bad = omega_conf_to_dataclass(compose(recipe, [
         "+actor_rollout_ref.rollout.custom.fsdp_sync.bucket_megs=3"]).actor_rollout_ref.rollout)
     with pytest.raises(ValueError, match="bucket_megs"):

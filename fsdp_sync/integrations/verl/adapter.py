@@ -33,14 +33,18 @@ is sent and, after the sync, compares the engine's digests of what it serves
 (`verify.check_sent`; ``fsdp-sync serve`` reports them, SGLang cannot and the sync says so); a
 difference raises on every rank. The digests go into the metrics-file line (``digests``).
 
-Options, under ``+actor_rollout_ref.rollout.custom.fsdp_sync.``: ``enable``; ``base_url`` (an SGLang
-server to talk to instead of the one verl's Ray actor names, e.g. ``fsdp-sync serve``);
-``api_key``; ``metrics_file``; ``log_dir`` (where ``fsdp_sync_ref`` writes serve's log); and every `fsdp_sync.config.SyncConfig` field (``strategy``:
+Options, under ``+actor_rollout_ref.rollout.custom.fsdp_sync.``: ``enable``; ``base_url`` (the
+server's URL where no Ray actor of verl's names one, e.g. ``fsdp-sync serve`` in a test; where
+verl's server actor runs, base_url must be its address, or it is refused: verl generates from
+that server); ``api_key``; ``metrics_file``; ``log_dir`` (where ``fsdp_sync_ref`` writes serve's
+log); and the `fsdp_sync.config.SyncConfig` fields of `options.HONOURED` (``strategy``:
 ``flattened`` (default) or ``bucketed`` / ``per_tensor``, verl's own algorithm of one handle per
-tensor, kept for comparison; ``bucket_bytes`` / ``bucket_mb``; ``dtype``; ...). The verl keys users
-already set are read through `SyncConfig.from_verl`: bucket megabytes, ``free_cache_engine`` (resume
-and release only when set, as verl does) and ``dtype`` (tensors are cast to it before they are
-flattened). ``param_offload`` stays verl's: its worker offloads the actor after ``update_weights``.
+tensor, kept for comparison; ``bucket_bytes`` or ``bucket_mb``; ``dtype``; ``verify``;
+``quantization``; ``dist_timeout_s``; ``share_host_memory``); another SyncConfig field is refused
+naming the verl option that decides it (`options.INSTEAD`). The verl keys users already set are
+read through `SyncConfig.from_verl`: bucket megabytes, ``free_cache_engine`` (resume and release
+only when set, as verl does) and ``dtype`` (tensors are cast to it before they are flattened).
+``param_offload`` stays verl's: its worker offloads the actor after ``update_weights``.
 
 LoRA, as verl's own SGLang rollout serves it (`fsdp_sync.integrations.verl_lora`): with
 ``lora_rank`` > 0 and ``lora.merge=false`` verl's worker calls ``update_weights`` with its
@@ -67,7 +71,6 @@ disaggregation, starting SGLang (verl's Ray actors do).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import logging
@@ -82,7 +85,6 @@ from verl.workers.rollout import base as _verl_rollout_base
 
 from ...weights import handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES
-from ...config import SyncConfig
 from ...config_check import check_configs
 from ...topology import SyncTopology
 from ...transport import SyncStats
@@ -91,6 +93,7 @@ from ...verify import sent_record
 from ...wire import flattened_bucket
 from .. import module_stream, peer_check, verl_lora
 from . import metrics as step_metrics
+from .options import enabled, get_key, named_actor, options, same_server, server_url, sync_config
 from .replica import ROLLOUT_NAME, server_name
 from .stream import BucketBuffer, pulled_in_a_thread, reuses_memory, timed
 
@@ -98,7 +101,6 @@ __all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "re
 
 KEY = ("sglang", "async")
 OURS = "fsdp_sync.integrations.verl.SGLangAdapter"   # the public path verl resolves
-_ADAPTER_KEYS = ("enable", "base_url", "api_key", "metrics_file", "log_dir")
 
 log = logging.getLogger("fsdp_sync.verl")
 log.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -114,64 +116,6 @@ def register() -> None:
     if current and current != OURS:
         VERL_DEFAULT = current
     reg[KEY] = OURS
-
-
-def _get(node: Any, key: str, default: Any = None) -> Any:
-    if node is None:
-        return default
-    if isinstance(node, dict) or hasattr(node, "keys"):
-        try:
-            return node.get(key, default)
-        except AttributeError:
-            pass
-    return getattr(node, key, default)
-
-
-def _options(config: Any) -> dict:
-    opts = _get(_get(config, "custom"), "fsdp_sync")
-    if opts is None:
-        return {}
-    if hasattr(opts, "items"):
-        try:
-            from omegaconf import DictConfig, OmegaConf
-
-            if isinstance(opts, DictConfig):
-                opts = OmegaConf.to_container(opts, resolve=True)
-        except ImportError:
-            pass
-        return dict(opts.items())
-    raise TypeError(f"rollout.custom.fsdp_sync must be a mapping of options, got "
-                    f"{type(opts).__name__}: {opts!r}")
-
-
-def _bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    raise ValueError(f"rollout.custom.fsdp_sync.{key} must be true or false, got {value!r}")
-
-
-def enabled(config: Any) -> bool:
-    """Whether fsdp_sync syncs this rollout: ``rollout.custom.fsdp_sync.enable`` set, or the
-    rollout is fsdp_sync's own (``rollout.name=fsdp_sync_ref``, where nothing else could)."""
-    if _get(config, "name") == ROLLOUT_NAME:
-        return True
-    return _bool(_options(config).get("enable", False), "enable")
-
-
-def sync_config(config: Any) -> SyncConfig:
-    """The `SyncConfig` of a rollout config: verl's keys (`SyncConfig.from_verl`), then every
-    ``custom.fsdp_sync.*`` key that names a SyncConfig field (those win)."""
-    opts = {k: v for k, v in _options(config).items() if k not in _ADAPTER_KEYS}
-    fields = {f.name for f in dataclasses.fields(SyncConfig)}
-    unknown = sorted(set(opts) - fields - {"bucket_mb"})
-    if unknown:
-        raise ValueError(f"unknown rollout.custom.fsdp_sync keys {unknown}; known: "
-                         f"{sorted(set(_ADAPTER_KEYS) | fields | {'bucket_mb'})}")
-    if "bucket_mb" in opts:
-        opts["bucket_bytes"] = int(float(opts.pop("bucket_mb")) * 2**20)
-    return SyncConfig.from_verl(config, **opts)
 
 
 def _ipc_device() -> torch.device | None:
@@ -210,7 +154,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self.lora = verl_lora.served_as_adapter(self.model_config)
         module_stream.install()   # verl's FSDP engine hands its module along (`module_stream`)
         peer_check.announce()     # this rank runs fsdp_sync's adapter (`module_stream.calls` asks)
-        opts = _options(self.config)
+        opts = options(self.config)
         self.sync = sync_config(self.config)
         self.base_url = opts.get("base_url")
         self.api_key = opts.get("api_key")
@@ -228,6 +172,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self._topo: SyncTopology | None = None     # built once per device mesh (`_topology`)
         self._engine = None
         self._server_actor = None
+        self._base_url_checked = False    # base_url is the server verl generates from (`_client`)
         tp = int(self.config.tensor_model_parallel_size)
         rollout_world = tp * int(self.config.data_parallel_size) * int(
             self.config.pipeline_model_parallel_size)
@@ -258,7 +203,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         return self._mesh().get_local_rank() == 0
 
     async def _client(self):
-        """The SGLang client on infer-TP rank 0 (None elsewhere)."""
+        """The SGLang client on infer-TP rank 0 (None elsewhere). With ``base_url``, every rank
+        first checks once that it is the server verl generates from (`_check_base_url`)."""
+        if self.base_url and not self._base_url_checked:
+            await self._check_base_url()
         if self._engine is not None or not self._is_leader():
             return self._engine
         from ...engines.sglang import SGLangEngine
@@ -267,19 +215,39 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         if not url:
             import ray
 
-            name = (server_name(self.replica_rank, self.node_rank)
-                    if _get(self.config, "name") == ROLLOUT_NAME
-                    else f"sglang_server_{self.replica_rank}_{self.node_rank}")
-            self._server_actor = ray.get_actor(name)
-            host, port = await self._server_actor.get_server_address.remote()
-            host = f"[{host}]" if ":" in str(host) else host
-            url = f"http://{host}:{port}"
+            self._server_actor = ray.get_actor(self._server_name())
+            url = server_url(*await self._server_actor.get_server_address.remote())
         # one payload per rank of verl's infer_tp mesh dim (tp x dp of the server), as verl sends
         # verl's replicas also release and resume SGLang's memory themselves (sleep_replicas), so
         # the adapter cannot know SGLang's state: verl's tags go as verl gives them
         self._engine = SGLangEngine(base_url=url, api_key=self.api_key, tp_size=self._mesh().size(),
                                     track_memory=False)
         return self._engine
+
+    def _server_name(self) -> str:
+        """The Ray actor of this replica's server, the one verl's agent loop generates from."""
+        if get_key(self.config, "name") == ROLLOUT_NAME:
+            return server_name(self.replica_rank, self.node_rank)
+        return f"sglang_server_{self.replica_rank}_{self.node_rank}"
+
+    async def _check_base_url(self) -> None:
+        """``base_url`` may name the server verl generates from (its actor's address), or stand
+        where no such actor runs (a server of the caller's own, no Ray); a server beside verl's
+        would be synced while rollouts come from stale weights in verl's: refused, on every rank
+        (each looks the actor up), naming both. The same server is also told the step."""
+        name = self._server_name()
+        actor = named_actor(name)
+        if actor is not None:
+            served = server_url(*await actor.get_server_address.remote())
+            if not same_server(self.base_url, served):
+                raise ValueError(
+                    f"rollout.custom.fsdp_sync.base_url={self.base_url!r} is not the server verl "
+                    f"generates from: verl's Ray actor {name} serves replica {self.replica_rank} at "
+                    f"{served}, and a sync to base_url would leave that server's weights unsynced "
+                    f"while verl's agent loop generates from them; drop base_url (the adapter then "
+                    f"syncs {name}) or set it to {served}")
+            self._server_actor = actor
+        self._base_url_checked = True
 
     # ------------------------------------------------------------------ memory
     async def resume(self, tags: list[str]):
