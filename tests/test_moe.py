@@ -153,6 +153,26 @@ def test_engine_matches_transformers(recipe, tp, ep):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("recipe, first", [("tiny-qwen3-moe", "model.layers.0.mlp.experts.gate_up_proj"),
+                                           ("tiny-mixtral", "model.layers.0.mlp.gate.weight")])
+def test_a_transformers_state_dict_of_fused_experts_is_refused_saying_what_to_send(recipe, first):
+    """transformers 5's own state_dict() holds a layer's experts fused (and Mixtral's router
+    under 'mlp'): the engine refused its first such name as 'not a ... parameter name', with an
+    unrelated example; it says now what the name is and what to send, and loads nothing."""
+    from fsdp_sync.engines import ReferenceEngine, WeightUpdateError
+
+    cfg = load_config(recipe)
+    model = build_model(cfg, seed=7)
+    with ReferenceEngine(cfg, tp_size=1, kv_cache_tokens=64) as eng:
+        before = eng.weight_version
+        with pytest.raises(WeightUpdateError, match=rf"unknown parameter '{first}'.*installed transformers' "
+                                                    r"own name.*export\.iter_params\(model\)"):
+            eng.update_weights_from_tensor(list(model.state_dict().items()))
+        assert eng.weight_version == before
+        eng.update_weights_from_tensor(list(export.iter_params(model)))     # what it says works
+
+
+@pytest.mark.timeout(120)
 def test_serve_takes_a_hugging_face_moe_config_with_ep(tmp_path):
     from _util import start_serve
 

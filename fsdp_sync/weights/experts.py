@@ -27,10 +27,25 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["SPLIT_FAMILIES", "hub_parts", "model_type_of", "hub_views"]
+__all__ = ["SPLIT_FAMILIES", "hub_parts", "model_type_of", "hub_views", "fused_hint"]
 
 SPLIT_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 """Model types whose transformers-5 fused experts are ``cat([gate, up], dim=1)`` per expert."""
+
+
+def fused_hint(name: str, model_type: str | None) -> str:
+    """What to add to an engine's "unknown parameter" error for ``name``: transformers 5's own
+    fused-experts name (or Mixtral's renamed router) says so, and what to send instead; anything
+    else, nothing."""
+    if model_type not in SPLIT_FAMILIES:
+        return ""
+    fused = name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+    if not fused and not (model_type == "mixtral" and name.endswith(".mlp.gate.weight")):
+        return ""
+    return ("; it is the installed transformers' own name (a state_dict() of transformers 5, which "
+            "holds a layer's experts fused and names Mixtral's block_sparse_moe 'mlp'): send the "
+            "checkpoint's per-expert names, as fsdp_sync.weights.export.iter_params(model) gives "
+            "them (the manager does this itself)")
 
 
 def model_type_of(module: Any) -> str | None:

@@ -36,6 +36,7 @@ import torch
 
 from ...weights import handles
 from ...weights.bucket import KnownMetadata, copy_many
+from ...weights.experts import fused_hint
 from ...wire import open_flattened_bucket
 from .errors import KIND_STATE, KIND_UPDATE, WorkerError
 from .quant import dtype_refusal, scale_refusal
@@ -149,7 +150,8 @@ class UpdateStager:
             raise WorkerError(KIND_UPDATE, f"unknown parameter {name!r} on TP rank {self.w.rank}: not a "
                                            f"{self.w.layout.spec.model_type} parameter name of this model "
                                            f"(e.g. {self.w.layout.hf_names()[1]!r})"
-                                           f"{scale_refusal(name, self.w.layout.quantization)}", name)
+                                           f"{scale_refusal(name, self.w.layout.quantization)}"
+                                           f"{fused_hint(name, self.w.layout.spec.model_type)}", name)
         self._check(name, t, self.w.layout.full_shape(name))
         if name == "lm_head.weight" and self.w.layout.spec.tie_word_embeddings:
             self._check_tied_head(t, out)
