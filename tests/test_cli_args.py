@@ -56,7 +56,7 @@ BAD = [
     ("serve --update-wait-s inf", ["--update-wait-s", "finite"]),
     ("serve --host no.such.host.invalid --port 0", ["--host", "cannot resolve"]),
     ("serve --quantization int8", ["--quantization", "invalid choice", "'int8'"]),
-    ("serve --quantization fp8", ["--quantization", "block FP8 [128, 128] at tp 1", "q_proj rows per rank = 64",
+    ("serve --model tiny --quantization fp8", ["--quantization", "block FP8 [128, 128] at tp 1", "q_proj rows per rank = 64",
                                   "multiple of block 128"]),
     ("serve --model tiny-fp8-moe --tp 4 --quantization fp8", ["--quantization", "tp 4, ep 1",
                                                               "expert rows per rank"]),
