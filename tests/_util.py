@@ -359,3 +359,16 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
         if engine is not None:
             engine.shutdown()
     return out
+
+
+def fds_under(pid: int, root: str) -> list[str]:
+    """What process ``pid`` holds open under ``root`` (files and directories, from /proc), sorted."""
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(root):
+            out.add(target)
+    return sorted(out)

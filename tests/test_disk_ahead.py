@@ -21,6 +21,8 @@ import time
 import pytest
 import torch
 
+from _util import fds_under
+
 
 def _sync(module, engines, d, step, bucket_bytes=4 << 20, **kw):
     from fsdp_sync.config import SyncConfig
@@ -41,18 +43,6 @@ def _flip(path: str) -> None:
         b = f.read(1)
         f.seek(-5, os.SEEK_END)
         f.write(bytes([b[0] ^ 0x01]))
-
-
-def _open_under(pid: int, root: str) -> list[str]:
-    out = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(root):
-            out.append(target)
-    return out
 
 
 class _Spy:
@@ -114,7 +104,7 @@ def test_files_told_ahead_are_hashed_once_and_load_bit_exact(tmp_path):
             assert len(spy.told) > 1                     # told as the stream went, not all at once
             spy.told.clear()
         for pid in engine.worker_pids:                   # nothing hashed ahead stays open
-            assert _open_under(pid, str(tmp_path)) == []
+            assert fds_under(pid, str(tmp_path)) == []
 
 
 @pytest.mark.timeout(180)
@@ -162,7 +152,7 @@ def test_a_file_corrupted_meanwhile_is_refused_and_the_old_weights_serve(tmp_pat
         assert victims and victims[0] in str(info.value), (victims, str(info.value))
         assert engine.weights_checksum() == served       # nothing applied: the old weights serve
         for pid in engine.worker_pids:
-            assert _open_under(pid, str(tmp_path)) == []
+            assert fds_under(pid, str(tmp_path)) == []
         _sync(module, [engine], d, 2)                    # and the next good version loads
         assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
 
@@ -230,7 +220,7 @@ def test_a_file_told_too_early_or_from_another_directory_is_hashed_at_the_load(t
         assert engine.disk_seconds["files_hashed_ahead"] == len(files), engine.disk_seconds
         assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
         for pid in engine.worker_pids:
-            assert _open_under(pid, str(tmp_path)) == []
+            assert fds_under(pid, str(tmp_path)) == []
         # a worker that comes to the first files only after the version was published (a loaded
         # machine; the trainer told them before its rename): found under the published name
         tmp2, final2 = os.path.join(d, ".step_11.tmp-0123456789ab"), os.path.join(d, "step_11")
@@ -247,10 +237,10 @@ def test_a_file_told_too_early_or_from_another_directory_is_hashed_at_the_load(t
         shutil.copytree(final, gone)
         engine.hash_files_ahead(gone, files, "xxh3_128")
         engine.weights_checksum()
-        assert any(_open_under(pid, gone) for pid in engine.worker_pids)
+        assert any(fds_under(pid, gone) for pid in engine.worker_pids)
         shutil.rmtree(gone)
         _scale(module, 0.5)
         engine.update_weights_from_tensor(list(module.state_dict().items()))
         assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
         for pid in engine.worker_pids:
-            assert _open_under(pid, str(tmp_path)) == []
+            assert fds_under(pid, str(tmp_path)) == []

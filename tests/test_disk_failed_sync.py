@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 
+from _util import fds_under
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -26,22 +28,6 @@ def _ctx(module, sc, engines, step):
 
     return SyncContext(module=module, config=sc, topo=None, group=None, engines=engines,
                        step=step, stats=SyncStats())
-
-
-def _held(pid: int, root: str) -> list[str]:
-    """Regular files (psutil) and anything else (the directory: /proc) open under ``root``."""
-    import psutil
-
-    files = [f.path for f in psutil.Process(pid).open_files() if f.path.startswith(root)]
-    other = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(root):
-            other.append(target)
-    return sorted(set(files) | set(other))
 
 
 class _Told:
@@ -90,7 +76,7 @@ def test_a_failed_per_rank_write_leaves_no_file_open_in_the_engine(tmp_path, mon
         assert told.told > 0, "no file was hashed ahead: the case is not exercised"
         assert os.listdir(d) == []
         for pid in engine.worker_pids:
-            assert _held(pid, str(d)) == [], f"worker {pid} holds the failed version's files open"
+            assert fds_under(pid, str(d)) == [], f"worker {pid} holds the failed version's files open"
         # the engine still serves and loads the next version
         monkeypatch.setattr(disk_ranked, "write_shard", real)
         t = DiskTransport(sc)
