@@ -108,7 +108,7 @@ class FSDPShardingManager:
         self.stats = SyncStats()
         self._inside = False
         self._failed: tuple[str, str] | None = None   # an unsettled stage's failure (`_run`)
-        self._was_training = True
+        self._modes: dict[torch.nn.Module, bool] | None = None   # each submodule's train/eval at entry
         self._trainer_rng: tuple | None = None
         self._offloaded: dict[str, torch.device] = {}
         self._tp_sizes: list[int] | None = None      # per-TP-rank batch sizes of preprocess_data
@@ -142,7 +142,8 @@ class FSDPShardingManager:
                                "make a new one to sync again")
         pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe, watch=self.watch)
-        self._was_training = self.module.training
+        if self._modes is None:     # else the last block's restore_module did not run: keep its
+            self._modes = {m: m.training for m in self.module.modules()}
         self._tp_sizes = None                      # preprocess_data's sizes belong to one block
         try:   # settle=False: no collective inside; agreed with the next stage (`_run`)
             self._run("prepare", self._prepare, settle=False)
@@ -214,7 +215,10 @@ class FSDPShardingManager:
         self.module.eval()
 
     def _swap_rng(self) -> None:
-        self._trainer_rng = self._get_rng()
+        if self._trainer_rng is None:
+            self._trainer_rng = self._get_rng()
+        else:       # the last block's restore_rng did not run: the trainer's is still kept, and
+            self._gen_rng = self._get_rng()     # the live stream is the generation one
         self._set_rng(self._gen_rng)
 
     def _resume(self, tags: list[str] | None) -> None:
@@ -283,8 +287,10 @@ class FSDPShardingManager:
             log.warning("fsdp_sync: restoring after %s failed too: %s", type(original).__name__, err)
 
     def _restore_module(self) -> None:
+        modes, self._modes = self._modes, None
+        for m, training in (modes or {}).items():     # each one's own: a frozen block stays in eval
+            m.training = training
         self._reload_params()
-        self.module.train(self._was_training)
         empty_cache()
 
     def _restore_rng(self) -> None:
