@@ -106,6 +106,7 @@ from ..weights import bucket as _bucket
 from ..weights import export
 from ..weights import hf_checkpoint as ckpt
 from ..weights import quantize, reshard, tied
+from ..weights.gather import Received
 from ..models import hf_config_json
 from ..weights.layout import engine_ep_size
 
@@ -228,7 +229,7 @@ class DiskTransport:
             self._quant = self._quantizer(ctx, rank, group, layout, what)
             if layout is None:
                 n_files = len(_bucket.plan_buckets(metas, cfg.bucket_bytes))
-                records, err = self._write_buckets(ctx, tmp, rank, writers, n_files, pool)
+                records, err = self._write_buckets(ctx, tmp, rank, writers, n_files, pool, st)
                 stats.buckets = n_files
             else:
                 parts = len(reshard.plan_rank_buckets(layout, metas[0].dtype, cfg.bucket_bytes))
@@ -319,11 +320,11 @@ class DiskTransport:
                        "files_hashed_ahead": load_split.get("files_hashed_ahead"),
                        "pruned": pruned, "layout": "full" if layout is None else "engine",
                        "engine_rank_bytes_in": engine_in}
+        stats.extra["trainer_rank_bytes_in"] = trainer_in    # the most any rank received
         if layout is not None:
             shard = (st.engine_shard_bytes if self._quant is None       # FP8: the engine rank's FP8 shard
                      else self._quant.layout.engine_bytes(float_dtype(metas).itemsize))
-            stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=shard,
-                               trainer_rank_bytes_in=trainer_in)
+            stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=shard)
 
     def _load(self, ctx: Any, final: str, group: Any) -> None:
         """Step 4 (trainer rank 0 calls, every rank agrees): one engine loads ``final`` with the
@@ -417,9 +418,10 @@ class DiskTransport:
         return quant
 
     def _write_buckets(self, ctx: Any, tmp: str, rank: int, writers: list[int], n_files: int,
-                       pool: str | None) -> tuple[list[dict], BaseException | None]:
+                       pool: str | None, st: Any) -> tuple[list[dict], BaseException | None]:
         """Gather every bucket (collective: every rank runs the whole stream even after a local
-        write failure) and write this rank's own; returns its file records and its error."""
+        write failure) and write this rank's own; returns its file records and its error. What
+        the gathers brought this rank is added to ``st.bytes_in``."""
         cfg = ctx.config
         w = OneWriter("export", n_files, tmp)
         mine: list[torch.Tensor] = []
@@ -457,9 +459,14 @@ class DiskTransport:
         # share_host_memory: on one host the ranks fill one shared buffer (no all-gather); it
         # is reused by the next bucket, so the owner copies its bucket out before writing it
         self._split = w.seconds
-        return w.drive(enumerate(export.iter_buckets(
-            ctx.module, cfg.bucket_bytes, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict,
-            alloc=alloc, share_host_memory=bool(getattr(cfg, "share_host_memory", False)))), write)
+        received = Received()
+        try:
+            return w.drive(enumerate(export.iter_buckets(
+                ctx.module, cfg.bucket_bytes, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict,
+                alloc=alloc, share_host_memory=bool(getattr(cfg, "share_host_memory", False)),
+                received=received)), write)
+        finally:
+            st.bytes_in += received.bytes_in
 
     def _publish(self, ctx: Any, tmp: str, final: str, records: list[dict], n_files: int,
                  metas: list) -> None:

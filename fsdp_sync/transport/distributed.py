@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from .. import fleet
 from ..weights import export, quantize, reshard
+from ..weights.gather import Received
 from ..weights.bucket import Bucket, check_tight, dtype_name, plan_tight
 from ..weights.layout import TPLayout, engine_ep_size, layout_for
 from ..topology import SyncError, agree, agree_after_rank0, cpu_group
@@ -415,9 +416,10 @@ class DistributedTransport:
             turn[0] += 1
             return buf[:nbytes]
 
+        received = Received()       # this rank's gathers: stats' trainer_rank_bytes_in
         it = export.iter_buckets(ctx.module, cfg.bucket_bytes, dtype=cfg.dtype,
                                  fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=alloc, plan=plan,
-                                 dst=0 if dist.is_initialized() else None)
+                                 dst=0 if dist.is_initialized() else None, received=received)
         quant = self._quant     # trainer rank 0 only: it holds the gathered bucket
         if quant is not None:   # quantized into two buffers of their own, in turn like the above
             qsize = max((quant.plan(b).nbytes for b in plan), default=0)
@@ -446,6 +448,7 @@ class DistributedTransport:
                 stats.tensors += len(bkt.entries)
                 stats.buckets += 1
                 del flat
+            stats.extra["trainer_rank_bytes_in"] = received.bytes_in   # rank 0: every other piece
             if plan:     # every rank: one agree per bucket, the last one here
                 err, pending = (self._finish(pending) if pending is not None else None), None
                 _agree(err or failed, group, "distributed weight sync")

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .. import fleet
 from ..weights import export, handles, ipc_memory, quantize, reshard, state_words
+from ..weights.gather import Received
 from ..weights.bucket import plan_buckets
 from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_to_src, released_by_backend
@@ -450,9 +451,11 @@ class TensorTransport:
         if quant is not None:   # the gathered bucket is quantized into a buffer of its own
             out = ReusedBuffer(max((quant.plan(b).nbytes for b in plan), default=0), device, lag=lag)
             release = out.give_back
+        received = Received()       # this rank's gathers: stats' trainer_rank_bytes_in
+        self.stats.extra["trainer_rank_bytes_in"] = 0
         it = export.iter_buckets(self.module, cfg.bucket_bytes, dtype=cfg.dtype,
                                  fsdp1_state_dict=cfg.fsdp1_state_dict, alloc=buffer.take,
-                                 share_host_memory=cfg.share_host_memory)
+                                 share_host_memory=cfg.share_host_memory, received=received)
         with closing(it):
             for i, (bucket, flat) in enumerate(it):
                 if quant is not None:
@@ -463,6 +466,7 @@ class TensorTransport:
                 self.stats.bytes += bucket.payload_bytes
                 self.stats.tensors += len(bucket.entries)
                 self.stats.buckets += 1
+                self.stats.extra["trainer_rank_bytes_in"] = received.bytes_in
                 del flat, obj
                 yield Call(sets, sets[0].payloads[0], lambda g: g, "flattened_bucket",
                            i == len(plan) - 1, f"bucket {i} ({bucket.names[0]}…)",

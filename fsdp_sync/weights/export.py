@@ -87,7 +87,7 @@ from torch import nn
 from . import bucket as _bucket
 from . import experts as _experts
 from . import handles as _handles
-from .gather import Pieces, Scratch, fill_bucket, fill_shared, materialize, shared_group, sub_pieces
+from .gather import Pieces, Received, Scratch, fill_bucket, fill_shared, materialize, shared_group, sub_pieces
 from .hostbuf import HostShared
 from .items_memo import ItemsMemo, submodules, tensors_key
 from .peft_names import base_parts, is_lora, select  # noqa: F401 - is_lora: part of the export API
@@ -95,7 +95,7 @@ from .shards import dim0_pieces, rank as _rank, sharded_tensor_pieces
 from ..topology import agree
 
 __all__ = [
-    "param_metas", "iter_params", "iter_buckets", "state_dict_type", "hf_name", "resolve",
+    "param_metas", "iter_params", "iter_buckets", "state_dict_type", "state_dict_bytes_in", "hf_name", "resolve",
     "STATE_DICT_TYPES", "WRAPPER_PREFIXES", "NON_WEIGHT_BUFFERS",
 ]
 
@@ -441,6 +441,20 @@ def _fsdp1_state_dict(module: nn.Module, kind: str) -> dict[str, Any]:
     return {hf_name(k): v for k, v in sd.items()}
 
 
+def state_dict_bytes_in(module: nn.Module, kind: str) -> int:
+    """The bytes this rank receives while torch builds an FSDP1 ``kind`` state dict: "full" and
+    "sharded" unshard every sharded unit (an all-gather of its padded flat parameter, in its own
+    dtype); "local" and a module that is not FSDP1 gather nothing. From sizes known here."""
+    if kind == "local":
+        return 0
+    n = 0
+    for u in _fsdp1_units(module):
+        if u._handle is not None and u._handle.uses_sharded_strategy:
+            fp = u._handle.flat_param
+            n += (u.process_group.size() - 1) * fp._sharded_size.numel() * fp.dtype.itemsize
+    return n
+
+
 def _missing(name: str, kind: str, sd: dict) -> KeyError:
     return KeyError(f"FSDP1 {kind} state dict has no entry {name!r} (rank {_rank()}); it has "
                     f"{len(sd)} entries, e.g. {list(sd)[:4]}")
@@ -601,7 +615,7 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
                  fsdp1_state_dict: str = "full",
                  alloc: Callable[[int], torch.Tensor] = _handles.empty_shared,
                  share_host_memory: bool = False, plan: list[_bucket.Bucket] | None = None,
-                 dst: int | None = None, lora: bool = False,
+                 dst: int | None = None, lora: bool = False, received: Received | None = None,
                  ) -> Iterator[tuple[_bucket.Bucket, torch.Tensor]]:
     """Yield ``(bucket, flat)``: buckets planned by `bucket.plan_buckets` over `param_metas`
     (``bucket_bytes`` a budget per bucket, alignment padding included), each gathered into a fresh
@@ -624,8 +638,13 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
     gather group only (``gather``, not ``all_gather``): there ``flat`` holds the bucket, on the
     other ranks it holds only what was local (replicated tensors), not the model. Tensors that
     cannot be gathered by pieces (``full_tensor()``) still arrive on every rank.
+
+    ``received``: the bytes this rank receives (an FSDP1 state dict's unsharding,
+    `state_dict_bytes_in`, and the buckets' gathers, `gather.bucket_bytes_in`) are added to it.
     """
     items = resolve(module, fsdp1_state_dict, dtype, lora)   # lora: the LoRA tensors (`peft_names`)
+    received = received if received is not None else Received()
+    received.bytes_in += state_dict_bytes_in(module, fsdp1_state_dict)
     metas = [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in items]
     if plan is None:
         plan = _bucket.plan_buckets(metas, bucket_bytes)
@@ -637,7 +656,7 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
     group = shared_group(items) if share_host_memory and dst is None else None
     host = HostShared.create(group, 1, max((b.nbytes for b in plan), default=0)) \
         if group is not None else None
-    scratch = Scratch()
+    scratch = Scratch(received)
     start = 0
     for bkt in plan:
         chunk = items[start:start + len(bkt.entries)]

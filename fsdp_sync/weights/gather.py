@@ -30,8 +30,8 @@ except ImportError:  # pragma: no cover - older torch: one gather per tensor ins
 from . import bucket as _bucket
 from .hostbuf import HostShared
 
-__all__ = ["Pieces", "sub_pieces", "broadcast", "all_gather", "gather_pieces", "materialize", "Scratch", "fill_bucket",
-           "shared_group", "fill_shared"]
+__all__ = ["Pieces", "sub_pieces", "broadcast", "all_gather", "gather_pieces", "materialize", "Scratch", "Received",
+           "bucket_bytes_in", "fill_bucket", "shared_group", "fill_shared"]
 
 
 def _align(n: int) -> int:
@@ -141,11 +141,52 @@ def materialize(item: Any, dtype: torch.dtype) -> torch.Tensor:
         return gather_pieces(item.pieces, item.shape, dtype)
 
 
-class Scratch:
-    """Grow-only byte buffers reused across buckets (send and receive of the bucketed gather)."""
+@dataclass
+class Received:
+    """What one rank received from the other ranks of its gather groups in one stream: counted
+    from sizes every rank knows already (`bucket_bytes_in`), never by a collective of its own."""
 
-    def __init__(self) -> None:
+    bytes_in: int = 0
+
+
+def bucket_bytes_in(pairs: list[tuple[_bucket.BucketEntry, tuple[int, ...]]], me: int,
+                    dst: int | None = None) -> int:
+    """Pure: the bytes group rank ``me`` receives gathering one bucket's pieces as `gather_bucketed`
+    gathers them (``pairs``: each entry with its elements per group rank): to ``dst``, every
+    other rank's pieces (0 elsewhere); else each run of entries one rank holds whole, broadcast
+    from it (padding inside the run included), and the rest in one all-gather: (world - 1) x the
+    piece when every piece is equal, else (world - 1) x the packed send buffer (each entry in a
+    slot as wide as its largest piece, aligned). `fsdp_sync.plan` counts a sync's gathers with it."""
+    world = len(pairs[0][1]) if pairs else 1
+    if world == 1:
+        return 0
+    if dst is not None:
+        return 0 if me != dst else sum((sum(c) - c[me]) * e.dtype.itemsize for e, c in pairs)
+    rest, runs = [], []      # runs: [owner, start, end], as `_broadcast_owned` makes them
+    for e, c in pairs:
+        held = [r for r, x in enumerate(c) if x]
+        if len(held) != 1:
+            rest.append((e, c))
+        elif runs and runs[-1][0] == held[0] and _align(runs[-1][2]) == e.start:
+            runs[-1][2] = e.end
+        else:
+            runs.append([held[0], e.start, e.end])
+    n = sum(b - a for owner, a, b in runs if owner != me)
+    if all(all(x == c[0] for x in c) for _, c in rest):
+        return n + sum((world - 1) * c[0] * e.dtype.itemsize for e, c in rest)
+    width = 0
+    for e, c in rest:
+        width = _align(width + max(c) * e.dtype.itemsize)
+    return n + (world - 1) * width
+
+
+class Scratch:
+    """Grow-only byte buffers reused across buckets (send and receive of the bucketed gather), and
+    the bytes the stream's gathers received (``received``)."""
+
+    def __init__(self, received: Received | None = None) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        self.received = received if received is not None else Received()
 
     def get(self, key: str, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._bufs.get(key)
@@ -177,6 +218,7 @@ def gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
     def even(p: Pieces) -> bool:
         return all(c == p.counts[0] for c in p.counts)
 
+    scratch.received.bytes_in += bucket_bytes_in([(e, p.counts) for e, p in pairs], me, dst)
     if world == 1:   # a group of one rank (one trainer rank): its pieces are the tensors
         held = [(e, p) for e, p in pairs if p.counts[0]]
         views: dict = {}

@@ -85,7 +85,8 @@ class RankBucket:
 class ReshardStats:
     """What one trainer rank moved in one sync (summed over buckets)."""
 
-    bytes_in: int = 0             # bytes received from other trainer ranks (the all-to-all)
+    bytes_in: int = 0             # bytes received from other trainer ranks (the all-to-all, an
+    #                               FSDP1 full / sharded state dict's unsharding)
     bytes_out: int = 0            # bytes sent to other trainer ranks
     bytes_written: int = 0        # bytes this rank wrote into engine-rank buffers
     allgather_bytes_in: int = 0   # what `export.iter_buckets`' all-gather would have received
@@ -361,6 +362,7 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
     """
     stats = stats if stats is not None else ReshardStats()
     items = _export.resolve(module, fsdp1_state_dict, dtype)
+    stats.bytes_in += _export.state_dict_bytes_in(module, fsdp1_state_dict)   # FSDP1 full / sharded
     group = _group_of(items) if items else None
     world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     me = dist.get_rank(group) if world > 1 else 0

@@ -170,8 +170,8 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
     """The row's layout fields (collective: every rank calls it): ``engine_rank_bytes_in`` (what
     one engine rank was handed: its per-rank buffers, or every full bucket), ``engine_rank_shard_bytes``
     (its own shard in the engine layout), ``trainer_rank_bytes_in`` (the most any trainer rank
-    received: the all-to-all's bytes, or the all-gather's: each rank receives the others' shards;
-    0 on the one-host path)."""
+    received, as its sync's stats counted it: the all-to-all, the all-gather (the others' pieces,
+    as packed and broadcast), the gather to rank 0; 0 on the one-host path)."""
     import torch.distributed as dist
 
     from ...weights.export import param_metas
@@ -185,12 +185,10 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
     held = quantized_layout(layout_for(cfg, job.tp, job.ep), getattr(job, "quantization", None))
     shard = held.engine_bytes(dtype.itemsize)
     world = dist.get_world_size()
-    if layout == "engine":
-        engine_in = int(extra["engine_rank_bytes_in"])
-        mine = int(extra.get("trainer_rank_bytes_in", 0))
-    else:
-        engine_in = int(stats.bytes)
-        mine = 0 if share else model_bytes - model_bytes // world   # the all-gather's share
+    # what this rank's sync received (its stats: the all-to-all, the all-gather or the gather to
+    # rank 0, counted from the pieces it took in), the most of any rank below
+    mine = int(extra.get("trainer_rank_bytes_in", 0))
+    engine_in = int(extra["engine_rank_bytes_in"]) if layout == "engine" else int(stats.bytes)
     t = torch.tensor([mine], dtype=torch.int64)
     with released_by_backend(t):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())

@@ -18,7 +18,7 @@ Called by `bench.bench_rank` on every trainer rank of a job, for each method oth
   rank's shard in place of the gather).
 - ``disk``: the checkpoint transport (`transport.disk`) and its floor `transport.disk.disk_floor`,
   a row per bucket size, layout and share-host-memory value (``share_host_memory``: what the sync
-  did; the full layout's ``trainer_rank_bytes_in``: the all-gather's, or 0 host-shared); skipped
+  did; ``trainer_rank_bytes_in``: the most any trainer rank received, as its sync counted it); skipped
   with a note when this build has no disk method.
 
 ``peak_extra_bytes`` is the largest rise of any one process's RSS (every trainer rank and every
@@ -133,7 +133,6 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     # one engine rank's shard, beside what a disk row's engine rank read (the full layout's rows
     # carry no layout figures of their own: the workers slice their parts out of the HF files)
     shard = quantized_layout(layout_for(cfg, job.tp, job.ep), job.quantization).engine_bytes(dtype.itemsize)
-    model_bytes = sum(m.nbytes for m in param_metas(model, dtype))     # in the rollout dtype
     rows: list[dict] = []
     try:
         # distributed: the flattened format per bucket size and layout (job.layouts; per-rank rows
@@ -223,11 +222,9 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                             rows[-1]["strategy"] = "distributed:per_rank_bucket"
                     elif method == "disk":
                         # what the sync did: one host-shared buffer, or (full) every rank
-                        # all-gathering each bucket, as the tensor method's full path counts it
+                        # all-gathering each bucket; the most any rank received, as it counted
                         rows[-1]["share_host_memory"] = bool(stats.extra.get("host_shared"))
-                        if rows[-1].get("layout") == "full":
-                            rows[-1]["trainer_rank_bytes_in"] = 0 if rows[-1]["share_host_memory"] \
-                                else model_bytes - model_bytes // world
+                        rows[-1]["trainer_rank_bytes_in"] = int(stats.extra["trainer_rank_bytes_in"])
                     names = [f"trainer rank {r}" for r in range(len(pids))] + \
                         [f"engine worker {j}" for j in range(len(getattr(engine, "worker_pids", []) or []))]
                     rows[-1]["peak_extra_by_process"] = dict(zip(names, rows[-1].pop("_peaks")))
