@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from .cluster import CLUSTERS, Cluster, load_cluster
+from .plan_bytes import (disk_bytes, exchange_in, fsdp_counts, gather_bytes_in, quantizer_load,
+                         state_dict_bytes_in)
 
 __all__ = ["Cluster", "CLUSTERS", "PlanJob", "PlanError", "plan_row", "memory_budget",
            "quantized_bucket_bytes", "meta_model", "load_cluster", "GB", "MiB", "GiB"]
@@ -48,7 +50,8 @@ GB, MiB, GiB = 1e9, 2**20, 2**30
 
 def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: str | None = None,
                   dtype: torch.dtype = torch.bfloat16, *, layout: str = "full",
-                  pipelined: bool = True, turns: bool = False) -> dict:
+                  pipelined: bool = True, turns: bool = False, state_dict: str | None = None,
+                  model_bytes: int = 0, ranks: int = 1, rank_buffers: int = 1) -> dict:
     """The most extra memory one trainer rank (colocated: its device, trainer rank and engine
     together) may take during a sync, and the rule it comes from (the bench flags every measured
     row above it): k buckets in flight, each up to max(bucket, largest tensor) (a tensor larger
@@ -62,13 +65,25 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
     case: verl's default is 2 GiB) this is k x bucket + largest tensor. ``turns``: the tensor
     method into an engine that may answer before every rank read (SGLang at TP > 1 on CUDA), whose
     buffers take turns (`transport.tensor.ReusedBuffer`): one bucket more where two are in flight
-    (per-rank buckets, pipelined) and one more quantized bucket."""
+    (per-rank buckets, pipelined) and one more quantized bucket. ``rank_buffers``: per-rank
+    buckets each trainer rank builds for every engine rank (FSDP1's full state dict: every rank
+    holds every tensor, none exchanges), k x that many. ``state_dict``: an FSDP1 state dict torch
+    builds first (``model_bytes``: the model in the trainer's dtype): "full" 2 x the model (its
+    clones of every parameter, held until streamed, and the flat parameters they are cloned from,
+    unsharded unit by unit with the root's held throughout: at most the model), "sharded" the
+    model + its sharded copy (model / ``ranks``)."""
     k = 3 if method == "disk" or (method == "distributed" and layout == "engine" and pipelined) else 2
     turns = turns and method == "tensor"
     if turns and layout == "engine" and pipelined:
         k += 1
-    out = {"memory_budget_bytes": k * max(bucket_bytes, largest) + largest,
-           "memory_budget_rule": f"{k} x max(bucket, largest tensor) + largest tensor"}
+    times = f"{k} x {rank_buffers}" if rank_buffers > 1 else f"{k}"
+    out = {"memory_budget_bytes": k * rank_buffers * max(bucket_bytes, largest) + largest,
+           "memory_budget_rule": f"{times} x max(bucket, largest tensor) + largest tensor"}
+    if state_dict in ("full", "sharded"):
+        full = state_dict == "full"
+        out["memory_budget_bytes"] += 2 * model_bytes if full else model_bytes + model_bytes // ranks
+        out["memory_budget_rule"] += (f" + FSDP1's {state_dict} state dict "
+                                      + ("2 x the model" if full else "the model + model / ranks"))
     if quantization:
         n = 2 if turns else 1
         out["memory_budget_bytes"] += n * quantized_bucket_bytes(bucket_bytes, dtype)
@@ -136,7 +151,11 @@ class PlanJob:
     applies only where the trainer ranks' shards are in one host's memory (a CPU cluster).
     ``replicas``: engines fed by one sync (tensor: one per ``ranks / tp`` group, the colocated
     rule). ``trainer_resident_bytes``: what the trainer keeps on a GPU during the sync (None:
-    its FSDP shard of the parameters in ``trainer_dtype``; 0 when offloaded)."""
+    its FSDP shard of the parameters in ``trainer_dtype``; 0 when offloaded).
+    ``fsdp1_state_dict``: with ``fsdp=1``, the state-dict type the sync exports through
+    (`SyncConfig.fsdp1_state_dict`, default "full": torch all-gathers the whole model on every
+    rank first; "sharded" too, then the FSDP2-like split is gathered; "local" exchanges only the
+    flat parameters' pieces)."""
 
     model: Any
     method: str = "tensor"
@@ -155,6 +174,7 @@ class PlanJob:
     trainer_dtype: str = "float32"
     trainer_resident_bytes: int | None = None
     engine: str = "sglang"
+    fsdp1_state_dict: str = "full"
     label: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -187,6 +207,9 @@ class PlanJob:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.fsdp not in (1, 2):
             raise ValueError(f"fsdp must be 1 or 2, got {self.fsdp!r}")
+        if self.fsdp1_state_dict not in ("full", "sharded", "local"):
+            raise ValueError(f"fsdp1_state_dict must be full, sharded or local (SyncConfig's, for "
+                             f"--fsdp 1), got {self.fsdp1_state_dict!r}")
         if self.method == "tensor" and self.ranks % self.tp:
             raise ValueError(f"ranks ({self.ranks}) must be a multiple of tp ({self.tp}) for the "
                              f"colocated tensor method")
@@ -230,60 +253,6 @@ def meta_model(model: Any) -> tuple[Any, torch.nn.Module]:
     return hit
 
 
-def _chunk(rows: int, per_row: int, world: int) -> tuple[int, ...]:
-    """FSDP2's ``Shard(0)``: torch.chunk's split of ``rows`` (trailing ranks may get none)."""
-    c = -(-rows // world) if rows else 0
-    return tuple(max(0, min(c, rows - r * c)) * per_row for r in range(world))
-
-
-def _fsdp_counts(module: torch.nn.Module, world: int, fsdp: int) -> dict[str, tuple[int, ...]]:
-    """Elements of every exported HF tensor on each trainer rank, in rank order. FSDP2: every
-    parameter split on dim 0 (``Shard(0)``); a fused expert tensor's per-expert parts are ranges
-    of it (`experts.hub_parts`). FSDP1 (``use_orig_params``, one unit per decoder layer, as the
-    CLI's trainer wraps): each unit's parameters concatenated in order into one flat parameter
-    padded to a multiple of the world and split evenly."""
-    from .weights.experts import hub_parts, model_type_of
-    from .weights.export import hf_name
-
-    mt = model_type_of(module)
-    params = list(dict((id(p), (n, p)) for n, p in module.named_parameters()).values())
-    if fsdp == 2:
-        whole = {n: _chunk(p.shape[0] if p.dim() else 1, math.prod(p.shape[1:]) if p.dim() else 1, world)
-                 for n, p in params}
-    else:
-        whole = {}
-        layers = {id(m) for m in getattr(getattr(module, "model", None), "layers", [])}
-        units: dict[int, list] = {}
-        for mod_name, m in module.named_modules():
-            if id(m) in layers:
-                for pn, p in m.named_parameters():
-                    units.setdefault(id(m), []).append(f"{mod_name}.{pn}")
-        in_layer = {n for names in units.values() for n in names}
-        groups = list(units.values()) + [[n for n, _ in params if n not in in_layer]]
-        shape = {n: p.shape for n, p in params}
-        for names in groups:
-            names = [n for n in names if n in shape]
-            total = sum(math.prod(shape[n]) for n in names)
-            per = -(-total // world) if total else 0
-            off = 0
-            for n in names:
-                k = math.prod(shape[n])
-                whole[n] = tuple(max(0, min(off + k, (r + 1) * per) - max(off, r * per)) for r in range(world))
-                off += k
-    out: dict[str, tuple[int, ...]] = {}
-    for n, p in params:
-        name, c = hf_name(n), whole[n]
-        parts = hub_parts(name, tuple(p.shape), mt)
-        if parts is None:
-            out[name] = c
-            continue
-        starts = [sum(c[:r]) for r in range(world)]
-        for sub, shape, off in parts:
-            k = math.prod(shape)
-            out[sub] = tuple(max(0, min(off + k, a + x) - max(off, a)) for a, x in zip(starts, c))
-    return out
-
-
 # --------------------------------------------------------------------------- the plan
 
 def _fmt(n: float) -> str:
@@ -319,10 +288,17 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     shard = held.engine_bytes(dtype.itemsize)
     world, engines = job.ranks, job.engines
     one_host_cpu = cl.device == "cpu" and world <= cl.gpus_per_node
-    shared = job.share_host_memory and one_host_cpu and world > 1
-    counts = _fsdp_counts(module, world, job.fsdp) if world > 1 else {}
+    # FSDP1's full state dict hands every rank every tensor whole (after gathering each unit):
+    # nothing is left to gather or exchange; its sharded state dict holds FSDP2's split
+    whole = job.fsdp == 1 and job.fsdp1_state_dict == "full"
+    gathers = world > 1 and not whole
+    shared = job.share_host_memory and one_host_cpu and gathers
+    split = 2 if job.fsdp == 2 or job.fsdp1_state_dict == "sharded" else 1
+    counts = fsdp_counts(module, world, split) if gathers else {}
+    sd_in = state_dict_bytes_in(module, world, job.fsdp1_state_dict, getattr(torch, job.trainer_dtype).itemsize) \
+        if job.fsdp == 1 else 0
     allgather_in = max((sum((math.prod(m.shape) - counts[m.name][r]) * dtype.itemsize for m in metas)
-                        for r in range(world)), default=0) if world > 1 else 0
+                        for r in range(world)), default=0) if gathers else 0
 
     row: dict[str, Any] = {
         "plan": True, "method": job.method, "model": str(job.model) if not hasattr(job.model, "to_dict") else cfg.model_type,
@@ -344,52 +320,60 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
         row["strategy"] = "flattened"
         if engine_layout:
             plan = rank_plan(job.bucket_bytes)
-            path = "host-shared" if shared else ("all-to-all" if world > 1 else "local")
-            trainer_in = _exchange_in(reshard, layout, dtype, counts, None) if path == "all-to-all" else 0
+            path = "host-shared" if shared else ("all-to-all" if gathers else "local")
+            trainer_in = exchange_in(reshard, layout, dtype, counts, None) if path == "all-to-all" else 0
             row.update(engine_rank_bytes_in=sum(b.nbytes for b in plan), trainer_rank_bytes_in=trainer_in,
                        reshard_path=path, pipelined=job.pipelined)
         else:
             plan = bk.plan_buckets(metas, job.bucket_bytes)
-            path = "host-shared" if shared else ("all-gather" if world > 1 else "local")
+            path = "host-shared" if shared else ("all-gather" if gathers else "local")
             row.update(engine_rank_bytes_in=row["bytes"], pipelined=False,
-                       trainer_rank_bytes_in=0 if shared or world == 1 else model_bytes - model_bytes // world)
+                       trainer_rank_bytes_in=gather_bytes_in(plan, counts, world) if path == "all-gather" else 0)
         row.update(buckets=len(plan), engine_calls=len(plan), share_host_memory=shared,
                    sync_tensors=sum(len(b.entries) for b in plan))   # as the sync counts them
     elif job.method == "distributed":
         if engine_layout:
             plan = rank_plan(max(1, job.bucket_bytes // job.tp))
-            path = "host-shared" if shared else ("all-to-all" if world > 1 else "local")
-            trainer_in = _exchange_in(reshard, layout, dtype, counts, [[0]] * job.tp) if path == "all-to-all" else 0
+            path = "host-shared" if shared else ("all-to-all" if gathers else "local")
+            trainer_in = exchange_in(reshard, layout, dtype, counts, [[0]] * job.tp) if path == "all-to-all" else 0
             row.update(strategy="distributed:per_rank_bucket", engine_rank_bytes_in=sum(b.nbytes for b in plan),
                        trainer_rank_bytes_in=trainer_in, reshard_path=path, pipelined=job.pipelined,
                        share_host_memory=shared)
         else:
             plan = bk.plan_tight(metas, job.bucket_bytes)
-            path = "gather" if world > 1 else "local"
+            path = "gather" if gathers else "local"
+            # gathered to trainer rank 0: the others' pieces of every tensor
             row.update(strategy="distributed:flattened_bucket", engine_rank_bytes_in=row["bytes"],
-                       trainer_rank_bytes_in=model_bytes - model_bytes // world if world > 1 else 0,
+                       trainer_rank_bytes_in=gather_bytes_in(plan, counts, world, dst=0) if gathers else 0,
                        pipelined=False, share_host_memory=False)
         # as the transport counts them: one per engine per sync (its flush); requests: per bucket
         row.update(buckets=len(plan), engine_calls=engines, engine_requests=len(plan) * engines)
     else:
-        row.update(_disk_bytes(job, layout, held, quant, metas, dtype, counts, shared, reshard, bk))
+        row.update(disk_bytes(job, layout, held, quant, metas, dtype, counts, shared, gathers, reshard, bk))
         row.update(strategy="disk:checkpoint", engine_calls=engines, share_host_memory=shared)
-        path = row.get("reshard_path") or ("host-shared" if shared else ("all-gather" if world > 1 else "local"))
+        path = row.get("reshard_path") or ("host-shared" if shared else ("all-gather" if gathers else "local"))
         # full: HF files cut from gathered buckets; without the host-shared buffer every rank
         # all-gathers each bucket (`transport.disk`), as the tensor method's full path does
-        row.setdefault("trainer_rank_bytes_in", model_bytes - model_bytes // world if path == "all-gather" else 0)
+        row.setdefault("trainer_rank_bytes_in", gather_bytes_in(bk.plan_buckets(metas, job.bucket_bytes), counts,
+                                                                world) if path == "all-gather" else 0)
     row["path"] = path
     row["allgather_bytes_in"] = allgather_in
+    # FSDP1 "full" / "sharded": torch's state dict all-gathers every unit first, on every rank
+    row.update(fsdp1_state_dict=job.fsdp1_state_dict if job.fsdp == 1 else None, state_dict_bytes_in=sd_in)
+    row["trainer_rank_bytes_in"] += sd_in
     if quant is not None:
-        row.update(_quantizer_load(job, layout, dtype, metas, quant, reshard))
+        row.update(quantizer_load(job, layout, dtype, metas, quant, reshard, bk))
     unit = max((b.nbytes for b in plan), default=0) if job.method != "disk" else 0   # its largest bucket
 
     # ---- memory
     same = dict(layout=job.layout, pipelined=job.pipelined, turns=_turns(job, cl))
-    row.update(memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype, **same))
+    row.update(_trainer_rule(job, cl, row, job.bucket_bytes))
     staged = reference_engine_stages(job.engine, job.method, job.layout)
     row.update(engine_memory_budget(job.method, job.bucket_bytes, largest, shard, staged, job.quantization,
                                     dtype, **same), engine=job.engine)
+    if job.method == "tensor":       # one device, one budget: the trainer's, state dict included
+        row.update(engine_memory_budget_bytes=row["memory_budget_bytes"],
+                   engine_memory_budget_rule=row["memory_budget_rule"] + " (the trainer's device)")
     row["trainer_rank_peak_extra_bytes"] = row["memory_budget_bytes"]
     row["engine_rank_peak_extra_bytes"] = row["engine_memory_budget_bytes"]
     # bounds: a measured row stays at or below them (a device: colocated, trainer and engine together)
@@ -401,82 +385,34 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     return row
 
 
-def _exchange_in(reshard: Any, layout: Any, dtype: torch.dtype, counts: dict, owners: Any) -> int:
-    return max(i for i, _ in reshard.exchange_bytes(layout, dtype.itemsize, counts, owners))
-
-
-def _disk_bytes(job: PlanJob, layout: Any, held: Any, quant: Any, metas: list, dtype: torch.dtype,
-                counts: dict, shared: bool, reshard: Any, bk: Any) -> dict:
-    """The disk method's files: their sizes (headers included) and what each engine rank reads."""
-    from .weights.hf_checkpoint import rank_tensor_name, safetensors_file_bytes
-
-    if job.layout == "engine":
-        plan = reshard.plan_rank_buckets(layout, dtype, job.bucket_bytes)
-        files = [quant.plan(b, engine=True) if quant else b for b in plan]
-        tied = bool(layout.spec.tie_word_embeddings)
-        per_file = [safetensors_file_bytes(b.entries, rename=lambda n: rank_tensor_name(n, tied)) for b in files]
-        world = job.ranks
-        path = "host-shared" if shared else ("all-to-all" if world > 1 else "local")
-        owners = [[i % world] for i in range(job.tp)]
-        trainer_in = _exchange_in(reshard, layout, dtype, counts, owners) if path == "all-to-all" else 0
-        return {"buckets": len(plan), "files": len(plan) * job.tp, "file_bytes": sum(per_file) * job.tp,
-                "engine_rank_bytes_in": sum(per_file), "trainer_rank_bytes_in": trainer_in,
-                "reshard_path": path}
-    plan = bk.plan_buckets(metas, job.bucket_bytes)
-    files = [quant.plan(b) if quant else b for b in plan]
-    sizes = [safetensors_file_bytes(b.entries) for b in files]
-    reads = []
-    for r in range(job.tp):
-        n = sum(sizes[r::job.tp])            # its share of the files, read whole (and hashed)
-        for k, b in enumerate(files):
-            if k % job.tp == r:
-                continue
-            for e in b.entries:              # of the others, only its slices
-                for pl in held.placements(e.name, r):
-                    r0, r1, c0, c1 = _block(pl.src, e.shape)
-                    n += (r1 - r0) * (c1 - c0) * e.dtype.itemsize
-        reads.append(n)
-    return {"buckets": len(plan), "files": len(plan), "file_bytes": sum(sizes), "engine_rank_bytes_in": max(reads)}
-
-
-def _quantizer_load(job: PlanJob, layout: Any, dtype: torch.dtype, metas: list, quant: Any,
-                    reshard: Any) -> dict:
-    """What the busiest trainer rank passes through the FP8 quantizer in one sync, as the
-    transports quantize: layout full, each gathered bucket whole (the tensor method: on every
-    rank; the distributed method: on rank 0; the disk method: each writer its own buckets, 1 in
-    ``ranks``); layout engine, each per-rank bucket of the engine ranks the rank serves (the
-    tensor method: its own infer-TP rank's; the distributed method: rank 0, every engine rank's;
-    the disk method: its share of them). ``quantize_bytes_in``: the buckets' bytes in the rollout
-    dtype (quantized or passed through); ``quantize_tensors``: the tensors quantized."""
-    world, tp, m = job.ranks, job.tp, job.method
-    if job.layout == "engine":
-        per = job.bucket_bytes // tp if m == "distributed" else job.bucket_bytes
-        entries = [e for b in reshard.plan_rank_buckets(layout, dtype, max(1, per)) for e in b.entries]
-        one = (sum(e.end - e.start for e in entries), sum(e.name in quant.engine for e in entries))
-        times = {"tensor": 1, "distributed": tp}.get(m, math.ceil(tp / world))
-    else:
-        one = (sum(x.nbytes for x in metas), sum(x.name in quant.hf for x in metas))
-        times = 1 / world if m == "disk" else 1
-    return {"quantize_bytes_in": int(one[0] * times), "quantize_tensors": math.ceil(one[1] * times)}
-
-
-def _block(src: tuple, shape: tuple) -> tuple[int, int, int, int]:
-    from .weights.layout import block_of
-
-    return block_of(src, tuple(shape))
-
-
 def _turns(job: PlanJob, cl: Cluster) -> bool:
     """SGLang at TP > 1 on CUDA may answer before every rank read: the trainer's buffers take
     turns (`memory_budget`'s ``turns``)."""
     return job.engine == "sglang" and job.tp > 1 and cl.device == "cuda"
 
 
+def _trainer_rule(job: PlanJob, cl: Cluster, row: dict, bucket: int) -> dict:
+    """`memory_budget` of ``job`` with ``bucket``: an FSDP1 state dict's own memory included, and
+    every engine rank's per-rank buffers on each trainer rank where FSDP1's full state dict leaves
+    none to exchange (the tensor and disk methods; the distributed method's rank 0 builds them all
+    anyway)."""
+    sd = job.fsdp1_state_dict if job.fsdp == 1 else None
+    per_rank = sd == "full" and job.layout == "engine" and job.method in ("tensor", "disk")
+    return memory_budget(job.method, bucket, row["largest_tensor_bytes"], job.quantization,
+                         getattr(torch, job.dtype), layout=job.layout, pipelined=job.pipelined,
+                         turns=_turns(job, cl), state_dict=sd, ranks=job.ranks,
+                         model_bytes=row["params"] * getattr(torch, job.trainer_dtype).itemsize,
+                         rank_buffers=job.tp if per_rank else 1)
+
+
 def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
     """Refuse a sync whose budget exceeds the memory left on a device (`PlanError`, with the
     largest bucket that fits): colocated, the trainer's rule on the engine's GPU beside the
     trainer's resident shard; disaggregated, the trainer's rule on a trainer GPU and the engine's
-    rule (`engine_memory_budget`) on an engine GPU."""
+    rule (`engine_memory_budget`) on an engine GPU. A CPU host holds them all: the sum of every
+    trainer rank's rule and every engine worker's against its RAM, less the trainer ranks' shards
+    and the engine workers' weights (no GPU memory fraction: the reference engine on CPU reserves
+    none)."""
     util = job.gpu_memory_utilization
     resident = job.trainer_resident_bytes
     if resident is None:      # the trainer's FSDP shard of the parameters, in its own dtype
@@ -488,26 +424,38 @@ def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
     staged = reference_engine_stages(job.engine, job.method, job.layout)
 
     def trainer_need(b: int) -> int:
-        return memory_budget(job.method, b, largest, job.quantization, dtype, layout=job.layout,
-                             pipelined=job.pipelined, turns=_turns(job, cl))["memory_budget_bytes"]
+        return _trainer_rule(job, cl, row, b)["memory_budget_bytes"]
 
     def engine_need(b: int) -> int:
         return engine_memory_budget(job.method, b, largest, shard, staged)["engine_memory_budget_bytes"]
 
-    rule = memory_budget(job.method, job.bucket_bytes, largest, job.quantization, dtype,
-                         layout=job.layout, pipelined=job.pipelined, turns=_turns(job, cl))["memory_budget_rule"]
+    rule = _trainer_rule(job, cl, row, job.bucket_bytes)["memory_budget_rule"]
     # the rule with this job's figures: "2 x bucket 8.0 GiB + largest tensor 594 MiB"
     trainer_what = rule.replace("bucket", "bucket {}", 1).replace("largest tensor", f"largest tensor {_fmt(largest)}")
-    if job.method == "tensor":     # colocated: the trainer's shard and the sync share the engine's GPU
+    engine_what = (f"the larger of bucket {{}} and largest tensor {_fmt(largest)}"
+                   + (f" + its shard {_fmt(shard)} (staged)" if staged else ""))
+    if cl.device == "cpu":         # one host: every trainer rank and engine worker shares its RAM
+        workers = 0 if job.method == "tensor" else job.engines * job.tp    # colocated: in the device's rule
+        held = job.ranks * resident + job.engines * job.tp * shard        # shards and engine weights
+
+        def host_need(b: int) -> int:
+            return job.ranks * trainer_need(b) + workers * engine_need(b)
+
+        sides = [(host_need, cl.memory_per_gpu - held,
+                  f"{job.ranks} trainer rank(s) x ({trainer_what})"
+                  + (f" + {workers} engine worker(s) x ({engine_what})" if workers else ""),
+                  f"left of the host's {_fmt(cl.memory_per_gpu)} RAM beside the trainer ranks' "
+                  f"{_fmt(job.ranks * resident)} resident and the engine workers' "
+                  f"{_fmt(job.engines * job.tp * shard)} weights (a CPU host: every rank and engine "
+                  f"worker of the sync is on it; gpu_memory_utilization is a GPU's, not applied)")]
+    elif job.method == "tensor":   # colocated: the trainer's shard and the sync share the engine's GPU
         sides = [(trainer_need, engine_free - resident, trainer_what,
                   f"left on the GPU at gpu_memory_utilization {util} beside the trainer's "
                   f"{_fmt(resident)} resident")]
     else:                          # disaggregated: each side on its own GPUs
         sides = [(trainer_need, cl.memory_per_gpu - resident, trainer_what,
                   f"left on a trainer GPU beside its {_fmt(resident)} resident"),
-                 (engine_need, engine_free, f"the larger of bucket {{}} and largest tensor {_fmt(largest)}"
-                  + (f" + its shard {_fmt(shard)} (staged)" if staged else ""),
-                  f"left on an engine GPU at gpu_memory_utilization {util}")]
+                 (engine_need, engine_free, engine_what, f"left on an engine GPU at gpu_memory_utilization {util}")]
     row["memory_free_bytes"] = min(free for _, free, _, _ in sides)
     row["trainer_memory_free_bytes"], row["engine_memory_free_bytes"] = sides[0][1], sides[-1][1]
     failing = [side for side in sides if side[0](job.bucket_bytes) > side[1]]
@@ -525,7 +473,7 @@ def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
     need, free, what, where = failing[0]
     hint = (f"; the largest bucket that fits is {lo} MiB (--bucket-mb {lo})" if best else
             f"; no bucket fits: the largest tensor alone needs {_fmt(largest)}")
-    raise PlanError(f"{job.method} {row['model']}: {what.format(_fmt(job.bucket_bytes))} = "
+    raise PlanError(f"{job.method} {row['model']}: {what.replace('{}', _fmt(job.bucket_bytes))} = "
                     f"{_fmt(need(job.bucket_bytes))} exceeds the {_fmt(max(free, 0))} {where}{hint}", best)
 
 
@@ -590,13 +538,17 @@ def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -
         exchange = ("gather the other ranks' shards", b / coll_link + n * cl.collective_s, coll_name)
     elif path == "all-to-all":
         exchange = ("all-to-all of the engine ranks' pieces",
-                    row["trainer_rank_bytes_in"] / coll_link + n * cl.collective_s, coll_name)
+                    (row["trainer_rank_bytes_in"] - row["state_dict_bytes_in"]) / coll_link
+                    + n * cl.collective_s, coll_name)
     elif path == "host-shared":
         exchange = ("barriers around the shared buffers", 2 * n * cl.collective_s, "host")
     first = [fill] + ([exchange] if exchange else [])
+    if row["state_dict_bytes_in"]:     # FSDP1 full / sharded: torch unshards every unit first
+        first.insert(0, ("FSDP1's state dict all-gathers every unit", row["state_dict_bytes_in"] / coll_link,
+                         coll_name))
     if job.quantization and cl.quantize_gbps:
         first.append(("quantize to FP8 on the trainer", row["quantize_bytes_in"] / (cl.quantize_gbps * GB)
-                      + row["quantize_tensors"] * cl.quantize_tensor_s, "device"))
+                      + row["quantized_tensors"] * cl.quantize_tensor_s, "device"))
     touch, mapped = _fresh_bytes(job, row, unit)
     if cl.touch_gbps and touch:
         first.append((_TOUCH, touch / (cl.touch_gbps * GB), "host"))

@@ -343,14 +343,23 @@ def test_fp8_quantization_is_priced_as_each_transport_quantizes(method, layout):
     model = sum(p.numel() * 2 for p in module.parameters())
     whole = len([n for n in held.hf_shapes if n in held.quantized])
     shard = sum(math.prod(s) * 2 for s in layout_for(cfg, 2).engine_shapes().values())
+    # disk, full: bucket k written (and quantized) by writer k % 2; the busier writer's share
+    from fsdp_sync.weights.export import param_metas
+    from fsdp_sync.weights.bucket import plan_buckets
+
+    buckets = plan_buckets(param_metas(module, torch.bfloat16), 64 << 10)
+    q_in = [n for n in held.hf_shapes if n in held.quantized]
+    writers = [(sum(b.payload_bytes for b in buckets[w::2]),
+                sum(e.name in q_in for b in buckets[w::2] for e in b.entries)) for w in range(2)]
     want = {("tensor", "full"): (model, whole), ("distributed", "full"): (model, whole),
-            ("disk", "full"): (model / 2, whole / 2), ("tensor", "engine"): (shard, None),
+            ("disk", "full"): (max(w[0] for w in writers), max(w[1] for w in writers)),
+            ("tensor", "engine"): (shard, None),
             ("distributed", "engine"): (2 * shard, None), ("disk", "engine"): (shard, None)}[(method, layout)]
     assert row["quantize_bytes_in"] == pytest.approx(want[0], rel=0.01), row["quantize_bytes_in"]
     if want[1] is not None:
-        assert row["quantize_tensors"] == math.ceil(want[1])
+        assert row["quantized_tensors"] == math.ceil(want[1])
     assert _phase(row, "quantize to FP8") == pytest.approx(row["quantize_bytes_in"] / 0.5e9
-                                                           + row["quantize_tensors"] * 1e-4)
+                                                           + row["quantized_tensors"] * 1e-4)
     assert not [p for p in bare["phases"] if p["what"].startswith("quantize")]
 
 
@@ -529,10 +538,70 @@ def test_disk_full_rows_count_the_all_gather():
     big = plan_row(PlanJob("qwen3-30b-a3b", method="disk", layout="full", bucket_bytes=1 << 30,
                            dtype="bfloat16", ranks=8, tp=8), "h100-node")
     assert big["path"] == "all-gather" and _phase(big, "gather the other ranks'") > 0
-    assert big["trainer_rank_bytes_in"] == big["model_bytes"] - big["model_bytes"] // 8 > 50e9
+    # the busiest rank: the others' pieces, whole experts broadcast by the rank that holds them
+    assert big["trainer_rank_bytes_in"] >= big["allgather_bytes_in"] > 50e9
     job = dict(model="small", method="disk", layout="full", bucket_bytes=MiB, dtype="float32", tp=2)
     assert plan_row(PlanJob(**job, ranks=2), CPU)["trainer_rank_bytes_in"] == 0          # host-shared
     off = plan_row(PlanJob(**job, ranks=2, share_host_memory=False), CPU)
     assert off["path"] == "all-gather" and off["trainer_rank_bytes_in"] > 0
     one = plan_row(PlanJob(**{**job, "tp": 1}, ranks=1), CPU)
     assert one["path"] == "local" and one["trainer_rank_bytes_in"] == 0
+
+
+def test_fsdp1_plans_the_state_dict_type_the_sync_exports_through():
+    """--fsdp 1 planned the all-to-all of flat-parameter pieces (8,925,696 bytes into a rank of
+    `small` at 2 ranks, a 24 MiB budget) whatever the sync exported through; SyncConfig's default,
+    fsdp1_state_dict "full", has torch all-gather the whole model on every rank (17,838,592 bytes
+    measured, path local, RSS up 82-92 MB). Now the plan follows the type, SyncConfig's default."""
+    from fsdp_sync.config import SyncConfig
+
+    job = dict(model="small", method="tensor", layout="engine", bucket_bytes=MiB, dtype="float32", ranks=2,
+               fsdp=1, tp=2, share_host_memory=False, engine="reference")
+    assert PlanJob(**job).fsdp1_state_dict == SyncConfig().fsdp1_state_dict == "full"
+    full, sharded, local = (plan_row(PlanJob(**job, fsdp1_state_dict=k), CPU) for k in ("full", "sharded", "local"))
+    fsdp2 = plan_row(PlanJob(**{**job, "fsdp": 2}), CPU)
+    model = full["params"] * 4
+    assert (full["reshard_path"], full["trainer_rank_bytes_in"]) == ("local", 17_838_592 == model // 2 and model // 2)
+    # every engine rank's buffers on each rank (none exchanged), the state dict's 2 x the model
+    assert full["memory_budget_bytes"] == 2 * 2 * 8 * MiB + 8 * MiB + 2 * model >= 92 * 10**6
+    assert sharded["trainer_rank_bytes_in"] == model // 2 + fsdp2["trainer_rank_bytes_in"] == 19_418_112
+    assert (local["reshard_path"], local["trainer_rank_bytes_in"]) == ("all-to-all", 8_925_696)
+    assert local["memory_budget_bytes"] == fsdp2["memory_budget_bytes"]
+    assert _phase(full, "FSDP1's state dict") > 0 and not [p for p in local["phases"] if "state dict" in p["what"]]
+    with pytest.raises(ValueError, match="fsdp1_state_dict must be"):
+        PlanJob(**job, fsdp1_state_dict="fulll")
+
+
+@pytest.mark.parametrize("model,ranks,want", [("tiny-qwen2-moe", 2, 330_368), ("tiny-mixtral", 8, 713_312)])
+def test_the_all_gather_counts_the_busiest_rank(model, ranks, want):
+    """The full layout's trainer_rank_bytes_in was model - model // ranks (330,112; 662,368): the
+    bytes the busiest rank receives (counted on the collectives) are more where torch.chunk splits
+    unevenly and one rank holds an expert whole (broadcast from it)."""
+    row = plan_row(PlanJob(model, "tensor", "full", MiB, "float32", None, ranks, 2, 2,
+                           share_host_memory=False), CPU)
+    assert row["trainer_rank_bytes_in"] == want
+    dist = plan_row(PlanJob(model, "distributed", "full", MiB, "float32", None, ranks, 2, 2), CPU)
+    counts = sum(math.prod(p.shape) for p in meta_model(model)[1].parameters()) * 4
+    assert dist["path"] == "gather" and dist["trainer_rank_bytes_in"] < counts   # only rank 0 receives
+
+
+def test_a_cpu_host_is_checked_against_its_ram_without_a_gpu_fraction():
+    """On a CPU host (--cluster this-machine) the plan kept 15% of the RAM (1 - 0.85) and refused a
+    1-layer qwen2 of 131,072 vocab (2.19 GB fp32) that syncs on a 23.5 GiB host (RSS up 1.07 GB).
+    Now every trainer rank's and engine worker's rule together against the RAM, less the shards."""
+    import dataclasses
+
+    from fsdp_sync.models import load_config
+
+    cfg = load_config("qwen2-160m", vocab_size=131072, hidden_size=2048, intermediate_size=256,
+                      num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=2)
+    host = dataclasses.replace(CPU, memory_per_gpu=int(23.5 * 2**30))
+    job = dict(model=cfg, method="tensor", layout="full", bucket_bytes=64 * MiB, dtype="float32", ranks=1, tp=1)
+    row = plan_row(PlanJob(**job), host)
+    model = row["model_bytes"]
+    assert row["memory_free_bytes"] == host.memory_per_gpu - 2 * model       # trainer shard + engine weights
+    small = dataclasses.replace(CPU, memory_per_gpu=2 * model + row["memory_budget_bytes"] // 2)
+    with pytest.raises(PlanError, match="host's .* RAM .* gpu_memory_utilization is a GPU's"):
+        plan_row(PlanJob(**job), small)
+    two = plan_row(PlanJob(**{**job, "method": "distributed", "ranks": 2}), host)    # the sum of every process
+    assert two["memory_free_bytes"] == host.memory_per_gpu - model - model

@@ -380,6 +380,7 @@ def plan_job(sweep: dict, model: Any, method: str, layout: str, mb: float, ranks
                    share_host_memory=sweep["share_host_memory"], pipelined=sweep["pipelined"],
                    gpu_memory_utilization=sweep["gpu_memory_utilization"],
                    trainer_dtype=sweep["trainer_dtype"], engine=sweep["engine"],
+                   fsdp1_state_dict=sweep["fsdp1_state_dict"],
                    trainer_resident_bytes=None if sweep["trainer_resident_gib"] is None
                    else int(sweep["trainer_resident_gib"] * 2**30))
 
@@ -452,7 +453,11 @@ def add_plan_parser(sub) -> None:
                    help="comma-separated rollout formats: none, fp8 (block FP8)")
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="the trainer's FSDP version (FSDP1: flat parameters as "
                    "fsdp-sync's trainer wraps them, one unit per decoder layer with use_orig_params; "
-                   "the all-to-all bytes are exact for that wrapping)")
+                   "its bytes are exact for that wrapping, exported through --fsdp1-state-dict)")
+    p.add_argument("--fsdp1-state-dict", type=ca.choice_of(("full", "sharded", "local")), default="full",
+                   help="with --fsdp 1, SyncConfig.fsdp1_state_dict: full (its default: torch all-gathers "
+                        "the whole model on every rank first, and holds it), sharded (unshards every unit, "
+                        "keeps a sharded copy, then gathers as FSDP2), local (the flat parameters' pieces only)")
     p.add_argument("--share-host-memory", type=ca.on_off, default="on",
                    help="on, off: host-shared buckets where the shards are in one host's memory (CPU)")
     p.add_argument("--pipelined", type=ca.on_off, default="on", help="on, off: per-rank buckets pipelined")
@@ -483,7 +488,7 @@ _FLAG_KEYS = {"models": "models", "methods": "methods", "layout": "layouts", "bu
               "dtype": "dtype", "fsdp": "fsdp", "share_host_memory": "share_host_memory",
               "pipelined": "pipelined", "gpu_memory_utilization": "gpu_memory_utilization",
               "trainer_dtype": "trainer_dtype", "trainer_resident_gib": "trainer_resident_gib",
-              "cluster": "cluster", "engine": "engine"}
+              "cluster": "cluster", "engine": "engine", "fsdp1_state_dict": "fsdp1_state_dict"}
 
 
 def check_plan_args(args, given: set[str]) -> None:

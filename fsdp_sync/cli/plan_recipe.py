@@ -25,7 +25,7 @@ DEFAULTS = {"models": ("qwen2-160m",), "methods": ("tensor",), "layouts": ("full
             "ranks": (2,), "tp": (2,), "ep": (1,), "quantization": (None,), "replicas": None,
             "dtype": "float32", "fsdp": 2, "share_host_memory": True, "pipelined": True,
             "gpu_memory_utilization": 0.85, "trainer_dtype": "float32", "trainer_resident_gib": None,
-            "cluster": "this-machine", "engine": "sglang"}
+            "cluster": "this-machine", "engine": "sglang", "fsdp1_state_dict": "full"}
 """The sweep's keys and their values when neither the recipe nor a flag gives one."""
 LISTS = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
 """The keys that sweep: one plan per combination of their values."""
@@ -59,7 +59,7 @@ def _fsdp(text: str) -> int:
 
 def _checks() -> dict:
     """Each key's check of one value: its flag's ``type=`` (of one item, for a list key)."""
-    from ..config import METHODS
+    from ..config import FSDP1_STATE_DICTS, METHODS
     from ..plan import ENGINES
 
     return {"models": ca.model_spec, "methods": ca.choice_of(METHODS), "layouts": ca.choice_of(("full", "engine")),
@@ -67,7 +67,8 @@ def _checks() -> dict:
             "quantization": ca.choice_of(("none", "fp8")), "replicas": ca.positive_int, "dtype": ca.dtype_name,
             "fsdp": _fsdp, "share_host_memory": ca.on_off, "pipelined": ca.on_off,
             "gpu_memory_utilization": fraction, "trainer_dtype": ca.dtype_name,
-            "trainer_resident_gib": ca.nonnegative_float, "cluster": cluster_spec, "engine": ca.choice_of(ENGINES)}
+            "trainer_resident_gib": ca.nonnegative_float, "cluster": cluster_spec, "engine": ca.choice_of(ENGINES),
+            "fsdp1_state_dict": ca.choice_of(FSDP1_STATE_DICTS)}
 
 
 def _value(path: str, key: str, value: Any, check: Any) -> Any:
