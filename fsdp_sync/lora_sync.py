@@ -359,7 +359,15 @@ def verify_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor]) -> 
     if not callable(read):
         return (f"verify: the engine {type(engine).__name__} cannot read its LoRA adapter back; "
                 f"set SyncConfig.verify='off' for adapter syncs into it")
-    got = read(name)
+    per_rank = getattr(engine, "lora_rank_pieces", None)
+    if callable(per_rank):      # every rank's copy, replicas included (the full tensor shows one)
+        err = _compare_rank_pieces(name, per_rank(name), tensors)
+        if err is not None:
+            return err
+    try:
+        got = read(name)
+    except Exception as exc:  # noqa: BLE001 - a replica that differs between ranks, said by name
+        return f"verify: {type(exc).__name__}: {exc}"
     for n, want in tensors.items():
         short = n.removeprefix("base_model.model.")
         g = got.get(short)
@@ -373,6 +381,30 @@ def verify_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor]) -> 
     extra = sorted(set(got) - {n.removeprefix("base_model.model.") for n in tensors})
     if extra:
         return f"verify: the engine's adapter {name!r} holds {extra[:3]} that the trainer does not"
+    return None
+
+
+def _compare_rank_pieces(name: str, pieces: dict, tensors: dict[str, torch.Tensor]) -> str | None:
+    """Each TP rank's piece of each adapter tensor against the same block of the trainer's, bit
+    for bit: a message naming the first tensor and rank that differ, or None (a missing or extra
+    tensor, or a shape that cannot hold the piece, is left to the full-tensor comparison)."""
+    want = {n.removeprefix("base_model.model."): t for n, t in tensors.items()}
+    for rank, named in pieces.items():
+        for n, lst in named.items():
+            if n not in want:
+                continue
+            for src, t in lst:
+                try:
+                    ref = want[n].detach().to(t.dtype)[src].contiguous()
+                except (IndexError, RuntimeError):
+                    continue
+                if t.shape != ref.shape:
+                    continue
+                if not torch.equal(t.contiguous().view(torch.uint8), ref.view(torch.uint8)):
+                    diff = (t.float() - ref.float()).abs()
+                    return (f"verify: adapter {name!r} tensor {n!r} on TP rank {rank} differs from "
+                            f"the trainer's (max abs difference "
+                            f"{float(diff.max()) if diff.numel() else 0.0:.3g})")
     return None
 
 

@@ -150,19 +150,44 @@ class LoRACalls:
             del loaded[lora_name]
         return {"success": True, "message": f"unloaded LoRA adapter {lora_name!r}"}
 
+    def lora_rank_pieces(self, lora_name: str) -> dict[int, dict[str, list]]:
+        """What each TP rank holds of adapter ``lora_name``: ``{rank: {peft name: [(src index,
+        tensor)]}}``, replicas included (lora_A of a column-parallel module and lora_B of a
+        row-parallel one are on every rank), so a verify can compare every rank's copy."""
+        if lora_name not in self.lora_adapters:
+            raise WeightUpdateError(f"lora_rank_pieces({lora_name!r}): no such adapter is loaded "
+                                    f"(loaded: {sorted(self.lora_adapters)})")
+        pieces = self._call("lora_pieces", {"name": lora_name}, what=f"lora_tensors({lora_name!r})")
+        return {rank: pieces[rank] for rank in sorted(pieces)}
+
     def lora_tensors(self, lora_name: str) -> dict[str, torch.Tensor]:
         """Adapter ``lora_name`` read back from the workers' shards as full tensors
-        (``model.layers.{i}...{module}.lora_A.weight`` names, the engine dtype)."""
+        (``model.layers.{i}...{module}.lora_A.weight`` names, the engine dtype). A piece held on
+        several ranks (a replica) must be the same bytes on each: where a rank's copy differs from
+        an earlier rank's, raises `WeightUpdateError` naming the tensor and the ranks (one full
+        tensor cannot show both copies, and the rank that differs computes with its own)."""
         shapes: dict[str, torch.Tensor] = {}
-        pieces = self._call("lora_pieces", {"name": lora_name}, what=f"lora_tensors({lora_name!r})")
-        info = self.lora_adapters[lora_name]
-        r = info["r"]
-        for rank in sorted(pieces):
-            for name, lst in pieces[rank].items():
+        seen: dict[str, torch.Tensor] = {}     # name -> per element: the rank that wrote it + 1 (0: none)
+        r = self.lora_adapters[lora_name]["r"] if lora_name in self.lora_adapters else 0
+        for rank, named in self.lora_rank_pieces(lora_name).items():
+            for name, lst in named.items():
                 weight = name.replace(".lora_A.weight", ".weight").replace(".lora_B.weight", ".weight")
                 out_dim, in_dim = self.layout.full_shape(weight)
                 full = shapes.setdefault(name, torch.empty((r, in_dim) if ".lora_A." in name else (out_dim, r),
                                                            dtype=self.dtype))
+                writer = seen.setdefault(name, torch.zeros(full.shape, dtype=torch.int32))
                 for src, t in lst:
-                    full[src] = t
+                    held, mine = writer[src], t.to(full.dtype)
+                    both = held > 0
+                    if bool(both.any()):
+                        a = full[src][both].contiguous().view(torch.uint8)
+                        b = mine[both].contiguous().view(torch.uint8)
+                        if not torch.equal(a, b):
+                            first = int(held[both][0]) - 1
+                            raise WeightUpdateError(
+                                f"lora_tensors({lora_name!r}): TP rank {rank}'s copy of replicated "
+                                f"{name!r} differs from TP rank {first}'s (a replica must be the same "
+                                f"bytes on every rank)")
+                    full[src] = mine
+                    writer[src] = rank + 1
         return shapes
