@@ -202,6 +202,7 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
                 mine_full = mine_full or tensor_digest(name, t)
                 if got[name] == mine_full:
                     continue
+                ranks = _engine_note(got[name])
             where = ""
             try:
                 where = "; " + first_difference(t, engines[i].get_weights_by_name(name))
@@ -295,10 +296,19 @@ def check_sent(engine: Any, sent: dict[str, str], mode: str, step: int) -> tuple
             err = (f"after sync {step} the engine serves {len(bad)} of {len(chosen)} checked "
                    f"tensors different from what was sent, first {bad[0]!r}"
                    + (f" ({len(missing)} not reported at all, e.g. {missing[0]!r})"
-                      if missing else ""))
+                      if missing else "") + _engine_note(got.get(bad[0])))
     return err, {"verify": mode, "verify_tensors": len(chosen),
                  "verify_s": time.perf_counter() - t0}
 
+
+
+def _engine_note(reported: Any) -> str:
+    """An engine's own word in place of a digest (a reference engine's replica that differs
+    between TP ranks: `readback.REPLICA_MISMATCH`), as ``"; <note>"``; "" for a digest."""
+    text = str(reported) if reported is not None else ""
+    if not text or all(c in "0123456789abcdef" for c in text):
+        return ""
+    return f"; the engine says: {text}"
 
 
 class SentDigests:

@@ -11,15 +11,28 @@ Not here: loading weights (`engine`, `staging`), the digest math (`fsdp_sync.wei
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from ...weights.layout import shard_state_dict
+from ...weights.layout import block_of, shard_state_dict
 from ..base import checksum_named_tensors
 
-__all__ = ["WeightReadback"]
+__all__ = ["WeightReadback", "piece_digest", "REPLICA_MISMATCH"]
+
+REPLICA_MISMATCH = "replica mismatch"   # how a `tensor_checksums` note (not a digest) begins
+
+
+def piece_digest(t: torch.Tensor) -> str:
+    """sha256 of one piece's size and bytes, as a worker holds it (a replica's check)."""
+    t = t.detach()
+    t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
+    h = hashlib.sha256(f"{t.numel()}|{t.element_size()}|".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 _PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
@@ -40,8 +53,20 @@ class WeightReadback:
         return shard_state_dict(named, self.layout, rank)
 
     def _gather(self, names: list[str]) -> dict[str, torch.Tensor]:
-        replies = self._call("pieces", {"names": names}, what="get_weights_by_name")
-        out = {}
+        return self._gather_checked(names, replicas=False)[0]
+
+    def _gather_checked(self, names: list[str], replicas: bool = True
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The full tensors of ``names`` from the owners' pieces and, with ``replicas``, a note
+        for each tensor a rank holds a copy of (a replica: norms, kv heads shared by ranks) that
+        differs from the owner's, ``{name: "TP rank r's replica of ... differs ..."}``: each worker
+        sends the digest of the pieces it holds but does not own, compared here with the same
+        block of the owners' tensor (a full tensor shows the owner's copy only)."""
+        replies = self._call("pieces", {"names": names, "replicas": replicas}, what="get_weights_by_name")
+        if replicas:
+            reps = {r: replies[r][1] for r in replies}
+            replies = {r: replies[r][0] for r in replies}
+        out, wrong = {}, {}
         for name in names:
             shape = self.layout.full_shape(name)
             full = torch.empty(shape, dtype=self.layout.dtype_of(name, self.dtype))
@@ -50,7 +75,15 @@ class WeightReadback:
                     # float8 pieces come as their bytes (see `worker.Worker.pieces`)
                     full[src] = piece.view(full.dtype) if piece.dtype != full.dtype else piece
             out[name] = full
-        return out
+            for r in range(self.tp_size) if replicas else ():
+                for src, digest in reps[r].get(name, ()):
+                    if piece_digest(full[src]) != digest:
+                        wrong[name] = (f"{REPLICA_MISMATCH}: TP rank {r}'s replica of {name!r} "
+                                       f"(block {block_of(src, shape)}) differs from its owner's")
+                        break
+                if name in wrong:
+                    break
+        return out, wrong
 
     def _nbytes(self, name: str) -> int:
         return math.prod(self.layout.full_shape(name)) * self.layout.dtype_of(name, None, self.dtype.itemsize)
@@ -84,7 +117,9 @@ class WeightReadback:
     def tensor_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """``{name: checksum_named_tensors([(name, full tensor)])}`` for HF ``names`` (None: all),
         assembled from the workers' shards a batch (about 64 MiB) at a time: what
-        ``SyncConfig.verify`` compares with the trainer's own."""
+        ``SyncConfig.verify`` compares with the trainer's own. Every rank's copy counts: where a
+        rank holds a replica that differs from the owner's piece, the entry is a note beginning
+        `REPLICA_MISMATCH` naming the rank (it equals no digest), not the owners' digest."""
         names = self.hf_names() if names is None else list(names)
         bad = [n for n in names if not self.layout.accepts(n)]
         if bad:
@@ -96,8 +131,9 @@ class WeightReadback:
             batch.append(name)
             size += self._nbytes(name)
             if size >= _PIECE_BATCH_BYTES or i == len(names) - 1:
-                for n, t in self._gather(batch).items():
-                    out[n] = checksum_named_tensors([(n, t)])
+                full, wrong = self._gather_checked(batch)
+                for n, t in full.items():       # a wrong replica: a note no digest can equal
+                    out[n] = wrong.get(n) or checksum_named_tensors([(n, t)])
                 batch, size = [], 0
         return out
 

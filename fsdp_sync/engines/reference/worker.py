@@ -36,6 +36,7 @@ import torch
 from ...faultpoint import fault_point
 from ...weights.bucket import unflatten
 from ...weights.layout import rank_digest
+from .readback import piece_digest
 from ...weights import handles
 from ...wire import open_flattened_bucket
 from . import lora as lora_mod
@@ -163,12 +164,15 @@ class Worker:
         out = self.decode.step(self.memory.kv)
         return out if self.rank == 0 else {}
 
-    def pieces(self, names: list[str]) -> dict:
+    def pieces(self, names: list[str], replicas: bool = False) -> Any:
         """This rank's owned pieces of full HF tensors: ``{name: [(src slices, tensor), ...]}``.
         A float8 piece travels as its bytes (a uint8 view: torch 2.13 pickles a float8 tensor it
-        cannot load back); the engine views them as the dtype the layout holds them in."""
+        cannot load back); the engine views them as the dtype the layout holds them in.
+        ``replicas``: also the digest (`readback.piece_digest`) of each piece this rank holds but
+        does not own, ``(pieces, {name: [(src slices, digest), ...]})``, so the engine checks every
+        replica against the owner's piece with only digests crossing (`readback._gather`)."""
         self._require_weights()
-        out = {}
+        out, reps = {}, {}
         for name in names:
             if not self.layout.accepts(name):
                 raise WorkerError(KIND_OTHER, f"unknown parameter {name!r}; HF names of this model are "
@@ -177,9 +181,13 @@ class Worker:
                 name_src = "model.embed_tokens.weight"
             else:
                 name_src = name
+            pls = self.layout.placements(name_src, self.rank)
             out[name] = [(pl.src, _bytes_of_fp8(self.model.params[pl.engine][pl.dst].cpu().clone()))
-                         for pl in self.layout.placements(name_src, self.rank) if pl.owner]
-        return out
+                         for pl in pls if pl.owner]
+            if replicas:
+                reps[name] = [(pl.src, piece_digest(self.model.params[pl.engine][pl.dst]))
+                              for pl in pls if not pl.owner]
+        return (out, reps) if replicas else out
 
     def rank_digests(self, names: list[str]) -> dict:
         """``{name: layout.rank_digest}`` of the pieces of each HF tensor this rank serves."""
@@ -445,7 +453,7 @@ COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "lora_abort": lambda w, a: w.lora_abort(a),
     "lora_unload": lambda w, a: w.lora_unload(a),
     "lora_pieces": lambda w, a: w.lora_pieces(a),
-    "pieces": lambda w, a: w.pieces(a["names"]),
+    "pieces": lambda w, a: w.pieces(a["names"], bool(a.get("replicas"))),
     "release": lambda w, a: w.memory.release(a["tags"]),
     "resume": lambda w, a: w.memory.resume(a["tags"]),
     "flush_cache": lambda w, a: None,
