@@ -640,6 +640,8 @@ class FSDPShardingManager:
         (`fsdp_sync.verify`); a mismatch raises the same `SyncError` on every rank."""
         from .verify import verify_engines
 
+        if self.global_steps is not None:     # "sample" rotates with the run, not this manager
+            step = int(self.global_steps)
         try:
             err, figures = verify_engines(self.module, self.config, self.engines, step)
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below

@@ -24,7 +24,8 @@ disk), on every trainer rank:
 Modes: ``"full"``: every exported tensor. ``"sample"``: a rotating subset, tensor ``i`` (export
 order) at syncs ``s`` with ``i % m == s % m`` where ``m = min(SAMPLE_EVERY, tensors)``: about one
 tensor in eight per sync, deterministic, the same on every rank, and every tensor covered within
-eight consecutive syncs. ``"off"`` (default): nothing; a verified sync costs another export and
+eight consecutive syncs. ``s`` is the manager's ``global_steps`` when the caller sets it (the run's
+step, so a job that rebuilds its manager still rotates), else the manager's own sync count. ``"off"`` (default): nothing; a verified sync costs another export and
 hashing on both sides (the bench's ``--verify`` reports the seconds).
 
 SGLang (`engines.sglang.SGLangEngine.weight_checksums`, an HTTP server): SGLang 0.5.23's ``POST

@@ -98,3 +98,36 @@ def test_tensor_checksums_see_a_replica_wrong_on_one_rank():
         with EngineServer(eng) as server:       # fsdp-sync serve's checksum route, as verl reads it
             err = check_sent(SGLangEngine(base_url=server.url), sent, "full", 0)[0]
         assert err is not None and NORM in err and "TP rank 1" in err, err
+
+
+def test_sample_rotates_with_global_steps(tmp_path):
+    """verify="sample" picks by ``global_steps`` when set: a manager rebuilt every sync (step 0
+    each time) still reaches the tensors outside sync 0's eighth (before: it never did)."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.verify import SAMPLE_EVERY, select
+
+    cfg = load_config("tiny")
+    module = build_model(cfg, seed=0)
+    names = [n for n, _ in module.named_parameters()]
+    wrong = next(n for n in select(names, "sample", 3) if n not in select(names, "sample", 0))
+    assert 3 % min(SAMPLE_EVERY, len(names)) != 0
+    with ReferenceEngine(model_config=cfg, tp_size=1, dtype=torch.float32) as eng:
+        m = FSDPShardingManager(module, eng, config=SyncConfig(
+            method="disk", disk_dir=str(tmp_path), verify="sample", dtype=torch.float32))
+        real = m.transport.sync
+
+        def corrupt(ctx):
+            real(ctx)
+            bad = dict(module.named_parameters())[wrong].detach().clone()
+            bad.view(-1)[0] += 1.0
+            eng.update_weights_from_tensor([(wrong, bad)])
+
+        m.transport.sync = corrupt
+        m.global_steps = 3          # the run's step 3, this manager's first sync
+        try:
+            with pytest.raises(SyncError, match=wrong.replace(".", r"\.")):
+                with m:
+                    pass
+        finally:
+            m.close()
