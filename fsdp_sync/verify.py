@@ -137,6 +137,30 @@ def first_difference(expected: torch.Tensor, got: torch.Tensor) -> str:
             f"(trainer {a[i].item()!r}, engine {b[i].item()!r}; {diff.numel()} elements differ)")
 
 
+def _where(engine: Any, name: str, t: torch.Tensor, bad: list[int] | None) -> str:
+    """The first differing element of ``name`` in the engine: in the failing TP ranks' own pieces
+    where the engine hands them back (``rank_pieces``: a replica wrong on one rank shows there
+    only), else in the full tensor it reads back (the owners' pieces)."""
+    per_rank = getattr(engine, "rank_pieces", None)
+    if callable(per_rank):
+        held = per_rank(name)
+        for r in (bad if bad else sorted(held)):
+            for src, piece in held.get(r, ()):
+                text = first_difference(t[src], piece)
+                if not text.startswith("its bytes equal"):
+                    return f"TP rank {r}'s piece (block {_block(src, tuple(t.shape))}): {text}"
+    return first_difference(t, engine.get_weights_by_name(name))
+
+
+def _block(src: Any, shape: tuple[int, ...]) -> Any:
+    from .weights.layout import block_of
+
+    try:
+        return block_of(src, shape)
+    except Exception:  # noqa: BLE001 - only a label
+        return src
+
+
 def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: int) -> tuple[str | None, dict]:
     """Steps 1-3 of the module docstring on this rank (collective: call it on every trainer rank,
     with ``engines`` [] where this rank holds none). Returns ``(error or None, figures)``; the
@@ -206,7 +230,9 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
                 ranks = _engine_note(got[name])
             where = ""
             try:
-                where = "; " + first_difference(t, engines[i].get_weights_by_name(name))
+                where = "; " + _where(engines[i], name, t, bad if layout is not None else None)
+                if ranks.startswith("; the engine says") and "its bytes equal" in where:
+                    where = "; the owners' copy it reads back equals the trainer's"
             except Exception as exc:  # noqa: BLE001 - the name is what matters
                 where = f" (reading it back failed: {type(exc).__name__}: {exc})"
             err = (f"after sync {step} engine {i} serves {name!r} different from the "

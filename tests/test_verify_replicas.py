@@ -131,3 +131,21 @@ def test_sample_rotates_with_global_steps(tmp_path):
                     pass
         finally:
             m.close()
+
+
+def test_message_reads_the_failing_ranks_own_pieces():
+    """Only rank 1's replica is wrong: the message names the first differing element of rank 1's
+    own piece (before: the owners' copy was read back and said "its bytes equal the trainer's")."""
+    from fsdp_sync import SyncConfig
+    from fsdp_sync.verify import verify_engines
+
+    cfg = load_config("tiny")
+    module = build_model(cfg, seed=0)
+    full = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with ReferenceEngine(model_config=cfg, tp_size=2, seed=3, dtype=torch.float32) as eng:
+        eng.update_weights_from_tensor(list(full.items()))
+        vals = [shard_state_dict(full, eng.layout, r)[NORM].clone() for r in range(2)]
+        vals[1].view(-1).view(torch.int32)[3] ^= 1 << 20
+        eng.update_weights_from_tensor([(NORM, vals)], load_format="direct")
+        err, _ = verify_engines(module, SyncConfig(verify="full", dtype=torch.float32), [eng], 0)
+    assert err is not None and "TP rank 1's piece" in err and "flat index 3" in err, err

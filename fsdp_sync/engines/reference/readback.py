@@ -85,6 +85,18 @@ class WeightReadback:
                     break
         return out, wrong
 
+    def rank_pieces(self, name: str) -> dict[int, list[tuple[Any, torch.Tensor]]]:
+        """What each TP rank holds of HF tensor ``name``, replicas included: ``{rank: [(src
+        slices, tensor), ...]}`` (a verify that found a rank's digest off reads that rank's own
+        copy; `get_weights_by_name` shows the owners' copy only)."""
+        if not self.layout.accepts(name):
+            raise KeyError(f"unknown parameter {name!r}; this model's HF names are e.g. "
+                           f"{self.hf_names()[:3]}")
+        replies = self._call("pieces", {"names": [name], "every": True}, what="rank_pieces")
+        dtype = self.layout.dtype_of(name, self.dtype)
+        return {r: [(src, p.view(dtype) if p.dtype != dtype and p.element_size() == dtype.itemsize
+                     else p) for src, p in replies[r][name]] for r in range(self.tp_size)}
+
     def _nbytes(self, name: str) -> int:
         return math.prod(self.layout.full_shape(name)) * self.layout.dtype_of(name, None, self.dtype.itemsize)
 

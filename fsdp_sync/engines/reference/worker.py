@@ -164,13 +164,14 @@ class Worker:
         out = self.decode.step(self.memory.kv)
         return out if self.rank == 0 else {}
 
-    def pieces(self, names: list[str], replicas: bool = False) -> Any:
+    def pieces(self, names: list[str], replicas: bool = False, every: bool = False) -> Any:
         """This rank's owned pieces of full HF tensors: ``{name: [(src slices, tensor), ...]}``.
         A float8 piece travels as its bytes (a uint8 view: torch 2.13 pickles a float8 tensor it
         cannot load back); the engine views them as the dtype the layout holds them in.
         ``replicas``: also the digest (`readback.piece_digest`) of each piece this rank holds but
         does not own, ``(pieces, {name: [(src slices, digest), ...]})``, so the engine checks every
-        replica against the owner's piece with only digests crossing (`readback._gather`)."""
+        replica against the owner's piece with only digests crossing (`readback._gather`).
+        ``every``: the pieces this rank holds, owned or not (`readback.rank_pieces`)."""
         self._require_weights()
         out, reps = {}, {}
         for name in names:
@@ -183,7 +184,7 @@ class Worker:
                 name_src = name
             pls = self.layout.placements(name_src, self.rank)
             out[name] = [(pl.src, _bytes_of_fp8(self.model.params[pl.engine][pl.dst].cpu().clone()))
-                         for pl in pls if pl.owner]
+                         for pl in pls if pl.owner or every]
             if replicas:
                 reps[name] = [(pl.src, piece_digest(self.model.params[pl.engine][pl.dst]))
                               for pl in pls if not pl.owner]
@@ -453,7 +454,7 @@ COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "lora_abort": lambda w, a: w.lora_abort(a),
     "lora_unload": lambda w, a: w.lora_unload(a),
     "lora_pieces": lambda w, a: w.lora_pieces(a),
-    "pieces": lambda w, a: w.pieces(a["names"], bool(a.get("replicas"))),
+    "pieces": lambda w, a: w.pieces(a["names"], bool(a.get("replicas")), bool(a.get("every"))),
     "release": lambda w, a: w.memory.release(a["tags"]),
     "resume": lambda w, a: w.memory.resume(a["tags"]),
     "flush_cache": lambda w, a: None,
