@@ -11,7 +11,9 @@ disk), on every trainer rank:
    (`tensor_digest`);
 2. every trainer rank streams the same tensors out of the module (collective: ``"full"`` gathers
    bucket by bucket with `export.iter_buckets`, ``"sample"`` gathers only the chosen tensors with
-   `export.iter_params`), so no rank ever holds more than one bucket of the model; the engine
+   `export.iter_params`; under FSDP1 from the flat shards whatever ``fsdp1_state_dict`` is, since
+   the full state dict would unshard the whole model), so no rank ever holds more than one bucket
+   of the model; the engine
    ranks hash each tensor as it arrives (per TP rank, cut by the engine's layout, or whole) and
    compare at once;
 3. at the first tensor that differs, the engine rank reads that one tensor back
@@ -114,7 +116,9 @@ def trainer_tensors(module: torch.nn.Module, config: Any, chosen: list[str], *,
             del flat
     else:
         names = {n.removesuffix("_scale_inv") if quant is not None else n for n in chosen}
-        it = export.iter_params(module, dtype=dtype, fsdp1_state_dict=kind, names=names)
+        # FSDP1: the chosen tensors from the flat shards ("local": the same parameters, gathered
+        # one at a time), whatever the sync's state-dict type: "full" would unshard the whole model
+        it = export.iter_params(module, dtype=dtype, fsdp1_state_dict="local", names=names)
         yield from (quant.named(it) if quant is not None else it)
 
 
