@@ -159,18 +159,19 @@ class DistributedTransport:
 
     def _executor(self, n: int) -> cf.ThreadPoolExecutor:
         if self._pool is None or self._pool._max_workers < n:   # noqa: SLF001 - grow only
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            if self._pool is not None:     # its calls run on; their futures are held by whoever waits
+                self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = cf.ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="fsdp_sync-engine")
         return self._pool
 
     def close(self) -> None:
-        """Destroy the update group on both ends; idempotent."""
+        """Destroy the update group on both ends; idempotent. An engine call still running (a
+        join called off, a request given up on) is not waited for: it ends on the engine's side."""
         try:
             self._drop_group(self.engines)
         finally:
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None
 
     # ------------------------------------------------------------------ sync

@@ -1,0 +1,80 @@
+"""The distributed method's failure paths end within their bounds (audit of the distributed method).
+
+Each test runs in-process on one trainer rank with the reference engine (tp 1 or 2) and its own
+``dist_group_name`` (torch's group names are per process), with short timeouts so the code before
+the fixes fails an assertion instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+UNREACHABLE = "10.255.255.1"     # no host answers: the engine's join waits out its own timeout
+
+
+def _engine(tp=1, **kw):
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.models import load_config
+
+    kw = {"update_recv_timeout_s": 20.0, "call_timeout_s": 60.0, **kw}
+    return ReferenceEngine(model_config=load_config("tiny"), tp_size=tp, dtype=torch.float32,
+                           kv_cache_tokens=64, **kw)
+
+
+def _manager(module, engine, name, **kw):
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.manager import FSDPShardingManager
+
+    return FSDPShardingManager(module, engine, config=SyncConfig(
+        method="distributed", dtype=torch.float32, dist_group_name=name, **kw))
+
+
+def _shutdown(engine) -> None:
+    """Shut the engine down without waiting for a worker still in a call the test abandoned."""
+    for pid in engine.worker_pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    engine.shutdown()
+
+
+def _module():
+    from fsdp_sync.models import build_model, load_config
+
+    torch.set_num_threads(1)
+    return build_model(load_config("tiny"), seed=0)
+
+
+def _sync(manager) -> tuple[str | None, float]:
+    t0 = time.monotonic()
+    try:
+        with manager:
+            pass
+        return None, time.monotonic() - t0
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
+
+
+@pytest.mark.timeout(90)
+def test_close_after_a_failed_opening_does_not_wait_for_the_engines_join():
+    """close() shut its engine-call pool down with wait=True: after an opening that failed (the
+    engine told an address it cannot reach), it waited for the engine's abandoned join (50 s with
+    dist_timeout_s=5; SGLang's: up to 30 minutes)."""
+    engine = _engine()
+    try:
+        manager = _manager(_module(), engine, "dist_fail_close", dist_timeout_s=3,
+                           dist_master_address=UNREACHABLE)
+        err, _ = _sync(manager)
+        assert err is not None and "dist_fail_close" in err, err
+        t0 = time.monotonic()
+        manager.close()
+        assert time.monotonic() - t0 < 3.0, f"close() took {time.monotonic() - t0:.1f} s"
+    finally:
+        _shutdown(engine)
