@@ -124,7 +124,9 @@ class SyncConfig:
     dist_backend: the update group's backend; None: ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
     dist_group_name: the group's name, the same on both ends (SGLang's default).
     dist_timeout_s: how long trainer rank 0 waits for the engines to join the group or to receive
-        a broadcast; a refusal from an engine is reported at once, not after this.
+        a broadcast; a refusal from an engine is reported at once, not after this. A failed
+        opening of the group, its call-off included, ends within this (plus a second where the
+        rendezvous used it all).
     disk_dir: the disk method's directory: each sync publishes ``disk_dir/step_<N>/`` (a Hugging
         Face checkpoint) there. Required when ``method == "disk"``.
     disk_keep: how many of the newest versions the disk method keeps (>= 1; the one the engine

@@ -78,3 +78,20 @@ def test_close_after_a_failed_opening_does_not_wait_for_the_engines_join():
         assert time.monotonic() - t0 < 3.0, f"close() took {time.monotonic() - t0:.1f} s"
     finally:
         _shutdown(engine)
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_rendezvous_ends_within_dist_timeout_s():
+    """After the rendezvous waited out dist_timeout_s, the call-off waited again for the engines'
+    answers for min(15 s, dist_timeout_s): a failed opening took twice dist_timeout_s (10.03 s
+    with 5). The call-off now counts inside the deadline (one second at least)."""
+    engine = _engine()
+    try:
+        manager = _manager(_module(), engine, "dist_fail_bound", dist_timeout_s=6,
+                           dist_master_address=UNREACHABLE)
+        err, seconds = _sync(manager)
+        manager.close()
+        assert err is not None and "not every engine TP worker joined within dist_timeout_s=6" in err, err
+        assert 5.5 < seconds < 9.5, f"the failed opening took {seconds:.1f} s (dist_timeout_s=6)"
+    finally:
+        _shutdown(engine)

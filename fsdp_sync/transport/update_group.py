@@ -36,7 +36,13 @@ __all__ = ["OpenGroup", "open_group", "outward_address", "check_distinct_gpus", 
 log = logging.getLogger("fsdp_sync")
 
 CALL_OFF_S = 15.0
-"""How long a failed opening waits for the engines to answer once their join was called off."""
+"""How long a failed opening waits, at most, for the engines to answer once their join was called
+off: what is left of ``dist_timeout_s`` (the opening's one deadline), but `CALL_OFF_FLOOR_S` at least."""
+
+CALL_OFF_FLOOR_S = 1.0
+"""The least a failed opening waits for the engines' answers after calling their join off (the
+reference engine's workers answer at once; SGLang's when the store closes). So a failed opening
+ends within ``dist_timeout_s`` plus this."""
 
 
 def outward_address() -> str:
@@ -104,7 +110,9 @@ def open_group(engines: list, cfg: Any, device: torch.device, backend: str,
     """Make the update group ``cfg.dist_group_name`` with every engine (see the module); the
     engines' ``init_weights_update_group`` calls run on ``pool`` while this joins as rank 0.
     Raises RuntimeError naming the group, where it was hosted and why, with no engine left in
-    the join."""
+    the join. Everything here, the call-off included, ends within ``dist_timeout_s`` (plus
+    `CALL_OFF_FLOOR_S` where the rendezvous used it all)."""
+    deadline = time.monotonic() + cfg.dist_timeout_s
     name = cfg.dist_group_name
     if update_group_open(name):
         raise RuntimeError(f"making the weight-update group {name!r} failed: a group named {name!r} "
@@ -140,7 +148,8 @@ def open_group(engines: list, cfg: Any, device: torch.device, backend: str,
                          world_size=world, rank=0, store=client, group_name=name,
                          timeout_s=cfg.dist_timeout_s)
         for i, f in enumerate(futures):
-            check_answer(f.result(timeout=cfg.dist_timeout_s), f"engine {i} init_weights_update_group")
+            check_answer(f.result(timeout=max(0.0, deadline - time.monotonic())),
+                         f"engine {i} init_weights_update_group")
     except Exception as exc:
         # the engines' own errors, before the call-off below makes every joining one fail too
         errs = [f"an engine said: {f.exception()}" for f in futures if f.done() and f.exception() is not None]
@@ -153,7 +162,10 @@ def open_group(engines: list, cfg: Any, device: torch.device, backend: str,
             log.warning("fsdp_sync: marking the weight-update group %r called off: %s", name, mark_exc)
         store = client = None     # the port closes: every member in the rendezvous fails at once
         tomb = _host_called_off(port, world, name, why, cfg.dist_timeout_s)   # for those yet to connect
-        _call_off(engines, futures, name, min(CALL_OFF_S, cfg.dist_timeout_s))
+        # the call-off counts inside the opening's deadline: a failed rendezvous takes
+        # dist_timeout_s, not twice it
+        left = deadline - time.monotonic()
+        _call_off(engines, futures, name, max(CALL_OFF_FLOOR_S, min(CALL_OFF_S, left)))
         del tomb                  # a member still waiting on it (not ours: SGLang's) fails now
         where = (f"making the weight-update group {name!r} at {address}:{port} (world size {world}, "
                  f"engines' TP sizes {tps}) failed")
