@@ -95,3 +95,41 @@ def test_a_failed_rendezvous_ends_within_dist_timeout_s():
         assert 5.5 < seconds < 9.5, f"the failed opening took {seconds:.1f} s (dist_timeout_s=6)"
     finally:
         _shutdown(engine)
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_engine_worker_fails_the_sync_within_dist_timeout_s_naming_it(monkeypatch):
+    """An engine TP worker stopped (SIGSTOP) mid-bucket: _finish gave up after dist_timeout_s, but
+    the abort (end_weight_update) and the group's teardown (destroy_weights_update_group) then
+    waited for the engine's lock, held by the stuck request, until call_timeout_s (45 s here
+    with dist_timeout_s=10; 900 s by default), and the error named no engine."""
+    from fsdp_sync.transport import distributed as dm
+
+    engine = _engine(tp=2, call_timeout_s=30.0)
+    stopped = []
+    try:
+        manager = _manager(_module(), engine, "dist_fail_hung", dist_timeout_s=3,
+                           bucket_bytes=32 << 10, layout="full")
+        assert _sync(manager)[0] is None
+        launch = dm.DistributedTransport._launch
+
+        def stop_on_bucket_2(self, engines, *a):
+            pending = launch(self, engines, *a)
+            if "bucket 2 " in a[-1] and not stopped:
+                os.kill(engine.worker_pids[1], signal.SIGSTOP)
+                stopped.append(engine.worker_pids[1])
+            return pending
+
+        monkeypatch.setattr(dm.DistributedTransport, "_launch", stop_on_bucket_2)
+        err, seconds = _sync(manager)
+        assert stopped, "the hook never ran"
+        assert err is not None and "replica 0 never answered" in err, err
+        assert "dist_timeout_s=3" in err, err
+        assert seconds < 12, f"the sync failed after {seconds:.1f} s (dist_timeout_s=3)"
+        t0 = time.monotonic()
+        manager.close()
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        _shutdown(engine)

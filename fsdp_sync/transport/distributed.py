@@ -117,6 +117,7 @@ class DistributedTransport:
         self._store: Any = None           # the group's store, hosted while the group lives
         self._pool: cf.ThreadPoolExecutor | None = None
         self._quant: Any = None           # trainer rank 0: this sync's `quantize.StreamQuantizer`
+        self._stuck: set[int] = set()     # engines whose request was given up on, still running
 
     # ------------------------------------------------------------------ group
     def _backend(self, device: torch.device) -> str:
@@ -143,7 +144,11 @@ class DistributedTransport:
             self.pg.abort()
         except Exception:  # noqa: BLE001 - destroying it is what matters
             pass
-        for engine in self.engines or engines:
+        for i, engine in enumerate(self.engines or engines):
+            if i in self._stuck:     # its lock is held by the request still running: not waited for
+                log.warning("fsdp_sync: not telling %s to destroy the weight-update group: its "
+                            "request is still running", fleet.describe(engine, i))
+                continue
             try:
                 check_answer(engine.destroy_weights_update_group(self.config.dist_group_name),
                              "destroy_weights_update_group")
@@ -495,8 +500,14 @@ class DistributedTransport:
             if sent and all(f.done() for f in p.futures):
                 break
             if time.monotonic() > deadline:
-                return self._abandon(p, f"{p.what}: no answer within dist_timeout_s="
-                                        f"{self.config.dist_timeout_s}s (broadcast done: {sent})")
+                silent = [i for i, f in enumerate(p.futures) if not f.done()]
+                who = ", ".join(fleet.describe(self.engines[i] if i < len(self.engines) else None, i)
+                                for i in silent)
+                return self._abandon(p, f"{p.what}: {who or 'no engine'} never answered "
+                                        f"update_weights_from_distributed within dist_timeout_s="
+                                        f"{self.config.dist_timeout_s}s (broadcast done: {sent}); "
+                                        f"a hung engine TP worker? Its abort and group teardown "
+                                        f"were skipped")
             time.sleep(_POLL_S)
         try:
             for i, f in enumerate(p.futures):
@@ -509,8 +520,15 @@ class DistributedTransport:
 
     def _abandon(self, p: _Pending, message: str) -> str:
         """A failed bucket: abort our end of the group (the pending broadcast with it) and mark
-        the group for remaking; the engines end their receive (error or timeout) on their own."""
+        the group for remaking; the engines end their receive (error or timeout) on their own.
+        An engine whose request still runs is marked stuck: the abort and teardown after the
+        failure would wait for its lock, so they skip it, and the engine-call pool is replaced
+        (its thread is taken) without waiting."""
         self.broken = True
+        self._stuck = {i for i, f in enumerate(p.futures) if not f.done()}
+        if self._stuck and self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         if self.pg is not None:
             try:
                 self.pg.abort()
@@ -522,9 +540,15 @@ class DistributedTransport:
         """Commit (``ok``) or abort the update on every engine (`fleet.end_all`: after an abort,
         the engines that kept part of it); after a failure a broken group is torn down on both
         ends."""
-        kept = fleet.end_all(engines, commit=ok, version=ctx.version)
+        stuck, self._stuck = self._stuck, set()
+        kept = fleet.end_all([e for i, e in enumerate(engines) if i not in stuck],
+                             commit=ok, version=ctx.version)
         if not ok and self.broken:
-            self._drop_group(engines)
+            self._stuck = stuck
+            try:
+                self._drop_group(engines)
+            finally:
+                self._stuck = set()
         return kept
 
 
