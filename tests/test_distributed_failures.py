@@ -133,3 +133,31 @@ def test_a_hung_engine_worker_fails_the_sync_within_dist_timeout_s_naming_it(mon
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
         _shutdown(engine)
+
+
+@pytest.mark.timeout(90)
+def test_a_manager_dropped_without_close_frees_its_group_name():
+    """A manager dropped without close() left its update group in torch's registry (no finalizer):
+    every later manager was refused the name ("close() the manager that made it") though that
+    manager had been collected."""
+    import gc
+    import weakref
+
+    from torch.distributed.distributed_c10d import _world
+
+    engine = _engine(tp=1)
+    try:
+        module = _module()
+        manager = _manager(module, engine, "dist_fail_orphan", dist_timeout_s=10)
+        assert _sync(manager)[0] is None
+        gone = weakref.ref(manager.transport)
+        del manager
+        gc.collect()
+        assert gone() is None, "the transport was not collected"
+        assert "dist_fail_orphan" not in _world.pg_names.values()
+        again = _manager(module, engine, "dist_fail_orphan", dist_timeout_s=10)
+        err, _ = _sync(again)
+        again.close()
+        assert err is None, err
+    finally:
+        _shutdown(engine)

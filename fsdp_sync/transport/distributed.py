@@ -50,6 +50,7 @@ import concurrent.futures as cf
 import datetime
 import logging
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -110,14 +111,35 @@ class DistributedTransport:
 
     def __init__(self, config: Any) -> None:
         self.config = config
-        self.pg: Any = None               # the update group, on trainer rank 0 only
+        # the update group (trainer rank 0 only) and its store, held where a finalizer can reach
+        # them without holding this transport: a manager dropped without close() destroys its
+        # group when collected (else torch keeps the name and every later manager is refused it)
+        self._held: dict = {"pg": None, "store": None}
+        self._finalizer = weakref.finalize(self, _release_orphaned, self._held,
+                                           getattr(config, "dist_group_name", None))
+        self._finalizer.atexit = False    # at exit the process's groups go with it
         self.engines: list = []           # the engines the group was made with
         self.broken = False               # torn down after a failure: remake at the next sync
         self.offsets: list[int] = []      # each engine's rank_offset in the group
-        self._store: Any = None           # the group's store, hosted while the group lives
         self._pool: cf.ThreadPoolExecutor | None = None
         self._quant: Any = None           # trainer rank 0: this sync's `quantize.StreamQuantizer`
         self._stuck: set[int] = set()     # engines whose request was given up on, still running
+
+    @property
+    def pg(self) -> Any:
+        return self._held["pg"]
+
+    @pg.setter
+    def pg(self, pg: Any) -> None:
+        self._held["pg"] = pg
+
+    @property
+    def _store(self) -> Any:     # the group's store, hosted while the group lives
+        return self._held["store"]
+
+    @_store.setter
+    def _store(self, store: Any) -> None:
+        self._held["store"] = store
 
     # ------------------------------------------------------------------ group
     def _backend(self, device: torch.device) -> str:
@@ -550,6 +572,25 @@ class DistributedTransport:
             finally:
                 self._stuck = set()
         return kept
+
+
+def _release_orphaned(held: dict, name: str) -> None:
+    """A transport collected with its group open (its manager never closed): destroy our end of
+    the group so its name is free again. The engines are not called (a finalizer must not block);
+    the next opening of that name replaces their group."""
+    pg, held["pg"], held["store"] = held["pg"], None, None
+    if pg is None:
+        return
+    try:
+        pg.abort()
+    except Exception:  # noqa: BLE001 - destroying it is what matters
+        pass
+    try:
+        destroy_update_group(pg)
+        log.warning("fsdp_sync: a distributed transport was dropped without close(): destroyed its "
+                    "weight-update group %r", name)
+    except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
+        log.warning("fsdp_sync: destroying the weight-update group %r of a dropped transport: %s", name, exc)
 
 
 def _begin(engine: Any) -> None:
