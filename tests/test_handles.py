@@ -19,7 +19,7 @@ from fsdp_sync.cli.launch import run_ranks, spawn_env
 from fsdp_sync.weights.handles import HandleError, make_payloads, open_payload
 from torch.multiprocessing import reductions as red
 
-from _util import ROOT, Consumer, digest, num_fds, shm_segments
+from _util import ROOT, Consumer, digest, fds_under, num_fds, shm_segments
 
 pytestmark = pytest.mark.timeout(90)   # talks to a consumer process
 
@@ -565,15 +565,7 @@ def test_a_cuda_buffer_kept_open_is_read_after_the_producers_next_writes(consume
 
 
 def _sockets(pid: int) -> set[str]:
-    out = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:"):
-            out.add(target)
-    return out
+    return set(fds_under(pid, "socket:"))
 
 
 def _manager_sockets(rank, world):

@@ -64,7 +64,7 @@ from ..weights.layout import TPLayout, engine_ep_size, layout_for
 from ..topology import SyncError, agree, agree_after_rank0, cpu_group
 from . import SyncContext, SyncStats, timed_items
 from ..wire import PER_RANK_BUCKET, destroy_update_group, per_rank_bucket_plan
-from .update_group import check_answer, check_distinct_gpus, engine_tp, open_group, outward_address
+from .update_group import check_answer, check_distinct_gpus, destroy_ours, engine_tp, open_group, outward_address
 
 __all__ = ["DistributedTransport", "check_distinct_gpus", "outward_address"]
 
@@ -579,18 +579,9 @@ def _release_orphaned(held: dict, name: str) -> None:
     the group so its name is free again. The engines are not called (a finalizer must not block);
     the next opening of that name replaces their group."""
     pg, held["pg"], held["store"] = held["pg"], None, None
-    if pg is None:
-        return
-    try:
-        pg.abort()
-    except Exception:  # noqa: BLE001 - destroying it is what matters
-        pass
-    try:
-        destroy_update_group(pg)
+    if pg is not None and destroy_ours(pg, f"the weight-update group {name!r} of a dropped transport"):
         log.warning("fsdp_sync: a distributed transport was dropped without close(): destroyed its "
                     "weight-update group %r", name)
-    except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
-        log.warning("fsdp_sync: destroying the weight-update group %r of a dropped transport: %s", name, exc)
 
 
 def _begin(engine: Any) -> None:

@@ -31,7 +31,7 @@ import torch
 from ..wire import (call_off_join, destroy_update_group, host_store, join_store, new_update_group,
                     update_group_open)
 
-__all__ = ["OpenGroup", "open_group", "outward_address", "check_distinct_gpus", "engine_tp", "check_answer"]
+__all__ = ["OpenGroup", "open_group", "outward_address", "check_distinct_gpus", "engine_tp", "check_answer", "destroy_ours"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -154,7 +154,7 @@ def open_group(engines: list, cfg: Any, device: torch.device, backend: str,
         # the engines' own errors, before the call-off below makes every joining one fail too
         errs = [f"an engine said: {f.exception()}" for f in futures if f.done() and f.exception() is not None]
         if pg is not None:
-            _destroy(pg)
+            destroy_ours(pg)
         why = f"trainer rank 0 failed making it: {type(exc).__name__}: {str(exc)[:300]}"
         try:
             call_off_join(store, name, why)
@@ -199,15 +199,19 @@ def _host_called_off(port: int, world: int, name: str, why: str, timeout_s: floa
             time.sleep(0.05)
 
 
-def _destroy(pg: Any) -> None:
+def destroy_ours(pg: Any, what: str = "a half-made weight-update group") -> bool:
+    """Abort and destroy this process's end of ``pg`` without raising (the engines are not
+    called): whether it was destroyed; a failure is logged, naming ``what``."""
     try:
         pg.abort()
     except Exception:  # noqa: BLE001 - destroying it is what matters
         pass
     try:
         destroy_update_group(pg)
-    except Exception as exc:  # noqa: BLE001
-        log.warning("fsdp_sync: destroying a half-made weight-update group: %s", exc)
+        return True
+    except Exception as exc:  # noqa: BLE001 - an error path, or a finalizer: never raise
+        log.warning("fsdp_sync: destroying %s: %s", what, exc)
+        return False
 
 
 def _call_off(engines: list, futures: list, name: str, wait_s: float) -> None:
