@@ -372,3 +372,16 @@ def fds_under(pid: int, root: str) -> list[str]:
         if target.startswith(root):
             out.add(target)
     return sorted(out)
+
+
+def timed_sync(manager) -> tuple[str | None, float]:
+    """One ``with manager:`` block: ``(None or "Type: message" of what it raised, seconds)``."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        with manager:
+            pass
+        return None, time.monotonic() - t0
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0

@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from _util import timed_sync
+
 UNREACHABLE = "10.255.255.1"     # no host answers: the engine's join waits out its own timeout
 
 
@@ -52,16 +54,6 @@ def _module():
     return build_model(load_config("tiny"), seed=0)
 
 
-def _sync(manager) -> tuple[str | None, float]:
-    t0 = time.monotonic()
-    try:
-        with manager:
-            pass
-        return None, time.monotonic() - t0
-    except Exception as exc:  # noqa: BLE001 - the test reads it
-        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
-
-
 @pytest.mark.timeout(90)
 def test_close_after_a_failed_opening_does_not_wait_for_the_engines_join():
     """close() shut its engine-call pool down with wait=True: after an opening that failed (the
@@ -71,7 +63,7 @@ def test_close_after_a_failed_opening_does_not_wait_for_the_engines_join():
     try:
         manager = _manager(_module(), engine, "dist_fail_close", dist_timeout_s=3,
                            dist_master_address=UNREACHABLE)
-        err, _ = _sync(manager)
+        err, _ = timed_sync(manager)
         assert err is not None and "dist_fail_close" in err, err
         t0 = time.monotonic()
         manager.close()
@@ -89,7 +81,7 @@ def test_a_failed_rendezvous_ends_within_dist_timeout_s():
     try:
         manager = _manager(_module(), engine, "dist_fail_bound", dist_timeout_s=6,
                            dist_master_address=UNREACHABLE)
-        err, seconds = _sync(manager)
+        err, seconds = timed_sync(manager)
         manager.close()
         assert err is not None and "not every engine TP worker joined within dist_timeout_s=6" in err, err
         assert 5.5 < seconds < 9.5, f"the failed opening took {seconds:.1f} s (dist_timeout_s=6)"
@@ -110,7 +102,7 @@ def test_a_hung_engine_worker_fails_the_sync_within_dist_timeout_s_naming_it(mon
     try:
         manager = _manager(_module(), engine, "dist_fail_hung", dist_timeout_s=3,
                            bucket_bytes=32 << 10, layout="full")
-        assert _sync(manager)[0] is None
+        assert timed_sync(manager)[0] is None
         launch = dm.DistributedTransport._launch
 
         def stop_on_bucket_2(self, engines, *a):
@@ -121,7 +113,7 @@ def test_a_hung_engine_worker_fails_the_sync_within_dist_timeout_s_naming_it(mon
             return pending
 
         monkeypatch.setattr(dm.DistributedTransport, "_launch", stop_on_bucket_2)
-        err, seconds = _sync(manager)
+        err, seconds = timed_sync(manager)
         assert stopped, "the hook never ran"
         assert err is not None and "replica 0 never answered" in err, err
         assert "dist_timeout_s=3" in err, err
@@ -149,14 +141,14 @@ def test_a_manager_dropped_without_close_frees_its_group_name():
     try:
         module = _module()
         manager = _manager(module, engine, "dist_fail_orphan", dist_timeout_s=10)
-        assert _sync(manager)[0] is None
+        assert timed_sync(manager)[0] is None
         gone = weakref.ref(manager.transport)
         del manager
         gc.collect()
         assert gone() is None, "the transport was not collected"
         assert "dist_fail_orphan" not in _world.pg_names.values()
         again = _manager(module, engine, "dist_fail_orphan", dist_timeout_s=10)
-        err, _ = _sync(again)
+        err, _ = timed_sync(again)
         again.close()
         assert err is None, err
     finally:

@@ -24,6 +24,8 @@ import torch
 
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 
+from _util import timed_sync
+
 FAST_S = 5.0     # what "at once" means here: the unfixed code took 20-900 s
 
 
@@ -42,16 +44,6 @@ def _manager(module, engines, **kw):
 
     return FSDPShardingManager(module, engines, config=SyncConfig(
         method="distributed", dtype=torch.float32, dist_timeout_s=60, **kw))
-
-
-def _sync(manager) -> tuple[str | None, float]:
-    t0 = time.monotonic()
-    try:
-        with manager:
-            pass
-        return None, time.monotonic() - t0
-    except Exception as exc:  # noqa: BLE001 - the test reads it
-        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
 
 
 def _generate_seconds(engine) -> float:
@@ -77,14 +69,14 @@ def _second_manager_same_name(rank, world):
     first = second = None
     try:
         first = _manager(module, engine)
-        assert _sync(first)[0] is None
+        assert timed_sync(first)[0] is None
         second = _manager(module, engine)       # the first was not closed: its group holds the name
-        err, seconds = _sync(second)
+        err, seconds = timed_sync(second)
         gen_s = _generate_seconds(engine)
         with torch.no_grad():
             for p in module.parameters():
                 p.add_(0.25)
-        again = _sync(first)
+        again = timed_sync(first)
         return {"err": err, "seconds": seconds, "generate_s": gen_s, "first_again": again[0],
                 "first_synced": _synced(engine, module)}
     finally:
@@ -117,11 +109,11 @@ def _port_held_by_another_program(rank, world):
         engine = _engine(2)
         manager = _manager(module, engine, dist_master_port=port)
         try:
-            err, seconds = _sync(manager)
+            err, seconds = timed_sync(manager)
             gen_s = _generate_seconds(engine)
             manager.close()
             manager = _manager(module, engine)     # a port the OS picks: the engine syncs
-            ok = _sync(manager)[0]
+            ok = timed_sync(manager)[0]
             return {"err": err, "seconds": seconds, "generate_s": gen_s, "port": port,
                     "then": ok, "synced": _synced(engine, module)}
         finally:
@@ -154,11 +146,11 @@ def _one_engine_refuses(rank, world, stall):
     dead.shutdown()     # answers init_weights_update_group at once: "the engine was shut down"
     manager = _manager(module, [live, dead])
     try:
-        err, seconds = _sync(manager)
+        err, seconds = timed_sync(manager)
         gen_s = _generate_seconds(live)
         manager.close()
         manager = _manager(module, live)
-        ok = _sync(manager)[0]
+        ok = timed_sync(manager)[0]
         return {"err": err, "seconds": seconds, "generate_s": gen_s, "then": ok,
                 "synced": _synced(live, module)}
     finally:
