@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -118,6 +119,12 @@ def test_a_hung_engine_worker_fails_the_sync_within_dist_timeout_s_naming_it(mon
         assert err is not None and "replica 0 never answered" in err, err
         assert "dist_timeout_s=3" in err, err
         assert seconds < 12, f"the sync failed after {seconds:.1f} s (dist_timeout_s=3)"
+        # the request given up on still runs (its worker is stopped) on a thread that must not
+        # keep the trainer's process from exiting: a ThreadPoolExecutor's thread is joined at
+        # exit (a trainer over HTTP lingered 97 s after the error, until the stalled worker woke)
+        running = [t for t in threading.enumerate() if t.name.startswith("fsdp_sync-engine")]
+        assert running, "no engine call still running: the stopped worker answered?"
+        assert all(t.daemon for t in running), [(t.name, t.daemon) for t in running]
         t0 = time.monotonic()
         manager.close()
         assert time.monotonic() - t0 < 3.0

@@ -46,7 +46,6 @@ join, and a failed opening called off), engines.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import datetime
 import logging
 import time
@@ -64,7 +63,8 @@ from ..weights.layout import TPLayout, engine_ep_size, layout_for
 from ..topology import SyncError, agree, agree_after_rank0, cpu_group
 from . import SyncContext, SyncStats, timed_items
 from ..wire import PER_RANK_BUCKET, destroy_update_group, per_rank_bucket_plan
-from .update_group import check_answer, check_distinct_gpus, destroy_ours, engine_tp, open_group, outward_address
+from .update_group import (EngineCalls, check_answer, check_distinct_gpus, destroy_ours, engine_tp, open_group,
+                           outward_address)
 
 __all__ = ["DistributedTransport", "check_distinct_gpus", "outward_address"]
 
@@ -121,7 +121,7 @@ class DistributedTransport:
         self.engines: list = []           # the engines the group was made with
         self.broken = False               # torn down after a failure: remake at the next sync
         self.offsets: list[int] = []      # each engine's rank_offset in the group
-        self._pool: cf.ThreadPoolExecutor | None = None
+        self._calls = EngineCalls()        # engine calls, each on a daemon thread
         self._quant: Any = None           # trainer rank 0: this sync's `quantize.StreamQuantizer`
         self._stuck: set[int] = set()     # engines whose request was given up on, still running
 
@@ -151,7 +151,7 @@ class DistributedTransport:
         if self.pg is not None and not self.broken and engines == self.engines:
             return
         self._drop_group(engines)
-        made = open_group(engines, self.config, device, self._backend(device), self._executor(len(engines)))
+        made = open_group(engines, self.config, device, self._backend(device), self._calls)
         self.pg, self._store, self.offsets = made.pg, made.store, made.offsets
         self.engines, self.broken = list(engines), False
 
@@ -184,22 +184,10 @@ class DistributedTransport:
         del pg
         self._store = None     # its port closes with the group
 
-    def _executor(self, n: int) -> cf.ThreadPoolExecutor:
-        if self._pool is None or self._pool._max_workers < n:   # noqa: SLF001 - grow only
-            if self._pool is not None:     # its calls run on; their futures are held by whoever waits
-                self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = cf.ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="fsdp_sync-engine")
-        return self._pool
-
     def close(self) -> None:
         """Destroy the update group on both ends; idempotent. An engine call still running (a
         join called off, a request given up on) is not waited for: it ends on the engine's side."""
-        try:
-            self._drop_group(self.engines)
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
+        self._drop_group(self.engines)
 
     # ------------------------------------------------------------------ sync
     def sync(self, ctx: SyncContext) -> None:
@@ -422,8 +410,7 @@ class DistributedTransport:
         body = dict(names=bkt.names, dtypes=[dtype_name(e.dtype) for e in bkt.entries],
                     shapes=[list(e.shape) for e in bkt.entries], group_name=cfg.dist_group_name,
                     flush_cache=False, load_format=PER_RANK_BUCKET)
-        pool = self._executor(len(engines))
-        futures = [pool.submit(e.update_weights_from_distributed, **body) for e in engines]
+        futures = [self._calls.submit(e.update_weights_from_distributed, **body) for e in engines]
         works = []
         if bkt.nbytes:
             for offset in self.offsets:
@@ -494,8 +481,7 @@ class DistributedTransport:
         body = dict(names=bkt.names, dtypes=[dtype_name(e.dtype) for e in bkt.entries],
                     shapes=[list(e.shape) for e in bkt.entries], group_name=cfg.dist_group_name,
                     flush_cache=False, load_format=None if per_tensor else "flattened_bucket")
-        pool = self._executor(len(engines))
-        futures = [pool.submit(e.update_weights_from_distributed, **body) for e in engines]
+        futures = [self._calls.submit(e.update_weights_from_distributed, **body) for e in engines]
         try:
             if per_tensor:
                 # a float8 tensor goes as its bytes (gloo has no float8 type; the receiver does the same)
@@ -544,13 +530,10 @@ class DistributedTransport:
         """A failed bucket: abort our end of the group (the pending broadcast with it) and mark
         the group for remaking; the engines end their receive (error or timeout) on their own.
         An engine whose request still runs is marked stuck: the abort and teardown after the
-        failure would wait for its lock, so they skip it, and the engine-call pool is replaced
-        (its thread is taken) without waiting."""
+        failure would wait for its lock, so they skip it; its call's daemon thread
+        (`update_group.EngineCalls`) keeps neither a later call nor the process's exit waiting."""
         self.broken = True
         self._stuck = {i for i, f in enumerate(p.futures) if not f.done()}
-        if self._stuck and self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
         if self.pg is not None:
             try:
                 self.pg.abort()

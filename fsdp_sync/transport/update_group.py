@@ -31,7 +31,7 @@ import torch
 from ..wire import (call_off_join, destroy_update_group, host_store, join_store, new_update_group,
                     update_group_open)
 
-__all__ = ["OpenGroup", "open_group", "outward_address", "check_distinct_gpus", "engine_tp", "check_answer", "destroy_ours"]
+__all__ = ["EngineCalls", "OpenGroup", "open_group", "outward_address", "check_distinct_gpus", "engine_tp", "check_answer", "destroy_ours"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -43,6 +43,31 @@ CALL_OFF_FLOOR_S = 1.0
 """The least a failed opening waits for the engines' answers after calling their join off (the
 reference engine's workers answer at once; SGLang's when the store closes). So a failed opening
 ends within ``dist_timeout_s`` plus this."""
+
+
+class EngineCalls:
+    """Runs each engine call on a daemon thread of its own and returns its `Future`.
+
+    Not a `ThreadPoolExecutor`: the interpreter joins those threads at exit, so a call given up on
+    (an engine that never answers: `DistributedTransport._abandon`, a join called off) kept the
+    trainer's process alive after its failed sync until the engine's own timeout (a hung TP
+    worker behind ``fsdp-sync serve``: 97 s after the error with the worker stalled 90 s, up to
+    the HTTP client's ``timeout_s``, 600 s by default). A call given up on holds nothing here."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> cf.Future:
+        fut: cf.Future = cf.Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, name=f"fsdp_sync-engine-{getattr(fn, '__name__', 'call')}",
+                         daemon=True).start()
+        return fut
 
 
 def outward_address() -> str:
@@ -106,7 +131,7 @@ class OpenGroup:
 
 
 def open_group(engines: list, cfg: Any, device: torch.device, backend: str,
-               pool: cf.ThreadPoolExecutor) -> OpenGroup:
+               pool: EngineCalls) -> OpenGroup:
     """Make the update group ``cfg.dist_group_name`` with every engine (see the module); the
     engines' ``init_weights_update_group`` calls run on ``pool`` while this joins as rank 0.
     Raises RuntimeError naming the group, where it was hosted and why, with no engine left in
