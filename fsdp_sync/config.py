@@ -182,7 +182,9 @@ class SyncConfig:
         ``/pause_generation`` mode, ``"abort"``, ``"retract"`` or ``"in_place"``: every replica is
         paused before the update and continued after it (``in_place``: requests started on
         version k finish on version k+1, their ``weight_versions`` spans say which tokens came from
-        which; ``flush_cache`` is skipped then, as SGLang refuses it with requests running).
+        which; no update flushes the cache then, as SGLang refuses that flush while requests are
+        held: 0.5.23 fails the update, its weights loaded, and 0.5.12's server dies. The disk
+        method with an in-process ``sglang.Engine``, whose disk load always flushes, is refused).
     lora: ``"off"`` (default: a module holding LoRA tensors is refused) or ``"adapter"``: a
         peft-wrapped model (or one with peft-named ``base_layer`` / ``lora_A`` / ``lora_B``
         parameters) is synced as SGLang serves LoRA: the base weights once (``.base_layer.``

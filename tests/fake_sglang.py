@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import inspect
 import io
 import json
 import pickle
@@ -530,9 +531,11 @@ class FakeSGLangServer:
                 body["serialized_named_tensors"], load_format=body.get("load_format"),
                 flush_cache=body.get("flush_cache", True))
             return (ok if success else bad)({"success": success, "message": message})
-        if path == "/update_weights_from_disk":
+        if path == "/update_weights_from_disk":     # flush_cache: to an engine that models it
+            flush = {"flush_cache": body.get("flush_cache", True)} if "flush_cache" in \
+                inspect.signature(e.update_weights_from_disk).parameters else {}
             success, message, paused = e.update_weights_from_disk(
-                body["model_path"], load_format=body.get("load_format"))
+                body["model_path"], load_format=body.get("load_format"), **flush)
             return (ok if success else bad)({"success": success, "message": message,
                                              "num_paused_requests": paused})
         if path == "/begin_weight_update":
@@ -545,6 +548,10 @@ class FakeSGLangServer:
                     "/destroy_weights_update_group") and hasattr(e, path[1:]):
             success, message = getattr(e, path[1:])(**body)
             return (ok if success else bad)({"success": success, "message": message})
+        if path in ("/pause_generation", "/continue_generation") and hasattr(e, path[1:]):
+            getattr(e, path[1:])(**(body or {}))     # an engine that models SGLang's pause
+            done = "paused" if path == "/pause_generation" else "continued"
+            return ok({"message": f"Generation {done} successfully.", "status": "ok"})
         if path in ("/release_memory_occupation", "/resume_memory_occupation"):
             getattr(e, path[1:])(tags=(body or {}).get("tags"))
             return ok(None)

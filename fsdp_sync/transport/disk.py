@@ -19,9 +19,10 @@ partly updated — only ever sees complete, immutable directories:
    config.json, the manifest (which names the hash) and the index (last), fsyncs the directory
    and renames it to ``step_<N>`` (atomic);
 4. trainer rank 0 calls ``engine.update_weights_from_disk(path)`` for each engine, with the sync's
-   weight version; with several engines (a fleet) inside ``begin_weight_update`` /
-   ``end_weight_update`` on each, and no engine commits until every one has loaded
-   (`fleet.end_all`). A sync of the step just published (the manager's retry after quarantining a
+   weight version (and ``flush_cache=False`` under ``pause_mode="in_place"``, refused up front for
+   an engine that cannot skip the flush: an in-process ``sglang.Engine``); with several engines
+   (a fleet) inside ``begin_weight_update`` / ``end_weight_update`` on each, and no engine
+   commits until every one has loaded (`fleet.end_all`). A sync of the step just published (the manager's retry after quarantining a
    replica) skips 1-3 and loads that version again; a replica brought in between syncs
    (``recover``, ``add_engine``: ``ctx.reload``) loads the version the others loaded last
    (``loaded``), never one a failed sync published or a fresh one;
@@ -118,13 +119,16 @@ POOL = ".recycle"
 """The dropped version whose files the next sync's writers overwrite in place (`DiskTransport`)."""
 
 
-def _load_one(engine: Any, path: str, version: str | None) -> None:
-    """``update_weights_from_disk`` with SGLang's ``weight_version`` where the engine takes it."""
+def _load_one(engine: Any, path: str, version: str | None, *, flush: bool = True) -> None:
+    """``update_weights_from_disk`` with SGLang's ``weight_version`` where the engine takes it, and
+    ``flush_cache=False`` where ``flush`` is off (`DiskTransport._check_no_flush`)."""
     fn = engine.update_weights_from_disk
-    if version is not None and "weight_version" in inspect.signature(fn).parameters:
-        fn(path, weight_version=version)
+    params = inspect.signature(fn).parameters
+    kw = {} if flush or "flush_cache" not in params else {"flush_cache": False}
+    if version is not None and "weight_version" in params:
+        fn(path, weight_version=version, **kw)
     else:
-        fn(path)
+        fn(path, **kw)
         if version is not None:
             fleet.set_version(engine, version)
 
@@ -193,6 +197,8 @@ class DiskTransport:
             return
 
         # 0. the layout (per-rank files or HF files): agreed on every rank before anything is written
+        if getattr(cfg, "pause_mode", None) == "in_place":
+            self._check_no_flush(ctx, rank, group, what)
         layout = choose_layout(ctx, rank, group, what)
         if layout is None:      # per-rank files: `reshard` checks it, before the first file
             self._check_tied_head(ctx, group, what)
@@ -333,10 +339,12 @@ class DiskTransport:
         err: BaseException | None = None
         engines = list(ctx.engines or [])
         version = getattr(ctx, "version", None)
+        # the replicas are held in place in a sync (the manager's pause), not when one is brought in
+        flush = getattr(ctx.config, "pause_mode", None) != "in_place" or getattr(ctx, "reload", False)
         calls = 0
         if len(engines) == 1:
             try:
-                _load_one(engines[0], final, version)
+                _load_one(engines[0], final, version, flush=flush)
                 calls = 1
             except Exception as exc:   # noqa: BLE001
                 err = exc
@@ -347,7 +355,7 @@ class DiskTransport:
                     if hasattr(engine, "begin_weight_update"):
                         engine.begin_weight_update()
                     opened.append(engine)
-                    engine.update_weights_from_disk(final)
+                    _load_one(engine, final, None, flush=flush)    # the version comes with the commit
                     calls += 1
             except Exception as exc:   # noqa: BLE001
                 err = RuntimeError(f"{fleet.describe(engines[i], i)} of {len(engines)} failed to "
@@ -378,6 +386,25 @@ class DiskTransport:
                     f"service: bring it in after the next sync")
         agree_on(err, group, f"update_weights_from_disk({self.loaded!r})")
         return str(self.loaded)
+
+    @staticmethod
+    def _check_no_flush(ctx: Any, rank: int, group: Any, what: str) -> None:
+        """``pause_mode="in_place"``: the load must not flush the cache, which SGLang refuses while
+        requests are held (0.5.23 fails the load, its weights loaded; 0.5.12's scheduler asserts
+        and the server dies). An engine that cannot skip the flush says why
+        (``disk_option_refusal``: an in-process ``sglang.Engine`` always flushes): refused on
+        every rank before anything is written."""
+        err = None
+        if rank == 0:
+            for i, e in enumerate(ctx.engines or []):
+                fn = getattr(e, "disk_option_refusal", None)
+                why = fn(flush_cache=False) if callable(fn) else None
+                if why:
+                    err = ValueError(f"pause_mode='in_place' with method='disk': {fleet.describe(e, i)}: "
+                                     f"{why}; use an SGLang server (SGLangEngine(base_url=...)) or "
+                                     f"another pause_mode")
+                    break
+        agree_on(err, group, f"{what} (pause_mode='in_place')")
 
     @staticmethod
     def _check_tied_head(ctx: Any, group: Any, what: str) -> None:

@@ -64,8 +64,9 @@ class Call:
     turns the gathered list (indexed by TP rank) into the engine's ``named_tensors``.
 
     ``deliver(engine, gathered)``, when given, is what infer-TP rank 0 runs instead of
-    ``engine.update_weights_from_tensor(to_named(gathered), load_format, flush_cache=last)``: for a
-    wire the engine protocol has no method for (verl's own algorithm, `integrations.verl`).
+    ``engine.update_weights_from_tensor(to_named(gathered), load_format, flush_cache=last)`` (no
+    flush with ``SyncConfig.pause_mode="in_place"``): for a wire the engine protocol has no method
+    for (verl's own algorithm, `integrations.verl`).
     ``on_release`` runs once the call's payloads are released (its buffer may then be reused)."""
 
     sets: list
@@ -534,16 +535,19 @@ class TensorTransport:
 
     def _engine_call_timed(self, call: Call, gathered: list) -> tuple[str | None, bool]:
         topo = self.topo
+        # the cache is flushed with the last call, never while requests are paused in place: SGLang
+        # refuses that flush (0.5.23 fails the call, its weights loaded; 0.5.12's scheduler asserts)
+        flush = call.last and getattr(self.config, "pause_mode", None) != "in_place"
         try:
             if call.deliver is not None:
                 call.deliver(self.engine, gathered)
             else:
                 named = call.to_named(gathered)
                 if isinstance(named, _RankBucketCall):
-                    self.engine.load_rank_bucket(named.bucket, named.payloads, flush_cache=call.last)
+                    self.engine.load_rank_bucket(named.bucket, named.payloads, flush_cache=flush)
                 else:
                     self.engine.update_weights_from_tensor(named, load_format=call.load_format,
-                                                           flush_cache=call.last)
+                                                           flush_cache=flush)
             self.stats.engine_calls += 1
             return None, True
         except Exception as exc:  # noqa: BLE001 - reported to every rank by agree

@@ -372,6 +372,24 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient):
             raise e.error from None
         check_answer(call, answer, error=SGLangUpdateError, where=self.where)
 
+    def disk_option_refusal(self, *, flush_cache: bool = True,
+                            abort_all_requests: bool = False) -> str | None:
+        """Why `update_weights_from_disk` cannot do as these options say, or None. A server takes
+        them all (SGLang's ``UpdateWeightFromDiskReqInput``, 0.5.12 and 0.5.23); an in-process
+        ``sglang.Engine`` (0.5.12 to 0.5.23) takes only ``model_path`` and ``load_format``: it
+        always flushes the cache and never aborts the requests in flight."""
+        if self._http:
+            return None
+        asked = {"flush_cache": bool(flush_cache) is not True,
+                 "abort_all_requests": bool(abort_all_requests) is not False}
+        missing = [k for k, changed in asked.items()
+                   if changed and not takes_keyword(self._local.engine, "update_weights_from_disk", k)]
+        if not missing:
+            return None
+        return (f"the in-process {type(self._local.engine).__name__}.update_weights_from_disk takes "
+                f"no {' nor '.join(missing)} (sglang.Engine's takes only model_path and load_format: "
+                f"it always flushes the cache and never aborts the requests in flight)")
+
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
                                  flush_cache: bool = True, abort_all_requests: bool = False,
                                  weight_version: str | None = None) -> None:

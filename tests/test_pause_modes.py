@@ -1,0 +1,138 @@
+"""``SyncConfig.pause_mode="in_place"`` against SGLang: no update flushes the cache.
+
+With requests held in place SGLang refuses a flush ("In 'inplace' mode, flush_cache will fail if
+there are any requests in the running_batch", ``PauseGenerationReqInput``): 0.5.23 answers an
+update sent with ``flush_cache=True`` with success=False, "Weights were updated, but the cache was
+not flushed ..." (``weight_updater.flush_cache_after_weight_update``), 0.5.12's scheduler asserts
+and the server dies. The tensor method sent ``flush_cache=True`` with its last bucket and the disk
+method left SGLang's default (True), so every such sync failed, claiming partly new weights though
+all were loaded. An in-process ``sglang.Engine`` always flushes after a disk load: refused up front.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import types
+
+import pytest
+import torch
+
+import fake_sglang as fake
+from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+REFUSED = ("Weights were updated, but the cache was not flushed because requests are still "
+           "running or queued. Retract or finish them, then call /flush_cache.")
+
+
+class InPlaceSGLang(fake.FakeSGLangEngine):
+    """SGLang 0.5.23 with requests running: ``pause_generation(mode="in_place")`` keeps them, and
+    while they are held every flush is refused, an update's own flush failing the update (its
+    weights loaded). In process: ``sglang.Engine.update_weights_from_disk`` always flushes."""
+
+    paused = None
+
+    def pause_generation(self, mode="abort"):
+        self._record("pause_generation", mode=mode)
+        self.paused = mode
+
+    def continue_generation(self):
+        self._record("continue_generation")
+        self.paused = None
+
+    def _flush_ok(self) -> bool:
+        return self.paused != "in_place"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        ok, msg = super().update_weights_from_tensor(named_tensors, load_format, flush_cache)
+        return (False, REFUSED) if ok and flush_cache and not self._flush_ok() else (ok, msg)
+
+    def update_weights_from_disk(self, model_path, load_format=None):
+        return self._disk(model_path, load_format, True)
+
+    def _disk(self, model_path, load_format, flush_cache):
+        ok, msg, paused = super().update_weights_from_disk(model_path, load_format)
+        return (False, REFUSED, 0) if ok and flush_cache and not self._flush_ok() else (ok, msg, paused)
+
+    def flush_cache(self):
+        self._record("flush_cache")
+        return types.SimpleNamespace(success=self._flush_ok(),
+                                     message="Cache not flushed because there are pending requests.")
+
+
+class InPlaceServer(InPlaceSGLang):
+    """The same behind SGLang's HTTP routes: ``/update_weights_from_disk`` takes ``flush_cache``
+    (``UpdateWeightFromDiskReqInput``; the fake server passes it to an engine that takes it)."""
+
+    def update_weights_from_disk(self, model_path, load_format=None, flush_cache=True):
+        return self._disk(model_path, load_format, flush_cache)
+
+
+def _job(rank, world, cases):
+    from fsdp_sync.cli.trainer import wrap_fsdp
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines import sglang as sg
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import make_mesh
+    from fsdp_sync.weights.export import iter_params
+
+    torch.set_num_threads(1)
+    module = wrap_fsdp(build_model(load_config("tiny"), seed=0), world)
+    want = dict(iter_params(module, dtype=torch.float32))
+    out = {}
+    for method, where in cases:
+        d = tempfile.mkdtemp()
+        cfg = SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10, method=method, memory_probe="off",
+                         pause_mode="in_place", **({"disk_dir": d} if method == "disk" else {}))
+        srv = fake.FakeSGLangServer(tp_size=1) if where == "http" else None
+        eng = InPlaceServer(tp_size=1) if srv is not None else InPlaceSGLang(tp_size=1)
+        if srv is not None:
+            srv.engine = eng
+            srv.__enter__()
+        err, manager = None, None
+        try:
+            adapter = sg.SGLangEngine(srv.url, timeout_s=10) if srv else sg.SGLangEngine(eng)
+            manager = FSDPShardingManager(module, adapter, mesh=make_mesh(1, world), config=cfg)
+            with manager:
+                pass
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            err = f"{type(exc).__name__}: {exc}"
+        finally:
+            if manager is not None:
+                manager.close()
+            if srv is not None:
+                srv.close()
+        # what SGLang was sent: the request bodies over HTTP, the call's arguments in process
+        updates = ([b for _, p, b in srv.requests if p.startswith("/update_weights_from")] if srv
+                   else [kw for c, kw in eng.calls if c.startswith("update_weights_from")])
+        out[f"{method}-{where}"] = {
+            "error": err, "version": None if err else manager.version,
+            "calls": [c for c, _ in eng.calls if c != "get_server_info"],
+            "flushes": [kw.get("flush_cache", "unsaid") for kw in updates],
+            "loaded": bool(eng.weights) and all(torch.equal(eng.weights[n], t)
+                                                for n, t in want.items() if n in eng.weights),
+            "published": sorted(os.listdir(d))}
+        shutil.rmtree(d)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_in_place_pause_sends_no_flush_and_the_sync_succeeds():
+    cases = [("tensor", "http"), ("disk", "http"), ("disk", "local")]
+    (out,) = run_ranks(_job, 1, cases, timeout_s=140, env=spawn_env())
+    for case in ("tensor-http", "disk-http"):
+        got = out[case]
+        assert got["error"] is None and got["version"] == "0", (case, got)
+        assert got["flushes"] and True not in got["flushes"], (case, got)   # no flush_cache=True
+        assert "flush_cache" not in got["calls"] and got["loaded"], (case, got)
+        assert got["calls"][0] == "pause_generation" and "continue_generation" in got["calls"], got
+    # the disk call reached SGLang's request with flush_cache=False (the server's route passes it)
+    assert out["disk-http"]["flushes"] == [False], out["disk-http"]
+    # an in-process sglang.Engine always flushes after a disk load: refused before anything is written
+    local = out["disk-local"]
+    assert local["error"] and "pause_mode='in_place' with method='disk'" in local["error"], local
+    assert "takes no flush_cache" in local["error"], local
+    assert local["published"] == [] and "update_weights_from_disk" not in local["calls"], local
+    assert local["calls"][-1] == "continue_generation", local
