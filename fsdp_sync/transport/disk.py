@@ -109,6 +109,7 @@ from ..weights import hf_checkpoint as ckpt
 from ..weights import quantize, reshard, tied
 from ..weights.gather import Received
 from ..models import hf_config_json
+from ..topology import SyncError
 from ..weights.layout import engine_ep_size
 
 __all__ = ["DiskTransport", "disk_floor", "STEP_RE", "NO_RANK_CHECKPOINTS"]
@@ -341,7 +342,7 @@ class DiskTransport:
         version = getattr(ctx, "version", None)
         # the replicas are held in place in a sync (the manager's pause), not when one is brought in
         flush = getattr(ctx.config, "pause_mode", None) != "in_place" or getattr(ctx, "reload", False)
-        calls = 0
+        calls, kept = 0, []
         if len(engines) == 1:
             try:
                 _load_one(engines[0], final, version, flush=flush)
@@ -358,9 +359,15 @@ class DiskTransport:
                     _load_one(engine, final, None, flush=flush)    # the version comes with the commit
                     calls += 1
             except Exception as exc:   # noqa: BLE001
-                err = RuntimeError(f"{fleet.describe(engines[i], i)} of {len(engines)} failed to "
-                                   f"load it; no replica committed it: {type(exc).__name__}: {exc}")
-                fleet.end_all(opened, commit=False)
+                failed = fleet.describe(engines[i], i)
+                kept = fleet.end_all(opened, commit=False)
+                # SGLang applies a disk load at once, session or not: the replicas before the failed
+                # one serve the new weights (unnamed), and the failed one may hold part of them
+                loaded = [k for k in kept if k != failed]
+                err = RuntimeError(f"{failed} of {len(engines)} failed to load it: {type(exc).__name__}: "
+                                   f"{exc}; no replica committed it" + (
+                                       f", but {', '.join(loaded)} loaded it already and could not drop "
+                                       f"it: they serve its weights now" if loaded else ""))
             if err is None:
                 try:
                     fleet.end_all(engines, commit=True, version=version)
@@ -368,7 +375,11 @@ class DiskTransport:
                     ctx.commit_failed = exc
                     err = RuntimeError(f"committing the update: {exc}")
         ctx.stats.engine_calls = calls
-        agree_on(err, group, f"update_weights_from_disk({final!r})")
+        try:
+            agree_on(err, group, f"update_weights_from_disk({final!r})")
+        except SyncError:
+            fleet.note_partial(kept)        # the error says who kept part (`fleet.end_all`)
+            raise
         self.loaded = final
 
     def _served(self, ctx: Any, group: Any) -> str:

@@ -1,0 +1,65 @@
+"""A fleet of SGLang replicas (in-process fakes with 0.5.23's semantics) through the disk method.
+
+SGLang applies a disk load at once, inside a weight-update session or not (begin/end only bracket
+it), so when replica i refuses, replicas 0..i-1 already serve the new weights and no abort takes
+them back. The sync's error said "no replica committed it" and nothing else: the list of replicas
+that could not drop what they took (`fleet.end_all`'s answer) was thrown away, where the tensor and
+distributed methods attach it (`fleet.note_partial`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fake_sglang as fake
+
+
+class _Named(fake.FakeSGLangEngine):
+    """``get_server_info`` carries ``weight_version`` as a real 0.5.23 ``sglang.Engine``'s does
+    (its server args), so the fleet's probe (`fleet.problem`) finds the replica healthy."""
+
+    def get_server_info(self):
+        return {**super().get_server_info(), "weight_version": "default"}
+
+
+class _Refusing(_Named):
+    """Refuses the disk load before reading anything, as SGLang does for a missing file."""
+
+    def update_weights_from_disk(self, model_path, load_format=None):
+        self._record("update_weights_from_disk", model_path=model_path)
+        return False, "Failed to get weights iterator: (scripted refusal before loading)", 0
+
+
+@pytest.mark.timeout(60)
+def test_a_disk_load_refused_by_one_replica_names_the_replicas_that_kept_it(tmp_path):
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.engines import sglang as sg
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.weights.export import iter_params
+
+    module = build_model(load_config("tiny"), seed=0)
+    e0, e1 = _Named(tp_size=1), _Refusing(tp_size=1)
+    cfg = SyncConfig(dtype=torch.float32, method="disk", disk_dir=str(tmp_path), memory_probe="off")
+    manager = FSDPShardingManager(module, [sg.SGLangEngine(e0), sg.SGLangEngine(e1)], config=cfg)
+    with pytest.raises(SyncError) as info:
+        with manager:
+            pass
+    said, notes = str(info.value), getattr(info.value, "__notes__", [])
+    # replica 0 loaded the version and serves it: the error says so, on every rank (the message)
+    want = dict(iter_params(module, dtype=torch.float32))
+    assert all(torch.equal(e0.weights[n], t) for n, t in want.items() if n in e0.weights) and e0.weights
+    assert [c for c, _ in e0.calls if c != "get_server_info"] == [
+        "begin_weight_update", "update_weights_from_disk", "end_weight_update"]
+    assert "replica 1 of 2 failed to load it" in said and "scripted refusal" in said, said
+    assert "no replica committed it, but replica 0 loaded it already" in said, said
+    # and trainer rank 0's error carries the fleet's note, as the tensor and distributed methods do
+    assert any("could not drop" in n and "replica 0" in n and "partly new weights" in n
+               for n in notes), notes
+    # no replica is said to hold a version it never committed, none is taken out of service
+    status = manager.fleet_status()
+    assert status["version"] is None and manager.version is None
+    assert [(r["name"], r["serving"], r["version"]) for r in status["replicas"]] == [
+        ("replica 0", True, None), ("replica 1", True, None)], status
+    manager.close()
