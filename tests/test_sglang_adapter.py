@@ -305,6 +305,55 @@ def test_success_false_raises_with_message():
         a.get_weights_by_name("nope")
 
 
+class _VersionedDisk(fake.FakeSGLangEngine):
+    """An in-process engine with ``update_weight_version`` (as `ReferenceEngine` has), whose disk
+    load takes ``flush_cache``: what SGLang's server request takes, in process."""
+
+    def update_weights_from_disk(self, model_path, load_format=None, flush_cache=True):
+        self._record("flush", flush_cache=flush_cache)
+        return super().update_weights_from_disk(model_path, load_format)
+
+    def update_weight_version(self, new_version, abort_all_requests=False):
+        self._record("update_weight_version", new_version=new_version,
+                     abort_all_requests=abort_all_requests)
+        return True, "Success"
+
+
+@pytest.mark.timeout(30)
+def test_in_process_disk_load_drops_no_option_without_a_word(tmp_path):
+    """sglang.Engine.update_weights_from_disk (0.5.12 to 0.5.23) takes only model_path and
+    load_format. The adapter passed nothing else and said nothing: a weight_version, a
+    flush_cache=False or an abort_all_requests=True asked for was dropped. Now such an option is
+    refused before anything loads, naming it; weight_version goes to update_weight_version where
+    the engine has one; an option the engine's method takes is passed."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    eng = fake.FakeSGLangEngine(tp_size=1)
+    a = sg.SGLangEngine(eng)
+    for option, pattern in (({"weight_version": "step-7"}, "can take no weight_version"),
+                            ({"flush_cache": False}, "takes no flush_cache"),
+                            ({"abort_all_requests": True}, "takes no abort_all_requests")):
+        with pytest.raises(sg.SGLangError, match=pattern + ".*nothing was loaded"):
+            a.update_weights_from_disk(str(tmp_path), **option)
+    assert "update_weights_from_disk" not in eng.names() and not eng.weights
+    assert a.takes_weight_version is False        # the disk method loads it unnamed, as told
+    a.update_weights_from_disk(str(tmp_path), flush_cache=True, abort_all_requests=False)
+    assert eng.calls[-1] == ("update_weights_from_disk",
+                             {"model_path": str(tmp_path), "load_format": None})
+    recorded_bind(fake.FakeSGLangEngine, *eng.calls[-1])           # sglang.Engine's signature
+    # an engine that can name its weights: the version set right after the load; flush passed
+    eng = _VersionedDisk(tp_size=1)
+    a = sg.SGLangEngine(eng)
+    a.update_weights_from_disk(str(tmp_path), weight_version="step-7", flush_cache=False)
+    assert [c for c in eng.calls if c[0] != "get_server_info"] == [
+        ("flush", {"flush_cache": False}),
+        ("update_weights_from_disk", {"model_path": str(tmp_path), "load_format": None}),
+        ("update_weight_version", {"new_version": "step-7", "abort_all_requests": False})]
+    with pytest.raises(sg.SGLangError, match="takes no abort_all_requests"):
+        a.update_weights_from_disk(str(tmp_path), abort_all_requests=True)
+
+
 @pytest.mark.timeout(30)
 def test_shutdown_closes():
     eng = fake.FakeSGLangEngine(tp_size=1)

@@ -122,9 +122,13 @@ POOL = ".recycle"
 
 def _load_one(engine: Any, path: str, version: str | None, *, flush: bool = True) -> None:
     """``update_weights_from_disk`` with SGLang's ``weight_version`` where the engine takes it, and
-    ``flush_cache=False`` where ``flush`` is off (`DiskTransport._check_no_flush`)."""
+    ``flush_cache=False`` where ``flush`` is off (`DiskTransport._check_no_flush`). An engine that
+    says it cannot name its weights (``takes_weight_version`` False: an in-process
+    ``sglang.Engine``) loads them unnamed, as `fleet.end_all` commits them."""
     fn = engine.update_weights_from_disk
     params = inspect.signature(fn).parameters
+    if getattr(engine, "takes_weight_version", True) is False:
+        version = None
     kw = {} if flush or "flush_cache" not in params else {"flush_cache": False}
     if version is not None and "weight_version" in params:
         fn(path, weight_version=version, **kw)

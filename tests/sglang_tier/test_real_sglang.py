@@ -229,7 +229,8 @@ def drive_adapter(target) -> None:
         from safetensors.torch import save_file
 
         save_file(dict(named[:2]), os.path.join(d, "model.safetensors"))
-        a.update_weights_from_disk(d, weight_version="v1")
+        # a server takes weight_version in the body; sglang.Engine's method cannot (refused)
+        a.update_weights_from_disk(d, **({"weight_version": "v1"} if a.is_http else {}))
     a.resume_memory_occupation(["kv_cache"])
     a.generate([[1, 2, 3]], max_new_tokens=3)
     a.get_weights_by_name(named[0][0], truncate_size=2)

@@ -225,7 +225,8 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient):
         """Whether `end_weight_update` can name the committed weights: over HTTP always (with
         ``/update_weight_version`` after it where the server does not take it in the body); in
         process only an engine with ``end_weight_update(weight_version=)`` or
-        ``update_weight_version``. The fleet commits without a version where it cannot."""
+        ``update_weight_version``. The fleet commits, and the disk method loads, without a version
+        where it cannot."""
         if self._local is None:
             return True
         return (takes_keyword(self._local.engine, "end_weight_update", "weight_version")
@@ -396,10 +397,13 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient):
         """SGLang reloads the tensors of a checkpoint directory (``update_weights_from_disk``).
 
         ``model_path`` must be a path the SGLang process can read (on its machine); no weight-update
-        session is needed. In process, SGLang 0.5.23's ``Engine.update_weights_from_disk`` takes
-        only ``model_path`` and ``load_format`` (it flushes the cache itself); over HTTP the body is
-        SGLang's ``UpdateWeightFromDiskReqInput`` (``model_path``, ``load_format``,
-        ``flush_cache``, ``abort_all_requests``, and ``weight_version`` when given). Raises
+        session is needed. Over HTTP the body is SGLang's ``UpdateWeightFromDiskReqInput``
+        (``model_path``, ``load_format``, ``flush_cache``, ``abort_all_requests``, and
+        ``weight_version`` when given). In process, an option the engine's method does not take
+        (``sglang.Engine``'s takes only ``model_path`` and ``load_format``) is refused before
+        loading when it asks for more than that method does (`disk_option_refusal`), and
+        ``weight_version`` is set after the load with its ``update_weight_version`` (refused where
+        it has none: `takes_weight_version`), never dropped without a word. Raises
         `SGLangUpdateError` with SGLang's message on ``success=False``. SGLang 0.5.23 loads
         in place: after a failure past its pre-checks its weights may be partly updated, so hand it
         only complete, published directories (`fsdp_sync.transport.disk` does)."""
@@ -426,12 +430,28 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient):
                 raise
             check_answer(call, answer, error=SGLangUpdateError, where=self.where)
             return
+        engine, kw = self._local.engine, {}
+        refusal = self.disk_option_refusal(flush_cache=flush_cache, abort_all_requests=abort_all_requests)
+        if refusal is None and weight_version is not None:
+            if takes_keyword(engine, "update_weights_from_disk", "weight_version"):
+                kw["weight_version"] = str(weight_version)
+            elif not self._local.has("update_weight_version"):
+                refusal = (f"the in-process {type(engine).__name__} can take no weight_version (no "
+                           f"update_weights_from_disk(weight_version=) nor update_weight_version)")
+        if refusal is not None:
+            raise SGLangError(f"{call}: {refusal}; nothing was loaded", call=call)
+        for k, v, default in (("flush_cache", bool(flush_cache), True),
+                              ("abort_all_requests", bool(abort_all_requests), False)):
+            if v != default:            # taken (else refused above); sglang.Engine's own does the default
+                kw[k] = v
         try:
             answer = self._local.call("update_weights_from_disk", model_path=path,
-                                      load_format=load_format)
+                                      load_format=load_format, **kw)
         except MissingMethod:
             raise SGLangError("this engine has no update_weights_from_disk", call=call) from None
         check_answer(call, answer, error=SGLangUpdateError)
+        if weight_version is not None and "weight_version" not in kw:
+            self.update_weight_version(str(weight_version), abort_all_requests=False)
 
     def update_weights_from_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
                                    | Mapping[str, torch.Tensor], flush_cache: bool = True) -> None:
