@@ -240,13 +240,12 @@ class FSDPShardingManager:
             if p.device.type != "cpu":
                 self._offloaded[name] = p.device
         if self._offloaded:
-            self.module.to("cpu")
+            move_params(self.module, "cpu")
             empty_cache()
 
     def _reload_params(self) -> None:
         if self._offloaded:
-            device = next(iter(self._offloaded.values()))
-            self.module.to(device)
+            move_params(self.module, next(iter(self._offloaded.values())))
             self._offloaded.clear()
 
     def _restore(self, *, release: bool, original: BaseException | None = None,
@@ -659,6 +658,18 @@ class FSDPShardingManager:
         lora_sync.close(self)     # the adapter's export kept between syncs
         if transport is not None:
             transport.close()
+
+
+def move_params(module: torch.nn.Module, device: Any) -> None:
+    """``module.to(device)``, FSDP1's flat parameters first by their handles with ``_local_shard``
+    re-pointed (verl's offload_fsdp_model_to_cpu): FSDP1 sets ``flat_param.data`` back to it after
+    every unshard, so ``.to`` alone kept the GPU shard. FSDP2 re-points its own (``_apply``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    for h in (unit._handle for unit in FSDP.fsdp_modules(module)):
+        if h is not None and not h._offload_params:    # CPUOffload's shards: FSDP's to move
+            h.flat_param_to(device)
+            h.flat_param._local_shard = h.flat_param.data
+    module.to(device)
 
 
 _INSIDE = " inside the with block"

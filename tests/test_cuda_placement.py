@@ -1,0 +1,123 @@
+"""Where the CUDA path puts things, checked on a CPU (torch.cuda faked, engines recorded).
+
+- `FSDPShardingManager`'s parameter offload moves FSDP1's flat parameters by their handles, with
+  ``_local_shard`` pointed at the moved data (FSDP1 points ``flat_param.data`` back at it after
+  every unshard, so ``module.to`` alone kept the GPU shard); a dtype move stands in for the device
+  move (both go through ``nn.Module._apply`` and ``flat_param_to``); FSDP2 was never affected.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_sync.engines.base import EngineError
+
+
+class _Stop(Exception):
+    pass
+
+
+def _record_engine(monkeypatch) -> dict:
+    import fsdp_sync.engines as engines
+
+    seen: dict = {}
+
+    class Rec:
+        def __init__(self, **kw):
+            seen.update(kw)
+            raise _Stop
+
+    monkeypatch.setattr(engines, "ReferenceEngine", Rec)
+    return seen
+
+
+def _fake_gpus(monkeypatch, n: int) -> list:
+    """``n`` CUDA devices as torch.cuda reports them; ``set_device`` recorded, not done."""
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(torch, "set_num_threads", lambda k: None)    # bench_rank's, not this process's
+    return calls
+
+
+# --------------------------------------------------------------------------- 1. FSDP1 offload
+
+def _moves(rank, world):
+    """Each wrapping's parameters moved as the manager's reload moves them (float64 standing in
+    for the device), then where FSDP will find them at its next unshard."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from fsdp_sync.manager import FSDPShardingManager
+
+    out = {}
+    for kind in ("fsdp1-orig-params", "fsdp1-flat-params", "fsdp2"):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        if kind == "fsdp2":
+            fully_shard(m[0])
+            fully_shard(m)
+        else:
+            m = FSDP(m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"),
+                     use_orig_params=kind == "fsdp1-orig-params")
+        m(torch.randn(2, 64)).sum().backward()          # lazy init: FSDP1 sets _local_shard here
+        stub = types.SimpleNamespace(module=m, _offloaded={"w": torch.float64})
+        FSDPShardingManager._reload_params(stub)
+        facts = []
+        if kind == "fsdp2":
+            for group in [m[0]._get_fsdp_state()._fsdp_param_group, m._get_fsdp_state()._fsdp_param_group]:
+                for fp in group.fsdp_params:
+                    local = fp.sharded_param._local_tensor
+                    facts.append((str(local.dtype), str(fp._sharded_param_data.dtype),
+                                  fp._sharded_param_data.untyped_storage().data_ptr()
+                                  == local.untyped_storage().data_ptr()))
+        else:
+            for unit in FSDP.fsdp_modules(m):
+                if unit._handle is None:
+                    continue
+                flat = unit._handle.flat_param
+                views = [p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                         for p in unit.parameters() if p is not flat and p.numel()]
+                facts.append((str(flat.dtype), str(flat._local_shard.dtype),
+                              flat._local_shard.data_ptr() == flat.data_ptr(), all(views)))
+        out[kind] = facts
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_reload_and_offload_move_fsdp1_local_shards_too():
+    """Before: ``module.to`` moved ``flat_param.data`` but left ``_local_shard`` (what FSDP1 points
+    the flat parameter back at after every unshard) on the old storage: offload_params freed none
+    of a GPU shard, and the next forward ran on it. FSDP2 re-points its shards itself."""
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    for got in run_ranks(_moves, 2, timeout_s=100, env=spawn_env()):
+        for kind in ("fsdp1-orig-params", "fsdp1-flat-params"):
+            assert got[kind] and all(f == ("torch.float64", "torch.float64", True, True)
+                                     for f in got[kind]), (kind, got[kind])
+        assert got["fsdp2"] and all(f == ("torch.float64", "torch.float64", True)
+                                    for f in got["fsdp2"]), got["fsdp2"]
+
+
+def test_offload_and_reload_both_move_through_move_params(monkeypatch):
+    import fsdp_sync.manager as manager
+
+    moved = []
+    monkeypatch.setattr(manager, "move_params", lambda module, device: moved.append(device), raising=False)
+    monkeypatch.setattr(manager, "empty_cache", lambda: None)
+    gpu = torch.device("cuda", 0)
+    module = types.SimpleNamespace(named_parameters=lambda: [("w", types.SimpleNamespace(device=gpu))],
+                                   to=lambda d: moved.append(("module.to", d)))
+    stub = types.SimpleNamespace(module=module, config=types.SimpleNamespace(offload_params=True),
+                                 _offloaded={})
+    manager.FSDPShardingManager._offload_params(stub)
+    manager.FSDPShardingManager._reload_params(stub)
+    assert moved == ["cpu", gpu], moved
+
+
