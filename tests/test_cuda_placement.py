@@ -3,7 +3,8 @@
 - `FSDPShardingManager`'s parameter offload moves FSDP1's flat parameters by their handles, with
   ``_local_shard`` pointed at the moved data (FSDP1 points ``flat_param.data`` back at it after
   every unshard, so ``module.to`` alone kept the GPU shard); a dtype move stands in for the device
-  move (both go through ``nn.Module._apply`` and ``flat_param_to``); FSDP2 was never affected.
+  move (both go through ``nn.Module._apply`` and ``flat_param_to``); FSDP2 was never affected;
+- each bench rank builds its model on its own GPU.
 """
 
 from __future__ import annotations
@@ -119,5 +120,43 @@ def test_offload_and_reload_both_move_through_move_params(monkeypatch):
     manager.FSDPShardingManager._offload_params(stub)
     manager.FSDPShardingManager._reload_params(stub)
     assert moved == ["cpu", gpu], moved
+
+
+# --------------------------------------------------------------------------- 3. bench: each rank's GPU
+
+def _bench_rank_until_engine(monkeypatch, rank: int, world: int, tp_ranks: list[int]) -> list:
+    import fsdp_sync.cli.trainer as trainer
+    import fsdp_sync.models as models
+    import fsdp_sync.topology as topology
+    import fsdp_sync.weights.export as export
+    from fsdp_sync.cli.bench import main
+
+    order = _fake_gpus(monkeypatch, world)
+
+    def build(cfg, **kw):
+        order.append(("build", kw.get("device")))
+        return object()
+
+    monkeypatch.setattr(models, "build_model", build)
+    monkeypatch.setattr(models, "count_params", lambda m: (0, 0))
+    monkeypatch.setattr(trainer, "wrap_fsdp", lambda m, v, device: m)
+    monkeypatch.setattr(export, "param_metas", lambda m, d: [])
+    monkeypatch.setattr(main, "copy_seconds", lambda *a: 0.0)
+    monkeypatch.setattr(topology, "make_mesh", lambda *a: None)
+    monkeypatch.setattr(topology.SyncTopology, "from_mesh",
+                        staticmethod(lambda mesh: types.SimpleNamespace(is_tp_src=True, tp_ranks=tp_ranks)))
+    job = types.SimpleNamespace(model="tiny", device="cuda", dtype="bfloat16", tp=len(tp_ranks),
+                                methods=("tensor",), engine_kw={"ep_size": 1}, repeats=1)
+    with pytest.raises(_Stop):
+        main.bench_rank(rank, world, job)
+    return order
+
+
+def test_bench_rank_builds_its_cuda_model_on_its_own_gpu(monkeypatch):
+    """Before: build_model(device="cuda") ran before wrap_fsdp's set_device, so every rank's full
+    fp32 model (and CUDA context) landed on cuda:0 first."""
+    _record_engine(monkeypatch)
+    order = _bench_rank_until_engine(monkeypatch, 1, 2, [1])
+    assert order[:2] == [("set_device", 1), ("build", "cuda")], order
 
 

@@ -52,6 +52,7 @@ from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floo
                      layout_figures)
 from .gpu_memory import CudaPeaks
 from .sampling import DeviceSampler, rises, sampled_sync
+from .table import BenchProgress
 from .targets import check_targets
 from ...topology import cpu_group
 
@@ -249,6 +250,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
 
     torch.set_num_threads(1)
     cfg = load_config(job.model)
+    if job.device == "cuda":    # this rank's GPU (wrap_fsdp's) before the model lands on cuda:0
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     model = build_model(cfg, seed=0, device="cuda" if job.device == "cuda" else None)
     params, tensors = count_params(model)
     model = wrap_fsdp(model, 2, device=job.device)
@@ -264,7 +267,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     served = _Served(engine, job.tp) if engine is not None and job.engine == "http" else None
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid(), group=cpu_group())
-    progress = _Progress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
+    progress = BenchProgress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
                          * len(job.layouts) * len(job.pipelined), job)
     rows = []
     baseline: float | None = None
@@ -426,36 +429,6 @@ def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, 
         **memory_budget("tensor", bucket_bytes, largest), "engine_calls": stats.engine_calls,
         "stages": timeline, "memory_curve": curve,
     }
-
-
-class _Progress:
-    """A rich progress bar on rank 0 (stderr); silent elsewhere."""
-
-    def __init__(self, on: bool, total: int, job: Job) -> None:
-        self.bar = None
-        if not on:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        ep = f" ep{job.ep}" if job.ep > 1 else ""
-        self.bar = Progress(TextColumn(f"[bold]bench[/] {job.model} r{job.ranks} tp{job.tp}{ep} "
-                                       f"ms={'on' if job.multi_stage else 'off'}"), BarColumn(),
-                            MofNCompleteColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                            transient=True)
-        self.bar.start()
-        self.task = self.bar.add_task("", total=total)
-
-    def update(self, text: str) -> None:
-        if self.bar:
-            self.bar.update(self.task, description=text)
-
-    def advance(self) -> None:
-        if self.bar:
-            self.bar.advance(self.task)
-
-    def stop(self) -> None:
-        if self.bar:
-            self.bar.stop()
 
 
 # --------------------------------------------------------------------------- the sweep

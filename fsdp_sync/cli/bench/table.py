@@ -4,7 +4,8 @@ baseline and memory budget.
 What every row of the sweep shares (the model, its size, ranks, TP, bucket size, multi-stage,
 ...) goes to the caption under the table, so the columns left are what tells the rows apart and
 fit a terminal. Every row's strategy (``disk:checkpoint (engine, fp8)``) is printed whole at any
-width. Sizes are in the unit that shows them (a tiny model's kilobytes are not ``0`` MiB).
+width. Sizes are in the unit that shows them (a tiny model's kilobytes are not ``0`` MiB). And the
+progress bar rank 0 shows while a job's rows are measured (`BenchProgress`).
 
 Not here: measuring the rows (`main`, `methods`), the targets (`targets`).
 """
@@ -16,7 +17,7 @@ from typing import Any, Callable
 from ..plan import size
 from .targets import row_floor
 
-__all__ = ["bench_table", "row_label", "COLUMNS"]
+__all__ = ["bench_table", "row_label", "COLUMNS", "BenchProgress"]
 
 MiB = 2**20
 
@@ -81,3 +82,33 @@ def bench_table(rows: list[dict]) -> Any:
     for c in cells:
         table.add_row(*(v for i, v in enumerate(c) if i not in shared))
     return table
+
+
+class BenchProgress:
+    """A rich progress bar on rank 0 (stderr); silent elsewhere."""
+
+    def __init__(self, on: bool, total: int, job: Any) -> None:
+        self.bar = None
+        if not on:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        ep = f" ep{job.ep}" if job.ep > 1 else ""
+        self.bar = Progress(TextColumn(f"[bold]bench[/] {job.model} r{job.ranks} tp{job.tp}{ep} "
+                                       f"ms={'on' if job.multi_stage else 'off'}"), BarColumn(),
+                            MofNCompleteColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                            transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task("", total=total)
+
+    def update(self, text: str) -> None:
+        if self.bar:
+            self.bar.update(self.task, description=text)
+
+    def advance(self) -> None:
+        if self.bar:
+            self.bar.advance(self.task)
+
+    def stop(self) -> None:
+        if self.bar:
+            self.bar.stop()
