@@ -368,3 +368,36 @@ def test_fp8_without_a_model_takes_the_recipe_whose_blocks_split(command, capsys
     with pytest.raises(SystemExit):
         cli.parse_args([command, "--quantization", "fp8", "--model", "tiny", *extra])
     assert "is not a multiple of block 128" in capsys.readouterr().err
+
+
+GPU_REFUSALS = [
+    # one GPU per trainer rank whatever the method: both ranks went on cuda:0 and NCCL refused the
+    # FSDP group after the model was built (only --method distributed was checked)
+    ("demo --device cuda --ranks 2 --tp 1", 1, ["--device cuda --ranks 2 needs 2 GPUs", "has 1"]),
+    ("demo --device cuda --ranks 2 --tp 1 --method disk", 1, ["--ranks 2 needs 2 GPUs", "has 1"]),
+    ("bench --device cuda --ranks 2 --tp 1", 1, ["--device cuda --ranks 2 needs 2 GPUs", "has 1"]),
+    # bench's distributed rows: the engine on GPUs of its own, checked per (method, ranks, tp)
+    ("bench --device cuda --methods tensor,distributed --ranks 1,2 --tp 1", 2,
+     ["--methods distributed --device cuda needs --ranks + --tp = 3 GPUs", "has 2"]),
+]
+
+
+@pytest.mark.parametrize("argv, gpus, words", GPU_REFUSALS, ids=[a for a, _, _ in GPU_REFUSALS])
+def test_a_cuda_job_the_gpus_cannot_hold_is_one_line_up_front(argv, gpus, words, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv.split())
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+@pytest.mark.parametrize("argv, gpus", [("bench --device cuda --ranks 1 --tp 1", 1),
+                                        ("bench --device cuda --methods tensor,distributed --ranks 1 --tp 1", 2),
+                                        ("bench --device cuda --ranks 2 --tp 1,2", 2)])
+def test_a_cuda_bench_the_gpus_hold_is_taken(argv, gpus, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert cli.parse_args(argv.split()).spec.device == "cuda"

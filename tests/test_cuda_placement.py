@@ -4,7 +4,8 @@
   ``_local_shard`` pointed at the moved data (FSDP1 points ``flat_param.data`` back at it after
   every unshard, so ``module.to`` alone kept the GPU shard); a dtype move stands in for the device
   move (both go through ``nn.Module._apply`` and ``flat_param_to``); FSDP2 was never affected;
-- each bench rank builds its model on its own GPU.
+- each bench rank builds its model on its own GPU;
+- `cli.args.check_gpus`: one GPU per trainer rank whatever the method, refused up front.
 """
 
 from __future__ import annotations
@@ -158,5 +159,24 @@ def test_bench_rank_builds_its_cuda_model_on_its_own_gpu(monkeypatch):
     _record_engine(monkeypatch)
     order = _bench_rank_until_engine(monkeypatch, 1, 2, [1])
     assert order[:2] == [("set_device", 1), ("build", "cuda")], order
+
+
+# --------------------------------------------------------------------------- 5. ranks beyond the GPUs
+
+def test_more_trainer_ranks_than_gpus_is_refused_for_every_method():
+    """Before: only --method distributed was checked; tensor/disk with --ranks 2 on one GPU put both
+    ranks on cuda:0 and NCCL refused the FSDP group (Duplicate GPU) after the model was built."""
+    from fsdp_sync.cli.args import check_gpus
+
+    for method in ("tensor", "disk", "distributed"):
+        with pytest.raises(ValueError, match=r"--device cuda --ranks 2 needs 2 GPUs \(one per trainer "
+                                             r"rank.*this machine has 1\. Use --ranks 1 or fewer"):
+            check_gpus(method, "cuda", 2, 1, gpus=1)
+        check_gpus(method, "cpu", 2, 1, gpus=0)
+    check_gpus("tensor", "cuda", 1, 1, gpus=1)
+    check_gpus("disk", "cuda", 2, 2, gpus=2)
+    with pytest.raises(ValueError, match=r"--methods distributed --device cuda needs --ranks \+ --tp = 3 "
+                                         r"GPUs.*has 2\. Use --methods tensor"):
+        check_gpus("distributed", "cuda", 2, 1, gpus=2, method_flag="--methods")
 
 

@@ -148,21 +148,28 @@ def backend(text: str) -> str:
     return text
 
 
-def check_gpus(method: str, device: str, ranks: int, tp: int, gpus: int | None = None) -> None:
-    """Refuse, before anything starts, a job this machine's GPUs cannot hold: the distributed
-    method's engine needs GPUs of its own (NCCL refuses one GPU on both ends of the update group),
-    so trainer ranks on GPUs 0..ranks-1 and the engine's TP workers after them."""
-    if device != "cuda" or method != "distributed":
+def check_gpus(method: str, device: str, ranks: int, tp: int, gpus: int | None = None,
+               method_flag: str = "--method") -> None:
+    """Refuse, before anything starts, a job this machine's GPUs cannot hold: one GPU per trainer
+    rank, whatever the method (rank r goes on cuda:r % GPUs, and NCCL refuses two ranks of the
+    trainer's group on one GPU, after the model was built); the distributed method's engine on
+    GPUs of its own (NCCL refuses one GPU on both ends of the update group), so trainer ranks on
+    GPUs 0..ranks-1 and the engine's TP workers after them. ``method_flag``: bench's --methods."""
+    if device != "cuda":
         return
     if gpus is None:
         import torch
 
         gpus = torch.cuda.device_count()
-    if ranks + tp > gpus:
-        raise ValueError(f"--method distributed --device cuda needs --ranks + --tp = {ranks + tp} GPUs "
+    if ranks > gpus:
+        raise ValueError(f"--device cuda --ranks {ranks} needs {ranks} GPUs (one per trainer rank: NCCL "
+                         f"refuses two ranks of the trainer's group on one GPU); this machine has {gpus}. "
+                         f"Use --ranks {gpus} or fewer, or --device cpu")
+    if method == "distributed" and ranks + tp > gpus:
+        raise ValueError(f"{method_flag} distributed --device cuda needs --ranks + --tp = {ranks + tp} GPUs "
                          f"(the engine's {tp} on GPUs of their own: NCCL refuses one GPU on both ends "
-                         f"of the weight-update group); this machine has {gpus}. Use --method tensor "
-                         f"(colocated, CUDA IPC) or --method disk on one GPU")
+                         f"of the weight-update group); this machine has {gpus}. Use {method_flag} tensor "
+                         f"(colocated, CUDA IPC) or {method_flag} disk on one GPU")
 
 
 def dtype_name(text: str) -> str:

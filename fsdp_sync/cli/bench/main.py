@@ -599,6 +599,8 @@ def check_bench_args(args, given: set[str]) -> None:
             sweep = (f"--preset {args.preset}" if args.preset else
                      f"--recipe {args.recipe}" if args.recipe else "--device cuda")
             raise ValueError(f"{sweep} runs on cuda: {exc}") from None
+        for method, r, t in itertools.product(args.spec.methods, args.spec.ranks, args.spec.tp):
+            ca.check_gpus(method, "cuda", r, t, method_flag="--methods")   # a GPU per rank, engine's own
 
 
 def cmd_bench(args) -> int:
