@@ -4,6 +4,7 @@
   ``_local_shard`` pointed at the moved data (FSDP1 points ``flat_param.data`` back at it after
   every unshard, so ``module.to`` alone kept the GPU shard); a dtype move stands in for the device
   move (both go through ``nn.Module._apply`` and ``flat_param_to``); FSDP2 was never affected;
+- `fsdp-sync bench` puts a distributed engine after the trainer's GPUs;
 - each bench rank builds its model on its own GPU;
 - `cli.args.check_gpus`: one GPU per trainer rank whatever the method, refused up front.
 """
@@ -121,6 +122,22 @@ def test_offload_and_reload_both_move_through_move_params(monkeypatch):
     manager.FSDPShardingManager._offload_params(stub)
     manager.FSDPShardingManager._reload_params(stub)
     assert moved == ["cpu", gpu], moved
+
+
+# --------------------------------------------------------------------------- 2. bench: distributed engine
+
+@pytest.mark.parametrize("method, want", [("distributed", 2), ("disk", 0)])
+def test_bench_distributed_engine_sits_after_the_trainer_gpus(monkeypatch, method, want):
+    """Before: no base_gpu_id, so the distributed engine's worker 0 sat on GPU 0 with trainer rank 0
+    and `check_distinct_gpus` refused every distributed row on every machine."""
+    from fsdp_sync.cli.bench.methods import method_rows
+
+    seen = _record_engine(monkeypatch)
+    job = types.SimpleNamespace(tp=1, ep=1, device="cuda", dtype="bfloat16", quantization=None,
+                                engine_kw={"ep_size": 1})
+    with pytest.raises(_Stop):
+        method_rows(0, 2, job, None, None, 0, 0, method, [], 0)
+    assert seen.get("base_gpu_id", 0) == want, seen
 
 
 # --------------------------------------------------------------------------- 3. bench: each rank's GPU

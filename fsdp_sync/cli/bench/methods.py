@@ -128,8 +128,11 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
             from ...transport.disk import disk_floor  # noqa: F401
         except ImportError:
             return [{"method": "disk", "skipped": "this build has no disk method"}] if rank == 0 else []
+    # on CUDA a distributed engine's workers go after the trainer ranks' GPUs, as the demo's (NCCL
+    # refuses one GPU on both ends of the update group: `transport.distributed.check_distinct_gpus`)
+    base_gpu = world if job.device == "cuda" and method == "distributed" else 0
     engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype,
-                             **job.engine_kw) if rank == 0 else None
+                             base_gpu_id=base_gpu, **job.engine_kw) if rank == 0 else None
     # one engine rank's shard, beside what a disk row's engine rank read (the full layout's rows
     # carry no layout figures of their own: the workers slice their parts out of the HF files)
     shard = quantized_layout(layout_for(cfg, job.tp, job.ep), job.quantization).engine_bytes(dtype.itemsize)
