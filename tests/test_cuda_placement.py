@@ -6,6 +6,7 @@
   move (both go through ``nn.Module._apply`` and ``flat_param_to``); FSDP2 was never affected;
 - `fsdp-sync bench` puts a distributed engine after the trainer's GPUs;
 - each bench rank builds its model on its own GPU;
+- each colocated bench engine runs on its TP group's GPUs;
 - `cli.args.check_gpus`: one GPU per trainer rank whatever the method, refused up front.
 """
 
@@ -176,6 +177,17 @@ def test_bench_rank_builds_its_cuda_model_on_its_own_gpu(monkeypatch):
     _record_engine(monkeypatch)
     order = _bench_rank_until_engine(monkeypatch, 1, 2, [1])
     assert order[:2] == [("set_device", 1), ("build", "cuda")], order
+
+
+# --------------------------------------------------------------------------- 4. bench: colocated engines
+
+@pytest.mark.parametrize("rank, world, tp_ranks", [(1, 2, [1]), (2, 4, [2, 3])])
+def test_bench_colocated_engine_sits_on_its_tp_groups_gpus(monkeypatch, rank, world, tp_ranks):
+    """Before: no base_gpu_id, so every DP group's engine ran on GPUs 0..tp-1 (the demo's fix,
+    113b8fe, base_gpu_id=topo.tp_ranks[0], had not reached the bench)."""
+    seen = _record_engine(monkeypatch)
+    _bench_rank_until_engine(monkeypatch, rank, world, tp_ranks)
+    assert seen.get("base_gpu_id", 0) == tp_ranks[0] and seen["tp_size"] == len(tp_ranks), seen
 
 
 # --------------------------------------------------------------------------- 5. ranks beyond the GPUs

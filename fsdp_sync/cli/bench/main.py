@@ -262,7 +262,9 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     topo = SyncTopology.from_mesh(mesh)
     dtype = getattr(torch, job.dtype)
     colocated = "tensor" in job.methods
+    # on CUDA each TP group's engine on that group's GPUs (trainer rank r is on cuda:r), as the demo's
     engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype,
+                             base_gpu_id=topo.tp_ranks[0] if job.device == "cuda" else 0,
                              **job.engine_kw) if topo.is_tp_src and colocated else None
     served = _Served(engine, job.tp) if engine is not None and job.engine == "http" else None
     pids: list = [None] * world
