@@ -7,7 +7,8 @@
 - `fsdp-sync bench` puts a distributed engine after the trainer's GPUs;
 - each bench rank builds its model on its own GPU;
 - each colocated bench engine runs on its TP group's GPUs;
-- `cli.args.check_gpus`: one GPU per trainer rank whatever the method, refused up front.
+- `cli.args.check_gpus`: one GPU per trainer rank whatever the method, refused up front;
+- `ReferenceEngine` refuses a ``base_gpu_id`` whose workers would run past the last GPU.
 """
 
 from __future__ import annotations
@@ -207,5 +208,29 @@ def test_more_trainer_ranks_than_gpus_is_refused_for_every_method():
     with pytest.raises(ValueError, match=r"--methods distributed --device cuda needs --ranks \+ --tp = 3 "
                                          r"GPUs.*has 2\. Use --methods tensor"):
         check_gpus("distributed", "cuda", 2, 1, gpus=2, method_flag="--methods")
+
+
+# --------------------------------------------------------------------------- 6. base_gpu_id past the last GPU
+
+def test_engine_refuses_workers_past_the_last_gpu(monkeypatch):
+    """Before: worker i ran on (base_gpu_id + i) % device_count, so base_gpu_id=1, tp_size=2 on two
+    GPUs put worker 1 on GPU 0, beside whatever was there; now refused before anything starts."""
+    import fsdp_sync.engines.reference.engine as engine_mod
+    from fsdp_sync.engines import ReferenceEngine
+
+    _fake_gpus(monkeypatch, 2)
+
+    def stop(*a, **kw):           # past the argument checks: start nothing
+        raise _Stop
+
+    monkeypatch.setattr(engine_mod, "load_config", stop)
+    with pytest.raises(EngineError, match=r"base_gpu_id 1 \+ tp_size 2 needs GPUs 1\.\.2, one per TP "
+                                          r"rank .*this process sees 2"):
+        ReferenceEngine(model_config="tiny", tp_size=2, device="cuda", base_gpu_id=1)
+    with pytest.raises(EngineError, match=r"base_gpu_id 0 \+ tp_size 3 .*sees 2"):
+        ReferenceEngine(model_config="tiny", tp_size=3, device="cuda")
+    for base, tp in ((0, 2), (1, 1)):
+        with pytest.raises(_Stop):
+            ReferenceEngine(model_config="tiny", tp_size=tp, device="cuda", base_gpu_id=base)
 
 

@@ -107,8 +107,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
     Args:
         model_config: a ``transformers`` config, a recipe name, or a path (`fsdp_sync.models.load_config`).
         tp_size: number of TP workers.
-        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; worker i on GPU
-            ``(base_gpu_id + i) % device_count``).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; worker i on GPU ``base_gpu_id + i``,
+            refused past the last GPU).
         dtype: weight and activation dtype (float32, bfloat16 or float16). Updates must match it.
         kv_cache_tokens: KV-cache slots per worker (default 4096 when ``mem_fraction`` is not given).
         mem_fraction: instead of a token count, size weights + KV cache to this fraction of the
@@ -182,13 +182,14 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise EngineError("device='cuda' but CUDA is not available in this process")
-        if device == "cuda" and int(tp_size) > torch.cuda.device_count():
-            raise EngineError(f"tp_size {tp_size} needs one GPU per TP rank (NCCL refuses two ranks on "
-                              f"one GPU); this process sees {torch.cuda.device_count()}")
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
         if isinstance(base_gpu_id, bool) or not isinstance(base_gpu_id, int) or base_gpu_id < 0:
             raise ValueError(f"base_gpu_id must be an int >= 0, got {base_gpu_id!r}")
+        if device == "cuda" and base_gpu_id + tp_size > torch.cuda.device_count():   # not wrapped to GPU 0
+            raise EngineError(f"base_gpu_id {base_gpu_id} + tp_size {tp_size} needs GPUs {base_gpu_id}.."
+                              f"{base_gpu_id + tp_size - 1}, one per TP rank (NCCL refuses two ranks on one "
+                              f"GPU); this process sees {torch.cuda.device_count()}")
         if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
                                         or num_threads < 1):
             raise ValueError(f"num_threads must be an int >= 1 (or None for 1), got {num_threads!r}")
