@@ -8,7 +8,8 @@
 - each bench rank builds its model on its own GPU;
 - each colocated bench engine runs on its TP group's GPUs;
 - `cli.args.check_gpus`: one GPU per trainer rank whatever the method, refused up front;
-- `ReferenceEngine` refuses a ``base_gpu_id`` whose workers would run past the last GPU.
+- `ReferenceEngine` refuses a ``base_gpu_id`` whose workers would run past the last GPU;
+- the GPU tier's release/resume test reads the engine's own allocator, not the whole device.
 """
 
 from __future__ import annotations
@@ -234,3 +235,32 @@ def test_engine_refuses_workers_past_the_last_gpu(monkeypatch):
             ReferenceEngine(model_config="tiny", tp_size=tp, device="cuda", base_gpu_id=base)
 
 
+# --------------------------------------------------------------------------- 7. the GPU tier's memory test
+
+def _figures(*, gave_back: bool) -> dict:
+    """What `test_gpu._release_resume` returns (its old and new figures) when another xdist worker
+    allocated 3 GiB on the same GPU between the reads of the device's free memory."""
+    held, gib = 600 << 20, 1 << 30
+    reserved = 900 << 20
+    released = reserved - (held if gave_back else 0)
+    return {"held": held, "allocated_drop": held, "generates": True,
+            "reserved_before": reserved, "reserved_released": released, "reserved_resumed": reserved,
+            "free_before": 40 * gib, "free_released": 40 * gib + (held if gave_back else 0) - 3 * gib,
+            "free_resumed": 40 * gib - 3 * gib}
+
+
+@pytest.mark.parametrize("gave_back", [True, False])
+def test_gpu_release_test_reads_the_engines_allocator_not_the_device(monkeypatch, gave_back):
+    """Before: it asserted on torch.cuda.mem_get_info (the whole device) while `make test-gpu`
+    runs -n 8 on one GPU: another test's allocation meanwhile failed it. It still fails an engine
+    that kept its memory."""
+    import fsdp_sync.cli.launch as launch
+    import test_gpu
+
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **kw: [_figures(gave_back=gave_back)])
+    monkeypatch.setattr(launch, "spawn_env", lambda *a, **kw: {})
+    if gave_back:
+        test_gpu.test_release_and_resume_really_move_gpu_memory()
+    else:
+        with pytest.raises(AssertionError):
+            test_gpu.test_release_and_resume_really_move_gpu_memory()
