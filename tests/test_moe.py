@@ -50,9 +50,10 @@ def _splits(spec: ModelSpec):
 
 # --------------------------------------------------------------------------- layout and export
 
-@pytest.mark.parametrize("recipe", FAMILIES)
-def test_export_names_are_the_layout_maps_and_every_engine_element_is_written_once(recipe):
-    cfg = load_config(recipe)
+@pytest.mark.parametrize("recipe,overrides", [(r, {}) for r in FAMILIES] + [("tiny-qwen2-moe", {"qkv_bias": False})],
+                         ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
+def test_export_names_are_the_layout_maps_and_every_engine_element_is_written_once(recipe, overrides):
+    cfg = load_config(recipe, **overrides)
     model = build_model(cfg, seed=5)
     named = dict(export.iter_params(model))
     spec = ModelSpec.from_config(cfg)
@@ -150,6 +151,27 @@ def test_engine_matches_transformers(recipe, tp, ep):
                                    max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):].tolist()
                     for p in PROMPTS]
         assert eng.generate(PROMPTS, max_new_tokens=8, ignore_eos=True) == want
+
+
+@pytest.mark.timeout(120)
+def test_qwen2_moe_without_qkv_bias_syncs_bit_exact():
+    """Qwen2-MoE's ``qkv_bias: false`` (a config field transformers and SGLang honour): the layout
+    map, and so the engine, has no q/k/v biases; a sync of the trainer's tensors at TP 2 loads
+    every one bit for bit and the engine computes the trainer's logits."""
+    from fsdp_sync.engines import ReferenceEngine
+
+    cfg = load_config("tiny-qwen2-moe", qkv_bias=False)
+    model = build_model(cfg, seed=7).eval()
+    named = dict(export.iter_params(model))
+    assert not any(n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for n in named)
+    assert not any(n.endswith("qkv_proj.bias") for n in layout_for(cfg, 2).engine_shapes())
+    with ReferenceEngine(cfg, tp_size=2, kv_cache_tokens=256) as eng:
+        eng.update_weights_from_tensor(list(named.items()))
+        for n, t in named.items():
+            assert torch.equal(eng.get_weights_by_name(n), t), n
+        with torch.no_grad():
+            for p, got in zip(PROMPTS, eng.forward_logits(PROMPTS, all_positions=True)):
+                assert (got - model(input_ids=torch.tensor([p])).logits[0].float()).abs().max() < 1e-5
 
 
 @pytest.mark.timeout(120)

@@ -134,8 +134,11 @@ class ModelSpec:
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
                              f"num_key_value_heads ({kv})")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        if mt in ("qwen2", "qwen2_moe"):   # q/k/v always carry biases, o_proj never, the MLP never
+        if mt == "qwen2":                  # q/k/v always carry biases, o_proj never, the MLP never
             qkv_bias, o_bias, mlp_bias = True, False, False
+        elif mt == "qwen2_moe":            # q/k/v biases as the config's qkv_bias says (default on),
+            # as transformers (bias=config.qkv_bias) and SGLang (getattr(config, "qkv_bias", True)) read it
+            qkv_bias, o_bias, mlp_bias = bool(getattr(cfg, "qkv_bias", True)), False, False
         elif mt == "mixtral":
             qkv_bias = o_bias = mlp_bias = False
         elif mt == "llama":
