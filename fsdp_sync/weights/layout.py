@@ -2,8 +2,12 @@
 Qwen2-MoE, Mixtral) lands on each tensor-parallel (TP) rank of the rollout engine. The one source of truth for the reference
 engine's sharding, the per-rank buckets (`reshard`) and the SGLang custom weight loader.
 
-`ModelSpec` reads what the layout needs from a ``transformers`` config and refuses what the engine
-cannot run (other activations, rope scaling, sliding-window layers) with a clear error.
+`ModelSpec` reads what the layout needs from a ``transformers`` config and refuses, naming it, a
+family the map does not know. What only the reference engine's forward cannot compute (other
+activations, rope scaling such as Llama 3's or YaRN, sliding-window layers) changes no tensor's
+place: it is noted (`ModelSpec.unsupported`) and refused where that engine builds its model
+(`engines.reference.tp_model.check_runnable`), so SGLang's per-rank buckets, its verify and
+`plan` take such a model.
 `TPLayout(spec, tp_size, ep_size)` is a pure function of them, the same split as SGLang's for these
 models:
 
@@ -32,8 +36,8 @@ models:
   TP-split gated MLP (``shared_expert.gate_up_proj`` / ``down_proj``) with a replicated
   ``shared_expert_gate``.
 
-Which layers are MoE, the expert sizes and the routing come from the config (`ModelSpec`); what a
-family needs and this map does not know is refused by `ModelSpec.from_config` by name.
+Which layers are MoE, the expert sizes and the routing come from the config (`ModelSpec`); a
+family this map does not know is refused by `ModelSpec.from_config` by name.
 
 A `Placement` says where a piece of a full HF tensor lives in a rank's own parameter
 (``engine_param[dst] = full[src]``), with ``src`` a block of rows or of columns. Loading,
@@ -94,6 +98,10 @@ class ModelSpec:
     norm_topk_prob: bool = False          # renormalize the top-k routing weights
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE's shared expert (0: none)
     moe_layers: tuple[int, ...] = ()      # the layers whose MLP is the sparse MoE block
+    unsupported: str = ""
+    """Why the reference engine's forward cannot compute this model (another activation, rope
+    scaling, sliding-window layers), as its refusal says it; "" when it can. The sharding does not
+    depend on it: `engines.reference.tp_model.check_runnable` refuses it, the layout does not."""
 
     @property
     def moe_prefix(self) -> str:
@@ -111,22 +119,27 @@ class ModelSpec:
         if mt not in FAMILIES:
             raise ValueError(f"the layout map knows model_type {', '.join(map(repr, FAMILIES))} "
                              f"(Llama, Qwen2, Qwen3 dense; Qwen3-MoE, Qwen2-MoE, Mixtral), got model_type {mt!r}")
+        # what the reference engine's forward cannot compute; none of it changes the sharding, so
+        # it is noted here (`unsupported`) and refused where that engine builds its model, while
+        # the layout serves SGLang (per-rank buckets, verify, `plan`) for such a model all the same
+        unsupported = []
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"expected hidden_act 'silu', got {act!r}")
+            unsupported.append(f"expected hidden_act 'silu', got {act!r}")
         rope = getattr(cfg, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = getattr(cfg, "rope_scaling", None)
-        if rope_type != "default" or (isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type"))
-                                      not in (None, "default")):
-            raise ValueError(f"expected the default rope, got rope_type {rope_type!r}")
+        if rope_type == "default" and isinstance(scaling, dict):
+            rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
+        if rope_type != "default":
+            unsupported.append(f"expected the default rope, got rope_type {rope_type!r}")
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         layer_types = getattr(cfg, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types) or getattr(cfg, "use_sliding_window", False):
-            raise ValueError(f"sliding-window attention is not supported (layer_types {layer_types})")
-        if mt in ("qwen3_moe", "mixtral") and getattr(cfg, "sliding_window", None) is not None:
-            raise ValueError(f"sliding-window attention is not supported ({mt} sliding_window "
-                             f"{cfg.sliding_window}; set it to null for full attention)")
+            unsupported.append(f"sliding-window attention is not supported (layer_types {layer_types})")
+        elif mt in ("qwen3_moe", "mixtral") and getattr(cfg, "sliding_window", None) is not None:
+            unsupported.append(f"sliding-window attention is not supported ({mt} sliding_window "
+                               f"{cfg.sliding_window}; set it to null for full attention)")
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -156,7 +169,7 @@ class ModelSpec:
                    qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
                    max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
                    initializer_range=float(getattr(cfg, "initializer_range", 0.02)),
-                   qk_norm=mt in ("qwen3", "qwen3_moe"), **moe)
+                   qk_norm=mt in ("qwen3", "qwen3_moe"), unsupported="; ".join(unsupported), **moe)
 
     @staticmethod
     def _moe_fields(cfg: Any, mt: str) -> dict[str, Any]:

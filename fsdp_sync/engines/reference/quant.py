@@ -26,6 +26,7 @@ import torch
 from ...weights import fp8
 from ...weights.bucket import dtype_name
 from ...weights.layout import ModelSpec, TPLayout
+from .tp_model import check_runnable
 
 __all__ = ["resolve", "engine_layout", "dtype_refusal", "scale_refusal"]
 
@@ -74,7 +75,10 @@ def resolve(config: Any, quantization: Any) -> dict | None:
 
 def engine_layout(spec: ModelSpec, tp: int, ep: int, quant: dict | None) -> TPLayout:
     """The layout an engine of ``quant`` (`resolve`'s answer) holds: `TPLayout`, or `fp8.FP8Layout`,
-    which refuses a TP/EP split that cuts a block (`fp8.check_block_shapes`)."""
+    which refuses a TP/EP split that cuts a block (`fp8.check_block_shapes`). First refuses a model
+    the engine's forward does not compute (`tp_model.check_runnable`: rope scaling, say), so the
+    engine, `serve` and `demo` say so before any worker starts."""
+    check_runnable(spec)
     if quant is None:
         return TPLayout(spec, tp, ep)
     return fp8.FP8Layout(spec, tp, ep, ignored=quant.get("ignored", ()), block=tuple(quant["block"]))

@@ -12,6 +12,9 @@ RMSNorm, rotary embeddings and attention follow transformers' numerics (float32 
 cos/sin computed in float32 then cast, SDPA). Attention runs per sequence over its own span of the
 KV cache, so prompts of different lengths need no padding.
 
+What the forward does not compute (rope scaling, another activation, sliding-window layers) is
+refused by `check_runnable` when a `TPModel` is built, naming it.
+
 Block FP8 (a `fp8.FP8Layout`): each parameter is stored in ``layout.dtype_of`` (quantized weights
 as float8_e4m3fn, their ``_scale_inv`` as float32) and each quantized weight is dequantized
 (`fp8.dequantize_block`, to the engine dtype) where a matmul uses it; nothing derived is cached, so
@@ -31,11 +34,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["ModelSpec", "TPLayout", "Placement", "Span", "TPModel", "shard_state_dict", "initial_tensors"]
+__all__ = ["ModelSpec", "TPLayout", "Placement", "Span", "TPModel", "shard_state_dict", "initial_tensors",
+           "check_runnable"]
 
 from ...weights import fp8  # noqa: E402
 # the layout map lives in fsdp_sync.weights.layout (one source of truth); re-exported here for old imports
 from ...weights.layout import ModelSpec, Placement, TPLayout, shard_state_dict  # noqa: E402,F401
+
+
+def check_runnable(spec: ModelSpec) -> None:
+    """Raise ValueError where this forward would compute another model than ``spec``'s: it knows
+    silu, the default rope and full attention only (`ModelSpec.unsupported` says what else the
+    config asks for). Run where the reference engine builds its model, so it never serves a wrong
+    rope; the layout map itself takes such a model (SGLang runs it)."""
+    if spec.unsupported:
+        raise ValueError(f"the reference engine cannot compute this {spec.model_type} model (its forward "
+                         f"knows silu, the default rope and full attention): {spec.unsupported}")
 
 
 def initial_tensors(layout: TPLayout, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,6 +100,7 @@ class TPModel:
 
     def __init__(self, layout: TPLayout, rank: int, *, dtype: torch.dtype, device: torch.device,
                  group: Any = None):
+        check_runnable(layout.spec)
         self.layout, self.spec, self.rank = layout, layout.spec, rank
         self.dtype, self.device, self.group = dtype, torch.device(device), group
         self.shapes = layout.engine_shapes()
