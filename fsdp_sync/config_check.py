@@ -10,7 +10,8 @@ of the trainer's changed (`math_key`) (``engine.config``: the reference
 engine does; an SGLang server does not report its config, so it is not checked), in
 `check_engine`, which also compares the engine's TP with the mesh's and its quantization with the
 sync's, and asks the engine whether it would load the sync wrongly (`load_refusal`: SGLang's Llama
-loader drops block-FP8 scales on every path but fsdp_sync's per-rank loader).
+loader drops block-FP8 scales on every path but fsdp_sync's per-rank loader) and whether SGLang
+would serve the model other than the trainer computes it (`served_refusal`: a tied MoE model).
 
 Floats compare exactly: these are configuration values, not computed ones. A key missing on one
 side and present on the other counts as a difference (unless the side that has it holds the
@@ -25,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "check_engine", "model_config", "math_key",
-           "through_own_loader", "load_refusal"]
+           "through_own_loader", "load_refusal", "served_refusal"]
 
 MATH_KEYS = (
     # sizes (shapes catch most, but not a transposed split of equal products)
@@ -137,7 +138,7 @@ def check_engine(module: Any, engine: Any, config: Any, topo: Any, *, where: str
                          f"{want!r}: a sync would send weights in a format the engine does not "
                          f"hold; set SyncConfig.quantization={held!r} or start the engine with "
                          f"quantization={want!r} ({where})")
-    why = load_refusal(module, engine, config)
+    why = load_refusal(module, engine, config) or served_refusal(module, engine)
     if why:
         raise ValueError(f"{why} ({where})")
     mine, theirs = model_config(module), getattr(engine, "config", None)
@@ -154,6 +155,21 @@ def through_own_loader(config: Any, engine: Any) -> bool:
                 and getattr(config, "layout", "full") in ("engine", "auto")
                 and getattr(config, "strategy", None) == "flattened"
                 and bool(getattr(engine, "accepts_rank_buckets", False)))
+
+
+def served_refusal(module: Any, engine: Any) -> str | None:
+    """Why SGLang itself would serve ``module``'s model other than the trainer computes it, whatever
+    a sync sends (`engines.sglang.served_config.model_refusal`: a tied Qwen3-MoE / Qwen2-MoE /
+    Mixtral, whose head SGLang keeps apart); None for any other engine. SGLang is told apart as
+    `verify.sent_record` does: it has no full-tensor digests (``fsdp-sync serve`` has)."""
+    serves = getattr(engine, "serves_tensor_checksums", None)
+    cfg = model_config(module)
+    if cfg is None or not callable(serves):
+        return None
+    from .engines.sglang.served_config import model_refusal
+
+    why = model_refusal(cfg)
+    return why if why and not serves() else None    # asked only then: over HTTP, a request
 
 
 def load_refusal(module: Any, engine: Any, config: Any) -> str | None:

@@ -395,7 +395,7 @@ class SentToSGLang:
             self.expected[engine_name] = [hex_hash(x, self.algorithm) for x in per_rank]
 
     def check(self, engine: Any) -> tuple[str | None, dict]:
-        from .engines.sglang.checksums import rank_reports
+        from .engines.sglang.checksums import rank_reports, unfilled
 
         t0 = time.perf_counter()
         problems: list[str] = []
@@ -418,6 +418,7 @@ class SentToSGLang:
         if pending:
             problems.append(f"the sent tensors did not complete {pending[:3]} ({len(pending)} "
                             f"engine parameters)")
+        problems += unfilled(self.layout, reports)      # SGLang's weights no sync writes
         err = _sglang_error(self.step, 0, problems) if problems else None
         return err, {"verify": self.mode, "verify_tensors": len(self.expected),
                      "verify_s": time.perf_counter() - t0}

@@ -5,6 +5,9 @@
   ``fsdp-sync plan`` work for a Llama-3.x model) with the sharding of the same model without them,
   while the reference engine, whose forward computes none of them, refuses them by name before a
   worker starts (the engine, ``serve``'s and ``demo``'s checks).
+- SGLang's Qwen3-MoE, Qwen2-MoE and Mixtral keep an lm_head apart from a tied embedding, which no
+  sync writes: a tied model of those families into SGLang is refused before anything is sent, and
+  SGLang's checksum verify names any weight SGLang holds that the layout never fills.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import types
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,3 +84,91 @@ def test_plan_and_sglang_verify_take_a_llama3_model_demo_refuses_it(tmp_path, ca
     assert checker.hf_names() == {"model.norm.weight"}
     with pytest.raises(ValueError, match=r"argument --model: .*rope_type 'llama3'"):
         check_model(str(path), 2, 1, None)
+
+
+# --------------------------------------------------------------------------- SGLang's MoE heads
+
+def _tied_moe(recipe="tiny-qwen3-moe"):
+    from fsdp_sync.models import build_model, load_config
+
+    return build_model(load_config(recipe, tie_word_embeddings=True), seed=3)
+
+
+@pytest.mark.parametrize("recipe", ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"])
+def test_a_tied_moe_model_into_sglang_is_refused_before_anything_is_sent(recipe, tmp_path, monkeypatch):
+    """SGLang's Qwen3-MoE, Qwen2-MoE and Mixtral classes keep an lm_head of their own whatever
+    tie_word_embeddings says, and a tied trainer sends none: the head would stay as SGLang started.
+    The manager's engine check refuses it (in process and over HTTP: the fake SGLang), naming the
+    class; untied, the reference engine and ``fsdp-sync serve`` behind SGLang's API are not."""
+    import fake_sglang as fake
+
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.config_check import check_engine
+    from fsdp_sync.engines import sglang as sg
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+
+    module = _tied_moe(recipe)
+    engine = sg.SGLangEngine(fake.FakeSGLangEngine(tp_size=1))
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=True for a '\w+' model: SGLang's \w+ForCausalLM "
+                                         r"always builds an lm_head of its own .* \(trainer rank 0\)"):
+        check_engine(module, engine, SyncConfig(), None, where="trainer rank 0")
+    check_engine(build_model(load_config(recipe), seed=3), engine, SyncConfig(), None, where="")   # untied
+    check_engine(module, object(), SyncConfig(), None, where="")       # an engine with its own tie rule
+    if recipe != "tiny-qwen3-moe":
+        return
+    served = sg.SGLangEngine(fake.FakeSGLangEngine(tp_size=1))
+    monkeypatch.setattr(served, "serves_tensor_checksums", lambda: True)   # fsdp-sync serve ties
+    check_engine(module, served, SyncConfig(), None, where="")
+    cfg = SyncConfig(method="disk", disk_dir=str(tmp_path / "ck"), dtype=torch.float32, layout="full",
+                     free_cache_engine=False)
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        manager = FSDPShardingManager(module, [sg.SGLangEngine(base_url=srv.url, tp_size=1, timeout_s=10)],
+                                      config=cfg)
+        try:
+            with pytest.raises(SyncError, match="MoeForCausalLM always builds an lm_head"):
+                with manager:
+                    pass
+        finally:
+            manager.close()
+        assert not any(p.startswith("/update_weights") for _, p, _ in srv.requests), srv.requests
+
+
+def test_sglang_verify_names_a_weight_no_sync_writes():
+    """SGLang's /weights_checker hashes every parameter it holds; one the layout map has none of
+    (SGLang's own lm_head behind a tied Qwen3-MoE) is never written by a sync, so the check names
+    it on every TP rank instead of reporting the engine clean. Rotary caches are not weights."""
+    from fsdp_sync.engines.sglang import checksums
+    from fsdp_sync.weights import export
+    from fsdp_sync.weights.layout import layout_for
+
+    module = _tied_moe()
+    layout = layout_for(module.config, 2)
+    full = list(export.iter_params(module))
+    ranks = [{"checksums": {}, "parallelism_info": {"tp_rank": r, "tp_size": 2}} for r in range(2)]
+    for name, per_rank in checksums.expected_checksums(layout, full):
+        for r, h in enumerate(per_rank):
+            ranks[r]["checksums"][name] = h
+    for r in ranks:
+        r["checksums"]["model.layers.0.self_attn.rotary_emb.cos_sin_cache"] = "0" * 16
+
+    def problems(answer):
+        c = checksums.Checker(layout, answer, algorithm="cpu")
+        return [p for n, t in full for p in c.feed(n, t)] + c.finish()
+
+    assert problems({"ranks": ranks}) == []
+    for r in ranks:
+        r["checksums"]["lm_head.weight"] = "d5568f5091ec8295"
+    said = ("'lm_head.weight' on TP ranks 0, 1: SGLang holds it, but the trainer's layout has no such "
+            "parameter, so no sync writes it")
+    assert problems({"ranks": ranks}) == [said]
+    # a streaming sender's record (verl's adapter) says the same
+    from fsdp_sync.verify import SentToSGLang
+
+    server = types.SimpleNamespace(server_info=lambda: {"device": "cpu"},
+                                   weights_checker=lambda action: {"ranks": ranks})
+    sent = SentToSGLang(server, "full", 0, hf_config=module.config, tp_size=2)
+    for n, t in full:
+        sent.add(n, t)
+    err, _ = sent.check(server)
+    assert err is not None and said in err, err

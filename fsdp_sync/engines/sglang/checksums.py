@@ -27,7 +27,9 @@ assembles, from full HF tensors streamed in any order, each engine parameter of 
 soon as all its pieces arrived (fused ``qkv_proj`` / ``gate_up_proj``, vocab shards with zero
 padding rows as SGLang's own loader leaves them, expert ``w13_weight`` / ``w2_weight`` of the
 rank's experts), hands it out once and forgets it: the trainer holds one engine parameter (all
-ranks) at a time, never the model. `Checker` compares those with a ``/weights_checker`` answer.
+ranks) at a time, never the model. `Checker` compares those with a ``/weights_checker`` answer,
+and names every weight SGLang reports that the layout has no parameter for (`unfilled`: no sync
+writes it, e.g. the lm_head SGLang's MoE classes keep apart from a tied embedding).
 
 Unchecked: parameters a runtime repacks after loading (SGLang's ``process_weights_after_loading``:
 CPU AMX packing of linear and expert weights, ROCm aiter shuffles, the flashinfer TRT-LLM block
@@ -48,7 +50,7 @@ import torch
 from ...weights.layout import TPLayout
 
 __all__ = ["ALGORITHMS", "NON_PERSISTENT", "cpu_hash", "gpu_hash", "hex_hash", "RankParams",
-           "expected_checksums", "rank_reports", "Checker"]
+           "expected_checksums", "rank_reports", "Checker", "unfilled"]
 
 NON_PERSISTENT = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
 """Name patterns SGLang's checker never hashes (``_NON_PERSISTENT_BUFFER_PATTERNS``)."""
@@ -236,8 +238,8 @@ class Checker:
 
     ``feed(hf_name, full)`` for each trainer tensor; it returns one line per difference found in
     the engine parameters that tensor completed (``"'<engine name>' on TP rank r: SGLang hashes
-    …, the trainer's bytes hash …"``). ``finish()`` adds the parameters never completed or never
-    reported. ``algorithm``: the server's hash (``"gpu"`` for a CUDA server); on a difference the
+    …, the trainer's bytes hash …"``). ``finish()`` adds the parameters never completed, and those
+    SGLang reports that the layout never fills (`unfilled`). ``algorithm``: the server's hash (``"gpu"`` for a CUDA server); on a difference the
     other one is tried too (a CPU-offloaded parameter of a GPU server is hashed on CPU)."""
 
     def __init__(self, layout: TPLayout, answer: Any, *, algorithm: str = "cpu",
@@ -276,5 +278,22 @@ class Checker:
 
     def finish(self) -> list[str]:
         pending = self.params.pending()
-        return [f"the trainer's tensors did not complete {pending[:3]} ({len(pending)} engine "
-                f"parameters)"] if pending else []
+        return ([f"the trainer's tensors did not complete {pending[:3]} ({len(pending)} engine "
+                 f"parameters)"] if pending else []) + unfilled(self.layout, self.reports)
+
+
+def unfilled(layout: TPLayout, reports: dict[int, list[dict[str, str]]]) -> list[str]:
+    """A line per parameter SGLang hashes (`rank_reports`) that the layout map has none of, so no
+    sync writes it (SGLang's own lm_head behind a tied MoE model, say): whatever it holds, the
+    trainer cannot vouch for it. Non-persistent buffers (`NON_PERSISTENT`) are not weights."""
+    known = set(layout.engine_shapes())
+    out: dict[str, list[int]] = {}
+    for r, replicas in sorted(reports.items()):
+        for sums in replicas:
+            for name in sums:
+                if name not in known and not any(p in name for p in NON_PERSISTENT):
+                    if r not in out.setdefault(name, []):
+                        out[name].append(r)
+    return [f"{name!r} on TP rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: SGLang "
+            f"holds it, but the trainer's layout has no such parameter, so no sync writes it"
+            for name, ranks in out.items()]

@@ -7,6 +7,11 @@ real SGLang server started from a local directory this process can read, that di
 take transformers' defaults, as they do on the trainer's side), and `config_check` compares the
 values that change the engine's math. None when neither is there: the check is skipped, as for
 any engine that does not expose its config.
+
+`model_refusal` says why SGLang itself (not ``fsdp-sync serve`` behind its API) would serve a
+trainer's model other than the trainer computes it, whatever a sync sends: its Qwen3-MoE,
+Qwen2-MoE and Mixtral classes (0.5.12 and 0.5.23) always build an lm_head of their own and ignore
+``tie_word_embeddings``, and nothing fills that head for a tied model (`SEPARATE_HEAD`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["served_config", "config_from_dict"]
+__all__ = ["served_config", "config_from_dict", "SEPARATE_HEAD", "model_refusal"]
+
+SEPARATE_HEAD = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
+"""Families whose SGLang model class builds a ``ParallelLMHead`` of its own whatever
+``tie_word_embeddings`` says (``model_type`` -> the class), in 0.5.12 and 0.5.23."""
 
 
 def served_config(model_info: Any) -> Any | None:
@@ -52,3 +62,17 @@ def config_from_dict(d: dict) -> Any:
         return transformers.AutoConfig.for_model(model_type, **d)
     except (ValueError, KeyError, TypeError):
         return _Config(model_type=model_type, **d)
+
+
+def model_refusal(config: Any) -> str | None:
+    """Why SGLang would serve the model of ``config`` (the trainer's) other than it computes, or
+    None: a tied model of a `SEPARATE_HEAD` family, whose head SGLang keeps apart and no sync
+    writes (a tied trainer exports no ``lm_head.weight``: its head is ``embed_tokens``)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in SEPARATE_HEAD and bool(getattr(config, "tie_word_embeddings", False)):
+        return (f"tie_word_embeddings=True for a {model_type!r} model: SGLang's {SEPARATE_HEAD[model_type]} "
+                f"always builds an lm_head of its own and ignores the tie, and a tied trainer sends no "
+                f"lm_head.weight (its head is model.embed_tokens.weight), so SGLang would keep serving "
+                f"the head it was started with; untie the model (tie_word_embeddings=False with an "
+                f"lm_head of its own) or serve it with fsdp_sync's reference engine")
+    return None
