@@ -136,3 +136,57 @@ def test_in_place_pause_sends_no_flush_and_the_sync_succeeds():
     assert "takes no flush_cache" in local["error"], local
     assert local["published"] == [] and "update_weights_from_disk" not in local["calls"], local
     assert local["calls"][-1] == "continue_generation", local
+
+
+class _BusyFlush:
+    """A reference engine behind SGLang's flush rule with requests running and no pause: its own
+    ``/flush_cache`` is refused (SGLang answers HTTP 400 "Cache not flushed ..." unless the
+    scheduler is idle), while an update's ``flush_cache`` runs under SGLang's writer lock, which
+    waits for the running requests, and succeeds. Records each update's ``flush_cache``."""
+
+    def __init__(self, engine) -> None:
+        self._e, self.flushes, self.flush_calls = engine, [], 0
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        flush_cache=True, load_format=None):
+        self.flushes.append(flush_cache)
+        return self._e.update_weights_from_distributed(names, dtypes, shapes, group_name=group_name,
+                                                       flush_cache=flush_cache, load_format=load_format)
+
+    def flush_cache(self):
+        from fsdp_sync.engines.base import EngineStateError
+
+        self.flush_calls += 1
+        raise EngineStateError("Cache not flushed because there are pending requests. #queue-req: 0, "
+                               "#running-req: 2")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pause_mode", [None, "in_place"])
+def test_distributed_flushes_with_its_last_update_not_after_the_commit(pause_mode):
+    """Before: the distributed method committed every replica, then called flush_cache() on each,
+    outside SGLang's writer lock: with requests running SGLang refused it, so the sync failed
+    though every replica had committed (manager.version and fleet_status one behind what the
+    replicas served, the radix cache still holding the old weights' KV). Now the last bucket's
+    update_weights_from_distributed carries flush_cache=True (none under pause_mode="in_place")."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.models import build_model, load_config
+
+    module = build_model(load_config("tiny"), seed=0)
+    with ReferenceEngine("tiny", tp_size=1, kv_cache_tokens=64, call_timeout_s=30) as ref:
+        eng = _BusyFlush(ref)
+        cfg = SyncConfig(method="distributed", bucket_bytes=64 << 10, dist_timeout_s=30.0,
+                         pause_mode=pause_mode)
+        manager = FSDPShardingManager(module, [eng], config=cfg)
+        try:
+            with manager:
+                pass
+            assert manager.version == "0" and manager.fleet_status()["replicas"][0]["version"] == "0"
+            assert eng.flush_calls == 0 and len(eng.flushes) > 1, eng.flushes
+            assert eng.flushes == [False] * (len(eng.flushes) - 1) + [pause_mode is None], eng.flushes
+        finally:
+            manager.close()

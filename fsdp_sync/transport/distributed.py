@@ -33,8 +33,10 @@ k+1 is resharded while bucket k is on the wire (``SyncConfig.pipelined``). All e
 TP size. The choice is made on trainer rank 0 and told to every trainer rank before anything moves;
 ``"engine"`` against an engine that cannot take it raises there on every rank.
 Engine calls go inside ``begin_weight_update``/``end_weight_update`` where the engine has them,
-``flush_cache=False`` per bucket and one ``flush_cache()`` at the end (none with
-``pause_mode="in_place"``: SGLang refuses it while requests are held). With several engines the
+``flush_cache=False`` on every bucket but the last, which flushes (`_flushes`): SGLang runs that
+flush under its writer lock, which waits for the running requests, where a ``/flush_cache`` of
+its own after the commit is refused (HTTP 400) while requests run; none with
+``pause_mode="in_place"``, as SGLang refuses it while requests are held. With several engines the
 end is the fleet's second phase (`fleet.end_all`): no engine commits until every engine has taken
 every bucket, and each commits with the sync's weight version. After a failure the group is torn
 down on both ends and made again at the next sync.
@@ -124,6 +126,7 @@ class DistributedTransport:
         self._calls = EngineCalls()        # engine calls, each on a daemon thread
         self._quant: Any = None           # trainer rank 0: this sync's `quantize.StreamQuantizer`
         self._stuck: set[int] = set()     # engines whose request was given up on, still running
+        self._last_bucket = False         # the bucket being launched is the sync's last: it flushes
 
     @property
     def pg(self) -> Any:
@@ -232,20 +235,12 @@ class DistributedTransport:
                 fleet.note_partial(self._end(engines, False, ctx))   # the error says who kept part
         err = None
         if me == 0:
-            # every engine staged: the fleet's second phase (`fleet.end_all`), then the caches
+            # every engine staged (the last bucket flushed the caches): the fleet's second phase
             try:
                 self._end(engines, True, ctx)
             except fleet.CommitError as exc:
                 ctx.commit_failed = exc
                 err = f"committing the update: {exc}"
-            errs = []
-            for e in engines if getattr(cfg, "pause_mode", None) != "in_place" else []:
-                try:
-                    e.flush_cache()
-                except Exception as exc:  # noqa: BLE001
-                    errs.append(exc)
-            if err is None and errs:
-                err = f"flush_cache after the update: {errs[0]}"
         _agree(err, group, "distributed weight sync")
         stats.engine_calls += len(engines)
         if self._quant is not None:
@@ -343,7 +338,10 @@ class DistributedTransport:
         qpool = _RankBufferPool(layout.tp, device, sets) if quant is not None else None
         # rank 0 holds all TP buffers of a bucket: each is bucket_bytes / tp, so one bucket is
         # bucket_bytes in all and the memory bound stays 2 x bucket (+ the largest tensor)
-        it = reshard.iter_rank_buckets(ctx.module, layout, max(1, cfg.bucket_bytes // layout.tp), dtype=cfg.dtype,
+        part_bytes = max(1, cfg.bucket_bytes // layout.tp)
+        # the stream's plan (dtype: the module's one dtype unless cast): the last bucket flushes
+        n_parts = len(reshard.plan_rank_buckets(layout, cfg.dtype or metas[0].dtype, part_bytes))
+        it = reshard.iter_rank_buckets(ctx.module, layout, part_bytes, dtype=cfg.dtype,
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
                                        share_host_memory=cfg.share_host_memory,
                                        owners=[[0]] * layout.tp, alloc=pool.take, stats=st, host_sets=sets)
@@ -370,6 +368,7 @@ class DistributedTransport:
                     try:     # the peers are in the stream: a failure here is agreed, never raised alone
                         if quant is not None:
                             rb = quant.rank_bucket(rb, qpool.take)
+                        self._last_bucket = rb.index == n_parts - 1
                         pending = self._launch_ranks(engines, rb, f"per-rank bucket {k} ({rb.bucket.names[0]}…)")
                     except Exception as exc:  # noqa: BLE001
                         failed = f"per-rank bucket {k} on trainer rank 0: {type(exc).__name__}: {exc}"
@@ -398,6 +397,12 @@ class DistributedTransport:
                            engine_rank_shard_bytes=shard, trainer_rank_bytes_in=st.bytes_in,
                            trainer_rank_bytes_written=st.bytes_written)
 
+    def _flushes(self) -> bool:
+        """Whether the bucket being launched asks the engines to flush their cache: the sync's last
+        (``_last_bucket``), unless requests are held in place (``pause_mode="in_place"``: SGLang
+        refuses the flush then)."""
+        return self._last_bucket and getattr(self.config, "pause_mode", None) != "in_place"
+
     def _launch_ranks(self, engines: list, rb: Any, what: str) -> _Pending:
         """Requests first (each engine's workers block in their receive), then one isend per
         engine TP rank of that rank's buffer."""
@@ -409,7 +414,7 @@ class DistributedTransport:
                                f"{PER_RANK_BUCKET!r} wire layout ({wire.nbytes} vs {bkt.nbytes} bytes)")
         body = dict(names=bkt.names, dtypes=[dtype_name(e.dtype) for e in bkt.entries],
                     shapes=[list(e.shape) for e in bkt.entries], group_name=cfg.dist_group_name,
-                    flush_cache=False, load_format=PER_RANK_BUCKET)
+                    flush_cache=self._flushes(), load_format=PER_RANK_BUCKET)
         futures = [self._calls.submit(e.update_weights_from_distributed, **body) for e in engines]
         works = []
         if bkt.nbytes:
@@ -456,6 +461,7 @@ class DistributedTransport:
                     try:     # the peers are in the gather: a failure here is agreed, never raised alone
                         if quant is not None:
                             bkt, flat = quant.bucket(bkt, flat, qalloc)
+                        self._last_bucket = k == len(plan) - 1
                         pending = self._launch(engines, bkt, flat, f"bucket {k} ({bkt.names[0]}…)")
                     except Exception as exc:  # noqa: BLE001
                         failed = f"bucket {k} on trainer rank 0: {type(exc).__name__}: {exc}"
@@ -480,7 +486,7 @@ class DistributedTransport:
         per_tensor = cfg.dist_format == "per_tensor"
         body = dict(names=bkt.names, dtypes=[dtype_name(e.dtype) for e in bkt.entries],
                     shapes=[list(e.shape) for e in bkt.entries], group_name=cfg.dist_group_name,
-                    flush_cache=False, load_format=None if per_tensor else "flattened_bucket")
+                    flush_cache=self._flushes(), load_format=None if per_tensor else "flattened_bucket")
         futures = [self._calls.submit(e.update_weights_from_distributed, **body) for e in engines]
         try:
             if per_tensor:
