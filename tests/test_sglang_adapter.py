@@ -354,6 +354,21 @@ def test_in_process_disk_load_drops_no_option_without_a_word(tmp_path):
         a.update_weights_from_disk(str(tmp_path), abort_all_requests=True)
 
 
+def test_which_update_calls_take_weight_version_is_what_base_says():
+    """engines/base.py's protocol note: `ReferenceEngine` takes ``weight_version=`` on every update
+    call, `SGLangEngine` on ``update_weights_from_disk`` only (it said both, on all of them)."""
+    import fsdp_sync.engines.base as base
+    from fsdp_sync.engines.reference import ReferenceEngine
+
+    calls = ("update_weights_from_tensor", "update_weights_from_distributed",
+             "update_weights_from_disk", "load_rank_bucket")
+    takes = lambda cls: {c for c in calls if "weight_version" in inspect.signature(getattr(cls, c)).parameters}  # noqa: E731
+    assert takes(ReferenceEngine) == set(calls)
+    assert takes(sg.SGLangEngine) == {"update_weights_from_disk"}
+    note = " ".join(inspect.getsource(base.Engine).split())
+    assert "`SGLangEngine`: # ``update_weights_from_disk`` only" in note
+
+
 @pytest.mark.timeout(30)
 def test_shutdown_closes():
     eng = fake.FakeSGLangEngine(tp_size=1)

@@ -26,9 +26,10 @@ In-flight weight updates and weight versions (SGLang 0.5.23's meanings; optional
 reason ``abort``), ``"retract"`` (their KV is freed; they are recomputed after the continue, from
 prompt + tokens so far with the weights loaded then) or ``"in_place"`` (they keep their KV and go
 on from it); new requests queue while paused, and weight updates run at once.
-``continue_generation()``. ``weight_version`` names the loaded weights: updates take
-``weight_version=`` (taken at their commit; ``end_weight_update(weight_version=)`` in the same
-critical section as the commit), ``update_weight_version(new_version, abort_all_requests)`` renames
+``continue_generation()``. ``weight_version`` names the loaded weights: update calls take
+``weight_version=`` where the engine's do (which: the end of `Engine`), taken at their commit;
+``end_weight_update(weight_version=)`` takes it in the same critical section as the commit;
+``update_weight_version(new_version, abort_all_requests)`` renames
 them, ``get_weight_version()`` reads it, and generate results carry SGLang's ``weight_versions``
 (``{"version", "start", "end"}`` spans over the output tokens) and ``weight_version``.
 ``set_serving(serving, reason)`` / ``serving_state`` (fsdp_sync's, a fleet's quarantine): out of
@@ -211,8 +212,10 @@ class Engine(Protocol):
     # "in_place"), ``continue_generation()``, ``get_weight_version() -> str``,
     # ``update_weight_version(new_version, abort_all_requests=False)``,
     # ``end_weight_update(*, weight_version=None, abort=False)`` (``abort``: drop the update where
-    # the engine can; a commit of an update an earlier failure aborted raises) and
-    # ``weight_version=None`` on the update calls,
+    # the engine can; a commit of an update an earlier failure aborted raises),
+    # ``weight_version=None`` on the update calls (`ReferenceEngine`: every one; `SGLangEngine`:
+    # ``update_weights_from_disk`` only, the others named by the commit or
+    # ``update_weight_version``; `takes_weight_version` False: it cannot name its weights),
     # ``set_serving(serving, reason="")`` and the read-only ``serving_state -> str | None``
     # (None while serving, else the reason).
 
