@@ -8,6 +8,9 @@
 - SGLang's Qwen3-MoE, Qwen2-MoE and Mixtral keep an lm_head apart from a tied embedding, which no
   sync writes: a tied model of those families into SGLang is refused before anything is sent, and
   SGLang's checksum verify names any weight SGLang holds that the layout never fills.
+- A Hub checkpoint on disk (``save_pretrained``'s files) loads into the reference engine as SGLang
+  loads it: rotary tables it carries (``rotary_emb.inv_freq``, ``cos_cached``, ``sin_cached``) are
+  skipped.
 """
 
 from __future__ import annotations
@@ -172,3 +175,47 @@ def test_sglang_verify_names_a_weight_no_sync_writes():
         sent.add(n, t)
     err, _ = sent.check(server)
     assert err is not None and said in err, err
+
+
+# --------------------------------------------------------------------------- Hub checkpoints on disk
+
+def _hub_checkpoint(path, model, extra=(), **kw):
+    """``save_pretrained`` (the Hub's file names, an index when sharded), plus ``extra`` tensors
+    written into its first file (and index) as an older transformers saved its rotary tables."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(str(path), **kw)
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    if extra:
+        tensors = load_file(str(path / files[0]))
+        tensors.update({n: torch.arange(8, dtype=torch.float32) for n in extra})
+        save_file(tensors, str(path / files[0]), metadata={"format": "pt"})
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            doc = json.loads(index.read_text())
+            doc["weight_map"].update({n: files[0] for n in extra})
+            index.write_text(json.dumps(doc))
+    return files
+
+
+ROTARY = ["model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.1.self_attn.rotary_emb.cos_cached",
+          "model.layers.1.self_attn.rotary_emb.sin_cached"]
+
+
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_a_hub_checkpoint_with_rotary_tables_loads_them_skipped(tmp_path, shard):
+    """Older Hub checkpoints carry ``rotary_emb.inv_freq`` (and cos/sin caches), which SGLang's
+    loader skips: the reference engine loads the weights around them, complete, bit for bit."""
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.models import build_model, load_config
+
+    cfg = load_config("tiny")
+    model = build_model(cfg, seed=4)
+    files = _hub_checkpoint(tmp_path / "hub", model, ROTARY, **({"max_shard_size": shard} if shard else {}))
+    assert (len(files) > 1) == bool(shard)
+    with ReferenceEngine(model_config=cfg, tp_size=2, kv_cache_tokens=64) as eng:
+        eng.update_weights_from_disk(str(tmp_path / "hub"), require_complete=True)
+        got = dict(eng.named_full_tensors())
+        assert eng.disk_tensors_loaded == len(got)
+    want = dict(model.named_parameters())
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in got)

@@ -63,6 +63,7 @@ __all__ = [
     "CheckpointError", "ReadPlan", "shard_file_name", "sha256_file", "fsync_file", "fsync_dir",
     "write_json", "write_safetensors", "safetensors_file_bytes", "start_writeback", "read_hashed", "resolve", "verify_file", "SliceReader", "RANK_FILE_PATTERN", "rank_file_name",
     "RankPlan", "is_ranked", "resolve_ranked", "read_verified", "rank_tensor_name", "engine_name_of",
+    "ROTARY_CACHES", "is_rotary_cache",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -70,6 +71,15 @@ MANIFEST_FILE = "fsdp_sync_manifest.json"
 CONFIG_FILE = "config.json"
 MANIFEST_FORMAT = "fsdp_sync.disk/1"
 LOAD_FORMATS = (None, "auto", "safetensors")
+ROTARY_CACHES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+"""Rotary tables some Hub checkpoints carry (older transformers saved ``inv_freq``): derived from
+the config, not weights. SGLang's ``load_weights`` skips names holding these; so do the engines
+(the trainer's export drops them: `export.NON_WEIGHT_BUFFERS`)."""
+
+
+def is_rotary_cache(name: str) -> bool:
+    """``name`` is a rotary table a checkpoint may carry (`ROTARY_CACHES`), not a weight."""
+    return any(p in name for p in ROTARY_CACHES)
 
 WRITE_CHUNK = 512 << 10   # `write_safetensors` writes, then hashes, this much: still in L2 (issue 39)
 HASH_CHUNK = 4 << 20

@@ -18,6 +18,8 @@ Every tensor must come in the dtype the engine's layout holds it in (`TPLayout.d
 rollout dtype, or for a block-FP8 engine float8_e4m3fn weights and float32 ``weight_scale_inv``
 scales), whichever path it came by (HF-named tensors, ``direct`` engine-named ones, a checkpoint);
 a tensor in another is refused naming it, both dtypes and what to change (`quant.dtype_refusal`).
+Rotary tables a Hub checkpoint may carry (``rotary_emb.inv_freq``, ``cos_cached``, ``sin_cached``)
+are skipped, as SGLang skips them.
 
 Not here: the process loop and command dispatch (`worker`), memory release/resume (`regions`),
 deciding commit vs abort (`engine`).
@@ -310,7 +312,8 @@ class UpdateStager:
         full tensor is materialized for a sharded one). Every tensor's name, dtype and shape is
         checked from the file headers. Nothing is applied here, so a file refused after others
         were staged changes nothing."""
-        from ...weights.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, SliceReader, read_hashed
+        from ...weights.hf_checkpoint import (SAFETENSORS_DTYPES, CheckpointError, SliceReader, is_rotary_cache,
+                                              read_hashed)
 
         directory = spec["dir"]
         verify = spec["verify"]
@@ -342,6 +345,8 @@ class UpdateStager:
                                                            f"which the index does not place in it "
                                                            f"({len(extra)} such names)", extra[0])
                     for name in names:
+                        if is_rotary_cache(name) and not self.w.layout.accepts(name):
+                            continue            # a rotary table, not a weight: SGLang skips it too
                         if name in seen:
                             raise WorkerError(KIND_UPDATE, f"{path}: tensor {name!r} appears twice in "
                                                            f"the checkpoint (TP rank {self.w.rank})", name)
