@@ -10,7 +10,8 @@
   SGLang's checksum verify names any weight SGLang holds that the layout never fills.
 - A Hub checkpoint on disk (``save_pretrained``'s files) loads into the reference engine as SGLang
   loads it: rotary tables it carries (``rotary_emb.inv_freq``, ``cos_cached``, ``sin_cached``) are
-  skipped.
+  skipped, and a floating-point dtype other than the engine's is cast (never FP8), while a sync's
+  own version in another dtype is still refused.
 """
 
 from __future__ import annotations
@@ -219,3 +220,45 @@ def test_a_hub_checkpoint_with_rotary_tables_loads_them_skipped(tmp_path, shard)
         assert eng.disk_tensors_loaded == len(got)
     want = dict(model.named_parameters())
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in got)
+
+
+def test_a_hub_checkpoint_in_another_float_dtype_is_cast_a_syncs_version_is_not(tmp_path):
+    """``save_pretrained`` in bfloat16 into a float32 engine (``serve``'s default): cast on load, as
+    SGLang's loader casts. A sync's own version in another dtype than the engine's stays refused,
+    naming SyncConfig.dtype; an FP8 tensor is never cast, and a checkpoint's integer tensor is
+    refused without advice about the sync."""
+    from safetensors.torch import load_file, save_file
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.engines.base import WeightUpdateError
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.transport import SyncContext, SyncStats
+    from fsdp_sync.transport.disk import DiskTransport
+
+    cfg = load_config("tiny")
+    model = build_model(cfg, seed=4).to(torch.bfloat16)
+    _hub_checkpoint(tmp_path / "hub", model)
+    sc = SyncConfig(disk_dir=str(tmp_path / "ck"), dtype=torch.bfloat16, layout="full")
+    t = DiskTransport(sc)
+    ctx = SyncContext(module=model, config=sc, topo=None, group=None, engines=[], step=0, stats=SyncStats())
+    t.sync(ctx)
+    t.close()
+    with ReferenceEngine(model_config=cfg, tp_size=2, kv_cache_tokens=64, dtype=torch.float32) as eng:
+        eng.update_weights_from_disk(str(tmp_path / "hub"), require_complete=True)
+        got = dict(eng.named_full_tensors())
+        assert all(got[n].dtype == torch.float32 and torch.equal(got[n], p.float())
+                   for n, p in model.named_parameters())
+        with pytest.raises(WeightUpdateError, match=r"expected dtype float32 for .* got bfloat16; .*"
+                                                    r"SyncConfig\(dtype=torch.float32\)"):
+            eng.update_weights_from_disk(ctx.stats.extra["path"])
+        file = next((tmp_path / "hub").glob("*.safetensors"))
+        tensors = load_file(str(file))
+        for dtype, said in ((torch.float8_e4m3fn, "start it with quantization='fp8'"),
+                            (torch.int32, "only floating-point tensors are cast")):
+            bad = {**tensors, "model.norm.weight": tensors["model.norm.weight"].to(dtype)}
+            save_file(bad, str(file), metadata={"format": "pt"})
+            with pytest.raises(WeightUpdateError, match=rf"'model.norm.weight' on TP rank 0, got "
+                                                        rf"{str(dtype).removeprefix('torch.')}; .*{said}"):
+                eng.update_weights_from_disk(str(tmp_path / "hub"))
+        assert all(torch.equal(t, got[n]) for n, t in eng.named_full_tensors())    # the old weights

@@ -18,8 +18,11 @@ Every tensor must come in the dtype the engine's layout holds it in (`TPLayout.d
 rollout dtype, or for a block-FP8 engine float8_e4m3fn weights and float32 ``weight_scale_inv``
 scales), whichever path it came by (HF-named tensors, ``direct`` engine-named ones, a checkpoint);
 a tensor in another is refused naming it, both dtypes and what to change (`quant.dtype_refusal`).
-Rotary tables a Hub checkpoint may carry (``rotary_emb.inv_freq``, ``cos_cached``, ``sin_cached``)
-are skipped, as SGLang skips them.
+One exception, as SGLang's loader casts: a Hugging Face checkpoint that is not a sync's version
+(no ``fsdp_sync_manifest.json``: ``save_pretrained``'s bfloat16 into a float32 engine, say) has
+its floating-point tensors that the engine holds in the rollout dtype cast to it (never FP8
+weights or their scales). Rotary tables a Hub checkpoint may carry (``rotary_emb.inv_freq``,
+``cos_cached``, ``sin_cached``) are skipped, as SGLang skips them.
 
 Not here: the process loop and command dispatch (`worker`), memory release/resume (`regions`),
 deciding commit vs abort (`engine`).
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 
 from ...weights import handles
-from ...weights.bucket import KnownMetadata, copy_many
+from ...weights.bucket import KnownMetadata, copy_many, dtype_name
 from ...weights.experts import fused_hint
 from ...wire import open_flattened_bucket
 from .errors import KIND_STATE, KIND_UPDATE, WorkerError
@@ -55,6 +58,15 @@ def _holding(names: list[str]) -> str:
         return ""
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
     return "; it holds " + ", ".join(repr(n) for n in names[:3]) + more
+
+
+def _fp8(d: Any) -> bool:
+    return isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize == 1
+
+
+def _float_cast(got: Any, want: Any) -> bool:
+    """``got`` -> ``want`` is a plain cast between floating-point dtypes, neither of them FP8."""
+    return all(isinstance(d, torch.dtype) and d.is_floating_point and not _fp8(d) for d in (got, want))
 
 
 def fmt_shape(shape: Any) -> str:
@@ -312,10 +324,14 @@ class UpdateStager:
         full tensor is materialized for a sharded one). Every tensor's name, dtype and shape is
         checked from the file headers. Nothing is applied here, so a file refused after others
         were staged changes nothing."""
-        from ...weights.hf_checkpoint import (SAFETENSORS_DTYPES, CheckpointError, SliceReader, is_rotary_cache,
-                                              read_hashed)
+        from ...weights.hf_checkpoint import (MANIFEST_FILE, SAFETENSORS_DTYPES, CheckpointError, SliceReader,
+                                              is_rotary_cache, read_hashed)
 
         directory = spec["dir"]
+        # a Hugging Face checkpoint of its own (no manifest: not a sync's version) is cast to the
+        # engine's dtype where that is a plain float cast, as SGLang's loader casts; a sync's
+        # version is written in SyncConfig.dtype, so another dtype there is the sync's mistake
+        foreign = not os.path.exists(os.path.join(directory, MANIFEST_FILE))
         verify = spec["verify"]
         index = spec.get("index")
         # this rank's own files first: a corrupt one is refused before the others are sliced
@@ -351,7 +367,7 @@ class UpdateStager:
                             raise WorkerError(KIND_UPDATE, f"{path}: tensor {name!r} appears twice in "
                                                            f"the checkpoint (TP rank {self.w.rank})", name)
                         seen.add(name)
-                        self._disk_writes(path, name, f, writes, SAFETENSORS_DTYPES)
+                        self._disk_writes(path, name, f, writes, SAFETENSORS_DTYPES, cast=foreign)
                 del data                       # its slices are copies: the file's bytes go now
             except WorkerError:
                 raise
@@ -473,7 +489,12 @@ class UpdateStager:
         if fd >= 0:
             os.close(fd)
 
-    def _disk_writes(self, path: str, name: str, f: Any, out: list[Write], dtypes: dict) -> None:
+    def _disk_writes(self, path: str, name: str, f: Any, out: list[Write], dtypes: dict, *,
+                     cast: bool = False) -> None:
+        """Stage this rank's slices of checkpoint tensor ``name``. ``cast``: a floating-point tensor
+        held in the rollout dtype (not a block-FP8 weight or scale) is cast to it from another
+        floating-point dtype (never from or to FP8); otherwise a dtype other than the layout's is
+        refused."""
         if not self.w.layout.accepts(name):
             raise WorkerError(KIND_UPDATE, f"{path}: unknown parameter {name!r} on TP rank {self.w.rank}: "
                                            f"not a {self.w.layout.spec.model_type} parameter name of this "
@@ -482,10 +503,16 @@ class UpdateStager:
         code = f.dtype_code(name)
         dtype = dtypes.get(code)
         want = self.w.layout.dtype_of(name, self.w.dtype)
-        if dtype != want:
+        plain = self.w.layout.dtype_of(name, None) is None     # held in the rollout dtype
+        if dtype != want and not (cast and plain and _float_cast(dtype, want)):
             msg = dtype_refusal(name, dtype if dtype is not None else code, want, self.w.rank,
                                 self.w.layout.quantization)
+            if cast and plain and not _fp8(dtype):   # a checkpoint's own tensor: no sync to configure
+                msg = (f"expected dtype {dtype_name(want)} for {name!r} on TP rank {self.w.rank}, got "
+                       f"{dtype_name(dtype) if isinstance(dtype, torch.dtype) else code}; only "
+                       f"floating-point tensors are cast to the engine's dtype")
             raise WorkerError(KIND_UPDATE, f"{path}: {msg}", name)
+        cast = dtype != want
         shape, full = f.shape(name), tuple(self.w.layout.full_shape(name))
         if shape != full:
             raise WorkerError(KIND_UPDATE, f"{path}: expected shape {fmt_shape(full)} for {name!r} on "
@@ -495,7 +522,7 @@ class UpdateStager:
             piece = f.read(name, pl.src)
             if not f.in_memory:                # in memory: counted when the file was read
                 self.bytes_read += piece.numel() * piece.element_size()
-            out.append(Write(pl.engine, pl.dst, piece, (name,)))
+            out.append(Write(pl.engine, pl.dst, piece.to(want) if cast else piece, (name,)))
         if not placements and name in self.w.hf_set:
             out.append(Write("", (), torch.empty(0, dtype=want), (name,)))   # counts as loaded
 
