@@ -161,6 +161,15 @@ def note_partial(partial: list[str]) -> None:
         failure.add_note(partial_note(partial))
 
 
+def restate(err: BaseException, message: str) -> BaseException:
+    """``err`` said again as ``message`` (a failed sync's error with the replicas blamed), keeping
+    what it carries: its notes (`partial_note`: the replicas that kept part of the update) and
+    attributes (`SyncError.failures`)."""
+    new = type(err)(message)
+    new.__dict__.update({k: list(v) if k == "__notes__" else v for k, v in vars(err).items()})
+    return new
+
+
 @dataclass
 class Replica:
     """One engine of the fleet: whether it serves, why not, and the version it committed last."""

@@ -514,13 +514,13 @@ class FSDPShardingManager:
                 log.warning("fsdp_sync: version %s committed on %d replicas; quarantined: %s",
                             version, len(committed), names)
                 return [targets[i] for i in committed] if self.rank == 0 else []
-            raise SyncError(f"{err}; quarantined (committing cannot be undone on the replicas that "
-                            f"committed version {version!r}): {names}") from None
+            raise fleet.restate(err, f"{err}; quarantined (committing cannot be undone on the replicas "
+                                f"that committed version {version!r}): {names}") from None
         if not quarantine or len(failed) == len(targets):
             hint = ("" if quarantine else "; with SyncConfig.on_replica_failure='quarantine' the healthy "
                     "replicas would commit and these be taken out of service")
-            raise SyncError(f"{err}; no replica committed version {version!r}; replicas that cannot "
-                            f"take updates: {names}{hint}") from None
+            raise fleet.restate(err, f"{err}; no replica committed version {version!r}; replicas that "
+                                f"cannot take updates: {names}{hint}") from None
         log.warning("fsdp_sync: quarantined %s; syncing version %s to the %d others",
                     names, version, len(targets) - len(failed))
         return [r for i, r in enumerate(targets) if i not in failed] if self.rank == 0 else []

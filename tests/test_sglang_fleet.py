@@ -63,3 +63,34 @@ def test_a_disk_load_refused_by_one_replica_names_the_replicas_that_kept_it(tmp_
     assert [(r["name"], r["serving"], r["version"]) for r in status["replicas"]] == [
         ("replica 0", True, None), ("replica 1", True, None)], status
     manager.close()
+
+
+class _RefusingUnnamed(fake.FakeSGLangEngine):
+    """Refuses the disk load, and answers no ``weight_version``: the fleet's probe blames it."""
+
+    def update_weights_from_disk(self, model_path, load_format=None):
+        self._record("update_weights_from_disk", model_path=model_path)
+        return False, "Failed to get weights iterator: (scripted refusal before loading)", 0
+
+
+@pytest.mark.timeout(60)
+def test_the_note_of_what_replicas_kept_survives_blaming_a_replica(tmp_path):
+    """When the fleet's probe blames the failing replica, the manager raised a new SyncError
+    ('... replicas that cannot take updates: ...') from None, dropping the transport error's
+    notes: the one saying replica 0 serves the new weights and could not drop them was lost."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.engines import sglang as sg
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+
+    module = build_model(load_config("tiny"), seed=0)
+    e0, e1 = _Named(tp_size=1), _RefusingUnnamed(tp_size=1)
+    cfg = SyncConfig(dtype=torch.float32, method="disk", disk_dir=str(tmp_path), memory_probe="off")
+    manager = FSDPShardingManager(module, [sg.SGLangEngine(e0), sg.SGLangEngine(e1)], config=cfg)
+    with pytest.raises(SyncError) as info:
+        with manager:
+            pass
+    said, notes = str(info.value), getattr(info.value, "__notes__", [])
+    assert "replicas that cannot take updates: replica 1" in said, said
+    assert any("could not drop" in n and "replica 0" in n for n in notes), (said, notes)
+    manager.close()
