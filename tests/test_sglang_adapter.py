@@ -955,3 +955,24 @@ def test_per_rank_values_for_an_unread_release_are_refused_before_sending():
         with pytest.raises(sg.SGLangError, match="0.5.15.*LocalSerializedTensor was not read"):
             a.update_weights_from_tensor([("w", SerializedPerRank(values=["a", "b"]))])
         assert not [p for _, p, _ in srv.requests if p == "/update_weights_from_tensor"]
+
+
+def test_in_process_weight_version_is_the_live_one_not_the_launch_record():
+    """sglang.Engine 0.5.23's get_server_info answers its launch record, whose weight_version
+    stays the launch value after updates; get_model_info answers the live one. The adapter read
+    get_server_info, so an in-process 0.5.23 engine updated to '7' was said to serve 'default'.
+    0.5.12 has no get_model_info: its get_server_info reads the server args updates change."""
+
+    class Engine0523(fake.FakeSGLangEngine):
+        def get_server_info(self):
+            return {**super().get_server_info(), "weight_version": "default"}
+
+        def get_model_info(self):
+            return {"model_path": "m", "weight_version": "7"}
+
+    class Engine0512(fake.FakeSGLangEngine):
+        def get_server_info(self):
+            return {**super().get_server_info(), "weight_version": "6"}
+
+    assert sg.SGLangEngine(Engine0523(tp_size=1)).get_weight_version() == "7"
+    assert sg.SGLangEngine(Engine0512(tp_size=1)).get_weight_version() == "6"

@@ -84,14 +84,19 @@ class GenerationControl:
 
     def get_weight_version(self, *, retries: int | None = None) -> str:
         """The server's weight version: ``/get_weight_version`` (``fsdp-sync serve``), or
-        ``/get_model_info``'s ``weight_version`` where that route is missing (SGLang 0.5.23).
+        ``/get_model_info``'s ``weight_version`` where that route is missing (SGLang 0.5.23); in
+        process, ``get_model_info``'s (0.5.23) or ``get_server_info``'s (0.5.12).
         ``retries``: over HTTP, instead of the engine's ``max_retries`` (0: one attempt, as the
         fleet probes a replica it has taken out of service)."""
         self._check_open("get_weight_version")
         if self._local:
             if self._local.has("get_weight_version"):
                 return str(self._local.call("get_weight_version"))
-            info = self._local_control("get_server_info")
+            # 0.5.23's get_server_info answers the launch record (its weight_version stays the
+            # launch value after updates): get_model_info has the live one; 0.5.12 has no
+            # get_model_info, and its get_server_info reads the server args updates change
+            info = self._local_control("get_model_info" if self._local.has("get_model_info")
+                                       else "get_server_info")
             version = info.get("weight_version") if isinstance(info, dict) else None
         else:
             try:
