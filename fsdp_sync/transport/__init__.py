@@ -32,7 +32,12 @@ METHODS = ("tensor", "distributed", "disk")
 
 @dataclass
 class SyncStats:
-    """What the last sync moved: bytes are the rollout-dtype bytes of every exported tensor."""
+    """What the last sync moved: bytes are the rollout-dtype bytes of every exported tensor.
+
+    ``tensors`` counts the tensors as the engine received them: the trainer's (Hugging Face
+    named) tensors where whole tensors go (``layout="full"``, disk), the engine's own fused
+    parameters where per-rank buckets go (``layout="engine"``: one ``qkv_proj`` for q, k and v,
+    one ``gate_up_proj``), so one model's count differs between the layouts."""
 
     seconds: float = 0.0
     bytes: int = 0
