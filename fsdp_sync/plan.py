@@ -104,23 +104,33 @@ def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: in
     SGLang loads in place: no staging. The colocated tensor method's engine maps the trainer's
     buckets on the trainer's GPU: one device, one budget, the trainer's `memory_budget` with the
     same job (quantization, layout, pipelining, turns; the bench holds the device's rise, trainer
-    plus engine worker, to it: `cli.bench.gpu_memory`)."""
+    plus engine worker, to it: `cli.bench.gpu_memory`), + its shard where it stages (its weights
+    still valid at the sync: `reference_engine_stages`)."""
     if method == "tensor":
         rule = memory_budget(method, bucket_bytes, largest, quantization, dtype, layout=layout,
                              pipelined=pipelined, turns=turns)
-        return {"engine_memory_budget_bytes": rule["memory_budget_bytes"],
-                "engine_memory_budget_rule": rule["memory_budget_rule"] + " (the trainer's device)"}
+        return {"engine_memory_budget_bytes": rule["memory_budget_bytes"] + (shard if staged else 0),
+                "engine_memory_budget_rule": rule["memory_budget_rule"] + (
+                    " + the engine's shard (staged until the commit)" if staged else "")
+                + " (the trainer's device)"}
     unit = max(bucket_bytes, largest)
     return {"engine_memory_budget_bytes": unit + (shard if staged else 0),
             "engine_memory_budget_rule": "max(bucket, largest tensor)" + (
                 " + its shard (staged until the commit)" if staged else "")}
 
 
-def reference_engine_stages(engine: str, method: str, layout: str) -> bool:
-    """Whether the engine stages a disaggregated update's shard until the commit: the reference
-    engine does (distributed; disk with Hugging Face files), except for per-rank disk files, which
-    each worker hashes first and then reads straight into its weights (`weights.verified_file`)."""
-    return engine == "reference" and method != "tensor" and not (method == "disk" and layout == "engine")
+def reference_engine_stages(engine: str, method: str, layout: str, weights_valid: bool = False) -> bool:
+    """Whether the engine stages an update's shard until the commit: the reference engine does
+    while it holds valid weights (its update transaction copies what is pushed aside, so a failed
+    update leaves them serving): always for the disaggregated methods (distributed; disk with
+    Hugging Face files), except for per-rank disk files, which each worker hashes first and then
+    reads straight into its weights (`weights.verified_file`); for the colocated tensor method
+    where ``weights_valid``: the sync did not release them (``free_cache_engine=False``) or they
+    were released with ``weights_cpu_backup``. Released without a backup they resume as zeros,
+    nothing to protect: the update writes in place."""
+    if engine != "reference" or (method == "disk" and layout == "engine"):
+        return False
+    return method != "tensor" or weights_valid
 
 
 def quantized_bucket_bytes(bucket_bytes: int, dtype: torch.dtype) -> int:
@@ -155,7 +165,11 @@ class PlanJob:
     ``fsdp1_state_dict``: with ``fsdp=1``, the state-dict type the sync exports through
     (`SyncConfig.fsdp1_state_dict`, default "full": torch all-gathers the whole model on every
     rank first; "sharded" too, then the FSDP2-like split is gathered; "local" exchanges only the
-    flat parameters' pieces)."""
+    flat parameters' pieces). ``free_cache_engine`` (`SyncConfig.free_cache_engine`, default True)
+    and ``weights_cpu_backup`` (the reference engine's, default False): whether a colocated
+    engine's weights are still valid when the sync begins (not released, or released with a
+    backup); the reference engine then stages the tensor method's update beside them
+    (`reference_engine_stages`)."""
 
     model: Any
     method: str = "tensor"
@@ -175,13 +189,15 @@ class PlanJob:
     trainer_resident_bytes: int | None = None
     engine: str = "sglang"
     fsdp1_state_dict: str = "full"
+    free_cache_engine: bool = True
+    weights_cpu_backup: bool = False
     label: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         from .config import METHODS, QUANTIZATIONS
 
         # types before values: YAML's quoted "no" is a str (truthy), True is an int (== 1)
-        for f in ("share_host_memory", "pipelined"):
+        for f in ("share_host_memory", "pipelined", "free_cache_engine", "weights_cpu_backup"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool (True or False), got {getattr(self, f)!r}")
         ints = ("ranks", "tp", "ep", "bucket_bytes", "fsdp")
@@ -227,6 +243,12 @@ class PlanJob:
     @property
     def engines(self) -> int:
         return self.replicas or (self.ranks // self.tp if self.method == "tensor" else 1)
+
+    @property
+    def stages(self) -> bool:
+        """Whether the engine stages this sync's update beside its shard (`reference_engine_stages`)."""
+        return reference_engine_stages(self.engine, self.method, self.layout,
+                                       weights_valid=not self.free_cache_engine or self.weights_cpu_backup)
 
 
 # --------------------------------------------------------------------------- the model
@@ -368,10 +390,10 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     # ---- memory
     same = dict(layout=job.layout, pipelined=job.pipelined, turns=_turns(job, cl))
     row.update(_trainer_rule(job, cl, row, job.bucket_bytes))
-    staged = reference_engine_stages(job.engine, job.method, job.layout)
+    staged = job.stages
     row.update(engine_memory_budget(job.method, job.bucket_bytes, largest, shard, staged, job.quantization,
                                     dtype, **same), engine=job.engine)
-    if job.method == "tensor":       # one device, one budget: the trainer's, state dict included
+    if job.method == "tensor":       # one device, one budget: the trainer's, state dict and staging included
         row.update(engine_memory_budget_bytes=row["memory_budget_bytes"],
                    engine_memory_budget_rule=row["memory_budget_rule"] + " (the trainer's device)")
     row["trainer_rank_peak_extra_bytes"] = row["memory_budget_bytes"]
@@ -398,11 +420,15 @@ def _trainer_rule(job: PlanJob, cl: Cluster, row: dict, bucket: int) -> dict:
     anyway)."""
     sd = job.fsdp1_state_dict if job.fsdp == 1 else None
     per_rank = sd == "full" and job.layout == "engine" and job.method in ("tensor", "disk")
-    return memory_budget(job.method, bucket, row["largest_tensor_bytes"], job.quantization,
-                         getattr(torch, job.dtype), layout=job.layout, pipelined=job.pipelined,
-                         turns=_turns(job, cl), state_dict=sd, ranks=job.ranks,
-                         model_bytes=row["params"] * getattr(torch, job.trainer_dtype).itemsize,
-                         rank_buffers=job.tp if per_rank else 1)
+    out = memory_budget(job.method, bucket, row["largest_tensor_bytes"], job.quantization,
+                        getattr(torch, job.dtype), layout=job.layout, pipelined=job.pipelined,
+                        turns=_turns(job, cl), state_dict=sd, ranks=job.ranks,
+                        model_bytes=row["params"] * getattr(torch, job.trainer_dtype).itemsize,
+                        rank_buffers=job.tp if per_rank else 1)
+    if job.method == "tensor" and job.stages:   # the colocated engine's staged shard: the same device
+        out["memory_budget_bytes"] += row["engine_rank_shard_bytes"]
+        out["memory_budget_rule"] += " + the engine's shard (staged until the commit)"
+    return out
 
 
 def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
@@ -421,7 +447,7 @@ def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
     engine_free = int(cl.memory_per_gpu * (1 - util))
     largest, shard = row["largest_tensor_bytes"], row["engine_rank_shard_bytes"]
     dtype = getattr(torch, job.dtype)
-    staged = reference_engine_stages(job.engine, job.method, job.layout)
+    staged = job.stages
 
     def trainer_need(b: int) -> int:
         return _trainer_rule(job, cl, row, b)["memory_budget_bytes"]
@@ -552,7 +578,7 @@ def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -
     touch, mapped = _fresh_bytes(job, row, unit)
     if cl.touch_gbps and touch:
         first.append((_TOUCH, touch / (cl.touch_gbps * GB), "host"))
-    staged = job.engine == "reference" and m != "tensor"
+    staged = job.engine == "reference" and (m != "tensor" or job.stages)
     in_bytes = row["engine_rank_bytes_in"] if job.layout == "engine" else shard
     load = ("engine rank copies its shard in" + (", then commits it (staged: a second copy)" if staged else ""),
             in_bytes / d2d * (2 if staged else 1), "d2d")

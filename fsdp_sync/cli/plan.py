@@ -380,7 +380,8 @@ def plan_job(sweep: dict, model: Any, method: str, layout: str, mb: float, ranks
                    share_host_memory=sweep["share_host_memory"], pipelined=sweep["pipelined"],
                    gpu_memory_utilization=sweep["gpu_memory_utilization"],
                    trainer_dtype=sweep["trainer_dtype"], engine=sweep["engine"],
-                   fsdp1_state_dict=sweep["fsdp1_state_dict"],
+                   fsdp1_state_dict=sweep["fsdp1_state_dict"], free_cache_engine=sweep["free_cache_engine"],
+                   weights_cpu_backup=sweep["weights_cpu_backup"],
                    trainer_resident_bytes=None if sweep["trainer_resident_gib"] is None
                    else int(sweep["trainer_resident_gib"] * 2**30))
 
@@ -423,7 +424,8 @@ def add_plan_parser(sub) -> None:
                     "2 x max(bucket, largest tensor) + largest tensor, disk and distributed per-rank buckets "
                     "3 x; an engine rank of the distributed and disk methods "
                     "max(bucket, largest tensor), + its shard on an engine that stages, --engine "
-                    "reference) and whether it fits the memory left on a GPU, and a "
+                    "reference, as on the tensor method's device with --free-cache-engine off) and whether "
+                    "it fits the memory left on a GPU, and a "
                     "time estimate (each link's floor + per-call overheads). The model is built on the meta "
                     "device: a 235B model plans in seconds without memory. A plan that cannot fit is refused "
                     "with the largest bucket that would (exit code 1 when every plan is refused). Rows use the bench's field names.",
@@ -474,6 +476,14 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--engine", type=ca.choice_of(("sglang", "reference")), default="sglang",
                    help="the rollout engine: sglang (loads in place) or reference (fsdp_sync's, which "
                         "stages a disaggregated update beside its weights until the commit: + its shard)")
+    p.add_argument("--free-cache-engine", type=ca.on_off, default="on",
+                   help="on, off: SyncConfig.free_cache_engine. on: the colocated engine's weights are "
+                        "released after each rollout and resumed before the sync (zeros, nothing to keep); "
+                        "off: they are still loaded when the sync begins, and --engine reference stages "
+                        "the tensor method's update beside them until the commit (+ its shard on the device)")
+    p.add_argument("--weights-cpu-backup", type=ca.on_off, default="off",
+                   help="on, off: the reference engine's weights_cpu_backup: released weights keep their "
+                        "contents, so they are valid when the sync begins, as with --free-cache-engine off")
     p.add_argument("--save-cluster", metavar="PATH", help="write the cluster used (measured or not) as JSON here")
     p.add_argument("--json", metavar="PATH", help="write {'cluster': ..., 'rows': [...]} here")
     p.add_argument("--plot", metavar="DIR", help="write a PNG per model here (needs matplotlib)")
@@ -488,7 +498,8 @@ _FLAG_KEYS = {"models": "models", "methods": "methods", "layout": "layouts", "bu
               "dtype": "dtype", "fsdp": "fsdp", "share_host_memory": "share_host_memory",
               "pipelined": "pipelined", "gpu_memory_utilization": "gpu_memory_utilization",
               "trainer_dtype": "trainer_dtype", "trainer_resident_gib": "trainer_resident_gib",
-              "cluster": "cluster", "engine": "engine", "fsdp1_state_dict": "fsdp1_state_dict"}
+              "cluster": "cluster", "engine": "engine", "fsdp1_state_dict": "fsdp1_state_dict",
+              "free_cache_engine": "free_cache_engine", "weights_cpu_backup": "weights_cpu_backup"}
 
 
 def check_plan_args(args, given: set[str]) -> None:

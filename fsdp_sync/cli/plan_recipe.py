@@ -25,7 +25,8 @@ DEFAULTS = {"models": ("qwen2-160m",), "methods": ("tensor",), "layouts": ("full
             "ranks": (2,), "tp": (2,), "ep": (1,), "quantization": (None,), "replicas": None,
             "dtype": "float32", "fsdp": 2, "share_host_memory": True, "pipelined": True,
             "gpu_memory_utilization": 0.85, "trainer_dtype": "float32", "trainer_resident_gib": None,
-            "cluster": "this-machine", "engine": "sglang", "fsdp1_state_dict": "full"}
+            "cluster": "this-machine", "engine": "sglang", "fsdp1_state_dict": "full",
+            "free_cache_engine": True, "weights_cpu_backup": False}
 """The sweep's keys and their values when neither the recipe nor a flag gives one."""
 LISTS = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
 """The keys that sweep: one plan per combination of their values."""
@@ -68,7 +69,8 @@ def _checks() -> dict:
             "fsdp": _fsdp, "share_host_memory": ca.on_off, "pipelined": ca.on_off,
             "gpu_memory_utilization": fraction, "trainer_dtype": ca.dtype_name,
             "trainer_resident_gib": ca.nonnegative_float, "cluster": cluster_spec, "engine": ca.choice_of(ENGINES),
-            "fsdp1_state_dict": ca.choice_of(FSDP1_STATE_DICTS)}
+            "fsdp1_state_dict": ca.choice_of(FSDP1_STATE_DICTS), "free_cache_engine": ca.on_off,
+            "weights_cpu_backup": ca.on_off}
 
 
 def _value(path: str, key: str, value: Any, check: Any) -> Any:
