@@ -42,12 +42,15 @@ def _children():
 
 
 def _warm_process_helpers():
-    """Start the helpers a first use starts (resource tracker, shm manager), so the fd count of a
-    later engine's lifetime is comparable."""
+    """Start the helpers a first use starts (resource tracker, shm manager, torch's store loop), so
+    the fd count of a later engine's lifetime is comparable."""
     from multiprocessing import resource_tracker
+
+    from fsdp_sync.wire import host_store
 
     resource_tracker.ensure_running()
     handles.make_payloads(torch.ones(4), 1).release(require_ack=False)
+    host_store(2, 10.0)    # the first TCP store (a TP engine's) keeps a pipe for the process's life
 
 
 def _assert_clean(pids, fds_before, children_before):
@@ -204,3 +207,46 @@ def test_shutdown_after_normal_use_is_clean_and_exit_stops_workers(tmp_path):
     while any(psutil.pid_exists(p) for p in leaked) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(psutil.pid_exists(p) for p in leaked)
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_ends_a_step_stuck_on_a_stopped_worker_at_once():
+    """A step waiting on a worker holds the engine's lock; shutdown() needs it. Before, it waited
+    for the step's ``call_timeout_s`` (900 s by default: `fsdp-sync serve` hung that long at SIGTERM)."""
+    import threading
+
+    _warm_process_helpers()
+    fds, children = _fds(), _children()
+    e = ReferenceEngine(model_config="tiny", tp_size=2, call_timeout_s=60)
+    pids = list(e.worker_pids)
+    got: dict = {}
+
+    def generate():
+        try:
+            got["out"] = e.generate([[1, 2, 3]], 250, ignore_eos=True)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            got["out"] = exc
+
+    t = threading.Thread(target=generate)
+    try:
+        t.start()
+        deadline = time.monotonic() + 60
+        while e._sched.stats()["steps"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pids[1], signal.SIGSTOP)      # stuck in the middle of the steps
+        time.sleep(1.0)
+        assert e._sched.stats()["running"] == 1
+        t0 = time.monotonic()
+        e.shutdown()
+        took = time.monotonic() - t0
+        t.join(10)
+        assert isinstance(got.get("out"), EngineClosedError), got
+        assert took < 10, f"shutdown took {took:.1f}s"
+    finally:
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        e.shutdown()
+    _assert_clean(pids, fds, children)

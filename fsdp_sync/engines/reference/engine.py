@@ -292,7 +292,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
 
     def shutdown(self) -> None:
         """Stop every worker (gracefully, then terminate/kill) and close every pipe. Idempotent.
-        Requests still generating raise `EngineClosedError` in their callers."""
+        Requests still generating, and a call waiting on a worker, raise `EngineClosedError`."""
+        self._w.closing = True    # a step stuck on a worker lets go of the lock now, not at its timeout
         if getattr(self, "_sched", None) is not None:
             self._sched.close(EngineClosedError("the engine was shut down"))
         with self._lock:
@@ -369,6 +370,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         replies: dict[int, tuple] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
+            if self._w.closing:            # shutdown() waits for the lock this call holds
+                raise EngineClosedError("the engine was shut down")
             waitables = [self._w.conns[r] for r in pending] + [self._w.procs[r].sentinel for r in pending]
             mp_connection.wait(waitables, timeout=0.5)
             for r in sorted(pending):

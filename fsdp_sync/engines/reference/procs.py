@@ -415,6 +415,7 @@ class WorkerSet:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.closed = False
+        self.closing = False    # `stop` is coming: a wait on a worker ends (the engine's `_collect`)
         # the TP workers' rendezvous store (`wire.host_store`, TP > 1), hosted here while they live
         self.store: Any = None
         # TP ranks that did not answer a call within its timeout: nothing more is asked of them
