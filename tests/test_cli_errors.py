@@ -127,6 +127,34 @@ def test_the_size_check_names_the_parameters_and_what_this_machine_has():
     assert m["build_bytes"] == 2 * 4 * 10_809_380_864 and m["need_bytes"] == 20 * 10_809_380_864
 
 
+def test_bench_refuses_a_model_this_machine_cannot_hold_before_any_rank_starts(capsys, monkeypatch):
+    """The demo's size check, shaped to a bench job: ``bench --models qwen2-7b`` started two ranks
+    that each built the 30 GB float32 model and failed 70 s later with a RankError traceback
+    (can't allocate memory). The figures are the job's: 4 bytes a parameter of shards beside rank
+    0's two model-sized copy buffers (held to 16 GiB here, as a small machine has)."""
+    import psutil
+
+    from fsdp_sync.cli import demo_check
+    from fsdp_sync.cli.bench import main as bench_main
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=16 * 2**30))
+
+    def started(*a, **k):
+        raise AssertionError("bench started its ranks")
+
+    monkeypatch.setattr(bench_main, "run_bench", started)
+    err = _one_line_error(_fsdp_sync_here(["bench", "--models", "qwen2-7b"], capsys), "bench",
+                          ["argument --models", "qwen2-7b has 7,615,616,512 parameters (7.62 B)",
+                           "the bench at --ranks 2 --tp 2 needs about", "float32 weight shards",
+                           "16.0 GiB available", "--models small"])
+    assert "AdamW" not in err, err       # the demo's reason, not the bench's
+    m = demo_check.bench_memory(10**9, ranks=2, tp=2, methods=("tensor", "distributed"), dtype_bytes=2,
+                                process_bytes=0)
+    # the build (2 ranks x 4 GB) beside 4 GB of shards + the disaggregated engine's 2 x 2 GB
+    assert (m["build_bytes"], m["train_bytes"], m["processes"]) == (8 * 10**9, 8 * 10**9, 4)
+
+
 def test_faults_help_prints_defaults_as_typed_and_paths_that_exist(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["faults", "--help"])

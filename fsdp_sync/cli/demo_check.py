@@ -1,5 +1,5 @@
 """What ``fsdp-sync demo`` checks before any rank starts: the model, its size against this
-machine's memory, and ``--disk-dir``.
+machine's memory, and ``--disk-dir``; and the same size check for each ``fsdp-sync bench`` job.
 
 `check_model` loads the config and refuses a family the reference engine does not know, a split
 that ``--tp``/``--ep`` cannot make, and an FP8 layout that cuts a 128 block. `check_fits` sizes the
@@ -7,11 +7,12 @@ model on the meta device (`fsdp_sync.plan.meta_model`: shapes, no memory) and re
 demo cannot fit the memory this machine has available, naming the parameters and the bytes: every
 trainer rank builds the float32 model whole before FSDP shards it, so ``--ranks`` copies of it are
 held at once (``{"model_type": "qwen2"}`` takes Qwen2's defaults, 10.8 B parameters: 80 GiB on
-2 ranks before the first step). `check_disk_dir` makes sure the disk method can create its
-versions there. `check_sync_config` builds the `SyncConfig` the ranks will build, so a combination it
-refuses (``--strategy per_tensor --layout engine``) is refused before they start. Each raises
-ValueError whose message names the flag and the value (the command prints it as one line, exit
-code 2).
+2 ranks before the first step); ``command="bench"`` sizes a bench job so (`bench_memory`: no
+gradients or optimizer; the engines of the methods it runs). `check_disk_dir` makes sure the disk
+method can create its versions there. `check_sync_config` builds the `SyncConfig` the ranks will
+build, so a combination it refuses (``--strategy per_tensor --layout engine``) is refused before
+they start. Each raises ValueError whose message names the flag and the value (the command prints
+it as one line, exit code 2).
 
 Not here: parsing the flags (`app`, `args`), running the demo (`demo`).
 """
@@ -23,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_model", "demo_memory", "check_fits", "check_disk_dir", "check_sync_config"]
+__all__ = ["check_model", "demo_memory", "bench_memory", "check_fits", "check_disk_dir", "check_sync_config"]
 
 GiB = 2**30
 
@@ -86,14 +87,36 @@ def demo_memory(params: int, *, ranks: int, tp: int, method: str, dtype_bytes: i
     return {"params": params, "need_bytes": need, "build_bytes": build, "train_bytes": train,
             "engine_bytes": engines * engine_weights, "processes": processes,
             "process_bytes": process_bytes, "per_rank_build_bytes": 4 * params,
+            "trainer_bytes": 16 * params, "larger": "build" if build >= train else "train"}
+
+
+def bench_memory(params: int, *, ranks: int, tp: int, methods: tuple[str, ...], dtype_bytes: int,
+                 process_bytes: int) -> dict:
+    """The least host memory one ``fsdp-sync bench`` job takes (CPU device), as `demo_memory`
+    counts the demo's: the build (every rank's float32 model whole) or, after it, the float32
+    shards (4 bytes a parameter, no gradients or optimizer), beside the larger of rank 0's two
+    model-sized buffers in the rollout dtype (the copy it is timed against, before any engine)
+    and the largest engine of ``methods`` (they run one after the other: colocated, one per
+    ``tp`` ranks; disaggregated, one that stages an update beside its weights)."""
+    engines = {m: ranks // tp if m == "tensor" else 1 for m in methods}
+    engine_weights = max(n * params * dtype_bytes * (1 if m == "tensor" else 2) for m, n in engines.items())
+    build = ranks * 4 * params
+    train = 4 * params + max(2 * params * dtype_bytes, engine_weights)
+    processes = ranks + max(engines.values()) * tp
+    need = max(build, train) + processes * process_bytes
+    return {"params": params, "need_bytes": need, "build_bytes": build, "train_bytes": train,
+            "engine_bytes": engine_weights, "processes": processes, "process_bytes": process_bytes,
+            "per_rank_build_bytes": 4 * params, "trainer_bytes": 4 * params,
             "larger": "build" if build >= train else "train"}
 
 
-def check_fits(model: str, config: Any, *, ranks: int, tp: int, method: str, dtype: str,
-               quantization: str | None, device: str, available: int | None = None) -> dict:
+def check_fits(model: str, config: Any, *, ranks: int, tp: int, method: str | tuple[str, ...], dtype: str,
+               quantization: str | None, device: str, available: int | None = None,
+               command: str = "demo") -> dict:
     """Size ``config`` on the meta device and refuse (ValueError naming the parameters and the
     memory) a demo that cannot fit the memory this machine has available (``available``: psutil's
-    figure unless given). On ``device="cuda"`` only the build is on the host."""
+    figure unless given). On ``device="cuda"`` only the build is on the host. ``command="bench"``:
+    one bench job instead (`bench_memory`; ``method``: the methods it runs), named by --models."""
     import psutil
     import torch
 
@@ -103,8 +126,15 @@ def check_fits(model: str, config: Any, *, ranks: int, tp: int, method: str, dty
     params = count_params(meta_model(config)[1])[0]
     dtype_bytes = 1 if quantization == "fp8" else getattr(torch, dtype).itemsize
     low = dtype != "float32" or quantization is not None
-    m = demo_memory(params, ranks=ranks, tp=tp, method=method, dtype_bytes=dtype_bytes,
-                    low_precision=low, process_bytes=psutil.Process().memory_full_info().uss)
+    process_bytes = psutil.Process().memory_full_info().uss
+    if command == "bench":
+        m = bench_memory(params, ranks=ranks, tp=tp, methods=tuple(method), dtype_bytes=dtype_bytes,
+                         process_bytes=process_bytes)
+        flag, held, beside = "--models", "float32 weight shards", "rank 0's timed copy or the engine"
+    else:
+        m = demo_memory(params, ranks=ranks, tp=tp, method=method, dtype_bytes=dtype_bytes,
+                        low_precision=low, process_bytes=process_bytes)
+        flag, held, beside = "--model", "float32 weights, gradients and AdamW state", "the engine"
     if device == "cuda":
         m["need_bytes"] = m["build_bytes"] + ranks * m["process_bytes"]
         m["larger"] = "build"
@@ -115,14 +145,15 @@ def check_fits(model: str, config: Any, *, ranks: int, tp: int, method: str, dty
             why = (f"{ranks} ranks x {m['per_rank_build_bytes'] / GiB:.1f} GiB: each rank builds the "
                    f"float32 model whole before FSDP shards it")
         else:
-            why = (f"{16 * params / GiB:.1f} GiB of float32 weights, gradients and AdamW state over "
-                   f"{ranks} ranks + {(m['train_bytes'] - 16 * params) / GiB:.1f} GiB for the engine in "
+            why = (f"{m['trainer_bytes'] / GiB:.1f} GiB of {held} over {ranks} ranks + "
+                   f"{(m['train_bytes'] - m['trainer_bytes']) / GiB:.1f} GiB for {beside} in "
                    f"{'fp8' if quantization else dtype}")
+        job = f" at --ranks {ranks} --tp {tp}" if command == "bench" else ""
         raise ValueError(
-            f"argument --model: {model} has {params:,} parameters ({params / 1e9:.2f} B); the demo "
-            f"needs about {m['need_bytes'] / GiB:.1f} GiB of this machine's memory ({why}; "
+            f"argument {flag}: {model} has {params:,} parameters ({params / 1e9:.2f} B); the {command}"
+            f"{job} needs about {m['need_bytes'] / GiB:.1f} GiB of this machine's memory ({why}; "
             f"+ {m['processes']} processes x {m['process_bytes'] / GiB:.2f} GiB), "
-            f"{free / GiB:.1f} GiB available: use a smaller model (e.g. --model small) or fewer --ranks")
+            f"{free / GiB:.1f} GiB available: use a smaller model (e.g. {flag} small) or fewer --ranks")
     return m
 
 

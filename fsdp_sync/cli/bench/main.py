@@ -570,10 +570,13 @@ def check_bench_args(args, given: set[str]) -> None:
     from ...models import load_config
     from ...weights.fp8 import quantized_layout
     from ...weights.layout import ModelSpec, TPLayout
+    from ..demo_check import check_fits
 
+    configs = {}
     for model in args.spec.models:
         try:
-            spec = ModelSpec.from_config(load_config(model))     # a family the engine knows
+            configs[model] = load_config(model)
+            spec = ModelSpec.from_config(configs[model])     # a family the engine knows
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"--models: {exc}" if str(model) in str(exc) else f"--models {model}: {exc}") from None
         for t, e in itertools.product(args.spec.tp, args.spec.ep):
@@ -603,6 +606,10 @@ def check_bench_args(args, given: set[str]) -> None:
             raise ValueError(f"{sweep} runs on cuda: {exc}") from None
         for method, r, t in itertools.product(args.spec.methods, args.spec.ranks, args.spec.tp):
             ca.check_gpus(method, "cuda", r, t, method_flag="--methods")   # a GPU per rank, engine's own
+    for (model, config), r, t, q in itertools.product(configs.items(), args.spec.ranks, args.spec.tp,
+                                                      args.spec.quantization):   # this machine's memory
+        check_fits(model, config, ranks=r, tp=t, method=args.spec.methods, dtype=args.spec.dtype,
+                   quantization=q, device=args.spec.device, command="bench")
 
 
 def cmd_bench(args) -> int:
