@@ -178,19 +178,32 @@ def main_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this "
               f"address can replace the weights", file=sys.stderr, flush=True)
-    engine = ReferenceEngine(args.model, tp_size=args.tp, ep_size=args.ep, device=args.device,
-                             dtype=parse_dtype(args.dtype) or torch.float32,
-                             kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
-                             weights_cpu_backup=args.weights_cpu_backup, quantization=args.quantization)
-    server = None
+    engine = server = None
     rc = 0
     stop = threading.Event()
+    starting = True
 
     def on_signal(signum, frame):
+        nonlocal starting
         stop.set()
+        if starting:      # the engine's constructor stops the workers it started, on the way out
+            starting = False
+            raise KeyboardInterrupt
 
+    # before the engine: its workers join a store this process hosts, and a SIGTERM that ends this
+    # process meanwhile leaves them waiting for it until their store timeout (about a minute)
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        try:
+            engine = ReferenceEngine(args.model, tp_size=args.tp, ep_size=args.ep, device=args.device,
+                                     dtype=parse_dtype(args.dtype) or torch.float32,
+                                     kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
+                                     weights_cpu_backup=args.weights_cpu_backup,
+                                     quantization=args.quantization)
+            starting = False
+        except KeyboardInterrupt:
+            print("fsdp-sync serve: stopped while starting", flush=True)
+            return 0
         server = EngineServer(engine, host=args.host, port=args.port, api_key=args.api_key,
                               allowed_disk_dirs=args.allowed_disk_dir,
                               max_body_bytes=int(args.max_body_mb * 2**20),
@@ -210,7 +223,8 @@ def main_serve(args) -> int:
     finally:
         if server is not None:
             server.close()
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
         if server is not None:
             # requests in flight end with EngineClosedError: let their 503 go out before exiting
             server.wait_idle(5.0)

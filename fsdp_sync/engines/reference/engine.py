@@ -98,7 +98,6 @@ from .update_items import build_items, worker_figures
 __all__ = ["ReferenceEngine"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PIECE_BATCH_BYTES = 64 * 2**20       # full tensors gathered per request by weights_checksum
 
 
 class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadback, LoRACalls, GPUCalls):
@@ -276,6 +275,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                 r = min(errs)
                 raise EngineError(f"TP rank {r} failed to start: {errs[r][2]}\n{errs[r][3]}")
         except BaseException:
+            self._w.silent.update(range(self.tp_size))    # no grace: a starting worker reads nothing
             self._finalizer()
             raise
         self.worker_pids = [ready[r][1]["pid"] for r in range(self.tp_size)]

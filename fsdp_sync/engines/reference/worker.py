@@ -500,6 +500,8 @@ def main(rank: int, tp: int, store_port: int | None, conn: Any, opts: dict) -> N
     except BaseException as exc:  # noqa: BLE001 - the engine shows this to its caller
         try:
             _send(conn, (0, *_error_reply(exc)))
+        except OSError:                 # the engine's process is gone (its start-up was cut short)
+            pass
         finally:
             conn.close()
         return
