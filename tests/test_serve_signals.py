@@ -1,6 +1,7 @@
 """`fsdp-sync serve` and signals: a SIGTERM while the engine starts ends serve and its TP workers
 within seconds, with no traceback (before, the workers waited about a minute for serve's store,
-then printed two tracebacks each)."""
+then printed two tracebacks each); a SIGKILL of serve takes its workers with it, a stopped one too
+(before, that one was left stopped for good)."""
 
 from __future__ import annotations
 
@@ -71,5 +72,25 @@ def test_sigterm_while_starting_stops_serve_and_its_workers_at_once():
         assert proc.returncode == 0, (proc.returncode, out)
         assert "Traceback" not in out and "Error" not in out, out
         assert took < 10, f"serve's output ended {took:.1f}s after the SIGTERM: {out}"
+    finally:
+        _end(proc, workers)
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_serve_takes_its_workers_stopped_or_not():
+    proc = _serve("--tp", "2")
+    workers: list[psutil.Process] = []
+    try:
+        line, deadline = "", time.monotonic() + 90
+        while "http://" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "http://" in line, line
+        workers = _workers(proc, 2, 10)
+        stopped = next(p for p in workers if "fsdp_sync-engine-tp1" in p.cmdline())
+        stopped.send_signal(signal.SIGSTOP)
+        proc.kill()                     # a supervisor's SIGKILL: nothing of serve's runs
+        proc.wait(10)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, [(p.pid, p.status()) for p in alive]
     finally:
         _end(proc, workers)

@@ -23,6 +23,13 @@ collective flight recorder is off in the workers unless the caller set ``TORCH_F
 it keeps the last 2000 collectives of every process group for hang dumps (about 1 MiB a group,
 filling over the first ~170 syncs of the distributed method), and a worker never dumps it.
 
+A worker started from the main thread dies with the engine's process (Linux's
+``PR_SET_PDEATHSIG``, SIGKILL), so a supervisor's SIGKILL of ``fsdp-sync serve`` leaves no worker
+behind, not even one stopped or stuck in a collective (one that runs notices its parent gone by
+itself, after its current command). Not from another thread: Linux signals when the *thread* that
+started the child exits, which for a pool thread may be long before the engine goes. Not under the
+forkserver below: there the worker's parent is the server, not the engine's process.
+
 Also `WorkerSet`, the started processes and their pipes, kept apart from the engine so a
 finalizer can stop them.
 
@@ -84,8 +91,13 @@ LAUNCHER_ENV_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_")
 _BOOT = """\
 import os, pickle, sys
 from multiprocessing.connection import Connection
-_, name, conn_fd, sentinel_fd = sys.argv
+_, name, conn_fd, sentinel_fd, parent = sys.argv
 os.set_inheritable(int(sentinel_fd), False)
+if parent != "0":   # SIGKILL when the engine's process is gone, even stopped or stuck (`start`)
+    import ctypes, signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):
+        os._exit(0)     # it went before that
 conn = Connection(int(conn_fd))
 path, target, blob = pickle.loads(conn.recv_bytes())
 sys.path[:] = path
@@ -173,12 +185,18 @@ def start(target: str, args: tuple, name: str,
                            f"to a python that can import fsdp_sync and torch")
     blob = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
     import socket
+    import threading
 
+    # the worker dies with this process (`_BOOT`) where Linux ties it to the process: the death
+    # signal fires when the *thread* that started the child exits, and only the main thread lasts
+    # as long as the process (an engine built in a pool thread would lose its workers with it)
+    tie = sys.platform == "linux" and threading.current_thread() is threading.main_thread()
     parent_sock, child_sock = socket.socketpair()
     sent_r, sent_w = os.pipe()
     try:
         popen = subprocess.Popen(
-            [exe, "-c", _BOOT, name, str(child_sock.fileno()), str(sent_w)],
+            [exe, "-c", _BOOT, name, str(child_sock.fileno()), str(sent_w),
+             str(os.getpid() if tie else 0)],
             pass_fds=(child_sock.fileno(), sent_w), env=worker_env(env),
             stdin=subprocess.DEVNULL, close_fds=True)
     except BaseException:
