@@ -85,6 +85,12 @@ def test_recipes_load_and_validate():
         BenchSpec(ranks=(3,), tp=(2,))
     with pytest.raises(ValueError, match="unknown bench keys \\['bucket'\\]"):
         BenchSpec.from_mapping({"bucket": 3})
+    # what a recipe could give (tp 0, repeats "x", warmup -3) was a ZeroDivisionError, a
+    # TypeError, or a run with no warm-up: the spec itself refuses them too
+    for kw, words in (({"tp": (0,)}, "tp must be positive integers"), ({"repeats": "x"}, "repeats must be >= 3"),
+                      ({"warmup": -3}, "warmup must be an integer >= 0"), ({"ranks": ()}, "ranks must be")):
+        with pytest.raises(ValueError, match=words):
+            BenchSpec(**kw)
 
 
 def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(tmp_path, capsys):

@@ -232,12 +232,47 @@ def test_bench_recipe_scalars_are_one_item_lists(tmp_path, capsys):
     assert (spec.models, spec.bucket_mb, spec.ranks, spec.multi_stage) == (("tiny",), (1.0,), (2,), (False,))
     for body, words in (("repeats: [3, 4]", "bench key 'repeats' takes one value, got [3, 4]"),
                         ("bucket_mb: abc", "bench key 'bucket_mb'"),
-                        ("ranks: [two]", "bench key 'ranks': expected an integer, got 'two'")):
+                        ("ranks: [two]", "bench key 'ranks': expected a positive integer, got 'two'")):
         recipe.write_text(f"bench:\n  {body}\n")
         with pytest.raises(SystemExit) as info:
             cli.parse_args(["bench", "--recipe", str(recipe)])
         err = capsys.readouterr().err
         assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+BAD_RECIPES = [
+    # each was a traceback (the YAML parser's, AttributeError, ZeroDivisionError, TypeError), a
+    # header and then run_ranks' ValueError, or (warmup: -3) a run with no warm-up at all
+    ("foo: [1, 2\n", ["--recipe", "not a YAML recipe: while parsing a flow sequence", "line 1, column 6"]),
+    ("a: ${nope}\n", ["--recipe", "not a YAML recipe", "'nope' not found"]),
+    ("- 1\n- 2\n", ["--recipe", "expected a mapping of keys (under 'bench:'), got a list"]),
+    ("bench:\n  - models: tiny\n", ["--recipe", "expected a mapping of keys (under 'bench:'), got a list"]),
+    ("bench:\n  models: tiny\n  tp: 0\n", ["--recipe", "bench key 'tp': expected a positive integer, got '0'"]),
+    ("bench:\n  models: tiny\n  repeats: \"x\"\n", ["bench key 'repeats': expected a positive integer, got 'x'"]),
+    ("bench:\n  models: tiny\n  ranks: 0\n", ["bench key 'ranks': expected a positive integer, got '0'"]),
+    ("bench:\n  models: tiny\n  warmup: -3\n", ["bench key 'warmup': expected an integer >= 0, got '-3'"]),
+    ("bench:\n  device: tpu\n", ["bench key 'device': expected one of cpu, cuda, got 'tpu'"]),
+    ("bench:\n  bucket_mb: [4, -4]\n", ["bench key 'bucket_mb': expected a positive number, got '-4'"]),
+]
+
+
+@pytest.mark.parametrize("body, words", BAD_RECIPES, ids=[b.replace("\n", " ").strip() for b, _ in BAD_RECIPES])
+def test_a_bad_bench_recipe_is_one_line_and_exit_2(body, words, tmp_path, capsys, monkeypatch):
+    from fsdp_sync.cli.bench import main as bench_main
+
+    def started(*a, **k):
+        raise AssertionError("bench started its ranks")
+
+    monkeypatch.setattr(bench_main, "run_bench", started)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(body)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--recipe", str(recipe)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"fsdp-sync bench: error: --recipe {recipe}: "), err
+    for w in words:
+        assert w in err, (w, err)
 
 
 @pytest.mark.timeout(200)

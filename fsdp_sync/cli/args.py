@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["Parser", "positive_int", "non_negative_int", "positive_float", "nonnegative_float", "mib", "on_off",
            "csv_of", "device", "dtype_name", "model_spec", "existing_file", "explicit_dests", "DefaultsFormatter",
-           "quiet_transformers", "check_mib", "OUTPUTS", "check_output", "check_outputs"]
+           "quiet_transformers", "check_mib", "OUTPUTS", "check_output", "check_outputs", "recipe_mapping"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -219,6 +219,26 @@ def sweep_of(kind: str) -> Callable[[str], str]:
         raise argparse.ArgumentTypeError(f"no such file or shipped {'plan ' if kind == 'plan' else ''}"
                                          f"sweep: {text!r} (shipped: {', '.join(shipped_sweeps(kind))})")
     return _named(parse, "recipe")
+
+
+def recipe_mapping(path: str, section: str) -> dict:
+    """The keys of a ``--recipe`` YAML file: its ``section:`` (``bench``, ``plan``) when it has one,
+    else the whole file. ValueError ``--recipe PATH: ...`` (one line) for a file that cannot be
+    read or parsed as YAML (an unclosed ``[``, an unknown ``${...}``), or whose keys are not a
+    mapping (a list at the top): what a traceback said before."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        d = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ValueError(f"--recipe {path}: not a YAML recipe: {' '.join(str(exc).split())}") from None
+    d = d.get(section, d) if isinstance(d, dict) else d
+    if not isinstance(d, dict):
+        raise ValueError(f"--recipe {path}: expected a mapping of keys (under '{section}:'), got a "
+                         f"{type(d).__name__}: {str(d)[:80]}")
+    return d
 
 
 def check_mib(values: Sequence[Any], flag: str) -> None:

@@ -33,6 +33,7 @@ Not here: the sync itself (manager) or printing (cli).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -79,24 +80,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _of(cast: Any, what: str) -> Any:
-    def check(x: Any) -> Any:
-        if isinstance(x, (list, tuple, dict)) or (isinstance(x, bool) and cast is not bool):
-            raise ValueError(f"expected {what}, got {x!r}")
-        if cast is str:
-            if not isinstance(x, str):
-                raise ValueError(f"expected {what}, got {x!r}")
-            return x
-        if cast is bool:
-            from ...config import parse_bool
-
-            return parse_bool(x, "value")
-        if cast is int and not (isinstance(x, int) or (isinstance(x, str) and x.strip().isdigit())):
-            raise ValueError(f"expected {what}, got {x!r}")
-        return cast(x)
-    return check
-
-
 def sweep_recipes() -> list[str]:
     """The bench sweeps shipped with the package (``fsdp_sync/recipes/memory_tuning/<name>.yaml``)."""
     return ca.shipped_sweeps("bench")
@@ -105,14 +88,27 @@ def sweep_recipes() -> list[str]:
 sweep_recipe = ca.sweep_of("bench")     # ``--recipe``: a YAML path, or a shipped sweep's name
 
 
-# list-valued keys of a bench recipe and what each item is (a scalar counts as a one-item list)
-_FIELD_KINDS = {"models": _of(str, "a model name"), "strategies": _of(str, "a strategy name"),
-                "bucket_mb": _of(float, "a number of MiB"), "ranks": _of(int, "an integer"),
-                "tp": _of(int, "an integer"), "ep": _of(int, "an integer"), "multi_stage": _of(bool, "true or false"),
-                "share_host_memory": _of(bool, "true or false"), "methods": _of(str, "a method name"),
-                "layouts": _of(str, "a layout name"), "pipelined": _of(bool, "true or false"),
-                "quantization": _of(lambda x: None if str(x).lower() in ("none", "null", "") else str(x),
-                                    "none or fp8")}
+# list-valued keys of a bench recipe (a scalar counts as a one-item list); the rest take one value
+_LISTS = ("models", "strategies", "bucket_mb", "ranks", "tp", "ep", "multi_stage", "share_host_memory",
+          "methods", "layouts", "pipelined", "quantization")
+
+
+def _quantization(text: str) -> str | None:
+    return None if text.lower() in ("none", "null", "") else ca.choice_of(("none", "fp8"))(text)
+
+
+def _checks() -> dict:
+    """Each key's check of one value, on its text (YAML's ``2`` as ``"2"``): its flag's ``type=``,
+    so a recipe and the command line refuse the same values (``device``: either, as its flag
+    only checks a GPU is there afterwards, `check_bench_args`; ``warmup``, no flag: >= 0)."""
+    from ...config import LAYOUTS, METHODS, STRATEGIES
+
+    return {"models": ca.model_spec, "strategies": ca.choice_of(STRATEGIES), "bucket_mb": ca.mib,
+            "ranks": ca.positive_int, "tp": ca.positive_int, "ep": ca.positive_int,
+            "multi_stage": ca.on_off, "share_host_memory": ca.on_off, "methods": ca.choice_of(METHODS),
+            "layouts": ca.choice_of(LAYOUTS), "pipelined": ca.on_off, "quantization": _quantization,
+            "device": ca.choice_of(("cpu", "cuda")), "dtype": ca.dtype_name, "repeats": ca.positive_int,
+            "warmup": ca.non_negative_int, "engine": ca.choice_of(ENGINES)}
 
 
 @dataclass(frozen=True)
@@ -156,8 +152,17 @@ class BenchSpec:
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad:
             raise ValueError(f"unknown strategies {bad}; expected {STRATEGIES}")
-        if self.repeats < 3:
-            raise ValueError(f"repeats must be >= 3 (--repeats; rows report a median), got {self.repeats}")
+        def whole(x: Any, least: int) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+        for name in ("ranks", "tp", "ep"):      # a 0 divided by, a text compared: a traceback
+            if not getattr(self, name) or not all(whole(x, 1) for x in getattr(self, name)):
+                raise ValueError(f"{name} must be positive integers (--{name}), got {getattr(self, name)!r}")
+        if not whole(self.warmup, 0):
+            raise ValueError(f"warmup must be an integer >= 0 (syncs before each row's timed ones), "
+                             f"got {self.warmup!r}")
+        if not whole(self.repeats, 3):
+            raise ValueError(f"repeats must be >= 3 (--repeats; rows report a median), got {self.repeats!r}")
         if self.dtype not in ("float32", "bfloat16", "float16") or self.device not in ("cpu", "cuda"):
             raise ValueError(f"dtype (--dtype) must be float32, bfloat16 or float16 and device "
                              f"(--device) cpu or cuda, got {self.dtype!r} and {self.device!r}")
@@ -165,38 +170,40 @@ class BenchSpec:
             if r % t:
                 raise ValueError(f"ranks ({r}) must be a multiple of tp ({t}) (--ranks, --tp)")
         for t, e in itertools.product(self.tp, self.ep):
-            if e < 1 or t % e:
-                raise ValueError(f"ep ({e}) must be >= 1 and divide tp ({t}) (--ep, --tp; SGLang's rule)")
+            if t % e:
+                raise ValueError(f"ep ({e}) must divide tp ({t}) (--ep, --tp; SGLang's rule)")
         if any(b <= 0 for b in self.bucket_mb):
             raise ValueError(f"bucket sizes must be positive, got {self.bucket_mb}")
 
     @classmethod
-    def from_mapping(cls, d: dict[str, Any]) -> "BenchSpec":
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(d) - known)
+    def checked(cls, d: dict[str, Any]) -> dict[str, Any]:
+        """A recipe's (or preset's) keys as `BenchSpec` takes them, each value checked as its
+        flag's text is (`_checks`); ValueError names the key and the value."""
+        checks = _checks()
+        unknown = sorted(set(map(str, d)) - set(checks))
         if unknown:
-            raise ValueError(f"unknown bench keys {unknown}; known: {sorted(known)}")
+            raise ValueError(f"unknown bench keys {unknown}; known: {sorted(checks)}")
         out = {}
         for k, v in d.items():
-            kind = _FIELD_KINDS.get(k)
-            if kind is None:          # a single value: device, dtype, repeats, warmup
-                if isinstance(v, (list, tuple, dict)):
-                    raise ValueError(f"bench key {k!r} takes one value, got {v!r}")
-                out[k] = v
-                continue
+            if k not in _LISTS and isinstance(v, (list, tuple, dict)):
+                raise ValueError(f"bench key {k!r} takes one value, got {v!r}")
             items = list(v) if isinstance(v, (list, tuple)) else [v]   # a scalar is a one-item list
             try:
-                out[k] = tuple(kind(x) for x in items)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"bench key {k!r}: {exc} (in {v!r})") from None
-        return cls(**out)
+                if not items or any(isinstance(x, (list, tuple, dict)) for x in items):
+                    raise argparse.ArgumentTypeError(f"expected one value or a list of them, got {v!r}")
+                got = tuple(checks[k](str(x)) for x in items)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"bench key {k!r}: {exc}" + (f" (in {v!r})" if isinstance(v, (list, tuple)) else "")) from None
+            out[k] = got if k in _LISTS else got[0]
+        return out
+
+    @classmethod
+    def from_mapping(cls, d: dict[str, Any]) -> "BenchSpec":
+        return cls(**cls.checked(d))
 
     @classmethod
     def from_recipe(cls, path: str | Path) -> "BenchSpec":
-        from omegaconf import OmegaConf
-
-        d = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        return cls.from_mapping(d.get("bench", d))
+        return cls(**recipe_keys(path))
 
     def jobs(self) -> list["Job"]:
         return [Job(model=m, ranks=r, tp=t, multi_stage=ms, device=self.device, dtype=self.dtype,
@@ -206,6 +213,15 @@ class BenchSpec:
                     engine=self.engine)
                 for m, r, t, e, ms, q in itertools.product(self.models, self.ranks, self.tp, self.ep,
                                                            self.multi_stage, self.quantization)]
+
+
+def recipe_keys(path: str | Path) -> dict[str, Any]:
+    """A bench recipe's keys, checked (`BenchSpec.checked`); ValueError ``--recipe PATH: ...``."""
+    d = ca.recipe_mapping(str(path), "bench")      # a file YAML cannot read: --recipe PATH: ...
+    try:
+        return BenchSpec.checked(d)
+    except ValueError as exc:
+        raise ValueError(f"--recipe {path}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -545,15 +561,10 @@ def spec_from_args(args, given: set[str] | None = None) -> BenchSpec:
         return tuple(None if x == "none" else x for x in v) if dest == "quantization" else v
 
     if args.preset or args.recipe:
-        if args.preset:
-            d = dict(PRESETS[args.preset])
-        else:
-            from omegaconf import OmegaConf
-
-            d = OmegaConf.to_container(OmegaConf.load(args.recipe), resolve=True)
-            d = dict(d.get("bench", d))
+        # the preset's or recipe's values checked as their flags' text, then the flags given
+        d = BenchSpec.checked(PRESETS[args.preset]) if args.preset else recipe_keys(args.recipe)
         d.update({key: flag(dest) for dest, key in _FLAG_KEYS.items() if dest in (given or ())})
-        return BenchSpec.from_mapping(d)
+        return BenchSpec(**d)
     return BenchSpec(**{key: flag(dest) for dest, key in _FLAG_KEYS.items()})
 
 
