@@ -4,6 +4,7 @@ JSON has the documented fields, the plots are real PNGs; recipes load into the d
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -183,6 +184,32 @@ def test_gpu_preset_is_issue_13s_cuda_check_and_runs_on_cpu_with_a_small_model(t
     assert md.count("(engine call ") == sum(len(r.get("calls", ())) for r in rows) > 0
     # ... and, with the reference engine, where each call went in its workers
     assert md.count("; workers: stage ") == md.count("(engine call ")
+
+
+def test_rows_that_differ_only_in_pipelined_say_so():
+    """``--preset gpu`` measures the per-rank rows pipelined and not: the table printed two
+    ``flattened (engine)`` rows alike but for their figures. A pipelined column tells them apart,
+    and goes to the caption, as every column does, when the rows agree."""
+    from rich.console import Console
+
+    from fsdp_sync.cli.bench.table import bench_table
+
+    row = json.loads((ROOT / "docs/data/bench-fp8.json").read_text())["rows"][0]
+
+    def text(rows):
+        console = Console(width=240, record=True, file=open(os.devnull, "w"))
+        console.print(bench_table(rows))
+        return console.export_text()
+
+    out = text([dict(row, pipelined=True), dict(row, pipelined=False)])
+    head, body = out[:out.index("┡")], out[out.index("┡"):]
+    assert "pipelined" in head, out
+    lines = [ln for ln in body.splitlines() if ln.startswith("│")]
+    assert len(lines) == 2 and lines[0] != lines[1], out
+    col = [h.strip() for h in head.splitlines()[-1].split("┃")[1:-1]].index("pipelined")
+    assert sorted(ln.split("│")[1 + col].strip() for ln in lines) == ["no", "yes"], out
+    same = text([dict(row, pipelined=False), dict(row, pipelined=False, seconds=row["seconds"] * 2)])
+    assert "pipelined no" in " ".join(same.split()) and "pipelined" not in same[:same.index("┡")], same
 
 
 def test_target_model_recipe_has_the_size_the_targets_need():

@@ -45,6 +45,8 @@ COLUMNS: list[tuple[str, Callable[[dict], str], bool]] = [
     ("tp", lambda r: str(r["tp"]) + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""), True),
     ("multi-stage", lambda r: "on" if r["multi_stage"] else "off", True),
     ("shared host memory", lambda r: "yes" if r.get("share_host_memory") else "no", True),
+    # per-rank buckets: the next bucket's exchange beside this one's engine call (SyncConfig.pipelined)
+    ("pipelined", lambda r: "yes" if r.get("pipelined") else "no", True),
     ("seconds", lambda r: f"{r['seconds']:.3f}", False),
     # each row's own floor (`targets.row_floor`): a host-shared row's has no all-gather
     ("floor s", lambda r: f"{row_floor(r)[0]:.3f}" + (" (shared)" if row_floor(r)[1] == "floor_shared_seconds"
