@@ -357,3 +357,16 @@ def test_json_nested_too_deeply_is_a_400(server):
                              headers={"Content-Type": "application/json", "Content-Length": str(len(deep))})
     assert status == 400 and "nested too deeply" in out["message"] and not out["retryable"], (status, out)
     assert request(server, "GET", "/health")[0] == 200
+
+
+def test_hits_count_known_routes_by_name_and_every_other_path_under_one_key():
+    """`EngineServer.hits` (`get_server_info`'s generate_requests, the bench's http_requests) kept a
+    key per path requested, 404s included: a scanner's 20000 paths made 20000 keys."""
+    import types
+
+    with EngineServer(types.SimpleNamespace(tp_size=1)) as srv:
+        for i in range(50):
+            assert request(srv, "GET", f"/scan/{i:03d}")[0] == 404
+        assert request(srv, "GET", "/health?probe=1")[0] == 200
+        assert request(srv, "POST", "/get_server_info", {})[0] == 200
+        assert dict(srv.hits) == {"<unknown>": 50, "/health": 1, "/get_server_info": 1}

@@ -87,11 +87,14 @@ from .serve_control import ControlRoutes
 from .serve_lora import LoRARoutes
 from .serve_updates import UpdateRoutes
 
-__all__ = ["EngineServer", "check_disk_path", "DEFAULT_MAX_BODY"]   # check_disk_path: `http_fields`
+__all__ = ["EngineServer", "check_disk_path", "DEFAULT_MAX_BODY",    # check_disk_path: `http_fields`
+           "UNKNOWN_PATH"]
 
 log = logging.getLogger("fsdp_sync.engines.reference.serve")
 
 DEFAULT_MAX_BODY = 32 << 20
+UNKNOWN_PATH = "<unknown>"
+"""The key `EngineServer.hits` counts the requests for a path no route serves under."""
 
 
 # --------------------------------------------------------------------------- the server
@@ -135,7 +138,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
         self._busy = 0                        # requests being answered (`wait_idle`)
         self._busy_cond = threading.Condition()
         self.updates_served = 0
-        self.hits: Counter[str] = Counter()   # requests per path (auth refusals included)
+        self.hits: Counter[str] = Counter()   # requests per route (auth refusals included)
         # open connections (HTTP/1.1 keeps them alive) -> whether a request on it is being answered
         self._conns: dict[Any, bool] = {}
         self._conns_lock = threading.Lock()
@@ -200,6 +203,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
                 if getattr(self, "command", None) != "HEAD" and code >= 200 and code not in (204, 304):
                     self.wfile.write(data)
 
+        self._paths = frozenset().union(*self._routes(None))    # what `hits` counts by name
         self.httpd = ThreadingHTTPServer((host, int(port)), Handler)
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
@@ -278,7 +282,8 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
             h._body_read = False
             headers: dict[str, str] = {}
             path = h.path.split("?", 1)[0]
-            self.hits[path] += 1
+            # by route: a key per path would grow by one for every path a scanner tries
+            self.hits[path if path in self._paths else UNKNOWN_PATH] += 1
             try:
                 if self.api_key is not None and path not in ("/health", "/ready"):
                     got = h.headers.get("Authorization", "")
@@ -400,6 +405,25 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
     # ------------------------------------------------------------------ routes
     def _route(self, method: str, path: str, body: dict,
                h: BaseHTTPRequestHandler | None = None) -> tuple[int | None, Any]:
+        get_routes, post_routes = self._routes(h)
+        if path not in get_routes and path not in post_routes:
+            return 404, {"detail": "Not Found"}
+        dead = self.dead_reason()
+        if dead is not None:
+            # SGLang's server exits when a scheduler dies; until ours does (`main_serve`), every
+            # route, /health and /ready included, says so: a router must stop sending traffic here
+            return 503, {"success": False, "message": f"the engine behind this server is dead: {dead}",
+                         "retryable": True}
+        allowed = ("POST",) if path in post_routes and path not in self.GET_OR_POST else ("GET", "POST")
+        if method not in allowed:
+            raise Refused(405, f"{path} takes {' or '.join(allowed)}, not {method}",
+                          headers={"Allow": ", ".join(allowed)})
+        if path in post_routes and (method == "POST" or path not in get_routes):
+            return post_routes[path](body)
+        return get_routes[path](body)      # SGLang answers these on POST too
+
+    def _routes(self, h: BaseHTTPRequestHandler | None) -> tuple[dict, dict]:
+        """(GET routes, POST routes): path -> handler of the body, answering ``h``'s request."""
         control_gets, control_posts = self.control_routes()
         get_routes: dict[str, Callable[[dict], tuple[int, Any]]] = {
             **control_gets,
@@ -429,21 +453,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
             "/fsdp_sync/tensor_checksums": self._tensor_checksums,
             **self.lora_routes(),        # SGLang's LoRA routes (`serve_lora`)
         }
-        if path not in get_routes and path not in post_routes:
-            return 404, {"detail": "Not Found"}
-        dead = self.dead_reason()
-        if dead is not None:
-            # SGLang's server exits when a scheduler dies; until ours does (`main_serve`), every
-            # route, /health and /ready included, says so: a router must stop sending traffic here
-            return 503, {"success": False, "message": f"the engine behind this server is dead: {dead}",
-                         "retryable": True}
-        allowed = ("POST",) if path in post_routes and path not in self.GET_OR_POST else ("GET", "POST")
-        if method not in allowed:
-            raise Refused(405, f"{path} takes {' or '.join(allowed)}, not {method}",
-                          headers={"Allow": ", ".join(allowed)})
-        if path in post_routes and (method == "POST" or path not in get_routes):
-            return post_routes[path](body)
-        return get_routes[path](body)      # SGLang answers these on POST too
+        return get_routes, post_routes
 
     def dead_reason(self) -> str | None:
         """Why the engine can serve nothing more (a worker died, it was shut down), or None."""
