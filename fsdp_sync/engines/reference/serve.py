@@ -7,7 +7,7 @@ weights, on a CPU machine:
 
     GET  /health  /health_generate  /ready  /get_model_info  /get_server_info (/server_info)
     GET  /v1/models                    (SGLang's OpenAI-style model list: the served model)
-    POST /generate                     {input_ids | text, sampling_params}
+    POST /generate                     {input_ids | text, sampling_params}  (PUT too, as SGLang)
     POST /update_weights_from_tensor  /begin_weight_update  /end_weight_update
     POST /init_weights_update_group  /update_weights_from_distributed  /destroy_weights_update_group
     POST /update_weights_from_disk  /release_memory_occupation  /resume_memory_occupation
@@ -110,6 +110,9 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
     GET_OR_POST = ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
                    "/get_weights_by_name")
     """Routes SGLang takes on GET as well as POST (verl's HttpServerAdapter flushes with a GET)."""
+
+    PUT_OR_POST = ("/generate",)
+    """Routes SGLang takes on PUT as well as POST (``methods=["POST", "PUT"]`` in its server)."""
 
     def __init__(self, engine: Any, *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, allowed_disk_dirs: Sequence[str] = (),
@@ -407,6 +410,8 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
                h: BaseHTTPRequestHandler | None = None) -> tuple[int | None, Any]:
         get_routes, post_routes = self._routes(h)
         if path not in get_routes and path not in post_routes:
+            # SGLang's answer too: FastAPI's own (SGLang's ErrorResponse handler is registered for
+            # fastapi's HTTPException, which the router's 404, starlette's, is not)
             return 404, {"detail": "Not Found"}
         dead = self.dead_reason()
         if dead is not None:
@@ -414,7 +419,8 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
             # route, /health and /ready included, says so: a router must stop sending traffic here
             return 503, {"success": False, "message": f"the engine behind this server is dead: {dead}",
                          "retryable": True}
-        allowed = ("POST",) if path in post_routes and path not in self.GET_OR_POST else ("GET", "POST")
+        allowed = (("POST", "PUT") if path in self.PUT_OR_POST else ("GET", "POST") if
+                   path not in post_routes or path in self.GET_OR_POST else ("POST",))
         if method not in allowed:
             raise Refused(405, f"{path} takes {' or '.join(allowed)}, not {method}",
                           headers={"Allow": ", ".join(allowed)})
