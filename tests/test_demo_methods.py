@@ -108,3 +108,22 @@ def test_demo_puts_each_engine_on_its_own_gpus(method, world, tp, want):
     engines = {r: g for r, g in enumerate(got) if g is not None}
     assert {r: g["base_gpu_id"] for r, g in engines.items()} == want, engines
     assert all(g["tp_size"] == tp and g["device"] == "cuda" for g in engines.values()), engines
+
+
+@pytest.mark.timeout(120)
+def test_a_demo_past_its_deadline_is_one_line_and_its_deadline_scales_with_the_work(capsys):
+    """The demo's deadline was a hidden 600 s whatever --steps or the model: a run that reached it
+    printed a RankError traceback. Now --timeout-s sets it (by default it grows with the steps and
+    the parameters), and a run past it, or a rank that fails, is one line and exit code 1."""
+    from _util import cli_here
+
+    res = cli_here(capsys, "demo", "--steps", "1", "--no-progress", "--timeout-s", "0.5")
+    err = res.stderr.strip()
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert len(err.splitlines()) == 1 and err.startswith("fsdp-sync demo: error: ranks "), err
+    assert "deadline of demo_rank (--timeout-s 0.5; no step's result is kept" in err, err
+    from fsdp_sync.cli.demo import DemoOptions, default_timeout_s
+
+    three, many = default_timeout_s(DemoOptions(steps=3)), default_timeout_s(DemoOptions(steps=30))
+    assert three == pytest.approx(600 + 0.013984 + 3 * (60 + 0.013984)) and many > three + 1500
+    assert default_timeout_s(DemoOptions(steps=3, model="qwen2-1500m")) > three + 500

@@ -71,6 +71,9 @@ def _add_demo(sub) -> None:
     p.add_argument("--lora-r", type=ca.positive_int, default=16, help="--lora: the adapter's rank r")
     p.add_argument("--lora-alpha", type=ca.positive_float, default=32.0,
                    help="--lora: lora_alpha (the adapter is scaled by lora_alpha / r)")
+    p.add_argument("--timeout-s", type=ca.positive_float, default=None, metavar="SECONDS",
+                   help="stop every rank and fail (exit 1) once the run has taken this long; no step's "
+                        "result is kept (default: 600 s + 60 s a step, each + 1 s per 10 M parameters)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(check=_check_demo)
@@ -116,14 +119,24 @@ def _cmd_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .demo import run_demo
+    from .demo import default_timeout_s, run_demo
+    from .launch import RankError
 
     opts = getattr(args, "opts", None) or _demo_options(args)
     console = Console(width=None if sys.stdout.isatty() else 180)
     console.print(f"[bold]fsdp-sync demo[/]: {opts.ranks} ranks (dp {opts.ranks // opts.tp} × infer_tp "
                   f"{opts.tp}), FSDP{opts.fsdp}, model {opts.model}, method {opts.method}, strategy {opts.strategy}, "
                   f"{opts.dtype}{' + block FP8' if opts.quantization else ''}, {opts.device}")
-    result = run_demo(opts)
+    timeout_s = args.timeout_s or default_timeout_s(opts)
+    try:
+        result = run_demo(opts, timeout_s=timeout_s)
+    except RankError as exc:     # a rank failed, died or ran out of time: its last line, not a traceback
+        lines = str(exc).strip().splitlines()
+        why = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+        if "deadline" in lines[0]:
+            why += f" (--timeout-s {timeout_s:g}; no step's result is kept: give it more)"
+        print(f"fsdp-sync demo: error: {why}", file=sys.stderr)
+        return 1
     table = Table(title="weight sync per training step")
     for col in ("step", "loss", "sync s", "GB/s", "bytes", "peak trainer RSS", "peak engine RSS",
                 "max |logit diff|", "tokens match"):

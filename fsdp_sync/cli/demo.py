@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DemoOptions", "demo_rank", "run_demo", "PROMPTS"]
+__all__ = ["DemoOptions", "demo_rank", "run_demo", "default_timeout_s", "PROMPTS"]
 
 # prompts of different lengths, all token ids < 256 so they fit every recipe's vocabulary
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7]]
@@ -271,11 +271,26 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
     return records
 
 
-def run_demo(opts: DemoOptions, *, timeout_s: float = 600.0) -> dict:
-    """Run the demo on ``opts.ranks`` local processes; return the JSON-ready result."""
+def default_timeout_s(opts: DemoOptions) -> float:
+    """The whole run's wall-clock limit unless ``--timeout-s`` gives one: 600 s to start (the
+    ranks' imports, the model's build, the engine) and 60 s a step, each plus 1 s per 10 M
+    parameters (tiny, 3 steps: 780 s; qwen2-1500m: 754 s + 214 s a step). It was 600 s whatever
+    the run, so ``--steps 1000`` passed it however well every step went."""
+    from ..models import count_params
+    from ..plan import meta_model
+
+    per = count_params(meta_model(opts.model)[1])[0] / 1e7
+    return 600.0 + per + opts.steps * (60.0 + per)
+
+
+def run_demo(opts: DemoOptions, *, timeout_s: float | None = None) -> dict:
+    """Run the demo on ``opts.ranks`` local processes; return the JSON-ready result. Past
+    ``timeout_s`` (None: `default_timeout_s`) every rank is stopped and `launch.RankError` raised:
+    the steps come back only at the end, so none of them is kept."""
     from .launch import run_ranks, spawn_env
 
     t0 = time.perf_counter()
+    timeout_s = default_timeout_s(opts) if timeout_s is None else timeout_s
     tmp = None
     if opts.method == "disk" and opts.disk_dir is None and "disk_dir" not in opts.extra:
         tmp = tempfile.mkdtemp(prefix="fsdp-sync-demo-disk-")   # one host: every rank sees it
