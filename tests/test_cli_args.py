@@ -79,6 +79,11 @@ BAD = [
     ("faults --fleet --methods disk,tensor", ["--methods", "got tensor"]),
     ("faults --fleet --faults raise", ["--faults", "--fleet covers kill, stall", "got raise"]),
     ("faults --fleet --stages prepare --jobs 2", ["--fleet", "does not take --stages, --jobs"]),
+    # flags the chosen options would ignore (accepted, exit 0, nothing done with them)
+    ("demo --disk-dir /nonexistent/never_made", ["--disk-dir", "--method disk", "--method tensor writes none"]),
+    ("demo --method distributed --disk-dir d", ["--disk-dir", "--method distributed writes none"]),
+    ("bench --engine http --methods distributed", ["--engine http", "--methods distributed has no tensor rows"]),
+    ("bench --engine direct --methods disk", ["--engine direct", "--methods disk has no tensor rows"]),
     # outputs written at the end of a long run: checked before it starts
     ("demo --json tests", ["--json", "tests is a directory", "file path"]),
     ("bench --json tests", ["--json", "tests is a directory"]),

@@ -99,6 +99,9 @@ def _check_demo(args, given: set[str]) -> None:
 
     if {"lora_r", "lora_alpha"} & given and not args.lora:
         raise ValueError("--lora-r / --lora-alpha configure the adapter of --lora; add --lora")
+    if "disk_dir" in given and args.method != "disk":     # a flag the run would ignore is refused
+        raise ValueError(f"--disk-dir is where --method disk writes its versions; --method {args.method} "
+                         f"writes none: add --method disk or drop --disk-dir {args.disk_dir}")
     if args.ranks % args.tp:
         raise ValueError(f"--ranks {args.ranks} must be a multiple of --tp {args.tp} (dp = ranks / tp)")
     if args.quantization == "fp8" and "model" not in given:

@@ -577,6 +577,9 @@ def check_bench_args(args, given: set[str]) -> None:
 
         check_lora_args(args, given)
     args.spec = spec_from_args(args, given)
+    if ("engine" in given or args.spec.engine != "direct") and "tensor" not in args.spec.methods:
+        raise ValueError(f"--engine {args.spec.engine} is the tensor method's engine; --methods "
+                         f"{','.join(args.spec.methods)} has no tensor rows: add tensor or drop --engine")
     ca.check_mib(args.spec.bucket_mb, "--bucket-mb")      # the flag's or the sweep's: 1e-7 MiB is 0 bytes
     from ...models import load_config
     from ...weights.fp8 import quantized_layout
