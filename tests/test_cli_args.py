@@ -245,6 +245,30 @@ def test_bench_recipe_scalars_are_one_item_lists(tmp_path, capsys):
         assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
 
 
+@pytest.mark.parametrize("nccl, cuda, refused", [(False, False, "this torch has no NCCL built in"),
+                                                  (True, False, "NCCL runs on GPUs and this machine has no CUDA device"),
+                                                  (True, True, None)])
+def test_demo_refuses_an_nccl_backend_this_machine_cannot_start(nccl, cuda, refused, capsys, monkeypatch):
+    """``--backend nccl`` on a CPU-only torch was accepted; 12 s later every rank failed
+    ("Distributed package doesn't have NCCL built in", a RankError traceback). ``cuda:gloo``, the
+    NCCL-only group's emulation on CPU (`test_nccl_only_group`), is taken everywhere."""
+    import torch.distributed as dist
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    for backend in ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"):
+        if refused is None:
+            assert cli.parse_args(["demo", "--backend", backend]).opts.backend == backend
+            continue
+        with pytest.raises(SystemExit) as info:
+            cli.parse_args(["demo", "--backend", backend])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"argument --backend: {backend}: {refused}" in err and "cuda:gloo" in err, err
+    assert cli.parse_args(["demo", "--backend", "cuda:gloo"]).opts.backend == "cuda:gloo"
+
+
 BAD_RECIPES = [
     # each was a traceback (the YAML parser's, AttributeError, ZeroDivisionError, TypeError), a
     # header and then run_ranks' ValueError, or (warmup: -3) a run with no warm-up at all

@@ -107,6 +107,7 @@ def _check_demo(args, given: set[str]) -> None:
     if args.quantization == "fp8" and "model" not in given:
         args.model = "tiny-fp8"         # the default that takes FP8 blocks at every --tp it splits
     ca.check_gpus(args.method, args.device, args.ranks, args.tp)
+    ca.check_backend(args.backend)
     quant = None if args.quantization == "none" else args.quantization
     demo_check.check_sync_config(strategy=args.strategy, bucket_mb=args.bucket_mb, method=args.method,
                                  layout=args.layout, dtype=args.dtype, quantization=quant, lora=args.lora)

@@ -148,6 +148,29 @@ def backend(text: str) -> str:
     return text
 
 
+def check_backend(backend: str | None) -> None:
+    """Refuse (ValueError naming ``--backend``) an NCCL backend this machine cannot start: a torch
+    built without NCCL (CPU wheels), or no CUDA device (NCCL's communicators live on GPUs). Every
+    rank would start, build its model and then fail in init_process_group ("Distributed package
+    doesn't have NCCL built in"). Checked after parsing, not in `backend`: the spelling is the
+    same everywhere, what runs depends on this machine. ``cuda:gloo`` (gloo with no CPU backend,
+    the NCCL-only group's emulation) and a CPU trainer on an NCCL-only group (it shards over a
+    gloo twin: `trainer.wrap_fsdp`) are not refused."""
+    if not backend or "nccl" not in backend:
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        why = "this torch has no NCCL built in (torch.distributed.is_nccl_available() is False)"
+    elif not torch.cuda.is_available():
+        why = "NCCL runs on GPUs and this machine has no CUDA device torch can use"
+    else:
+        return
+    raise ValueError(f"argument --backend: {backend}: {why}; use gloo, or cuda:gloo for a group "
+                     f"without a CPU backend (what init_process_group('nccl') gives on GPUs)")
+
+
 def check_gpus(method: str, device: str, ranks: int, tp: int, gpus: int | None = None,
                method_flag: str = "--method") -> None:
     """Refuse, before anything starts, a job this machine's GPUs cannot hold: one GPU per trainer
