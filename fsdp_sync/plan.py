@@ -16,9 +16,9 @@ names, so a plan row and a bench row of the same job compare key by key:
   all-to-all bytes by `reshard.exchange_bytes` over the FSDP split; checkpoint file sizes by
   `hf_checkpoint.safetensors_file_bytes`;
 - ``memory_budget_bytes``: the rule the bench holds every measured row to (`memory_budget`: two
-  buckets + the largest tensor; disk one bucket more; FP8 the quantized bucket too), and whether
-  it fits the memory left on each device: a plan that cannot fit raises `PlanError` naming the
-  figures and the largest bucket that would fit;
+  buckets + the largest tensor; disk one bucket more; FP8 the quantized buckets held at once too),
+  and whether it fits the memory left on each device: a plan that cannot fit raises `PlanError`
+  naming the figures and the largest bucket that would fit;
 - ``seconds``: an estimate, the floor of each link the bytes cross (bytes / that link's bandwidth,
   phase after phase; a pipelined method overlaps its phases) plus the per-call and per-collective
   overheads. It is a model: docs/plan.md sets it beside measured and published figures.
@@ -41,7 +41,7 @@ from .plan_bytes import (disk_bytes, exchange_in, fsdp_counts, gather_bytes_in, 
                          state_dict_bytes_in)
 
 __all__ = ["Cluster", "CLUSTERS", "PlanJob", "PlanError", "plan_row", "memory_budget",
-           "quantized_bucket_bytes", "meta_model", "load_cluster", "GB", "MiB", "GiB"]
+           "quantized_bucket_bytes", "quantized_buffers", "meta_model", "load_cluster", "GB", "MiB", "GiB"]
 
 GB, MiB, GiB = 1e9, 2**20, 2**30
 
@@ -51,7 +51,8 @@ GB, MiB, GiB = 1e9, 2**20, 2**30
 def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: str | None = None,
                   dtype: torch.dtype = torch.bfloat16, *, layout: str = "full",
                   pipelined: bool = True, turns: bool = False, state_dict: str | None = None,
-                  model_bytes: int = 0, ranks: int = 1, rank_buffers: int = 1) -> dict:
+                  model_bytes: int = 0, ranks: int = 1, rank_buffers: int = 1,
+                  quantized_bytes: int | None = None) -> dict:
     """The most extra memory one trainer rank (colocated: its device, trainer rank and engine
     together) may take during a sync, and the rule it comes from (the bench flags every measured
     row above it): k buckets in flight, each up to max(bucket, largest tensor) (a tensor larger
@@ -60,8 +61,10 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
     next being made); 3 for disk (the one being made, safetensors' serialized copy, the one the
     writer thread writes) and for distributed per-rank buckets on trainer rank 0, which assembles
     every engine rank's buffer (two buffer sets and the pieces the exchange brings it for one
-    bucket; 2 when not pipelined). FP8: plus the quantized copy of a bucket
-    (`quantized_bucket_bytes`). With buckets at least as large as the largest tensor (the usual
+    bucket; 2 when not pipelined). FP8: plus the quantized buckets held at once
+    (`quantized_buffers`), each ``quantized_bytes``: the largest quantized bucket of the sync's
+    plan, which the transports size their buffers for (`plan_row` counts it; default
+    `quantized_bucket_bytes`, a bucket all of whose tensors are quantized). With buckets at least as large as the largest tensor (the usual
     case: verl's default is 2 GiB) this is k x bucket + largest tensor. ``turns``: the tensor
     method into an engine that may answer before every rank read (SGLang at TP > 1 on CUDA), whose
     buffers take turns (`transport.tensor.ReusedBuffer`): one bucket more where two are in flight
@@ -85,10 +88,25 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
         out["memory_budget_rule"] += (f" + FSDP1's {state_dict} state dict "
                                       + ("2 x the model" if full else "the model + model / ranks"))
     if quantization:
-        n = 2 if turns else 1
-        out["memory_budget_bytes"] += n * quantized_bucket_bytes(bucket_bytes, dtype)
-        out["memory_budget_rule"] += " + 2 quantized buckets" if turns else " + the quantized bucket"
+        n = quantized_buffers(method, layout, pipelined, turns)
+        q = quantized_bucket_bytes(bucket_bytes, dtype) if quantized_bytes is None else quantized_bytes
+        out["memory_budget_bytes"] += n * q
+        out["memory_budget_rule"] += f" + {n} quantized buckets" if n > 1 else " + the quantized bucket"
     return out
+
+
+def quantized_buffers(method: str, layout: str, pipelined: bool, turns: bool = False) -> int:
+    """How many quantized buckets a trainer rank holds at once, as each transport allocates them:
+    the tensor method one buffer per bucket in flight (full tensors: one, `ReusedBuffer`; per-rank
+    buckets: two when pipelined, `BufferPool`), one more where its buffers take turns (``turns``);
+    the distributed method's trainer rank 0 two for full tensors (bucket k on the wire while k+1
+    is quantized, whatever ``pipelined``) and one per buffer set for per-rank buckets (two
+    pipelined); the disk method one (the quantized bucket replaces the copy its writer takes)."""
+    if method == "tensor":
+        return (2 if layout == "engine" and pipelined else 1) + (1 if turns else 0)
+    if method == "distributed":
+        return 2 if layout == "full" or pipelined else 1
+    return 1
 
 
 def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: int,
@@ -387,9 +405,25 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
         row.update(quantizer_load(job, layout, dtype, metas, quant, reshard, bk))
     unit = max((b.nbytes for b in plan), default=0) if job.method != "disk" else 0   # its largest bucket
 
+    def quantized_bytes(bucket: int) -> int | None:
+        """The largest quantized bucket at ``bucket``, as the transports size their FP8 buffers:
+        over the bucket plan they quantize (an unquantized embedding or lm_head keeps its bytes;
+        the distributed per-rank path: a buffer per engine rank, each for its largest part);
+        the disk method: None (`quantized_bucket_bytes`)."""
+        if quant is None or job.method == "disk":
+            return None
+        if engine_layout:
+            tp = job.tp if job.method == "distributed" else 1
+            return tp * max((b.nbytes for b in rank_plan(max(1, bucket // tp))), default=0)
+        full = bk.plan_tight(metas, bucket) if job.method == "distributed" else bk.plan_buckets(metas, bucket)
+        return max((quant.plan(b).nbytes for b in full), default=0)
+
     # ---- memory
     same = dict(layout=job.layout, pipelined=job.pipelined, turns=_turns(job, cl))
-    row.update(_trainer_rule(job, cl, row, job.bucket_bytes))
+    row.update(_trainer_rule(job, cl, row, job.bucket_bytes, quantized_bytes))
+    if quant is not None:       # each quantized bucket of the budget (its rule says how many)
+        q = quantized_bytes(job.bucket_bytes)
+        row["quantized_bucket_bytes"] = quantized_bucket_bytes(job.bucket_bytes, dtype) if q is None else q
     staged = job.stages
     row.update(engine_memory_budget(job.method, job.bucket_bytes, largest, shard, staged, job.quantization,
                                     dtype, **same), engine=job.engine)
@@ -400,7 +434,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     row["engine_rank_peak_extra_bytes"] = row["engine_memory_budget_bytes"]
     # bounds: a measured row stays at or below them (a device: colocated, trainer and engine together)
     row["peak_extra_bytes"] = max(row["memory_budget_bytes"], row["engine_memory_budget_bytes"])
-    _check_fit(job, cl, row, model_bytes)
+    _check_fit(job, cl, row, quantized_bytes)
 
     # ---- time
     row.update(_estimate(job, cl, row, shard, unit))
@@ -413,25 +447,27 @@ def _turns(job: PlanJob, cl: Cluster) -> bool:
     return job.engine == "sglang" and job.tp > 1 and cl.device == "cuda"
 
 
-def _trainer_rule(job: PlanJob, cl: Cluster, row: dict, bucket: int) -> dict:
+def _trainer_rule(job: PlanJob, cl: Cluster, row: dict, bucket: int, quantized_bytes: Any = None) -> dict:
     """`memory_budget` of ``job`` with ``bucket``: an FSDP1 state dict's own memory included, and
     every engine rank's per-rank buffers on each trainer rank where FSDP1's full state dict leaves
     none to exchange (the tensor and disk methods; the distributed method's rank 0 builds them all
-    anyway)."""
+    anyway); FP8: each quantized bucket ``quantized_bytes(bucket)``, the largest of the plan at
+    that size (None: the rule's bound)."""
     sd = job.fsdp1_state_dict if job.fsdp == 1 else None
     per_rank = sd == "full" and job.layout == "engine" and job.method in ("tensor", "disk")
     out = memory_budget(job.method, bucket, row["largest_tensor_bytes"], job.quantization,
                         getattr(torch, job.dtype), layout=job.layout, pipelined=job.pipelined,
                         turns=_turns(job, cl), state_dict=sd, ranks=job.ranks,
                         model_bytes=row["params"] * getattr(torch, job.trainer_dtype).itemsize,
-                        rank_buffers=job.tp if per_rank else 1)
+                        rank_buffers=job.tp if per_rank else 1,
+                        quantized_bytes=quantized_bytes(bucket) if quantized_bytes else None)
     if job.method == "tensor" and job.stages:   # the colocated engine's staged shard: the same device
         out["memory_budget_bytes"] += row["engine_rank_shard_bytes"]
         out["memory_budget_rule"] += " + the engine's shard (staged until the commit)"
     return out
 
 
-def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
+def _check_fit(job: PlanJob, cl: Cluster, row: dict, quantized_bytes: Any = None) -> None:
     """Refuse a sync whose budget exceeds the memory left on a device (`PlanError`, with the
     largest bucket that fits): colocated, the trainer's rule on the engine's GPU beside the
     trainer's resident shard; disaggregated, the trainer's rule on a trainer GPU and the engine's
@@ -450,12 +486,12 @@ def _check_fit(job: PlanJob, cl: Cluster, row: dict, model_bytes: int) -> None:
     staged = job.stages
 
     def trainer_need(b: int) -> int:
-        return _trainer_rule(job, cl, row, b)["memory_budget_bytes"]
+        return _trainer_rule(job, cl, row, b, quantized_bytes)["memory_budget_bytes"]
 
     def engine_need(b: int) -> int:
         return engine_memory_budget(job.method, b, largest, shard, staged)["engine_memory_budget_bytes"]
 
-    rule = _trainer_rule(job, cl, row, job.bucket_bytes)["memory_budget_rule"]
+    rule = _trainer_rule(job, cl, row, job.bucket_bytes, quantized_bytes)["memory_budget_rule"]
     # the rule with this job's figures: "2 x bucket 8.0 GiB + largest tensor 594 MiB"
     trainer_what = rule.replace("bucket", "bucket {}", 1).replace("largest tensor", f"largest tensor {_fmt(largest)}")
     engine_what = (f"the larger of bucket {{}} and largest tensor {_fmt(largest)}"
