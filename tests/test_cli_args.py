@@ -43,6 +43,8 @@ BAD = [
     ("bench --models tiny-qwen3-moe --ranks 4 --tp 4 --ep 4,3", ["--ep", "--tp", "divide"]),
     ("soak --warmup -1", ["--warmup", "integer >= 0", "'-1'"]),
     ("soak --syncs 0", ["--syncs", "positive integer"]),
+    # a bad method was SystemExit(1): the code of "target NOT met", and not the one-line form
+    ("soak --methods tensor,bogus", ["argument --methods", "tensor, distributed, disk, train", "'bogus'"]),
     # serve (issue 21 item 8): each used to be a traceback, often after the workers started
     ("serve --tp 0", ["--tp", "positive integer"]),
     ("serve --tp 3", ["--tp", "'tiny'", "3 TP ranks", "num_attention_heads"]),

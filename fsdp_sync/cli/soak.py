@@ -303,7 +303,7 @@ def add_soak_parser(sub) -> None:
         formatter_class=ca.DefaultsFormatter)
     p.add_argument("--syncs", type=ca.positive_int, default=1000,
                    help="measured syncs per method (run after the warm-up)")
-    p.add_argument("--methods", default="tensor,distributed,disk",
+    p.add_argument("--methods", type=ca.csv_of(ca.choice_of((*METHODS, CONTROL))), default="tensor,distributed,disk",
                    help="comma list of tensor,distributed,disk; 'train' adds the control: the same "
                         "training steps with no sync")
     p.add_argument("--every", type=ca.positive_int, default=None, help="sample every K syncs (default: N/200); the end of the warm-up, the middle "
@@ -341,11 +341,7 @@ def cmd_soak(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    bad = [m for m in methods if m not in (*METHODS, CONTROL)]
-    if bad or not methods:
-        raise SystemExit(f"fsdp-sync soak: --methods {args.methods!r}: choose from {', '.join(METHODS)} "
-                         f"(or {CONTROL}, the control: training with no sync)")
+    methods = tuple(dict.fromkeys(args.methods))   # each name checked by its type (exit 2); once each
     console = Console(width=200)
     warm = args.warmup if args.warmup is not None else default_warmup(args.syncs)
     console.print(f"[bold]fsdp-sync soak[/]: {warm} warm-up + {args.syncs} syncs × {', '.join(methods)} …")
