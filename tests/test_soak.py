@@ -175,3 +175,25 @@ def test_soak_counts_the_temp_dirs_of_its_own_job_only(tmp_path):
         assert r["tmp"] == r["child"] == str(job) and r["left"].startswith(str(job)), r
     assert {r["left"] for r in res} <= temp_dirs(str(job))
     assert not {r["left"] for r in res} & temp_dirs()
+
+
+def test_soak_says_on_stderr_how_far_it_is_and_keeps_stdout_and_the_json_for_the_report(tmp_path):
+    """The default soak (3 methods x 1300 steps) printed its header and then nothing for minutes.
+    Rank 0 now says on stderr as each method starts and ends (a bar in between on a terminal);
+    stdout holds the report and --json the measurement, as before."""
+    import json
+    import sys
+
+    from _util import run_output
+
+    out = tmp_path / "soak.json"
+    proc = run_output([sys.executable, "-m", "fsdp_sync.cli", "soak", "--syncs", "3", "--warmup", "1",
+                       "--methods", "tensor,train", "--json", str(out), "--png", ""], timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    err = proc.stderr.splitlines()
+    assert [line.split(" done in ")[0] for line in err if line.startswith("soak: ")] == [
+        "soak: tensor: 1 warm-up + 3 syncs …", "soak: tensor:",
+        "soak: train: 1 warm-up + 3 training steps …", "soak: train:"], proc.stderr
+    assert "soak: tensor" not in proc.stdout and "time per method" in proc.stdout
+    rep = json.loads(out.read_text())
+    assert rep["syncs"] == 3 and rep["methods"] == ["tensor", "train"]

@@ -76,6 +76,43 @@ def _tm_growth(before: Any, top: int) -> dict:
                     for s in stats[:top] if s.size_diff > 0]}
 
 
+class _Progress:
+    """Trainer rank 0's progress on stderr, so a run of minutes is not silent: a line as each
+    method starts and ends (what a log keeps) and, on a terminal, a bar of its steps in between
+    (gone when it ends). stdout keeps the report alone; the --json file is written by the
+    command. Silent on the other ranks."""
+
+    def __init__(self, on: bool) -> None:
+        self.bar = self.task = None
+        if not on:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("[bold]soak[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        self.bar.start()
+
+    def start(self, method: str, warmup: int, syncs: int) -> None:
+        if self.bar:
+            what = "training steps" if method == CONTROL else "syncs"
+            self.bar.console.print(f"soak: {method}: {warmup} warm-up + {syncs} {what} …")
+            self.task = self.bar.add_task(method, total=warmup + syncs)
+
+    def step(self) -> None:
+        if self.bar:
+            self.bar.advance(self.task)
+
+    def done(self, method: str, seconds: float) -> None:
+        if self.bar:
+            self.bar.remove_task(self.task)
+            self.bar.console.print(f"soak: {method}: done in {seconds:.1f} s")
+
+    def stop(self) -> None:
+        if self.bar:
+            self.bar.stop()
+
+
 def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tmp: str,
                warmup: int = 0, trace: bool = False) -> Any:
     import gc
@@ -109,8 +146,10 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
     traced: dict[str, dict] = {}
     if trace:
         tracemalloc.start(12)
+    progress = _Progress(rank == 0)
     try:
         for method in methods:
+            progress.start(method, warmup, syncs)
             manager = None
             if method != CONTROL:
                 conf = SyncConfig(method=method, dtype=torch.float32, bucket_bytes=48 << 10,
@@ -133,10 +172,12 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
                         pass
                 if rank == 0 and i + 1 in points:
                     rows.append({"sync": i + 1, **_sample(procs, tmp)})
+                progress.step()
                 if trace and (snap is None and i + 1 >= warmup):
                     gc.collect()
                     snap = tracemalloc.take_snapshot()
             seconds[method] = time.monotonic() - t0
+            progress.done(method, seconds[method])
             if trace:
                 traced[method] = _tm_growth(snap, 8)
             if manager is not None:
@@ -145,6 +186,7 @@ def _soak_rank(rank: int, world: int, methods: tuple, syncs: int, every: int, tm
                 engine.resume_memory_occupation()            # others push into a resident engine
             dist.barrier(group=cpu_group())
     finally:
+        progress.stop()
         if engine is not None:
             engine.shutdown()
         if trace:
