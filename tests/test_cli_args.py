@@ -155,6 +155,19 @@ def test_demo_help_says_no_default_none(capsys):
     assert "(default: None)" not in out and "--bucket-mb BUCKET_MB bucket size in MiB (> 0) (default: 64.0)" in out
 
 
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_a_default_the_help_states_itself_is_printed_once(command, capsys):
+    """``--model``'s help says its default in words (tiny; tiny-fp8 with --quantization fp8), and
+    the formatter added "(default: tiny)" after it: the default twice."""
+    with pytest.raises(SystemExit):
+        cli.parse_args([command, "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("  --model MODEL"))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("  -"))
+    model = " ".join(" ".join(lines[start:end]).split())
+    assert model.count("(default:") == 1 and "(default: tiny;" in model, model
+
+
 def test_serve_port_in_use_is_one_line_and_starts_no_worker():
     import socket
 

@@ -34,10 +34,11 @@ class Parser(argparse.ArgumentParser):
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` for every flag that has a default (not for flags without one)."""
+    """Shows ``(default: X)`` for every flag that has a default (not for flags without one, nor
+    for one whose help says its default in its own words: ``(default: tiny; tiny-fp8 with ...)``)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or "(default:" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
 
