@@ -55,6 +55,9 @@ def test_bench_cli_rows_json_and_plots(tmp_path):
     assert small["engine_calls"] > big["engine_calls"]  # smaller buckets, more calls
     per_tensor = [r for r in rows if r["strategy"] == "per_tensor"]
     assert all(r["engine_calls"] == r["tensors"] for r in per_tensor)
+    # per_tensor all-gathers every parameter alone (share_host_memory cannot apply): each of the
+    # 2 ranks receives the other's half of the tiny model (it was 0: its stats do not count it)
+    assert [r["trainer_rank_bytes_in"] for r in per_tensor] == [rows[0]["bytes"] // 2] * 2, per_tensor
     pngs = sorted(p.name for p in plots.glob("*.png"))
     assert "sync_vs_bucket_tiny.png" in pngs
     assert any(n.startswith("memory_timeline_tiny_flattened") for n in pngs)

@@ -15,7 +15,7 @@ import torch
 from ...topology import cpu_group, released_by_backend
 
 __all__ = ["median_seconds", "floor_seconds", "copy_seconds", "floor_shared_seconds",
-           "floor_all_to_all_seconds", "layout_figures"]
+           "floor_all_to_all_seconds", "layout_figures", "tensor_by_tensor_bytes_in"]
 
 
 def median_seconds(body: Callable[[], None], dev: str, repeats: int) -> float:
@@ -166,12 +166,27 @@ def floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, devic
     return median_seconds(body, dev, repeats)
 
 
+def tensor_by_tensor_bytes_in(cfg: Any, metas: list, world: int) -> int:
+    """The most one trainer rank receives gathering every tensor alone over FSDP2's ``world``
+    ranks (`export.iter_params`: the tensor method's per_tensor and bucketed strategies, whose
+    stats do not count it), from the sizes as `fsdp_sync.plan` counts a gather: each tensor a
+    bucket of its own (`gather.bucket_bytes_in`: uneven pieces in 16-byte aligned slots)."""
+    from ...plan import meta_model
+    from ...plan_bytes import fsdp_counts, gather_bytes_in
+    from ...weights.bucket import plan_buckets
+
+    if world == 1:
+        return 0
+    return gather_bytes_in(plan_buckets(metas, 1), fsdp_counts(meta_model(cfg)[1], world, 2), world)
+
+
 def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> dict:
     """The row's layout fields (collective: every rank calls it): ``engine_rank_bytes_in`` (what
     one engine rank was handed: its per-rank buffers, or every full bucket), ``engine_rank_shard_bytes``
     (its own shard in the engine layout), ``trainer_rank_bytes_in`` (the most any trainer rank
     received, as its sync's stats counted it: the all-to-all, the all-gather (the others' pieces,
-    as packed and broadcast), the gather to rank 0; 0 on the one-host path)."""
+    as packed and broadcast), the gather to rank 0; 0 on the one-host path; a tensor-by-tensor
+    gather's, which its stats do not count: `tensor_by_tensor_bytes_in`)."""
     import torch.distributed as dist
 
     from ...weights.export import param_metas
@@ -188,6 +203,8 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
     # what this rank's sync received (its stats: the all-to-all, the all-gather or the gather to
     # rank 0, counted from the pieces it took in), the most of any rank below
     mine = int(extra.get("trainer_rank_bytes_in", 0))
+    if "trainer_rank_bytes_in" not in extra:
+        mine = tensor_by_tensor_bytes_in(cfg, param_metas(model, dtype), world)
     engine_in = int(extra["engine_rank_bytes_in"]) if layout == "engine" else int(stats.bytes)
     t = torch.tensor([mine], dtype=torch.int64)
     with released_by_backend(t):
