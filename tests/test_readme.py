@@ -244,3 +244,30 @@ def test_the_commands_the_pages_show_are_accepted(capsys):
             assert not exc.code, f"{page}: `{command}` is refused: {capsys.readouterr().err.strip()}"
         checked.append(command)
     assert len(checked) >= 40, checked
+
+
+def test_the_plan_check_table_gives_the_plans_bounds_of_today():
+    """docs/plan.md's plan/bench table and its data/plan-qwen2-160m.json hold the figures
+    `plan_row` gives now for that job (on the saved cluster they were timed with): the per-rank
+    disk row's engine worker kept 404 MiB, the staged rule, after the reference engine stopped
+    staging per-rank files (848d864: max(bucket, largest tensor), 94 MiB)."""
+    import json
+
+    from fsdp_sync.plan import PlanJob, load_cluster, plan_row
+
+    data = json.loads((ROOT / "docs/data/plan-qwen2-160m.json").read_text())
+    cluster = load_cluster(str(ROOT / "docs/data/cluster-this-machine.json"))
+    page = (ROOT / "docs/plan.md").read_text()
+    section = page[page.index("## Checked against the bench"):page.index("## Beside published figures")]
+    for r in data["rows"]:
+        now = plan_row(PlanJob("qwen2-160m", r["method"], r["layout"], r["bucket_bytes"], r["dtype"], None,
+                               r["ranks"], 2, r["tp"], engine="reference"), cluster)
+        where = (r["method"], r["layout"])
+        for k in ("bytes", "engine_rank_bytes_in", "memory_budget_bytes", "engine_memory_budget_bytes"):
+            assert r[k] == now[k], (where, k, r[k], now[k])
+        # ... | trainer peak / budget MiB | engine worker peak / budget MiB |
+        cells = re.search(rf"^\| {r['method']} \| {r['layout']} \|(.*)$", section, re.M).group(1).split("|")
+        trainer, engine = cells[-3].strip(), cells[-2].strip()
+        assert trainer.split(" / ")[1].split()[0] == f"{now['memory_budget_bytes'] / 2**20:.0f}", (where, trainer)
+        if r["method"] != "tensor":
+            assert engine.split(" / ")[1] == f"{now['engine_memory_budget_bytes'] / 2**20:.0f}", (where, engine)
