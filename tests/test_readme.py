@@ -18,6 +18,7 @@ from _util import run_output
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+RECIPES = sorted((ROOT / "fsdp_sync/recipes").rglob("*.yaml")) + sorted((ROOT / "recipes").rglob("*.yaml"))
 BLOCKS = [(page.relative_to(ROOT).as_posix(), block) for page in PAGES
           for block in re.findall(r"^```python\n(.*?)^```$", page.read_text(), re.S | re.M)]
 NEEDS_SERVER = 'SGLangEngine(base_url="http://'
@@ -191,7 +192,8 @@ def test_model_recipe_comments_state_their_parameter_count(name):
 
 def _commands() -> list[tuple[str, str]]:
     """Every ``fsdp-sync ...`` command the pages show: inline code and lines of shell blocks (a
-    trailing comment, a ``$ `` prompt and ``\\`` continuations taken off)."""
+    trailing comment, a ``$ `` prompt and ``\\`` continuations taken off); and those the shipped
+    recipes' comments show (inline code, or a comment line that is one, after ``Run:``)."""
     out = []
     for page in PAGES:
         text = page.read_text()
@@ -202,6 +204,13 @@ def _commands() -> list[tuple[str, str]]:
                 line = line.strip().removeprefix("$ ")
                 if line.startswith("fsdp-sync "):
                     out.append((name, line.split(" #")[0].strip()))
+    for recipe in RECIPES:
+        name = recipe.relative_to(ROOT).as_posix()
+        comments = [line.strip().lstrip("#").strip() for line in recipe.read_text().splitlines()
+                    if line.strip().startswith("#")]
+        out += [(name, m) for m in re.findall(r"`(fsdp-sync [^`]+)`", "\n".join(comments))]
+        out += [(name, c.removeprefix("Run:").strip()) for c in comments
+                if c.removeprefix("Run:").strip().startswith("fsdp-sync ")]
     return out
 
 
@@ -224,10 +233,11 @@ def _literal(command: str) -> bool:
 
 
 def test_the_commands_the_pages_show_are_accepted(capsys):
-    """Each command the README and docs/ show, typed as shown, passes the CLI's checks (the
-    ones made before anything starts): `fsdp-sync demo --tp 4 --ep 2` in docs/models.md was
-    refused (--ranks 2, and tiny has no experts), `serve --quantization fp8` refused tiny's FP8
-    split. Patterns (PATH, N, $KEY, a|b) and GPU commands on a machine without one are left out;
+    """Each command the README, docs/ and the shipped recipes' comments show, typed as shown,
+    passes the CLI's checks (the ones made before anything starts): `fsdp-sync demo --tp 4 --ep 2`
+    in docs/models.md was refused (--ranks 2, and tiny has no experts), `serve --quantization fp8`
+    refused tiny's FP8 split, bucket_sweep.yaml's `--recipe recipes/memory_tuning/bucket_sweep.yaml`
+    named no file (`--recipe bucket_sweep` is the shipped sweep). Patterns (PATH, N, $KEY, a|b) and GPU commands on a machine without one are left out;
     at least 40 commands are checked."""
     import shlex
 
