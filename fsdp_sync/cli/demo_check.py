@@ -116,7 +116,8 @@ def check_fits(model: str, config: Any, *, ranks: int, tp: int, method: str | tu
     """Size ``config`` on the meta device and refuse (ValueError naming the parameters and the
     memory) a demo that cannot fit the memory this machine has available (``available``: psutil's
     figure unless given). On ``device="cuda"`` only the build is on the host. ``command="bench"``:
-    one bench job instead (`bench_memory`; ``method``: the methods it runs), named by --models."""
+    one CPU bench job instead (`bench_memory`; ``method``: the methods it runs), named by --models
+    (a cuda bench builds on its GPUs: `check_bench_args` does not size it here)."""
     import psutil
     import torch
 

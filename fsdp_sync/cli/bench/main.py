@@ -621,9 +621,10 @@ def check_bench_args(args, given: set[str]) -> None:
         for method, r, t in itertools.product(args.spec.methods, args.spec.ranks, args.spec.tp):
             ca.check_gpus(method, "cuda", r, t, method_flag="--methods")   # a GPU per rank, engine's own
     for (model, config), r, t, q in itertools.product(configs.items(), args.spec.ranks, args.spec.tp,
-                                                      args.spec.quantization):   # this machine's memory
-        check_fits(model, config, ranks=r, tp=t, method=args.spec.methods, dtype=args.spec.dtype,
-                   quantization=q, device=args.spec.device, command="bench")
+                                                      args.spec.quantization):   # this host's memory:
+        if args.spec.device == "cpu":       # on cuda every rank builds its model on its GPU
+            check_fits(model, config, ranks=r, tp=t, method=args.spec.methods, dtype=args.spec.dtype,
+                       quantization=q, device="cpu", command="bench")
 
 
 def cmd_bench(args) -> int:
