@@ -88,6 +88,12 @@ def test_plan_and_sglang_verify_take_a_llama3_model_demo_refuses_it(tmp_path, ca
     assert checker.hf_names() == {"model.norm.weight"}
     with pytest.raises(ValueError, match=r"argument --model: .*rope_type 'llama3'"):
         check_model(str(path), 2, 1, None)
+    # the bench runs the reference engine too: refused in one line before any rank starts
+    # (the layout map takes the model now, so the bench's own family check no longer did)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--models", str(path), "--ranks", "1", "--tp", "1"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "rope_type 'llama3'" in err and "Traceback" not in err, err
 
 
 # --------------------------------------------------------------------------- SGLang's MoE heads

@@ -584,13 +584,14 @@ def check_bench_args(args, given: set[str]) -> None:
     from ...models import load_config
     from ...weights.fp8 import quantized_layout
     from ...weights.layout import ModelSpec, TPLayout
+    from ...engines.reference.tp_model import check_runnable
     from ..demo_check import check_fits
 
     configs = {}
     for model in args.spec.models:
         try:
             configs[model] = load_config(model)
-            spec = ModelSpec.from_config(configs[model])     # a family the engine knows
+            check_runnable(spec := ModelSpec.from_config(configs[model]))   # the engine runs it
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"--models: {exc}" if str(model) in str(exc) else f"--models {model}: {exc}") from None
         for t, e in itertools.product(args.spec.tp, args.spec.ep):
