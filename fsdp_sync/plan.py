@@ -405,18 +405,23 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
         row.update(quantizer_load(job, layout, dtype, metas, quant, reshard, bk))
     unit = max((b.nbytes for b in plan), default=0) if job.method != "disk" else 0   # its largest bucket
 
+    sizes: dict[int, int] = {}
+
     def quantized_bytes(bucket: int) -> int | None:
         """The largest quantized bucket at ``bucket``, as the transports size their FP8 buffers:
         over the bucket plan they quantize (an unquantized embedding or lm_head keeps its bytes;
         the distributed per-rank path: a buffer per engine rank, each for its largest part);
-        the disk method: None (`quantized_bucket_bytes`)."""
+        the disk method: None (`quantized_bucket_bytes`). Kept per size: the fit check asks again."""
         if quant is None or job.method == "disk":
             return None
-        if engine_layout:
-            tp = job.tp if job.method == "distributed" else 1
-            return tp * max((b.nbytes for b in rank_plan(max(1, bucket // tp))), default=0)
-        full = bk.plan_tight(metas, bucket) if job.method == "distributed" else bk.plan_buckets(metas, bucket)
-        return max((quant.plan(b).nbytes for b in full), default=0)
+        if bucket not in sizes:
+            if engine_layout:
+                tp = job.tp if job.method == "distributed" else 1
+                sizes[bucket] = tp * max((b.nbytes for b in rank_plan(max(1, bucket // tp))), default=0)
+            else:
+                full = bk.plan_tight(metas, bucket) if job.method == "distributed" else bk.plan_buckets(metas, bucket)
+                sizes[bucket] = max((quant.plan(b).nbytes for b in full), default=0)
+        return sizes[bucket]
 
     # ---- memory
     same = dict(layout=job.layout, pipelined=job.pipelined, turns=_turns(job, cl))
