@@ -4,8 +4,11 @@ serves LoRA: the base weights go once through the configured transport (the expo
 sync sends only the adapter, through the engine's ``load_lora_adapter_from_tensors`` under
 `SyncConfig.lora_name`.
 
-- `adapter_config`: the adapter's peft config dict (``module.peft_config[name]`` of a peft model,
-  or the ``peft_config=`` given to the manager), normalized as verl does for SGLang (enums to
+- `active_adapter`: which of the module's adapters is synced: the one the peft model runs
+  (``active_adapters``, one; several active at once are refused: their sum is no one adapter the
+  engine serves), or the only one it holds. Its tensors alone are exported and its config used.
+- `adapter_config`: the adapter's peft config dict (``module.peft_config[active adapter]`` of a
+  peft model, or the ``peft_config=`` given to the manager), normalized as verl does for SGLang (enums to
   strings), checked against the LoRA tensors the module holds (rank from their shapes, targets
   from their names).
 - `refusal`, before anything is sent (the base at the first sync included): a config the engines
@@ -18,7 +21,8 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   every trainer rank calls it) into one flattened bucket that the manager keeps from one sync to
   the next with its plan and sources (`weights.adapter_export`), named as peft saves them
   (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the adapter's name segment
-  dropped), the names SGLang's LoRA loader and the reference engine read.
+  dropped: only the active adapter's tensors are exported, so no two collide), the names SGLang's
+  LoRA loader and the reference engine read.
 - `check_engine`: refuse, by name and before the engine's adapter is touched, an adapter that the
   engine's base cannot take: another rank or other target modules than the adapter it serves,
   beyond its ``max_lora_rank`` / ``lora_target_modules``, base weights that are not the ones
@@ -53,9 +57,9 @@ from .verify import tensor_digest, verify_engines
 from .weights import bucket, export, handles
 from .wire import flattened_bucket
 from .weights.adapter_export import AdapterExport
-from .weights.peft_names import trainable_base, unserved_option
+from .weights.peft_names import adapter_of, trainable_base, unserved_option
 
-__all__ = ["check_mode", "memory_tags", "sync_adapter", "adapter_config", "refusal", "pattern_refusal",
+__all__ = ["check_mode", "memory_tags", "sync_adapter", "active_adapter", "adapter_config", "refusal", "pattern_refusal",
            "check_engine", "sglang_refusal", "load_adapter", "verify_adapter", "check_digests",
            "peft_name", "close"]
 
@@ -92,15 +96,25 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
     gather + load, without the verify)."""
     name = config.lora_name
     t0 = time.perf_counter()
-    err, tensors, cfg = None, {}, {}
+    err, tensors, cfg, adapter = None, {}, {}, None
     export_ = kept if kept is not None else AdapterExport(peft_name)
     try:
         try:
-            why = refusal(module, peft_config, base_sent=base_sent)
-            tensors = export_.tensors(module, config.dtype)     # collective: even after a refusal
-            metas = [bucket.TensorMeta(e.name, e.dtype, e.shape) for e in export_.bucket.entries] \
-                if export_.bucket is not None else []
-            cfg = adapter_config(module, peft_config, metas=metas)
+            why = None
+            try:
+                adapter = active_adapter(module)
+                why = refusal(module, peft_config, base_sent=base_sent, adapter=adapter)
+            except Exception as exc:  # noqa: BLE001 - said below, after the collective export
+                why = f"{type(exc).__name__}: {exc}"
+            try:
+                tensors = export_.tensors(module, config.dtype, adapter)   # collective: even after a refusal
+            except Exception:
+                if why is None:
+                    raise
+            if why is None:
+                metas = [bucket.TensorMeta(e.name, e.dtype, e.shape) for e in export_.bucket.entries] \
+                    if export_.bucket is not None else []
+                cfg = adapter_config(module, peft_config, adapter, metas=metas)
             err = why
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
@@ -118,7 +132,7 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
         stats = SyncStats(seconds=time.perf_counter() - t0,
                           bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
                           tensors=len(tensors), buckets=1, engine_calls=len(engines),
-                          extra={"lora": name, "r": cfg.get("r")})
+                          extra={"lora": name, "r": cfg.get("r"), "adapter": adapter})
         if config.verify != "off":
             err = None
             for engine in engines:
@@ -151,11 +165,51 @@ def peft_name(name: str) -> str:
     return "base_model.model." + ".".join(parts)
 
 
-def _given_config(module: torch.nn.Module, given: Any, adapter: str = "default") -> dict | None:
-    """The adapter's config as given (``peft_config=``) or as the peft model holds it, a dict."""
+def active_adapter(module: torch.nn.Module) -> str | None:
+    """The adapter a sync serves: the peft model's active one (``active_adapters``, else
+    ``active_adapter``), or, for a module that names none, the only adapter its LoRA tensors hold
+    (`peft_names.adapter_of`; None where their names carry no adapter level). Raises ValueError
+    for several active adapters (peft sums them: no one adapter the engine could serve under
+    `SyncConfig.lora_name`), an active adapter without LoRA tensors, or several held and none
+    named active. No collective: the same answer on every rank."""
+    held = sorted({a for m in export.param_metas(module, lora=True) if (a := adapter_of(m.name))})
+    active = getattr(module, "active_adapters", None)
+    if active is None:
+        active = getattr(module, "active_adapter", None)
+    if callable(active):        # transformers' PeftAdapterMixin: methods that raise without adapters
+        try:
+            active = active()
+        except Exception:  # noqa: BLE001 - no adapter loaded through transformers: none active
+            active = None
+    if isinstance(active, str):
+        active = [active]
+    if active is None:
+        if len(held) > 1:
+            raise ValueError(f"the module holds the LoRA tensors of adapters {held} and names none "
+                             f"active (no active_adapter): SyncConfig.lora='adapter' serves one "
+                             f"adapter; keep one, or use a peft model (peft_model.set_adapter(name))")
+        return held[0] if held else None
+    active = list(active)
+    if len(active) != 1:
+        raise ValueError(f"the peft model's active adapters are {active}: it sums their outputs, "
+                         f"and the engine serves one adapter under SyncConfig.lora_name; activate "
+                         f"one (peft_model.set_adapter(name)), or combine them into one adapter "
+                         f"(peft's add_weighted_adapter) and activate that")
+    if held and active[0] not in held:
+        raise ValueError(f"the peft model's active adapter {active[0]!r} has no LoRA tensors in the "
+                         f"module (it holds those of {held})")
+    return active[0]
+
+
+def _given_config(module: torch.nn.Module, given: Any, adapter: str | None = None) -> dict | None:
+    """The adapter's config as given (``peft_config=``) or as the peft model holds it under
+    ``adapter``'s name (None: `active_adapter`'s, "default" where the tensors name none), a dict."""
     cfg = given
     if cfg is None:
         peft_cfg = getattr(module, "peft_config", None)
+        if adapter is None:
+            adapter = active_adapter(module)
+        adapter = "default" if adapter is None else adapter
         if isinstance(peft_cfg, dict) and adapter in peft_cfg:
             cfg = peft_cfg[adapter]
     if cfg is None:
@@ -191,11 +245,13 @@ def pattern_refusal(cfg: Any) -> str | None:
     return None
 
 
-def refusal(module: torch.nn.Module, given: Any, *, base_sent: bool) -> str | None:
+def refusal(module: torch.nn.Module, given: Any, *, base_sent: bool,
+            adapter: str | None = None) -> str | None:
     """Why this adapter sync must not run (None: it may): the config's `pattern_refusal`, and, at
     a sync that sends the adapter alone (``base_sent`` False), base parameters that still train
-    (`peft_names.trainable_base`). Cheap (the config and one walk over ``named_parameters``)."""
-    why = pattern_refusal(_given_config(module, given))
+    (`peft_names.trainable_base`). Cheap (the config and one walk over ``named_parameters``).
+    ``adapter``: the synced adapter's name (None: `active_adapter`)."""
+    why = pattern_refusal(_given_config(module, given, adapter))
     if why is not None or base_sent:
         return why
     live = trainable_base(module.named_parameters())
@@ -209,16 +265,21 @@ def refusal(module: torch.nn.Module, given: Any, *, base_sent: bool) -> str | No
             f"base is sent again), or merge the adapter and sync with SyncConfig(lora='off')")
 
 
-def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "default", *,
+def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str | None = None, *,
                    metas: list | None = None) -> dict:
-    """The adapter's config dict (see the module docstring); raises ValueError naming what is
-    missing or what the module's LoRA tensors contradict. ``metas``: the LoRA tensors' metas
-    when the caller has them (the export's plan), else read from the module."""
-    cfg = _given_config(module, given, adapter)
+    """The config dict of adapter ``adapter`` (None: `active_adapter`; see the module docstring);
+    raises ValueError naming what is missing or what the module's LoRA tensors contradict.
+    ``metas``: the adapter's LoRA tensors' metas when the caller has them (the export's plan),
+    else read from the module (that adapter's only)."""
+    if adapter is None:
+        adapter = active_adapter(module)
+    cfg = _given_config(module, given, "default" if adapter is None else adapter)
     if cfg is None:
-        raise ValueError("SyncConfig.lora='adapter' needs the adapter's config: a peft model "
-                         "(module.peft_config) or FSDPShardingManager(peft_config={'r': ..., "
-                         "'lora_alpha': ..., 'target_modules': [...]})")
+        held = getattr(module, "peft_config", None)
+        has = f" (module.peft_config holds {sorted(held)}, not {adapter!r})" if isinstance(held, dict) else ""
+        raise ValueError(f"SyncConfig.lora='adapter' needs the adapter's config: a peft model "
+                         f"(module.peft_config[adapter name]){has} or FSDPShardingManager("
+                         f"peft_config={{'r': ..., 'lora_alpha': ..., 'target_modules': [...]}})")
     cfg.setdefault("peft_type", "LORA")
     for key in ("task_type", "peft_type"):
         if key in cfg:
@@ -227,7 +288,8 @@ def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str = "
     if isinstance(tm, (set, frozenset, tuple)):
         cfg["target_modules"] = sorted(tm)
     if metas is None:
-        metas = export.param_metas(module, lora=True)
+        metas = [m for m in export.param_metas(module, lora=True)
+                 if adapter is None or adapter_of(m.name) == adapter]
     if not metas:
         raise ValueError("SyncConfig.lora='adapter' but the module holds no LoRA tensors (no "
                          "parameter named like '...q_proj.lora_A.default.weight')")

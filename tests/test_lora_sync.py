@@ -220,3 +220,107 @@ def test_check_engine_refuses_targets_sglang_cannot_stack():
                     ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "all-linear"):
         assert sglang_refusal(targets) is None, targets
         assert check_engine(sglang, {"r": 8, "lora_alpha": 16, "target_modules": targets}, "a", None) is None
+
+
+class _Adapters(torch.nn.Module):
+    """peft's ``lora.Linear`` with several adapters: ``lora_A`` / ``lora_B`` ModuleDicts keyed by
+    adapter name, the forward adding the active ones' (``active``: the model's list, shared)."""
+
+    def __init__(self, base, shapes, active, g):
+        super().__init__()
+        self.base_layer, self.active, self.scaling = base, active, {}
+        self.lora_A, self.lora_B = torch.nn.ModuleDict(), torch.nn.ModuleDict()
+        for name, (r, alpha) in shapes.items():
+            self.lora_A[name] = torch.nn.Linear(base.in_features, r, bias=False)
+            self.lora_B[name] = torch.nn.Linear(r, base.out_features, bias=False)
+            with torch.no_grad():
+                for lin in (self.lora_A[name], self.lora_B[name]):
+                    lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.1)
+            self.scaling[name] = alpha / r
+
+    def forward(self, x):
+        return self.base_layer(x) + sum(self.lora_B[a](self.lora_A[a](x)) * self.scaling[a] for a in self.active)
+
+
+def _peft_adapters(shapes, active, configs=None, seed=0):
+    """A model named as peft names one with the adapters ``shapes`` ({name: (r, alpha)}), its
+    ``peft_config`` ({name: LoraConfig dict}, or ``configs``) and ``active_adapters`` (peft's
+    property: ``active``, a list the test may change in place), without peft; ``seed``: the base's."""
+    from fsdp_sync.cli.lora_model import ALL_LINEAR, PeftLike
+    from fsdp_sync.models import build_model, load_config
+
+    class Peft(PeftLike):
+        @property
+        def active_adapters(self):
+            return list(self.active)
+
+    model, g = build_model(load_config("tiny"), seed=seed), torch.Generator().manual_seed(1)
+    model.requires_grad_(False)
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for n, child in list(parent.named_children()):
+                if n in ALL_LINEAR and isinstance(child, torch.nn.Linear):
+                    setattr(parent, n, _Adapters(child, shapes, active, g))
+    pm = Peft(model, {})
+    pm.active = active
+    pm.peft_config = configs if configs is not None else {
+        a: {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(ALL_LINEAR)}
+        for a, (r, alpha) in shapes.items()}
+    return pm
+
+
+def _sync_into(eng, tmp_path):
+    """``sync(pm)``: one manager's first sync of ``pm`` (disk, verify full, a fresh disk_dir each)
+    into ``eng`` after dropping its adapter "L": (the engine's largest logit difference from the
+    trainer's with the adapter, the sync's stats)."""
+    from fsdp_sync.cli.trainer import last_logits
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.manager import FSDPShardingManager
+
+    dirs = iter(range(100))     # a published step is never overwritten
+
+    def sync(pm):
+        if "L" in eng.lora_adapters:
+            eng.unload_lora_adapter("L")
+        cfg = SyncConfig(method="disk", disk_dir=str(tmp_path / str(next(dirs))), lora="adapter",
+                         lora_name="L", verify="full", dtype=torch.float32)
+        manager = FSDPShardingManager(pm, eng, config=cfg)
+        try:
+            with manager, torch.no_grad():
+                diff = float((eng.forward_logits(PROMPTS, lora_path="L").float()
+                              - last_logits(pm, PROMPTS)).abs().max())
+                return diff, manager.stats
+        finally:
+            manager.close()
+    return sync
+
+
+@pytest.mark.timeout(300)
+def test_the_active_adapter_of_several_is_synced(tmp_path):
+    """A peft model holding two adapters (``add_adapter``) serves the active one: its tensors alone
+    (28, not the 56 of both, which kept the other's under the active one's config: logits 0.66
+    away, verified), its config; the other once activated (``set_adapter``). Several active at
+    once (peft sums them) are refused before the base is sent: nothing changes."""
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.lora_sync import peft_name
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.weights.adapter_export import AdapterExport
+
+    torch.set_num_threads(1)
+    with ReferenceEngine("tiny", tp_size=1, max_lora_rank=8, dtype=torch.float32) as eng:
+        sync = _sync_into(eng, tmp_path)
+        active = ["default"]
+        two = _peft_adapters({"default": (4, 8), "second": (8, 16)}, active)
+        for name, r in (("default", 4), ("second", 8)):
+            active[:] = [name]
+            diff, stats = sync(two)
+            assert diff < 1e-5 and stats.tensors == 28 and stats.extra["r"] == r, (name, diff, stats)
+            assert stats.extra["adapter"] == name
+        base = eng.forward_logits(PROMPTS)
+        with pytest.raises(SyncError, match=r"active adapters are \['default', 'second'\]: it sums"):
+            sync(_peft_adapters({"default": (4, 8), "second": (4, 8)}, ["default", "second"], seed=5))
+        assert torch.equal(eng.forward_logits(PROMPTS), base) and "L" not in eng.lora_adapters   # nothing sent
+    # the export's safety net: every adapter's tensors asked for, two take one peft name
+    with pytest.raises(ValueError, match=r"lora_A\.default\.weight' and .*lora_A\.second\.weight' "
+                                         r"would both be sent as 'base_model\.model\.model\.layers\.0"):
+        AdapterExport(peft_name).tensors(two, torch.float32)

@@ -15,6 +15,11 @@ whose pages fault in) would be most of its time. `AdapterExport.tensors` keeps, 
   parameter instead of resolving the module again (`export.resolve`). Every rank must take the same
   path (the two differ in collectives): one all-reduce agrees on it, and on any rank's error.
 
+Only one adapter's tensors are exported (``adapter``: a peft model keys each layer's ``lora_A`` /
+``lora_B`` by adapter name and may hold several; `peft_names.adapter_of`); two tensors that the
+caller's ``rename`` gives one name (peft's name without the adapter level) are refused, never sent
+as one.
+
 The returned tensors are views of the kept buffer: valid until the next call (the caller hands them
 to the engine, which copies them, and verifies them within the same sync). `close` frees it.
 
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from ..topology import agree, cpu_group, released_by_backend
 from .bucket import Bucket, TensorMeta, plan_buckets, unflatten
 from .export import hf_name, is_lora, resolve
+from .peft_names import adapter_of
 from .gather import Pieces, Scratch, fill_bucket, fill_shared, shared_group
 from .hostbuf import HostShared
 
@@ -47,8 +53,10 @@ class _Src:
         self.name, self.pieces, self.full, self.dtensor = name, pieces, full, None
 
 
-def _walk(module: torch.nn.Module) -> list[tuple[str, Any]]:
-    return [(n, p) for n, p in module.named_parameters() if "lora_" in n and is_lora(n)]
+def _walk(module: torch.nn.Module, adapter: str | None) -> list[tuple[str, Any]]:
+    """The LoRA parameters (of ``adapter`` alone; None: all) by name."""
+    return [(n, p) for n, p in module.named_parameters()
+            if "lora_" in n and is_lora(n) and (adapter is None or adapter_of(n) == adapter)]
 
 
 def _key(walk: list[tuple[str, Any]], dtype: torch.dtype | None) -> tuple:
@@ -85,10 +93,13 @@ class AdapterExport:
         self.views = []
         self.scratch = Scratch()
 
-    def tensors(self, module: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-        """The full LoRA tensors (collective over the module's shard group; every trainer rank
-        calls it): ``{renamed export name: view of the kept buffer}``, valid until the next call."""
-        walk = _walk(module)
+    def tensors(self, module: torch.nn.Module, dtype: torch.dtype | None,
+                adapter: str | None = None) -> dict[str, torch.Tensor]:
+        """The full LoRA tensors of ``adapter`` (None: every LoRA tensor the module holds;
+        collective over the module's shard group: every trainer rank calls it): ``{renamed export
+        name: view of the kept buffer}``, valid until the next call. Raises ValueError (on every
+        rank alike) where two tensors take one renamed name."""
+        walk = _walk(module, adapter)
         key = _key(walk, dtype)
         items, err = None, None
         if self.srcs is not None and key == self.key:
@@ -108,7 +119,7 @@ class AdapterExport:
         if failed:
             agree(err, what="adapter export")
         if miss:
-            items = self._resolve(module, dtype, walk, key)
+            items = self._resolve(module, dtype, walk, key, adapter)
             self.misses += 1
         else:
             self.hits += 1
@@ -150,12 +161,25 @@ class AdapterExport:
         return out
 
     def _resolve(self, module: torch.nn.Module, dtype: torch.dtype | None,
-                 walk: list[tuple[str, Any]], key: tuple) -> list:
-        """The export's items (collective), the plan and buffer again if the adapter's tensors
-        changed, and the sources kept for the next sync where each item is a parameter's whole
-        tensor or its Shard(0) pieces (`_sources`; else every sync resolves)."""
+                 walk: list[tuple[str, Any]], key: tuple, adapter: str | None) -> list:
+        """The export's items of ``adapter`` (collective), the plan and buffer again if the
+        adapter's tensors changed, and the sources kept for the next sync where each item is a
+        parameter's whole tensor or its Shard(0) pieces (`_sources`; else every sync resolves)."""
         self.key = self.srcs = None
         items = resolve(module, "full", dtype, lora=True)
+        if adapter is not None:
+            for it in items:
+                if adapter_of(it.name) != adapter:
+                    it.drop()
+            items = [it for it in items if adapter_of(it.name) == adapter]
+        seen: dict[str, str] = {}
+        for it in items:        # names from peft's without the adapter level: one per tensor
+            other = seen.setdefault(self.rename(it.name), it.name)
+            if other != it.name:
+                raise ValueError(f"LoRA tensors {other!r} and {it.name!r} would both be sent as "
+                                 f"{self.rename(it.name)!r}: the module holds several adapters' "
+                                 f"tensors and the engine serves one; sync one adapter (the peft "
+                                 f"model's active one) or delete the others (delete_adapter)")
         metas = [TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in items]
         mkey = tuple((m.name, m.dtype, m.shape) for m in metas)
         if mkey != self.metas:

@@ -2,6 +2,10 @@
 (``base_model.model.`` and ``.base_layer`` dropped, as SGLang's loader and verl name them), and
 which tensors are the adapter's (``lora_A`` / ``lora_B`` / ``lora_embedding_*`` / ...).
 
+`adapter_of` reads the adapter's name segment of a LoRA tensor's name (peft keys each layer's
+``lora_A`` / ``lora_B`` by adapter: ``...q_proj.lora_A.default.weight`` is adapter ``default``'s), so
+that a sync takes the tensors of one adapter only, the one the peft model runs.
+
 `trainable_base` names the parameters outside the adapter that still train (what an adapter-only
 sync would leave stale in the engine). `unserved_option` names a peft ``LoraConfig`` option that
 changes what the trained model computes and that SGLang's LoRA (and the reference engine) does not
@@ -17,7 +21,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable, Mapping
 
-__all__ = ["is_lora", "base_parts", "select", "trainable_base", "unserved_option", "UNSERVED"]
+__all__ = ["is_lora", "adapter_of", "base_parts", "select", "trainable_base", "unserved_option", "UNSERVED"]
 
 
 @functools.lru_cache(maxsize=1 << 16)     # a pure function of the name, asked twice a tensor a sync
@@ -25,6 +29,18 @@ def is_lora(name: str) -> bool:
     """A peft LoRA tensor: left out of the base weights' stream, the only ones in ``lora=True``
     streams."""
     return any(p.startswith("lora_") for p in name.split("."))
+
+
+def adapter_of(name: str) -> str | None:
+    """The adapter a LoRA tensor belongs to: the name component after its first ``lora_*`` one
+    (``...q_proj.lora_A.default.weight`` and ``...embed_tokens.lora_embedding_A.default`` ->
+    ``"default"``); None for a name with none (not a LoRA tensor, or no adapter level)."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.startswith("lora_"):     # a ModuleDict's ``<adapter>.weight``, a ParameterDict's ``<adapter>``
+            last = i + 1 == len(parts) - 1
+            return parts[i + 1] if i + 1 < len(parts) and (not last or p.startswith("lora_embedding_")) else None
+    return None
 
 
 def base_parts(parts: list[str]) -> list[str]:

@@ -80,3 +80,75 @@ def test_engine_lora_equals_peft(peft_run, tp):
             assert got == r["tokens"], (name, tp)
         base_diff = (eng.forward_logits(PROMPTS).float() - r["base_logits"]).abs().max()
         assert base_diff <= 1e-5, float(base_diff)
+
+
+def _peft_model(adapter_name, seed, r=4, alpha=8):
+    """A tiny model with a peft adapter ``adapter_name`` of rank ``r``, B made nonzero."""
+    import peft
+
+    pm = peft.get_peft_model(build_model(load_config("tiny"), seed=0), _lora(r, alpha), adapter_name=adapter_name)
+    _randomize(pm, adapter_name, seed)
+    return pm
+
+
+def _lora(r, alpha):
+    import peft
+
+    return peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0, bias="none")
+
+
+def _randomize(pm, adapter_name, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if f".lora_B.{adapter_name}." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def test_manager_syncs_the_active_peft_adapter(tmp_path):
+    """`SyncConfig(lora="adapter")` of a real peft model holding two adapters (``add_adapter``,
+    "default" active, then "second" by ``set_adapter``) and of one named "actor": the engine's
+    logits with the adapter equal peft's merged model's (``merge_and_unload`` of the active one),
+    and the sync sends that adapter alone (28 tensors of its rank). Before: the 56 tensors of both
+    collided under peft's names, the engine served "second"'s under "default"'s config (0.66 away,
+    verify passing), or refused for want of a config ("actor", after sending the base). Both
+    active at once (``base_model.set_adapter([...])``) is refused before anything is sent."""
+    import copy
+
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.topology import SyncError
+
+    torch.set_num_threads(1)
+    two = _peft_model("default", 1)
+    two.add_adapter("second", _lora(8, 16))
+    _randomize(two, "second", 2)
+    dirs = iter(range(10))
+    with ReferenceEngine("tiny", tp_size=1, max_lora_rank=8, dtype=torch.float32) as eng:
+        for pm, active, r in ((two, "default", 4), (two, "second", 8), (_peft_model("actor", 3), "actor", 4)):
+            pm.set_adapter(active)
+            pm.eval()
+            merged = _last_logits(copy.deepcopy(pm).merge_and_unload(), PROMPTS)
+            with pm.disable_adapter():      # the adapter moves the logits: the check below has teeth
+                assert (merged - _last_logits(pm, PROMPTS)).abs().max() > 1e-2
+            if "L" in eng.lora_adapters:
+                eng.unload_lora_adapter("L")
+            manager = FSDPShardingManager(pm, eng, config=SyncConfig(
+                method="disk", disk_dir=str(tmp_path / str(next(dirs))), lora="adapter",
+                lora_name="L", verify="full", dtype=torch.float32))
+            try:
+                with manager:
+                    diff = (eng.forward_logits(PROMPTS, lora_path="L").float() - merged).abs().max()
+                    assert diff <= 1e-5, (active, float(diff))
+                    assert manager.stats.tensors == 28 and manager.stats.extra["r"] == r, manager.stats
+            finally:
+                manager.close()
+        two.base_model.set_adapter(["default", "second"])      # both active: peft sums them
+        manager = FSDPShardingManager(two, eng, config=SyncConfig(
+            method="disk", disk_dir=str(tmp_path / "both"), lora="adapter", lora_name="L2"))
+        try:
+            with pytest.raises(SyncError, match=r"active adapters are \['default', 'second'\]"):
+                with manager:
+                    pass
+        finally:
+            manager.close()
+        assert not list((tmp_path / "both").glob("step_*")) and "L2" not in eng.lora_adapters   # nothing sent
