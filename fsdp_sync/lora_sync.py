@@ -475,13 +475,18 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any) -> None:
     (the configured method) when ``manager.base_sync_done`` is False, then the adapter
     (`sync_adapter`); the manager's stats become the adapter's, with the base's beside them. A
     config the engines would serve otherwise is refused before the base goes (`refusal`); with
-    `SyncConfig.verify`, a sync of the adapter alone verifies the base too (`verify_base`)."""
+    `SyncConfig.verify`, a sync of the adapter alone verifies the base too (`verify_base`). The
+    adapter's choice (`active_adapter`) and config (`adapter_config`) are checked before the base
+    goes too: nothing is sent for a sync that the adapter's part would refuse."""
     full = not manager.base_sync_done
     module, config = manager.module, manager.config
-    if full:
+    if full:        # everything the adapter's sync checks of the module alone, before the base goes
         err = None
         try:
-            err = refusal(module, manager.peft_config, base_sent=True)
+            adapter = active_adapter(module)
+            err = refusal(module, manager.peft_config, base_sent=True, adapter=adapter)
+            if err is None:
+                adapter_config(module, manager.peft_config, adapter)   # raises: missing, contradicted
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
         agree(err, what=f"adapter sync of {config.lora_name!r}")

@@ -324,3 +324,23 @@ def test_the_active_adapter_of_several_is_synced(tmp_path):
     with pytest.raises(ValueError, match=r"lora_A\.default\.weight' and .*lora_A\.second\.weight' "
                                          r"would both be sent as 'base_model\.model\.model\.layers\.0"):
         AdapterExport(peft_name).tensors(two, torch.float32)
+
+
+@pytest.mark.timeout(300)
+def test_an_adapter_named_otherwise_and_its_config_before_the_base(tmp_path):
+    """An adapter named otherwise than "default" (peft's ``adapter_name="actor"``) is served under
+    its own config (before: refused for want of a config, the module a peft model); an active
+    adapter that ``peft_config`` holds no config for is refused before the base is sent (before:
+    after it, the base half-applied)."""
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.topology import SyncError
+
+    torch.set_num_threads(1)
+    with ReferenceEngine("tiny", tp_size=1, max_lora_rank=8, dtype=torch.float32) as eng:
+        sync = _sync_into(eng, tmp_path)
+        diff, stats = sync(_peft_adapters({"actor": (4, 8)}, ["actor"]))
+        assert diff < 1e-5 and stats.tensors == 28 and stats.extra["r"] == 4
+        base = eng.forward_logits(PROMPTS)      # another base (seed 5) would change these if sent
+        with pytest.raises(SyncError, match=r"needs the adapter's config.*holds \['default'\], not 'actor'"):
+            sync(_peft_adapters({"actor": (4, 8)}, ["actor"], configs={"default": {"r": 4}}, seed=5))
+        assert torch.equal(eng.forward_logits(PROMPTS), base) and "L" not in eng.lora_adapters   # nothing sent
