@@ -66,6 +66,9 @@ BAD = [
     ("demo --bucket-mb 0.0000001", ["--bucket-mb", "at least 1 byte", "'0.0000001'"]),
     ("bench --bucket-mb 4,0.0000001", ["--bucket-mb", "at least 1 byte", "1e-07"]),
     ("plan --bucket-mb 0.0000001", ["--bucket-mb", "at least 1 byte", "'0.0000001'"]),
+    # accepted and ignored before: the rows were those of a run without the flag
+    ("plan --fsdp1-state-dict local", ["--fsdp1-state-dict local", "--fsdp 2", "add --fsdp 1"]),
+    ("plan --replicas 5", ["--replicas 5", "tensor method", "--methods distributed or disk"]),
     ("plan --trainer-resident-gib inf", ["--trainer-resident-gib", "finite number >= 0", "'inf'"]),
     ("serve --max-body-mb 0.0000001", ["--max-body-mb", "at least 1 byte", "'0.0000001'"]),
     ("demo --strategy per_tensor --layout engine", ["--strategy per_tensor", "--layout engine",
@@ -480,3 +483,15 @@ def test_a_cuda_bench_the_gpus_hold_is_taken(argv, gpus, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     assert cli.parse_args(argv.split()).spec.device == "cuda"
+
+
+@pytest.mark.parametrize("body", ["foo: [1, 2\n", "- 1\n- 2\n"])
+def test_a_plan_recipe_yaml_cannot_read_is_one_line_and_exit_2(body, tmp_path, capsys):
+    """The plan's --recipe loaded with OmegaConf unguarded: a YAML parser traceback, exit 1."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(body)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", "--recipe", str(recipe)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"fsdp-sync plan: error: --recipe {recipe}: "), err

@@ -513,6 +513,13 @@ def check_plan_args(args, given: set[str]) -> None:
             v = getattr(args, dest)
             if v is not None or key in ("replicas", "trainer_resident_gib"):
                 sweep[key] = v
+    if "fsdp1_state_dict" in given and sweep["fsdp"] != 1:
+        raise ValueError(f"--fsdp1-state-dict {sweep['fsdp1_state_dict']} is FSDP1's state-dict type; "
+                         f"the trainer is --fsdp {sweep['fsdp']}: add --fsdp 1 or drop --fsdp1-state-dict")
+    if "replicas" in given and set(sweep["methods"]) == {"tensor"}:
+        raise ValueError(f"--replicas {sweep['replicas']} counts the distributed and disk methods' engines; "
+                         f"the tensor method runs one per --tp group (ranks / tp): add --methods "
+                         f"distributed or disk, or drop --replicas")
     if args.config_json:
         if "models" in given:
             raise ValueError("--config-json and --models name the model twice: give one")

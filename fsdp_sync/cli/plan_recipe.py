@@ -97,12 +97,7 @@ def _value(path: str, key: str, value: Any, check: Any) -> Any:
 def read_recipe(path: str) -> dict:
     """The checked values a plan recipe gives (the keys of `DEFAULTS` it names; a list key as a
     tuple). ValueError: an unknown key, or a value its flag would refuse."""
-    from omegaconf import OmegaConf
-
-    d = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    d = d.get("plan", d) if isinstance(d, dict) else d
-    if not isinstance(d, dict):
-        raise ValueError(f"--recipe {path}: expected a mapping of keys (under 'plan:'), got {d!r}")
+    d = ca.recipe_mapping(path, "plan")    # one line for a file YAML cannot read
     d = {"layouts" if k == "layout" else k: v for k, v in d.items()}   # the flag's name, or the bench's
     unknown = sorted(set(map(str, d)) - set(DEFAULTS))
     if unknown:
