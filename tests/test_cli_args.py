@@ -495,3 +495,17 @@ def test_a_plan_recipe_yaml_cannot_read_is_one_line_and_exit_2(body, tmp_path, c
     err = capsys.readouterr().err
     assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"fsdp-sync plan: error: --recipe {recipe}: "), err
+
+
+def test_the_targets_recipe_is_the_targets_preset():
+    """recipes/memory_tuning/targets.yaml said it was `--preset targets` but lacked its
+    share_host_memory, layouts and pipelined keys: 2 rows where the preset runs the whole sweep."""
+    from importlib import resources
+
+    from fsdp_sync.cli.args import recipe_mapping
+    from fsdp_sync.cli.bench.main import PRESETS
+
+    path = resources.files("fsdp_sync") / "recipes" / "memory_tuning" / "targets.yaml"
+    recipe = recipe_mapping(str(path), "bench")
+    assert recipe.pop("device") == "cpu"
+    assert recipe == PRESETS["targets"]
