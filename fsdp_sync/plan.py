@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from .cluster import CLUSTERS, Cluster, load_cluster
-from .plan_bytes import (disk_bytes, exchange_in, fsdp_counts, gather_bytes_in, quantizer_load,
-                         state_dict_bytes_in)
+from .plan_bytes import (disk_bytes, exchange_in, fsdp_counts, gather_bytes_in, largest_quantized_bucket,
+                         quantizer_load, state_dict_bytes_in)
 
 __all__ = ["Cluster", "CLUSTERS", "PlanJob", "PlanError", "plan_row", "memory_budget",
            "quantized_bucket_bytes", "quantized_buffers", "meta_model", "load_cluster", "GB", "MiB", "GiB"]
@@ -412,15 +412,8 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
         over the bucket plan they quantize (an unquantized embedding or lm_head keeps its bytes;
         the distributed per-rank path: a buffer per engine rank, each for its largest part);
         the disk method: None (`quantized_bucket_bytes`). Kept per size: the fit check asks again."""
-        if quant is None or job.method == "disk":
-            return None
         if bucket not in sizes:
-            if engine_layout:
-                tp = job.tp if job.method == "distributed" else 1
-                sizes[bucket] = tp * max((b.nbytes for b in rank_plan(max(1, bucket // tp))), default=0)
-            else:
-                full = bk.plan_tight(metas, bucket) if job.method == "distributed" else bk.plan_buckets(metas, bucket)
-                sizes[bucket] = max((quant.plan(b).nbytes for b in full), default=0)
+            sizes[bucket] = largest_quantized_bucket(job.method, job.layout, layout, metas, quant, dtype, bucket)
         return sizes[bucket]
 
     # ---- memory

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 __all__ = ["fsdp_counts", "fsdp1_unit_numels", "state_dict_bytes_in", "gather_bytes_in", "exchange_in",
-           "disk_bytes", "quantizer_load"]
+           "disk_bytes", "quantizer_load", "largest_quantized_bucket", "sync_quantized_bucket"]
 
 
 def _chunk(rows: int, per_row: int, world: int) -> tuple[int, ...]:
@@ -189,3 +189,37 @@ def quantizer_load(job: Any, layout: Any, dtype: torch.dtype, metas: list, quant
     return {"quantize_bytes_in": max(sum(b.payload_bytes for b in mine) for mine in writers),
             "quantized_tensors": max(sum(e.name in quant.hf for b in mine for e in b.entries)
                                      for mine in writers)}
+
+
+def largest_quantized_bucket(method: str, layout_name: str, layout: Any, metas: list, quant: Any,
+                             dtype: torch.dtype, bucket: int) -> int | None:
+    """The largest quantized bucket of a sync at ``bucket``, as the transports size their FP8
+    buffers: over the bucket plan they quantize (an unquantized embedding or lm_head keeps its
+    bytes); per-rank buckets (``layout_name`` "engine") of ``layout`` (the rollout's TP layout map,
+    unquantized), the distributed method a buffer per engine rank, each for its largest part.
+    None where there is no quantizer or for the disk method (`plan.quantized_bucket_bytes`)."""
+    from .weights import bucket as bk
+    from .weights import reshard
+
+    if quant is None or method == "disk":
+        return None
+    if layout_name == "engine":
+        tp = layout.tp if method == "distributed" else 1
+        plan = reshard.plan_rank_buckets(layout, dtype, max(1, bucket // tp))
+        return tp * max((quant.plan(b, engine=True).nbytes for b in plan), default=0)
+    full = bk.plan_tight(metas, bucket) if method == "distributed" else bk.plan_buckets(metas, bucket)
+    return max((quant.plan(b).nbytes for b in full), default=0)
+
+
+def sync_quantized_bucket(cfg: Any, module: torch.nn.Module, method: str, layout_name: str, bucket: int,
+                          dtype: torch.dtype, tp: int, ep: int = 1) -> int | None:
+    """`largest_quantized_bucket` of an FP8 sync of ``module`` (Hugging Face config ``cfg``) into
+    engines of TP ``tp`` and EP ``ep``: what the bench holds its FP8 rows to, the plan's figure."""
+    from .weights.export import param_metas
+    from .weights.fp8 import quantized_layout
+    from .weights.layout import layout_for
+    from .weights.quantize import StreamQuantizer
+
+    layout = layout_for(cfg, tp, ep)
+    quant = StreamQuantizer(quantized_layout(layout, "fp8"), tight=method == "distributed")
+    return largest_quantized_bucket(method, layout_name, layout, param_metas(module, dtype), quant, dtype, bucket)

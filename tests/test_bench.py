@@ -345,10 +345,11 @@ def test_moe_bench_recipe_size_and_its_largest_tensor_is_not_a_fused_expert():
 def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path, capsys):
     """Issue 25 item 6: ``--quantization none,fp8`` runs one job per format on the same model and
     bucket: the FP8 rows move the FP8 stream's bytes (about half of bf16) into each engine rank,
-    report the quantization's own seconds, and count the quantized bucket in their budget."""
+    report the quantization's own seconds, and their budget is the plan's: the quantized buckets
+    each transport holds, each the largest of its plan (before: one all-FP8 bucket, below the plan's)."""
     import torch
 
-    from fsdp_sync.plan import quantized_bucket_bytes
+    from fsdp_sync.plan import Cluster, PlanJob, plan_row, quantized_buffers
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.weights import quantize
@@ -372,8 +373,16 @@ def test_bench_quantization_rows_beside_the_rollout_dtype(tmp_path, capsys):
         bf16, fp8 = by[(None, lay)], by[("fp8", lay)]
         assert fp8["bytes"] == sent and 0.5 < fp8["bytes"] / bf16["bytes"] < 0.6, (fp8["bytes"], bf16["bytes"])
         assert fp8["quantize_s"] > 0 and fp8["quantized_tensors"] > 0 and "quantize_s" not in bf16
-        assert fp8["memory_budget_bytes"] == bf16["memory_budget_bytes"] + quantized_bucket_bytes(
-            fp8["bucket_bytes"], torch.bfloat16)
+        # the plan's budget: the quantized buckets the transport holds (two for pipelined per-rank
+        # buckets), each the largest quantized bucket of the sync (the bf16 embedding's keeps its bytes)
+        plan = plan_row(PlanJob("tiny-fp8", "tensor", lay, fp8["bucket_bytes"], "bfloat16", "fp8", ranks=2, tp=2,
+                                pipelined=bool(fp8.get("pipelined")), engine="reference",
+                                share_host_memory=bool(fp8["share_host_memory"])),
+                        Cluster("cpu-test", "cpu", 64, 10**12, 5.0, 1.0, 1.0, 1.0, 1.0, 1e-4, 1e-4))
+        n = quantized_buffers("tensor", lay, bool(fp8.get("pipelined")))
+        assert (fp8["memory_budget_bytes"], fp8["memory_budget_rule"]) == (
+            plan["memory_budget_bytes"], plan["memory_budget_rule"]), lay
+        assert fp8["memory_budget_bytes"] == bf16["memory_budget_bytes"] + n * plan["quantized_bucket_bytes"]
     # per-rank: each engine rank gets exactly its FP8 shard (weights, scales, the rest in bf16)
     shard = FP8Layout(base.spec, 2).engine_bytes(2)
     assert by[("fp8", "engine")]["engine_rank_bytes_in"] <= 1.05 * shard == 1.05 * by[("fp8", "engine")]["engine_rank_shard_bytes"]

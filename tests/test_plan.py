@@ -134,13 +134,12 @@ def test_fp8_peaks_stay_within_the_quantized_buckets_each_transport_holds(tmp_pa
     (8 MiB) for every row, where the pipelined per-rank tensor path and the distributed method's
     trainer rank 0 hold two, and a bucket with the bf16 embedding quantizes to more: the tensor
     engine-layout device peaked at 48 MiB and distributed trainer rank 0 at 52 MiB, against 42 MiB.
-    The bench's rows keep the bench's own FP8 budget (`cli.bench`), so the budget keys are not
-    compared here."""
+    The bench's FP8 budgets are the plan's too (before: the bench added one all-FP8 bucket)."""
     model = tmp_path / "fp8-deep.yaml"
     model.write_text(FP8_DEEP)
     job = dict(models=(str(model),), methods=("tensor", "distributed"), layouts=("full", "engine"),
                bucket_mb=(16.0,), dtype="bfloat16", quantization=("fp8",))
-    exact = tuple(k for k in EXACT if k not in ("memory_budget_bytes", "engine_memory_budget_bytes"))
+    exact = EXACT
     rows = _bench(**job)
     assert {(r["method"], r["layout"]) for r in rows} == {(m, lay) for m in ("tensor", "distributed")
                                                           for lay in ("full", "engine")}

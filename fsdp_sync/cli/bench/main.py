@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from ...plan import memory_budget, quantized_bucket_bytes
 from .. import args as ca
 from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floor_shared_seconds,
                      layout_figures)
 from .gpu_memory import CudaPeaks
+from .methods import memory_budget
 from .sampling import DeviceSampler, rises, sampled_sync
 from .table import BenchProgress
 from .targets import check_targets
@@ -333,13 +333,13 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                 manager.watch["sync_weights"] = peaks
             sampled_sync(manager, sampler)
             manager.watch.pop("sync_weights", None)
+            lay = layout_figures(model, cfg, job, stats, share and strategy == "flattened")
             gpu_mem = peaks.result(
-                memory_budget("tensor", bucket_bytes, largest_bytes(manager.module, job))["memory_budget_bytes"]
-                + (quantized_bucket_bytes(bucket_bytes, dtype) if job.quantization else 0),
+                memory_budget("tensor", bucket_bytes, largest_bytes(manager.module, job), lay["layout"],
+                              lay["pipelined"], job=job, cfg=cfg, model=model)["memory_budget_bytes"],
                 manager.timeline) if peaks else None
             progress.update(f"{strategy} {bucket_mb:g} MiB: floor")
             # the floor is noisier than the sync (one big transfer): give it more repeats
-            lay = layout_figures(model, cfg, job, stats, share and strategy == "flattened")
             floor = floor_seconds(lay["model_bytes"], bucket_bytes, job.tp, job.device, max(job.repeats, 5))
             floor_shared = floor_shared_seconds(lay["model_bytes"], job.tp, job.device, max(job.repeats, 5),
                                                  shard=lay["engine_rank_shard_bytes"])
@@ -391,9 +391,9 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         r["exported_tensors"] = len(metas)
         r["ep"] = job.ep
         r["quantization"] = job.quantization
-        if job.quantization and "memory_budget_bytes" in r:   # the quantized bucket, beside the gathered one
-            r["memory_budget_bytes"] += quantized_bucket_bytes(r["bucket_bytes"], dtype)
-            r["memory_budget_rule"] += " + the quantized bucket"
+        if job.quantization and "memory_budget_bytes" in r:   # its quantized buckets, as the plan counts them
+            r.update(memory_budget(r["method"], r["bucket_bytes"], r["largest_tensor_bytes"], r.get("layout") or "full",
+                                   bool(r.get("pipelined", True)), job=job, cfg=cfg, model=model))
     return {"rows": rows}
 
 

@@ -239,11 +239,11 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     rows[-1].update(engine_memory_budget(method, bucket_bytes, largest,
                                                          rows[-1]["engine_rank_shard_bytes"], staged=staged))
                     if peaks:
-                        from ...plan import quantized_bucket_bytes
-
+                        r = rows[-1]
                         rows[-1]["gpu_memory"] = peaks.result(
-                            rows[-1]["memory_budget_bytes"] + (quantized_bucket_bytes(bucket_bytes, dtype)
-                                                               if job.quantization else 0),
+                            memory_budget(method, bucket_bytes, largest, r.get("layout") or "full",
+                                          bool(r.get("pipelined", True)), job=job, cfg=cfg,
+                                          model=model)["memory_budget_bytes"],
                             manager.timeline, rows[-1]["engine_memory_budget_bytes"])
             finally:
                 manager.close()
@@ -262,12 +262,22 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
 
 
 def memory_budget(method: str, bucket_bytes: int, largest: int, layout: str = "full",
-                  pipelined: bool = True) -> dict:
+                  pipelined: bool = True, *, job: Any = None, cfg: Any = None,
+                  model: torch.nn.Module | None = None) -> dict:
     """A row's memory budget and its rule: `fsdp_sync.plan.memory_budget` (the one formula the
-    bench and ``fsdp-sync plan`` share; the quantized bucket is added by `bench.bench_rank`)."""
+    bench and ``fsdp-sync plan`` share). An FP8 ``job`` (``cfg``, ``model``: what it syncs): the
+    quantized buckets its transport holds, each the largest quantized bucket of its plan, both
+    as the plan counts them (`plan.quantized_buffers`, `plan_bytes.sync_quantized_bucket`)."""
     from ...plan import memory_budget as rule
+    from ...plan_bytes import sync_quantized_bucket
 
-    return rule(method, bucket_bytes, largest, layout=layout, pipelined=pipelined)
+    quantization = getattr(job, "quantization", None)
+    if not quantization:
+        return rule(method, bucket_bytes, largest, layout=layout, pipelined=pipelined)
+    dtype = getattr(torch, job.dtype)
+    q = sync_quantized_bucket(cfg, model, method, layout, bucket_bytes, dtype, job.tp, job.ep)
+    return rule(method, bucket_bytes, largest, quantization, dtype, layout=layout, pipelined=pipelined,
+                quantized_bytes=q)
 
 
 def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: int, staged: bool) -> dict:
