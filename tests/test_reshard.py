@@ -121,6 +121,30 @@ def test_all_to_all_buffer_pool_reuses_released_buffers():
     assert len(pool.free) == 3 and not pool.lent
 
 
+def test_a_buffer_at_the_address_of_a_dead_copied_storage_is_reused():
+    """`handles.shared_as_copy` remembered addresses only: an entry left by a storage shared as a
+    copy that died unasked matched whatever was allocated there next, so the pool dropped a
+    released buffer of its own and allocated a fresh one (seen once in make test: the pool test
+    above got another buffer, its own left in /dev/shm). The entry is held weakly now."""
+    from torch.multiprocessing import reductions as red
+
+    from fsdp_sync.transport.buffers import BufferPool
+
+    pool = BufferPool(1024, torch.device("cpu"))
+    a = pool.take(1000)
+    dead = torch.zeros(4).untyped_storage()
+    stale = red.StorageWeakRef(dead)
+    del dead
+    assert stale.expired()
+    handles._SHARED_AS_COPY[a.untyped_storage().data_ptr()] = stale   # a dead storage's entry
+    pool.give_back([a])
+    assert pool.take(800).data_ptr() == a.data_ptr()                   # not dropped for it
+    live = pool.take(10)          # a live storage that was shared as a copy is still let go
+    handles._SHARED_AS_COPY[live.untyped_storage().data_ptr()] = red.StorageWeakRef(live.untyped_storage())
+    assert handles.shared_as_copy(live) and not handles.shared_as_copy(live)
+    pool.close()
+
+
 @pytest.mark.timeout(60)
 def test_blocks_of_arbitrary_element_ranges():
     """FSDP1 flat shards start and end mid-row: every range, cut into blocks, lands where the

@@ -88,7 +88,9 @@ class UnreleasedPayloadWarning(RuntimeWarning):
 _OWNED: dict[int, "_red.StorageWeakRef"] = {}
 _log = logging.getLogger(__name__)
 _copied_expandable = False     # said once per process (`_Pickler._shareable_copy`)
-_SHARED_AS_COPY: set[int] = set()   # storages `_shareable_copy` had to copy to share (data_ptr)
+# storages `_shareable_copy` had to copy to share, by data_ptr, held weakly: an entry whose storage
+# died is no match for a new allocation at its address (a pool's fresh buffer was dropped for it)
+_SHARED_AS_COPY: dict[int, "_red.StorageWeakRef"] = {}
 
 
 def _mib(t: torch.Tensor) -> str:
@@ -213,7 +215,8 @@ class _Reductions:
         payload until it is released."""
         if args is not None and args[11] is not None:
             _release_ipc_counter(args[11], args[12])
-        _SHARED_AS_COPY.add(t.untyped_storage().data_ptr())
+        storage = t.untyped_storage()
+        _SHARED_AS_COPY[storage.data_ptr()] = _red.StorageWeakRef(storage)
         global _copied_expandable
         if not _copied_expandable:
             _copied_expandable = True
@@ -452,11 +455,9 @@ def shared_as_copy(t: torch.Tensor) -> bool:
     reused buffer that was is let go and allocated again (now shareable as it is) rather than
     copied, and the copy kept by the engine for the update, bucket after bucket. Forgotten once
     asked: its address may be another allocation's next."""
-    ptr = t.untyped_storage().data_ptr()
-    if ptr in _SHARED_AS_COPY:
-        _SHARED_AS_COPY.discard(ptr)
-        return True
-    return False
+    storage = t.untyped_storage()
+    ref = _SHARED_AS_COPY.pop(storage.data_ptr(), None)
+    return ref is not None and not ref.expired() and ref.cdata == storage._cdata
 
 
 def collect_ipc() -> None:
