@@ -31,22 +31,28 @@ class _Refusing(_Named):
         return False, "Failed to get weights iterator: (scripted refusal before loading)", 0
 
 
-@pytest.mark.timeout(60)
-def test_a_disk_load_refused_by_one_replica_names_the_replicas_that_kept_it(tmp_path):
+def _failed_disk_sync(tmp_path, refusing):
+    """A disk sync into replica 0 (healthy) and replica 1 (``refusing``): what it raised."""
     from fsdp_sync import FSDPShardingManager, SyncConfig
     from fsdp_sync.engines import sglang as sg
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncError
-    from fsdp_sync.weights.export import iter_params
 
     module = build_model(load_config("tiny"), seed=0)
-    e0, e1 = _Named(tp_size=1), _Refusing(tp_size=1)
+    e0, e1 = _Named(tp_size=1), refusing(tp_size=1)
     cfg = SyncConfig(dtype=torch.float32, method="disk", disk_dir=str(tmp_path), memory_probe="off")
     manager = FSDPShardingManager(module, [sg.SGLangEngine(e0), sg.SGLangEngine(e1)], config=cfg)
     with pytest.raises(SyncError) as info:
         with manager:
             pass
-    said, notes = str(info.value), getattr(info.value, "__notes__", [])
+    return module, e0, manager, str(info.value), getattr(info.value, "__notes__", [])
+
+
+@pytest.mark.timeout(60)
+def test_a_disk_load_refused_by_one_replica_names_the_replicas_that_kept_it(tmp_path):
+    from fsdp_sync.weights.export import iter_params
+
+    module, e0, manager, said, notes = _failed_disk_sync(tmp_path, _Refusing)
     # replica 0 loaded the version and serves it: the error says so, on every rank (the message)
     want = dict(iter_params(module, dtype=torch.float32))
     assert all(torch.equal(e0.weights[n], t) for n, t in want.items() if n in e0.weights) and e0.weights
@@ -78,19 +84,7 @@ def test_the_note_of_what_replicas_kept_survives_blaming_a_replica(tmp_path):
     """When the fleet's probe blames the failing replica, the manager raised a new SyncError
     ('... replicas that cannot take updates: ...') from None, dropping the transport error's
     notes: the one saying replica 0 serves the new weights and could not drop them was lost."""
-    from fsdp_sync import FSDPShardingManager, SyncConfig
-    from fsdp_sync.engines import sglang as sg
-    from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.topology import SyncError
-
-    module = build_model(load_config("tiny"), seed=0)
-    e0, e1 = _Named(tp_size=1), _RefusingUnnamed(tp_size=1)
-    cfg = SyncConfig(dtype=torch.float32, method="disk", disk_dir=str(tmp_path), memory_probe="off")
-    manager = FSDPShardingManager(module, [sg.SGLangEngine(e0), sg.SGLangEngine(e1)], config=cfg)
-    with pytest.raises(SyncError) as info:
-        with manager:
-            pass
-    said, notes = str(info.value), getattr(info.value, "__notes__", [])
+    _, _, manager, said, notes = _failed_disk_sync(tmp_path, _RefusingUnnamed)
     assert "replicas that cannot take updates: replica 1" in said, said
     assert any("could not drop" in n and "replica 0" in n for n in notes), (said, notes)
     manager.close()
