@@ -303,6 +303,18 @@ BAD_RECIPES = [
 ]
 
 
+def _refused_recipe(command: str, body: str, tmp_path, capsys) -> str:
+    """``fsdp-sync COMMAND --recipe`` of a file holding ``body``: one line naming the recipe, exit 2."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(body)
+    with pytest.raises(SystemExit) as info:
+        cli.main([command, "--recipe", str(recipe)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"fsdp-sync {command}: error: --recipe {recipe}: "), err
+    return err
+
+
 @pytest.mark.parametrize("body, words", BAD_RECIPES, ids=[b.replace("\n", " ").strip() for b, _ in BAD_RECIPES])
 def test_a_bad_bench_recipe_is_one_line_and_exit_2(body, words, tmp_path, capsys, monkeypatch):
     from fsdp_sync.cli.bench import main as bench_main
@@ -311,13 +323,7 @@ def test_a_bad_bench_recipe_is_one_line_and_exit_2(body, words, tmp_path, capsys
         raise AssertionError("bench started its ranks")
 
     monkeypatch.setattr(bench_main, "run_bench", started)
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(body)
-    with pytest.raises(SystemExit) as info:
-        cli.main(["bench", "--recipe", str(recipe)])
-    err = capsys.readouterr().err
-    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"fsdp-sync bench: error: --recipe {recipe}: "), err
+    err = _refused_recipe("bench", body, tmp_path, capsys)
     for w in words:
         assert w in err, (w, err)
 
@@ -488,13 +494,7 @@ def test_a_cuda_bench_the_gpus_hold_is_taken(argv, gpus, monkeypatch):
 @pytest.mark.parametrize("body", ["foo: [1, 2\n", "- 1\n- 2\n"])
 def test_a_plan_recipe_yaml_cannot_read_is_one_line_and_exit_2(body, tmp_path, capsys):
     """The plan's --recipe loaded with OmegaConf unguarded: a YAML parser traceback, exit 1."""
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(body)
-    with pytest.raises(SystemExit) as info:
-        cli.main(["plan", "--recipe", str(recipe)])
-    err = capsys.readouterr().err
-    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"fsdp-sync plan: error: --recipe {recipe}: "), err
+    _refused_recipe("plan", body, tmp_path, capsys)
 
 
 def test_the_targets_recipe_is_the_targets_preset():
