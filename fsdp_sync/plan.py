@@ -612,7 +612,7 @@ def _estimate(job: PlanJob, cl: Cluster, row: dict, shard: int, unit: int = 0) -
     touch, mapped = _fresh_bytes(job, row, unit)
     if cl.touch_gbps and touch:
         first.append((_TOUCH, touch / (cl.touch_gbps * GB), "host"))
-    staged = job.engine == "reference" and (m != "tensor" or job.stages)
+    staged = job.stages      # the reference engine's second copy; not for per-rank disk files
     in_bytes = row["engine_rank_bytes_in"] if job.layout == "engine" else shard
     load = ("engine rank copies its shard in" + (", then commits it (staged: a second copy)" if staged else ""),
             in_bytes / d2d * (2 if staged else 1), "d2d")

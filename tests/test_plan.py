@@ -610,6 +610,24 @@ def test_disk_full_rows_count_the_all_gather():
     assert one["path"] == "local" and one["trainer_rank_bytes_in"] == 0
 
 
+def test_the_reference_engine_copies_per_rank_disk_files_once():
+    """The reference engine hashes a per-rank disk file, then reads it straight into its weights
+    (`weights.verified_file`): one copy, not the staged second copy it makes of Hugging Face files
+    and distributed updates (the plan priced one for per-rank files too: 1.91x the bench's time)."""
+    def load(layout, method="disk"):
+        row = plan_row(PlanJob("small", method=method, layout=layout, bucket_bytes=MiB, dtype="float32",
+                               ranks=2, tp=2, engine="reference"), CPU)
+        (p,) = [p for p in row["phases"] if p["what"].startswith("engine rank copies its shard in")]
+        return row, p
+
+    row, per_rank = load("engine")
+    assert "staged" not in per_rank["what"]
+    assert per_rank["seconds"] == pytest.approx(row["engine_rank_bytes_in"] / (CPU.d2d_gbps * 1e9))
+    for method, layout in (("disk", "full"), ("distributed", "engine")):
+        row, staged = load(layout, method)
+        assert "staged" in staged["what"], (method, layout)
+
+
 def test_fsdp1_plans_the_state_dict_type_the_sync_exports_through():
     """--fsdp 1 planned the all-to-all of flat-parameter pieces (8,925,696 bytes into a rank of
     `small` at 2 ranks, a 24 MiB budget) whatever the sync exported through; SyncConfig's default,
