@@ -38,7 +38,7 @@ import torch
 
 from .cluster import CLUSTERS, Cluster, load_cluster
 from .plan_bytes import (disk_bytes, exchange_in, fsdp_counts, gather_bytes_in, largest_quantized_bucket,
-                         quantizer_load, state_dict_bytes_in)
+                         quantize_scratch, quantizer_load, state_dict_bytes_in)
 
 __all__ = ["Cluster", "CLUSTERS", "PlanJob", "PlanError", "plan_row", "memory_budget",
            "quantized_bucket_bytes", "quantized_buffers", "meta_model", "load_cluster", "GB", "MiB", "GiB"]
@@ -52,7 +52,7 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
                   dtype: torch.dtype = torch.bfloat16, *, layout: str = "full",
                   pipelined: bool = True, turns: bool = False, state_dict: str | None = None,
                   model_bytes: int = 0, ranks: int = 1, rank_buffers: int = 1,
-                  quantized_bytes: int | None = None) -> dict:
+                  quantized_bytes: int | None = None, quantize_scratch: int = 0) -> dict:
     """The most extra memory one trainer rank (colocated: its device, trainer rank and engine
     together) may take during a sync, and the rule it comes from (the bench flags every measured
     row above it): k buckets in flight, each up to max(bucket, largest tensor) (a tensor larger
@@ -64,7 +64,8 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
     bucket; 2 when not pipelined). FP8: plus the quantized buckets held at once
     (`quantized_buffers`), each ``quantized_bytes``: the largest quantized bucket of the sync's
     plan, which the transports size their buffers for (`plan_row` counts it; default
-    `quantized_bucket_bytes`, a bucket all of whose tensors are quantized). With buckets at least as large as the largest tensor (the usual
+    `quantized_bucket_bytes`, a bucket all of whose tensors are quantized), and the quantizer's
+    ``quantize_scratch`` while it quantizes a tensor (`plan_bytes.quantize_scratch`). With buckets at least as large as the largest tensor (the usual
     case: verl's default is 2 GiB) this is k x bucket + largest tensor. ``turns``: the tensor
     method into an engine that may answer before every rank read (SGLang at TP > 1 on CUDA), whose
     buffers take turns (`transport.tensor.ReusedBuffer`): one bucket more where two are in flight
@@ -92,6 +93,9 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
         q = quantized_bucket_bytes(bucket_bytes, dtype) if quantized_bytes is None else quantized_bytes
         out["memory_budget_bytes"] += n * q
         out["memory_budget_rule"] += f" + {n} quantized buckets" if n > 1 else " + the quantized bucket"
+        if quantize_scratch:
+            out["memory_budget_bytes"] += quantize_scratch
+            out["memory_budget_rule"] += " + the quantizer's scratch"
     return out
 
 
@@ -402,7 +406,8 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     row.update(fsdp1_state_dict=job.fsdp1_state_dict if job.fsdp == 1 else None, state_dict_bytes_in=sd_in)
     row["trainer_rank_bytes_in"] += sd_in
     if quant is not None:
-        row.update(quantizer_load(job, layout, dtype, metas, quant, reshard, bk))
+        row.update(quantizer_load(job, layout, dtype, metas, quant, reshard, bk),
+                   quantize_scratch_bytes=quantize_scratch(job.layout, layout, quant, dtype))
     unit = max((b.nbytes for b in plan), default=0) if job.method != "disk" else 0   # its largest bucket
 
     sizes: dict[int, int] = {}
@@ -458,7 +463,8 @@ def _trainer_rule(job: PlanJob, cl: Cluster, row: dict, bucket: int, quantized_b
                         turns=_turns(job, cl), state_dict=sd, ranks=job.ranks,
                         model_bytes=row["params"] * getattr(torch, job.trainer_dtype).itemsize,
                         rank_buffers=job.tp if per_rank else 1,
-                        quantized_bytes=quantized_bytes(bucket) if quantized_bytes else None)
+                        quantized_bytes=quantized_bytes(bucket) if quantized_bytes else None,
+                        quantize_scratch=row.get("quantize_scratch_bytes", 0))
     if job.method == "tensor" and job.stages:   # the colocated engine's staged shard: the same device
         out["memory_budget_bytes"] += row["engine_rank_shard_bytes"]
         out["memory_budget_rule"] += " + the engine's shard (staged until the commit)"

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 __all__ = ["fsdp_counts", "fsdp1_unit_numels", "state_dict_bytes_in", "gather_bytes_in", "exchange_in",
-           "disk_bytes", "quantizer_load", "largest_quantized_bucket", "sync_quantized_bucket"]
+           "disk_bytes", "quantizer_load", "largest_quantized_bucket", "sync_quantized_bucket",
+           "quantize_scratch", "sync_quantize_scratch"]
 
 
 def _chunk(rows: int, per_row: int, world: int) -> tuple[int, ...]:
@@ -211,6 +212,23 @@ def largest_quantized_bucket(method: str, layout_name: str, layout: Any, metas: 
     return max((quant.plan(b).nbytes for b in full), default=0)
 
 
+def quantize_scratch(layout_name: str, layout: Any, quant: Any, dtype: torch.dtype) -> int:
+    """The most the FP8 quantizer allocates beside its outputs while it quantizes one tensor of
+    the sync (`fp8.quantize_scratch_bytes` of the largest): per-rank buckets (``layout_name``
+    "engine") quantize each engine rank's piece of a weight (``layout``'s engine shapes), full
+    buckets the whole Hugging Face tensor. 0 without a quantizer."""
+    from .weights.fp8 import quantize_scratch_bytes
+
+    if quant is None:
+        return 0
+    if layout_name == "engine":
+        shapes = layout.engine_shapes()
+        names = quant.engine
+    else:
+        shapes, names = layout.hf_shapes, quant.hf
+    return max((quantize_scratch_bytes(tuple(shapes[n]), dtype.itemsize, quant.block) for n in names), default=0)
+
+
 def sync_quantized_bucket(cfg: Any, module: torch.nn.Module, method: str, layout_name: str, bucket: int,
                           dtype: torch.dtype, tp: int, ep: int = 1) -> int | None:
     """`largest_quantized_bucket` of an FP8 sync of ``module`` (Hugging Face config ``cfg``) into
@@ -223,3 +241,14 @@ def sync_quantized_bucket(cfg: Any, module: torch.nn.Module, method: str, layout
     layout = layout_for(cfg, tp, ep)
     quant = StreamQuantizer(quantized_layout(layout, "fp8"), tight=method == "distributed")
     return largest_quantized_bucket(method, layout_name, layout, param_metas(module, dtype), quant, dtype, bucket)
+
+
+def sync_quantize_scratch(cfg: Any, layout_name: str, dtype: torch.dtype, tp: int, ep: int = 1) -> int:
+    """`quantize_scratch` of an FP8 sync of a model of Hugging Face config ``cfg`` into engines of
+    TP ``tp`` and EP ``ep``: what the bench holds its FP8 rows to, the plan's figure."""
+    from .weights.fp8 import quantized_layout
+    from .weights.layout import layout_for
+    from .weights.quantize import StreamQuantizer
+
+    layout = layout_for(cfg, tp, ep)
+    return quantize_scratch(layout_name, layout, StreamQuantizer(quantized_layout(layout, "fp8")), dtype)

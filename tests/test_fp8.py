@@ -430,13 +430,57 @@ def test_a_device_that_cannot_cast_on_store_gets_the_same_bits_in_two_steps(monk
     float32 and cast: the same bytes either way."""
     w = (torch.randn(256, 384, generator=torch.Generator().manual_seed(11)) * 7).to(torch.bfloat16)
     assert fp8.cast_on_store(w.device)            # torch's CPU kernel does
-    direct = quantize_block("w", w)
-    monkeypatch.setitem(fp8._CAST_ON_STORE, "cpu", False)
-    slot = torch.empty(256, 384, dtype=F8)
-    two = quantize_block("w", w, out=slot)
+    chunked = quantize_block("w", w)              # but holds temporaries: chunks of float32 on a CPU
+    with monkeypatch.context() as m:              # the path a CUDA device takes: one division
+        m.setattr(fp8, "CASTS_IN_TEMPORARIES", frozenset())
+        direct = quantize_block("w", w)
+        m.setitem(fp8._CAST_ON_STORE, "cpu", False)
+        slot = torch.empty(256, 384, dtype=F8)
+        two = quantize_block("w", w, out=slot)
     assert two[0].data_ptr() == slot.data_ptr()
-    assert _bytes(two[0]) == _bytes(direct[0]) and _bytes(two[1]) == _bytes(direct[1])
-    _assert_same(w)                               # and both are the reference's
+    for q, s in (chunked, two):
+        assert _bytes(q) == _bytes(direct[0]) and _bytes(s) == _bytes(direct[1])
+    _assert_same(w)                               # and all are the reference's
+
+
+@pytest.mark.parametrize("shape", [(4096, 8192), (4, 1024, 4096)], ids=["matrix", "experts"])
+def test_a_cpu_quantizes_within_its_scratch_bound(shape):
+    """On a CPU the quantizer divides in float32 chunks (`fp8.SCRATCH_ELEMENTS`): what it holds
+    beside its outputs stays within `fp8.quantize_scratch_bytes`, the bound the plan and the bench
+    budget. Before: one division of the whole weight, whose CPU kernel casts in temporaries of the
+    weight's size: 257 MiB beside a 64 MiB bf16 weight, where the bound is 17 MiB. Measured as the
+    rise of a fresh process's RSS (sampled; the allocator may keep a freed chunk: 16 MiB slack)."""
+    import subprocess
+    import sys
+
+    bound = fp8.quantize_scratch_bytes(shape, 2)
+    assert bound < 20 * 2**20
+    code = f"""
+import threading, time, psutil, torch
+from fsdp_sync.weights.fp8 import quantize_block
+w = torch.randn{shape}.to(torch.bfloat16)
+out = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+sc = torch.empty(*w.shape[:-2], -(-w.shape[-2] // 128), -(-w.shape[-1] // 128))
+out.view(torch.uint8).fill_(1), sc.fill_(1)                      # the outputs' pages, touched
+quantize_block("w", w[..., :128, :128].contiguous(), check=False)
+p, peak, done = psutil.Process(), [0], []
+base = p.memory_info().rss
+def sample():
+    while not done:
+        peak[0] = max(peak[0], p.memory_info().rss)
+        time.sleep(0.0005)
+t = threading.Thread(target=sample)
+t.start()
+for _ in range(3):
+    quantize_block("w", w, out=out, scale_out=sc, check=False)
+done.append(1)
+t.join()
+print(peak[0] - base)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rise = int(r.stdout.split()[-1])
+    assert rise <= bound + 16 * 2**20, (rise / 2**20, bound / 2**20)
 
 
 def test_cast_on_store_is_refused_where_the_kernel_rounds_otherwise(monkeypatch):

@@ -211,9 +211,17 @@ def test_fp8_budget_adds_the_quantized_buckets_each_transport_holds():
         job = dict(base, method=method, layout=layout, pipelined=piped)
         bf16, fp8 = plan_row(PlanJob(**job), CPU), plan_row(PlanJob(**job, quantization="fp8"), CPU)
         assert fp8["bytes"] < bf16["bytes"] and fp8["engine_rank_shard_bytes"] < bf16["engine_rank_shard_bytes"]
-        q = fp8["quantized_bucket_bytes"]
-        assert fp8["memory_budget_bytes"] - bf16["memory_budget_bytes"] == n * q, (method, layout, piped)
-        assert fp8["memory_budget_rule"].endswith(f"{n} quantized buckets" if n > 1 else "the quantized bucket")
+        q, scratch = fp8["quantized_bucket_bytes"], fp8["quantize_scratch_bytes"]
+        assert fp8["memory_budget_bytes"] - bf16["memory_budget_bytes"] == n * q + scratch, (method, layout, piped)
+        assert fp8["memory_budget_rule"].endswith((f"{n} quantized buckets" if n > 1 else "the quantized bucket")
+                                                  + " + the quantizer's scratch")
+        # the quantizer's scratch: the largest tensor it quantizes on this path, whole or its engine rank's piece
+        from fsdp_sync.weights.fp8 import quantize_scratch_bytes
+        from fsdp_sync.weights.layout import layout_for
+
+        lay = layout_for(meta_model("tiny-fp8")[0], 2)
+        shapes = lay.engine_shapes() if layout == "engine" else lay.hf_shapes
+        assert scratch == max(quantize_scratch_bytes(shapes[n], 2) for n in shapes if n.endswith("proj.weight"))
     # qwen2-160m's embedding and lm_head (46.9 MiB each, half of it per engine rank at TP 2) stay
     # bf16: the quantized copy of a 64 MiB bucket that holds one is more than the all-FP8 32 MiB
     for method, layout in (("tensor", "full"), ("tensor", "engine"), ("distributed", "full")):

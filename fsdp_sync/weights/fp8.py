@@ -58,7 +58,8 @@ import torch
 from fsdp_sync.weights.layout import ModelSpec, Placement, TPLayout
 
 __all__ = ["BLOCK", "FP8_MAX", "AMAX_FLOOR", "QUANTIZATIONS", "scale_shape", "scale_name", "quantize_block",
-           "check_finite", "scales_finite", "dequantize_block", "is_quantized", "quantized_names", "check_block_shapes",
+           "check_finite", "scales_finite", "CASTS_IN_TEMPORARIES", "SCRATCH_ELEMENTS",
+           "quantize_scratch_bytes", "dequantize_block", "is_quantized", "quantized_names", "check_block_shapes",
            "scale_placement", "FP8Layout", "quantized_layout"]
 
 QUANTIZATIONS = (None, "fp8")
@@ -203,17 +204,59 @@ def quantize_block(name: str, w: torch.Tensor, block: tuple[int, int] = BLOCK, *
     else:
         sf = sf.div_(FP8_MAX)
     scale = sf.view(*lead, nb, kb)
-    if not padded:
-        q = out if out is not None else torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-        if cast_on_store(w.device):
-            torch.div(xv, sf, out=q.view(-1, nb, bn, kb, bk))
-        else:
-            q.view(-1, nb, bn, kb, bk).copy_(torch.div(xv, sf).to(torch.float8_e4m3fn))
+    fp8 = torch.float8_e4m3fn
+    if not padded and w.device.type not in CASTS_IN_TEMPORARIES and cast_on_store(w.device):
+        q = out if out is not None else torch.empty(w.shape, dtype=fp8, device=w.device)
+        torch.div(xv, sf, out=q.view(-1, nb, bn, kb, bk))
         return q, scale
-    q = torch.div(xv, sf).to(torch.float8_e4m3fn).view(-1, nb * bn, kb * bk)[:, :n, :k].reshape(*lead, n, k)
+    # The float32 quotient through one buffer of whole block rows (`SCRATCH_ELEMENTS`): a CPU's
+    # ``torch.div`` of a 16-bit weight by float32 scales casts in temporaries of the weight's size
+    # (a float32 copy of it and the quotient: 8 bytes an element, also with an FP8 ``out``), and
+    # the FP8 cast after it another (224 MiB measured beside a 32 MiB bf16 weight). The same division of the same float32 values, bit for bit;
+    # no block spans two chunks. A weight with partial edge blocks goes through its zero-padded
+    # copy and an FP8 one (`quantize_scratch_bytes`).
+    qp = out if out is not None and not padded else torch.empty(x.shape if padded else w.shape, dtype=fp8,
+                                                                device=w.device)
+    xr, sr, qr = xv.reshape(-1, bn, kb, bk), sf.reshape(-1, 1, kb, 1), qp.view(-1, bn, kb, bk)
+    step = min(xr.shape[0], max(1, SCRATCH_ELEMENTS // (bn * kb * bk)))
+    buf = torch.empty((step, bn, kb, bk), dtype=torch.float32, device=w.device)
+    for r in range(0, xr.shape[0], step):
+        t = buf[:min(step, xr.shape[0] - r)]
+        t.copy_(xr[r:r + step])
+        t.div_(sr[r:r + step])
+        qr[r:r + step].copy_(t)
+    if not padded:
+        return qp, scale
+    q = qp.view(-1, nb * bn, kb * bk)[:, :n, :k]
     if out is not None:
-        return out.copy_(q), scale
-    return q.contiguous(), scale
+        out.view(-1, n, k).copy_(q)
+        return out, scale
+    return q.reshape(*lead, n, k), scale
+
+
+CASTS_IN_TEMPORARIES = frozenset({"cpu"})
+"""Device types whose division of a 16-bit weight by float32 scales casts in temporaries of the
+weight's size whatever the ``out`` dtype (torch's CPU kernels): `quantize_block` divides there in
+chunks. A CUDA kernel casts each element in registers."""
+
+SCRATCH_ELEMENTS = 1 << 22
+"""Elements `quantize_block` divides at once where the device does not store the float32
+quotient straight into FP8 (`cast_on_store`; a CPU): a float32 buffer of about 16 MiB (at least
+one row of blocks), where dividing the whole weight at once held 14 bytes a bf16 element."""
+
+
+def quantize_scratch_bytes(shape: tuple[int, ...], itemsize: int, block: tuple[int, int] = BLOCK) -> int:
+    """The most `quantize_block` allocates beside its outputs for a weight of ``shape`` and
+    ``itemsize`` (on any device; what the plan budgets): the float32 chunk buffer (`SCRATCH_ELEMENTS`
+    of the weight, at least a row of blocks), a weight with partial edge blocks its zero-padded
+    copy and FP8 quotient, and the block reductions' partial maxima (one per 128 elements, twice)."""
+    bn, bk = block
+    *lead, n, k = shape
+    row = bn * math.ceil(k / bk) * bk
+    elements = math.prod(lead) * math.ceil(n / bn) * row
+    chunk = min(elements, row * max(1, SCRATCH_ELEMENTS // row))
+    padded = (n % bn or k % bk) and elements * (itemsize + 1)
+    return 4 * chunk + int(padded) + 2 * itemsize * (elements // bk)
 
 
 def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,

@@ -267,9 +267,10 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, layout: str = "f
     """A row's memory budget and its rule: `fsdp_sync.plan.memory_budget` (the one formula the
     bench and ``fsdp-sync plan`` share). An FP8 ``job`` (``cfg``, ``model``: what it syncs): the
     quantized buckets its transport holds, each the largest quantized bucket of its plan, both
-    as the plan counts them (`plan.quantized_buffers`, `plan_bytes.sync_quantized_bucket`)."""
+    as the plan counts them (`plan.quantized_buffers`, `plan_bytes.sync_quantized_bucket`), and
+    the quantizer's scratch (`plan_bytes.sync_quantize_scratch`)."""
     from ...plan import memory_budget as rule
-    from ...plan_bytes import sync_quantized_bucket
+    from ...plan_bytes import sync_quantize_scratch, sync_quantized_bucket
 
     quantization = getattr(job, "quantization", None)
     if not quantization:
@@ -277,7 +278,7 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, layout: str = "f
     dtype = getattr(torch, job.dtype)
     q = sync_quantized_bucket(cfg, model, method, layout, bucket_bytes, dtype, job.tp, job.ep)
     return rule(method, bucket_bytes, largest, quantization, dtype, layout=layout, pipelined=pipelined,
-                quantized_bytes=q)
+                quantized_bytes=q, quantize_scratch=sync_quantize_scratch(cfg, layout, dtype, job.tp, job.ep))
 
 
 def engine_memory_budget(method: str, bucket_bytes: int, largest: int, shard: int, staged: bool) -> dict:
