@@ -6,6 +6,7 @@ Public API (everything else is an implementation module you may import at your o
     SyncConfig                     # frozen config: strategy, bucket_bytes, dtype, multi_stage_wake_up…
     make_mesh(dp, infer_tp)        # the ("dp", "infer_tp") DeviceMesh the manager runs on
     SyncTopology, SyncError        # who is infer-TP rank 0; the error every rank raises on a failure
+    SyncStats                      # what the last sync moved (manager.stats): seconds, bytes, buckets…
     engines.ReferenceEngine        # the built-in TP engine (CPU and CUDA)
     engines.sglang.SGLangEngine    # adapter for an in-process sglang.Engine or an SGLang server
 

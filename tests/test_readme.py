@@ -281,3 +281,13 @@ def test_the_plan_check_table_gives_the_plans_bounds_of_today():
         assert trainer.split(" / ")[1].split()[0] == f"{now['memory_budget_bytes'] / 2**20:.0f}", (where, trainer)
         if r["method"] != "tensor":
             assert engine.split(" / ")[1] == f"{now['engine_memory_budget_bytes'] / 2**20:.0f}", (where, engine)
+
+
+def test_the_package_docstring_lists_every_public_name():
+    """`fsdp_sync`'s docstring is its API list: every name it exports is on it (SyncStats, exported
+    as what `manager.stats` is, was not)."""
+    import fsdp_sync
+
+    listed = set(re.findall(r"\b\w+\b", fsdp_sync.__doc__.split("Public API", 1)[1]))
+    missing = [n for n in fsdp_sync.__all__ if not n.startswith("__") and n not in listed]
+    assert not missing, f"exported but not in fsdp_sync's docstring: {missing}"
