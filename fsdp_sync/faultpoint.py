@@ -11,6 +11,8 @@ process's environment makes `fault_point(side, rank, point)` act once, the first
     kind   ``kill`` (SIGKILL itself), ``raise`` (`InjectedFault` at that point), ``stall`` (sleep
            ``FSDP_SYNC_FAULT_STALL_S``, default 3600 s: only timeouts get the others out)
 
+``FSDP_SYNC_FAULT_AFTER=<n>``: the point is passed the first ``n`` times it is reached (default 0),
+so a fault can land in a later sync than the first.
 ``FSDP_SYNC_FAULT_LOG=<path>``: the wall time and pid are appended there just before it acts.
 Without ``FSDP_SYNC_FAULT`` the hook is one dict lookup. Nothing of torch is patched.
 
@@ -28,6 +30,7 @@ __all__ = ["fault_point", "InjectedFault", "FAULT_ENV"]
 
 FAULT_ENV = "FSDP_SYNC_FAULT"
 _fired: set[str] = set()
+_passed: dict[str, int] = {}
 
 
 class InjectedFault(RuntimeError):
@@ -46,6 +49,12 @@ def fault_point(side: str, rank: int, point: str) -> None:
     except ValueError:
         raise ValueError(f"{FAULT_ENV}={spec!r}: expected '<trainer|worker>:<rank>:<point>:<kill|raise|stall>'")
     if s_side != side or s_rank != rank or not (point == s_point or point.startswith(s_point + ":")):
+        return
+    after = os.environ.get("FSDP_SYNC_FAULT_AFTER", "0")
+    if not after.isdigit():
+        raise ValueError(f"FSDP_SYNC_FAULT_AFTER={after!r}: expected a count of passes (0, 1, ...)")
+    if _passed.get(spec, 0) < int(after):
+        _passed[spec] = _passed.get(spec, 0) + 1
         return
     _fired.add(spec)
     log = os.environ.get("FSDP_SYNC_FAULT_LOG")

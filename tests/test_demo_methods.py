@@ -121,9 +121,32 @@ def test_a_demo_past_its_deadline_is_one_line_and_its_deadline_scales_with_the_w
     err = res.stderr.strip()
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert len(err.splitlines()) == 1 and err.startswith("fsdp-sync demo: error: ranks "), err
-    assert "deadline of demo_rank (--timeout-s 0.5; no step's result is kept" in err, err
+    assert "deadline of demo_rank (--timeout-s 0.5; no step finished: give it more)" in err, err
     from fsdp_sync.cli.demo import DemoOptions, default_timeout_s
 
     three, many = default_timeout_s(DemoOptions(steps=3)), default_timeout_s(DemoOptions(steps=30))
     assert three == pytest.approx(600 + 0.013984 + 3 * (60 + 0.013984)) and many > three + 1500
     assert default_timeout_s(DemoOptions(steps=3, model="qwen2-1500m")) > three + 500
+
+
+@pytest.mark.timeout(120)
+def test_a_demo_stopped_by_a_failure_keeps_the_steps_every_rank_finished(capsys, monkeypatch, tmp_path):
+    """The ranks returned their records only at the end, so a run stopped at its deadline or by a
+    failed rank lost every finished step. Now each step's record is kept as it ends: the second
+    sync made to fail (``FSDP_SYNC_FAULT_AFTER=1``) leaves step 0 in the table and the JSON
+    (``ok`` false, ``incomplete`` the error), and the one-line error says how many finished."""
+    import json
+
+    from _util import cli_here
+
+    monkeypatch.setenv("FSDP_SYNC_FAULT", "trainer:0:sync_weights:raise")
+    monkeypatch.setenv("FSDP_SYNC_FAULT_AFTER", "1")
+    out = tmp_path / "demo.json"
+    res = cli_here(capsys, "demo", "--steps", "3", "--no-progress", "--json", str(out))
+    err = res.stderr.strip()
+    assert res.returncode == 1 and len(err.splitlines()) == 1, res.stderr[-3000:]
+    assert "injected fault: trainer 0 at sync_weights (1 of 3 steps finished, shown above)" in err, err
+    assert "weight sync per training step" in res.stdout
+    got = json.loads(out.read_text())
+    assert got["ok"] is False and "rank" in got["incomplete"] and [s["step"] for s in got["steps"]] == [0]
+    assert got["steps"][0]["tokens_match"] and got["steps"][0]["bytes"] > 0

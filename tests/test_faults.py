@@ -28,6 +28,24 @@ def test_fault_point_parses_and_fires_once(monkeypatch):
         faultpoint.fault_point("worker", 1, "x")
 
 
+def test_fault_point_after_n_passes(monkeypatch):
+    """``FSDP_SYNC_FAULT_AFTER=n``: the point is passed n times, then acts (once)."""
+    monkeypatch.setattr(faultpoint, "_fired", set())
+    monkeypatch.setattr(faultpoint, "_passed", {})
+    monkeypatch.setenv(faultpoint.FAULT_ENV, "trainer:0:sync_weights:raise")
+    monkeypatch.setenv("FSDP_SYNC_FAULT_AFTER", "2")
+    faultpoint.fault_point("trainer", 0, "sync_weights")
+    faultpoint.fault_point("trainer", 1, "sync_weights")      # another rank is not counted
+    faultpoint.fault_point("trainer", 0, "sync_weights")
+    with pytest.raises(faultpoint.InjectedFault):
+        faultpoint.fault_point("trainer", 0, "sync_weights")
+    faultpoint.fault_point("trainer", 0, "sync_weights")      # once only
+    monkeypatch.setenv("FSDP_SYNC_FAULT_AFTER", "two")
+    monkeypatch.setattr(faultpoint, "_fired", set())
+    with pytest.raises(ValueError, match="FSDP_SYNC_FAULT_AFTER='two'"):
+        faultpoint.fault_point("trainer", 0, "sync_weights")
+
+
 def test_matrix_lists_impossible_cells_and_cli_filters():
     every = faults.cells()
     assert len(every) == 3 * 9 * 4 * 3

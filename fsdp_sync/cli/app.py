@@ -121,10 +121,8 @@ def _check_demo(args, given: set[str]) -> None:
 
 def _cmd_demo(args) -> int:
     from rich.console import Console
-    from rich.table import Table
 
-    from .demo import default_timeout_s, run_demo
-    from .launch import RankError
+    from .demo import DemoIncomplete, default_timeout_s, run_demo
 
     opts = getattr(args, "opts", None) or _demo_options(args)
     console = Console(width=None if sys.stdout.isatty() else 180)
@@ -134,13 +132,42 @@ def _cmd_demo(args) -> int:
     timeout_s = args.timeout_s or default_timeout_s(opts)
     try:
         result = run_demo(opts, timeout_s=timeout_s)
-    except RankError as exc:     # a rank failed, died or ran out of time: its last line, not a traceback
+    except DemoIncomplete as exc:   # a rank failed, died or ran out of time: its last line, not a traceback
+        done = exc.result["steps"]
+        if done:                     # the steps every rank finished, as a full run shows them
+            _demo_table(console, exc.result, opts)
+        _demo_json(console, args, exc.result)
         lines = str(exc).strip().splitlines()
         why = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+        kept = f"{len(done)} of {opts.steps} steps finished, shown above" if done else "no step finished"
         if "deadline" in lines[0]:
-            why += f" (--timeout-s {timeout_s:g}; no step's result is kept: give it more)"
+            why += f" (--timeout-s {timeout_s:g}; {kept}: give it more)"
+        else:
+            why += f" ({kept})"
         print(f"fsdp-sync demo: error: {why}", file=sys.stderr)
         return 1
+    _demo_table(console, result, opts)
+    _demo_json(console, args, result)
+    if not result["ok"]:
+        console.print(f"[red bold]MISMATCH[/]: the engine does not reproduce the trainer "
+                      f"(atol {min(st['atol'] for st in result['steps']):.3g}, tokens must match, "
+                      f"logits must change every step)")
+        return 1
+    console.print(f"[green]ok[/]: engine matched the trainer after every step ({result['wall_seconds']:.1f} s)")
+    return 0
+
+
+def _demo_json(console, args, result: dict) -> None:
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        console.print(f"wrote {args.json}")
+
+
+def _demo_table(console, result: dict, opts) -> None:
+    """The demo's table of steps and what the last one shows."""
+    from rich.table import Table
+
     table = Table(title="weight sync per training step")
     for col in ("step", "loss", "sync s", "GB/s", "bytes", "peak trainer RSS", "peak engine RSS",
                 "max |logit diff|", "tokens match"):
@@ -168,17 +195,6 @@ def _cmd_demo(args) -> int:
         console.print(f"checkpoint of the last step: {ckpt['path']} ({ckpt['kind']}, "
                       f"{len(ckpt['files'])} files: {', '.join(ckpt['files'][:6])}"
                       f"{' …' if len(ckpt['files']) > 6 else ''}); {kept}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        console.print(f"wrote {args.json}")
-    if not result["ok"]:
-        console.print(f"[red bold]MISMATCH[/]: the engine does not reproduce the trainer "
-                      f"(atol {min(st['atol'] for st in result['steps']):.3g}, tokens must match, "
-                      f"logits must change every step)")
-        return 1
-    console.print(f"[green]ok[/]: engine matched the trainer after every step ({result['wall_seconds']:.1f} s)")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DemoOptions", "demo_rank", "run_demo", "default_timeout_s", "PROMPTS"]
+__all__ = ["DemoOptions", "DemoIncomplete", "demo_rank", "run_demo", "default_timeout_s", "PROMPTS"]
 
 # prompts of different lengths, all token ids < 256 so they fit every recipe's vocabulary
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7]]
@@ -150,8 +151,10 @@ def _peak(stages: list[dict], who: str, key: str) -> int:
     return max(vals, default=0)
 
 
-def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
-    """One trainer rank of the demo; returns a record per step (rank-local view)."""
+def demo_rank(rank: int, world: int, opts: DemoOptions, records_dir: str | None = None) -> list[dict]:
+    """One trainer rank of the demo; returns a record per step (rank-local view), each also
+    written to ``records_dir`` as the step ends (`run_demo` keeps the finished steps of a run
+    stopped at its deadline or by a failure)."""
     from ..config import SyncConfig
     from ..engines import ReferenceEngine
     from ..manager import FSDPShardingManager
@@ -259,6 +262,11 @@ def demo_rank(rank: int, world: int, opts: DemoOptions) -> list[dict]:
                        stages=stages, peak_trainer_rss=_peak(stages, "trainer", "rss"),
                        peak_engine_rss=_peak(stages, "engine", "rss"))
             records.append(rec)
+            if records_dir is not None:     # written whole, then renamed: a step is there or not
+                path = os.path.join(records_dir, f"rank{rank}-step{step}.pkl")
+                with open(path + ".part", "wb") as f:
+                    pickle.dump(rec, f)
+                os.replace(path + ".part", path)
             if progress:
                 progress.update(task, advance=1, description=f"loss {loss:.3f} · synced "
                                 f"{manager.stats.seconds * 1e3:.0f} ms")
@@ -283,11 +291,21 @@ def default_timeout_s(opts: DemoOptions) -> float:
     return 600.0 + per + opts.steps * (60.0 + per)
 
 
+class DemoIncomplete(RuntimeError):
+    """The demo stopped before its last step (a rank failed, died or passed the deadline):
+    ``str()`` is the launcher's error, ``result`` what `run_demo` returns for the steps every rank
+    finished (``ok`` False, ``incomplete`` the error's first line)."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
 def run_demo(opts: DemoOptions, *, timeout_s: float | None = None) -> dict:
     """Run the demo on ``opts.ranks`` local processes; return the JSON-ready result. Past
-    ``timeout_s`` (None: `default_timeout_s`) every rank is stopped and `launch.RankError` raised:
-    the steps come back only at the end, so none of them is kept."""
-    from .launch import run_ranks, spawn_env
+    ``timeout_s`` (None: `default_timeout_s`), or when a rank fails, every rank is stopped and
+    `DemoIncomplete` raised, holding the steps every rank had finished."""
+    from .launch import RankError, run_ranks, spawn_env
 
     t0 = time.perf_counter()
     timeout_s = default_timeout_s(opts) if timeout_s is None else timeout_s
@@ -295,16 +313,41 @@ def run_demo(opts: DemoOptions, *, timeout_s: float | None = None) -> dict:
     if opts.method == "disk" and opts.disk_dir is None and "disk_dir" not in opts.extra:
         tmp = tempfile.mkdtemp(prefix="fsdp-sync-demo-disk-")   # one host: every rank sees it
         opts = dataclasses.replace(opts, disk_dir=tmp)
+    records = tempfile.mkdtemp(prefix="fsdp-sync-demo-steps-")
     try:
-        per_rank = run_ranks(demo_rank, opts.ranks, opts, timeout_s=timeout_s,
+        per_rank = run_ranks(demo_rank, opts.ranks, opts, records, timeout_s=timeout_s,
                              backend=opts.backend or ("nccl" if opts.device == "cuda" else "gloo"),
                              env=spawn_env())
+    except RankError as exc:
+        done = _finished_steps(records, opts)
+        result = _result(opts, done, t0)
+        result.update(ok=False, incomplete=str(exc).strip().splitlines()[0])
+        raise DemoIncomplete(str(exc), result) from exc
     finally:
+        shutil.rmtree(records, ignore_errors=True)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             opts = dataclasses.replace(opts, disk_dir=None)
+    return _result(opts, per_rank, t0)
+
+
+def _finished_steps(records: str, opts: DemoOptions) -> list[list[dict]]:
+    """Each rank's records of the steps every rank finished (the first ones, in order)."""
+    per_rank: list[list[dict]] = [[] for _ in range(opts.ranks)]
+    for step in range(opts.steps):
+        paths = [os.path.join(records, f"rank{r}-step{step}.pkl") for r in range(opts.ranks)]
+        if not all(os.path.exists(p) for p in paths):
+            break
+        for r, p in enumerate(paths):
+            with open(p, "rb") as f:
+                per_rank[r].append(pickle.load(f))
+    return per_rank
+
+
+def _result(opts: DemoOptions, per_rank: list[list[dict]], t0: float) -> dict:
+    """The JSON-ready result of the steps in ``per_rank`` (every rank's records, step by step)."""
     steps = []
-    for i in range(opts.steps):
+    for i in range(min(len(r) for r in per_rank)):
         recs = [r[i] for r in per_rank]
         srcs = [r for r in recs if "tokens_match" in r]
         steps.append({
@@ -328,6 +371,6 @@ def run_demo(opts: DemoOptions, *, timeout_s: float | None = None) -> dict:
         })
     cfg = {k: v for k, v in opts.__dict__.items() if k not in ("progress", "extra")}
     cfg["backend"] = opts.backend or ("nccl" if opts.device == "cuda" else "gloo")
-    ok = all(s["tokens_match"] and s["max_abs_logit_diff"] <= s["atol"] and s["changed_since_last_step"]
-             for s in steps)
+    ok = bool(steps) and all(s["tokens_match"] and s["max_abs_logit_diff"] <= s["atol"]
+                             and s["changed_since_last_step"] for s in steps)
     return {"config": cfg, "steps": steps, "ok": ok, "wall_seconds": time.perf_counter() - t0}

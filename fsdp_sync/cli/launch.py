@@ -169,8 +169,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
 
 
 def spawn_env(extra: dict | None = None) -> dict:
-    """Environment for ranks: one thread each so N ranks on a small machine do not oversubscribe."""
+    """Environment for ranks: one thread each so N ranks on a small machine do not oversubscribe,
+    and this process's ``FSDP_SYNC_FAULT*`` settings (`fsdp_sync.faultpoint`), which ranks forked
+    from a forkserver started before they were set would not see."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("FSDP_SYNC_FAULT")})
     env.update(extra or {})
     return env
 
