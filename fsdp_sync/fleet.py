@@ -239,6 +239,19 @@ class Fleet:
                             "fleet's syncs all the same", rep.name, exc)
         log.warning("fsdp_sync: %s quarantined: %s", rep.name, reason)
 
+    def held(self, published: str | None) -> str | None:
+        """The version the replicas in service hold, which a replica brought in is given:
+        ``published`` (``manager.version``) but after a commit that failed on some replicas under
+        ``"abort"``, where the ones that committed serve the new version and the manager's stays
+        (the failed ones are out of service). Replicas in service on different versions are
+        refused: no one version to bring another to."""
+        versions = sorted({r.version for r in self.serving if r.version is not None})
+        if len(versions) > 1:
+            raise RuntimeError(f"the replicas in service hold different versions "
+                               f"{[(r.name, r.version) for r in self.serving]}: sync the fleet "
+                               f"before bringing a replica in")
+        return versions[0] if versions else published
+
     def reinstate(self, rep: Replica, version: str | None) -> None:
         """``rep`` holds ``version`` now: back in service (its /health answers 200 again)."""
         fn = getattr(rep.engine, "set_serving", None)

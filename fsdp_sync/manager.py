@@ -600,7 +600,7 @@ class FSDPShardingManager:
             self.fleet.remove(engine)
 
     def _bring_in(self, engine: Any, what: str) -> bool:
-        action, rep, reason = "serve", None, ""
+        action, rep, reason, version = "serve", None, "", self.version
         if self.rank == 0:
             try:
                 rep = self.fleet.find(engine)
@@ -611,13 +611,13 @@ class FSDPShardingManager:
                     action = "fail"
                 elif self.version is None:
                     action = "serve"            # nothing synced yet: it gets the first sync
-                elif self.config.method == "disk":
-                    action = "load"
+                elif self.config.method == "disk":     # what the replicas in service loaded
+                    action, version = "load", self.fleet.held(self.version)
                 else:
                     action = "send" if self._inside else "pending"
             except Exception as exc:  # noqa: BLE001
                 action, reason = "fail", f"{type(exc).__name__}: {exc}"
-        action, reason = self._from_rank0((action, reason))
+        action, reason, version = self._from_rank0((action, reason, version))
         if action == "fail":
             raise SyncError(f"{what}: {rep.name if rep is not None else 'the replica'} cannot take "
                             f"updates: {reason}")
@@ -626,12 +626,12 @@ class FSDPShardingManager:
                 rep.held, rep.rejoin = False, True
             return False
         if action in ("load", "send"):   # the weights the others serve, under their version
-            err, _ = self._transport_sync([rep] if rep is not None else [], self.version,
+            err, _ = self._transport_sync([rep] if rep is not None else [], version,
                                           self.step - 1, reload=True)
             if err is not None:
                 raise err
         if rep is not None:
-            self.fleet.reinstate(rep, self.version)
+            self.fleet.reinstate(rep, version)
         return True
 
     def _verify(self, step: int) -> None:

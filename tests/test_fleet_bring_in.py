@@ -41,10 +41,10 @@ def setup(tmp_path):
     from fsdp_sync import FSDPShardingManager, SyncConfig
     from fsdp_sync.models import build_model, load_config
 
-    def make(method, engines):
+    def make(method, engines, **kw):
         module = build_model(load_config("tiny"), seed=3)
         extra = {"disk_dir": str(tmp_path / "ckpt")} if method == "disk" else {"dist_timeout_s": 30.0}
-        cfg = SyncConfig(method=method, bucket_bytes=1 << 20, layout="full", **extra)
+        cfg = SyncConfig(method=method, bucket_bytes=1 << 20, layout="full", **extra, **kw)
         made.append(FSDPShardingManager(module, engines, config=cfg))
         return module, made[-1]
 
@@ -138,3 +138,48 @@ def test_distributed_add_engine_after_a_failed_sync_joins_at_the_next(setup, mon
     _sync(manager)
     assert manager.engines == [a, c] and _served(a) == _served(c)
     assert all(_served(c)[n] == d for n, d in _trained(module).items())
+
+
+@pytest.mark.parametrize("how", ["recover", "add_engine"])
+@pytest.mark.parametrize("mode", ["quarantine", "abort"])
+def test_disk_replica_brought_in_after_a_failed_commit_gets_what_the_fleet_serves(mode, how, setup, monkeypatch):
+    """Replica b's commit of step_1 fails (the request lost; b aborted it) after a committed it:
+    a serves step_1 as version "1" ("quarantine": no error; "abort": the sync raises, the
+    manager's version stays "0"). A replica brought in then must hold a's tensors bit for bit
+    under a's version. Before, the transport's ``loaded`` stayed step_0 and the label was the
+    manager's: it served step_0's weights as "1" (quarantine) or as "0" beside a's "1" (abort)."""
+    from fsdp_sync.topology import SyncError
+
+    make, (a, b) = setup
+    c = _engine() if how == "add_engine" else None
+    try:
+        module, manager = make("disk", [a, b], on_replica_failure=mode)
+        _sync(manager)
+        perturb_(module.parameters())
+        real_end, lost = b.end_weight_update, []
+
+        def end(*, abort=False, weight_version=None):
+            if not abort and not lost:
+                lost.append(real_end(abort=True))    # the commit did not happen
+                raise ConnectionError("injected: the commit request was lost")
+            return real_end(abort=abort, weight_version=weight_version)
+        monkeypatch.setattr(b, "end_weight_update", end)
+        if mode == "abort":
+            with pytest.raises(SyncError, match="committing"):
+                _sync(manager)
+        else:
+            _sync(manager)
+        assert manager.version == ("1" if mode == "quarantine" else "0")
+        assert _served(a) == _trained(module) and a.get_weight_version() == "1"
+        assert _served(b) != _served(a) and b.get_weight_version() == "0"
+        new = b if how == "recover" else c
+        assert getattr(manager, how)(new) is True
+        assert _served(new) == _served(a), f"{how}: the replica holds other weights than the fleet serves"
+        assert new.get_weight_version() == a.get_weight_version() == "1"
+        status = {r["name"]: r for r in manager.fleet_status()["replicas"]}
+        assert [r["version"] for r in status.values() if r["serving"]] == ["1", "1"]
+        _sync(manager)      # the next sync brings them to the trainer's weights
+        assert _served(a) == _served(new) == _trained(module)
+    finally:
+        if c is not None:
+            c.shutdown()

@@ -25,7 +25,8 @@ partly updated — only ever sees complete, immutable directories:
    commits until every one has loaded (`fleet.end_all`). A sync of the step just published (the manager's retry after quarantining a
    replica) skips 1-3 and loads that version again; a replica brought in between syncs
    (``recover``, ``add_engine``: ``ctx.reload``) loads the version the others loaded last
-   (``loaded``), never one a failed sync published or a fresh one;
+   (``loaded``: a commit that failed on some replicas counts, the others serve it), never one
+   that no replica committed or a fresh one;
 5. versions beyond the newest ``disk_keep`` (the one just published counted) are removed, never the
    one the engines serve: renamed out of view first, then deleted on trainer rank 0 by a thread
    while the engines load (step 4 waits for it; even a failed load leaves the served version),
@@ -378,6 +379,8 @@ class DiskTransport:
                 except fleet.CommitError as exc:
                     ctx.commit_failed = exc
                     err = RuntimeError(f"committing the update: {exc}")
+                    if exc.committed:     # those serve it now (the failed ones are quarantined): a
+                        self.loaded = final   # replica brought in must load it, not the one before
         ctx.stats.engine_calls = calls
         try:
             agree_on(err, group, f"update_weights_from_disk({final!r})")
