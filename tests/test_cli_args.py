@@ -263,6 +263,20 @@ def test_bench_recipe_scalars_are_one_item_lists(tmp_path, capsys):
         assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
 
 
+def test_bench_and_plan_recipes_take_layout_as_the_flag_names_it(tmp_path, capsys):
+    """A plan recipe took ``layout`` (the flag's name, --layout) for ``layouts``; a bench recipe
+    refused it (unknown bench keys ['layout']). Both take it now, the one mapping
+    (`args.RECIPE_ALIASES`), and refuse a recipe that gives both names, whose order chose before."""
+    recipe = tmp_path / "r.yaml"
+    for command, attr in (("bench", "spec"), ("plan", "sweep")):
+        recipe.write_text(f"{command}:\n  models: [tiny]\n  layout: [full]\n")
+        got = getattr(cli.parse_args([command, "--recipe", str(recipe)]), attr)
+        assert (got.layouts if command == "bench" else got["layouts"]) == ("full",), got
+        recipe.write_text(f"{command}:\n  models: [tiny]\n  layout: [full]\n  layouts: [engine]\n")
+        err = _refused_recipe(command, recipe.read_text(), tmp_path, capsys)
+        assert "'layout' and 'layouts' name the same key: give one of them" in err, err
+
+
 @pytest.mark.parametrize("nccl, cuda, refused", [(False, False, "this torch has no NCCL built in"),
                                                   (True, False, "NCCL runs on GPUs and this machine has no CUDA device"),
                                                   (True, True, None)])

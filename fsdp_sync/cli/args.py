@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["Parser", "positive_int", "non_negative_int", "positive_float", "nonnegative_float", "mib", "on_off",
            "csv_of", "device", "dtype_name", "model_spec", "existing_file", "explicit_dests", "DefaultsFormatter",
-           "quiet_transformers", "check_mib", "OUTPUTS", "check_output", "check_outputs", "recipe_mapping"]
+           "quiet_transformers", "check_mib", "OUTPUTS", "check_output", "check_outputs", "recipe_mapping",
+           "RECIPE_ALIASES", "recipe_keys_named"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -263,6 +264,20 @@ def recipe_mapping(path: str, section: str) -> dict:
         raise ValueError(f"--recipe {path}: expected a mapping of keys (under '{section}:'), got a "
                          f"{type(d).__name__}: {str(d)[:80]}")
     return d
+
+
+RECIPE_ALIASES = {"layout": "layouts"}
+"""A recipe key named as its flag (``--layout``) -> the sweep's key (``layouts``), in the bench's
+and the plan's recipes alike."""
+
+
+def recipe_keys_named(d: dict) -> dict:
+    """A recipe's keys under the sweep's names (`RECIPE_ALIASES`); ValueError where one is given
+    under both names (which of the two values would run is not for a dict's order to decide)."""
+    both = sorted(f"{a!r} and {k!r}" for a, k in RECIPE_ALIASES.items() if a in d and k in d)
+    if both:
+        raise ValueError(f"{'; '.join(both)} name the same key: give one of them")
+    return {RECIPE_ALIASES.get(k, k): v for k, v in d.items()}
 
 
 def check_mib(values: Sequence[Any], flag: str) -> None:

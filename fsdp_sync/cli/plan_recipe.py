@@ -3,10 +3,10 @@ flag's text is (`args`: the flag's own ``type=``), so a recipe and the command l
 values with the same one line, naming the recipe, the key and the value; and the argparse types
 only the plan's flags use (``--cluster``, ``--gpu-memory-utilization``).
 
-A recipe's keys are the flags' names with underscores (``layout`` or the bench's ``layouts``),
-under ``plan:``; a list key takes a list or one value. Values are never coerced by truthiness:
-``share_host_memory: "no"`` is off, as ``--share-host-memory no`` is, and ``"maybe"`` is refused
-(``bool("no")`` is True).
+A recipe's keys are the flags' names with underscores (``layout`` or ``layouts``, as a bench
+recipe's: `args.recipe_keys_named`; not both), under ``plan:``; a list key takes a list or one
+value. Values are never coerced by truthiness: ``share_host_memory: "no"`` is off, as
+``--share-host-memory no`` is, and ``"maybe"`` is refused (``bool("no")`` is True).
 
 Not here: the cross-flag rules and the model checks (`plan.check_plan_args`), the planning.
 """
@@ -98,7 +98,10 @@ def read_recipe(path: str) -> dict:
     """The checked values a plan recipe gives (the keys of `DEFAULTS` it names; a list key as a
     tuple). ValueError: an unknown key, or a value its flag would refuse."""
     d = ca.recipe_mapping(path, "plan")    # one line for a file YAML cannot read
-    d = {"layouts" if k == "layout" else k: v for k, v in d.items()}   # the flag's name, or the bench's
+    try:
+        d = ca.recipe_keys_named(d)        # ``layout``, the flag's name, or ``layouts``, the bench's
+    except ValueError as exc:
+        raise ValueError(f"--recipe {path}: {exc}") from None
     unknown = sorted(set(map(str, d)) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"--recipe {path}: unknown keys {unknown}; known: {sorted(DEFAULTS)}")

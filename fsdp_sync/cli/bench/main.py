@@ -177,9 +177,10 @@ class BenchSpec:
 
     @classmethod
     def checked(cls, d: dict[str, Any]) -> dict[str, Any]:
-        """A recipe's (or preset's) keys as `BenchSpec` takes them, each value checked as its
-        flag's text is (`_checks`); ValueError names the key and the value."""
+        """A recipe's (or preset's) keys as `BenchSpec` takes them (``layout``, the flag's name, as
+        ``layouts``), each value checked as its flag's text is; ValueError names the key and value."""
         checks = _checks()
+        d = ca.recipe_keys_named(d)
         unknown = sorted(set(map(str, d)) - set(checks))
         if unknown:
             raise ValueError(f"unknown bench keys {unknown}; known: {sorted(checks)}")
