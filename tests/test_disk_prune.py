@@ -173,3 +173,35 @@ def test_a_dropped_versions_files_are_overwritten_in_place_and_checked(tmp_path,
         finally:
             t.close()
     assert POOL not in os.listdir(d)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["full", "engine"])
+def test_a_dropped_version_linked_elsewhere_is_not_overwritten(tmp_path, layout):
+    """A user keeping a version by hard links (`cp -al`, `rsync --link-dest`) kept the files the
+    pool would later write in place: after two more syncs at disk_keep=1 the archived step_0 held
+    step 2's bytes under step_0's manifest (its digests failed), which loaders that do not check
+    digests read as step_0. A pool file with another link is now unlinked and written fresh."""
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.weights import hf_checkpoint as ckpt
+
+    cfg, module, d, t = _setup(tmp_path, layout, keep=1)
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    with ReferenceEngine(model_config=cfg, tp_size=1, dtype=torch.float32) as real:
+        engine = _Watch(real, d)
+        try:
+            _sync(t, module, [engine], 0)
+            v0 = os.path.join(d, "step_0")
+            plan = ckpt.resolve_ranked(v0, 1) if layout == "engine" else ckpt.resolve(v0)
+            files = _weight_files(v0)
+            for f in files:
+                os.link(os.path.join(v0, f), archive / f)
+            for step in (1, 2):                 # step_0 dropped at 1, its files reused at 2
+                _step(module, lambda p: p.add_(0.5))
+                _sync(t, module, [engine], step)
+            assert _weight_files(os.path.join(d, POOL))          # the pool is in use
+            for f in files:
+                assert ckpt.digest_file(str(archive / f), plan.hash)[0] == plan.digests[f], f
+        finally:
+            t.close()

@@ -38,7 +38,8 @@ def write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tens
     caller fsyncs it). ``rename``: the name each entry gets in the file (per-rank files:
     `hf_checkpoint.rank_tensor_name`). ``pool``: a directory holding a dropped version's files
     (`transport.disk`, keep-N): the file of the same name there, if any, is moved here and
-    overwritten in place, its pages reused instead of fresh ones allocated (and the old ones freed).
+    overwritten in place, its pages reused instead of fresh ones allocated (and the old ones freed),
+    unless another link to it exists (a user's copy of that version: then a fresh file).
 
     Why not ``safetensors.torch.save_file`` then a hash of the file: save_file serializes the
     whole file into one more bucket-sized buffer before writing it, and the hash read every byte
@@ -52,6 +53,12 @@ def write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tens
             reuse = True
         except OSError:          # none there (or gone): a fresh file
             pass
+        # a dropped version's file linked elsewhere (`cp -al`, `rsync --link-dest`, `os.link`:
+        # a user keeping that version) is theirs too: writing in place would change their copy
+        # under its old manifest. Unlinked here, written fresh (O_TRUNC would truncate theirs).
+        if reuse and os.lstat(path).st_nlink > 1:
+            os.unlink(path)
+            reuse = False
     digest, size, names = ckpt.write_safetensors(path, flat, bkt.entries, hash=hash, rename=rename,
                                                  fsync=fsync, in_place=reuse)
     return {"file": file, "digest": digest, "bytes": size, "names": names}
