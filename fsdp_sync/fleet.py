@@ -258,6 +258,7 @@ class Fleet:
         if callable(fn):
             fn(True, "")
         rep.serving, rep.reason, rep.version, rep.held, rep.rejoin = True, None, version, False, False
+        rep.quarantined_at = None      # in service: no quarantine time in `summary`
 
     def summary(self) -> dict:
         """What ``manager.fleet_status()`` returns: per replica its name, state and version."""
