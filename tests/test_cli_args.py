@@ -437,6 +437,23 @@ def test_a_bad_cluster_file_is_one_line(tmp_path, capsys):
         assert "--cluster" in err and str(path) in err and words in err, (body, err)
 
 
+def test_plan_names_a_cpu_host_as_one_host(capsys):
+    """``plan --cluster this-machine`` on a CPU host printed "1024 GPUs/node, 24 GiB each": the
+    planner's no-limit placeholder and the host's RAM as if per GPU. Its saved cluster (device
+    cpu) is one host, its cores and its RAM; a GPU cluster is still GPUs per node."""
+    from fsdp_sync.cluster import load_cluster
+
+    path = ROOT / "docs/data/cluster-this-machine.json"
+    c = load_cluster(str(path))
+    proc = cli_here(capsys, "plan", "--models", "tiny", "--cluster", str(path))
+    head = " ".join(proc.stdout.split())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (f"on this-machine: one host, {c.cores} cores, {c.memory_per_gpu / 2**30:.0f} GiB RAM; d2d"
+            in head and "GPUs/node" not in head and "GiB each" not in head), head
+    proc = cli_here(capsys, "plan", "--models", "tiny", "--cluster", "h100-node")
+    assert "on h100-node: 8 GPUs/node, 75 GiB each; d2d" in " ".join(proc.stdout.split()), proc.stdout
+
+
 def test_faults_fleet_defaults_to_what_the_fleet_covers(tmp_path):
     args = cli.parse_args(["faults", "--fleet"])
     assert args.methods == ("distributed", "disk") and args.faults == ("kill", "stall")

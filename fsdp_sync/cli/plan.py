@@ -26,7 +26,7 @@ from . import args as ca
 from .plan_recipe import DEFAULTS, cluster_spec, fraction, read_recipe
 from ..topology import cpu_group
 
-__all__ = ["add_plan_parser", "cluster_of", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes", "plan_table",
+__all__ = ["add_plan_parser", "cluster_line", "cluster_of", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes", "plan_table",
            "refusals", "split_refusal", "size"]
 
 MiB = 2**20
@@ -612,6 +612,20 @@ def plan_table(rows: list[dict]) -> Any:
     return table
 
 
+def cluster_line(c: Any) -> str:
+    """The cluster a plan ran on, in one line: a CPU host as one host (its cores, its RAM; its
+    ``gpus_per_node`` is no limit there, `cluster_of`), GPU nodes by GPUs and memory; then links
+    and costs."""
+    where = ("one host, " + (f"{c.cores} cores, " if c.cores else "") + f"{c.memory_per_gpu / 2**30:.0f} GiB RAM"
+             if c.device == "cpu" else f"{c.gpus_per_node} GPUs/node, {c.memory_per_gpu / 2**30:.0f} GiB each")
+    return (f"{c.name}: {where}; d2d {c.d2d_gbps:.1f}, intra {c.intra_gbps:.1f}, inter {c.inter_gbps:.1f}, "
+            f"disk w/r {c.disk_write_gbps:.2f}/{c.disk_read_gbps:.2f} GB/s; call {c.call_s * 1e3:.2f} ms, "
+            f"collective {c.collective_s * 1e6:.0f} us"
+            + ("; " + (f"{c.cores} cores, " if c.device != "cpu" else "") + f"first touch "
+               f"{c.touch_gbps:.1f}, map {c.map_gbps:.1f}, trainer collectives {c.collective_gbps:.2f} GB/s"
+               if c.cores else ""))
+
+
 def cmd_plan(args) -> int:
     from rich.console import Console
 
@@ -630,14 +644,7 @@ def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     rows = plan_rows(sweep, cluster)
     took = time.perf_counter() - t0
-    c = cluster
-    console.print(f"[bold]fsdp-sync plan[/] on {c.name}: {c.gpus_per_node} GPUs/node, "
-                  f"{c.memory_per_gpu / 2**30:.0f} GiB each; d2d {c.d2d_gbps:.1f}, intra {c.intra_gbps:.1f}, "
-                  f"inter {c.inter_gbps:.1f}, disk w/r {c.disk_write_gbps:.2f}/{c.disk_read_gbps:.2f} GB/s; "
-                  f"call {c.call_s * 1e3:.2f} ms, collective {c.collective_s * 1e6:.0f} us"
-                  + (f"; {c.cores} cores, first touch {c.touch_gbps:.1f}, map {c.map_gbps:.1f}, "
-                     f"trainer collectives {c.collective_gbps:.2f} GB/s" if c.cores else "")
-                  + f" ({len(rows)} plans in {took:.1f} s)")
+    console.print(f"[bold]fsdp-sync plan[/] on {cluster_line(cluster)} ({len(rows)} plans in {took:.1f} s)")
     console.print(plan_table(rows))
     refused = [r for r in rows if r.get("refused")]
     for i, why in enumerate(refusals(rows), 1):
