@@ -291,3 +291,21 @@ def test_the_package_docstring_lists_every_public_name():
     listed = set(re.findall(r"\b\w+\b", fsdp_sync.__doc__.split("Public API", 1)[1]))
     missing = [n for n in fsdp_sync.__all__ if not n.startswith("__") and n not in listed]
     assert not missing, f"exported but not in fsdp_sync's docstring: {missing}"
+
+
+def test_the_readme_headline_names_every_method_whose_budget_is_three_buckets():
+    """README's first paragraph gives the memory rule; it said 3 × for the disk method only, while
+    `plan.memory_budget` (the rule the bench and the plan hold syncs to) holds the distributed
+    method's pipelined per-rank buckets to 3 × too (trainer rank 0 assembles every engine rank's
+    buffer)."""
+    from fsdp_sync.config import METHODS
+    from fsdp_sync.plan import memory_budget
+
+    three = {(m, lay, piped) for m in METHODS for lay in ("full", "engine") for piped in (True, False)
+             if memory_budget(m, 4, 1, layout=lay, pipelined=piped)["memory_budget_bytes"] == 3 * 4 + 1}
+    assert three == {("disk", "full", True), ("disk", "full", False), ("disk", "engine", True),
+                     ("disk", "engine", False), ("distributed", "engine", True)}, three
+    head = " ".join((ROOT / "README.md").read_text().split("```", 1)[0].split())
+    clause = head.split("3 ×", 1)[1].split(";", 1)[0]
+    for words in ("disk method", "distributed method's per-rank buckets, pipelined"):
+        assert words in clause, (words, clause)
