@@ -49,6 +49,7 @@ join, and a failed opening called off), engines.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import time
 import weakref
@@ -214,9 +215,7 @@ class DistributedTransport:
                     check_tight(b)
                 self._quant = self._quantizer(ctx, engines)
                 self._open_group(engines, device)
-                for e in engines:
-                    if hasattr(e, "begin_weight_update"):
-                        _begin(e)
+                _begin_all(engines)
             except Exception as exc:  # noqa: BLE001 - every trainer rank must hear of it
                 return f"opening the weight update on trainer rank 0: {type(exc).__name__}: {exc}"
             return None
@@ -571,6 +570,29 @@ def _release_orphaned(held: dict, name: str) -> None:
     if pg is not None and destroy_ours(pg, f"the weight-update group {name!r} of a dropped transport"):
         log.warning("fsdp_sync: a distributed transport was dropped without close(): destroyed its "
                     "weight-update group %r", name)
+
+
+def _begin_all(engines: list) -> None:
+    """Open the update on every engine; when one fails, those opened already are closed again
+    (aborted: nothing was sent), so none is left inside an update that no sync will end (which
+    refuses, among others, ``release_memory_occupation``), and the error is raised."""
+    opened = []
+    try:
+        for e in engines:
+            if hasattr(e, "begin_weight_update"):
+                _begin(e)
+                opened.append(e)
+    except BaseException:
+        for e in opened:
+            try:
+                if "abort" in inspect.signature(e.end_weight_update).parameters:
+                    e.end_weight_update(abort=True)
+                else:
+                    e.end_weight_update()
+            except Exception as exc:  # noqa: BLE001 - the begin's failure is the error to raise
+                log.warning("fsdp_sync: closing %s's update after another's begin_weight_update "
+                            "failed: %s", fleet.describe(e, engines.index(e)), exc)
+        raise
 
 
 def _begin(engine: Any) -> None:
