@@ -108,9 +108,11 @@ def set_version(engine: Any, version: str) -> None:
             fn(version)
 
 
-def end_all(engines: list, *, commit: bool, version: str | None = None) -> list[str]:
+def end_all(engines: list, *, commit: bool, version: str | None = None, skip: Iterable[int] = ()) -> list[str]:
     """Close the open update on every engine: commit (with ``version``) when ``commit``, else
-    abort it where the engine can. Called only after every engine staged (``commit``) or after any
+    abort it where the engine can. ``skip``: indices of engines not to call (a request of theirs
+    still runs: `transport.distributed`); every engine keeps its index in ``engines`` in what is
+    said and raised. Called only after every engine staged (``commit``) or after any
     failed (not): this is the fleet's second phase. Commit failures raise `CommitError` once
     every engine was asked; abort failures are logged (the sync's own error is the one to report).
     Returns, after an abort, the engines that could not drop what they had taken (an engine that
@@ -119,7 +121,10 @@ def end_all(engines: list, *, commit: bool, version: str | None = None) -> list[
     committed: list[int] = []
     partial: list[str] = []
     failed: dict[int, BaseException] = {}
+    skip = set(skip)
     for i, e in enumerate(engines):
+        if i in skip:
+            continue
         end = getattr(e, "end_weight_update", None)
         try:
             if commit:

@@ -10,6 +10,8 @@ assertion instead of hanging.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -61,6 +63,47 @@ def _distributed(engines, name):
 def _sync(manager) -> None:
     with manager:
         pass
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_aborts_the_replicas_whose_request_was_in_flight_and_names_them(monkeypatch):
+    """Two replicas that apply each call as it arrives (as SGLang does). Replica 1 refuses bucket
+    2 while replica 0's request for it is still on its way. Before: every replica whose request
+    was not answered yet was marked stuck, so replica 0 was neither aborted (left inside its
+    update) nor named; the note said "replica 0" of replica 1 (its index once replica 0 was left
+    out). Now its answer is waited for (within dist_timeout_s) and both are named."""
+    engines = [_engine(transactional_updates=False) for _ in range(2)]
+    try:
+        module, manager = _distributed(engines, "dist2_in_flight")
+        _sync(manager)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(0.01)
+        calls = {0: 0, 1: 0}
+
+        def hook(i, real):
+            def call(**kw):
+                calls[i] += 1
+                if calls[i] == 3 and i == 1:
+                    raise RuntimeError("injected: replica 1 refuses bucket 2")
+                if calls[i] == 3:
+                    time.sleep(0.5)       # replica 0's request for bucket 2 is still in flight
+                return real(**kw)
+            return call
+        for i, e in enumerate(engines):
+            monkeypatch.setattr(e, "update_weights_from_distributed", hook(i, e.update_weights_from_distributed))
+        with pytest.raises(SyncError, match="engine 1 refused bucket 2") as info:
+            _sync(manager)
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "replica 0, replica 1 could not drop" in notes, notes
+        assert [e._in_txn for e in engines] == [False, False], "a replica was left inside its update"
+        monkeypatch.undo()
+        _sync(manager)      # the group is made again; both take the trainer's weights
+        assert all(e.weights_checksum() == engines[0].weights_checksum() for e in engines)
+        manager.close()
+    finally:
+        for e in engines:
+            e.shutdown()
 
 
 @pytest.mark.timeout(120)

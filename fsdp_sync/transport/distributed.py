@@ -48,6 +48,7 @@ join, and a failed opening called off), engines.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime
 import inspect
 import logging
@@ -382,7 +383,7 @@ class DistributedTransport:
         finally:
             it.close()
             if pending is not None:
-                self._abandon(pending, "the sync failed on trainer rank 0")
+                self._abandon(pending, "the sync failed on trainer rank 0", self._deadline())
         # bytes: what was exported (the HF tensors, as for full buckets; quantized: fp8 weights
         # and their scales); each engine rank's share of them is engine_rank_bytes_in
         quantized = quantize.sync_metas(ctx.module, cfg) if getattr(cfg, "quantization", None) else metas
@@ -477,7 +478,7 @@ class DistributedTransport:
         finally:
             it.close()
             if pending is not None:          # an exception of our own between launch and finish
-                self._abandon(pending, "the sync failed on trainer rank 0")
+                self._abandon(pending, "the sync failed on trainer rank 0", self._deadline())
 
     def _launch(self, engines: list, bkt: Bucket, flat: torch.Tensor, what: str) -> _Pending:
         """Requests first (each engine blocks in its receive), then the broadcast(s), async."""
@@ -496,7 +497,7 @@ class DistributedTransport:
             else:
                 works = [dist.broadcast(flat, src=0, group=self.pg, async_op=True)] if bkt.nbytes else []
         except Exception as exc:   # the engines are already receiving: end their wait at once
-            self._abandon(_Pending(what, [], futures), f"{what}: {exc}")
+            self._abandon(_Pending(what, [], futures), f"{what}: {exc}", self._deadline())
             raise
         return _Pending(what, works, futures)
 
@@ -508,7 +509,7 @@ class DistributedTransport:
             for i, f in enumerate(p.futures):
                 if f.done() and f.exception() is not None:
                     return self._abandon(p, f"engine {i} refused {p.what}: "
-                                            f"{type(f.exception()).__name__}: {f.exception()}")
+                                            f"{type(f.exception()).__name__}: {f.exception()}", deadline)
             sent = p.p2p or all(w.is_completed() for w in p.works)
             if sent and all(f.done() for f in p.futures):
                 break
@@ -528,31 +529,40 @@ class DistributedTransport:
             for w in p.works:    # every engine has its bytes: the sends are done, or nearly
                 w.wait(datetime.timedelta(seconds=self.config.dist_timeout_s)) if p.p2p else w.wait()
         except Exception as exc:  # noqa: BLE001
-            return self._abandon(p, f"{p.what}: {type(exc).__name__}: {exc}")
+            return self._abandon(p, f"{p.what}: {type(exc).__name__}: {exc}", deadline)
         return None
 
-    def _abandon(self, p: _Pending, message: str) -> str:
+    def _abandon(self, p: _Pending, message: str, deadline: float | None = None) -> str:
         """A failed bucket: abort our end of the group (the pending broadcast with it) and mark
-        the group for remaking; the engines end their receive (error or timeout) on their own.
-        An engine whose request still runs is marked stuck: the abort and teardown after the
-        failure would wait for its lock, so they skip it; its call's daemon thread
-        (`update_group.EngineCalls`) keeps neither a later call nor the process's exit waiting."""
+        the group for remaking; the engines end their receive (error or timeout) on their own,
+        and their answers are waited for until ``deadline`` (the bucket's: ``dist_timeout_s``;
+        None: not at all, the deadline is past), so that the abort after the failure reaches an
+        engine whose request was merely in flight when another refused. One whose request still
+        runs then is marked stuck: that abort and the teardown would wait for its lock, so they
+        skip it; its call's daemon thread (`update_group.EngineCalls`) keeps neither a later call
+        nor the process's exit waiting."""
         self.broken = True
-        self._stuck = {i for i, f in enumerate(p.futures) if not f.done()}
         if self.pg is not None:
             try:
                 self.pg.abort()
             except Exception:  # noqa: BLE001
                 pass
+        running = [f for f in p.futures if not f.done()]
+        if running and deadline is not None:
+            cf.wait(running, timeout=max(0.0, deadline - time.monotonic()))
+        self._stuck = {i for i, f in enumerate(p.futures) if not f.done()}
         return message
+
+    def _deadline(self) -> float:
+        """When engine answers waited for from now are given up on (``dist_timeout_s``)."""
+        return time.monotonic() + self.config.dist_timeout_s
 
     def _end(self, engines: list, ok: bool, ctx: SyncContext) -> list[str]:
         """Commit (``ok``) or abort the update on every engine (`fleet.end_all`: after an abort,
         the engines that kept part of it); after a failure a broken group is torn down on both
         ends."""
         stuck, self._stuck = self._stuck, set()
-        kept = fleet.end_all([e for i, e in enumerate(engines) if i not in stuck],
-                             commit=ok, version=ctx.version)
+        kept = fleet.end_all(engines, commit=ok, version=ctx.version, skip=stuck)
         if not ok and self.broken:
             self._stuck = stuck
             try:
