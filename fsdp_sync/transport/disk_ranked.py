@@ -55,7 +55,8 @@ def choose_layout(ctx: Any, rank: int, group: Any, what: str) -> Any:
 
     ``layout="full"``: None. Otherwise trainer rank 0 (it holds the engines) checks that there
     are engines, all with ``accepts_rank_checkpoints``, one TP size, and a model equal to the
-    trainer's; every rank then builds the layout from the module's config. ``"engine"``: any
+    trainer's; every rank then builds the layout from the module's config and checks that its
+    sharded tensors are in one shard group (`reshard.rank_buckets_refusal`). ``"engine"``: any
     refusal raises the same `SyncError` on every rank before anything is written; ``"auto"``:
     HF files (logged on rank 0)."""
     want = getattr(ctx.config, "layout", "full")
@@ -78,6 +79,9 @@ def choose_layout(ctx: Any, rank: int, group: Any, what: str) -> Any:
             layout = layout_for(hf_config, *tp)
             if rank == 0:
                 _check_engine_models(ctx, layout)
+            spans = reshard.rank_buckets_refusal(ctx.module, ctx.config.fsdp1_state_dict)
+            if spans is not None:      # e.g. layers on a DeviceMesh of their own
+                raise ValueError(spans)
         except Exception as exc:   # noqa: BLE001
             err = exc
     if want == "engine":

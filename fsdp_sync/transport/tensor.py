@@ -310,10 +310,10 @@ class TensorTransport:
         """The engine-rank layout to cut per-rank buckets by, or None for full tensors.
 
         ``layout="auto"``: per-rank buckets when the strategy is ``flattened``, the module's
-        config has a layout (`layout.layout_for`) and every engine accepts them
-        (``accepts_rank_buckets``, read on each infer-TP rank 0); one all-reduce makes every rank
-        of the world take the same answer. ``"engine"``: the same, but a refusal anywhere is an
-        error on every rank naming why."""
+        config has a layout (`layout.layout_for`), its sharded tensors are in one shard group
+        (`reshard.rank_buckets_refusal`) and every engine accepts them (``accepts_rank_buckets``,
+        read on each infer-TP rank 0); one all-reduce makes every rank of the world agree.
+        ``"engine"``: the same, but a refusal anywhere is an error on every rank naming why."""
         cfg, topo = self.config, self.topo
         want = getattr(cfg, "layout", "full")
         if want == "full" or cfg.strategy != "flattened":
@@ -336,6 +336,8 @@ class TensorTransport:
             diff = {k: (getattr(layout.spec, k), getattr(espec, k)) for k in vars(espec)
                     if getattr(layout.spec, k) != getattr(espec, k)}
             why = f"the engine's model differs from the trainer's (trainer, engine): {diff}"
+        if why is None:     # e.g. layers on a DeviceMesh of their own: two shard groups
+            why = reshard.rank_buckets_refusal(self.module, cfg.fsdp1_state_dict)
         if why is None and topo.is_tp_src and not getattr(self.engine, "accepts_rank_buckets", False):
             why = (f"the engine {type(self.engine).__name__} does not accept per-rank buckets "
                    f"(accepts_rank_buckets is false: for SGLang, start the server with "

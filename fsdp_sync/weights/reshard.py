@@ -57,11 +57,13 @@ from . import handles as _handles
 from . import tied as _tied
 from .gather import materialize
 from .hostbuf import HostShared
+from .items_memo import submodules
 from .layout import TPLayout, block_of, view2d
+from .shards import dim0_pieces
 from ..topology import agree, cpu_group
 
 __all__ = ["RankBucket", "ReshardStats", "plan_rank_buckets", "iter_rank_buckets", "default_owners",
-           "clear_plan_cache", "exchange_bytes"]
+           "clear_plan_cache", "exchange_bytes", "rank_buckets_refusal"]
 
 
 @dataclass
@@ -309,12 +311,51 @@ def _zero_gaps(flat: torch.Tensor, bkt: _bucket.Bucket, layout: TPLayout, rank: 
 
 # --------------------------------------------------------------------------- the stream
 
+def _spans(n: int) -> str:
+    return (f"the module's sharded tensors span {n} process groups (e.g. fully_shard of some "
+            f"modules on a DeviceMesh of their own): per-rank buckets are cut over one shard group "
+            f"(a DTensor gathered with full_tensor(), HSDP's 2-D mesh included, is in none); "
+            f"layout='full' gathers each tensor over its own group")
+
+
 def _group_of(items: list) -> Any:
     groups = {id(it.pieces.group): it.pieces.group for it in items if it.pieces is not None}
-    if len(groups) > 1:
-        raise ValueError(f"per-rank buckets need every sharded tensor in one shard group, found "
-                         f"{len(groups)} (HSDP / 2-D meshes are not supported here: use layout='full')")
+    if len(groups) > 1:   # the transports ask `rank_buckets_refusal` first: "auto" never gets here
+        raise ValueError(f"{_spans(len(groups))}; use layout='full'")
     return next(iter(groups.values()), None)
+
+
+def rank_buckets_refusal(module: nn.Module, fsdp1_state_dict: str = "local") -> str | None:
+    """Why `iter_rank_buckets` cannot cut ``module`` (None: its sharding allows it): its sharded
+    tensors span more than one process group. Found as the stream finds them (FSDP1 units'
+    groups, but for the full state dict's whole tensors; FSDP2 ``Shard(0)`` DTensors' 1-D meshes;
+    a DTensor gathered with ``full_tensor()`` is in none), from the module alone: no state dict,
+    no collective, the same answer on every rank. The transports ask before they choose per-rank
+    buckets, so ``layout="auto"`` sends full tensors (exact) and ``"engine"`` is refused before
+    anything is sent."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    groups: dict[int, Any] = {}
+    units = [m for m in submodules(module) if isinstance(m, FSDP)]
+    if units:
+        if fsdp1_state_dict == "full":
+            return None
+        for u in units:   # a sharded state dict over a device mesh hands out DTensors: none
+            if u._handle is not None and u._handle.uses_sharded_strategy and not (
+                    fsdp1_state_dict == "sharded" and getattr(u, "_device_mesh", None) is not None):
+                groups[id(u.process_group)] = u.process_group
+    else:
+        cache: dict = {}
+        for name, p in module.named_parameters():
+            if getattr(p, "_spec", None) is None:      # not a DTensor
+                continue
+            try:
+                pieces = dim0_pieces(name, p, cache)
+            except ValueError:   # a shard that contradicts its shape: the stream names it
+                continue
+            if pieces is not None:
+                groups[id(pieces.group)] = pieces.group
+    return _spans(len(groups)) if len(groups) > 1 else None
 
 
 def _check_names(items: list, layout: TPLayout, dtype: torch.dtype) -> None:
