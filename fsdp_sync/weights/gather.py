@@ -30,8 +30,8 @@ except ImportError:  # pragma: no cover - older torch: one gather per tensor ins
 from . import bucket as _bucket
 from .hostbuf import HostShared
 
-__all__ = ["Pieces", "sub_pieces", "broadcast", "all_gather", "gather_pieces", "materialize", "Scratch", "Received",
-           "bucket_bytes_in", "fill_bucket", "shared_group", "fill_shared"]
+__all__ = ["Pieces", "sub_pieces", "broadcast", "all_gather", "gather_pieces", "materialize", "materialized_bytes_in",
+           "Scratch", "Received", "bucket_bytes_in", "fill_bucket", "shared_group", "fill_shared"]
 
 
 def _align(n: int) -> int:
@@ -126,7 +126,13 @@ def gather_pieces(p: Pieces, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     return out.view(shape)
 
 
-def materialize(item: Any, dtype: torch.dtype) -> torch.Tensor:
+def materialize(item: Any, dtype: torch.dtype, received: Received | None = None) -> torch.Tensor:
+    """One exported item (`export`'s) whole on this rank, in ``dtype``: a whole tensor cast, a
+    DTensor's ``full_tensor()`` (its local shard cast first), or its pieces gathered
+    (`gather_pieces`; collective for the last two). ``received``: what the gather brought from
+    the other ranks is added to it (`materialized_bytes_in`)."""
+    if received is not None:
+        received.bytes_in += materialized_bytes_in(item, dtype)
     with torch.no_grad():
         if item.full is not None:
             t = item.full
@@ -139,6 +145,28 @@ def materialize(item: Any, dtype: torch.dtype) -> torch.Tensor:
                                         run_check=False, shape=dt.shape, stride=dt.stride())
             return dt.full_tensor().contiguous()
         return gather_pieces(item.pieces, item.shape, dtype)
+
+
+def materialized_bytes_in(item: Any, dtype: torch.dtype) -> int:
+    """The bytes `materialize` brings this rank from the others, from sizes known here: a
+    DTensor's elements it does not hold locally (``full_tensor()`` gathers them, in ``dtype``:
+    the shard is cast first; HSDP's replicas hold their own copy and gather only over the shard
+    dimension), pieces as `gather_pieces` gathers them (a broadcast from the one rank holding
+    them all, else an all-gather of equal or padded pieces), a whole tensor nothing."""
+    if item.full is not None:
+        return 0
+    if item.dtensor is not None:
+        dt = item.dtensor
+        local = getattr(dt, "_local_tensor", None)
+        held = local.numel() if isinstance(local, torch.Tensor) else dt.to_local().numel()
+        return max(0, dt.numel() - held) * dtype.itemsize
+    p = item.pieces
+    if len(p.counts) == 1 or not sum(p.counts):
+        return 0
+    owner = _single_owner(p)
+    if owner is not None:
+        return 0 if p.rank == owner else sum(p.counts) * dtype.itemsize
+    return (len(p.counts) - 1) * max(p.counts) * dtype.itemsize
 
 
 @dataclass
@@ -359,8 +387,8 @@ def fill_bucket(bkt: _bucket.Bucket, items: list, flat: torch.Tensor, scratch: S
             elif it.full is not None:   # the fused copy below, cast included
                 dsts.append(view)
                 srcs.append(it.full)
-            else:
-                view.copy_(materialize(it, entry.dtype))
+            else:   # full_tensor(): what it gathers is counted as the buckets' gathers are
+                view.copy_(materialize(it, entry.dtype, scratch.received))
         _bucket.copy_many(dsts, srcs)
         del dsts, srcs
         for group, pairs in pending.values():

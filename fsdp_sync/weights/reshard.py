@@ -55,7 +55,7 @@ from . import bucket as _bucket
 from . import export as _export
 from . import handles as _handles
 from . import tied as _tied
-from .gather import materialize
+from .gather import Received, materialize
 from .hostbuf import HostShared
 from .items_memo import submodules
 from .layout import TPLayout, block_of, view2d
@@ -473,6 +473,16 @@ def _alloc(alloc: Callable[[int], torch.Tensor], n: int) -> torch.Tensor:
     return flat[:n]
 
 
+def _materialize(it: Any, dtype: torch.dtype, stats: ReshardStats) -> torch.Tensor:
+    """A DTensor's ``full_tensor()`` (collective), what it gathered counted as received (and as
+    what the all-gather of `export.iter_buckets` would have received: the same)."""
+    got = Received()
+    full = materialize(it, dtype, got)
+    stats.bytes_in += got.bytes_in
+    stats.allgather_bytes_in += got.bytes_in
+    return full
+
+
 def _source(it: Any, index: int, world: int, me: int, dtype: torch.dtype, stats: ReshardStats) -> _Source:
     """Element ranges of one exported tensor (materializing a DTensor that needs full_tensor())."""
     numel = math.prod(it.shape)
@@ -481,7 +491,7 @@ def _source(it: Any, index: int, world: int, me: int, dtype: torch.dtype, stats:
         local = it.pieces.local.reshape(-1)
         stats.allgather_bytes_in += (numel - counts[me]) * dtype.itemsize
     else:
-        full = it.full if it.full is not None else materialize(it, dtype)
+        full = it.full if it.full is not None else _materialize(it, dtype, stats)
         holder = index % world
         counts = tuple(numel if r == holder else 0 for r in range(world))
         local = full.reshape(-1)
