@@ -1,9 +1,13 @@
 """Tensors gathered with ``full_tensor()`` (FSDP2 on HSDP's 2-D mesh, FSDP2 ``Shard(1)``) into a
-TP-2 reference engine: bit-exact, and what each trainer rank received counted in
-``trainer_rank_bytes_in`` (as the 1-D ``Shard(0)`` all-gather's is).
+TP-2 reference engine: bit-exact, what each trainer rank received counted in
+``trainer_rank_bytes_in`` (as the 1-D ``Shard(0)`` all-gather's is), and with per-rank buckets each
+trainer rank builds only its own infer-TP rank's buffers (the local path of
+`reshard.iter_rank_buckets`), materializing one tensor at a time.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -40,9 +44,22 @@ def _syncs(rank: int, world: int) -> list[dict]:
     from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
     from fsdp_sync.engines import ReferenceEngine, checksum_named_tensors
     from fsdp_sync.models import load_config
-    from fsdp_sync.weights import export
+    from fsdp_sync.weights import export, reshard
 
     torch.set_num_threads(1)
+    # how many tensors the per-rank stream has materialized and still holds, at each materialize
+    alive: list = []
+    most = [0]
+    real = reshard.materialize
+
+    def counting(*args, **kw):
+        alive[:] = [r for r in alive if r() is not None]
+        most[0] = max(most[0], len(alive))
+        out = real(*args, **kw)
+        alive.append(weakref.ref(out.untyped_storage()))    # its memory, whatever views it
+        return out
+
+    reshard.materialize = counting
     cfg = load_config("tiny")
     engine = ReferenceEngine(model_config=cfg, tp_size=2, device="cpu", dtype=torch.float32) \
         if rank == 0 else None
@@ -51,6 +68,7 @@ def _syncs(rank: int, world: int) -> list[dict]:
     try:
         for seed, (kind, layout) in enumerate((("hsdp", "engine"), ("hsdp", "full"), ("shard1", "full"))):
             model = _wrap(cfg, kind, 21 + seed)
+            most[0] = 0
             conf = SyncConfig(layout=layout, free_cache_engine=False, dtype=torch.float32,
                               memory_probe="off", bucket_bytes=64 << 10)
             manager = FSDPShardingManager(model, engine, mesh=mesh, config=conf)
@@ -60,27 +78,64 @@ def _syncs(rank: int, world: int) -> list[dict]:
                 extra = dict(manager.stats.extra)
             finally:
                 manager.close()
-            rec = {"kind": kind, "layout": layout, "gathered": _gathered(model),
-                   **{k: extra.get(k) for k in ("layout", "reshard_path", "trainer_rank_bytes_in")}}
+            rec = {"kind": kind, "layout": layout, "gathered": _gathered(model), "held": most[0],
+                   **{k: extra.get(k) for k in ("layout", "reshard_path", "trainer_rank_bytes_in",
+                                                "trainer_rank_bytes_written", "engine_rank_shard_bytes")}}
             trainer = checksum_named_tensors(export.iter_params(model, dtype=torch.float32))
             if engine is not None:
                 rec["exact"] = engine.weights_checksum() == trainer
             out.append(rec)
+        # the stream itself: a function of the bucket names the engine ranks this rank builds
+        # (as the disk method's writers take turns); their bytes are those of all ranks' buffers
+        from fsdp_sync.weights.layout import layout_for
+        model, layout = _wrap(cfg, "hsdp", 30), layout_for(cfg, 2)
+        every = [{i: b.clone() for i, b in rb.buffers.items()}
+                 for rb in reshard.iter_rank_buckets(model, layout, 64 << 10, dtype=torch.float32)]
+        some = [{i: b.clone() for i, b in rb.buffers.items()}
+                for rb in reshard.iter_rank_buckets(model, layout, 64 << 10, dtype=torch.float32,
+                                                    ranks=lambda k: [(k + rank) % 2])]
+        out.append({"every": [sorted(b) for b in every], "some": [sorted(b) for b in some],
+                    "same": all(torch.equal(b, every[k][i]) for k, bufs in enumerate(some) for i, b in bufs.items())})
     finally:
+        reshard.materialize = real
         if engine is not None:
             engine.shutdown()
     return out
 
 
+@pytest.fixture(scope="module")
+def runs():
+    """Each rank's records: the three syncs, then the stream's own (one 2-rank job for both tests)."""
+    return run_ranks(_syncs, 2, timeout_s=110, pg_timeout_s=60, env=spawn_env())
+
+
 @pytest.mark.timeout(120)
-def test_what_full_tensor_gathers_is_counted_in_trainer_rank_bytes_in():
+def test_what_full_tensor_gathers_is_counted_in_trainer_rank_bytes_in(runs):
     """Before: trainer_rank_bytes_in was 0 for HSDP (engine and full layouts) and 1,152 for
     Shard(1) full (only its 1-D Shard(0) tensors), where each rank gathers 279,680 bytes."""
-    per_rank = run_ranks(_syncs, 2, timeout_s=110, pg_timeout_s=60, env=spawn_env())
-    for rank, recs in enumerate(per_rank):
-        assert [(r["layout"], r["reshard_path"]) for r in recs] == [
-            ("engine", "local"), ("full", None), ("full", None)], recs
-        for rec in recs:
+    for rank, recs in enumerate(runs):
+        syncs = recs[:-1]
+        assert [(r["layout"], r["reshard_path"]) for r in syncs] == [
+            ("engine", "local"), ("full", None), ("full", None)], syncs
+        for rec in syncs:
             assert rec["gathered"] == TINY_HALF, rec
             assert rec["trainer_rank_bytes_in"] == TINY_HALF, (rank, rec)
-    assert all(r["exact"] for r in per_rank[0]), per_rank[0]
+    assert all(r["exact"] for r in runs[0][:-1]), runs[0]
+
+
+@pytest.mark.timeout(120)
+def test_each_hsdp_rank_builds_only_its_own_engine_ranks_buffers(runs):
+    """Before: with per-rank buckets each HSDP trainer rank built both engine ranks' buffers
+    (560,640 bytes written, twice its own rank's 280,320), holding a bucket's full tensors at
+    once (10 at the most)."""
+    for rank, recs in enumerate(runs):
+        engine, stream = recs[0], recs[-1]
+        # its own infer-TP rank's shard, written once: as the 1-D FSDP2 path's 280,320
+        assert engine["trainer_rank_bytes_written"] == engine["engine_rank_shard_bytes"] == 280_320, (rank, engine)
+        # each full tensor dropped before the next is made (torch's finished all-gather may hold
+        # the last one a moment longer)
+        assert engine["held"] <= 1, (rank, engine)
+        assert all(b == [0, 1] for b in stream["every"]), stream
+        assert stream["some"] == [[(k + rank) % 2] for k in range(len(stream["every"]))], stream
+        assert stream["same"], rank
+    assert runs[0][0]["exact"], runs[0][0]

@@ -379,6 +379,7 @@ class TensorTransport:
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
                                        share_host_memory=cfg.share_host_memory, stats=st,
                                        host_sets=2 if self._pipelined else 1, alloc=pool.take,
+                                       ranks=[topo.tp_rank],    # where each rank holds all: its own
                                        # every bucket ends in a world-wide agree after the engine
                                        # answered (`_one_call`, `_run_pipelined`'s finish)
                                        consumer_synced=True)

@@ -23,9 +23,11 @@ How the bytes get there (the module's shard group, FSDP1 "local"/"sharded" or FS
   overlaps engine rank i's slice. ``owners[i]`` lists the group ranks that assemble engine rank
   i's buffer (default: the colocated rule, group rank r holds engine rank ``r % tp``). Each rank
   yields only the buffers it owns, fresh from ``alloc`` and then the caller's.
+- no shard group (a plain module, FSDP1 "full", HSDP's 2-D mesh: every tensor whole on every
+  rank, a DTensor after its ``full_tensor()``): each rank builds only the engine ranks' buffers
+  it is asked for (``ranks``), materializing one DTensor at a time.
 
-A tensor every rank holds whole (a plain module, FSDP1 "full", a DTensor that needs
-``full_tensor()``) is written by one rank (``index % world``), never by all of them.
+Beside a shard group, a tensor every rank holds whole is written by one rank (``index % world``).
 
 The module must export exactly the layout's HF tensors (a tied ``lm_head`` is not exported);
 anything else is an error on every rank (`topology.agree`) before any data moves. An
@@ -381,7 +383,8 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
                       share_host_memory: bool = True, owners: Sequence[Sequence[int]] | None = None,
                       alloc: Callable[[int], torch.Tensor] = _handles.empty_shared,
                       stats: ReshardStats | None = None, host_sets: int = 1,
-                      consumer_synced: bool = False, host_keep: list | None = None) -> Iterator[RankBucket]:
+                      consumer_synced: bool = False, host_keep: list | None = None,
+                      ranks: Sequence[int] | Callable[[int], Sequence[int]] | None = None) -> Iterator[RankBucket]:
     """Yield one `RankBucket` per planned bucket (`plan_rank_buckets`), collective over the
     module's shard group: every rank calls it with the same arguments and takes every item.
 
@@ -400,6 +403,10 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
     buffers that fit, so a caller that syncs again maps no new shared memory and faults none in
     (measured: 4 fresh 64 MiB buffers cost 0.45-1.1 s to make and touch, rewriting them 0.07 s);
     they stay allocated until the caller clears the list.
+    ``ranks``: on the local path (no shard group: every rank holds or materializes each tensor
+    whole), the engine ranks whose buffers this rank builds, or a function of the bucket's index
+    that names them (default: all; the tensor transport its own infer-TP rank). The other paths
+    ignore it: the all-to-all builds what ``owners`` gives this rank, the one-host path shares all.
     """
     stats = stats if stats is not None else ReshardStats()
     items = _export.resolve(module, fsdp1_state_dict, dtype)
@@ -422,6 +429,8 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
         if world > 1 and (len(own) != layout.tp or any(not o or any(not 0 <= r < world for r in o) for o in own)):
             raise ValueError(f"owners must list, for each of the {layout.tp} engine ranks, group ranks "
                              f"in [0, {world}), got {own}")
+        if ranks is not None and not callable(ranks):
+            _wanted(ranks, 0, layout.tp)
     except Exception as exc:  # noqa: BLE001 - every peer must hear of it
         error = exc
     if world > 1:
@@ -440,27 +449,27 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
                          host_keep) if share_host_memory and world > 1 and _host_eligible(items) else None
     stats.path = "host-shared" if host is not None else ("all-to-all" if world > 1 else "local")
     stats.engine_shard_bytes += layout.engine_bytes(dtype.itemsize)
+    key = (layout.spec, layout.tp, layout.ep, dtype, int(bucket_bytes))
     for k, bkt in enumerate(plan):
         # every HF tensor any engine rank's part of this bucket is built from (under EP, ranks
         # hold different experts under the same engine names)
         names = list(dict.fromkeys(hf for i in range(layout.tp) for e in bkt.entries
                                    for hf, _ in layout.sources(i)[e.name]))
-        sources = {n: _source(by_name[n][1], by_name[n][0], world, me, dtype, stats) for n in names}
-        for n in names:
-            by_name[n][1].drop()
-        tasks = _cached_tasks((layout.spec, layout.tp, layout.ep, dtype, int(bucket_bytes)), k, bkt, layout, sources)
-        if host is not None:
-            buffers = _fill_host(host, bkt, layout, tasks, sources, stats, (k % max(1, host_sets)) * layout.tp,
-                                 wait_readers=not consumer_synced)
-        elif world > 1:
-            buffers = _exchange(bkt, layout, tasks, sources, own, group, me, alloc, stats)
+        if host is None and world == 1:
+            buffers = _fill_local(k, bkt, layout, [by_name[n] for n in names], dtype, key,
+                                  _wanted(range(layout.tp) if ranks is None else ranks, k, layout.tp),
+                                  alloc, stats)
         else:
-            buffers = {}
-            for i in range(layout.tp):
-                buffers[i] = _alloc(alloc, bkt.nbytes)
-                _zero_gaps(buffers[i], bkt, layout, i)
-            _write_local(tasks, sources, buffers, me, stats)
-        del sources, tasks
+            sources = {n: _source(by_name[n][1], by_name[n][0], world, me, dtype, stats) for n in names}
+            for n in names:
+                by_name[n][1].drop()
+            tasks = _cached_tasks(key, k, bkt, layout, sources)
+            if host is not None:
+                buffers = _fill_host(host, bkt, layout, tasks, sources, stats, (k % max(1, host_sets)) * layout.tp,
+                                     wait_readers=not consumer_synced)
+            else:
+                buffers = _exchange(bkt, layout, tasks, sources, own, group, me, alloc, stats)
+            del sources, tasks
         stats.buckets += 1
         yield RankBucket(k, bkt, buffers, shared=host is not None)
         del buffers
@@ -471,6 +480,15 @@ def _alloc(alloc: Callable[[int], torch.Tensor], n: int) -> torch.Tensor:
     if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < n:
         raise ValueError(f"alloc({n}) must return a 1-D uint8 tensor of at least {n} bytes")
     return flat[:n]
+
+
+def _wanted(ranks: Sequence[int] | Callable[[int], Sequence[int]], k: int, tp: int) -> list[int]:
+    """The engine ranks whose buffers of bucket ``k`` this rank builds on the local path."""
+    got = ranks(k) if callable(ranks) else ranks
+    out = sorted({int(i) for i in got})
+    if any(not 0 <= i < tp for i in out):
+        raise ValueError(f"ranks must name engine ranks in [0, {tp}), got {out} for bucket {k}")
+    return out
 
 
 def _materialize(it: Any, dtype: torch.dtype, stats: ReshardStats) -> torch.Tensor:
@@ -503,6 +521,40 @@ def _offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
     """Where each rank's piece starts: the running sum of ``counts`` (a few distinct splits a
     model, asked for every tensor of every sync)."""
     return (0, *itertools.accumulate(counts[:-1])) if counts else ()
+
+
+def _fill_local(k: int, bkt: _bucket.Bucket, layout: TPLayout, items: list, dtype: torch.dtype, key: tuple,
+                wanted: list[int], alloc: Callable[[int], torch.Tensor], stats: ReshardStats
+                ) -> dict[int, torch.Tensor]:
+    """Bucket ``k`` where this rank holds every tensor whole (a plain module, FSDP1's full state
+    dict, DTensors gathered with ``full_tensor()`` such as HSDP's, one trainer rank): only the
+    buffers of the engine ranks in ``wanted``. The tensors held whole go in with one fused copy;
+    each DTensor is then materialized (collective: every rank, whatever it builds), written and
+    dropped before the next, so a rank holds its buffers and one full tensor, never the bucket's
+    full tensors (tp x a bucket of per-rank shards). ``items``: (export index, item) pairs."""
+    buffers = {}
+    for i in wanted:
+        buffers[i] = _alloc(alloc, bkt.nbytes)
+        _zero_gaps(buffers[i], bkt, layout, i)
+    later = [(n, it) for n, it in items if it.dtensor is not None]
+    sources = {it.name: _source(it, n, 1, 0, dtype, stats) for n, it in items if it.dtensor is None}
+    for _, it in later:     # where its data will be: all of it on this rank, once materialized
+        sources[it.name] = _Source(it.name, tuple(it.shape), (0,), (math.prod(it.shape),), None)
+    tasks = _cached_tasks(key, k, bkt, layout, sources)
+    by_name: dict[str, list[_Task]] = {}
+    for t in tasks if later else ():
+        by_name.setdefault(t.name, []).append(t)
+    whole = [t for t in tasks if sources[t.name].local is not None] if later else tasks
+    _write_local(whole, sources, buffers, 0, stats)
+    for _, it in items:
+        if it.dtensor is None:
+            it.drop()
+    for _, it in later:
+        sources[it.name].local = _materialize(it, dtype, stats).reshape(-1)
+        it.drop()
+        _write_local(by_name.get(it.name, []), sources, buffers, 0, stats)
+        sources[it.name].local = None
+    return buffers
 
 
 def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[int, torch.Tensor],
