@@ -374,6 +374,52 @@ def test_bad_generate_arguments_and_the_dtype_hint(eng, tiny):
         eng.update_weights_from_tensor([(name, tiny.state_dict()[name].to(torch.bfloat16))])
 
 
+# constructor arguments that were coerced (or raised torch's / Python's own error): each refused
+# before any worker starts, naming the argument, the rule and the value
+@pytest.mark.parametrize("kw,message", [
+    ({"weights_cpu_backup": "no"}, "weights_cpu_backup must be True or False, got 'no'"),   # was True
+    ({"transactional_updates": 1}, "transactional_updates must be True or False, got 1"),
+    ({"kv_cache_tokens": 2.5}, r"kv_cache_tokens must be >= 1, got 2.5: a whole number"),  # was 2
+    ({"kv_cache_tokens": True}, r"kv_cache_tokens must be >= 1, got True"),               # was 1
+    ({"kv_cache_tokens": "100"}, r"kv_cache_tokens must be >= 1, got '100'"),
+    ({"mem_fraction": "0.1"}, r"mem_fraction must be in \(0, 1\], got '0.1'"),
+    ({"seed": None}, r"seed must be an int .* got None"),                                # TypeError
+    ({"seed": 1.5}, r"seed must be an int .* got 1.5"),
+    ({"update_recv_timeout_s": 0}, "update_recv_timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"update_recv_timeout_s": float("nan")}, "update_recv_timeout_s must be a finite number"),
+    ({"call_timeout_s": True}, "call_timeout_s must be a finite number of seconds > 0 .*, got True"),
+    ({"max_lora_rank": 0}, r"max_lora_rank must be an int >= 1 \(or None for any rank\), got 0"),
+])
+def test_constructor_arguments_are_refused_not_coerced(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ReferenceEngine("tiny", **kw)
+
+
+@pytest.mark.timeout(60)
+def test_prompt_token_ids_are_ints(eng):
+    import numpy as np
+
+    for prompts, shown in (([[1, 3.7]], "3.7 of type float"), ([[True, 2]], "True of type bool"),
+                           ([1.0, 2.0], "1.0 of type float"), (torch.tensor([[1.0, 2.0]]), "1.0 of type float"),
+                           ([["5"]], "'5' of type str")):
+        with pytest.raises(ValueError, match=rf"prompt 0 has \d token ids that are not ints \(position 0: "
+                                             rf"{re_escape(shown)}|position 1: {re_escape(shown)}"):
+            eng.generate(prompts, 1)
+    with pytest.raises(ValueError, match="prompt 1 must be a list of token ids, got int"):
+        eng.forward_logits([[1, 2], 3])
+    # what is an int stays taken: numpy integers, integer tensors (rows or elements)
+    want = eng.generate([[11, 27, 93]], 3)
+    assert eng.generate([np.array([11, 27, 93])], 3) == want
+    assert eng.generate([[np.int64(11), torch.tensor(27), 93]], 3) == want
+    assert eng.generate(torch.tensor([11, 27, 93]), 3) == want
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
 # --------------------------------------------------------------------------- other models
 
 @pytest.mark.timeout(120)

@@ -57,7 +57,8 @@ Not here: the model math (`tp_model`), the worker loop (`worker`), generation ca
 versions (`rollout`), batching requests (`scheduler`), the update-group calls of
 ``update_weights_from_distributed`` (`group_calls`), weight read-back (`readback`), per-rank update
 items, the checks of a distributed call's entries and the disk update's checkpoint resolution
-(`update_items`), which quantization a config and argument make (`quant`).
+(`update_items`), which quantization a config and argument make (`quant`), the constructor's
+argument checks (`engine_args`).
 
 Why ~700 lines, one module: the engine's side of every protocol call (startup, update methods, two-phase
 rounds, the update gate), sharing the lock, the worker set and the broken/transaction state. The
@@ -78,7 +79,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ...config import parse_dtype
 from ...models import load_config
 from ...weights import handles
 from ...weights.layout import ModelSpec
@@ -87,6 +87,7 @@ from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError,
                     EngineUnavailableError, WeightUpdateError, WorkerDiedError, ordered_tags)
 from . import procs, quant
 from .disk_calls import DiskCalls
+from .engine_args import check_engine_args
 from .gpu_calls import GPUCalls
 from .group_calls import UpdateGroupCalls
 from .lora_calls import LoRACalls
@@ -96,9 +97,6 @@ from .scheduler import Scheduler, check_version
 from .update_items import build_items, worker_figures
 
 __all__ = ["ReferenceEngine"]
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadback, LoRACalls, GPUCalls):
     """A TP rollout engine in worker processes. See the module docstring.
@@ -163,56 +161,24 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                  update_recv_timeout_s: float = 60.0, ep_size: int = 1, quantization: str | None = None,
                  base_gpu_id: int = 0, max_lora_rank: int | None = None,
                  lora_target_modules: Sequence[str] | None = None, keep_bucket_buffers: bool = True):
-        given = dtype
-        if max_lora_rank is not None and (isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int)
-                                          or max_lora_rank < 1):
-            raise ValueError(f"max_lora_rank must be an int >= 1 or None, got {max_lora_rank!r}")
-        self.max_lora_rank = max_lora_rank
+        a = check_engine_args(
+            dtype=dtype, device=device, tp_size=tp_size, base_gpu_id=base_gpu_id,
+            kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction, weights_cpu_backup=weights_cpu_backup,
+            seed=seed, num_threads=num_threads, pg_timeout_s=pg_timeout_s, startup_timeout_s=startup_timeout_s,
+            call_timeout_s=call_timeout_s, use_memory_saver=use_memory_saver,
+            transactional_updates=transactional_updates, update_recv_timeout_s=update_recv_timeout_s,
+            max_lora_rank=max_lora_rank, keep_bucket_buffers=keep_bucket_buffers)
+        device, dtype, tp_size = a.device, a.dtype, a.tp_size
+        self.max_lora_rank = a.max_lora_rank
         self.lora_target_modules = None if lora_target_modules is None else tuple(lora_target_modules)
-        try:    # the names SyncConfig takes ("bf16", "bfloat16", ...) as well as torch dtypes
-            dtype = parse_dtype(dtype, "dtype") if dtype is not None else None
-        except ValueError:
-            dtype = None
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]} (or a name: "
-                             f"float32/fp32, bfloat16/bf16, float16/fp16), got {given!r}")
-        device = str(device)
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise EngineError("device='cuda' but CUDA is not available in this process")
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-        if isinstance(base_gpu_id, bool) or not isinstance(base_gpu_id, int) or base_gpu_id < 0:
-            raise ValueError(f"base_gpu_id must be an int >= 0, got {base_gpu_id!r}")
-        if device == "cuda" and base_gpu_id + tp_size > torch.cuda.device_count():   # not wrapped to GPU 0
-            raise EngineError(f"base_gpu_id {base_gpu_id} + tp_size {tp_size} needs GPUs {base_gpu_id}.."
-                              f"{base_gpu_id + tp_size - 1}, one per TP rank (NCCL refuses two ranks on one "
-                              f"GPU); this process sees {torch.cuda.device_count()}")
-        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
-                                        or num_threads < 1):
-            raise ValueError(f"num_threads must be an int >= 1 (or None for 1), got {num_threads!r}")
-        for arg, val in (("pg_timeout_s", pg_timeout_s), ("startup_timeout_s", startup_timeout_s),
-                         ("call_timeout_s", call_timeout_s)):
-            if (val is not None or arg != "call_timeout_s") and not (
-                    isinstance(val, (int, float)) and not isinstance(val, bool) and 0 < val < float("inf")):
-                raise ValueError(f"{arg} must be a finite number of seconds > 0, got {val!r}")
-        if kv_cache_tokens is not None and mem_fraction is not None:
-            raise ValueError("give kv_cache_tokens or mem_fraction, not both")
-        if kv_cache_tokens is not None and kv_cache_tokens < 1:
-            raise ValueError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
-        if mem_fraction is not None and not 0 < mem_fraction <= 1:
-            raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
-        if kv_cache_tokens is None and mem_fraction is None:
-            kv_cache_tokens = 4096
         self.config = load_config(model_config)
         self.spec = ModelSpec.from_config(self.config)
         self._quant = quant.resolve(self.config, quantization)
         # refuses an impossible split up front (and, quantized, one that cuts an FP8 block)
-        self.layout = quant.engine_layout(self.spec, int(tp_size), ep_size, self._quant)
+        self.layout = quant.engine_layout(self.spec, tp_size, ep_size, self._quant)
         self.quantization: str | None = self.layout.quantization
         self.ep_size = self.layout.ep
-        self.base_gpu_id = int(base_gpu_id)
+        self.base_gpu_id = a.base_gpu_id
         self.disk_bytes_read: list[int] = []   # per TP rank: bytes the last disk update read
         self.disk_seconds: dict[str, float] = {}   # the last disk update: read_hash_s, copy_s (slowest rank)
         self.last_call_figures: dict[str, float] = {}
@@ -221,9 +187,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         self.disk_tensors_loaded = 0           # checkpoint tensors the last disk update loaded
         self.tp_size = int(tp_size)
         self.device, self.dtype = device, dtype
-        self.weights_cpu_backup = bool(weights_cpu_backup)
-        self.call_timeout_s = call_timeout_s
-        self.transactional_updates = bool(transactional_updates)
+        self.weights_cpu_backup = a.weights_cpu_backup
+        self.call_timeout_s = a.call_timeout_s
+        self.transactional_updates = a.transactional_updates
         self.staged_on_host_bytes = 0     # the last transaction's copies kept off the GPU (no room)
         self._lock = threading.RLock()
         self._wait = threading.local()          # this thread's `wait_limit` deadline
@@ -239,12 +205,12 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         the version of the weights that made them."""
         opts = {
             "spec": self.spec, "device": device, "dtype": dtype,
-            "kv_cache_tokens": kv_cache_tokens, "mem_fraction": mem_fraction,
-            "weights_cpu_backup": self.weights_cpu_backup, "seed": int(seed),
-            "num_threads": int(num_threads or 1), "base_gpu_id": int(base_gpu_id),
-            "pg_timeout_s": float(pg_timeout_s), "use_memory_saver": use_memory_saver,
-            "update_recv_timeout_s": float(update_recv_timeout_s), "ep": self.layout.ep, "quant": self._quant,
-            "keep_bucket_buffers": bool(keep_bucket_buffers),
+            "kv_cache_tokens": a.kv_cache_tokens, "mem_fraction": a.mem_fraction,
+            "weights_cpu_backup": a.weights_cpu_backup, "seed": a.seed,
+            "num_threads": a.num_threads, "base_gpu_id": a.base_gpu_id,
+            "pg_timeout_s": a.pg_timeout_s, "use_memory_saver": a.use_memory_saver,
+            "update_recv_timeout_s": a.update_recv_timeout_s, "ep": self.layout.ep, "quant": self._quant,
+            "keep_bucket_buffers": a.keep_bucket_buffers,
         }
         self._update_groups: dict[str, dict] = {}   # weight-update groups the workers joined
         from . import worker as worker_mod
@@ -253,7 +219,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         self._finalizer = weakref.finalize(self, self._w.stop)
         try:
             # the TP workers' store, listening before they are told its port (`wire.host_store`)
-            self._w.store = host_store(self.tp_size, pg_timeout_s) if self.tp_size > 1 else None
+            self._w.store = host_store(self.tp_size, a.pg_timeout_s) if self.tp_size > 1 else None
             store_port = self._w.store.port if self._w.store is not None else None
             for rank in range(self.tp_size):
                 # a fresh interpreter, not multiprocessing's spawn: see `procs`
@@ -263,7 +229,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                 self._w.procs.append(p)
                 self._w.conns.append(parent)
             try:
-                ready = self._collect(0, range(self.tp_size), "engine startup", startup_timeout_s)
+                ready = self._collect(0, range(self.tp_size), "engine startup", a.startup_timeout_s)
             except WorkerDiedError as exc:
                 raise WorkerDiedError(f"{exc}. The worker's own error, if it printed one, is on "
                                       f"this process's stderr above; a worker runs "

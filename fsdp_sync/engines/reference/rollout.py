@@ -12,6 +12,7 @@ math (`generation`, run in each worker), the HTTP fields (`generate_request`).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,29 +24,65 @@ from .scheduler import PAUSE_MODES, check_version, kv_need, weight_version_spans
 __all__ = ["GenerationCalls"]
 
 
+def _token_id(t: Any) -> int | None:
+    """``t`` as a token id, or None where it is not an integer (a bool, a float, a string...)."""
+    if isinstance(t, (bool, float)) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(t)      # int, numpy integers, one-element integer tensors
+    except TypeError:
+        return None
+
+
+def _ids_of(p: Any) -> list | None:
+    """A prompt as a list (a list, tuple, or 1-D tensor or numpy array), else None."""
+    if isinstance(p, (list, tuple)):
+        return list(p)
+    if hasattr(p, "tolist") and getattr(p, "ndim", 0) == 1:
+        return p.tolist()
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
 class GenerationCalls:
     """`ReferenceEngine`'s generation methods (it provides ``_call``, ``_lock``, ``_sched``,
     ``weight_version``, ``spec``, ``config``)."""
 
     def _check_prompts(self, input_ids: Any) -> list[list[int]]:
+        """``input_ids`` as a list of prompts, each a non-empty list of token ids in the vocabulary.
+        A token id is an int (a numpy or 0-dim integer tensor one too); a float (3.7, or 3.0) or a
+        bool is refused, not truncated to a token: a float tensor of ids is a mistake upstream."""
         if isinstance(input_ids, torch.Tensor):
             if input_ids.dim() == 1:
                 input_ids = input_ids[None]
             input_ids = input_ids.tolist()
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
-            raise ValueError("input_ids is a non-empty list of token-id lists")
-        if all(isinstance(t, int) for t in input_ids):
-            input_ids = [list(input_ids)]
+            raise ValueError(f"input_ids is a non-empty list of token-id lists, got {_shown(input_ids)}")
+        if not any(_ids_of(p) is not None for p in input_ids):
+            input_ids = [input_ids]             # one prompt given flat
         prompts = []
         V = self.spec.vocab_size
-        for i, p in enumerate(input_ids):
-            p = [int(t) for t in p]
+        for i, given in enumerate(input_ids):
+            p = _ids_of(given)
+            if p is None:
+                raise ValueError(f"prompt {i} must be a list of token ids, got {_shown(given)}")
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if not 0 <= t < V]
+            ids = [_token_id(t) for t in p]
+            wrong = [(k, t) for k, (t, got) in enumerate(zip(p, ids)) if got is None]
+            if wrong:
+                k, t = wrong[0]
+                raise ValueError(f"prompt {i} has {len(wrong)} token ids that are not ints (position {k}: "
+                                 f"{t!r} of type {type(t).__name__}); token ids are ints in [0, {V}), "
+                                 f"a float or bool is not rounded to one")
+            bad = [t for t in ids if not 0 <= t < V]
             if bad:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {V})")
-            prompts.append(p)
+            prompts.append(ids)
         return prompts
 
     def generate(self, input_ids: Any = None, max_new_tokens: int = 16, temperature: float = 0.0, *,
