@@ -27,9 +27,10 @@ the default): each call is checked as above; while the engine holds weights wort
 — one extra copy of what is pushed — and a failed call aborts the whole transaction, so the
 previous weights stay. Where there is nothing to protect (the random start-up weights, or weights
 released without a backup and resumed as zeros) calls write in place at no extra memory. After a
-release without backup the engine refuses to serve until every tensor has been pushed again.
-``end_weight_update(abort=True)`` drops a transaction (a plain ``end_weight_update()`` after a
-failed call drops it too, and raises: nothing was committed); ``begin_weight_update(transactional=False)``
+release without backup, or an aborted transaction that wrote over the start-up weights, the engine
+refuses to serve until every tensor has been pushed again. ``end_weight_update(abort=True)`` drops
+a transaction and says whether the weights are those of its begin (a plain ``end_weight_update()``
+after a failed call drops it too, and raises: nothing was committed); ``begin_weight_update(transactional=False)``
 makes each call commit on its own, as SGLang does.
 
 Liveness: every wait on a worker polls its pipe and its process sentinel, so a dead worker is
@@ -546,11 +547,12 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
     def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> bool:
         """Commit the open transaction (``abort=True``: drop it). After a failed update in the
         transaction it is closed and dropped either way, and a commit is refused
-        (`WeightUpdateError`: nothing was committed, the previous weights and version stay). Returns
-        False after an abort of an update that was not transactional (its calls were committed as
-        they came: the weights are partly new), else True. On a commit the engine
-        takes ``weight_version`` (else the one an update call in the transaction gave) in the same
-        critical section: no step runs between the new weights and their new version."""
+        (`WeightUpdateError`: nothing was committed). Returns, after an abort, whether the engine
+        holds the weights it held at ``begin_weight_update``: False where calls were written in
+        place before it (not transactional; or nothing worth protecting: the start-up weights,
+        which then are not served until every tensor is pushed again), else True. On a commit the
+        engine takes ``weight_version`` (else the one an update call in the transaction gave) in
+        the same critical section: no step runs between the new weights and their new version."""
         check_version(weight_version, "end_weight_update")
         with self._gate("end_weight_update"):
             if not self._in_txn:
@@ -558,21 +560,31 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             self._in_txn = False
             aborted, self._txn_aborted = self._txn_aborted, None
             pending, self._txn_version = self._txn_version, None
-            dropped = self._txn_transactional      # else each call was committed as it came
             self._check_usable()
             replies = self._round("end", {"abort": abort or aborted is not None})
             self._raise_errors(replies, "end_weight_update")
+            done = [rep[1] for rep in replies.values() if isinstance(rep[1], dict)]
             # what the transaction kept in host memory, its workers' GPUs having no room for it
-            self.staged_on_host_bytes = sum(int(rep[1].get("staged_on_host_bytes", 0))
-                                            for rep in replies.values() if isinstance(rep[1], dict))
+            self.staged_on_host_bytes = sum(int(d.get("staged_on_host_bytes", 0)) for d in done)
+            kept = self._txn_transactional and not any(d.get("overwritten") for d in done)
             if aborted is not None and not abort:
                 raise WeightUpdateError(f"end_weight_update: nothing was committed: this weight update was "
-                                        f"aborted by an earlier failure ({aborted}); the engine keeps its "
-                                        f"previous weights (version {self.weight_version!r})")
+                                        f"aborted by an earlier failure ({aborted}); {self._kept_words(kept)}")
             version = weight_version if weight_version is not None else pending
             if version is not None and not abort:
                 self.weight_version = version
-            return dropped if abort else True
+            return kept if abort else True
+
+    def _kept_words(self, kept: bool) -> str:
+        """What an aborted transaction left, for its error."""
+        if kept:
+            return f"the engine keeps its previous weights (version {self.weight_version!r})"
+        if not self._txn_transactional:
+            return "its calls were committed as they came (not transactional): the weights are partly new"
+        return ("the calls before the failure were written in place (the engine held no weights worth "
+                "a copy: its random start-up weights, or weights released without a backup), so those "
+                "weights are partly overwritten: the engine serves nothing until every tensor is "
+                "pushed again")
 
     # ------------------------------------------------------------------ memory
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:

@@ -104,6 +104,11 @@ class Txn:
     writes: list[Write] = field(default_factory=list)
     covers: set[str] = field(default_factory=set)
     aborted: str | None = None
+    applied: bool = False               # a call was written in place (not staging): weights changed
+
+
+OVERWRITTEN = "the start-up weights were partly overwritten in place by an aborted weight update"
+"""Why weights are not served after `UpdateStager.abort` of a transaction written in place."""
 
 
 class UpdateStager:
@@ -133,6 +138,7 @@ class UpdateStager:
         self._held: dict[str, tuple] = {}   # HF name -> its placements on this rank (`_placements`)
         self._covers: dict[str, tuple] = {}  # engine name -> the HF names it is built from, this rank
         self.known = KnownMetadata()        # bucket metadata checked at an earlier call
+        self.overwritten: str | None = None  # why weights are invalid, where an abort made them so
 
     def _mismatch(self, name: str, what: str, expected: Any, got: Any) -> WorkerError:
         return WorkerError(KIND_UPDATE, f"expected {what} {expected} for {name!r} on TP rank {self.w.rank}, "
@@ -573,7 +579,7 @@ class UpdateStager:
             return
         self.coverage |= covers
         if self.coverage >= self.w.hf_set:
-            self.valid, self.coverage = True, set()
+            self.valid, self.coverage, self.overwritten = True, set(), None
 
     def commit(self) -> dict:
         """Phase two for one call: apply (or, inside a staging transaction, copy aside)."""
@@ -597,6 +603,7 @@ class UpdateStager:
                 self.txn.writes.extend(writes)
                 self.txn.covers |= covers
             else:
+                self.txn.applied = True                 # (a failed copy too has changed weights)
                 self._apply(writes)                     # nothing to protect: write in place
                 self.txn.covers |= covers
                 self.dummy = False
@@ -617,10 +624,22 @@ class UpdateStager:
         self._ack_all()
         self.mapped.clear()         # the sender's buffers go back to it, not at an `end` that may never come
         if self.txn is not None and not self.txn.aborted:
-            if not self.txn.staging:
-                self.coverage -= self.txn.covers        # those params now hold aborted data
+            self._drop_in_place(self.txn)
             self.txn.writes, self.txn.aborted = [], reason or "aborted"
         return {}
+
+    def _drop_in_place(self, txn: Txn) -> None:
+        """An aborted transaction that wrote its calls in place (nothing was worth protecting)
+        cannot take them back: what they wrote is not served. Weights that were being pushed
+        again (released without a backup) lose the coverage of those tensors; valid weights (the
+        random start-up ones) become invalid, to be pushed again in full, as after a release
+        without a backup. Every rank commits every call, so every rank decides alike."""
+        if txn.staging:
+            return
+        if self.valid and txn.applied:
+            self.valid, self.coverage, self.overwritten = False, set(), OVERWRITTEN
+        else:
+            self.coverage -= txn.covers         # those params now hold aborted data
 
     def begin(self, transactional: bool) -> dict:
         if self.txn is not None:
@@ -643,9 +662,10 @@ class UpdateStager:
         if txn is None:
             return {"committed": False}
         if abort or txn.aborted:
-            if not txn.staging:
-                self.coverage -= txn.covers
-            return {"committed": False}
+            if not txn.aborted:
+                self._drop_in_place(txn)
+            # whether the weights are no longer the ones the transaction began with
+            return {"committed": False, "overwritten": not txn.staging and txn.applied}
         try:
             if txn.staging:
                 self._apply(txn.writes)

@@ -117,9 +117,10 @@ class Worker:
                                           "and push weights before serving")
         if not self.updates.valid:
             missing = [n for n in self.layout.hf_names() if n in self.hf_set and n not in self.updates.coverage]
-            raise WorkerError(KIND_UNAVAILABLE, f"weights were released without a CPU backup and not all pushed "
-                                          f"again: {len(missing)} of {len(self.hf_set)} tensors missing "
-                                          f"(e.g. {missing[0]!r})")
+            why = self.updates.overwritten or "weights were released without a CPU backup"
+            raise WorkerError(KIND_UNAVAILABLE, f"{why} and not all pushed again: {len(missing)} of "
+                                                f"{len(self.hf_set)} tensors missing (e.g. {missing[0]!r}); "
+                                                f"push every tensor again before serving")
 
     @torch.no_grad()
     def forward_logits(self, prompts: list[list[int]], all_positions: bool, lora: str | None = None) -> Any:
