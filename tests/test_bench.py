@@ -472,3 +472,49 @@ def test_host_shared_rows_are_judged_against_their_own_floor():
     assert cell["× floor"](disk) == "0.75"
     lay = check_targets([dict(row, layout="engine", engine_rank_bytes_in=1, engine_rank_shard_bytes=1)])
     assert lay["layout"]["one-host"]["floor_judged_against"] == "floor_shared_seconds"
+
+
+_FREED_HEAP = """
+import ctypes, sys
+from fsdp_sync.cli.bench.allocator import pin_malloc
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+MiB = 1 << 20
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+if sys.argv[1] == "pinned":
+    assert pin_malloc() == 128 * 1024
+p = libc.malloc(8 * MiB); ctypes.memset(p, 1, 8 * MiB); libc.free(p)   # a gathered tensor, freed
+base = rss()
+blocks = [libc.malloc(4 * MiB) for _ in range(7)]                       # buckets, then freed
+for b in blocks: ctypes.memset(b, 1, 4 * MiB)
+for b in blocks[:-1]: libc.free(b)                                      # the last: no trim below it
+print((rss() - base) / MiB - 4)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_bench_ranks_pin_glibcs_mmap_threshold():
+    """The bench's trainer ranks kept what a sync freed in their RSS: glibc raises its mmap
+    threshold each time a large block is freed (a gathered 8 MiB embedding), after which buckets
+    come from its heap and stay resident when freed, so `small`'s bucketed rows read 34-36 MiB
+    against their 24 MiB budget (16.6-16.8 MiB with MALLOC_MMAP_THRESHOLD_=131072). Now every
+    bench rank pins the threshold (`allocator.pin_malloc`, as the engine's workers do) and its
+    rows say so; the pattern above keeps 24 MiB unpinned and returns it pinned."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        pytest.skip("not glibc")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}   # glibc's own start
+    kept = {how: float(run_output([sys.executable, "-c", _FREED_HEAP, how], timeout=60, cwd=ROOT, env=env).stdout)
+            for how in ("plain", "pinned")}
+    assert kept["plain"] >= 16 and kept["pinned"] < 1, kept
+    from fsdp_sync.cli.bench.main import run_bench
+
+    spec = BenchSpec(models=("tiny",), strategies=("bucketed",), bucket_mb=(0.25,), repeats=3, warmup=0)
+    rows = run_bench(spec, timeout_s=100)["rows"]
+    assert rows and all(r["malloc_mmap_threshold"] == 128 * 1024 for r in rows), rows

@@ -48,11 +48,13 @@ from typing import Any
 import torch
 
 from .. import args as ca
+from .allocator import pin_malloc
 from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floor_shared_seconds,
                      layout_figures)
 from .gpu_memory import CudaPeaks
 from .methods import memory_budget
 from .sampling import DeviceSampler, rises, sampled_sync
+from .served import Served
 from .table import BenchProgress
 from .targets import check_targets
 from ...topology import cpu_group
@@ -265,6 +267,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     from ...topology import SyncTopology, make_mesh
     from ..trainer import wrap_fsdp
 
+    pinned = pin_malloc()       # what a sync frees leaves RSS: its peaks are what it holds
     torch.set_num_threads(1)
     cfg = load_config(job.model)
     if job.device == "cuda":    # this rank's GPU (wrap_fsdp's) before the model lands on cuda:0
@@ -283,7 +286,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     engine = ReferenceEngine(model_config=cfg, tp_size=job.tp, device=job.device, dtype=dtype,
                              base_gpu_id=topo.tp_ranks[0] if job.device == "cuda" else 0,
                              **job.engine_kw) if topo.is_tp_src and colocated else None
-    served = _Served(engine, job.tp) if engine is not None and job.engine == "http" else None
+    served = Served(engine, job.tp) if engine is not None and job.engine == "http" else None
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid(), group=cpu_group())
     progress = BenchProgress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
@@ -390,30 +393,13 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         # ``tensors`` counts the module's parameters; a fused MoE expert parameter is exported
         # as one tensor per expert and projection, so a sync moves more tensors than that
         r["exported_tensors"] = len(metas)
+        r["malloc_mmap_threshold"] = pinned     # glibc's, pinned in the trainer ranks (None: not glibc)
         r["ep"] = job.ep
         r["quantization"] = job.quantization
         if job.quantization and "memory_budget_bytes" in r:   # its quantized buckets, as the plan counts them
             r.update(memory_budget(r["method"], r["bucket_bytes"], r["largest_tensor_bytes"], r.get("layout") or "full",
                                    bool(r.get("pipelined", True)), job=job, cfg=cfg, model=model))
     return {"rows": rows}
-
-
-class _Served:
-    """``--engine http``: the job's engine behind `EngineServer` on loopback, and the
-    `SGLangEngine` client the manager gets instead of the engine."""
-
-    def __init__(self, engine: Any, tp: int) -> None:
-        from ...engines.reference.serve import EngineServer
-        from ...engines.sglang import SGLangEngine
-
-        self.server = EngineServer(engine).start()
-        self.client = SGLangEngine(base_url=self.server.url, tp_size=tp, max_retries=0)
-
-    def close(self) -> None:
-        try:
-            self.client.shutdown()
-        finally:
-            self.server.close()
 
 
 def largest_bytes(module, job: Job) -> int:
