@@ -8,7 +8,14 @@ trainer's logits (`fsdp_sync.weights.tied`).
 
 One 1-process job (every method and layout against one engine), and 2-rank jobs without an engine
 for FSDP2 (shards split alike: compared in place), FSDP1 (flat parameters at other offsets: the
-chunked gather) and FSDP1 ``"full"`` (whole tensors), plus one FSDP2 manager with a TP-2 engine."""
+chunked gather) and FSDP1 ``"full"`` (whole tensors), plus one FSDP2 manager with a TP-2 engine.
+
+The engine's own check (`engines.reference.tied_head`) compares a sent head with the embedding the
+update leaves, bit for bit: it used to compare at the head, with the embedding loaded then, so a
+consistent update was refused as "untied" where the head came first (sorted names, as a sorted
+dict or a safetensors file gives them; or an earlier call of the transaction) or where the
+embedding held a NaN (``torch.equal`` is False for NaN). Tested straight against TP-1 and TP-2
+engines."""
 
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import pytest
 import torch
 
 from fsdp_sync.cli.launch import run_ranks, spawn_env
+from fsdp_sync.engines import ReferenceEngine, WeightUpdateError
+from fsdp_sync.models import build_model, load_config
 
 PROMPTS = [[1, 2, 3, 4, 5]]
 METHODS = ("tensor", "distributed", "disk")
@@ -212,3 +221,84 @@ def test_fsdp2_refuses_a_head_trained_apart_on_every_rank(method, tmp_path):
         assert "tie_word_embeddings=True" in r["raised"] and r["engine_kept"], (rank, r)
         assert "nothing was sent or written" in r["raised"] and r["published"] == [], (rank, r)
     assert results[0]["raised"] == results[1]["raised"]
+
+
+# --------------------------------------------------------------------------- the engine's own check
+
+EMB, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def tied_engine(request):
+    with ReferenceEngine(model_config=load_config("tiny-tied"), tp_size=request.param, kv_cache_tokens=64) as e:
+        yield e
+
+
+def _tied_state(seed: int) -> dict:
+    """A tied model's tensors (lm_head IS the embedding), each its own copy."""
+    sd = build_model(load_config("tiny-tied"), seed=seed).state_dict()
+    assert sd[HEAD].data_ptr() == sd[EMB].data_ptr()
+    return {n: t.detach().clone() for n, t in sd.items()}
+
+
+def _emb(engine):
+    return engine.get_weights_by_name(EMB)
+
+
+@pytest.mark.timeout(120)
+def test_a_head_before_its_embedding_in_one_call_is_consistent(tied_engine):
+    sd = _tied_state(3)
+    tied_engine.update_weights_from_tensor(sorted(sd.items()))      # lm_head.weight first
+    assert torch.equal(_emb(tied_engine), sd[EMB])
+    # a NaN in the embedding (so in the head): the same bits, not "untied"
+    sd[EMB][3, 5] = sd[HEAD][3, 5] = float("nan")
+    tied_engine.update_weights_from_tensor(list(sd.items()))
+    assert torch.isnan(_emb(tied_engine)[3, 5])
+    # a head that does differ is still refused, first or last, and changes nothing
+    before = tied_engine.weights_checksum()
+    for order in (sorted, list):
+        bad = dict(_tied_state(4))
+        bad[HEAD] = bad[HEAD] * 2
+        with pytest.raises(WeightUpdateError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'"):
+            tied_engine.update_weights_from_tensor(order(bad.items()))
+        assert tied_engine.weights_checksum() == before
+    # ... and so is a head whose bits differ though its values equal (-0.0 against 0.0)
+    bad = dict(_tied_state(4))
+    bad[EMB][0, 0], bad[HEAD] = 0.0, bad[EMB].clone()
+    bad[HEAD][0, 0] = -0.0
+    with pytest.raises(WeightUpdateError, match="differs"):
+        tied_engine.update_weights_from_tensor(list(bad.items()))
+
+
+@pytest.mark.timeout(120)
+def test_a_head_before_its_embedding_across_calls_of_one_transaction(tied_engine):
+    sd = _tied_state(5)
+    rest = [(n, t) for n, t in sd.items() if n != HEAD]
+    tied_engine.begin_weight_update()
+    tied_engine.update_weights_from_tensor([(HEAD, sd[HEAD])])       # an earlier bucket
+    tied_engine.update_weights_from_tensor(rest)
+    assert tied_engine.end_weight_update(weight_version="five") is True
+    assert torch.equal(_emb(tied_engine), sd[EMB]) and tied_engine.get_weight_version() == "five"
+    # the head alone in a transaction that sends no embedding: compared with the loaded one at
+    # the commit, equal here
+    tied_engine.begin_weight_update()
+    tied_engine.update_weights_from_tensor([(HEAD, sd[HEAD].clone())])
+    assert tied_engine.end_weight_update() is True
+    # a differing head an earlier call sent: refused when the embedding comes, nothing committed
+    before = tied_engine.weights_checksum()
+    other = _tied_state(6)
+    tied_engine.begin_weight_update()
+    tied_engine.update_weights_from_tensor([(HEAD, other[HEAD] + 1)])
+    with pytest.raises(WeightUpdateError, match="differs .*an earlier call"):
+        tied_engine.update_weights_from_tensor([(n, t) for n, t in other.items() if n != HEAD])
+    with pytest.raises(WeightUpdateError, match="nothing was committed"):
+        tied_engine.end_weight_update()
+    assert tied_engine.weights_checksum() == before
+    # ... and one no embedding follows: refused at the commit, on every rank, nothing committed
+    tied_engine.begin_weight_update()
+    tied_engine.update_weights_from_tensor([(HEAD, sd[HEAD] + 1)])
+    tied_engine.update_weights_from_tensor([("model.norm.weight", other["model.norm.weight"])])
+    with pytest.raises(WeightUpdateError, match="nothing was committed.*differs .*the loaded embedding"):
+        tied_engine.end_weight_update(weight_version="bad")
+    assert tied_engine.weights_checksum() == before and tied_engine.get_weight_version() == "five"
+    assert len(tied_engine.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2     # still serves

@@ -200,6 +200,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         self._txn_transactional = True
         self._txn_aborted: str | None = None
         self._txn_version: str | None = None     # weight_version to take at the transaction's commit
+        self._txn_heads = False       # a sent tied lm_head awaits its embedding (`tied_head`)
         self.weight_version = "default"
         """SGLang's weight version: what the loaded weights are called (`update_weight_version`, or
         ``weight_version=`` of an update). Changes only holding the lock, so a step's tokens carry
@@ -503,6 +504,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             committed = self._committed = ({r: rep[1].pop("committed") for r, rep in staged.items()} if fused
                                            else self._round("commit", what=what + " (commit)"))
             phase = "done"
+            # tied heads a later call's embedding (or the commit's check) must still meet
+            self._txn_heads = any(isinstance(rep[1], dict) and rep[1].get("pending_heads")
+                                  for rep in staged.values())
             if any(rep[0] != "ok" for rep in committed.values()):
                 # copies only fail on e.g. out-of-memory; ranks may now disagree on their weights
                 self._broken = f"{what}: commit failed on some TP ranks; the weights are inconsistent"
@@ -542,7 +546,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                 raise EngineStateError("begin_weight_update called twice without end_weight_update")
             self._raise_errors(self._round("begin", {"transactional": transactional}), "begin_weight_update")
             self._in_txn, self._txn_aborted, self._txn_transactional = True, None, transactional
-            self._txn_version = None
+            self._txn_version, self._txn_heads = None, False
 
     def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> bool:
         """Commit the open transaction (``abort=True``: drop it). After a failed update in the
@@ -560,7 +564,10 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             self._in_txn = False
             aborted, self._txn_aborted = self._txn_aborted, None
             pending, self._txn_version = self._txn_version, None
+            heads, self._txn_heads = self._txn_heads, False
             self._check_usable()
+            by_head = heads and not abort and aborted is None and self._tied_head_refusal()
+            aborted = by_head or aborted
             replies = self._round("end", {"abort": abort or aborted is not None})
             self._raise_errors(replies, "end_weight_update")
             done = [rep[1] for rep in replies.values() if isinstance(rep[1], dict)]
@@ -568,8 +575,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             self.staged_on_host_bytes = sum(int(d.get("staged_on_host_bytes", 0)) for d in done)
             kept = self._txn_transactional and not any(d.get("overwritten") for d in done)
             if aborted is not None and not abort:
+                why = f"aborted ({aborted})" if by_head else f"aborted by an earlier failure ({aborted})"
                 raise WeightUpdateError(f"end_weight_update: nothing was committed: this weight update was "
-                                        f"aborted by an earlier failure ({aborted}); {self._kept_words(kept)}")
+                                        f"{why}; {self._kept_words(kept)}")
             version = weight_version if weight_version is not None else pending
             if version is not None and not abort:
                 self.weight_version = version
@@ -585,6 +593,18 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                 "a copy: its random start-up weights, or weights released without a backup), so those "
                 "weights are partly overwritten: the engine serves nothing until every tensor is "
                 "pushed again")
+
+    def _tied_head_refusal(self) -> str | None:
+        """Before a commit: every worker compares the tied ``lm_head.weight`` the transaction sent
+        with no embedding after it against the loaded embedding (`tied_head`); where one differs,
+        the transaction is aborted on every worker and the refusal returned."""
+        replies = self._round("check_heads", what="end_weight_update (tied lm_head)")
+        errs = {r: rep for r, rep in replies.items() if rep[0] != "ok"}
+        if not errs:
+            return None
+        reason = str(errs[min(errs)][2])
+        self._abort_all("end_weight_update", reason)
+        return reason
 
     # ------------------------------------------------------------------ memory
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:

@@ -45,6 +45,7 @@ from ...weights.experts import fused_hint
 from ...wire import open_flattened_bucket
 from .errors import KIND_STATE, KIND_UPDATE, WorkerError
 from .quant import dtype_refusal, scale_refusal
+from .tied_head import HEAD, TiedHeads
 
 __all__ = ["UpdateStager", "Write", "Txn", "MAX_MAPPED", "stage_aside"]
 
@@ -105,6 +106,8 @@ class Txn:
     covers: set[str] = field(default_factory=set)
     aborted: str | None = None
     applied: bool = False               # a call was written in place (not staging): weights changed
+    embedded: bool = False              # a call sent the embedding (`tied_head`)
+    heads: dict[tuple, bytes] = field(default_factory=dict)   # tied heads awaiting it (`tied_head`)
 
 
 OVERWRITTEN = "the start-up weights were partly overwritten in place by an aborted weight update"
@@ -135,9 +138,10 @@ class UpdateStager:
         self.ahead_dirfd = -1               # ... open (its name changes when it is published)
         self.ahead_used = 0                 # files the last disk stage took as hashed ahead
         self.staged_on_host = 0             # bytes the open transaction keeps in host memory
-        self._held: dict[str, tuple] = {}   # HF name -> its placements on this rank (`_placements`)
+        self._held: dict[str, tuple] = {}   # HF name -> its placements on this rank (`placements`)
         self._covers: dict[str, tuple] = {}  # engine name -> the HF names it is built from, this rank
         self.known = KnownMetadata()        # bucket metadata checked at an earlier call
+        self.heads = TiedHeads(self)        # a tied engine's sent lm_head, checked per call
         self.overwritten: str | None = None  # why weights are invalid, where an abort made them so
 
     def _mismatch(self, name: str, what: str, expected: Any, got: Any) -> WorkerError:
@@ -156,11 +160,11 @@ class UpdateStager:
         if tuple(t.shape) != tuple(shape):
             raise self._mismatch(name, "shape", fmt_shape(shape), fmt_shape(t.shape))
 
-    def _placements(self, name: str) -> tuple:
+    def placements(self, name: str) -> tuple:
         """``layout.placements(name, rank)``, worked out once per name: an update asks for each
         tensor it loads twice (2.5 ms of a 338-tensor load on this host). This worker's layout
         never changes; the memo holds this rank's placements only."""
-        held = self._held.get(name)
+        held = self._held.get(name)    # (public: `tied_head` asks it too)
         if held is None:
             held = self._held[name] = tuple(self.w.layout.placements(name, self.w.rank))
         return held
@@ -173,33 +177,12 @@ class UpdateStager:
                                            f"{scale_refusal(name, self.w.layout.quantization)}"
                                            f"{fused_hint(name, self.w.layout.spec.model_type)}", name)
         self._check(name, t, self.w.layout.full_shape(name))
-        if name == "lm_head.weight" and self.w.layout.spec.tie_word_embeddings:
-            self._check_tied_head(t, out)
-        for pl in self._placements(name):
+        if name == HEAD and self.w.layout.spec.tie_word_embeddings:
+            self.heads.call.append(t)       # dropped, but checked once the call is all seen
+        for pl in self.placements(name):
             out.append(Write(pl.engine, pl.dst, t[pl.src], (name,)))
-        if not self._placements(name) and name in self.w.hf_set:
+        if not self.placements(name) and name in self.w.hf_set:
             out.append(Write("", (), t[:0], (name,)))   # holds no piece here, but counts as loaded
-
-    def _check_tied_head(self, head: torch.Tensor, out: list[Write]) -> None:
-        """This engine ties lm_head to embed_tokens, so a sent ``lm_head.weight`` is not loaded:
-        it must equal the embedding (this call's, this transaction's, or the loaded one), or the
-        engine would serve other logits than the trainer's (an untied trainer)."""
-        emb = "model.embed_tokens.weight"
-        for pl in self.w.layout.placements(emb, self.w.rank):
-            latest = next((w.src for w in reversed(out) if emb in w.covers and w.engine == pl.engine), None)
-            if latest is None and self.txn is not None and self.txn.staging:
-                latest = next((w.src for w in reversed(self.txn.writes)
-                               if emb in w.covers and w.engine == pl.engine), None)
-            if latest is None:
-                if self.w.memory.weights_released or pl.engine not in self.w.model.params:
-                    continue
-                latest = self.w.model.params[pl.engine][pl.dst]
-            if not torch.equal(head[pl.src].to(latest.device), latest):
-                raise WorkerError(KIND_UPDATE, f"'lm_head.weight' differs from {emb!r} on TP rank "
-                                               f"{self.w.rank}, but this engine ties them "
-                                               f"(tie_word_embeddings=True) and would drop it: the "
-                                               f"sender's model is untied; start the engine from "
-                                               f"the trainer's config", "lm_head.weight")
 
     def _direct_writes(self, name: str, t: torch.Tensor, out: list[Write]) -> None:
         if name not in self.w.engine_shapes:
@@ -266,6 +249,7 @@ class UpdateStager:
             raise WorkerError(KIND_STATE, f"this weight update was aborted: {self.txn.aborted}")
         writes: list[Write] = []
         self.call = writes
+        self.heads.call = []
         self.keep_call = bool(keep_mapped) and self.w.opts.get("keep_bucket_buffers", True)
         self.kept, self.open_s = 0, 0.0
         seen: set[str] = set()
@@ -303,7 +287,8 @@ class UpdateStager:
                 for w in writes[first:]:        # received into this worker's own buffer, all of it
                     w.owned = True              # its shard (a full tensor's slice would keep the whole)
             self._maybe_fault()
-        return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen),
+        pending = self.heads.check_call(writes)
+        return {"writes": len(writes), "bytes_read": self.bytes_read, "tensors": len(seen), "pending_heads": pending,
                 "stage_s": time.perf_counter() - t0, "open_s": self.open_s, "kept": self.kept,
                 "hashed_ahead": self.ahead_used}
 
@@ -620,6 +605,7 @@ class UpdateStager:
 
     def abort(self, reason: str = "") -> dict:
         self.call = None
+        self.heads.call = []
         self._close_files()
         self._ack_all()
         self.mapped.clear()         # the sender's buffers go back to it, not at an `end` that may never come

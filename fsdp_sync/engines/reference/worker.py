@@ -446,6 +446,7 @@ COMMANDS: dict[str, Callable[[Worker, Any], Any]] = {
     "abort": lambda w, a: w.updates.abort(a.get("reason", "")),
     "begin": lambda w, a: w.updates.begin(bool(a.get("transactional", True))),
     "end": lambda w, a: w.updates.end(bool(a.get("abort"))),
+    "check_heads": lambda w, a: w.updates.heads.check_pending(),
     "gen_step": lambda w, a: w.gen_step(a),
     "gen_remove": lambda w, a: w.decode.remove(a["rids"]),
     "gen_end": lambda w, a: w.end_generate(),
