@@ -309,3 +309,25 @@ def test_the_readme_headline_names_every_method_whose_budget_is_three_buckets():
     clause = head.split("3 ×", 1)[1].split(";", 1)[0]
     for words in ("disk method", "distributed method's per-rank buckets, pipelined"):
         assert words in clause, (words, clause)
+
+
+def test_the_bucket_sweep_table_is_its_json():
+    """docs/benchmarks.md's bucket_sweep table gives the rows of data/bench-bucket-sweep-small.json
+    (the recipe's run), each with the layout it ran: the recipe leaves ``layout`` at auto, so its
+    flattened rows cut per-rank buckets (engine), which the table did not say (its 2026-11-22
+    figures had no JSON beside them)."""
+    import json
+
+    rows = json.loads((ROOT / "docs/data/bench-bucket-sweep-small.json").read_text())["rows"]
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    section = page[page.index("## Memory tuning: bucket size"):page.index("## Disk method at its floor")]
+    table = re.findall(r"^\| (\w+) \((\w+)\) \| (–|[\d.]+ MiB) \| (on|off) \| ([\d.]+) \|[^|]+\| ([\d.]+) MiB \| (\d+) MiB \| (\d+) \|$",
+                       section, re.M)
+    assert len(table) == len(rows) == 14, (len(table), len(rows))
+    for r, (strategy, layout, bucket, ms, secs, peak, budget, calls) in zip(rows, table):
+        assert (strategy, layout, ms == "on") == (r["strategy"], r["layout"], r["multi_stage"]), (r["strategy"], strategy)
+        assert bucket == "–" if strategy == "per_tensor" else float(bucket.split()[0]) == r["bucket_bytes"] / 2**20
+        assert float(secs) == round(r["seconds"], 3) and float(peak) == round(r["peak_extra_bytes"] / 2**20, 1)
+        assert int(budget) == r["memory_budget_bytes"] / 2**20 and int(calls) == r["engine_calls"]
+        assert not r["over_budget"]
+    assert {r["layout"] for r in rows if r["strategy"] == "flattened"} == {"engine"}
