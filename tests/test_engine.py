@@ -407,6 +407,8 @@ def test_prompt_token_ids_are_ints(eng):
             eng.generate(prompts, 1)
     with pytest.raises(ValueError, match="prompt 1 must be a list of token ids, got int"):
         eng.forward_logits([[1, 2], 3])
+    with pytest.raises(ValueError, match="stop_token_ids must be token ids"):
+        eng.generate([[1, 2]], 1, stop_token_ids=[2.5])
     # what is an int stays taken: numpy integers, integer tensors (rows or elements)
     want = eng.generate([[11, 27, 93]], 3)
     assert eng.generate([np.array([11, 27, 93])], 3) == want
@@ -418,6 +420,26 @@ def re_escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+@pytest.mark.timeout(60)
+def test_sampling_params_stop_token_ids_override_the_keyword(eng):
+    """As generate's docstring says: ``sampling_params`` override the keywords, so their
+    ``stop_token_ids`` (with the eos) apply and the keyword's not at all. The keyword alone
+    replaces the eos. Before: the keyword replaced sampling_params' stop_token_ids."""
+    prompt = [PROMPTS[1]]
+    free = eng.generate(prompt, 12, ignore_eos=True)[0]
+    first = {}
+    for i, t in enumerate(free):
+        first.setdefault(t, i)
+    assert len(first) >= 2, free
+    early, late = min(first, key=first.get), max(first, key=first.get)
+    by_params = eng.generate(prompt, 12, sampling_params={"stop_token_ids": [late], "ignore_eos": True})
+    assert by_params == [free[:first[late] + 1]]
+    both = eng.generate(prompt, 12, stop_token_ids=[early],
+                        sampling_params={"stop_token_ids": [late], "ignore_eos": True})
+    assert both == by_params                       # was free[:first[early] + 1]
+    assert eng.generate(prompt, 12, stop_token_ids=[early]) == [free[:first[early] + 1]]
 
 
 # --------------------------------------------------------------------------- other models

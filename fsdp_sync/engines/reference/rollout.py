@@ -91,13 +91,19 @@ class GenerationCalls:
         """New token ids for each prompt (greedy when ``temperature`` is 0). Prompts may differ in
         length. ``sampling_params`` are SGLang's (`generation.Sampling`; they override the
         keywords); they stop at the config's eos (unless ``ignore_eos``) and at their
-        ``stop_token_ids``. The ``stop_token_ids`` keyword instead replaces the eos. ``lora_path``:
+        ``stop_token_ids``. The ``stop_token_ids`` keyword instead replaces the eos, unless
+        ``sampling_params`` give ``stop_token_ids`` (then theirs and the eos apply, the keyword
+        not at all). ``lora_path``:
         a loaded LoRA adapter's name for every prompt (or one per prompt), as SGLang's."""
         sp = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
         sp.update(sampling_params or {})
         eos = None
-        if stop_token_ids is not None:
-            sp["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        if stop_token_ids is not None and sp.get("stop_token_ids") is None:   # else sampling_params' win
+            ids = [_token_id(t) for t in stop_token_ids]
+            if None in ids:
+                raise ValueError(f"generate: stop_token_ids must be token ids (ints), got "
+                                 f"{list(stop_token_ids)[:5]!r}")
+            sp["stop_token_ids"] = ids
             eos = []
         return [r["output_ids"] for r in self.generate_requests(input_ids, sp, eos=eos, lora_path=lora_path)]
 
