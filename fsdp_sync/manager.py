@@ -503,9 +503,10 @@ class FSDPShardingManager:
         names = "; ".join(f"{targets[i].name if self.rank == 0 else f'replica {i}'}: {why}"
                           for i, why in sorted(failed.items()))
         quarantine = self.config.on_replica_failure == "quarantine"
-        if self.rank == 0 and (committed is not None or quarantine):
+        if self.rank == 0:      # out of service in either mode; under "abort" it rejoins once it answers
             for i, why in failed.items():
                 self.fleet.quarantine(targets[i], why)
+                targets[i].rejoin = not quarantine
         if committed is not None:             # cannot be undone on those that committed
             if self.rank == 0:
                 for i in committed:           # what they serve now, as fleet_status() says
@@ -520,7 +521,7 @@ class FSDPShardingManager:
             hint = ("" if quarantine else "; with SyncConfig.on_replica_failure='quarantine' the healthy "
                     "replicas would commit and these be taken out of service")
             raise fleet.restate(err, f"{err}; no replica committed version {version!r}; replicas that "
-                                f"cannot take updates: {names}{hint}") from None
+                                f"cannot take updates (quarantined): {names}{hint}") from None
         log.warning("fsdp_sync: quarantined %s; syncing version %s to the %d others",
                     names, version, len(targets) - len(failed))
         return [r for i, r in enumerate(targets) if i not in failed] if self.rank == 0 else []

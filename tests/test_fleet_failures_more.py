@@ -130,3 +130,46 @@ def test_a_failed_begin_closes_the_updates_opened_before_it(monkeypatch):
     finally:
         for e in engines:
             e.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_under_abort_a_dead_replica_fails_one_sync_and_is_quarantined(method, tmp_path):
+    """on_replica_failure="abort", replica 2's worker killed between syncs. Before: the sync raised
+    naming it, but it stayed in service (fleet_status serving True, /health 200) and every later
+    sync failed on it until remove_engine. Now the failed sync quarantines it (the error says so),
+    and the next sync commits on the others, bit for bit."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.engines.base import checksum_named_tensors
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights import export
+
+    engines = [_engine() for _ in range(3)]
+    try:
+        module = build_model(load_config("tiny"), seed=3)
+        extra = {"disk_dir": str(tmp_path)} if method == "disk" else {
+            "dist_timeout_s": 15.0, "dist_group_name": "dist2_abort_dead"}
+        manager = FSDPShardingManager(module, engines, config=SyncConfig(
+            method=method, bucket_bytes=1 << 20, layout="full", **extra))
+        _sync(manager)
+        engines[2]._w.procs[0].kill()
+        for _ in range(100):
+            if engines[2].dead_reason():
+                break
+            time.sleep(0.05)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(0.01)
+        with pytest.raises(SyncError, match="no replica committed") as info:
+            _sync(manager)
+        assert "replica 2" in str(info.value) and "quarantined" in str(info.value)
+        assert [r["serving"] for r in manager.fleet_status()["replicas"]] == [True, True, False]
+        _sync(manager)
+        assert manager.version == "2"
+        trained = checksum_named_tensors(list(export.iter_params(module, dtype=None)))
+        assert engines[0].weights_checksum() == engines[1].weights_checksum() == trained
+        assert [e.get_weight_version() for e in engines[:2]] == ["2", "2"]
+        manager.close()
+    finally:
+        for e in engines:
+            e.shutdown()
