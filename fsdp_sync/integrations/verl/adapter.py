@@ -65,17 +65,23 @@ parameter (LoRA streams keep verl's); the sync's ``export`` figure says which ra
 is made at the first sync and kept while the module is unchanged (`module_stream.ExportDecision`;
 ``export_decision``: ``made`` or ``kept``).
 
+Before the first sync the engine is checked as the manager checks one (`_config_error`:
+`config_check.check_engine`; e.g. block FP8 of a Llama model, whose scales SGLang's own loader
+drops, is refused).
+
 Not here: verl's delta checkpoint wire (refused with an error when opted in), prefill/decode
 disaggregation, starting SGLang (verl's Ray actors do).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
 import os
 import time
+from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -85,7 +91,7 @@ from verl.workers.rollout import base as _verl_rollout_base
 
 from ...weights import handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES
-from ...config_check import check_configs
+from ...config_check import check_engine, load_refusal
 from ...topology import SyncTopology
 from ...transport import SyncStats
 from ...transport.tensor import Call, TensorTransport, engine_reads_outlast
@@ -458,15 +464,24 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         return out
 
     def _config_error(self, engine: Any, topo: SyncTopology) -> str | None:
-        """On infer-TP rank 0: the actor's model config (verl's ``model_config.hf_config``) against
-        the served one (`SGLangEngine.config`) in every value that changes the engine's math
-        (`config_check`); skipped where either side has none."""
-        mine = getattr(self.model_config, "hf_config", None)
-        theirs = getattr(engine, "config", None) if engine is not None else None
-        if mine is None or theirs is None:
-            return None
+        """On infer-TP rank 0, before the first sync: what the manager checks of an engine
+        (`config_check.check_engine`), with verl's ``model_config.hf_config`` as the trainer's
+        model config: the engine's TP against infer_tp's, its quantization against the sync's,
+        the engine's own word on a sync it would load wrongly (`config_check.load_refusal`:
+        SGLang's Llama loader drops every block-FP8 scale of the full tensors this adapter sends
+        through its ``load_weights``), a model SGLang serves otherwise (`config_check.served_refusal`)
+        and the served model's math (`config_check.check_configs`, where the server reports its
+        config). The adapter always sends full tensors: checked as layout ``"full"``."""
+        module = SimpleNamespace(config=getattr(self.model_config, "hf_config", None))
+        full = dataclasses.replace(self.sync, layout="full")
+        why = load_refusal(module, engine, full)
+        if why:      # the engine's advice names per-rank buckets, which no verl adapter sends
+            return (f"{why}. Under verl the adapter sends full tensors to SGLang's load_weights "
+                    f"(per-rank buckets need fsdp_sync's manager): for this model set "
+                    f"actor_rollout_ref.rollout.quantization=null and drop "
+                    f"rollout.custom.fsdp_sync.quantization ({topo.describe()})")
         try:
-            check_configs(mine, theirs, where=topo.describe())
+            check_engine(module, engine, full, topo, where=topo.describe())
         except ValueError as exc:
             return str(exc)
         return None
@@ -474,8 +489,6 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
     def _quantizer(self, topo: SyncTopology) -> "quantize.StreamQuantizer":
         """The block-FP8 quantizer of verl's stream, from the model's HF config at the rollout's
         TP (a split that cuts a 128 block is refused, naming the tensor)."""
-        from types import SimpleNamespace
-
         hf = getattr(self.model_config, "hf_config", None)
         if hf is None:
             raise ValueError("rollout.quantization=fp8: verl's model config has no hf_config to read "
