@@ -9,9 +9,9 @@
 - ``verify`` against SGLang: after each sync the adapter compares ``/weights_checker``'s per-TP-rank
   hashes with the same hashes of what it sent (`verify.SentToSGLang`), in full and sampled; a
   parameter the server holds wrong fails the sync on every rank, naming it and the TP rank.
-- What SGLang would load wrongly is refused at the first sync, before any byte moves, as the
-  manager refuses it (`config_check.check_engine`): block FP8 of a Llama model (SGLang's loader
-  drops its scales).
+- What SGLang would load or check wrongly is refused at the first sync, before any byte moves, as
+  the manager refuses it (`config_check.check_engine`): block FP8 of a Llama model (SGLang's
+  loader drops its scales), verify with ``rollout.data_parallel_size`` > 1 (attention DP).
 """
 
 from __future__ import annotations
@@ -195,10 +195,12 @@ def test_verify_against_sglang_compares_weights_checker_with_what_was_sent(monke
 
 
 def test_what_sglang_would_load_or_check_wrongly_is_refused_before_any_byte_moves():
-    """verl2 audit, item 1. ``rollout.quantization=fp8`` with a Llama model: the manager's
+    """verl2 audit, items 1 and 6. ``rollout.quantization=fp8`` with a Llama model: the manager's
     check (`config_check.check_engine` -> SGLang's ``load_refusal``) refuses it, the adapter
     synced it (SGLang's Llama loader renames every ``weight_scale_inv``: all 14 scales dropped).
-    Refused on both ranks at the first sync, before any update reaches the server."""
+    ``verify=full`` with ``data_parallel_size=2``: the adapter hashed each rank's shard for TP 1
+    while SGLang runs TP 2 (tp x dp, attention DP), and failed after the whole sync. Both are
+    refused on both ranks at the first sync, before any update reaches the server."""
     import fake_sglang
 
     from fsdp_sync.cli.launch import run_ranks
@@ -208,11 +210,17 @@ def test_what_sglang_would_load_or_check_wrongly_is_refused_before_any_byte_move
     with fake_sglang.FakeSGLangServer(tp_size=2) as server:
         url = f"+actor_rollout_ref.rollout.custom.fsdp_sync.base_url={server.url}"
         fp8 = rollout_config([url, "actor_rollout_ref.rollout.quantization=fp8"])
+        dp2 = rollout_config([url, "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                              "actor_rollout_ref.rollout.data_parallel_size=2",
+                              "+actor_rollout_ref.rollout.custom.fsdp_sync.verify=full"])
         results = run_ranks(verl_ranks.refused_before_sending, 2,
-                            [(fp8, "llama", "tiny-fp8")], timeout_s=240)
+                            [(fp8, "llama", "tiny-fp8"), (dp2, "qwen2", "tiny")], timeout_s=240)
         loads = server.hits.get("/update_weights_from_tensor", 0)
-    for r, (quantized,) in enumerate(results):
+    for r, (quantized, verified) in enumerate(results):
         assert isinstance(quantized, str) and "SyncError" in quantized, (r, quantized)
         assert "quantization='fp8' for a 'llama' model" in quantized, quantized
         assert "set actor_rollout_ref.rollout.quantization=null" in quantized, quantized
+        assert isinstance(verified, str) and "SyncError" in verified, (r, verified)
+        assert "rollout.data_parallel_size=2" in verified and "tp_size=2" in verified, verified
+        assert "set rollout.custom.fsdp_sync.verify=off" in verified, verified
     assert loads == 0

@@ -361,11 +361,14 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
 
         def before(eng: Any) -> str | None:     # infer-TP rank 0, before any byte moves
             if cfg.verify != "off":
+                refused = self._verify_refusal(eng, topo)
+                if refused:
+                    return refused
+                # the server's TP: verl starts SGLang with tp_size = tp x dp, infer_tp's size
                 self._sent = sent_record(
                     eng, cfg.verify, self._syncs,
                     hf_config=getattr(self.model_config, "hf_config", None),
-                    tp_size=int(self.config.tensor_model_parallel_size), dtype=cfg.dtype,
-                    quantization=cfg.quantization)
+                    tp_size=topo.tp_size, dtype=cfg.dtype, quantization=cfg.quantization)
             # until a sync passed: the served model's math against the actor's
             return None if self._config_checked else self._config_error(eng, topo)
 
@@ -485,6 +488,27 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         except ValueError as exc:
             return str(exc)
         return None
+
+    def _verify_refusal(self, engine: Any, topo: SyncTopology) -> str | None:
+        """Why ``verify`` cannot check this SGLang server exactly, or None. With
+        ``rollout.data_parallel_size`` > 1 verl starts SGLang with ``tp_size`` = tp x dp and
+        ``dp_size`` = dp over tp x dp GPUs, i.e. attention data parallelism: attention is sharded
+        over tp ranks and replicated across the dp groups, the rest over all tp x dp. The
+        per-rank hashes `verify.SentToSGLang` computes follow plain tensor parallelism, so each
+        rank's would differ from ``/weights_checker``'s (``fsdp-sync serve``'s full-tensor
+        digests do not depend on it)."""
+        dp = int(self.config.data_parallel_size)
+        serves = getattr(engine, "serves_tensor_checksums", None)
+        if dp <= 1 or not callable(serves) or serves():
+            return None
+        return (f"rollout.custom.fsdp_sync.verify={self.sync.verify!r} against SGLang with "
+                f"rollout.data_parallel_size={dp}: verl serves the replica with SGLang's "
+                f"tp_size={topo.tp_size} and dp_size={dp} (attention data parallelism: attention "
+                f"sharded over {int(self.config.tensor_model_parallel_size)} rank(s), the rest over "
+                f"{topo.tp_size}), and fsdp_sync computes SGLang's per-rank hashes for plain "
+                f"tensor parallelism only, so it cannot check them; set "
+                f"rollout.custom.fsdp_sync.verify=off, or rollout.data_parallel_size=1 "
+                f"({topo.describe()})")
 
     def _quantizer(self, topo: SyncTopology) -> "quantize.StreamQuantizer":
         """The block-FP8 quantizer of verl's stream, from the model's HF config at the rollout's
