@@ -125,6 +125,9 @@ def rank_main(conn, role: str, index: int, world_port: int | None) -> None:
                     out = asyncio.run(engine.send_weights(weights, global_steps=kw["step"]))
                 elif cmd == "rollout_worker":   # verl's own CheckpointEngineWorker, built as verl does
                     engine, out = rollout_worker(**kw), None
+                elif cmd == "wire_format":      # what CheckpointEngineWorker hands the adapter
+                    # (a backend of verl's delta wire sets it: the adapter refuses that wire)
+                    engine.checkpoint_engine.wire_format, out = kw["value"], None
                 elif cmd == "worker_call":      # a CheckpointEngineManager call on the worker
                     out = engine.execute_checkpoint_engine(kw.pop("method"), **kw)
                 elif cmd == "update":           # the manager's rollout.update_weights(global_steps)

@@ -145,7 +145,10 @@ def test_adapter_takes_an_async_generator_under_verls_checkpoint_engine_worker(w
     ``receive_weights`` is an async generator (verl's nccl, nixl, mooncake, hccl, kimi), verl's own
     ``CheckpointEngineWorker.update_weights`` hands that generator to fsdp_sync's adapter. The
     adapter syncs it into the served engine (TP 2, the two workers of one replica), bit-exact and
-    verified in full, two syncs in a row."""
+    verified in full, two syncs in a row. verl2 audit, item 2: a sync the adapter refuses before
+    walking the stream (here the wire format a delta backend names) walks it to its end all the
+    same, so the sender ends at once instead of after its timeout (60 s here; 600 s by default)
+    and the next sync runs on the same group; the engine keeps the weights it had."""
     from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.engines.reference import ReferenceEngine
     from fsdp_sync.engines.reference.serve import EngineServer
@@ -164,9 +167,20 @@ def test_adapter_takes_an_async_generator_under_verls_checkpoint_engine_worker(w
             dict(rollout, index=i, world_port=world.port, checkpoint_engine=ce) for i in range(2)])
         assert all(b[0] == "ok" for b in built), built
         before = engine.weights_checksum()
-        for step in (1, 2):
+        for step in (1, 2, 3):
+            refused = step == 2
+            workers.call(workers.rollouts, "wire_format",
+                         [{"value": "delta" if refused else "named_tensors"}] * 2)
+            held = engine.weights_checksum()
             answers = sync_like_the_manager(workers, step, workers=True)
             assert answers[0][0][0] == "ok", answers[0]
+            if refused:
+                assert answers[0][1] < 30, f"the sender took {answers[0][1]:.1f}s: it waited out its timeout"
+                for i in workers.rollouts:
+                    (status, err, *_), _ = answers[i]
+                    assert status == "err" and "takes wire_format 'named_tensors', got 'delta'" in err, err
+                assert engine.weights_checksum() == held
+                continue
             for i in workers.rollouts:
                 (status, stats), _ = answers[i]
                 assert status == "ok", answers[i][0][1:]
@@ -176,6 +190,8 @@ def test_adapter_takes_an_async_generator_under_verls_checkpoint_engine_worker(w
             assert leader["verify"] == "full" and leader["verify_tensors"] == leader["tensors"]
             assert engine.weights_checksum() == checksum_named_tensors(
                 ckpt_roles.model_weights(step)) != before
+            # after the refused sync: the group it left whole is kept
+            assert answers[0][0][1][f"checkpoint_engine/{BACKEND}/group_kept"] == (step > 1), answers[0]
 
 
 def test_manager_calls_in_order_bit_exact_over_several_buckets(workers):

@@ -67,7 +67,8 @@ is made at the first sync and kept while the module is unchanged (`module_stream
 
 Before the first sync the engine is checked as the manager checks one (`_config_error`:
 `config_check.check_engine`; e.g. block FP8 of a Llama model, whose scales SGLang's own loader
-drops, is refused).
+drops, is refused). A refusal before verl's stream is walked still walks it (`stream.drained`), so
+a checkpoint engine's sender is not left waiting out its timeout.
 
 Not here: verl's delta checkpoint wire (refused with an error when opted in), prefill/decode
 disaggregation, starting SGLang (verl's Ray actors do).
@@ -101,7 +102,7 @@ from .. import module_stream, peer_check, verl_lora
 from . import metrics as step_metrics
 from .options import enabled, get_key, named_actor, options, same_server, server_url, sync_config
 from .replica import ROLLOUT_NAME, server_name
-from .stream import BucketBuffer, pulled_in_a_thread, reuses_memory, timed
+from .stream import BucketBuffer, drained, pulled_in_a_thread, reuses_memory, timed
 
 __all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
 
@@ -271,14 +272,14 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                              global_steps: int | None = None, wire_format: str = "named_tensors",
                              **kwargs: Any):
-        if wire_format != "named_tensors":
-            raise NotImplementedError(f"fsdp_sync's verl adapter takes wire_format "
-                                      f"'named_tensors', got {wire_format!r}; drop "
-                                      f"rollout.custom.fsdp_sync.enable for verl's delta engine")
         peft_config, base_sync_done = kwargs.get("peft_config"), kwargs.get("base_sync_done", False)
-        if self.lora and not peft_config:
-            raise NotImplementedError(f"fsdp_sync's verl adapter: {verl_lora.no_adapter_refusal(self.model_config)}")
-        engine = await self._client()
+        try:
+            engine = await self._ready(wire_format, peft_config)
+        except Exception:
+            # verl's checkpoint engines' sender waits in its broadcast for every receiver: walked
+            # to its end, so it ends now instead of after its timeout (`stream.drained`)
+            await drained(weights)
+            raise
         # the engine commits the weights named by verl's step, as SGLang's weight_version
         version = None if global_steps is None else str(global_steps)
         # verl's nccl receiver (and its kin) overwrite a yielded tensor's memory after a later pull
@@ -325,6 +326,17 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                     f.write(json.dumps(stats) + "\n")
             await step_metrics.publish(stats)      # into verl's step metrics (`metrics`)
         return metrics
+
+    async def _ready(self, wire_format: str, peft_config: Any) -> Any:
+        """What is refused before verl's stream is walked (a wire format other than named tensors;
+        a LoRA-as-adapter run's sync without its adapter), then the engine's client (`_client`)."""
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"fsdp_sync's verl adapter takes wire_format "
+                                      f"'named_tensors', got {wire_format!r}; drop "
+                                      f"rollout.custom.fsdp_sync.enable for verl's delta engine")
+        if self.lora and not peft_config:
+            raise NotImplementedError(f"fsdp_sync's verl adapter: {verl_lora.no_adapter_refusal(self.model_config)}")
+        return await self._client()
 
     def _topology(self) -> SyncTopology:
         """verl's ``infer_tp`` mesh dim as the tensor transport's topology (built once per

@@ -3,6 +3,8 @@
 - `pulled_in_a_thread`: a consumer written for a plain iterator, fed from an async iterable
   (verl's checkpoint engines' ``receive_weights`` are async generators) without blocking the
   event loop the stream runs on;
+- `drained`: the rest of such a stream walked and dropped, after a refusal or a failure, so its
+  sender is not left waiting;
 - `reuses_memory`: whether a stream may overwrite a tensor it yielded once the next is pulled
   (verl's checkpoint engines' receivers do: a consumer that keeps tensors across a pull copies
   them);
@@ -23,7 +25,7 @@ import torch
 from ...weights import handles
 from ...weights.bucket import ALIGNMENT, Bucket, TensorMeta, plan_buckets
 
-__all__ = ["pulled_in_a_thread", "reuses_memory", "timed", "BucketBuffer"]
+__all__ = ["pulled_in_a_thread", "drained", "reuses_memory", "timed", "BucketBuffer"]
 
 
 async def pulled_in_a_thread(weights: AsyncIterable, run: Any) -> Any:
@@ -63,16 +65,36 @@ async def pulled_in_a_thread(weights: AsyncIterable, run: Any) -> Any:
         return await asyncio.to_thread(in_thread)
     except Exception:
         if not failed_in_stream:
-            try:
-                async for _ in stream:
-                    pass
-            except Exception:  # noqa: BLE001 - the sync's own error is the one to raise
-                pass
+            await drained(stream)
         raise
     finally:
         close = getattr(stream, "aclose", None)
         if close is not None:
             await close()
+
+
+async def drained(weights: Any) -> None:
+    """Walk the rest of ``weights`` where it is an async iterable (verl's checkpoint engines'
+    ``receive_weights``), dropping each item, so the sender and the other receivers of the sync
+    end with it instead of waiting out their timeouts (a sender's broadcast waits for every
+    receiver). For a consumer that fails or refuses before or while walking it; a failure inside
+    the stream is dropped (the consumer's error is the one to raise). A plain iterator is left as
+    it is: verl's colocated export, whose collectives every rank of a refusing group skips alike."""
+    if not hasattr(weights, "__aiter__"):
+        return
+    stream = weights.__aiter__()
+    try:
+        async for _ in stream:
+            pass
+    except Exception:  # noqa: BLE001 - the consumer's own error is the one to raise
+        pass
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            try:
+                await close()
+            except Exception:  # noqa: BLE001 - as above
+                pass
 
 
 def reuses_memory(weights: Any) -> bool:
