@@ -11,7 +11,8 @@
   parameter the server holds wrong fails the sync on every rank, naming it and the TP rank.
 - What SGLang would load or check wrongly is refused at the first sync, before any byte moves, as
   the manager refuses it (`config_check.check_engine`): block FP8 of a Llama model (SGLang's
-  loader drops its scales), verify with ``rollout.data_parallel_size`` > 1 (attention DP).
+  loader drops its scales), verify with ``rollout.data_parallel_size`` > 1 (attention DP). A model
+  whose fused pairs SGLang must load in one call (DeepSeek-V4) is refused when the adapter is built.
 """
 
 from __future__ import annotations
@@ -224,3 +225,24 @@ def test_what_sglang_would_load_or_check_wrongly_is_refused_before_any_byte_move
         assert "rollout.data_parallel_size=2" in verified and "tp_size=2" in verified, verified
         assert "set rollout.custom.fsdp_sync.verify=off" in verified, verified
     assert loads == 0
+
+
+def test_a_model_whose_fused_pairs_sglang_loads_in_one_call_is_refused_when_built():
+    """verl2 audit, item 3: DeepSeek-V4's fused pairs (wq_a/wkv ...) must reach SGLang in one
+    ``load_weights`` call (verl keeps them in one bucket, ``DEEPSEEK_V4_FUSION_GROUPS``); the
+    adapter's buckets, cut by bytes, split them, and fsdp_sync's layout map does not know the
+    model: refused by name when the adapter is built, before any sync. Other models build."""
+    from types import SimpleNamespace
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.base import get_rollout_class
+
+    config = omega_conf_to_dataclass(rollout_config())
+    cls = get_rollout_class("sglang", "async")
+    with pytest.raises(NotImplementedError, match=r"model_type 'deepseek_v4': SGLang loads its "
+                                                  r"fused pairs .* drop rollout\.custom\.fsdp_sync\.enable"):
+        cls(config=config, model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v4")),
+            device_mesh=None)
+    built = cls(config=config, model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen2")),
+                device_mesh=None)
+    assert type(built).__name__ == "SGLangAdapter"

@@ -70,8 +70,8 @@ Before the first sync the engine is checked as the manager checks one (`_config_
 drops, is refused). A refusal before verl's stream is walked still walks it (`stream.drained`), so
 a checkpoint engine's sender is not left waiting out its timeout.
 
-Not here: verl's delta checkpoint wire (refused with an error when opted in), prefill/decode
-disaggregation, starting SGLang (verl's Ray actors do).
+Not here (refused with an error when opted in): verl's delta checkpoint wire, prefill/decode
+disaggregation, DeepSeek-V4 (`options.build_refusal`); starting SGLang (verl's Ray actors do).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ from ...verify import sent_record
 from ...wire import flattened_bucket
 from .. import module_stream, peer_check, verl_lora
 from . import metrics as step_metrics
-from .options import enabled, get_key, named_actor, options, same_server, server_url, sync_config
+from .options import (build_refusal, enabled, get_key, named_actor, options, same_server, server_url,
+                      sync_config)
 from .replica import ROLLOUT_NAME, server_name
 from .stream import BucketBuffer, drained, pulled_in_a_thread, reuses_memory, timed
 
@@ -154,7 +155,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
     def __init__(self, config: Any, model_config: Any, device_mesh: Any,
                  replica_rank: int = -1, **kwargs: Any) -> None:
         super().__init__(config, model_config, device_mesh)
-        refusal = verl_lora.refusal(self.config, self.model_config, ROLLOUT_NAME)
+        refusal = (verl_lora.refusal(self.config, self.model_config, ROLLOUT_NAME)
+                   or build_refusal(self.config, self.model_config))
         if refusal:
             raise NotImplementedError(f"fsdp_sync's verl adapter: {refusal}")
         # LoRA served as an adapter (verl_lora): the base stays in the engine between syncs
@@ -189,10 +191,6 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self.rollout_rank = rank % rollout_world
         self.node_rank = self.rollout_rank // local_world
         self.sleep_level = 1 if self.lora else 2    # verl's: 1 releases the KV cache only
-        if getattr(self.config, "disaggregation", None) is not None and getattr(
-                self.config.disaggregation, "enabled", False):
-            raise NotImplementedError("fsdp_sync's verl adapter does not support prefill/decode "
-                                      "disaggregation; drop rollout.custom.fsdp_sync.enable")
 
     # ------------------------------------------------------------------ topology
     def _mesh(self):

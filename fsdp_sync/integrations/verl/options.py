@@ -5,6 +5,8 @@
   ``custom.fsdp_sync.*`` fields it honours (`HONOURED`); every other SyncConfig field is refused
   naming the verl option that decides it (`INSTEAD`), as an option accepted and then ignored
   would silently run something else than the user asked for;
+- `build_refusal`: what the adapter refuses when it is built (prefill/decode disaggregation, a
+  model whose fused pairs SGLang must load in one call: `FUSED_PAIRS`);
 - `named_actor`, `server_url`, `same_server`: finding verl's server actor and comparing its
   address with ``custom.fsdp_sync.base_url`` (the adapter refuses a base_url beside it).
 
@@ -18,8 +20,8 @@ from typing import Any
 from ...config import SyncConfig, mib_to_bytes
 from .replica import ROLLOUT_NAME
 
-__all__ = ["ADAPTER_KEYS", "HONOURED", "INSTEAD", "get_key", "options", "enabled", "sync_config",
-           "server_url", "named_actor", "same_server"]
+__all__ = ["ADAPTER_KEYS", "HONOURED", "INSTEAD", "FUSED_PAIRS", "get_key", "options", "enabled",
+           "sync_config", "build_refusal", "server_url", "named_actor", "same_server"]
 
 ADAPTER_KEYS = ("enable", "base_url", "api_key", "metrics_file", "log_dir")
 """``custom.fsdp_sync.*`` keys that are the adapter's own, not SyncConfig fields."""
@@ -125,6 +127,29 @@ def sync_config(config: Any) -> SyncConfig:
                              f"{opts['bucket_mb']!r}, bucket_bytes={opts['bucket_bytes']!r})")
         opts["bucket_bytes"] = mib_to_bytes(opts.pop("bucket_mb"), f"{where}.bucket_mb")
     return SyncConfig.from_verl(config, **opts)
+
+
+FUSED_PAIRS = {"deepseek_v4": "wq_a/wkv, compressor.wkv/wgate, indexer.compressor.wkv/wgate"}
+"""Model types whose SGLang loader concatenates pairs of checkpoint tensors inside one
+``load_weights`` call and asserts it saw both (verl's ``DEEPSEEK_V4_FUSION_GROUPS``, which verl's
+own adapter keeps in one bucket): the adapter's buckets, cut by bytes, may split a pair."""
+
+
+def build_refusal(config: Any, model_config: Any) -> str | None:
+    """What the adapter refuses when it is built (None: nothing), naming verl's key: verl's
+    prefill/decode disaggregation, and a model whose fused pairs must reach SGLang in one call
+    (`FUSED_PAIRS`; fsdp_sync's layout map does not know those models either)."""
+    disagg = get_key(config, "disaggregation")
+    if disagg is not None and get_key(disagg, "enabled", False):
+        return ("prefill/decode disaggregation (rollout.disaggregation.enabled) is not supported; "
+                "drop rollout.custom.fsdp_sync.enable")
+    model_type = get_key(get_key(model_config, "hf_config"), "model_type")
+    if model_type in FUSED_PAIRS:
+        return (f"model_type {model_type!r}: SGLang loads its fused pairs "
+                f"({FUSED_PAIRS[model_type]}) only when both halves come in one load_weights call, "
+                f"which verl's own adapter keeps together and fsdp_sync's buckets (cut by bytes) do "
+                f"not; drop rollout.custom.fsdp_sync.enable for this model (verl's adapter syncs it)")
+    return None
 
 
 def server_url(host: Any, port: Any) -> str:
