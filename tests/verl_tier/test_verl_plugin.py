@@ -324,3 +324,31 @@ def test_adapter_quantizes_verls_stream_to_block_fp8_for_an_fp8_engine():
     assert st["quantization"] == "fp8" and st["quantized_tensors"] == 14, st      # 7 linears x 2 layers
     assert st["verify"] == "full" and st["verify_tensors"] > 0, st
 
+
+
+def test_a_lora_runs_base_sync_reaches_the_step_metrics_of_the_next_drain():
+    """verl2 audit, item 4. verl syncs a LoRA run's base and adapter at ``on_init_end``
+    (global_steps 0) and drains the published figures after step 1's ``on_step_end`` (the
+    adapter at global_steps 1): only the newest step was read, so ``fsdp_sync/base_sync_s`` /
+    ``base_bytes`` never reached verl's metrics. Now a base published since the last drain is
+    reported with it (two replicas: the slowest's seconds, the bytes summed); the next drain
+    holds the adapter's figures alone."""
+    from fsdp_sync.integrations.verl.metrics import step_metrics
+
+    first = [dict(kind="base", global_steps=0, sync_s=1.0, bytes=500.0),
+             dict(kind="base", global_steps=0, sync_s=1.5, bytes=500.0),
+             dict(kind="adapter", global_steps=0, sync_s=0.04, bytes=30.0),
+             dict(kind="adapter", global_steps=0, sync_s=0.05, bytes=30.0),
+             dict(kind="adapter", global_steps=1, sync_s=0.03, bytes=32.0),
+             dict(kind="adapter", global_steps=1, sync_s=0.02, bytes=32.0)]
+    m = step_metrics(first)
+    assert m["fsdp_sync/adapter"] == 1.0 and m["fsdp_sync/replicas"] == 2.0
+    assert m["fsdp_sync/sync_s"] == 0.03 and m["fsdp_sync/bytes"] == 64.0       # step 1's adapter
+    assert m["fsdp_sync/base_sync_s"] == 1.5 and m["fsdp_sync/base_bytes"] == 1000.0
+    later = step_metrics([dict(kind="adapter", global_steps=2, sync_s=0.03, bytes=32.0)])
+    assert "fsdp_sync/base_sync_s" not in later and later["fsdp_sync/bytes"] == 32.0
+    # a full-weights run: the newest step's figures only, no base keys
+    full = step_metrics([dict(kind="full", global_steps=0, sync_s=1.0, bytes=5.0),
+                         dict(kind="full", global_steps=1, sync_s=2.0, bytes=5.0)])
+    assert full["fsdp_sync/sync_s"] == 2.0 and "fsdp_sync/adapter" not in full
+    assert "fsdp_sync/base_sync_s" not in full

@@ -235,7 +235,8 @@ def test_tiny_grpo_with_lora_syncs_the_base_once_then_the_adapter_only(tmp_path,
     then only the adapter, before the first rollout and after every step; each sync verified in
     full (the base's digests against the checkpoint's, the adapter read back from the engine bit
     for bit), the adapter syncs' bytes exactly lora_A + lora_B of every linear layer, far below
-    the model's, and each step's logged ``fsdp_sync/*`` figures the adapter sync's."""
+    the model's, and each step's logged ``fsdp_sync/*`` figures the adapter sync's (step 1's
+    also the base's: ``fsdp_sync/base_sync_s``, ``base_bytes``)."""
     from safetensors.torch import load_file
 
     from fsdp_sync.models import load_config
@@ -274,6 +275,10 @@ def test_tiny_grpo_with_lora_syncs_the_base_once_then_the_adapter_only(tmp_path,
             for key in ("bytes", "tensors", "engine_calls", "verify_tensors"):
                 assert logged[f"fsdp_sync/{key}"] == sync[key], (n, key, logged)
             assert logged["fsdp_sync/sync_s"] == pytest.approx(sync["sync_s"], rel=1e-6)
+        # the base went at on_init_end (step 0), drained with step 1's figures (verl2 audit, item 4)
+        assert steps[1]["fsdp_sync/base_sync_s"] == pytest.approx(base["sync_s"], rel=1e-6), steps[1]
+        assert steps[1]["fsdp_sync/base_bytes"] == base["bytes"], steps[1]
+        assert not any("fsdp_sync/base_bytes" in steps[n] for n in (2, 3)), steps
         print(f"\ntiny GRPO with LoRA r={LORA_R}, 3 steps in {wall:.0f} s; base sync "
               f"{base['sync_s']:.3f} s, {base['bytes']} B; adapter syncs "
               + ", ".join(f"{s['global_steps']}: {s['sync_s']:.3f} s" for s in adapters)

@@ -24,8 +24,9 @@ So, two halves, both in this module:
   ``fsdp_sync/verify_s`` (a failed verify fails the step instead), ``fsdp_sync/replicas`` and
   ``fsdp_sync/gbps`` (all replicas' bytes over the slowest one's seconds). The
   wrap only adds keys; with nothing published it adds none. A LoRA run's step syncs the adapter
-  only (``fsdp_sync/adapter`` 1); where its base went in the same step (the first), the adapter's
-  figures are the ``fsdp_sync/*`` ones and the base's ``fsdp_sync/base_sync_s`` / ``base_bytes``. verl's trainer module is not imported
+  only (``fsdp_sync/adapter`` 1); the adapter's figures are the ``fsdp_sync/*`` ones, and a base
+  sync published since the last drain (verl's ``on_init_end`` at global_steps 0, drained with the
+  first step's figures) is added as ``fsdp_sync/base_sync_s`` / ``base_bytes``. verl's trainer module is not imported
   for this (it costs every process a second and 100 MB): an import hook patches it when verl does.
 
 Without Ray (a test, a script) `publish` does nothing. verl's older trainer (``trainer.use_v1=false``,
@@ -111,14 +112,22 @@ async def publish(stats: dict) -> None:
                             "metrics: %s", exc)
 
 
-def step_metrics(records: list[dict]) -> dict[str, float]:
-    """The ``fsdp_sync/*`` metrics of the newest sync among ``records`` (one per replica)."""
-    if not records:
-        return {}
+def _newest(records: list[dict]) -> list[dict]:
+    """The records of the newest ``global_steps`` among ``records`` (one per replica)."""
     steps = [r.get("global_steps") for r in records]
     newest = max((s for s in steps if s is not None), default=None)
-    group = [r for r in records if r.get("global_steps") == newest]
-    base = [r for r in group if r.get("kind") == "base"]
+    return [r for r in records if r.get("global_steps") == newest]
+
+
+def step_metrics(records: list[dict]) -> dict[str, float]:
+    """The ``fsdp_sync/*`` metrics of the newest sync among ``records`` (one per replica: what
+    `SINK` held since the last drain). A LoRA run's base sync among them, whatever its step, is
+    reported beside its adapter's as ``base_sync_s`` / ``base_bytes``: verl syncs the base at
+    ``on_init_end`` (global_steps 0), before the first step's adapter, and drains after it."""
+    if not records:
+        return {}
+    group = _newest(records)
+    base = _newest([r for r in records if r.get("kind") == "base"])
     adapter = [r for r in group if r.get("kind") == "adapter"]
     if adapter:              # a LoRA run: the adapter's figures; the base's (first step) beside
         group = adapter
