@@ -20,7 +20,8 @@ from .weights.fp8 import QUANTIZATIONS
 from .weights.hf_checkpoint import DEFAULT_HASH, HASHES as DISK_HASHES
 
 __all__ = ["SyncConfig", "STRATEGIES", "LAYOUTS", "REPLICA_FAILURE_MODES", "PAUSE_MODES", "FSDP1_STATE_DICTS", "METHODS", "DISTRIBUTED_FORMATS",
-           "VERIFY_MODES", "DISK_HASHES", "QUANTIZATIONS", "parse_dtype", "parse_bool", "mib_to_bytes"]
+           "VERIFY_MODES", "DISK_HASHES", "QUANTIZATIONS", "parse_dtype", "auto_dtype", "parse_bool",
+           "mib_to_bytes"]
 
 METHODS = ("tensor", "distributed", "disk")
 DIST_BACKENDS = ("gloo", "nccl")
@@ -33,15 +34,22 @@ REPLICA_FAILURE_MODES = ("abort", "quarantine")
 PAUSE_MODES = (None, "abort", "retract", "in_place")
 FSDP1_STATE_DICTS = ("full", "sharded", "local")
 VERL_BUCKET_MB = 2048   # verl 0.9's checkpoint_engine.update_weights_bucket_megabytes default
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# SGLang's names for a model config's dtype (model_config._STR_DTYPE_TO_TORCH_DTYPE)
+_SGLANG_DTYPES = {"half": torch.float16, "float16": torch.float16, "float": torch.float32,
+                  "float32": torch.float32, "bfloat16": torch.bfloat16}
+_SUB_CONFIGS = ("text_config", "llm_config", "language_config", "thinker_config")
 
 
 _TRUE, _FALSE = ("true", "yes", "on", "1", "y", "t"), ("false", "no", "off", "0", "n", "f")
 
 
-def parse_dtype(value: Any, field: str = "dtype") -> torch.dtype | None:
-    """A rollout dtype (float32, bfloat16, float16, by dtype or name); None keeps the trainer's."""
+def parse_dtype(value: Any, field: str = "dtype", *, hf_config: Any = None) -> torch.dtype | None:
+    """A rollout dtype (float32, bfloat16, float16, by dtype or name, SGLang's ``half`` and
+    ``float`` too); None keeps the trainer's. ``"auto"`` is the dtype SGLang serves the model in
+    (`auto_dtype` of ``hf_config``, the model's Hugging Face config), refused without one."""
     if value is None:
         return None
     if isinstance(value, torch.dtype):
@@ -50,9 +58,44 @@ def parse_dtype(value: Any, field: str = "dtype") -> torch.dtype | None:
                              f"float32, bfloat16, float16 (or None to keep the trainer's)")
         return value
     key = str(value).removeprefix("torch.").lower()
+    if key == "auto":
+        if hf_config is None:
+            raise ValueError(f"{field}='auto' is the dtype SGLang reads from the model's config, "
+                             f"which is not at hand here; set {field} to the dtype the engine "
+                             f"serves: bfloat16, float16 or float32")
+        return parse_dtype(auto_dtype(hf_config, field), field)
     if key not in _DTYPES:
-        raise ValueError(f"{field}: unknown rollout dtype {value!r}; expected one of {sorted(_DTYPES)}")
+        raise ValueError(f"{field}: unknown rollout dtype {value!r}; expected one of "
+                         f"{sorted(_DTYPES) + ['auto']}")
     return _DTYPES[key]
+
+
+def auto_dtype(hf_config: Any, field: str = "dtype") -> torch.dtype:
+    """The dtype SGLang serves a model in under ``--dtype auto`` (SGLang 0.5.x,
+    ``configs/hf_config._get_and_verify_dtype``): the config's ``dtype`` (transformers 4:
+    ``torch_dtype``; a name SGLang does not know, or none, counts as float32), except that a
+    float32 model is served in float16 (bfloat16 for a Gemma); a ``Llava*ForCausalLM`` in float16.
+    A config with a language sub-config (a multimodal model: ``text_config`` ...) is refused:
+    SGLang reads the dtype from the sub-config by rules that differ between its releases."""
+    subs = [k for k in _SUB_CONFIGS if getattr(hf_config, k, None) is not None]
+    if subs:
+        raise ValueError(f"{field}='auto' for a model whose config has {subs[0]}: SGLang takes "
+                         f"that sub-config's dtype by rules that differ between its releases; set "
+                         f"{field} to the dtype the engine serves: bfloat16, float16 or float32")
+    arch = (getattr(hf_config, "architectures", None) or [""])[0] or ""
+    if arch.startswith("Llava") and arch.endswith("ForCausalLM"):
+        return torch.float16
+    dt = getattr(hf_config, "dtype", None)
+    if dt is None:                 # transformers 4 (read without its v5 deprecation warning)
+        dt = getattr(hf_config, "__dict__", {}).get("torch_dtype")
+    if isinstance(dt, str):
+        dt = _SGLANG_DTYPES.get(dt)
+    if dt is None:
+        dt = torch.float32
+    if dt == torch.float32:
+        model_type = str(getattr(hf_config, "model_type", "") or "")
+        return torch.bfloat16 if model_type.startswith("gemma") else torch.float16
+    return dt
 
 
 def parse_bool(value: Any, field: str) -> bool:
@@ -342,7 +385,7 @@ class SyncConfig:
                              if bad else f"SyncConfig: {exc}") from None
 
     @classmethod
-    def from_verl(cls, cfg: Any, **overrides: Any) -> "SyncConfig":
+    def from_verl(cls, cfg: Any, *, hf_config: Any = None, **overrides: Any) -> "SyncConfig":
         """Map verl's config (the whole config, ``actor_rollout_ref`` or its ``rollout``) to ours.
 
         Follows verl 0.9.x (checked against 0.9.1). Keys read: ``rollout.free_cache_engine``,
@@ -351,7 +394,9 @@ class SyncConfig:
         ``actor.fsdp_config.param_offload`` for ``offload_params``. ``multi_stage_wake_up`` is not
         read: verl >= 0.9 always wakes up in stages (resume weights, sync, resume kv_cache) and
         ignores that key, so the mapping is always staged. Booleans may be YAML/CLI spellings
-        (``"False"``, ``"off"``); ``overrides`` win over everything read.
+        (``"False"``, ``"off"``); ``overrides`` win over everything read. ``rollout.dtype`` takes
+        SGLang's spellings (``half``, ``float``) and ``auto``, resolved as SGLang resolves it from
+        ``hf_config`` (the model's Hugging Face config, `auto_dtype`) and refused without one.
         """
         def get(node: Any, key: str, default: Any = None) -> Any:
             if node is None:
@@ -368,8 +413,8 @@ class SyncConfig:
         if v is not None:
             out["free_cache_engine"] = parse_bool(v, "rollout.free_cache_engine")
         dt = get(rollout, "dtype")
-        if dt is not None:
-            out["dtype"] = parse_dtype(dt, "rollout.dtype")
+        if dt is not None and "dtype" not in overrides:    # overridden: not read (nor refused)
+            out["dtype"] = parse_dtype(dt, "rollout.dtype", hf_config=hf_config)
         quant = get(rollout, "quantization")
         if quant is not None:
             if quant not in QUANTIZATIONS:

@@ -66,6 +66,34 @@ def test_every_syncconfig_field_is_honoured_or_refused_and_the_honoured_ones_are
         sync_config(_rollout(bucket_megs=3))
 
 
+def test_rollout_dtype_auto_is_what_sglang_serves_the_actors_model_in():
+    """verl2 audit, item 5: verl hands ``rollout.dtype`` to SGLang as written; ``half``, ``float``
+    and ``auto`` (SGLang: the model config's dtype, float16 for a float32 one) were refused. The
+    adapter resolves ``auto`` from verl's ``model_config.hf_config``, ``custom.fsdp_sync.dtype``
+    too; the fsdp_sync_ref replica serves the same dtype."""
+    import json
+    import tempfile
+    import types
+
+    from fsdp_sync.integrations.verl import sync_config
+    from fsdp_sync.integrations.verl.replica import serve_command
+    from fsdp_sync.models import load_config
+
+    hf = load_config("tiny")             # float32: SGLang serves it in float16
+    assert sync_config(dict(_rollout(), dtype="auto"), hf).dtype == torch.float16
+    assert sync_config(dict(_rollout(), dtype="half")).dtype == torch.float16
+    assert sync_config(_rollout(dtype="auto"), hf).dtype == torch.float16
+    with pytest.raises(ValueError, match=r"rollout\.custom\.fsdp_sync\.dtype='auto' is the dtype SGLang reads"):
+        sync_config(_rollout(dtype="auto"))
+    rollout = dict(_rollout(), dtype="auto", tensor_model_parallel_size=1, data_parallel_size=1,
+                   pipeline_model_parallel_size=1)
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/config.json", "w") as f:
+            json.dump({"model_type": "qwen2"}, f)
+        cmd = serve_command(rollout, types.SimpleNamespace(local_path=d, hf_config=hf))
+    assert cmd[cmd.index("--dtype") + 1] == "float16"
+
+
 @pytest.mark.parametrize("value, match", [
     ("64MB", "must be a positive number of MiB, got '64MB'"),
     (1e-9, "must be at least 1 byte"),

@@ -164,7 +164,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         module_stream.install()   # verl's FSDP engine hands its module along (`module_stream`)
         peer_check.announce()     # this rank runs fsdp_sync's adapter (`module_stream.calls` asks)
         opts = options(self.config)
-        self.sync = sync_config(self.config)
+        self.sync = sync_config(self.config, getattr(self.model_config, "hf_config", None))
         self.base_url = opts.get("base_url")
         self.api_key = opts.get("api_key")
         self.metrics_file = opts.get("metrics_file")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import SyncConfig, mib_to_bytes
+from ...config import SyncConfig, mib_to_bytes, parse_dtype
 from .replica import ROLLOUT_NAME
 
 __all__ = ["ADAPTER_KEYS", "HONOURED", "INSTEAD", "FUSED_PAIRS", "get_key", "options", "enabled",
@@ -105,11 +105,13 @@ INSTEAD = {
 }
 
 
-def sync_config(config: Any) -> SyncConfig:
+def sync_config(config: Any, hf_config: Any = None) -> SyncConfig:
     """The `SyncConfig` of a rollout config: verl's keys (`SyncConfig.from_verl`), then the
     ``custom.fsdp_sync.*`` keys of `HONOURED` (those win). A SyncConfig field the adapter does not
     honour is refused naming what to set instead (`INSTEAD`); an unknown key is refused by name;
-    ``bucket_mb`` goes through `config.mib_to_bytes`, and not with ``bucket_bytes``."""
+    ``bucket_mb`` goes through `config.mib_to_bytes`, and not with ``bucket_bytes``. A dtype
+    ``auto`` is the one SGLang serves ``hf_config``'s model in (`config.auto_dtype`; refused
+    without ``hf_config``)."""
     opts = {k: v for k, v in options(config).items() if k not in ADAPTER_KEYS}
     where = "rollout.custom.fsdp_sync"
     ignored = sorted(set(opts) & set(INSTEAD))
@@ -126,7 +128,9 @@ def sync_config(config: Any) -> SyncConfig:
             raise ValueError(f"{where}: give bucket_mb or bucket_bytes, not both (got bucket_mb="
                              f"{opts['bucket_mb']!r}, bucket_bytes={opts['bucket_bytes']!r})")
         opts["bucket_bytes"] = mib_to_bytes(opts.pop("bucket_mb"), f"{where}.bucket_mb")
-    return SyncConfig.from_verl(config, **opts)
+    if "dtype" in opts:
+        opts["dtype"] = parse_dtype(opts["dtype"], f"{where}.dtype", hf_config=hf_config)
+    return SyncConfig.from_verl(config, hf_config=hf_config, **opts)
 
 
 FUSED_PAIRS = {"deepseek_v4": "wq_a/wkv, compressor.wkv/wgate, indexer.compressor.wkv/wgate"}

@@ -61,6 +61,7 @@ import ray
 from verl.utils import device as verl_device
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from ...config import parse_dtype
 from ...engines.sglang.client import HttpClient
 from .. import verl_lora
 
@@ -126,10 +127,15 @@ def serve_command(config: Any, model_config: Any) -> list[str]:
                          f"rollout.data_parallel_size={dp} and pipeline_model_parallel_size={pp} "
                          f"must be 1 (use more replicas instead)")
     tp = int(_get(config, "tensor_model_parallel_size", 1) or 1)
-    dtype = str(_get(config, "dtype", "bfloat16")).replace("torch.", "")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"rollout.dtype={dtype!r}: the reference engine serves float32, "
-                         f"bfloat16 or float16")
+    raw = _get(config, "dtype", "bfloat16")
+    try:     # SGLang's spellings too (half, float; auto: as SGLang reads the model's config)
+        dtype = str(parse_dtype(raw, "rollout.dtype", hf_config=_get(model_config, "hf_config", None)))
+        if raw is None:
+            raise ValueError("null is no dtype the engine can serve")
+    except ValueError as exc:
+        raise ValueError(f"rollout.dtype={raw!r}: the reference engine serves float32, bfloat16 or "
+                         f"float16 ({exc})") from None
+    dtype = dtype.removeprefix("torch.")
     quant = _get(config, "quantization", None)
     if quant not in (None, "fp8"):
         raise ValueError(f"rollout.quantization={quant!r}: the reference engine serves block FP8 "
