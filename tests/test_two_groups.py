@@ -1,8 +1,8 @@
 """A model whose sharded tensors span two process groups: FSDP2 layers on a DeviceMesh of their
 own (over the same ranks as the default one), the root on the default mesh. Per-rank buckets are
 cut over one shard group, so ``layout="auto"`` sends full tensors (bit-exact) and
-``layout="engine"`` is refused before anything is sent, naming why, for the tensor method and the
-disk method alike (`reshard.rank_buckets_refusal`, asked while the transports choose the layout).
+``layout="engine"`` is refused before anything is sent, naming why, for the tensor, disk and
+distributed methods alike (`reshard.rank_buckets_refusal`, asked while the transports choose the layout).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def _syncs(rank: int, world: int, method: str, tmp: str) -> list[dict]:
             rec = {"refusal": reshard.rank_buckets_refusal(model)}
             kw = dict(method=method, layout=layout, free_cache_engine=False, dtype=torch.float32,
                       memory_probe="off")
+            if method == "distributed":
+                kw.update(dist_timeout_s=30.0, dist_group_name=f"two_groups_{layout}")
             if method == "disk":
                 kw["disk_dir"] = f"{tmp}/{layout}"
             before = engine.weights_checksum() if engine is not None else None
@@ -71,7 +73,7 @@ def _syncs(rank: int, world: int, method: str, tmp: str) -> list[dict]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["tensor", "disk"])
+@pytest.mark.parametrize("method", ["tensor", "disk", "distributed"])
 def test_tensors_over_two_shard_groups_sync_full_and_engine_is_refused_up_front(method, tmp_path):
     """Before: "auto" agreed on per-rank buckets and the stream failed every sync with 'found 2
     (HSDP / 2-D meshes are not supported here)': the engine kept its old weights."""

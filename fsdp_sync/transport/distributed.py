@@ -266,7 +266,8 @@ class DistributedTransport:
         (one object broadcast over the trainer group) before anything moves. ``"auto"``: per-rank
         where ``dist_format="flattened_bucket"``, every engine accepts them
         (``accepts_distributed_rank_buckets``), all have one TP size, the module's config has a
-        layout and an engine that knows its model agrees with it. ``"engine"``: the same, but a
+        layout, an engine that knows its model agrees with it and the module's sharded tensors are
+        in one shard group (`reshard.rank_buckets_refusal`). ``"engine"``: the same, but a
         reason against is a `SyncError` on every trainer rank naming it."""
         cfg = self.config
         want = getattr(cfg, "layout", "full")
@@ -305,6 +306,8 @@ class DistributedTransport:
                                     if getattr(layout.spec, k) != getattr(espec, k)}
                             why = f"engine {i}'s model differs from the trainer's (trainer, engine): {diff}"
                             break
+                    if why is None:     # e.g. layers on a DeviceMesh of their own: two shard groups
+                        why = reshard.rank_buckets_refusal(ctx.module, cfg.fsdp1_state_dict)
             except Exception as exc:  # noqa: BLE001 - "auto" falls back, "engine" reports it
                 why = f"no engine layout for this model: {type(exc).__name__}: {exc}"
             info = [(None if why else (tp, ep), why)]
@@ -344,7 +347,10 @@ class DistributedTransport:
         it = reshard.iter_rank_buckets(ctx.module, layout, part_bytes, dtype=cfg.dtype,
                                        fsdp1_state_dict=cfg.fsdp1_state_dict,
                                        share_host_memory=cfg.share_host_memory,
-                                       owners=[[0]] * layout.tp, alloc=pool.take, stats=st, host_sets=sets)
+                                       owners=[[0]] * layout.tp, alloc=pool.take, stats=st, host_sets=sets,
+                                       # whole tensors on every rank (the local path): rank 0 alone
+                                       # builds the buffers it sends
+                                       ranks=None if me == 0 else [])
         pending: _Pending | None = None
         engine_in = 0
 
