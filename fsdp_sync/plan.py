@@ -457,12 +457,15 @@ def _trainer_rule(job: PlanJob, cl: Cluster, row: dict, bucket: int, quantized_b
     anyway); FP8: each quantized bucket ``quantized_bytes(bucket)``, the largest of the plan at
     that size (None: the rule's bound)."""
     sd = job.fsdp1_state_dict if job.fsdp == 1 else None
-    per_rank = sd == "full" and job.layout == "engine" and job.method in ("tensor", "disk")
+    # FSDP1's full state dict: every tensor whole on every rank, nothing exchanged. The tensor
+    # method's rank builds its own engine rank's buffers, a disk writer those of the files it
+    # writes (engine rank i of bucket k: writer (k tp + i) mod ranks): at most ceil(tp / ranks)
+    per_rank = sd == "full" and job.layout == "engine" and job.method == "disk"
     out = memory_budget(job.method, bucket, row["largest_tensor_bytes"], job.quantization,
                         getattr(torch, job.dtype), layout=job.layout, pipelined=job.pipelined,
                         turns=_turns(job, cl), state_dict=sd, ranks=job.ranks,
                         model_bytes=row["params"] * getattr(torch, job.trainer_dtype).itemsize,
-                        rank_buffers=job.tp if per_rank else 1,
+                        rank_buffers=-(-job.tp // job.ranks) if per_rank else 1,
                         quantized_bytes=quantized_bytes(bucket) if quantized_bytes else None,
                         quantize_scratch=row.get("quantize_scratch_bytes", 0))
     if job.method == "tensor" and job.stages:   # the colocated engine's staged shard: the same device
@@ -562,6 +565,8 @@ def _fresh_bytes(job: PlanJob, row: dict, unit: int) -> tuple[int, int]:
     if job.layout == "engine":
         # one buffer per engine TP rank (and set); host-shared: the group's ranks touch a part each
         trainer = tp * sets * unit // world if shared else tp * sets * unit
+        if row["path"] == "local" and m == "tensor":     # whole tensors: its own engine rank's only
+            trainer = sets * unit
         # tensor: the engine keeps its buffers mapped across the sync; distributed: it receives
         # each bucket into a fresh buffer
         engine = sets * unit if m == "tensor" else row["engine_rank_bytes_in"]

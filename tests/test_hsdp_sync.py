@@ -139,3 +139,51 @@ def test_each_hsdp_rank_builds_only_its_own_engine_ranks_buffers(runs):
         assert stream["some"] == [[(k + rank) % 2] for k in range(len(stream["every"]))], stream
         assert stream["same"], rank
     assert runs[0][0]["exact"], runs[0][0]
+
+
+def _disaggregated_sync(rank: int, world: int, method: str, tmp: str) -> dict:
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.engines import ReferenceEngine, checksum_named_tensors
+    from fsdp_sync.models import load_config
+    from fsdp_sync.weights import export
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny")
+    engine = ReferenceEngine(model_config=cfg, tp_size=2, device="cpu", dtype=torch.float32) \
+        if rank == 0 else None
+    try:
+        model = _wrap(cfg, "hsdp", 40)
+        extra = ({"disk_dir": tmp} if method == "disk" else
+                 {"dist_timeout_s": 30.0, "dist_group_name": "hsdp_dist"})
+        conf = SyncConfig(method=method, layout="engine", dtype=torch.float32, memory_probe="off",
+                          bucket_bytes=64 << 10, **extra)
+        manager = FSDPShardingManager(model, [engine] if engine is not None else None, config=conf)
+        try:
+            with manager:
+                pass
+            extra = dict(manager.stats.extra)
+        finally:
+            manager.close()
+        rec = {k: extra.get(k) for k in ("layout", "reshard_path", "trainer_rank_bytes_written")}
+        trainer = checksum_named_tensors(export.iter_params(model, dtype=torch.float32))   # collective
+        if engine is not None:
+            rec["exact"] = engine.weights_checksum() == trainer
+        return rec
+    finally:
+        if engine is not None:
+            engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_disaggregated_methods_build_only_the_per_rank_buffers_a_rank_sends(method, tmp_path):
+    """Whole tensors on every rank (HSDP's local path): the distributed method's trainer rank 0
+    sends every engine rank's buffer and no other rank any; each disk writer builds the buffers of
+    the files it writes (at TP 2 on 2 ranks: one engine rank's). Before: every trainer rank built
+    them all (560,640 bytes on each, where rank 1 sends nothing, or each writes half)."""
+    zero, one = run_ranks(_disaggregated_sync, 2, method, str(tmp_path), timeout_s=110, pg_timeout_s=60,
+                          env=spawn_env())
+    assert zero["layout"] == one["layout"] == "engine" and zero["reshard_path"] == "local", zero
+    want = (2 * 280_320, 0) if method == "distributed" else (280_320, 280_320)
+    assert (zero["trainer_rank_bytes_written"], one["trainer_rank_bytes_written"]) == want, (zero, one)
+    assert zero["exact"], zero

@@ -650,8 +650,13 @@ def test_fsdp1_plans_the_state_dict_type_the_sync_exports_through():
     fsdp2 = plan_row(PlanJob(**{**job, "fsdp": 2}), CPU)
     model = full["params"] * 4
     assert (full["reshard_path"], full["trainer_rank_bytes_in"]) == ("local", 17_838_592 == model // 2 and model // 2)
-    # every engine rank's buffers on each rank (none exchanged), the state dict's 2 x the model
-    assert full["memory_budget_bytes"] == 2 * 2 * 8 * MiB + 8 * MiB + 2 * model >= 92 * 10**6
+    # its own engine rank's buffers (none exchanged), the state dict's 2 x the model (before: every
+    # engine rank's buffers, 2 x 2 x 8 MiB, which the tensor method no longer builds)
+    assert full["memory_budget_bytes"] == 2 * 8 * MiB + 8 * MiB + 2 * model >= 92 * 10**6
+    # the disk method's writer: the buffers of the files it writes, ceil(tp / ranks) a bucket
+    for tp, n in ((2, 1), (4, 2)):
+        disk = plan_row(PlanJob(**{**job, "method": "disk", "tp": tp}), CPU)
+        assert disk["memory_budget_bytes"] == 3 * n * 8 * MiB + 8 * MiB + 2 * model, (tp, disk["memory_budget_rule"])
     assert sharded["trainer_rank_bytes_in"] == model // 2 + fsdp2["trainer_rank_bytes_in"] == 19_418_112
     assert (local["reshard_path"], local["trainer_rank_bytes_in"]) == ("all-to-all", 8_925_696)
     assert local["memory_budget_bytes"] == fsdp2["memory_budget_bytes"]

@@ -336,7 +336,8 @@ class DiskTransport:
         if layout is not None:
             shard = (st.engine_shard_bytes if self._quant is None       # FP8: the engine rank's FP8 shard
                      else self._quant.layout.engine_bytes(float_dtype(metas).itemsize))
-            stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=shard)
+            stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=shard,
+                               trainer_rank_bytes_written=st.bytes_written)    # this rank's
 
     def _load(self, ctx: Any, final: str, group: Any) -> None:
         """Step 4 (trainer rank 0 calls, every rank agrees): one engine loads ``final`` with the

@@ -234,7 +234,10 @@ def write_rank_buckets(ctx: Any, tmp: str, rank: int, writers: list[int], layout
         ctx.module, layout, cfg.bucket_bytes, dtype=cfg.dtype,
         fsdp1_state_dict=cfg.fsdp1_state_dict,
         share_host_memory=bool(getattr(cfg, "share_host_memory", False)),
-        owners=owners, alloc=plain_alloc, stats=st, host_sets=2, host_keep=host_keep), write,
+        owners=owners, alloc=plain_alloc, stats=st, host_sets=2, host_keep=host_keep,
+        # whole tensors on every rank (the local path): build only the buffers of the files
+        # this rank writes, as `write` picks them
+        ranks=lambda k: [i for i in range(tp) if writers[(k * tp + i) % len(writers)] == rank]), write,
         written=lambda recs: ahead.tell(r["file"] for r in recs))
     return records, err, shared[0], w.seconds
 
