@@ -205,3 +205,36 @@ def test_a_dropped_version_linked_elsewhere_is_not_overwritten(tmp_path, layout)
                 assert ckpt.digest_file(str(archive / f), plan.hash)[0] == plan.digests[f], f
         finally:
             t.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_new_transport_on_a_dir_with_an_earlier_runs_later_versions_refuses_before_writing(tmp_path):
+    """A new manager (after close(), or a trainer restarted) numbers its versions from 0. Before:
+    on a disk_dir holding step_1 and step_2 of an earlier run, keep-N took the step_0 it had just
+    published for the oldest and hid it, and the engine was told to load a path that was gone
+    ('is not a directory'), every sync until the step numbers passed the old ones. Now the first
+    sync refuses before anything is written, naming the versions; the earlier run's stay."""
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.transport.disk import DiskTransport
+
+    cfg, module, d, t = _setup(tmp_path, "full")
+    with ReferenceEngine(model_config=cfg, tp_size=1, dtype=torch.float32) as real:
+        try:
+            for step in range(3):
+                _sync(t, module, [real], step)
+        finally:
+            t.close()
+        assert _versions(d) == ["step_1", "step_2"]
+        served = real.weights_checksum()
+        again = DiskTransport(SyncConfig(method="disk", disk_dir=d, dtype=torch.float32,
+                                         bucket_bytes=256 << 10, disk_keep=2, layout="full"))
+        try:
+            _step(module, lambda p: p.add_(1.0))
+            with pytest.raises(SyncError, match=r"earlier run at or after this sync's step_0: step_1, step_2"):
+                _sync(again, module, [real], 0)
+            assert sorted(os.listdir(d)) == ["step_1", "step_2"]        # nothing written, nothing dropped
+            assert real.weights_checksum() == served
+        finally:
+            again.close()

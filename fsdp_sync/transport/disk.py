@@ -219,6 +219,16 @@ class DiskTransport:
                         f"{final} exists already; a published version is never overwritten (an "
                         f"engine may be reading it): use a fresh disk_dir, or remove the old "
                         f"step_* directories first")
+                later = [os.path.basename(p) for n, p in self._versions() if n >= int(ctx.step)]
+                if self.published is None and later:
+                    # an earlier run's versions (a new manager counts from 0): keep-N would drop
+                    # the one being published as older than theirs, before the engines load it
+                    raise FileExistsError(
+                        f"{self.directory} holds versions of an earlier run at or after this "
+                        f"sync's {name}: {', '.join(later[:4])}{' …' if len(later) > 4 else ''}; "
+                        f"this manager numbers its versions from its own step, so keep-N would "
+                        f"drop the new one as older: use a fresh disk_dir, or remove the old "
+                        f"step_* directories first")
                 self._sweep_hidden()
                 tmp = os.path.join(self.directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
                 os.mkdir(tmp)
@@ -559,7 +569,9 @@ class DiskTransport:
         it get hidden names, to be deleted (and swept by the next sync if their deletion never
         ends); returns (versions, hidden paths)."""
         versions = self._versions()
-        doomed = [p for _, p in versions[:-self.keep] if p != self.loaded]
+        # never the version just published (`_start_prune` runs while the engines load it)
+        newest = os.path.join(self.directory, f"step_{self.published}") if self.published is not None else None
+        doomed = [p for _, p in versions[:-self.keep] if p != self.loaded and p != newest]
         hidden = []
         pool = os.path.join(self.directory, POOL)
         for path in doomed[:-1] + ([pool] if doomed and os.path.lexists(pool) else []):
