@@ -59,11 +59,11 @@ versions (`rollout`), batching requests (`scheduler`), the update-group calls of
 ``update_weights_from_distributed`` (`group_calls`), weight read-back (`readback`), per-rank update
 items, the checks of a distributed call's entries and the disk update's checkpoint resolution
 (`update_items`), which quantization a config and argument make (`quant`), the constructor's
-argument checks (`engine_args`).
+argument checks (`engine_args`), memory release/resume and per-worker stats (`memory_calls`).
 
-Why ~700 lines, one module: the engine's side of every protocol call (startup, update methods, two-phase
+Why ~620 lines, one module: the engine's side of every protocol call (startup, update methods, two-phase
 rounds, the update gate), sharing the lock, the worker set and the broken/transaction state. The
-next carve, if it grows: memory release/resume and read-back stats.
+next carve, if it grows: the transaction (begin/end and its abort words).
 """
 
 from __future__ import annotations
@@ -84,14 +84,15 @@ from ...models import load_config
 from ...weights import handles
 from ...weights.layout import ModelSpec
 from ...wire import host_store
-from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
-                    EngineUnavailableError, WeightUpdateError, WorkerDiedError, ordered_tags)
+from ..base import (EngineClosedError, EngineError, EngineStateError, EngineUnavailableError,
+                    WeightUpdateError, WorkerDiedError)
 from . import procs, quant
 from .disk_calls import DiskCalls
 from .engine_args import check_engine_args
 from .gpu_calls import GPUCalls
 from .group_calls import UpdateGroupCalls
 from .lora_calls import LoRACalls
+from .memory_calls import MemoryCalls
 from .readback import WeightReadback
 from .rollout import GenerationCalls
 from .scheduler import Scheduler, check_version
@@ -99,7 +100,8 @@ from .update_items import build_items, worker_figures
 
 __all__ = ["ReferenceEngine"]
 
-class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadback, LoRACalls, GPUCalls):
+class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadback, LoRACalls, GPUCalls,
+                      MemoryCalls):
     """A TP rollout engine in worker processes. See the module docstring.
 
     Args:
@@ -605,83 +607,6 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         reason = str(errs[min(errs)][2])
         self._abort_all("end_weight_update", reason)
         return reason
-
-    # ------------------------------------------------------------------ memory
-    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Free ``tags`` (None = all) in the order kv_cache → weights → cuda_graph."""
-        tags = ordered_tags(tags, RELEASE_ORDER)
-        with self._gate(f"release_memory_occupation({tags})"):
-            if self._in_txn:
-                raise EngineStateError("cannot release memory inside begin/end_weight_update")
-            if "kv_cache" in tags and self._sched.holds_kv():
-                raise EngineStateError(f"cannot release the KV cache: {self._sched.holds_kv()} requests "
-                                       f"paused in place hold it; continue_generation() or pause with "
-                                       f"mode 'retract' or 'abort' first")
-            self._call("release", {"tags": tags}, what=f"release_memory_occupation({tags})")
-
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Reallocate ``tags`` (None = all) in the order cuda_graph → weights → kv_cache. Released
-        weights come back as zeros (push them again) unless the engine keeps a CPU backup."""
-        tags = ordered_tags(tags, RESUME_ORDER)
-        with self._gate(f"resume_memory_occupation({tags})"):
-            if self._in_txn:
-                raise EngineStateError("cannot resume memory inside begin/end_weight_update")
-            self._call("resume", {"tags": tags}, what=f"resume_memory_occupation({tags})")
-
-    def flush_cache(self) -> None:
-        """Nothing is cached between requests (no prefix cache); checks the workers answer. Waits
-        for running requests as an update does; refused (`EngineStateError`) while requests
-        paused in place hold the KV cache, as SGLang refuses it."""
-        with self._gate("flush_cache"):
-            if self._sched.holds_kv():
-                raise EngineStateError(f"flush_cache: {self._sched.holds_kv()} requests paused in place "
-                                       f"hold the KV cache (SGLang refuses a flush then); "
-                                       f"continue_generation() first, or pause with mode 'retract'")
-            self._call("flush_cache")
-
-    def memory_stats(self) -> dict:
-        """Per worker: weights/KV/backup/staging bytes, RSS/USS (and CUDA allocator stats), plus totals.
-
-        Works on an engine with a dead worker too (the dead one is listed with ``alive: False``).
-        """
-        workers = self._per_worker("memory_stats")
-        out: dict[str, Any] = {"tp_size": self.tp_size, "device": self.device, "workers": workers}
-        for key in ("weights_bytes", "kv_cache_bytes", "cpu_backup_bytes", "staging_bytes", "rss", "uss"):
-            out[key] = sum(int(w.get(key, 0)) for w in workers)
-        return out
-
-    def shard_checksums(self) -> list[str | None]:
-        """sha256 of each worker's own shard (None for a dead or unresponsive one): diagnostics that
-        work on a broken engine too, e.g. to see an aborted update left a survivor untouched."""
-        return [w if isinstance(w, str) else None for w in self._per_worker("shard_checksum", raw=True)]
-
-    def _per_worker(self, cmd: str, raw: bool = False) -> list:
-        """Ask every live worker on its own (no collective); a dead or silent one gets a stub."""
-        with self._lock:
-            if self._w.closed:
-                raise EngineClosedError("the engine was shut down")
-            alive = self._responsive()
-            replies: dict[int, tuple] = {}
-            if not self._broken and len(alive) == self.tp_size:
-                try:
-                    replies = self._round(cmd, ranks=alive, what=cmd)
-                except EngineError:
-                    replies = {}
-            if not replies:   # broken engine: one at a time, so a stuck survivor costs only its timeout
-                for r in alive:
-                    try:
-                        replies.update(self._round(cmd, ranks=[r], what=cmd))
-                    except EngineError:
-                        pass
-            out: list = []
-            for r, p in enumerate(self._w.procs):
-                rep = replies.get(r)
-                if rep is not None and rep[0] == "ok":
-                    out.append(rep[1])
-                else:
-                    out.append(None if raw else {"rank": r, "pid": p.pid, "alive": p.is_alive(),
-                                                 **({"error": rep[2]} if rep else {})})
-            return out
 
     # ------------------------------------------------------------------ serving
     def _receive_raw(self, group_name: str, nbytes: int, count: int, p2p: bool = False) -> None:
