@@ -159,7 +159,8 @@ def test_a_failed_transaction_over_the_start_up_weights_is_not_served(fresh):
     engine.update_weights_from_tensor(trained[:10])
     with pytest.raises(WeightUpdateError, match="unknown parameter"):
         engine.update_weights_from_tensor(trained[10:] + [("model.bogus.weight", torch.zeros(1))])
-    with pytest.raises(WeightUpdateError, match="partly overwritten.*until every tensor is pushed again"):
+    with pytest.raises(WeightUpdateError, match="start-up weights were partly overwritten: every tensor must "
+                                                "be pushed again; the engine serves nothing until then"):
         engine.end_weight_update(weight_version="step-1")
     assert engine.shard_checksums() != start                 # it says so because it is so
     assert _valid(engine) == [False] * engine.tp_size and engine.get_weight_version() == "default"
@@ -194,3 +195,33 @@ def test_an_abort_over_the_start_up_weights_says_they_changed(fresh):
     engine.update_weights_from_tensor(trained[:5])
     assert engine.end_weight_update(abort=True) is True      # loaded weights: copied aside, dropped
     assert engine.shard_checksums() == served
+
+
+@pytest.mark.timeout(120)
+def test_an_abort_after_a_release_without_backup_says_what_it_wrote_over(fresh):
+    """Released without a backup, the weights resume as zeros and are pushed again in place: an
+    aborted transaction that wrote over tensors pushed since says so (False); one that wrote only
+    tensors still missing changed nothing the engine counts (True)."""
+    trained = list(build_model(load_config("tiny"), seed=1).state_dict().items())
+    engine = fresh()
+    engine.update_weights_from_tensor(trained)
+    engine.release_memory_occupation(["weights"])
+    engine.resume_memory_occupation(["weights"])
+    engine.update_weights_from_tensor(trained[:5])          # pushed again, outside a transaction
+    engine.begin_weight_update()
+    engine.update_weights_from_tensor(trained[5:10])        # still missing: nothing is lost
+    assert engine.end_weight_update(abort=True) is True
+    engine.begin_weight_update()
+    engine.update_weights_from_tensor(trained[3:8])         # over two pushed since the release
+    with pytest.raises(WeightUpdateError, match="unknown parameter"):
+        engine.update_weights_from_tensor([("model.bogus.weight", torch.zeros(1))])
+    with pytest.raises(WeightUpdateError, match=r"2 tensors pushed since the weights were released .* were "
+                                                r"written over: they must be pushed again"):
+        engine.end_weight_update()
+    engine.begin_weight_update()
+    engine.update_weights_from_tensor(trained[2:4])         # over one still counted (2), one not (3)
+    assert engine.end_weight_update(abort=True) is False
+    with pytest.raises(EngineUnavailableError, match="released without a CPU backup .* 25 of 27 tensors missing"):
+        engine.generate([[1, 2, 3]], max_new_tokens=2)
+    engine.update_weights_from_tensor(trained[2:])
+    assert _valid(engine) == [True] * engine.tp_size

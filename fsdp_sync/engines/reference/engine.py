@@ -553,10 +553,11 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
     def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> bool:
         """Commit the open transaction (``abort=True``: drop it). After a failed update in the
         transaction it is closed and dropped either way, and a commit is refused
-        (`WeightUpdateError`: nothing was committed). Returns, after an abort, whether the engine
-        holds the weights it held at ``begin_weight_update``: False where calls were written in
-        place before it (not transactional; or nothing worth protecting: the start-up weights,
-        which then are not served until every tensor is pushed again), else True. On a commit the
+        (`WeightUpdateError`: nothing was committed). Returns, after an abort, whether what the
+        engine serves (or counts as pushed again) is as at ``begin_weight_update``: False where
+        calls written in place changed it (not transactional; over the start-up weights, which
+        then are not served until every tensor is pushed again; over tensors pushed again since a
+        release without a backup), else True. On a commit the
         engine takes ``weight_version`` (else the one an update call in the transaction gave) in
         the same critical section: no step runs between the new weights and their new version."""
         check_version(weight_version, "end_weight_update")
@@ -575,26 +576,27 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             done = [rep[1] for rep in replies.values() if isinstance(rep[1], dict)]
             # what the transaction kept in host memory, its workers' GPUs having no room for it
             self.staged_on_host_bytes = sum(int(d.get("staged_on_host_bytes", 0)) for d in done)
-            kept = self._txn_transactional and not any(d.get("overwritten") for d in done)
+            lost = next((d["overwritten"] for d in done if d.get("overwritten")), None)
+            kept = self._txn_transactional and lost is None
             if aborted is not None and not abort:
                 why = f"aborted ({aborted})" if by_head else f"aborted by an earlier failure ({aborted})"
                 raise WeightUpdateError(f"end_weight_update: nothing was committed: this weight update was "
-                                        f"{why}; {self._kept_words(kept)}")
+                                        f"{why}; {self._kept_words(lost)}")
             version = weight_version if weight_version is not None else pending
             if version is not None and not abort:
                 self.weight_version = version
             return kept if abort else True
 
-    def _kept_words(self, kept: bool) -> str:
-        """What an aborted transaction left, for its error."""
-        if kept:
-            return f"the engine keeps its previous weights (version {self.weight_version!r})"
+    def _kept_words(self, lost: str | None) -> str:
+        """What an aborted transaction left, for its error (``lost``: a worker's word on what it
+        could not give back)."""
         if not self._txn_transactional:
             return "its calls were committed as they came (not transactional): the weights are partly new"
-        return ("the calls before the failure were written in place (the engine held no weights worth "
-                "a copy: its random start-up weights, or weights released without a backup), so those "
-                "weights are partly overwritten: the engine serves nothing until every tensor is "
-                "pushed again")
+        if lost is None:
+            return f"the engine keeps its previous weights (version {self.weight_version!r})"
+        return (f"its calls before the failure were written in place (the engine held no weights worth "
+                f"a copy: its random start-up weights, or weights released without a backup): {lost}; "
+                f"the engine serves nothing until then")
 
     def _tied_head_refusal(self) -> str | None:
         """Before a commit: every worker compares the tied ``lm_head.weight`` the transaction sent

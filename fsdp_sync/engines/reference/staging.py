@@ -106,6 +106,7 @@ class Txn:
     covers: set[str] = field(default_factory=set)
     aborted: str | None = None
     applied: bool = False               # a call was written in place (not staging): weights changed
+    lost: str | None = None             # what an abort of it could not take back (`_drop_in_place`)
     embedded: bool = False              # a call sent the embedding (`tied_head`)
     heads: dict[tuple, bytes] = field(default_factory=dict)   # tied heads awaiting it (`tied_head`)
 
@@ -616,16 +617,23 @@ class UpdateStager:
 
     def _drop_in_place(self, txn: Txn) -> None:
         """An aborted transaction that wrote its calls in place (nothing was worth protecting)
-        cannot take them back: what they wrote is not served. Weights that were being pushed
-        again (released without a backup) lose the coverage of those tensors; valid weights (the
-        random start-up ones) become invalid, to be pushed again in full, as after a release
-        without a backup. Every rank commits every call, so every rank decides alike."""
+        cannot take them back: what they wrote is not served. Valid weights (the random start-up
+        ones) become invalid, to be pushed again in full, as after a release without a backup;
+        weights being pushed again after such a release lose the tensors the transaction wrote
+        over. ``txn.lost`` says what changed, where anything did (invalid weights whose pushed
+        tensors it did not touch are as they were: nothing to say). Every rank commits every
+        call, so every rank decides the start-up case alike."""
         if txn.staging:
             return
         if self.valid and txn.applied:
             self.valid, self.coverage, self.overwritten = False, set(), OVERWRITTEN
-        else:
-            self.coverage -= txn.covers         # those params now hold aborted data
+            txn.lost = "the start-up weights were partly overwritten: every tensor must be pushed again"
+            return
+        again = self.coverage & txn.covers          # pushed since the release, then written over
+        if again:
+            txn.lost = (f"{len(again)} tensors pushed since the weights were released (e.g. "
+                        f"{sorted(again)[0]!r}) were written over: they must be pushed again")
+        self.coverage -= txn.covers
 
     def begin(self, transactional: bool) -> dict:
         if self.txn is not None:
@@ -650,8 +658,8 @@ class UpdateStager:
         if abort or txn.aborted:
             if not txn.aborted:
                 self._drop_in_place(txn)
-            # whether the weights are no longer the ones the transaction began with
-            return {"committed": False, "overwritten": not txn.staging and txn.applied}
+            # what of the weights the transaction began with it could not give back
+            return {"committed": False, "overwritten": txn.lost}
         try:
             if txn.staging:
                 self._apply(txn.writes)
