@@ -318,6 +318,15 @@ class SyncConfig:
             raise ValueError(f"layout='engine' (per-rank buckets) with method='distributed' runs with "
                              f"dist_format='flattened_bucket'; got dist_format={self.dist_format!r} "
                              f"(the per-tensor baseline sends full tensors): use layout='full' or 'auto' there")
+        # a method's own format asked of another method would be ignored without a word
+        if self.method != "tensor" and self.strategy != "flattened":
+            raise ValueError(f"strategy={self.strategy!r} is the tensor method's; method={self.method!r} "
+                             f"ignores it" + (": its per-tensor baseline is dist_format='per_tensor'"
+                                              if self.method == "distributed" else "")
+                             + " (leave strategy at 'flattened')")
+        if self.method != "distributed" and self.dist_format != "flattened_bucket":
+            raise ValueError(f"dist_format={self.dist_format!r} is the distributed method's; "
+                             f"method={self.method!r} ignores it (leave dist_format at 'flattened_bucket')")
         if self.layout == "engine" and self.method == "tensor" and self.strategy != "flattened":
             raise ValueError(f"layout='engine' (per-rank buckets) runs with method='tensor', "
                              f"strategy='flattened', method='distributed' or method='disk'; got method={self.method!r}, "

@@ -37,6 +37,26 @@ def test_other_fields_are_refused_with_their_name():
         SyncConfig(bucket_bytes=8 << 20, multi_stage_wake_up=False)
 
 
+@pytest.mark.parametrize("kw, words", [
+    (dict(method="distributed", strategy="per_tensor"), ["strategy='per_tensor'", "tensor method's",
+                                                         "dist_format='per_tensor'"]),
+    (dict(method="disk", disk_dir="/tmp/x", strategy="bucketed"), ["strategy='bucketed'", "method='disk' ignores"]),
+    (dict(method="tensor", dist_format="per_tensor"), ["dist_format='per_tensor'", "method='tensor' ignores"]),
+    (dict(method="disk", disk_dir="/tmp/x", dist_format="per_tensor"), ["distributed method's"]),
+])
+def test_another_methods_format_is_refused_not_ignored(kw, words):
+    """Before: SyncConfig(method="distributed", strategy="per_tensor") was accepted and synced
+    flattened buckets (the strategy is read by the tensor method only); likewise dist_format
+    outside the distributed method. The defaults still go with every method."""
+    with pytest.raises(ValueError) as info:
+        SyncConfig(**kw)
+    assert all(w in str(info.value) for w in words), str(info.value)
+    for method in ("tensor", "distributed", "disk"):
+        SyncConfig(method=method, disk_dir="/tmp/x")
+    SyncConfig(method="distributed", dist_format="per_tensor")
+    SyncConfig(method="tensor", strategy="per_tensor")
+
+
 def test_from_verl_follows_verl_0_9():
     # booleans as verl's CLI overrides / YAML strings give them
     cfg = SyncConfig.from_verl({"actor_rollout_ref": {
