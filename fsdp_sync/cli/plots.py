@@ -52,8 +52,13 @@ def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
             fl[r["bucket_bytes"]].append(r["floor_seconds"])
         ax_t.plot([b / MiB for b in sorted(fl)], [min(fl[b]) for b in sorted(fl)], "kx:",
                   label="floor (all-gather + one copy)")
-        budget = [(b / MiB, (2 * b + mrows[0]["largest_tensor_bytes"]) / MiB) for b in buckets]
-        ax_m.plot([b for b, _ in budget], [v for _, v in budget], "kx:", label="2×bucket + largest tensor")
+        # each size's budget as its rows carry it (`plan.memory_budget`: 2 x max(bucket, largest
+        # tensor) + largest tensor for these rows), the largest where rows differ
+        largest = mrows[0]["largest_tensor_bytes"]
+        budget = [(b / MiB, max(r.get("memory_budget_bytes") or 2 * max(b, largest) + largest
+                                for r in mrows if r["bucket_bytes"] == b) / MiB) for b in buckets]
+        ax_m.plot([b for b, _ in budget], [v for _, v in budget], "kx:",
+                  label="budget: 2×max(bucket, largest tensor) + largest tensor")
         for ax, title, ylabel in ((ax_t, "sync time", "seconds (median)"),
                                   (ax_m, "peak extra memory per device", "MiB")):
             ax.set_xscale("log", base=2)
