@@ -154,9 +154,9 @@ def end_all(engines: list, *, commit: bool, version: str | None = None, skip: It
 
 def partial_note(partial: list[str]) -> str:
     """What to tell the user of engines that kept part of a failed update (`end_all`)."""
-    return (f"{', '.join(partial)} could not drop any calls it took before the failure (it applies "
-            f"each as it arrives): it now holds partly new weights; sync again before generating "
-            f"from it")
+    return (f"{', '.join(partial)} could not drop any calls it took before the failure (it applied "
+            f"them as they arrived, or wrote them over its weights in place): it now holds partly "
+            f"new weights; sync again before generating from it")
 
 
 def note_partial(partial: list[str]) -> None:

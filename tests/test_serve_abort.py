@@ -154,3 +154,25 @@ def test_against_sglang_an_abort_closes_the_session_and_says_what_it_could_not_u
     assert "cannot drop a failed update" in caplog.text and "sync again" in caplog.text
     with pytest.raises(ValueError, match="not both"):
         client.end_weight_update(weight_version="v1", abort=True)
+
+
+def test_an_abort_over_start_up_weights_answers_not_aborted_and_the_client_says_so(caplog):
+    """An engine still on its start-up weights writes an update in place (nothing to protect),
+    so an abort cannot give them back: `ReferenceEngine.end_weight_update(abort=True)` returns
+    False. Before: ``/end_weight_update`` answered ``"aborted": true`` whatever it returned, so a
+    client (and the fleet's note on a failed sync) took the replica for unchanged. Now the answer
+    says ``"aborted": false`` and why, and the client counts the replica as holding partly new
+    weights."""
+    with ReferenceEngine("tiny", tp_size=2, seed=3) as fresh, EngineServer(fresh, update_wait_s=5.0) as srv:
+        client = SGLangEngine(base_url=srv.url, max_retries=0)
+        new = new_weights(fresh, seed=23)
+        client.begin_weight_update()
+        client.update_weights_from_bucket(new[:3])
+        with caplog.at_level(logging.WARNING):
+            partial = fleet.end_all([client], commit=False)
+        assert len(partial) == 1, partial                 # named as holding partly new weights
+        assert "written over" in caplog.text and "cannot drop" not in caplog.text, caplog.text
+        # the server's own answer to a raw abort, on the weights now half pushed: nothing to give back
+        assert post(srv, "/begin_weight_update", {})[0] == 200
+        status, out = post(srv, "/end_weight_update", {"abort": True})
+        assert status == 200 and out["aborted"] is True, out

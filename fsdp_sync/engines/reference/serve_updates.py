@@ -199,7 +199,8 @@ class UpdateRoutes:
         """Commit the session; with ``weight_version`` the engine takes it in the same step.
         ``{"abort": true}`` (not SGLang's, whose updates apply as they arrive; it ignores the
         field) drops the session's updates instead: the answer says ``"aborted": true``, which
-        tells a client this server kept its previous weights. A commit of a session an earlier
+        tells a client this server kept its previous weights (false where the engine could not:
+        its update had written over them in place, `ReferenceEngine.end_weight_update`). A commit of a session an earlier
         failure aborted is a 400: nothing was committed."""
         fn = self._method("end_weight_update")
         abort = body_field(body, "abort", bool, False)
@@ -210,8 +211,17 @@ class UpdateRoutes:
             if not accepted_kwargs(fn, {"abort": True}):
                 raise Refused(400, f"end_weight_update: this engine ({type(self.engine).__name__}) "
                                    f"cannot abort an update; end it without abort")
-            status, out = self._locked("end_weight_update", lambda: fn(abort=True))
-            if status == 200:
+            dropped = [None]
+
+            def end() -> None:
+                dropped[0] = fn(abort=True)
+            status, out = self._locked("end_weight_update", end)
+            if status == 200 and dropped[0] is False:   # it wrote over weights it served: not dropped
+                out.update(message="end_weight_update: aborted, nothing committed, but the update had "
+                                   "written over the weights in place (start-up weights, or tensors "
+                                   "pushed again since a release without backup): the engine serves "
+                                   "nothing until every tensor is pushed again", aborted=False)
+            elif status == 200:
                 out.update(message="end_weight_update: aborted, nothing committed", aborted=True)
             return status, out
         status, out = self._locked("end_weight_update", self.versioned(fn, {}, body))

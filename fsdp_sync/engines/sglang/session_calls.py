@@ -78,6 +78,10 @@ class SessionCalls:
             return answer is not False
         if isinstance(answer, dict) and answer.get("aborted") is True:
             return True
+        if isinstance(answer, dict) and answer.get("aborted") is False:   # a server that says why
+            log.warning("fsdp_sync: the engine%s could not drop the failed update: %s", self.where,
+                        answer.get("message"))
+            return False
         log.warning("fsdp_sync: SGLang%s cannot drop a failed update (it applies each bucket as it "
                     "arrives): the engine now holds the weights sent before the failure; sync "
                     "again before generating", self.where)
