@@ -502,11 +502,10 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any) -> None:
                                     "base_tensors": base.tensors})
         if config.verify != "off":      # the base sync's own verify (`manager._sync_full`)
             manager.stats.extra["base_verify_tensors"] = base.extra.get("verify_tensors")
-    step, manager.step = manager.step, manager.step + int(not full)   # counted even if the verify fails
-    if getattr(manager, "global_steps", None) is not None:
-        step = int(manager.global_steps)          # "sample" rotates with the run (`manager._verify`)
-    if not full and config.verify != "off":      # as a full sync's step is (`manager._sync_full`)
-        verify_base(module, config, manager.engines, step, agree, manager.stats)
+    manager.step += int(not full)              # counted even if the verify fails
+    if not full and config.verify != "off":      # "sample": the manager's turns, as a full sync's
+        turn = manager.sample_turns.next(manager.global_steps)         # (`manager._verify`)
+        verify_base(module, config, manager.engines, turn, agree, manager.stats)
 
 
 def verify_base(module: torch.nn.Module, config: Any, engines: list, step: int, agree: Any,

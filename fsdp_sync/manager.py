@@ -39,6 +39,7 @@ from .fleet import Fleet
 from .memory import Timeline, empty_cache
 from .topology import SyncError, cpu_group, SyncTopology, agree, let_go_of_frames
 from .transport import SyncContext, SyncStats, make_transport
+from .verify import SampleTurns, verify_engines
 
 __all__ = ["FSDPShardingManager", "SyncStats"]
 
@@ -104,6 +105,7 @@ class FSDPShardingManager:
         self._configs_checked: dict[int, Any] = {}  # engine id -> the trainer's config key it matched
         self.version: str | None = None       # the weight version every serving replica committed
         self.global_steps: int | None = None  # set by the caller: the next sync's version is it
+        self.sample_turns = SampleTurns()     # verify="sample": which tensors each verify checks
         self.timeline, self.watch = Timeline(), {}   # watch: stage name -> `Timeline.watch`
         self.stats = SyncStats()
         self._inside = False
@@ -433,7 +435,7 @@ class FSDPShardingManager:
             self.stats.extra.update(version=version, replicas_serving=len(self.fleet.serving),
                                     replicas_out=[f"{r.name}: {r.reason}" for r in out])
         if self.config.verify != "off":
-            self._verify(self.step - 1)
+            self._verify()
 
     def _next_version(self) -> str:
         return str(self.global_steps) if self.global_steps is not None else str(self.step)
@@ -635,15 +637,12 @@ class FSDPShardingManager:
             self.fleet.reinstate(rep, version)
         return True
 
-    def _verify(self, step: int) -> None:
+    def _verify(self) -> None:
         """`SyncConfig.verify`: compare what the engines now serve with the trainer's tensors
         (`fsdp_sync.verify`); a mismatch raises the same `SyncError` on every rank."""
-        from .verify import verify_engines
-
-        if self.global_steps is not None:     # "sample" rotates with the run, not this manager
-            step = int(self.global_steps)
-        try:
-            err, figures = verify_engines(self.module, self.config, self.engines, step)
+        try:    # "sample": this manager's turns (`verify.SampleTurns`), from the run's step
+            err, figures = verify_engines(self.module, self.config, self.engines,
+                                          self.sample_turns.next(self.global_steps))
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err, figures = f"{type(exc).__name__}: {exc}", {}
         self.stats.extra.update(figures)

@@ -24,11 +24,15 @@ disk), on every trainer rank:
    check off.
 
 Modes: ``"full"``: every exported tensor. ``"sample"``: a rotating subset, tensor ``i`` (export
-order) at syncs ``s`` with ``i % m == s % m`` where ``m = min(SAMPLE_EVERY, tensors)``: about one
+order) at turn ``s`` with ``i % m == s % m`` where ``m = min(SAMPLE_EVERY, tensors)``: about one
 tensor in eight per sync, deterministic, the same on every rank, and every tensor covered within
-eight consecutive syncs. ``s`` is the manager's ``global_steps`` when the caller sets it (the run's
-step, so a job that rebuilds its manager still rotates), else the manager's own sync count. ``"off"`` (default): nothing; a verified sync costs another export and
-hashing on both sides (the bench's ``--verify`` reports the seconds).
+eight consecutive verified syncs of one manager. The turn is the manager's count of verified
+syncs, offset by its ``global_steps`` at its first one (0 when unset; `SampleTurns`): a job that
+rebuilds its manager every step (``global_steps`` up by one) still rotates, and one whose
+``global_steps`` goes up by 2, 4 or 8 per sync still reaches every tensor (a turn of
+``global_steps`` itself would visit only the even, or every fourth, eighth). ``"off"`` (default):
+nothing; a verified sync costs another export and hashing on both sides (the bench's
+``--verify`` reports the seconds).
 
 SGLang (`engines.sglang.SGLangEngine.weight_checksums`, an HTTP server): SGLang 0.5.23's ``POST
 /weights_checker`` ``{"action": "checksum"}`` answers, per TP rank, a hash of each of its *own*
@@ -70,7 +74,7 @@ from .topology import cpu_group
 from .engines.base import checksum_named_tensors
 from .weights.layout import TPLayout, layout_for, rank_digest
 
-__all__ = ["SAMPLE_EVERY", "select", "tensor_digest", "trainer_tensors", "first_difference",
+__all__ = ["SAMPLE_EVERY", "SampleTurns", "select", "tensor_digest", "trainer_tensors", "first_difference",
            "verify_engines", "digests", "check_sent", "SentDigests", "SentToSGLang", "sent_record"]
 
 SAMPLE_EVERY = 8
@@ -91,6 +95,23 @@ def select(names: list[str], mode: str, step: int) -> list[str]:
         raise ValueError(f"verify must be 'off', 'sample' or 'full', got {mode!r}")
     m = min(SAMPLE_EVERY, len(names))
     return [n for i, n in enumerate(names) if i % m == step % m]
+
+
+class SampleTurns:
+    """The ``"sample"`` turn of each verified sync of one manager (`select`'s ``step``): ``start +
+    count``, ``start`` the run's ``global_steps`` at the first (0 when unset), ``count`` the
+    verified syncs before this one, a failed one included (module docstring)."""
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+        self.count = 0
+
+    def next(self, global_steps: Any = None) -> int:
+        """The turn of the verify about to run; counts it."""
+        if self.start is None:
+            self.start = int(global_steps) if global_steps is not None else 0
+        turn, self.count = self.start + self.count, self.count + 1
+        return turn
 
 
 def _device(module: torch.nn.Module) -> torch.device:

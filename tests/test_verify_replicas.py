@@ -149,3 +149,53 @@ def test_message_reads_the_failing_ranks_own_pieces():
         eng.update_weights_from_tensor([(NORM, vals)], load_format="direct")
         err, _ = verify_engines(module, SyncConfig(verify="full", dtype=torch.float32), [eng], 0)
     assert err is not None and "TP rank 1's piece" in err and "flat index 3" in err, err
+
+
+class _CorruptAfterLoad:
+    """An engine that, after every checkpoint it loads (the disk method's commit), has one tensor
+    altered (one element + 1)."""
+
+    def __init__(self, engine, name):
+        self.engine, self.name = engine, name
+
+    def __getattr__(self, attr):
+        return getattr(self.engine, attr)
+
+    def update_weights_from_disk(self, *args, **kw):
+        out = self.engine.update_weights_from_disk(*args, **kw)
+        bad = self.engine.get_weights_by_name(self.name).clone()
+        bad.view(-1)[0] += 1.0
+        self.engine.update_weights_from_tensor([(self.name, bad)], flush_cache=False)
+        return out
+
+
+def test_sample_reaches_every_tensor_when_global_steps_skips(tmp_path):
+    """One manager, ``global_steps`` up by two per sync (0, 2, …, 14): a tensor at an odd export
+    index, wrong after every load, is named within eight syncs (before: the turn was
+    ``global_steps``, so only the even eighths were ever checked and all 8 syncs passed)."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.verify import SAMPLE_EVERY
+
+    cfg = load_config("tiny")
+    module = build_model(cfg, seed=0)
+    names = [n for n, _ in module.named_parameters()]
+    assert len(names) >= SAMPLE_EVERY
+    wrong = names[3]
+    with ReferenceEngine(model_config=cfg, tp_size=1, kv_cache_tokens=64, dtype=torch.float32) as eng:
+        m = FSDPShardingManager(module, _CorruptAfterLoad(eng, wrong), config=SyncConfig(
+            method="disk", disk_dir=str(tmp_path), verify="sample", dtype=torch.float32))
+        caught = []
+        try:
+            for k in range(SAMPLE_EVERY):
+                m.global_steps = 2 * k
+                try:
+                    with m:
+                        pass
+                except SyncError as exc:
+                    caught.append((k, str(exc)))
+                    break
+        finally:
+            m.close()
+    assert caught and wrong in caught[0][1], caught
+    assert caught[0][0] == 3, caught        # the turns run 0, 1, 2, 3 from global_steps 0
