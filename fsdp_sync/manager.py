@@ -36,6 +36,7 @@ from .config import SyncConfig
 from .faultpoint import fault_point
 from . import fleet
 from .fleet import Fleet
+from .manager_rng import RolloutRng
 from .memory import Timeline, empty_cache
 from .topology import SyncError, cpu_group, SyncTopology, agree, let_go_of_frames
 from .transport import SyncContext, SyncStats, make_transport
@@ -111,14 +112,10 @@ class FSDPShardingManager:
         self._inside = False
         self._failed: tuple[str, str] | None = None   # an unsettled stage's failure (`_run`)
         self._modes: dict[torch.nn.Module, bool] | None = None   # each submodule's train/eval at entry
-        self._trainer_rng: tuple | None = None
         self._offloaded: dict[str, torch.device] = {}
         self._tp_sizes: list[int] | None = None      # per-TP-rank batch sizes of preprocess_data
         # generation RNG: seeded by dp rank, hence equal on every TP rank of a group
-        saved = self._get_rng()
-        torch.manual_seed(self.config.seed + (self.topo.dp_rank if self.topo is not None else self.rank))
-        self._gen_rng = self._get_rng()
-        self._set_rng(saved)
+        self._rng = RolloutRng(self.config.seed + (self.topo.dp_rank if self.topo is not None else self.rank))
         _open.add(self)
 
     @property
@@ -217,11 +214,7 @@ class FSDPShardingManager:
         self.module.eval()
 
     def _swap_rng(self) -> None:
-        if self._trainer_rng is None:
-            self._trainer_rng = self._get_rng()
-        else:       # the last block's restore_rng did not run: the trainer's is still kept, and
-            self._gen_rng = self._get_rng()     # the live stream is the generation one
-        self._set_rng(self._gen_rng)
+        self._rng.swap()
 
     def _resume(self, tags: list[str] | None) -> None:
         tags = lora_sync.memory_tags(self.config, tags)   # lora="adapter": the KV cache only
@@ -263,7 +256,7 @@ class FSDPShardingManager:
         errors: list[BaseException] = []
         for name, fn in (("release_memory", self._release if release else (lambda: None)),
                          ("restore_module", self._restore_module),
-                         ("restore_rng", self._restore_rng)):
+                         ("restore_rng", self._rng.restore)):
             try:
                 with self.timeline.stage(name):
                     fault_point("trainer", self.rank, name)
@@ -293,23 +286,6 @@ class FSDPShardingManager:
             m.training = training
         self._reload_params()
         empty_cache()
-
-    def _restore_rng(self) -> None:
-        if self._trainer_rng is not None:
-            self._gen_rng = self._get_rng()
-            self._set_rng(self._trainer_rng)
-            self._trainer_rng = None
-
-    @staticmethod
-    def _get_rng() -> tuple:
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return torch.get_rng_state(), cuda
-
-    @staticmethod
-    def _set_rng(state: tuple) -> None:
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1])
 
     # ------------------------------------------------------------------ the sync
     def _check_coverage(self) -> None:

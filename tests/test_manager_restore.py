@@ -6,7 +6,9 @@ method, one reference engine):
   on a clean exit and when the body raised;
 - after an exit stage failed (injected with FSDP_SYNC_FAULT), the next block finishes that restore
   instead of adopting the broken state as the trainer's: the modes of the block before, and the
-  trainer's RNG stream (the next block overwrote it with the generation stream, for good).
+  trainer's RNG stream (the next block overwrote it with the generation stream, for good);
+- making a manager leaves the trainer's RNG alone: its CPU state, the CUDA seed torch queued for
+  CUDA's lazy initialization and (CUDA initialized) every device's generator.
 """
 
 from __future__ import annotations
@@ -82,5 +84,59 @@ def test_the_next_block_finishes_a_restore_that_failed(stage, engine, tmp_path, 
             pass
         assert _modes(module) == modes
         assert torch.equal(torch.get_rng_state(), trainer_rng)
+    finally:
+        manager.close()
+
+
+def _queued_cuda_seeds() -> list:
+    """The seeds torch queued for CUDA's lazy initialization (``torch.manual_seed`` before CUDA
+    starts): what the trainer's CUDA generators will be seeded with."""
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    return [] if tracker is None else list(tracker.get_calls())
+
+
+def test_making_a_manager_leaves_the_trainers_rng_alone(engine, tmp_path):
+    """The constructor makes the generation stream without seeding torch: the trainer's CPU state
+    and the CUDA seed it queued are what they were (before: ``torch.manual_seed(seed + rank)``
+    queued 1000 for every CUDA device in place of the trainer's 1234, and put back the CPU state
+    alone). Inside the block the stream is still ``SyncConfig.seed + rank``'s, carried over from
+    block to block, and the trainer's goes on after it."""
+    module = build_model(load_config("tiny"), seed=0)
+    torch.manual_seed(1234)                      # the trainer's seed (queued for CUDA too)
+    queued, cpu = _queued_cuda_seeds(), torch.get_rng_state()
+    assert torch.cuda.is_initialized() or queued, "torch queues no CUDA seed here: nothing to test"
+    manager = FSDPShardingManager(module, engine, config=SyncConfig(method="disk", disk_dir=str(tmp_path)))
+    try:
+        assert torch.equal(torch.get_rng_state(), cpu)
+        assert _queued_cuda_seeds() == queued
+        trainer = torch.Generator().manual_seed(1234)
+        generation = torch.Generator().manual_seed(SyncConfig().seed + 0)
+        for _ in range(2):
+            with manager:
+                assert torch.equal(torch.rand(4), torch.rand(4, generator=generation))
+            assert torch.equal(torch.rand(3), torch.rand(3, generator=trainer))
+    finally:
+        manager.close()
+
+
+@pytest.mark.gpu
+def test_making_a_manager_leaves_every_cuda_generator_alone(engine, tmp_path):
+    """CUDA initialized: every device's generator is the trainer's after the constructor (before:
+    ``torch.manual_seed`` reseeded them all and the current device's alone was put back); inside
+    the block the current device draws ``SyncConfig.seed + rank``'s stream, as before."""
+    module = build_model(load_config("tiny"), seed=0)
+    torch.cuda.init()
+    torch.manual_seed(1234)
+    states = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    manager = FSDPShardingManager(module, engine, config=SyncConfig(method="disk", disk_dir=str(tmp_path)))
+    try:
+        for i, state in enumerate(states):
+            assert torch.equal(torch.cuda.get_rng_state(i), state), f"cuda:{i}"
+        device = torch.device("cuda", torch.cuda.current_device())
+        generation = torch.Generator(device=device).manual_seed(SyncConfig().seed + 0)
+        with manager:
+            got = torch.rand(4, device=device)
+        assert torch.equal(got, torch.rand(4, device=device, generator=generation))
+        assert torch.equal(torch.cuda.get_rng_state(), states[torch.cuda.current_device()])
     finally:
         manager.close()
