@@ -136,9 +136,7 @@ class FSDPShardingManager:
     def __enter__(self) -> "FSDPShardingManager":
         if self._inside:
             raise RuntimeError("FSDPShardingManager is not re-entrant: already inside its with block")
-        if self.transport is None:
-            raise RuntimeError("this FSDPShardingManager was closed (close(), or interpreter exit): "
-                               "make a new one to sync again")
+        self._refuse_closed("")
         pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe, watch=self.watch)
         if self._modes is None:     # else the last block's restore_module did not run: keep its
@@ -545,6 +543,7 @@ class FSDPShardingManager:
         are that version) it is sent them now; outside (after a failed sync too), the trainer may
         have stepped since, so it rejoins at the next sync (returns False). Returns whether it
         serves now; raises naming the replica if it cannot take updates."""
+        self._refuse_closed("recover: ")
         return self._bring_in(engine, "recover")
 
     def add_engine(self, engine: Any = None) -> bool:
@@ -552,6 +551,7 @@ class FSDPShardingManager:
         0): it is out of service until it holds the current version, brought to it as `recover`
         does, then handed to the router (its /health turns 200). Refused for ``method='tensor'``:
         colocated engines are fixed by placement."""
+        self._refuse_closed("add_engine: ")
         if not self._fleet_mode:
             raise ValueError("add_engine: method='tensor' engines are colocated with the trainer "
                              "ranks, one per infer-TP group, fixed by placement; a new replica "
@@ -577,6 +577,12 @@ class FSDPShardingManager:
         goes to it (the distributed method's update group is made again without it)."""
         if self.rank == 0:
             self.fleet.remove(engine)
+
+    def _refuse_closed(self, what: str) -> None:
+        """Refused before anything moves (the fleet untouched): a closed manager has no transport."""
+        if self.transport is None:
+            raise RuntimeError(f"{what}this FSDPShardingManager was closed (close(), or interpreter "
+                               f"exit): make a new one to sync again")
 
     def _bring_in(self, engine: Any, what: str) -> bool:
         action, rep, reason, version = "serve", None, "", self.version

@@ -183,3 +183,24 @@ def test_disk_replica_brought_in_after_a_failed_commit_gets_what_the_fleet_serve
     finally:
         if c is not None:
             c.shutdown()
+
+
+@pytest.mark.parametrize("how", ["add_engine", "recover"])
+def test_a_closed_manager_refuses_to_bring_a_replica_in(how, setup):
+    """After ``close()``, `add_engine` and `recover` raise what the ``with`` block does ("closed
+    ... make a new one") before touching the fleet: its status is as it was, an engine offered
+    to add_engine still serves, a drained one stays drained (before: AttributeError 'NoneType'
+    object has no attribute 'sync', after add_engine had put the engine in the fleet and told it
+    "joining: waiting for the current weights")."""
+    make, (a, c) = setup
+    module, manager = make("disk", [a, c] if how == "recover" else [a])
+    _sync(manager)
+    if how == "recover":
+        manager.quarantine(c, "drained")
+    manager.close()
+    before = manager.fleet_status()
+    with pytest.raises(RuntimeError, match=r"closed .*make a new one"):
+        getattr(manager, how)(c)
+    assert manager.fleet_status() == before
+    assert c.serving_state == ("drained" if how == "recover" else None)
+    assert a.serving_state is None
