@@ -368,15 +368,16 @@ class FSDPShardingManager:
 
     def _sync_full(self) -> None:
         targets = self._targets()
-        if self._fleet_mode:        # every replica out of service: no version that nobody holds
+        if self._fleet_mode:        # no replica to take it (all out of service, or none left):
             none = self._from_rank0([f"{r.name}: {r.reason}" for r in self.fleet.out_of_service]
-                                    if self.rank == 0 and not targets and self.fleet.replicas else None)
+                                    if self.rank == 0 and not targets else None)   # no version nobody holds
             if none is not None:
                 version = self._next_version()
                 self.step += 1        # counted, as for any failed sync
-                raise SyncError(f"no replica can take version {version!r}: every one is out of "
-                                f"service ({'; '.join(none)}); recover() or add_engine() one, then "
-                                f"sync again") from None
+                why = (f"every one is out of service ({'; '.join(none)}); recover() or add_engine() one"
+                       if none else "the fleet is empty (remove_engine() took out every replica); "
+                       "add_engine() one")
+                raise SyncError(f"no replica can take version {version!r}: {why}, then sync again") from None
         self._check_coverage()
         if self.transport is None:
             raise RuntimeError("the manager was closed; make a new FSDPShardingManager")
@@ -574,7 +575,8 @@ class FSDPShardingManager:
 
     def remove_engine(self, engine: Any = None) -> None:
         """Take a replica out of the fleet (trainer rank 0; a no-op elsewhere): no later sync
-        goes to it (the distributed method's update group is made again without it)."""
+        goes to it (the distributed method's update group is made again without it); a sync with
+        none left is refused, naming `add_engine`."""
         if self.rank == 0:
             self.fleet.remove(engine)
 

@@ -204,3 +204,23 @@ def test_a_closed_manager_refuses_to_bring_a_replica_in(how, setup):
     assert manager.fleet_status() == before
     assert c.serving_state == ("drained" if how == "recover" else None)
     assert a.serving_state is None
+
+
+def test_a_sync_after_every_replica_was_removed_is_refused(setup):
+    """``remove_engine`` took out the last replica: the next sync raises naming add_engine, as
+    one with every replica out of service does, and publishes no version (before: it "succeeded"
+    with engine_calls 0 and published version "1", which no replica holds). Adding one back,
+    the sync after goes through."""
+    from fsdp_sync.topology import SyncError
+
+    make, (a, _) = setup
+    module, manager = make("disk", [a])
+    _sync(manager)
+    manager.remove_engine(a)
+    perturb_(module.parameters())
+    with pytest.raises(SyncError, match=r"no replica can take version '1': the fleet is empty.*add_engine"):
+        _sync(manager)
+    assert manager.fleet_status() == {"version": "0", "replicas": []}
+    assert manager.add_engine(a) is True and a.get_weight_version() == "0"
+    _sync(manager)
+    assert manager.version == a.get_weight_version() == "2" and _served(a) == _trained(module)
