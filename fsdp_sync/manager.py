@@ -8,9 +8,11 @@ On entry it runs named stages in order (each timed and memory-probed into a `Tim
 and on exit: release_memory (kv_cache, weights) → restore_module → restore_rng. The engine-memory
 stages (resume_*, release_memory) do something only for a colocated transport (``method="tensor"``);
 for the disaggregated ones they are empty by that one rule. Engine calls come from the rank that
-holds the engine handles (None on the other ranks); every stage ends with an `agree` collective,
-so a failure on any rank (engine error, bad tensor, dead worker) raises the same `SyncError` on
-every rank instead of leaving ranks blocked.
+holds the engine handles (None on the other ranks); every stage is agreed by an `agree`
+collective, at its end or, for ``prepare``, ``offload_params`` and ``resume_kv_cache`` (none of
+their own), at the next stage's, and the exit's stages by one at the exit's end; so a failure on
+any rank (engine error, bad tensor, dead worker) raises the same `SyncError` on every rank instead
+of leaving ranks blocked.
 
 The weight sync itself is the transport's (`fsdp_sync.transport`, by `SyncConfig.method`): ``tensor``,
 ``distributed`` or ``disk``. The manager counts syncs (``step``) and closes the transport (`close`).
