@@ -10,6 +10,8 @@ the disk run with FSDP1: one run each covers the plain CLI path and issue 35's N
 
 from __future__ import annotations
 
+import re
+
 import json
 import os
 import sys
@@ -121,7 +123,9 @@ def test_a_demo_past_its_deadline_is_one_line_and_its_deadline_scales_with_the_w
     err = res.stderr.strip()
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert len(err.splitlines()) == 1 and err.startswith("fsdp-sync demo: error: ranks "), err
-    assert "deadline of demo_rank (--timeout-s 0.5; no step finished: give it more)" in err, err
+    # the ranks are stopped at the deadline; one may finish a step in the seconds a stop takes
+    assert re.search(r"deadline of demo_rank \(--timeout-s 0\.5; (no step finished|1 of 1 steps finished, "
+                     r"shown above): give it more\)", err), err
     from fsdp_sync.cli.demo import DemoOptions, default_timeout_s
 
     three, many = default_timeout_s(DemoOptions(steps=3)), default_timeout_s(DemoOptions(steps=30))

@@ -85,6 +85,6 @@ def test_the_note_of_what_replicas_kept_survives_blaming_a_replica(tmp_path):
     ('... replicas that cannot take updates: ...') from None, dropping the transport error's
     notes: the one saying replica 0 serves the new weights and could not drop them was lost."""
     _, _, manager, said, notes = _failed_disk_sync(tmp_path, _RefusingUnnamed)
-    assert "replicas that cannot take updates: replica 1" in said, said
+    assert "replicas that cannot take updates (quarantined): replica 1" in said, said
     assert any("could not drop" in n and "replica 0" in n for n in notes), (said, notes)
     manager.close()

@@ -132,7 +132,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             except queue.Empty:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(got))
-                    failure = f"ranks {missing} passed the {timeout_s:.0f}s deadline of {fn.__name__}"
+                    failure = f"ranks {missing} passed the {timeout_s:g}s deadline of {fn.__name__}"
                     break
                 dead = [r for r, p in enumerate(procs)
                         if r not in got and p.exitcode is not None and p.exitcode != 0]
