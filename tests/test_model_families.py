@@ -184,6 +184,40 @@ def test_sglang_verify_names_a_weight_no_sync_writes():
     assert err is not None and said in err, err
 
 
+def test_sglang_sent_record_names_a_parameter_wrong_on_one_tp_rank():
+    """A streaming sender's record (`SentToSGLang`, verl's adapter) against /weights_checker: all
+    hashes as sent, clean; one synced parameter's hash off on TP rank 1 only is named with that
+    rank (and rank 0, still right, is not)."""
+    from fsdp_sync.engines.sglang import checksums
+    from fsdp_sync.verify import SentToSGLang
+    from fsdp_sync.weights import export
+    from fsdp_sync.weights.layout import layout_for
+
+    from fsdp_sync.models import build_model, load_config
+
+    module = build_model(load_config("tiny-qwen3-moe"), seed=3)      # untied: every weight synced
+    full = list(export.iter_params(module))
+    ranks = [{"checksums": {}, "parallelism_info": {"tp_rank": r, "tp_size": 2}} for r in range(2)]
+    for name, per_rank in checksums.expected_checksums(layout_for(module.config, 2), full):
+        for r, h in enumerate(per_rank):
+            ranks[r]["checksums"][name] = h
+    server = types.SimpleNamespace(server_info=lambda: {"device": "cpu"},
+                                   weights_checker=lambda action: {"ranks": ranks})
+
+    def check():
+        sent = SentToSGLang(server, "full", 0, hf_config=module.config, tp_size=2)
+        for n, t in full:
+            sent.add(n, t)
+        return sent.check(server)[0]
+
+    assert check() is None
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    ranks[1]["checksums"][qkv] = "0" * 64
+    err = check()
+    assert err is not None and f"{qkv!r} on TP rank 1: SGLang hashes {'0' * 64}" in err, err
+    assert "TP rank 0" not in err and "more)" not in err, err
+
+
 # --------------------------------------------------------------------------- Hub checkpoints on disk
 
 def _hub_checkpoint(path, model, extra=(), **kw):
