@@ -7,7 +7,8 @@ tensor rebuilt from the ranks happens to show.
   1's copy overwrote rank 0's in `lora_tensors` and verify passed).
 - Full-tensor digests (`ReferenceEngine.tensor_checksums`, what ``fsdp-sync serve`` answers and
   `verify.check_sent` reads): a norm wrong on TP rank 1 only gives a checksum that cannot match
-  (before: the digest was of the owner's pieces only).
+  (before: the digest was of the owner's pieces only), and so does a KV head replicated over TP
+  ranks (``num_key_value_heads=1``, TP 2) wrong on its owner.
 """
 
 from __future__ import annotations
@@ -98,6 +99,31 @@ def test_tensor_checksums_see_a_replica_wrong_on_one_rank():
         with EngineServer(eng) as server:       # fsdp-sync serve's checksum route, as verl reads it
             err = check_sent(SGLangEngine(base_url=server.url), sent, "full", 0)[0]
         assert err is not None and NORM in err and "TP rank 1" in err, err
+
+
+def test_tensor_checksums_see_a_replicated_kv_head_wrong_on_its_owner():
+    """One KV head over TP 2 (``num_key_value_heads=1``): both ranks hold the k rows, rank 0 the
+    owner's copy. A k row wrong on rank 0 only gives a checksum that cannot match, named as a
+    replica mismatch of k_proj. The layout must mark rank 1 a non-owner of the k rows: were
+    every rank an owner, no copy would be compared with another and the full tensor rebuilt
+    from rank 1's good copy would hash as the trainer's (the CPU suite only had a norm)."""
+    cfg = load_config("tiny", num_key_value_heads=1)
+    module = build_model(cfg, seed=0)
+    full = {n: p.detach().clone() for n, p in module.named_parameters()}
+    qkv, k = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.k_proj.weight"
+    with ReferenceEngine(model_config=cfg, tp_size=2, seed=3, dtype=torch.float32) as eng:
+        assert eng.layout.kv_replicas == 2
+        eng.update_weights_from_tensor(list(full.items()))
+        sent = {n: tensor_digest(n, t) for n, t in full.items()}
+        assert check_sent(eng, sent, "full", 0)[0] is None
+        ql = eng.layout.q_local * eng.layout.spec.head_dim
+        vals = [shard_state_dict(full, eng.layout, r)[qkv].clone() for r in range(2)]
+        vals[0][ql, 0] += 1.0               # the first row of rank 0's k part: the shared KV head
+        eng.update_weights_from_tensor([(qkv, vals)], load_format="direct")
+        err = check_sent(eng, sent, "full", 0)[0]
+        assert err is not None and repr(k) in err and "replica mismatch" in err, err
+        assert "1 of" in err, err                               # q and v still match
+        assert eng.tensor_checksums([k])[k] != sent[k]
 
 
 def test_sample_rotates_with_global_steps(tmp_path):
