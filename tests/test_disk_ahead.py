@@ -9,7 +9,8 @@ early ones (or after it hashed it) is refused naming the file, nothing is applie
 weights serve, no file stays open in a worker; a file told before it was complete, or one of
 another directory, is hashed again at the load and loads right; files told under a temp name that
 is published meanwhile are still found and taken; files of a version never loaded are closed by
-the next update of any kind.
+the next update of any kind; a file that is the very file hashed ahead but hashed to another
+digest than its manifest's is refused, not taken.
 """
 
 from __future__ import annotations
@@ -242,5 +243,51 @@ def test_a_file_told_too_early_or_from_another_directory_is_hashed_at_the_load(t
         _scale(module, 0.5)
         engine.update_weights_from_tensor(list(module.state_dict().items()))
         assert engine.weights_checksum() == checksum_named_tensors(module.state_dict().items())
+        for pid in engine.worker_pids:
+            assert fds_under(pid, str(tmp_path)) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_file_hashed_ahead_to_another_digest_than_the_manifests_is_refused(tmp_path):
+    """A file told ahead is the very file the load opens (same inode, size, mtime) but hashed to
+    a digest other than the manifest's (its bytes changed before the engine hashed it): the load
+    hashes nothing more, it refuses the file with a checksum mismatch, nothing is applied."""
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.engines.base import EngineError, checksum_named_tensors
+    from fsdp_sync.models import build_model, load_config
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny")
+    module = build_model(cfg, seed=8)
+    d = str(tmp_path / "v")
+    with ReferenceEngine(model_config=cfg, tp_size=2, dtype=torch.float32) as engine:
+        kept = str(tmp_path / "kept")
+        shutil.copytree(_sync(module, [engine], d, 0, bucket_bytes=64 << 10).extra["path"], kept)
+        _scale(module, 0.5)
+        _sync(module, [engine], d, 1, bucket_bytes=64 << 10)
+        served = engine.weights_checksum()
+        assert served == checksum_named_tensors(module.state_dict().items())
+        files = sorted(f for f in os.listdir(kept) if f.startswith("model-rank-"))
+        for bad in (False, True):                        # the version of step 0, told ahead
+            tmp = os.path.join(d, f".step_{8 + bad}.tmp-0123456789ab")
+            final = os.path.join(d, f"step_{8 + bad}")
+            shutil.copytree(kept, tmp)
+            victim = next(f for f in files if f.startswith("model-rank-1-"))
+            if bad:
+                _flip(os.path.join(tmp, victim))         # before the hash: the stamp is the file's
+            engine.hash_files_ahead(tmp, files, "xxh3_128", published=final)
+            engine.weights_checksum()                    # a round trip: every worker hashed its files
+            os.rename(tmp, final)
+            if not bad:
+                engine.update_weights_from_disk(final)
+                assert engine.disk_seconds["files_hashed_ahead"] == len(files), engine.disk_seconds
+                assert engine.weights_checksum() != served
+                engine.update_weights_from_tensor(list(module.state_dict().items()))
+                assert engine.weights_checksum() == served
+                continue
+            with pytest.raises(EngineError, match="checksum mismatch") as info:
+                engine.update_weights_from_disk(final)
+            assert victim in str(info.value), str(info.value)
+            assert engine.weights_checksum() == served   # nothing applied: the old weights serve
         for pid in engine.worker_pids:
             assert fds_under(pid, str(tmp_path)) == []
