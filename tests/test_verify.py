@@ -320,3 +320,75 @@ def test_streamed_verify_against_served_engine_names_the_stale_tensor():
         assert (WRONG in select(names, "sample", 1)) == (err is not None)
         err, _ = check_sent(client, {**sent, "model.nope": "x"}, "full", 0)
         assert err and "cannot be verified" in err and "model.nope" in err
+
+
+# --------------------------------------------------------------------------- engines that answer short
+
+def test_tensor_digest_covers_dtype_and_shape_not_only_bytes():
+    """Two tensors with the same name and bytes but another shape or dtype are different weights
+    (a transposed-shape load, a dtype mix-up): their digests must differ."""
+    from fsdp_sync.engines.base import checksum_named_tensors
+
+    t = torch.arange(6, dtype=torch.float32)
+    one = checksum_named_tensors([("w", t)])
+    assert one == checksum_named_tensors([("w", t.clone())])
+    assert one != checksum_named_tensors([("w", t.view(2, 3))])
+    assert checksum_named_tensors([("w", t.view(2, 3))]) != checksum_named_tensors([("w", t.view(3, 2))])
+    assert one != checksum_named_tensors([("w", t.view(torch.int32))])
+    assert one != checksum_named_tensors([("v", t)])
+
+
+class _ShortChecksums:
+    """An engine whose ``tensor_checksums`` silently leaves one requested name out."""
+
+    def __init__(self, full: dict, drop: str):
+        self.full, self.drop = full, drop
+
+    def tensor_checksums(self, names):
+        from fsdp_sync.verify import tensor_digest
+
+        return {n: tensor_digest(n, self.full[n]) for n in names if n != self.drop}
+
+
+def test_check_sent_names_a_tensor_the_engine_does_not_report():
+    from fsdp_sync.verify import check_sent, tensor_digest
+
+    full = {f"t{i}": torch.full((3,), float(i)) for i in range(4)}
+    sent = {n: tensor_digest(n, t) for n, t in full.items()}
+    assert check_sent(_ShortChecksums(full, "none"), sent, "full", 0)[0] is None
+    err, fig = check_sent(_ShortChecksums(full, "t2"), sent, "full", 5)
+    assert err is not None and fig["verify_tensors"] == 4, err
+    assert "after sync 5" in err and "1 of 4" in err and "first 't2'" in err, err
+    assert "1 not reported at all, e.g. 't2'" in err, err
+
+
+def test_rank_digests_with_too_few_ranks_fail_verify():
+    """A ``rank_digests`` answer with one digest per tensor from a TP-2 engine (one rank's reply
+    lost) is not a match, even where that one digest equals rank 0's."""
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.verify import trainer_tensors, verify_engines
+    from fsdp_sync.weights.layout import layout_for, rank_digest
+
+    cfg = load_config("tiny")
+    module = build_model(cfg, seed=0)
+    config = SyncConfig(verify="full", dtype=torch.float32)
+
+    class Stub:
+        tp_size = 2
+        layout = layout_for(cfg, 2)
+
+        def __init__(self, ranks):
+            self.ranks = ranks
+
+        def rank_digests(self, names):
+            full = dict(trainer_tensors(module, config, list(names), every=False))
+            return {n: [rank_digest(self.layout, n, r, lambda pl: full[n][pl.src]) for r in range(self.ranks)]
+                    for n in names}
+
+        def get_weights_by_name(self, name):
+            return dict(module.named_parameters())[name].detach()
+
+    err, fig = verify_engines(module, config, [Stub(2)], 0)
+    assert err is None and fig["verify_tensors"] > 0, err
+    err, _ = verify_engines(module, config, [Stub(1)], 0)
+    assert err is not None and "engine 0 serves 'model.embed_tokens.weight' different" in err, err
