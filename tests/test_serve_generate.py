@@ -2,9 +2,10 @@
 
 Against a TP-2 reference engine loaded with a transformers model's weights: log-probs equal
 ``log_softmax`` of the transformers model's logits at the chosen tokens; ``stream`` gives SGLang's
-SSE chunks ending the same output as the plain call; top-k 1 is greedy; ``n`` samples; ``min_new_tokens``
-and ``stop_token_ids``; ``meta_info`` with id, finish_reason and weight_version; and a client that
-goes away, or ``/abort_request``, ends a long request at its next step so nobody waits for it.
+SSE chunks ending the same output as the plain call; top-k 1 is greedy, top-k 2 draws from the two
+most likely, min_p keeps the most likely; ``n`` samples; ``min_new_tokens`` and ``stop_token_ids``;
+``meta_info`` with id, finish_reason and weight_version; and a client that goes away, or
+``/abort_request``, ends a long request at its next step so nobody waits for it.
 """
 
 from __future__ import annotations
@@ -113,6 +114,43 @@ def test_sampling_parameters_take_effect(server, tiny):
         "max_new_tokens": 3, "temperature": 0, "stop_token_ids": [first], "min_new_tokens": 3}})[1]
     assert len(out["output_ids"]) == 3 and out["output_ids"][0] != first
     assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@torch.no_grad()
+def test_top_k_min_p_and_min_new_tokens_filter_what_is_drawn(server, tiny):
+    """top_k=2 at temperature 1: 64 seeded samples of the first token all come from the two most
+    likely (both seen); min_p=0.99 leaves only the most likely token where the runner-up is under
+    99% of it: greedy; min_new_tokens=3
+    holds a stop token off for exactly the first three tokens (the fourth may be it)."""
+    logits = tiny(input_ids=torch.tensor([PROMPT])).logits[0, -1].float()
+    top = torch.topk(logits, 3)
+    assert float(top.values[1] - top.values[2]) > 1e-3          # no near-tie at the cut
+    status, out = post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 1, "temperature": 1.0, "top_k": 2, "n": 64, "sampling_seed": 11,
+        "ignore_eos": True}})
+    assert status == 200, out
+    drawn = [o["output_ids"][0] for o in out]
+    assert set(drawn) == set(top.indices[:2].tolist()), sorted(set(drawn))
+    greedy = post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})[1]["output_ids"]
+    probs = torch.softmax(tiny(input_ids=torch.tensor([PROMPT + greedy])).logits[0].float(), dim=-1)
+    pairs = torch.topk(probs[len(PROMPT) - 1:len(PROMPT) + 2], 2).values
+    assert (pairs[:, 1] < 0.98 * pairs[:, 0]).all(), pairs    # the tiny model is flat: 3 steps
+    for seed in (1, 2, 3):
+        status, out = post(server, {"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 3, "temperature": 1.0, "min_p": 0.99, "sampling_seed": seed,
+            "ignore_eos": True}})
+        assert status == 200 and out["output_ids"] == greedy[:3], (seed, out)
+    # the stop token is greedy's third: held off there, so the first three are greedy's first two
+    # and another token; at most the fourth may be the stop
+    stop = greedy[2]
+    assert stop not in greedy[:2]
+    out = post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop],
+        "min_new_tokens": 3}})[1]
+    ids = out["output_ids"]
+    assert ids[:2] == greedy[:2] and stop not in ids[:3] and len(ids) >= 4, out
+    assert ids[-1] == stop or len(ids) == 6, out
 
 
 def test_a_tiny_temperature_is_greedy_and_an_unsatisfiable_request_is_refused_alone(server):
