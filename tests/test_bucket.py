@@ -236,3 +236,23 @@ def test_known_metadata_keeps_at_most_its_size():
     known.entries(mds[0])                                          # dropped: checked again
     known.entries(mds[2])
     assert (known.hits, known.misses) == (1, 4)
+
+
+def test_metadata_entries_overlapping_by_one_byte_are_refused():
+    """Two entries sharing only their last/first byte still overlap: a producer that sends
+    [0, 8) and [7, 15) would have the second tensor's load overwrite the first one's last byte."""
+    md = [{"name": "a.weight", "dtype": torch.float32, "shape": (2,), "start_idx": 0, "end_idx": 8},
+          {"name": "b.weight", "dtype": torch.uint8, "shape": (8,), "start_idx": 7, "end_idx": 15}]
+    with pytest.raises(ValueError, match=r"'a.weight' \[0, 8\) and 'b.weight' \[7, 15\) overlap"):
+        bucket.entries_from_metadata(md)
+    md[1]["start_idx"], md[1]["end_idx"] = 8, 16                   # touching, not overlapping
+    assert [(e.start, e.end) for e in bucket.entries_from_metadata(md)] == [(0, 8), (8, 16)]
+
+
+def test_plan_tight_opens_a_bucket_where_the_next_offset_is_misaligned():
+    """SGLang's broadcast layout has no padding: a bf16[3] (6 bytes) then an fp32 cannot share a
+    bucket (the fp32 would start at byte 6), however large the budget."""
+    plan = bucket.plan_tight([TensorMeta("a", torch.bfloat16, (3,)), TensorMeta("b", torch.float32, (2,))],
+                             1 << 20)
+    assert [b.names for b in plan] == [["a"], ["b"]]
+    assert [(e.start, e.end) for b in plan for e in b.entries] == [(0, 6), (0, 8)]
