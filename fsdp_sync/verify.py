@@ -244,8 +244,13 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
             ranks = ""
             if layout is not None:      # one digest per TP rank, of the pieces that rank serves
                 mine = [rank_digest(layout, name, r, lambda pl: t[pl.src]) for r in range(layout.tp)]
+                if len(got[name]) != len(mine):    # an engine that answers for other ranks
+                    err = (f"after sync {step} engine {i} reported {len(got[name])} per-rank digests "
+                           f"of {name!r} where its TP {layout.tp} needs {len(mine)}: it cannot be "
+                           f"verified; set SyncConfig.verify='off' to sync without checking")
+                    break
                 bad = [r for r, (a, b) in enumerate(zip(mine, got[name])) if a != b]
-                if not bad and len(mine) == len(got[name]):
+                if not bad:
                     continue
                 ranks = f" on TP rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
             else:

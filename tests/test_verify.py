@@ -391,4 +391,6 @@ def test_rank_digests_with_too_few_ranks_fail_verify():
     err, fig = verify_engines(module, config, [Stub(2)], 0)
     assert err is None and fig["verify_tensors"] > 0, err
     err, _ = verify_engines(module, config, [Stub(1)], 0)
-    assert err is not None and "engine 0 serves 'model.embed_tokens.weight' different" in err, err
+    # said as what it is: too few digests, not a rank whose bytes differ (it named no rank before)
+    assert err is not None and ("engine 0 reported 1 per-rank digests of 'model.embed_tokens.weight' "
+                                "where its TP 2 needs 2") in err, err
