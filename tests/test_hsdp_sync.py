@@ -40,6 +40,16 @@ def _gathered(model) -> int:
     return sum((p.numel() - p.to_local().numel()) * 4 for p in model.parameters())
 
 
+def _one_sync(manager) -> dict:
+    """One sync (an empty ``with`` block), then close: the sync's ``stats.extra``."""
+    try:
+        with manager:
+            pass
+        return dict(manager.stats.extra)
+    finally:
+        manager.close()
+
+
 def _syncs(rank: int, world: int) -> list[dict]:
     from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
     from fsdp_sync.engines import ReferenceEngine, checksum_named_tensors
@@ -71,13 +81,7 @@ def _syncs(rank: int, world: int) -> list[dict]:
             most[0] = 0
             conf = SyncConfig(layout=layout, free_cache_engine=False, dtype=torch.float32,
                               memory_probe="off", bucket_bytes=64 << 10)
-            manager = FSDPShardingManager(model, engine, mesh=mesh, config=conf)
-            try:
-                with manager:
-                    pass
-                extra = dict(manager.stats.extra)
-            finally:
-                manager.close()
+            extra = _one_sync(FSDPShardingManager(model, engine, mesh=mesh, config=conf))
             rec = {"kind": kind, "layout": layout, "gathered": _gathered(model), "held": most[0],
                    **{k: extra.get(k) for k in ("layout", "reshard_path", "trainer_rank_bytes_in",
                                                 "trainer_rank_bytes_written", "engine_rank_shard_bytes")}}
@@ -157,13 +161,7 @@ def _disaggregated_sync(rank: int, world: int, method: str, tmp: str) -> dict:
                  {"dist_timeout_s": 30.0, "dist_group_name": "hsdp_dist"})
         conf = SyncConfig(method=method, layout="engine", dtype=torch.float32, memory_probe="off",
                           bucket_bytes=64 << 10, **extra)
-        manager = FSDPShardingManager(model, [engine] if engine is not None else None, config=conf)
-        try:
-            with manager:
-                pass
-            extra = dict(manager.stats.extra)
-        finally:
-            manager.close()
+        extra = _one_sync(FSDPShardingManager(model, [engine] if engine is not None else None, config=conf))
         rec = {k: extra.get(k) for k in ("layout", "reshard_path", "trainer_rank_bytes_written")}
         trainer = checksum_named_tensors(export.iter_params(model, dtype=torch.float32))   # collective
         if engine is not None:
