@@ -421,7 +421,7 @@ class SentToSGLang:
             self.expected[engine_name] = [hex_hash(x, self.algorithm) for x in per_rank]
 
     def check(self, engine: Any) -> tuple[str | None, dict]:
-        from .engines.sglang.checksums import rank_reports, unfilled
+        from .engines.sglang.checksums import rank_reports, unfilled, where_on
 
         t0 = time.perf_counter()
         problems: list[str] = []
@@ -433,10 +433,10 @@ class SentToSGLang:
                 "verify": self.mode, "verify_tensors": 0, "verify_s": time.perf_counter() - t0}
         for name, per_rank in self.expected.items():
             for r, want in enumerate(per_rank):
-                for sums in reports[r]:
+                for d, sums in enumerate(reports[r]):
                     got = sums.get(name)
                     if got != want:
-                        problems.append(f"{name!r} on TP rank {r}: " + (
+                        problems.append(f"{name!r} on {where_on(r, d, len(reports[r]))}: " + (
                             "SGLang reports no checksum for it" if got is None else
                             f"SGLang hashes {got}, the sent bytes hash {want} ({self.algorithm})"))
                         break

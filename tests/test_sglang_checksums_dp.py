@@ -55,7 +55,7 @@ def test_a_parameter_wrong_on_dp_replica_1_only_is_named():
     entry = next(e for e in answer["ranks"]
                  if e["parallelism_info"] == {"tp_rank": 1, "tp_size": TP, "dp_rank": 1})
     entry["checksums"][QKV] = "0" * 64                          # DP replica 1, TP rank 1
-    said = f"{QKV!r} on TP rank 1: SGLang hashes {'0' * 64}"
+    said = f"{QKV!r} on TP rank 1 of DP replica 1: SGLang hashes {'0' * 64}"     # (it named no replica)
     got = problems()
     assert len(got) == 1 and got[0].startswith(said), got
     err = sent_check()

@@ -50,7 +50,7 @@ import torch
 from ...weights.layout import TPLayout
 
 __all__ = ["ALGORITHMS", "NON_PERSISTENT", "cpu_hash", "gpu_hash", "hex_hash", "RankParams",
-           "expected_checksums", "rank_reports", "Checker", "unfilled"]
+           "expected_checksums", "rank_reports", "where_on", "Checker", "unfilled"]
 
 NON_PERSISTENT = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
 """Name patterns SGLang's checker never hashes (``_NON_PERSISTENT_BUFFER_PATTERNS``)."""
@@ -233,6 +233,12 @@ def rank_reports(answer: Any, tp_size: int) -> dict[int, list[dict[str, str]]]:
     return out
 
 
+def where_on(tp_rank: int, replica: int, replicas: int) -> str:
+    """``"TP rank r"``, with the data-parallel replica where the server has more than one
+    (`rank_reports` lists each TP rank's replicas in ``dp_rank`` order)."""
+    return f"TP rank {tp_rank}" + (f" of DP replica {replica}" if replicas > 1 else "")
+
+
 class Checker:
     """Compares a ``/weights_checker`` answer with the trainer's tensors, streamed.
 
@@ -260,10 +266,11 @@ class Checker:
             self.checked += 1
             for r, t in enumerate(per_rank):
                 mine: dict[str, str] = {}
-                for sums in self.reports[r]:
+                for d, sums in enumerate(self.reports[r]):
+                    where = where_on(r, d, len(self.reports[r]))
                     got = sums.get(engine)
                     if got is None:
-                        problems.append(f"{engine!r} on TP rank {r}: SGLang reports no checksum for it")
+                        problems.append(f"{engine!r} on {where}: SGLang reports no checksum for it")
                         break
                     for alg in (self.algorithm, *(a for a in ALGORITHMS if a != self.algorithm)):
                         if alg not in mine:
@@ -271,7 +278,7 @@ class Checker:
                         if mine[alg] == got:
                             break
                     else:
-                        problems.append(f"{engine!r} on TP rank {r}: SGLang hashes {got}, the "
+                        problems.append(f"{engine!r} on {where}: SGLang hashes {got}, the "
                                         f"trainer's bytes hash {mine[self.algorithm]} ({self.algorithm})")
                         break
         return problems
