@@ -227,7 +227,9 @@ class SyncConfig:
         version k finish on version k+1, their ``weight_versions`` spans say which tokens came from
         which; no update flushes the cache then, as SGLang refuses that flush while requests are
         held: 0.5.23 fails the update, its weights loaded, and 0.5.12's server dies. The disk
-        method with an in-process ``sglang.Engine``, whose disk load always flushes, is refused).
+        method with an in-process ``sglang.Engine``, whose disk load always flushes, is refused;
+        ``retract``: against SGLang before 0.5.21, whose flush fails while the retracted requests
+        wait and whose scheduler then dies, refused before the pause and before any weights are sent).
     lora: ``"off"`` (default: a module holding LoRA tensors is refused) or ``"adapter"``: a
         peft-wrapped model (or one with peft-named ``base_layer`` / ``lora_A`` / ``lora_B``
         parameters) is synced as SGLang serves LoRA: the base weights once (``.base_layer.``

@@ -10,8 +10,10 @@ of the trainer's changed (`math_key`) (``engine.config``: the reference
 engine does; an SGLang server does not report its config, so it is not checked), in
 `check_engine`, which also compares the engine's TP with the mesh's and its quantization with the
 sync's, and asks the engine whether it would load the sync wrongly (`load_refusal`: SGLang's Llama
-loader drops block-FP8 scales on every path but fsdp_sync's per-rank loader) and whether SGLang
-would serve the model other than the trainer computes it (`served_refusal`: a tied MoE model).
+loader drops block-FP8 scales on every path but fsdp_sync's per-rank loader), whether its release
+can run the sync's `SyncConfig` values at all (`sync_refusal`: a ``"retract"`` pause against an
+SGLang whose scheduler dies of the sync's cache flush) and whether SGLang would serve the model
+other than the trainer computes it (`served_refusal`: a tied MoE model).
 
 Floats compare exactly: these are configuration values, not computed ones. A key missing on one
 side and present on the other counts as a difference (unless the side that has it holds the
@@ -26,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "check_engine", "model_config", "math_key",
-           "through_own_loader", "load_refusal", "served_refusal"]
+           "through_own_loader", "load_refusal", "sync_refusal", "served_refusal"]
 
 MATH_KEYS = (
     # sizes (shapes catch most, but not a transposed split of equal products)
@@ -125,7 +127,8 @@ def check_engine(module: Any, engine: Any, config: Any, topo: Any, *, where: str
     values and what to change: the tensor method's engine runs the mesh's infer-TP size (infer-TP
     rank r makes engine TP rank r's payload: otherwise the engine refuses the first bucket for
     its count of payloads, after the wake-up and a gather), it serves the sync's quantization,
-    and its model config computes what the trainer's does (`check_configs`)."""
+    its release can run the sync (`sync_refusal`, before the manager pauses anything) and its
+    model config computes what the trainer's does (`check_configs`)."""
     tp = getattr(engine, "tp_size", None)
     if config.method == "tensor" and topo is not None and isinstance(tp, int) and tp != topo.tp_size:
         raise ValueError(f"the engine runs TP {tp} but the mesh's infer_tp has {topo.tp_size} rank(s): "
@@ -138,7 +141,8 @@ def check_engine(module: Any, engine: Any, config: Any, topo: Any, *, where: str
                          f"{want!r}: a sync would send weights in a format the engine does not "
                          f"hold; set SyncConfig.quantization={held!r} or start the engine with "
                          f"quantization={want!r} ({where})")
-    why = load_refusal(module, engine, config) or served_refusal(module, engine)
+    why = (load_refusal(module, engine, config) or sync_refusal(engine, config)
+           or served_refusal(module, engine))
     if why:
         raise ValueError(f"{why} ({where})")
     mine, theirs = model_config(module), getattr(engine, "config", None)
@@ -182,3 +186,14 @@ def load_refusal(module: Any, engine: Any, config: Any) -> str | None:
         return None
     model_type = getattr(model_config(module), "model_type", None)
     return ask(quantization, model_type, own_loader=through_own_loader(config, engine))
+
+
+def sync_refusal(engine: Any, config: Any) -> str | None:
+    """The engine's own word (``engine.sync_refusal(pause_mode=, verify=)``, where it has one:
+    `SGLangEngine`) on `SyncConfig` values its release cannot run, e.g. ``pause_mode="retract"``
+    against an SGLang whose scheduler dies of the flush the sync's update asks for; None where it
+    has none or can run them."""
+    ask = getattr(engine, "sync_refusal", None)
+    if not callable(ask):
+        return None
+    return ask(pause_mode=getattr(config, "pause_mode", None), verify=getattr(config, "verify", "off"))

@@ -7,6 +7,9 @@ not flushed ..." (``weight_updater.flush_cache_after_weight_update``), 0.5.12's 
 and the server dies. The tensor method sent ``flush_cache=True`` with its last bucket and the disk
 method left SGLang's default (True), so every such sync failed, claiming partly new weights though
 all were loaded. An in-process ``sglang.Engine`` always flushes after a disk load: refused up front.
+
+``pause_mode="retract"`` against SGLang before 0.5.21: the pause re-queues the running requests,
+a flush then fails and the update's flush kills the server; refused before the pause.
 """
 
 from __future__ import annotations
@@ -190,3 +193,87 @@ def test_distributed_flushes_with_its_last_update_not_after_the_commit(pause_mod
             assert eng.flushes == [False] * (len(eng.flushes) - 1) + [pause_mode is None], eng.flushes
         finally:
             manager.close()
+
+
+class _Retract:
+    """SGLang's ``pause_generation(mode="retract")`` with one request decoding: it moves to the
+    scheduler's waiting queue (0.5.12 ``scheduler.py`` ``pause_generation``). Before 0.5.21 a flush
+    needs that queue empty (``is_fully_idle``), and an update's failed flush is an ``assert`` in
+    the scheduler: the server dies, every later call fails. 0.5.21 on ignore the queue while paused."""
+
+    paused, waiting, dead = None, 0, None
+    FLUSH_IGNORES_WAITING = False
+
+    def pause_generation(self, mode="abort"):
+        self._record("pause_generation", mode=mode)
+        self.paused, self.waiting = mode, int(mode == "retract")
+
+    def continue_generation(self):
+        self._record("continue_generation")
+        self.paused, self.waiting = None, 0
+
+    def update_weights_from_disk(self, model_path, load_format=None, flush_cache=True):
+        if self.dead:
+            raise RuntimeError(self.dead)
+        out = super().update_weights_from_disk(model_path, load_format)
+        if flush_cache and self.waiting and not (self.paused and self.FLUSH_IGNORES_WAITING):
+            self.dead = "AssertionError('Cache flush failed after updating weights'): the server quit"
+            raise RuntimeError(self.dead)
+        return out
+
+
+class Retract0512(_Retract, fake.Fake0512Engine):
+    pass
+
+
+class Retract0520(_Retract, fake.OldFakeSGLangEngine):
+    pass
+
+
+class Retract0523(_Retract, fake.FakeSGLangEngine):
+    FLUSH_IGNORES_WAITING = True
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("version", ["0.5.12", "0.5.20", "0.5.23"])
+def test_retract_pause_refused_before_anything_where_the_flush_kills_sglang(version, tmp_path):
+    """Before: ``pause_mode="retract"`` against SGLang 0.5.12 (and 0.5.20) paused the server, the
+    sync's last update asked for a flush, which failed on the retracted requests waiting, and the
+    scheduler asserted: the server died (tensor, disk and distributed alike). Now the first sync is
+    refused before the pause and before any file is written or update sent, naming the release and
+    what to do; 0.5.23, whose flush ignores the waiting queue while paused, syncs as before."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.engines.sglang import SGLangEngine
+    from fsdp_sync.models import build_model, load_config
+
+    module = build_model(load_config("tiny"), seed=0)
+    srv = (fake.FakeSGLangServer(tp_size=1, version="0.5.12") if version == "0.5.12" else
+           fake.FakeSGLangServer(tp_size=1, session_routes=version != "0.5.20"))
+    engine_cls = {"0.5.12": Retract0512, "0.5.20": Retract0520, "0.5.23": Retract0523}[version]
+    srv.engine = engine_cls(tp_size=1)
+    cfg = SyncConfig(method="disk", disk_dir=str(tmp_path), pause_mode="retract", verify="off",
+                     memory_probe="off")
+    err, eng = None, srv.engine
+    with srv:
+        manager = FSDPShardingManager(module, SGLangEngine(srv.url, timeout_s=10), config=cfg)
+        try:
+            with manager:
+                pass
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            err = f"{type(exc).__name__}: {exc}"
+        finally:
+            manager.close()
+        hits = dict(srv.hits)
+    assert eng.dead is None, (version, eng.dead)
+    if version == "0.5.23":
+        assert err is None and manager.version == "0", err
+        calls = [c for c, _ in eng.calls if c != "get_server_info"]
+        assert calls[0] == "pause_generation" and calls[-1] == "continue_generation", calls
+        (update,) = [b for _, p, b in srv.requests if p == "/update_weights_from_disk"]
+        assert update["flush_cache"] is True, update
+        return
+    assert err and f"pause_mode='retract' against SGLang {version}" in err, err
+    assert "use pause_mode='abort' or None" in err and "upgrade SGLang to >=0.5.21" in err, err
+    assert f"SGLang at {srv.url}" in err, err
+    assert "/pause_generation" not in hits and "/update_weights_from_disk" not in hits, hits
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("step_")], list(tmp_path.iterdir())

@@ -36,6 +36,12 @@ def test_feature_table_by_release():
     between = versions.features("0.5.15")             # not read: not guessed
     assert between.lora_tensors_field is None and between.lora_tensors_per_rank is None
     assert (old.distributed_bucket_prechecked, new.distributed_bucket_prechecked) == (False, True)
+    # a flush fails on the requests a retract pause re-queued, and the scheduler dies of it: < 0.5.21
+    assert [f.retract_kills_flush for f in (old, v20, v21, new)] == [True, True, False, False]
+    assert not versions.features(None).retract_kills_flush
+    assert "upgrade SGLang to >=0.5.21" in old.refuse_pause_mode("retract")
+    assert old.refuse_pause_mode("abort") is None and old.refuse_pause_mode(None) is None
+    assert new.refuse_pause_mode("retract") is None
     assert versions.parse("0.5.12.post1") == (0, 5, 12) and versions.parse("0.5.23rc0") == (0, 5, 23)
     assert versions.parse("dev") is None and versions.features(None).weight_update_session
     assert versions.reported({"version": "0.5.12"}) == "0.5.12"

@@ -589,6 +589,24 @@ def test_release_table_matches_installed_sglang():
 
 
 @pytest.mark.timeout(60)
+def test_release_table_flush_after_a_retract_pause():
+    """`versions.SGLangFeatures.retract_kills_flush` against the installed scheduler: a retract
+    pause puts the running requests back on the waiting queue (``_add_request_to_queue``), which
+    ``is_fully_idle`` counts; the scheduler's ``flush_cache`` ignores that queue while paused
+    exactly where the table calls a retract pause safe (0.5.21 on), and where it does not, an
+    update's failed flush is an ``assert`` (the server dies: refused before the sync)."""
+    sched = _class_node(SRT / "managers" / "scheduler.py", "Scheduler")
+    fn = {n.name: ast.unparse(n) for n in sched.body if isinstance(n, ast.FunctionDef)}
+    assert "_add_request_to_queue" in fn["pause_generation"] and "retract" in fn["pause_generation"]
+    assert "len(self.waiting_queue) == 0" in fn["is_fully_idle"]
+    assert ("ignore_waiting=self._engine_paused" in fn["flush_cache"]) is not INSTALLED.retract_kills_flush
+    updaters = [SRT / "managers" / "scheduler_update_weights_mixin.py",
+                SRT / "managers" / "scheduler_components" / "weight_updater.py"]
+    src = "".join(p.read_text() for p in updaters if p.exists())
+    assert ("assert flush_cache_success" in src) is INSTALLED.retract_kills_flush, sglang.__version__
+
+
+@pytest.mark.timeout(60)
 def test_sglangs_end_weight_update_ignores_an_abort_field():
     """`SGLangEngine.end_weight_update(abort=True)` sends ``{"abort": true}``, which ``fsdp-sync
     serve`` takes to drop the session. The installed SGLang's request model has no such field and

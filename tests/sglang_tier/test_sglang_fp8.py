@@ -135,9 +135,9 @@ def test_sglang_loader_cuts_the_pieces_we_cut(report):
 
 def test_fsdp_sync_refuses_the_families_whose_scales_sglang_drops(report):
     """`SGLangEngine.load_refusal` refuses block FP8 through SGLang's own loader for exactly the
-    model types whose scales this SGLang left unloaded (`adapter.FP8_SCALES_DROPPED`): a release
+    model types whose scales this SGLang left unloaded (`refusals.FP8_SCALES_DROPPED`): a release
     that stops renaming them, or another family that starts, fails here."""
-    from fsdp_sync.engines.sglang.adapter import FP8_SCALES_DROPPED
+    from fsdp_sync.engines.sglang.refusals import FP8_SCALES_DROPPED
 
     dropped = {m["case"][1].get("model_type", "not llama") for m in report["models"] if m["unloaded_scales"]}
     assert dropped == set(FP8_SCALES_DROPPED)

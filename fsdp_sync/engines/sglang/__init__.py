@@ -3,8 +3,8 @@
 Holds the adapter (`adapter.SGLangEngine`), how it reaches SGLang (`client`: errors, in-process and
 HTTP backends), the CUDA allocator switch around SGLang's memory (`allocator`), the per-rank
 payloads for ``update_weights_from_tensor`` (`payloads`), the custom weight loader SGLang
-imports by name (`loader`) and what differs between SGLang releases (`versions`: 0.5.12, verl
-0.9.1's pin, to 0.5.23).
+imports by name (`loader`), what differs between SGLang releases (`versions`: 0.5.12, verl
+0.9.1's pin, to 0.5.23) and what the adapter refuses before a sync sends anything (`refusals`).
 Not here: the `Engine` protocol (`engines.base`), the built-in engine (`engines.reference`), the
 wire form of a flattened bucket (`fsdp_sync.wire`). ``sglang`` itself is imported lazily, inside
 functions, so importing this package does not pull it in.

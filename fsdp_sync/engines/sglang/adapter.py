@@ -10,7 +10,8 @@ expandable segments off while SGLang holds GPU memory (`allocator`), raises on e
 Memory release and resume by tag (only tags whose state changes, in SGLang's order) come from
 `memory_calls`, generation controls (pause/continue, weight versions, ``fsdp-sync serve``'s
 out-of-service switch) from `control`, SGLang's LoRA calls (load from tensors, unload, the loaded list) from
-`lora`.
+`lora`, and what it refuses before a sync sends anything (a loader or release that would get the
+sync wrong) from `refusals`.
 
 Not here: the per-rank payloads (`payloads`, with their lifetime rule), starting SGLang (the caller
 launches the engine or server), and any import of sglang at import time: sglang is imported lazily,
@@ -41,14 +42,11 @@ from .client import (HttpClient, InProcessClient, MissingMethod, NotFound, SGLan
                      SGLangHTTPError, SGLangUpdateError, check_answer, json_or_text,
                      lease_answered)
 from .payloads import FLATTENED_BUCKET, flattened_bucket_payloads
+from .refusals import Refusals
 from .served_config import served_config
 from . import versions
 
 _UNASKED = object()   # `SGLangEngine.config` not asked yet
-FP8_SCALES_DROPPED = frozenset({"llama"})
-"""``model_type`` values whose SGLang model class (``LlamaForCausalLM``, read in 0.5.23) renames a
-checkpoint's ``weight_scale_inv`` to ``weight_scale`` in ``load_weights``: block FP8 has no such
-parameter, so every block scale is skipped (the sglang tier asserts it: ``test_sglang_fp8``)."""
 
 __all__ = ["SGLangEngine"]
 
@@ -70,7 +68,7 @@ def _local_serialized_tensor_cls():
 
 # --------------------------------------------------------------------------- the adapter
 
-class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient):
+class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Refusals):
     """fsdp_sync's engine protocol over SGLang: an in-process ``sglang.Engine`` or an HTTP server.
 
     ``SGLangEngine(engine)`` wraps an ``sglang.Engine`` (any object with its methods);
@@ -147,30 +145,6 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient):
         self.tp_size: int = int(tp_size) if tp_size is not None else self._ask_tp_size()
 
     # ---------------------------------------------------------------- basics
-
-    def load_refusal(self, quantization: str | None, model_type: str | None, *,
-                     own_loader: bool) -> str | None:
-        """Why SGLang would load a sync of ``quantization`` for a ``model_type`` model wrongly, or
-        None (`config_check.load_refusal` asks it before anything is written or sent).
-        ``own_loader``: the weights reach SGLang's own ``model.load_weights`` (the disk and
-        distributed methods, and the tensor method's full tensors), not fsdp_sync's per-rank loader
-        (`loader`), which loads parameters by engine name. Block FP8 of a Llama model through its
-        own loader loses every scale (`FP8_SCALES_DROPPED`). ``fsdp-sync serve`` (the reference
-        engine behind SGLang's API) loads them: not refused."""
-        if quantization != "fp8" or model_type not in FP8_SCALES_DROPPED or not own_loader:
-            return None
-        if self.serves_tensor_checksums():
-            return None
-        return (f"quantization='fp8' for a {model_type!r} model through SGLang's own load_weights "
-                f"(update_weights_from_disk, update_weights_from_distributed, or "
-                f"update_weights_from_tensor with full tensors): SGLang's LlamaForCausalLM renames "
-                f"every '...weight_scale_inv' to '...weight_scale', a parameter block FP8 does not "
-                f"have, so every block scale would be dropped without a word and the FP8 weights "
-                f"served with the scales SGLang allocated. Use method='tensor' with layout='engine' "
-                f"(or 'auto') and strategy='flattened', SGLang started with --custom-weight-loader "
-                f"fsdp_sync.engines.sglang.loader.load_rank_buckets and "
-                f"SGLangEngine(..., rank_bucket_loader=True) (fsdp_sync's loader loads the scales by "
-                f"name), or quantization=None")
 
     @property
     def reads_may_outlast_answer(self) -> bool:

@@ -40,6 +40,11 @@ that were read, the first one read that has it is named (the change may be older
 - ``LocalSerializedTensor`` lives in ``model_executor.model_runner`` in 0.5.12 and in
   ``model_executor.model_runner_components.weight_updater`` from 0.5.20; a server's payload names
   the path of the server's release (``local_serialized_tensor_module``), not the trainer's.
+- A cache flush while ``pause_generation(mode="retract")`` holds the requests it moved from the
+  running batch to the waiting queue: 0.5.12 and 0.5.20 flush only when the waiting queue is empty
+  too (``Scheduler.is_fully_idle``), so an update sent with ``flush_cache=True`` fails its flush,
+  which the scheduler ``assert``s (``flush_cache_after_weight_update``): the server dies. 0.5.21
+  on ignore the waiting queue while paused (``is_fully_idle(ignore_waiting=self._engine_paused)``).
 - ``GET /get_weight_version`` answers 404 ("deprecated, use /model_info") in 0.5.12 and 0.5.20 and
   is gone from 0.5.21; ``/get_model_info``'s ``weight_version`` is the version in all.
 
@@ -53,7 +58,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CHECKED", "SESSION_SINCE", "CHECKER_SKIP_LIST_SINCE", "LORA_ONE_PAYLOAD_UNTIL",
-           "LORA_PER_RANK_SINCE", "SGLangFeatures", "parse", "features", "reported"]
+           "LORA_PER_RANK_SINCE", "RETRACT_FLUSH_SINCE", "SGLangFeatures", "parse", "features",
+           "reported"]
 
 CHECKED = ("0.5.12", "0.5.23")
 """The releases `make test-sglang` runs fsdp_sync's payloads, receivers and adapter against."""
@@ -62,6 +68,7 @@ SESSION_SINCE = (0, 5, 21)
 CHECKER_SKIP_LIST_SINCE = (0, 5, 21)
 LORA_ONE_PAYLOAD_UNTIL = (0, 5, 12)   # the last release read with one LoRA payload for all ranks
 LORA_PER_RANK_SINCE = (0, 5, 20)      # the first release read with one per TP rank
+RETRACT_FLUSH_SINCE = (0, 5, 21)      # the first release read whose flush survives a retract pause
 
 
 def parse(version: str | None) -> tuple[int, ...] | None:
@@ -88,10 +95,27 @@ class SGLangFeatures:
     local_serialized_tensor_module: str | None = None
     """Where the release keeps ``LocalSerializedTensor`` (per-rank values of a tensor update):
     pickled under this path for a server, whatever the trainer has installed; None: not read."""
+    retract_kills_flush: bool = False
+    """A flush fails while a ``"retract"`` pause holds re-queued requests, and an update's failed
+    flush kills the server (before `RETRACT_FLUSH_SINCE`)."""
 
     @property
     def label(self) -> str:
         return f"SGLang {self.version}" if self.version else "this SGLang server (version not reported)"
+
+    def refuse_pause_mode(self, mode: str | None) -> str | None:
+        """Why a sync paused with ``pause_generation(mode)`` cannot run on this release (None: it
+        can): under ``"retract"`` the sync's update flushes, which kills the server
+        (`retract_kills_flush`)."""
+        if mode != "retract" or not self.retract_kills_flush:
+            return None
+        return (f"pause_mode='retract' against {self.label}: a retract pause moves the running "
+                f"requests to the scheduler's waiting queue, and this release flushes the cache only "
+                f"when that queue is empty, so the sync's update (sent with flush_cache=True, as the "
+                f"old weights' cached KV must go) fails its flush, on which SGLang's scheduler asserts "
+                f"and the server dies; use pause_mode='abort' or None (the update waits for the "
+                f"running requests), or upgrade SGLang to "
+                f">={'.'.join(map(str, RETRACT_FLUSH_SINCE))}")
 
     def refuse_checker_fields(self, fields: set[str] | frozenset[str]) -> str | None:
         """Why this release cannot take ``/weights_checker`` fields ``fields`` (None: it can)."""
@@ -130,7 +154,8 @@ def features(version: str | None) -> SGLangFeatures:
                           weight_update_session=session, weights_checker_fields=checker,
                           lora_tensors_field=lora_field, lora_tensors_per_rank=per_rank,
                           distributed_bucket_prechecked=newest or v >= (0, 5, 23),
-                          local_serialized_tensor_module=local)
+                          local_serialized_tensor_module=local,
+                          retract_kills_flush=not newest and v < RETRACT_FLUSH_SINCE)
 
 
 def reported(server_info: Any) -> str | None:

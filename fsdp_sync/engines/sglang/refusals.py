@@ -1,0 +1,58 @@
+"""What an SGLang server would do wrong with a sync, said before anything is sent: a mixin of
+`adapter.SGLangEngine` (it provides ``features``, ``where`` and ``serves_tensor_checksums``).
+`config_check.check_engine` asks both methods before the first sync with an engine, so the sync
+is refused on every trainer rank before any pause, write or update.
+
+- `load_refusal`: a quantization SGLang's own loader would load wrongly (block FP8 of a Llama
+  model loses every scale: `FP8_SCALES_DROPPED`).
+- `sync_refusal`: `SyncConfig` values the release cannot run (`versions`): a ``"retract"`` pause
+  against a release whose scheduler dies of the sync's cache flush.
+
+Not here: the release table itself (`versions`), refusals of one call's own arguments (the adapter's
+``disk_option_refusal``, `versions.SGLangFeatures.refuse_checker_fields`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["FP8_SCALES_DROPPED", "Refusals"]
+
+FP8_SCALES_DROPPED = frozenset({"llama"})
+"""``model_type`` values whose SGLang model class (``LlamaForCausalLM``, read in 0.5.23) renames a
+checkpoint's ``weight_scale_inv`` to ``weight_scale`` in ``load_weights``: block FP8 has no such
+parameter, so every block scale is skipped (the sglang tier asserts it: ``test_sglang_fp8``)."""
+
+
+class Refusals:
+    """`SGLangEngine`'s answers to `config_check` (see the module docstring)."""
+
+    def load_refusal(self, quantization: str | None, model_type: str | None, *,
+                     own_loader: bool) -> str | None:
+        """Why SGLang would load a sync of ``quantization`` for a ``model_type`` model wrongly, or
+        None (`config_check.load_refusal` asks it before anything is written or sent).
+        ``own_loader``: the weights reach SGLang's own ``model.load_weights`` (the disk and
+        distributed methods, and the tensor method's full tensors), not fsdp_sync's per-rank loader
+        (`loader`), which loads parameters by engine name. Block FP8 of a Llama model through its
+        own loader loses every scale (`FP8_SCALES_DROPPED`). ``fsdp-sync serve`` (the reference
+        engine behind SGLang's API) loads them: not refused."""
+        if quantization != "fp8" or model_type not in FP8_SCALES_DROPPED or not own_loader:
+            return None
+        if self.serves_tensor_checksums():
+            return None
+        return (f"quantization='fp8' for a {model_type!r} model through SGLang's own load_weights "
+                f"(update_weights_from_disk, update_weights_from_distributed, or "
+                f"update_weights_from_tensor with full tensors): SGLang's LlamaForCausalLM renames "
+                f"every '...weight_scale_inv' to '...weight_scale', a parameter block FP8 does not "
+                f"have, so every block scale would be dropped without a word and the FP8 weights "
+                f"served with the scales SGLang allocated. Use method='tensor' with layout='engine' "
+                f"(or 'auto') and strategy='flattened', SGLang started with --custom-weight-loader "
+                f"fsdp_sync.engines.sglang.loader.load_rank_buckets and "
+                f"SGLangEngine(..., rank_bucket_loader=True) (fsdp_sync's loader loads the scales by "
+                f"name), or quantization=None")
+
+    def sync_refusal(self, *, pause_mode: str | None = None, verify: str = "off") -> str | None:
+        """Why this SGLang release cannot run a sync with `SyncConfig`'s ``pause_mode`` and
+        ``verify``, or None (`config_check.sync_refusal` asks it before anything is sent):
+        ``pause_mode="retract"`` where the sync's flush would kill the server
+        (`versions.SGLangFeatures.refuse_pause_mode`)."""
+        why = self.features.refuse_pause_mode(pause_mode)
+        return f"{why} (SGLang{self.where or ' in process'})" if why else None
