@@ -13,7 +13,8 @@
   `Fake0512Engine`: SGLang 0.5.12 (verl 0.9.1's pin): the distributed calls, no session at all.
 - `FakeSGLangServer`: the same engine behind SGLang's HTTP routes, on 127.0.0.1 in a thread, with
   a switch for the begin/end routes (404 on an older server) and scripted failures;
-  ``version="0.5.12"`` answers as 0.5.12 does (no session routes, its narrower /weights_checker).
+  ``version="0.5.12"`` answers as 0.5.12 does (no session routes, its narrower /weights_checker
+  answering TP rank 0 only).
 
 Kept free of pytest: the reader runs as a script in an independent process.
 """
@@ -632,7 +633,8 @@ class FakeSGLangServer:
         """``/weights_checker`` as 0.5.23 answers ``checksum``: per TP rank, a 16-hex hash of each
         of its own tensors (here: the whole tensors the fake holds) and their overall hash. As
         0.5.12: fields beyond ``action`` dropped without a word (FastAPI's dataclass body), the
-        answer without ``per_gpu_checksum``, ``per_engine_checksum`` and ``role``."""
+        answer without ``per_gpu_checksum``, ``per_engine_checksum``, ``role``, and with TP rank
+        0's entry only (only it answers the tokenizer, gathering nothing from the others)."""
         old = self.version == "0.5.12"
         if old:
             body = {k: v for k, v in body.items() if k in self.CHECK_WEIGHTS_FIELDS_0512}
@@ -664,6 +666,7 @@ class FakeSGLangServer:
                                                "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
                                                "rank": r, "size": e.tp_size}})
         if old:
+            ranks = [entry for entry in ranks if entry["parallelism_info"]["tp_rank"] == 0]
             for entry in ranks:
                 del entry["per_gpu_checksum"], entry["parallelism_info"]["role"]
             return 200, "application/json", json.dumps({"success": True, "message": "Success.", "ranks": ranks})

@@ -42,6 +42,11 @@ def test_feature_table_by_release():
     assert "upgrade SGLang to >=0.5.21" in old.refuse_pause_mode("retract")
     assert old.refuse_pause_mode("abort") is None and old.refuse_pause_mode(None) is None
     assert new.refuse_pause_mode("retract") is None
+    # /weights_checker at TP > 1: 0.5.12 answers TP rank 0 only; 0.5.20 on gather every rank
+    assert [f.checker_every_tp_rank for f in (old, between, v20, new)] == [False, None, True, True]
+    assert "upgrade SGLang to >=0.5.20" in old.refuse_verify("full", 2)
+    assert old.refuse_verify("full", 1) is None and old.refuse_verify("off", 2) is None
+    assert between.refuse_verify("sample", 4) is None and new.refuse_verify("full", 8) is None
     assert versions.parse("0.5.12.post1") == (0, 5, 12) and versions.parse("0.5.23rc0") == (0, 5, 23)
     assert versions.parse("dev") is None and versions.features(None).weight_update_session
     assert versions.reported({"version": "0.5.12"}) == "0.5.12"
@@ -102,7 +107,10 @@ def test_0523_server_still_gets_its_session():
 def test_0512_weights_checker_skip_list_refused_by_name_and_checksum_read():
     """0.5.12's checker drops ``skip_tensor_list`` silently: refused before sending, naming the
     release, the field and the upgrade. Its plain checksum answer (no per_engine_checksum, no
-    role) reads like 0.5.23's: per TP rank, SGLang's hash of the tensors it holds."""
+    role) reads like 0.5.23's, SGLang's hash of the tensors a rank holds, but for TP rank 0 only
+    (the fake answered every rank before; the real 0.5.12 does not): read as such, the other
+    rank is missing (`SyncConfig.verify` refuses this up front:
+    `test_verify_against_0512_at_tp2_is_refused_before_anything_is_sent`)."""
     from fsdp_sync.engines.sglang.checksums import hex_hash, rank_reports
 
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -117,8 +125,10 @@ def test_0512_weights_checker_skip_list_refused_by_name_and_checksum_read():
         answer = a.weights_checker("checksum")
         sums = a.weight_checksums()
     assert "per_engine_checksum" not in answer
-    reports = rank_reports(answer, 2)
-    assert [r[0]["model.norm.weight"] for r in reports.values()] == [hex_hash(w)] * 2
+    assert [r["parallelism_info"]["tp_rank"] for r in answer["ranks"]] == [0]
+    assert answer["ranks"][0]["checksums"]["model.norm.weight"] == hex_hash(w)
+    with pytest.raises(ValueError, match=r"no checksums reported for TP ranks \[1\]"):
+        rank_reports(answer, 2)
     assert sums["answer"] == answer and sums["algorithm"] == "cpu"
 
 
@@ -130,3 +140,40 @@ def test_0523_weights_checker_takes_skip_list():
         a.weights_checker("checksum", skip_tensor_list=["rotary_emb"])
         assert srv.requests[-1][1:] == ("/weights_checker", {"action": "checksum",
                                                              "skip_tensor_list": ["rotary_emb"]})
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("verify", ["full", "off"])
+def test_verify_against_0512_at_tp2_is_refused_before_anything_is_sent(verify, tmp_path):
+    """Before: SyncConfig.verify against SGLang 0.5.12 at TP 2 loaded every weight, then failed
+    ("no checksums reported for TP ranks [1]"): 0.5.12's /weights_checker answers TP rank 0 only
+    (and this fake answered every rank, so no test saw it). Now refused at the first sync before
+    anything is written or sent, naming the release, the TP size, verify='off' and >=0.5.20;
+    verify='off' syncs as before."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights.layout import layout_for
+
+    cfg = load_config("tiny")
+    module = build_model(cfg, seed=0)
+    err = None
+    with fake.FakeSGLangServer(tp_size=2, layout=layout_for(cfg, 2), version="0.5.12") as srv:
+        manager = FSDPShardingManager(module, sg.SGLangEngine(base_url=srv.url, timeout_s=10),
+                                      config=SyncConfig(method="disk", disk_dir=str(tmp_path),
+                                                        verify=verify, memory_probe="off"))
+        try:
+            with manager:
+                pass
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            err = f"{type(exc).__name__}: {exc}"
+        finally:
+            manager.close()
+        hits = dict(srv.hits)
+    if verify == "off":
+        assert err is None and manager.version == "0" and hits["/update_weights_from_disk"] == 1
+        return
+    assert err and "verify='full' against SGLang 0.5.12 with tp_size=2" in err, err
+    assert "TP rank 0's checksums only" in err and "set SyncConfig.verify='off'" in err, err
+    assert "upgrade SGLang to >=0.5.20" in err and f"SGLang at {srv.url}" in err, err
+    assert "/update_weights_from_disk" not in hits and "/weights_checker" not in hits, hits
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("step_")], list(tmp_path.iterdir())

@@ -607,6 +607,21 @@ def test_release_table_flush_after_a_retract_pause():
 
 
 @pytest.mark.timeout(60)
+def test_release_table_weights_checker_ranks():
+    """`versions.SGLangFeatures.checker_every_tp_rank` against the installed scheduler: its
+    ``check_weights`` gathers every TP rank's checksums over the TP group (0.5.20 on), or answers
+    with its own (0.5.12: and only attention-TP rank 0's scheduler answers the tokenizer), so
+    ``verify`` at TP > 1 is refused before the sync."""
+    updaters = [SRT / "managers" / "scheduler_update_weights_mixin.py",
+                SRT / "managers" / "scheduler_components" / "weight_updater.py"]
+    bodies = [ast.unparse(n) for p in updaters if p.exists() for n in ast.walk(ast.parse(p.read_text()))
+              if isinstance(n, ast.FunctionDef) and n.name == "check_weights"]
+    assert len(bodies) == 1, (sglang.__version__, len(bodies))
+    gathers = "all_gather_object" in bodies[0] and "tp_cpu_group" in bodies[0]
+    assert gathers is INSTALLED.checker_every_tp_rank, sglang.__version__
+
+
+@pytest.mark.timeout(60)
 def test_sglangs_end_weight_update_ignores_an_abort_field():
     """`SGLangEngine.end_weight_update(abort=True)` sends ``{"abort": true}``, which ``fsdp-sync
     serve`` takes to drop the session. The installed SGLang's request model has no such field and

@@ -45,6 +45,10 @@ that were read, the first one read that has it is named (the change may be older
   too (``Scheduler.is_fully_idle``), so an update sent with ``flush_cache=True`` fails its flush,
   which the scheduler ``assert``s (``flush_cache_after_weight_update``): the server dies. 0.5.21
   on ignore the waiting queue while paused (``is_fully_idle(ignore_waiting=self._engine_paused)``).
+- ``/weights_checker``'s checksum answer with TP > 1: 0.5.12 answers TP rank 0's only (only the
+  scheduler of attention-TP rank 0 has a socket to the tokenizer, and its ``check_weights``
+  gathers nothing; one entry per data-parallel replica); 0.5.20 on gather every TP rank's
+  (``all_gather_object`` over the TP group, ``check_weights``). Between the two: not read.
 - ``GET /get_weight_version`` answers 404 ("deprecated, use /model_info") in 0.5.12 and 0.5.20 and
   is gone from 0.5.21; ``/get_model_info``'s ``weight_version`` is the version in all.
 
@@ -58,7 +62,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CHECKED", "SESSION_SINCE", "CHECKER_SKIP_LIST_SINCE", "LORA_ONE_PAYLOAD_UNTIL",
-           "LORA_PER_RANK_SINCE", "RETRACT_FLUSH_SINCE", "SGLangFeatures", "parse", "features",
+           "LORA_PER_RANK_SINCE", "RETRACT_FLUSH_SINCE", "CHECKER_ONE_RANK_UNTIL",
+           "CHECKER_ALL_RANKS_SINCE", "SGLangFeatures", "parse", "features",
            "reported"]
 
 CHECKED = ("0.5.12", "0.5.23")
@@ -69,6 +74,8 @@ CHECKER_SKIP_LIST_SINCE = (0, 5, 21)
 LORA_ONE_PAYLOAD_UNTIL = (0, 5, 12)   # the last release read with one LoRA payload for all ranks
 LORA_PER_RANK_SINCE = (0, 5, 20)      # the first release read with one per TP rank
 RETRACT_FLUSH_SINCE = (0, 5, 21)      # the first release read whose flush survives a retract pause
+CHECKER_ONE_RANK_UNTIL = (0, 5, 12)   # the last release read whose checker answers TP rank 0 only
+CHECKER_ALL_RANKS_SINCE = (0, 5, 20)  # the first release read whose checker gathers every TP rank
 
 
 def parse(version: str | None) -> tuple[int, ...] | None:
@@ -98,6 +105,9 @@ class SGLangFeatures:
     retract_kills_flush: bool = False
     """A flush fails while a ``"retract"`` pause holds re-queued requests, and an update's failed
     flush kills the server (before `RETRACT_FLUSH_SINCE`)."""
+    checker_every_tp_rank: bool | None = True
+    """``/weights_checker``'s checksum answer holds every TP rank's entry (False: TP rank 0's only,
+    up to `CHECKER_ONE_RANK_UNTIL`; None: a release between, not read)."""
 
     @property
     def label(self) -> str:
@@ -116,6 +126,21 @@ class SGLangFeatures:
                 f"and the server dies; use pause_mode='abort' or None (the update waits for the "
                 f"running requests), or upgrade SGLang to "
                 f">={'.'.join(map(str, RETRACT_FLUSH_SINCE))}")
+
+    def refuse_verify(self, verify: str, tp_size: int) -> str | None:
+        """Why ``SyncConfig.verify`` cannot check a server of this release run at TP ``tp_size``
+        (None: it can, or the release was not read and its answer is checked when it comes): a
+        checker that answers TP rank 0 only leaves the other ranks unchecked, and a check of rank
+        0 alone is not a verify (`checker_every_tp_rank`)."""
+        if verify == "off" or tp_size <= 1 or self.checker_every_tp_rank is not False:
+            return None
+        return (f"verify={verify!r} against {self.label} with tp_size={tp_size}: its /weights_checker "
+                f"answers with TP rank 0's checksums only (it gathers none from TP ranks "
+                f"1..{tp_size - 1}), so the weights those ranks serve cannot be checked, and a check "
+                f"of rank 0 alone is no verify; set SyncConfig.verify='off' (under verl: "
+                f"rollout.custom.fsdp_sync.verify=off), or upgrade SGLang to "
+                f">={'.'.join(map(str, CHECKER_ALL_RANKS_SINCE))}, whose checker answers every TP "
+                f"rank")
 
     def refuse_checker_fields(self, fields: set[str] | frozenset[str]) -> str | None:
         """Why this release cannot take ``/weights_checker`` fields ``fields`` (None: it can)."""
@@ -155,7 +180,9 @@ def features(version: str | None) -> SGLangFeatures:
                           lora_tensors_field=lora_field, lora_tensors_per_rank=per_rank,
                           distributed_bucket_prechecked=newest or v >= (0, 5, 23),
                           local_serialized_tensor_module=local,
-                          retract_kills_flush=not newest and v < RETRACT_FLUSH_SINCE)
+                          retract_kills_flush=not newest and v < RETRACT_FLUSH_SINCE,
+                          checker_every_tp_rank=True if newest or v >= CHECKER_ALL_RANKS_SINCE
+                          else False if v <= CHECKER_ONE_RANK_UNTIL else None)
 
 
 def reported(server_info: Any) -> str | None:
