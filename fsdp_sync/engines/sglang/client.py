@@ -23,7 +23,8 @@ from typing import Any, Iterator
 
 from ..base import EngineError
 
-__all__ = ["SGLangError", "SGLangHTTPError", "SGLangUpdateError", "NO_SESSION_MARK", "check_answer", "lease_answered",
+__all__ = ["SGLangError", "SGLangHTTPError", "SGLangUpdateError", "NO_SESSION_MARK", "UNOPENED_STATUS",
+           "check_answer", "lease_answered",
            "MissingMethod", "InProcessClient", "HttpClient", "NotFound", "json_or_text", "RETRY_STATUS",
            "takes_keyword"]
 
@@ -57,6 +58,12 @@ class SGLangUpdateError(SGLangError):
 
 # SGLang's answer when an update comes outside begin/end (0.5.21+): it did not deserialize.
 NO_SESSION_MARK = "must run between begin_weight_update"
+UNOPENED_STATUS = frozenset({401, 403, 404, 405, 411, 413, 422})
+"""HTTP statuses answered before any handler reads a request's payloads: the API key (401, 403),
+no such route or method (404: a URL without the route, e.g. a router's or an older server's;
+405), the body refused (411, 413) or failing the request model's validation (422; FastAPI checks
+it before calling the handler). An update answered with one certainly opened nothing, so its
+payloads' shared-memory references are given back (`lease_answered`, `BucketPayloads`)."""
 
 
 def check_answer(call: str, answer: Any, *, error=SGLangError, where: str = "") -> Any:
@@ -291,9 +298,9 @@ class HttpClient:
         kw: dict[str, Any] = {"call": path.lstrip("/"), "status": status, "body": text}
         if error is SGLangUpdateError:
             # a refused connection never reached SGLang; an error status came after it read the
-            # request, and whether it opened the payloads depends on where it failed; 401/403
-            # (API key), 411/413 (body refused) come before any handler reads the payloads
-            kw["opened"] = False if reached is False or status in (401, 403, 411, 413) else (
+            # request, and whether it opened the payloads depends on where it failed
+            # (`UNOPENED_STATUS` come before any handler reads them; a 500 may come after)
+            kw["opened"] = False if reached is False or status in UNOPENED_STATUS else (
                 False if NO_SESSION_MARK in text else None)
         return error(msg, **kw)
 
