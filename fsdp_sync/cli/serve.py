@@ -157,6 +157,9 @@ def check_serve_args(args, given: set[str]) -> None:
         raise ValueError(f"argument --host: cannot resolve {args.host!r} ({exc})") from None
     try:
         with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            # as the server binds (allow_reuse_address): a port left in TIME-WAIT by the last serve
+            # is free to it, one another socket listens on is still refused
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(infos[0][4])     # port 0: checks the address alone
     except OSError as exc:
         if exc.errno == errno.EADDRNOTAVAIL:     # resolves, but is no address of this machine
