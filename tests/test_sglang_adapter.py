@@ -537,6 +537,31 @@ def test_http_update_refused_before_any_handler_gives_the_segments_back(status):
 
 
 @pytest.mark.timeout(30)
+def test_http_update_answered_without_success_is_not_taken_as_loaded(tmp_path):
+    """Before: a 2xx answer without ``success`` (another server at the URL: ``{"ok": true}``, an
+    empty body) passed an update as loaded. SGLang (0.5.12 to 0.5.23) and ``fsdp-sync serve``
+    always answer ``{success, message}``: now the tensor, disk and distributed updates over HTTP
+    raise, saying whether anything was loaded is unknown."""
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        a = http_engine(srv, tp_size=1)
+        a.begin_weight_update()
+        srv.script["/update_weights_from_tensor"] = [(200, '{"ok": true}'), (200, "")]
+        for _ in range(2):
+            payloads = sg.flattened_bucket_payloads(mixed_tensors()[:1], 1, output_str=True)
+            with pytest.raises(sg.SGLangUpdateError, match="not SGLang's {success, message}") as ei:
+                a.update_weights_from_tensor(payloads, load_format="flattened_bucket")
+            assert ei.value.opened is None            # unknown to the adapter
+            payloads.release(unopened=True)           # here we know: the answer was scripted
+        srv.script["/update_weights_from_disk"] = [(200, '"done"')]
+        with pytest.raises(sg.SGLangUpdateError, match="not SGLang's"):
+            a.update_weights_from_disk(str(tmp_path))
+        srv.script["/update_weights_from_distributed"] = [(200, "{}")]
+        with pytest.raises(sg.SGLangUpdateError, match="not SGLang's"):
+            a.update_weights_from_distributed(["w"], ["float32"], [[1]], "g")
+        a.update_weights_from_bucket(mixed_tensors()[:1])        # SGLang's own answer: loaded
+
+
+@pytest.mark.timeout(30)
 def test_http_idempotent_calls_retry_and_count():
     with fake.FakeSGLangServer(tp_size=1) as srv:
         a = http_engine(srv, tp_size=1, max_retries=2)

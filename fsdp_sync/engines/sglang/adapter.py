@@ -345,7 +345,7 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
                                      error=SGLangUpdateError)
         except NotFound as e:
             raise e.error from None
-        check_answer(call, answer, error=SGLangUpdateError, where=self.where)
+        check_answer(call, answer, error=SGLangUpdateError, where=self.where, require_success=True)
 
     def disk_option_refusal(self, *, flush_cache: bool = True,
                             abort_all_requests: bool = False) -> str | None:
@@ -402,7 +402,7 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
                     raise SGLangUpdateError(f"SGLang refused {call}{self.where}: {msg['message']}",
                                             call=call, status=e.status, body=e.body) from e
                 raise
-            check_answer(call, answer, error=SGLangUpdateError, where=self.where)
+            check_answer(call, answer, error=SGLangUpdateError, where=self.where, require_success=True)
             return
         engine, kw = self._local.engine, {}
         refusal = self.disk_option_refusal(flush_cache=flush_cache, abort_all_requests=abort_all_requests)
@@ -481,7 +481,8 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
                               f"update_weights_from_distributed)", call=name) from None
         except NotFound as e:
             raise e.error from None
-        check_answer(name, answer, error=error, where=self.where)
+        check_answer(name, answer, error=error, where=self.where,
+                     require_success=self.is_http and error is SGLangUpdateError)
 
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
         """SGLang's copy of a parameter, as float32 (SGLang converts), its first ``truncate_size``

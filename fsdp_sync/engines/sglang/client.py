@@ -66,8 +66,16 @@ it before calling the handler). An update answered with one certainly opened not
 payloads' shared-memory references are given back (`lease_answered`, `BucketPayloads`)."""
 
 
-def check_answer(call: str, answer: Any, *, error=SGLangError, where: str = "") -> Any:
-    """Raise ``error`` with SGLang's message if ``answer`` says ``success=False``."""
+def check_answer(call: str, answer: Any, *, error=SGLangError, where: str = "",
+                 require_success: bool = False) -> Any:
+    """Raise ``error`` with SGLang's message if ``answer`` says ``success=False``.
+    ``require_success``: an answer without a boolean ``success`` raises too (a weight update over
+    HTTP: SGLang 0.5.12 to 0.5.23 and ``fsdp-sync serve`` always send it; another server at the URL
+    answering 2xx must not be read as weights loaded)."""
+    if require_success and not (isinstance(answer, dict) and isinstance(answer.get("success"), bool)):
+        text = (f"{call}{where} answered {str(answer)[:200]!r}, not SGLang's {{success, message}}: "
+                f"is the URL an SGLang server? Whether it loaded anything is unknown")
+        raise error(text, call=call, body=str(answer)[:2000])
     success, message = True, None
     if isinstance(answer, tuple) and len(answer) >= 2 and isinstance(answer[0], bool):
         success, message = answer[0], answer[1]
