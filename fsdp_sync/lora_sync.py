@@ -12,22 +12,24 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   strings), checked against the LoRA tensors the module holds (rank from their shapes, targets
   from their names).
 - `refusal`, before anything is sent (the base at the first sync included): a config the engines
-  would serve differently from the trainer (`pattern_refusal`: an option SGLang's LoRA does not
-  apply, `peft_names.UNSERVED`, or a peft ``rank_pattern`` / ``alpha_pattern`` entry, which it
-  ignores), and, at a sync that sends the adapter
-  alone, base parameters that still train (``requires_grad``): the engine would keep serving the
-  base as last sent while the trainer's moves on.
+  would serve differently from the trainer (`config_refusal`: an option SGLang's LoRA does not
+  apply, `peft_names.UNSERVED`; a ``rank_pattern`` / ``alpha_pattern`` entry, which it ignores;
+  trained biases, a regex, embeddings or lm_head as targets), a tensor that is not lora_A /
+  lora_B of a linear module (`peft_names.unserved_tensor`: KaSA's ``lora_diag``, ...), and, at a
+  sync that sends the adapter alone, base parameters that still train (``requires_grad``).
 - the full LoRA tensors, gathered from FSDP2 / FSDP1 / plain modules by the export (collective:
   every trainer rank calls it) into one flattened bucket that the manager keeps from one sync to
   the next with its plan and sources (`weights.adapter_export`), named as peft saves them
   (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the adapter's name segment
   dropped: only the active adapter's tensors are exported, so no two collide), the names SGLang's
   LoRA loader and the reference engine read.
-- `check_engine`: refuse, by name and before the engine's adapter is touched, an adapter that the
-  engine's base cannot take: another rank or other target modules than the adapter it serves,
-  beyond its ``max_lora_rank`` / ``lora_target_modules``, base weights that are not the ones
-  this manager synced (their ``weight_version`` changed), or, for SGLang, target modules its LoRA
-  code cannot stack (`sglang_refusal`).
+- `check_engine`: refuse, by name and before the engine's adapter is touched (and, at the first
+  sync, before the base goes), an adapter that the engine's base cannot take: another rank or
+  other target modules than the adapter it serves, beyond its ``max_lora_rank`` /
+  ``lora_target_modules``, what its own load would refuse (the reference engine's
+  ``lora_refusal``), base weights that are not the ones this manager synced (their
+  ``weight_version`` changed), or, for SGLang, target modules its LoRA code cannot stack
+  (`sglang_refusal`).
 - `load_adapter`: swap the adapter in (the reference engine stages the new one on every worker
   before dropping the old one, ``replace=True``; an engine without that unloads, then loads, as
   verl does).
@@ -48,7 +50,7 @@ Not here: the base weights' sync (the transports), the engine's side (`engines.r
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
@@ -57,11 +59,12 @@ from .verify import tensor_digest, verify_engines
 from .weights import bucket, export, handles
 from .wire import flattened_bucket
 from .weights.adapter_export import AdapterExport
-from .weights.peft_names import adapter_of, trainable_base, unserved_option
+from .weights.peft_names import (adapter_of, config_refusal, pattern_refusal, sglang_refusal,
+                                 trainable_base, unserved_tensor)
 
-__all__ = ["check_mode", "memory_tags", "sync_adapter", "active_adapter", "adapter_config", "refusal", "pattern_refusal",
-           "check_engine", "sglang_refusal", "load_adapter", "verify_adapter", "check_digests",
-           "peft_name", "close"]
+__all__ = ["check_mode", "memory_tags", "sync_adapter", "active_adapter", "adapter_config", "refusal",
+           "pattern_refusal", "config_refusal", "check_engine", "sglang_refusal", "load_adapter",
+           "verify_adapter", "check_digests", "peft_name", "close"]
 
 
 def check_mode(module: torch.nn.Module, config: Any) -> None:
@@ -96,7 +99,7 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
     gather + load, without the verify)."""
     name = config.lora_name
     t0 = time.perf_counter()
-    err, tensors, cfg, adapter = None, {}, {}, None
+    err, tensors, cfg, adapter, metas = None, {}, {}, None, []
     export_ = kept if kept is not None else AdapterExport(peft_name)
     try:
         try:
@@ -123,7 +126,7 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
             if err is not None:
                 break
             try:
-                err = check_engine(engine, cfg, name, base_versions.get(id(engine)))
+                err = check_engine(engine, cfg, name, base_versions.get(id(engine)), metas)
                 if err is None:
                     load_adapter(engine, name, tensors, cfg, export_.shared())
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
@@ -159,8 +162,9 @@ def peft_name(name: str) -> str:
     segment (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
     parts = name.split(".")
     for i, p in enumerate(parts):
-        if p.startswith("lora_") and i + 2 < len(parts):
-            parts = parts[:i + 1] + parts[i + 2:]
+        if p.startswith("lora_"):    # a ParameterDict's trailing ``.<adapter>`` goes too
+            if adapter_of(name) is not None:
+                parts = parts[:i + 1] + parts[i + 2:]
             break
     return "base_model.model." + ".".join(parts)
 
@@ -217,41 +221,19 @@ def _given_config(module: torch.nn.Module, given: Any, adapter: str | None = Non
     return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
 
 
-def pattern_refusal(cfg: Any) -> str | None:
-    """Why an adapter config cannot be served as the trainer computes it (None: it can): an option
-    the engines do not apply (`peft_names.unserved_option`: rsLoRA, DoRA, LoRA biases, ...), or a
-    peft ``rank_pattern`` / ``alpha_pattern`` entry other than the adapter's own ``r`` /
-    ``lora_alpha``. peft gives each module it matches its own rank or ``lora_alpha`` (scaling
-    ``alpha / r`` of that module); SGLang's LoRA reads neither key (0.5.23's ``LoRAAdapter``: one
-    ``scaling = lora_alpha / r`` and one rank for the whole adapter), nor does the reference
-    engine, so those modules would be served with another scaling (or rank) than trained."""
-    if not isinstance(cfg, Mapping):
-        return None
-    why = unserved_option(cfg)
-    if why is not None:
-        return why
-    for key, main, default in (("rank_pattern", "r", 8), ("alpha_pattern", "lora_alpha", 8)):
-        pattern, whole = cfg.get(key), cfg.get(main, default)
-        if pattern is None or pattern == {}:
-            continue
-        differ = {k: v for k, v in pattern.items() if v != whole} if isinstance(pattern, Mapping) else pattern
-        if differ:
-            return (f"the adapter config's {key}={differ!r} ({main}={whole!r} elsewhere) cannot be "
-                    f"served exactly: SGLang's LoRA (and the reference engine) reads no {key} and "
-                    f"applies one {main} and one scaling lora_alpha / r to every module, so those "
-                    f"modules would be served with another {main} than the trainer's; train with "
-                    f"one r and lora_alpha for every module (no {key}), or merge the adapter into "
-                    f"the weights and sync them with SyncConfig(lora='off')")
-    return None
-
-
 def refusal(module: torch.nn.Module, given: Any, *, base_sent: bool,
             adapter: str | None = None) -> str | None:
-    """Why this adapter sync must not run (None: it may): the config's `pattern_refusal`, and, at
-    a sync that sends the adapter alone (``base_sent`` False), base parameters that still train
-    (`peft_names.trainable_base`). Cheap (the config and one walk over ``named_parameters``).
-    ``adapter``: the synced adapter's name (None: `active_adapter`)."""
-    why = pattern_refusal(_given_config(module, given, adapter))
+    """Why this adapter sync must not run (None: it may): the config's `config_refusal`, a LoRA
+    tensor of the adapter that no engine serves (`peft_names.unserved_tensor`: not lora_A /
+    lora_B, or on embeddings / lm_head), and, at a sync that sends the adapter alone
+    (``base_sent`` False), base parameters that still train (`peft_names.trainable_base`). Cheap
+    (the config and one walk over ``named_parameters``). ``adapter``: the synced adapter's name
+    (None: `active_adapter`)."""
+    if adapter is None:
+        adapter = active_adapter(module)
+    why = config_refusal(_given_config(module, given, adapter))
+    if why is None:
+        why = unserved_tensor((n for n, _ in module.named_parameters()), adapter)
     if why is not None or base_sent:
         return why
     live = trainable_base(module.named_parameters())
@@ -300,12 +282,22 @@ def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str | N
     return cfg
 
 
-def check_engine(engine: Any, cfg: dict, name: str, base_version: Any) -> str | None:
-    """Why ``engine`` cannot take this adapter now (None: it can). See the module docstring."""
+def check_engine(engine: Any, cfg: dict, name: str, base_version: Any,
+                 metas: list | None = None) -> str | None:
+    """Why ``engine`` cannot take this adapter now (None: it can). See the module docstring.
+    ``metas``: the adapter's tensors (`bucket.TensorMeta`, export names), checked by an engine
+    that can say what its load would refuse without loading (the reference engine's
+    ``lora_refusal``: config, rank, names, shapes). ``base_version`` None: not checked (the
+    base is about to be sent)."""
     r, targets = cfg.get("r"), cfg.get("target_modules")
     if not callable(getattr(engine, "load_lora_adapter_from_tensors", None)):
         return (f"adapter {name!r}: the engine {type(engine).__name__} has no load_lora_adapter_from_tensors "
                 f"(SGLang's LoRA call); SyncConfig.lora='adapter' needs an engine that serves adapters")
+    own = getattr(engine, "lora_refusal", None)
+    if callable(own):
+        why = own(cfg, [(peft_name(m.name), m.dtype, m.shape) for m in metas or ()])
+        if why is not None:
+            return f"adapter {name!r}: the engine would refuse it: {why}"
     loaded = getattr(engine, "lora_adapters", None)
     held = loaded.get(name) if isinstance(loaded, dict) else None
     if held is not None:
@@ -336,27 +328,6 @@ def check_engine(engine: Any, cfg: dict, name: str, base_version: Any) -> str | 
                 f"version {base_version!r} this manager synced; set manager.base_sync_done=False "
                 f"to sync the base again")
     return None
-
-
-def sglang_refusal(targets: Any) -> str | None:
-    """Why SGLang cannot serve an adapter on ``targets`` (None: it can, "all-linear" included).
-    Its ``LoRAAdapter`` stacks q/k/v into ``qkv_proj`` only from a ``q_proj`` tensor and needs
-    ``v_proj`` beside it (a missing ``k_proj`` becomes zeros), and gate/up into ``gate_up_proj``
-    only from ``gate_proj`` (a missing ``up_proj`` becomes zeros); anything else it leaves
-    unstacked or raises on, and its memory pool cannot place an unstacked ``k_proj`` / ``v_proj``
-    / ``up_proj``: it raises when a request first uses the adapter (checked against SGLang's own
-    code in tests/sglang_tier/test_sglang_lora.py)."""
-    if not isinstance(targets, (list, tuple, set, frozenset)):
-        return None
-    names = {str(m).split(".")[-1] for m in targets}
-    add = sorted({"q_proj", "v_proj"} - names) if names & {"q_proj", "k_proj", "v_proj"} else []
-    if "up_proj" in names and "gate_proj" not in names:
-        add.append("gate_proj")
-    if not add:
-        return None
-    return (f"SGLang cannot serve target_modules {sorted(names)}: it stacks q/k/v from q_proj with "
-            f"v_proj (k_proj may be left out) and gate/up from gate_proj (up_proj may be left out); "
-            f"add {add} to the adapter's target_modules")
 
 
 def load_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor], cfg: dict,
@@ -476,20 +447,32 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any) -> None:
     (`sync_adapter`); the manager's stats become the adapter's, with the base's beside them. A
     config the engines would serve otherwise is refused before the base goes (`refusal`); with
     `SyncConfig.verify`, a sync of the adapter alone verifies the base too (`verify_base`). The
-    adapter's choice (`active_adapter`) and config (`adapter_config`) are checked before the base
-    goes too: nothing is sent for a sync that the adapter's part would refuse."""
+    adapter's choice (`active_adapter`) and config (`adapter_config`), and every engine
+    (`check_engine`: its rank bounds, targets, and, for the reference engine, its own load's
+    checks), are checked before the base goes too: nothing is sent for a sync that the adapter's
+    part would refuse."""
     full = not manager.base_sync_done
-    module, config = manager.module, manager.config
-    if full:        # everything the adapter's sync checks of the module alone, before the base goes
+    module, config, name = manager.module, manager.config, manager.config.lora_name
+    if full:        # everything the adapter's sync checks, of the module and the engines
         err = None
         try:
             adapter = active_adapter(module)
             err = refusal(module, manager.peft_config, base_sent=True, adapter=adapter)
             if err is None:
-                adapter_config(module, manager.peft_config, adapter)   # raises: missing, contradicted
+                metas = [m for m in export.param_metas(module, config.dtype, lora=True)
+                         if adapter is None or adapter_of(m.name) == adapter]
+                cfg = adapter_config(module, manager.peft_config, adapter, metas=metas)
+                reps = list(manager.fleet.serving)
+                names = ([manager.topo.describe()] * len(reps) if config.method == "tensor" and
+                         manager.topo is not None else [r.name for r in reps])
+                for rep, who in zip(reps, names):
+                    why = check_engine(rep.engine, cfg, name, None, metas)
+                    if why is not None:
+                        err = f"{who}: {why}; nothing was sent"
+                        break
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
-        agree(err, what=f"adapter sync of {config.lora_name!r}")
+        agree(err, what=f"adapter sync of {name!r}")
         sync_full()
         manager.lora_base = {id(e): getattr(e, "weight_version", None) for e in manager.engines}
     base, manager.base_sync_done = manager.stats, True

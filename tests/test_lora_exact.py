@@ -193,7 +193,8 @@ UNSERVED_CASES = [("use_rslora", True), ("use_dora", True), ("lora_bias", True),
                   ("modules_to_save", ["lm_head"]), ("trainable_token_indices", [5, 6]),
                   ("target_parameters", ["mlp.experts.gate_up_proj"]),
                   ("layer_replication", [[0, 2], [1, 2]]), ("use_qalora", True),
-                  ("alora_invocation_tokens", [7, 8])]
+                  ("alora_invocation_tokens", [7, 8]), ("kasa_config", {"beta": 1e-4, "gamma": 1e-3}),
+                  ("monteclora_config", {"num_samples": 8}), ("use_bdlora", {"nblocks": 2})]
 
 
 @pytest.mark.parametrize("key, value", UNSERVED_CASES)
@@ -211,20 +212,80 @@ def test_options_the_engines_do_not_apply_are_refused(key, value):
         assert verl_lora.normalize_peft_config(dict(CFG, **{key: off}))["r"] == 8
 
 
-def test_rslora_is_refused_before_the_base_is_sent(eng, tmp_path):
+def _config(key, value):
+    def edit(model, eng, monkeypatch):
+        model.peft_config["default"][key] = value
+    return edit
+
+
+def _lora_param(module_path, kind, shape):
+    """A LoRA parameter peft keeps in a ParameterDict (``<module>.<kind>.default``) that the engines
+    do not apply: KaSA's ``lora_diag`` on q_proj (its config key left out, as a variant this list
+    does not know would be), ``lora_embedding_A`` on embed_tokens."""
+    def edit(model, eng, monkeypatch):
+        mod = model.get_submodule(module_path)
+        setattr(mod, kind, torch.nn.ParameterDict({"default": torch.nn.Parameter(torch.ones(shape))}))
+    return edit
+
+
+def _max_rank(model, eng, monkeypatch):
+    monkeypatch.setattr(eng, "max_lora_rank", 4)        # the adapter's r is 8
+
+
+# Each is refused before anything is sent (before, all but rsLoRA were refused by the reference
+# engine only after the base had gone, and lora_diag was dropped: served as plain LoRA, "verified")
+BEFORE_THE_BASE = {
+    "rslora": (_config("use_rslora", True), r"use_rslora=True cannot be served exactly: rsLoRA scales "
+                                            r"by lora_alpha / sqrt\(r\)"),
+    "bias_all": (_config("bias", "all"), r"bias='all' cannot be served exactly"),
+    "bias_lora_only": (_config("bias", "lora_only"), r"bias='lora_only' cannot be served exactly"),
+    "lm_head": (_config("target_modules", ["q_proj", "v_proj", "lm_head"]),
+                r"target_modules include \['lm_head'\]: LoRA on embeddings and lm_head is not served"),
+    "regex": (_config("target_modules", r".*\.(q_proj|v_proj)"), r"is a regular expression"),
+    "kasa_config": (_config("kasa_config", {"beta": 1e-4}), r"kasa_config=.*cannot be served exactly"),
+    "lora_diag": (_lora_param("base_model.model.model.layers.0.self_attn.q_proj", "lora_diag", 8),
+                  r"model.layers.0.self_attn.q_proj.lora_diag.default' \(lora_diag\) is neither "
+                  r"lora_A nor lora_B"),
+    "embedding": (_lora_param("base_model.model.model.embed_tokens", "lora_embedding_A", (8, 16)),
+                  r"model.embed_tokens.lora_embedding_A.default' is LoRA on 'embed_tokens'"),
+    "max_lora_rank": (_max_rank, r"replica 0: adapter 'L': the engine would refuse it: its rank r=8 "
+                                 r"exceeds the engine's max_lora_rank 4; nothing was sent"),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE_THE_BASE))
+def test_unservable_adapters_are_refused_before_the_base_is_sent(eng, tmp_path, monkeypatch, case):
     _drop(eng)
     version = eng.weight_version
     model = _model()
-    model.peft_config["default"]["use_rslora"] = True
+    edit, message = BEFORE_THE_BASE[case]
+    edit(model, eng, monkeypatch)
     manager = _manager(model, eng, tmp_path)
     try:
-        with pytest.raises(SyncError, match=r"use_rslora=True cannot be served exactly: rsLoRA scales "
-                                            r"by lora_alpha / sqrt\(r\)"):
+        with pytest.raises(SyncError, match=message):
             with manager:
                 pass
         assert eng.weight_version == version and "L" not in eng.lora_adapters   # nothing sent
+        assert not manager.base_sync_done
     finally:
         manager.close()
+
+
+def test_parameter_dict_names_keep_their_adapter():
+    """A LoRA tensor peft keeps in a ParameterDict ends in its adapter's name: `adapter_of` reads it
+    (before: None, so the export dropped it without a word) and `peft_name` drops it as peft's
+    saved names do (before: ``...lora_embedding_A.default`` was sent so)."""
+    from fsdp_sync.lora_sync import peft_name
+    from fsdp_sync.weights.peft_names import adapter_of
+
+    assert adapter_of("model.layers.0.self_attn.q_proj.lora_diag.default") == "default"
+    assert adapter_of("model.embed_tokens.lora_embedding_A.actor") == "actor"
+    assert adapter_of("model.layers.0.self_attn.q_proj.lora_A.weight") is None       # no adapter level
+    assert adapter_of("model.layers.0.self_attn.q_proj.lora_A.actor.weight") == "actor"
+    assert peft_name("model.embed_tokens.lora_embedding_A.default") == \
+        "base_model.model.model.embed_tokens.lora_embedding_A"
+    assert peft_name("model.layers.0.self_attn.q_proj.lora_A.weight") == \
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 
 
 def test_an_adapter_on_some_layers_only_is_served_exactly(eng, tmp_path):

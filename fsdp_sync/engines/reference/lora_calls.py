@@ -53,6 +53,22 @@ class LoRACalls:
                         f"{list(self.lora_target_modules)}")
         return None
 
+    def lora_refusal(self, config_dict: Any, metas: Any = ()) -> str | None:
+        """Why `load_lora_adapter_from_tensors` would refuse an adapter of ``config_dict`` with
+        tensors ``metas`` (``[(peft name, dtype, shape)]``), said without loading anything (None:
+        it would take it): the config (`lora.LoRAConfig.from_dict`: options not served, trained
+        biases, targets other than the decoder layers' linear modules), ``max_lora_rank`` /
+        ``lora_target_modules``, and each tensor's name and shape against the base model
+        (`lora.check_adapter`, on meta tensors). `lora_sync` asks it before the base is sent."""
+        try:
+            cfg = LoRAConfig.from_dict(config_dict)
+            named = [(n, torch.empty(tuple(shape), dtype=dtype, device="meta")) for n, dtype, shape in metas]
+            if named:
+                check_adapter(self.layout, cfg, named)
+        except ValueError as exc:
+            return str(exc)
+        return self._lora_refusal(cfg)
+
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
                                        load_format: str | None = None, pinned: bool = False,
                                        added_tokens_config: Any = None, *, replace: bool = False) -> dict:
