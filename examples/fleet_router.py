@@ -18,11 +18,21 @@ Checked at the end and written as JSON (``--json``): requests served and failed,
 (``meta_info.weight_versions``) naming only versions the fleet committed, responses whose tokens
 came from two versions, generate requests the drained replica answered after the router could
 have seen its 503, time to quarantine, time to rejoin. Exit code 1 when any check fails.
+
+Taking a replica out of service (the drain, the kill's quarantine) cuts off its running requests:
+they answer 200 with ``finish_reason`` ``abort`` and the tokens they had. The clients count those
+(``aborted``: not served) and send each again, as a client of SGLang must (the router sends it to
+a replica in service); a response short of its tokens for any other reason is a problem.
+
+Stopping it (Ctrl-C, SIGTERM: what ``timeout``, a CI job's cancel or a batch scheduler sends)
+stops the router and the replicas and removes the checkpoint directory; a SIGKILL of it takes
+them with it too (Linux: each child gets SIGTERM when this process dies).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import http.client
 import json
 import os
@@ -42,6 +52,17 @@ import torch
 from fsdp_sync.wire import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 24         # each client request's max_new_tokens (ignore_eos: every answer has them all)
+
+# the children are in sessions of their own (so that `stop` ends each with its workers), where a
+# signal to this process's group does not reach them: on Linux each is told to get SIGTERM when
+# this process dies, SIGKILLed included (prctl PR_SET_PDEATHSIG, resolved before any fork: the
+# child runs only this one foreign call, client threads or not)
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    _PRCTL(1, signal.SIGTERM)     # PR_SET_PDEATHSIG; Popen's caller is the main thread throughout
 
 
 def _post(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
@@ -69,7 +90,7 @@ def launch_replica(disk_dir: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--model", "tiny",
                              "--tp", "1", "--port", "0", "--allowed-disk-dir", disk_dir],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_die_with_parent if _PRCTL else None)
 
 
 def replica_url(proc: subprocess.Popen) -> str:
@@ -112,7 +133,8 @@ def start_router(urls: list[str], port: int = 0, attempts: int = 5) -> tuple[sub
                                      "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                                      "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                                      "--log-level", "error"],
-                                    stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+                                    stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+                                    preexec_fn=_die_with_parent if _PRCTL else None)
             try:
                 up = _router_up(proc, f"http://127.0.0.1:{here}", len(urls))
             except BaseException:
@@ -177,25 +199,58 @@ class Clients:
             if self.done.is_set():
                 return
             prompt = [rng.randrange(1, 200) for _ in range(rng.randrange(2, 8))]
-            t0 = time.monotonic()
-            try:
-                status, body = _post(self.router + "/generate", {
-                    "input_ids": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
-                                                             "ignore_eos": True}})
-            except OSError as exc:
-                status, body = 0, {"error": str(exc)}
-            meta = body.get("meta_info", {}) if status == 200 else {}
+            t0, aborted = time.monotonic(), 0
+            while True:
+                try:
+                    status, body = _post(self.router + "/generate", {
+                        "input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS,
+                                                                 "temperature": 0, "ignore_eos": True}})
+                except OSError as exc:
+                    status, body = 0, {"error": str(exc)}
+                meta = body.get("meta_info", {}) if status == 200 else {}
+                finish = (meta.get("finish_reason") or {}).get("type")
+                if finish != "abort" or aborted == 3:
+                    break
+                aborted += 1    # cut off: its replica was taken out of service. Send it again
             with self.lock:
                 self.results.append({"status": status, "t0": t0, "t1": time.monotonic(),
                                      "n": len(body.get("output_ids", [])) if status == 200 else 0,
+                                     "finish": finish, "aborted": aborted,
                                      "spans": meta.get("weight_versions"),
-                                     "error": None if status == 200 else str(body)[:200]})
+                                     "error": None if status == 200 and finish != "abort"
+                                     else str(body)[:200]})
 
     def stop(self) -> list[dict]:
         self.done.set()
         for t in self.threads:
             t.join(120)
         return self.results
+
+
+def tally(results: list[dict], committed: set[str], problems: list[str]) -> dict:
+    """The clients' figures (`Clients.stop`'s results); what is wrong is added to ``problems``.
+    Served: answered 200 with every token asked; an answer cut off (finish reason ``abort``) is
+    not served (sent again, it is counted once, as what its last try got)."""
+    ok = [r for r in results if r["status"] == 200 and r["finish"] != "abort"]
+    spans = [s for r in ok for s in (r["spans"] or [])]
+    seen = sorted({s["version"] for s in spans}, key=lambda v: (v != "default", int(v) if v.isdigit() else -1))
+    out = dict(requests=len(results), served=len(ok), failed=len(results) - len(ok),
+               failures=[r["error"] for r in results if r["error"] is not None][:5],
+               aborted=sum(r["aborted"] for r in results),
+               versions_committed=len(committed), versions_seen=len(seen),
+               multi_version_responses=sum(len(r["spans"] or []) > 1 for r in ok),
+               tokens=sum(r["n"] for r in ok))
+    if out["failed"]:
+        problems.append(f"{out['failed']} requests failed: {out['failures']}")
+    short = [(r["n"], r["finish"]) for r in ok if r["n"] != NEW_TOKENS or r["finish"] != "length"]
+    if short:
+        problems.append(f"{len(short)} responses came short of {NEW_TOKENS} tokens (tokens, "
+                        f"finish reason): {short[:5]}")
+    if not set(seen) <= committed:
+        problems.append(f"spans name versions never committed: {sorted(set(seen) - committed)}")
+    if any(r["spans"] is None or sum(s["end"] - s["start"] for s in r["spans"]) != r["n"] for r in ok):
+        problems.append("a response's spans do not cover its tokens")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,13 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.replicas < 2:
         p.error("--replicas must be >= 2 (one is killed)")
 
+    # SIGTERM ends it as Ctrl-C does: through the `finally` that stops the children
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     disk = tempfile.mkdtemp(prefix="fsdp_sync-fleet-")
     procs: list[subprocess.Popen] = []
     router = None
     out: dict = {"replicas": a.replicas, "syncs": a.syncs, "clients": a.clients}
     problems: list[str] = []
     try:
-        procs = [launch_replica(disk) for _ in range(a.replicas)]   # all start at once
+        for _ in range(a.replicas):                                    # all start at once
+            procs.append(launch_replica(disk))
         module = build_model(load_config("tiny"), seed=0)              # meanwhile, the trainer's
         urls = [replica_url(pr) for pr in procs]
         router, port = start_router(urls, a.router_port)
@@ -274,26 +332,14 @@ def main(argv: list[str] | None = None) -> int:
         results = clients.stop()
         status = manager.fleet_status()
         manager.close()
-        ok = [r for r in results if r["status"] == 200]
-        spans = [s for r in ok for s in (r["spans"] or [])]
-        seen = sorted({s["version"] for s in spans}, key=lambda v: (v != "default", int(v) if v.isdigit() else -1))
-        out.update(requests=len(results), served=len(ok), failed=len(results) - len(ok),
-                   failures=[r["error"] for r in results if r["status"] != 200][:5],
-                   versions_committed=len(committed), versions_seen=len(seen),
-                   multi_version_responses=sum(len(r["spans"] or []) > 1 for r in ok),
-                   tokens=sum(r["n"] for r in ok), drained_replica_requests=drained_hits,
+        out.update(tally(results, committed, problems), drained_replica_requests=drained_hits,
                    fleet=status)
-        if out["failed"]:
-            problems.append(f"{out['failed']} requests failed: {out['failures']}")
-        if not set(seen) <= committed:
-            problems.append(f"spans name versions never committed: {sorted(set(seen) - committed)}")
-        if any(r["spans"] is None or sum(s["end"] - s["start"] for s in r["spans"]) != r["n"] for r in ok):
-            problems.append("a response's spans do not cover its tokens")
         if drained_hits:
             problems.append(f"the drained replica answered {drained_hits} generate requests after its /health turned 503")
         if a.kill_at >= 0 and "quarantine_s" not in out:
             problems.append("the killed replica was never quarantined")
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second one must not cut the clean-up short
         if router is not None:
             stop(router)
         for pr in procs:
