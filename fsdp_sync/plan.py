@@ -23,8 +23,8 @@ names, so a plan row and a bench row of the same job compare key by key:
   phase after phase; a pipelined method overlaps its phases) plus the per-call and per-collective
   overheads. It is a model: docs/plan.md sets it beside measured and published figures.
 
-Not here: the clusters (`fsdp_sync.cluster`), measuring one (``fsdp-sync plan --cluster
-this-machine``, in the CLI), printing.
+Not here: what an engine refuses (`fsdp_sync.plan_checks`), the clusters (`fsdp_sync.cluster`),
+measuring one (``fsdp-sync plan --cluster this-machine``, in the CLI), printing.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 from .cluster import CLUSTERS, Cluster, load_cluster
 from .plan_bytes import (disk_bytes, exchange_in, fsdp_counts, gather_bytes_in, largest_quantized_bucket,
                          quantize_scratch, quantizer_load, state_dict_bytes_in)
+from .plan_checks import engine_refusal
 
 __all__ = ["Cluster", "CLUSTERS", "PlanJob", "PlanError", "plan_row", "memory_budget",
            "quantized_bucket_bytes", "quantized_buffers", "meta_model", "load_cluster", "GB", "MiB", "GiB"]
@@ -305,8 +306,8 @@ def _fmt(n: float) -> str:
 
 def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     """One row for ``job`` on ``cluster`` (see the module docstring). Raises `PlanError` when the
-    sync cannot fit the memory left on a device, ValueError for a model or split the layout map
-    refuses."""
+    sync cannot fit the memory left on a device or the engine would refuse it
+    (`plan_checks.engine_refusal`), ValueError for a model or split the layout map refuses."""
     from .weights import bucket as bk
     from .weights import reshard
     from .weights.export import param_metas
@@ -318,6 +319,10 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     dtype = getattr(torch, job.dtype)
     cfg, module = meta_model(job.model)
     layout = layout_for(cfg, job.tp, job.ep)
+    why = engine_refusal(job.engine, job.method, job.layout, cfg, layout.spec)
+    if why:
+        name = str(job.model) if not hasattr(job.model, "to_dict") else cfg.model_type
+        raise PlanError(f"{job.method} ({job.layout}) {name} into --engine {job.engine}: {why}")
     held = quantized_layout(layout, job.quantization)
     metas = param_metas(module, dtype)
     want = {n for n in layout.hf_shapes}

@@ -264,7 +264,7 @@ def test_plan_cli_writes_rows_under_the_bench_names(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = cli.main(["plan", "--config-json", str(cfg), "--methods", "tensor,distributed,disk",
                    "--layout", "full,engine", "--ranks", "2", "--tp", "2", "--ep", "2", "--bucket-mb", "0.25",
-                   "--cluster", "h100-node", "--json", str(out)])
+                   "--cluster", "h100-node", "--engine", "reference", "--json", str(out)])
     assert rc == 0, capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 6 and all(r["ep"] == 2 for r in rows)

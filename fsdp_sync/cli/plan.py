@@ -388,7 +388,8 @@ def plan_job(sweep: dict, model: Any, method: str, layout: str, mb: float, ranks
 
 def plan_rows(sweep: dict, cluster: Any) -> list[dict]:
     """One row per combination of ``sweep``'s lists (a refused plan: a row with ``refused`` and
-    ``suggested_bucket_bytes``; a model that this TP/EP split or quantization cannot hold: a row
+    ``suggested_bucket_bytes``, None where no bucket size helps, e.g. a sync the engine refuses,
+    `plan_checks.engine_refusal`; a model that this TP/EP split or quantization cannot hold: a row
     with ``refused`` saying why, `split_refusal`)."""
     from ..plan import PlanError, plan_row
 
@@ -428,7 +429,9 @@ def add_plan_parser(sub) -> None:
                     "it fits the memory left on a GPU, and a "
                     "time estimate (each link's floor + per-call overheads). The model is built on the meta "
                     "device: a 235B model plans in seconds without memory. A plan that cannot fit is refused "
-                    "with the largest bucket that would (exit code 1 when every plan is refused). Rows use the bench's field names.",
+                    "with the largest bucket that would, and one the engine would refuse with its reason "
+                    "(SGLang takes per-rank buckets from the tensor method only) (exit code 1 when every "
+                    "plan is refused). Rows use the bench's field names.",
         formatter_class=ca.DefaultsFormatter)
     p.add_argument("--recipe", type=_plan_recipe,
                    help="a plan sweep shipped with fsdp_sync (" + ", ".join(plan_recipes()) + ") or a YAML file "

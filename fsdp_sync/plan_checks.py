@@ -1,0 +1,41 @@
+"""What `fsdp_sync.plan` refuses before it counts a byte: a sync the planned engine would refuse,
+in the words of the code that refuses it when the sync runs.
+
+- SGLang takes no per-rank payloads outside the tensor method: ``layout="engine"`` with the
+  distributed method (`SGLangEngine.accepts_distributed_rank_buckets` is false; the distributed
+  transport refuses it before sending) or the disk method (it has no ``accepts_rank_checkpoints``;
+  the disk transport refuses it before writing, `transport.disk_ranked.NO_RANK_CHECKPOINTS`).
+
+Not here: the memory fit (`plan._check_fit`), a TP/EP split the layout map refuses (the layout
+map's own ValueError).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["engine_refusal"]
+
+
+def engine_refusal(engine: str, method: str, layout: str, cfg: Any, spec: Any) -> str | None:
+    """Why ``engine`` ("sglang" or "reference") would refuse a ``method`` sync with ``layout`` of
+    the model of Hugging Face config ``cfg`` (layout-map `ModelSpec` ``spec``); None where it
+    runs it."""
+    if engine == "sglang":
+        from .engines.sglang import SGLangEngine
+
+        if layout == "engine" and method == "distributed" and not getattr(
+                SGLangEngine, "accepts_distributed_rank_buckets", False):
+            return ("SGLang does not accept per-rank buckets over the update group "
+                    "(SGLangEngine.accepts_distributed_rank_buckets is false): its "
+                    "update_weights_from_distributed broadcasts the same full tensors to every TP "
+                    "rank; the distributed transport refuses layout='engine' for it before sending. "
+                    "Plan --layout full, the tensor method's per-rank buckets, or --engine reference")
+        if layout == "engine" and method == "disk" and not getattr(SGLangEngine, "accepts_rank_checkpoints", False):
+            from .transport.disk_ranked import NO_RANK_CHECKPOINTS
+
+            return (f"SGLang does not load per-rank files (SGLangEngine.accepts_rank_checkpoints is not "
+                    f"true; the disk transport refuses layout='engine' for it before writing): "
+                    f"{NO_RANK_CHECKPOINTS}. Plan --layout full (a Hugging Face checkpoint) or "
+                    f"--engine reference")
+    return None

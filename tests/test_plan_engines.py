@@ -1,0 +1,52 @@
+"""`fsdp-sync plan` refuses what the planned engine refuses when the sync runs, in the words of the
+code that refuses it (`plan_checks.engine_refusal`): before, it priced syncs that cannot run (12
+rows of docs/plan.md's SGLang sweep were per-rank distributed and disk syncs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp_sync.cli import app as cli
+from fsdp_sync.plan import Cluster, PlanError, PlanJob, plan_row
+
+CPU = Cluster("cpu-test", "cpu", 64, 10**12, 5.0, 1.0, 1.0, 1.0, 1.0, 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("method, words", [
+    ("distributed", ["accepts_distributed_rank_buckets is false", "--layout full"]),
+    ("disk", ["accepts_rank_checkpoints", "update_weights_from_disk", "--layout full"])])
+def test_sglang_takes_no_per_rank_distributed_buckets_or_disk_files(method, words):
+    """SGLang's update_weights_from_distributed broadcasts full tensors and its disk update loads
+    no per-rank files: the transports refuse layout='engine' for it (distributed.py, disk_ranked.py);
+    the plan now does too. The reference engine takes both; SGLang takes the full layout."""
+    from fsdp_sync.transport.disk_ranked import NO_RANK_CHECKPOINTS
+
+    job = dict(model="tiny", method=method, layout="engine", ranks=2, tp=2, bucket_bytes=2**20)
+    with pytest.raises(PlanError) as info:
+        plan_row(PlanJob(**job, engine="sglang"), CPU)
+    msg = str(info.value)
+    assert msg.startswith(f"{method} (engine) tiny into --engine sglang: "), msg
+    for w in words:
+        assert w in msg, (w, msg)
+    assert (NO_RANK_CHECKPOINTS in msg) == (method == "disk")
+    assert info.value.suggested_bucket_bytes is None       # no bucket size makes it run
+    assert plan_row(PlanJob(**job, engine="reference"), CPU)["layout"] == "engine"
+    assert plan_row(PlanJob(**{**job, "layout": "full"}, engine="sglang"), CPU)["layout"] == "full"
+    assert plan_row(PlanJob(**{**job, "method": "tensor"}, engine="sglang"), CPU)["layout"] == "engine"
+
+
+def test_a_sweep_shows_the_refused_rows_and_exits_1_when_all_are(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    base = ["plan", "--models", "tiny-qwen3-moe", "--methods", "distributed,disk", "--ranks", "2", "--tp", "2",
+            "--bucket-mb", "1", "--engine", "sglang", "--cluster", "h100-node", "--json", str(out)]
+    assert cli.main(base + ["--layout", "engine"]) == 1
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["distributed", "disk"] and all(r["refused"] for r in rows), rows
+    assert "accepts_distributed_rank_buckets" in text and "per-rank files" in text
+    assert cli.main(base + ["--layout", "full,engine"]) == 0     # the full layout plans
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["layout"], bool(r.get("refused"))) for r in rows] == [
+        ("full", False), ("engine", True), ("full", False), ("engine", True)]
