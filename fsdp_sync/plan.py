@@ -70,13 +70,13 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
     case: verl's default is 2 GiB) this is k x bucket + largest tensor. ``turns``: the tensor
     method into an engine that may answer before every rank read (SGLang at TP > 1 on CUDA), whose
     buffers take turns (`transport.tensor.ReusedBuffer`): one bucket more where two are in flight
-    (per-rank buckets, pipelined) and one more quantized bucket. ``rank_buffers``: per-rank
-    buckets each trainer rank builds for every engine rank (FSDP1's full state dict: every rank
-    holds every tensor, none exchanges), k x that many. ``state_dict``: an FSDP1 state dict torch
-    builds first (``model_bytes``: the model in the trainer's dtype): "full" 2 x the model (its
-    clones of every parameter, held until streamed, and the flat parameters they are cloned from,
-    unsharded unit by unit with the root's held throughout: at most the model), "sharded" the
-    model + its sharded copy (model / ``ranks``)."""
+    (per-rank buckets, pipelined) and one more quantized bucket. ``rank_buffers``: the per-rank
+    buckets a trainer rank builds a bucket (a disk writer: one per engine rank whose files it
+    writes, ceil(tp / ranks)), k x that many, and as many quantized buckets. ``state_dict``: an
+    FSDP1 state dict torch builds first (``model_bytes``: the model in the trainer's dtype):
+    "full" 2 x the model (its clones of every parameter, held until streamed, and the flat
+    parameters they are cloned from, unsharded unit by unit with the root's held throughout: at
+    most the model), "sharded" the model + its sharded copy (model / ``ranks``)."""
     k = 3 if method == "disk" or (method == "distributed" and layout == "engine" and pipelined) else 2
     turns = turns and method == "tensor"
     if turns and layout == "engine" and pipelined:
@@ -90,7 +90,7 @@ def memory_budget(method: str, bucket_bytes: int, largest: int, quantization: st
         out["memory_budget_rule"] += (f" + FSDP1's {state_dict} state dict "
                                       + ("2 x the model" if full else "the model + model / ranks"))
     if quantization:
-        n = quantized_buffers(method, layout, pipelined, turns)
+        n = quantized_buffers(method, layout, pipelined, turns) * rank_buffers   # one per engine rank's buffer
         q = quantized_bucket_bytes(bucket_bytes, dtype) if quantized_bytes is None else quantized_bytes
         out["memory_budget_bytes"] += n * q
         out["memory_budget_rule"] += f" + {n} quantized buckets" if n > 1 else " + the quantized bucket"
@@ -457,15 +457,16 @@ def _turns(job: PlanJob, cl: Cluster) -> bool:
 
 def _trainer_rule(job: PlanJob, cl: Cluster, row: dict, bucket: int, quantized_bytes: Any = None) -> dict:
     """`memory_budget` of ``job`` with ``bucket``: an FSDP1 state dict's own memory included, and
-    every engine rank's per-rank buffers on each trainer rank where FSDP1's full state dict leaves
-    none to exchange (the tensor and disk methods; the distributed method's rank 0 builds them all
-    anyway); FP8: each quantized bucket ``quantized_bytes(bucket)``, the largest of the plan at
-    that size (None: the rule's bound)."""
+    a per-rank disk writer's buffers of every engine rank it writes for (ceil(tp / ranks));
+    FP8: each quantized bucket ``quantized_bytes(bucket)``, the largest of the plan at that size
+    (None: the rule's bound)."""
     sd = job.fsdp1_state_dict if job.fsdp == 1 else None
-    # FSDP1's full state dict: every tensor whole on every rank, nothing exchanged. The tensor
-    # method's rank builds its own engine rank's buffers, a disk writer those of the files it
-    # writes (engine rank i of bucket k: writer (k tp + i) mod ranks): at most ceil(tp / ranks)
-    per_rank = sd == "full" and job.layout == "engine" and job.method == "disk"
+    # per-rank disk files: a writer builds the buffers of the engine ranks whose files it writes,
+    # at most ceil(tp / ranks) a bucket (`transport.disk_ranked.write_rank_buckets`: the owner
+    # i mod ranks on the all-to-all path; (k tp + i) mod ranks where every rank holds every
+    # tensor, FSDP1's full state dict or one rank). The tensor method's rank builds its own engine
+    # rank's; the distributed method's rank 0 every engine rank's, each cut from bucket / tp
+    per_rank = job.layout == "engine" and job.method == "disk"
     out = memory_budget(job.method, bucket, row["largest_tensor_bytes"], job.quantization,
                         getattr(torch, job.dtype), layout=job.layout, pipelined=job.pipelined,
                         turns=_turns(job, cl), state_dict=sd, ranks=job.ranks,
