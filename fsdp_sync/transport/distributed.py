@@ -53,6 +53,7 @@ import datetime
 import inspect
 import logging
 import time
+import traceback
 import weakref
 from typing import Any
 
@@ -164,11 +165,12 @@ class DistributedTransport:
         """Tear the group down on both ends: the engines first (their workers close their
         connections, which ends a broadcast of ours still pending: gloo's destructor would wait
         for it), then ours. Errors are logged: a dead engine cannot answer."""
-        if self.pg is None:
-            self.engines, self._store = [], None
+        if self.pg is None and not self.engines:
+            self._store = None
             return
-        try:
-            self.pg.abort()
+        try:    # None: ours was destroyed already (`_launch_failed`), the engines' not yet
+            if self.pg is not None:
+                self.pg.abort()
         except Exception:  # noqa: BLE001 - destroying it is what matters
             pass
         for i, engine in enumerate(self.engines or engines):
@@ -183,7 +185,8 @@ class DistributedTransport:
                 log.warning("fsdp_sync: an engine's destroy_weights_update_group: %s", exc)
         pg, self.pg, self.engines = self.pg, None, []
         try:
-            destroy_update_group(pg)
+            if pg is not None:
+                destroy_update_group(pg)
         except Exception as exc:  # noqa: BLE001
             log.warning("fsdp_sync: destroying the weight-update group: %s", exc)
         del pg
@@ -421,12 +424,18 @@ class DistributedTransport:
         body = dict(names=bkt.names, dtypes=[dtype_name(e.dtype) for e in bkt.entries],
                     shapes=[list(e.shape) for e in bkt.entries], group_name=cfg.dist_group_name,
                     flush_cache=self._flushes(), load_format=PER_RANK_BUCKET)
-        futures = [self._calls.submit(e.update_weights_from_distributed, **body) for e in engines]
-        works = []
-        if bkt.nbytes:
-            for offset in self.offsets:
-                for r in range(len(rb.buffers)):
-                    works.append(dist.isend(rb.buffers[r], group=self.pg, group_dst=offset + r))
+        futures: list = []
+        works: list = []
+        try:
+            for e in engines:
+                futures.append(self._calls.submit(e.update_weights_from_distributed, **body))
+            if bkt.nbytes:
+                for offset in self.offsets:
+                    for r in range(len(rb.buffers)):
+                        works.append(dist.isend(rb.buffers[r], group=self.pg, group_dst=offset + r))
+        except BaseException as exc:   # a send error or a Ctrl-C: the engines are in their receive
+            self._launch_failed(_Pending(what, works, futures, p2p=True, keep=rb.buffers), exc)
+            raise
         return _Pending(what, works, futures, p2p=True, keep=rb.buffers)
 
     def _send(self, ctx: SyncContext, engines: list, plan: list[Bucket], device: torch.device,
@@ -493,17 +502,20 @@ class DistributedTransport:
         body = dict(names=bkt.names, dtypes=[dtype_name(e.dtype) for e in bkt.entries],
                     shapes=[list(e.shape) for e in bkt.entries], group_name=cfg.dist_group_name,
                     flush_cache=self._flushes(), load_format=None if per_tensor else "flattened_bucket")
-        futures = [self._calls.submit(e.update_weights_from_distributed, **body) for e in engines]
+        futures: list = []
+        works: list = []
         try:
+            for e in engines:
+                futures.append(self._calls.submit(e.update_weights_from_distributed, **body))
             if per_tensor:
                 # a float8 tensor goes as its bytes (gloo has no float8 type; the receiver does the same)
-                works = [dist.broadcast(flat[e.start:e.end] if e.dtype.itemsize == 1 and e.dtype.is_floating_point
+                works += [dist.broadcast(flat[e.start:e.end] if e.dtype.itemsize == 1 and e.dtype.is_floating_point
                                         else flat[e.start:e.end].view(e.dtype), src=0, group=self.pg,
                                         async_op=True) for e in bkt.entries if e.nbytes]
-            else:
-                works = [dist.broadcast(flat, src=0, group=self.pg, async_op=True)] if bkt.nbytes else []
-        except Exception as exc:   # the engines are already receiving: end their wait at once
-            self._abandon(_Pending(what, [], futures), f"{what}: {exc}", self._deadline())
+            elif bkt.nbytes:
+                works.append(dist.broadcast(flat, src=0, group=self.pg, async_op=True))
+        except BaseException as exc:   # a Ctrl-C too: the engines are already in their receive
+            self._launch_failed(_Pending(what, works, futures), exc)
             raise
         return _Pending(what, works, futures)
 
@@ -558,6 +570,29 @@ class DistributedTransport:
             cf.wait(running, timeout=max(0.0, deadline - time.monotonic()))
         self._stuck = {i for i, f in enumerate(p.futures) if not f.done()}
         return message
+
+    def _launch_failed(self, p: _Pending, exc: BaseException) -> None:
+        """A bucket's launch raised (a send error, a Ctrl-C) after the engines were asked to
+        receive it: they wait in their receive for bytes that will not come, holding their locks,
+        and the caller has no pending bucket to abandon. Our end of the group is destroyed now, so
+        their receive fails at once (gloo's ``abort()`` closes no connection: only the group's
+        destruction does, once nothing holds it: the sends' works, the traceback's finished
+        frames), then their answers are waited for (`_abandon`). The group is marked for
+        remaking; `_drop_group` still tells the engines to destroy theirs.
+
+        Before, the abort that followed waited for the engines' locks until their receive timed
+        out (``update_recv_timeout_s``, 60 s by default), the group was never marked broken, and
+        every later sync failed at once ("Connection closed by peer") until a new manager. Where
+        a backend's receive does not notice our end go, the engine's own timeout ends it."""
+        self.broken = True
+        pg, self.pg = self.pg, None      # self.engines kept: `_drop_group` tells them
+        p.works.clear()
+        traceback.clear_frames(exc.__traceback__)    # e.g. dist.isend's frame holds ``group=pg``
+        if pg is not None:
+            destroy_ours(pg, f"the weight-update group {self.config.dist_group_name!r} after "
+                             f"{p.what} failed to go out")
+        del pg
+        self._abandon(p, "", self._deadline())
 
     def _deadline(self) -> float:
         """When engine answers waited for from now are given up on (``dist_timeout_s``)."""
