@@ -1,10 +1,13 @@
-"""What `fsdp_sync.plan` refuses before it counts a byte: a sync the planned engine would refuse,
-in the words of the code that refuses it when the sync runs.
+"""What `fsdp_sync.plan` refuses before it counts a byte: a sync the planned engine would refuse
+(or serve wrongly), in the words of the code that refuses it when the sync runs.
 
 - SGLang takes no per-rank payloads outside the tensor method: ``layout="engine"`` with the
   distributed method (`SGLangEngine.accepts_distributed_rank_buckets` is false; the distributed
   transport refuses it before sending) or the disk method (it has no ``accepts_rank_checkpoints``;
-  the disk transport refuses it before writing, `transport.disk_ranked.NO_RANK_CHECKPOINTS`).
+  the disk transport refuses it before writing, `transport.disk_ranked.NO_RANK_CHECKPOINTS`);
+- SGLang serves some models other than the trainer computes them, whatever a sync sends
+  (`engines.sglang.served_config.model_refusal`: a tied Qwen3-MoE / Qwen2-MoE / Mixtral, whose
+  head SGLang keeps apart; the manager refuses the sync, `config_check.served_refusal`).
 
 Not here: the memory fit (`plan._check_fit`), a TP/EP split the layout map refuses (the layout
 map's own ValueError).
@@ -18,11 +21,12 @@ __all__ = ["engine_refusal"]
 
 
 def engine_refusal(engine: str, method: str, layout: str, cfg: Any, spec: Any) -> str | None:
-    """Why ``engine`` ("sglang" or "reference") would refuse a ``method`` sync with ``layout`` of
-    the model of Hugging Face config ``cfg`` (layout-map `ModelSpec` ``spec``); None where it
-    runs it."""
+    """Why ``engine`` ("sglang" or "reference") would refuse, or serve wrongly, a ``method`` sync
+    with ``layout`` of the model of Hugging Face config ``cfg`` (layout-map `ModelSpec` ``spec``);
+    None where it runs it."""
     if engine == "sglang":
         from .engines.sglang import SGLangEngine
+        from .engines.sglang.served_config import model_refusal
 
         if layout == "engine" and method == "distributed" and not getattr(
                 SGLangEngine, "accepts_distributed_rank_buckets", False):
@@ -38,4 +42,5 @@ def engine_refusal(engine: str, method: str, layout: str, cfg: Any, spec: Any) -
                     f"true; the disk transport refuses layout='engine' for it before writing): "
                     f"{NO_RANK_CHECKPOINTS}. Plan --layout full (a Hugging Face checkpoint) or "
                     f"--engine reference")
+        return model_refusal(cfg)
     return None

@@ -50,3 +50,20 @@ def test_a_sweep_shows_the_refused_rows_and_exits_1_when_all_are(tmp_path, capsy
     rows = json.loads(out.read_text())["rows"]
     assert [(r["layout"], bool(r.get("refused"))) for r in rows] == [
         ("full", False), ("engine", True), ("full", False), ("engine", True)]
+
+
+def test_sglang_refuses_a_tied_moe_model_whatever_the_method():
+    """SGLang's Qwen3-MoE (and Qwen2-MoE, Mixtral) class builds an lm_head of its own and ignores
+    tie_word_embeddings, so the sync refuses a tied one (`served_config.model_refusal`); the plan
+    priced it. The reference engine serves it; an untied one plans into SGLang."""
+    from fsdp_sync.engines.sglang.served_config import model_refusal
+    from fsdp_sync.models import load_config
+
+    tied = load_config("tiny-qwen3-moe", tie_word_embeddings=True)
+    for method, layout in (("tensor", "full"), ("tensor", "engine"), ("distributed", "full"), ("disk", "full")):
+        job = dict(model=tied, method=method, layout=layout, ranks=2, tp=2, bucket_bytes=2**20)
+        with pytest.raises(PlanError) as info:
+            plan_row(PlanJob(**job, engine="sglang"), CPU)
+        assert str(info.value).endswith(model_refusal(tied)) and "tie_word_embeddings=True" in str(info.value)
+        assert plan_row(PlanJob(**job, engine="reference"), CPU)["bytes"] > 0
+    assert plan_row(PlanJob(load_config("tiny-qwen3-moe"), ranks=2, tp=2, engine="sglang"), CPU)["bytes"] > 0
