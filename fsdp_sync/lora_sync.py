@@ -17,27 +17,22 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   trained biases, a regex, embeddings or lm_head as targets), a tensor that is not lora_A /
   lora_B of a linear module (`peft_names.unserved_tensor`: KaSA's ``lora_diag``, ...), and, at a
   sync that sends the adapter alone, base parameters that still train (``requires_grad``).
-- the full LoRA tensors, gathered from FSDP2 / FSDP1 / plain modules by the export (collective:
-  every trainer rank calls it) into one flattened bucket that the manager keeps from one sync to
-  the next with its plan and sources (`weights.adapter_export`), named as peft saves them
+- the full LoRA tensors, gathered by the export (collective) into one flattened bucket kept from
+  one sync to the next (`weights.adapter_export`), named as peft saves them
   (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the adapter's name segment
-  dropped: only the active adapter's tensors are exported, so no two collide), the names SGLang's
-  LoRA loader and the reference engine read.
-- `check_engine`: refuse, by name and before the engine's adapter is touched (and, at the first
-  sync, before the base goes), an adapter that the engine's base cannot take: another rank or
-  other target modules than the adapter it serves, beyond its ``max_lora_rank`` /
+  dropped), the names SGLang's LoRA loader and the reference engine read.
+- `check_engine`, on every engine before any is loaded (and before the base goes): another rank
+  or other target modules than the adapter it serves, beyond its ``max_lora_rank`` /
   ``lora_target_modules``, what its own load would refuse (the reference engine's
-  ``lora_refusal``), base weights that are not the ones this manager synced (their
-  ``weight_version`` changed), or, for SGLang, target modules its LoRA code cannot stack
-  (`sglang_refusal`).
-- `load_adapter`: swap the adapter in (the reference engine stages the new one on every worker
-  before dropping the old one, ``replace=True``; an engine without that unloads, then loads, as
-  verl does).
-- `verify_adapter`: read the adapter back (``engine.lora_tensors``) and compare bit for bit; an
-  engine that reports digests instead (`SGLangEngine` over ``fsdp-sync serve``: `check_digests`)
-  is compared digest for digest. At a sync that sends the adapter alone, `SyncConfig.verify`
-  checks the base too (`verify.verify_engines`, the same mode), so a verified sync says the engine
-  serves the trainer's model, not only its adapter.
+  ``lora_refusal``), base weights that are not the ones this manager synced (`engine_version`
+  changed), or, for SGLang, target modules its LoRA code cannot stack (`sglang_refusal`).
+- `load_all` / `load_adapter`: swap the adapter in (the reference engine stages the new one on
+  every worker before dropping the old one, ``replace=True``; SGLang is unloaded, then loaded, as
+  verl does); a failure on some replicas follows `SyncConfig.on_replica_failure` (`sync_adapter`:
+  the others put back on the previous adapter, `put_back`, or the failing ones quarantined).
+- `verify_adapter`: read the adapter back and compare bit for bit (digest for digest where the
+  engine reports digests: `check_digests`); at a sync that sends the adapter alone the base too
+  (`verify_base`), so a verified sync says the engine serves the trainer's model.
 
 The adapter travels as one flattened bucket per call, one handle per TP rank, the same payload
 form as a full sync's buckets: to a reference engine, the trainer's own kept buffer where the ranks
@@ -49,22 +44,27 @@ Not here: the base weights' sync (the transports), the engine's side (`engines.r
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
 import torch
 
+from .fleet import describe
+from .topology import SyncError
 from .transport import SyncStats
 from .verify import tensor_digest, verify_engines
 from .weights import bucket, export, handles
+from .weights.adapter_export import AdapterCopy, AdapterExport
 from .wire import flattened_bucket
-from .weights.adapter_export import AdapterExport
 from .weights.peft_names import (adapter_of, config_refusal, pattern_refusal, sglang_refusal,
                                  trainable_base, unserved_tensor)
 
+log = logging.getLogger("fsdp_sync")
+
 __all__ = ["check_mode", "memory_tags", "sync_adapter", "active_adapter", "adapter_config", "refusal",
-           "pattern_refusal", "config_refusal", "check_engine", "sglang_refusal", "load_adapter",
-           "verify_adapter", "check_digests", "peft_name", "close"]
+           "pattern_refusal", "config_refusal", "check_engine", "engine_version", "sglang_refusal",
+           "load_adapter", "verify_adapter", "check_digests", "peft_name", "close"]
 
 
 def check_mode(module: torch.nn.Module, config: Any) -> None:
@@ -88,16 +88,30 @@ def memory_tags(config: Any, tags: list[str] | None) -> list[str] | None:
 
 def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_config: Any,
                  base_versions: dict[int, Any], agree: Callable[..., None],
-                 kept: AdapterExport | None = None, *, base_sent: bool = False) -> SyncStats:
-    """One adapter sync, on every trainer rank: all gather the adapter, the engine ranks check
-    it (`refusal`) and against each engine (`check_engine`) and load it, all ``agree`` (so a
-    refusal on one rank raises the same `SyncError` on every rank, naming it); then, with
+                 kept: AdapterExport | None = None, *, base_sent: bool = False,
+                 names: list[str] | None = None, quarantine: Callable[[int, str], None] | None = None,
+                 previous: AdapterCopy | None = None, before_load: Callable[[], None] | None = None,
+                 on_loaded: Callable[[], None] | None = None) -> SyncStats:
+    """One adapter sync, on every trainer rank: all gather the adapter; the engine ranks check it
+    (`refusal`) and against every engine (`check_engine`) before loading it into any, then load it
+    (`load_all`); all ``agree`` after each step, so a refusal or failure on one rank raises the
+    same `SyncError` on every rank, naming the replica (``names``: the engines' replica names,
+    default `fleet.describe`). A failed load leaves no replica silently on another adapter than
+    the others: with ``quarantine`` (``(index, reason)``: the manager's, under
+    ``on_replica_failure="quarantine"``) the replicas that failed are taken out of service and the
+    others keep the new adapter (all failing: the sync fails); without it (``"abort"``) the
+    replicas that took it, on any rank, and those whose failed load dropped their old one, are put
+    back on the adapter they served (`put_back`: ``previous``, the copy of the last one loaded, or
+    none where they held none), and the error says which could not be. ``before_load`` /
+    ``on_loaded``: called on every rank once every check passed, and once the engines hold the
+    adapter, before the verify (the manager pauses and resumes generation there). Then, with
     `SyncConfig.verify`, each engine's adapter is read back and compared bit for bit. ``kept``:
     the export kept from the previous sync (`weights.adapter_export`; None: a fresh one, freed
-    after). ``base_sent``: this sync sent the base just before (False: the adapter goes alone,
-    so base parameters that still train are refused). Returns the sync's figures (seconds:
-    gather + load, without the verify)."""
+    after). ``base_sent``: this sync sent the base just before (False: the adapter goes alone, so
+    base parameters that still train are refused). Returns the sync's figures (seconds: gather +
+    load, without the verify)."""
     name = config.lora_name
+    names = list(names) if names is not None else [describe(e, i) for i, e in enumerate(engines)]
     t0 = time.perf_counter()
     err, tensors, cfg, adapter, metas = None, {}, {}, None, []
     export_ = kept if kept is not None else AdapterExport(peft_name)
@@ -122,24 +136,34 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
         agree(err, what="adapter sync")
-        for engine in engines:
-            if err is not None:
-                break
+        for i, engine in enumerate(engines):     # every engine checked before any is loaded
             try:
-                err = check_engine(engine, cfg, name, base_versions.get(id(engine)), metas)
-                if err is None:
-                    load_adapter(engine, name, tensors, cfg, export_.shared())
+                why = check_engine(engine, cfg, name, base_versions.get(id(engine)), metas)
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
-                err = f"{type(exc).__name__}: {exc}"
+                why = f"{type(exc).__name__}: {exc}"
+            if why is not None:
+                err = f"{names[i]}: {why}; nothing was loaded: every engine keeps its adapter"
+                break
         agree(err, what=f"adapter sync of {name!r}")
+        if before_load is not None:
+            before_load()
+        out = _load(engines, names, name, tensors, cfg, export_.shared(), quarantine, previous, agree)
+        serving = [i for i in range(len(engines)) if i not in out]
         stats = SyncStats(seconds=time.perf_counter() - t0,
                           bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
                           tensors=len(tensors), buckets=1, engine_calls=len(engines),
                           extra={"lora": name, "r": cfg.get("r"), "adapter": adapter})
+        if out:
+            stats.extra["replicas_out"] = [f"{names[i]}: {why}" for i, why in sorted(out.items())]
+        if previous is not None and engines:
+            previous.keep(tensors, cfg)
+        if on_loaded is not None:
+            on_loaded()
         if config.verify != "off":
             err = None
-            for engine in engines:
-                err = err or verify_adapter(engine, name, tensors)
+            for i in serving:         # not those taken out of service just now
+                if err is None and (why := verify_adapter(engines[i], name, tensors)) is not None:
+                    err = f"{names[i]}: {why}" if len(engines) > 1 else why
             stats.extra["verify_tensors"] = len(tensors)
             agree(err, what=f"verify={config.verify!r} of adapter {name!r}")
     finally:
@@ -149,9 +173,59 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
     return stats
 
 
+def _load(engines: list, names: list[str], name: str, tensors: dict, cfg: dict, shared: Any,
+          quarantine: Callable[[int, str], None] | None, previous: AdapterCopy | None,
+          agree: Callable[..., None]) -> dict[int, str]:
+    """`sync_adapter`'s load into every engine and what a failure does (see there), agreed on
+    every rank; returns the engines taken out of service (index -> why)."""
+    loaded, failed, had = load_all(engines, name, tensors, cfg, shared, keep_going=quarantine is not None)
+    err, out = None, {}
+    if failed and quarantine is not None and loaded:      # the others serve it; these are taken out
+        for i, why in sorted(failed.items()):
+            quarantine(i, f"failed to load adapter {name!r}: {why}")
+            out[i] = why
+        log.warning("fsdp_sync: adapter %r loaded on %d replicas; quarantined: %s", name, len(loaded),
+                    "; ".join(f"{names[i]}: {why}" for i, why in out.items()))
+    elif failed:
+        first = min(failed)
+        others = [names[i] for i in sorted(failed) if i != first]
+        err = (f"{names[first]} failed to load adapter {name!r}: {failed[first]}"
+               + (f" ({', '.join(others)} failed too)" if others else ""))
+        back = loaded + [i for i in sorted(failed) if not transactional(engines[i])]
+        err += _put_all_back(engines, names, back, loaded, name, previous, had) or (
+            "; every replica is back on the adapter it served before" if back else
+            "; no replica took it: each keeps the adapter it served")
+    try:
+        agree(err, what=f"adapter sync of {name!r}")
+    except SyncError as exc:      # another rank's engine failed: this rank's go back too
+        note = None if failed else _put_all_back(engines, names, loaded, loaded, name, previous, had)
+        try:
+            agree(note and note.removeprefix("; "), what=f"putting adapter {name!r}'s previous version back")
+        except SyncError as back:
+            exc.add_note(str(back))
+        raise
+    return out
+
+
+def _put_all_back(engines: list, names: list[str], back: list[int], loaded: list[int], name: str,
+                  previous: AdapterCopy | None, had: list) -> str | None:
+    """`put_back` on the engines ``back``: None once every one is back, else which
+    could not be and what each serves now (``loaded``: those that took the new adapter)."""
+    stuck = []
+    for i in back:
+        why = put_back(engines[i], name, previous, had[i] if i < len(had) else None)
+        if why is not None:
+            now = "the new adapter" if i in loaded else f"no adapter {name!r}"
+            stuck.append(f"{names[i]} {why} and serves {now}")
+    if not stuck:
+        return None
+    return f"; the replicas do not all serve the same adapter now: {'; '.join(stuck)}"
+
+
 def close(manager: Any) -> None:
-    """Free the adapter's export ``manager`` kept between syncs (`sync_weights`; the manager's
-    ``close``)."""
+    """Free the adapter's export ``manager`` kept between syncs, and its copy of the last adapter
+    (`sync_weights`; the manager's ``close``)."""
+    manager.lora_prev = None
     kept, manager.lora_export = getattr(manager, "lora_export", None), None
     if kept is not None:
         kept.close()
@@ -282,6 +356,17 @@ def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str | N
     return cfg
 
 
+def engine_version(engine: Any) -> Any:
+    """The version of the base weights ``engine`` serves: the reference engine's
+    ``weight_version``, else SGLang's ``get_weight_version()`` (an `SGLangEngine` has no such
+    attribute; a restarted server answers its launch version); None where it has neither."""
+    version = getattr(engine, "weight_version", None)
+    if version is not None and not callable(version):
+        return version
+    ask = getattr(engine, "get_weight_version", None)
+    return ask() if callable(ask) else None
+
+
 def check_engine(engine: Any, cfg: dict, name: str, base_version: Any,
                  metas: list | None = None) -> str | None:
     """Why ``engine`` cannot take this adapter now (None: it can). See the module docstring.
@@ -322,7 +407,7 @@ def check_engine(engine: Any, cfg: dict, name: str, base_version: Any,
         if extra:
             return (f"adapter {name!r}: target_modules {extra} are not in the engine's "
                     f"lora_target_modules {list(allowed)}")
-    now = getattr(engine, "weight_version", None)
+    now = engine_version(engine) if base_version is not None else None
     if base_version is not None and now is not None and now != base_version:
         return (f"adapter {name!r}: the engine's base weights are version {now!r}, not the base "
                 f"version {base_version!r} this manager synced; set manager.base_sync_done=False "
@@ -330,13 +415,31 @@ def check_engine(engine: Any, cfg: dict, name: str, base_version: Any,
     return None
 
 
+def holds(engine: Any, name: str) -> bool | None:
+    """Whether ``engine`` serves an adapter ``name`` now (None: it cannot say): the reference
+    engine's ``lora_adapters``, else SGLang's ``available_models`` (``/v1/models``)."""
+    loaded = getattr(engine, "lora_adapters", None)
+    if isinstance(loaded, dict):
+        return name in loaded
+    models = getattr(engine, "available_models", None)
+    if callable(models):
+        return any(m.get("id") == name for m in (models() or {}).get("data", []))
+    return None
+
+
+def transactional(engine: Any) -> bool:
+    """A failed load leaves ``engine`` on its old adapter (the reference engine's staged
+    ``replace=True``); SGLang's was unloaded before."""
+    return isinstance(getattr(engine, "lora_adapters", None), dict)
+
+
 def load_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor], cfg: dict,
-                 shared: tuple[torch.Tensor, Any] | None = None) -> None:
+                 shared: tuple[torch.Tensor, Any] | None = None, *, listed: bool | None = None) -> None:
     """Put the adapter into ``engine`` under ``name`` (see the module docstring). ``shared``:
     ``(flat, bucket)``, the same tensors in a shared buffer (`AdapterExport.shared`), handed to a
-    reference engine's workers as payloads of that buffer (no copy) where it takes them."""
-    loaded = getattr(engine, "lora_adapters", None)
-    if isinstance(loaded, dict):          # the reference engine: staged everywhere, then swapped
+    reference engine's workers as payloads of that buffer (no copy) where it takes them.
+    ``listed``: whether a non-reference engine lists ``name`` already (None: asked, `holds`)."""
+    if transactional(engine):             # the reference engine: staged everywhere, then swapped
         if shared is not None and "flattened_bucket" in getattr(engine, "lora_load_formats", ()):
             ps = handles.make_payloads(flattened_bucket(*shared), engine.tp_size)
             try:
@@ -347,10 +450,45 @@ def load_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor], cfg: 
             return
         engine.load_lora_adapter_from_tensors(name, list(tensors.items()), cfg, replace=True)
         return
-    models = getattr(engine, "available_models", None)
-    if callable(models) and any(m.get("id") == name for m in (models() or {}).get("data", [])):
+    if listed if listed is not None else holds(engine, name):
         engine.unload_lora_adapter(name)
     engine.load_lora_adapter_from_tensors(name, list(tensors.items()), cfg)
+
+
+def load_all(engines: list, name: str, tensors: dict[str, torch.Tensor], cfg: dict, shared: Any, *,
+             keep_going: bool) -> tuple[list[int], dict[int, str], list[bool | None]]:
+    """`load_adapter` into each engine in turn: ``(indices that took it, {index: error}, per
+    engine whether it held ``name`` before)``; ``keep_going``: on to the others after a failure."""
+    loaded: list[int] = []
+    failed: dict[int, str] = {}
+    had: list[bool | None] = [None] * len(engines)
+    for i, engine in enumerate(engines):
+        try:
+            had[i] = holds(engine, name)
+            load_adapter(engine, name, tensors, cfg, shared, listed=had[i])
+            loaded.append(i)
+        except Exception as exc:  # noqa: BLE001 - said by the caller, naming the replica
+            failed[i] = f"{type(exc).__name__}: {exc}"
+            if not keep_going:
+                break
+    return loaded, failed, had
+
+
+def put_back(engine: Any, name: str, previous: AdapterCopy | None, had: bool | None) -> str | None:
+    """Put ``engine`` back on the adapter it served under ``name`` before this sync: ``previous``
+    (the copy of the one last loaded), or none where it held none (``had`` False). None once it
+    is back, else why it could not be."""
+    try:
+        if previous is not None and previous.tensors is not None:
+            load_adapter(engine, name, previous.tensors, previous.cfg)
+            return None
+        if had is False:
+            if holds(engine, name):
+                engine.unload_lora_adapter(name)
+            return None
+    except Exception as exc:  # noqa: BLE001 - said by the caller, naming the replica
+        return f"could not be put back ({type(exc).__name__}: {exc})"
+    return "could not be put back (it held an adapter of that name this manager has no copy of)"
 
 
 def check_digests(engine: Any, name: str, named: Any) -> tuple[str | None, dict[str, Any]]:
@@ -441,18 +579,31 @@ def _compare_rank_pieces(name: str, pieces: dict, tensors: dict[str, torch.Tenso
     return None
 
 
-def sync_weights(manager: Any, sync_full: Any, agree: Any) -> None:
+def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, resume: Any = None) -> None:
     """The manager's sync_weights stage under ``lora="adapter"``: the base through ``sync_full``
     (the configured method) when ``manager.base_sync_done`` is False, then the adapter
-    (`sync_adapter`); the manager's stats become the adapter's, with the base's beside them. A
-    config the engines would serve otherwise is refused before the base goes (`refusal`); with
-    `SyncConfig.verify`, a sync of the adapter alone verifies the base too (`verify_base`). The
-    adapter's choice (`active_adapter`) and config (`adapter_config`), and every engine
+    (`sync_adapter`); the manager's stats become the adapter's, with the base's beside them.
+    Before the base goes, everything the adapter's part would refuse is checked: the module
+    (`refusal`: the config, the tensors, the adapter's choice and config) and every engine
     (`check_engine`: its rank bounds, targets, and, for the reference engine, its own load's
-    checks), are checked before the base goes too: nothing is sent for a sync that the adapter's
-    part would refuse."""
+    checks): nothing is sent for a sync that the adapter's part would refuse. With
+    `SyncConfig.verify`, a sync of the adapter alone verifies the base too (`verify_base`).
+
+    ``pause`` / ``resume`` (the manager's ``_pause`` / ``_continue``: `SyncConfig.pause_mode`)
+    hold generation on the serving replicas from before the base (or, at an adapter-only sync,
+    from just before the adapter's load) until every engine holds the adapter, once: no request
+    runs between the new base and its adapter. A failed load follows
+    `SyncConfig.on_replica_failure` (`sync_adapter`)."""
     full = not manager.base_sync_done
     module, config, name = manager.module, manager.config, manager.config.lora_name
+    fleet_mode = config.method != "tensor"       # the manager's rule (`_fleet_mode`)
+
+    def named() -> tuple[list, list[str]]:
+        reps = list(manager.fleet.serving)
+        if not fleet_mode and manager.topo is not None:
+            return reps, [manager.topo.describe() for _ in reps]
+        return reps, [r.name for r in reps]
+
     if full:        # everything the adapter's sync checks, of the module and the engines
         err = None
         try:
@@ -462,9 +613,7 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any) -> None:
                 metas = [m for m in export.param_metas(module, config.dtype, lora=True)
                          if adapter is None or adapter_of(m.name) == adapter]
                 cfg = adapter_config(module, manager.peft_config, adapter, metas=metas)
-                reps = list(manager.fleet.serving)
-                names = ([manager.topo.describe()] * len(reps) if config.method == "tensor" and
-                         manager.topo is not None else [r.name for r in reps])
+                reps, names = named()
                 for rep, who in zip(reps, names):
                     why = check_engine(rep.engine, cfg, name, None, metas)
                     if why is not None:
@@ -473,13 +622,44 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
         agree(err, what=f"adapter sync of {name!r}")
-        sync_full()
-        manager.lora_base = {id(e): getattr(e, "weight_version", None) for e in manager.engines}
-    base, manager.base_sync_done = manager.stats, True
-    if getattr(manager, "lora_export", None) is None:
-        manager.lora_export = AdapterExport(peft_name)
-    manager.stats = sync_adapter(module, config, manager.engines, manager.peft_config,
-                                 manager.lora_base, agree, manager.lora_export, base_sent=full)
+    held: dict[str, list | None] = {"paused": None}
+
+    def hold(targets: list | None = None) -> None:     # the base's targets, or those serving
+        if pause is not None and held["paused"] is None:
+            held["paused"] = pause(named()[0] if targets is None else targets)
+
+    def let_go() -> None:
+        paused, held["paused"] = held["paused"], []
+        if paused:
+            resume(paused)
+
+    try:
+        if full:        # paused after the full sync's own checks, before anything is sent
+            sync_full(hold)
+            manager.lora_base = {id(e): engine_version(e) for e in manager.engines}
+        base, manager.base_sync_done = manager.stats, True
+        if getattr(manager, "lora_export", None) is None:
+            manager.lora_export = AdapterExport(peft_name)
+        reps, names = named()
+        engines = [r.engine for r in reps]
+        several = len(manager.fleet.replicas) > 1 or (manager.topo is not None and manager.topo.dp_size > 1)
+        if engines and (several or not all(transactional(e) for e in engines)):
+            manager.lora_prev = getattr(manager, "lora_prev", None) or AdapterCopy()
+        quarantine = None
+        if fleet_mode and config.on_replica_failure == "quarantine":
+            def quarantine(i: int, why: str) -> None:
+                manager.fleet.quarantine(reps[i], why)
+        manager.stats = sync_adapter(module, config, engines, manager.peft_config, manager.lora_base,
+                                     agree, manager.lora_export, base_sent=full, names=names,
+                                     quarantine=quarantine, previous=getattr(manager, "lora_prev", None),
+                                     before_load=hold, on_loaded=let_go)
+    except BaseException as exc:
+        try:
+            let_go()
+        except Exception as cont:  # noqa: BLE001 - the sync's error is the one to raise
+            exc.add_note(f"and then: {cont}")
+        raise
+    let_go()
     if full:
         manager.stats.extra.update({"base_seconds": base.seconds, "base_bytes": base.bytes,
                                     "base_tensors": base.tensors})

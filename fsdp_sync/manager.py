@@ -361,14 +361,15 @@ class FSDPShardingManager:
         (`weights.ipc_memory`): a consumer opens a block of one only with ptrace rights over us."""
         shares = self.config.method == "tensor" or self.config.lora == "adapter"
         with ipc_memory.shareable() if shares else nullcontext(False) as switched:
-            if self.config.lora == "adapter":
-                lora_sync.sync_weights(self, self._sync_full, self._agree)
+            if self.config.lora == "adapter":      # it pauses once, around base and adapter
+                lora_sync.sync_weights(self, self._sync_full, self._agree, self._pause, self._continue)
             else:
                 self._sync_full()
         if switched:
             self.stats.extra["expandable_segments"] = ipc_memory.SWITCHED
 
-    def _sync_full(self) -> None:
+    def _sync_full(self, hold: Any = None) -> None:
+        """The full sync; ``hold(targets)``: the caller's pause instead of this one's (it resumes)."""
         targets = self._targets()
         if self._fleet_mode:        # no replica to take it (all out of service, or none left):
             none = self._from_rank0([f"{r.name}: {r.reason}" for r in self.fleet.out_of_service]
@@ -384,7 +385,7 @@ class FSDPShardingManager:
         if self.transport is None:
             raise RuntimeError("the manager was closed; make a new FSDPShardingManager")
         version = self._next_version()
-        paused = self._pause(targets)
+        paused = self._pause(targets) if hold is None else hold(targets) or []
         try:
             err, ctx = self._transport_sync(targets, version, self.step)
             if err is not None:

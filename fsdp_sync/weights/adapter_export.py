@@ -23,6 +23,10 @@ as one.
 The returned tensors are views of the kept buffer: valid until the next call (the caller hands them
 to the engine, which copies them, and verifies them within the same sync). `close` frees it.
 
+`AdapterCopy` keeps a copy of the adapter last loaded into the engines (its tensors and config),
+for the engines to be put back on it where a later load failed on some of them
+(`lora_sync.sync_adapter`).
+
 Not here: naming the tensors as peft saves them, the config, the engine (`fsdp_sync.lora_sync`).
 """
 
@@ -41,7 +45,7 @@ from .peft_names import adapter_of
 from .gather import Pieces, Scratch, fill_bucket, fill_shared, shared_group
 from .hostbuf import HostShared
 
-__all__ = ["AdapterExport"]
+__all__ = ["AdapterExport", "AdapterCopy"]
 
 
 class _Src:
@@ -227,3 +231,23 @@ def _sources(items: list, walk: list[tuple[str, Any]]) -> list[tuple] | None:
         else:
             return None
     return out
+
+
+class AdapterCopy:
+    """The adapter last loaded into the engines: ``cfg`` and a copy of its ``tensors`` (None: none
+    yet), in buffers reused while the names, shapes and dtypes stay the same."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] | None = None
+        self.cfg: dict | None = None
+
+    def keep(self, tensors: dict[str, torch.Tensor], cfg: dict) -> None:
+        old = self.tensors or {}
+        with torch.no_grad():
+            if old.keys() == tensors.keys() and all(old[n].shape == t.shape and old[n].dtype == t.dtype
+                                                    for n, t in tensors.items()):
+                for n, t in tensors.items():
+                    old[n].copy_(t)
+            else:
+                self.tensors = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+        self.cfg = dict(cfg)
