@@ -22,8 +22,12 @@ partly updated — only ever sees complete, immutable directories:
    weight version (and ``flush_cache=False`` under ``pause_mode="in_place"``, refused up front for
    an engine that cannot skip the flush: an in-process ``sglang.Engine``); with several engines
    (a fleet) inside ``begin_weight_update`` / ``end_weight_update`` on each, and no engine
-   commits until every one has loaded (`fleet.end_all`). A sync of the step just published (the manager's retry after quarantining a
-   replica) skips 1-3 and loads that version again; a replica brought in between syncs
+   commits until every one has loaded (`fleet.end_all`). Each load carries the version: an engine
+   that stages it (the reference engine, ``fsdp-sync serve``) takes weights and name at its commit;
+   one that applies a load as it arrives (SGLang, whose session stages nothing) takes both at once,
+   so no replica serves the new weights under the old version while the others load. A sync of
+   the step just published (the manager's retry after quarantining a replica) skips 1-3 and loads
+   that version again; a replica brought in between syncs
    (``recover``, ``add_engine``: ``ctx.reload``) loads the version the others loaded last
    (``loaded``: a commit that failed on some replicas counts, the others serve it), never one
    that no replica committed or a fresh one;
@@ -372,7 +376,10 @@ class DiskTransport:
                     if hasattr(engine, "begin_weight_update"):
                         engine.begin_weight_update()
                     opened.append(engine)
-                    _load_one(engine, final, None, flush=flush)    # the version comes with the commit
+                    # the version goes with the weights: a transactional engine takes both at its
+                    # commit; one that applies the load at once (SGLang) both now, so no replica
+                    # serves the new weights under the old name while the others load
+                    _load_one(engine, final, version, flush=flush)
                     calls += 1
             except Exception as exc:   # noqa: BLE001
                 failed = fleet.describe(engines[i], i)
@@ -383,7 +390,9 @@ class DiskTransport:
                 err = RuntimeError(f"{failed} of {len(engines)} failed to load it: {type(exc).__name__}: "
                                    f"{exc}; no replica committed it" + (
                                        f", but {', '.join(loaded)} loaded it already and could not drop "
-                                       f"it: they serve its weights now" if loaded else ""))
+                                       f"it: they serve its weights now" + (
+                                           f" as version {version!r}" if version is not None else "")
+                                       if loaded else ""))
             if err is None:
                 try:
                     fleet.end_all(engines, commit=True, version=version)
