@@ -5,7 +5,10 @@ same prompts, and says how many samples each rank gave; `keep_own` takes this ra
 A batch is a dict of tensors (concatenated along dim 0) and lists or tuples (concatenated), with
 the same keys on every rank, each key of one kind on every rank (a tensor everywhere, of one dtype
 and one shape past dim 0, or a list everywhere), one size across its fields; or a verl
-``DataProto`` (``concat``, ``chunk``/``slice``) on every rank. Sizes may differ per rank. A batch
+``DataProto`` (``concat``, ``chunk``/``slice``) on every rank. Sizes may differ per rank. Tensors
+travel as CPU copies (a CUDA tensor sent as is would unpickle on the sender's device index) and the
+gathered batch is put on the caller's device: each field where that field is on this rank, a
+DataProto where its tensors are (left on the CPU if they span devices). A batch
 that does not fit is refused on every rank alike, naming the field and the ranks: every check runs
 on the gathered batches, which every rank holds, never on a rank's own alone (a rank that raised
 where another did not would leave the other waiting in its next collective). `keep_own` splits by
@@ -17,6 +20,7 @@ Not here: the mesh and its groups (`topology`), the with block (`manager`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -43,7 +47,7 @@ def gather(topo: Any, batch: Any) -> tuple[Any, list[int] | None]:
     the batch itself and None."""
     if topo is None or topo.tp_size == 1:
         return batch, None
-    mine = batch if isinstance(batch, dict) or _data_proto(batch) else _Refused(type(batch).__name__)
+    mine = _on_host(batch) if isinstance(batch, dict) or _data_proto(batch) else _Refused(type(batch).__name__)
     parts: list = [None] * topo.tp_size
     dist.all_gather_object(parts, mine, group=cpu_group(topo.tp_group))
     where = f" ({topo.describe()})"
@@ -57,7 +61,9 @@ def gather(topo: Any, batch: Any) -> tuple[Any, list[int] | None]:
         raise TypeError(f"preprocess_data: the infer-TP ranks' batches are of different types "
                         f"({_by_rank(kinds)}); give every rank the same kind of batch{where}")
     if not isinstance(parts[0], dict):
-        return type(parts[0]).concat(parts), [len(p) for p in parts]
+        whole = type(parts[0]).concat(parts)
+        device = _proto_device(batch)
+        return (whole.to(device) if device is not None else whole), [len(p) for p in parts]
     keys = [sorted(map(str, p)) for p in parts]
     if any(k != keys[0] for k in keys):
         diff = {r: sorted(set(k) ^ set(keys[0])) for r, k in enumerate(keys) if k != keys[0]}
@@ -67,9 +73,35 @@ def gather(topo: Any, batch: Any) -> tuple[Any, list[int] | None]:
     for key in parts[0]:
         _check_field(key, [p[key] for p in parts], where)
     sizes = [_batch_size(p, r) for r, p in enumerate(parts)]
-    return ({key: torch.cat([p[key] for p in parts], dim=0) if isinstance(value, torch.Tensor)
-             else [x for p in parts for x in p[key]]
+    return ({key: torch.cat([p[key] for p in parts], dim=0).to(batch[key].device)
+             if isinstance(value, torch.Tensor) else [x for p in parts for x in p[key]]
              for key, value in parts[0].items()}, sizes)
+
+
+def _on_host(batch: Any) -> Any:
+    """What this rank sends: its batch with its tensors copied to the CPU (a CPU tensor as is).
+    An object collective pickles, and a CUDA tensor unpickles onto the device index it left:
+    rank 1's ``cuda:1`` rows would land on ``cuda:1`` in rank 0 (a context on another rank's GPU,
+    and rows ``torch.cat`` cannot join to rank 0's on ``cuda:0``). The gathered batch goes back
+    onto the caller's device. The caller's batch is not changed."""
+    if isinstance(batch, dict):
+        return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    tensors = getattr(batch, "batch", None)                  # a DataProto's TensorDict, or None
+    if tensors is None or not dataclasses.is_dataclass(batch):
+        return batch
+    return dataclasses.replace(batch, batch=tensors.cpu())  # verl's DataProto.to moves in place
+
+
+def _proto_device(batch: Any) -> torch.device | None:
+    """The device of a DataProto's tensors (None: no tensors, or already on the CPU as sent)."""
+    tensors = getattr(batch, "batch", None)
+    if tensors is None or not dataclasses.is_dataclass(batch):
+        return None
+    device = getattr(tensors, "device", None)                # a TensorDict's, when it was given one
+    if device is None:
+        devices = {v.device for v in tensors.values(include_nested=True, leaves_only=True)}
+        device = devices.pop() if len(devices) == 1 else None
+    return None if device is None or torch.device(device).type == "cpu" else torch.device(device)
 
 
 def _by_rank(values: list) -> str:
@@ -103,8 +135,7 @@ def _check_field(key: Any, values: list, where: str) -> None:
                          f"a batch field holds one row per sample along dim 0 (a value for the whole "
                          f"batch does not belong in it){where}")
     for what, of in (("dtype", lambda v: str(v.dtype).removeprefix("torch.")),
-                     ("shape past dim 0", lambda v: tuple(v.shape[1:])),
-                     ("device", lambda v: str(v.device))):
+                     ("shape past dim 0", lambda v: tuple(v.shape[1:]))):   # all sent from the CPU
         seen = [of(v) for v in values]
         if len(set(seen)) > 1:
             raise ValueError(f"preprocess_data: field {key!r} differs in {what} across the infer-TP "
