@@ -7,7 +7,10 @@
   the disk transport refuses it before writing, `transport.disk_ranked.NO_RANK_CHECKPOINTS`);
 - SGLang serves some models other than the trainer computes them, whatever a sync sends
   (`engines.sglang.served_config.model_refusal`: a tied Qwen3-MoE / Qwen2-MoE / Mixtral, whose
-  head SGLang keeps apart; the manager refuses the sync, `config_check.served_refusal`).
+  head SGLang keeps apart; the manager refuses the sync, `config_check.served_refusal`);
+- the reference engine computes only what its forward knows
+  (`engines.reference.tp_model.check_runnable`: silu, the default rope, full attention), as it and
+  the bench refuse (e.g. Llama 3's rope scaling).
 
 Not here: the memory fit (`plan._check_fit`), a TP/EP split the layout map refuses (the layout
 map's own ValueError).
@@ -43,4 +46,11 @@ def engine_refusal(engine: str, method: str, layout: str, cfg: Any, spec: Any) -
                     f"{NO_RANK_CHECKPOINTS}. Plan --layout full (a Hugging Face checkpoint) or "
                     f"--engine reference")
         return model_refusal(cfg)
+    if engine == "reference":
+        from .engines.reference.tp_model import check_runnable
+
+        try:
+            check_runnable(spec)
+        except ValueError as exc:
+            return f"{exc}; plan --engine sglang (SGLang computes it)"
     return None

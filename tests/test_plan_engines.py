@@ -67,3 +67,20 @@ def test_sglang_refuses_a_tied_moe_model_whatever_the_method():
         assert str(info.value).endswith(model_refusal(tied)) and "tie_word_embeddings=True" in str(info.value)
         assert plan_row(PlanJob(**job, engine="reference"), CPU)["bytes"] > 0
     assert plan_row(PlanJob(load_config("tiny-qwen3-moe"), ranks=2, tp=2, engine="sglang"), CPU)["bytes"] > 0
+
+
+def test_the_reference_engine_refuses_a_model_its_forward_cannot_compute():
+    """The reference engine's forward knows silu, the default rope and full attention
+    (`tp_model.check_runnable`): the engine and the bench refuse Llama 3's rope scaling; the plan
+    priced it. SGLang computes it: it plans there."""
+    from transformers import LlamaConfig
+
+    llama3 = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    job = dict(model=llama3, method="tensor", layout="full", ranks=2, tp=2, bucket_bytes=2**20)
+    with pytest.raises(PlanError, match="the reference engine cannot compute this llama model .* rope_type 'llama3'"):
+        plan_row(PlanJob(**job, engine="reference"), CPU)
+    assert plan_row(PlanJob(**job, engine="sglang"), CPU)["bytes"] > 0
