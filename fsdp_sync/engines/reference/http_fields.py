@@ -92,25 +92,26 @@ def tags_field(body: dict) -> list[str] | None:
     return tags
 
 
-def check_disk_path(path: Any, allowed: Sequence[str | os.PathLike]) -> Path:
-    """``path`` resolved (symlinks followed) if it lies inside one of ``allowed``; else `Refused`.
+def check_disk_path(path: Any, allowed: Sequence[str | os.PathLike], *, field: str = "model_path",
+                    what: str = "update_weights_from_disk") -> Path:
+    """``path`` resolved (symlinks followed) if it lies inside one of ``allowed``; else `Refused`,
+    naming the body's ``field`` and the route's ``what`` (``lora_path`` of ``load_lora_adapter``).
 
     A path that does not exist is refused too (SGLang would take it for a Hub repo id and try to
     download it)."""
     if not isinstance(path, str) or not path:
-        raise Refused(400, f"model_path must be a non-empty string, got {type(path).__name__}")
+        raise Refused(400, f"{field} must be a non-empty string, got {type(path).__name__}")
     if not allowed:
-        raise Refused(403, "update_weights_from_disk is disabled: the server was started without "
-                           "--allowed-disk-dir")
+        raise Refused(403, f"{what} is disabled: the server was started without --allowed-disk-dir")
     try:
         real = Path(path).resolve(strict=True)
     except (OSError, RuntimeError):
-        raise Refused(400, f"model_path {path!r} is not an existing local path") from None
+        raise Refused(400, f"{field} {path!r} is not an existing local path") from None
     for root in allowed:
         root = Path(root).resolve()
         if real == root or root in real.parents:
             return real
-    raise Refused(403, f"model_path {path!r} (resolved {str(real)!r}) is outside the allowed "
+    raise Refused(403, f"{field} {path!r} (resolved {str(real)!r}) is outside the allowed "
                        f"directories {[str(Path(r).resolve()) for r in allowed]}")
 
 

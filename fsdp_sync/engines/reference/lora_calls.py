@@ -40,7 +40,8 @@ class LoRACalls:
 
     @property
     def lora_adapters(self) -> dict[str, dict]:
-        """The loaded adapters: name -> ``{"r", "lora_alpha", "target_modules", "scale"}``."""
+        """The loaded adapters: name -> ``{"r", "lora_alpha", "target_modules", "scale"}``, and
+        ``"path"`` for one loaded from a peft directory (`load_lora_adapter`)."""
         return dict(self.__dict__.setdefault("_lora_loaded", {}))
 
     def _lora_refusal(self, cfg: LoRAConfig) -> str | None:
@@ -138,6 +139,9 @@ class LoRACalls:
         """Load a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
         from safetensors.torch import load_file
 
+        if lora_name in self.lora_adapters:        # said before the files are read (SGLang's rule)
+            raise WeightUpdateError(f"load_lora_adapter({lora_name!r}): an adapter named {lora_name!r} "
+                                    f"is already loaded; unload_lora_adapter({lora_name!r}) first")
         cfg_file = os.path.join(str(lora_path), "adapter_config.json")
         st_file = os.path.join(str(lora_path), "adapter_model.safetensors")
         for f in (cfg_file, st_file):
@@ -146,7 +150,12 @@ class LoRACalls:
                                         f"adapter directory holds adapter_config.json and adapter_model.safetensors)")
         with open(cfg_file) as fh:
             config = json.load(fh)
-        return self.load_lora_adapter_from_tensors(lora_name, load_file(st_file), config)
+        out = self.load_lora_adapter_from_tensors(lora_name, load_file(st_file), config)
+        with self._lock:        # where it came from: SGLang's loaded_adapters (`serve_lora`)
+            held = self.__dict__.setdefault("_lora_loaded", {}).get(lora_name)
+            if held is not None:
+                held["path"] = str(lora_path)
+        return out
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         """Drop adapter ``lora_name`` (waits for running requests, as a weight update does; refused

@@ -14,8 +14,9 @@ nothing but tensors and builtins unpickles). Every payload is opened, each holdi
 sender counted on, and the engine loads rank 0's tensors (the engine shards them itself).
 ``/load_lora_adapter`` reads a peft directory only inside ``--allowed-disk-dir`` (as disk updates).
 A load or unload runs under the update lock, like a weight update, and answers SGLang's
-``{"success", "message"}``: 400 with the engine's refusal (an adapter the base cannot take, a name
-already loaded, one not loaded), nothing changed. ``/fsdp_sync/lora_checksums`` (fsdp_sync's
+``{"success", "error_message", "loaded_adapters"}`` (with this server's ``message`` beside them):
+400 with the engine's refusal (an adapter the base cannot take, a name already loaded, one not
+loaded), nothing changed. ``/fsdp_sync/lora_checksums`` (fsdp_sync's
 own, SGLang has none) answers a digest of each adapter tensor as the engine holds it
 (`verify.tensor_digest`, names without ``base_model.model.``, in the engine's dtype): what a
 client's verify compares with what it sent.
@@ -59,6 +60,10 @@ class LoRARoutes:
         return name
 
     def _lora_call(self, what: str, fn: Any) -> tuple[int, Any]:
+        """Run a load / unload under the update lock; the answer is SGLang's ``LoRAUpdateOutput``
+        (``success``, ``error_message``: "" on success, ``loaded_adapters``: name -> the path
+        it was loaded from, ``"__tensor__"`` for tensors, as SGLang names them) with the
+        ``message`` this server's other routes answer."""
         def call() -> tuple[bool, str]:
             try:
                 out = fn()
@@ -67,7 +72,12 @@ class LoRARoutes:
                 return False, text if text.startswith(what) else f"{what}: {text}"
             return True, str((out or {}).get("message", f"{what}: ok"))
 
-        return self._locked(what, call)
+        status, answer = self._locked(what, call)
+        if isinstance(answer, dict):
+            answer["error_message"] = "" if answer.get("success") else str(answer.get("message", ""))
+            loaded = getattr(self.engine, "lora_adapters", None) or {}
+            answer["loaded_adapters"] = {n: a.get("path", "__tensor__") for n, a in sorted(loaded.items())}
+        return status, answer
 
     def _load_lora_from_tensors(self, body: dict) -> tuple[int, Any]:
         load = self._method("load_lora_adapter_from_tensors")
@@ -95,7 +105,8 @@ class LoRARoutes:
     def _load_lora_from_disk(self, body: dict) -> tuple[int, Any]:
         load = self._method("load_lora_adapter")
         name = self._lora_name(body)
-        path = check_disk_path(body_field(body, "lora_path", str), self.allowed_disk_dirs)
+        path = check_disk_path(body_field(body, "lora_path", str), self.allowed_disk_dirs,
+                               field="lora_path", what="load_lora_adapter")
         body_field(body, "pinned", bool, False)
         return self._lora_call(f"load_lora_adapter({name!r})", lambda: load(name, str(path)))
 
