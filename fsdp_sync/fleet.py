@@ -19,7 +19,11 @@ it is quarantined in both modes, and the error names who holds which version.
 
 `problem` tells a replica that cannot take an update (dead or broken workers, a server that does
 not answer) from one that only refused a call: only the first kind is quarantined; a refusal
-(a wrong dtype, say) is the sync's error and fails it on every replica alike.
+(a wrong dtype, say) is the sync's error and fails it on every replica alike. But not one that
+may be a replica's out of service rejoining the sync (it answered `problem`'s probe; it may still
+refuse the update: restarted with other settings, a session of its own left open): a failed sync
+with such replicas in it keeps them out until ``recover`` (`Fleet.keep_out`) and runs again for
+the replicas in service, so one replica out of service cannot fail every sync of the fleet.
 
 Not here: moving the bytes (the transports), the ``with`` block and when a sync runs (the manager).
 """
@@ -243,6 +247,38 @@ class Fleet:
                 log.warning("fsdp_sync: could not mark %s out of service (%s); it is out of the "
                             "fleet's syncs all the same", rep.name, exc)
         log.warning("fsdp_sync: %s quarantined: %s", rep.name, reason)
+
+    def blame(self, targets: list[Replica], commit_failed: CommitError | None, version: str) -> dict:
+        """Trainer rank 0's word on a failed sync to ``targets`` (the manager follows it on every
+        rank). ``failed``: {index in ``targets``: why} of those that failed committing, else of
+        those that cannot take updates (`problem`); ``committed``: the indices that committed (a
+        commit failure), else None; ``refused``: where neither names a replica, the ones that
+        were out of service at the sync's start and rejoined it (one of them may be what
+        refused: `keep_out`), unless they are all the sync had."""
+        if commit_failed is not None:
+            return {"failed": {i: f"failed while committing version {version!r}: {type(e).__name__}: {e}"
+                               for i, e in commit_failed.failed.items()},
+                    "committed": list(commit_failed.committed), "refused": []}
+        failed = {i: p for i, r in enumerate(targets) if (p := problem(r.engine))}
+        rejoined = [] if failed else [i for i, r in enumerate(targets) if not r.serving]
+        return {"failed": failed, "committed": None,
+                "refused": rejoined if len(rejoined) < len(targets) else []}
+
+    def keep_out(self, targets: list[Replica], refused: list[int], err: BaseException,
+                 version: str) -> list[Replica]:
+        """The sync of ``version`` failed with ``err`` while ``targets[i]`` for i in ``refused``
+        rejoined it: they stay out of service, held (only ``recover`` brings them back: one that
+        refuses every update would otherwise fail one try of every sync), with the failure as
+        the reason. Returns the targets left to sync again: the replicas in service."""
+        for i in refused:
+            rep, since = targets[i], targets[i].quarantined_at
+            self.quarantine(rep, f"rejoining at version {version!r} failed ({type(err).__name__}: "
+                                 f"{err}); recover() it once it can take updates")
+            rep.quarantined_at, rep.held, rep.rejoin = since or rep.quarantined_at, True, False
+        left = [r for i, r in enumerate(targets) if i not in refused]
+        log.warning("fsdp_sync: version %s failed with %s rejoining; syncing it to the %d replicas in "
+                    "service without them", version, ", ".join(targets[i].name for i in refused), len(left))
+        return left
 
     def held(self, published: str | None) -> str | None:
         """The version the replicas in service hold, which a replica brought in is given:

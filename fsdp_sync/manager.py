@@ -464,19 +464,16 @@ class FSDPShardingManager:
             self.stats = ctx.stats
 
     def _after_failure(self, targets: list, err: SyncError, ctx: SyncContext, version: str):
-        """A sync failed. Trainer rank 0 finds the replicas that cannot take updates (`fleet.problem`)
-        or failed committing, and every rank follows its decision: raise (``"abort"``, or nothing
-        to blame on a replica), or quarantine them and return the replicas to sync again."""
+        """A sync failed. Trainer rank 0 finds the replicas that cannot take updates (`fleet.problem`),
+        failed committing, or rejoined it (`Fleet.blame`), and every rank follows its decision:
+        raise (``"abort"``, or nothing to blame on a replica), or take them out and return the
+        replicas to sync again."""
         decision = None
         if self._fleet_mode and self.rank == 0 and len(targets) > 0:
-            cf = ctx.commit_failed
-            if cf is not None:
-                failed = {i: f"failed while committing version {version!r}: {type(e).__name__}: {e}"
-                          for i, e in cf.failed.items()}
-            else:
-                failed = {i: p for i, r in enumerate(targets) if (p := fleet.problem(r.engine))}
-            decision = {"failed": failed, "committed": list(cf.committed) if cf is not None else None}
+            decision = self.fleet.blame(targets, ctx.commit_failed, version)
         decision = self._from_rank0(decision) if self._fleet_mode else None
+        if decision and decision["refused"]:    # maybe a rejoiner's refusal: out, the others again
+            return self.fleet.keep_out(targets, decision["refused"], err, version) if self.rank == 0 else []
         if not decision or not decision["failed"]:
             raise err
         failed, committed = decision["failed"], decision["committed"]

@@ -224,3 +224,66 @@ def test_a_sync_after_every_replica_was_removed_is_refused(setup):
     assert manager.add_engine(a) is True and a.get_weight_version() == "0"
     _sync(manager)
     assert manager.version == a.get_weight_version() == "2" and _served(a) == _trained(module)
+
+
+@pytest.mark.parametrize("mode", ["abort", "quarantine"])
+@pytest.mark.parametrize("method", ["disk", "distributed"])
+def test_a_replica_out_of_service_that_refuses_to_rejoin_fails_no_sync(mode, method, setup, monkeypatch):
+    """Replica 1 was taken out of service by the fleet (not by hand) and refuses updates while it
+    answers the probe: the next sync takes it back in, and its begin_weight_update refuses (disk:
+    a weight-update session of its own left open, as a failed commit can leave it; the
+    distributed method aborts such a session, so there the refusal is injected). Before, that
+    refusal was blamed on no one and failed the sync on every replica, at every sync, in both
+    modes (/tmp/audit/fleet2/rejoin_refusal_inproc.out): replica 0 never got a new version. Now it
+    stays out (held: only recover brings it back; the failure is its reason) and the sync runs
+    again for replica 0, which commits; the next sync does not try replica 1 at all."""
+    make, (a, b) = setup
+    module, manager = make(method, [a, b], on_replica_failure=mode)
+    _sync(manager)
+    rep = manager.fleet.replicas[1]
+    manager.fleet.quarantine(rep, "failed while committing (simulated)")
+    rep.rejoin = mode == "abort"          # as a failure under "abort" leaves it: probed at the next sync
+    if method == "disk":
+        b.begin_weight_update()           # the session its failed commit left open
+    else:
+        def refuse(*args, **kw):
+            raise RuntimeError("injected: begin_weight_update refused")
+        monkeypatch.setattr(b, "begin_weight_update", refuse)
+    perturb_(module.parameters())
+    _sync(manager)
+    assert manager.version == a.get_weight_version() == "1" and _served(a) == _trained(module)
+    state = manager.fleet_status()["replicas"][1]
+    assert not state["serving"] and state["version"] == "0", state
+    assert "rejoining at version '1' failed" in state["reason"] and "recover()" in state["reason"], state
+    assert "begin_weight_update" in state["reason"], state
+    perturb_(module.parameters())
+    _sync(manager)                        # held: not tried again
+    assert manager.version == a.get_weight_version() == "2" and _served(a) == _trained(module)
+    assert b.get_weight_version() == "0" and not manager.fleet_status()["replicas"][1]["serving"]
+    if method == "disk":
+        b.end_weight_update(abort=True)
+    monkeypatch.undo()
+    manager.recover(b)                    # it can take updates again: brought to what replica 0 serves
+    if method == "disk":
+        assert b.get_weight_version() == "2" and _served(b) == _served(a)
+    perturb_(module.parameters())
+    _sync(manager)
+    assert [e.get_weight_version() for e in (a, b)] == ["3", "3"] and _served(b) == _trained(module)
+
+
+def test_a_refusal_in_service_still_fails_the_sync_with_a_replica_rejoining(setup, monkeypatch):
+    """Replica 0 (in service) refuses the load while replica 1 rejoins: replica 1 is kept out, the
+    sync runs again for replica 0 alone and fails there too: it raises, and no version is
+    published."""
+    from fsdp_sync.topology import SyncError
+
+    make, (a, b) = setup
+    module, manager = make("disk", [a, b], on_replica_failure="quarantine")
+    _sync(manager)
+    manager.fleet.quarantine(manager.fleet.replicas[1], "failed while committing (simulated)")
+    _fail_load(monkeypatch, a)
+    perturb_(module.parameters())
+    with pytest.raises(SyncError, match="injected: the engine refuses this load"):
+        _sync(manager)
+    assert manager.version == a.get_weight_version() == "0"
+    assert [r["serving"] for r in manager.fleet_status()["replicas"]] == [True, False]
