@@ -276,8 +276,8 @@ class Fleet:
                                  f"{err}); recover() it once it can take updates")
             rep.quarantined_at, rep.held, rep.rejoin = since or rep.quarantined_at, True, False
         left = [r for i, r in enumerate(targets) if i not in refused]
-        log.warning("fsdp_sync: version %s failed with %s rejoining; syncing it to the %d replicas in "
-                    "service without them", version, ", ".join(targets[i].name for i in refused), len(left))
+        log.warning("fsdp_sync: version %s failed with %s rejoining; syncing it again without them "
+                    "(replicas in service: %d)", version, ", ".join(targets[i].name for i in refused), len(left))
         return left
 
     def held(self, published: str | None) -> str | None:
