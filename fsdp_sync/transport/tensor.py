@@ -93,6 +93,30 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _module_storages(module: torch.nn.Module) -> set[int]:
+    """The data pointers of ``module``'s own CUDA storages (its parameters and buffers, a DTensor's
+    local shard): what `export.iter_params` may yield as is (a plain or one-rank module, no cast)."""
+    out = set()
+    for t in (*module.parameters(), *module.buffers()):
+        local = getattr(t, "_local_tensor", t)
+        if isinstance(local, torch.Tensor) and local.device.type == "cuda":
+            out.add(local.untyped_storage().data_ptr())
+    return out
+
+
+def _not_the_modules(t: torch.Tensor, storages: set[int]) -> torch.Tensor:
+    """``t``, or where it is one of the module's own CUDA storages a copy in a buffer of the sync
+    (`handles.empty_shared`), freed when its call is released, as the CPU path copies into a
+    segment of its own (`handles`). Sharing a CUDA storage wraps it in a new torch
+    ``CudaIPCSentData`` (a /dev/shm ref-counter slot and, for the first 1,000 live ones, an IPC
+    event) that only freeing the storage gives back: a parameter's piled up sync after sync, and
+    with the events spent every later share synchronized its stream."""
+    if t.device.type != "cuda" or t.numel() == 0 or t.untyped_storage().data_ptr() not in storages:
+        return t
+    copy = handles.empty_shared(t.numel() * t.element_size(), t.device).view(t.dtype).view(t.shape)
+    return copy.copy_(t)
+
+
 def engine_reads_outlast(engine: Any, topo: Any, on_cuda: bool) -> bool:
     """Whether the engine may answer a call before each of its ranks finished reading the call's
     buffers, so that a buffer must not be rewritten at the answer (`ReusedBuffer`'s ``lag``):
@@ -482,7 +506,9 @@ class TensorTransport:
         it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
         if self._quant is not None:
             it = self._quant.named(it)
+        own = _module_storages(self.module)
         for i, (name, tensor) in enumerate(it):
+            tensor = _not_the_modules(tensor, own)
             sets = [handles.make_payloads(tensor, topo.tp_size, ranks=[topo.tp_rank], tagged=tagged)]
             self.stats.bytes += tensor.numel() * tensor.element_size()
             self.stats.tensors += 1
@@ -497,6 +523,7 @@ class TensorTransport:
         it = export.iter_params(self.module, dtype=cfg.dtype, fsdp1_state_dict=cfg.fsdp1_state_dict)
         if self._quant is not None:
             it = self._quant.named(it)
+        own = _module_storages(self.module)
         for i, bucket in enumerate(plan):
             names, sets = [], []
             for entry in bucket.entries:
@@ -504,6 +531,7 @@ class TensorTransport:
                 if name != entry.name:
                     raise RuntimeError(f"export order changed: expected {entry.name!r}, got {name!r}")
                 names.append(name)
+                tensor = _not_the_modules(tensor, own)
                 sets.append(handles.make_payloads(tensor, topo.tp_size, ranks=[topo.tp_rank],
                                                   tagged=tagged))
                 self.stats.bytes += tensor.numel() * tensor.element_size()
