@@ -8,6 +8,7 @@ the way the adapter drives it from verl. verl's own loop with LoRA: tests/verl_t
 from __future__ import annotations
 
 import enum
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -109,6 +110,17 @@ def test_peft_config_normalized_as_verl_does_for_sglang():
         verl_lora.normalize_peft_config({"r": 8})
     with pytest.raises(TypeError, match="peft_config must be a LoraConfig dict"):
         verl_lora.normalize_peft_config([("r", 8)])
+    # what SGLang would load and serve otherwise than the trainer computes is refused at the sync,
+    # as the manager refuses it (lora2 audit: verl's path checked the rank/alpha patterns only)
+    for bad, why in ((dict(cfg, bias="all"), "bias='all'"),
+                     (dict(cfg, bias="lora_only"), "bias='lora_only'"),
+                     (dict(cfg, target_modules=".*proj"), "regular expression"),
+                     (dict(cfg, target_modules=["q_proj", "embed_tokens"]), "embed_tokens"),
+                     (dict(cfg, target_modules=["q_proj", "lm_head"]), "lm_head"),
+                     (dict(cfg, use_rslora=True), "use_rslora"),
+                     (dict(cfg, rank_pattern={"q_proj": 4}), "rank_pattern")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            verl_lora.normalize_peft_config(bad)
 
 
 @pytest.fixture(scope="module")

@@ -116,8 +116,10 @@ def base_name(name: str) -> str:
 def normalize_peft_config(peft_config: Any) -> dict:
     """verl's peft config (a ``LoraConfig.to_dict()``, or the config itself) as SGLang's adapter
     loader takes it: enums as their values, ``peft_type`` required, ``target_modules`` a sorted
-    list (a set in peft) or a bare string (``"all-linear"``) kept whole. A ``rank_pattern`` /
-    ``alpha_pattern`` that SGLang would ignore is refused (`lora_sync.pattern_refusal`)."""
+    list (a set in peft) or a bare string (``"all-linear"``) kept whole. What SGLang would load
+    and serve otherwise than the trainer computes is refused (`lora_sync.config_refusal`): a
+    ``rank_pattern`` / ``alpha_pattern`` it ignores, an option it does not apply (rsLoRA, DoRA,
+    KaSA, ...), trained biases, a regular expression, embeddings or lm_head among the targets."""
     if hasattr(peft_config, "to_dict"):
         peft_config = peft_config.to_dict()
     if not isinstance(peft_config, Mapping):
@@ -134,9 +136,9 @@ def normalize_peft_config(peft_config: Any) -> dict:
         out["target_modules"] = sorted(tm)
     elif tm is not None and not isinstance(tm, str):
         out["target_modules"] = list(tm)
-    from ..lora_sync import pattern_refusal
+    from ..lora_sync import config_refusal
 
-    why = pattern_refusal(out)      # SGLang would load it and ignore the pattern
+    why = config_refusal(out)       # SGLang would load it and serve another model
     if why is not None:
         raise ValueError(why)
     return out

@@ -201,7 +201,8 @@ def test_what_sglang_would_load_or_check_wrongly_is_refused_before_any_byte_move
     synced it (SGLang's Llama loader renames every ``weight_scale_inv``: all 14 scales dropped).
     ``verify=full`` with ``data_parallel_size=2``: the adapter hashed each rank's shard for TP 1
     while SGLang runs TP 2 (tp x dp, attention DP), and failed after the whole sync. Both are
-    refused on both ranks at the first sync, before any update reaches the server."""
+    refused on both ranks at the first sync, before any update reaches the server; so is a LoRA
+    run's base sync whose adapter SGLang would serve otherwise (trained biases: lora2 audit)."""
     import fake_sglang
 
     from fsdp_sync.cli.launch import run_ranks
@@ -214,10 +215,15 @@ def test_what_sglang_would_load_or_check_wrongly_is_refused_before_any_byte_move
         dp2 = rollout_config([url, "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
                               "actor_rollout_ref.rollout.data_parallel_size=2",
                               "+actor_rollout_ref.rollout.custom.fsdp_sync.verify=full"])
+        # a LoRA run's base sync whose adapter SGLang would serve otherwise (trained biases)
+        biased = {"peft_config": {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "bias": "all",
+                                  "target_modules": ["q_proj", "v_proj"]}, "base_sync_done": False}
         results = run_ranks(verl_ranks.refused_before_sending, 2,
-                            [(fp8, "llama", "tiny-fp8"), (dp2, "qwen2", "tiny")], timeout_s=240)
+                            [(fp8, "llama", "tiny-fp8"), (dp2, "qwen2", "tiny"),
+                             (rollout_config([url]), "qwen2", "tiny", biased)], timeout_s=240)
         loads = server.hits.get("/update_weights_from_tensor", 0)
-    for r, (quantized, verified) in enumerate(results):
+    for r, (quantized, verified, lora) in enumerate(results):
+        assert isinstance(lora, str) and lora.startswith("ValueError") and "bias='all'" in lora, (r, lora)
         assert isinstance(quantized, str) and "SyncError" in quantized, (r, quantized)
         assert "quantization='fp8' for a 'llama' model" in quantized, quantized
         assert "set actor_rollout_ref.rollout.quantization=null" in quantized, quantized

@@ -324,19 +324,21 @@ def lora_syncs(rank: int, world: int, rollout_cfg: dict):
 
 def refused_before_sending(rank: int, world: int, configs: list[dict]):
     """One sync per rollout config into an SGLang server (the test's stand-in), each of a tiny
-    model whose ``model_type`` rides along: ``(rollout_cfg, model_type, config name)``. Returns
+    model whose ``model_type`` rides along: ``(rollout_cfg, model_type, config name[, update_weights
+    keywords])``. Returns
     per sync the adapter's stats (digests left out) or the error text."""
     import types
 
     from fsdp_sync.models import build_model, load_config
 
     out = []
-    for step, (rollout_cfg, model_type, name) in enumerate(configs):
+    for step, (rollout_cfg, model_type, name, *kw) in enumerate(configs):
         hf = load_config(name, model_type=model_type)
         weights = build_model(hf, seed=7).state_dict()
         adapter, _ = _adapter(rank, world, rollout_cfg, model_config=types.SimpleNamespace(hf_config=hf))
         try:
-            asyncio.run(adapter.update_weights(iter(list(weights.items())), global_steps=step))
+            asyncio.run(adapter.update_weights(iter(list(weights.items())), global_steps=step,
+                                               **(kw[0] if kw else {})))
             out.append({k: v for k, v in adapter.last_stats.items() if k != "digests"})
         except Exception as exc:  # noqa: BLE001 - returned to the test
             out.append(f"{type(exc).__name__}: {exc}")

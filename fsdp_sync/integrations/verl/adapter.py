@@ -327,13 +327,17 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
 
     async def _ready(self, wire_format: str, peft_config: Any) -> Any:
         """What is refused before verl's stream is walked (a wire format other than named tensors;
-        a LoRA-as-adapter run's sync without its adapter), then the engine's client (`_client`)."""
+        a LoRA-as-adapter run's sync without its adapter; an adapter config the engine would serve
+        otherwise than the trainer computes, `verl_lora.normalize_peft_config`, so at the base's
+        sync too), then the engine's client (`_client`)."""
         if wire_format != "named_tensors":
             raise NotImplementedError(f"fsdp_sync's verl adapter takes wire_format "
                                       f"'named_tensors', got {wire_format!r}; drop "
                                       f"rollout.custom.fsdp_sync.enable for verl's delta engine")
         if self.lora and not peft_config:
             raise NotImplementedError(f"fsdp_sync's verl adapter: {verl_lora.no_adapter_refusal(self.model_config)}")
+        if peft_config:     # an adapter SGLang would serve otherwise: refused before the base goes
+            verl_lora.normalize_peft_config(peft_config)
         return await self._client()
 
     def _topology(self) -> SyncTopology:
