@@ -229,14 +229,13 @@ class FSDPShardingManager:
                 engine.release_memory_occupation(tags=tags)
 
     def _offload_params(self) -> None:
-        if not self.config.offload_params:
-            return
-        for name, p in self.module.named_parameters():
-            if p.device.type != "cpu":
-                self._offloaded[name] = p.device
-        if self._offloaded:
-            move_params(self.module, "cpu")
-            empty_cache()
+        if self.config.offload_params:
+            for name, p in self.module.named_parameters():
+                if p.device.type != "cpu":
+                    self._offloaded[name] = p.device
+            if self._offloaded:
+                move_params(self.module, "cpu")
+        empty_cache()   # offloaded or not: the sync's freed buffers are not kept while the KV cache resumes
 
     def _reload_params(self) -> None:
         if self._offloaded:
