@@ -101,11 +101,18 @@ _SPEC = ("nominal spec-sheet figures, not measured: HBM {hbm} TB/s (a copy reads
          "InfiniBand NIC per GPU (50 GB/s); assumed: a node-local NVMe checkpoint disk of "
          "5 GB/s write and 10 GB/s read, 2 ms per engine call (an SGLang HTTP/RPC round trip), "
          "30 us per collective")
+# memory per GPU: what torch reports (``total_memory``, what SGLang's --mem-fraction-static is a
+# fraction of and what ``--cluster this-machine`` stores), not the "80 GB" / "141 GB" of the spec
+# sheets read as 10**9 bytes (74.5 and 131.3 GiB: 5 and 8.5 GiB short, and buckets that fit were
+# refused). H100 80GB HBM3: 81,082 MiB, the least torch reports (81,082-81,090 MiB across
+# drivers), 79.2 GiB; H200: 150,109,880,320 bytes, 139.8 GiB, measured here
+# (docs/data/issue35-h200/run1/this_machine.json)
+_MEMORY = "; memory per GPU: torch's total_memory of the card ({gib} GiB)"
 CLUSTERS: dict[str, Cluster] = {
-    "h100-node": Cluster("h100-node", "cuda", 8, 80 * 10**9, 3350 / 2, 450.0, 50.0, 5.0, 10.0,
-                         2e-3, 30e-6, _SPEC.format(hbm=3.35)),
-    "h200-node": Cluster("h200-node", "cuda", 8, 141 * 10**9, 4800 / 2, 450.0, 50.0, 5.0, 10.0,
-                         2e-3, 30e-6, _SPEC.format(hbm=4.8)),
+    "h100-node": Cluster("h100-node", "cuda", 8, 81_082 * 2**20, 3350 / 2, 450.0, 50.0, 5.0, 10.0,
+                         2e-3, 30e-6, _SPEC.format(hbm=3.35) + _MEMORY.format(gib=79.2)),
+    "h200-node": Cluster("h200-node", "cuda", 8, 150_109_880_320, 4800 / 2, 450.0, 50.0, 5.0, 10.0,
+                         2e-3, 30e-6, _SPEC.format(hbm=4.8) + _MEMORY.format(gib=139.8)),
 }
 """Presets. ``this-machine`` is measured by the CLI (`fsdp_sync.cli.plan`), not stored here."""
 
