@@ -63,3 +63,19 @@ def test_the_syncs_stats_count_what_each_trainer_rank_received_as_the_plan_does(
                                 share_host_memory=False, engine="reference", fsdp1_state_dict=kind), CPU)
         measured = max(r[i] for r in per_rank)
         assert measured == plan["trainer_rank_bytes_in"] > 0, (JOBS[i], [r[i] for r in per_rank], plan["path"])
+
+
+@pytest.mark.timeout(200)
+def test_the_bench_counts_the_busiest_writers_quantized_tensors_as_the_plan_does():
+    """A disk row with FP8 took quantized_tensors from trainer rank 0's stats, the plan from the
+    busiest writer: tiny-fp8 in 192 KiB buckets, bucket k written (and quantized) by writer k mod 2,
+    is 6 quantized tensors on writer 0 and 8 on writer 1; the bench row said 6, the plan 8."""
+    from fsdp_sync.cli.bench.main import BenchSpec, run_bench
+
+    spec = BenchSpec(models=("tiny-fp8",), strategies=("flattened",), methods=("disk",), layouts=("full",),
+                     bucket_mb=(0.1875,), ranks=(2,), tp=(2,), dtype="bfloat16", quantization=("fp8",),
+                     repeats=3, warmup=0)
+    (row,) = [r for r in run_bench(spec, timeout_s=180)["rows"] if not r.get("skipped")]
+    plan = plan_row(PlanJob("tiny-fp8", "disk", "full", row["bucket_bytes"], "bfloat16", "fp8", 2, 2, 2,
+                            engine="reference"), CPU)
+    assert row["quantized_tensors"] == plan["quantized_tensors"] == 8, (row["quantized_tensors"], plan["quantized_tensors"])

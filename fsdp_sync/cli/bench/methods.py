@@ -21,6 +21,8 @@ Called by `bench.bench_rank` on every trainer rank of a job, for each method oth
   did; ``trainer_rank_bytes_in``: the most any trainer rank received, as its sync counted it); skipped
   with a note when this build has no disk method.
 
+FP8 rows: ``quantized_tensors`` is the most any trainer rank quantized (`most_of_ranks`).
+
 ``peak_extra_bytes`` is the largest rise of any one process's RSS (every trainer rank and every
 engine worker, sampled from trainer rank 0) above its level before the sync stage. ``split``:
 where a row's time goes (`SPLIT_KEYS`, medians over the timed syncs).
@@ -194,6 +196,9 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     manager.watch["sync_weights"] = peaks
                 sampled_sync(manager, sampler)
                 manager.watch.pop("sync_weights", None)
+                # FP8: the busiest trainer rank's quantizer count (a disk writer quantizes its own
+                # buckets), as the plan counts it; collective, as trainer_rank_bytes_in's
+                quantized = most_of_ranks(stats.extra.get("quantized_tensors", 0)) if job.quantization else None
                 lay = None
                 if method == "distributed":
                     # the full path gathers to rank 0 (no host-shared memory): share only per-rank
@@ -216,6 +221,8 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     rows.append(_row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med,
                                      floor, manager, sampler, largest, warm))
                     rows[-1].setdefault("engine_rank_shard_bytes", shard)
+                    if quantized is not None:
+                        rows[-1]["quantized_tensors"] = quantized
                     # where the time goes: each part's median over the timed syncs
                     rows[-1]["split"] = {k: statistics.median(s[k] for s in splits if k in s)
                                          for k in SPLIT_KEYS if any(k in s for s in splits)}
@@ -259,6 +266,18 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
         if engine is not None:
             engine.shutdown()
     return rows
+
+
+def most_of_ranks(value: int) -> int:
+    """The largest ``value`` of any trainer rank (collective: every rank of the job calls it)."""
+    import torch.distributed as dist
+
+    from ...topology import released_by_backend
+
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    with released_by_backend(t):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
+    return int(t.item())
 
 
 def memory_budget(method: str, bucket_bytes: int, largest: int, layout: str = "full",
