@@ -1,7 +1,8 @@
 """`fsdp-sync plan`: bytes, engine calls, peak extra memory and a time estimate of a sync, before
 running it, for any model and cluster (`fsdp_sync.plan` does the planning); and ``--cluster
 this-machine``: this machine's links measured by small timed copies, all-gathers, file writes and
-round trips (two gloo ranks, a few seconds).
+round trips (two gloo ranks), then real syncs of a tiny model: tens of seconds (about a minute on a
+loaded 2-core host).
 
 Takes the bench's flags (``--models``, ``--methods``, ``--ranks``, ``--tp``, ``--bucket-mb``,
 ``--layout``, ``--dtype``, ...): one row per combination, under the bench's field names, so
@@ -468,7 +469,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--pipelined", type=ca.on_off, default="on", help="on, off: per-rank buckets pipelined")
     p.add_argument("--cluster", type=cluster_spec, default="this-machine",
                    help="h100-node, h200-node (NVLink + 400 Gb/s IB, spec figures), this-machine (measured "
-                        "now, a few seconds), or a JSON file with the fields of fsdp_sync.plan.Cluster")
+                        "now: timed copies, then real syncs of a tiny model, tens of seconds; --save-cluster "
+                        "keeps it), or a JSON file with the fields of fsdp_sync.plan.Cluster")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.85,
                    help="the engine's static memory fraction (SGLang's --mem-fraction-static)")
     p.add_argument("--trainer-dtype", type=ca.dtype_name, default="float32",
@@ -556,7 +558,7 @@ def check_plan_args(args, given: set[str]) -> None:
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"{flag}: {exc}" if str(model) in str(exc) else f"{flag} {model}: {exc}") from None
     # a combination the model cannot split into is a refused row; a sweep of nothing else is
-    # refused here, before --cluster this-machine spends seconds measuring
+    # refused here, before --cluster this-machine spends tens of seconds measuring
     refused = []
     for model, t, e, q in itertools.product(sweep["models"], sweep["tp"], sweep["ep"], sweep["quantization"]):
         why = split_refusal(model, t, e, q)
