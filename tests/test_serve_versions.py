@@ -251,7 +251,7 @@ def test_adapter_against_sglang_0_5_23_routes():
         assert [(p, b) for _, p, b in f.requests[-2:]] == [
             ("/end_weight_update", {"weight_version": "w8"}),
             ("/update_weight_version", {"new_version": "w8", "abort_all_requests": False})]
-        with pytest.raises(SGLangError, match="not fsdp-sync serve.*/remove_worker"):
+        with pytest.raises(SGLangError, match=r"not fsdp-sync serve.*DELETE /workers/\{id\}"):
             c.set_serving(False, "x")
         assert c.serving_state is None                        # /health 200
         with pytest.raises(ValueError, match="'sideways'"):

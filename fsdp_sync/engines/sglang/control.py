@@ -10,7 +10,7 @@ it). SGLang's in-process ``sglang.Engine`` has none of them; an in-process engin
 
 ``set_serving`` and ``serving_state`` are fsdp_sync's: ``fsdp-sync serve`` refuses requests while
 out of service (``POST /fsdp_sync/set_serving``; ``/health`` then answers 503 with the reason). A
-real SGLang server has no such switch: a router's ``/remove_worker`` takes it out of rotation.
+real SGLang server has no such switch: a router's ``DELETE /workers/{id}`` takes it out of rotation.
 
 Not here: the weight-update calls (`adapter`), HTTP itself (`client`).
 """
@@ -115,7 +115,7 @@ class GenerationControl:
     def set_serving(self, serving: bool, reason: str = "") -> None:
         """Take ``fsdp-sync serve`` out of service (``serving=False``: it answers ``/generate`` and
         ``/health`` with 503 naming ``reason``) or bring it back. A real SGLang server has no such
-        switch: this raises `SGLangError` saying to use the router's ``/remove_worker``."""
+        switch: this raises `SGLangError` saying to use the router's ``DELETE /workers/{id}``."""
         self._check_open("set_serving")
         if not isinstance(serving, bool) or not isinstance(reason, str):
             raise ValueError(f"set_serving takes (serving: bool, reason: str), got "
@@ -134,7 +134,8 @@ class GenerationControl:
             raise SGLangError(f"the server{self.where} is not fsdp-sync serve (it has no "
                               f"/fsdp_sync/set_serving): a real SGLang server cannot refuse "
                               f"requests itself; take it out of rotation with the router's "
-                              f"/remove_worker (and /add_worker to bring it back)",
+                              f"DELETE /workers/{{id}} (the id from GET /workers; POST /workers "
+                              f"with {{'url': ...}} brings it back)",
                               call="set_serving", status=404) from None
         check_answer("set_serving", answer, where=self.where)
 
