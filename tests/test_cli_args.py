@@ -451,7 +451,7 @@ def test_plan_names_a_cpu_host_as_one_host(capsys):
     assert (f"on this-machine: one host, {c.cores} cores, {c.memory_per_gpu / 2**30:.0f} GiB RAM; d2d"
             in head and "GPUs/node" not in head and "GiB each" not in head), head
     proc = cli_here(capsys, "plan", "--models", "tiny", "--cluster", "h100-node")
-    assert "on h100-node: 8 GPUs/node, 75 GiB each; d2d" in " ".join(proc.stdout.split()), proc.stdout
+    assert "on h100-node: 8 GPUs/node, 79 GiB each; d2d" in " ".join(proc.stdout.split()), proc.stdout
 
 
 def test_faults_fleet_defaults_to_what_the_fleet_covers(tmp_path):

@@ -246,7 +246,7 @@ def test_load_cluster_refuses_a_bad_file_naming_the_field(tmp_path):
         with pytest.raises(ValueError) as info:
             load_cluster(path)
         assert words in str(info.value), (body, str(info.value))
-    path.write_text(json.dumps({**good, "memory_per_gpu": 80e9}))      # JSON's 80e9: a whole float
+    path.write_text(json.dumps({**good, "memory_per_gpu": float(good["memory_per_gpu"])}))  # a whole float
     assert load_cluster(path) == CLUSTERS["h100-node"] and isinstance(load_cluster(path).memory_per_gpu, int)
     path.write_text(json.dumps({"cluster": good, "rows": []}))          # a plan's --json holds one
     assert load_cluster(str(path)) == CLUSTERS["h100-node"]
