@@ -319,7 +319,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     dtype = getattr(torch, job.dtype)
     cfg, module = meta_model(job.model)
     layout = layout_for(cfg, job.tp, job.ep)
-    why = engine_refusal(job.engine, job.method, job.layout, cfg, layout.spec)
+    why = engine_refusal(job.engine, job.method, job.layout, cfg, layout.spec, job.quantization)
     if why:
         name = str(job.model) if not hasattr(job.model, "to_dict") else cfg.model_type
         raise PlanError(f"{job.method} ({job.layout}) {name} into --engine {job.engine}: {why}")

@@ -5,6 +5,9 @@
   distributed method (`SGLangEngine.accepts_distributed_rank_buckets` is false; the distributed
   transport refuses it before sending) or the disk method (it has no ``accepts_rank_checkpoints``;
   the disk transport refuses it before writing, `transport.disk_ranked.NO_RANK_CHECKPOINTS`);
+- SGLang's own ``load_weights`` drops every block-FP8 scale of some models
+  (`engines.sglang.refusals.scales_dropped`: a Llama model in FP8 through the disk or distributed
+  method, or the tensor method's full tensors; the manager refuses the sync, `config_check`);
 - SGLang serves some models other than the trainer computes them, whatever a sync sends
   (`engines.sglang.served_config.model_refusal`: a tied Qwen3-MoE / Qwen2-MoE / Mixtral, whose
   head SGLang keeps apart; the manager refuses the sync, `config_check.served_refusal`);
@@ -23,12 +26,14 @@ from typing import Any
 __all__ = ["engine_refusal"]
 
 
-def engine_refusal(engine: str, method: str, layout: str, cfg: Any, spec: Any) -> str | None:
+def engine_refusal(engine: str, method: str, layout: str, cfg: Any, spec: Any,
+                   quantization: str | None = None) -> str | None:
     """Why ``engine`` ("sglang" or "reference") would refuse, or serve wrongly, a ``method`` sync
-    with ``layout`` of the model of Hugging Face config ``cfg`` (layout-map `ModelSpec` ``spec``);
-    None where it runs it."""
+    with ``layout`` (and ``quantization``) of the model of Hugging Face config ``cfg`` (layout-map
+    `ModelSpec` ``spec``); None where it runs it."""
     if engine == "sglang":
         from .engines.sglang import SGLangEngine
+        from .engines.sglang.refusals import scales_dropped
         from .engines.sglang.served_config import model_refusal
 
         if layout == "engine" and method == "distributed" and not getattr(
@@ -45,7 +50,10 @@ def engine_refusal(engine: str, method: str, layout: str, cfg: Any, spec: Any) -
                     f"true; the disk transport refuses layout='engine' for it before writing): "
                     f"{NO_RANK_CHECKPOINTS}. Plan --layout full (a Hugging Face checkpoint) or "
                     f"--engine reference")
-        return model_refusal(cfg)
+        # per-rank tensor buckets reach SGLang through fsdp_sync's loader, which loads the scales
+        own_loader = method != "tensor" or layout != "engine"
+        return (scales_dropped(quantization, getattr(cfg, "model_type", None), own_loader=own_loader)
+                or model_refusal(cfg))
     if engine == "reference":
         from .engines.reference.tp_model import check_runnable
 

@@ -84,3 +84,28 @@ def test_the_reference_engine_refuses_a_model_its_forward_cannot_compute():
     with pytest.raises(PlanError, match="the reference engine cannot compute this llama model .* rope_type 'llama3'"):
         plan_row(PlanJob(**job, engine="reference"), CPU)
     assert plan_row(PlanJob(**job, engine="sglang"), CPU)["bytes"] > 0
+
+
+def test_sglang_refuses_block_fp8_of_a_llama_model_through_its_own_loader():
+    """SGLang's LlamaForCausalLM renames every weight_scale_inv in load_weights, so block FP8 of a
+    Llama model loses its scales through SGLang's own loader (the disk and distributed methods, the
+    tensor method's full tensors): the manager refuses the sync (`refusals.scales_dropped`); the
+    plan priced it. Per-rank tensor buckets (fsdp_sync's loader), bf16, a Qwen2 model and the
+    reference engine plan."""
+    from fsdp_sync.engines.sglang.refusals import scales_dropped
+    from fsdp_sync.models import load_config
+
+    llama = load_config("tiny-fp8", model_type="llama")
+    for method, layout in (("tensor", "full"), ("distributed", "full"), ("disk", "full")):
+        job = dict(model=llama, method=method, layout=layout, ranks=2, tp=2, bucket_bytes=2**20,
+                   dtype="bfloat16", quantization="fp8")
+        with pytest.raises(PlanError) as info:
+            plan_row(PlanJob(**job, engine="sglang"), CPU)
+        assert str(info.value).endswith(scales_dropped("fp8", "llama", own_loader=True)), str(info.value)
+        assert plan_row(PlanJob(**job, engine="reference"), CPU)["bytes"] > 0
+        assert plan_row(PlanJob(**{**job, "quantization": None}, engine="sglang"), CPU)["bytes"] > 0
+    job = dict(model=llama, ranks=2, tp=2, bucket_bytes=2**20, dtype="bfloat16", quantization="fp8")
+    assert plan_row(PlanJob(**job, method="tensor", layout="engine", engine="sglang"), CPU)["bytes"] > 0
+    assert plan_row(PlanJob(load_config("tiny-fp8"), method="disk", layout="full", ranks=2, tp=2,
+                            bucket_bytes=2**20, dtype="bfloat16", quantization="fp8", engine="sglang"),
+                    CPU)["bytes"] > 0

@@ -17,12 +17,31 @@ Not here: the release table itself (`versions`), refusals of one call's own argu
 
 from __future__ import annotations
 
-__all__ = ["FP8_SCALES_DROPPED", "Refusals"]
+__all__ = ["FP8_SCALES_DROPPED", "Refusals", "scales_dropped"]
 
 FP8_SCALES_DROPPED = frozenset({"llama"})
 """``model_type`` values whose SGLang model class (``LlamaForCausalLM``, read in 0.5.23) renames a
 checkpoint's ``weight_scale_inv`` to ``weight_scale`` in ``load_weights``: block FP8 has no such
 parameter, so every block scale is skipped (the sglang tier asserts it: ``test_sglang_fp8``)."""
+
+
+def scales_dropped(quantization: str | None, model_type: str | None, *, own_loader: bool) -> str | None:
+    """Why SGLang itself (not ``fsdp-sync serve``) would load a sync of ``quantization`` for a
+    ``model_type`` model through its own ``load_weights`` (``own_loader``) wrongly: block FP8 of a
+    `FP8_SCALES_DROPPED` model loses every scale. None where it loads it right (`Refusals.load_refusal`;
+    `fsdp_sync.plan` asks it for ``--engine sglang``)."""
+    if quantization != "fp8" or model_type not in FP8_SCALES_DROPPED or not own_loader:
+        return None
+    return (f"quantization='fp8' for a {model_type!r} model through SGLang's own load_weights "
+            f"(update_weights_from_disk, update_weights_from_distributed, or "
+            f"update_weights_from_tensor with full tensors): SGLang's LlamaForCausalLM renames "
+            f"every '...weight_scale_inv' to '...weight_scale', a parameter block FP8 does not "
+            f"have, so every block scale would be dropped without a word and the FP8 weights "
+            f"served with the scales SGLang allocated. Use method='tensor' with layout='engine' "
+            f"(or 'auto') and strategy='flattened', SGLang started with --custom-weight-loader "
+            f"fsdp_sync.engines.sglang.loader.load_rank_buckets and "
+            f"SGLangEngine(..., rank_bucket_loader=True) (fsdp_sync's loader loads the scales by "
+            f"name), or quantization=None")
 
 
 class Refusals:
@@ -37,20 +56,10 @@ class Refusals:
         (`loader`), which loads parameters by engine name. Block FP8 of a Llama model through its
         own loader loses every scale (`FP8_SCALES_DROPPED`). ``fsdp-sync serve`` (the reference
         engine behind SGLang's API) loads them: not refused."""
-        if quantization != "fp8" or model_type not in FP8_SCALES_DROPPED or not own_loader:
+        why = scales_dropped(quantization, model_type, own_loader=own_loader)
+        if why is None or self.serves_tensor_checksums():      # asked only when it matters
             return None
-        if self.serves_tensor_checksums():
-            return None
-        return (f"quantization='fp8' for a {model_type!r} model through SGLang's own load_weights "
-                f"(update_weights_from_disk, update_weights_from_distributed, or "
-                f"update_weights_from_tensor with full tensors): SGLang's LlamaForCausalLM renames "
-                f"every '...weight_scale_inv' to '...weight_scale', a parameter block FP8 does not "
-                f"have, so every block scale would be dropped without a word and the FP8 weights "
-                f"served with the scales SGLang allocated. Use method='tensor' with layout='engine' "
-                f"(or 'auto') and strategy='flattened', SGLang started with --custom-weight-loader "
-                f"fsdp_sync.engines.sglang.loader.load_rank_buckets and "
-                f"SGLangEngine(..., rank_bucket_loader=True) (fsdp_sync's loader loads the scales by "
-                f"name), or quantization=None")
+        return why
 
     def sync_refusal(self, *, pause_mode: str | None = None, verify: str = "off") -> str | None:
         """Why this SGLang release cannot run a sync with `SyncConfig`'s ``pause_mode`` and
