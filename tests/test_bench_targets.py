@@ -1,0 +1,34 @@
+"""`fsdp-sync bench --preset targets`: what the targets judge, and on which rows. Pure: the rows
+are written here (no sync runs), so each case shows the rule it checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp_sync.cli.bench.methods import engine_memory_budget, flag_over_budget, memory_budget
+from fsdp_sync.cli.bench.targets import check_targets
+
+from _util import cli_here
+
+MiB = 2**20
+
+
+def test_per_rank_layout_target_judges_the_fastest_row_of_each_path():
+    """Before: the per-rank layout target kept the row nearest its floor, not the fastest row its
+    docstring names: a 0.28 s row at 1.4x a noisier floor was judged (met) over a 0.20 s row at
+    2.0x its floor (/tmp/audit/bench2/layout_pick.py)."""
+    base = dict(method="tensor", engine_rank_bytes_in=100, engine_rank_shard_bytes=100, baseline_seconds=3.0,
+                peak_extra_bytes=1, memory_budget_bytes=10, floor_seconds=1.0)
+    rows = [dict(base, strategy="flattened", layout="full", share_host_memory=True, seconds=0.5,
+                 floor_shared_seconds=0.1),
+            dict(base, strategy="flattened", layout="engine", share_host_memory=True, pipelined=False,
+                 seconds=0.20, floor_shared_seconds=0.10),
+            dict(base, strategy="flattened", layout="engine", share_host_memory=True, pipelined=True,
+                 seconds=0.28, floor_shared_seconds=0.20)]
+    t = check_targets(rows)["layout"]["one-host"]
+    assert t["pipelined"] is False and t["ratio_to_floor"] == pytest.approx(2.0), t
+    assert t["met"]["floor"] is False
+    # the order of the rows does not matter
+    assert check_targets(rows[::-1])["layout"]["one-host"] == t
