@@ -15,6 +15,32 @@ from _util import cli_here
 MiB = 2**20
 
 
+def test_distributed_memory_target_holds_each_process_to_its_own_budget():
+    """Before: the distributed target divided the largest process's peak (an engine worker's
+    400 MiB: its staged shard) by the trainer's budget (282 MiB): 1.42x, not met, while
+    `flag_over_budget` found every process within its own rule (/tmp/audit/bench2/dist_mem.py)."""
+    b, largest, shard = 64 * MiB, 94 * MiB, 310 * MiB
+    row = {"method": "distributed", "strategy": "distributed:flattened_bucket", "seconds": 1.0,
+           "floor_seconds": 0.9, "baseline_seconds": 3.5,
+           **memory_budget("distributed", b, largest),
+           **engine_memory_budget("distributed", b, largest, shard, staged=True),
+           "peak_extra_by_process": {"trainer rank 0": 187 * MiB, "trainer rank 1": 0,
+                                     "engine worker 0": 400 * MiB}}
+    row["peak_extra_bytes"] = max(row["peak_extra_by_process"].values())
+    flag_over_budget([row])
+    assert row["over_budget"] is False
+    d = check_targets([row])["distributed"]
+    assert d["met"]["memory"] is True, d
+    assert d["peak_extra_over_budget"] == pytest.approx(400 / 404), d
+    assert d["peak_extra_over_budget_of"] == "engine worker 0"
+    # a trainer rank over the trainer's rule is still over, whatever the engine's budget
+    over = dict(row, peak_extra_by_process={"trainer rank 0": 300 * MiB, "engine worker 0": 0})
+    flag_over_budget([over])
+    d = check_targets([over])["distributed"]
+    assert over["over_budget"] is True and d["met"]["memory"] is False
+    assert d["peak_extra_over_budget_of"] == "trainer rank 0"
+
+
 def test_per_rank_layout_target_judges_the_fastest_row_of_each_path():
     """Before: the per-rank layout target kept the row nearest its floor, not the fastest row its
     docstring names: a 0.28 s row at 1.4x a noisier floor was judged (met) over a 0.20 s row at
