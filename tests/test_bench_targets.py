@@ -15,6 +15,66 @@ from _util import cli_here
 MiB = 2**20
 
 
+def _tensor_row(**kw) -> dict:
+    """A tensor-method row with the fields the table and the targets read."""
+    row = {"method": "tensor", "strategy": "flattened", "model": "tiny", "params": 139840, "tensors": 27,
+           "bytes": 559360, "bucket_bytes": MiB, "ranks": 1, "tp": 1, "multi_stage": True,
+           "share_host_memory": False, "pipelined": False, "layout": "full", "seconds": 0.004,
+           "floor_seconds": 0.0035, "floor_shared_seconds": 0.001, "ratio_to_copy": 10.0,
+           "baseline_seconds": 0.03, "speedup_vs_baseline": 7.5, "peak_extra_bytes": 600_000,
+           "memory_budget_bytes": 2_228_224, "engine_rank_bytes_in": 559360,
+           "engine_rank_shard_bytes": 559360}
+    row.update(kw)
+    return row
+
+
+def test_targets_are_not_judged_when_flags_change_the_targets_problem(tmp_path, capsys, monkeypatch):
+    """Before: ``--preset targets --models tiny --ranks 1 --tp 1`` printed 'targets: speedup 6.66x
+    (>=3: True) ... peak extra 0.27x budget (<=1: True)' and wrote "met" flags for a 0.1M-param model
+    on one rank (/tmp/audit/bench2/tgt_tiny.out): only ``args.preset`` was looked at, not the sweep
+    the flags made of it. Now the rows of another model, rank count, TP, ... are not judged."""
+    from fsdp_sync.cli.bench import main as bench_main
+
+    rows = [_tensor_row(strategy="per_tensor", seconds=0.03), _tensor_row()]
+    seen = []
+
+    def fake_run(spec, **kw):
+        seen.append(spec)
+        return {"spec": {}, "rows": [dict(r) for r in rows], "wall_seconds": 0.0, "machine": {}}
+
+    monkeypatch.setattr(bench_main, "run_bench", fake_run)
+    out = tmp_path / "t.json"
+    res = cli_here(capsys, "bench", "--preset", "targets", "--models", "tiny", "--ranks", "1", "--tp", "1",
+                   "--bucket-mb", "1", "--layout", "full", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert seen and seen[0].models == ("tiny",)
+    t = json.loads(out.read_text())["targets"]
+    assert t["judged"] is False and "met" not in t, t
+    assert "--models tiny overrides the targets' qwen2-160m" in t["why"], t["why"]
+    assert "--ranks 1" in t["why"] and "--tp 1" in t["why"] and "--bucket-mb" not in t["why"], t["why"]
+    text = " ".join(res.stdout.split())
+    assert "targets: not judged: --models tiny overrides the targets' qwen2-160m" in text, text
+    assert "(≥3: True)" not in text, text
+
+
+def test_targets_keep_their_verdict_when_flags_only_add_configurations():
+    """The targets' own problem (model, ranks, TP, EP, dtype, quantization, device) with more
+    bucket sizes or methods is judged: the verdict is on the fastest row of them."""
+    from dataclasses import asdict
+
+    from fsdp_sync.cli.bench.main import PRESETS, BenchSpec
+    from fsdp_sync.cli.bench.targets import judge_targets
+
+    preset = asdict(BenchSpec.from_mapping(PRESETS["targets"]))
+    rows = [_tensor_row(strategy="per_tensor", seconds=0.03, ranks=2, tp=2), _tensor_row(ranks=2, tp=2)]
+    wider = dict(preset, bucket_mb=(16.0, 64.0), methods=("tensor", "distributed"))
+    t = judge_targets(rows, wider, preset)
+    assert t["judged"] is True and set(t["met"]) == {"speedup", "floor", "memory"}, t
+    for key, value in (("dtype", "bfloat16"), ("quantization", ("fp8",)), ("device", "cuda"), ("ep", (2,))):
+        t = judge_targets(rows, dict(preset, **{key: value}), preset)
+        assert t["judged"] is False and f"--{key} " in t["why"], (key, t)
+
+
 def test_distributed_memory_target_holds_each_process_to_its_own_budget():
     """Before: the distributed target divided the largest process's peak (an engine worker's
     400 MiB: its staged shard) by the trainer's budget (282 MiB): 1.42x, not met, while

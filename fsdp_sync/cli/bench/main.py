@@ -485,7 +485,8 @@ def add_bench_parser(sub) -> None:
         formatter_class=ca.DefaultsFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", type=ca.choice_of(sorted(PRESETS)),
-                     help=f"a named sweep: {', '.join(sorted(PRESETS))} ('targets' judges the targets)")
+                     help=f"a named sweep: {', '.join(sorted(PRESETS))} ('targets' judges the targets, unless "
+                          "flags change its models, ranks, tp, ep, dtype, quantization or device)")
     src.add_argument("--recipe", type=sweep_recipe,
                      help="a sweep shipped with fsdp_sync (" + ", ".join(sweep_recipes()) + ") or a "
                           "YAML file (keys as the flags, under 'bench:')")
@@ -643,24 +644,14 @@ def cmd_bench(args) -> int:
 
         console.print(f"[red]{len(over)} row(s) over their memory budget[/] ("
                       + "; ".join(over_budget_line(r) for r in over) + ")")
-    if args.preset == "targets":
-        result["targets"] = check_targets(result["rows"])
-        t = result["targets"]
-        if "met" in t and isinstance(t["met"], dict):
-            console.print(f"targets: speedup {t['speedup_vs_per_tensor']:.2f}× (≥3: {t['met']['speedup']}), "
-                          f"{t['ratio_to_floor']:.2f}× its floor ({t['floor_judged_against']}; ≤1.3: {t['met']['floor']}), peak extra "
-                          f"{t['peak_extra_over_budget']:.2f}× budget (≤1: {t['met']['memory']})")
-        lt = t.get("layout")
-        if lt:
-            for name, v in lt.items():
-                console.print(f"layout {name}: " + ", ".join(f"{k} {x:.2f}" if isinstance(x, float) else f"{k} {x}"
-                                                             for k, x in v.items()))
-        d = t.get("distributed")
-        if d:
-            console.print(f"distributed: {d['speedup_vs_per_tensor'] or 0:.2f}× its per-tensor format "
-                          f"(≥3: {d['met']['speedup']}), {d['ratio_to_floor']:.2f}× its floor (≤1.3: "
-                          f"{d['met']['floor']}), peak extra {d['peak_extra_over_budget']:.2f}× budget "
-                          f"(≤1: {d['met']['memory']})")
+    if args.preset == "targets":    # judged only on the targets' own problem (`judge_targets`)
+        from .table import targets_lines
+        from .targets import judge_targets
+
+        result["targets"] = judge_targets(result["rows"], asdict(spec),
+                                          asdict(BenchSpec.from_mapping(PRESETS["targets"])))
+        for line in targets_lines(result["targets"]):
+            console.print(line)
     if getattr(args, "verify", None):
         from .verify import verify_rows
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..plan import size
 from .targets import row_floor
 
-__all__ = ["bench_table", "row_label", "COLUMNS", "BenchProgress"]
+__all__ = ["bench_table", "row_label", "COLUMNS", "BenchProgress", "targets_lines"]
 
 MiB = 2**20
 
@@ -84,6 +84,30 @@ def bench_table(rows: list[dict]) -> Any:
     for c in cells:
         table.add_row(*(v for i, v in enumerate(c) if i not in shared))
     return table
+
+
+def targets_lines(t: dict) -> list[str]:
+    """What ``--preset targets`` prints under the table: each target's figure and whether it is
+    met (`targets.judge_targets`), or why the sweep's rows are not judged."""
+    if not t.get("judged", True):
+        return [f"targets: not judged: {t['why']}"]
+    out = []
+    if isinstance(t.get("met"), dict):
+        out.append(f"targets: speedup {t['speedup_vs_per_tensor'] or 0:.2f}× (≥3: {t['met']['speedup']}), "
+                   f"{t['ratio_to_floor']:.2f}× its floor ({t['floor_judged_against']}; ≤1.3: {t['met']['floor']}), "
+                   f"peak extra {t['peak_extra_over_budget']:.2f}× budget (≤1: {t['met']['memory']})")
+    elif "why" in t:
+        out.append(f"targets: not met: {t['why']}")
+    for name, v in (t.get("layout") or {}).items():
+        out.append(f"layout {name}: " + ", ".join(f"{k} {x:.2f}" if isinstance(x, float) else f"{k} {x}"
+                                                   for k, x in v.items()))
+    d = t.get("distributed")
+    if d:
+        out.append(f"distributed: {d['speedup_vs_per_tensor'] or 0:.2f}× its per-tensor format "
+                   f"(≥3: {d['met']['speedup']}), {d['ratio_to_floor']:.2f}× its floor (≤1.3: "
+                   f"{d['met']['floor']}), peak extra {d['peak_extra_over_budget']:.2f}× its budget "
+                   f"({d['peak_extra_over_budget_of']}; ≤1: {d['met']['memory']})")
+    return out
 
 
 class BenchProgress:

@@ -6,7 +6,20 @@ Pure: rows in, a dict of figures and ``met`` flags out. Not here: measuring the 
 
 from __future__ import annotations
 
-__all__ = ["check_targets", "row_floor", "process_ratios"]
+__all__ = ["check_targets", "row_floor", "judge_targets", "TARGET_KEYS", "process_ratios"]
+
+TARGET_KEYS = ("models", "ranks", "tp", "ep", "dtype", "quantization", "device")
+"""What the targets are stated on (`bench.main.PRESETS["targets"]`: the model, 2 trainer ranks,
+TP 2, fp32 on the CPU): a sweep that changes any of them is not the targets' problem, and its rows
+are not judged. The other keys (strategies, bucket sizes, layouts, share_host_memory, pipelined,
+multi_stage, methods, engine, repeats) only add or change the configurations the fastest row is
+picked from, each beside its own floor and budget, so a flag that sets them keeps the verdict."""
+
+
+def _flag_value(v: object) -> str:
+    if isinstance(v, (list, tuple)):
+        return ",".join(_flag_value(x) for x in v)
+    return "none" if v is None else str(v)
 
 
 def row_floor(r: dict) -> tuple[float, str]:
@@ -17,6 +30,23 @@ def row_floor(r: dict) -> tuple[float, str]:
     if r.get("share_host_memory") and r.get("floor_shared_seconds"):
         return r["floor_shared_seconds"], "floor_shared_seconds"
     return r["floor_seconds"], "floor_seconds"
+
+
+def judge_targets(rows: list[dict], spec: dict, preset: dict) -> dict:
+    """`check_targets` of ``rows`` with ``"judged": True`` when the sweep that made them
+    (``spec``, `BenchSpec` as a dict) is the preset's (``preset``, the targets preset as a
+    `BenchSpec` dict) in every `TARGET_KEYS` key; else ``{"judged": False, "why": ...}`` naming
+    each flag that changed it (``--models tiny overrides the targets' qwen2-160m``)."""
+    def value(d: dict, k: str) -> object:
+        return tuple(d[k]) if isinstance(d.get(k), (list, tuple)) else d.get(k)
+
+    changed = [k for k in TARGET_KEYS if value(spec, k) != value(preset, k)]
+    if changed:
+        why = "; ".join(f"--{k} {_flag_value(spec.get(k))} overrides the targets' {_flag_value(preset.get(k))}"
+                        for k in changed)
+        return {"judged": False, "why": why + " (the targets are stated on "
+                + ", ".join(f"{k} {_flag_value(preset.get(k))}" for k in TARGET_KEYS) + ")"}
+    return {"judged": True, **check_targets(rows)}
 
 
 def process_ratios(r: dict) -> dict[str, float]:
