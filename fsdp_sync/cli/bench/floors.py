@@ -1,6 +1,8 @@
 """The floors a bench row is judged against, measured in the same job on the same groups, and the
 row's layout figures: what any sync of these bytes must at least cost (a bare all-gather, a bare
-all-to-all, the copies), each the median of repeats after a warm-up.
+all-to-all, the copies), each timed as its row's sync is: ``warmup`` runs not counted, then the
+median of ``repeats`` (the job's own two figures). ``moved``: a dict each floor fills with the bytes
+it moved (what a row's ``floor_bytes`` reports: the figures a reader checks its floor against).
 
 Collective: every trainer rank calls each function. Not here: the sync itself or the rows (`main`).
 """
@@ -14,24 +16,32 @@ from typing import Any, Callable
 import torch
 from ...topology import cpu_group, released_by_backend
 
-__all__ = ["median_seconds", "floor_seconds", "copy_seconds", "floor_shared_seconds",
+__all__ = ["median_seconds", "bucket_pieces", "floor_seconds", "copy_seconds", "floor_shared_seconds",
            "floor_all_to_all_seconds", "layout_figures", "tensor_by_tensor_bytes_in"]
 
 
-def median_seconds(body: Callable[[], None], dev: str, repeats: int) -> float:
-    """Median wall time of ``body`` over ``repeats`` runs after one warm-up run (not counted): the
-    ranks start each run together (a barrier) and a run ends when the device is done with it."""
+def median_seconds(body: Callable[[], None], dev: str, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``body`` over ``repeats`` runs after ``warmup`` runs (not counted), as a
+    bench row times its syncs: the ranks start each run together (a barrier) and a run ends when
+    the device is done with it."""
     import torch.distributed as dist
 
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(warmup + repeats):
         dist.barrier(group=cpu_group())
         t0 = time.perf_counter()
         body()
         if dev == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return statistics.median(times[warmup:])
+
+
+def bucket_pieces(total: int, bucket: int) -> list[int]:
+    """``total`` bytes cut into bucket-sized pieces, the last one what is left: a floor moves the
+    row's bytes, not whole buckets (a last piece padded to a bucket moved up to a bucket more)."""
+    bucket = max(1, bucket)
+    return [bucket] * (total // bucket) + ([total % bucket] if total % bucket else [])
 
 
 # On a GPU a floor's copies go through one pair of buffers of at most this size, again and again:
@@ -57,30 +67,32 @@ class _Copy:
             left -= n
 
 
-def floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, repeats: int) -> float:
+def floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, repeats: int, *,
+                  shard: int | None = None, warmup: int = 1, moved: dict | None = None) -> float:
     """A bare all-gather of ``total_bytes`` over the world in bucket-sized pieces, plus one copy of
-    a TP rank's shard (``total_bytes / tp``): what any sync must at least do."""
+    a TP rank's shard (``shard``, the bytes an engine rank holds (an FP8 row's: its FP8 shard);
+    default ``total_bytes / tp``): what any sync must at least do."""
     import torch.distributed as dist
 
     from ...weights.gather import all_gather
 
     world = dist.get_world_size()
     dev = "cuda" if device == "cuda" else "cpu"
-    piece = min(bucket_bytes, total_bytes)
-    per_rank = (piece + world - 1) // world
-    send = torch.empty(per_rank, dtype=torch.uint8, device=dev)
-    recv = torch.empty(per_rank * world, dtype=torch.uint8, device=dev)
-    copy = _Copy(total_bytes // tp, dev)   # touched once, as a loaded engine's weights are
+    per_rank = [-(-p // world) for p in bucket_pieces(total_bytes, bucket_bytes)]   # each rank's part
+    send = torch.empty(max(per_rank, default=0), dtype=torch.uint8, device=dev)
+    recv = torch.empty(send.numel() * world, dtype=torch.uint8, device=dev)
+    # touched once, as a loaded engine's weights are
+    copy = _Copy(shard if shard is not None else total_bytes // tp, dev)
+    if moved is not None:    # the gathers' output (a piece's last rank may be padded: < world bytes)
+        moved.update(all_gather=sum(per_rank) * world, engine_copy=copy.nbytes)
 
     def body() -> None:
-        left = total_bytes
-        while left > 0:
-            all_gather(recv, send, None)       # the sync's own gather call (no deprecation warning)
-            left -= piece
+        for k in per_rank:       # the sync's own gather call (no deprecation warning)
+            all_gather(recv[:k * world], send[:k], None)
         copy()
 
     try:
-        return median_seconds(body, dev, repeats)
+        return median_seconds(body, dev, repeats, warmup)
     finally:
         del copy, send, recv
         if dev == "cuda":
@@ -111,7 +123,7 @@ def copy_seconds(nbytes: int, device: str, repeats: int) -> float:
 
 
 def floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
-                          shard: int | None = None) -> float:
+                          shard: int | None = None, *, warmup: int = 1, moved: dict | None = None) -> float:
     """The floor of a sync that shares host memory instead of all-gathering: every rank copies its
     shard (``total_bytes / world``) once, then one copy of a TP rank's shard (``shard``, default
     ``total_bytes / tp``; the engine layout's own shard bytes when known).
@@ -122,6 +134,8 @@ def floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
     dev = "cuda" if device == "cuda" else "cpu"
     own = _Copy(total_bytes // world, dev)
     engine = _Copy(shard if shard is not None else total_bytes // tp, dev)
+    if moved is not None:
+        moved.update(own_copy=own.nbytes, engine_copy=engine.nbytes)
 
     def body() -> None:
         own()
@@ -129,7 +143,7 @@ def floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
         engine()
 
     try:
-        return median_seconds(body, dev, repeats)
+        return median_seconds(body, dev, repeats, warmup)
     finally:
         del own, engine
         if dev == "cuda":
@@ -137,7 +151,8 @@ def floor_shared_seconds(total_bytes: int, tp: int, device: str, repeats: int,
 
 
 def floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, device: str,
-                              repeats: int, total_bytes: int = 0) -> float:
+                              repeats: int, total_bytes: int = 0, *, warmup: int = 1,
+                              moved: dict | None = None) -> float:
     """The floor of the cross-host per-rank path: the one-host floor's copies (every rank copies
     its own FSDP shard, ``total_bytes / world``, once: the part it keeps into the engine rank's
     buffer, the rest into what it sends; then one copy of an engine rank's shard, the engine's
@@ -156,6 +171,8 @@ def floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, devic
     into = torch.zeros_like(mine)
     src = torch.ones(shard, dtype=torch.uint8, device=dev)
     dst = torch.zeros_like(src)
+    if moved is not None:
+        moved.update(own_copy=mine.numel(), all_to_all_in=n * per_peer * (world - 1), engine_copy=shard)
 
     def body() -> None:
         into.copy_(mine)
@@ -163,7 +180,7 @@ def floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, devic
             dist.all_to_all_single(recv, send, sizes, sizes)
         dst.copy_(src)
 
-    return median_seconds(body, dev, repeats)
+    return median_seconds(body, dev, repeats, warmup)
 
 
 def tensor_by_tensor_bytes_in(cfg: Any, metas: list, world: int) -> int:
@@ -186,7 +203,10 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
     (its own shard in the engine layout), ``trainer_rank_bytes_in`` (the most any trainer rank
     received, as its sync's stats counted it: the all-to-all, the all-gather (the others' pieces,
     as packed and broadcast), the gather to rank 0; 0 on the one-host path; a tensor-by-tensor
-    gather's, which its stats do not count: `tensor_by_tensor_bytes_in`)."""
+    gather's, which its stats do not count: `tensor_by_tensor_bytes_in`), ``share_host_memory``:
+    whether the sync took the host-shared path, not whether it was asked to (``share``): a
+    transport that cannot share (one rank, CUDA tensors, several hosts, no shared memory) gathers
+    instead, silently; per-rank buckets say so in ``reshard_path``, full ones by receiving bytes."""
     import torch.distributed as dist
 
     from ...weights.export import param_metas
@@ -209,7 +229,10 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
     t = torch.tensor([mine], dtype=torch.int64)
     with released_by_backend(t):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
+    bytes_in = int(t.item())
+    took = bool(share) and world > 1 and (extra.get("reshard_path") == "host-shared" if layout == "engine"
+                                          else bytes_in == 0)
     return {"layout": layout, "pipelined": bool(extra.get("pipelined", False)), "engine_rank_bytes_in": engine_in,
-            "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": int(t.item()),
-            "reshard_path": extra.get("reshard_path"), "share_host_memory": share,
+            "engine_rank_shard_bytes": shard, "trainer_rank_bytes_in": bytes_in,
+            "reshard_path": extra.get("reshard_path"), "share_host_memory": took,
             "model_bytes": model_bytes}

@@ -9,13 +9,18 @@ row of the group:
 - ``seconds``: the median over ``repeats`` of the manager's ``sync_weights`` stage, after a warm-up
   (``warmup_seconds``; the disk method's rows warm up ``disk_keep`` syncs more: a run's steady
   state reuses the files of the version keep-N dropped);
-- ``floor_seconds``: measured beside it in the same job: a bare all-gather of the same bytes over
-  the same group (in bucket-sized pieces) plus one copy of each TP rank's shard;
+- ``floor_seconds``: measured beside it in the same job, timed as the sync is (``warmup`` runs,
+  then the median of ``repeats``): a bare all-gather of the same bytes over the same group (in
+  bucket-sized pieces) plus one copy of a TP rank's shard (the engine's: an FP8 row's FP8 shard);
+  ``floor_bytes``: what it moved;
 - ``baseline_seconds``: the ``per_tensor`` strategy (verl's original loop) on the same model;
-- ``floor_shared_seconds``: the floor of the host-shared path (``share_host_memory``, flattened
-  only: no all-gather): one copy of each rank's shard plus one copy of a TP rank's shard;
+- ``share_host_memory``: whether the sync took the host-shared path (flattened only: no
+  all-gather), not whether it was asked to (`floors.layout_figures`); such a row's own floor,
+  ``floor_shared_seconds`` (``floor_shared_bytes``): one copy of each rank's shard plus one copy of
+  a TP rank's shard (None on the other rows);
 - ``copy_seconds`` (tensor-method rows): one copy of the model's bytes on rank 0's device (device
-  to device on CUDA), measured once per job: ``ratio_to_copy`` is the sync's seconds over it;
+  to device on CUDA), measured once per job (the median of max(repeats, 5) after one warm-up):
+  ``ratio_to_copy`` is the sync's seconds over it;
 - per-rank buckets across hosts (``layout="engine"`` without shared memory): ``floor_seconds`` is
   the host-shared floor's two copies plus a bare ``all_to_all`` of the bytes a trainer rank received;
 - ``engine``: ``direct`` (default) hands the manager the `ReferenceEngine` itself; ``http`` puts
@@ -343,28 +348,35 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                               lay["pipelined"], job=job, cfg=cfg, model=model)["memory_budget_bytes"],
                 manager.timeline) if peaks else None
             progress.update(f"{strategy} {bucket_mb:g} MiB: floor")
-            # the floor is noisier than the sync (one big transfer): give it more repeats
-            floor = floor_seconds(lay["model_bytes"], bucket_bytes, job.tp, job.device, max(job.repeats, 5))
-            floor_shared = floor_shared_seconds(lay["model_bytes"], job.tp, job.device, max(job.repeats, 5),
-                                                 shard=lay["engine_rank_shard_bytes"])
+            # the floors of the path the sync took (`layout_figures`: not the one asked for), each
+            # timed as the sync is (job.warmup runs, then the median of job.repeats); the engine's
+            # copy is its own shard (an FP8 row's FP8 shard). A host-shared row keeps the
+            # all-gather floor beside its own (the targets' ratio_to_all_gather_floor)
+            shard, moved, moved_shared, floor_shared = lay["engine_rank_shard_bytes"], {}, {}, None
             if lay["layout"] == "engine" and not lay["share_host_memory"]:
-                floor = floor_all_to_all_seconds(lay["trainer_rank_bytes_in"], bucket_bytes,
-                                                  lay["engine_rank_shard_bytes"], job.device,
-                                                  max(job.repeats, 5), total_bytes=lay["model_bytes"])
+                floor = floor_all_to_all_seconds(lay["trainer_rank_bytes_in"], bucket_bytes, shard, job.device,
+                                                  job.repeats, total_bytes=lay["model_bytes"],
+                                                  warmup=job.warmup, moved=moved)
+            else:
+                floor = floor_seconds(lay["model_bytes"], bucket_bytes, job.tp, job.device, job.repeats,
+                                      shard=shard, warmup=job.warmup, moved=moved)
+            if lay["share_host_memory"]:
+                floor_shared = floor_shared_seconds(lay["model_bytes"], job.tp, job.device, job.repeats, shard,
+                                                     warmup=job.warmup, moved=moved_shared)
             secs_med = statistics.median(secs)
             if strategy == "per_tensor":
                 baseline = secs_med
             if rank == 0:
                 row = _row(job, strategy, bucket_bytes, params, tensors, stats, secs, secs_med,
                            floor, manager, sampler)
-                row["share_host_memory"] = bool(share and strategy == "flattened")
                 row["warmup_seconds"] = warm
                 if gpu_mem is not None:
                     row["gpu_memory"] = gpu_mem
                 row["floor_shared_seconds"] = floor_shared
+                row["floor_bytes"], row["floor_shared_bytes"] = moved, moved_shared or None
                 row["copy_seconds"] = copy_s
                 row["ratio_to_copy"] = secs_med / copy_s if copy_s > 0 else None
-                row.update({k: v for k, v in lay.items() if k not in ("share_host_memory", "model_bytes")})
+                row.update({k: v for k, v in lay.items() if k != "model_bytes"})   # the path taken
                 rows.append(row)
             progress.advance()
     finally:

@@ -10,16 +10,19 @@ Called by `bench.bench_rank` on every trainer rank of a job, for each method oth
   per share-host-memory x pipelined value), and the per-tensor format (``load_format=None``, the
   baseline). Every row has the layout figures (`bench.layout_figures`: ``layout``,
   ``engine_rank_bytes_in``, ``engine_rank_shard_bytes``, ``trainer_rank_bytes_in``, ...). Floor,
-  measured in the same job on the same groups: a bare gather of the same bytes to rank 0 in
-  bucket-sized pieces over the trainer's group, plus bare broadcasts of the same bytes over the
-  update group (per-rank rows: bare point-to-point sends of one engine rank's bytes to each
+  measured in the same job on the same groups, timed as the row's syncs (``warmup`` runs, then the
+  median of ``repeats``; ``floor_bytes``: what it moved): a bare gather of the bytes the sync
+  gathers (the rollout dtype's: an FP8 row is quantized on rank 0 after the gather) to rank 0 in
+  bucket-sized pieces over the trainer's group, plus bare broadcasts of the bytes the sync sends
+  over the update group (per-rank rows: bare point-to-point sends of one engine rank's bytes to each
   engine rank; the engine workers receive and drop them: `ReferenceEngine._receive_raw`; a per-rank
   row that took the host-shared path gathers nothing, so its floor has one copy of each trainer
   rank's shard in place of the gather).
-- ``disk``: the checkpoint transport (`transport.disk`) and its floor `transport.disk.disk_floor`,
-  a row per bucket size, layout and share-host-memory value (``share_host_memory``: what the sync
-  did; ``trainer_rank_bytes_in``: the most any trainer rank received, as its sync counted it); skipped
-  with a note when this build has no disk method.
+- ``disk``: the checkpoint transport (`transport.disk`) and its floor `transport.disk.disk_floor`
+  (one process writing and reading the bytes the sync wrote, on rank 0; ``warmup`` runs not
+  counted, then the median of ``repeats``), a row per bucket size, layout and share-host-memory
+  value (``share_host_memory``: what the sync did; ``trainer_rank_bytes_in``: the most any trainer
+  rank received, as its sync counted it); skipped with a note when this build has no disk method.
 
 FP8 rows: ``quantized_tensors`` is the most any trainer rank quantized (`most_of_ranks`).
 
@@ -33,12 +36,11 @@ Not here: the colocated rows, the sweep and the table (`bench`).
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 
-from .floors import layout_figures
+from .floors import bucket_pieces, layout_figures, median_seconds
 from .gpu_memory import CudaPeaks
 from .sampling import DeviceSampler, rises, sampled_sync
 from .targets import process_ratios
@@ -55,62 +57,66 @@ hashing pass and its copy into the weights (inside ``load_s``); distributed: the
 wait for each bucket's broadcast and the engine's stage of it."""
 
 
-def _floor_distributed(transport: Any, engine: Any, total: int, bucket: int, device: str,
-                       repeats: int, rank_bytes: int | None = None, shared: bool = False) -> float:
-    """Bare gather of ``total`` bytes to rank 0 (bucket-sized pieces) + bare broadcasts of them;
-    per-rank rows (``rank_bytes``: what each engine rank gets): the same gather + bare
-    point-to-point sends of ``rank_bytes`` to every engine rank in bucket-sized pieces. ``shared``
-    (a per-rank row that took the host-shared path: the trainer ranks write their shards into
-    buffers rank 0 maps, no gather): one copy of each rank's shard (``total / world``) instead of
-    the gather."""
+def _floor_distributed(transport: Any, engine: Any, gathered: int, sent: int, bucket: int, device: str,
+                       repeats: int, warmup: int, rank_bytes: int | None = None, shared: bool = False,
+                       moved: dict | None = None) -> float:
+    """Bare gather of ``gathered`` bytes to rank 0 (bucket-sized pieces: what the sync gathers, in
+    the rollout dtype, as trainer rank 0 quantizes an FP8 row's buckets after the gather) + bare
+    broadcasts of ``sent`` bytes (what the sync sends: an FP8 row's FP8 bytes); per-rank rows
+    (``rank_bytes``: what each engine rank gets): the same gather + bare point-to-point sends of
+    ``rank_bytes`` to every engine rank in bucket-sized pieces. ``shared`` (a per-rank row that
+    took the host-shared path: the trainer ranks write their shards into buffers rank 0 maps, no
+    gather): one copy of each rank's shard (``gathered / world``) instead of the gather. Timed as
+    the row's syncs (``warmup`` runs, then the median of ``repeats``); ``moved``: the bytes moved."""
     import concurrent.futures as cf
 
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    piece = max(1, min(bucket, total))
-    per_rank = (piece + world - 1) // world
-    n = (total + piece - 1) // piece
+    p2p = rank_bytes is not None
+    parts = [-(-p // world) for p in bucket_pieces(gathered, bucket)]   # each rank's part of a piece
+    out = bucket_pieces(rank_bytes if p2p else sent, bucket)            # to each engine rank / everyone
+    runs = [(size, out.count(size)) for size in dict.fromkeys(out)]     # the receivers' calls
     dev = "cuda" if device == "cuda" else "cpu"
-    send = torch.ones(per_rank, dtype=torch.uint8, device=dev)
-    rows = [torch.empty(per_rank, dtype=torch.uint8, device=dev) for _ in range(world)] if rank == 0 else None
-    flat = torch.ones(piece, dtype=torch.uint8, device=dev)
-    flat_r = torch.ones(max(1, min(bucket, rank_bytes)), dtype=torch.uint8, device=dev) \
-        if rank_bytes else None
+    send = torch.ones(max(parts, default=0), dtype=torch.uint8, device=dev)
+    rows = [torch.empty_like(send) for _ in range(world)] if rank == 0 else None
+    flat = torch.ones(max(out, default=0), dtype=torch.uint8, device=dev)
     pool = cf.ThreadPoolExecutor(1) if rank == 0 else None
-    own = (torch.ones(max(1, total // world), dtype=torch.uint8, device=dev), ) if shared else ()
+    own = (torch.ones(max(1, gathered // world), dtype=torch.uint8, device=dev), ) if shared else ()
     into = torch.zeros_like(own[0]) if shared else None
-    times = []
-    try:
-        for _ in range(repeats + 1):
+    if moved is not None:
+        moved.update({"own_copy": own[0].numel()} if shared else {"gathered": sum(parts) * world})
+        moved.update({"sent_to_each_engine_rank" if p2p else "broadcast": sum(out)})
+    group_name = transport.config.dist_group_name
+
+    def receive() -> None:      # the engine workers: every piece, received and dropped
+        for size, count in runs:
+            engine._receive_raw(group_name, size, count, p2p)
+
+    def body() -> None:
+        if shared:
+            into.copy_(own[0])
             dist.barrier(group=cpu_group())
-            t0 = time.perf_counter()
-            if shared:
-                into.copy_(own[0])
-                dist.barrier(group=cpu_group())
-            for _ in range(0 if shared else n):
-                dist.gather(send, rows, dst=0)
-            if rank == 0 and rank_bytes is None:
-                fut = pool.submit(engine._receive_raw, transport.config.dist_group_name, piece, n)
-                for _ in range(n):
-                    dist.broadcast(flat, src=0, group=transport.pg)
-                fut.result()
-            elif rank == 0:
-                rp = max(1, min(bucket, rank_bytes))
-                rn = (rank_bytes + rp - 1) // rp
-                fut = pool.submit(engine._receive_raw, transport.config.dist_group_name, rp, rn, True)
-                for _ in range(rn):
-                    works = [dist.isend(flat_r, group=transport.pg, group_dst=o + r)
+        for k in ([] if shared else parts):
+            dist.gather(send[:k], [r[:k] for r in rows] if rank == 0 else None, dst=0)
+        if rank == 0:
+            fut = pool.submit(receive)
+            for k in out:
+                if p2p:
+                    works = [dist.isend(flat[:k], group=transport.pg, group_dst=o + r)
                              for o in transport.offsets for r in range(engine.tp_size)]
                     for w in works:
                         w.wait()
-                fut.result()
-            dist.barrier(group=cpu_group())
-            times.append(time.perf_counter() - t0)
+                else:
+                    dist.broadcast(flat[:k], src=0, group=transport.pg)
+            fut.result()
+        dist.barrier(group=cpu_group())     # ends when every rank is done
+
+    try:
+        return median_seconds(body, dev, repeats, warmup)
     finally:
         if pool is not None:
             pool.shutdown()
-    return statistics.median(times[1:])
 
 
 def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: Any, params: int,
@@ -205,16 +211,22 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     # the full path gathers to rank 0 (no host-shared memory): share only per-rank
                     lay = layout_figures(model, cfg, job, stats,
                                           share and stats.extra.get("layout") == "engine")   # collective
+                    # gathered: the rollout-dtype bytes (an FP8 row is quantized on rank 0 after
+                    # the gather); sent: what the sync sent (stats.bytes: an FP8 row's FP8 bytes)
                     per_rank = lay["layout"] == "engine"
-                    floor = _floor_distributed(manager.transport, engine, stats.bytes, bucket_bytes,
-                                               job.device, max(job.repeats, 5),
+                    floor_bytes = {}
+                    floor = _floor_distributed(manager.transport, engine, lay["model_bytes"], stats.bytes,
+                                               bucket_bytes, job.device, job.repeats, job.warmup,
                                                lay["engine_rank_bytes_in"] if per_rank else None,
-                                               shared=per_rank and lay["reshard_path"] == "host-shared")
+                                               shared=lay["share_host_memory"], moved=floor_bytes)
                 else:
+                    # the sync's timing: job.warmup runs not counted (not the disk_keep more the
+                    # sync warms up: the floor keeps no versions), then the median of job.repeats
                     from ...transport.disk import disk_floor
+                    floor_bytes = {"written_and_read": stats.bytes}
                     floor = statistics.median(
-                        disk_floor(stats.bytes, workdir, files=max(stats.buckets, 1))
-                        for _ in range(max(job.repeats, 5))) if rank == 0 else None
+                        [disk_floor(stats.bytes, workdir, files=max(stats.buckets, 1))
+                         for _ in range(job.warmup + job.repeats)][job.warmup:]) if rank == 0 else None
                 med = statistics.median(secs)
                 if fmt == "per_tensor":
                     baseline = med
@@ -222,6 +234,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                     rows.append(_row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med,
                                      floor, manager, sampler, largest, warm))
                     rows[-1].setdefault("engine_rank_shard_bytes", shard)
+                    rows[-1]["floor_bytes"] = floor_bytes
                     if quantized is not None:
                         rows[-1]["quantized_tensors"] = quantized
                     # where the time goes: each part's median over the timed syncs
