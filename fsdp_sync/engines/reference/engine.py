@@ -25,7 +25,10 @@ files it was told of while the trainer wrote them (``hash_files_ahead``) are has
 the default): each call is checked as above; while the engine holds weights worth protecting
 (loaded, valid) its tensors are copied aside on CPU and applied together at ``end_weight_update()``
 — one extra copy of what is pushed — and a failed call aborts the whole transaction, so the
-previous weights stay. Where there is nothing to protect (the random start-up weights, or weights
+previous weights stay. A commit that fails on some workers after others applied their copies leaves
+shards of two versions: the engine is then broken, as after a failed commit of one call (every
+call says the weights are inconsistent across TP ranks); a failed worker's open transaction is
+dropped either way, and where every worker failed before writing, the previous weights stay. Where there is nothing to protect (the random start-up weights, or weights
 released without a backup and resumed as zeros) calls write in place at no extra memory. After a
 release without backup, or an aborted transaction that wrote over the start-up weights, the engine
 refuses to serve until every tensor has been pushed again. ``end_weight_update(abort=True)`` drops
@@ -61,7 +64,7 @@ items, the checks of a distributed call's entries and the disk update's checkpoi
 (`update_items`), which quantization a config and argument make (`quant`), the constructor's
 argument checks (`engine_args`), memory release/resume and per-worker stats (`memory_calls`).
 
-Why ~620 lines, one module: the engine's side of every protocol call (startup, update methods, two-phase
+Why ~670 lines, one module: the engine's side of every protocol call (startup, update methods, two-phase
 rounds, the update gate), sharing the lock, the worker set and the broken/transaction state. The
 next carve, if it grows: the transaction (begin/end and its abort words).
 """
@@ -559,7 +562,11 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         then are not served until every tensor is pushed again; over tensors pushed again since a
         release without a backup), else True. On a commit the
         engine takes ``weight_version`` (else the one an update call in the transaction gave) in
-        the same critical section: no step runs between the new weights and their new version."""
+        the same critical section: no step runs between the new weights and their new version.
+        A commit that fails on some workers (`_end_failed`): `WeightUpdateError` where every failed
+        worker dropped its transaction unwritten and none applied staged copies (the previous
+        weights stay); else the engine is broken (`EngineError`, and every later call refuses:
+        its TP ranks hold different weights)."""
         check_version(weight_version, "end_weight_update")
         with self._gate("end_weight_update"):
             if not self._in_txn:
@@ -572,7 +579,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             by_head = heads and not abort and aborted is None and self._tied_head_refusal()
             aborted = by_head or aborted
             replies = self._round("end", {"abort": abort or aborted is not None})
-            self._raise_errors(replies, "end_weight_update")
+            if any(rep[0] != "ok" for rep in replies.values()):
+                self._end_failed(replies, weight_version if weight_version is not None else pending)
             done = [rep[1] for rep in replies.values() if isinstance(rep[1], dict)]
             # what the transaction kept in host memory, its workers' GPUs having no room for it
             self.staged_on_host_bytes = sum(int(d.get("staged_on_host_bytes", 0)) for d in done)
@@ -586,6 +594,43 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             if version is not None and not abort:
                 self.weight_version = version
             return kept if abort else True
+
+    def _end_failed(self, replies: dict[int, tuple], version: str | None) -> None:
+        """An `end` round that failed on some workers (holding the lock); raises. A worker that
+        failed before its end's body (an injected fault) still holds its transaction, and would
+        refuse every later begin: each failed worker drops it now. The weights are then as one
+        update made them only where every failed worker dropped an untouched transaction and no
+        worker applied staged copies; otherwise shards disagree (some new, some old or partly
+        written) and the engine is broken, as after a failed `_two_phase` commit: it serves nothing
+        more, and says why on every call."""
+        errs = sorted(r for r, rep in replies.items() if rep[0] != "ok")
+        _, _, msg, tb, name = replies[errs[0]]
+        text = f"end_weight_update: TP rank {errs[0]} failed: {msg}" + (f" (also TP ranks {errs[1:]})"
+                                                                         if len(errs) > 1 else "")
+        try:
+            closed = self._round("end", {"abort": True}, ranks=errs,
+                                 what="end_weight_update (dropping the failed ranks' transactions)")
+        except EngineError:
+            closed = {}           # broken already; the weights are judged as not dropped below
+        if not self._txn_transactional:      # every call was committed on every rank as it came
+            self._raise_errors(replies, "end_weight_update")
+        ends = [{**replies, **closed}.get(r) for r in range(self.tp_size)]   # each rank's last end reply
+        done = [rep[1] if rep and rep[0] == "ok" and isinstance(rep[1], dict) else {} for rep in ends]
+        applied = [r for r in range(self.tp_size) if r not in errs and done[r].get("staged")]
+        unknown = [r for r in errs if not done[r].get("dropped")]   # its end may have written weights
+        if not applied and not unknown:
+            lost = next((d["overwritten"] for d in done if d.get("overwritten")), None)
+            raise WeightUpdateError(f"{text}; nothing was committed: the update was dropped on every TP "
+                                    f"rank; {self._kept_words(lost)}", rank=errs[0], name=name)
+        v = "" if version is None else f" (version {version!r})"
+        part = f"TP ranks {unknown} may have written part of the update{v}"
+        why = (f"TP ranks {applied} committed the update{v} and TP ranks {errs} did not"
+               + (f" ({part})" if unknown else "") if applied else part)
+        earlier = f" (and: {self._broken})" if self._broken else ""     # a worker died dropping it
+        self._broken = (f"{text}; {why}: the weights are inconsistent across TP ranks, so the engine "
+                        f"serves nothing more: shut it down and start a new one, then push every "
+                        f"tensor{earlier}")
+        raise EngineError(f"{self._broken}\n(worker traceback)\n{tb}")
 
     def _kept_words(self, lost: str | None) -> str:
         """What an aborted transaction left, for its error (``lost``: a worker's word on what it

@@ -658,8 +658,9 @@ class UpdateStager:
         if abort or txn.aborted:
             if not txn.aborted:
                 self._drop_in_place(txn)
-            # what of the weights the transaction began with it could not give back
-            return {"committed": False, "overwritten": txn.lost}
+            # what of the weights the transaction began with it could not give back; "dropped": this
+            # end wrote no weight (`ReferenceEngine` tells a commit that failed before its body by it)
+            return {"committed": False, "overwritten": txn.lost, "dropped": True}
         try:
             if txn.staging:
                 self._apply(txn.writes)
@@ -672,4 +673,4 @@ class UpdateStager:
             txn.writes = []
             if txn.staging:
                 self.w.memory.trim()    # give the staged copies back to the OS; nothing to trim otherwise
-        return {"committed": True, "staged_on_host_bytes": self.staged_on_host}
+        return {"committed": True, "staged": txn.staging, "staged_on_host_bytes": self.staged_on_host}
