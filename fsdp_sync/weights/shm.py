@@ -235,13 +235,13 @@ def segment_path(handle: bytes) -> str:
 def refcount_lock(handle: bytes):
     """Hold an exclusive lock on a segment's file while this process changes its reference count.
 
-    torch changes the count with atomic instructions; `map_segment` gives a reference back with a
-    read and a write (Python has no atomic add on shared memory). Every change this module makes
-    (pickling's increment, `map_segment`'s give-back, `PayloadSet.release`'s decrements) holds
-    this lock, so two of ours never interleave. torch's own changes (a storage's creation, the
-    mapping torch's rebuild makes, a storage's last close) do not take it, and need not: by the
-    protocol they happen before a payload is sent or after its consumers have acknowledged it,
-    never while a consumer opens it."""
+    Every change this module makes (pickling's increment, `map_segment`'s give-back,
+    `PayloadSet.release`'s decrements) holds this lock, so two of ours never interleave, and
+    `handles` turns a state word fresh into opened or revoked under it. torch's own changes (a
+    storage's creation, the mapping torch's rebuild makes, a storage's last close) do not take it
+    and may come at any time (a relay rank's mapping of a `hostbuf` buffer closes while an engine worker
+    opens another rank's payload of it): `add_reference` changes the count with the same atomic
+    add torch uses (`_fetch_add`), so neither loses the other's change."""
     try:
         fd = os.open(segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -315,14 +315,55 @@ def add_reference(handle: bytes, delta: int, mapping: mmap.mmap | None = None) -
             finally:
                 os.close(fd)
         try:
-            count = int.from_bytes(mapping[:4], sys.byteorder, signed=True) + delta
-            mapping[:4] = count.to_bytes(4, sys.byteorder, signed=True)
+            count = _fetch_add(mapping, delta) + delta
             if count <= 0:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(segment_path(handle))
         finally:
             if own:
                 mapping.close()
+
+
+def _atomic_add():
+    """libatomic's ``__atomic_fetch_add_4`` (what torch's ``++refcount`` compiles to, out of line),
+    or None where the library is missing."""
+    import ctypes
+    import ctypes.util
+
+    for name in (ctypes.util.find_library("atomic"), "libatomic.so.1"):
+        try:
+            fn = ctypes.CDLL(name).__atomic_fetch_add_4
+        except (OSError, AttributeError, TypeError):
+            continue
+        fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int), ctypes.c_uint32
+        return fn
+    return None
+
+
+_ATOMIC_ADD = _atomic_add()
+_SEQ_CST = 5
+
+
+def _fetch_add(mapping: mmap.mmap, delta: int) -> int:
+    """Add ``delta`` to the count in a segment's header and return the count before it, as one
+    atomic instruction where libatomic is there: torch's own changes (a storage's creation, the
+    mapping its rebuild makes, a storage's last close) do not take `refcount_lock`, and a relay
+    rank's mapping of a host-shared buffer (`hostbuf`) closes whenever that rank is done with it,
+    which may be while an engine worker opens another rank's payload of the same buffer. A read
+    and a write then lost torch's change: a lost decrement left the segment in /dev/shm until the
+    producer exited (`fsdp-sync soak`), a lost increment unlinked it while still in use."""
+    if _ATOMIC_ADD is None:     # no libatomic: a read and a write, under the lock (see above)
+        old = int.from_bytes(mapping[:4], sys.byteorder, signed=True)
+        mapping[:4] = (old + delta).to_bytes(4, sys.byteorder, signed=True)
+        return old
+    import ctypes
+
+    word = ctypes.c_uint32.from_buffer(mapping)
+    try:
+        old = _ATOMIC_ADD(ctypes.addressof(word), delta & 0xFFFFFFFF, _SEQ_CST)
+    finally:
+        del word                # the mapping cannot close while the buffer is exported
+    return old - (1 << 32) if old >= 1 << 31 else old
 
 
 def mapped_handle(storage: torch.UntypedStorage) -> bytes | None:
