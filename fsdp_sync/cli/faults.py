@@ -490,9 +490,11 @@ def add_faults_parser(sub) -> None:
                    help="comma list of " + ", ".join(FAULTS))
     p.add_argument("--pg-timeout", type=ca.positive_float, default=Timeouts.pg_s, help="trainer process-group timeout, s")
     p.add_argument("--call-timeout", type=ca.positive_float, default=Timeouts.call_s,
-                   help="engine worker reply timeout, s")
+                   help="engine worker reply timeout, s (--fleet: the fleet's own default, %s s)"
+                        % _fleet_default("call_s"))
     p.add_argument("--recv-timeout", type=ca.positive_float, default=Timeouts.recv_s,
-                   help="engine worker receive timeout (and the trainer's dist_timeout_s), s")
+                   help="engine worker receive timeout (and the trainer's dist_timeout_s), s "
+                        "(--fleet: the fleet's own default, %s s)" % _fleet_default("recv_s"))
     p.add_argument("--cell-timeout", type=ca.positive_float, default=Timeouts.cell_s,
                    help="a cell that runs longer is a hang, s")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON here (rewritten after every cell)")
@@ -514,11 +516,25 @@ def add_faults_parser(sub) -> None:
 _NOT_FLEET = ("stages", "victims", "pg_timeout", "cell_timeout", "jobs", "resume")   # the matrix's alone
 
 
+def _fleet_default(name: str) -> float:
+    """`run_fleet_matrix`'s own default for ``call_s`` / ``recv_s``."""
+    import inspect
+
+    from .faults_fleet import run_fleet_matrix
+
+    return inspect.signature(run_fleet_matrix).parameters[name].default
+
+
 def check_faults_args(args, given: set[str]) -> None:
     """Before any cell runs (ValueError names the flag): ``--resume`` needs ``--json``; with
     ``--fleet``, a method or fault its cells do not cover, or a flag only the matrix takes, is
-    refused (each was dropped without a word), and the defaults become the fleet's own."""
+    refused (each was dropped without a word), and the defaults become the fleet's own: its
+    methods and faults, and its timeouts where --call-timeout / --recv-timeout are not given (it
+    ran with the matrix's before)."""
     if args.fleet:
+        for dest, name in (("call_timeout", "call_s"), ("recv_timeout", "recv_s")):
+            if dest not in given:
+                setattr(args, dest, _fleet_default(name))
         from .faults_fleet import FLEET_FAULTS, FLEET_METHODS
 
         for dest, covered in (("methods", FLEET_METHODS), ("faults", FLEET_FAULTS)):
