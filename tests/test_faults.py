@@ -1,8 +1,10 @@
-"""The fault matrix in small: one cell per method, covering both victim kinds (trainer rank, engine
-worker) and every fault kind (SIGKILL, an exception, a stall caught by a timeout). Each cell is a
-fresh 2-rank trainer + 2-worker engine job; `run_cell` checks that every survivor raised, that the
-engine serves its previous weights (or is cleanly dead and says so) and that nothing is left. The
-whole matrix is ``fsdp-sync faults``."""
+"""The fault matrix in small: a few cells covering both victim kinds (trainer rank, engine worker),
+every fault kind (SIGKILL, an exception, a stall caught by a timeout) and a worker's point inside
+the sync. Each cell is a fresh 2-rank trainer + 2-worker engine job (a clean sync, the faulted one, a
+recovery sync); `run_cell` checks that every survivor raised a `SyncError` (or its process group's
+error, a dead trainer rank's peer) in time, that the engine serves its previous weights (or is
+cleanly dead and says so), that the next sync lands and that nothing is left. The whole matrix is
+``fsdp-sync faults``; its rules alone, on stubbed records: tests/test_faults_judge.py."""
 
 from __future__ import annotations
 
@@ -48,15 +50,18 @@ def test_fault_point_after_n_passes(monkeypatch):
 
 def test_matrix_lists_impossible_cells_and_cli_filters():
     every = faults.cells()
-    assert len(every) == 3 * 9 * 4 * 3
+    assert len(every) == 3 * 12 * 4 * 3
     na = [c for c in every if not c.possible]
-    # engine workers are reached only by sync_weights (every method) and, colocated, by the
-    # engine-memory stages: 3 + 1 + 1 stages of 9 per method, x 2 workers x 3 faults
-    assert len(na) == (9 - 4 + 2 * (9 - 1)) * 2 * 3
-    assert all("does not call the engine" in c.reason for c in na)
+    # engine workers are reached only by the sync's points (every method; disk has no 4th engine
+    # call) and, colocated, by the engine-memory stages; trainer ranks by every stage but the
+    # workers' points inside the sync: per method, 12 stages x 2 workers x 3 faults, less those
+    worker_na = (12 - 4 - 3) + (12 - 4) + (12 - 3)
+    assert len(na) == (worker_na * 2 + 3 * 3 * 2) * 3
+    assert all("does not call the engine" in c.reason or "point" in c.reason or "no 4th" in c.reason
+               for c in na)
     args = parse_args(["faults", "--methods", "disk", "--victims", "worker0", "--faults", "raise"])
     sel = faults.cells(args.methods, args.stages, args.victims, args.faults)
-    assert [c.stage for c in sel if c.possible] == ["sync_weights"]
+    assert [c.stage for c in sel if c.possible] == ["sync_weights", "sync_weights.commit", "sync_weights.end"]
     with pytest.raises(SystemExit):
         parse_args(["faults", "--faults", "explode"])
 
@@ -91,7 +96,8 @@ def test_stalled_worker_is_not_asked_again(monkeypatch):
 
 CELLS = [("distributed", "sync_weights", "trainer0", "kill"),
          ("tensor", "sync_weights", "worker1", "stall"),     # through the abort round
-         ("disk", "swap_rng", "trainer1", "raise")]
+         ("disk", "swap_rng", "trainer1", "raise"),
+         ("distributed", "sync_weights.bucket4", "worker1", "raise")]   # inside the sync, into real weights
 
 
 @pytest.mark.timeout(240)
@@ -122,9 +128,17 @@ def test_small_fault_matrix(spec):
             os.rmdir(d)
     assert made and "temp_dirs" not in cell.leftovers, cell.leftovers
     assert cell.seconds_to_error is not None, (spec, cell.problems)
-    if spec[2] == "worker1":       # a stalled worker: caught by the reply timeout; engine says so
+    if spec[3] == "stall":         # a stalled worker: caught by the reply timeout; engine says so
         assert cell.engine.startswith("dead:") and "did not answer" in cell.engine, cell.engine
+        # the engine's reply timeout comes before the process group's: the same SyncError on both
+        assert all(v.startswith("SyncError") for v in cell.survivors.values()), cell.survivors
     if spec[2] == "trainer1":      # after the sync: the engine serves the complete new weights
         assert cell.engine == "new", cell.engine
         assert "InjectedFault" in cell.survivors["trainer0"]
+    if spec[1] == "sync_weights.bucket4":
+        # the 4th engine call of the second sync: the engine staged the update over the first
+        # sync's weights and keeps them (before: the first sync, into start-up weights written
+        # over in place, an engine that refused to serve); the next sync then lands
+        assert cell.after == faults.calls_per_sync("distributed") + 3, cell.after
+        assert cell.engine == "previous" and cell.recovery == "ok", (cell.engine, cell.recovery)
     assert cell.ok, (spec, cell.problems)

@@ -1,378 +1,59 @@
 """Fault injection: the ``fsdp-sync faults`` matrix over the `fault_point` hook (`fsdp_sync.faultpoint`).
 
 The matrix (`run_matrix`, ``fsdp-sync faults``): method × stage × victim × fault, one fresh job per
-cell (2 trainer ranks on gloo, a 2-worker `ReferenceEngine` held by trainer rank 0, the tiny model).
-Per cell: the seconds from the fault until every surviving process raised, the engine's state
+cell (`fsdp_sync.cli.faults_cell`: 2 trainer ranks on gloo, a 2-worker `ReferenceEngine` held by
+trainer rank 0, the tiny model; a clean sync, the faulted one, a recovery sync). Per cell: the
+seconds from the fault until every surviving process raised (a `SyncError`, or where a trainer rank
+died or stalled its process group's error; within the timeout that applies), the engine's state
 afterwards (its previous weights, the complete new ones when the fault came after the sync, or
-cleanly dead with a message; never anything else) and what was left (processes, fds and threads of
-this process, ``/dev/shm`` segments of the cell's processes, the job's port, the temp directories
-its processes left in the cell's own ``TMPDIR``: not another program's in the machine's). Cells where the victim
-is never reached by construction (an engine worker in a stage that does not call the engine) are
-listed as ``n/a`` with the reason. Not here: faults of real SGLang servers or of NCCL.
+cleanly dead with a message; never anything else), whether it then takes the next sync, and what
+was left (processes, fds and threads of this process, ``/dev/shm`` segments of the cell's
+processes, the job's port, the temp directories its processes left in the cell's own ``TMPDIR``:
+not another program's in the machine's). Cells where the victim is never reached by construction
+(an engine worker in a stage that does not call the engine) are listed as ``n/a`` with the reason.
+Not here: faults of real SGLang servers or of NCCL; the fleet's cells (`fsdp_sync.cli.faults_fleet`).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import signal
-import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict
 
 from ..faultpoint import FAULT_ENV, InjectedFault, fault_point  # noqa: F401 - the hook the matrix sets
-from ..memory import temp_dirs
+from .faults_cell import (FAULTS, METHODS, STAGES, SYNC_POINTS, VICTIMS, Cell, Timeouts, calls_per_sync,
+                          cells, judge, run_cell, worker_point)
 
-__all__ = ["fault_point", "InjectedFault", "FAULT_ENV", "Cell", "cells", "run_cell", "run_matrix",
-           "add_faults_parser", "METHODS", "STAGES", "VICTIMS", "FAULTS", "Timeouts"]
+__all__ = ["fault_point", "InjectedFault", "FAULT_ENV", "Cell", "cells", "run_cell", "run_matrix", "judge",
+           "add_faults_parser", "METHODS", "STAGES", "SYNC_POINTS", "VICTIMS", "FAULTS", "Timeouts"]
+
 
 # --------------------------------------------------------------------------- the matrix
 
-METHODS = ("tensor", "distributed", "disk")
-ENTRY = ("prepare", "resume_weights", "sync_weights", "offload_params", "resume_kv_cache", "swap_rng")
-EXIT = ("release_memory", "restore_module", "restore_rng")
-STAGES = ENTRY + EXIT
-VICTIMS = ("trainer0", "trainer1", "worker0", "worker1")
-FAULTS = ("kill", "raise", "stall")
-WORLD, TP = 2, 2
-
-
-@dataclass
-class Timeouts:
-    """The matrix's timeouts (small, so a stall costs seconds). Real runs' defaults: trainer
-    process group 60 s in `launch.run_ranks` (torch's own default: 10 min), engine worker reply
-    ``call_timeout_s`` 900 s, worker receive ``update_recv_timeout_s`` 60 s, ``dist_timeout_s`` 600 s."""
-    pg_s: float = 6.0
-    call_s: float = 8.0
-    recv_s: float = 6.0
-    cell_s: float = 150.0
-
-
-def _worker_point(method: str, stage: str) -> str | None:
-    """The engine command a worker is faulted on in ``stage``, None if the stage never calls it."""
-    if stage == "sync_weights":
-        return "stage_broadcast" if method == "distributed" else "stage"
-    if method == "tensor":   # colocated: the engine-memory stages call the engine
-        return {"resume_weights": "resume:weights", "resume_kv_cache": "resume:kv_cache",
-                "release_memory": "release"}.get(stage)
-    return None
-
-
-@dataclass
-class Cell:
-    method: str
-    stage: str
-    victim: str
-    fault: str
-    possible: bool = True
-    reason: str = ""
-    ok: bool | None = None
-    seconds_to_error: float | None = None
-    survivors: dict = field(default_factory=dict)
-    engine: str = ""
-    leftovers: dict = field(default_factory=dict)
-    problems: list = field(default_factory=list)
-    wall_s: float = 0.0
-
-    @property
-    def spec(self) -> str:
-        side, rank = self.victim[:-1], int(self.victim[-1])
-        point = self.stage if side == "trainer" else _worker_point(self.method, self.stage)
-        return f"{side}:{rank}:{point}:{self.fault}"
-
-
-def cells(methods=METHODS, stages=STAGES, victims=VICTIMS, faults=FAULTS) -> list[Cell]:
-    out = []
-    for m in methods:
-        for s in stages:
-            for v in victims:
-                for f in faults:
-                    c = Cell(m, s, v, f)
-                    if v.startswith("worker") and _worker_point(m, s) is None:
-                        c.possible = False
-                        c.reason = (f"stage {s!r} does not call the engine with method {m!r}"
-                                    + ("" if m == "tensor" else " (not colocated)"))
-                    out.append(c)
-    return out
-
-
-def _cell_rank(rank: int, world: int, method: str, stage: str, tmp: str, t: dict) -> dict:
-    """One trainer rank of a cell: set up, train a step, enter/exit the manager once (the fault
-    fires somewhere in it), record when it raised and, on rank 0, what the engine serves now."""
-    import torch
-
-    from ..config import SyncConfig
-    from ..engines import ReferenceEngine
-    from ..engines.base import checksum_named_tensors
-    from ..weights.export import iter_params
-    from ..manager import FSDPShardingManager
-    from ..models import build_model, load_config
-    from ..topology import make_mesh
-    from .trainer import synthetic_batch, train_step, wrap_fsdp
-
-    torch.set_num_threads(1)
-    # the group was made with the cell's long timeout (a starved machine may take seconds to start
-    # a rank, and the rendezvous must wait for it); the with block runs under the short one
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    _set_pg_timeout(datetime.timedelta(seconds=t["pg_s"]))
-    cfg = load_config("tiny")
-    module = wrap_fsdp(build_model(cfg, seed=0), 2)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    mesh = make_mesh(world // TP, TP) if method == "tensor" else None
-    engine = None
-    if rank == 0:
-        engine = ReferenceEngine(model_config=cfg, tp_size=TP, dtype=torch.float32, kv_cache_tokens=64,
-                                 weights_cpu_backup=True, call_timeout_s=t["call_s"],
-                                 update_recv_timeout_s=t["recv_s"], pg_timeout_s=t["pg_s"])
-        with open(os.path.join(tmp, "pids"), "a") as f:
-            f.write(" ".join(map(str, engine.worker_pids)) + "\n")
-        open(os.path.join(tmp, "ready"), "w").close()
-    with open(os.path.join(tmp, "pids"), "a") as f:
-        f.write(f"{os.getpid()}\n")
-    # the engine's start takes longer than the matrix's short process-group timeout on a busy
-    # machine: the other ranks wait for it here, outside any collective
-    deadline = time.monotonic() + t["cell_s"]
-    while not os.path.exists(os.path.join(tmp, "ready")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    rec: dict[str, Any] = {"rank": rank}
-    try:
-        before = engine.weights_checksum() if engine is not None else None
-        train_step(module, opt, synthetic_batch(cfg.vocab_size, step=0, rank=rank))
-        new = checksum_named_tensors([(n, x.clone()) for n, x in iter_params(module, dtype=torch.float32)])
-        conf = SyncConfig(method=method, dtype=torch.float32, bucket_bytes=48 << 10, memory_probe="off",
-                          dist_timeout_s=t["recv_s"], disk_dir=os.path.join(tmp, "disk"))
-        manager = FSDPShardingManager(module, engine, mesh=mesh, config=conf)
-        try:
-            with manager:
-                pass
-            rec["raised"] = None
-        except BaseException as exc:  # noqa: BLE001 - what we measure
-            rec["raised"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        rec["t_raised"] = time.time()
-        if engine is not None:
-            rec["engine"] = _engine_state(engine, method, before, new)
-        try:
-            manager.close()
-        except Exception as exc:  # noqa: BLE001 - a broken engine cannot leave a group
-            rec["close"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    finally:
-        if engine is not None:
-            engine.shutdown()
-    return rec
-
-
-def _engine_state(engine, method: str, before: str, new: str) -> str:
-    from ..engines import EngineError
-
-    try:
-        if method == "tensor":   # colocated: released on the failed entry's way out; CPU backup
-            try:
-                engine.resume_memory_occupation()
-            except EngineError as exc:
-                if "not released" not in str(exc) and "already" not in str(exc):
-                    raise
-        got = engine.weights_checksum()
-    except Exception as exc:  # noqa: BLE001 - a dead engine must say so
-        msg = f"{type(exc).__name__}: {str(exc)[:200]}"
-        return f"dead: {msg}" if "shut it down" in msg or "died" in msg or "cannot serve" in msg \
-            else f"ERROR {msg}"
-    return "previous" if got == before else "new" if got == new else "HALF-APPLIED"
-
-
-def _shm(pids: set[int]) -> list[str]:
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return []
-    return sorted(n for n in names if any(f"_{p}_" in f"_{n}_" or n.startswith(f"torch_{p}_")
-                                          for p in pids))
-
-
-def _alive(pids) -> list[int]:
-    import psutil
-
-    out = []
-    for p in pids:
-        try:
-            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
-def _threads() -> int:
-    return threading.active_count()
-
-
-def _fds() -> int:
-    return len(os.listdir(f"/proc/{os.getpid()}/fd"))
-
-
-def _warm() -> None:
-    """Start what a first use starts once per process (the resource tracker, a spawn queue's
-    machinery, torch's store machinery), so fds and threads before and after a cell compare."""
-    from multiprocessing import resource_tracker
-
-    import torch.multiprocessing as mp
-
-    from ..wire import host_store
-
-    resource_tracker.ensure_running()
-    # dropped at once: torch's first store in a process opens a pipe pair that stays. A generous
-    # timeout: a store's own handshake sometimes stalls 5 s in torch (about 2% of rapid openings)
-    host_store(1, 60.0)
-    q = mp.get_context("spawn").Queue()
-    q.put(1)
-    q.get()
-    q.close()
-    q.join_thread()
-
-
-def run_cell(cell: Cell, timeouts: Timeouts | None = None) -> Cell:
-    """Run one cell in fresh processes; fills in its result (``ok`` and the figures)."""
-    import queue
-    import socket
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from . import launch
-    from ..wire import host_store
-
-    t = timeouts or Timeouts()
-    if not cell.possible:
-        return cell
-    _warm()
-    t0 = time.monotonic()
-    fds0, threads0 = _fds(), _threads()
-    tmp = tempfile.mkdtemp(prefix="fsdp_sync_fault_")
-    log = os.path.join(tmp, "fault.log")
-    # the ranks and the engine's workers (started by rank 0) read the spec from their environment;
-    # tmp is their TMPDIR, where the temp directories they leave are counted (and nowhere else)
-    env = launch.spawn_env({"FSDP_SYNC_FAULT": cell.spec, "FSDP_SYNC_FAULT_LOG": log, "TMPDIR": tmp})
-    ctx = launch._context()   # fresh interpreters, or FSDP_SYNC_RANKS_START=forkserver's forks, as run_ranks
-    results = ctx.Queue()
-    store = host_store(WORLD, t.cell_s)     # listening before the ranks are told its port (as run_ranks)
-    port = store.port
-    args = (cell.method, cell.stage, tmp, asdict(t))
-    procs = [ctx.Process(target=launch._worker, name=f"fsdp_sync-fault-rank{r}",
-                         args=(r, WORLD, port, "gloo", t.cell_s, _cell_rank, args, results, env))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    trainer_victim = int(cell.victim[-1]) if cell.victim.startswith("trainer") else None
-    expect = {r for r in range(WORLD) if not (r == trainer_victim and cell.fault != "raise")}
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + t.cell_s
-    import pickle
-
-    while expect - set(got) and time.monotonic() < deadline:
-        try:
-            rank, ok, payload = results.get(timeout=0.2)
-        except queue.Empty:
-            if all(procs[r].exitcode is not None for r in expect - set(got)):
-                break
-            continue
-        got[rank] = pickle.loads(payload) if ok else {"rank": rank, "crashed": payload[-600:]}
-    if expect - set(got):
-        cell.problems.append(f"HANG: ranks {sorted(expect - set(got))} did not finish within {t.cell_s:.0f}s")
-    for p in procs:
-        p.join(timeout=5.0 if p.pid and (trainer_victim is None or procs.index(p) != trainer_victim) else 0.1)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5.0)
-    results.close()
-    results.join_thread()
-    # what fired, who raised, how fast
-    fired = None
-    if os.path.exists(log):
-        with open(log) as f:
-            first = f.readline().split()
-        fired = float(first[0]) if first else None
-    if fired is None:
-        cell.problems.append("the fault never fired (the victim did not reach its point)")
-    for r in sorted(expect):
-        rec = got.get(r, {})
-        if "crashed" in rec:
-            cell.problems.append(f"rank {r} crashed outside the with block: {rec['crashed']}")
-            continue
-        if r in got and rec.get("raised") is None:
-            cell.problems.append(f"trainer rank {r} did not raise")
-        cell.survivors[f"trainer{r}"] = (rec.get("raised") or "")[:200]
-    times = [got[r]["t_raised"] for r in expect if "t_raised" in got.get(r, {})]
-    if fired is not None and times:
-        cell.seconds_to_error = round(max(times) - fired, 2)
-    # the engine
-    if 0 in got and "engine" in got[0]:
-        cell.engine = got[0]["engine"]
-        after_sync = STAGES.index(cell.stage) > STAGES.index("sync_weights")
-        allowed = ("previous", "new", "dead") if after_sync else ("previous", "dead")
-        if not cell.engine.startswith(allowed):
-            cell.problems.append(f"engine: {cell.engine} (allowed: {', '.join(allowed)})")
-    else:
-        cell.engine = "dead: its owner (trainer rank 0) is gone; its workers exit as orphans"
-    # leftovers
-    pids: set[int] = {p.pid for p in procs if p.pid}
-    port_used = port
-    try:
-        with open(os.path.join(tmp, "pids")) as f:
-            pids |= {int(x) for x in f.read().split()}
-    except OSError:
-        pass
-    end = time.monotonic() + max(15.0, t.recv_s + 5)
-    while _alive(pids) and time.monotonic() < end:
-        time.sleep(0.2)
-    left = {"processes": _alive(pids), "shm": _shm(pids),
-            "temp_dirs": sorted(temp_dirs(tmp))}
-    for p in procs:
-        try:
-            p.close()
-        except ValueError:
-            pass
-    import gc
-
-    del results, procs, store   # a queue this process never put into keeps its write end until collected
-    gc.collect()
-    left["fds"] = _fds() - fds0
-    left["threads"] = _threads() - threads0
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT is not a leftover
-        try:
-            s.bind(("127.0.0.1", port))
-            left["port"] = None
-        except OSError:
-            left["port"] = port
-    for pid in left["processes"]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    cell.leftovers = {k: v for k, v in left.items() if v}
-    if cell.leftovers:
-        cell.problems.append(f"left behind: {cell.leftovers}")
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
-    cell.wall_s = round(time.monotonic() - t0, 1)
-    cell.ok = not cell.problems
-    return cell
-
-
-def _run_cell_apart(key: tuple, timeouts: dict) -> dict:
+def _run_cell_apart(key: tuple, timeouts: dict, calls: int | None) -> dict:
     """`run_cell` in a pool process (``--jobs``): its fds and threads are counted there, apart
     from the cells the other pool processes run at the same time (one cell at a time per process,
     as in a run without ``--jobs``)."""
-    cell = run_cell(Cell(*key), Timeouts(**timeouts))
+    cell = run_cell(Cell(*key), Timeouts(**timeouts), calls)
     return asdict(cell)
+
+
+def _needs_calls(c: Cell) -> bool:
+    """A worker's fault placed by the engine calls of a sync (`calls_per_sync`)."""
+    point = worker_point(c.method, c.stage) if c.victim.startswith("worker") else None
+    return point is not None and point[1] == "calls"
 
 
 def _key(c: Cell) -> tuple:
     return (c.method, c.stage, c.victim, c.fault)
+
+
+def _calls_or_none(method: str, t: Timeouts) -> int | None:
+    """`calls_per_sync`, or None where it fails: each cell that needs it then tries and fails saying why."""
+    try:
+        return calls_per_sync(method, t)
+    except Exception:  # noqa: BLE001 - reported by the cells
+        return None
 
 
 def run_matrix(selected: list[Cell], timeouts: Timeouts | None = None, progress: bool = True,
@@ -433,7 +114,10 @@ def run_matrix(selected: list[Cell], timeouts: Timeouts | None = None, progress:
 
             with cf.ProcessPoolExecutor(max_workers=jobs,
                                         mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = {pool.submit(_run_cell_apart, _key(c), asdict(t)): c for c in todo}
+                # measured once here, not once in every pool process
+                calls = {m: _calls_or_none(m, t) for m in sorted({c.method for c in todo if _needs_calls(c)})}
+                futures = {pool.submit(_run_cell_apart, _key(c), asdict(t), calls.get(c.method)): c
+                           for c in todo}
                 for f in cf.as_completed(futures):
                     c = futures[f]
                     try:
@@ -465,18 +149,24 @@ def add_faults_parser(sub) -> None:
     p = sub.add_parser(
         "faults", help="run the fault-injection matrix (method × stage × victim × fault)",
         description="Inject one fault per cell into a fresh 2-rank trainer + 2-worker reference "
-                    "engine job (tiny model, CPU, gloo) and check that every surviving process "
-                    "raises within seconds, that the engine then serves its previous weights (or "
-                    "the complete new ones after the sync, or is cleanly dead and says so) and that "
+                    "engine job (tiny model, CPU, gloo): a clean sync first (the engine then holds "
+                    "real previous weights), then the faulted sync, then, where every trainer rank "
+                    "is there and the engine serves, a recovery sync that must land bit for bit. "
+                    "A cell passes when every surviving trainer rank raised the same SyncError (a "
+                    "survivor of a killed or stalled trainer rank: its process group's error) "
+                    "within the timeout that applies plus --slack (a kill or an exception: --slack "
+                    "alone), the engine then serves its previous weights (or the complete new ones "
+                    "after the sync, or is cleanly dead and says so), the recovery sync lands, and "
                     "nothing is left behind (processes, fds, threads, /dev/shm segments, ports). "
                     "Victims: trainer rank 0 (holds the engine), trainer rank 1, engine worker 0, "
-                    "engine worker 1. Faults: kill (SIGKILL), raise (an exception at that point), "
-                    "stall (the process sleeps; the others get out by timeouts: trainer process "
-                    "group --pg-timeout, engine worker reply --call-timeout and receive "
-                    "--recv-timeout; real runs' defaults are 60 s, 900 s and 60 s). Cells where the "
-                    "victim is never reached by construction are listed as n/a. Exit code 1 if any "
-                    "cell fails. The injection hook is the FSDP_SYNC_FAULT variable "
-                    "(see fsdp_sync/faultpoint.py).",
+                    "engine worker 1; the sync_weights.* stages are a worker's points inside the "
+                    "sync (its 4th engine call, an engine call's commit, end_weight_update). "
+                    "Faults: kill (SIGKILL), raise (an exception at that point), stall (the process "
+                    "sleeps; the others get out by timeouts: trainer process group --pg-timeout, "
+                    "engine worker reply --call-timeout and receive --recv-timeout; real runs' "
+                    "defaults are 60 s, 900 s and 60 s). Cells where the victim is never reached by "
+                    "construction are listed as n/a. Exit code 1 if any cell fails. The injection "
+                    "hook is the FSDP_SYNC_FAULT variable (see fsdp_sync/faultpoint.py).",
         formatter_class=ca.DefaultsFormatter)
     # string defaults: argparse parses them with ``type`` as it parses the flag, and --help
     # prints them as they are typed
@@ -490,13 +180,17 @@ def add_faults_parser(sub) -> None:
                    help="comma list of " + ", ".join(FAULTS))
     p.add_argument("--pg-timeout", type=ca.positive_float, default=Timeouts.pg_s, help="trainer process-group timeout, s")
     p.add_argument("--call-timeout", type=ca.positive_float, default=Timeouts.call_s,
-                   help="engine worker reply timeout, s (--fleet: the fleet's own default, %s s)"
-                        % _fleet_default("call_s"))
+                   help="engine worker reply timeout, s; below --pg-timeout, so a stalled worker is "
+                        "named by the engine before the process group gives up (--fleet: the "
+                        "fleet's own default, %s s)" % _fleet_default("call_s"))
     p.add_argument("--recv-timeout", type=ca.positive_float, default=Timeouts.recv_s,
                    help="engine worker receive timeout (and the trainer's dist_timeout_s), s "
                         "(--fleet: the fleet's own default, %s s)" % _fleet_default("recv_s"))
     p.add_argument("--cell-timeout", type=ca.positive_float, default=Timeouts.cell_s,
                    help="a cell that runs longer is a hang, s")
+    p.add_argument("--slack", type=ca.positive_float, default=Timeouts.slack_s,
+                   help="how far past its timeout a cell's last survivor may raise (past the fault "
+                        "for a kill or an exception, which wait on none), s")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON here (rewritten after every cell)")
     p.add_argument("--resume", action="store_true",
                    help="keep the cells that passed in --json PATH (an interrupted run with the same "
@@ -513,7 +207,7 @@ def add_faults_parser(sub) -> None:
     p.set_defaults(run=cmd_faults, check=check_faults_args)
 
 
-_NOT_FLEET = ("stages", "victims", "pg_timeout", "cell_timeout", "jobs", "resume")   # the matrix's alone
+_NOT_FLEET = ("stages", "victims", "pg_timeout", "cell_timeout", "slack", "jobs", "resume")   # the matrix's alone
 
 
 def _fleet_default(name: str) -> float:
@@ -599,7 +293,7 @@ def cmd_faults(args) -> int:
     from rich.table import Table
 
     t = Timeouts(pg_s=args.pg_timeout, call_s=args.call_timeout, recv_s=args.recv_timeout,
-                 cell_s=args.cell_timeout)
+                 cell_s=args.cell_timeout, slack_s=args.slack)
     selected = cells(args.methods, args.stages, args.victims, args.faults)
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
@@ -627,13 +321,14 @@ def cmd_faults(args) -> int:
     report = run_matrix(selected, t, progress=not args.no_progress, on_cell=save, jobs=args.jobs, done=done)
     console = Console(width=200)
     table = Table(title="fault matrix")
-    for col in ("method", "stage", "victim", "fault", "result", "s to error", "engine after", "left"):
+    for col in ("method", "stage", "victim", "fault", "result", "s to error", "engine after", "next sync", "left"):
         table.add_column(col)
     for c in selected:
         res = "n/a" if not c.possible else "[green]pass[/]" if c.ok else "[red]FAIL[/] " + "; ".join(c.problems)[:120]
         table.add_row(c.method, c.stage, c.victim, c.fault, res,
                       "" if c.seconds_to_error is None else f"{c.seconds_to_error:.1f}",
-                      c.engine[:40] if c.possible else c.reason[:40], str(c.leftovers or "") if c.possible else "")
+                      c.engine[:40] if c.possible else c.reason[:40], c.recovery[:20],
+                      str(c.leftovers or "") if c.possible else "")
     console.print(table)
     console.print(f"{report['cells']} cells: {report['ran']} run, {report['impossible']} n/a by construction; "
                   f"{report['passed']} passed, {report['failed']} failed; slowest time to error "
