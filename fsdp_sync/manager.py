@@ -371,15 +371,18 @@ class FSDPShardingManager:
         """The full sync; ``hold(targets)``: the caller's pause instead of this one's (it resumes)."""
         targets = self._targets()
         if self._fleet_mode:        # no replica to take it (all out of service, or none left):
-            none = self._from_rank0([f"{r.name}: {r.reason}" for r in self.fleet.out_of_service]
-                                    if self.rank == 0 and not targets else None)   # no version nobody holds
-            if none is not None:
-                version = self._next_version()
+            why = None              # no version nobody holds. Agreed, not broadcast: a rank that
+            if self.rank == 0 and not targets:      # failed entering this stage is in its agree
+                out = [f"{r.name}: {r.reason}" for r in self.fleet.out_of_service]
+                why = (f"no replica can take version {self._next_version()!r}: "
+                       + (f"every one is out of service ({'; '.join(out)}); recover() or add_engine() one"
+                          if out else "the fleet is empty (remove_engine() took out every replica); "
+                          "add_engine() one") + ", then sync again")
+            try:
+                self._agree(why, what="weight sync")
+            except SyncError:
                 self.step += 1        # counted, as for any failed sync
-                why = (f"every one is out of service ({'; '.join(none)}); recover() or add_engine() one"
-                       if none else "the fleet is empty (remove_engine() took out every replica); "
-                       "add_engine() one")
-                raise SyncError(f"no replica can take version {version!r}: {why}, then sync again") from None
+                raise
         self._check_coverage()
         if self.transport is None:
             raise RuntimeError("the manager was closed; make a new FSDPShardingManager")
