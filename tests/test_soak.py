@@ -245,6 +245,12 @@ def test_a_short_soak_fails_a_steady_leak_and_passes_settling(monkeypatch, capsy
     text = " ".join(capsys.readouterr().out.split())
     assert "no processes past 1 MiB at a steady rate" in text and "NOT" not in text, text
 
+    # under 40 syncs RSS is not judged: a handful of samples after a warm-up of one or two syncs
+    # shows a training loop's first allocations as steady growth (a 12-sync train run failed so)
+    monkeypatch.setattr(launch, "run_ranks", _fake_run_ranks(_short(lambda s: 370 * MiB + s * MiB, 1, 12)))
+    few = soak.run_soak(12, ("distributed",), every=1, warmup=1)
+    assert few["ok"] is True and few["rss_rule"] == "not judged: fewer than 40 syncs", few["rss_rule"]
+
     rows = {m: next(r for r in summarise({m: ser}, ["trainer0", "worker0"], 5) if r["process"] == "trainer0")
             for m, ser in (("leak", leak), ("settles", settles))}
     assert rows["leak"]["rss_growth_mib"] == 40 and rows["leak"]["syncs"] == 40
