@@ -29,7 +29,7 @@ from fsdp_sync.engines import EngineUnavailableError, ReferenceEngine, WeightUpd
 from fsdp_sync.models import build_model, load_config
 
 
-class _Flaky:
+class FlakyEngine:
     """Forwards to the engine; its second weight-loading call raises (after the first went
     through), as an engine's out-of-memory half-way would."""
 
@@ -81,7 +81,7 @@ def _job(rank, world, method, variant):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-        manager = FSDPShardingManager(model, _Flaky(engine, variant == "nobracket"), mesh=mesh, config=conf)
+        manager = FSDPShardingManager(model, FlakyEngine(engine, variant == "nobracket"), mesh=mesh, config=conf)
         try:
             with manager:
                 pass

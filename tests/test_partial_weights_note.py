@@ -15,33 +15,20 @@ import torch
 from fsdp_sync import fleet
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 
+from test_partial_update import FlakyEngine
 
-class _NoAbort:
-    """Forwards to the engine; ``end_weight_update`` takes no ``abort`` (or is absent:
-    ``hide_end``); the second weight-loading call raises, after the first went through."""
 
-    def __init__(self, engine, hide_end: bool) -> None:
-        object.__setattr__(self, "_e", engine)
-        object.__setattr__(self, "_n", 0)
-        object.__setattr__(self, "_hide", hide_end)
+class _NoAbort(FlakyEngine):
+    """`FlakyEngine` (its second weight-loading call raises, after the first went through), whose
+    ``end_weight_update`` takes no ``abort`` (or is absent: ``hide_end``)."""
 
     def __getattr__(self, name):
-        if name in ("begin_weight_update", "end_weight_update") and self._hide:
-            raise AttributeError(name)
-        value = getattr(self._e, name)
+        value = super().__getattr__(name)
         if name == "end_weight_update":
             def end(weight_version=None):   # no abort parameter: closing keeps what it applied
                 return value(weight_version=weight_version)
             return end
-        if name not in ("update_weights_from_tensor", "load_rank_bucket", "update_weights_from_distributed"):
-            return value
-
-        def call(*a, **kw):
-            object.__setattr__(self, "_n", self._n + 1)
-            if self._n == 2:
-                raise RuntimeError("simulated engine failure on call 2")
-            return value(*a, **kw)
-        return call
+        return value
 
 
 def _job(rank, world, method, hide_end):
