@@ -75,6 +75,11 @@ def add_serve_parser(sub) -> None:
                    help="how long a weight update waits to start (for a running update, or for "
                         "running requests to finish) before it gets 503 and is dropped (0: not at "
                         "all)")
+    p.add_argument("--update-recv-timeout-s", type=_positive_seconds, default=60.0,
+                   help="how long a worker waits in a weight-update group (joining it, or one "
+                        "broadcast of update_weights_from_distributed) before it gives up; the "
+                        "update is then refused and the previous weights serve. Raise it when a "
+                        "trainer may take longer than this between two buckets of one sync")
     p.set_defaults(check=check_serve_args)
 
 
@@ -116,6 +121,15 @@ def _finite_seconds(text: str) -> float:
         v = -1.0
     if not 0 <= v < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return v
+
+
+def _positive_seconds(text: str) -> float:
+    import argparse
+
+    v = _finite_seconds(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
     return v
 
 
@@ -202,7 +216,8 @@ def main_serve(args) -> int:
                                      dtype=parse_dtype(args.dtype) or torch.float32,
                                      kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
                                      weights_cpu_backup=args.weights_cpu_backup,
-                                     quantization=args.quantization)
+                                     quantization=args.quantization,
+                                     update_recv_timeout_s=args.update_recv_timeout_s)
             starting = False
         except KeyboardInterrupt:
             print("fsdp-sync serve: stopped while starting", flush=True)
