@@ -101,6 +101,9 @@ from .rollout import GenerationCalls
 from .scheduler import Scheduler, check_version
 from .update_items import build_items, worker_figures
 
+# what a user does once the TP ranks may disagree on their weights
+_RESTART = "shut it down and start a new one, then push every tensor"
+
 __all__ = ["ReferenceEngine"]
 
 class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadback, LoRACalls, GPUCalls,
@@ -514,14 +517,19 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                                   for rep in staged.values())
             if any(rep[0] != "ok" for rep in committed.values()):
                 # copies only fail on e.g. out-of-memory; ranks may now disagree on their weights
-                self._broken = f"{what}: commit failed on some TP ranks; the weights are inconsistent"
+                self._broken = (f"{what}: commit failed on TP ranks "
+                                f"{sorted(r for r, rep in committed.items() if rep[0] != 'ok')}; the "
+                                f"weights are inconsistent across TP ranks, so the engine serves nothing "
+                                f"more: {_RESTART}")
                 self._raise_errors(committed, what + " (commit)")
             return staged
         except BaseException as exc:
             if phase == "stage":           # a dead worker, an interrupt: nobody may keep the update
                 self._abort_all(what, f"{type(exc).__name__}: {exc}")
             elif phase == "commit" and not isinstance(exc, EngineError):
-                self._broken = self._broken or f"{what}: interrupted while committing ({exc!r})"
+                self._broken = self._broken or (f"{what}: interrupted while committing ({exc!r}); "
+                                                f"the TP ranks may hold different weights, so the "
+                                                f"engine serves nothing more: {_RESTART}")
             raise
 
     def _responsive(self) -> list[int]:
@@ -628,8 +636,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                + (f" ({part})" if unknown else "") if applied else part)
         earlier = f" (and: {self._broken})" if self._broken else ""     # a worker died dropping it
         self._broken = (f"{text}; {why}: the weights are inconsistent across TP ranks, so the engine "
-                        f"serves nothing more: shut it down and start a new one, then push every "
-                        f"tensor{earlier}")
+                        f"serves nothing more: {_RESTART}{earlier}")
         raise EngineError(f"{self._broken}\n(worker traceback)\n{tb}")
 
     def _kept_words(self, lost: str | None) -> str:
