@@ -269,6 +269,10 @@ class FSDPShardingManager:
                 self._agree(mine, what="exit")
             except SyncError as exc:
                 if original is None:
+                    if errors and not isinstance(errors[0], Exception):
+                        # the other ranks have the SyncError; this one keeps its Ctrl-C or exit,
+                        # which a loop catching SyncError (or Exception) to retry must not swallow
+                        raise errors[0] from exc
                     raise
                 if not _only_passed_on(exc):   # some rank's restoring failed: say so with ours
                     errors = [exc]

@@ -140,3 +140,35 @@ def test_making_a_manager_leaves_every_cuda_generator_alone(engine, tmp_path):
         assert torch.equal(torch.cuda.get_rng_state(), states[torch.cuda.current_device()])
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_ctrl_c_while_the_exit_releases_memory_stays_ctrl_c(engine, tmp_path, monkeypatch, interrupt):
+    """A Ctrl-C (or a SystemExit) while the exit waits for the engine to release its memory came out
+    of the block as a SyncError: a RuntimeError, which a loop that catches SyncError (or Exception)
+    to retry a step swallowed, training on. The interrupt itself comes out now, the module's modes
+    and the RNG stream still restored, and the next block works. (The exit's release stage is
+    interrupted here: the disk method's engine keeps its memory, so there is no engine call to
+    interrupt.)"""
+    module, manager = _manager(engine, tmp_path)
+    real = manager._release
+    calls = []
+
+    def interrupted():
+        calls.append(1)
+        monkeypatch.setattr(manager, "_release", real)    # once
+        raise interrupt("pressed during release_memory_occupation")
+
+    try:
+        module.train()
+        before = _modes(module)
+        rng = torch.get_rng_state()
+        monkeypatch.setattr(manager, "_release", interrupted)
+        with pytest.raises(interrupt, match="pressed during release"):
+            with manager:
+                torch.rand(3)       # the rollout's draws
+        assert calls and _modes(module) == before and torch.equal(torch.get_rng_state(), rng)
+        with manager:
+            assert engine.weight_version == str(manager.version)
+    finally:
+        manager.close()
