@@ -73,3 +73,32 @@ def test_every_worker_failing_before_its_commit_keeps_the_previous_weights(monke
         _sync(e, v2, "2")                       # the worker's transaction was dropped: a new one opens
         assert e.weights_checksum() == checksum_named_tensors(v2) and e.weight_version == "2"
         assert len(e.generate([[1, 2, 3]], max_new_tokens=2, ignore_eos=True)[0]) == 2
+
+
+def test_ctrl_c_while_the_workers_commit_breaks_the_engine(monkeypatch):
+    """A Ctrl-C while end_weight_update waits for the workers' commit: they may have committed (here
+    they have), but the weight version was not changed. Before, the engine went on serving the new
+    weights under the old version, not broken (manager, engine and SGLang's get_weight_version all
+    said the old one); now it is broken and says why, as after an interrupted two-phase commit."""
+    from fsdp_sync.engines import WorkerDiedError
+
+    with ReferenceEngine("tiny", tp_size=1, kv_cache_tokens=64, call_timeout_s=60) as e:
+        _sync(e, _model(0), "1")
+        real = e._collect
+
+        def interrupted(seq, ranks, what, timeout):
+            if what == "end":
+                real(seq, ranks, what, timeout)       # the workers have committed
+                raise KeyboardInterrupt("pressed while the workers committed")
+            return real(seq, ranks, what, timeout)
+
+        monkeypatch.setattr(e, "_collect", interrupted)
+        e.begin_weight_update()
+        e.update_weights_from_tensor(_model(1))
+        with pytest.raises(KeyboardInterrupt):
+            e.end_weight_update(weight_version="2")
+        monkeypatch.setattr(e, "_collect", real)
+        assert e.weight_version == "1"
+        with pytest.raises(WorkerDiedError, match="interrupted while the TP ranks committed") as info:
+            e.generate([[1, 2, 3]], max_new_tokens=2)
+        assert "shut it down and start a new one" in str(info.value)

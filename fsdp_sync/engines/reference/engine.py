@@ -586,7 +586,18 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             self._check_usable()
             by_head = heads and not abort and aborted is None and self._tied_head_refusal()
             aborted = by_head or aborted
-            replies = self._round("end", {"abort": abort or aborted is not None})
+            dropping = abort or aborted is not None
+            try:
+                replies = self._round("end", {"abort": dropping})
+            except BaseException as exc:
+                if not dropping and not isinstance(exc, EngineError):
+                    # the workers may have committed, some or all: the weights served are not
+                    # known to be the old ones under the old version, nor the new under the new
+                    self._broken = self._broken or (
+                        f"end_weight_update: interrupted while the TP ranks committed ({exc!r}); "
+                        f"they may hold different weights, and the weight version was not "
+                        f"changed, so the engine serves nothing more: {_RESTART}")
+                raise
             if any(rep[0] != "ok" for rep in replies.values()):
                 self._end_failed(replies, weight_version if weight_version is not None else pending)
             done = [rep[1] for rep in replies.values() if isinstance(rep[1], dict)]
