@@ -231,7 +231,9 @@ def quantize_block(name: str, w: torch.Tensor, block: tuple[int, int] = BLOCK, *
     if out is not None:
         out.view(-1, n, k).copy_(q)
         return out, scale
-    return q.reshape(*lead, n, k), scale
+    # the padded copy's slice is not contiguous: a handle (per_tensor, bucketed) takes only whole
+    # tensors, and this copy is the output itself
+    return q.reshape(*lead, n, k).contiguous(), scale
 
 
 CASTS_IN_TEMPORARIES = frozenset({"cpu"})
