@@ -42,13 +42,13 @@ from .layout import layout_for
 __all__ = ["StreamQuantizer", "for_sync", "sync_metas", "quantized_hf_names"]
 
 
-def _layout(module: torch.nn.Module, tp: int, ep: int) -> fp8.FP8Layout:
+def _layout(module: torch.nn.Module, tp: int, ep: int, ignored: Iterable[str] = ()) -> fp8.FP8Layout:
     cfg = getattr(module, "config", None)
     if cfg is None:
         raise ValueError("quantization='fp8' needs the module's Hugging Face .config: the layout "
                          "map says which tensors SGLang quantizes and how the engine's TP cuts them")
     base = layout_for(cfg, tp, ep)
-    return fp8.FP8Layout(base.spec, tp, ep)
+    return fp8.FP8Layout(base.spec, tp, ep, ignored=tuple(ignored))
 
 
 def quantized_hf_names(module: torch.nn.Module) -> frozenset[str]:
@@ -85,13 +85,16 @@ def expand_metas(metas: Iterable[_bucket.TensorMeta], quantized: frozenset[str])
 
 
 def for_sync(module: torch.nn.Module, config: Any, tp: int, ep: int = 1, *,
-             tight: bool = False) -> "StreamQuantizer | None":
+             tight: bool = False, ignored: Iterable[str] = ()) -> "StreamQuantizer | None":
     """The quantizer of one sync into engines of TP ``tp`` and EP ``ep`` (None when
-    ``config.quantization`` is None). Raises ValueError for a model the layout map does not know
-    or a split that cuts a block; call it where every rank hears of a failure (`agree`)."""
+    ``config.quantization`` is None). ``ignored``: the engine's ignored layers (module paths,
+    SGLang's ``ignored_layers`` / ``modules_to_not_convert``), left in the rollout dtype as
+    `fp8.is_quantized` matches them. Raises ValueError for a model the layout map does not know,
+    a split that cuts a block, or an ``ignored`` list that splits a fused layer; call it where
+    every rank hears of a failure (`agree`)."""
     if getattr(config, "quantization", None) is None:
         return None
-    return StreamQuantizer(_layout(module, tp, ep), tight=tight)
+    return StreamQuantizer(_layout(module, tp, ep, ignored), tight=tight)
 
 
 class StreamQuantizer:

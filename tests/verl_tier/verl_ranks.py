@@ -344,3 +344,21 @@ def refused_before_sending(rank: int, world: int, configs: list[dict]):
             out.append(f"{type(exc).__name__}: {exc}")
         dist.barrier()
     return out
+
+
+def sync_fp8_tiny(rank: int, world: int, rollout_cfg: dict, model_type: str, quantization_config):
+    """verl's adapter (rollout.quantization=fp8) syncing a plain tiny-fp8 model of ``model_type``
+    whose ``hf_config.quantization_config`` is ``quantization_config`` (None: none), with the
+    environment the test gave (``SGLANG_FP8_IGNORED_LAYERS``); returns the adapter's stats."""
+    import types
+
+    from fsdp_sync.models import build_model, load_config
+
+    hf = load_config("tiny-fp8", model_type=model_type)
+    if quantization_config is not None:
+        hf.quantization_config = quantization_config
+    model = build_model(hf, seed=7)
+    rollout, _ = _adapter(rank, world, rollout_cfg, types.SimpleNamespace(hf_config=hf))
+    asyncio.run(rollout.update_weights(((n, t.detach().clone()) for n, t in model.state_dict().items()),
+                                       global_steps=1))
+    return {k: v for k, v in rollout.last_stats.items() if k != "digests"}

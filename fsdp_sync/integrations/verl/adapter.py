@@ -40,7 +40,8 @@ that server); ``api_key``; ``metrics_file``; ``log_dir`` (where ``fsdp_sync_ref`
 log); and the `fsdp_sync.config.SyncConfig` fields of `options.HONOURED` (``strategy``:
 ``flattened`` (default) or ``bucketed`` / ``per_tensor``, verl's own algorithm of one handle per
 tensor, kept for comparison; ``bucket_bytes`` or ``bucket_mb``; ``dtype``; ``verify``;
-``quantization``; ``dist_timeout_s``; ``share_host_memory``); another SyncConfig field is refused
+``quantization``, leaving verl's ignored FP8 layers unquantized (`fp8_ignored`);
+``dist_timeout_s``; ``share_host_memory``); another SyncConfig field is refused
 naming the verl option that decides it (`options.INSTEAD`). The verl keys users already set are
 read through `SyncConfig.from_verl`: bucket megabytes, ``free_cache_engine`` (resume and release
 only when set, as verl does) and ``dtype`` (tensors are cast to it before they are flattened).
@@ -99,7 +100,7 @@ from ...transport.tensor import Call, TensorTransport, engine_reads_outlast
 from ...verify import sent_record
 from ...wire import flattened_bucket
 from .. import module_stream, peer_check, verl_lora
-from . import metrics as step_metrics
+from . import fp8_ignored, metrics as step_metrics
 from .options import (build_refusal, enabled, get_key, named_actor, options, same_server, server_url,
                       sync_config)
 from .replica import ROLLOUT_NAME, server_name
@@ -165,6 +166,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         peer_check.announce()     # this rank runs fsdp_sync's adapter (`module_stream.calls` asks)
         opts = options(self.config)
         self.sync = sync_config(self.config, getattr(self.model_config, "hf_config", None))
+        # the layers the FP8 engine keeps unquantized, as verl starts it (refused: a list that
+        # SGLang and verl's quantizer read differently, `fp8_ignored`)
+        self._fp8_ignored = () if self.sync.quantization is None else fp8_ignored.ignored_layers(
+            get_key(self.config, "name"), getattr(self.model_config, "hf_config", None))
         self.base_url = opts.get("base_url")
         self.api_key = opts.get("api_key")
         self.metrics_file = opts.get("metrics_file")
@@ -526,12 +531,14 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
 
     def _quantizer(self, topo: SyncTopology) -> "quantize.StreamQuantizer":
         """The block-FP8 quantizer of verl's stream, from the model's HF config at the rollout's
-        TP (a split that cuts a 128 block is refused, naming the tensor)."""
+        TP (a split that cuts a 128 block is refused, naming the tensor), leaving the engine's
+        ignored layers in the rollout dtype (`fp8_ignored`)."""
         hf = getattr(self.model_config, "hf_config", None)
         if hf is None:
             raise ValueError("rollout.quantization=fp8: verl's model config has no hf_config to read "
                              "which tensors to quantize from")
-        return quantize.for_sync(SimpleNamespace(config=hf), self.sync, topo.tp_size)
+        return fp8_ignored.quantizer(get_key(self.config, "name"), hf, self.sync, topo.tp_size,
+                                     self._fp8_ignored)
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
