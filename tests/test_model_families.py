@@ -302,3 +302,27 @@ def test_a_hub_checkpoint_in_another_float_dtype_is_cast_a_syncs_version_is_not(
                                                         rf"{str(dtype).removeprefix('torch.')}; .*{said}"):
                 eng.update_weights_from_disk(str(tmp_path / "hub"))
         assert all(torch.equal(t, got[n]) for n, t in eng.named_full_tensors())    # the old weights
+
+
+def test_a_llama_with_mlp_biases_into_sglang_is_refused_before_anything_is_sent():
+    """SGLang's LlamaMLP (0.5.12 and 0.5.23) builds gate_up_proj and down_proj with bias=False
+    whatever mlp_bias says, and its load_weights skips a .bias it has no parameter for: a Llama
+    trained with mlp_bias=True synced into SGLang without a word, served without its MLP biases
+    (layout="engine" failed with a KeyError after the update began). The engine check refuses it,
+    naming the key; the reference engine (which has them) and a Llama without them are not."""
+    import fake_sglang as fake
+
+    from fsdp_sync import SyncConfig
+    from fsdp_sync.config_check import check_engine
+    from fsdp_sync.engines import sglang as sg
+    from fsdp_sync.models import build_model, load_config
+
+    module = build_model(load_config("tiny", model_type="llama", mlp_bias=True), seed=3)
+    assert any(n.endswith("mlp.down_proj.bias") for n, _ in module.named_parameters())
+    engine = sg.SGLangEngine(fake.FakeSGLangEngine(tp_size=1))
+    with pytest.raises(ValueError, match=r"mlp_bias=True for a 'llama' model: SGLang's LlamaMLP .* "
+                                         r"\(trainer rank 0\)"):
+        check_engine(module, engine, SyncConfig(), None, where="trainer rank 0")
+    check_engine(build_model(load_config("tiny", model_type="llama"), seed=3), engine, SyncConfig(), None,
+                 where="")
+    check_engine(module, object(), SyncConfig(), None, where="")

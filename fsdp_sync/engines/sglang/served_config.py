@@ -11,7 +11,8 @@ any engine that does not expose its config.
 `model_refusal` says why SGLang itself (not ``fsdp-sync serve`` behind its API) would serve a
 trainer's model other than the trainer computes it, whatever a sync sends: its Qwen3-MoE,
 Qwen2-MoE and Mixtral classes (0.5.12 and 0.5.23) always build an lm_head of their own and ignore
-``tie_word_embeddings``, and nothing fills that head for a tied model (`SEPARATE_HEAD`).
+``tie_word_embeddings``, and nothing fills that head for a tied model (`SEPARATE_HEAD`); its Llama
+MLP has no biases whatever ``mlp_bias`` says, and its loader skips the ones a sync sends.
 """
 
 from __future__ import annotations
@@ -66,9 +67,15 @@ def config_from_dict(d: dict) -> Any:
 
 def model_refusal(config: Any) -> str | None:
     """Why SGLang would serve the model of ``config`` (the trainer's) other than it computes, or
-    None: a tied model of a `SEPARATE_HEAD` family, whose head SGLang keeps apart and no sync
+    None: a Llama with ``mlp_bias`` (SGLang's MLP has no biases and drops the ones it is sent), or a
+    tied model of a `SEPARATE_HEAD` family, whose head SGLang keeps apart and no sync
     writes (a tied trainer exports no ``lm_head.weight``: its head is ``embed_tokens``)."""
     model_type = getattr(config, "model_type", None)
+    if model_type == "llama" and bool(getattr(config, "mlp_bias", False)):
+        return ("mlp_bias=True for a 'llama' model: SGLang's LlamaMLP (0.5.12 and 0.5.23) builds "
+                "gate_up_proj and down_proj without biases and its loader skips every MLP .bias it is "
+                "sent, so SGLang would serve the model without the trainer's MLP biases; train it with "
+                "mlp_bias=False or serve it with fsdp_sync's reference engine")
     if model_type in SEPARATE_HEAD and bool(getattr(config, "tie_word_embeddings", False)):
         return (f"tie_word_embeddings=True for a {model_type!r} model: SGLang's {SEPARATE_HEAD[model_type]} "
                 f"always builds an lm_head of its own and ignores the tie, and a tied trainer sends no "
