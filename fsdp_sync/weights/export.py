@@ -18,7 +18,8 @@ checkpoint (wrapper prefixes ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_mo
 are left out. MoE experts leave under their Hub names too: transformers 5's fused
 ``experts.gate_up_proj`` / ``experts.down_proj`` are cut into one item per expert and projection
 (`experts.hub_parts`), each a contiguous range of the fused tensor's shards, so no rank ever holds
-a fused tensor whole: a stream holds at most one expert's slice (or one bucket) beyond the shards. With ``dtype`` set, floating-point tensors are cast to it; the cast is done on the
+a fused tensor whole: a stream holds at most one expert's slice (or one bucket) beyond the shards. With ``dtype`` set, floating-point tensors are cast to it (not a float32 one SGLang keeps in
+float32, `float32_params`); the cast is done on the
 local shard before any gather (fewer bytes on the wire, the same bits as casting the full tensor).
 Non-float buffers keep their dtype; a non-float *parameter* asked to be cast is an error.
 
@@ -86,6 +87,7 @@ from torch import nn
 
 from . import bucket as _bucket
 from . import experts as _experts
+from . import float32_params
 from . import handles as _handles
 from .gather import Pieces, Received, Scratch, fill_bucket, fill_shared, materialize, shared_group, sub_pieces
 from .hostbuf import HostShared
@@ -147,8 +149,8 @@ class _Item:
     def out_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         if dtype is None or dtype == self.src_dtype:
             return self.src_dtype
-        if self.src_dtype.is_floating_point:
-            return dtype
+        if self.src_dtype.is_floating_point:     # float32 where SGLang keeps it (`float32_params`)
+            return float32_params.out_dtype(self.name, self.src_dtype, dtype)
         if self.is_param:
             raise TypeError(f"cannot cast parameter {self.name!r} of dtype "
                             f"{_bucket.dtype_name(self.src_dtype)} to {_bucket.dtype_name(dtype)} "

@@ -362,3 +362,13 @@ def sync_fp8_tiny(rank: int, world: int, rollout_cfg: dict, model_type: str, qua
     asyncio.run(rollout.update_weights(((n, t.detach().clone()) for n, t in model.state_dict().items()),
                                        global_steps=1))
     return {k: v for k, v in rollout.last_stats.items() if k != "digests"}
+
+
+def sync_named(rank: int, world: int, rollout_cfg: dict, named: list, hf_config=None):
+    """verl's adapter syncing ``named`` (a list of ``(name, tensor)``, as verl's stream hands it)
+    once; returns the adapter's stats."""
+    import types
+
+    rollout, _ = _adapter(rank, world, rollout_cfg, types.SimpleNamespace(hf_config=hf_config))
+    asyncio.run(rollout.update_weights(iter(named), global_steps=1))
+    return {k: v for k, v in rollout.last_stats.items() if k != "digests"}

@@ -44,7 +44,8 @@ tensor, kept for comparison; ``bucket_bytes`` or ``bucket_mb``; ``dtype``; ``ver
 ``dist_timeout_s``; ``share_host_memory``); another SyncConfig field is refused
 naming the verl option that decides it (`options.INSTEAD`). The verl keys users already set are
 read through `SyncConfig.from_verl`: bucket megabytes, ``free_cache_engine`` (resume and release
-only when set, as verl does) and ``dtype`` (tensors are cast to it before they are flattened).
+only when set, as verl does) and ``dtype`` (tensors are cast to it before they are flattened,
+but for the float32 ones SGLang keeps in float32, sent as verl sends them: `float32_params`).
 ``param_offload`` stays verl's: its worker offloads the actor after ``update_weights``.
 
 LoRA, as verl's own SGLang rollout serves it (`fsdp_sync.integrations.verl_lora`): with
@@ -91,7 +92,7 @@ import torch.distributed as dist
 
 from verl.workers.rollout import base as _verl_rollout_base
 
-from ...weights import handles, quantize
+from ...weights import float32_params, handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES
 from ...config_check import check_engine, load_refusal
 from ...topology import SyncTopology
@@ -410,7 +411,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         if steps is None:
             stream = timed(weights, phases)
             if quant is not None:  # rollout.quantization: block FP8, after the cast, tensor by tensor
-                stream = quant.named((n, self._cast(t) if n in quant.hf else t) for n, t in stream)
+                stream = quant.named((n, self._cast(n, t) if n in quant.hf else t) for n, t in stream)
             # flattened copies each tensor into its bucket before the next pull: safe as it is
             steps = (self._flattened_calls(stream, topo, counted, lag=lag) if cfg.strategy == "flattened"
                      else self._per_tensor_handle_calls(stream, topo, counted, copy_held=reused))
@@ -465,7 +466,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         for name, t in timed(weights, phases):
             if engine is not None:
                 t1 = time.perf_counter()
-                named.append((name, self._cast(t).contiguous()))
+                named.append((name, self._cast(name, t).contiguous()))
                 phases["pack_s"] += time.perf_counter() - t1
             del t
         try:
@@ -540,9 +541,11 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         return fp8_ignored.quantizer(get_key(self.config, "name"), hf, self.sync, topo.tp_size,
                                      self._fp8_ignored)
 
-    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+    def _cast(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in the rollout dtype, or float32 where SGLang keeps it so (`float32_params`)."""
         t = t.detach()
-        return t.to(self.sync.dtype) if self.sync.dtype is not None and t.dtype != self.sync.dtype else t
+        want = float32_params.out_dtype(name, t.dtype, self.sync.dtype)
+        return t.to(want) if t.dtype != want else t
 
     def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -555,7 +558,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             t = t.to(device)
         if (self.sync.dtype is not None and t.is_floating_point() and t.dtype != self.sync.dtype
                 and t.element_size() > 1 and not name.endswith("_scale_inv")):   # not FP8 pairs
-            t = t.to(self.sync.dtype)
+            t = self._cast(name, t)       # float32 where SGLang keeps it (`float32_params`)
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"fsdp_sync cannot send {name!r}: dtype {t.dtype} is not supported")
         t = t.contiguous()
