@@ -61,7 +61,8 @@ def test_every_syncconfig_field_is_honoured_or_refused_and_the_honoured_ones_are
                              verify="sample", dist_timeout_s=7, share_host_memory=False))
     assert (s.strategy, s.bucket_bytes, s.dtype, s.verify, s.dist_timeout_s,
             s.share_host_memory) == ("bucketed", 4096, torch.float32, "sample", 7, False)
-    assert sync_config(_rollout(quantization="fp8")).quantization == "fp8"
+    # a quantization other than rollout.quantization: only for a server of the user's own
+    assert sync_config(_rollout(quantization="fp8", base_url="http://127.0.0.1:9")).quantization == "fp8"
     with pytest.raises(ValueError, match="bucket_megs"):
         sync_config(_rollout(bucket_megs=3))
 
@@ -239,3 +240,68 @@ def test_base_url_beside_verls_server_actor_is_refused_the_same_server_is_synced
     assert "sglang_server_0_0" in out["beside"] and verl_srv.url in out["beside"] \
         and other_srv.url in out["beside"], out
     assert out["same"] == "synced" and out["steps"] == [7], out
+
+
+# --------------------------------------------------------------------------- quantization override
+
+@pytest.mark.parametrize("verls, ours", [("fp8", None), (None, "fp8")])
+def test_a_quantization_contradicting_the_one_verl_starts_its_server_with_is_refused(verls, ours):
+    """verl3 audit, item 3: verl starts SGLang with ``rollout.quantization``; a different
+    ``custom.fsdp_sync.quantization`` was taken, sending bf16 weights into an FP8 server or the
+    reverse. Refused, naming both keys and values and what to set; the same value, or a
+    ``base_url`` of the user's own (that server runs the override), is taken."""
+    from fsdp_sync.integrations.verl import sync_config
+
+    cfg = dict(_rollout(quantization=ours), quantization=verls)
+    with pytest.raises(ValueError) as err:
+        sync_config(cfg)
+    y = {None: "null", "fp8": "fp8"}
+    msg = str(err.value)
+    assert f"rollout.custom.fsdp_sync.quantization={y[ours]} contradicts" in msg, msg
+    assert f"actor_rollout_ref.rollout.quantization={y[verls]}, which verl starts" in msg, msg
+    assert f"set actor_rollout_ref.rollout.quantization={y[ours]}" in msg, msg
+    assert sync_config(dict(_rollout(quantization=verls), quantization=verls)).quantization == verls
+    own = dict(_rollout(quantization=ours, base_url="http://127.0.0.1:9"), quantization=verls)
+    assert sync_config(own).quantization == ours
+
+
+def test_a_quantization_override_into_verls_own_server_is_refused(monkeypatch):
+    """With ``base_url`` naming the server verl's actor runs (started with rollout.quantization),
+    the override is refused at the first sync, on every rank; a base_url where no actor of verl's
+    runs (a server of the user's own) keeps it."""
+    import types
+
+    import verl  # noqa: F401
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.base import get_rollout_class
+
+    from fsdp_sync.integrations.verl import adapter
+
+    class Remote:
+        def __init__(self, value):
+            self.value = value
+
+        def remote(self, *args):
+            async def answer():
+                return self.value
+            return answer()
+
+    def build(url):
+        cfg = dict(_rollout(quantization="fp8", base_url=url), quantization=None,
+                   tensor_model_parallel_size=1)
+        return get_rollout_class("sglang", "async")(
+            config=omega_conf_to_dataclass(OmegaConf.create(cfg), RolloutConfig),
+            model_config=types.SimpleNamespace(hf_config=None), device_mesh=None)
+
+    actor = types.SimpleNamespace(get_server_address=Remote(("127.0.0.1", 30123)))
+    monkeypatch.setattr(adapter, "named_actor", lambda name: actor)
+    rollout = build("http://localhost:30123")
+    with pytest.raises(ValueError, match="is verl's own server") as err:
+        asyncio.run(rollout._check_base_url())
+    assert "actor_rollout_ref.rollout.quantization=null" in str(err.value), err.value
+    monkeypatch.setattr(adapter, "named_actor", lambda name: None)
+    rollout = build("http://localhost:30123")
+    asyncio.run(rollout._check_base_url())
+    assert rollout.sync.quantization == "fp8"

@@ -4,7 +4,9 @@
 - `sync_config`: the adapter's `SyncConfig`: verl's own keys (`SyncConfig.from_verl`) and the
   ``custom.fsdp_sync.*`` fields it honours (`HONOURED`); every other SyncConfig field is refused
   naming the verl option that decides it (`INSTEAD`), as an option accepted and then ignored
-  would silently run something else than the user asked for;
+  would silently run something else than the user asked for; ``quantization`` differing from
+  ``rollout.quantization`` (what verl starts its server with) only with a ``base_url`` of the
+  user's own (`quantization_conflict`);
 - `build_refusal`: what the adapter refuses when it is built (prefill/decode disaggregation, a
   model whose fused pairs SGLang must load in one call: `FUSED_PAIRS`);
 - `named_actor`, `server_url`, `same_server`: finding verl's server actor and comparing its
@@ -21,7 +23,8 @@ from ...config import SyncConfig, mib_to_bytes, parse_dtype
 from .replica import ROLLOUT_NAME
 
 __all__ = ["ADAPTER_KEYS", "HONOURED", "INSTEAD", "FUSED_PAIRS", "get_key", "options", "enabled",
-           "sync_config", "build_refusal", "server_url", "named_actor", "same_server"]
+           "sync_config", "quantization_conflict", "build_refusal", "server_url", "named_actor",
+           "same_server"]
 
 ADAPTER_KEYS = ("enable", "base_url", "api_key", "metrics_file", "log_dir")
 """``custom.fsdp_sync.*`` keys that are the adapter's own, not SyncConfig fields."""
@@ -123,6 +126,9 @@ def sync_config(config: Any, hf_config: Any = None) -> SyncConfig:
     if unknown:
         raise ValueError(f"unknown {where} keys {unknown}; known: "
                          f"{sorted(set(ADAPTER_KEYS) | set(HONOURED) | {'bucket_mb'})}")
+    why = quantization_conflict(config)
+    if why and not options(config).get("base_url"):
+        raise ValueError(why)
     if "bucket_mb" in opts:
         if "bucket_bytes" in opts:
             raise ValueError(f"{where}: give bucket_mb or bucket_bytes, not both (got bucket_mb="
@@ -131,6 +137,28 @@ def sync_config(config: Any, hf_config: Any = None) -> SyncConfig:
     if "dtype" in opts:
         opts["dtype"] = parse_dtype(opts["dtype"], f"{where}.dtype", hf_config=hf_config)
     return SyncConfig.from_verl(config, hf_config=hf_config, **opts)
+
+
+def quantization_conflict(config: Any) -> str | None:
+    """Why ``custom.fsdp_sync.quantization`` contradicts ``rollout.quantization`` (None: it is
+    absent or the same). verl starts its server with ``rollout.quantization``, so a different
+    value would send FP8 weights into a bf16 server or the reverse. `sync_config` refuses it
+    unless ``base_url`` is set (a server of the user's own, which runs the override); the adapter
+    refuses it too where that base_url is verl's own server (`SGLangAdapter._check_base_url`)."""
+    opts = options(config)
+    if "quantization" not in opts:
+        return None
+    want, verls = opts["quantization"], get_key(config, "quantization")
+    if want == verls:
+        return None
+    yaml = {w: "null" if w is None else w for w in (want, verls)}   # as written on verl's command line
+    return (f"rollout.custom.fsdp_sync.quantization={yaml[want]} contradicts "
+            f"actor_rollout_ref.rollout.quantization={yaml[verls]}, which verl starts its server with: "
+            f"the adapter would send {'block-FP8' if want else 'unquantized'} weights into a server "
+            f"that holds {'block-FP8' if verls else 'unquantized'} ones; set "
+            f"actor_rollout_ref.rollout.quantization={yaml[want]} and drop "
+            f"rollout.custom.fsdp_sync.quantization (a different value is taken only with "
+            f"rollout.custom.fsdp_sync.base_url naming a server of your own, started with it)")
 
 
 FUSED_PAIRS = {"deepseek_v4": "wq_a/wkv, compressor.wkv/wgate, indexer.compressor.wkv/wgate"}
