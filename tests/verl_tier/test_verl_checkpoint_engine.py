@@ -239,6 +239,24 @@ def test_a_failing_sender_fails_every_receiver_at_once(workers):
         assert answers[0][0][1][f"checkpoint_engine/{BACKEND}/group_kept"] == kept, answers[0]
 
 
+def test_a_group_a_failed_sync_ran_on_is_not_offered_again_even_without_finalize():
+    """verl3 audit, item 4: after a failed sync that no finalize followed, prepare still reported
+    the group as held, so build_topology kept it (docs/verl.md: a failed sync makes it anew)."""
+    meta = [{"master": {"address": "a", "port": 1, "group_name": "g", "device_type": "cpu",
+                        "bucket_size": BUCKET}}, {"master": None}, {"master": None}]
+    engines = [FsdpSyncCheckpointEngine(bucket_size=BUCKET, device="cpu") for _ in range(3)]
+    for i, e in enumerate(engines):     # each holds the group of an earlier sync
+        e.pg, e.held = object(), {"group_name": "g", "rank": 0 if i == 0 else i, "world_size": 3}
+    answers = [dict(e.prepare(), master=m["master"]) for e, m in zip(engines, meta)]
+    actor, _ = FsdpSyncCheckpointEngine.build_topology(1, 2, answers)
+    assert actor["master"][0]["keep"] is True           # all healthy: kept
+    engines[2].failed = True                            # the sync failed on rollout worker 2
+    assert engines[2].prepare()["held"] is None
+    answers = [dict(e.prepare(), master=m["master"]) for e, m in zip(engines, meta)]
+    actor, rollout = FsdpSyncCheckpointEngine.build_topology(1, 2, answers)
+    assert actor["master"][0]["keep"] is False and rollout["master"][0]["keep"] is False
+
+
 def test_topology_and_errors_that_name_the_problem():
     meta = [{"master": {"address": "a", "port": 1, "group_name": "g", "device_type": "cpu",
                         "bucket_size": BUCKET}}, {"master": None}, {"master": None}, {"master": None},

@@ -23,7 +23,7 @@ How one sync goes, in the order the manager calls (every call, every sync):
   still walk the weight stream: producing a weight is collective over the actor group). When
   every member still holds one same group at the rank and world size it would get now, that
   group is kept (``keep``); otherwise all make the new one (replicas added or removed, a worker
-  restarted, a failed sync).
+  restarted, a failed sync: a worker where the last sync failed reports no group, finalized or not).
 - ``init_process_group`` on every worker: kept, nothing to do; else a process group outside both
   worlds, made by `fsdp_sync.wire.new_update_group` (on the store actor rank 0 hosts since prepare),
   ``gloo`` on CPU and ``cpu:gloo,cuda:nccl`` on CUDA (the small bucket headers go over gloo, the
@@ -161,7 +161,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
     # ------------------------------------------------------------------ group
     def prepare(self) -> dict:
         """Actor rank 0: a rendezvous for this sync (address, port, group name, backend); every
-        worker: the group it holds (None if none)."""
+        worker: the group it holds (None if none, or if the last sync failed here)."""
         master = None
         if self.is_master:
             # listening before its port is handed out (a port picked free and bound only at
@@ -173,7 +173,10 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
                       "group_name": f"fsdp_sync_verl_{uuid.uuid4().hex[:12]}",
                       "device_type": self.device.type, "bucket_size": self.bucket_size}
             self._master = master
-        held = dict(self.held) if self.pg is not None and self.held and not self.rebuild_group else None
+        # a group a failed sync ran on is never offered again (its state is unknown), also where
+        # no finalize came after the failure: init_process_group then drops it and makes a new one
+        held = (dict(self.held) if self.pg is not None and self.held and not self.rebuild_group
+                and not self.failed else None)
         return {"master": master, "held": held}
 
     @classmethod
