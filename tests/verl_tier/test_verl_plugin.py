@@ -112,6 +112,42 @@ def _in_process_checks(monkeypatch):
     assert type(cls(config=off, model_config=None, device_mesh=None)) is ServerAdapter
 
 
+@pytest.mark.parametrize("name", ["vllm", "trtllm"])
+def test_an_opt_in_on_a_rollout_fsdp_sync_does_not_wrap_is_refused(name, monkeypatch):
+    """verl3 audit, item 5: ``custom.fsdp_sync.enable=true`` on ``rollout.name=vllm`` was ignored
+    without a word (verl's own adapter synced). The plug-in wraps verl's other registry entries
+    (`guard.Unwrapped`): opted in, building the rollout is refused, naming it and what to set;
+    without the opt-in the object is verl's own class, built with the same arguments."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.base import get_rollout_class
+
+    def config(enable):
+        cfg = {"name": name, "custom": {"fsdp_sync": {"enable": enable}}}
+        return omega_conf_to_dataclass(OmegaConf.create(cfg), RolloutConfig)
+
+    built = []
+
+    class ServerAdapter:      # a stand-in at verl's path (vllm is not installed here)
+        def __init__(self, config, model_config, device_mesh, replica_rank=-1):
+            built.append((config.name, model_config, device_mesh, replica_rank))
+
+    paths = {"vllm": "verl.workers.rollout.vllm_rollout",
+             "trtllm": "verl.workers.rollout.trtllm_rollout.trtllm_rollout"}
+    stub = types.ModuleType(paths[name])
+    stub.ServerAdapter = ServerAdapter
+    monkeypatch.setitem(sys.modules, paths[name], stub)
+    cls = get_rollout_class(name, "async")
+    with pytest.raises(NotImplementedError) as err:
+        cls(config=config(True), model_config="mc", device_mesh="mesh")
+    msg = str(err.value)
+    assert f"actor_rollout_ref.rollout.name={name!r}" in msg and "fsdp_sync.enable=true" in msg, msg
+    assert "set actor_rollout_ref.rollout.name=sglang" in msg and built == [], msg
+    obj = cls(config=config(False), model_config="mc", device_mesh="mesh")
+    assert type(obj) is ServerAdapter and built == [(name, "mc", "mesh", -1)]
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_composes_and_validates_into_verl_config_classes(recipe):
     from verl.utils.config import omega_conf_to_dataclass

@@ -8,6 +8,8 @@ Importing it:
   until a run opts in with ``+actor_rollout_ref.rollout.custom.fsdp_sync.enable=true``;
 - registers the rollout name ``fsdp_sync_ref`` (`replica`): verl's rollout on fsdp_sync's reference
   engine, one ``fsdp-sync serve`` per replica, `SGLangAdapter` always on;
+- wraps verl's other rollouts (``vllm``, ``trtllm``) in `guard.Unwrapped`: verl's own adapter
+  unless a run sets ``custom.fsdp_sync.enable=true`` there, which is refused (it would be ignored);
 - registers the checkpoint-engine backend ``fsdp_sync`` (`checkpoint_engine`) for verl's
   disaggregated modes: ``rollout.checkpoint_engine.backend=fsdp_sync``;
 - makes verl's v1 trainer add each sync's ``fsdp_sync/*`` figures to its step metrics
@@ -39,11 +41,12 @@ def register() -> None:
     from verl.workers.rollout import base as verl_rollout
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from . import adapter, metrics
+    from . import adapter, guard, metrics
 
     adapter.register()
     metrics.install()
     verl_rollout._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = adapter.OURS
+    guard.install(verl_rollout._ROLLOUT_REGISTRY, (adapter.OURS,))
 
     RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: ServeReplica)
     from . import checkpoint_engine  # noqa: F401  (registers the backend on import)
