@@ -98,11 +98,8 @@ def test_sglangs_float32_parameters_leave_an_fsdp2_export_in_float32(fsdp2):
         _check(out["params"], out["ref"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "weights/gather.py gather_bucketed: the even-pieces path gathers a bucket's entries in ONE "
-    "coalesced all-gather of their own dtypes, which gloo corrupts when they differ (bf16 beside "
-    "float32: zeros interleaved); gathering them as bytes (outs: flat[start:end], ins: "
-    "local.view(torch.uint8)) fixes it. gather.py is not this change's to edit"))
 def test_an_fsdp2_bucket_mixing_float32_and_bf16_gathers_exactly_over_gloo(fsdp2):
+    """A bucket's entries of several dtypes go in one coalesced all-gather, as bytes: gathered in
+    their own dtypes, gloo interleaved zeros into the bf16 entry beside the float32 one."""
     for out in fsdp2:
         _check(out["buckets"], out["ref"])

@@ -267,8 +267,10 @@ def gather_bucketed(group: Any, pairs: list[tuple[_bucket.BucketEntry, Pieces]],
             local = p.local.reshape(-1)
             if local.dtype != entry.dtype:
                 local = local.to(entry.dtype)   # cast the shard: half the bytes on the wire for bf16
-            outs.append(flat[entry.start:entry.end].view(entry.dtype))
-            ins.append(local.contiguous())
+            # as bytes: one coalesced all-gather of entries of several dtypes (a float32 parameter
+            # SGLang keeps beside bf16 weights) came back with zeros interleaved over gloo
+            outs.append(flat[entry.start:entry.end])
+            ins.append(local.contiguous().view(torch.uint8))
         if outs:
             all_gather(outs, ins, group)
         return
