@@ -1,0 +1,67 @@
+"""`topology.agree`'s message: what failed, on which rank first, which others failed too.
+
+Every rank raises the same `SyncError`: ``"<what> failed on rank <first>[ (ranks [...] failed
+too)]: <text>"``, where ``<what>`` is the failure's own name when a rank passed ``(what, text)``
+(the manager's stages agreed together) and the caller's ``what`` otherwise; without a process group
+``"<what> failed: <text>"``. ``failures`` holds each failing rank's text. Run on 3 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from fsdp_sync.topology import SyncError, agree
+
+
+def test_without_a_process_group_the_failures_own_name_leads():
+    assert not dist.is_initialized()
+    agree(None, what="sync")                     # nothing failed: nothing raised
+    with pytest.raises(SyncError) as info:
+        agree(("restore_rng", "RuntimeError: boom"), what="exit")
+    assert str(info.value) == "restore_rng failed: RuntimeError: boom"
+    assert info.value.failures == {0: "RuntimeError: boom"}
+    with pytest.raises(SyncError) as info:
+        agree(ValueError("bad batch"), what="preprocess_data")
+    assert str(info.value) == "preprocess_data failed: ValueError: bad batch"
+
+
+# what each of 3 ranks passes to `agree`, per case
+_CASES = {
+    "two_fail": [None, "ValueError: rank 1's", "OSError: rank 2's"],
+    "one_fails": ["disk full", None, None],
+    "stages": [("restore_module", "RuntimeError: mine"), ("restore_module", "RuntimeError: boom"), None],
+    "none": [None, None, None],
+}
+
+
+def _agree_on_ranks(rank, world):
+    import torch.distributed as dist
+
+    from fsdp_sync.topology import SyncError, agree
+
+    assert dist.is_initialized() and dist.get_world_size() == world
+    out = {}
+    for label, errors in _CASES.items():
+        try:
+            agree(errors[rank], what="exit" if label == "stages" else "sync")
+            out[label] = None
+        except SyncError as exc:
+            out[label] = (str(exc), dict(exc.failures))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_first_failing_rank_leads_and_only_the_others_are_listed():
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    results = run_ranks(_agree_on_ranks, 3, timeout_s=100, pg_timeout_s=60, env=spawn_env())
+    assert results[0] == results[1] == results[2]          # the same error on every rank
+    got = results[0]
+    assert got["none"] is None
+    assert got["two_fail"] == ("sync failed on rank 1 (ranks [2] failed too): ValueError: rank 1's",
+                               {1: "ValueError: rank 1's", 2: "OSError: rank 2's"})
+    assert got["one_fails"] == ("sync failed on rank 0: disk full", {0: "disk full"})
+    # a stage's own name leads, not the caller's ``what``
+    assert got["stages"] == ("restore_module failed on rank 0 (ranks [1] failed too): RuntimeError: mine",
+                             {0: "RuntimeError: mine", 1: "RuntimeError: boom"})
