@@ -57,7 +57,8 @@ class FSDPShardingManager:
         engine: ``method="tensor"``: the colocated engine handle on infer-TP rank 0 of each group,
             ``None`` elsewhere. ``"distributed"``/``"disk"``: on trainer rank 0 the engine, or a
             list of engines (rollout replicas); ``None`` on every other rank.
-        mesh: a DeviceMesh with dims ``("dp", "infer_tp")`` over the trainer ranks; required by
+        mesh: a DeviceMesh with dims ``("dp", "infer_tp")`` over every rank of the default
+            process group (the trainer ranks; a mesh over part of it is refused); required by
             ``"tensor"``, optional otherwise (then the trainer is the default process group).
         config: a `SyncConfig`; ``config.method`` picks the transport (`fsdp_sync.transport`).
 

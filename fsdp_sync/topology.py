@@ -69,9 +69,22 @@ class SyncTopology:
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> "SyncTopology":
+        """The topology of ``mesh``, which must span every rank of the default process group:
+        the sync agrees (`agree`, the fleet's broadcasts) over the whole default group, so a rank
+        outside the mesh would never join and the mesh's ranks would wait for it until the
+        group's timeout."""
         names = tuple(mesh.mesh_dim_names or ())
         if names != DIMS:
             raise ValueError(f"expected a mesh with dims {DIMS}, got {names or 'unnamed dims'}")
+        world = dist.get_world_size()
+        if mesh.size() != world:
+            raise ValueError(
+                f"the {DIMS} mesh spans {mesh.size()} ranks {sorted(int(r) for r in mesh.mesh.flatten().tolist())} "
+                f"but the default process group has {world}: fsdp_sync agrees over the whole default "
+                f"group, so every rank of it must be a trainer rank in the mesh (ranks outside it would "
+                f"never join, and the sync would wait for them until the group's timeout). Build the "
+                f"mesh over every rank (make_mesh(dp, infer_tp) with dp * infer_tp == {world}), or run "
+                f"the trainer in a process group of its own")
         tp = mesh["infer_tp"]
         dp = mesh["dp"]
         return cls(
