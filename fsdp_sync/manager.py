@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import lora_sync, tp_batch
-from .weights import ipc_memory, quantize, tied
+from .weights import export_checks, ipc_memory, quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
 from . import fleet
@@ -53,7 +53,8 @@ class FSDPShardingManager:
     """Syncs ``module``'s weights into ``engine`` on entry; gives memory back to training on exit.
 
     Args:
-        module: the FSDP2, FSDP1 or plain module being trained (identical on every dp rank).
+        module: the FSDP2, FSDP1 or plain module being trained: the same model on every rank
+            (compared before each sync's first collective, `weights.export_checks`).
         engine: ``method="tensor"``: the colocated engine handle on infer-TP rank 0 of each group,
             ``None`` elsewhere. ``"distributed"``/``"disk"``: on trainer rank 0 the engine, or a
             list of engines (rollout replicas); ``None`` on every other rank.
@@ -315,12 +316,9 @@ class FSDPShardingManager:
                            f"({self._where()})")
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 err = f"{type(exc).__name__}: {exc}"
-        try:    # every rank (collective where it must compare values): a head the config ties away
-            head = tied.module_refusal(self.module, fsdp1_state_dict=self.config.fsdp1_state_dict,
-                                       dtype=self.config.dtype)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank just below
-            head = f"{type(exc).__name__}: {exc}"
-        self._agree(err or head, what="weight sync")
+        # agreed with the ranks' model digests (ranks holding other models would block in the
+        # export's collectives), then the tied head (`export_checks.check_module`)
+        export_checks.check_module(self.module, self.config, err, what="weight sync")
 
     def _check_config(self, engine: Any) -> None:
         """`config_check.check_engine` (TP, quantization, math) at the first sync with ``engine``,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "agree_after_rank0",
-           "SyncError", "cpu_group", "has_cpu_backend", "released_by_backend", "let_go_of_frames"]
+           "SyncError", "RanksDiffer", "cpu_group", "has_cpu_backend", "released_by_backend", "let_go_of_frames"]
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,8 @@ def broadcast_from_src(obj: Any, topo: SyncTopology) -> Any:
     return box[0]
 
 
-def agree(error: str | BaseException | None, group: Any = None, *, what: str = "sync") -> None:
+def agree(error: str | BaseException | None, group: Any = None, *, what: str = "sync",
+          digest: int | None = None) -> None:
     """Collective over ``group`` (default: the whole world): raise `SyncError` on every rank if
     any rank passed an error.
 
@@ -225,7 +226,16 @@ def agree(error: str | BaseException | None, group: Any = None, *, what: str = "
     rank. One all-reduce when all is well; the messages travel only on failure. A group of one
     rank runs no collective: there is no other rank to tell; without a process group (a
     one-process trainer) the error is raised as ``"<what> failed: <text>"``.
+
+    ``digest`` (an int in [0, 2**62), passed by every rank or by none): also compare it across
+    ranks in the same all-reduce (its max and min), at no extra round trip; where they differ,
+    `RanksDiffer` is raised on every rank instead (the caller gathers what differs), carrying the
+    `SyncError` the errors alone would have raised, if any rank passed one. A rank that failed
+    before reaching the digest's agree meets it in an agree of its own (no digest): then the
+    errors are raised as usual.
     """
+    if digest is not None and not 0 <= digest < 1 << 62:
+        raise ValueError(f"agree's digest must be an int in [0, 2**62), got {digest!r}")
     who = "rank" if group is None else "group rank"
     own_what = None
     if isinstance(error, tuple):
@@ -238,25 +248,50 @@ def agree(error: str | BaseException | None, group: Any = None, *, what: str = "
         exc = SyncError(f"{own_what or what} failed: {text}")
         exc.failures = {0: text}
         raise exc
+    differ = False
     if dist.get_world_size(group) == 1:
         msgs: list = [None if text is None else (own_what, text)]
     else:
         group = cpu_group(group)
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        # MAX of [failed << 62 | digest, -digest] (digest 0 where none): whether any rank failed,
+        # and the digests' max and min. Two words in EVERY agree, digest or not: a rank that failed
+        # entering a stage meets its peers in whatever agree they reach first (`manager._run`),
+        # and an all-reduce of another size there would leave both waiting until the timeout.
+        failed, own = (0 if error is None else 1), (0 if digest is None else digest)
+        flag = torch.tensor([(failed << 62) | own, -own], dtype=torch.int64)
         with released_by_backend(flag):
-            dist.all_reduce(flag, group=group)
-        if int(flag.item()) == 0:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        head = int(flag[0].item())
+        failed = head >> 62
+        differ = not failed and head != -int(flag[1].item())   # the same answer on every rank
+        if not failed and not differ:
             return
         msgs = [None] * dist.get_world_size(group)
-        dist.all_gather_object(msgs, None if text is None else (own_what, text), group=group)
-    if all(m is None for m in msgs):
-        return
-    first = next(r for r, m in enumerate(msgs) if m is not None)
-    others = [r for r, m in enumerate(msgs) if m is not None and r != first]
-    suffix = f" ({who}s {others} failed too)" if others else ""
-    exc = SyncError(f"{msgs[first][0] or what} failed on {who} {first}{suffix}: {msgs[first][1]}")
-    exc.failures = {r: m[1] for r, m in enumerate(msgs) if m is not None}
-    raise exc from (error if isinstance(error, BaseException) else None)
+        if failed:       # the digests travel with the messages (the max no longer tells them apart)
+            dist.all_gather_object(msgs, (None if text is None else (own_what, text), digest), group=group)
+            digests = [m[1] for m in msgs]      # compared only if every rank passed one (all in one agree)
+            differ = None not in digests and len(set(digests)) > 1
+            msgs = [m[0] for m in msgs]
+    exc = None
+    if any(m is not None for m in msgs):
+        first = next(r for r, m in enumerate(msgs) if m is not None)
+        others = [r for r, m in enumerate(msgs) if m is not None and r != first]
+        suffix = f" ({who}s {others} failed too)" if others else ""
+        exc = SyncError(f"{msgs[first][0] or what} failed on {who} {first}{suffix}: {msgs[first][1]}")
+        exc.failures = {r: m[1] for r, m in enumerate(msgs) if m is not None}
+    if differ:
+        diff = RanksDiffer(f"{what}: the ranks' digests differ" + (f"; {exc}" if exc else ""))
+        diff.error, diff.failures = exc, (exc.failures if exc is not None else {})
+        raise diff from (error if isinstance(error, BaseException) else None)
+    if exc is not None:
+        raise exc from (error if isinstance(error, BaseException) else None)
+
+
+class RanksDiffer(SyncError):
+    """`agree` found that the ranks passed different digests (raised on every rank alike).
+    ``error``: the `SyncError` the ranks' errors would have raised, or None."""
+
+    error: SyncError | None = None
 
 
 def agree_after_rank0(work: Callable[[], str | None], group: Any = None, *, what: str,

@@ -1,0 +1,144 @@
+"""What every trainer rank checks of the module before a sync's export runs its first collective.
+
+Every collective of the export (FSDP2's per-parameter or per-bucket all-gathers, FSDP1's state-dict
+all-gathers, the tied-head check's gathers) runs once per exported tensor, in `export.param_metas`
+order, with that tensor's size. Ranks that hold different models (a buffer registered on one rank
+only, a parameter shaped otherwise, one layer more) do not fail there with an error: they block in
+mismatched collectives until the group's timeout and then each raises a different backend error,
+or gloo aborts the process ("collective mismatch", SIGABRT). So the sync first compares, across
+every rank of the default group, a digest of what each rank would export (`agree_on_model`): the
+names, rollout dtypes and full shapes of `export.param_metas` (parameters and persistent buffers,
+the buffers the export leaves out excepted; with ``lora="adapter"`` the adapter's tensors too) and
+the config's ``tie_word_embeddings`` (it decides whether the tied-head check gathers).
+`param_metas` moves no data and runs no collective (FSDP1: the flat parameters' metadata; FSDP2:
+``state_dict(keep_vars=True)`` of DTensors), and the digest travels in the status all-reduce the
+sync runs at that point anyway (`topology.agree`'s ``digest``): no extra round trip. Only where the
+digests differ are the lists gathered, and every rank raises the same `SyncError` naming the first
+rank that differs and the first tensor with both ranks' dtypes and shapes (or the rank it is only
+on).
+
+After it, the tied head (`tied.module_refusal`), agreed apart only where it has anything to
+compare.
+
+Not here: whether the trainer's model matches the engine's (`config_check`, the manager's coverage
+check); the tied-head check itself (`tied`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..topology import RanksDiffer, SyncError, agree, cpu_group
+from . import export, tied
+
+__all__ = ["model_entries", "digest_of", "describe_difference", "agree_on_model", "check_module"]
+
+Entry = tuple[str, str, tuple[int, ...]]
+"""(name, dtype, shape): one exported tensor, or one setting (``(config) ...``, its value, ())."""
+
+_TIE = "(config) tie_word_embeddings"
+
+
+def model_entries(module: torch.nn.Module, config: Any) -> list[Entry]:
+    """What this rank would export under ``config``, as comparable entries (see the docstring)."""
+    metas = export.param_metas(module, config.dtype)
+    if getattr(config, "lora", "off") == "adapter":
+        metas = metas + export.param_metas(module, config.dtype, lora=True)
+    out: list[Entry] = [(m.name, str(m.dtype).removeprefix("torch."), tuple(int(s) for s in m.shape))
+                        for m in metas]
+    out.append((_TIE, str(tied.ties(getattr(module, "config", None))), ()))
+    return out
+
+
+def digest_of(entries: list[Entry]) -> int:
+    """An int in [0, 2**62) (`topology.agree`'s digest range) of ``entries``, in order."""
+    h = hashlib.blake2b(repr(entries).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+def _fmt(entry: Entry) -> str:
+    name, dtype, shape = entry
+    return dtype if name == _TIE else f"{dtype} {shape}"
+
+
+def describe_difference(lists: list[list[Entry]]) -> str:
+    """The first rank that differs from the most common list (ties: the lowest rank's) and the
+    first tensor where it does. Deterministic: every rank computes the same text."""
+    keys = [repr(x) for x in lists]
+    counts = Counter(keys)
+    top = max(counts.values())
+    ref = min(r for r, k in enumerate(keys) if counts[k] == top)
+    other = next(r for r, k in enumerate(keys) if k != keys[ref])
+    odd = [r for r, k in enumerate(keys) if k != keys[ref]]
+    a, b = lists[ref], lists[other]
+    da, db = {e[0]: e for e in a}, {e[0]: e for e in b}
+    where = None
+    for e in a + b:       # in export order: the reference's, then what only the other has
+        name = e[0]
+        if name not in db:
+            where = f"{name!r} ({_fmt(da[name])}) is only on rank {ref}, not on rank {other}"
+        elif name not in da:
+            where = f"{name!r} ({_fmt(db[name])}) is only on rank {other}, not on rank {ref}"
+        elif da[name] != db[name]:
+            what = "model.config.tie_word_embeddings" if name == _TIE else repr(name)
+            where = (f"{what} is {_fmt(db[name])} on rank {other}, {_fmt(da[name])} on rank {ref}")
+        if where is not None:
+            break
+    if where is None:     # the same tensors, listed in another order
+        i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        where = (f"the same tensors in another order: export position {i} is {a[i][0]!r} on rank "
+                 f"{ref}, {b[i][0]!r} on rank {other}")
+    more = f" (ranks {odd} differ from rank {ref})" if len(odd) > 1 else ""
+    return (f"the trainer ranks hold different models: rank {other} differs from rank {ref}{more}: "
+            f"{where}. The sync's collectives run once per exported tensor, so they would not "
+            f"match (a hang until the process group's timeout, or a crash); nothing was sent. "
+            f"Every rank must build the same model (same config and code, the same buffers "
+            f"registered) and wrap it alike")
+
+
+def agree_on_model(module: torch.nn.Module, config: Any, error: Any, *, what: str) -> None:
+    """`topology.agree` of ``error`` over the default group, carrying this rank's model digest:
+    raises the same `SyncError` on every rank if any rank failed or the ranks' models differ
+    (that one first: it is what makes the others fail; the errors are named after it)."""
+    entries: list[Entry] | None = None
+    digest = 0
+    try:
+        entries = model_entries(module, config)
+        digest = digest_of(entries)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the agree below
+        error = error or f"{type(exc).__name__}: {exc}"
+    try:
+        agree(error, what=what, digest=digest)
+    except RanksDiffer as exc:
+        lists: list = [None] * dist.get_world_size()
+        dist.all_gather_object(lists, entries, group=cpu_group())
+        if any(x is None for x in lists):    # some rank could not list its model: its error
+            raise exc.error from None
+        text = describe_difference(lists)
+        if exc.error is not None:
+            text += f"; besides, {exc.error}"
+        err = SyncError(f"{what} failed: {text}")
+        err.failures = dict(exc.failures) or {0: text}
+        raise err from None
+
+
+def check_module(module: torch.nn.Module, config: Any, error: Any, *, what: str) -> None:
+    """Everything checked of the module on every rank before the export's first collective:
+    the ranks' models agree (`agree_on_model`, with ``error``, this rank's own finding, in the
+    same all-reduce), then the tied head (`tied.module_refusal`), which gathers only where the
+    config ties it and the trainer exports a head of its own (then one more agree; the same
+    choice on every rank, their models agreeing)."""
+    agree_on_model(module, config, error, what=what)
+    names = (m.name for m in export.param_metas(module, config.dtype))
+    if not tied.needs_check(names, tied.ties(getattr(module, "config", None))):
+        return
+    try:
+        head = tied.module_refusal(module, fsdp1_state_dict=config.fsdp1_state_dict, dtype=config.dtype)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+        head = f"{type(exc).__name__}: {exc}"
+    agree(head, what=what)
