@@ -17,8 +17,9 @@ digests differ are the lists gathered, and every rank raises the same `SyncError
 rank that differs and the first tensor with both ranks' dtypes and shapes (or the rank it is only
 on).
 
-After it, the tied head (`tied.module_refusal`), agreed apart only where it has anything to
-compare.
+In the same all-reduce: `state_dict_refusal`, an FSDP1 state-dict type the module's units cannot
+give (torch's LOCAL state dict under a ``device_mesh``), said in `SyncConfig`'s words. After it,
+the tied head (`tied.module_refusal`), agreed apart only where it has anything to compare.
 
 Not here: whether the trainer's model matches the engine's (`config_check`, the manager's coverage
 check); the tied-head check itself (`tied`).
@@ -36,7 +37,8 @@ import torch.distributed as dist
 from ..topology import RanksDiffer, SyncError, agree, cpu_group
 from . import export, tied
 
-__all__ = ["model_entries", "digest_of", "describe_difference", "agree_on_model", "check_module"]
+__all__ = ["model_entries", "digest_of", "describe_difference", "agree_on_model", "state_dict_refusal",
+           "check_module"]
 
 Entry = tuple[str, str, tuple[int, ...]]
 """(name, dtype, shape): one exported tensor, or one setting (``(config) ...``, its value, ())."""
@@ -127,12 +129,40 @@ def agree_on_model(module: torch.nn.Module, config: Any, error: Any, *, what: st
         raise err from None
 
 
+def state_dict_refusal(module: torch.nn.Module, config: Any) -> str | None:
+    """Why ``config.fsdp1_state_dict`` cannot export ``module``, or None: torch's LOCAL state dict
+    refuses an FSDP1 unit made with a ``device_mesh`` (HSDP's 2-D mesh, or a 1-D one) that shards
+    ("DeviceMesh is not compatible with LOCAL_STATE_DICT", raised inside the export, naming no
+    field of the sync's; a unit whose shard group has one rank runs as NO_SHARD and is not
+    refused), so it is said here, before the export, naming the field and the values that work."""
+    if getattr(config, "fsdp1_state_dict", None) != "local":
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+    meshed = [u for u in FSDP.fsdp_modules(module) if getattr(u, "_device_mesh", None) is not None
+              and u.sharding_strategy != ShardingStrategy.NO_SHARD]
+    if not meshed:
+        return None
+    u = meshed[0]
+    return (f"SyncConfig.fsdp1_state_dict='local' cannot export this FSDP1 model: its units were made "
+            f"with a device_mesh ({u.sharding_strategy.name} over a mesh of shape "
+            f"{tuple(u._device_mesh.shape)}, {len(meshed)} units), and torch's LOCAL_STATE_DICT "
+            f"refuses a DeviceMesh; set SyncConfig.fsdp1_state_dict='sharded' (a 1/W sharded copy "
+            f"while it streams) or 'full' (the whole model on every rank), or wrap with "
+            f"process_group= instead of device_mesh=")
+
+
 def check_module(module: torch.nn.Module, config: Any, error: Any, *, what: str) -> None:
     """Everything checked of the module on every rank before the export's first collective:
     the ranks' models agree (`agree_on_model`, with ``error``, this rank's own finding, in the
     same all-reduce), then the tied head (`tied.module_refusal`), which gathers only where the
     config ties it and the trainer exports a head of its own (then one more agree; the same
-    choice on every rank, their models agreeing)."""
+    choice on every rank, their models agreeing). ``error``, if None, becomes this rank's
+    `state_dict_refusal` (an FSDP1 state-dict type its units cannot give)."""
+    try:
+        error = error or state_dict_refusal(module, config)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the agree below
+        error = f"{type(exc).__name__}: {exc}"
     agree_on_model(module, config, error, what=what)
     names = (m.name for m in export.param_metas(module, config.dtype))
     if not tied.needs_check(names, tied.ties(getattr(module, "config", None))):
