@@ -72,6 +72,7 @@ __all__ = [
 ]
 
 TAG = "fsdp_sync"
+_TAG_KEY = b"\x8c\x09" + TAG.encode()      # the tag's key as pickle writes it (SHORT_BINUNICODE)
 FRESH, OPENED, ACKED, REVOKED = 0, 1, 2, 3
 
 
@@ -645,12 +646,17 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
     data = base64.b64decode(payload) if isinstance(payload, str) else payload
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandleError(f"a payload is bytes or base64 text, got {type(payload).__name__}")
+    unpickler = Unpickler(io.BytesIO(data), share_again)
     try:
-        unpickler = Unpickler(io.BytesIO(data), share_again)
         obj = unpickler.load()
-    except HandleError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - torch's own errors say little about why
+    except BaseException as exc:
+        if _TAG_KEY in data:
+            # refused after mapping: the state word reads fresh, and the producer's release gives
+            # back mapping's reference (an untagged payload is counted as opened: ours to keep)
+            for storage in unpickler.mapped:
+                take_back(storage)
+        if isinstance(exc, HandleError) or not isinstance(exc, Exception):
+            raise
         raise HandleError(f"cannot open payload{'' if rank is None else f' on rank {rank}'}: "
                           f"{type(exc).__name__}: {exc}. Was it released by its producer already "
                           f"(PayloadSet.release), or made in another host's memory?") from exc

@@ -171,6 +171,12 @@ def _safe_rebuild_storage_filename(cls, manager, handle, size, dtype=None, *, vi
                                                            _internal=True)
 
 
+def _mapped(out: list, *args, via_manager: bool = False):
+    storage = _safe_rebuild_storage_filename(*args, via_manager=via_manager)
+    out.append(storage if isinstance(storage, torch.UntypedStorage) else storage._untyped_storage)
+    return storage
+
+
 def _safe_rebuild_storage_empty(cls):
     return _cls(cls, (_USTORAGE,), "storage")()
 
@@ -274,6 +280,9 @@ class Unpickler(pickle.Unpickler):
         self._via_manager = via_manager
         self.rebuilt: list[torch.Tensor] = []
         """Every tensor the payload rebuilt (its only way to make one), in order."""
+        self.mapped: list[torch.UntypedStorage] = []
+        """Every shared-memory storage mapped so far: a load that fails after mapping one gives
+        back the reference it took (`handles.open_payload`)."""
 
     def find_class(self, module: str, name: str):
         obj = _ALLOWED.get((module, name))
@@ -281,8 +290,8 @@ class Unpickler(pickle.Unpickler):
             raise HandleError(f"payload holds {module}.{name}, which is not on the allow-list "
                               f"(builtin data types, SimpleNamespace, torch dtypes and tensor/storage "
                               f"rebuild functions); refused")
-        if obj is _safe_rebuild_storage_filename and self._via_manager:
-            return functools.partial(obj, via_manager=True)
+        if obj is _safe_rebuild_storage_filename:
+            return functools.partial(_mapped, self.mapped, via_manager=self._via_manager)
         if obj is _safe_rebuild_tensor or obj is _safe_rebuild_cuda_tensor:
             return functools.partial(_recorded, obj, self.rebuilt)
         return obj
