@@ -332,3 +332,57 @@ def test_the_bucket_sweep_table_is_its_json():
         assert int(budget) == r["memory_budget_bytes"] / 2**20 and int(calls) == r["engine_calls"]
         assert not r["over_budget"]
     assert {r["layout"] for r in rows if r["strategy"] == "flattened"} == {"engine"}
+
+
+# dotted names in backquotes that are not fsdp_sync's code: other projects' names, config keys,
+# loggers, engine parameters (checked by their own tests)
+_NOT_OURS = {"torch", "sglang", "verl", "transformers", "peft", "os", "sys", "np", "numpy", "ray",
+             "accelerate", "dist", "json", "manager", "stats", "engine", "self", "cfg", "model",
+             "module", "args", "a", "config", "row", "rollout", "actor", "actor_rollout_ref",
+             "trainer", "custom", "algorithm", "data", "SyncConfig", "FSDPShardingManager",
+             "ReferenceEngine", "SGLangEngine", "lora", "experts"}
+_LOGGERS = {"fsdp_sync.verl"}
+
+
+def _resolves(name: str, modules: set[str]) -> bool:
+    """``name`` is a module of fsdp_sync (by its full dotted path or a tail of it, as the pages
+    write them: ``wire.per_rank_bucket_plan``), then attributes of it. A module that imports an
+    optional dependency absent here (verl's adapter) counts by its file."""
+    import importlib
+
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        head = ".".join(parts[:k])
+        found = [m for m in modules if m == head or m.endswith("." + head)]
+        for mod in found:
+            try:
+                obj = importlib.import_module(mod)
+            except ImportError:
+                return True
+            rest = parts[k:]
+            while rest and hasattr(obj, rest[0]):
+                obj, rest = getattr(obj, rest[0]), rest[1:]
+            if not rest:
+                return True
+        if found:
+            return False
+    return True          # names no module of ours: not a claim about our code
+
+
+def test_the_dotted_names_the_pages_give_exist():
+    """Every `module.function` a page names resolves in the code: docs/methods.md named
+    `transport.group.per_rank_bucket_plan` after the function had moved to `wire`."""
+    modules = set()
+    for path in (ROOT / "fsdp_sync").rglob("*.py"):
+        m = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        modules.add(m[: -len(".__init__")] if m.endswith(".__init__") else m)
+    bad = []
+    for page in PAGES:
+        for i, line in enumerate(page.read_text().splitlines(), 1):
+            for name in re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?`", line):
+                if (name.split(".")[0] in _NOT_OURS or name in _LOGGERS
+                        or name.endswith((".py", ".md", ".json", ".yaml", ".sh", ".safetensors"))):
+                    continue
+                if not _resolves(name, modules):
+                    bad.append(f"{page.relative_to(ROOT)}:{i}: {name}")
+    assert not bad, bad

@@ -88,7 +88,7 @@ class UpdateGroupCalls:
         its dtype size). ``"per_rank_bucket"`` (fsdp_sync's, not SGLang's): ``names`` are the
         engine's own parameter names and ``shapes`` one TP rank's shard shapes; each worker
         receives only its own shard, one point-to-point message from group rank 0 laid out by
-        `transport.group.per_rank_bucket_plan`. dtypes are torch attribute names (``"bfloat16"``). Refused before any
+        `wire.per_rank_bucket_plan`. dtypes are torch attribute names (``"bfloat16"``). Refused before any
         worker joins the broadcast: no open `begin_weight_update`, an unknown group, a bad dtype,
         shape or layout, lengths that differ. A sender that dies mid-broadcast makes the workers
         give up after ``update_recv_timeout_s``; the group is then dropped (make it again) and the
