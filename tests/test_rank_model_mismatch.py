@@ -37,18 +37,9 @@ def _model(rank: int, what: str, fsdp: str):
             model.model.extra = torch.nn.Linear(8, 8, bias=False)
         elif what == "shape":
             model.model.norm.weight = torch.nn.Parameter(torch.ones(72))
-    if fsdp == "2":
-        from torch.distributed.fsdp import fully_shard
+    from fsdp_sync.cli.trainer import wrap_fsdp
 
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}),
-                     device_id=torch.device("cpu"), use_orig_params=True)
+    model = wrap_fsdp(model, int(fsdp))
     return model
 
 

@@ -56,9 +56,11 @@ def test_serve_still_refuses_a_port_another_socket_listens_on(capsys):
     assert info.value.code == 2 and f"argument --port: cannot bind 127.0.0.1:{port}" in err, err
 
 
-def _serve_until_up(port: int) -> tuple[subprocess.Popen, list[str]]:
+def serve_until_up(port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+    """`fsdp-sync serve --port PORT FLAGS` in a session of its own, once it says where it serves
+    (or has exited); with the lines it printed."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", str(port), *flags],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines = []
@@ -79,7 +81,7 @@ def test_serve_restarts_on_its_port_after_a_clean_stop_with_a_kept_alive_client(
         port = s.getsockname()[1]
     first = second = None
     try:
-        first, lines = _serve_until_up(port)
+        first, lines = serve_until_up(port)
         assert first.poll() is None, "".join(lines)
         client = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         client.request("GET", "/get_model_info")
@@ -88,14 +90,19 @@ def test_serve_restarts_on_its_port_after_a_clean_stop_with_a_kept_alive_client(
         first.communicate(timeout=60)
         client.close()
         assert first.returncode == 0
-        second, lines = _serve_until_up(port)
+        second, lines = serve_until_up(port)
         assert second.poll() is None and any(f":{port}" in x for x in lines), "".join(lines)
     finally:
         for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.communicate(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.communicate()
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """SIGTERM to a `serve_until_up` server's session, SIGKILL after a minute."""
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
 from fsdp_sync.cli import app as cli
 
-from _util import ROOT
+from test_serve_port import serve_until_up, stop
 
 
 def test_the_flag_is_checked():
@@ -36,17 +32,8 @@ def test_a_served_engine_gives_up_joining_after_the_flags_seconds():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_sync.cli", "serve", "--port", str(port),
-                             "--update-recv-timeout-s", "2"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc, lines = serve_until_up(port, "--update-recv-timeout-s", "2")
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "http://" in line:
-                break
         assert proc.poll() is None, "".join(lines)
         with socket.socket() as other:
             other.bind(("127.0.0.1", 0))
@@ -65,9 +52,4 @@ def test_a_served_engine_gives_up_joining_after_the_flags_seconds():
         assert "did not answer as a torch.distributed store" in answer["message"], answer
         assert 2.0 <= seconds < 20.0, (seconds, answer)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        stop(proc)
