@@ -64,12 +64,13 @@ Not here: the sync itself (the transports), the stages around it (the manager).
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from .weights import bucket as _bucket
-from .weights import export, quantize
+from .weights import export, export_checks, quantize
 from .topology import cpu_group
 from .engines.base import checksum_named_tensors
 from .weights.layout import TPLayout, layout_for, rank_digest
@@ -138,8 +139,11 @@ def trainer_tensors(module: torch.nn.Module, config: Any, chosen: list[str], *,
     else:
         names = {n.removesuffix("_scale_inv") if quant is not None else n for n in chosen}
         # FSDP1: the chosen tensors from the flat shards ("local": the same parameters, gathered
-        # one at a time), whatever the sync's state-dict type: "full" would unshard the whole model
-        it = export.iter_params(module, dtype=dtype, fsdp1_state_dict="local", names=names)
+        # one at a time), whatever the sync's state-dict type: "full" would unshard the whole model.
+        # Units made with a device_mesh refuse "local" (torch): there, "sharded" does the same
+        local = SimpleNamespace(fsdp1_state_dict="local")
+        kind = "local" if export_checks.state_dict_refusal(module, local) is None else "sharded"
+        it = export.iter_params(module, dtype=dtype, fsdp1_state_dict=kind, names=names)
         yield from (quant.named(it) if quant is not None else it)
 
 
