@@ -264,20 +264,28 @@ class FSDPShardingManager:
                     fn()
             except BaseException as exc:  # noqa: BLE001 - finish restoring, then raise
                 errors.append(exc)
+        # a Ctrl-C or exit while restoring comes out as itself, even over an error on its way out:
+        # a loop catching SyncError (or Exception) to retry must not swallow it (the other ranks
+        # get the SyncError of the agree)
+        interrupt = next((e for e in errors if not isinstance(e, Exception)), None)
+        if original is not None and not isinstance(original, Exception):
+            interrupt = None                        # already an interrupt on its way out: it wins
+        agreed: SyncError | None = None
         if collective:
             mine = errors[0] if errors else (
                 None if original is None else f"{type(original).__name__}{_INSIDE}: {original}")
             try:
                 self._agree(mine, what="exit")
             except SyncError as exc:
-                if original is None:
-                    if errors and not isinstance(errors[0], Exception):
-                        # the other ranks have the SyncError; this one keeps its Ctrl-C or exit,
-                        # which a loop catching SyncError (or Exception) to retry must not swallow
-                        raise errors[0] from exc
+                agreed = exc
+                if original is None and interrupt is None:
                     raise
-                if not _only_passed_on(exc):   # some rank's restoring failed: say so with ours
+                if original is not None and not _only_passed_on(exc):   # some rank's restoring failed
                     errors = [exc]
+        if interrupt is not None:
+            if original is not None:
+                interrupt.add_note(f"while restoring after {type(original).__name__}: {original}")
+            raise interrupt from (original if original is not None else agreed)
         if errors and original is None:
             raise errors[0]
         for err in errors:

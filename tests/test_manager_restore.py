@@ -142,11 +142,14 @@ def test_making_a_manager_leaves_every_cuda_generator_alone(engine, tmp_path):
         manager.close()
 
 
+@pytest.mark.parametrize("body_raises", [False, True], ids=["clean-exit", "body-raised"])
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
-def test_ctrl_c_while_the_exit_releases_memory_stays_ctrl_c(engine, tmp_path, monkeypatch, interrupt):
+def test_ctrl_c_while_the_exit_releases_memory_stays_ctrl_c(engine, tmp_path, monkeypatch, interrupt,
+                                                             body_raises):
     """A Ctrl-C (or a SystemExit) while the exit waits for the engine to release its memory came out
     of the block as a SyncError: a RuntimeError, which a loop that catches SyncError (or Exception)
-    to retry a step swallowed, training on. The interrupt itself comes out now, the module's modes
+    to retry a step swallowed, training on; over an exception of the body it became a note of that
+    exception. The interrupt itself comes out now (noting the body's error), the module's modes
     and the RNG stream still restored, and the next block works. (The exit's release stage is
     interrupted here: the disk method's engine keeps its memory, so there is no engine call to
     interrupt.)"""
@@ -164,9 +167,13 @@ def test_ctrl_c_while_the_exit_releases_memory_stays_ctrl_c(engine, tmp_path, mo
         before = _modes(module)
         rng = torch.get_rng_state()
         monkeypatch.setattr(manager, "_release", interrupted)
-        with pytest.raises(interrupt, match="pressed during release"):
+        with pytest.raises(interrupt, match="pressed during release") as info:
             with manager:
                 torch.rand(3)       # the rollout's draws
+                if body_raises:
+                    raise RuntimeError("a rollout request failed")
+        if body_raises:
+            assert "while restoring after RuntimeError: a rollout request failed" in info.value.__notes__
         assert calls and _modes(module) == before and torch.equal(torch.get_rng_state(), rng)
         with manager:
             assert engine.weight_version == str(manager.version)
