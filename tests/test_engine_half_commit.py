@@ -31,10 +31,10 @@ def _sync(e: ReferenceEngine, named: list, version: str) -> None:
     e.end_weight_update(weight_version=version)
 
 
-def _engine(tp_size: int, fault: str, monkeypatch) -> ReferenceEngine:
+def _engine(tp_size: int, fault: str, monkeypatch, after: str = "1") -> ReferenceEngine:
     # the workers take the fault from the environment they start with; it passes the first `end`
     monkeypatch.setenv(FAULT_ENV, fault)
-    monkeypatch.setenv("FSDP_SYNC_FAULT_AFTER", "1")
+    monkeypatch.setenv("FSDP_SYNC_FAULT_AFTER", after)
     try:
         return ReferenceEngine("tiny", tp_size=tp_size, kv_cache_tokens=64, call_timeout_s=60, pg_timeout_s=30)
     finally:
@@ -102,3 +102,27 @@ def test_ctrl_c_while_the_workers_commit_breaks_the_engine(monkeypatch):
         with pytest.raises(WorkerDiedError, match="interrupted while the TP ranks committed") as info:
             e.generate([[1, 2, 3]], max_new_tokens=2)
         assert "shut it down and start a new one" in str(info.value)
+
+
+def test_a_copy_aside_failing_in_a_transaction_aborts_it_and_the_engine_serves_on(monkeypatch):
+    """A transactional update's call copies what it receives aside (the weights stay as they were
+    until end_weight_update). One worker's copy failing (out of memory, say; injected here on TP
+    rank 1) marked the engine broken, though no rank's weights had changed: it served nothing more
+    until restarted. Now the transaction is aborted on every rank, the call raises a
+    WeightUpdateError saying nothing was applied, the previous weights serve, and the next update
+    goes through."""
+    # the first sync writes the start-up weights in place; the second copies aside
+    with _engine(2, "worker:1:stage_aside:raise", monkeypatch, after="0") as e:
+        old, new = _model(0), _model(1)
+        _sync(e, old, "1")
+        before = e.weights_checksum()
+        assert before == checksum_named_tensors(old)
+        e.begin_weight_update()
+        with pytest.raises(WeightUpdateError, match="TP rank 1: copying the update aside failed .*"
+                                                    "nothing was applied on this rank"):
+            e.update_weights_from_tensor(new)
+        assert e.end_weight_update(abort=True) is True
+        assert e.weights_checksum() == before and e.weight_version == "1"
+        assert len(e.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2
+        _sync(e, new, "2")
+        assert e.weights_checksum() == checksum_named_tensors(new) and e.weight_version == "2"

@@ -92,6 +92,7 @@ from ..base import (EngineClosedError, EngineError, EngineStateError, EngineUnav
 from . import procs, quant
 from .disk_calls import DiskCalls
 from .engine_args import check_engine_args
+from .errors import NOTHING_APPLIED
 from .gpu_calls import GPUCalls
 from .group_calls import UpdateGroupCalls
 from .lora_calls import LoRACalls
@@ -515,7 +516,14 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             # tied heads a later call's embedding (or the commit's check) must still meet
             self._txn_heads = any(isinstance(rep[1], dict) and rep[1].get("pending_heads")
                                   for rep in staged.values())
-            if any(rep[0] != "ok" for rep in committed.values()):
+            failed = [rep for rep in committed.values() if rep[0] != "ok"]
+            if failed and self._in_txn and all(NOTHING_APPLIED in str(rep[2]) for rep in failed):
+                # a staging transaction's copies aside: no rank's weights changed, so the
+                # transaction is aborted (every rank drops what it put aside), the engine serves on
+                phase = "aborted"
+                self._abort_all(what, str(failed[0][2]))
+                self._raise_errors(committed, what + " (commit)")
+            if failed:
                 # copies only fail on e.g. out-of-memory; ranks may now disagree on their weights
                 self._broken = (f"{what}: commit failed on TP ranks "
                                 f"{sorted(r for r, rep in committed.items() if rep[0] != 'ok')}; the "

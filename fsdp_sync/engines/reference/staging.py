@@ -39,11 +39,12 @@ from typing import Any
 
 import torch
 
+from ...faultpoint import fault_point
 from ...weights import handles
 from ...weights.bucket import KnownMetadata, copy_many, dtype_name
 from ...weights.experts import fused_hint
 from ...wire import open_flattened_bucket
-from .errors import KIND_STATE, KIND_UPDATE, WorkerError
+from .errors import KIND_STATE, KIND_UPDATE, NOTHING_APPLIED, WorkerError
 from .quant import dtype_refusal, scale_refusal
 from .tied_head import HEAD, TiedHeads
 
@@ -572,6 +573,7 @@ class UpdateStager:
         writes, self.call = self.call or [], None
         t0 = time.perf_counter()
         t_ack = t0
+        aside = False
         try:
             covers = {c for w in writes for c in w.covers}
             if self.txn is None:
@@ -579,6 +581,8 @@ class UpdateStager:
                 self._covered(covers)
                 self.dummy = False
             elif self.txn.staging:
+                aside = True
+                fault_point("worker", self.w.rank, "stage_aside")      # FSDP_SYNC_FAULT
                 self._files_unchanged()
                 for w in writes:     # the sender frees its buffer after the call; a file's tensor is read
                     if not isinstance(w.src, torch.Tensor):
@@ -593,7 +597,10 @@ class UpdateStager:
                 self._apply(writes)                     # nothing to protect: write in place
                 self.txn.covers |= covers
                 self.dummy = False
-        except BaseException:
+        except BaseException as exc:
+            if aside and isinstance(exc, Exception):    # copied aside only: the weights are untouched
+                raise WorkerError(KIND_UPDATE, f"TP rank {self.w.rank}: copying the update aside failed "
+                                               f"({type(exc).__name__}: {exc}); {NOTHING_APPLIED}") from exc
             self.valid = False
             raise
         finally:
