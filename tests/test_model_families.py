@@ -326,3 +326,28 @@ def test_a_llama_with_mlp_biases_into_sglang_is_refused_before_anything_is_sent(
     check_engine(build_model(load_config("tiny", model_type="llama"), seed=3), engine, SyncConfig(), None,
                  where="")
     check_engine(module, object(), SyncConfig(), None, where="")
+
+
+def test_a_sliding_window_switch_over_full_attention_layers_is_served():
+    """``use_sliding_window: true`` with ``max_window_layers`` at least the layer count: transformers
+    makes every layer full attention (``layer_types``), as SGLang's Qwen2 does (it has no window).
+    The reference engine refused it as "sliding-window attention is not supported (layer_types
+    ['full_attention', 'full_attention'])", contradicting itself; a window on any layer is still
+    refused. The engine built from it computes the trainer's logits."""
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights.layout import layout_for
+
+    full = load_config("tiny", use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    assert full.layer_types == ["full_attention"] * 2
+    assert layout_for(full, 1).spec.unsupported == ""
+    windowed = load_config("tiny", use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    assert "sliding-window attention is not supported" in layout_for(windowed, 1).spec.unsupported
+    model = build_model(full, seed=4).eval()
+    prompt = [[5, 9, 2, 44, 7]]
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor(prompt)).logits[0, -1].float()     # the next token's
+    with ReferenceEngine(model_config=full, tp_size=1, kv_cache_tokens=64, dtype=torch.float32) as e:
+        e.update_weights_from_tensor(list(model.state_dict().items()))
+        got = e.forward_logits(prompt)[0]
+    assert torch.allclose(got.float(), want, atol=1e-4), (got - want).abs().max()

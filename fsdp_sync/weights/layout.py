@@ -135,7 +135,10 @@ class ModelSpec:
             unsupported.append(f"expected the default rope, got rope_type {rope_type!r}")
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         layer_types = getattr(cfg, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types) or getattr(cfg, "use_sliding_window", False):
+        # transformers decides each layer's attention by layer_types where the config has them
+        # (use_sliding_window with max_window_layers >= the layer count: every layer full)
+        if any(t != "full_attention" for t in layer_types) or (
+                not layer_types and getattr(cfg, "use_sliding_window", False)):
             unsupported.append(f"sliding-window attention is not supported (layer_types {layer_types})")
         elif mt in ("qwen3_moe", "mixtral") and getattr(cfg, "sliding_window", None) is not None:
             unsupported.append(f"sliding-window attention is not supported ({mt} sliding_window "
