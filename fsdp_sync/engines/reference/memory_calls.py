@@ -11,6 +11,7 @@ validity after a release without a backup (`staging`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..base import (RELEASE_ORDER, RESUME_ORDER, EngineClosedError, EngineError, EngineStateError,
@@ -43,16 +44,22 @@ class MemoryCalls:
                 raise EngineStateError("cannot resume memory inside begin/end_weight_update")
             self._call("resume", {"tags": tags}, what=f"resume_memory_occupation({tags})")
 
-    def flush_cache(self) -> None:
-        """Nothing is cached between requests (no prefix cache); checks the workers answer. Waits
-        for running requests as an update does; refused (`EngineStateError`) while requests
-        paused in place hold the KV cache, as SGLang refuses it."""
-        with self._gate("flush_cache"):
-            if self._sched.holds_kv():
-                raise EngineStateError(f"flush_cache: {self._sched.holds_kv()} requests paused in place "
-                                       f"hold the KV cache (SGLang refuses a flush then); "
-                                       f"continue_generation() first, or pause with mode 'retract'")
-            self._call("flush_cache")
+    def flush_cache(self, timeout_s: float = 0.0) -> None:
+        """Nothing is cached between requests (no prefix cache); checks the workers answer. As
+        SGLang's, done only while no request runs or waits, and otherwise refused at once with
+        `EngineStateError` (SGLang answers 400, "Flush cache failed"), also while requests paused
+        in place hold the KV cache; requests waiting while generation is paused do not count.
+        ``timeout_s`` > 0 (SGLang's ``/flush_cache?timeout=``): wait up to that long for no
+        request to run or wait, without holding new ones back ("Timed out waiting for idle
+        state" past it). It never waits for running requests the way an update does, nor holds
+        new ones back longer than the flush itself (`scheduler.Scheduler.idle`)."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+                not 0 <= timeout_s < math.inf:
+            raise ValueError(f"flush_cache: timeout_s must be a number of seconds >= 0, got "
+                             f"{timeout_s!r}")
+        with self._sched.idle(float(timeout_s), "flush_cache"):
+            with self._gate("flush_cache"):      # the lock, within this thread's `wait_limit`
+                self._call("flush_cache")
 
     def memory_stats(self) -> dict:
         """Per worker: weights/KV/backup/staging bytes, RSS/USS (and CUDA allocator stats), plus totals.

@@ -24,6 +24,10 @@ at the front, to be recomputed after `resume` (a prefill of prompt + the tokens 
 whatever weights are loaded then); ``in_place`` only stops stepping: rows keep their KV and go on
 from it. While paused, new requests queue; none is refused.
 
+Cache flushes (`idle`), as SGLang's: a flush runs only while no request runs or waits, and is
+refused at once otherwise (or, given a timeout, waits for that without holding new requests back);
+it never waits behind running requests the way an update does.
+
 Out of service (`set_out_of_service`, the fleet's quarantine): new requests are refused with
 `EngineUnavailableError` naming the reason, and the requests in flight end as aborted, so nothing
 computed with weights the fleet gave up on is served.
@@ -49,7 +53,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ..base import EngineClosedError, EngineError, EngineUnavailableError, WorkerDiedError
+from ..base import (EngineClosedError, EngineError, EngineStateError, EngineUnavailableError,
+                    WorkerDiedError)
 from .generation import Sampling, input_token_logprobs
 
 __all__ = ["Scheduler", "Call", "Row", "StepRecord", "PAUSE_MODES", "weight_version_spans", "kv_need",
@@ -175,6 +180,7 @@ class Scheduler:
         self._changes: dict[Call, dict] = {}
         self._paused: str | None = None
         self._held = 0                     # weight updates waiting for, or holding, the engine
+        self._flush_waiting = False        # an `idle` wait with a timeout is under way
         self._out: str | None = None       # out of service: why
         self._pause_at: int | None = None  # `pause_after`: the step after which to pause in place
         self._closed: BaseException | None = None
@@ -297,6 +303,66 @@ class Scheduler:
             with self._cond:
                 self._held -= 1
                 self._cond.notify_all()
+
+    @contextmanager
+    def idle(self, timeout_s: float = 0.0, what: str = "flush_cache") -> Iterator[None]:
+        """SGLang's flush gate (its scheduler's ``flush_cache`` behind ``SchedulerFlushWrapper``):
+        the block runs only while no request runs or waits, and admits none until it ends. With
+        ``timeout_s`` 0 it is now or never, and requests waiting while generation is paused (held
+        back or retracted: they hold no KV) do not count, as SGLang's ``ignore_waiting``; rows
+        paused in place do. Above 0 it waits up to ``timeout_s`` for none to run or wait, holding
+        nothing meanwhile (new requests are admitted, as SGLang admits them beside a pending
+        flush); one such wait at a time. Refused: `EngineStateError` (SGLang's 400), nothing done.
+        Enter it before taking the engine's lock; an `exclusive` block inside counts once."""
+        nested = bool(getattr(self._local, "depth", 0))     # inside this thread's `exclusive`
+        with self._cond:
+            if self._flush_waiting:
+                raise EngineStateError(f"{what}: Another flush_cache is already in progress "
+                                       f"(one waits for idle with a timeout); nothing was done")
+            if timeout_s > 0 and not nested and self._busy(strict=True):
+                self._flush_waiting = True
+                deadline = time.monotonic() + timeout_s
+                try:
+                    while self._busy(strict=True) and (left := deadline - time.monotonic()) > 0:
+                        self._cond.wait(min(self.IDLE_WAIT_S, left))
+                finally:
+                    self._flush_waiting = False
+                if self._busy(strict=True):
+                    raise EngineStateError(
+                        f"{what}: Timed out waiting for idle state (SGLang's words): after "
+                        f"{timeout_s:g} s {self._busy_text()}; nothing was done")
+            elif self._busy(strict=False):
+                if self._paused == "in_place" and self._running:
+                    why = (f"{len(self._running)} request(s) paused in place hold the KV cache "
+                           f"(SGLang refuses a flush then); continue_generation() first, or pause "
+                           f"with mode 'retract'")
+                else:
+                    why = (f"{self._busy_text()}; SGLang flushes only when no request runs or "
+                           f"waits: retry when they end, or give a timeout to wait for that "
+                           f"(?timeout=SECONDS on /flush_cache)")
+                raise EngineStateError(f"{what}: Flush cache failed (SGLang's words): {why}; "
+                                       f"nothing was done")
+            if not nested:
+                self._held += 1
+        if nested:
+            yield
+            return
+        self._local.depth = 1
+        try:
+            yield
+        finally:
+            self._local.depth = 0
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+    def _busy(self, strict: bool) -> bool:
+        """Whether a request runs or (``strict``, or not paused) waits; under ``_cond``."""
+        return self._closed is None and bool(self._running or (
+            self._waiting and (strict or self._paused is None)))
+
+    def _busy_text(self) -> str:
+        return f"{len(self._running)} request(s) running and {len(self._waiting)} waiting"
 
     def pause(self, engine: Any, mode: str) -> None:
         """SGLang's ``pause_generation`` (see the module docstring). Call holding the engine's

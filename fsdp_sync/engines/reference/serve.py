@@ -12,7 +12,7 @@ weights, on a CPU machine:
     POST /init_weights_update_group  /update_weights_from_distributed  /destroy_weights_update_group
     POST /update_weights_from_disk  /release_memory_occupation  /resume_memory_occupation
                                        (`serve_updates`: one at a time, bounded waits)
-    POST /flush_cache
+    POST /flush_cache [?timeout=S]     (`serve_cache`: only while no request runs or waits, as SGLang)
     POST /get_weights_by_name          {name, truncate_size}
     (these four also on GET, as SGLang takes them)
     POST /fsdp_sync/tensor_checksums   {names}  (fsdp_sync's own: what SyncConfig.verify reads)
@@ -63,7 +63,7 @@ Connections stay open between requests (HTTP/1.1, ``TCP_NODELAY``: a sync's call
 
 Not here: the command and its flags (`fsdp_sync.cli.serve`), the engine (`engines.reference`), the
 client (`engines.sglang`), the field checks and error statuses (`http_fields`), the update routes
-(`serve_updates`), the control routes and the health answers out of service or paused
+(`serve_updates`), the cache flush (`serve_cache`), the control routes and the health answers out of service or paused
 (`serve_control`), TLS (put a proxy in front, or keep the loopback default), tokenization
 (``text`` prompts are refused: send ``input_ids``).
 """
@@ -83,6 +83,7 @@ from typing import Any, Callable, Sequence
 
 from .generate_request import ClientWatch, GenerateRefused, parse_generate
 from .http_fields import Refused, body_field, check_disk_path, error_status, error_text, tags_field
+from .serve_cache import CacheRoutes
 from .serve_control import ControlRoutes
 from .serve_lora import LoRARoutes
 from .serve_updates import UpdateRoutes
@@ -99,7 +100,7 @@ UNKNOWN_PATH = "<unknown>"
 
 # --------------------------------------------------------------------------- the server
 
-class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
+class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
     """SGLang's HTTP routes over ``engine`` (see the module docstring). ``start()`` serves in a
     thread; ``close()`` stops serving (the engine is its owner's to shut down)."""
 
@@ -454,7 +455,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
                 lambda b: self._update("release_memory_occupation", {"tags": tags_field(b)}),
             "/resume_memory_occupation":
                 lambda b: self._update("resume_memory_occupation", {"tags": tags_field(b)}),
-            "/flush_cache": self._flush_cache,
+            "/flush_cache": lambda b: self._flush_cache(b, h.path if h is not None else ""),
             "/get_weights_by_name": self._get_weights_by_name,
             "/fsdp_sync/tensor_checksums": self._tensor_checksums,
             **self.lora_routes(),        # SGLang's LoRA routes (`serve_lora`)
@@ -616,11 +617,6 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes):
         if not callable(fn):
             raise Refused(404, f"this engine has no {name}")
         return fn
-
-
-    def _flush_cache(self, body: dict) -> tuple[int, Any]:
-        self.engine.flush_cache()
-        return 200, "Cache flushed.\n"
 
     def _get_weights_by_name(self, body: dict) -> tuple[int, Any]:
         name = body_field(body, "name", str)
