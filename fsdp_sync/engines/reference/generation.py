@@ -32,7 +32,7 @@ import torch
 
 from .tp_model import Span
 
-__all__ = ["Sampling", "pick", "Decode", "SAMPLING_KEYS", "draw_seed", "sample_seed"]
+__all__ = ["Sampling", "pick", "Decode", "SAMPLING_KEYS", "NO_LIMIT", "draw_seed", "sample_seed"]
 
 # SGLang's sampling_params keys this engine honours, and the ones that are accepted only at the
 # value that changes nothing here (penalties off; options that shape detokenized text, which this
@@ -58,6 +58,10 @@ def _num(sp: dict, key: str, default: Any, ok: Callable[[float], bool], expected
         raise ValueError(f"sampling_params.{key} must be {expected}, got {v!r}")
     return v
 
+
+NO_LIMIT = 1 << 30
+"""``max_new_tokens`` of a request that gives it as null (SGLang's scheduler's stand-in), before
+the context length caps it (`rollout.fit_max_new_tokens`)."""
 
 GREEDY_BELOW = 1e-6
 """A temperature below this samples greedily (SGLang's ``_SAMPLING_EPS``)."""
@@ -105,10 +109,13 @@ class Sampling:
             elif key not in _TEXT_ONLY:
                 raise ValueError(f"sampling_params.{key} is not supported by this engine; supported: "
                                  f"{', '.join(SAMPLING_KEYS)}")
-        max_new = _num(sp, "max_new_tokens", default_max_new_tokens, lambda v: v >= 0,
-                       ">= 0", integer=True)
+        # missing: SGLang's default (128); null: no limit of its own (SGLang's 1 << 30), so the
+        # context decides (`rollout.fit_max_new_tokens`), and min_new_tokens is not held to it
+        unlimited = "max_new_tokens" in sp and sp["max_new_tokens"] is None
+        max_new = NO_LIMIT if unlimited else \
+            _num(sp, "max_new_tokens", default_max_new_tokens, lambda v: v >= 0, ">= 0", integer=True)
         min_new = _num(sp, "min_new_tokens", 0, lambda v: 0 <= v, ">= 0", integer=True)
-        if min_new > max_new:
+        if min_new > max_new and not unlimited:
             raise ValueError(f"sampling_params.min_new_tokens ({min_new}) must be <= max_new_tokens "
                              f"({max_new})")
         temperature = float(_num(sp, "temperature", 1.0, lambda v: v >= 0, ">= 0 (0 is greedy)"))

@@ -21,7 +21,7 @@ from ..base import EngineStateError, EngineUnavailableError
 from .generation import Sampling, input_token_logprobs, sample_seed
 from .scheduler import PAUSE_MODES, check_version, kv_need, weight_version_spans
 
-__all__ = ["GenerationCalls"]
+__all__ = ["GenerationCalls", "fit_max_new_tokens"]
 
 
 def _token_id(t: Any) -> int | None:
@@ -46,6 +46,48 @@ def _ids_of(p: Any) -> list | None:
 def _shown(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def fit_max_new_tokens(prompt_len: int, s: Sampling, *, given: bool, context: int | None,
+                       kv_tokens: int | None) -> Sampling:
+    """``s`` with SGLang 0.5.23's ``max_new_tokens`` for a prompt of ``prompt_len`` tokens, or
+    SGLang's refusal (`ValueError`, its words). ``given``: the request gave ``max_new_tokens`` (not
+    missing, not null); ``s.max_new_tokens`` is then that, else SGLang's default 128 (missing) or
+    `generation.NO_LIMIT` (null). As SGLang:
+
+    - a prompt of ``context`` tokens or more is refused (``TokenizerManager._validate_one_request``);
+    - a given ``max_new_tokens`` that with the prompt exceeds ``context`` is refused (only a given
+      one: a default or null one is capped instead);
+    - every request's is capped at ``max_req_len - prompt_len - 1``, ``max_req_len`` being
+      ``context - 1`` (``Scheduler.init_req_max_new_tokens``), so a prompt and its output hold
+      ``context - 2`` tokens at most, and ``min_new_tokens`` at that cap;
+    - a prompt of ``max_req_len - 5`` tokens or more is refused (``validate_input_length``).
+
+    SGLang's ``max_req_len`` is also below its KV pool: for a ``max_new_tokens`` not given this
+    engine's KV cache (``kv_tokens``) caps it the same way, so such a request is never refused for
+    the cache's size; a given one the cache cannot hold is refused (`generate_requests`), where
+    SGLang would cut it to its pool."""
+    if context is not None and prompt_len >= context:
+        raise ValueError(f"The input ({prompt_len} tokens) is longer than the model's context length "
+                         f"({context} tokens).")
+    if given and context is not None and prompt_len + s.max_new_tokens > context:
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of {context} "
+            f"tokens. You requested a total of {prompt_len + s.max_new_tokens} tokens: {prompt_len} "
+            f"tokens from the input messages and {s.max_new_tokens} tokens for the "
+            f"completion. Please reduce the number of tokens in the input messages or the "
+            f"completion to fit within the limit.")
+    if context is not None and prompt_len >= context - 1 - 5:
+        raise ValueError(f"Input length ({prompt_len} tokens) exceeds the maximum allowed length "
+                         f"({context - 6} tokens). Use a shorter input (SGLang's limit: the context "
+                         f"length {context} less 6; this engine does not truncate).")
+    bounds = [b for b in (context, None if given else kv_tokens) if b is not None]
+    if not bounds:
+        return s
+    max_new = max(0, min(s.max_new_tokens, min(bounds) - 1 - prompt_len - 1))
+    if max_new == s.max_new_tokens and s.min_new_tokens <= max_new:
+        return s
+    return dataclasses.replace(s, max_new_tokens=max_new, min_new_tokens=min(s.min_new_tokens, max_new))
 
 
 class GenerationCalls:
@@ -148,14 +190,10 @@ class GenerationCalls:
         specs = [dataclasses.replace(Sampling.from_sglang(sp, eos=eos, vocab=self.spec.vocab_size), lora=lp)
                  for sp, lp in zip(sps, loras)]
         ctx = getattr(self.config, "max_position_embeddings", None)
-        for i, (p, s) in enumerate(zip(prompts, specs)):
-            if ctx is not None and len(p) + s.max_new_tokens > ctx:   # SGLang's words
-                raise ValueError(
-                    f"Requested token count exceeds the model's maximum context length of {ctx} "
-                    f"tokens. You requested a total of {len(p) + s.max_new_tokens} tokens: {len(p)} "
-                    f"tokens from the input messages and {s.max_new_tokens} tokens for the "
-                    f"completion. Please reduce the number of tokens in the input messages or the "
-                    f"completion to fit within the limit.")
+        for i, (p, s, sp) in enumerate(zip(prompts, specs, sps)):
+            given = isinstance(sp, dict) and sp.get("max_new_tokens") is not None
+            specs[i] = s = fit_max_new_tokens(len(p), s, given=given, context=ctx,
+                                              kv_tokens=self.kv_cache_tokens)
             need = kv_need(len(p), s)
             if need > self.kv_cache_tokens:
                 raise EngineStateError(f"generate: prompt {i} ({len(p)} tokens) + max_new_tokens "
