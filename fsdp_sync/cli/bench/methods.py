@@ -338,20 +338,43 @@ def flag_over_budget(rows: list[dict]) -> list[dict]:
 
 
 def over_budget_line(r: dict) -> str:
-    """What a row over its budget took, against the rule (a CUDA row: its GPU's allocator rise)."""
+    """What a row over its budget took, against the rule (a CUDA row: its GPU's allocator rise). A
+    CPU row with each process's peak names the process furthest over its own budget
+    (`targets.process_ratios`: a trainer rank against the trainer's rule, an engine worker against
+    the engine's), with that process's peak and budget; the row's ``peak_extra_bytes`` is the
+    largest peak of any process, which another process's budget does not bound."""
     gpu = r.get("gpu_memory") or {}
-    if "engine_budget_mib" in gpu:      # disaggregated: each process against its own rule
-        took = (f"GPU: trainer {gpu['trainer_peak_allocated_mib']:.1f} MiB, engine workers "
-                f"{', '.join(f'{w:.1f}' for w in gpu.get('engine_workers_peak_allocated_mib', []))} MiB")
-    elif "within_budget" in gpu:
-        took = (f"GPU {gpu['device_peak_allocated_mib']:.1f} MiB (trainer "
-                f"{gpu['trainer_peak_allocated_mib']:.1f} + its GPU's engine worker)")
-    else:
-        took = f"{r['peak_extra_bytes'] / MiB:.1f} MiB"
-    return (f"{r['strategy']}: {took} > {r['memory_budget_bytes'] / MiB:.1f} MiB = {r['memory_budget_rule']}"
-            + (f" (an engine worker: {r['engine_memory_budget_bytes'] / MiB:.1f} MiB "
-               f"= {r['engine_memory_budget_rule']})" if "engine_memory_budget_bytes" in r
-               and ("engine_budget_mib" in gpu or not gpu) else ""))
+    if "engine_budget_mib" in gpu or "within_budget" in gpu:
+        if "engine_budget_mib" in gpu:      # disaggregated: each process against its own rule
+            took = (f"GPU: trainer {gpu['trainer_peak_allocated_mib']:.1f} MiB, engine workers "
+                    f"{', '.join(f'{w:.1f}' for w in gpu.get('engine_workers_peak_allocated_mib', []))} MiB")
+        else:
+            took = (f"GPU {gpu['device_peak_allocated_mib']:.1f} MiB (trainer "
+                    f"{gpu['trainer_peak_allocated_mib']:.1f} + its GPU's engine worker)")
+        return (f"{r['strategy']}: {took} > {r['memory_budget_bytes'] / MiB:.1f} MiB = {r['memory_budget_rule']}"
+                + (f" (an engine worker: {r['engine_memory_budget_bytes'] / MiB:.1f} MiB "
+                   f"= {r['engine_memory_budget_rule']})" if "engine_memory_budget_bytes" in r
+                   and "engine_budget_mib" in gpu else ""))
+    ratios = process_ratios(r)
+    worst = max(ratios, key=ratios.get)
+    if worst == "device":
+        return (f"{r['strategy']}: {r['peak_extra_bytes'] / MiB:.1f} MiB > "
+                f"{r['memory_budget_bytes'] / MiB:.1f} MiB = {r['memory_budget_rule']}")
+    engine = worst.startswith("engine")
+    budget = r["engine_memory_budget_bytes" if engine else "memory_budget_bytes"]
+    rule = r["engine_memory_budget_rule" if engine else "memory_budget_rule"]
+    peak, cap = _two_mib(r["peak_extra_by_process"][worst], budget)
+    return f"{r['strategy']}: {worst} {peak} > its budget {cap} = {rule}"
+
+
+def _two_mib(a: int, b: int) -> tuple[str, str]:
+    """``a`` and ``b`` bytes in MiB with the fewest decimals (1 to 3) that tell them apart (a peak
+    2.23 MiB over a budget of 2.19 MiB printed as '2.2 > 2.2' read as false), else in bytes."""
+    for d in (1, 2, 3):
+        x, y = f"{a / MiB:.{d}f}", f"{b / MiB:.{d}f}"
+        if x != y:
+            return f"{x} MiB", f"{y} MiB"
+    return f"{a} bytes", f"{b} bytes"
 
 
 def _row(job, method, fmt, bucket_bytes, params, tensors, stats, secs, med, floor, manager, sampler,
