@@ -34,7 +34,9 @@ partly updated — only ever sees complete, immutable directories:
 5. versions beyond the newest ``disk_keep`` (the one just published counted) are removed, never the
    one the engines serve: renamed out of view first, then deleted on trainer rank 0 by a thread
    while the engines load (step 4 waits for it; even a failed load leaves the served version),
-   and once the load succeeded the version served before it where ``disk_keep`` is 1. The newest
+   and once the load succeeded the version served before it where ``disk_keep`` is 1. Before step
+   2 rank 0 also drops those beyond ``disk_keep`` with ``loaded`` counted (a version a refused load
+   published), so a write never needs more room than the steady state's. The newest
    of them is kept, hidden, as the pool ``<disk_dir>/.recycle``: the next sync's writers move each
    file of the same name out of it and overwrite it in place (`disk_writer.write_shard`), so its
    pages are reused instead of fresh ones allocated and zeroed while the old ones are freed (on
@@ -107,7 +109,7 @@ from .. import fleet
 from ..config_check import load_refusal
 from .disk_ranked import NO_RANK_CHECKPOINTS, HashAhead, choose_layout, publish_ranked, write_rank_buckets
 from .disk_writer import OneWriter, agree_on, all_gather, broadcast, disk_hash, float_dtype, plain_alloc
-from .disk_writer import rank_world, write_shard as _write_shard   # tests replace _write_shard here
+from .disk_writer import disk_floor, rank_world, write_shard as _write_shard   # tests replace _write_shard here
 from ..weights import bucket as _bucket
 from ..weights import export
 from ..weights import hf_checkpoint as ckpt
@@ -214,7 +216,7 @@ class DiskTransport:
             self._check_tied_head(ctx, group, what)
 
         # 1. rank 0 makes the temp directory; the writers are the ranks that can see it
-        tmp, pool, err = None, None, None
+        tmp, pool, err, dropped = None, None, None, []
         if rank == 0:
             try:
                 os.makedirs(self.directory, exist_ok=True)
@@ -233,6 +235,7 @@ class DiskTransport:
                         f"this manager numbers its versions from its own step, so keep-N would "
                         f"drop the new one as older: use a fresh disk_dir, or remove the old "
                         f"step_* directories first")
+                dropped = self._drop_before_write()     # their hidden names swept just below
                 self._sweep_hidden()
                 tmp = os.path.join(self.directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
                 os.mkdir(tmp)
@@ -312,7 +315,7 @@ class DiskTransport:
                 ahead.drop()
             raise
         finally:
-            pruned = pruning.finish() if pruning is not None else []
+            pruned = dropped + (pruning.finish() if pruning is not None else [])
         load_s = time.perf_counter() - t_load
         # what the engine ranks read (the engines that count it: the reference engine), on every rank
         read = [max(getattr(e, "disk_bytes_read", None) or [0]) for e in ctx.engines or []
@@ -573,14 +576,38 @@ class DiskTransport:
         return doomed
 
     def _hide_doomed(self) -> tuple[list[str], list[str]]:
-        """Rename the versions `_prune` removes out of view at once: the newest of them becomes the
-        pool (`POOL`) the next sync's writers take their files from, the rest and the pool before
-        it get hidden names, to be deleted (and swept by the next sync if their deletion never
-        ends); returns (versions, hidden paths)."""
+        """The versions `_prune` removes, out of view at once (`_hide`); returns (versions, hidden
+        paths)."""
         versions = self._versions()
         # never the version just published (`_start_prune` runs while the engines load it)
         newest = os.path.join(self.directory, f"step_{self.published}") if self.published is not None else None
         doomed = [p for _, p in versions[:-self.keep] if p != self.loaded and p != newest]
+        return doomed, self._hide(doomed)
+
+    def _drop_before_write(self) -> list[str]:
+        """Step 1 on trainer rank 0, before a byte is written: the write may have beside it
+        ``disk_keep`` published versions, ``loaded`` (never dropped) counted, as in the steady
+        state, so no sync needs more room than that. A version published but never loaded (a
+        refused load) is dropped here: keep-N runs only after a publish, and under ``disk_keep=1``
+        it stayed beside the served one, so every later write needed room for a third version
+        (ENOSPC at every sync on a disk sized for two). Out of view by `_hide` (its files become
+        the pool this write reuses); returns them."""
+        paths = [p for _, p in self._versions()]
+        others = [p for p in paths if p != self.loaded]
+        doomed = others[:max(0, len(others) - (self.keep - (self.loaded in paths)))]
+        try:
+            self._hide(doomed)
+        except OSError as exc:   # as `_start_prune`'s: the write may still find room
+            warnings.warn(f"could not remove old versions under {self.directory}: {exc}",
+                          RuntimeWarning, stacklevel=3)
+            return []
+        return doomed
+
+    def _hide(self, doomed: list[str]) -> list[str]:
+        """Rename ``doomed`` (versions, oldest first) out of view: the newest becomes the pool
+        (`POOL`) the next write's files are taken from, the rest and the pool before it get hidden
+        names, to be deleted (and swept by the next sync if their deletion never ends); returns
+        the hidden paths."""
         hidden = []
         pool = os.path.join(self.directory, POOL)
         for path in doomed[:-1] + ([pool] if doomed and os.path.lexists(pool) else []):
@@ -590,7 +617,7 @@ class DiskTransport:
         if doomed:
             os.rename(doomed[-1], pool)
             self._pool = pool
-        return doomed, hidden
+        return hidden
 
     def _start_prune(self) -> "_Pruning":
         """Step 5 beside step 4: the versions beyond the newest ``keep`` (the one being loaded
@@ -644,37 +671,3 @@ def _remove_all(paths: list[str]) -> None:
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
 
-
-def disk_floor(nbytes: int, directory: str, *, files: int = 1, chunk_bytes: int = 8 << 20) -> float:
-    """Seconds to write ``nbytes`` with plain file I/O into ``files`` files under ``directory``,
-    fsync them and the directory, and read them back (the disk method's floor; no hashing, no
-    serialization). The files are removed afterwards."""
-    if nbytes < 0 or files < 1:
-        raise ValueError(f"nbytes must be >= 0 and files >= 1, got {nbytes}, {files}")
-    os.makedirs(directory, exist_ok=True)
-    work = os.path.join(directory, f".disk-floor-{uuid.uuid4().hex[:12]}")
-    os.mkdir(work)
-    chunk = bytearray(os.urandom(min(chunk_bytes, max(nbytes, 1))))
-    sizes = [nbytes // files + (1 if i < nbytes % files else 0) for i in range(files)]
-    try:
-        t0 = time.perf_counter()
-        paths = []
-        for i, size in enumerate(sizes):
-            path = os.path.join(work, f"part-{i:05d}")
-            paths.append(path)
-            with open(path, "wb", buffering=0) as f:
-                left = size
-                view = memoryview(chunk)
-                while left:
-                    n = f.write(view[:min(left, len(chunk))])
-                    left -= n
-                os.fsync(f.fileno())
-        ckpt.fsync_dir(work)
-        buf = bytearray(len(chunk))
-        for path in paths:
-            with open(path, "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
-        return time.perf_counter() - t0
-    finally:
-        shutil.rmtree(work, ignore_errors=True)

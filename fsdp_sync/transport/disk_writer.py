@@ -1,6 +1,7 @@
 """The disk method's writer thread (one bucket written while the collective stream makes the next),
 and what the disk transport's modules share: one bucket written as one hashed file (`write_shard`),
-the collectives over the trainer group (`rank_world`, `agree_on`, `broadcast`, `all_gather`).
+the collectives over the trainer group (`rank_world`, `agree_on`, `broadcast`, `all_gather`), and the
+method's floor (`disk_floor`, re-exported by `transport.disk`).
 
 Not here: what a file holds and how it is hashed (`weights.hf_checkpoint.write_safetensors`), the
 sync's phases (`transport.disk`), per-rank versions (`transport.disk_ranked`).
@@ -9,7 +10,9 @@ sync's phases (`transport.disk`), per-rank versions (`transport.disk_ranked`).
 from __future__ import annotations
 
 import os
+import shutil
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -22,7 +25,7 @@ from ..weights import bucket as _bucket
 from ..weights import hf_checkpoint as ckpt
 
 __all__ = ["OneWriter", "write_shard", "plain_alloc", "disk_hash", "float_dtype", "rank_world",
-           "agree_on", "broadcast", "all_gather"]
+           "agree_on", "broadcast", "all_gather", "disk_floor"]
 
 
 def plain_alloc(nbytes: int) -> torch.Tensor:
@@ -197,3 +200,38 @@ class OneWriter:
             self.err = RuntimeError(f"{self.what} yielded {self.count} buckets, {self.planned} "
                                     f"were planned")
         return self.records, self.err
+
+
+def disk_floor(nbytes: int, directory: str, *, files: int = 1, chunk_bytes: int = 8 << 20) -> float:
+    """Seconds to write ``nbytes`` with plain file I/O into ``files`` files under ``directory``,
+    fsync them and the directory, and read them back (the disk method's floor; no hashing, no
+    serialization). The files are removed afterwards."""
+    if nbytes < 0 or files < 1:
+        raise ValueError(f"nbytes must be >= 0 and files >= 1, got {nbytes}, {files}")
+    os.makedirs(directory, exist_ok=True)
+    work = os.path.join(directory, f".disk-floor-{uuid.uuid4().hex[:12]}")
+    os.mkdir(work)
+    chunk = bytearray(os.urandom(min(chunk_bytes, max(nbytes, 1))))
+    sizes = [nbytes // files + (1 if i < nbytes % files else 0) for i in range(files)]
+    try:
+        t0 = time.perf_counter()
+        paths = []
+        for i, size in enumerate(sizes):
+            path = os.path.join(work, f"part-{i:05d}")
+            paths.append(path)
+            with open(path, "wb", buffering=0) as f:
+                left = size
+                view = memoryview(chunk)
+                while left:
+                    n = f.write(view[:min(left, len(chunk))])
+                    left -= n
+                os.fsync(f.fileno())
+        ckpt.fsync_dir(work)
+        buf = bytearray(len(chunk))
+        for path in paths:
+            with open(path, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+        return time.perf_counter() - t0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
