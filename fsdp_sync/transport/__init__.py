@@ -35,9 +35,10 @@ class SyncStats:
     """What the last sync moved: bytes are the rollout-dtype bytes of every exported tensor.
 
     ``tensors`` counts the tensors as the engine received them: the trainer's (Hugging Face
-    named) tensors where whole tensors go (``layout="full"``, disk), the engine's own fused
-    parameters where per-rank buckets go (``layout="engine"``: one ``qkv_proj`` for q, k and v,
-    one ``gate_up_proj``), so one model's count differs between the layouts."""
+    named) tensors where whole tensors go (``layout="full"``), the engine's own fused parameters
+    as one engine rank gets them where per-rank buckets or files go (``layout="engine"``, disk
+    included: one ``qkv_proj`` for q, k and v, one ``gate_up_proj``), so one model's count
+    differs between the layouts."""
 
     seconds: float = 0.0
     bytes: int = 0

@@ -273,12 +273,14 @@ class DiskTransport:
             if self._quant is not None:     # what the files hold: fp8 weights and their scales
                 metas = quantize.expand_metas(metas, self._quant.hf)
             stats.bytes = sum(m.nbytes for m in metas)
-            stats.tensors = len(metas)
+            stats.tensors = len(metas)      # per-rank files: the engine's, set below
             write_s = time.perf_counter() - t_write
 
             # 3. rank 0: config, manifest, index last; fsync; publish by rename
             t_pub = time.perf_counter()
             everyone = all_gather((records, st.bytes_in, self._split), group, world)
+            if layout is not None:          # the engine's parameters, as one engine rank gets them
+                stats.tensors = sum(len(r["names"]) for rs, _, _ in everyone for r in rs if r["rank"] == 0)
             trainer_in = max(b for _, b, _ in everyone)
             # the write phase's split: the slowest rank's figure of each part
             split = {k: max(s[k] for _, _, s in everyone) for k in everyone[0][2]}
