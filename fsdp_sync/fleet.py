@@ -280,6 +280,14 @@ class Fleet:
                     "(replicas in service: %d)", version, ", ".join(targets[i].name for i in refused), len(left))
         return left
 
+    def no_target(self, version: str) -> str:
+        """Why a sync of ``version`` has no replica to go to: every one out of service, or none left."""
+        out = [f"{r.name}: {r.reason}" for r in self.out_of_service]
+        return (f"no replica can take version {version!r}: "
+                + (f"every one is out of service ({'; '.join(out)}); recover() or add_engine() one"
+                   if out else "the fleet is empty (remove_engine() took out every replica); "
+                   "add_engine() one") + ", then sync again")
+
     def held(self, published: str | None) -> str | None:
         """The version the replicas in service hold, which a replica brought in is given:
         ``published`` (``manager.version``) but after a commit that failed on some replicas under

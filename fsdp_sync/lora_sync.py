@@ -29,17 +29,20 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
 - `load_all` / `load_adapter`: swap the adapter in (the reference engine stages the new one on
   every worker before dropping the old one, ``replace=True``; SGLang is unloaded, then loaded, as
   verl does); a failure on some replicas follows `SyncConfig.on_replica_failure` (`sync_adapter`:
-  the others put back on the previous adapter, `put_back`, or the failing ones quarantined).
+  the others put back on the previous adapter, `put_back`, or the failing ones quarantined); a
+  replica that cannot take updates (`fleet.problem`) is taken out of service in either mode.
 - `verify_adapter`: read the adapter back and compare bit for bit (digest for digest where the
   engine reports digests: `check_digests`); at a sync that sends the adapter alone the base too
-  (`verify_base`), so a verified sync says the engine serves the trainer's model.
+  (`lora_stage.verify_base`), so a verified sync says the engine serves the trainer's model.
 
 The adapter travels as one flattened bucket per call, one handle per TP rank, the same payload
 form as a full sync's buckets: to a reference engine, the trainer's own kept buffer where the ranks
 share one host (``load_format="flattened_bucket"``, no copy), else the engine packs the tensors
 (`engines.reference.update_items.pack_plain`).
 
-Not here: the base weights' sync (the transports), the engine's side (`engines.reference.lora`).
+Not here: the manager's stage (`lora_stage`: the base once, the fleet's targets, rejoining
+replicas, the version), the base weights' sync (the transports), the engine's side
+(`engines.reference.lora`).
 """
 
 from __future__ import annotations
@@ -50,10 +53,10 @@ from typing import Any, Callable
 
 import torch
 
-from .fleet import describe
+from .fleet import describe, problem
 from .topology import SyncError
 from .transport import SyncStats
-from .verify import tensor_digest, verify_engines
+from .verify import tensor_digest
 from .weights import bucket, export, handles
 from .weights.adapter_export import AdapterCopy, AdapterExport
 from .wire import flattened_bucket
@@ -91,7 +94,8 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
                  kept: AdapterExport | None = None, *, base_sent: bool = False,
                  names: list[str] | None = None, quarantine: Callable[[int, str], None] | None = None,
                  previous: AdapterCopy | None = None, before_load: Callable[[], None] | None = None,
-                 on_loaded: Callable[[], None] | None = None) -> SyncStats:
+                 on_loaded: Callable[..., None] | None = None,
+                 blame: Callable[[int, str], None] | None = None) -> SyncStats:
     """One adapter sync, on every trainer rank: all gather the adapter; the engine ranks check it
     (`refusal`) and against every engine (`check_engine`) before loading it into any, then load it
     (`load_all`); all ``agree`` after each step, so a refusal or failure on one rank raises the
@@ -102,14 +106,19 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
     others keep the new adapter (all failing: the sync fails); without it (``"abort"``) the
     replicas that took it, on any rank, and those whose failed load dropped their old one, are put
     back on the adapter they served (`put_back`: ``previous``, the copy of the last one loaded, or
-    none where they held none), and the error says which could not be. ``before_load`` /
+    none where they held none), and the error says which could not be. ``blame`` (``(index,
+    reason)``, a fleet's, in either mode): a replica whose check or load failed because it cannot
+    take updates (`fleet.problem`: dead workers, a server that does not answer) is taken out of
+    service through it, as a full sync's failure takes it out, and not reported as a refusal;
+    under ``quarantine`` the others go on, else the sync fails saying so. ``before_load`` /
     ``on_loaded``: called on every rank once every check passed, and once the engines hold the
-    adapter, before the verify (the manager pauses and resumes generation there). Then, with
-    `SyncConfig.verify`, each engine's adapter is read back and compared bit for bit. ``kept``:
-    the export kept from the previous sync (`weights.adapter_export`; None: a fresh one, freed
-    after). ``base_sent``: this sync sent the base just before (False: the adapter goes alone, so
-    base parameters that still train are refused). Returns the sync's figures (seconds: gather +
-    load, without the verify)."""
+    adapter, before the verify (the manager pauses and resumes generation there, and names the
+    version); ``on_loaded(serving, tensors=, cfg=, metas=, shared=)``: the indices that hold it
+    and the adapter as loaded. Then, with `SyncConfig.verify`, each engine's adapter is read back
+    and compared bit for bit. ``kept``: the export kept from the previous sync
+    (`weights.adapter_export`; None: a fresh one, freed after). ``base_sent``: this sync sent the
+    base just before (False: the adapter goes alone, so base parameters that still train are
+    refused). Returns the sync's figures (seconds: gather + load, without the verify)."""
     name = config.lora_name
     names = list(names) if names is not None else [describe(e, i) for i, e in enumerate(engines)]
     t0 = time.perf_counter()
@@ -136,29 +145,26 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
         agree(err, what="adapter sync")
-        for i, engine in enumerate(engines):     # every engine checked before any is loaded
-            try:
-                why = check_engine(engine, cfg, name, base_versions.get(id(engine)), metas)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
-                why = f"{type(exc).__name__}: {exc}"
-            if why is not None:
-                err = f"{names[i]}: {why}; nothing was loaded: every engine keeps its adapter"
-                break
+        err, out = _check_all(engines, names, cfg, name, base_versions, metas, quarantine, blame)
         agree(err, what=f"adapter sync of {name!r}")
+        live = [i for i in range(len(engines)) if i not in out]     # not those found dead just now
         if before_load is not None:
             before_load()
-        out = _load(engines, names, name, tensors, cfg, export_.shared(), quarantine, previous, agree)
+        lost = _load([engines[i] for i in live], [names[i] for i in live], name, tensors, cfg,
+                     export_.shared(), quarantine and (lambda j, why: quarantine(live[j], why)), previous,
+                     agree, blame and (lambda j, why: blame(live[j], why)))
+        out.update({live[j]: why for j, why in lost.items()})
         serving = [i for i in range(len(engines)) if i not in out]
         stats = SyncStats(seconds=time.perf_counter() - t0,
                           bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-                          tensors=len(tensors), buckets=1, engine_calls=len(engines),
+                          tensors=len(tensors), buckets=1, engine_calls=len(live),
                           extra={"lora": name, "r": cfg.get("r"), "adapter": adapter})
         if out:
             stats.extra["replicas_out"] = [f"{names[i]}: {why}" for i, why in sorted(out.items())]
-        if previous is not None and engines:
+        if previous is not None:
             previous.keep(tensors, cfg)
         if on_loaded is not None:
-            on_loaded()
+            on_loaded(serving, tensors=tensors, cfg=cfg, metas=metas, shared=export_.shared())
         if config.verify != "off":
             err = None
             for i in serving:         # not those taken out of service just now
@@ -173,9 +179,38 @@ def sync_adapter(module: torch.nn.Module, config: Any, engines: list, peft_confi
     return stats
 
 
+def _check_all(engines: list, names: list[str], cfg: dict, name: str, base_versions: dict[int, Any],
+               metas: list, quarantine: Callable[[int, str], None] | None,
+               blame: Callable[[int, str], None] | None) -> tuple[str | None, dict[int, str]]:
+    """`check_engine` on every engine before any is loaded: ``(error or None, {index: why}: the
+    engines that cannot take updates, taken out through ``blame``)``. A check that raises on an
+    engine that cannot take updates (`fleet.problem`) is no refusal: that engine is taken out;
+    under ``quarantine`` the sync goes on without it (not with none left), else it fails."""
+    err, out = None, {}
+    for i, engine in enumerate(engines):
+        try:
+            why = check_engine(engine, cfg, name, base_versions.get(id(engine)), metas)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+            why = f"{type(exc).__name__}: {exc}"
+            dead = problem(engine) if blame is not None else None
+            if dead is not None:
+                blame(i, dead)
+                out[i] = dead
+                if quarantine is not None and len(out) < len(engines):
+                    continue
+                return (f"{names[i]} cannot take updates ({why}): quarantined, the next sync goes "
+                        f"to the others; nothing was loaded: every engine keeps its adapter"), out
+        if why is not None:
+            return f"{names[i]}: {why}; nothing was loaded: every engine keeps its adapter", out
+    if out:
+        log.warning("fsdp_sync: adapter %r: quarantined before the load: %s", name,
+                    "; ".join(f"{names[i]}: {why}" for i, why in out.items()))
+    return err, out
+
+
 def _load(engines: list, names: list[str], name: str, tensors: dict, cfg: dict, shared: Any,
           quarantine: Callable[[int, str], None] | None, previous: AdapterCopy | None,
-          agree: Callable[..., None]) -> dict[int, str]:
+          agree: Callable[..., None], blame: Callable[[int, str], None] | None = None) -> dict[int, str]:
     """`sync_adapter`'s load into every engine and what a failure does (see there), agreed on
     every rank; returns the engines taken out of service (index -> why)."""
     loaded, failed, had = load_all(engines, name, tensors, cfg, shared, keep_going=quarantine is not None)
@@ -191,10 +226,17 @@ def _load(engines: list, names: list[str], name: str, tensors: dict, cfg: dict, 
         others = [names[i] for i in sorted(failed) if i != first]
         err = (f"{names[first]} failed to load adapter {name!r}: {failed[first]}"
                + (f" ({', '.join(others)} failed too)" if others else ""))
-        back = loaded + [i for i in sorted(failed) if not transactional(engines[i])]
+        dead = {i: why for i in sorted(failed) if blame is not None and (why := problem(engines[i]))}
+        for i, why in dead.items():            # out of service, as a full sync's failure takes it
+            blame(i, why)
+            out[i] = why
+        back = loaded + [i for i in sorted(failed) if not transactional(engines[i]) and i not in dead]
         err += _put_all_back(engines, names, back, loaded, name, previous, had) or (
             "; every replica is back on the adapter it served before" if back else
             "; no replica took it: each keeps the adapter it served")
+        if dead:
+            err += (f"; quarantined (cannot take updates; the next sync goes to the others): "
+                    f"{', '.join(names[i] for i in dead)}")
     try:
         agree(err, what=f"adapter sync of {name!r}")
     except SyncError as exc:      # another rank's engine failed: this rank's go back too
@@ -577,113 +619,3 @@ def _compare_rank_pieces(name: str, pieces: dict, tensors: dict[str, torch.Tenso
                             f"the trainer's (max abs difference "
                             f"{float(diff.max()) if diff.numel() else 0.0:.3g})")
     return None
-
-
-def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, resume: Any = None) -> None:
-    """The manager's sync_weights stage under ``lora="adapter"``: the base through ``sync_full``
-    (the configured method) when ``manager.base_sync_done`` is False, then the adapter
-    (`sync_adapter`); the manager's stats become the adapter's, with the base's beside them.
-    Before the base goes, everything the adapter's part would refuse is checked: the module
-    (`refusal`: the config, the tensors, the adapter's choice and config) and every engine
-    (`check_engine`: its rank bounds, targets, and, for the reference engine, its own load's
-    checks): nothing is sent for a sync that the adapter's part would refuse. With
-    `SyncConfig.verify`, a sync of the adapter alone verifies the base too (`verify_base`).
-
-    ``pause`` / ``resume`` (the manager's ``_pause`` / ``_continue``: `SyncConfig.pause_mode`)
-    hold generation on the serving replicas from before the base (or, at an adapter-only sync,
-    from just before the adapter's load) until every engine holds the adapter, once: no request
-    runs between the new base and its adapter. A failed load follows
-    `SyncConfig.on_replica_failure` (`sync_adapter`)."""
-    full = not manager.base_sync_done
-    module, config, name = manager.module, manager.config, manager.config.lora_name
-    fleet_mode = config.method != "tensor"       # the manager's rule (`_fleet_mode`)
-
-    def named() -> tuple[list, list[str]]:
-        reps = list(manager.fleet.serving)
-        if not fleet_mode and manager.topo is not None:
-            return reps, [manager.topo.describe() for _ in reps]
-        return reps, [r.name for r in reps]
-
-    if full:        # everything the adapter's sync checks, of the module and the engines
-        err = None
-        try:
-            adapter = active_adapter(module)
-            err = refusal(module, manager.peft_config, base_sent=True, adapter=adapter)
-            if err is None:
-                metas = [m for m in export.param_metas(module, config.dtype, lora=True)
-                         if adapter is None or adapter_of(m.name) == adapter]
-                cfg = adapter_config(module, manager.peft_config, adapter, metas=metas)
-                reps, names = named()
-                for rep, who in zip(reps, names):
-                    why = check_engine(rep.engine, cfg, name, None, metas)
-                    if why is not None:
-                        err = f"{who}: {why}; nothing was sent"
-                        break
-        except Exception as exc:  # noqa: BLE001 - reported to every rank just below
-            err = f"{type(exc).__name__}: {exc}"
-        agree(err, what=f"adapter sync of {name!r}")
-    held: dict[str, list | None] = {"paused": None}
-
-    def hold(targets: list | None = None) -> None:     # the base's targets, or those serving
-        if pause is not None and held["paused"] is None:
-            held["paused"] = pause(named()[0] if targets is None else targets)
-
-    def let_go() -> None:
-        paused, held["paused"] = held["paused"], []
-        if paused:
-            resume(paused)
-
-    try:
-        if full:        # paused after the full sync's own checks, before anything is sent
-            sync_full(hold)
-            manager.lora_base = {id(e): engine_version(e) for e in manager.engines}
-        base, manager.base_sync_done = manager.stats, True
-        if getattr(manager, "lora_export", None) is None:
-            manager.lora_export = AdapterExport(peft_name)
-        reps, names = named()
-        engines = [r.engine for r in reps]
-        several = len(manager.fleet.replicas) > 1 or (manager.topo is not None and manager.topo.dp_size > 1)
-        if engines and (several or not all(transactional(e) for e in engines)):
-            manager.lora_prev = getattr(manager, "lora_prev", None) or AdapterCopy()
-        quarantine = None
-        if fleet_mode and config.on_replica_failure == "quarantine":
-            def quarantine(i: int, why: str) -> None:
-                manager.fleet.quarantine(reps[i], why)
-        manager.stats = sync_adapter(module, config, engines, manager.peft_config, manager.lora_base,
-                                     agree, manager.lora_export, base_sent=full, names=names,
-                                     quarantine=quarantine, previous=getattr(manager, "lora_prev", None),
-                                     before_load=hold, on_loaded=let_go)
-    except BaseException as exc:
-        try:
-            let_go()
-        except Exception as cont:  # noqa: BLE001 - the sync's error is the one to raise
-            exc.add_note(f"and then: {cont}")
-        raise
-    let_go()
-    if full:
-        manager.stats.extra.update({"base_seconds": base.seconds, "base_bytes": base.bytes,
-                                    "base_tensors": base.tensors})
-        if config.verify != "off":      # the base sync's own verify (`manager._sync_full`)
-            manager.stats.extra["base_verify_tensors"] = base.extra.get("verify_tensors")
-    manager.step += int(not full)              # counted even if the verify fails
-    if not full and config.verify != "off":      # "sample": the manager's turns, as a full sync's
-        turn = manager.sample_turns.next(manager.global_steps)         # (`manager._verify`)
-        verify_base(module, config, manager.engines, turn, agree, manager.stats)
-
-
-def verify_base(module: torch.nn.Module, config: Any, engines: list, step: int, agree: Any,
-                stats: SyncStats) -> None:
-    """`SyncConfig.verify` of the base weights at a sync that sent the adapter alone (collective:
-    every trainer rank): what the engines serve against the trainer's base now, as a full sync's
-    verify checks it (`verify.verify_engines`, the same mode: ``"sample"`` rotates with
-    ``step``). A difference raises the same `SyncError` on every rank, naming the tensor: the
-    base changed since it was sent. Its figures go into ``stats.extra`` as ``base_verify_*``."""
-    try:
-        err, figures = verify_engines(module, config, engines, step)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank just below
-        err, figures = f"{type(exc).__name__}: {exc}", {}
-    stats.extra.update({f"base_{k}": v for k, v in figures.items() if k != "verify"})
-    if err is not None and "different from" in err:     # a difference, not an engine that cannot tell
-        err = (f"{err} (this sync sent the adapter alone; the base was sent at an earlier sync: "
-               f"after changing base weights set manager.base_sync_done=False)")
-    agree(err, what=f"verify={config.verify!r} of the base weights under adapter {config.lora_name!r}")

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from . import lora_sync, tp_batch
+from . import lora_stage, lora_sync, tp_batch
 from .weights import export_checks, ipc_memory, quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
@@ -366,13 +366,13 @@ class FSDPShardingManager:
 
     def _sync_weights(self) -> None:
         """Every weight; lora="adapter": the base once (again once ``base_sync_done`` is set False),
-        then the adapter alone (`lora_sync.sync_weights`). What goes to an engine by CUDA IPC
+        then the adapter alone (`lora_stage.sync_weights`). What goes to an engine by CUDA IPC
         handles (the tensor method, a LoRA adapter) is allocated with expandable segments off
         (`weights.ipc_memory`): a consumer opens a block of one only with ptrace rights over us."""
         shares = self.config.method == "tensor" or self.config.lora == "adapter"
         with ipc_memory.shareable() if shares else nullcontext(False) as switched:
             if self.config.lora == "adapter":      # it pauses once, around base and adapter
-                lora_sync.sync_weights(self, self._sync_full, self._agree, self._pause, self._continue)
+                lora_stage.sync_weights(self, self._sync_full, self._agree, self._pause, self._continue)
             else:
                 self._sync_full()
         if switched:
@@ -384,11 +384,7 @@ class FSDPShardingManager:
         if self._fleet_mode:        # no replica to take it (all out of service, or none left):
             why = None              # no version nobody holds. Agreed, not broadcast: a rank that
             if self.rank == 0 and not targets:      # failed entering this stage is in its agree
-                out = [f"{r.name}: {r.reason}" for r in self.fleet.out_of_service]
-                why = (f"no replica can take version {self._next_version()!r}: "
-                       + (f"every one is out of service ({'; '.join(out)}); recover() or add_engine() one"
-                          if out else "the fleet is empty (remove_engine() took out every replica); "
-                          "add_engine() one") + ", then sync again")
+                why = self.fleet.no_target(self._next_version())
             try:
                 self._agree(why, what="weight sync")
             except SyncError:
@@ -555,7 +551,8 @@ class FSDPShardingManager:
         directory the replicas in service loaded (not one a failed sync published since; refused
         if its files are gone). ``distributed``: inside the ``with`` block (the trainer's weights
         are that version) it is sent them now; outside (after a failed sync too), the trainer may
-        have stepped since, so it rejoins at the next sync (returns False). Returns whether it
+        have stepped since, so it rejoins at the next sync (returns False). ``lora="adapter"``: the
+        base, then the adapter the others serve (`lora_stage.bring_adapter`). Returns whether it
         serves now; raises naming the replica if it cannot take updates."""
         self._refuse_closed("recover: ")
         return self._bring_in(engine, "recover")
@@ -630,6 +627,8 @@ class FSDPShardingManager:
                                           self.step - 1, reload=True)
             if err is not None:
                 raise err
+            if self.config.lora == "adapter":     # and the adapter the others serve (`lora_stage`)
+                self._agree(lora_stage.bring_adapter(self, rep, version), what=what)
         if rep is not None:
             self.fleet.reinstate(rep, version)
         return True
