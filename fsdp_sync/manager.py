@@ -572,7 +572,14 @@ class FSDPShardingManager:
                 raise ValueError("add_engine: trainer rank 0 passes the engine (None on the others)")
             rep = self.fleet.add(engine, serving=False)
             self.fleet.quarantine(rep, "joining: waiting for the current weights")
-        return self._bring_in(engine, "add_engine")
+        try:
+            return self._bring_in(engine, "add_engine")
+        except BaseException as exc:      # refused or failed: not in the fleet (no replica left 'joining')
+            if self.rank == 0:
+                self.fleet.remove(engine)
+            if isinstance(exc, SyncError):
+                raise fleet.restate(exc, f"{exc}; it was not added to the fleet") from None
+            raise
 
     def quarantine(self, engine: Any = None, reason: str = "taken out of service by hand") -> None:
         """Take a replica out of service (trainer rank 0; a no-op elsewhere), e.g. to drain it:
@@ -612,12 +619,13 @@ class FSDPShardingManager:
                     action, version = "load", self.fleet.held(self.version)
                 else:
                     action = "send" if self._inside else "pending"
-            except Exception as exc:  # noqa: BLE001
-                action, reason = "fail", f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - its config, or the fleet's state: a refusal
+                action, reason = "refuse", f"{type(exc).__name__}: {exc}"
         action, reason, version = self._from_rank0((action, reason, version))
-        if action == "fail":
-            raise SyncError(f"{what}: {rep.name if rep is not None else 'the replica'} cannot take "
-                            f"updates: {reason}")
+        if action in ("fail", "refuse"):
+            raise SyncError(f"{what}: {rep.name if rep is not None else 'the replica'} " + (
+                "cannot take updates" if action == "fail" else "is refused, before anything was sent")
+                + f": {reason}")
         if action == "pending":
             if rep is not None:               # the next sync brings it in, whatever the failure mode
                 rep.held, rep.rejoin = False, True
