@@ -266,7 +266,7 @@ def test_a_replica_with_other_math_is_refused_when_added(tmp_path):
         with pytest.raises(SyncError, match=r"rope_theta: trainer 10000.0, engine 1000000.0"):
             manager.add_engine(odd)
         assert odd not in manager.engines and _served(odd) == before
-        assert not manager.fleet_status()["replicas"][-1]["serving"]
+        assert [r["name"] for r in manager.fleet_status()["replicas"]] == ["replica 0"]
         perturb_(module.parameters())
         _sync(manager)
         assert manager.version == "1" and manager.engines == [good] and _same(good, module)
