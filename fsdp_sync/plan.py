@@ -311,7 +311,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     from .weights import bucket as bk
     from .weights import reshard
     from .weights.export import param_metas
-    from .weights.fp8 import quantized_layout
+    from .weights.fp8_config import held_layout
     from .weights.layout import layout_for
     from .weights.quantize import StreamQuantizer, expand_metas
 
@@ -323,7 +323,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     if why:
         name = str(job.model) if not hasattr(job.model, "to_dict") else cfg.model_type
         raise PlanError(f"{job.method} ({job.layout}) {name} into --engine {job.engine}: {why}")
-    held = quantized_layout(layout, job.quantization)
+    held = held_layout(cfg, layout, job.quantization)    # FP8: the config's ignored layers stay unquantized
     metas = param_metas(module, dtype)
     want = {n for n in layout.hf_shapes}
     have = {m.name for m in metas}

@@ -234,21 +234,21 @@ def sync_quantized_bucket(cfg: Any, module: torch.nn.Module, method: str, layout
     """`largest_quantized_bucket` of an FP8 sync of ``module`` (Hugging Face config ``cfg``) into
     engines of TP ``tp`` and EP ``ep``: what the bench holds its FP8 rows to, the plan's figure."""
     from .weights.export import param_metas
-    from .weights.fp8 import quantized_layout
+    from .weights.fp8_config import held_layout
     from .weights.layout import layout_for
     from .weights.quantize import StreamQuantizer
 
     layout = layout_for(cfg, tp, ep)
-    quant = StreamQuantizer(quantized_layout(layout, "fp8"), tight=method == "distributed")
+    quant = StreamQuantizer(held_layout(cfg, layout, "fp8"), tight=method == "distributed")
     return largest_quantized_bucket(method, layout_name, layout, param_metas(module, dtype), quant, dtype, bucket)
 
 
 def sync_quantize_scratch(cfg: Any, layout_name: str, dtype: torch.dtype, tp: int, ep: int = 1) -> int:
     """`quantize_scratch` of an FP8 sync of a model of Hugging Face config ``cfg`` into engines of
     TP ``tp`` and EP ``ep``: what the bench holds its FP8 rows to, the plan's figure."""
-    from .weights.fp8 import quantized_layout
+    from .weights.fp8_config import held_layout
     from .weights.layout import layout_for
     from .weights.quantize import StreamQuantizer
 
     layout = layout_for(cfg, tp, ep)
-    return quantize_scratch(layout_name, layout, StreamQuantizer(quantized_layout(layout, "fp8")), dtype)
+    return quantize_scratch(layout_name, layout, StreamQuantizer(held_layout(cfg, layout, "fp8")), dtype)

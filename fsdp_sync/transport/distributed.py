@@ -399,8 +399,8 @@ class DistributedTransport:
         stats.bytes = sum(m.nbytes for m in quantized if layout.accepts(m.name.removesuffix("_scale_inv")))
         shard = st.engine_shard_bytes
         if getattr(cfg, "quantization", None):
-            from ..weights.fp8 import quantized_layout
-            shard = quantized_layout(layout, cfg.quantization).engine_bytes((cfg.dtype or metas[0].dtype).itemsize)
+            held = quantize.held_layout(ctx.module, layout, cfg.quantization)    # the config's ignored layers too
+            shard = held.engine_bytes((cfg.dtype or metas[0].dtype).itemsize)
         stats.extra.update(split)
         stats.extra.update(reshard_path=st.path, engine_rank_bytes_in=engine_in,
                            engine_rank_shard_bytes=shard, trainer_rank_bytes_in=st.bytes_in,

@@ -43,7 +43,8 @@ Embeddings and the lm_head (``VocabParallelEmbedding``, no Fp8 method), norms, b
 ``gate`` (its ``ReplicatedLinear`` gets ``quant_config=None`` in ``qwen2_moe``/``mixtral``, and
 ``qwen3_moe`` passes it only for ModelSlim) and ``shared_expert_gate`` (``quant_config=None``) stay
 in the rollout dtype. A checkpoint's ``ignored_layers`` / ``modules_to_not_convert`` are honoured
-as SGLang's ``is_layer_skipped`` matches them (on dotted module-path boundaries).
+as SGLang's ``is_layer_skipped`` matches them (on dotted module-path boundaries); `fp8_config` reads
+the list from a model config as the engines read it.
 
 Not here: moving the tensors (export, buckets, transports) or loading them (engines).
 """
@@ -313,9 +314,12 @@ def quantized_names(layout: TPLayout, ignored: Iterable[str] = ()) -> list[str]:
         kept = set(names)
         for engine, parts in fused.items():
             part = [n for n in parts if n in kept]
-            if part and len(part) < len([n for n in parts if n.endswith(".weight")]):
+            whole = [n.removesuffix(".weight") for n in parts if n.endswith(".weight")]
+            if part and len(part) < len(whole):
                 raise ValueError(f"ignored layers {list(ignored)} skip some but not all tensors of {engine!r} "
-                                 f"(quantized: {part[:3]}); all shards of a fused layer have one precision")
+                                 f"(quantized: {part[:3]}); all shards of a fused layer have one precision "
+                                 f"(SGLang refuses it too): list all of {whole} or their module "
+                                 f"{whole[0].rsplit('.', 1)[0]!r}, or none of them")
     return names
 
 

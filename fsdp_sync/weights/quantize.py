@@ -3,7 +3,10 @@ bucket by bucket, on the device the bucket is on, before any handle is made or b
 
 A `StreamQuantizer` is made per sync from the model's layout map at the engine's TP/EP
 (`fp8.FP8Layout`: which tensors are quantized, and a refusal naming the tensor and the split when
-a TP cut would split a 128 block). It turns each item of the three kinds of stream the transports
+a TP cut would split a 128 block). The layers the model config's ``quantization_config`` leaves
+unquantized (``ignored_layers`` / ``modules_to_not_convert``, read as SGLang and the reference
+engine read them: `fp8_config.ignored_layers`) stay in the rollout dtype, so every transport,
+the manager's coverage check and verify send and expect what the engine holds. It turns each item of the three kinds of stream the transports
 consume into its block-FP8 form:
 
 - a full-tensor bucket (`export.iter_buckets`: HF names; tensor ``flattened``, distributed,
@@ -36,28 +39,40 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from . import bucket as _bucket
-from . import fp8
+from . import fp8, fp8_config
 from .layout import layout_for
 
-__all__ = ["StreamQuantizer", "for_sync", "sync_metas", "quantized_hf_names"]
+__all__ = ["StreamQuantizer", "for_sync", "sync_metas", "quantized_hf_names", "held_layout"]
 
 
-def _layout(module: torch.nn.Module, tp: int, ep: int, ignored: Iterable[str] = ()) -> fp8.FP8Layout:
+def _layout(module: torch.nn.Module, tp: int, ep: int, ignored: Iterable[str] | None = None) -> fp8.FP8Layout:
     cfg = getattr(module, "config", None)
     if cfg is None:
         raise ValueError("quantization='fp8' needs the module's Hugging Face .config: the layout "
                          "map says which tensors SGLang quantizes and how the engine's TP cuts them")
     base = layout_for(cfg, tp, ep)
+    if ignored is None:       # the model config's own list, as the engines started from it read it
+        ignored = fp8_config.ignored_layers(cfg, base)
     return fp8.FP8Layout(base.spec, tp, ep, ignored=tuple(ignored))
 
 
+def held_layout(module: torch.nn.Module, layout: Any, quantization: str | None) -> Any:
+    """``layout`` (the module's layout map at the engine's split) as the engine holds it under
+    ``quantization``: itself, or the `fp8.FP8Layout` the sync's quantizer cuts by."""
+    if quantization is None:
+        return layout
+    return _layout(module, layout.tp, layout.ep)
+
+
 def quantized_hf_names(module: torch.nn.Module) -> frozenset[str]:
-    """The HF tensors of ``module`` that travel as FP8 (any TP: the set does not depend on it)."""
+    """The HF tensors of ``module`` that travel as FP8 (any TP: the set does not depend on it):
+    SGLang's Fp8 layers but those the config's ``quantization_config`` leaves unquantized."""
     cfg = getattr(module, "config", None)
     if cfg is None:
         raise ValueError("quantization='fp8' needs the module's Hugging Face .config (which tensors "
                          "to quantize is read from the layout map)")
-    return frozenset(fp8.quantized_names(layout_for(cfg, 1)))
+    layout = layout_for(cfg, 1)
+    return frozenset(fp8.quantized_names(layout, fp8_config.ignored_layers(cfg, layout)))
 
 
 def sync_metas(module: torch.nn.Module, config: Any) -> list[_bucket.TensorMeta]:
@@ -85,13 +100,15 @@ def expand_metas(metas: Iterable[_bucket.TensorMeta], quantized: frozenset[str])
 
 
 def for_sync(module: torch.nn.Module, config: Any, tp: int, ep: int = 1, *,
-             tight: bool = False, ignored: Iterable[str] = ()) -> "StreamQuantizer | None":
+             tight: bool = False, ignored: Iterable[str] | None = None) -> "StreamQuantizer | None":
     """The quantizer of one sync into engines of TP ``tp`` and EP ``ep`` (None when
     ``config.quantization`` is None). ``ignored``: the engine's ignored layers (module paths,
     SGLang's ``ignored_layers`` / ``modules_to_not_convert``), left in the rollout dtype as
-    `fp8.is_quantized` matches them. Raises ValueError for a model the layout map does not know,
-    a split that cuts a block, or an ``ignored`` list that splits a fused layer; call it where
-    every rank hears of a failure (`agree`)."""
+    `fp8.is_quantized` matches them; None (the default): the module config's own list
+    (`fp8_config.ignored_layers`, which refuses a list the engines read differently). Raises
+    ValueError for a model the layout map does not know, a split that cuts a block, or an
+    ``ignored`` list that splits a fused layer; call it where every rank hears of a failure
+    (`agree`)."""
     if getattr(config, "quantization", None) is None:
         return None
     return StreamQuantizer(_layout(module, tp, ep, ignored), tight=tight)

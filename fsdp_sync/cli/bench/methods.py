@@ -128,7 +128,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
     from ...engines import ReferenceEngine
     from ...manager import FSDPShardingManager
     from ...weights.export import param_metas
-    from ...weights.fp8 import quantized_layout
+    from ...weights.fp8_config import held_layout
     from ...weights.layout import layout_for
 
     dtype = getattr(torch, job.dtype)
@@ -144,7 +144,7 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                              base_gpu_id=base_gpu, **job.engine_kw) if rank == 0 else None
     # one engine rank's shard, beside what a disk row's engine rank read (the full layout's rows
     # carry no layout figures of their own: the workers slice their parts out of the HF files)
-    shard = quantized_layout(layout_for(cfg, job.tp, job.ep), job.quantization).engine_bytes(dtype.itemsize)
+    shard = held_layout(cfg, layout_for(cfg, job.tp, job.ep), job.quantization).engine_bytes(dtype.itemsize)
     rows: list[dict] = []
     try:
         # distributed: the flattened format per bucket size and layout (job.layouts; per-rank rows

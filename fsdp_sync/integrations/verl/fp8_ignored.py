@@ -10,8 +10,9 @@ environment variable (comma-separated). SGLang builds those layers unquantized
 so too: an FP8 weight and its ``weight_scale_inv`` into a bf16 layer is a wrong load.
 
 - `ignored_layers`: that list for the adapter's quantizer (`weights.quantize.for_sync`'s
-  ``ignored``), each entry with and without a leading ``model.``, as SGLang's
-  ``Fp8Config.from_config`` reads it. A ``re:`` entry is refused: verl's quantizer matches it as a
+  ``ignored``, which then does not read the model config's list itself: verl's list includes it),
+  each entry with and without a leading ``model.``, as SGLang's ``Fp8Config.from_config`` reads it
+  (`weights.fp8_config.sglang_entries`). A ``re:`` entry is refused: verl's quantizer matches it as a
   regular expression, SGLang as a plain module path (it matches nothing there), so verl itself
   would send bf16 into an FP8 layer; the error says to list the modules by path.
 - `check_as_verl`: the tensors fsdp_sync's quantizer leaves unquantized (SGLang's rule,
@@ -32,11 +33,10 @@ import os
 from typing import Any
 
 from ...weights import fp8, quantize
+from ...weights.fp8_config import ENV, sglang_entries
 from .replica import ROLLOUT_NAME
 
 __all__ = ["ENV", "ignored_layers", "check_as_verl", "quantizer"]
-
-ENV = "SGLANG_FP8_IGNORED_LAYERS"
 
 _BY_PATH = ("list the layers by their module paths, as SGLang's Fp8Config matches them (whole "
             "dotted parts, case-sensitive): e.g. 'model.layers.0.mlp' (the layer's MLP), "
@@ -74,13 +74,7 @@ def ignored_layers(rollout_name: Any, hf_config: Any) -> tuple[str, ...]:
                          f"expression, but the SGLang server verl starts matches it as a plain module "
                          f"path (it skips nothing there), so SGLang would build those layers FP8 while "
                          f"verl's quantizer sends them unquantized; {_BY_PATH}")
-    out: list[str] = []
-    for entry in raw:       # SGLang's Fp8Config.from_config: both with and without "model."
-        base = entry.removeprefix("model.")
-        for e in (base, f"model.{base}"):
-            if e not in out:
-                out.append(e)
-    return tuple(out)
+    return tuple(sglang_entries(raw))       # SGLang's Fp8Config.from_config: with and without "model."
 
 
 def check_as_verl(hf_config: Any, quantized: frozenset[str], default: list[str]) -> None:
