@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .weights.fp8_config import config_refusal
+
 __all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "check_engine", "model_config", "math_key",
            "through_own_loader", "load_refusal", "sync_refusal", "served_refusal"]
 
@@ -137,6 +139,10 @@ def check_engine(module: Any, engine: Any, config: Any, topo: Any, *, where: str
                          f"infer_tp={tp})) or start the engine with tp_size={topo.tp_size} ({where})")
     want, held = config.quantization, getattr(engine, "quantization", "unknown")
     if (held is None or isinstance(held, str)) and held != "unknown" and held != want:
+        # an FP8 config makes the engine FP8 whatever it was started with: say that, not "restart it"
+        forced = config_refusal(model_config(module), want) if want is None else None
+        if forced:
+            raise ValueError(f"the engine serves quantization={held!r}: {forced} ({where})")
         raise ValueError(f"the engine serves quantization={held!r} but SyncConfig.quantization="
                          f"{want!r}: a sync would send weights in a format the engine does not "
                          f"hold; set SyncConfig.quantization={held!r} or start the engine with "

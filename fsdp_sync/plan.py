@@ -311,7 +311,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     from .weights import bucket as bk
     from .weights import reshard
     from .weights.export import param_metas
-    from .weights.fp8_config import held_layout
+    from .weights.fp8_config import config_refusal, held_layout
     from .weights.layout import layout_for
     from .weights.quantize import StreamQuantizer, expand_metas
 
@@ -319,7 +319,8 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     dtype = getattr(torch, job.dtype)
     cfg, module = meta_model(job.model)
     layout = layout_for(cfg, job.tp, job.ep)
-    why = engine_refusal(job.engine, job.method, job.layout, cfg, layout.spec, job.quantization)
+    why = (engine_refusal(job.engine, job.method, job.layout, cfg, layout.spec, job.quantization)
+           or config_refusal(cfg, job.quantization))     # what the sync refuses of its config too
     if why:
         name = str(job.model) if not hasattr(job.model, "to_dict") else cfg.model_type
         raise PlanError(f"{job.method} ({job.layout}) {name} into --engine {job.engine}: {why}")
