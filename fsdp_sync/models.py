@@ -221,6 +221,11 @@ def hf_config_json(module: torch.nn.Module, dtype: torch.dtype | None,
         if "torch_dtype" in d:
             d["torch_dtype"] = name
     if quantization == "fp8":     # a block-FP8 checkpoint as SGLang and transformers read one
+        own = d.get("quantization_config") or {}
         d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                     "weight_block_size": [128, 128]}
+        # the layers the sync left unquantized (`weights.fp8_config`): without the list, an engine
+        # started from this checkpoint would build them FP8 and read their bf16 bytes as FP8
+        d["quantization_config"].update({k: own[k] for k in ("ignored_layers", "modules_to_not_convert")
+                                         if own.get(k)})
     return d

@@ -214,3 +214,20 @@ def test_every_method_syncs_the_ignored_layers_unquantized_bit_exact_and_the_pla
     for rec in bad:      # refused on every rank before anything was sent: the engine kept its weights
         assert "entry 'model.mlp'" in rec.get("error", ""), rec
         assert rec.get("kept", True), rec
+
+
+def test_the_checkpoints_config_json_keeps_the_ignored_layers():
+    """Before: the disk method's config.json replaced the model's ``quantization_config`` with one
+    without ``ignored_layers``: an engine started from the checkpoint would build those layers FP8
+    and read their bf16 bytes as FP8 (plan3 fix follow-up)."""
+    from fsdp_sync.models import hf_config_json
+
+    for qc in (QC, {k: v for k, v in QC.items() if k != "ignored_layers"}
+               | {"modules_to_not_convert": QC["ignored_layers"]}):
+        d = hf_config_json(_module(_config(qc)), torch.bfloat16, quantization="fp8")
+        key = "ignored_layers" if "ignored_layers" in qc else "modules_to_not_convert"
+        assert d["quantization_config"][key] == qc[key], d["quantization_config"]
+        assert d["quantization_config"]["weight_block_size"] == [128, 128]
+    plain = hf_config_json(_module(_config(None)), torch.bfloat16, quantization="fp8")
+    assert set(plain["quantization_config"]) == {"quant_method", "fmt", "activation_scheme",
+                                                 "weight_block_size"}
