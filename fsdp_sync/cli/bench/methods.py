@@ -174,7 +174,8 @@ def method_rows(rank: int, world: int, job: Any, model: torch.nn.Module, cfg: An
                 workdir = box[0]
                 extra = {"disk_dir": workdir, "layout": layout, "share_host_memory": share}
             conf = SyncConfig(method=method, bucket_bytes=bucket_bytes, dtype=dtype, memory_probe="off",
-                              dist_master_address="127.0.0.1", quantization=job.quantization, **extra)
+                              dist_master_address="127.0.0.1", quantization=job.quantization,
+                              multi_stage_wake_up=job.multi_stage, **extra)
             manager = FSDPShardingManager(model, engine, config=conf)
             try:
                 # disk: the steady state a run reaches once keep-N has dropped a version, whose
