@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .weights.fp8_config import config_refusal
+from .weights.fp8_config import KEYS as FP8_IGNORED_KEYS, config_refusal, quantization_config
 
 __all__ = ["MATH_KEYS", "config_mismatches", "check_configs", "check_engine", "model_config", "math_key",
            "through_own_loader", "load_refusal", "sync_refusal", "served_refusal"]
@@ -44,6 +44,8 @@ MATH_KEYS = (
     "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
     "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step",
     "mlp_only_layers",
+    # FP8: the layers the engine builds unquantized (the sync sends those in the rollout dtype)
+    "quantization_config.ignored",
 )
 """Not compared: what only training or serving reads (``router_aux_loss_coef``, a loss weight;
 ``max_position_embeddings``; dropout), and the sliding-window sizes while the window is off."""
@@ -53,6 +55,10 @@ _MISSING = object()
 
 
 def _value(cfg: Any, key: str) -> Any:
+    if key == "quantization_config.ignored":
+        qc = quantization_config(cfg) or {}
+        listed = next((qc[k] for k in FP8_IGNORED_KEYS if qc.get(k)), None)
+        return _MISSING if not listed else sorted(str(e).removeprefix("model.") for e in listed)
     if key == "head_dim":
         hd = getattr(cfg, "head_dim", None)
         if hd is None and getattr(cfg, "hidden_size", None) and getattr(cfg, "num_attention_heads", None):

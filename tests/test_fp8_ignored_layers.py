@@ -212,7 +212,8 @@ def test_every_method_syncs_the_ignored_layers_unquantized_bit_exact_and_the_pla
         assert sent == {k: plan[k] for k in sent}, (kw, sent, {k: plan[k] for k in sent})
     bad = [r[-1] for r in results]
     for rec in bad:      # refused on every rank before anything was sent: the engine kept its weights
-        assert "entry 'model.mlp'" in rec.get("error", ""), rec
+        # (the engine, built with the trainer's first list, is refused first as another config)
+        assert "quantization_config.ignored: trainer ['mlp'], engine" in rec.get("error", ""), rec
         assert rec.get("kept", True), rec
 
 
@@ -231,3 +232,24 @@ def test_the_checkpoints_config_json_keeps_the_ignored_layers():
     plain = hf_config_json(_module(_config(None)), torch.bfloat16, quantization="fp8")
     assert set(plain["quantization_config"]) == {"quant_method", "fmt", "activation_scheme",
                                                  "weight_block_size"}
+
+
+def test_an_engine_built_with_another_list_is_a_config_mismatch():
+    """The manager refuses, before any byte moves, an engine whose config lists other unquantized
+    layers than the trainer's (`config_check`, as for rope_theta): before, the reference engine
+    refused partway through the sync ('unknown parameter ...weight_scale_inv'), holding part of the
+    new weights. The same list written with or without 'model.', or by the other key, is no
+    mismatch; no list on either side compares nothing."""
+    from fsdp_sync.config_check import config_mismatches
+
+    plain = {k: v for k, v in QC.items() if k != "ignored_layers"}
+    mine = _config()
+    diff = config_mismatches(mine, _config(plain))
+    assert [(k, b) for k, _, b in diff] == [("quantization_config.ignored", None)], diff
+    assert diff[0][1] == ["layers.0.mlp.down_proj", "layers.1.self_attn"]
+    assert [k for k, _, _ in config_mismatches(mine, _config({**QC, "ignored_layers": ["model.layers.0.mlp.down_proj"]}))] \
+        == ["quantization_config.ignored"]
+    for same in ({**plain, "modules_to_not_convert": QC["ignored_layers"]},
+                 {**QC, "ignored_layers": [e.removeprefix("model.") for e in QC["ignored_layers"]]}):
+        assert config_mismatches(mine, _config(same)) == [], same
+    assert config_mismatches(_config(plain), _config(None)) == []
