@@ -22,6 +22,8 @@ import datetime
 import os
 import pickle
 import queue
+import signal
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -104,7 +106,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     ``TMPDIR`` there is the temp directory of the rank and of what it starts.
     ``fn`` must be importable (a module-level function). Raises `RankError` with the first failing
     rank's traceback if any rank raises, exits without a result, or the job passes ``timeout_s``;
-    all processes are terminated before it returns or raises.
+    all processes are terminated before it returns or raises. A Ctrl-C (or any exception) while
+    it waits gives the ranks 0.5 s each, then terminates them, then raises; a second Ctrl-C meanwhile
+    does not cut that short (it left ranks in a collective running to their process-group timeout).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -125,6 +129,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     deadline = time.monotonic() + timeout_s
     got: dict[int, Any] = {}
     failure: str | None = None
+    raised = True   # until the loop ends on its own: left by an exception (Ctrl-C, SystemExit)
     try:
         while len(got) < world_size and failure is None:
             try:
@@ -150,22 +155,61 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
                 got[rank] = pickle.loads(payload)
             else:
                 failure = f"rank {rank} failed:\n{payload}"
+        raised = False
     finally:
-        for p in procs:
-            p.join(timeout=10.0 if failure is None else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
-        results.join_thread()
+        # every rank returned: a moment to exit on their own; a failure or an interrupt: they
+        # are stopped (a rank in a collective would wait for its process-group timeout)
+        with _HeldInterrupts(drop=raised) as held:
+            _stop(procs, 10.0 if failure is None and not raised else 0.5, held)
+            results.close()
+            results.join_thread()
         del store
     if failure is not None:
         raise RankError(failure)
     return [got[r] for r in range(world_size)]
+
+
+def _stop(procs: list, grace_s: float, held: "_HeldInterrupts") -> None:
+    """Join each of ``procs`` for up to ``grace_s`` (0.5 s once a Ctrl-C is held), then
+    terminate, then kill what is still alive."""
+    for p in procs:
+        until = time.monotonic() + grace_s
+        while p.is_alive() and time.monotonic() < min(until, held.since + 0.5):
+            p.join(timeout=0.05)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+class _HeldInterrupts:
+    """Holds Ctrl-C (SIGINT) while the ranks are stopped: an interrupt there would leave them
+    running, and this interpreter's exit would wait for them (they are not daemons: rank 0 starts
+    engine workers) until their process-group timeout. One held shortens the wait for the ranks
+    to 0.5 s and is delivered afterwards to the handler it was meant for, unless ``drop``: the job
+    is already being left by an exception (the first Ctrl-C's). Main thread only, as signals are."""
+
+    def __init__(self, drop: bool):
+        self.drop, self.since, self._old = drop, float("inf"), None
+
+    def __enter__(self) -> "_HeldInterrupts":
+        # (None: a handler set outside Python, which could not be put back)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
+            self._old = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum, frame) -> None:
+        self.since = min(self.since, time.monotonic())
+
+    def __exit__(self, *exc) -> None:
+        if self._old is None:
+            return
+        signal.signal(signal.SIGINT, self._old)
+        if self.since < float("inf") and not self.drop:
+            signal.raise_signal(signal.SIGINT)
 
 
 def spawn_env(extra: dict | None = None) -> dict:
