@@ -17,6 +17,7 @@ Not here: faults of real SGLang servers or of NCCL; the fleet's cells (`fsdp_syn
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict
 
@@ -25,7 +26,7 @@ from .faults_cell import (FAULTS, METHODS, STAGES, SYNC_POINTS, VICTIMS, Cell, T
                           cells, judge, run_cell, worker_point)
 
 __all__ = ["fault_point", "InjectedFault", "FAULT_ENV", "Cell", "cells", "run_cell", "run_matrix", "judge",
-           "add_faults_parser", "METHODS", "STAGES", "SYNC_POINTS", "VICTIMS", "FAULTS", "Timeouts"]
+           "add_faults_parser", "resumed_results", "METHODS", "STAGES", "SYNC_POINTS", "VICTIMS", "FAULTS", "Timeouts"]
 
 
 # --------------------------------------------------------------------------- the matrix
@@ -220,7 +221,8 @@ def _fleet_default(name: str) -> float:
 
 
 def check_faults_args(args, given: set[str]) -> None:
-    """Before any cell runs (ValueError names the flag): ``--resume`` needs ``--json``; with
+    """Before any cell runs (ValueError names the flag): ``--resume`` needs ``--json``, which
+    (where it exists) must be a fault report run with the same timeouts (`resumed_results`); with
     ``--fleet``, a method or fault its cells do not cover, or a flag only the matrix takes, is
     refused (each was dropped without a word), and the defaults become the fleet's own: its
     methods and faults, and its timeouts where --call-timeout / --recv-timeout are not given (it
@@ -243,6 +245,47 @@ def check_faults_args(args, given: set[str]) -> None:
                              f"(it takes --methods, --faults, --call-timeout, --recv-timeout, --json)")
     if args.resume and not args.json:
         raise ValueError("argument --resume: needs --json PATH (the report of the interrupted run)")
+    if args.resume and not args.fleet:     # a file that is no fault report: one line, not a traceback
+        resumed_results(args.json, _timeouts(args))
+
+
+def _timeouts(args) -> Timeouts:
+    return Timeouts(pg_s=args.pg_timeout, call_s=args.call_timeout, recv_s=args.recv_timeout,
+                    cell_s=args.cell_timeout, slack_s=args.slack)
+
+
+def resumed_results(path: str, t: Timeouts) -> dict:
+    """``--resume``: the results of the cells that passed in the report at ``path`` (none while
+    it does not exist), by (method, stage, victim, fault). ValueError naming ``--json`` when the
+    file is not a fault report or was run with other timeouts than ``t`` (``cell_s`` aside)."""
+    from pathlib import Path
+
+    if not Path(path).exists():
+        return {}
+    hint = ("give the report of an interrupted fsdp-sync faults run, or another --json (a new "
+            "file) to run every cell")
+    try:
+        old = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"argument --json: --resume reads {path}, which is not JSON ({exc.msg}, line "
+                         f"{exc.lineno} column {exc.colno}); {hint}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"argument --json: --resume cannot read {path} ({exc}); {hint}") from None
+    results = old.get("results") if isinstance(old, dict) else None
+    if not isinstance(results, list) or not isinstance(old.get("timeouts"), dict):
+        got = f"keys {sorted(old)[:8]}" if isinstance(old, dict) else f"a JSON {type(old).__name__}"
+        raise ValueError(f"argument --json: --resume reads {path}, which is not a fault report (an "
+                         f"object with 'timeouts' and 'results'; got {got}); {hint}")
+    names = ("method", "stage", "victim", "fault")
+    for i, r in enumerate(results):
+        if not isinstance(r, dict) or not all(isinstance(r.get(k), str) for k in names):
+            raise ValueError(f"argument --json: --resume reads {path}, whose results[{i}] is not a fault "
+                             f"cell (its {', '.join(names)}; got {str(r)[:80]}); {hint}")
+    same = {k: v for k, v in asdict(t).items() if k != "cell_s"}   # cell_s: only the hang limit
+    if {k: v for k, v in old["timeouts"].items() if k != "cell_s"} != same:
+        raise ValueError(f"argument --json: --resume: {path} was run with timeouts {old['timeouts']}, "
+                         f"this run has {asdict(t)}; give the same ones or another --json")
+    return {_key(Cell(*(r[k] for k in names))): r for r in results if r.get("possible") and r.get("ok")}
 
 
 def _cmd_fleet(args) -> int:
@@ -292,8 +335,7 @@ def cmd_faults(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    t = Timeouts(pg_s=args.pg_timeout, call_s=args.call_timeout, recv_s=args.recv_timeout,
-                 cell_s=args.cell_timeout, slack_s=args.slack)
+    t = _timeouts(args)
     selected = cells(args.methods, args.stages, args.victims, args.faults)
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
@@ -301,14 +343,11 @@ def cmd_faults(args) -> int:
     if args.resume:
         if not args.json:
             raise SystemExit("--resume needs --json PATH (the report of the interrupted run)")
-        if Path(args.json).exists():
-            old = json.loads(Path(args.json).read_text())
-            same = {k: v for k, v in asdict(t).items() if k != "cell_s"}   # cell_s: only the hang limit
-            if {k: v for k, v in (old.get("timeouts") or {}).items() if k != "cell_s"} != same:
-                raise SystemExit(f"--resume: {args.json} was run with timeouts {old.get('timeouts')}, "
-                                 f"this run has {asdict(t)}; give the same ones or another --json")
-            done = {_key(Cell(r["method"], r["stage"], r["victim"], r["fault"])): r
-                    for r in old["results"] if r.get("possible") and r.get("ok")}
+        try:                        # checked before (`check_faults_args`), unless a caller's own args
+            done = resumed_results(args.json, t)
+        except ValueError as exc:
+            print(f"fsdp-sync faults: error: {exc}", file=sys.stderr)
+            return 2
 
     def save(cell: Cell, rep: dict) -> None:
         if args.json:
