@@ -580,6 +580,16 @@ def check_bench_args(args, given: set[str]) -> None:
     if ("engine" in given or args.spec.engine != "direct") and "tensor" not in args.spec.methods:
         raise ValueError(f"--engine {args.spec.engine} is the tensor method's engine; --methods "
                          f"{','.join(args.spec.methods)} has no tensor rows: add tensor or drop --engine")
+    if "strategies" in given and "tensor" not in args.spec.methods:    # distributed, disk: their own formats
+        raise ValueError(f"--strategies {','.join(args.spec.strategies)} are the tensor method's; --methods "
+                         f"{','.join(args.spec.methods)} has no tensor rows: add tensor or drop --strategies")
+    if args.spec.engine == "http" and "engine" in args.spec.layouts and "flattened" in args.spec.strategies:
+        lays = ",".join(args.spec.layouts)
+        src = f"--layout {lays}" if "layout" in given else f"--{'preset' if args.preset else 'recipe'} " \
+              f"{args.preset or args.recipe} (layouts {lays})"
+        raise ValueError(f"--engine http {src}: the http engine (an SGLangEngine client of fsdp-sync serve's "
+                         f"server) takes no per-rank buckets (layout engine); give --layout full or auto, "
+                         f"or --engine direct")
     ca.check_mib(args.spec.bucket_mb, "--bucket-mb")      # the flag's or the sweep's: 1e-7 MiB is 0 bytes
     from ...models import load_config
     from ...weights.fp8 import quantized_layout
@@ -641,7 +651,9 @@ def cmd_bench(args) -> int:
         return print_lora_bench(args, console)
     spec = getattr(args, "spec", None) or spec_from_args(args)
     console.print(f"[bold]fsdp-sync bench[/]: {len(spec.jobs())} jobs; models {', '.join(spec.models)}; "
-                  f"strategies {', '.join(spec.strategies)}; buckets {', '.join(f'{b:g}' for b in spec.bucket_mb)} MiB")
+                  f"methods {', '.join(spec.methods)}"
+                  + (f"; strategies {', '.join(spec.strategies)}" if "tensor" in spec.methods else "")
+                  + f"; buckets {', '.join(f'{b:g}' for b in spec.bucket_mb)} MiB")
     result = run_bench(spec)
     for r in result["rows"]:
         if r.get("skipped"):
