@@ -72,8 +72,9 @@ def _add_demo(sub) -> None:
     p.add_argument("--lora-alpha", type=ca.positive_float, default=32.0,
                    help="--lora: lora_alpha (the adapter is scaled by lora_alpha / r)")
     p.add_argument("--timeout-s", type=ca.positive_float, default=None, metavar="SECONDS",
-                   help="stop every rank and fail (exit 1) once the run has taken this long; no step's "
-                        "result is kept (default: 600 s + 60 s a step, each + 1 s per 10 M parameters)")
+                   help="stop every rank and fail (exit 1) once the run has taken this long; the steps "
+                        "every rank finished are kept: shown and written to --json (default: 600 s + 60 s "
+                        "a step, each + 1 s per 10 M parameters)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(check=_check_demo)
