@@ -272,6 +272,18 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(missing, file=sys.stderr)
         return 2
+    if args.command == "serve":      # Ctrl-C is how a server is stopped: its own handler
+        from .serve import main_serve
+
+        return main_serve(args)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:       # the ranks are stopped (`launch.run_ranks`): one line, not a traceback
+        print(f"fsdp-sync {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return _cmd_demo(args)
     if args.command == "bench":
@@ -280,10 +292,6 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(args)
     if getattr(args, "run", None) is not None:   # faults, soak: the subcommand's own runner
         return args.run(args)
-    if args.command == "serve":
-        from .serve import main_serve
-
-        return main_serve(args)
     return 2
 
 
