@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -58,7 +57,9 @@ from .floors import (copy_seconds, floor_all_to_all_seconds, floor_seconds, floo
                      layout_figures)
 from .gpu_memory import CudaPeaks
 from .methods import memory_budget
-from .sampling import DeviceSampler, rises, sampled_sync
+from .rows import (BenchIncomplete, finish_rows, largest_bytes, measured_rows, report_incomplete, save_rows,
+                   tensor_row, write_json)
+from .sampling import DeviceSampler, sampled_sync
 from .served import Served
 from .table import BenchProgress
 from .targets import check_targets
@@ -260,8 +261,12 @@ class Job:
 
 # --------------------------------------------------------------------------- one job on N ranks
 
-def bench_rank(rank: int, world: int, job: Job) -> dict:
-    """Run every (strategy, bucket) row of ``job`` on this rank; rank 0 returns the rows."""
+def bench_rank(rank: int, world: int, job: Job, records: str | None = None) -> dict:
+    """Run every (strategy, bucket) row of ``job`` on this rank; rank 0 returns the rows (and
+    writes those finished so far into ``records`` after each: `rows.save_rows`)."""
+    import copy
+    import functools
+
     import torch.distributed as dist
 
     from ...config import SyncConfig
@@ -294,6 +299,13 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
     served = Served(engine, job.tp) if engine is not None and job.engine == "http" else None
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid(), group=cpu_group())
+    metas = param_metas(model, dtype)
+    finish = functools.partial(finish_rows, job=job, served=served, metas=metas, pinned=pinned, cfg=cfg,
+                               model=model)
+
+    def save(baseline: float | None) -> None:     # what a failed job still reports
+        if records is not None and rank == 0:
+            save_rows(records, finish(copy.deepcopy(rows), baseline))
     progress = BenchProgress(rank == 0, len(job.strategies) * len(job.bucket_mb) * len(job.share_host_memory)
                          * len(job.layouts) * len(job.pipelined), job)
     rows = []
@@ -367,8 +379,8 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             if strategy == "per_tensor":
                 baseline = secs_med
             if rank == 0:
-                row = _row(job, strategy, bucket_bytes, params, tensors, stats, secs, secs_med,
-                           floor, manager, sampler)
+                row = tensor_row(job, strategy, bucket_bytes, params, tensors, stats, secs, secs_med,
+                                 floor, manager, sampler)
                 row["warmup_seconds"] = warm
                 if gpu_mem is not None:
                     row["gpu_memory"] = gpu_mem
@@ -378,6 +390,7 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
                 row["ratio_to_copy"] = secs_med / copy_s if copy_s > 0 else None
                 row.update({k: v for k, v in lay.items() if k != "model_bytes"})   # the path taken
                 rows.append(row)
+                save(baseline)
             progress.advance()
     finally:
         progress.stop()
@@ -385,15 +398,6 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
             served.close()
         if engine is not None:
             engine.shutdown()
-    for r in rows:
-        r["method"] = "tensor"
-        r["engine"] = job.engine
-        if served is not None:
-            r["http_requests"] = dict(served.server.hits)
-            r["http_connections"] = served.client._http.connections
-        r["baseline_seconds"] = baseline
-        r["speedup_vs_baseline"] = (baseline / r["seconds"]) if baseline else None
-    metas = param_metas(model, dtype)
     if any(m != "tensor" for m in job.methods):
         from .methods import method_rows
 
@@ -401,68 +405,42 @@ def bench_rank(rank: int, world: int, job: Job) -> dict:
         for method in job.methods:
             if method != "tensor":
                 rows.extend(method_rows(rank, world, job, model, cfg, params, tensors, method, pids, largest))
-    for r in rows:
-        # ``tensors`` counts the module's parameters; a fused MoE expert parameter is exported
-        # as one tensor per expert and projection, so a sync moves more tensors than that
-        r["exported_tensors"] = len(metas)
-        r["malloc_mmap_threshold"] = pinned     # glibc's, pinned in the trainer ranks (None: not glibc)
-        r["ep"] = job.ep
-        r["quantization"] = job.quantization
-        if job.quantization and "memory_budget_bytes" in r:   # its quantized buckets, as the plan counts them
-            r.update(memory_budget(r["method"], r["bucket_bytes"], r["largest_tensor_bytes"], r.get("layout") or "full",
-                                   bool(r.get("pipelined", True)), job=job, cfg=cfg, model=model))
-    return {"rows": rows}
-
-
-def largest_bytes(module, job: Job) -> int:
-    from ...weights.export import param_metas
-
-    return max(m.nbytes for m in param_metas(module, getattr(torch, job.dtype)))
-
-
-def _row(job: Job, strategy: str, bucket_bytes: int, params: int, tensors: int, stats, secs, secs_med,
-         floor: float, manager, sampler: DeviceSampler | None) -> dict:
-    from ...weights.export import param_metas
-
-    metas = param_metas(manager.module, getattr(torch, job.dtype))
-    largest = max(m.nbytes for m in metas)
-    timeline = manager.timeline.to_dict()
-    peak_extra, curve = 0, []
-    if sampler is not None and sampler.samples:
-        peak_extra = max(rises(timeline, sampler))
-        curve = [[round(ts, 5), int(sum(s))] for ts, s in sampler.samples]
-        for st in timeline:
-            st["t"] = round(st["started"] - sampler.t0, 5)
-    return {
-        **{k: stats.extra[k] for k in ("quantize_s", "quantized_tensors") if k in stats.extra},
-        # where the last sync's time went, engine call by engine call (per tensor: the sums only)
-        "call_seconds": stats.extra.get("call_seconds"),
-        **({"calls": stats.extra["calls"]} if strategy != "per_tensor" and "calls" in stats.extra else {}),
-        "strategy": strategy, "model": job.model, "params": params, "tensors": tensors,
-        "bytes": stats.bytes, "bucket_bytes": bucket_bytes, "largest_tensor_bytes": largest,
-        "ranks": job.ranks, "tp": job.tp, "multi_stage": job.multi_stage, "device": job.device,
-        "dtype": job.dtype, "seconds": secs_med, "repeats": secs, "floor_seconds": floor,
-        "baseline_seconds": None, "peak_extra_bytes": int(peak_extra),
-        **memory_budget("tensor", bucket_bytes, largest), "engine_calls": stats.engine_calls,
-        "stages": timeline, "memory_curve": curve,
-    }
+                save(baseline)
+    return {"rows": finish(rows, baseline)}
 
 
 # --------------------------------------------------------------------------- the sweep
 
 def run_bench(spec: BenchSpec, *, timeout_s: float = 1800.0) -> dict:
-    from ..launch import run_ranks, spawn_env
+    """Run the sweep's jobs one after another; the rows of all. Each job's ranks (and their engine
+    workers) get a temp directory of the job's own (``TMPDIR``), removed when the job ends however
+    it ends: a job stopped part-way (Ctrl-C, a rank that died) leaves no disk row's checkpoint
+    behind. A failed job raises `BenchIncomplete` with the rows measured before the failure."""
+    import shutil
+    import tempfile
 
-    rows = []
-    t0 = time.perf_counter()
-    for job in spec.jobs():
-        out = run_ranks(bench_rank, job.ranks, job, timeout_s=timeout_s,
-                        backend="nccl" if job.device == "cuda" else "gloo", env=spawn_env())
-        rows.extend(out[0]["rows"])
+    from ..launch import RankError, run_ranks, spawn_env
     from .methods import flag_over_budget
 
-    return {"spec": asdict(spec), "rows": flag_over_budget(rows),
-            "wall_seconds": time.perf_counter() - t0, "machine": _machine()}
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+
+    def result() -> dict:
+        return {"spec": asdict(spec), "rows": flag_over_budget(rows),
+                "wall_seconds": time.perf_counter() - t0, "machine": _machine()}
+
+    for job in spec.jobs():
+        tmp = tempfile.mkdtemp(prefix="fsdp-sync-bench-")
+        try:
+            out = run_ranks(bench_rank, job.ranks, job, tmp, timeout_s=timeout_s,
+                            backend="nccl" if job.device == "cuda" else "gloo", env=spawn_env({"TMPDIR": tmp}))
+            rows.extend(out[0]["rows"])
+        except RankError as exc:
+            rows.extend(measured_rows(tmp))
+            raise BenchIncomplete(str(exc), {**result(), "incomplete": str(exc).strip().splitlines()[0]}) from exc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return result()
 
 
 def _machine() -> dict:
@@ -654,20 +632,26 @@ def cmd_bench(args) -> int:
                   f"methods {', '.join(spec.methods)}"
                   + (f"; strategies {', '.join(spec.strategies)}" if "tensor" in spec.methods else "")
                   + f"; buckets {', '.join(f'{b:g}' for b in spec.bucket_mb)} MiB")
-    result = run_bench(spec)
+    try:
+        result, failed = run_bench(spec), None
+    except BenchIncomplete as exc:    # a rank failed, died or ran out of time: its last line, the rows before it
+        result, failed = exc.result, exc
     for r in result["rows"]:
         if r.get("skipped"):
             console.print(f"{r['method']}: skipped ({r['skipped']})")
-    table = bench_table(result["rows"])
-    if not sys.stdout.isatty():     # a log or a file: as wide as the table, nothing folded
-        console.width = max(console.width, console.measure(table).maximum)
-    console.print(table)
+    if result["rows"]:
+        table = bench_table(result["rows"])
+        if not sys.stdout.isatty():     # a log or a file: as wide as the table, nothing folded
+            console.width = max(console.width, console.measure(table).maximum)
+        console.print(table)
     over = [r for r in result["rows"] if r.get("over_budget")]
     if over:
         from .methods import over_budget_line
 
         console.print(f"[red]{len(over)} row(s) over their memory budget[/] ("
                       + "; ".join(over_budget_line(r) for r in over) + ")")
+    if failed is not None:
+        return report_incomplete(console, args, result, failed)
     if args.preset == "targets":    # judged only on the targets' own problem (`judge_targets`)
         from .table import targets_lines
         from .targets import judge_targets
@@ -688,10 +672,7 @@ def cmd_bench(args) -> int:
                        f"{r['sync_seconds']:.3f}", f"{r['verify_seconds']:.3f}",
                        f"{r['verify_seconds'] / r['sync_seconds']:.2f}" if r["sync_seconds"] else "-")
         console.print(vt)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        console.print(f"wrote {args.json}")
+    write_json(console, args, result)
     if args.plot:
         from ..plots import plot_bench
 
