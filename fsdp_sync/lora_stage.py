@@ -14,6 +14,11 @@ sync does to a fleet of replicas (`fsdp_sync.fleet`), as a full sync does it:
   gives it (the transport's reload: disk loads the directory the replicas in service loaded; the
   distributed method sends the trainer's base), then the adapter, verified, and the version;
   only then is it back in service. A failure keeps it out; the sync goes on for the others.
+- `restarted`: a replica in service whose base weights changed since they were synced (a server
+  restarted by its supervisor serves its launch weights under its launch version) is taken out
+  of service and rejoins: under ``"quarantine"`` in the same sync, the others taking the adapter
+  meanwhile; under ``"abort"`` the sync fails and the next brings it in. One engine alone keeps
+  `lora_sync.check_engine`'s refusal.
 - `publish`: every adapter sync has a version, as every full sync has: the replicas that took
   the adapter are named with it (``update_weight_version``, SGLang's call: its adapter load takes
   no version), before generation resumes; then ``manager.version``. A failed sync names nothing.
@@ -44,7 +49,7 @@ from .weights.peft_names import adapter_of
 
 log = logging.getLogger("fsdp_sync")
 
-__all__ = ["sync_weights", "targets", "rejoin", "publish", "bring_adapter", "verify_base"]
+__all__ = ["sync_weights", "targets", "restarted", "rejoin", "publish", "bring_adapter", "verify_base"]
 
 
 def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, resume: Any = None) -> None:
@@ -94,8 +99,9 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, re
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
         agree(err, what=f"adapter sync of {name!r}")
-    elif fleet_mode:     # where a full sync would go: the dead found and taken out first
-        rejoining = [r for r in targets(manager, agree, version) if not r.serving]
+    elif fleet_mode:     # where a full sync would go: the dead found and taken out first, and
+        go = targets(manager, agree, version)          # those whose base changed given it again
+        rejoining = [r for r in go if not r.serving] + restarted(manager, [r for r in go if r.serving], agree)
     held: dict[str, Any] = {"paused": None, "published": False}
 
     def hold(targets: list | None = None) -> None:     # the base's targets, or those serving
@@ -183,6 +189,45 @@ def targets(manager: Any, agree: Any, version: str) -> list:
     why = manager.fleet.no_target(version) if manager.rank == 0 and not reps else None
     agree(why, what=f"adapter sync of {manager.config.lora_name!r}")
     return reps
+
+
+def restarted(manager: Any, reps: list, agree: Any) -> list:
+    """The replicas in service among ``reps`` whose base weights are no longer the ones this
+    manager synced (`lora_sync.engine_version` changed: a server its supervisor restarted answers
+    its launch version), in a fleet of several replicas: each needs the base again, so it is taken
+    out of service, its reason the mismatch, its version None (it serves none of this manager's),
+    and ``rejoin`` set. Under ``"quarantine"`` they are returned: this sync's `rejoin` gives them
+    the base, then the adapter, as it gives any replica rejoining, and the others take the adapter
+    meanwhile. Under ``"abort"`` the sync fails, as it fails for a replica that cannot take
+    updates, before anything is loaded; the next sync brings them in. One engine alone keeps
+    `lora_sync.check_engine`'s refusal (set ``manager.base_sync_done=False``). Collective (every
+    rank agrees); trainer rank 0 decides."""
+    name, out, whys = manager.config.lora_name, [], []
+    if manager.rank == 0 and len(manager.fleet.replicas) > 1:
+        for rep in reps:
+            want = manager.lora_base.get(id(rep.engine))
+            try:
+                now = engine_version(rep.engine) if want is not None else None
+            except Exception:  # noqa: BLE001 - cannot tell: the checks that follow say why
+                now = None
+            if now is None or now == want:
+                continue
+            why = (f"adapter {name!r}: the engine's base weights are version {now!r}, not the base "
+                   f"version {want!r} this manager synced (restarted?): it needs the base again")
+            manager.fleet.quarantine(rep, why)
+            rep.version, rep.rejoin = None, True
+            out.append(rep)
+            whys.append(f"{rep.name}: {why}")
+    err = None
+    if out and manager.config.on_replica_failure != "quarantine":
+        err = ("; ".join(whys) + "; quarantined: the next sync gives it the base and the adapter "
+               "(under on_replica_failure='quarantine' this one would, the others taking the "
+               "adapter); nothing was loaded: every engine keeps its adapter")
+    agree(err, what=f"adapter sync of {name!r}")
+    if out:
+        log.warning("fsdp_sync: adapter %r: base weights changed, rejoining with the base: %s", name,
+                    "; ".join(whys))
+    return out
 
 
 def publish(manager: Any, reps: list, version: str, agree: Any) -> None:

@@ -25,7 +25,8 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   or other target modules than the adapter it serves, beyond its ``max_lora_rank`` /
   ``lora_target_modules``, what its own load would refuse (the reference engine's
   ``lora_refusal``), base weights that are not the ones this manager synced (`engine_version`
-  changed), or, for SGLang, target modules its LoRA code cannot stack (`sglang_refusal`).
+  changed; in a fleet of several replicas `lora_stage.restarted` takes such a replica out to
+  give it the base again before this check), or, for SGLang, target modules its LoRA code cannot stack (`sglang_refusal`).
 - `load_all` / `load_adapter`: swap the adapter in (the reference engine stages the new one on
   every worker before dropping the old one, ``replace=True``; SGLang is unloaded, then loaded, as
   verl does); a failure on some replicas follows `SyncConfig.on_replica_failure` (`sync_adapter`:
