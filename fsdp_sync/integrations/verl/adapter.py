@@ -95,6 +95,7 @@ from verl.workers.rollout import base as _verl_rollout_base
 from ...weights import float32_params, handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES
 from ...config_check import check_engine, load_refusal
+from ..flush_retry import flush_after_sync
 from ...topology import SyncTopology
 from ...transport import SyncStats
 from ...transport.tensor import Call, TensorTransport, engine_reads_outlast
@@ -307,7 +308,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         else:
             stats = run(weights)
         if engine is not None:
-            engine.flush_cache()
+            flush_after_sync(engine)         # retried, then logged, as verl's own adapter does
             if global_steps is not None and self._server_actor is not None:
                 await self._server_actor.set_global_steps.remote(global_steps)
         stats["global_steps"] = global_steps
