@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime
-import inspect
 import logging
 import time
 import traceback
@@ -68,6 +67,8 @@ from ..weights.layout import TPLayout, engine_ep_size, layout_for
 from ..topology import SyncError, agree, agree_after_rank0, cpu_group
 from . import SyncContext, SyncStats, timed_items
 from ..wire import PER_RANK_BUCKET, destroy_update_group, per_rank_bucket_plan
+from .sessions import begin_all
+from .sessions import begin as _begin   # noqa: F401 - the old name, which tests/test_serve_abort.py imports
 from .update_group import (EngineCalls, check_answer, check_distinct_gpus, destroy_ours, engine_tp, open_group,
                            outward_address)
 
@@ -219,7 +220,7 @@ class DistributedTransport:
                     check_tight(b)
                 self._quant = self._quantizer(ctx, engines)
                 self._open_group(engines, device)
-                _begin_all(engines)
+                begin_all(engines)
             except Exception as exc:  # noqa: BLE001 - every trainer rank must hear of it
                 return f"opening the weight update on trainer rank 0: {type(exc).__name__}: {exc}"
             return None
@@ -621,43 +622,6 @@ def _release_orphaned(held: dict, name: str) -> None:
     if pg is not None and destroy_ours(pg, f"the weight-update group {name!r} of a dropped transport"):
         log.warning("fsdp_sync: a distributed transport was dropped without close(): destroyed its "
                     "weight-update group %r", name)
-
-
-def _begin_all(engines: list) -> None:
-    """Open the update on every engine; when one fails, those opened already are closed again
-    (aborted: nothing was sent), so none is left inside an update that no sync will end (which
-    refuses, among others, ``release_memory_occupation``), and the error is raised."""
-    opened = []
-    try:
-        for e in engines:
-            if hasattr(e, "begin_weight_update"):
-                _begin(e)
-                opened.append(e)
-    except BaseException:
-        for e in opened:
-            try:
-                if "abort" in inspect.signature(e.end_weight_update).parameters:
-                    e.end_weight_update(abort=True)
-                else:
-                    e.end_weight_update()
-            except Exception as exc:  # noqa: BLE001 - the begin's failure is the error to raise
-                log.warning("fsdp_sync: closing %s's update after another's begin_weight_update "
-                            "failed: %s", fleet.describe(e, engines.index(e)), exc)
-        raise
-
-
-def _begin(engine: Any) -> None:
-    """Open the engine's update. One left open by a trainer that died inside it (this transport
-    owns the engine now) is aborted first, so a fresh trainer can take over."""
-    try:
-        engine.begin_weight_update()
-    except Exception as exc:  # noqa: BLE001 - only the "already open" case is handled
-        if "twice" not in str(exc) and "already" not in str(exc):
-            raise
-        log.warning("fsdp_sync: the engine had an update open (a previous trainer died in it?): "
-                    "aborting it and starting ours")
-        engine.end_weight_update(abort=True)
-        engine.begin_weight_update()
 
 
 def _agree(err: Any, group: Any, what: str) -> None:

@@ -7,7 +7,8 @@ the baseline), ``bucketed`` and ``flattened`` (default). In all three a bucket's
 alive until the engine has answered and every consumer has acknowledged, and are freed right
 after, so the sync holds at most one bucket (plus the largest tensor) beyond its steady state.
 The calls of one sync are bracketed by ``begin_weight_update``/``end_weight_update`` where the
-engine has them (aborted, not committed, after a failure).
+engine has them (aborted, not committed, after a failure; one a dead trainer left open is aborted
+and begun again, with a warning: `sessions.begin`).
 
 With ``SyncConfig.layout="engine"`` (or ``"auto"`` where the engine accepts it, strategy
 ``flattened``) the buckets are per-rank (`reshard.iter_rank_buckets`): each trainer rank shares the
@@ -52,6 +53,7 @@ from ..wire import flattened_bucket
 from . import SyncContext, SyncStats
 from .buffers import BufferPool, ReusedBuffer
 from .call_times import CallTimes
+from .sessions import begin
 
 __all__ = ["TensorTransport", "Call", "engine_reads_outlast"]
 
@@ -278,14 +280,15 @@ class TensorTransport:
         """``begin_weight_update`` / ``end_weight_update`` around the calls of one sync, on
         infer-TP rank 0 where the engine has them. A refused begin, or a refused end after every
         call went through, fails the sync on every rank (`agree`): no rank goes on to gather
-        payloads nobody will take. After a failed call the update is aborted, not committed."""
+        payloads nobody will take. After a failed call the update is aborted, not committed. A
+        session a dead trainer left open is aborted and ours begun (`sessions.begin`)."""
         topo = self.topo
         bracket = topo.is_tp_src and hasattr(self.engine, "begin_weight_update")
         err: str | None = None
         handles.collect_ipc()   # what a failed sync's engine let go of only after this rank collected
         if bracket:
             try:
-                self.engine.begin_weight_update()
+                begin(self.engine)
             except Exception as exc:  # noqa: BLE001 - told to every rank by agree
                 err = f"begin_weight_update on {topo.describe()}: {type(exc).__name__}: {exc}"
         agree(err, self._group, what=self._what)

@@ -1,0 +1,64 @@
+"""The engines' weight-update sessions as the transports open them: ``begin_weight_update`` that
+takes over a session a dead trainer left open (`begin`, `begin_all`).
+
+A trainer that died between ``begin_weight_update`` and ``end_weight_update`` leaves the engine
+(SGLang 0.5.21+, ``fsdp-sync serve``, the reference engine) with its session open, and every later
+``begin_weight_update`` is refused ("already open"): without `begin` no sync of a fresh trainer
+could ever run. The trainer that calls `begin` owns the engine now, so the old session is aborted
+(`end_weight_update(abort=True)`: dropped where the engine stages, only closed on SGLang, which
+applied what arrived) and a new one begun, with a warning.
+
+Not here: the calls of one update (the transports), committing a fleet (`fleet.end_all`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from .. import fleet
+
+__all__ = ["begin", "begin_all"]
+
+log = logging.getLogger("fsdp_sync")
+
+
+def begin(engine: Any) -> None:
+    """Open the engine's update. One left open by a trainer that died inside it (this transport
+    owns the engine now) is aborted first, so a fresh trainer can take over; any other refusal
+    is raised."""
+    try:
+        engine.begin_weight_update()
+    except Exception as exc:  # noqa: BLE001 - only the "already open" case is handled
+        if "twice" not in str(exc) and "already" not in str(exc):
+            raise
+        log.warning("fsdp_sync: %s had a weight update open (a previous trainer died in it?): "
+                    "aborting it and starting ours (%s)", engine, exc)
+        engine.end_weight_update(abort=True)
+        engine.begin_weight_update()
+
+
+def begin_all(engines: list) -> None:
+    """`begin` on every engine that has ``begin_weight_update``; when one fails, those opened
+    already are closed again (aborted: nothing was sent), so none is left inside an update that
+    no sync will end (which refuses, among others, ``release_memory_occupation``), and the error
+    is raised."""
+    opened = []
+    try:
+        for e in engines:
+            if hasattr(e, "begin_weight_update"):
+                begin(e)
+                opened.append(e)
+    except BaseException:
+        for e in opened:
+            try:
+                if "abort" in inspect.signature(e.end_weight_update).parameters:
+                    e.end_weight_update(abort=True)
+                else:
+                    e.end_weight_update()
+            except Exception as exc:  # noqa: BLE001 - the begin's failure is the error to raise
+                log.warning("fsdp_sync: closing %s's update after another's begin_weight_update "
+                            "failed: %s", fleet.describe(e, engines.index(e)), exc)
+        raise
+
