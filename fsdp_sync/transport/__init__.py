@@ -8,7 +8,9 @@
 
     update_group.py  trainer rank 0 opens SGLang's weight-update group for distributed.py (the
                      group's wire form, which both ends use, is `fsdp_sync.wire`)
-    sessions.py      begin_weight_update that takes over a session a dead trainer left open
+    sessions.py      begin_weight_update that takes over a session a dead trainer left open, and
+                     which engines a disk load goes inside a session on (those that stage it)
+    disk_load.py     disk.py's load step: the load format, one engine or a fleet
 
 A transport is any object with the attributes and methods of `Transport`. There is no base class
 to inherit from: the manager only calls ``sync(ctx)`` and ``close()`` and reads ``colocated``.

@@ -18,14 +18,17 @@ partly updated — only ever sees complete, immutable directories:
    sha256) taken chunk by chunk as it is written, not by reading the file again; rank 0 writes
    config.json, the manifest (which names the hash) and the index (last), fsyncs the directory
    and renames it to ``step_<N>`` (atomic);
-4. trainer rank 0 calls ``engine.update_weights_from_disk(path)`` for each engine, with the sync's
-   weight version (and ``flush_cache=False`` under ``pause_mode="in_place"``, refused up front for
-   an engine that cannot skip the flush: an in-process ``sglang.Engine``); with several engines
-   (a fleet) inside ``begin_weight_update`` / ``end_weight_update`` on each, and no engine
-   commits until every one has loaded (`fleet.end_all`). Each load carries the version: an engine
-   that stages it (the reference engine, ``fsdp-sync serve``) takes weights and name at its commit;
-   one that applies a load as it arrives (SGLang, whose session stages nothing) takes both at once,
-   so no replica serves the new weights under the old version while the others load. A sync of
+4. trainer rank 0 calls ``engine.update_weights_from_disk(path)`` for each engine
+   (`disk_load`), with the sync's weight version (and ``flush_cache=False`` under
+   ``pause_mode="in_place"``, refused up front for an engine that cannot skip the flush: an
+   in-process ``sglang.Engine``).
+   With several engines (a fleet), an engine that stages a disk load (the reference engine,
+   ``fsdp-sync serve``) loads it inside ``begin_weight_update`` / ``end_weight_update`` and none of
+   them commits (takes weights and version) until every one has loaded (`fleet.end_all`). SGLang
+   loads it outside any session: it applies a disk load at once, weights and version together,
+   and its ``end_weight_update`` would post-process the weights a second time, so a fleet of
+   SGLang replicas is not atomic: after a refusal the replicas before it serve the new version
+   (the error names them). A sync of
    the step just published (the manager's retry after quarantining a replica) skips 1-3 and loads
    that version again; a replica brought in between syncs
    (``recover``, ``add_engine``: ``ctx.reload``) loads the version the others loaded last
@@ -93,7 +96,6 @@ manager), reading a checkpoint into an engine (the engines, with `hf_checkpoint.
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import shutil
@@ -106,6 +108,7 @@ from typing import Any
 import torch
 
 from .. import fleet
+from .disk_load import load_version
 from ..config_check import load_refusal
 from .disk_ranked import NO_RANK_CHECKPOINTS, HashAhead, choose_layout, publish_ranked, write_rank_buckets
 from .disk_writer import OneWriter, agree_on, all_gather, broadcast, disk_hash, float_dtype, plain_alloc
@@ -125,24 +128,6 @@ STEP_RE = re.compile(r"^step_(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.(step_\d+|recycle)\.(tmp|del)-[0-9a-f]+$")
 POOL = ".recycle"
 """The dropped version whose files the next sync's writers overwrite in place (`DiskTransport`)."""
-
-
-def _load_one(engine: Any, path: str, version: str | None, *, flush: bool = True) -> None:
-    """``update_weights_from_disk`` with SGLang's ``weight_version`` where the engine takes it, and
-    ``flush_cache=False`` where ``flush`` is off (`DiskTransport._check_no_flush`). An engine that
-    says it cannot name its weights (``takes_weight_version`` False: an in-process
-    ``sglang.Engine``) loads them unnamed, as `fleet.end_all` commits them."""
-    fn = engine.update_weights_from_disk
-    params = inspect.signature(fn).parameters
-    if getattr(engine, "takes_weight_version", True) is False:
-        version = None
-    kw = {} if flush or "flush_cache" not in params else {"flush_cache": False}
-    if version is not None and "weight_version" in params:
-        fn(path, weight_version=version, **kw)
-    else:
-        fn(path, **kw)
-        if version is not None:
-            fleet.set_version(engine, version)
 
 
 class DiskTransport:
@@ -359,58 +344,17 @@ class DiskTransport:
                                trainer_rank_bytes_written=st.bytes_written)    # this rank's
 
     def _load(self, ctx: Any, final: str, group: Any) -> None:
-        """Step 4 (trainer rank 0 calls, every rank agrees): one engine loads ``final`` with the
-        sync's version; a fleet loads it inside an update on each engine and commits only when
-        every engine has loaded it (`fleet.end_all`), else aborts on all."""
-        err: BaseException | None = None
-        engines = list(ctx.engines or [])
-        version = getattr(ctx, "version", None)
-        # the replicas are held in place in a sync (the manager's pause), not when one is brought in
-        flush = getattr(ctx.config, "pause_mode", None) != "in_place" or getattr(ctx, "reload", False)
-        calls, kept = 0, []
-        if len(engines) == 1:
-            try:
-                _load_one(engines[0], final, version, flush=flush)
-                calls = 1
-            except Exception as exc:   # noqa: BLE001
-                err = exc
-        elif engines:
-            opened: list = []
-            try:
-                for i, engine in enumerate(engines):
-                    if hasattr(engine, "begin_weight_update"):
-                        engine.begin_weight_update()
-                    opened.append(engine)
-                    # the version goes with the weights: a transactional engine takes both at its
-                    # commit; one that applies the load at once (SGLang) both now, so no replica
-                    # serves the new weights under the old name while the others load
-                    _load_one(engine, final, version, flush=flush)
-                    calls += 1
-            except Exception as exc:   # noqa: BLE001
-                failed = fleet.describe(engines[i], i)
-                kept = fleet.end_all(opened, commit=False)
-                # SGLang applies a disk load at once, session or not: the replicas before the failed
-                # one serve the new weights (unnamed), and the failed one may hold part of them
-                loaded = [k for k in kept if k != failed]
-                err = RuntimeError(f"{failed} of {len(engines)} failed to load it: {type(exc).__name__}: "
-                                   f"{exc}; no replica committed it" + (
-                                       f", but {', '.join(loaded)} loaded it already and could not drop "
-                                       f"it: they serve its weights now" + (
-                                           f" as version {version!r}" if version is not None else "")
-                                       if loaded else ""))
-            if err is None:
-                try:
-                    fleet.end_all(engines, commit=True, version=version)
-                except fleet.CommitError as exc:
-                    ctx.commit_failed = exc
-                    err = RuntimeError(f"committing the update: {exc}")
-                    if exc.committed:     # those serve it now (the failed ones are quarantined): a
-                        self.loaded = final   # replica brought in must load it, not the one before
-        ctx.stats.engine_calls = calls
+        """Step 4 (trainer rank 0 calls, every rank agrees): the engines load ``final`` with the
+        sync's version (`disk_load.load_version`: a fleet commits only when every engine has
+        loaded it, where the engines stage a load)."""
+        out = load_version(ctx, final)
+        if out.served:      # a failed commit: some serve it now, so a replica brought in loads it
+            self.loaded = final
+        ctx.stats.engine_calls = out.calls
         try:
-            agree_on(err, group, f"update_weights_from_disk({final!r})")
+            agree_on(out.err, group, f"update_weights_from_disk({final!r})")
         except SyncError:
-            fleet.note_partial(kept)        # the error says who kept part (`fleet.end_all`)
+            fleet.note_partial(out.kept)    # the error says who kept part (`disk_load`)
             raise
         self.loaded = final
 

@@ -1,5 +1,6 @@
 """The engines' weight-update sessions as the transports open them: ``begin_weight_update`` that
-takes over a session a dead trainer left open (`begin`, `begin_all`).
+takes over a session a dead trainer left open (`begin`, `begin_all`), and whether a disk load goes
+inside one at all (`stages_disk_loads`).
 
 A trainer that died between ``begin_weight_update`` and ``end_weight_update`` leaves the engine
 (SGLang 0.5.21+, ``fsdp-sync serve``, the reference engine) with its session open, and every later
@@ -7,6 +8,14 @@ A trainer that died between ``begin_weight_update`` and ``end_weight_update`` le
 could ever run. The trainer that calls `begin` owns the engine now, so the old session is aborted
 (`end_weight_update(abort=True)`: dropped where the engine stages, only closed on SGLang, which
 applied what arrived) and a new one begun, with a warning.
+
+A disk load goes inside a session only on an engine that stages it (`stages_disk_loads`): SGLang
+0.5.23 applies ``update_weights_from_disk`` at once and post-processes the weights itself
+(``restore_weights_before_loading`` -> ``load_weights`` -> ``process_weights_after_loading``), and
+its session does not count a disk load as a load (``loaded_weights`` stays False), so its
+``end_weight_update`` post-processes the weights a second time: ``process_weights_after_loading``
+twice, which scrambles every layer whose method repacks in place (online FP8 transposes, MoE
+shuffles), without an error.
 
 Not here: the calls of one update (the transports), committing a fleet (`fleet.end_all`).
 """
@@ -19,7 +28,7 @@ from typing import Any
 
 from .. import fleet
 
-__all__ = ["begin", "begin_all"]
+__all__ = ["begin", "begin_all", "stages_disk_loads"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -62,3 +71,13 @@ def begin_all(engines: list) -> None:
                             "failed: %s", fleet.describe(e, engines.index(e)), exc)
         raise
 
+
+def stages_disk_loads(engine: Any) -> bool:
+    """Whether the disk method loads into ``engine`` inside ``begin_weight_update`` /
+    ``end_weight_update``: an engine that says (``stages_disk_loads``: `SGLangEngine` says False
+    for SGLang, True for ``fsdp-sync serve``), else one that has ``begin_weight_update`` (the
+    reference engine, whose session stages a disk load until its commit)."""
+    if not hasattr(engine, "begin_weight_update"):
+        return False
+    says = getattr(engine, "stages_disk_loads", None)
+    return True if says is None else bool(says)

@@ -1,7 +1,10 @@
 """SGLang's weight-update session through `SGLangEngine`: ``begin_weight_update`` …
 ``end_weight_update`` (0.5.21+; detected once, skipped on older servers). A mixin of
 `adapter.SGLangEngine` (it provides ``_http``, ``_local``, ``_check_open``, ``where``,
-``_version``, ``session_api`` and ``update_weight_version``).
+``_version``, ``session_api``, ``server_info`` and ``update_weight_version``).
+
+`stages_disk_loads`: whether a disk load inside a session waits for its commit (``fsdp-sync
+serve``) or is applied at once (SGLang, whose session must then not be opened around it).
 
 An abort (``end_weight_update(abort=True)``, what a failed sync sends) is dropped by servers that
 can (``fsdp-sync serve``: its answer says ``"aborted": true``; an in-process engine whose
@@ -20,13 +23,38 @@ from ..base import EngineStateError
 from .client import MissingMethod, NotFound, SGLangError, SGLangHTTPError, check_answer, takes_keyword
 from . import versions
 
-__all__ = ["SessionCalls"]
+__all__ = ["SessionCalls", "SERVE_VERSION"]
+
+SERVE_VERSION = "fsdp_sync-serve"
+"""The ``version`` ``fsdp-sync serve`` reports in ``get_server_info`` (`reference.serve`)."""
 
 log = logging.getLogger(__name__)
 
 
 class SessionCalls:
     """`SGLangEngine`'s session methods (see the module docstring)."""
+
+    _stages_disk: bool | None = None      # `stages_disk_loads`, once asked
+
+    @property
+    def stages_disk_loads(self) -> bool:
+        """Whether ``update_weights_from_disk`` inside a session is staged until
+        `end_weight_update` commits it (the disk method then loads a fleet inside sessions, all or
+        none): only ``fsdp-sync serve`` (its ``get_server_info`` says ``version:
+        "fsdp_sync-serve"``). SGLang (HTTP or in process) applies a disk load at once and
+        post-processes the weights itself; 0.5.23's session does not count it as a load, so its
+        ``end_weight_update`` runs ``post_load_weights`` and ``process_weights_after_loading``
+        again (twice: layers that repack in place, e.g. online FP8, serve scrambled weights,
+        without an error). A server whose info cannot be read counts as SGLang. Asked once."""
+        if self._stages_disk is None:
+            info = None
+            if self._http:
+                try:
+                    info = self.server_info()
+                except Exception:  # noqa: BLE001 - unknown: as SGLang, which must not be bracketed
+                    info = None
+            self._stages_disk = isinstance(info, dict) and info.get("version") == SERVE_VERSION
+        return self._stages_disk
 
     def begin_weight_update(self) -> None:
         """Open SGLang's weight-update session (0.5.21+); skipped on engines without one."""
