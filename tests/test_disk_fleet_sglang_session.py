@@ -50,8 +50,9 @@ def test_a_disk_fleet_of_sglang_servers_loads_outside_any_session(tmp_path):
             assert not any(srv.hits.get(p) for p in SESSION), srv.hits
             loads = [b for _, p, b in srv.requests if p == "/update_weights_from_disk"]
             assert len(loads) == 2
-            # the version goes with the load (SGLang takes both at once)
+            # the version goes with the load (SGLang takes both at once); the format is named
             assert [b["weight_version"] for b in loads] == ["0", "1"], loads
+            assert all(b["load_format"] == "auto" for b in loads), loads
             assert fake.digests(srv.engine.weights.items()) == _want(module)
         assert manager.version == "1"
         assert [e.stages_disk_loads for e in engines] == [False, False]

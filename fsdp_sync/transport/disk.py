@@ -19,9 +19,10 @@ partly updated — only ever sees complete, immutable directories:
    config.json, the manifest (which names the hash) and the index (last), fsyncs the directory
    and renames it to ``step_<N>`` (atomic);
 4. trainer rank 0 calls ``engine.update_weights_from_disk(path)`` for each engine
-   (`disk_load`), with the sync's weight version (and ``flush_cache=False`` under
-   ``pause_mode="in_place"``, refused up front for an engine that cannot skip the flush: an
-   in-process ``sglang.Engine``).
+   (`disk_load`), with the sync's weight version, an explicit ``load_format`` (``"auto"``; per-rank
+   files ``"sharded_state"``: never None, which SGLang replaces with its launch ``--load-format``,
+   e.g. ``dummy``, and then refuses) and ``flush_cache=False`` under ``pause_mode="in_place"``
+   (refused up front for an engine that cannot skip the flush: an in-process ``sglang.Engine``).
    With several engines (a fleet), an engine that stages a disk load (the reference engine,
    ``fsdp-sync serve``) loads it inside ``begin_weight_update`` / ``end_weight_update`` and none of
    them commits (takes weights and version) until every one has loaded (`fleet.end_all`). SGLang

@@ -2,6 +2,11 @@
 ``update_weights_from_disk``, on trainer rank 0; `load_version` answers what happened, which the
 transport makes known to every rank.
 
+The load names its format, never None: SGLang (0.5.12 to 0.5.23) replaces None with its launch
+``--load-format``, and under ``dummy`` (verl's default for rollout servers) its disk update
+refuses (``DummyModelLoader`` is no ``DefaultModelLoader``: "Failed to get model loader").
+`HF_FORMAT` for Hugging Face files, `RANKED_FORMAT` for per-rank files.
+
 One engine loads the version with the sync's weight version. A fleet loads it engine by engine,
 each with the version:
 
@@ -26,9 +31,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import fleet
+from ..weights import hf_checkpoint as ckpt
 from . import sessions
 
-__all__ = ["Loaded", "load_one", "load_version"]
+__all__ = ["HF_FORMAT", "RANKED_FORMAT", "Loaded", "load_one", "load_version"]
+
+HF_FORMAT = "auto"
+"""The ``load_format`` of a Hugging Face version: SGLang's ``DefaultModelLoader`` (safetensors
+first) in 0.5.12 and 0.5.23, and what the reference engine takes (`hf_checkpoint.LOAD_FORMATS`)."""
+RANKED_FORMAT = "sharded_state"
+"""The ``load_format`` of a per-rank version (SGLang's ``ShardedStateLoader`` file pattern), which
+the reference engine takes; SGLang's own disk update refuses that loader, so no SGLang engine is
+sent one (`disk_ranked`)."""
 
 
 @dataclass
@@ -75,7 +89,7 @@ def load_version(ctx: Any, final: str) -> Loaded:
     version = getattr(ctx, "version", None)
     # the replicas are held in place in a sync (the manager's pause), not when one is brought in
     flush = getattr(ctx.config, "pause_mode", None) != "in_place" or getattr(ctx, "reload", False)
-    fmt = None
+    fmt = RANKED_FORMAT if ckpt.is_ranked(final) else HF_FORMAT
     if len(engines) == 1:
         try:
             load_one(engines[0], final, version, flush=flush, load_format=fmt)

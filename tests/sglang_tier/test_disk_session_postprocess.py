@@ -3,16 +3,16 @@
 Two replicas, each SGLang's scheduler-side ``SchedulerWeightUpdaterManager`` over its model-runner
 ``WeightUpdater`` (begin/end, ``update_weights_from_disk`` -> ``load_weights_and_postprocess``),
 behind an in-process stand-in of ``sglang.Engine``'s methods whose ``update_weights_from_disk``
-does what its tokenizer manager does (``load_format=None`` becomes the launch ``--load-format``).
-The model is a toy linear layer whose quant method counts
+does what its tokenizer manager does (``load_format=None`` becomes the launch ``--load-format``:
+here ``dummy``). The model is a toy linear layer whose quant method counts
 ``process_weights_after_loading`` and, like SGLang's non-idempotent ones (online FP8 transposes,
 aiter MoE shuffles), repacks the weight each time it runs.
 
 Before, a fleet disk sync wrapped each replica's load in begin/end: SGLang post-processed the
 weights at the load and again at ``end_weight_update`` (its session never counts a disk load),
-so every layer was repacked twice and served scrambled weights with no error. Now
-(`transport.disk_load`, run here through `DiskTransport`'s step 4): one post-process per layer
-per replica, the new weights served. A control run
+so every layer was repacked twice and served scrambled weights with no error; and it sent no
+load format, which a ``--load-format dummy`` server refused. Now (`transport.disk_load`, run here through `DiskTransport`'s step 4): one
+post-process per layer per replica, the new weights served, the format ``auto``. A control run
 of begin/disk/end shows the toy detects the double post-process.
 """
 
@@ -52,6 +52,13 @@ def test_a_two_replica_disk_fleet_post_processes_each_layer_once(report):
 def test_the_control_shows_the_double_post_process_a_session_caused(report):
     control = report["control"]
     assert control["post_processes"] == 2 and not control["serves_new_weights"], control
+
+
+def test_the_fleet_names_the_format_a_dummy_launched_sglang_needs(report):
+    assert "Failed to get model loader" in report["no_format"], report["no_format"]   # None: refused
+    fleet = report["fleet_dummy"]
+    assert fleet["error"] is None and fleet["serves_new_weights"] == [True, True], fleet
+    assert fleet["load_formats"] == [["auto"]] * 2, fleet
 
 
 # --------------------------------------------------------------------------- the subprocess
@@ -178,13 +185,17 @@ def _main(ckpt_dir: str) -> dict:
                 "serves_new_weights": [serves_new(e.model) for e in fakes],
                 "calls": [e.calls for e in fakes], "load_formats": [e.formats for e in fakes]}
 
-    out = {"fleet": fleet("auto")}     # launched with the default --load-format auto
+    # launched with the default --load-format auto (a load without a format reads the files), then
+    # with dummy (verl's rollout servers): the format the transport names is what counts
+    out = {"fleet": fleet("auto"), "fleet_dummy": fleet("dummy")}
     # the control: what the disk fleet sent before (begin, disk, end) on one replica
     e = Engine()
     e.begin_weight_update()
     e.update_weights_from_disk(ckpt_dir, "auto")
     e.end_weight_update()
     out["control"] = {"post_processes": e.model.lin.quant_method.calls, "serves_new_weights": serves_new(e.model)}
+    answer = Engine("dummy").update_weights_from_disk(ckpt_dir)
+    out["no_format"] = str(answer.message)
     return out
 
 
