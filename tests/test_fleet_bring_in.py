@@ -243,12 +243,9 @@ def test_a_replica_out_of_service_that_refuses_to_rejoin_fails_no_sync(mode, met
     rep = manager.fleet.replicas[1]
     manager.fleet.quarantine(rep, "failed while committing (simulated)")
     rep.rejoin = mode == "abort"          # as a failure under "abort" leaves it: probed at the next sync
-    if method == "disk":
-        b.begin_weight_update()           # the session its failed commit left open
-    else:
-        def refuse(*args, **kw):
-            raise RuntimeError("injected: begin_weight_update refused")
-        monkeypatch.setattr(b, "begin_weight_update", refuse)
+    def refuse(*args, **kw):      # a session left open is no refusal: both methods take it over
+        raise RuntimeError("injected: begin_weight_update refused")
+    monkeypatch.setattr(b, "begin_weight_update", refuse)
     perturb_(module.parameters())
     _sync(manager)
     assert manager.version == a.get_weight_version() == "1" and _served(a) == _trained(module)
@@ -260,8 +257,6 @@ def test_a_replica_out_of_service_that_refuses_to_rejoin_fails_no_sync(mode, met
     _sync(manager)                        # held: not tried again
     assert manager.version == a.get_weight_version() == "2" and _served(a) == _trained(module)
     assert b.get_weight_version() == "0" and not manager.fleet_status()["replicas"][1]["serving"]
-    if method == "disk":
-        b.end_weight_update(abort=True)
     monkeypatch.undo()
     manager.recover(b)                    # it can take updates again: brought to what replica 0 serves
     if method == "disk":

@@ -652,6 +652,15 @@ class _NoSessionSGLang(fake.FakeSGLangEngine):
         return True, "Success"
 
 
+class _RefusingBegin(fake.FakeSGLangEngine):
+    """Refuses begin_weight_update for a reason of its own (a session left open by a dead trainer
+    is no refusal: the transport aborts it and begins its own, `transport.sessions.begin`)."""
+
+    def begin_weight_update(self, selector="all"):
+        self._record("begin_weight_update", selector=selector)
+        return False, "scripted refusal: the engine cannot open an update now"
+
+
 def _refused_rank(rank: int, world: int, refuse: str) -> dict:
     """The manager syncs into an SGLang that refuses ``refuse`` ("begin": begin_weight_update,
     "unopened": the first update, unopened); what each rank saw and which of its shared-memory
@@ -671,8 +680,7 @@ def _refused_rank(rank: int, world: int, refuse: str) -> dict:
     src = SyncTopology.from_mesh(mesh).is_tp_src
     eng = None
     if src:
-        eng = _NoSessionSGLang(tp_size=world) if refuse == "unopened" else fake.FakeSGLangEngine(world)
-        eng.session_open = refuse == "begin"     # begin_weight_update answers "already open"
+        eng = _NoSessionSGLang(tp_size=world) if refuse == "unopened" else _RefusingBegin(world)
     config = SyncConfig(dtype=torch.float32, bucket_bytes=64 << 10, strategy="flattened",
                         memory_probe="off")
     mine = f"torch_{os.getpid()}_"
@@ -717,7 +725,7 @@ def test_refused_begin_fails_the_sync_on_every_rank(refused):
     other ranks in the payload gather before the bracket agreed), and nothing is sent."""
     out = refused["begin"]
     assert out[0]["error"] == out[1]["error"]
-    assert "begin_weight_update" in out[0]["error"] and "already open" in out[0]["error"]
+    assert "begin_weight_update" in out[0]["error"] and "scripted refusal" in out[0]["error"]
     assert "update_weights_from_tensor" not in out[0]["calls"] and out[0]["opened"] == 0
     assert out[0]["left"] == out[1]["left"] == []
 

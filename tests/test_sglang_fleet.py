@@ -56,8 +56,8 @@ def test_a_disk_load_refused_by_one_replica_names_the_replicas_that_kept_it(tmp_
     # replica 0 loaded the version and serves it: the error says so, on every rank (the message)
     want = dict(iter_params(module, dtype=torch.float32))
     assert all(torch.equal(e0.weights[n], t) for n, t in want.items() if n in e0.weights) and e0.weights
-    assert [c for c, _ in e0.calls if c != "get_server_info"] == [
-        "begin_weight_update", "update_weights_from_disk", "end_weight_update"]
+    # no session around it (SGLang's end_weight_update would post-process the weights again)
+    assert [c for c, _ in e0.calls if c != "get_server_info"] == ["update_weights_from_disk"]
     assert "replica 1 of 2 failed to load it" in said and "scripted refusal" in said, said
     assert "no replica committed it, but replica 0 loaded it already" in said, said
     # and trainer rank 0's error carries the fleet's note, as the tensor and distributed methods do
