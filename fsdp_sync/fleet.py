@@ -33,11 +33,12 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-__all__ = ["Replica", "Fleet", "CommitError", "end_all", "problem", "describe"]
+__all__ = ["Replica", "Fleet", "CommitError", "end_all", "problem", "describe", "note_partial", "take_noted"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -164,10 +165,23 @@ def partial_note(partial: list[str]) -> str:
 
 
 def note_partial(partial: list[str]) -> None:
-    """Add `partial_note` to the exception being raised (a failed sync's own error), if any."""
+    """Add `partial_note` to the exception being raised (a failed sync's own error), if any, and
+    keep the names for the manager (`take_noted`: it keeps generation paused on them)."""
+    if partial:
+        _noted.__dict__.setdefault("names", []).extend(partial)
     failure = sys.exc_info()[1]
     if partial and failure is not None:
         failure.add_note(partial_note(partial))
+
+
+def take_noted() -> list[str]:
+    """The replicas `note_partial` named in this thread since the last call (``describe(engine,
+    index)``, the index in the sync's engine list), and forget them."""
+    names, _noted.names = getattr(_noted, "names", []), []
+    return names
+
+
+_noted = threading.local()
 
 
 def restate(err: BaseException, message: str) -> BaseException:
@@ -179,7 +193,7 @@ def restate(err: BaseException, message: str) -> BaseException:
     return new
 
 
-@dataclass
+@dataclass(eq=False)      # one replica is one engine: compared by identity
 class Replica:
     """One engine of the fleet: whether it serves, why not, and the version it committed last."""
 
@@ -191,6 +205,7 @@ class Replica:
     quarantined_at: float | None = None     # time.monotonic() when it was taken out of service
     held: bool = False                      # taken out by hand: only `recover` brings it back
     rejoin: bool = False                    # `recover` / `add_engine` outside a sync: the next one brings it in
+    stalled: bool = False                   # holds part of a failed update: generation paused until a sync commits
 
 
 class Fleet:

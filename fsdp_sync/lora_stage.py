@@ -284,6 +284,13 @@ def rejoin(manager: Any, rejoining: list, version: str, adapter: dict) -> None:
             continue
         manager.fleet.reinstate(rep, version)
         log.warning("fsdp_sync: %s rejoined at version %s (base and adapter %r)", rep.name, version, name)
+        if rep.stalled:     # paused since a failed sync left it partly new (`manager_pause.stall`)
+            rep.stalled = False
+            try:
+                manager._continue([rep])
+            except RuntimeError as exc:
+                log.warning("fsdp_sync: %s serves version %s, but generation there is still "
+                            "paused (%s): the next sync continues it", rep.name, version, exc)
 
 
 def bring_adapter(manager: Any, rep: Any, version: str | None) -> str | None:

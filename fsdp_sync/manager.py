@@ -36,7 +36,7 @@ from . import lora_stage, lora_sync, tp_batch
 from .weights import export_checks, ipc_memory, quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
-from . import fleet
+from . import fleet, manager_pause
 from .fleet import Fleet
 from .manager_rng import RolloutRng
 from .memory import Timeline, empty_cache
@@ -395,28 +395,33 @@ class FSDPShardingManager:
             raise RuntimeError("the manager was closed; make a new FSDPShardingManager")
         version = self._next_version()
         paused = self._pause(targets) if hold is None else hold(targets) or []
+        kept: list = []       # replicas that kept part of a failed attempt (`manager_pause.stall`)
         try:
             err, ctx = self._transport_sync(targets, version, self.step)
+            kept = manager_pause.kept_part(targets)
             if err is not None:
                 targets = self._after_failure(targets, err, ctx, version)
                 if ctx.commit_failed is None:   # quarantined: again, without them
                     err, _ = self._transport_sync(targets, version, self.step)
+                    kept = [r for r in kept if r not in targets] + manager_pause.kept_part(targets)
                     if err is not None:
                         raise err
         except BaseException as exc:
             self.step += 1    # counted even if the sync failed: the disk method named its version
             try:
+                manager_pause.stall(self, kept, exc)     # no generation on partly new weights
                 self._continue(paused)
             except Exception as cont:  # noqa: BLE001 - the sync's error is the one to raise
                 exc.add_note(f"and then: {cont}")
             raise
         self.step += 1
-        self._continue(paused)
+        manager_pause.stall(self, [r for r in kept if r not in targets], None)
         for rep in targets or []:
             if not rep.serving:
                 self.fleet.reinstate(rep, version)     # quarantined, healthy again, synced now
             rep.version = version
-        self.version = version
+        self.version = version          # committed: said before generation is continued
+        manager_pause.release(self, paused, targets or [], version, resume_now=hold is None)
         if self._fleet_mode and self.rank == 0:       # what a run's metrics log shows of the fleet
             out = self.fleet.out_of_service
             self.stats.extra.update(version=version, replicas_serving=len(self.fleet.serving),
@@ -463,6 +468,7 @@ class FSDPShardingManager:
         ctx = SyncContext(module=self.module, config=self.config, topo=self.topo, group=None,
                           engines=[r.engine for r in targets], step=step, stats=SyncStats(),
                           version=version, reload=reload)
+        fleet.take_noted()       # what an earlier sync's transport noted is not this one's
         try:
             self.transport.sync(ctx)
             return None, ctx
@@ -513,33 +519,10 @@ class FSDPShardingManager:
         return [r for i, r in enumerate(targets) if i not in failed] if self.rank == 0 else []
 
     def _pause(self, targets: list) -> list:
-        """``SyncConfig.pause_mode``: SGLang's ``pause_generation`` on every target replica."""
-        mode = self.config.pause_mode
-        if mode is None:
-            return []
-        paused, err = [], None
-        for rep in targets:
-            try:
-                rep.engine.pause_generation(mode=mode)
-                paused.append(rep)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
-                err = err or f"pause_generation(mode={mode!r}) on {rep.name}: {type(exc).__name__}: {exc}"
-        if err is not None:
-            self._continue(paused)
-        self._agree(err, what="pause_generation")
-        return paused
+        return manager_pause.pause(self, targets)      # `SyncConfig.pause_mode`
 
     def _continue(self, paused: list) -> None:
-        err = None
-        for rep in paused:
-            try:
-                rep.engine.continue_generation()
-            except Exception as exc:  # noqa: BLE001
-                if fleet.problem(rep.engine) is None:
-                    err = err or f"continue_generation on {rep.name}: {type(exc).__name__}: {exc}"
-        if err is not None:
-            log.error("fsdp_sync: %s", err)
-            raise RuntimeError(err)
+        manager_pause.resume(self, paused)
 
     def fleet_status(self) -> dict:
         """The published version and, on trainer rank 0, each replica's state and version."""
@@ -634,11 +617,14 @@ class FSDPShardingManager:
             err, _ = self._transport_sync([rep] if rep is not None else [], version,
                                           self.step - 1, reload=True)
             if err is not None:
+                manager_pause.stall(self, manager_pause.kept_part([rep] if rep is not None else []), err)
                 raise err
             if self.config.lora == "adapter":     # and the adapter the others serve (`lora_stage`)
                 self._agree(lora_stage.bring_adapter(self, rep, version), what=what)
         if rep is not None:
             self.fleet.reinstate(rep, version)
+        if action in ("load", "send"):     # one a failed sync left paused generates again
+            manager_pause.release(self, [], [rep] if rep is not None else [], version)
         return True
 
     def _verify(self) -> None:
