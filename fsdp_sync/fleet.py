@@ -164,11 +164,13 @@ def partial_note(partial: list[str]) -> str:
             f"new weights; sync again before generating from it")
 
 
-def note_partial(partial: list[str]) -> None:
+def note_partial(partial: list[str], *, torn: list[str] | None = None) -> None:
     """Add `partial_note` to the exception being raised (a failed sync's own error), if any, and
-    keep the names for the manager (`take_noted`: it keeps generation paused on them)."""
-    if partial:
-        _noted.__dict__.setdefault("names", []).extend(partial)
+    keep the names for the manager (`take_noted`: it keeps generation paused on them): those of
+    ``torn`` where given (the replicas whose weights may mix two versions), else all."""
+    keep = partial if torn is None else torn
+    if keep:
+        _noted.__dict__.setdefault("names", []).extend(keep)
     failure = sys.exc_info()[1]
     if partial and failure is not None:
         failure.add_note(partial_note(partial))

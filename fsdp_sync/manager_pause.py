@@ -122,8 +122,8 @@ def release(manager: Any, paused: list, targets: list, version: str | None, *, r
     back = [r for r in targets if getattr(r, "stalled", False)]
     for rep in back:
         rep.stalled = False
-    if not resume_now:
-        return
+    if not resume_now or manager.config.pause_mode is None:
+        return      # no pause_mode (every rank's config): nothing was paused or stalled anywhere
     err = None
     try:
         resume(manager, list(paused) + [r for r in back if r not in paused])

@@ -355,7 +355,9 @@ class DiskTransport:
         try:
             agree_on(out.err, group, f"update_weights_from_disk({final!r})")
         except SyncError:
-            fleet.note_partial(out.kept)    # the error says who kept part (`disk_load`)
+            # the error says who kept the version or part of it; the manager keeps generation
+            # paused only where the weights may be torn (`disk_load.Loaded`)
+            fleet.note_partial(out.kept, torn=out.torn)
             raise
         self.loaded = final
 
