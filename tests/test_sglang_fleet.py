@@ -63,11 +63,15 @@ def test_a_disk_load_refused_by_one_replica_names_the_replicas_that_kept_it(tmp_
     # and trainer rank 0's error carries the fleet's note, as the tensor and distributed methods do
     assert any("could not drop" in n and "replica 0" in n and "partly new weights" in n
                for n in notes), notes
-    # no replica is said to hold a version it never committed, none is taken out of service
+    # no replica is said to hold a version it never committed; replica 0 holds the new one whole
+    # and serves on; replica 1's load failed (SGLang's "rollback" of a load that failed partway
+    # re-reads the new directory: its weights are not one known version) and it is out until the
+    # next sync brings it back. Before: both out of service (106ad46), no replica served
     status = manager.fleet_status()
     assert status["version"] is None and manager.version is None
     assert [(r["name"], r["serving"], r["version"]) for r in status["replicas"]] == [
-        ("replica 0", True, None), ("replica 1", True, None)], status
+        ("replica 0", True, None), ("replica 1", False, None)], status
+    assert "partly new weights" in status["replicas"][1]["reason"], status
     manager.close()
 
 

@@ -355,8 +355,8 @@ class DiskTransport:
         try:
             agree_on(out.err, group, f"update_weights_from_disk({final!r})")
         except SyncError:
-            # the error says who kept the version or part of it; the manager keeps generation
-            # paused only where the weights may be torn (`disk_load.Loaded`)
+            # the error says who kept the version or part of it; the manager takes out (and keeps
+            # generation paused on) only those whose weights are not one known version (`Loaded`)
             fleet.note_partial(out.kept, torn=out.torn)
             raise
         self.loaded = final

@@ -49,10 +49,12 @@ sent one (`disk_ranked`)."""
 class Loaded:
     """What `load_version` did: ``calls`` made, ``err`` (None: every engine loaded it, and a fleet
     committed), ``kept`` (after a failure: the replicas that hold the version or part of it, which
-    no abort undid), ``torn`` (those of ``kept`` that may hold a mix of both versions: a staging
-    engine whose abort could not drop what it wrote in place; an SGLang replica holds a whole
-    version, as its failed load rolls back to the one it loaded before) and ``served`` (a commit
-    failed on some replicas but others serve it now)."""
+    no abort undid), ``torn`` (those of ``kept`` whose weights are not one known version: a staging
+    engine whose abort could not drop what it wrote in place, and the replica that applies loads at
+    once whose load failed: refused before reading, it holds its old version, but failed partway,
+    SGLang 0.5.23's "rollback" re-reads the directory it was given, so it may serve the new weights
+    under the old name, or part of them) and ``served`` (a commit failed on some replicas but
+    others serve it now). The replicas that loaded the version before the failure hold it whole."""
 
     calls: int = 0
     err: BaseException | None = None
@@ -117,9 +119,9 @@ def load_version(ctx: Any, final: str) -> Loaded:
     except Exception as exc:   # noqa: BLE001
         failed = fleet.describe(engines[i], i)
         partial = set(fleet.end_all(engines, commit=False, skip=set(range(len(engines))) - opened))
-        out.torn = [d for d in (fleet.describe(e, j) for j, e in enumerate(engines)) if d in partial]
-        # those that apply a load at once hold it (the failed one rolled back: SGLang reloads the
-        # version it loaded before when a load fails partway)
+        torn = partial | ({failed} if not staged[i] else set())
+        out.torn = [d for d in (fleet.describe(e, j) for j, e in enumerate(engines)) if d in torn]
+        # those that apply a load at once hold it (the failed one perhaps part of it)
         partial |= {fleet.describe(engines[j], j) for j in range(i + 1) if not staged[j]}
         out.kept = [d for d in (fleet.describe(e, j) for j, e in enumerate(engines)) if d in partial]
         loaded = [k for k in out.kept if k != failed]
