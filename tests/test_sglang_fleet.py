@@ -92,3 +92,26 @@ def test_the_note_of_what_replicas_kept_survives_blaming_a_replica(tmp_path):
     assert "replicas that cannot take updates (quarantined): replica 1" in said, said
     assert any("could not drop" in n and "replica 0" in n for n in notes), (said, notes)
     manager.close()
+
+
+@pytest.mark.timeout(60)
+def test_one_sglang_replica_whose_disk_load_failed_is_out_as_a_fleets_would_be(tmp_path):
+    """The disk method's one-replica case says what the fleet case says (review5): before, a
+    failed load of a lone SGLang replica left it in service with no note, and a pause_mode
+    continued its generation on whatever the failed load left."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig
+    from fsdp_sync.engines import sglang as sg
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+
+    module = build_model(load_config("tiny"), seed=0)
+    cfg = SyncConfig(dtype=torch.float32, method="disk", disk_dir=str(tmp_path), memory_probe="off")
+    manager = FSDPShardingManager(module, [sg.SGLangEngine(_Refusing(tp_size=1))], config=cfg)
+    with pytest.raises(SyncError) as info:
+        with manager:
+            pass
+    notes = getattr(info.value, "__notes__", [])
+    assert any("replica 0" in n and "partly new weights" in n for n in notes), notes
+    (rep,) = manager.fleet_status()["replicas"]
+    assert not rep["serving"] and "partly new weights" in rep["reason"], rep
+    manager.close()

@@ -102,6 +102,8 @@ def load_version(ctx: Any, final: str) -> Loaded:
             out.calls = 1
         except Exception as exc:   # noqa: BLE001 - made known to every rank by the caller
             out.err = exc
+            if not sessions.stages_disk_loads(engines[0]):    # as a fleet's failed replica below
+                out.kept = out.torn = [fleet.describe(engines[0], 0)]
         return out
     staged = [sessions.stages_disk_loads(e) for e in engines]
     opened: set[int] = set()

@@ -45,14 +45,15 @@ class SessionCalls:
         post-processes the weights itself; 0.5.23's session does not count it as a load, so its
         ``end_weight_update`` runs ``post_load_weights`` and ``process_weights_after_loading``
         again (twice: layers that repack in place, e.g. online FP8, serve scrambled weights,
-        without an error). A server whose info cannot be read counts as SGLang. Asked once."""
+        without an error). A server whose info cannot be read counts as SGLang this time, and is
+        asked again next time; an answer is kept."""
         if self._stages_disk is None:
             info = None
             if self._http:
                 try:
                     info = self.server_info()
                 except Exception:  # noqa: BLE001 - unknown: as SGLang, which must not be bracketed
-                    info = None
+                    return False
             self._stages_disk = isinstance(info, dict) and info.get("version") == SERVE_VERSION
         return self._stages_disk
 
