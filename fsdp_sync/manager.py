@@ -623,8 +623,9 @@ class FSDPShardingManager:
                 self._agree(lora_stage.bring_adapter(self, rep, version), what=what)
         if rep is not None:
             self.fleet.reinstate(rep, version)
-        if action in ("load", "send"):     # one a failed sync left paused generates again
-            manager_pause.release(self, [], [rep] if rep is not None else [], version)
+        if action in ("load", "send"):     # one a failed sync (or add_engine) left paused
+            again = [rep] if rep is not None and self.config.pause_mode is not None else []
+            manager_pause.release(self, again, [rep] if rep is not None else [], version)
         return True
 
     def _verify(self) -> None:
