@@ -62,3 +62,5 @@ def test_a_replica_added_after_a_failed_attempt_generates_again():
     rep = m.fleet.find(new)
     assert rep.serving and not rep.stalled
     assert new.paused is None and new.log[-1] == ("continue",), new.log     # before: still 'abort'
+    m._inside = False                    # the stubbed block ends: closed as a user's would be
+    m.close()

@@ -2,9 +2,10 @@
 
 An engine refuses ``flush_cache`` while requests run or wait (SGLang answers 400 "Flush cache
 failed"; the reference engine and ``fsdp-sync serve`` refuse alike). The sync's last update call
-already asked for the flush; the one after it is verl's belt and braces, and verl's
-``HttpServerAdapter.flush_cache`` tries it ``max_attempts * 2`` times with ``retry_delay`` between,
-then logs an error and goes on: the weights are in, only a prefix cache may outlive them. The verl
+already asked for the flush; the one after it is verl's belt and braces, and verl 0.9's
+``AsyncHttpServerAdapter.flush_cache`` (what its SGLang rollout awaits after an update) tries it
+``max_attempts * 4`` times with ``retry_delay`` between, then logs an error and goes on: the weights
+are in, only a prefix cache may outlive them. The verl
 adapter does the same here (`flush_after_sync`), where it used to fail the whole step on the first
 refusal after every byte had been applied.
 
@@ -21,8 +22,8 @@ __all__ = ["ATTEMPTS", "DELAY_S", "flush_after_sync"]
 
 log = logging.getLogger("fsdp_sync")
 
-ATTEMPTS = 6
-"""verl 0.9's default: ``DEFAULT_MAX_ATTEMPTS`` (3) x 2."""
+ATTEMPTS = 12
+"""verl 0.9's: ``DEFAULT_MAX_ATTEMPTS`` (3) x 4, as its async adapter's flush."""
 DELAY_S = 2.0
 """verl 0.9's ``DEFAULT_RETRY_DELAY``."""
 

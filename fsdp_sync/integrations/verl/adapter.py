@@ -78,6 +78,7 @@ disaggregation, DeepSeek-V4 (`options.build_refusal`); starting SGLang (verl's R
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
 import json
@@ -308,7 +309,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         else:
             stats = run(weights)
         if engine is not None:
-            flush_after_sync(engine)         # retried, then logged, as verl's own adapter does
+            # retried, then logged, as verl's own adapter does; off the event loop while it waits
+            await asyncio.to_thread(flush_after_sync, engine)
             if global_steps is not None and self._server_actor is not None:
                 await self._server_actor.set_global_steps.remote(global_steps)
         stats["global_steps"] = global_steps
