@@ -327,7 +327,10 @@ class Fleet:
         rep.quarantined_at = None      # in service: no quarantine time in `summary`
 
     def summary(self) -> dict:
-        """What ``manager.fleet_status()`` returns: per replica its name, state and version."""
+        """What ``manager.fleet_status()`` returns: per replica its name, state and version, and
+        ``generation_paused`` (its generation held after a failed sync left it partly new weights,
+        `manager_pause.stall`; the next sync that commits there continues it)."""
         return {"replicas": [{"name": r.name, "serving": r.serving, "reason": r.reason,
-                              "version": r.version, "quarantined_at": r.quarantined_at}
+                              "version": r.version, "quarantined_at": r.quarantined_at,
+                              "generation_paused": bool(getattr(r, "stalled", False))}
                              for r in self.replicas]}

@@ -167,6 +167,7 @@ def test_a_failed_sync_leaving_partly_new_weights_keeps_generation_paused_there(
     assert got["finish"]["type"] == "abort", got                  # not 'length' on mixed weights
     assert [s["version"] for s in got["spans"]] == ["A"] and got["spans"][-1]["end"] == 3, got
     assert got["paused"] == "abort" and got["spans_while_failed"] is None, got
+    assert got["fleet"]["replicas"][0]["generation_paused"], got    # fleet_status says so (review5)
     if method == "tensor":
         assert got["serving_state"] is None, got
     else:       # a fleet: out of service, to rejoin at the next sync
@@ -174,4 +175,5 @@ def test_a_failed_sync_leaving_partly_new_weights_keeps_generation_paused_there(
     assert got["version"] == got["engine_version"] == "1", got
     assert got["paused_after"] is None and got["serving_after"] is None, got
     assert got["fleet_after"]["replicas"][0]["serving"], got
+    assert not got["fleet_after"]["replicas"][0]["generation_paused"], got
     assert got["spans_after"] and got["spans_after"][-1]["version"] == "1", got
