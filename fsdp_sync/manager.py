@@ -408,6 +408,8 @@ class FSDPShardingManager:
                         raise err
         except BaseException as exc:
             self.step += 1    # counted even if the sync failed: the disk method named its version
+            # what the transport noted before an interrupt (or any raise) cut it short, too
+            kept = kept + [r for r in manager_pause.kept_part(targets) if r not in kept]
             try:
                 manager_pause.stall(self, kept, exc)     # no generation on partly new weights
                 self._continue(paused)

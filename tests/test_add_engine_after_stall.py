@@ -64,3 +64,28 @@ def test_a_replica_added_after_a_failed_attempt_generates_again():
     assert new.paused is None and new.log[-1] == ("continue",), new.log     # before: still 'abort'
     m._inside = False                    # the stubbed block ends: closed as a user's would be
     m.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_inside_the_transport_still_keeps_generation_off_partly_new_weights():
+    """A Ctrl-C (any raise) out of the transport after a replica took part of the update: the
+    manager read which replicas kept part only when the transport returned, so it continued
+    generation on them (review5). Now they are stalled as after a returned failure."""
+    module = build_model(load_config("tiny"), seed=0)
+    e0 = _Eng()
+    cfg = SyncConfig(dtype=torch.float32, method="distributed", memory_probe="off", pause_mode="abort")
+    m = FSDPShardingManager(module, [e0], config=cfg)
+    m._check_coverage = lambda: None
+
+    def interrupted(targets, version, step, reload=False):
+        fleet.take_noted()
+        fleet.note_partial([fleet.describe(targets[0].engine, 0)])
+        raise KeyboardInterrupt
+
+    m._transport_sync = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        m._sync_full()
+    (rep,) = m.fleet_status()["replicas"]
+    assert rep["generation_paused"] and not rep["serving"], rep
+    assert e0.paused == "abort" and ("continue",) not in e0.log, e0.log   # before: continued
+    m.close()
