@@ -114,7 +114,11 @@ def cli_here(capsys, *argv: str) -> subprocess.CompletedProcess:
     tests that check it as such (test_demo_methods, test_bench_cli_rows_json_and_plots, ...)."""
     from fsdp_sync.cli import app
 
-    rc = app.main(list(argv))
+    capsys.readouterr()                 # what the test printed before is not the command's
+    try:
+        rc = app.main(list(argv))
+    except SystemExit as exc:           # argparse's refusals (exit 2) exit as the command would
+        rc = exc.code
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(["fsdp-sync", *argv], rc, out, err)
 

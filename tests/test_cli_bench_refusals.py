@@ -16,15 +16,11 @@ import pytest
 
 from fsdp_sync.cli import app as cli
 
+from _util import cli_here
+
 
 def _run_here(argv: list[str], capsys) -> subprocess.CompletedProcess:
-    capsys.readouterr()
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, rc, out, err)
+    return cli_here(capsys, *argv)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 from fsdp_sync.cli import app as cli
 
-from _util import ROOT
+from _util import ROOT, cli_here
 
 GPT2 = {"model_type": "gpt2", "vocab_size": 512, "n_layer": 2, "n_embd": 64, "n_head": 4}
 # Qwen2's defaults at this width: 242,685,722,624 parameters, sized on the meta device in 0.1 s;
@@ -34,13 +34,7 @@ def _fsdp_sync(*argv: str) -> subprocess.CompletedProcess:
 def _fsdp_sync_here(argv: list[str], capsys) -> subprocess.CompletedProcess:
     """`cli.main` in this process (the error comes from argument checks, before anything starts:
     no fresh interpreter and torch import per case); a traceback would fail the test as one."""
-    capsys.readouterr()
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, rc, out, err)
+    return cli_here(capsys, *argv)
 
 
 def _one_line_error(proc: subprocess.CompletedProcess, command: str, words: list[str]) -> str:

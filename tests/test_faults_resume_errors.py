@@ -13,6 +13,8 @@ import pytest
 
 from fsdp_sync.cli import app as cli
 
+from _util import cli_here
+
 ONE_CELL = ["faults", "--methods", "tensor", "--stages", "prepare", "--victims", "trainer1", "--faults", "raise",
             "--no-progress", "--resume", "--json"]
 TIMEOUTS = {"pg_s": 6.0, "call_s": 4.0, "recv_s": 6.0, "cell_s": 150.0, "slack_s": 3.0}
@@ -31,13 +33,7 @@ NOT_A_REPORT = {
 
 
 def _run_here(argv: list[str], capsys) -> subprocess.CompletedProcess:
-    capsys.readouterr()
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, rc, out, err)
+    return cli_here(capsys, *argv)
 
 
 @pytest.fixture
