@@ -39,7 +39,8 @@ def test_a_reinstated_replica_has_no_quarantine_time():
     assert fleet.summary()["replicas"][0]["quarantined_at"] is not None
     fleet.reinstate(rep, "3")
     assert fleet.summary()["replicas"][0] == {"name": "replica 0", "serving": True, "reason": None,
-                                              "version": "3", "quarantined_at": None}
+                                              "version": "3", "quarantined_at": None,
+                                              "generation_paused": False}
     assert engine.serving == [(False, "drained"), (True, "")]
 
 
