@@ -295,14 +295,8 @@ class Scheduler:
                 self._held -= 1
                 self._cond.notify_all()
                 raise
-        self._local.depth = 1
-        try:
+        with self._holding():
             yield
-        finally:
-            self._local.depth = 0
-            with self._cond:
-                self._held -= 1
-                self._cond.notify_all()
 
     @contextmanager
     def idle(self, timeout_s: float = 0.0, what: str = "flush_cache") -> Iterator[None]:
@@ -347,6 +341,13 @@ class Scheduler:
         if nested:
             yield
             return
+        with self._holding():
+            yield
+
+    @contextmanager
+    def _holding(self) -> Iterator[None]:
+        """The block of a hold `exclusive` or `idle` took (``_held`` counted): blocks nested in
+        this thread count once; given back when it ends."""
         self._local.depth = 1
         try:
             yield
