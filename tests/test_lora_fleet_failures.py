@@ -27,10 +27,8 @@ import pytest
 import torch
 
 from fsdp_sync import FSDPShardingManager, SyncConfig
-from fsdp_sync.cli.lora_model import add_lora
 from fsdp_sync.engines import ReferenceEngine
 from fsdp_sync.engines.base import WeightUpdateError
-from fsdp_sync.models import build_model, load_config
 from fsdp_sync.topology import SyncError
 
 pytestmark = pytest.mark.timeout(240)
@@ -60,15 +58,7 @@ def fresh(two):
         e.set_serving(True)
 
 
-def _model():
-    return add_lora(build_model(load_config("tiny"), seed=0), r=4, alpha=8, seed=1)
-
-
-def _step(model, by=0.5):
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.add_(by)
+from test_lora_fleet import _model, _step   # the same adapter model and training step
 
 
 def _manager(model, engines, tmp_path, mode="abort", method="disk", **kw):
