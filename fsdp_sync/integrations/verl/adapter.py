@@ -104,8 +104,8 @@ from ...verify import sent_record
 from ...wire import flattened_bucket
 from .. import module_stream, peer_check, verl_lora
 from . import fp8_ignored, metrics as step_metrics
-from .options import (build_refusal, enabled, get_key, named_actor, options, quantization_conflict,
-                      same_server, server_url, sync_config)
+from .options import (build_refusal, dtype_conflict, enabled, get_key, named_actor, options,
+                      quantization_conflict, same_server, server_url, sync_config)
 from .replica import ROLLOUT_NAME, server_name
 from .stream import BucketBuffer, drained, pulled_in_a_thread, reuses_memory, timed
 
@@ -259,7 +259,11 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                     f"{served}, and a sync to base_url would leave that server's weights unsynced "
                     f"while verl's agent loop generates from them; drop base_url (the adapter then "
                     f"syncs {name}) or set it to {served}")
-            why = quantization_conflict(self.config)   # verl's server runs rollout.quantization
+            # verl's server runs rollout.quantization and rollout.dtype
+            why = quantization_conflict(self.config) or (
+                dtype_conflict(self.config, self.sync.dtype,
+                               getattr(self.model_config, "hf_config", None))
+                if "dtype" in options(self.config) else None)
             if why:
                 raise ValueError(f"{why}; base_url={self.base_url!r} is verl's own server ({name})")
             self._server_actor = actor

@@ -5,8 +5,8 @@
   ``custom.fsdp_sync.*`` fields it honours (`HONOURED`); every other SyncConfig field is refused
   naming the verl option that decides it (`INSTEAD`), as an option accepted and then ignored
   would silently run something else than the user asked for; ``quantization`` differing from
-  ``rollout.quantization`` (what verl starts its server with) only with a ``base_url`` of the
-  user's own (`quantization_conflict`);
+  ``rollout.quantization`` and ``dtype`` from ``rollout.dtype`` (what verl starts its server
+  with) only with a ``base_url`` of the user's own (`quantization_conflict`, `dtype_conflict`);
 - `build_refusal`: what the adapter refuses when it is built (prefill/decode disaggregation, a
   model whose fused pairs SGLang must load in one call: `FUSED_PAIRS`);
 - `named_actor`, `server_url`, `same_server`: finding verl's server actor and comparing its
@@ -23,7 +23,8 @@ from ...config import SyncConfig, mib_to_bytes, parse_dtype
 from .replica import ROLLOUT_NAME
 
 __all__ = ["ADAPTER_KEYS", "HONOURED", "INSTEAD", "FUSED_PAIRS", "get_key", "options", "enabled",
-           "sync_config", "quantization_conflict", "build_refusal", "server_url", "named_actor",
+           "sync_config", "quantization_conflict", "dtype_conflict", "build_refusal", "server_url",
+           "named_actor",
            "same_server"]
 
 ADAPTER_KEYS = ("enable", "base_url", "api_key", "metrics_file", "log_dir")
@@ -134,9 +135,41 @@ def sync_config(config: Any, hf_config: Any = None) -> SyncConfig:
             raise ValueError(f"{where}: give bucket_mb or bucket_bytes, not both (got bucket_mb="
                              f"{opts['bucket_mb']!r}, bucket_bytes={opts['bucket_bytes']!r})")
         opts["bucket_bytes"] = mib_to_bytes(opts.pop("bucket_mb"), f"{where}.bucket_mb")
-    if "dtype" in opts:
+    if "dtype" in opts:     # null too: the trainer's dtype, which verl's server does not serve
         opts["dtype"] = parse_dtype(opts["dtype"], f"{where}.dtype", hf_config=hf_config)
+        why = dtype_conflict(config, opts["dtype"], hf_config)
+        if why and not options(config).get("base_url"):
+            raise ValueError(why)
     return SyncConfig.from_verl(config, hf_config=hf_config, **opts)
+
+
+def dtype_conflict(config: Any, ours: Any, hf_config: Any = None) -> str | None:
+    """Why ``custom.fsdp_sync.dtype`` (``ours``, parsed) contradicts ``rollout.dtype`` (None: that
+    is unset or names the same dtype, ``auto`` resolved as SGLang resolves it). verl starts its
+    SGLang server with ``--dtype`` = ``rollout.dtype`` (``async_sglang_server``), so tensors cast
+    to another dtype are either cast again by SGLang's loader (float16 into bfloat16: values past
+    65504 become inf; bfloat16 into float32: the trainer's low bits are lost) or refused at the
+    first bucket (``fsdp-sync serve``), and verify's digests of the cast tensors never match.
+    `sync_config` refuses it unless ``base_url`` is set (a server of the user's own, started with
+    that dtype); the adapter refuses it too where that base_url is verl's own server."""
+    raw = get_key(config, "dtype")
+    if raw is None:
+        return None
+    verls = parse_dtype(raw, "actor_rollout_ref.rollout.dtype", hf_config=hf_config)
+    if verls is None or verls == ours:
+        return None
+    # null: no cast, the trainer's dtype (float32 master weights under verl's FSDP)
+    name = {d: "null" if d is None else str(d).removeprefix("torch.") for d in (ours, verls)}
+    sent = name[ours] if ours is not None else "the trainer's dtype"
+    fix = ("" if ours is None else f", or set actor_rollout_ref.rollout.dtype={name[ours]}")
+    return (f"rollout.custom.fsdp_sync.dtype={name[ours]} contradicts "
+            f"actor_rollout_ref.rollout.dtype={raw} ({name[verls]}), the dtype verl starts its "
+            f"server with: the adapter would send every tensor in {sent} and the server would "
+            f"load it as {name[verls]} (a second cast that may change values, a refusal at the "
+            f"first bucket, or a verify mismatch after the sync); drop "
+            f"rollout.custom.fsdp_sync.dtype (the adapter then sends {name[verls]}){fix} (a "
+            f"different value is taken only with rollout.custom.fsdp_sync.base_url naming a "
+            f"server of your own, started with it)")
 
 
 def quantization_conflict(config: Any) -> str | None:
