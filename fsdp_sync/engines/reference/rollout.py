@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,7 +22,14 @@ from ..base import EngineStateError, EngineUnavailableError
 from .generation import Sampling, input_token_logprobs, sample_seed
 from .scheduler import PAUSE_MODES, check_version, kv_need, weight_version_spans
 
-__all__ = ["GenerationCalls", "fit_max_new_tokens"]
+__all__ = ["GenerationCalls", "fit_max_new_tokens", "sglang_context_length", "CONTEXT_LENGTH_KEYS"]
+
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+"""The config keys SGLang 0.5.23 reads the context length from, the first one set winning
+(``hf_transformers.common.CONTEXT_LENGTH_KEYS``)."""
+
+_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
 
 def _token_id(t: Any) -> int | None:
@@ -46,6 +54,31 @@ def _ids_of(p: Any) -> list | None:
 def _shown(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def sglang_context_length(config: Any) -> int:
+    """The context length SGLang 0.5.23 derives from a model config (``get_context_length``, which
+    ``ModelConfig`` applies to the text config when no ``--context-length`` is given): the first
+    of `CONTEXT_LENGTH_KEYS` the config sets (so a ``seq_length`` or ``max_sequence_length`` wins
+    over ``max_position_embeddings``), 2048 when it sets none, times the ``rope_scaling`` factor,
+    except where ``rope_scaling`` holds ``original_max_position_embeddings`` (yarn, longrope: and
+    transformers 5 adds that key to every yarn config) or its ``rope_type`` is ``llama3``. So
+    ``linear`` and ``dynamic`` scaling multiply the context, and so does a ``factor`` beside the
+    default rope type; the legacy ``type`` key is not read for ``llama3``, as in SGLang. Read from
+    the config object as loaded (transformers 5 keeps ``rope_scaling`` as ``rope_parameters``)."""
+    scaling = getattr(config, "rope_scaling", None)
+    factor: Any = 1
+    if scaling:
+        if not isinstance(scaling, dict):
+            raise ValueError(f"config.rope_scaling must be a dict or null, got {_shown(scaling)}")
+        factor = scaling.get("factor", 1)
+        if "original_max_position_embeddings" in scaling or scaling.get("rope_type", None) == "llama3":
+            factor = 1
+    for key in CONTEXT_LENGTH_KEYS:
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(factor * value)
+    return 2048
 
 
 def fit_max_new_tokens(prompt_len: int, s: Sampling, *, given: bool, context: int | None,
@@ -153,6 +186,37 @@ class GenerationCalls:
         eos = getattr(self.config, "eos_token_id", None)
         return [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(t) for t in eos])
 
+    _context_override: int | None = None
+
+    @property
+    def context_length(self) -> int:
+        """The context length requests are held to, as SGLang's ``model_config.context_len``:
+        `set_context_length`'s (SGLang's ``--context-length``), else `sglang_context_length` of
+        the config (``rope_scaling`` and the other keys SGLang reads, not only
+        ``max_position_embeddings``)."""
+        if self._context_override is not None:
+            return self._context_override
+        return sglang_context_length(self.config)
+
+    def set_context_length(self, context_length: int | None) -> None:
+        """SGLang's ``--context-length``: hold requests to ``context_length`` tokens instead of the
+        length derived from the config (None: derived again). As SGLang, one longer than the
+        derived length is refused unless ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN`` is true in
+        this process's environment."""
+        if context_length is None:
+            self._context_override = None
+            return
+        if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+            raise ValueError(f"context_length must be an integer >= 1 or None, got {context_length!r}")
+        derived = sglang_context_length(self.config)
+        allow = os.environ.get(_LONGER_CONTEXT_ENV, "false").strip().lower() in ("true", "1", "yes", "y")
+        if context_length > derived and not allow:
+            raise ValueError(
+                f"context_length {context_length} is greater than the context length derived from "
+                f"the model config ({derived}: SGLang's get_context_length, max_position_embeddings "
+                f"and rope_scaling); SGLang refuses it too unless {_LONGER_CONTEXT_ENV}=1 is set")
+        self._context_override = context_length
+
     ABORT_POLL_S = 0.02
     """How often a waiting caller asks its ``should_abort`` when no step arrives (`generate_requests`)."""
 
@@ -189,7 +253,7 @@ class GenerationCalls:
         loras = self._check_lora_paths(lora_path, len(prompts))
         specs = [dataclasses.replace(Sampling.from_sglang(sp, eos=eos, vocab=self.spec.vocab_size), lora=lp)
                  for sp, lp in zip(sps, loras)]
-        ctx = getattr(self.config, "max_position_embeddings", None)
+        ctx = self.context_length
         for i, (p, s, sp) in enumerate(zip(prompts, specs, sps)):
             given = isinstance(sp, dict) and sp.get("max_new_tokens") is not None
             specs[i] = s = fit_max_new_tokens(len(p), s, given=given, context=ctx,

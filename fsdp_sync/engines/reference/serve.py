@@ -83,6 +83,7 @@ from typing import Any, Callable, Sequence
 
 from .generate_request import ClientWatch, GenerateRefused, parse_generate
 from .http_fields import Refused, body_field, check_disk_path, error_status, error_text, tags_field
+from .rollout import sglang_context_length
 from .serve_cache import CacheRoutes
 from .serve_control import ControlRoutes
 from .serve_lora import LoRARoutes
@@ -480,12 +481,22 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
 
     def _models(self, body: dict) -> tuple[int, Any]:
         """SGLang's OpenAI-style ``/v1/models``: the served model, then each loaded LoRA adapter."""
-        cfg = getattr(self.engine, "config", None)
         return 200, {"object": "list", "data": [{
             "id": self.model_path, "object": "model", "created": int(self.started),
             "owned_by": "sglang", "root": self.model_path, "parent": None,
-            "max_model_len": getattr(cfg, "max_position_embeddings", None)},
+            "max_model_len": self.context_length()},
             *self.lora_cards(self.model_path, int(self.started))]}
+
+    def context_length(self) -> int | None:
+        """The engine's context length, as SGLang's ``model_config.context_len`` (what its
+        ``/v1/models`` answers as ``max_model_len``): the engine's own where it keeps one
+        (`rollout.GenerationCalls.context_length`: ``--context-length``, ``rope_scaling``), else
+        derived from its config as SGLang derives it; None for an engine with no config."""
+        own = getattr(self.engine, "context_length", None)
+        if isinstance(own, int) and not isinstance(own, bool):
+            return own
+        cfg = getattr(self.engine, "config", None)
+        return None if cfg is None else sglang_context_length(cfg)
 
     def _server_info(self, body: dict) -> tuple[int, Any]:
         return 200, {"tp_size": int(self.engine.tp_size), "dp_size": 1,
