@@ -323,7 +323,8 @@ def quantized_names(layout: TPLayout, ignored: Iterable[str] = ()) -> list[str]:
     return names
 
 
-def check_block_shapes(layout: TPLayout, block: tuple[int, int] = BLOCK) -> None:
+def check_block_shapes(layout: TPLayout, block: tuple[int, int] = BLOCK,
+                       quantized: Iterable[str] | None = None) -> None:
     """Refuse a layout SGLang's block FP8 refuses (``Fp8LinearMethod.validate_block_quant_shapes``,
     ``Fp8MoEMethod.create_weights``), so that no TP or EP split cuts a block and each rank's
     ``weight_scale_inv`` is whole blocks of the full one:
@@ -332,22 +333,49 @@ def check_block_shapes(layout: TPLayout, block: tuple[int, int] = BLOCK) -> None
       up rows; the shared expert's too) is a multiple of ``block[0]``, at any TP size;
     - at TP > 1 the row-parallel ``o_proj`` / ``down_proj`` input slice is a multiple of ``block[1]``;
     - each expert's intermediate slice is a multiple of ``block[0]``, and of ``block[1]`` when the
-      experts are split over more than one rank (``tp / ep > 1``)."""
+      experts are split over more than one rank (``tp / ep > 1``).
+
+    ``quantized``: the HF tensors that travel as FP8 (`quantized_names` with the model's ignored
+    layers); None: every layer SGLang quantizes. A rule is checked only where a layer it constrains
+    is quantized: SGLang builds a layer its ``ignored_layers`` skips with the unquantized method,
+    which checks no block (a misfit there is no cut block: that layer has no scale). The refusal
+    names the first quantized tensor of each misfit."""
     s, t, (bn, bk) = layout.spec, layout.tp, block
     d = s.head_dim
-    cols = [("q_proj rows per rank", layout.q_local * d), ("k_proj/v_proj rows per rank", layout.kv_local * d)]
-    rows = [("o_proj input per rank (heads / tp * head_dim)", layout.q_local * d, t)]   # (what, size, split)
+    if quantized is None:
+        names = quantized_names(layout)
+    else:
+        keep = set(quantized)
+        names = [n for n in layout.hf_names() if n in keep]
+    first: dict[str, str] = {}           # engine parameter kind -> its first quantized HF tensor
+    for n in names:
+        engine = layout.engine_name(n)
+        kind = next((k for k in _QUANTIZED_ENGINE if engine.endswith(k)), None)
+        if kind in ("gate_up_proj.weight", "down_proj.weight") and ".shared_expert." in engine:
+            kind = "shared_expert." + kind
+        if kind is not None:
+            first.setdefault(kind, n)
+    # (what, size, the kind it constrains, split: the ranks the input dim is cut over; 0 for rows)
+    rules = [("q_proj rows per rank", layout.q_local * d, "self_attn.qkv_proj.weight", 0),
+             ("k_proj/v_proj rows per rank", layout.kv_local * d, "self_attn.qkv_proj.weight", 0),
+             ("o_proj input per rank (heads / tp * head_dim)", layout.q_local * d, "self_attn.o_proj.weight", t)]
     if len(s.moe_layers) < s.num_layers:
-        cols.append(("gate_proj/up_proj rows per rank (intermediate_size / tp)", layout.inter_local))
-        rows.append(("down_proj input per rank (intermediate_size / tp)", layout.inter_local, t))
+        rules += [("gate_proj/up_proj rows per rank (intermediate_size / tp)", layout.inter_local,
+                   "gate_up_proj.weight", 0),
+                  ("down_proj input per rank (intermediate_size / tp)", layout.inter_local, "down_proj.weight", t)]
     if s.shared_expert_intermediate_size:
-        cols.append(("shared expert rows per rank", layout.shared_local))
-        rows.append(("shared expert down_proj input per rank", layout.shared_local, t))
+        rules += [("shared expert rows per rank", layout.shared_local, "shared_expert.gate_up_proj.weight", 0),
+                  ("shared expert down_proj input per rank", layout.shared_local, "shared_expert.down_proj.weight", t)]
     if s.num_experts:
-        cols.append(("expert rows per rank (moe_intermediate_size / (tp / ep))", layout.moe_inter_local))
-        rows.append(("expert down_proj input per rank", layout.moe_inter_local, layout.moe_tp))
-    bad = [f"{what} = {v} is not a multiple of block {bn}" for what, v in cols if v % bn]
-    bad += [f"{what} = {v} is not a multiple of block {bk}" for what, v, split in rows if split > 1 and v % bk]
+        rules += [("expert rows per rank (moe_intermediate_size / (tp / ep))", layout.moe_inter_local,
+                   "experts.w13_weight", 0),
+                  ("expert down_proj input per rank", layout.moe_inter_local, "experts.w2_weight", layout.moe_tp)]
+    bad = []
+    for what, v, kind, split in rules:
+        b = bk if split else bn
+        if kind in first and split != 1 and v % b:
+            bad.append(f"{what} = {v} is not a multiple of block {b} (quantized {first[kind]!r}; list "
+                       f"that layer in quantization_config.ignored_layers to keep it unquantized)")
     if bad:
         raise ValueError(f"block FP8 {list(block)} at tp {t}, ep {layout.ep} ({s.model_type}): "
                          + "; ".join(bad))
@@ -389,8 +417,8 @@ class FP8Layout(TPLayout):
                  block: tuple[int, int] = BLOCK):
         super().__init__(spec, tp_size, ep_size)
         self.block = tuple(block)
-        check_block_shapes(self, self.block)
         self.quantized: frozenset[str] = frozenset(quantized_names(self, ignored))
+        check_block_shapes(self, self.block, self.quantized)
         self.engine_quantized: frozenset[str] = frozenset(self.engine_name(n) for n in self.quantized)
         shapes: dict[str, tuple[int, ...]] = {}
         for name, shape in self.hf_shapes.items():
