@@ -23,6 +23,12 @@ disk), on every trainer rank:
    `SyncError` on every rank, naming the tensor (and element) or saying which option turns the
    check off.
 
+What is compared is every HF tensor's bytes where the layout places them; the vocab padding rows of
+``embed_tokens`` / ``lm_head`` (no HF tensor fills them) are not, on the reference engine: no result
+reads them (it refuses token ids outside the vocab and cuts the logits to ``vocab_size``, as SGLang
+0.5.23 masks those ids and cuts its logits), so NaN written there changes no logit
+(`tests/test_h6_verify_vocab_padding.py`). SGLang's ``/weights_checker`` hashes them (zero).
+
 Modes: ``"full"``: every exported tensor. ``"sample"``: a rotating subset, tensor ``i`` (export
 order) at turn ``s`` with ``i % m == s % m`` where ``m = min(SAMPLE_EVERY, tensors)``: about one
 tensor in eight per sync, deterministic, the same on every rank, and every tensor covered within
