@@ -57,8 +57,9 @@ def test_every_syncconfig_field_is_honoured_or_refused_and_the_honoured_ones_are
     fields = {f.name for f in dataclasses.fields(SyncConfig)}
     assert set(options.HONOURED) | set(options.INSTEAD) == fields
     assert not set(options.HONOURED) & set(options.INSTEAD)
-    s = sync_config(_rollout(strategy="bucketed", bucket_bytes=4096, dtype="float32",
-                             verify="sample", dist_timeout_s=7, share_host_memory=False))
+    s = sync_config(dict(_rollout(strategy="bucketed", bucket_bytes=4096, dtype="float32",
+                                  verify="sample", dist_timeout_s=7, share_host_memory=False),
+                         dtype="float32"))     # rollout.dtype agrees (test_h4_rollout_dtype)
     assert (s.strategy, s.bucket_bytes, s.dtype, s.verify, s.dist_timeout_s,
             s.share_host_memory) == ("bucketed", 4096, torch.float32, "sample", 7, False)
     # a quantization other than rollout.quantization: only for a server of the user's own
@@ -83,7 +84,7 @@ def test_rollout_dtype_auto_is_what_sglang_serves_the_actors_model_in():
     hf = load_config("tiny")             # float32: SGLang serves it in float16
     assert sync_config(dict(_rollout(), dtype="auto"), hf).dtype == torch.float16
     assert sync_config(dict(_rollout(), dtype="half")).dtype == torch.float16
-    assert sync_config(_rollout(dtype="auto"), hf).dtype == torch.float16
+    assert sync_config(dict(_rollout(dtype="auto"), dtype="float16"), hf).dtype == torch.float16
     with pytest.raises(ValueError, match=r"rollout\.custom\.fsdp_sync\.dtype='auto' is the dtype SGLang reads"):
         sync_config(_rollout(dtype="auto"))
     rollout = dict(_rollout(), dtype="auto", tensor_model_parallel_size=1, data_parallel_size=1,
