@@ -446,7 +446,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
             "/generate": lambda b: self._generate(b, h),
             "/abort_request": self._abort_request,
             "/update_weights_from_tensor": self._update_from_tensor,
-            "/begin_weight_update": lambda b: self._update("begin_weight_update", {}),
+            "/begin_weight_update": self._begin_weight_update,
             "/end_weight_update": self._end_weight_update,
             "/init_weights_update_group": self._init_group,
             "/update_weights_from_distributed": self._update_from_distributed,

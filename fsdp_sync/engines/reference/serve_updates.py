@@ -1,12 +1,12 @@
 """The weight-update routes of `fsdp-sync serve`, one at a time, each bounded by ``update_wait_s``; a
 mixin of `serve.EngineServer`:
 
-    POST /update_weights_from_tensor   {serialized_named_tensors, load_format, flush_cache}
-    POST /begin_weight_update  /end_weight_update {weight_version | abort}
+    POST /update_weights_from_tensor   {serialized_named_tensors, load_format, flush_cache, selector}
+    POST /begin_weight_update {selector}  /end_weight_update {weight_version | abort}
     POST /init_weights_update_group    {master_address, master_port, rank_offset, world_size,
                                         group_name, backend}
     POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache,
-                                            load_format}
+                                            load_format, selector}
     POST /destroy_weights_update_group {group_name}
     POST /update_weights_from_disk     {model_path, load_format}
     POST /release_memory_occupation  /resume_memory_occupation  {tags}
@@ -16,6 +16,13 @@ bounded: a call that cannot start within ``update_wait_s`` (another update holds
 engine is busy: running requests, a group being joined) answers 503 and is never applied later
 (the engine's ``wait_limit``). An answer is ``{"success": bool, "message": str}``, 200 or 400 on
 the engine's refusal, as SGLang's.
+
+SGLang's ``selector`` (0.5.21+, on the tensor, distributed and ``begin_weight_update`` bodies:
+which model runners the call loads, ``"target"``, ``"draft"`` or ``"all"``, default ``"all"``):
+this server has one runner, the target, so ``"target"`` and ``"all"`` load it, as SGLang's do
+without a draft model; ``"draft"`` is refused (400 naming the field, nothing loaded), where SGLang
+without a draft model loads nothing and answers success; any other value is refused too (SGLang's
+FastAPI answers 422).
 
 Stricter than SGLang, so a served engine never says success for a wrong model:
 ``init_weights_update_group`` checks every field before any worker tries to join (a backend the
@@ -38,7 +45,24 @@ from typing import Any, Callable
 from .http_fields import (Refused, accepted_kwargs, body_field, check_disk_path, opened_payloads,
                           str_list_field)
 
-__all__ = ["UpdateRoutes"]
+__all__ = ["UpdateRoutes", "check_selector", "SELECTORS"]
+
+SELECTORS = ("target", "draft", "all")
+"""SGLang 0.5.23's ``selector`` values (``io_struct``: ``Literal["target", "draft", "all"]``)."""
+
+
+def check_selector(body: dict, what: str) -> None:
+    """The body's SGLang ``selector`` (module docstring): ``"all"`` (missing) or ``"target"``
+    pass; ``"draft"`` and anything else are refused, 400 naming the field."""
+    selector = body.get("selector", "all")
+    if selector in ("all", "target") and isinstance(selector, str):
+        return
+    if selector == "draft":
+        raise Refused(400, f"{what}: field 'selector' is 'draft', but this server has no draft model "
+                           f"(no speculative decoding): nothing would be loaded (SGLang without a draft "
+                           f"model loads nothing and answers success); send 'target' or 'all'")
+    raise Refused(400, f"{what}: field 'selector' must be one of {', '.join(map(repr, SELECTORS))}, "
+                       f"got {selector!r:.60}")
 
 
 class UpdateRoutes:
@@ -71,7 +95,12 @@ class UpdateRoutes:
         fn = self._method(method)
         return self._locked(method, lambda: fn(**kwargs))
 
+    def _begin_weight_update(self, body: dict) -> tuple[int, Any]:
+        check_selector(body, "begin_weight_update")
+        return self._update("begin_weight_update", {})
+
     def _update_from_tensor(self, body: dict) -> tuple[int, Any]:
+        check_selector(body, "update_weights_from_tensor")
         payloads = body_field(body, "serialized_named_tensors", list)
         load_format = body_field(body, "load_format", (str, type(None)), None)
         flush = body_field(body, "flush_cache", bool, True)
@@ -153,6 +182,7 @@ class UpdateRoutes:
         return self._locked("destroy_weights_update_group", lambda: fn(**accepted_kwargs(fn, kwargs)))
 
     def _update_from_distributed(self, body: dict) -> tuple[int, Any]:
+        check_selector(body, "update_weights_from_distributed")
         names = str_list_field(body, "names")
         dtypes = str_list_field(body, "dtypes")
         shapes = body_field(body, "shapes", list)
