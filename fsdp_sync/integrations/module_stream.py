@@ -25,7 +25,9 @@ nothing. That needs the module, which verl keeps to itself: the rollout adapter 
   parameter offload (its FSDP2 CPU-offload policy included), QAT, the rollout's FP8 quantization,
   a strategy other than ``flattened``. Each rank decides alone, then every rank of the world learns
   whether any refused (one all-reduce, before any collective of either export; the reasons travel
-  only then), so all take the same path; why the fast path was not taken is logged once per
+  only then), so all take the same path; the same all-reduce compares the ranks' model digests
+  (`model_digest`, the manager's check): ranks holding different models raise one `SyncError`
+  naming the first rank and tensor that differ instead of running mismatched collectives; why the fast path was not taken is logged once per
   reason on infer-TP rank 0. Before that all-reduce the ranks meet in the store
   (`peer_check.absent_ranks`): where the plug-in did not load on some ranks (they run verl's own
   adapter, whose export is one all-gather per parameter over the same ranks) those never come to
@@ -63,17 +65,18 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..topology import cpu_group, released_by_backend
+from ..topology import SyncError, cpu_group, released_by_backend
 from ..transport import SyncStats
 from ..transport.buffers import ReusedBuffer
 from ..transport.tensor import Call
 from ..weights import export, handles
 from ..weights.bucket import SUPPORTED_DTYPES, TensorMeta, dtype_name, plan_buckets
+from ..weights.export_checks import describe_difference, digest_of
 from ..wire import flattened_bucket
 from . import peer_check
 
 __all__ = ["ModuleStream", "ExportDecision", "install", "uninstall", "verl_metas", "refusal",
-           "agreed", "calls", "EXPORT_MODULE", "EXPORT_VERL"]
+           "model_digest", "agreed", "calls", "EXPORT_MODULE", "EXPORT_VERL"]
 
 log = logging.getLogger("fsdp_sync.verl")
 
@@ -320,17 +323,41 @@ def refusal(stream: Any, sync: Any, prepare: Callable[[str, torch.Tensor], torch
     return reason, metas
 
 
-def agreed(reason: str | None, group: Any = None) -> str | None:
+def model_digest(metas: list[TensorMeta] | None) -> int:
+    """An int in [0, 2**62) of the names, dtypes and full shapes fsdp_sync's export would send,
+    in order (0 for None): the manager's model digest (`export_checks.digest_of`)."""
+    return 0 if metas is None else digest_of(_entries(metas))
+
+
+def _entries(metas: list[TensorMeta]) -> list:
+    return [(m.name, dtype_name(m.dtype), tuple(int(x) for x in m.shape)) for m in metas]
+
+
+def agreed(reason: str | None, group: Any = None,
+           metas: list[TensorMeta] | None = None) -> str | None:
     """Collective over ``group`` (None: the world): None on every rank if every rank passed None,
-    else the same text everywhere, naming the first rank that refused."""
+    else the same text everywhere, naming the first rank that refused. ``metas`` (a rank that
+    did not refuse: what its export would send): where every rank passed and their model digests
+    (`model_digest`) differ, the ranks hold different models and the export's collectives would
+    not match (a hang until the process group's timeout, or gloo aborting the process): raises
+    the same `SyncError` on every rank naming the first rank and tensor that differ, as the
+    manager does (`export_checks.agree_on_model`). Same all-reduce, no extra round trip."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return reason
     group = cpu_group(group)
-    flag = torch.tensor([0 if reason is None else 1], dtype=torch.int64)
+    own = model_digest(metas)
+    flag = torch.tensor([0 if reason is None else 1, own, -own], dtype=torch.int64)
     with released_by_backend(flag):
-        dist.all_reduce(flag, group=group)      # one small all-reduce when every rank agrees
-    if int(flag.item()) == 0:
-        return None
+        # one small all-reduce when every rank agrees: any refusal, the digests' max and min
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag[0].item()) == 0:
+        if int(flag[1].item()) == -int(flag[2].item()):
+            return None
+        lists: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(lists, None if metas is None else _entries(metas), group=group)
+        err = SyncError(f"fsdp_sync verl sync failed: {describe_difference(lists)}")
+        err.failures = {0: str(err)}
+        raise err
     answers: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(answers, reason, group=group)
     for rank, why in enumerate(answers):
@@ -391,7 +418,7 @@ def calls(weights: Any, sync: Any, topo: Any, stats: SyncStats, phases: dict,
                       f"verl logs that at DEBUG only), which walks verl's per-tensor export, so "
                       f"every rank walks it; {peer_check.ENV_HINT}", True)
         return None
-    reason = agreed(reason)
+    reason = agreed(reason, metas=metas)     # ranks holding other models: refused by name
     phases["export_s"] += time.perf_counter() - t0
     if reason is not None:
         if topo.is_tp_src:
