@@ -28,7 +28,9 @@ the name `ROLLOUT_NAME` (registered by the plug-in, ``fsdp_sync.integrations.ver
   resume calls verl's SGLang server makes (only when ``free_cache_engine``);
   ``abort_all_requests`` is ``/abort_request {"abort_all": true}`` and holds new requests in the
   actor (or refuses them, ``reject_request``) until ``resume_generation``, as SGLang's
-  ``pause_generation(mode="abort")`` does.
+  ``pause_generation(mode="abort")`` does; it returns once every request posted before the gate
+  closed has been answered (aborted again while any is out: one on the wire when the abort
+  landed would otherwise run through the sync).
 
 CPU runs only (``VERL_PLATFORM=cpu``, `cpu_platform`): serve runs on CPU (no ``--device``) in an
 actor that asks Ray for no GPU, while on a GPU host verl's trainer tensors are CUDA tensors, which
@@ -70,6 +72,7 @@ __all__ = ["ROLLOUT_NAME", "ServeReplica", "ServeServer", "server_name", "serve_
 
 ROLLOUT_NAME = "fsdp_sync_ref"
 START_TIMEOUT_S = 300.0
+ABORT_WAIT_S = 600.0       # abort_all_requests waits this long for the requests it aborts
 _URL = re.compile(r" on (http://\S+) ")
 
 log = logging.getLogger("fsdp_sync.verl")
@@ -201,6 +204,7 @@ class ServeServer:
         self._open = asyncio.Event()          # cleared between abort_all_requests and resume
         self._open.set()
         self._reject = False
+        self._posted = 0        # /generate requests past the gate and not answered yet
 
     # ------------------------------------------------------------------ lifetime
     async def launch_server(self) -> str:
@@ -280,7 +284,11 @@ class ServeServer:
                                    f"(abort_all_requests(reject_request=True)); request "
                                    f"{request_id} refused")
             await self._open.wait()           # held until resume_generation, as SGLang holds it
-        out = await self._post("/generate", body)
+        self._posted += 1
+        try:
+            out = await self._post("/generate", body)
+        finally:
+            self._posted -= 1
         meta = out.get("meta_info") or {}
         ids = [int(t) for t in out.get("output_ids") or []]
         log_probs = None
@@ -326,7 +334,20 @@ class ServeServer:
         `resume_generation`: SGLang's ``pause_generation(mode="abort")``."""
         self._reject = bool(reject_request)
         self._open.clear()
-        if self.node_rank == 0:
+        if self.node_rank != 0:
+            return
+        await self._post("/abort_request", {"abort_all": True})
+        # a request posted just before the gate closed may reach serve after the abort (the two
+        # travel on separate connections) and then run through the weight sync that follows:
+        # aborted again until every request past the gate has been answered, as SGLang's
+        # pause_generation returns only once nothing runs
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while self._posted:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fsdp_sync_ref replica {self.replica_rank}: {self._posted} "
+                                   f"request(s) still unanswered {ABORT_WAIT_S:.0f} s after "
+                                   f"abort_all_requests; serve's log: {self.log_path}")
+            await asyncio.sleep(0.05)
             await self._post("/abort_request", {"abort_all": True})
 
     async def resume_generation(self) -> None:
