@@ -64,9 +64,8 @@ items, the checks of a distributed call's entries and the disk update's checkpoi
 (`update_items`), which quantization a config and argument make (`quant`), the constructor's
 argument checks (`engine_args`), memory release/resume and per-worker stats (`memory_calls`).
 
-Why ~670 lines, one module: the engine's side of every protocol call (startup, update methods, two-phase
-rounds, the update gate), sharing the lock, the worker set and the broken/transaction state. The
-next carve, if it grows: the transaction (begin/end and its abort words).
+Why ~700 lines, one module: the engine's side of every protocol call (startup, updates, two-phase
+rounds, the update gate), sharing the lock, the workers and the broken/transaction state.
 """
 
 from __future__ import annotations
@@ -130,10 +129,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         call_timeout_s: a worker that answers no call within this long makes the engine unusable.
         transactional_updates: whether begin/end_weight_update make one all-or-nothing transaction
             (costs a CPU copy of what is pushed while loaded weights are being replaced).
-        update_recv_timeout_s: how long a worker waits in a weight-update group (joining it, or a
-            broadcast of ``update_weights_from_distributed``) before it gives up: a sender that
-            died mid-broadcast costs this long, then the update is refused and the previous
-            weights serve. SGLang's own is 30 minutes, not settable.
+        update_recv_timeout_s: how long a worker waits in a weight-update group (joining it, or an
+            ``update_weights_from_distributed`` broadcast): a sender that died mid-broadcast costs
+            this long, then the update is refused and the previous weights serve (SGLang: 30 min).
         ep_size: MoE expert parallelism inside the TP group, as SGLang's ``--ep-size``
             (`weights.layout.TPLayout`); 1 splits every expert over all TP ranks.
         quantization: None, or ``"fp8"``: block-wise FP8 as SGLang's ``--quantization fp8``
@@ -145,16 +143,13 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             beside trainer ranks on GPUs 0..n-1 starts at n (NCCL refuses one GPU on both ends).
         max_lora_rank, lora_target_modules: bound the LoRA adapters the engine loads (SGLang's
             server arguments; `lora_calls`): None takes any rank / any of `lora.TARGETS`.
-        keep_bucket_buffers: keep each sender's per-rank bucket buffer mapped (CPU) or its CUDA IPC
-            handle open from its first bucket to the end of the update, as the sender reuses it
-            bucket after bucket (`load_rank_bucket`); False maps or opens every bucket's buffer
-            anew and lets it go after the call (a sender's CUDA buffer is then freed as soon as
-            the sender drops it, not at the update's end; `dev/gpu_profile.py` compares the two).
+        keep_bucket_buffers: keep a sender's per-rank bucket buffer mapped (CPU) or its CUDA IPC
+            handle open until the update ends, as it is reused bucket after bucket (`load_rank_bucket`);
+            False opens each bucket's anew and lets it go after the call (`dev/gpu_profile.py`).
     """
 
     accepts_tagged_payloads = True
-    accepts_rank_buckets = True
-    """Takes per-rank buckets (`load_rank_bucket`): `SyncConfig.layout` "auto" picks them."""
+    accepts_rank_buckets = True     # per-rank buckets (`load_rank_bucket`): layout "auto" picks them
     accepts_rank_checkpoints = True
     """``update_weights_from_disk`` loads per-rank checkpoints (each worker its own files): the
     disk method's `SyncConfig.layout` "auto" writes them."""
@@ -390,10 +385,12 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         _, kind, msg, tb, name = errs[r]
         others = sorted(set(errs) - {r})
         text = f"{what}: {msg}" + (f" (also on TP ranks {others})" if others else "")
-        if collective and len(errs) != len(replies):
-            # some ranks finished a collective that others left: the group cannot be trusted
-            self._broken = (f"{text}; TP ranks {sorted(set(replies) - set(errs))} did not fail, so the "
-                            f"process group is out of step: shut the engine down")
+        odd = sorted(q for q in replies if q not in errs or errs[q][1] != kind)
+        if collective and odd:
+            # ranks a check refused left a collective the others finished or timed out in (a gloo
+            # group that timed out fails every later collective): the group cannot be trusted
+            self._broken = (f"{text}; TP ranks {odd} did not fail as TP rank {r} did, so the process "
+                            f"group is out of step: shut the engine down")
             raise EngineError(self._broken + f"\n(worker traceback)\n{tb}")
         if kind == "update":
             raise WeightUpdateError(text, rank=r, name=name)
@@ -565,24 +562,36 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             self._check_usable()
             if self._in_txn:
                 raise EngineStateError("begin_weight_update called twice without end_weight_update")
-            self._raise_errors(self._round("begin", {"transactional": transactional}), "begin_weight_update")
+            replies = self._round("begin", {"transactional": transactional})
+            if any(rep[0] != "ok" for rep in replies.values()):
+                self._drop_begun(replies)
             self._in_txn, self._txn_aborted, self._txn_transactional = True, None, transactional
             self._txn_version, self._txn_heads = None, False
 
+    def _drop_begun(self, replies: dict[int, tuple]) -> None:
+        """A `begin` round failed on some workers: every worker drops the transaction it holds (one
+        left open would stage the next plain update aside while the others apply it: two versions
+        served); one that cannot breaks the engine. Raises the begin's error."""
+        try:
+            ends = self._round("end", {"abort": True}, ranks=self._responsive(), what="begin_weight_update (drop)")
+        except EngineError:
+            ends = {}              # a worker died or went silent: the engine is broken already
+        if kept := sorted(r for r, rep in ends.items() if rep[0] != "ok"):
+            self._broken = self._broken or (f"begin_weight_update: TP ranks {kept} could not drop the "
+                                            f"transaction they began, so the engine serves nothing more: {_RESTART}")
+        self._raise_errors(replies, "begin_weight_update")
+
     def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> bool:
-        """Commit the open transaction (``abort=True``: drop it). After a failed update in the
-        transaction it is closed and dropped either way, and a commit is refused
-        (`WeightUpdateError`: nothing was committed). Returns, after an abort, whether what the
-        engine serves (or counts as pushed again) is as at ``begin_weight_update``: False where
-        calls written in place changed it (not transactional; over the start-up weights, which
-        then are not served until every tensor is pushed again; over tensors pushed again since a
-        release without a backup), else True. On a commit the
-        engine takes ``weight_version`` (else the one an update call in the transaction gave) in
-        the same critical section: no step runs between the new weights and their new version.
-        A commit that fails on some workers (`_end_failed`): `WeightUpdateError` where every failed
-        worker dropped its transaction unwritten and none applied staged copies (the previous
-        weights stay); else the engine is broken (`EngineError`, and every later call refuses:
-        its TP ranks hold different weights)."""
+        """Commit the open transaction (``abort=True``: drop it). After a failed update in it, it
+        is dropped either way and a commit is refused (`WeightUpdateError`: nothing committed).
+        Returns, after an abort, whether what the engine serves (or counts as pushed again) is as
+        at ``begin_weight_update``: False where calls written in place changed it (not
+        transactional; over the start-up weights, then not served until every tensor is pushed
+        again; over tensors pushed again since a release without a backup), else True. A commit
+        takes ``weight_version`` (else an update call's in the transaction) in the same critical
+        section: no step runs between the new weights and their version. A commit that fails on
+        some workers (`_end_failed`): `WeightUpdateError` where every failed worker dropped its
+        transaction unwritten and none applied staged copies; else the engine is broken."""
         check_version(weight_version, "end_weight_update")
         with self._gate("end_weight_update"):
             if not self._in_txn:
@@ -624,12 +633,10 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
 
     def _end_failed(self, replies: dict[int, tuple], version: str | None) -> None:
         """An `end` round that failed on some workers (holding the lock); raises. A worker that
-        failed before its end's body (an injected fault) still holds its transaction, and would
-        refuse every later begin: each failed worker drops it now. The weights are then as one
-        update made them only where every failed worker dropped an untouched transaction and no
-        worker applied staged copies; otherwise shards disagree (some new, some old or partly
-        written) and the engine is broken, as after a failed `_two_phase` commit: it serves nothing
-        more, and says why on every call."""
+        failed before its end's body (an injected fault) still holds its transaction: each failed
+        worker drops it now. The weights are as one update made them only where every failed worker
+        dropped an untouched transaction and none applied staged copies; otherwise shards disagree
+        and the engine is broken, as after a failed `_two_phase` commit."""
         errs = sorted(r for r, rep in replies.items() if rep[0] != "ok")
         _, _, msg, tb, name = replies[errs[0]]
         text = f"end_weight_update: TP rank {errs[0]} failed: {msg}" + (f" (also TP ranks {errs[1:]})"
@@ -683,13 +690,11 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
 
     # ------------------------------------------------------------------ serving
     def _receive_raw(self, group_name: str, nbytes: int, count: int, p2p: bool = False) -> None:
-        """Benchmark hook: every worker receives ``count`` bare broadcasts (``p2p``: point-to-point
-        messages) of ``nbytes`` from rank 0 of the update group and drops them (the floor of
-        ``update_weights_from_distributed``, full or per-rank)."""
+        """Benchmark hook: every worker receives ``count`` bare broadcasts (``p2p``: sends) of
+        ``nbytes`` from update-group rank 0 and drops them (`update_weights_from_distributed`'s floor)."""
         self._call("receive_raw", {"group_name": group_name, "nbytes": nbytes, "count": count, "p2p": p2p})
 
     def _set_fault(self, rank: int, fault: str | None) -> None:
-        """Test hook: ``"die_in_stage"`` / ``"die_in_commit"`` make worker ``rank`` SIGKILL itself
-        while staging an update / in ``end_weight_update``; ``"stall_in_…"`` make it stop answering."""
+        """Test hook: ``"die_in_stage"``/``"die_in_commit"`` (``"stall_in_…"``) kill (stall) worker ``rank``."""
         with self._lock:
             self._raise_errors(self._round("set_fault", {"fault": fault}, ranks=[rank]), "set_fault")
