@@ -22,12 +22,15 @@ __all__ = ["Refused", "error_status", "error_text", "body_field", "str_list_fiel
 
 class Refused(Exception):
     """A request refused with ``status`` and a ``{success: false, message}`` body (and
-    ``headers``, e.g. a 405's ``Allow``)."""
+    ``headers``, e.g. a 405's ``Allow``); with ``plain`` the body is ``message`` alone, as text
+    (where SGLang answers bare text: a refused ``/flush_cache``)."""
 
-    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None,
+                 plain: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.headers = dict(headers or {})
+        self.plain = plain
 
 
 def error_status(exc: BaseException) -> tuple[int, bool]:

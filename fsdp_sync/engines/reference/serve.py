@@ -38,8 +38,9 @@ does not fit, 401, 403, 404, 405 a method a route does not take, 413, 501 a tran
 when the engine cannot serve now (a dead worker, shut down at SIGTERM, weights or KV cache
 released, out of service, busy past ``update_wait_s``, too many requests), 500 for anything else.
 Every error answer made here carries ``"retryable"`` (true: the same request may succeed later or
-on another server), a streamed ``/generate`` error chunk too. Every answer is JSON, the standard
-library's own refusals (an unknown method, a malformed request line) included.
+on another server), a streamed ``/generate`` error chunk too; every answer is JSON, the standard
+library's own refusals (an unknown method, a malformed request line) included; but not
+``/flush_cache``'s, SGLang's bare text (`serve_cache`).
 
 Safe by default (none of this is SGLang's behaviour, which binds where it is told and takes any
 path): it binds 127.0.0.1 unless given another host; with an API key every request but
@@ -309,7 +310,8 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
                 text = error_text(e) if isinstance(e, Refused) else f"{type(e).__name__}: {error_text(e)}"
                 if not isinstance(e, Refused):
                     (log.warning if status >= 500 else log.info)("%s %s failed: %s", method, h.path, e)
-                out = {"success": False, "message": text, "retryable": retryable}
+                out = text if getattr(e, "plain", False) else \
+                    {"success": False, "message": text, "retryable": retryable}
             # a body left unread (refused before reading) must not be taken for the next request
             unread = not getattr(h, "_body_read", False) and (
                 h.headers.get("Content-Length") not in (None, "0") or h.headers.get("Transfer-Encoding"))

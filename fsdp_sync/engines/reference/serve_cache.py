@@ -3,15 +3,17 @@
     GET|POST /flush_cache[?timeout=SECONDS]
 
 Done only while no request runs or waits (the engine's ``flush_cache``, `scheduler.Scheduler.idle`):
-200 ``Cache flushed.``; otherwise refused at once, 400 with SGLang's "Flush cache failed" in the
-message. SGLang's ``timeout`` query parameter (seconds, >= 0, default 0) waits up to that long for
-the engine to be idle (400 "Timed out waiting for idle state" past it; a second such flush while
-one waits: 400 "Another flush_cache is already in progress"). Neither holds new ``/generate``
-requests back while it waits: they are admitted as SGLang admits them. Its wait for the engine
-itself (an update holding it) ends at ``update_wait_s`` past the timeout: 503, nothing done.
-
-A refusal is JSON ``{"success": false, "message", "retryable": true}`` (the same flush may succeed
-once the requests end), where SGLang answers the bare text; its status is SGLang's.
+200 with SGLang's text (`FLUSHED`); otherwise refused at once, 400 with SGLang's bare text,
+``Flush cache failed.`` and a newline. SGLang's ``timeout`` query parameter (seconds, >= 0, default
+0) waits up to that long for the engine to be idle (400 ``Timed out waiting for idle state.`` past
+it; a second such flush while one waits: 400 ``Another flush_cache is already in progress.``).
+Neither holds new ``/generate`` requests back while it waits: they are admitted as SGLang admits
+them. The three refusals' bodies and statuses are SGLang's (``http_server.flush_cache``: the
+scheduler's message, or ``Flush cache failed.``), so a client that reads SGLang's answer reads
+serve's; why this engine refused (the requests running, paused in place, ...) is in the
+`DETAIL_HEADER` header and the log, not the body. Its wait for the engine itself (an update
+holding it) ends at ``update_wait_s`` past the timeout: 503 JSON, nothing done (SGLang has no such
+wait); a bad ``timeout`` is a 400 JSON naming it (SGLang's FastAPI answers 422).
 
 Not here: the server and its error statuses (`serve`, `http_fields`), the engine's side
 (`memory_calls`).
@@ -20,6 +22,7 @@ Not here: the server and its error statuses (`serve`, `http_fields`), the engine
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -27,10 +30,31 @@ from urllib.parse import parse_qs, urlsplit
 from ..base import EngineStateError, EngineUnavailableError
 from .http_fields import Refused, accepted_kwargs
 
-__all__ = ["CacheRoutes", "FLUSHED"]
+__all__ = ["CacheRoutes", "FLUSHED", "REFUSED", "DETAIL_HEADER", "sglang_refusal"]
 
-FLUSHED = "Cache flushed.\n"
-"""The body of a flush done (SGLang's first line)."""
+log = logging.getLogger("fsdp_sync.engines.reference.serve")
+
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+           "waiting requests, the operation will not be performed.)\n")
+"""The body of a flush done: SGLang 0.5.23's (``http_server.flush_cache``), status 200."""
+
+REFUSED = "Flush cache failed.\n"
+"""The body of a flush refused because requests run or wait: SGLang's, status 400."""
+
+DETAIL_HEADER = "X-Fsdp-Sync-Detail"
+"""The header of a refused flush that says why this engine refused it (the body is SGLang's)."""
+
+_SCHEDULER_WORDS = ("Another flush_cache is already in progress.", "Timed out waiting for idle state.")
+"""SGLang's scheduler's refusals (``SchedulerFlushWrapper``), which its server answers as the body."""
+
+
+def sglang_refusal(message: str) -> str:
+    """SGLang's body for a flush the engine refused with ``message`` (`scheduler.Scheduler.idle`'s
+    words): the scheduler's own sentence where it has one, else `REFUSED`."""
+    for words in _SCHEDULER_WORDS:
+        if words.rstrip(".") in message:
+            return words
+    return REFUSED
 
 
 def timeout_param(path: str) -> float:
@@ -67,6 +91,10 @@ class CacheRoutes:
                 fn(**kwargs)
         except EngineUnavailableError:
             raise                               # busy past the limit, out of service: 503
-        except EngineStateError as exc:         # requests run or wait: SGLang's 400
-            return 400, {"success": False, "message": str(exc), "retryable": True}
+        except EngineStateError as exc:         # requests run or wait: SGLang's 400, its text
+            detail = " ".join(str(exc).split())
+            log.info("flush_cache refused: %s", detail)
+            raise Refused(400, sglang_refusal(detail), headers={
+                DETAIL_HEADER: detail.encode("latin-1", "replace").decode("latin-1")[:2000]},
+                plain=True) from None
         return 200, FLUSHED
