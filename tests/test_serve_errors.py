@@ -28,6 +28,7 @@ import pytest
 
 from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.engines.reference.serve import EngineServer
+from fsdp_sync.engines.reference.serve_cache import FLUSHED
 from fsdp_sync.models import load_config
 from _util import start_serve
 
@@ -113,7 +114,7 @@ def test_bodyless_posts_are_empty_bodies(server):
     for path, want in (("/pause_generation", {"message": "Generation paused successfully.", "status": "ok"}),
                        ("/continue_generation", {"message": "Generation continued successfully.",
                                                  "status": "ok"}),
-                       ("/flush_cache", "Cache flushed.\n")):
+                       ("/flush_cache", FLUSHED)):
         status, _, out = request(server, "POST", path)        # no Content-Length, no chunked
         assert (status, out) == (200, want), (path, status, out)
     assert server.engine.generation_paused is None

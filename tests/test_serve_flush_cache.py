@@ -18,6 +18,7 @@ import pytest
 from fsdp_sync.engines.base import EngineStateError
 from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.engines.reference.serve import EngineServer
+from fsdp_sync.engines.reference.serve_cache import FLUSHED
 from fsdp_sync.models import load_config
 
 pytestmark = pytest.mark.timeout(90)
@@ -45,6 +46,9 @@ def call(srv, method, path, body=None, timeout=10.0):
         resp = conn.getresponse()
         text = resp.read().decode()
         out = json.loads(text) if resp.getheader("Content-Type") == "application/json" else text
+        detail = resp.getheader("X-Fsdp-Sync-Detail")
+        if detail is not None:      # a refused flush: SGLang's bare text, serve's reason beside it
+            out = {"text": text, "message": f"{text.strip()} {detail}"}
         return resp.status, out, time.monotonic() - t0
     finally:
         conn.close()
@@ -87,7 +91,7 @@ def test_a_flush_while_a_request_runs_is_refused_at_once_and_holds_nothing_back(
     for method in ("POST", "GET"):            # verl's HttpServerAdapter flushes with a GET
         status, out, took = call(server, method, "/flush_cache", timeout=5.0)
         assert status == 400 and took < 2.0, (status, out, took)    # before: waited for LONG
-        assert out["success"] is False and out["retryable"] is True
+        assert out["text"] == "Flush cache failed.\n"          # SGLang's body
         assert "Flush cache failed" in out["message"] and "1 request(s) running" in out["message"]
     status, out, took = call(server, "POST", "/generate", SHORT)        # admitted beside LONG
     assert status == 200 and len(out["output_ids"]) == 2 and took < 5.0, (status, out, took)
@@ -114,12 +118,12 @@ def test_a_flush_with_a_timeout_waits_for_idle_and_admits_new_requests(server, l
     wait_until(lambda: server.engine._sched._flush_waiting)
     call(server, "POST", "/abort_request", {"abort_all": True})
     status, out, took = waiting.get()
-    assert (status, out) == (200, "Cache flushed.\n") and took < 20.0, (status, out, took)
+    assert (status, out) == (200, FLUSHED) and took < 20.0, (status, out, took)
 
 
 def test_a_flush_when_idle_is_done_and_its_timeout_is_checked(server):
-    assert call(server, "POST", "/flush_cache")[:2] == (200, "Cache flushed.\n")
-    assert call(server, "GET", "/flush_cache?timeout=2")[:2] == (200, "Cache flushed.\n")  # idle: at once
+    assert call(server, "POST", "/flush_cache")[:2] == (200, FLUSHED)
+    assert call(server, "GET", "/flush_cache?timeout=2")[:2] == (200, FLUSHED)  # idle: at once
     for bad in ("-1", "abc", "nan", "inf"):
         status, out, _ = call(server, "POST", f"/flush_cache?timeout={bad}")
         assert status == 400 and "'timeout'" in out["message"], (bad, status, out)
@@ -134,7 +138,7 @@ def test_a_flush_waits_for_the_engine_no_longer_than_update_wait_s(server):
         status, out, took = call(server, "POST", "/flush_cache", timeout=5.0)
     assert status == 503 and out["retryable"] is True and "wait limit" in out["message"], out
     assert 0.4 < took < 3.0, took
-    assert call(server, "POST", "/flush_cache")[:2] == (200, "Cache flushed.\n")
+    assert call(server, "POST", "/flush_cache")[:2] == (200, FLUSHED)
 
 
 def test_paused_requests_count_as_sglang_counts_them(server):
@@ -148,7 +152,7 @@ def test_paused_requests_count_as_sglang_counts_them(server):
         assert call(server, "POST", "/continue_generation")[0] == 200
         assert call(server, "POST", "/pause_generation", {"mode": "retract"})[0] == 200
         assert server.engine.scheduler_stats()["waiting"] == 1
-        assert call(server, "POST", "/flush_cache")[:2] == (200, "Cache flushed.\n")
+        assert call(server, "POST", "/flush_cache")[:2] == (200, FLUSHED)
         # with a timeout SGLang waits for the waiting queue too (its deferred check is strict)
         status, out, _ = call(server, "POST", "/flush_cache?timeout=0.2")
         assert status == 400 and "Timed out waiting for idle state" in out["message"], out
