@@ -374,8 +374,8 @@ def check_block_shapes(layout: TPLayout, block: tuple[int, int] = BLOCK,
     for what, v, kind, split in rules:
         b = bk if split else bn
         if kind in first and split != 1 and v % b:
-            bad.append(f"{what} = {v} is not a multiple of block {b} (quantized {first[kind]!r}; list "
-                       f"that layer in quantization_config.ignored_layers to keep it unquantized)")
+            bad.append(f"{what} = {v} is not a multiple of block {b} (quantized {first[kind]!r}; a layer the "
+                       f"model config's quantization_config.ignored_layers lists stays unquantized, unchecked)")
     if bad:
         raise ValueError(f"block FP8 {list(block)} at tp {t}, ep {layout.ep} ({s.model_type}): "
                          + "; ".join(bad))
