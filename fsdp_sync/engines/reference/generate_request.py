@@ -28,7 +28,7 @@ from typing import Any
 
 from .generation import Sampling
 
-__all__ = ["GenerateRequest", "parse_generate", "ClientWatch", "GenerateRefused"]
+__all__ = ["GenerateRequest", "parse_generate", "answer_item", "ClientWatch", "GenerateRefused"]
 
 # SGLang GenerateReqInput fields accepted only at a value that changes nothing here
 _NEUTRAL = {"image_data": (None,), "video_data": (None,), "audio_data": (None,),
@@ -122,12 +122,15 @@ def parse_generate(body: dict) -> GenerateRequest:
         rids = [uuid.uuid4().hex for _ in prompts]
     elif single and isinstance(rid, str) and rid:
         rids = [rid]
+    elif not single and isinstance(rid, str) and rid:      # SGLang's ``_normalize_rid``
+        rids = [f"{rid}_{i}" for i in range(len(prompts))]
     elif not single and isinstance(rid, list) and len(rid) == len(prompts) and all(
             isinstance(r, str) and r for r in rid) and len(set(rid)) == len(rid):
         rids = list(rid)
     else:
-        raise GenerateRefused(f"field 'rid' must be a non-empty string (one prompt) or a list of "
-                              f"{len(prompts)} distinct strings (a batch), got {rid!r:.80}")
+        raise GenerateRefused(f"field 'rid' must be a non-empty string (a batch's: its ids are "
+                              f"rid_0, rid_1, ...) or a list of {len(prompts)} distinct strings (a "
+                              f"batch), got {rid!r:.80}")
     lora = body.get("lora_path")
     if not (lora is None or (isinstance(lora, str) and lora) or (
             isinstance(lora, list) and len(lora) == len(prompts)
@@ -141,6 +144,35 @@ def parse_generate(body: dict) -> GenerateRequest:
                            logprob_start_len=(None if start is None or start < 0 or not flags["return_logprob"]
                                               else start),
                            stream=flags["stream"], lora_path=lora)
+
+
+def answer_item(req: GenerateRequest, k: int, r: dict, version: str, t0: float) -> dict:
+    """SGLang's answer for result ``k`` of ``req`` (an engine result ``r`` with its ``sample``):
+    ``text`` (empty: no tokenizer), ``output_ids`` and ``meta_info``; with ``return_logprob``
+    both ``input_token_logprobs`` (empty when ``logprob_start_len`` is -1, as SGLang's) and
+    ``output_token_logprobs`` with ``output_token_logprobs_length``; in a stream of a batch (or
+    of ``n`` > 1 samples: SGLang answers those as a batch) the chunk's ``index``. ``version``:
+    the weight version for an engine whose results carry none; ``t0``: when the request began."""
+    rid = req.rids[r["prompt_index"]]
+    n_out = len(r["output_ids"])
+    meta = {"id": rid if req.n == 1 else f"{rid}-{r['sample']}",
+            "finish_reason": r["finish_reason"], "prompt_tokens": len(req.prompts[r["prompt_index"]]),
+            "completion_tokens": n_out, "cached_tokens": 0,
+            "weight_version": r.get("weight_version", version),
+            "weight_versions": [dict(v) for v in r.get("weight_versions") or
+                                [{"version": version, "start": 0, "end": n_out}]],
+            "e2e_latency": time.monotonic() - t0}
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        if key in r:
+            meta[key] = list(r[key])
+    if req.return_logprob:
+        meta.setdefault("input_token_logprobs", [])
+        meta.setdefault("output_token_logprobs", [])
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+    out = {"text": "", "output_ids": list(r["output_ids"]), "meta_info": meta}
+    if req.stream and not (req.single and req.n == 1):
+        out["index"] = k
+    return out
 
 
 class ClientWatch:

@@ -128,6 +128,8 @@ class Sampling:
         seed = _num(sp, "sampling_seed", None, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)",
                     integer=True)
         ignore_eos = sp.get("ignore_eos", False)
+        if ignore_eos is None:          # SGLang's ``SamplingParams``: null is the default, false
+            ignore_eos = False
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"sampling_params.ignore_eos must be true or false, got {ignore_eos!r}")
         stop_ids = sp.get("stop_token_ids") or []

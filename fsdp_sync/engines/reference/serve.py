@@ -82,7 +82,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .generate_request import ClientWatch, GenerateRefused, parse_generate
+from .generate_request import ClientWatch, GenerateRefused, answer_item, parse_generate
 from .http_fields import Refused, body_field, check_disk_path, error_status, error_text, tags_field
 from .rollout import sglang_context_length
 from .serve_cache import CacheRoutes
@@ -531,25 +531,8 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
         t0 = time.monotonic()
         results: list[dict] = []
 
-        def meta(r: dict) -> dict:
-            m = {"id": rids[r["prompt_index"]] if req.n == 1 else
-                 f"{rids[r['prompt_index']]}-{r['sample']}",
-                 "finish_reason": r["finish_reason"], "prompt_tokens": len(req.prompts[r["prompt_index"]]),
-                 "completion_tokens": len(r["output_ids"]), "cached_tokens": 0,
-                 "weight_version": r.get("weight_version", version),
-                 "weight_versions": [dict(v) for v in r.get("weight_versions") or
-                                     [{"version": version, "start": 0, "end": len(r["output_ids"])}]],
-                 "e2e_latency": time.monotonic() - t0}
-            for key in ("output_token_logprobs", "input_token_logprobs"):
-                if key in r:
-                    m[key] = list(r[key])
-            return m
-
         def item(k: int, r: dict) -> dict:
-            out = {"text": "", "output_ids": list(r["output_ids"]), "meta_info": meta(r)}
-            if req.stream and len(results) > 1:
-                out["index"] = k
-            return out
+            return answer_item(req, k, r, version, t0)
 
         sent: list[int] = []           # tokens of each result streamed so far
         ended: list[bool] = []         # whether its last chunk (with its finish_reason) went out
