@@ -88,3 +88,15 @@ def test_a_null_ignore_eos_is_false(server):
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
     finally:
         cfg.eos_token_id = saved
+
+
+@pytest.mark.parametrize("stop", ["", [""]])
+def test_an_empty_stop_string_is_refused_not_taken_for_no_stop(server, stop):
+    """SGLang's ``stop: ""`` is the stop string ``""``, which every decoded tail holds
+    (``Req._check_str_based_finish``): the request ends after one token, ``matched: ""``. This
+    engine takes no stop strings; before, ``""`` was read as none and ran to ``max_new_tokens``."""
+    status, out = post(server, {"input_ids": [5, 6], "sampling_params": dict(GREEDY, stop=stop)})
+    assert status == 400 and "sampling_params.stop" in out["message"], (status, out)
+    for neutral in (None, []):
+        status, out = post(server, {"input_ids": [5, 6], "sampling_params": dict(GREEDY, stop=neutral)})
+        assert status == 200 and len(out["output_ids"]) == 3, (neutral, status, out)

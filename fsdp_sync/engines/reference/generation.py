@@ -40,7 +40,9 @@ __all__ = ["Sampling", "pick", "Decode", "SAMPLING_KEYS", "NO_LIMIT", "draw_seed
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "min_new_tokens",
                  "n", "stop_token_ids", "ignore_eos", "stream_interval", "sampling_seed")
 _NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-            "repetition_penalty": (1, 1.0), "stop": (None, [], ""), "regex": (None,),
+            # not "": SGLang's stop_strs [""] match at once (every text holds ""), ending a row
+            # after its first token with finish_reason matched ""
+            "repetition_penalty": (1, 1.0), "stop": (None, []), "regex": (None,),
             "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
             "logit_bias": (None, {}), "custom_params": (None,)}
 _TEXT_ONLY = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
