@@ -100,3 +100,27 @@ def test_an_empty_stop_string_is_refused_not_taken_for_no_stop(server, stop):
     for neutral in (None, []):
         status, out = post(server, {"input_ids": [5, 6], "sampling_params": dict(GREEDY, stop=neutral)})
         assert status == 200 and len(out["output_ids"]) == 3, (neutral, status, out)
+
+
+def test_min_new_tokens_masks_the_eos_under_ignore_eos_as_sglang(server):
+    """SGLang's ``BatchedMinNewTokensPenalizer`` masks the stop ids and the eos ids until
+    ``min_new_tokens`` tokens were made, whatever ``ignore_eos`` says; before, with
+    ``ignore_eos`` the eos stayed drawable (a greedy row made it first where SGLang cannot)."""
+    status, out = post(server, {"input_ids": [5, 6], "sampling_params": GREEDY})
+    first = out["output_ids"][0]
+    cfg = server.engine.config
+    saved = cfg.eos_token_id
+    cfg.eos_token_id = first
+    try:
+        status, out = post(server, {"input_ids": [5, 6], "return_logprob": True,
+                                    "sampling_params": dict(GREEDY, min_new_tokens=1)})
+        assert status == 200, out
+        assert out["output_ids"][0] != first, out                   # before: == first
+        # the first token is the best of the rest: the logits with the eos masked
+        logits = server.engine.forward_logits([[5, 6]])[0].float()
+        logits[first] = float("-inf")
+        assert out["output_ids"][0] == int(logits.argmax())
+        status, plain = post(server, {"input_ids": [5, 6], "sampling_params": GREEDY})
+        assert plain["output_ids"][0] == first                      # no min_new_tokens: unmasked
+    finally:
+        cfg.eos_token_id = saved

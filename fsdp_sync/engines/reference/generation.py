@@ -85,6 +85,9 @@ class Sampling:
     stream_interval: int = 1
     seed: int | None = None        # SGLang's ``sampling_seed``: this row's own draws (`draw_seed`)
     stop: frozenset = field(default_factory=frozenset)   # what ends a row: stop ids (+ eos)
+    # what min_new_tokens masks until then: stop ids and eos, ignore_eos or not (SGLang's
+    # BatchedMinNewTokensPenalizer takes the eos ids whatever ignore_eos says)
+    min_stop: frozenset = field(default_factory=frozenset)
     lora: str | None = None   # the request's LoRA adapter (SGLang's ``lora_path``), not a sampling key
 
     @property
@@ -145,7 +148,8 @@ class Sampling:
                 raise ValueError(f"sampling_params.stop_token_ids {outside[:5]} are outside the "
                                  f"vocabulary [0, {vocab})")
         stop = set(stop_ids) | (set() if ignore_eos else set(eos))
-        if min_new > 0 and vocab is not None and len(stop & set(range(vocab))) >= vocab:
+        min_stop = set(stop_ids) | set(eos)
+        if min_new > 0 and vocab is not None and len(min_stop & set(range(vocab))) >= vocab:
             raise ValueError(f"sampling_params.min_new_tokens={min_new} cannot be honoured: the stop "
                              f"tokens (stop_token_ids and eos) cover the whole vocabulary of {vocab}, "
                              f"so no token may be drawn before min_new_tokens")
@@ -153,7 +157,7 @@ class Sampling:
                    top_k=int(top_k), min_p=min_p, min_new_tokens=int(min_new), n=int(n),
                    stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
                    stream_interval=int(interval), seed=None if seed is None else int(seed),
-                   stop=frozenset(stop))
+                   stop=frozenset(stop), min_stop=frozenset(min_stop))
 
 
 def _filtered_probs(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,11 +208,11 @@ def pick(logits: torch.Tensor, rows: Sequence[Sampling], produced: Sequence[int]
     """Next token of each row of ``logits`` [rows, vocab] (see the module docstring). ``produced``:
     tokens each row has made so far (``min_new_tokens`` keeps its stop tokens out until then)."""
     logits = logits.float().cpu()
-    masked = [i for i, s in enumerate(rows) if produced[i] < s.min_new_tokens and s.stop]
+    masked = [i for i, s in enumerate(rows) if produced[i] < s.min_new_tokens and s.min_stop]
     if masked:
         logits = logits.clone()
         for i in masked:
-            logits[i, list(rows[i].stop)] = float("-inf")
+            logits[i, list(rows[i].min_stop)] = float("-inf")
     tokens: list[int] = [0] * len(rows)
     logprobs: list[float] | None = [0.0] * len(rows) if want_logprobs else None
     greedy = [i for i, s in enumerate(rows) if s.greedy]
