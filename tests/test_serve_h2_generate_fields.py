@@ -124,3 +124,19 @@ def test_min_new_tokens_masks_the_eos_under_ignore_eos_as_sglang(server):
         assert plain["output_ids"][0] == first                      # no min_new_tokens: unmasked
     finally:
         cfg.eos_token_id = saved
+
+
+def test_ignore_eos_ignores_the_stop_token_ids_too_as_sglang(server):
+    """SGLang's ``Req._check_token_based_finish`` returns at once under ``ignore_eos``: neither the
+    eos nor ``stop_token_ids`` end the request. Before, serve still stopped at the stop ids."""
+    status, free = post(server, {"input_ids": [5, 6], "sampling_params": dict(GREEDY, max_new_tokens=6)})
+    stop = free["output_ids"][1]
+    assert stop not in free["output_ids"][:1]
+    status, out = post(server, {"input_ids": [5, 6], "sampling_params": dict(
+        GREEDY, max_new_tokens=6, stop_token_ids=[stop])})
+    assert status == 200 and out["output_ids"] == free["output_ids"], out     # before: 2 tokens
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    status, out = post(server, {"input_ids": [5, 6], "sampling_params": {
+        "temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop]}})
+    assert out["output_ids"] == free["output_ids"][:2]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}

@@ -84,7 +84,8 @@ class Sampling:
     ignore_eos: bool = False
     stream_interval: int = 1
     seed: int | None = None        # SGLang's ``sampling_seed``: this row's own draws (`draw_seed`)
-    stop: frozenset = field(default_factory=frozenset)   # what ends a row: stop ids (+ eos)
+    stop: frozenset = field(default_factory=frozenset)   # what ends a row: stop ids + eos, or
+    # nothing under ignore_eos (SGLang ends no row on a token then, its stop ids' either)
     # what min_new_tokens masks until then: stop ids and eos, ignore_eos or not (SGLang's
     # BatchedMinNewTokensPenalizer takes the eos ids whatever ignore_eos says)
     min_stop: frozenset = field(default_factory=frozenset)
@@ -147,7 +148,8 @@ class Sampling:
             if outside:
                 raise ValueError(f"sampling_params.stop_token_ids {outside[:5]} are outside the "
                                  f"vocabulary [0, {vocab})")
-        stop = set(stop_ids) | (set() if ignore_eos else set(eos))
+        # SGLang's Req._check_token_based_finish: ignore_eos ignores the stop ids as well
+        stop = set() if ignore_eos else set(stop_ids) | set(eos)
         min_stop = set(stop_ids) | set(eos)
         if min_new > 0 and vocab is not None and len(min_stop & set(range(vocab))) >= vocab:
             raise ValueError(f"sampling_params.min_new_tokens={min_new} cannot be honoured: the stop "

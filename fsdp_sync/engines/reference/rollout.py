@@ -165,8 +165,8 @@ class GenerationCalls:
                  ignore_eos: bool = False, lora_path: str | Sequence[str | None] | None = None) -> list[list[int]]:
         """New token ids for each prompt (greedy when ``temperature`` is 0). Prompts may differ in
         length. ``sampling_params`` are SGLang's (`generation.Sampling`; they override the
-        keywords); they stop at the config's eos (unless ``ignore_eos``) and at their
-        ``stop_token_ids``. The ``stop_token_ids`` keyword instead replaces the eos, unless
+        keywords); they stop at the config's eos and at their ``stop_token_ids``, at neither
+        under ``ignore_eos`` (SGLang's rule). The ``stop_token_ids`` keyword replaces the eos, unless
         ``sampling_params`` give ``stop_token_ids`` (then theirs and the eos apply, the keyword
         not at all). ``lora_path``:
         a loaded LoRA adapter's name for every prompt (or one per prompt), as SGLang's."""
