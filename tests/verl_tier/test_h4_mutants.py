@@ -1,0 +1,108 @@
+"""Cases no verl-tier test pinned, found by mutating the verl integration (`make test-verl`).
+
+Each test kills a mutant that survived the tier's tests:
+- a group kept after replicas were removed: the same group name and ranks, but the world it was
+  made for is larger (its broadcasts would wait for members that are gone);
+- a bucket of another step than the one the receiver was asked for, and a bucket header whose
+  entries end past its bytes: refused by name, not loaded;
+- the reference replica serving LoRA as an adapter releases and resumes its KV cache only (the
+  base weights, synced once, must stay: a release of the weights would leave it generating from
+  released memory until a base sync that never comes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.verl, pytest.mark.timeout(60)]
+
+BUCKET = 1 << 20
+
+
+def _meta(n_rollout: int) -> list:
+    return [{"master": {"address": "a", "port": 1, "group_name": "g", "device_type": "cpu",
+                        "bucket_size": BUCKET}}] + [{"master": None}] * n_rollout
+
+
+def test_a_group_made_for_more_replicas_is_not_kept_when_some_are_gone():
+    from fsdp_sync.integrations.verl.checkpoint_engine import FsdpSyncCheckpointEngine
+
+    # the last sync ran with 3 rollout workers (world 4); now 2 remain at ranks 1 and 2
+    engines = [FsdpSyncCheckpointEngine(bucket_size=BUCKET, device="cpu") for _ in range(3)]
+    for i, e in enumerate(engines):
+        e.pg, e.held = object(), {"group_name": "g", "rank": i, "world_size": 4}
+    answers = [dict(e.prepare(), master=m["master"]) for e, m in zip(engines, _meta(2))]
+    actor, rollout = FsdpSyncCheckpointEngine.build_topology(1, 2, answers)
+    assert actor["world_size"] == [3] and rollout["rank"] == [1, 2]
+    assert actor["master"][0]["keep"] is False and rollout["master"][0]["keep"] is False
+    # the same members holding a group of the right world: kept
+    for e in engines:
+        e.held = dict(e.held, world_size=3)
+    answers = [dict(e.prepare(), master=m["master"]) for e, m in zip(engines, _meta(2))]
+    actor, _ = FsdpSyncCheckpointEngine.build_topology(1, 2, answers)
+    assert actor["master"][0]["keep"] is True
+
+
+def _received(global_steps):
+    from fsdp_sync.integrations.verl.checkpoint_engine import (FsdpSyncCheckpointEngine,
+                                                               ReceivedWeights)
+
+    engine = FsdpSyncCheckpointEngine(bucket_size=BUCKET, device="cpu")
+    engine.rank, engine.world_size = 1, 2
+    return ReceivedWeights(engine, global_steps)
+
+
+def test_a_bucket_of_another_step_is_refused_naming_both():
+    w = torch.arange(4, dtype=torch.float32)
+    flat = w.view(torch.uint8).clone()
+    entry = [["w", "float32", [4], 0, 16]]
+    from fsdp_sync.integrations.verl.checkpoint_engine import _read_entries
+
+    entries = _read_entries({"entries": entry, "nbytes": 16})
+    got = _received(7)._bucket(({"step": 7, "entries": entries}, flat))
+    assert [n for n, _ in got] == ["w"] and got[0][1].equal(w)
+    with pytest.raises(RuntimeError, match=r"rank 1 expected the weights of step 8, the sender "
+                                           r"sent step 7"):
+        _received(8)._bucket(({"step": 7, "entries": entries}, flat))
+
+
+def test_a_header_whose_entries_end_past_its_bytes_is_refused():
+    from fsdp_sync.integrations.verl.checkpoint_engine import _read_entries
+
+    with pytest.raises(RuntimeError, match=r"entries end past its 8 bytes"):
+        _read_entries({"entries": [["w", "float32", [4], 0, 16]], "nbytes": 8})
+
+
+def test_the_reference_replica_serving_a_lora_adapter_keeps_its_base_weights(tmp_path):
+    from fsdp_sync.integrations.verl.replica import ServeServer
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    cfg = types.SimpleNamespace(tensor_model_parallel_size=1, data_parallel_size=1,
+                                pipeline_model_parallel_size=1, dtype="float32",
+                                response_length=16, prompt_length=64, max_model_len=None,
+                                free_cache_engine=True, custom=None)
+
+    def server(lora_rank):
+        model = types.SimpleNamespace(local_path=str(tmp_path), path=str(tmp_path),
+                                      lora_rank=lora_rank, lora={"merge": False})
+        s = ServeServer(cfg, model, replica_rank=0, node_rank=0)
+        posted = []
+
+        async def post(path, body):
+            posted.append((path, body.get("tags")))
+            return {"success": True}
+
+        s._post = post
+        return s, posted
+
+    for lora_rank, tags in ((8, ["kv_cache"]), (0, ["kv_cache", "weights"])):
+        s, posted = server(lora_rank)
+        asyncio.run(s.sleep())
+        asyncio.run(s.wake_up())
+        assert posted == [("/release_memory_occupation", tags),
+                          ("/resume_memory_occupation", tags)], (lora_rank, posted)
