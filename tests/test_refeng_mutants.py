@@ -1,0 +1,104 @@
+"""Tests that kill mutants of the reference engine's core that the suite let live (H1 mutation
+pass over engines/reference/engine.py, scheduler.py, procs.py, worker.py, staging.py). Each says
+which mutant it kills: the bug it stands for, and what a user would see."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import pytest
+
+from fsdp_sync.engines import EngineUnavailableError, ReferenceEngine
+from fsdp_sync.models import build_model, load_config
+from fsdp_sync.weights.handles import UnreleasedPayloadWarning
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = [[11, 27, 93, 5], [7, 8]]
+
+
+def _state(seed: int) -> list:
+    return list(build_model(load_config("tiny"), seed=seed).state_dict().items())
+
+
+def _engine(tp: int = 1) -> ReferenceEngine:
+    return ReferenceEngine("tiny", tp_size=tp, kv_cache_tokens=512, call_timeout_s=60, pg_timeout_s=30)
+
+
+def _in_thread(fn, timeout: float):
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out["value"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    return out.get("value", TimeoutError(f"still running after {timeout}s"))
+
+
+def test_an_update_refused_at_its_wait_limit_holds_no_request_back():
+    """scheduler.exclusive, mutant: the hold an update took is not given back when its wait for
+    running requests ends in a refusal (`wait_limit`). Every later request then waited forever."""
+    with _engine() as e:
+        first = threading.Thread(target=e.generate, args=([[1, 2, 3]] * 8, 250), kwargs={"ignore_eos": True},
+                                 daemon=True)
+        first.start()
+        deadline = time.monotonic() + 60
+        while e._sched.stats()["steps"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert e._sched.stats()["running"] >= 1
+        with e.wait_limit(0), pytest.raises(EngineUnavailableError, match="did not finish within the wait"):
+            e.update_weights_from_tensor(_state(3))
+        first.join(60)
+        assert not first.is_alive()
+        assert e._sched.stats()["updates_waiting"] == 0
+        got = _in_thread(lambda: e.generate(PROMPTS, 3), 30)
+        assert isinstance(got, list) and [len(t) for t in got] == [3, 3], got
+
+
+def test_an_update_interrupted_while_staging_leaves_nothing_staged_on_any_rank():
+    """engine._two_phase, mutant: an interrupt (Ctrl-C) while the workers stage is not followed by
+    an abort round, so every worker keeps its staged call: the next update was refused ("an earlier
+    update on this rank was neither committed nor aborted") although the engine was healthy."""
+    old, new = _state(7), _state(9)
+    with _engine(tp=2) as ref:
+        ref.update_weights_from_tensor(new)
+        want = ref.shard_checksums()
+    with _engine(tp=2) as e:
+        e.update_weights_from_tensor(old)
+        before = e.shard_checksums()
+        real = e._collect
+        fired = []
+
+        def interrupted(seq, ranks, what, timeout):
+            got = real(seq, ranks, what, timeout)
+            if what.startswith("update_weights_from_tensor") and "(" not in what[27:] and not fired:
+                fired.append(what)
+                raise KeyboardInterrupt          # after every worker staged, before the commit
+            return got
+
+        e._collect = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            e.update_weights_from_tensor(new)
+        assert fired and e.dead_reason() is None
+        assert e.shard_checksums() == before
+        e.update_weights_from_tensor(new)        # the next update goes through
+        assert e.shard_checksums() == want
+
+
+def test_an_update_releases_its_payloads_itself():
+    """engine._update_from_tensor, mutant: the call's payload sets are not released after the
+    workers answered, and only the garbage collector gave their shared memory back (on CUDA a
+    sender's IPC blocks then wait for it), with an UnreleasedPayloadWarning each."""
+    with _engine(tp=2) as e:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            e.update_weights_from_tensor(_state(5))
+            e.update_weights_from_tensor([(n, t) for n, t in _state(6)][:3])
+        assert not [w for w in seen if issubclass(w.category, UnreleasedPayloadWarning)]
