@@ -28,7 +28,8 @@ from typing import Any
 
 from .generation import Sampling
 
-__all__ = ["GenerateRequest", "parse_generate", "answer_item", "ClientWatch", "GenerateRefused"]
+__all__ = ["GenerateRequest", "parse_generate", "answer_item", "ClientWatch", "GenerateRefused",
+           "generation_config_eos", "sglang_eos"]
 
 # SGLang GenerateReqInput fields accepted only at a value that changes nothing here
 _NEUTRAL = {"image_data": (None,), "video_data": (None,), "audio_data": (None,),
@@ -173,6 +174,40 @@ def answer_item(req: GenerateRequest, k: int, r: dict, version: str, t0: float) 
     if req.stream and not (req.single and req.n == 1):
         out["index"] = k
     return out
+
+
+def generation_config_eos(model_path: str) -> list[int]:
+    """The ``eos_token_id`` of the ``generation_config.json`` beside a served checkpoint (the
+    directory ``model_path``, or the folder of its ``config.json``), which SGLang 0.5.23 adds to
+    the config's eos ids (``ModelConfig._get_hf_eos_token_id``: a request ends at either); [] when
+    there is none. A file that does not read is refused (ValueError naming it): serving without
+    its eos ids would run requests past where SGLang ends them."""
+    from pathlib import Path
+
+    p = Path(model_path)
+    folder = p if p.is_dir() else p.parent if p.name == "config.json" else None
+    if folder is None or not (folder / "generation_config.json").is_file():
+        return []
+    path = folder / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path} does not read as a generation config ({type(exc).__name__}: "
+                         f"{exc}); SGLang takes its eos_token_id as stop tokens") from None
+    if not eos:                     # SGLang's test: an eos id 0 or [] adds nothing
+        return []
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r:.60}")
+    return ids
+
+
+def sglang_eos(config: Any, extra: list[int]) -> list[int] | None:
+    """The eos ids SGLang stops at (the config's and ``extra``, `generation_config_eos`'s), or
+    None when ``extra`` adds none (the engine's own, the config's, then apply)."""
+    eos = getattr(config, "eos_token_id", None)
+    own = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+    return None if not extra else sorted(set(own) | set(extra))
 
 
 class ClientWatch:

@@ -82,7 +82,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .generate_request import ClientWatch, GenerateRefused, answer_item, parse_generate
+from .generate_request import (ClientWatch, GenerateRefused, answer_item, generation_config_eos,
+                               parse_generate, sglang_eos)
 from .http_fields import Refused, body_field, check_disk_path, error_status, error_text, tags_field
 from .rollout import sglang_context_length
 from .serve_cache import CacheRoutes
@@ -135,6 +136,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
         self.max_body_bytes = int(max_body_bytes)
         self.update_wait_s = float(update_wait_s)
         self.model_path = model_path
+        self._generation_eos = generation_config_eos(model_path)    # SGLang's eos ids beside the config's
         self.started = time.time()
         self._update_lock = threading.Lock()
         self._live: dict[str, threading.Event] = {}     # rid -> abort flag of a running generate
@@ -527,6 +529,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
                 raise Refused(400, f"field 'rid': request id(s) {clash} are already running")
             self._live.update(events)
         gone = ClientWatch(h)
+        eos = sglang_eos(getattr(self.engine, "config", None), self._generation_eos)
         version = self.weight_version      # for an engine whose results carry none
         t0 = time.monotonic()
         results: list[dict] = []
@@ -562,7 +565,8 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
                     req.prompts, req.sampling, return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len, on_step=on_step,
                     should_abort=lambda k: gone() or events[rids[k // req.n]].is_set(),
-                    **({} if req.lora_path is None else {"lora_path": req.lora_path}))
+                    **({} if req.lora_path is None else {"lora_path": req.lora_path}),
+                    **({} if eos is None else {"eos": eos}))
             except Exception as exc:  # noqa: BLE001 - in a stream the error is a chunk, as SGLang's
                 if not req.stream:
                     refused = self.serving_refusal()     # taken out of service meanwhile
