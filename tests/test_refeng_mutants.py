@@ -102,3 +102,35 @@ def test_an_update_releases_its_payloads_itself():
             e.update_weights_from_tensor(_state(5))
             e.update_weights_from_tensor([(n, t) for n, t in _state(6)][:3])
         assert not [w for w in seen if issubclass(w.category, UnreleasedPayloadWarning)]
+
+
+def test_a_row_that_fills_the_kv_cache_exactly_runs():
+    """scheduler._Slots.take, mutant: a free run exactly as long as a row needs is not taken (``>``
+    for ``>=``), so a request that fits the KV cache exactly waited forever."""
+    with ReferenceEngine("tiny", tp_size=1, kv_cache_tokens=24, call_timeout_s=60) as e:
+        prompt = [3, 1, 4, 1]
+        n = e.kv_cache_tokens - len(prompt) + 1          # prompt + n - 1 slots: all of them
+        got = _in_thread(lambda: e.generate([prompt], n, ignore_eos=True), 30)
+        assert isinstance(got, list) and len(got[0]) == n, got
+        assert e._sched.stats()["kv_free"] == e.kv_cache_tokens
+
+
+def test_an_end_that_fails_inside_its_commit_breaks_the_engine(monkeypatch):
+    """engine._end_failed, mutant: a rank whose end failed after its body began (it may have written
+    part of the staged weights) is counted as having dropped its transaction, and the caller was
+    told "nothing was committed; the engine keeps its previous weights" while it served whatever
+    that rank had written."""
+    from fsdp_sync.engines import EngineError, WeightUpdateError, WorkerDiedError
+    from fsdp_sync.faultpoint import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "worker:0:end_apply:raise")
+    with ReferenceEngine("tiny", tp_size=1, kv_cache_tokens=64, call_timeout_s=60) as e:
+        e.update_weights_from_tensor(_state(7))      # valid weights: the transaction stages aside
+        e.begin_weight_update()
+        e.update_weights_from_tensor(_state(9))
+        with pytest.raises(EngineError, match=r"TP ranks \[0\] may have written part of the update") as err:
+            e.end_weight_update()
+        assert not isinstance(err.value, WeightUpdateError)
+        assert "inconsistent" in (e.dead_reason() or "")
+        with pytest.raises(WorkerDiedError):
+            e.generate(PROMPTS, 1)

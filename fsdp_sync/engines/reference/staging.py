@@ -670,6 +670,7 @@ class UpdateStager:
             return {"committed": False, "overwritten": txn.lost, "dropped": True}
         try:
             if txn.staging:
+                fault_point("worker", self.w.rank, "end_apply")    # FSDP_SYNC_FAULT: a commit failing inside
                 self._apply(txn.writes)
             else:
                 self._covered(txn.covers)
