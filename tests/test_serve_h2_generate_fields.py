@@ -140,3 +140,14 @@ def test_ignore_eos_ignores_the_stop_token_ids_too_as_sglang(server):
         "temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop]}})
     assert out["output_ids"] == free["output_ids"][:2]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_a_logprob_start_len_past_the_prompt_is_refused(server):
+    """SGLang aborts a request whose ``logprob_start_len`` is higher than its prompt's length
+    (``Scheduler.handle_generate_request``); before, serve generated it with no input logprobs."""
+    body = {"input_ids": [5, 6, 7], "return_logprob": True, "sampling_params": GREEDY}
+    status, out = post(server, dict(body, logprob_start_len=4))
+    assert status == 400 and "logprob_start_len=4 is higher than the number of input tokens" in \
+        out["message"], (status, out)
+    status, out = post(server, dict(body, logprob_start_len=3))            # the prompt's length: none
+    assert status == 200 and out["meta_info"]["input_token_logprobs"] == [], out

@@ -265,6 +265,13 @@ class GenerationCalls:
                                        f"cache holds {self.kv_cache_tokens} (kv_cache_tokens)")
         if logprob_start_len is not None and logprob_start_len >= 0 and not return_logprob:
             raise ValueError("logprob_start_len needs return_logprob=True")
+        if logprob_start_len is not None and logprob_start_len >= 0:
+            longer = [i for i, p in enumerate(prompts) if logprob_start_len > len(p)]
+            if longer:      # SGLang aborts such a request (Scheduler.handle_generate_request)
+                i = longer[0]
+                raise ValueError(f"logprob_start_len={logprob_start_len} is higher than the number of "
+                                 f"input tokens of prompt {i} ({len(prompts[i])}). Please use a "
+                                 f"smaller logprob_start_len.")
         self._check_usable()
         if self.serving_state is not None:
             raise EngineUnavailableError(f"generate: the engine is out of service ({self.serving_state}); "
