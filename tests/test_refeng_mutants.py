@@ -134,3 +134,25 @@ def test_an_end_that_fails_inside_its_commit_breaks_the_engine(monkeypatch):
         assert "inconsistent" in (e.dead_reason() or "")
         with pytest.raises(WorkerDiedError):
             e.generate(PROMPTS, 1)
+
+
+def test_an_abort_asked_during_the_step_that_ends_the_row_changes_nothing():
+    """scheduler._take_drops, mutant: a row aborted while the step that ends it runs is finished a
+    second time at the next step; its call's count of rows left then reached 0 early, and the call
+    returned while its other row was still generating (cut short, no finish reason)."""
+    with ReferenceEngine("tiny", tp_size=1, kv_cache_tokens=64, call_timeout_s=60) as e:
+        real, done = e._call, []
+
+        def aborting(cmd, args=None, **kw):
+            if cmd == "gen_step" and not done:   # row 0 is admitted in this step, and ends in it
+                done.append(1)
+                row = next(r for r in e._sched._running if r.index == 0)
+                e._sched.abort(row.call, 0, "aborted too late")
+            return real(cmd, args, **kw)
+
+        e._call = aborting
+        sps = [{"max_new_tokens": 1, "ignore_eos": True}, {"max_new_tokens": 6, "ignore_eos": True}]
+        got = _in_thread(lambda: e.generate_requests([[5, 6, 7], [8, 9]], sps), 30)
+        assert done and isinstance(got, list), got
+        assert [len(r["output_ids"]) for r in got] == [1, 6]
+        assert [r["finish_reason"]["type"] for r in got] == ["length", "length"]
