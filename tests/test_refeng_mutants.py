@@ -156,3 +156,25 @@ def test_an_abort_asked_during_the_step_that_ends_the_row_changes_nothing():
         assert done and isinstance(got, list), got
         assert [len(r["output_ids"]) for r in got] == [1, 6]
         assert [r["finish_reason"]["type"] for r in got] == ["length", "length"]
+
+
+def test_shutdown_ends_a_silent_worker_without_a_grace_wait(monkeypatch):
+    """procs.WorkerSet.stop, mutant: a worker that let a call time out (it reads no more) is given
+    the same grace period as the others to read its shutdown; each stalled worker cost that long."""
+    import psutil
+
+    from fsdp_sync.engines import EngineError
+    from fsdp_sync.faultpoint import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "worker:1:stage:stall")
+    e = ReferenceEngine("tiny", tp_size=2, kv_cache_tokens=16, call_timeout_s=2.0, pg_timeout_s=30)
+    pids = list(e.worker_pids)
+    try:
+        with pytest.raises(EngineError, match=r"TP ranks \[1\] did not answer"):
+            e.update_weights_from_tensor(_state(3))
+    finally:
+        t0 = time.monotonic()
+        e.shutdown()
+        took = time.monotonic() - t0
+    assert took < 3.5, took          # the grace period is 5 s
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
