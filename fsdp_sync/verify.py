@@ -243,6 +243,7 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
         if name not in want:
             continue
         checked += 1
+        want.discard(name)
         for i, checker in checkers.items():
             problems = checker.feed(name, t) if err is None else []
             if problems:
@@ -283,6 +284,11 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
         problems = checker.finish() if err is None else []
         if problems:
             err = _sglang_error(step, i, problems)
+    if err is None and want and (reports or checkers):   # a tensor never compared is no pass
+        missing = [n for n in chosen if n in want]
+        err = (f"after sync {step} verify chose {len(chosen)} tensors but the trainer's stream gave "
+               f"{len(chosen) - len(missing)} of them: {missing[:3]} ({len(missing)}) were never "
+               f"compared; set SyncConfig.verify='off' to sync without checking")
     figures = {"verify": config.verify, "verify_tensors": checked,
                "verify_s": time.perf_counter() - t0}
     return err, figures
