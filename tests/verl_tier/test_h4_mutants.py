@@ -106,3 +106,40 @@ def test_the_reference_replica_serving_a_lora_adapter_keeps_its_base_weights(tmp
         asyncio.run(s.wake_up())
         assert posted == [("/release_memory_occupation", tags),
                           ("/resume_memory_occupation", tags)], (lora_rank, posted)
+
+
+def test_the_adapter_resumes_memory_only_where_verl_frees_it():
+    """``rollout.free_cache_engine=False``: verl never releases the server's memory, and its own
+    adapter never resumes it; neither does fsdp_sync's (a resume of memory that was not released
+    is refused by SGLang's memory saver). With it on, verl's tags go to the server as given."""
+    import verl  # noqa: F401
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.base import get_rollout_class
+
+    calls = []
+
+    class Engine:
+        def resume_memory_occupation(self, tags):
+            calls.append(("resume", tags))
+
+        def release_memory_occupation(self, tags):
+            calls.append(("release", tags))
+
+    async def client():
+        return Engine()
+
+    for free in (False, True):
+        cfg = {"name": "sglang", "dtype": "bfloat16", "free_cache_engine": free,
+               "tensor_model_parallel_size": 1,
+               "custom": {"fsdp_sync": {"enable": True, "base_url": "http://127.0.0.1:9"}}}
+        rollout = get_rollout_class("sglang", "async")(
+            config=omega_conf_to_dataclass(OmegaConf.create(cfg), RolloutConfig),
+            model_config=types.SimpleNamespace(hf_config=None), device_mesh=None)
+        rollout._client = client
+        calls.clear()
+        asyncio.run(rollout.resume(tags=["weights"]))
+        asyncio.run(rollout.resume(tags=["kv_cache"]))
+        assert calls == ([("resume", ["weights"]), ("resume", ["kv_cache"])] if free else []), \
+            (free, calls)
