@@ -208,6 +208,7 @@ class Replica:
     held: bool = False                      # taken out by hand: only `recover` brings it back
     rejoin: bool = False                    # `recover` / `add_engine` outside a sync: the next one brings it in
     stalled: bool = False                   # holds part of a failed update: generation paused until a sync commits
+    partial: bool = False                   # holds part of a failed update (whatever the pause): no service until a commit
 
 
 class Fleet:
@@ -324,6 +325,7 @@ class Fleet:
         if callable(fn):
             fn(True, "")
         rep.serving, rep.reason, rep.version, rep.held, rep.rejoin = True, None, version, False, False
+        rep.partial = False            # brought to a whole version (`Manager._bring_in` refuses otherwise)
         rep.quarantined_at = None      # in service: no quarantine time in `summary`
 
     def summary(self) -> dict:

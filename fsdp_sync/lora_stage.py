@@ -13,7 +13,8 @@ sync does to a fleet of replicas (`fsdp_sync.fleet`), as a full sync does it:
 - `rejoin`: a replica out of service that the sync goes to is given the base first, as `recover`
   gives it (the transport's reload: disk loads the directory the replicas in service loaded; the
   distributed method sends the trainer's base), then the adapter, verified, and the version;
-  only then is it back in service. A failure keeps it out; the sync goes on for the others.
+  only then is it back in service. A failure keeps it out (one that took part of the base is
+  stalled, `manager_pause.stall`: no generation on it); the sync goes on for the others.
 - `restarted`: a replica in service whose base weights changed since they were synced (a server
   restarted by its supervisor serves its launch weights under its launch version) is taken out
   of service and rejoins: under ``"quarantine"`` in the same sync, the others taking the adapter
@@ -26,6 +27,10 @@ sync does to a fleet of replicas (`fsdp_sync.fleet`), as a full sync does it:
   base, gets the adapter the others serve (the manager's copy of the last one loaded) and their
   version, so it serves exactly what they do.
 - `verify_base`: a sync that sent the adapter alone verifies the base too.
+- a sync that sends the adapter alone compares the trainer ranks' models first
+  (`weights.export_checks.agree_on_model`), as a full sync does before its export: ranks holding
+  different adapters are refused by name instead of blocking in the export's collectives (the
+  first sync of a manager made with ``base_sync_done=True``, as verl makes it, sends no base).
 
 Not here: the adapter's export, checks, load and verify (`lora_sync`); the fleet's state
 (`fleet`); moving the base (the transports).
@@ -38,12 +43,12 @@ from typing import Any
 
 import torch
 
-from . import fleet
+from . import fleet, manager_pause
 from .lora_sync import (active_adapter, adapter_config, check_engine, engine_version, holds,
                         load_adapter, peft_name, refusal, sync_adapter, transactional, verify_adapter)
 from .transport import SyncStats
 from .verify import verify_engines
-from .weights import export
+from .weights import export, export_checks
 from .weights.adapter_export import AdapterCopy, AdapterExport
 from .weights.peft_names import adapter_of
 
@@ -99,9 +104,11 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, re
         except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             err = f"{type(exc).__name__}: {exc}"
         agree(err, what=f"adapter sync of {name!r}")
-    elif fleet_mode:     # where a full sync would go: the dead found and taken out first, and
-        go = targets(manager, agree, version)          # those whose base changed given it again
-        rejoining = [r for r in go if not r.serving] + restarted(manager, [r for r in go if r.serving], agree)
+    else:   # the ranks' models compared before the adapter export's collectives, as a full sync's
+        export_checks.agree_on_model(module, config, None, what=f"adapter sync of {name!r}")
+        if fleet_mode:     # where a full sync would go: the dead found and taken out first, and
+            go = targets(manager, agree, version)          # those whose base changed given it again
+            rejoining = [r for r in go if not r.serving] + restarted(manager, [r for r in go if r.serving], agree)
     held: dict[str, Any] = {"paused": None, "published": False}
 
     def hold(targets: list | None = None) -> None:     # the base's targets, or those serving
@@ -277,6 +284,8 @@ def rejoin(manager: Any, rejoining: list, version: str, adapter: dict) -> None:
         err, _ = manager._transport_sync([rep] if rep is not None else [], version, manager.step, reload=True)
         if rep is None:
             continue
+        if err is not None:      # no generation on a base it took part of (`manager_pause.stall`)
+            manager_pause.stall(manager, manager_pause.kept_part([rep]), None)
         why = f"its base: {err}" if err is not None else _give_adapter(
             manager, rep, version, adapter["tensors"], adapter["cfg"], adapter.get("shared"))
         if why is not None:

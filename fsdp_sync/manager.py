@@ -536,7 +536,8 @@ class FSDPShardingManager:
         directory the replicas in service loaded (not one a failed sync published since; refused
         if its files are gone). ``distributed``: inside the ``with`` block (the trainer's weights
         are that version) it is sent them now; outside (after a failed sync too), the trainer may
-        have stepped since, so it rejoins at the next sync (returns False). ``lora="adapter"``: the
+        have stepped since, so it rejoins at the next sync (returns False), as one holding partly new
+        weights from a failed sync does before any version was committed. ``lora="adapter"``: the
         base, then the adapter the others serve (`lora_stage.bring_adapter`). Returns whether it
         serves now; raises naming the replica if it cannot take updates."""
         self._refuse_closed("recover: ")
@@ -548,10 +549,7 @@ class FSDPShardingManager:
         does, then handed to the router (its /health turns 200). Refused for ``method='tensor'``:
         colocated engines are fixed by placement."""
         self._refuse_closed("add_engine: ")
-        if not self._fleet_mode:
-            raise ValueError("add_engine: method='tensor' engines are colocated with the trainer "
-                             "ranks, one per infer-TP group, fixed by placement; a new replica "
-                             "needs method='distributed' or 'disk'")
+        self._refuse_placed("add_engine", "a new replica")
         if self.rank == 0:
             if engine is None:
                 raise ValueError("add_engine: trainer rank 0 passes the engine (None on the others)")
@@ -560,16 +558,18 @@ class FSDPShardingManager:
         try:
             return self._bring_in(engine, "add_engine")
         except BaseException as exc:      # refused or failed: not in the fleet (no replica left 'joining')
-            if self.rank == 0:
-                self.fleet.remove(engine)
+            note = manager_pause.let_go(self, self.fleet.remove(engine), "add_engine") if self.rank == 0 else None
             if isinstance(exc, SyncError):
-                raise fleet.restate(exc, f"{exc}; it was not added to the fleet") from None
+                raise fleet.restate(exc, f"{exc}; it was not added to the fleet" + (
+                    f"; {note}" if note else "")) from None
             raise
 
     def quarantine(self, engine: Any = None, reason: str = "taken out of service by hand") -> None:
         """Take a replica out of service (trainer rank 0; a no-op elsewhere), e.g. to drain it:
         it is told so (`fsdp-sync serve` answers 503 on /health and /generate, and a router stops
-        sending to it), no sync goes to it, and only `recover` brings it back."""
+        sending to it), no sync goes to it, and only `recover` brings it back. Refused for
+        ``method='tensor'``, as `add_engine` and `remove_engine` are."""
+        self._refuse_placed("quarantine", "taking a replica out of service")
         if self.rank == 0:
             rep = self.fleet.find(engine)
             self.fleet.quarantine(rep, reason)
@@ -578,9 +578,20 @@ class FSDPShardingManager:
     def remove_engine(self, engine: Any = None) -> None:
         """Take a replica out of the fleet (trainer rank 0; a no-op elsewhere): no later sync
         goes to it (the distributed method's update group is made again without it); a sync with
-        none left is refused, naming `add_engine`."""
+        none left is refused, naming `add_engine`. One holding partly new weights from a failed
+        sync is let go as `manager_pause.let_go` says (its requests aborted, kept paused, out of
+        service): no sync will make it whole any more. Refused for ``method='tensor'``."""
+        self._refuse_placed("remove_engine", "removing a replica")
         if self.rank == 0:
-            self.fleet.remove(engine)
+            manager_pause.let_go(self, self.fleet.remove(engine), "remove_engine")
+
+    def _refuse_placed(self, what: str, needs: str) -> None:
+        """Refused on every rank, the fleet untouched: the tensor method's engine is each infer-TP
+        group's own (its sync would find none there and fail every time after)."""
+        if not self._fleet_mode:
+            raise ValueError(f"{what}: method='tensor' engines are colocated with the trainer ranks, "
+                             f"one per infer-TP group, fixed by placement; {needs} needs "
+                             f"method='distributed' or 'disk'")
 
     def _refuse_closed(self, what: str) -> None:
         """Refused before anything moves (the fleet untouched): a closed manager has no transport."""
@@ -598,8 +609,8 @@ class FSDPShardingManager:
                     self._check_config(engine)      # a new replica's math, before any byte moves
                 if reason:
                     action = "fail"
-                elif self.version is None:
-                    action = "serve"            # nothing synced yet: it gets the first sync
+                elif self.version is None:   # nothing committed yet: it holds its launch weights,
+                    action = "pending" if rep.partial else "serve"   # or part of a failed sync's
                 elif self.config.method == "disk":     # what the replicas in service loaded
                     action, version = "load", self.fleet.held(self.version)
                 else:
@@ -618,8 +629,9 @@ class FSDPShardingManager:
         if action in ("load", "send"):   # the weights the others serve, under their version
             err, _ = self._transport_sync([rep] if rep is not None else [], version,
                                           self.step - 1, reload=True)
-            if err is not None:
-                manager_pause.stall(self, manager_pause.kept_part([rep] if rep is not None else []), err)
+            if err is not None:       # (add_engine lets a replica it does not add go: `let_go`)
+                manager_pause.stall(self, manager_pause.kept_part([rep] if rep is not None else []),
+                                    None if what == "add_engine" else err)
                 raise err
             if self.config.lora == "adapter":     # and the adapter the others serve (`lora_stage`)
                 self._agree(lora_stage.bring_adapter(self, rep, version), what=what)

@@ -14,6 +14,9 @@ a failed sync leaves paused.
   mixed weights under the old version) and generation stays paused there (``Replica.stalled``);
   in a fleet (``method="distributed"`` / ``"disk"``) they are taken out of service, whatever the
   mode, and rejoin at the next sync. The next sync that commits on one continues it (`release`).
+- `let_go`: a replica holding partly new weights that leaves the fleet (`remove_engine`, a failed
+  `add_engine`): no sync will continue it, so what it holds ends now as aborted, generation stays
+  paused there and it is told it is out of service, for that reason.
 - `release`: after a commit, continue generation (the paused replicas and the stalled ones the
   sync brought back); a failure there is agreed into one `SyncError` that says the version was
   committed (the manager's version is already the new one on every rank).
@@ -30,7 +33,7 @@ from typing import Any
 from . import fleet
 from .topology import SyncError
 
-__all__ = ["pause", "resume", "kept_part", "stall", "release"]
+__all__ = ["pause", "resume", "kept_part", "stall", "release", "let_go"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -93,7 +96,7 @@ def stall(manager: Any, reps: list, err: BaseException | None) -> None:
     of service, to rejoin at the next sync. ``err`` (the failed sync's error) is told so. (No
     pause_mode, one engine: the transport's note, "sync again before generating from it", is all.)"""
     for rep in reps:
-        note = f"{rep.name} holds partly new weights"
+        note, rep.partial = f"{rep.name} holds partly new weights", True
         if manager.config.pause_mode is not None:
             rep.stalled = True
             try:
@@ -104,8 +107,9 @@ def stall(manager: Any, reps: list, err: BaseException | None) -> None:
         if manager.config.method != "tensor":       # the manager's fleet mode
             if rep.serving:
                 manager.fleet.quarantine(rep, "holds partly new weights from a failed sync")
-            rep.rejoin = not rep.held
-            note += "; it is out of service, and the next sync brings it back"
+            rep.rejoin = not rep.held       # taken out by hand: it waits for `recover`, as before
+            note += ("; it is out of service until recover() brings it back" if rep.held else
+                     "; it is out of service, and the next sync brings it back")
         elif manager.config.pause_mode is None:
             continue
         log.warning("fsdp_sync: %s", note)
@@ -122,6 +126,8 @@ def release(manager: Any, paused: list, targets: list, version: str | None, *, r
     back = [r for r in targets if getattr(r, "stalled", False)]
     for rep in back:
         rep.stalled = False
+    for rep in targets:
+        rep.partial = False          # a whole version now: it may serve again (`Replica.partial`)
     if not resume_now or manager.config.pause_mode is None:
         return      # no pause_mode (every rank's config): nothing was paused or stalled anywhere
     err = None
@@ -132,3 +138,40 @@ def release(manager: Any, paused: list, targets: list, version: str | None, *, r
                f"it), but generation there is still paused: call continue_generation on it, or "
                f"the next sync continues it")
     manager._agree(err, what="continue_generation")
+
+
+def let_go(manager: Any, rep: Any, what: str) -> str | None:
+    """``rep`` left the fleet (``what``: ``"remove_engine"``, a failed ``"add_engine"``) holding
+    partly new weights (``Replica.partial``): no sync of this manager will bring it back whole or
+    continue its generation. Under a ``pause_mode`` its requests, those waiting since the failed
+    sync too, end now as aborted (``pause_generation(mode="abort")``) and generation stays paused
+    there; in any mode it is told it is out of service with the reason (`fsdp-sync serve` then
+    answers 503 naming it instead of holding a request). Returns what is said (logged), or None
+    for a replica that holds a whole version (it is told nothing)."""
+    if not getattr(rep, "partial", False):
+        return None
+    reason = (f"removed from the fleet ({what}) holding partly new weights from a failed sync: "
+              f"load whole weights (add_engine it again) or restart it before generating from it")
+    note = f"{rep.name} was {reason}"
+    dead = fleet.problem(rep.engine, once=True)      # one probe, not a dead server's backoff per call
+    if dead is not None:
+        log.warning("fsdp_sync: %s; it cannot take calls (%s): it serves nothing", note, dead)
+        return f"{note}; it cannot take calls ({dead})"
+    if manager.config.pause_mode is not None:
+        try:
+            rep.engine.pause_generation(mode="abort")
+            note += "; its requests were aborted and generation stays paused there"
+        except Exception as exc:  # noqa: BLE001 - a dead engine generates nothing either
+            note += f"; aborting its requests failed ({type(exc).__name__}: {exc})"
+    fn = getattr(rep.engine, "set_serving", None)
+    try:
+        if not callable(fn):
+            raise AttributeError("it has no set_serving")
+        fn(False, reason)
+    except Exception as exc:  # noqa: BLE001 - said: the caller must keep traffic away from it
+        note += (f"; it cannot be taken out of service itself ({type(exc).__name__}: {exc}): take "
+                 f"it out of the router's rotation, requests sent to it " + (
+                     "wait until generation is continued" if manager.config.pause_mode is not None
+                     else "are answered from those weights"))
+    log.warning("fsdp_sync: %s", note)
+    return note
