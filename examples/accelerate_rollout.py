@@ -4,6 +4,7 @@ inside ``with manager:`` after every step, roll out, and check the engine agains
     accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/accelerate_rollout.py
     accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/accelerate_rollout.py \
         --method distributed
+    accelerate launch --config_file examples/accelerate_fsdp1.yaml examples/accelerate_rollout.py  # FSDP1
 
 ``--method tensor`` (default, colocated): infer-TP rank 0 of each ("dp", "infer_tp") group owns an
 engine. ``--method distributed`` (disaggregated): the process accelerate makes rank 0 alone owns
