@@ -151,7 +151,10 @@ class UpdateRoutes:
         offset = body_field(body, "rank_offset", int)
         world = body_field(body, "world_size", int)
         group = body_field(body, "group_name", str, "weight_update_group")
-        backend = body_field(body, "backend", str, "gloo")
+        backends = tuple(getattr(self.engine, "update_group_backends", ("nccl", "gloo")))
+        # SGLang's default is NCCL: where the engine joins it (CUDA), a body without a backend
+        # gets it, as the trainer following SGLang's protocol expects; gloo where it is the only one
+        backend = body_field(body, "backend", str, backends[0] if backends else "nccl")
         tp = int(self.engine.tp_size)
         if not 0 < port < 65536:
             raise Refused(400, f"field 'master_port' must be in 1..65535, got {port}")
@@ -162,7 +165,6 @@ class UpdateRoutes:
                                f"worker(s) as ranks {offset}..{offset + tp - 1} (rank_offset {offset})")
         if not group:
             raise Refused(400, "field 'group_name' must not be empty")
-        backends = getattr(self.engine, "update_group_backends", ("nccl", "gloo"))
         if backend not in backends:
             device = getattr(self.engine, "device", None)
             raise Refused(400, f"field 'backend' must be one of {list(backends)} for this "
