@@ -143,3 +143,34 @@ def test_the_adapter_resumes_memory_only_where_verl_frees_it():
         asyncio.run(rollout.resume(tags=["kv_cache"]))
         assert calls == ([("resume", ["weights"]), ("resume", ["kv_cache"])] if free else []), \
             (free, calls)
+
+
+def test_a_consumer_that_fails_mid_stream_still_walks_an_async_stream_to_its_end():
+    """`stream.pulled_in_a_thread`: the sync (in a thread) refuses after one tensor of verl's
+    checkpoint-engine stream; the rest is walked before the error is raised, so the sender's
+    broadcast (which waits for every receiver) ends now, not at its timeout."""
+    from fsdp_sync.integrations.verl.stream import pulled_in_a_thread
+
+    walked, closed = [], []
+
+    async def stream():
+        try:
+            for i in range(5):
+                walked.append(i)
+                yield f"w{i}", torch.full((2,), float(i))
+        finally:
+            closed.append(len(walked))
+
+    def run(it):
+        next(it)
+        raise ValueError("refused by the engine")
+
+    with pytest.raises(ValueError, match="refused by the engine"):
+        asyncio.run(pulled_in_a_thread(stream(), run))
+    assert walked == [0, 1, 2, 3, 4] and closed == [5]
+
+    def whole(it):
+        return [n for n, _ in it]
+
+    walked.clear()
+    assert asyncio.run(pulled_in_a_thread(stream(), whole)) == [f"w{i}" for i in range(5)]
