@@ -178,3 +178,30 @@ def test_shutdown_ends_a_silent_worker_without_a_grace_wait(monkeypatch):
         took = time.monotonic() - t0
     assert took < 3.5, took          # the grace period is 5 s
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_an_abort_while_paused_in_place_steps_no_other_row():
+    """scheduler._step, mutant: the step an abort runs while generation is paused (to drop the row)
+    also admitted and decoded the other rows: paused in place, they went on generating, with
+    whatever weights were being loaded under the pause."""
+    with ReferenceEngine("tiny", tp_size=1, kv_cache_tokens=64, call_timeout_s=60) as e:
+        e._sched.pause_after(3)                  # paused in place at the end of step 3
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.setdefault("out", e.generate([[5, 6, 7], [8, 9]], 12,
+                                                                            ignore_eos=True)), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 60
+        while e._sched.paused != "in_place" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert e._sched.paused == "in_place"
+        rows = sorted(e._sched._running, key=lambda r: r.index)
+        assert [len(r.output) for r in rows] == [3, 3]
+        e._sched.abort(rows[0].call, 0, "dropped while paused")
+        deadline = time.monotonic() + 10
+        while rows[0].finish is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert rows[0].finish is not None and len(rows[1].output) == 3     # the other row stood still
+        e.continue_generation()
+        t.join(30)
+        assert [len(x) for x in got["out"]] == [3, 12]
