@@ -174,3 +174,18 @@ def test_a_consumer_that_fails_mid_stream_still_walks_an_async_stream_to_its_end
 
     walked.clear()
     assert asyncio.run(pulled_in_a_thread(stream(), whole)) == [f"w{i}" for i in range(5)]
+
+
+def test_finalize_destroys_the_group_a_failed_sync_ran_on_and_keeps_a_good_one(monkeypatch):
+    """The group of a failed sync goes at finalize, not at the next sync's init: a receiver thread
+    still blocked in a broadcast on it ends then (`_Receiver.stop`), and its connections close."""
+    from fsdp_sync.integrations.verl import checkpoint_engine as ce
+
+    destroyed = []
+    monkeypatch.setattr(ce, "destroy_update_group", destroyed.append)
+    for failed in (False, True):
+        e = ce.FsdpSyncCheckpointEngine(bucket_size=BUCKET, device="cpu")
+        pg = object()
+        e.pg, e.held, e.failed = pg, {"group_name": "g", "rank": 1, "world_size": 2}, failed
+        e.finalize()
+        assert (e.pg is None, destroyed[-1:] == [pg]) == ((True, True) if failed else (False, False))
