@@ -609,12 +609,12 @@ class FSDPShardingManager:
                     self._check_config(engine)      # a new replica's math, before any byte moves
                 if reason:
                     action = "fail"
-                elif self.version is None:   # nothing committed yet: it holds its launch weights,
-                    action = "pending" if rep.partial else "serve"   # or part of a failed sync's
+                elif (version := self.fleet.held(self.version)) is None:   # nothing committed yet: its
+                    action = "pending" if rep.partial else "serve"   # launch weights, or part of a failed sync's
                 elif self.config.method == "disk":     # what the replicas in service loaded
-                    action, version = "load", self.fleet.held(self.version)
+                    action = "load"
                 else:
-                    action = "send" if self._inside else "pending"
+                    action, version = ("send" if self._inside else "pending"), self.version
             except Exception as exc:  # noqa: BLE001 - its config, or the fleet's state: a refusal
                 action, reason = "refuse", f"{type(exc).__name__}: {exc}"
         action, reason, version = self._from_rank0((action, reason, version))

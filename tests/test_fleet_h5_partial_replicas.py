@@ -263,3 +263,35 @@ def test_an_adapter_rejoin_whose_base_failed_partway_keeps_generation_off_it(mon
     assert got["generation_paused"] and e1.paused == "abort", (got, e1.log)   # before: None
     assert rep.partial
     m.close()
+
+
+@pytest.mark.timeout(60)
+def test_recover_after_a_first_commit_that_failed_on_one_replica_does_not_serve_launch_weights():
+    """Under "abort" the first sync's commit failed on e1 after e0 committed version '0': e0
+    serves '0', the manager's version stays None (`fleet.Fleet.held`). recover(e1) took "nothing
+    committed yet" from the manager's None and put e1 back in service on its launch weights beside
+    e0 on '0': two weight sets in service. Now it sees what the replicas in service hold and
+    brings e1 in at the next sync (outside the block, the distributed method)."""
+    from fsdp_sync.fleet import CommitError
+
+    e0, e1 = _Eng(39990), _Eng(39991)
+    m = _manager([e0, e1])
+    calls = []
+
+    def commit_fails_on_e1(targets, version, step, reload=False):
+        fleet.take_noted()
+        calls.append(version)
+        if len(calls) == 1:
+            ctx = SimpleNamespace(commit_failed=CommitError([0], {1: RuntimeError("reset")}, version))
+            return SyncError("commit failed on replica 1"), ctx
+        return None, None
+
+    m._transport_sync = commit_fails_on_e1
+    with pytest.raises(SyncError, match="committing cannot be undone"):
+        m._sync_full()
+    assert m.version is None and _replica(m, e0)["version"] == "0" and not _replica(m, e1)["serving"]
+    assert m.recover(e1) is False                      # before: True, serving next to e0 on '0'
+    assert not _replica(m, e1)["serving"] and e1.serving is False, e1.log
+    m._sync_full()
+    assert [(r["serving"], r["version"]) for r in m.fleet_status()["replicas"]] == [(True, "1")] * 2
+    m.close()
