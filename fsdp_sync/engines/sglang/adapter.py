@@ -250,6 +250,7 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
                               call="get_server_info")
         if self._version is _UNASKED:
             self._version = versions.reported(info)
+        self.note_lora_args(info)
         return info
 
     def health(self) -> bool:

@@ -21,6 +21,18 @@ methods of those names are called with the tensors themselves, as a dict:
 0.5.12 and 0.5.23 (it serializes the dict itself) takes no ``pinned`` / ``added_tokens_config``:
 given to such an engine they are refused by name, not dropped.
 
+`lora_refusal` (asked by `lora_sync.check_engine` before any engine is paused, unloaded or
+loaded; `load_lora_adapter_from_tensors` asks it too, before sending) says what SGLang's load
+would refuse, read from the server's launch arguments (``get_server_info``, asked once): LoRA not
+enabled (``enable_lora`` false: "LoRA is not enabled", 0.5.12 and 0.5.23), and an adapter rank
+``r`` over ``max_lora_rank`` (``--max-lora-rank``: the LoRA memory pool's buffers are that wide;
+``LoRAManager.validate_new_adapter`` answers success=False "... with rank r is incompatible with
+the current LoRA memory pool configuration" without naming the limit, and only after a sync has
+paused generation and unloaded the adapter SGLang served under that name). A server that does not
+report them (``fsdp-sync serve``, whose engine checks its own), or ``max_lora_rank`` None (SGLang
+then sizes the pool for the largest rank of its ``--lora-paths``, which it does not report), is
+not checked here: SGLang's own refusal stands.
+
 ``lora_checksums`` reads ``POST /fsdp_sync/lora_checksums``, which only ``fsdp-sync serve`` has:
 SGLang cannot hand an adapter back, so against it the call raises, naming what to set instead.
 
@@ -40,6 +52,8 @@ from .client import (NotFound, SGLangError, SGLangUpdateError, check_answer, lea
                      takes_keyword)
 
 __all__ = ["LoRAClient"]
+
+_LORA_ARGS = ("enable_lora", "max_lora_rank", "lora_paths")   # the server args `lora_refusal` reads
 
 
 def _with_message(answer: Any) -> Any:
@@ -73,6 +87,58 @@ def shared_copy(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tens
 class LoRAClient:
     """`SGLangEngine`'s LoRA methods (see the module docstring)."""
 
+    _lora_args: dict | None = None       # the server's LoRA launch arguments, once asked
+    # (as the server resolved them: enable_lora is True where --lora-paths were given)
+
+    def lora_server_args(self) -> dict:
+        """``{"enable_lora", "max_lora_rank", "lora_paths"}`` as the server reports them (its
+        launch arguments: ``get_server_info``, or an in-process engine's ``server_args``); a key
+        the server does not report is left out. Asked once (launch arguments do not change)."""
+        if self._lora_args is None:
+            info: Any = None
+            if self._http:
+                try:
+                    info = self.server_info()
+                except SGLangError as e:
+                    if e.status != 404:          # unreachable: the load would fail too
+                        raise
+            else:
+                info = self._local.server_info
+                if info is None and self._local.has("get_server_info"):
+                    info = self._local.call("get_server_info")
+                if not isinstance(info, dict):
+                    args = getattr(self._local.engine, "server_args", None)
+                    info = {k: getattr(args, k) for k in _LORA_ARGS if hasattr(args, k)}
+            if self._lora_args is None:          # (`server_info` above notes them itself)
+                self.note_lora_args(info if isinstance(info, dict) else {})
+        return dict(self._lora_args)
+
+    def note_lora_args(self, info: dict) -> None:
+        """Keep the LoRA launch arguments of a server-info answer (the first one read)."""
+        if self._lora_args is None:
+            self._lora_args = {k: info[k] for k in _LORA_ARGS if k in info}
+
+    def lora_refusal(self, config_dict: Any, metas: Any = ()) -> str | None:
+        """Why SGLang would refuse to load an adapter of ``config_dict`` (peft's dict), said
+        without sending it (None: not known to be refused; see the module docstring). ``metas``:
+        the adapter's tensors (`lora_sync.check_engine` passes them; not read here)."""
+        self._check_open("lora_refusal")
+        args = self.lora_server_args()
+        if "enable_lora" in args and not args["enable_lora"]:
+            return (f"{self.features.label}{self.where} was started without LoRA (its server args "
+                    f"say enable_lora={args['enable_lora']!r}), so it answers every adapter load "
+                    f"'LoRA is not enabled'; restart it with --enable-lora --max-lora-rank <r> "
+                    f"--lora-target-modules ...")
+        r = config_dict.get("r") if isinstance(config_dict, Mapping) else None
+        limit = args.get("max_lora_rank")
+        if isinstance(r, int) and isinstance(limit, int) and not isinstance(limit, bool) and r > limit:
+            return (f"its rank r={r} exceeds {self.features.label}{self.where}'s --max-lora-rank "
+                    f"{limit} (server args max_lora_rank={limit}: its LoRA memory pool is {limit} "
+                    f"wide, so SGLang would answer the load 'incompatible with the current LoRA "
+                    f"memory pool configuration'); restart SGLang with --max-lora-rank >= {r}, or "
+                    f"train the adapter with r <= {limit}")
+        return None
+
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
                                        load_format: str | None = None, pinned: bool = False,
                                        added_tokens_config: Any = None) -> dict:
@@ -87,6 +153,9 @@ class LoRAClient:
                              "SGLangEngine.load_lora_adapter_from_tensors sends named tensors: "
                              "leave load_format None")
         named = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        why = self.lora_refusal(config_dict)
+        if why is not None:
+            raise SGLangError(f"{call}: {why}; nothing was sent", call="load_lora_adapter_from_tensors")
         if self._local:
             kwargs = {}
             for param, value, given in (("pinned", pinned, bool(pinned)),
