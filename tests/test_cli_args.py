@@ -71,6 +71,10 @@ BAD = [
     ("plan --replicas 5", ["--replicas 5", "tensor method", "--methods distributed or disk"]),
     ("plan --trainer-resident-gib inf", ["--trainer-resident-gib", "finite number >= 0", "'inf'"]),
     ("serve --max-body-mb 0.0000001", ["--max-body-mb", "at least 1 byte", "'0.0000001'"]),
+    # SGLang's --context-length: longer than the config's (tiny: 256) is refused as SGLang refuses it
+    ("serve --context-length 0", ["--context-length", "positive integer"]),
+    ("serve --context-length 257", ["--context-length", "257 is greater than the context length "
+                                    "derived from the model config (256"]),
     ("demo --strategy per_tensor --layout engine", ["--strategy per_tensor", "--layout engine",
                                                      "strategy='flattened'", "layout='full' or 'auto'"]),
     # faults: a timeout of 0 was a DistNetworkError traceback, a negative one a library FAIL

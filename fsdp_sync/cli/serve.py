@@ -53,6 +53,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--kv-cache-tokens", type=ca.positive_int, default=None,
                    help="KV-cache slots (tokens) per TP worker; a request needs prompt + "
                         "max_new_tokens of them (default: 4096)")
+    p.add_argument("--context-length", type=ca.positive_int, default=None,
+                   help="hold requests to this many tokens (prompt + new), as SGLang's "
+                        "--context-length (default: derived from the model config as SGLang "
+                        "derives it, rope_scaling included; longer is refused unless "
+                        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1)")
     p.add_argument("--weights-cpu-backup", action="store_true",
                    help="keep weights' contents across a release (SGLang's --enable-weights-cpu-backup)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
@@ -160,6 +165,12 @@ def check_serve_args(args, given: set[str]) -> None:
         TPLayout(spec, args.tp, args.ep)
     except ValueError as exc:
         raise ValueError(f"argument --ep: {exc}") from None
+    if args.context_length is not None:
+        from ..engines.reference.rollout import check_context_length
+        try:
+            check_context_length(config, args.context_length)
+        except ValueError as exc:
+            raise ValueError(f"argument --context-length: {exc}") from None
     flag = "--quantization" if args.quantization else "--model"
     try:
         engine_layout(spec, args.tp, args.ep, resolve(config, args.quantization))
@@ -219,6 +230,8 @@ def main_serve(args) -> int:
                                      quantization=args.quantization,
                                      update_recv_timeout_s=args.update_recv_timeout_s)
             starting = False
+            if args.context_length is not None:
+                engine.set_context_length(args.context_length)
         except KeyboardInterrupt:
             print("fsdp-sync serve: stopped while starting", flush=True)
             return 0

@@ -22,7 +22,8 @@ from ..base import EngineStateError, EngineUnavailableError
 from .generation import Sampling, input_token_logprobs, sample_seed
 from .scheduler import PAUSE_MODES, check_version, kv_need, weight_version_spans
 
-__all__ = ["GenerationCalls", "fit_max_new_tokens", "sglang_context_length", "CONTEXT_LENGTH_KEYS"]
+__all__ = ["GenerationCalls", "fit_max_new_tokens", "sglang_context_length", "check_context_length",
+           "CONTEXT_LENGTH_KEYS"]
 
 CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
                        "max_position_embeddings")
@@ -123,6 +124,21 @@ def fit_max_new_tokens(prompt_len: int, s: Sampling, *, given: bool, context: in
     return dataclasses.replace(s, max_new_tokens=max_new, min_new_tokens=min(s.min_new_tokens, max_new))
 
 
+def check_context_length(config: Any, context_length: int) -> None:
+    """Raise ValueError where SGLang refuses ``--context-length context_length`` for ``config``: not
+    an integer >= 1, or longer than the length derived from the config (`sglang_context_length`)
+    unless ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN`` is true in this process's environment."""
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+        raise ValueError(f"context_length must be an integer >= 1 or None, got {context_length!r}")
+    derived = sglang_context_length(config)
+    allow = os.environ.get(_LONGER_CONTEXT_ENV, "false").strip().lower() in ("true", "1", "yes", "y")
+    if context_length > derived and not allow:
+        raise ValueError(
+            f"context_length {context_length} is greater than the context length derived from "
+            f"the model config ({derived}: SGLang's get_context_length, max_position_embeddings "
+            f"and rope_scaling); SGLang refuses it too unless {_LONGER_CONTEXT_ENV}=1 is set")
+
+
 class GenerationCalls:
     """`ReferenceEngine`'s generation methods (it provides ``_call``, ``_lock``, ``_sched``,
     ``weight_version``, ``spec``, ``config``)."""
@@ -206,15 +222,7 @@ class GenerationCalls:
         if context_length is None:
             self._context_override = None
             return
-        if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
-            raise ValueError(f"context_length must be an integer >= 1 or None, got {context_length!r}")
-        derived = sglang_context_length(self.config)
-        allow = os.environ.get(_LONGER_CONTEXT_ENV, "false").strip().lower() in ("true", "1", "yes", "y")
-        if context_length > derived and not allow:
-            raise ValueError(
-                f"context_length {context_length} is greater than the context length derived from "
-                f"the model config ({derived}: SGLang's get_context_length, max_position_embeddings "
-                f"and rope_scaling); SGLang refuses it too unless {_LONGER_CONTEXT_ENV}=1 is set")
+        check_context_length(self.config, context_length)
         self._context_override = context_length
 
     ABORT_POLL_S = 0.02
