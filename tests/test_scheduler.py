@@ -473,10 +473,19 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_runs_beside_it(fresh):
     assert samples[0] == alone and len({tuple(s) for s in samples}) == 3
 
 
-@pytest.mark.parametrize("bad", [-1, 2 ** 63, 1.5, "7", True])
+@pytest.mark.parametrize("bad", [-2 ** 63 - 1, 2 ** 63, 1.5, "7", True])
 def test_a_sampling_seed_that_is_no_seed_is_refused(fresh, bad):
     with pytest.raises(ValueError, match=r"sampling_params\.sampling_seed must be"):
         fresh.generate_requests([P1], seeded(4, bad))
+
+
+def test_a_negative_sampling_seed_is_a_seed_as_in_sglang(fresh):
+    """SGLang 0.5.23 takes seeds in [-2**63, 2**63) (``SamplingParams.verify``); serve refused a
+    negative one. It draws as any seed: the same tokens twice, others than another seed's."""
+    one = fresh.generate_requests([P1], seeded(12, -5))[0]["output_ids"]
+    assert fresh.generate_requests([P1], seeded(12, -5))[0]["output_ids"] == one
+    low = fresh.generate_requests([P1], seeded(12, -2 ** 63))[0]["output_ids"]
+    assert len(one) == len(low) == 12 and one != low
 
 
 @pytest.mark.parametrize("interval, told", [(None, list(range(1, 13))), (3, [3, 6, 9, 12]), (5, [5, 10, 12])])

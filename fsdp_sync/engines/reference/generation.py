@@ -131,8 +131,9 @@ class Sampling:
         min_p = float(_num(sp, "min_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]"))
         n = _num(sp, "n", 1, lambda v: 1 <= v <= 1024, "an integer in [1, 1024]", integer=True)
         interval = _num(sp, "stream_interval", 1, lambda v: v >= 1, "an integer >= 1", integer=True)
-        seed = _num(sp, "sampling_seed", None, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)",
-                    integer=True)
+        # SGLang 0.5.23's range (SamplingParams.verify): a negative seed is a seed there too
+        seed = _num(sp, "sampling_seed", None, lambda v: -2 ** 63 <= v < 2 ** 63,
+                    "an integer in [-2**63, 2**63)", integer=True)
         ignore_eos = sp.get("ignore_eos", False)
         if ignore_eos is None:          # SGLang's ``SamplingParams``: null is the default, false
             ignore_eos = False
