@@ -467,7 +467,10 @@ class FP8Layout(TPLayout):
 
 
 def quantized_layout(layout: TPLayout, quantization: str | None) -> TPLayout:
-    """``layout`` as it is held under ``quantization`` (None: itself; ``"fp8"``: its `FP8Layout`)."""
+    """``layout`` as it is held under ``quantization`` (None: itself; ``"fp8"``: its `FP8Layout`),
+    every layer SGLang quantizes quantized: a layout has no model config, so the config's
+    ``ignored_layers`` are not read here (a model whose only block misfit is an ignored layer is
+    refused); where the config is at hand, `fp8_config.held_layout` gives what the engine holds."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     if quantization is None or isinstance(layout, FP8Layout):
