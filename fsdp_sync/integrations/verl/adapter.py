@@ -313,7 +313,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         else:
             stats = run(weights)
         if engine is not None:
-            # retried, then logged, as verl's own adapter does; off the event loop while it waits
+            # retried as verl's own adapter does, off the event loop while it waits; refused
+            # every time, the sync fails (a stale prefix cache would be a wrong result)
             await asyncio.to_thread(flush_after_sync, engine)
             if global_steps is not None and self._server_actor is not None:
                 await self._server_actor.set_global_steps.remote(global_steps)
