@@ -185,3 +185,27 @@ def test_a_config_whose_only_misfit_is_ignored_syncs_bit_exact_by_every_method(t
         assert errors == [None, None], (kw, errors)
         assert holder[i]["wrong"] == [], (kw, holder[i]["wrong"])
         assert len(holder[i]["fp8"]) == 8 and all(".self_attn." in n for n in holder[i]["fp8"]), (kw, holder[i]["fp8"])
+
+
+@pytest.mark.timeout(300)
+def test_plan_and_bench_take_the_model_and_count_the_bytes_the_engine_holds(tmp_path, capsys):
+    """``fsdp-sync plan`` and ``bench`` checked the split with a layout that reads no config (every
+    layer SGLang quantizes by default): both refused this model ("gate_proj/up_proj rows per rank
+    ... = 320 is not a multiple of block 128"), and the bench's floor priced the MLPs as FP8."""
+    import json
+
+    from _util import cli_here
+
+    _config(ALL_MLPS).save_pretrained(tmp_path / "m")
+    cfg_json = str(tmp_path / "m" / "config.json")
+    plan = cli_here(capsys, "plan", "--config-json", cfg_json, "--ranks", "1", "--tp", "1",
+                    "--quantization", "fp8", "--methods", "tensor", "--layout", "engine",
+                    "--cluster", "h100-node", "--json", str(tmp_path / "plan.json"))
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert "not a multiple of block" not in plan.stdout + plan.stderr
+    bench = cli_here(capsys, "bench", "--models", str(tmp_path / "m"), "--ranks", "1", "--tp", "1",
+                     "--quantization", "fp8", "--methods", "tensor", "--layout", "engine",
+                     "--repeats", "3", "--json", str(tmp_path / "bench.json"))
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    out = json.loads((tmp_path / "bench.json").read_text())
+    assert out["rows"] and "incomplete" not in out, out

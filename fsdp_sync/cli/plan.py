@@ -357,11 +357,12 @@ def split_refusal(model: Any, tp: int, ep: int, quantization: str | None) -> str
     block cut by the split), or None when it can. A row of the sweep, not the sweep: the other
     combinations still plan."""
     from ..plan import meta_model
-    from ..weights.fp8 import quantized_layout
+    from ..weights.fp8_config import held_layout
     from ..weights.layout import layout_for
 
     try:
-        quantized_layout(layout_for(meta_model(model)[0], tp, ep), quantization)
+        cfg = meta_model(model)[0]
+        held_layout(cfg, layout_for(cfg, tp, ep), quantization)
     except (ValueError, TypeError) as exc:
         return str(exc)
     return None

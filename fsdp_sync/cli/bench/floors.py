@@ -210,14 +210,14 @@ def layout_figures(model: Any, cfg: Any, job: Any, stats: Any, share: bool) -> d
     import torch.distributed as dist
 
     from ...weights.export import param_metas
-    from ...weights.fp8 import quantized_layout
+    from ...weights.fp8_config import held_layout
     from ...weights.layout import layout_for
 
     dtype = getattr(torch, job.dtype)
     model_bytes = sum(m.nbytes for m in param_metas(model, dtype))
     extra = dict(stats.extra)
     layout = extra.get("layout", "full")
-    held = quantized_layout(layout_for(cfg, job.tp, job.ep), getattr(job, "quantization", None))
+    held = held_layout(cfg, layout_for(cfg, job.tp, job.ep), getattr(job, "quantization", None))
     shard = held.engine_bytes(dtype.itemsize)
     world = dist.get_world_size()
     # what this rank's sync received (its stats: the all-to-all, the all-gather or the gather to

@@ -570,7 +570,7 @@ def check_bench_args(args, given: set[str]) -> None:
                          f"or --engine direct")
     ca.check_mib(args.spec.bucket_mb, "--bucket-mb")      # the flag's or the sweep's: 1e-7 MiB is 0 bytes
     from ...models import load_config
-    from ...weights.fp8 import quantized_layout
+    from ...weights.fp8_config import held_layout
     from ...weights.layout import ModelSpec, TPLayout
     from ...engines.reference.tp_model import check_runnable
     from ..demo_check import check_fits
@@ -593,7 +593,7 @@ def check_bench_args(args, given: set[str]) -> None:
                 raise ValueError(f"--ep {e}: {exc}") from None
             for q in args.spec.quantization:
                 try:
-                    quantized_layout(lay, q)             # FP8: whole 128 blocks on every rank
+                    held_layout(configs[model], lay, q)  # FP8: whole 128 blocks on every rank
                 except ValueError as exc:
                     raise ValueError(f"--quantization {q} --models {model} --tp {t}: {exc}") from None
     if args.spec.device == "cuda":   # a sweep's device: cuda needs a GPU as much as the flag does
