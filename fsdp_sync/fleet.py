@@ -217,6 +217,9 @@ class Fleet:
     def __init__(self, engines: Iterable[Any]) -> None:
         self.replicas: list[Replica] = []
         self._count = 0
+        # replicas removed while holding part of a failed update (`remove`): one added again is
+        # that still, until a sync commits (its launch weights are gone; `add`)
+        self._let_go: list[Replica] = []
         for e in engines:
             self.add(e)
 
@@ -225,12 +228,18 @@ class Fleet:
             raise ValueError(f"{self.find(engine).name} is in the fleet already")
         rep = Replica(engine, describe(engine, self._count), serving=serving)
         self._count += 1
+        gone = next((r for r in self._let_go if r.engine is engine), None)
+        if gone is not None:         # still holds part of the failed update it was let go with
+            self._let_go.remove(gone)
+            rep.partial, rep.stalled = gone.partial, gone.stalled
         self.replicas.append(rep)
         return rep
 
     def remove(self, engine: Any) -> Replica:
         rep = self.find(engine)
         self.replicas.remove(rep)
+        if rep.partial:
+            self._let_go.append(rep)
         return rep
 
     def find(self, engine: Any) -> Replica:

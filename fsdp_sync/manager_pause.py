@@ -160,6 +160,7 @@ def let_go(manager: Any, rep: Any, what: str) -> str | None:
     if manager.config.pause_mode is not None:
         try:
             rep.engine.pause_generation(mode="abort")
+            rep.stalled = True        # added again, the sync that commits continues it (`Fleet.add`)
             note += "; its requests were aborted and generation stays paused there"
         except Exception as exc:  # noqa: BLE001 - a dead engine generates nothing either
             note += f"; aborting its requests failed ({type(exc).__name__}: {exc})"

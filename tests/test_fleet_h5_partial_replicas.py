@@ -295,3 +295,32 @@ def test_recover_after_a_first_commit_that_failed_on_one_replica_does_not_serve_
     m._sync_full()
     assert [(r["serving"], r["version"]) for r in m.fleet_status()["replicas"]] == [(True, "1")] * 2
     m.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pause_mode", ["abort", None])
+def test_a_let_go_replica_added_again_before_any_commit_waits_for_a_sync_that_commits(pause_mode):
+    """`remove_engine` lets a partly new replica go and says "add_engine it again"; before any
+    commit there is no version to load it with. Before (R6 review), ``add_engine`` made a fresh
+    replica record (not partial) and put it in service at once: /health 200 on the mixed weights,
+    with its generation still paused (every request hung) under a ``pause_mode``. Now it stays
+    out until the next sync commits, which sends it that version and continues its generation."""
+    e0, e1 = _Eng(39990), _Eng(39991)
+    m = _manager([e0, e1], pause_mode)
+    state = _transport(m, fail_on=e1)
+    with pytest.raises(SyncError):
+        m._sync_full()                     # the first sync: e1 keeps part of it, nothing committed
+    m.remove_engine(e1)
+    assert e1.serving is False and e1.paused == ("abort" if pause_mode else None), e1.log
+    state["fail_on"] = None
+    assert m.add_engine(e1) is False       # before: True, nothing sent
+    rep = _replica(m, e1)
+    assert not rep["serving"] and e1.serving is False, (rep, e1.log)
+    assert rep["generation_paused"] is (pause_mode is not None), rep
+    assert len(state["calls"]) == 1        # nothing sent to it yet
+    m._sync_full()                         # commits everywhere: e1 gets the version and continues
+    assert e1 in state["calls"][-1][1]
+    rep = _replica(m, e1)
+    assert rep["serving"] and rep["version"] == m.version and not rep["generation_paused"], rep
+    assert e1.serving is True and e1.paused is None, e1.log
+    m.close()
