@@ -36,3 +36,14 @@ def test_a_lora_refusal_in_a_2xx_answer_raises_with_sglangs_error_message():
             {"success": False, "error_message": "LoRA adapter L is not loaded", "loaded_adapters": {}}))]
         with pytest.raises(SGLangUpdateError, match="LoRA adapter L is not loaded"):
             a.unload_lora_adapter("L")
+
+
+def test_a_server_without_the_lora_route_opened_nothing_and_gets_its_segment_back():
+    """404 (a router's URL, an older server): nothing was opened, so the adapter's shared segment
+    is given back at once (the tests' leftovers check fails on a segment left behind)."""
+    with fake.FakeSGLangServer(tp_size=2, version="0.5.23") as srv:
+        srv.script["/load_lora_adapter_from_tensors"] = [(404, json.dumps({"detail": "Not Found"}))]
+        a = SGLangEngine(base_url=srv.url, retry_backoff_s=0.01)
+        with pytest.raises(SGLangUpdateError, match="HTTP 404") as err:
+            a.load_lora_adapter_from_tensors("L", [("x.lora_A.weight", torch.ones(4, 4))], CONFIG)
+        assert err.value.opened is False and err.value.status == 404
