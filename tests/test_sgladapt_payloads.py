@@ -41,3 +41,10 @@ def test_a_buffer_shorter_than_its_bucket_is_refused():
         bucket_payloads(torch.zeros(16, dtype=torch.uint8), bucket, 1)
     with pytest.raises(RuntimeError):             # SGLang's view of the short last tensor
         torch.zeros(16, dtype=torch.uint8)[8:24].view(torch.float32).reshape(4)
+
+
+def test_tensors_on_two_devices_are_refused_by_name():
+    from fsdp_sync.engines.sglang.payloads import flattened_bucket_payloads
+
+    with pytest.raises(ValueError, match=r"one device, got \['cpu', 'meta'\]"):
+        flattened_bucket_payloads([("a", torch.ones(2)), ("b", torch.empty(2, device="meta"))], 1)
