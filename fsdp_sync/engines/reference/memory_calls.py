@@ -33,7 +33,7 @@ class MemoryCalls:
                 raise EngineStateError(f"cannot release the KV cache: {self._sched.holds_kv()} requests "
                                        f"paused in place hold it; continue_generation() or pause with "
                                        f"mode 'retract' or 'abort' first")
-            self._call("release", {"tags": tags}, what=f"release_memory_occupation({tags})")
+            self._call_all_or_break("release", {"tags": tags}, f"release_memory_occupation({tags})")
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Reallocate ``tags`` (None = all) in the order cuda_graph → weights → kv_cache. Released
@@ -42,7 +42,29 @@ class MemoryCalls:
         with self._gate(f"resume_memory_occupation({tags})"):
             if self._in_txn:
                 raise EngineStateError("cannot resume memory inside begin/end_weight_update")
-            self._call("resume", {"tags": tags}, what=f"resume_memory_occupation({tags})")
+            self._call_all_or_break("resume", {"tags": tags}, f"resume_memory_occupation({tags})")
+
+    def _call_all_or_break(self, cmd: str, args: Any, what: str) -> None:
+        """``cmd`` on every worker; where it failed on some ranks and went through on others, the
+        ranks hold their memory differently (rank 0's weights released, rank 1's not): the next
+        collective step would be refused by a check on some ranks while the others wait in it
+        out the process group's timeout, leaving a group that fails every later call. The engine
+        is broken at once instead, naming the ranks (`dead_reason`; every later call raises
+        `WorkerDiedError` without waiting). A failure on every rank changes no rank's state and
+        breaks nothing: it is raised as it is."""
+        with self._lock:
+            self._check_usable()
+            replies = self._round(cmd, args, what=what)
+            failed = sorted(r for r, rep in replies.items() if rep[0] != "ok")
+            done = sorted(set(replies) - set(failed))
+            if failed and done:
+                _, _, msg, tb, _ = replies[failed[0]]
+                self._broken = self._broken or (
+                    f"{what}: failed on TP ranks {failed} ({msg}) and went through on TP ranks {done}: "
+                    f"the ranks hold their memory differently, so the engine cannot step; shut it "
+                    f"down and start it again")
+                raise EngineError(self._broken + f"\n(worker traceback)\n{tb}")
+            self._raise_errors(replies, what)
 
     def flush_cache(self, timeout_s: float = 0.0) -> None:
         """Nothing is cached between requests (no prefix cache); checks the workers answer. As
