@@ -81,3 +81,29 @@ def test_done_and_refused_flushes_answer_sglangs_status_and_text(server):
     assert box and box[0][0] == 200
     wait_until(lambda: server.engine.scheduler_stats()["running"] == 0)
     assert call(server, "POST", "/flush_cache")[:2] == (200, DONE)
+
+
+@pytest.mark.parametrize("keepalive_s", [0.0, 30.0])      # urllib's path and the kept-alive one
+def test_sglang_engines_flush_refusal_says_why(server, keepalive_s):
+    """`SGLangEngine`'s HTTP client against serve: a refused flush's reason (the detail header)
+    is in the error it raises, where a flush after a verl sync that gives up (`flush_retry`)
+    reports it. Before (R6 review) the error read SGLang's bare "Flush cache failed." alone."""
+    from fsdp_sync.engines.sglang import SGLangEngine
+    from fsdp_sync.engines.sglang.client import HttpClient, SGLangHTTPError
+
+    http = HttpClient(server.url, api_key=None, timeout_s=60.0, max_retries=0, backoff_s=0.1,
+                      backoff_max_s=0.1, proxies=None, keepalive_s=keepalive_s)
+    engine = SGLangEngine(base_url=server.url, max_retries=0)
+    bg = threading.Thread(target=lambda: call(server, "POST", "/generate", LONG), daemon=True)
+    bg.start()
+    try:
+        wait_until(lambda: server.engine.scheduler_stats()["running"] == 1)
+        why = r"HTTP 400: Flush cache failed\. \(.*1 request\(s\) running"
+        with pytest.raises(SGLangHTTPError, match=why):
+            http.request("POST", "/flush_cache", idempotent=True)
+        with pytest.raises(SGLangHTTPError, match=why):
+            engine.flush_cache()
+    finally:
+        call(server, "POST", "/abort_request", {"abort_all": True})
+        bg.join(60)
+    engine.flush_cache()                  # idle again: goes through

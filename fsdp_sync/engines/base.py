@@ -52,8 +52,13 @@ import torch
 __all__ = [
     "Engine", "SerializedPerRank", "LOAD_FORMATS", "TAGS", "RELEASE_ORDER", "RESUME_ORDER",
     "ordered_tags", "EngineError", "WeightUpdateError", "WorkerDiedError", "EngineStateError",
-    "EngineUnavailableError", "EngineClosedError", "checksum_named_tensors",
+    "EngineUnavailableError", "EngineClosedError", "checksum_named_tensors", "DETAIL_HEADER",
 ]
+
+DETAIL_HEADER = "X-Fsdp-Sync-Detail"
+"""The HTTP header in which `fsdp-sync serve` says why it refused a call whose body is SGLang's
+bare text (a refused ``/flush_cache``: "Flush cache failed." and no reason); `SGLangEngine`'s
+client puts it beside the body in the error it raises."""
 
 LOAD_FORMATS = (None, "flattened_bucket", "direct")
 TAGS = ("weights", "kv_cache", "cuda_graph")

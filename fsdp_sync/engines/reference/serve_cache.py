@@ -27,10 +27,10 @@ import math
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from ..base import EngineStateError, EngineUnavailableError
+from ..base import DETAIL_HEADER, EngineStateError, EngineUnavailableError
 from .http_fields import Refused, accepted_kwargs
 
-__all__ = ["CacheRoutes", "FLUSHED", "REFUSED", "DETAIL_HEADER", "sglang_refusal"]
+__all__ = ["CacheRoutes", "FLUSHED", "REFUSED", "sglang_refusal"]
 
 log = logging.getLogger("fsdp_sync.engines.reference.serve")
 
@@ -40,9 +40,6 @@ FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When th
 
 REFUSED = "Flush cache failed.\n"
 """The body of a flush refused because requests run or wait: SGLang's, status 400."""
-
-DETAIL_HEADER = "X-Fsdp-Sync-Detail"
-"""The header of a refused flush that says why this engine refused it (the body is SGLang's)."""
 
 _SCHEDULER_WORDS = ("Another flush_cache is already in progress.", "Timed out waiting for idle state.")
 """SGLang's scheduler's refusals (``SchedulerFlushWrapper``), which its server answers as the body."""

@@ -21,7 +21,7 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ..base import EngineError
+from ..base import DETAIL_HEADER, EngineError
 
 __all__ = ["SGLangError", "SGLangHTTPError", "SGLangUpdateError", "NO_SESSION_MARK", "UNOPENED_STATUS",
            "check_answer", "lease_answered",
@@ -231,7 +231,8 @@ class HttpClient:
                 conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.request(method, self._prefix + path, body=data, headers=headers)
             resp = conn.getresponse()
-            text = resp.read().decode("utf-8", errors="replace")
+            text = with_detail(resp.read().decode("utf-8", errors="replace"), resp.status,
+                               resp.getheader(DETAIL_HEADER))
         except BaseException:
             conn.close()
             raise
@@ -276,7 +277,8 @@ class HttpClient:
             except urllib.error.HTTPError as e:
                 status = e.code
                 try:
-                    text = e.read().decode("utf-8", errors="replace")
+                    text = with_detail(e.read().decode("utf-8", errors="replace"), status,
+                                       e.headers.get(DETAIL_HEADER) if e.headers else None)
                 except Exception:   # noqa: BLE001 - the body is best effort
                     text = ""
                 finally:
@@ -315,6 +317,14 @@ class HttpClient:
     def json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
         status, text = self.request(method, path, body, **kw)
         return json_or_text(text)
+
+
+def with_detail(text: str, status: int, detail: str | None) -> str:
+    """An error answer's body with the server's reason beside it (`DETAIL_HEADER`), so the error
+    raised says why; a 2xx body, or one without the header (SGLang's own), as it came."""
+    if detail and not 200 <= status < 300:
+        return f"{text.rstrip()} ({detail})"
+    return text
 
 
 class _Status(Exception):
