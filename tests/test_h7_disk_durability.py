@@ -122,3 +122,39 @@ def test_hash_ahead_tells_other_writers_files_only_two_buckets_behind():
     assert e.told[1:] == [[ckpt.rank_file_name(1, 0)]]
     ahead.at_bucket(3, [], False)          # not synchronized every bucket: only its own files
     assert len(e.told) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_fsync_of_a_written_file_publishes_nothing(tmp_path, monkeypatch):
+    """Every file was written (its records complete) but one's fsync failed (EIO): the write step
+    fails on every rank and no version appears; the publish's check of the file names alone would
+    not see it."""
+    import errno
+
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.transport import SyncContext, SyncStats
+    from fsdp_sync.transport.disk import DiskTransport
+    from fsdp_sync.weights import hf_checkpoint as ckpt
+
+    torch.set_num_threads(1)
+    module = build_model(load_config("tiny"), seed=2)
+    d = str(tmp_path / "v")
+    t = DiskTransport(SyncConfig(method="disk", disk_dir=d, dtype=torch.float32,
+                                 bucket_bytes=256 << 10, layout="full"))
+    real = ckpt.fsync_file
+
+    def fsync_file(path):
+        if path.endswith("00002.safetensors") or "-00002-" in os.path.basename(path):
+            raise OSError(errno.EIO, "Input/output error (injected)", path)
+        return real(path)
+
+    monkeypatch.setattr(ckpt, "fsync_file", fsync_file)
+    try:
+        with pytest.raises(SyncError, match=r"\(write\).*injected"):
+            t.sync(SyncContext(module=module, config=t.config, topo=None, group=None, engines=[],
+                               step=0, stats=SyncStats()))
+    finally:
+        t.close()
+    assert [f for f in os.listdir(d) if not f.startswith(".")] == []
