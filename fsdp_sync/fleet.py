@@ -334,7 +334,7 @@ class Fleet:
         if callable(fn):
             fn(True, "")
         rep.serving, rep.reason, rep.version, rep.held, rep.rejoin = True, None, version, False, False
-        rep.partial = False            # brought to a whole version (`Manager._bring_in` refuses otherwise)
+        rep.partial = False            # brought to a whole version (`manager_fleet.bring_in` refuses otherwise)
         rep.quarantined_at = None      # in service: no quarantine time in `summary`
 
     def summary(self) -> dict:

@@ -36,7 +36,7 @@ from . import lora_stage, lora_sync, tp_batch
 from .weights import export_checks, ipc_memory, quantize
 from .config import SyncConfig
 from .faultpoint import fault_point
-from . import fleet, manager_pause
+from . import fleet, manager_fleet, manager_pause
 from .fleet import Fleet
 from .manager_rng import RolloutRng
 from .memory import Timeline, empty_cache
@@ -400,7 +400,7 @@ class FSDPShardingManager:
             err, ctx = self._transport_sync(targets, version, self.step)
             kept = manager_pause.kept_part(targets)
             if err is not None:
-                targets = self._after_failure(targets, err, ctx, version)
+                targets = manager_fleet.after_failure(self, targets, err, ctx, version)
                 if ctx.commit_failed is None:   # quarantined: again, without them
                     err, _ = self._transport_sync(targets, version, self.step)
                     kept = [r for r in kept if r not in targets] + manager_pause.kept_part(targets)
@@ -450,21 +450,8 @@ class FSDPShardingManager:
         return self.config.method != "tensor"
 
     def _targets(self) -> list:
-        """The replicas this sync goes to: those in service, and quarantined ones that can take
-        an update again (asked once, not with the client's retries; they rejoin at the new version)."""
-        reps = self.fleet.serving
-        if self._fleet_mode:
-            quarantine = self.config.on_replica_failure == "quarantine"
-            reps = []
-            for r in self.fleet.replicas:
-                if r.held or (not r.serving and not quarantine and not r.rejoin):
-                    continue
-                why = fleet.problem(r.engine, once=not r.serving) if (quarantine or not r.serving) else None
-                if why is None:
-                    reps.append(r)
-                elif r.serving:          # died since the last sync: out before anything is sent
-                    self.fleet.quarantine(r, why)
-        return reps
+        """The replicas this sync goes to (`manager_fleet.targets`)."""
+        return manager_fleet.targets(self)
 
     def _transport_sync(self, targets: list, version: str | None, step: int, reload: bool = False):
         ctx = SyncContext(module=self.module, config=self.config, topo=self.topo, group=None,
@@ -479,46 +466,6 @@ class FSDPShardingManager:
             return exc, ctx
         finally:
             self.stats = ctx.stats
-
-    def _after_failure(self, targets: list, err: SyncError, ctx: SyncContext, version: str):
-        """A sync failed. Trainer rank 0 finds the replicas that cannot take updates (`fleet.problem`),
-        failed committing, or rejoined it (`Fleet.blame`), and every rank follows its decision:
-        raise (``"abort"``, or nothing to blame on a replica), or take them out and return the
-        replicas to sync again."""
-        decision = None
-        if self._fleet_mode and self.rank == 0 and len(targets) > 0:
-            decision = self.fleet.blame(targets, ctx.commit_failed, version)
-        decision = self._from_rank0(decision) if self._fleet_mode else None
-        if decision and decision["refused"]:    # maybe a rejoiner's refusal: out, the others again
-            return self.fleet.keep_out(targets, decision["refused"], err, version) if self.rank == 0 else []
-        if not decision or not decision["failed"]:
-            raise err
-        failed, committed = decision["failed"], decision["committed"]
-        names = "; ".join(f"{targets[i].name if self.rank == 0 else f'replica {i}'}: {why}"
-                          for i, why in sorted(failed.items()))
-        quarantine = self.config.on_replica_failure == "quarantine"
-        if self.rank == 0:      # out of service in either mode; under "abort" it rejoins once it answers
-            for i, why in failed.items():
-                self.fleet.quarantine(targets[i], why)
-                targets[i].rejoin = not quarantine
-        if committed is not None:             # cannot be undone on those that committed
-            if self.rank == 0:
-                for i in committed:           # what they serve now, as fleet_status() says
-                    targets[i].version = version
-            if quarantine and committed:
-                log.warning("fsdp_sync: version %s committed on %d replicas; quarantined: %s",
-                            version, len(committed), names)
-                return [targets[i] for i in committed] if self.rank == 0 else []
-            raise fleet.restate(err, f"{err}; quarantined (committing cannot be undone on the replicas "
-                                f"that committed version {version!r}): {names}") from None
-        if not quarantine or len(failed) == len(targets):
-            hint = ("" if quarantine else "; with SyncConfig.on_replica_failure='quarantine' the healthy "
-                    "replicas would commit and these be taken out of service")
-            raise fleet.restate(err, f"{err}; no replica committed version {version!r}; replicas that "
-                                f"cannot take updates (quarantined): {names}{hint}") from None
-        log.warning("fsdp_sync: quarantined %s; syncing version %s to the %d others",
-                    names, version, len(targets) - len(failed))
-        return [r for i, r in enumerate(targets) if i not in failed] if self.rank == 0 else []
 
     def _pause(self, targets: list) -> list:
         return manager_pause.pause(self, targets)      # `SyncConfig.pause_mode`
@@ -541,7 +488,7 @@ class FSDPShardingManager:
         base, then the adapter the others serve (`lora_stage.bring_adapter`). Returns whether it
         serves now; raises naming the replica if it cannot take updates."""
         self._refuse_closed("recover: ")
-        return self._bring_in(engine, "recover")
+        return manager_fleet.bring_in(self, engine, "recover")
 
     def add_engine(self, engine: Any = None) -> bool:
         """Add a replica between syncs (called on every trainer rank, ``engine`` on trainer rank
@@ -556,7 +503,7 @@ class FSDPShardingManager:
             rep = self.fleet.add(engine, serving=False)
             self.fleet.quarantine(rep, "joining: waiting for the current weights")
         try:
-            return self._bring_in(engine, "add_engine")
+            return manager_fleet.bring_in(self, engine, "add_engine")
         except BaseException as exc:      # refused or failed: not in the fleet (no replica left 'joining')
             note = manager_pause.let_go(self, self.fleet.remove(engine), "add_engine") if self.rank == 0 else None
             if isinstance(exc, SyncError):
@@ -598,49 +545,6 @@ class FSDPShardingManager:
         if self.transport is None:
             raise RuntimeError(f"{what}this FSDPShardingManager was closed (close(), or interpreter "
                                f"exit): make a new one to sync again")
-
-    def _bring_in(self, engine: Any, what: str) -> bool:
-        action, rep, reason, version = "serve", None, "", self.version
-        if self.rank == 0:
-            try:
-                rep = self.fleet.find(engine)
-                reason = fleet.problem(engine) or ""
-                if not reason:
-                    self._check_config(engine)      # a new replica's math, before any byte moves
-                if reason:
-                    action = "fail"
-                elif (version := self.fleet.held(self.version)) is None:   # nothing committed yet: its
-                    action = "pending" if rep.partial else "serve"   # launch weights, or part of a failed sync's
-                elif self.config.method == "disk":     # what the replicas in service loaded
-                    action = "load"
-                else:
-                    action, version = ("send" if self._inside else "pending"), self.version
-            except Exception as exc:  # noqa: BLE001 - its config, or the fleet's state: a refusal
-                action, reason = "refuse", f"{type(exc).__name__}: {exc}"
-        action, reason, version = self._from_rank0((action, reason, version))
-        if action in ("fail", "refuse"):
-            raise SyncError(f"{what}: {rep.name if rep is not None else 'the replica'} " + (
-                "cannot take updates" if action == "fail" else "is refused, before anything was sent")
-                + f": {reason}")
-        if action == "pending":
-            if rep is not None:               # the next sync brings it in, whatever the failure mode
-                rep.held, rep.rejoin = False, True
-            return False
-        if action in ("load", "send"):   # the weights the others serve, under their version
-            err, _ = self._transport_sync([rep] if rep is not None else [], version,
-                                          self.step - 1, reload=True)
-            if err is not None:       # (add_engine lets a replica it does not add go: `let_go`)
-                manager_pause.stall(self, manager_pause.kept_part([rep] if rep is not None else []),
-                                    None if what == "add_engine" else err)
-                raise err
-            if self.config.lora == "adapter":     # and the adapter the others serve (`lora_stage`)
-                self._agree(lora_stage.bring_adapter(self, rep, version), what=what)
-        if rep is not None:
-            self.fleet.reinstate(rep, version)
-        if action in ("load", "send"):     # one a failed sync (or add_engine) left paused
-            again = [rep] if rep is not None and self.config.pause_mode is not None else []
-            manager_pause.release(self, again, [rep] if rep is not None else [], version)
-        return True
 
     def _verify(self) -> None:
         """`SyncConfig.verify`: compare what the engines now serve with the trainer's tensors

@@ -1,0 +1,133 @@
+"""The manager's fleet membership (`FSDPShardingManager`, ``method="distributed"``/``"disk"``):
+which replicas a sync goes to, what a failed sync does to them, and bringing one in.
+
+- `targets`: the replicas a sync goes to: those in service, and those out of service that can
+  take an update again (to rejoin at the new version).
+- `after_failure`: a failed sync's decision (trainer rank 0's, followed on every rank): raise, or
+  quarantine the replicas that cannot take updates and return the ones to sync again.
+- `bring_in`: `recover` and `add_engine`: the replica brought to the version the others serve
+  (sent or loaded now, or at the next sync), then put in service.
+
+Not here: the fleet's own state (`fleet`), pausing and continuing generation (`manager_pause`),
+the sync itself (the manager's ``_sync_full`` and the transports).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import fleet, lora_stage, manager_pause
+from .topology import SyncError
+
+__all__ = ["targets", "after_failure", "bring_in"]
+
+log = logging.getLogger("fsdp_sync")
+
+
+def targets(manager: Any) -> list:
+    """The replicas this sync goes to: those in service, and quarantined ones that can take
+    an update again (asked once, not with the client's retries; they rejoin at the new version)."""
+    reps = manager.fleet.serving
+    if manager._fleet_mode:
+        quarantine = manager.config.on_replica_failure == "quarantine"
+        reps = []
+        for r in manager.fleet.replicas:
+            if r.held or (not r.serving and not quarantine and not r.rejoin):
+                continue
+            why = fleet.problem(r.engine, once=not r.serving) if (quarantine or not r.serving) else None
+            if why is None:
+                reps.append(r)
+            elif r.serving:          # died since the last sync: out before anything is sent
+                manager.fleet.quarantine(r, why)
+    return reps
+
+
+def after_failure(manager: Any, targets: list, err: SyncError, ctx: Any, version: str):
+    """A sync failed. Trainer rank 0 finds the replicas that cannot take updates (`fleet.problem`),
+    failed committing, or rejoined it (`Fleet.blame`), and every rank follows its decision:
+    raise (``"abort"``, or nothing to blame on a replica), or take them out and return the
+    replicas to sync again."""
+    decision = None
+    if manager._fleet_mode and manager.rank == 0 and len(targets) > 0:
+        decision = manager.fleet.blame(targets, ctx.commit_failed, version)
+    decision = manager._from_rank0(decision) if manager._fleet_mode else None
+    if decision and decision["refused"]:    # maybe a rejoiner's refusal: out, the others again
+        return manager.fleet.keep_out(targets, decision["refused"], err, version) if manager.rank == 0 else []
+    if not decision or not decision["failed"]:
+        raise err
+    failed, committed = decision["failed"], decision["committed"]
+    names = "; ".join(f"{targets[i].name if manager.rank == 0 else f'replica {i}'}: {why}"
+                      for i, why in sorted(failed.items()))
+    quarantine = manager.config.on_replica_failure == "quarantine"
+    if manager.rank == 0:      # out of service in either mode; under "abort" it rejoins once it answers
+        for i, why in failed.items():
+            manager.fleet.quarantine(targets[i], why)
+            targets[i].rejoin = not quarantine
+    if committed is not None:             # cannot be undone on those that committed
+        if manager.rank == 0:
+            for i in committed:           # what they serve now, as fleet_status() says
+                targets[i].version = version
+        if quarantine and committed:
+            log.warning("fsdp_sync: version %s committed on %d replicas; quarantined: %s",
+                        version, len(committed), names)
+            return [targets[i] for i in committed] if manager.rank == 0 else []
+        raise fleet.restate(err, f"{err}; quarantined (committing cannot be undone on the replicas "
+                            f"that committed version {version!r}): {names}") from None
+    if not quarantine or len(failed) == len(targets):
+        hint = ("" if quarantine else "; with SyncConfig.on_replica_failure='quarantine' the healthy "
+                "replicas would commit and these be taken out of service")
+        raise fleet.restate(err, f"{err}; no replica committed version {version!r}; replicas that "
+                            f"cannot take updates (quarantined): {names}{hint}") from None
+    log.warning("fsdp_sync: quarantined %s; syncing version %s to the %d others",
+                names, version, len(targets) - len(failed))
+    return [r for i, r in enumerate(targets) if i not in failed] if manager.rank == 0 else []
+
+
+def bring_in(manager: Any, engine: Any, what: str) -> bool:
+    """``what`` (``"recover"``, ``"add_engine"``): bring the replica of ``engine`` (trainer rank 0;
+    None elsewhere) to the version the replicas in service hold, as trainer rank 0 decides: refuse
+    (it cannot take updates, or its config), send or load it now, leave it to the next sync
+    (returns False), or put it in service as it is (nothing committed yet). Returns whether it
+    serves now."""
+    action, rep, reason, version = "serve", None, "", manager.version
+    if manager.rank == 0:
+        try:
+            rep = manager.fleet.find(engine)
+            reason = fleet.problem(engine) or ""
+            if not reason:
+                manager._check_config(engine)      # a new replica's math, before any byte moves
+            if reason:
+                action = "fail"
+            elif (version := manager.fleet.held(manager.version)) is None:   # nothing committed yet: its
+                action = "pending" if rep.partial else "serve"   # launch weights, or part of a failed sync's
+            elif manager.config.method == "disk":     # what the replicas in service loaded
+                action = "load"
+            else:
+                action, version = ("send" if manager._inside else "pending"), manager.version
+        except Exception as exc:  # noqa: BLE001 - its config, or the fleet's state: a refusal
+            action, reason = "refuse", f"{type(exc).__name__}: {exc}"
+    action, reason, version = manager._from_rank0((action, reason, version))
+    if action in ("fail", "refuse"):
+        raise SyncError(f"{what}: {rep.name if rep is not None else 'the replica'} " + (
+            "cannot take updates" if action == "fail" else "is refused, before anything was sent")
+            + f": {reason}")
+    if action == "pending":
+        if rep is not None:               # the next sync brings it in, whatever the failure mode
+            rep.held, rep.rejoin = False, True
+        return False
+    if action in ("load", "send"):   # the weights the others serve, under their version
+        err, _ = manager._transport_sync([rep] if rep is not None else [], version,
+                                         manager.step - 1, reload=True)
+        if err is not None:       # (add_engine lets a replica it does not add go: `let_go`)
+            manager_pause.stall(manager, manager_pause.kept_part([rep] if rep is not None else []),
+                                None if what == "add_engine" else err)
+            raise err
+        if manager.config.lora == "adapter":     # and the adapter the others serve (`lora_stage`)
+            manager._agree(lora_stage.bring_adapter(manager, rep, version), what=what)
+    if rep is not None:
+        manager.fleet.reinstate(rep, version)
+    if action in ("load", "send"):     # one a failed sync (or add_engine) left paused
+        again = [rep] if rep is not None and manager.config.pause_mode is not None else []
+        manager_pause.release(manager, again, [rep] if rep is not None else [], version)
+    return True
