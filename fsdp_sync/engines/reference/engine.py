@@ -62,9 +62,11 @@ versions (`rollout`), batching requests (`scheduler`), the update-group calls of
 ``update_weights_from_distributed`` (`group_calls`), weight read-back (`readback`), per-rank update
 items, the checks of a distributed call's entries and the disk update's checkpoint resolution
 (`update_items`), which quantization a config and argument make (`quant`), the constructor's
-argument checks (`engine_args`), memory release/resume and per-worker stats (`memory_calls`).
+argument checks (`engine_args`), memory release/resume and per-worker stats (`memory_calls`), the
+transaction's begin/end bookkeeping and the judging of an end that failed on some workers
+(`transaction`).
 
-Why ~700 lines, one module: the engine's side of every protocol call (startup, updates, two-phase
+Why ~600 lines, one module: the engine's side of every protocol call (startup, updates, two-phase
 rounds, the update gate), sharing the lock, the workers and the broken/transaction state.
 """
 
@@ -88,7 +90,7 @@ from ...weights.layout import ModelSpec
 from ...wire import host_store
 from ..base import (EngineClosedError, EngineError, EngineStateError, EngineUnavailableError,
                     WeightUpdateError, WorkerDiedError)
-from . import procs, quant
+from . import procs, quant, transaction
 from .disk_calls import DiskCalls
 from .engine_args import check_engine_args
 from .errors import NOTHING_APPLIED
@@ -99,12 +101,11 @@ from .memory_calls import MemoryCalls
 from .readback import WeightReadback
 from .rollout import GenerationCalls
 from .scheduler import Scheduler, check_version
+from .transaction import RESTART
 from .update_items import build_items, worker_figures
 
-# what a user does once the TP ranks may disagree on their weights
-_RESTART = "shut it down and start a new one, then push every tensor"
-
 __all__ = ["ReferenceEngine"]
+
 
 class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadback, LoRACalls, GPUCalls,
                       MemoryCalls):
@@ -525,7 +526,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
                 self._broken = (f"{what}: commit failed on TP ranks "
                                 f"{sorted(r for r, rep in committed.items() if rep[0] != 'ok')}; the "
                                 f"weights are inconsistent across TP ranks, so the engine serves nothing "
-                                f"more: {_RESTART}")
+                                f"more: {RESTART}")
                 self._raise_errors(committed, what + " (commit)")
             return staged
         except BaseException as exc:
@@ -534,7 +535,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             elif phase == "commit" and not isinstance(exc, EngineError):
                 self._broken = self._broken or (f"{what}: interrupted while committing ({exc!r}); "
                                                 f"the TP ranks may hold different weights, so the "
-                                                f"engine serves nothing more: {_RESTART}")
+                                                f"engine serves nothing more: {RESTART}")
             raise
 
     def _responsive(self) -> list[int]:
@@ -556,30 +557,8 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
     def begin_weight_update(self, *, transactional: bool | None = None) -> None:
         """Open an update. Transactional (the engine's default, see ``transactional_updates``):
         the calls until `end_weight_update` are committed together, or not at all. Otherwise each
-        call commits on its own, as outside begin/end (no extra memory)."""
-        transactional = self.transactional_updates if transactional is None else bool(transactional)
-        with self._gate("begin_weight_update"):
-            self._check_usable()
-            if self._in_txn:
-                raise EngineStateError("begin_weight_update called twice without end_weight_update")
-            replies = self._round("begin", {"transactional": transactional})
-            if any(rep[0] != "ok" for rep in replies.values()):
-                self._drop_begun(replies)
-            self._in_txn, self._txn_aborted, self._txn_transactional = True, None, transactional
-            self._txn_version, self._txn_heads = None, False
-
-    def _drop_begun(self, replies: dict[int, tuple]) -> None:
-        """A `begin` round failed on some workers: every worker drops the transaction it holds (one
-        left open would stage the next plain update aside while the others apply it: two versions
-        served); one that cannot breaks the engine. Raises the begin's error."""
-        try:
-            ends = self._round("end", {"abort": True}, ranks=self._responsive(), what="begin_weight_update (drop)")
-        except EngineError:
-            ends = {}              # a worker died or went silent: the engine is broken already
-        if kept := sorted(r for r, rep in ends.items() if rep[0] != "ok"):
-            self._broken = self._broken or (f"begin_weight_update: TP ranks {kept} could not drop the "
-                                            f"transaction they began, so the engine serves nothing more: {_RESTART}")
-        self._raise_errors(replies, "begin_weight_update")
+        call commits on its own, as outside begin/end (no extra memory). (`transaction.begin`)"""
+        transaction.begin(self, transactional=transactional)
 
     def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> bool:
         """Commit the open transaction (``abort=True``: drop it). After a failed update in it, it
@@ -590,103 +569,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         again; over tensors pushed again since a release without a backup), else True. A commit
         takes ``weight_version`` (else an update call's in the transaction) in the same critical
         section: no step runs between the new weights and their version. A commit that fails on
-        some workers (`_end_failed`): `WeightUpdateError` where every failed worker dropped its
-        transaction unwritten and none applied staged copies; else the engine is broken."""
-        check_version(weight_version, "end_weight_update")
-        with self._gate("end_weight_update"):
-            if not self._in_txn:
-                raise EngineStateError("end_weight_update without begin_weight_update")
-            self._in_txn = False
-            aborted, self._txn_aborted = self._txn_aborted, None
-            pending, self._txn_version = self._txn_version, None
-            heads, self._txn_heads = self._txn_heads, False
-            self._check_usable()
-            by_head = heads and not abort and aborted is None and self._tied_head_refusal()
-            aborted = by_head or aborted
-            dropping = abort or aborted is not None
-            try:
-                replies = self._round("end", {"abort": dropping})
-            except BaseException as exc:
-                if not dropping and not isinstance(exc, EngineError):
-                    # the workers may have committed, some or all: the weights served are not
-                    # known to be the old ones under the old version, nor the new under the new
-                    self._broken = self._broken or (
-                        f"end_weight_update: interrupted while the TP ranks committed ({exc!r}); "
-                        f"they may hold different weights, and the weight version was not "
-                        f"changed, so the engine serves nothing more: {_RESTART}")
-                raise
-            if any(rep[0] != "ok" for rep in replies.values()):
-                self._end_failed(replies, weight_version if weight_version is not None else pending)
-            done = [rep[1] for rep in replies.values() if isinstance(rep[1], dict)]
-            # what the transaction kept in host memory, its workers' GPUs having no room for it
-            self.staged_on_host_bytes = sum(int(d.get("staged_on_host_bytes", 0)) for d in done)
-            lost = next((d["overwritten"] for d in done if d.get("overwritten")), None)
-            kept = self._txn_transactional and lost is None
-            if aborted is not None and not abort:
-                why = f"aborted ({aborted})" if by_head else f"aborted by an earlier failure ({aborted})"
-                raise WeightUpdateError(f"end_weight_update: nothing was committed: this weight update was "
-                                        f"{why}; {self._kept_words(lost)}")
-            version = weight_version if weight_version is not None else pending
-            if version is not None and not abort:
-                self.weight_version = version
-            return kept if abort else True
-
-    def _end_failed(self, replies: dict[int, tuple], version: str | None) -> None:
-        """An `end` round that failed on some workers (holding the lock); raises. A worker that
-        failed before its end's body (an injected fault) still holds its transaction: each failed
-        worker drops it now. The weights are as one update made them only where every failed worker
-        dropped an untouched transaction and none applied staged copies; otherwise shards disagree
-        and the engine is broken, as after a failed `_two_phase` commit."""
-        errs = sorted(r for r, rep in replies.items() if rep[0] != "ok")
-        _, _, msg, tb, name = replies[errs[0]]
-        text = f"end_weight_update: TP rank {errs[0]} failed: {msg}" + (f" (also TP ranks {errs[1:]})"
-                                                                         if len(errs) > 1 else "")
-        try:
-            closed = self._round("end", {"abort": True}, ranks=errs,
-                                 what="end_weight_update (dropping the failed ranks' transactions)")
-        except EngineError:
-            closed = {}           # broken already; the weights are judged as not dropped below
-        if not self._txn_transactional:      # every call was committed on every rank as it came
-            self._raise_errors(replies, "end_weight_update")
-        ends = [{**replies, **closed}.get(r) for r in range(self.tp_size)]   # each rank's last end reply
-        done = [rep[1] if rep and rep[0] == "ok" and isinstance(rep[1], dict) else {} for rep in ends]
-        applied = [r for r in range(self.tp_size) if r not in errs and done[r].get("staged")]
-        unknown = [r for r in errs if not done[r].get("dropped")]   # its end may have written weights
-        if not applied and not unknown:
-            lost = next((d["overwritten"] for d in done if d.get("overwritten")), None)
-            raise WeightUpdateError(f"{text}; nothing was committed: the update was dropped on every TP "
-                                    f"rank; {self._kept_words(lost)}", rank=errs[0], name=name)
-        v = "" if version is None else f" (version {version!r})"
-        part = f"TP ranks {unknown} may have written part of the update{v}"
-        why = (f"TP ranks {applied} committed the update{v} and TP ranks {errs} did not"
-               + (f" ({part})" if unknown else "") if applied else part)
-        earlier = f" (and: {self._broken})" if self._broken else ""     # a worker died dropping it
-        self._broken = (f"{text}; {why}: the weights are inconsistent across TP ranks, so the engine "
-                        f"serves nothing more: {_RESTART}{earlier}")
-        raise EngineError(f"{self._broken}\n(worker traceback)\n{tb}")
-
-    def _kept_words(self, lost: str | None) -> str:
-        """What an aborted transaction left, for its error (``lost``: a worker's word on what it
-        could not give back)."""
-        if not self._txn_transactional:
-            return "its calls were committed as they came (not transactional): the weights are partly new"
-        if lost is None:
-            return f"the engine keeps its previous weights (version {self.weight_version!r})"
-        return (f"its calls before the failure were written in place (the engine held no weights worth "
-                f"a copy: its random start-up weights, or weights released without a backup): {lost}; "
-                f"the engine serves nothing until then")
-
-    def _tied_head_refusal(self) -> str | None:
-        """Before a commit: every worker compares the tied ``lm_head.weight`` the transaction sent
-        with no embedding after it against the loaded embedding (`tied_head`); where one differs,
-        the transaction is aborted on every worker and the refusal returned."""
-        replies = self._round("check_heads", what="end_weight_update (tied lm_head)")
-        errs = {r: rep for r, rep in replies.items() if rep[0] != "ok"}
-        if not errs:
-            return None
-        reason = str(errs[min(errs)][2])
-        self._abort_all("end_weight_update", reason)
-        return reason
+        some workers (`transaction.end_failed`): `WeightUpdateError` where every failed worker
+        dropped its transaction unwritten and none applied staged copies; else the engine is broken."""
+        return transaction.end(self, abort=abort, weight_version=weight_version)
 
     # ------------------------------------------------------------------ serving
     def _receive_raw(self, group_name: str, nbytes: int, count: int, p2p: bool = False) -> None:
