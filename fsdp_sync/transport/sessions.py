@@ -4,10 +4,12 @@ inside one at all (`stages_disk_loads`).
 
 A trainer that died between ``begin_weight_update`` and ``end_weight_update`` leaves the engine
 (SGLang 0.5.21+, ``fsdp-sync serve``, the reference engine) with its session open, and every later
-``begin_weight_update`` is refused ("already open"): without `begin` no sync of a fresh trainer
+``begin_weight_update`` is refused (`LEFT_OPEN`): without `begin` no sync of a fresh trainer
 could ever run. The trainer that calls `begin` owns the engine now, so the old session is aborted
 (`end_weight_update(abort=True)`: dropped where the engine stages, only closed on SGLang, which
-applied what arrived) and a new one begun, with a warning.
+applied what arrived) and a new one begun, with a warning. Only those exact refusals are taken
+over: any other, even one that says "already" (another flush already in progress, an adapter
+already loaded), is raised with nothing aborted.
 
 A disk load goes inside a session only on an engine that stages it (`stages_disk_loads`): SGLang
 0.5.23 applies ``update_weights_from_disk`` at once and post-processes the weights itself
@@ -28,9 +30,27 @@ from typing import Any
 
 from .. import fleet
 
-__all__ = ["begin", "begin_all", "stages_disk_loads"]
+__all__ = ["begin", "begin_all", "stages_disk_loads", "LEFT_OPEN", "left_open"]
 
 log = logging.getLogger("fsdp_sync")
+
+LEFT_OPEN = (
+    # SGLang 0.5.21+ (0.5.23: managers/scheduler_components/weight_updater.py, answered as
+    # {"success": false, "message": ...}, HTTP 400; data-parallel ranks' messages joined by " | ")
+    "a weight-update session is already open; call end_weight_update() first",
+    # fsdp_sync's reference engine (engines/reference/engine.py), in process and through
+    # ``fsdp-sync serve`` (its 400 answer's message)
+    "begin_weight_update called twice without end_weight_update",
+)
+"""The texts with which the engines refuse ``begin_weight_update`` because a session is open
+(SGLang 0.5.12 to 0.5.20 have no session at all: `SGLangEngine` skips its calls there). An engine
+error carries one inside its own wording (``SGLang refused begin_weight_update at <url>: ...``)."""
+
+
+def left_open(exc: BaseException) -> bool:
+    """Whether ``exc`` is an engine's refusal of ``begin_weight_update`` for a session left open."""
+    text = str(exc)
+    return any(t in text for t in LEFT_OPEN)
 
 
 def begin(engine: Any) -> None:
@@ -39,8 +59,8 @@ def begin(engine: Any) -> None:
     is raised."""
     try:
         engine.begin_weight_update()
-    except Exception as exc:  # noqa: BLE001 - only the "already open" case is handled
-        if "twice" not in str(exc) and "already" not in str(exc):
+    except Exception as exc:  # noqa: BLE001 - only a session left open is handled
+        if not left_open(exc):
             raise
         log.warning("fsdp_sync: %s had a weight update open (a previous trainer died in it?): "
                     "aborting it and starting ours (%s)", engine, exc)
