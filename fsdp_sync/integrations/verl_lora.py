@@ -152,7 +152,14 @@ def engine_name(name: str) -> str:
 def load_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], config: dict,
                  name: str = LORA_NAME) -> int:
     """Swap adapter ``name`` in ``engine`` as verl does: unload it where ``/v1/models`` lists it,
-    then load from tensors. Returns the engine calls made."""
+    then load from tensors. Returns the engine calls made. What the engine's load would refuse
+    (its ``lora_refusal``: `SGLangEngine`'s rank and target modules against the server's launch
+    arguments) raises before the unload, so a refused adapter leaves the served one in place."""
+    own = getattr(engine, "lora_refusal", None)
+    why = own(config) if callable(own) else None
+    if why is not None:
+        raise ValueError(f"adapter {name!r}: the engine would refuse it: {why}; nothing was "
+                         f"unloaded or sent: the engine keeps the adapter it serves")
     calls = 1
     cards = (engine.available_models() or {}).get("data") or []
     if any(isinstance(c, dict) and c.get("id") == name for c in cards):

@@ -16,6 +16,8 @@ be served as another model than the trainer's. `unserved_target` does the same f
 module (a variant's own parameter a config key this list does not know may add included).
 `pattern_refusal` (``rank_pattern`` / ``alpha_pattern``) and `config_refusal` (every config
 check) say it of a whole config; `sglang_refusal` of target modules SGLang's LoRA cannot stack.
+`sglang_targets` normalizes target module names as SGLang does before it compares an adapter's
+with a server's ``--lora-target-modules`` (`engines.sglang.lora`'s up-front refusal).
 
 Not here: the export itself (`export` calls `base_parts` from `hf_name` and `select` on its
 items), syncing an adapter (`fsdp_sync.lora_sync`).
@@ -28,7 +30,7 @@ from typing import Any, Iterable, Mapping
 
 __all__ = ["is_lora", "adapter_of", "base_parts", "select", "trainable_base", "unserved_option",
            "unserved_tensor", "unserved_target", "pattern_refusal", "config_refusal", "sglang_refusal",
-           "UNSERVED", "UNSERVED_MODULES", "SERVED_KINDS"]
+           "sglang_targets", "UNSERVED", "UNSERVED_MODULES", "SERVED_KINDS"]
 
 
 @functools.lru_cache(maxsize=1 << 16)     # a pure function of the name, asked twice a tensor a sync
@@ -259,3 +261,39 @@ def sglang_refusal(targets: Any) -> str | None:
     return (f"SGLang cannot serve target_modules {sorted(names)}: it stacks q/k/v from q_proj with "
             f"v_proj (k_proj may be left out) and gate/up from gate_proj (up_proj may be left out); "
             f"add {add} to the adapter's target_modules")
+
+
+# SGLang's ``get_normalized_target_modules`` (sglang/srt/lora/utils.py, 0.5.12 and 0.5.23): a
+# target module's last dotted part, renamed to the LoRA weight SGLang stacks it into; any other
+# name stays itself. 0.5.23 also renames the DSA indexer's three (`_INDEXER_TARGETS`), which
+# 0.5.12 leaves as they are: either way the same names land inside or outside a server's set
+# (both sides are normalized alike), so only the names a refusal shows differ.
+_SGLANG_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                   "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "out_proj": "out_proj",
+                   "embed_tokens": "embed_tokens", "vocab_emb": "embed_tokens",
+                   "embeddings": "embed_tokens", "word_embeddings": "embed_tokens",
+                   "lm_head": "lm_head", "output": "lm_head", "unembed_tokens": "lm_head",
+                   "q_a_proj": "fused_qkv_a_proj_with_mqa",
+                   "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa"}
+_INDEXER_TARGETS = {"wq_b": "indexer.wq_b", "wk": "indexer.wk",
+                    "weights_proj": "indexer.weights_proj"}
+_INDEXER_SINCE = (0, 5, 23)      # the first release read that renames them (0.5.12 does not)
+
+
+def sglang_targets(modules: Any, version: tuple[int, ...] | None = None) -> set[str] | None:
+    """``modules`` (a peft ``target_modules`` list, or a server's ``--lora-target-modules``) as
+    SGLang's ``get_normalized_target_modules`` of release ``version`` (None: the newest read)
+    normalizes them: ``{"all"}`` for peft's ``"all"`` / ``"all-linear"``; None for any other
+    string (SGLang raises "Only 'all' or 'all-linear' can be used as the string for target
+    module") or for what is not a collection of names."""
+    if isinstance(modules, str):
+        return {"all"} if modules in ("all", "all-linear") else None
+    if not isinstance(modules, (list, tuple, set, frozenset)):
+        return None
+    table = _SGLANG_TARGETS if version is not None and version < _INDEXER_SINCE \
+        else {**_SGLANG_TARGETS, **_INDEXER_TARGETS}
+    out = set()
+    for name in modules:
+        base = str(name).split(".")[-1]
+        out.add(table.get(base, base))
+    return out

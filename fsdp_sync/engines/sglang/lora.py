@@ -28,10 +28,16 @@ enabled (``enable_lora`` false: "LoRA is not enabled", 0.5.12 and 0.5.23), and a
 ``r`` over ``max_lora_rank`` (``--max-lora-rank``: the LoRA memory pool's buffers are that wide;
 ``LoRAManager.validate_new_adapter`` answers success=False "... with rank r is incompatible with
 the current LoRA memory pool configuration" without naming the limit, and only after a sync has
-paused generation and unloaded the adapter SGLang served under that name). A server that does not
-report them (``fsdp-sync serve``, whose engine checks its own), or ``max_lora_rank`` None (SGLang
-then sizes the pool for the largest rank of its ``--lora-paths``, which it does not report), is
-not checked here: SGLang's own refusal stands.
+paused generation and unloaded the adapter SGLang served under that name), and target modules
+outside ``--lora-target-modules`` (``lora_target_modules``; the same late refusal: the pool holds
+buffers for those modules only), compared as SGLang compares them, both sides normalized by its
+``get_normalized_target_modules`` (`peft_names.sglang_targets`: ``q_proj`` / ``k_proj`` /
+``v_proj`` are ``qkv_proj``, ...; an adapter on ``"all-linear"`` passes, as SGLang lets it),
+naming the adapter's modules outside and the flag to launch with. A server that does not report
+them (``fsdp-sync serve``, whose engine checks its own), ``max_lora_rank`` None (SGLang then sizes
+the pool for the largest rank of its ``--lora-paths``, which it does not report), or target modules
+``all`` or none (sized for what SGLang found in the base model or its ``--lora-paths``), is not
+checked here: SGLang's own refusal stands.
 
 ``lora_checksums`` reads ``POST /fsdp_sync/lora_checksums``, which only ``fsdp-sync serve`` has:
 SGLang cannot hand an adapter back, so against it the call raises, naming what to set instead.
@@ -48,12 +54,15 @@ from typing import Any, Mapping
 import torch
 
 from ...weights import handles
+from ...weights.peft_names import sglang_targets
+from . import versions
 from .client import (NotFound, SGLangError, SGLangUpdateError, check_answer, lease_answered,
                      takes_keyword)
 
 __all__ = ["LoRAClient"]
 
-_LORA_ARGS = ("enable_lora", "max_lora_rank", "lora_paths")   # the server args `lora_refusal` reads
+# the server args `lora_refusal` reads
+_LORA_ARGS = ("enable_lora", "max_lora_rank", "lora_paths", "lora_target_modules")
 
 
 def _with_message(answer: Any) -> Any:
@@ -91,9 +100,10 @@ class LoRAClient:
     # (as the server resolved them: enable_lora is True where --lora-paths were given)
 
     def lora_server_args(self) -> dict:
-        """``{"enable_lora", "max_lora_rank", "lora_paths"}`` as the server reports them (its
-        launch arguments: ``get_server_info``, or an in-process engine's ``server_args``); a key
-        the server does not report is left out. Asked once (launch arguments do not change)."""
+        """``{"enable_lora", "max_lora_rank", "lora_paths", "lora_target_modules"}`` as the
+        server reports them (its launch arguments: ``get_server_info``, or an in-process engine's
+        ``server_args``); a key the server does not report is left out. Asked once (launch
+        arguments do not change)."""
         if self._lora_args is None:
             info: Any = None
             if self._http:
@@ -137,7 +147,41 @@ class LoRAClient:
                     f"wide, so SGLang would answer the load 'incompatible with the current LoRA "
                     f"memory pool configuration'); restart SGLang with --max-lora-rank >= {r}, or "
                     f"train the adapter with r <= {limit}")
+        if isinstance(config_dict, Mapping) and args.get("lora_target_modules"):
+            return self._target_refusal(config_dict.get("target_modules"), args["lora_target_modules"])
         return None
+
+    def _target_refusal(self, targets: Any, served: Any) -> str | None:
+        """`lora_refusal`'s target modules: SGLang's ``LoRAMemoryPool.can_support`` (0.5.12 and
+        0.5.23), asked by ``validate_new_adapter`` at the load, takes an adapter whose normalized
+        targets include "all" or lie inside the pool's, which a server launched with
+        ``--lora-target-modules`` (reported as ``lora_target_modules``) sizes for exactly those,
+        normalized (``LoRAManager.init_lora_shapes``). A server launched with ``all`` (sized for
+        what it found in the base model) or without the flag (sized for its ``--lora-paths``)
+        says not which: not checked here."""
+        label = f"{self.features.label}{self.where}"
+        version = versions.parse(self.features.version)
+        listed = sorted(str(m) for m in served) \
+            if isinstance(served, (list, tuple, set, frozenset)) else None
+        pool = sglang_targets(listed, version) if listed else None
+        if pool is None or "all" in pool:
+            return None
+        if isinstance(targets, str) and sglang_targets(targets) is None:
+            return (f"its target_modules={targets!r} is a string other than 'all' / 'all-linear', "
+                    f"which {label} refuses at the load ('Only 'all' or 'all-linear' can be used as "
+                    f"the string for target module'); give the adapter a list of module names")
+        wanted = sglang_targets(targets, version)
+        if wanted is None or "all" in wanted or wanted <= pool:
+            return None
+        outside = sorted({str(m) for m in targets}
+                         - {str(m) for m in targets if sglang_targets([m], version) <= pool})
+        need = sorted(set(listed) | set(outside))
+        return (f"its target_modules {outside} lie outside {label}'s --lora-target-modules "
+                f"{listed} (server args lora_target_modules; SGLang's LoRA weights "
+                f"{sorted(wanted - pool)} are not among {sorted(pool)}), so SGLang would answer the "
+                f"load 'incompatible with the current LoRA memory pool configuration'; restart "
+                f"SGLang with --lora-target-modules {' '.join(need)} (or all), or train the adapter "
+                f"on target_modules within {listed}")
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
                                        load_format: str | None = None, pinned: bool = False,
