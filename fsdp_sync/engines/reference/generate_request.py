@@ -3,7 +3,7 @@
 `parse_generate` checks a ``/generate`` body the way an RL client sends it (verl, slime, plain
 ``requests``): ``input_ids`` (one prompt or a batch), ``sampling_params`` (one dict or one per
 prompt; checked by `generation.Sampling`), ``return_logprob`` with ``logprob_start_len``,
-``stream``, ``rid``. A field this server cannot honour is refused naming it (400), never ignored;
+``stream``, ``rid`` (with ``n`` > 1 each sample gets an id of its own, `sample_ids`). A field this server cannot honour is refused naming it (400), never ignored;
 ``lora_path`` (a loaded LoRA adapter's name, or one name or null per prompt); fields SGLang defines
 that change nothing at their default value (``image_data: null``, ``lora_id: null``, ...) are
 accepted at that value only.
@@ -29,7 +29,7 @@ from typing import Any
 from .generation import Sampling
 
 __all__ = ["GenerateRequest", "parse_generate", "answer_item", "ClientWatch", "GenerateRefused",
-           "generation_config_eos", "sglang_eos"]
+           "generation_config_eos", "sglang_eos", "sample_ids"]
 
 # SGLang GenerateReqInput fields accepted only at a value that changes nothing here
 _NEUTRAL = {"image_data": (None,), "video_data": (None,), "audio_data": (None,),
@@ -59,6 +59,8 @@ class GenerateRequest:
     n: int                            # samples per prompt
     interval: list[int]               # stream_interval per prompt
     rids: list[str]                   # per prompt
+    ids: list[str]                    # per result (prompt-major, ``n`` per prompt): its meta_info id,
+                                      # the one ``/abort_request`` ends it by (`sample_ids`)
     return_logprob: bool
     logprob_start_len: int | None
     stream: bool
@@ -138,8 +140,10 @@ def parse_generate(body: dict) -> GenerateRequest:
             and all(x is None or (isinstance(x, str) and x) for x in lora))):
         raise GenerateRefused(f"field 'lora_path' must be a loaded LoRA adapter's name, or a list of "
                               f"{len(prompts)} names or nulls (one per prompt), got {lora!r:.80}")
-    return GenerateRequest(prompts=prompts, single=single, sampling=sps, n=ns.pop(),
+    n = ns.pop()
+    return GenerateRequest(prompts=prompts, single=single, sampling=sps, n=n,
                            interval=[s.stream_interval for s in specs], rids=rids,
+                           ids=sample_ids(rids, n),
                            return_logprob=flags["return_logprob"],
                            # SGLang reads it only with return_logprob, and ignores it otherwise
                            logprob_start_len=(None if start is None or start < 0 or not flags["return_logprob"]
@@ -147,16 +151,25 @@ def parse_generate(body: dict) -> GenerateRequest:
                            stream=flags["stream"], lora_path=lora)
 
 
+def sample_ids(rids: list[str], n: int) -> list[str]:
+    """The id of each of the ``n`` samples of each prompt: with ``n`` 1 the prompt's own; with
+    ``n`` > 1 a fresh uuid4 hex each, as SGLang 0.5.23's ``TokenizerManager._handle_batch_request``
+    gives every sample (``GenerateReqInput.regenerate_rid``) after dropping the prompt's own id from
+    ``rid_to_state``: a sample answers its own id in ``meta_info.id`` and is aborted by it alone,
+    and ``/abort_request`` with the request's ``rid`` finds nothing (``abort_request`` returns at
+    an unknown id)."""
+    return list(rids) if n == 1 else [uuid.uuid4().hex for _ in range(len(rids) * n)]
+
+
 def answer_item(req: GenerateRequest, k: int, r: dict, version: str, t0: float) -> dict:
-    """SGLang's answer for result ``k`` of ``req`` (an engine result ``r`` with its ``sample``):
+    """SGLang's answer for result ``k`` of ``req`` (an engine result ``r``), ``req.ids[k]`` its id:
     ``text`` (empty: no tokenizer), ``output_ids`` and ``meta_info``; with ``return_logprob``
     both ``input_token_logprobs`` (empty when ``logprob_start_len`` is -1, as SGLang's) and
     ``output_token_logprobs`` with ``output_token_logprobs_length``; in a stream of a batch (or
     of ``n`` > 1 samples: SGLang answers those as a batch) the chunk's ``index``. ``version``:
     the weight version for an engine whose results carry none; ``t0``: when the request began."""
-    rid = req.rids[r["prompt_index"]]
     n_out = len(r["output_ids"])
-    meta = {"id": rid if req.n == 1 else f"{rid}-{r['sample']}",
+    meta = {"id": req.ids[k],
             "finish_reason": r["finish_reason"], "prompt_tokens": len(req.prompts[r["prompt_index"]]),
             "completion_tokens": n_out, "cached_tokens": 0,
             "weight_version": r.get("weight_version", version),

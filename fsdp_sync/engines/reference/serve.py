@@ -521,7 +521,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
             raise Refused(404, "this engine has no generate_requests")
         if self.serving_refusal() is not None:       # a router must route elsewhere
             return self.serving_refusal()
-        rids = req.rids
+        rids = req.ids          # with n > 1 the samples' own (`sample_ids`), not the request's rid
         events = {rid: threading.Event() for rid in rids}
         with self._live_lock:
             clash = sorted(set(rids) & set(self._live))
@@ -547,8 +547,6 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
                 results.extend(rs)
                 sent.extend([0] * len(rs))
                 ended.extend([False] * len(rs))
-                for k, r in enumerate(rs):
-                    r["sample"] = k % req.n
             for k, r in enumerate(rs):
                 n = len(r["output_ids"])
                 done = r["finish_reason"] is not None
@@ -564,7 +562,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
                 rs = self.engine.generate_requests(
                     req.prompts, req.sampling, return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len, on_step=on_step,
-                    should_abort=lambda k: gone() or events[rids[k // req.n]].is_set(),
+                    should_abort=lambda k: gone() or events[rids[k]].is_set(),
                     **({} if req.lora_path is None else {"lora_path": req.lora_path}),
                     **({} if eos is None else {"eos": eos}))
             except Exception as exc:  # noqa: BLE001 - in a stream the error is a chunk, as SGLang's
@@ -584,8 +582,6 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
                                      "service_unavailable" if status == 503 else "server_error"}})
                 gone.end_stream()
                 return None, None
-            for k, r in enumerate(rs):
-                r["sample"] = k % req.n
             if req.stream:
                 if not sent:      # max_new_tokens 0: no step ran
                     results.extend(rs)
@@ -603,7 +599,9 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
     def _abort_request(self, body: dict) -> tuple[int, Any]:
         """SGLang's ``/abort_request``: ``{"rid": id}`` or ``{"abort_all": true}``; an unknown id is
         ignored, as SGLang ignores it. The request ends at its next decode step with
-        ``finish_reason`` ``{"type": "abort"}``."""
+        ``finish_reason`` ``{"type": "abort"}``. A sample of an ``n`` > 1 request is aborted by its
+        own id (its ``meta_info.id``), and the request's ``rid`` aborts none of them, as in SGLang
+        (`generate_request.sample_ids`)."""
         rid = body_field(body, "rid", (str, type(None)), "") or ""
         abort_all = body_field(body, "abort_all", bool, False)
         with self._live_lock:
