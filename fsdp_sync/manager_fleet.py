@@ -6,7 +6,9 @@ which replicas a sync goes to, what a failed sync does to them, and bringing one
 - `after_failure`: a failed sync's decision (trainer rank 0's, followed on every rank): raise, or
   quarantine the replicas that cannot take updates and return the ones to sync again.
 - `bring_in`: `recover` and `add_engine`: the replica brought to the version the others serve
-  (sent or loaded now, or at the next sync), then put in service.
+  (sent or loaded now, or at the next sync), then put in service; `send`: that transfer, under a
+  ``pause_mode`` with its generation paused as a sync pauses its targets, continued once it holds
+  the whole version (or kept paused, holding part of it, as `manager_pause.stall` says).
 
 Not here: the fleet's own state (`fleet`), pausing and continuing generation (`manager_pause`),
 the sync itself (the manager's ``_sync_full`` and the transports).
@@ -20,7 +22,7 @@ from typing import Any
 from . import fleet, lora_stage, manager_pause
 from .topology import SyncError
 
-__all__ = ["targets", "after_failure", "bring_in"]
+__all__ = ["targets", "after_failure", "bring_in", "send"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -116,18 +118,37 @@ def bring_in(manager: Any, engine: Any, what: str) -> bool:
         if rep is not None:               # the next sync brings it in, whatever the failure mode
             rep.held, rep.rejoin = False, True
         return False
+    reps, paused = [rep] if rep is not None else [], []
     if action in ("load", "send"):   # the weights the others serve, under their version
-        err, _ = manager._transport_sync([rep] if rep is not None else [], version,
-                                         manager.step - 1, reload=True)
-        if err is not None:       # (add_engine lets a replica it does not add go: `let_go`)
-            manager_pause.stall(manager, manager_pause.kept_part([rep] if rep is not None else []),
-                                None if what == "add_engine" else err)
-            raise err
-        if manager.config.lora == "adapter":     # and the adapter the others serve (`lora_stage`)
-            manager._agree(lora_stage.bring_adapter(manager, rep, version), what=what)
+        paused = manager_pause.pause(manager, reps)   # as a sync pauses its targets (`pause_mode`)
+        send(manager, reps, paused, version, what)
     if rep is not None:
         manager.fleet.reinstate(rep, version)
-    if action in ("load", "send"):     # one a failed sync (or add_engine) left paused
-        again = [rep] if rep is not None and manager.config.pause_mode is not None else []
-        manager_pause.release(manager, again, [rep] if rep is not None else [], version)
+    if action in ("load", "send"):     # and one a failed sync (or add_engine) left paused
+        manager_pause.release(manager, paused, reps, version)
     return True
+
+
+def send(manager: Any, reps: list, paused: list, version: str | None, what: str) -> None:
+    """`bring_in`'s transfer to ``reps`` (trainer rank 0's replica, [] elsewhere), generation
+    there paused (``paused``) under a ``pause_mode``: a request that starts between two update
+    calls would run on partly new weights (a server a client reaches directly, a real SGLang
+    server that cannot be told it is out of service). The base, then, ``lora="adapter"``, the
+    adapter the others serve (`lora_stage.bring_adapter`). On any failure: a replica that kept
+    part of the update stays paused (`manager_pause.stall`), the others are continued (what
+    they hold is whole), and the error is raised."""
+    try:
+        err, _ = manager._transport_sync(reps, version, manager.step - 1, reload=True)
+        kept = manager_pause.kept_part(reps)
+        if err is not None:       # (add_engine lets a replica it does not add go: `let_go`)
+            manager_pause.stall(manager, kept, None if what == "add_engine" else err)
+            raise err
+        if manager.config.lora == "adapter":     # and the adapter the others serve (`lora_stage`)
+            manager._agree(lora_stage.bring_adapter(manager, reps[0] if reps else None, version), what=what)
+    except BaseException as exc:
+        try:     # an interrupt out of the transport too: no generation on partly new weights
+            manager_pause.stall(manager, manager_pause.kept_part(reps), None)
+            manager_pause.resume(manager, paused)
+        except Exception as cont:  # noqa: BLE001 - the transfer's error is the one to raise
+            exc.add_note(f"and then: {cont}")
+        raise
