@@ -624,14 +624,17 @@ class TensorTransport:
                 return None
             call, fut = pending
             row = rows.pop(id(call), None)
-            err = fut.result()[0] if fut is not None else None
+            err, opened = fut.result() if fut is not None else (None, True)
             times.lap(row, "engine_s")
             try:
                 agree(err, self._group, what=self._what)
                 times.lap(row, "agree_s")
+            except SyncError:   # only infer-TP rank 0 heard whether the engine opened the payloads
+                opened = bool(broadcast_from_src(opened, topo))
+                raise
             finally:
                 pending = None
-                self._release(call, err)
+                self._release(call, err, opened)
                 times.lap(row, "release_s")
             return err
 
@@ -642,8 +645,8 @@ class TensorTransport:
                     gathered = gather_to_src(call.wire, topo)
                     times.lap(row, "gather_s")
                     finish()
-                except BaseException:
-                    self._release(call, "failed")
+                except BaseException:   # never handed to the engine: nobody opened it
+                    self._release(call, "failed", opened=False)
                     raise
                 fut = pool.submit(self._engine_call, call, gathered, row) if pool is not None else None
                 pending = (call, fut)
