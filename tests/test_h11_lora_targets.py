@@ -168,3 +168,27 @@ def test_verls_swap_leaves_the_served_adapter_when_the_engine_would_refuse(serve
     assert server.hits.get("/unload_lora_adapter", 0) == unloads
     assert server.engine.loras[verl_lora.LORA_NAME]["tensors"] is held      # still served, whole
     a.unload_lora_adapter(verl_lora.LORA_NAME)
+
+
+def test_an_all_linear_adapter_with_tensors_outside_the_servers_modules_is_refused(server):
+    """SGLang takes an adapter on "all-linear" whatever the server's --lora-target-modules (its
+    can_support returns True for "all"), then its memory pool loads only the tensors whose name
+    holds one of its modules and skips the others with a warning: served without them. Refused
+    up front from the tensors' names, naming the modules; tensors inside pass."""
+    a = SGLangEngine(base_url=server.url, retry_backoff_s=0.01)
+    metas = lambda ts: [(n, t.dtype, tuple(t.shape)) for n, t in ts]   # noqa: E731
+    inside = tensors(["q_proj", "k_proj", "v_proj"])
+    assert a.lora_refusal(config("all-linear"), metas(inside)) is None
+    for more in (["o_proj"], ["gate_proj", "up_proj", "down_proj"]):
+        ts = inside + tensors(more)
+        why = a.lora_refusal(config("all-linear"), metas(ts))
+        assert why is not None and f"its tensors on {sorted(more)} lie outside its " \
+            f"--lora-target-modules ['q_proj', 'v_proj']" in why and "skips them" in why, why
+        assert f"--lora-target-modules {' '.join(sorted(more + ['q_proj', 'v_proj']))} (or all)" in why, why
+        sent = server.hits.get("/load_lora_adapter_from_tensors", 0)
+        with pytest.raises(SGLangError, match=r"its tensors on .* lie outside .*nothing was sent"):
+            a.load_lora_adapter_from_tensors("A", ts, config("all-linear"))
+        assert server.hits.get("/load_lora_adapter_from_tensors", 0) == sent
+    a.load_lora_adapter_from_tensors("A", inside, config("all-linear"))
+    assert "A" in server.engine.loras
+    a.unload_lora_adapter("A")

@@ -156,7 +156,7 @@ def load_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], config: dic
     (its ``lora_refusal``: `SGLangEngine`'s rank and target modules against the server's launch
     arguments) raises before the unload, so a refused adapter leaves the served one in place."""
     own = getattr(engine, "lora_refusal", None)
-    why = own(config) if callable(own) else None
+    why = own(config, [(n, t.dtype, tuple(t.shape)) for n, t in named]) if callable(own) else None
     if why is not None:
         raise ValueError(f"adapter {name!r}: the engine would refuse it: {why}; nothing was "
                          f"unloaded or sent: the engine keeps the adapter it serves")

@@ -32,8 +32,9 @@ paused generation and unloaded the adapter SGLang served under that name), and t
 outside ``--lora-target-modules`` (``lora_target_modules``; the same late refusal: the pool holds
 buffers for those modules only), compared as SGLang compares them, both sides normalized by its
 ``get_normalized_target_modules`` (`peft_names.sglang_targets`: ``q_proj`` / ``k_proj`` /
-``v_proj`` are ``qkv_proj``, ...; an adapter on ``"all-linear"`` passes, as SGLang lets it),
-naming the adapter's modules outside and the flag to launch with. A server that does not report
+``v_proj`` are ``qkv_proj``, ...; an adapter on ``"all-linear"`` passes SGLang's check, but its
+tensors on modules outside would be skipped at the load, a wrong result: refused too), naming the
+adapter's modules outside and the flag to launch with. A server that does not report
 them (``fsdp-sync serve``, whose engine checks its own), ``max_lora_rank`` None (SGLang then sizes
 the pool for the largest rank of its ``--lora-paths``, which it does not report), or target modules
 ``all`` or none (sized for what SGLang found in the base model or its ``--lora-paths``), is not
@@ -131,7 +132,8 @@ class LoRAClient:
     def lora_refusal(self, config_dict: Any, metas: Any = ()) -> str | None:
         """Why SGLang would refuse to load an adapter of ``config_dict`` (peft's dict), said
         without sending it (None: not known to be refused; see the module docstring). ``metas``:
-        the adapter's tensors (`lora_sync.check_engine` passes them; not read here)."""
+        the adapter's tensors, ``[(peft name, dtype, shape)]`` (`lora_sync.check_engine` passes
+        them; read for an adapter on "all", `_skipped_refusal`)."""
         self._check_open("lora_refusal")
         args = self.lora_server_args()
         if "enable_lora" in args and not args["enable_lora"]:
@@ -148,17 +150,22 @@ class LoRAClient:
                     f"memory pool configuration'); restart SGLang with --max-lora-rank >= {r}, or "
                     f"train the adapter with r <= {limit}")
         if isinstance(config_dict, Mapping) and args.get("lora_target_modules"):
-            return self._target_refusal(config_dict.get("target_modules"), args["lora_target_modules"])
+            return self._target_refusal(config_dict.get("target_modules"), args["lora_target_modules"],
+                                        metas)
         return None
 
-    def _target_refusal(self, targets: Any, served: Any) -> str | None:
+    def _target_refusal(self, targets: Any, served: Any, metas: Any = ()) -> str | None:
         """`lora_refusal`'s target modules: SGLang's ``LoRAMemoryPool.can_support`` (0.5.12 and
         0.5.23), asked by ``validate_new_adapter`` at the load, takes an adapter whose normalized
         targets include "all" or lie inside the pool's, which a server launched with
         ``--lora-target-modules`` (reported as ``lora_target_modules``) sizes for exactly those,
         normalized (``LoRAManager.init_lora_shapes``). A server launched with ``all`` (sized for
         what it found in the base model) or without the flag (sized for its ``--lora-paths``)
-        says not which: not checked here."""
+        says not which: not checked here. An adapter whose targets are "all" passes that check
+        whatever its tensors; SGLang's memory pool then loads only the tensors whose name holds one
+        of its modules (``get_target_module_name``) and skips the others with a warning (a
+        ValueError under ``--lora-strict-loading``): served without them, another model than the
+        trainer's. Such tensors (``metas``, ``[(peft name, dtype, shape)]``) are refused too."""
         label = f"{self.features.label}{self.where}"
         version = versions.parse(self.features.version)
         listed = sorted(str(m) for m in served) \
@@ -171,7 +178,9 @@ class LoRAClient:
                     f"which {label} refuses at the load ('Only 'all' or 'all-linear' can be used as "
                     f"the string for target module'); give the adapter a list of module names")
         wanted = sglang_targets(targets, version)
-        if wanted is None or "all" in wanted or wanted <= pool:
+        if wanted is not None and "all" in wanted:
+            return self._skipped_refusal(targets, listed, pool, metas, version)
+        if wanted is None or wanted <= pool:
             return None
         outside = sorted({str(m) for m in targets}
                          - {str(m) for m in targets if sglang_targets([m], version) <= pool})
@@ -182,6 +191,32 @@ class LoRAClient:
                 f"load 'incompatible with the current LoRA memory pool configuration'; restart "
                 f"SGLang with --lora-target-modules {' '.join(need)} (or all), or train the adapter "
                 f"on target_modules within {listed}")
+
+    def _skipped_refusal(self, targets: Any, listed: list, pool: set, metas: Any,
+                         version: tuple[int, ...] | None) -> str | None:
+        """`_target_refusal` of an adapter on "all": its tensors on modules SGLang's pool has no
+        buffers for (their module's name normalized as SGLang stacks it; a tensor whose name
+        then holds none of the pool's modules is skipped at the load)."""
+        skipped: set[str] = set()
+        for meta in metas or ():
+            name = str(meta[0])
+            head, sep, _ = name.partition(".lora_")
+            if not sep:
+                continue
+            prefix, _, module = head.rpartition(".")
+            stacked = next(iter(sglang_targets([module], version)))
+            if not any(t in f"{prefix}.{stacked}" for t in pool):
+                skipped.add(module)
+        if not skipped:
+            return None
+        label = f"{self.features.label}{self.where}"
+        need = sorted(set(listed) | skipped)
+        return (f"its target_modules={targets!r} pass {label}'s check, but its tensors on "
+                f"{sorted(skipped)} lie outside its --lora-target-modules {listed} (server args "
+                f"lora_target_modules): SGLang would load the adapter without them (its memory pool "
+                f"skips them with a warning), serving another model than the trainer's; restart "
+                f"SGLang with --lora-target-modules {' '.join(need)} (or all), or give the adapter "
+                f"target_modules within {listed}")
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
                                        load_format: str | None = None, pinned: bool = False,
@@ -197,7 +232,7 @@ class LoRAClient:
                              "SGLangEngine.load_lora_adapter_from_tensors sends named tensors: "
                              "leave load_format None")
         named = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
-        why = self.lora_refusal(config_dict)
+        why = self.lora_refusal(config_dict, [(n, t.dtype, tuple(t.shape)) for n, t in named])
         if why is not None:
             raise SGLangError(f"{call}: {why}; nothing was sent", call="load_lora_adapter_from_tensors")
         if self._local:
