@@ -1,0 +1,124 @@
+"""Mutation pass (H10) over manager.py, manager_pause.py, memory.py, topology.py: the tests that
+killed a mutant no other test did. In-process, engines stubbed where only the manager's
+bookkeeping is under test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_sync import FSDPShardingManager, SyncConfig, fleet
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Remote:
+    """A disaggregated replica (another machine's GPUs): records every call made to it."""
+
+    base_url = "http://127.0.0.1:39997"
+
+    def __init__(self):
+        self.calls = []
+
+    def get_weight_version(self):
+        return "default"
+
+    def resume_memory_occupation(self, tags=None):
+        self.calls.append(("resume", tags))
+
+    def release_memory_occupation(self, tags=None):
+        self.calls.append(("release", tags))
+
+    def set_serving(self, serving, reason=""):
+        pass
+
+
+@pytest.mark.parametrize("multi_stage", [True, False])
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_a_disaggregated_engines_memory_is_never_released_or_resumed(multi_stage, method, tmp_path):
+    """The engine-memory stages run only for a colocated engine (`transport.colocated`): a
+    replica on its own GPUs keeps its weights and KV cache across the with block (a resume of
+    memory never released is no call to make of SGLang). Killed the mutant that resumed on entry
+    whatever the transport."""
+    from fsdp_sync.models import build_model, load_config
+
+    eng = _Remote()
+    cfg = SyncConfig(method=method, memory_probe="off", multi_stage_wake_up=multi_stage,
+                     disk_dir=str(tmp_path))
+    m = FSDPShardingManager(build_model(load_config("tiny"), seed=0), [eng], config=cfg)
+    assert cfg.free_cache_engine and not m.transport.colocated
+    m._check_coverage = lambda: None
+    sent = []
+
+    def fake_sync(targets, version, step, reload=False):
+        fleet.take_noted()
+        sent.append(version)
+        return None, None
+
+    m._transport_sync = fake_sync
+    try:
+        with m:
+            pass
+        assert sent == ["0"] and m.version == "0"
+        assert eng.calls == [], eng.calls
+    finally:
+        m.close()
+
+
+class _Paused(_Remote):
+    """A replica with SGLang's pause calls; ``dead`` is what its own probe says (`fleet.problem`)."""
+
+    def __init__(self, url):
+        super().__init__()
+        self.base_url, self.paused, self.dead = url, None, None
+
+    def dead_reason(self):
+        return self.dead
+
+    def pause_generation(self, mode="abort"):
+        self.paused = mode
+        self.calls.append(("pause", mode))
+
+    def continue_generation(self):
+        self.paused = None
+        self.calls.append(("continue",))
+
+
+def test_a_replica_dropped_from_the_retry_holding_part_of_the_first_attempt_stays_paused():
+    """Under "quarantine": replica 1 took part of the first attempt and then could not take
+    updates; it is quarantined and the sync runs again for replica 0, which commits. Replica 1
+    was paused with the others: it must not be continued on its partly new weights (its
+    requests aborted, generation held, marked so). Killed the mutant that dropped the stall of
+    the replicas left out of the retry."""
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.topology import SyncError
+
+    e0, e1 = _Paused("http://127.0.0.1:39995"), _Paused("http://127.0.0.1:39996")
+    cfg = SyncConfig(method="distributed", memory_probe="off", pause_mode="in_place",
+                     on_replica_failure="quarantine")
+    m = FSDPShardingManager(build_model(load_config("tiny"), seed=0), [e0, e1], config=cfg)
+    m._check_coverage = lambda: None
+    attempts = []
+
+    def fake_sync(targets, version, step, reload=False):
+        fleet.take_noted()
+        attempts.append([t.engine for t in targets])
+        if len(attempts) == 1:            # replica 1 takes some buckets, then stops answering
+            fleet.note_partial([fleet.describe(e1, 1)])
+            e1.dead = "worker 0 died (injected)"
+            return SyncError("update_weights_from_distributed failed on replica 1"), type(
+                "Ctx", (), {"commit_failed": None})()
+        return None, None
+
+    m._transport_sync = fake_sync
+    try:
+        m._sync_full()
+        assert attempts == [[e0, e1], [e0]] and m.version == "0"
+        assert e0.calls == [("pause", "in_place"), ("continue",)], e0.calls
+        assert ("continue",) not in e1.calls and e1.paused == "abort", e1.calls
+        (r0, r1) = m.fleet_status()["replicas"]
+        assert r0["serving"] and not r0["generation_paused"]
+        assert not r1["serving"] and r1["generation_paused"], r1
+        assert m.fleet.find(e1).partial
+    finally:
+        m.close()
