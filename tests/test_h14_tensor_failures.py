@@ -11,7 +11,10 @@ a shared-memory segment of the sync nor a payload set only the garbage collector
 - a commit (``end_weight_update``) refused after every call went through: every rank fails,
   naming it (not a sync that counted as done on every rank);
 - the export failing on every rank while the engine loads the bucket before (pipelined): that
-  bucket is waited for and released, the update aborted.
+  bucket is waited for and released, the update aborted;
+- and, with nothing failing, an engine that takes per-rank payloads untagged and as the bare flat
+  tensor (SGLang with fsdp_sync's loader) gets them so from every infer-TP rank, not only from the
+  rank that holds it (which alone can ask the engine).
 """
 
 from __future__ import annotations
@@ -51,6 +54,24 @@ def _job(rank: int, world: int) -> dict:
 
         def update_weights_from_tensor(self, named, load_format=None, flush_cache=True):
             raise Refused("no weight update session (injected)")
+
+    class TensorForm:
+        """An engine taking per-rank payloads untagged and as the bare flat tensor (SGLang with
+        its loader: ``accepts_tagged_payloads``, ``rank_bucket_payload``)."""
+        accepts_tagged_payloads = False
+        accepts_rank_buckets = True
+        rank_bucket_payload = "tensor"
+        tp_size = world
+        forms: list = []
+
+        def load_rank_bucket(self, bucket, payloads, flush_cache=True):
+            for r, p in enumerate(payloads):
+                got = handles.open_payload(p, r)
+                value = got.value
+                form = "tensor" if isinstance(value, torch.Tensor) else str(sorted(value))
+                self.forms.append((r, "tagged" if b"fsdp_sync" in p else "untagged", form))
+                del value
+                got.ack()
 
     class CommitRefused:
         """A reference engine whose commit is refused (it drops the update first)."""
@@ -107,6 +128,9 @@ def _job(rank: int, world: int) -> dict:
                         ("unopened_flattened", {"layout": "full"})):
             out[key] = sync(Unopening() if holder else None, **kw)
         out["commit"] = sync(CommitRefused(engine) if holder else None, layout="full")
+        # every infer-TP rank packs its payload in the form infer-TP rank 0's engine takes
+        out["form"] = sync(TensorForm() if holder else None, layout="engine")
+        out["form"]["forms"] = sorted(set(TensorForm.forms))
         orig = reshard.iter_rank_buckets
 
         def third_fails(*a, **kw):
@@ -137,7 +161,7 @@ def test_tensor_failures_agree_keep_the_weights_and_leave_nothing():
     for rank, out in enumerate(results):
         for key, rec in out.items():
             assert rec["left"] == [] and rec["unreleased"] == [], (rank, key, rec)
-            if rank == 0 and key not in ("first", "after"):
+            if rank == 0 and key not in ("first", "after", "form"):
                 assert rec["kept"], (key, rec)          # the update was dropped
         assert out["first"]["error"] is None and out["after"]["error"] is None, (rank, out)
         for key, what in (("unopened_pipelined", "per-rank bucket 0 (model.embed_tokens.weight"),
@@ -145,6 +169,10 @@ def test_tensor_failures_agree_keep_the_weights_and_leave_nothing():
             err = out[key]["error"]
             assert err and "failed on rank 0" in err and what in err and "infer_tp 0/2" in err, (rank, key, err)
             assert "no weight update session (injected)" in err, err
+        assert out["form"]["error"] is None, (rank, out["form"])
+        if rank == 0:
+            forms = [tuple(f) for f in out["form"]["forms"]]
+            assert forms == [(0, "untagged", "tensor"), (1, "untagged", "tensor")], out["form"]
         err = out["commit"]["error"]
         assert err and "end_weight_update" in err and "commit refused (injected)" in err, (rank, err)
         assert out["export"]["error"] and "export failed (injected)" in out["export"]["error"], (rank, out)
