@@ -1,0 +1,202 @@
+"""Refusals of `fsdp-sync serve`'s routes that name the field and change nothing (helper H12's
+mutation pass over serve, serve_updates, serve_control, serve_cache, generate_request,
+http_fields). Each test kills a mutant no other test did (said in its docstring). A stub engine
+records the calls that reach it, so no worker starts: each test costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_sync.engines.reference.generate_request import GenerateRefused, parse_generate
+from fsdp_sync.engines.reference.http_fields import Refused, check_disk_path
+from fsdp_sync.engines.reference.serve import EngineServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Stub:
+    """An engine that records what reaches it; ``generate_requests`` runs until aborted."""
+
+    tp_size = 1
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.running = threading.Event()
+
+    def end_weight_update(self, *, abort: bool = False, weight_version: str | None = None) -> bool:
+        self.calls.append(("end_weight_update", abort, weight_version))
+        return True
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        flush_cache=True, load_format=None):
+        self.calls.append(("update_weights_from_distributed", names))
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name="weight_update_group", backend="gloo"):
+        self.calls.append(("init_weights_update_group", rank_offset, world_size))
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.calls.append(("pause_generation", mode))
+
+    def flush_cache(self, timeout_s: float = 0.0) -> None:
+        self.calls.append(("flush_cache", timeout_s))
+
+    def generate_requests(self, prompts, sampling, *, return_logprob=False, logprob_start_len=None,
+                          on_step=None, should_abort=None, **kw):
+        self.calls.append(("generate", len(prompts)))
+        rows = [i for i, s in enumerate(sampling) for _ in range(int(s.get("n", 1)))]
+        self.running.set()
+        deadline = time.monotonic() + 20
+        while not all(should_abort(k) for k in range(len(rows))) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [{"prompt_index": i, "output_ids": [1], "finish_reason": {"type": "abort"}} for i in rows]
+
+
+@pytest.fixture
+def served():
+    stub = Stub()
+    with EngineServer(stub) as srv:
+        yield srv, stub
+
+
+def call(srv, path, body):
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        return resp.status, (json.loads(raw) if resp.getheader("Content-Type") == "application/json" else raw)
+    finally:
+        conn.close()
+
+
+def test_an_abort_with_a_weight_version_is_refused_and_nothing_ends(served):
+    """serve_updates._end_weight_update, mutant: the refusal of ``{"abort": true,
+    "weight_version": ...}`` dropped: the session was dropped and the answer said success, the
+    version the client meant to commit silently lost."""
+    srv, stub = served
+    status, out = call(srv, "/end_weight_update", {"abort": True, "weight_version": "v2"})
+    assert status == 400 and "weight_version" in out["message"] and "abort" in out["message"], out
+    assert stub.calls == []
+    assert call(srv, "/end_weight_update", {"abort": True})[0] == 200
+    assert stub.calls == [("end_weight_update", True, None)]
+
+
+def test_a_bool_is_not_an_int_field(served):
+    """http_fields.body_field, mutant: a bool taken for an int (``True`` is an int in Python):
+    ``rank_offset: true`` joined the group as rank 1."""
+    srv, stub = served
+    body = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": True, "world_size": 2,
+            "backend": "gloo"}
+    status, out = call(srv, "/init_weights_update_group", body)
+    assert status == 400 and out["message"] == "field 'rank_offset' must be int, got bool", out
+    assert stub.calls == []
+
+
+def test_distributed_names_dtypes_and_shapes_of_other_lengths_are_refused(served):
+    """serve_updates._update_from_distributed, mutant: the length check dropped: the engine was
+    asked to receive two tensors described by one dtype."""
+    srv, stub = served
+    status, out = call(srv, "/update_weights_from_distributed",
+                       {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[2], [2]]})
+    assert status == 400 and "names, dtypes and shapes differ in length: 2, 1, 2" in out["message"], out
+    assert stub.calls == []
+
+
+def test_a_pause_mode_not_sglangs_is_refused_naming_it(served):
+    """serve_control._pause_generation, mutant: the mode check dropped: an unknown mode reached
+    the engine."""
+    srv, stub = served
+    status, out = call(srv, "/pause_generation", {"mode": "later"})
+    assert status == 400 and "field 'mode'" in out["message"] and "'later'" in out["message"], out
+    assert stub.calls == []
+    assert call(srv, "/pause_generation", {"mode": "retract"}) == (
+        200, {"message": "Generation paused successfully.", "status": "ok"})
+
+
+def test_a_flush_with_timeout_zero_is_sglangs_default(served):
+    """serve_cache.timeout_param, mutant: ``0 < t`` for ``0 <= t``: ``?timeout=0`` (SGLang's
+    default, sent explicitly) was refused."""
+    srv, stub = served
+    assert call(srv, "/flush_cache?timeout=0", {})[0] == 200
+    assert call(srv, "/flush_cache?timeout=-1", {})[0] == 400
+    assert stub.calls == [("flush_cache", 0.0)]
+
+
+def test_a_running_rid_is_refused_to_a_second_request(served):
+    """serve._generate, mutant: the check of ids already running dropped: a second request with
+    a running rid replaced the first's abort flag, so ``/abort_request`` could no longer end the
+    first (SGLang refuses a duplicate id: ``TokenizerManager._init_req_state``)."""
+    srv, stub = served
+    box = []
+    t = threading.Thread(target=lambda: box.append(call(srv, "/generate", {"input_ids": [1, 2], "rid": "r"})))
+    t.start()
+    try:
+        assert stub.running.wait(10)
+        status, out = call(srv, "/generate", {"input_ids": [3, 4], "rid": "r"})
+        assert status == 400 and "field 'rid'" in out["message"] and "'r'" in out["message"], out
+    finally:
+        assert call(srv, "/abort_request", {"rid": "r"})[0] == 200
+        t.join(20)
+    assert box and box[0][0] == 200 and box[0][1]["meta_info"]["finish_reason"]["type"] == "abort", box
+    assert [c for c in stub.calls if c[0] == "generate"] == [("generate", 1)]
+
+
+def test_a_batch_with_one_id_twice_or_samples_that_differ_in_n_is_refused():
+    """generate_request.parse_generate, mutants: the distinct-ids check of a ``rid`` list dropped
+    (two prompts under one id: an abort of it ends either), and the one-``n`` check dropped
+    (SGLang: "The parallel_sample_num should be the same for all samples in sample params.")."""
+    with pytest.raises(GenerateRefused, match=r"field 'rid' must be .* distinct strings"):
+        parse_generate({"input_ids": [[1], [2]], "rid": ["a", "a"]})
+    with pytest.raises(GenerateRefused, match=r"sampling_params\.n must be the same for every prompt, got \[1, 2\]"):
+        parse_generate({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]})
+
+
+def test_a_disk_path_beside_an_allowed_directory_is_not_inside_it(tmp_path):
+    """http_fields.check_disk_path, mutant: "inside" tested as a string prefix: ``/x/allowed2``
+    passed for ``/x/allowed``."""
+    allowed, beside = tmp_path / "allowed", tmp_path / "allowed2"
+    (allowed / "ckpt").mkdir(parents=True)
+    (beside / "ckpt").mkdir(parents=True)
+    assert check_disk_path(str(allowed / "ckpt"), [str(allowed)]) == (allowed / "ckpt").resolve()
+    with pytest.raises(Refused, match="is outside the allowed directories") as err:
+        check_disk_path(str(beside / "ckpt"), [str(allowed)])
+    assert err.value.status == 403
+    assert Path(beside).exists()
+
+
+def test_tp_payloads_naming_other_tensors_are_refused_and_nothing_loads():
+    """serve_updates._update_from_tensor, mutant: the check that every TP rank's payload names
+    payload 0's tensors dropped: with ``load_format="direct"`` each tensor is matched by position,
+    so rank 1's payload in another order loaded its ``b`` as ``a`` (same shape: no refusal) on
+    rank 1: a model of mixed-up shards, answered success."""
+    import torch
+
+    from fsdp_sync.weights import handles
+
+    class TwoRanks(Stub):
+        tp_size = 2
+
+        def update_weights_from_tensor(self, named, load_format=None, flush_cache=True):
+            self.calls.append(("update_weights_from_tensor", [n for n, _ in named]))
+
+    a, b = torch.ones(2), torch.zeros(2)
+    sets = [handles.make_payloads(pairs, 1, output_str=True, tagged=False)
+            for pairs in ([("a", a), ("b", b)], [("b", b), ("a", a)])]
+    stub = TwoRanks()
+    try:
+        with EngineServer(stub) as srv:
+            status, out = call(srv, "/update_weights_from_tensor", {
+                "serialized_named_tensors": [s.payloads[0] for s in sets], "load_format": "direct"})
+    finally:
+        for s in sets:
+            s.release(require_ack=False)
+    assert status == 400 and out["message"] == "payload 1 names other tensors than payload 0", out
+    assert stub.calls == []
