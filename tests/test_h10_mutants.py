@@ -122,3 +122,45 @@ def test_a_replica_dropped_from_the_retry_holding_part_of_the_first_attempt_stay
         assert m.fleet.find(e1).partial
     finally:
         m.close()
+
+
+def test_a_one_rank_process_group_still_raises_its_own_failure():
+    """A trainer of one rank that did init a process group (torchrun --nproc-per-node 1): `agree`
+    runs no collective there, but the rank's own error is raised, naming it, not dropped. Killed
+    the mutant that answered a group of one as if nothing failed (every failed stage passed)."""
+    import torch.distributed as dist
+
+    from fsdp_sync.topology import SyncError, agree
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        agree(None, what="stage 'x'")
+        with pytest.raises(SyncError, match=r"stage 'sync_weights' failed on rank 0: RuntimeError: boom"):
+            agree(RuntimeError("boom"), what="stage 'sync_weights'")
+        with pytest.raises(SyncError, match=r"^verify failed on rank 0: mismatch in q_proj") as info:
+            agree(("verify", "mismatch in q_proj"), what="stage 'x'")
+        assert info.value.failures == {0: "mismatch in q_proj"}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["off", "rss", "full"])
+def test_each_stage_records_the_memory_its_mode_asks_for(mode):
+    """`Timeline.stage`: the trainer's memory after the stage in "rss" (the default) and "full"
+    (+ USS/PSS), none in "off". Killed the mutant that probed only in "full" mode (the default
+    timeline then said nothing of memory, and no test noticed)."""
+    from fsdp_sync.memory import Timeline
+
+    tl = Timeline(mode=mode)
+    with tl.stage("resume_weights"):
+        pass
+    (rec,) = tl.stages
+    if mode == "off":
+        assert rec.memory == {}
+        return
+    mem = rec.memory["trainer"]
+    assert mem["rss"] > 10 << 20 and mem["rss_peak"] >= mem["rss"], mem
+    assert ("uss" in mem and "pss" in mem) == (mode == "full"), mem
+    if mode == "full":
+        assert 0 < mem["uss"] <= mem["pss"] <= mem["rss"] + (1 << 20), mem
