@@ -67,3 +67,31 @@ def test_a_replica_that_unloaded_before_its_failed_load_is_put_back(two, tmp_pat
         assert not _same(b.lora_tensors("L"), before) and _same(a.lora_tensors("L"), b.lora_tensors("L"))
     finally:
         m.close()
+
+
+def test_put_back_restores_the_adapter_of_the_last_good_sync_not_the_first(two, tmp_path):  # noqa: F811
+    """The manager's copy of the last adapter loaded (`AdapterCopy.keep`, rewritten in place while
+    names and shapes stay) is what a failed sync puts back: after two good syncs, the second's.
+    With the in-place copy skipped, the replicas were put back on the first sync's adapter."""
+    a, b = two
+    _fresh(two)
+    like = SGLangLike(b)
+    model = _model()
+    m = _manager(model, [a, like], tmp_path)
+    try:
+        with m:
+            pass
+        first = a.lora_tensors("L")
+        _step(model)
+        with m:
+            pass
+        second = a.lora_tensors("L")
+        assert not _same(first, second) and _same(b.lora_tensors("L"), second)
+        _step(model)
+        like.fail = 1
+        with pytest.raises(SyncError, match=r"every replica is back on the adapter it served before"):
+            with m:
+                pass
+        assert _same(a.lora_tensors("L"), second) and _same(b.lora_tensors("L"), second)
+    finally:
+        m.close()

@@ -1,0 +1,76 @@
+"""Checks of `lora_sync` that no test held (H11's mutation pass: each test below fails with the
+check taken out), in process and cheap:
+
+- `adapter_config` refuses a config whose ``r`` is not the rank of the module's LoRA tensors (the
+  engine would scale by ``lora_alpha / r`` of the config: another model than the trainer's);
+- `check_engine` refuses an adapter of another rank than the one the engine serves under that
+  name (its LoRA memory is sized for that rank), naming both;
+- `verify_adapter` fails where the engine holds an adapter tensor the trainer does not (a module
+  the engine applies LoRA to that the trainer's adapter has none on).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fsdp_sync import lora_sync
+from fsdp_sync.cli.lora_model import add_lora
+from fsdp_sync.models import build_model, load_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return add_lora(build_model(load_config("tiny"), seed=0), r=4, alpha=8, seed=1)
+
+
+def test_a_config_whose_rank_is_not_the_tensors_is_refused(model):
+    targets = sorted({n.split(".lora_")[0].split(".")[-1] for n, _ in model.named_parameters() if ".lora_" in n})
+    good = {"r": 4, "lora_alpha": 8, "target_modules": targets}
+    assert lora_sync.adapter_config(model, good)["r"] == 4
+    with pytest.raises(ValueError, match=r"the adapter config says r=8 but the module's LoRA tensors "
+                                         r"have rank \[4\]"):
+        lora_sync.adapter_config(model, dict(good, r=8, lora_alpha=16))
+
+
+def test_an_adapter_of_another_rank_than_the_one_served_is_refused():
+    load = lambda *a, **k: None   # noqa: E731
+    held = SimpleNamespace(load_lora_adapter_from_tensors=load, weight_version="3",
+                           lora_adapters={"a": {"r": 4, "target_modules": ["q_proj", "v_proj"]}})
+    cfg = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    assert lora_sync.check_engine(held, cfg, "a", "3") == (
+        "adapter 'a': r=8 but the engine serves it with r=4 (its LoRA memory is sized for that "
+        "rank); the engine keeps its adapter")
+    assert lora_sync.check_engine(held, dict(cfg, r=4), "a", "3") is None
+
+
+def test_verify_fails_on_a_tensor_the_engine_holds_and_the_trainer_does_not():
+    a = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    sent = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a}
+    held = {"model.layers.0.self_attn.q_proj.lora_A.weight": a.clone()}
+    engine = SimpleNamespace(lora_tensors=lambda name: dict(held))
+    assert lora_sync.verify_adapter(engine, "L", sent) is None
+    held["model.layers.0.self_attn.o_proj.lora_A.weight"] = a.clone()
+    assert lora_sync.verify_adapter(engine, "L", sent) == (
+        "verify: the engine's adapter 'L' holds ['model.layers.0.self_attn.o_proj.lora_A.weight'] "
+        "that the trainer does not")
+
+
+def test_the_kept_copy_follows_the_last_adapter_loaded_tensors_and_config():
+    """`AdapterCopy` is what a failed sync puts back: the last adapter loaded, its tensors (copied
+    in place while names and shapes stay) and its config (a changed lora_alpha is another scaling)."""
+    from fsdp_sync.weights.adapter_export import AdapterCopy
+
+    t = {"x.lora_A.weight": torch.ones(2, 4)}
+    copy = AdapterCopy()
+    copy.keep(t, {"r": 2, "lora_alpha": 4})
+    kept = copy.tensors["x.lora_A.weight"]
+    t["x.lora_A.weight"].mul_(3)                 # the export's buffer is rewritten by the next sync
+    assert torch.equal(kept, torch.ones(2, 4))
+    copy.keep(t, {"r": 2, "lora_alpha": 8})
+    assert copy.tensors["x.lora_A.weight"] is kept and torch.equal(kept, torch.full((2, 4), 3.0))
+    assert copy.cfg == {"r": 2, "lora_alpha": 8}
