@@ -4,10 +4,10 @@ rebuild functions as a payload may name them, and the CUDA device naming both ha
 `Unpickler` admits exact ``(module, name)`` pairs only (`_ALLOWED`): builtins, ``SimpleNamespace``,
 torch dtypes and sizes, and torch's rebuild functions replaced by wrappers that check every argument
 (a CPU segment must be a shared-memory file of this user, a view must lie inside its storage, a
-CUDA device is named by its UUID). Mutable classes come in as stand-ins (`_Cls`) so a payload's
-``BUILD`` cannot set attributes on them. torch's own reducer and ``rebuild_cuda_tensor`` are taken
-from under SGLang's ``monkey_patch_torch_reductions`` where it ran (`torch_reduce_tensor`,
-`torch_rebuild_cuda_tensor`).
+CUDA device is named by its UUID). Mutable classes and the functions a payload may call come in as
+stand-ins (`_Cls`, `_Fn`) so a payload's ``BUILD`` cannot set attributes on them. torch's own
+reducer and ``rebuild_cuda_tensor`` are taken from under SGLang's ``monkey_patch_torch_reductions``
+where it ran (`torch_reduce_tensor`, `torch_rebuild_cuda_tensor`).
 
 Not here: making payloads, their state words and lifetime (`handles`), shared memory (`shm`).
 """
@@ -102,6 +102,27 @@ class _Cls:
 
     def __reduce__(self):
         raise HandleError("a class stand-in is not picklable")
+
+
+class _Fn:
+    """Stands in for a function a payload may call (our wrappers, a bound ``functools.partial``):
+    a payload's ``BUILD`` opcode could otherwise set its attributes, in this process for good (a
+    function's ``__defaults__``), or reset a partial's function and arguments (its
+    ``__setstate__``). Calling it calls the function; nothing of it can be set."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Any) -> None:
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise HandleError("payload tried to set an attribute on a function it may call")
+
+    def __reduce__(self):
+        raise HandleError("a function stand-in is not picklable")
 
 
 _TENSOR, _PARAM, _USTORAGE = _Cls(torch.Tensor), _Cls(torch.nn.Parameter), _Cls(torch.UntypedStorage)
@@ -291,10 +312,10 @@ class Unpickler(pickle.Unpickler):
                               f"(builtin data types, SimpleNamespace, torch dtypes and tensor/storage "
                               f"rebuild functions); refused")
         if obj is _safe_rebuild_storage_filename:
-            return functools.partial(_mapped, self.mapped, via_manager=self._via_manager)
+            return _Fn(functools.partial(_mapped, self.mapped, via_manager=self._via_manager))
         if obj is _safe_rebuild_tensor or obj is _safe_rebuild_cuda_tensor:
-            return functools.partial(_recorded, obj, self.rebuilt)
-        return obj
+            return _Fn(functools.partial(_recorded, obj, self.rebuilt))
+        return _Fn(obj) if isinstance(obj, types.FunctionType) else obj
 
     def persistent_load(self, pid: Any):
         raise HandleError("payload holds a persistent id; refused")
