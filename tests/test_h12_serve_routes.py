@@ -34,9 +34,20 @@ class Stub:
         self.calls.append(("end_weight_update", abort, weight_version))
         return True
 
+    refuse: str | None = None       # what update_weights_from_distributed answers: (False, it)
+
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                         flush_cache=True, load_format=None):
         self.calls.append(("update_weights_from_distributed", names))
+        return None if self.refuse is None else (False, self.refuse)
+
+    def begin_weight_update(self) -> None:
+        from fsdp_sync.engines.base import EngineStateError
+
+        raise EngineStateError("begin_weight_update called twice without end_weight_update")
+
+    def generate(self, prompts, max_new_tokens=1):
+        raise RuntimeError("no KV cache")
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                   group_name="weight_update_group", backend="gloo"):
@@ -200,3 +211,73 @@ def test_tp_payloads_naming_other_tensors_are_refused_and_nothing_loads():
             s.release(require_ack=False)
     assert status == 400 and out["message"] == "payload 1 names other tensors than payload 0", out
     assert stub.calls == []
+
+
+def test_a_refused_update_does_not_take_its_weight_version(served):
+    """serve_control.versioned, mutant: the body's ``weight_version`` taken after an update the
+    engine refused (an engine that keeps no version, answering SGLang's ``(False, message)``):
+    the old weights were served under the new version's name."""
+    srv, stub = served
+    stub.refuse = "no such group"
+    status, out = call(srv, "/update_weights_from_distributed", {
+        "names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "weight_version": "v2"})
+    assert (status, out) == (400, {"success": False, "message": "no such group"}), out
+    assert call(srv, "/get_weight_version", {}) == (200, {"weight_version": "default"})
+    stub.refuse = None
+    assert call(srv, "/update_weights_from_distributed", {
+        "names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "weight_version": "v2"})[0] == 200
+    assert call(srv, "/get_weight_version", {}) == (200, {"weight_version": "v2"})
+
+
+def test_an_updates_abort_all_requests_ends_the_running_generate_first(served):
+    """serve_control.versioned, mutant: an update's ``abort_all_requests`` ignored: the request in
+    flight was not ended (SGLang's field ends them before the update)."""
+    srv, stub = served
+    box = []
+    t = threading.Thread(target=lambda: box.append(call(srv, "/generate", {"input_ids": [1, 2]})))
+    t.start()
+    try:
+        assert stub.running.wait(10)
+        assert call(srv, "/update_weights_from_distributed", {
+            "names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "abort_all_requests": True})[0] == 200
+        t.join(5)
+        assert box and box[0][1]["meta_info"]["finish_reason"]["type"] == "abort", box
+    finally:
+        call(srv, "/abort_request", {"abort_all": True})
+        t.join(20)
+
+
+def test_health_generate_is_503_when_nothing_generates(served):
+    """serve_control._health_generate, mutant: 200 when the probe's generate raised: a router kept
+    sending traffic to a server that generates nothing."""
+    srv, _ = served
+    status, out = call(srv, "/health_generate", {})
+    assert status == 503 and out["retryable"] and "cannot generate: RuntimeError: no KV cache" in out["message"], out
+
+
+def test_a_call_that_does_not_fit_now_is_a_400_not_a_500(served):
+    """http_fields.error_status, mutant: `EngineStateError` (begin twice, an update outside
+    begin/end) answered 500: a router retried a client's mistake elsewhere as a server fault."""
+    srv, _ = served
+    status, out = call(srv, "/begin_weight_update", {})
+    assert status == 400 and not out["retryable"] and "called twice" in out["message"], out
+
+
+def test_update_weight_version_ends_running_requests_by_default(served):
+    """serve_control._update_weight_version, mutant: ``abort_all_requests`` defaulting to false:
+    SGLang 0.5.23's ``UpdateWeightVersionReqInput.abort_all_requests`` is true, so a request in
+    flight ends (and is not labelled with a version whose weights it did not use)."""
+    srv, stub = served
+    box = []
+    t = threading.Thread(target=lambda: box.append(call(srv, "/generate", {"input_ids": [1, 2]})))
+    t.start()
+    try:
+        assert stub.running.wait(10)
+        assert call(srv, "/update_weight_version", {"new_version": "v3"}) == (
+            200, {"success": True, "message": "Weight version updated to v3", "new_version": "v3"})
+        t.join(5)
+        assert box and box[0][1]["meta_info"]["finish_reason"]["type"] == "abort", box
+    finally:
+        call(srv, "/abort_request", {"abort_all": True})
+        t.join(20)
+    assert call(srv, "/get_weight_version", {}) == (200, {"weight_version": "v3"})
