@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from . import args as ca
@@ -266,6 +268,20 @@ def missing_dependency(args: argparse.Namespace) -> str | None:
             f"pip install -e '.[cli]')")
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM (``kill``, ``timeout``, a batch scheduler, ``docker stop``), raised in the main
+    thread as a Ctrl-C is, so the job it ends is left the way a Ctrl-C leaves it: its ranks and
+    their engine workers stopped (`launch.run_ranks`). SIGTERM's default ended this process at once
+    and left them running (re-parented, holding memory and their engine workers) until their
+    process-group timeout."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    # once: a second SIGTERM while the ranks are being stopped would cut that short and leave them
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     missing = missing_dependency(args)
@@ -276,11 +292,19 @@ def main(argv: list[str] | None = None) -> int:
         from .serve import main_serve
 
         return main_serve(args)
+    main_thread = threading.current_thread() is threading.main_thread()   # signals: main thread only
+    old = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return _run(args)
+    except Terminated:              # as a Ctrl-C: the ranks are stopped; 128 + SIGTERM, as a shell says
+        print(f"fsdp-sync {args.command}: terminated (SIGTERM); its processes were stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:       # the ranks are stopped (`launch.run_ranks`): one line, not a traceback
         print(f"fsdp-sync {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
 def _run(args: argparse.Namespace) -> int:

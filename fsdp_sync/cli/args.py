@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -298,7 +299,7 @@ def check_output(path: str, flag: str, kind: str = "file") -> None:
     """Refuse (ValueError naming the flag and the path) an output the command could write only
     after its work is done and would then fail on: a file path that is a directory, a directory
     that is a file, or a path whose nearest existing parent is not a writable directory (missing
-    parents are fine: the command makes them)."""
+    parents are fine: the command makes them). Writable: an empty file is made and removed there."""
     p = Path(os.path.abspath(path))
     if kind == "file" and p.is_dir():
         raise ValueError(f"argument {flag}: {path} is a directory; expected a file path to write")
@@ -309,8 +310,16 @@ def check_output(path: str, flag: str, kind: str = "file") -> None:
         base = base.parent
     if not base.is_dir():
         raise ValueError(f"argument {flag}: cannot write {path}: {base} is not a directory")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise ValueError(f"argument {flag}: cannot write {path}: {base} is not writable")
+    # a file made and removed there, not os.access: root passes access() on a directory it cannot
+    # write in (/proc, a read-only bind mount some kernels report writable), and the run then ended
+    # in a traceback that lost its work
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fsdp-sync-probe-", dir=base)
+    except OSError as exc:
+        raise ValueError(f"argument {flag}: cannot write {path}: {base} is not writable "
+                         f"({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def check_outputs(args: argparse.Namespace) -> None:

@@ -181,7 +181,7 @@ def add_faults_parser(sub) -> None:
                    help="comma list of " + ", ".join(FAULTS))
     p.add_argument("--pg-timeout", type=ca.positive_float, default=Timeouts.pg_s, help="trainer process-group timeout, s")
     p.add_argument("--call-timeout", type=ca.positive_float, default=Timeouts.call_s,
-                   help="engine worker reply timeout, s; below --pg-timeout, so a stalled worker is "
+                   help="engine worker reply timeout, s; below --pg-timeout (refused otherwise where a worker stalls), so a stalled worker is "
                         "named by the engine before the process group gives up (--fleet: the "
                         "fleet's own default, %s s)" % _fleet_default("call_s"))
     p.add_argument("--recv-timeout", type=ca.positive_float, default=Timeouts.recv_s,
@@ -221,7 +221,9 @@ def _fleet_default(name: str) -> float:
 
 
 def check_faults_args(args, given: set[str]) -> None:
-    """Before any cell runs (ValueError names the flag): ``--resume`` needs ``--json``, which
+    """Before any cell runs (ValueError names the flag): ``--call-timeout`` below ``--pg-timeout``
+    where a worker is stalled (its cells are judged on it, `Timeouts`); ``--resume`` needs
+    ``--json``, which
     (where it exists) must be a fault report run with the same timeouts (`resumed_results`); with
     ``--fleet``, a method or fault its cells do not cover, or a flag only the matrix takes, is
     refused (each was dropped without a word), and the defaults become the fleet's own: its
@@ -243,6 +245,14 @@ def check_faults_args(args, given: set[str]) -> None:
         if ignored:
             raise ValueError(f"--fleet runs the fleet's own cells and does not take {', '.join(ignored)} "
                              f"(it takes --methods, --faults, --call-timeout, --recv-timeout, --json)")
+    stalled_worker = "stall" in args.faults and any(v.startswith("worker") for v in args.victims)
+    if not args.fleet and stalled_worker and args.call_timeout >= args.pg_timeout:
+        # a stalled worker's cells then fail whatever the sync does: trainer rank 1 gives up with
+        # its process group's error before rank 0 hears the engine name the worker
+        raise ValueError(f"argument --call-timeout: {args.call_timeout:g} s must be below --pg-timeout "
+                         f"{args.pg_timeout:g} s, so a stalled engine worker is named by the engine (one "
+                         f"SyncError on every trainer rank) before the process group gives up; lower "
+                         f"--call-timeout or raise --pg-timeout (or leave out --faults stall on workers)")
     if args.resume and not args.json:
         raise ValueError("argument --resume: needs --json PATH (the report of the interrupted run)")
     if args.resume and not args.fleet:     # a file that is no fault report: one line, not a traceback

@@ -377,6 +377,8 @@ def plot_report(rep: dict, png: str) -> str | None:
 
     if importlib.util.find_spec("matplotlib") is None:
         return "matplotlib is not installed, so no plot was drawn (pip install matplotlib)"
+    # its folder made, as --json's is (`args.check_output` passed a path whose folder is missing)
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
     plot(rep["series"], rep["procs"], png, rep["warmup"])
     rep["png"] = png
     return None
