@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fsdp_sync import FSDPShardingManager, SyncConfig, fleet
+from fsdp_sync.topology import SyncError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,3 +165,53 @@ def test_each_stage_records_the_memory_its_mode_asks_for(mode):
     assert ("uss" in mem and "pss" in mem) == (mode == "full"), mem
     if mode == "full":
         assert 0 < mem["uss"] <= mem["pss"] <= mem["rss"] + (1 << 20), mem
+
+
+def test_status_reads_proc_kib_as_bytes():
+    """`memory.status`: /proc's kB are KiB; the RSS it reports is the one psutil reads from
+    statm (pages). Killed the mutant that multiplied by 1000 (every probe 2.4 % low)."""
+    import psutil
+
+    from fsdp_sync.memory import status
+
+    for _ in range(3):         # RSS may move between the two reads: take the closest of three
+        ours, theirs = status("self")["rss"], psutil.Process().memory_info().rss
+        if abs(ours - theirs) < 1 << 20:
+            break
+    assert theirs > 100 << 20 and abs(ours - theirs) < 1 << 20, (ours, theirs)
+
+
+def test_a_replica_that_died_before_its_continue_does_not_fail_the_committed_sync():
+    """After the commit, continue_generation fails on a replica that just died: it cannot take
+    updates (`fleet.problem`), the next sync takes it out; the sync that committed is not failed
+    for it, and the live replica is continued. Killed the mutant that raised every continue
+    failure."""
+    from fsdp_sync.models import build_model, load_config
+
+    e0, e1 = _Paused("http://127.0.0.1:39993"), _Paused("http://127.0.0.1:39994")
+
+    def dies():
+        e1.dead = "worker 0 died (injected)"
+        raise ConnectionError("connection refused")
+
+    e1.continue_generation = dies
+    cfg = SyncConfig(method="distributed", memory_probe="off", pause_mode="abort")
+    m = FSDPShardingManager(build_model(load_config("tiny"), seed=0), [e0, e1], config=cfg)
+    m._check_coverage = lambda: None
+
+    def fake_sync(targets, version, step, reload=False):
+        fleet.take_noted()
+        return None, None
+
+    m._transport_sync = fake_sync
+    try:
+        m._sync_full()
+        assert m.version == "0" and e0.calls == [("pause", "abort"), ("continue",)], e0.calls
+        e1.dead = None
+        e1.continue_generation = lambda: (_ for _ in ()).throw(RuntimeError("scheduler busy"))
+        with pytest.raises(SyncError, match=r"continue_generation on replica 1 .*scheduler busy.*"
+                                            r"version '1' was committed"):
+            m._sync_full()        # alive: its failure is the sync's, saying the version committed
+        assert m.version == "1"
+    finally:
+        m.close()
