@@ -131,16 +131,21 @@ class Recorder:
                 handles.open_payload(p, r).ack()
 
 
+def _plain() -> torch.nn.Module:
+    """Twelve tensors of 9 KiB or less: several 16 KiB buckets (no Hugging Face model to import)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(6)])
+
+
 @pytest.mark.parametrize("strategy", ["flattened", "bucketed", "per_tensor"])
 def test_full_tensors_flush_the_cache_with_the_last_call_only(strategy):
     """A flush on an earlier call lets the engine serve from a cache of half-updated weights;
     none leaves the old weights' cache. (Per-rank buckets: tests/test_rank_bucket_flush.py.)"""
     from fsdp_sync.config import SyncConfig
-    from fsdp_sync.models import build_model, load_config
     from fsdp_sync.transport import SyncContext, SyncStats
 
     eng = Recorder()
-    module = build_model(load_config("tiny"), seed=0)
+    module = _plain()
     cfg = SyncConfig(strategy=strategy, layout="full", bucket_bytes=16 << 10, dtype=torch.float32)
     TensorTransport(cfg).sync(SyncContext(module, cfg, TOPO, None, [eng], 0, SyncStats()))
     assert len(eng.log) > 2 and [f for _, f in eng.log] == [False] * (len(eng.log) - 1) + [True], eng.log
@@ -151,7 +156,6 @@ def test_a_model_the_quantizer_refuses_fails_before_anything_is_sent(monkeypatch
     sync naming it, on every rank (agreed), before anything is gathered: never an unquantized
     sync in its place."""
     from fsdp_sync.config import SyncConfig
-    from fsdp_sync.models import build_model, load_config
     from fsdp_sync.transport import SyncContext, SyncStats
     from fsdp_sync.weights import quantize
 
@@ -160,7 +164,7 @@ def test_a_model_the_quantizer_refuses_fails_before_anything_is_sent(monkeypatch
 
     monkeypatch.setattr(quantize, "for_sync", refuse)
     eng = Recorder()
-    module = build_model(load_config("tiny"), seed=0)
+    module = _plain()
     cfg = SyncConfig(layout="full", bucket_bytes=16 << 10, quantization="fp8")
     with pytest.raises(SyncError, match=r"quantization='fp8' \(rank 0/1.*\(injected\)"):
         TensorTransport(cfg).sync(SyncContext(module, cfg, TOPO, None, [eng], 0, SyncStats()))
@@ -185,3 +189,21 @@ def test_per_rank_buckets_for_an_engine_of_another_model_are_refused_naming_the_
     with pytest.raises(SyncError, match=r"layout='engine': the engine's model differs .*vocab"):
         TensorTransport(cfg).sync(SyncContext(module, cfg, TOPO, None, [eng], 0, SyncStats()))
     assert eng.log == []
+
+
+def test_a_reused_buffer_is_not_handed_out_while_its_bucket_is_in_flight():
+    """The full layout's one buffer (`ReusedBuffer`) is taken again only after its bucket was
+    given back (answered and acknowledged): taken twice, the second bucket would be packed over
+    the first while the engine may still read it."""
+    from fsdp_sync.transport.buffers import ReusedBuffer
+
+    buf = ReusedBuffer(256, torch.device("cpu"))
+    a = buf.take(200)
+    with pytest.raises(RuntimeError, match="still in use by the previous bucket"):
+        buf.take(100)
+    buf.give_back()
+    assert buf.take(100).data_ptr() == a.data_ptr()
+    buf.give_back()
+    big = buf.take(1000)                 # a bucket larger than planned gets a buffer that fits
+    assert big.numel() == 1000
+    buf.give_back()
