@@ -17,15 +17,26 @@ import pytest
 import torch
 
 from fsdp_sync import lora_sync
-from fsdp_sync.cli.lora_model import add_lora
-from fsdp_sync.models import build_model, load_config
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return add_lora(build_model(load_config("tiny"), seed=0), r=4, alpha=8, seed=1)
+    """peft's layout of a rank-4 adapter "default" on q_proj and v_proj (no transformers needed)."""
+    def lora(r=4, d=16):
+        m = torch.nn.Linear(d, d, bias=False)
+        m.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(d, r, bias=False)})
+        m.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(r, d, bias=False)})
+        return m
+    attn = torch.nn.Module()
+    attn.q_proj, attn.v_proj = lora(), lora()
+    layer = torch.nn.Module()
+    layer.self_attn = attn
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList([layer])
+    return root
 
 
 def test_a_config_whose_rank_is_not_the_tensors_is_refused(model):
