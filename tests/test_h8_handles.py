@@ -157,3 +157,14 @@ def test_a_payload_cannot_set_attributes_of_the_functions_it_may_call():
         open_payload(reset_partial)
     assert unpickle._latin1_bytes.__defaults__ == before
     assert open_payload(b"\x80\x02c_codecs\nencode\nX\x02\x00\x00\x00abX\x06\x00\x00\x00latin1\x86R.").value == b"ab"
+
+
+def test_a_raw_ipc_handle_whose_second_byte_is_e_is_not_an_expandable_one():
+    """torch before 2.5 writes the raw 64-byte ``cudaIpcMemHandle``: any byte may be ``e``. Only a
+    version-2 handle says what follows; read without its version byte, such a raw handle was taken
+    for an expandable segment's (shared as a copy, or refused when the copy's said the same)."""
+    from fsdp_sync.weights import ipc_memory
+
+    assert not ipc_memory.is_expandable_handle(b"\x00e" + bytes(62))
+    assert not ipc_memory.is_expandable_handle(b"\x07e" + bytes(62))
+    assert ipc_memory.is_expandable_handle(b"\x02e" + bytes(62))
