@@ -207,3 +207,17 @@ def test_a_reused_buffer_is_not_handed_out_while_its_bucket_is_in_flight():
     big = buf.take(1000)                 # a bucket larger than planned gets a buffer that fits
     assert big.numel() == 1000
     buf.give_back()
+
+
+def test_a_pooled_buffer_too_small_for_a_bucket_is_not_handed_out_for_it():
+    """`BufferPool` (per-rank buckets): a released buffer smaller than the bucket asked for stays
+    in the pool; the bucket gets one that holds it."""
+    from fsdp_sync.transport.buffers import BufferPool
+
+    pool = BufferPool(1024, torch.device("cpu"))
+    a = pool.take(1000)
+    pool.give_back([a])
+    big = pool.take(4096)
+    assert big.numel() >= 4096 and big.data_ptr() != a.data_ptr()
+    assert pool.take(1000).data_ptr() == a.data_ptr()
+    pool.close()
