@@ -85,3 +85,17 @@ def test_the_kept_copy_follows_the_last_adapter_loaded_tensors_and_config():
     copy.keep(t, {"r": 2, "lora_alpha": 8})
     assert copy.tensors["x.lora_A.weight"] is kept and torch.equal(kept, torch.full((2, 4), 3.0))
     assert copy.cfg == {"r": 2, "lora_alpha": 8}
+
+
+def test_an_fsdp1_flat_parameter_counts_by_the_names_it_holds():
+    """FSDP1 without use_orig_params: one FlatParameter (one requires_grad) per wrapped module; one
+    holding only LoRA tensors is no trainable base parameter (read as its own name, an adapter-only
+    sync was refused for "base parameters that still train"), one holding base tensors is."""
+    from fsdp_sync.weights.peft_names import trainable_base
+
+    flat = SimpleNamespace(requires_grad=True, _fqns=["self_attn.q_proj.lora_A.default.weight",
+                                                      "self_attn.q_proj.lora_B.default.weight"])
+    assert trainable_base([("model.layers.0._flat_param", flat)]) == []
+    flat._fqns.append("self_attn.q_proj.base_layer.weight")
+    assert trainable_base([("model.layers.0._flat_param", flat)]) == \
+        ["model.layers.0.self_attn.q_proj.base_layer.weight"]
