@@ -215,3 +215,29 @@ def test_a_replica_that_died_before_its_continue_does_not_fail_the_committed_syn
         assert m.version == "1"
     finally:
         m.close()
+
+
+def test_a_stage_after_an_unsettled_failure_does_not_run():
+    """offload_params (agreed at the next stage's end) fails: the KV cache is not resumed on top
+    of parameters still on the device; the failure is raised naming offload_params. Killed the
+    mutant that ran the next stage after a failed unsettled one."""
+    from fsdp_sync.models import build_model, load_config
+
+    cfg = SyncConfig(method="distributed", memory_probe="off", multi_stage_wake_up=True)
+    m = FSDPShardingManager(build_model(load_config("tiny"), seed=0), [_Remote()], config=cfg)
+    m._check_coverage = lambda: None
+    m._transport_sync = lambda targets, version, step, reload=False: (fleet.take_noted(), (None, None))[1]
+    resumed = []
+    m._resume = lambda tags: resumed.append(tags)
+
+    def offload():
+        raise RuntimeError("out of host memory (injected)")
+
+    m._offload_params = offload
+    try:
+        with pytest.raises(SyncError, match=r"stage 'offload_params' failed: RuntimeError: out of host memory"):
+            with m:
+                pass
+        assert resumed == [["weights"]], resumed
+    finally:
+        m.close()
