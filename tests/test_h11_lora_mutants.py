@@ -99,3 +99,15 @@ def test_an_fsdp1_flat_parameter_counts_by_the_names_it_holds():
     flat._fqns.append("self_attn.q_proj.base_layer.weight")
     assert trainable_base([("model.layers.0._flat_param", flat)]) == \
         ["model.layers.0.self_attn.q_proj.base_layer.weight"]
+
+
+def test_embeddings_named_by_their_path_among_the_targets_are_refused():
+    """peft matches target_modules by suffix, so 'model.embed_tokens' targets the embeddings as
+    'embed_tokens' does (served by neither engine): refused by name either way."""
+    from fsdp_sync.weights.peft_names import config_refusal
+
+    for tm in (["q_proj", "embed_tokens"], ["q_proj", "model.embed_tokens"], ["lm_head", "v_proj"]):
+        why = config_refusal({"r": 4, "lora_alpha": 8, "target_modules": tm})
+        bad = sorted(m for m in tm if m.split(".")[-1] in ("embed_tokens", "lm_head"))
+        assert why is not None and f"target_modules include {bad}" in why, (tm, why)
+    assert config_refusal({"r": 4, "lora_alpha": 8, "target_modules": ["model.layers.0.self_attn.q_proj"]}) is None
