@@ -228,3 +228,28 @@ def test_the_tensor_targets_hold_the_speedup_and_the_memory_and_per_rank_rows_th
     t = check_targets([dict(base), dict(per_rank, engine_rank_bytes_in=100),
                        dict(per_rank, engine_rank_bytes_in=120)])["distributed_layout"]
     assert t["engine_in_over_shard"] == pytest.approx(1.2) and t["met"]["engine_bytes"] is False
+
+
+def test_a_tensor_rows_speedup_is_the_baseline_over_its_own_seconds():
+    """`rows.finish_rows`: the speed-up the JSON rows carry (and the table prints) survived being
+    turned upside down (seconds / baseline); the targets compute theirs apart."""
+    from types import SimpleNamespace
+
+    from fsdp_sync.cli.bench.rows import finish_rows
+
+    job = SimpleNamespace(engine="direct", ep=1, quantization=None)
+    rows = [{"strategy": "flattened", "seconds": 0.5}, {"method": "disk", "strategy": "disk:x", "seconds": 2.0}]
+    finish_rows(rows, 2.0, job=job, served=None, metas=[object()] * 7, pinned=None, cfg=None, model=None)
+    assert rows[0]["method"] == "tensor" and rows[0]["speedup_vs_baseline"] == pytest.approx(4.0)
+    assert rows[0]["baseline_seconds"] == 2.0 and "speedup_vs_baseline" not in rows[1]
+    assert all(r["exported_tensors"] == 7 and r["ep"] == 1 for r in rows)
+    finish_rows(rows := [{"strategy": "flattened", "seconds": 0.5}], None, job=job, served=None, metas=[],
+                pinned=None, cfg=None, model=None)
+    assert rows[0]["speedup_vs_baseline"] is None
+
+
+@pytest.mark.parametrize("value", ["1", "1.0", "0"])
+def test_gpu_memory_utilization_is_a_fraction_below_one(value, capsys):
+    """All of the GPU's memory to the engine leaves none to the trainer: SGLang's own rule."""
+    err = _parse_error(["plan", "--gpu-memory-utilization", value], capsys)
+    assert "argument --gpu-memory-utilization: expected a fraction in (0, 1)" in err
