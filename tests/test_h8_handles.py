@@ -168,3 +168,46 @@ def test_a_raw_ipc_handle_whose_second_byte_is_e_is_not_an_expandable_one():
     assert not ipc_memory.is_expandable_handle(b"\x00e" + bytes(62))
     assert not ipc_memory.is_expandable_handle(b"\x07e" + bytes(62))
     assert ipc_memory.is_expandable_handle(b"\x02e" + bytes(62))
+
+
+def test_a_release_that_finds_the_payload_opened_under_the_lock_does_not_revoke_it(monkeypatch):
+    """`_revoke` reads the word fresh, then takes the lock: a consumer that took it first and
+    opened the payload meanwhile keeps it (its reference is its own). Without the second look
+    under the lock the word was overwritten as revoked and the pickling's reference given back
+    under a consumer that holds the mapping."""
+    import contextlib
+
+    state = handles.empty_shared(4).view(torch.int32)
+    state.zero_()
+    real = handles.refcount_lock
+
+    @contextlib.contextmanager
+    def opened_first(handle):
+        state[0] = handles.OPENED          # the consumer won the lock
+        with real(handle):
+            yield
+
+    monkeypatch.setattr(handles, "refcount_lock", opened_first)
+    assert handles._revoke(state) is False and int(state[0]) == handles.OPENED
+
+
+def test_a_flattened_bucket_one_byte_short_is_refused():
+    from fsdp_sync.weights.bucket import TensorMeta, plan_buckets
+    from fsdp_sync.wire import flattened_bucket
+
+    (b,) = plan_buckets([TensorMeta.of("w", torch.ones(3, 5))], 1 << 20)
+    assert flattened_bucket(torch.zeros(b.nbytes, dtype=torch.uint8), b)["flattened_tensor"].numel() == b.nbytes
+    with pytest.raises(ValueError, match=f"a flattened bucket of {b.nbytes} bytes cannot be read from "
+                                         f"a buffer of {b.nbytes - 1} bytes"):
+        flattened_bucket(torch.zeros(b.nbytes - 1, dtype=torch.uint8), b)
+
+
+@pytest.mark.parametrize("manager", [b"/tmp/elsewhere/manager.sock", b"/tmp/torch-shm-dir-x/other.sock",
+                                     b"/tmp/torch-shm-dir-x/../../run/manager.sock"])
+def test_a_shm_manager_outside_a_torch_shm_dir_is_refused(manager):
+    """torch's rebuild (``share_again``) connects to the manager a payload names: only a torch
+    shm-manager socket is accepted."""
+    from fsdp_sync.weights.shm import check_segment
+
+    with pytest.raises(HandleError, match="is not a torch shm-manager socket"):
+        check_segment(manager, b"/torch_1_2_3", 4)
