@@ -16,7 +16,7 @@ class _Engine:
         if self.refusal:
             raise RuntimeError(self.refusal)
         if self.open:
-            raise RuntimeError("a weight update is already open")
+            raise RuntimeError("a weight-update session is already open; call end_weight_update() first")
         self.open = True
 
     def end_weight_update(self, *, abort=False, weight_version=None):
