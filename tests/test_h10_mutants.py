@@ -241,3 +241,60 @@ def test_a_stage_after_an_unsettled_failure_does_not_run():
         assert resumed == [["weights"]], resumed
     finally:
         m.close()
+
+
+def test_under_abort_a_replica_blamed_for_a_failed_sync_rejoins_once_it_answers():
+    """on_replica_failure="abort": the sync fails; the replica that could not take updates is
+    out of service, and the next sync after it answers again brings it back (no recover() by
+    hand). Killed the mutant that set its rejoin flag the other way round."""
+    from fsdp_sync.models import build_model, load_config
+
+    e0, e1 = _Paused("http://127.0.0.1:39991"), _Paused("http://127.0.0.1:39992")
+    cfg = SyncConfig(method="distributed", memory_probe="off", on_replica_failure="abort")
+    m = FSDPShardingManager(build_model(load_config("tiny"), seed=0), [e0, e1], config=cfg)
+    m._check_coverage = lambda: None
+    sent = []
+
+    def fake_sync(targets, version, step, reload=False):
+        fleet.take_noted()
+        sent.append([t.engine for t in targets])
+        if len(sent) == 1:
+            e1.dead = "worker 0 died (injected)"
+            return SyncError("update_weights_from_distributed failed on replica 1"), type(
+                "Ctx", (), {"commit_failed": None})()
+        return None, None
+
+    m._transport_sync = fake_sync
+    try:
+        with pytest.raises(SyncError, match="no replica committed version '0'.*replica 1"):
+            m._sync_full()
+        assert [r["serving"] for r in m.fleet_status()["replicas"]] == [True, False]
+        e1.dead = None                     # restarted: it answers again
+        m._sync_full()
+        assert sent[1] == [e0, e1] and m.version == "1"
+        assert [(r["serving"], r["version"]) for r in m.fleet_status()["replicas"]] == [(True, "1")] * 2
+    finally:
+        m.close()
+
+
+def test_a_replica_taken_out_by_hand_gets_no_sync_until_recover():
+    """manager.quarantine(engine) (to drain it) under on_replica_failure="quarantine", where
+    replicas out of service that answer rejoin every sync: it is not sent the next version nor
+    put back in service; recover() brings it back. Killed the mutant that ignored ``held``."""
+    from fsdp_sync.models import build_model, load_config
+
+    e0, e1 = _Paused("http://127.0.0.1:39989"), _Paused("http://127.0.0.1:39990")
+    cfg = SyncConfig(method="distributed", memory_probe="off", on_replica_failure="quarantine")
+    m = FSDPShardingManager(build_model(load_config("tiny"), seed=0), [e0, e1], config=cfg)
+    m._check_coverage = lambda: None
+    sent = []
+    m._transport_sync = lambda targets, version, step, reload=False: (
+        fleet.take_noted(), sent.append([t.engine for t in targets]), (None, None))[2]
+    try:
+        m.quarantine(e1, "draining")
+        m._sync_full()
+        assert sent == [[e0]] and m.version == "0"
+        assert [(r["serving"], r["reason"]) for r in m.fleet_status()["replicas"]] == [
+            (True, None), (False, "draining")]
+    finally:
+        m.close()
