@@ -1,7 +1,9 @@
 """Refusals of `fsdp-sync serve`'s routes that name the field and change nothing (helper H12's
 mutation pass over serve, serve_updates, serve_control, serve_cache, generate_request,
-http_fields). Each test kills a mutant no other test did (said in its docstring). A stub engine
-records the calls that reach it, so no worker starts: each test costs milliseconds.
+http_fields). Each test kills the mutant its docstring names; all but two (the /health_generate
+and EngineStateError ones, which tests/test_serve_errors.py and tests/test_serve.py kill too)
+survived the existing serve tests, or were not run against them. A stub engine records the calls
+that reach it, so no worker starts: each test costs milliseconds.
 """
 
 from __future__ import annotations
@@ -281,3 +283,16 @@ def test_update_weight_version_ends_running_requests_by_default(served):
         call(srv, "/abort_request", {"abort_all": True})
         t.join(20)
     assert call(srv, "/get_weight_version", {}) == (200, {"weight_version": "v3"})
+
+
+def test_out_of_service_generate_never_reaches_the_engine(served):
+    """serve._generate, mutant: the out-of-service check before the engine dropped. Equivalent
+    with a `ReferenceEngine` (its ``generate_requests`` refuses too, and the route answers the
+    same 503), but an engine that does not check served a request the fleet had taken out of
+    service: the route itself must not hand it over."""
+    srv, stub = served
+    stub.serving_state = "quarantined by the fleet"
+    status, out = call(srv, "/generate", {"input_ids": [1, 2]})
+    assert (status, out) == (503, {"success": False, "message": "quarantined by the fleet",
+                                   "serving": False, "retryable": True}), out
+    assert stub.calls == []
