@@ -253,3 +253,46 @@ def test_gpu_memory_utilization_is_a_fraction_below_one(value, capsys):
     """All of the GPU's memory to the engine leaves none to the trainer: SGLang's own rule."""
     err = _parse_error(["plan", "--gpu-memory-utilization", value], capsys)
     assert "argument --gpu-memory-utilization: expected a fraction in (0, 1)" in err
+
+
+def test_a_demo_too_big_for_its_processes_is_told_to_use_fewer_ranks(capsys):
+    """``demo --ranks 64`` of the 0.1 M-parameter tiny model: 128 processes of a few hundred MiB
+    each, nothing of the model; the refusal said "use a smaller model (e.g. --model small)", a
+    larger one. A model whose weights do not fit keeps that advice."""
+    from fsdp_sync.cli import demo_check
+    from fsdp_sync.models import load_config
+
+    cfg = load_config("tiny")
+    with pytest.raises(ValueError) as info:
+        demo_check.check_fits("tiny", cfg, ranks=64, tp=2, method="tensor", dtype="float32",
+                              quantization=None, device="cpu", available=2**30)
+    msg = str(info.value)
+    assert "fewer --ranks (each of the 128 processes takes" in msg and "--model small" not in msg, msg
+    with pytest.raises(ValueError) as info:
+        demo_check.check_fits("qwen2.json", load_config({"model_type": "qwen2", "vocab_size": 512}), ranks=2,
+                              tp=2, method="tensor", dtype="float32", quantization=None, device="cpu",
+                              available=64 * 2**30)
+    assert "use a smaller model (e.g. --model small) or fewer --ranks" in str(info.value)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("plan:\n  bucket_mbs: [4]\n", ["unknown keys ['bucket_mbs']", "known: ["]),       # a typo is not dropped
+    ("plan:\n  dtype: null\n", ["dtype: None", "expected one value"]),                   # null where no default
+    ("plan:\n  ranks: [2, null]\n", ["ranks: None", "expected one value"]),
+])
+def test_a_plan_recipe_key_it_cannot_take_is_one_line_naming_it(text, words, tmp_path):
+    """`plan_recipe.read_recipe`: with the unknown-key check dropped a typo was a KeyError
+    traceback; with YAML null taken for every key (not only quantization, replicas,
+    trainer_resident_gib) ``dtype: null`` planned with no dtype. Neither was tested."""
+    from fsdp_sync.cli.plan_recipe import read_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        read_recipe(str(path))
+    msg = str(info.value)
+    assert msg.startswith(f"--recipe {path}: ") and "\n" not in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+    path.write_text("plan:\n  quantization: null\n  replicas: ~\n  trainer_resident_gib: null\n")
+    assert read_recipe(str(path)) == {"quantization": (None,), "replicas": None, "trainer_resident_gib": None}

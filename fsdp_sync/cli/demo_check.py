@@ -150,11 +150,18 @@ def check_fits(model: str, config: Any, *, ranks: int, tp: int, method: str | tu
                    f"{(m['train_bytes'] - m['trainer_bytes']) / GiB:.1f} GiB for {beside} in "
                    f"{'fp8' if quantization else dtype}")
         job = f" at --ranks {ranks} --tp {tp}" if command == "bench" else ""
+        # where the processes themselves take more than the model does, a smaller model (the
+        # advice was "--model small" for the 0.1 M-parameter tiny on 64 ranks) does not help
+        procs = m["processes"] * m["process_bytes"]
+        todo = (f"fewer --ranks (each of the {m['processes']} processes takes "
+                f"{m['process_bytes'] / GiB:.2f} GiB before it holds any weight)"
+                if procs > max(m["build_bytes"], m["train_bytes"]) else
+                f"use a smaller model (e.g. {flag} small) or fewer --ranks")
         raise ValueError(
             f"argument {flag}: {model} has {params:,} parameters ({params / 1e9:.2f} B); the {command}"
             f"{job} needs about {m['need_bytes'] / GiB:.1f} GiB of this machine's memory ({why}; "
             f"+ {m['processes']} processes x {m['process_bytes'] / GiB:.2f} GiB), "
-            f"{free / GiB:.1f} GiB available: use a smaller model (e.g. {flag} small) or fewer --ranks")
+            f"{free / GiB:.1f} GiB available: {todo}")
     return m
 
 
