@@ -1,5 +1,11 @@
 """``n`` > 1 samples of `fsdp-sync serve`'s ``/generate`` as SGLang 0.5.23 runs them (helper H12).
 
+With a ``sampling_seed`` every sample is the same tokens: SGLang applies the seed only under
+``--enable-deterministic-inference`` (``SamplingBatchInfo.from_schedule_batch``), and there every
+sample carries the request's sampling params (``TokenizerManager._handle_batch_request``) and
+``sampler.multinomial_with_seed`` hashes the seed with the token's position alone. Before, serve
+gave each sample a seed of its own (distinct samples).
+
 SGLang's ``TokenizerManager._handle_batch_request`` (n > 1) drops the request's own ids from
 ``rid_to_state`` after the prefix warm-up and sends each sample as a request of its own under a
 fresh uuid4 hex id (``GenerateReqInput.regenerate_rid``), answered in its ``meta_info.id``;
@@ -99,3 +105,13 @@ def test_a_sample_is_aborted_by_its_own_id_and_the_requests_rid_aborts_none(serv
     assert len(aborted) == 2, (aborted, reasons, n0, n1)
     assert [r["type"] for r in reasons] == ["abort", "abort"], reasons
     assert 0 < n0 < n1 < 2000, (n0, n1)          # sample 1 went on after sample 0 was aborted
+
+
+def test_the_samples_of_a_seeded_request_are_the_same_tokens(server):
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    one = call(server, "/generate", {"input_ids": [9, 8, 7], "sampling_params": dict(sp, sampling_seed=4)})[1]
+    status, out = call(server, "/generate", {"input_ids": [9, 8, 7],
+                                             "sampling_params": dict(sp, sampling_seed=4, n=4)})
+    assert status == 200 and [o["output_ids"] for o in out] == [one["output_ids"]] * 4, out
+    status, out = call(server, "/generate", {"input_ids": [9, 8, 7], "sampling_params": dict(sp, n=4)})
+    assert status == 200 and len({tuple(o["output_ids"]) for o in out}) > 1, out   # unseeded: they differ

@@ -118,16 +118,16 @@ def test_sampling_parameters_take_effect(server, tiny):
 
 @torch.no_grad()
 def test_top_k_min_p_and_min_new_tokens_filter_what_is_drawn(server, tiny):
-    """top_k=2 at temperature 1: 64 seeded samples of the first token all come from the two most
-    likely (both seen); min_p=0.99 leaves only the most likely token where the runner-up is under
+    """top_k=2 at temperature 1: the first token of 64 prompts seeded 0..63 all come from the two
+    most likely (both seen); min_p=0.99 leaves only the most likely token where the runner-up is under
     99% of it: greedy; min_new_tokens=3
     holds a stop token off for exactly the first three tokens (the fourth may be it)."""
     logits = tiny(input_ids=torch.tensor([PROMPT])).logits[0, -1].float()
     top = torch.topk(logits, 3)
     assert float(top.values[1] - top.values[2]) > 1e-3          # no near-tie at the cut
-    status, out = post(server, {"input_ids": PROMPT, "sampling_params": {
-        "max_new_tokens": 1, "temperature": 1.0, "top_k": 2, "n": 64, "sampling_seed": 11,
-        "ignore_eos": True}})
+    status, out = post(server, {"input_ids": [PROMPT] * 64, "sampling_params": [{
+        "max_new_tokens": 1, "temperature": 1.0, "top_k": 2, "sampling_seed": seed,
+        "ignore_eos": True} for seed in range(64)]})
     assert status == 200, out
     drawn = [o["output_ids"][0] for o in out]
     assert set(drawn) == set(top.indices[:2].tolist()), sorted(set(drawn))

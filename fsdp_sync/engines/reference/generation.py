@@ -32,7 +32,7 @@ import torch
 
 from .tp_model import Span
 
-__all__ = ["Sampling", "pick", "Decode", "SAMPLING_KEYS", "NO_LIMIT", "draw_seed", "sample_seed"]
+__all__ = ["Sampling", "pick", "Decode", "SAMPLING_KEYS", "NO_LIMIT", "draw_seed"]
 
 # SGLang's sampling_params keys this engine honours, and the ones that are accepted only at the
 # value that changes nothing here (penalties off; options that shape detokenized text, which this
@@ -196,14 +196,12 @@ _MIX = 0x9E3779B97F4A7C15       # 2**64 / golden ratio: spreads consecutive seed
 def draw_seed(seed: int, index: int) -> int:
     """The generator seed of a seeded row's draw of its token ``index`` (0: its first new token),
     a function of the two alone: the same on every TP rank, after a retract and recompute, and
-    whatever else the batch holds. The ``n`` samples of one request draw with ``seed``,
-    ``draw_seed(seed, -1)``, ``draw_seed(seed, -2)``, ... (`sample_seed`), so they differ."""
+    whatever else the batch holds. The ``n`` samples of one request all draw with its seed, so
+    they are the same tokens, as in SGLang 0.5.23 with ``--enable-deterministic-inference`` (the
+    only mode in which it applies ``sampling_seed``: `SamplingBatchInfo.from_schedule_batch`):
+    ``TokenizerManager._handle_batch_request`` sends every sample with the request's sampling
+    params, and ``sampler.multinomial_with_seed`` hashes the seed with the token's position alone."""
     return ((seed + 1) * _MIX + index * 0xBF58476D1CE4E5B9) % (2 ** 63)
-
-
-def sample_seed(seed: int | None, sample: int) -> int | None:
-    """The seed of sample ``sample`` (0-based) of a request with ``sampling_seed=seed``."""
-    return seed if seed is None or sample == 0 else draw_seed(seed, -sample)
 
 
 def pick(logits: torch.Tensor, rows: Sequence[Sampling], produced: Sequence[int],

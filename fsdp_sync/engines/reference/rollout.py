@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..base import EngineStateError, EngineUnavailableError
-from .generation import Sampling, input_token_logprobs, sample_seed
+from .generation import Sampling, input_token_logprobs
 from .scheduler import PAUSE_MODES, check_version, kv_need, weight_version_spans
 
 __all__ = ["GenerationCalls", "fit_max_new_tokens", "sglang_context_length", "check_context_length",
@@ -284,8 +284,8 @@ class GenerationCalls:
         if self.serving_state is not None:
             raise EngineUnavailableError(f"generate: the engine is out of service ({self.serving_state}); "
                                    f"set_serving(True) brings it back")
-        rows = [(i, dataclasses.replace(s, seed=sample_seed(s.seed, c)) if c and s.seed is not None else s)
-                for i, (p, s) in enumerate(zip(prompts, specs)) for c in range(s.n)]
+        # n samples of a prompt, each with the request's sampling params (its seed too), as SGLang's
+        rows = [(i, s) for i, s in enumerate(specs) for _ in range(s.n)]
         version = self.weight_version
         results = [{"prompt_index": i, "output_ids": [], "finish_reason": None,
                     "weight_versions": weight_version_spans([], version), "weight_version": version}
