@@ -111,3 +111,15 @@ def test_embeddings_named_by_their_path_among_the_targets_are_refused():
         bad = sorted(m for m in tm if m.split(".")[-1] in ("embed_tokens", "lm_head"))
         assert why is not None and f"target_modules include {bad}" in why, (tm, why)
     assert config_refusal({"r": 4, "lora_alpha": 8, "target_modules": ["model.layers.0.self_attn.q_proj"]}) is None
+
+
+def test_the_reference_engines_rank_bound_is_exact():
+    """``max_lora_rank`` (SGLang's --max-lora-rank) admits r up to it and refuses r one over,
+    naming both (an off-by-one let r = max + 1 through)."""
+    from fsdp_sync.engines.reference.lora_calls import LoRACalls
+
+    eng = LoRACalls()
+    eng.max_lora_rank = 8
+    cfg = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+    assert eng.lora_refusal(cfg) is None
+    assert eng.lora_refusal(dict(cfg, r=9)) == "its rank r=9 exceeds the engine's max_lora_rank 8"
