@@ -62,3 +62,26 @@ def test_a_genuine_empty_tensor_built_of_the_same_calls_opens(protocol):
                                                 (0, (0, 3), (3, 1), False))}, protocol=protocol)).value
     assert type(got["x"]) is torch.Tensor and got["x"].dtype == torch.bfloat16
     assert tuple(got["x"].shape) == (0, 3)
+
+
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_a_build_cannot_grow_an_empty_storage(protocol):
+    """A payload's BUILD on a tensor rebuilt from an empty storage reaches Tensor.__setstate__,
+    whose set_(storage, offset, size, stride) grew torch's (resizable) empty storage to any size:
+    a payload of a few hundred bytes made the receiver allocate 1.2 GB (300M float32) and fill it.
+    The empty storage a payload gets now cannot grow: refused, nothing allocated."""
+    class _WithState(_Call):
+        def __init__(self, fn, args, state):
+            super().__init__(fn, *args)
+            self.state = state
+
+        def __reduce__(self):
+            return self.fn, self.args, self.state
+
+    typed = _Call(red.rebuild_typed_storage, _EMPTY, torch.float32)
+    grow = _WithState(red.rebuild_tensor, (torch.Tensor, typed, (0, (0,), (1,), False)),
+                      (typed, 0, (300_000_000,), (1,)))
+    data = pickle.dumps({"x": grow}, protocol=protocol)
+    assert len(data) < 1000
+    with pytest.raises(HandleError, match="not resizable"):
+        open_payload(data)

@@ -199,7 +199,13 @@ def _mapped(out: list, *args, via_manager: bool = False):
 
 
 def _safe_rebuild_storage_empty(cls):
-    return _cls(cls, (_USTORAGE,), "storage")()
+    """An empty storage that cannot grow: torch's (``UntypedStorage()``) is resizable, and a
+    payload's ``BUILD`` on a tensor made from it calls ``Tensor.__setstate__``, whose
+    ``set_(storage, offset, size, stride)`` grows it to any size (a 300-byte payload allocated
+    1.2 GB here). Made from a one-byte buffer (``torch.frombuffer`` storages are not resizable)
+    and cut to no elements."""
+    _cls(cls, (_USTORAGE,), "storage")
+    return torch.frombuffer(bytearray(1), dtype=torch.uint8)[:0].untyped_storage()
 
 
 def _safe_rebuild_typed_storage(storage, dtype):
