@@ -108,6 +108,8 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_the_run(capsy
     with pytest.raises(ValueError, match=r"argument --json: cannot write /proc/h13\.json: /proc is not "
                                          r"writable \("):
         ca.check_output("/proc/h13.json", "--json")
+    with pytest.raises(ValueError, match=r"argument --plot: cannot write /proc: /proc is not writable"):
+        ca.check_output("/proc", "--plot", "directory")       # the folder itself, not its parent
     err = _parse_error(["soak", "--json", "/proc/p.json"], capsys)
     assert "argument --json: cannot write /proc/p.json" in err
     # a writable folder: accepted, and the probe leaves nothing behind
@@ -296,3 +298,46 @@ def test_a_plan_recipe_key_it_cannot_take_is_one_line_naming_it(text, words, tmp
         assert w in msg, (w, msg)
     path.write_text("plan:\n  quantization: null\n  replicas: ~\n  trainer_resident_gib: null\n")
     assert read_recipe(str(path)) == {"quantization": (None,), "replicas": None, "trainer_resident_gib": None}
+
+
+def test_a_refused_plan_row_carries_the_largest_bucket_that_fits():
+    """`cli.plan.plan_rows`: the refused row's ``suggested_bucket_bytes`` (the --json rows and the
+    help's "refused with the largest bucket that would") survived being dropped to None; only
+    `fsdp_sync.plan.plan_row`'s exception was tested."""
+    from fsdp_sync.cli.plan import plan_rows
+    from fsdp_sync.cli.plan_recipe import DEFAULTS
+    from fsdp_sync.plan import load_cluster
+
+    sweep = dict(DEFAULTS, models=("qwen2-1500m",), dtype="bfloat16", bucket_mb=(64.0, 100 * 1024.0))
+    fits, refused = plan_rows(sweep, load_cluster("h100-node"))
+    assert not fits.get("refused") and refused["bucket_bytes"] == 100 * 2**30
+    best = refused["suggested_bucket_bytes"]
+    assert best and best % MiB == 0 and f"--bucket-mb {best // MiB}" in refused["refused"], refused
+
+
+def test_replicas_count_the_disk_engines_beside_the_tensor_methods_own():
+    """``plan --methods tensor,disk --replicas 2``: the tensor rows run one engine per TP group
+    whatever --replicas says. Handing --replicas to the tensor rows too (a mutant no test killed)
+    refused the whole sweep (PlanJob: "the tensor method runs one engine per tp group")."""
+    from fsdp_sync.cli.plan import plan_rows
+    from fsdp_sync.plan import load_cluster
+
+    args = app.parse_args(["plan", "--methods", "tensor,disk", "--replicas", "2", "--models", "tiny",
+                           "--cluster", "h100-node"])
+    rows = plan_rows(args.sweep, load_cluster("h100-node"))
+    assert {r["method"]: r["replicas"] for r in rows} == {"tensor": 1, "disk": 2}, rows
+    assert {r["method"]: r["engine_calls"] for r in rows} == {"tensor": 1, "disk": 2}
+
+
+def test_the_demos_memory_counts_one_colocated_engine_per_tp_group():
+    """`demo_check.demo_memory`: ``--ranks 4 --tp 2`` runs two colocated engines (one disaggregated
+    one for distributed/disk, staging beside its weights); counting one engine (a mutant no test
+    killed: only ranks == tp was tested) under-counts what the check refuses on."""
+    from fsdp_sync.cli.demo_check import demo_memory
+
+    kw = dict(ranks=4, tp=2, dtype_bytes=2, low_precision=True, process_bytes=10)
+    tensor = demo_memory(1000, method="tensor", **kw)
+    assert tensor["engine_bytes"] == 2 * 1000 * 2 and tensor["processes"] == 4 + 2 * 2
+    assert tensor["train_bytes"] == 16 * 1000 + 2 * 2000 + 2 * 2000        # + a reference copy each
+    disk = demo_memory(1000, method="disk", **kw)
+    assert disk["engine_bytes"] == 1000 * 2 * 2 and disk["processes"] == 4 + 2
