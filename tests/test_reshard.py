@@ -214,25 +214,40 @@ def _rank_digests(rank, world):
                 layout = layout_for(cfg, tp)
                 # "unavailable": group rank 0, which makes the buffers, cannot make shared memory
                 # (a torch_shm_manager that cannot start): every rank must take the all-to-all
-                # path, none may wait for buffers
-                for share in (True, False) + (("unavailable",) if (fsdp, m, tp) == (2, 0, 2) else ()):
+                # path, none may wait for buffers. "pipelined": the one-host path as a pipelined
+                # consumer drives it (two buffer sets, no barrier before writing), with buckets of
+                # 72 KiB: bucket 1 writes rows of layers.1's gate_up_proj where lm_head's padding
+                # rows (rank 1) lie in bucket 3, which must still come out zero
+                modes = (True, False) + (("unavailable",) if (fsdp, m, tp) == (2, 0, 2) else ()) \
+                    + (("pipelined",) if (m, tp) == (0, 2) else ())
+                for share in modes:
                     st = reshard.ReshardStats()
                     got: dict = {}
+                    kept: list[bool] = []      # "pipelined": bucket k's bytes intact once k + 1 is out
+                    held: tuple = ()
                     real = reshard._handles.empty_shared
                     if share == "unavailable" and rank == 0:
                         def refuse(*a, **k):
                             raise RuntimeError("torch_shm_manager: cannot start")
                         reshard._handles.empty_shared = refuse
+                    piped = share == "pipelined"
                     try:
-                        for rb in reshard.iter_rank_buckets(module, layout, BUCKET, dtype=BF16,
-                                                            share_host_memory=bool(share), stats=st):
+                        for rb in reshard.iter_rank_buckets(module, layout, 72 << 10 if piped else BUCKET,
+                                                            dtype=BF16, share_host_memory=bool(share), stats=st,
+                                                            host_sets=2 if piped else 1, consumer_synced=piped):
                             for i, flat in rb.buffers.items():
                                 for name, t in bucket.unflatten(flat, rb.bucket.entries):
                                     got.setdefault(i, {})[name] = _digest(t)
+                            if piped:
+                                if held:
+                                    kept.append([_digest(b) for b in held[0]] == held[1])
+                                held = (list(rb.buffers.values()), [_digest(b) for b in rb.buffers.values()])
+                                dist.barrier()     # the consumer's promise: every rank read bucket k
                             del flat, rb
                     finally:
                         reshard._handles.empty_shared = real
-                    out[(fsdp, m, tp, share)] = {"got": got, "stats": vars(st)}
+                        del held
+                    out[(fsdp, m, tp, share)] = {"got": got, "stats": vars(st), "kept": kept}
             del module
             dist.barrier()
     return out
@@ -245,7 +260,9 @@ def test_rank_buckets_are_the_engines_shards_bit_for_bit():
     assert (2, 0, 2, "unavailable") in results[0]
     for key in results[0]:
         fsdp, m, tp, share = key
-        share = share is True           # "unavailable": the all-to-all path, checked as such
+        if share == "pipelined":        # each bucket intact while the next was written (3 of 4)
+            assert all(res[key]["kept"] == [True] * 3 for res in results), key
+        share = share in (True, "pipelined")   # "unavailable": the all-to-all path, checked as such
         ref = refs[(m, tp)]
         held = {}
         for r, res in enumerate(results):
