@@ -209,3 +209,22 @@ def test_plan_and_bench_take_the_model_and_count_the_bytes_the_engine_holds(tmp_
     assert bench.returncode == 0, bench.stdout + bench.stderr
     out = json.loads((tmp_path / "bench.json").read_text())
     assert out["rows"] and "incomplete" not in out, out
+
+
+def test_the_kv_rule_names_a_k_or_v_tensor_and_the_ignored_layers_note_comes_once():
+    """The k/v rows rule named the fused layer's first tensor, q_proj (`fsdp-sync plan --models
+    tiny --quantization fp8` said "k_proj/v_proj rows per rank = 16 ... (quantized '...q_proj.weight')"),
+    and every misfit repeated the ignored_layers sentence."""
+    from fsdp_sync.models import load_config
+    from fsdp_sync.weights import fp8
+    from fsdp_sync.weights.layout import ModelSpec, TPLayout
+
+    layout = TPLayout(ModelSpec.from_config(load_config("tiny")), 2)
+    with pytest.raises(ValueError) as exc:
+        fp8.check_block_shapes(layout)
+    text = str(exc.value)
+    assert "k_proj/v_proj rows per rank = 16 is not a multiple of block 128 (quantized " \
+           "'model.layers.0.self_attn.k_proj.weight')" in text, text
+    assert "q_proj rows per rank = 32 is not a multiple of block 128 (quantized " \
+           "'model.layers.0.self_attn.q_proj.weight')" in text, text
+    assert text.count("ignored_layers") == 1 and text.endswith("stays unquantized, unchecked"), text

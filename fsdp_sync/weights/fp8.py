@@ -355,6 +355,8 @@ def check_block_shapes(layout: TPLayout, block: tuple[int, int] = BLOCK,
             kind = "shared_expert." + kind
         if kind is not None:
             first.setdefault(kind, n)
+            if kind == "self_attn.qkv_proj.weight" and (".k_proj." in n or ".v_proj." in n):
+                first.setdefault("k/v", n)   # the fused layer's k or v part: the k/v rule names it
     # (what, size, the kind it constrains, split: the ranks the input dim is cut over; 0 for rows)
     rules = [("q_proj rows per rank", layout.q_local * d, "self_attn.qkv_proj.weight", 0),
              ("k_proj/v_proj rows per rank", layout.kv_local * d, "self_attn.qkv_proj.weight", 0),
@@ -374,11 +376,12 @@ def check_block_shapes(layout: TPLayout, block: tuple[int, int] = BLOCK,
     for what, v, kind, split in rules:
         b = bk if split else bn
         if kind in first and split != 1 and v % b:
-            bad.append(f"{what} = {v} is not a multiple of block {b} (quantized {first[kind]!r}; a layer the "
-                       f"model config's quantization_config.ignored_layers lists stays unquantized, unchecked)")
+            named = first.get("k/v", first[kind]) if what.startswith("k_proj/v_proj") else first[kind]
+            bad.append(f"{what} = {v} is not a multiple of block {b} (quantized {named!r})")
     if bad:
         raise ValueError(f"block FP8 {list(block)} at tp {t}, ep {layout.ep} ({s.model_type}): "
-                         + "; ".join(bad))
+                         + "; ".join(bad) + "; a layer the model config's quantization_config.ignored_layers "
+                         "lists stays unquantized, unchecked")
 
 
 def _in_blocks(sl: slice, b: int) -> slice:
