@@ -13,8 +13,11 @@ sync does to a fleet of replicas (`fsdp_sync.fleet`), as a full sync does it:
 - `rejoin`: a replica out of service that the sync goes to is given the base first, as `recover`
   gives it (the transport's reload: disk loads the directory the replicas in service loaded; the
   distributed method sends the trainer's base), then the adapter, verified, and the version;
-  only then is it back in service. A failure keeps it out (one that took part of the base is
-  stalled, `manager_pause.stall`: no generation on it); the sync goes on for the others.
+  only then is it back in service. Under a ``pause_mode`` its generation is paused before its
+  base is sent and continued once it holds base and adapter (a server a client reaches directly,
+  SGLang's, is not kept from requests by being out of service). A failure keeps it out (one
+  that took part of the base is stalled, `manager_pause.stall`: no generation on it; another is
+  continued); the sync goes on for the others.
 - `restarted`: a replica in service whose base weights changed since they were synced (a server
   restarted by its supervisor serves its launch weights under its launch version) is taken out
   of service and rejoins: under ``"quarantine"`` in the same sync, the others taking the adapter
@@ -46,6 +49,7 @@ import torch
 from . import fleet, manager_pause
 from .lora_sync import (active_adapter, adapter_config, check_engine, engine_version, holds,
                         load_adapter, peft_name, refusal, sync_adapter, transactional, verify_adapter)
+from .topology import SyncError
 from .transport import SyncStats
 from .verify import verify_engines
 from .weights import export, export_checks
@@ -267,8 +271,13 @@ def rejoin(manager: Any, rejoining: list, version: str, adapter: dict) -> None:
     [] elsewhere): each is checked against the adapter (``adapter``: `sync_adapter`'s tensors,
     cfg, metas, shared), given the base as `recover` gives it (the transport's reload under
     ``version``, collective: every rank runs it as often as rank 0 says), then the adapter, its
-    verify and version (`_give_adapter`), and only then put back in service. One that fails
-    stays out (`_keep_out`); the sync goes on for the others."""
+    verify and version (`_give_adapter`), and only then put back in service. Under a
+    ``pause_mode`` each is paused (`manager_pause.pause`) before its base is sent, as a sync
+    pauses its targets and `manager_fleet.send` pauses a replica brought in: a request reaching
+    it directly would otherwise run on partly new weights. It is continued once it holds base and
+    adapter, or after a failure that left it whole; one that kept part of the base stays paused
+    (`manager_pause.stall`). One that fails (its pause too) stays out (`_keep_out`); the sync goes
+    on for the others."""
     name, go = manager.config.lora_name, []
     for rep in rejoining:
         try:
@@ -281,25 +290,41 @@ def rejoin(manager: Any, rejoining: list, version: str, adapter: dict) -> None:
             _keep_out(manager, rep, version, why)
     for k in range(manager._from_rank0(len(go))):
         rep = go[k] if k < len(go) else None
-        err, _ = manager._transport_sync([rep] if rep is not None else [], version, manager.step, reload=True)
+        reps = [rep] if rep is not None else []
+        try:        # as a sync pauses its targets (`SyncConfig.pause_mode`; agreed, every rank)
+            paused = manager_pause.pause(manager, reps)
+        except SyncError as exc:
+            if rep is not None:
+                _keep_out(manager, rep, version, f"{exc}")
+            continue
+        try:
+            err, _ = manager._transport_sync(reps, version, manager.step, reload=True)
+            if err is not None:      # no generation on a base it took part of (`manager_pause.stall`)
+                manager_pause.stall(manager, manager_pause.kept_part(reps), None)
+            why = None if rep is None else f"its base: {err}" if err is not None else _give_adapter(
+                manager, rep, version, adapter["tensors"], adapter["cfg"], adapter.get("shared"))
+        except BaseException as exc:     # an interrupt too: what it kept part of stays paused
+            try:
+                manager_pause.stall(manager, manager_pause.kept_part(reps), None)
+                manager_pause.resume(manager, paused)
+            except Exception as cont:  # noqa: BLE001 - the transfer's error is the one to raise
+                exc.add_note(f"and then: {cont}")
+            raise
         if rep is None:
             continue
-        if err is not None:      # no generation on a base it took part of (`manager_pause.stall`)
-            manager_pause.stall(manager, manager_pause.kept_part([rep]), None)
-        why = f"its base: {err}" if err is not None else _give_adapter(
-            manager, rep, version, adapter["tensors"], adapter["cfg"], adapter.get("shared"))
         if why is not None:
             _keep_out(manager, rep, version, why)
-            continue
-        manager.fleet.reinstate(rep, version)
-        log.warning("fsdp_sync: %s rejoined at version %s (base and adapter %r)", rep.name, version, name)
-        if rep.stalled:     # paused since a failed sync left it partly new (`manager_pause.stall`)
-            rep.stalled = False
-            try:
-                manager._continue([rep])
-            except RuntimeError as exc:
-                log.warning("fsdp_sync: %s serves version %s, but generation there is still "
-                            "paused (%s): the next sync continues it", rep.name, version, exc)
+        else:
+            manager.fleet.reinstate(rep, version)
+            log.warning("fsdp_sync: %s rejoined at version %s (base and adapter %r)", rep.name, version, name)
+            if rep.stalled:     # paused since a failed sync left it partly new: whole now
+                rep.stalled = False
+                paused = paused if rep in paused else paused + [rep]
+        try:                    # (one that kept part of the base stays paused: `resume`)
+            manager._continue(paused)
+        except RuntimeError as exc:
+            log.warning("fsdp_sync: %s: generation there is still paused (%s): the next sync "
+                        "continues it", rep.name, exc)
 
 
 def bring_adapter(manager: Any, rep: Any, version: str | None) -> str | None:
