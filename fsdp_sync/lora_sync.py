@@ -62,7 +62,7 @@ from .weights import bucket, export, handles
 from .weights.adapter_export import AdapterCopy, AdapterExport
 from .wire import flattened_bucket
 from .weights.peft_names import (adapter_of, config_refusal, pattern_refusal, sglang_refusal,
-                                 trainable_base, unserved_tensor)
+                                 sglang_targets, trainable_base, unserved_tensor)
 
 log = logging.getLogger("fsdp_sync")
 
@@ -446,10 +446,12 @@ def check_engine(engine: Any, cfg: dict, name: str, base_version: Any,
         return f"adapter {name!r}: r={r} exceeds the engine's max_lora_rank {max_r}"
     allowed = getattr(engine, "lora_target_modules", None)
     if allowed is not None and isinstance(targets, (list, tuple)):
-        extra = [m for m in targets if m not in allowed]
+        pool = sglang_targets(list(allowed)) or set()      # as SGLang compares them (normalized)
+        extra = [] if "all" in pool else [m for m in targets if not sglang_targets([m]) <= pool]
         if extra:
             return (f"adapter {name!r}: target_modules {extra} are not in the engine's "
-                    f"lora_target_modules {list(allowed)}")
+                    f"lora_target_modules {list(allowed)} (SGLang's --lora-target-modules, compared "
+                    f"as SGLang stacks them: q/k/v into qkv_proj, gate/up into gate_up_proj)")
     now = engine_version(engine) if base_version is not None else None
     if base_version is not None and now is not None and now != base_version:
         return (f"adapter {name!r}: the engine's base weights are version {now!r}, not the base "

@@ -190,7 +190,10 @@ def test_check_engine_refusals_name_the_difference():
     assert check_engine(held, cfg, "b", "3") is None          # another name: nothing to match
     small = SimpleNamespace(load_lora_adapter_from_tensors=load, max_lora_rank=4, lora_target_modules=("q_proj",))
     assert "exceeds the engine's max_lora_rank 4" in check_engine(small, cfg, "a", None)
-    assert "['v_proj'] are not in the engine's lora_target_modules" in check_engine(small, dict(cfg, r=4), "a", None)
+    # compared as SGLang's pool compares them: v_proj is qkv_proj, as q_proj is (taken); o_proj is not
+    assert check_engine(small, dict(cfg, r=4), "a", None) is None
+    assert "['o_proj'] are not in the engine's lora_target_modules ['q_proj']" in check_engine(
+        small, dict(cfg, r=4, target_modules=["q_proj", "v_proj", "o_proj"]), "a", None)
     assert peft_name("model.layers.0.mlp.up_proj.lora_B.default.weight") == \
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
 

@@ -9,7 +9,9 @@ handle per worker), checks them against its base model and builds its shard (`lo
 every worker said yes are the shards installed, otherwise dropped, so a refused adapter changes
 nothing (with ``replace=True``, an fsdp_sync extension, the adapter of that name keeps serving).
 The engine's ``max_lora_rank`` and ``lora_target_modules`` (SGLang's server arguments of those
-names) bound what it accepts; an adapter beyond them is refused by name.
+names) bound what it accepts, the modules compared as SGLang compares them (q/k/v stacked into
+qkv_proj, gate/up into gate_up_proj; ``("all",)`` takes any); an adapter beyond them is refused by
+name.
 
 Not here: the math and the TP split (`lora`), the forward (`tp_model`), the workers' side
 (`worker.Worker.lora_stage`).
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from ...weights import handles
+from ...weights.peft_names import sglang_targets
 from ..base import WeightUpdateError
 from .lora import LoRAConfig, check_adapter
 from .update_items import pack_plain
@@ -48,10 +51,15 @@ class LoRACalls:
         if self.max_lora_rank is not None and cfg.r > self.max_lora_rank:
             return f"its rank r={cfg.r} exceeds the engine's max_lora_rank {self.max_lora_rank}"
         if self.lora_target_modules is not None:
-            extra = [m for m in cfg.target_modules if m not in self.lora_target_modules]
+            # as SGLang's memory pool compares them (`LoRAMemoryPool.can_support`): both normalized,
+            # q/k/v -> qkv_proj, gate/up -> gate_up_proj; a pool of "all" takes any module
+            pool = sglang_targets(list(self.lora_target_modules)) or set()
+            extra = [] if "all" in pool else [m for m in cfg.target_modules if not sglang_targets([m]) <= pool]
             if extra:
                 return (f"its target_modules {extra} are not in the engine's lora_target_modules "
-                        f"{list(self.lora_target_modules)}")
+                        f"{list(self.lora_target_modules)} (SGLang's --lora-target-modules; compared "
+                        f"as SGLang stacks them: q/k/v into qkv_proj, gate/up into gate_up_proj): "
+                        f"launch the engine with them, or leave them out of the adapter")
         return None
 
     def lora_refusal(self, config_dict: Any, metas: Any = ()) -> str | None:
