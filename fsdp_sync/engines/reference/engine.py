@@ -143,7 +143,9 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
         base_gpu_id: the workers' first GPU (SGLang's ``--base-gpu-id``): a disaggregated engine
             beside trainer ranks on GPUs 0..n-1 starts at n (NCCL refuses one GPU on both ends).
         max_lora_rank, lora_target_modules: bound the LoRA adapters the engine loads (SGLang's
-            server arguments; `lora_calls`): None takes any rank / any of `lora.TARGETS`.
+            server arguments; `lora_calls`): None takes any rank / any of `lora.TARGETS`. Target
+            modules compare as SGLang's (`peft_names.sglang_targets`: q/k/v stack into qkv_proj,
+            gate/up into gate_up_proj; ``"all"`` takes every module).
         keep_bucket_buffers: keep a sender's per-rank bucket buffer mapped (CPU) or its CUDA IPC
             handle open until the update ends, as it is reused bucket after bucket (`load_rank_bucket`);
             False opens each bucket's anew and lets it go after the call (`dev/gpu_profile.py`).
