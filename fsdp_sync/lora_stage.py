@@ -16,8 +16,8 @@ sync does to a fleet of replicas (`fsdp_sync.fleet`), as a full sync does it:
   only then is it back in service. Under a ``pause_mode`` its generation is paused before its
   base is sent and continued once it holds base and adapter (a server a client reaches directly,
   SGLang's, is not kept from requests by being out of service). A failure keeps it out (one
-  that took part of the base is stalled, `manager_pause.stall`: no generation on it; another is
-  continued); the sync goes on for the others.
+  that took part of the base, or the base but not the adapter, is stalled, `manager_pause.stall`:
+  no generation on it; another is continued); the sync goes on for the others.
 - `restarted`: a replica in service whose base weights changed since they were synced (a server
   restarted by its supervisor serves its launch weights under its launch version) is taken out
   of service and rejoins: under ``"quarantine"`` in the same sync, the others taking the adapter
@@ -275,9 +275,10 @@ def rejoin(manager: Any, rejoining: list, version: str, adapter: dict) -> None:
     ``pause_mode`` each is paused (`manager_pause.pause`) before its base is sent, as a sync
     pauses its targets and `manager_fleet.send` pauses a replica brought in: a request reaching
     it directly would otherwise run on partly new weights. It is continued once it holds base and
-    adapter, or after a failure that left it whole; one that kept part of the base stays paused
-    (`manager_pause.stall`). One that fails (its pause too) stays out (`_keep_out`); the sync goes
-    on for the others."""
+    adapter, or after a failure that left it its old weights; one that kept part of the base, or
+    took the whole base but not the adapter (the old adapter on the new base: a pair no sync
+    produced), stays paused (`manager_pause.stall`). One that fails (its pause too) stays out
+    (`_keep_out`); the sync goes on for the others."""
     name, go = manager.config.lora_name, []
     for rep in rejoining:
         try:
@@ -297,15 +298,19 @@ def rejoin(manager: Any, rejoining: list, version: str, adapter: dict) -> None:
             if rep is not None:
                 _keep_out(manager, rep, version, f"{exc}")
             continue
+        based = []      # holds the new base whole: its old adapter (or none) on it is no sync's pair
         try:
             err, _ = manager._transport_sync(reps, version, manager.step, reload=True)
             if err is not None:      # no generation on a base it took part of (`manager_pause.stall`)
                 manager_pause.stall(manager, manager_pause.kept_part(reps), None)
+            based = reps if err is None and manager.config.pause_mode is not None else []
             why = None if rep is None else f"its base: {err}" if err is not None else _give_adapter(
                 manager, rep, version, adapter["tensors"], adapter["cfg"], adapter.get("shared"))
+            if why is not None and based:     # nor on the new base with the old adapter
+                manager_pause.stall(manager, based, None)
         except BaseException as exc:     # an interrupt too: what it kept part of stays paused
             try:
-                manager_pause.stall(manager, manager_pause.kept_part(reps), None)
+                manager_pause.stall(manager, manager_pause.kept_part(reps) or based, None)
                 manager_pause.resume(manager, paused)
             except Exception as cont:  # noqa: BLE001 - the transfer's error is the one to raise
                 exc.add_note(f"and then: {cont}")

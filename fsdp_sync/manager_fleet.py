@@ -8,7 +8,8 @@ which replicas a sync goes to, what a failed sync does to them, and bringing one
 - `bring_in`: `recover` and `add_engine`: the replica brought to the version the others serve
   (sent or loaded now, or at the next sync), then put in service; `send`: that transfer, under a
   ``pause_mode`` with its generation paused as a sync pauses its targets, continued once it holds
-  the whole version (or kept paused, holding part of it, as `manager_pause.stall` says).
+  the whole version (or kept paused, holding part of it or the base without its adapter, as
+  `manager_pause.stall` says).
 
 Not here: the fleet's own state (`fleet`), pausing and continuing generation (`manager_pause`),
 the sync itself (the manager's ``_sync_full`` and the transports).
@@ -135,8 +136,10 @@ def send(manager: Any, reps: list, paused: list, version: str | None, what: str)
     calls would run on partly new weights (a server a client reaches directly, a real SGLang
     server that cannot be told it is out of service). The base, then, ``lora="adapter"``, the
     adapter the others serve (`lora_stage.bring_adapter`). On any failure: a replica that kept
-    part of the update stays paused (`manager_pause.stall`), the others are continued (what
-    they hold is whole), and the error is raised."""
+    part of the update, or the whole base but not the adapter (its old adapter, or none, on the
+    new base: a pair no sync produced), stays paused (`manager_pause.stall`), the others are
+    continued (what they hold is whole), and the error is raised."""
+    based = []
     try:
         err, _ = manager._transport_sync(reps, version, manager.step - 1, reload=True)
         kept = manager_pause.kept_part(reps)
@@ -144,10 +147,15 @@ def send(manager: Any, reps: list, paused: list, version: str | None, what: str)
             manager_pause.stall(manager, kept, None if what == "add_engine" else err)
             raise err
         if manager.config.lora == "adapter":     # and the adapter the others serve (`lora_stage`)
+            if manager.config.pause_mode is not None:     # (none: nothing paused, as before)
+                based = reps      # the new base, whole: no generation on it with its old adapter
             manager._agree(lora_stage.bring_adapter(manager, reps[0] if reps else None, version), what=what)
     except BaseException as exc:
         try:     # an interrupt out of the transport too: no generation on partly new weights
-            manager_pause.stall(manager, manager_pause.kept_part(reps), None)
+            kept = manager_pause.kept_part(reps)
+            manager_pause.stall(manager, kept, None)
+            if based and not kept:        # (add_engine lets a replica it does not add go: `let_go`)
+                manager_pause.stall(manager, based, None if what == "add_engine" else exc)
             manager_pause.resume(manager, paused)
         except Exception as cont:  # noqa: BLE001 - the transfer's error is the one to raise
             exc.add_note(f"and then: {cont}")
