@@ -13,26 +13,11 @@ from fsdp_sync import FSDPShardingManager, SyncConfig, fleet
 from fsdp_sync.models import build_model, load_config
 from fsdp_sync.topology import SyncError
 
+from _pause_engine import PauseEngine
 
-class _Eng:
+
+class _Eng(PauseEngine):
     base_url = "http://127.0.0.1:39999"
-
-    def __init__(self):
-        self.paused, self.log = None, []
-
-    def get_weight_version(self):
-        return "default"
-
-    def pause_generation(self, mode="abort"):
-        self.paused = mode
-        self.log.append(("pause", mode))
-
-    def continue_generation(self):
-        self.paused = None
-        self.log.append(("continue",))
-
-    def set_serving(self, serving, reason=""):
-        pass
 
 
 @pytest.mark.timeout(60)

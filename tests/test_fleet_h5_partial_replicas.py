@@ -28,26 +28,18 @@ from fsdp_sync import FSDPShardingManager, SyncConfig, fleet
 from fsdp_sync.models import build_model, load_config
 from fsdp_sync.topology import SyncError
 
+from _pause_engine import PauseEngine
+
 P = [11, 27, 93, 5]
 
 
-class _Eng:
+class _Eng(PauseEngine):
     """An engine's generation and service state, as the manager drives it."""
 
     def __init__(self, port: int):
+        super().__init__()
         self.base_url = f"http://127.0.0.1:{port}"
-        self.paused, self.serving, self.log = None, True, []
-
-    def get_weight_version(self):
-        return "default"
-
-    def pause_generation(self, mode="abort"):
-        self.paused = mode
-        self.log.append(("pause", mode))
-
-    def continue_generation(self):
-        self.paused = None
-        self.log.append(("continue",))
+        self.serving = True
 
     def set_serving(self, serving, reason=""):
         self.serving = serving

@@ -19,6 +19,7 @@ import threading
 import pytest
 import torch
 
+from _pause_engine import PauseEngine
 from _util import digest
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,27 +123,10 @@ def test_a_request_racing_the_bring_in_sees_one_whole_version(what, engines, mon
         manager.close()
 
 
-class _Eng:
+class _Eng(PauseEngine):
     """An engine stub: only the pause bookkeeping of a bring-in runs for real."""
 
     base_url = "http://127.0.0.1:39998"
-
-    def __init__(self):
-        self.paused, self.log = None, []
-
-    def get_weight_version(self):
-        return "default"
-
-    def pause_generation(self, mode="abort"):
-        self.paused = mode
-        self.log.append(("pause", mode))
-
-    def continue_generation(self):
-        self.paused = None
-        self.log.append(("continue",))
-
-    def set_serving(self, serving, reason=""):
-        pass
 
 
 def _stubbed(pause_mode, outcome):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _pause_engine import PauseEngine
 from test_h10_bring_in_pause import _direct, _served, _tokens
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,13 +76,14 @@ def test_a_request_racing_an_adapter_syncs_rejoin_sees_one_whole_version(monkeyp
             m.close()
 
 
-class _Eng:
+class _Eng(PauseEngine):
     """An engine stub: only the pause bookkeeping and the calls of a rejoin run for real."""
 
     base_url = "http://127.0.0.1:39997"
 
     def __init__(self, fail_load=False, fail_pause=False):
-        self.paused, self.log, self.version = None, [], "0"
+        super().__init__()
+        self.version = "0"
         self.fail_load, self.fail_pause = fail_load, fail_pause
 
     def get_weight_version(self):
@@ -98,15 +100,7 @@ class _Eng:
     def pause_generation(self, mode="abort"):
         if self.fail_pause:
             raise RuntimeError("cannot pause")
-        self.paused = mode
-        self.log.append(("pause", mode))
-
-    def continue_generation(self):
-        self.paused = None
-        self.log.append(("continue",))
-
-    def set_serving(self, serving, reason=""):
-        pass
+        super().pause_generation(mode)
 
 
 def _stubbed(pause_mode, outcome):
