@@ -1,0 +1,85 @@
+"""Reference engine at TP 2, checks H21's mutation pass found no test holding (each fails with the
+code it guards mutated), on one module-scoped engine:
+
+- a LoRA load that one worker refuses and the other takes changes nothing and leaves the engine
+  usable (`lora_calls`: the stage round's agreement; the staged shard of the rank that said yes is
+  dropped, never committed): before, no test refused an adapter on one rank only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_sync.engines import ReferenceEngine, WeightUpdateError
+from fsdp_sync.models import build_model, load_config
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17]]
+
+
+def adapter(model, seed, r=2, targets=("q_proj", "down_proj")):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if name.endswith(".weight") and len(parts) > 3 and parts[-2] in targets and p.dim() == 2:
+            base = name[:-len(".weight")]
+            out[f"base_model.model.{base}.lora_A.weight"] = torch.randn(r, p.shape[1], generator=g) * 0.1
+            out[f"base_model.model.{base}.lora_B.weight"] = torch.randn(p.shape[0], r, generator=g) * 0.1
+    return out, {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(targets),
+                 "bias": "none", "use_dora": False, "use_rslora": False}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model(load_config("tiny"), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def eng(tiny):
+    with ReferenceEngine(model_config=load_config("tiny"), tp_size=2, max_lora_rank=8) as e:
+        e.update_weights_from_tensor(list(tiny.state_dict().items()))
+        yield e
+
+
+def test_a_lora_load_refused_by_one_worker_only_changes_nothing(eng, tiny):
+    """TP rank 0 opens and stages a good payload, TP rank 1 cannot open its own: the load is
+    refused naming rank 1, the adapter served before (``replace=True``) serves on, bit for bit on
+    both ranks, and the engine takes the next load."""
+    from fsdp_sync.weights import handles
+    from fsdp_sync.weights.bucket import TensorMeta, flatten, plan_buckets
+    from fsdp_sync.wire import flattened_bucket
+
+    t1, c1 = adapter(tiny, 1)
+    t2, c2 = adapter(tiny, 2)
+    eng.load_lora_adapter_from_tensors("a", t1, c1)
+    try:
+        before = eng.forward_logits(PROMPTS, lora_path="a")
+        pieces = eng.lora_rank_pieces("a")
+        metas = [TensorMeta.of(n, v) for n, v in t2.items()]
+        bkt = plan_buckets(metas, sum(m.nbytes for m in metas) + 64 * (len(metas) + 1))[0]
+        flat = handles.empty_shared(bkt.nbytes)
+        flatten(bkt, list(t2.values()), out=flat)
+        ps = handles.make_payloads(flattened_bucket(flat, bkt), 2)
+        try:
+            with pytest.raises(WeightUpdateError, match="could not open the LoRA payload for TP rank 1") as ei:
+                eng.load_lora_adapter_from_tensors("a", [ps.payloads[0], b"not a payload"], c2,
+                                                   load_format="flattened_bucket", replace=True)
+            assert "TP rank 0" not in str(ei.value)
+        finally:
+            ps.release(require_ack=False)
+        assert eng.lora_adapters["a"]["r"] == 2 and eng.lora_adapters["a"]["lora_alpha"] == 4
+        assert torch.equal(eng.forward_logits(PROMPTS, lora_path="a"), before)
+        after = eng.lora_rank_pieces("a")
+        for rank in (0, 1):
+            assert after[rank].keys() == pieces[rank].keys()
+            for name, lst in pieces[rank].items():
+                assert all(torch.equal(x[1], y[1]) for x, y in zip(lst, after[rank][name])), (rank, name)
+        # the engine is not broken: the same adapter now loads on both ranks
+        eng.load_lora_adapter_from_tensors("a", t2, c2, replace=True)
+        back = eng.lora_tensors("a")
+        assert all(torch.equal(back[n.removeprefix("base_model.model.")], v) for n, v in t2.items())
+    finally:
+        eng.unload_lora_adapter("a")
