@@ -52,8 +52,8 @@ switched only around its ``state_dict()`` call (`state_dict_type`) and restored 
 suspended stream does not leave the module in a foreign type.
 
 A failure found before the first collective on any rank (a shard that contradicts its metadata, a
-cast the rule forbids) is raised on every rank as `topology.SyncError` naming the failing rank, so
-no peer waits in a gather. Stopping a stream early must happen on every rank at the same item.
+cast the rule forbids), or before a bucket's (its buffer's allocation, `gather.alloc_bucket`), is
+raised on every rank as `topology.SyncError` naming the failing rank, so no peer waits in a gather. Stopping a stream early must happen on every rank at the same item.
 
 Modules that are part of a larger FSDP tree are refused with an error that says what to pass,
 never exported as partial or wrong tensors: an inner FSDP1 unit or inner ``fully_shard`` module
@@ -89,7 +89,8 @@ from . import bucket as _bucket
 from . import experts as _experts
 from . import float32_params
 from . import handles as _handles
-from .gather import Pieces, Received, Scratch, fill_bucket, fill_shared, materialize, shared_group, sub_pieces
+from .gather import (Pieces, Received, Scratch, alloc_bucket, fill_bucket, fill_shared, materialize,
+                     shared_group, sub_pieces)
 from .hostbuf import HostShared
 from .items_memo import ItemsMemo, submodules, tensors_key
 from .peft_names import base_parts, is_lora, select  # noqa: F401 - is_lora: part of the export API
@@ -532,6 +533,12 @@ def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None,
     """Items with their data sources; any rank's failure is raised on every rank. Collective like
     the streams; `reshard` builds its per-rank buckets from these items too. ``lora``: the LoRA
     tensors' items instead of the base weights' (`is_lora`)."""
+    return _resolve(module, fsdp1_state_dict, dtype, lora)[0]
+
+
+def _resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None,
+             lora: bool) -> tuple[list[_Item], Any]:
+    """`resolve`, and the group its failures were agreed over (None: none, or one rank)."""
     _check_dtype(dtype)
     if fsdp1_state_dict not in STATE_DICT_TYPES:
         raise ValueError(f"fsdp1_state_dict must be one of {STATE_DICT_TYPES}, "
@@ -558,9 +565,10 @@ def resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None,
         error = exc
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         agree(error, group, what="export")
-    elif error is not None:
+        return items, group
+    if error is not None:
         raise error
-    return items
+    return items, None
 
 
 def _sharded_items(module: nn.Module, sd: dict) -> list[_Item]:
@@ -644,7 +652,7 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
     ``received``: the bytes this rank receives (an FSDP1 state dict's unsharding,
     `state_dict_bytes_in`, and the buckets' gathers, `gather.bucket_bytes_in`) are added to it.
     """
-    items = resolve(module, fsdp1_state_dict, dtype, lora)   # lora: the LoRA tensors (`peft_names`)
+    items, agreed = _resolve(module, fsdp1_state_dict, dtype, lora)   # lora: `peft_names`
     received = received if received is not None else Received()
     received.bytes_in += state_dict_bytes_in(module, fsdp1_state_dict)
     metas = [_bucket.TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in items]
@@ -660,19 +668,14 @@ def iter_buckets(module: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | N
         if group is not None else None
     scratch = Scratch(received)
     start = 0
-    for bkt in plan:
+    for index, bkt in enumerate(plan):
         chunk = items[start:start + len(bkt.entries)]
         items[start:start + len(bkt.entries)] = [None] * len(chunk)
         start += len(bkt.entries)
         if host is not None:
             flat = fill_shared(host, bkt, chunk)
         else:
-            flat = alloc(bkt.nbytes)
-            if (not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1
-                    or flat.numel() < bkt.nbytes):
-                raise ValueError(f"alloc({bkt.nbytes}) must return a 1-D uint8 tensor of at least "
-                                 f"{bkt.nbytes} bytes, got {getattr(flat, 'dtype', type(flat))} "
-                                 f"{tuple(getattr(flat, 'shape', ()))}")
+            flat = alloc_bucket(alloc, bkt, index, agreed)
             fill_bucket(bkt, chunk, flat, scratch, dst)
         for it in chunk:
             it.drop()

@@ -27,11 +27,12 @@ try:  # the coalescing fast path (one all_gather_single_coalesced for many tenso
 except ImportError:  # pragma: no cover - older torch: one gather per tensor instead
     _coalescing_manager = None
 
+from ..topology import agree
 from . import bucket as _bucket
 from .hostbuf import HostShared
 
 __all__ = ["Pieces", "sub_pieces", "broadcast", "all_gather", "gather_pieces", "materialize", "materialized_bytes_in",
-           "Scratch", "Received", "bucket_bytes_in", "fill_bucket", "shared_group", "fill_shared"]
+           "Scratch", "Received", "bucket_bytes_in", "alloc_bucket", "fill_bucket", "shared_group", "fill_shared"]
 
 
 def _align(n: int) -> int:
@@ -369,6 +370,35 @@ def _gather_to(dst: int, group: Any, pairs: list[tuple[_bucket.BucketEntry, Piec
     _bucket.copy_many(dsts, srcs)
     for w in works:
         w.wait()
+
+
+def alloc_bucket(alloc: Any, bkt: _bucket.Bucket, index: int, group: Any) -> torch.Tensor:
+    """``alloc(bkt.nbytes)`` (bucket ``index`` of a stream), checked to be a 1-D uint8 tensor of
+    at least that many bytes, and its success agreed over ``group`` (the export's; None where it
+    has one rank) before the bucket's collectives: a rank whose allocation fails (its /dev/shm
+    full, a MemoryError) would otherwise leave its peers waiting in the gather until the group's
+    timeout. A failure is then raised on every rank as `topology.SyncError` naming the rank, the
+    bucket and its size; without a group, the allocator's own error is raised."""
+    error, flat = None, None
+    try:
+        flat = alloc(bkt.nbytes)
+        if (not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1
+                or flat.numel() < bkt.nbytes):
+            raise ValueError(f"alloc({bkt.nbytes}) must return a 1-D uint8 tensor of at least "
+                             f"{bkt.nbytes} bytes, got {getattr(flat, 'dtype', type(flat))} "
+                             f"{tuple(getattr(flat, 'shape', ()))}")
+    except Exception as exc:  # noqa: BLE001 - whatever it is, every peer must hear of it
+        if group is None:
+            raise
+        flat, error = None, (f"allocating the {bkt.nbytes}-byte buffer of bucket {index} "
+                             f"({bkt.names[0]!r}...) on rank {dist.get_rank()}: {type(exc).__name__}: {exc}")
+    if group is not None:
+        try:
+            agree(error, group, what="export")
+        except BaseException:
+            flat = None      # the traceback keeps this frame: not this rank's buffer with it
+            raise
+    return flat
 
 
 def fill_bucket(bkt: _bucket.Bucket, items: list, flat: torch.Tensor, scratch: Scratch,
