@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import base64
 import copyreg
-import functools
 import io
 import logging
 import pickle
@@ -58,7 +57,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.multiprocessing import reductions as _red
 
-from . import ipc_memory, state_words
+from . import cuda_later, ipc_memory, state_words
+from .wire_names import WireClass, wire_class
 from .bucket import SUPPORTED_DTYPES, dtype_name
 from .unpickle import RED, Unpickler, device_uuid, torch_rebuild_cuda_tensor, torch_reduce_tensor
 from .shm import (HandleError, add_torch_reference,
@@ -141,28 +141,6 @@ def _prune_owned() -> None:
 
 
 # --------------------------------------------------------------------------- pickling
-
-class WireClass(type):
-    """The type of a class that stands in for another process's class: its instances are pickled
-    as instances of ``wire_module.wire_name`` (that name, their ``__dict__`` as state), which this
-    process need not be able to import (`wire_class`)."""
-
-    wire_module: str
-    wire_name: str
-
-
-@functools.lru_cache(maxsize=None)
-def wire_class(module: str, name: str) -> WireClass:
-    """A class whose instances (made with keyword fields, kept in ``__dict__``) unpickle as
-    instances of ``module.name`` in the receiving process: e.g. SGLang's ``LocalSerializedTensor``
-    under the path of the release a server runs, not the trainer's (`engines.sglang`)."""
-    def __init__(self: Any, **fields: Any) -> None:
-        self.__dict__.update(fields)
-
-    cls = WireClass(name, (), {"__init__": __init__, "__module__": module, "__qualname__": name})
-    cls.wire_module, cls.wire_name = module, name
-    return cls
-
 
 def _is_cuda_rebuild(fn: Any) -> bool:
     return fn is _red.rebuild_cuda_tensor or fn is torch_rebuild_cuda_tensor()
@@ -642,24 +620,23 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
     CPU shared memory is mapped by file, without the producer's ``torch_shm_manager``
     (`map_segment`). ``share_again``: the caller will share the tensors again without a copy
     (`adopt`, a relay such as `hostbuf`): map them through torch's rebuild, which connects this
-    process to the producer's manager for its lifetime (harmless between ranks of one job)."""
+    process to the producer's manager for its lifetime (harmless between ranks of one job).
+    A tagged payload's CUDA tensors are rebuilt only once its tag has admitted it (`cuda_later`):
+    one refused (another rank's, opened twice, released) opens no CUDA IPC handle."""
     data = base64.b64decode(payload) if isinstance(payload, str) else payload
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandleError(f"a payload is bytes or base64 text, got {type(payload).__name__}")
-    unpickler = Unpickler(io.BytesIO(data), share_again)
+    tagged = _TAG_KEY in data
+    unpickler = (cuda_later.LaterUnpickler if tagged else Unpickler)(io.BytesIO(data), share_again)
+    later: list = []
     try:
         obj = unpickler.load()
+        if tagged and unpickler.later:
+            later = cuda_later.where(obj)            # (refuses before anything is opened)
+            if not (isinstance(obj, dict) and TAG in obj):
+                obj, later = cuda_later.put(obj, cuda_later.rebuild(later)), []   # nothing to check
     except BaseException as exc:
-        if _TAG_KEY in data:
-            # refused after mapping: the state word reads fresh, and the producer's release gives
-            # back mapping's reference (an untagged payload is counted as opened: ours to keep)
-            for storage in unpickler.mapped:
-                take_back(storage)
-        if isinstance(exc, HandleError) or not isinstance(exc, Exception):
-            raise
-        raise HandleError(f"cannot open payload{'' if rank is None else f' on rank {rank}'}: "
-                          f"{type(exc).__name__}: {exc}. Was it released by its producer already "
-                          f"(PayloadSet.release), or made in another host's memory?") from exc
+        _refused_load(exc, data, unpickler, rank)
     if not (isinstance(obj, dict) and TAG in obj):
         return Received(obj, rank)
     tag = obj.pop(TAG)
@@ -668,7 +645,7 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
     if not (isinstance(state, torch.Tensor) and state.dtype == torch.int32 and state.numel() == 1
             and isinstance(tag.get("rank"), int) and (gen is None or type(gen) is int)):
         raise HandleError(f"payload's {TAG!r} tag is malformed: {tag!r:.80}")
-    error = None
+    error, failed, tensors = None, None, {}
     if rank is not None and rank != tag["rank"]:
         error = f"payload for infer-TP rank {tag['rank']} (of {tag['of']}) opened by rank {rank}"
     else:
@@ -678,23 +655,45 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
             error = str(exc)
         else:
             # under the lock `_revoke` and a pooled slot's reuse take: a slot that went to a later
-            # payload (another generation) reads as revoked, this payload having been released
+            # payload (another generation) reads as revoked, this payload having been released.
+            # The CUDA tensors are opened under it too: opened means opened whole, or fresh
             with refcount_lock(_segment_handle(state)):
                 was = (int(state[0]) if words is None or state_words.generation_matches(words, gen)
                        else REVOKED)
                 if was == FRESH:
-                    state[0] = OPENED
+                    try:
+                        tensors = cuda_later.rebuild(later)
+                    except BaseException as exc:  # noqa: BLE001 - raised below, as a load's
+                        failed = exc
+                    else:
+                        state[0] = OPENED
             if was == REVOKED:
                 error = (f"payload for rank {tag['rank']} was released by its producer before it was "
                          f"opened (PayloadSet.release: the producer stopped waiting for this consumer)")
             elif was != FRESH:
                 error = (f"payload for rank {tag['rank']} opened twice (state "
                          f"{'opened' if was == OPENED else 'acknowledged'})")
+    if failed is not None:
+        _refused_load(failed, data, unpickler, rank)
     if error is not None:
         # unpickling took the reference meant for the rightful consumer: hand it back
         _for_each_storage(obj, take_back)
         _for_each_storage(tag, take_back)
         raise HandleError(error)
+    obj = cuda_later.put(obj, tensors)
     value = obj["tensor"] if set(obj) == {"tensor"} else obj
     return Received(value, tag["rank"], state, [t for t in unpickler.rebuilt if t is not state])
 
+
+def _refused_load(exc: BaseException, data: Any, unpickler: Unpickler, rank: int | None) -> None:
+    """Raise what a payload's load (or the rebuild of its CUDA tensors) failed with."""
+    if _TAG_KEY in data:
+        # refused after mapping: the state word reads fresh, and the producer's release gives
+        # back mapping's reference (an untagged payload is counted as opened: ours to keep)
+        for storage in unpickler.mapped:
+            take_back(storage)
+    if isinstance(exc, HandleError) or not isinstance(exc, Exception):
+        raise exc
+    raise HandleError(f"cannot open payload{'' if rank is None else f' on rank {rank}'}: "
+                      f"{type(exc).__name__}: {exc}. Was it released by its producer already "
+                      f"(PayloadSet.release), or made in another host's memory?") from exc
