@@ -204,7 +204,9 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
     names = [m.name for m in quantize.sync_metas(module, config)]
     chosen = select(names, config.verify, step)
     err: str | None = None
-    reports: list[tuple[Any, dict]] = []      # (the engine's layout for per-rank digests or None, digests)
+    # (the engine's index in ``engines``, its layout for per-rank digests or None, digests): the
+    # index, not the place in this list, names the engine (SGLang engines are checked apart)
+    reports: list[tuple[int, Any, dict]] = []
     checkers: dict[int, Any] = {}             # engine index -> `checksums.Checker` (SGLang)
     for i, engine in enumerate(engines):
         sglang = getattr(engine, "weight_checksums", None)
@@ -230,7 +232,7 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
             if missing:
                 raise RuntimeError(f"engine reported no checksum for {missing[:3]} "
                                    f"({len(missing)} tensors)")
-            reports.append((layout if fn is per_rank else None, got))
+            reports.append((i, layout if fn is per_rank else None, got))
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
             err = (f"engine {i} cannot be verified: {type(exc).__name__}: {exc}; set "
                    f"SyncConfig.verify='off' to sync without checking")
@@ -251,7 +253,7 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
         if err is not None or not reports:
             continue        # keep consuming: the stream is collective
         mine_full = None
-        for i, (layout, got) in enumerate(reports):
+        for i, layout, got in reports:
             ranks = ""
             if layout is not None:      # one digest per TP rank, of the pieces that rank serves
                 mine = [rank_digest(layout, name, r, lambda pl: t[pl.src]) for r in range(layout.tp)]

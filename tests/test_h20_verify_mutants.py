@@ -1,0 +1,165 @@
+"""Verify (`fsdp_sync.verify`) must not pass on weights it did not compare: tests that kill the
+mutants of the H20 mutation pass that made verify call wrong weights right (a guard dropped, the
+last tensor left out, one TP rank's digests ignored). In-process, one tiny model, stub engines."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fsdp_sync import verify
+from fsdp_sync.config import SyncConfig
+from fsdp_sync.engines.sglang import checksums
+from fsdp_sync.models import build_model, load_config
+from fsdp_sync.weights import export
+from fsdp_sync.weights.layout import layout_for, rank_digest
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = SyncConfig(verify="full", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    module = build_model(load_config("tiny"), seed=0)
+    full = dict(export.iter_params(module, dtype=torch.float32))
+    return module, full
+
+
+def _wrong(t: torch.Tensor) -> torch.Tensor:
+    out = t.clone()
+    out.view(-1)[-1] += 1.0            # the last element: a check over fewer bytes misses it
+    return out
+
+
+class FullDigests:
+    """An engine answering ``tensor_checksums`` (full-tensor digests) from ``held``."""
+
+    def __init__(self, held: dict):
+        self.held = held
+
+    def tensor_checksums(self, names):
+        return {n: verify.tensor_digest(n, self.held[n]) for n in names}
+
+    def get_weights_by_name(self, name):
+        return self.held[name]
+
+
+class RankDigests(FullDigests):
+    """An engine answering ``rank_digests`` (one digest per TP rank of its own pieces), as the
+    reference engine does; ``held_by[r]`` is what TP rank r holds."""
+
+    def __init__(self, layout, held_by: list[dict]):
+        super().__init__(held_by[0])
+        self.layout, self.held_by = layout, held_by
+
+    def rank_digests(self, names):
+        return {n: [rank_digest(self.layout, n, r, lambda pl, r=r: self.held_by[r][n][pl.src])
+                    for r in range(self.layout.tp)] for n in names}
+
+
+def _drop_last_from_stream(monkeypatch, last: str) -> None:
+    real = verify.trainer_tensors
+
+    def stream(*a, **k):
+        return ((n, t) for n, t in real(*a, **k) if n != last)
+
+    monkeypatch.setattr(verify, "trainer_tensors", stream)
+
+
+def test_a_tensor_the_trainers_stream_never_gave_is_not_a_pass(model, monkeypatch):
+    """The engine serves the last tensor wrong and the trainer's stream leaves it out: verify must
+    say it never compared it (before: the guard dropped, it passed)."""
+    module, full = model
+    last = list(full)[-1]
+    held = dict(full, **{last: _wrong(full[last])})
+    assert verify.verify_engines(module, CONFIG, [FullDigests(full)], 0)[0] is None
+    assert verify.verify_engines(module, CONFIG, [FullDigests(held)], 0)[0] is not None
+    _drop_last_from_stream(monkeypatch, last)
+    err, _ = verify.verify_engines(module, CONFIG, [FullDigests(held)], 3)
+    assert err is not None and "never compared" in err and repr(last) in err, err
+
+
+def _sglang_stub(module, tp: int, held: dict):
+    layout = layout_for(module.config, tp)
+    ranks = [{"checksums": {}, "parallelism_info": {"tp_rank": r, "tp_size": tp}} for r in range(tp)]
+    for name, per_rank in checksums.expected_checksums(layout, list(held.items())):
+        for r, h in enumerate(per_rank):
+            ranks[r]["checksums"][name] = h
+    answer = {"ranks": ranks}
+    return types.SimpleNamespace(tp_size=tp, weights_checker=lambda action="checksum": answer,
+                                 weight_checksums=lambda: {"answer": answer, "algorithm": "cpu",
+                                                           "ep_size": 1})
+
+
+def test_against_sglang_a_tensor_never_streamed_is_not_a_pass(model, monkeypatch):
+    """The same against an SGLang-style checker (per-rank hashes of engine parameters)."""
+    module, full = model
+    last = list(full)[-1]
+    held = dict(full, **{last: _wrong(full[last])})
+    assert verify.verify_engines(module, CONFIG, [_sglang_stub(module, 2, full)], 0)[0] is None
+    assert verify.verify_engines(module, CONFIG, [_sglang_stub(module, 2, held)], 0)[0] is not None
+    _drop_last_from_stream(monkeypatch, last)
+    err, _ = verify.verify_engines(module, CONFIG, [_sglang_stub(module, 2, held)], 0)
+    assert err is not None, "a tensor never streamed passed verify against SGLang"
+
+
+def test_check_sent_compares_every_chosen_tensor_the_last_too(model):
+    """`check_sent` (verl's streamed verify): the last sent tensor served wrong is named."""
+    _, full = model
+    sent = verify.digests(full.items())
+    last = list(full)[-1]
+    assert verify.check_sent(FullDigests(full), sent, "full", 0)[0] is None
+    err, fig = verify.check_sent(FullDigests(dict(full, **{last: _wrong(full[last])})), sent, "full", 0)
+    assert err is not None and repr(last) in err and fig["verify_tensors"] == len(full), err
+
+
+def test_streamed_check_names_a_parameter_sglang_holds_that_no_sync_writes(model):
+    """`SentToSGLang.check`: SGLang hashing a parameter the trainer's layout has none of (so no sync
+    writes it: whatever it holds, it is not the trainer's) fails the check, naming it."""
+    module, full = model
+    stub = _sglang_stub(module, 2, full)
+    server = types.SimpleNamespace(server_info=lambda: {"device": "cpu"},
+                                   weights_checker=stub.weights_checker)
+
+    def sent_check():
+        sent = verify.SentToSGLang(server, "full", 0, hf_config=module.config, tp_size=2)
+        for n, t in full.items():
+            sent.add(n, t)
+        return sent.check(server)[0]
+
+    assert sent_check() is None
+    stub.weights_checker()["ranks"][1]["checksums"]["model.extra_head.weight"] = "0" * 64
+    err = sent_check()
+    assert err is not None and "'model.extra_head.weight' on TP rank 1" in err, err
+
+
+def test_streamed_check_refuses_an_engine_parameter_the_sent_tensors_left_incomplete(model):
+    """`SentToSGLang.check`: a fused parameter (qkv) whose k part was never sent is no pass, even
+    though SGLang's hash of it is never compared (the sender cannot compute it)."""
+    module, full = model
+    stub = _sglang_stub(module, 2, full)
+    server = types.SimpleNamespace(server_info=lambda: {"device": "cpu"},
+                                   weights_checker=stub.weights_checker)
+    k = "model.layers.1.self_attn.k_proj.weight"
+    sent = verify.SentToSGLang(server, "full", 0, hf_config=module.config, tp_size=2)
+    for n, t in full.items():
+        if n != k:
+            sent.add(n, t)
+    err = sent.check(server)[0]
+    assert err is not None and "did not complete" in err and "layers.1.self_attn.qkv_proj" in err, err
+
+
+def test_a_mismatch_names_the_engine_that_serves_it_in_a_mixed_fleet(model):
+    """Engines [an SGLang server (checked by its /weights_checker), a digest engine serving one
+    tensor wrong]: the error names engine 1 and reads the tensor back from it. Before, the digest
+    engines were numbered by their place among themselves: 'engine 0', read back from the SGLang
+    server (which has no get_weights_by_name)."""
+    module, full = model
+    last = list(full)[-1]
+    held = dict(full, **{last: _wrong(full[last])})
+    err, _ = verify.verify_engines(module, CONFIG, [_sglang_stub(module, 2, full), FullDigests(held)], 4)
+    assert err is not None and f"after sync 4 engine 1 serves {last!r}" in err, err
+    assert "first differing element at flat index" in err and "reading it back failed" not in err, err
