@@ -3,10 +3,20 @@ code it guards mutated), on one module-scoped engine:
 
 - a LoRA load that one worker refuses and the other takes changes nothing and leaves the engine
   usable (`lora_calls`: the stage round's agreement; the staged shard of the rank that said yes is
-  dropped, never committed): before, no test refused an adapter on one rank only.
+  dropped, never committed): before, no test refused an adapter on one rank only;
+- rows retracted by ``pause_generation("retract")`` go back to the front of the queue in the
+  order they came (first come, first served), ahead of a request that arrived while paused
+  (`scheduler.Scheduler.pause`): before, no test retracted more than one row;
+- a worker that fails while it starts (no room for a KV cache) reports its own error, naming the
+  rank (`worker.main`), and the failed start leaves no process behind; a worker whose interpreter
+  cannot be started leaves no fd behind (`procs.start`).
 """
 
 from __future__ import annotations
+
+import os
+import threading
+import time
 
 import pytest
 import torch
@@ -83,3 +93,82 @@ def test_a_lora_load_refused_by_one_worker_only_changes_nothing(eng, tiny):
         assert all(torch.equal(back[n.removeprefix("base_model.model.")], v) for n, v in t2.items())
     finally:
         eng.unload_lora_adapter("a")
+
+
+def sp(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+
+
+def in_thread(fn, *args):
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+
+    def get():
+        th.join(60)
+        assert not th.is_alive(), "the call did not return"
+        if "error" in out:
+            raise out["error"]
+        return out["result"]
+    return get
+
+
+def wait_until(pred, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def test_retracted_rows_go_back_first_in_their_order(eng):
+    """Three rows paused in place after two steps; a fourth request queues; a retract puts the
+    three back before it, in their order: the step that recomputes them prefills r0, r1, r2, then
+    the late one, and every row makes its lone greedy tokens."""
+    prompts = [[11, 27, 93, 5], [201, 3, 64], [7, 8, 9, 10, 11], [300, 301]]
+    alone = [eng.generate_requests([p], sp(6))[0]["output_ids"] for p in prompts]
+    eng._pause_after_steps(2)
+    first = in_thread(eng.generate_requests, prompts[:3], sp(6))
+    try:
+        wait_until(lambda: eng.generation_paused == "in_place")
+        late = in_thread(eng.generate_requests, prompts[3:], sp(6))
+        wait_until(lambda: eng.scheduler_stats()["waiting"] == 1)
+        eng.pause_generation("retract")
+        assert eng.scheduler_stats()["running"] == 0 and eng.scheduler_stats()["waiting"] == 4
+    finally:
+        eng.continue_generation()
+    res, res_late = first(), late()
+    assert [r["output_ids"] for r in res + res_late] == alone
+    ids = [r["request_id"] for r in res + res_late]
+    recompute = [x for x in eng.step_records() if set(ids) & set(x.prefill)][-1]
+    assert recompute.prefill == tuple(ids)
+
+
+def test_a_worker_that_fails_to_start_says_why_naming_its_rank():
+    """mem_fraction 1e-9 leaves no KV cache: the worker's own refusal reaches the caller (not a
+    bare "worker died"), and the conftest's leftover check sees no process or segment left."""
+    from fsdp_sync.engines import EngineError
+
+    with pytest.raises(EngineError, match=r"TP rank 0 failed to start: mem_fraction 1e-09 of .* leaves no "
+                                          r"room for a KV cache .* on TP rank 0"):
+        ReferenceEngine("tiny", tp_size=1, mem_fraction=1e-9)
+
+
+def test_an_interpreter_that_cannot_start_leaves_no_fd(monkeypatch):
+    from fsdp_sync.engines.reference import procs
+
+    def refuse(*a, **k):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setenv("FSDP_SYNC_WORKERS_START", "fresh")
+    monkeypatch.setattr(procs.subprocess, "Popen", refuse)
+    before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Too many open files"):
+        procs.start("fsdp_sync.engines.reference.worker:serve", (), "fsdp_sync-engine-tp0")
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
