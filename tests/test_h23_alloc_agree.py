@@ -6,7 +6,9 @@ an allocator returning the wrong thing), that rank raised its own error while it
 the gather and waited out the process group's timeout, ending with gloo's "Connection closed by
 peer": a hang, then an unrelated error. The allocation's success is now agreed over the export's
 group first: every rank raises the same `SyncError` naming the failing rank, the bucket and its
-size, promptly, and no rank keeps a shared-memory segment of the failed bucket.
+size, promptly, and no rank keeps a shared-memory segment of the failed bucket. Likewise a rank
+that cannot open the host-shared buffer (``share_host_memory``) no longer leaves group rank 0
+waiting in a barrier: every rank gathers instead.
 """
 
 from __future__ import annotations
@@ -74,6 +76,38 @@ def _job(rank: int, world: int) -> dict:
         out[case] = {"msg": msg, "seconds": seconds, "buckets": len(got),
                      "left": segments() - before}
         dist.barrier()
+
+    # share_host_memory: rank 1 cannot open rank 0's host-shared buffer (its shm manager out of
+    # reach): both ranks gather instead, at once, rather than rank 0 waiting for it in a barrier
+    import logging
+
+    warned: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("fsdp_sync").addHandler(handler)
+    opener = handles.open_payload
+
+    def cannot_open(*args, **kwargs):
+        raise RuntimeError("cannot reach the shm manager")
+
+    if rank == 1:
+        handles.open_payload = cannot_open
+    gc.collect()
+    before = segments()
+    t0 = time.monotonic()
+    try:
+        sums = [flat.view(torch.float32).view(64, 64).sum(dim=1).tolist()
+                for _, flat in export.iter_buckets(m, 16 << 10, share_host_memory=True)]
+        msg = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which names it
+        sums, msg = [], f"unexpected {type(exc).__name__}: {exc}"
+    finally:
+        handles.open_payload = opener
+    seconds = time.monotonic() - t0
+    gc.collect()
+    out["host-open"] = {"msg": msg, "seconds": seconds, "sums": sums, "left": segments() - before,
+                        "warned": [w for w in warned if "host-shared" in w]}
+    dist.barrier()
     return out
 
 
@@ -85,6 +119,13 @@ def test_a_bucket_allocation_failing_on_one_rank_is_raised_on_every_rank_at_once
     except RankError as exc:
         pytest.fail(f"a rank failed: {exc}")
     for r, out in enumerate(res):
+        row = out.pop("host-open")
+        assert row["msg"] is None, (r, row)
+        # gathered: every row of each parameter, rank 0's 1.0s then rank 1's 2.0s (64 columns)
+        assert row["sums"] == [[64.0] * 32 + [128.0] * 32] * 2, (r, row)
+        assert row["seconds"] < 4 and row["left"] == 0, (r, row)
+        assert len(row["warned"]) == 1 and "group ranks [1] could not open" in row["warned"][0] \
+            and "cannot reach the shm manager" in row["warned"][0], (r, row)
         for case, row in out.items():
             msg = row["msg"]
             assert msg is not None and not msg.startswith("unexpected"), (r, case, row)

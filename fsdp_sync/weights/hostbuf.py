@@ -10,7 +10,8 @@ rank's bytes are in).
 Two users: `gather.fill_shared` (one buffer per group: a full bucket, each rank writing its own
 shards) and `reshard` (one buffer per engine TP rank, times the pipelining depth). `create`
 returns None, on every rank alike, where the path does not apply (one rank, nothing to share, ranks
-on several hosts, or rank 0 cannot make shared memory): the caller then gathers instead.
+on several hosts, rank 0 cannot make shared memory, or a rank cannot open it): the caller then
+gathers instead.
 
 Not here: what is written into the buffers (`gather`, `reshard`) or how they reach an engine
 (`handles`, the transports).
@@ -78,16 +79,26 @@ class HostShared:
                 _log.warning("fsdp_sync: no host-shared memory (%s): gathering instead", why[1])
                 return None
             dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
-            dist.barrier(group=group)        # every rank has opened them: the payloads may go
-            sets.release(require_ack=False)
+            failed = _failures(None, group, world)   # every rank has opened them (or said why not)
+            sets.release(require_ack=False, unopened=list(failed))
         else:
             dist.scatter_object_list(out, None, src=src, group=group)
             if isinstance(out[0], tuple) and out[0][:1] == ("unavailable",):
                 return None                  # group rank 0 could not make them
-            bufs = list(_handles.open_payload(out[0], share_again=True).value)
-            for b in bufs:
-                _handles.adopt(b)            # re-sharing them with the engine needs no copy
-            dist.barrier(group=group)
+            error = None
+            try:
+                bufs = list(_handles.open_payload(out[0], share_again=True).value)
+                for b in bufs:
+                    _handles.adopt(b)        # re-sharing them with the engine needs no copy
+            except Exception as exc:  # noqa: BLE001 - e.g. this rank cannot reach rank 0's shm
+                # manager: every rank gathers instead, rather than wait for it in a barrier
+                bufs, error = [], f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            failed = _failures(error, group, world)
+        if failed:
+            bufs = []
+            _log.warning("fsdp_sync: no host-shared memory (group ranks %s could not open group rank "
+                         "0's buffers: %s): gathering instead", sorted(failed), next(iter(failed.values())))
+            return None
         return cls(group, me, bufs)
 
     def fill(self, write: Callable[[], None], *, wait_readers: bool = True) -> None:
@@ -99,3 +110,15 @@ class HostShared:
         with torch.no_grad():
             write()
         dist.barrier(group=self.group)
+
+
+def _failures(error: str | None, group: Any, world: int) -> dict[int, str]:
+    """Collective: every group rank's error opening the buffers, by group rank (empty when all
+    opened): one flag all-reduce (what the barrier it replaces cost), the texts only on failure."""
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return {}
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    return {r: e for r, e in enumerate(errors) if e is not None}
