@@ -621,7 +621,11 @@ def plan_table(rows: list[dict]) -> Any:
 def cluster_line(c: Any) -> str:
     """The cluster a plan ran on, in one line: a CPU host as one host (its cores, its RAM; its
     ``gpus_per_node`` is no limit there, `cluster_of`), GPU nodes by GPUs and memory; then links
-    and costs."""
+    and costs. A preset (`plan.CLUSTERS`, or a file holding one's figures) says so: its figures
+    are nominal spec-sheet ones, not measured."""
+    from ..plan import CLUSTERS
+
+    preset = "; a preset: nominal spec-sheet figures, not measured" if CLUSTERS.get(c.name) == c else ""
     where = ("one host, " + (f"{c.cores} cores, " if c.cores else "") + f"{c.memory_per_gpu / 2**30:.0f} GiB RAM"
              if c.device == "cpu" else f"{c.gpus_per_node} GPUs/node, {c.memory_per_gpu / 2**30:.0f} GiB each")
     return (f"{c.name}: {where}; d2d {c.d2d_gbps:.1f}, intra {c.intra_gbps:.1f}, inter {c.inter_gbps:.1f}, "
@@ -629,7 +633,7 @@ def cluster_line(c: Any) -> str:
             f"collective {c.collective_s * 1e6:.0f} us"
             + ("; " + (f"{c.cores} cores, " if c.device != "cpu" else "") + f"first touch "
                f"{c.touch_gbps:.1f}, map {c.map_gbps:.1f}, trainer collectives {c.collective_gbps:.2f} GB/s"
-               if c.cores else ""))
+               if c.cores else "") + preset)
 
 
 def cmd_plan(args) -> int:
