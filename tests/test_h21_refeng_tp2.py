@@ -149,6 +149,25 @@ def test_retracted_rows_go_back_first_in_their_order(eng):
     assert recompute.prefill == tuple(ids)
 
 
+
+def test_an_aborted_waiting_row_leaves_the_queue_and_never_runs(eng):
+    """A request queued while generation is paused, aborted by its caller: it ends at once, with
+    no token, the queue is empty again, and once generation goes on no step runs it."""
+    stop = threading.Event()
+    eng.pause_generation("in_place")
+    try:
+        get = in_thread(lambda: eng.generate_requests([[5, 6, 7]], sp(4), should_abort=lambda k: stop.is_set()))
+        wait_until(lambda: eng.scheduler_stats()["waiting"] == 1)
+        stop.set()
+        res = get()
+        assert res[0]["finish_reason"]["type"] == "abort" and res[0]["output_ids"] == []
+        assert eng.scheduler_stats()["waiting"] == 0
+    finally:
+        eng.continue_generation()
+    assert len(eng.generate_requests([[1, 2]], sp(3))[0]["output_ids"]) == 3
+    assert not any(res[0]["request_id"] in x.rows for x in eng.step_records())
+    assert eng.scheduler_stats()["kv_free"] == eng.kv_cache_tokens
+
 def test_a_worker_that_fails_to_start_says_why_naming_its_rank():
     """mem_fraction 1e-9 leaves no KV cache: the worker's own refusal reaches the caller (not a
     bare "worker died"), and the conftest's leftover check sees no process or segment left."""
