@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "agree_after_rank0",
-           "SyncError", "RanksDiffer", "cpu_group", "has_cpu_backend", "released_by_backend", "let_go_of_frames"]
+           "SyncError", "RanksDiffer", "cpu_group", "group_ranks", "has_cpu_backend", "released_by_backend", "let_go_of_frames"]
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,12 @@ class SyncTopology:
                 f"the trainer in a process group of its own")
         tp = mesh["infer_tp"]
         dp = mesh["dp"]
+        group = tp.get_group()
         return cls(
             mesh=mesh, rank=dist.get_rank(), world_size=dist.get_world_size(),
             dp_rank=dp.get_local_rank(), dp_size=dp.size(),
             tp_rank=tp.get_local_rank(), tp_size=tp.size(),
-            tp_ranks=tuple(int(r) for r in tp.mesh.tolist()), tp_group=tp.get_group(),
+            tp_ranks=group_ranks(group), tp_group=group,
         )
 
     @property
@@ -106,6 +107,16 @@ class SyncTopology:
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
                 f"infer_tp {self.tp_rank}/{self.tp_size})")
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of ``group`` in the order of their rank in it. A mesh dimension's
+    ``get_local_rank()`` is the rank in its process group, which torch numbers by ascending global
+    rank whatever the order of the mesh's tensor: a mesh made from ``[[1, 0]]`` has rank 0 as
+    infer-TP rank 0, though its row reads ``[1, 0]``. Read in the tensor's order, infer-TP rank 0
+    and `SyncTopology.tp_src` were two ranks: the gather to it was refused by torch on both."""
+    ranks = dist.get_process_group_ranks(group)
+    return tuple(sorted((int(r) for r in ranks), key=lambda r: dist.get_group_rank(group, r)))
 
 
 def has_cpu_backend(group: Any = None) -> bool:
