@@ -116,6 +116,8 @@ def mib_to_bytes(value: Any, field: str) -> int:
     byte (``int(1e-7 * 2**20)`` is 0) is refused naming ``field``."""
     try:
         mb = float(value) if not isinstance(value, bool) else float("nan")
+    except OverflowError:             # an int past float's range (10**400): no size a buffer has
+        mb = float("inf")
     except (TypeError, ValueError):
         mb = float("nan")
     if not 0 < mb < float("inf"):
