@@ -17,3 +17,21 @@ def test_a_presets_line_says_it_is_a_preset_and_a_changed_one_does_not():
         # the same name with other figures (a file edited from a preset, a measured GPU host): not a preset
         other = dataclasses.replace(c, d2d_gbps=c.d2d_gbps / 2)
         assert "preset" not in cluster_line(other), name
+
+
+def test_plan_help_states_each_budget_rule_the_rows_use(capsys):
+    """``fsdp-sync plan --help`` states the budget rules as `plan.memory_budget` applies them: the
+    distributed per-rank 3 x only when pipelined, the tensor method's buffers that take turns,
+    FP8's quantized buckets and scratch, an FSDP1 state dict, a CPU cluster's RAM. Before, it said
+    "distributed per-rank buckets 3 x" whatever --pipelined and named none of the others."""
+    import pytest
+
+    from fsdp_sync.cli import app as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("pipelined distributed per-rank buckets 3 x", "take turns", "FP8's quantized buckets",
+                  "quantizer's scratch", "FSDP1 full or sharded state dict", "memory_budget_rule",
+                  "the host's RAM"):
+        assert words in text, words
