@@ -22,39 +22,36 @@ import pytest
 import torch
 
 from fsdp_sync.engines import ReferenceEngine, WeightUpdateError
-from fsdp_sync.models import build_model, load_config
+from fsdp_sync.models import load_config
 
 pytestmark = pytest.mark.timeout(120)
 
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17]]
 
 
-def adapter(model, seed, r=2, targets=("q_proj", "down_proj")):
+def adapter(eng, seed, r=2, targets=("q_proj", "down_proj")):
+    """peft-named tensors of a rank-``r`` adapter on ``targets`` of every layer of ``eng``'s model."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for name, p in model.named_parameters():
+    for name in eng.hf_names():
         parts = name.split(".")
-        if name.endswith(".weight") and len(parts) > 3 and parts[-2] in targets and p.dim() == 2:
+        if name.endswith(".weight") and len(parts) > 3 and parts[-2] in targets:
+            out_dim, in_dim = eng.layout.full_shape(name)
             base = name[:-len(".weight")]
-            out[f"base_model.model.{base}.lora_A.weight"] = torch.randn(r, p.shape[1], generator=g) * 0.1
-            out[f"base_model.model.{base}.lora_B.weight"] = torch.randn(p.shape[0], r, generator=g) * 0.1
+            out[f"base_model.model.{base}.lora_A.weight"] = torch.randn(r, in_dim, generator=g) * 0.1
+            out[f"base_model.model.{base}.lora_B.weight"] = torch.randn(out_dim, r, generator=g) * 0.1
     return out, {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(targets),
                  "bias": "none", "use_dora": False, "use_rslora": False}
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return build_model(load_config("tiny"), seed=0).eval()
-
-
-@pytest.fixture(scope="module")
-def eng(tiny):
+def eng():
+    """Its own start-up weights (seed 0): nothing here compares with another model."""
     with ReferenceEngine(model_config=load_config("tiny"), tp_size=2, max_lora_rank=8) as e:
-        e.update_weights_from_tensor(list(tiny.state_dict().items()))
         yield e
 
 
-def test_a_lora_load_refused_by_one_worker_only_changes_nothing(eng, tiny):
+def test_a_lora_load_refused_by_one_worker_only_changes_nothing(eng):
     """TP rank 0 opens and stages a good payload, TP rank 1 cannot open its own: the load is
     refused naming rank 1, the adapter served before (``replace=True``) serves on, bit for bit on
     both ranks, and the engine takes the next load."""
@@ -62,8 +59,8 @@ def test_a_lora_load_refused_by_one_worker_only_changes_nothing(eng, tiny):
     from fsdp_sync.weights.bucket import TensorMeta, flatten, plan_buckets
     from fsdp_sync.wire import flattened_bucket
 
-    t1, c1 = adapter(tiny, 1)
-    t2, c2 = adapter(tiny, 2)
+    t1, c1 = adapter(eng, 1)
+    t2, c2 = adapter(eng, 2)
     eng.load_lora_adapter_from_tensors("a", t1, c1)
     try:
         before = eng.forward_logits(PROMPTS, lora_path="a")
@@ -167,6 +164,16 @@ def test_an_aborted_waiting_row_leaves_the_queue_and_never_runs(eng):
     assert len(eng.generate_requests([[1, 2]], sp(3))[0]["output_ids"]) == 3
     assert not any(res[0]["request_id"] in x.rows for x in eng.step_records())
     assert eng.scheduler_stats()["kv_free"] == eng.kv_cache_tokens
+
+
+def test_a_seeded_row_draws_each_token_anew(eng):
+    """At temperature 1000 the distribution is near uniform over the 512 tokens: twelve draws of
+    one seeded row are not one token repeated (they would be if every draw reused one generator
+    state), and the same seed draws the same tokens again. Deterministic: fixed seed, fixed weights."""
+    params = {"max_new_tokens": 12, "temperature": 1000.0, "sampling_seed": 7, "ignore_eos": True}
+    out = eng.generate_requests([[11, 27, 93, 5]], params)[0]["output_ids"]
+    assert len(set(out)) > 6, out
+    assert eng.generate_requests([[11, 27, 93, 5]], params)[0]["output_ids"] == out
 
 def test_a_worker_that_fails_to_start_says_why_naming_its_rank():
     """mem_fraction 1e-9 leaves no KV cache: the worker's own refusal reaches the caller (not a
