@@ -68,3 +68,29 @@ def test_a_bucket_size_past_floats_range_is_refused_naming_the_key():
         SyncConfig.from_dict({"bucket_mb": 10**400})
     with pytest.raises(ValueError, match="update_weights_bucket_megabytes must be a positive number"):
         SyncConfig.from_verl({"rollout": {"update_weights_bucket_megabytes": 10**400}})
+
+
+def test_per_rank_layout_combinations_that_cannot_run_are_refused_naming_both_values():
+    import pytest
+
+    from fsdp_sync.config import SyncConfig
+
+    with pytest.raises(ValueError) as info:
+        SyncConfig(method="distributed", layout="engine", dist_format="per_tensor")
+    assert "dist_format='per_tensor'" in str(info.value) and "layout='full' or 'auto'" in str(info.value)
+    with pytest.raises(ValueError) as info:
+        SyncConfig(method="tensor", layout="engine", strategy="bucketed")
+    assert "strategy='bucketed'" in str(info.value) and "layout='full' or 'auto'" in str(info.value)
+    SyncConfig(method="distributed", layout="engine")
+    SyncConfig(method="tensor", layout="auto", strategy="bucketed")      # auto picks full there
+
+
+def test_the_last_port_number_is_taken_and_the_next_refused():
+    import pytest
+
+    from fsdp_sync.config import SyncConfig
+
+    assert SyncConfig(dist_master_port=65535).dist_master_port == 65535
+    assert SyncConfig(dist_master_port=1).dist_master_port == 1
+    with pytest.raises(ValueError, match=r"dist_master_port must be a port number \(1-65535\) or None, got 65536"):
+        SyncConfig(dist_master_port=65536)
