@@ -163,3 +163,29 @@ def test_a_mismatch_names_the_engine_that_serves_it_in_a_mixed_fleet(model):
     err, _ = verify.verify_engines(module, CONFIG, [_sglang_stub(module, 2, full), FullDigests(held)], 4)
     assert err is not None and f"after sync 4 engine 1 serves {last!r}" in err, err
     assert "first differing element at flat index" in err and "reading it back failed" not in err, err
+
+
+def test_a_full_digest_engines_own_word_is_no_pass(model):
+    """An engine that answers a tensor's digest with its own word (a reference engine behind
+    ``fsdp-sync serve`` whose TP replicas differ: `readback.REPLICA_MISMATCH`) fails verify with
+    that word, as `check_sent` does."""
+    module, full = model
+    name = list(full)[3]
+
+    class Noted(FullDigests):
+        def tensor_checksums(self, names):
+            out = super().tensor_checksums(names)
+            out[name] = "replicas differ between TP ranks 0 and 1"
+            return out
+
+    err, _ = verify.verify_engines(module, CONFIG, [Noted(full)], 0)
+    assert err is not None and repr(name) in err and "the engine says: replicas differ" in err, err
+    err, _ = verify.check_sent(Noted(full), verify.digests(full.items()), "full", 0)
+    assert err is not None and repr(name) in err and "the engine says: replicas differ" in err, err
+
+
+def test_a_stream_holding_a_tensor_twice_is_refused():
+    rec = verify.SentDigests("full", 0)
+    rec.add("w", torch.zeros(2))
+    with pytest.raises(ValueError, match="holds 'w' twice"):
+        rec.add("w", torch.ones(2))
