@@ -6,6 +6,7 @@ a well-formed file reads back bit for bit with its byte count. In process, small
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -45,3 +46,24 @@ def test_a_header_that_does_not_describe_its_bytes_is_refused(tmp_path, header, 
     with pytest.raises(CheckpointError, match="not a well-formed safetensors file") as e:
         read_verified(path, None)
     assert words in str(e.value) and "bad.safetensors" in str(e.value)
+
+
+def test_a_file_written_in_place_over_a_longer_one_is_exactly_the_new_file(tmp_path):
+    """``write_safetensors(in_place=True)`` (keep-N reusing a dropped version's file of the same
+    name, `transport.disk_writer`): an old file longer than the new one (another bucket plan: a
+    changed dtype, quantization or bucket size) is cut to the new length, so the file is the bytes
+    the digest was made of, not those plus the old file's tail."""
+    from fsdp_sync.weights import bucket as _bucket
+    from fsdp_sync.weights.hf_checkpoint import digest_file, write_safetensors
+
+    path = str(tmp_path / "model-00001-of-00001.safetensors")
+    with open(path, "wb") as f:
+        f.write(b"\xab" * 4096)
+    t = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    bkt = _bucket.plan_buckets([_bucket.TensorMeta.of(n, x) for n, x in t.items()], 1 << 20)[0]
+    digest, size, _ = write_safetensors(path, _bucket.flatten(bkt, t), bkt.entries, hash="sha256",
+                                        in_place=True)
+    assert os.path.getsize(path) == size < 4096
+    assert digest_file(path, "sha256") == (digest, size)
+    got, _ = read_verified(path, digest)
+    assert torch.equal(got["w"], t["w"])
