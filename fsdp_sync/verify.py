@@ -254,6 +254,8 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
             continue        # keep consuming: the stream is collective
         mine_full = None
         for i, layout, got in reports:
+            if name not in got:     # grown for an SGLang engine's sake (`_whole_engine_params`): this
+                continue            # engine was asked for (and answered) every tensor `select` chose
             ranks = ""
             if layout is not None:      # one digest per TP rank, of the pieces that rank serves
                 mine = [rank_digest(layout, name, r, lambda pl: t[pl.src]) for r in range(layout.tp)]

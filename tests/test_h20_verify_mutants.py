@@ -189,3 +189,22 @@ def test_a_stream_holding_a_tensor_twice_is_refused():
     rec.add("w", torch.zeros(2))
     with pytest.raises(ValueError, match="holds 'w' twice"):
         rec.add("w", torch.ones(2))
+
+
+def test_sample_mode_with_sglang_and_a_digest_engine_side_by_side(model):
+    """``verify="sample"`` with [an SGLang server, a digest engine]: the chosen tensors grow to
+    whole engine parameters for SGLang (q with k and v); the digest engine was asked for the
+    chosen ones only. Before, the grown names were looked up in its answer: a bare KeyError on
+    the rank holding the engines, mid-stream (the other ranks went on gathering). Now: a pass on
+    equal weights, and a wrong tensor the digest engine serves is still named in its turn."""
+    module, full = model
+    cfg = SyncConfig(verify="sample", dtype=torch.float32)
+    names = list(full)
+    wrong = names[-1]
+    held = dict(full, **{wrong: _wrong(full[wrong])})
+    for step in range(verify.SAMPLE_EVERY):
+        err, _ = verify.verify_engines(module, cfg, [_sglang_stub(module, 2, full), FullDigests(full)], step)
+        assert err is None, (step, err)
+        err, _ = verify.verify_engines(module, cfg, [_sglang_stub(module, 2, full), FullDigests(held)], step)
+        assert (err is not None) == (wrong in verify.select(names, "sample", step)), (step, err)
+        assert err is None or f"engine 1 serves {wrong!r}" in err, err
