@@ -175,6 +175,25 @@ def test_a_seeded_row_draws_each_token_anew(eng):
     assert len(set(out)) > 6, out
     assert eng.generate_requests([[11, 27, 93, 5]], params)[0]["output_ids"] == out
 
+
+def test_a_distributed_update_of_another_shape_is_refused_naming_both(eng):
+    import re
+
+    from fsdp_sync.engines.reference.update_items import check_entries
+
+    name = "model.layers.1.self_attn.q_proj.weight"
+    full = tuple(eng.layout.full_shape(name))
+    bad = (full[0] - 1, full[1])
+    check_entries([(name, eng.dtype, full)], eng.layout, eng.dtype, None)          # taken
+    with pytest.raises(WeightUpdateError, match=re.escape(f"expected shape {full} for {name!r}, got {bad}")):
+        check_entries([(name, eng.dtype, bad)], eng.layout, eng.dtype, None)
+    own, shard = next(iter(eng.layout.engine_shapes().items()))
+    check_entries([(own, eng.dtype, tuple(shard))], eng.layout, eng.dtype, "per_rank_bucket")
+    wrong = (shard[0] * 2, *shard[1:])
+    with pytest.raises(WeightUpdateError, match=re.escape(f"expected shape {tuple(shard)} for {own!r} "
+                                                          f"(one TP rank shard), got {wrong}")):
+        check_entries([(own, eng.dtype, wrong)], eng.layout, eng.dtype, "per_rank_bucket")
+
 def test_a_worker_that_fails_to_start_says_why_naming_its_rank():
     """mem_fraction 1e-9 leaves no KV cache: the worker's own refusal reaches the caller (not a
     bare "worker died"), and the conftest's leftover check sees no process or segment left."""
