@@ -61,20 +61,21 @@ def _job(rank: int, world: int) -> dict:
         gc.collect()
         before = segments()
         t0 = time.monotonic()
-        got = []
+        got, held = [], None
         try:
             for _, flat in export.iter_buckets(m, 16 << 10, alloc=failing(kind, at)):
                 got.append(flat.clone())            # the caller's copy: the buffer itself goes
                 del flat
             msg = None
         except SyncError as exc:
-            msg = str(exc)
+            msg, held = str(exc), exc     # kept, as a caller reporting it does: its traceback too
         except Exception as exc:  # noqa: BLE001 - reported to the test, which names it
             msg = f"unexpected {type(exc).__name__}: {exc}"
         seconds = time.monotonic() - t0
         gc.collect()
         out[case] = {"msg": msg, "seconds": seconds, "buckets": len(got),
                      "left": segments() - before}
+        del held
         dist.barrier()
 
     # share_host_memory: rank 1 cannot open rank 0's host-shared buffer (its shm manager out of
@@ -138,4 +139,5 @@ def test_a_bucket_allocation_failing_on_one_rank_is_raised_on_every_rank_at_once
                 assert "bucket 1 ('b'...)" in msg and "must return a 1-D uint8 tensor" in msg, msg
                 assert row["buckets"] == 1, (r, row)     # the first bucket went through
             assert row["seconds"] < 4, (r, case, row)  # agreed, not a gather's timeout
-            assert row["left"] == 0, (r, case, row)    # no segment of the failed bucket kept
+            assert row["left"] == 0, (r, case, row)    # no segment of the failed bucket kept,
+            #                                            even while the error is kept

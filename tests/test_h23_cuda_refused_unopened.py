@@ -73,8 +73,10 @@ def test_a_refused_tagged_cuda_payload_never_calls_the_rebuild(rebuilds):
         assert len(rebuilds) == 1 and rebuilds[0][7] == cuda.args[7]
         assert torch.equal(rec.value["flattened_tensor"], torch.full((10, 100), 1.0))
         assert rec.value["metadata"] == [] and rec._tensors[0] is rec.value["flattened_tensor"]
+        with pytest.raises(HandleError, match=r"opened twice \(state opened\)"):
+            open_payload(ps.payloads[0], 0)                    # while the first holds it
         rec.ack()
-        with pytest.raises(HandleError, match="opened twice"):
+        with pytest.raises(HandleError, match=r"opened twice \(state acknowledged\)"):
             open_payload(ps.payloads[0], 0)
         assert len(rebuilds) == 1                              # opened twice: nothing opened
         assert ps.unacknowledged() == [1]
@@ -135,3 +137,99 @@ def test_an_untagged_cuda_payload_is_rebuilt_as_it_loads(rebuilds):
     rec = open_payload(data)
     assert len(rebuilds) == 1 and rec.value.shape == (10, 100)
     assert handles.TAG.encode() not in data
+
+
+def test_a_tagged_cuda_payload_that_cannot_be_opened_stays_fresh_and_gives_its_cpu_memory_back():
+    """The rebuild itself fails (here: the device's UUID is not visible, as on another GPU):
+    raised as before, the state word left fresh (not opened: the producer's release gives the
+    references back) and this consumer's CPU mappings handed back, so a retry meets the same
+    error, not 'opened twice', and nothing is left in /dev/shm (the conftest's check)."""
+    ps = make_payloads({"cpu": torch.arange(8, dtype=torch.int32), "cuda": _recorded()}, 1)
+    try:
+        for _ in range(2):
+            with pytest.raises(HandleError, match="names CUDA device '3658aa8b-627d-8a80-7842-ad220fe3bf09', "
+                                                  "which this process cannot see"):
+                open_payload(ps.payloads[0], 0)
+            assert ps.state(0) == handles.FRESH
+    finally:
+        ps.release(require_ack=False)
+
+
+def test_an_untagged_payload_naming_the_tag_in_its_data_has_its_cuda_tensors_rebuilt(rebuilds):
+    """The tag's key in a payload's bytes (a value "fsdp_sync") without a tag: loaded by the
+    recording unpickler, then rebuilt as an untagged payload is."""
+    ps = make_payloads({"name": "fsdp_sync", "t": _recorded()}, 1, tagged=False)
+    data = ps.payloads[0]
+    assert handles.TAG.encode() in data
+    rec = open_payload(data)
+    assert len(rebuilds) == 1 and isinstance(rec.value["t"], torch.Tensor) and rec.value["name"] == "fsdp_sync"
+    ps.release(require_ack=False)
+
+
+def test_a_cuda_tensor_in_a_tuple_inside_itself_is_refused_before_any_rebuild(rebuilds):
+    inner: list = []
+    t = (inner, _recorded())
+    inner.append(t)
+    data = pickle.dumps({"name": "fsdp_sync", "x": t}, protocol=5)
+    with pytest.raises(HandleError, match="tuple inside itself"):
+        open_payload(data)
+    assert rebuilds == []
+
+
+class _WithState(_CudaShaped):
+    def __reduce__(self):
+        return (red.rebuild_cuda_tensor, self.args, {"data": 1})
+
+
+def test_a_cuda_tensor_given_state_by_the_payload_is_refused_before_any_rebuild(rebuilds):
+    ps = make_payloads({"tensor": _WithState(*_recorded().args)}, 1)
+    try:
+        with pytest.raises(HandleError, match="set the state of a CUDA tensor"):
+            open_payload(ps.payloads[0], 0)
+        assert rebuilds == []
+    finally:
+        ps.release(require_ack=False)
+
+
+def test_what_an_open_mapped_goes_with_its_value_not_at_the_next_gc(rebuilds, monkeypatch):
+    """Nothing of an open (admitted, refused, or failed in the rebuild) is kept in a reference
+    cycle: with the garbage collector off, the producer's segments leave /dev/shm at its release
+    (the consumer's mappings already gone) and a rebuilt tensor dies with the value holding it."""
+    import gc
+    import os
+    import weakref
+
+    mine = f"torch_{os.getpid()}_"
+
+    def segments() -> set:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(mine)}
+
+    gc.collect()
+    before = segments()
+    gc.disable()
+    try:
+        for case in ("admitted", "wrong rank", "refused slot", "rebuild fails"):
+            obj = {"cpu": torch.arange(8, dtype=torch.int32), "t": _recorded()}
+            if case == "refused slot":
+                obj["t"] = {_recorded()}
+            ps = make_payloads(obj, 2)
+            if case == "admitted":
+                rec = open_payload(ps.payloads[0], 0)
+                dead = weakref.ref(rec.value["t"])
+                rec.ack()
+                del rec
+                assert dead() is None, case
+            else:
+                if case == "rebuild fails":
+                    monkeypatch.setattr(unpickle, "rebuild_cuda_tensor_by_uuid", _refuse_device)
+                with pytest.raises(HandleError):
+                    open_payload(ps.payloads[0], 1 if case == "wrong rank" else 0)
+            ps.release(require_ack=False)
+            del ps, obj
+            assert segments() == before, case
+    finally:
+        gc.enable()
+
+
+def _refuse_device(*args):
+    raise HandleError("payload names CUDA device 'x', which this process cannot see")

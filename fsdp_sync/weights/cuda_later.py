@@ -126,7 +126,10 @@ def where(value: Any) -> list[Later]:
         open_.discard(id(o))
         done.add(id(o))
 
-    walk(value, True)
+    try:
+        walk(value, True)
+    finally:
+        del walk        # a recursive closure is a cycle: it would keep every tensor until a gc
     return list(found.values())
 
 
@@ -177,4 +180,7 @@ def put(value: Any, tensors: dict[int, torch.Tensor]) -> Any:
                 return out
         return o
 
-    return swap(value)
+    try:
+        return swap(value)
+    finally:
+        del swap        # (as in `where`: no cycle keeps the rebuilt tensors)

@@ -620,9 +620,8 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
     CPU shared memory is mapped by file, without the producer's ``torch_shm_manager``
     (`map_segment`). ``share_again``: the caller will share the tensors again without a copy
     (`adopt`, a relay such as `hostbuf`): map them through torch's rebuild, which connects this
-    process to the producer's manager for its lifetime (harmless between ranks of one job).
-    A tagged payload's CUDA tensors are rebuilt only once its tag has admitted it (`cuda_later`):
-    one refused (another rank's, opened twice, released) opens no CUDA IPC handle."""
+    process to the producer's manager for its lifetime (harmless between ranks of one job). A
+    refused tagged payload opens no CUDA IPC handle (rebuilt once the tag admits it: `cuda_later`)."""
     data = base64.b64decode(payload) if isinstance(payload, str) else payload
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandleError(f"a payload is bytes or base64 text, got {type(payload).__name__}")
@@ -636,7 +635,7 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
             if not (isinstance(obj, dict) and TAG in obj):
                 obj, later = cuda_later.put(obj, cuda_later.rebuild(later)), []   # nothing to check
     except BaseException as exc:
-        _refused_load(exc, data, unpickler, rank)
+        raise _load_error(exc, data, unpickler, rank)
     if not (isinstance(obj, dict) and TAG in obj):
         return Received(obj, rank)
     tag = obj.pop(TAG)
@@ -645,7 +644,7 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
     if not (isinstance(state, torch.Tensor) and state.dtype == torch.int32 and state.numel() == 1
             and isinstance(tag.get("rank"), int) and (gen is None or type(gen) is int)):
         raise HandleError(f"payload's {TAG!r} tag is malformed: {tag!r:.80}")
-    error, failed, tensors = None, None, {}
+    error, failed, tensors = None, [], {}
     if rank is not None and rank != tag["rank"]:
         error = f"payload for infer-TP rank {tag['rank']} (of {tag['of']}) opened by rank {rank}"
     else:
@@ -664,7 +663,7 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
                     try:
                         tensors = cuda_later.rebuild(later)
                     except BaseException as exc:  # noqa: BLE001 - raised below, as a load's
-                        failed = exc
+                        failed.append(exc)   # (popped there: no cycle through this frame)
                     else:
                         state[0] = OPENED
             if was == REVOKED:
@@ -673,8 +672,8 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
             elif was != FRESH:
                 error = (f"payload for rank {tag['rank']} opened twice (state "
                          f"{'opened' if was == OPENED else 'acknowledged'})")
-    if failed is not None:
-        _refused_load(failed, data, unpickler, rank)
+    if failed:
+        raise _load_error(failed.pop(), data, unpickler, rank)
     if error is not None:
         # unpickling took the reference meant for the rightful consumer: hand it back
         _for_each_storage(obj, take_back)
@@ -685,15 +684,17 @@ def open_payload(payload: bytes | str, rank: int | None = None, *, share_again: 
     return Received(value, tag["rank"], state, [t for t in unpickler.rebuilt if t is not state])
 
 
-def _refused_load(exc: BaseException, data: Any, unpickler: Unpickler, rank: int | None) -> None:
-    """Raise what a payload's load (or the rebuild of its CUDA tensors) failed with."""
+def _load_error(exc: BaseException, data: Any, unpickler: Unpickler, rank: int | None) -> BaseException:
+    """What `open_payload` raises for a failed load or CUDA rebuild (raised there: not a cycle here)."""
     if _TAG_KEY in data:
         # refused after mapping: the state word reads fresh, and the producer's release gives
         # back mapping's reference (an untagged payload is counted as opened: ours to keep)
         for storage in unpickler.mapped:
             take_back(storage)
     if isinstance(exc, HandleError) or not isinstance(exc, Exception):
-        raise exc
-    raise HandleError(f"cannot open payload{'' if rank is None else f' on rank {rank}'}: "
-                      f"{type(exc).__name__}: {exc}. Was it released by its producer already "
-                      f"(PayloadSet.release), or made in another host's memory?") from exc
+        return exc
+    error = HandleError(f"cannot open payload{'' if rank is None else f' on rank {rank}'}: "
+                        f"{type(exc).__name__}: {exc}. Was it released by its producer already "
+                        f"(PayloadSet.release), or made in another host's memory?")
+    error.__cause__ = exc
+    return error
