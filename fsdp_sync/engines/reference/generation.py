@@ -168,14 +168,18 @@ def _filtered_probs(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, to
     scaled = logits / s.temperature
     logprobs = torch.log_softmax(scaled, dim=-1)
     probs = torch.softmax(scaled, dim=-1)
+    full = probs
     if s.top_k > 0 and s.top_k < probs.numel():
         kth = torch.topk(probs, s.top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
     if s.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p   # mass of the tokens ranked above
-        sorted_p = torch.where(before < s.top_p * sorted_p.sum(), sorted_p, torch.zeros_like(sorted_p))
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        # as SGLang's sampler (`top_k_top_p_min_p_sampling_from_probs_torch`; flashinfer's "joint"
+        # order keeps the same tokens): the mass ranked above a token is the distribution's before
+        # top-k, and a token goes only where it exceeds top_p
+        sorted_p, idx = torch.sort(full, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, idx, before <= s.top_p)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
     if s.min_p > 0:
         probs = torch.where(probs >= s.min_p * probs.max(), probs, torch.zeros_like(probs))
     return probs / probs.sum(), logprobs
