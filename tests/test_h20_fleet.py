@@ -1,0 +1,69 @@
+"""`fleet` unit cases H20's mutation pass found unpinned: the version an engine without a
+``weight_version`` commit argument is told (else it serves new weights under the old name), the
+refusal of replicas in service on two versions, and a reinstated replica whose partial update is
+over. In-process stubs, no engines started."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_sync.fleet import CommitError, Fleet, end_all
+
+
+class OldEngine:
+    """Commits without naming the version (no ``weight_version`` argument); names it apart."""
+
+    def __init__(self, fail_version: bool = False):
+        self.calls: list = []
+        self.version = "v0"
+        self.fail_version = fail_version
+
+    def end_weight_update(self):
+        self.calls.append("end")
+
+    def update_weight_version(self, version, abort_all_requests=True):
+        self.calls.append(("version", version, abort_all_requests))
+        if self.fail_version:
+            raise RuntimeError("version route down")
+        self.version = version
+
+
+class NewEngine:
+    def __init__(self):
+        self.version = "v0"
+
+    def end_weight_update(self, weight_version=None):
+        self.version = weight_version
+
+
+def test_a_commit_tells_every_engine_the_version_it_now_serves():
+    old, new = OldEngine(), NewEngine()
+    assert end_all([old, new], commit=True, version="v1") == []
+    assert (old.version, new.version) == ("v1", "v1")
+    assert old.calls == ["end", ("version", "v1", False)]     # after the commit, requests kept
+    bad = OldEngine(fail_version=True)
+    with pytest.raises(CommitError) as info:                  # one that cannot be named is no commit
+        end_all([NewEngine(), bad], commit=True, version="v2")
+    assert info.value.committed == [0] and list(info.value.failed) == [1]
+
+
+def test_replicas_in_service_on_two_versions_are_refused_before_a_bring_in():
+    fleet = Fleet([NewEngine(), NewEngine(), NewEngine()])
+    for rep, v in zip(fleet.replicas, ("v3", "v3", None)):
+        rep.version = v
+    assert fleet.held("v2") == "v3"
+    fleet.replicas[1].version = "v4"
+    with pytest.raises(RuntimeError, match="hold different versions"):
+        fleet.held("v2")
+    fleet.quarantine(fleet.replicas[1], "test")               # out of service: not counted
+    assert fleet.held("v2") == "v3"
+
+
+def test_a_reinstated_replica_holds_a_whole_version():
+    fleet = Fleet([NewEngine()])
+    rep = fleet.replicas[0]
+    fleet.quarantine(rep, "died")
+    rep.partial, rep.held, rep.rejoin = True, True, True
+    fleet.reinstate(rep, "v5")
+    assert (rep.serving, rep.version, rep.partial, rep.held, rep.rejoin, rep.reason) == (
+        True, "v5", False, False, False, None)
