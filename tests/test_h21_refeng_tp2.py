@@ -15,6 +15,7 @@ code it guards mutated), on one module-scoped engine:
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -177,8 +178,6 @@ def test_a_seeded_row_draws_each_token_anew(eng):
 
 
 def test_a_distributed_update_of_another_shape_is_refused_naming_both(eng):
-    import re
-
     from fsdp_sync.engines.reference.update_items import check_entries
 
     name = "model.layers.1.self_attn.q_proj.weight"
@@ -193,6 +192,39 @@ def test_a_distributed_update_of_another_shape_is_refused_naming_both(eng):
     with pytest.raises(WeightUpdateError, match=re.escape(f"expected shape {tuple(shard)} for {own!r} "
                                                           f"(one TP rank shard), got {wrong}")):
         check_entries([(own, eng.dtype, wrong)], eng.layout, eng.dtype, "per_rank_bucket")
+
+
+def test_an_adapter_whose_replicas_differ_is_not_read_back_as_one(eng):
+    """Rank 0's payload and rank 1's differ in layer 0's q_proj lora_A, which both ranks hold
+    whole (column-parallel: A is replicated): the read-back names the tensor and the ranks."""
+    from fsdp_sync.weights import handles
+    from fsdp_sync.weights.bucket import TensorMeta, flatten, plan_buckets
+    from fsdp_sync.wire import flattened_bucket
+
+    def payloads(t):
+        metas = [TensorMeta.of(n, v) for n, v in t.items()]
+        bkt = plan_buckets(metas, sum(m.nbytes for m in metas) + 64 * (len(metas) + 1))[0]
+        flat = handles.empty_shared(bkt.nbytes)
+        flatten(bkt, list(t.values()), out=flat)
+        return handles.make_payloads(flattened_bucket(flat, bkt), 2)
+
+    t, c = adapter(eng, 3)
+    a0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    other = dict(t, **{a0: t[a0] + 1.0})
+    mine, theirs = payloads(t), payloads(other)
+    try:
+        eng.load_lora_adapter_from_tensors("r", [mine.payloads[0], theirs.payloads[1]], c,
+                                           load_format="flattened_bucket")
+    finally:
+        mine.release(require_ack=False)
+        theirs.release(require_ack=False)
+    try:
+        name = a0.removeprefix("base_model.model.")
+        with pytest.raises(WeightUpdateError, match=re.escape(f"TP rank 1's copy of replicated {name!r} "
+                                                              f"differs from TP rank 0's")):
+            eng.lora_tensors("r")
+    finally:
+        eng.unload_lora_adapter("r")
 
 def test_a_worker_that_fails_to_start_says_why_naming_its_rank():
     """mem_fraction 1e-9 leaves no KV cache: the worker's own refusal reaches the caller (not a
