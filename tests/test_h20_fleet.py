@@ -67,3 +67,34 @@ def test_a_reinstated_replica_holds_a_whole_version():
     fleet.reinstate(rep, "v5")
     assert (rep.serving, rep.version, rep.partial, rep.held, rep.rejoin, rep.reason) == (
         True, "v5", False, False, False, None)
+
+
+def test_an_engine_that_cannot_name_its_weights_commits_unnamed():
+    class Unnamed:
+        takes_weight_version = False          # an in-process sglang.Engine (SGLangEngine says so)
+
+        def __init__(self):
+            self.calls = []
+
+        def end_weight_update(self, weight_version=None):
+            if weight_version is not None:
+                raise TypeError("this engine cannot name its weights")
+            self.calls.append("end")
+
+    e = Unnamed()
+    assert end_all([e], commit=True, version="v1") == [] and e.calls == ["end"]
+
+
+def test_only_the_torn_replicas_are_kept_paused_and_every_partial_one_is_said():
+    from fsdp_sync.fleet import note_partial, take_noted
+
+    take_noted()
+    try:
+        try:
+            raise RuntimeError("sync failed")
+        except RuntimeError:
+            note_partial(["replica 0", "replica 1"], torn=["replica 1"])
+            raise
+    except RuntimeError as exc:
+        assert "replica 0, replica 1 could not drop" in " ".join(exc.__notes__)
+    assert take_noted() == ["replica 1"] and take_noted() == []
