@@ -35,3 +35,29 @@ def test_plan_help_states_each_budget_rule_the_rows_use(capsys):
                   "quantizer's scratch", "FSDP1 full or sharded state dict", "memory_budget_rule",
                   "the host's RAM"):
         assert words in text, words
+
+
+def test_a_cluster_file_is_read_as_documented(tmp_path):
+    """`load_cluster`: a plan's JSON (``fsdp-sync plan --json``: its ``cluster`` holds the fields)
+    loads as its cluster; JSON's ``80e9`` for an integer field is the integer, ``8.5`` GPUs is
+    refused naming the field and the value; a negative ``collective_s`` (as a negative ``call_s``)
+    is refused naming it. Killed: the plan JSON's ``cluster`` not unwrapped (refused as unknown
+    fields), the whole-number check dropped (8.5 GPUs per node planned), collective_s unchecked."""
+    import json
+
+    import pytest
+
+    from fsdp_sync.plan import load_cluster
+
+    good = CLUSTERS["h100-node"].to_dict()
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"cluster": good, "rows": []}))
+    assert load_cluster(str(plan)) == CLUSTERS["h100-node"]
+    c = load_cluster({**good, "memory_per_gpu": 80e9})
+    assert c.memory_per_gpu == 80 * 10**9 and isinstance(c.memory_per_gpu, int)
+    with pytest.raises(ValueError, match=r"gpus_per_node must be a whole number, got 8\.5"):
+        load_cluster({**good, "gpus_per_node": 8.5})
+    for f in ("call_s", "collective_s"):
+        with pytest.raises(ValueError, match=r"call_s and collective_s must be >= 0.*-1\.0"):
+            load_cluster({**good, f: -1.0})
+
