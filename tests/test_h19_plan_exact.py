@@ -58,22 +58,24 @@ def test_fsdp1_counts_are_torchs_flat_parameter_shards():
     """World 3, one flat parameter per decoder layer and the root's: each rank's elements of a
     unit are torch's `FlatParamHandle._get_unpadded_shard` of it, and the FSDP1 state dict's
     all-gather brings world - 1 padded shards (`_get_shard`) of every unit. Killed: an unpadded
-    split (a unit's last elements on no rank) and a state dict counted without the padding."""
+    split (a unit's last elements on no rank), a state dict counted without the padding, and a
+    tied model's shared embedding counted twice."""
     from torch.distributed.fsdp._flat_param import FlatParamHandle
 
-    _, module = meta_model("tiny")
-    world = 3
-    counts = fsdp_counts(module, world, 1)
-    units = fsdp1_unit_numels(module)
-    assert sum(units) == sum(p.numel() for p in module.parameters())
-    assert any(n % world for n in units), units          # the padding matters here
-    per_rank = [sum(c[r] for c in counts.values()) for r in range(world)]
-    torch_rank = [sum(FlatParamHandle._get_unpadded_shard(torch.empty(n), r, world)[0].numel()
-                      for n in units) for r in range(world)]
-    assert per_rank == torch_rank, (per_rank, torch_rank)
-    padded = sum(FlatParamHandle._get_shard(torch.empty(n), 0, world)[0].numel() for n in units)
-    assert state_dict_bytes_in(module, world, "full", 4) == (world - 1) * padded * 4
-    assert state_dict_bytes_in(module, world, "local", 4) == 0
+    for name in ("tiny", "tiny-tied"):     # tied: one flat parameter holds the shared embedding once
+        _, module = meta_model(name)
+        world = 3
+        counts = fsdp_counts(module, world, 1)
+        units = fsdp1_unit_numels(module)
+        assert sum(units) == sum(p.numel() for p in module.parameters()), name
+        assert any(n % world for n in units), units          # the padding matters here
+        per_rank = [sum(c[r] for c in counts.values()) for r in range(world)]
+        torch_rank = [sum(FlatParamHandle._get_unpadded_shard(torch.empty(n), r, world)[0].numel()
+                          for n in units) for r in range(world)]
+        assert per_rank == torch_rank, (name, per_rank, torch_rank)
+        padded = sum(FlatParamHandle._get_shard(torch.empty(n), 0, world)[0].numel() for n in units)
+        assert state_dict_bytes_in(module, world, "full", 4) == (world - 1) * padded * 4
+        assert state_dict_bytes_in(module, world, "local", 4) == 0
 
 
 # a Qwen2 whose norms (68 bf16 = 136 bytes) are not 16-byte multiples: SGLang's tight buckets
@@ -207,3 +209,37 @@ def test_a_per_rank_disk_writer_is_budgeted_every_engine_ranks_buffer_it_writes(
         unit = max(r["bucket_bytes"], r["largest_tensor_bytes"])
         assert r["memory_budget_bytes"] == 3 * most * unit + r["largest_tensor_bytes"], (share, r["memory_budget_rule"])
         assert r["memory_budget_rule"].startswith(f"3 x {most} x "), r["memory_budget_rule"]
+
+
+def test_the_refusal_suggests_the_largest_whole_mib_below_a_fractional_bucket():
+    """A bucket of 7.5 MiB that does not fit where 7 MiB does: the suggestion is 7 MiB, the
+    largest whole MiB at or below the bucket asked for. Killed: the search starting one MiB lower
+    (it suggested 6)."""
+    from fsdp_sync.plan import Cluster, PlanError, PlanJob, plan_row
+
+    small = Cluster("small-gpu", "cuda", 8, 100 * 2**20, 1000.0, 100.0, 10.0, 1.0, 1.0, 1e-3, 1e-5)
+    job = dict(model="tiny", method="tensor", layout="full", dtype="bfloat16", ranks=2, tp=2)
+    with pytest.raises(PlanError) as info:
+        plan_row(PlanJob(bucket_bytes=15 * 2**19, **job), small)
+    best = info.value.suggested_bucket_bytes
+    assert best == 7 * 2**20 and "--bucket-mb 7" in str(info.value), str(info.value)
+    assert plan_row(PlanJob(bucket_bytes=best, **job), small)["memory_budget_bytes"] > 0
+
+
+def test_the_fp8_scratch_is_the_largest_piece_each_layout_quantizes():
+    """The quantizer's scratch (`fp8.quantize_scratch_bytes`) of the largest tensor it quantizes:
+    per-rank buckets an engine rank's fused piece (``gate_up_proj``: 2 x intermediate rows / tp),
+    full buckets the whole Hugging Face tensor. At TP 1 the fused piece is twice the largest
+    Hugging Face projection (at TP 2 the two coincide). Killed: per-rank buckets priced on the
+    Hugging Face shapes."""
+    from fsdp_sync.plan import Cluster, PlanJob, plan_row
+    from fsdp_sync.weights.fp8 import quantize_scratch_bytes
+    from fsdp_sync.weights.layout import layout_for
+
+    cpu = Cluster("cpu-test", "cpu", 64, 10**12, 5.0, 1.0, 1.0, 1.0, 1.0, 1e-4, 1e-4)
+    lay = layout_for(meta_model("tiny-fp8")[0], 1)
+    for layout, shapes in (("engine", lay.engine_shapes()), ("full", lay.hf_shapes)):
+        row = plan_row(PlanJob("tiny-fp8", "tensor", layout, 1 << 20, "bfloat16", "fp8", 1, 2, 1,
+                               engine="reference"), cpu)
+        want = max(quantize_scratch_bytes(tuple(shapes[n]), 2) for n in shapes if n.endswith("proj.weight"))
+        assert row["quantize_scratch_bytes"] == want, (layout, row["quantize_scratch_bytes"], want)
