@@ -208,3 +208,19 @@ def test_sample_mode_with_sglang_and_a_digest_engine_side_by_side(model):
         err, _ = verify.verify_engines(module, cfg, [_sglang_stub(module, 2, full), FullDigests(held)], step)
         assert (err is not None) == (wrong in verify.select(names, "sample", step)), (step, err)
         assert err is None or f"engine 1 serves {wrong!r}" in err, err
+
+
+def test_full_and_sample_streams_give_the_same_fp8_tensors():
+    """``quantization="fp8"``: verify's bucket-by-bucket stream ("full") yields what the sync sent
+    (FP8 weights and their scales), as the one-tensor-at-a-time stream ("sample") does."""
+    module = build_model(load_config("tiny-fp8"), seed=0)
+    cfg = SyncConfig(verify="full", dtype=torch.bfloat16, quantization="fp8", bucket_bytes=1 << 16)
+    from fsdp_sync.weights import quantize
+
+    names = [m.name for m in quantize.sync_metas(module, cfg)]
+    full = dict(verify.trainer_tensors(module, cfg, names, every=True))
+    one = dict(verify.trainer_tensors(module, cfg, names, every=False))
+    assert any(t.dtype == torch.float8_e4m3fn for t in full.values())
+    assert set(full) == set(names) == set(one)
+    for n in names:
+        assert full[n].dtype == one[n].dtype and torch.equal(full[n].view(torch.uint8), one[n].view(torch.uint8)), n
