@@ -97,7 +97,7 @@ from ...weights import float32_params, handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES
 from ...config_check import check_engine, load_refusal
 from ..flush_retry import flush_after_sync
-from ...topology import SyncTopology
+from ...topology import SyncTopology, group_ranks
 from ...transport import SyncStats
 from ...transport.tensor import Call, TensorTransport, engine_reads_outlast
 from ...verify import sent_record
@@ -364,10 +364,11 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         if self._topo is not None and self._topo.mesh is self.device_mesh:
             return self._topo
         dp = self.device_mesh["dp"]
+        group = tp.get_group()      # tp_ranks in group-rank order, as get_local_rank counts
         self._topo = SyncTopology(mesh=self.device_mesh, rank=dist.get_rank(),
                             world_size=dist.get_world_size(), dp_rank=dp.get_local_rank(),
                             dp_size=dp.size(), tp_rank=tp.get_local_rank(), tp_size=tp.size(),
-                            tp_ranks=tuple(int(r) for r in tp.mesh.tolist()), tp_group=tp.get_group())
+                            tp_ranks=group_ranks(group), tp_group=group)
         return self._topo
 
     def _sync(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any,
