@@ -188,6 +188,12 @@ class ModelSpec:
             moe_layers = tuple(i for i in range(layers)
                                if i not in dense and experts > 0 and (i + 1) % step == 0)
             shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0
+            if mt == "qwen2_moe" and moe_layers and not shared:
+                raise ValueError(      # transformers still builds them; SGLang has no such parameter
+                    "qwen2_moe: shared_expert_intermediate_size 0 is not supported: transformers builds "
+                    "a zero-width shared_expert and a live shared_expert_gate ([1, hidden_size]) in "
+                    "every MoE layer anyway, which SGLang's Qwen2-MoE has no parameter for; give it "
+                    "a shared expert (shared_expert_intermediate_size > 0)")
         top_k = int(cfg.num_experts_per_tok)
         if experts < 1 or not 1 <= top_k <= experts:
             raise ValueError(f"{mt}: expected num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, "
