@@ -38,7 +38,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-__all__ = ["Replica", "Fleet", "CommitError", "end_all", "problem", "describe", "note_partial", "take_noted"]
+from .engines.base import VersionNotNamed
+
+__all__ = ["Replica", "Fleet", "CommitError", "VersionNotNamed", "end_all", "problem", "describe", "note_partial", "take_noted"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -85,9 +87,16 @@ class CommitError(RuntimeError):
 
     def __init__(self, committed: list[int], failed: dict[int, BaseException], version: Any) -> None:
         first = min(failed)
+        unnamed = sorted(i for i, e in failed.items() if isinstance(e, VersionNotNamed))
+        refused = sorted(i for i in failed if i not in unnamed)
+        said = f"engines {committed} committed it"
+        if refused:
+            said += f", engines {refused} did not"
+        if unnamed:
+            said += (f", engines {unnamed} committed its weights but still name them by their "
+                     f"old version (their version call failed)")
         super().__init__(f"engine {first} failed while committing version {version!r} "
-                         f"({type(failed[first]).__name__}: {failed[first]}); engines {committed} "
-                         f"committed it, engines {sorted(failed)} did not")
+                         f"({type(failed[first]).__name__}: {failed[first]}); {said}")
         self.committed, self.failed, self.version = committed, failed, version
 
 
@@ -100,7 +109,11 @@ def _commit(engine: Any, version: str | None) -> None:
         engine.end_weight_update(weight_version=version)
     else:
         engine.end_weight_update()
-        set_version(engine, version)
+        try:
+            set_version(engine, version)
+        except Exception as exc:  # noqa: BLE001 - said as what it is: weights in, name not
+            raise VersionNotNamed(f"its new weights are committed, but naming them {version!r} "
+                                  f"failed ({type(exc).__name__}: {exc})") from exc
 
 
 def set_version(engine: Any, version: str) -> None:

@@ -47,6 +47,20 @@ def test_a_commit_tells_every_engine_the_version_it_now_serves():
     assert info.value.committed == [0] and list(info.value.failed) == [1]
 
 
+def test_an_engine_whose_version_call_fails_after_its_commit_is_said_to_hold_the_new_weights():
+    """Its weights are the new version's (end_weight_update returned); only the name failed. Said
+    as 'did not' commit before, which sent a reader looking for old weights that were gone."""
+    refuses = OldEngine()
+    refuses.end_weight_update = lambda: (_ for _ in ()).throw(RuntimeError("commit refused"))
+    with pytest.raises(CommitError) as info:
+        end_all([NewEngine(), OldEngine(fail_version=True), refuses], commit=True, version="v2")
+    said = str(info.value)
+    assert "engines [0] committed it, engines [2] did not" in said, said
+    assert ("engines [1] committed its weights but still name them by their old version" in said
+            and "version route down" in said), said
+    assert sorted(info.value.failed) == [1, 2]     # both still quarantined as before
+
+
 def test_replicas_in_service_on_two_versions_are_refused_before_a_bring_in():
     fleet = Fleet([NewEngine(), NewEngine(), NewEngine()])
     for rep, v in zip(fleet.replicas, ("v3", "v3", None)):
@@ -98,3 +112,28 @@ def test_only_the_torn_replicas_are_kept_paused_and_every_partial_one_is_said():
     except RuntimeError as exc:
         assert "replica 0, replica 1 could not drop" in " ".join(exc.__notes__)
     assert take_noted() == ["replica 1"] and take_noted() == []
+
+
+def test_an_sglang_server_whose_version_route_fails_after_its_commit_is_said_to_hold_the_new_weights():
+    """SGLang 0.5.23's /end_weight_update takes no weight_version: `SGLangEngine` names the weights
+    with /update_weight_version after the commit. When that call fails, the commit stands; the
+    error says so (`VersionNotNamed`) instead of 'did not commit'."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import fake_sglang as fake
+
+    from fsdp_sync.engines import sglang as sg
+    from fsdp_sync.fleet import VersionNotNamed
+
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        eng = sg.SGLangEngine(base_url=srv.url, retry_backoff_s=0.01, timeout_s=10)
+        eng.begin_weight_update()
+        srv.script["/update_weight_version"] = [(400, "version route down")]
+        with pytest.raises(CommitError) as info:
+            end_all([eng], commit=True, version="v2")
+    assert isinstance(info.value.failed[0], VersionNotNamed), info.value.failed
+    assert "engines [0] committed its weights but still name them by their old version" in str(info.value)
+    assert "version route down" in str(info.value)
+    assert [p for _, p, _ in srv.requests][-2:] == ["/end_weight_update", "/update_weight_version"]

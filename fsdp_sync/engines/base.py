@@ -52,7 +52,7 @@ import torch
 __all__ = [
     "Engine", "SerializedPerRank", "LOAD_FORMATS", "TAGS", "RELEASE_ORDER", "RESUME_ORDER",
     "ordered_tags", "EngineError", "WeightUpdateError", "WorkerDiedError", "EngineStateError",
-    "EngineUnavailableError", "EngineClosedError", "checksum_named_tensors", "DETAIL_HEADER",
+    "EngineUnavailableError", "EngineClosedError", "VersionNotNamed", "checksum_named_tensors", "DETAIL_HEADER",
 ]
 
 DETAIL_HEADER = "X-Fsdp-Sync-Detail"
@@ -127,6 +127,11 @@ class WorkerDiedError(EngineError):
 class EngineStateError(EngineError):
     """The call does not fit the engine's state (weights released, KV cache released, an update
     already open, ...); nothing was changed."""
+
+
+class VersionNotNamed(EngineError):
+    """An engine committed a sync's weights but naming them (SGLang's ``update_weight_version``,
+    a call of its own after the commit) failed: it serves the new weights under its old name."""
 
 
 class EngineUnavailableError(EngineStateError):

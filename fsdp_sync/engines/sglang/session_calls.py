@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..base import EngineStateError
+from ..base import EngineStateError, VersionNotNamed
 from .client import MissingMethod, NotFound, SGLangError, SGLangHTTPError, check_answer, takes_keyword
 from . import versions
 
@@ -96,7 +96,11 @@ class SessionCalls:
         answer = self._session_call("end_weight_update", body, local_kw)
         if weight_version is not None and not local_kw and not (
                 isinstance(answer, dict) and answer.get("weight_version") == weight_version):
-            self.update_weight_version(weight_version, abort_all_requests=False)
+            try:
+                self.update_weight_version(weight_version, abort_all_requests=False)
+            except Exception as exc:  # noqa: BLE001 - committed: only the name is missing
+                raise VersionNotNamed(f"its new weights are committed, but naming them "
+                                      f"{weight_version!r} failed ({type(exc).__name__}: {exc})") from exc
 
     def _abort_update(self) -> bool:
         """`end_weight_update(abort=True)`: dropped where the engine can, else closed and said so."""
