@@ -555,6 +555,9 @@ def check_bench_args(args, given: set[str]) -> None:
 
         check_lora_args(args, given)
     args.spec = spec_from_args(args, given)
+    if getattr(args, "verify", None) and args.spec.device != "cpu":   # refused after the sweep, JSON lost
+        raise ValueError(f"--verify {','.join(args.verify)} measures on CPU only (the reference engine's "
+                         f"read-back); the sweep runs on {args.spec.device}: drop --verify or run on cpu")
     if ("engine" in given or args.spec.engine != "direct") and "tensor" not in args.spec.methods:
         raise ValueError(f"--engine {args.spec.engine} is the tensor method's engine; --methods "
                          f"{','.join(args.spec.methods)} has no tensor rows: add tensor or drop --engine")

@@ -93,14 +93,19 @@ def check_targets(rows: list[dict]) -> dict:
 def _check_layout_targets(rows: list[dict]) -> dict:
     """Per-rank bucket targets: bytes into an engine rank <= 1.05 x its shard; the one-host path
     <= 1.5 x its floor; the all-to-all path <= 1.05 x its floor, with the bytes a trainer rank
-    receives beside the full layout's all-gather (about 1/TP of it). Per path the fastest engine
+    receives beside the full layout's all-gather (about 1/TP of it; ``trainer_in_vs_full``) and its
+    seconds beside the fastest full-layout row of the same path (``seconds_vs_full``). Per path the fastest engine
     row is judged (pipelined or not: the configuration a user would pick), as `_check_tensor_targets`
     judges the fastest flattened row: not the one nearest its floor, which a slower row with a
     noisier floor could be."""
     out = {}
     best: dict = {}
-    full = {r.get("share_host_memory"): r for r in rows
-            if r["strategy"] == "flattened" and r.get("layout") == "full"}
+    full: dict = {}     # per path, the fastest full-layout row (not the sweep's last one)
+    for r in rows:
+        if r["strategy"] == "flattened" and r.get("layout") == "full":
+            k = r.get("share_host_memory")
+            if k not in full or r["seconds"] < full[k]["seconds"]:
+                full[k] = r
     for r in rows:
         if r["strategy"] != "flattened" or r.get("layout") != "engine":
             continue
