@@ -35,6 +35,8 @@ anything else is an error on every rank (`topology.agree`) before any data moves
 is not sent (the engine's head is its embedding): it must equal the embedding bit for bit, or every
 rank refuses the sync naming both (`tied.head_refusal`: the shards compared where they are split
 alike, no data moved).
+A bucket's buffers that one rank cannot allocate (``alloc`` failing, /dev/shm full) are raised on
+every rank before the bucket's collective, naming the rank, bucket and size (`rank_alloc`).
 
 Not here: handles and payloads (`handles`; the transport makes one per engine rank), who calls the
 engine, pipelining, GPU copies (the buffers are CPU; ``alloc`` may give CUDA buffers on the
@@ -61,6 +63,7 @@ from .gather import Received, materialize
 from .hostbuf import HostShared
 from .items_memo import submodules
 from .layout import TPLayout, block_of, view2d
+from .rank_alloc import alloc_buffers, full_tensor_group
 from .shards import dim0_pieces
 from ..topology import agree, cpu_group
 
@@ -445,6 +448,8 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
         elif refused is not None:
             raise ValueError(refused)
     by_name = {it.name: (i, it) for i, it in enumerate(items)}
+    # a bucket's buffers are agreed before its collective: the all-to-all's, full_tensor()'s
+    agree_over = group if world > 1 else full_tensor_group(items)
     host = _host_buffers(group, layout.tp * max(1, host_sets), max((b.nbytes for b in plan), default=0),
                          host_keep) if share_host_memory and world > 1 and _host_eligible(items) else None
     stats.path = "host-shared" if host is not None else ("all-to-all" if world > 1 else "local")
@@ -458,7 +463,7 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
         if host is None and world == 1:
             buffers = _fill_local(k, bkt, layout, [by_name[n] for n in names], dtype, key,
                                   _wanted(range(layout.tp) if ranks is None else ranks, k, layout.tp),
-                                  alloc, stats)
+                                  alloc, stats, agree_over)
         else:
             sources = {n: _source(by_name[n][1], by_name[n][0], world, me, dtype, stats) for n in names}
             for n in names:
@@ -468,18 +473,11 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
                 buffers = _fill_host(host, bkt, layout, tasks, sources, stats, (k % max(1, host_sets)) * layout.tp,
                                      wait_readers=not consumer_synced)
             else:
-                buffers = _exchange(bkt, layout, tasks, sources, own, group, me, alloc, stats)
+                buffers = _exchange(k, bkt, layout, tasks, sources, own, group, me, alloc, stats)
             del sources, tasks
         stats.buckets += 1
         yield RankBucket(k, bkt, buffers, shared=host is not None)
         del buffers
-
-
-def _alloc(alloc: Callable[[int], torch.Tensor], n: int) -> torch.Tensor:
-    flat = alloc(n)
-    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < n:
-        raise ValueError(f"alloc({n}) must return a 1-D uint8 tensor of at least {n} bytes")
-    return flat[:n]
 
 
 def _wanted(ranks: Sequence[int] | Callable[[int], Sequence[int]], k: int, tp: int) -> list[int]:
@@ -524,19 +522,19 @@ def _offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _fill_local(k: int, bkt: _bucket.Bucket, layout: TPLayout, items: list, dtype: torch.dtype, key: tuple,
-                wanted: list[int], alloc: Callable[[int], torch.Tensor], stats: ReshardStats
-                ) -> dict[int, torch.Tensor]:
+                wanted: list[int], alloc: Callable[[int], torch.Tensor], stats: ReshardStats,
+                group: Any = None) -> dict[int, torch.Tensor]:
     """Bucket ``k`` where this rank holds every tensor whole (a plain module, FSDP1's full state
     dict, DTensors gathered with ``full_tensor()`` such as HSDP's, one trainer rank): only the
     buffers of the engine ranks in ``wanted``. The tensors held whole go in with one fused copy;
     each DTensor is then materialized (collective: every rank, whatever it builds), written and
     dropped before the next, so a rank holds its buffers and one full tensor, never the bucket's
-    full tensors (tp x a bucket of per-rank shards). ``items``: (export index, item) pairs."""
-    buffers = {}
-    for i in wanted:
-        buffers[i] = _alloc(alloc, bkt.nbytes)
-        _zero_gaps(buffers[i], bkt, layout, i)
+    full tensors (tp x a bucket of per-rank shards). ``items``: (export index, item) pairs.
+    ``group``: where the bucket materializes a DTensor, its buffers are agreed over it first."""
     later = [(n, it) for n, it in items if it.dtensor is not None]
+    buffers = alloc_buffers(alloc, bkt, k, wanted, group if later else None)
+    for i, flat in buffers.items():
+        _zero_gaps(flat, bkt, layout, i)
     sources = {it.name: _source(it, n, 1, 0, dtype, stats) for n, it in items if it.dtensor is None}
     for _, it in later:     # where its data will be: all of it on this rank, once materialized
         sources[it.name] = _Source(it.name, tuple(it.shape), (0,), (math.prod(it.shape),), None)
@@ -588,14 +586,14 @@ def _write_local(tasks: list[_Task], sources: dict[str, _Source], buffers: dict[
         _bucket.copy_many(dsts, srcs)     # one fused copy for the bucket, not one per block
 
 
-def _exchange(bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources: dict[str, _Source],
+def _exchange(k: int, bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task], sources: dict[str, _Source],
               owners: list[list[int]], group: Any, me: int, alloc: Callable, stats: ReshardStats
               ) -> dict[int, torch.Tensor]:
-    """One all_to_all_single: trainer rank t sends owner o the blocks of o's engine ranks it holds."""
+    """One all_to_all_single: trainer rank t sends owner o the blocks of o's engine ranks it holds
+    (bucket ``k``'s buffers agreed over ``group`` first, `alloc_buffers`)."""
     world = dist.get_world_size(group)
     itemsize = bkt.entries[0].dtype.itemsize if bkt.entries else 1
-    mine = [i for i in range(layout.tp) if me in owners[i]]
-    buffers = {i: _alloc(alloc, bkt.nbytes) for i in mine}
+    buffers = alloc_buffers(alloc, bkt, k, [i for i in range(layout.tp) if me in owners[i]], group)
     for i, flat in buffers.items():
         _zero_gaps(flat, bkt, layout, i)
     # send[o]: my blocks for o's engine ranks; recv[t]: t's blocks for my engine ranks (same order)
