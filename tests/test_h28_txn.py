@@ -1,0 +1,86 @@
+"""Audit H28: the reference engine's update transaction, bit-exact, in one TP-1 engine.
+
+- A staging transaction copies each call aside (`staging.stage_aside`): the sender reuses one
+  shared buffer call after call (as the sync's bucket pool does), so a staged write that kept a
+  view of it would commit the last call's bytes (or the zeros the sender left) in place of every
+  earlier call's. Mutant: the copy aside skipped; every earlier bucket then committed wrong.
+- An aborted transaction leaves the served weights bit-exact as before, its version unchanged;
+  a committed one is bit-exact the sent weights, its last call included, under the version sent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_sync.engines import ReferenceEngine, WeightUpdateError, checksum_named_tensors
+from fsdp_sync.models import build_model, load_config
+from fsdp_sync.weights import handles
+from fsdp_sync.weights.bucket import TensorMeta, flatten, plan_buckets, sglang_metadata
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _named(seed: int) -> list:
+    return list(build_model(load_config("tiny"), seed=seed).state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def eng():
+    with ReferenceEngine("tiny", tp_size=1, kv_cache_tokens=256, call_timeout_s=60, pg_timeout_s=30) as e:
+        e.update_weights_from_tensor(_named(0), weight_version="v0")
+        yield e
+
+
+def _push_reusing_one_buffer(e: ReferenceEngine, named: list, bucket_bytes: int = 96 * 1024) -> int:
+    """Flattened buckets of ``named``, every one in the same shared buffer, zeroed after each call."""
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in named], bucket_bytes)
+    assert len(plan) >= 3
+    tensors = dict(named)
+    buf = handles.empty_shared(max(b.nbytes for b in plan))
+    for b in plan:
+        flat = flatten(b, tensors, out=buf[:b.nbytes])
+        with handles.make_payloads({"flattened_tensor": flat, "metadata": sglang_metadata(b)}, 1) as ps:
+            e.update_weights_from_tensor(ps.payloads, load_format="flattened_bucket")
+        buf.zero_()             # the sender takes its buffer back for the next bucket
+    return len(plan)
+
+
+def test_a_transaction_over_one_reused_buffer_commits_every_call_bit_exact(eng):
+    v0, v1 = _named(0), _named(1)
+    assert eng.weights_checksum() == checksum_named_tensors(v0)
+    eng.begin_weight_update()
+    _push_reusing_one_buffer(eng, v1)
+    assert eng.weights_checksum() == checksum_named_tensors(v0)     # nothing served before the end
+    assert eng.end_weight_update(weight_version="v1") is True
+    assert eng.weights_checksum() == checksum_named_tensors(v1) and eng.weight_version == "v1"
+    eng.update_weights_from_tensor(v0, weight_version="v0")         # as the module found it
+
+
+def test_an_aborted_transaction_leaves_the_weights_and_version_bit_exact(eng):
+    v0, v1 = _named(0), _named(1)
+    eng.begin_weight_update()
+    _push_reusing_one_buffer(eng, v1)
+    eng.update_weights_from_tensor(v1[:2], weight_version="v1")     # a pending version, dropped too
+    assert eng.end_weight_update(abort=True) is True
+    assert eng.weights_checksum() == checksum_named_tensors(v0) and eng.weight_version == "v0"
+
+
+def test_a_failed_call_aborts_the_transaction_nothing_of_it_served(eng):
+    v0, v1 = _named(0), _named(1)
+    eng.begin_weight_update()
+    eng.update_weights_from_tensor(v1[:3], weight_version="v1")
+    name, t = v1[3]
+    with pytest.raises(WeightUpdateError, match="shape"):
+        eng.update_weights_from_tensor([(name, t.reshape(-1)[:-1].clone())])
+    with pytest.raises(WeightUpdateError, match="nothing was committed"):
+        eng.end_weight_update(weight_version="v1")
+    assert eng.weights_checksum() == checksum_named_tensors(v0) and eng.weight_version == "v0"
+    # the last call of a committed transaction is in the weights too
+    eng.begin_weight_update()
+    eng.update_weights_from_tensor(v1[:-1])
+    eng.update_weights_from_tensor(v1[-1:], weight_version="v1")
+    assert eng.weights_checksum() == checksum_named_tensors(v0)
+    eng.end_weight_update()
+    assert eng.weights_checksum() == checksum_named_tensors(v1) and eng.weight_version == "v1"
+    eng.update_weights_from_tensor(v0, weight_version="v0")
