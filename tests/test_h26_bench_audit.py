@@ -44,3 +44,43 @@ def test_layout_targets_set_the_engine_row_beside_the_fastest_full_row():
     d = check_targets(rows)["layout"]["all-to-all"]
     assert d["seconds_vs_full"] == pytest.approx(1.05), d
     assert d["trainer_in_vs_full"] == pytest.approx(0.5), d
+
+
+def test_each_targets_threshold_is_its_own():
+    # the tensor target: <= 1.3 x its floor (1.4 is not met), speed-up >= 3, memory <= 1
+    t = check_targets([_row("full", 1.4, 4 << 20, 100)])
+    assert t["met"] == {"speedup": False, "floor": False, "memory": True}, t
+    assert check_targets([_row("full", 1.0, 4 << 20, 100)])["all_met"] is True
+    # per-rank buckets: the one-host path <= 1.5 x its floor, the all-to-all path <= 1.05 x
+    shared = dict(_row("engine", 1.4, 4 << 20, 0), share_host_memory=True, floor_shared_seconds=1.0)
+    lay = check_targets([shared, _row("engine", 1.1, 4 << 20, 50)])["layout"]
+    assert lay["one-host"]["met"]["floor"] is True and lay["all-to-all"]["met"]["floor"] is False, lay
+    # the distributed method: its fastest flattened row against its per-tensor format (2x: not met)
+    dist = dict(_row("full", 1.0, 4 << 20, 100), method="distributed", strategy="distributed:flattened_bucket",
+                baseline_seconds=2.0)
+    d = check_targets([dist])["distributed"]
+    assert d["speedup_vs_per_tensor"] == 2.0 and d["met"] == {"speedup": False, "floor": True, "memory": True}, d
+
+
+class _Sampler:
+    def __init__(self, samples):
+        self.t0, self.samples = 100.0, samples
+
+
+def test_peak_is_the_rise_inside_the_sync_stage_above_the_last_sample_before_it():
+    from fsdp_sync.cli.bench.sampling import rises
+
+    # a wake-up's spike before the stage (900, freed again), the stage's own rise (150 -> 400),
+    # the KV cache woken after it (1000): only 400 - 150 is the sync's
+    samples = [(0.0, [100]), (0.5, [900]), (1.0, [150]), (2.0, [160]), (3.0, [400]), (5.0, [1000])]
+    timeline = [{"name": "wake_up_weights", "started": 100.2, "seconds": 0.6},
+                {"name": "sync_weights", "started": 101.5, "seconds": 2.0}]
+    assert rises(timeline, _Sampler(samples)) == [250]
+
+
+def test_a_device_counts_the_workers_shared_pages_once(monkeypatch):
+    from fsdp_sync.cli.bench import sampling
+
+    status = {1: {"rss": 1000}, 2: {"rss": 500, "shmem": 200}}
+    monkeypatch.setattr(sampling, "_status", lambda pid: status[pid])
+    assert sampling.device_bytes(1, 2) == 1300 and sampling.device_bytes(1, None) == 1000
