@@ -84,3 +84,24 @@ def test_a_device_counts_the_workers_shared_pages_once(monkeypatch):
     status = {1: {"rss": 1000}, 2: {"rss": 500, "shmem": 200}}
     monkeypatch.setattr(sampling, "_status", lambda pid: status[pid])
     assert sampling.device_bytes(1, 2) == 1300 and sampling.device_bytes(1, None) == 1000
+
+
+def test_a_failed_verify_run_still_writes_the_sweeps_rows(monkeypatch, tmp_path, capsys):
+    import json
+
+    from fsdp_sync.cli.bench import main, verify
+    from fsdp_sync.cli.launch import RankError
+
+    def failed(spec, modes):
+        raise RankError("rank 1 failed: VerifyError: engine rank 0 tensor model.norm.weight differs\n...")
+
+    swept = {"spec": {"models": ["tiny"]}, "rows": [], "wall_seconds": 1.0, "machine": {}}
+    monkeypatch.setattr(main, "run_bench", lambda spec: dict(swept))
+    monkeypatch.setattr(verify, "verify_rows", failed)
+    out = tmp_path / "bench.json"
+    args = argparse.Namespace(lora_r=None, spec=main.BenchSpec(models=("tiny",)), verify=("full",),
+                              json=str(out), plot=None, preset=None)
+    assert main.cmd_bench(args) == 1
+    got = json.loads(out.read_text())
+    assert got["spec"] == swept["spec"] and got["incomplete"].startswith("--verify: rank 1 failed"), got
+    assert "VerifyError" in capsys.readouterr().err

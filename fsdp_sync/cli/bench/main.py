@@ -664,9 +664,14 @@ def cmd_bench(args) -> int:
         for line in targets_lines(result["targets"]):
             console.print(line)
     if getattr(args, "verify", None):
+        from ..launch import RankError
         from .verify import verify_rows
 
-        result["verify"] = verify_rows(spec, tuple(args.verify))
+        try:
+            result["verify"] = verify_rows(spec, tuple(args.verify))
+        except RankError as exc:    # a failed check (or rank): the sweep's rows still written, exit 1
+            result["incomplete"] = "--verify: " + str(exc).strip().splitlines()[0]
+            return report_incomplete(console, args, result, exc)
         vt = Table(title="verify after sync: median seconds it adds")
         for c in ("model", "method", "verify", "tensors checked", "sync s", "verify s", "× sync"):
             vt.add_column(c, justify="right")
