@@ -105,3 +105,18 @@ def test_a_failed_verify_run_still_writes_the_sweeps_rows(monkeypatch, tmp_path,
     got = json.loads(out.read_text())
     assert got["spec"] == swept["spec"] and got["incomplete"].startswith("--verify: rank 1 failed"), got
     assert "VerifyError" in capsys.readouterr().err
+
+
+def test_a_floors_median_leaves_its_warm_up_runs_out(monkeypatch):
+    import types
+
+    import torch.distributed as dist
+
+    from fsdp_sync.cli.bench import floors
+
+    monkeypatch.setattr(floors, "cpu_group", lambda *a: None)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **kw: None)
+    # run k takes ticks[k] seconds: a cold first run of 100 s, then 1, 2, 3
+    ticks = iter([0, 100, 100, 101, 101, 103, 103, 106])
+    monkeypatch.setattr(floors, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    assert floors.median_seconds(lambda: None, "cpu", 3, warmup=1) == 2
