@@ -120,3 +120,12 @@ def test_a_floors_median_leaves_its_warm_up_runs_out(monkeypatch):
     ticks = iter([0, 100, 100, 101, 101, 103, 103, 106])
     monkeypatch.setattr(floors, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     assert floors.median_seconds(lambda: None, "cpu", 3, warmup=1) == 2
+
+
+def test_a_stage_no_sample_fell_in_is_not_charged_a_later_stages_memory():
+    from fsdp_sync.cli.bench.sampling import rises
+
+    # a 0.1 s stage between samples: the level it left (200), not the KV cache woken after it (1000)
+    samples = [(0.0, [100]), (1.0, [150]), (1.7, [200]), (5.0, [1000])]
+    timeline = [{"name": "sync_weights", "started": 101.5, "seconds": 0.1}]
+    assert rises(timeline, _Sampler(samples)) == [50]

@@ -74,7 +74,8 @@ def sampled_sync(manager: Any, sampler: DeviceSampler | None) -> None:
 def rises(timeline: list[dict], sampler: DeviceSampler) -> list:
     """Per sampled process, the largest rise of its memory during the sync stage (``sync_weights``
     in ``timeline``; every sample when there is none) above its level before the stage: the last
-    sample taken before the stage began (the first sample when none was). ``sampler`` has samples."""
+    sample taken before the stage began (the first sample when none was). A stage no sample fell
+    in: the first sample after it (what it left). ``sampler`` has samples."""
     t0 = t1 = None
     for st in timeline:
         if st["name"] == "sync_weights":
@@ -82,6 +83,9 @@ def rises(timeline: list[dict], sampler: DeviceSampler) -> list:
             t1 = t0 + st["seconds"]
     samples = sampler.samples
     before = [s for ts, s in samples if t0 is not None and ts <= t0] or [samples[0][1]]
-    during = [s for ts, s in samples if t0 is not None and t0 <= ts <= t1] or [s for _, s in samples]
+    during = [s for ts, s in samples if t0 is not None and t0 <= ts <= t1]
+    if not during and t0 is not None:   # a stage shorter than a period: the level it left, not a
+        during = [s for ts, s in samples if ts > t1][:1]    # later stage's (the KV cache woken)
+    during = during or [s for _, s in samples]
     base = before[-1]
     return [max(s[j] - base[j] for s in during) for j in range(len(base))]
