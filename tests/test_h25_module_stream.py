@@ -4,7 +4,9 @@
   (``SyncConfig.quantization``: verl's stream is quantized tensor by tensor after the cast; the
   module's export is not);
 - verl's MoE unfusing (``ModuleStream.unfuse``) is part of the comparison: a stream whose unfuse
-  cuts a tensor in two refuses, naming the first tensor that differs.
+  cuts a tensor in two refuses, naming the first tensor that differs;
+- a tensor whose dtype buckets cannot hold (complex64) refuses by name even where verl's stream
+  sends the same (dropping that check survived every test).
 """
 
 from __future__ import annotations
@@ -52,3 +54,10 @@ def test_verls_moe_unfuse_is_compared():
     assert metas is None and reason is not None
     assert ("verl's stream sends 5 tensors, fsdp_sync's export 4; tensor #0: verl "
             "'0.experts.0.weight' float32 (3, 4), fsdp_sync '0.weight' float32 (6, 4)") in reason, reason
+
+
+def test_a_dtype_buckets_cannot_hold_refuses_naming_the_tensor():
+    module = _module()
+    module[1].bias = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    reason, metas = refusal(ModuleStream(iter(()), module), _cfg(), _same)
+    assert metas is None and reason == "'1.bias' has dtype complex64, which buckets cannot hold", reason
