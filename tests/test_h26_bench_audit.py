@@ -129,3 +129,16 @@ def test_a_stage_no_sample_fell_in_is_not_charged_a_later_stages_memory():
     samples = [(0.0, [100]), (1.0, [150]), (1.7, [200]), (5.0, [1000])]
     timeline = [{"name": "sync_weights", "started": 101.5, "seconds": 0.1}]
     assert rises(timeline, _Sampler(samples)) == [50]
+
+
+def test_the_shared_floor_copies_the_engines_own_shard(monkeypatch):
+    import torch.distributed as dist
+
+    from fsdp_sync.cli.bench import floors
+
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(floors, "median_seconds", lambda body, dev, repeats, warmup: 0.5)
+    moved: dict = {}
+    # an FP8 row's engine shard (300) is not the rollout dtype's total / tp (500)
+    assert floors.floor_shared_seconds(1000, 2, "cpu", 3, 300, moved=moved) == 0.5
+    assert moved == {"own_copy": 500, "engine_copy": 300}
