@@ -73,7 +73,7 @@ def _job(rank: int, world: int) -> dict:
         gc.collect()
         before = segments()
         t0 = time.monotonic()
-        got = 0
+        got, held = 0, None
         try:
             for rb in reshard.iter_rank_buckets(module, layout, 24 << 10, dtype=torch.float32,
                                                 share_host_memory=False, owners=owners,
@@ -82,12 +82,13 @@ def _job(rank: int, world: int) -> dict:
                 del rb
             msg = None
         except SyncError as exc:
-            msg = str(exc)
+            msg, held = str(exc), exc      # a caller that keeps the error keeps its traceback
         except Exception as exc:  # noqa: BLE001 - reported to the test, which names it
             msg = f"unexpected {type(exc).__name__}: {exc}"
         seconds = time.monotonic() - t0
         gc.collect()
         out[case] = {"msg": msg, "seconds": seconds, "buckets": got, "left": segments() - before}
+        del held
         dist.barrier()
     return out
 
@@ -120,4 +121,5 @@ def test_a_rank_bucket_allocation_failing_on_one_rank_is_raised_on_every_rank_at
                 assert "MemoryError: cannot allocate" in msg, msg
                 assert row["buckets"] == 0, (r, row)
             assert row["seconds"] < 4, (r, case, row)   # agreed, not a collective's timeout
-            assert row["left"] == 0, (r, case, row)     # no segment of the failed bucket kept
+            assert row["left"] == 0, (r, case, row)     # no segment of the failed bucket kept,
+            #                                            not even by the error's traceback
