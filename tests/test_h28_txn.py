@@ -84,3 +84,17 @@ def test_a_failed_call_aborts_the_transaction_nothing_of_it_served(eng):
     eng.end_weight_update()
     assert eng.weights_checksum() == checksum_named_tensors(v1) and eng.weight_version == "v1"
     eng.update_weights_from_tensor(v0, weight_version="v0")
+
+
+def test_a_refused_disk_call_aborts_the_transaction_it_is_in(eng, tmp_path):
+    """disk_calls, mutant: a checkpoint refused before any worker stages (no such file) did not
+    abort the open transaction, so its end committed the calls before it: part of an update that
+    failed, served under the version sent."""
+    v0, v1 = _named(0), _named(1)
+    eng.begin_weight_update()
+    eng.update_weights_from_tensor(v1[:3])
+    with pytest.raises(WeightUpdateError, match="update_weights_from_disk"):
+        eng.update_weights_from_disk(str(tmp_path / "missing"))
+    with pytest.raises(WeightUpdateError, match="nothing was committed"):
+        eng.end_weight_update(weight_version="v1")
+    assert eng.weights_checksum() == checksum_named_tensors(v0) and eng.weight_version == "v0"
