@@ -5,7 +5,7 @@ every flag off, so the wrapper could read none of them (parameter offload, FSDP2
 policy, QAT, a merged LoRA, FSDP1) and nothing failed: the fast path would then run where verl's
 stream is offloaded, quantized or merged. Here each flag, on verl's own function, must reach the
 `ModuleStream` and be refused by name; an engine with every flag off is exact (the control).
-One gloo rank, a real FSDP model.
+One gloo rank, a real FSDP model. Also `stream.BucketBuffer.fits` at exactly a bucket's capacity.
 """
 
 from __future__ import annotations
@@ -108,3 +108,32 @@ def test_verls_engine_flags_reach_the_module_stream_and_are_refused_by_name():
             assert reason is None, (case, reason)
         else:
             assert reason is not None and want in reason, (case, reason)
+
+
+def test_stream_buffer_fills_a_bucket_to_exactly_its_capacity():
+    """`stream.BucketBuffer.fits` is `plan_buckets`' rule: tensors whose aligned end is exactly the
+    bucket's capacity share one bucket (a strict comparison split them into one call each)."""
+    from fsdp_sync.integrations.verl.stream import BucketBuffer
+    from fsdp_sync.weights.bucket import plan_buckets, TensorMeta
+
+    s = BucketBuffer(64)
+    a, b = torch.arange(8, dtype=torch.float32), torch.arange(8, 16, dtype=torch.float32)
+    s.add("a", a)
+    assert s.fits(32)
+    s.add("b", b)
+    assert not s.fits(1)
+    assert [len(x.entries) for x in plan_buckets([TensorMeta.of("a", a), TensorMeta.of("b", b)], 64)] == [2]
+    assert s.bucket().nbytes == 64 and list(s.bucket().names) == ["a", "b"]
+
+
+def test_stream_buffer_doubling_stops_at_the_bucket():
+    """Growing by doubling from 608 bytes would make 1216; the bucket is 1000: the buffer is 1000."""
+    from fsdp_sync.integrations.verl.stream import BucketBuffer
+
+    s = BucketBuffer(1000)
+    s.add("a", torch.zeros(150))            # 600 bytes: a 608-byte buffer
+    assert s.buf.numel() == 608
+    assert s.fits(300)
+    s.add("b", torch.ones(75))              # ends at 912
+    assert s.buf.numel() == 1000
+    assert torch.equal(s.buf[:600].view(torch.float32), torch.zeros(150))
