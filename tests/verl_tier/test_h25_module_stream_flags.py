@@ -5,7 +5,8 @@ every flag off, so the wrapper could read none of them (parameter offload, FSDP2
 policy, QAT, a merged LoRA, FSDP1) and nothing failed: the fast path would then run where verl's
 stream is offloaded, quantized or merged. Here each flag, on verl's own function, must reach the
 `ModuleStream` and be refused by name; an engine with every flag off is exact (the control).
-One gloo rank, a real FSDP model. Also `stream.BucketBuffer.fits` at exactly a bucket's capacity.
+One gloo rank, a real FSDP model. Also, in process: `stream.BucketBuffer` at a bucket's capacity,
+`metrics.step_metrics` of a step holding both a base and an adapter sync.
 """
 
 from __future__ import annotations
@@ -137,3 +138,19 @@ def test_stream_buffer_doubling_stops_at_the_bucket():
     s.add("b", torch.ones(75))              # ends at 912
     assert s.buf.numel() == 1000
     assert torch.equal(s.buf[:600].view(torch.float32), torch.zeros(150))
+
+
+def test_step_metrics_of_a_step_holding_a_base_and_an_adapter_sync_are_the_adapters():
+    """`metrics.step_metrics`: where the newest step holds a LoRA run's base sync and its adapter
+    sync (both at global_steps 0), the fsdp_sync/* figures are the adapter's (2 replicas), the base
+    beside them; gbps is all replicas' bytes over the slowest one's seconds."""
+    from fsdp_sync.integrations.verl.metrics import step_metrics
+
+    m = step_metrics([dict(kind="base", global_steps=0, sync_s=1.0, bytes=500.0),
+                      dict(kind="base", global_steps=0, sync_s=1.5, bytes=500.0),
+                      dict(kind="adapter", global_steps=0, sync_s=0.04, bytes=30.0),
+                      dict(kind="adapter", global_steps=0, sync_s=0.05, bytes=30.0)])
+    assert m["fsdp_sync/sync_s"] == 0.05 and m["fsdp_sync/bytes"] == 60.0, m
+    assert m["fsdp_sync/replicas"] == 2.0 and m["fsdp_sync/adapter"] == 1.0
+    assert m["fsdp_sync/base_sync_s"] == 1.5 and m["fsdp_sync/base_bytes"] == 1000.0
+    assert m["fsdp_sync/gbps"] == 60.0 / 0.05 / 1e9
