@@ -214,10 +214,14 @@ def write_rank_buckets(ctx: Any, tmp: str, rank: int, writers: list[int], layout
         everywhere = st.path != "all-to-all"
         mine = [i for i in sorted(rb.buffers)
                 if not everywhere or writers[(k * tp + i) % len(writers)] == rank]
-        if quant is not None and mine:    # its own buffers: the next bucket may reuse rb's
-            rb = quant.rank_bucket(rb, plain_alloc, ranks=mine)
-        jobs = [(i, k, rb.bucket, rb.buffers[i]) for i in mine]
         try:
+            # its own buffers (the next bucket may reuse rb's); inside the try: a NaN in one
+            # engine rank's slice, or an allocation, fails this rank only, which must keep
+            # consuming the collective stream (raised here, it left its peers waiting in the
+            # next bucket's all-to-all until the process-group timeout)
+            if quant is not None and mine and w.err is None:
+                rb = quant.rank_bucket(rb, plain_alloc, ranks=mine)
+            jobs = [(i, k, rb.bucket, rb.buffers[i]) for i in mine]
             # bucket k-1's files are written before bucket k+1 is asked for: its buffers
             # (host-shared set (k-1) % 2) are rewritten by bucket k+1
             w.collect()
