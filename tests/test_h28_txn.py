@@ -66,6 +66,18 @@ def test_an_aborted_transaction_leaves_the_weights_and_version_bit_exact(eng):
     assert eng.weights_checksum() == checksum_named_tensors(v0) and eng.weight_version == "v0"
 
 
+def test_an_abort_given_a_weight_version_is_refused_and_leaves_the_update_open(eng):
+    """In process it was taken as an abort and the version dropped without a word; SGLangEngine
+    and `fsdp-sync serve` refuse the pair. Refused before anything changes: the update stays open."""
+    v0, v1 = _named(0), _named(1)
+    eng.begin_weight_update()
+    eng.update_weights_from_tensor(v1[:2])
+    with pytest.raises(ValueError, match=r"an abort commits no weights.*'v9'.*not both"):
+        eng.end_weight_update(abort=True, weight_version="v9")
+    assert eng.end_weight_update(abort=True) is True                 # still open: dropped now
+    assert eng.weights_checksum() == checksum_named_tensors(v0) and eng.weight_version == "v0"
+
+
 def test_a_failed_call_aborts_the_transaction_nothing_of_it_served(eng):
     v0, v1 = _named(0), _named(1)
     eng.begin_weight_update()

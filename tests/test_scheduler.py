@@ -224,7 +224,9 @@ def test_weight_version_follows_commits_only(fresh, models):
     a_tokens = greedy(eng, P1, 8)
     eng.begin_weight_update()
     eng.update_weights_from_tensor(named(B), weight_version="dropped")
-    eng.end_weight_update(abort=True, weight_version="dropped too")
+    with pytest.raises(ValueError, match="not both"):      # an abort names no weights
+        eng.end_weight_update(abort=True, weight_version="dropped too")
+    eng.end_weight_update(abort=True)
     assert eng.get_weight_version() == "A2" and greedy(eng, P1, 8) == a_tokens
     eng.begin_weight_update()
     with pytest.raises(WeightUpdateError):

@@ -60,6 +60,10 @@ def end(engine: Any, *, abort: bool = False, weight_version: str | None = None) 
     """`ReferenceEngine.end_weight_update`: commit or drop the open transaction (see there); a
     commit that fails on some workers goes to `end_failed`."""
     check_version(weight_version, "end_weight_update")
+    if abort and weight_version is not None:     # as SGLangEngine and `fsdp-sync serve` refuse it
+        raise ValueError(f"end_weight_update: an abort commits no weights, so it takes no "
+                         f"weight_version (got {weight_version!r}); pass weight_version or "
+                         f"abort=True, not both (the update is still open)")
     with engine._gate("end_weight_update"):
         if not engine._in_txn:
             raise EngineStateError("end_weight_update without begin_weight_update")
