@@ -89,7 +89,7 @@ from . import bucket as _bucket
 from . import experts as _experts
 from . import float32_params
 from . import handles as _handles
-from .gather import (Pieces, Received, Scratch, alloc_bucket, fill_bucket, fill_shared, materialize,
+from .gather import (Pieces, Received, Scratch, agree_group, alloc_bucket, fill_bucket, fill_shared, materialize,
                      shared_group, sub_pieces)
 from .hostbuf import HostShared
 from .items_memo import ItemsMemo, submodules, tensors_key
@@ -556,7 +556,7 @@ def _resolve(module: nn.Module, fsdp1_state_dict: str, dtype: torch.dtype | None
             _check_root(module, units)
             sd = module.state_dict(keep_vars=True)
             # the group a failure is agreed over, known before anything can fail
-            group = next((_agree_group(v) for v in sd.values() if _is_dtensor(v)), None)
+            group = next((agree_group(v) for v in sd.values() if _is_dtensor(v)), None)
             items = _MEMO.items(module, sd, functools.partial(_sharded_items, module))
         items = _hub_items(select(items, lora), _experts.model_type_of(module))
         for it in items:
@@ -585,13 +585,6 @@ def _sharded_items(module: nn.Module, sd: dict) -> list[_Item]:
 
 _MEMO = ItemsMemo()
 """`_sharded_items`' answer per module, reused while its state dict holds the same tensors."""
-
-
-def _agree_group(dt: Any) -> Any:
-    mesh = dt.device_mesh
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    return dist.group.WORLD if mesh.size() == dist.get_world_size() else None
 
 
 # --------------------------------------------------------------------------- public streams

@@ -32,7 +32,7 @@ from . import bucket as _bucket
 from .hostbuf import HostShared
 
 __all__ = ["Pieces", "sub_pieces", "broadcast", "all_gather", "gather_pieces", "materialize", "materialized_bytes_in",
-           "Scratch", "Received", "bucket_bytes_in", "alloc_bucket", "fill_bucket", "shared_group", "fill_shared"]
+           "Scratch", "Received", "bucket_bytes_in", "alloc_bucket", "agree_group", "fill_bucket", "shared_group", "fill_shared"]
 
 
 def _align(n: int) -> int:
@@ -370,6 +370,16 @@ def _gather_to(dst: int, group: Any, pairs: list[tuple[_bucket.BucketEntry, Piec
     _bucket.copy_many(dsts, srcs)
     for w in works:
         w.wait()
+
+
+def agree_group(dt: Any) -> Any:
+    """The group over which the export and the per-rank reshard agree a failure beside DTensor
+    ``dt``'s ``full_tensor()``: a 1-D mesh's group; a 2-D mesh (HSDP's) as the world where it spans
+    it; None otherwise (its ranks need not all run the stream)."""
+    mesh = dt.device_mesh
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return dist.group.WORLD if mesh.size() == dist.get_world_size() else None
 
 
 def alloc_bucket(alloc: Any, bkt: _bucket.Bucket, index: int, group: Any) -> torch.Tensor:

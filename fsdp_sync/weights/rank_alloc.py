@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import bucket as _bucket
-from .gather import alloc_bucket
+from .gather import agree_group, alloc_bucket
 from ..topology import agree
 
 __all__ = ["alloc_buffers", "full_tensor_group"]
@@ -32,13 +32,7 @@ def full_tensor_group(items: Iterable) -> Any:
     """The group the ``full_tensor()`` of these export items' DTensors runs over where every rank
     of it runs the stream (a 1-D mesh's group; a 2-D mesh, HSDP's, as the world where it spans
     it), as the export agrees its own failures; None where no item is such a DTensor."""
-    for it in items:
-        if it.dtensor is not None:
-            mesh = it.dtensor.device_mesh
-            if mesh.ndim == 1:
-                return mesh.get_group()
-            return dist.group.WORLD if mesh.size() == dist.get_world_size() else None
-    return None
+    return next((agree_group(it.dtensor) for it in items if it.dtensor is not None), None)
 
 
 def alloc_buffers(alloc: Callable[[int], torch.Tensor], bkt: _bucket.Bucket, index: int,
