@@ -1,7 +1,8 @@
 """The checks `fsdp-sync serve` applies to a JSON request body, shared by its route modules: a
 refusal with its HTTP status (`Refused`), the status of an error a route raised (`error_status`:
 4xx the client's mistake, 5xx the server's), typed fields that name themselves when wrong (400),
-the disk-update path rule, and which keyword arguments an engine method takes.
+the disk-update path rule, which keyword arguments an engine method takes, and the reading of a
+chunked request body (`read_chunked`).
 
 Not here: the routes (`serve`, `serve_control`), the ``/generate`` body (`generate_request`).
 """
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..base import (EngineClosedError, EngineStateError, EngineUnavailableError, WorkerDiedError)
 
 __all__ = ["Refused", "error_status", "error_text", "body_field", "str_list_field", "tags_field", "check_disk_path",
-           "accepted_kwargs", "type_names", "opened_payloads"]
+           "accepted_kwargs", "type_names", "opened_payloads", "read_chunked", "too_big"]
 
 
 class Refused(Exception):
@@ -148,3 +149,43 @@ def opened_payloads(payloads: Sequence[Any], label: str) -> Iterator[list]:
         yield [r.value for r in opened]
     finally:
         handles.ack_all(opened)   # waits for the copies out of CUDA payloads, then acknowledges
+
+
+def too_big(n: int, limit: int) -> str:
+    return f"request body of {n} bytes is over this server's limit of {limit} (--max-body-mb)"
+
+
+def read_chunked(rfile: Any, limit: int) -> bytes:
+    """A ``Transfer-Encoding: chunked`` body (RFC 9112 7.1): size lines in hex (extensions after
+    ``;`` ignored), each chunk followed by CRLF, a zero-size chunk, then trailer lines up to an
+    empty one. Refuses a body over ``limit`` bytes (413) as soon as its size lines say so, and a
+    malformed or cut one (400)."""
+    parts, total = [], 0
+    while True:
+        line = rfile.readline(1026)
+        if not line.endswith(b"\n"):
+            raise Refused(400, "chunked body ended or its size line is too long")
+        size_text = line.split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise Refused(400, f"bad chunk size {size_text[:20]!r} in a chunked body") from None
+        if size < 0:
+            raise Refused(400, f"bad chunk size {size_text[:20]!r} in a chunked body")
+        if size == 0:
+            break
+        total += size
+        if total > limit:
+            raise Refused(413, too_big(total, limit))
+        data = rfile.read(size)
+        if len(data) != size or rfile.readline(3) not in (b"\r\n", b"\n"):
+            raise Refused(400, f"chunked body: a chunk of {size} bytes is cut short or not "
+                               f"followed by CRLF")
+        parts.append(data)
+    for _ in range(100):        # trailers, up to the empty line
+        line = rfile.readline(8192)
+        if line in (b"\r\n", b"\n"):
+            return b"".join(parts)
+        if not line.endswith(b"\n"):
+            break
+    raise Refused(400, "chunked body has no end (its trailer section is not closed)")

@@ -8,6 +8,7 @@ weights, on a CPU machine:
     GET  /health  /health_generate  /ready  /get_model_info  /get_server_info (/server_info)
     GET  /v1/models                    (SGLang's OpenAI-style model list: the served model)
     POST /generate                     {input_ids | text, sampling_params}  (PUT too, as SGLang)
+    POST /abort_request                {rid | abort_all}  (200, empty body, as SGLang)
     POST /update_weights_from_tensor  /begin_weight_update  /end_weight_update
     POST /init_weights_update_group  /update_weights_from_distributed  /destroy_weights_update_group
     POST /update_weights_from_disk  /release_memory_occupation  /resume_memory_occupation
@@ -37,6 +38,8 @@ or mark a server down on 5xx only: 4xx for the client's mistakes (400 a bad fiel
 does not fit, 401, 403, 404, 405 a method a route does not take, 413, 501 a transfer coding other than chunked), 503
 when the engine cannot serve now (a dead worker, shut down at SIGTERM, weights or KV cache
 released, out of service, busy past ``update_wait_s``, too many requests), 500 for anything else.
+A malformed body or field is 400 as in SGLang 0.5.23 (its validation handler turns FastAPI's 422
+into 400), whose body is ``{"object": "error", "message", "type", "code"}``: both carry ``message``.
 Every error answer made here carries ``"retryable"`` (true: the same request may succeed later or
 on another server), a streamed ``/generate`` error chunk too; every answer is JSON, the standard
 library's own refusals (an unknown method, a malformed request line) included; but not
@@ -84,7 +87,8 @@ from typing import Any, Callable, Sequence
 
 from .generate_request import (ClientWatch, GenerateRefused, answer_item, generation_config_eos,
                                parse_generate, sglang_eos)
-from .http_fields import Refused, body_field, check_disk_path, error_status, error_text, tags_field
+from .http_fields import (Refused, body_field, check_disk_path, error_status, error_text,
+                          read_chunked, tags_field, too_big)
 from .rollout import sglang_context_length
 from .serve_cache import CacheRoutes
 from .serve_control import ControlRoutes
@@ -524,7 +528,7 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
         rids = req.ids          # with n > 1 the samples' own (`sample_ids`), not the request's rid
         events = {rid: threading.Event() for rid in rids}
         with self._live_lock:
-            clash = sorted(set(rids) & set(self._live))
+            clash = sorted((set(rids) | set(intake_ids(body.get("rid"), req))) & set(self._live))
             if clash:
                 raise Refused(400, f"field 'rid': request id(s) {clash} are already running")
             self._live.update(events)
@@ -601,14 +605,19 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
         ignored, as SGLang ignores it. The request ends at its next decode step with
         ``finish_reason`` ``{"type": "abort"}``. A sample of an ``n`` > 1 request is aborted by its
         own id (its ``meta_info.id``), and the request's ``rid`` aborts none of them, as in SGLang
-        (`generate_request.sample_ids`)."""
+        (`generate_request.sample_ids`). The answer is SGLang 0.5.23's: 200 with an empty body,
+        whether anything was aborted or not (the count goes to the log); a wrong field type is a
+        400 naming it (SGLang's validation answers 400 too). Unlike SGLang's scheduler, which ends
+        every request whose id *starts with* the one given (a running ``"a"`` aborts ``"ab"``
+        too), only the id itself is ended."""
         rid = body_field(body, "rid", (str, type(None)), "") or ""
         abort_all = body_field(body, "abort_all", bool, False)
         with self._live_lock:
             hit = list(self._live) if abort_all else [r for r in self._live if rid and r == rid]
             for r in hit:
                 self._live[r].set()
-        return 200, {"success": True, "message": f"aborted {len(hit)} request(s)"}
+        log.debug("abort_request %r (abort_all %s): %d request(s) aborted", rid, abort_all, len(hit))
+        return 200, ""
 
     def _method(self, name: str) -> Callable:
         fn = getattr(self.engine, name, None)
@@ -642,41 +651,18 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
             raise Refused(400, error_text(e)) from None
 
 
-def too_big(n: int, limit: int) -> str:
-    return f"request body of {n} bytes is over this server's limit of {limit} (--max-body-mb)"
-
-
-def read_chunked(rfile: Any, limit: int) -> bytes:
-    """A ``Transfer-Encoding: chunked`` body (RFC 9112 7.1): size lines in hex (extensions after
-    ``;`` ignored), each chunk followed by CRLF, a zero-size chunk, then trailer lines up to an
-    empty one. Refuses a body over ``limit`` bytes (413) as soon as its size lines say so, and a
-    malformed or cut one (400)."""
-    parts, total = [], 0
-    while True:
-        line = rfile.readline(1026)
-        if not line.endswith(b"\n"):
-            raise Refused(400, "chunked body ended or its size line is too long")
-        size_text = line.split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise Refused(400, f"bad chunk size {size_text[:20]!r} in a chunked body") from None
-        if size < 0:
-            raise Refused(400, f"bad chunk size {size_text[:20]!r} in a chunked body")
-        if size == 0:
-            break
-        total += size
-        if total > limit:
-            raise Refused(413, too_big(total, limit))
-        data = rfile.read(size)
-        if len(data) != size or rfile.readline(3) not in (b"\r\n", b"\n"):
-            raise Refused(400, f"chunked body: a chunk of {size} bytes is cut short or not "
-                               f"followed by CRLF")
-        parts.append(data)
-    for _ in range(100):        # trailers, up to the empty line
-        line = rfile.readline(8192)
-        if line in (b"\r\n", b"\n"):
-            return b"".join(parts)
-        if not line.endswith(b"\n"):
-            break
-    raise Refused(400, "chunked body has no end (its trailer section is not closed)")
+def intake_ids(rid: Any, req: Any) -> list[str]:
+    """The ids SGLang 0.5.23 holds a ``/generate`` request under while taking it in
+    (``GenerateReqInput._normalize_rid``; ``TokenizerManager._init_req_state`` refuses one already
+    running: "Duplicate request ID detected"): with ``n`` 1 the request's own (`GenerateRequest.rids`);
+    with ``n`` > 1 the body's ``rid`` list, or a string ``rid`` expanded to ``rid_0`` ..
+    ``rid_{prompts * n - 1}`` (a single prompt too: ``n`` > 1 makes it a batch), none for no
+    ``rid``. SGLang drops these ids once the prefix warm-up is done and runs each sample under a
+    fresh one (`generate_request.sample_ids`), so they clash only with requests already running."""
+    if req.n == 1:
+        return list(req.rids)
+    if isinstance(rid, list):
+        return [r for r in rid if isinstance(r, str)]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(len(req.prompts) * req.n)]
+    return []

@@ -13,7 +13,8 @@ scheduler's message, or ``Flush cache failed.``), so a client that reads SGLang'
 serve's; why this engine refused (the requests running, paused in place, ...) is in the
 `DETAIL_HEADER` header and the log, not the body. Its wait for the engine itself (an update
 holding it) ends at ``update_wait_s`` past the timeout: 503 JSON, nothing done (SGLang has no such
-wait); a bad ``timeout`` is a 400 JSON naming it (SGLang's FastAPI answers 422).
+wait); a bad ``timeout`` is a 400 JSON naming it (SGLang 0.5.23's validation answers 400 too, its
+FastAPI 422 turned into 400, in its ``{"object": "error", "message", "code"}`` shape).
 
 Not here: the server and its error statuses (`serve`, `http_fields`), the engine's side
 (`memory_calls`).
@@ -56,7 +57,7 @@ def sglang_refusal(message: str) -> str:
 
 def timeout_param(path: str) -> float:
     """SGLang's ``timeout`` query parameter of ``path`` (a float >= 0, 0 when absent); 400 naming
-    it otherwise (FastAPI answers 422 there)."""
+    it otherwise (as SGLang 0.5.23, whose validation handler answers 400 where FastAPI's is 422)."""
     values = parse_qs(urlsplit(path).query, keep_blank_values=True).get("timeout")
     if not values:
         return 0.0

@@ -21,8 +21,8 @@ SGLang's ``selector`` (0.5.21+, on the tensor, distributed and ``begin_weight_up
 which model runners the call loads, ``"target"``, ``"draft"`` or ``"all"``, default ``"all"``):
 this server has one runner, the target, so ``"target"`` and ``"all"`` load it, as SGLang's do
 without a draft model; ``"draft"`` is refused (400 naming the field, nothing loaded), where SGLang
-without a draft model loads nothing and answers success; any other value is refused too (SGLang's
-FastAPI answers 422).
+without a draft model loads nothing and answers success; any other value is refused too (400,
+as SGLang 0.5.23's request validation answers it: its handler turns FastAPI's 422 into 400).
 
 Stricter than SGLang, so a served engine never says success for a wrong model:
 ``init_weights_update_group`` checks every field before any worker tries to join (a backend the

@@ -1,0 +1,97 @@
+"""`fsdp-sync serve` against SGLang 0.5.23's ``http_server`` where the two answered differently
+(helper H33): ``/abort_request``'s answer and the ids an ``n`` > 1 ``/generate`` is taken in
+under. The engine is `test_h12_serve_routes.Stub` (it records what reaches it, and its
+``generate_requests`` runs until aborted), so no worker starts.
+
+- ``/abort_request``: SGLang answers ``Response(status_code=200)``, an empty body, whatever it
+  aborted; serve answered ``{"success": true, "message": "aborted N request(s)"}``, a body a client
+  written against serve would read and SGLang never sends.
+- ``n`` > 1: SGLang's ``GenerateReqInput._normalize_rid`` expands a string ``rid`` to ``rid_0`` ..
+  ``rid_{prompts * n - 1}`` (a list stays as given) and ``TokenizerManager._init_req_state``
+  refuses the request if one of them is running ("Duplicate request ID detected"); only after the
+  prefix warm-up does it drop them for the samples' fresh ids. serve checked only the samples'
+  fresh ids, so such a request ran beside the one holding its id.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fsdp_sync.engines.reference.serve import EngineServer
+from test_h12_serve_routes import Stub, call
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def served():
+    stub = Stub()
+    with EngineServer(stub) as srv:
+        yield srv, stub
+
+
+def _in_thread(srv, body) -> tuple[threading.Thread, list]:
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(call(srv, "/generate", body)))
+    t.start()
+    return t, box
+
+
+def test_abort_request_answers_sglangs_empty_200(served):
+    srv, stub = served
+    assert call(srv, "/abort_request", {"rid": "nobody"}) == (200, "")
+    assert call(srv, "/abort_request", {}) == (200, "")          # SGLang: ignored, logged
+    t, box = _in_thread(srv, {"input_ids": [1, 2], "rid": "r"})
+    try:
+        assert stub.running.wait(10)
+        assert call(srv, "/abort_request", {"rid": "r"}) == (200, "")     # before: a JSON body
+    finally:
+        call(srv, "/abort_request", {"abort_all": True})
+        t.join(20)
+    assert box and box[0][0] == 200 and box[0][1]["meta_info"]["finish_reason"]["type"] == "abort", box
+    # a wrong field type is still a 400 naming it (SGLang's validation: 400 too)
+    status, out = call(srv, "/abort_request", {"rid": 7})
+    assert status == 400 and out["message"] == "field 'rid' must be str or NoneType, got int", out
+
+
+@pytest.mark.parametrize("body", [
+    {"input_ids": [5, 6], "rid": "job", "sampling_params": {"n": 2}},              # job_0, job_1
+    {"input_ids": [[5], [6]], "rid": "job", "sampling_params": {"n": 2}},          # job_0 .. job_3
+    {"input_ids": [[5], [6]], "rid": ["x", "job_1"], "sampling_params": {"n": 3}},
+], ids=["single", "batch-string", "batch-list"])
+def test_an_n_request_whose_intake_id_is_running_is_refused(served, body):
+    srv, stub = served
+    t, box = _in_thread(srv, {"input_ids": [1, 2], "rid": "job_1"})
+    try:
+        assert stub.running.wait(10)
+        status, out = call(srv, "/generate", body)
+        assert status == 400 and "field 'rid'" in out["message"] and "'job_1'" in out["message"], out
+        assert [c for c in stub.calls if c[0] == "generate"] == [("generate", 1)]   # never reached it
+    finally:
+        call(srv, "/abort_request", {"abort_all": True})
+        t.join(20)
+    assert box and box[0][0] == 200, box
+
+
+def test_an_n_requests_own_rid_is_free_once_its_samples_run(served):
+    """SGLang drops an ``n`` > 1 request's intake ids after its warm-up: a request under its
+    ``rid``, or under one of the expanded ids, runs beside it (serve holds only the samples' ids)."""
+    srv, stub = served
+    t1, box1 = _in_thread(srv, {"input_ids": [5, 6], "rid": "job", "sampling_params": {"n": 2}})
+    threads, boxes = [t1], [box1]
+    try:
+        assert stub.running.wait(10)
+        for rid in ("job", "job_0"):
+            stub.running.clear()
+            t, box = _in_thread(srv, {"input_ids": [1, 2], "rid": rid})
+            threads.append(t)
+            boxes.append(box)
+            assert stub.running.wait(10), rid
+    finally:
+        call(srv, "/abort_request", {"abort_all": True})
+        for t in threads:
+            t.join(20)
+    assert [b[0][0] if b else None for b in boxes] == [200, 200, 200], boxes
+    assert [c for c in stub.calls if c[0] == "generate"] == [("generate", 1)] * 3
