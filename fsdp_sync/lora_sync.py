@@ -16,7 +16,9 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   apply, `peft_names.UNSERVED`; a ``rank_pattern`` / ``alpha_pattern`` entry, which it ignores;
   trained biases, a regex, embeddings or lm_head as targets), a tensor that is not lora_A /
   lora_B of a linear module (`peft_names.unserved_tensor`: KaSA's ``lora_diag``, ...), and, at a
-  sync that sends the adapter alone, base parameters that still train (``requires_grad``).
+  sync that sends the adapter alone, base parameters that still train (``requires_grad``); an
+  adapter peft merged into the base weights (``merge_adapter``, `peft_names.merged`: the base
+  sent would hold it, and the engine would add it again).
 - the full LoRA tensors, gathered by the export (collective) into one flattened bucket kept from
   one sync to the next (`weights.adapter_export`), named as peft saves them
   (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the adapter's name segment
@@ -61,7 +63,7 @@ from .verify import tensor_digest
 from .weights import bucket, export, handles
 from .weights.adapter_export import AdapterCopy, AdapterExport
 from .wire import flattened_bucket
-from .weights.peft_names import (adapter_of, config_refusal, pattern_refusal, sglang_refusal,
+from .weights.peft_names import (adapter_of, config_refusal, merged, pattern_refusal, sglang_refusal,
                                  sglang_targets, trainable_base, unserved_tensor)
 
 log = logging.getLogger("fsdp_sync")
@@ -342,7 +344,8 @@ def refusal(module: torch.nn.Module, given: Any, *, base_sent: bool,
             adapter: str | None = None) -> str | None:
     """Why this adapter sync must not run (None: it may): the config's `config_refusal`, a LoRA
     tensor of the adapter that no engine serves (`peft_names.unserved_tensor`: not lora_A /
-    lora_B, or on embeddings / lm_head), and, at a sync that sends the adapter alone
+    lora_B, or on embeddings / lm_head), the adapter merged into the base weights
+    (`peft_names.merged`), and, at a sync that sends the adapter alone
     (``base_sent`` False), base parameters that still train (`peft_names.trainable_base`). Cheap
     (the config and one walk over ``named_parameters``). ``adapter``: the synced adapter's name
     (None: `active_adapter`)."""
@@ -351,6 +354,12 @@ def refusal(module: torch.nn.Module, given: Any, *, base_sent: bool,
     why = config_refusal(_given_config(module, given, adapter))
     if why is None:
         why = unserved_tensor((n for n, _ in module.named_parameters()), adapter)
+    if why is None and (into := merged(module.named_modules(), adapter)):
+        why = (f"the adapter {adapter or 'default'!r} is merged into the base weights of {into[0]!r}"
+               f"{f' and {len(into) - 1} other module(s)' if len(into) > 1 else ''} (peft's "
+               f"merge_adapter): the base sent would hold it and the engine would add it again; "
+               f"unmerge it before the sync (peft_model.unmerge_adapter()), or merge_and_unload() "
+               f"and sync the weights with SyncConfig(lora='off')")
     if why is not None or base_sent:
         return why
     live = trainable_base(module.named_parameters())

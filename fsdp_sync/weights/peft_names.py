@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable, Mapping
 
-__all__ = ["is_lora", "adapter_of", "base_parts", "select", "trainable_base", "unserved_option",
+__all__ = ["is_lora", "adapter_of", "base_parts", "select", "trainable_base", "merged", "unserved_option",
            "unserved_tensor", "unserved_target", "pattern_refusal", "config_refusal", "sglang_refusal",
            "sglang_targets", "UNSERVED", "UNSERVED_MODULES", "SERVED_KINDS"]
 
@@ -130,6 +130,19 @@ def trainable_base(named: Iterable[tuple[str, Any]]) -> list[str]:
         prefix = name.rpartition(".")[0]
         names = [f"{prefix}.{f}" if prefix else f for f in held] if held else [name]
         out += [n for n in names if not is_lora(n)]
+    return out
+
+
+def merged(named: Iterable[tuple[str, Any]], adapter: str | None) -> list[str]:
+    """The modules in ``named`` (``module.named_modules()``) into whose base weight peft merged
+    ``adapter`` (None: any adapter): a LoRA layer's ``merged_adapters`` (peft's
+    ``merge_adapter``). Its base weight then holds ``W + scaling * B @ A`` and its forward skips the
+    adapter, so the base sent plus the adapter served would apply it twice."""
+    out = []
+    for name, m in named:
+        held = getattr(m, "merged_adapters", None)
+        if isinstance(held, (list, tuple, set)) and held and (adapter is None or adapter in held):
+            out.append(name)
     return out
 
 
