@@ -95,3 +95,21 @@ def test_an_n_requests_own_rid_is_free_once_its_samples_run(served):
             t.join(20)
     assert [b[0][0] if b else None for b in boxes] == [200, 200, 200], boxes
     assert [c for c in stub.calls if c[0] == "generate"] == [("generate", 1)] * 3
+
+
+def test_a_lora_cards_root_is_where_it_was_loaded_from():
+    """SGLang 0.5.23's ``/v1/models`` gives each adapter's card ``root=lora_ref.lora_path`` (the
+    directory, ``"__tensor__"`` for tensors, as ``loaded_adapters`` says); serve put its name."""
+    import http.client
+    import json
+
+    class LoRAStub(Stub):
+        lora_adapters = {"disk": {"r": 8, "path": "/ckpt/disk"}, "pushed": {"r": 8}}
+
+    with EngineServer(LoRAStub(), model_path="base") as srv:
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+        conn.request("GET", "/v1/models")
+        cards = json.loads(conn.getresponse().read())["data"]
+        conn.close()
+    assert [(c["id"], c["root"], c["parent"]) for c in cards] == [
+        ("base", "base", None), ("disk", "/ckpt/disk", "base"), ("pushed", "__tensor__", "base")], cards

@@ -31,7 +31,13 @@ from typing import Any
 
 from .http_fields import Refused, body_field, check_disk_path, error_text, opened_payloads
 
-__all__ = ["LoRARoutes"]
+__all__ = ["LoRARoutes", "lora_source"]
+
+
+def lora_source(adapter: Any) -> str:
+    """Where SGLang says an adapter came from: its directory, ``"__tensor__"`` for tensors."""
+    path = adapter.get("path") if isinstance(adapter, dict) else None
+    return str(path) if path else "__tensor__"
 
 
 class LoRARoutes:
@@ -45,12 +51,15 @@ class LoRARoutes:
                 "/fsdp_sync/lora_checksums": self._lora_checksums}
 
     def lora_cards(self, parent: str, created: int) -> list[dict]:
-        """``/v1/models`` cards of the loaded adapters (SGLang lists each under its name)."""
+        """``/v1/models`` cards of the loaded adapters: SGLang 0.5.23 lists each under its name,
+        its ``root`` the path it was loaded from (``"__tensor__"`` for tensors, as in
+        ``loaded_adapters``), its ``parent`` the served model."""
         loaded = getattr(self.engine, "lora_adapters", None)
         if not isinstance(loaded, dict):
             return []
         return [{"id": name, "object": "model", "created": created, "owned_by": "sglang",
-                 "root": name, "parent": parent, "max_model_len": None} for name in sorted(loaded)]
+                 "root": lora_source(loaded[name]), "parent": parent, "max_model_len": None}
+                for name in sorted(loaded)]
 
     @staticmethod
     def _lora_name(body: dict) -> str:
@@ -76,7 +85,7 @@ class LoRARoutes:
         if isinstance(answer, dict):
             answer["error_message"] = "" if answer.get("success") else str(answer.get("message", ""))
             loaded = getattr(self.engine, "lora_adapters", None) or {}
-            answer["loaded_adapters"] = {n: a.get("path", "__tensor__") for n, a in sorted(loaded.items())}
+            answer["loaded_adapters"] = {n: lora_source(a) for n, a in sorted(loaded.items())}
         return status, answer
 
     def _load_lora_from_tensors(self, body: dict) -> tuple[int, Any]:
