@@ -55,8 +55,11 @@ that accepts pre-cut buffers, which verl's adapters do not).
 
 Errors: a sender that fails mid-stream (a tensor of an unsupported dtype, a name twice, its
 generator raising) broadcasts an error header before raising, so every receiver raises the same
-message at once instead of waiting out the timeout. Every collective on the group is bounded by
-``timeout_s``.
+message at once instead of waiting out the timeout. A rollout worker whose consumer stops
+mid-stream (its adapter failed) raises the consumer's error while its receive thread takes the rest
+of the stream and drops it: the sender's broadcasts wait for every receiver, so without that the
+sender and every other worker failed at ``timeout_s`` with a timeout naming no worker. Every
+collective on the group is bounded by ``timeout_s``.
 
 Not here: the rollout adapter and verl's colocated path (`fsdp_sync.integrations.verl`), the
 bucket rule (`weights.bucket`), how the group is made (`wire`). verl is imported here only.
@@ -511,8 +514,12 @@ class _Receiver:
         self.slots.release()
 
     def stop(self) -> None:
-        """The consumer is done (or gave up): the thread ends at its next slot; one blocked in a
-        receive ends when the group is destroyed (finalize) or at the group's timeout."""
+        """The consumer is done, or gave up mid-stream (its adapter failed): the thread receives
+        the rest of the stream and drops it, so the sender's broadcasts, which wait for every
+        receiver, go on and the other rollout workers get their whole stream (the consumer's own
+        error is what this worker raises) instead of all failing at the sender's timeout. It ends
+        at the last bucket, at the sender's error header, when the group is destroyed (finalize)
+        or at the group's timeout."""
         self.stopping.set()
         self.slots.release()
 
@@ -521,9 +528,8 @@ class _Receiver:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             while True:
-                self.slots.acquire()
-                if self.stopping.is_set():
-                    return
+                if not self.stopping.is_set():
+                    self.slots.acquire()        # stop() releases one: no wait once stopping
                 header = _broadcast_header(self.pg, None)
                 if header.get("error"):
                     raise RuntimeError(f"fsdp_sync checkpoint engine: the sender (actor rank 0) "
@@ -534,8 +540,10 @@ class _Receiver:
                     dist.broadcast(flat, group_src=0, group=self.pg)
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
-                self.q.put(({"entries": entries, "last": bool(header["last"]),
-                             "step": header.get("step")}, flat))
+                if not self.stopping.is_set():     # else dropped: nobody takes it
+                    self.q.put(({"entries": entries, "last": bool(header["last"]),
+                                 "step": header.get("step")}, flat))
+                del flat
                 if header["last"]:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
