@@ -227,6 +227,7 @@ class DiskTransport:
                 os.mkdir(tmp)
                 pool = os.path.join(self.directory, POOL) if os.path.isdir(
                     os.path.join(self.directory, POOL)) else None
+                self._pool = pool or self._pool     # an earlier run's too: close removes it
             except Exception as exc:   # noqa: BLE001 - every rank must hear of it
                 err = exc
         agree_on(err, group, f"{what} (prepare)")
