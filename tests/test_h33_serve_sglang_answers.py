@@ -113,3 +113,30 @@ def test_a_lora_cards_root_is_where_it_was_loaded_from():
         conn.close()
     assert [(c["id"], c["root"], c["parent"]) for c in cards] == [
         ("base", "base", None), ("disk", "/ckpt/disk", "base"), ("pushed", "__tensor__", "base")], cards
+
+
+def test_model_info_has_the_keys_sglang_and_its_router_read():
+    """SGLang 0.5.23's ``/model_info`` (``/get_model_info``) answers ``served_model_name`` (the model
+    path unless ``--served-model-name``), ``architectures`` and ``preferred_sampling_params``;
+    sglang-router's ``GetModelInfoResponse`` reads them. serve answered none of the three."""
+    import http.client
+    import json
+
+    from fsdp_sync.models import load_config
+
+    class ConfigStub(Stub):
+        config = load_config("tiny")
+
+    ConfigStub.config.architectures = ["LlamaForCausalLM"]
+    with EngineServer(ConfigStub(), model_path="/ckpt/base") as srv:
+        answers = []
+        for path in ("/get_model_info", "/model_info"):
+            conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+            conn.request("GET", path)
+            answers.append(json.loads(conn.getresponse().read()))
+            conn.close()
+    assert answers[0] == answers[1]
+    info = answers[0]
+    assert (info["model_path"], info["served_model_name"], info["architectures"]) == (
+        "/ckpt/base", "/ckpt/base", ["LlamaForCausalLM"]), info
+    assert info["preferred_sampling_params"] is None and info["is_generation"] is True, info

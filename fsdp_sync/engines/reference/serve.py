@@ -480,9 +480,13 @@ class EngineServer(ControlRoutes, UpdateRoutes, LoRARoutes, CacheRoutes):
 
     def _model_info(self, body: dict) -> tuple[int, Any]:
         cfg = getattr(self.engine, "config", None)
-        return 200, {"model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
+        # SGLang 0.5.23's keys (``served_model_name``: its default, the model path; sglang-router
+        # reads it and ``model_path`` to name the worker's model)
+        return 200, {"model_path": self.model_path, "served_model_name": self.model_path,
+                     "tokenizer_path": None, "is_generation": True, "preferred_sampling_params": None,
                      "weight_version": self.weight_version,
                      "model_type": getattr(cfg, "model_type", None),
+                     "architectures": getattr(cfg, "architectures", None),
                      # fsdp_sync's: the whole HF config, so a trainer checks the math-changing
                      # values against its own at the first sync (SGLang reports only model_path)
                      "hf_config": json.loads(cfg.to_json_string()) if hasattr(cfg, "to_json_string") else None}
