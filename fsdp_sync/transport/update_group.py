@@ -265,14 +265,25 @@ def _make_group(futures: list, **kw: Any) -> Any:
     """`new_update_group` as rank 0, given up at once when an engine's ``init_weights_update_group``
     fails: that engine will never join, and the rendezvous would otherwise wait out
     ``dist_timeout_s`` (600 s by default). The abandoned rendezvous runs on in a daemon thread
-    until the caller closes the group's store (a client of it is all this rank holds)."""
+    until the caller closes the group's store (a client of it is all this rank holds); a group
+    it completes after all is destroyed there, so its name is free again."""
     made: dict = {}
+    lock = threading.Lock()
 
     def make() -> None:
         try:
-            made["pg"] = new_update_group(**kw)
+            pg = new_update_group(**kw)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             made["error"] = exc
+            return
+        with lock:
+            if not made.get("given_up"):
+                made["pg"] = pg
+                return
+        # the rendezvous completed after the caller gave it up (an engine whose workers joined
+        # but whose call failed, e.g. its client timed out): destroyed, or its name stayed taken
+        # and every later opening was refused as "another manager's, not closed"
+        destroy_ours(pg, f"the weight-update group {kw.get('group_name')!r}, made after its opening failed")
 
     t = threading.Thread(target=make, name="fsdp_sync-update-group", daemon=True)
     t.start()
@@ -284,8 +295,11 @@ def _make_group(futures: list, **kw: Any) -> Any:
             try:
                 check_answer(f.result(), f"engine {i} init_weights_update_group")
             except Exception as exc:  # noqa: BLE001 - the engine's own error, named
-                raise _EngineRefused(f"engine {i} init_weights_update_group: {exc} (the group "
-                                     f"was not waited for)") from exc
+                with lock:
+                    if "pg" not in made:      # else made just now: the caller destroys it
+                        made["given_up"] = True
+                        raise _EngineRefused(f"engine {i} init_weights_update_group: {exc} (the "
+                                             f"group was not waited for)") from exc
     if "error" in made:
         raise made["error"]
     return made["pg"]
