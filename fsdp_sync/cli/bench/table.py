@@ -93,7 +93,7 @@ def targets_lines(t: dict) -> list[str]:
         return [f"targets: not judged: {t['why']}"]
     out = []
     if isinstance(t.get("met"), dict):
-        out.append(f"targets: speedup {t['speedup_vs_per_tensor'] or 0:.2f}× (≥3: {t['met']['speedup']}), "
+        out.append(f"targets: {_speedup(t['speedup_vs_per_tensor'], t['met']['speedup'], 'speedup {:.2f}×')}, "
                    f"{t['ratio_to_floor']:.2f}× its floor ({t['floor_judged_against']}; ≤1.3: {t['met']['floor']}), "
                    f"peak extra {t['peak_extra_over_budget']:.2f}× budget (≤1: {t['met']['memory']})")
     elif "why" in t:
@@ -103,11 +103,21 @@ def targets_lines(t: dict) -> list[str]:
                                                    for k, x in v.items()))
     d = t.get("distributed")
     if d:
-        out.append(f"distributed: {d['speedup_vs_per_tensor'] or 0:.2f}× its per-tensor format "
-                   f"(≥3: {d['met']['speedup']}), {d['ratio_to_floor']:.2f}× its floor (≤1.3: "
+        speed = _speedup(d['speedup_vs_per_tensor'], d['met']['speedup'], '{:.2f}× its per-tensor format')
+        out.append(f"distributed: {speed}"
+                   f", {d['ratio_to_floor']:.2f}× its floor (≤1.3: "
                    f"{d['met']['floor']}), peak extra {d['peak_extra_over_budget']:.2f}× its budget "
                    f"({d['peak_extra_over_budget_of']}; ≤1: {d['met']['memory']})")
     return out
+
+
+def _speedup(x: float | None, met: bool, known: str) -> str:
+    """``known`` with the speedup ``x`` and its verdict (``speedup 4.10× (≥3: True)``); where no
+    per_tensor baseline row ran (``x`` None) the speedup is not known: ``speedup n/a`` and why
+    (it read ``0.00×``, a figure never measured)."""
+    if x is None:
+        return "speedup n/a (no per_tensor baseline row ran)"
+    return f"{known.format(x)} (≥3: {met})"
 
 
 class BenchProgress:
