@@ -140,3 +140,40 @@ def test_model_info_has_the_keys_sglang_and_its_router_read():
     assert (info["model_path"], info["served_model_name"], info["architectures"]) == (
         "/ckpt/base", "/ckpt/base", ["LlamaForCausalLM"]), info
     assert info["preferred_sampling_params"] is None and info["is_generation"] is True, info
+
+
+def test_an_abort_ends_its_own_id_not_every_id_it_begins():
+    """Mutant (serve._abort_request): ids matched by prefix, as SGLang's scheduler matches them
+    (``req.rid.startswith(recv_req.rid)``): an abort of ``"a"`` ended a running ``"ab"``. serve ends
+    the id itself (its docstring); the flag is set before the answer goes out, so it is read at once."""
+    stub = Stub()
+    with EngineServer(stub) as srv:
+        t, box = _in_thread(srv, {"input_ids": [1, 2], "rid": "ab"})
+        try:
+            assert stub.running.wait(10)
+            assert call(srv, "/abort_request", {"rid": "a"}) == (200, "")
+            assert not srv._live["ab"].is_set()
+            assert call(srv, "/abort_request", {"rid": "ab"}) == (200, "")
+            assert "ab" not in srv._live or srv._live["ab"].is_set()
+        finally:
+            call(srv, "/abort_request", {"abort_all": True})
+            t.join(20)
+    assert box and box[0][0] == 200, box
+
+
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413():
+    """Mutant (serve._read_sized): ``n >= max_body_bytes`` refused a body the limit allows."""
+    import http.client
+
+    with EngineServer(Stub(), max_body_bytes=64) as srv:
+        for size, status in ((64, 200), (65, 413)):
+            body = '{"rid": "%s"}' % ("x" * (size - len('{"rid": ""}')))
+            assert len(body) == size
+            conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+            conn.request("POST", "/abort_request", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            text = resp.read().decode()
+            conn.close()
+            assert resp.status == status, (size, resp.status, text)
+            if status == 413:
+                assert "65 bytes" in text and "64" in text, text
