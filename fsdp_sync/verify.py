@@ -13,7 +13,8 @@ disk), on every trainer rank:
    bucket by bucket with `export.iter_buckets`, ``"sample"`` gathers only the chosen tensors with
    `export.iter_params`; under FSDP1 from the flat shards whatever ``fsdp1_state_dict`` is, since
    the full state dict would unshard the whole model), so no rank ever holds more than one bucket
-   of the model; the engine
+   of the model (under FP8 each bucket, or tensor, quantized as the sync quantized it, its success
+   agreed over the ranks before the next gather: `_agreed`); the engine
    ranks hash each tensor as it arrives (per TP rank, cut by the engine's layout, or whole) and
    compare at once;
 3. at the first tensor that differs, the engine rank reads that one tensor back
@@ -74,10 +75,11 @@ from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from .weights import bucket as _bucket
 from .weights import export, export_checks, quantize
-from .topology import cpu_group
+from .topology import agree, cpu_group
 from .engines.base import checksum_named_tensors
 from .weights.layout import TPLayout, layout_for, rank_digest
 
@@ -137,9 +139,10 @@ def trainer_tensors(module: torch.nn.Module, config: Any, chosen: list[str], *,
         device = _device(module)
         alloc = lambda n: torch.empty(n, dtype=torch.uint8, device=device)  # noqa: E731
         it = export.iter_buckets(module, config.bucket_bytes, dtype=dtype, fsdp1_state_dict=kind, alloc=alloc)
-        for bkt, flat in it:
-            if quant is not None:
-                bkt, flat = quant.bucket(bkt, flat, alloc)
+        for index, (bkt, flat) in enumerate(it):
+            if quant is not None:       # its buffer and scratch: agreed before the next gather
+                bkt, flat = _agreed(lambda: quant.bucket(bkt, flat, alloc), f"bucket {index} "
+                                    f"({bkt.names[0]!r}...)")
             yield from _bucket.unflatten(flat, bkt.entries)
             del flat
     else:
@@ -150,7 +153,38 @@ def trainer_tensors(module: torch.nn.Module, config: Any, chosen: list[str], *,
         local = SimpleNamespace(fsdp1_state_dict="local")
         kind = "local" if export_checks.state_dict_refusal(module, local) is None else "sharded"
         it = export.iter_params(module, dtype=dtype, fsdp1_state_dict=kind, names=names)
-        yield from (quant.named(it) if quant is not None else it)
+        for name, t in it:
+            if quant is None or name not in quant.hf:
+                yield name, t
+                continue
+            pair = [(name, t)]
+            del t           # the quantizer holds the only reference while it works
+            yield from _agreed(lambda: list(quant.named([pair.pop()])), repr(name))
+
+
+def _agreed(work: Any, what: str) -> Any:
+    """``work()`` (quantizing one bucket or tensor of `trainer_tensors`' stream), its success
+    agreed over the trainer ranks before the stream's next collective: a rank-local failure (its
+    output buffer or scratch not allocated, a MemoryError) raised on that rank alone left its
+    peers waiting in the next gather out the process group's timeout. Every rank now raises the
+    same `topology.SyncError` naming the failing rank; the world is the group, as verify's caller
+    agrees its result over it (every trainer rank streams the same tensors). Without a process
+    group of more than one rank, ``work``'s own error is raised."""
+    agreed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    error, out = None, None
+    try:
+        out = work()
+    except Exception as exc:  # noqa: BLE001 - whatever it is, every peer must hear of it
+        if not agreed:
+            raise
+        error = f"quantizing {what} on rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+    if agreed:
+        try:
+            agree(error, what="verify's fp8 stream")
+        except BaseException:
+            out = None       # the traceback keeps this frame: not this rank's buffers with it
+            raise
+    return out
 
 
 def first_difference(expected: torch.Tensor, got: torch.Tensor) -> str:

@@ -155,9 +155,11 @@ class StreamQuantizer:
 
     # ------------------------------------------------------------------ data
     def bucket(self, bkt: _bucket.Bucket, flat: torch.Tensor, alloc: Callable[[int], torch.Tensor],
-               *, engine: bool = False) -> tuple[_bucket.Bucket, torch.Tensor]:
+               *, engine: bool = False, rank: int | None = None) -> tuple[_bucket.Bucket, torch.Tensor]:
         """``(output bucket, its buffer from alloc)`` of bucket ``bkt`` held in ``flat``, on
-        ``alloc``'s device (the bucket's own device: pass an alloc on it)."""
+        ``alloc``'s device (the bucket's own device: pass an alloc on it). ``rank``: the engine
+        rank whose slices ``bkt`` holds (``engine``): a NaN or Inf is then named by its HF tensor
+        and its place in the full tensor (`slice_refusal`), not in the slice."""
         t0 = time.perf_counter()
         out = self.plan(bkt, engine)
         quantized = self.engine if engine else self.hf
@@ -187,6 +189,10 @@ class StreamQuantizer:
             # one wait for the device per bucket (it also puts the kernels' time in `seconds`)
             if not fp8.scales_finite(scales):
                 for name, t in done:
+                    if engine and rank is not None:
+                        bad = ~torch.isfinite(t)
+                        if bool(bad.any()):
+                            raise ValueError(self.slice_refusal(name, t, rank, bad))
                     fp8.check_finite(name, t)
                 raise RuntimeError(f"a scale of bucket {bkt.names[:2]} is not finite but no weight "
                                    f"holds a NaN or Inf")   # pragma: no cover - amax propagates NaN
@@ -204,8 +210,26 @@ class StreamQuantizer:
         keep = rb.buffers if ranks is None else {r: rb.buffers[r] for r in ranks if r in rb.buffers}
         out_bkt, buffers = self.plan(rb.bucket, engine=True), {}
         for r, flat in keep.items():
-            out_bkt, buffers[r] = self.bucket(rb.bucket, flat, alloc, engine=True)
+            out_bkt, buffers[r] = self.bucket(rb.bucket, flat, alloc, engine=True, rank=r)
         return RankBucket(rb.index, out_bkt, buffers, shared=False)
+
+    def slice_refusal(self, name: str, t: torch.Tensor, rank: int, bad: torch.Tensor) -> str:
+        """The refusal of engine rank ``rank``'s slice ``t`` of engine parameter ``name``, whose
+        non-finite values ``bad`` marks: the HF tensor and the place in the full tensor of the
+        first (`TPLayout.sources` maps the slice back), the engine rank, the count in the slice."""
+        pos = tuple(int(i) for i in bad.nonzero()[0])
+        value = t[pos].item()
+        hf, full = name, None
+        for src_name, pl in self.layout.sources(rank).get(name, ()):
+            full = _full_place(pl, pos, tuple(t.shape), self.layout.full_shape(src_name))
+            if full is not None:
+                hf = src_name
+                break
+        where = (f"first at {full} of the full {tuple(self.layout.full_shape(hf))} tensor"
+                 if full is not None else f"first at {pos} of the slice")
+        return (f"cannot quantize {hf!r} to fp8 on engine rank {rank}: {int(bad.sum())} of the "
+                f"{t.numel()} values of its {tuple(t.shape)} slice of {name!r} are NaN or Inf "
+                f"({where}: {value})")
 
     def named(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs with each quantized weight replaced by ``(name, q)`` and
@@ -229,3 +253,23 @@ class StreamQuantizer:
         return {"quantization": "fp8", "quantize_s": self.seconds, "quantized_tensors": self.tensors,
                 "quantize_bytes_in": self.bytes_in, "quantize_bytes_out": self.bytes_out}
 
+
+def _full_place(pl: Any, pos: tuple[int, ...], shape: tuple[int, ...],
+                full: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Where element ``pos`` of an engine rank's parameter (of ``shape``) lies in the full HF
+    tensor (of ``full``) that placement ``pl`` fills it from; None where ``pl`` does not cover it."""
+    dst, pos, shape = pl.dst, list(pos), list(shape)
+    if dst and isinstance(dst[0], int):              # (expert, rows[, cols]) of a fused 3-D parameter
+        if pos[0] != dst[0]:
+            return None
+        dst, pos, shape = dst[1:], pos[1:], shape[1:]
+    if len(pos) != len(full):
+        return None
+    out = []
+    for i, p in enumerate(pos):
+        d0, d1, _ = (dst[i] if i < len(dst) else slice(None)).indices(shape[i])
+        if not d0 <= p < d1:
+            return None
+        s0 = (pl.src[i] if i < len(pl.src) else slice(None)).indices(full[i])[0]
+        out.append(s0 + p - d0)
+    return tuple(out)
