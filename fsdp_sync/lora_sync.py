@@ -9,7 +9,8 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
   engine serves), or the only one it holds. Its tensors alone are exported and its config used.
 - `adapter_config`: the adapter's peft config dict (``module.peft_config[active adapter]`` of a
   peft model, or the ``peft_config=`` given to the manager), normalized as verl does for SGLang (enums to
-  strings), checked against the LoRA tensors the module holds (rank from their shapes, targets
+  strings; sets, such as peft's ``target_modules`` / ``exclude_modules``, to sorted lists: SGLang's
+  HTTP body is JSON), checked against the LoRA tensors the module holds (rank from their shapes, targets
   from their names).
 - `refusal`, before anything is sent (the base at the first sync included): a config the engines
   would serve differently from the trainer (`config_refusal`: an option SGLang's LoRA does not
@@ -392,9 +393,11 @@ def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str | N
     for key in ("task_type", "peft_type"):
         if key in cfg:
             cfg[key] = getattr(cfg[key], "value", cfg[key])
-    tm = cfg.get("target_modules")
-    if isinstance(tm, (set, frozenset, tuple)):
-        cfg["target_modules"] = sorted(tm)
+    for key, value in cfg.items():   # peft holds target_modules / exclude_modules as sets: JSON
+        if isinstance(value, (set, frozenset)):      # has none (SGLang's HTTP body, after the unload)
+            cfg[key] = sorted(value, key=str)
+        elif isinstance(value, tuple):
+            cfg[key] = list(value)
     if metas is None:
         metas = [m for m in export.param_metas(module, lora=True)
                  if adapter is None or adapter_of(m.name) == adapter]
