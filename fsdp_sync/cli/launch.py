@@ -139,8 +139,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
                     missing = sorted(set(range(world_size)) - set(got))
                     failure = f"ranks {missing} passed the {timeout_s:g}s deadline of {fn.__name__}"
                     break
-                dead = [r for r, p in enumerate(procs)
-                        if r not in got and p.exitcode is not None and p.exitcode != 0]
+                # gone without a result, whatever its exit code: one that left by os._exit(0)
+                # (its own or a library's) was waited for until the deadline
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
                 if dead:
                     # give its traceback a moment to arrive before declaring a silent death
                     try:
