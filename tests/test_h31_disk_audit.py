@@ -4,7 +4,9 @@ no other test pinned, each in one process with no engine process (cheap).
 - a ``.recycle`` pool an earlier run left (it crashed, or never called close) is taken by the
   next transport's writers, so that transport's `close` removes it as it removes its own: before,
   ``_pool`` was set only where this transport made the pool, and the leftover stayed, one
-  version's worth of disk, after close.
+  version's worth of disk, after close;
+- a pool entry of a planned file's name that is no regular file (a symlink, a directory) is
+  removed and the file written fresh: before, the sync failed (ELOOP, IsADirectoryError).
 """
 
 from __future__ import annotations
@@ -49,3 +51,50 @@ def test_close_removes_a_pool_an_earlier_run_left(tmp_path):
     finally:
         t.close()
     assert sorted(os.listdir(d)) == ["step_3"]
+
+
+def _bucket_of(tensors):
+    from types import SimpleNamespace as NS
+
+    entries, parts, off = [], [], 0
+    for n, t in tensors.items():
+        b = t.contiguous().view(-1).view(torch.uint8)
+        entries.append(NS(name=n, dtype=t.dtype, shape=tuple(t.shape), start=off, end=off + b.numel()))
+        parts.append(b)
+        off += b.numel()
+    return NS(entries=entries), torch.cat(parts)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_a_pool_entry_that_is_no_regular_file_is_replaced_not_written_through(tmp_path, kind):
+    """The pool's entry of a file's name is moved into the new version and overwritten in place
+    (`disk_writer.write_shard`). An entry that is a symlink (a user's edit of a published
+    version) failed the sync with ELOOP (the in-place open refuses to follow it), a directory with
+    IsADirectoryError; now either is removed and the file written fresh, the symlink's target
+    untouched, and the file is exactly the bucket."""
+    from safetensors.torch import load_file
+
+    from fsdp_sync.transport.disk_writer import write_shard
+
+    tensors = {"a.weight": torch.arange(12, dtype=torch.float32).view(3, 4),
+               "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)}
+    bkt, flat = _bucket_of(tensors)
+    pool, out = tmp_path / "pool", tmp_path / "out"
+    pool.mkdir()
+    out.mkdir()
+    target = tmp_path / "theirs.bin"
+    target.write_bytes(b"keep me" * 100)
+    name = "model-00001-of-00001.safetensors"
+    if kind == "symlink":
+        os.symlink(target, pool / name)
+    else:
+        (pool / name).mkdir()
+        (pool / name / "x").write_bytes(b"x")
+    rec = write_shard(str(out), name, bkt, flat, pool=str(pool))
+    assert rec["file"] == name and os.path.isfile(out / name) and not os.path.islink(out / name)
+    got = load_file(str(out / name))
+    assert sorted(got) == sorted(tensors)
+    for n, t in tensors.items():
+        assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
+    assert target.read_bytes() == b"keep me" * 100
+    assert not os.path.lexists(pool / name)

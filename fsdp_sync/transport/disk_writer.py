@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +43,8 @@ def write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tens
     `hf_checkpoint.rank_tensor_name`). ``pool``: a directory holding a dropped version's files
     (`transport.disk`, keep-N): the file of the same name there, if any, is moved here and
     overwritten in place, its pages reused instead of fresh ones allocated (and the old ones freed),
-    unless another link to it exists (a user's copy of that version: then a fresh file).
+    unless another link to it exists (a user's copy of that version) or it is no regular file (a
+    symlink, a directory): then it is removed and a fresh file written.
 
     Why not ``safetensors.torch.save_file`` then a hash of the file: save_file serializes the
     whole file into one more bucket-sized buffer before writing it, and the hash read every byte
@@ -59,9 +61,16 @@ def write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tens
         # a dropped version's file linked elsewhere (`cp -al`, `rsync --link-dest`, `os.link`:
         # a user keeping that version) is theirs too: writing in place would change their copy
         # under its old manifest. Unlinked here, written fresh (O_TRUNC would truncate theirs).
-        if reuse and os.lstat(path).st_nlink > 1:
-            os.unlink(path)
-            reuse = False
+        # So is an entry that is no regular file (a symlink, which the in-place open refuses to
+        # follow, ELOOP, or a directory): removed, the file written fresh.
+        if reuse:
+            st = os.lstat(path)
+            if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode):
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+                reuse = False
     digest, size, names = ckpt.write_safetensors(path, flat, bkt.entries, hash=hash, rename=rename,
                                                  fsync=fsync, in_place=reuse)
     return {"file": file, "digest": digest, "bytes": size, "names": names}
