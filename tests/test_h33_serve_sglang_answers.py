@@ -177,3 +177,36 @@ def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413():
             assert resp.status == status, (size, resp.status, text)
             if status == 413:
                 assert "65 bytes" in text and "64" in text, text
+
+
+class _ReadStub(Stub):
+    """Records the reads that reach it."""
+
+    def get_weights_by_name(self, name, truncate_size=100):
+        import torch
+
+        self.calls.append(("get_weights_by_name", name, truncate_size))
+        return torch.zeros(2)
+
+    def tensor_checksums(self, names=None):
+        self.calls.append(("tensor_checksums", names))
+        return {}
+
+
+def test_reads_with_a_bad_field_are_refused_before_the_engine():
+    """Mutants (serve._get_weights_by_name, serve._tensor_checksums): ``truncate_size`` -1 passed
+    to the engine (SGLang slices ``[:-1]``: every row but the last, a silently short answer), and
+    a ``names`` that is not a list of strings reached it (a string is read name by letter)."""
+    stub = _ReadStub()
+    with EngineServer(stub) as srv:
+        status, out = call(srv, "/get_weights_by_name", {"name": "w", "truncate_size": -1})
+        assert status == 400 and out["message"] == "truncate_size must be >= 0, got -1", out
+        for names in ("model.norm.weight", [1], {"a": 1}):
+            status, out = call(srv, "/fsdp_sync/tensor_checksums", {"names": names})
+            assert status == 400 and "field 'names'" in out["message"], (names, out)
+        assert stub.calls == []
+        assert call(srv, "/get_weights_by_name", {"name": "w", "truncate_size": 0})[0] == 200
+        assert call(srv, "/fsdp_sync/tensor_checksums", {"names": ["w"]}) == (200, {"checksums": {}})
+        assert call(srv, "/fsdp_sync/tensor_checksums", {}) == (200, {"checksums": {}})
+    assert stub.calls == [("get_weights_by_name", "w", 0), ("tensor_checksums", ["w"]),
+                          ("tensor_checksums", None)]

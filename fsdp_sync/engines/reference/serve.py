@@ -65,6 +65,13 @@ framework (fastapi + uvicorn) would be a new dependency of the core package for 
 Connections stay open between requests (HTTP/1.1, ``TCP_NODELAY``: a sync's calls share one);
 ``close()`` ends the idle ones, and a request read after it is refused (503), not served.
 
+Left as they are, no client reading them (verl's adapters, sglang-router, `SGLangEngine`, the
+verl replica): ``/release_memory_occupation`` and ``/resume_memory_occupation`` answer
+``{"success": true, "message"}`` where SGLang 0.5.23 answers ``null``; a refusal's body is
+``{"success": false, "message", "retryable"}`` where SGLang's is ``{"error": {"message"}}`` or its
+validation ``{"object": "error", "message", ...}`` (same statuses); health refusals carry JSON where
+SGLang's are empty; ``GET /v1/models/{id}`` is not served (404).
+
 Not here: the command and its flags (`fsdp_sync.cli.serve`), the engine (`engines.reference`), the
 client (`engines.sglang`), the field checks and error statuses (`http_fields`), the update routes
 (`serve_updates`), the cache flush (`serve_cache`), the control routes and the health answers out of service or paused
