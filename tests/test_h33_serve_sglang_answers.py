@@ -210,3 +210,28 @@ def test_reads_with_a_bad_field_are_refused_before_the_engine():
         assert call(srv, "/fsdp_sync/tensor_checksums", {}) == (200, {"checksums": {}})
     assert stub.calls == [("get_weights_by_name", "w", 0), ("tensor_checksums", ["w"]),
                           ("tensor_checksums", None)]
+
+
+class _QuickStub(Stub):
+    """Answers every request at once, one token each."""
+
+    def generate_requests(self, prompts, sampling, **kw):
+        self.calls.append(("generate", len(prompts)))
+        return [{"prompt_index": i, "output_ids": [7], "finish_reason": {"type": "length", "length": 1}}
+                for i, s in enumerate(sampling) for _ in range(int(s.get("n", 1)))]
+
+
+def test_a_finished_requests_rid_can_be_used_again():
+    """Mutant (serve._generate): the ids of a finished request left in the running set: the next
+    request under the same rid was refused as a duplicate (SGLang frees an id when its request
+    ends), and every id ever served stayed in memory."""
+    stub = _QuickStub()
+    with EngineServer(stub) as srv:
+        for body in ({"input_ids": [1], "rid": "r"}, {"input_ids": [2], "rid": "r"},
+                     {"input_ids": [[1], [2]], "rid": ["r", "s"]},
+                     {"input_ids": [1], "rid": "r", "sampling_params": {"n": 2}}):
+            status, out = call(srv, "/generate", body)
+            assert status == 200, (body, out)
+        assert srv._live == {}
+    assert [c for c in stub.calls if c[0] == "generate"] == [("generate", 1), ("generate", 1),
+                                                             ("generate", 2), ("generate", 1)]
