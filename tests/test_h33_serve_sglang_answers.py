@@ -235,3 +235,20 @@ def test_a_finished_requests_rid_can_be_used_again():
         assert srv._live == {}
     assert [c for c in stub.calls if c[0] == "generate"] == [("generate", 1), ("generate", 1),
                                                              ("generate", 2), ("generate", 1)]
+
+
+def test_a_flush_timeout_an_engine_cannot_wait_for_is_refused_not_dropped():
+    """Mutant (serve_cache._flush_cache): the refusal of ``?timeout=S`` for an engine whose
+    ``flush_cache`` takes no ``timeout_s`` dropped: the flush ran at once, the wait the client asked
+    for silently not done (a refused flush then answered SGLang's "Flush cache failed.")."""
+    class NoWait(Stub):
+        def flush_cache(self):
+            self.calls.append(("flush_cache",))
+
+    stub = NoWait()
+    with EngineServer(stub) as srv:
+        status, out = call(srv, "/flush_cache?timeout=2", {})
+        assert status == 400 and "query parameter 'timeout'" in out["message"], out
+        assert stub.calls == []
+        assert call(srv, "/flush_cache", {})[0] == 200
+    assert stub.calls == [("flush_cache",)]
