@@ -98,3 +98,21 @@ def test_a_pool_entry_that_is_no_regular_file_is_replaced_not_written_through(tm
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
     assert target.read_bytes() == b"keep me" * 100
     assert not os.path.lexists(pool / name)
+
+
+def test_the_rollout_dtype_is_never_an_fp8_weights_or_its_scales():
+    """config.json's dtype (`disk_writer.float_dtype`) under quantization='fp8': the files hold
+    fp8 weights and float32 ``*_scale_inv`` beside the rollout dtype's tensors; the first of
+    those, never a scale's float32 nor fp8, whatever comes first (a model whose first tensor is a
+    quantized linear)."""
+    from types import SimpleNamespace as NS
+
+    from fsdp_sync.transport.disk_writer import float_dtype
+
+    metas = [NS(name="proj.weight", dtype=torch.float8_e4m3fn),
+             NS(name="proj.weight_scale_inv", dtype=torch.float32),
+             NS(name="steps", dtype=torch.int64),
+             NS(name="norm.weight", dtype=torch.bfloat16),
+             NS(name="head.weight", dtype=torch.float32)]
+    assert float_dtype(metas) == torch.bfloat16
+    assert float_dtype(metas[:3]) is None
