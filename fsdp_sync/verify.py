@@ -280,43 +280,11 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
             continue
         checked += 1
         want.discard(name)
-        for i, checker in checkers.items():
-            problems = checker.feed(name, t) if err is None else []
-            if problems:
-                err = _sglang_error(step, i, problems)
-        if err is not None or not reports:
-            continue        # keep consuming: the stream is collective
-        mine_full = None
-        for i, layout, got in reports:
-            if name not in got:     # grown for an SGLang engine's sake (`_whole_engine_params`): this
-                continue            # engine was asked for (and answered) every tensor `select` chose
-            ranks = ""
-            if layout is not None:      # one digest per TP rank, of the pieces that rank serves
-                mine = [rank_digest(layout, name, r, lambda pl: t[pl.src]) for r in range(layout.tp)]
-                if len(got[name]) != len(mine):    # an engine that answers for other ranks
-                    err = (f"after sync {step} engine {i} reported {len(got[name])} per-rank digests "
-                           f"of {name!r} where its TP {layout.tp} needs {len(mine)}: it cannot be "
-                           f"verified; set SyncConfig.verify='off' to sync without checking")
-                    break
-                bad = [r for r, (a, b) in enumerate(zip(mine, got[name])) if a != b]
-                if not bad:
-                    continue
-                ranks = f" on TP rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
-            else:
-                mine_full = mine_full or tensor_digest(name, t)
-                if got[name] == mine_full:
-                    continue
-                ranks = _engine_note(got[name])
-            where = ""
-            try:
-                where = "; " + _where(engines[i], name, t, bad if layout is not None else None)
-                if ranks.startswith("; the engine says") and "its bytes equal" in where:
-                    where = "; the owners' copy it reads back equals the trainer's"
-            except Exception as exc:  # noqa: BLE001 - the name is what matters
-                where = f" (reading it back failed: {type(exc).__name__}: {exc})"
-            err = (f"after sync {step} engine {i} serves {name!r} different from the "
-                   f"trainer's{ranks}{where}")
-            break
+        try:    # a rank-local failure (a digest's host copy, a hash) must not end this rank's stream
+            err = _compare(step, name, t, engines, checkers, reports, err)
+        except Exception as exc:  # noqa: BLE001 - the stream is collective: keep consuming it
+            err = (f"after sync {step} checking {name!r} against the engines failed: "
+                   f"{type(exc).__name__}: {exc}")
         del t
     for i, checker in checkers.items():
         problems = checker.finish() if err is None else []
@@ -330,6 +298,49 @@ def verify_engines(module: torch.nn.Module, config: Any, engines: list, step: in
     figures = {"verify": config.verify, "verify_tensors": checked,
                "verify_s": time.perf_counter() - t0}
     return err, figures
+
+
+def _compare(step: int, name: str, t: torch.Tensor, engines: list, checkers: dict, reports: list,
+             err: str | None) -> str | None:
+    """Step 3 for one streamed tensor on this rank: fed to the SGLang checkers, compared with each
+    digest engine's report; returns the error so far (``err``, or the first difference). Raises
+    only what the caller turns into an error while it keeps consuming the collective stream."""
+    for i, checker in checkers.items():
+        problems = checker.feed(name, t) if err is None else []
+        if problems:
+            err = _sglang_error(step, i, problems)
+    if err is not None or not reports:
+        return err
+    mine_full = None
+    for i, layout, got in reports:
+        if name not in got:     # grown for an SGLang engine's sake (`_whole_engine_params`): this
+            continue            # engine was asked for (and answered) every tensor `select` chose
+        ranks = ""
+        if layout is not None:      # one digest per TP rank, of the pieces that rank serves
+            mine = [rank_digest(layout, name, r, lambda pl: t[pl.src]) for r in range(layout.tp)]
+            if len(got[name]) != len(mine):    # an engine that answers for other ranks
+                return (f"after sync {step} engine {i} reported {len(got[name])} per-rank digests "
+                        f"of {name!r} where its TP {layout.tp} needs {len(mine)}: it cannot be "
+                        f"verified; set SyncConfig.verify='off' to sync without checking")
+            bad = [r for r, (a, b) in enumerate(zip(mine, got[name])) if a != b]
+            if not bad:
+                continue
+            ranks = f" on TP rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+        else:
+            mine_full = mine_full or tensor_digest(name, t)
+            if got[name] == mine_full:
+                continue
+            ranks = _engine_note(got[name])
+        where = ""
+        try:
+            where = "; " + _where(engines[i], name, t, bad if layout is not None else None)
+            if ranks.startswith("; the engine says") and "its bytes equal" in where:
+                where = "; the owners' copy it reads back equals the trainer's"
+        except Exception as exc:  # noqa: BLE001 - the name is what matters
+            where = f" (reading it back failed: {type(exc).__name__}: {exc})"
+        return (f"after sync {step} engine {i} serves {name!r} different from the "
+                f"trainer's{ranks}{where}")
+    return err
 
 
 def _sglang_checker(module: torch.nn.Module, config: Any, engine: Any, report: dict,

@@ -147,3 +147,32 @@ def test_a_nan_in_an_engine_ranks_slice_is_named_at_its_place_in_the_full_tensor
     msg = errors[rank]
     assert msg.startswith(f"cannot quantize {hf!r} to fp8 on engine rank {rank}: 1 of the "), msg
     assert f"slice of {engine!r} are NaN or Inf (first at {at} of the full {shape} tensor: nan)" in msg, msg
+
+
+def test_a_rank_local_failure_while_comparing_keeps_consuming_the_collective_stream(model, monkeypatch):
+    """An engine rank's check of one streamed tensor failing (a MemoryError making the digest's
+    host copy) left verify's stream there, while the other trainer ranks went on into the next
+    gather (the same hang as above); now it is this rank's error, and the stream is consumed to
+    its end (every rank runs the same collectives)."""
+    config = _config("full")
+    sent = verify.digests(verify.trainer_tensors(model, config, [], every=True))
+    engine = SimpleNamespace(tensor_checksums=lambda names: {n: sent[n] for n in names})
+    assert verify.verify_engines(model, config, [engine], 0)[0] is None
+    real_digest, real_stream, calls, streamed = verify.tensor_digest, verify.trainer_tensors, [0], []
+
+    def digest(name, t):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise MemoryError(f"host copy of {name}")
+        return real_digest(name, t)
+
+    def stream(*a, **kw):
+        for name, t in real_stream(*a, **kw):
+            streamed.append(name)
+            yield name, t
+
+    monkeypatch.setattr(verify, "tensor_digest", digest)
+    monkeypatch.setattr(verify, "trainer_tensors", stream)
+    err, figures = verify.verify_engines(model, config, [engine], 0)
+    assert err is not None and "checking " in err and "against the engines failed: MemoryError: host copy of" in err, err
+    assert sorted(streamed) == sorted(sent) and figures["verify_tensors"] == len(sent), (len(streamed), len(sent))
