@@ -122,12 +122,15 @@ def test_model_info_has_the_keys_sglang_and_its_router_read():
     import http.client
     import json
 
-    from fsdp_sync.models import load_config
+    class Config:          # what serve reads of an HF config here
+        model_type, architectures = "llama", ["LlamaForCausalLM"]
+
+        def to_json_string(self) -> str:
+            return json.dumps({"model_type": self.model_type, "architectures": self.architectures})
 
     class ConfigStub(Stub):
-        config = load_config("tiny")
+        config = Config()
 
-    ConfigStub.config.architectures = ["LlamaForCausalLM"]
     with EngineServer(ConfigStub(), model_path="/ckpt/base") as srv:
         answers = []
         for path in ("/get_model_info", "/model_info"):
