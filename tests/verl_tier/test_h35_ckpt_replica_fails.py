@@ -210,8 +210,29 @@ def test_two_syncs_on_one_group_and_a_failing_sender_tells_every_worker(group):
         assert asyncio.run(walker.send_weights(
             (walked.append(n) or (n, t) for n, t in ckpt_roles.weights(step)), step)) is None
         assert walked == NAMES
+    # the failing sync: each weight is a collective over the actor ranks (a barrier of the
+    # sender's stream and the out-of-group actor's), so the sender walks its stream to the end
+    # after the failure, or the other actor rank waits there
+    barrier = threading.Barrier(2, timeout=WIRE_S)
+
+    def collective(weights):
+        for item in weights:
+            barrier.wait()
+            yield item
+
+    walked = []
+
+    def walk():
+        asyncio.run(walker.send_weights(
+            (walked.append(n) or (n, t) for n, t in collective(ckpt_roles.stream(3, bad_at=5))), 3))
+
+    other = threading.Thread(target=walk)
+    other.start()
     out = _run(sender, receivers, [_all_with_for, _all_with_async_for], step=3,
-               weights=ckpt_roles.stream(3, bad_at=5))
+               weights=collective(ckpt_roles.stream(3, bad_at=5)))
+    other.join(60)
+    assert not other.is_alive() and not barrier.broken
+    assert walked == NAMES[:5] + ["model.bad.weight"] + NAMES[5:]
     status, err = out["send"]
     assert status == "err" and "complex64" in str(err), out["send"]
     for i in range(2):
@@ -238,3 +259,19 @@ def test_a_rollout_worker_or_a_second_master_is_refused_its_wrong_side():
         ce.FsdpSyncCheckpointEngine.build_topology(1, 2, meta)
     with pytest.raises(ValueError, match="timeout_s must be positive, got -1"):
         ce.FsdpSyncCheckpointEngine(bucket_size=BUCKET, timeout_s=-1)
+
+
+def test_rebuild_group_destroys_the_group_at_finalize_and_never_offers_it(monkeypatch):
+    """``engine_kwargs.fsdp_sync.rebuild_group=true``: the group goes at every finalize (its
+    connections and, on CUDA, NCCL's buffers are not held while the rollout runs), and prepare
+    offers none even while one is held."""
+    from fsdp_sync.integrations.verl import checkpoint_engine as ce
+
+    destroyed = []
+    monkeypatch.setattr(ce, "destroy_update_group", destroyed.append)
+    e = ce.FsdpSyncCheckpointEngine(bucket_size=BUCKET, device="cpu", rebuild_group=True)
+    pg = object()
+    e.pg, e.held = pg, {"group_name": "g", "rank": 1, "world_size": 2}
+    assert e.prepare()["held"] is None
+    e.finalize()
+    assert destroyed == [pg] and e.pg is None and e.held is None
