@@ -255,3 +255,27 @@ def test_a_flush_timeout_an_engine_cannot_wait_for_is_refused_not_dropped():
         assert stub.calls == []
         assert call(srv, "/flush_cache", {})[0] == 200
     assert stub.calls == [("flush_cache",)]
+
+
+def test_a_commit_with_a_version_answers_the_version_taken():
+    """Mutant (serve_updates._end_weight_update): the answer's ``weight_version`` dropped, so a
+    client could not see the commit took its version (serve's own key; SGLang answers
+    ``{success, message}``); a refused commit answers none."""
+    class Versioned(Stub):
+        version = "v0"
+
+        def get_weight_version(self):
+            return self.version
+
+        def end_weight_update(self, *, abort=False, weight_version=None):
+            if weight_version == "bad":
+                return False, "refused"
+            self.version = weight_version or self.version
+            return True, "ok"
+
+    with EngineServer(Versioned()) as srv:
+        assert call(srv, "/end_weight_update", {"weight_version": "v2"}) == (
+            200, {"success": True, "message": "ok", "weight_version": "v2"})
+        assert call(srv, "/end_weight_update", {"weight_version": "bad"}) == (
+            400, {"success": False, "message": "refused"})
+        assert call(srv, "/end_weight_update", {}) == (200, {"success": True, "message": "ok"})
