@@ -54,13 +54,16 @@ def _config(mode: str) -> SyncConfig:
     return SyncConfig(dtype=torch.float32, bucket_bytes=256 << 10, quantization="fp8", verify=mode)
 
 
-def test_every_quantized_bucket_of_a_full_verify_is_agreed_and_a_failure_is_heard(model, monkeypatch, two_ranks):
+@pytest.fixture(scope="module")
+def sent(model):
+    """Digest of each tensor of a full verify's FP8 stream, in stream order (one process)."""
+    return verify.digests(verify.trainer_tensors(model, _config("full"), [], every=True))
+
+
+def test_a_quantization_failing_on_one_rank_in_a_full_verify_is_heard(model, sent, monkeypatch, two_ranks):
     config = _config("full")
-    ok = list(verify.trainer_tensors(model, config, [], every=True))
-    buckets = len(two_ranks)
-    assert buckets > 2 and all(e is None and g is None for e, g, _ in two_ranks), two_ranks
-    assert sorted(n for n, _ in ok) == sorted(m.name for m in quantize.sync_metas(model, config))
-    two_ranks.clear()
+    assert sorted(sent) == sorted(m.name for m in quantize.sync_metas(model, config))
+    ok = list(sent)
     real, calls = quantize.StreamQuantizer.bucket, [0]
 
     def bucket(self, bkt, flat, alloc, **kw):      # this rank's allocator fails at its 2nd bucket
@@ -77,7 +80,7 @@ def test_every_quantized_bucket_of_a_full_verify_is_agreed_and_a_failure_is_hear
         for name, _t in verify.trainer_tensors(model, config, [], every=True):
             got.append(name)
     assert [e is None for e, _, _ in two_ranks] == [True, False], two_ranks   # bucket 0 agreed, then 1
-    assert got == [n for n, _ in ok[:len(got)]] and 0 < len(got) < len(ok), got      # bucket 0 only
+    assert got == ok[:len(got)] and 0 < len(got) < len(ok), got      # bucket 0 only
 
 
 def test_each_quantized_tensor_of_a_sample_verify_is_agreed_and_a_failure_is_heard(model, monkeypatch, two_ranks):
@@ -117,8 +120,6 @@ def test_one_process_raises_the_quantizers_own_error(model, monkeypatch):
      "model.layers.1.mlp.down_proj.weight"),
     ("tiny-fp8", 2, 1, "model.layers.1.self_attn.k_proj.weight", (70, 5), "model.layers.1.self_attn.k_proj.weight", 0,
      "model.layers.1.self_attn.qkv_proj.weight"),
-    ("tiny-fp8", 2, 1, "model.layers.0.mlp.up_proj.weight", (300, 9), "model.layers.0.mlp.up_proj.weight", 1,
-     "model.layers.0.mlp.gate_up_proj.weight"),
     ("tiny-fp8-moe", 2, 1, "model.layers.0.mlp.experts.down_proj", (2, 17, 200),
      "model.layers.0.mlp.experts.2.down_proj.weight", 1, "model.layers.0.mlp.experts.w2_weight"),
     ("tiny-fp8-moe", 2, 2, "model.layers.0.mlp.experts.gate_up_proj", (3, 400, 3),
@@ -138,6 +139,8 @@ def test_a_nan_in_an_engine_ranks_slice_is_named_at_its_place_in_the_full_tensor
     layout = layout_for(m.config, tp, ep)
     errors = {}
     for rb in reshard.iter_rank_buckets(m, layout, 200 << 10, alloc=lambda n: torch.zeros(n, dtype=torch.uint8)):
+        if not any(e.name == engine for e in rb.bucket.entries):
+            continue                                # (the other buckets are the sync tests')
         for r in sorted(rb.buffers):
             try:
                 quant.rank_bucket(rb, lambda k: torch.zeros(k, dtype=torch.uint8), ranks=[r])
@@ -149,15 +152,14 @@ def test_a_nan_in_an_engine_ranks_slice_is_named_at_its_place_in_the_full_tensor
     assert f"slice of {engine!r} are NaN or Inf (first at {at} of the full {shape} tensor: nan)" in msg, msg
 
 
-def test_a_rank_local_failure_while_comparing_keeps_consuming_the_collective_stream(model, monkeypatch):
+def test_a_rank_local_failure_while_comparing_keeps_consuming_the_collective_stream(model, sent, monkeypatch,
+                                                                                     two_ranks):
     """An engine rank's check of one streamed tensor failing (a MemoryError making the digest's
     host copy) left verify's stream there, while the other trainer ranks went on into the next
     gather (the same hang as above); now it is this rank's error, and the stream is consumed to
-    its end (every rank runs the same collectives)."""
+    its end (every rank runs the same collectives), each bucket's quantization agreed on the way."""
     config = _config("full")
-    sent = verify.digests(verify.trainer_tensors(model, config, [], every=True))
     engine = SimpleNamespace(tensor_checksums=lambda names: {n: sent[n] for n in names})
-    assert verify.verify_engines(model, config, [engine], 0)[0] is None
     real_digest, real_stream, calls, streamed = verify.tensor_digest, verify.trainer_tensors, [0], []
 
     def digest(name, t):
@@ -175,4 +177,6 @@ def test_a_rank_local_failure_while_comparing_keeps_consuming_the_collective_str
     monkeypatch.setattr(verify, "trainer_tensors", stream)
     err, figures = verify.verify_engines(model, config, [engine], 0)
     assert err is not None and "checking " in err and "against the engines failed: MemoryError: host copy of" in err, err
-    assert sorted(streamed) == sorted(sent) and figures["verify_tensors"] == len(sent), (len(streamed), len(sent))
+    assert streamed == list(sent) and figures["verify_tensors"] == len(sent), (len(streamed), len(sent))
+    # every bucket's quantization agreed (a success too: the peers wait in that agree)
+    assert len(two_ranks) > 2 and all(e is None and g is None for e, g, _ in two_ranks), two_ranks
