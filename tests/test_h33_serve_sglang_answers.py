@@ -279,3 +279,20 @@ def test_a_commit_with_a_version_answers_the_version_taken():
         assert call(srv, "/end_weight_update", {"weight_version": "bad"}) == (
             400, {"success": False, "message": "refused"})
         assert call(srv, "/end_weight_update", {}) == (200, {"success": True, "message": "ok"})
+
+
+def test_an_adapter_with_added_tokens_is_refused_before_its_payloads_open():
+    """Mutant (serve_lora._load_lora_from_tensors): the ``added_tokens_config`` refusal dropped:
+    the adapter's extra token embeddings would be loaded without them (serve has no tokenizer to
+    add them to)."""
+    class LoRAStub(Stub):
+        def load_lora_adapter_from_tensors(self, *a, **kw):
+            self.calls.append(("load_lora_adapter_from_tensors",))
+
+    stub = LoRAStub()
+    body = {"lora_name": "a", "config_dict": {"r": 8}, "serialized_named_tensors": ["unopened"],
+            "added_tokens_config": {"<x>": 7}}
+    with EngineServer(stub) as srv:
+        status, out = call(srv, "/load_lora_adapter_from_tensors", body)
+    assert status == 400 and out["message"].startswith("field 'added_tokens_config'"), out
+    assert stub.calls == []
