@@ -116,3 +116,106 @@ def test_the_rollout_dtype_is_never_an_fp8_weights_or_its_scales():
              NS(name="head.weight", dtype=torch.float32)]
     assert float_dtype(metas) == torch.bfloat16
     assert float_dtype(metas[:3]) is None
+
+
+class _AtOnce:
+    """An engine that applies a disk load at once (SGLang's way: no session), recording its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def update_weights_from_disk(self, path, weight_version=None, load_format=None, flush_cache=True):
+        self.calls.append((os.path.basename(path), weight_version, load_format, flush_cache))
+
+
+class _StagesCommitFails:
+    """An engine that stages the load in a session and then refuses the commit."""
+
+    def __init__(self):
+        self.calls = []
+
+    def begin_weight_update(self):
+        self.calls.append("begin")
+
+    def update_weights_from_disk(self, path, weight_version=None, load_format=None, flush_cache=True):
+        self.calls.append("load")
+
+    def end_weight_update(self, abort=False, weight_version=None):
+        self.calls.append("abort" if abort else "commit")
+        if not abort:
+            raise RuntimeError("commit refused (injected)")
+
+
+def test_a_replica_brought_in_flushes_its_cache_even_under_in_place(tmp_path):
+    """``pause_mode='in_place'``: a sync's load keeps the held requests' cache (flush_cache=False);
+    a replica brought in (``reload``: recover, add_engine) was out of service, its cache computed
+    by weights it no longer holds, so its load flushes it (`disk_load.load_version`)."""
+    from types import SimpleNamespace as NS
+
+    from fsdp_sync.transport.disk_load import HF_FORMAT, load_version
+
+    d = tmp_path / "step_4"
+    d.mkdir()
+    for reload, flush in ((False, False), (True, True)):
+        e = _AtOnce()
+        ctx = NS(engines=[e], version="v4", reload=reload, config=NS(pause_mode="in_place"))
+        out = load_version(ctx, str(d))
+        assert out.err is None and out.calls == 1
+        assert e.calls == [("step_4", "v4", HF_FORMAT, flush)], (reload, e.calls)
+
+
+def test_a_failed_commit_beside_a_replica_that_applied_it_counts_as_loaded(tmp_path):
+    """A fleet of a staging engine and one that applies a disk load at once (SGLang): the commit
+    fails on the staging one, none committed, but the other serves the new version, so it is the
+    version a replica brought in next must load (``DiskTransport.loaded``), not the one before."""
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.transport.disk import DiskTransport
+
+    module = _module()
+    d = tmp_path / "v"
+    t = DiskTransport(SyncConfig(method="disk", disk_dir=str(d), dtype=torch.float32,
+                                 bucket_bytes=1 << 10, disk_keep=2))
+    try:
+        ok = _AtOnce()
+        _sync_with(t, module, [ok], 1)
+        assert t.loaded == str(d / "step_1")
+        staged, at_once = _StagesCommitFails(), _AtOnce()
+        with pytest.raises(SyncError, match="commit refused"):
+            _sync_with(t, module, [staged, at_once], 2)
+        assert staged.calls == ["begin", "load", "commit"] and len(at_once.calls) == 1
+        assert t.loaded == str(d / "step_2")
+    finally:
+        t.close()
+
+
+def _sync_with(transport, module, engines, step):
+    from fsdp_sync.transport import SyncContext, SyncStats
+
+    ctx = SyncContext(module=module, config=transport.config, topo=None, group=None,
+                      engines=engines, step=step, stats=SyncStats(), version=f"v{step}")
+    transport.sync(ctx)
+
+
+def _raw(path, header, data):
+    import json
+    import struct
+
+    head = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + data)
+
+
+@pytest.mark.parametrize("shape", [[3], [1]], ids=["fewer bytes than the shape", "more bytes"])
+def test_a_verified_file_refuses_offsets_whose_size_is_not_the_shapes(tmp_path, shape):
+    """`VerifiedFile`: a tensor whose data span fits the file, overlaps nothing, but is not
+    shape x itemsize bytes is refused naming it: read_into reads the shape's bytes from the span's
+    start, so it took the next tensor's bytes (fewer) or left some unread (more)."""
+    from fsdp_sync.weights.hf_checkpoint import CheckpointError
+    from fsdp_sync.weights.verified_file import VerifiedFile
+
+    p = str(tmp_path / "x.safetensors")
+    _raw(p, {"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 8]},
+             "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, b"\0" * 12)
+    with pytest.raises(CheckpointError, match=r"tensor 'a': dtype F32, shape \[" + str(shape[0])):
+        VerifiedFile(p, None)
