@@ -124,13 +124,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
                     daemon=False)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
     got: dict[int, Any] = {}
     failure: str | None = None
     raised = True   # until the loop ends on its own: left by an exception (Ctrl-C, SystemExit)
     try:
+        # inside: a start that fails (a Ctrl-C, an OSError) stops the ranks already started,
+        # which otherwise sat in the rendezvous until pg_timeout_s, this interpreter's exit waiting
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
         while len(got) < world_size and failure is None:
             try:
                 rank, ok, payload = results.get(timeout=0.2)
