@@ -7,7 +7,10 @@ call failed after they did, e.g. its HTTP client timed out), the rendezvous then
 group, registered under ``dist_group_name`` in torch, was held by nobody and never destroyed, so
 every later opening of that name was refused ("exists in this process already (another manager's,
 not closed)") until the process exited. In process, with rank 0's rendezvous replaced by one that
-completes only once the opening has failed; nothing here depends on timing.
+completes only once the opening has failed; nothing here depends on timing. The same where the
+rendezvous completed first and the engine's failed answer came after (the group made, then
+destroyed by `open_group`'s error path: a mutant skipping that survived every test); that error
+now names the engine, as the other refusals do.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ import torch
 class _JoinedThenFailed:
     tp_size = 1
 
-    def __init__(self) -> None:
+    def __init__(self, after: threading.Event | None = None) -> None:
         self.left: list[str] = []
+        self.after = after
 
     def init_weights_update_group(self, **kw):
+        if self.after is not None:       # answers once trainer rank 0 has made the group
+            assert self.after.wait(30)
         raise RuntimeError("the call timed out (injected; its workers joined)")
 
     def destroy_weights_update_group(self, group_name):
@@ -69,3 +75,25 @@ def test_a_group_completed_after_the_opening_gave_it_up_is_destroyed(monkeypatch
     gave_up.set()
     # the rendezvous's thread ends at once now; before the fix nothing ever destroyed the group
     assert group.destroyed.wait(30), "the group made after the opening gave it up was left open"
+
+
+@pytest.mark.timeout(60)
+def test_a_group_made_before_an_engines_failed_answer_is_destroyed(monkeypatch):
+    from fsdp_sync.transport import update_group as ug
+
+    made, group = threading.Event(), _Group()
+
+    def rendezvous(**kw):
+        made.set()
+        return group
+
+    monkeypatch.setattr(ug, "new_update_group", rendezvous)
+    monkeypatch.setattr(ug, "destroy_update_group", lambda pg: pg.destroyed.set())
+    cfg = SimpleNamespace(dist_group_name="h30_made_group", dist_timeout_s=20.0, dist_backend="gloo",
+                          dist_master_address="127.0.0.1", dist_master_port=None)
+    with pytest.raises(RuntimeError) as info:
+        ug.open_group([_JoinedThenFailed(after=made)], cfg, torch.device("cpu"), "gloo", ug.EngineCalls())
+    # the engine named, its error once (before: "failed: <error>; an engine said: <error>")
+    assert str(info.value).endswith("failed: engine 0 init_weights_update_group: the call timed out "
+                                    "(injected; its workers joined)"), str(info.value)
+    assert group.destroyed.is_set()

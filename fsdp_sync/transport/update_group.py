@@ -172,9 +172,13 @@ def open_group(engines: list, cfg: Any, device: torch.device, backend: str,
         pg = _make_group(futures, backend=backend, master_address=address, master_port=port,
                          world_size=world, rank=0, store=client, group_name=name,
                          timeout_s=cfg.dist_timeout_s)
-        for i, f in enumerate(futures):
-            check_answer(f.result(timeout=max(0.0, deadline - time.monotonic())),
-                         f"engine {i} init_weights_update_group")
+        for i, f in enumerate(futures):     # the group is made: each engine's answer, named
+            if not cf.wait([f], timeout=max(0.0, deadline - time.monotonic())).done:
+                raise _EngineRefused(f"engine {i} did not answer init_weights_update_group within "
+                                     f"dist_timeout_s={cfg.dist_timeout_s}s, though its workers joined")
+            if f.exception() is not None:
+                raise _EngineRefused(f"engine {i} init_weights_update_group: {f.exception()}") from f.exception()
+            check_answer(f.result(), f"engine {i} init_weights_update_group")
     except Exception as exc:
         # the engines' own errors, before the call-off below makes every joining one fail too
         errs = [f"an engine said: {f.exception()}" for f in futures if f.done() and f.exception() is not None]
