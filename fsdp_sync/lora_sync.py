@@ -10,7 +10,8 @@ sync sends only the adapter, through the engine's ``load_lora_adapter_from_tenso
 - `adapter_config`: the adapter's peft config dict (``module.peft_config[active adapter]`` of a
   peft model, or the ``peft_config=`` given to the manager), normalized as verl does for SGLang (enums to
   strings; sets, such as peft's ``target_modules`` / ``exclude_modules``, to sorted lists: SGLang's
-  HTTP body is JSON), checked against the LoRA tensors the module holds (rank from their shapes, targets
+  HTTP body is JSON; a missing ``lora_alpha`` is peft's default 8, which SGLang reads by key;
+  ``target_modules`` required), checked against the LoRA tensors the module holds (rank from their shapes, targets
   from their names).
 - `refusal`, before anything is sent (the base at the first sync included): a config the engines
   would serve differently from the trainer (`config_refusal`: an option SGLang's LoRA does not
@@ -390,6 +391,11 @@ def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str | N
                          f"(module.peft_config[adapter name]){has} or FSDPShardingManager("
                          f"peft_config={{'r': ..., 'lora_alpha': ..., 'target_modules': [...]}})")
     cfg.setdefault("peft_type", "LORA")
+    cfg.setdefault("lora_alpha", 8)      # peft's default, the reference engine's; SGLang reads the key
+    if cfg.get("target_modules") is None:     # SGLang's load raises KeyError (after the unload)
+        raise ValueError(f"the adapter config {sorted(cfg)} has no target_modules: the engine "
+                         f"stacks and serves the adapter by them; give peft_config={{'r': ..., "
+                         f"'lora_alpha': ..., 'target_modules': [...]}} (peft's resolved list)")
     for key in ("task_type", "peft_type"):
         if key in cfg:
             cfg[key] = getattr(cfg[key], "value", cfg[key])

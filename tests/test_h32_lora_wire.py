@@ -79,3 +79,48 @@ def test_a_peft_config_with_sets_goes_as_json_and_a_reload_replaces_the_adapter(
     assert got["exclude_modules"] == ["embed_tokens", "lm_head"]
     assert got["target_modules"] == sorted(ALL_LINEAR)
     assert (got["r"], got["lora_alpha"], got["peft_type"]) == (4, 8, "LORA")
+
+
+class SGLangKeys(JSONWire):
+    """JSONWire reading the config as SGLang 0.5.23's ``LoRAConfig`` does (``hf_config[...]``)."""
+
+    def load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict, **kw):
+        for key in ("target_modules", "r", "lora_alpha"):
+            config_dict[key]      # KeyError, as SGLang raises it
+        return super().load_lora_adapter_from_tensors(lora_name, tensors, config_dict, **kw)
+
+
+def test_a_config_without_lora_alpha_gets_pefts_default_and_one_without_targets_is_refused(tmp_path):
+    """peft's default lora_alpha (8, what the reference engine applies) goes with the config, so
+    SGLang (which reads the key: KeyError after the unload, before) serves the trainer's scaling;
+    a config without target_modules is refused by name before anything is sent."""
+    from fsdp_sync.cli.trainer import last_logits
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.manager import FSDPShardingManager
+    from fsdp_sync.topology import SyncError
+
+    torch.set_num_threads(1)
+    with ReferenceEngine("tiny", tp_size=1, max_lora_rank=8, dtype=torch.float32) as eng:
+        for n, given in enumerate(({"r": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                  "gate_proj", "up_proj", "down_proj"]},
+                                   {"r": 4, "lora_alpha": 8})):
+            pm = _peft_adapters({"default": (4, 8)}, ["default"], configs={"default": given}, seed=n)
+            wire = SGLangKeys(eng)
+            manager = FSDPShardingManager(pm, wire, config=SyncConfig(
+                method="disk", disk_dir=str(tmp_path / str(n)), lora="adapter", lora_name="L",
+                verify="full", dtype=torch.float32))
+            try:
+                if n == 0:
+                    with manager, torch.no_grad():
+                        diff = float((eng.forward_logits(PROMPTS, lora_path="L").float()
+                                      - last_logits(pm, PROMPTS)).abs().max())
+                    assert diff < 1e-5 and wire.sent[-1]["config_dict"]["lora_alpha"] == 8
+                    base = eng.forward_logits(PROMPTS)
+                else:
+                    with pytest.raises(SyncError, match=r"has no target_modules"):
+                        with manager:
+                            pass
+                    assert wire.sent == [] and torch.equal(eng.forward_logits(PROMPTS), base)
+            finally:
+                manager.close()
