@@ -180,3 +180,14 @@ def test_a_rank_local_failure_while_comparing_keeps_consuming_the_collective_str
     assert streamed == list(sent) and figures["verify_tensors"] == len(sent), (len(streamed), len(sent))
     # every bucket's quantization agreed (a success too: the peers wait in that agree)
     assert len(two_ranks) > 2 and all(e is None and g is None for e, g, _ in two_ranks), two_ranks
+
+
+def test_a_sample_that_picks_a_scale_alone_streams_it_as_the_full_stream_does(model, sent):
+    """``"sample"`` picks tensors of the FP8 stream by name, a ``weight_scale_inv`` without its
+    weight at some turns: the weight is gathered and quantized for it, and the scale streamed has
+    the full stream's bytes (mutation pass: asking the export for the scale's own name streamed
+    nothing, and verify would have failed every such turn with 'never compared')."""
+    config = _config("sample")
+    scale = next(n for n in sent if n.endswith("_scale_inv"))
+    got = dict(verify.trainer_tensors(model, config, [scale], every=False))
+    assert scale in got and verify.tensor_digest(scale, got[scale]) == sent[scale], sorted(got)
