@@ -103,3 +103,18 @@ def test_a_rank_that_fails_to_start_stops_those_already_started(monkeypatch, tmp
         if made and made[0].is_alive():
             made[0].kill()
             made[0].join()
+
+
+def test_spawn_env_carries_fault_settings_and_the_callers_extra(monkeypatch):
+    """Ranks forked from a forkserver started earlier see only what spawn_env hands them: this
+    process's FSDP_SYNC_FAULT* settings (the fault tests' injections), one OMP thread unless set."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("FSDP_SYNC_FAULT", "trainer:1:sync:raise")
+    monkeypatch.setenv("FSDP_SYNC_FAULT_AFTER", "2")
+    monkeypatch.setenv("FSDP_SYNC_OTHER", "x")
+    assert spawn_env() == {"OMP_NUM_THREADS": "1", "FSDP_SYNC_FAULT": "trainer:1:sync:raise", "FSDP_SYNC_FAULT_AFTER": "2"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert spawn_env()["OMP_NUM_THREADS"] == "4"
+    assert spawn_env({"OMP_NUM_THREADS": "2", "A": "b"}) == {"OMP_NUM_THREADS": "2", "A": "b",
+                                                              "FSDP_SYNC_FAULT": "trainer:1:sync:raise",
+                                                              "FSDP_SYNC_FAULT_AFTER": "2"}
