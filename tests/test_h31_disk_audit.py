@@ -219,3 +219,49 @@ def test_a_verified_file_refuses_offsets_whose_size_is_not_the_shapes(tmp_path, 
              "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, b"\0" * 12)
     with pytest.raises(CheckpointError, match=r"tensor 'a': dtype F32, shape \[" + str(shape[0])):
         VerifiedFile(p, None)
+
+
+@pytest.mark.parametrize("expected", [False, True], ids=["unhashed", "hashed"])
+def test_a_file_cut_while_it_is_read_is_refused(tmp_path, monkeypatch, expected):
+    """`VerifiedFile`: a file cut short between its open (its size taken) and the end of the read
+    is refused as such, hashed or not (unhashed, its header read whole, it was taken)."""
+    from fsdp_sync.weights import hf_checkpoint as ckpt
+    from fsdp_sync.weights.hf_checkpoint import CheckpointError
+    from fsdp_sync.weights.verified_file import VerifiedFile
+
+    p = str(tmp_path / "x.safetensors")
+    _raw(p, {"a": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256]}}, bytes(range(256)))
+    digest = ckpt.digest_file(p, "sha256")[0]
+    real, cut = os.readv, []
+
+    def readv(fd, bufs):
+        if not cut:                     # the first read: someone cuts the file to its header + 16
+            cut.append(True)
+            os.truncate(p, os.path.getsize(p) - 240)
+        return real(fd, bufs)
+
+    monkeypatch.setattr(os, "readv", readv)
+    with pytest.raises(CheckpointError, match="shrank while being read"):
+        VerifiedFile(p, digest if expected else None, chunk=64)
+    assert cut
+
+
+def test_a_tensor_cut_after_the_check_is_refused_not_read_short(tmp_path):
+    """`FileTensor.read_into` / ``load``: the file cut after it was checked (between
+    `VerifiedFile.check_unchanged` and the copy) is refused naming the tensor; a short read left
+    the rest of the destination as it was (old weights under new ones), without a word."""
+    from fsdp_sync.weights.hf_checkpoint import CheckpointError
+    from fsdp_sync.weights.verified_file import VerifiedFile
+
+    p = str(tmp_path / "x.safetensors")
+    data = torch.arange(64, dtype=torch.float32)
+    _raw(p, {"a": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256]}},
+         data.numpy().tobytes())
+    with VerifiedFile(p, None) as vf:
+        dst = torch.full((64,), -1.0)
+        vf.tensors["a"].read_into(dst)
+        assert torch.equal(dst, data)
+        os.truncate(p, os.path.getsize(p) - 100)
+        for read in (lambda: vf.tensors["a"].read_into(torch.empty(64)), vf.tensors["a"].load):
+            with pytest.raises(CheckpointError, match=r"shrank after it was checked \(tensor 'a'"):
+                read()
