@@ -7,6 +7,11 @@ no other test pinned, each in one process with no engine process (cheap).
   version's worth of disk, after close;
 - a pool entry of a planned file's name that is no regular file (a symlink, a directory) is
   removed and the file written fresh: before, the sync failed (ELOOP, IsADirectoryError).
+
+And rules that held but that no test pinned (a mutant breaking each passed every disk test):
+config.json's dtype under fp8, the cache flush of a replica brought in under in_place, the version
+counted as loaded after a commit failed beside a replica that applied the load at once, and three
+refusals of `VerifiedFile` (a span not shape x itemsize, a file cut while read or after its check).
 """
 
 from __future__ import annotations
