@@ -191,3 +191,14 @@ def test_a_sample_that_picks_a_scale_alone_streams_it_as_the_full_stream_does(mo
     scale = next(n for n in sent if n.endswith("_scale_inv"))
     got = dict(verify.trainer_tensors(model, config, [scale], every=False))
     assert scale in got and verify.tensor_digest(scale, got[scale]) == sent[scale], sorted(got)
+
+
+def test_the_refusal_names_the_first_bad_element_and_counts_them_all():
+    """Two non-finite values: the count is both, the place the first (mutation pass: naming the
+    last survived, every NaN test had one)."""
+    from fsdp_sync.weights import fp8
+
+    w = torch.zeros(4, 300)
+    w[1, 7], w[3, 200] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match=r"'x\.weight' to fp8: 2 of 1200 values are NaN or Inf \(first at \(1, 7\): nan\)"):
+        fp8.quantize_block("x.weight", w)
