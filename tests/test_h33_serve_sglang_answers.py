@@ -296,3 +296,20 @@ def test_an_adapter_with_added_tokens_is_refused_before_its_payloads_open():
         status, out = call(srv, "/load_lora_adapter_from_tensors", body)
     assert status == 400 and out["message"].startswith("field 'added_tokens_config'"), out
     assert stub.calls == []
+
+
+def test_engine_keywords_pass_through_a_method_that_takes_any_and_a_missing_path_is_refused(tmp_path):
+    """Mutants (http_fields): ``accepted_kwargs`` filtering a ``**kwargs`` method's keywords by
+    name (an engine wrapper taking ``**kw`` lost ``weight_version``, ``flush_cache``, ...), and
+    ``check_disk_path`` resolving without ``strict`` (a path inside an allowed directory that does
+    not exist reached the engine, which SGLang takes for a Hub repo id to download)."""
+    from fsdp_sync.engines.reference.http_fields import Refused, accepted_kwargs, check_disk_path
+
+    kw = {"weight_version": "v1", "flush_cache": False}
+    assert accepted_kwargs(lambda *a, **k: None, kw) == kw
+    assert accepted_kwargs(lambda names, flush_cache=True: None, kw) == {"flush_cache": False}
+    (tmp_path / "ckpt").mkdir()
+    assert check_disk_path(str(tmp_path / "ckpt"), [tmp_path]) == (tmp_path / "ckpt").resolve()
+    with pytest.raises(Refused, match="is not an existing local path") as e:
+        check_disk_path(str(tmp_path / "nope"), [tmp_path])
+    assert e.value.status == 400
