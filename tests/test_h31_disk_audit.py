@@ -270,3 +270,16 @@ def test_a_tensor_cut_after_the_check_is_refused_not_read_short(tmp_path):
         for read in (lambda: vf.tensors["a"].read_into(torch.empty(64)), vf.tensors["a"].load):
             with pytest.raises(CheckpointError, match=r"shrank after it was checked \(tensor 'a'"):
                 read()
+
+
+def test_an_in_memory_header_longer_than_the_buffer_is_refused():
+    """`SliceReader(data=...)`: a header length past the buffer's end is refused as such, even where
+    the bytes that are there parse (a tensorless header): not read as a file of no tensors."""
+    import struct
+
+    from fsdp_sync.weights.hf_checkpoint import CheckpointError, SliceReader
+
+    raw = struct.pack("<Q", 1000) + b"{}      "
+    with pytest.raises(CheckpointError, match="header of 1000 bytes does not fit the file"):
+        with SliceReader("mem.safetensors", data=torch.frombuffer(bytearray(raw), dtype=torch.uint8)):
+            pass
