@@ -275,3 +275,7 @@ def test_rebuild_group_destroys_the_group_at_finalize_and_never_offers_it(monkey
     assert e.prepare()["held"] is None
     e.finalize()
     assert destroyed == [pg] and e.pg is None and e.held is None
+    # a worker whose last sync failed starts the next one clean: its new group is offered after
+    e.failed = True
+    e.init_process_group(rank=-1, world_size=3, master={})
+    assert not e.failed

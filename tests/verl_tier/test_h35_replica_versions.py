@@ -10,7 +10,7 @@ SGLang server (``async_sglang_server.py`` ~588-723) and the agent loop that read
 - log-probs that do not match the tokens are refused naming the request (never shifted);
 - ``max_new_tokens`` when verl names none: ``min(response_length, prompt_length +
   response_length - len(prompt))`` as verl's server computes it, also when ``max_model_len`` leaves
-  more room; capped by the room left in the context;
+  more room; capped by the room left in the context; a prompt that fills the context refused;
 - memory calls go out only from node 0 and only when ``free_cache_engine``;
 - ``pipeline_model_parallel_size`` > 1 is refused naming it.
 """
@@ -102,6 +102,9 @@ def test_max_new_tokens_as_verls_server_computes_it():
     # exactly full: no room for a token, none asked (verl's clamp to 0), not refused
     tight = _config()
     assert sampling_request(list(range(79)), {}, "e", tight)["sampling_params"]["max_new_tokens"] == 0
+    # a prompt filling the whole context: refused, as verl's server refuses it (not 0 tokens)
+    with pytest.raises(ValueError, match="prompt of 80 tokens exceeds the context length 80"):
+        sampling_request(list(range(80)), {"max_new_tokens": 4}, "f", tight)
 
 
 @pytest.mark.parametrize("node_rank,free,posts", [(0, True, True), (1, True, False),
