@@ -313,3 +313,21 @@ def test_engine_keywords_pass_through_a_method_that_takes_any_and_a_missing_path
     with pytest.raises(Refused, match="is not an existing local path") as e:
         check_disk_path(str(tmp_path / "nope"), [tmp_path])
     assert e.value.status == 400
+
+
+@pytest.mark.parametrize("argv, words", [
+    ("serve --update-recv-timeout-s 0", ["--update-recv-timeout-s", "> 0", "'0'"]),
+    ("serve --update-recv-timeout-s inf", ["--update-recv-timeout-s", "finite", "'inf'"]),
+    ("serve --update-wait-s -1", ["--update-wait-s", ">= 0", "'-1'"]),
+])
+def test_serve_refuses_a_wait_it_cannot_keep_in_one_line(argv, words, capsys):
+    """Mutant (cli/serve._positive_seconds): ``v < 0`` for ``v <= 0``: ``--update-recv-timeout-s 0``
+    was taken (a worker's wait in a weight-update group of 0 s, which no broadcast can meet) and
+    the engine started, where the flag's help says ``> 0``."""
+    from fsdp_sync.cli import app as cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv.split())
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert all(w in err for w in words), (words, err)
