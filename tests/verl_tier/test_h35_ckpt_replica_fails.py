@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.verl, pytest.mark.timeout(120)]
 
 BUCKET = ckpt_roles.BUCKET_MB << 20
 NAMES = [n for n, _, _ in ckpt_roles.SPECS]
-WIRE_S = 10.0     # how long the stand-in's sender waits for a receiver to take a message
+WIRE_S = 30.0     # how long the stand-in's sender waits for a receiver to take a message
 
 
 class _Work:
