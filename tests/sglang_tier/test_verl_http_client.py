@@ -107,9 +107,10 @@ def test_verls_http_client_drives_serve_and_every_call_takes_effect(tmp_path):
         assert "400" in aout["load_lora"] and "400" in aout["unload_lora"], (aout["load_lora"],
                                                                              aout["unload_lora"])
         assert "404" in aout["reward_score"] and "404" in aout["async_reward_score"]
-        assert aout["abort"].get("success") is True and aout["abort_all"].get("success") is True
+        # SGLang 0.5.23 answers /abort_request 200 with an empty body, which verl reads as {}
+        assert aout["abort"] == {} and aout["abort_all"] == {}, aout
         assert _weights(host, int(port), "model.norm.weight") == [0.25] * 64
-        assert out["abort"].get("success") is True and out["abort_all"].get("success") is True
+        assert out["abort"] == {} and out["abort_all"] == {}, out
         assert serve.poll() is None                    # shutdown() of a client leaves it serving
     finally:
         serve.terminate()
