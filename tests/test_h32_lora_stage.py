@@ -1,8 +1,10 @@
-"""`lora_stage` checks no test held (H32's mutation pass; each test fails with its check taken out):
+"""`lora_stage` rules no test held (H32's mutation pass; each test fails with its check taken out):
 
 - a failed adapter-only sync that already named its version on the engines (the verify failed
   after `publish`) counts that version as used: the next sync names another, never two adapters
   under one version;
+- one replica alone whose base changed keeps `check_engine`'s refusal (`restarted` takes a
+  replica out only in a fleet of several);
 - a replica brought in before any adapter was loaded (`bring_adapter`, nothing to copy) drops an
   adapter of that name it still holds, as the replicas in service hold none.
 """
@@ -54,6 +56,14 @@ def test_a_version_named_before_a_failed_verify_is_not_named_again(tmp_path, mon
                             pass
                 seen.append(eng.weight_version)
             assert len(set(seen)) == 3 and seen[-1] == m.version, seen
+            # one replica alone whose base changed keeps check_engine's refusal: in service, the
+            # base to be sent again by hand (a fleet of several takes it out to rejoin)
+            eng.update_weight_version("someone-else")
+            with pytest.raises(SyncError, match=r"the engine's base weights are version 'someone-else'.*"
+                                                r"set manager\.base_sync_done=False"):
+                with m:
+                    pass
+            assert [r["serving"] for r in m.fleet_status()["replicas"]] == [True]
         finally:
             m.close()
 
