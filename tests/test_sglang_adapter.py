@@ -26,6 +26,7 @@ from fsdp_sync.weights.bucket import ALIGNMENT
 from fsdp_sync.engines.base import Engine, EngineClosedError, EngineStateError
 from fsdp_sync.engines import sglang as sg
 from fsdp_sync.engines.sglang import allocator as sg_allocator
+from fsdp_sync.engines.sglang import client as sgc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fake_sglang as fake  # noqa: E402
@@ -504,6 +505,28 @@ def test_http_update_500_carries_body_and_is_not_retried():
         with pytest.raises(sg.SGLangUpdateError, match="must run between") as ei:
             a.update_weights_from_bucket(mixed_tensors())
         assert ei.value.status == 400 and ei.value.opened is False
+
+
+@pytest.mark.timeout(30)
+def test_http_update_refused_by_sglangs_validation_opened_nothing():
+    """SGLang 0.5.12-0.5.23 answer a body failing the request model with 400 and an ErrorResponse
+    (FastAPI's 422 turned into 400), before any handler: the payloads are known unopened (the
+    shape is checked against SGLang's own ErrorResponse in the sglang tier). Before: opened None,
+    as for any 400. A handler's own 400 stays unknown."""
+    with fake.FakeSGLangServer(tp_size=2) as srv:
+        a = http_engine(srv)
+        a.begin_weight_update()
+        refusal = json.dumps({"object": "error", "message": "1 validation error", "type": "Bad Request",
+                              "param": None, "code": 400})
+        srv.script["/update_weights_from_tensor"] = [(400, refusal),
+                                                     (400, json.dumps({"success": False, "message": "x"}))]
+        for opened in (False, None):
+            payloads = sg.flattened_bucket_payloads(mixed_tensors(), 2, output_str=True)
+            with pytest.raises(sg.SGLangUpdateError, match="HTTP 400") as ei:
+                a.update_weights_from_tensor(payloads, load_format="flattened_bucket")
+            assert ei.value.status == 400 and ei.value.opened is opened, ei.value
+            payloads.release(unopened=True)
+    assert not sgc.validation_refusal(422, refusal) and not sgc.validation_refusal(400, "Bad Request")
 
 
 @pytest.mark.timeout(30)

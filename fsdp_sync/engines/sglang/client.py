@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from ..base import DETAIL_HEADER, EngineError
 
-__all__ = ["SGLangError", "SGLangHTTPError", "SGLangUpdateError", "NO_SESSION_MARK", "UNOPENED_STATUS",
+__all__ = ["SGLangError", "SGLangHTTPError", "SGLangUpdateError", "NO_SESSION_MARK", "UNOPENED_STATUS", "validation_refusal",
            "check_answer", "lease_answered",
            "MissingMethod", "InProcessClient", "HttpClient", "NotFound", "json_or_text", "RETRY_STATUS",
            "takes_keyword"]
@@ -64,6 +64,18 @@ no such route or method (404: a URL without the route, e.g. a router's or an old
 405), the body refused (411, 413) or failing the request model's validation (422; FastAPI checks
 it before calling the handler). An update answered with one certainly opened nothing, so its
 payloads' shared-memory references are given back (`lease_answered`, `BucketPayloads`)."""
+
+
+def validation_refusal(status: int | None, text: str) -> bool:
+    """Whether an answer is SGLang's refusal of a body that failed its request model (0.5.12 to
+    0.5.23 turn FastAPI's 422 into a 400 ``ErrorResponse``: ``{"object": "error", "type": "Bad
+    Request", "code": 400, ...}``), given before any handler ran: no payload was opened. A
+    handler's own 400 is ``{"success": false, ...}`` or ``{"error": {...}}``, never this shape."""
+    if status != 400:
+        return False
+    body = json_or_text(text)
+    return (isinstance(body, dict) and body.get("object") == "error"
+            and body.get("type") == "Bad Request" and body.get("code") == 400)
 
 
 def check_answer(call: str, answer: Any, *, error=SGLangError, where: str = "",
@@ -311,7 +323,7 @@ class HttpClient:
             # request, and whether it opened the payloads depends on where it failed
             # (`UNOPENED_STATUS` come before any handler reads them; a 500 may come after)
             kw["opened"] = False if reached is False or status in UNOPENED_STATUS else (
-                False if NO_SESSION_MARK in text else None)
+                False if NO_SESSION_MARK in text or validation_refusal(status, text) else None)
         return error(msg, **kw)
 
     def json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
