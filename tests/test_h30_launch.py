@@ -118,3 +118,25 @@ def test_spawn_env_carries_fault_settings_and_the_callers_extra(monkeypatch):
     assert spawn_env({"OMP_NUM_THREADS": "2", "A": "b"}) == {"OMP_NUM_THREADS": "2", "A": "b",
                                                               "FSDP_SYNC_FAULT": "trainer:1:sync:raise",
                                                               "FSDP_SYNC_FAULT_AFTER": "2"}
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_ctrl_c_held_while_ranks_stop_is_dropped_only_when_the_job_is_already_left_by_one(drop):
+    """`_HeldInterrupts`: a Ctrl-C held while the ranks are stopped is delivered afterwards, unless
+    the job is already being left by an exception (the first Ctrl-C's): a second KeyboardInterrupt
+    then replaced it mid-cleanup (a mutant delivering it always survived every test)."""
+    import signal
+
+    from fsdp_sync.cli.launch import _HeldInterrupts
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("this process's SIGINT handler is not Python's KeyboardInterrupt")
+    delivered = False
+    try:
+        with _HeldInterrupts(drop=drop) as held:
+            signal.raise_signal(signal.SIGINT)
+            assert held.since < float("inf")        # held, not raised here
+    except KeyboardInterrupt:
+        delivered = True
+    assert delivered is not drop
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
