@@ -160,3 +160,15 @@ def test_verify_compares_the_adapter_bit_for_bit():
         "trainer's (max abs difference ")
     held["model.layers.0.self_attn.q_proj.lora_B.weight"] = torch.tensor([[-0.0, 1.0, float("nan"), 3.0]])
     assert "differs from the trainer's" in lora_sync.verify_adapter(engine, "L", sent)
+
+
+def test_adapter_syncs_release_the_kv_cache_only():
+    """Under lora="adapter" the base is sent once and must still be there at the next sync: only
+    the KV cache is released between syncs (as verl does for LoRA), never the weights."""
+    from types import SimpleNamespace
+
+    on, off = SimpleNamespace(lora="adapter"), SimpleNamespace(lora="off")
+    assert lora_sync.memory_tags(on, None) == ["kv_cache"]
+    assert lora_sync.memory_tags(on, ["weights", "kv_cache"]) == ["kv_cache"]
+    assert lora_sync.memory_tags(on, ["weights"]) == []
+    assert lora_sync.memory_tags(off, ["weights"]) == ["weights"] and lora_sync.memory_tags(off, None) is None
