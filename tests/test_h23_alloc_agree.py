@@ -114,9 +114,10 @@ def _job(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(60)
 def test_a_bucket_allocation_failing_on_one_rank_is_raised_on_every_rank_at_once():
-    # pg timeout 8 s: before the fix rank 0 waited in the gather that long, then gloo's error
+    # pg timeout 30 s: before the fix rank 0 waited in the gather that long, then gloo's error;
+    # an agreed failure takes well under half of it even on a loaded machine (about 0.1 s idle)
     try:
-        res = run_ranks(_job, 2, env=spawn_env(), timeout_s=45, pg_timeout_s=8)
+        res = run_ranks(_job, 2, env=spawn_env(), timeout_s=45, pg_timeout_s=30)
     except RankError as exc:
         pytest.fail(f"a rank failed: {exc}")
     for r, out in enumerate(res):
@@ -124,7 +125,7 @@ def test_a_bucket_allocation_failing_on_one_rank_is_raised_on_every_rank_at_once
         assert row["msg"] is None, (r, row)
         # gathered: every row of each parameter, rank 0's 1.0s then rank 1's 2.0s (64 columns)
         assert row["sums"] == [[64.0] * 32 + [128.0] * 32] * 2, (r, row)
-        assert row["seconds"] < 4 and row["left"] == 0, (r, row)
+        assert row["seconds"] < 15 and row["left"] == 0, (r, row)
         assert len(row["warned"]) == 1 and "group ranks [1] could not open" in row["warned"][0] \
             and "cannot reach the shm manager" in row["warned"][0], (r, row)
         for case, row in out.items():
@@ -138,6 +139,6 @@ def test_a_bucket_allocation_failing_on_one_rank_is_raised_on_every_rank_at_once
             else:
                 assert "bucket 1 ('b'...)" in msg and "must return a 1-D uint8 tensor" in msg, msg
                 assert row["buckets"] == 1, (r, row)     # the first bucket went through
-            assert row["seconds"] < 4, (r, case, row)  # agreed, not a gather's timeout
+            assert row["seconds"] < 15, (r, case, row)  # agreed, not a gather's timeout
             assert row["left"] == 0, (r, case, row)    # no segment of the failed bucket kept,
             #                                            even while the error is kept

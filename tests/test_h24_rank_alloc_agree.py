@@ -95,9 +95,10 @@ def _job(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(90)
 def test_a_rank_bucket_allocation_failing_on_one_rank_is_raised_on_every_rank_at_once():
-    # pg timeout 8 s: before the fix the peers waited in the all-to-all / full_tensor that long
+    # pg timeout 30 s: before the fix the peers waited in the all-to-all / full_tensor that long;
+    # an agreed failure takes well under half of it even on a loaded machine
     try:
-        res = run_ranks(_job, 2, env=spawn_env(), timeout_s=80, pg_timeout_s=8)
+        res = run_ranks(_job, 2, env=spawn_env(), timeout_s=80, pg_timeout_s=30)
     except RankError as exc:
         pytest.fail(f"a rank failed: {exc}")
     for r, out in enumerate(res):
@@ -120,6 +121,6 @@ def test_a_rank_bucket_allocation_failing_on_one_rank_is_raised_on_every_rank_at
                 assert "engine rank 1 of per-rank bucket 0 " in msg, msg
                 assert "MemoryError: cannot allocate" in msg, msg
                 assert row["buckets"] == 0, (r, row)
-            assert row["seconds"] < 4, (r, case, row)   # agreed, not a collective's timeout
+            assert row["seconds"] < 15, (r, case, row)   # agreed, not a collective's timeout
             assert row["left"] == 0, (r, case, row)     # no segment of the failed bucket kept,
             #                                            not even by the error's traceback
