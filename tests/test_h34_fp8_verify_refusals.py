@@ -202,3 +202,17 @@ def test_the_refusal_names_the_first_bad_element_and_counts_them_all():
     w[1, 7], w[3, 200] = float("nan"), float("inf")
     with pytest.raises(ValueError, match=r"'x\.weight' to fp8: 2 of 1200 values are NaN or Inf \(first at \(1, 7\): nan\)"):
         fp8.quantize_block("x.weight", w)
+
+
+def test_the_named_streams_byte_counts_are_what_it_yields(model):
+    """``quantize_bytes_in/out`` of the per-tensor formats (`StreamQuantizer.named`): the weight's
+    bytes in, the FP8 weight's and its float32 scale's out (mutation pass: leaving the scale out
+    survived)."""
+    quant = quantize.for_sync(model, _config("sample"), 1)
+    name = "model.layers.0.mlp.down_proj.weight"
+    t = dict(model.named_parameters())[name].detach()
+    out = list(quant.named([(name, t)]))
+    assert [n for n, _ in out] == [name, name + "_scale_inv"], out
+    assert quant.bytes_in == t.numel() * t.element_size() and quant.tensors == 1
+    assert quant.bytes_out == sum(x.numel() * x.element_size() for _, x in out) == t.numel() + 2 * 4 * 4
+    assert quant.figures()["quantize_bytes_out"] == quant.bytes_out
