@@ -216,3 +216,16 @@ def test_the_named_streams_byte_counts_are_what_it_yields(model):
     assert quant.bytes_in == t.numel() * t.element_size() and quant.tensors == 1
     assert quant.bytes_out == sum(x.numel() * x.element_size() for _, x in out) == t.numel() + 2 * 4 * 4
     assert quant.figures()["quantize_bytes_out"] == quant.bytes_out
+
+
+def test_a_config_with_static_activations_is_refused_by_the_sync():
+    """``fp8_config.config_refusal``: block FP8 quantizes activations dynamically; a config saying
+    ``static`` is refused by name (mutation pass: dropping the check survived; only the reference
+    engine's own reading was tested)."""
+    from fsdp_sync.weights import fp8_config
+
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}
+    why = fp8_config.config_refusal(load_config("tiny-fp8", quantization_config=qc), "fp8")
+    assert why is not None and "activation_scheme 'static'" in why and "dynamically" in why, why
+    assert fp8_config.config_refusal(load_config("tiny-fp8", quantization_config={**qc, "activation_scheme": "dynamic"}),
+                                      "fp8") is None
