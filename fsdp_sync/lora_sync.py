@@ -72,7 +72,7 @@ log = logging.getLogger("fsdp_sync")
 
 __all__ = ["check_mode", "memory_tags", "sync_adapter", "active_adapter", "adapter_config", "refusal",
            "pattern_refusal", "config_refusal", "check_engine", "engine_version", "sglang_refusal",
-           "load_adapter", "verify_adapter", "check_digests", "peft_name", "close"]
+           "load_adapter", "verify_adapter", "check_digests", "peft_name", "close", "json_ready"]
 
 
 def check_mode(module: torch.nn.Module, config: Any) -> None:
@@ -375,6 +375,22 @@ def refusal(module: torch.nn.Module, given: Any, *, base_sent: bool,
             f"base is sent again), or merge the adapter and sync with SyncConfig(lora='off')")
 
 
+def json_ready(cfg: dict) -> dict:
+    """``cfg`` (a peft config dict) made JSON as SGLang's HTTP body needs it, in place: its enums
+    (task_type, peft_type) as their values, its sets (peft holds target_modules / exclude_modules
+    as sets; JSON has none, and SGLang's load fails after the old adapter's unload) as sorted
+    lists, its tuples as lists."""
+    for key in ("task_type", "peft_type"):
+        if key in cfg:
+            cfg[key] = getattr(cfg[key], "value", cfg[key])
+    for key, value in cfg.items():
+        if isinstance(value, (set, frozenset)):
+            cfg[key] = sorted(value, key=str)
+        elif isinstance(value, tuple):
+            cfg[key] = list(value)
+    return cfg
+
+
 def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str | None = None, *,
                    metas: list | None = None) -> dict:
     """The config dict of adapter ``adapter`` (None: `active_adapter`; see the module docstring);
@@ -396,14 +412,7 @@ def adapter_config(module: torch.nn.Module, given: dict | None, adapter: str | N
         raise ValueError(f"the adapter config {sorted(cfg)} has no target_modules: the engine "
                          f"stacks and serves the adapter by them; give peft_config={{'r': ..., "
                          f"'lora_alpha': ..., 'target_modules': [...]}} (peft's resolved list)")
-    for key in ("task_type", "peft_type"):
-        if key in cfg:
-            cfg[key] = getattr(cfg[key], "value", cfg[key])
-    for key, value in cfg.items():   # peft holds target_modules / exclude_modules as sets: JSON
-        if isinstance(value, (set, frozenset)):      # has none (SGLang's HTTP body, after the unload)
-            cfg[key] = sorted(value, key=str)
-        elif isinstance(value, tuple):
-            cfg[key] = list(value)
+    json_ready(cfg)
     if metas is None:
         metas = [m for m in export.param_metas(module, lora=True)
                  if adapter is None or adapter_of(m.name) == adapter]

@@ -91,6 +91,20 @@ def test_verl_path_refuses_patterns_sglang_would_ignore():
     assert verl_lora.normalize_peft_config(dict(CFG, alpha_pattern={}, rank_pattern={}))["r"] == 8
 
 
+def test_verl_path_sends_pefts_sets_as_json():
+    """peft's LoraConfig.to_dict() holds target_modules and exclude_modules as sets (verl passes
+    exclude_modules to peft). Before: only target_modules was made a list, and the JSON body of
+    SGLang's load_lora_adapter raised TypeError after the old adapter's unload."""
+    import json
+
+    from fsdp_sync.integrations import verl_lora
+
+    out = verl_lora.normalize_peft_config(dict(CFG, target_modules={"v_proj", "q_proj"},
+                                               exclude_modules={"lm_head", "embed_tokens"}))
+    assert json.loads(json.dumps(out)) == dict(CFG, target_modules=["q_proj", "v_proj"],
+                                               exclude_modules=["embed_tokens", "lm_head"])
+
+
 def test_alpha_pattern_is_refused_before_the_base_is_sent(eng, tmp_path):
     _drop(eng)
     version = eng.weight_version

@@ -124,19 +124,15 @@ def normalize_peft_config(peft_config: Any) -> dict:
         peft_config = peft_config.to_dict()
     if not isinstance(peft_config, Mapping):
         raise TypeError(f"peft_config must be a LoraConfig dict, got {type(peft_config).__name__}")
-    out = dict(peft_config)
-    for key in ("task_type", "peft_type"):
-        if key in out:
-            out[key] = getattr(out[key], "value", out[key])
+    from ..lora_sync import config_refusal, json_ready
+
+    out = json_ready(dict(peft_config))     # sets (exclude_modules too) as lists: JSON has none
     if "peft_type" not in out:
         raise ValueError(f"peft_config has no 'peft_type', which SGLang's adapter loader requires; "
                          f"keys: {sorted(out)}")
     tm = out.get("target_modules")
-    if isinstance(tm, (set, frozenset)):
-        out["target_modules"] = sorted(tm)
-    elif tm is not None and not isinstance(tm, str):
+    if tm is not None and not isinstance(tm, (str, list)):
         out["target_modules"] = list(tm)
-    from ..lora_sync import config_refusal
 
     why = config_refusal(out)       # SGLang would load it and serve another model
     if why is not None:
