@@ -144,6 +144,24 @@ def shm_segments() -> set[str]:
     return out
 
 
+def own_segments() -> int:
+    """How many of torch's /dev/shm segments this process made (``torch_<pid>_...``)."""
+    mine = f"torch_{os.getpid()}_"
+    return sum(n.startswith(mine) for n in os.listdir("/dev/shm"))
+
+
+def own_segments_left(before: int, wait_s: float = 5.0) -> int:
+    """This process's segments made since ``before`` (an `own_segments` count) still there: what
+    torch frees is unlinked a moment later on a loaded machine (conftest's leak check waits 5 s
+    too); what is kept never goes."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while (n := own_segments() - before) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
 def start_serve(*args: str, stderr=subprocess.STDOUT, wait_s: float = 90.0,
                 env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """``fsdp-sync serve --port 0 ARGS`` as a child, and its URL once it listens (read from the line

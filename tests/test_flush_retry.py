@@ -87,3 +87,23 @@ def test_the_reference_engine_flushes_once_its_last_request_ends():
         assert flush_after_sync(eng, delay_s=0.2, attempts=300) is None
         t.join(60)
         assert done.is_set()
+
+
+# found by mutating flush_retry (audit H35): a flush refused every time sleeps between attempts only
+# (11 waits for 12 tries, none after the last, so the sync's failure is not held back), at the
+# caller's delay_s; one that goes through on the last attempt is taken
+def test_refused_every_time_waits_between_attempts_only_at_the_callers_delay():
+    slept, eng = [], _Refusing(100)
+    with pytest.raises(SyncError, match=r"refused 3 times, 0.25 s apart"):
+        flush_after_sync(eng, attempts=3, delay_s=0.25, sleep=slept.append)
+    assert eng.calls == 3 and slept == [0.25, 0.25]
+    slept.clear()
+    with pytest.raises(SyncError, match=f"refused {ATTEMPTS} times"):
+        flush_after_sync(_Refusing(100), sleep=slept.append)
+    assert slept == [2.0] * (ATTEMPTS - 1)
+
+
+def test_a_flush_that_goes_through_on_the_last_attempt_is_taken():
+    slept, eng = [], _Refusing(ATTEMPTS - 1)
+    assert flush_after_sync(eng, sleep=slept.append) is None
+    assert eng.calls == ATTEMPTS and len(slept) == ATTEMPTS - 1

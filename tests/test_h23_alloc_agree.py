@@ -20,7 +20,6 @@ from fsdp_sync.cli.launch import RankError, run_ranks, spawn_env
 
 def _job(rank: int, world: int) -> dict:
     import gc
-    import os
     import time
 
     import torch
@@ -39,18 +38,7 @@ def _job(rank: int, world: int) -> dict:
         local = torch.full((64 // world, 64), float(rank + 1))
         setattr(m, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                          shape=(64, 64), stride=(64, 1))))
-    mine = f"torch_{os.getpid()}_"
-
-    def segments() -> int:
-        return sum(n.startswith(mine) for n in os.listdir("/dev/shm"))
-
-    def left(before: int) -> int:
-        """Segments made since ``before`` still there: what torch frees is unlinked a moment later
-        on a loaded machine (as conftest's leak check waits 5 s); what is kept never goes."""
-        deadline = time.monotonic() + 5.0
-        while (n := segments() - before) > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return n
+    from _util import own_segments as segments, own_segments_left as left
 
     def failing(kind: str, at: int):
         calls = [0]

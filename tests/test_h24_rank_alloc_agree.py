@@ -20,7 +20,6 @@ from fsdp_sync.cli.launch import RankError, run_ranks, spawn_env
 
 def _job(rank: int, world: int) -> dict:
     import gc
-    import os
     import time
 
     import torch
@@ -45,18 +44,7 @@ def _job(rank: int, world: int) -> dict:
         return fully_shard(model, mesh=mesh)
 
     fsdp2, hsdp = wrap((world,), ("fsdp",)), wrap((1, world), ("replicate", "shard"))      # all-to-all path; local path (full_tensor)
-    mine = f"torch_{os.getpid()}_"
-
-    def segments() -> int:
-        return sum(n.startswith(mine) for n in os.listdir("/dev/shm"))
-
-    def left(before: int) -> int:
-        """Segments made since ``before`` still there: what torch frees is unlinked a moment later
-        on a loaded machine (as conftest's leak check waits 5 s); what is kept never goes."""
-        deadline = time.monotonic() + 5.0
-        while (n := segments() - before) > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return n
+    from _util import own_segments as segments, own_segments_left as left
 
     def failing(who: int, kind: str, at: int):
         calls = [0]

@@ -18,25 +18,16 @@ SGLang server (``async_sglang_server.py`` ~588-723) and the agent loop that read
 from __future__ import annotations
 
 import asyncio
-import json
-import types
 
 import pytest
+
+from test_verl_replica import _config as _tp2_config, _model
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(60)]
 
 
 def _config(**kw):
-    base = dict(tensor_model_parallel_size=1, data_parallel_size=1, pipeline_model_parallel_size=1,
-                dtype="float32", response_length=16, prompt_length=64, max_model_len=None,
-                free_cache_engine=True, custom=None)
-    base.update(kw)
-    return types.SimpleNamespace(**base)
-
-
-def _model(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    return types.SimpleNamespace(local_path=str(tmp_path), path=str(tmp_path))
+    return _tp2_config(**{"tensor_model_parallel_size": 1, **kw})
 
 
 def _server(tmp_path, answers, node_rank=0, **cfg):
