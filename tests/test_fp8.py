@@ -329,6 +329,18 @@ def test_block_shapes_refused_as_sglang_refuses_them():
     fp8.check_block_shapes(TPLayout(spec, 4, 4))
     # the row-parallel input is only checked when it is split (tp > 1), as SGLang does
     fp8.check_block_shapes(TPLayout(_spec("llama", num_heads=3, num_kv_heads=1, head_dim=128, hidden_size=384), 1))
+    # ... and only there: o_proj's 3 x 64 = 192 input, qkv left unquantized (ignored_layers, so
+    # its own 192 q rows constrain nothing), is whole at tp 1, cut into 64 a rank at tp 3
+    spec = _spec("llama", num_heads=3, num_kv_heads=3, head_dim=64, hidden_size=384, intermediate_size=384)
+    for tp in (1, 3):
+        layout = TPLayout(spec, tp)
+        names = fp8.quantized_names(layout, ["q_proj", "k_proj", "v_proj"])
+        assert any(".o_proj." in n for n in names) and not any(".q_proj." in n for n in names)
+        if tp == 1:
+            fp8.check_block_shapes(layout, quantized=names)
+        else:
+            with pytest.raises(ValueError, match=r"o_proj input per rank \(heads / tp \* head_dim\) = 64 is not"):
+                fp8.check_block_shapes(layout, quantized=names)
 
 
 @pytest.mark.parametrize("family,tp,ep", [("qwen2", 2, 1), ("llama", 2, 1), ("qwen3", 2, 1), ("qwen3_moe", 2, 2),
