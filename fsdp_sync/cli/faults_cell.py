@@ -458,6 +458,39 @@ def calls_per_sync(method: str, timeouts: Timeouts | None = None) -> int:
     return _CALLS[method]
 
 
+def _stop_cell(procs: list, tmp: str) -> None:
+    """End a cell's job that was left part-way: its ranks, what they started (the engine's
+    workers, by the pids the ranks wrote to ``tmp``), then remove ``tmp`` once their
+    ``/dev/shm`` segments are gone (or after 5 s)."""
+    import shutil
+
+    import psutil
+
+    pids = {p.pid for p in procs if p.pid}
+    for p in procs:
+        try:
+            pids |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+        except (psutil.Error, TypeError, ValueError):
+            pass
+    try:
+        with open(os.path.join(tmp, "pids")) as f:
+            pids |= {int(x) for x in f.read().split()}
+    except (OSError, ValueError):
+        pass
+    for pid in _alive(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for p in procs:
+        if p.pid:
+            p.join(timeout=5.0)
+    end = time.monotonic() + 5.0
+    while (_alive(pids) or _shm(pids)) and time.monotonic() < end:
+        time.sleep(0.1)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def run_cell(cell: Cell, timeouts: Timeouts | None = None, calls: int | None = None) -> Cell:
     """Run one cell in fresh processes; fills in its result (``ok`` and the figures). ``calls``:
     `calls_per_sync` of its method, measured here where a worker's point needs it and not given."""
@@ -488,89 +521,99 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None, calls: int | None = N
     _warm()
     fds0, threads0 = _fds(), _threads()
     tmp = tempfile.mkdtemp(prefix="fsdp_sync_fault_")
-    log = os.path.join(tmp, "fault.log")
-    # the ranks and the engine's workers (started by rank 0) read the spec from their environment;
-    # tmp is their TMPDIR, where the temp directories they leave are counted (and nowhere else)
-    env = launch.spawn_env({FAULT_ENV: cell.spec if worker else "", "FSDP_SYNC_FAULT_AFTER": str(cell.after or 0),
-                            "FSDP_SYNC_FAULT_LOG": log, "TMPDIR": tmp})
-    plan = {"arm": None if worker else cell.spec, "recover": not cell.trainer_lost}
-    ctx = launch._context()   # fresh interpreters, or FSDP_SYNC_RANKS_START=forkserver's forks, as run_ranks
-    results = ctx.Queue()
-    store = host_store(WORLD, t.cell_s)     # listening before the ranks are told its port (as run_ranks)
-    port = store.port
-    args = (cell.method, tmp, asdict(t), plan)
-    procs = [ctx.Process(target=launch._worker, name=f"fsdp_sync-fault-rank{r}",
-                         args=(r, WORLD, port, "gloo", t.cell_s, _cell_rank, args, results, env))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    trainer_victim = int(cell.victim[-1]) if cell.victim.startswith("trainer") else None
-    expect = {r for r in range(WORLD) if not (r == trainer_victim and cell.trainer_lost)}
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + t.cell_s
-    while expect - set(got) and time.monotonic() < deadline:
-        try:
-            rank, ok, payload = results.get(timeout=0.2)
-        except queue.Empty:
-            if all(procs[r].exitcode is not None for r in expect - set(got)):
-                break
-            continue
-        got[rank] = pickle.loads(payload) if ok else {"rank": rank, "crashed": payload[-600:]}
-    if expect - set(got):
-        cell.problems.append(f"HANG: ranks {sorted(expect - set(got))} did not finish within {t.cell_s:.0f}s")
-    for r, p in enumerate(procs):
-        p.join(timeout=0.1 if r == trainer_victim else 5.0)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5.0)
-    results.close()
-    results.join_thread()
-    fired = None
-    if os.path.exists(log):
-        with open(log) as f:
-            first = f.readline().split()
-        fired = float(first[0]) if first else None
-    judge(cell, got, fired, t, calls)
-    # leftovers
-    pids: set[int] = {p.pid for p in procs if p.pid}
+    procs: list = []
     try:
-        with open(os.path.join(tmp, "pids")) as f:
-            pids |= {int(x) for x in f.read().split()}
-    except OSError:
-        pass
-    # a killed process's segments are unlinked by its torch_shm_manager once it notices the death:
-    # those a stalled rank killed just above kept from the clean sync (disk) take a moment to go
-    # (counted at once, they were reported; they were gone when looked at again); a leak stays
-    end = time.monotonic() + max(15.0, t.recv_s + 5)
-    while (_alive(pids) or _shm(pids)) and time.monotonic() < end:
-        time.sleep(0.2)
-    left = {"processes": _alive(pids), "shm": _shm(pids), "temp_dirs": sorted(temp_dirs(tmp))}
-    for p in procs:
+        log = os.path.join(tmp, "fault.log")
+        # the ranks and the engine's workers (started by rank 0) read the spec from their environment;
+        # tmp is their TMPDIR, where the temp directories they leave are counted (and nowhere else)
+        env = launch.spawn_env({FAULT_ENV: cell.spec if worker else "", "FSDP_SYNC_FAULT_AFTER": str(cell.after or 0),
+                                "FSDP_SYNC_FAULT_LOG": log, "TMPDIR": tmp})
+        plan = {"arm": None if worker else cell.spec, "recover": not cell.trainer_lost}
+        ctx = launch._context()   # fresh interpreters, or FSDP_SYNC_RANKS_START=forkserver's forks, as run_ranks
+        results = ctx.Queue()
+        store = host_store(WORLD, t.cell_s)     # listening before the ranks are told its port (as run_ranks)
+        port = store.port
+        args = (cell.method, tmp, asdict(t), plan)
+        procs[:] = [ctx.Process(target=launch._worker, name=f"fsdp_sync-fault-rank{r}",
+                                args=(r, WORLD, port, "gloo", t.cell_s, _cell_rank, args, results, env))
+                    for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        trainer_victim = int(cell.victim[-1]) if cell.victim.startswith("trainer") else None
+        expect = {r for r in range(WORLD) if not (r == trainer_victim and cell.trainer_lost)}
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + t.cell_s
+        while expect - set(got) and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                if all(procs[r].exitcode is not None for r in expect - set(got)):
+                    break
+                continue
+            got[rank] = pickle.loads(payload) if ok else {"rank": rank, "crashed": payload[-600:]}
+        if expect - set(got):
+            cell.problems.append(f"HANG: ranks {sorted(expect - set(got))} did not finish within {t.cell_s:.0f}s")
+        for r, p in enumerate(procs):
+            p.join(timeout=0.1 if r == trainer_victim else 5.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results.close()
+        results.join_thread()
+        fired = None
+        if os.path.exists(log):
+            with open(log) as f:
+                first = f.readline().split()
+            fired = float(first[0]) if first else None
+        judge(cell, got, fired, t, calls)
+        # leftovers
+        pids: set[int] = {p.pid for p in procs if p.pid}
         try:
-            p.close()
-        except ValueError:
-            pass
-    del results, procs, store   # a queue this process never put into keeps its write end until collected
-    gc.collect()
-    left["fds"] = _fds() - fds0
-    left["threads"] = _threads() - threads0
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT is not a leftover
-        try:
-            s.bind(("127.0.0.1", port))
-            left["port"] = None
+            with open(os.path.join(tmp, "pids")) as f:
+                pids |= {int(x) for x in f.read().split()}
         except OSError:
-            left["port"] = port
-    for pid in left["processes"]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
             pass
-    cell.leftovers = {k: v for k, v in left.items() if v}
-    if cell.leftovers:
-        cell.problems.append(f"left behind: {cell.leftovers}")
-    shutil.rmtree(tmp, ignore_errors=True)
+        # a killed process's segments are unlinked by its torch_shm_manager once it notices the death:
+        # those a stalled rank killed just above kept from the clean sync (disk) take a moment to go
+        # (counted at once, they were reported; they were gone when looked at again); a leak stays
+        end = time.monotonic() + max(15.0, t.recv_s + 5)
+        while (_alive(pids) or _shm(pids)) and time.monotonic() < end:
+            time.sleep(0.2)
+        left = {"processes": _alive(pids), "shm": _shm(pids), "temp_dirs": sorted(temp_dirs(tmp))}
+        for p in procs:
+            try:
+                p.close()
+            except ValueError:
+                pass
+        procs.clear()
+        del results, store   # a queue this process never put into keeps its write end until collected
+        gc.collect()
+        left["fds"] = _fds() - fds0
+        left["threads"] = _threads() - threads0
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT is not a leftover
+            try:
+                s.bind(("127.0.0.1", port))
+                left["port"] = None
+            except OSError:
+                left["port"] = port
+        for pid in left["processes"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        cell.leftovers = {k: v for k, v in left.items() if v}
+        if cell.leftovers:
+            cell.problems.append(f"left behind: {cell.leftovers}")
+        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        # a Ctrl-C (or any error) while the job runs: its processes are not daemons and a stalled
+        # one sleeps for an hour, so this interpreter's exit waited for them, and the cell's temp
+        # directory (a disk checkpoint in it) stayed. Ended and removed here, a Ctrl-C held meanwhile
+        with launch._HeldInterrupts(drop=True):
+            _stop_cell(procs, tmp)
+        raise
     cell.wall_s = round(time.monotonic() - t0, 1)
     cell.ok = not cell.problems
     return cell
