@@ -61,20 +61,16 @@ from . import cuda_later, ipc_memory, state_words
 from .wire_names import WireClass, wire_class
 from .bucket import SUPPORTED_DTYPES, dtype_name
 from .unpickle import RED, Unpickler, device_uuid, torch_rebuild_cuda_tensor, torch_reduce_tensor
-from .shm import (HandleError, add_torch_reference,
-                  keep_sockets_from_shm_manager, new_shared_storage, map_segment, mapped_handle, refcount_lock,
-                  take_back)
+from .shm import (HandleError, add_torch_reference, keep_sockets_from_shm_manager, new_shared_storage,
+                  map_segment, mapped_handle, refcount_lock, take_back)
 
-__all__ = [
-    "HandleError", "UnreleasedPayloadWarning", "PayloadSet", "Received", "make_payloads", "open_payload",
-    "ack_all", "empty_shared", "adopt", "wire_class", "WireClass", "TAG", "FRESH", "OPENED", "ACKED",
-    "REVOKED",
-]
+__all__ = ["HandleError", "UnreleasedPayloadWarning", "PayloadSet", "Received", "make_payloads",
+           "open_payload", "ack_all", "empty_shared", "adopt", "wire_class", "WireClass", "TAG", "FRESH",
+           "OPENED", "ACKED", "REVOKED"]
 
 TAG = "fsdp_sync"
 _TAG_KEY = b"\x8c\x09" + TAG.encode()      # the tag's key as pickle writes it (SHORT_BINUNICODE)
 FRESH, OPENED, ACKED, REVOKED = 0, 1, 2, 3
-
 
 
 class UnreleasedPayloadWarning(RuntimeWarning):
@@ -127,12 +123,9 @@ def adopt(tensor: torch.Tensor) -> torch.Tensor:
 
 def _is_owned(storage: torch.UntypedStorage) -> bool:
     ref = _OWNED.get(storage.data_ptr())
-    if ref is None:
-        return False
-    if ref.expired():
+    if ref is not None and ref.expired():
         del _OWNED[storage.data_ptr()]
-        return False
-    return True
+    return ref is not None and not ref.expired()
 
 
 def _prune_owned() -> None:
@@ -475,27 +468,33 @@ def make_payloads(obj: Any, num_consumers: int, *, output_str: bool = False,
     for rank in ranks:
         shared: list = []
         counters: list = []
-        if tagged:
-            # inside a sync (`state_words.pooled`) a slot of a page the sync's payloads share;
-            # else a 4-byte segment of its own
-            slot = state_words.take(empty_shared)
-            if slot is not None:
-                slots.append(slot)
-                state = slot.state
-                tag = {"rank": rank, "of": num_consumers, "state": state, "gen": slot.gen}
+        try:
+            if tagged:
+                # inside a sync (`state_words.pooled`) a slot of a page the sync's payloads share;
+                # else a 4-byte segment of its own
+                slot = state_words.take(empty_shared)
+                if slot is not None:
+                    slots.append(slot)
+                    state = slot.state
+                    tag = {"rank": rank, "of": num_consumers, "state": state, "gen": slot.gen}
+                else:
+                    state = empty_shared(4).view(torch.int32)
+                    state.zero_()
+                    tag = {"rank": rank, "of": num_consumers, "state": state}
+                wire = dict(obj, **{TAG: tag}) if isinstance(obj, dict) else {"tensor": obj, TAG: tag}
             else:
-                state = empty_shared(4).view(torch.int32)
-                state.zero_()
-                tag = {"rank": rank, "of": num_consumers, "state": state}
+                state, wire = None, obj
             states.append(state)
-            wire = dict(obj, **{TAG: tag}) if isinstance(obj, dict) else {"tensor": obj, TAG: tag}
-        else:
-            states.append(None)
-            wire = obj
-        data = _dump(wire, keep, shared, counters, copies, wired=wired)
+            shared_per_rank.append(shared)
+            counters_per_rank.append(counters)
+            data = _dump(wire, keep, shared, counters, copies, wired=wired)
+        except BaseException:
+            # no consumer has any: give back what pickling took for every rank so far (shared
+            # memory's references, CUDA IPC counters), or segments stay until this process exits
+            PayloadSet([b""] * len(states), obj, states, keep, shared_per_rank, ranks, _counters=
+                       counters_per_rank, _slots=slots).release(require_ack=False, unopened=ranks)
+            raise
         payloads.append(base64.b64encode(data).decode("ascii") if output_str else data)
-        shared_per_rank.append(shared)
-        counters_per_rank.append(counters)
     return PayloadSet(payloads, obj, states, keep, shared_per_rank, ranks, _counters=counters_per_rank,
                       _slots=slots)
 

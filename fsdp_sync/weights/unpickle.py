@@ -14,6 +14,7 @@ Not here: making payloads, their state words and lifetime (`handles`), shared me
 
 from __future__ import annotations
 
+import _compat_pickle
 import functools
 import io
 import pickle
@@ -179,9 +180,10 @@ def _safe_rebuild_storage_filename(cls, manager, handle, size, dtype=None, *, vi
     _cls(cls, (_USTORAGE,), "storage")
     if not (isinstance(manager, bytes) and isinstance(handle, bytes) and type(size) is int):
         raise HandleError("payload's shared-memory handle is not (bytes, bytes, int)")
-    check_segment(manager, handle, size)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise HandleError(f"payload's storage dtype is {type(dtype).__name__}, not a torch dtype")
+    # with a dtype the size counts elements: what is mapped (and checked) is size * itemsize bytes
+    check_segment(manager, handle, size if dtype is None else size * dtype.itemsize)
     if via_manager or _red.storage_from_cache(torch.UntypedStorage, handle) is not None:
         # a relay that shares the segment again needs torch's own mapping (`adopt`); a segment
         # this process made or mapped through torch is in torch's cache and needs no manager
@@ -254,9 +256,11 @@ def _refuse_by_value(*_args: Any) -> Any:
 
 def _no_count(cls: type) -> Any:
     """``bytes`` / ``bytearray`` as older protocols pickle them (from a list or a string), never
-    from a count: ``bytearray(10**12)`` in a payload would exhaust the receiver's memory."""
+    from a count: ``bytearray(10**12)`` in a payload would exhaust the receiver's memory. A count
+    is anything with ``__index__``: an int, a bool, or a one-element integer tensor the payload
+    rebuilt over a segment's bytes."""
     def build(*args: Any) -> Any:
-        if any(isinstance(a, int) for a in args):
+        if any(hasattr(type(a), "__index__") for a in args):
             raise HandleError(f"payload builds {cls.__name__} from a count; refused")
         return cls(*args)
 
@@ -312,7 +316,10 @@ class Unpickler(pickle.Unpickler):
         back the reference it took (`handles.open_payload`)."""
 
     def find_class(self, module: str, name: str):
-        obj = _ALLOWED.get((module, name))
+        # protocols 0-2 write builtins under Python 2's names (``__builtin__.set``, an empty
+        # ``bytes``), which Python's own find_class maps back: the same objects, looked up here
+        obj = _ALLOWED.get(_compat_pickle.NAME_MAPPING.get((module, name), ("builtins", name))
+                           if module == "__builtin__" else (module, name))
         if obj is None:
             raise HandleError(f"payload holds {module}.{name}, which is not on the allow-list "
                               f"(builtin data types, SimpleNamespace, torch dtypes and tensor/storage "

@@ -1,0 +1,258 @@
+"""The payload allow-list against hostile pickles, and what a failed `make_payloads` gives back.
+
+A receiver (`handles.open_payload`) admits exact names only and checks every argument of torch's
+rebuild functions. Here, opcode by opcode, what a crafted payload could try: INST/OBJ/NEWOBJ on
+the stand-ins, an extension code, STACK_GLOBAL with names computed by allowed calls, BUILD on
+every allowed object and on a rebuilt tensor (``Tensor.__setstate__``'s ``set_``), a count
+smuggled into ``bytes`` as a one-element tensor, a typed storage's element count passed as bytes.
+Each is refused and nothing changed; genuine payloads written at protocols 0-2 (which name
+builtins as Python 2's ``__builtin__``) open. And a `make_payloads` whose pickling fails for one
+rank gives back every shared-memory reference and CUDA IPC counter it had taken: nothing stays in
+/dev/shm until the producer exits.
+"""
+
+from __future__ import annotations
+
+import collections
+import copyreg
+import os
+import pickle
+import threading
+import types
+
+import pytest
+import torch
+from torch.multiprocessing import reductions as red
+
+from fsdp_sync.weights import handles, shm, state_words, unpickle
+from fsdp_sync.weights.handles import HandleError, make_payloads, open_payload
+
+from _util import own_segments, own_segments_left
+
+P5 = b"\x80\x05"
+
+
+def _s(text: str) -> bytes:                   # SHORT_BINUNICODE
+    b = text.encode()
+    return b"\x8c" + bytes([len(b)]) + b
+
+
+def _g(module: str, name: str) -> bytes:       # STACK_GLOBAL
+    return _s(module) + _s(name) + b"\x93"
+
+
+class _Call:
+    """Pickles as ``fn(*args)`` (with ``state``: then BUILD): allowed globals only."""
+
+    def __init__(self, fn, *args, state=None):
+        self.fn, self.args, self.state = fn, args, state
+
+    def __reduce__(self):
+        return (self.fn, self.args) if self.state is None else (self.fn, self.args, self.state)
+
+
+def _dump(obj) -> bytes:
+    """``obj`` as our pickler writes it (CPU storages by shared-memory file)."""
+    keep, shared, counters = [], [], []
+    return handles._dump(obj, keep, shared, counters)
+
+
+def _refusal(data: bytes, **kw) -> str:
+    """The refusal's text (the exception itself is not kept: its frames would hold storages)."""
+    try:
+        got = open_payload(data, **kw)
+    except HandleError as exc:
+        return str(exc)
+    raise AssertionError(f"opened: {got.value!r:.80}")
+
+
+def _segment() -> torch.Tensor:
+    """A 64-byte shared-memory buffer of this process: int64 words 10**6, then 100 (not a
+    fixture: pytest holds a fixture's value through the teardown's leak check)."""
+    buf = handles.empty_shared(64)
+    buf.view(torch.int64)[:2] = torch.tensor([10**6, 100])
+    return buf
+
+
+@pytest.mark.parametrize("fn", [bytes, bytearray])
+def test_a_count_smuggled_as_a_one_element_tensor_is_refused(fn):
+    """``bytes(10**12)`` is refused as a count; a rebuilt int64 scalar tensor holding 10**6 is a
+    count too (``__index__``): before, ``bytes(t)`` allocated what the segment's bytes said."""
+    segment = _segment()
+    scalar = _Call(red.rebuild_tensor, torch.Tensor,
+                   _Call(red.rebuild_typed_storage, segment.untyped_storage(), torch.int64),
+                   (0, (), (), False))
+    assert open_payload(_dump([scalar])).value[0].item() == 10**6     # the tensor itself opens
+    assert "builds " + fn.__name__ + " from a count; refused" in _refusal(_dump(_Call(fn, scalar)))
+    assert open_payload(_dump(_Call(fn, [1, 2]))).value == fn(b"\x01\x02")   # from a list: fine
+
+
+@pytest.mark.parametrize("share_again", [False, True])
+def test_a_typed_storage_handle_is_checked_in_bytes_not_elements(share_again):
+    """torch's ``rebuild_storage_filename`` with a dtype counts elements and maps size * itemsize
+    bytes. Checked as bytes before: a 64-byte segment named as 64 complex128 elements passed the
+    size check, and torch's mapping (``share_again``) grew the producer's segment to 1024 bytes
+    (ftruncate), handing over a storage of zeros past its data."""
+    segment = _segment()
+    manager, handle, size = segment.untyped_storage()._share_filename_cpu_()
+    path = shm.segment_path(handle)
+    before = os.stat(path).st_size
+    data = _dump(_Call(red.rebuild_storage_filename, torch.UntypedStorage, manager, handle, size,
+                       torch.complex128))
+    assert (f"asks for {size * 16} bytes of segment {handle.decode()}, which holds {size}: a forged "
+            f"size; refused") in _refusal(data, share_again=share_again)
+    assert os.stat(path).st_size == before
+    # the element count a genuine typed handle carries opens
+    ok = _dump(_Call(red.rebuild_storage_filename, torch.UntypedStorage, manager, handle, size // 8,
+                     torch.int64))
+    assert bytes(open_payload(ok).value._untyped_storage.tolist()) == bytes(segment.tolist())
+
+
+_OLD = [{1, 2}, frozenset([3]), bytearray(b"ab"), bytearray(), b"", slice(1, None, 2), complex(1, 2),
+        collections.OrderedDict(a=1), types.SimpleNamespace(x=[b""]), torch.Size([2, 3]), torch.bfloat16]
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2])
+def test_genuine_payloads_at_protocols_0_to_2_open(protocol):
+    """Protocols 0-2 name builtins as ``__builtin__`` (a set, an empty bytes, a bytearray): the
+    same objects, accepted as Python's own unpickler maps them; other Python 2 names stay refused."""
+    got = open_payload(pickle.dumps(_OLD, protocol=protocol)).value
+    assert got == _OLD and [type(v) for v in got] == [type(v) for v in _OLD]
+    for name in ("eval", "getattr", "reduce", "intern", "xrange", "__import__"):
+        data = f"c__builtin__\n{name}\n(tR.".encode()
+        assert f"payload holds __builtin__.{name}, which is not on the allow-list" in _refusal(data)
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+def test_a_cuda_ipc_payload_at_protocols_0_and_1_fails_only_for_want_of_cuda(protocol):
+    """(test_cuda_payload checks protocols 2 and 5.)"""
+    if torch.cuda.is_available():
+        pytest.skip("emulates a CUDA payload where CUDA is absent")
+    from test_cuda_payload import UUID, _payload
+
+    assert f"payload names CUDA device '{UUID}', which this process cannot see" in _refusal(
+        _payload(protocol))
+
+
+def _opcodes() -> dict[str, bytes]:
+    return {
+        # INST and OBJ instantiate what find_class (or the stack) gives: refused names, stand-ins
+        "inst_system": b"(S'true'\nios\nsystem\n.",
+        "inst_getattr": b"(cbuiltins\ndict\nS'keys'\nibuiltins\ngetattr\n.",
+        "obj_tensor_standin": P5 + b"(" + _g("torch", "Tensor") + _s("x") + b"o.",
+        "newobj_standin": P5 + _g("torch", "Tensor") + b")\x81.",
+        "newobj_ex_standin": P5 + _g("torch.nn.parameter", "Parameter") + b")}\x92.",
+        # an extension code resolves through find_class too
+        "ext1_system": P5 + b"\x82\xf0" + _s("true") + b"\x85R.",
+        # names computed by allowed calls: str("builtins"), str("eval"), then STACK_GLOBAL
+        "computed_names": (P5 + _g("builtins", "str") + b"\x94" + _s("builtins") + b"\x85R"
+                           + b"h\x00" + _s("eval") + b"\x85R\x93" + _s("1") + b"\x85R."),
+        "stack_global_not_str": P5 + b"K\x01K\x02\x93.",
+        # a stand-in fetched back from the memo into the storage-class slot of a tensor rebuild
+        "memo_standin_as_storage": (P5 + _g("torch", "Tensor") + b"\x94" + _g(unpickle.RED, "rebuild_tensor")
+                                    + b"h\x00h\x00(K\x00)))\x89t\x87R."),
+        "memo_missing": P5 + b"h\x07.",
+        "persistent_id": P5 + _s("x") + b"Q.",
+        "nested_global": b"cbuiltins\n__builtins__\n.",
+        "reductions_module_global": b"ctorch.multiprocessing.reductions\nstorage_from_cache\n.",
+        "protocol0_codecs_other": b"c_codecs\nencode\n(Vx\nVrot13\ntR.",
+    }
+
+
+def test_opcode_tricks_are_refused_and_run_nothing(tmp_path, monkeypatch):
+    copyreg.add_extension("os", "system", 240)
+    try:
+        for kind, data in _opcodes().items():
+            with pytest.raises(HandleError):
+                open_payload(data)
+    finally:
+        copyreg.remove_extension("os", "system", 240)
+
+
+@pytest.mark.parametrize("state", ["dict", "slots", "call"])
+def test_build_on_every_allowed_object_is_refused_and_changes_nothing(state):
+    """BUILD on what find_class hands out (classes, stand-ins, wrappers, dtypes): no attribute of
+    anything shared with the rest of the process can be set."""
+    build = {"dict": b"}" + _s("zz_h44") + b"K\x01sb.",
+             "slots": b"N}" + _s("zz_h44") + b"K\x01s\x86b.",
+             "call": b"N}" + _s("__call__") + _g("builtins", "dict") + b"s\x86b."}[state]
+    names = [k for k, v in unpickle._ALLOWED.items() if not isinstance(v, torch.dtype)] + [("torch", "float32")]
+    for module, name in names:
+        with pytest.raises(HandleError):
+            open_payload(P5 + _g(module, name) + build)
+    for obj in list(unpickle._ALLOWED.values()) + [torch.Tensor, torch.UntypedStorage, torch.TypedStorage]:
+        assert not hasattr(obj, "zz_h44"), obj
+
+
+@pytest.mark.parametrize("view", [(0, (10**9,), (1,)), (60, (8,), (1,)), (0, (4,), (10**12,)),
+                                  (-1, (4,), (1,)), (0, (4,), (-1,))])
+def test_build_cannot_move_a_rebuilt_tensor_outside_its_storage(view):
+    """``Tensor.__setstate__`` with four items is ``set_(storage, offset, size, stride)``: the view
+    checks of the rebuild do not see it, and the storage (a shared segment: not resizable) must
+    refuse anything past its 64 bytes rather than grow."""
+    segment = _segment()
+    typed = _Call(red.rebuild_typed_storage, segment.untyped_storage(), torch.uint8)
+    data = _dump(_Call(red.rebuild_tensor, torch.Tensor, typed, (0, (8,), (1,), False),
+                       state=(typed, *view)))
+    assert "cannot open payload" in _refusal(data)
+    assert segment.untyped_storage().nbytes() == 64
+
+
+# --------------------------------------------------------------------------- failed make_payloads
+
+@pytest.mark.parametrize("tagged", [True, False])
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-words", "sync-pool"])
+def test_a_make_payloads_that_fails_leaves_no_segment(tagged, pooled):
+    """A value pickling cannot write (a lock, a lambda) fails after the tensors before it were
+    shared: each share raised a segment's count (and the copy of a tensor not in shared memory
+    is a segment of its own), never given back: the segment stayed until the producer exited."""
+    before = own_segments()
+    with state_words.pooled() if pooled else _nothing():
+        for obj in ({"a": torch.ones(4), "b": threading.Lock()}, [torch.ones(4), lambda: 0],
+                    {"a": handles.empty_shared(16), "b": threading.Lock()}):
+            with pytest.raises((TypeError, pickle.PicklingError, AttributeError)):
+                make_payloads(obj, 2, tagged=tagged)
+        del obj
+    assert own_segments_left(before) == 0
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_a_make_payloads_that_fails_for_one_rank_gives_back_every_ranks_cuda_counters(monkeypatch):
+    """Rank 0's payload was made (a CUDA share's counter, a state word), rank 1's pickling fails
+    after its CUDA share: both counters are released (torch parks the producer's block until
+    each is), every state word's segment goes."""
+    marked = handles.empty_shared(4000).view(torch.float32)
+    offsets = iter(range(100, 200))
+    real, ptr = red.reduce_tensor, marked.data_ptr()
+
+    def reduce(t):
+        if t.data_ptr() != ptr:
+            return real(t)
+        return (red.rebuild_cuda_tensor,
+                (type(t), t.size(), t.stride(), 0, torch.storage.TypedStorage, t.dtype, 0, bytes(range(64)),
+                 4000, 0, False, b"/torch_4242_1234567890", next(offsets), bytes(64), True))
+
+    released: list = []
+    monkeypatch.setattr(red, "reduce_tensor", reduce)
+    monkeypatch.setattr(handles, "device_uuid", lambda index: "GPU-0")
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
+                        staticmethod(lambda handle, offset: released.append(offset)))
+    real_dump, calls = handles._dump, []
+
+    def dump(wire, *args, **kw):
+        calls.append(1)
+        return real_dump(dict(wire, zz=threading.Lock()) if len(calls) == 2 else wire, *args, **kw)
+
+    monkeypatch.setattr(handles, "_dump", dump)
+    before = own_segments()
+    with pytest.raises(TypeError, match="lock"):
+        make_payloads({"flattened_tensor": marked, "metadata": []}, 2)
+    assert len(calls) == 2 and released == [100, 101]
+    assert own_segments_left(before) == 0
