@@ -400,8 +400,8 @@ class FSDPShardingManager:
             err, ctx = self._transport_sync(targets, version, self.step)
             kept = manager_pause.kept_part(targets)
             if err is not None:
-                targets = manager_fleet.after_failure(self, targets, err, ctx, version)
-                if ctx.commit_failed is None:   # quarantined: again, without them
+                targets, again = manager_fleet.after_failure(self, targets, err, ctx, version)
+                if again:           # quarantined: again, without them (rank 0's word, every rank)
                     err, _ = self._transport_sync(targets, version, self.step)
                     kept = [r for r in kept if r not in targets] + manager_pause.kept_part(targets)
                     if err is not None:

@@ -4,7 +4,8 @@ which replicas a sync goes to, what a failed sync does to them, and bringing one
 - `targets`: the replicas a sync goes to: those in service, and those out of service that can
   take an update again (to rejoin at the new version).
 - `after_failure`: a failed sync's decision (trainer rank 0's, followed on every rank): raise, or
-  quarantine the replicas that cannot take updates and return the ones to sync again.
+  quarantine the replicas that cannot take updates and return the ones to sync again (and whether
+  to: not after a commit failure, where the others committed).
 - `bring_in`: `recover` and `add_engine`: the replica brought to the version the others serve
   (sent or loaded now, or at the next sync), then put in service; `send`: that transfer, under a
   ``pause_mode`` with its generation paused as a sync pauses its targets, continued once it holds
@@ -46,17 +47,20 @@ def targets(manager: Any) -> list:
     return reps
 
 
-def after_failure(manager: Any, targets: list, err: SyncError, ctx: Any, version: str):
+def after_failure(manager: Any, targets: list, err: SyncError, ctx: Any, version: str) -> tuple[list, bool]:
     """A sync failed. Trainer rank 0 finds the replicas that cannot take updates (`fleet.problem`),
     failed committing, or rejoined it (`Fleet.blame`), and every rank follows its decision:
-    raise (``"abort"``, or nothing to blame on a replica), or take them out and return the
-    replicas to sync again."""
+    raise (``"abort"``, or nothing to blame on a replica), or take them out and return ``(the
+    replicas to sync, whether to sync them again)``: not after a commit failure (the others hold
+    the version). Rank 0's word on every rank: only rank 0's transport sees ``ctx.commit_failed``,
+    and a rank syncing again alone waits in collectives the others never reach."""
     decision = None
     if manager._fleet_mode and manager.rank == 0 and len(targets) > 0:
         decision = manager.fleet.blame(targets, ctx.commit_failed, version)
     decision = manager._from_rank0(decision) if manager._fleet_mode else None
     if decision and decision["refused"]:    # maybe a rejoiner's refusal: out, the others again
-        return manager.fleet.keep_out(targets, decision["refused"], err, version) if manager.rank == 0 else []
+        return (manager.fleet.keep_out(targets, decision["refused"], err, version) if manager.rank == 0
+                else []), True
     if not decision or not decision["failed"]:
         raise err
     failed, committed = decision["failed"], decision["committed"]
@@ -74,7 +78,7 @@ def after_failure(manager: Any, targets: list, err: SyncError, ctx: Any, version
         if quarantine and committed:
             log.warning("fsdp_sync: version %s committed on %d replicas; quarantined: %s",
                         version, len(committed), names)
-            return [targets[i] for i in committed] if manager.rank == 0 else []
+            return ([targets[i] for i in committed] if manager.rank == 0 else []), False
         raise fleet.restate(err, f"{err}; quarantined (committing cannot be undone on the replicas "
                             f"that committed version {version!r}): {names}") from None
     if not quarantine or len(failed) == len(targets):
@@ -84,7 +88,7 @@ def after_failure(manager: Any, targets: list, err: SyncError, ctx: Any, version
                             f"cannot take updates (quarantined): {names}{hint}") from None
     log.warning("fsdp_sync: quarantined %s; syncing version %s to the %d others",
                 names, version, len(targets) - len(failed))
-    return [r for i, r in enumerate(targets) if i not in failed] if manager.rank == 0 else []
+    return ([r for i, r in enumerate(targets) if i not in failed] if manager.rank == 0 else []), True
 
 
 def bring_in(manager: Any, engine: Any, what: str) -> bool:
