@@ -140,7 +140,15 @@ def sync_config(config: Any, hf_config: Any = None) -> SyncConfig:
         why = dtype_conflict(config, opts["dtype"], hf_config)
         if why and not options(config).get("base_url"):
             raise ValueError(why)
-    return SyncConfig.from_verl(config, hf_config=hf_config, **opts)
+    try:
+        return SyncConfig.from_verl(config, hf_config=hf_config, **opts)
+    except ValueError as exc:
+        # SyncConfig names a field by its own name ("strategy must be one of ..."): under verl
+        # the user wrote it as rollout.custom.fsdp_sync.<field>, so the refusal says that
+        field = str(exc).split(" ", 1)[0].rstrip(":")
+        if field in opts and field != "dtype":      # dtype's already names its key
+            raise ValueError(f"{where}.{exc}") from exc
+        raise
 
 
 def dtype_conflict(config: Any, ours: Any, hf_config: Any = None) -> str | None:

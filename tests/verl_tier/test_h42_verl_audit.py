@@ -1,0 +1,91 @@
+"""What verl 0.9.1 hands fsdp_sync's adapter, checked on verl's own classes (`make test-verl`).
+
+Each case here killed a mutant no other test did (stop 74, H42):
+
+- ``rollout.name=fsdp_sync_ref`` with no ``custom.fsdp_sync.enable``: verl's rollout registry gives
+  fsdp_sync's adapter, never verl's SGLang ``ServerAdapter`` (nothing else can sync fsdp-sync serve);
+- ``rollout.disaggregation.enabled=true`` (verl's ``DisaggregationConfig``) is refused when the
+  adapter is built, naming verl's key;
+- a bad value of an honoured ``custom.fsdp_sync.*`` key is refused naming the key as the user wrote
+  it (``rollout.custom.fsdp_sync.strategy``), not SyncConfig's bare field name;
+- verl's ``PPOTrainer._consume_sync_metrics``, wrapped by `metrics.install`, keeps what verl itself
+  stashed (the delta engines' figures) beside fsdp_sync's, and a failing drain fails no step.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytestmark = [pytest.mark.verl, pytest.mark.timeout(120)]
+
+
+def _config(**over):
+    import verl  # noqa: F401  (the plug-in)
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+
+    cfg = {"name": "sglang", "dtype": "bfloat16", "free_cache_engine": True,
+           "tensor_model_parallel_size": 1, **over}
+    return omega_conf_to_dataclass(OmegaConf.create(cfg), RolloutConfig)
+
+
+def _build(config):
+    from verl.workers.rollout.base import get_rollout_class
+
+    return get_rollout_class(config.name, config.mode)(
+        config=config, model_config=types.SimpleNamespace(hf_config=None), device_mesh=None)
+
+
+def test_fsdp_sync_ref_builds_fsdp_syncs_adapter_without_the_opt_in():
+    from fsdp_sync.integrations.verl import SGLangAdapter
+
+    built = _build(_config(name="fsdp_sync_ref"))
+    assert type(built) is SGLangAdapter
+    # the same config under rollout.name=sglang, not opted in: verl's own adapter
+    from fsdp_sync.integrations.verl import enabled
+
+    assert enabled(_config(name="fsdp_sync_ref")) and not enabled(_config())
+
+
+def test_prefill_decode_disaggregation_is_refused_when_built_naming_verls_key():
+    on = dict(custom={"fsdp_sync": {"enable": True, "base_url": "http://127.0.0.1:9"}})
+    config = _config(disaggregation={"enabled": True, "transfer_backend": "fake"}, **on)
+    assert config.disaggregation.enabled is True      # verl's DisaggregationConfig, coerced
+    with pytest.raises(NotImplementedError, match=r"rollout\.disaggregation\.enabled"):
+        _build(config)
+    assert type(_build(_config(**on))).__name__ == "SGLangAdapter"
+
+
+@pytest.mark.parametrize("key, value", [("strategy", "fast"), ("verify", True), ("bucket_bytes", "12"),
+                                        ("dist_timeout_s", -1), ("share_host_memory", "maybe")])
+def test_a_bad_honoured_option_is_refused_naming_it_as_written_under_verl(key, value):
+    from fsdp_sync.integrations.verl import sync_config
+
+    config = _config(custom={"fsdp_sync": {"enable": True, key: value}})
+    with pytest.raises(ValueError, match=rf"^rollout\.custom\.fsdp_sync\.{key} must .*{value!r}"):
+        sync_config(config)
+
+
+def test_verls_own_pending_sync_metrics_are_kept_beside_fsdp_syncs(monkeypatch, caplog):
+    import verl  # noqa: F401  (installs the import hook)
+    from verl.trainer.ppo.v1 import trainer_base
+
+    from fsdp_sync.integrations.verl import metrics
+
+    consume = trainer_base.PPOTrainer._consume_sync_metrics
+    assert getattr(consume, "_fsdp_sync", False)          # patched when verl imported it
+    monkeypatch.setattr(metrics, "drain", lambda: {"fsdp_sync/sync_s": 0.5})
+    trainer = types.SimpleNamespace(_pending_sync_metrics={"delta/changed_ratio": 0.25})
+    assert consume(trainer) == {"delta/changed_ratio": 0.25, "fsdp_sync/sync_s": 0.5}
+    assert trainer._pending_sync_metrics == {}            # verl's own drain still ran
+
+    def broken():
+        raise ConnectionError("sink gone")
+
+    monkeypatch.setattr(metrics, "drain", broken)
+    trainer._pending_sync_metrics = {"delta/changed_ratio": 0.5}
+    assert consume(trainer) == {"delta/changed_ratio": 0.5}
+    assert "sink gone" in caplog.text
