@@ -89,3 +89,47 @@ def test_verls_own_pending_sync_metrics_are_kept_beside_fsdp_syncs(monkeypatch, 
     trainer._pending_sync_metrics = {"delta/changed_ratio": 0.5}
     assert consume(trainer) == {"delta/changed_ratio": 0.5}
     assert "sink gone" in caplog.text
+
+
+def test_release_keeps_the_base_weights_of_a_lora_run_served_as_an_adapter():
+    """verl's worker never resumes ``weights`` where ``sleep_level`` is 1 (a LoRA adapter run):
+    a release of them too would leave SGLang generating from released weights. The adapter
+    releases the KV cache only there, everything otherwise, and nothing without free_cache_engine."""
+    import asyncio
+
+    from verl.workers.rollout.base import get_rollout_class
+
+    posted = []
+
+    class Engine:
+        def release_memory_occupation(self, tags):
+            posted.append(tags)
+
+    async def client():
+        return Engine()
+
+    on = dict(custom={"fsdp_sync": {"enable": True, "base_url": "http://127.0.0.1:9"}})
+    for lora_rank, free, want in ((8, True, [["kv_cache"]]), (0, True, [["kv_cache", "weights"]]),
+                                  (8, False, [])):
+        config = _config(free_cache_engine=free, **on)
+        rollout = get_rollout_class(config.name, config.mode)(
+            config=config, model_config=types.SimpleNamespace(hf_config=None, lora_rank=lora_rank),
+            device_mesh=None)
+        assert rollout.sleep_level == (1 if lora_rank else 2)
+        rollout._client = client
+        posted.clear()
+        asyncio.run(rollout.release())
+        assert posted == want, (lora_rank, free, posted)
+
+
+def test_enable_written_as_text_is_read_as_yaml_and_the_cli_write_it():
+    """An ``${oc.env:...}`` interpolation hands ``enable`` over as text: "1"/"True" opt in,
+    "0"/"false" do not; anything else is refused naming the key and the value."""
+    from fsdp_sync.integrations.verl import enabled
+
+    def cfg(v):
+        return {"name": "sglang", "custom": {"fsdp_sync": {"enable": v}}}
+
+    assert [enabled(cfg(v)) for v in ("1", "True", True, "0", "false", False)] == [True] * 3 + [False] * 3
+    with pytest.raises(ValueError, match=r"rollout\.custom\.fsdp_sync\.enable must be true or false, got 'yes'"):
+        enabled(cfg("yes"))
