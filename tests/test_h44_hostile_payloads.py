@@ -256,3 +256,135 @@ def test_a_make_payloads_that_fails_for_one_rank_gives_back_every_ranks_cuda_cou
         make_payloads({"flattened_tensor": marked, "metadata": []}, 2)
     assert len(calls) == 2 and released == [100, 101]
     assert own_segments_left(before) == 0
+
+
+# --------------------------------------------------------------------------- mutation pass (H44)
+
+@pytest.mark.parametrize("dtype, fits", [(torch.uint8, 64), (torch.int16, 32), (torch.float64, 8)])
+def test_a_view_one_element_past_its_storage_is_refused_by_the_view_check(dtype, fits):
+    """The bound is exact: the last byte of the storage is in, the next is out (a view reaching one
+    byte past a 64-byte segment was accepted by a mutant ``end > nbytes + 1``, refused only by
+    torch's resize, naming nothing). A CUDA handle's view is checked the same way."""
+    segment = _segment()
+    typed = _Call(red.rebuild_typed_storage, segment.untyped_storage(), dtype)
+    ok = open_payload(_dump(_Call(red.rebuild_tensor, torch.Tensor, typed, (0, (fits,), (1,), False))))
+    assert ok.value.numel() == fits
+    for meta in ((0, (fits + 1,), (1,), False), (1, (fits,), (1,), False)):
+        assert (f"reaches byte {64 + dtype.itemsize} of a 64-byte storage: it points outside its buffer"
+                in _refusal(_dump(_Call(red.rebuild_tensor, torch.Tensor, typed, meta))))
+    if torch.cuda.is_available():
+        return
+    from test_cuda_payload import _payload
+
+    n = 4000 // dtype.itemsize
+    for size, offset in (((n + 1,), 0), ((n,), 1)):
+        assert f"reaches byte {4000 + dtype.itemsize} of a 4000-byte storage" in _refusal(
+            _payload(5, size=torch.Size(size), stride=(1,), offset=offset, dtype=dtype))
+    assert "which this process cannot see" in _refusal(_payload(5, size=torch.Size((n,)), stride=(1,),
+                                                                dtype=dtype))
+
+
+class _TwoRanks:
+    """``torch.distributed`` as group rank 0 of two sees it, the other rank answering as told:
+    the host key, the scatter (its payload recorded), the open-failure flag and texts."""
+
+    ReduceOp = torch.distributed.ReduceOp
+
+    def __init__(self, error: str | None):
+        self.error, self.sent = error, None
+
+    def get_world_size(self, group):
+        return 2
+
+    def get_rank(self, group):
+        return 0
+
+    def get_global_rank(self, group, rank):
+        return rank
+
+    def all_gather_object(self, out, obj, group=None):   # the host keys, then the open errors
+        out[:] = [obj, obj if self.sent is None else self.error]
+
+    def scatter_object_list(self, out, inputs, src=0, group=None):
+        self.sent, out[0] = inputs[1], inputs[0]
+
+    def all_reduce(self, flag, op=None, group=None):
+        flag.fill_(int(self.error is not None))
+
+    def barrier(self, group=None):
+        pass
+
+
+@pytest.mark.parametrize("error", ["OSError: rank 1 cannot reach the shm manager", None])
+def test_host_buffers_a_rank_could_not_open_leave_no_segment(monkeypatch, error):
+    """Group rank 0 made the buffers and a payload for rank 1, which could not open it: every
+    rank gathers instead, and rank 0 gives back the reference that payload held (the caller
+    names it unopened: an untagged payload cannot tell), so the segments go with rank 0's
+    buffers rather than stay in /dev/shm until rank 0 exits. Where rank 1 opened them, rank 0
+    keeps the buffers and gives nothing back twice."""
+    from fsdp_sync.weights import hostbuf
+
+    fake = _TwoRanks(error)
+    monkeypatch.setattr(hostbuf, "dist", fake)
+    monkeypatch.setattr(hostbuf, "cpu_group", lambda group: group)
+    before = own_segments()
+    if error is None:       # rank 1 opens (here, as torch's cache hands this process its own)
+        real = fake.scatter_object_list
+
+        def scatter_and_open(out, inputs, src=0, group=None):
+            real(out, inputs, src, group)
+            fake.opened = open_payload(fake.sent, share_again=True).value
+
+        fake.scatter_object_list = scatter_and_open
+    host = hostbuf.HostShared.create("group", 2, 4096)
+    if error is not None:
+        assert host is None
+    else:
+        assert [b.numel() for b in host.bufs] == [4096, 4096]
+        assert [b.data_ptr() for b in fake.opened] == [b.data_ptr() for b in host.bufs]
+        del fake.opened
+        assert own_segments() - before == 2          # both buffers, while rank 0 holds them
+        del host
+    assert own_segments_left(before) == 0
+
+
+def test_empty_tensors_of_any_strides_open():
+    """A view with no elements reads nothing, whatever its strides say: ``torch.empty(5, 0).t()``
+    (strides (1, 1) over a 0-byte storage) is as genuine as ``torch.empty(0)``. Only views with
+    elements are bounded (a mutant bounding every view refused these)."""
+    empties = {"t": torch.empty(5, 0).t(), "p": torch.empty(2, 0, 4).permute(2, 0, 1),
+               "row": torch.arange(8.0).view(2, 4)[:, 4:], "tail": torch.arange(8.0)[8:]}
+    with make_payloads(empties, 1) as ps:
+        got = open_payload(ps.payloads[0], 0)
+        assert {k: (tuple(v.shape), v.dtype) for k, v in got.value.items()} == \
+            {k: (tuple(v.shape), v.dtype) for k, v in empties.items()}
+        got.ack()
+
+
+@pytest.mark.parametrize("where", ["tuple key", "tuple in a set", "list in a slice", "nested key",
+                                   "value then key"])
+def test_a_cuda_tensor_inside_a_key_a_set_or_a_slice_is_refused_however_deep(monkeypatch, where):
+    """`cuda_later.where` refused a CUDA tensor as a dict key, a set member or a slice part, but
+    walked a tuple found there as if it were a slot: a tensor in ``{(t,): 1}`` was opened, and the
+    value handed over kept the inert stand-in in its place (`put` does not rebuild keys), as did a
+    tuple met first as a value, then as a key. Refused before anything opens now."""
+    if torch.cuda.is_available():
+        pytest.skip("emulates a CUDA payload where CUDA is absent")
+    from test_h23_cuda_refused_unopened import _recorded
+
+    calls: list = []
+    monkeypatch.setattr(unpickle, "rebuild_cuda_tensor_by_uuid", lambda *a: calls.append(a) or torch.zeros(3))
+    cuda = _recorded()
+    both = (cuda,)
+    obj = {"tuple key": {"x": {(cuda,): 1}}, "tuple in a set": {"x": {(1, cuda)}},
+           "list in a slice": {"x": slice([cuda])}, "nested key": {"x": {((1, (cuda,)),): 1}},
+           "value then key": {"a": both, "b": {both: 1}}}[where]
+    with make_payloads(obj, 1) as ps:
+        assert "a CUDA tensor where no tensor belongs" in _refusal(ps.payloads[0], rank=0)
+        assert calls == []
+        ps.release(require_ack=False)
+    # the same tuple twice as a value still opens, one tensor in both places
+    with make_payloads({"a": both, "b": [both]}, 1) as ps:
+        got = open_payload(ps.payloads[0], 0)
+        assert len(calls) == 1 and got.value["a"] is got.value["b"][0] and type(got.value["a"][0]) is torch.Tensor
+        got.ack()

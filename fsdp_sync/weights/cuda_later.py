@@ -86,8 +86,10 @@ def where(value: Any) -> list[Later]:
     """The `Later` calls reachable from ``value``, each once, in the order met; raises
     `HandleError` (nothing opened) for one where no tensor belongs or that could not be put back."""
     found: dict[int, Later] = {}
-    done: set[int] = set()
-    open_: set[int] = set()
+    # by (object, slot): what sits inside a key, a set or a slice is no slot either, however deep
+    # (`put` does not go there); an object met both ways is walked both ways
+    done: set[tuple[int, bool]] = set()
+    open_: set[tuple[int, bool]] = set()
 
     def walk(o: Any, slot: bool) -> None:
         t = type(o)
@@ -100,31 +102,32 @@ def where(value: Any) -> list[Later]:
         if t in (int, str, float, bool, bytes, type(None), torch.dtype, torch.Size) \
                 or isinstance(o, torch.Tensor):
             return
-        if id(o) in open_:
+        key = (id(o), slot)
+        if key in open_:
             if isinstance(o, tuple):      # a tuple on a cycle cannot be rebuilt with its tensors
                 raise HandleError("payload holds a tuple inside itself; refused")
             return
-        if id(o) in done:
+        if key in done:
             return
-        open_.add(id(o))
+        open_.add(key)
         if isinstance(o, dict):
             for k, v in o.items():
                 walk(k, False)
-                walk(v, True)
+                walk(v, slot)
         elif isinstance(o, (list, tuple)):
             for v in o:
-                walk(v, True)
+                walk(v, slot)
         elif isinstance(o, types.SimpleNamespace):
             for v in vars(o).values():
-                walk(v, True)
+                walk(v, slot)
         elif isinstance(o, (set, frozenset)):
             for v in o:
                 walk(v, False)
         elif isinstance(o, slice):
             for v in (o.start, o.stop, o.step):
                 walk(v, False)
-        open_.discard(id(o))
-        done.add(id(o))
+        open_.discard(key)
+        done.add(key)
 
     try:
         walk(value, True)
