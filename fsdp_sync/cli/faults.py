@@ -17,6 +17,8 @@ Not here: faults of real SGLang servers or of NCCL; the fleet's cells (`fsdp_syn
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -31,12 +33,47 @@ __all__ = ["fault_point", "InjectedFault", "FAULT_ENV", "Cell", "cells", "run_ce
 
 # --------------------------------------------------------------------------- the matrix
 
+_STOP = None
+"""A pool process's event (`_pool_process`): set by the matrix once it is interrupted."""
+_POOL_START = "spawn"      # how pool processes start (tests: "fork", so they keep the test's stand-ins)
+
+
+def _pool_process(stop) -> None:
+    """A pool process (``--jobs``) ignores Ctrl-C between cells (an interrupt there killed it,
+    and a broken pool killed the others mid-cell); the matrix interrupts a running cell itself."""
+    global _STOP
+    _STOP = stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _run_cell_apart(key: tuple, timeouts: dict, calls: int | None) -> dict:
     """`run_cell` in a pool process (``--jobs``): its fds and threads are counted there, apart
     from the cells the other pool processes run at the same time (one cell at a time per process,
-    as in a run without ``--jobs``)."""
-    cell = run_cell(Cell(*key), Timeouts(**timeouts), calls)
+    as in a run without ``--jobs``). Once the matrix is interrupted (`_STOP`), a cell not yet
+    started does not start, and a running one gets the Ctrl-C (`run_cell` then ends its job)."""
+    if _STOP is not None and _STOP.is_set():
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        if _STOP is not None and _STOP.is_set():     # its Ctrl-C came just before the line above
+            raise KeyboardInterrupt
+        cell = run_cell(Cell(*key), Timeouts(**timeouts), calls)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return asdict(cell)
+
+
+def _interrupt_pool(pool, stop) -> None:
+    """The matrix is left by an exception (a Ctrl-C): no cell starts any more, the running ones
+    are interrupted, and leaving the pool's ``with`` waits only for them to end their jobs (it
+    waited for every cell left in the matrix)."""
+    stop.set()
+    for pid in list(getattr(pool, "_processes", None) or {}):
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            pass
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _needs_calls(c: Cell) -> bool:
@@ -69,6 +106,7 @@ def run_matrix(selected: list[Cell], timeouts: Timeouts | None = None, progress:
     fault); they are taken as they are. ``on_cell(cell, report)`` after each cell."""
     import concurrent.futures as cf
 
+    from rich.console import Console
     from rich.progress import Progress
 
     t = timeouts or Timeouts()
@@ -97,13 +135,22 @@ def run_matrix(selected: list[Cell], timeouts: Timeouts | None = None, progress:
             "results": [asdict(c) | {"spec": c.spec if c.possible else None} for c in selected],
         }
 
-    with Progress(disable=not progress, transient=False) as bar:
+    # on stderr (stdout keeps the table); where it is no terminal (a log), a line a cell: the bar
+    # is drawn there once, at the end of a run of up to an hour
+    console = Console(stderr=True)
+    logged = progress and not console.is_terminal
+    with Progress(console=console, disable=not progress or logged, transient=False) as bar:
         task = bar.add_task("fault cells", total=len(todo))
+        count = [0]
 
         def finished(c: Cell) -> None:
             if on_cell is not None:
                 on_cell(c, report())
             bar.advance(task)
+            count[0] += 1
+            if logged:
+                console.print(f"fault cell {count[0]}/{len(todo)}: {c.method} {c.stage} {c.victim} {c.fault}: "
+                              f"{'pass' if c.ok else 'FAIL'} ({c.wall_s:g} s)", highlight=False, soft_wrap=True)
 
         if jobs <= 1:
             for c in todo:
@@ -113,20 +160,26 @@ def run_matrix(selected: list[Cell], timeouts: Timeouts | None = None, progress:
         elif todo:
             import multiprocessing
 
-            with cf.ProcessPoolExecutor(max_workers=jobs,
-                                        mp_context=multiprocessing.get_context("spawn")) as pool:
-                # measured once here, not once in every pool process
-                calls = {m: _calls_or_none(m, t) for m in sorted({c.method for c in todo if _needs_calls(c)})}
-                futures = {pool.submit(_run_cell_apart, _key(c), asdict(t), calls.get(c.method)): c
-                           for c in todo}
-                for f in cf.as_completed(futures):
-                    c = futures[f]
-                    try:
-                        for k, v in f.result().items():
-                            setattr(c, k, v)
-                    except Exception as exc:  # noqa: BLE001 - a cell's driver died: that cell fails
-                        c.ok, c.problems = False, [f"the cell's process failed: {type(exc).__name__}: {exc}"]
-                    finished(c)
+            ctx = multiprocessing.get_context(_POOL_START)
+            stop = ctx.Event()
+            with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_pool_process,
+                                        initargs=(stop,)) as pool:
+                try:
+                    # measured once here, not once in every pool process
+                    calls = {m: _calls_or_none(m, t) for m in sorted({c.method for c in todo if _needs_calls(c)})}
+                    futures = {pool.submit(_run_cell_apart, _key(c), asdict(t), calls.get(c.method)): c
+                               for c in todo}
+                    for f in cf.as_completed(futures):
+                        c = futures[f]
+                        try:
+                            for k, v in f.result().items():
+                                setattr(c, k, v)
+                        except Exception as exc:  # noqa: BLE001 - a cell's driver died: that cell fails
+                            c.ok, c.problems = False, [f"the cell's process failed: {type(exc).__name__}: {exc}"]
+                        finished(c)
+                except BaseException:
+                    _interrupt_pool(pool, stop)
+                    raise
     return report()
 
 
@@ -153,7 +206,8 @@ def add_faults_parser(sub) -> None:
                     "engine job (tiny model, CPU, gloo): a clean sync first (the engine then holds "
                     "real previous weights), then the faulted sync, then, where every trainer rank "
                     "is there and the engine serves, a recovery sync that must land bit for bit. "
-                    "A cell passes when every surviving trainer rank raised the same SyncError (a "
+                    "A cell passes when every surviving trainer rank raised a SyncError naming the "
+                    "same failing rank and cause (a "
                     "survivor of a killed or stalled trainer rank: its process group's error) "
                     "within the timeout that applies plus --slack (a kill or an exception: --slack "
                     "alone), the engine then serves its previous weights (or the complete new ones "

@@ -158,6 +158,22 @@ def allowed_errors(cell: Cell) -> tuple[str, ...]:
     return ("SyncError",) + (BACKEND_ERRORS if cell.trainer_lost else ())
 
 
+def _disagreement(raised: dict[int, str]) -> str | None:
+    """The ranks' `SyncError` s name different failing ranks or causes (the text from "failed on
+    rank N"; what failed before it is worded by where each rank heard it: "stage 'sync_weights'
+    failed on rank 0: X" on the failed rank, "weight sync failed on rank 0: X" on its peer), or
+    None. Compared as far as the shorter one goes (each is cut at 400 characters)."""
+    tails = {r: e.split(" failed on ", 1)[1] for r, e in raised.items()
+             if e.startswith("SyncError:") and " failed on " in e}
+    if len(tails) < 2:
+        return None
+    n = min(map(len, tails.values()))
+    if len({t[:n] for t in tails.values()}) == 1:
+        return None
+    return ("the trainer ranks' SyncErrors disagree on what failed: "
+            + "; ".join(f"rank {r} {raised[r][:160]}" for r in sorted(tails)))
+
+
 def judge(cell: Cell, got: dict[int, dict], fired: float | None, t: Timeouts,
           calls: int | None = None) -> Cell:
     """Fill in ``cell`` from what its ranks recorded (``got``: rank -> record; a rank that died as
@@ -196,6 +212,9 @@ def judge(cell: Cell, got: dict[int, dict], fired: float | None, t: Timeouts,
         elif raised and raised.split(":", 1)[0] not in allowed:
             cell.problems.append(f"trainer rank {r} raised {raised.split(':', 1)[0]}, not "
                                  f"{' or '.join(allowed)}: {raised[:160]}")
+    disagree = _disagreement({r: got[r]["raised"] for r in expect if (got.get(r) or {}).get("raised")})
+    if disagree:
+        cell.problems.append(disagree)
     times = [got[r]["t_raised"] for r in expect if "t_raised" in got.get(r, {})]
     if fired is not None and times:
         cell.seconds_to_error = round(max(times) - fired, 2)

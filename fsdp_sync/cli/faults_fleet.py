@@ -170,6 +170,7 @@ def run_fleet_cell(cell: FleetCell, *, call_s: float = 6.0, recv_s: float = 6.0)
 def run_fleet_matrix(selected: list[FleetCell], *, progress: bool = True, on_cell=None,
                      call_s: float = 6.0, recv_s: float = 6.0) -> dict:
     """Run ``selected`` one after another; returns the report (``on_cell(report)`` after each)."""
+    from rich.console import Console
     from rich.progress import Progress
 
     t0 = time.monotonic()
@@ -181,11 +182,16 @@ def run_fleet_matrix(selected: list[FleetCell], *, progress: bool = True, on_cel
                 "timeouts": {"call_s": call_s, "recv_s": recv_s},
                 "wall_s": round(time.monotonic() - t0, 1), "results": [asdict(c) for c in selected]}
 
-    with Progress(disable=not progress, transient=True) as bar:
+    console = Console(stderr=True)
+    logged = progress and not console.is_terminal      # a log: a line a cell (no bar is drawn there)
+    with Progress(console=console, disable=not progress or logged, transient=True) as bar:
         task = bar.add_task("fleet cells", total=len(selected))
-        for c in selected:
+        for i, c in enumerate(selected):
             run_fleet_cell(c, call_s=call_s, recv_s=recv_s)
             bar.advance(task)
+            if logged:
+                console.print(f"fleet cell {i + 1}/{len(selected)}: {c.method} {c.phase} {c.fault} {c.mode}: "
+                              f"{'pass' if c.ok else 'FAIL'} ({c.wall_s:g} s)", highlight=False, soft_wrap=True)
             if on_cell is not None:
                 on_cell(report())
     return report()
