@@ -133,3 +133,33 @@ def test_enable_written_as_text_is_read_as_yaml_and_the_cli_write_it():
     assert [enabled(cfg(v)) for v in ("1", "True", True, "0", "false", False)] == [True] * 3 + [False] * 3
     with pytest.raises(ValueError, match=r"rollout\.custom\.fsdp_sync\.enable must be true or false, got 'yes'"):
         enabled(cfg("yes"))
+
+
+def test_an_fp8_syncs_quantizer_seconds_are_their_own_figure_not_transports():
+    """``transport_s`` is the rest of the sync (handles, gather, the engine's calls): the FP8
+    quantizer's seconds (``quantize_s``) were counted in it too, so the phases summed past
+    ``sync_s``. They are disjoint parts of the sync, so they now sum to at most ``sync_s``, and
+    ``quantize_s`` reaches verl's step metrics (slowest replica)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fake_sglang
+    import verl_ranks
+
+    from fsdp_sync.cli.launch import run_ranks
+    from fsdp_sync.integrations.verl.metrics import step_metrics
+
+    cfg = {"_target_": "verl.workers.config.RolloutConfig", "name": "sglang", "dtype": "bfloat16",
+           "free_cache_engine": True, "quantization": "fp8", "tensor_model_parallel_size": 1,
+           "checkpoint_engine": {"update_weights_bucket_megabytes": 1},
+           "custom": {"fsdp_sync": {"enable": True}}}
+    with fake_sglang.FakeSGLangServer(tp_size=1) as server:
+        cfg["custom"]["fsdp_sync"]["base_url"] = server.url
+        st = run_ranks(verl_ranks.sync_fp8_tiny, 1, cfg, "qwen2", None, timeout_s=100)[0]
+    assert st["quantized_tensors"] == 14 and st["quantize_s"] > 0, st
+    parts = sum(st[k] for k in ("export_s", "pack_s", "digest_s", "quantize_s", "transport_s"))
+    assert parts <= st["sync_s"] * (1 + 1e-9), st
+    m = step_metrics([dict(st, global_steps=1, kind="full"), dict(st, global_steps=1, kind="full",
+                                                                  quantize_s=st["quantize_s"] / 2)])
+    assert m["fsdp_sync/quantize_s"] == st["quantize_s"], m

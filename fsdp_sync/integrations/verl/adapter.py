@@ -323,7 +323,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         metrics = {f"fsdp_sync/{k}": v for k, v in stats.items()
                    if k in ("sync_s", "export_s", "pack_s", "digest_s", "transport_s", "bytes",
                             "tensors", "buckets", "engine_calls", "gbps", "verify_tensors",
-                            "verify_s")}
+                            "verify_s", "quantize_s")}
         if engine is not None:
             log.info("fsdp_sync verl %ssync (step %s): %.3f s (%s's export %.3f, packing %.3f, "
                      "hashing %.3f, handles + gather + engine %.3f), %s in %d tensors, "
@@ -447,8 +447,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         # only), and the rest: handles, gather to infer-TP rank 0, the engine's calls, agreements
         phases["pack_s"] = self._pack_s
         phases["digest_s"] = self._digest_s
-        phases["transport_s"] = max(0.0, sync_s - phases["export_s"] - phases["pack_s"]
-                                    - phases["digest_s"])
+        phases["transport_s"] = max(0.0, sync_s - phases["export_s"] - phases["pack_s"]   # and FP8's
+                                    - phases["digest_s"] - (quant.seconds if quant else 0.0))
         if exported_by == module_stream.EXPORT_MODULE:   # the comparison made, or kept
             phases["export_decision"] = "kept" if self._decision.kept else "made"
         out = {"strategy": cfg.strategy, "export": exported_by, "sync_s": sync_s, **phases,

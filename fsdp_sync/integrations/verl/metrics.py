@@ -21,7 +21,8 @@ So, two halves, both in this module:
   sync: ``fsdp_sync/sync_s`` (slowest replica), ``fsdp_sync/bytes``, ``fsdp_sync/buckets``,
   ``fsdp_sync/tensors``, ``fsdp_sync/engine_calls`` (summed over replicas), the phases
   (``export_s``, ``pack_s``, ``transport_s``), ``fsdp_sync/verify_tensors`` and
-  ``fsdp_sync/verify_s`` (a failed verify fails the step instead), ``fsdp_sync/replicas`` and
+  ``fsdp_sync/verify_s`` (a failed verify fails the step instead), ``fsdp_sync/quantize_s`` (an FP8
+  rollout's quantizer, slowest replica; not in ``transport_s``), ``fsdp_sync/replicas`` and
   ``fsdp_sync/gbps`` (all replicas' bytes over the slowest one's seconds). The
   wrap only adds keys; with nothing published it adds none. A LoRA run's step syncs the adapter
   only (``fsdp_sync/adapter`` 1); the adapter's figures are the ``fsdp_sync/*`` ones, and a base
@@ -53,7 +54,7 @@ TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
 KEYS = {   # figure -> how replicas combine
     "sync_s": max, "export_s": max, "pack_s": max, "digest_s": max, "transport_s": max,
     "bytes": sum, "tensors": sum, "buckets": sum, "engine_calls": sum,
-    "verify_tensors": sum, "verify_s": max,
+    "verify_tensors": sum, "verify_s": max, "quantize_s": max,     # rollout.quantization=fp8
 }
 
 _sink_cls = None
