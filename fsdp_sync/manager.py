@@ -102,6 +102,11 @@ class FSDPShardingManager:
                 raise ValueError(f"method='tensor' takes one colocated engine per infer-TP group, "
                                  f"got a list of {len(engine)}")
             engines = list(engine)
+            missing = [i for i, e in enumerate(engines) if e is None]
+            if missing:     # else a replica that fails every sync, said to hold partial weights
+                raise ValueError(f"{self._where()}: engine[{missing[0]}] of the {len(engines)} "
+                                 f"engines is None: pass each replica's engine handle (leave out one "
+                                 f"not started)")
         else:
             engines = [] if engine is None else [engine]
         self.fleet = Fleet(engines)

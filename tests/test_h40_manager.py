@@ -91,3 +91,175 @@ def test_after_a_commit_failure_no_rank_syncs_again():
     finally:
         for m in ranks:
             m.close()
+
+
+# --------------------------------------------------------------------------- the with block
+class _Colocated(_Replica):
+    """An engine sharing the trainer's devices, as the tensor method's: the engine-memory stages
+    call it. Its sync is recorded in the same list, so the order of the wake-up is seen."""
+
+
+def _block(tmp_path, *, engine=None, module=None, **cfg):
+    """A manager whose transport counts as colocated and whose sync is stood in for (recorded on
+    the engine as ``("sync",)``): the stages around it are the real ones."""
+    engine = engine or _Colocated(39970)
+    m = FSDPShardingManager(module if module is not None else _tiny(), engine,
+                            config=SyncConfig(method="disk", disk_dir=str(tmp_path), memory_probe="off", **cfg))
+    m.transport.colocated = True
+    m._sync_weights = lambda: engine.calls.append(("sync",))
+    return m, engine
+
+
+@pytest.mark.parametrize("multi_stage", [True, False])
+def test_wake_up_is_staged_and_the_exit_gives_every_tag_back(tmp_path, multi_stage):
+    """multi_stage_wake_up: the weights, then the sync, then the KV cache (only the weights
+    resident while the sync's buckets are); off: everything at once. free_cache_engine=False:
+    no engine-memory call at all (the engine keeps its memory)."""
+    m, eng = _block(tmp_path, multi_stage_wake_up=multi_stage)
+    try:
+        with m:
+            inside = list(eng.calls)
+        assert inside == ([("resume", ["weights"]), ("sync",), ("resume", ["kv_cache"])] if multi_stage
+                          else [("resume", None), ("sync",)]), inside
+        assert eng.calls[len(inside):] == [("release", ["kv_cache", "weights"])], eng.calls
+    finally:
+        m.close()
+    m, eng = _block(tmp_path, multi_stage_wake_up=multi_stage, free_cache_engine=False)
+    try:
+        with m:
+            pass
+        assert eng.calls == [("sync",)], eng.calls
+    finally:
+        m.close()
+
+
+def test_a_second_enter_inside_the_block_is_refused_and_changes_nothing(tmp_path):
+    """Not re-entrant: a second __enter__ (or wake_up) inside the block raises before any stage:
+    the engine is not resumed or synced again, the module stays in eval, the generation stream
+    stays live; the block's own exit then restores everything once."""
+    import asyncio
+
+    module = _tiny()
+    m, eng = _block(tmp_path, module=module)
+    try:
+        module.train()
+        torch.manual_seed(5)
+        trainer = torch.get_rng_state()
+        with m:
+            calls, rng = list(eng.calls), torch.get_rng_state()
+            with pytest.raises(RuntimeError, match="not re-entrant: already inside its with block"):
+                m.__enter__()
+            with pytest.raises(RuntimeError, match="not re-entrant"):
+                asyncio.run(m.wake_up())
+            assert eng.calls == calls and not module.training
+            assert torch.equal(torch.get_rng_state(), rng)
+        assert eng.calls[len(calls):] == [("release", ["kv_cache", "weights"])], eng.calls
+        assert module.training and torch.equal(torch.get_rng_state(), trainer)
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("stage", ["sync_weights", "offload_params", "resume_kv_cache", "swap_rng"])
+def test_a_failed_entry_gives_everything_back_and_the_next_block_runs(tmp_path, monkeypatch, stage):
+    """A stage that fails on entry (settled at once, or agreed with the next one) raises a
+    `SyncError` naming it; before it comes out the engine's memory is released (both tags), the
+    module's modes and the trainer's RNG stream are back, the offloaded parameters reloaded; and
+    the next block runs every stage again (a failure kept past its block would fail every later
+    one)."""
+    import fsdp_sync.manager as mgr
+
+    moves = []
+    monkeypatch.setattr(mgr, "move_params", lambda module, device: moves.append(str(device)))
+    module = torch.nn.Linear(4, 4, device="meta")      # a parameter off the CPU: it is offloaded
+    m, eng = _block(tmp_path, module=module, offload_params=True)
+    fail = {"sync_weights": "_sync_weights", "offload_params": "_offload_params",
+            "resume_kv_cache": "_resume", "swap_rng": "_swap_rng"}[stage]
+    real = getattr(m, fail)
+
+    def once(*args):
+        if stage != "resume_kv_cache" or args == (["kv_cache"],):
+            monkeypatch.setattr(m, fail, real)
+            raise ConnectionError(f"{stage} failed (injected)")
+        return real(*args)
+
+    monkeypatch.setattr(m, fail, once)
+    try:
+        module.train()
+        torch.manual_seed(7)
+        trainer = torch.get_rng_state()
+        with pytest.raises(SyncError, match=f"stage '{stage}' failed.*{stage} failed \\(injected\\)"):
+            with m:
+                pytest.fail("the block ran after a failed entry")
+        assert eng.calls[-1] == ("release", ["kv_cache", "weights"]), eng.calls
+        assert module.training and torch.equal(torch.get_rng_state(), trainer)
+        assert moves == ([] if stage in ("sync_weights", "offload_params") else ["cpu", "meta"]), moves
+        eng.calls.clear()
+        with m:
+            assert not module.training
+        assert eng.calls == [("resume", ["weights"]), ("sync",), ("resume", ["kv_cache"]),
+                             ("release", ["kv_cache", "weights"])], eng.calls
+        assert module.training and torch.equal(torch.get_rng_state(), trainer)
+        assert moves[-2:] == ["cpu", "meta"], moves
+    finally:
+        m.close()
+
+
+def test_the_exit_restores_the_modes_of_its_own_entry(tmp_path):
+    """Each block records the modes at its own entry: a trainer that switched the module to eval
+    between blocks (an evaluation phase) gets eval back, not the first block's train."""
+    module = _tiny()
+    m, _ = _block(tmp_path, module=module)
+    try:
+        module.train()
+        with m:
+            pass
+        assert module.training
+        module.eval()
+        with m:
+            pass
+        assert not module.training
+    finally:
+        m.close()
+
+
+def test_an_error_in_the_block_comes_out_as_itself_with_only_real_restore_failures_noted(tmp_path, monkeypatch):
+    """The body's exception is what comes out of the block. Restoring well, nothing is noted on
+    it (the exit's agree only passed it on); a failure restoring, on this rank or another, is
+    noted on it, naming that rank's failure."""
+    m, eng = _block(tmp_path)
+    try:
+        with pytest.raises(KeyError) as info:
+            with m:
+                raise KeyError("a rollout request failed")
+        assert not getattr(info.value, "__notes__", None), info.value.__notes__
+        real = m._agree
+
+        def rank1_failed(err, *, what):
+            if what != "exit":
+                return real(err, what=what)
+            exc = SyncError("exit failed on rank 1")
+            exc.failures = {0: f"KeyError inside the with block: {err}",
+                            1: "RuntimeError: release_memory_occupation on rank 1: CUDA error"}
+            raise exc
+
+        monkeypatch.setattr(m, "_agree", rank1_failed)
+        with pytest.raises(KeyError) as info:
+            with m:
+                raise KeyError("a rollout request failed")
+        assert any("exit failed on rank 1" in n for n in info.value.__notes__), info.value.__notes__
+    finally:
+        m.close()
+
+
+# --------------------------------------------------------------------------- refusals
+def test_refusals_at_construction_name_the_rank_the_index_and_the_value(tmp_path):
+    """Trainer rank 0 without an engine, and a list of replicas with a None in it, are refused
+    before anything is made. Before: [engine, None] was taken; every sync then failed on the
+    None (AttributeError) and marked that replica as holding partly new weights."""
+    cfg = SyncConfig(method="disk", disk_dir=str(tmp_path))
+    for engine, said in ((None, "trainer rank 0: trainer rank 0 needs an engine handle (method 'disk'), got None"),
+                         ([], "needs an engine handle (method 'disk'), got []"),
+                         ([_Replica(39960), None], "trainer rank 0: engine[1] of the 2 engines is None")):
+        with pytest.raises(ValueError) as info:
+            FSDPShardingManager(_tiny(), engine, config=cfg)
+        assert said in str(info.value), info.value
