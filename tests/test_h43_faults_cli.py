@@ -236,6 +236,16 @@ def test_the_ranks_sync_errors_must_name_the_same_failure():
                   "SyncError: weight sync failed on rank 1: EngineError: TP ranks [1] did not answer") != []
 
 
+def test_a_matrix_of_cells_that_cannot_be_run_says_so(capsys):
+    """Only cells n/a by construction: the summary said "slowest time to error None s (None)"."""
+    from fsdp_sync.cli import app as cli
+
+    assert cli.main(["faults", "--methods", "disk", "--stages", "prepare", "--victims", "worker0"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "3 cells: 0 run, 3 n/a by construction; 0 passed, 0 failed; no time to error measured" in text, text
+    assert "None" not in text, text
+
+
 # --------------------------------------------------------------------------- the hook's names
 
 def test_a_point_is_matched_whole_or_with_its_tags(monkeypatch):

@@ -433,9 +433,10 @@ def cmd_faults(args) -> int:
                       c.engine[:40] if c.possible else c.reason[:40], c.recovery[:20],
                       str(c.leftovers or "") if c.possible else "")
     console.print(table)
+    slowest = ("no time to error measured" if report["slowest_cell"] is None else
+               f"slowest time to error {report['slowest_seconds_to_error']} s ({report['slowest_cell']})")
     console.print(f"{report['cells']} cells: {report['ran']} run, {report['impossible']} n/a by construction; "
-                  f"{report['passed']} passed, {report['failed']} failed; slowest time to error "
-                  f"{report['slowest_seconds_to_error']} s ({report['slowest_cell']}); {report['wall_s']} s "
+                  f"{report['passed']} passed, {report['failed']} failed; {slowest}; {report['wall_s']} s "
                   f"(cells' own wall times add up to {report['cells_wall_s']} s)")
     if args.json:
         save(None, report)
