@@ -388,3 +388,23 @@ def test_a_cuda_tensor_inside_a_key_a_set_or_a_slice_is_refused_however_deep(mon
         got = open_payload(ps.payloads[0], 0)
         assert len(calls) == 1 and got.value["a"] is got.value["b"][0] and type(got.value["a"][0]) is torch.Tensor
         got.ack()
+
+
+@pytest.mark.parametrize("share_again", [False, True])
+def test_a_segment_mapped_as_zero_bytes_cannot_be_grown_by_build(share_again):
+    """A handle naming a genuine segment with size 0 was mapped (by file) as torch's resizable
+    empty storage: a BUILD on an empty tensor over it (``set_``) then grew it to 300 MB from a
+    payload of a few hundred bytes, the bomb `rebuild_storage_empty` was closed against. Refused as
+    torch refuses growing any mapped storage."""
+    segment = _segment()
+    manager, handle, _ = segment.untyped_storage()._share_filename_cpu_()
+    typed = _Call(red.rebuild_typed_storage,
+                  _Call(red.rebuild_storage_filename, torch.UntypedStorage, manager, handle, 0), torch.uint8)
+    grow = _dump(_Call(red.rebuild_tensor, torch.Tensor, typed, (0, (0,), (1,), False),
+                       state=(typed, 0, (300 << 20,), (1,))))
+    shm.add_reference(handle, +1)        # the reference a payload's pickling takes, opening gives back
+    assert "Trying to resize storage that is not resizable" in _refusal(grow, share_again=share_again)
+    empty = _dump(_Call(red.rebuild_tensor, torch.Tensor, typed, (0, (0,), (1,), False)))
+    shm.add_reference(handle, +1)
+    assert open_payload(empty, share_again=share_again).value.numel() == 0
+    assert os.path.exists(shm.segment_path(handle))

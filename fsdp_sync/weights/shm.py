@@ -27,7 +27,8 @@ from torch.multiprocessing import reductions as _red
 
 __all__ = ["HandleError", "check_segment", "map_segment", "mapped_handle", "add_reference",
            "add_torch_reference", "take_back", "refcount_lock", "keep_sockets_from_shm_manager",
-           "start_shm_manager_detached", "remove_dead_manager_dirs", "new_shared_storage", "MANAGER_TIMEOUT"]
+           "start_shm_manager_detached", "remove_dead_manager_dirs", "new_shared_storage", "MANAGER_TIMEOUT",
+           "empty_storage"]
 
 
 class HandleError(RuntimeError):
@@ -277,7 +278,7 @@ def map_segment(handle: bytes, size: int) -> torch.UntypedStorage:
             return cached
     if size == 0:
         add_reference(handle, -1)
-        return torch.UntypedStorage()
+        return empty_storage()
     try:
         fd = os.open(segment_path(handle), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -299,6 +300,15 @@ def map_segment(handle: bytes, size: int) -> torch.UntypedStorage:
     ref = _red.StorageWeakRef(storage)
     _MAPPED[handle], _MAPPED_PTRS[storage.data_ptr()] = ref, (handle, ref)
     return storage
+
+
+def empty_storage() -> torch.UntypedStorage:
+    """A storage of no bytes that cannot grow: torch's own (``UntypedStorage()``) is resizable, and
+    a payload's ``BUILD`` on a tensor made from it calls ``Tensor.__setstate__``, whose
+    ``set_(storage, offset, size, stride)`` grows it to any size (a payload of a few hundred bytes
+    allocated gigabytes). Made from a one-byte buffer (``torch.frombuffer`` storages are not
+    resizable), whose one byte no view of no elements reads."""
+    return torch.frombuffer(bytearray(1), dtype=torch.uint8)[:0].untyped_storage()
 
 
 def add_reference(handle: bytes, delta: int, mapping: mmap.mmap | None = None) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions as _red
 
-from .shm import HandleError, check_segment, map_segment, refcount_lock
+from .shm import HandleError, check_segment, empty_storage, map_segment, refcount_lock
 
 # --------------------------------------------------------------------------- CUDA device UUIDs
 
@@ -201,13 +201,11 @@ def _mapped(out: list, *args, via_manager: bool = False):
 
 
 def _safe_rebuild_storage_empty(cls):
-    """An empty storage that cannot grow: torch's (``UntypedStorage()``) is resizable, and a
-    payload's ``BUILD`` on a tensor made from it calls ``Tensor.__setstate__``, whose
-    ``set_(storage, offset, size, stride)`` grows it to any size (a 300-byte payload allocated
-    1.2 GB here). Made from a one-byte buffer (``torch.frombuffer`` storages are not resizable)
-    and cut to no elements."""
+    """An empty storage that cannot grow (`shm.empty_storage`): torch's is resizable, and a
+    payload's ``BUILD`` on a tensor made from it grew it to any size (a 300-byte payload allocated
+    1.2 GB here)."""
     _cls(cls, (_USTORAGE,), "storage")
-    return torch.frombuffer(bytearray(1), dtype=torch.uint8)[:0].untyped_storage()
+    return empty_storage()
 
 
 def _safe_rebuild_typed_storage(storage, dtype):
