@@ -328,3 +328,32 @@ def test_ctrl_c_with_jobs_stops_the_matrix_and_ends_the_running_cells(tmp_path, 
     assert len(seen) == 8 and not rescued and not left, (seen, rescued, left)
     assert not list(tmp_path.glob("fsdp_sync_fault_*"))
     assert all(c.ok is None for c in cells)
+
+
+def test_a_1000_sync_soak_that_leaks_exits_1(monkeypatch, capsys):
+    """``--syncs 1000`` (the judged target): a trainer growing 2 KiB a sync (+1.95 MiB per 1000)
+    is "target NOT met", exit 1; flat, "target met", exit 0. (Only the short run's exit code was
+    tested: the judged run could exit 0 on a leak with every test passing.) The job is replaced
+    by its samples."""
+    from fsdp_sync import cli
+    from fsdp_sync.cli import soak
+
+    MiB = 2**20
+
+    def job(rss):
+        series = [{"sync": s, "trainer0": {"rss": int(rss(s)), "fds": 10, "threads": 4}, "shm": 0, "temp_dirs": 0}
+                  for s in sorted(soak.sample_points(0, 1000, 100))]
+
+        def run_ranks(fn, world, *args, **kwargs):
+            return [{"series": {"disk": series}, "seconds": {"disk": 1.0}, "procs": ["trainer0"],
+                     "tracemalloc": None}]
+        return run_ranks
+
+    argv = ["soak", "--syncs", "1000", "--warmup", "0", "--every", "100", "--methods", "disk", "--png", ""]
+    monkeypatch.setattr(launch, "run_ranks", job(lambda s: 300 * MiB + s * 2048))
+    assert cli.main(argv) == 1
+    text = " ".join(capsys.readouterr().out.split())
+    assert "RSS grew +1.95 MiB per 1000 syncs, budget 1 MiB" in text and "target NOT met" in text, text
+    monkeypatch.setattr(launch, "run_ranks", job(lambda s: 300 * MiB))
+    assert cli.main(argv) == 0
+    assert "target met" in capsys.readouterr().out
