@@ -163,3 +163,17 @@ def test_an_fp8_syncs_quantizer_seconds_are_their_own_figure_not_transports():
     m = step_metrics([dict(st, global_steps=1, kind="full"), dict(st, global_steps=1, kind="full",
                                                                   quantize_s=st["quantize_s"] / 2)])
     assert m["fsdp_sync/quantize_s"] == st["quantize_s"], m
+
+
+def test_fsdp_sync_options_without_enable_are_refused_not_ignored():
+    """``+...custom.fsdp_sync.verify=full`` without ``enable``: verl's own adapter ran, reading none
+    of them (no check while the user asked for one). Refused naming the keys; ``enable=false``
+    says the user means verl's adapter, and ``fsdp_sync_ref`` needs no opt-in."""
+    from fsdp_sync.integrations.verl import enabled
+
+    with pytest.raises(ValueError, match=r"rollout\.custom\.fsdp_sync sets \['bucket_mb', 'verify'\] "
+                                         r"but not enable.*fsdp_sync\.enable=true"):
+        _build(_config(custom={"fsdp_sync": {"verify": "full", "bucket_mb": 4}}))
+    assert not enabled(_config(custom={"fsdp_sync": {"enable": False, "verify": "full"}}))
+    assert enabled(_config(name="fsdp_sync_ref", custom={"fsdp_sync": {"log_dir": "/tmp"}}))
+    assert not enabled(_config(custom={"fsdp_sync": {}}))

@@ -71,10 +71,20 @@ def _flag(value: Any, key: str) -> bool:
 
 def enabled(config: Any) -> bool:
     """Whether fsdp_sync syncs this rollout: ``rollout.custom.fsdp_sync.enable`` set, or the
-    rollout is fsdp_sync's own (``rollout.name=fsdp_sync_ref``, where nothing else could)."""
-    if get_key(config, "name") == ROLLOUT_NAME:
+    rollout is fsdp_sync's own (``rollout.name=fsdp_sync_ref``, where nothing else could). Other
+    ``custom.fsdp_sync`` keys with no ``enable`` at all are refused: verl's own adapter would run
+    and read none of them (``verify=full`` with no check); ``enable=false`` keeps them, unread."""
+    name = get_key(config, "name")
+    if name == ROLLOUT_NAME:
         return True
-    return _flag(options(config).get("enable", False), "enable")
+    opts = options(config)
+    if opts and "enable" not in opts:
+        raise ValueError(f"rollout.custom.fsdp_sync sets {sorted(opts)} but not enable, so under "
+                         f"rollout.name={name!r} verl's own adapter would sync and read none of "
+                         f"them; add +actor_rollout_ref.rollout.custom.fsdp_sync.enable=true "
+                         f"(fsdp_sync syncs rollout.name=sglang), or set it to false to run "
+                         f"verl's adapter with them unread")
+    return _flag(opts.get("enable", False), "enable")
 
 
 HONOURED = ("strategy", "bucket_bytes", "dtype", "verify", "quantization", "dist_timeout_s",
