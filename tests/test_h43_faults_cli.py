@@ -357,3 +357,22 @@ def test_a_1000_sync_soak_that_leaks_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(launch, "run_ranks", job(lambda s: 300 * MiB))
     assert cli.main(argv) == 0
     assert "target met" in capsys.readouterr().out
+
+
+def test_the_soak_counts_the_segments_of_its_processes_only():
+    """`soak._shm_of`: the ``/dev/shm`` segments the given processes made (torch names them
+    ``torch_<pid>_...``), not another process's, not one whose pid only starts the same."""
+    from fsdp_sync.cli.soak import _shm_of
+
+    pid = os.getpid()
+    before = _shm_of([pid])
+    names = [f"/dev/shm/torch_{pid}_h43_0", f"/dev/shm/torch_{pid}7_h43_1", "/dev/shm/torch_1_h43_2"]
+    try:
+        for n in names:
+            open(n, "w").close()
+        assert _shm_of([pid]) == before + 1
+        assert _shm_of([pid, 1]) == _shm_of([pid]) + _shm_of([1]) and _shm_of([1]) >= 1
+    finally:
+        for n in names:
+            os.unlink(n)
+    assert _shm_of([pid]) == before
