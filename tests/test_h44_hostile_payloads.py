@@ -408,3 +408,37 @@ def test_a_segment_mapped_as_zero_bytes_cannot_be_grown_by_build(share_again):
     shm.add_reference(handle, +1)
     assert open_payload(empty, share_again=share_again).value.numel() == 0
     assert os.path.exists(shm.segment_path(handle))
+
+
+def test_empty_tensors_cost_no_segment_and_no_cuda_counter(monkeypatch):
+    """An empty tensor shares nothing: no shared-memory segment is made for it (neither a copy nor
+    its own storage moved into shared memory: mutants doing either survived), and an empty CUDA
+    storage, which torch shares with no IPC handle and no reference counter (None), leaves no
+    counter for the release to give back (torch's release of a None handle would raise)."""
+    before = own_segments()
+    empties = {"e": torch.empty(0), "f": torch.empty(0, 3, dtype=torch.bfloat16)}
+    with make_payloads(empties, 1, tagged=False) as ps:
+        assert own_segments() == before
+        got = open_payload(ps.payloads[0])
+        assert {k: (tuple(v.shape), v.dtype) for k, v in got.value.items()} == \
+            {k: (tuple(v.shape), v.dtype) for k, v in empties.items()}
+        del got
+        ps.release(require_ack=False, unopened=[0])
+    empty_cuda = torch.empty(0)
+    real = red.reduce_tensor
+
+    def reduce(t):              # torch's reduction of an empty CUDA tensor, on a CPU machine
+        if t.numel():            # (the state words)
+            return real(t)
+        return (red.rebuild_cuda_tensor, (type(t), t.size(), t.stride(), 0, torch.storage.TypedStorage,
+                                          t.dtype, 0, None, 0, 0, False, None, None, None, False))
+
+    released: list = []
+    monkeypatch.setattr(red, "reduce_tensor", reduce)
+    monkeypatch.setattr(handles, "device_uuid", lambda index: "GPU-0")
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
+                        staticmethod(lambda handle, offset: released.append((handle, offset))))
+    ps = make_payloads({"w": empty_cuda}, 2)
+    assert all(b"rebuild_cuda_tensor" in p for p in ps.payloads) and ps._counters == [[], []]
+    ps.release(require_ack=False)
+    assert released == []
