@@ -177,3 +177,32 @@ def test_fsdp_sync_options_without_enable_are_refused_not_ignored():
     assert not enabled(_config(custom={"fsdp_sync": {"enable": False, "verify": "full"}}))
     assert enabled(_config(name="fsdp_sync_ref", custom={"fsdp_sync": {"log_dir": "/tmp"}}))
     assert not enabled(_config(custom={"fsdp_sync": {}}))
+
+
+def test_a_run_not_opted_in_builds_the_class_registered_before_fsdp_sync(monkeypatch):
+    """`adapter.register` keeps what ``("sglang", "async")`` named before it (another plug-in's
+    adapter, say); a run that does not opt in builds that class, with verl's arguments, not verl's
+    own ServerAdapter."""
+    import sys
+
+    from verl.workers.rollout import base
+
+    from fsdp_sync.integrations.verl import adapter
+
+    built = []
+
+    class Theirs:
+        def __init__(self, config, model_config, device_mesh, replica_rank=-1):
+            built.append((model_config, device_mesh, replica_rank))
+
+    stub = types.ModuleType("h42_other_plugin")
+    stub.Theirs = Theirs
+    monkeypatch.setitem(sys.modules, "h42_other_plugin", stub)
+    monkeypatch.setattr(adapter, "VERL_DEFAULT", adapter.VERL_DEFAULT)
+    monkeypatch.setitem(base._ROLLOUT_REGISTRY, adapter.KEY, "h42_other_plugin.Theirs")
+    adapter.register()
+    assert base._ROLLOUT_REGISTRY[adapter.KEY] == adapter.OURS
+    assert adapter.VERL_DEFAULT == "h42_other_plugin.Theirs"
+    obj = base.get_rollout_class("sglang", "async")(config=_config(), model_config="mc",
+                                                    device_mesh="mesh", replica_rank=3)
+    assert type(obj) is Theirs and built == [("mc", "mesh", 3)]
