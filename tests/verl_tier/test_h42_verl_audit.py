@@ -157,7 +157,22 @@ def test_an_fp8_syncs_quantizer_seconds_are_their_own_figure_not_transports():
     with fake_sglang.FakeSGLangServer(tp_size=1) as server:
         cfg["custom"]["fsdp_sync"]["base_url"] = server.url
         st = run_ranks(verl_ranks.sync_fp8_tiny, 1, cfg, "qwen2", None, timeout_s=100)[0]
+        got = dict(server.engine.weights)
     assert st["quantized_tensors"] == 14 and st["quantize_s"] > 0, st
+    # the values: the trainer's float32 weights cast to rollout.dtype, then quantized (as verl's
+    # quantizer casts before it quantizes); quantized from float32 the scales differ
+    import torch
+
+    from fsdp_sync.models import build_model, load_config
+    from fsdp_sync.weights import fp8
+
+    trained = build_model(load_config("tiny-fp8", model_type="qwen2"), seed=7).state_dict()
+    differs = 0
+    for n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        q, sc = fp8.quantize_block(n, trained[n].to(torch.bfloat16))
+        assert got[n].view(torch.uint8).equal(q.view(torch.uint8)) and got[n + "_scale_inv"].equal(sc), n
+        differs += not fp8.quantize_block(n, trained[n])[1].equal(sc)
+    assert differs, "the cast changes no scale here: the check above cannot fail"
     parts = sum(st[k] for k in ("export_s", "pack_s", "digest_s", "quantize_s", "transport_s"))
     assert parts <= st["sync_s"] * (1 + 1e-9), st
     m = step_metrics([dict(st, global_steps=1, kind="full"), dict(st, global_steps=1, kind="full",
