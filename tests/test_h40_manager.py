@@ -263,3 +263,85 @@ def test_refusals_at_construction_name_the_rank_the_index_and_the_value(tmp_path
         with pytest.raises(ValueError) as info:
             FSDPShardingManager(_tiny(), engine, config=cfg)
         assert said in str(info.value), info.value
+
+
+def test_an_exit_of_the_body_wins_over_an_interrupt_while_restoring(tmp_path, monkeypatch):
+    """sys.exit(3) inside the block, then a Ctrl-C while the exit releases the engine's memory:
+    SystemExit(3) comes out (the exit code the program asked for), the modes still restored."""
+    module = _tiny()
+    m, _ = _block(tmp_path, module=module)
+
+    def pressed():
+        raise KeyboardInterrupt("pressed during release_memory_occupation")
+
+    try:
+        module.train()
+        monkeypatch.setattr(m, "_release", pressed)
+        with pytest.raises(SystemExit) as info:
+            with m:
+                raise SystemExit(3)
+        assert info.value.code == 3 and module.training
+    finally:
+        m.close()
+
+
+def test_close_inside_the_block_is_refused_and_the_exit_still_gives_memory_back(tmp_path):
+    m, eng = _block(tmp_path)
+    with m:
+        with pytest.raises(RuntimeError, match=r"close\(\) inside the with block: leave the block first"):
+            m.close()
+        assert m.transport is not None
+    assert eng.calls[-1] == ("release", ["kv_cache", "weights"]), eng.calls
+    m.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        with m:
+            pass
+    assert eng.calls[-1] == ("release", ["kv_cache", "weights"]) and eng.calls.count(("sync",)) == 1
+
+
+# --------------------------------------------------------------------------- pause modes
+def test_the_base_of_an_adapter_sync_continues_no_replica_before_its_adapter():
+    """lora="adapter": the base's sync runs under lora_stage's hold (one pause around base and
+    adapter). A replica a failed sync left paused (``stalled``) rejoins with the base: it is
+    marked whole and put in service, but not continued before the adapter is loaded (the caller
+    continues every replica it holds then): no request on the new base with the old adapter."""
+    cfg = SyncConfig(method="distributed", memory_probe="off", pause_mode="retract",
+                     on_replica_failure="quarantine")
+    e0, e1 = _Replica(39951), _Replica(39952)
+    m = FSDPShardingManager(_tiny(), [e0, e1], config=cfg)
+    m._check_coverage = lambda: None
+    m._transport_sync = lambda targets, version, step, reload=False: (fleet.take_noted(), (None, None))[1]
+    try:
+        rep = m.fleet.find(e1)
+        m.fleet.quarantine(rep, "holds partly new weights from a failed sync")
+        rep.stalled = rep.partial = rep.rejoin = True
+        held = []
+        m._sync_full(hold=lambda targets: held.append([t.engine for t in targets]))
+        assert held == [[e0, e1]] and m.version == "0"
+        assert ("continue",) not in e0.calls + e1.calls, (e0.calls, e1.calls)
+        assert rep.serving and not rep.stalled and not rep.partial and rep.version == "0"
+    finally:
+        m.close()
+
+
+def test_a_pause_failing_on_one_replica_continues_the_ones_paused_and_sends_nothing():
+    """pause_generation fails on replica 1: the sync raises naming the call, the replica and the
+    mode, replica 0 (paused just before) is continued, and nothing is sent."""
+    cfg = SyncConfig(method="distributed", memory_probe="off", pause_mode="in_place")
+    e0, e1 = _Replica(39941), _Replica(39942)
+
+    def refuses(mode="abort"):
+        raise ConnectionError("connection reset (injected)")
+
+    e1.pause_generation = refuses
+    m = FSDPShardingManager(_tiny(), [e0, e1], config=cfg)
+    m._check_coverage = lambda: None
+    sent = []
+    m._transport_sync = lambda targets, version, step, reload=False: sent.append(version)
+    try:
+        with pytest.raises(SyncError, match=r"pause_generation\(mode='in_place'\) on replica 1 .*connection reset"):
+            m._sync_full()
+        assert e0.calls == [("pause", "in_place"), ("continue",)] and sent == [], (e0.calls, sent)
+        assert m.version is None
+    finally:
+        m.close()
