@@ -55,10 +55,10 @@ def test_a_clients_shm_manager_does_not_hold_its_stdio():
         for pid in mine:
             try:
                 fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+                stdout = os.readlink(f"/proc/{pid}/fd/1")   # inside: it may exit between the two reads
             except (FileNotFoundError, ProcessLookupError):
                 continue                          # it has exited
-            assert not any(f.startswith("pipe:") for f in fds - {os.readlink(f"/proc/{pid}/fd/1")}
-                           ), (pid, fds)
+            assert not any(f.startswith("pipe:") for f in fds - {stdout}), (pid, fds)
 
 
 # One bucket update (the workers open it) and one direct update (the server process opens it);
