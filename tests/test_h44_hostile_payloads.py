@@ -442,3 +442,24 @@ def test_empty_tensors_cost_no_segment_and_no_cuda_counter(monkeypatch):
     assert all(b"rebuild_cuda_tensor" in p for p in ps.payloads) and ps._counters == [[], []]
     ps.release(require_ack=False)
     assert released == []
+
+
+def test_a_tensor_not_in_shared_memory_is_copied_once_for_every_rank():
+    """A CPU tensor outside shared memory is copied into a segment to be shared (never moved). The
+    copy was made once per consuming rank: SGLang's per-tensor update over HTTP (one payload of
+    the whole list per TP rank) held TP copies of every tensor in /dev/shm. One copy per source
+    view now, as for CUDA; each rank opens it bit for bit, and the release frees it."""
+    weight = torch.randn(64, 33)
+    named = [("w", weight), ("b", torch.arange(7, dtype=torch.int32)), ("w_again", weight),
+             ("row", weight[3])]
+    before = own_segments()
+    ps = make_payloads(named, 4, tagged=False)
+    assert own_segments() - before == 3                  # w (twice named), b, and the row view
+    for payload in ps.payloads:
+        got = open_payload(payload).value
+        assert [n for n, _ in got] == [n for n, _ in named]
+        assert all(torch.equal(g, t) for (_, g), (_, t) in zip(got, named))
+        assert got[0][1].data_ptr() == got[2][1].data_ptr()
+        del got
+    ps.release(require_ack=False)
+    assert own_segments_left(before) == 0

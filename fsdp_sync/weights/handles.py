@@ -44,6 +44,7 @@ Not here: which tensors go in a bucket (`bucket`), and who carries payloads wher
 from __future__ import annotations
 
 import base64
+import contextlib
 import copyreg
 import io
 import logging
@@ -157,10 +158,7 @@ class _Reductions:
 
     def _reduce_tensor(self, t: torch.Tensor):
         if t.device.type == "cpu" and t.numel() > 0 and not _is_owned(t.untyped_storage()):
-            copy = empty_shared(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-            copy.copy_(t)
-            self._keep.append(copy)
-            t = copy
+            t = self._copy(t)
         try:
             fn, args = torch_reduce_tensor()(t.detach())
         except RuntimeError as exc:      # a torch built to refuse sharing expandable segments
@@ -172,13 +170,24 @@ class _Reductions:
         if _is_cuda_rebuild(fn):
             # torch's reducer returns what the module's name holds: SGLang's wrapper where it is
             # patched. Send torch's function, by torch's name, with the device as its UUID.
-            fn, args = torch_rebuild_cuda_tensor(), list(args)
-            if isinstance(args[6], int):
-                args[6] = device_uuid(args[6])
-            args = tuple(args)
+            fn = torch_rebuild_cuda_tensor()
+            args = (*args[:6], device_uuid(args[6]) if isinstance(args[6], int) else args[6], *args[7:])
             if args[11] is not None:       # (an empty storage shares no memory and no counter)
                 self._counters.append((args[11], args[12]))
         return fn, args
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` shareable as it is (CUDA: allocated with expandable segments off), one
+        for every rank's payload (per source view), kept with them until their release."""
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+        copy = self._copies.get(key)
+        if copy is None:
+            with ipc_memory.forced_off() if t.device.type == "cuda" else contextlib.nullcontext():
+                copy = empty_shared(t.numel() * t.element_size(), t.device).view(t.dtype).view(t.shape)
+            copy.copy_(t)
+            self._keep.append(copy)
+            self._copies[key] = copy
+        return copy
 
     def _shareable_copy(self, t: torch.Tensor, args: tuple | None):
         """``t`` lies in an expandable segment (allocated before `ipc_memory.shareable`), whose
@@ -196,14 +205,7 @@ class _Reductions:
                          "shared (a consumer opens such a block only with ptrace rights over this "
                          "process); what is allocated with them off is shared without a copy "
                          "(fsdp_sync.weights.ipc_memory)", _mib(t))
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-        copy = self._copies.get(key)       # every rank's payload shares the same copy
-        if copy is None:
-            with ipc_memory.forced_off():
-                copy = empty_shared(t.numel() * t.element_size(), t.device).view(t.dtype).view(t.shape)
-            copy.copy_(t)
-            self._keep.append(copy)
-            self._copies[key] = copy
+        copy = self._copy(t)
         fn, args = torch_reduce_tensor()(copy)
         if _is_cuda_rebuild(fn) and ipc_memory.is_expandable_handle(args[7]):
             raise HandleError(f"cannot share {tuple(t.shape)} {t.dtype} on {t.device} by a CUDA IPC "
@@ -238,8 +240,7 @@ class _Pickler(_Reductions, pickle._Pickler):
 
     dispatch = dict(pickle._Pickler.dispatch)
 
-    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list,
-                 copies: dict | None = None) -> None:
+    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list, copies: dict | None = None):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._setup(keep, shared, counters, copies)
 
@@ -268,8 +269,7 @@ class _FastPickler(_Reductions, pickle.Pickler):
     `_Pickler`'s two tricks (`_dump`). A bucket's metadata is a dozen objects per tensor, which
     Python's pickler takes ~20 us each to write: 8 ms of a 338-tensor sync on this host."""
 
-    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list,
-                 copies: dict | None = None) -> None:
+    def __init__(self, file: io.BytesIO, keep: list, shared: list, counters: list, copies: dict | None = None):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._setup(keep, shared, counters, copies)
 
