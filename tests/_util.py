@@ -331,8 +331,7 @@ class Refusing:
 
 
 def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts, refuses,
-              make_manager, drop_extra=(), watch=None, after_sync=None, greedy: int = 0,
-              kept: bool = True) -> list[dict]:
+              make_manager, drop_extra=(), watch=None, after_sync=None, greedy: int = 0) -> list[dict]:
     """One training step and one sync per entry of ``syncs`` (SyncConfig overrides) on ``module``,
     a record per sync; ``engine`` (None on ranks that hold none) is shut down at the end.
 
@@ -346,13 +345,11 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
     ``watch`` (a callable reading state a refused sync must not touch), ``unchanged``.
     ``greedy``: also ``tokens`` (the engine's greedy tokens, that many per prompt, equal the
     trainer's own greedy generation; every rank runs the trainer's, a collective under FSDP).
-    ``kept=False``: no ``kept`` (the engine's checksum before each sync is not taken: a test that
-    never reads it saves an engine-wide hash a sync).
     """
     from fsdp_sync.weights import export
     from fsdp_sync.engines.base import checksum_named_tensors
     from fsdp_sync.topology import SyncError
-    from fsdp_sync.cli.trainer import synthetic_batch, train_step
+    from fsdp_sync.cli.trainer import greedy_generate, last_logits, synthetic_batch, train_step
 
     out = []
     try:
@@ -360,13 +357,14 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
             kw = dict(kw)
             wrapped = engine if kw.pop("engine", None) is None or engine is None else Refusing(engine, refuses)
             train_step(module, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank))
-            before = engine.weights_checksum() if engine is not None and kept else None
+            before = engine.weights_checksum() if engine is not None else None
             watched = watch() if watch is not None else None
             manager = make_manager(wrapped, step, kw)
             rec = {"case": case, "step": step, "kw": kw}
             try:
                 with manager:
-                    ref, want = trainer_answers(module, prompts, greedy)
+                    ref = last_logits(module, prompts)
+                    want = greedy_generate(module, prompts, greedy) if greedy else None
                     trainer = checksum_named_tensors(export.iter_params(module, dtype=torch.float32))
                     rec["extra"] = {k: v for k, v in manager.stats.extra.items() if k not in drop_extra}
                     rec["seconds"], rec["engine_calls"] = manager.stats.seconds, manager.stats.engine_calls
@@ -379,8 +377,7 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
                             after_sync(manager, rec)
             except SyncError as exc:
                 rec["error"] = str(exc)
-                if kept:
-                    rec["kept"] = engine.weights_checksum() == before if engine is not None else None
+                rec["kept"] = engine.weights_checksum() == before if engine is not None else None
                 if watch is not None:
                     rec["unchanged"] = watch() == watched
             finally:
@@ -390,32 +387,6 @@ def run_syncs(rank: int, case: int, module, opt, cfg, engine, syncs, *, prompts,
         if engine is not None:
             engine.shutdown()
     return out
-
-
-@torch.no_grad()
-def trainer_answers(module, prompts, greedy: int = 0):
-    """``(last_logits(module, prompts), greedy_generate(module, prompts, greedy) or None)``
-    (`fsdp_sync.cli.trainer`'s), from the same forwards: a greedy run's first forward is the
-    prompt's own, whose last position is `last_logits`' row for it, so each prompt's is run once
-    (every forward of an FSDP trainer is a collective of all its ranks). The two loops, joined."""
-    from fsdp_sync.cli.trainer import last_logits
-
-    if not greedy:
-        return last_logits(module, prompts), None
-    dev = next(module.parameters()).device
-    rows, want = [], []
-    for p in prompts:
-        ids = torch.tensor([p], device=dev)
-        new: list[int] = []
-        for i in range(greedy):
-            logits = module(input_ids=ids).logits[0, -1]
-            if i == 0:
-                rows.append(logits.float().cpu())
-            nxt = int(torch.argmax(logits))
-            new.append(nxt)
-            ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
-        want.append(new)
-    return torch.stack(rows), want
 
 
 def fds_under(pid: int, root: str) -> list[str]:

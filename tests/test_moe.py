@@ -297,7 +297,7 @@ def _job(rank, world, root):
             return m
 
         out += run_syncs(rank, c, module, opt, cfg, engine, syncs, prompts=PROMPTS, refuses=(),
-                         make_manager=make_manager, greedy=3, kept=False)
+                         make_manager=make_manager, greedy=3)
         del module, opt, model
     return out
 
