@@ -11,10 +11,12 @@ import os
 import signal
 import subprocess
 import time
+import types
 
 import psutil
 import pytest
 
+from fsdp_sync import wire
 from fsdp_sync.cli import faults, faults_cell, launch
 
 
@@ -297,6 +299,10 @@ def test_ctrl_c_with_jobs_stops_the_matrix_and_ends_the_running_cells(tmp_path, 
     monkeypatch.setattr(launch, "_context", lambda: multiprocessing.get_context("fork"))
     monkeypatch.setattr(launch, "_worker", _sleeping_rank)
     monkeypatch.setattr(faults, "_POOL_START", "fork")
+    # nothing of torch in the forked pool processes (this process's threads may hold its locks):
+    # no store, no first-use warm-up (these cells are interrupted, their fds never counted)
+    monkeypatch.setattr(faults_cell, "_warm", lambda: None)
+    monkeypatch.setattr(wire, "host_store", lambda *a, **k: types.SimpleNamespace(port=0))
     seen: set[int] = set()
     rescued: list[int] = []
     done = threading.Event()
