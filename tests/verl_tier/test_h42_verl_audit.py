@@ -221,3 +221,29 @@ def test_a_run_not_opted_in_builds_the_class_registered_before_fsdp_sync(monkeyp
     obj = base.get_rollout_class("sglang", "async")(config=_config(), model_config="mc",
                                                     device_mesh="mesh", replica_rank=3)
     assert type(obj) is Theirs and built == [("mc", "mesh", 3)]
+
+
+def test_a_stream_that_failed_is_not_pulled_again():
+    """`stream.pulled_in_a_thread`: where verl's receiver itself raised (a broadcast that timed
+    out, say), its error is raised and the stream is not walked again: a second pull would wait
+    out the receiver's timeout once more. (A consumer's failure still walks the rest: `drained`.)"""
+    import asyncio
+
+    from fsdp_sync.integrations.verl.stream import pulled_in_a_thread
+
+    class Receiver:                      # an async iterator, not a generator: it can be pulled again
+        pulls = 0
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            Receiver.pulls += 1
+            if Receiver.pulls == 1:
+                raise TimeoutError("broadcast of bucket 0 timed out")
+            await asyncio.sleep(0)       # what a real receiver would wait out again
+            raise TimeoutError(f"pull {Receiver.pulls}")
+
+    with pytest.raises(TimeoutError, match="bucket 0"):
+        asyncio.run(pulled_in_a_thread(Receiver(), lambda it: list(it)))
+    assert Receiver.pulls == 1
