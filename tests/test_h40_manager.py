@@ -345,3 +345,30 @@ def test_a_pause_failing_on_one_replica_continues_the_ones_paused_and_sends_noth
         assert m.version is None
     finally:
         m.close()
+
+
+def test_a_sync_that_every_replica_failed_commits_no_version_under_quarantine():
+    """on_replica_failure="quarantine": every replica stopped answering during the sync. Nothing
+    is left to sync again: the sync fails naming them, no second attempt goes to an empty
+    fleet, and the manager publishes no version nobody holds."""
+    cfg = SyncConfig(method="distributed", memory_probe="off", on_replica_failure="quarantine")
+    e0, e1 = _Replica(39921), _Replica(39922)
+    m = FSDPShardingManager(_tiny(), [e0, e1], config=cfg)
+    m._check_coverage = lambda: None
+    attempts = []
+
+    def sync(targets, version, step, reload=False):
+        fleet.take_noted()
+        attempts.append([t.engine for t in targets])
+        for e in (e0, e1):
+            e.dead_reason = lambda: "worker 0 died (injected)"
+        return SyncError("update_weights_from_distributed failed"), SimpleNamespace(commit_failed=None)
+
+    m._transport_sync = sync
+    try:
+        with pytest.raises(SyncError, match=r"no replica committed version '0'.*replica 0.*replica 1"):
+            m._sync_full()
+        assert attempts == [[e0, e1]] and m.version is None
+        assert [r["serving"] for r in m.fleet_status()["replicas"]] == [False, False]
+    finally:
+        m.close()
