@@ -247,3 +247,39 @@ def test_a_stream_that_failed_is_not_pulled_again():
     with pytest.raises(TimeoutError, match="bucket 0"):
         asyncio.run(pulled_in_a_thread(Receiver(), lambda it: list(it)))
     assert Receiver.pulls == 1
+
+
+def test_what_each_replica_publishes_and_how_a_step_combines_it(monkeypatch):
+    """`metrics.publish` (infer-TP rank 0 of each replica): every figure of `KEYS`, ints
+    (bytes, tensors, buckets) as much as floats, and the sync's kind (a LoRA run's adapter);
+    `step_metrics` of two replicas: seconds of the slowest, counts summed (buckets too)."""
+    import asyncio
+
+    import ray
+
+    from fsdp_sync.integrations.verl import metrics
+
+    put = []
+
+    class Sink:
+        class put:                       # noqa: N801 - Ray's actor-method shape: put.remote(x)
+            @staticmethod
+            def remote(record):
+                put.append(record)
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(None)
+                return fut
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(metrics, "_sink", lambda: Sink)
+    for sync_s, bucket_count in ((0.5, 3), (0.75, 4)):
+        stats = {"kind": "adapter", "global_steps": 2, "strategy": "flattened", "sync_s": sync_s,
+                 "export_s": 0.125, "bytes": 1000, "tensors": 12, "buckets": bucket_count,
+                 "engine_calls": bucket_count, "digests": {"w": "abc"}}
+        asyncio.run(metrics.publish(stats))
+    assert put[0] == {"sync_s": 0.5, "export_s": 0.125, "bytes": 1000.0, "tensors": 12.0,
+                      "buckets": 3.0, "engine_calls": 3.0, "global_steps": 2, "kind": "adapter"}
+    m = metrics.step_metrics(put)
+    assert (m["fsdp_sync/sync_s"], m["fsdp_sync/bytes"], m["fsdp_sync/buckets"],
+            m["fsdp_sync/engine_calls"], m["fsdp_sync/replicas"], m["fsdp_sync/adapter"]) == \
+        (0.75, 2000.0, 7.0, 7.0, 2.0, 1.0), m
