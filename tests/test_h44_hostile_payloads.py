@@ -463,3 +463,22 @@ def test_a_tensor_not_in_shared_memory_is_copied_once_for_every_rank():
         del got
     ps.release(require_ack=False)
     assert own_segments_left(before) == 0
+
+
+def test_a_refused_payload_with_an_empty_tensor_gives_back_its_references():
+    """A payload for another rank is refused and gives back what its unpickling took, storage by
+    storage. An empty tensor's storage (one byte that no view reads, so that it cannot grow) holds
+    no segment: giving back for it called torch's ``_share_filename_cpu_``, which moved it into a
+    new segment of its own, counted once more and never freed (one leaked segment per empty
+    tensor of each refused payload, in the consumer, until it exited)."""
+    before = own_segments()
+    obj = {"w": torch.arange(6.0), "e": torch.empty(0), "t": torch.empty(5, 0).t()}
+    ps = make_payloads(obj, 2)
+    assert "payload for infer-TP rank 0 (of 2) opened by rank 1" in _refusal(ps.payloads[0], rank=1)
+    for rank in (0, 1):
+        got = open_payload(ps.payloads[rank], rank)
+        assert torch.equal(got.value["w"], obj["w"]) and got.value["e"].numel() == 0
+        got.ack()
+    ps.release()
+    del got
+    assert own_segments_left(before) == 0

@@ -390,9 +390,11 @@ def add_torch_reference(storage: torch.UntypedStorage, delta: int) -> None:
 
 
 def take_back(storage: torch.UntypedStorage) -> None:
-    """Undo what opening did to a segment's count: the rightful consumer's reference again."""
+    """Undo what opening did to a segment's count: the rightful consumer's reference again.
+    Nothing for a storage in no segment (the one-byte `empty_storage` of an empty tensor): torch's
+    ``_share_filename_cpu_`` would move it into a new segment, counted and never freed."""
     handle = mapped_handle(storage)
     if handle is not None:
         add_reference(handle, +1)
-    else:
+    elif storage.is_shared():
         add_torch_reference(storage, +1)
