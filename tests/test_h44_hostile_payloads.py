@@ -102,6 +102,11 @@ def test_a_typed_storage_handle_is_checked_in_bytes_not_elements(share_again):
     assert (f"asks for {size * 16} bytes of segment {handle.decode()}, which holds {size}: a forged "
             f"size; refused") in _refusal(data, share_again=share_again)
     assert os.stat(path).st_size == before
+    for bad in (-8, -1):        # a negative count, by itself or times an itemsize, names itself
+        for dtype in (None, torch.int64):
+            args = (torch.UntypedStorage, manager, handle, bad) + ((dtype,) if dtype else ())
+            assert f"has size {bad * (dtype.itemsize if dtype else 1)}; refused" in _refusal(
+                _dump(_Call(red.rebuild_storage_filename, *args)), share_again=share_again)
     # the element count a genuine typed handle carries opens
     ok = _dump(_Call(red.rebuild_storage_filename, torch.UntypedStorage, manager, handle, size // 8,
                      torch.int64))
