@@ -4,6 +4,7 @@ Every rank raises the same `SyncError`: ``"<what> failed on rank <first>[ (ranks
 too)]: <text>"``, where ``<what>`` is the failure's own name when a rank passed ``(what, text)``
 (the manager's stages agreed together) and the caller's ``what`` otherwise; without a process group
 ``"<what> failed: <text>"``. ``failures`` holds each failing rank's text. Run on 3 gloo ranks.
+`agree_after_rank0` over a group whose rank 0 is not global rank 0 raises on its members alike.
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ def _agree_on_ranks(rank, world):
             out[label] = None
         except SyncError as exc:
             out[label] = (str(exc), dict(exc.failures))
+    # agree_after_rank0 over a group whose rank 0 is global rank 1 (verl's second infer-TP group):
+    # rank 1's work fails, and ranks 1 and 2 both raise it (the broadcasts' source is group rank 0)
+    from fsdp_sync.topology import agree_after_rank0
+
+    group = dist.new_group([1, 2])
+    if rank > 0:
+        try:
+            agree_after_rank0(lambda: "boom on group rank 0", group, what="lora", round_s=0.01)
+            out["after_rank0"] = None
+        except SyncError as exc:
+            out["after_rank0"] = str(exc)
     return out
 
 
@@ -56,6 +68,8 @@ def test_the_first_failing_rank_leads_and_only_the_others_are_listed():
     from fsdp_sync.cli.launch import run_ranks, spawn_env
 
     results = run_ranks(_agree_on_ranks, 3, timeout_s=100, pg_timeout_s=60, env=spawn_env())
+    said = "lora failed on group rank 0: boom on group rank 0"     # on the group's members only
+    assert [r.pop("after_rank0", None) for r in results] == [None, said, said], results
     assert results[0] == results[1] == results[2]          # the same error on every rank
     got = results[0]
     assert got["none"] is None
