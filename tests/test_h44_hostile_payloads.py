@@ -314,7 +314,8 @@ class _TwoRanks:
         self.sent, out[0] = inputs[1], inputs[0]
 
     def all_reduce(self, flag, op=None, group=None):
-        flag.fill_(int(self.error is not None))
+        both = (int(flag.item()), int(self.error is not None))
+        flag.fill_(max(both) if op == self.ReduceOp.MAX else min(both) if op == self.ReduceOp.MIN else sum(both))
 
     def barrier(self, group=None):
         pass
