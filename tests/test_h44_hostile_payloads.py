@@ -488,3 +488,20 @@ def test_a_refused_payload_with_an_empty_tensor_gives_back_its_references():
     ps.release()
     del got
     assert own_segments_left(before) == 0
+
+
+def test_host_buffers_are_written_between_the_groups_barriers(monkeypatch):
+    """`HostShared.fill`: a rank writes only once every rank is done reading the previous bytes
+    (a barrier first, unless the caller just synchronized), and nobody reads before every rank's
+    bytes are in (a barrier after). Dropping the first barrier survived every test (a race no
+    bit-exactness test on two ranks catches reliably); the order is checked here."""
+    from fsdp_sync.weights import hostbuf
+
+    calls: list = []
+    monkeypatch.setattr(hostbuf, "dist", types.SimpleNamespace(barrier=lambda group=None: calls.append(("barrier", group))))
+    host = hostbuf.HostShared("g", 0, [torch.zeros(4)])
+    host.fill(lambda: (calls.append("write"), host.bufs[0].add_(1)))
+    assert calls == [("barrier", "g"), "write", ("barrier", "g")] and host.bufs[0].tolist() == [1.0] * 4
+    calls.clear()
+    host.fill(lambda: calls.append("write"), wait_readers=False)
+    assert calls == ["write", ("barrier", "g")]
