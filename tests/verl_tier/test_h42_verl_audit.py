@@ -283,3 +283,22 @@ def test_what_each_replica_publishes_and_how_a_step_combines_it(monkeypatch):
     assert (m["fsdp_sync/sync_s"], m["fsdp_sync/bytes"], m["fsdp_sync/buckets"],
             m["fsdp_sync/engine_calls"], m["fsdp_sync/replicas"], m["fsdp_sync/adapter"]) == \
         (0.75, 2000.0, 7.0, 7.0, 2.0, 1.0), m
+
+
+def test_an_ignored_list_on_mixtral_is_compared_only_where_verls_quantizer_quantizes(monkeypatch):
+    """Mixtral's experts (w1/w2/w3): SGLang builds them FP8, verl's own pattern never quantizes
+    them (a verl/SGLang difference that has nothing to do with the ignored list). An ignored
+    attention on such a model is taken: the comparison with verl's quantizer covers the tensors
+    both quantize by default, and the experts still travel FP8 as SGLang holds them."""
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.integrations.verl import fp8_ignored
+    from fsdp_sync.models import load_config
+
+    monkeypatch.delenv(fp8_ignored.ENV, raising=False)
+    hf = load_config("tiny-fp8", model_type="mixtral")
+    hf.quantization_config = {"ignored_layers": ["model.layers.0.self_attn"]}
+    ignored = fp8_ignored.ignored_layers("sglang", hf)
+    quant = fp8_ignored.quantizer("sglang", hf, SyncConfig(quantization="fp8"), 1, ignored)
+    assert "model.layers.0.self_attn.q_proj.weight" not in quant.hf
+    assert "model.layers.1.self_attn.q_proj.weight" in quant.hf
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in quant.hf
