@@ -134,8 +134,9 @@ def end_all(engines: list, *, commit: bool, version: str | None = None, skip: It
     failed (not): this is the fleet's second phase. Commit failures raise `CommitError` once
     every engine was asked; abort failures are logged (the sync's own error is the one to report).
     Returns, after an abort, the engines that could not drop what they had taken (an engine that
-    applies each call as it arrives: SGLang, a non-transactional reference engine): they hold
-    partly new weights, which is logged and said in the sync's error (`partial_note`)."""
+    applies each call as it arrives: SGLang, a non-transactional reference engine) or whose abort
+    failed (what it took may stay): they hold partly new weights, which is logged and said in the
+    sync's error (`partial_note`)."""
     committed: list[int] = []
     partial: list[str] = []
     failed: dict[int, BaseException] = {}
@@ -161,8 +162,9 @@ def end_all(engines: list, *, commit: bool, version: str | None = None, skip: It
         except Exception as exc:  # noqa: BLE001 - every engine is asked; reported below
             if commit:
                 failed[i] = exc
-            else:
+            else:     # whether it dropped what it took is unknown (SGLang applied it as it came)
                 log.warning("fsdp_sync: closing %s's update after a failed sync: %s", describe(e, i), exc)
+                partial.append(describe(e, i))
     if failed:
         raise CommitError(committed, failed, version)
     if partial:

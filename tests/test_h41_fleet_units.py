@@ -201,3 +201,45 @@ def test_released_by_backend_waits_for_the_backends_reference(monkeypatch):
         dropper.start()
     assert flag._use_count() == 1 and polling.is_set()
     dropper.join(60)
+
+
+def test_an_engine_whose_abort_fails_is_said_to_keep_part_of_the_update():
+    """Its abort call raised (a 5xx, a timeout): whether it dropped what it took is unknown, and an
+    engine that applies calls as they arrive (SGLang) holds them either way. It was only logged:
+    not in the sync's note, no generation paused on it, partly new weights served as whole."""
+    class AbortFails(Engine):
+        base_url = "http://h:2"
+
+        def end_weight_update(self, *, abort: bool = False, weight_version=None):
+            super().end_weight_update(abort=abort, weight_version=weight_version)
+            raise ConnectionError("abort timed out")
+
+    fine, failing = Engine(), AbortFails()
+    assert end_all([fine, failing], commit=False) == ["replica 1 (http://h:2)"]
+    assert failing.calls == [("abort",)] and fine.calls == [("abort",)]
+
+
+def test_agree_after_rank0_fails_every_rank_when_the_work_ends_by_a_base_exception(monkeypatch):
+    """Rank 0's work runs in a thread: one ended by a BaseException that is no Exception (a
+    SystemExit from an engine's code, a cancellation) left no error, and every rank went on as if
+    the work (the engines' rendezvous) had succeeded: into the weights' broadcast, to wait there
+    until the timeout. Two ranks stubbed: this is group rank 0; the peer passed no error."""
+    gathered: list = []
+
+    def all_gather_object(out, obj, group=None):
+        gathered.append(obj)
+        out[:] = [obj, (None, None)]
+
+    monkeypatch.setattr(topology, "cpu_group", lambda group=None: group)
+    for name, fn in {"is_initialized": lambda: True, "get_world_size": lambda group=None: 2,
+                     "get_rank": lambda group=None: 0, "broadcast": lambda t, src, group=None: None,
+                     "all_reduce": lambda t, op=None, group=None: None,
+                     "all_gather_object": all_gather_object}.items():
+        monkeypatch.setattr(topology.dist, name, fn)
+
+    def work():
+        raise SystemExit("the engine's launcher exited")
+
+    with pytest.raises(topology.SyncError, match=r"^open failed on rank 0: SystemExit: the engine's "
+                                                 r"launcher exited$"):
+        topology.agree_after_rank0(work, what="open", round_s=0.01)
