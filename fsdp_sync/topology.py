@@ -331,9 +331,12 @@ def agree_after_rank0(work: Callable[[], str | None], group: Any = None, *, what
         cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
         def run() -> None:
-            if cuda is not None:
-                torch.cuda.set_device(cuda)      # the device is per thread
-            out[0] = _run_caught(work)
+            try:
+                if cuda is not None:
+                    torch.cuda.set_device(cuda)      # the device is per thread
+                out[0] = _run_caught(work)
+            except BaseException as exc:  # noqa: BLE001 - SystemExit and the like end only this
+                out[0] = f"{type(exc).__name__}: {exc}"     # thread: a failure all the same
 
         thread = threading.Thread(target=run, name="fsdp_sync-rank0-work", daemon=True)
         thread.start()
