@@ -320,12 +320,16 @@ def test_ctrl_c_with_jobs_stops_the_matrix_and_ends_the_running_cells(tmp_path, 
 
     cells = [faults.Cell("disk", "prepare", v, f) for v, f in (("trainer1", "stall"), ("trainer0", "stall"),
                                                              ("trainer1", "raise"))]
+    # a process started in the background by a shell without job control ignores SIGINT (the
+    # test's Ctrl-C then never arrived): the handler a terminal's python has, for this test
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=ctrl_c, daemon=True)
     t.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             faults.run_matrix(cells, progress=False, jobs=2)
     finally:
+        signal.signal(signal.SIGINT, old)
         done.set()
         t.join()
         left = faults_cell._alive(seen)
