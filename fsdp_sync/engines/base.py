@@ -188,7 +188,12 @@ class Engine(Protocol):
 
     def end_weight_update(self) -> None:
         """Commit the updates staged since `begin_weight_update` (an engine with weight versions
-        also takes ``weight_version=``, see the module docstring)."""
+        also takes ``weight_version=``, see the module docstring). An engine that can drop what
+        it staged takes ``abort=True`` too (returning False where what it applied stays): after a
+        failed sync fsdp_sync calls that. Without ``abort`` it calls ``end_weight_update()`` to
+        close the session (SGLang's sessions apply each call as it arrives; one left open refuses
+        the next begin) and takes the engine as holding partly new weights: an engine that stages
+        and has no ``abort`` commits there what it staged, so give it one."""
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Free memory by tag (None = all), in the order kv_cache → weights → cuda_graph."""
