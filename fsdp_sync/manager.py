@@ -491,8 +491,10 @@ class FSDPShardingManager:
         have stepped since, so it rejoins at the next sync (returns False), as one holding partly new
         weights from a failed sync does before any version was committed. ``lora="adapter"``: the
         base, then the adapter the others serve (`lora_stage.bring_adapter`). Returns whether it
-        serves now; raises naming the replica if it cannot take updates."""
+        serves now; raises naming the replica if it cannot take updates. Refused for
+        ``method='tensor'`` (no replica goes out of service there: each sync sends them all)."""
         self._refuse_closed("recover: ")
+        self._refuse_placed("recover", "bringing a replica back")
         return manager_fleet.bring_in(self, engine, "recover")
 
     def add_engine(self, engine: Any = None) -> bool:

@@ -3,7 +3,9 @@ was refused there, but `quarantine` and `remove_engine` were taken (review H5): 
 out of the fleet (quarantine also told it it was out of service) and every later sync failed on
 the rank that held it with "AttributeError: 'NoneType' object has no attribute
 'update_weights_from_tensor'", naming neither the call nor what to do. Now both are refused
-before anything changes, naming the method, and the next sync goes on as before."""
+before anything changes, naming the method, and the next sync goes on as before. `recover` too
+(H40: it re-sent to trainer rank 0's engine alone, inside the block with the other ranks' engines
+not sent to; no replica is ever out of service there)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _job(rank, world):
             method="tensor", free_cache_engine=False, dtype=torch.float32, memory_probe="off"))
         with m:
             pass
-        for what in ("quarantine", "remove_engine"):
+        for what in ("quarantine", "remove_engine", "recover"):
             try:
                 getattr(m, what)(eng)
                 out[what] = None
@@ -46,7 +48,7 @@ def _job(rank, world):
 @pytest.mark.timeout(120)
 def test_quarantine_and_remove_engine_are_refused_for_the_tensor_method():
     (got,) = run_ranks(_job, 1, timeout_s=110, pg_timeout_s=30, env=spawn_env())
-    for what in ("quarantine", "remove_engine"):
+    for what in ("quarantine", "remove_engine", "recover"):
         assert got[what] and got[what].startswith(f"{what}: method='tensor'"), got   # before: None
         assert "'distributed' or 'disk'" in got[what], got
     assert got["serving_state"] is None, got
