@@ -302,3 +302,41 @@ def test_an_ignored_list_on_mixtral_is_compared_only_where_verls_quantizer_quant
     assert "model.layers.0.self_attn.q_proj.weight" not in quant.hf
     assert "model.layers.1.self_attn.q_proj.weight" in quant.hf
     assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in quant.hf
+
+
+def test_the_memory_calls_leave_the_workers_event_loop_free():
+    """verl awaits its own adapter's memory calls; ours ran SGLang's HTTP calls on the worker's
+    event loop, which then answered nothing else until the server did. Here the engine's call
+    returns only once another coroutine on the same loop has run: it did not before (the call
+    waited out its 10 s and said so)."""
+    import asyncio
+    import threading
+
+    from verl.workers.rollout.base import get_rollout_class
+
+    ran = threading.Event()
+    seen = []
+
+    class Engine:
+        def _call(self, tags):
+            seen.append((tags, ran.wait(10)))
+
+        release_memory_occupation = resume_memory_occupation = _call
+
+    async def client():
+        return Engine()
+
+    async def both(call):
+        async def other():
+            ran.set()
+
+        await asyncio.gather(call, other())
+
+    config = _config(custom={"fsdp_sync": {"enable": True, "base_url": "http://127.0.0.1:9"}})
+    rollout = get_rollout_class(config.name, config.mode)(
+        config=config, model_config=types.SimpleNamespace(hf_config=None, lora_rank=0), device_mesh=None)
+    rollout._client = client
+    for call in (lambda: rollout.release(), lambda: rollout.resume(["weights"])):
+        ran.clear()
+        asyncio.run(both(call()))
+    assert seen == [(["kv_cache", "weights"], True), (["weights"], True)], seen

@@ -270,16 +270,17 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self._base_url_checked = True
 
     # ------------------------------------------------------------------ memory
+    # the engine's HTTP calls run off the worker's event loop, as verl awaits its own
     async def resume(self, tags: list[str]):
         engine = await self._client()
         if engine is not None and self.config.free_cache_engine:
-            engine.resume_memory_occupation(tags=list(tags))
+            await asyncio.to_thread(engine.resume_memory_occupation, tags=list(tags))
 
     async def release(self):
         engine = await self._client()
         if engine is not None and self.config.free_cache_engine:
-            engine.release_memory_occupation(
-                tags=["kv_cache"] if self.sleep_level == 1 else ["kv_cache", "weights"])
+            await asyncio.to_thread(engine.release_memory_occupation,
+                                    tags=["kv_cache"] if self.sleep_level == 1 else ["kv_cache", "weights"])
 
     # ------------------------------------------------------------------ the sync
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
