@@ -167,6 +167,18 @@ def test_a_cell_that_breaks_a_rule_is_reported_failed_and_the_command_exits_1(st
     assert "fault cell" not in got.out
 
 
+def test_the_report_counts_a_failed_cell_that_measured_nothing(monkeypatch):
+    """A cell that failed before any time to error was measured (a hang, a fault that never
+    fired) is counted failed as one that raised late is."""
+    def hung(c, t, calls=None):
+        c.ok, c.problems = False, ["HANG: ranks [0, 1] did not finish within 150s"]
+        return c
+
+    monkeypatch.setattr(faults, "run_cell", hung)
+    rep = faults.run_matrix([faults.Cell("disk", "prepare", "trainer1", "raise")], progress=False)
+    assert (rep["ran"], rep["passed"], rep["failed"]) == (1, 0, 1) and rep["slowest_cell"] is None, rep
+
+
 @pytest.mark.timeout(60)
 def test_a_fleet_cell_that_crashes_is_failed_and_the_command_exits_1(monkeypatch, tmp_path, capsys):
     """``fsdp-sync faults --fleet``: a cell whose job raised (here: no engine could start) is
