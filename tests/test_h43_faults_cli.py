@@ -398,3 +398,37 @@ def test_the_soak_counts_the_segments_of_its_processes_only():
         for n in names:
             os.unlink(n)
     assert _shm_of([pid]) == before
+
+
+@pytest.mark.timeout(60)
+def test_a_fleet_report_interrupted_mid_write_leaves_the_last_whole_one(monkeypatch, tmp_path):
+    """``--fleet --json`` rewrote its report in place: a Ctrl-C mid-write left half a JSON file
+    (`--resume` then refused it). It goes to a temp file renamed over it, as the matrix's does:
+    a write interrupted after the first cell's report leaves that report whole."""
+    import json
+    from pathlib import Path
+
+    from fsdp_sync.cli import app as cli
+    from fsdp_sync.engines import reference
+
+    class NoEngine:
+        def __init__(self, *a, **k):
+            raise RuntimeError("no engine here")
+
+    real, writes = Path.write_text, []
+
+    def half_then_ctrl_c(self, data, *a, **k):
+        writes.append(self.name)
+        if len(writes) == 2:             # the second report: half of it, then a Ctrl-C
+            real(self, data[: len(data) // 2], *a, **k)
+            raise KeyboardInterrupt
+        return real(self, data, *a, **k)
+
+    monkeypatch.setattr(reference, "ReferenceEngine", NoEngine)
+    monkeypatch.setattr(Path, "write_text", half_then_ctrl_c)
+    out = tmp_path / "fleet.json"
+    assert cli.main(["faults", "--fleet", "--methods", "disk", "--faults", "kill", "--json", str(out),
+                     "--no-progress"]) == 130                 # 'interrupted', as a Ctrl-C says
+    assert len(writes) == 2, writes
+    rep = json.loads(out.read_text())            # whole: the first cell's report
+    assert rep["ran"] == 1 and rep["results"][0]["problems"] == ["RuntimeError: no engine here"], rep

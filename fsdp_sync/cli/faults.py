@@ -369,7 +369,7 @@ def _cmd_fleet(args) -> int:
     def save(rep: dict) -> None:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(rep, indent=1))
+            _write_report(args.json, rep)
 
     report = run_fleet_matrix(selected, progress=not args.no_progress, on_cell=save,
                               call_s=args.call_timeout, recv_s=args.recv_timeout)
@@ -415,9 +415,7 @@ def cmd_faults(args) -> int:
 
     def save(cell: Cell, rep: dict) -> None:
         if args.json:
-            tmp = Path(args.json + ".tmp")
-            tmp.write_text(json.dumps(rep, indent=1))
-            tmp.replace(args.json)
+            _write_report(args.json, rep)
 
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -442,3 +440,13 @@ def cmd_faults(args) -> int:
         save(None, report)
         console.print(f"wrote {args.json}")
     return 0 if report["failed"] == 0 else 1
+
+
+def _write_report(path: str, rep: dict) -> None:
+    """Write a report whole or not at all (a Ctrl-C mid-write leaves the last one): to a temp file
+    beside it, then renamed over it."""
+    from pathlib import Path
+
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(rep, indent=1))
+    tmp.replace(path)
