@@ -110,6 +110,8 @@ def _recording_rank(rank, world, port, backend, pg_timeout_s, fn, args, results,
 
     with open(os.path.join(args[1], "pids"), "a") as f:
         f.write(f"{os.getpid()}\n")
+    if rank == _PLAN.get("exits"):      # gone without a result (killed, a crash past the catch)
+        os._exit(3)
     if rank == _PLAN.get("leaves"):     # what a killed multiprocessing listener's owner leaves
         tempfile.mkdtemp(prefix="pymp-", dir=env["TMPDIR"])
     if rank == 0:
@@ -165,6 +167,17 @@ def test_a_cell_that_breaks_a_rule_is_reported_failed_and_the_command_exits_1(st
     # progress where stderr is no terminal (a log): a line a cell, not one bar at the end
     assert f"fault cell 1/1: disk prepare trainer1 raise: FAIL ({cell['wall_s']:g} s)" in got.err, got.err
     assert "fault cell" not in got.out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_exits_without_a_result_is_said_to_have_exited_not_hung(stand_in_ranks):
+    """A rank that died at once was reported as "HANG: ranks [1] did not finish within 150s" (the
+    cell failed, rightly, but sent its reader looking for a hang). It is failed as exited, with
+    its exit code, and nothing calls it a hang."""
+    stand_in_ranks.update(PASSING, t=time.time(), exits=1)
+    cell = faults_cell.run_cell(faults.Cell("disk", "prepare", "trainer1", "raise"))
+    assert cell.ok is False and cell.problems[0] == "rank 1 exited (code 3) without a result", cell.problems
+    assert not any("HANG" in p for p in cell.problems), cell.problems
 
 
 def test_the_report_counts_a_failed_cell_that_measured_nothing(monkeypatch):

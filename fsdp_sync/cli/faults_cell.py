@@ -570,8 +570,14 @@ def run_cell(cell: Cell, timeouts: Timeouts | None = None, calls: int | None = N
                     break
                 continue
             got[rank] = pickle.loads(payload) if ok else {"rank": rank, "crashed": payload[-600:]}
-        if expect - set(got):
-            cell.problems.append(f"HANG: ranks {sorted(expect - set(got))} did not finish within {t.cell_s:.0f}s")
+        missing = sorted(expect - set(got))
+        dead = [r for r in missing if procs[r].exitcode is not None]
+        if dead:            # not a hang: gone without a result (killed, or a crash past the catch)
+            cell.problems.append("; ".join(f"rank {r} exited (code {procs[r].exitcode}) without a result"
+                                           for r in dead))
+        if set(missing) - set(dead):
+            cell.problems.append(f"HANG: ranks {sorted(set(missing) - set(dead))} did not finish "
+                                 f"within {t.cell_s:.0f}s")
         for r, p in enumerate(procs):
             p.join(timeout=0.1 if r == trainer_victim else 5.0)
         for p in procs:
