@@ -263,14 +263,17 @@ def test_the_ranks_sync_errors_must_name_the_same_failure():
                   "SyncError: weight sync failed on rank 1: EngineError: TP ranks [1] did not answer") != []
 
 
-def test_a_matrix_of_cells_that_cannot_be_run_says_so(capsys):
-    """Only cells n/a by construction: the summary said "slowest time to error None s (None)"."""
+def test_a_matrix_of_cells_that_cannot_be_run_is_refused(capsys):
+    """Only cells n/a by construction: it ran nothing, printed "0 run" and exited 0 (a fault check
+    that checked nothing passed); refused before anything starts now, saying why and what to pick."""
     from fsdp_sync.cli import app as cli
 
-    assert cli.main(["faults", "--methods", "disk", "--stages", "prepare", "--victims", "worker0"]) == 0
-    text = " ".join(capsys.readouterr().out.split())
-    assert "3 cells: 0 run, 3 n/a by construction; 0 passed, 0 failed; no time to error measured" in text, text
-    assert "None" not in text, text
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["faults", "--methods", "disk", "--stages", "prepare", "--victims", "worker0"])
+    assert exc.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "none of the 3 selected cells can run (stage 'prepare' does not call the engine with method " \
+           "'disk' (not colocated)); select a stage the victim reaches" in err, err
 
 
 # --------------------------------------------------------------------------- the hook's names

@@ -282,7 +282,8 @@ def check_faults_args(args, given: set[str]) -> None:
     ``--fleet``, a method or fault its cells do not cover, or a flag only the matrix takes, is
     refused (each was dropped without a word), and the defaults become the fleet's own: its
     methods and faults, and its timeouts where --call-timeout / --recv-timeout are not given (it
-    ran with the matrix's before)."""
+    ran with the matrix's before); a selection none of whose cells can run is refused (it ran
+    nothing and exited 0)."""
     if args.fleet:
         for dest, name in (("call_timeout", "call_s"), ("recv_timeout", "recv_s")):
             if dest not in given:
@@ -299,6 +300,13 @@ def check_faults_args(args, given: set[str]) -> None:
         if ignored:
             raise ValueError(f"--fleet runs the fleet's own cells and does not take {', '.join(ignored)} "
                              f"(it takes --methods, --faults, --call-timeout, --recv-timeout, --json)")
+    if not args.fleet:
+        chosen = cells(args.methods, args.stages, args.victims, args.faults)
+        if not any(c.possible for c in chosen):
+            # it ran nothing, printed "0 run" and exited 0: a check that checked nothing passed
+            raise ValueError(f"argument --stages/--victims: none of the {len(chosen)} selected cells can "
+                             f"run ({chosen[0].reason}); select a stage the victim reaches (an engine "
+                             f"worker's sync_weights.* points, a trainer rank's stage entries)")
     stalled_worker = "stall" in args.faults and any(v.startswith("worker") for v in args.victims)
     if not args.fleet and stalled_worker and args.call_timeout >= args.pg_timeout:
         # a stalled worker's cells then fail whatever the sync does: trainer rank 1 gives up with
