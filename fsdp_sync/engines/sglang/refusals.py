@@ -6,7 +6,8 @@ is refused on every trainer rank before any pause, write or update.
 
 - `load_refusal`: a quantization SGLang's own loader would load wrongly (block FP8 of a Llama
   model loses every scale: `FP8_SCALES_DROPPED`).
-- `sync_refusal`: `SyncConfig` values the release cannot run (`versions`): a ``"retract"`` pause
+- `sync_refusal`: a release older than any fsdp_sync supports (`versions.OLDEST`), and
+  `SyncConfig` values the release cannot run (`versions`): a ``"retract"`` pause
   against a release whose scheduler dies of the sync's cache flush; ``verify`` against a server
   at TP > 1 whose ``/weights_checker`` answers TP rank 0 only (0.5.12: the sync would load every
   weight, then fail to check ranks 1 and up; checking rank 0 alone would be no verify).
@@ -63,13 +64,14 @@ class Refusals:
 
     def sync_refusal(self, *, pause_mode: str | None = None, verify: str = "off") -> str | None:
         """Why this SGLang release cannot run a sync with `SyncConfig`'s ``pause_mode`` and
-        ``verify``, or None (`config_check.sync_refusal` asks it before anything is sent):
+        ``verify``, or None (`config_check.sync_refusal` asks it before anything is sent): a
+        release older than `versions.OLDEST` (`versions.SGLangFeatures.refuse_release`),
         ``pause_mode="retract"`` where the sync's flush would kill the server
         (`versions.SGLangFeatures.refuse_pause_mode`), ``verify`` where a server's checker answers
         TP rank 0 only (`versions.SGLangFeatures.refuse_verify`; not ``fsdp-sync serve``, whose
         full-tensor digests are the check; in process there is no checker at all, which the
         verify itself says)."""
-        why = self.features.refuse_pause_mode(pause_mode)
+        why = self.features.refuse_release() or self.features.refuse_pause_mode(pause_mode)
         if why is None and self.is_http:
             why = self.features.refuse_verify(verify, self.tp_size)
             if why and self.serves_tensor_checksums():      # asked only then: a request

@@ -61,13 +61,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CHECKED", "SESSION_SINCE", "CHECKER_SKIP_LIST_SINCE", "LORA_ONE_PAYLOAD_UNTIL",
+__all__ = ["CHECKED", "OLDEST", "SESSION_SINCE", "CHECKER_SKIP_LIST_SINCE", "LORA_ONE_PAYLOAD_UNTIL",
            "LORA_PER_RANK_SINCE", "RETRACT_FLUSH_SINCE", "CHECKER_ONE_RANK_UNTIL",
            "CHECKER_ALL_RANKS_SINCE", "SGLangFeatures", "parse", "features",
            "reported"]
 
 CHECKED = ("0.5.12", "0.5.23")
 """The releases `make test-sglang` runs fsdp_sync's payloads, receivers and adapter against."""
+
+OLDEST = (0, 5, 12)
+"""The oldest release supported (the ``sglang`` extra's ``sglang>=0.5.12``): an older one is refused
+at the first sync (`SGLangFeatures.refuse_release`), as none of its calls was read. A release newer
+than the newest in `CHECKED` gets the newest behaviour."""
 
 SESSION_SINCE = (0, 5, 21)
 CHECKER_SKIP_LIST_SINCE = (0, 5, 21)
@@ -112,6 +117,18 @@ class SGLangFeatures:
     @property
     def label(self) -> str:
         return f"SGLang {self.version}" if self.version else "this SGLang server (version not reported)"
+
+    def refuse_release(self) -> str | None:
+        """Why fsdp_sync cannot sync into this release at all (None: it can): one older than
+        `OLDEST`, whose weight-update, memory and checker calls were never read (a request
+        body, payload or tag it takes differently could load or free the wrong thing)."""
+        v = parse(self.version)
+        if v is None or v >= OLDEST:
+            return None
+        return (f"{self.label} is older than the releases fsdp_sync supports (>="
+                f"{'.'.join(map(str, OLDEST))}; checked against {' and '.join(CHECKED)}): its "
+                f"weight-update, memory and /weights_checker calls were never read, so a sync "
+                f"could be taken other than sent; upgrade SGLang to >={'.'.join(map(str, OLDEST))}")
 
     def refuse_pause_mode(self, mode: str | None) -> str | None:
         """Why a sync paused with ``pause_generation(mode)`` cannot run on this release (None: it
