@@ -49,6 +49,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -408,6 +409,9 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
              "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
+_RANK_FILE_RE = re.compile(r"^model-rank-(\d+)-part-\d+\.safetensors$")   # RANK_FILE_PATTERN
+
+
 def rank_file_name(rank: int, part: int) -> str:
     """``model-rank-1-part-0.safetensors``: engine TP rank ``rank``'s ``part``-th file."""
     return RANK_FILE_PATTERN.format(rank=rank, part=part)
@@ -468,8 +472,9 @@ def is_ranked(model_path: Any) -> bool:
 
 def resolve_ranked(model_path: Any, tp_size: int, ep_size: int = 1) -> RankPlan:
     """Check a per-rank version before anything loads: the manifest names ``tp_size`` ranks, each
-    with its files; every file is a regular file of the directory, listed with a digest (under
-    the manifest's hash) and its tensor names, and every rank lists the same tensor names. Raises `CheckpointError` naming the
+    with its files; every file is a regular file of the directory named for its rank
+    (`RANK_FILE_PATTERN`, as SGLang's loader picks them), listed with a digest (under the
+    manifest's hash) and its tensor names (strings), and every rank lists the same tensor names. Raises `CheckpointError` naming the
     file, rank or value; nothing has been read but the manifest then."""
     directory = os.path.abspath(os.fspath(model_path))
     if not os.path.isdir(directory):
@@ -499,12 +504,20 @@ def resolve_ranked(model_path: Any, tp_size: int, ep_size: int = 1) -> RankPlan:
         for f in rank_files:
             entry = listed.get(f) if isinstance(f, str) else None
             if not isinstance(entry, dict) or not isinstance(entry.get(algo), str) \
-                    or not isinstance(entry.get("names"), list):
+                    or not isinstance(entry.get("names"), list) \
+                    or not all(isinstance(n, str) for n in entry["names"]):
                 raise CheckpointError(f"{where}: rank {r}'s file {f!r} is not listed with a {algo} "
                                       f"digest and its tensor names")
             if os.path.basename(f) != f or f in (".", "..") or not f.endswith(".safetensors"):
                 raise CheckpointError(f"{where} names paths outside {directory}: {f!r}; nothing "
                                       f"was loaded")
+            m = _RANK_FILE_RE.match(f)
+            if m is None or int(m.group(1)) != r:
+                # SGLang's loader takes rank r's files by this name: another rank's shard (of the
+                # same shape under an even split) would load here without a word
+                raise CheckpointError(f"{where} lists {f!r} for engine rank {r}: rank {r}'s files "
+                                      f"are named {rank_file_name(r, 0)!r}, ... "
+                                      f"({RANK_FILE_PATTERN}); nothing was loaded")
             path = os.path.join(directory, f)
             if os.path.islink(path) or not os.path.isfile(path):
                 raise CheckpointError(f"missing shard {f} of engine rank {r} in {directory} (or "
