@@ -110,3 +110,23 @@ def test_a_refused_disk_call_aborts_the_transaction_it_is_in(eng, tmp_path):
     with pytest.raises(WeightUpdateError, match="nothing was committed"):
         eng.end_weight_update(weight_version="v1")
     assert eng.weights_checksum() == checksum_named_tensors(v0) and eng.weight_version == "v0"
+
+
+def test_a_disk_call_failing_other_than_a_refused_checkpoint_aborts_the_transaction(eng, tmp_path, monkeypatch):
+    """disk_calls (H55): only a CheckpointError from resolving the directory aborted the open
+    transaction; anything else (a non-root user's unreadable directory: ``os.listdir`` raises
+    PermissionError) left it open and raw, so its end committed the calls before it."""
+    from fsdp_sync.engines.reference import disk_calls
+
+    def unreadable(model_path, *a, **k):
+        raise PermissionError(13, "Permission denied", str(model_path))
+
+    monkeypatch.setattr(disk_calls, "disk_items", unreadable)
+    v0, v1 = _named(0), _named(1)
+    eng.begin_weight_update()
+    eng.update_weights_from_tensor(v1[:3])
+    with pytest.raises(WeightUpdateError, match=r"update_weights_from_disk\(.*\): PermissionError: .*Permission denied"):
+        eng.update_weights_from_disk(str(tmp_path))
+    with pytest.raises(WeightUpdateError, match="nothing was committed"):
+        eng.end_weight_update(weight_version="v1")
+    assert eng.weights_checksum() == checksum_named_tensors(v0) and eng.weight_version == "v0"

@@ -53,8 +53,10 @@ class DiskCalls:
             try:
                 per_rank = disk_items(model_path, load_format, self.layout, self.config,
                                       complete=bool(require_complete))
-            except CheckpointError as exc:
-                err = WeightUpdateError(f"{what}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - whatever it is, this call failed
+                # (an unreadable directory is an OSError, not a CheckpointError): nothing loaded
+                why = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+                err = WeightUpdateError(f"{what}: {why}")
                 self._abort_all(what, str(err))       # a refused call ends an open transaction too
                 raise err from exc
             staged = self._two_phase(per_rank, what)
