@@ -78,3 +78,55 @@ def test_a_release_older_than_supported_is_refused_before_anything_is_sent():
             continue
         assert err and "SGLang 0.4.9 is older than the releases fsdp_sync supports (>=0.5.12" in err, err
         assert "upgrade SGLang to >=0.5.12" in err and "in process" in err, err
+
+
+# --------------------------------------------------------------------------- the checker
+
+@pytest.fixture(scope="module")
+def tiny():
+    from fsdp_sync.models import load_config
+    from fsdp_sync.weights.layout import layout_for
+
+    layout = layout_for(load_config("tiny"), 2)      # random full tensors: no model built
+    gen = torch.Generator().manual_seed(0)
+    full = [(n, torch.randn(layout.full_shape(n), generator=gen)) for n in layout.hf_names()]
+    return layout, full
+
+
+def _answer(sums, tp):
+    ranks = [{"checksums": {}, "parallelism_info": {"tp_rank": r, "tp_size": tp}} for r in range(tp)]
+    for name, per_rank in sums.items():
+        for r, h in enumerate(per_rank):
+            ranks[r]["checksums"][name] = h
+    return {"success": True, "ranks": ranks}
+
+
+def test_a_gpu_servers_cpu_offloaded_parameter_is_read_with_sglangs_cpu_hash(tiny):
+    """SGLang's ``tensor_hash`` hashes a CUDA tensor with its tile hash and a CPU one with sha256:
+    a GPU server's CPU-offloaded parameter reports the sha256 hash. The checker tries the other
+    hash on a difference, so that parameter passes; bytes that differ still fail, naming the
+    parameter, the rank and both hashes in the server's algorithm."""
+    layout, full = tiny
+    gpu = dict(checksums.expected_checksums(layout, full, algorithm="gpu"))
+    name, other = "model.embed_tokens.weight", "model.norm.weight"
+    cpu = dict(checksums.expected_checksums(layout, full, algorithm="cpu", names=[name]))
+    answer = _answer(gpu, layout.tp)
+    answer["ranks"][1]["checksums"][name] = cpu[name][1]             # rank 1 holds it on CPU
+    c = checksums.Checker(layout, answer, algorithm="gpu")
+    assert [p for n, t in full for p in c.feed(n, t)] + c.finish() == []
+    answer["ranks"][0]["checksums"][other] = "0123456789abcdef"
+    c = checksums.Checker(layout, answer, algorithm="gpu")
+    got = [p for n, t in full for p in c.feed(n, t)] + c.finish()
+    assert got == [f"{other!r} on TP rank 0: SGLang hashes 0123456789abcdef, the trainer's bytes "
+                   f"hash {gpu[other][0]} (gpu)"], got
+
+
+def test_the_allocator_switchs_annotations_resolve():
+    """`allocator` annotated ``resumed`` / ``released`` with ``Sequence`` without importing it:
+    ``typing.get_type_hints`` (documentation tools, runtime type checkers) raised NameError."""
+    import typing
+
+    from fsdp_sync.engines.sglang.allocator import ExpandableSegments
+
+    for name in ("resumed", "released"):
+        assert "tags" in typing.get_type_hints(getattr(ExpandableSegments, name))

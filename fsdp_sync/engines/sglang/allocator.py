@@ -5,6 +5,8 @@ Not here: when SGLang releases or resumes memory (`adapter.SGLangEngine` tells `
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ...weights import ipc_memory
