@@ -55,8 +55,8 @@ def check_runnable(spec: ModelSpec) -> None:
 def initial_tensors(layout: TPLayout, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The full float32 start-up tensors of an engine of ``seed``, ``(hf name, tensor)`` in HF order:
     norms ones, biases zeros, every other tensor drawn whole from its own generator (``N(0,
-    initializer_range)``). Scales are not drawn (a quantized engine quantizes these), so one seed
-    gives the same weights quantized or not, at every TP size."""
+    initializer_range)``, seeded by `_draw_seed`). Scales are not drawn (a quantized engine
+    quantizes these), so one seed gives the same weights quantized or not, at every TP size."""
     std = layout.spec.initializer_range
     scales = {fp8.scale_name(n) for n in getattr(layout, "quantized", ())}
     for i, name in enumerate(n for n in layout.hf_shapes if n not in scales):
@@ -66,7 +66,15 @@ def initial_tensors(layout: TPLayout, seed: int) -> Iterator[tuple[str, torch.Te
         elif name.endswith(".bias"):
             yield name, torch.zeros(shape)
         else:
-            yield name, torch.randn(shape, generator=torch.Generator().manual_seed(seed * 100_003 + i)) * std
+            yield name, torch.randn(shape, generator=torch.Generator().manual_seed(_draw_seed(seed, i))) * std
+
+
+def _draw_seed(seed: int, i: int) -> int:
+    """The generator seed of tensor ``i``'s start-up draw: ``seed * 100_003 + i`` where torch takes
+    it (every seed in use before), else that number folded into ``[0, 2**64)``, so every seed
+    `engine_args.check_engine_args` takes (up to 2**64 - 1, down to -2**63) starts an engine."""
+    s = seed * 100_003 + i
+    return s if -(2 ** 63) <= s < 2 ** 64 else s % 2 ** 64
 
 
 # --------------------------------------------------------------------------- the forward pass
