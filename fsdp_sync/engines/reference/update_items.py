@@ -99,8 +99,8 @@ def build_items(named_tensors: Any, load_format: str | None, tp: int,
     if load_format == "flattened_bucket" or direct_buckets:
         if not isinstance(named_tensors, (list, tuple)) or len(named_tensors) != tp:
             n = len(named_tensors) if isinstance(named_tensors, (list, tuple)) else type(named_tensors).__name__
-            raise WeightUpdateError(f"load_format='flattened_bucket' takes one payload per TP rank "
-                                    f"({tp}), got {n}")
+            raise WeightUpdateError(f"load_format={load_format!r} with flattened buckets takes one "
+                                    f"payload per TP rank ({tp}), got {n}")
         for r, p in enumerate(named_tensors):
             if not isinstance(p, (bytes, bytearray, str)):
                 raise WeightUpdateError(f"flattened_bucket payload for TP rank {r} must be bytes or "
