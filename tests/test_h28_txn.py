@@ -130,3 +130,23 @@ def test_a_disk_call_failing_other_than_a_refused_checkpoint_aborts_the_transact
     with pytest.raises(WeightUpdateError, match="nothing was committed"):
         eng.end_weight_update(weight_version="v1")
     assert eng.weights_checksum() == checksum_named_tensors(v0) and eng.weight_version == "v0"
+
+
+
+
+def test_a_second_begin_is_refused_and_the_open_update_goes_on_whole(eng):
+    """transaction (H55 mutation pass): ``begin_weight_update`` twice is refused by the client
+    before any worker hears of it, so the open update keeps every call staged so far and commits
+    them all. A mutant without the check survived (no test called begin twice)."""
+    from fsdp_sync.engines import EngineStateError
+
+    v0, v1 = _named(0), _named(1)
+    eng.begin_weight_update()
+    eng.update_weights_from_tensor(v1[:3])
+    with pytest.raises(EngineStateError, match="begin_weight_update called twice"):
+        eng.begin_weight_update()
+    eng.update_weights_from_tensor(v1[3:])
+    assert eng.weights_checksum() == checksum_named_tensors(v0)
+    assert eng.end_weight_update(weight_version="v1") is True
+    assert eng.weights_checksum() == checksum_named_tensors(v1) and eng.weight_version == "v1"
+    eng.update_weights_from_tensor(v0, weight_version="v0")
