@@ -9,7 +9,9 @@ or gloo aborts the process ("collective mismatch", SIGABRT). So the sync first c
 every rank of the default group, a digest of what each rank would export (`agree_on_model`): the
 names, rollout dtypes and full shapes of `export.param_metas` (parameters and persistent buffers,
 the buffers the export leaves out excepted; with ``lora="adapter"`` the adapter's tensors too) and
-the config's ``tie_word_embeddings`` (it decides whether the tied-head check gathers).
+the config's ``tie_word_embeddings`` (it decides whether the tied-head check gathers), and the
+`SyncConfig` fields that decide the sync's collectives (`SETTINGS`: a rank with another
+``bucket_bytes`` plans other buckets).
 `param_metas` moves no data and runs no collective (FSDP1: the flat parameters' metadata; FSDP2:
 ``state_dict(keep_vars=True)`` of DTensors), and the digest travels in the status all-reduce the
 sync runs at that point anyway (`topology.agree`'s ``digest``): no extra round trip. Only where the
@@ -37,13 +39,21 @@ import torch.distributed as dist
 from ..topology import RanksDiffer, SyncError, agree, cpu_group
 from . import export, tied
 
-__all__ = ["model_entries", "digest_of", "describe_difference", "agree_on_model", "state_dict_refusal",
+__all__ = ["SETTINGS", "model_entries", "digest_of", "describe_difference", "agree_on_model", "state_dict_refusal",
            "check_module"]
 
 Entry = tuple[str, str, tuple[int, ...]]
 """(name, dtype, shape): one exported tensor, or one setting (``(config) ...``, its value, ())."""
 
 _TIE = "(config) tie_word_embeddings"
+_SETTING = "(config) SyncConfig."
+
+SETTINGS = ("method", "strategy", "bucket_bytes", "fsdp1_state_dict", "share_host_memory", "layout",
+            "pipelined", "quantization", "dist_format", "verify", "lora")
+"""`SyncConfig` fields that decide which collectives a trainer rank's sync runs (how the export
+buckets and gathers, which transport, what is verified after): compared with the model, as a rank
+whose ``bucket_bytes`` differs plans other buckets and blocks in mismatched all-gathers until the
+process group's timeout (measured: 65 s, then raw gloo errors on 2 ranks)."""
 
 
 def model_entries(module: torch.nn.Module, config: Any) -> list[Entry]:
@@ -54,6 +64,7 @@ def model_entries(module: torch.nn.Module, config: Any) -> list[Entry]:
     out: list[Entry] = [(m.name, str(m.dtype).removeprefix("torch."), tuple(int(s) for s in m.shape))
                         for m in metas]
     out.append((_TIE, str(tied.ties(getattr(module, "config", None))), ()))
+    out.extend((_SETTING + f, repr(getattr(config, f)), ()) for f in SETTINGS if hasattr(config, f))
     return out
 
 
@@ -65,7 +76,7 @@ def digest_of(entries: list[Entry]) -> int:
 
 def _fmt(entry: Entry) -> str:
     name, dtype, shape = entry
-    return dtype if name == _TIE else f"{dtype} {shape}"
+    return dtype if name.startswith("(config) ") else f"{dtype} {shape}"
 
 
 def describe_difference(lists: list[list[Entry]]) -> str:
@@ -79,7 +90,7 @@ def describe_difference(lists: list[list[Entry]]) -> str:
     odd = [r for r, k in enumerate(keys) if k != keys[ref]]
     a, b = lists[ref], lists[other]
     da, db = {e[0]: e for e in a}, {e[0]: e for e in b}
-    where = None
+    where, setting = None, False
     for e in a + b:       # in export order: the reference's, then what only the other has
         name = e[0]
         if name not in db:
@@ -87,7 +98,9 @@ def describe_difference(lists: list[list[Entry]]) -> str:
         elif name not in da:
             where = f"{name!r} ({_fmt(db[name])}) is only on rank {other}, not on rank {ref}"
         elif da[name] != db[name]:
-            what = "model.config.tie_word_embeddings" if name == _TIE else repr(name)
+            setting = name.startswith(_SETTING)
+            what = ("model.config.tie_word_embeddings" if name == _TIE
+                    else name.removeprefix("(config) ") if setting else repr(name))
             where = (f"{what} is {_fmt(db[name])} on rank {other}, {_fmt(da[name])} on rank {ref}")
         if where is not None:
             break
@@ -96,6 +109,11 @@ def describe_difference(lists: list[list[Entry]]) -> str:
         where = (f"the same tensors in another order: export position {i} is {a[i][0]!r} on rank "
                  f"{ref}, {b[i][0]!r} on rank {other}")
     more = f" (ranks {odd} differ from rank {ref})" if len(odd) > 1 else ""
+    if setting:
+        return (f"the trainer ranks' sync settings differ: rank {other} differs from rank {ref}{more}: "
+                f"{where}. It decides the sync's collectives, so they would not match (a hang "
+                f"until the process group's timeout, or a crash); nothing was sent. Pass every "
+                f"rank the same SyncConfig")
     return (f"the trainer ranks hold different models: rank {other} differs from rank {ref}{more}: "
             f"{where}. The sync's collectives run once per exported tensor, so they would not "
             f"match (a hang until the process group's timeout, or a crash); nothing was sent. "
