@@ -78,7 +78,7 @@ class DemoOptions:
             raise ValueError(f"--lora-r must be >= 1, got {self.lora_r}")
         if self.lora_r and (self.dtype != "float32" or self.quantization or self.fsdp != 2):
             raise ValueError(f"--lora runs with --dtype float32, no --quantization and --fsdp 2, got "
-                             f"--dtype {self.dtype} --quantization {self.quantization} --fsdp {self.fsdp}")
+                             f"--dtype {self.dtype} --quantization {self.quantization or 'none'} --fsdp {self.fsdp}")
 
 
 # In bfloat16/float16 the engine's TP split rounds partial sums differently from the reference

@@ -1,0 +1,110 @@
+"""H54's audit of ``fsdp-sync demo`` and the flags the commands share (stop 75): checks a user
+relies on that no test held (mutation pass over cli/demo, demo_check, args, bench/rows,
+bench/sampling, bench/gpu_memory, trainer, lora_model).
+
+- A bad value is one line naming the flag and the value, exit code 2: ``inf`` where a positive
+  number is asked, an empty comma list.
+- The demo's verdict: a run with no step is not ok; each rank's finished steps are the first ones
+  in order (a later step's records after a missing one are not shown as the next step); the
+  float32 tolerance, and the 16-bit one scaled by the largest reference logit.
+- `DemoOptions` refuses what the command line refuses (no step, a negative LoRA rank), and its
+  refusal of ``--lora`` with a quantization says the flag's spelling (``none``, not ``None``).
+All in-process; no rank starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+from fsdp_sync.cli import app
+from fsdp_sync.cli import args as ca
+
+from _util import ROOT
+
+BAD = [
+    ("demo --timeout-s inf", ["--timeout-s", "positive number", "'inf'"]),
+    ("demo --lora --lora-alpha inf", ["--lora-alpha", "positive number", "'inf'"]),
+    ("bench --bucket-mb ,", ["--bucket-mb", "comma-separated list", "','"]),
+    ("bench --ranks 2,,0", ["--ranks", "positive integer", "'0'"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", BAD, ids=[a for a, _ in BAD])
+def test_a_bad_value_is_one_line_naming_the_flag_and_the_value(argv, words, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as info:
+        app.parse_args(argv.split())
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, (w, err)
+    assert "None" not in err, err
+
+
+def test_explicit_dests_leaves_the_parsers_defaults_as_they_were():
+    """`explicit_dests` parses with every default suppressed: a parser used again after it must
+    still fill in the defaults of the flags not given."""
+    p = ca.Parser(prog="x")
+    p.add_argument("--a", type=ca.positive_int, default=3)
+    p.add_argument("--b", default="z")
+    assert ca.explicit_dests(p, ["--a", "5"]) == {"a"}
+    assert vars(p.parse_args([])) == {"a": 3, "b": "z"}
+
+
+# --------------------------------------------------------------------------- the demo's verdict
+
+def _rec(step: int, src: bool) -> dict:
+    r = {"step": step, "loss": 1.0, "sync_seconds": 0.1, "bytes": 100, "tensors": 3, "engine_calls": 1,
+         "peak_trainer_rss": 1, "stages": []}
+    if src:
+        r.update(peak_engine_rss=1, max_abs_logit_diff=0.0, tokens_match=True, tokens_exact=True,
+                 atol=1e-5, changed_since_last_step=True)
+    return r
+
+
+def test_a_demo_with_no_step_is_not_ok():
+    from fsdp_sync.cli.demo import DemoOptions, _result
+
+    res = _result(DemoOptions(ranks=2, tp=2, steps=2), [[], []], time.perf_counter())
+    assert res["steps"] == [] and res["ok"] is False
+
+
+def test_the_finished_steps_are_the_first_ones_every_rank_wrote(tmp_path):
+    """A rank that wrote steps 0 and 2 but not 1 (its step 1 failed, a later record is stale):
+    step 0 alone is finished; step 2's records are not shown as the second step."""
+    from fsdp_sync.cli.demo import DemoOptions, _finished_steps
+
+    opts = DemoOptions(ranks=2, tp=2, steps=3)
+    for rank in range(2):
+        for step in (0, 2):
+            with open(tmp_path / f"rank{rank}-step{step}.pkl", "wb") as f:
+                pickle.dump(_rec(step, rank == 0), f)
+    (tmp_path / "rank0-step1.pkl").write_bytes(pickle.dumps(_rec(1, True)))   # rank 1's step 1 missing
+    got = _finished_steps(str(tmp_path), opts)
+    assert [[r["step"] for r in recs] for recs in got] == [[0], [0]]
+
+
+def test_the_tolerance_is_1e_5_in_float32_and_scales_with_the_largest_logit_in_16_bit():
+    from fsdp_sync.cli.demo import ATOL_EPS, DemoOptions, tolerance
+
+    small, big = torch.tensor([[0.5, -0.25]]), torch.tensor([[3.0, -40.0]])
+    assert tolerance(DemoOptions(), big) == 1e-5
+    assert tolerance(DemoOptions(atol=0.25), big) == 0.25
+    eps = torch.finfo(torch.bfloat16).eps
+    assert tolerance(DemoOptions(dtype="bfloat16"), small) == ATOL_EPS * eps          # at least one unit
+    assert tolerance(DemoOptions(dtype="bfloat16"), big) == pytest.approx(ATOL_EPS * eps * 40.0)
+
+
+@pytest.mark.parametrize("kw, words", [({"steps": 0}, "--steps"), ({"lora_r": -1}, "--lora-r"),
+                                       ({"ranks": 3, "tp": 2}, "--ranks (3)"),
+                                       ({"lora_r": 4, "dtype": "bfloat16"}, "--dtype bfloat16 --quantization none ")])
+def test_demo_options_refuse_what_the_command_line_refuses(kw, words):
+    from fsdp_sync.cli.demo import DemoOptions
+
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        DemoOptions(**kw)
