@@ -130,3 +130,71 @@ def test_the_allocator_switchs_annotations_resolve():
 
     for name in ("resumed", "released"):
         assert "tags" in typing.get_type_hints(getattr(ExpandableSegments, name))
+
+
+def test_expected_checksums_refuse_a_stream_that_leaves_a_parameter_incomplete(tiny):
+    """`checksums.expected_checksums` of tensors that never complete an engine parameter (the
+    fused q/k/v here, its v_proj left out) raises naming it, not an answer silently short of it."""
+    layout, full = tiny
+    left_out = "model.layers.0.self_attn.v_proj.weight"
+    stream = [(n, t) for n, t in full if n != left_out]
+    with pytest.raises(KeyError, match=r"did not complete \['model\.layers\.0\.self_attn\.qkv_proj\.weight'\]"):
+        list(checksums.expected_checksums(layout, stream, names=["model.layers.0.self_attn.qkv_proj.weight",
+                                                                   "model.norm.weight"]))
+
+
+# --------------------------------------------------------------------------- payloads
+
+def test_payloads_of_an_update_refused_unopened_give_their_segments_back():
+    """`BucketPayloads` as a context manager: an update SGLang refused before any rank opened its
+    payload (`SGLangUpdateError.opened` is False) leaves the with-block; the payloads' references
+    to the shared-memory segment are given back there, so the segment goes (it outlived the call
+    when ``__exit__`` released without naming the ranks unopened)."""
+    import gc
+    import os
+
+    from _util import shm_segments
+    from fsdp_sync.engines.sglang.payloads import flattened_bucket_payloads
+
+    class Refused(Exception):
+        opened = False
+
+    before = shm_segments(set())
+    with pytest.raises(Refused):
+        with flattened_bucket_payloads({"w": torch.arange(6.0), "b": torch.ones(3)}, 2) as p:
+            assert len(p) == 2 and shm_segments(set()) - before, "no segment made: nothing tested"
+            raise Refused()
+    del p
+    gc.collect()
+    assert shm_segments(set()) - before == set(), os.listdir("/dev/shm")
+
+
+def test_rank_params_are_sglangs_tp_shards(tiny):
+    """What `checksums.RankParams` assembles for each TP rank is that rank's shard as SGLang's
+    parallel layers hold it (column-parallel rows, fused q/k/v and gate/up per rank, row-parallel
+    columns, vocab rows, norms whole), written here with ``chunk``: the checker's expected hashes
+    are computed from these, so a piece written to the wrong rank is no longer compared with
+    itself (hashes of both sides from the same assembly agreed whatever it held)."""
+    layout, full = tiny
+    rp, got = checksums.RankParams(layout), {}
+    for n, t in full:
+        got.update(rp.add(n, t))
+    assert rp.pending() == []
+    f = dict(full)
+    p = "model.layers.0."
+
+    def cols(n, r, dim=0):
+        return f[n].chunk(2, dim=dim)[r]
+
+    for r in range(2):
+        want = {
+            p + "self_attn.qkv_proj.weight": torch.cat([cols(p + f"self_attn.{x}_proj.weight", r) for x in "qkv"]),
+            p + "self_attn.o_proj.weight": cols(p + "self_attn.o_proj.weight", r, dim=1),
+            p + "mlp.gate_up_proj.weight": torch.cat([cols(p + "mlp.gate_proj.weight", r),
+                                                      cols(p + "mlp.up_proj.weight", r)]),
+            p + "mlp.down_proj.weight": cols(p + "mlp.down_proj.weight", r, dim=1),
+            "model.embed_tokens.weight": cols("model.embed_tokens.weight", r),
+            "model.norm.weight": f["model.norm.weight"],
+        }
+        for name, w in want.items():
+            assert torch.equal(got[name][r], w), (name, r)
