@@ -108,3 +108,37 @@ def test_demo_options_refuse_what_the_command_line_refuses(kw, words):
 
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         DemoOptions(**kw)
+
+
+def test_a_vocabulary_must_hold_the_largest_prompt_token(tmp_path):
+    """The demo's prompts use token ids up to 201: a vocabulary of 201 cannot embed id 201 (it
+    failed in every rank's first forward), 202 can."""
+    import json
+
+    from fsdp_sync.cli.demo import PROMPTS
+    from fsdp_sync.cli.demo_check import check_model
+    from fsdp_sync.models import load_config
+
+    top = max(max(p) for p in PROMPTS)
+    config = load_config("tiny").to_dict()
+    for vocab in (top, top + 1):
+        config["vocab_size"] = vocab
+        path = tmp_path / f"v{vocab}.json"
+        path.write_text(json.dumps(config))
+        if vocab == top:
+            with pytest.raises(ValueError, match=f"vocab_size {top} is too small .* give at least {top + 1}"):
+                check_model(str(path), 2, 1, None)
+        else:
+            assert check_model(str(path), 2, 1, None).vocab_size == top + 1
+
+
+# --------------------------------------------------------------------------- bench memory
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_cuda_peaks_are_refused_where_no_cuda_device_is_seen():
+    """Made on a CPU machine, `CudaPeaks` failed only when the stage entered it (torch's
+    AssertionError "Torch not compiled with CUDA enabled"), and result() said so after the sync."""
+    from fsdp_sync.cli.bench.gpu_memory import CudaPeaks
+
+    with pytest.raises(RuntimeError, match=r"no CUDA device \(torch.cuda.is_available\(\) is False\)"):
+        CudaPeaks(None)

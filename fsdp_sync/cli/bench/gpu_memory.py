@@ -33,6 +33,12 @@ class CudaPeaks:
     ``peaks.result(budget)``. ``cuda`` is the allocator's API (``torch.cuda``; tests pass another)."""
 
     def __init__(self, engine: Any | None, cuda: Any = torch.cuda) -> None:
+        if cuda is torch.cuda and not torch.cuda.is_available():
+            # refused here, not at the stage: entering it there failed in torch ("Torch not compiled
+            # with CUDA enabled", an AssertionError) and only result() told, after the sync
+            raise RuntimeError("CudaPeaks measures torch.cuda's allocator and this process sees no CUDA "
+                               "device (torch.cuda.is_available() is False); a CPU row's memory is "
+                               "sampling.DeviceSampler's (RSS)")
         self.engine = engine if hasattr(engine, "reset_peak_memory_stats") else None
         self.cuda = cuda
         self.before: dict = {}
