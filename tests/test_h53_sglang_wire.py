@@ -198,3 +198,44 @@ def test_rank_params_are_sglangs_tp_shards(tiny):
         }
         for name, w in want.items():
             assert torch.equal(got[name][r], w), (name, r)
+
+
+# --------------------------------------------------------------------------- served model, versions
+
+def test_a_llama_with_mlp_biases_is_refused_for_sglang_before_anything_is_sent():
+    """SGLang's LlamaMLP (0.5.12, 0.5.23) has no biases and its loader skips the MLP biases a sync
+    sends: the first-sync check refuses a trainer's Llama with ``mlp_bias=True`` for SGLang itself
+    (naming it and what to do), before any call but the version; without MLP biases it passes."""
+    import transformers
+
+    from fsdp_sync import SyncConfig
+    from fsdp_sync.config_check import check_engine
+
+    fake = _fake()
+    for mlp_bias in (True, False):
+        module = torch.nn.Linear(2, 2)
+        module.config = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                                 num_attention_heads=2, vocab_size=32, mlp_bias=mlp_bias)
+        eng = fake.FakeSGLangEngine(tp_size=1)
+        err = None
+        try:
+            check_engine(module, sg.SGLangEngine(eng), SyncConfig(method="disk", disk_dir="/nonexistent"),
+                         None, where="engine 0")
+        except ValueError as exc:
+            err = str(exc)
+        assert eng.names() == ["get_server_info"], eng.names()
+        if not mlp_bias:
+            assert err is None, err
+            continue
+        assert err and err.startswith("mlp_bias=True for a 'llama' model: SGLang's LlamaMLP"), err
+        assert "train it with mlp_bias=False or serve it with fsdp_sync's reference engine" in err, err
+
+
+def test_a_version_that_names_no_release_is_not_reported():
+    """`versions.reported` gives None for a ``version`` no release can be read from (a source build's
+    ``"dev"``), so ``engine.sglang_version`` and the messages say no release was reported rather
+    than naming "SGLang dev" as if it were one (the features are the newest either way)."""
+    from fsdp_sync.engines.sglang import versions
+
+    assert versions.reported({"version": "dev"}) is None
+    assert versions.reported({"version": "0.5.24.dev3"}) == "0.5.24.dev3"
