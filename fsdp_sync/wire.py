@@ -72,13 +72,19 @@ def open_flattened_bucket(value: Any, known: KnownMetadata | None = None) -> lis
     """The named tensors of an opened flattened-bucket payload (views into its buffer).
     ``known``: metadata this receiver checked before (`bucket.KnownMetadata`), kept by it.
 
-    Raises ValueError saying what was wrong (not a dict with both keys, bad metadata)."""
+    Raises ValueError saying what was wrong (not a dict with both keys, a buffer that is not one
+    contiguous 1-D uint8 tensor, bad metadata)."""
     if not (isinstance(value, dict) and "flattened_tensor" in value and "metadata" in value):
         raise ValueError(f"a flattened bucket is a dict with 'flattened_tensor' and 'metadata', got "
                          f"{type(value).__name__}")
+    flat = value["flattened_tensor"]
+    if isinstance(flat, torch.Tensor) and flat.dim() == 1 and flat.stride(0) != 1:
+        # torch refuses a dtype view of a strided buffer with a RuntimeError: refused here by name
+        raise ValueError(f"bad flattened bucket: its flattened_tensor is not contiguous (stride "
+                         f"{flat.stride(0)}): a flattened bucket is one contiguous uint8 buffer")
     try:
         entries = (known.entries if known is not None else entries_from_metadata)(value["metadata"])
-        return unflatten(value["flattened_tensor"], entries)
+        return unflatten(flat, entries)
     except (ValueError, KeyError, AttributeError, TypeError) as exc:
         raise ValueError(f"bad flattened bucket: {exc}") from exc
 
