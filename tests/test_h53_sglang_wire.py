@@ -239,3 +239,24 @@ def test_a_version_that_names_no_release_is_not_reported():
 
     assert versions.reported({"version": "dev"}) is None
     assert versions.reported({"version": "0.5.24.dev3"}) == "0.5.24.dev3"
+
+
+# --------------------------------------------------------------------------- allocator
+
+def test_expandable_segments_stay_off_while_sglang_still_holds_its_kv_cache(monkeypatch):
+    """SGLang owns GPU memory while it holds its weights OR its KV cache: releasing the weights
+    alone (as a sync that updates in place does) leaves the KV cache mapped, so the trainer's
+    allocator must not grow expandable segments yet; they come back once the KV cache goes too."""
+    from fsdp_sync.engines.sglang import allocator as sg_allocator
+
+    calls = []
+    monkeypatch.setattr(sg_allocator, "_cuda_available", lambda: True)
+    monkeypatch.setattr(sg_allocator, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(sg_allocator, "_allocator_settings", lambda: "expandable_segments:True")
+    seg = sg_allocator.ExpandableSegments()
+    seg.resumed(["weights", "kv_cache"])
+    assert calls == ["expandable_segments:False"]
+    seg.released(["weights"])                      # the KV cache is still SGLang's
+    assert calls == ["expandable_segments:False"], seg.events
+    seg.released(["kv_cache"])
+    assert calls == ["expandable_segments:False", "expandable_segments:True"], seg.events
