@@ -142,3 +142,33 @@ def test_cuda_peaks_are_refused_where_no_cuda_device_is_seen():
 
     with pytest.raises(RuntimeError, match=r"no CUDA device \(torch.cuda.is_available\(\) is False\)"):
         CudaPeaks(None)
+
+
+def test_the_disk_dir_check_leaves_nothing_behind(tmp_path):
+    """`check_disk_dir` probes by making and removing a directory where the versions would go:
+    neither a missing --disk-dir (checked in its nearest existing parent) nor an existing one
+    keeps the probe."""
+    from fsdp_sync.cli.demo_check import check_disk_dir
+
+    check_disk_dir(str(tmp_path / "new" / "versions"))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "old").mkdir()
+    check_disk_dir(str(tmp_path / "old"))
+    assert [p.name for p in tmp_path.rglob("*")] == ["old"]
+
+
+def test_a_cuda_demo_counts_its_processes_on_the_host():
+    """On --device cuda only the build is on the host, but every trainer rank and engine worker
+    is a process there that takes this process's memory before it holds a weight: a host with
+    room for the build alone is refused. The refusal said "+ 4 processes x 0.26 GiB" (2 ranks, 2
+    engine workers) and counted the 2 ranks alone in the total it gave."""
+    from fsdp_sync.cli.demo_check import check_fits
+    from fsdp_sync.models import load_config
+
+    config = load_config("tiny")
+    kw = dict(ranks=2, tp=2, method="tensor", dtype="float32", quantization=None, device="cuda")
+    m = check_fits("tiny", config, available=2**50, **kw)
+    assert m["processes"] == 4 and m["process_bytes"] > 0, m
+    assert m["need_bytes"] == m["build_bytes"] + 4 * m["process_bytes"], m
+    with pytest.raises(ValueError, match=r"argument --model: tiny has .* 4 processes x"):
+        check_fits("tiny", config, available=m["build_bytes"] + 3 * m["process_bytes"], **kw)

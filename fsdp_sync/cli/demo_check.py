@@ -136,8 +136,8 @@ def check_fits(model: str, config: Any, *, ranks: int, tp: int, method: str | tu
         m = demo_memory(params, ranks=ranks, tp=tp, method=method, dtype_bytes=dtype_bytes,
                         low_precision=low, process_bytes=process_bytes)
         flag, held, beside = "--model", "float32 weights, gradients and AdamW state", "the engine"
-    if device == "cuda":
-        m["need_bytes"] = m["build_bytes"] + ranks * m["process_bytes"]
+    if device == "cuda":    # the weights on the GPUs; every process (rank, engine worker) on the host
+        m["need_bytes"] = m["build_bytes"] + m["processes"] * m["process_bytes"]
         m["larger"] = "build"
     free = psutil.virtual_memory().available if available is None else available
     m["available_bytes"] = free
