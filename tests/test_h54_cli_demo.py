@@ -172,3 +172,26 @@ def test_a_cuda_demo_counts_its_processes_on_the_host():
     assert m["need_bytes"] == m["build_bytes"] + 4 * m["process_bytes"], m
     with pytest.raises(ValueError, match=r"argument --model: tiny has .* 4 processes x"):
         check_fits("tiny", config, available=m["build_bytes"] + 3 * m["process_bytes"], **kw)
+
+
+def test_a_failed_sampled_sync_stops_its_sampling_thread(monkeypatch):
+    """`sampled_sync` whose sync raised left the sampler's thread reading /proc every millisecond
+    for the rest of the rank's life."""
+    import torch.distributed as dist
+
+    from fsdp_sync.cli.bench import sampling
+
+    monkeypatch.setattr(dist, "barrier", lambda *a, **kw: None)
+    monkeypatch.setattr(sampling, "cpu_group", lambda: None)
+
+    class Failing:
+        def __enter__(self):
+            raise RuntimeError("sync failed")
+
+        def __exit__(self, *exc):
+            return False
+
+    sampler = sampling.DeviceSampler([(os.getpid(), None)], period_s=0.001)
+    with pytest.raises(RuntimeError, match="sync failed"):
+        sampling.sampled_sync(Failing(), sampler)
+    assert not sampler._thread.is_alive() and sampler.samples

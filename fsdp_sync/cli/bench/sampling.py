@@ -65,10 +65,12 @@ def sampled_sync(manager: Any, sampler: DeviceSampler | None) -> None:
     dist.barrier(group=cpu_group())
     if sampler:
         sampler.__enter__()
-    with manager:
-        pass
-    if sampler:
-        sampler.__exit__(None, None, None)
+    try:
+        with manager:
+            pass
+    finally:    # a failed sync stops the sampling thread too (it sampled on, every millisecond)
+        if sampler:
+            sampler.__exit__(None, None, None)
 
 
 def rises(timeline: list[dict], sampler: DeviceSampler) -> list:
