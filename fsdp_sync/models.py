@@ -120,7 +120,9 @@ def _from_dict(d: dict[str, Any], source: str):
         cfg = AutoConfig.for_model(model_type, **d)
     except Exception as exc:   # noqa: BLE001 - a strict-dataclass field error is no ValueError
         raise ValueError(f"{source}: {' '.join(str(exc).split())}") from None
-    check_config(cfg, source)        # with the family's defaults for the keys left out
+    # with the family's defaults for the keys left out (Mixtral's 8 key/value heads, Qwen3-MoE's
+    # top-8): said so, as the file did not give the value refused
+    check_config(cfg, f"{source} (with {model_type}'s defaults for the keys it leaves out)")
     cfg.use_cache = True
     return cfg
 

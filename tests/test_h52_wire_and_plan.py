@@ -192,3 +192,21 @@ def test_a_checkpoints_config_json_states_the_saved_dtype_under_both_names_and_f
     plain = hf_config_json(types.SimpleNamespace(config=Cfg(model_type="qwen2")), torch.float16)
     assert plain == {"model_type": "qwen2", "dtype": "float16"}
     assert hf_config_json(types.SimpleNamespace(), torch.float16) is None
+
+
+def test_a_family_default_that_cannot_build_the_model_is_refused_saying_it_is_the_default():
+    """`models.load_config` checks the config again with the family's defaults for the keys a
+    mapping leaves out: a Mixtral of 4 heads that gives no key/value heads gets transformers' 8,
+    a Qwen3-MoE of 2 experts its top-8. Refused, saying the value is the family's default (the
+    file gave none). Killed: the second check dropped (such a config built, or failed inside
+    transformers' or torch's code)."""
+    from fsdp_sync.models import load_config
+
+    base = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=4)
+    with pytest.raises(ValueError, match=r"mixtral's defaults for the keys it leaves out\): num_attention_heads "
+                                         r"must be a multiple of num_key_value_heads .*num_key_value_heads 8"):
+        load_config({**base, "model_type": "mixtral"})
+    with pytest.raises(ValueError, match=r"qwen3_moe's defaults .*num_experts_per_tok must be at most "
+                                         r"num_experts \(2\), got 8"):
+        load_config({**base, "model_type": "qwen3_moe", "num_experts": 2})
+    assert load_config({**base, "model_type": "mixtral", "num_key_value_heads": 2}).num_key_value_heads == 2
