@@ -132,10 +132,11 @@ def test_one_bucket_of_owned_experts_uneven_and_even_pieces_is_bit_exact_on_ever
     tensor of 4 experts (rows 2, 2, 0 on 3 ranks) cut expert by expert (`sub_pieces`: experts 0
     and 1 held whole by rank 0, 2 and 3 by rank 1: a run of one owner, then another owner's right
     after it), an uneven tensor (7 rows: 3, 3, 1), an even one, an empty one and a replicated
-    one, cast to bfloat16 and not; without the uneven one too (the coalesced all-gather, not the
-    packed one); all-gathered, and gathered to rank 1 only (``dst``). Every rank's bucket equals
-    `bucket.flatten` of the whole tensors, byte for byte (to ``dst``: rank 1's). The real
-    collectives run in tests/test_export.py and test_moe.py; these threads run in 0.2 s."""
+    one, cast (bfloat16, float16, float8_e4m3fn) and not; without the uneven one too (the
+    coalesced all-gather, not the packed one); all-gathered, and gathered to rank 1 only
+    (``dst``). Every rank's bucket equals `bucket.flatten` of the whole tensors, byte for byte
+    (to ``dst``: rank 1's). The real collectives run in tests/test_export.py and test_moe.py;
+    these threads run in 0.3 s."""
     import types as _t
 
     from fsdp_sync.weights.shards import chunk_counts
@@ -157,14 +158,14 @@ def test_one_bucket_of_owned_experts_uneven_and_even_pieces_is_bit_exact_on_ever
 
     for sharded in (("odd", "even", "empty"), ("even", "empty")):
         names = [f"e{e}" for e in range(4)] + list(sharded) + ["norm"]
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             (bkt,) = bucket.plan_buckets([(n, dtype, tuple(whole[n].shape)) for n in names], 1 << 20)
             want = bucket.flatten(bkt, {n: whole[n].to(dtype) for n in names})
             for dst in (None, 1):
                 def job(rank):
                     fp = pieces(fused, rank)
-                    items = [_t.SimpleNamespace(pieces=gather.sub_pieces(fp, e * 8, 8), full=None, dtensor=None)
-                             for e in range(4)]
+                    items = [_t.SimpleNamespace(pieces=gather.sub_pieces(fp, e * 8, 8), full=None,
+                                                dtensor=None) for e in range(4)]
                     items += [_t.SimpleNamespace(pieces=pieces(whole[n], rank), full=None, dtensor=None)
                               for n in sharded]
                     items.append(_t.SimpleNamespace(pieces=None, full=whole["norm"], dtensor=None))
@@ -176,5 +177,6 @@ def test_one_bucket_of_owned_experts_uneven_and_even_pieces_is_bit_exact_on_ever
                     assert isinstance(flat, torch.Tensor), (sharded, dtype, dst, rank, flat)
                     if dst is None or rank == dst:
                         ref = dict(bucket.unflatten(want, bkt.entries))
-                        bad = [n for n, v in bucket.unflatten(flat, bkt.entries) if not torch.equal(v, ref[n])]
+                        bad = [n for n, v in bucket.unflatten(flat, bkt.entries)
+                               if not torch.equal(v.view(torch.uint8), ref[n].view(torch.uint8))]
                         assert torch.equal(flat, want), (sharded, dtype, dst, rank, bad)
