@@ -150,3 +150,16 @@ def test_a_second_begin_is_refused_and_the_open_update_goes_on_whole(eng):
     assert eng.end_weight_update(weight_version="v1") is True
     assert eng.weights_checksum() == checksum_named_tensors(v1) and eng.weight_version == "v1"
     eng.update_weights_from_tensor(v0, weight_version="v0")
+
+
+def test_a_hash_ahead_hint_naming_files_of_ranks_the_engine_lacks_is_ignored(eng, tmp_path):
+    """disk_calls (H55 mutation pass): `hash_files_ahead` is a hint and never fails its caller;
+    files of engine ranks beyond this engine's TP size (a version cut for a larger engine, refused
+    at its load) are dropped from it. A mutant without that filter survived: it raised IndexError
+    to the trainer mid-write after hinting rank 0."""
+    v0 = _named(0)
+    eng.hash_files_ahead(str(tmp_path), ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors",
+                                         "model-rank-7-part-3.safetensors"], "sha256")
+    eng.drop_files_ahead(str(tmp_path))
+    eng.update_weights_from_tensor(v0[:2], weight_version="v0")
+    assert eng.weights_checksum() == checksum_named_tensors(v0) and eng.weight_version == "v0"
