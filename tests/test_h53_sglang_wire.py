@@ -206,16 +206,19 @@ def test_a_llama_with_mlp_biases_is_refused_for_sglang_before_anything_is_sent()
     """SGLang's LlamaMLP (0.5.12, 0.5.23) has no biases and its loader skips the MLP biases a sync
     sends: the first-sync check refuses a trainer's Llama with ``mlp_bias=True`` for SGLang itself
     (naming it and what to do), before any call but the version; without MLP biases it passes."""
-    import transformers
+    import types
 
     from fsdp_sync import SyncConfig
     from fsdp_sync.config_check import check_engine
 
+    class Config(types.SimpleNamespace):       # what the check reads of a transformers config
+        def to_dict(self):
+            return dict(vars(self))
+
     fake = _fake()
     for mlp_bias in (True, False):
         module = torch.nn.Linear(2, 2)
-        module.config = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                                 num_attention_heads=2, vocab_size=32, mlp_bias=mlp_bias)
+        module.config = Config(model_type="llama", mlp_bias=mlp_bias, tie_word_embeddings=False)
         eng = fake.FakeSGLangEngine(tp_size=1)
         err = None
         try:
@@ -260,3 +263,13 @@ def test_expandable_segments_stay_off_while_sglang_still_holds_its_kv_cache(monk
     assert calls == ["expandable_segments:False"], seg.events
     seg.released(["kv_cache"])
     assert calls == ["expandable_segments:False", "expandable_segments:True"], seg.events
+
+
+def test_a_parameter_every_dp_replica_reports_names_each_tp_rank_once(tiny):
+    """`checksums.unfilled` over a DP server's answer (each TP rank reported once per replica)
+    names the TP ranks holding a weight no sync writes once each, not once per replica."""
+    layout, _ = tiny
+    extra = {"lm_head.extra.weight": "0" * 16}
+    got = checksums.unfilled(layout, {0: [extra, extra], 1: [extra, extra]})
+    assert got == ["'lm_head.extra.weight' on TP ranks 0, 1: SGLang holds it, but the trainer's layout "
+                   "has no such parameter, so no sync writes it"], got
