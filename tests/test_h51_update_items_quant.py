@@ -29,10 +29,18 @@ def test_a_misaligned_flattened_bucket_is_refused_naming_the_tensor():
     assert len(distributed_entries(names, dtypes, [[3], [2]], None)) == 2
 
 
-@pytest.mark.parametrize("shape", [[-1, 4], ["x", 4], None])
+@pytest.mark.parametrize("shape", [[-1, 4], ["x", 4], None, [64.0, 64], [True, 64], "64"])
 def test_a_shape_that_is_no_shape_is_refused_naming_the_tensor(shape):
     with pytest.raises(WeightUpdateError, match=r"bad shape .* for 'a.weight'"):
         distributed_entries(["a.weight"], ["float32"], [shape], None)
+
+
+def test_shapes_of_ints_are_taken_whatever_holds_them():
+    import numpy as np
+
+    for shape in ([64, 32], (64, 32), torch.Size([64, 32]), np.array([64, 32]), [np.int64(64), 32]):
+        assert distributed_entries(["a.weight"], ["float32"], [shape], None) == [("a.weight", torch.float32, (64, 32))]
+    assert distributed_entries(["a.weight"], ["float32"], [[]], None) == [("a.weight", torch.float32, ())]
 
 
 def config(**qc):

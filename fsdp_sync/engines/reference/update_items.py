@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from typing import Any
 
@@ -49,11 +50,14 @@ def distributed_entries(names: Any, dtypes: Any, shapes: Any, load_format: str |
             raise WeightUpdateError(f"bad dtype {dt!r} for {name!r}: expected a torch dtype name such as "
                                     f"'bfloat16' (not 'torch.bfloat16')", name=name)
         try:
-            shape = tuple(int(x) for x in shape)
-        except (TypeError, ValueError):
-            raise WeightUpdateError(f"bad shape {shape!r} for {name!r}", name=name) from None
-        if any(x < 0 for x in shape):
-            raise WeightUpdateError(f"bad shape {shape} for {name!r}", name=name)
+            dims = tuple(shape)
+        except TypeError:
+            dims = None
+        # ints only, as SGLang's torch.empty(shape) takes them: 64.0 or "64" is refused, not read as 64
+        if dims is None or isinstance(shape, (str, bytes)) or not all(
+                isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in dims):
+            raise WeightUpdateError(f"bad shape {shape!r} for {name!r}: a list of ints >= 0", name=name)
+        shape = tuple(int(x) for x in dims)
         if load_format == "flattened_bucket" and offset % dtype.itemsize:
             raise WeightUpdateError(f"{name!r} ({dt}) would start at byte {offset} of the flattened "
                                     f"bucket, not a multiple of its dtype size {dtype.itemsize}: the "
