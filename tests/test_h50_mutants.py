@@ -180,3 +180,32 @@ def test_one_bucket_of_owned_experts_uneven_and_even_pieces_is_bit_exact_on_ever
                         bad = [n for n, v in bucket.unflatten(flat, bkt.entries)
                                if not torch.equal(v.view(torch.uint8), ref[n].view(torch.uint8))]
                         assert torch.equal(flat, want), (sharded, dtype, dst, rank, bad)
+
+
+def test_a_sharded_tensors_local_shard_that_contradicts_its_metadata_is_refused(monkeypatch):
+    """`shards.sharded_tensor_pieces` refuses a local shard whose size is not what the shard
+    metadata gives this rank, and metadata whose shards do not cover the rows: gathered, the
+    peers would take other sizes (a mismatched all-gather) or rows would be missing (dropping
+    the local-size check survived tests/test_export.py and test_h22_sharded_tensor_order.py)."""
+    from fsdp_sync.weights import shards
+
+    monkeypatch.setattr(shards.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(shards.dist, "get_rank", lambda group=None: 1)
+
+    def st(sizes, local_rows):
+        offs = [sum(sizes[:i]) for i in range(len(sizes))]
+        metas = [types.SimpleNamespace(shard_offsets=[o, 0], shard_sizes=[s, 3],
+                                       placement=types.SimpleNamespace(rank=lambda r=r: r))
+                 for r, (o, s) in enumerate(zip(offs, sizes))]
+        md = types.SimpleNamespace(size=torch.Size([4, 3]), shards_metadata=metas,
+                                   tensor_properties=types.SimpleNamespace(dtype=torch.float32))
+        local = torch.ones(local_rows, 3)
+        return types.SimpleNamespace(metadata=lambda: md, _process_group=None,
+                                     local_shards=lambda: [types.SimpleNamespace(tensor=local)])
+
+    assert shards.sharded_tensor_pieces("w", st([2, 2], 2)).counts == (6, 6)
+    with pytest.raises(ValueError, match=r"'w' \(rank 0\): local shard has 9 elements, the shard "
+                                         r"metadata says 6"):
+        shards.sharded_tensor_pieces("w", st([2, 2], 3))
+    with pytest.raises(ValueError, match=r"'w' \(rank 0\): shards cover 3 of 4 rows"):
+        shards.sharded_tensor_pieces("w", st([2, 1], 1))
