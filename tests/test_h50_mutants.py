@@ -209,3 +209,16 @@ def test_a_sharded_tensors_local_shard_that_contradicts_its_metadata_is_refused(
         shards.sharded_tensor_pieces("w", st([2, 2], 3))
     with pytest.raises(ValueError, match=r"'w' \(rank 0\): shards cover 3 of 4 rows"):
         shards.sharded_tensor_pieces("w", st([2, 1], 1))
+
+
+def test_a_tight_bucket_holds_a_tensor_that_ends_exactly_at_the_budget():
+    """`bucket.plan_tight` (SGLang's broadcast layout) fills a bucket up to its budget exactly,
+    and opens the next one a byte over it (``>=`` for ``>`` survived test_bucket.py: a bucket
+    closed one tensor early, one broadcast more)."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    plan = bucket.plan_tight([("a", f32, (4,)), ("b", f32, (4,)), ("c", bf16, (1,))], 32)
+    assert [b.names for b in plan] == [["a", "b"], ["c"]] and [b.nbytes for b in plan] == [32, 2]
+    plan = bucket.plan_tight([("a", f32, (4,)), ("b", bf16, (8,)), ("c", bf16, (1,))], 33)
+    assert [b.names for b in plan] == [["a", "b"], ["c"]]
+    plan = bucket.plan_buckets([("a", f32, (4,)), ("b", f32, (4,)), ("c", bf16, (1,))], 32)
+    assert [b.names for b in plan] == [["a", "b"], ["c"]] and plan[0].nbytes == 32
