@@ -273,3 +273,30 @@ def test_a_parameter_every_dp_replica_reports_names_each_tp_rank_once(tiny):
     got = checksums.unfilled(layout, {0: [extra, extra], 1: [extra, extra]})
     assert got == ["'lm_head.extra.weight' on TP ranks 0, 1: SGLang holds it, but the trainer's layout "
                    "has no such parameter, so no sync writes it"], got
+
+
+def test_untracked_memory_calls_still_tell_the_allocator_what_sglang_took_back(monkeypatch):
+    """With ``track_memory=False`` (another client also releases and resumes that SGLang) the tags
+    go as given, and a resume still tells the allocator switch SGLang holds them again: after a
+    release and a resume of everything, releasing the KV cache alone leaves expandable segments
+    off, SGLang holding its weights (they were restored while it held them when a resume of
+    ``None`` told the switch nothing)."""
+    from fsdp_sync.engines.sglang import allocator as sg_allocator
+
+    calls = []
+    monkeypatch.setattr(sg_allocator, "_cuda_available", lambda: True)
+    monkeypatch.setattr(sg_allocator, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(sg_allocator, "_allocator_settings", lambda: "expandable_segments:True")
+    eng = _fake().FakeSGLangEngine(tp_size=1)
+    a = sg.SGLangEngine(eng, tp_size=1, track_memory=False)
+    a.release_memory_occupation()
+    a.resume_memory_occupation()
+    assert calls == ["expandable_segments:False"]
+    a.release_memory_occupation(["kv_cache"])
+    assert calls == ["expandable_segments:False"], a.allocator.events
+    a.release_memory_occupation(["weights"])
+    assert calls == ["expandable_segments:False", "expandable_segments:True"], a.allocator.events
+    assert [c for c in eng.names() if "memory" in c] == ["release_memory_occupation",
+                                                         "resume_memory_occupation",
+                                                         "release_memory_occupation",
+                                                         "release_memory_occupation"]
