@@ -210,3 +210,53 @@ def test_a_family_default_that_cannot_build_the_model_is_refused_saying_it_is_th
                                          r"num_experts \(2\), got 8"):
         load_config({**base, "model_type": "qwen3_moe", "num_experts": 2})
     assert load_config({**base, "model_type": "mixtral", "num_key_value_heads": 2}).num_key_value_heads == 2
+
+
+CPU = dict(name="cpu-test", device="cpu", gpus_per_node=64, memory_per_gpu=10**12, d2d_gbps=5.0, intra_gbps=1.0,
+           inter_gbps=1.0, disk_write_gbps=1.0, disk_read_gbps=1.0, call_s=1e-4, collective_s=1e-4)
+
+
+def _busiest_writer(model: str, tp: int, writers: int, bucket: int, everywhere: bool) -> tuple[int, int]:
+    """What the busiest trainer rank of a per-rank disk sync quantizes, by
+    `transport.disk_ranked.write_rank_buckets`'s rule: engine rank i's file of bucket k is cut,
+    quantized and written by ``writers[i % W]`` on the all-to-all path, ``writers[(k * tp + i) % W]``
+    where every rank sees every buffer. (bytes in the rollout dtype, quantized tensors)."""
+    from fsdp_sync.plan import meta_model
+    from fsdp_sync.weights import reshard
+    from fsdp_sync.weights.fp8_config import held_layout
+    from fsdp_sync.weights.layout import layout_for
+    from fsdp_sync.weights.quantize import StreamQuantizer
+
+    cfg, _ = meta_model(model)
+    lay = layout_for(cfg, tp)
+    quant = StreamQuantizer(held_layout(cfg, lay, "fp8"))
+    load = [[0, 0] for _ in range(writers)]
+    for k, b in enumerate(reshard.plan_rank_buckets(lay, torch.bfloat16, bucket)):
+        for i in range(tp):
+            w = (k * tp + i) % writers if everywhere else i % writers
+            load[w][0] += sum(e.end - e.start for e in b.entries)
+            load[w][1] += sum(e.name in quant.engine for e in b.entries)
+    return max(x[0] for x in load), max(x[1] for x in load)
+
+
+def test_per_rank_disk_files_all_to_all_is_planned_with_the_transports_owners():
+    """Per-rank disk files on the all-to-all path (several trainer ranks, no host-shared buffer):
+    engine rank i's buffer is assembled on trainer rank i mod W (`disk_ranked`'s ``owners``), so
+    at 3 trainer ranks and TP 4 rank 0 receives two engine ranks' pieces and quantizes two engine
+    ranks' buckets (ceil(4 / 3), not 4 // 3). The plan's trainer_rank_bytes_in is the exchange's
+    busiest rank with those owners, and its quantizer load the busiest writer's. Killed: every
+    buffer owned by rank 0, and the writers' share rounded down."""
+    from fsdp_sync.plan import Cluster, PlanJob, meta_model, plan_row
+    from fsdp_sync.plan_bytes import fsdp_counts
+    from fsdp_sync.weights import reshard
+    from fsdp_sync.weights.layout import layout_for
+
+    ranks, tp, bucket = 3, 4, 64 << 10
+    row = plan_row(PlanJob("tiny-fp8", "disk", "engine", bucket, "bfloat16", "fp8", ranks, 2, tp,
+                           engine="reference", share_host_memory=False), Cluster(**CPU))
+    assert row["reshard_path"] == "all-to-all"
+    cfg, module = meta_model("tiny-fp8")
+    counts = fsdp_counts(module, ranks, 2)
+    ins = reshard.exchange_bytes(layout_for(cfg, tp), 2, counts, [[i % ranks] for i in range(tp)])
+    assert row["trainer_rank_bytes_in"] == max(i for i, _ in ins) > 0
+    assert (row["quantize_bytes_in"], row["quantized_tensors"]) == _busiest_writer("tiny-fp8", tp, ranks, bucket, False)
