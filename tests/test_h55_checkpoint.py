@@ -10,6 +10,9 @@ tied-head rules, in process (no engine, no ranks; a few milliseconds each).
   shard without a word where the split is even: SGLang's loader takes rank r's files by name), and
   one whose tensor names are not strings (a TypeError from sorting them before, which
   ``update_weights_from_disk`` did not take as a refused checkpoint).
+- `resolve` refuses a load format it does not read and a directory without safetensors files;
+  `resolve_ranked` a version cut for another TP size; `write_safetensors` a span past the bucket
+  (each check survived its removal in the tests before).
 - `float32_params.out_dtype`: only a float32 tensor under one of the names is kept; the same name
   in another dtype is cast, and a name merely ending in the same letters is not one of them.
 - `tied.head_refusal` compares bits: an equal head holding a NaN is taken, a head whose only
@@ -150,3 +153,38 @@ def test_the_tied_head_check_compares_bits_not_values():
     emb[3, 3], head[3, 3] = 0.0, -0.0     # equal values, other bits: the engine would refuse it
     why = tied.head_refusal([_whole(tied.EMBED, emb), _whole(tied.HEAD, head)], tied=True)
     assert why is not None and "first difference at [3, 3]: -0 against 0" in why, why
+
+
+def test_write_safetensors_refuses_a_tensor_outside_the_bucket(tmp_path):
+    """A span past the flattened bucket's end would be cut short by the memoryview (a file whose
+    header promises bytes it does not hold): refused naming the tensor, nothing written."""
+    entries, flat = _entries(("a", torch.float32, (2, 2)), ("b", torch.float32, (2, 2)))
+    path = str(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"tensor 'b' .*bytes \[16, 32\) of 24\) cannot be written"):
+        ckpt.write_safetensors(path, flat[:24], entries)
+    assert not os.path.exists(path)
+
+
+def test_resolve_refuses_a_load_format_it_does_not_read(tmp_path):
+    entries, flat = _entries(("a", torch.float32, (2, 2)))
+    ckpt.write_safetensors(str(tmp_path / "model.safetensors"), flat, entries)
+    assert ckpt.resolve(str(tmp_path), "safetensors").files == ["model.safetensors"]
+    for fmt in ("pt", "sharded_state", "dummy"):
+        with pytest.raises(ckpt.CheckpointError, match=rf"load_format {fmt!r} is not supported for a disk update"):
+            ckpt.resolve(str(tmp_path), fmt)
+
+
+@pytest.mark.parametrize("engine_tp", [1, 4])
+def test_a_per_rank_version_for_another_tp_size_is_refused(tmp_path, engine_tp):
+    d = _ranked(tmp_path, [["model-rank-0-part-0.safetensors"], ["model-rank-1-part-0.safetensors"]])
+    with pytest.raises(ckpt.CheckpointError, match=rf"holds shards for 2 engine TP ranks, this engine has "
+                                                   rf"{engine_tp}: write it with the engine's TP size"):
+        ckpt.resolve_ranked(d, engine_tp)
+
+
+def test_resolve_refuses_a_directory_without_safetensors_files(tmp_path):
+    """Loading nothing would be an update that changed no weight yet took its version."""
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(ckpt.CheckpointError, match=r"no \*\.safetensors files in .*\*\.bin / \*\.pt "
+                                                   r"checkpoints are not supported"):
+        ckpt.resolve(str(tmp_path))
