@@ -195,3 +195,76 @@ def test_a_failed_sampled_sync_stops_its_sampling_thread(monkeypatch):
     with pytest.raises(RuntimeError, match="sync failed"):
         sampling.sampled_sync(Failing(), sampler)
     assert not sampler._thread.is_alive() and sampler.samples
+
+
+# --------------------------------------------------------------------------- bench rows
+
+def test_an_incomplete_sweep_names_the_error_and_its_last_line(tmp_path, capsys):
+    """A failed job's one line on stderr: the launcher's first line and the rank's last (the
+    exception itself), and the rows measured before it written to --json."""
+    import json
+
+    from fsdp_sync.cli.bench.rows import BenchIncomplete, report_incomplete
+    from rich.console import Console
+
+    out = tmp_path / "b.json"
+    result = {"rows": [{"method": "tensor"}], "incomplete": "rank 1 failed:"}
+    exc = BenchIncomplete("rank 1 failed:\nTraceback (most recent call last):\n  ...\nValueError: boom", result)
+    args = argparse.Namespace(json=str(out))
+    assert report_incomplete(Console(file=open(os.devnull, "w")), args, result, exc) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"fsdp-sync bench: error: rank 1 failed: ValueError: boom (1 row(s) measured before it, "
+                   f"shown above; written to {out})"), err
+    assert json.loads(out.read_text())["rows"] == [{"method": "tensor"}]
+
+
+def test_rows_half_written_are_no_rows(tmp_path):
+    """The parent reads a failed job's rows; a file cut short (the rank killed mid-write of a
+    file not renamed yet cannot be, but a full disk can) is no rows, not a JSONDecodeError that
+    hides the job's own error."""
+    from fsdp_sync.cli.bench.rows import ROWS_FILE, measured_rows, save_rows
+
+    assert measured_rows(str(tmp_path)) == []
+    save_rows(str(tmp_path), [{"seconds": 1.0}])
+    assert measured_rows(str(tmp_path)) == [{"seconds": 1.0}]
+    (tmp_path / ROWS_FILE).write_text('[{"seconds": 1.')
+    assert measured_rows(str(tmp_path)) == []
+
+
+def test_a_tensor_rows_peak_is_its_worst_devices_rise():
+    """Two devices sampled, the second rising most: the row's peak_extra_bytes is that rise, and
+    its memory curve is the devices' sum at each sample."""
+    import types
+
+    from fsdp_sync.cli.bench.rows import tensor_row
+
+    class _Sampler:
+        t0 = 10.0
+        samples = [(0.0, [100, 100]), (1.5, [150, 400]), (3.0, [120, 130])]
+
+    timeline = types.SimpleNamespace(to_dict=lambda: [{"name": "sync_weights", "started": 11.0, "seconds": 1.0}])
+    manager = types.SimpleNamespace(module=torch.nn.Linear(4, 4, bias=False), timeline=timeline)
+    job = types.SimpleNamespace(dtype="float32", model="m", ranks=2, tp=2, multi_stage=True, device="cpu")
+    stats = types.SimpleNamespace(extra={}, bytes=64, engine_calls=1)
+    row = tensor_row(job, "flattened", 2**20, 16, 1, stats, [1.0, 2.0, 3.0], 2.0, 0.5, manager, _Sampler())
+    assert row["peak_extra_bytes"] == 300
+    assert row["memory_curve"] == [[0.0, 200], [1.5, 550], [3.0, 250]]
+    assert row["stages"][0]["t"] == 1.0 and row["seconds"] == 2.0
+
+
+def test_each_step_is_judged_on_its_worst_logit_its_tokens_and_a_change():
+    """`StepCheck`, the verdict every engine-holding rank gives each step: one logit off by 1e-3
+    among thousands is the step's max |diff| (a sync that corrupted one row); a token off fails a
+    float32 step; logits equal to the last step's are flagged (the engine left as it was)."""
+    from fsdp_sync.cli.demo import DemoOptions, StepCheck
+
+    check = StepCheck(DemoOptions())
+    ref = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    eng = ref.clone()
+    eng[2, 100] += 1e-3
+    first = check.check(eng, ref, [[1, 2]], [[1, 2]])
+    assert first["max_abs_logit_diff"] == pytest.approx(1e-3, rel=1e-3) and first["atol"] == 1e-5
+    assert first["tokens_exact"] and first["tokens_match"] and first["changed_since_last_step"]
+    again = check.check(eng.clone(), ref, [[1, 3]], [[1, 2]])
+    assert not again["changed_since_last_step"] and not again["tokens_match"]
+    assert check.check(ref, ref, [[1, 2]], [[1, 2]])["changed_since_last_step"]

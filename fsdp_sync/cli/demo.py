@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DemoOptions", "DemoIncomplete", "demo_rank", "run_demo", "default_timeout_s", "PROMPTS"]
+__all__ = ["DemoOptions", "DemoIncomplete", "StepCheck", "demo_rank", "run_demo", "default_timeout_s", "PROMPTS"]
 
 # prompts of different lengths, all token ids < 256 so they fit every recipe's vocabulary
 PROMPTS = [[11, 27, 93, 5], [201, 3, 64, 64, 17, 88, 42, 9, 120], [7]]
@@ -140,6 +140,30 @@ def tokens_agree(ref: torch.nn.Module, prompts: list[list[int]], tokens: list[li
     return True
 
 
+class StepCheck:
+    """One engine's verdict at each step, against the trainer's reference: the largest |logit
+    diff| and its tolerance, greedy tokens identical (or, in a 16-bit rollout, teacher-forced
+    within the tolerance: `tokens_agree`), and logits changed since the last step (a sync
+    that left the engine as it was, after a training step that changed nothing, is not a pass)."""
+
+    def __init__(self, opts: DemoOptions) -> None:
+        self.opts = opts
+        self.prev_logits: torch.Tensor | None = None
+
+    def check(self, eng_logits: torch.Tensor, ref_logits: torch.Tensor, eng_tokens: list[list[int]],
+              ref_tokens: list[list[int]], ref_model: torch.nn.Module | None = None) -> dict:
+        """This step's fields of the record; ``ref_model``: the 16-bit rollout's reference (None:
+        tokens must be identical)."""
+        tol = tolerance(self.opts, ref_logits)
+        exact = eng_tokens == ref_tokens
+        out = {"atol": tol, "max_abs_logit_diff": float((eng_logits - ref_logits).abs().max()),
+               "tokens_exact": exact,
+               "tokens_match": exact or (ref_model is not None and tokens_agree(ref_model, PROMPTS, eng_tokens, tol)),
+               "changed_since_last_step": self.prev_logits is None or not torch.equal(self.prev_logits, eng_logits)}
+        self.prev_logits = eng_logits
+        return out
+
+
 def _peak(stages: list[dict], who: str, key: str) -> int:
     vals = []
     for s in stages:
@@ -216,7 +240,7 @@ def demo_rank(rank: int, world: int, opts: DemoOptions, records_dir: str | None 
         progress.start()
         task = progress.add_task("training", total=opts.steps)
     records = []
-    prev_logits = None
+    checker = StepCheck(opts)
     try:
         for step in range(opts.steps):
             loss = train_step(model, optimizer, synthetic_batch(cfg.vocab_size, step=step, rank=rank,
@@ -237,15 +261,8 @@ def demo_rank(rank: int, world: int, opts: DemoOptions, records_dir: str | None 
                     eng_logits = engine.forward_logits(PROMPTS, lora_path=lora_path).float().cpu()
                     eng_tokens = engine.generate(input_ids=PROMPTS, max_new_tokens=opts.max_new_tokens,
                                                  temperature=0.0, lora_path=lora_path)
-                    tol = tolerance(opts, ref_logits)
-                    rec["atol"] = tol
-                    rec["max_abs_logit_diff"] = float((eng_logits - ref_logits).abs().max())
-                    rec["tokens_exact"] = eng_tokens == ref_tokens
-                    rec["tokens_match"] = rec["tokens_exact"] or (
-                        low and tokens_agree(ref_model, PROMPTS, eng_tokens, tol))
-                    rec["changed_since_last_step"] = (prev_logits is None
-                                                      or not torch.equal(prev_logits, eng_logits))
-                    prev_logits = eng_logits
+                    rec.update(checker.check(eng_logits, ref_logits, eng_tokens, ref_tokens,
+                                             ref_model if low else None))
             stages = manager.timeline.to_dict()
             extra = manager.stats.extra or {}
             rec["layout"] = extra.get("layout")
