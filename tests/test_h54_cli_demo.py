@@ -268,3 +268,23 @@ def test_each_step_is_judged_on_its_worst_logit_its_tokens_and_a_change():
     again = check.check(eng.clone(), ref, [[1, 3]], [[1, 2]])
     assert not again["changed_since_last_step"] and not again["tokens_match"]
     assert check.check(ref, ref, [[1, 2]], [[1, 2]])["changed_since_last_step"]
+
+
+# --------------------------------------------------------------------------- the --lora trainer
+
+def test_the_lora_trainer_computes_pefts_forward_and_names():
+    """`add_lora`'s layer is peft's: ``base(x) + lora_B(lora_A(x)) * alpha / r``, a nonzero B (so
+    the first adapter is not a no-op), the base frozen and the adapter alone trainable."""
+    from fsdp_sync.cli.lora_model import add_lora
+    from fsdp_sync.models import build_model, load_config
+
+    model = add_lora(build_model(load_config("tiny"), seed=0), r=4, alpha=32.0)
+    layer = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, layer.base_layer.in_features, generator=torch.Generator().manual_seed(1))
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    want = x @ layer.base_layer.weight.T + (x @ a.T @ b.T) * (32.0 / 4)
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5)
+    assert b.abs().sum() > 0
+    trainable = sorted({n.split(".")[-3] for n, p in model.named_parameters() if p.requires_grad})
+    assert trainable == ["lora_A", "lora_B"], trainable
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" in dict(model.named_parameters())
