@@ -92,7 +92,7 @@ from ..base import (EngineClosedError, EngineError, EngineStateError, EngineUnav
                     WeightUpdateError, WorkerDiedError)
 from . import procs, quant, transaction
 from .disk_calls import DiskCalls
-from .engine_args import check_engine_args
+from .engine_args import check_engine_args, check_target_modules
 from .errors import NOTHING_APPLIED
 from .gpu_calls import GPUCalls
 from .group_calls import UpdateGroupCalls
@@ -178,7 +178,7 @@ class ReferenceEngine(GenerationCalls, UpdateGroupCalls, DiskCalls, WeightReadba
             max_lora_rank=max_lora_rank, keep_bucket_buffers=keep_bucket_buffers)
         device, dtype, tp_size = a.device, a.dtype, a.tp_size
         self.max_lora_rank = a.max_lora_rank
-        self.lora_target_modules = None if lora_target_modules is None else tuple(lora_target_modules)
+        self.lora_target_modules = check_target_modules(lora_target_modules)
         self.config = load_config(model_config)
         self.spec = ModelSpec.from_config(self.config)
         self._quant = quant.resolve(self.config, quantization)

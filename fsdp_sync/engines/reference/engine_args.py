@@ -68,6 +68,29 @@ class EngineArgs:
         self.__dict__.update(kw)
 
 
+def check_target_modules(value: Any) -> tuple[str, ...] | None:
+    """``lora_target_modules`` as SGLang's ``--lora-target-modules`` takes it: None (any), the
+    string ``"all"`` / ``"all-linear"`` (kept as ``("all",)``), or module names (strings). Any other
+    string was split into its characters (``"q_proj"`` -> q, _, p, ...), and every adapter then
+    refused listing them."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value in ("all", "all-linear"):
+            return ("all",)
+        raise ValueError(f"lora_target_modules must be a list of module names or 'all' / 'all-linear' "
+                         f"(as SGLang's --lora-target-modules), got the string {value!r}: pass "
+                         f"[{value!r}] for that one module")
+    try:
+        names = tuple(value)
+    except TypeError:
+        names = None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"lora_target_modules must be a non-empty list of module names (strings) or "
+                         f"'all' / 'all-linear', got {value!r}")
+    return names
+
+
 def check_engine_args(*, dtype: Any, device: Any, tp_size: Any, base_gpu_id: Any, kv_cache_tokens: Any,
                       mem_fraction: Any, weights_cpu_backup: Any, seed: Any, num_threads: Any,
                       pg_timeout_s: Any, startup_timeout_s: Any, call_timeout_s: Any,
