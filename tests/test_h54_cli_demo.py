@@ -288,3 +288,19 @@ def test_the_lora_trainer_computes_pefts_forward_and_names():
     trainable = sorted({n.split(".")[-3] for n, p in model.named_parameters() if p.requires_grad})
     assert trainable == ["lora_A", "lora_B"], trainable
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" in dict(model.named_parameters())
+
+
+def test_piped_the_demo_prints_a_line_a_step_on_stderr(capsys):
+    """Where stdout is no terminal (tee, a CI log) rich's transient bar draws nothing until the end:
+    the demo said nothing between its header and its table. One line a step on stderr there."""
+    from fsdp_sync.cli.demo import _LineProgress
+
+    p = _LineProgress(3)
+    task = p.add_task("training", total=3)
+    p.update(task, description="loss 1.000 · syncing")
+    assert capsys.readouterr().err == ""
+    p.update(task, advance=1, description="loss 1.000 · synced 12 ms")
+    p.update(task, advance=1, description="loss 0.900 · synced 11 ms")
+    err = capsys.readouterr().err.splitlines()
+    assert [e.split(" (")[0] for e in err] == ["demo step 1/3: loss 1.000 · synced 12 ms",
+                                               "demo step 2/3: loss 0.900 · synced 11 ms"], err

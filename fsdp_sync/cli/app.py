@@ -61,7 +61,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--device", type=ca.device, default="cpu", help="cpu or cuda (cuda needs a visible GPU)")
     p.add_argument("--backend", type=ca.backend, default=None, help=ca.BACKEND_HELP)
     p.add_argument("--dtype", type=ca.dtype_name, default="float32",
-                   help="rollout dtype the weights are cast to")
+                   help=f"rollout dtype the weights are cast to: {', '.join(ca.DTYPES)}")
     p.add_argument("--no-multi-stage", action="store_true", help="resume all engine memory before the sync")
     p.add_argument("--atol", type=ca.nonnegative_float, default=None,
                    help="largest |logit diff| accepted (default: 1e-5 in float32; in bfloat16/float16 "

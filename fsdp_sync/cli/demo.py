@@ -233,10 +233,14 @@ def demo_rank(rank: int, world: int, opts: DemoOptions, records_dir: str | None 
 
     progress = None
     if opts.progress and rank == 0:
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        progress = Progress(TextColumn("[bold]demo[/] step {task.completed}/{task.total}"), BarColumn(),
-                            TextColumn("{task.description}"), TimeElapsedColumn(), transient=True)
+        # a live bar only on a terminal: piped (tee, a CI log) rich draws nothing until the
+        # end and a long run looked hung; there, one plain line a step on stderr
+        progress = (Progress(TextColumn("[bold]demo[/] step {task.completed}/{task.total}"), BarColumn(),
+                             TextColumn("{task.description}"), TimeElapsedColumn(), transient=True)
+                    if Console().is_terminal else _LineProgress(opts.steps))
         progress.start()
         task = progress.add_task("training", total=opts.steps)
     records = []
@@ -294,6 +298,30 @@ def demo_rank(rank: int, world: int, opts: DemoOptions, records_dir: str | None 
         if engine is not None:
             engine.shutdown()
     return records
+
+
+class _LineProgress:
+    """The progress bar's calls where stdout is no terminal: a line on stderr after each step."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.done, self.t0 = steps, 0, time.perf_counter()
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def add_task(self, _name: str, total: int) -> int:
+        return 0
+
+    def update(self, _task: int, advance: int = 0, description: str = "") -> None:
+        import sys
+
+        if advance:
+            self.done += advance
+            print(f"demo step {self.done}/{self.steps}: {description} "
+                  f"({time.perf_counter() - self.t0:.1f} s)", file=sys.stderr, flush=True)
 
 
 def default_timeout_s(opts: DemoOptions) -> float:
