@@ -260,3 +260,41 @@ def test_per_rank_disk_files_all_to_all_is_planned_with_the_transports_owners():
     ins = reshard.exchange_bytes(layout_for(cfg, tp), 2, counts, [[i % ranks] for i in range(tp)])
     assert row["trainer_rank_bytes_in"] == max(i for i, _ in ins) > 0
     assert (row["quantize_bytes_in"], row["quantized_tensors"]) == _busiest_writer("tiny-fp8", tp, ranks, bucket, False)
+
+
+@pytest.mark.timeout(60)
+def test_a_member_joining_a_called_off_update_group_fails_at_once_saying_why():
+    """`wire.call_off_join`: trainer rank 0 gave the group up before every member joined and marked
+    its store; a member that `new_update_group` connects afterwards fails at once with the reason,
+    instead of waiting in a rendezvous that cannot complete until its timeout. Killed: the mark
+    not read (the member waited out its timeout and failed without the reason)."""
+    import torch.distributed as dist
+
+    from fsdp_sync.wire import call_off_join, host_store, new_update_group
+
+    store = host_store(2, 30)
+    call_off_join(store, "h52_group", "trainer rank 0 failed making it: boom")
+    with pytest.raises(dist.DistNetworkError, match=r"update group 'h52_group' at 127.0.0.1:\d+: its rank 0 "
+                                                     r"called the join off \(trainer rank 0 failed making it: boom\)"):
+        new_update_group(backend="gloo", master_address="127.0.0.1", master_port=store.port, world_size=2,
+                         rank=1, group_name="h52_group", timeout_s=3)
+
+
+def test_fsdp1_units_are_the_trainers_wrapping_one_per_decoder_layer_and_the_root():
+    """`plan_bytes.fsdp1_unit_numels`: the CLI's FSDP1 trainer wraps every module of the model's
+    decoder-layer class (`cli.trainer.wrap_fsdp`'s ``ModuleWrapPolicy``) and the root, so each
+    unit's flat parameter (what torch pads to a multiple of the world and all-gathers for a state
+    dict) is one layer's parameters, and the root's everything else, a tied embedding once. Killed:
+    the layers not found (one unit of the whole model: other padding, other counts)."""
+    from fsdp_sync.cli.trainer import decoder_layer_cls
+    from fsdp_sync.plan import meta_model
+    from fsdp_sync.plan_bytes import fsdp1_unit_numels
+
+    for name in ("tiny", "tiny-tied", "tiny-qwen3-moe"):
+        _, module = meta_model(name)
+        cls = decoder_layer_cls(module)
+        layers = [m for m in module.modules() if isinstance(m, cls)]
+        in_layers = {id(p) for m in layers for p in m.parameters()}
+        root = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values() if id(p) not in in_layers)
+        want = [sum(p.numel() for p in m.parameters()) for m in layers] + [root]
+        assert len(layers) == module.config.num_hidden_layers and fsdp1_unit_numels(module) == want, name
