@@ -412,7 +412,7 @@ def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
     row.update(fsdp1_state_dict=job.fsdp1_state_dict if job.fsdp == 1 else None, state_dict_bytes_in=sd_in)
     row["trainer_rank_bytes_in"] += sd_in
     if quant is not None:
-        row.update(quantizer_load(job, layout, dtype, metas, quant, reshard, bk),
+        row.update(quantizer_load(job, layout, dtype, metas, quant, reshard, bk, path=row.get("reshard_path")),
                    quantize_scratch_bytes=quantize_scratch(job.layout, layout, quant, dtype))
     unit = max((b.nbytes for b in plan), default=0) if job.method != "disk" else 0   # its largest bucket
 

@@ -166,19 +166,30 @@ def disk_bytes(job: Any, layout: Any, held: Any, quant: Any, metas: list, dtype:
 
 
 def quantizer_load(job: Any, layout: Any, dtype: torch.dtype, metas: list, quant: Any, reshard: Any,
-                   bk: Any) -> dict:
+                   bk: Any, path: str | None = None) -> dict:
     """What the busiest trainer rank passes through the FP8 quantizer in one sync, as the
     transports quantize: layout full, each gathered bucket whole (the tensor method: on every
     rank; the distributed method: on rank 0; the disk method: each writer its own buckets, bucket
     k by writer k mod ranks: the most any writer takes); layout engine, each per-rank bucket of the
     engine ranks the rank serves (the tensor method: its own infer-TP rank's; the distributed
-    method: rank 0, every engine rank's; the disk method: its share of them).
+    method: rank 0, every engine rank's; the disk method: its share of them, by
+    `transport.disk_ranked`'s rule: engine rank i's file of bucket k by writer i mod ranks on the
+    ``path`` "all-to-all", by writer (k tp + i) mod ranks where every rank holds every buffer).
     ``quantize_bytes_in``: the buckets' bytes in the rollout dtype (quantized or passed through);
     ``quantized_tensors``: the tensors quantized (the names the sync's stats use)."""
     world, tp, m = job.ranks, job.tp, job.method
     if job.layout == "engine":
         per = job.bucket_bytes // tp if m == "distributed" else job.bucket_bytes
-        entries = [e for b in reshard.plan_rank_buckets(layout, dtype, max(1, per)) for e in b.entries]
+        buckets = reshard.plan_rank_buckets(layout, dtype, max(1, per))
+        if m == "disk" and path in ("host-shared", "local"):
+            load = [[0, 0] for _ in range(world)]
+            for k, b in enumerate(buckets):
+                for i in range(tp):
+                    mine = load[(k * tp + i) % world]
+                    mine[0] += sum(e.end - e.start for e in b.entries)
+                    mine[1] += sum(e.name in quant.engine for e in b.entries)
+            return {"quantize_bytes_in": max(x[0] for x in load), "quantized_tensors": max(x[1] for x in load)}
+        entries = [e for b in buckets for e in b.entries]
         one = (sum(e.end - e.start for e in entries), sum(e.name in quant.engine for e in entries))
         times = {"tensor": 1, "distributed": tp}.get(m, math.ceil(tp / world))
         return {"quantize_bytes_in": int(one[0] * times), "quantized_tensors": math.ceil(one[1] * times)}
