@@ -103,8 +103,10 @@ def plan_buckets(metas: Iterable[TensorMeta | tuple], bucket_bytes: int, *,
                  alignment: int = ALIGNMENT) -> list[Bucket]:
     """Group tensors, in order, into buckets of at most ``bucket_bytes`` (padding included).
 
-    A tensor larger than the budget gets a bucket of its own. Every entry's start is a multiple of
-    ``alignment``. Names must be unique. (`BucketPacker` is this rule one tensor at a time.)
+    A tensor larger than the budget gets a bucket of its own, as does a lone tensor whose end,
+    padded to ``alignment``, passes a budget that is no multiple of it (budget 10, one 10-byte
+    tensor: a 16-byte bucket). Every entry's start is a multiple of ``alignment``. Names must be
+    unique. (`BucketPacker` is this rule one tensor at a time.)
     """
     metas = tuple(m if isinstance(m, TensorMeta) else TensorMeta(m[0], m[1], tuple(m[2])) for m in metas)
     return list(_plan(metas, bucket_bytes, alignment))
