@@ -141,7 +141,11 @@ class SessionCalls:
             raise SGLangError(f"{name} disappeared{self.where} after it had answered before"
                               + (f": {err}" if err else ""), call=name) from None
         except SGLangHTTPError as e:
-            self.session_api = True
+            # the route exists only where its handler answered (SGLang's 400 refusal, a 500 from
+            # it); no answer, or a proxy's 502-504, leaves it unknown, so an older server's 404
+            # next time is still read as "no session API", not as a route that disappeared
+            if e.status in (400, 500):
+                self.session_api = True
             if e.status == 400:   # SGLang's refusal: {"success": false, "message": ...}
                 raise EngineStateError(str(e)) from e
             raise

@@ -1,0 +1,216 @@
+"""`HttpClient` against a scripted HTTP server in this process: only idempotent calls are retried
+(a weight update or a session call is sent once, whatever the answer or the failure), an error
+names the route, the status and the server's message, a refused connection (nothing reached the
+server: an update's payloads certainly unopened) is told apart from a connection that dropped or
+timed out (unknown), and a retried call gives up after ``1 + retries`` attempts saying so.
+
+No SGLang and no engine: the server answers what each test scripts, and counts what it got.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from fsdp_sync.engines.sglang.client import (HttpClient, NotFound, SGLangHTTPError,
+                                             SGLangUpdateError, with_detail)
+
+
+class _Server:
+    """Answers each path from its script: a list of ``(status, body)``, or ``"drop"`` (read the
+    request, close without answering); the last entry repeats. ``hits`` counts requests."""
+
+    def __init__(self, script: dict) -> None:
+        self.script = {k: list(v) for k, v in script.items()}
+        self.hits: Counter[str] = Counter()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):  # quiet
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._answer()
+
+            def do_GET(self):
+                self._answer()
+
+            def _answer(self):
+                owner.hits[self.path] += 1
+                steps = owner.script.get(self.path) or [(404, '{"detail": "Not Found"}')]
+                step = steps.pop(0) if len(steps) > 1 else steps[0]
+                if step == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                status, body = step
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def _client(url: str, *, retries: int = 2, keepalive_s: float = 2.0, timeout_s: float = 10.0):
+    return HttpClient(url, api_key=None, timeout_s=timeout_s, max_retries=retries, backoff_s=0.0,
+                      backoff_max_s=0.0, proxies=None, keepalive_s=keepalive_s)
+
+
+MESSAGE = '{"success": false, "message": "scheduler busy: try later"}'
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("keepalive_s", [2.0, 0.0])
+def test_a_weight_update_answered_503_is_sent_once_and_the_error_names_route_status_message(keepalive_s):
+    with _Server({"/update_weights_from_tensor": [(503, MESSAGE)],
+                  "/get_weight_version": [(503, MESSAGE), (200, '"v1"')]}) as srv:
+        http = _client(srv.url, keepalive_s=keepalive_s)
+        with pytest.raises(SGLangUpdateError) as ei:
+            http.json("POST", "/update_weights_from_tensor", {"x": 1}, error=SGLangUpdateError)
+        assert srv.hits["/update_weights_from_tensor"] == 1       # never re-sent
+        e = ei.value
+        assert e.status == 503 and e.call == "update_weights_from_tensor"
+        assert "/update_weights_from_tensor" in str(e) and "HTTP 503" in str(e)
+        assert "scheduler busy: try later" in str(e)
+        assert e.opened is None                                   # a 5xx may come after loading
+        # an idempotent call is retried past the same answer
+        assert http.json("GET", "/get_weight_version", idempotent=True) == "v1"
+        assert srv.hits["/get_weight_version"] == 2
+        http.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["/begin_weight_update", "/update_weights_from_tensor"])
+def test_a_call_whose_connection_drops_is_not_re_sent_and_its_opening_is_unknown(path):
+    with _Server({path: ["drop", (200, '{"success": true}')]}) as srv:
+        http = _client(srv.url)
+        with pytest.raises(SGLangUpdateError) as ei:
+            http.json("POST", path, {}, error=SGLangUpdateError)
+        assert srv.hits[path] == 1
+        assert ei.value.status is None and "no answer" in str(ei.value)
+        assert ei.value.opened is None                            # it reached the server
+        http.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_idempotent_call_gives_up_after_one_plus_retries_attempts_saying_so():
+    with _Server({"/get_server_info": ["drop"], "/health": [(500, "boom")]}) as srv:
+        http = _client(srv.url, retries=2)
+        with pytest.raises(SGLangHTTPError, match=r"gave up after 3 attempts") as ei:
+            http.request("GET", "/get_server_info", idempotent=True)
+        assert srv.hits["/get_server_info"] == 3 and ei.value.status is None
+        with pytest.raises(SGLangHTTPError, match=r"HTTP 500: boom \(gave up after 1 attempts\)"):
+            http.request("GET", "/health", idempotent=True, retries=0)
+        assert srv.hits["/health"] == 1
+        with pytest.raises(SGLangHTTPError, match=r"gave up after 1 attempts"):
+            http.request("GET", "/health", idempotent=True, retries=-3)   # no negative attempts
+        assert srv.hits["/health"] == 2
+        http.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_route_is_not_found_not_retried():
+    with _Server({}) as srv:
+        http = _client(srv.url)
+        with pytest.raises(NotFound) as ei:
+            http.request("GET", "/get_weight_version", idempotent=True)
+        assert srv.hits["/get_weight_version"] == 1
+        assert ei.value.error.status == 404 and "/get_weight_version" in str(ei.value)
+        http.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("keepalive_s", [2.0, 0.0])
+def test_a_refused_connection_is_told_apart_from_a_timeout(keepalive_s):
+    # refused: a port nothing listens on (bound, never listening: connect is refused at once)
+    with socket.socket() as idle:
+        idle.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{idle.getsockname()[1]}"
+        http = _client(url, keepalive_s=keepalive_s, retries=0)
+        with pytest.raises(SGLangUpdateError) as ei:
+            http.json("POST", "/update_weights_from_tensor", {}, error=SGLangUpdateError)
+        assert ei.value.opened is False and "ConnectionRefusedError" in str(ei.value)
+        assert "/update_weights_from_tensor" in str(ei.value)
+    # timeout: a server that accepts (backlog) and never answers
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(4)
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        http = _client(url, keepalive_s=keepalive_s, retries=0, timeout_s=0.3)
+        with pytest.raises(SGLangUpdateError) as ei:
+            http.json("POST", "/update_weights_from_tensor", {}, error=SGLangUpdateError)
+        assert ei.value.opened is None and "timed out" in str(ei.value)
+        assert "ConnectionRefusedError" not in str(ei.value)
+        http.close()
+
+
+def test_the_detail_header_is_added_to_an_error_body_only():
+    assert with_detail('{"ok": 1}', 200, "why") == '{"ok": 1}'
+    assert with_detail("Flush cache failed.\n", 400, "requests running") == \
+        "Flush cache failed. (requests running)"
+    assert with_detail("x", 500, None) == "x"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["drop", (503, "upstream starting")])
+def test_a_begin_that_got_no_handlers_answer_does_not_mark_the_session_api_present(first):
+    # SGLang 0.5.20 (no session routes) behind a URL whose first begin got no answer from SGLang
+    # (a dropped connection, a router's 503 while it starts): the next begin's 404 is the probe's
+    # answer (no session API: skipped), not "begin_weight_update disappeared" on every later sync
+    from fsdp_sync.engines.sglang import SGLangEngine
+
+    with _Server({"/begin_weight_update": [first, (404, '{"detail": "Not Found"}')]}) as srv:
+        eng = SGLangEngine(base_url=srv.url, tp_size=1, max_retries=0)
+        try:
+            with pytest.raises(SGLangHTTPError):
+                eng.begin_weight_update()
+            assert eng.session_api is None
+            eng.begin_weight_update()                 # skipped: this server has no session
+            assert eng.session_api is False and srv.hits["/begin_weight_update"] == 2
+            eng.begin_weight_update()
+            assert srv.hits["/begin_weight_update"] == 2    # detected once
+        finally:
+            eng.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_begin_refused_by_the_handler_marks_the_session_api_present():
+    # SGLang's own refusal (400, {"success": false}): the route exists; a later 404 is news
+    from fsdp_sync.engines.base import EngineStateError
+    from fsdp_sync.engines.sglang import SGLangEngine
+    from fsdp_sync.engines.sglang.client import SGLangError
+
+    refusal = '{"success": false, "message": "a weight-update session is already open"}'
+    with _Server({"/begin_weight_update": [(400, refusal), (404, '{"detail": "Not Found"}')]}) as srv:
+        eng = SGLangEngine(base_url=srv.url, tp_size=1, max_retries=0)
+        try:
+            with pytest.raises(EngineStateError, match="already open"):
+                eng.begin_weight_update()
+            assert eng.session_api is True
+            with pytest.raises(SGLangError, match="disappeared"):
+                eng.begin_weight_update()
+        finally:
+            eng.shutdown()
