@@ -63,10 +63,18 @@ def test_a_pooled_buffer_is_never_lent_twice_at_once_and_is_sized_for_the_planne
     assert len(pool.free) == 2
     pool.close()
 
+    pool = BufferPool(1024, CPU)
+    planned = pool.take(1024)
+    pool.give_back([planned])
+    assert pool.take(1025).numel() >= 1025            # a byte too big: not the planned buffer
+    pool.close()
+
     buf = ReusedBuffer(1024, CPU)
     first = buf.take(10)
     buf.give_back()
     assert buf.take(1024).data_ptr() == first.data_ptr()
+    buf.give_back()
+    assert buf.take(1025).numel() == 1025              # a byte more than it holds: a new one
     buf.give_back()
 
 
