@@ -14,6 +14,28 @@ __all__ = ["plot_bench", "plot_plan"]
 MiB = 2**20
 
 
+def _file_part(model: str) -> str:
+    """A model's name as a file name's part: a recipe's name as it is; a path (``--models`` takes a
+    YAML recipe, a config.json or its folder) by its file's stem, or its folder's name for a
+    ``config.json`` (a path's slashes made the figure's path a missing folder: a traceback after
+    the whole bench)."""
+    p = Path(model)
+    if len(p.parts) <= 1 and p.suffix not in (".json", ".yaml", ".yml"):
+        return model
+    stem = p.parent.name if p.stem == "config" and p.parent.name else p.stem
+    return stem.replace("/", "_") or "model"
+
+
+def _unique(path: Path, written: list[Path]) -> Path:
+    """``path``, or ``path`` with ``_2``, ``_3``, ... before its suffix if this call wrote it
+    already: two models whose names make the same file part each keep their figure."""
+    k, out = 1, path
+    while out in written:
+        k += 1
+        out = path.with_name(f"{path.stem}_{k}{path.suffix}")
+    return out
+
+
 def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
     import matplotlib
 
@@ -69,7 +91,7 @@ def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out / f"sync_vs_bucket_{model}.png"
+        path = _unique(out / f"sync_vs_bucket_{_file_part(model)}.png", written)
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -103,7 +125,9 @@ def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
             ax.grid(alpha=0.3)
         axes[-1].set_xlabel("seconds since the with block began")
         fig.tight_layout()
-        path = out / f"memory_timeline_{model}_{strategy}_{int(bucket / MiB)}MiB.png"
+        # a bucket's size as the rows give it (``0.25MiB``): int() made every sub-MiB bucket's
+        # figure one file, each overwriting the last
+        path = _unique(out / f"memory_timeline_{_file_part(model)}_{strategy}_{bucket / MiB:g}MiB.png", written)
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -163,7 +187,7 @@ def plot_plan(rows: list[dict], out_dir: str | Path) -> list[Path]:
         ax_t.legend(fontsize=7)
         fig.suptitle(f"fsdp-sync plan: {Path(model).stem}")
         fig.tight_layout()
-        path = out / f"plan_{Path(model).stem}.png"
+        path = _unique(out / f"plan_{_file_part(model)}.png", written)
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

@@ -1,0 +1,134 @@
+"""Audit H58 of the bench's floors, the plan recipe and the plots: in process, no ranks launched.
+
+- the floors' bodies (mutants that survived every in-process test): the all-gather floor without
+  its engine copy, the shared floor copying ``total / tp`` where each rank holds ``total / world``,
+  the all-to-all floor receiving less than the bytes its row's trainer rank received, `copy_seconds`
+  copying on no rank at all. Each is checked here at 3 ranks, TP 2 (the bench's own tests run at
+  world == tp, where several of these read the same).
+- `plan_recipe`: an empty list, a folder for ``cluster`` and ``fsdp: 3`` are refused naming the key.
+- `plots.plot_bench`: a model given as a path (``--models path/config.json``) raised
+  FileNotFoundError after the whole bench (the path's slashes in the figure's name); sub-MiB
+  buckets (``--bucket-mb 0.25,0.5``) wrote every memory timeline to one ``..._0MiB.png``, each
+  overwriting the last.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+MiB = 2**20
+
+
+@pytest.fixture
+def three_ranks(monkeypatch):
+    """`floors` as rank 0 of 3 sees it: every timed body run once, collectives recorded."""
+    import torch.distributed as dist
+
+    from fsdp_sync.cli.bench import floors
+    from fsdp_sync.weights import gather
+
+    calls: dict = {"all_gather": [], "all_to_all": [], "copies": [], "barriers": 0}
+
+    class Copy(floors._Copy):
+        def __call__(self) -> None:
+            super().__call__()
+            calls["copies"].append(self.nbytes)
+            assert bool(self.dst[: min(self.nbytes, self.dst.numel())].eq(1).all())
+
+    def all_gather(out, inp, group):
+        calls["all_gather"].append((out.numel(), inp.numel()))
+
+    def barrier(*a, **kw):
+        calls["barriers"] += 1
+
+    monkeypatch.setattr(floors, "_Copy", Copy)
+    monkeypatch.setattr(floors, "cpu_group", lambda *a: None)
+    monkeypatch.setattr(floors, "median_seconds", lambda body, dev, repeats, warmup=1: (body(), 0.5)[1])
+    monkeypatch.setattr(gather, "all_gather", all_gather)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **kw: 3)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **kw: 0)
+    monkeypatch.setattr(dist, "barrier", barrier)
+    monkeypatch.setattr(dist, "all_to_all_single", lambda out, inp, o, i: calls["all_to_all"].append(sum(o)))
+    return floors, calls
+
+
+def test_each_floor_moves_its_rows_bytes_at_three_ranks_tp_two(three_ranks, monkeypatch):
+    floors, calls = three_ranks
+    # all-gather floor: 1000 bytes in 300-byte buckets over 3 ranks, then the engine rank's copy
+    moved: dict = {}
+    assert floors.floor_seconds(1000, 300, 2, "cpu", 3, moved=moved) == 0.5
+    assert calls["all_gather"] == [(300, 100)] * 3 + [(102, 34)]
+    assert moved == {"all_gather": 1002, "engine_copy": 500} and calls["copies"] == [500]
+    # host-shared floor: each rank copies its own third, then the engine rank's half
+    calls["copies"].clear()
+    moved = {}
+    assert floors.floor_shared_seconds(1200, 2, "cpu", 3, moved=moved) == 0.5
+    assert moved == {"own_copy": 400, "engine_copy": 600} and calls["copies"] == [400, 600]
+    assert calls["barriers"] == 1                       # the engine copies after every rank's own
+    # all-to-all floor: rank 0 receives at least what its row's trainer rank received
+    moved = {}
+    assert floors.floor_all_to_all_seconds(1000, 300, 77, "cpu", 3, 1200, moved=moved) == 0.5
+    assert sum(calls["all_to_all"]) == moved["all_to_all_in"] >= 1000, (calls["all_to_all"], moved)
+    assert moved["own_copy"] == 400 and moved["engine_copy"] == 77
+    # copy_seconds: rank 0 copies the bytes (the figure is rank 0's)
+    made = []
+    real = floors.torch
+
+    def ones(n, **kw):
+        made.append(n)
+        return real.ones(n, **kw)
+
+    monkeypatch.setattr(floors, "torch", types.SimpleNamespace(ones=ones, zeros=real.zeros, uint8=real.uint8))
+    floors.copy_seconds(4096, "cpu", 3)
+    assert made == [4096]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("plan:\n  tp: []\n", ["tp: an empty list"]),
+    ("plan:\n  fsdp: 3\n", ["fsdp: 3", "expected one of"]),
+    ("plan:\n  cluster: DIR\n", ["cluster: ", "cluster JSON file"]),
+])
+def test_a_plan_recipe_refuses_an_empty_list_a_folder_cluster_and_fsdp_3(text, words, tmp_path):
+    from fsdp_sync.cli.plan_recipe import read_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(text.replace("DIR", str(tmp_path)))
+    with pytest.raises(ValueError) as info:
+        read_recipe(str(path))
+    msg = str(info.value)
+    assert msg.startswith(f"--recipe {path}: ") and "\n" not in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def _row(model: str, bucket: int, multi_stage: bool) -> dict:
+    return {"model": model, "strategy": "flattened", "bucket_bytes": bucket, "multi_stage": multi_stage,
+            "seconds": 0.1, "peak_extra_bytes": 3 * MiB, "floor_seconds": 0.05, "largest_tensor_bytes": MiB,
+            "ranks": 2, "tp": 2, "memory_curve": [(0.0, MiB), (0.1, 2 * MiB)],
+            "stages": [{"name": "sync_weights", "t": 0.0, "seconds": 0.1}]}
+
+
+def test_bench_plots_of_a_model_path_and_sub_mib_buckets_are_each_written(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from fsdp_sync.cli.plots import plot_bench
+
+    # the figures' names are under test, not their drawing (test_bench checks real PNGs): a
+    # savefig that writes the name only keeps this test under a second
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: open(path, "ab").close())
+    monkeypatch.setattr(Figure, "tight_layout", lambda self, *a, **kw: None)
+
+    model = tmp_path / "my-model" / "config.json"
+    model.parent.mkdir()
+    model.write_text("{}")
+    rows = [_row(str(model), b, ms) for b in (MiB // 4, MiB // 2) for ms in (True, False)]
+    written = plot_bench({"rows": rows}, tmp_path / "plots")
+    names = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert sorted(p.name for p in written) == names, (written, names)
+    assert names == ["memory_timeline_my-model_flattened_0.25MiB.png",
+                     "memory_timeline_my-model_flattened_0.5MiB.png", "sync_vs_bucket_my-model.png"], names
+    assert plot_bench({"rows": []}, tmp_path / "none") == []
