@@ -132,3 +132,31 @@ def test_bench_plots_of_a_model_path_and_sub_mib_buckets_are_each_written(tmp_pa
     assert names == ["memory_timeline_my-model_flattened_0.25MiB.png",
                      "memory_timeline_my-model_flattened_0.5MiB.png", "sync_vs_bucket_my-model.png"], names
     assert plot_bench({"rows": []}, tmp_path / "none") == []
+
+
+def test_a_plan_plot_draws_a_line_per_swept_plan(tmp_path, monkeypatch):
+    """Before: lines were keyed by (method, layout) only, so ``plan --tp 1,2 --plot`` drew both
+    plans of each bucket on one line, zigzagging between their seconds."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from fsdp_sync.cli.plots import plot_plan
+
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: open(path, "ab").close())
+    monkeypatch.setattr(Figure, "tight_layout", lambda self, *a, **kw: None)
+    lines: list = []
+    real = Axes.plot
+
+    def plot(self, *a, **kw):
+        if kw.get("label") and a[-1] == "o-":
+            lines.append((kw["label"], list(a[1])))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    rows = [{"model": "tiny", "method": "tensor", "layout": "full", "tp": tp, "ranks": 2, "bucket_bytes": b * MiB,
+             "seconds": tp + b / 100, "memory_budget_bytes": b * MiB} for tp in (1, 2) for b in (1, 4)]
+    written = plot_plan(rows, tmp_path)
+    assert [p.name for p in written] == ["plan_tiny.png"]
+    # the time axis's lines (the first of each pair): one per TP, each its own plan's seconds
+    assert lines[0::2] == [("tensor (full, tp 1)", [1.01, 1.04]), ("tensor (full, tp 2)", [2.01, 2.04])], lines
