@@ -155,7 +155,12 @@ def test_a_plan_plot_draws_a_line_per_swept_plan(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Axes, "plot", plot)
     rows = [{"model": "tiny", "method": "tensor", "layout": "full", "tp": tp, "ranks": 2, "bucket_bytes": b * MiB,
-             "seconds": tp + b / 100, "memory_budget_bytes": b * MiB} for tp in (1, 2) for b in (1, 4)]
+             "seconds": tp + b / 100, "memory_budget_bytes": b * MiB, "replicas": 1} for tp in (1, 2) for b in (1, 4)]
+    # a refused plan's row (`plan.plan_rows`) has no replicas: it stays on its TP's line
+    rows.append({"model": "tiny", "method": "tensor", "layout": "full", "tp": 2, "ranks": 2, "ep": 1,
+                 "bucket_bytes": 16 * MiB, "quantization": None, "refused": "too big"})
+    for r in rows[:-1]:
+        r.update(ep=1, quantization=None)
     written = plot_plan(rows, tmp_path)
     assert [p.name for p in written] == ["plan_tiny.png"]
     # the time axis's lines (the first of each pair): one per TP, each its own plan's seconds

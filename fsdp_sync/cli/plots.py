@@ -151,7 +151,7 @@ def plot_plan(rows: list[dict], out_dir: str | Path) -> list[Path]:
         by: dict[str, list] = defaultdict(list)
         # a line per plan besides its bucket size: a sweep of --tp 1,2 drew both plans of a bucket
         # on one line, zigzagging between them
-        swept = [k for k in ("ranks", "tp", "ep", "quantization", "replicas") if len({str(r.get(k)) for r in mrows}) > 1]
+        swept = [k for k in ("ranks", "tp", "ep", "quantization") if len({str(r.get(k)) for r in mrows}) > 1]
         for r in mrows:
             by[f"{r['method']} ({r['layout']}" + "".join(f", {k} {r.get(k)}" for k in swept) + ")"].append(r)
         for label, rs in sorted(by.items()):
