@@ -28,6 +28,7 @@ class _Server:
     def __init__(self, script: dict) -> None:
         self.script = {k: list(v) for k, v in script.items()}
         self.hits: Counter[str] = Counter()
+        self.bodies: dict[str, list] = {}
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -37,7 +38,8 @@ class _Server:
                 pass
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                owner.bodies.setdefault(self.path, []).append(json.loads(raw) if raw else None)
                 self._answer()
 
             def do_GET(self):
@@ -212,5 +214,42 @@ def test_a_begin_refused_by_the_handler_marks_the_session_api_present():
             assert eng.session_api is True
             with pytest.raises(SGLangError, match="disappeared"):
                 eng.begin_weight_update()
+        finally:
+            eng.shutdown()
+
+
+@pytest.mark.parametrize("kw", [{"timeout_s": 0}, {"timeout_s": -1.0}, {"timeout_s": None},
+                                {"retry_backoff_s": -0.5}])
+def test_a_timeout_or_backoff_that_cannot_work_is_refused_naming_it(kw):
+    # timeout_s=0 made every socket non-blocking: each call failed "no answer: BlockingIOError"
+    from fsdp_sync.engines.sglang import SGLangEngine
+
+    name = next(iter(kw)).replace("retry_", "")
+    with pytest.raises(ValueError, match=name):
+        SGLangEngine(base_url="http://127.0.0.1:9", tp_size=1, **kw)
+
+
+@pytest.mark.timeout(60)
+def test_an_abort_says_whether_the_server_dropped_the_update(caplog):
+    # fsdp-sync serve drops it ("aborted": true); one that says it could not, and SGLang (whose
+    # answer has no such field: it applied each bucket), leave the engine partial: False, warned
+    from fsdp_sync.engines.sglang import SGLangEngine
+
+    answers = ['{"success": true, "aborted": true}',
+               '{"success": true, "aborted": false, "message": "already committed"}',
+               '{"success": true, "message": "Succeeded"}']
+    with _Server({"/end_weight_update": [(200, a) for a in answers]}) as srv:
+        eng = SGLangEngine(base_url=srv.url, tp_size=1, max_retries=0)
+        eng.session_api = True
+        try:
+            with caplog.at_level("WARNING", logger="fsdp_sync.engines.sglang.session_calls"):
+                assert eng.end_weight_update(abort=True) is True
+                assert not caplog.records
+                assert eng.end_weight_update(abort=True) is False
+                assert "already committed" in caplog.text
+                assert eng.end_weight_update(abort=True) is False
+                assert "cannot drop a failed update" in caplog.text
+            assert srv.bodies["/end_weight_update"] == [{"abort": True}] * 3
+            assert srv.hits["/end_weight_update"] == 3
         finally:
             eng.shutdown()

@@ -185,6 +185,14 @@ class HttpClient:
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         if keepalive_s < 0:
             raise ValueError(f"keepalive_s must be >= 0 (0: a connection per request), got {keepalive_s!r}")
+        # 0 would make every socket non-blocking (each call failing "no answer: BlockingIOError"),
+        # None wait forever on a hung server, a negative one fail inside every call
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        for name, value in (("max_retries", max_retries), ("retry_backoff_s", backoff_s),
+                            ("retry_backoff_max_s", backoff_max_s)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
         self.base_url = base_url.rstrip("/")
         self.where = f" at {self.base_url}"
         self.api_key = api_key
