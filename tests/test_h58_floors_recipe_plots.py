@@ -125,8 +125,19 @@ def test_bench_plots_of_a_model_path_and_sub_mib_buckets_are_each_written(tmp_pa
     model = tmp_path / "my-model" / "config.json"
     model.parent.mkdir()
     model.write_text("{}")
+    from matplotlib.axes import Axes
+
+    lines: list = []
+    real = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **kw: (lines.append((kw.get("label"), list(a[1])))
+                                                              if a[-1] == "o-" else None, real(self, *a, **kw))[1])
     rows = [_row(str(model), b, ms) for b in (MiB // 4, MiB // 2) for ms in (True, False)]
+    for r in rows:
+        r["seconds"] = 0.1 if r["multi_stage"] else 0.2
+    rows.append({**_row(str(model), MiB, True), "strategy": "per_tensor", "memory_curve": None})  # a baseline
     written = plot_bench({"rows": rows}, tmp_path / "plots")
+    # the time and memory lines: the multi-stage rows only (not both wake-ups zigzagging)
+    assert lines == [("flattened (all-gather)", [0.1, 0.1]), ("flattened (all-gather)", [3.0, 3.0])], lines
     names = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
     assert sorted(p.name for p in written) == names, (written, names)
     assert names == ["memory_timeline_my-model_flattened_0.25MiB.png",
@@ -163,5 +174,10 @@ def test_a_plan_plot_draws_a_line_per_swept_plan(tmp_path, monkeypatch):
         r.update(ep=1, quantization=None)
     written = plot_plan(rows, tmp_path)
     assert [p.name for p in written] == ["plan_tiny.png"]
+    # two models whose names make one file part each keep their figure
+    twins = [{**rows[0], "model": str(tmp_path / d / "qwen" / "config.json")} for d in ("a", "b")]
+    assert [p.name for p in plot_plan(twins, tmp_path / "twins")] == ["plan_qwen.png", "plan_qwen_2.png"]
+    lines.clear()
+    written = plot_plan(rows, tmp_path)
     # the time axis's lines (the first of each pair): one per TP, each its own plan's seconds
     assert lines[0::2] == [("tensor (full, tp 1)", [1.01, 1.04]), ("tensor (full, tp 2)", [2.01, 2.04])], lines
