@@ -3,11 +3,14 @@ group_calls`), in process on the mixin (no workers): a call the engine cannot jo
 before any worker is asked, naming the parameter and value (no test checked these refusals of
 the reference engine: mutants ``rank_offset >= 0``, ``world_size + 1``); a join that failed on one
 worker is undone on the others (the undo: no test named it); a group of the same name is left
-before it is joined again."""
+before it is joined again. Within an update (``update_weights_from_distributed``) a refused call aborts the
+transaction before any worker receives, and a receive that failed drops the group (mutants: either
+dropped survived the reference engine's group tests)."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import pytest
@@ -75,3 +78,42 @@ def test_a_join_failed_on_one_worker_is_undone_and_a_same_name_group_left_first(
     with pytest.raises(EngineError, match=r"failed on TP ranks \[1\]"):
         bad.init_weights_update_group(**GOOD, backend="gloo", group_name="g")
     assert bad.rounds == [("join_group", [1, 2]), ("leave_group", "g")] and bad._update_groups == {}
+
+
+class _Txn(_Engine):
+    """`_Engine` inside a transaction, recording aborts and two-phase rounds."""
+
+    _in_txn, _broken, layout, dtype = True, None, None, None
+
+    def __init__(self, receive_fails: bool = False) -> None:
+        super().__init__()
+        self.aborts, self.receive_fails = [], receive_fails
+        self._w = type("W", (), {"procs": [type("P", (), {"is_alive": lambda self: True})()] * 2})()
+
+    def _check_not_aborted(self, what: str) -> None:
+        pass
+
+    def _abort_all(self, what: str, why: str) -> None:
+        self.aborts.append(why)
+
+    def _two_phase(self, specs, what, cmd=""):
+        self.rounds.append((cmd, specs[0]["group_name"]))
+        if self.receive_fails:
+            raise WeightUpdateError(f"{what}: receive timed out on TP rank 1")
+
+    def _after_update(self, version, flush) -> None:
+        self.rounds.append(("after", version))
+
+
+def test_a_refused_distributed_update_aborts_the_transaction_and_a_failed_receive_drops_the_group(monkeypatch):
+    monkeypatch.setattr(sys.modules[UpdateGroupCalls.__module__], "check_entries", lambda *a: None)    # (no model layout here)
+    e = _Txn()
+    with pytest.raises(WeightUpdateError, match="unknown weight-update group 'nope'"):
+        e.update_weights_from_distributed(["a"], ["float32"], [[2]], group_name="nope")
+    assert len(e.aborts) == 1 and e.rounds == []          # nothing half-applied: the update is off
+    e = _Txn(receive_fails=True)
+    e.init_weights_update_group(**GOOD, backend="gloo")
+    e.rounds.clear()
+    with pytest.raises(WeightUpdateError, match="receive timed out on TP rank 1"):
+        e.update_weights_from_distributed(["a"], ["float32"], [[2]])
+    assert e.rounds[-1] == ("leave_group", "weight_update_group") and e._update_groups == {}
