@@ -73,6 +73,8 @@ def test_each_floor_moves_its_rows_bytes_at_three_ranks_tp_two(three_ranks, monk
     assert floors.floor_all_to_all_seconds(1000, 300, 77, "cpu", 3, 1200, moved=moved) == 0.5
     assert sum(calls["all_to_all"]) == moved["all_to_all_in"] >= 1000, (calls["all_to_all"], moved)
     assert moved["own_copy"] == 400 and moved["engine_copy"] == 77
+    # its copies are the other floors' (chunked on CUDA: full-size pairs of a 7B shard did not fit)
+    assert calls["copies"] == [400, 600, 400, 77], calls["copies"]
     # copy_seconds: rank 0 copies the bytes (the figure is rank 0's)
     made = []
     real = floors.torch

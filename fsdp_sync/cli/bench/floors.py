@@ -167,20 +167,25 @@ def floor_all_to_all_seconds(bytes_in: int, bucket_bytes: int, shard: int, devic
     sizes = [0 if r == dist.get_rank() else per_peer for r in range(world)]
     send = torch.ones(sum(sizes), dtype=torch.uint8, device=dev)
     recv = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
-    mine = torch.ones(max(total_bytes // world, 1), dtype=torch.uint8, device=dev)
-    into = torch.zeros_like(mine)
-    src = torch.ones(shard, dtype=torch.uint8, device=dev)
-    dst = torch.zeros_like(src)
+    # the copies as the other floors make them (`_Copy`: in chunks on CUDA, where full-size pairs
+    # of a 7B model's shard beside the trainer and the engine did not fit), freed after
+    own = _Copy(total_bytes // world, dev)
+    engine = _Copy(shard, dev)
     if moved is not None:
-        moved.update(own_copy=mine.numel(), all_to_all_in=n * per_peer * (world - 1), engine_copy=shard)
+        moved.update(own_copy=own.nbytes, all_to_all_in=n * per_peer * (world - 1), engine_copy=engine.nbytes)
 
     def body() -> None:
-        into.copy_(mine)
+        own()
         for _ in range(n):
             dist.all_to_all_single(recv, send, sizes, sizes)
-        dst.copy_(src)
+        engine()
 
-    return median_seconds(body, dev, repeats, warmup)
+    try:
+        return median_seconds(body, dev, repeats, warmup)
+    finally:
+        del own, engine, send, recv
+        if dev == "cuda":
+            torch.cuda.empty_cache()
 
 
 def tensor_by_tensor_bytes_in(cfg: Any, metas: list, world: int) -> int:
