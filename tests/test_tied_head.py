@@ -302,3 +302,16 @@ def test_a_head_before_its_embedding_across_calls_of_one_transaction(tied_engine
         tied_engine.end_weight_update(weight_version="bad")
     assert tied_engine.weights_checksum() == before and tied_engine.get_weight_version() == "five"
     assert len(tied_engine.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2     # still serves
+
+
+@pytest.mark.timeout(120)
+def test_a_head_alone_outside_a_transaction_is_compared_with_the_loaded_embedding(tied_engine):
+    # (H59: mutant T7, this comparison skipped, survived every test)
+    sd = _tied_state(7)
+    tied_engine.update_weights_from_tensor(list(sd.items()))
+    tied_engine.update_weights_from_tensor([(HEAD, sd[EMB].clone())])      # equal: taken
+    before = tied_engine.weights_checksum()
+    with pytest.raises(WeightUpdateError, match="'lm_head.weight' differs .*the loaded embedding"):
+        tied_engine.update_weights_from_tensor([(HEAD, sd[EMB] + 1)])
+    assert tied_engine.weights_checksum() == before
+    assert torch.equal(_emb(tied_engine), sd[EMB])
