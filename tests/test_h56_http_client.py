@@ -253,3 +253,116 @@ def test_an_abort_says_whether_the_server_dropped_the_update(caplog):
             assert srv.hits["/end_weight_update"] == 3
         finally:
             eng.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_end_names_the_weights_once_through_the_body_or_update_weight_version():
+    # a server that says it took the name (fsdp-sync serve) gets no /update_weight_version; one
+    # that does not (SGLang 0.5.23) gets it right after the commit
+    from fsdp_sync.engines.sglang import SGLangEngine
+
+    ok = '{"success": true, "message": "ok"}'
+    with _Server({"/end_weight_update": [(200, '{"success": true, "weight_version": "v2"}'), (200, ok)],
+                  "/update_weight_version": [(200, ok)]}) as srv:
+        eng = SGLangEngine(base_url=srv.url, tp_size=1, max_retries=0)
+        eng.session_api = True
+        try:
+            eng.end_weight_update("v2")
+            assert srv.hits["/update_weight_version"] == 0
+            eng.end_weight_update("v3")
+            assert srv.bodies["/update_weight_version"] == [{"new_version": "v3",
+                                                            "abort_all_requests": False}]
+            assert srv.bodies["/end_weight_update"] == [{"weight_version": "v2"},
+                                                        {"weight_version": "v3"}]
+            with pytest.raises(ValueError, match="not both"):
+                eng.end_weight_update("v4", abort=True)
+            assert srv.hits["/end_weight_update"] == 2
+        finally:
+            eng.shutdown()
+        from fsdp_sync.engines.base import EngineClosedError
+        with pytest.raises(EngineClosedError, match="begin_weight_update"):
+            eng.begin_weight_update()
+        assert srv.hits["/begin_weight_update"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_whether_disk_loads_are_staged_is_asked_again_after_an_unreadable_info():
+    from fsdp_sync.engines.sglang import SGLangEngine
+
+    info = '{"version": "fsdp_sync-serve", "tp_size": 1}'
+    with _Server({"/get_server_info": ["drop", (200, info)]}) as srv:
+        eng = SGLangEngine(base_url=srv.url, tp_size=1, max_retries=0)
+        try:
+            assert eng.stages_disk_loads is False          # unknown this time: as SGLang
+            assert eng.stages_disk_loads is True           # asked again, and kept
+            assert eng.stages_disk_loads is True and srv.hits["/get_server_info"] == 2
+        finally:
+            eng.shutdown()
+
+
+def test_an_in_process_abort_reports_what_the_engines_end_answered():
+    from fsdp_sync.engines.sglang import SGLangEngine
+
+    class Engine:
+        def __init__(self, dropped):
+            self.dropped, self.calls = dropped, []
+
+        def end_weight_update(self, abort: bool = False):
+            self.calls.append(abort)
+            return self.dropped
+
+    # (an end answering False is a refusal: check_answer raises it, as every session call's)
+    for dropped, want in ((None, True), (True, True)):
+        inner = Engine(dropped)
+        eng = SGLangEngine(inner, tp_size=1)
+        eng.session_api = True
+        assert eng.end_weight_update(abort=True) is want
+        assert inner.calls == [True]
+
+
+def test_backoff_doubles_from_backoff_s_up_to_backoff_max_s(monkeypatch):
+    from fsdp_sync.engines.sglang import client as client_mod
+
+    slept: list[float] = []
+    monkeypatch.setattr(client_mod.time, "sleep", slept.append)
+    with _Server({"/health": [(503, "starting")]}) as srv:
+        http = HttpClient(srv.url, api_key=None, timeout_s=10.0, max_retries=4, backoff_s=0.5,
+                          backoff_max_s=1.5, proxies=None)
+        with pytest.raises(SGLangHTTPError, match="gave up after 5 attempts"):
+            http.request("GET", "/health", idempotent=True)
+        http.close()
+    assert slept == [0.5, 1.0, 1.5, 1.5]
+
+
+def test_what_says_an_update_certainly_opened_nothing():
+    from fsdp_sync.engines.sglang.client import (NO_SESSION_MARK, check_answer, lease_answered,
+                                                 validation_refusal)
+
+    pydantic = '{"object": "error", "message": "field required", "type": "Bad Request", "code": 400}'
+    assert validation_refusal(400, pydantic)
+    assert not validation_refusal(400, '{"object": "error", "type": "Internal", "code": 400}')
+    assert not validation_refusal(400, '{"success": false, "message": "x"}')
+    with pytest.raises(SGLangUpdateError) as ei:
+        check_answer("update_weights_from_tensor", {"success": False,
+                     "message": f"update {NO_SESSION_MARK} and end"}, error=SGLangUpdateError)
+    assert ei.value.opened is False
+    with pytest.raises(SGLangUpdateError) as ei:
+        check_answer("update_weights_from_tensor", {"success": False, "message": "OOM"},
+                     error=SGLangUpdateError)
+    assert ei.value.opened is None
+    with pytest.raises(SGLangUpdateError, match="is the URL an SGLang server"):
+        check_answer("update_weights_from_tensor", {"status": "ok"}, error=SGLangUpdateError,
+                     require_success=True)
+
+    class Lease:
+        payloads = [object(), object()]
+
+        def release(self, *, require_ack, unopened):
+            self.unopened = list(unopened)
+
+    for opened, want in ((False, [0, 1]), (None, []), (True, [])):
+        lease = Lease()
+        with pytest.raises(SGLangUpdateError):
+            with lease_answered(lease):
+                raise SGLangUpdateError("x", opened=opened)
+        assert lease.unopened == want
