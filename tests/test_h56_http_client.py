@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -53,13 +54,18 @@ class _Server:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                status, body = step
+                status, body, *late = step
                 data = body.encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if late:          # says it will close, and closes only a moment later
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(data)
+                if late:
+                    self.wfile.flush()
+                    time.sleep(late[0])
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -366,3 +372,15 @@ def test_what_says_an_update_certainly_opened_nothing():
             with lease_answered(lease):
                 raise SGLangUpdateError("x", opened=opened)
         assert lease.unopened == want
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_the_server_said_it_closes_is_not_reused():
+    # "Connection: close", the socket closed a moment later: the next call (not idempotent, so
+    # never re-sent) must go on a new connection, not the one about to be closed under it
+    with _Server({"/flush_cache": [(200, "{}", 0.5)], "/begin_weight_update": [(200, '{"success": true}')]}) as srv:
+        http = _client(srv.url, retries=0)
+        http.request("POST", "/flush_cache")
+        assert http.json("POST", "/begin_weight_update", {}) == {"success": True}
+        assert http.connections == 2 and srv.hits["/begin_weight_update"] == 1
+        http.close()
