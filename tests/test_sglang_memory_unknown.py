@@ -19,21 +19,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fake_sglang  # noqa: E402
 
 
-def _engine():
+def _engine(**kw):
     eng = fake_sglang.FakeSGLangEngine(tp_size=1)
-    return eng, sg.SGLangEngine(eng, tp_size=1)
+    return eng, sg.SGLangEngine(eng, tp_size=1, **kw)
+
+
+def _applied_then(eng, call: str, exc: BaseException):
+    """Make the fake's ``call`` apply its tags, then raise ``exc`` (the answer lost); returns the
+    real method, to put back."""
+    real = getattr(eng, call)
+
+    def applied(tags=None):
+        real(tags)
+        raise exc
+
+    setattr(eng, call, applied)
+    return real
 
 
 def test_a_resume_applied_without_an_answer_refuses_the_next_memory_call():
     eng, a = _engine()
     a.release_memory_occupation(["kv_cache", "weights"])
-    real = eng.resume_memory_occupation
-
-    def applied_then_timed_out(tags=None):
-        real(tags)
-        raise TimeoutError("timed out")
-
-    eng.resume_memory_occupation = applied_then_timed_out
+    real = _applied_then(eng, "resume_memory_occupation", TimeoutError("timed out"))
     with pytest.raises(Exception, match="timed out"):
         a.resume_memory_occupation(["weights"])
     eng.resume_memory_occupation = real
@@ -46,13 +53,7 @@ def test_a_resume_applied_without_an_answer_refuses_the_next_memory_call():
 
 def test_a_release_applied_without_an_answer_refuses_the_next_memory_call():
     eng, a = _engine()
-    real = eng.release_memory_occupation
-
-    def applied_then_lost(tags=None):
-        real(tags)
-        raise ConnectionResetError("reset by peer")
-
-    eng.release_memory_occupation = applied_then_lost
+    _applied_then(eng, "release_memory_occupation", ConnectionResetError("reset by peer"))
     with pytest.raises(Exception, match="reset by peer"):
         a.release_memory_occupation(["weights"])
     with pytest.raises(sg.SGLangError, match=r"an earlier release_memory_occupation\(tags=\['weights'\]\)"):
@@ -92,15 +93,8 @@ def test_what_sglang_certainly_did_not_run_leaves_the_engine_usable():
 def test_without_track_memory_nothing_is_refused():
     """Another client also releases and resumes that SGLang (verl's replicas): its tags are not
     ours to keep, and the calls go as given."""
-    eng = fake_sglang.FakeSGLangEngine(tp_size=1)
-    a = sg.SGLangEngine(eng, tp_size=1, track_memory=False)
-    real = eng.release_memory_occupation
-
-    def lost(tags=None):
-        real(tags)
-        raise TimeoutError("timed out")
-
-    eng.release_memory_occupation = lost
+    eng, a = _engine(track_memory=False)
+    _applied_then(eng, "release_memory_occupation", TimeoutError("timed out"))
     with pytest.raises(Exception, match="timed out"):
         a.release_memory_occupation(["weights"])
     a.resume_memory_occupation(["weights"])
