@@ -49,15 +49,26 @@ def _fake():
     return fake_sglang
 
 
+def _first_sync_refusal(module, eng) -> str | None:
+    """The manager's first-sync check (`config_check.check_engine`) of ``module`` against the
+    fake SGLang ``eng``: its refusal, or None."""
+    from fsdp_sync import SyncConfig
+    from fsdp_sync.config_check import check_engine
+
+    try:
+        check_engine(module, sg.SGLangEngine(eng), SyncConfig(method="disk", disk_dir="/nonexistent"),
+                     None, where="engine 0")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 @pytest.mark.timeout(60)
 def test_a_release_older_than_supported_is_refused_before_anything_is_sent():
     """Before: an SGLang reporting 0.4.9 (older than the ``sglang>=0.5.12`` fsdp_sync supports,
     none of its calls read) was synced into as if it were 0.5.12. Now the manager's first-sync
     check (`config_check.check_engine`, asked before any pause or update) refuses it, naming the
     release and the oldest supported; 0.5.12 passes the same check."""
-    from fsdp_sync import SyncConfig
-    from fsdp_sync.config_check import check_engine
-
     fake = _fake()
 
     class Fake049Engine(fake.Fake0512Engine):
@@ -66,12 +77,7 @@ def test_a_release_older_than_supported_is_refused_before_anything_is_sent():
     module = torch.nn.Linear(2, 2)
     for cls, refused in ((Fake049Engine, True), (fake.Fake0512Engine, False)):
         eng = cls(tp_size=1)
-        err = None
-        try:
-            check_engine(module, sg.SGLangEngine(eng), SyncConfig(method="disk", disk_dir="/nonexistent"),
-                         None, where="engine 0")
-        except ValueError as exc:
-            err = str(exc)
+        err = _first_sync_refusal(module, eng)
         assert eng.names() == ["get_server_info"], eng.names()       # nothing but the version asked
         if not refused:
             assert err is None, err
@@ -211,9 +217,6 @@ def test_a_llama_with_mlp_biases_is_refused_for_sglang_before_anything_is_sent()
     (naming it and what to do), before any call but the version; without MLP biases it passes."""
     import types
 
-    from fsdp_sync import SyncConfig
-    from fsdp_sync.config_check import check_engine
-
     class Config(types.SimpleNamespace):       # what the check reads of a transformers config
         def to_dict(self):
             return dict(vars(self))
@@ -223,12 +226,7 @@ def test_a_llama_with_mlp_biases_is_refused_for_sglang_before_anything_is_sent()
         module = torch.nn.Linear(2, 2)
         module.config = Config(model_type="llama", mlp_bias=mlp_bias, tie_word_embeddings=False)
         eng = fake.FakeSGLangEngine(tp_size=1)
-        err = None
-        try:
-            check_engine(module, sg.SGLangEngine(eng), SyncConfig(method="disk", disk_dir="/nonexistent"),
-                         None, where="engine 0")
-        except ValueError as exc:
-            err = str(exc)
+        err = _first_sync_refusal(module, eng)
         assert eng.names() == ["get_server_info"], eng.names()
         if not mlp_bias:
             assert err is None, err
