@@ -59,6 +59,7 @@ GOOD = dict(master_address="127.0.0.1", master_port=29500, rank_offset=1, world_
     (dict(master_address=""), "master_address must be a host name"),
     (dict(rank_offset=0), r"ranks 0..1 \(rank_offset 0, tp 2\) do not fit a group of world_size 3 whose rank 0"),
     (dict(world_size=2), r"ranks 1..2 \(rank_offset 1, tp 2\) do not fit a group of world_size 2"),
+    (dict(rank_offset=True), r"\(rank_offset True, tp 2\) do not fit"),
 ])
 def test_a_group_the_engine_cannot_join_is_refused_naming_the_value(change, says):
     e = _Engine()

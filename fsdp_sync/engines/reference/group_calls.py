@@ -42,8 +42,8 @@ class UpdateGroupCalls:
                 or not isinstance(master_port, int) or not 0 < master_port < 65536:
             raise WeightUpdateError(f"{what}: master_address must be a host name and master_port in "
                                     f"1..65535, got {master_address!r}:{master_port!r}")
-        if not (isinstance(rank_offset, int) and rank_offset >= 1
-                and isinstance(world_size, int) and rank_offset + self.tp_size <= world_size):
+        if not (_is_int(rank_offset) and rank_offset >= 1
+                and _is_int(world_size) and rank_offset + self.tp_size <= world_size):
             raise WeightUpdateError(f"{what}: ranks {rank_offset}..{rank_offset + self.tp_size - 1} "
                                     f"(rank_offset {rank_offset!r}, tp {self.tp_size}) do not fit a "
                                     f"group of world_size {world_size!r} whose rank 0 is the trainer")
@@ -125,3 +125,7 @@ class UpdateGroupCalls:
                 raise
             self._after_update(weight_version, flush_cache)
 
+
+def _is_int(value) -> bool:
+    """An int that is not a bool: ``rank_offset=True`` would otherwise join as rank 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
