@@ -183,3 +183,36 @@ def test_a_plan_plot_draws_a_line_per_swept_plan(tmp_path, monkeypatch):
     written = plot_plan(rows, tmp_path)
     # the time axis's lines (the first of each pair): one per TP, each its own plan's seconds
     assert lines[0::2] == [("tensor (full, tp 1)", [1.01, 1.04]), ("tensor (full, tp 2)", [2.01, 2.04])], lines
+
+
+def test_a_host_shared_rows_floor_is_drawn_as_its_own_line(tmp_path, monkeypatch):
+    """Before: the one floor line took every row's ``floor_seconds`` (the all-gather's) and was
+    labelled "all-gather + one copy", where a host-shared row is judged against its own,
+    lower, ``floor_shared_seconds`` (`targets.row_floor`): the figure showed it against a floor
+    it does not have."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from fsdp_sync.cli.plots import plot_bench
+
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: open(path, "ab").close())
+    monkeypatch.setattr(Figure, "tight_layout", lambda self, *a, **kw: None)
+    floors: list = []
+    real = Axes.plot
+
+    def plot(self, *a, **kw):
+        if str(kw.get("label", "")).startswith("floor"):
+            floors.append((kw["label"], list(a[1])))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    rows = [{**_row("tiny", b, True), "memory_curve": None, "floor_seconds": 0.05 * b / MiB}
+            for b in (MiB, 2 * MiB)]
+    shared = [{**r, "share_host_memory": True, "floor_shared_seconds": r["floor_seconds"] / 10} for r in rows]
+    plot_bench({"rows": rows + shared}, tmp_path)
+    assert floors == [("floor (all-gather + one copy)", [0.05, 0.1]),
+                      ("floor, host-shared (each rank copies its shard once + one copy)", [0.005, 0.01])], floors
+    floors.clear()
+    plot_bench({"rows": rows}, tmp_path / "gathered")   # no host-shared row: one floor line, as before
+    assert floors == [("floor (all-gather + one copy)", [0.05, 0.1])], floors

@@ -9,9 +9,13 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from .bench.targets import row_floor
+
 __all__ = ["plot_bench", "plot_plan"]
 
 MiB = 2**20
+_FLOOR_LABEL = {"floor_seconds": "floor (all-gather + one copy)",
+                "floor_shared_seconds": "floor, host-shared (each rank copies its shard once + one copy)"}
 
 
 def _file_part(model: str) -> str:
@@ -68,12 +72,16 @@ def plot_bench(result: dict, out_dir: str | Path) -> list[Path]:
             x = [r["bucket_bytes"] / MiB for r in rs]
             ax_t.plot(x, [r["seconds"] for r in rs], "o-", label=strategy)
             ax_m.plot(x, [r["peak_extra_bytes"] / MiB for r in rs], "o-", label=strategy)
-        floor = sorted(mrows, key=lambda r: r["bucket_bytes"])
-        fl = defaultdict(list)
-        for r in floor:
-            fl[r["bucket_bytes"]].append(r["floor_seconds"])
-        ax_t.plot([b / MiB for b in sorted(fl)], [min(fl[b]) for b in sorted(fl)], "kx:",
-                  label="floor (all-gather + one copy)")
+        # each row's own floor (`targets.row_floor`, as the targets judge it): a host-shared row
+        # gathers nothing, so the all-gather floor is not its floor; one line per kind of floor
+        fl: dict[str, dict] = defaultdict(lambda: defaultdict(list))
+        for r in mrows:
+            seconds, key = row_floor(r)
+            fl[key][r["bucket_bytes"]].append(seconds)
+        for key, style in (("floor_seconds", "kx:"), ("floor_shared_seconds", "k+--")):
+            if fl.get(key):
+                xs = sorted(fl[key])
+                ax_t.plot([b / MiB for b in xs], [min(fl[key][b]) for b in xs], style, label=_FLOOR_LABEL[key])
         # each size's budget as its rows carry it (`plan.memory_budget`: 2 x max(bucket, largest
         # tensor) + largest tensor for these rows), the largest where rows differ
         largest = mrows[0]["largest_tensor_bytes"]
