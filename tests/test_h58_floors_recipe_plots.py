@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
@@ -75,17 +74,14 @@ def test_each_floor_moves_its_rows_bytes_at_three_ranks_tp_two(three_ranks, monk
     assert moved["own_copy"] == 400 and moved["engine_copy"] == 77
     # its copies are the other floors' (chunked on CUDA: full-size pairs of a 7B shard did not fit)
     assert calls["copies"] == [400, 600, 400, 77], calls["copies"]
-    # copy_seconds: rank 0 copies the bytes (the figure is rank 0's)
-    made = []
-    real = floors.torch
-
-    def ones(n, **kw):
-        made.append(n)
-        return real.ones(n, **kw)
-
-    monkeypatch.setattr(floors, "torch", types.SimpleNamespace(ones=ones, zeros=real.zeros, uint8=real.uint8))
+    # copy_seconds: rank 0 copies the bytes once (the figure is rank 0's), as the floors' copies
+    # (a full-size pair of a 7B model's bytes beside trainer and engine did not fit a GPU)
+    calls["copies"].clear()
     floors.copy_seconds(4096, "cpu", 3)
-    assert made == [4096]
+    assert calls["copies"] == [4096]
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **kw: 1)
+    floors.copy_seconds(4096, "cpu", 3)                 # the other ranks idle
+    assert calls["copies"] == [4096]
 
 
 @pytest.mark.parametrize("text, words", [

@@ -102,22 +102,22 @@ def floor_seconds(total_bytes: int, bucket_bytes: int, tp: int, device: str, rep
 def copy_seconds(nbytes: int, device: str, repeats: int) -> float:
     """One copy of ``nbytes`` on rank 0's device (device to device on CUDA, a memcpy on CPU), on
     pre-touched memory, the other ranks idle: the least that moving these bytes once costs.
-    Collective (every rank calls it); the figure is rank 0's."""
+    Collective (every rank calls it); the figure is rank 0's. The copy is the floors' `_Copy`: in
+    1 GiB chunks on CUDA, where a full-size pair of a 7B model's bytes (2 x 15 GB) beside its
+    trainer and engine would not fit on rank 0's GPU."""
     import torch.distributed as dist
 
     dev = "cuda" if device == "cuda" else "cpu"
-    pair = None
-    if dist.get_rank() == 0:
-        pair = (torch.ones(nbytes, dtype=torch.uint8, device=dev), torch.zeros(nbytes, dtype=torch.uint8, device=dev))
+    copy = _Copy(nbytes, dev) if dist.get_rank() == 0 else None
 
     def body() -> None:
-        if pair is not None:
-            pair[1].copy_(pair[0])
+        if copy is not None:
+            copy()
 
     try:
         return median_seconds(body, dev, repeats)
     finally:
-        del pair
+        del copy
         if dev == "cuda":
             torch.cuda.empty_cache()
 

@@ -19,7 +19,7 @@ row of the group:
   ``floor_shared_seconds`` (``floor_shared_bytes``): one copy of each rank's shard plus one copy of
   a TP rank's shard (None on the other rows);
 - ``copy_seconds`` (tensor-method rows): one copy of the model's bytes on rank 0's device (device
-  to device on CUDA), measured once per job (the median of max(repeats, 5) after one warm-up):
+  to device on CUDA, in 1 GiB chunks), measured once per job (the median of max(repeats, 5) after one warm-up):
   ``ratio_to_copy`` is the sync's seconds over it;
 - per-rank buckets across hosts (``layout="engine"`` without shared memory): ``floor_seconds`` is
   the host-shared floor's two copies plus a bare ``all_to_all`` of the bytes a trainer rank received;
