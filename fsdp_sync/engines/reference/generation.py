@@ -56,8 +56,12 @@ def _num(sp: dict, key: str, default: Any, ok: Callable[[float], bool], expected
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise ValueError(f"sampling_params.{key} must be {'an integer' if integer else 'a number'}, "
                          f"got {v!r}")
-    if not (math.isfinite(v) and ok(v)):
-        raise ValueError(f"sampling_params.{key} must be {expected}, got {v!r}")
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:       # an int past a float's range (JSON has any size): whole, not a float
+        finite = integer
+    if not (finite and ok(v)):
+        raise ValueError(f"sampling_params.{key} must be {expected}, got {v!r:.40}")
     return v
 
 
