@@ -64,9 +64,12 @@ def lora_rank(model_config: Any) -> int:
 
 
 def served_as_adapter(model_config: Any) -> bool:
-    """Whether verl serves this run's LoRA as an adapter (rank > 0 and not ``lora.merge``)."""
+    """Whether verl serves this run's LoRA as an adapter (rank > 0 and not ``lora.merge``), read as
+    verl reads it (``lora_served_as_adapter`` and its worker's ``peft_merge``: the value's truth,
+    ``lora`` being an untyped dict, so ``merge=1`` merges): verl then sends merged full weights
+    without a ``peft_config``, which an adapter run here would refuse."""
     merge = _get(_get(model_config, "lora") or {}, "merge", False)
-    return lora_rank(model_config) > 0 and not (merge is True or str(merge).lower() == "true")
+    return lora_rank(model_config) > 0 and not merge
 
 
 def refusal(config: Any, model_config: Any, rollout_name: str) -> str | None:
