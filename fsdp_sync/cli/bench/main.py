@@ -514,8 +514,9 @@ def add_bench_parser(sub) -> None:
                         "on loopback, reached as SGLang is: verl's adapter's path)")
     p.add_argument("--repeats", type=ca.positive_int, default=3, help="timed syncs per row (median), >= 3")
     p.add_argument("--verify", type=ca.csv_of(ca.choice_of(("off", "sample", "full"))), default=None,
-                   help="also time SyncConfig.verify per method: comma-separated off, sample, full (off "
-                        "always runs, as the reference; rows under 'verify' in the JSON: sync seconds "
+                   help="also time SyncConfig.verify per method and --quantization (the first --ranks, --tp, "
+                        "--bucket-mb and --layout; the direct engine): comma-separated off, sample, full "
+                        "(off always runs, as the reference; rows under 'verify' in the JSON: sync seconds "
                         "and the seconds the check adds)")
     p.add_argument("--lora-r", type=ca.positive_int, default=None,
                    help="instead of the sweep: a LoRA adapter of rank R on every linear layer of the "
@@ -676,7 +677,8 @@ def cmd_bench(args) -> int:
         for c in ("model", "method", "verify", "tensors checked", "sync s", "verify s", "× sync"):
             vt.add_column(c, justify="right")
         for r in result["verify"]:
-            vt.add_row(r["model"], r["method"], r["verify"], str(r["tensors_checked"]),
+            vt.add_row(r["model"] + (f" ({r['quantization']})" if r.get("quantization") else ""), r["method"],
+                       r["verify"], str(r["tensors_checked"]),
                        f"{r['sync_seconds']:.3f}", f"{r['verify_seconds']:.3f}",
                        f"{r['verify_seconds'] / r['sync_seconds']:.2f}" if r["sync_seconds"] else "-")
         console.print(vt)

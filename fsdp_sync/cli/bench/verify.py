@@ -1,16 +1,20 @@
 """What ``SyncConfig.verify`` costs: ``fsdp-sync bench --verify sample,full``.
 
-For each model of the sweep (its first rank count, TP size, bucket size and dtype) one job runs,
-per update method of ``--methods``, a manager over a reference engine and times ``--repeats``
-syncs after a warm-up with ``verify`` off, then with each asked mode: a row per (model, method,
-mode) with the median sync seconds and the median seconds the check added (`verify.verify_engines`
-runs after the transport's sync, timed on its own, the slowest rank counted).
+For each model and rollout format (``--quantization``: none, fp8) of the sweep (its first rank
+count, TP size, EP size, bucket size and layout, and its dtype) one job runs, per update method of
+``--methods``, a manager over a reference engine (the direct one, not ``--engine http``) and times
+``--repeats`` syncs after a warm-up with ``verify`` off, then with each asked mode: a row per
+(model, quantization, method, mode) with the median sync seconds and the median seconds the check
+added (`verify.verify_engines` runs after the transport's sync, timed on its own, the slowest rank
+counted). Each row says what it ran with (``quantization``, ``layout``, ``dtype``, ...): an FP8
+sweep's check compares what the sync quantized, a different cost from the rollout dtype's.
 
 Not here: the main sweep's rows (`bench`), the check itself (`verify`).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import statistics
@@ -40,14 +44,16 @@ def _verify_rank(rank: int, world: int, job: dict) -> list[dict]:
     opt = torch.optim.SGD(module.parameters(), lr=1e-3)
     mesh = make_mesh(world // job["tp"], job["tp"], "cpu")
     holds = SyncTopology.from_mesh(mesh).is_tp_src
-    engine = ReferenceEngine(model_config=cfg, tp_size=job["tp"], ep_size=job.get("ep", 1),
-                             dtype=dtype) if holds else None
+    quant = job.get("quantization")
+    engine = ReferenceEngine(model_config=cfg, tp_size=job["tp"], ep_size=job.get("ep", 1), dtype=dtype,
+                             **({"quantization": quant} if quant else {})) if holds else None
     rows = []
     step = [0]
     try:
         for method in job["methods"]:
             kw: dict[str, Any] = dict(method=method, dtype=dtype, bucket_bytes=job["bucket_bytes"],
-                                      memory_probe="off")
+                                      memory_probe="off", quantization=quant,
+                                      layout=job.get("layout", "auto"))
             if method == "tensor":
                 kw["free_cache_engine"] = False
             if method == "disk":
@@ -77,7 +83,9 @@ def _verify_rank(rank: int, world: int, job: dict) -> list[dict]:
                     rows.append({"model": job["model"], "method": method, "verify": mode,
                                  "sync_seconds": float(t[0]), "verify_seconds": float(t[1]),
                                  "tensors_checked": checked, "repeats": job["repeats"],
-                                 "ranks": world, "tp": job["tp"], "bucket_bytes": job["bucket_bytes"]})
+                                 "ranks": world, "tp": job["tp"], "ep": job.get("ep", 1),
+                                 "bucket_bytes": job["bucket_bytes"], "dtype": job["dtype"],
+                                 "quantization": quant, "layout": job.get("layout", "auto")})
             finally:
                 m.close()
     finally:
@@ -97,12 +105,13 @@ def verify_rows(spec: Any, modes: tuple[str, ...]) -> list[dict]:
     if spec.device != "cpu":
         raise ValueError("--verify measures on CPU only for now (the reference engine's read-back)")
     rows: list[dict] = []
-    for model in spec.models:
+    for model, quant in itertools.product(spec.models, spec.quantization):
         root = tempfile.mkdtemp(prefix="fsdp-sync-bench-verify-")
         try:
             job = {"model": model, "dtype": spec.dtype, "tp": spec.tp[0], "ep": spec.ep[0], "methods": list(spec.methods),
                    "modes": list(modes), "repeats": spec.repeats, "disk_root": root,
-                   "bucket_bytes": int(spec.bucket_mb[0] * 2**20)}
+                   "bucket_bytes": int(spec.bucket_mb[0] * 2**20), "quantization": quant,
+                   "layout": spec.layouts[0]}
             rows += run_ranks(_verify_rank, spec.ranks[0], job, timeout_s=1800, env=spawn_env())[0]
         finally:
             shutil.rmtree(root, ignore_errors=True)
