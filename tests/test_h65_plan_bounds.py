@@ -1,0 +1,44 @@
+"""`fsdp_sync.plan` at the edges H65's mutation pass found no test holding: a CPU cluster whose
+hosts hold exactly the trainer's ranks is one host (its shards in one host's memory, the
+host-shared path the bench takes there), not several (mutant ``world < gpus_per_node``: the plan
+said all-gather, 2 x the bytes each rank receives, for the 2-rank host it was measured on)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fsdp_sync.plan import Cluster, PlanJob, plan_row
+
+CPU = Cluster("cpu-test", "cpu", 2, 10**12, 5.0, 1.0, 1.0, 1.0, 1.0, 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("method, layout, path", [("tensor", "full", "host-shared"),
+                                                  ("tensor", "engine", "host-shared"),
+                                                  ("disk", "full", "host-shared")])
+def test_ranks_that_fill_one_cpu_host_share_its_memory(method, layout, path):
+    job = PlanJob("tiny", method, layout, 1 << 20, "float32", None, 2, 2, 2, engine="reference")
+    row = plan_row(job, CPU)
+    assert (row["path"], row["share_host_memory"], row["trainer_rank_bytes_in"]) == (path, True, 0), row
+    # one rank more than the host holds: several hosts, gathered
+    wide = plan_row(dataclasses.replace(job, ranks=4), CPU)
+    assert wide["path"] != "host-shared" and not wide["share_host_memory"], wide
+    assert wide["trainer_rank_bytes_in"] > 0, wide
+
+
+def test_a_plan_no_bucket_fits_suggests_none():
+    """The largest tensor alone over the memory left: the refusal says no bucket fits and
+    suggests none (``suggested_bucket_bytes`` None, as `plan_rows`' refused row and docs/plan.md
+    say), not a bucket of 0 bytes (mutant ``best = lo * MiB``: 0, which no sync can take)."""
+    from fsdp_sync.plan import PlanError
+
+    small = Cluster("small-gpu", "cuda", 8, 10 * 2**20, 5.0, 1.0, 1.0, 1.0, 1.0, 1e-4, 1e-4)
+    job = PlanJob("tiny", "tensor", "full", 64 << 20, "float32", None, 2, 2, 2, trainer_resident_bytes=0)
+    with pytest.raises(PlanError, match="no bucket fits") as info:
+        plan_row(job, small)
+    assert info.value.suggested_bucket_bytes is None
+    roomy = dataclasses.replace(small, memory_per_gpu=100 * 2**20)      # 15 MiB left: some buckets fit
+    with pytest.raises(PlanError, match=r"the largest bucket that fits is \d+ MiB") as info:
+        plan_row(job, roomy)
+    assert info.value.suggested_bucket_bytes and info.value.suggested_bucket_bytes % 2**20 == 0
