@@ -37,7 +37,7 @@ def one_rank():
 @pytest.fixture
 def stand_ins(monkeypatch):
     from fsdp_sync import engines, manager
-    from fsdp_sync.cli import trainer
+    from fsdp_sync.cli import lora_model, trainer
 
     log = types.SimpleNamespace(off=0.0, closed=0, shutdown=0, modes=[])
 
@@ -77,6 +77,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(engines, "ReferenceEngine", Engine)
     monkeypatch.setattr(manager, "FSDPShardingManager", Manager)
     monkeypatch.setattr(trainer, "wrap_fsdp", lambda module, version, **kw: module)
+    monkeypatch.setattr(lora_model, "add_lora", lambda module, r, alpha: module)     # the figures are the stand-ins'
     monkeypatch.setattr(trainer, "last_logits", lambda model, prompts: torch.zeros(len(prompts), 8))
     return log
 
