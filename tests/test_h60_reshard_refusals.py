@@ -1,0 +1,60 @@
+"""Per-rank buckets refuse, before any buffer is filled, what they cannot send exactly (H60's
+mutation pass: each check below was dropped without any test failing):
+
+- a layout tensor the module holds in an integer dtype is never cast to the engine's float dtype
+  silently: refused naming it, its dtype and the engine's;
+- a module of several float dtypes with no ``dtype=`` is refused naming them (no dtype picked
+  for the engine by chance);
+- ``ranks`` naming an engine rank outside ``[0, tp)`` is refused naming it and the range (it
+  would get a buffer of zeros).
+
+In process: a plain module (the local path), no engine, no process group.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fsdp_sync.models import build_model, load_config
+from fsdp_sync.weights import reshard
+from fsdp_sync.weights.layout import layout_for
+
+
+def _model():
+    cfg = load_config("tiny", num_hidden_layers=1)
+    return cfg, build_model(cfg, seed=7)
+
+
+def _host(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def test_an_integer_layout_tensor_is_refused_not_cast():
+    cfg, model = _model()
+    norm = model.model.norm
+    del norm.weight
+    norm.register_buffer("weight", torch.ones(cfg.hidden_size, dtype=torch.int32))
+    with pytest.raises(TypeError, match=re.escape("'model.norm.weight' has dtype int32; the engine's "
+                                                  "weights are bfloat16")):
+        next(reshard.iter_rank_buckets(model, layout_for(cfg, 2), 64 << 10, dtype=torch.bfloat16, alloc=_host))
+
+
+def test_several_float_dtypes_without_a_dtype_are_refused_naming_them():
+    cfg, model = _model()
+    model.model.norm.to(torch.float16)
+    with pytest.raises(TypeError, match=re.escape("several dtypes ['torch.float16', 'torch.float32']: pass dtype=")):
+        next(reshard.iter_rank_buckets(model, layout_for(cfg, 2), 64 << 10, alloc=_host))
+    # with the engine's dtype given, each tensor is cast to it (nothing refused)
+    rb = next(reshard.iter_rank_buckets(model, layout_for(cfg, 2), 64 << 10, dtype=torch.float32, alloc=_host))
+    assert sorted(rb.buffers) == [0, 1]
+
+
+@pytest.mark.parametrize("ranks", [[0, 2], [-1]])
+def test_ranks_outside_the_engines_tp_are_refused_naming_them(ranks):
+    cfg, model = _model()
+    with pytest.raises(ValueError, match=re.escape(f"ranks must name engine ranks in [0, 2), got {sorted(ranks)}")):
+        next(reshard.iter_rank_buckets(model, layout_for(cfg, 2), 64 << 10, dtype=torch.float32,
+                                       alloc=_host, ranks=ranks))
