@@ -42,3 +42,21 @@ def test_a_plan_no_bucket_fits_suggests_none():
     with pytest.raises(PlanError, match=r"the largest bucket that fits is \d+ MiB") as info:
         plan_row(job, roomy)
     assert info.value.suggested_bucket_bytes and info.value.suggested_bucket_bytes % 2**20 == 0
+
+
+def test_a_cpu_host_counts_every_engine_worker_of_a_disaggregated_sync():
+    """One host holds the trainer ranks and every engine worker (tp of them per engine): each
+    worker's receive buffer is counted, as its weights are (mutant: one worker per engine, the
+    other TP ranks' buffers left out of the host's need)."""
+    from fsdp_sync.plan import PlanError, engine_memory_budget
+
+    job = PlanJob("tiny", "distributed", "full", 1 << 20, "float32", None, 2, 2, 2, engine="sglang")
+    row = plan_row(job, CPU)            # fits: its figures
+    trainer, shard = row["memory_budget_bytes"], row["engine_rank_shard_bytes"]
+    worker = engine_memory_budget("distributed", 1 << 20, row["largest_tensor_bytes"], shard, False)
+    need = 2 * trainer + 2 * worker["engine_memory_budget_bytes"]      # 2 trainer ranks, 2 workers
+    held = 2 * row["trainer_resident_bytes"] + 2 * shard
+    tight = dataclasses.replace(CPU, memory_per_gpu=held + need - 1)   # a byte short
+    with pytest.raises(PlanError, match=r"2 trainer rank\(s\) x .* \+ 2 engine worker\(s\) x "):
+        plan_row(job, tight)
+    assert plan_row(job, dataclasses.replace(CPU, memory_per_gpu=held + need))["memory_free_bytes"] == need
