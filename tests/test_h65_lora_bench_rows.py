@@ -131,4 +131,7 @@ def test_an_engine_off_the_trainer_fails_the_run(diff, ok, one_rank, stand_ins, 
     res = json.loads(out.read_text())
     assert (rc, res["ok"]) == (0 if ok else 1, ok), (rc, res)
     assert res["max_abs_logit_diff"] == pytest.approx(diff) and len(res["rows"]) == 2
-    assert f"{diff:.2e}" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"{diff:.2e}" in text, text
+    # sizes in the unit that shows them (the table said 0.0 for the adapter's MiB)
+    assert "32.0 KiB" in text and "579 KiB" in text, text

@@ -163,16 +163,18 @@ def print_lora_bench(args: Any, console: Any) -> int:
 
     from rich.table import Table
 
+    from ..plan import size
+
     spec = args.spec
     model, ranks, tp = spec.models[0], spec.ranks[0], spec.tp[0]
     console.print(f"[bold]fsdp-sync bench --lora-r {args.lora_r}[/]: {model}, {ranks} ranks, tp {tp}, "
                   f"adapter on every linear layer, {spec.repeats} repeats")
     res = run_lora_bench(model, ranks, tp, args.lora_r, args.lora_alpha, spec.repeats, spec.bucket_mb[0])
     table = Table(title="LoRA: adapter-only sync beside a full sync (median sync_weights seconds)")
-    for c in ("sync", "bytes", "MiB", "tensors", "seconds", "bytes ratio", "speedup"):
+    for c in ("sync", "bytes", "size", "tensors", "seconds", "bytes ratio", "speedup"):
         table.add_column(c, justify="right")
-    for r in res["rows"]:
-        table.add_row(r["mode"], f"{r['bytes']:,}", f"{r['bytes'] / 2**20:.1f}", str(r["tensors"]),
+    for r in res["rows"]:       # size in the unit that shows it: a tiny adapter's 32 KiB is not 0.0 MiB
+        table.add_row(r["mode"], f"{r['bytes']:,}", size(r["bytes"]), str(r["tensors"]),
                       f"{r['seconds']:.4f}", f"{r['bytes_ratio']:.4f}" if "bytes_ratio" in r else "-",
                       f"{r['speedup']:.1f}x" if "speedup" in r else "-")
     console.print(table)
