@@ -60,3 +60,17 @@ def test_a_cpu_host_counts_every_engine_worker_of_a_disaggregated_sync():
     with pytest.raises(PlanError, match=r"2 trainer rank\(s\) x .* \+ 2 engine worker\(s\) x "):
         plan_row(job, tight)
     assert plan_row(job, dataclasses.replace(CPU, memory_per_gpu=held + need))["memory_free_bytes"] == need
+
+
+def test_the_distributed_full_path_overlaps_whatever_pipelined_says():
+    """The distributed method's full-tensor path sends bucket k while it gathers bucket k+1
+    whatever ``pipelined`` (which only the per-rank buckets take): its estimate is the same
+    pipelined or not (mutant: overlap only when pipelined, the full path priced as one phase
+    after another with --pipelined off)."""
+    rows = [plan_row(PlanJob("small", "distributed", "full", 1 << 20, "float32", None, 2, 2, 2, pipelined=p),
+                     "h100-node") for p in (True, False)]
+    assert rows[0]["buckets"] > 1 and all(r["estimate_rule"].endswith("(pipelined)") for r in rows), rows
+    assert rows[0]["seconds"] == rows[1]["seconds"]
+    per_rank = [plan_row(PlanJob("small", "distributed", "engine", 1 << 20, "float32", None, 2, 2, 2, pipelined=p,
+                                 engine="reference"), "h100-node") for p in (True, False)]
+    assert [r["estimate_rule"].endswith("(pipelined)") for r in per_rank] == [True, False]
