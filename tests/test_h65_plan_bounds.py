@@ -74,3 +74,19 @@ def test_the_distributed_full_path_overlaps_whatever_pipelined_says():
     per_rank = [plan_row(PlanJob("small", "distributed", "engine", 1 << 20, "float32", None, 2, 2, 2, pipelined=p,
                                  engine="reference"), "h100-node") for p in (True, False)]
     assert [r["estimate_rule"].endswith("(pipelined)") for r in per_rank] == [True, False]
+
+
+def test_host_shared_per_rank_buffers_are_first_touched_a_part_by_each_rank():
+    """Host-shared per-rank buckets: each trainer rank of the host touches its part of the tp
+    buffers (a bucket set per engine rank), so twice the ranks touch half each (mutant: every
+    rank touching all of them, the estimate's first-touch phase as large at 4 ranks as at 2)."""
+    priced = dataclasses.replace(CPU, gpus_per_node=64, touch_gbps=1.0)
+
+    def touch(ranks: int) -> float:
+        row = plan_row(PlanJob("small", "tensor", "engine", 1 << 20, "float32", None, ranks, 2, 2,
+                               engine="reference"), priced)
+        assert row["path"] == "host-shared", row
+        (s,) = [p["seconds"] for p in row["phases"] if p["what"] == "first touch of the sync's fresh buffers"]
+        return s
+
+    assert touch(2) == pytest.approx(2 * touch(4))
