@@ -61,18 +61,14 @@ def test_each_bound_admits_its_edge_and_refuses_past_it_naming_field_and_value(k
         refused({key: v}, needle + repr(v))
 
 
-@pytest.mark.parametrize("key", ["temperature", "top_p", "min_p", "max_new_tokens", "min_new_tokens",
-                                 "top_k", "n", "stream_interval", "sampling_seed"])
-def test_a_bool_or_string_is_not_a_number(key):
-    for v in (True, False, "1"):
-        refused({key: v}, f"sampling_params.{key} must be ")
-        refused({key: v}, f"got {v!r}")
-
-
-@pytest.mark.parametrize("key", ["top_k", "n", "max_new_tokens", "min_new_tokens", "stream_interval",
-                                 "sampling_seed"])
-def test_an_integer_field_refuses_a_float(key):
-    refused({key: 2.0}, f"sampling_params.{key} must be an integer, got 2.0")
+def test_a_bool_or_string_is_not_a_number_nor_a_float_an_integer():
+    for key in ("temperature", "top_p", "min_p", "max_new_tokens", "min_new_tokens", "top_k", "n",
+                "stream_interval", "sampling_seed"):
+        for v in (True, False, "1"):
+            refused({key: v}, f"sampling_params.{key} must be ")
+            refused({key: v}, f"got {v!r}")
+    for key in ("top_k", "n", "max_new_tokens", "min_new_tokens", "stream_interval", "sampling_seed"):
+        refused({key: 2.0}, f"sampling_params.{key} must be an integer, got 2.0")
 
 
 def test_min_new_tokens_is_held_to_max_new_tokens_given_not_to_a_null_one():
@@ -184,9 +180,9 @@ def test_unknown_and_non_default_fields_are_refused_naming_them():
     gen_refused({"input_ids": [1], "return_logprob": 1}, "field 'return_logprob' must be true or false, got 1")
 
 
-@pytest.mark.parametrize("ids", [[], [[]], [[1], []], [[1, True]], [1.0], "12", None, [[1], 2]])
-def test_input_ids_must_be_token_id_lists(ids):
-    gen_refused({"input_ids": ids}, "field 'input_ids' must be a list of token ids")
+def test_input_ids_must_be_token_id_lists():
+    for ids in ([], [[]], [[1], []], [[1, True]], [1.0], "12", None, [[1], 2]):
+        gen_refused({"input_ids": ids}, "field 'input_ids' must be a list of token ids")
 
 
 def test_sampling_params_per_prompt_and_n():
@@ -245,19 +241,19 @@ class _Prompts(GenerationCalls):
     spec = SimpleNamespace(vocab_size=10)
 
 
-@pytest.mark.parametrize("ids, needle", [
-    ([[1, 2], []], "prompt 1 is empty"),
-    ([], "input_ids is a non-empty list of token-id lists, got list []"),
-    ([[1, 10]], "prompt 0 has token ids [10] outside the vocabulary [0, 10)"),
-    ([[0, -1]], "prompt 0 has token ids [-1] outside the vocabulary [0, 10)"),
-    ([[1, True]], "prompt 0 has 1 token ids that are not ints (position 1: True of type bool)"),
-    ([[1], [2.0, 3]], "prompt 1 has 1 token ids that are not ints (position 0: 2.0 of type float)"),
-    ([[1], "ab"], "prompt 1 must be a list of token ids, got str 'ab'"),
-])
-def test_a_prompt_that_is_empty_not_ints_or_outside_the_vocabulary_is_refused_naming_it(ids, needle):
-    with pytest.raises(ValueError) as info:
-        _Prompts()._check_prompts(ids)
-    assert needle in str(info.value), str(info.value)
+def test_a_prompt_that_is_empty_not_ints_or_outside_the_vocabulary_is_refused_naming_it():
+    for ids, needle in [
+        ([[1, 2], []], "prompt 1 is empty"),
+        ([], "input_ids is a non-empty list of token-id lists, got list []"),
+        ([[1, 10]], "prompt 0 has token ids [10] outside the vocabulary [0, 10)"),
+        ([[0, -1]], "prompt 0 has token ids [-1] outside the vocabulary [0, 10)"),
+        ([[1, True]], "prompt 0 has 1 token ids that are not ints (position 1: True of type bool)"),
+        ([[1], [2.0, 3]], "prompt 1 has 1 token ids that are not ints (position 0: 2.0 of type float)"),
+        ([[1], "ab"], "prompt 1 must be a list of token ids, got str 'ab'"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            _Prompts()._check_prompts(ids)
+        assert needle in str(info.value), str(info.value)
 
 
 def test_prompts_given_flat_or_as_tensors_are_the_same_prompts():
@@ -351,22 +347,47 @@ def np_int(v):
     return np.int64(v)
 
 
-@pytest.mark.parametrize("key, fits", [("max_new_tokens", True), ("top_k", True), ("stream_interval", True),
-                                       ("min_new_tokens", True), ("n", False), ("sampling_seed", False),
-                                       ("temperature", False), ("top_p", False), ("min_p", False)])
-def test_an_integer_past_floats_range_is_refused_naming_the_field_not_an_overflow(key, fits):
+def test_an_integer_past_floats_range_is_refused_naming_the_field_not_an_overflow():
     """JSON carries integers of any size: one past a float's range was an OverflowError (the
     server's 500, naming no field) from ``math.isfinite``; now an integer field takes it where
     its bound does (the context then refuses such a max_new_tokens) and every other refuses it
     naming the field, as a ValueError (400)."""
     huge = 10 ** 400
-    sp = {key: huge} | ({"max_new_tokens": None} if key == "min_new_tokens" else {})
-    if fits:
-        assert getattr(Sampling.from_sglang(sp), key) == huge
-    else:
-        refused(sp, f"sampling_params.{key} must be ")
-    gen = {"input_ids": [1], "sampling_params": sp}
-    if fits:
-        parse_generate(gen)
-    else:
-        gen_refused(gen, f"sampling_params.{key} must be ")
+    for key, fits in [("max_new_tokens", True), ("top_k", True), ("stream_interval", True),
+                      ("min_new_tokens", True), ("n", False), ("sampling_seed", False),
+                      ("temperature", False), ("top_p", False), ("min_p", False)]:
+        sp = {key: huge} | ({"max_new_tokens": None} if key == "min_new_tokens" else {})
+        gen = {"input_ids": [1], "sampling_params": sp}
+        if fits:
+            assert getattr(Sampling.from_sglang(sp), key) == huge
+            parse_generate(gen)
+        else:
+            refused(sp, f"sampling_params.{key} must be ")
+            gen_refused(gen, f"sampling_params.{key} must be ")
+
+
+def test_input_logprobs_of_rows_that_generate_nothing_use_each_rows_own_adapter():
+    """A prompt scored alone (max_new_tokens 0, return_logprob with logprob_start_len) takes its
+    input logprobs from one forward per adapter: each prompt's with its own ``lora_path`` (None:
+    the base), in the prompts' order. With the adapter's name dropped every prompt was scored by
+    the base weights, and no test saw it."""
+    asked = []
+
+    class E(_Engine):
+        def _call(self, cmd, args, collective=False):
+            asked.append((cmd, args["lora"], [len(p) for p in args["prompts"]], args["all_positions"]))
+            shift = {None: 0.0, "a": 1.0, "b": 2.0}[args["lora"]]
+            return [[torch.arange(len(p) * 10, dtype=torch.float32).reshape(len(p), 10) * shift
+                     for p in args["prompts"]]]
+
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3, 3]]
+    got = E()._input_logprobs(prompts, 1, ["a", None, "b", "a"])
+    assert asked == [("forward_logits", "a", [3, 2], True), ("forward_logits", None, [2], True),
+                     ("forward_logits", "b", [4], True)]
+    for p, lp, shift in zip(prompts, got, (1.0, 0.0, 2.0, 1.0)):
+        logits = torch.arange(len(p) * 10, dtype=torch.float32).reshape(len(p), 10) * shift
+        assert lp == input_token_logprobs(p, logits, 1), (p, shift)
+    asked.clear()
+    assert E()._input_logprobs(prompts[:2], 0) == [input_token_logprobs(p, torch.zeros(len(p), 10), 0)
+                                                    for p in prompts[:2]]
+    assert [a[1] for a in asked] == [None]
