@@ -601,6 +601,10 @@ class TensorTransport:
             s.release(require_ack=False, unopened=() if opened else list(s.ranks))
         if call.on_release is not None:
             call.on_release()
+        # the call now holds nothing of its bucket: a failed sync's error keeps the frames that
+        # hold it until the garbage collector runs (a reference cycle through its traceback), and
+        # through its on_release the sync's buffers (bucket_bytes of shared or CUDA memory each)
+        call.sets, call.wire, call.on_release = [], None, None
 
     def _run_pipelined(self, steps: Iterator[Call]) -> None:
         """Bucket k+1 is made (reshard, handles, gather) while the engine loads bucket k.
