@@ -33,6 +33,7 @@ LAYOUTS = ("auto", "full", "engine")
 REPLICA_FAILURE_MODES = ("abort", "quarantine")
 PAUSE_MODES = (None, "abort", "retract", "in_place")
 FSDP1_STATE_DICTS = ("full", "sharded", "local")
+MAX_TIMEOUT_S = 1e9     # dist_timeout_s's most: ~31 years; a socket's or lock's timeout overflows past ~9.2e9
 VERL_BUCKET_MB = 2048   # verl 0.9's checkpoint_engine.update_weights_bucket_megabytes default
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -149,7 +150,8 @@ class SyncConfig:
     free_cache_engine: release the engine's memory on exit and resume it on entry.
     offload_params: move trainer parameters off the accelerator during rollout.
     fsdp1_state_dict: the FSDP1 state-dict type used for export (full / sharded / local).
-    seed: generation RNG seed base; dp rank r generates with ``seed + r`` (same on every TP rank).
+    seed: generation RNG seed base; dp rank r generates with ``seed + r`` (same on every TP rank);
+        a 64-bit int, in [-2**63, 2**63).
     share_host_memory: for ``flattened``, when the trainer ranks of the FSDP group share a host and
         hold CPU shards (even dim-0 splits): no all-gather; the ranks write their shards into one
         host-shared buffer that the engine workers open (`export.iter_buckets`). Off, or where it
@@ -171,7 +173,7 @@ class SyncConfig:
     dist_timeout_s: how long trainer rank 0 waits for the engines to join the group or to receive
         a broadcast; a refusal from an engine is reported at once, not after this. A failed
         opening of the group, its call-off included, ends within this (plus a second where the
-        rendezvous used it all).
+        rendezvous used it all). At most 1e9 s (a longer one overflows the waits it is used in).
     disk_dir: the disk method's directory: each sync publishes ``disk_dir/step_<N>/`` (a Hugging
         Face checkpoint) there. Required when ``method == "disk"``.
     disk_keep: how many of the newest versions the disk method keeps (>= 1; the one the engine
@@ -292,6 +294,11 @@ class SyncConfig:
         if not (isinstance(self.dist_timeout_s, (int, float)) and not isinstance(self.dist_timeout_s, bool)
                 and 0 < self.dist_timeout_s < float("inf")):
             raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
+        if self.dist_timeout_s > MAX_TIMEOUT_S:
+            # a longer wait overflows the socket and lock timeouts it is used in (time_t), and
+            # failed the first sync with an OverflowError naming no setting
+            raise ValueError(f"dist_timeout_s must be at most {MAX_TIMEOUT_S:.0e} seconds (31 years), "
+                             f"got {self.dist_timeout_s!r}")
         # YAML 1.1 reads a bare `off` as false (and `on` as true)
         if self.verify is False:
             object.__setattr__(self, "verify", "off")
@@ -340,6 +347,11 @@ class SyncConfig:
                 object.__setattr__(self, f.name, parse_bool(getattr(self, f.name), f.name))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not -(1 << 63) <= self.seed < 1 << 63:
+            # dp rank r seeds a torch.Generator with seed + r, which takes a 64-bit seed: a larger
+            # one failed building the manager with torch's "Overflow when unpacking long long"
+            raise ValueError(f"seed must be an int in [-2**63, 2**63) (dp rank r generates with "
+                             f"seed + r, a torch generator's 64-bit seed), got {self.seed!r}")
         if not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool) \
                 or self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
