@@ -90,3 +90,17 @@ def test_host_shared_per_rank_buffers_are_first_touched_a_part_by_each_rank():
         return s
 
     assert touch(2) == pytest.approx(2 * touch(4))
+
+
+def test_replicas_count_the_disaggregated_engines_and_leave_the_tensor_rows_colocated(capsys):
+    """``--replicas`` beside the tensor method: the distributed and disk rows feed that many
+    engines, the tensor rows one per TP group as ever (mutant handing the tensor job --replicas:
+    the whole sweep refused, exit 2, for a flag the help says is the disaggregated methods')."""
+    from fsdp_sync.cli.app import parse_args
+    from fsdp_sync.cli.plan import plan_rows
+
+    args = parse_args(["plan", "--models", "tiny", "--methods", "tensor,distributed,disk", "--replicas", "3",
+                       "--ranks", "4", "--tp", "2", "--cluster", "h100-node"])
+    rows = plan_rows(args.sweep, "h100-node")
+    assert [(r["method"], r["replicas"]) for r in rows] == [("tensor", 2), ("distributed", 3), ("disk", 3)], rows
+    assert rows[1]["engine_requests"] == 3 * rows[1]["buckets"] and rows[2]["engine_calls"] == 3, rows
