@@ -19,13 +19,14 @@ def model(**kw):
     return SimpleNamespace(**{"lora_rank": 8, "lora": {}, "target_modules": "all-linear", **kw})
 
 
-@pytest.mark.parametrize("merge, adapter", [(True, False), (1, False), ("true", False), ("yes", False),
-                                            (False, True), (0, True), (None, True), ("", True)])
-def test_lora_merge_is_read_by_its_truth_as_verl_reads_it(merge, adapter):
-    assert verl_lora.served_as_adapter(model(lora={"merge": merge})) is adapter
-    # a merged run is no adapter run: nothing refused for it, whatever the rollout's load format
+def test_lora_merge_is_read_by_its_truth_as_verl_reads_it():
     rollout = SimpleNamespace(name="fsdp_sync_ref", load_format="auto", quantization=None)
-    assert (verl_lora.refusal(rollout, model(lora={"merge": merge}), "fsdp_sync_ref") is None) is not adapter
+    for merge, adapter in [(True, False), (1, False), ("true", False), ("yes", False),
+                           (False, True), (0, True), (None, True), ("", True)]:
+        assert verl_lora.served_as_adapter(model(lora={"merge": merge})) is adapter, merge
+        # a merged run is no adapter run: nothing refused for it, whatever the rollout's load format
+        refused = verl_lora.refusal(rollout, model(lora={"merge": merge}), "fsdp_sync_ref") is not None
+        assert refused is adapter, merge
 
 
 class FakeEngine:
@@ -65,8 +66,12 @@ ADAPTER = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", to
 PEFT = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
 
 
-@pytest.mark.parametrize("verify", ["full", "sample"])
-def test_every_verify_but_off_reads_the_adapter_back_and_a_wrong_tensor_fails_the_sync(verify):
+def test_every_verify_but_off_reads_the_adapter_back_and_a_wrong_tensor_fails_the_sync():
+    for verify in ("full", "sample"):
+        check_verify(verify)
+
+
+def check_verify(verify):
     from fsdp_sync.topology import SyncError
 
     eng = FakeEngine()
