@@ -67,11 +67,11 @@ def test_the_distributed_full_path_overlaps_whatever_pipelined_says():
     whatever ``pipelined`` (which only the per-rank buckets take): its estimate is the same
     pipelined or not (mutant: overlap only when pipelined, the full path priced as one phase
     after another with --pipelined off)."""
-    rows = [plan_row(PlanJob("small", "distributed", "full", 1 << 20, "float32", None, 2, 2, 2, pipelined=p),
+    rows = [plan_row(PlanJob("tiny", "distributed", "full", 1 << 18, "float32", None, 2, 2, 2, pipelined=p),
                      "h100-node") for p in (True, False)]
     assert rows[0]["buckets"] > 1 and all(r["estimate_rule"].endswith("(pipelined)") for r in rows), rows
     assert rows[0]["seconds"] == rows[1]["seconds"]
-    per_rank = [plan_row(PlanJob("small", "distributed", "engine", 1 << 20, "float32", None, 2, 2, 2, pipelined=p,
+    per_rank = [plan_row(PlanJob("tiny", "distributed", "engine", 1 << 18, "float32", None, 2, 2, 2, pipelined=p,
                                  engine="reference"), "h100-node") for p in (True, False)]
     assert [r["estimate_rule"].endswith("(pipelined)") for r in per_rank] == [True, False]
 
@@ -83,7 +83,7 @@ def test_host_shared_per_rank_buffers_are_first_touched_a_part_by_each_rank():
     priced = dataclasses.replace(CPU, gpus_per_node=64, touch_gbps=1.0)
 
     def touch(ranks: int) -> float:
-        row = plan_row(PlanJob("small", "tensor", "engine", 1 << 20, "float32", None, ranks, 2, 2,
+        row = plan_row(PlanJob("tiny", "tensor", "engine", 1 << 18, "float32", None, ranks, 2, 2,
                                engine="reference"), priced)
         assert row["path"] == "host-shared", row
         (s,) = [p["seconds"] for p in row["phases"] if p["what"] == "first touch of the sync's fresh buffers"]
