@@ -58,3 +58,28 @@ def test_ranks_outside_the_engines_tp_are_refused_naming_them(ranks):
     with pytest.raises(ValueError, match=re.escape(f"ranks must name engine ranks in [0, 2), got {sorted(ranks)}")):
         next(reshard.iter_rank_buckets(model, layout_for(cfg, 2), 64 << 10, dtype=torch.float32,
                                        alloc=_host, ranks=ranks))
+
+
+def test_kept_one_host_buffers_are_reused_only_while_they_fit():
+    """``host_keep``: a later sync takes the buffers an earlier one left only when every rank's
+    are as many and at least as large as this sync needs; else new ones are made (here one rank:
+    none, the caller gathers). H60's mutation pass: reusing them on the group alone survived every
+    reshard test (a larger bucket then wrote past them, more buffer sets indexed past the list).
+    One process, a one-rank gloo group."""
+    import torch.distributed as dist
+
+    from fsdp_sync.topology import cpu_group
+    from fsdp_sync.weights.hostbuf import HostShared
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        old = HostShared(cpu_group(group), 0, [torch.zeros(64, dtype=torch.uint8) for _ in range(2)])
+        keep = [old]
+        assert reshard._host_buffers(group, 2, 64, keep) is old and keep == [old]     # fits: reused
+        for count, nbytes in [(2, 65), (4, 64)]:          # a larger bucket; more buffer sets
+            keep = [old]
+            assert reshard._host_buffers(group, count, nbytes, keep) is None and keep == [], (count, nbytes)
+    finally:
+        dist.destroy_process_group()
