@@ -50,6 +50,8 @@ def test_checksum_is_order_free_and_tells_every_difference():
                   [("a", a), ("b", b), ("c", torch.empty(0))],  # one tensor more, even empty
                   [("a", a)]):
         assert checksum_named_tensors(other) != base, other
+    one = [("s", torch.tensor([1.0]))]          # a one-element tensor's value counts too
+    assert checksum_named_tensors(one) != checksum_named_tensors([("s", torch.tensor([2.0]))])
     # the values count, not the layout in memory: a transposed view hashes as its copy
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()
     assert not t.is_contiguous()
