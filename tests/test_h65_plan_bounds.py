@@ -92,15 +92,14 @@ def test_host_shared_per_rank_buffers_are_first_touched_a_part_by_each_rank():
     assert touch(2) == pytest.approx(2 * touch(4))
 
 
-def test_replicas_count_the_disaggregated_engines_and_leave_the_tensor_rows_colocated(capsys):
-    """``--replicas`` beside the tensor method: the distributed and disk rows feed that many
-    engines, the tensor rows one per TP group as ever (mutant handing the tensor job --replicas:
-    the whole sweep refused, exit 2, for a flag the help says is the disaggregated methods')."""
+def test_trainer_resident_gib_is_gib():
+    """``--trainer-resident-gib`` is GiB (mutant: read as MiB, a 2 GiB resident trainer planned
+    as 2 MiB, its GPU's fit check 2 GiB too generous; survived the plan tests)."""
     from fsdp_sync.cli.app import parse_args
     from fsdp_sync.cli.plan import plan_rows
 
-    args = parse_args(["plan", "--models", "tiny", "--methods", "tensor,distributed,disk", "--replicas", "3",
-                       "--ranks", "4", "--tp", "2", "--cluster", "h100-node"])
-    rows = plan_rows(args.sweep, "h100-node")
-    assert [(r["method"], r["replicas"]) for r in rows] == [("tensor", 2), ("distributed", 3), ("disk", 3)], rows
-    assert rows[1]["engine_requests"] == 3 * rows[1]["buckets"] and rows[2]["engine_calls"] == 3, rows
+    args = parse_args(["plan", "--models", "tiny", "--methods", "distributed", "--trainer-resident-gib", "2",
+                       "--cluster", "h100-node"])
+    (row,) = plan_rows(args.sweep, "h100-node")
+    assert row["trainer_resident_bytes"] == 2 << 30, row
+    assert row["trainer_memory_free_bytes"] == 81_082 * 2**20 - (2 << 30), row     # beside it on a trainer GPU
