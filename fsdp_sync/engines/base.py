@@ -213,7 +213,15 @@ class Engine(Protocol):
 
     # Optional: ``accepts_rank_buckets = True`` and ``load_rank_bucket(bucket, payloads, *,
     # flush_cache)`` (one payload per TP rank, each that rank's shard in engine names) let
-    # `SyncConfig.layout` "engine"/"auto" send each rank only its own shard.
+    # `SyncConfig.layout` "engine"/"auto" send each rank only its own shard; with them
+    # ``rank_bucket_payload = "tensor"`` where each payload is to be the bare flat tensor (SGLang's
+    # loader; default "dict", the bucket dict) and ``layout`` (a `weights.layout` layout: its
+    # ``spec`` is checked against the trainer's model before any bucket is cut).
+    # Optional for method tensor: ``reads_may_outlast_answer = True`` where a call may be answered
+    # before every rank of the engine finished reading the call's CUDA buffers (SGLang at TP > 1):
+    # the trainer then lets two buffers take turns instead of rewriting one at the answer
+    # (`transport.tensor.engine_reads_outlast`). Missing, it counts as False: an engine answers
+    # once it is done with the call's buffers.
     # Optional: ``accepts_rank_checkpoints = True`` (with ``tp_size``): ``update_weights_from_disk``
     # loads per-rank checkpoints (`hf_checkpoint.resolve_ranked`), so the disk method writes them;
     # ``disk_bytes_read`` (per TP rank, the last disk update) feeds ``engine_rank_bytes_in``.
