@@ -1,0 +1,33 @@
+"""H64: `SGLangEngine`'s reads and cache flush, in process and over HTTP, against the fake of SGLang
+0.5.23: ``get_weights_by_name`` with no ``truncate_size`` is the whole parameter (SGLang's own
+default is 100 rows, which `verify` would read as a difference, or as agreement on a prefix), and
+a flush SGLang refused (requests still running) raises with SGLang's message and the call's name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fake_sglang as fake
+from fsdp_sync.engines.sglang import SGLangEngine, SGLangError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def check(a, eng):
+    w = torch.arange(2 * 300, dtype=torch.float32).view(300, 2)
+    eng.weights["w"] = w
+    assert torch.equal(a.get_weights_by_name("w"), w)                  # all 300 rows
+    assert torch.equal(a.get_weights_by_name("w", truncate_size=5), w[:5])
+    eng.fail_next_flush = "Cache not flushed because there are pending requests."
+    with pytest.raises(SGLangError) as err:
+        a.flush_cache()
+    assert "flush_cache" in str(err.value) and "pending requests" in str(err.value), err.value
+    a.flush_cache()                                                    # then it flushes
+
+
+def test_a_whole_parameter_is_read_and_a_refused_flush_raises_in_process_and_over_http():
+    eng = fake.FakeSGLangEngine(tp_size=1)
+    check(SGLangEngine(eng), eng)
+    with fake.FakeSGLangServer(tp_size=1, version="0.5.23") as srv:
+        check(SGLangEngine(base_url=srv.url, retry_backoff_s=0.01), srv.engine)
