@@ -62,36 +62,6 @@ def test_a_cpu_host_counts_every_engine_worker_of_a_disaggregated_sync():
     assert plan_row(job, dataclasses.replace(CPU, memory_per_gpu=held + need))["memory_free_bytes"] == need
 
 
-def test_the_distributed_full_path_overlaps_whatever_pipelined_says():
-    """The distributed method's full-tensor path sends bucket k while it gathers bucket k+1
-    whatever ``pipelined`` (which only the per-rank buckets take): its estimate is the same
-    pipelined or not (mutant: overlap only when pipelined, the full path priced as one phase
-    after another with --pipelined off)."""
-    rows = [plan_row(PlanJob("tiny", "distributed", "full", 1 << 18, "float32", None, 2, 2, 2, pipelined=p),
-                     "h100-node") for p in (True, False)]
-    assert rows[0]["buckets"] > 1 and all(r["estimate_rule"].endswith("(pipelined)") for r in rows), rows
-    assert rows[0]["seconds"] == rows[1]["seconds"]
-    per_rank = [plan_row(PlanJob("tiny", "distributed", "engine", 1 << 18, "float32", None, 2, 2, 2, pipelined=p,
-                                 engine="reference"), "h100-node") for p in (True, False)]
-    assert [r["estimate_rule"].endswith("(pipelined)") for r in per_rank] == [True, False]
-
-
-def test_host_shared_per_rank_buffers_are_first_touched_a_part_by_each_rank():
-    """Host-shared per-rank buckets: each trainer rank of the host touches its part of the tp
-    buffers (a bucket set per engine rank), so twice the ranks touch half each (mutant: every
-    rank touching all of them, the estimate's first-touch phase as large at 4 ranks as at 2)."""
-    priced = dataclasses.replace(CPU, gpus_per_node=64, touch_gbps=1.0)
-
-    def touch(ranks: int) -> float:
-        row = plan_row(PlanJob("tiny", "tensor", "engine", 1 << 18, "float32", None, ranks, 2, 2,
-                               engine="reference"), priced)
-        assert row["path"] == "host-shared", row
-        (s,) = [p["seconds"] for p in row["phases"] if p["what"] == "first touch of the sync's fresh buffers"]
-        return s
-
-    assert touch(2) == pytest.approx(2 * touch(4))
-
-
 def test_trainer_resident_gib_is_gib():
     """``--trainer-resident-gib`` is GiB (mutant: read as MiB, a 2 GiB resident trainer planned
     as 2 MiB, its GPU's fit check 2 GiB too generous; survived the plan tests)."""
