@@ -391,3 +391,56 @@ def test_input_logprobs_of_rows_that_generate_nothing_use_each_rows_own_adapter(
     assert E()._input_logprobs(prompts[:2], 0) == [input_token_logprobs(p, torch.zeros(len(p), 10), 0)
                                                     for p in prompts[:2]]
     assert [a[1] for a in asked] == [None]
+
+
+def test_the_context_length_skips_a_llama3_factor_and_a_longer_one_needs_sglangs_env(monkeypatch):
+    """SGLang's ``get_context_length`` skips the factor of ``rope_type`` llama3 whether or not the
+    config holds ``original_max_position_embeddings`` (the legacy ``type`` key is not read for it);
+    ``--context-length`` past the derived length is refused unless its env var allows it."""
+    from fsdp_sync.engines.reference.rollout import check_context_length, sglang_context_length
+
+    def cfg(scaling):
+        return SimpleNamespace(max_position_embeddings=256, rope_scaling=scaling)
+
+    assert sglang_context_length(cfg({"rope_type": "llama3", "factor": 8.0})) == 256
+    assert sglang_context_length(cfg({"type": "llama3", "factor": 8.0})) == 2048
+    assert sglang_context_length(cfg({"rope_type": "linear"})) == 256
+    with pytest.raises(ValueError, match=r"config.rope_scaling must be a dict or null, got list"):
+        sglang_context_length(cfg([2.0]))
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    check_context_length(cfg(None), 256)
+    with pytest.raises(ValueError, match=r"context_length 257 is greater than the context length derived "
+                                         r"from the model config \(256"):
+        check_context_length(cfg(None), 257)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"context_length must be an integer >= 1 or None, got {bad!r}"):
+            check_context_length(cfg(None), bad)
+    monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "true")
+    check_context_length(cfg(None), 4096)
+    monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "0")
+    with pytest.raises(ValueError, match="context_length 257"):
+        check_context_length(cfg(None), 257)
+
+
+def test_a_streaming_caller_is_told_every_stream_interval_tokens_and_at_the_end():
+    """SGLang's ``stream_interval``: told once a result has that many new tokens since it was last
+    told, or once it ends (an abort may end it with no new token), and not again after."""
+    rows = [(0, Sampling(stream_interval=2)), (0, Sampling(stream_interval=1))]
+    res = [{"output_ids": [], "finish_reason": None}, {"output_ids": [], "finish_reason": None}]
+    told, ended = [0, 0], [False, False]
+
+    def step(a=None, b=None, end_a=False):
+        if a is not None:
+            res[0]["output_ids"].append(a)
+        if b is not None:
+            res[1]["output_ids"].append(b)
+        if end_a:
+            res[0]["finish_reason"] = {"type": "abort"}
+        return GenerationCalls._stream_due(res, rows, told, ended)
+
+    assert step(a=1) is False and told == [0, 0]
+    assert step(a=2) is True and told == [2, 0]
+    assert step(b=5) is True and told == [2, 1]
+    assert step(a=3) is False
+    assert step(end_a=True) is True and told == [3, 1] and ended == [True, False]
+    assert step() is False
