@@ -1,7 +1,8 @@
 """H64: `SGLangEngine`'s reads and cache flush, in process and over HTTP, against the fake of SGLang
 0.5.23: ``get_weights_by_name`` with no ``truncate_size`` is the whole parameter (SGLang's own
 default is 100 rows, which `verify` would read as a difference, or as agreement on a prefix), and
-a flush SGLang refused (requests still running) raises with SGLang's message and the call's name."""
+a flush SGLang refused (requests still running) raises with SGLang's message and the call's name.
+Also: flattened-bucket payloads are one per TP rank, no more and no fewer, refused before sending."""
 
 from __future__ import annotations
 
@@ -31,3 +32,12 @@ def test_a_whole_parameter_is_read_and_a_refused_flush_raises_in_process_and_ove
     check(SGLangEngine(eng), eng)
     with fake.FakeSGLangServer(tp_size=1, version="0.5.23") as srv:
         check(SGLangEngine(base_url=srv.url, retry_backoff_s=0.01), srv.engine)
+
+
+def test_flattened_bucket_payloads_other_than_one_per_tp_rank_are_refused_before_sending():
+    eng = fake.FakeSGLangEngine(tp_size=2)
+    a = SGLangEngine(eng, tp_size=2)
+    for n in (1, 3):
+        with pytest.raises(ValueError, match=f"expected 2 flattened-bucket payloads \\(one per TP rank\\), got {n}"):
+            a.update_weights_from_tensor([b"x"] * n, load_format="flattened_bucket")
+    assert not [c for c in eng.calls if c[0] == "update_weights_from_tensor"], eng.calls
