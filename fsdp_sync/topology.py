@@ -258,7 +258,10 @@ def agree(error: str | BaseException | None, group: Any = None, *, what: str = "
             return
         exc = SyncError(f"{own_what or what} failed: {text}")
         exc.failures = {0: text}
-        raise exc
+        try:
+            raise exc
+        finally:
+            exc = None   # no cycle frame -> exc -> traceback -> frame: see below
     differ = False
     if dist.get_world_size(group) == 1:
         msgs: list = [None if text is None else (own_what, text)]
@@ -290,12 +293,18 @@ def agree(error: str | BaseException | None, group: Any = None, *, what: str = "
         suffix = f" ({who}s {others} failed too)" if others else ""
         exc = SyncError(f"{msgs[first][0] or what} failed on {who} {first}{suffix}: {msgs[first][1]}")
         exc.failures = {r: m[1] for r, m in enumerate(msgs) if m is not None}
-    if differ:
-        diff = RanksDiffer(f"{what}: the ranks' digests differ" + (f"; {exc}" if exc else ""))
-        diff.error, diff.failures = exc, (exc.failures if exc is not None else {})
-        raise diff from (error if isinstance(error, BaseException) else None)
-    if exc is not None:
-        raise exc from (error if isinstance(error, BaseException) else None)
+    # the error raised is dropped from this frame's locals as it leaves: a local holding it makes a
+    # cycle (frame -> exc -> traceback -> frame) that keeps every caller's frame of a failed sync,
+    # and what they hold (a bucket buffer, gathered tensors), alive until a gen-2 collection
+    try:
+        if differ:
+            diff = RanksDiffer(f"{what}: the ranks' digests differ" + (f"; {exc}" if exc else ""))
+            diff.error, diff.failures = exc, (exc.failures if exc is not None else {})
+            raise diff from (error if isinstance(error, BaseException) else None)
+        if exc is not None:
+            raise exc from (error if isinstance(error, BaseException) else None)
+    finally:
+        exc = diff = None
 
 
 class RanksDiffer(SyncError):

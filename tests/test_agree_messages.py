@@ -79,3 +79,39 @@ def test_the_first_failing_rank_leads_and_only_the_others_are_listed():
     # a stage's own name leads, not the caller's ``what``
     assert got["stages"] == ("restore_module failed on rank 0 (ranks [1] failed too): RuntimeError: mine",
                              {0: "RuntimeError: mine", 1: "RuntimeError: boom"})
+
+
+@pytest.mark.parametrize("one_rank_group", [False, True], ids=["no-group", "one-rank-gloo"])
+def test_a_raised_agreement_keeps_no_callers_frame_alive(one_rank_group):
+    """`agree` held the SyncError it raised in a local: a cycle (its frame -> the error -> the
+    traceback -> its frame) that kept every caller's frame of a failed sync, and what they held
+    (the tensor method's bucket buffer: bucket_bytes of /dev/shm or CUDA memory), alive until a
+    gen-2 collection. Checked with the collector off: the caller's object must go with the error."""
+    import gc
+    import weakref
+
+    class Held:        # stands in for a failed sync's bucket buffer
+        pass
+
+    refs: list = []
+
+    def failing_sync() -> None:
+        held = Held()
+        refs.append(weakref.ref(held))
+        agree("RuntimeError: refused", what="sync")
+
+    if one_rank_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        try:
+            failing_sync()
+        except SyncError as exc:
+            assert "sync failed" in str(exc) and "RuntimeError: refused" in str(exc)
+        assert refs and refs[0]() is None, "the failed caller's frame outlived its error"
+    finally:
+        if was:
+            gc.enable()
+        if one_rank_group:
+            dist.destroy_process_group()
