@@ -12,7 +12,7 @@ import json
 import pytest
 
 import fake_sglang as fake
-from fsdp_sync.engines.sglang import SGLangEngine
+from fsdp_sync.engines.sglang import SGLangEngine, SGLangError
 from fsdp_sync.engines.sglang.control import PAUSE_MODES
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,3 +39,16 @@ def test_pause_names_its_mode_and_a_weight_version_says_whether_to_abort():
         with pytest.raises(ValueError, match="mode must be one of 'abort', 'retract', 'in_place', got 'stop'"):
             a.pause_generation("stop")
         assert [p for _, p, _ in srv.requests].count("/pause_generation") == 3   # nothing sent
+
+
+def test_a_weight_version_refused_raises_naming_the_call_and_the_engines_message():
+    class Engine:          # an in-process engine with SGLang's call, answering as SGLang's handler
+        def get_server_info(self):
+            return {"tp_size": 1}
+
+        def update_weight_version(self, new_version, abort_all_requests):
+            return {"success": False, "message": f"Failed to update weight version: {new_version} busy"}
+
+    with pytest.raises(SGLangError, match="SGLang refused update_weight_version: Failed to update "
+                                          "weight version: v3 busy"):
+        SGLangEngine(Engine()).update_weight_version("v3")

@@ -41,3 +41,16 @@ def test_flattened_bucket_payloads_other_than_one_per_tp_rank_are_refused_before
         with pytest.raises(ValueError, match=f"expected 2 flattened-bucket payloads \\(one per TP rank\\), got {n}"):
             a.update_weights_from_tensor([b"x"] * n, load_format="flattened_bucket")
     assert not [c for c in eng.calls if c[0] == "update_weights_from_tensor"], eng.calls
+
+
+def test_server_info_falls_back_to_its_newer_route():
+    """SGLang 0.5.23 deprecates /get_server_info for /server_info: a server without the old one is
+    still read (tp_size, release)."""
+    import json
+
+    with fake.FakeSGLangServer(tp_size=1, version="0.5.23") as srv:
+        srv.script["/get_server_info"] = [(404, json.dumps({"detail": "Not Found"}))] * 2
+        srv.script["/server_info"] = [(200, json.dumps({"tp_size": 3, "version": "0.5.23"}))]
+        a = SGLangEngine(base_url=srv.url, retry_backoff_s=0.01)
+        assert a.tp_size == 3 and a.sglang_version == "0.5.23"
+        assert [p for _, p, _ in srv.requests] == ["/get_server_info", "/server_info"], srv.requests
