@@ -83,3 +83,23 @@ def test_kept_one_host_buffers_are_reused_only_while_they_fit():
             assert reshard._host_buffers(group, count, nbytes, keep) is None and keep == [], (count, nbytes)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_cached_plan_is_given_only_to_a_layout_of_its_own_class():
+    """The plan cache was keyed by spec, TP, EP, dtype and bucket size alone: an `FP8Layout` asked
+    after a `TPLayout` of the same model got the plain layout's plan (its names and shapes, none
+    of the FP8 scales). No caller hands reshard an FP8Layout today (the FP8 stream quantizes each
+    bucket after), so this was latent (H60); the key names the layout's class now."""
+    from fsdp_sync.weights import fp8
+
+    cfg = load_config("tiny-fp8")
+    plain = layout_for(cfg, 1)
+    quant = fp8.FP8Layout(plain.spec, 1)
+    reshard.clear_plan_cache()
+    try:
+        for layout in (plain, quant):
+            planned = {e.name: e.shape for b in reshard.plan_rank_buckets(layout, torch.bfloat16, 1 << 20)
+                       for e in b.entries}
+            assert planned == {n: tuple(s) for n, s in layout.engine_shapes().items()}, type(layout).__name__
+    finally:
+        reshard.clear_plan_cache()

@@ -122,8 +122,14 @@ def clear_plan_cache() -> None:
     _TASK_CACHE.clear()
 
 
+def _plan_key(layout: TPLayout, dtype: torch.dtype, bucket_bytes: int) -> tuple:
+    """What a plan depends on: model, TP, EP (which experts a rank holds), dtype, bucket size and
+    the layout's class (`FP8Layout` maps other shapes under the same spec, TP and EP)."""
+    return (type(layout), layout.spec, layout.tp, layout.ep, dtype, int(bucket_bytes))
+
+
 def _cached_plan(layout: TPLayout, dtype: torch.dtype, bucket_bytes: int) -> list[_bucket.Bucket]:
-    key = (layout.spec, layout.tp, layout.ep, dtype, int(bucket_bytes))   # ep: which experts a rank holds
+    key = _plan_key(layout, dtype, bucket_bytes)
     plan = _PLAN_CACHE.get(key)
     if plan is None:
         if len(_PLAN_CACHE) >= 64:
@@ -454,7 +460,7 @@ def iter_rank_buckets(module: nn.Module, layout: TPLayout, bucket_bytes: int, *,
                          host_keep) if share_host_memory and world > 1 and _host_eligible(items) else None
     stats.path = "host-shared" if host is not None else ("all-to-all" if world > 1 else "local")
     stats.engine_shard_bytes += layout.engine_bytes(dtype.itemsize)
-    key = (layout.spec, layout.tp, layout.ep, dtype, int(bucket_bytes))
+    key = _plan_key(layout, dtype, bucket_bytes)
     for k, bkt in enumerate(plan):
         # every HF tensor any engine rank's part of this bucket is built from (under EP, ranks
         # hold different experts under the same engine names)
