@@ -210,3 +210,30 @@ def test_client_refusals_come_before_any_worker_and_name_what(layouts, tmp_path)
     assert "expected shape" in c.lora_refusal(CFG, bad)
     c.lora_target_modules = ("all",)
     assert c.lora_refusal(dict(CFG, target_modules=["o_proj"])) is None
+
+
+def test_an_adapter_loaded_from_a_directory_records_its_path(layouts, tmp_path):
+    """`load_lora_adapter` reads the peft directory's two files, loads the tensors as they are
+    saved, and records the directory as the adapter's ``path`` (SGLang's ``loaded_adapters``
+    and the card root serve answers with); an adapter pushed as tensors has none."""
+    import json
+
+    from safetensors.torch import save_file
+
+    layout = layouts[1]
+    t = adapter(layout)
+    save_file(t, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(CFG))
+    got = {}
+
+    class C(_Client):
+        def load_lora_adapter_from_tensors(self, name, tensors, config, *a, **kw):
+            got.update(name=name, tensors=tensors, config=config)
+            self.__dict__.setdefault("_lora_loaded", {})[name] = {"r": config["r"]}
+            return {"success": True}
+
+    c = C(layout)
+    assert c.load_lora_adapter("d", tmp_path) == {"success": True}
+    assert got["name"] == "d" and got["config"] == CFG
+    assert sorted(got["tensors"]) == sorted(t) and all(torch.equal(got["tensors"][k], v) for k, v in t.items())
+    assert c.lora_adapters["d"] == {"r": 4, "path": str(tmp_path)}
