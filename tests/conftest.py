@@ -149,6 +149,19 @@ def forkserver_for_ranks_and_workers():
     yield
 
 
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo default group in this process (a HashStore: no port), destroyed after."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Fail a test that leaves child processes running or new torch shared-memory segments."""

@@ -20,18 +20,6 @@ MODES_TENSORS = {"off": 0, "sample": 3, "full": 27}
 
 
 @pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def stand_ins(monkeypatch):
     """The manager, engine and training step `_verify_rank` imports, replaced; ``log`` records."""
     from fsdp_sync import engines, manager

@@ -23,18 +23,6 @@ SECONDS = {"full": [100.0, 0.9, 0.7, 0.8], "adapter": [50.0, 0.03, 0.01, 0.02]}
 
 
 @pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def stand_ins(monkeypatch):
     from fsdp_sync import engines, manager
     from fsdp_sync.cli import lora_model, trainer
