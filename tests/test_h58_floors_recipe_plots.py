@@ -143,14 +143,12 @@ def test_bench_plots_of_a_model_path_and_sub_mib_buckets_are_each_written(tmp_pa
     assert plot_bench({"rows": []}, tmp_path / "none") == []
 
 
-def test_a_plan_plot_draws_a_line_per_swept_plan(tmp_path, monkeypatch):
-    """Before: lines were keyed by (method, layout) only, so ``plan --tp 1,2 --plot`` drew both
-    plans of each bucket on one line, zigzagging between their seconds."""
+def _drawn_lines(monkeypatch, keep) -> list:
+    """The (label, y values) of each line a figure draws where ``keep(label, style)``; figures
+    are not written (their names are under test, not their drawing: test_bench checks PNGs)."""
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-
-    from fsdp_sync.cli.plots import plot_plan
 
     monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: open(path, "ab").close())
     monkeypatch.setattr(Figure, "tight_layout", lambda self, *a, **kw: None)
@@ -158,11 +156,20 @@ def test_a_plan_plot_draws_a_line_per_swept_plan(tmp_path, monkeypatch):
     real = Axes.plot
 
     def plot(self, *a, **kw):
-        if kw.get("label") and a[-1] == "o-":
+        if keep(kw.get("label"), a[-1]):
             lines.append((kw["label"], list(a[1])))
         return real(self, *a, **kw)
 
     monkeypatch.setattr(Axes, "plot", plot)
+    return lines
+
+
+def test_a_plan_plot_draws_a_line_per_swept_plan(tmp_path, monkeypatch):
+    """Before: lines were keyed by (method, layout) only, so ``plan --tp 1,2 --plot`` drew both
+    plans of each bucket on one line, zigzagging between their seconds."""
+    from fsdp_sync.cli.plots import plot_plan
+
+    lines = _drawn_lines(monkeypatch, lambda label, style: label and style == "o-")
     rows = [{"model": "tiny", "method": "tensor", "layout": "full", "tp": tp, "ranks": 2, "bucket_bytes": b * MiB,
              "seconds": tp + b / 100, "memory_budget_bytes": b * MiB, "replicas": 1} for tp in (1, 2) for b in (1, 4)]
     # a refused plan's row (`plan.plan_rows`) has no replicas: it stays on its TP's line
@@ -186,23 +193,9 @@ def test_a_host_shared_rows_floor_is_drawn_as_its_own_line(tmp_path, monkeypatch
     labelled "all-gather + one copy", where a host-shared row is judged against its own,
     lower, ``floor_shared_seconds`` (`targets.row_floor`): the figure showed it against a floor
     it does not have."""
-    pytest.importorskip("matplotlib")
-    from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
-
     from fsdp_sync.cli.plots import plot_bench
 
-    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: open(path, "ab").close())
-    monkeypatch.setattr(Figure, "tight_layout", lambda self, *a, **kw: None)
-    floors: list = []
-    real = Axes.plot
-
-    def plot(self, *a, **kw):
-        if str(kw.get("label", "")).startswith("floor"):
-            floors.append((kw["label"], list(a[1])))
-        return real(self, *a, **kw)
-
-    monkeypatch.setattr(Axes, "plot", plot)
+    floors = _drawn_lines(monkeypatch, lambda label, style: str(label or "").startswith("floor"))
     rows = [{**_row("tiny", b, True), "memory_curve": None, "floor_seconds": 0.05 * b / MiB}
             for b in (MiB, 2 * MiB)]
     shared = [{**r, "share_host_memory": True, "floor_shared_seconds": r["floor_seconds"] / 10} for r in rows]
