@@ -149,6 +149,38 @@ def forkserver_for_ranks_and_workers():
     yield
 
 
+@pytest.fixture(scope="module")
+def tiny_tp2_tensors():
+    """The tiny model's layout map at TP 2 and random full tensors of its HF names (no model built)."""
+    from fsdp_sync.models import load_config
+    from fsdp_sync.weights.layout import layout_for
+
+    layout = layout_for(load_config("tiny"), 2)
+    gen = torch.Generator().manual_seed(0)
+    full = [(n, torch.randn(layout.full_shape(n), generator=gen)) for n in layout.hf_names()]
+    return layout, full
+
+
+@pytest.fixture
+def recipe_refusal(tmp_path):
+    """``refusal(text, *words)``: read ``text`` as a plan recipe, which must be refused in one line
+    starting ``--recipe <path>: `` and naming each of ``words``; returns (the path, the message)."""
+    def refusal(text: str, *words: str):
+        from fsdp_sync.cli.plan_recipe import read_recipe
+
+        path = tmp_path / "r.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError) as info:
+            read_recipe(str(path))
+        msg = str(info.value)
+        assert msg.startswith(f"--recipe {path}: ") and "\n" not in msg, msg
+        for w in words:
+            assert w in msg, (w, msg)
+        return path, msg
+
+    return refusal
+
+
 @pytest.fixture
 def one_rank():
     """A one-rank gloo default group in this process (a HashStore: no port), destroyed after."""

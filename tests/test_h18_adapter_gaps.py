@@ -31,8 +31,6 @@ from fsdp_sync.engines.sglang import checksums
 from fsdp_sync.engines.sglang.loader import bucket_name, load_rank_buckets
 from fsdp_sync.engines.sglang.payloads import bucket_payloads
 from fsdp_sync.weights.bucket import Bucket, BucketEntry, TensorMeta, flatten, plan_buckets
-from fsdp_sync.weights.layout import layout_for
-from fsdp_sync.models import load_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fake_sglang as fake  # noqa: E402
@@ -58,11 +56,8 @@ def test_http_weight_version_is_model_infos_live_one_not_the_launch_record():
 # --------------------------------------------------------------------------- checksums
 
 @pytest.fixture(scope="module")
-def tiny():
-    layout = layout_for(load_config("tiny"), 2)      # random full tensors: no model built
-    gen = torch.Generator().manual_seed(0)
-    full = [(n, torch.randn(layout.full_shape(n), generator=gen)) for n in layout.hf_names()]
-    return layout, full
+def tiny(tiny_tp2_tensors):
+    return tiny_tp2_tensors
 
 
 def _answer(layout, full, tp_size=2):

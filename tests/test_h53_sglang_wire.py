@@ -89,14 +89,8 @@ def test_a_release_older_than_supported_is_refused_before_anything_is_sent():
 # --------------------------------------------------------------------------- the checker
 
 @pytest.fixture(scope="module")
-def tiny():
-    from fsdp_sync.models import load_config
-    from fsdp_sync.weights.layout import layout_for
-
-    layout = layout_for(load_config("tiny"), 2)      # random full tensors: no model built
-    gen = torch.Generator().manual_seed(0)
-    full = [(n, torch.randn(layout.full_shape(n), generator=gen)) for n in layout.hf_names()]
-    return layout, full
+def tiny(tiny_tp2_tensors):
+    return tiny_tp2_tensors
 
 
 def _answer(sums, tp):
