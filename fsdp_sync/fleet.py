@@ -276,19 +276,25 @@ class Fleet:
     def out_of_service(self) -> list[Replica]:
         return [r for r in self.replicas if not r.serving]
 
-    def quarantine(self, rep: Replica, reason: str) -> None:
+    def quarantine(self, rep: Replica, reason: str) -> str | None:
         """Take ``rep`` out of service: it is not synced until it is brought back, and the engine
         is told (``set_serving(False, reason)``: `fsdp-sync serve` then answers 503 on /health and
-        /generate). A dead engine cannot be told; it answers nothing anyway."""
+        /generate). A dead engine cannot be told; it answers nothing anyway. Returns why the
+        engine could not be told (a real SGLang server has no such switch: a router still sends
+        it requests), or None."""
         rep.serving, rep.reason, rep.quarantined_at = False, reason, time.monotonic()
-        fn = getattr(rep.engine, "set_serving", None)
+        fn, untold = getattr(rep.engine, "set_serving", None), None
         if callable(fn):
             try:
                 fn(False, reason)
             except Exception as exc:  # noqa: BLE001 - a dead replica: it serves nothing either
+                untold = f"{type(exc).__name__}: {exc}"
                 log.warning("fsdp_sync: could not mark %s out of service (%s); it is out of the "
                             "fleet's syncs all the same", rep.name, exc)
+        else:
+            untold = "it has no set_serving"
         log.warning("fsdp_sync: %s quarantined: %s", rep.name, reason)
+        return untold
 
     def blame(self, targets: list[Replica], commit_failed: CommitError | None, version: str) -> dict:
         """Trainer rank 0's word on a failed sync to ``targets`` (the manager follows it on every
@@ -344,10 +350,17 @@ class Fleet:
         return versions[0] if versions else published
 
     def reinstate(self, rep: Replica, version: str | None) -> None:
-        """``rep`` holds ``version`` now: back in service (its /health answers 200 again)."""
+        """``rep`` holds ``version`` now: back in service (its /health answers 200 again). An
+        engine that cannot be told (a real SGLang server has no such switch: it was never out of
+        service for a router) is logged, not raised: the sync that brought it back committed."""
         fn = getattr(rep.engine, "set_serving", None)
         if callable(fn):
-            fn(True, "")
+            try:
+                fn(True, "")
+            except Exception as exc:  # noqa: BLE001 - said; raising here left every replica paused
+                log.warning("fsdp_sync: could not mark %s in service again (%s); it is in the "
+                            "fleet's syncs; put it back in the router's rotation if it was taken "
+                            "out", rep.name, exc)
         rep.serving, rep.reason, rep.version, rep.held, rep.rejoin = True, None, version, False, False
         rep.partial = False            # brought to a whole version (`manager_fleet.bring_in` refuses otherwise)
         rep.quarantined_at = None      # in service: no quarantine time in `summary`

@@ -67,17 +67,24 @@ def after_failure(manager: Any, targets: list, err: SyncError, ctx: Any, version
     names = "; ".join(f"{targets[i].name if manager.rank == 0 else f'replica {i}'}: {why}"
                       for i, why in sorted(failed.items()))
     quarantine = manager.config.on_replica_failure == "quarantine"
+    untold = {}
     if manager.rank == 0:      # out of service in either mode; under "abort" it rejoins once it answers
         for i, why in failed.items():
-            manager.fleet.quarantine(targets[i], why)
+            untold[i] = manager.fleet.quarantine(targets[i], why)
             targets[i].rejoin = not quarantine
     if committed is not None:             # cannot be undone on those that committed
         if manager.rank == 0:
             for i in committed:           # what they serve now, as fleet_status() says
                 targets[i].version = version
+            # a failed commit leaves no version the fleet agreed on (SGLang: the new weights under
+            # the old name, or half post-processed): under a pause_mode its requests are aborted
+            # and it is not continued with the others until a sync commits there
+            manager_pause.stall(manager, [targets[i] for i in sorted(failed)], err)
+            for i in sorted(i for i in failed if untold.get(i)):
+                err.add_note(_still_routed(manager, targets[i], untold[i]))
         if quarantine and committed:
-            log.warning("fsdp_sync: version %s committed on %d replicas; quarantined: %s",
-                        version, len(committed), names)
+            log.warning("fsdp_sync: version %s committed on %d replicas; quarantined: %s%s",
+                        version, len(committed), names, "".join(f"; {n}" for n in getattr(err, "__notes__", [])))
             return ([targets[i] for i in committed] if manager.rank == 0 else []), False
         raise fleet.restate(err, f"{err}; quarantined (committing cannot be undone on the replicas "
                             f"that committed version {version!r}): {names}") from None
@@ -89,6 +96,14 @@ def after_failure(manager: Any, targets: list, err: SyncError, ctx: Any, version
     log.warning("fsdp_sync: quarantined %s; syncing version %s to the %d others",
                 names, version, len(targets) - len(failed))
     return ([r for i, r in enumerate(targets) if i not in failed] if manager.rank == 0 else []), True
+
+
+def _still_routed(manager: Any, rep: Any, untold: str) -> str:
+    """What to tell of ``rep``, which failed its commit and could not be taken out of service."""
+    return (f"{rep.name} could not be taken out of service ({untold}): a router still sends it "
+            f"requests, which " + ("wait (its generation stays paused)" if manager.config.pause_mode
+                                   is not None else "it answers from whatever its failed commit left")
+            + "; take it out of the router's rotation (DELETE /workers/{id}) until a sync commits there")
 
 
 def bring_in(manager: Any, engine: Any, what: str) -> bool:
