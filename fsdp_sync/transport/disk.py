@@ -42,7 +42,8 @@ partly updated — only ever sees complete, immutable directories:
    2 rank 0 also drops those beyond ``disk_keep`` with ``loaded`` counted (a version a refused load
    published), so a write never needs more room than the steady state's. The newest
    of them is kept, hidden, as the pool ``<disk_dir>/.recycle``: the next sync's writers move each
-   file of the same name out of it and overwrite it in place (`disk_writer.write_shard`), so its
+   file of the same name out of it and overwrite it in place (`disk_writer.write_shard`; a file
+   another process holds open, or another link names, is written fresh instead), so its
    pages are reused instead of fresh ones allocated and zeroed while the old ones are freed (on
    tmpfs, 57 against 22 ms of CPU per 64 MiB; issue 39). Every byte is still written and hashed
    anew; the pool costs one more version on disk between syncs and is removed by `close`.
@@ -112,7 +113,7 @@ from .. import fleet
 from .disk_load import load_version
 from ..config_check import load_refusal
 from .disk_ranked import NO_RANK_CHECKPOINTS, HashAhead, choose_layout, publish_ranked, write_rank_buckets
-from .disk_writer import OneWriter, agree_on, all_gather, broadcast, disk_hash, float_dtype, plain_alloc
+from .disk_writer import OneWriter, agree_on, all_gather, broadcast, disk_hash, float_dtype, no_space, plain_alloc
 from .disk_writer import disk_floor, rank_world, write_shard as _write_shard   # tests replace _write_shard here
 from ..weights import bucket as _bucket
 from ..weights import export
@@ -256,7 +257,8 @@ class DiskTransport:
                     host_keep=self._host_keep, ahead=ahead, pool=pool)
                 told = len(ahead.told)
                 stats.buckets = parts
-            agree_on(err, group, f"{what} (write)")
+            agree_on(no_space(err, self.directory, tmp, self._need(metas, layout), self.keep),
+                     group, f"{what} (write)")
             if self._quant is not None:     # what the files hold: fp8 weights and their scales
                 metas = quantize.expand_metas(metas, self._quant.hf)
             stats.bytes = sum(m.nbytes for m in metas)
@@ -281,7 +283,9 @@ class DiskTransport:
                         publish_ranked(ctx, tmp, final, self.directory, files, layout, parts, metas)
                     tmp = None
                 except Exception as exc:   # noqa: BLE001
-                    err = exc
+                    # published already (a failed fsync of the directory after the rename): whole
+                    err = exc if os.path.lexists(final) else no_space(exc, self.directory, tmp,
+                                                                      stats.bytes, self.keep)
             agree_on(err, group, f"{what} (publish)")
             tmp = None
             publish_s = time.perf_counter() - t_pub
@@ -344,6 +348,18 @@ class DiskTransport:
                      else self._quant.layout.engine_bytes(float_dtype(metas).itemsize))
             stats.extra.update(reshard_path=st.path, engine_rank_shard_bytes=shard,
                                trainer_rank_bytes_written=st.bytes_written)    # this rank's
+
+    def _need(self, metas: list, layout: Any) -> int | None:
+        """Bytes of this sync's tensors on disk (HF files, or every engine rank's shard), for a
+        full disk's error (`no_space`); None where it cannot be told."""
+        try:
+            if layout is None:
+                q = self._quant
+                return sum(m.nbytes for m in (quantize.expand_metas(metas, q.hf) if q else metas))
+            lay = self._quant.layout if self._quant is not None else layout
+            return lay.tp * lay.engine_bytes(metas[0].dtype.itemsize)
+        except Exception:   # noqa: BLE001 - only a figure for an error message
+            return None
 
     def _load(self, ctx: Any, final: str, group: Any) -> None:
         """Step 4 (trainer rank 0 calls, every rank agrees): the engines load ``final`` with the

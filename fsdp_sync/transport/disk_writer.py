@@ -9,13 +9,20 @@ sync's phases (`transport.disk`), per-rank versions (`transport.disk_ranked`).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import signal
 import stat
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
+
+try:
+    import fcntl
+except ImportError:    # not POSIX: no leases, no reuse (`open_elsewhere`)
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 import torch.distributed as dist
@@ -25,8 +32,8 @@ from . import timed_items
 from ..weights import bucket as _bucket
 from ..weights import hf_checkpoint as ckpt
 
-__all__ = ["OneWriter", "write_shard", "plain_alloc", "disk_hash", "float_dtype", "rank_world",
-           "agree_on", "broadcast", "all_gather", "disk_floor"]
+__all__ = ["OneWriter", "write_shard", "open_elsewhere", "no_space", "plain_alloc", "disk_hash",
+           "float_dtype", "rank_world", "agree_on", "broadcast", "all_gather", "disk_floor"]
 
 
 def plain_alloc(nbytes: int) -> torch.Tensor:
@@ -43,8 +50,9 @@ def write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tens
     `hf_checkpoint.rank_tensor_name`). ``pool``: a directory holding a dropped version's files
     (`transport.disk`, keep-N): the file of the same name there, if any, is moved here and
     overwritten in place, its pages reused instead of fresh ones allocated (and the old ones freed),
-    unless another link to it exists (a user's copy of that version) or it is no regular file (a
-    symlink, a directory): then it is removed and a fresh file written.
+    unless another link to it exists (a user's copy of that version), it is no regular file (a
+    symlink, a directory) or it may be open elsewhere (`open_elsewhere`): then it is removed and a
+    fresh file written.
 
     Why not ``safetensors.torch.save_file`` then a hash of the file: save_file serializes the
     whole file into one more bucket-sized buffer before writing it, and the hash read every byte
@@ -63,9 +71,12 @@ def write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tens
         # under its old manifest. Unlinked here, written fresh (O_TRUNC would truncate theirs).
         # So is an entry that is no regular file (a symlink, which the in-place open refuses to
         # follow, ELOOP, or a directory): removed, the file written fresh.
+        # And a file some process still has open or mapped (a job reading that old version, an
+        # rsync of it): it would see the new bytes under the old version's name, torn halfway
+        # (`open_elsewhere`); unlinked, it keeps reading the old bytes.
         if reuse:
             st = os.lstat(path)
-            if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode):
+            if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) or open_elsewhere(path):
                 if stat.S_ISDIR(st.st_mode):
                     shutil.rmtree(path)
                 else:
@@ -74,6 +85,60 @@ def write_shard(directory: str, file: str, bkt: _bucket.Bucket, flat: torch.Tens
     digest, size, names = ckpt.write_safetensors(path, flat, bkt.entries, hash=hash, rename=rename,
                                                  fsync=fsync, in_place=reuse)
     return {"file": file, "digest": digest, "bytes": size, "names": names}
+
+
+def open_elsewhere(path: str) -> bool:
+    """Whether the file at ``path`` may be open (or memory-mapped) in any process but this call: a
+    Linux write lease (``F_SETLEASE``), which the kernel grants only while no other descriptor or
+    mapping of the file exists, taken and dropped at once. True wherever that cannot be told (no
+    leases on this OS or filesystem, a file of another user): the caller then writes a fresh file,
+    which costs only the reuse of its pages. Sees this host only: NFS grants no write lease (so
+    there it is True), but a reader on another host of a filesystem that grants them is not seen.
+    A lease broken in the instant it is held (someone opening the file then) is signalled with
+    SIGURG, ignored by default, rather than SIGIO, which would end the process."""
+    setlease, setsig = getattr(fcntl, "F_SETLEASE", None), getattr(fcntl, "F_SETSIG", None)
+    if fcntl is None or setlease is None or setsig is None:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return True
+    try:
+        fcntl.fcntl(fd, setsig, signal.SIGURG)
+        fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)    # EAGAIN: another open file or mapping of it
+        fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def no_space(err: BaseException | None, directory: str, tmp: str | None, need: int | None,
+             keep: int) -> BaseException | None:
+    """``err`` itself, or for a full disk (ENOSPC, EDQUOT) an `OSError` of the same errno saying
+    what to do: the directory, the version's size (``need``: its tensors' bytes, None if unknown),
+    the room free once this sync's partial files (``tmp``, removed after the failure) are gone,
+    and how many versions ``disk_keep`` holds. The published versions are untouched."""
+    if not isinstance(err, OSError) or err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return err
+    free = None
+    try:
+        free = shutil.disk_usage(directory).free
+        for root, _, names in os.walk(tmp) if tmp else ():
+            free += sum(os.lstat(os.path.join(root, n)).st_blocks * 512 for n in names)
+    except OSError:
+        free = None
+    size = f"about {need / 2**20:.1f} MiB ({need} bytes) of tensors" if need is not None else "its files"
+    room = f"{free / 2**20:.1f} MiB ({free} bytes)" if free is not None else "an unknown amount"
+    return OSError(err.errno, f"no room on the filesystem of {directory} ({os.strerror(err.errno)}): "
+                   f"this version needs {size}, "
+                   f"and {room} is free there without this sync's partial files (removed); "
+                   f"disk_keep={keep} keeps {keep} published version(s) beside the one written "
+                   f"(a dropped one is reused in place). Nothing was published: the versions "
+                   f"there are whole and the engines keep theirs. Free space there, lower "
+                   f"SyncConfig.disk_keep or use a disk_dir with room, then sync again "
+                   f"({type(err).__name__}: {err})")
 
 
 def disk_hash(config: Any) -> str:
