@@ -12,7 +12,7 @@ holds the engine handles (None on the other ranks); every stage is agreed by an 
 collective, at its end or, for ``prepare``, ``offload_params`` and ``resume_kv_cache`` (none of
 their own), at the next stage's, and the exit's stages by one at the exit's end; so a failure on
 any rank (engine error, bad tensor, dead worker) raises the same `SyncError` on every rank instead
-of leaving ranks blocked.
+of leaving ranks blocked. The first settled stage's agree also compares the ranks' `STAGE_SETTINGS`.
 
 The weight sync itself is the transport's (`fsdp_sync.transport`, by `SyncConfig.method`): ``tensor``,
 ``distributed`` or ``disk``. The manager counts syncs (``step``) and closes the transport (`close`).
@@ -40,13 +40,31 @@ from . import fleet, manager_fleet, manager_pause
 from .fleet import Fleet
 from .manager_rng import RolloutRng
 from .memory import Timeline, empty_cache
-from .topology import SyncError, cpu_group, SyncTopology, agree, let_go_of_frames
+from .topology import SyncError, cpu_group, SyncTopology, agree, agree_values, let_go_of_frames
 from .transport import SyncContext, SyncStats, make_transport
 from .verify import SampleTurns, verify_engines
 
-__all__ = ["FSDPShardingManager", "SyncStats"]
+__all__ = ["FSDPShardingManager", "SyncStats", "STAGE_SETTINGS"]
 
 log = logging.getLogger("fsdp_sync")
+
+
+STAGE_SETTINGS = ("method", "lora", "multi_stage_wake_up", "free_cache_engine", "offload_params",
+                  "pause_mode", "on_replica_failure")
+"""`SyncConfig` fields that decide the manager's stages and the collectives around them, compared
+across the trainer ranks in the first stage's agree (its digest: no round trip of its own), before
+any collective that would not match: ``pause_mode`` (the pause's and continue's agrees run only
+under one), ``method`` and ``lora`` (the fleet's agree, the adapter's stage), ``on_replica_failure``
+(whether a failed sync is sent again), and the ones that decide which engine-memory stages run and
+what stays on the accelerator (``multi_stage_wake_up``, ``free_cache_engine``, ``offload_params``).
+Before, each rank acted on its own: under another ``pause_mode`` both ranks blocked until the
+process group's timeout, then raised raw gloo errors. (The export's own settings are compared with
+the model, `weights.export_checks.SETTINGS`.)"""
+
+_SETTINGS = object()        # `_run`'s settle: agree with `STAGE_SETTINGS` compared
+_SETTINGS_WHY = ("The ranks would run different stages and collectives (a hang until the process "
+                 "group's timeout, or memory held on some ranks only); nothing was sent. Pass "
+                 "every rank the same SyncConfig")
 
 
 class FSDPShardingManager:
@@ -153,13 +171,13 @@ class FSDPShardingManager:
         self._tp_sizes = None                      # preprocess_data's sizes belong to one block
         try:   # settle=False: no collective inside; agreed with the next stage (`_run`)
             self._run("prepare", self._prepare, settle=False)
-            if self.config.multi_stage_wake_up:
-                self._run("resume_weights", self._resume, ["weights"])
+            if self.config.multi_stage_wake_up:   # `STAGE_SETTINGS` compared in its agree
+                self._run("resume_weights", self._resume, ["weights"], settle=_SETTINGS)
                 self._run("sync_weights", self._sync_weights)
                 self._run("offload_params", self._offload_params, settle=False)
                 self._run("resume_kv_cache", self._resume, ["kv_cache"], settle=False)
             else:
-                self._run("resume_all", self._resume, None)
+                self._run("resume_all", self._resume, None, settle=_SETTINGS)
                 self._run("sync_weights", self._sync_weights)
                 self._run("offload_params", self._offload_params, settle=False)
             self._run("swap_rng", self._swap_rng)
@@ -200,9 +218,10 @@ class FSDPShardingManager:
         return tp_batch.keep_own(self.topo, batch, self._tp_sizes)
 
     # ------------------------------------------------------------------ stages
-    def _run(self, name: str, fn, *args, settle: bool = True) -> None:
+    def _run(self, name: str, fn, *args, settle: Any = True) -> None:
         """Run a stage on every rank; any rank's failure becomes a SyncError on all ranks (with
-        ``settle=False``, one agreed with the next settled stage: the failed rank runs none)."""
+        ``settle=False``, one agreed with the next settled stage: the failed rank runs none;
+        ``_SETTINGS``: the ranks' `STAGE_SETTINGS` compared in the same agree)."""
         with self.timeline.stage(name):
             try:
                 if self._failed is None:    # after a failed, unsettled stage this rank runs nothing
@@ -214,7 +233,11 @@ class FSDPShardingManager:
                 self._failed = (f"stage {name!r}", f"{type(exc).__name__}: {exc}")
             if settle:
                 failed, self._failed = self._failed, None
-                self._agree(failed, what=f"stage {name!r}")
+                if settle is _SETTINGS:
+                    values = {f: getattr(self.config, f) for f in STAGE_SETTINGS}
+                    agree_values(failed, values, what="entering the with block", why=_SETTINGS_WHY)
+                else:
+                    self._agree(failed, what=f"stage {name!r}")
 
     def _prepare(self) -> None:
         empty_cache()  # before resuming engine memory: verl's first-iteration OOM

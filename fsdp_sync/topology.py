@@ -4,8 +4,9 @@ It names this rank's dp and infer-TP coordinates, the infer-TP group, and the gl
 group's infer-TP rank 0 (the only rank that holds an engine handle and calls the engine). The
 collectives the sync needs are here: `gather_to_src` (payloads to infer-TP rank 0 with
 ``gather_object``), `broadcast_from_src`, `agree` (every rank learns whether any rank failed,
-so no rank waits forever in a later collective) and `agree_after_rank0` (the same after work that
-only group rank 0 does, however long it takes).
+so no rank waits forever in a later collective), `agree_values` (the same, and settings that must
+be equal on every rank compared in its one all-reduce) and `agree_after_rank0` (the same after work
+that only group rank 0 does, however long it takes).
 
 Objects, agreement flags and barriers run on `cpu_group`: the group itself where it has a CPU
 backend (gloo, ``"cpu:gloo,cuda:nccl"``), else a gloo group over the same ranks, made once by its
@@ -20,6 +21,7 @@ collective takes the topology it runs on.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -31,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "agree_after_rank0",
-           "SyncError", "RanksDiffer", "cpu_group", "group_ranks", "has_cpu_backend", "released_by_backend", "let_go_of_frames"]
+__all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "agree_values",
+           "agree_after_rank0", "SyncError", "RanksDiffer", "cpu_group", "group_ranks", "has_cpu_backend", "released_by_backend", "let_go_of_frames"]
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +170,7 @@ def cpu_group(group: Any = None) -> Any:
     if twin is not None and twin in c10d._world.pg_map:
         return twin
     name = "fsdp_sync_cpu_" + "_".join(map(str, ranks)) if len(ranks) <= 16 else (
-        "fsdp_sync_cpu_" + __import__("hashlib").sha1(repr(ranks).encode()).hexdigest())
+        "fsdp_sync_cpu_" + hashlib.sha1(repr(ranks).encode()).hexdigest())
     store = c10d.PrefixStore("fsdp_sync_cpu/", c10d._get_default_store())
     twin, _ = c10d._new_process_group_helper(
         len(ranks), ranks.index(dist.get_rank()), list(ranks), c10d.Backend("gloo"), store,
@@ -312,6 +314,41 @@ class RanksDiffer(SyncError):
     ``error``: the `SyncError` the ranks' errors would have raised, or None."""
 
     error: SyncError | None = None
+
+
+def agree_values(error: Any, values: dict[str, Any], group: Any = None, *, what: str,
+                 subject: str = "SyncConfig", why: str = "") -> None:
+    """`agree` of ``error``, with ``values`` (setting name -> value, ``repr``-comparable) that
+    must be equal on every rank compared in the same all-reduce (a digest: no extra round trip).
+    Where they differ, every rank raises the same `SyncError` naming each setting that differs,
+    each value and the ranks holding it (``"<subject>.pause_mode is 'abort' on rank 0, None on
+    rank 1"``), then ``why``, then any rank's error ("besides, ..."); only then are the values
+    gathered."""
+    text = repr(sorted((k, repr(v)) for k, v in values.items()))
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+    try:
+        agree(error, group, what=what, digest=digest)
+    except RanksDiffer as exc:
+        lists: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(lists, {k: repr(v) for k, v in values.items()}, group=cpu_group(group))
+        who = "rank" if group is None else "group rank"
+        parts = []
+        for key in values:
+            held: dict[str, list[int]] = {}
+            for r, vals in enumerate(lists):
+                held.setdefault(vals.get(key, "(not set)"), []).append(r)
+            if len(held) > 1:
+                parts.append(f"{subject}.{key} is " + ", ".join(
+                    f"{v} on {who}{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}"
+                    for v, rs in held.items()))
+        msg = f"{what} failed: the ranks' {subject} differs: {'; '.join(parts) or 'another setting'}"
+        msg += (f". {why}" if why else "") + (f"; besides, {exc.error}" if exc.error is not None else "")
+        err = SyncError(msg)
+        err.failures = dict(exc.failures) or {0: msg}
+        try:
+            raise err from None
+        finally:
+            err = None      # no frame -> exc -> traceback -> frame cycle (`agree`)
 
 
 def agree_after_rank0(work: Callable[[], str | None], group: Any = None, *, what: str,
