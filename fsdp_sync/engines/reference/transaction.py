@@ -119,7 +119,13 @@ def end_failed(engine: Any, replies: dict[int, tuple], version: str | None) -> N
     except EngineError:
         closed = {}           # broken already; the weights are judged as not dropped below
     if not engine._txn_transactional:      # every call was committed on every rank as it came
-        engine._raise_errors(replies, "end_weight_update")
+        try:
+            engine._raise_errors(replies, "end_weight_update")
+        except EngineError as exc:     # said: the new weights serve under the old name
+            v = "" if version is None else f" (not {version!r})"
+            exc.add_note(f"{kept_words(engine, None)}, and are served under weight version "
+                         f"{engine.weight_version!r}{v}: push a whole update again before generating from it")
+            raise
     ends = [{**replies, **closed}.get(r) for r in range(engine.tp_size)]   # each rank's last end reply
     done = [rep[1] if rep and rep[0] == "ok" and isinstance(rep[1], dict) else {} for rep in ends]
     applied = [r for r in range(engine.tp_size) if r not in errs and done[r].get("staged")]
