@@ -1,8 +1,10 @@
 """Host-shared buffers: shared-memory buffers that every rank of a process group on one host maps.
 
 `HostShared.create(group, count, nbytes)` makes ``count`` buffers of ``nbytes`` each: group rank 0
-allocates them (`handles.empty_shared`) and scatters one handle payload to each other rank (one
-per opener, so each segment's reference count stays balanced); every rank then holds the same
+allocates them (`handles.empty_shared`) and scatters one tagged handle payload to each other rank
+(one per opener, so each segment's reference count stays balanced, also where an opener fails
+part-way: what it mapped it gives back, and its payload's release gives back the rest); every
+rank then holds the same
 memory (``bufs``), adopted so that re-sharing a buffer with an engine needs no copy. `fill` runs one
 rank's writes between the group's two barriers (nobody still reads the previous bytes; every
 rank's bytes are in).
@@ -70,7 +72,11 @@ class HostShared:
         if me == 0:
             try:
                 bufs = [_handles.empty_shared(nbytes) for _ in range(count)]
-                sets = _handles.make_payloads(bufs, world, ranks=list(range(1, world)), tagged=False)
+                # tagged: a rank that fails part-way gives back what it mapped and its state word
+                # stays fresh, so the release gives back exactly the references still taken (an
+                # untagged one, counted as unopened, had its mapped buffers given back twice: they
+                # stayed in /dev/shm until this process exited)
+                sets = _handles.make_payloads(bufs, world, ranks=list(range(1, world)))
             except Exception as exc:  # noqa: BLE001 - e.g. torch_shm_manager cannot start (a
                 # TMPDIR too long for its socket): every rank takes the gather path instead
                 # of waiting for payloads that never come
@@ -78,16 +84,21 @@ class HostShared:
                 dist.scatter_object_list(out, [None] + [why] * (world - 1), src=src, group=group)
                 _log.warning("fsdp_sync: no host-shared memory (%s): gathering instead", why[1])
                 return None
-            dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
-            failed = _failures(None, group, world)   # every rank has opened them (or said why not)
-            sets.release(require_ack=False, unopened=list(failed))
+            try:
+                dist.scatter_object_list(out, [None] + sets.payloads, src=src, group=group)
+                failed = _failures(None, group, world)   # every rank has opened them (or said why not)
+            finally:
+                # (a rank that has not opened its payload by now never will: revoked)
+                sets.release(require_ack=False)
         else:
             dist.scatter_object_list(out, None, src=src, group=group)
             if isinstance(out[0], tuple) and out[0][:1] == ("unavailable",):
                 return None                  # group rank 0 could not make them
             error = None
             try:
-                bufs = list(_handles.open_payload(out[0], share_again=True).value)
+                rec = _handles.open_payload(out[0], me, share_again=True)
+                bufs = list(rec.value)
+                rec.ack()                    # (a pooled state word goes back to its page)
                 for b in bufs:
                     _handles.adopt(b)        # re-sharing them with the engine needs no copy
             except Exception as exc:  # noqa: BLE001 - e.g. this rank cannot reach rank 0's shm
