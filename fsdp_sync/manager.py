@@ -164,6 +164,7 @@ class FSDPShardingManager:
         if self._inside:
             raise RuntimeError("FSDPShardingManager is not re-entrant: already inside its with block")
         self._refuse_closed("")
+        self._failed = None     # one an interrupt kept from its agree is that block's, raised with it
         pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe, watch=self.watch)
         if self._modes is None:     # else the last block's restore_module did not run: keep its
