@@ -80,8 +80,9 @@ def after_failure(manager: Any, targets: list, err: SyncError, ctx: Any, version
             # the old name, or half post-processed): under a pause_mode its requests are aborted
             # and it is not continued with the others until a sync commits there
             manager_pause.stall(manager, [targets[i] for i in sorted(failed)], err)
-            for i in sorted(i for i in failed if untold.get(i)):
-                err.add_note(_still_routed(manager, targets[i], untold[i]))
+            for i in sorted(i for i in failed if untold.get(i)):      # (a dead one answers nothing)
+                if fleet.problem(targets[i].engine, once=True) is None:
+                    err.add_note(_still_routed(manager, targets[i], untold[i]))
         if quarantine and committed:
             log.warning("fsdp_sync: version %s committed on %d replicas; quarantined: %s%s",
                         version, len(committed), names, "".join(f"; {n}" for n in getattr(err, "__notes__", [])))

@@ -145,3 +145,20 @@ def test_recover_of_a_replica_that_cannot_be_told_puts_it_back_in_service():
     assert not _replica(m, 1)["serving"]
     assert m.recover(e1) is True and _replica(m, 1)["serving"]      # before: RuntimeError
     m.close()
+
+
+def test_a_dead_replica_whose_commit_failed_is_not_said_to_answer_requests():
+    """The note that a router still sends it requests is for a replica that answers; one found
+    dead (its probe fails) is named by the commit's error alone."""
+    e0, e1 = _SGLangLike(39980), _SGLangLike(39981)
+
+    def dead():
+        raise ConnectionError("connection refused")
+
+    m, _ = _manager([e0, e1], None, "abort")
+    e1.get_weight_version = dead
+    with pytest.raises(SyncError) as info:
+        m._sync_full()
+    text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert "committing cannot be undone" in text and "could not be taken out of service" not in text, text
+    m.close()
