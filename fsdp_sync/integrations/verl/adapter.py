@@ -26,7 +26,8 @@ older servers) and end with one ``flush_cache``. Each sync's seconds, bytes, ten
 engine calls are logged on infer-TP rank 0 (logger ``fsdp_sync.verl``, level from
 ``VERL_LOGGING_LEVEL``, INFO by default), kept in `SGLangAdapter.last_stats`, returned from
 ``update_weights`` as ``fsdp_sync/*`` metrics (verl 0.9.1 drops that value in its colocated
-``naive`` mode), and appended as a JSON line to ``custom.fsdp_sync.metrics_file`` if set.
+``naive`` mode), and appended as a JSON line, with ``replica_rank``, to
+``custom.fsdp_sync.metrics_file`` if set (a write that fails is a warning: `metrics.append`).
 
 With ``verify`` (``"full"`` or ``"sample"``) infer-TP rank 0 keeps a digest of each tensor as it
 is sent and, after the sync, compares the engine's digests of what it serves
@@ -67,7 +68,7 @@ parameter (LoRA streams keep verl's); the sync's ``export`` figure says which ra
 is made at the first sync and kept while the module is unchanged (`module_stream.ExportDecision`;
 ``export_decision``: ``made`` or ``kept``).
 
-Before the first sync the engine is checked as the manager checks one (`_config_error`:
+Before the first sync the engine is checked as the manager checks one (`engine_checks`:
 `config_check.check_engine`; e.g. block FP8 of a Llama model, whose scales SGLang's own loader
 drops, is refused). A refusal before verl's stream is walked still walks it (`stream.drained`), so
 a checkpoint engine's sender is not left waiting out its timeout.
@@ -79,13 +80,10 @@ disaggregation, DeepSeek-V4 (`options.build_refusal`); starting SGLang (verl's R
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib
-import json
 import logging
 import os
 import time
-from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -95,7 +93,6 @@ from verl.workers.rollout import base as _verl_rollout_base
 
 from ...weights import float32_params, handles, quantize
 from ...weights.bucket import ALIGNMENT, SUPPORTED_DTYPES
-from ...config_check import check_engine, load_refusal
 from ..flush_retry import flush_after_sync
 from ...topology import SyncTopology, group_ranks
 from ...transport import SyncStats
@@ -103,11 +100,12 @@ from ...transport.tensor import Call, TensorTransport, engine_reads_outlast
 from ...verify import sent_record
 from ...wire import flattened_bucket
 from .. import module_stream, peer_check, verl_lora
-from . import fp8_ignored, metrics as step_metrics
+from . import engine_checks, fp8_ignored, metrics as step_metrics
 from .options import (build_refusal, dtype_conflict, enabled, get_key, named_actor, options,
                       quantization_conflict, same_server, server_url, sync_config)
 from .replica import ROLLOUT_NAME, server_name
 from .stream import BucketBuffer, drained, pulled_in_a_thread, reuses_memory, timed
+from .unreached import EngineUnreached, Unreached
 
 __all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
 
@@ -179,7 +177,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self.last_stats: dict[str, Any] = {}
         self._sent: Any = None     # what was sent, as the engine is checked (`verify.sent_record`)
         self._syncs = 0
-        self._config_checked = False    # the served config matched the actor's (`_config_error`)
+        self._config_checked = False    # the served config matched the actor's (`engine_checks`)
         self._peers_checked = False     # every infer-TP rank runs this adapter (`peer_check`)
         self._pack_s = self._digest_s = 0.0
         self._buffer_hint = 0     # bytes the last sync's bucket buffer filled (`BucketBuffer`)
@@ -190,6 +188,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         self._engine = None
         self._server_actor = None
         self._base_url_checked = False    # base_url is the server verl generates from (`_client`)
+        self._unreached: str | None = None    # rank 0's error before a sync (`_unreachable`)
         tp = int(self.config.tensor_model_parallel_size)
         rollout_world = tp * int(self.config.data_parallel_size) * int(
             self.config.pipeline_model_parallel_size)
@@ -220,7 +219,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         first checks once that it is the server verl generates from (`_check_base_url`)."""
         if self.base_url and not self._base_url_checked:
             await self._check_base_url()
-        if self._engine is not None or not self._is_leader():
+        if self._engine is not None or not self._is_leader() or self._unreached:
             return self._engine
         from ...engines.sglang import SGLangEngine
 
@@ -228,14 +227,32 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         if not url:
             import ray
 
-            self._server_actor = ray.get_actor(self._server_name())
-            url = server_url(*await self._server_actor.get_server_address.remote())
+            name = self._server_name()
+            try:
+                self._server_actor = ray.get_actor(name)
+                url = server_url(*await self._server_actor.get_server_address.remote())
+            except Exception as exc:  # noqa: BLE001 - told to the group (`_unreachable`)
+                self._server_actor = None
+                return self._unreachable(
+                    f"verl's SGLang server of rollout replica {self.replica_rank} (Ray actor "
+                    f"{name}) cannot be reached: {type(exc).__name__}: {exc}; it died or never "
+                    f"started (see that replica's log), or no verl server runs it: then set "
+                    f"+actor_rollout_ref.rollout.custom.fsdp_sync.base_url to the server's URL")
         # one payload per rank of verl's infer_tp mesh dim (tp x dp of the server), as verl sends
         # verl's replicas also release and resume SGLang's memory themselves (sleep_replicas), so
         # the adapter cannot know SGLang's state: verl's tags go as verl gives them
         self._engine = SGLangEngine(base_url=url, api_key=self.api_key, tp_size=self._mesh().size(),
                                     track_memory=False)
         return self._engine
+
+    def _unreachable(self, why: str) -> None:
+        """Infer-TP rank 0 could not reach its server: raised here where it is the group's only
+        rank, else kept and raised on every rank at the sync's first agreement (`unreached`)."""
+        why = f"fsdp_sync's verl adapter on infer-TP rank 0 (global rank {dist.get_rank()}): {why}"
+        if self._mesh().size() == 1:
+            raise EngineUnreached(why)
+        log.error("%s (told to the infer-TP group at the sync's first agreement)", why)
+        self._unreached = why
 
     def _server_name(self) -> str:
         """The Ray actor of this replica's server, the one verl's agent loop generates from."""
@@ -274,7 +291,13 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
     async def resume(self, tags: list[str]):
         engine = await self._client()
         if engine is not None and self.config.free_cache_engine:
-            await asyncio.to_thread(engine.resume_memory_occupation, tags=list(tags))
+            try:
+                await asyncio.to_thread(engine.resume_memory_occupation, tags=list(tags))
+            except Exception as exc:    # verl's sync comes next: told to the group there
+                if "weights" not in tags:
+                    raise
+                self._unreachable(f"resume_memory_occupation(tags={list(tags)}) of verl's SGLang "
+                                  f"server failed: {type(exc).__name__}: {exc}")
 
     async def release(self):
         engine = await self._client()
@@ -289,7 +312,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         peft_config, base_sync_done = kwargs.get("peft_config"), kwargs.get("base_sync_done", False)
         try:
             engine = await self._ready(wire_format, peft_config)
+            if self._unreached:     # rank 0: the group's first agreement raises it (`unreached`)
+                engine, self._unreached = Unreached(self._unreached), None
         except Exception:
+            self._unreached = None
             # verl's checkpoint engines' sender waits in its broadcast for every receiver: walked
             # to its end, so it ends now instead of after its timeout (`stream.drained`)
             await drained(weights)
@@ -337,9 +363,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                      stats["engine_calls"], stats["strategy"],
                      f", verify {stats['verify']}: {stats['verify_tensors']} tensors equal in "
                      f"{stats['verify_s']:.3f} s" if stats.get("verify_tensors") else "")
-            if self.metrics_file:
-                with open(self.metrics_file, "a") as f:
-                    f.write(json.dumps(stats) + "\n")
+            if self.metrics_file:    # one line per replica and sync, whole (`metrics.append`)
+                step_metrics.append(self.metrics_file, stats, self.replica_rank)
             await step_metrics.publish(stats)      # into verl's step metrics (`metrics`)
         return metrics
 
@@ -393,8 +418,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         figures: dict[str, Any] = {}
 
         def before(eng: Any) -> str | None:     # infer-TP rank 0, before any byte moves
+            if isinstance(eng, Unreached):
+                return eng.why
             if cfg.verify != "off":
-                refused = self._verify_refusal(eng, topo)
+                refused = engine_checks.verify_refusal(self.config, self.sync, eng, topo)
                 if refused:
                     return refused
                 # the server's TP: verl starts SGLang with tp_size = tp x dp, infer_tp's size
@@ -403,7 +430,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                     hf_config=getattr(self.model_config, "hf_config", None),
                     tp_size=topo.tp_size, dtype=cfg.dtype, quantization=cfg.quantization)
             # until a sync passed: the served model's math against the actor's
-            return None if self._config_checked else self._config_error(eng, topo)
+            return None if self._config_checked else engine_checks.config_error(
+                self.model_config, self.sync, eng, topo)
 
         def check(eng: Any) -> str | None:
             err, more = self._sent.check(eng)
@@ -498,50 +526,6 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             out.update(verify=cfg.verify, verify_tensors=figures.get("verify_tensors", 0),
                        verify_s=figures.get("verify_s", 0.0), digests=figures.get("digests", {}))
         return out
-
-    def _config_error(self, engine: Any, topo: SyncTopology) -> str | None:
-        """On infer-TP rank 0, before the first sync: what the manager checks of an engine
-        (`config_check.check_engine`), with verl's ``model_config.hf_config`` as the trainer's
-        model config: the engine's TP against infer_tp's, its quantization against the sync's,
-        the engine's own word on a sync it would load wrongly (`config_check.load_refusal`:
-        SGLang's Llama loader drops every block-FP8 scale of the full tensors this adapter sends
-        through its ``load_weights``), a model SGLang serves otherwise (`config_check.served_refusal`)
-        and the served model's math (`config_check.check_configs`, where the server reports its
-        config). The adapter always sends full tensors: checked as layout ``"full"``."""
-        module = SimpleNamespace(config=getattr(self.model_config, "hf_config", None))
-        full = dataclasses.replace(self.sync, layout="full")
-        why = load_refusal(module, engine, full)
-        if why:      # the engine's advice names per-rank buckets, which no verl adapter sends
-            return (f"{why}. Under verl the adapter sends full tensors to SGLang's load_weights "
-                    f"(per-rank buckets need fsdp_sync's manager): for this model set "
-                    f"actor_rollout_ref.rollout.quantization=null and drop "
-                    f"rollout.custom.fsdp_sync.quantization ({topo.describe()})")
-        try:
-            check_engine(module, engine, full, topo, where=topo.describe())
-        except ValueError as exc:
-            return str(exc)
-        return None
-
-    def _verify_refusal(self, engine: Any, topo: SyncTopology) -> str | None:
-        """Why ``verify`` cannot check this SGLang server exactly, or None. With
-        ``rollout.data_parallel_size`` > 1 verl starts SGLang with ``tp_size`` = tp x dp and
-        ``dp_size`` = dp over tp x dp GPUs, i.e. attention data parallelism: attention is sharded
-        over tp ranks and replicated across the dp groups, the rest over all tp x dp. The
-        per-rank hashes `verify.SentToSGLang` computes follow plain tensor parallelism, so each
-        rank's would differ from ``/weights_checker``'s (``fsdp-sync serve``'s full-tensor
-        digests do not depend on it)."""
-        dp = int(self.config.data_parallel_size)
-        serves = getattr(engine, "serves_tensor_checksums", None)
-        if dp <= 1 or not callable(serves) or serves():
-            return None
-        return (f"rollout.custom.fsdp_sync.verify={self.sync.verify!r} against SGLang with "
-                f"rollout.data_parallel_size={dp}: verl serves the replica with SGLang's "
-                f"tp_size={topo.tp_size} and dp_size={dp} (attention data parallelism: attention "
-                f"sharded over {int(self.config.tensor_model_parallel_size)} rank(s), the rest over "
-                f"{topo.tp_size}), and fsdp_sync computes SGLang's per-rank hashes for plain "
-                f"tensor parallelism only, so it cannot check them; set "
-                f"rollout.custom.fsdp_sync.verify=off, or rollout.data_parallel_size=1 "
-                f"({topo.describe()})")
 
     def _quantizer(self, topo: SyncTopology) -> "quantize.StreamQuantizer":
         """The block-FP8 quantizer of verl's stream, from the model's HF config at the rollout's

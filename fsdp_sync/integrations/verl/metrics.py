@@ -30,6 +30,11 @@ So, two halves, both in this module:
   first step's figures) is added as ``fsdp_sync/base_sync_s`` / ``base_bytes``. verl's trainer module is not imported
   for this (it costs every process a second and 100 MB): an import hook patches it when verl does.
 
+`append` writes the same figures, with the replica's rank, as one JSON line to
+``custom.fsdp_sync.metrics_file``: infer-TP rank 0 of each replica, once per sync (its group's
+other ranks have no figures of their own to add: the sync's outcome is agreed over the group, and
+rank 0's seconds include waiting for them), as verl logs its step metrics once, from the driver.
+
 Without Ray (a test, a script) `publish` does nothing. verl's older trainer (``trainer.use_v1=false``,
 ``ray_trainer.py``) has no such hook and does not get the figures.
 """
@@ -37,12 +42,14 @@ Without Ray (a test, a script) `publish` does nothing. verl's older trainer (``t
 from __future__ import annotations
 
 import importlib.abc
+import json
 import logging
+import os
 import sys
 import threading
 from typing import Any
 
-__all__ = ["SINK", "TRAINER_MODULE", "KEYS", "publish", "step_metrics", "install", "drain"]
+__all__ = ["SINK", "TRAINER_MODULE", "KEYS", "publish", "append", "step_metrics", "install", "drain"]
 
 log = logging.getLogger("fsdp_sync.verl")
 
@@ -111,6 +118,27 @@ async def publish(stats: dict) -> None:
             if attempt == 2:
                 log.warning("fsdp_sync: could not publish the sync figures to verl's step "
                             "metrics: %s", exc)
+
+
+def append(path: str, stats: dict, replica_rank: int) -> None:
+    """``stats`` and ``replica_rank`` as one JSON line at the end of ``path`` (the adapter's
+    ``metrics_file``). Replicas that share the path append whole lines: one ``write`` on an
+    ``O_APPEND`` descriptor each, which a local file system never interleaves with another
+    process's (a buffered text file split a line longer than its buffer, ``verify``'s digests
+    make one, into several writes). A file that cannot be written is a warning naming the key,
+    not a failed sync: the weights are in, and on infer-TP rank 0 alone a failure failed only its
+    own rank's step."""
+    line = memoryview((json.dumps(dict(stats, replica_rank=replica_rank)) + "\n").encode())
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            while line:
+                line = line[os.write(fd, line):]
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.warning("fsdp_sync: rollout.custom.fsdp_sync.metrics_file=%r: could not append the "
+                    "sync's figures (%s); the sync itself went through", path, exc)
 
 
 def _newest(records: list[dict]) -> list[dict]:
