@@ -59,7 +59,14 @@ message at once instead of waiting out the timeout. A rollout worker whose consu
 mid-stream (its adapter failed) raises the consumer's error while its receive thread takes the rest
 of the stream and drops it: the sender's broadcasts wait for every receiver, so without that the
 sender and every other worker failed at ``timeout_s`` with a timeout naming no worker. Every
-collective on the group is bounded by ``timeout_s``.
+collective on the group is bounded by ``timeout_s``. That drain starts when the consumer's
+iterator is closed: one taken with ``async for`` that is dropped without ``aclose`` (its frame
+kept by a traceback, as Ray keeps one) is closed only when Python collects it, and a rollout
+process that died takes nothing more at all. Then the sender fails at ``timeout_s`` (a killed
+process: at once, where gloo sees its socket close) and names the worker(s) that fell behind:
+each receiver counts the bucket headers it took in the group's store (one store write per
+bucket), under its host and pid, and a sender whose broadcast failed compares the counts
+(`_Board`).
 
 Not here: the rollout adapter and verl's colocated path (`fsdp_sync.integrations.verl`), the
 bucket rule (`weights.bucket`), how the group is made (`wire`). verl is imported here only.
@@ -70,7 +77,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -86,7 +95,7 @@ from ...topology import released_by_backend
 from ...transport.distributed import outward_address
 from ...weights.bucket import (SUPPORTED_DTYPES, Bucket, BucketPacker, TensorMeta, dtype_name,
                               entries_from_metadata, unflatten)
-from ...wire import destroy_update_group, host_store, new_update_group
+from ...wire import destroy_update_group, host_store, join_store, new_update_group
 
 __all__ = ["BACKEND", "FsdpSyncCheckpointEngine", "ReceivedWeights"]
 
@@ -159,6 +168,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         self.failed = False                 # this sync failed here: the group goes at finalize
         self._master: dict | None = None
         self._store: Any = None             # actor rank 0: the groups' store (`wire.host_store`), kept
+        self._board: _Board | None = None   # who took how many buckets (the group's store)
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------ group
@@ -223,6 +233,8 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
         mine = {"group_name": master["group_name"], "rank": rank, "world_size": world_size}
         if master.get("keep") and self.pg is not None and self.held == mine:
             self.rank, self.world_size, self.kept = rank, world_size, True
+            if self._board is not None:
+                self._board.next_sync()
             return
         if master["device_type"] != self.device.type:
             raise ValueError(f"fsdp_sync checkpoint engine: the sender's buckets are on "
@@ -247,6 +259,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
                                f"join group {master['group_name']!r} at {master['address']}:"
                                f"{master['port']} within {self.timeout_s}s: {exc}") from exc
         self.rank, self.world_size, self.held = rank, world_size, mine
+        self._board = _Board.open(store, master, rank, world_size, self.timeout_s)
 
     def finalize(self) -> None:
         """Drop the buffers (the manager calls this after every sync); destroy the group only
@@ -258,7 +271,7 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
             torch.cuda.empty_cache()
 
     def _drop_group(self) -> None:
-        pg, self.pg, self.held = self.pg, None, None
+        pg, self.pg, self.held, self._board = self.pg, None, None, None
         if pg is not None:
             try:
                 destroy_update_group(pg)
@@ -300,6 +313,12 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
                     pass
             except Exception:  # noqa: BLE001 - the stream itself failed: nothing left to walk
                 pass
+            behind = (self._board.behind(min(self.timeout_s, 10.0))
+                      if sender.wire_failed and self._board is not None else None)
+            if behind:      # a broadcast failed: which worker(s) stopped taking the stream
+                raise RuntimeError(f"fsdp_sync checkpoint engine: the sender (actor rank 0) failed "
+                                   f"at bucket {sender.buckets} of step {global_steps}: "
+                                   f"{type(exc).__name__}: {exc}; {behind}") from exc
             raise
         self.last_stats = dict(sender.stats(), group_kept=float(self.kept))
         log.info("fsdp_sync checkpoint engine: sent %d tensors, %.1f MiB in %d buckets in %.3fs",
@@ -330,7 +349,8 @@ class ReceivedWeights:
 
     def __init__(self, engine: FsdpSyncCheckpointEngine, global_steps: int | None) -> None:
         self.engine, self.global_steps = engine, global_steps
-        self.receiver = _Receiver(engine.pg, engine.device, engine.timeout_s, engine.rank)
+        self.receiver = _Receiver(engine.pg, engine.device, engine.timeout_s, engine.rank,
+                                  engine._board)
         self.t0, self.n, self.nbytes = time.perf_counter(), 0, 0
         self.done = False
 
@@ -400,6 +420,7 @@ class _Sender:
         self.t0 = time.perf_counter()
         self.n = self.buckets = self.nbytes = 0
         self.sent_header = False
+        self.wire_failed = False                   # a broadcast on the group raised
 
     def add(self, name: str, tensor: Any) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -454,18 +475,24 @@ class _Sender:
         entries = [[e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in bucket.entries]
         self._header({"entries": entries, "nbytes": bucket.nbytes, "last": last, "step": self.step})
         if bucket.nbytes:
+            self.wire_failed = True
             self.inflight = (dist.broadcast(flat, group_src=0, group=self.pg, async_op=True), flat)
+            self.wire_failed = False
         self.buckets += 1 if bucket.entries else 0
         self.nbytes += bucket.nbytes
 
     def _header(self, header: dict) -> None:
+        self.wire_failed = True
         _broadcast_header(self.pg, header)
+        self.wire_failed = False
 
     def _wait(self) -> None:
         if self.inflight is not None:
             work, _keep = self.inflight
             self.inflight = None
+            self.wire_failed = True
             work.wait()
+            self.wire_failed = False
 
 
 def _broadcast_header(pg: Any, header: dict | None) -> dict:
@@ -490,8 +517,10 @@ class _Receiver:
     into a fresh buffer) while the consumer works on the previous one; two buckets at most. The
     thread runs on the engine's device (a new thread's current CUDA device is GPU 0)."""
 
-    def __init__(self, pg: Any, device: torch.device, timeout_s: float, rank: int) -> None:
+    def __init__(self, pg: Any, device: torch.device, timeout_s: float, rank: int,
+                 board: "_Board | None" = None) -> None:
         self.pg, self.device, self.timeout_s, self.rank = pg, device, timeout_s, rank
+        self.board = board
         self.slots = threading.Semaphore(2)
         self.q: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
@@ -527,10 +556,14 @@ class _Receiver:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
+            took = 0
             while True:
+                if self.board is not None:
+                    self.board.took(took)       # the sender names a worker that falls behind
                 if not self.stopping.is_set():
                     self.slots.acquire()        # stop() releases one: no wait once stopping
                 header = _broadcast_header(self.pg, None)
+                took += 1
                 if header.get("error"):
                     raise RuntimeError(f"fsdp_sync checkpoint engine: the sender (actor rank 0) "
                                        f"failed: {header['error']}")
@@ -564,3 +597,73 @@ def _read_entries(header: dict) -> list:
         raise RuntimeError(f"fsdp_sync checkpoint engine: bucket header entries end past its "
                            f"{header['nbytes']} bytes")
     return entries
+
+
+class _Board:
+    """Who took how many bucket headers of the group's current sync, in the group's store (the
+    one actor rank 0 hosts; each receiver keeps a client): each receiver writes its count before
+    it waits for the next header, so a receiver whose process died, or whose consumer stopped
+    without closing its iterator, stays behind the others. A sync is numbered by the syncs run on
+    the group (every member runs each one, and a failed sync drops the group everywhere)."""
+
+    def __init__(self, store: Any, group_name: str, rank: int, world_size: int) -> None:
+        self.store = dist.PrefixStore(f"fsdp_sync_ckpt_board/{group_name}", store)
+        self.rank, self.world_size, self.sync = rank, world_size, 0
+
+    @classmethod
+    def open(cls, store: Any, master: dict, rank: int, world_size: int,
+             timeout_s: float) -> "_Board | None":
+        """The board of a group just made (None where the store cannot be reached: nothing is
+        named then, nothing else changes)."""
+        try:
+            if store is None:
+                store = join_store(master["address"], master["port"], None, timeout_s)
+            board = cls(store, master["group_name"], rank, world_size)
+            if rank > 0:
+                board.store.set(f"who/{rank}", f"host {socket.gethostname()}, pid {os.getpid()}")
+            return board
+        except Exception as exc:  # noqa: BLE001 - bookkeeping only
+            log.warning("fsdp_sync checkpoint engine: rank %d has no progress board (%s)", rank, exc)
+            return None
+
+    def next_sync(self) -> None:
+        self.sync += 1
+
+    def took(self, n: int) -> None:
+        try:
+            self.store.set(f"{self.sync}/{self.rank}", str(n))
+            if n == 0 and self.sync:
+                self.store.delete_key(f"{self.sync - 1}/{self.rank}")
+        except Exception:  # noqa: BLE001 - bookkeeping only: the receive itself tells of a failure
+            pass
+
+    def _counts(self) -> dict[int, int]:
+        keys = {r: f"{self.sync}/{r}" for r in range(1, self.world_size)}
+        return {r: int(self.store.get(k)) if self.store.check([k]) else -1 for r, k in keys.items()}
+
+    def behind(self, settle_s: float) -> str | None:
+        """On the sender, after a broadcast failed: the workers behind the others, named, or None
+        (every one took as many). Waits up to ``settle_s`` for the others' counts to move past a
+        header the failed broadcast did hand them."""
+        deadline = time.monotonic() + settle_s
+        try:
+            while True:
+                counts = self._counts()
+                if max(counts.values()) > min(counts.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            most = max(counts.values())
+            late = [r for r, c in counts.items() if c < most]
+            if not late:
+                return None
+            who = {r: self.store.get(f"who/{r}").decode() if self.store.check([f"who/{r}"])
+                   else "not known" for r in late}
+        except Exception as exc:  # noqa: BLE001 - bookkeeping only: the sender's error is raised
+            log.warning("fsdp_sync checkpoint engine: reading the progress board: %s", exc)
+            return None
+        named = "; ".join(f"rollout worker {r - 1} (group rank {r}, {who[r]}) " + (
+            f"took {counts[r]} bucket(s) of this sync" if counts[r] >= 0 else
+            "never began receiving this sync") for r in late)
+        return (f"{named}, the others took {most}: that worker's process died, or its rollout adapter "
+                f"stopped taking the received stream without closing it; see its log (rollout "
+                f"worker i is the i-th worker of verl's rollout replicas, in order)")
