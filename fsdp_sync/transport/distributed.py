@@ -278,7 +278,8 @@ class DistributedTransport:
 
         Decided on trainer rank 0 (it alone holds the engines) and told to every trainer rank
         (one object broadcast over the trainer group) before anything moves. ``"auto"``: per-rank
-        where ``dist_format="flattened_bucket"``, every engine accepts them
+        where ``dist_format="flattened_bucket"``, the group sends point to point (not gloo on
+        CUDA), every engine accepts them
         (``accepts_distributed_rank_buckets``), all have one TP size, the module's config has a
         layout, an engine that knows its model agrees with it and the module's sharded tensors are
         in one shard group (`reshard.rank_buckets_refusal`). ``"engine"``: the same, but a
@@ -295,7 +296,12 @@ class DistributedTransport:
                 tps = [engine_tp(e) for e in engines]
                 refuse = [i for i, e in enumerate(engines)
                           if not getattr(e, "accepts_distributed_rank_buckets", False)]
-                if refuse:
+                device = _module_device(ctx.module)
+                if device.type == "cuda" and self._backend(device) == "gloo":
+                    why = ("dist_backend='gloo' on CUDA: per-rank buckets go point to point (send/recv), "
+                           "which torch's gloo backend does for CPU tensors only (its broadcast, which "
+                           "full tensors use, takes CUDA tensors)")
+                elif refuse:
                     e = engines[refuse[0]]
                     why = (f"engine {refuse[0]} ({type(e).__name__}) does not accept per-rank buckets "
                            f"over the update group (accepts_distributed_rank_buckets is false"
