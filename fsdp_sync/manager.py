@@ -629,7 +629,8 @@ _open: "weakref.WeakSet[FSDPShardingManager]" = weakref.WeakSet()
 @atexit.register
 def _close_open_managers() -> None:
     for manager in list(_open):
-        try:
+        try:       # one the program left inside its block (wake_up without sleep) is never left:
+            manager._inside = False       # its transport is closed all the same (the update group)
             manager.close()
         except Exception as exc:  # noqa: BLE001 - interpreter exit: report, go on
             log.warning("fsdp_sync: closing a sharding manager at exit: %s", exc)

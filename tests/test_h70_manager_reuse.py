@@ -69,3 +69,28 @@ def test_a_ctrl_c_between_a_failed_stage_and_its_agree_leaves_nothing_for_the_ne
                                 ("release", ["kv_cache", "weights"])], engine.calls
     finally:
         m.close()
+
+
+def test_interpreter_exit_closes_a_manager_left_inside_its_block(tmp_path, caplog, monkeypatch):
+    """``wake_up()`` without its ``sleep()`` (an exception between them, the program ending):
+    close() refused at interpreter exit ("close() inside the with block"), logged a warning and
+    left the transport open (the distributed method's update group not destroyed on the engine).
+    Now the exit's close runs."""
+    import asyncio
+    import weakref
+
+    from fsdp_sync import manager as manager_mod
+
+    engine = _Engine()
+    m = FSDPShardingManager(torch.nn.Linear(2, 2), engine, config=SyncConfig(
+        method="disk", disk_dir=str(tmp_path), memory_probe="off"))
+    m._sync_weights = lambda: None
+    closed = []
+    real_close = m.transport.close
+    m.transport.close = lambda: (closed.append(1), real_close())[1]
+    asyncio.run(m.wake_up())
+    monkeypatch.setattr(manager_mod, "_open", weakref.WeakSet([m]))    # not other tests' managers
+    with caplog.at_level("WARNING", logger="fsdp_sync"):
+        manager_mod._close_open_managers()
+    assert closed == [1] and m.transport is None, caplog.text
+    assert "closing a sharding manager at exit" not in caplog.text, caplog.text
