@@ -67,17 +67,26 @@ def load_one(engine: Any, path: str, version: str | None, *, flush: bool = True,
              load_format: str | None = None) -> None:
     """``update_weights_from_disk`` with SGLang's ``weight_version`` where the engine takes it,
     ``flush_cache=False`` where ``flush`` is off (`DiskTransport._check_no_flush`), and
-    ``load_format`` where the engine takes one. An engine that says it cannot name its weights
+    ``load_format`` where the engine takes one (a method with ``**kwargs`` takes all three). An engine that says it cannot name its weights
     (``takes_weight_version`` False: an in-process ``sglang.Engine``) loads them unnamed, as
     `fleet.end_all` commits them."""
     fn = engine.update_weights_from_disk
     params = inspect.signature(fn).parameters
+    # ``**kwargs`` takes them all (a wrapper passing them on, as a user's logging proxy does):
+    # left out, SGLang behind it got load_format None (its launch format, e.g. dummy: refused) and,
+    # under pause_mode="in_place", flushed the cache with requests held (the load failed, its
+    # weights loaded)
+    anykw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    def takes(name: str) -> bool:
+        return name in params or anykw
+
     if getattr(engine, "takes_weight_version", True) is False:
         version = None
-    kw: dict[str, Any] = {} if flush or "flush_cache" not in params else {"flush_cache": False}
-    if load_format is not None and "load_format" in params:
+    kw: dict[str, Any] = {} if flush or not takes("flush_cache") else {"flush_cache": False}
+    if load_format is not None and takes("load_format"):
         kw["load_format"] = load_format
-    if version is not None and "weight_version" in params:
+    if version is not None and takes("weight_version"):
         fn(path, weight_version=version, **kw)
     else:
         fn(path, **kw)
