@@ -270,7 +270,18 @@ class ServeServer:
     async def _post(self, path: str, body: dict) -> Any:
         if self.http is None:
             raise RuntimeError("fsdp_sync_ref: the server has not been launched")
-        return await asyncio.to_thread(self.http.json, "POST", path, body)
+        try:
+            return await asyncio.to_thread(self.http.json, "POST", path, body)
+        except Exception as exc:
+            # serve gone (killed, out of memory): said so, with its exit code and log, not as a
+            # connection error to a URL
+            rc = self.proc.poll() if self.proc is not None else None
+            if rc is None:
+                raise
+            raise RuntimeError(f"fsdp_sync_ref replica {self.replica_rank} node {self.node_rank}: "
+                               f"its fsdp-sync serve (pid {self.proc.pid}) exited with code {rc}, "
+                               f"so {path} failed ({type(exc).__name__}: {exc}); see its log "
+                               f"{self.log_path}") from exc
 
     async def generate(self, prompt_ids: Any, sampling_params: dict, request_id: str,
                        image_data: Any = None, video_data: Any = None, **kwargs: Any) -> TokenOutput:
