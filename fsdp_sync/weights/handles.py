@@ -81,18 +81,15 @@ class UnreleasedPayloadWarning(RuntimeWarning):
 # --------------------------------------------------------------------------- shared CPU memory
 
 # Storages this module allocated in shared memory (keyed by data pointer); their handles can be
-# made without a copy. Anything else is copied into a fresh segment before it is shared, so that
-# sharing never moves a caller's tensor (a parameter, say) into shared memory behind its back.
+# made without a copy. Anything else is copied into a fresh segment (an empty view: a new empty
+# tensor) before it is shared, so that sharing never moves a caller's tensor (a parameter, say)
+# into shared memory behind its back, nor hands a consumer bytes outside the tensor.
 _OWNED: dict[int, "_red.StorageWeakRef"] = {}
 _log = logging.getLogger(__name__)
 _copied_expandable = False     # said once per process (`_Pickler._shareable_copy`)
 # storages `_shareable_copy` had to copy to share, by data_ptr, held weakly: an entry whose storage
 # died is no match for a new allocation at its address (a pool's fresh buffer was dropped for it)
 _SHARED_AS_COPY: dict[int, "_red.StorageWeakRef"] = {}
-
-
-def _mib(t: torch.Tensor) -> str:
-    return f"{t.numel() * t.element_size() / 2**20:.1f} MiB"
 
 
 def empty_shared(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -157,7 +154,9 @@ class _Reductions:
         self.dispatch_table = table
 
     def _reduce_tensor(self, t: torch.Tensor):
-        if t.device.type == "cpu" and t.numel() > 0 and not _is_owned(t.untyped_storage()):
+        if t.numel() == 0 and t.untyped_storage().nbytes() and not _is_owned(t.untyped_storage()):
+            t = t.new_empty(t.shape)    # (see _OWNED: shared as it is, ``w[5:5]`` moved w into shm)
+        elif t.device.type == "cpu" and t.numel() > 0 and not _is_owned(t.untyped_storage()):
             t = self._copy(t)
         try:
             fn, args = torch_reduce_tensor()(t.detach())
@@ -204,7 +203,8 @@ class _Reductions:
             _log.warning("fsdp_sync: a CUDA tensor of %s in an expandable segment was copied to be "
                          "shared (a consumer opens such a block only with ptrace rights over this "
                          "process); what is allocated with them off is shared without a copy "
-                         "(fsdp_sync.weights.ipc_memory)", _mib(t))
+                         "(fsdp_sync.weights.ipc_memory)",
+                         f"{t.numel() * t.element_size() / 2**20:.1f} MiB")
         copy = self._copy(t)
         fn, args = torch_reduce_tensor()(copy)
         if _is_cuda_rebuild(fn) and ipc_memory.is_expandable_handle(args[7]):
