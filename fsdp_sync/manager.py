@@ -56,15 +56,17 @@ across the trainer ranks in the first stage's agree (its digest: no round trip o
 any collective that would not match: ``pause_mode`` (the pause's and continue's agrees run only
 under one), ``method`` and ``lora`` (the fleet's agree, the adapter's stage), ``on_replica_failure``
 (whether a failed sync is sent again), and the ones that decide which engine-memory stages run and
-what stays on the accelerator (``multi_stage_wake_up``, ``free_cache_engine``, ``offload_params``).
-Before, each rank acted on its own: under another ``pause_mode`` both ranks blocked until the
-process group's timeout, then raised raw gloo errors. (The export's own settings are compared with
-the model, `weights.export_checks.SETTINGS`.)"""
+what stays on the accelerator (``multi_stage_wake_up``, ``free_cache_engine``, ``offload_params``);
+with them the manager's ``global_steps`` (the version's name, and which tensors a ``verify="sample"``
+gathers: set on rank 0 alone, FSDP2's gathers of other tensors aborted gloo). Before, each rank
+acted on its own: under another ``pause_mode`` both ranks blocked until the process group's
+timeout, then raised raw gloo errors. (The export's own settings are compared with the model,
+`weights.export_checks.SETTINGS`.)"""
 
 _SETTINGS = object()        # `_run`'s settle: agree with `STAGE_SETTINGS` compared
 _SETTINGS_WHY = ("The ranks would run different stages and collectives (a hang until the process "
                  "group's timeout, or memory held on some ranks only); nothing was sent. Pass "
-                 "every rank the same SyncConfig")
+                 "every rank the same SyncConfig, and set global_steps alike on every rank")
 
 
 class FSDPShardingManager:
@@ -235,7 +237,9 @@ class FSDPShardingManager:
             if settle:
                 failed, self._failed = self._failed, None
                 if settle is _SETTINGS:
-                    values = {f: getattr(self.config, f) for f in STAGE_SETTINGS}
+                    values = {f"SyncConfig.{f}": getattr(self.config, f) for f in STAGE_SETTINGS}
+                    gs = self.global_steps      # the version's name, verify="sample"'s turns
+                    values["FSDPShardingManager.global_steps"] = gs if gs is None else str(gs)
                     agree_values(failed, values, what="entering the with block", why=_SETTINGS_WHY)
                 else:
                     self._agree(failed, what=f"stage {name!r}")

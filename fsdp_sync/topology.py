@@ -317,13 +317,13 @@ class RanksDiffer(SyncError):
 
 
 def agree_values(error: Any, values: dict[str, Any], group: Any = None, *, what: str,
-                 subject: str = "SyncConfig", why: str = "") -> None:
+                 why: str = "") -> None:
     """`agree` of ``error``, with ``values`` (setting name -> value, ``repr``-comparable) that
     must be equal on every rank compared in the same all-reduce (a digest: no extra round trip).
     Where they differ, every rank raises the same `SyncError` naming each setting that differs,
-    each value and the ranks holding it (``"<subject>.pause_mode is 'abort' on rank 0, None on
-    rank 1"``), then ``why``, then any rank's error ("besides, ..."); only then are the values
-    gathered."""
+    each value and the ranks holding it (``"SyncConfig.pause_mode is 'abort' on rank 0, None on
+    rank 1"``, the names as ``values`` has them), then ``why``, then any rank's error ("besides,
+    ..."); only then are the values gathered."""
     text = repr(sorted((k, repr(v)) for k, v in values.items()))
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
     try:
@@ -338,10 +338,10 @@ def agree_values(error: Any, values: dict[str, Any], group: Any = None, *, what:
             for r, vals in enumerate(lists):
                 held.setdefault(vals.get(key, "(not set)"), []).append(r)
             if len(held) > 1:
-                parts.append(f"{subject}.{key} is " + ", ".join(
+                parts.append(f"{key} is " + ", ".join(
                     f"{v} on {who}{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}"
                     for v, rs in held.items()))
-        msg = f"{what} failed: the ranks' {subject} differs: {'; '.join(parts) or 'another setting'}"
+        msg = f"{what} failed: the ranks' settings differ: {'; '.join(parts) or 'another setting'}"
         msg += (f". {why}" if why else "") + (f"; besides, {exc.error}" if exc.error is not None else "")
         err = SyncError(msg)
         err.failures = dict(exc.failures) or {0: msg}

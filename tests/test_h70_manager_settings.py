@@ -1,11 +1,13 @@
 """Trainer ranks whose `SyncConfig` differs in a setting that decides the manager's stages
-(`manager.STAGE_SETTINGS`: ``pause_mode``, ``multi_stage_wake_up``, ``offload_params`` ...) are
-refused at the first stage's agree, naming the setting, each value and its ranks, on every rank
+(`manager.STAGE_SETTINGS`: ``pause_mode``, ``multi_stage_wake_up``, ``offload_params`` ...), or
+whose manager's ``global_steps`` differs, are refused at the first stage's agree, naming the setting, each value and its ranks, on every rank
 alike, at no round trip of its own. Before (H70's audit, 2 gloo ranks of the tiny model,
 ``method="tensor"``, a reference engine): under ``pause_mode`` 'abort' on rank 0 and None on rank
 1 both ranks blocked until the 15 s group timeout, then raised raw gloo errors ("Application
 timeout caused pair closure"); with ``multi_stage_wake_up`` or ``offload_params`` differing each
-rank ran its own stages and the sync "succeeded". After: the same `SyncError` on both within 1 s.
+rank ran its own stages and the sync "succeeded"; ``global_steps`` set on rank 0 alone under
+``verify="sample"`` (FSDP2) made the ranks gather other tensors: gloo aborted rank 0 ("collective
+mismatch", SIGABRT). After: the same `SyncError` on both within 1 s.
 
 In process: two threads as the two ranks, `agree`'s all-reduce and the values' all-gather answered
 as for a two-rank group (the weight sync itself stubbed: the stages around it are under test)."""
@@ -32,7 +34,7 @@ class _Engine:
         return None
 
 
-def _two_ranks(monkeypatch, configs, fail_resume_on=None):
+def _two_ranks(monkeypatch, configs, fail_resume_on=None, steps=(None, None)):
     """A ``with`` block on two threads as trainer ranks 0 and 1: what each raised (or None), and
     the digests each passed to its agrees, in order."""
     passed, digests, lists = [None, None], [None, None], [None, None]
@@ -76,6 +78,7 @@ def _two_ranks(monkeypatch, configs, fail_resume_on=None):
         if r == 1:
             m.rank, m.fleet = 1, Fleet([])       # trainer rank 1 holds no replica
         m._sync_weights = lambda: None
+        m.global_steps = steps[r]
         if r == fail_resume_on:
             def boom(tags):
                 raise OSError("resume failed (injected)")
@@ -135,3 +138,12 @@ def test_a_stage_failure_beside_a_difference_is_said_too(monkeypatch):
     assert str(got[1]) == text and "SyncConfig.pause_mode is 'abort' on rank 0, None on rank 1" in text, text
     assert text.endswith("; besides, stage 'resume_weights' failed on rank 1: OSError: resume failed "
                          "(injected)"), text
+
+
+def test_global_steps_set_on_one_rank_only_is_refused_naming_it(monkeypatch):
+    got, seen = _two_ranks(monkeypatch, [_cfg(verify="sample")] * 2, steps=(5, None))
+    assert all(isinstance(e, SyncError) for e in got) and str(got[0]) == str(got[1]), got
+    assert "FSDPShardingManager.global_steps is '5' on rank 0, None on rank 1" in str(got[0]), got[0]
+    assert "set global_steps alike on every rank" in str(got[0]), got[0]
+    got, _ = _two_ranks(monkeypatch, [_cfg()] * 2, steps=(5, 5))
+    assert got == [None, None]
