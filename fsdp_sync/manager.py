@@ -58,7 +58,8 @@ under one), ``method`` and ``lora`` (the fleet's agree, the adapter's stage), ``
 (whether a failed sync is sent again), and the ones that decide which engine-memory stages run and
 what stays on the accelerator (``multi_stage_wake_up``, ``free_cache_engine``, ``offload_params``);
 with them the manager's ``global_steps`` (the version's name, and which tensors a ``verify="sample"``
-gathers: set on rank 0 alone, FSDP2's gathers of other tensors aborted gloo). Before, each rank
+gathers: set on rank 0 alone, FSDP2's gathers of other tensors aborted gloo) and ``base_sync_done``
+(``lora="adapter"``: whether the base goes, with its own checks' agrees). Before, each rank
 acted on its own: under another ``pause_mode`` both ranks blocked until the process group's
 timeout, then raised raw gloo errors. (The export's own settings are compared with the model,
 `weights.export_checks.SETTINGS`.)"""
@@ -66,7 +67,8 @@ timeout, then raised raw gloo errors. (The export's own settings are compared wi
 _SETTINGS = object()        # `_run`'s settle: agree with `STAGE_SETTINGS` compared
 _SETTINGS_WHY = ("The ranks would run different stages and collectives (a hang until the process "
                  "group's timeout, or memory held on some ranks only); nothing was sent. Pass "
-                 "every rank the same SyncConfig, and set global_steps alike on every rank")
+                 "every rank the same SyncConfig, and set global_steps and base_sync_done alike "
+                 "on every rank")
 
 
 class FSDPShardingManager:
@@ -240,6 +242,8 @@ class FSDPShardingManager:
                     values = {f"SyncConfig.{f}": getattr(self.config, f) for f in STAGE_SETTINGS}
                     gs = self.global_steps      # the version's name, verify="sample"'s turns
                     values["FSDPShardingManager.global_steps"] = gs if gs is None else str(gs)
+                    if self.config.lora == "adapter":       # whether the base goes (`lora_stage`)
+                        values["FSDPShardingManager.base_sync_done"] = bool(self.base_sync_done)
                     agree_values(failed, values, what="entering the with block", why=_SETTINGS_WHY)
                 else:
                     self._agree(failed, what=f"stage {name!r}")

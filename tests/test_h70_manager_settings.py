@@ -34,7 +34,7 @@ class _Engine:
         return None
 
 
-def _two_ranks(monkeypatch, configs, fail_resume_on=None, steps=(None, None)):
+def _two_ranks(monkeypatch, configs, fail_resume_on=None, steps=(None, None), base_done=(False, False)):
     """A ``with`` block on two threads as trainer ranks 0 and 1: what each raised (or None), and
     the digests each passed to its agrees, in order."""
     passed, digests, lists = [None, None], [None, None], [None, None]
@@ -78,7 +78,7 @@ def _two_ranks(monkeypatch, configs, fail_resume_on=None, steps=(None, None)):
         if r == 1:
             m.rank, m.fleet = 1, Fleet([])       # trainer rank 1 holds no replica
         m._sync_weights = lambda: None
-        m.global_steps = steps[r]
+        m.global_steps, m.base_sync_done = steps[r], base_done[r]
         if r == fail_resume_on:
             def boom(tags):
                 raise OSError("resume failed (injected)")
@@ -144,6 +144,15 @@ def test_global_steps_set_on_one_rank_only_is_refused_naming_it(monkeypatch):
     got, seen = _two_ranks(monkeypatch, [_cfg(verify="sample")] * 2, steps=(5, None))
     assert all(isinstance(e, SyncError) for e in got) and str(got[0]) == str(got[1]), got
     assert "FSDPShardingManager.global_steps is '5' on rank 0, None on rank 1" in str(got[0]), got[0]
-    assert "set global_steps alike on every rank" in str(got[0]), got[0]
+    assert "set global_steps and base_sync_done alike on every rank" in str(got[0]), got[0]
     got, _ = _two_ranks(monkeypatch, [_cfg()] * 2, steps=(5, 5))
     assert got == [None, None]
+
+
+def test_base_sync_done_set_on_one_rank_only_is_refused_naming_it(monkeypatch):
+    """lora="adapter": base_sync_done decides whether the base goes (with its own checks' agree)
+    or the adapter alone (the model digest's agree first): ranks that differ ran other agrees."""
+    got, _ = _two_ranks(monkeypatch, [_cfg(lora="adapter")] * 2, base_done=(False, True))
+    assert all(isinstance(e, SyncError) for e in got) and str(got[0]) == str(got[1]), got
+    assert "FSDPShardingManager.base_sync_done is False on rank 0, True on rank 1" in str(got[0]), got[0]
+    assert _two_ranks(monkeypatch, [_cfg()] * 2, base_done=(False, True))[0] == [None, None]   # no LoRA: unused
