@@ -235,7 +235,11 @@ class DiskTransport:
         tmp, pool = broadcast((tmp, pool), group)
         ahead = None                        # per-rank files: the engines told of them (`HashAhead`)
         try:
-            sees = all_gather(os.path.isdir(tmp), group, world)
+            # with what each rank writes by: rank 0's hash names every rank's digests in the
+            # manifest, and the writers decide who writes which file (per-rank: the all-to-all's)
+            seen = all_gather((os.path.isdir(tmp), disk_hash(cfg), self.parallel_write), group, world)
+            _same_on_every_rank(seen, what)
+            sees = [s[0] for s in seen]
             writers = [r for r in range(world) if sees[r]] if self.parallel_write else [0]
 
             # 2. gather every bucket; its owner writes it while the next one is gathered
@@ -612,6 +616,19 @@ class DiskTransport:
         if self._pool is not None:           # one version's worth of files: not left behind
             shutil.rmtree(self._pool, ignore_errors=True)
             self._pool = None
+
+
+def _same_on_every_rank(seen: list[tuple], what: str) -> None:
+    """Every rank's (sees the temp dir, ``disk_hash``, ``parallel_write``): the settings must
+    match rank 0's (a rank hashing with another hash had its digests listed under rank 0's, and
+    the reference engine refused every version as torn; other writers planned other files). Raises
+    the same `SyncError` on every rank (each has the gathered list), before anything is written."""
+    for i, name in ((1, "SyncConfig.disk_hash"), (2, "DiskTransport(parallel_write=...)")):
+        for r, s in enumerate(seen):
+            if s[i] != seen[0][i]:
+                raise SyncError(f"{what}: the trainer ranks disagree on {name}: rank 0 has "
+                                f"{seen[0][i]!r}, rank {r} has {s[i]!r}; set the same on every "
+                                f"rank; nothing was written")
 
 
 class _Pruning:
