@@ -333,7 +333,7 @@ def agree_values(error: Any, values: dict[str, Any], group: Any = None, *, what:
         dist.all_gather_object(lists, {k: repr(v) for k, v in values.items()}, group=cpu_group(group))
         who = "rank" if group is None else "group rank"
         parts = []
-        for key in values:
+        for key in dict.fromkeys(k for vals in lists for k in vals):  # every rank's, in rank order
             held: dict[str, list[int]] = {}
             for r, vals in enumerate(lists):
                 held.setdefault(vals.get(key, "(not set)"), []).append(r)

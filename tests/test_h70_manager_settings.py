@@ -156,3 +156,11 @@ def test_base_sync_done_set_on_one_rank_only_is_refused_naming_it(monkeypatch):
     assert all(isinstance(e, SyncError) for e in got) and str(got[0]) == str(got[1]), got
     assert "FSDPShardingManager.base_sync_done is False on rank 0, True on rank 1" in str(got[0]), got[0]
     assert _two_ranks(monkeypatch, [_cfg()] * 2, base_done=(False, True))[0] == [None, None]   # no LoRA: unused
+
+
+def test_a_setting_only_one_rank_lists_is_named_alike_on_every_rank(monkeypatch):
+    """lora differing: only the adapter rank lists base_sync_done; both ranks name it the same."""
+    got, _ = _two_ranks(monkeypatch, [_cfg(), _cfg(lora="adapter")])
+    assert str(got[0]) == str(got[1]), got
+    assert "SyncConfig.lora is 'off' on rank 0, 'adapter' on rank 1; FSDPShardingManager.base_sync_done is " \
+           "(not set) on rank 0, False on rank 1" in str(got[0]), got[0]
