@@ -104,7 +104,7 @@ from . import engine_checks, fp8_ignored, metrics as step_metrics
 from .options import (build_refusal, dtype_conflict, enabled, get_key, named_actor, options,
                       quantization_conflict, same_server, server_url, sync_config)
 from .replica import ROLLOUT_NAME, server_name
-from .stream import BucketBuffer, drained, pulled_in_a_thread, reuses_memory, timed
+from .stream import BucketBuffer, Walked, drained, pulled_in_a_thread, reuses_memory, timed
 from .unreached import EngineUnreached, Unreached
 
 __all__ = ["SGLangAdapter", "KEY", "VERL_DEFAULT", "enabled", "sync_config", "register"]
@@ -331,8 +331,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             def run(it):      # full weights; a LoRA run's base: peft's .base_layer. dropped
                 if peft_config:
                     it = ((verl_lora.base_name(n), t) for n, t in it)
-                return dict(self._sync(it, engine, version, reused=reused),
-                            kind="base" if peft_config else "full")
+                return dict(self._sync(it, engine, version, reused=reused, walk_rest=not hasattr(
+                    weights, "__aiter__")), kind="base" if peft_config else "full")
         if hasattr(weights, "__aiter__"):
             # verl's checkpoint engines (nccl, nixl, ...) hand an async generator: walked on this
             # loop, consumed by the sync in a thread
@@ -398,12 +398,14 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         return self._topo
 
     def _sync(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any,
-              version: str | None = None, reused: bool = False) -> dict[str, Any]:
+              version: str | None = None, reused: bool = False,
+              walk_rest: bool = False) -> dict[str, Any]:
         """Every rank of the infer-TP group runs this in step; rank 0 holds ``engine``. The calls
         go through the tensor transport's send loop (`TensorTransport.send`): the update bracket,
         then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free.
         ``reused``: the stream may overwrite a tensor once the next is pulled
-        (`stream.reuses_memory`); what is held across a pull is then a copy."""
+        (`stream.reuses_memory`); what is held across a pull is then a copy. ``walk_rest``: after a
+        failure, verl's colocated export is walked to its end (`stream.Walked`)."""
         cfg, topo = self.sync, self._topology()
         counted = SyncStats()
         self._ipc_device = _ipc_device()
@@ -449,8 +451,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                                     decision=self._decision, lag=lag)
         exported_by = module_stream.EXPORT_VERL if steps is None else module_stream.EXPORT_MODULE
         quant = self._quantizer(topo) if cfg.quantization is not None else None
+        walked = None
         if steps is None:
-            stream = timed(weights, phases)
+            walked = Walked(weights)
+            stream = timed(walked, phases)
             if quant is not None:  # rollout.quantization: block FP8, after the cast, tensor by tensor
                 stream = quant.named((n, self._cast(n, t) if n in quant.hf else t) for n, t in stream)
             # flattened copies each tensor into its bucket before the next pull: safe as it is
@@ -468,6 +472,10 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                                       or not self._config_checked else None)
             self._config_checked = True
             sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
+        except Exception:
+            if walked is not None and walk_rest:   # other replicas' ranks are in it with this one
+                walked.rest()
+            raise
         finally:
             sent, self._sent = self._sent, None
             self._syncs += 1

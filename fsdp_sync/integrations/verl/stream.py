@@ -9,6 +9,8 @@
   (verl's checkpoint engines' receivers do: a consumer that keeps tensors across a pull copies
   them);
 - `timed`: the seconds spent waiting on the stream (verl's export, or the receive);
+- `Walked`: verl's colocated export, walked to its end after a failed sync (`Walked.rest`), so the
+  other replicas' ranks, whose every weight is an all-gather with this rank, finish theirs;
 - `BucketBuffer`: one trainer rank's reused flat buffer, filled tensor by tensor.
 
 Not here: what goes to the engine (the adapter's calls, `fsdp_sync.transport.tensor`).
@@ -17,6 +19,7 @@ Not here: what goes to the engine (the adapter's calls, `fsdp_sync.transport.ten
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, AsyncIterable, Iterable, Iterator
 
@@ -25,7 +28,9 @@ import torch
 from ...weights import handles
 from ...weights.bucket import ALIGNMENT, Bucket, TensorMeta, plan_buckets
 
-__all__ = ["pulled_in_a_thread", "drained", "reuses_memory", "timed", "BucketBuffer"]
+__all__ = ["pulled_in_a_thread", "drained", "reuses_memory", "timed", "Walked", "BucketBuffer"]
+
+log = logging.getLogger("fsdp_sync.verl")
 
 
 async def pulled_in_a_thread(weights: AsyncIterable, run: Any) -> Any:
@@ -123,6 +128,42 @@ def timed(weights: Iterable, phases: dict) -> Iterator:
             return
         phases["export_s"] += time.perf_counter() - t0
         yield item
+
+
+class Walked:
+    """``weights`` (a plain iterable: verl's colocated export) as an iterator that knows whether a
+    pull failed. verl's export is one ``full_tensor()`` per parameter, an all-gather over every
+    trainer rank, and each infer-TP group (replica) walks it with its own sync: a group whose sync
+    failed (its engine refused a bucket, its server was not reached) and stopped walking left the
+    other groups' ranks in their next all-gather until the process group's timeout. `rest` walks
+    what is left, dropping it, unless a pull itself failed (that collective is what broke). Every
+    rank of a failed group calls it (the failure is agreed over the group); where every group
+    fails alike, every rank walks the export once more, in step."""
+
+    def __init__(self, weights: Iterable) -> None:
+        self.it = iter(weights)
+        self.failed = False
+
+    def __iter__(self) -> "Walked":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.it)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.failed = True
+            raise
+
+    def rest(self) -> None:
+        if self.failed:
+            return
+        try:
+            for _ in self:
+                pass
+        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to raise
+            log.warning("fsdp_sync: walking the rest of verl's export after a failed sync: %s", exc)
 
 
 def _aligned(nbytes: int) -> int:
