@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from .safetensors_read import SAFETENSORS_DTYPES, CheckpointError, SliceReader
+from .safetensors_read import SAFETENSORS_DTYPES, CheckpointError, SliceReader, header_entries
 
 __all__ = [
     "INDEX_FILE", "MANIFEST_FILE", "CONFIG_FILE", "MANIFEST_FORMAT", "SAFETENSORS_DTYPES",
@@ -597,6 +597,7 @@ def read_verified(path: str, expected: str | None,
         spans.sort()
         if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
             raise ValueError("tensors overlap")
+        header_entries(header, data.numel())   # and the rest of safetensors' rules (as SGLang reads)
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"{path} is not a well-formed safetensors file: {exc}") from exc
     return out, size

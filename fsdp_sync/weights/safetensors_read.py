@@ -1,5 +1,6 @@
 """Reading safetensors files without a copy of the whole file: `SliceReader` (slices of a file's
-tensors, each a fresh tensor), safetensors' dtype codes (`SAFETENSORS_DTYPES`) and the error every
+tensors, each a fresh tensor), safetensors' dtype codes (`SAFETENSORS_DTYPES`), the library's
+own checks of a header (`header_entries`, which every reader here applies) and the error every
 checkpoint check raises (`CheckpointError`). Split out of `hf_checkpoint`, which re-exports them.
 
 Not here: which files a checkpoint directory loads, digests and manifests (`hf_checkpoint`).
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SAFETENSORS_DTYPES", "CheckpointError", "SliceReader"]
+__all__ = ["SAFETENSORS_DTYPES", "CheckpointError", "SliceReader", "header_entries"]
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     k: v for k, v in {
@@ -31,6 +32,57 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 
 class CheckpointError(ValueError):
     """A checkpoint directory cannot be loaded as it is; the message names the file or tensor."""
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1}
+"""Bytes per element of safetensors' dtype codes (those torch lacks too: their sizes are checked)."""
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def header_entries(header: Any, data_bytes: int) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """A parsed safetensors header checked as the safetensors library checks it before it reads a
+    byte (``safe_open``, which SGLang's loaders use), so that no reader here takes a file that
+    SGLang refuses: a JSON object; ``__metadata__`` (if any) an object of strings; per tensor a
+    string ``dtype``, a ``shape`` of ints >= 0 and ``data_offsets`` of two ints; in offset order
+    the tensors follow each other from byte 0 and end exactly at ``data_bytes`` (no gap, no
+    trailing bytes), each its shape's size in a dtype of known size. Returns (name, dtype code,
+    shape, begin, end) in file order; raises `ValueError` naming what is wrong (the readers add
+    the path). Before, a float offset or dimension (``2.0``, ``2.5``), a gap between tensors,
+    trailing bytes or a non-string metadata value passed the readers here."""
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError(f"__metadata__ is not an object of strings: {meta!r:.80}")
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        code = info.get("dtype") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not isinstance(code, str) or not isinstance(shape, list) or not all(map(_count, shape)) \
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_count, offsets)):
+            raise ValueError(f"tensor {name!r}: dtype {code!r}, shape {shape!r}, data_offsets "
+                             f"{offsets!r} (a dtype string, ints >= 0 and two ints)")
+        out.append((name, code, tuple(shape), offsets[0], offsets[1]))
+    out.sort(key=lambda e: (e[3], e[4]))
+    at = 0
+    for name, code, shape, a, b in out:
+        if a != at or b < a:
+            raise ValueError(f"tensor {name!r}: data_offsets [{a}, {b}) do not start where the "
+                             f"tensor before ends ({at}): gaps and overlaps are refused")
+        if code in _ITEMSIZE and b - a != math.prod(shape) * _ITEMSIZE[code]:
+            raise ValueError(f"tensor {name!r}: data_offsets [{a}, {b}) hold {b - a} bytes, its "
+                             f"dtype {code} and shape {list(shape)} {math.prod(shape) * _ITEMSIZE[code]}")
+        at = b
+    if at != data_bytes:
+        raise ValueError(f"the tensors take {at} data bytes, the file holds {data_bytes}")
+    return out
 
 
 class SliceReader:
@@ -50,8 +102,9 @@ class SliceReader:
     reloading a checkpoint each sync accumulates for ever. So ``safe_open`` validates the file and
     gives the names (it parses the header and checks that every tensor's offsets lie inside the
     file), and the bytes are read here: the header's ``data_offsets`` into one copy-on-write mmap
-    of the same file, checked again against the file's size. Raises `CheckpointError` naming the
-    file for a header that does not describe its data.
+    of the same file, checked again (`header_entries`: safetensors' own rules, also for ``data``,
+    which ``safe_open`` never sees). Raises `CheckpointError` naming the file for a header that
+    does not describe its data.
     """
 
     def __init__(self, path: str, data: torch.Tensor | None = None):
@@ -82,8 +135,12 @@ class SliceReader:
             return [k for k in header if k != "__metadata__"], size, header, n
         from safetensors import safe_open
 
-        with safe_open(self.path, framework="pt", device="cpu") as f:   # the library's validation
-            names = list(f.keys())
+        try:
+            with safe_open(self.path, framework="pt", device="cpu") as f:   # the library's validation
+                names = list(f.keys())
+        except Exception as exc:   # noqa: BLE001 - SafetensorError, OSError: this file, named
+            raise CheckpointError(f"{self.path} is not a well-formed safetensors file: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         self._file = open(self.path, "rb")
         size = os.fstat(self._file.fileno()).st_size
         (n,) = struct.unpack("<Q", self._file.read(8))
@@ -110,6 +167,10 @@ class SliceReader:
                                           f"data offsets [{begin}, {end}) that do not fit the file's "
                                           f"{size - base} data bytes")
                 self._entries[name] = (code, shape, base + begin, end - begin)
+            try:       # and the rest of safetensors' rules (``data``: no safe_open saw it)
+                header_entries(header, size - base)
+            except ValueError as exc:
+                raise CheckpointError(f"{self.path} is not a well-formed safetensors file: {exc}") from exc
             if self._data is None:
                 self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
         except BaseException:

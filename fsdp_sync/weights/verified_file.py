@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .hf_checkpoint import HASH_CHUNK, SAFETENSORS_DTYPES, CheckpointError, new_hash
+from .safetensors_read import header_entries
 
 __all__ = ["VerifiedFile", "FileTensor"]
 
@@ -161,6 +162,7 @@ class VerifiedFile:
             spans.sort()
             if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
                 raise ValueError("tensors overlap")
+            header_entries(header, data)   # and the rest of safetensors' rules (as SGLang reads)
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{self.path} is not a well-formed safetensors file: {exc}") from exc
 
