@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..topology import cpu_group
+from ..topology import SyncError, cpu_group
 from . import handles as _handles
 
 __all__ = ["HostShared", "host_key"]
@@ -115,12 +115,28 @@ class HostShared:
     def fill(self, write: Callable[[], None], *, wait_readers: bool = True) -> None:
         """Run ``write`` (this rank's bytes into ``bufs``) between the group's barriers: before it
         (skipped with ``wait_readers=False`` when the caller knows nobody reads the bytes it
-        overwrites), nobody still reads the previous bytes; after it, every rank's bytes are in."""
+        overwrites), nobody still reads the previous bytes; after it, every rank's bytes are in.
+        The one after it also says whether every rank's write went through: a rank whose write
+        raised fails every rank's fill alike (`SyncError` naming the group rank and the error),
+        where it left its peers in the barrier until the group's timeout."""
         if wait_readers:
             dist.barrier(group=self.group)
-        with torch.no_grad():
-            write()
-        dist.barrier(group=self.group)
+        error = cause = None
+        try:
+            with torch.no_grad():
+                write()
+        except Exception as exc:  # noqa: BLE001 - every peer must hear of it
+            error, cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", exc
+        failed = _failures(error, self.group, dist.get_world_size(self.group))
+        if failed:
+            rank = min(failed)
+            err = SyncError(f"writing the ranks' bytes into a host-shared buffer failed on group "
+                            f"rank {rank}: {failed[rank]}")
+            err.failures = failed
+            try:
+                raise err from cause
+            finally:
+                err = cause = None     # (no cycle through this frame's traceback)
 
 
 def _failures(error: str | None, group: Any, world: int) -> dict[int, str]:
