@@ -16,8 +16,7 @@ a multiple of its dtype size, checked before any request goes out):
                          of two buffers; then wait for bucket k: the broadcast done and every
                          engine's answer, raced, so an engine that refuses (no open update,
                          unknown group, bad dtype, bad layout: it never joins the broadcast) is
-                         seen at once, the pending broadcast aborted and that engine told to
-                         leave the group (the others' workers may wait for bytes its own relay)
+                         seen at once, the pending broadcast aborted
     every trainer rank   `agree`: a refusal raises the same `SyncError` on every rank
 
 ``dist_format="flattened_bucket"`` (default) sends one broadcast per bucket; ``"per_tensor"`` sends
@@ -131,7 +130,6 @@ class DistributedTransport:
         self._calls = EngineCalls()        # engine calls, each on a daemon thread
         self._quant: Any = None           # trainer rank 0: this sync's `quantize.StreamQuantizer`
         self._stuck: set[int] = set()     # engines whose request was given up on, still running
-        self._left: dict = {}             # engines told to leave the group early (`_leave_refused`)
         self._last_bucket = False         # the bucket being launched is the sync's last: it flushes
 
     @property
@@ -176,18 +174,10 @@ class DistributedTransport:
                 self.pg.abort()
         except Exception:  # noqa: BLE001 - destroying it is what matters
             pass
-        left, self._left = self._left, {}
         for i, engine in enumerate(self.engines or engines):
             if i in self._stuck:     # its lock is held by the request still running: not waited for
                 log.warning("fsdp_sync: not telling %s to destroy the weight-update group: its "
                             "request is still running", fleet.describe(engine, i))
-                continue
-            if i in left:            # told already, after it refused a bucket (`_leave_refused`)
-                try:
-                    if left[i].done():
-                        check_answer(left[i].result(), "destroy_weights_update_group")
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("fsdp_sync: an engine's destroy_weights_update_group: %s", exc)
                 continue
             try:
                 check_answer(engine.destroy_weights_update_group(self.config.dist_group_name),
@@ -584,23 +574,9 @@ class DistributedTransport:
                 pass
         running = [f for f in p.futures if not f.done()]
         if running and deadline is not None:
-            self._leave_refused(p)
             cf.wait(running, timeout=max(0.0, deadline - time.monotonic()))
         self._stuck = {i for i, f in enumerate(p.futures) if not f.done()}
         return message
-
-    def _leave_refused(self, p: _Pending) -> None:
-        """While other engines still receive a bucket: tell each engine whose call failed (its lock
-        is free) to leave the group now, on a thread of its own (`_drop_group` does not ask it
-        again). A refusing engine never joined the broadcast, and over gloo the others' workers
-        can be waiting for bytes relayed by its workers (a broadcast tree): with two reference
-        engines of TP 2, one refusing bucket 2, the other waited out ``dist_timeout_s`` (600 s by
-        default) and was then given up as stuck. Its workers leaving closes their connections, so
-        those receives fail at once. (NCCL's may not notice; they end at the engine's timeout.)"""
-        for i, f in enumerate(p.futures):
-            if f.done() and f.exception() is not None and i not in self._left and i < len(self.engines):
-                self._left[i] = self._calls.submit(self.engines[i].destroy_weights_update_group,
-                                                   self.config.dist_group_name)
 
     def _launch_failed(self, p: _Pending, exc: BaseException) -> None:
         """A bucket's launch raised (a send error, a Ctrl-C) after the engines were asked to
