@@ -117,3 +117,36 @@ def test_a_failed_fsync_of_the_directory_after_the_rename_leaves_a_whole_version
         assert sorted(f for f in os.listdir(d) if not f.startswith(".")) == ["step_1", "step_2"]
     finally:
         t.close()
+
+
+def test_a_pool_of_other_file_names_is_trimmed_so_a_full_disk_can_recover(tmp_path, monkeypatch):
+    """The pool's files that a sync writes none of (another bucket count or layout named them)
+    were never reused and stayed until a sync succeeded: after such a change on a disk sized for
+    the steady state, every sync failed with ENOSPC and left the pool as it was. Now rank 0 removes
+    them as the writers start, so the failed sync leaves the room for the next."""
+    import dataclasses
+
+    from fsdp_sync.topology import SyncError
+    from fsdp_sync.transport import disk
+
+    module, sc, d, t = _setup(tmp_path)
+    try:
+        _sync(t, module, sc, 0)
+        _sync(t, module, sc, 1)
+        pool = d / ".recycle"
+        assert len([f for f in os.listdir(pool) if f.endswith(".safetensors")]) > 1
+        one_file = dataclasses.replace(sc, bucket_bytes=64 << 20)     # model-00001-of-00001 only
+
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(disk, "_write_shard", full)
+        with pytest.raises(SyncError, match="No space left"):
+            _sync(t, module, one_file, 2)
+        assert os.listdir(pool) == [], "the pool's unusable files stayed: the retry meets them again"
+        monkeypatch.undo()
+        _sync(t, module, one_file, 3)
+        assert sorted(os.listdir(d)) == [".recycle", "step_3"]
+        _whole(d / "step_3", module)
+    finally:
+        t.close()

@@ -250,11 +250,15 @@ class DiskTransport:
             self._quant = self._quantizer(ctx, rank, group, layout, what)
             if layout is None:
                 n_files = len(_bucket.plan_buckets(metas, cfg.bucket_bytes))
+                if rank == 0:
+                    _trim_pool(pool, {ckpt.shard_file_name(k, n_files) for k in range(n_files)})
                 records, err = self._write_buckets(ctx, tmp, rank, writers, n_files, pool, st)
                 stats.buckets = n_files
             else:
                 parts = len(reshard.plan_rank_buckets(layout, metas[0].dtype, cfg.bucket_bytes))
                 n_files = parts * layout.tp
+                if rank == 0:
+                    _trim_pool(pool, {ckpt.rank_file_name(i, k) for i in range(layout.tp) for k in range(parts)})
                 ahead = HashAhead(ctx.engines, tmp, layout.tp, disk_hash(cfg), rank, published=final)
                 records, err, self.host_shared, self._split = write_rank_buckets(
                     ctx, tmp, rank, writers, layout, parts, st, quant=self._quant,
@@ -616,6 +620,25 @@ class DiskTransport:
         if self._pool is not None:           # one version's worth of files: not left behind
             shutil.rmtree(self._pool, ignore_errors=True)
             self._pool = None
+
+
+def _trim_pool(pool: str | None, planned: set[str]) -> None:
+    """Trainer rank 0, as the writers start: the pool's entries this sync writes no file of (named
+    by another layout or bucket count: ``layout="auto"`` switching, another ``bucket_bytes``; its
+    JSON files) are removed. Never reused, they stayed until a sync succeeded, so on a disk sized
+    for the steady state every sync after such a change failed with ENOSPC, the pool unchanged."""
+    if pool is None:
+        return
+    try:
+        for entry in os.listdir(pool):
+            if entry not in planned:
+                path = os.path.join(pool, entry)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+    except OSError as exc:   # another writer took it meanwhile, or it is gone: only room lost
+        warnings.warn(f"could not trim the pool {pool}: {exc}", RuntimeWarning, stacklevel=2)
 
 
 def _same_on_every_rank(seen: list[tuple], what: str) -> None:
