@@ -70,3 +70,16 @@ def test_no_server_actor_on_a_one_rank_group_is_raised_at_once_naming_the_key(on
                                               r"ValueError: Failed to look up actor .*"
                                               r"\+actor_rollout_ref\.rollout\.custom\.fsdp_sync\.base_url"):
         asyncio.run(adapter.resume(tags=["weights"]))
+
+
+def test_the_sink_keeps_the_newest_records_when_no_trainer_drains_it():
+    """verl's ``trainer.use_v1=false`` and its fully async trainer never call
+    ``_consume_sync_metrics``: the sink grew by one record per replica and sync for the whole run."""
+    from fsdp_sync.integrations.verl import metrics
+
+    sink = metrics.Sink()
+    for i in range(metrics.KEPT + 10):
+        sink.put({"global_steps": i})
+    held = sink.drain()
+    assert len(held) == metrics.KEPT and held[-1] == {"global_steps": metrics.KEPT + 9}
+    assert held[0] == {"global_steps": 10} and sink.drain() == []

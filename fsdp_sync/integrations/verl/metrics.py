@@ -49,7 +49,8 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["SINK", "TRAINER_MODULE", "KEYS", "publish", "append", "step_metrics", "install", "drain"]
+__all__ = ["SINK", "TRAINER_MODULE", "KEYS", "KEPT", "Sink", "publish", "append", "step_metrics",
+           "install", "drain"]
 
 log = logging.getLogger("fsdp_sync.verl")
 
@@ -69,6 +70,28 @@ _sink_handle = None        # held: Ray collects a named actor once no handle to 
 _lock = threading.Lock()
 
 
+KEPT = 4096
+"""The most records `Sink` holds: the newest are kept. A trainer that never drains it (verl's
+``trainer.use_v1=false``, the experimental fully async trainer: no ``_consume_sync_metrics``)
+left it growing by one record per replica and sync for the whole run."""
+
+
+class Sink:
+    """One job's published sync figures, until the trainer drains them (at most `KEPT`, newest);
+    run as the Ray actor `SINK`."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def put(self, record: dict) -> None:
+        self.records.append(record)
+        del self.records[:-KEPT]
+
+    def drain(self) -> list[dict]:
+        out, self.records = self.records, []
+        return out
+
+
 def _sink():
     global _sink_cls, _sink_handle
     import ray
@@ -77,21 +100,7 @@ def _sink():
         if _sink_handle is not None:
             return _sink_handle
         if _sink_cls is None:
-            @ray.remote(num_cpus=0)
-            class Sink:
-                """One job's published sync figures, until the trainer drains them."""
-
-                def __init__(self) -> None:
-                    self.records: list[dict] = []
-
-                def put(self, record: dict) -> None:
-                    self.records.append(record)
-
-                def drain(self) -> list[dict]:
-                    out, self.records = self.records, []
-                    return out
-
-            _sink_cls = Sink
+            _sink_cls = ray.remote(num_cpus=0)(Sink)
         _sink_handle = _sink_cls.options(name=SINK, get_if_exists=True).remote()
         return _sink_handle
 
