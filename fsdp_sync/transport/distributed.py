@@ -130,6 +130,7 @@ class DistributedTransport:
         self._calls = EngineCalls()        # engine calls, each on a daemon thread
         self._quant: Any = None           # trainer rank 0: this sync's `quantize.StreamQuantizer`
         self._stuck: set[int] = set()     # engines whose request was given up on, still running
+        self._joins: dict = {}            # each engine's init_weights_update_group (`open_group`)
         self._last_bucket = False         # the bucket being launched is the sync's last: it flushes
 
     @property
@@ -158,7 +159,7 @@ class DistributedTransport:
         if self.pg is not None and not self.broken and engines == self.engines:
             return
         self._drop_group(engines)
-        made = open_group(engines, self.config, device, self._backend(device), self._calls)
+        made = open_group(engines, self.config, device, self._backend(device), self._calls, self._joins)
         self.pg, self._store, self.offsets = made.pg, made.store, made.offsets
         self.engines, self.broken = list(engines), False
 

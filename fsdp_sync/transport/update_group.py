@@ -131,14 +131,34 @@ class OpenGroup:
 
 
 def open_group(engines: list, cfg: Any, device: torch.device, backend: str,
-               pool: EngineCalls) -> OpenGroup:
+               pool: EngineCalls, joins: dict | None = None) -> OpenGroup:
     """Make the update group ``cfg.dist_group_name`` with every engine (see the module); the
     engines' ``init_weights_update_group`` calls run on ``pool`` while this joins as rank 0.
     Raises RuntimeError naming the group, where it was hosted and why, with no engine left in
     the join. Everything here, the call-off included, ends within ``dist_timeout_s`` (plus
-    `CALL_OFF_FLOOR_S` where the rendezvous used it all)."""
+    `CALL_OFF_FLOOR_S` where the rendezvous used it all).
+
+    ``joins`` (the caller's, kept from one opening to the next): each engine's call, by
+    ``id(engine)``. An engine whose call from an earlier, failed opening still runs is not told
+    again (RuntimeError naming it, nothing asked): its TP worker that came late to that group
+    waits out its own timeout (the reference engine's ``update_recv_timeout_s``, SGLang's 30
+    minutes) while the call holds the engine, and every call asked meanwhile queued behind it,
+    each of those waiting out that timeout again: a trainer that synced again every
+    ``dist_timeout_s`` never got the engine back (a reference engine with one TP worker 1.5 s
+    late: 8 syncs of 8 failed over 48 s, with ``dist_timeout_s=5``, ``update_recv_timeout_s=20``)."""
     deadline = time.monotonic() + cfg.dist_timeout_s
     name = cfg.dist_group_name
+    if joins is not None:
+        for key in [k for k, (_, f) in joins.items() if f.done()]:
+            del joins[key]
+        busy = [i for i, e in enumerate(engines) if id(e) in joins and joins[id(e)][0] is e]
+        if busy:
+            raise RuntimeError(
+                f"making the weight-update group {name!r} failed: engine {busy[0]}'s "
+                f"init_weights_update_group from an earlier opening that failed is still running (a "
+                f"TP worker late to that group waits out its own timeout: the reference engine's "
+                f"update_recv_timeout_s, SGLang's 30 minutes); no engine was told to join. Sync "
+                f"again once it has ended" + (f" (engines {busy} all wait)" if len(busy) > 1 else ""))
     if update_group_open(name):
         raise RuntimeError(f"making the weight-update group {name!r} failed: a group named {name!r} "
                            f"exists in this process already (another manager's, not closed): close() "
@@ -166,6 +186,8 @@ def open_group(engines: list, cfg: Any, device: torch.device, backend: str,
         futures.append(pool.submit(engine.init_weights_update_group, master_address=address,
                                    master_port=port, rank_offset=offset, world_size=world,
                                    group_name=name, backend=backend))
+        if joins is not None:
+            joins[id(engine)] = (engine, futures[-1])
         offset += tp
     pg = None
     try:
