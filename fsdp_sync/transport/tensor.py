@@ -27,8 +27,9 @@ world-wide agree, so the one-host path needs no barrier before it rewrites a buf
 the bracket, then per call gather to infer-TP rank 0, deliver, agree, release. The project has
 this one loop; nothing else gathers payloads to an engine.
 
-Not here: the stages around the sync (the manager), how tensors are gathered (`export`), laid out
-(`bucket`) or shared (`handles`).
+A rank that fails making its part of a call sends a stand-in instead (`unmade`). Not here: the
+stages around the sync (the manager), how tensors are gathered (`export`), laid out (`bucket`) or
+shared (`handles`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from ..weights.bucket import plan_buckets
 from ..weights.layout import engine_ep_size, layout_for
 from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_to_src, released_by_backend
 from ..wire import flattened_bucket
-from . import SyncContext, SyncStats
+from . import SyncContext, SyncStats, unmade
 from .buffers import BufferPool, ReusedBuffer
 from .call_times import CallTimes
 from .sessions import begin
@@ -208,7 +209,7 @@ class TensorTransport:
                     # a generator is closed here, not when its frame goes: it may hold shared buffers
                     with closing(calls) if hasattr(calls, "close") else nullcontext():
                         self._times.t = time.perf_counter()
-                        for call in calls:
+                        for call in unmade.made(calls, self.topo, Call):
                             self._one_call(call, self._times.made(call))
                 self.stats.seconds = time.perf_counter() - t0
                 if check is not None:
@@ -249,9 +250,9 @@ class TensorTransport:
             self._times = CallTimes(self.stats)
             with closing(steps):  # an abandoned export generator restores FSDP state on close
                 if self._pipelined:
-                    self._run_pipelined(steps)
+                    self._run_pipelined(unmade.made(steps, topo, Call))
                 else:
-                    for call in steps:
+                    for call in unmade.made(steps, topo, Call):
                         self._one_call(call, self._times.made(call))
         if self._quant is not None:
             self.stats.extra.update(self._quant.figures())
@@ -622,16 +623,18 @@ class TensorTransport:
         times = self._times
         rows: dict[int, dict] = {}
 
-        def finish() -> str | None:
+        def finish(unmade_next: str | None = None) -> None:
+            # agrees call k's outcome and whether a rank sent a stand-in for call k+1 (`unmade`);
+            # the first call's stand-in gets an agree of its own (every rank is at its first call)
             nonlocal pending
             if pending is None:
-                return None
+                return agree(unmade_next, self._group, what=self._what)
             call, fut = pending
             row = rows.pop(id(call), None)
             err, opened = fut.result() if fut is not None else (None, True)
             times.lap(row, "engine_s")
             try:
-                agree(err, self._group, what=self._what)
+                agree(err or unmade_next, self._group, what=self._what)
                 times.lap(row, "agree_s")
             except SyncError:   # only infer-TP rank 0 heard whether the engine opened the payloads
                 opened = bool(broadcast_from_src(opened, topo))
@@ -640,7 +643,6 @@ class TensorTransport:
                 pending = None
                 self._release(call, err, opened)
                 times.lap(row, "release_s")
-            return err
 
         try:
             for call in steps:
@@ -648,7 +650,7 @@ class TensorTransport:
                 try:
                     gathered = gather_to_src(call.wire, topo)
                     times.lap(row, "gather_s")
-                    finish()
+                    finish(unmade.refusal(call, gathered, topo))    # raises on a rank's stand-in
                 except BaseException:   # never handed to the engine: nobody opened it
                     self._release(call, "failed", opened=False)
                     raise
@@ -677,7 +679,9 @@ class TensorTransport:
         try:
             gathered = gather_to_src(call.wire, self.topo)
             times.lap(row, "gather_s")
-            err, opened = self._engine_call(call, gathered, row) if self.topo.is_tp_src else (None, True)
+            err = unmade.refusal(call, gathered, self.topo)     # a rank's stand-in: no engine call
+            err, opened = ((err, False) if err else self._engine_call(call, gathered, row)
+                           if self.topo.is_tp_src else (None, True))
             times.lap(row, "engine_s")
             del gathered
             agree(err, self._group, what=self._what)
