@@ -5,8 +5,8 @@ The manager's calls in its order, one process per worker (`test_verl_checkpoint_
 after joining the group and before the weights move. The sender's broadcast fails (gloo sees the
 socket close), and its error now names the worker: rollout worker 1, group rank 2, its host and
 pid, and how many buckets it and the others took. Before, it was gloo's message alone (a peer
-address, no worker). Actor rank 1 walks the stream to its end; rollout worker 0 ends with an error
-within its timeout.
+address, no worker). Actor rank 1 walks the stream to its end; rollout worker 0 fails at once, as
+the sender drops the group (before: at its timeout_s, 600 s by default, holding verl's step).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.verl, pytest.mark.timeout(300)]
 def test_a_rollout_worker_that_died_is_named_by_the_sender():
     w = Workers()
     try:
-        w.call(w.actors, "new", [{"bucket_size": BUCKET, "is_master": True, "timeout_s": 20},
-                                 {"bucket_size": BUCKET, "timeout_s": 20}])
-        w.call(w.rollouts, "new", [{"bucket_size": BUCKET, "timeout_s": 20}] * 2)
+        w.call(w.actors, "new", [{"bucket_size": BUCKET, "is_master": True, "timeout_s": 120},
+                                 {"bucket_size": BUCKET, "timeout_s": 120}])
+        w.call(w.rollouts, "new", [{"bucket_size": BUCKET, "timeout_s": 120}] * 2)
         answers = sync_like_the_manager(w, 1)
         assert all(answers[i][0][0] == "ok" for i in w.rollouts), answers
         everyone = w.actors + w.rollouts
@@ -61,7 +61,12 @@ def test_a_rollout_worker_that_died_is_named_by_the_sender():
                          rf"worker's process died", sent[1]), sent
         assert "rollout worker 0 " not in sent[1], sent
         assert got[1] == ("ok", None)             # actor rank 1 walked the stream to its end
-        assert got[w.rollouts[0]][0] == "err"     # rollout worker 0: the failed sync, told
+        # rollout worker 0: told as the sender drops the group, not at its timeout_s (120 s)
+        healthy = got[w.rollouts[0]]
+        assert healthy[0] == "err" and healthy[1].startswith(
+            "RuntimeError: fsdp_sync checkpoint engine: rank 1: receiving from the sender (actor "
+            "rank 0) failed: "), healthy
+        assert "Connection closed by peer" in healthy[1], healthy   # not gloo's timeout
     finally:
         w.close()
 

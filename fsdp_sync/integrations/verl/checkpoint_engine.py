@@ -66,7 +66,8 @@ process that died takes nothing more at all. Then the sender fails at ``timeout_
 process: at once, where gloo sees its socket close) and names the worker(s) that fell behind:
 each receiver counts the bucket headers it took in the group's store (one store write per
 bucket), under its host and pid, and a sender whose broadcast failed compares the counts
-(`_Board`).
+(`_Board`), then drops the group (its error header cannot go out), so the other workers' receive
+fails at once instead of at their ``timeout_s``.
 
 Not here: the rollout adapter and verl's colocated path (`fsdp_sync.integrations.verl`), the
 bucket rule (`weights.bucket`), how the group is made (`wire`). verl is imported here only.
@@ -82,6 +83,7 @@ import queue
 import socket
 import threading
 import time
+import traceback
 import uuid
 from typing import Any, AsyncGenerator
 
@@ -305,7 +307,8 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
             sender.close()
         except Exception as exc:
             self.failed = True
-            sender.fail(f"{type(exc).__name__}: {exc}")
+            if not sender.wire_failed:    # else the group may be out of step: dropped below
+                sender.fail(f"{type(exc).__name__}: {exc}")
             # the other actor ranks are still walking the stream, whose every weight is a
             # collective over the actor group: walk it to the end with them, or they hang there
             try:
@@ -315,6 +318,16 @@ class FsdpSyncCheckpointEngine(CheckpointEngine):
                 pass
             behind = (self._board.behind(min(self.timeout_s, 10.0))
                       if sender.wire_failed and self._board is not None else None)
+            if sender.wire_failed:
+                # a broadcast failed part way (one receiver got a header, another not): an error
+                # header sent after it was read as the rest of the last one (garbled JSON). The
+                # other workers learn of the failure as the group's sockets close instead, at
+                # once, not at their timeout_s.
+                # gloo closes them when the last reference goes: the sender's, and the failed
+                # frames' (a Work holds the group's context) in the traceback that is raised
+                traceback.clear_frames(exc.__traceback__)
+                sender.pg = None
+                self._drop_group()
             if behind:      # a broadcast failed: which worker(s) stopped taking the stream
                 raise RuntimeError(f"fsdp_sync checkpoint engine: the sender (actor rank 0) failed "
                                    f"at bucket {sender.buckets} of step {global_steps}: "
@@ -556,13 +569,15 @@ class _Receiver:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            took = 0
+            took, wire = 0, False
             while True:
                 if self.board is not None:
                     self.board.took(took)       # the sender names a worker that falls behind
                 if not self.stopping.is_set():
                     self.slots.acquire()        # stop() releases one: no wait once stopping
+                wire = True
                 header = _broadcast_header(self.pg, None)
+                wire = False
                 took += 1
                 if header.get("error"):
                     raise RuntimeError(f"fsdp_sync checkpoint engine: the sender (actor rank 0) "
@@ -570,7 +585,9 @@ class _Receiver:
                 entries = _read_entries(header)
                 flat = torch.empty(int(header["nbytes"]), dtype=torch.uint8, device=self.device)
                 if flat.numel():
+                    wire = True
                     dist.broadcast(flat, group_src=0, group=self.pg)
+                    wire = False
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
                 if not self.stopping.is_set():     # else dropped: nobody takes it
@@ -580,6 +597,14 @@ class _Receiver:
                 if header["last"]:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            if wire and isinstance(exc, Exception):
+                failed = RuntimeError(
+                    f"fsdp_sync checkpoint engine: rank {self.rank}: receiving from the sender "
+                    f"(actor rank 0) failed: {type(exc).__name__}: {exc}; the sync failed on the "
+                    f"sender or on another rollout worker (the sender's error names a worker that "
+                    f"fell behind)")
+                failed.__cause__ = exc
+                exc = failed
             self.q.put(exc)
 
 
