@@ -76,31 +76,32 @@ def _config(extra=()):
                            "+actor_rollout_ref.rollout.custom.fsdp_sync.dist_timeout_s=20", *extra])
 
 
-def test_rank0_finding_no_server_actor_fails_both_ranks_with_its_error():
-    from fsdp_sync.cli.launch import run_ranks
-
-    (r0,), (r1,) = run_ranks(rank_steps, 2, _config(), "lookup", pg_timeout_s=40, timeout_s=240)
-    assert r0[0] == r1[0], (r0, r1)      # the same error on both ranks, rank 0's
-    text = r0[0]
-    assert text.startswith("SyncError: "), text
-    assert ("fsdp_sync's verl adapter on infer-TP rank 0 (global rank 0): verl's SGLang server of "
-            "rollout replica 0 (Ray actor sglang_server_0_0) cannot be reached: ValueError: Failed "
-            "to look up actor with name 'sglang_server_0_0'") in text, text
-    assert "+actor_rollout_ref.rollout.custom.fsdp_sync.base_url" in text, text
+def rank_both(rank: int, world: int, lookup_cfg: dict, resume_cfg: dict):
+    """`rank_steps` for both failures, one after the other, in one launch of the ranks."""
+    return rank_steps(rank, world, lookup_cfg, "lookup"), rank_steps(rank, world, resume_cfg, "resume")
 
 
-def test_rank0_failing_to_resume_the_servers_weights_fails_both_ranks_with_its_error():
+def test_rank0_failing_to_reach_its_server_fails_both_ranks_with_its_error():
+    """No server actor at the first sync; the server's memory not resumed at a later one."""
     from fsdp_sync.cli.launch import run_ranks
     from fsdp_sync.engines.reference import ReferenceEngine
     from fsdp_sync.engines.reference.serve import EngineServer
 
     with ReferenceEngine("tiny", tp_size=2, seed=5) as engine, EngineServer(engine) as server:
-        cfg = _config([f"+actor_rollout_ref.rollout.custom.fsdp_sync.base_url={server.url}"])
-        (first0, r0), (first1, r1) = run_ranks(rank_steps, 2, cfg, "resume", pg_timeout_s=40,
-                                               timeout_s=240)
+        resume_cfg = _config([f"+actor_rollout_ref.rollout.custom.fsdp_sync.base_url={server.url}"])
+        ((l0,), (first0, r0)), ((l1,), (first1, r1)) = run_ranks(
+            rank_both, 2, _config(), resume_cfg, pg_timeout_s=40, timeout_s=240)
         version = engine.weight_version
+    # no server actor: the same error on both ranks, rank 0's
+    assert l0[0] == l1[0], (l0, l1)
+    assert l0[0].startswith("SyncError: "), l0
+    assert ("fsdp_sync's verl adapter on infer-TP rank 0 (global rank 0): verl's SGLang server of "
+            "rollout replica 0 (Ray actor sglang_server_0_0) cannot be reached: ValueError: Failed "
+            "to look up actor with name 'sglang_server_0_0'") in l0[0], l0
+    assert "+actor_rollout_ref.rollout.custom.fsdp_sync.base_url" in l0[0], l0
+    # the server's weights not resumed at the second sync: the same, and nothing reached it
     assert first0 is None and first1 is None
-    assert version == "1"                  # the second sync reached nothing
+    assert version == "1"
     assert r0[0] == r1[0], (r0, r1)
     assert r0[0].startswith("SyncError: "), r0
     assert ("resume_memory_occupation(tags=['weights']) of verl's SGLang server failed: "
