@@ -127,13 +127,16 @@ def test_agreement_collectives_per_steady_sync(runs):
     agreed with the next stage (6 stage all-reduces became 3), and a one-rank trainer runs no
     agreement collective at all. Per-bucket agreement stays: the next bucket's buffers are
     rewritten only after every rank has heard the engine took this one."""
-    for layout, before, barriers in (("full", 19, 17), ("engine", 21, 9)):
+    # + 1 - 1: the host-shared buffers' open is agreed by an all-reduce where a barrier was
+    # (a7a6770: a rank that could not open them left its peers in the barrier); + 8 - 8: so is
+    # each bucket's write into them (5333e74: a rank whose write raised left its peers there);
+    # engine (pipelined): + 1, the first call's stand-in agree (`transport.unmade`)
+    for layout, before, barriers, first in (("full", 19, 17, 0), ("engine", 21, 9, 1)):
         for rec in _steady(runs, (2, layout, None)):
             assert rec["buckets"] == 8, rec
-            # + 1 - 1: the host-shared buffers' open is agreed by an all-reduce where a barrier
-            # was (a7a6770: a rank that could not open them left its peers in the barrier)
             n = rec["collectives"]
-            assert n.get("all_reduce") == before - 3 + 1 and n.get("barrier") == barriers - 1, (layout, rec)
+            assert (n.get("all_reduce") == before - 3 + 1 + 8 + first
+                    and n.get("barrier", 0) == barriers - 1 - 8), (layout, rec)
             # the handle gather to the engine rank and the scatter of its answers: per sync here
             # (one engine call per bucket, gathered over a TP group of one: no collective)
             assert rec["collectives"].get("all_gather_object", 0) <= 1, (layout, rec)
