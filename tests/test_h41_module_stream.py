@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from fsdp_sync.integrations import module_stream
@@ -30,7 +31,7 @@ def _calls(module, prepare):
     plan = plan_buckets(export.param_metas(module, None), sync.bucket_bytes)
     assert len(plan) == 2, [b.names for b in plan]
     topo = SimpleNamespace(tp_size=1, tp_rank=0)
-    return plan, module_stream._module_calls(module, plan, sync, topo, SyncStats(),
+    return plan, module_stream._ModuleCalls(module, plan, sync, topo, SyncStats(),
                                              {"export_s": 0.0}, prepare)
 
 
@@ -78,10 +79,75 @@ def test_a_failure_mid_stream_closes_the_export_while_the_error_is_held(monkeypa
     try:
         next(calls)
     except RuntimeError as exc:
-        held = exc                      # the traceback holds the generator's frame
+        held = exc                      # the traceback holds the calls' frame
     assert str(held) == "the verify record failed"
+    calls.close()                       # as the send loop does once the failure is agreed
     assert closed == [True], "the module's export is still open while the error is held"
     del held
+
+
+def _counted(monkeypatch):
+    """``export.iter_buckets`` counting what it yields."""
+    pulled: list = []
+    real = export.iter_buckets
+
+    def counted(*args, **kwargs):
+        for item in real(*args, **kwargs):
+            pulled.append(item[0].names[0])
+            yield item
+
+    monkeypatch.setattr(export, "iter_buckets", counted)
+    return pulled
+
+
+@pytest.mark.parametrize("taken", [0, 1])
+def test_calls_closed_before_their_end_walk_the_rest_of_the_export(monkeypatch, taken):
+    """A sync that failed after ``taken`` calls (at an engine, an agreement, before its first
+    call): every bucket is an all-gather over every trainer rank, which other replicas' ranks walk
+    with their own syncs, so the rest is walked (dropped) on close; after a full sync, nothing."""
+    pulled = _counted(monkeypatch)
+    plan, calls = _calls(_module(), lambda name, t: None)
+    for _ in range(taken):
+        _done(next(calls))
+    calls.close()
+    assert pulled == [b.names[0] for b in plan]
+    calls.close()                       # once
+    assert len(pulled) == len(plan)
+    plan, calls = _calls(_module(), lambda name, t: None)
+    for call in calls:
+        _done(call)
+    calls.close()
+    assert len(pulled) == 2 * len(plan)
+
+
+def test_calls_whose_pull_failed_walk_nothing_more(monkeypatch):
+    """A pull that raised is the collective that broke: nothing more is walked on close."""
+    real = export.iter_buckets
+    pulls: list = []
+
+    class Failing:      # its second pull raises; a third would go on (a walk would take it)
+        def __init__(self, *args, **kwargs):
+            self.gen = real(*args, **kwargs)
+
+        def __next__(self):
+            pulls.append(len(pulls))
+            if len(pulls) == 2:
+                raise RuntimeError("the all-gather of bucket 1 failed")
+            return next(self.gen)
+
+        def __iter__(self):
+            return self
+
+        def close(self):
+            self.gen.close()
+
+    monkeypatch.setattr(export, "iter_buckets", Failing)
+    plan, calls = _calls(_module(), lambda name, t: None)
+    _done(next(calls))
+    with pytest.raises(RuntimeError, match="bucket 1 failed"):
+        next(calls)
+    calls.close()
+    assert pulls == [0, 1], pulls
 
 
 def test_agreed_names_the_first_rank_that_refused(monkeypatch):

@@ -427,34 +427,72 @@ def calls(weights: Any, sync: Any, topo: Any, stats: SyncStats, phases: dict,
     weights.close()          # verl's generator: never pulled, nothing gathered
     plan = decision.plan if decision is not None and decision.plan is not None \
         else plan_buckets(metas, sync.bucket_bytes)
-    return _module_calls(weights.module, plan, sync, topo, stats, phases, prepare, lag)
+    return _ModuleCalls(weights.module, plan, sync, topo, stats, phases, prepare, lag)
 
 
-def _module_calls(module: torch.nn.Module, plan: list, sync: Any, topo: Any,
-                  stats: SyncStats, phases: dict,
-                  prepare: Callable[[str, torch.Tensor], torch.Tensor],
-                  lag: bool = False) -> Iterator[Call]:
-    # the plan is checked against the module's live export in iter_buckets, every sync
-    buf = ReusedBuffer(max((b.nbytes for b in plan), default=0), _device(module), lag=lag)
-    it = export.iter_buckets(module, sync.bucket_bytes, dtype=sync.dtype, alloc=buf.take,
-                             share_host_memory=sync.share_host_memory, plan=plan)
-    try:
-        for i in range(len(plan)):
-            t0 = time.perf_counter()
-            bucket, flat = next(it)
-            phases["export_s"] += time.perf_counter() - t0
-            for e in bucket.entries:         # verify's record (infer-TP rank 0), the cast a no-op
-                prepare(e.name, flat[e.start:e.end].view(e.dtype).view(e.shape))
-            obj = flattened_bucket(flat, bucket)
-            ps = handles.make_payloads(obj, topo.tp_size, ranks=[topo.tp_rank], tagged=False,
-                                       output_str=True)
-            del obj, flat
-            stats.buckets += 1
-            stats.tensors += len(bucket.entries)
-            stats.bytes += bucket.payload_bytes
-            # one flush_cache after the last bucket (the adapter's update_weights)
-            yield Call([ps], ps.payloads[0], lambda g: g, "flattened_bucket", False,
-                       f"bucket {i} ({bucket.names[0]}…)", on_release=buf.give_back)
-    finally:
-        it.close()               # a host-shared buffer goes with the generator, not later
-        buf.buf = buf.prev = None
+class _ModuleCalls:
+    """The sync's calls from fsdp_sync's export of ``module`` (one flattened bucket each, by
+    ``plan``). Closed before its end (the sync failed at an engine, an agreement, a check; or
+    before its first call) it walks the rest of the export, dropping it, unless a pull itself
+    failed (that collective is what broke): each bucket is an all-gather over every trainer rank,
+    which the other replicas' ranks walk with their own syncs; left, they waited in it until the
+    process group's timeout and lost their own good sync (as `verl.stream.Walked` for verl's
+    generator). The walk writes into a buffer of its own (an engine may still read the sync's)."""
+
+    def __init__(self, module: torch.nn.Module, plan: list, sync: Any, topo: Any,
+                 stats: SyncStats, phases: dict,
+                 prepare: Callable[[str, torch.Tensor], torch.Tensor], lag: bool = False) -> None:
+        self.plan, self.topo, self.stats, self.phases, self.prepare = plan, topo, stats, phases, prepare
+        # the plan is checked against the module's live export in iter_buckets, every sync
+        self.buf = ReusedBuffer(max((b.nbytes for b in plan), default=0), _device(module), lag=lag)
+        self.it: Any = export.iter_buckets(module, sync.bucket_bytes, dtype=sync.dtype,
+                                           alloc=self._take, share_host_memory=sync.share_host_memory,
+                                           plan=plan)
+        self.i, self.pull_failed = 0, False
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        return self.buf.take(nbytes)
+
+    def __iter__(self) -> "_ModuleCalls":
+        return self
+
+    def __next__(self) -> Call:
+        if self.it is None or self.i >= len(self.plan):
+            raise StopIteration
+        t0 = time.perf_counter()
+        try:
+            bucket, flat = next(self.it)
+        except BaseException:
+            self.pull_failed = True
+            raise
+        self.phases["export_s"] += time.perf_counter() - t0
+        for e in bucket.entries:         # verify's record (infer-TP rank 0), the cast a no-op
+            self.prepare(e.name, flat[e.start:e.end].view(e.dtype).view(e.shape))
+        obj = flattened_bucket(flat, bucket)
+        ps = handles.make_payloads(obj, self.topo.tp_size, ranks=[self.topo.tp_rank], tagged=False,
+                                   output_str=True)
+        del obj, flat
+        self.stats.buckets += 1
+        self.stats.tensors += len(bucket.entries)
+        self.stats.bytes += bucket.payload_bytes
+        i, self.i = self.i, self.i + 1
+        # one flush_cache after the last bucket (the adapter's update_weights)
+        return Call([ps], ps.payloads[0], lambda g: g, "flattened_bucket", False,
+                    f"bucket {i} ({bucket.names[0]}…)", on_release=self.buf.give_back)
+
+    def close(self) -> None:
+        it, self.it = self.it, None
+        if it is None:
+            return
+        try:
+            if not self.pull_failed and self.i < len(self.plan):
+                self.buf = ReusedBuffer(self.buf.nbytes, self.buf.device)
+                try:
+                    for _ in it:
+                        self.buf.give_back()
+                except Exception as exc:  # noqa: BLE001 - the sync's own error is the one raised
+                    log.warning("fsdp_sync: walking the rest of fsdp_sync's export after a failed "
+                                "sync: %s", exc)
+        finally:
+            it.close()               # a host-shared buffer goes with the generator, not later
+            self.buf.buf = self.buf.prev = None

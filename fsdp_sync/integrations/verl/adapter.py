@@ -405,7 +405,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free.
         ``reused``: the stream may overwrite a tensor once the next is pulled
         (`stream.reuses_memory`); what is held across a pull is then a copy. ``walk_rest``: after a
-        failure, verl's colocated export is walked to its end (`stream.Walked`)."""
+        failure, verl's colocated export is walked to its end (`stream.Walked`; fsdp_sync's own
+        export of it: `module_stream`)."""
         cfg, topo = self.sync, self._topology()
         counted = SyncStats()
         self._ipc_device = _ipc_device()
@@ -473,8 +474,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
             self._config_checked = True
             sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
         except Exception:
-            if walked is not None and walk_rest:   # other replicas' ranks are in it with this one
-                walked.rest()
+            if walk_rest:   # other replicas' ranks are in the export with this one
+                walked.rest() if walked is not None else steps.close()   # (`module_stream`'s walks)
             raise
         finally:
             sent, self._sent = self._sent, None
