@@ -148,10 +148,15 @@ def _run_recipe(tmp_path, tiny_dir, overrides: list[str], check) -> None:
         while left and time.monotonic() < deadline:
             time.sleep(1)
             left = _marked(marker)
-        for p in left:
+        lingered = []
+        for p in left:      # named before the kill (a killed one is a zombie: no cmdline)
+            try:
+                lingered.append((p.pid, p.name(), p.cmdline()[:4]))
+            except psutil.Error:
+                lingered.append((p.pid, "(gone)", []))
             p.kill()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert not left, [(p.pid, p.cmdline()[:4]) for p in left]
+    assert not left, f"still running 60 s after the run ended: {lingered}"
     listening = [c for c in psutil.net_connections("tcp")
                  if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
     assert not listening, f"port {port} (serve) still listened on: {listening}"
