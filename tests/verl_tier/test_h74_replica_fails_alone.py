@@ -24,25 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def replica_rank_sync(rank: int, world: int, cfg: dict, urls: list):
     import verl_ranks
-    from fsdp_sync.engines.sglang import SGLangEngine
 
-    if rank == 0:
-        calls = []
-        original = SGLangEngine.update_weights_from_tensor
-
-        def refusing(self, *args, **kwargs):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("replica 0's engine refused its second bucket")
-            return original(self, *args, **kwargs)
-        SGLangEngine.update_weights_from_tensor = refusing
-    cfg = dict(cfg, custom={"fsdp_sync": dict(cfg["custom"]["fsdp_sync"], base_url=urls[rank])})
-    adapter, _ = verl_ranks._adapter(rank, world, cfg)
-    # a (dp=2, infer_tp=1) mesh: each rank its own replica, as verl builds it for rollout TP 1
-    from torch.distributed.device_mesh import init_device_mesh
-
-    adapter.device_mesh = init_device_mesh("cpu", mesh_shape=(world, 1, 1),
-                                           mesh_dim_names=["dp", "infer_tp", "infer_pp"])
+    adapter = verl_ranks.replica_adapter(rank, world, cfg, urls)
     try:
         asyncio.run(adapter.update_weights(verl_ranks._tiny_stream(1), global_steps=1))
         return None

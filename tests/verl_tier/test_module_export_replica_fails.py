@@ -28,30 +28,14 @@ def replica_rank_sync(rank: int, world: int, cfg: dict, urls: list):
 
     import torch
     import verl_ranks
-    from torch.distributed.device_mesh import init_device_mesh
     from verl.workers.engine.fsdp import transformer_impl as impl
 
     from fsdp_sync.cli.trainer import wrap_fsdp
-    from fsdp_sync.engines.sglang import SGLangEngine
     from fsdp_sync.integrations import module_stream
     from fsdp_sync.models import build_model, load_config
 
     torch.set_num_threads(1)
-    if rank == 0:
-        calls = []
-        original = SGLangEngine.update_weights_from_tensor
-
-        def refusing(self, *args, **kwargs):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("replica 0's engine refused its second bucket")
-            return original(self, *args, **kwargs)
-        SGLangEngine.update_weights_from_tensor = refusing
-    cfg = dict(cfg, custom={"fsdp_sync": dict(cfg["custom"]["fsdp_sync"], base_url=urls[rank])})
-    adapter, _ = verl_ranks._adapter(rank, world, cfg)
-    # a (dp=2, infer_tp=1) mesh: each rank its own replica, as verl builds it for rollout TP 1
-    adapter.device_mesh = init_device_mesh("cpu", mesh_shape=(world, 1, 1),
-                                           mesh_dim_names=["dp", "infer_tp", "infer_pp"])
+    adapter = verl_ranks.replica_adapter(rank, world, cfg, urls)
     module_stream.install()
     hf = load_config("tiny")
     module = wrap_fsdp(build_model(hf, seed=0), world)

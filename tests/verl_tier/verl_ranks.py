@@ -372,3 +372,28 @@ def sync_named(rank: int, world: int, rollout_cfg: dict, named: list, hf_config=
     rollout, _ = _adapter(rank, world, rollout_cfg, types.SimpleNamespace(hf_config=hf_config))
     asyncio.run(rollout.update_weights(iter(named), global_steps=1))
     return {k: v for k, v in rollout.last_stats.items() if k != "digests"}
+
+
+def replica_adapter(rank: int, world: int, cfg: dict, urls: list):
+    """fsdp_sync's adapter of trainer rank ``rank`` as its own replica (a (dp=world, infer_tp=1)
+    mesh, as verl builds it for rollout TP 1) on the server ``urls[rank]``; replica 0's engine
+    refuses its second bucket (the one-replica-fails tests)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_sync.engines.sglang import SGLangEngine
+
+    if rank == 0:
+        calls = []
+        original = SGLangEngine.update_weights_from_tensor
+
+        def refusing(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("replica 0's engine refused its second bucket")
+            return original(self, *args, **kwargs)
+        SGLangEngine.update_weights_from_tensor = refusing
+    cfg = dict(cfg, custom={"fsdp_sync": dict(cfg["custom"]["fsdp_sync"], base_url=urls[rank])})
+    adapter, _ = _adapter(rank, world, cfg)
+    adapter.device_mesh = init_device_mesh("cpu", mesh_shape=(world, 1, 1),
+                                           mesh_dim_names=["dp", "infer_tp", "infer_pp"])
+    return adapter
