@@ -40,7 +40,7 @@ import torch
 
 __all__ = ["LORA_NAME", "lora_rank", "served_as_adapter", "refusal", "no_adapter_refusal",
            "base_name", "normalize_peft_config", "load_adapter", "check_adapter", "engine_name",
-           "sync_adapter"]
+           "unserved", "sync_adapter"]
 
 LORA_NAME = "verl_actor_lora_name"
 """verl's adapter name in SGLang (``SGLANG_LORA_NAME``): its server's requests carry it as ``lora_path``."""
@@ -178,6 +178,21 @@ def check_adapter(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
     return check_digests(engine, name, named)
 
 
+def unserved(engine: Any, name: str = LORA_NAME) -> None:
+    """Raise where infer-TP rank 0's ``engine`` cannot take an adapter at all: it stands for a
+    server rank 0 could not reach before the sync (`integrations.verl.unreached.Unreached`: every
+    call absent but ``begin_weight_update``, which raises the kept error, ``EngineUnreached``,
+    naming the server and what to do), or it has no ``load_lora_adapter_from_tensors``. Before,
+    the adapter sync failed on every rank with ``AttributeError: available_models: ...``."""
+    if callable(getattr(engine, "load_lora_adapter_from_tensors", None)):
+        return
+    begin = getattr(engine, "begin_weight_update", None)
+    if isinstance(getattr(engine, "why", None), str) and callable(begin):
+        begin()
+    raise TypeError(f"adapter {name!r}: infer-TP rank 0's engine {engine!r} has no "
+                    f"load_lora_adapter_from_tensors (SGLang's LoRA call): it cannot serve adapters")
+
+
 def sync_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], peft_config: Any, group: Any,
                  *, verify: str, name: str = LORA_NAME) -> dict[str, Any]:
     """One adapter sync's engine side (see the module docstring), on every rank of ``group``;
@@ -189,6 +204,7 @@ def sync_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], peft_config
     out: dict[str, Any] = {"engine_calls": 0, "load_s": 0.0, "r": None}
 
     def work() -> str | None:
+        unserved(engine, name)
         config = normalize_peft_config(peft_config)
         out["r"] = config.get("r")
         t0 = time.perf_counter()
