@@ -457,13 +457,15 @@ def check_engine(engine: Any, cfg: dict, name: str, base_version: Any,
     held = loaded.get(name) if isinstance(loaded, dict) else None
     if held is not None:
         want = sorted(targets) if isinstance(targets, (list, tuple)) else targets
+        then = (f"; to serve this one under {name!r}, unload the engine's first "
+                f"(engine.unload_lora_adapter({name!r})), or sync it under another SyncConfig.lora_name")
         if held.get("r") != r:
             return (f"adapter {name!r}: r={r} but the engine serves it with r={held.get('r')} "
-                    f"(its LoRA memory is sized for that rank); the engine keeps its adapter")
+                    f"(its LoRA memory is sized for that rank); the engine keeps its adapter" + then)
         got = sorted(held.get("target_modules") or [])
         if isinstance(want, list) and got != want:
             return (f"adapter {name!r}: target_modules {want} but the engine serves it on {got}; "
-                    f"the engine keeps its adapter")
+                    f"the engine keeps its adapter" + then)
     if not isinstance(loaded, dict):      # SGLang (the reference engine serves any subset)
         why = sglang_refusal(targets)
         if why is not None:

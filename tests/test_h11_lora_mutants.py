@@ -55,7 +55,8 @@ def test_an_adapter_of_another_rank_than_the_one_served_is_refused():
     cfg = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     assert lora_sync.check_engine(held, cfg, "a", "3") == (
         "adapter 'a': r=8 but the engine serves it with r=4 (its LoRA memory is sized for that "
-        "rank); the engine keeps its adapter")
+        "rank); the engine keeps its adapter; to serve this one under 'a', unload the engine's "
+        "first (engine.unload_lora_adapter('a')), or sync it under another SyncConfig.lora_name")
     assert lora_sync.check_engine(held, dict(cfg, r=4), "a", "3") is None
 
 
