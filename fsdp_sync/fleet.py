@@ -166,6 +166,11 @@ def end_all(engines: list, *, commit: bool, version: str | None = None, skip: It
                 log.warning("fsdp_sync: closing %s's update after a failed sync: %s", describe(e, i), exc)
                 partial.append(describe(e, i))
     if failed:
+        # what a failed commit leaves is no version anyone agreed on (SGLang: every call applied,
+        # its post-processing or the version's naming failed): noted as a replica that kept part
+        # of a failed update (`take_noted`), so the manager holds it (`manager_pause.stall`): the
+        # tensor method's engine too, whose transport has no fleet's blame (`Fleet.blame`)
+        _noted.__dict__.setdefault("names", []).extend(describe(engines[i], i) for i in sorted(failed))
         raise CommitError(committed, failed, version)
     if partial:
         log.warning("fsdp_sync: %s", partial_note(partial))
@@ -224,6 +229,8 @@ class Replica:
     rejoin: bool = False                    # `recover` / `add_engine` outside a sync: the next one brings it in
     stalled: bool = False                   # holds part of a failed update: generation paused until a sync commits
     partial: bool = False                   # holds part of a failed update (whatever the pause): no service until a commit
+    told_out: bool = False                  # its engine was told it is out of service (`quarantine`)
+    untold: str | None = None               # in service, but telling its engine so failed: told at each sync
 
 
 class Fleet:
@@ -287,6 +294,7 @@ class Fleet:
         if callable(fn):
             try:
                 fn(False, reason)
+                rep.told_out = True
             except Exception as exc:  # noqa: BLE001 - a dead replica: it serves nothing either
                 untold = f"{type(exc).__name__}: {exc}"
                 log.warning("fsdp_sync: could not mark %s out of service (%s); it is out of the "
@@ -351,16 +359,27 @@ class Fleet:
 
     def reinstate(self, rep: Replica, version: str | None) -> None:
         """``rep`` holds ``version`` now: back in service (its /health answers 200 again). An
-        engine that cannot be told (a real SGLang server has no such switch: it was never out of
-        service for a router) is logged, not raised: the sync that brought it back committed."""
+        engine that cannot be told is logged, not raised (the sync that brought it back
+        committed; raising here left every replica paused): a real SGLang server has no such
+        switch (it was never out of service for a router); one that was told it is out of service
+        (`fsdp-sync serve`) and now could not be told it serves (a connection reset) still answers
+        503 with the old reason: it is told again at each sync that commits there until it takes
+        it (``Replica.untold``, which ``fleet_status()`` gives as its reason meanwhile)."""
         fn = getattr(rep.engine, "set_serving", None)
+        rep.untold = None
         if callable(fn):
             try:
                 fn(True, "")
+                rep.told_out = False
             except Exception as exc:  # noqa: BLE001 - said; raising here left every replica paused
+                if rep.told_out:
+                    rep.untold = (f"in service at version {version!r}, but telling its engine so "
+                                  f"failed ({type(exc).__name__}: {exc}): it may still refuse requests "
+                                  f"(503, out of service); the next sync tells it again")
                 log.warning("fsdp_sync: could not mark %s in service again (%s); it is in the "
-                            "fleet's syncs; put it back in the router's rotation if it was taken "
-                            "out", rep.name, exc)
+                            "fleet's syncs; %s", rep.name, exc,
+                            "the next sync tells it again" if rep.told_out else
+                            "put it back in the router's rotation if it was taken out")
         rep.serving, rep.reason, rep.version, rep.held, rep.rejoin = True, None, version, False, False
         rep.partial = False            # brought to a whole version (`manager_fleet.bring_in` refuses otherwise)
         rep.quarantined_at = None      # in service: no quarantine time in `summary`
@@ -369,7 +388,7 @@ class Fleet:
         """What ``manager.fleet_status()`` returns: per replica its name, state and version, and
         ``generation_paused`` (its generation held after a failed sync left it partly new weights,
         `manager_pause.stall`; the next sync that commits there continues it)."""
-        return {"replicas": [{"name": r.name, "serving": r.serving, "reason": r.reason,
+        return {"replicas": [{"name": r.name, "serving": r.serving, "reason": r.reason or r.untold,
                               "version": r.version, "quarantined_at": r.quarantined_at,
                               "generation_paused": bool(getattr(r, "stalled", False))}
                              for r in self.replicas]}

@@ -239,7 +239,7 @@ class FSDPShardingManager:
             if settle:
                 failed, self._failed = self._failed, None
                 if settle is _SETTINGS:
-                    values = {f"SyncConfig.{f}": getattr(self.config, f) for f in STAGE_SETTINGS}
+                    values = self._stage_values()
                     gs = self.global_steps      # the version's name, verify="sample"'s turns
                     values["FSDPShardingManager.global_steps"] = gs if gs is None else str(gs)
                     if self.config.lora == "adapter":       # whether the base goes (`lora_stage`)
@@ -436,6 +436,8 @@ class FSDPShardingManager:
         try:
             err, ctx = self._transport_sync(targets, version, self.step)
             kept = manager_pause.kept_part(targets)
+            if getattr(ctx, "commit_failed", None) is not None:
+                kept = []        # a fleet's failed commits: `after_failure` holds them (or blames)
             if err is not None:
                 targets, again = manager_fleet.after_failure(self, targets, err, ctx, version)
                 if again:           # quarantined: again, without them (rank 0's word, every rank)
@@ -456,8 +458,8 @@ class FSDPShardingManager:
         self.step += 1
         manager_pause.stall(self, [r for r in kept if r not in targets], None)
         for rep in targets or []:
-            if not rep.serving:
-                self.fleet.reinstate(rep, version)     # quarantined, healthy again, synced now
+            if not rep.serving or rep.untold:      # quarantined, healthy again, synced now (or
+                self.fleet.reinstate(rep, version)     # in service, but not told so yet: `reinstate`)
             rep.version = version
         self.version = version          # committed: said before generation is continued
         manager_pause.release(self, paused, targets or [], version, resume_now=hold is None)
@@ -472,13 +474,37 @@ class FSDPShardingManager:
         return str(self.global_steps) if self.global_steps is not None else str(self.step)
 
     # ------------------------------------------------------------------ the fleet (`fsdp_sync.fleet`)
-    def _from_rank0(self, obj: Any) -> Any:
-        """``obj`` as trainer rank 0 has it, on every rank (the fleet's decisions are its)."""
+    def _from_rank0(self, obj: Any, *, compared: str | None = None) -> Any:
+        """``obj`` as trainer rank 0 has it, on every rank (the fleet's decisions are its).
+        ``compared`` (what is being done: ``"recover"``): the ranks' `STAGE_SETTINGS` are
+        compared in the same collective (gathered, not broadcast: no round trip of its own), and
+        where they differ every rank raises the same `SyncError` naming each one, as the first
+        stage's agree does (`recover` / `add_engine` may come before any ``with`` block)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=cpu_group())
-        return box[0]
+        if compared is None:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0, group=cpu_group())
+            return box[0]
+        mine = {k: repr(v) for k, v in self._stage_values().items()}
+        got: list = [None] * dist.get_world_size()
+        dist.all_gather_object(got, (obj if self.rank == 0 else None, mine), group=cpu_group())
+        parts = []
+        for key in mine:
+            held: dict[str, list[int]] = {}
+            for r, (_, vals) in enumerate(got):
+                held.setdefault(vals.get(key, "(not set)"), []).append(r)
+            if len(held) > 1:
+                parts.append(f"{key} is " + ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
+                                                      f"{rs if len(rs) > 1 else rs[0]}" for v, rs in held.items()))
+        if parts:
+            raise SyncError(f"{compared} failed: the ranks' settings differ: {'; '.join(parts)}. "
+                            f"{_SETTINGS_WHY}")
+        return got[0][0]
+
+    def _stage_values(self) -> dict:
+        """This rank's `STAGE_SETTINGS`, by name, as the ranks compare them."""
+        return {f"SyncConfig.{f}": getattr(self.config, f) for f in STAGE_SETTINGS}
 
     @property
     def _fleet_mode(self) -> bool:
@@ -526,8 +552,7 @@ class FSDPShardingManager:
         serves now; raises naming the replica if it cannot take updates. Refused for
         ``method='tensor'`` (no replica goes out of service there: each sync sends them all)."""
         self._refuse_closed("recover: ")
-        self._refuse_placed("recover", "bringing a replica back")
-        return manager_fleet.bring_in(self, engine, "recover")
+        return manager_fleet.bring_in(self, engine, "recover")    # (refused there for 'tensor')
 
     def add_engine(self, engine: Any = None) -> bool:
         """Add a replica between syncs (called on every trainer rank, ``engine`` on trainer rank
@@ -535,16 +560,19 @@ class FSDPShardingManager:
         does, then handed to the router (its /health turns 200). Refused for ``method='tensor'``:
         colocated engines are fixed by placement."""
         self._refuse_closed("add_engine: ")
-        self._refuse_placed("add_engine", "a new replica")
-        if self.rank == 0:
-            if engine is None:
-                raise ValueError("add_engine: trainer rank 0 passes the engine (None on the others)")
-            rep = self.fleet.add(engine, serving=False)
-            self.fleet.quarantine(rep, "joining: waiting for the current weights")
+        added, refused = None, None
+        if self.rank == 0 and self._fleet_mode:   # refused on every rank alike (`bring_in`): a
+            try:                                  # rank raising alone left the others in its collective
+                if engine is None:
+                    raise ValueError("add_engine: trainer rank 0 passes the engine (None on the others)")
+                added = self.fleet.add(engine, serving=False)
+                self.fleet.quarantine(added, "joining: waiting for the current weights")
+            except ValueError as exc:
+                refused = str(exc)
         try:
-            return manager_fleet.bring_in(self, engine, "add_engine")
+            return manager_fleet.bring_in(self, engine, "add_engine", refused=refused)
         except BaseException as exc:      # refused or failed: not in the fleet (no replica left 'joining')
-            note = manager_pause.let_go(self, self.fleet.remove(engine), "add_engine") if self.rank == 0 else None
+            note = manager_pause.let_go(self, self.fleet.remove(engine), "add_engine") if added else None
             if isinstance(exc, SyncError):
                 raise fleet.restate(exc, f"{exc}; it was not added to the fleet" + (
                     f"; {note}" if note else "")) from None

@@ -107,14 +107,19 @@ def _still_routed(manager: Any, rep: Any, untold: str) -> str:
             + "; take it out of the router's rotation (DELETE /workers/{id}) until a sync commits there")
 
 
-def bring_in(manager: Any, engine: Any, what: str) -> bool:
+def bring_in(manager: Any, engine: Any, what: str, *, refused: str | None = None) -> bool:
     """``what`` (``"recover"``, ``"add_engine"``): bring the replica of ``engine`` (trainer rank 0;
     None elsewhere) to the version the replicas in service hold, as trainer rank 0 decides: refuse
-    (it cannot take updates, or its config), send or load it now, leave it to the next sync
-    (returns False), or put it in service as it is (nothing committed yet). Returns whether it
-    serves now."""
+    (it cannot take updates, or its config, or ``refused``: `add_engine`'s own refusal), send or
+    load it now, leave it to the next sync (returns False), or put it in service as it is (nothing
+    committed yet). Returns whether it serves now. The decision goes to every rank with the
+    ranks' stage settings compared (`FSDPShardingManager._from_rank0`): before any ``with``
+    block nothing else compared them, and a rank refusing alone (``method='tensor'`` there) left
+    the others in the collective until the process group's timeout."""
     action, rep, reason, version = "serve", None, "", manager.version
-    if manager.rank == 0:
+    if refused is not None and manager.rank == 0:
+        action, reason = "refuse", refused
+    elif manager.rank == 0 and manager._fleet_mode:
         try:
             rep = manager.fleet.find(engine)
             reason = fleet.problem(engine) or ""
@@ -130,7 +135,8 @@ def bring_in(manager: Any, engine: Any, what: str) -> bool:
                 action, version = ("send" if manager._inside else "pending"), manager.version
         except Exception as exc:  # noqa: BLE001 - its config, or the fleet's state: a refusal
             action, reason = "refuse", f"{type(exc).__name__}: {exc}"
-    action, reason, version = manager._from_rank0((action, reason, version))
+    action, reason, version = manager._from_rank0((action, reason, version), compared=what)
+    manager._refuse_placed(what, "bringing a replica back" if what == "recover" else "a new replica")
     if action in ("fail", "refuse"):
         raise SyncError(f"{what}: {rep.name if rep is not None else 'the replica'} " + (
             "cannot take updates" if action == "fail" else "is refused, before anything was sent")
