@@ -89,3 +89,32 @@ def test_per_rank_buckets_cut_again_for_an_engine_restarted_at_another_tp():
             real = max(0, min(500, (r + 1) * rows) - r * rows)
             assert e.shape[0] == rows and torch.equal(e[:real], emb[r * rows:r * rows + real])
             assert not e[real:].any(), (tp, r)
+
+
+@pytest.mark.parametrize("over,tp,ep,want", [
+    ({}, 3, 1, "at a tp_size this model splits at: 1, 2, 4"),                     # 4 heads
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2, 1, "splits at: 1"),  # 3 KV heads, I 128
+    ({"recipe": "tiny-qwen2-moe", "moe_intermediate_size": 34}, 4, 1, "at tp_size 4 use ep_size 2, 4"),
+])
+def test_a_split_sglang_refuses_says_which_splits_work(over, tp, ep, want):
+    """The layout map's refusal of a TP/EP split names the field and its value (as before) and
+    what to do: the TP sizes (or EP sizes) this model splits at (before: the field alone)."""
+    over = dict(over)
+    cfg = load_config(over.pop("recipe", "tiny"), **over)
+    with pytest.raises(ValueError, match=r"must be divisible by") as info:
+        layout_for(cfg, tp, ep)
+    assert want in str(info.value) and "SGLang refuses this split too" in str(info.value), info.value
+
+
+@pytest.mark.parametrize("ignored", [5, {"model.layers.0.mlp": True}])
+def test_the_reference_engine_refuses_an_ignored_list_that_is_no_list(ignored):
+    """A dict was read as its keys (the sync refuses it: the two would differ), a number raised a
+    bare TypeError naming no field; both are now refused naming the field, as the sync does."""
+    from fsdp_sync.engines.reference.quant import resolve
+
+    cfg = load_config("tiny-fp8")
+    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], "ignored_layers": ignored}
+    with pytest.raises(ValueError, match="ignored_layers / modules_to_not_convert"):
+        resolve(cfg, None)
+    with pytest.raises(ValueError, match="quantization_config.ignored_layers"):
+        quantize.quantized_hf_names(_Module(cfg))

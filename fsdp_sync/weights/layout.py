@@ -39,6 +39,10 @@ models:
 Which layers are MoE, the expert sizes and the routing come from the config (`ModelSpec`); a
 family this map does not know is refused by `ModelSpec.from_config` by name.
 
+A split SGLang refuses (heads, KV heads, intermediate sizes or experts that do not divide) is
+refused by `TPLayout` naming the config field and its value (`split_refusal`) and the TP (or EP)
+sizes this model does split at.
+
 A `Placement` says where a piece of a full HF tensor lives in a rank's own parameter
 (``engine_param[dst] = full[src]``), with ``src`` a block of rows or of columns. Loading,
 gathering (`get_weights_by_name`), `shard_state_dict` ("direct" payloads) and the per-rank
@@ -62,7 +66,7 @@ VOCAB_PADDING = 64
 """The vocab is padded to a multiple of this before the TP split (SGLang's default padding)."""
 
 __all__ = ["VOCAB_PADDING", "FAMILIES", "ModelSpec", "TPLayout", "Placement", "shard_state_dict", "layout_for",
-           "names_layout", "block_of", "view2d", "rank_digest", "engine_ep_size"]
+           "names_layout", "split_refusal", "block_of", "view2d", "rank_digest", "engine_ep_size"]
 
 
 # --------------------------------------------------------------------------- the model's shape
@@ -230,6 +234,51 @@ def _cols(a: int, b: int) -> tuple[slice, ...]:
 _ALL = (slice(None),)
 
 
+def split_refusal(spec: ModelSpec, tp_size: int, ep_size: int = 1) -> str | None:
+    """Why SGLang (and so the layout map) cannot split ``spec``'s model over ``tp_size`` ranks with
+    ``ep_size`` expert groups, naming the config field and its value; None where it can (pure)."""
+    s, t = spec, tp_size
+    if s.num_heads % t:
+        return f"num_attention_heads ({s.num_heads}) must be divisible by tp_size ({t})"
+    if any(i not in s.moe_layers for i in range(s.num_layers)) and s.intermediate_size % t:
+        return f"intermediate_size ({s.intermediate_size}) must be divisible by tp_size ({t})"
+    if s.num_kv_heads >= t and s.num_kv_heads % t:
+        return f"num_key_value_heads ({s.num_kv_heads}) must be divisible by tp_size ({t})"
+    if s.num_kv_heads < t and t % s.num_kv_heads:
+        return (f"with fewer KV heads ({s.num_kv_heads}) than TP ranks ({t}), tp_size must be a "
+                f"multiple of num_key_value_heads to replicate them")
+    if t % ep_size:
+        return f"ep_size ({ep_size}) must divide tp_size ({t}) (SGLang's rule)"
+    if s.num_experts:
+        if s.num_experts % ep_size:
+            return f"num_experts ({s.num_experts}) must be divisible by ep_size ({ep_size})"
+        if s.moe_intermediate_size % (t // ep_size):
+            return (f"moe_intermediate_size ({s.moe_intermediate_size}) must be divisible by "
+                    f"tp_size / ep_size ({t // ep_size})")
+        if s.shared_expert_intermediate_size % t:
+            return (f"shared_expert_intermediate_size ({s.shared_expert_intermediate_size}) "
+                    f"must be divisible by tp_size ({t})")
+    return None
+
+
+def _splits_hint(spec: ModelSpec, tp_size: int, ep_size: int) -> str:
+    """What to do about a refused split: the TP sizes (up to 64, or ``tp_size``) this model splits
+    at with ``ep_size``, else the expert-parallel sizes that make ``tp_size`` work."""
+    top = max(64, tp_size)
+    at = f" with ep_size {ep_size}" if ep_size > 1 else ""
+    ok = [t for t in range(1, top + 1) if split_refusal(spec, t, ep_size) is None]
+    eps = [e for e in range(1, tp_size + 1) if spec.num_experts and split_refusal(spec, tp_size, e) is None]
+    if eps:
+        return (f"; SGLang refuses this split too: at tp_size {tp_size} use ep_size "
+                f"{', '.join(map(str, eps[:8]))}, or a tp_size this model splits at{at}: "
+                f"{', '.join(map(str, ok[:8])) or 'none up to ' + str(top)}")
+    if not ok:
+        return f"; SGLang refuses this split too, and every tp_size up to {top}{at}"
+    return (f"; SGLang refuses this split too: start the engine (and make the trainer's infer_tp) "
+            f"at a tp_size this model splits at{at}: {', '.join(map(str, ok[:8]))}"
+            f"{' …' if len(ok) > 8 else ''}")
+
+
 class TPLayout:
     """Which piece of which Hugging Face tensor each TP rank holds, and under which own name.
 
@@ -244,39 +293,19 @@ class TPLayout:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         s = spec
         self.spec, self.tp = s, tp_size
-        if s.num_heads % tp_size:
-            raise ValueError(f"num_attention_heads ({s.num_heads}) must be divisible by tp_size ({tp_size})")
-        dense_layers = [i for i in range(s.num_layers) if i not in s.moe_layers]
-        if dense_layers and s.intermediate_size % tp_size:
-            raise ValueError(f"intermediate_size ({s.intermediate_size}) must be divisible by "
-                             f"tp_size ({tp_size})")
-        if s.num_kv_heads >= tp_size:
-            if s.num_kv_heads % tp_size:
-                raise ValueError(f"num_key_value_heads ({s.num_kv_heads}) must be divisible by "
-                                 f"tp_size ({tp_size})")
-            self.kv_local, self.kv_replicas = s.num_kv_heads // tp_size, 1
-        else:
-            if tp_size % s.num_kv_heads:
-                raise ValueError(f"with fewer KV heads ({s.num_kv_heads}) than TP ranks ({tp_size}), "
-                                 f"tp_size must be a multiple of num_key_value_heads to replicate them")
-            self.kv_local, self.kv_replicas = 1, tp_size // s.num_kv_heads
         if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
             raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
         if ep_size > 1 and not s.num_experts:
             raise ValueError(f"ep_size {ep_size} needs an MoE model; {s.model_type} has no experts")
-        if tp_size % ep_size:
-            raise ValueError(f"ep_size ({ep_size}) must divide tp_size ({tp_size}) (SGLang's rule)")
+        why = split_refusal(s, tp_size, ep_size)
+        if why is not None:
+            raise ValueError(why + _splits_hint(s, tp_size, ep_size))
+        if s.num_kv_heads >= tp_size:
+            self.kv_local, self.kv_replicas = s.num_kv_heads // tp_size, 1
+        else:       # each rank holds a replica of the one KV head its query heads use
+            self.kv_local, self.kv_replicas = 1, tp_size // s.num_kv_heads
         self.ep = ep_size
         self.moe_tp = tp_size // ep_size
-        if s.num_experts:
-            if s.num_experts % ep_size:
-                raise ValueError(f"num_experts ({s.num_experts}) must be divisible by ep_size ({ep_size})")
-            if s.moe_intermediate_size % self.moe_tp:
-                raise ValueError(f"moe_intermediate_size ({s.moe_intermediate_size}) must be divisible by "
-                                 f"tp_size / ep_size ({self.moe_tp})")
-            if s.shared_expert_intermediate_size % tp_size:
-                raise ValueError(f"shared_expert_intermediate_size ({s.shared_expert_intermediate_size}) "
-                                 f"must be divisible by tp_size ({tp_size})")
         self.experts_local = s.num_experts // ep_size
         self.moe_inter_local = s.moe_intermediate_size // self.moe_tp if s.num_experts else 0
         self.shared_local = s.shared_expert_intermediate_size // tp_size

@@ -67,7 +67,8 @@ def resolve(config: Any, quantization: Any) -> dict | None:
         raise ValueError(f"the model config's quantization_config has activation_scheme {scheme!r}; block FP8 "
                          f"quantizes activations dynamically (SGLang refuses any other scheme with a block size)")
     ignored = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()
-    if isinstance(ignored, str) or not all(isinstance(i, str) for i in ignored):
+    # a list of names, as `weights.fp8_config` reads it for the sync (a dict's keys, a number: refused)
+    if not isinstance(ignored, (list, tuple)) or not all(isinstance(i, str) for i in ignored):
         raise ValueError(f"the model config's quantization_config has ignored_layers / modules_to_not_convert "
                          f"{ignored!r}; expected a list of module names")
     return {"method": "fp8", "block": (int(block[0]), int(block[1])), "ignored": tuple(ignored)}
