@@ -77,7 +77,10 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, re
     hold generation on the serving replicas from before the base (or, at an adapter-only sync,
     from just before the adapter's load) until every engine holds the adapter, once: no request
     runs between the new base and its adapter. A failed load follows
-    `SyncConfig.on_replica_failure` (`sync_adapter`)."""
+    `SyncConfig.on_replica_failure` (`sync_adapter`); at a base sync, a replica that took the base
+    but not the adapter and holds the one it served before under that name (a pair no sync
+    produced) is stalled (`manager_pause.stall`: requests aborted, paused, out of service in a
+    fleet) until a later sync gives it the adapter."""
     full = not manager.base_sync_done
     module, config, name = manager.module, manager.config, manager.config.lora_name
     fleet_mode = config.method != "tensor"       # the manager's rule (`_fleet_mode`)
@@ -113,7 +116,8 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, re
         if fleet_mode:     # where a full sync would go: the dead found and taken out first, and
             go = targets(manager, agree, version)          # those whose base changed given it again
             rejoining = [r for r in go if not r.serving] + restarted(manager, [r for r in go if r.serving], agree)
-    held: dict[str, Any] = {"paused": None, "published": False}
+    # based: at a base sync, the replicas that took the new base whole
+    held: dict[str, Any] = {"paused": None, "published": False, "based": []}
 
     def hold(targets: list | None = None) -> None:     # the base's targets, or those serving
         if pause is not None and held["paused"] is None:
@@ -124,12 +128,32 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, re
         if paused:
             resume(paused)
 
+    def mixed(took: list) -> list:
+        """At a base sync, the replicas on the new base that hold under ``name`` an adapter other
+        than this sync's (``took``: the ones that took it): the one they served before, kept or
+        put back, on the new base is a pair no sync produced (one that cannot say: counted)."""
+        out = []
+        for rep in held["based"]:
+            if any(rep is t for t in took):
+                continue
+            try:
+                has = holds(rep.engine, name)
+            except Exception:  # noqa: BLE001 - a dead engine serves nothing; stalled all the same
+                has = None
+            if has is not False:
+                out.append(rep)
+        return out
+
     def loaded(serving: list[int], **adapter: Any) -> None:
         if full:         # the base's sync named the version; the adapter went with it
+            manager_pause.stall(manager, mixed([reps[i] for i in serving]), None)
             let_go()
             return
         held["published"] = True      # (if only on some replicas: the next sync names another)
         publish(manager, [reps[i] for i in serving], version, agree)   # before generation resumes
+        for i in serving:      # stalled by a base sync whose adapter failed: whole again now
+            if reps[i].stalled and reps[i].serving:
+                reps[i].stalled = reps[i].partial = False
         let_go()
         if fleet_mode:
             rejoin(manager, rejoining, version, adapter)
@@ -143,6 +167,7 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, re
     try:
         if full:        # paused after the full sync's own checks, before anything is sent
             sync_full(hold)
+            held["based"] = list(named()[0])
             manager.lora_base = {id(e): engine_version(e) for e in manager.engines}
         base, manager.base_sync_done = manager.stats, True
         if getattr(manager, "lora_export", None) is None:
@@ -169,6 +194,8 @@ def sync_weights(manager: Any, sync_full: Any, agree: Any, pause: Any = None, re
     except BaseException as exc:
         manager.step += int(held["published"])     # its version was named: the next sync's differs
         try:
+            if held["based"]:        # the new base with the old adapter: no generation on it
+                manager_pause.stall(manager, mixed([]), exc)
             let_go()
         except Exception as cont:  # noqa: BLE001 - the sync's error is the one to raise
             exc.add_note(f"and then: {cont}")
