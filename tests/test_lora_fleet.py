@@ -271,19 +271,30 @@ def test_a_base_version_read_by_get_weight_version_is_guarded(two, tmp_path):
         m.close()
 
 
-def test_h80_a_base_sync_whose_adapter_fails_leaves_no_generation_on_base_and_old_adapter(two, tmp_path,
-                                                                                           monkeypatch):
+@pytest.mark.parametrize("method", ["disk", "tensor"])
+def test_h80_a_base_sync_whose_adapter_fails_leaves_no_generation_on_base_and_old_adapter(
+        two, tmp_path, monkeypatch, request, method):
     """H80: a base sync again (``base_sync_done=False``: the base changed) whose adapter then fails
     to load leaves the replica on the new base with the adapter it served before, a pair no sync
     produced (logits 0.19 from the trainer's, 0.07 from what it served). Under a ``pause_mode``
-    its requests are aborted and generation stays paused there, and it is out of service (as a
-    replica rejoining at an adapter-only sync is: `lora_stage.rejoin`); the next sync brings it
-    back serving the trainer's model. Before: generation resumed on that pair, the replica in
+    its requests are aborted and generation stays paused there, and in a fleet it is out of
+    service (as a replica rejoining at an adapter-only sync is: `lora_stage.rejoin`); the tensor
+    method's next adapter sync continues it, serving the trainer's model (a fleet's brings it
+    back by `rejoin`, tested above). Before: generation resumed on that pair, the replica in
     service at the base's version."""
+    from fsdp_sync.cli.trainer import last_logits
+    from fsdp_sync.topology import make_mesh
+
     a, _ = two
     _fresh(two)
     model = _model()
-    m = _manager(model, [a], tmp_path, pause_mode="abort")
+    if method == "tensor":
+        request.getfixturevalue("one_rank")
+        m = FSDPShardingManager(model, a, mesh=make_mesh(1, 1), config=SyncConfig(
+            method="tensor", lora="adapter", lora_name="L", pause_mode="abort"))
+    else:
+        m = FSDPShardingManager(model, [a], config=SyncConfig(
+            method="disk", disk_dir=str(tmp_path), lora="adapter", lora_name="L", pause_mode="abort"))
     try:
         with m:
             pass
@@ -295,20 +306,22 @@ def test_h80_a_base_sync_whose_adapter_fails_leaves_no_generation_on_base_and_ol
         m.base_sync_done = False
         with monkeypatch.context() as mp:
             _failing(a, mp)
-            with pytest.raises(SyncError, match=r"replica 0 failed to load adapter 'L'") as info:
+            with pytest.raises(SyncError, match=r"failed to load adapter 'L'") as info:
                 with m:
                     pass
         assert any("its requests were aborted and generation stays paused" in n
                    for n in getattr(info.value, "__notes__", [])), info.value
         assert a.generation_paused == "abort"
         (rep,) = m.fleet_status()["replicas"]
-        assert not rep["serving"] and rep["generation_paused"], rep
-        with m:                       # back: the base again, then the adapter, both verified
+        assert rep["generation_paused"] and rep["serving"] == (method == "tensor"), rep
+        if method == "disk":
+            return
+        with m:                       # the adapter alone: it serves the pair the trainer has
             pass
-        assert a.generation_paused is None and m.fleet_status()["replicas"][0]["serving"]
-        from fsdp_sync.cli.trainer import last_logits
+        assert a.generation_paused is None and not m.fleet_status()["replicas"][0]["generation_paused"]
+        prompts = [[11, 27, 93, 5]]
         with torch.no_grad():
-            want = last_logits(model, [[11, 27, 93, 5]]).float()
-        assert float((a.forward_logits([[11, 27, 93, 5]], lora_path="L").float() - want).abs().max()) < 1e-5
+            want = last_logits(model, prompts).float()
+        assert float((a.forward_logits(prompts, lora_path="L").float() - want).abs().max()) < 1e-5
     finally:
         m.close()
