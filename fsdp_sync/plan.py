@@ -301,7 +301,8 @@ def meta_model(model: Any) -> tuple[Any, torch.nn.Module]:
 # --------------------------------------------------------------------------- the plan
 
 def _fmt(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+    """Bytes for a message: GiB, MiB, or KiB below one MiB (a tiny model's tensors: not "0 MiB")."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"
 
 
 def plan_row(job: PlanJob, cluster: Cluster | str = "h100-node") -> dict:
@@ -541,14 +542,21 @@ def _check_fit(job: PlanJob, cl: Cluster, row: dict, quantized_bytes: Any = None
     def fits(b: int) -> bool:
         return all(need(b) <= free for need, free, _, _ in sides)
 
-    lo, hi = 0, job.bucket_bytes // MiB         # the largest whole MiB that fits (bisection)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid * MiB) else (lo, mid - 1)
-    best = lo * MiB if lo else None
+    def largest_fit(unit: int, top: int) -> int:      # the largest whole unit that fits (bisection)
+        lo, hi = 0, top
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid * unit) else (lo, mid - 1)
+        return lo * unit
+
+    # whole MiB; under one MiB (a model whose tensors are smaller) whole KiB, as --bucket-mb takes
+    best = largest_fit(MiB, job.bucket_bytes // MiB) or largest_fit(1024, min(job.bucket_bytes, MiB) // 1024) or None
     need, free, what, where = failing[0]
-    hint = (f"; the largest bucket that fits is {lo} MiB (--bucket-mb {lo})" if best else
-            f"; no bucket fits: the largest tensor alone needs {_fmt(largest)}")
+    floor = max(largest, 1024)      # at buckets up to the largest tensor the rule needs the least
+    mb = str(best // MiB) if best and best % MiB == 0 else repr((best or 0) / MiB)    # exact: KiB / 1024
+    hint = (f"; the largest bucket that fits is {mb} MiB (--bucket-mb {mb})" if best else
+            f"; no bucket fits: at any bucket up to the largest tensor ({_fmt(largest)}) it needs "
+            f"{_fmt(need(floor))}, over the {_fmt(max(free, 0))} left")
     raise PlanError(f"{job.method} {row['model']}: {what.replace('{}', _fmt(job.bucket_bytes))} = "
                     f"{_fmt(need(job.bucket_bytes))} exceeds the {_fmt(max(free, 0))} {where}{hint}", best)
 

@@ -33,7 +33,7 @@ def test_a_plan_no_bucket_fits_suggests_none():
     say), not a bucket of 0 bytes (mutant ``best = lo * MiB``: 0, which no sync can take)."""
     from fsdp_sync.plan import PlanError
 
-    small = Cluster("small-gpu", "cuda", 8, 10 * 2**20, 5.0, 1.0, 1.0, 1.0, 1.0, 1e-4, 1e-4)
+    small = Cluster("small-gpu", "cuda", 8, 2 * 2**20, 5.0, 1.0, 1.0, 1.0, 1.0, 1e-4, 1e-4)   # 307 KiB left < 3 x 128 KiB
     job = PlanJob("tiny", "tensor", "full", 64 << 20, "float32", None, 2, 2, 2, trainer_resident_bytes=0)
     with pytest.raises(PlanError, match="no bucket fits") as info:
         plan_row(job, small)
