@@ -436,7 +436,9 @@ def add_plan_parser(sub) -> None:
                     "device: a 235B model plans in seconds without memory. A plan that cannot fit is refused "
                     "with the largest bucket that would, and one the engine would refuse with its reason "
                     "(SGLang takes per-rank buckets from the tensor method only) (exit code 1 when every "
-                    "plan is refused). Rows use the bench's field names.",
+                    "plan is refused). Rows use the bench's field names. Not planned: a LoRA adapter's "
+                    "syncs (SyncConfig.lora='adapter': a row is its base sync, the first; each sync after it "
+                    "sends only the adapter's tensors, one engine call per engine).",
         formatter_class=ca.DefaultsFormatter)
     p.add_argument("--recipe", type=_plan_recipe,
                    help="a plan sweep shipped with fsdp_sync (" + ", ".join(plan_recipes()) + ") or a YAML file "
