@@ -271,7 +271,7 @@ def test_a_base_version_read_by_get_weight_version_is_guarded(two, tmp_path):
         m.close()
 
 
-@pytest.mark.parametrize("method", ["disk", "tensor"])
+@pytest.mark.parametrize("method", ["disk", "tensor", "quarantine"])
 def test_h80_a_base_sync_whose_adapter_fails_leaves_no_generation_on_base_and_old_adapter(
         two, tmp_path, monkeypatch, request, method):
     """H80: a base sync again (``base_sync_done=False``: the base changed) whose adapter then fails
@@ -285,10 +285,14 @@ def test_h80_a_base_sync_whose_adapter_fails_leaves_no_generation_on_base_and_ol
     from fsdp_sync.cli.trainer import last_logits
     from fsdp_sync.topology import make_mesh
 
-    a, _ = two
+    a, b = two
     _fresh(two)
     model = _model()
-    if method == "tensor":
+    if method == "quarantine":      # two replicas: the other takes the adapter, the sync succeeds
+        m = FSDPShardingManager(model, [b, a], config=SyncConfig(
+            method="disk", disk_dir=str(tmp_path), lora="adapter", lora_name="L", pause_mode="abort",
+            on_replica_failure="quarantine"))
+    elif method == "tensor":
         request.getfixturevalue("one_rank")
         m = FSDPShardingManager(model, a, mesh=make_mesh(1, 1), config=SyncConfig(
             method="tensor", lora="adapter", lora_name="L", pause_mode="abort"))
@@ -306,6 +310,13 @@ def test_h80_a_base_sync_whose_adapter_fails_leaves_no_generation_on_base_and_ol
         m.base_sync_done = False
         with monkeypatch.context() as mp:
             _failing(a, mp)
+            if method == "quarantine":
+                with m:
+                    pass
+                assert b.generation_paused is None and a.generation_paused == "abort"
+                assert [(r["serving"], r["generation_paused"]) for r in m.fleet_status()["replicas"]] \
+                    == [(True, False), (False, True)]
+                return
             with pytest.raises(SyncError, match=r"failed to load adapter 'L'") as info:
                 with m:
                     pass
