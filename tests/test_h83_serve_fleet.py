@@ -243,3 +243,25 @@ def test_add_engine_refused_on_rank_0_is_refused_on_every_rank(monkeypatch):
     out = _two_ranks(monkeypatch, [_cfg(), _cfg()], [lambda m: m.add_engine(None)] * 2)
     for kind, text in out:
         assert kind == "raised" and "trainer rank 0 passes the engine" in text, out
+
+
+def test_an_abort_on_an_engine_that_applies_calls_as_they_come_says_what_it_holds():
+    """Before: the abort's answer said the engine "serves nothing until every tensor is pushed
+    again" (the words for weights written over in place), of a ReferenceEngine with
+    transactional_updates=False, which goes on serving its partly new weights under the old
+    version (seen in H83's audit of a failed fleet sync over HTTP)."""
+    from fsdp_sync.engines.reference.serve import EngineServer
+
+    class Applies:
+        tp_size, transactional_updates = 1, False
+
+        def end_weight_update(self, *, abort=False, weight_version=None):
+            return False         # closed; what it had applied stays
+
+    srv = EngineServer(Applies())
+    try:
+        status, out = srv._end_weight_update({"abort": True})
+    finally:
+        srv.close()
+    assert status == 200 and out["aborted"] is False, out
+    assert "partly new weights" in out["message"] and "serves nothing" not in out["message"], out

@@ -273,7 +273,14 @@ class UpdateRoutes:
             def end() -> None:
                 dropped[0] = fn(abort=True)
             status, out = self._locked("end_weight_update", end)
-            if status == 200 and dropped[0] is False:   # it wrote over weights it served: not dropped
+            if status == 200 and dropped[0] is False and getattr(self.engine, "transactional_updates",
+                                                                 None) is False:
+                # (before: said "serves nothing" of an engine that serves its partly new weights)
+                out.update(message="end_weight_update: aborted, nothing committed, but this engine "
+                                   "applies each update call as it arrives (transactional_updates=False): "
+                                   "it holds partly new weights under its old version; push a whole "
+                                   "update before generating from it", aborted=False)
+            elif status == 200 and dropped[0] is False:   # it wrote over weights it served: not dropped
                 out.update(message="end_weight_update: aborted, nothing committed, but the update had "
                                    "written over the weights in place (start-up weights, or tensors "
                                    "pushed again since a release without backup): the engine serves "
