@@ -11,6 +11,8 @@ that names its base only through ``get_weight_version()``:
 - ``SyncConfig.pause_mode`` holds generation once, from before the base (or the adapter's load)
   until the adapter is in (before: adapter loads ran unpaused, and the first sync resumed
   generation between the base and its adapter); a refused sync pauses nothing;
+- a base sync whose adapter then fails leaves no generation on the new base with the old adapter
+  (H80: stalled, out of service in a fleet, continued by the next sync that gives it the adapter);
 - an engine without a ``weight_version`` attribute (`SGLangEngine`: ``get_weight_version()``)
   whose base is no longer the one synced (a restarted server) is refused at the next
   adapter-only sync (before: the guard never fired for it).
