@@ -262,12 +262,13 @@ def split_refusal(spec: ModelSpec, tp_size: int, ep_size: int = 1) -> str | None
 
 
 def _splits_hint(spec: ModelSpec, tp_size: int, ep_size: int) -> str:
-    """What to do about a refused split: the TP sizes (up to 64, or ``tp_size``) this model splits
+    """What to do about a refused split: the TP sizes (up to 64, or ``tp_size`` up to 4096) this model splits
     at with ``ep_size``, else the expert-parallel sizes that make ``tp_size`` work."""
-    top = max(64, tp_size)
+    top = min(max(64, tp_size), 4096)        # a mistyped tp_size costs no long search
     at = f" with ep_size {ep_size}" if ep_size > 1 else ""
     ok = [t for t in range(1, top + 1) if split_refusal(spec, t, ep_size) is None]
-    eps = [e for e in range(1, tp_size + 1) if spec.num_experts and split_refusal(spec, tp_size, e) is None]
+    eps = [e for e in range(1, min(tp_size, 4096) + 1)
+           if spec.num_experts and split_refusal(spec, tp_size, e) is None]
     if eps:
         return (f"; SGLang refuses this split too: at tp_size {tp_size} use ep_size "
                 f"{', '.join(map(str, eps[:8]))}, or a tp_size this model splits at{at}: "
