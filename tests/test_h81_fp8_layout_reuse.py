@@ -118,3 +118,22 @@ def test_the_reference_engine_refuses_an_ignored_list_that_is_no_list(ignored):
         resolve(cfg, None)
     with pytest.raises(ValueError, match="quantization_config.ignored_layers"):
         quantize.quantized_hf_names(_Module(cfg))
+
+
+def test_a_block_fp8_split_sglang_refuses_says_which_splits_fit():
+    """An MoE (moe_intermediate_size 384) at TP 4, EP 1: each expert's slice (96 rows) cuts a 128 block;
+    the refusal names it (as before) and what to do: the EP sizes at TP 16, or the TP sizes at
+    EP 1, whose slices are whole blocks; a model no split fits says so (before: the misfits alone)."""
+    from fsdp_sync.weights import fp8
+    from fsdp_sync.weights.layout import ModelSpec, TPLayout
+
+    moe = ModelSpec.from_config(load_config("tiny-fp8-moe", moe_intermediate_size=384))
+    with pytest.raises(ValueError, match=r"expert rows per rank .* = 96 is not a multiple of block 128") as info:
+        fp8.check_block_shapes(TPLayout(moe, 4, 1))
+    assert "at tp_size 4 use ep_size 4, or a tp_size whose slices are whole blocks: 1;" in str(info.value), info.value
+    fp8.check_block_shapes(TPLayout(moe, 4, 4))       # the split it names fits
+    fp8.check_block_shapes(TPLayout(moe, 1, 1))
+    with pytest.raises(ValueError) as info:
+        fp8.check_block_shapes(TPLayout(ModelSpec.from_config(load_config("tiny")), 2))
+    assert "SGLang refuses it too, and every tp_size up to 64" in str(info.value), info.value
+    assert str(info.value).count("ignored_layers") == 1

@@ -56,7 +56,7 @@ from typing import Iterable
 
 import torch
 
-from fsdp_sync.weights.layout import ModelSpec, Placement, TPLayout
+from fsdp_sync.weights.layout import ModelSpec, Placement, TPLayout, split_refusal
 
 __all__ = ["BLOCK", "FP8_MAX", "AMAX_FLOOR", "QUANTIZATIONS", "scale_shape", "scale_name", "quantize_block",
            "check_finite", "scales_finite", "CASTS_IN_TEMPORARIES", "SCRATCH_ELEMENTS",
@@ -340,8 +340,7 @@ def check_block_shapes(layout: TPLayout, block: tuple[int, int] = BLOCK,
     is quantized: SGLang builds a layer its ``ignored_layers`` skips with the unquantized method,
     which checks no block (a misfit there is no cut block: that layer has no scale). The refusal
     names the first quantized tensor of each misfit."""
-    s, t, (bn, bk) = layout.spec, layout.tp, block
-    d = s.head_dim
+    s, t = layout.spec, layout.tp
     if quantized is None:
         names = quantized_names(layout)
     else:
@@ -357,31 +356,61 @@ def check_block_shapes(layout: TPLayout, block: tuple[int, int] = BLOCK,
             first.setdefault(kind, n)
             if kind == "self_attn.qkv_proj.weight" and (".k_proj." in n or ".v_proj." in n):
                 first.setdefault("k/v", n)   # the fused layer's k or v part: the k/v rule names it
+    bad = _misfits(s, t, layout.ep, first, block)
+    if bad:
+        raise ValueError(f"block FP8 {list(block)} at tp {t}, ep {layout.ep} ({s.model_type}): "
+                         + "; ".join(bad) + _fitting_splits(s, t, layout.ep, first, block)
+                         + "; a layer the model config's quantization_config.ignored_layers lists stays "
+                         "unquantized, unchecked")
+
+
+def _misfits(s: ModelSpec, t: int, ep: int, first: dict[str, str], block: tuple[int, int]) -> list[str]:
+    """`check_block_shapes`' rules at ``t`` ranks and ``ep`` expert groups (a split the layout map
+    takes: `layout.split_refusal` is None), for the quantized kinds ``first`` names."""
+    (bn, bk), d = block, s.head_dim
+    q, kv = s.num_heads // t * d, max(1, s.num_kv_heads // t) * d
+    moe_tp = t // ep
     # (what, size, the kind it constrains, split: the ranks the input dim is cut over; 0 for rows)
-    rules = [("q_proj rows per rank", layout.q_local * d, "self_attn.qkv_proj.weight", 0),
-             ("k_proj/v_proj rows per rank", layout.kv_local * d, "self_attn.qkv_proj.weight", 0),
-             ("o_proj input per rank (heads / tp * head_dim)", layout.q_local * d, "self_attn.o_proj.weight", t)]
+    rules = [("q_proj rows per rank", q, "self_attn.qkv_proj.weight", 0),
+             ("k_proj/v_proj rows per rank", kv, "self_attn.qkv_proj.weight", 0),
+             ("o_proj input per rank (heads / tp * head_dim)", q, "self_attn.o_proj.weight", t)]
     if len(s.moe_layers) < s.num_layers:
-        rules += [("gate_proj/up_proj rows per rank (intermediate_size / tp)", layout.inter_local,
+        rules += [("gate_proj/up_proj rows per rank (intermediate_size / tp)", s.intermediate_size // t,
                    "gate_up_proj.weight", 0),
-                  ("down_proj input per rank (intermediate_size / tp)", layout.inter_local, "down_proj.weight", t)]
+                  ("down_proj input per rank (intermediate_size / tp)", s.intermediate_size // t,
+                   "down_proj.weight", t)]
     if s.shared_expert_intermediate_size:
-        rules += [("shared expert rows per rank", layout.shared_local, "shared_expert.gate_up_proj.weight", 0),
-                  ("shared expert down_proj input per rank", layout.shared_local, "shared_expert.down_proj.weight", t)]
+        shared = s.shared_expert_intermediate_size // t
+        rules += [("shared expert rows per rank", shared, "shared_expert.gate_up_proj.weight", 0),
+                  ("shared expert down_proj input per rank", shared, "shared_expert.down_proj.weight", t)]
     if s.num_experts:
-        rules += [("expert rows per rank (moe_intermediate_size / (tp / ep))", layout.moe_inter_local,
-                   "experts.w13_weight", 0),
-                  ("expert down_proj input per rank", layout.moe_inter_local, "experts.w2_weight", layout.moe_tp)]
+        inter = s.moe_intermediate_size // moe_tp
+        rules += [("expert rows per rank (moe_intermediate_size / (tp / ep))", inter, "experts.w13_weight", 0),
+                  ("expert down_proj input per rank", inter, "experts.w2_weight", moe_tp)]
     bad = []
     for what, v, kind, split in rules:
         b = bk if split else bn
         if kind in first and split != 1 and v % b:
             named = first.get("k/v", first[kind]) if what.startswith("k_proj/v_proj") else first[kind]
             bad.append(f"{what} = {v} is not a multiple of block {b} (quantized {named!r})")
-    if bad:
-        raise ValueError(f"block FP8 {list(block)} at tp {t}, ep {layout.ep} ({s.model_type}): "
-                         + "; ".join(bad) + "; a layer the model config's quantization_config.ignored_layers "
-                         "lists stays unquantized, unchecked")
+    return bad
+
+
+def _fitting_splits(s: ModelSpec, t: int, ep: int, first: dict[str, str], block: tuple[int, int]) -> str:
+    """What to do about a refused block split: the EP sizes at tp ``t``, and the TP sizes (up to
+    64) at ``ep``, whose every quantized slice is whole blocks (SGLang takes those)."""
+    def fits(tp: int, e: int) -> bool:
+        return split_refusal(s, tp, e) is None and not _misfits(s, tp, e, first, block)
+
+    eps = [e for e in range(1, t + 1) if s.num_experts and e != ep and fits(t, e)]
+    tps = [x for x in range(1, 65) if fits(x, ep)]
+    at = f" with ep_size {ep}" if ep > 1 else ""
+    if not eps and not tps:
+        return (f"; SGLang refuses it too, and every tp_size up to 64{at}: leave those layers "
+                f"unquantized (below) or sync unquantized (quantization=None)")
+    out = f"; SGLang refuses it too: at tp_size {t} use ep_size {', '.join(map(str, eps[:8]))}, or" if eps \
+        else "; SGLang refuses it too: start the engine (and make the trainer's infer_tp) at"
+    return f"{out} a tp_size whose slices are whole blocks{at}: {', '.join(map(str, tps[:8])) or 'none up to 64'}"
 
 
 def _in_blocks(sl: slice, b: int) -> slice:
