@@ -557,7 +557,10 @@ def check_plan_args(args, given: set[str]) -> None:
         except ValueError as exc:
             raise ValueError(f"{source}{exc}") from None
 
-    flag = "--config-json" if args.config_json else "--models"
+    # named as the user gave them: the flags, or (none of them given) the recipe's keys
+    keys = bool(args.recipe) and not given & {"models", "config_json", "tp", "ep", "quantization"}
+    flag = "--config-json" if args.config_json else (f"{source}models:" if keys else "--models")
+    tp_, ep_, q_ = ("tp ", "ep ", "quantization ") if keys else ("--tp ", "--ep ", "--quantization ")
     for model in sweep["models"]:
         try:
             meta_model(model)
@@ -570,8 +573,7 @@ def check_plan_args(args, given: set[str]) -> None:
         why = split_refusal(model, t, e, q)
         if why is None:
             break
-        refused.append(f"{flag} {model} at --tp {t} --ep {e}" + (f" --quantization {q}" if q else "")
-                       + f": {why}")
+        refused.append(f"{flag} {model} at {tp_}{t} {ep_}{e}" + (f" {q_}{q}" if q else "") + f": {why}")
     else:
         raise ValueError(refused[0] + (f" (and {len(refused) - 1} more: every combination "
                                        f"is refused)" if len(refused) > 1 else ""))
