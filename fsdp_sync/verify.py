@@ -81,7 +81,7 @@ from .weights import bucket as _bucket
 from .weights import export, export_checks, quantize
 from .topology import agree, cpu_group
 from .engines.base import checksum_named_tensors
-from .weights.layout import TPLayout, layout_for, rank_digest
+from .weights.layout import TPLayout, layout_for, names_layout, rank_digest
 
 __all__ = ["SAMPLE_EVERY", "SampleTurns", "select", "tensor_digest", "trainer_tensors", "first_difference",
            "verify_engines", "digests", "check_sent", "SentDigests", "SentToSGLang", "sent_record"]
@@ -375,8 +375,8 @@ def _whole_engine_params(module: torch.nn.Module, chosen: list[str], mine: bool)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=cpu_group())
     if not flag.item():
         return chosen
-    try:
-        layout = layout_for(module.config, 1)
+    try:     # the split-independent map: `layout_for(config, 1)` evicted the run's TP layout
+        layout = names_layout(module.config)
     except Exception:  # noqa: BLE001 - the ranks with engines have reported it already
         return chosen
     group = {n: pl.engine for n in layout.hf_names() for pl in layout.placements(n, 0)}
