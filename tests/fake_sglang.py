@@ -424,6 +424,22 @@ class FakeSGLangEngine(OldFakeSGLangEngine):
         return True, "Succeeded to destroy custom process group."
 
 
+class PausingFakeSGLangEngine(FakeSGLangEngine):
+    """With SGLang's generation pause: ``paused`` is the mode of ``pause_generation`` (None while
+    generating); both calls are recorded. Subclasses add what their test drives (flush refusals,
+    failed commits)."""
+
+    paused = None
+
+    def pause_generation(self, mode="abort"):
+        self._record("pause_generation", mode=mode)
+        self.paused = mode
+
+    def continue_generation(self):
+        self._record("continue_generation")
+        self.paused = None
+
+
 class Fake0512Engine(FakeSGLangEngine):
     """SGLang 0.5.12 (``verl[sglang]==0.9.1``'s pin): the distributed calls with 0.5.23's
     arguments, but no weight-update session: no begin/end methods, nothing refused outside one."""

@@ -90,17 +90,7 @@ def test_a_tensor_engine_whose_commit_failed_is_held_not_continued(one_rank):
     from fsdp_sync.engines import sglang as sg
     from fsdp_sync.topology import SyncError, make_mesh
 
-    class Failing(fake.FakeSGLangEngine):
-        paused = None
-
-        def pause_generation(self, mode="abort"):
-            self._record("pause_generation", mode=mode)
-            self.paused = mode
-
-        def continue_generation(self):
-            self._record("continue_generation")
-            self.paused = None
-
+    class Failing(fake.PausingFakeSGLangEngine):
         def end_weight_update(self):
             ok, msg = super().end_weight_update()     # applied as it came: nothing to drop
             if self.fail_commit:

@@ -29,20 +29,10 @@ REFUSED = ("Weights were updated, but the cache was not flushed because requests
            "running or queued. Retract or finish them, then call /flush_cache.")
 
 
-class InPlaceSGLang(fake.FakeSGLangEngine):
+class InPlaceSGLang(fake.PausingFakeSGLangEngine):
     """SGLang 0.5.23 with requests running: ``pause_generation(mode="in_place")`` keeps them, and
     while they are held every flush is refused, an update's own flush failing the update (its
     weights loaded). In process: ``sglang.Engine.update_weights_from_disk`` always flushes."""
-
-    paused = None
-
-    def pause_generation(self, mode="abort"):
-        self._record("pause_generation", mode=mode)
-        self.paused = mode
-
-    def continue_generation(self):
-        self._record("continue_generation")
-        self.paused = None
 
     def _flush_ok(self) -> bool:
         return self.paused != "in_place"
