@@ -548,6 +548,9 @@ RECIPES = [     # (YAML under plan:, the words of its one-line refusal)
     ("models: [tiny]\nfsdp: 3", ["fsdp: 3", "1, 2"]),
     ("models: [tiny]\ntrainer_resident_gib: -1", ["trainer_resident_gib: -1", ">= 0"]),
     ("models: [tiny]\ncluster: bad-cluster.json", ["cluster: bad-cluster.json", "unknown cluster fields"]),
+    # a model its tp / quantization cannot split (H82: named "--models tiny at --tp 3", flags never given)
+    ("models: [tiny]\ntp: [3]\nmethods: [disk]", ["models: tiny at tp 3 ep 1", "num_attention_heads (4)"]),
+    ("models: [tiny]\nquantization: fp8", ["models: tiny at tp 2 ep 1 quantization fp8", "block FP8"]),
 ]
 
 
@@ -565,6 +568,7 @@ def test_recipe_values_are_checked_as_the_flags_are(body, words, tmp_path, capsy
     assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     for w in ["--recipe", str(recipe), *words]:
         assert w in err, (w, err)
+    assert f"--recipe {recipe}: " in err and "--tp" not in err and "--models" not in err, err  # its keys, not flags
 
 
 def test_a_recipes_bool_spellings_are_read_as_the_flags_are(tmp_path, monkeypatch):
