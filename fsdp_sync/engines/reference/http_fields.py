@@ -136,19 +136,27 @@ def opened_payloads(payloads: Sequence[Any], label: str) -> Iterator[list]:
     """The values of a request's serialized payloads (`weights.handles.open_payload`), every one
     opened, and every one opened acknowledged when the block ends, failed or not (each holds a
     shared-memory reference its sender counted on its consumer to take). One that cannot be
-    opened is a 400 naming it: ``label`` with ``{i}`` for its index."""
+    opened is a 400 naming it (the first such: ``label`` with ``{i}`` for its index), raised after
+    every other one was opened and acknowledged: an untagged payload (SGLang's format: no state
+    word its sender could revoke) left unopened behind a bad one kept the reference its pickling
+    took for this consumer, so its /dev/shm segment outlived the sender's tensors until the
+    sender's process exited (one segment per failed request). The refusal carries text only, and
+    the acknowledged list is emptied, so no traceback holding this frame keeps an opened tensor."""
     from ...weights import handles
 
-    opened = []
+    opened, refusal = [], None
     try:
         for i, p in enumerate(payloads):
             try:
                 opened.append(handles.open_payload(p))
             except Exception as exc:  # noqa: BLE001 - what the client sent cannot be opened
-                raise Refused(400, f"{label.format(i=i)}: {type(exc).__name__}: {exc}") from None
+                refusal = refusal or f"{label.format(i=i)}: {type(exc).__name__}: {exc}"
+        if refusal is not None:
+            raise Refused(400, refusal)
         yield [r.value for r in opened]
     finally:
         handles.ack_all(opened)   # waits for the copies out of CUDA payloads, then acknowledges
+        opened.clear()
 
 
 def too_big(n: int, limit: int) -> str:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from .http_fields import (Refused, accepted_kwargs, body_field, check_disk_path, opened_payloads,
                           str_list_field)
@@ -63,30 +63,6 @@ def check_selector(body: dict, what: str) -> None:
                            f"model loads nothing and answers success); send 'target' or 'all'")
     raise Refused(400, f"{what}: field 'selector' must be one of {', '.join(map(repr, SELECTORS))}, "
                        f"got {selector!r:.60}")
-
-
-@contextlib.contextmanager
-def _every_payload(payloads: list) -> Iterator[list]:
-    """`opened_payloads` of each payload on its own, every one tried: one that cannot be opened is
-    the 400 (the first such), after the others were opened, and every one opened is acknowledged
-    when the block ends. An untagged payload (SGLang's format: no state word its producer could
-    revoke) left unopened behind a bad one kept the reference its pickling took for this consumer,
-    so its /dev/shm segment outlived the sender's tensors until the sender's process exited: one
-    segment per failed update."""
-    with contextlib.ExitStack() as stack:
-        lists, refused = [], None
-        for i, p in enumerate(payloads):
-            try:
-                lists.append(stack.enter_context(opened_payloads([p], f"payload {i}"))[0])
-            except Refused as exc:
-                refused = refused or exc
-        if refused is not None:
-            lists.clear()       # (acknowledged as the stack closes; nothing kept by the frame)
-            try:
-                raise refused
-            finally:
-                refused = None  # no frame -> exception -> traceback -> frame cycle holding them
-        yield lists
 
 
 class UpdateRoutes:
@@ -146,9 +122,9 @@ class UpdateRoutes:
         # Each payload opens, in this process, to TP rank i's list of (name, tensor): the server
         # plays SGLang's TP workers here. Every payload is opened (each holds a shared-memory
         # reference the sender counted on its consumer to take), those after one that cannot be
-        # opened too (`_every_payload`).
+        # opened too (`opened_payloads`).
         def call() -> Any:
-            with _every_payload(payloads) as lists:
+            with opened_payloads(payloads, "payload {i}") as lists:
                 for i, lst in enumerate(lists):
                     if not isinstance(lst, list) or not all(
                             isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
