@@ -565,9 +565,8 @@ class FSDPShardingManager:
             try:                                  # rank raising alone left the others in its collective
                 if engine is None:
                     raise ValueError("add_engine: trainer rank 0 passes the engine (None on the others)")
-                added = self.fleet.add(engine, serving=False)
-                self.fleet.quarantine(added, "joining: waiting for the current weights")
-            except ValueError as exc:
+                added = self.fleet.add(engine, serving=False)   # told it is joining once not
+            except ValueError as exc:                             # refused (`bring_in`)
                 refused = str(exc)
         try:
             return manager_fleet.bring_in(self, engine, "add_engine", refused=refused)

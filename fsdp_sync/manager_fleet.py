@@ -115,7 +115,9 @@ def bring_in(manager: Any, engine: Any, what: str, *, refused: str | None = None
     committed yet). Returns whether it serves now. The decision goes to every rank with the
     ranks' stage settings compared (`FSDPShardingManager._from_rank0`): before any ``with``
     block nothing else compared them, and a rank refusing alone (``method='tensor'`` there) left
-    the others in the collective until the process group's timeout."""
+    the others in the collective until the process group's timeout. A new replica is told it is
+    joining (out of service) only once it is not refused: before, a refused one kept answering
+    503 "joining" until restarted."""
     action, rep, reason, version = "serve", None, "", manager.version
     if refused is not None and manager.rank == 0:
         action, reason = "refuse", refused
@@ -141,6 +143,8 @@ def bring_in(manager: Any, engine: Any, what: str, *, refused: str | None = None
         raise SyncError(f"{what}: {rep.name if rep is not None else 'the replica'} " + (
             "cannot take updates" if action == "fail" else "is refused, before anything was sent")
             + f": {reason}")
+    if what == "add_engine" and rep is not None:   # not before: a refused one is left as it was
+        manager.fleet.quarantine(rep, "joining: waiting for the current weights")   # (serving)
     if action == "pending":
         if rep is not None:               # the next sync brings it in, whatever the failure mode
             rep.held, rep.rejoin = False, True
