@@ -18,7 +18,11 @@ folds the adapter into full weights and syncs those, like any model: nothing her
 group rank 0 loads (`load_adapter`) and verifies (`check_adapter`: each adapter tensor as the
 engine holds it, ``fsdp-sync serve``'s ``/fsdp_sync/lora_checksums`` in the engine's dtype, against
 the same digest of what was sent, bit for bit) while the others wait in bounded rounds
-(`topology.agree_after_rank0`); a failure raises the same `SyncError` on every rank.
+(`topology.agree_after_rank0`); a failure raises the same `SyncError` on every rank. What the
+engine's own LoRA limits refuse (`engine_refusal`) is asked before each load and, by the verl
+adapter, before the base weights' sync (agreed there by the send loop's check before any byte
+moves): a server launched with a smaller ``--max-lora-rank`` gets no base it could never serve an
+adapter over.
 
 `refusal` says what cannot be done exactly, naming verl's key: an adapter run whose base the
 engine would never get (``rollout.name=fsdp_sync_ref`` starts without weights, and verl syncs the
@@ -39,8 +43,8 @@ from typing import Any, Iterable, Mapping
 import torch
 
 __all__ = ["LORA_NAME", "lora_rank", "served_as_adapter", "refusal", "no_adapter_refusal",
-           "base_name", "normalize_peft_config", "load_adapter", "check_adapter", "engine_name",
-           "unserved", "sync_adapter"]
+           "base_name", "normalize_peft_config", "engine_refusal", "load_adapter", "check_adapter",
+           "engine_name", "unserved", "sync_adapter"]
 
 LORA_NAME = "verl_actor_lora_name"
 """verl's adapter name in SGLang (``SGLANG_LORA_NAME``): its server's requests carry it as ``lora_path``."""
@@ -154,11 +158,10 @@ def load_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], config: dic
     then load from tensors. Returns the engine calls made. What the engine's load would refuse
     (its ``lora_refusal``: `SGLangEngine`'s rank and target modules against the server's launch
     arguments) raises before the unload, so a refused adapter leaves the served one in place."""
-    own = getattr(engine, "lora_refusal", None)
-    why = own(config, [(n, t.dtype, tuple(t.shape)) for n, t in named]) if callable(own) else None
+    why = engine_refusal(engine, config, [(n, t.dtype, tuple(t.shape)) for n, t in named], name)
     if why is not None:
-        raise ValueError(f"adapter {name!r}: the engine would refuse it: {why}; nothing was "
-                         f"unloaded or sent: the engine keeps the adapter it serves")
+        raise ValueError(f"{why}; nothing was unloaded or sent: the engine keeps the adapter it "
+                         f"serves")
     calls = 1
     cards = (engine.available_models() or {}).get("data") or []
     if any(isinstance(c, dict) and c.get("id") == name for c in cards):
@@ -166,6 +169,20 @@ def load_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], config: dic
         calls += 1
     engine.load_lora_adapter_from_tensors(name, named, config)
     return calls + 1
+
+
+def engine_refusal(engine: Any, config: dict, metas: Any = (), name: str = LORA_NAME) -> str | None:
+    """Why infer-TP rank 0's ``engine`` would refuse adapter ``name`` of ``config`` (normalized,
+    `normalize_peft_config`): its own ``lora_refusal`` (`SGLangEngine`: ``enable_lora``, the
+    rank over ``--max-lora-rank``, target modules outside ``--lora-target-modules``, read from the
+    server's launch arguments; each naming the limit, the value and the flag). ``metas``: the
+    adapter's ``[(peft name, dtype, shape)]``, empty where not known yet: the verl adapter asks
+    before a LoRA run's base weights are sent too (so a server that would refuse every adapter
+    gets no base), where only the adapter's tensors on modules outside a list (an adapter on
+    ``all-linear``) are left to the load's own check. None: not known to be refused."""
+    own = getattr(engine, "lora_refusal", None)
+    why = own(config, list(metas)) if callable(own) else None
+    return None if why is None else f"adapter {name!r}: the engine would refuse it: {why}"
 
 
 def check_adapter(engine: Any, named: Iterable[tuple[str, torch.Tensor]],

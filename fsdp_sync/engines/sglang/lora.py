@@ -22,7 +22,8 @@ methods of those names are called with the tensors themselves, as a dict:
 given to such an engine they are refused by name, not dropped.
 
 `lora_refusal` (asked by `lora_sync.check_engine` before any engine is paused, unloaded or
-loaded; `load_lora_adapter_from_tensors` asks it too, before sending) says what SGLang's load
+loaded, and by the verl adapter before a LoRA run's base is sent, `verl_lora.engine_refusal`;
+`load_lora_adapter_from_tensors` asks it too, before sending) says what SGLang's load
 would refuse, read from the server's launch arguments (``get_server_info``, asked once): LoRA not
 enabled (``enable_lora`` false: "LoRA is not enabled", 0.5.12 and 0.5.23), and an adapter rank
 ``r`` over ``max_lora_rank`` (``--max-lora-rank``: the LoRA memory pool's buffers are that wide;

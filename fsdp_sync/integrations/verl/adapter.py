@@ -52,7 +52,8 @@ but for the float32 ones SGLang keeps in float32, sent as verl sends them: `floa
 LoRA, as verl's own SGLang rollout serves it (`fsdp_sync.integrations.verl_lora`): with
 ``lora_rank`` > 0 and ``lora.merge=false`` verl's worker calls ``update_weights`` with its
 ``peft_config`` and ``base_sync_done``. ``base_sync_done=False``: the base weights, sent as above
-with peft's ``.base_layer.`` dropped from their names. ``base_sync_done=True``: the adapter only
+with peft's ``.base_layer.`` dropped from their names, after rank 0 asked the engine whether it
+would take the adapter (`verl_lora.engine_refusal`, agreed). ``base_sync_done=True``: the adapter only
 (`_sync_adapter`): infer-TP rank 0 unloads verl's adapter name where the server lists it and loads
 ``lora_A``/``lora_B`` with the normalized peft config through SGLang's
 ``load_lora_adapter_from_tensors``; with ``verify`` it then reads the adapter's digests back
@@ -332,7 +333,7 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                 if peft_config:
                     it = ((verl_lora.base_name(n), t) for n, t in it)
                 return dict(self._sync(it, engine, version, reused=reused, walk_rest=not hasattr(
-                    weights, "__aiter__")), kind="base" if peft_config else "full")
+                    weights, "__aiter__"), peft_config=peft_config), kind="base" if peft_config else "full")
         if hasattr(weights, "__aiter__"):
             # verl's checkpoint engines (nccl, nixl, ...) hand an async generator: walked on this
             # loop, consumed by the sync in a thread
@@ -399,14 +400,15 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
 
     def _sync(self, weights: Iterable[tuple[str, torch.Tensor]], engine: Any,
               version: str | None = None, reused: bool = False,
-              walk_rest: bool = False) -> dict[str, Any]:
+              walk_rest: bool = False, peft_config: Any = None) -> dict[str, Any]:
         """Every rank of the infer-TP group runs this in step; rank 0 holds ``engine``. The calls
         go through the tensor transport's send loop (`TensorTransport.send`): the update bracket,
         then per bucket gather to infer-TP rank 0, deliver, agree over the infer-TP group, free.
         ``reused``: the stream may overwrite a tensor once the next is pulled
         (`stream.reuses_memory`); what is held across a pull is then a copy. ``walk_rest``: after a
         failure, verl's colocated export is walked to its end (`stream.Walked`; fsdp_sync's own
-        export of it: `module_stream`)."""
+        export of it: `module_stream`). ``peft_config``: a LoRA run's base, refused before it goes
+        where the engine would refuse the adapter (`verl_lora.engine_refusal`)."""
         cfg, topo = self.sync, self._topology()
         counted = SyncStats()
         self._ipc_device = _ipc_device()
@@ -423,6 +425,9 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         def before(eng: Any) -> str | None:     # infer-TP rank 0, before any byte moves
             if isinstance(eng, Unreached):
                 return eng.why
+            why = peft_config and verl_lora.engine_refusal(eng, verl_lora.normalize_peft_config(peft_config))
+            if why:     # a LoRA run's base, to an engine that would refuse every adapter sync
+                return f"{why}; its base weights were not sent either: the engine keeps its weights"
             if cfg.verify != "off":
                 refused = engine_checks.verify_refusal(self.config, self.sync, eng, topo)
                 if refused:
@@ -468,8 +473,9 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                                       version=version,
                                       # nothing to check or record: no agreement to pay for
                                       # (_config_checked is the same on every rank: set after
-                                      # a sync that passed everywhere)
-                                      before=before if cfg.verify != "off"
+                                      # a sync that passed everywhere; a LoRA base: the adapter's
+                                      # limits, asked at each base sync, a retry's too)
+                                      before=before if cfg.verify != "off" or peft_config
                                       or not self._config_checked else None)
             self._config_checked = True
             sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
