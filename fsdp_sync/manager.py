@@ -571,7 +571,7 @@ class FSDPShardingManager:
         try:
             return manager_fleet.bring_in(self, engine, "add_engine", refused=refused)
         except BaseException as exc:      # refused or failed: not in the fleet (no replica left 'joining')
-            note = manager_pause.let_go(self, self.fleet.remove(engine), "add_engine") if added else None
+            note = manager_fleet.not_added(self, self.fleet.remove(engine), exc) if added else None
             if isinstance(exc, SyncError):
                 raise fleet.restate(exc, f"{exc}; it was not added to the fleet" + (
                     f"; {note}" if note else "")) from None

@@ -24,7 +24,7 @@ from typing import Any
 from . import fleet, lora_stage, manager_pause
 from .topology import SyncError
 
-__all__ = ["targets", "after_failure", "bring_in", "send"]
+__all__ = ["targets", "after_failure", "bring_in", "not_added", "send"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -158,6 +158,24 @@ def bring_in(manager: Any, engine: Any, what: str, *, refused: str | None = None
     if action in ("load", "send"):     # and one a failed sync (or add_engine) left paused
         manager_pause.release(manager, paused, reps, version)
     return True
+
+
+def not_added(manager: Any, rep: Any, exc: BaseException) -> str | None:
+    """``rep``, which a failed `add_engine` told it was joining, removed from the fleet: one
+    holding partly new weights is let go (`manager_pause.let_go`); one that holds what it held
+    before the call is told why it is out of service now (before: 503 "joining: waiting for the
+    current weights" until restarted, though nothing would bring it in). Returns what is said to
+    the caller (None: logged only, or nothing told)."""
+    note = manager_pause.let_go(manager, rep, "add_engine")
+    if note is not None or not rep.told_out:
+        return note
+    reason = (f"not added to the fleet: add_engine failed ({type(exc).__name__}: {str(exc):.200}); "
+              f"it holds the weights it held before the call: add_engine it again once fixed")
+    try:
+        rep.engine.set_serving(False, reason)
+    except Exception as told:  # noqa: BLE001 - the add's error is the one to raise
+        log.warning("fsdp_sync: could not tell %s that it was not added (%s)", rep.name, told)
+    return None
 
 
 def send(manager: Any, reps: list, paused: list, version: str | None, what: str) -> None:

@@ -88,3 +88,24 @@ def test_h84_add_engine_refused_for_differing_stage_settings_leaves_the_engine_s
     assert out[0] == out[1] and out[0][0] == "raised", out
     assert "SyncConfig.pause_mode is 'abort' on rank 0, None on rank 1" in out[0][1], out
     assert new.state is None, new.state         # before: "joining: waiting for the current weights"
+
+
+def test_h84_add_engine_whose_load_failed_is_told_why_it_is_out_not_joining(tmp_path):
+    """A replica told it was joining whose load of the current weights failed, keeping none of
+    them (a TP-2 server offered per-rank files cut for TP 1): before, it answered 503 "joining:
+    waiting for the current weights" until restarted, though nothing would bring it in."""
+    cfg = SyncConfig(dtype=torch.float32, method="disk", disk_dir=str(tmp_path), memory_probe="off")
+    m = FSDPShardingManager(torch.nn.Linear(2, 2), [_Served(39963)], config=cfg)
+    m._check_config = lambda engine: None
+    m.version, m.fleet.replicas[0].version = "1", "1"
+    m._transport_sync = lambda targets, version, step, reload=False: (
+        SyncError("replica 1: load_format refused: 2 TP ranks, the files hold 1 (simulated)"), None)
+    new = _Served(39964)
+    try:
+        with pytest.raises(SyncError, match="files hold 1.*it was not added to the fleet"):
+            m.add_engine(new)
+        assert new not in m.fleet.engines
+        assert new.state.startswith("not added to the fleet: add_engine failed (SyncError: "), new.state
+        assert "files hold 1" in new.state and "add_engine it again" in new.state, new.state
+    finally:
+        m.close()
