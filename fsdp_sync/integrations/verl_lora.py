@@ -153,12 +153,14 @@ def engine_name(name: str) -> str:
 
 
 def load_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], config: dict,
-                 name: str = LORA_NAME) -> int:
+                 name: str = LORA_NAME, verify: str = "off") -> int:
     """Swap adapter ``name`` in ``engine`` as verl does: unload it where ``/v1/models`` lists it,
     then load from tensors. Returns the engine calls made. What the engine's load would refuse
-    (its ``lora_refusal``: `SGLangEngine`'s rank and target modules against the server's launch
-    arguments) raises before the unload, so a refused adapter leaves the served one in place."""
-    why = engine_refusal(engine, config, [(n, t.dtype, tuple(t.shape)) for n, t in named], name)
+    (`engine_refusal`: `SGLangEngine`'s rank and target modules against the server's launch
+    arguments, a ``verify`` it cannot answer) raises before the unload, so a refused adapter
+    leaves the served one in place."""
+    why = engine_refusal(engine, config, [(n, t.dtype, tuple(t.shape)) for n, t in named], name,
+                         verify)
     if why is not None:
         raise ValueError(f"{why}; nothing was unloaded or sent: the engine keeps the adapter it "
                          f"serves")
@@ -171,15 +173,26 @@ def load_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], config: dic
     return calls + 1
 
 
-def engine_refusal(engine: Any, config: dict, metas: Any = (), name: str = LORA_NAME) -> str | None:
+def engine_refusal(engine: Any, config: dict, metas: Any = (), name: str = LORA_NAME,
+                   verify: str = "off") -> str | None:
     """Why infer-TP rank 0's ``engine`` would refuse adapter ``name`` of ``config`` (normalized,
     `normalize_peft_config`): its own ``lora_refusal`` (`SGLangEngine`: ``enable_lora``, the
     rank over ``--max-lora-rank``, target modules outside ``--lora-target-modules``, read from the
-    server's launch arguments; each naming the limit, the value and the flag). ``metas``: the
-    adapter's ``[(peft name, dtype, shape)]``, empty where not known yet: the verl adapter asks
-    before a LoRA run's base weights are sent too (so a server that would refuse every adapter
-    gets no base), where only the adapter's tensors on modules outside a list (an adapter on
-    ``all-linear``) are left to the load's own check. None: not known to be refused."""
+    server's launch arguments; each naming the limit, the value and the flag), or a ``verify``
+    other than ``"off"`` against a server that cannot hand an adapter back (SGLang itself: only
+    ``fsdp-sync serve`` has ``/fsdp_sync/lora_checksums``; `SGLangEngine.serves_tensor_checksums`
+    tells them apart; before, the adapter was loaded and then the sync failed, every step).
+    ``metas``: the adapter's ``[(peft name, dtype, shape)]``, empty where not known yet: the verl
+    adapter asks before a LoRA run's base weights are sent too (so a server that would refuse
+    every adapter sync gets no base), where only the adapter's tensors on modules outside a list
+    (an adapter on ``all-linear``) are left to the load's own check. None: not known refused."""
+    serves = getattr(engine, "serves_tensor_checksums", None)
+    if verify != "off" and callable(serves) and not serves():
+        return (f"adapter {name!r}: rollout.custom.fsdp_sync.verify={verify!r}, but the engine "
+                f"({engine!r}) is SGLang, which cannot hand a LoRA adapter back (no "
+                f"/fsdp_sync/lora_checksums: fsdp-sync serve's route), so every adapter sync would "
+                f"load and then fail; set rollout.custom.fsdp_sync.verify=off, or serve through "
+                f"rollout.name=fsdp_sync_ref")
     own = getattr(engine, "lora_refusal", None)
     why = own(config, list(metas)) if callable(own) else None
     return None if why is None else f"adapter {name!r}: the engine would refuse it: {why}"
@@ -225,7 +238,7 @@ def sync_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], peft_config
         config = normalize_peft_config(peft_config)
         out["r"] = config.get("r")
         t0 = time.perf_counter()
-        out["engine_calls"] = load_adapter(engine, named, config, name)
+        out["engine_calls"] = load_adapter(engine, named, config, name, verify)
         out["load_s"] = time.perf_counter() - t0
         if verify == "off":
             return None

@@ -62,3 +62,29 @@ def test_a_lora_base_goes_nowhere_the_engine_would_refuse_its_adapter(one_rank):
             assert sorted(e.weights) == sorted(old) and all(e.weights[n].equal(t) for n, t in old.items())
             assert e.weight_version == "7"
             assert server.hits.get("/update_weight_version") is None
+
+
+def test_a_lora_base_with_verify_into_sglang_goes_nowhere(one_rank):
+    """``verify=full`` into SGLang itself: its base could be checked, its adapter cannot (no
+    ``/fsdp_sync/lora_checksums``): refused before the base, naming the setting (before, the base
+    went, then every adapter sync loaded the adapter and failed)."""
+    import fake_sglang
+    import verl_ranks
+    from test_verl_adapter_checks import rollout_config
+
+    from fsdp_sync.models import load_config
+    from fsdp_sync.topology import SyncError
+
+    model_config = types.SimpleNamespace(hf_config=load_config("tiny"), lora_rank=4, lora={},
+                                         target_modules="all-linear")
+    with fake_sglang.FakeSGLangServer(tp_size=1) as server:
+        cfg = rollout_config([f"+actor_rollout_ref.rollout.custom.fsdp_sync.base_url={server.url}",
+                              "+actor_rollout_ref.rollout.custom.fsdp_sync.verify=full"])
+        cfg["tensor_model_parallel_size"] = 1
+        adapter, _ = verl_ranks._adapter(0, 1, cfg, model_config=model_config)
+        with pytest.raises(SyncError, match=r"verify='full'.*cannot hand a LoRA adapter back.*"
+                                            r"set rollout.custom.fsdp_sync.verify=off"):
+            asyncio.run(adapter.update_weights(verl_ranks._peft_stream(0, base=True), global_steps=1,
+                                               peft_config=verl_ranks.PEFT_CONFIG, base_sync_done=False))
+        sent = [n for n in server.engine.names() if n.startswith(("update_weights", "begin_weight"))]
+        assert sent == [] and server.engine.weights == {}, sent

@@ -425,7 +425,8 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
         def before(eng: Any) -> str | None:     # infer-TP rank 0, before any byte moves
             if isinstance(eng, Unreached):
                 return eng.why
-            why = peft_config and verl_lora.engine_refusal(eng, verl_lora.normalize_peft_config(peft_config))
+            why = peft_config and verl_lora.engine_refusal(
+                eng, verl_lora.normalize_peft_config(peft_config), verify=cfg.verify)
             if why:     # a LoRA run's base, to an engine that would refuse every adapter sync
                 return f"{why}; its base weights were not sent either: the engine keeps its weights"
             if cfg.verify != "off":
