@@ -33,6 +33,7 @@ LAYOUTS = ("auto", "full", "engine")
 REPLICA_FAILURE_MODES = ("abort", "quarantine")
 PAUSE_MODES = (None, "abort", "retract", "in_place")
 FSDP1_STATE_DICTS = ("full", "sharded", "local")
+MIN_TIMEOUT_S = 1.0     # dist_timeout_s's least: see SyncConfig.__post_init__
 MAX_TIMEOUT_S = 1e9     # dist_timeout_s's most: ~31 years; a socket's or lock's timeout overflows past ~9.2e9
 VERL_BUCKET_MB = 2048   # verl 0.9's checkpoint_engine.update_weights_bucket_megabytes default
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -173,7 +174,8 @@ class SyncConfig:
     dist_timeout_s: how long trainer rank 0 waits for the engines to join the group or to receive
         a broadcast; a refusal from an engine is reported at once, not after this. A failed
         opening of the group, its call-off included, ends within this (plus a second where the
-        rendezvous used it all). At most 1e9 s (a longer one overflows the waits it is used in).
+        rendezvous used it all). At least 1 s (trainer rank 0's own connection to the group's
+        store can take milliseconds), at most 1e9 s (a longer one overflows the waits it is used in).
     disk_dir: the disk method's directory: each sync publishes ``disk_dir/step_<N>/`` (a Hugging
         Face checkpoint) there. Required when ``method == "disk"``.
     disk_keep: how many of the newest versions the disk method keeps (>= 1; the one the engine
@@ -294,6 +296,13 @@ class SyncConfig:
         if not (isinstance(self.dist_timeout_s, (int, float)) and not isinstance(self.dist_timeout_s, bool)
                 and 0 < self.dist_timeout_s < float("inf")):
             raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
+        if self.dist_timeout_s < MIN_TIMEOUT_S:
+            # trainer rank 0's own connection to the update group's store can take ~10 ms: a
+            # shorter wait failed every sync there, blaming dist_master_port ("is another program
+            # on it?"), and no rendezvous with an engine's workers ends within it
+            raise ValueError(f"dist_timeout_s must be at least {MIN_TIMEOUT_S:g} second (the update "
+                             f"group's rendezvous with the engines and each bucket's broadcast must "
+                             f"end within it), got {self.dist_timeout_s!r}")
         if self.dist_timeout_s > MAX_TIMEOUT_S:
             # a longer wait overflows the socket and lock timeouts it is used in (time_t), and
             # failed the first sync with an OverflowError naming no setting

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import operator
 import threading
 import time
 import traceback
@@ -50,10 +51,29 @@ class SyncError(RuntimeError):
 
 
 def make_mesh(dp: int, infer_tp: int, device_type: str = "cpu") -> DeviceMesh:
-    """A ``("dp", "infer_tp")`` mesh over the default process group (dp × infer_tp == world size)."""
+    """A ``("dp", "infer_tp")`` mesh over the default process group (dp × infer_tp == world size).
+
+    ``dp`` and ``infer_tp`` must be ints >= 1: ``world / tp`` (a float) or a size read from the
+    environment as text is refused naming it, as torch otherwise fails with ``sizes (2.0,) and
+    strides (1,) don't match`` and ``-1`` with ``only one dimension can be inferred``."""
     world = dist.get_world_size()
+    sizes = []
+    for name, v in (("dp", dp), ("infer_tp", infer_tp)):
+        try:
+            n = operator.index(v) if not isinstance(v, bool) else 0   # an int, numpy's too
+        except TypeError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"make_mesh: {name} must be an int >= 1, got {v!r} "
+                             f"({type(v).__name__}); e.g. make_mesh(dp=world // tp, infer_tp=tp) "
+                             f"with world = {world}, the default group's size (// not /)")
+        sizes.append(n)
+    dp, infer_tp = sizes
     if dp * infer_tp != world:
-        raise ValueError(f"dp ({dp}) × infer_tp ({infer_tp}) must equal the world size ({world})")
+        hint = (f"the world size {world} is not a multiple of infer_tp {infer_tp}: run a world of "
+                f"a multiple of the engine's TP, or an engine whose TP divides {world}"
+                if world % infer_tp else f"use dp={world // infer_tp} (world // infer_tp)")
+        raise ValueError(f"dp ({dp}) × infer_tp ({infer_tp}) must equal the world size ({world}): {hint}")
     return init_device_mesh(device_type, (dp, infer_tp), mesh_dim_names=DIMS)
 
 
