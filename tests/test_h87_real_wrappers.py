@@ -95,3 +95,26 @@ def test_fsdp1_over_activation_checkpointed_layers_exports_hf_names(one_rank, us
     assert [m.name for m in export.param_metas(model)] == list(ref)
     for kind in export.STATE_DICT_TYPES:
         _check(model, ref, BF16, fsdp1_state_dict=kind)
+
+
+@pytest.mark.timeout(60)
+def test_fsdp1_tied_embedding_in_a_unit_of_its_own_is_exported_once(one_rank):
+    """A tied model (lm_head is embed_tokens' Parameter) under FSDP1 with ``use_orig_params`` and
+    the embedding wrapped apart (a size-based or an Embedding wrap policy): lm_head, in the root
+    unit, keeps the original parameter that the embedding's unit flattened. That is the tied
+    weight, exported once under its first name (as without FSDP), not refused as "held by an
+    FSDP1 unit outside this module" (it was: the root itself was refused). At one rank FSDP1
+    runs NO_SHARD, where torch trains this model; a sharding strategy cannot run its forward."""
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = build_model(load_config("tiny-tied"), seed=0)
+    ref = _reference(model)
+    del ref["lm_head.weight"]       # the tied alias: exported under model.embed_tokens.weight
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0]), nn.Embedding}),
+                 device_id=torch.device("cpu"), use_orig_params=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert [m.name for m in export.param_metas(model)] == list(ref)
+    for kind in export.STATE_DICT_TYPES:
+        _check(model, ref, None, fsdp1_state_dict=kind)

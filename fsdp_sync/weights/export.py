@@ -298,6 +298,10 @@ def _fsdp1_layout(module: nn.Module, units: list) -> list[_Item]:
             covered.add((id(shared.module), shared.param_name))
     seen: set[int] = set()
     own_flat = {id(u._handle.flat_param) for u in units if u._handle is not None}
+    # with use_orig_params, a tied weight whose modules two units hold (an embedding wrapped apart,
+    # lm_head in the root): the second module keeps the original parameter the first unit flattened
+    own_flat.update(id(q) for u in units if u._handle is not None
+                    for q in (u._handle.flat_param._params or ()))
     foreign: list[str] = []
     for m in module.modules():
         prefix = mod_names[id(m)]
