@@ -1,6 +1,6 @@
 """SGLang's weight-update session through `SGLangEngine`: ``begin_weight_update`` …
 ``end_weight_update`` (0.5.21+; detected once, skipped on older servers). A mixin of
-`adapter.SGLangEngine` (it provides ``_http``, ``_local``, ``_check_open``, ``where``,
+`adapter.SGLangEngine` (it provides ``_http``, ``_local``, ``_check_open``, ``where``, ``tp_size``,
 ``_version``, ``session_api``, ``server_info`` and ``update_weight_version``).
 
 `stages_disk_loads`: whether a disk load inside a session waits for its commit (``fsdp-sync
@@ -58,8 +58,38 @@ class SessionCalls:
         return self._stages_disk
 
     def begin_weight_update(self) -> None:
-        """Open SGLang's weight-update session (0.5.21+); skipped on engines without one."""
+        """Open SGLang's weight-update session (0.5.21+); skipped on engines without one. Over
+        HTTP the server's TP size is asked first, every sync (`check_tp_size`)."""
+        self._check_open("begin_weight_update")
+        self.check_tp_size()
         self._session_call("begin_weight_update")
+
+    def check_tp_size(self) -> None:
+        """Refuse, before anything is sent, a server whose TP size is not ``tp_size`` any more.
+
+        ``tp_size`` is read once, when the `SGLangEngine` is made (or given), and the trainer's
+        mesh and the manager's first-sync check are built on it; a server restarted at the same URL
+        with another ``--tp-size`` would otherwise get one payload per old TP rank: SGLang's TP
+        rank i opens ``payloads[i]``, so a larger TP fails inside its workers (an IndexError that
+        ends the server) and a smaller one loads old-TP shards. Over HTTP only (an in-process
+        engine cannot change); a server without the route (404), or whose answer has no
+        ``tp_size``, is not checked."""
+        if not self._http:
+            return
+        try:
+            now = self.server_info().get("tp_size")
+        except SGLangError as e:
+            if e.status != 404:
+                raise
+            return
+        if not isinstance(now, int) or isinstance(now, bool) or now == self.tp_size:
+            return
+        raise SGLangError(f"SGLang{self.where} now runs tp_size={now}, but this SGLangEngine was "
+                          f"made for tp_size={self.tp_size} (the server was restarted with another "
+                          f"--tp-size?) and the trainer's mesh sends one payload per TP rank of "
+                          f"that: nothing was sent. Restart the server with --tp-size {self.tp_size}, "
+                          f"or make a new SGLangEngine and a mesh with infer_tp={now}",
+                          call="begin_weight_update")
 
     def end_weight_update(self, weight_version: str | None = None, *, abort: bool = False) -> bool | None:
         """Close SGLang's weight-update session; skipped on engines without one.

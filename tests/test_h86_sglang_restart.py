@@ -1,0 +1,68 @@
+"""An SGLang server restarted between syncs at the same URL with another ``--tp-size``.
+
+`SGLangEngine.tp_size` is read once, when the adapter is made, and the manager checks it against the
+mesh's infer-TP size before the first sync only. Before, the next sync sent one payload per old TP
+rank: real SGLang's TP rank i opens ``payloads[i]`` without checking their count, so a larger TP
+failed inside its workers (an IndexError that ends the server) and a smaller one was sent old-TP
+payloads. Now ``begin_weight_update`` asks the server's TP size every sync (over HTTP) and refuses,
+before anything is sent, naming both sizes and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fake_sglang as fake
+
+
+def _step(eng, tensors) -> None:
+    """One sync's calls on infer-TP rank 0, as `TensorTransport` makes them: the bracket first."""
+    eng.begin_weight_update()
+    try:
+        eng.update_weights_from_bucket(tensors)
+    except BaseException:
+        eng.end_weight_update(abort=True)
+        raise
+    eng.end_weight_update()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("version", [None, "0.5.12"])
+def test_a_server_restarted_with_another_tp_size_is_refused_before_anything_is_sent(version):
+    from fsdp_sync.engines import sglang as sg
+
+    first = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
+    second = [("w", torch.full((2, 3), 7.0))]
+    with fake.FakeSGLangServer(tp_size=1, version=version) as srv:
+        eng = sg.SGLangEngine(base_url=srv.url)
+        try:
+            _step(eng, first)
+            assert torch.equal(srv.engine.weights["w"], first[0][1])
+            updates = srv.hits["/update_weights_from_tensor"]
+            begins = srv.hits.get("/begin_weight_update", 0)
+            srv.engine.tp_size = 2            # restarted at the same URL with --tp-size 2
+            with pytest.raises(sg.SGLangError) as info:
+                _step(eng, second)
+            msg = str(info.value)
+            assert "now runs tp_size=2" in msg and "made for tp_size=1" in msg, msg
+            assert "--tp-size 1" in msg and "infer_tp=2" in msg and "nothing was sent" in msg, msg
+            assert srv.hits["/update_weights_from_tensor"] == updates      # not one byte
+            assert srv.hits.get("/begin_weight_update", 0) == begins        # no session opened
+            assert torch.equal(srv.engine.weights["w"], first[0][1])       # old weights whole
+            srv.engine.tp_size = 1            # restarted again as it was: the sync goes through
+            _step(eng, second)
+            assert torch.equal(srv.engine.weights["w"], second[0][1])
+        finally:
+            eng.shutdown()
+
+
+def test_a_given_tp_size_the_server_does_not_run_is_refused_at_the_first_begin():
+    from fsdp_sync.engines import sglang as sg
+
+    with fake.FakeSGLangServer(tp_size=2, version="0.5.12") as srv:     # no session routes
+        eng = sg.SGLangEngine(base_url=srv.url, tp_size=1)
+        with pytest.raises(sg.SGLangError, match=r"now runs tp_size=2, but this SGLangEngine was made "
+                                                 r"for tp_size=1"):
+            eng.begin_weight_update()
+        eng.shutdown()
+
