@@ -82,7 +82,8 @@ def check_mode(module: torch.nn.Module, config: Any) -> None:
         raise ValueError("the module holds LoRA tensors (peft's lora_A / lora_B) but SyncConfig.lora "
                          "is 'off': a full sync would leave the adapter out; set SyncConfig(lora="
                          "'adapter') to sync the base once and then the adapter only, or merge the "
-                         "adapter into the weights first")
+                         "adapter into the weights and drop it first (peft's merge_and_unload(); "
+                         "merge_adapter() keeps the lora_A / lora_B tensors)")
 
 
 def memory_tags(config: Any, tags: list[str] | None) -> list[str] | None:
