@@ -66,3 +66,31 @@ def test_a_given_tp_size_the_server_does_not_run_is_refused_at_the_first_begin()
             eng.begin_weight_update()
         eng.shutdown()
 
+
+@pytest.mark.parametrize("launched, want, refused", [
+    ("fp8", None, True),            # --quantization fp8, the sync sends unquantized weights
+    ("awq", "fp8", True),           # another format than the sync's block FP8
+    ("fp8", "fp8", False),
+    (None, "fp8", False),           # None: also an FP8 checkpoint's own quantization_config
+])
+def test_a_server_launched_with_another_quantization_is_refused_before_the_first_sync(launched, want,
+                                                                                     refused):
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.config_check import check_engine
+    from fsdp_sync.engines import sglang as sg
+
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        info = srv.engine.get_server_info
+        srv.engine.get_server_info = lambda: {**info(), "quantization": launched}
+        eng = sg.SGLangEngine(base_url=srv.url)
+        cfg = SyncConfig(method="tensor", quantization=want)
+        try:
+            if refused:
+                with pytest.raises(ValueError, match=rf"the engine serves quantization='{launched}' "
+                                                     rf"but SyncConfig.quantization={want!r}"):
+                    check_engine(torch.nn.Linear(2, 2), eng, cfg, None, where="trainer rank 0")
+            else:
+                check_engine(torch.nn.Linear(2, 2), eng, cfg, None, where="trainer rank 0")
+            assert srv.hits.get("/update_weights_from_tensor", 0) == 0
+        finally:
+            eng.shutdown()

@@ -139,6 +139,8 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
         self._fsdp_sync_route: bool | None = None   # fsdp-sync serve's checksum route, asked once
         self._config: Any = _UNASKED
         self._version: Any = _UNASKED     # the release SGLang reports (`sglang_version`)
+        self._quant: Any = _UNASKED       # its --quantization (`quantization`)
+        self._info: Any = None            # the first server info answer (launch arguments)
         if tp_size is not None and tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         # asked now, not on first use: a protocol isinstance check reads the attribute
@@ -191,6 +193,21 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
         return self._version
 
     @property
+    def quantization(self) -> str:
+        """SGLang's ``--quantization`` where it was launched with one (e.g. ``"fp8"``), which
+        `config_check.check_engine` holds against `SyncConfig.quantization` before the first sync;
+        else ``"unknown"``: SGLang reports None also for a checkpoint that carries its own
+        ``quantization_config``, so None says nothing. Asked once (the launch arguments)."""
+        if self._quant is _UNASKED:
+            try:
+                info = self._info if isinstance(self._info, dict) else self.server_info()
+            except (SGLangError, NotFound, MissingMethod):
+                info = None
+            q = info.get("quantization") if isinstance(info, dict) else None
+            self._quant = q if isinstance(q, str) and q and q != "unknown" else "unknown"
+        return self._quant
+
+    @property
     def features(self) -> versions.SGLangFeatures:
         return versions.features(self.sglang_version)
 
@@ -223,6 +240,7 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
         tp = self._local.tp_size() if self._local else self.server_info().get("tp_size")
         if self._local and self._local.server_info is not None:
             self._version = versions.reported(self._local.server_info)
+            self._info = self._local.server_info
         if not tp:
             raise SGLangError(f"cannot tell SGLang's tp_size{self.where}; pass tp_size=",
                               call="get_server_info")
@@ -250,6 +268,8 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
                               call="get_server_info")
         if self._version is _UNASKED:
             self._version = versions.reported(info)
+        if self._info is None:
+            self._info = info
         self.note_lora_args(info)
         return info
 
