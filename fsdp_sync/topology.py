@@ -97,7 +97,13 @@ class SyncTopology:
         group's timeout."""
         names = tuple(mesh.mesh_dim_names or ())
         if names != DIMS:
-            raise ValueError(f"expected a mesh with dims {DIMS}, got {names or 'unnamed dims'}")
+            # a trainer's own mesh (("dp", "tp"), HSDP's ("dp_replicate", "dp_shard")) is a
+            # layout of the training, not of the engines: say how to make the one asked for
+            raise ValueError(
+                f"expected a mesh with dims {DIMS}, got {names or 'unnamed dims'} (shape "
+                f"{tuple(mesh.mesh.shape)}): the mesh tells how the engines' TP groups lie over the "
+                f"trainer ranks, not how the trainer shards; make one with make_mesh(dp=world // "
+                f"infer_tp, infer_tp=<the engine's TP>) alongside the trainer's own mesh")
         world = dist.get_world_size()
         if mesh.size() != world:
             raise ValueError(

@@ -46,3 +46,17 @@ def test_a_dist_timeout_s_under_a_second_is_refused_naming_it(value):
     with pytest.raises(ValueError, match="dist_timeout_s must be at least 1 second"):
         SyncConfig.from_dict({"method": "distributed", "dist_timeout_s": value})
     assert SyncConfig(dist_timeout_s=1).dist_timeout_s == 1
+
+
+def test_a_trainers_own_mesh_passed_as_the_managers_is_refused_saying_what_to_make(one_rank):
+    """A tensor-parallel trainer's ("dp", "tp") mesh (or HSDP's) given to the manager: before, only
+    "expected a mesh with dims ('dp', 'infer_tp'), got ('dp', 'tp')", no word of make_mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_sync.topology import SyncTopology
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError) as info:
+        SyncTopology.from_mesh(mesh)
+    msg = str(info.value)
+    assert "got ('dp', 'tp') (shape (1, 1))" in msg and "make_mesh(dp=world // infer_tp" in msg, msg
