@@ -94,3 +94,31 @@ def test_a_server_launched_with_another_quantization_is_refused_before_the_first
             assert srv.hits.get("/update_weights_from_tensor", 0) == 0
         finally:
             eng.shutdown()
+
+
+@pytest.mark.parametrize("loaders", [[], ["other.module.loader"], None, "registered"])
+def test_rank_bucket_loader_is_believed_only_where_the_server_registered_it(loaders, caplog):
+    """``rank_bucket_loader=True`` against a server launched without ``--custom-weight-loader
+    fsdp_sync...load_rank_buckets``: SGLang meets the first per-rank bucket with
+    NotImplementedError('Unknown load_format') in its scheduler. Its launch arguments say so, so
+    the adapter takes no per-rank bucket (layout 'auto' sends full tensors), warning by name."""
+    from fsdp_sync.engines import sglang as sg
+    from fsdp_sync.engines.sglang.loader import LOADER
+    from fsdp_sync.weights.bucket import Bucket, BucketEntry
+
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        info = srv.engine.get_server_info
+        launched = [LOADER] if loaders == "registered" else loaders
+        srv.engine.get_server_info = lambda: {**info(), "custom_weight_loader": launched}
+        eng = sg.SGLangEngine(base_url=srv.url, rank_bucket_loader=True)
+        try:
+            believed = loaders is None or loaders == "registered"
+            assert eng.accepts_rank_buckets is believed
+            if not believed:
+                assert "--custom-weight-loader" in caplog.text and LOADER in caplog.text
+                bucket = Bucket((BucketEntry("w", torch.float32, (2,), 0, 8),), 8)
+                with pytest.raises(sg.SGLangError, match="--custom-weight-loader"):
+                    eng.load_rank_bucket(bucket, [b"x"])
+                assert srv.hits.get("/update_weights_from_tensor", 0) == 0
+        finally:
+            eng.shutdown()

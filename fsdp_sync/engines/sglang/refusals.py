@@ -1,6 +1,7 @@
 """What an SGLang server would do wrong with a sync, said before anything is sent: a mixin of
-`adapter.SGLangEngine` (it provides ``features``, ``where``, ``is_http``, ``tp_size`` and
-``serves_tensor_checksums``).
+`adapter.SGLangEngine` (it provides ``features``, ``where``, ``is_http``, ``tp_size``,
+``server_info`` and ``serves_tensor_checksums``). Also `Refusals.accepts_rank_buckets`: what the
+caller said of the server's loader, unless its launch arguments say otherwise.
 `config_check.check_engine` asks both methods before the first sync with an engine, so the sync
 is refused on every trainer rank before any pause, write or update.
 
@@ -17,6 +18,12 @@ Not here: the release table itself (`versions`), refusals of one call's own argu
 """
 
 from __future__ import annotations
+
+import logging
+
+from .client import MissingMethod, NotFound, SGLangError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FP8_SCALES_DROPPED", "Refusals", "scales_dropped"]
 
@@ -47,6 +54,51 @@ def scales_dropped(quantization: str | None, model_type: str | None, *, own_load
 
 class Refusals:
     """`SGLangEngine`'s answers to `config_check` (see the module docstring)."""
+
+    @property
+    def accepts_rank_buckets(self) -> bool:
+        """Whether per-rank buckets go to fsdp_sync's loader (`SyncConfig.layout` "engine"/"auto"):
+        ``rank_bucket_loader=True``, unless the server's launch arguments (``get_server_info``'s
+        ``custom_weight_loader``, a list in 0.5.12 and 0.5.23) show that loader is not registered.
+        SGLang would then meet the first per-rank bucket with ``NotImplementedError("Unknown
+        load_format=...")`` inside its scheduler, not a refusal; here it is False instead, said in
+        a warning naming ``--custom-weight-loader``: "auto" sends full tensors, "engine" is refused
+        before anything is sent. A server whose arguments cannot be read is taken at its word."""
+        said = self.__dict__.get("_rank_bucket_loader", False)
+        if not said:
+            return False
+        known = self.__dict__.get("_loader_registered")
+        if known is None:
+            known = self._loader_registered()
+            if known is not None:
+                self.__dict__["_loader_registered"] = known
+        return known is not False
+
+    @accepts_rank_buckets.setter
+    def accepts_rank_buckets(self, value: bool) -> None:
+        self.__dict__["_rank_bucket_loader"] = bool(value)
+        self.__dict__.pop("_loader_registered", None)
+
+    def _loader_registered(self) -> bool | None:
+        from .loader import LOADER
+
+        info = self.__dict__.get("_info")
+        if not isinstance(info, dict):
+            try:
+                info = self.server_info()
+            except (SGLangError, NotFound, MissingMethod):
+                return None
+        loaders = info.get("custom_weight_loader") if isinstance(info, dict) else None
+        if not isinstance(loaders, list):
+            return None
+        if LOADER in loaders:
+            return True
+        log.warning("fsdp_sync: SGLang%s was not started with --custom-weight-loader %s (its "
+                    "custom_weight_loader is %s), though rank_bucket_loader=True: it cannot load "
+                    "per-rank buckets, so none are sent (layout='auto' sends full tensors, "
+                    "layout='engine' is refused); restart it with that option to send them",
+                    self.where or " in process", LOADER, loaders)
+        return False
 
     def load_refusal(self, quantization: str | None, model_type: str | None, *,
                      own_loader: bool) -> str | None:
