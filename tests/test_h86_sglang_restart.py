@@ -122,3 +122,26 @@ def test_rank_bucket_loader_is_believed_only_where_the_server_registered_it(load
                 assert srv.hits.get("/update_weights_from_tensor", 0) == 0
         finally:
             eng.shutdown()
+
+
+@pytest.mark.parametrize("launched, sent, refused", [
+    ("float16", torch.bfloat16, True), ("half", torch.bfloat16, True),
+    ("bfloat16", torch.float32, True), ("bfloat16", torch.bfloat16, False),
+    ("auto", torch.float16, False), ("float16", None, False),
+])
+def test_a_sync_dtype_other_than_the_servers_dtype_is_refused_naming_both(launched, sent, refused):
+    from fsdp_sync.engines import sglang as sg
+
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        info = srv.engine.get_server_info
+        srv.engine.get_server_info = lambda: {**info(), "dtype": launched}
+        eng = sg.SGLangEngine(base_url=srv.url)
+        try:
+            why = eng.sync_refusal(dtype=sent)
+            if refused:
+                assert f"--dtype {launched}" in why and f"SyncConfig.dtype={sent}" in why, why
+                assert srv.url in why, why
+            else:
+                assert why is None, why
+        finally:
+            eng.shutdown()

@@ -11,7 +11,9 @@ is refused on every trainer rank before any pause, write or update.
   `SyncConfig` values the release cannot run (`versions`): a ``"retract"`` pause
   against a release whose scheduler dies of the sync's cache flush; ``verify`` against a server
   at TP > 1 whose ``/weights_checker`` answers TP rank 0 only (0.5.12: the sync would load every
-  weight, then fail to check ranks 1 and up; checking rank 0 alone would be no verify).
+  weight, then fail to check ranks 1 and up; checking rank 0 alone would be no verify), and a
+  ``SyncConfig.dtype`` other than the server's explicit ``--dtype`` (`dtype_refusal`; asked only
+  where the caller passes ``dtype=``).
 
 Not here: the release table itself (`versions`), refusals of one call's own arguments (the adapter's
 ``disk_option_refusal``, `versions.SGLangFeatures.refuse_checker_fields`).
@@ -20,12 +22,13 @@ Not here: the release table itself (`versions`), refusals of one call's own argu
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from .client import MissingMethod, NotFound, SGLangError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FP8_SCALES_DROPPED", "Refusals", "scales_dropped"]
+__all__ = ["FP8_SCALES_DROPPED", "Refusals", "SGLANG_DTYPES", "dtype_refusal", "scales_dropped"]
 
 FP8_SCALES_DROPPED = frozenset({"llama"})
 """``model_type`` values whose SGLang model class (``LlamaForCausalLM``, read in 0.5.23) renames a
@@ -50,6 +53,28 @@ def scales_dropped(quantization: str | None, model_type: str | None, *, own_load
             f"fsdp_sync.engines.sglang.loader.load_rank_buckets and "
             f"SGLangEngine(..., rank_bucket_loader=True) (fsdp_sync's loader loads the scales by "
             f"name), or quantization=None")
+
+
+SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+                 "float": "float32", "float32": "float32"}
+"""SGLang's ``--dtype`` values (0.5.12 and 0.5.23) that name one dtype; ``auto`` follows the
+checkpoint's ``torch_dtype`` and says nothing here."""
+
+
+def dtype_refusal(launched: Any, dtype: Any) -> str | None:
+    """Why a sync casting to ``dtype`` (a torch dtype) cannot go to a server launched with
+    ``--dtype launched``: its loader casts every tensor again (``param.data.copy_``: float16 from
+    bfloat16 turns values past 65504 into inf; into a narrower dtype the trainer's low bits are
+    lost) and the trainer's digests of what it sent never match. None where either is unknown."""
+    served = SGLANG_DTYPES.get(launched) if isinstance(launched, str) else None
+    sent = str(dtype).removeprefix("torch.") if dtype is not None else None
+    if served is None or sent is None or served == sent:
+        return None
+    return (f"SGLang was launched with --dtype {launched} ({served}) but SyncConfig.dtype="
+            f"torch.{sent}: its loader would cast every tensor again (a second cast that may change "
+            f"values: bfloat16 into float16 overflows past 65504), so the engine would not hold the "
+            f"trainer's weights; set SyncConfig.dtype=torch.{served} or restart the server with "
+            f"--dtype {sent}")
 
 
 class Refusals:
@@ -114,7 +139,8 @@ class Refusals:
             return None
         return why
 
-    def sync_refusal(self, *, pause_mode: str | None = None, verify: str = "off") -> str | None:
+    def sync_refusal(self, *, pause_mode: str | None = None, verify: str = "off",
+                     dtype: Any = None) -> str | None:
         """Why this SGLang release cannot run a sync with `SyncConfig`'s ``pause_mode`` and
         ``verify``, or None (`config_check.sync_refusal` asks it before anything is sent): a
         release older than `versions.OLDEST` (`versions.SGLangFeatures.refuse_release`),
@@ -122,8 +148,17 @@ class Refusals:
         (`versions.SGLangFeatures.refuse_pause_mode`), ``verify`` where a server's checker answers
         TP rank 0 only (`versions.SGLangFeatures.refuse_verify`; not ``fsdp-sync serve``, whose
         full-tensor digests are the check; in process there is no checker at all, which the
-        verify itself says)."""
+        verify itself says), ``dtype`` (`SyncConfig.dtype`, where the caller passes it) other
+        than the server's explicit ``--dtype`` (`dtype_refusal`)."""
         why = self.features.refuse_release() or self.features.refuse_pause_mode(pause_mode)
+        if why is None and dtype is not None:
+            info = self.__dict__.get("_info")
+            if not isinstance(info, dict):
+                try:
+                    info = self.server_info()
+                except (SGLangError, NotFound, MissingMethod):
+                    info = None
+            why = dtype_refusal(info.get("dtype") if isinstance(info, dict) else None, dtype)
         if why is None and self.is_http:
             why = self.features.refuse_verify(verify, self.tp_size)
             if why and self.serves_tensor_checksums():      # asked only then: a request
