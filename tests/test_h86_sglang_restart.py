@@ -145,3 +145,22 @@ def test_a_sync_dtype_other_than_the_servers_dtype_is_refused_naming_both(launch
                 assert why is None, why
         finally:
             eng.shutdown()
+
+
+def test_a_server_restarted_with_another_release_is_refused_before_anything_is_sent():
+    """Made against 0.5.12 (no session: none is begun), the server restarted as 0.5.23 (updates
+    refused outside a session): the wrapper's release facts are stale, so the next begin refuses."""
+    from fsdp_sync.engines import sglang as sg
+
+    with fake.FakeSGLangServer(tp_size=1, version="0.5.12") as srv:
+        eng = sg.SGLangEngine(base_url=srv.url)
+        try:
+            _step(eng, [("w", torch.ones(2))])
+            srv.engine.VERSION = "0.5.23"
+            updates = srv.hits["/update_weights_from_tensor"]
+            with pytest.raises(sg.SGLangError, match=r"now reports release 0\.5\.23, but this "
+                                                     r"SGLangEngine was made against 0\.5\.12"):
+                _step(eng, [("w", torch.zeros(2))])
+            assert srv.hits["/update_weights_from_tensor"] == updates
+        finally:
+            eng.shutdown()

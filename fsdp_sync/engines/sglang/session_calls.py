@@ -65,7 +65,8 @@ class SessionCalls:
         self._session_call("begin_weight_update")
 
     def check_tp_size(self) -> None:
-        """Refuse, before anything is sent, a server whose TP size is not ``tp_size`` any more.
+        """Refuse, before anything is sent, a server whose TP size is not ``tp_size`` any more (or
+        that reports another SGLang release than the one this wrapper read).
 
         ``tp_size`` is read once, when the `SGLangEngine` is made (or given), and the trainer's
         mesh and the manager's first-sync check are built on it; a server restarted at the same URL
@@ -77,11 +78,20 @@ class SessionCalls:
         if not self._http:
             return
         try:
-            now = self.server_info().get("tp_size")
+            info = self.server_info()
         except SGLangError as e:
             if e.status != 404:
                 raise
             return
+        release, made = versions.reported(info), self._version
+        if isinstance(release, str) and isinstance(made, str) and release != made:
+            # what this wrapper learned of the release (its session calls, where it keeps
+            # LocalSerializedTensor, the checker's fields) would be sent to another one
+            raise SGLangError(f"SGLang{self.where} now reports release {release}, but this "
+                              f"SGLangEngine was made against {made} (the server was restarted with "
+                              f"another release?): nothing was sent. Make a new SGLangEngine for it",
+                              call="begin_weight_update")
+        now = info.get("tp_size")
         if not isinstance(now, int) or isinstance(now, bool) or now == self.tp_size:
             return
         raise SGLangError(f"SGLang{self.where} now runs tp_size={now}, but this SGLangEngine was "
