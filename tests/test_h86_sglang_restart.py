@@ -164,3 +164,18 @@ def test_a_server_restarted_with_another_release_is_refused_before_anything_is_s
             assert srv.hits["/update_weights_from_tensor"] == updates
         finally:
             eng.shutdown()
+
+
+def test_the_per_sync_tp_check_of_a_dead_server_is_one_attempt():
+    """A server gone (a dead replica) fails begin at once, as its begin POST did before the check:
+    the check's GET is not retried with the client's backoff at every sync."""
+    from fsdp_sync.engines import sglang as sg
+
+    srv = fake.FakeSGLangServer(tp_size=1).__enter__()
+    eng = sg.SGLangEngine(base_url=srv.url, retry_backoff_s=0.01)
+    srv.close()
+    before = eng.http_attempts["/get_server_info"]
+    with pytest.raises(sg.SGLangError, match="no answer"):
+        eng.begin_weight_update()
+    assert eng.http_attempts["/get_server_info"] == before + 1
+    eng.shutdown()

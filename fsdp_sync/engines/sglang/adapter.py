@@ -246,15 +246,16 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
                               call="get_server_info")
         return int(tp)
 
-    def server_info(self) -> dict:
-        """SGLang's server info (``get_server_info``): launch arguments and internal states."""
+    def server_info(self, *, retries: int | None = None) -> dict:
+        """SGLang's server info (``get_server_info``): launch arguments and internal states.
+        ``retries``: over HTTP, instead of ``max_retries`` (0: one attempt)."""
         self._check_open("server_info")
         if self._http:
             try:
-                info = self._http.json("GET", "/get_server_info", idempotent=True)
+                info = self._http.json("GET", "/get_server_info", idempotent=True, retries=retries)
             except NotFound:
                 try:   # the route's newer name
-                    info = self._http.json("GET", "/server_info", idempotent=True)
+                    info = self._http.json("GET", "/server_info", idempotent=True, retries=retries)
                 except NotFound as e:
                     raise e.error from None
         else:

@@ -77,8 +77,8 @@ class SessionCalls:
         ``tp_size``, is not checked."""
         if not self._http:
             return
-        try:
-            info = self.server_info()
+        try:    # one attempt: a server that cannot answer fails the sync now, as its begin would
+            info = self.server_info(retries=0)
         except SGLangError as e:
             if e.status != 404:
                 raise
