@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["SyncTopology", "make_mesh", "gather_to_src", "broadcast_from_src", "agree", "agree_values",
-           "agree_after_rank0", "SyncError", "RanksDiffer", "cpu_group", "group_ranks", "has_cpu_backend", "released_by_backend", "let_go_of_frames"]
+           "agree_after_rank0", "agree_after_each", "SyncError", "RanksDiffer", "cpu_group", "group_ranks", "has_cpu_backend", "released_by_backend", "let_go_of_frames"]
 
 log = logging.getLogger(__name__)
 
@@ -377,29 +377,63 @@ def agree_values(error: Any, values: dict[str, Any], group: Any = None, *, what:
             err = None      # no frame -> exc -> traceback -> frame cycle (`agree`)
 
 
-def agree_after_rank0(work: Callable[[], str | None], group: Any = None, *, what: str,
+def agree_after_rank0(work: Callable[[], str | BaseException | None], group: Any = None, *, what: str,
                       round_s: float = 1.0) -> None:
     """Run ``work()`` on group rank 0 of ``group`` and raise one `SyncError` on every rank if it
-    failed (it returns an error text, or raises), however long it takes.
+    failed (it returns an error text or exception, or raises), however long it takes.
 
     Why not rank 0 working while the others wait in `agree`: their collective is bounded by the
-    group's timeout, rank 0's work (a rendezvous with engines, bounded by ``dist_timeout_s``) is
-    not, and a collective that times out raises a raw backend error, a different one on each rank.
-    Here rank 0 works in a thread and tells the others, every ``round_s`` (far inside any group
-    timeout) and at once when it is done, whether it is still working: one small broadcast a round."""
-    if not dist.is_initialized():
-        err = _run_caught(work)
-        if err is not None:
-            raise SyncError(f"{what} failed: {err}")
-        return
-    if dist.get_world_size(group) == 1:
-        agree(_run_caught(work), group, what=what)
+    group's timeout, rank 0's work (a rendezvous with engines, bounded by ``dist_timeout_s``; an
+    engine loading a checkpoint from disk; a commit) is not, and a collective that times out
+    raises a raw backend error, a different one on each rank. Here rank 0 works in a thread and
+    tells the others, every ``round_s`` (far inside any group timeout) and at once when it is
+    done, whether it is still working: one small broadcast a round (one in all where the work
+    takes under ``round_s``). Without peers the work runs here and a returned exception is the
+    `SyncError`'s cause."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        _agree_alone(work, group, what)
         return
     src = dist.get_global_rank(group, 0) if group is not None else 0
+    _wait_for_work(work if dist.get_rank(group) == 0 else None, group, what, round_s,
+                   lambda flag, flags: dist.broadcast(flag, src=src, group=flags))
+
+
+def agree_after_each(work: Callable[[], str | BaseException | None] | None, group: Any = None, *,
+                     what: str, round_s: float = 1.0) -> None:
+    """`agree_after_rank0` where any ranks work: each passes its own ``work`` (the others None),
+    and every round one small all-reduce (MAX) tells every rank whether any is still working (one
+    in all where every work takes under ``round_s``). The failing ranks' texts are agreed as in
+    `agree`."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        _agree_alone(work, group, what)
+        return
+
+    def still_working(flag: torch.Tensor, flags: Any) -> None:
+        flag.neg_().add_(1)                       # MAX of "not done"
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=flags)
+        flag.neg_().add_(1)
+
+    _wait_for_work(work, group, what, round_s, still_working)
+
+
+def _agree_alone(work: Callable[[], str | BaseException | None] | None, group: Any, what: str) -> None:
+    """No peers to keep informed: run ``work`` here; a returned exception stays the cause."""
+    err = _run_caught(work) if work is not None else None
+    if dist.is_initialized():
+        agree(err, group, what=what)
+    elif err is not None:
+        text = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else err
+        raise SyncError(f"{what} failed: {text}") from (err if isinstance(err, BaseException) else None)
+
+
+def _wait_for_work(work: Callable[[], Any] | None, group: Any, what: str, round_s: float,
+                   tell: Callable[[torch.Tensor, Any], None]) -> None:
+    """``work`` (where given) in a thread; ``tell(done, flags)`` every ``round_s`` until every rank
+    hears done (1); then `agree` on the outcomes."""
     flags = cpu_group(group)                     # a CPU flag: the group's own where it has CPU
     out: list = [None]
     thread = None
-    if dist.get_rank(group) == 0:
+    if work is not None:
         cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
         def run() -> None:
@@ -415,18 +449,19 @@ def agree_after_rank0(work: Callable[[], str | None], group: Any = None, *, what
     done = torch.zeros(1, dtype=torch.int64)
     with released_by_backend(done):
         while not int(done.item()):
+            done.fill_(1)
             if thread is not None:
                 thread.join(round_s)
                 done.fill_(0 if thread.is_alive() else 1)
-            dist.broadcast(done, src=src, group=flags)
+            tell(done, flags)
     agree(out[0], group, what=what)
 
 
-def _run_caught(work: Callable[[], str | None]) -> str | None:
+def _run_caught(work: Callable[[], Any]) -> Any:
     try:
         return work()
     except Exception as exc:  # noqa: BLE001 - every rank hears of it through `agree`
-        return f"{type(exc).__name__}: {exc}"
+        return exc
 
 
 def let_go_of_frames(exc: BaseException) -> None:

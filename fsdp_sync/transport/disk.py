@@ -121,7 +121,7 @@ from ..weights import hf_checkpoint as ckpt
 from ..weights import quantize, reshard, tied
 from ..weights.gather import Received
 from ..models import hf_config_json
-from ..topology import SyncError
+from ..topology import SyncError, agree_after_rank0
 from ..weights.layout import engine_ep_size
 
 __all__ = ["DiskTransport", "disk_floor", "STEP_RE", "NO_RANK_CHECKPOINTS"]
@@ -373,16 +373,25 @@ class DiskTransport:
         """Step 4 (trainer rank 0 calls, every rank agrees): the engines load ``final`` with the
         sync's version (`disk_load.load_version`: a fleet commits only when every engine has
         loaded it, where the engines stage a load)."""
-        out = load_version(ctx, final)
-        if out.served:      # a failed commit: some serve it now, so a replica brought in loads it
-            self.loaded = final
-        ctx.stats.engine_calls = out.calls
+        done: list = []
+
+        def load() -> BaseException | None:
+            out = load_version(ctx, final)
+            done.append(out)
+            if out.served:      # a failed commit: some serve it now, so a replica brought in loads it
+                self.loaded = final
+            ctx.stats.engine_calls = out.calls
+            return out.err
+
         try:
-            agree_on(out.err, group, f"update_weights_from_disk({final!r})")
+            # a load may take longer than the trainer group's timeout (a big checkpoint): rank 0
+            # loads in a thread, the others hear every second that it still does
+            agree_after_rank0(load, group, what=f"update_weights_from_disk({final!r})")
         except SyncError:
             # the error says who kept the version or part of it; the manager takes out (and keeps
             # generation paused on) only those whose weights are not one known version (`Loaded`)
-            fleet.note_partial(out.kept, torn=out.torn)
+            if done:
+                fleet.note_partial(done[0].kept, torn=done[0].torn)
             raise
         self.loaded = final
 

@@ -238,15 +238,17 @@ class DistributedTransport:
         finally:
             if me == 0 and not ok:
                 fleet.note_partial(self._end(engines, False, ctx))   # the error says who kept part
-        err = None
-        if me == 0:
+        def commit() -> str | None:
             # every engine staged (the last bucket flushed the caches): the fleet's second phase
             try:
                 self._end(engines, True, ctx)
             except fleet.CommitError as exc:
                 ctx.commit_failed = exc
-                err = f"committing the update: {exc}"
-        _agree(err, group, "distributed weight sync")
+                return f"committing the update: {exc}"
+            return None
+
+        # a commit may take longer than the trainer group's timeout: the others hear it still runs
+        agree_after_rank0(commit, group, what="distributed weight sync")
         stats.engine_calls += len(engines)
         if self._quant is not None:
             stats.extra.update(self._quant.figures())

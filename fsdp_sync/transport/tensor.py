@@ -49,7 +49,7 @@ from ..weights import export, handles, ipc_memory, quantize, reshard, state_word
 from ..weights.gather import Received
 from ..weights.bucket import plan_buckets
 from ..weights.layout import engine_ep_size, layout_for
-from ..topology import SyncError, cpu_group, agree, broadcast_from_src, gather_to_src, released_by_backend
+from ..topology import SyncError, cpu_group, agree, agree_after_each, broadcast_from_src, gather_to_src, released_by_backend
 from ..wire import flattened_bucket
 from . import SyncContext, SyncStats, unmade
 from .buffers import BufferPool, ReusedBuffer
@@ -300,20 +300,23 @@ class TensorTransport:
             ok = True
         finally:
             try:
-                if bracket and hasattr(self.engine, "end_weight_update"):
-                    if ok:
-                        try:
-                            self._end_update(commit=True)
-                        except Exception as exc:  # noqa: BLE001 - told to every rank by agree
-                            err = f"end_weight_update on {topo.describe()}: {type(exc).__name__}: {exc}"
-                    else:
-                        fleet.note_partial(self._end_update(commit=False))
-                elif not ok and topo.is_tp_src:   # no update bracket: each call applied as it came
+                ends = bracket and hasattr(self.engine, "end_weight_update")
+
+                def commit() -> str | None:
+                    try:
+                        self._end_update(commit=True)
+                    except Exception as exc:  # noqa: BLE001 - told to every rank by agree
+                        return f"end_weight_update on {topo.describe()}: {type(exc).__name__}: {exc}"
+                    return None
+                if ok:
+                    # a commit may outlast the group's timeout: the others hear that it still runs
+                    agree_after_each(commit if ends else None, self._group, what=self._what)
+                elif ends:
+                    fleet.note_partial(self._end_update(commit=False))
+                elif topo.is_tp_src:   # no update bracket: each call applied as it came
                     kept = [fleet.describe(self.engine, 0)]
                     log.warning("fsdp_sync: %s", fleet.partial_note(kept))
                     fleet.note_partial(kept)
-                if ok:
-                    agree(err, self._group, what=self._what)
             finally:
                 # An engine keeps a rank's bucket buffers mapped until the update ends: their CUDA
                 # blocks wait in torch's limbo until then, and go back to this rank here, before the
