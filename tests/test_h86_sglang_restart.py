@@ -179,3 +179,27 @@ def test_the_per_sync_tp_check_of_a_dead_server_is_one_attempt():
         eng.begin_weight_update()
     assert eng.http_attempts["/get_server_info"] == before + 1
     eng.shutdown()
+
+
+@pytest.mark.parametrize("saver", [True, False])
+def test_an_update_into_weights_sglangs_memory_saver_released_is_refused(saver):
+    from fsdp_sync.engines import sglang as sg
+
+    with fake.FakeSGLangServer(tp_size=1) as srv:
+        info = srv.engine.get_server_info
+        srv.engine.get_server_info = lambda: {**info(), "enable_memory_saver": saver}
+        eng = sg.SGLangEngine(base_url=srv.url)
+        try:
+            eng.release_memory_occupation(["kv_cache", "weights"])
+            if saver:
+                with pytest.raises(sg.SGLangError, match=r"released its weights.*resume_memory_occupation"):
+                    _step(eng, [("w", torch.ones(2))])
+                assert srv.hits.get("/update_weights_from_tensor", 0) == 0
+                assert srv.hits.get("/begin_weight_update", 0) == 0
+            else:     # no memory saver: nothing was paused, the update lands
+                _step(eng, [("w", torch.ones(2))])
+            eng.resume_memory_occupation(["weights"])
+            _step(eng, [("w", torch.full((2,), 3.0))])
+            assert torch.equal(srv.engine.weights["w"], torch.full((2,), 3.0))
+        finally:
+            eng.shutdown()

@@ -1,8 +1,9 @@
 """The launch arguments `SGLangEngine` reads from the installed SGLang's ``get_server_info`` to
 refuse a server it cannot sync (`make test-sglang`: 0.5.23, and 0.5.12 put first on PYTHONPATH):
 ``tp_size`` (each sync's `check_tp_size`: a server restarted with another ``--tp-size``),
-``quantization`` (`SGLangEngine.quantization`), ``dtype`` (`refusals.dtype_refusal`) and
-``custom_weight_loader`` (`Refusals.accepts_rank_buckets`). Both releases answer the server
+``quantization`` (`SGLangEngine.quantization`), ``dtype`` (`refusals.dtype_refusal`),
+``custom_weight_loader`` (`Refusals.accepts_rank_buckets`) and ``enable_memory_saver`` (an update
+into released weights, `check_tp_size`). Both releases answer the server
 arguments' own fields at the top level (0.5.23: ``ServerArgs.resolved_dict()``; 0.5.12:
 ``dataclasses.asdict(server_args)``), so each must be a field of the installed ``ServerArgs``;
 the ``--dtype`` choices must be those `SGLANG_DTYPES` reads (plus ``auto``), and an unknown
@@ -37,7 +38,8 @@ def _fields() -> set[str]:
 
 
 def test_the_launch_fields_the_adapter_reads_are_server_args_fields():
-    assert {"tp_size", "quantization", "dtype", "custom_weight_loader", "load_format"} <= _fields()
+    assert {"tp_size", "quantization", "dtype", "custom_weight_loader", "load_format",
+            "enable_memory_saver"} <= _fields()
 
 
 def test_sglangs_dtype_names_are_the_ones_the_refusal_reads():

@@ -1,6 +1,7 @@
 """SGLang's weight-update session through `SGLangEngine`: ``begin_weight_update`` …
 ``end_weight_update`` (0.5.21+; detected once, skipped on older servers). A mixin of
 `adapter.SGLangEngine` (it provides ``_http``, ``_local``, ``_check_open``, ``where``, ``tp_size``,
+``track_memory``, ``allocator``,
 ``_version``, ``session_api``, ``server_info`` and ``update_weight_version``).
 
 `stages_disk_loads`: whether a disk load inside a session waits for its commit (``fsdp-sync
@@ -66,7 +67,8 @@ class SessionCalls:
 
     def check_tp_size(self) -> None:
         """Refuse, before anything is sent, a server whose TP size is not ``tp_size`` any more (or
-        that reports another SGLang release than the one this wrapper read).
+        that reports another SGLang release than the one this wrapper read, or that runs its memory
+        saver with the weights released, as far as ``track_memory`` knows).
 
         ``tp_size`` is read once, when the `SGLangEngine` is made (or given), and the trainer's
         mesh and the manager's first-sync check are built on it; a server restarted at the same URL
@@ -91,6 +93,14 @@ class SessionCalls:
                               f"SGLangEngine was made against {made} (the server was restarted with "
                               f"another release?): nothing was sent. Make a new SGLangEngine for it",
                               call="begin_weight_update")
+        if (self.track_memory and info.get("enable_memory_saver") is True
+                and "weights" not in self.allocator.held):
+            raise SGLangError(f"SGLang{self.where} released its weights' GPU memory "
+                              f"(release_memory_occupation with 'weights', started with "
+                              f"--enable-memory-saver) and has not taken it back: an update would "
+                              f"write into memory SGLang paused (lost, or a CUDA error in its "
+                              f"workers); nothing was sent. Call resume_memory_occupation(['weights']) "
+                              f"first (the manager's `with` does)", call="begin_weight_update")
         now = info.get("tp_size")
         if not isinstance(now, int) or isinstance(now, bool) or now == self.tp_size:
             return
