@@ -67,37 +67,38 @@ def test_a_given_tp_size_the_server_does_not_run_is_refused_at_the_first_begin()
         eng.shutdown()
 
 
-@pytest.mark.parametrize("launched, want, refused", [
+QUANT_CASES = [
     ("fp8", None, True),            # --quantization fp8, the sync sends unquantized weights
     ("awq", "fp8", True),           # another format than the sync's block FP8
     ("fp8", "fp8", False),
     (None, "fp8", False),           # None: also an FP8 checkpoint's own quantization_config
-])
-def test_a_server_launched_with_another_quantization_is_refused_before_the_first_sync(launched, want,
-                                                                                     refused):
+]
+
+
+def test_a_server_launched_with_another_quantization_is_refused_before_the_first_sync():
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.config_check import check_engine
     from fsdp_sync.engines import sglang as sg
 
     with fake.FakeSGLangServer(tp_size=1) as srv:
         info = srv.engine.get_server_info
-        srv.engine.get_server_info = lambda: {**info(), "quantization": launched}
-        eng = sg.SGLangEngine(base_url=srv.url)
-        cfg = SyncConfig(method="tensor", quantization=want)
-        try:
-            if refused:
-                with pytest.raises(ValueError, match=rf"the engine serves quantization='{launched}' "
-                                                     rf"but SyncConfig.quantization={want!r}"):
+        for launched, want, refused in QUANT_CASES:
+            srv.engine.get_server_info = lambda q=launched: {**info(), "quantization": q}
+            eng = sg.SGLangEngine(base_url=srv.url)
+            cfg = SyncConfig(method="tensor", quantization=want)
+            try:
+                if refused:
+                    with pytest.raises(ValueError, match=rf"the engine serves quantization='{launched}' "
+                                                         rf"but SyncConfig.quantization={want!r}"):
+                        check_engine(torch.nn.Linear(2, 2), eng, cfg, None, where="trainer rank 0")
+                else:
                     check_engine(torch.nn.Linear(2, 2), eng, cfg, None, where="trainer rank 0")
-            else:
-                check_engine(torch.nn.Linear(2, 2), eng, cfg, None, where="trainer rank 0")
-            assert srv.hits.get("/update_weights_from_tensor", 0) == 0
-        finally:
-            eng.shutdown()
+            finally:
+                eng.shutdown()
+        assert srv.hits.get("/update_weights_from_tensor", 0) == 0
 
 
-@pytest.mark.parametrize("loaders", [[], ["other.module.loader"], None, "registered"])
-def test_rank_bucket_loader_is_believed_only_where_the_server_registered_it(loaders, caplog):
+def test_rank_bucket_loader_is_believed_only_where_the_server_registered_it(caplog):
     """``rank_bucket_loader=True`` against a server launched without ``--custom-weight-loader
     fsdp_sync...load_rank_buckets``: SGLang meets the first per-rank bucket with
     NotImplementedError('Unknown load_format') in its scheduler. Its launch arguments say so, so
@@ -108,43 +109,46 @@ def test_rank_bucket_loader_is_believed_only_where_the_server_registered_it(load
 
     with fake.FakeSGLangServer(tp_size=1) as srv:
         info = srv.engine.get_server_info
-        launched = [LOADER] if loaders == "registered" else loaders
-        srv.engine.get_server_info = lambda: {**info(), "custom_weight_loader": launched}
-        eng = sg.SGLangEngine(base_url=srv.url, rank_bucket_loader=True)
-        try:
-            believed = loaders is None or loaders == "registered"
-            assert eng.accepts_rank_buckets is believed
-            if not believed:
-                assert "--custom-weight-loader" in caplog.text and LOADER in caplog.text
-                bucket = Bucket((BucketEntry("w", torch.float32, (2,), 0, 8),), 8)
-                with pytest.raises(sg.SGLangError, match="--custom-weight-loader"):
-                    eng.load_rank_bucket(bucket, [b"x"])
-                assert srv.hits.get("/update_weights_from_tensor", 0) == 0
-        finally:
-            eng.shutdown()
+        for loaders in ([], ["other.module.loader"], None, "registered"):
+            launched = [LOADER] if loaders == "registered" else loaders
+            srv.engine.get_server_info = lambda v=launched: {**info(), "custom_weight_loader": v}
+            caplog.clear()
+            eng = sg.SGLangEngine(base_url=srv.url, rank_bucket_loader=True)
+            try:
+                believed = loaders is None or loaders == "registered"
+                assert eng.accepts_rank_buckets is believed, loaders
+                if not believed:
+                    assert "--custom-weight-loader" in caplog.text and LOADER in caplog.text
+                    bucket = Bucket((BucketEntry("w", torch.float32, (2,), 0, 8),), 8)
+                    with pytest.raises(sg.SGLangError, match="--custom-weight-loader"):
+                        eng.load_rank_bucket(bucket, [b"x"])
+                    assert srv.hits.get("/update_weights_from_tensor", 0) == 0
+            finally:
+                eng.shutdown()
 
 
-@pytest.mark.parametrize("launched, sent, refused", [
-    ("float16", torch.bfloat16, True), ("half", torch.bfloat16, True),
-    ("bfloat16", torch.float32, True), ("bfloat16", torch.bfloat16, False),
-    ("auto", torch.float16, False), ("float16", None, False),
-])
-def test_a_sync_dtype_other_than_the_servers_dtype_is_refused_naming_both(launched, sent, refused):
+DTYPE_CASES = [("float16", torch.bfloat16, True), ("half", torch.bfloat16, True),
+               ("bfloat16", torch.float32, True), ("bfloat16", torch.bfloat16, False),
+               ("auto", torch.float16, False), ("float16", None, False)]
+
+
+def test_a_sync_dtype_other_than_the_servers_dtype_is_refused_naming_both():
     from fsdp_sync.engines import sglang as sg
 
     with fake.FakeSGLangServer(tp_size=1) as srv:
         info = srv.engine.get_server_info
-        srv.engine.get_server_info = lambda: {**info(), "dtype": launched}
-        eng = sg.SGLangEngine(base_url=srv.url)
-        try:
-            why = eng.sync_refusal(dtype=sent)
-            if refused:
-                assert f"--dtype {launched}" in why and f"SyncConfig.dtype={sent}" in why, why
-                assert srv.url in why, why
-            else:
-                assert why is None, why
-        finally:
-            eng.shutdown()
+        for launched, sent, refused in DTYPE_CASES:
+            srv.engine.get_server_info = lambda d=launched: {**info(), "dtype": d}
+            eng = sg.SGLangEngine(base_url=srv.url)
+            try:
+                why = eng.sync_refusal(dtype=sent)
+                if refused:
+                    assert f"--dtype {launched}" in why and f"SyncConfig.dtype={sent}" in why, why
+                    assert srv.url in why, why
+                else:
+                    assert why is None, (launched, sent, why)
+            finally:
+                eng.shutdown()
 
 
 def test_a_server_restarted_with_another_release_is_refused_before_anything_is_sent():
