@@ -57,7 +57,7 @@ any collective that would not match: ``pause_mode`` (the pause's and continue's 
 under one), ``method`` and ``lora`` (the fleet's agree, the adapter's stage), ``on_replica_failure``
 (whether a failed sync is sent again), and the ones that decide which engine-memory stages run and
 what stays on the accelerator (``multi_stage_wake_up``, ``free_cache_engine``, ``offload_params``);
-with them the manager's ``global_steps`` (the version's name, and which tensors a ``verify="sample"``
+with them the mesh's layout (``mesh``: dims and ranks) and the manager's ``global_steps`` (the version's name, and which tensors a ``verify="sample"``
 gathers: set on rank 0 alone, FSDP2's gathers of other tensors aborted gloo) and ``base_sync_done``
 (``lora="adapter"``: whether the base goes, with its own checks' agrees). Before, each rank
 acted on its own: under another ``pause_mode`` both ranks blocked until the process group's
@@ -503,8 +503,13 @@ class FSDPShardingManager:
         return got[0][0]
 
     def _stage_values(self) -> dict:
-        """This rank's `STAGE_SETTINGS`, by name, as the ranks compare them."""
-        return {f"SyncConfig.{f}": getattr(self.config, f) for f in STAGE_SETTINGS}
+        """This rank's `STAGE_SETTINGS`, by name, as the ranks compare them, and its mesh's layout
+        (ranks that built different meshes gather and call engines over different groups)."""
+        values: dict = {f"SyncConfig.{f}": getattr(self.config, f) for f in STAGE_SETTINGS}
+        mesh = self.topo.mesh if self.topo is not None else None
+        values["mesh"] = mesh if mesh is None else {
+            **dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape)), "ranks": mesh.mesh.tolist()}
+        return values
 
     @property
     def _fleet_mode(self) -> bool:
