@@ -201,11 +201,13 @@ def load_refusal(module: Any, engine: Any, config: Any) -> str | None:
 
 
 def sync_refusal(engine: Any, config: Any) -> str | None:
-    """The engine's own word (``engine.sync_refusal(pause_mode=, verify=)``, where it has one:
-    `SGLangEngine`) on `SyncConfig` values its release cannot run, e.g. ``pause_mode="retract"``
-    against an SGLang whose scheduler dies of the flush the sync's update asks for; None where it
-    has none or can run them."""
+    """The engine's own word (``engine.sync_refusal(pause_mode=, verify=, dtype=)``, where it has
+    one: `SGLangEngine`) on `SyncConfig` values its release or launch cannot run, e.g.
+    ``pause_mode="retract"`` against an SGLang whose scheduler dies of the flush the sync's update
+    asks for, or a ``dtype`` other than the server's explicit ``--dtype`` (its loader would cast
+    every tensor again); None where it has none or can run them."""
     ask = getattr(engine, "sync_refusal", None)
     if not callable(ask):
         return None
-    return ask(pause_mode=getattr(config, "pause_mode", None), verify=getattr(config, "verify", "off"))
+    return ask(pause_mode=getattr(config, "pause_mode", None), verify=getattr(config, "verify", "off"),
+               dtype=getattr(config, "dtype", None))
