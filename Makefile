@@ -54,7 +54,8 @@ SGLANG_OLD_VERSIONS ?= 0.5.12
 SGLANG_OLD_TESTS ?= tests/sglang_tier/test_real_sglang.py tests/sglang_tier/test_sglang_distributed.py \
                     tests/sglang_tier/test_sglang_lora.py tests/sglang_tier/test_sglang_memory_tags.py \
                     tests/sglang_tier/test_sgladapt_bodies.py tests/sglang_tier/test_sgladapt_lora_rank_real.py \
-                    tests/sglang_tier/test_h11_lora_targets_real.py tests/sglang_tier/test_h53_release_floor.py
+                    tests/sglang_tier/test_h11_lora_targets_real.py tests/sglang_tier/test_h53_release_floor.py \
+                    tests/sglang_tier/test_h86_launch_fields.py
 
 test-sglang:
 	SGLANG_VENV="$(SGLANG_VENV)" SGLANG_VERSION="$(SGLANG_VERSION)" TORCH_SPEC="$(TORCH_SPEC)" \
