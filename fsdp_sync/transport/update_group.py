@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..wire import (call_off_join, destroy_update_group, host_store, join_store, new_update_group,
                     update_group_open)
@@ -174,10 +175,14 @@ def open_group(engines: list, cfg: Any, device: torch.device, backend: str,
     try:
         store = host_store(world, cfg.dist_timeout_s, port=cfg.dist_master_port or 0)
     except Exception as exc:
+        # a timeout is the store's own (dist_timeout_s), not another program on the port
+        timed_out = isinstance(exc, (TimeoutError, dist.DistStoreError)) or "timed out" in str(exc).lower()
         raise RuntimeError(f"making the weight-update group {name!r} failed: trainer rank 0 cannot "
-                           f"host its store on dist_master_port={cfg.dist_master_port} ({exc}); is "
-                           f"another program on it? Give a free port, or None to let the OS pick "
-                           f"one. No engine was told to join") from exc
+                           f"host its store on dist_master_port={cfg.dist_master_port} ({exc}); " + (
+                               f"it gave up after dist_timeout_s={cfg.dist_timeout_s}s: raise "
+                               f"dist_timeout_s on a slow or loaded host, or give" if timed_out else
+                               "is another program on it? Give") + " a free port, or None to let the "
+                           "OS pick one. No engine was told to join") from exc
     port = store.port
     client = join_store("127.0.0.1", port, None, cfg.dist_timeout_s)    # rank 0's, not the host
     futures, offsets, offset = [], [], 1
