@@ -42,10 +42,10 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_http_weight_version_is_model_infos_live_one_not_the_launch_record():
     """SGLang 0.5.23 has no /get_weight_version (404) and keeps the launch value in
-    /get_server_info's weight_version; /get_model_info has the live one."""
+    /server_info's (and /get_server_info's) weight_version; /get_model_info has the live one."""
     with fake.FakeSGLangServer(tp_size=1) as srv:
         a = sg.SGLangEngine(base_url=srv.url, tp_size=1, retry_backoff_s=0.01, timeout_s=10)
-        srv.script["/get_server_info"] = [(200, json.dumps({"tp_size": 1, "version": "0.5.23",
+        srv.script["/server_info"] = [(200, json.dumps({"tp_size": 1, "version": "0.5.23",
                                                              "weight_version": "default"}))]
         srv.script["/get_model_info"] = [(200, json.dumps({"model_path": "/m",
                                                             "weight_version": "step-7"}))]

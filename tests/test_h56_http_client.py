@@ -296,12 +296,12 @@ def test_whether_disk_loads_are_staged_is_asked_again_after_an_unreadable_info()
     from fsdp_sync.engines.sglang import SGLangEngine
 
     info = '{"version": "fsdp_sync-serve", "tp_size": 1}'
-    with _Server({"/get_server_info": ["drop", (200, info)]}) as srv:
+    with _Server({"/server_info": ["drop", (200, info)]}) as srv:
         eng = SGLangEngine(base_url=srv.url, tp_size=1, max_retries=0)
         try:
             assert eng.stages_disk_loads is False          # unknown this time: as SGLang
             assert eng.stages_disk_loads is True           # asked again, and kept
-            assert eng.stages_disk_loads is True and srv.hits["/get_server_info"] == 2
+            assert eng.stages_disk_loads is True and srv.hits["/server_info"] == 2
         finally:
             eng.shutdown()
 

@@ -43,14 +43,18 @@ def test_flattened_bucket_payloads_other_than_one_per_tp_rank_are_refused_before
     assert not [c for c in eng.calls if c[0] == "update_weights_from_tensor"], eng.calls
 
 
-def test_server_info_falls_back_to_its_newer_route():
-    """SGLang 0.5.23 deprecates /get_server_info for /server_info: a server without the old one is
-    still read (tp_size, release)."""
+def test_server_info_asks_the_newer_route_and_falls_back_to_the_old_one():
+    """SGLang 0.5.23 deprecates /get_server_info for /server_info (a warning in its log at each
+    call, and a sync asks every time): /server_info is asked, and a server without it (404) is
+    still read through the old route (tp_size, release)."""
     import json
 
     with fake.FakeSGLangServer(tp_size=1, version="0.5.23") as srv:
-        srv.script["/get_server_info"] = [(404, json.dumps({"detail": "Not Found"}))] * 2
-        srv.script["/server_info"] = [(200, json.dumps({"tp_size": 3, "version": "0.5.23"}))]
+        a = SGLangEngine(base_url=srv.url, retry_backoff_s=0.01)
+        assert a.tp_size == 1 and [p for _, p, _ in srv.requests] == ["/server_info"], srv.requests
+    with fake.FakeSGLangServer(tp_size=1, version="0.5.23") as srv:
+        srv.script["/server_info"] = [(404, json.dumps({"detail": "Not Found"}))] * 2
+        srv.script["/get_server_info"] = [(200, json.dumps({"tp_size": 3, "version": "0.5.23"}))]
         a = SGLangEngine(base_url=srv.url, retry_backoff_s=0.01)
         assert a.tp_size == 3 and a.sglang_version == "0.5.23"
-        assert [p for _, p, _ in srv.requests] == ["/get_server_info", "/server_info"], srv.requests
+        assert [p for _, p, _ in srv.requests] == ["/server_info", "/get_server_info"], srv.requests

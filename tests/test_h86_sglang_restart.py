@@ -178,10 +178,10 @@ def test_the_per_sync_tp_check_of_a_dead_server_is_one_attempt():
     srv = fake.FakeSGLangServer(tp_size=1).__enter__()
     eng = sg.SGLangEngine(base_url=srv.url, retry_backoff_s=0.01)
     srv.close()
-    before = eng.http_attempts["/get_server_info"]
+    before = eng.http_attempts["/server_info"]
     with pytest.raises(sg.SGLangError, match="no answer"):
         eng.begin_weight_update()
-    assert eng.http_attempts["/get_server_info"] == before + 1
+    assert eng.http_attempts["/server_info"] == before + 1
     eng.shutdown()
 
 

@@ -81,9 +81,9 @@ def test_an_adapter_over_max_lora_rank_is_refused_before_it_is_sent(version):
             a.load_lora_adapter_from_tensors("M", tensors(16), config(16))
         assert srv.hits.get("/load_lora_adapter_from_tensors") == 1
         assert "M" not in srv.engine.loras and srv.engine.opened_payloads == 2
-        info_asks = srv.hits.get("/get_server_info", 0)
+        info_asks = srv.hits.get("/server_info", 0)
         a.lora_refusal(config(4))
-        assert srv.hits.get("/get_server_info", 0) == info_asks      # launch arguments: asked once
+        assert srv.hits.get("/server_info", 0) == info_asks      # launch arguments: asked once
 
 
 def test_a_server_without_lora_is_refused_and_one_that_does_not_say_is_not_checked():

@@ -451,9 +451,9 @@ def test_http_sync_round_trip():
         paths = [(m, p) for m, p, _ in srv.requests]
         bodies = [b for _, _, b in srv.requests]
     # begin asks the server's TP size first (a server restarted with another: `check_tp_size`)
-    assert paths[:8] == [("GET", "/get_server_info"), ("GET", "/health"),
+    assert paths[:8] == [("GET", "/server_info"), ("GET", "/health"),
                          ("POST", "/release_memory_occupation"),
-                         ("POST", "/resume_memory_occupation"), ("GET", "/get_server_info"),
+                         ("POST", "/resume_memory_occupation"), ("GET", "/server_info"),
                          ("POST", "/begin_weight_update"),
                          ("POST", "/update_weights_from_tensor"),
                          ("POST", "/update_weights_from_tensor")]

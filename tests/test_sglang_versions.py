@@ -74,7 +74,7 @@ def test_http_0512_has_no_session_and_takes_every_update_without_one():
         weights = dict(srv.engine.weights)
     assert "/begin_weight_update" not in hits and "/end_weight_update" not in hits
     # once for tp_size, then once per sync's begin (its TP check: `check_tp_size`)
-    assert hits["/get_server_info"] == 3 and hits["/update_weights_from_tensor"] == 4
+    assert hits["/server_info"] == 3 and hits["/update_weights_from_tensor"] == 4
     assert hits["/update_weights_from_distributed"] == 2
     assert a.session_api is False
     for name, t in named:

@@ -251,11 +251,15 @@ class SGLangEngine(MemoryCalls, SessionCalls, GenerationControl, LoRAClient, Ref
         ``retries``: over HTTP, instead of ``max_retries`` (0: one attempt)."""
         self._check_open("server_info")
         if self._http:
+            # /server_info first: SGLang has it since before `versions.OLDEST` (0.5.12), and 0.5.23
+            # logs a deprecation warning at each /get_server_info, which a sync asks every time
+            # (its TP size and release, `session_calls.check_tp_size`); the old name for a server
+            # without the new one
             try:
-                info = self._http.json("GET", "/get_server_info", idempotent=True, retries=retries)
+                info = self._http.json("GET", "/server_info", idempotent=True, retries=retries)
             except NotFound:
-                try:   # the route's newer name
-                    info = self._http.json("GET", "/server_info", idempotent=True, retries=retries)
+                try:
+                    info = self._http.json("GET", "/get_server_info", idempotent=True, retries=retries)
                 except NotFound as e:
                     raise e.error from None
         else:
