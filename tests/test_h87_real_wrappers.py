@@ -19,6 +19,9 @@ import torch
 from fsdp_sync.models import build_model, load_config
 from fsdp_sync.weights import export
 
+# FSDP1 at world size 1 runs NO_SHARD and says so (as every FSDP1 unit here is meant to)
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")
+
 BF16 = torch.bfloat16
 
 
