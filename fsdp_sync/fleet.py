@@ -35,6 +35,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -170,7 +171,7 @@ def end_all(engines: list, *, commit: bool, version: str | None = None, skip: It
         # its post-processing or the version's naming failed): noted as a replica that kept part
         # of a failed update (`take_noted`), so the manager holds it (`manager_pause.stall`): the
         # tensor method's engine too, whose transport has no fleet's blame (`Fleet.blame`)
-        _noted.__dict__.setdefault("names", []).extend(describe(engines[i], i) for i in sorted(failed))
+        _note([describe(engines[i], i) for i in sorted(failed)])
         raise CommitError(committed, failed, version)
     if partial:
         log.warning("fsdp_sync: %s", partial_note(partial))
@@ -190,20 +191,37 @@ def note_partial(partial: list[str], *, torn: list[str] | None = None) -> None:
     ``torn`` where given (the replicas whose weights may mix two versions), else all."""
     keep = partial if torn is None else torn
     if keep:
-        _noted.__dict__.setdefault("names", []).extend(keep)
+        _note(keep)
     failure = sys.exc_info()[1]
     if partial and failure is not None:
         failure.add_note(partial_note(partial))
 
 
 def take_noted() -> list[str]:
-    """The replicas `note_partial` named in this thread since the last call (``describe(engine,
-    index)``, the index in the sync's engine list), and forget them."""
-    names, _noted.names = getattr(_noted, "names", []), []
-    return names
+    """The replicas `note_partial` named for this thread's sync since the last call
+    (``describe(engine, index)``, the index in the sync's engine list), and forget them."""
+    with _noted_lock:
+        return _noted.pop(_sync_thread(), [])
 
 
-_noted = threading.local()
+def _note(names: list[str]) -> None:
+    with _noted_lock:
+        _noted.setdefault(_sync_thread(), []).extend(names)
+
+
+def _sync_thread() -> threading.Thread:
+    """The thread whose sync this is: the current one, or the one it works for (``works_for``:
+    `topology.agree_after_rank0` / ``agree_after_each`` run an engine's commit or load in a thread
+    of their own where the group has peers; what it notes is the caller's, or the manager would
+    continue a replica whose commit failed)."""
+    t = threading.current_thread()
+    return getattr(t, "works_for", None) or t
+
+
+# per sync thread (two syncs in one process, e.g. ranks as threads, keep theirs apart); a thread's
+# entry goes with it
+_noted: "weakref.WeakKeyDictionary[threading.Thread, list[str]]" = weakref.WeakKeyDictionary()
+_noted_lock = threading.Lock()
 
 
 def restate(err: BaseException, message: str) -> BaseException:

@@ -445,6 +445,7 @@ def _wait_for_work(work: Callable[[], Any] | None, group: Any, what: str, round_
                 out[0] = f"{type(exc).__name__}: {exc}"     # thread: a failure all the same
 
         thread = threading.Thread(target=run, name="fsdp_sync-rank0-work", daemon=True)
+        thread.works_for = threading.current_thread()   # what it notes is this sync's (`fleet`)
         thread.start()
     done = torch.zeros(1, dtype=torch.int64)
     with released_by_backend(done):

@@ -85,10 +85,20 @@ def test_a_replica_that_could_not_be_told_it_serves_again_is_told_at_the_next_sy
 
 # --------------------------------------------------------------------------- (b)
 
-def test_a_tensor_engine_whose_commit_failed_is_held_not_continued(one_rank):
+@pytest.mark.parametrize("threaded", [False, True], ids=["alone", "in-a-thread"])
+def test_a_tensor_engine_whose_commit_failed_is_held_not_continued(one_rank, monkeypatch, threaded):
+    """``in-a-thread``: the commit runs in a thread of its own, as it does wherever the group has
+    peers (`topology.agree_after_each`: the others hear each second that it still runs); the
+    replica it names must reach the manager's thread (before: noted in the worker thread's own
+    store, lost, the engine continued)."""
     import fake_sglang as fake
+    from fsdp_sync import topology
     from fsdp_sync.engines import sglang as sg
     from fsdp_sync.topology import SyncError, make_mesh
+
+    if threaded:    # a one-rank world works alone; take the path a world with peers takes
+        monkeypatch.setattr(topology, "_agree_alone", lambda work, group, what: topology._wait_for_work(
+            work, group, what, 1.0, lambda flag, flags: None))
 
     class Failing(fake.PausingFakeSGLangEngine):
         def end_weight_update(self):
