@@ -47,7 +47,7 @@ test-gpu: $(STAMP)
 # Then the wire contract, the receivers, the adapter and LoRA again against each of SGLANG_OLD_VERSIONS
 # (0.5.12: verl 0.9.1's pin), installed beside it in the same venv and put first on PYTHONPATH.
 # -n 2 --dist loadfile: two test files at a time (a file's module fixtures run once); on 2 cores
-# 108 s against 147 s one at a time. The verl tier stays serial: 425 s either way.
+# 108 s against 147 s one at a time.
 SGLANG_VENV    ?= .venv-sglang
 SGLANG_VERSION ?= 0.5.23
 SGLANG_OLD_VERSIONS ?= 0.5.12
@@ -73,7 +73,11 @@ test-sglang:
 # Optional tier, not part of `make test`: fsdp_sync's verl plug-in, recipes and adapter against the
 # real verl (pinned, no extras: they pull another torch), in a venv of its own built by
 # scripts/verl_env.sh. Fails, never skips, when verl cannot be installed or imported.
-# On 2 cores: about 7 min (25 tests), more than half of it the two runs of verl's own trainer.
+# -n 2 --dist loadfile, as the sglang tier: on 2 cores 322 s against 418 s one file at a time
+# (same host, nothing else running). xdist's default order (files with the most tests first) leaves
+# the two runs of verl's own trainer (test_verl_trainer.py, two tests) to the end, where they run
+# nearly alone: Ray starts its workers niced (RAY_worker_niceness), and beside the other files the first run took
+# 258 s instead of 109 s (the whole tier 393 s).
 VERL_VENV    ?= .venv-verl
 VERL_VERSION ?= 0.9.1
 
@@ -81,7 +85,8 @@ test-verl:
 	VERL_VENV="$(VERL_VENV)" VERL_VERSION="$(VERL_VERSION)" TORCH_SPEC="$(TORCH_SPEC)" \
 	  PYTHON="$(PYTHON)" bash scripts/verl_env.sh
 	$(VERL_VENV)/bin/python $(BYTECODE)
-	FSDP_SYNC_VERL_TIER=1 PYTHONPATH=. $(VERL_VENV)/bin/python -m pytest -q -m verl tests/verl_tier
+	FSDP_SYNC_VERL_TIER=1 PYTHONPATH=. $(VERL_VENV)/bin/python -m pytest -q -m verl \
+	  -n 2 --dist loadfile tests/verl_tier
 
 # verl 0.9.1's own trainer on this CPU machine: 3 GRPO steps of a tiny Qwen2, rollout on the
 # reference engine (rollout.name=fsdp_sync_ref), every sync verified. Assets go to out/tiny_grpo.

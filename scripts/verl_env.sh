@@ -14,8 +14,8 @@
 # Why the extra packages: verl's base requirements do not cover what its trainer, rollout and
 # config modules import on CPU (its `verl-core` extra lists them, together with packages that
 # need CUDA). TransferQueue, cachetools, fastapi, uvicorn, msgspec and pyzmq are the ones a CPU
-# import of verl.workers.* needs; pytest and pytest-timeout run the tier; xxhash is fsdp_sync's own
-# (installed --no-deps below).
+# import of verl.workers.* needs; pytest, pytest-timeout and pytest-xdist run the tier; xxhash is
+# fsdp_sync's own (installed --no-deps below).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/uv_env.sh"   # installs with uv: ensure_uv, uv_venv, uv_pip, uv_torch
 
@@ -23,9 +23,9 @@ VENV=${VERL_VENV:-.venv-verl}
 VERSION=${VERL_VERSION:-0.9.1}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 PYTHON=${PYTHON:-python3}
-STAMP="$VENV/.verl-tier-$VERSION"
+STAMP="$VENV/.verl-tier-$VERSION-xdist"   # -xdist: the tier runs two test files at a time
 
-DEPS=(TransferQueue cachetools fastapi uvicorn msgspec pyzmq pytest pytest-timeout xxhash)
+DEPS=(TransferQueue cachetools fastapi uvicorn msgspec pyzmq pytest pytest-timeout pytest-xdist xxhash)
 
 start=$(date +%s)
 ensure_uv
