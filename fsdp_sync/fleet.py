@@ -41,7 +41,8 @@ from typing import Any, Iterable
 
 from .engines.base import VersionNotNamed
 
-__all__ = ["Replica", "Fleet", "CommitError", "VersionNotNamed", "end_all", "problem", "describe", "note_partial", "take_noted"]
+__all__ = ["Replica", "Fleet", "CommitError", "VersionNotNamed", "end_all", "problem", "describe", "note_partial", "take_noted",
+           "forget_noted"]
 
 log = logging.getLogger("fsdp_sync")
 
@@ -202,6 +203,16 @@ def take_noted() -> list[str]:
     (``describe(engine, index)``, the index in the sync's engine list), and forget them."""
     with _noted_lock:
         return _noted.pop(_sync_thread(), [])
+
+
+def forget_noted() -> None:
+    """A sync starts on this thread: what an earlier sync noted and nobody took goes (its own
+    error said it already, `note_partial`). A caller that takes no notes (verl's adapter calls
+    `TensorTransport.send` thousands of times in one process, with no manager to keep generation
+    paused) would otherwise keep one name per failed sync for the thread's life; a manager takes
+    the notes of its sync before the next begins (`manager_pause.kept_part`)."""
+    with _noted_lock:
+        _noted.pop(_sync_thread(), None)
 
 
 def _note(names: list[str]) -> None:

@@ -278,15 +278,15 @@ class TensorTransport:
 
     @contextmanager
     def _update_bracket(self) -> Iterator[None]:
-        """``begin_weight_update`` / ``end_weight_update`` around the calls of one sync, on
-        infer-TP rank 0 where the engine has them. A refused begin, or a refused end after every
-        call went through, fails the sync on every rank (`agree`): no rank goes on to gather
-        payloads nobody will take. After a failed call the update is aborted, not committed. A
-        session a dead trainer left open is aborted and ours begun (`sessions.begin`)."""
+        """``begin_weight_update`` / ``end_weight_update`` around one sync's calls, on infer-TP
+        rank 0 where the engine has them. A refused begin, or a refused end after every call, fails
+        the sync on every rank (`agree`). After a failed call the update is aborted, not committed;
+        a session a dead trainer left open is aborted and ours begun (`sessions.begin`)."""
         topo = self.topo
         bracket = topo.is_tp_src and hasattr(self.engine, "begin_weight_update")
         err: str | None = None
         handles.collect_ipc()   # what a failed sync's engine let go of only after this rank collected
+        fleet.forget_noted()    # what an earlier sync noted and nobody took (verl's adapter takes none)
         if bracket:
             try:
                 begin(self.engine)
