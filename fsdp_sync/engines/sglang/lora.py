@@ -24,7 +24,8 @@ given to such an engine they are refused by name, not dropped.
 `lora_refusal` (asked by `lora_sync.check_engine` before any engine is paused, unloaded or
 loaded, and by the verl adapter before a LoRA run's base is sent, `verl_lora.engine_refusal`;
 `load_lora_adapter_from_tensors` asks it too, before sending) says what SGLang's load
-would refuse, read from the server's launch arguments (``get_server_info``, asked once): LoRA not
+would refuse, read from the server's launch arguments (``get_server_info``: the first answer,
+then, over HTTP, the one every sync's ``begin_weight_update`` reads, `follow_lora_args`): LoRA not
 enabled (``enable_lora`` false: "LoRA is not enabled", 0.5.12 and 0.5.23), and an adapter rank
 ``r`` over ``max_lora_rank`` (``--max-lora-rank``: the LoRA memory pool's buffers are that wide;
 ``LoRAManager.validate_new_adapter`` answers success=False "... with rank r is incompatible with
@@ -40,6 +41,13 @@ them (``fsdp-sync serve``, whose engine checks its own), ``max_lora_rank`` None 
 the pool for the largest rank of its ``--lora-paths``, which it does not report), or target modules
 ``all`` or none (sized for what SGLang found in the base model or its ``--lora-paths``), is not
 checked here: SGLang's own refusal stands.
+
+A server restarted at the same URL with other LoRA arguments (a smaller ``--max-lora-rank``, fewer
+``--lora-target-modules``) answers the next sync's server info with them (`session_calls
+.check_tp_size`, no request of its own): `follow_lora_args` keeps them and asks `lora_refusal`
+again of the adapter it was last asked about, so the sync's ``begin_weight_update`` is refused
+before the base is sent, not the adapter's load after it (SGLang's late refusal, with the adapter
+it served under that name unloaded); the next syncs' checks read the new arguments.
 
 ``lora_checksums`` reads ``POST /fsdp_sync/lora_checksums``, which only ``fsdp-sync serve`` has:
 SGLang cannot hand an adapter back, so against it the call raises, naming what to set instead.
@@ -98,14 +106,16 @@ def shared_copy(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tens
 class LoRAClient:
     """`SGLangEngine`'s LoRA methods (see the module docstring)."""
 
-    _lora_args: dict | None = None       # the server's LoRA launch arguments, once asked
+    _lora_args: dict | None = None       # the server's LoRA launch arguments, as last read
     # (as the server resolved them: enable_lora is True where --lora-paths were given)
+    _lora_asked: tuple | None = None     # (config_dict, metas): the adapter `lora_refusal` last read
 
     def lora_server_args(self) -> dict:
         """``{"enable_lora", "max_lora_rank", "lora_paths", "lora_target_modules"}`` as the
         server reports them (its launch arguments: ``get_server_info``, or an in-process engine's
-        ``server_args``); a key the server does not report is left out. Asked once (launch
-        arguments do not change)."""
+        ``server_args``); a key the server does not report is left out. Asked once; over HTTP
+        each sync's server-info answer keeps them current (`follow_lora_args`: a server restarted
+        at the same URL may have been launched with others)."""
         if self._lora_args is None:
             info: Any = None
             if self._http:
@@ -130,12 +140,38 @@ class LoRAClient:
         if self._lora_args is None:
             self._lora_args = {k: info[k] for k in _LORA_ARGS if k in info}
 
+    def follow_lora_args(self, info: dict) -> str | None:
+        """Keep the LoRA launch arguments of ``info``, a server-info answer read at a sync's start
+        (`check_tp_size`), and say why the adapter `lora_refusal` was last asked about would now
+        be refused (None: the arguments did not change, no adapter was asked about, or it would
+        be taken). Arguments as they were cost a comparison: nothing is asked of the server."""
+        now = {k: info[k] for k in _LORA_ARGS if k in info}
+        before = self._lora_args
+        if before is None or now == before:
+            self._lora_args = now
+            return None
+        self._lora_args = now
+        if self._lora_asked is None:
+            return None
+        why = self.lora_refusal(*self._lora_asked)
+        if why is None:
+            return None
+        changed = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in _LORA_ARGS
+                            if before.get(k) != now.get(k))
+        cfg = self._lora_asked[0]
+        return (f"{self.features.label}{self.where} now reports other LoRA launch arguments than "
+                f"this SGLangEngine read before ({changed}: restarted?), and the adapter last "
+                f"checked against it (r={cfg.get('r')!r}, target_modules="
+                f"{cfg.get('target_modules')!r}) would be refused: {why}")
+
     def lora_refusal(self, config_dict: Any, metas: Any = ()) -> str | None:
         """Why SGLang would refuse to load an adapter of ``config_dict`` (peft's dict), said
         without sending it (None: not known to be refused; see the module docstring). ``metas``:
         the adapter's tensors, ``[(peft name, dtype, shape)]`` (`lora_sync.check_engine` passes
         them; read for an adapter on "all", `_skipped_refusal`)."""
         self._check_open("lora_refusal")
+        if isinstance(config_dict, Mapping):     # what `follow_lora_args` asks again
+            self._lora_asked = (dict(config_dict), list(metas or ()))
         args = self.lora_server_args()
         if "enable_lora" in args and not args["enable_lora"]:
             return (f"{self.features.label}{self.where} was started without LoRA (its server args "

@@ -2,7 +2,8 @@
 ``end_weight_update`` (0.5.21+; detected once, skipped on older servers). A mixin of
 `adapter.SGLangEngine` (it provides ``_http``, ``_local``, ``_check_open``, ``where``, ``tp_size``,
 ``track_memory``, ``allocator``,
-``_version``, ``session_api``, ``server_info`` and ``update_weight_version``).
+``_version``, ``session_api``, ``server_info``, ``update_weight_version`` and, from `lora`,
+``follow_lora_args``).
 
 `stages_disk_loads`: whether a disk load inside a session waits for its commit (``fsdp-sync
 serve``) or is applied at once (SGLang, whose session must then not be opened around it).
@@ -68,7 +69,9 @@ class SessionCalls:
     def check_tp_size(self) -> None:
         """Refuse, before anything is sent, a server whose TP size is not ``tp_size`` any more (or
         that reports another SGLang release than the one this wrapper read, or that runs its memory
-        saver with the weights released, as far as ``track_memory`` knows).
+        saver with the weights released, as far as ``track_memory`` knows, or whose LoRA launch
+        arguments changed so that they refuse the adapter last checked against them:
+        `lora.LoRAClient.follow_lora_args`, which keeps them for the checks that follow).
 
         ``tp_size`` is read once, when the `SGLangEngine` is made (or given), and the trainer's
         mesh and the manager's first-sync check are built on it; a server restarted at the same URL
@@ -102,14 +105,16 @@ class SessionCalls:
                               f"workers); nothing was sent. Call resume_memory_occupation(['weights']) "
                               f"first (the manager's `with` does)", call="begin_weight_update")
         now = info.get("tp_size")
-        if not isinstance(now, int) or isinstance(now, bool) or now == self.tp_size:
-            return
-        raise SGLangError(f"SGLang{self.where} now runs tp_size={now}, but this SGLangEngine was "
-                          f"made for tp_size={self.tp_size} (the server was restarted with another "
-                          f"--tp-size?) and the trainer's mesh sends one payload per TP rank of "
-                          f"that: nothing was sent. Restart the server with --tp-size {self.tp_size}, "
-                          f"or make a new SGLangEngine and a mesh with infer_tp={now}",
-                          call="begin_weight_update")
+        if isinstance(now, int) and not isinstance(now, bool) and now != self.tp_size:
+            raise SGLangError(f"SGLang{self.where} now runs tp_size={now}, but this SGLangEngine was "
+                              f"made for tp_size={self.tp_size} (the server was restarted with another "
+                              f"--tp-size?) and the trainer's mesh sends one payload per TP rank of "
+                              f"that: nothing was sent. Restart the server with --tp-size {self.tp_size}, "
+                              f"or make a new SGLangEngine and a mesh with infer_tp={now}",
+                              call="begin_weight_update")
+        why = self.follow_lora_args(info)        # its LoRA limits, from this same answer
+        if why is not None:
+            raise SGLangError(f"{why}; nothing was sent", call="begin_weight_update")
 
     def end_weight_update(self, weight_version: str | None = None, *, abort: bool = False) -> bool | None:
         """Close SGLang's weight-update session; skipped on engines without one.
