@@ -130,6 +130,7 @@ class DistributedTransport:
         self._calls = EngineCalls()        # engine calls, each on a daemon thread
         self._quant: Any = None           # trainer rank 0: this sync's `quantize.StreamQuantizer`
         self._stuck: set[int] = set()     # engines whose request was given up on, still running
+        self._left: set[int] = set()      # engines that refused a bucket and left the group already
         self._joins: dict = {}            # each engine's init_weights_update_group (`open_group`)
         self._last_bucket = False         # the bucket being launched is the sync's last: it flushes
 
@@ -180,12 +181,14 @@ class DistributedTransport:
                 log.warning("fsdp_sync: not telling %s to destroy the weight-update group: its "
                             "request is still running", fleet.describe(engine, i))
                 continue
+            if i in self._left:      # it refused a bucket and left at once (`_release_refused`)
+                continue
             try:
                 check_answer(engine.destroy_weights_update_group(self.config.dist_group_name),
                              "destroy_weights_update_group")
             except Exception as exc:  # noqa: BLE001
                 log.warning("fsdp_sync: an engine's destroy_weights_update_group: %s", exc)
-        pg, self.pg, self.engines = self.pg, None, []
+        pg, self.pg, self.engines, self._left = self.pg, None, [], set()
         try:
             if pg is not None:
                 destroy_update_group(pg)
@@ -534,10 +537,12 @@ class DistributedTransport:
         the wait at once (a refusing engine never joins the broadcast)."""
         deadline = time.monotonic() + self.config.dist_timeout_s
         while True:
-            for i, f in enumerate(p.futures):
-                if f.done() and f.exception() is not None:
-                    return self._abandon(p, f"engine {i} refused {p.what}: "
-                                            f"{type(f.exception()).__name__}: {f.exception()}", deadline)
+            refused = [(i, e) for i, e in enumerate(map(_refusal, p.futures)) if e is not None]
+            if refused:
+                i, exc = refused[0]
+                self._release_refused(p, deadline)
+                return self._abandon(p, f"engine {i} refused {p.what}: {type(exc).__name__}: {exc}",
+                                     deadline)
             sent = p.p2p or all(w.is_completed() for w in p.works)
             if sent and all(f.done() for f in p.futures):
                 break
@@ -559,6 +564,33 @@ class DistributedTransport:
         except Exception as exc:  # noqa: BLE001
             return self._abandon(p, f"{p.what}: {type(exc).__name__}: {exc}", deadline)
         return None
+
+    def _release_refused(self, p: _Pending, deadline: float) -> None:
+        """An engine refused a bucket: it never joins the broadcast, and gloo's broadcast is a
+        tree (trainer -> engine rank 1 -> engine rank 3, ...), so the engines below it wait in a
+        receive, and those above it in their send to it, that cannot complete: the failed sync
+        waited ``dist_timeout_s`` for their answers (30 s where the refusal came at once). Every
+        refusing engine is told to leave its group now (its request has ended: its lock is
+        free), which closes its connections, so those receives and sends fail at once; then our
+        end is destroyed (that waits for a broadcast of ours still pending, which their leaving
+        ends), and `_abandon` waits for the answers. One that has left is not told again by
+        `_drop_group`; where one could not leave, `_abandon` alone runs, as before."""
+        name, calls = self.config.dist_group_name, {}
+        for i, f in enumerate(p.futures):
+            if _refusal(f) is not None and i < len(self.engines):
+                calls[i] = self._calls.submit(self.engines[i].destroy_weights_update_group, name)
+        cf.wait(list(calls.values()), timeout=max(0.0, deadline - time.monotonic()))
+        for i, f in calls.items():
+            try:
+                if not f.done():
+                    raise TimeoutError(f"no answer within dist_timeout_s={self.config.dist_timeout_s}s")
+                check_answer(f.result(), "destroy_weights_update_group")
+                self._left.add(i)
+            except Exception as exc:  # noqa: BLE001 - the engines' own timeouts end their receive
+                log.warning("fsdp_sync: %s refused %s; telling it to leave the weight-update group "
+                            "%r: %s", fleet.describe(self.engines[i], i), p.what, name, exc)
+        if calls and self._left == set(calls):
+            self._drop_ours(p, f"{p.what} was refused")
 
     def _abandon(self, p: _Pending, message: str, deadline: float | None = None) -> str:
         """A failed bucket: abort our end of the group (the pending broadcast with it) and mark
@@ -594,15 +626,20 @@ class DistributedTransport:
         out (``update_recv_timeout_s``, 60 s by default), the group was never marked broken, and
         every later sync failed at once ("Connection closed by peer") until a new manager. Where
         a backend's receive does not notice our end go, the engine's own timeout ends it."""
+        traceback.clear_frames(exc.__traceback__)    # e.g. dist.isend's frame holds ``group=pg``
+        self._drop_ours(p, f"{p.what} failed to go out")
+        self._abandon(p, "", self._deadline())
+
+    def _drop_ours(self, p: _Pending, why: str) -> None:
+        """Destroy our end of the group with a bucket in flight (its works dropped first: they
+        hold it), so every engine worker still in its receive fails at once; the group is marked
+        for remaking and `_drop_group` still tells the engines to destroy theirs."""
         self.broken = True
         pg, self.pg = self.pg, None      # self.engines kept: `_drop_group` tells them
         p.works.clear()
-        traceback.clear_frames(exc.__traceback__)    # e.g. dist.isend's frame holds ``group=pg``
         if pg is not None:
-            destroy_ours(pg, f"the weight-update group {self.config.dist_group_name!r} after "
-                             f"{p.what} failed to go out")
+            destroy_ours(pg, f"the weight-update group {self.config.dist_group_name!r} after {why}")
         del pg
-        self._abandon(p, "", self._deadline())
 
     def _deadline(self) -> float:
         """When engine answers waited for from now are given up on (``dist_timeout_s``)."""
@@ -631,6 +668,19 @@ def _release_orphaned(held: dict, name: str) -> None:
     if pg is not None and destroy_ours(pg, f"the weight-update group {name!r} of a dropped transport"):
         log.warning("fsdp_sync: a distributed transport was dropped without close(): destroyed its "
                     "weight-update group %r", name)
+
+
+def _refusal(f: cf.Future) -> BaseException | None:
+    """A finished engine call's error: raised, or answered (SGLang's in-process ``(False, msg)``)."""
+    if not f.done():
+        return None
+    if f.exception() is not None:
+        return f.exception()
+    try:
+        check_answer(f.result(), "update_weights_from_distributed")
+    except Exception as exc:  # noqa: BLE001 - the answer's refusal
+        return exc
+    return None
 
 
 def _agree(err: Any, group: Any, what: str) -> None:
