@@ -74,10 +74,11 @@ test-sglang:
 # real verl (pinned, no extras: they pull another torch), in a venv of its own built by
 # scripts/verl_env.sh. Fails, never skips, when verl cannot be installed or imported.
 # -n 2 --dist loadfile, as the sglang tier: on 2 cores 322 s against 418 s one file at a time
-# (same host, nothing else running). xdist's default order (files with the most tests first)
-# leaves the two runs of verl's own trainer (test_verl_trainer.py, two tests) to the end, where
-# they run nearly alone: Ray starts its workers niced (RAY_worker_niceness), and beside the other
-# files the first run took 258 s instead of 109 s (the whole tier 393 s).
+# (same host, nothing else running). xdist's default order leaves the two runs of verl's own
+# trainer (test_verl_trainer.py and test_verl_trainer_lora.py, a file each) to the end, where they
+# run side by side (341 s for the tier against 366 s with both in one file, run one after the
+# other): Ray starts its workers niced (RAY_worker_niceness), and beside the other files the
+# first run took 258 s instead of 109 s (the whole tier 393 s).
 VERL_VENV    ?= .venv-verl
 VERL_VERSION ?= 0.9.1
 
