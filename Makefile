@@ -29,8 +29,9 @@ BYTECODE = -m compileall -q -j 0 fsdp_sync tests examples scripts dev > /dev/nul
 # -n 2: two tests at a time (pytest-xdist): the multi-process tests spend much of their time
 # waiting (timeouts, polls, replies). Rank processes fork from a server that imported torch and
 # transformers once (tests/conftest.py), a rank's engine workers from a server forked from the rank
-# (procs.prefork_worker_server), the longest tests start first. On 2 cores: 9.3 min (770 tests;
-# 10.7 to 11.8 min before rank jobs forked their workers' server: the host's speed varies). --durations: the slowest tests, so the suite's time can be watched
+# (procs.prefork_worker_server), the longest tests start first. On 2 cores: 615 s for 2571 tests
+# (1103 s of busy CPU: the machine is CPU-bound, not waiting; -n 3 took 603 s, within the host's
+# run-to-run spread, so not kept). --durations: the slowest tests, so the suite's time can be watched
 test: $(STAMP)
 	$(PY) $(BYTECODE)
 	$(PY) -m pytest -q -n 2 --durations=20
