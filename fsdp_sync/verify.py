@@ -149,7 +149,8 @@ def trainer_tensors(module: torch.nn.Module, config: Any, chosen: list[str], *,
         names = {n.removesuffix("_scale_inv") if quant is not None else n for n in chosen}
         # FSDP1: the chosen tensors from the flat shards ("local": the same parameters, gathered
         # one at a time), whatever the sync's state-dict type: "full" would unshard the whole model.
-        # Units made with a device_mesh refuse "local" (torch): there, "sharded" does the same
+        # Where "local" is refused (units made with a device_mesh, or sharding over a group smaller
+        # than the world: `export_checks.state_dict_refusal`), "sharded" does the same
         local = SimpleNamespace(fsdp1_state_dict="local")
         kind = "local" if export_checks.state_dict_refusal(module, local) is None else "sharded"
         it = export.iter_params(module, dtype=dtype, fsdp1_state_dict=kind, names=names)

@@ -20,8 +20,9 @@ rank that differs and the first tensor with both ranks' dtypes and shapes (or th
 on).
 
 In the same all-reduce: `state_dict_refusal`, an FSDP1 state-dict type the module's units cannot
-give (torch's LOCAL state dict under a ``device_mesh``), said in `SyncConfig`'s words. After it,
-the tied head (`tied.module_refusal`), agreed apart only where it has anything to compare.
+give (torch's LOCAL state dict under a ``device_mesh``, or over a shard group smaller than the
+default group: HSDP with ``process_group=(shard, replicate)``), said in `SyncConfig`'s words.
+After it, the tied head (`tied.module_refusal`), agreed apart only where it has anything to compare.
 
 Not here: whether the trainer's model matches the engine's (`config_check`, the manager's coverage
 check); the tied-head check itself (`tied`).
@@ -148,26 +149,50 @@ def agree_on_model(module: torch.nn.Module, config: Any, error: Any, *, what: st
 
 
 def state_dict_refusal(module: torch.nn.Module, config: Any) -> str | None:
-    """Why ``config.fsdp1_state_dict`` cannot export ``module``, or None: torch's LOCAL state dict
-    refuses an FSDP1 unit made with a ``device_mesh`` (HSDP's 2-D mesh, or a 1-D one) that shards
-    ("DeviceMesh is not compatible with LOCAL_STATE_DICT", raised inside the export, naming no
-    field of the sync's; a unit whose shard group has one rank runs as NO_SHARD and is not
-    refused), so it is said here, before the export, naming the field and the values that work."""
+    """Why ``config.fsdp1_state_dict`` cannot export ``module``, or None, said before the export,
+    naming the field and the values that work. Torch's LOCAL state dict cannot give:
+    - an FSDP1 unit made with a ``device_mesh`` (HSDP's 2-D mesh, or a 1-D one) that shards: it
+      refuses it ("DeviceMesh is not compatible with LOCAL_STATE_DICT", raised inside the export,
+      naming no field of the sync's; a unit whose shard group has one rank runs as NO_SHARD and
+      is not refused);
+    - a unit that shards over a group smaller than the default group (HYBRID_SHARD with
+      ``process_group=(shard, replicate)``, both > 1 rank; any sharding over a subgroup): torch
+      places each local shard at the unit's rank *in its shard group* as if it were a global rank
+      (``_local_post_state_dict_hook``), so on every shard group but ``[0, k)`` the export fails
+      ("Global rank 1 does not exist in input process group: [2, 3]") on some ranks while the
+      others wait in its ``all_gather_object``: a wrong error, or a hang until the process
+      group's timeout. "sharded" and "full" export these units bit-exact."""
     if getattr(config, "fsdp1_state_dict", None) != "local":
         return None
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 
-    meshed = [u for u in FSDP.fsdp_modules(module) if getattr(u, "_device_mesh", None) is not None
+    units = FSDP.fsdp_modules(module)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    meshed = [u for u in units if getattr(u, "_device_mesh", None) is not None
               and u.sharding_strategy != ShardingStrategy.NO_SHARD]
-    if not meshed:
+    if meshed:
+        u = meshed[0]
+        # process_group= exports with "local" only where the shard group is the default group
+        instead = (", or wrap with process_group= instead of device_mesh="
+                   if u.process_group.size() == world else "")
+        return (f"SyncConfig.fsdp1_state_dict='local' cannot export this FSDP1 model: its units were made "
+                f"with a device_mesh ({u.sharding_strategy.name} over a mesh of shape "
+                f"{tuple(u._device_mesh.shape)}, {len(meshed)} units), and torch's LOCAL_STATE_DICT "
+                f"refuses a DeviceMesh; set SyncConfig.fsdp1_state_dict='sharded' (a 1/W sharded copy "
+                f"while it streams) or 'full' (the whole model on every rank){instead}")
+    sub = [u for u in units if u._handle is not None and u._handle.uses_sharded_strategy
+           and u.process_group.size() < world]
+    if not sub:
         return None
-    u = meshed[0]
-    return (f"SyncConfig.fsdp1_state_dict='local' cannot export this FSDP1 model: its units were made "
-            f"with a device_mesh ({u.sharding_strategy.name} over a mesh of shape "
-            f"{tuple(u._device_mesh.shape)}, {len(meshed)} units), and torch's LOCAL_STATE_DICT "
-            f"refuses a DeviceMesh; set SyncConfig.fsdp1_state_dict='sharded' (a 1/W sharded copy "
-            f"while it streams) or 'full' (the whole model on every rank), or wrap with "
-            f"process_group= instead of device_mesh=")
+    u = sub[0]
+    ranks = dist.get_process_group_ranks(u.process_group)
+    return (f"SyncConfig.fsdp1_state_dict='local' cannot export this FSDP1 model: on rank "
+            f"{dist.get_rank()} its units shard over a process group of {len(ranks)} of the default "
+            f"group's {world} ranks ({u.sharding_strategy.name}, shard group {ranks}, {len(sub)} "
+            f"units), and torch's LOCAL_STATE_DICT places each shard at its rank in that group as "
+            f"if it were a global rank: the export fails on some ranks and hangs on the others; "
+            f"set SyncConfig.fsdp1_state_dict='sharded' (a 1/W sharded copy while it streams) or "
+            f"'full' (the whole model on every rank)")
 
 
 def check_module(module: torch.nn.Module, config: Any, error: Any, *, what: str) -> None:
