@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 
-def wrap_2x2(kind: str, cfg, seed: int, transposed: bool):
-    """The model wrapped 2 x 2, and a check (on this rank) that it is sharded 2-way and replicated
+def wrap_2x2(kind: str, model, transposed: bool, layers=None):
+    """``model`` (its decoder ``layers``: ``model.model.layers`` unless given) wrapped 2 x 2
+    ("fsdp2": HSDP; "fsdp1-mesh", "fsdp1-groups": FSDP1 HYBRID_SHARD over a device_mesh or
+    ``process_group=(shard, replicate)``), with its flat pieces on this rank, and a check (on this rank) that it is sharded 2-way and replicated
     2-way: local elements are half the full ones, and the shard and replicate groups have 2 ranks
     each: shards {0, 1} and {2, 3} (the engines' TP groups), or, ``transposed``, {0, 2} and {1, 3}
     (each engine's TP group then spans both shard groups)."""
@@ -16,9 +18,8 @@ def wrap_2x2(kind: str, cfg, seed: int, transposed: bool):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from torch.distributed.tensor import Replicate, Shard
-    from fsdp_sync.models import build_model
 
-    model = build_model(cfg, seed=seed)
+    layers = model.model.layers if layers is None else layers
     full = sum(p.numel() for p in model.parameters())
     rank = dist.get_rank()
     shards, replicas = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
@@ -28,7 +29,7 @@ def wrap_2x2(kind: str, cfg, seed: int, transposed: bool):
         names = ("dp_replicate", "dp_shard")
         mesh = DeviceMesh("cpu", torch.tensor(replicas).T, mesh_dim_names=names) if transposed \
             else init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
-        for layer in model.model.layers:
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         local = sum(p.to_local().numel() for p in model.parameters())
@@ -37,7 +38,7 @@ def wrap_2x2(kind: str, cfg, seed: int, transposed: bool):
             [p.placements for p in model.parameters()]
         flats = [p.to_local() for p in model.parameters()]
     else:
-        policy = ModuleWrapPolicy({type(model.model.layers[0])})
+        policy = ModuleWrapPolicy({type(layers[0])})
         kw = dict(auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True,
                   sharding_strategy=ShardingStrategy.HYBRID_SHARD)
         if kind == "fsdp1-mesh":
@@ -48,7 +49,7 @@ def wrap_2x2(kind: str, cfg, seed: int, transposed: bool):
             kw["process_group"] = (shard, replicate)
         model = FSDP(model, **kw)
         units = [u for u in FSDP.fsdp_modules(model) if u._handle is not None]
-        assert len(units) == 1 + cfg.num_hidden_layers, len(units)
+        assert len(units) == 1 + len(layers), len(units)
         assert all(u.sharding_strategy == ShardingStrategy.HYBRID_SHARD for u in units)
         flats = [u._handle.flat_param for u in units]
         local = sum(f.numel() for f in flats)     # a shard of each unit's padded flat parameter

@@ -57,7 +57,7 @@ def _job(rank: int, world: int, tmp: str) -> list[dict]:
     out = []
     try:
         for c, (kind, state_dict, transposed) in enumerate(CASES):
-            model, flats = wrap_2x2(kind, cfg, 40 + c, transposed)
+            model, flats = wrap_2x2(kind, build_model(cfg, seed=40 + c), transposed)
             plain = build_model(cfg, seed=40 + c)
             for method, layout, more in SYNCS:
                 with torch.no_grad():    # new weights for every sync, the same on both replicas

@@ -43,7 +43,7 @@ def _job(rank: int, world: int) -> list[dict]:
     out = []
     try:
         for c, (kind, state_dict, transposed) in enumerate(CASES):
-            model, flats = wrap_2x2(kind, cfg, 60 + c, transposed)
+            model, flats = wrap_2x2(kind, build_model(cfg, seed=60 + c), transposed)
             plain = build_model(cfg, seed=60 + c)
             for layout in LAYOUTS:
                 with torch.no_grad():    # new weights for every sync, the same on both replicas
