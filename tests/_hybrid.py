@@ -58,3 +58,17 @@ def wrap_2x2(kind: str, model, transposed: bool, layers=None):
     assert got == [[r for r in shards if rank in r][0], [r for r in replicas if rank in r][0]], (rank, got)
     assert 2 * local >= full and 2 * local <= full + 64 * len(flats), (kind, rank, local, full)
     return model, flats
+
+
+def note_checksums(rec: dict, model, plain, engine, before) -> None:
+    """Into ``rec``: the checksums of the 2 x 2 ``model``'s export and of its unsharded copy
+    ``plain``, and, where this rank holds an ``engine`` the sync went to, the engine's and whether it
+    changed from ``before``."""
+    from fsdp_sync.engines import checksum_named_tensors
+    from fsdp_sync.weights import export
+
+    rec["trainer"] = checksum_named_tensors(export.iter_params(model, dtype=torch.float32))
+    rec["unsharded"] = checksum_named_tensors(export.iter_params(plain, dtype=torch.float32))
+    if engine is not None:
+        rec["engine"] = engine.weights_checksum()
+        rec["changed"] = rec["engine"] != before

@@ -31,7 +31,7 @@ import torch
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _hybrid import wrap_2x2  # noqa: E402
+from _hybrid import note_checksums, wrap_2x2  # noqa: E402
 
 CASES = [   # (wrapping, SyncConfig.fsdp1_state_dict (None: the default), shard groups {0, 2}, {1, 3})
     ("fsdp1-mesh", "sharded", False), ("fsdp1-mesh", "full", False), ("fsdp1-groups", None, False),
@@ -43,10 +43,9 @@ SYNCS = [("tensor", "auto", {}), ("tensor", "engine", {}), ("tensor", "full", {"
 
 def _job(rank: int, world: int, tmp: str) -> list[dict]:
     from fsdp_sync import FSDPShardingManager, SyncConfig, SyncError, make_mesh
-    from fsdp_sync.engines import ReferenceEngine, checksum_named_tensors
+    from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncTopology
-    from fsdp_sync.weights import export
 
     torch.set_num_threads(1)
     cfg = load_config("tiny")
@@ -84,11 +83,7 @@ def _job(rank: int, world: int, tmp: str) -> list[dict]:
                     rec["error"] = str(exc)
                 finally:
                     manager.close()
-                rec["trainer"] = checksum_named_tensors(export.iter_params(model, dtype=torch.float32))
-                rec["unsharded"] = checksum_named_tensors(export.iter_params(plain, dtype=torch.float32))
-                if engine is not None and (method == "tensor" or rank == 0):
-                    rec["engine"] = engine.weights_checksum()
-                    rec["changed"] = rec["engine"] != before
+                note_checksums(rec, model, plain, engine if method == "tensor" or rank == 0 else None, before)
                 out.append(rec)
             del model, plain, flats
     finally:

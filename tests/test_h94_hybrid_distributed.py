@@ -22,7 +22,7 @@ import torch
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _hybrid import wrap_2x2  # noqa: E402
+from _hybrid import note_checksums, wrap_2x2  # noqa: E402
 
 CASES = [   # (wrapping, SyncConfig.fsdp1_state_dict (None: the default), shard groups {0, 2}, {1, 3})
     ("fsdp2", None, False), ("fsdp2", None, True), ("fsdp1-groups", "sharded", True),
@@ -32,9 +32,8 @@ LAYOUTS = ("auto", "engine", "full")
 
 def _job(rank: int, world: int) -> list[dict]:
     from fsdp_sync import FSDPShardingManager, SyncConfig, SyncError
-    from fsdp_sync.engines import ReferenceEngine, checksum_named_tensors
+    from fsdp_sync.engines import ReferenceEngine
     from fsdp_sync.models import build_model, load_config
-    from fsdp_sync.weights import export
 
     torch.set_num_threads(1)
     cfg = load_config("tiny")
@@ -66,11 +65,7 @@ def _job(rank: int, world: int) -> list[dict]:
                     rec["error"] = str(exc)
                 finally:
                     manager.close()
-                rec["trainer"] = checksum_named_tensors(export.iter_params(model, dtype=torch.float32))
-                rec["unsharded"] = checksum_named_tensors(export.iter_params(plain, dtype=torch.float32))
-                if engine is not None:
-                    rec["engine"] = engine.weights_checksum()
-                    rec["changed"] = rec["engine"] != before
+                note_checksums(rec, model, plain, engine, before)
                 out.append(rec)
             del model, plain, flats
     finally:
