@@ -59,6 +59,44 @@ class RankError(RuntimeError):
     """A rank of a `run_ranks` job raised, died or ran past the deadline."""
 
 
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What a rank's collective raises when another rank went away first: its failure is a symptom."""
+
+
+def _others(results: "mp.Queue", procs: list, got: dict, first: int,
+            grace_s: float = 2.0) -> tuple[dict[int, str], dict[int, int]]:
+    """After rank ``first`` failed: the other ranks' failures that arrive within ``grace_s`` (a rank
+    that failed first may be read second), and the ranks gone by then without a result, with
+    their exit codes (a crash: a signal, ``os._exit``)."""
+    failed: dict[int, str] = {}
+    until = time.monotonic() + grace_s
+    while len(got) + 1 + len(failed) < len(procs) and time.monotonic() < until:
+        try:
+            rank, ok, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if ok:
+            got[rank] = None
+        else:
+            failed[rank] = payload
+    dead = {r: p.exitcode for r, p in enumerate(procs)
+            if r != first and r not in got and r not in failed and p.exitcode is not None}
+    return failed, dead
+
+
+def _failure_report(first: dict[int, str], failed: dict[int, str], dead: dict[int, int]) -> str:
+    """One message for a failed job: the cause first (a rank that died without a result, else a
+    failure that is not a peer having gone), then one line for each other rank that failed."""
+    failed = {**first, **failed}
+    causes = [r for r, tb in failed.items() if not any(s in tb for s in _PEER_GONE)]
+    lines = [f"rank {r} exited with code {code} without a result" for r, code in sorted(dead.items())]
+    if causes or not dead:
+        lead = (causes or list(failed))[0]
+        lines.insert(0 if causes else len(lines), f"rank {lead} failed:\n{failed.pop(lead)}")
+    lines += [f"rank {r} failed too: {(tb.strip().splitlines() or [''])[-1]}" for r, tb in sorted(failed.items())]
+    return "\n".join(lines)
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, pg_timeout_s: float,
             fn: Callable, args: tuple, results: "mp.Queue", env: dict) -> None:
     import tempfile
@@ -89,6 +127,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, pg_timeout_s: f
         results.put((rank, True, payload))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
+        # written to the pipe before the group goes: its peers' "Connection closed by peer",
+        # which the group's teardown causes, then reaches the parent after this rank's cause
+        results.close()
+        results.join_thread()
     finally:
         if dist.is_initialized():
             try:
@@ -157,7 +199,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             if ok:
                 got[rank] = pickle.loads(payload)
             else:
-                failure = f"rank {rank} failed:\n{payload}"
+                failure = _failure_report({rank: payload}, *_others(results, procs, got, rank))
         raised = False
     finally:
         # every rank returned: a moment to exit on their own; a failure or an interrupt: they
