@@ -49,40 +49,41 @@ def dies_or_sleeps(rank: int, world: int, marks: str, how: dict) -> int:
 
 def cause_and_symptom(rank: int, world: int, how: str) -> int:
     """Past a barrier (both ranks out of the rendezvous), rank 0 fails as ``how`` says while rank 1
-    fails as a peer of a dead rank does: ``kill`` (rank 0 SIGKILLs itself, rank 1's barrier then
-    raises gloo's "Connection closed by peer") or ``late`` (rank 1 raises that message at once,
+    fails as a peer of a dead rank does: ``segv`` (rank 0 crashes with a segmentation fault, rank
+    1's barrier then raises gloo's "Connection closed by peer") or ``late`` (rank 1 raises that message at once,
     rank 0 its own error 0.5 s later: the cause read second)."""
-    import signal
+    import faulthandler
 
     import torch.distributed as dist
 
     dist.barrier()
-    if rank == 0 and how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0 and how == "segv":
+        faulthandler._sigsegv()
     if rank == 0:
         time.sleep(0.5)
-        raise ValueError("the cause")
-    if how == "kill":
+        raise ValueError(f"the cause (faulthandler on: {faulthandler.is_enabled()})")
+    if how == "segv":
         dist.barrier()
     raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1")
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how, lead", [
-    ("kill", "rank 0 exited with code -9 without a result\n"),
+    ("segv", "rank 0 exited with code -11 without a result\n"),
     ("late", "rank 0 failed:\nTraceback"),
 ])
 def test_the_rank_that_failed_first_leads_the_report(how, lead):
     """CI once reported only "rank 1 failed: ... Connection closed by peer" (tests/test_lora_sync_cache,
     make test): rank 0, the cause, had gone first, but rank 1's failure was read before it (or rank 0
     left no result). Now the job's report leads with the cause: a rank gone without a result (its
-    exit code), else a failure that is not a peer's disappearance; the others follow, one line each."""
+    exit code), else a failure that is not a peer's disappearance; the others follow, one line each.
+    A rank that crashes prints where it was on its stderr (faulthandler, on in every rank)."""
     with pytest.raises(RankError) as info:
         run_ranks(cause_and_symptom, 2, how, timeout_s=60, pg_timeout_s=30, env=spawn_env())
     msg = str(info.value)
     assert msg.startswith(lead), msg
     if how == "late":
-        assert "ValueError: the cause" in msg and msg.endswith(
+        assert "ValueError: the cause (faulthandler on: True)" in msg and msg.endswith(
             "rank 1 failed too: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"), msg
 
 

@@ -99,10 +99,12 @@ def _failure_report(first: dict[int, str], failed: dict[int, str], dead: dict[in
 
 def _worker(rank: int, world_size: int, port: int, backend: str, pg_timeout_s: float,
             fn: Callable, args: tuple, results: "mp.Queue", env: dict) -> None:
+    import faulthandler
     import tempfile
 
     import torch.distributed as dist
 
+    faulthandler.enable()   # a rank killed by a fatal signal (SIGSEGV, SIGABRT) prints where it was
     os.environ.update(env)
     if "TMPDIR" in env:
         # the job's own temp directory (`fsdp-sync soak`, the fault matrix: what their processes
