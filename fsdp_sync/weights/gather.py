@@ -27,11 +27,11 @@ try:  # the coalescing fast path (one all_gather_single_coalesced for many tenso
 except ImportError:  # pragma: no cover - older torch: one gather per tensor instead
     _coalescing_manager = None
 
-from ..topology import agree
+from ..topology import agree, cpu_group, has_cpu_backend
 from . import bucket as _bucket
 from .hostbuf import HostShared
 
-__all__ = ["Pieces", "sub_pieces", "broadcast", "all_gather", "gather_pieces", "materialize", "materialized_bytes_in",
+__all__ = ["Pieces", "sub_pieces", "data_group", "broadcast", "all_gather", "gather_pieces", "materialize", "materialized_bytes_in",
            "Scratch", "Received", "bucket_bytes_in", "alloc_bucket", "agree_group", "fill_bucket", "shared_group", "fill_shared"]
 
 
@@ -51,9 +51,20 @@ class Pieces:
     rank: int                    # this process's rank in ``group``
 
 
+def data_group(group: Any, t: torch.Tensor) -> Any:
+    """The group that moves ``t``'s data among the ranks of ``group``: ``group`` itself, except for
+    a CPU tensor where ``group`` has no CPU backend (an NCCL-only group, the tensors CPU-resident:
+    FSDP2's ``CPUOffloadPolicy``, FSDP1's ``CPUOffload(offload_params=True)``), whose gloo twin
+    (`topology.cpu_group`: the same ranks in the same order) carries it. Collective where the twin
+    is made: every rank of ``group`` asks at the same point, as for the collective it is for."""
+    if t.device.type != "cpu" or has_cpu_backend(group):
+        return group
+    return cpu_group(group)
+
+
 def broadcast(t: torch.Tensor, group: Any, src: int) -> None:
     """``t`` from group rank ``src`` to every rank of ``group`` (in place)."""
-    dist.broadcast(t, group=group, group_src=src)
+    dist.broadcast(t, group=data_group(group, t), group_src=src)
 
 
 def sub_pieces(p: Pieces, off: int, n: int) -> Pieces:
@@ -74,6 +85,7 @@ def all_gather(out: torch.Tensor | list, inp: torch.Tensor | list, group: Any) -
     slices of a flat bucket, so nothing is packed before or unpacked after the gather."""
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the old name warns there
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    group = data_group(group, out[0] if isinstance(out, list) else out)
     if not isinstance(out, list):
         fn(out, inp, group=group)
         return
@@ -347,6 +359,7 @@ def _gather_to(dst: int, group: Any, pairs: list[tuple[_bucket.BucketEntry, Piec
     (point to point, one message per entry and rank), ``dst`` copies its own. The other ranks
     keep nothing, so only ``dst`` ever holds the bucket."""
     me = pairs[0][1].rank
+    group = data_group(group, flat)
     works, keep = [], []     # keep: what is on the wire stays alive until its wait
     dsts, srcs = [], []      # dst's own pieces: one fused copy
     for i, (entry, p) in enumerate(pairs):

@@ -59,7 +59,7 @@ from . import bucket as _bucket
 from . import export as _export
 from . import handles as _handles
 from . import tied as _tied
-from .gather import Received, materialize
+from .gather import Received, data_group, materialize
 from .hostbuf import HostShared
 from .items_memo import submodules
 from .layout import TPLayout, block_of, view2d
@@ -632,7 +632,7 @@ def _exchange(k: int, bkt: _bucket.Bucket, layout: TPLayout, tasks: list[_Task],
                     s_pos[o] += nb
                 srcs.append(src)
         _bucket.copy_many(dsts, srcs)
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=data_group(group, send))
         r_pos = [sum(recv_sizes[:t]) for t in range(world)]
         dsts, srcs = [], []
         for t in tasks:
