@@ -122,6 +122,53 @@ def test_verify_full_on_cuda():
     assert res["checked"] == [("full", res["tensors"])] * 2, res
 
 
+def _offloaded_sync(rank, world):
+    """FSDP2 with ``CPUOffloadPolicy`` (its shards on the CPU, pinned; forward and backward on the
+    GPU) on a NCCL-only group syncs into a CUDA engine, every tensor verified, both layouts.
+    tests/test_h96_offloaded_nccl_only.py emulates the same on CPU with several ranks; one GPU
+    checks the CUDA side: CPU-resident shards into a CUDA engine's weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
+    from fsdp_sync.cli.trainer import synthetic_batch, train_step
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.models import build_model, load_config
+
+    cfg = load_config("tiny")
+    torch.cuda.set_device(0)
+    model = build_model(cfg, seed=0).to("cuda")
+    fsdp_mesh = init_device_mesh("cuda", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=fsdp_mesh, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, mesh=fsdp_mesh, offload_policy=CPUOffloadPolicy())
+    devices = {p.to_local().device.type for p in model.parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    with ReferenceEngine(model_config=cfg, tp_size=1, device="cuda") as engine:
+        for step, layout in enumerate(("full", "engine")):
+            train_step(model, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank, device="cuda"))
+            m = FSDPShardingManager(model, engine, mesh=make_mesh(1, 1, "cuda"),
+                                    config=SyncConfig(verify="full", layout=layout))
+            try:
+                with m:
+                    pass
+            finally:
+                m.close()
+            out.append((layout, m.stats.extra.get("verify"), m.stats.extra.get("verify_tensors", 0)))
+    return {"devices": sorted(devices), "synced": out, "tensors": len(list(build_model(cfg, seed=0).state_dict())),
+            "backend": torch.distributed.get_backend()}
+
+
+@pytest.mark.timeout(300)
+def test_cpu_offloaded_fsdp2_on_cuda():
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    (res,) = run_ranks(_offloaded_sync, 1, backend="nccl", timeout_s=280, env=spawn_env())
+    assert res["backend"] == "nccl" and res["devices"] == ["cpu"], res
+    assert res["synced"] == [("full", "full", res["tensors"]), ("engine", "full", res["tensors"])], res
+
+
 def _kept_buffers_sync(rank, world):
     """Engine-layout syncs of many small per-rank buckets (tiny's 27 tensors in 64 KiB buckets):
     the rank's bucket buffers are reused bucket after bucket and the engine worker keeps them open

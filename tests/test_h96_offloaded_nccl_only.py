@@ -10,7 +10,9 @@ sync itself went through host-shared memory. CPU shards now travel on the group'
 
 Emulated on a CPU machine as tests/test_nccl_only_group.py does: ``init_process_group("cuda:gloo")``
 makes a group without a CPU backend, and the FSDP2 mesh is built on it with CPU-resident shards
-(``CPUOffloadPolicy(pin_memory=False)``: pinning needs CUDA). The emulated mesh cannot run FSDP2's
+(``CPUOffloadPolicy(pin_memory=False)``: pinning needs CUDA): 4 ranks, a 1-D mesh over all of
+them (its shards gathered as pieces) and HSDP's 2 x 2 mesh (replicas x shards: ``full_tensor()``
+on the same mesh over the groups' gloo twins, `gather.data_mesh`); engines of TP 2 on ranks 0 and 2. The emulated mesh cannot run FSDP2's
 own forward (which on a GPU copies the shards to CUDA before its all-gather), so the weights are
 changed in place, shard by shard, the same way on an unsharded copy; the engine must then hold
 that copy's weights bit for bit. FSDP1 cannot be emulated so (its state dicts assert CUDA on a
@@ -26,12 +28,14 @@ from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="emulates NCCL-only on a CPU machine")
 
-CASES = [   # method, layout, share_host_memory, verify
-    ("tensor", "full", False, "full"),
-    ("tensor", "engine", False, "sample"),
-    ("tensor", "engine", True, "full"),
-    ("disk", "full", False, "full"),
-    ("disk", "engine", False, "off"),
+CASES = [   # FSDP2 mesh, method, layout, share_host_memory, verify
+    ("1d", "tensor", "full", False, "full"),
+    ("1d", "tensor", "engine", False, "sample"),
+    ("1d", "tensor", "engine", True, "full"),
+    ("1d", "disk", "full", False, "full"),
+    ("hsdp", "tensor", "auto", False, "full"),
+    ("hsdp", "tensor", "engine", True, "sample"),
+    ("hsdp", "disk", "engine", False, "off"),
 ]
 
 
@@ -39,7 +43,7 @@ def _job(rank, world, disk_root):
     import os
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from fsdp_sync.config import SyncConfig
@@ -51,44 +55,50 @@ def _job(rank, world, disk_root):
 
     torch.set_num_threads(1)
     cfg = load_config("tiny")
-    mesh = make_mesh(1, 2, "cpu")
+    mesh = make_mesh(2, 2, "cpu")
     engine = ReferenceEngine(model_config=cfg, tp_size=2) if SyncTopology.from_mesh(mesh).is_tp_src else None
-    model, plain = build_model(cfg, seed=0), build_model(cfg, seed=0)
-    fsdp_mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("fsdp",))
-    policy = CPUOffloadPolicy(pin_memory=False)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, offload_policy=policy)
-    fully_shard(model, mesh=fsdp_mesh, offload_policy=policy)
-    params = dict(model.named_parameters())
-    assert not has_cpu_backend() and not has_cpu_backend(fsdp_mesh.get_group())
-    assert all(p.to_local().device.type == "cpu" and p.to_local().numel() < p.numel() for p in params.values())
+    meshes = {"1d": DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("fsdp",)),
+              "hsdp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
+    models = {}
+    for kind, fsdp_mesh in meshes.items():
+        model = build_model(cfg, seed=0)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=fsdp_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        fully_shard(model, mesh=fsdp_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        params = dict(model.named_parameters())
+        assert not any(has_cpu_backend(fsdp_mesh.get_group(d)) for d in range(fsdp_mesh.ndim))
+        assert all(p.to_local().device.type == "cpu" and p.to_local().numel() < p.numel()
+                   for p in params.values())
+        models[kind] = (model, params, build_model(cfg, seed=0))
+    assert not has_cpu_backend()
     out, before = [], None
     try:
-        for step, (method, layout, shm, verify) in enumerate(CASES):
+        for c, (kind, method, layout, shm, verify) in enumerate(CASES):
+            model, params, plain = models[kind]
             with torch.no_grad():        # the same elementwise change on each shard and the copy
                 for name, q in plain.named_parameters():
                     for t in (params[name].to_local(), q):
-                        t.mul_(1.0 + 0.01 * (step + 1)).add_(0.001 * (step + 1))
+                        t.mul_(1.0 + 0.01 * (c + 1)).add_(0.001 * (c + 1))
             if method == "disk":     # the engine is trainer rank 0's to load
-                extra, engines, mkw = {"disk_dir": os.path.join(disk_root, f"case{step}")}, \
+                extra, engines, mkw = {"disk_dir": os.path.join(disk_root, f"case{c}")}, \
                     ([engine] if rank == 0 else None), {}
             else:
                 extra, engines, mkw = {}, engine, {"mesh": mesh}
             manager = FSDPShardingManager(model, engines, **mkw, config=SyncConfig(
                 dtype=torch.float32, method=method, layout=layout, share_host_memory=shm, verify=verify,
                 bucket_bytes=64 << 10, free_cache_engine=False, memory_probe="off", **extra))
-            rec = {"case": step, "error": None}
+            rec = {"case": c, "error": None}
             try:
                 with manager:
-                    if engine is not None:
-                        rec["engine"] = engine.weights_checksum()
+                    pass
             except SyncError as exc:
                 rec["error"] = str(exc)
             finally:
                 manager.close()
             rec["unsharded"] = checksum_named_tensors(export.iter_params(plain, dtype=torch.float32))
-            if engine is not None:
-                rec["changed"], before = rec.get("engine") != before, rec.get("engine")
+            if engine is not None and (method == "tensor" or rank == 0):
+                rec["engine"] = engine.weights_checksum()
+                rec["changed"], before = rec["engine"] != before, rec["engine"]
             out.append(rec)
     finally:
         if engine is not None:
@@ -97,12 +107,14 @@ def _job(rank, world, disk_root):
 
 
 @pytest.mark.timeout(180)
-def test_cpu_offloaded_fsdp2_syncs_bit_exact_on_a_group_without_cpu_backend(tmp_path):
-    results = run_ranks(_job, 2, str(tmp_path), backend="cuda:gloo", timeout_s=150, pg_timeout_s=30,
+def test_cpu_offloaded_fsdp2_and_hsdp_sync_bit_exact_on_a_group_without_cpu_backend(tmp_path):
+    results = run_ranks(_job, 4, str(tmp_path), backend="cuda:gloo", timeout_s=150, pg_timeout_s=30,
                         env=spawn_env())
     for rank, recs in enumerate(results):
         assert [r["case"] for r in recs] == list(range(len(CASES))), recs
         for r in recs:
             assert r["error"] is None, (CASES[r["case"]], r["error"])
-            if rank == 0:        # the engine holds the unsharded copy's weights, new every sync
-                assert r["engine"] == r["unsharded"] and r["changed"], (CASES[r["case"]], r)
+            if "engine" in r:    # the engine holds the unsharded copy's weights, new every sync
+                assert r["engine"] == r["unsharded"] and r["changed"], (rank, CASES[r["case"]], r)
+    assert sum("engine" in r for r in results[0]) == len(CASES)
+    assert sum("engine" in r for r in results[2]) == sum(c[1] == "tensor" for c in CASES)

@@ -31,7 +31,7 @@ from ..topology import agree, cpu_group, has_cpu_backend
 from . import bucket as _bucket
 from .hostbuf import HostShared
 
-__all__ = ["Pieces", "sub_pieces", "data_group", "broadcast", "all_gather", "gather_pieces", "materialize", "materialized_bytes_in",
+__all__ = ["Pieces", "sub_pieces", "data_group", "data_mesh", "broadcast", "all_gather", "gather_pieces", "materialize", "materialized_bytes_in",
            "Scratch", "Received", "bucket_bytes_in", "alloc_bucket", "agree_group", "fill_bucket", "shared_group", "fill_shared"]
 
 
@@ -60,6 +60,30 @@ def data_group(group: Any, t: torch.Tensor) -> Any:
     if t.device.type != "cpu" or has_cpu_backend(group):
         return group
     return cpu_group(group)
+
+
+_CPU_MESHES: dict[tuple, Any] = {}
+
+
+def data_mesh(mesh: Any, t: torch.Tensor) -> Any:
+    """`data_group` for a DTensor's device mesh: ``mesh`` itself, or for a CPU shard where one of
+    its dimensions' groups has no CPU backend (HSDP's 2-D mesh, offloaded, on an NCCL-only group)
+    the same mesh over those groups' gloo twins, made once (collective where a twin is made)."""
+    if t.device.type != "cpu":
+        return mesh
+    groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+    if all(has_cpu_backend(g) for g in groups):
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    twins = [cpu_group(g) for g in groups]
+    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names,
+           tuple(id(g) for g in twins))
+    if key not in _CPU_MESHES:
+        _CPU_MESHES[key] = DeviceMesh.from_group(twins if mesh.ndim > 1 else twins[0], "cpu",
+                                                 mesh=mesh.mesh if mesh.ndim > 1 else None,
+                                                 mesh_dim_names=mesh.mesh_dim_names)
+    return _CPU_MESHES[key]
 
 
 def broadcast(t: torch.Tensor, group: Any, src: int) -> None:
@@ -152,9 +176,10 @@ def materialize(item: Any, dtype: torch.dtype, received: Received | None = None)
             return (t if t.dtype == dtype else t.to(dtype)).contiguous()
         if item.dtensor is not None:
             dt = item.dtensor.detach()
-            if dt.dtype != dtype:   # cast the local shard, then gather
+            mesh = data_mesh(dt.device_mesh, dt.to_local())
+            if dt.dtype != dtype or mesh is not dt.device_mesh:   # cast the local shard, then gather
                 from torch.distributed.tensor import DTensor
-                dt = DTensor.from_local(dt.to_local().to(dtype), dt.device_mesh, dt.placements,
+                dt = DTensor.from_local(dt.to_local().to(dtype), mesh, dt.placements,
                                         run_check=False, shape=dt.shape, stride=dt.stride())
             return dt.full_tensor().contiguous()
         return gather_pieces(item.pieces, item.shape, dtype)
