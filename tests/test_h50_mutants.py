@@ -150,6 +150,7 @@ def test_one_bucket_of_owned_experts_uneven_and_even_pieces_is_bit_exact_on_ever
     monkeypatch.setattr(gather, "all_gather", grp.all_gather)
     monkeypatch.setattr(gather, "broadcast", grp.broadcast)
     monkeypatch.setattr(gather, "dist", _t.SimpleNamespace(isend=grp.isend, irecv=grp.irecv))
+    monkeypatch.setattr(gather, "data_group", lambda group, t: group)   # the threads' group moves CPU tensors
 
     def pieces(t: torch.Tensor, rank: int) -> gather.Pieces:
         counts = chunk_counts(t.shape[0], t[0].numel() if t.shape[0] else 0, 3)
