@@ -12,7 +12,9 @@ Emulated on a CPU machine as tests/test_nccl_only_group.py does: ``init_process_
 makes a group without a CPU backend, and the FSDP2 mesh is built on it with CPU-resident shards
 (``CPUOffloadPolicy(pin_memory=False)``: pinning needs CUDA): 4 ranks, a 1-D mesh over all of
 them (its shards gathered as pieces) and HSDP's 2 x 2 mesh (replicas x shards: ``full_tensor()``
-on the same mesh over the groups' gloo twins, `gather.data_mesh`); engines of TP 2 on ranks 0 and 2. The emulated mesh cannot run FSDP2's
+on the same mesh over the groups' gloo twins, `gather.data_mesh`); engines of TP 2 on ranks 0 and 2.
+Then LoRA (``lora="adapter"``, a peft-shaped model on the 1-D mesh, offloaded too): the base and
+the adapter once, then the adapter alone, each engine's adapter equal to the unsharded copy's. The emulated mesh cannot run FSDP2's
 own forward (which on a GPU copies the shards to CUDA before its all-gather), so the weights are
 changed in place, shard by shard, the same way on an unsharded copy; the engine must then hold
 that copy's weights bit for bit. FSDP1 cannot be emulated so (its state dicts assert CUDA on a
@@ -27,6 +29,8 @@ import torch
 from fsdp_sync.cli.launch import run_ranks, spawn_env
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="emulates NCCL-only on a CPU machine")
+
+LORA = "fsdp_sync_lora"
 
 CASES = [   # FSDP2 mesh, method, layout, share_host_memory, verify
     ("1d", "tensor", "full", False, "full"),
@@ -46,30 +50,37 @@ def _job(rank, world, disk_root):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    from fsdp_sync.cli.lora_model import add_lora
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.engines import ReferenceEngine, checksum_named_tensors
     from fsdp_sync.manager import FSDPShardingManager
     from fsdp_sync.models import build_model, load_config
     from fsdp_sync.topology import SyncError, SyncTopology, has_cpu_backend, make_mesh
+    from fsdp_sync.lora_sync import peft_name
     from fsdp_sync.weights import export
+    from fsdp_sync.weights.export import hf_name, is_lora
 
     torch.set_num_threads(1)
     cfg = load_config("tiny")
     mesh = make_mesh(2, 2, "cpu")
-    engine = ReferenceEngine(model_config=cfg, tp_size=2) if SyncTopology.from_mesh(mesh).is_tp_src else None
+    engine = ReferenceEngine(model_config=cfg, tp_size=2, max_lora_rank=4) \
+        if SyncTopology.from_mesh(mesh).is_tp_src else None
     meshes = {"1d": DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("fsdp",)),
               "hsdp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
     models = {}
-    for kind, fsdp_mesh in meshes.items():
+    for kind, fsdp_mesh in [*meshes.items(), ("lora", meshes["1d"])]:
         model = build_model(cfg, seed=0)
-        for layer in model.model.layers:
+        if kind == "lora":
+            model = add_lora(model, 4, 8, seed=1)
+        for layer in (model.base_model.model if kind == "lora" else model).model.layers:
             fully_shard(layer, mesh=fsdp_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
         fully_shard(model, mesh=fsdp_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
         params = dict(model.named_parameters())
         assert not any(has_cpu_backend(fsdp_mesh.get_group(d)) for d in range(fsdp_mesh.ndim))
         assert all(p.to_local().device.type == "cpu" and p.to_local().numel() < p.numel()
                    for p in params.values())
-        models[kind] = (model, params, build_model(cfg, seed=0))
+        plain = add_lora(build_model(cfg, seed=0), 4, 8, seed=1) if kind == "lora" else build_model(cfg, seed=0)
+        models[kind] = (model, params, plain)
     assert not has_cpu_backend()
     out, before = [], None
     try:
@@ -100,6 +111,33 @@ def _job(rank, world, disk_root):
                 rec["engine"] = engine.weights_checksum()
                 rec["changed"], before = rec["engine"] != before, rec["engine"]
             out.append(rec)
+        model, params, plain = models["lora"]
+        manager = FSDPShardingManager(model, engine, mesh=mesh, config=SyncConfig(
+            dtype=torch.float32, lora="adapter", verify="full", share_host_memory=False,
+            free_cache_engine=False, memory_probe="off"))
+        try:
+            for step in range(2):
+                with torch.no_grad():    # the adapter trained: the same change on the shards and the copy
+                    for name, q in plain.named_parameters():
+                        if ".lora_" in name:
+                            for t in (params[name].to_local(), q):
+                                t.mul_(1.5).add_(0.01 * (step + 1))
+                rec = {"case": f"lora {step}", "error": None}
+                try:
+                    with manager:
+                        pass
+                except SyncError as exc:
+                    rec["error"] = str(exc)
+                if engine is not None:
+                    got = engine.lora_tensors(LORA)
+                    want = {peft_name(hf_name(n)).removeprefix("base_model.model."): q
+                            for n, q in plain.named_parameters() if is_lora(n)}
+                    rec["adapter_exact"] = sorted(got) == sorted(want) and \
+                        all(torch.equal(got[k], want[k]) for k in want)
+                    rec["base_bytes"] = manager.stats.extra.get("base_bytes", 0)
+                out.append(rec)
+        finally:
+            manager.close()
     finally:
         if engine is not None:
             engine.shutdown()
@@ -111,10 +149,13 @@ def test_cpu_offloaded_fsdp2_and_hsdp_sync_bit_exact_on_a_group_without_cpu_back
     results = run_ranks(_job, 4, str(tmp_path), backend="cuda:gloo", timeout_s=150, pg_timeout_s=30,
                         env=spawn_env())
     for rank, recs in enumerate(results):
-        assert [r["case"] for r in recs] == list(range(len(CASES))), recs
+        assert [r["case"] for r in recs] == [*range(len(CASES)), "lora 0", "lora 1"], recs
         for r in recs:
             assert r["error"] is None, (CASES[r["case"]], r["error"])
+            if "adapter_exact" in r:     # the base went with the first sync only
+                assert r["adapter_exact"] and (r["base_bytes"] > 0) == (r["case"] == "lora 0"), (rank, r)
             if "engine" in r:    # the engine holds the unsharded copy's weights, new every sync
                 assert r["engine"] == r["unsharded"] and r["changed"], (rank, CASES[r["case"]], r)
+    assert sum("adapter_exact" in r for r in results[0] + results[2]) == 4
     assert sum("engine" in r for r in results[0]) == len(CASES)
     assert sum("engine" in r for r in results[2]) == sum(c[1] == "tensor" for c in CASES)
