@@ -4,21 +4,22 @@ torchrun or accelerate, with ``fully_shard(..., offload_policy=CPUOffloadPolicy(
 ``fsdp_config.offload_policy``). Every gather of those shards, the sync's and verify's, ran a CPU
 collective on the FSDP mesh's group and failed with ``No backend type associated with device type
 cpu``: the tensor method without host-shared buffers (trainer ranks on several hosts, or
-``share_host_memory=False``), the disk method, and ``verify="full"``/``"sample"`` even where the
-sync itself went through host-shared memory. CPU shards now travel on the group's gloo twin
-(`gather.data_group`, `topology.cpu_group`).
+``share_host_memory=False``), the disk and distributed methods, and ``verify="full"``/``"sample"``
+even where the sync itself went through host-shared memory. CPU shards now travel on the group's
+gloo twin (`gather.data_group`, `topology.cpu_group`).
 
 Emulated on a CPU machine as tests/test_nccl_only_group.py does: ``init_process_group("cuda:gloo")``
 makes a group without a CPU backend, and the FSDP2 mesh is built on it with CPU-resident shards
 (``CPUOffloadPolicy(pin_memory=False)``: pinning needs CUDA): 4 ranks, a 1-D mesh over all of
 them (its shards gathered as pieces) and HSDP's 2 x 2 mesh (replicas x shards: ``full_tensor()``
-on the same mesh over the groups' gloo twins, `gather.data_mesh`); engines of TP 2 on ranks 0 and 2.
-Then LoRA (``lora="adapter"``, a peft-shaped model on the 1-D mesh, offloaded too): the base and
-the adapter once, then the adapter alone, each engine's adapter equal to the unsharded copy's. The emulated mesh cannot run FSDP2's
+on the same mesh over the groups' gloo twins, `gather.data_mesh`); tensor-method engines of TP 2
+on ranks 0 and 2, the disk and distributed methods into rank 0's. Then LoRA (``lora="adapter"``, a
+peft-shaped model on the 1-D mesh, offloaded too): the base and the adapter once, then the adapter
+alone, each engine's adapter equal to the unsharded copy's. The emulated mesh cannot run FSDP2's
 own forward (which on a GPU copies the shards to CUDA before its all-gather), so the weights are
 changed in place, shard by shard, the same way on an unsharded copy; the engine must then hold
-that copy's weights bit for bit. FSDP1 cannot be emulated so (its state dicts assert CUDA on a
-group whose backend is CUDA's), nor can the distributed method's update group be, here.
+that copy's weights bit for bit. Not emulated: FSDP1 (its state dicts assert CUDA on a group whose
+backend is CUDA's), and the distributed method's update group on a GPU (here gloo, as on any CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ CASES = [   # FSDP2 mesh, method, layout, share_host_memory, verify
     ("hsdp", "tensor", "auto", False, "full"),
     ("hsdp", "tensor", "engine", True, "sample"),
     ("hsdp", "disk", "engine", False, "off"),
+    ("1d", "distributed", "engine", False, "full"),
+    ("hsdp", "distributed", "full", False, "sample"),
 ]
 
 
@@ -90,9 +93,10 @@ def _job(rank, world, disk_root):
                 for name, q in plain.named_parameters():
                     for t in (params[name].to_local(), q):
                         t.mul_(1.0 + 0.01 * (c + 1)).add_(0.001 * (c + 1))
-            if method == "disk":     # the engine is trainer rank 0's to load
-                extra, engines, mkw = {"disk_dir": os.path.join(disk_root, f"case{c}")}, \
-                    ([engine] if rank == 0 else None), {}
+            if method != "tensor":   # the engine is trainer rank 0's to load
+                extra = {"disk_dir": os.path.join(disk_root, f"case{c}")} if method == "disk" else \
+                    {"dist_timeout_s": 30.0, "dist_group_name": f"h96_{c}"}
+                engines, mkw = ([engine] if rank == 0 else None), {}
             else:
                 extra, engines, mkw = {}, engine, {"mesh": mesh}
             manager = FSDPShardingManager(model, engines, **mkw, config=SyncConfig(
