@@ -14,7 +14,10 @@ import re
 
 import json
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -23,14 +26,21 @@ from _util import run_output
 
 def _demo(tmp_path, method: str, *extra: str) -> dict:
     out = tmp_path / f"demo-{method}.json"
-    tmp = tmp_path / f"tmp-{method}"
-    tmp.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp))
-    proc = run_output(
-        [sys.executable, "-m", "fsdp_sync.cli", "demo", "--method", method, "--steps", "2",
-         "--no-progress", "--json", str(out), *extra],
-        timeout=200, env=env)
+    # a TMPDIR of its own, short (in the test process's own): under pytest's tmp_path it would be
+    # too long for a forkserver's socket, and the ranks would start as fresh interpreters, each
+    # importing torch and transformers (test_nccl_only_group's demo runs that way on purpose)
+    tmp = Path(tempfile.mkdtemp(prefix=f"demo-{method}-"))
+    try:
+        proc = run_output(
+            [sys.executable, "-m", "fsdp_sync.cli", "demo", "--method", method, "--steps", "2",
+             "--no-progress", "--json", str(out), *extra],
+            timeout=200, env=dict(os.environ, TMPDIR=str(tmp)))
+        # every file the run made in TMPDIR is gone (the disk versions included)
+        left = [p.name for p in tmp.iterdir() if p.name.startswith("fsdp-sync")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not left, left
     result = json.loads(out.read_text())
     assert result["config"]["method"] == method and result["ok"]
     assert result["config"]["backend"] == "cuda:gloo"
@@ -39,8 +49,6 @@ def _demo(tmp_path, method: str, *extra: str) -> dict:
         assert s["tokens_exact"] and s["tokens_match"], s
         assert s["max_abs_logit_diff"] <= s["atol"] and s["changed_since_last_step"], s
         assert s["bytes"] > 0 and s["engine_calls"] >= 1
-    # every file the run made in TMPDIR is gone (the disk versions included)
-    assert not [p for p in tmp.iterdir() if p.name.startswith("fsdp-sync")], list(tmp.iterdir())
     return result
 
 

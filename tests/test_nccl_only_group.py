@@ -74,7 +74,8 @@ def test_objects_and_agreement_run_on_a_gloo_twin():
 
 def _demo(tmp_path, *flags: str) -> dict:
     out = tmp_path / "demo.json"
-    env = dict(os.environ, TMPDIR=str(tmp_path))
+    # ranks started as fresh interpreters (spawn), as `fsdp-sync demo` starts them for a user
+    env = dict(os.environ, TMPDIR=str(tmp_path), FSDP_SYNC_RANKS_START="spawn")
     proc = run_output([sys.executable, "-m", "fsdp_sync.cli", "demo", "--backend", "cuda:gloo",
                        "--steps", "1", "--no-progress", "--json", str(out), *flags],
                       timeout=250, env=env)
