@@ -37,8 +37,12 @@ def sit_in_a_collective(rank: int, world: int, marks: str) -> None:
         dist.recv(torch.zeros(1), src=0)
 
 
+# The job restores Python's Ctrl-C handler first: started from a shell's background job (``make
+# test &``, nohup) pytest and every child inherit SIGINT ignored, and Python then installs no
+# handler of its own; a launcher started from a terminal, as a user's, has it.
 _JOB = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from fsdp_sync.cli.launch import run_ranks
 from test_launch_interrupt import sit_in_a_collective
 run_ranks(sit_in_a_collective, 2, sys.argv[1], timeout_s=120, pg_timeout_s=60)
