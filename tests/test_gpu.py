@@ -85,6 +85,27 @@ def test_distributed_method_on_two_gpus(tmp_path):
     _demo(tmp_path, "--method", "distributed", "--dtype", "bfloat16")
 
 
+@pytest.mark.timeout(300)
+def test_lora_adapter_on_cuda(tmp_path):
+    """``SyncConfig(lora="adapter")`` from a CUDA trainer on a NCCL-only group: the base once, then
+    the adapter alone, gathered into a buffer on the GPU (tests/test_adapter_export_device.py: it
+    was made on the CPU) and loaded by the engine as a CUDA payload; after every step the engine's
+    logits with the adapter are checked against the trainer's forward."""
+    result = _demo(tmp_path, "--lora", "--lora-r", "8")
+    steps = result["steps"]
+    assert result["config"]["backend"] == "nccl" and result["config"]["lora_r"] == 8
+    assert steps[0]["base_bytes"] and not any(s["base_bytes"] for s in steps[1:]), steps
+    assert all(s["tensors"] == 28 and s["engine_calls"] == 1 for s in steps), steps
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_gpus() < 2, reason="two trainer ranks need two GPUs (NCCL refuses one GPU for both)")
+def test_lora_adapter_gathered_over_nccl_on_two_gpus(tmp_path):
+    """The adapter's shards of two trainer ranks all-gathered over NCCL into the GPU buffer (on
+    the CPU buffer it had before, that all-gather mixed CPU outputs with CUDA inputs)."""
+    _demo(tmp_path, "--lora", "--lora-r", "8", "--ranks", "2")
+
+
 def _verified_sync(rank, world, verify):
     """A trainer on a NCCL-only group syncs into a CUDA engine with verify on: every tensor the
     engine serves is compared with the trainer's after each sync (a mismatch raises)."""

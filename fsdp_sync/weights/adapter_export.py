@@ -184,6 +184,7 @@ class AdapterExport:
                                  f"{self.rename(it.name)!r}: the module holds several adapters' "
                                  f"tensors and the engine serves one; sync one adapter (the peft "
                                  f"model's active one) or delete the others (delete_adapter)")
+        device = _device(items)
         metas = [TensorMeta(it.name, it.out_dtype(dtype), it.shape) for it in items]
         mkey = tuple((m.name, m.dtype, m.shape) for m in metas)
         if mkey != self.metas:
@@ -193,8 +194,8 @@ class AdapterExport:
                 self.bucket = plan_buckets(metas, total)[0]
                 group = shared_group(items)
                 self.host = HostShared.create(group, 1, self.bucket.nbytes) if group is not None else None
-                flat = (self.host.bufs[0] if self.host is not None
-                        else torch.empty(self.bucket.nbytes, dtype=torch.uint8))[:self.bucket.nbytes]
+                flat = (self.host.bufs[0] if self.host is not None else torch.empty(
+                    self.bucket.nbytes, dtype=torch.uint8, device=device))[:self.bucket.nbytes]
                 self.buf = None if self.host is not None else flat
                 self.views = [(self.rename(n), t) for n, t in unflatten(flat, self.bucket.entries)]
                 self.named = Bucket(tuple(dataclasses.replace(e, name=self.rename(e.name))
@@ -204,6 +205,25 @@ class AdapterExport:
         if srcs is not None:
             self.key, self.srcs = key, srcs
         return items
+
+
+def _device(items: list) -> torch.device:
+    """Where the adapter's plain buffer is made: the device its tensors are on, as a full sync's
+    buckets are made on the sync's device. A CUDA trainer's shards are gathered straight into it
+    (NCCL moves no CPU tensor; a buffer on the CPU, as it was, put CPU outputs beside CUDA inputs
+    in one all-gather) and the engine opens it as a CUDA payload. Tensors on several devices are
+    refused (the same on every rank: each holds its shards of the same tensors)."""
+    found: dict[str, str] = {}
+    for it in items:
+        t = it.pieces.local if it.pieces is not None else it.full if it.full is not None else it.dtensor
+        if t is not None:
+            found.setdefault(t.device.type, it.name)
+            dev = t.device
+    if len(found) > 1:
+        raise ValueError("the adapter's tensors are on several devices ("
+                         + ", ".join(f"{d}: {n!r}" for d, n in found.items())
+                         + "); move the LoRA parameters to one device (the trainer's) before the sync")
+    return dev if found else torch.device("cpu")
 
 
 def _sources(items: list, walk: list[tuple[str, Any]]) -> list[tuple] | None:

@@ -66,7 +66,10 @@ def test_a_rollout_worker_that_died_is_named_by_the_sender():
         assert healthy[0] == "err" and healthy[1].startswith(
             "RuntimeError: fsdp_sync checkpoint engine: rank 1: receiving from the sender (actor "
             "rank 0) failed: "), healthy
-        assert "Connection closed by peer" in healthy[1], healthy   # not gloo's timeout
+        # not gloo's timeout: the sender's socket closing, which gloo reports as "closed" or, where
+        # its read meets the reset first, "reset" (each seen on one host, run after run)
+        assert re.search(r"Connection (closed|reset) by peer", healthy[1]), healthy
+        assert "Timed out" not in healthy[1] and "timeout" not in healthy[1].lower(), healthy
     finally:
         w.close()
 
