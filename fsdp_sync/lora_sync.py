@@ -619,7 +619,7 @@ def verify_adapter(engine: Any, name: str, tensors: dict[str, torch.Tensor]) -> 
         g = got.get(short)
         if g is None:
             return f"verify: the engine's adapter {name!r} has no {short!r}"
-        w = want.to(g.dtype)
+        w = want.detach().to(device=g.device, dtype=g.dtype)   # a CUDA trainer's beside the CPU read-back
         if g.shape != w.shape or not torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)):
             diff = (g.float() - w.float()).abs()
             return (f"verify: adapter {name!r} tensor {short!r} differs from the trainer's "
@@ -641,7 +641,7 @@ def _compare_rank_pieces(name: str, pieces: dict, tensors: dict[str, torch.Tenso
                 continue
             for src, t in lst:
                 try:
-                    ref = want[n].detach().to(t.dtype)[src].contiguous()
+                    ref = want[n].detach().to(device=t.device, dtype=t.dtype)[src].contiguous()
                 except (IndexError, RuntimeError):
                     continue
                 if t.shape != ref.shape:

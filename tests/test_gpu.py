@@ -98,6 +98,52 @@ def test_lora_adapter_on_cuda(tmp_path):
     assert all(s["tensors"] == 28 and s["engine_calls"] == 1 for s in steps), steps
 
 
+def _lora_verified_sync(rank, world, device="cuda"):
+    """A LoRA trainer (the base frozen, the adapter trained) syncs into an engine on its device
+    with ``verify="full"``: the base once, then the adapter alone, every adapter tensor read back
+    from the engine and compared bit for bit with the trainer's (on the GPU: a CUDA adapter beside
+    the engine's CPU read-back), and the engine's logits with the adapter against the trainer's."""
+    from fsdp_sync import FSDPShardingManager, SyncConfig, make_mesh
+    from fsdp_sync.cli.lora_model import add_lora
+    from fsdp_sync.cli.trainer import last_logits, synthetic_batch, train_step, wrap_fsdp
+    from fsdp_sync.engines import ReferenceEngine
+    from fsdp_sync.models import build_model, load_config
+
+    cfg = load_config("tiny")
+    model = wrap_fsdp(add_lora(build_model(cfg, seed=0), r=8, alpha=16), 2, device=device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    engine = ReferenceEngine(model_config=cfg, tp_size=1, device=device, max_lora_rank=8)
+    manager = FSDPShardingManager(model, engine, mesh=make_mesh(1, 1, device),
+                                  config=SyncConfig(lora="adapter", verify="full", dtype=torch.float32))
+    out = []
+    try:
+        for step in range(3):
+            train_step(model, opt, synthetic_batch(cfg.vocab_size, step=step, rank=rank, device=device))
+            with manager:
+                want = last_logits(model, [[11, 27, 93, 5]])
+                got = engine.forward_logits([[11, 27, 93, 5]], lora_path=manager.config.lora_name).float().cpu()
+            st = manager.stats
+            out.append({"tensors": st.tensors, "verify_tensors": st.extra.get("verify_tensors"),
+                        "base_bytes": st.extra.get("base_bytes"), "diff": float((got - want).abs().max()),
+                        "buffer": str(manager.lora_export.buf.device.type) if manager.lora_export.buf is not None
+                        else "host-shared"})
+    finally:
+        manager.close()
+        engine.shutdown()
+    return {"syncs": out, "backend": torch.distributed.get_backend()}
+
+
+@pytest.mark.timeout(300)
+def test_lora_adapter_verified_on_cuda():
+    from fsdp_sync.cli.launch import run_ranks, spawn_env
+
+    (res,) = run_ranks(_lora_verified_sync, 1, backend="nccl", timeout_s=280, env=spawn_env())
+    syncs = res["syncs"]
+    assert res["backend"] == "nccl" and syncs[0]["base_bytes"] and not any(s["base_bytes"] for s in syncs[1:]), res
+    assert all(s["tensors"] == 28 and s["verify_tensors"] == 28 and s["diff"] <= 1e-5 for s in syncs), res
+    assert {s["buffer"] for s in syncs} == {"cuda"}, res
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(_gpus() < 2, reason="two trainer ranks need two GPUs (NCCL refuses one GPU for both)")
 def test_lora_adapter_gathered_over_nccl_on_two_gpus(tmp_path):
