@@ -51,7 +51,7 @@ def stand_ins(monkeypatch):
             secs = SECONDS[mode][self._n[mode]]
             self._n[mode] += 1
             extra = {} if mode == "adapter" else {"base_bytes": BASE, "base_tensors": 27}
-            self.stats = types.SimpleNamespace(bytes=ADAPTER, tensors=28, extra=extra)
+            self.stats = types.SimpleNamespace(bytes=ADAPTER, tensors=28, engine_calls=1, extra=extra)
             self.timeline = types.SimpleNamespace(stages=[types.SimpleNamespace(name="resume_weights", seconds=9.0),
                                                           types.SimpleNamespace(name="sync_weights", seconds=secs)])
             return self

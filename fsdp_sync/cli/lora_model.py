@@ -21,9 +21,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..plan_lora import ALL_LINEAR, lora_linears
+
 __all__ = ["LoRALinear", "PeftLike", "add_lora", "ALL_LINEAR"]
 
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoRALinear(nn.Module):
@@ -78,11 +79,8 @@ def add_lora(model: nn.Module, r: int, alpha: float, targets: Sequence[str] = AL
         raise ValueError(f"--lora-r must be >= 1, got {r}")
     g = torch.Generator().manual_seed(seed)
     model.requires_grad_(False)       # the base frozen, as peft's get_peft_model leaves it
-    for layer in model.model.layers:
-        for parent in layer.modules():
-            for name, child in list(parent.named_children()):
-                if name in targets and isinstance(child, nn.Linear):
-                    setattr(parent, name, LoRALinear(child, r, alpha, g))
+    for _, parent, name, child in lora_linears(model, targets):    # the modules `plan --lora-r` counts
+        setattr(parent, name, LoRALinear(child, r, alpha, g))
     cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
            "bias": "none", "lora_dropout": 0.0, "use_dora": False, "use_rslora": False}
     return PeftLike(model, cfg)

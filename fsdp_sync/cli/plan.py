@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from . import args as ca
-from .plan_recipe import DEFAULTS, cluster_spec, fraction, read_recipe
+from .plan_recipe import DEFAULTS, cluster_spec, fraction, lora_targets, read_recipe
+from .plan_table import cluster_line, plan_table, refusals, size
 from ..topology import cpu_group
 
 __all__ = ["add_plan_parser", "cluster_line", "cluster_of", "cmd_plan", "measure_this_machine", "plan_rows", "plan_recipes", "plan_table",
@@ -407,6 +408,10 @@ def plan_rows(sweep: dict, cluster: Any) -> list[dict]:
         job = plan_job(sweep, model, method, layout, mb, ranks, tp, ep, q)
         try:
             rows.append(plan_row(job, cluster))
+            if sweep.get("lora_r") is not None:
+                from ..plan_lora import adapter_fields
+
+                rows[-1].update(adapter_fields(job, cluster, rows[-1], sweep["lora_r"], sweep["lora_targets"]))
         except PlanError as exc:
             rows.append({"plan": True, "model": model, "method": method, "layout": layout,
                          "bucket_bytes": job.bucket_bytes, "ranks": ranks, "tp": tp, "ep": ep,
@@ -436,9 +441,7 @@ def add_plan_parser(sub) -> None:
                     "device: a 235B model plans in seconds without memory. A plan that cannot fit is refused "
                     "with the largest bucket that would, and one the engine would refuse with its reason "
                     "(SGLang takes per-rank buckets from the tensor method only) (exit code 1 when every "
-                    "plan is refused). Rows use the bench's field names. Not planned: a LoRA adapter's "
-                    "syncs (SyncConfig.lora='adapter': a row is its base sync, the first; each sync after it "
-                    "sends only the adapter's tensors, one engine call per engine).",
+                    "plan is refused). Rows use the bench's field names. A LoRA adapter's syncs: --lora-r.",
         formatter_class=ca.DefaultsFormatter)
     p.add_argument("--recipe", type=_plan_recipe,
                    help="a plan sweep shipped with fsdp_sync (" + ", ".join(plan_recipes()) + ") or a YAML file "
@@ -495,6 +498,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--weights-cpu-backup", type=ca.on_off, default="off",
                    help="on, off: the reference engine's weights_cpu_backup: released weights keep their "
                         "contents, so they are valid when the sync begins, as with --free-cache-engine off")
+    p.add_argument("--lora-r", type=ca.positive_int, help="plan a LoRA adapter of rank r too (SyncConfig.lora="
+                   "'adapter'): each row gains the adapter's bytes, tensors and buffer, the first sync's bytes "
+                   "(base + adapter) and an adapter-only sync's calls and estimate (adapter_* fields)")
+    p.add_argument("--lora-targets", type=lora_targets, default=",".join(DEFAULTS["lora_targets"]),
+                   help="with --lora-r: the linear layers of each decoder layer the adapter is on (peft's "
+                        "target_modules, by name)")
     p.add_argument("--save-cluster", metavar="PATH", help="write the cluster used (measured or not) as JSON here")
     p.add_argument("--json", metavar="PATH", help="write {'cluster': ..., 'rows': [...]} here")
     p.add_argument("--plot", metavar="DIR", help="write a PNG per model here (needs matplotlib)")
@@ -510,7 +519,8 @@ _FLAG_KEYS = {"models": "models", "methods": "methods", "layout": "layouts", "bu
               "pipelined": "pipelined", "gpu_memory_utilization": "gpu_memory_utilization",
               "trainer_dtype": "trainer_dtype", "trainer_resident_gib": "trainer_resident_gib",
               "cluster": "cluster", "engine": "engine", "fsdp1_state_dict": "fsdp1_state_dict",
-              "free_cache_engine": "free_cache_engine", "weights_cpu_backup": "weights_cpu_backup"}
+              "free_cache_engine": "free_cache_engine", "weights_cpu_backup": "weights_cpu_backup",
+              "lora_r": "lora_r", "lora_targets": "lora_targets"}
 
 
 def check_plan_args(args, given: set[str]) -> None:
@@ -522,7 +532,7 @@ def check_plan_args(args, given: set[str]) -> None:
     for dest, key in _FLAG_KEYS.items():
         if dest in given or not args.recipe:
             v = getattr(args, dest)
-            if v is not None or key in ("replicas", "trainer_resident_gib"):
+            if v is not None or key in ("replicas", "trainer_resident_gib", "lora_r"):
                 sweep[key] = v
     if "fsdp1_state_dict" in given and sweep["fsdp"] != 1:
         raise ValueError(f"--fsdp1-state-dict {sweep['fsdp1_state_dict']} is FSDP1's state-dict type; "
@@ -531,6 +541,8 @@ def check_plan_args(args, given: set[str]) -> None:
         raise ValueError(f"--replicas {sweep['replicas']} counts the distributed and disk methods' engines; "
                          f"the tensor method runs one per --tp group (ranks / tp): add --methods "
                          f"distributed or disk, or drop --replicas")
+    if "lora_targets" in given and sweep["lora_r"] is None:
+        raise ValueError("--lora-targets names the adapter's modules; add --lora-r to plan an adapter")
     if args.config_json:
         if "models" in given:
             raise ValueError("--config-json and --models name the model twice: give one")
@@ -566,6 +578,15 @@ def check_plan_args(args, given: set[str]) -> None:
             meta_model(model)
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"{flag}: {exc}" if str(model) in str(exc) else f"{flag} {model}: {exc}") from None
+        if sweep["lora_r"] is not None:
+            import torch
+
+            from ..plan_lora import adapter_metas
+
+            try:
+                adapter_metas(meta_model(model)[1], sweep["lora_r"], sweep["lora_targets"], torch.float32)
+            except ValueError as exc:
+                raise ValueError(f"--lora-targets {','.join(sweep['lora_targets'])} on {model}: {exc}") from None
     # a combination the model cannot split into is a refused row; a sweep of nothing else is
     # refused here, before --cluster this-machine spends tens of seconds measuring
     refused = []
@@ -578,69 +599,6 @@ def check_plan_args(args, given: set[str]) -> None:
         raise ValueError(refused[0] + (f" (and {len(refused) - 1} more: every combination "
                                        f"is refused)" if len(refused) > 1 else ""))
     args.sweep = sweep
-
-
-def size(n: float) -> str:
-    """Bytes in the unit that shows them: 3 figures in GiB, MiB or KiB (a tiny model's kilobytes
-    are not 0.00 GiB)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            v = n / scale
-            return f"{v:.{0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2}f} {unit}"
-    return f"{int(n)} B"
-
-
-def refusals(rows: list[dict]) -> list[str]:
-    """The reasons of the refused rows, each once, in the order of the rows."""
-    return list(dict.fromkeys(r["refused"] for r in rows if r.get("refused")))
-
-
-def plan_table(rows: list[dict]) -> Any:
-    """The rich table of `plan_rows`'s rows: a refused row names its reason, `refusals`, which
-    follow the table."""
-    from rich.table import Table
-
-    reasons = refusals(rows)
-    table = Table(title="weight sync plan: bytes exact, memory a bound, seconds an estimate")
-    cols = ("method", "layout", "model", "sent", "ranks", "tp", "bucket MiB", "buckets", "calls",
-            "engine rank in", "trainer rank in", "budget trainer / engine", "free trainer / engine",
-            "est. s", "slowest phase")
-    for col in cols:
-        table.add_column(col, justify="right")
-    for r in rows:
-        name = Path(str(r["model"])).stem if "/" in str(r["model"]) else str(r["model"])
-        tp = str(r["tp"]) + (f" ep{r['ep']}" if r["ep"] > 1 else "")
-        if r.get("refused"):
-            table.add_row(r["method"], r["layout"], name, "-", str(r["ranks"]), tp,
-                          f"{r['bucket_bytes'] / MiB:g}", "-", "-", "-", "-", "-", "-", "[red]refused[/]",
-                          f"why: ({reasons.index(r['refused']) + 1}) below")
-            continue
-        slow = max(r["phases"], key=lambda p: p["seconds"])
-        table.add_row(r["method"], r["layout"], name, size(r["bytes"]), str(r["ranks"]), tp,
-                      f"{r['bucket_bytes'] / MiB:g}", str(r["buckets"]), str(r["engine_calls"]),
-                      size(r["engine_rank_bytes_in"]), size(r.get("trainer_rank_bytes_in") or 0),
-                      f"{size(r['memory_budget_bytes'])} / {size(r['engine_memory_budget_bytes'])}",
-                      f"{size(r['trainer_memory_free_bytes'])} / {size(r['engine_memory_free_bytes'])}",
-                      f"{r['seconds']:.3f}", f"{slow['what']} ({slow['link']})")
-    return table
-
-
-def cluster_line(c: Any) -> str:
-    """The cluster a plan ran on, in one line: a CPU host as one host (its cores, its RAM; its
-    ``gpus_per_node`` is no limit there, `cluster_of`), GPU nodes by GPUs and memory; then links
-    and costs. A preset (`plan.CLUSTERS`, or a file holding one's figures) says so: its figures
-    are nominal spec-sheet ones, not measured."""
-    from ..plan import CLUSTERS
-
-    preset = "; a preset: nominal spec-sheet figures, not measured" if CLUSTERS.get(c.name) == c else ""
-    where = ("one host, " + (f"{c.cores} cores, " if c.cores else "") + f"{c.memory_per_gpu / 2**30:.0f} GiB RAM"
-             if c.device == "cpu" else f"{c.gpus_per_node} GPUs/node, {c.memory_per_gpu / 2**30:.0f} GiB each")
-    return (f"{c.name}: {where}; d2d {c.d2d_gbps:.1f}, intra {c.intra_gbps:.1f}, inter {c.inter_gbps:.1f}, "
-            f"disk w/r {c.disk_write_gbps:.2f}/{c.disk_read_gbps:.2f} GB/s; call {c.call_s * 1e3:.2f} ms, "
-            f"collective {c.collective_s * 1e6:.0f} us"
-            + ("; " + (f"{c.cores} cores, " if c.device != "cpu" else "") + f"first touch "
-               f"{c.touch_gbps:.1f}, map {c.map_gbps:.1f}, trainer collectives {c.collective_gbps:.2f} GB/s"
-               if c.cores else "") + preset)
 
 
 def cmd_plan(args) -> int:

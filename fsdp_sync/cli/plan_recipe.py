@@ -18,19 +18,21 @@ from pathlib import Path
 from typing import Any
 
 from . import args as ca
+from ..plan_lora import ALL_LINEAR
 
-__all__ = ["DEFAULTS", "LISTS", "cluster_spec", "fraction", "read_recipe"]
+__all__ = ["DEFAULTS", "LISTS", "cluster_spec", "fraction", "lora_targets", "read_recipe"]
 
 DEFAULTS = {"models": ("qwen2-160m",), "methods": ("tensor",), "layouts": ("full",), "bucket_mb": (64.0,),
             "ranks": (2,), "tp": (2,), "ep": (1,), "quantization": (None,), "replicas": None,
             "dtype": "float32", "fsdp": 2, "share_host_memory": True, "pipelined": True,
             "gpu_memory_utilization": 0.85, "trainer_dtype": "float32", "trainer_resident_gib": None,
             "cluster": "this-machine", "engine": "sglang", "fsdp1_state_dict": "full",
-            "free_cache_engine": True, "weights_cpu_backup": False}
+            "free_cache_engine": True, "weights_cpu_backup": False, "lora_r": None,
+            "lora_targets": ALL_LINEAR}
 """The sweep's keys and their values when neither the recipe nor a flag gives one."""
 LISTS = ("models", "methods", "layouts", "bucket_mb", "ranks", "tp", "ep", "quantization")
 """The keys that sweep: one plan per combination of their values."""
-_NULLABLE = ("quantization", "replicas", "trainer_resident_gib")   # YAML null: none / the default
+_NULLABLE = ("quantization", "replicas", "trainer_resident_gib", "lora_r")   # YAML null: none / the default
 
 
 def cluster_spec(text: str) -> str:
@@ -70,7 +72,16 @@ def _checks() -> dict:
             "gpu_memory_utilization": fraction, "trainer_dtype": ca.dtype_name,
             "trainer_resident_gib": ca.nonnegative_float, "cluster": cluster_spec, "engine": ca.choice_of(ENGINES),
             "fsdp1_state_dict": ca.choice_of(FSDP1_STATE_DICTS), "free_cache_engine": ca.on_off,
-            "weights_cpu_backup": ca.on_off}
+            "weights_cpu_backup": ca.on_off, "lora_r": ca.positive_int, "lora_targets": lora_targets}
+
+
+def lora_targets(text: str) -> tuple[str, ...]:
+    """``--lora-targets``: comma-separated module names (peft's ``target_modules``)."""
+    names = tuple(t.strip() for t in text.split(","))
+    bad = [n for n in names if not n.isidentifier()]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated module names (q_proj,v_proj), got {text!r}")
+    return names
 
 
 def _value(path: str, key: str, value: Any, check: Any) -> Any:
@@ -86,6 +97,8 @@ def _value(path: str, key: str, value: Any, check: Any) -> Any:
         except argparse.ArgumentTypeError as exc:
             raise ValueError(f"--recipe {path}: {key}: {x!r}: {exc}") from None
 
+    if key == "lora_targets" and isinstance(value, (list, tuple)):     # a YAML list of names
+        value = ",".join(map(str, value))
     if key not in LISTS:
         return one(value)
     items = list(value) if isinstance(value, (list, tuple)) else [value]

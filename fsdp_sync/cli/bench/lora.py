@@ -122,9 +122,12 @@ def lora_bench_rank(rank: int, world: int, opts: dict) -> dict:
                             diffs.append(float((got - want).abs().max()))
                 if i:
                     times[mode].append(_stage_seconds(manager))
+                kept = getattr(manager, "lora_export", None)
                 figures[mode] = {"bytes": st.bytes + int(st.extra.get("base_bytes") or 0),
                                  "adapter_bytes": st.bytes, "enter_seconds": wall,
-                                 "tensors": st.tensors + int(st.extra.get("base_tensors") or 0)}
+                                 "tensors": st.tensors + int(st.extra.get("base_tensors") or 0),
+                                 "adapter_tensors": st.tensors, "adapter_engine_calls": st.engine_calls,
+                                 "adapter_buffer_bytes": kept.bucket.nbytes if kept and kept.bucket else 0}
     finally:
         manager.close()
         if engine is not None:
