@@ -10,9 +10,10 @@ what the first sync adds to the base's bytes, and what every sync after it sends
   shared memory for the ranks of a CPU host, else on each rank's device), and one engine call per
   engine (`lora_sync.sync_adapter`'s ``engine_calls``). The first sync of a run sends the base
   (the row's ``bytes``) and then the adapter.
-- ``adapter_seconds``: an estimate as the row's: the gather of the other ranks' shards over the
-  trainer's link (a host-shared buffer: its two barriers), then per engine one call and the
-  adapter's bytes copied in; ``adapter_phases`` say which.
+- ``adapter_seconds``: an estimate as the row's, from the same cluster figures: the gather of the
+  other ranks' shards over the trainer's link (a host-shared buffer: its two barriers), the
+  ranks' agreements, per engine one call and the adapter's bytes copied in, and each tensor's host
+  work (``tensor_s``, where the cluster was measured); ``adapter_phases`` say which.
 
 Bytes and tensors are exact against the bench's LoRA rows (``fsdp-sync bench --lora-r``,
 tests/test_plan_lora.py); the seconds are a model.
@@ -91,8 +92,15 @@ def adapter_fields(job: Any, cluster: Any, row: dict, r: int, targets: Sequence[
     elif world > 1:
         phases.append(("gather the other ranks' shards",
                        nbytes * (world - 1) / world / link + cluster.collective_s, "intra"))
+    if world > 1:      # the export's all-reduce, then the sync's three agreements
+        phases.append(("agreements between the trainer ranks", 4 * cluster.collective_s, "host"))
+    # per engine: one call (`bucket_s`, as a base sync's bucket: handles made, opened, loaded,
+    # acknowledged) and the adapter copied into its shards; each tensor's host work on top
     phases.append(("engine calls (load the adapter)",
-                   engines * (cluster.call_s + 2 * cluster.collective_s + nbytes / d2d), "call"))
+                   engines * ((cluster.bucket_s or cluster.call_s + 2 * cluster.collective_s) + nbytes / d2d),
+                   "call"))
+    if cluster.tensor_s:
+        phases.append(("per-tensor host work", len(metas) * cluster.tensor_s, "host"))
     first = row["bytes"] + nbytes
     return {"lora_r": r, "lora_targets": list(targets), "adapter_bytes": nbytes,
             "adapter_tensors": len(metas), "adapter_buckets": 1, "adapter_buffer_bytes": buffer,
