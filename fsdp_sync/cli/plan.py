@@ -586,7 +586,8 @@ def check_plan_args(args, given: set[str]) -> None:
             try:
                 adapter_metas(meta_model(model)[1], sweep["lora_r"], sweep["lora_targets"], torch.float32)
             except ValueError as exc:
-                raise ValueError(f"--lora-targets {','.join(sweep['lora_targets'])} on {model}: {exc}") from None
+                raise ValueError(f"--lora-targets {','.join(sweep['lora_targets'])} on {model}: {exc}; "
+                                 f"give --lora-targets the layers the adapter is on") from None
     # a combination the model cannot split into is a refused row; a sweep of nothing else is
     # refused here, before --cluster this-machine spends tens of seconds measuring
     refused = []
