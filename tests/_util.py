@@ -413,3 +413,17 @@ def timed_sync(manager) -> tuple[str | None, float]:
         return None, time.monotonic() - t0
     except Exception as exc:  # noqa: BLE001 - the test reads it
         return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
+
+
+def post_json(srv, path: str, body: dict, timeout: float = 60.0) -> tuple[int, dict]:
+    """POST ``body`` as JSON to an in-process `EngineServer` ``srv``: ``(status, answer)``."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()

@@ -14,8 +14,6 @@ warning says so.
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 
 import pytest
@@ -27,6 +25,8 @@ from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.engines.reference.serve import EngineServer
 from fsdp_sync.engines.sglang import SGLangEngine
 from fsdp_sync.transport.distributed import _begin
+
+from _util import post_json
 import fake_sglang as fake
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,13 +48,7 @@ def server(engine):
 
 
 def post(srv, path: str, body: dict) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
+    return post_json(srv, path, body, timeout=30)
 
 
 def new_weights(engine, seed: int) -> list[tuple[str, torch.Tensor]]:

@@ -10,15 +10,14 @@ with success and nothing loaded) and values SGLang refuses loaded the target's w
 
 from __future__ import annotations
 
-import http.client
-import json
-
 import pytest
 import torch
 
 from fsdp_sync.engines.reference import ReferenceEngine
 from fsdp_sync.engines.reference.serve import EngineServer
 from fsdp_sync.engines.sglang import flattened_bucket_payloads
+
+from _util import post_json
 
 pytestmark = pytest.mark.timeout(120)
 NAME = "model.layers.0.mlp.down_proj.weight"
@@ -30,14 +29,8 @@ def server():
         yield srv
 
 
-def post(srv, path, body):
-    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
+def post(srv, path: str, body: dict) -> tuple[int, dict]:
+    return post_json(srv, path, body, timeout=60)
 
 
 def served(srv) -> torch.Tensor:

@@ -53,12 +53,19 @@ __all__ = [
     "Engine", "SerializedPerRank", "LOAD_FORMATS", "TAGS", "RELEASE_ORDER", "RESUME_ORDER",
     "ordered_tags", "EngineError", "WeightUpdateError", "WorkerDiedError", "EngineStateError",
     "EngineUnavailableError", "EngineClosedError", "VersionNotNamed", "checksum_named_tensors", "DETAIL_HEADER",
+    "UNOPENED_MARK",
 ]
 
 DETAIL_HEADER = "X-Fsdp-Sync-Detail"
 """The HTTP header in which `fsdp-sync serve` says why it refused a call whose body is SGLang's
 bare text (a refused ``/flush_cache``: "Flush cache failed." and no reason); `SGLangEngine`'s
 client puts it beside the body in the error it raises."""
+
+UNOPENED_MARK = "no payload was opened"
+"""What `fsdp-sync serve` adds to a tensor or LoRA update it refused before opening any of its
+payloads (a field it refuses, a busy server's 503): `SGLangEngine`'s client then gives the
+payloads' shared-memory references back at once (``opened`` False), instead of keeping them until
+the sender's process exits, as it must where the server may have opened them."""
 
 LOAD_FORMATS = (None, "flattened_bucket", "direct")
 TAGS = ("weights", "kv_cache", "cuda_graph")

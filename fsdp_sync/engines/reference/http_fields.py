@@ -15,9 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from ..base import (EngineClosedError, EngineStateError, EngineUnavailableError, WorkerDiedError)
+from ..base import (UNOPENED_MARK, EngineClosedError, EngineStateError, EngineUnavailableError,
+                    WorkerDiedError)
 
-__all__ = ["Refused", "error_status", "error_text", "body_field", "str_list_field", "tags_field", "check_disk_path",
+__all__ = ["Refused", "unopened", "error_status", "error_text", "body_field", "str_list_field", "tags_field", "check_disk_path",
            "accepted_kwargs", "type_names", "opened_payloads", "read_chunked", "too_big"]
 
 
@@ -52,6 +53,14 @@ def error_status(exc: BaseException) -> tuple[int, bool]:
     if isinstance(exc, (ValueError, KeyError, TypeError, EngineStateError)):
         return 400, False
     return 500, False
+
+
+def unopened(exc: Refused) -> Refused:
+    """``exc`` saying that none of the request's payloads was opened (`base.UNOPENED_MARK`): the
+    sender may give their shared-memory references back at once."""
+    if UNOPENED_MARK in str(exc):
+        return exc
+    return Refused(exc.status, f"{exc}; {UNOPENED_MARK}", headers=exc.headers, plain=exc.plain)
 
 
 def error_text(exc: BaseException) -> str:

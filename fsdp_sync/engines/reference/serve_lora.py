@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .http_fields import Refused, body_field, check_disk_path, error_text, opened_payloads
+from .http_fields import Refused, body_field, check_disk_path, error_text, opened_payloads, unopened
 
 __all__ = ["LoRARoutes", "lora_source"]
 
@@ -89,18 +89,21 @@ class LoRARoutes:
         return status, answer
 
     def _load_lora_from_tensors(self, body: dict) -> tuple[int, Any]:
-        load = self._method("load_lora_adapter_from_tensors")
-        name = self._lora_name(body)
-        config = body_field(body, "config_dict", dict)
-        payloads = body_field(body, "serialized_named_tensors", list)
-        load_format = body_field(body, "load_format", (str, type(None)), None)
-        body_field(body, "pinned", bool, False)
-        if body.get("added_tokens_config") is not None:
-            raise Refused(400, "field 'added_tokens_config': adapters with added tokens are not served")
-        tp = int(getattr(self.engine, "tp_size", 1))
-        if len(payloads) != tp or not all(isinstance(p, str) for p in payloads):
-            raise Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
-                               f"rank), got {len(payloads)} item(s)")
+        try:       # every field before any payload is opened: a refusal says so (the sender frees them)
+            load = self._method("load_lora_adapter_from_tensors")
+            name = self._lora_name(body)
+            config = body_field(body, "config_dict", dict)
+            payloads = body_field(body, "serialized_named_tensors", list)
+            load_format = body_field(body, "load_format", (str, type(None)), None)
+            body_field(body, "pinned", bool, False)
+            if body.get("added_tokens_config") is not None:
+                raise Refused(400, "field 'added_tokens_config': adapters with added tokens are not served")
+            tp = int(getattr(self.engine, "tp_size", 1))
+            if len(payloads) != tp or not all(isinstance(p, str) for p in payloads):
+                raise Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
+                                   f"rank), got {len(payloads)} item(s)")
+        except Refused as exc:
+            raise unopened(exc) from None
         with opened_payloads(payloads, "serialized_named_tensors[{i}]") as values:
             value = values[0]
             named = list(value.items()) if isinstance(value, dict) else value

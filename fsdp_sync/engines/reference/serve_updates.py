@@ -43,7 +43,7 @@ import time
 from typing import Any, Callable
 
 from .http_fields import (Refused, accepted_kwargs, body_field, check_disk_path, opened_payloads,
-                          str_list_field)
+                          str_list_field, unopened)
 
 __all__ = ["UpdateRoutes", "check_selector", "SELECTORS"]
 
@@ -69,13 +69,14 @@ class UpdateRoutes:
     """`EngineServer`'s update routes (it provides ``engine``, ``_method``, ``versioned``,
     ``allowed_disk_dirs``, ``update_wait_s``, ``_update_lock`` and ``weight_version``)."""
 
-    def _locked(self, what: str, fn: Callable[[], Any]) -> tuple[int, Any]:
+    def _locked(self, what: str, fn: Callable[[], Any], payloads: bool = False) -> tuple[int, Any]:
         """``fn()`` holding the update lock; 503 (nothing applied) if it cannot start within
-        ``update_wait_s``."""
+        ``update_wait_s`` (``payloads``: a request whose payloads ``fn`` opens, which says so)."""
         deadline = time.monotonic() + self.update_wait_s
         if not self._update_lock.acquire(timeout=self.update_wait_s):
-            raise Refused(503, f"{what}: another weight update is running; waited "
-                               f"{self.update_wait_s:g}s (--update-wait-s), try again")
+            busy = Refused(503, f"{what}: another weight update is running; waited "
+                                f"{self.update_wait_s:g}s (--update-wait-s), try again")
+            raise unopened(busy) if payloads else busy
         try:
             limit = getattr(self.engine, "wait_limit", None)
             # the engine's own waits (running requests, a group being joined) end at the deadline
@@ -100,24 +101,15 @@ class UpdateRoutes:
         return self._update("begin_weight_update", {})
 
     def _update_from_tensor(self, body: dict) -> tuple[int, Any]:
-        check_selector(body, "update_weights_from_tensor")
-        payloads = body_field(body, "serialized_named_tensors", list)
-        load_format = body_field(body, "load_format", (str, type(None)), None)
-        flush = body_field(body, "flush_cache", bool, True)
-        body_field(body, "weight_version", (str, type(None)), None)     # checked before any payload
-        body_field(body, "abort_all_requests", bool, False)             # opens
-        tp = int(self.engine.tp_size)
-        if len(payloads) != tp or not all(isinstance(p, str) for p in payloads):
-            raise Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
-                               f"rank), got {len(payloads)} item(s)")
+        try:
+            payloads, load_format, flush = self._tensor_fields(body)
+        except Refused as exc:      # before any payload was opened: the sender may free them
+            raise unopened(exc) from None
         update = self._method("update_weights_from_tensor")
         if load_format == "flattened_bucket":
             call = self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
                                   args=(payloads,))
-            return self._locked("update_weights_from_tensor", call)
-        if load_format not in (None, "direct"):
-            raise Refused(400, f"unknown load_format {load_format!r}; expected null, "
-                               f"'flattened_bucket' or 'direct'")
+            return self._locked("update_weights_from_tensor", call, payloads=True)
 
         # Each payload opens, in this process, to TP rank i's list of (name, tensor): the server
         # plays SGLang's TP workers here. Every payload is opened (each holds a shared-memory
@@ -141,7 +133,25 @@ class UpdateRoutes:
                 return self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
                                       args=(named,))()
 
-        return self._locked("update_weights_from_tensor", call)
+        return self._locked("update_weights_from_tensor", call, payloads=True)
+
+    def _tensor_fields(self, body: dict) -> tuple[list, Any, bool]:
+        """The tensor update's fields, checked before any payload is opened (Refused: 400)."""
+        check_selector(body, "update_weights_from_tensor")
+        self._method("update_weights_from_tensor")
+        payloads = body_field(body, "serialized_named_tensors", list)
+        load_format = body_field(body, "load_format", (str, type(None)), None)
+        flush = body_field(body, "flush_cache", bool, True)
+        body_field(body, "weight_version", (str, type(None)), None)     # checked before any payload
+        body_field(body, "abort_all_requests", bool, False)             # opens
+        tp = int(self.engine.tp_size)
+        if len(payloads) != tp or not all(isinstance(p, str) for p in payloads):
+            raise Refused(400, f"serialized_named_tensors must be {tp} base64 strings (one per TP "
+                               f"rank), got {len(payloads)} item(s)")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise Refused(400, f"unknown load_format {load_format!r}; expected null, "
+                               f"'flattened_bucket' or 'direct'")
+        return payloads, load_format, flush
 
     def _init_group(self, body: dict) -> tuple[int, Any]:
         """Every field checked before any worker tries to join: a bad one would otherwise cost a

@@ -21,7 +21,7 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ..base import DETAIL_HEADER, EngineError
+from ..base import DETAIL_HEADER, UNOPENED_MARK, EngineError
 
 __all__ = ["SGLangError", "SGLangHTTPError", "SGLangUpdateError", "NO_SESSION_MARK", "UNOPENED_STATUS", "validation_refusal",
            "check_answer", "lease_answered",
@@ -100,7 +100,8 @@ def check_answer(call: str, answer: Any, *, error=SGLangError, where: str = "",
     if not success:
         text = f"SGLang refused {call}{where}: {message or '(no message)'}"
         if error is SGLangUpdateError:
-            opened = False if message and NO_SESSION_MARK in str(message) else None
+            opened = False if message and (NO_SESSION_MARK in str(message) or UNOPENED_MARK in str(message)) \
+                else None
             raise SGLangUpdateError(text, opened=opened, call=call, body=message)
         raise error(text, call=call, body=message)
     return answer
@@ -331,7 +332,8 @@ class HttpClient:
             # request, and whether it opened the payloads depends on where it failed
             # (`UNOPENED_STATUS` come before any handler reads them; a 500 may come after)
             kw["opened"] = False if reached is False or status in UNOPENED_STATUS else (
-                False if NO_SESSION_MARK in text or validation_refusal(status, text) else None)
+                False if NO_SESSION_MARK in text or UNOPENED_MARK in text or validation_refusal(status, text)
+                else None)
         return error(msg, **kw)
 
     def json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
