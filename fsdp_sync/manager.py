@@ -167,7 +167,7 @@ class FSDPShardingManager:
     def __enter__(self) -> "FSDPShardingManager":
         if self._inside:
             raise RuntimeError("FSDPShardingManager is not re-entrant: already inside its with block")
-        self._refuse_closed("")
+        self._refuse_closed("")   # with several ranks: agreed at the first stage (`_prepare`)
         self._failed = None     # one an interrupt kept from its agree is that block's, raised with it
         pids = [p for e in self.engines for p in (getattr(e, "worker_pids", None) or [])]
         self.timeline = Timeline(engine_pids=pids, mode=self.config.memory_probe, watch=self.watch)
@@ -249,6 +249,7 @@ class FSDPShardingManager:
                     self._agree(failed, what=f"stage {name!r}")
 
     def _prepare(self) -> None:
+        self._refuse_closed("", here=True)    # a rank's closed manager: every rank raises it
         empty_cache()  # before resuming engine memory: verl's first-iteration OOM
         self.module.eval()
 
@@ -257,13 +258,13 @@ class FSDPShardingManager:
 
     def _resume(self, tags: list[str] | None) -> None:
         tags = lora_sync.memory_tags(self.config, tags)   # lora="adapter": the KV cache only
-        if tags != [] and self.config.free_cache_engine and self.transport.colocated:
+        if tags != [] and self.config.free_cache_engine and self._colocated:
             for engine in self.engines:
                 engine.resume_memory_occupation(tags=tags)
 
     def _release(self) -> None:
         tags = lora_sync.memory_tags(self.config, ["kv_cache", "weights"])
-        if self.config.free_cache_engine and self.transport.colocated:
+        if self.config.free_cache_engine and self._colocated:
             for engine in self.engines:
                 engine.release_memory_occupation(tags=tags)
 
@@ -488,11 +489,15 @@ class FSDPShardingManager:
             return box[0]
         mine = {k: repr(v) for k, v in self._stage_values().items()}
         got: list = [None] * dist.get_world_size()
-        dist.all_gather_object(got, (obj if self.rank == 0 else None, mine), group=cpu_group())
+        dist.all_gather_object(got, (obj if self.rank == 0 else None, mine, self.transport is None),
+                               group=cpu_group())
+        closed = [r for r, (_, _, c) in enumerate(got) if c]
+        if closed:
+            raise SyncError(self._closed_text(f"{compared}: ", closed))
         parts = []
         for key in mine:
             held: dict[str, list[int]] = {}
-            for r, (_, vals) in enumerate(got):
+            for r, (_, vals, _) in enumerate(got):
                 held.setdefault(vals.get(key, "(not set)"), []).append(r)
             if len(held) > 1:
                 parts.append(f"{key} is " + ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
@@ -556,7 +561,7 @@ class FSDPShardingManager:
         base, then the adapter the others serve (`lora_stage.bring_adapter`). Returns whether it
         serves now; raises naming the replica if it cannot take updates. Refused for
         ``method='tensor'`` (no replica goes out of service there: each sync sends them all)."""
-        self._refuse_closed("recover: ")
+        self._refuse_closed("recover: ")     # with several ranks: agreed in `bring_in`
         return manager_fleet.bring_in(self, engine, "recover")    # (refused there for 'tensor')
 
     def add_engine(self, engine: Any = None) -> bool:
@@ -564,9 +569,9 @@ class FSDPShardingManager:
         0): it is out of service until it holds the current version, brought to it as `recover`
         does, then handed to the router (its /health turns 200). Refused for ``method='tensor'``:
         colocated engines are fixed by placement."""
-        self._refuse_closed("add_engine: ")
+        self._refuse_closed("add_engine: ")  # with several ranks: agreed in `bring_in`
         added, refused = None, None
-        if self.rank == 0 and self._fleet_mode:   # refused on every rank alike (`bring_in`): a
+        if self.rank == 0 and self._fleet_mode and self.transport is not None:   # refused on every rank alike (`bring_in`): a
             try:                                  # rank raising alone left the others in its collective
                 if engine is None:
                     raise ValueError("add_engine: trainer rank 0 passes the engine (None on the others)")
@@ -611,11 +616,27 @@ class FSDPShardingManager:
                              f"one per infer-TP group, fixed by placement; {needs} needs "
                              f"method='distributed' or 'disk'")
 
-    def _refuse_closed(self, what: str) -> None:
-        """Refused before anything moves (the fleet untouched): a closed manager has no transport."""
-        if self.transport is None:
-            raise RuntimeError(f"{what}this FSDPShardingManager was closed (close(), or interpreter "
-                               f"exit): make a new one to sync again")
+    def _refuse_closed(self, what: str, here: bool = False) -> None:
+        """Refused before anything moves (the fleet untouched): a closed manager has no transport.
+        Raised here where this process is the whole job (or ``here``: inside a stage, which its
+        runner agrees); with several ranks the closure is agreed where they next meet, so every
+        rank raises it: the with block's first stage (`_prepare`), `recover` / `add_engine`'s
+        `_from_rank0`. Raised on the closed rank alone, the others waited in that collective
+        until the process group's timeout."""
+        if self.transport is None and (here or not (dist.is_initialized() and dist.get_world_size() > 1)):
+            raise RuntimeError(self._closed_text(what))
+
+    def _closed_text(self, what: str, ranks: list[int] | None = None) -> str:
+        where = "" if ranks is None else (f" on trainer rank{'s' if len(ranks) > 1 else ''} "
+                                          f"{', '.join(map(str, ranks))}")
+        return (f"{what}this FSDPShardingManager was closed{where} (close(), or interpreter exit): "
+                f"make a new one{' on every rank' if ranks else ''} to sync again")
+
+    @property
+    def _colocated(self) -> bool:
+        """Whether the engines share the trainer's devices (the transport's; a closed manager's:
+        no, its memory stages touch no engine)."""
+        return self.transport is not None and self.transport.colocated
 
     def _verify(self) -> None:
         """`SyncConfig.verify`: compare what the engines now serve with the trainer's tensors
