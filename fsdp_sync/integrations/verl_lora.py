@@ -38,7 +38,7 @@ Not here: the adapter's send loop (`integrations.verl.adapter`), the engine's si
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -224,16 +224,21 @@ def unserved(engine: Any, name: str = LORA_NAME) -> None:
 
 
 def sync_adapter(engine: Any, named: list[tuple[str, torch.Tensor]], peft_config: Any, group: Any,
-                 *, verify: str, name: str = LORA_NAME) -> dict[str, Any]:
+                 *, verify: str, name: str = LORA_NAME,
+                 check: Callable[[], str | None] | None = None) -> dict[str, Any]:
     """One adapter sync's engine side (see the module docstring), on every rank of ``group``;
-    ``engine`` and ``named`` matter on group rank 0 only. Returns rank 0's figures
-    (``engine_calls``, ``load_s``, ``r``, and with ``verify`` ``verify_tensors``, ``verify_s``,
-    ``digests``); raises `SyncError` on every rank if the load or the verify failed."""
+    ``engine`` and ``named`` matter on group rank 0 only. ``check``: run there first, its error
+    (the served model's config against the actor's, where no base sync checked it yet) refuses
+    the sync before anything reaches the engine. Returns rank 0's figures (``engine_calls``,
+    ``load_s``, ``r``, and with ``verify`` ``verify_tensors``, ``verify_s``, ``digests``); raises
+    `SyncError` on every rank if the check, the load or the verify failed."""
     from ..topology import agree_after_rank0
 
     out: dict[str, Any] = {"engine_calls": 0, "load_s": 0.0, "r": None}
 
     def work() -> str | None:
+        if check is not None and (why := check()):
+            return why
         unserved(engine, name)
         config = normalize_peft_config(peft_config)
         out["r"] = config.get("r")

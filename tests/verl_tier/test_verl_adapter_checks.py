@@ -122,6 +122,34 @@ def test_lora_base_once_then_adapter_only_every_sync_verified():
     assert sorted(held) == sorted(want) and all(held[n].equal(want[n]) for n in want)
 
 
+@pytest.mark.parametrize("overrides, refused", [({}, None),
+                                                ({"rms_norm_eps": 1e-5}, "rms_norm_eps: trainer 1e-05, engine 1e-06")])
+def test_an_adapter_only_first_sync_checks_the_served_model(overrides, refused):
+    """verl's first call for a new adapter may be adapter-only (``base_sync_done=True``: a
+    rollout replica made again, a run resumed): no base sync checked the served model against the
+    actor's. Before, the adapter was loaded onto whatever the server served; now the served
+    config is checked first, as a base sync checks it: a model whose math differs (its
+    ``rms_norm_eps``) is refused on both ranks before anything reaches the engine; a matching one
+    loads, and the next call does not check again."""
+    from fsdp_sync.cli.launch import run_ranks
+    from fsdp_sync.engines.reference import ReferenceEngine
+    from fsdp_sync.engines.reference.serve import EngineServer
+
+    import verl_ranks
+
+    with ReferenceEngine("tiny", tp_size=2, seed=9, max_lora_rank=8) as engine, EngineServer(engine) as server:
+        cfg = rollout_config([f"+actor_rollout_ref.rollout.custom.fsdp_sync.base_url={server.url}",
+                              "+actor_rollout_ref.rollout.custom.fsdp_sync.verify=full"])
+        results = run_ranks(verl_ranks.adapter_only_first, 2, cfg, overrides, timeout_s=240)
+        loaded = dict(engine.lora_adapters)
+    for syncs in results:
+        if refused is None:
+            assert all(isinstance(s, dict) and s["kind"] == "adapter" for s in syncs), syncs
+        else:
+            assert all(isinstance(s, str) and s.startswith("SyncError") and refused in s for s in syncs), syncs
+    assert bool(loaded) == (refused is None), loaded
+
+
 def test_a_rank_running_another_adapter_is_named_not_waited_for_forever():
     """Issue 37, item 3. Global rank 1 runs fsdp_sync's adapter, rank 0 (the infer-TP group's
     first rank) verl's own: fsdp_sync's rank refuses at its first sync within

@@ -322,6 +322,31 @@ def lora_syncs(rank: int, world: int, rollout_cfg: dict):
     return out
 
 
+def adapter_only_first(rank: int, world: int, rollout_cfg: dict, actor_overrides: dict):
+    """verl's adapter-only sync (``base_sync_done=True``) as a new adapter's first call (no base
+    sync checked the served model yet), the actor's HF config tiny's with ``actor_overrides``;
+    then the same call again. Returns per call the stats (digests left out) or the error text."""
+    import types
+
+    from fsdp_sync.models import load_config
+
+    hf = load_config("tiny")
+    for k, v in actor_overrides.items():
+        setattr(hf, k, v)
+    model_config = types.SimpleNamespace(hf_config=hf, lora_rank=4, lora={}, target_modules="all-linear")
+    adapter, _ = _adapter(rank, world, rollout_cfg, model_config=model_config)
+    out = []
+    for step in (0, 1):
+        try:
+            asyncio.run(adapter.update_weights(_peft_stream(step, base=False), global_steps=step,
+                                               peft_config=PEFT_CONFIG, base_sync_done=True))
+            out.append({k: v for k, v in adapter.last_stats.items() if k != "digests"})
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out.append(f"{type(exc).__name__}: {exc}")
+        dist.barrier()
+    return out
+
+
 def refused_before_sending(rank: int, world: int, configs: list[dict]):
     """One sync per rollout config into an SGLang server (the test's stand-in), each of a tiny
     model whose ``model_type`` rides along: ``(rollout_cfg, model_type, config name[, update_weights

@@ -511,24 +511,25 @@ class SGLangAdapter(_verl_rollout_base.BaseRollout):
                       peft_config: Any) -> dict[str, Any]:
         """One adapter-only sync (see the module docstring), on every rank of the infer-TP group:
         every rank walks verl's stream (full tensors already: verl gathered the adapter), rank 0
-        loads it into the engine and, with ``verify``, reads it back (`verl_lora.sync_adapter`: a
-        failure raises the same `SyncError` on every rank)."""
+        checks the served model where no sync did yet (an adapter-only first sync), loads the
+        adapter and, with ``verify``, reads it back (`verl_lora.sync_adapter`: a failure raises
+        the same `SyncError` on every rank)."""
         cfg, topo = self.sync, self._topology()
         if not self._peers_checked:
             peer_check.check_group(topo.tp_ranks, cfg.dist_timeout_s)
             self._peers_checked = True
-        phases = {"export_s": 0.0, "pack_s": 0.0}
-        t0 = time.perf_counter()
-        named: list[tuple[str, torch.Tensor]] = []
+        phases, t0, named = {"export_s": 0.0, "pack_s": 0.0}, time.perf_counter(), []
         for name, t in timed(weights, phases):
             if engine is not None:
                 t1 = time.perf_counter()
                 named.append((name, self._cast(name, t).contiguous()))
                 phases["pack_s"] += time.perf_counter() - t1
             del t
+        check = None if self._config_checked or engine is None else (
+            lambda: engine_checks.config_error(self.model_config, cfg, engine, topo))
         try:
-            figures = verl_lora.sync_adapter(engine, named, peft_config, topo.tp_group,
-                                             verify=cfg.verify)
+            figures = verl_lora.sync_adapter(engine, named, peft_config, topo.tp_group, verify=cfg.verify, check=check)
+            self._config_checked = True
         finally:
             self._syncs += 1
         sync_s = time.perf_counter() - t0 - figures.get("verify_s", 0.0)
