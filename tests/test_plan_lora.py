@@ -5,13 +5,11 @@ against the adapter modules of a real model)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from _util import ROOT
+from _util import cli_here
 
 
 def _sweep(**kw) -> dict:
@@ -70,33 +68,31 @@ def test_adapter_bytes_are_the_lora_modules_of_a_real_model(model, dtype, target
     assert row["first_sync_bytes"] == row["bytes"] + row["adapter_bytes"]
 
 
-def _plan(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "plan", "--models", "tiny", "--ranks", "2",
-                           "--tp", "2", "--cluster", "h100-node", *argv],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+def _plan(capsys, *argv: str):
+    return cli_here(capsys, "plan", "--models", "tiny", "--ranks", "2", "--tp", "2", "--cluster", "h100-node",
+                    *argv)
 
 
 @pytest.mark.timeout(240)
-def test_the_cli_plans_the_adapter_and_refuses_targets_by_name(tmp_path):
+def test_the_cli_plans_the_adapter_and_refuses_targets_by_name(tmp_path, capsys):
     """The command of docs/plan.md as written, then its figures from --json; the refusals."""
-    proc = _plan("--lora-r", "16", "--lora-targets", "q_proj,v_proj")
+    proc = _plan(capsys, "--lora-r", "16", "--lora-targets", "q_proj,v_proj")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "adapter sync" in proc.stdout and "28.0 KiB" in proc.stdout, proc.stdout
     out = tmp_path / "plan.json"
-    assert _plan("--lora-r", "16", "--lora-targets", "q_proj,v_proj", "--json", str(out)).returncode == 0
+    assert _plan(capsys, "--lora-r", "16", "--lora-targets", "q_proj,v_proj", "--json", str(out)).returncode == 0
     (row,) = json.loads(out.read_text())["rows"]
     # tiny: 2 layers, hidden 64, 4 heads of 16, 2 KV heads: q 64 -> 64, v 64 -> 32; r 16, float32
     assert row["adapter_bytes"] == 2 * (16 * (64 + 64) + 16 * (64 + 32)) * 4, row
     assert row["lora_targets"] == ["q_proj", "v_proj"] and row["adapter_tensors"] == 8
-    bad = _plan("--lora-r", "4", "--lora-targets", "q_proj,qkv_proj")
+    bad = _plan(capsys, "--lora-r", "4", "--lora-targets", "q_proj,qkv_proj")
     assert bad.returncode == 2 and "LoRA targets ['qkv_proj'] name no linear layer" in bad.stderr, bad.stderr
     assert "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in bad.stderr, bad.stderr
-    alone = _plan("--lora-targets", "q_proj")
+    alone = _plan(capsys, "--lora-targets", "q_proj")
     assert alone.returncode == 2 and "add --lora-r to plan an adapter" in alone.stderr, alone.stderr
     recipe = tmp_path / "lora.yaml"
     recipe.write_text("plan:\n  models: [tiny]\n  cluster: h100-node\n  lora_r: 4\n  lora_targets: [q_proj, v_proj]\n")
-    via = subprocess.run([sys.executable, "-m", "fsdp_sync.cli", "plan", "--recipe", str(recipe), "--json",
-                          str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    via = cli_here(capsys, "plan", "--recipe", str(recipe), "--json", str(out))
     assert via.returncode == 0, via.stdout + via.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert row["lora_r"] == 4 and row["lora_targets"] == ["q_proj", "v_proj"] and row["adapter_tensors"] == 8
