@@ -571,8 +571,9 @@ class FSDPShardingManager:
         colocated engines are fixed by placement."""
         self._refuse_closed("add_engine: ")  # with several ranks: agreed in `bring_in`
         added, refused = None, None
-        if self.rank == 0 and self._fleet_mode and self.transport is not None:   # refused on every rank alike (`bring_in`): a
-            try:                                  # rank raising alone left the others in its collective
+        # refused on every rank alike (`bring_in`): a rank raising alone left the others in its collective
+        if self.rank == 0 and self._fleet_mode and self.transport is not None:
+            try:
                 if engine is None:
                     raise ValueError("add_engine: trainer rank 0 passes the engine (None on the others)")
                 added = self.fleet.add(engine, serving=False)   # told it is joining once not
