@@ -258,13 +258,14 @@ class FSDPShardingManager:
 
     def _resume(self, tags: list[str] | None) -> None:
         tags = lora_sync.memory_tags(self.config, tags)   # lora="adapter": the KV cache only
-        if tags != [] and self.config.free_cache_engine and self._colocated:
+        # a closed manager's (on one rank: refused at `_prepare`, then released): no engine is touched
+        if tags != [] and self.config.free_cache_engine and self.transport is not None and self.transport.colocated:
             for engine in self.engines:
                 engine.resume_memory_occupation(tags=tags)
 
     def _release(self) -> None:
         tags = lora_sync.memory_tags(self.config, ["kv_cache", "weights"])
-        if self.config.free_cache_engine and self._colocated:
+        if self.config.free_cache_engine and self.transport is not None and self.transport.colocated:
             for engine in self.engines:
                 engine.release_memory_occupation(tags=tags)
 
@@ -632,12 +633,6 @@ class FSDPShardingManager:
                                           f"{', '.join(map(str, ranks))}")
         return (f"{what}this FSDPShardingManager was closed{where} (close(), or interpreter exit): "
                 f"make a new one{' on every rank' if ranks else ''} to sync again")
-
-    @property
-    def _colocated(self) -> bool:
-        """Whether the engines share the trainer's devices (the transport's; a closed manager's:
-        no, its memory stages touch no engine)."""
-        return self.transport is not None and self.transport.colocated
 
     def _verify(self) -> None:
         """`SyncConfig.verify`: compare what the engines now serve with the trainer's tensors
