@@ -102,10 +102,9 @@ class UpdateRoutes:
 
     def _update_from_tensor(self, body: dict) -> tuple[int, Any]:
         try:
-            payloads, load_format, flush = self._tensor_fields(body)
+            update, payloads, load_format, flush = self._tensor_fields(body)
         except Refused as exc:      # before any payload was opened: the sender may free them
             raise unopened(exc) from None
-        update = self._method("update_weights_from_tensor")
         if load_format == "flattened_bucket":
             call = self.versioned(update, {"load_format": load_format, "flush_cache": flush}, body,
                                   args=(payloads,))
@@ -135,10 +134,11 @@ class UpdateRoutes:
 
         return self._locked("update_weights_from_tensor", call, payloads=True)
 
-    def _tensor_fields(self, body: dict) -> tuple[list, Any, bool]:
-        """The tensor update's fields, checked before any payload is opened (Refused: 400)."""
+    def _tensor_fields(self, body: dict) -> tuple[Callable, list, Any, bool]:
+        """The engine's update and the request's fields, checked before any payload is opened
+        (`Refused`)."""
         check_selector(body, "update_weights_from_tensor")
-        self._method("update_weights_from_tensor")
+        update = self._method("update_weights_from_tensor")
         payloads = body_field(body, "serialized_named_tensors", list)
         load_format = body_field(body, "load_format", (str, type(None)), None)
         flush = body_field(body, "flush_cache", bool, True)
@@ -151,7 +151,7 @@ class UpdateRoutes:
         if load_format not in (None, "direct", "flattened_bucket"):
             raise Refused(400, f"unknown load_format {load_format!r}; expected null, "
                                f"'flattened_bucket' or 'direct'")
-        return payloads, load_format, flush
+        return update, payloads, load_format, flush
 
     def _init_group(self, body: dict) -> tuple[int, Any]:
         """Every field checked before any worker tries to join: a bad one would otherwise cost a
