@@ -72,13 +72,12 @@ def adapter_metas(model: nn.Module, r: int, targets: Sequence[str], dtype: torch
 def adapter_fields(job: Any, cluster: Any, row: dict, r: int, targets: Sequence[str]) -> dict:
     """The fields an adapter sync adds to ``row`` (the base sync's `plan.plan_row` of ``job``)."""
     from .plan import GB, meta_model
-    from .weights.bucket import plan_buckets
+    from .weights.bucket import plan_one
 
     _, module = meta_model(job.model)
     metas = adapter_metas(module, r, targets, getattr(torch, job.dtype))
     nbytes = sum(m.nbytes for m in metas)
-    # the export's one bucket: the tensors and their alignment (`AdapterExport._resolve`)
-    buffer = plan_buckets(metas, nbytes + 64 * (len(metas) + 1))[0].nbytes
+    buffer = plan_one(metas).nbytes        # the export's one bucket (`AdapterExport._resolve`)
     world, engines = job.ranks, job.engines
     # CPU shards of one group on one host: a host-shared buffer (`gather.shared_group`), whatever
     # share_host_memory says of the base's buckets

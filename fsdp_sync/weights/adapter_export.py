@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import agree, cpu_group, released_by_backend
-from .bucket import Bucket, TensorMeta, plan_buckets, unflatten
+from .bucket import Bucket, TensorMeta, plan_one, unflatten
 from .export import hf_name, is_lora, resolve
 from .peft_names import adapter_of
 from .gather import Pieces, Scratch, fill_bucket, fill_shared, shared_group
@@ -190,8 +190,7 @@ class AdapterExport:
         if mkey != self.metas:
             self.close()
             if metas:
-                total = sum(m.nbytes for m in metas) + 64 * (len(metas) + 1)
-                self.bucket = plan_buckets(metas, total)[0]
+                self.bucket = plan_one(metas)
                 group = shared_group(items)
                 self.host = HostShared.create(group, 1, self.bucket.nbytes) if group is not None else None
                 flat = (self.host.bufs[0] if self.host is not None else torch.empty(

@@ -25,7 +25,7 @@ import torch
 
 __all__ = [
     "ALIGNMENT", "SUPPORTED_DTYPES", "TensorMeta", "BucketEntry", "Bucket",
-    "plan_buckets", "BucketPacker", "flatten", "unflatten", "sglang_metadata", "entries_from_metadata",
+    "plan_buckets", "plan_one", "BucketPacker", "flatten", "unflatten", "sglang_metadata", "entries_from_metadata",
     "check_tensor", "dtype_name", "plan_tight", "check_tight", "copy_many", "zero_gaps", "entry_views",
     "typed_view", "entry_flat", "KnownMetadata",
 ]
@@ -110,6 +110,12 @@ def plan_buckets(metas: Iterable[TensorMeta | tuple], bucket_bytes: int, *,
     """
     metas = tuple(m if isinstance(m, TensorMeta) else TensorMeta(m[0], m[1], tuple(m[2])) for m in metas)
     return list(_plan(metas, bucket_bytes, alignment))
+
+
+def plan_one(metas: Sequence[TensorMeta]) -> Bucket:
+    """Every tensor of ``metas`` in ONE bucket (a budget that holds them all, alignment included):
+    the adapter's kept bucket (`adapter_export`, `plan_lora`), the engine's packed plain tensors."""
+    return plan_buckets(metas, sum(m.nbytes for m in metas) + 64 * (len(metas) + 1))[0]
 
 
 # every sync plans the same tensors (2.5 ms for 338 on this host); few are kept, each holding

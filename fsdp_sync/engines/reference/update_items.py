@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ...weights import handles
-from ...weights.bucket import TensorMeta, flatten, plan_buckets
+from ...weights.bucket import TensorMeta, flatten, plan_one
 from ...wire import PER_RANK_BUCKET, flattened_bucket
 from ..base import SerializedPerRank, WeightUpdateError
 from .quant import dtype_refusal, scale_refusal
@@ -156,8 +156,7 @@ def pack_plain(plain: list[list[tuple[str, torch.Tensor]]], kind: str, items: li
     for ranks, named in groups:
         try:
             metas = [TensorMeta.of(n, t) for n, t in named]
-            total = sum(m.nbytes for m in metas) + 64 * (len(metas) + 1)
-            bucket = plan_buckets(metas, total)[0]
+            bucket = plan_one(metas)
             devices = {t.device for _, t in named}
             device = devices.pop() if len(devices) == 1 else torch.device("cpu")
             flat = handles.empty_shared(bucket.nbytes, device)
